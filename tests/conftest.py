@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct), converted once into the user cache."""
+    from pdserve.worker.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, default_model_dir):
+    """Factory: tiny_checkpoint("llama" | "llama3-rope" | "qwen2" | "qwen3") -> directory."""
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in made:
+            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, default_model_dir)
+        return made[arch]
+
+    return make
