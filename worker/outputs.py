@@ -1,0 +1,54 @@
+"""What the engine hands back per step and per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request after one engine step.
+
+    `new_token_ids` holds only the tokens produced since the previous output of this request.
+    `finish_reason` is None while running, else "stop" (EOS, stop token or stop string),
+    "length" (max_tokens or max_model_len) or "abort".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or pulled remotely)
+    num_output_tokens: int = 0  # total so far
+    logprobs: list[TokenLogprob] | None = None  # one per new token when requested
+    kv_transfer_params: dict | None = None  # set on the final output of a remote-decode prefill
+    # Filled by the async layer's detokenizer: new text since the previous output (whole UTF-8
+    # characters only; a matched stop string and anything after it removed).
+    text: str = ""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and tests (free-block counts prove nothing leaked)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_pinned_blocks: int  # held for a remote decode worker (KV transfer)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
