@@ -1,0 +1,146 @@
+"""Incremental detokenization with stop strings, one request at a time.
+
+Token ids arrive a few at a time; the text handed out must be final: never half of a UTF-8
+character, never text that a later token could turn into a stop string. Two hold-backs do that:
+
+1. Byte-level BPE splits multi-byte characters over several tokens, so the text of a token
+   window is decoded as a whole and a trailing U+FFFD (the decoder's mark for an incomplete
+   character) keeps those tokens pending until the character completes.
+2. The longest tail of the text that is a prefix of some stop string stays held until it
+   either becomes the stop string (text cut before it, finish) or cannot any more.
+
+Decoding uses a sliding window (`_prefix_offset`, `_read_offset`) a few tokens back into
+already-decoded ids, as TGI and vLLM do: SentencePiece decoders drop a word's leading space when
+it starts the decoded sequence, so a token is always decoded behind some context and only the
+text past the context's own decoding is new. Work per step is O(window), not O(output).
+
+Resuming a request another worker began (P/D): a decode worker is handed the prompt and the
+first generated token, whose text the prefill worker already returned to the client. Pass those
+ids as `emitted_token_ids`; their full text (as `update()` + `flush()` would have given it) counts
+as emitted and is never returned again, yet a stop string that starts inside it and ends in a
+later token is still found. One edge stays imperfect: if the first token ends in an incomplete
+character, the prefill side's U+FFFD cannot be taken back; the completed character follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Tokens of context decoded before the new ones (enough for SentencePiece's space handling).
+_CONTEXT_TOKENS = 5
+# A UTF-8 character has at most 4 bytes, so byte tokens of one character number at most 4;
+# past that a trailing U+FFFD is real output (a model may generate the character itself).
+_MAX_PENDING_TOKENS = 4
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated ids into final text deltas.
+
+    `update(ids) -> (text, stop)`: `text` is the new final text; `stop` is the stop string that
+    matched (the text then ends right before it and the request should finish), else None.
+    `flush() -> str`: at the end of a request that did not stop on a string, the held-back text.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        emitted_token_ids: Sequence[int] = (),
+    ):
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
+        self.output_text = ""  # final text decoded so far, whole characters, stop string cut off
+        self._emitted = 0  # chars of output_text handed out (or already sent by another worker)
+        self._stop_from = 0  # no stop string can start before this char of output_text
+        self.stopped: str | None = None
+        if emitted_token_ids:
+            self.update(emitted_token_ids)
+            if self.stopped is None:
+                self.output_text += self._decode_pending()
+                self._emitted = len(self.output_text)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+    def _decode_pending(self) -> str:
+        """Text of the tokens not yet decoded, replacement characters and all."""
+        if self._read_offset == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(before) :]
+
+    def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
+        if self.stopped is not None:
+            return "", self.stopped
+        self._ids.extend(new_token_ids)
+        end = len(self._ids)
+        # Decode up to the last cut that does not end mid-character (try end, end-1, .., end-3).
+        cut = end
+        while cut > self._read_offset and end - cut < _MAX_PENDING_TOKENS:
+            text = self._decode(self._ids[self._prefix_offset : cut])
+            if not text.endswith(_REPLACEMENT):
+                break
+            cut -= 1
+        else:
+            if end - self._read_offset < _MAX_PENDING_TOKENS:
+                return self._release()  # an incomplete character: wait for its next byte token
+            cut, text = end, self._decode(self._ids[self._prefix_offset : end])  # invalid bytes
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self.output_text += text[len(before) :]
+        self._prefix_offset, self._read_offset = self._read_offset, cut
+        return self._release()
+
+    def _release(self) -> tuple[str, str | None]:
+        """Hand out what is final: cut at the earliest stop string, hold a possible stop prefix."""
+        out = self.output_text
+        if self._stop:
+            hits = [(i, s) for s in self._stop if (i := out.find(s, self._stop_from)) != -1]
+            if hits:
+                at, stop = min(hits)
+                self.stopped = stop
+                self.output_text = out[:at]
+                delta = out[self._emitted : at] if at > self._emitted else ""
+                self._emitted = max(self._emitted, at)
+                return delta, stop
+            held = self._stop_prefix_len(out)
+            upto = len(out) - held
+            self._stop_from = upto
+        else:
+            upto = len(out)
+        if upto <= self._emitted:
+            return "", None
+        delta = out[self._emitted : upto]
+        self._emitted = upto
+        return delta, None
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        """Everything still held back (the request ended without a stop string)."""
+        if self.stopped is not None:
+            return ""
+        self.output_text += self._decode_pending()
+        delta = self.output_text[self._emitted :]
+        self._emitted = len(self.output_text)
+        return delta
