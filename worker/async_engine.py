@@ -1,0 +1,131 @@
+"""Asyncio face of the engine: a background task drives step() on a dedicated thread.
+
+Each request gets an asyncio queue; step outputs are routed to it and detokenized there
+(stop strings included). Leaving the `generate()` iterator early (client disconnect,
+cancellation) aborts the request, which frees its KV blocks at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.detokenizer import IncrementalDetokenizer
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.outputs import EngineStats, RequestOutput
+from pdserve.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# With nothing to run the loop still wakes this often, so KV pins expire on time.
+IDLE_TICK_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the worker must be restarted (maps to HTTP 503)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    @property
+    def is_ready(self) -> bool:
+        return self._task is not None and not self._task.done() and self.error is None
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
+                except asyncio.TimeoutError:
+                    pass
+                if not self.engine.has_work() and not self.engine.pins:
+                    continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # a bug or device failure: fail every waiter, never hang them
+                log.exception("engine step failed; failing all in-flight requests")
+                self.error = e
+                for q in self._queues.values():
+                    q.put_nowait(e)
+                return
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        emitted = []
+        if kv_transfer_params and not kv_transfer_params.get("do_remote_decode") and "first_token_id" in kv_transfer_params:
+            emitted = [int(kv_transfer_params["first_token_id"])]
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, emitted_token_ids=emitted)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        done = False
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer_params)  # raises RequestError
+            self._kick()
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"engine failed: {out}") from out
+                text, stop = detok.update(out.new_token_ids)
+                if stop is not None:
+                    if not out.finished:
+                        self.engine.abort(request_id)  # the engine cannot see strings; stop it here
+                    out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
+                elif out.finished:
+                    text += detok.flush()
+                out.text = text
+                done = out.finished
+                yield out
+                if done:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not done:
+                self.abort(request_id)

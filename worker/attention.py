@@ -1,0 +1,84 @@
+"""Attention over the paged KV cache, behind a backend interface.
+
+A step's tokens are ordered decode-first: the first `num_decode_tokens` tokens each belong to
+a different sequence with exactly one query token (decodes, and prefill chunks of length 1);
+the rest are variable-length prefill chunks. Each backend writes the step's new K/V into the
+cache first, then attends over the cache, so cached prefixes and new tokens are read alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.kernels.kv_cache_write import kv_cache_write_ref
+from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
+from pdserve.worker.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32
+    prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefill + 1] int32, offsets from the first prefill token
+    prefill_context_lens: torch.Tensor  # [num_prefill] int32
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def bind(self, kv_cache: KVCache) -> None: ...
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+class _PagedBackend:
+    """Shared dispatch; subclasses pick the write / decode / prefill functions."""
+
+    name = "base"
+    write = decode = prefill = None
+
+    def __init__(self):
+        self.kv_cache: KVCache | None = None
+
+    def bind(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self, layer, q, k, v, meta, scale):
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        type(self).write(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = type(self).decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_context_lens, scale)
+        if q.shape[0] > nd:
+            out[nd:] = type(self).prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                          meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+        return out
+
+
+class TorchAttentionBackend(_PagedBackend):
+    """Plain torch: runs anywhere, the reference the Triton backend is tested against."""
+
+    name = "torch"
+    write = staticmethod(kv_cache_write_ref)
+    decode = staticmethod(paged_decode_attention_ref)
+    prefill = staticmethod(paged_prefill_attention_ref)
+
+
+def make_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        try:
+            from pdserve.worker.triton_attention import TritonAttentionBackend
+        except ImportError:
+            return TorchAttentionBackend()
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()

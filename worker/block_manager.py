@@ -1,0 +1,160 @@
+"""KV block allocation with hash-chained prefix caching.
+
+A full block's hash covers its tokens and, through its parent's hash, every token before it,
+so equal hashes mean equal prefixes. Freed blocks keep their contents and hash and sit in an
+LRU free queue: a later request with the same prefix takes them back (a prefix-cache hit)
+until the allocator reuses them for something else (eviction). A block is therefore free
+(ref_count 0) and possibly cached at the same time; "free blocks" counts both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from pdserve.worker.request import Request
+
+NONE_HASH = 0
+
+
+def hash_block(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
+    """Stable 64-bit hash (the same in every process, so routers can compute it too)."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little") + array("q", tokens).tobytes(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_prefix_blocks(token_ids: list[int], block_size: int, parent: int = NONE_HASH) -> list[int]:
+    hashes = []
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_event=None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found
+        # on_event(kind, block_hashes, parent_hash, token_ids): KV cache events for the router.
+        self.on_event = on_event
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of `req` (at least one token left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        # Never hit the whole sequence: the last token must run to produce logits.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if not req.block_hashes:
+            req.block_hashes = hash_prefix_blocks(req.token_ids, self.block_size)
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether `req` can own blocks for its first `num_tokens` tokens (taking `cached` hits)."""
+        have = len(req.block_ids) + len(cached)
+        new = max(0, self.blocks_needed(num_tokens) - have)
+        reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)  # hits sitting in the free queue
+        return new + reclaimed <= len(self.free)
+
+    def take_cached(self, req: Request, cached: list[int]) -> None:
+        for b in cached:
+            self._ref(b)
+        req.block_ids.extend(cached)
+        req.num_hashed_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * self.block_size
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        """Grow `req` to own blocks for its first `num_tokens` tokens. Caller checked can_allocate."""
+        for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
+            b, _ = self.free.popitem(last=False)  # least recently freed first
+            self._evict(b)
+            self.ref_counts[b] = 1
+            req.block_ids.append(b)
+
+    def free_request(self, req: Request) -> None:
+        # Tail blocks go to the front of the eviction order: a shared prefix outlives its tails.
+        for b in reversed(req.block_ids):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
+        req.block_ids = []
+        req.num_hashed_blocks = 0
+        req.num_computed_tokens = 0
+
+    def register_computed(self, req: Request) -> None:
+        """Publish `req`'s newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if full <= req.num_hashed_blocks:
+            return
+        if len(req.block_hashes) < full:
+            parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
+            start = len(req.block_hashes)
+            req.block_hashes += hash_prefix_blocks(
+                req.token_ids[start * self.block_size:full * self.block_size], self.block_size, parent)
+        stored = []
+        for i in range(req.num_hashed_blocks, full):
+            h, b = req.block_hashes[i], req.block_ids[i]
+            if h not in self.hash_to_block and self.block_hash[b] is None:
+                self.hash_to_block[h] = b
+                self.block_hash[b] = h
+                stored.append(i)
+        if stored and self.on_event:
+            parent = req.block_hashes[stored[0] - 1] if stored[0] else None
+            tokens = req.token_ids[stored[0] * self.block_size:(stored[-1] + 1) * self.block_size]
+            self.on_event("BlockStored", [req.block_hashes[i] for i in stored], parent, tokens)
+        req.num_hashed_blocks = full
+
+    def _ref(self, b: int) -> None:
+        if self.ref_counts[b] == 0:
+            del self.free[b]
+        self.ref_counts[b] += 1
+
+    def _evict(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            del self.hash_to_block[h]
+            self.block_hash[b] = None
+            if self.on_event:
+                self.on_event("BlockRemoved", [h], None, None)
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Add a reference (KV held for a remote decode worker)."""
+        for b in block_ids:
+            self._ref(b)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in reversed(block_ids):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)

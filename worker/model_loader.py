@@ -1,0 +1,86 @@
+"""Load a Hugging Face checkpoint (local directory or hub id) into our model, logging stages."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.worker.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A local directory as is; None -> the default model; anything else -> a hub snapshot."""
+    if model is None:
+        from pdserve.worker.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise FileNotFoundError(f"--model {model!r} is a file; pass the checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s from the hub (safetensors, config, tokenizer)", model)
+    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
+
+
+def _stage(name: str, t0: float) -> float:
+    t = time.perf_counter()
+    log.info("load: %-28s %6.2fs", name, t - t0)
+    return t
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None) -> LoadedModel:
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from pdserve.worker.models.llama import LlamaForCausalLM
+
+    t = time.perf_counter()
+    path = resolve_model_path(model)
+    t = _stage(f"resolve {os.path.basename(path.rstrip('/'))}", t)
+    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        gen_eos = None
+    cfg = ModelConfig.from_hf(hf_config, gen_eos)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    t = _stage("config + tokenizer", t)
+
+    positions = max_positions or cfg.max_position_embeddings
+    # Build on the meta device and materialise on the target: no random init, no CPU copy.
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, backend, positions)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    net.init_rope(positions)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+
+    def tensors():
+        for f in files:
+            with safe_open(f, framework="pt", device=str(device)) as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+
+    net.load_weights(tensors())
+    net.eval()
+    nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    _stage(f"weights ({nbytes / 2**20:.0f} MiB, {len(files)} files) -> {device}", t)
+    return LoadedModel(path, net, cfg, tokenizer)

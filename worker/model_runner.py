@@ -1,0 +1,71 @@
+"""Turns a scheduled batch into model inputs, runs the model and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.worker.attention import AttentionMetadata
+from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.request import Request
+from pdserve.worker.sampler import Sampler
+from pdserve.worker.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, block_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        # Built on the CPU and copied once: one host->device transfer per input per step.
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
+        logits_idx, samplers = [], []
+        max_blocks = max(len(r.block_ids) for r, _ in batch.items)
+        for req, n in batch.items:
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids += req.token_ids[start:end]
+            positions += range(start, end)
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            table = req.block_ids + [0] * (max_blocks - len(req.block_ids))
+            if n == 1:
+                dec_tables.append(table)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(table)
+                pre_lens.append(end)
+                cu.append(cu[-1] + n)
+            if end == req.num_tokens:  # reached the end of what is known: sample the next token
+                logits_idx.append(len(input_ids) - 1)
+                samplers.append(req)
+        i32 = torch.int32
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(dec_lens),
+            decode_block_tables=self._tensor(dec_tables or [[0]], i32)[: len(dec_lens)],
+            decode_context_lens=self._tensor(dec_lens, i32),
+            prefill_block_tables=self._tensor(pre_tables or [[0]], i32)[: len(pre_lens)],
+            prefill_cu_seqlens_q=self._tensor(cu, i32),
+            prefill_context_lens=self._tensor(pre_lens, i32),
+        )
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                logits_idx, samplers)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        input_ids, positions, meta, logits_idx, samplers = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if not samplers:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[logits_idx])
+        tokens, logprobs = self.sampler(logits, samplers)
+        sampled = {r.request_id: t for r, t in zip(samplers, tokens)}
+        lps = {r.request_id: lp for r, lp in zip(samplers, logprobs) if lp is not None}
+        return sampled, lps

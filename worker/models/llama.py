@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+Tokens of all scheduled sequences are flattened into one [T] batch (no padding); attention
+reads per-sequence context from the paged cache through the attention backend. q/k/v and
+gate/up projections are fused at load time (one GEMM each instead of three / two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.kernels.rms_norm import rms_norm_ref
+from pdserve.kernels.rotary import rotary_ref
+from pdserve.kernels.silu_and_mul import silu_and_mul_ref
+from pdserve.worker.attention import AttentionBackend, AttentionMetadata
+from pdserve.worker.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm_ref(x, self.weight, self.eps, residual)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as Hugging Face does (fp32, int64 arange)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    params = dict(cfg.rope_scaling)
+    if params.get("rope_type") == "llama3":
+        factor = params["factor"]
+        low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, positions, x, cos_sin, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before rotary
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        q, k = rotary_ref(positions, q, k, cos_sin)
+        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, residual, cos_sin, meta):
+        # Residual adds are fused into the norms: norm(x + residual) also returns the sum.
+        if residual is None:
+            residual = h
+            h, _ = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, cos_sin, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_rope(max_positions)
+
+    def init_rope(self, max_positions: int) -> None:
+        """cos | sin per position, fp32 [max_positions, head_dim]. Re-run after to_empty()."""
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            self.cos_sin = torch.empty(max_positions, self.cfg.head_dim, device=device)
+            return
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(self.cfg)[None, :]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (final norm applied)."""
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, self.cos_sin, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (h @ w.t()).float()
+
+    # Checkpoint names -> our fused parameters: (our name, shard index) for stacked params.
+    STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights) -> None:
+        """weights: iterable of (checkpoint name, tensor). Fails loudly on missing/unknown names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied embeddings: some checkpoints still carry a copy
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in self.STACKED:
+                fused, shard = self.STACKED[parts[-2]]
+                parts[-2] = fused
+            target_name = ".".join(parts)
+            if target_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            p = params[target_name]
+            with torch.no_grad():
+                if shard is None:
+                    p.copy_(w)
+                else:
+                    sizes = self._shard_sizes(parts[-2])
+                    start = sum(sizes[:shard])
+                    p[start:start + sizes[shard]].copy_(w)
+            loaded.add(f"{target_name}#{shard}")
+        expected = set()
+        for n in params:
+            leaf = n.split(".")[-2] if n.count(".") else ""
+            if leaf in ("qkv_proj",):
+                expected |= {f"{n}#{i}" for i in range(3)}
+            elif leaf == "gate_up_proj":
+                expected |= {f"{n}#{i}" for i in range(2)}
+            else:
+                expected.add(f"{n}#None")
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]

@@ -1,0 +1,79 @@
+"""A request inside the engine, and the one place its state changes."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.worker.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)admission: new, or preempted and to be recomputed
+    RUNNING = "running"  # owns KV blocks and is scheduled every step
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), kv_transfer_params: dict | None = None):
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first admission
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.kv_transfer_params = kv_transfer_params
+        self.keep_blocks = False  # on finish, leave block references for the KV pin table
+        self.arrival_time = time.monotonic()
+        self.num_emitted_tokens = 0  # outputs already reported to the caller
+        # Per-request generator: a seeded request samples the same tokens whatever it is batched with.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def set_status(self, status: RequestStatus) -> None:
+        self.status = status
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After appending a token: decide whether the request is done (token-level rules)."""
+        last = self.token_ids[-1]
+        n = self.num_output_tokens
+        if n >= self.params.min_tokens:
+            if last in self.eos_token_ids:
+                self.set_status(RequestStatus.FINISHED_STOPPED)
+                return True
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                self.set_status(RequestStatus.FINISHED_STOPPED)
+                return True
+        if n >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            self.set_status(RequestStatus.FINISHED_LENGTH)
+            return True
+        return False

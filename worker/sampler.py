@@ -1,0 +1,68 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.request import Request
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [S, V] fp32, one row per request that samples this step."""
+        logits = logits.float()
+        self._suppress_early_stop(logits, reqs)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            for i, r in enumerate(reqs):
+                if not r.params.greedy:
+                    tokens[i] = self._sample_row(logits[i], r)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(logits, token_list, reqs)
+
+    @staticmethod
+    def _suppress_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                stops = list(r.eos_token_ids) + list(r.params.stop_token_ids)
+                if stops:
+                    logits[i, stops] = float("-inf")
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, r: Request) -> int:
+        p = r.params
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = row.softmax(-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = sorted_p.cumsum(-1) - sorted_p > p.top_p
+            sorted_p[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        # Sampling happens on the CPU generator for seeded requests: reproducible on any device.
+        if r.generator is not None:
+            return int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
+        return int(torch.multinomial(probs, 1))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:
+        if all(r.params.logprobs is None for r in reqs):
+            return [None] * len(reqs)
+        out: list[TokenLogprob | None] = []
+        lp = logits.log_softmax(-1)
+        for i, r in enumerate(reqs):
+            k = r.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            top = []
+            if k > 0:
+                vals, ids = lp[i].topk(k)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            out.append(TokenLogprob(tokens[i], float(lp[i, tokens[i]]), top))
+        return out
