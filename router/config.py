@@ -1,0 +1,93 @@
+"""The router's one configuration object, validated once at start-up.
+
+Environment variables are read here and nowhere else (`PDSERVE_API_KEYS`: comma-separated keys,
+which is how a Kubernetes Secret is usually mounted into the router pod).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+ENV_API_KEYS = "PDSERVE_API_KEYS"
+
+
+def _check_url(url: str, flag: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag}: {url!r} is not an http(s)://host:port URL")
+    return url.rstrip("/")
+
+
+def keys_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    raw = (os.environ if environ is None else environ).get(ENV_API_KEYS, "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    # Discovery: "static" (the URL lists above) or "kubernetes" (namespace + label selector).
+    discovery: str = "static"
+    namespace: str = "default"
+    selector: str = ""
+    discovery_interval_s: float = 2.0
+    prefill_policy: str = "round-robin"
+    decode_policy: str = "least-loaded"
+    api_keys: tuple[str, ...] = ()
+    # Prompts estimated shorter than this go straight to a decode worker (local prefill).
+    pd_min_prompt_tokens: int = 0
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 2.0
+    # Upper bound on a prefill call and on a whole non-streaming request.
+    request_timeout_s: float = 600.0
+    # Longest silence tolerated between two chunks of an upstream stream.
+    stream_idle_timeout_s: float = 120.0
+    max_retries: int = 2
+    # A worker that fails this many times in a row is ejected, then re-probed with backoff.
+    eject_after_failures: int = 3
+    eject_backoff_s: float = 1.0
+    eject_backoff_max_s: float = 30.0
+    probe_interval_s: float = 1.0
+    # KV events (prefix-aware policy): every worker publishes on these ports of its own host.
+    kv_events_port: int = 5557
+    kv_events_replay_port: int = 5558
+    # Hugging Face tokenizer directory; needed only by prefix-aware (block hashes need token ids).
+    tokenizer: str | None = None
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        from pdserve.router.policies import available
+
+        if self.discovery not in ("static", "kubernetes"):
+            raise ValueError(f"--discovery must be static or kubernetes, not {self.discovery!r}")
+        if self.discovery == "static":
+            if not self.decode_urls:
+                raise ValueError("--decode: at least one decode worker URL is required (or --discovery kubernetes)")
+            object.__setattr__(self, "prefill_urls", tuple(_check_url(u, "--prefill") for u in self.prefill_urls))
+            object.__setattr__(self, "decode_urls", tuple(_check_url(u, "--decode") for u in self.decode_urls))
+        elif not self.selector:
+            raise ValueError("--selector is required with --discovery kubernetes (e.g. pdserve.io/modelserving=llama)")
+        for flag, name in (("--prefill-policy", self.prefill_policy), ("--decode-policy", self.decode_policy)):
+            if name not in available():
+                raise ValueError(f"{flag}: unknown policy {name!r} (choose from {', '.join(available())})")
+        if "prefix-aware" in (self.prefill_policy, self.decode_policy) and not self.tokenizer:
+            raise ValueError("--tokenizer is required by the prefix-aware policy (it hashes the prompt's token ids)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be 1..65535, not {self.port}")
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError("--pd-min-prompt-tokens must be >= 0")
+        if self.max_retries < 0 or self.eject_after_failures < 1:
+            raise ValueError("--max-retries must be >= 0 and --eject-after-failures >= 1")
+        for name in ("connect_timeout_s", "request_timeout_s", "stream_idle_timeout_s", "probe_interval_s",
+                     "eject_backoff_s", "discovery_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be >= 1024")
+        if any(not k for k in self.api_keys):
+            raise ValueError("--api-key must not be empty")

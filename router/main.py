@@ -1,0 +1,70 @@
+"""`pdserve router`: the command line, turned into one RouterConfig, then uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.router.config import RouterConfig, keys_from_env
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--selector", default="", help="label selector of the worker pods, e.g. pdserve.io/modelserving=llama")
+    p.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument("--policy", default=None, help="policy for both pools (see --prefill-policy/--decode-policy)")
+    p.add_argument("--prefill-policy", default=None, help="default: round-robin, or --policy")
+    p.add_argument("--decode-policy", default=None, help="default: least-loaded, or --policy")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted client key (repeatable); also from $PDSERVE_API_KEYS, comma-separated")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=0,
+                   help="shorter prompts (estimated) skip the prefill worker")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (needed by prefix-aware)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--eject-after-failures", type=int, default=3)
+    p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--kv-events-port", type=int, default=5557)
+    p.add_argument("--kv-events-replay-port", type=int, default=5558)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host, port=args.port, prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        discovery=args.discovery, namespace=args.namespace, selector=args.selector,
+        discovery_interval_s=args.discovery_interval,
+        prefill_policy=args.prefill_policy or args.policy or "round-robin",
+        decode_policy=args.decode_policy or args.policy or "least-loaded",
+        api_keys=tuple(args.api_key) + keys_from_env(), pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        max_retries=args.max_retries, eject_after_failures=args.eject_after_failures,
+        probe_interval_s=args.probe_interval, kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from pdserve.router.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=args.log_level,
+                access_log=False, loop="auto", http="auto", timeout_keep_alive=60)
+    return 0

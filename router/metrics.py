@@ -1,0 +1,33 @@
+"""The router's Prometheus series, on a registry owned by one app (no module-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_router_requests", "Requests answered, by route, status and P/D.",
+                                ["route", "status", "disaggregated"], registry=r)
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "From request arrival to the first generated token sent to the client.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "From request arrival to its last byte.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pdserve_router_prefill_seconds", "Duration of the prefill call (P/D only).",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("pdserve_router_handoff_seconds",
+                                 "From the prefill answer to the decode worker's first byte (KV transfer included).",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.upstream_errors = Counter("pdserve_router_upstream_errors", "Failed worker calls.",
+                                       ["worker", "phase"], registry=r)
+        self.inflight = Gauge("pdserve_router_inflight", "Requests open on each worker.", ["worker"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "Worker calls retried on another worker.", ["phase"],
+                               registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

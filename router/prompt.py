@@ -1,0 +1,58 @@
+"""What the router knows about a prompt without running the model.
+
+`estimate_tokens` is a cheap guess (no tokenizer) for selective disaggregation. `PromptTokenizer`
+gives exact token ids, only for prefix-aware routing; it must tokenize as the worker does
+(vLLM's convention: completions add special tokens; chat applies the chat template with the
+generation prompt and adds nothing more).
+"""
+
+from __future__ import annotations
+
+# English BPE averages about four characters per token; good enough for a length threshold.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4  # role markers and separators of a chat template
+
+
+def _text_len(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # OpenAI content parts
+        return sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    return 0
+
+
+def estimate_tokens(body: dict) -> int:
+    if "messages" in body:
+        messages = body["messages"] if isinstance(body["messages"], list) else []
+        chars = sum(_text_len(m.get("content")) for m in messages if isinstance(m, dict))
+        return chars // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        first = prompt[0]  # a batch: the first prompt stands for the rest
+        return len(first) if isinstance(first, list) else _text_len(first) // CHARS_PER_TOKEN
+    return 0
+
+
+class PromptTokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer  # only prefix-aware routers pay for this import
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+
+    def __call__(self, body: dict) -> list[int] | None:
+        try:
+            if "messages" in body:
+                out = self._tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+                return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                return self._tok(prompt)["input_ids"]
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except Exception:  # a prompt the template rejects is the worker's to report, not ours
+            return None
+        return None

@@ -1,0 +1,74 @@
+"""Server-sent events: pass-through framing and the first-token splice of a P/D stream.
+
+Upstream bytes are forwarded in whole events (split on the blank line), so a failure can never
+leave half an event on the wire before our error event. Only the decode worker's first event
+of a chat stream is parsed (its role chunk is dropped: the router already sent one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+DONE = b"data: [DONE]\n\n"
+
+
+class EventFramer:
+    """Feed raw bytes, get back the longest prefix made of complete events."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.done = False  # saw `data: [DONE]`
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._pending + data if self._pending else data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = buf
+            return b""
+        out, self._pending = buf[:cut + 2], buf[cut + 2:]
+        if b"data: [DONE]" in out:
+            self.done = True
+        return out
+
+
+def split_first_event(block: bytes) -> tuple[bytes, bytes]:
+    cut = block.find(b"\n\n")
+    return block[:cut + 2], block[cut + 2:]
+
+
+def drop_role_chunk(event: bytes) -> bytes:
+    """A decode worker's chat stream opens with {"delta": {"role": ..., "content": ""}}: drop it."""
+    if not event.startswith(b"data: {"):
+        return event
+    try:
+        chunk = json.loads(event[6:])
+        delta = chunk["choices"][0]["delta"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return event
+    if "role" not in delta:
+        return event
+    if not delta.get("content") and not delta.get("tool_calls") and chunk["choices"][0].get("finish_reason") is None:
+        return b""
+    del delta["role"]
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def first_token_events(route: str, prefill: dict) -> bytes:
+    """The events a single worker would have sent for the first token, built from the prefill answer."""
+    choice = prefill["choices"][0]
+    base = {"id": prefill.get("id", ""), "created": prefill.get("created", int(time.time())),
+            "model": prefill.get("model", "")}
+    if route == "chat":
+        base["object"] = "chat.completion.chunk"
+        role = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+        text = (choice.get("message") or {}).get("content") or ""
+        token = {**base, "choices": [{"index": 0, "delta": {"content": text},
+                                      "logprobs": choice.get("logprobs"), "finish_reason": None}]}
+        events = [role, token]
+    else:
+        base["object"] = "text_completion"
+        events = [{**base, "choices": [{"index": 0, "text": choice.get("text", ""),
+                                        "logprobs": choice.get("logprobs"), "finish_reason": None}]}]
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)

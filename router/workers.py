@@ -1,0 +1,119 @@
+"""The router's view of its workers: role, revision, health, load and ejection state.
+
+A `Worker` is mutated only on the event loop (no locks needed). Discovery replaces the set of
+workers; state of a worker that stays (same URL and role) is kept across updates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str  # "prefill" or "decode"; a "both" worker appears once in each pool
+    revision: str | None = None
+    healthy: bool = True  # until the first probe says otherwise: static workers are tried at once
+    inflight: int = 0  # requests this router has open on it right now
+    num_waiting: float = 0.0  # scraped vllm:num_requests_waiting
+    num_running: float = 0.0  # scraped vllm:num_requests_running
+    kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
+    models: frozenset[str] = frozenset()
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    backoff_s: float = 0.0
+    host: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or ""
+
+    def routable(self, now: float | None = None) -> bool:
+        return self.healthy and (now if now is not None else time.monotonic()) >= self.ejected_until
+
+    @property
+    def load(self) -> float:
+        """What least-loaded minimises: our in-flight requests plus the worker's own queue."""
+        return self.inflight + self.num_waiting
+
+    def __repr__(self) -> str:  # short, for logs and test failure messages
+        return f"Worker({self.role} {self.url} rev={self.revision})"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What discovery reports for one endpoint."""
+
+    url: str
+    role: str
+    revision: str | None = None
+
+
+class WorkerSet:
+    """All known workers, by role; failure accounting with ejection and exponential backoff."""
+
+    def __init__(self, eject_after: int, backoff_s: float, backoff_max_s: float):
+        self._by_key: dict[tuple[str, str], Worker] = {}
+        self._eject_after = eject_after
+        self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self.version = 0  # bumped on membership change, so subscribers can react
+
+    def update(self, specs: list[WorkerSpec]) -> None:
+        fresh: dict[tuple[str, str], Worker] = {}
+        for spec in specs:
+            key = (spec.url, spec.role)
+            worker = self._by_key.get(key)
+            if worker is None or worker.revision != spec.revision:
+                worker = Worker(spec.url, spec.role, spec.revision)
+            fresh[key] = worker
+        if fresh.keys() != self._by_key.keys():
+            self.version += 1
+        self._by_key = fresh
+
+    def all(self) -> list[Worker]:
+        return list(self._by_key.values())
+
+    def pool(self, role: str, now: float | None = None) -> list[Worker]:
+        now = time.monotonic() if now is None else now
+        return [w for w in self._by_key.values() if w.role == role and w.routable(now)]
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for w in self._by_key.values():
+            out |= w.models
+        return out
+
+    def record_success(self, worker: Worker) -> None:
+        worker.consecutive_failures = 0
+        worker.backoff_s = 0.0
+
+    def record_failure(self, worker: Worker) -> bool:
+        """Count a failed call; returns True when this failure ejected the worker."""
+        worker.consecutive_failures += 1
+        if worker.consecutive_failures < self._eject_after:
+            return False
+        self.eject(worker)
+        return True
+
+    def eject(self, worker: Worker) -> None:
+        worker.backoff_s = min(self._backoff_max_s, worker.backoff_s * 2 or self._backoff_s)
+        worker.ejected_until = time.monotonic() + worker.backoff_s
+
+    def probe_result(self, worker: Worker, ok: bool) -> None:
+        """A health probe's verdict. An ejected worker comes back only after its backoff ran out."""
+        now = time.monotonic()
+        if now < worker.ejected_until:
+            return
+        if ok:
+            worker.healthy = True
+            if worker.consecutive_failures >= self._eject_after:
+                worker.consecutive_failures = 0  # re-admitted; backoff kept until a real success
+        else:
+            worker.healthy = False
+            if worker.consecutive_failures >= self._eject_after:
+                self.eject(worker)  # still down: wait longer before the next look

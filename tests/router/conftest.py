@@ -1,0 +1,113 @@
+"""Processes for router tests: stand-in workers (tests/router/fake_worker.py) and the real
+`pdserve router`, each a separate OS process on its own port, stopped by pid at teardown."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up in {timeout_s}s")
+
+
+@dataclass
+class Proc:
+    url: str
+    popen: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def control(self, **kw) -> None:
+        httpx.post(self.url + "/control", json=kw, timeout=5).raise_for_status()
+
+    def requests(self) -> list[dict]:
+        return httpx.get(self.url + "/debug/requests", timeout=5).json()
+
+    def kv(self) -> dict:
+        return httpx.get(self.url + "/debug/kv", timeout=5).json()
+
+
+class Launcher:
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def fake_worker(self, *extra: str, host: str = "127.0.0.1", port: int | None = None) -> Proc:
+        port = port or free_port(host)
+        cmd = [sys.executable, str(FAKE_WORKER), "--host", host, "--port", str(port), *extra]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = Proc(f"http://{host}:{port}", p, cmd)
+        self.procs.append(proc)
+        wait_http(proc.url + "/health", p)
+        return proc
+
+    def restart(self, proc: Proc) -> Proc:
+        proc.stop()
+        p = subprocess.Popen(proc.args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        fresh = Proc(proc.url, p, proc.args)
+        self.procs.append(fresh)
+        wait_http(fresh.url + "/health", p)
+        return fresh
+
+    def router(self, *args: str, env: dict | None = None, wait: bool = True) -> Proc:
+        port = free_port()
+        cmd = [sys.executable, "-m", "pdserve.worker.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--probe-interval", "0.2", "--log-level", "warning", *args]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        proc = Proc(f"http://127.0.0.1:{port}", p, cmd)
+        self.procs.append(proc)
+        if wait:
+            wait_http(proc.url + "/health", p)
+        return proc
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture
+def launch():
+    launcher = Launcher()
+    yield launcher
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_launch():
+    launcher = Launcher()
+    yield launcher
+    launcher.stop_all()

@@ -1,0 +1,227 @@
+"""A stand-in for `pdserve worker`, run as its own process, for router tests that need faults
+the real worker cannot be made to produce on demand (500s, dying mid-stream, hanging) and for
+checking exactly what the router sent. It implements the worker contract of the router issue:
+OpenAI completions/chat (stream and not), the P/D handshake, /health, /metrics (vLLM names),
+/v1/models, /debug/kv. "Generation" is deterministic text derived from the prompt, so P/D output
+can be compared with a single worker's.
+
+    python tests/router/fake_worker.py --port P [--model NAME] [--delay S] [--kv-events HOST]
+
+Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now, "after": n, "waiting": x};
+GET /debug/requests (bodies and headers received).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import zlib
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+TOTAL_BLOCKS = 100
+BLOCK_SIZE = 4
+
+
+def tokens_for(prompt: str, n: int, start: int = 0) -> list[str]:
+    h = zlib.crc32(prompt.encode())
+    return [f" w{(h + i * 7) % 97}" for i in range(start, n)]
+
+
+def prompt_of(route: str, body: dict) -> str:
+    if route == "chat":
+        return "\n".join(f"{m['role']}: {m['content']}" for m in body["messages"])
+    return body["prompt"] if isinstance(body["prompt"], str) else " ".join(map(str, body["prompt"]))
+
+
+class State:
+    def __init__(self, args):
+        self.args = args
+        self.mode = "ok"
+        self.after = 0
+        self.waiting = 0.0
+        self.used = 0  # blocks held by running requests
+        self.pinned: dict[str, tuple[int, float]] = {}  # request id -> (blocks, expiry)
+        self.requests: list[dict] = []
+        self.client = httpx.AsyncClient()
+        self.publisher = None
+        self.tokenizer = None
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        if args.kv_events:
+            from pdserve.router.kv_events import KVEventPublisher
+
+            self.publisher = KVEventPublisher(f"fake-{args.port}-{os.getpid()}", f"tcp://{args.kv_events}:5557",
+                                              f"tcp://{args.kv_events}:5558")
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            return [zlib.crc32(w.encode()) % 1000 for w in prompt.split()]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, (_, exp) in self.pinned.items() if exp < now]:
+            del self.pinned[rid]
+
+
+def build(args) -> Starlette:
+    st = State(args)
+
+    def blocks(prompt_tokens: int) -> int:
+        return prompt_tokens // BLOCK_SIZE + 1
+
+    async def generate(request: Request) -> Response:
+        route = "chat" if request.url.path.endswith("chat/completions") else "completions"
+        body = await request.json()
+        st.requests.append({"path": request.url.path, "body": body, "headers": dict(request.headers)})
+        if st.mode == "500":
+            return JSONResponse({"error": {"message": "injected", "type": "internal_server_error",
+                                           "param": None, "code": None}}, status_code=500)
+        if st.mode == "exit_now":
+            os._exit(1)
+        if body.get("model") != args.model:
+            return JSONResponse({"error": {"message": "no such model", "type": "not_found_error",
+                                           "param": "model", "code": None}}, status_code=404)
+        if body.get("max_tokens", 0) < 0:
+            return JSONResponse({"error": {"message": "max_tokens must be >= 0", "type": "invalid_request_error",
+                                           "param": "max_tokens", "code": None}}, status_code=400)
+        prompt = prompt_of(route, body)
+        n_prompt = len(prompt.split())
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        rid = request.headers.get("x-request-id", "local")
+        kvp = body.get("kv_transfer_params") or {}
+        stop_first = "STOP1" in prompt
+        if args.kv_events and st.publisher:
+            words = st.tokenize(prompt)
+            full = len(words) // BLOCK_SIZE
+            if full:
+                st.publisher.publish([{"type": "BlockStored", "block_hashes": [hash((rid, i)) for i in range(full)],
+                                       "parent_block_hash": None, "token_ids": words[:full * BLOCK_SIZE],
+                                       "block_size": BLOCK_SIZE}])
+        if kvp.get("do_remote_decode"):
+            text = tokens_for(prompt, 1)[0]
+            finish = "stop" if stop_first else "length"
+            params = None
+            if not stop_first:
+                st.expire()
+                st.pinned[rid] = (blocks(n_prompt), time.monotonic() + args.pin_ttl)
+                params = {"remote_url": f"http://127.0.0.1:{args.port}", "request_id": rid, "first": text}
+            return JSONResponse(completion(route, rid, text, finish, n_prompt, 1, params))
+        start = 0
+        if kvp.get("remote_url"):
+            # "Pull" the KV and release the prefill side, as the real connector does.
+            await st.client.post(kvp["remote_url"] + "/kv/release", json={"request_id": kvp["request_id"]})
+            start = 1
+        finish_reason = "stop" if stop_first else "length"
+        words = tokens_for(prompt, 1 if stop_first else max_tokens, start)
+        if not body.get("stream"):
+            return JSONResponse(completion(route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None))
+
+        async def events():
+            st.used += blocks(n_prompt)
+            try:
+                if route == "chat":
+                    yield sse(chunk(route, rid, {"role": "assistant", "content": ""}, None))
+                for i, w in enumerate(words):
+                    if st.mode == "die_mid_stream" and i >= st.after:
+                        os._exit(1)
+                    if st.mode == "hang" and i >= st.after:
+                        await asyncio.sleep(3600)
+                    await asyncio.sleep(args.delay)
+                    yield sse(chunk(route, rid, {"content": w} if route == "chat" else w, None))
+                yield sse(chunk(route, rid, {} if route == "chat" else "", finish_reason))
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    u = completion(route, rid, "", None, n_prompt, max_tokens, None)["usage"]
+                    yield sse({"id": rid, "object": "x", "created": 0, "model": args.model, "choices": [], "usage": u})
+                yield b"data: [DONE]\n\n"
+            finally:
+                st.used -= blocks(n_prompt)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def chunk(route, rid, payload, finish):
+        if route == "chat":
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 0, "model": args.model,
+                    "choices": [{"index": 0, "delta": payload, "logprobs": None, "finish_reason": finish}]}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": 0, "model": args.model,
+                "choices": [{"index": 0, "text": payload, "logprobs": None, "finish_reason": finish}]}
+
+    def completion(route, rid, text, finish, n_prompt, n_out, params):
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        if route == "chat":
+            out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": 0, "model": args.model,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish}], "usage": usage}
+        else:
+            out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": 0, "model": args.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
+        if params is not None:
+            out["kv_transfer_params"] = params
+        return out
+
+    def sse(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    async def release(request: Request) -> Response:
+        st.pinned.pop((await request.json())["request_id"], None)
+        return JSONResponse({})
+
+    async def control(request: Request) -> Response:
+        body = await request.json()
+        st.mode = body.get("mode", st.mode)
+        st.after = body.get("after", st.after)
+        st.waiting = body.get("waiting", st.waiting)
+        return JSONResponse({})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=503 if st.mode == "500" else 200)
+
+    async def metrics(request: Request) -> Response:
+        lbl = f'{{model_name="{args.model}"}}'
+        return Response(f"vllm:num_requests_waiting{lbl} {st.waiting}\nvllm:num_requests_running{lbl} 0.0\n"
+                        f"vllm:kv_cache_usage_perc{lbl} {st.used / TOTAL_BLOCKS}\n")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": args.model, "object": "model"}]})
+
+    async def debug_kv(request: Request) -> Response:
+        st.expire()
+        pinned = sum(b for b, _ in st.pinned.values())
+        return JSONResponse({"num_free_blocks": TOTAL_BLOCKS - st.used - pinned, "num_total_blocks": TOTAL_BLOCKS,
+                             "num_pinned_blocks": pinned})
+
+    async def debug_requests(request: Request) -> Response:
+        return JSONResponse(st.requests)
+
+    return Starlette(routes=[
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/kv/release", release, methods=["POST"]),
+        Route("/control", control, methods=["POST"]),
+        Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/debug/kv", debug_kv), Route("/debug/requests", debug_requests),
+    ])
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--delay", type=float, default=0.005)
+    p.add_argument("--pin-ttl", type=float, default=30.0)
+    p.add_argument("--kv-events", default=None, help="host to bind the KV event sockets on")
+    p.add_argument("--tokenizer", default=None, help="token ids for KV events (completions prompts only)")
+    a = p.parse_args()
+    uvicorn.run(build(a), host=a.host, port=a.port, log_level="warning")
