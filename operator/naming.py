@@ -1,0 +1,87 @@
+"""Names, labels, owner references and the worker revision of a ModelServing's children.
+
+Children have fixed names derived from the ModelServing's name, so every reconcile (and a
+restarted operator) addresses the same objects: there is nothing to duplicate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pdserve.operator.spec import ModelServing
+
+GROUP = "pdserve.io"
+VERSION = "v1alpha1"
+KIND = "ModelServing"
+PLURAL = "modelservings"
+
+LABEL_MODELSERVING = "pdserve.io/modelserving"
+LABEL_ROLE = "pdserve.io/role"
+LABEL_REVISION = "pdserve.io/revision"
+MANAGED_BY = "pdserve-operator"
+FIELD_MANAGER = "pdserve-operator"
+
+
+def child_name(ms: ModelServing, role: str) -> str:
+    return f"{ms.name}-{role}"
+
+
+def selector_labels(ms: ModelServing, role: str) -> dict[str, str]:
+    """The Deployment selector: immutable, so it never carries the revision."""
+    return {LABEL_MODELSERVING: ms.name, LABEL_ROLE: role}
+
+
+def labels(ms: ModelServing, role: str) -> dict[str, str]:
+    return {
+        **selector_labels(ms, role),
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": ms.name,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def owner_reference(ms: ModelServing) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": ms.name,
+        "uid": ms.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(ms: ModelServing, role: str, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or child_name(ms, role),
+        "namespace": ms.namespace,
+        "labels": labels(ms, role),
+        "ownerReferences": [owner_reference(ms)],
+    }
+
+
+def revision(ms: ModelServing) -> str:
+    """Hash of everything that decides whether a prefill and a decode worker can exchange KV.
+
+    Both roles carry the same revision: the router pairs only workers of one revision, so a
+    rollout never hands KV blocks across incompatible layouts (model, dtype, context length,
+    image, transfer backend, TP degrees, extra engine args). Replica counts, resources, env and scheduling fields
+    roll pods out without changing it.
+    """
+    s = ms.spec
+    relevant = {
+        "source": s.source,
+        "dtype": s.dtype,
+        "maxModelLen": s.max_model_len,
+        "image": s.image,
+        "device": s.device,
+        "kv": [s.kv_backend, s.kv_port],
+        "tp": [s.prefill.tensor_parallel_size, s.decode.tensor_parallel_size],
+        # extra args may set anything the engine reads (block size, quantization, ...)
+        "args": [list(s.prefill.args), list(s.decode.args)],
+    }
+    digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+    return digest[:10]

@@ -1,0 +1,223 @@
+"""The ModelServing spec as frozen dataclasses.
+
+The API server has already validated and defaulted the spec against the CRD schema
+(crds/modelservings.pdserve.io.yaml); the defaults here mirror the schema's so the builders
+also work on hand-written dicts (unit tests), and a test checks both agree. `SpecError` covers
+the cross-field rules a structural schema cannot express on Kubernetes 1.20 (no CEL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GPU_RESOURCE = "nvidia.com/gpu"
+ROLES = ("prefill", "decode")
+
+
+class SpecError(ValueError):
+    """A spec the schema accepts but the operator cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    max_replicas: int
+    min_replicas: int = 1
+    metric: str = "vllm:num_requests_waiting"
+    target_average_value: str = "4"
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One worker role (prefill or decode), or the router (which ignores the worker fields)."""
+
+    role: str
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    autoscaling: Autoscaling | None = None
+
+    def __post_init__(self) -> None:
+        a = self.autoscaling
+        if a is not None and a.min_replicas > a.max_replicas:
+            raise SpecError(
+                f"spec.{self.role}.autoscaling.minReplicas ({a.min_replicas}) exceeds maxReplicas ({a.max_replicas})"
+            )
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    policy: str | None = None
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    pd_min_prompt_tokens: int | None = None
+    api_key_secret: SecretKeyRef | None = None
+    service_type: str = "ClusterIP"
+    service_port: int = 80
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelServingSpec:
+    source: str
+    image: str
+    served_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    hf_token_secret: SecretKeyRef | None = None
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    device: str = "cuda"
+    prefill: RoleSpec = RoleSpec("prefill")
+    decode: RoleSpec = RoleSpec("decode")
+    router: RouterSpec = RouterSpec()
+    kv_backend: str = "nixl"
+    kv_port: int = 5600
+    service_monitor: bool = False
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ratio_min is not None and self.ratio_max is not None and self.ratio_min > self.ratio_max:
+            raise SpecError(
+                f"spec.prefillDecodeRatio.min ({self.ratio_min}) exceeds spec.prefillDecodeRatio.max ({self.ratio_max})"
+            )
+        for rs in (self.prefill, self.decode):
+            gpus = _gpu_limit(rs.role, rs.resources)
+            if self.device == "cuda" and gpus is not None and gpus < rs.tensor_parallel_size:
+                raise SpecError(
+                    f"spec.{rs.role}.resources.limits[{GPU_RESOURCE}] is {gpus} but "
+                    f"tensorParallelSize is {rs.tensor_parallel_size}: each worker needs one GPU per rank"
+                )
+
+    @property
+    def model_name(self) -> str:
+        """What clients put in `model`: servedName, else the source without its scheme."""
+        if self.served_name:
+            return self.served_name
+        return self.source.removeprefix("hf://").removeprefix("pvc://")
+
+    def role(self, role: str) -> RoleSpec:
+        return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> "ModelServingSpec":
+        model = spec.get("model") or {}
+        if "source" not in model or "image" not in spec:
+            raise SpecError("spec.model.source and spec.image are required")
+        router = spec.get("router") or {}
+        service = router.get("service") or {}
+        kv = spec.get("kvTransfer") or {}
+        ratio = spec.get("prefillDecodeRatio") or {}
+        return cls(
+            source=model["source"],
+            image=spec["image"],
+            served_name=model.get("servedName"),
+            dtype=model.get("dtype", "auto"),
+            max_model_len=model.get("maxModelLen"),
+            hf_token_secret=_secret_ref(model.get("hfTokenSecret"), "token"),
+            image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
+            image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
+            device=spec.get("device", "cuda"),
+            prefill=_role("prefill", spec.get("prefill") or {}),
+            decode=_role("decode", spec.get("decode") or {}),
+            router=RouterSpec(
+                replicas=router.get("replicas", 1),
+                policy=router.get("policy"),
+                prefill_policy=router.get("prefillPolicy"),
+                decode_policy=router.get("decodePolicy"),
+                pd_min_prompt_tokens=router.get("pdMinPromptTokens"),
+                api_key_secret=_secret_ref(router.get("apiKeySecret"), "api-keys"),
+                service_type=service.get("type", "ClusterIP"),
+                service_port=service.get("port", 80),
+                resources=dict(router.get("resources") or {}),
+                args=tuple(router.get("args") or ()),
+                env=tuple(router.get("env") or ()),
+                node_selector=dict(router.get("nodeSelector") or {}),
+                tolerations=tuple(router.get("tolerations") or ()),
+                affinity=dict(router.get("affinity") or {}),
+            ),
+            kv_backend=kv.get("backend", "nixl"),
+            kv_port=kv.get("port", 5600),
+            service_monitor=bool((spec.get("monitoring") or {}).get("serviceMonitor", False)),
+            ratio_min=ratio.get("min"),
+            ratio_max=ratio.get("max"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelServing:
+    """A ModelServing object as the builders need it: identity plus parsed spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: ModelServingSpec
+    generation: int = 1
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "ModelServing":
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=meta.get("generation", 1),
+            spec=ModelServingSpec.from_dict(body.get("spec") or {}),
+        )
+
+
+def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
+    a = d.get("autoscaling")
+    return RoleSpec(
+        role=role,
+        replicas=d.get("replicas", 1),
+        tensor_parallel_size=d.get("tensorParallelSize", 1),
+        max_num_seqs=d.get("maxNumSeqs"),
+        resources=dict(d.get("resources") or {}),
+        args=tuple(d.get("args") or ()),
+        env=tuple(d.get("env") or ()),
+        node_selector=dict(d.get("nodeSelector") or {}),
+        tolerations=tuple(d.get("tolerations") or ()),
+        affinity=dict(d.get("affinity") or {}),
+        autoscaling=None
+        if a is None
+        else Autoscaling(
+            max_replicas=a["maxReplicas"],
+            min_replicas=a.get("minReplicas", 1),
+            metric=a.get("metric", "vllm:num_requests_waiting"),
+            target_average_value=str(a.get("targetAverageValue", "4")),
+        ),
+    )
+
+
+def _secret_ref(d: Mapping[str, Any] | None, default_key: str) -> SecretKeyRef | None:
+    return None if not d else SecretKeyRef(name=d["name"], key=d.get("key", default_key))
+
+
+def _gpu_limit(role: str, resources: Mapping[str, Any]) -> int | None:
+    value = (resources.get("limits") or {}).get(GPU_RESOURCE)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise SpecError(f"spec.{role}.resources.limits[{GPU_RESOURCE}] must be a whole number of GPUs, got {value!r}") from None

@@ -1,0 +1,181 @@
+"""A real Kubernetes control plane for tests, from `<repo>/../shared/k8s` (see its README).
+
+    from tests.k8s_cluster import k8s_cluster  # the session fixture, in a test module or conftest
+
+    def test_x(k8s_cluster):
+        k8s_cluster.kubeconfig          # path to an admin kubeconfig
+        k8s_cluster.api_client          # kubernetes.client.ApiClient bound to it
+        ns = k8s_cluster.create_namespace("x")
+
+The fixture builds the binaries once (build.sh is idempotent and cached), starts etcd,
+kube-apiserver, controller-manager and scheduler on free loopback ports in a temp RUN_DIR, and
+stops them when the session ends. One cluster per session even if several modules import the
+fixture: it lives in the pytest session's stash. There is no kubelet: `Kubelet` below plays one
+by patching pod status through the status subresource.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+SHARED_K8S = Path(__file__).resolve().parents[2] / "shared" / "k8s"
+BUILD_TIMEOUT_S = 1800  # the first build compiles Kubernetes: ~5 min on 2 cores, more when busy
+
+
+@dataclass
+class Cluster:
+    run_dir: Path
+    port: int
+    kubeconfig: Path
+    api_client: Any = field(repr=False)
+
+    def core(self):
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client)
+
+    def create_namespace(self, prefix: str) -> str:
+        """A fresh namespace per test keeps tests independent on one shared cluster."""
+        name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.core().create_namespace({"metadata": {"name": name}})
+        return name
+
+    def stop(self) -> None:
+        subprocess.run([str(SHARED_K8S / "stop-cluster.sh"), str(self.run_dir)], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+
+
+def _free_port_triple() -> int:
+    """A port p with p, p+1, p+2 free (apiserver, etcd client, etcd peer)."""
+    for _ in range(200):
+        p = random.randint(20000, 40000)
+        try:
+            for q in (p, p + 1, p + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free loopback ports")
+
+
+def start_cluster() -> Cluster:
+    """Build (if needed) and start a control plane; the caller must call .stop()."""
+    if not (SHARED_K8S / "start-cluster.sh").exists():
+        raise RuntimeError(f"control plane scripts not found at {SHARED_K8S}")
+    build = subprocess.run([str(SHARED_K8S / "build.sh")], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if build.returncode != 0:
+        raise RuntimeError(f"shared/k8s/build.sh failed:\n{build.stdout[-2000:]}\n{build.stderr[-2000:]}")
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-k8s-"))
+    port = _free_port_triple()
+    env = {**os.environ, "PDSERVE_K8S_PORT": str(port)}
+    started = subprocess.run([str(SHARED_K8S / "start-cluster.sh"), str(run_dir)], env=env,
+                             capture_output=True, text=True, timeout=180)
+    cluster = Cluster(run_dir, port, run_dir / "kubeconfig", None)
+    if started.returncode != 0:
+        logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in run_dir.glob("*.log"))
+        cluster.stop()
+        raise RuntimeError(f"start-cluster.sh failed: {started.stderr[-2000:]}{logs}")
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+    cluster.api_client = client.ApiClient(cfg)
+    return cluster
+
+
+_CLUSTER_KEY = pytest.StashKey[Cluster]()
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(request: pytest.FixtureRequest) -> Cluster:
+    stash = request.config.stash
+    if _CLUSTER_KEY not in stash:
+        cluster = start_cluster()
+        request.config.add_cleanup(cluster.stop)
+        stash[_CLUSTER_KEY] = cluster
+    return stash[_CLUSTER_KEY]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60, interval: float = 0.2, what: str = "condition") -> Any:
+    """Poll until predicate() is truthy and return its value; fail naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # an object not created yet reads as 404
+            last_error = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class Kubelet:
+    """Plays node-0's kubelet for pods the scheduler bound: reports them Running and Ready
+    (or crash-looping) through the status subresource. Starts no processes: tests that need
+    real containers run their own (see e2e/)."""
+
+    def __init__(self, cluster: Cluster, namespace: str):
+        self.core = cluster.core()
+        self.namespace = namespace
+        self._next_ip = 2
+
+    def _ip(self) -> str:
+        ip = f"127.0.0.{self._next_ip}"
+        self._next_ip += 1
+        return ip
+
+    def bound_pods(self, selector: str) -> list:
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [p for p in pods if p.spec.node_name and not p.metadata.deletion_timestamp]
+
+    def set_ready(self, pod, ready: bool = True) -> None:
+        now = _now()
+        flag = "True" if ready else "False"
+        containers = [{"name": c.name, "image": c.image, "imageID": "", "ready": ready, "restartCount": 0,
+                       "started": True, "state": {"running": {"startedAt": now}}} for c in pod.spec.containers]
+        body = {"status": {
+            "phase": "Running", "podIP": (pod.status.pod_ip or self._ip()), "hostIP": "127.0.0.1", "startTime": now,
+            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
+                           (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+            "containerStatuses": containers}}
+        self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, body)
+
+    def crash_loop(self, pod, message: str = "exit code 1") -> None:
+        now = _now()
+        containers = [{"name": c.name, "image": c.image, "imageID": "", "ready": False, "restartCount": 5,
+                       "state": {"waiting": {"reason": "CrashLoopBackOff", "message": message}},
+                       "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": now, "finishedAt": now}}}
+                      for c in pod.spec.containers]
+        body = {"status": {"phase": "Running", "podIP": pod.status.pod_ip or self._ip(), "hostIP": "127.0.0.1",
+                           "startTime": now,
+                           "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
+                           "containerStatuses": containers}}
+        self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, body)
+
+    def make_ready(self, selector: str) -> int:
+        """Mark every bound, not-yet-ready pod matching selector Ready; returns how many."""
+        n = 0
+        for pod in self.bound_pods(selector):
+            conds = {c.type: c.status for c in (pod.status.conditions or ())}
+            if conds.get("Ready") != "True":
+                self.set_ready(pod)
+                n += 1
+        return n

@@ -1,0 +1,183 @@
+"""Child manifests from the pure builders, checked without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.operator import naming
+from pdserve.operator.children import autoscaler_bounds, build_children
+from pdserve.operator.optional import ApiVersions, hpa_bounds
+from pdserve.operator.spec import Autoscaling, ModelServing, ModelServingSpec, SpecError
+from pdserve.operator.workloads import build_router_deployment, build_worker_deployment
+
+BASE = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "image": "reg/pdserve:1"}
+ALL_APIS = ApiVersions("autoscaling/v2", "policy/v1", "monitoring.coreos.com/v1")
+
+
+def ms(**spec) -> ModelServing:
+    return ModelServing("llama", "ns1", "uid-1", ModelServingSpec.from_dict({**BASE, **spec}))
+
+
+def container(dep):
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("spec, role, expect", [
+    # defaults: HF id passed as is, cuda, one GPU, nixl, served name from the id
+    ({}, "prefill", {"--model": "meta-llama/Llama-3.1-8B-Instruct", "--role": "prefill", "--device": "cuda",
+                     "--kv-transfer": "nixl", "--kv-port": "5600", "--tensor-parallel-size": "1",
+                     "--served-model-name": "meta-llama/Llama-3.1-8B-Instruct", "--dtype": "auto",
+                     "--max-model-len": None}),
+    ({"model": {"source": "pvc://models/llama/8b", "servedName": "llama", "dtype": "bfloat16", "maxModelLen": 8192}},
+     "decode", {"--model": "/models/llama/8b", "--served-model-name": "llama", "--dtype": "bfloat16",
+                "--max-model-len": "8192", "--role": "decode"}),
+    ({"model": {"source": "/opt/model"}, "device": "cpu", "kvTransfer": {"backend": "tcp", "port": 7000}},
+     "decode", {"--model": "/opt/model", "--device": "cpu", "--kv-transfer": "tcp", "--kv-port": "7000"}),
+    ({"decode": {"tensorParallelSize": 4, "maxNumSeqs": 64, "args": ["--block-size", "32"]}},
+     "decode", {"--tensor-parallel-size": "4", "--max-num-seqs": "64", "--block-size": "32"}),
+])
+def test_worker_args(spec, role, expect):
+    c = container(build_worker_deployment(ms(**spec), role))
+    assert c["command"] == ["pdserve", "worker"]
+    for name, value in expect.items():
+        assert flag(c["args"], name) == value, name
+
+
+@pytest.mark.parametrize("spec, role, gpus", [
+    ({}, "prefill", 1),
+    ({"prefill": {"tensorParallelSize": 4}}, "prefill", 4),
+    ({"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}}}, "decode", 8),
+    ({"device": "cpu", "prefill": {"tensorParallelSize": 2}}, "prefill", None),
+])
+def test_gpu_resources(spec, role, gpus):
+    res = container(build_worker_deployment(ms(**spec), role)).get("resources", {})
+    assert res.get("limits", {}).get("nvidia.com/gpu") == gpus
+
+
+def test_too_few_gpus_for_tp_is_a_spec_error():
+    with pytest.raises(SpecError, match=r"spec.decode.resources.limits\[nvidia.com/gpu\] is 1 but tensorParallelSize is 2"):
+        ms(decode={"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}})
+
+
+def test_worker_pod_shape():
+    dep = build_worker_deployment(ms(model={"source": "pvc://models/x", "hfTokenSecret": {"name": "hf"}},
+                                     imagePullSecrets=[{"name": "regcred"}],
+                                     prefill={"replicas": 3, "nodeSelector": {"gpu": "h100"},
+                                              "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                                              "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}), "prefill")
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert dep["spec"]["replicas"] == 3
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "kv": 5600}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["shm"]["emptyDir"] == {"medium": "Memory"}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and "POD_IP" in env
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "gpu"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_labels_owner_and_immutable_selector():
+    m = ms()
+    dep = build_worker_deployment(m, "decode")
+    tmpl = dep["spec"]["template"]["metadata"]["labels"]
+    assert tmpl[naming.LABEL_MODELSERVING] == "llama" and tmpl[naming.LABEL_ROLE] == "decode"
+    assert tmpl[naming.LABEL_REVISION] == naming.revision(m)
+    # the selector must not contain the revision: Deployment selectors are immutable
+    assert dep["spec"]["selector"]["matchLabels"] == {naming.LABEL_MODELSERVING: "llama", naming.LABEL_ROLE: "decode"}
+    for child in build_children(m, ALL_APIS, {}):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-1" and ref["controller"] is True and ref["kind"] == "ModelServing"
+        assert child["metadata"]["namespace"] == "ns1"
+
+
+@pytest.mark.parametrize("change, same", [
+    ({"prefill": {"replicas": 5}}, True),
+    ({"decode": {"env": [{"name": "A", "value": "1"}]}}, True),
+    ({"router": {"policy": "kv-aware"}}, True),
+    ({"image": "reg/pdserve:2"}, False),
+    ({"model": {**BASE["model"], "dtype": "float16"}}, False),
+    ({"decode": {"tensorParallelSize": 2}}, False),
+    ({"kvTransfer": {"backend": "tcp"}}, False),
+    ({"prefill": {"args": ["--block-size", "32"]}}, False),
+])
+def test_revision_tracks_kv_compatibility_only(change, same):
+    assert (naming.revision(ms(**change)) == naming.revision(ms())) is same
+    # prefill and decode pods always share it, so the router can pair them
+    m = ms(**change)
+    labels = [build_worker_deployment(m, r)["spec"]["template"]["metadata"]["labels"][naming.LABEL_REVISION]
+              for r in ("prefill", "decode")]
+    assert labels[0] == labels[1]
+
+
+def test_router_deployment():
+    dep = build_router_deployment(ms(router={"replicas": 2, "policy": "kv-aware", "pdMinPromptTokens": 64,
+                                             "apiKeySecret": {"name": "keys"}}))
+    c = container(dep)
+    assert dep["spec"]["replicas"] == 2
+    assert c["command"] == ["pdserve", "router"]
+    assert flag(c["args"], "--discovery") == "kubernetes" and flag(c["args"], "--namespace") == "ns1"
+    assert flag(c["args"], "--selector") == "pdserve.io/modelserving=llama"
+    assert flag(c["args"], "--policy") == "kv-aware" and flag(c["args"], "--pd-min-prompt-tokens") == "64"
+    assert c["env"][0] == {"name": "PDSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-keys"}}}
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
+    assert "nvidia.com/gpu" not in str(dep)
+
+
+@pytest.mark.parametrize("apis, spec, kinds", [
+    (ApiVersions(), {}, set()),
+    (ALL_APIS, {}, {"PodDisruptionBudget"}),
+    (ALL_APIS, {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget", "ServiceMonitor"}),
+    (ApiVersions(pdb="policy/v1beta1"), {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget"}),
+    (ApiVersions(hpa="autoscaling/v2beta2"), {"decode": {"autoscaling": {"maxReplicas": 4}}}, {"HorizontalPodAutoscaler"}),
+])
+def test_optional_children_follow_served_apis(apis, spec, kinds):
+    children = build_children(ms(**spec), apis, {})
+    core = {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"}
+    assert {c["kind"] for c in children} - core == kinds
+    for c in children:
+        if c["kind"] in ("HorizontalPodAutoscaler", "PodDisruptionBudget"):
+            assert c["apiVersion"] == (apis.hpa if c["kind"] == "HorizontalPodAutoscaler" else apis.pdb)
+
+
+def test_autoscaled_deployment_leaves_replicas_to_the_hpa():
+    m = ms(decode={"replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 6}})
+    assert "replicas" not in build_worker_deployment(m, "decode")["spec"]
+    (hpa,) = [c for c in build_children(m, ALL_APIS, {}) if c["kind"] == "HorizontalPodAutoscaler"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "llama-decode"
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm:num_requests_waiting"
+
+
+@pytest.mark.parametrize("a, other, lo, hi, expect", [
+    (Autoscaling(max_replicas=10), None, 0.5, 2, (1, 10)),    # other role unknown: user's bounds
+    (Autoscaling(max_replicas=10), 4, 0.5, 2, (2, 8)),        # 0.5*4 .. 2*4
+    (Autoscaling(max_replicas=10, min_replicas=3), 2, 0.5, 1, (3, 3)),  # user's min wins over ratio max
+    (Autoscaling(max_replicas=5), 8, 1, None, (5, 5)),        # user's max wins over ratio min
+])
+def test_hpa_ratio_bounds(a, other, lo, hi, expect):
+    assert hpa_bounds(a, other, lo, hi) == expect
+
+
+def test_decode_hpa_follows_prefill_when_only_decode_autoscales():
+    m = ms(prefill={"replicas": 2}, decode={"autoscaling": {"maxReplicas": 20}}, prefillDecodeRatio={"min": 0.25, "max": 1})
+    # decode per prefill must lie in [1/1, 1/0.25] * 2 prefill = [2, 8]
+    assert autoscaler_bounds(m, "decode", {"prefill": 2}) == (2, 8)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"prefill": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}, "spec.prefill.autoscaling.minReplicas"),
+    ({"prefillDecodeRatio": {"min": 2, "max": 1}}, "spec.prefillDecodeRatio.min"),
+    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": "lots"}}}}, "whole number of GPUs"),
+])
+def test_cross_field_errors(spec, message):
+    with pytest.raises(SpecError, match=message):
+        ms(**spec)
