@@ -1,8 +1,32 @@
-"""Decode attention: one query token per sequence against its paged KV context."""
+"""Decode attention: one query token per sequence against its paged KV context.
+
+The Triton path is split-K ("flash-decoding"): phase 1 gives each (sequence, KV head, split)
+one program that attends all query heads of that KV head's group to 1/S of the context, so K/V
+are read once per group and a batch of one still fills the GPU; phase 2 merges the S partial
+results with their log-sum-exps. Split boundaries follow each sequence's own context length
+(read on the device), so the grid depends only on shapes: no host sync, CUDA-graph safe.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_same_layout,
+    check_tensor,
+    dot_in_f32,
+    dot_precision,
+    interpreting,
+    num_sms,
+)
+
+MAX_SPLITS = 64
 
 
 def paged_decode_attention_ref(
@@ -30,3 +54,163 @@ def paged_decode_attention_ref(
     scores.masked_fill_(pos[None, None, :] >= context_lens[:, None, None].long(), float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("bhl,bhld->bhd", probs, v).to(q.dtype)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    # Query rows are the GROUP heads sharing this KV head, padded to >= 16 rows for tl.dot.
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, D_PAD)
+    q_mask = (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 units
+    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        t_mask = toks < end
+        # Any block size works: each token finds its block through the table (int64 offsets:
+        # block * block_stride exceeds int32 on a large cache).
+        blk = tl.load(bt_ptr + b * stride_btb + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        off = blk * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+        kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    # An empty split (short context) has l == 0 and acc == 0: store zeros, lse = -inf.
+    l_safe = tl.where(l > 0, l, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        part = (b * tl.num_programs(1) * GROUP + heads) * num_splits + s  # [B, Hq, S] row index
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
+        lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
+    else:
+        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    # Grid (B, Hq): out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * tl.num_programs(1) + h) * num_splits
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(
+        part_out_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0,
+    )
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _choose_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device) -> int:
+    # Enough programs for ~2 waves over the SMs, but no split shorter than two KV tiles.
+    want = triton.cdiv(2 * num_sms(device), batch * hkv)
+    useful = triton.cdiv(capacity, 2 * block_n)
+    return max(1, min(want, useful, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton version of paged_decode_attention_ref.
+
+    Contract not checked on the host (it would need a sync): 1 <= context_lens[i] <=
+    block_tables.shape[1] * block_size, and every used block id is < num_blocks.
+    `num_splits` overrides the split-K heuristic (tests use it to force both paths).
+    """
+    fn = "paged_decode_attention"
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    batch, hq, d = q.shape
+    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype,))
+    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    _, block_size, hkv, _ = k_cache.shape
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    check_tensor(fn, "block_tables", block_tables, (batch, None), (torch.int32,))
+    check_tensor(fn, "context_lens", context_lens, (batch,), (torch.int32,))
+    device = check_devices(fn, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                           context_lens=context_lens)
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{fn}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    out = torch.empty((batch, hq, d), dtype=q.dtype, device=device)
+    if batch == 0:
+        return out
+
+    small = interpreting()  # tiny tiles keep the CPU interpreter fast
+    block_n = 16 if small else 64
+    if num_splits is None:
+        num_splits = _choose_splits(batch, hkv, block_tables.shape[1] * block_size, block_n, device)
+    group = hq // hkv
+    d_pad = triton.next_power_of_2(d)
+    if num_splits > 1:
+        part_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=device)
+        part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_split_kernel[(batch, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * math.log2(math.e), num_splits,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, hq)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out

@@ -2,11 +2,30 @@
 
 Sequence i has `context_lens[i]` tokens in the cache (already written, the new ones
 included); its `n_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]` queries are the last n_i of them.
+
+The Triton path runs one program per (query tile, query head). Sequence i's tiles are numbered
+from cu_seqlens_q[i] // BLOCK_M + i, so the grid (T // BLOCK_M + B tiles) needs only shapes,
+and a program finds its sequence by binary search over that monotone start index. Keys wholly
+before the tile's first query need no causal mask; only the diagonal tiles are masked.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_same_layout,
+    check_tensor,
+    dot_in_f32,
+    dot_precision,
+    interpreting,
+)
 
 
 def paged_prefill_attention_ref(
@@ -39,4 +58,145 @@ def paged_prefill_attention_ref(
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _attend_tile(
+    q, m, l, acc, n0, k_ptr, v_ptr, bt_row_ptr, kvh, q_pos, ctx, scale_log2,
+    stride_cb, stride_ct, stride_ch, stride_cd, d,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One online-softmax step over keys [n0, n0 + BLOCK_N); CAUSAL masks by position and length.
+    toks = n0 + tl.arange(0, BLOCK_N)
+    t_mask = toks < ctx
+    blk = tl.load(bt_row_ptr + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    off = blk * stride_cb + (toks % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+    kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        visible = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_btb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    # Largest seq with cu_q[seq] // BLOCK_M + seq <= tile.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_start = tl.load(cu_q_ptr + seq)
+    n = tl.load(cu_q_ptr + seq + 1) - q_start
+    ctx = tl.load(ctx_ptr + seq)
+    m0 = (tile - q_start // BLOCK_M - seq) * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < n
+    q_pos = ctx - n + rows  # queries are the last n tokens of the context
+    d = tl.arange(0, D_PAD)
+    io_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q_off = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_off[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd, mask=io_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # A tile past the sequence's queries (the grid over-covers) does no work and stores nothing.
+    first_q = ctx - n + m0
+    kv_end = tl.where(m0 < n, tl.minimum(ctx, first_q + BLOCK_M), 0)
+    full_end = tl.where(m0 < n, (first_q // BLOCK_N) * BLOCK_N, 0)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    for n0 in range(0, full_end, BLOCK_N):  # keys before every query of the tile
+        m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
+                                 stride_cb, stride_ct, stride_ch, stride_cd, d,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+        m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
+                                 stride_cb, stride_ct, stride_ch, stride_cd, d,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + q_off[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=io_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton version of paged_prefill_attention_ref.
+
+    Contract not checked on the host (it would need a sync): cu_seqlens_q is non-decreasing
+    from 0 to T, n_i <= context_lens[i] <= block_tables.shape[1] * block_size, block ids valid.
+    """
+    fn = "paged_prefill_attention"
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    total, hq, d = q.shape
+    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype,))
+    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    _, block_size, hkv, _ = k_cache.shape
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    check_tensor(fn, "context_lens", context_lens, (None,), (torch.int32,))
+    batch = context_lens.shape[0]
+    check_tensor(fn, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), (torch.int32,))
+    check_tensor(fn, "block_tables", block_tables, (batch, None), (torch.int32,))
+    device = check_devices(fn, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                           cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    out = torch.empty((total, hq, d), dtype=q.dtype, device=device)
+    if total == 0 or batch == 0:
+        return out
+
+    if interpreting():
+        block_m, block_n, warps = 16, 16, 4  # tiny tiles keep the CPU interpreter fast
+    elif q.dtype == torch.float32:
+        block_m, block_n, warps = 64, 32, 4
+    else:
+        block_m, block_n, warps = 128, 64, 8
+    _prefill_kernel[(total // block_m + batch, hq)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
+        scale * math.log2(math.e), batch,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=2,
+    )
     return out
