@@ -17,6 +17,7 @@ from typing import Awaitable
 
 import httpx
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from pdserve.router.config import RouterConfig
@@ -122,6 +123,10 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return RouterError(exc.status_code, str(exc.detail)).response()
 
     def authorize(request: Request) -> None:
         if not api_keys:
