@@ -1,0 +1,72 @@
+"""A real `pdserve worker` process on a free loopback port, for the server tests (and any other
+test that needs a worker). No tests live here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """`with WorkerProcess(model_dir, "--max-model-len", "256") as w:` -> w.url serves /v1."""
+
+    def __init__(self, model: Path | str, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "pdserve.worker.cli", "worker", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-worker-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "WorkerProcess":
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_ready(self) -> "WorkerProcess":
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"worker not ready after {self.ready_timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "WorkerProcess":
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        os.unlink(self.log.name)

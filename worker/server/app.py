@@ -1,0 +1,197 @@
+"""The worker's FastAPI app: OpenAI endpoints, health, metrics, and the engine's lifetime.
+
+The lifespan starts loading the engine in a thread and returns at once, so the port answers
+from the first second: /health says 503 (Kubernetes keeps the pod unready), API calls get 503,
+and only when the engine runs does /health turn 200. A load failure is fatal (`on_fatal`): the
+process exits non-zero and the pod restarts, rather than serving 503 forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from pdserve.worker.server import chat, completions
+from pdserve.worker.server.config import ServerConfig
+from pdserve.worker.server.errors import APIError, bad_request, from_validation_error, install_handlers
+from pdserve.worker.server.generation import Generation
+from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.worker.server.sse import ClientGone
+
+log = logging.getLogger("pdserve.worker.server")
+
+
+class WorkerState:
+    """Everything the routes share; lives on `app.state.worker`."""
+
+    def __init__(self, config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        self.config = config
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self._factory = engine_factory
+        self._on_fatal = on_fatal
+        self.engine = None  # set once loaded and started
+        self.draining = False
+        self.inflight: set[str] = set()
+        self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.engine.tokenizer)
+
+    def new_generation(self, request_id, prompts, params, n, kv_transfer_params) -> Generation:
+        return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params)
+
+    async def load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(self._factory)
+            await engine.start()
+        except Exception as e:
+            log.exception("engine failed to load")
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return
+        self.engine = engine
+        log.info("engine ready in %.1fs: serving %s (max_model_len=%d)", time.perf_counter() - t0,
+                 self.served_model_name, engine.max_model_len)
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: refuse new requests, let in-flight ones run `grace_s`, then abort the rest."""
+        self.draining = True
+        log.info("draining: %d engine request(s) in flight, grace %.1fs", len(self.inflight), grace_s)
+        deadline = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.inflight):
+            log.warning("aborting %s at the end of the shutdown grace period", rid)
+            self.engine.abort(rid)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+
+def build_app(config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    state = WorkerState(config, served_model_name, engine_factory, on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            if not loader.done():
+                loader.cancel()  # the loading thread itself cannot be stopped; we just stop waiting
+            await asyncio.gather(loader, return_exceptions=True)
+            await state.close()
+
+    app = FastAPI(title="pdserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = state
+    install_handlers(app)
+
+    def authorize(request: Request) -> None:
+        if not config.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in config.api_keys):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def ready() -> WorkerState:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", code="not_ready", headers={"Retry-After": "5"})
+        if not getattr(state.engine, "is_ready", True):
+            raise APIError(503, "the engine has failed; this worker must be restarted", code="engine_dead")
+        return state
+
+    async def read_json(request: Request, model):
+        limit = config.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            raise bad_request(f"malformed JSON in the request body: {e}") from None
+        if not isinstance(obj, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return model.model_validate(obj)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    def gone() -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
+        body = await read_json(request, CompletionRequest)
+        try:
+            return await completions.create_completion(st, request, body)
+        except ClientGone:
+            return gone()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def v1_chat_completions(request: Request, st: WorkerState = Depends(ready)):
+        body = await read_json(request, ChatCompletionRequest)
+        try:
+            return await chat.create_chat_completion(st, request, body)
+        except ClientGone:
+            return gone()
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def v1_models():
+        card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        ready()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/kv")
+    async def debug_kv():
+        """For tests and operators: free-block counts prove requests leak no KV memory."""
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        s = state.engine.stats()
+        return {"num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
+                "num_pinned_blocks": s.num_pinned_blocks, "num_running": s.num_running,
+                "num_waiting": s.num_waiting}
+
+    return app

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n samples."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.server import serving
+from pdserve.worker.server.errors import bad_request
+from pdserve.worker.server.protocol import ChatCompletionRequest, check_model
+from pdserve.worker.server.sse import DONE, SSEResponse, event
+
+
+def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    s = tokenizer.decode([token_id])
+    return s, list(s.encode("utf-8"))
+
+
+def format_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+    content = []
+    for lp in lps:
+        s, b = _token(tokenizer, lp.token_id)
+        top = []
+        for t, v in lp.top:
+            ts, tb = _token(tokenizer, t)
+            top.append({"token": ts, "logprob": v, "bytes": tb})
+        content.append({"token": s, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+    return {"content": content}
+
+
+def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    messages = [m.for_template() for m in body.messages]
+    if body.continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}))
+    except Exception as e:  # jinja raise_exception(), wrong roles order, bad kwargs
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    # The template writes the special tokens itself (BOS, role markers): add none on top.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
+    body.check_unsupported()
+    check_model(body.model, state.served_model_name)
+    prompt = render_prompt(state.tokenizer, body)
+    max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
+                                            "messages", body.max_tokens_param)
+    params = body.sampling_params(max_tokens, body.num_logprobs, "top_logprobs")
+    rid = serving.new_id("chatcmpl")
+    gen = state.new_generation(rid, [prompt], params, body.n, body.kv_transfer_params)
+    first, events = await serving.start(request, gen)
+    base = {"id": rid, "created": serving.now(), "model": state.served_model_name}
+    if body.stream:
+        return SSEResponse(_stream(state, body, prompt, base, first, events))
+
+    choices = await serving.collect(request, first, events, body.n)
+    out = {**base, "object": "chat.completion"}
+    out["choices"] = [
+        {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+         "logprobs": format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
+         "finish_reason": c.final.finish_reason if c.final else "abort",
+         "stop_reason": c.final.stop_reason if c.final else None}
+        for i, c in enumerate(choices)
+    ]
+    out["usage"] = serving.usage([prompt], body.n, choices)
+    kv = choices[0].final.kv_transfer_params if choices[0].final else None
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    return JSONResponse(out)
+
+
+async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events) -> AsyncIterator[bytes]:
+    base = {**base, "object": "chat.completion.chunk"}
+    choices = [serving.ChoiceState() for _ in range(body.n)]
+
+    def chunk(i: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> bytes:
+        c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+        return event({**base, "choices": [c]})
+
+    def chunks(i: int, out):
+        choices[i].add(out)
+        lps = format_logprobs(state.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
+        if out.text or lps:
+            yield chunk(i, {"content": out.text}, lps)
+        if out.finished:
+            yield chunk(i, {}, None, out.finish_reason, stop_reason=out.stop_reason)
+
+    try:
+        for i in range(body.n):  # every choice opens with its role, as OpenAI's stream does
+            yield chunk(i, {"role": "assistant", "content": ""})
+        for b in chunks(*first):
+            yield b
+        async for i, out in events:
+            for b in chunks(i, out):
+                yield b
+        if body.include_usage:
+            yield event({**base, "choices": [], "usage": serving.usage([prompt], body.n, choices)})
+    except Exception as e:
+        yield event(serving.stream_error(e))
+    finally:
+        await events.aclose()
+    yield DONE

@@ -1,0 +1,95 @@
+"""POST /v1/completions: text (or token-id) prompts, one or several, n samples each."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.server import serving
+from pdserve.worker.server.protocol import CompletionRequest, check_model
+from pdserve.worker.server.sse import DONE, SSEResponse, event
+
+
+def format_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+    """Legacy completions shape; `offset` is the choice's text length before these tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = tokenizer.decode([lp.token_id])
+        tokens.append(s)
+        token_lps.append(lp.logprob)
+        tops.append({tokenizer.decode([t]): v for t, v in lp.top} or None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def create_completion(state, request: Request, body: CompletionRequest):
+    body.check_unsupported()
+    check_model(body.model, state.served_model_name)
+    tok = state.tokenizer
+    prompts = []
+    for i, p in enumerate(body.prompts()):
+        if isinstance(p, str):
+            prompts.append(tok(p, add_special_tokens=True)["input_ids"])
+        else:
+            prompts.append(serving.check_token_ids(p, state.vocab_size, "prompt"))
+    max_tokens = serving.resolve_max_tokens(body.max_tokens, prompts, state.max_model_len, "prompt", "max_tokens")
+    params = body.sampling_params(max_tokens, body.logprobs, "logprobs")
+    rid = serving.new_id("cmpl")
+    gen = state.new_generation(rid, prompts, params, body.n, body.kv_transfer_params)
+    first, events = await serving.start(request, gen)
+    base = {"id": rid, "object": "text_completion", "created": serving.now(), "model": state.served_model_name}
+    if body.stream:
+        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen)))
+
+    choices = await serving.collect(request, first, events, len(gen))
+    out = dict(base)
+    out["choices"] = [
+        {"index": i, "text": "".join(c.text),
+         "logprobs": format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
+         "finish_reason": c.final.finish_reason if c.final else "abort",
+         "stop_reason": c.final.stop_reason if c.final else None}
+        for i, c in enumerate(choices)
+    ]
+    out["usage"] = serving.usage(prompts, body.n, choices)
+    kv = choices[0].final.kv_transfer_params if choices[0].final else None
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    return JSONResponse(out)
+
+
+async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
+                  num_choices: int) -> AsyncIterator[bytes]:
+    choices = [serving.ChoiceState() for _ in range(num_choices)]
+    text_len = [0] * num_choices
+
+    def chunk(i: int, out) -> bytes | None:
+        choices[i].add(out)
+        if not (out.text or out.finished or (out.logprobs and body.logprobs is not None)):
+            return None
+        lps = None
+        if body.logprobs is not None:
+            lps = format_logprobs(state.tokenizer, out.logprobs or [], text_len[i])
+        text_len[i] += len(out.text)
+        c = {"index": i, "text": out.text, "logprobs": lps,
+             "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            c["stop_reason"] = out.stop_reason
+        return event({**base, "choices": [c]})
+
+    try:
+        if (b := chunk(*first)) is not None:
+            yield b
+        async for i, out in events:
+            if (b := chunk(i, out)) is not None:
+                yield b
+        if body.include_usage:
+            yield event({**base, "choices": [], "usage": serving.usage(prompts, body.n, choices)})
+    except Exception as e:
+        yield event(serving.stream_error(e))
+    finally:
+        await events.aclose()
+    yield DONE

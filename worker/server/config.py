@@ -1,0 +1,50 @@
+"""The HTTP server's own configuration (the engine's lives in pdserve.worker.config)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pdserve.worker.config import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    log_level: str = "info"
+    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before being read
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("--port", f"must be in 0..65535, got {self.port}")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("--api-key", "must not be empty")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("--max-request-bytes", f"must be at least 1024, got {self.max_request_bytes}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("--shutdown-grace", f"must be >= 0 seconds, got {self.shutdown_grace_s}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default="0.0.0.0")
+        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                       help="accepted bearer key (repeatable; also env PDSERVE_API_KEYS, comma-separated)")
+        g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+        g.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+        g.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
+                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, env_api_keys: str | None = None) -> "ServerConfig":
+        keys = list(args.api_keys) + [k.strip() for k in (env_api_keys or "").split(",") if k.strip()]
+        return cls(host=args.host, port=args.port, api_keys=tuple(keys), log_level=args.log_level,
+                   max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s)

@@ -1,0 +1,115 @@
+"""One API request's engine requests: fan-out, merging, metrics and guaranteed abort.
+
+An API request with `p` prompts and `n` choices becomes `p * n` engine requests named
+`{id}-{i}` (choice index i = prompt * n + sample); they share their prompt's blocks through the
+prefix cache. Their outputs are merged into one stream of `(index, RequestOutput)` in arrival
+order. Whatever ends the consumer (finish, client disconnect, error, shutdown), every engine
+request that has not finished is aborted, so its KV blocks return to the free pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pdserve.worker.outputs import RequestOutput
+from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.server.metrics import ServerMetrics
+
+_END = object()
+
+
+class Generation:
+    def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
+                 prompts: list[list[int]], params: SamplingParams, n: int,
+                 kv_transfer_params: dict | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort
+        self.request_id = request_id
+        self.arrival = time.monotonic()
+        self.jobs: list[tuple[str, list[int], SamplingParams]] = []
+        for p, prompt in enumerate(prompts):
+            for s in range(n):
+                params_i = params
+                if params.seed is not None and n > 1:
+                    # Same seed for every sample would make the n choices identical.
+                    params_i = dataclasses.replace(params, seed=params.seed + s)
+                self.jobs.append((f"{request_id}-{p * n + s}", prompt, params_i))
+        self.kv_transfer_params = kv_transfer_params
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    async def _one(self, rid: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self.inflight.add(rid)
+        last: float | None = None
+        finished = False
+        try:
+            gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params)
+            async with aclosing(gen):
+                async for out in gen:
+                    now = time.monotonic()
+                    if out.new_token_ids:
+                        if last is None:
+                            self.metrics.first_token(now - self.arrival)
+                        else:
+                            self.metrics.tokens(now - last, len(out.new_token_ids))
+                        last = now
+                    if out.finished:
+                        finished = True
+                        self._record(out)
+                    yield out
+                    if finished:
+                        return
+            # The engine ended the stream without a final output (e.g. shut down): report it.
+            finished = True
+            out = RequestOutput(rid, [], finished=True, finish_reason="abort")
+            self._record(out)
+            yield out
+        finally:
+            self.inflight.discard(rid)
+            if not finished:
+                self.engine.abort(rid)
+                self._record(RequestOutput(rid, [], finished=True, finish_reason="abort"))
+
+    def _record(self, out: RequestOutput) -> None:
+        self.metrics.finished(out.finish_reason or "abort", out.num_prompt_tokens, out.num_output_tokens,
+                              time.monotonic() - self.arrival)
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """All outputs of all engine requests, tagged with their choice index."""
+        if len(self.jobs) == 1:
+            async with aclosing(self._one(*self.jobs[0])) as gen:
+                async for out in gen:
+                    yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, job) -> None:
+            try:
+                async with aclosing(self._one(*job)) as gen:
+                    async for out in gen:
+                        queue.put_nowait((index, out))
+                queue.put_nowait((index, _END))
+            except Exception as e:  # surfaced to the consumer, which then cancels the others
+                queue.put_nowait((index, e))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is _END:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

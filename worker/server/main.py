@@ -1,0 +1,88 @@
+"""`pdserve worker`: one engine behind the OpenAI-compatible HTTP server.
+
+Shutdown on SIGTERM (what Kubernetes sends): uvicorn stops accepting connections, in-flight
+requests run for `--shutdown-grace` seconds, whatever is left is aborted (its stream still ends
+properly, finish_reason "abort", then [DONE]), the engine stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.server.config import ServerConfig
+
+log = logging.getLogger("pdserve.worker.server")
+
+# After the grace period, streams end within a few steps; this bounds uvicorn's own wait.
+_UVICORN_SLACK_S = 5.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineConfig.add_cli_args(parser)
+    ServerConfig.add_cli_args(parser)
+
+
+def served_model_name(config: EngineConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model:
+        return config.model
+    from pdserve.worker.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        engine_config = EngineConfig.from_cli_args(args)
+        server_config = ServerConfig.from_cli_args(args, os.environ.get("PDSERVE_API_KEYS"))
+    except ConfigError as e:
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from pdserve.worker.async_engine import AsyncEngine
+    from pdserve.worker.server.app import build_app
+
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(e: BaseException) -> None:
+        fatal.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(server_config, served_model_name(engine_config),
+                    lambda: AsyncEngine.from_config(engine_config), on_fatal)
+    state = app.state.worker
+    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                               log_level=server_config.log_level, access_log=server_config.log_level == "debug",
+                               timeout_graceful_shutdown=server_config.shutdown_grace_s + _UVICORN_SLACK_S)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit and state.engine is not None:
+                # A signal handler runs on the loop's thread, between two callbacks.
+                loop = asyncio.get_running_loop()
+                loop.call_soon_threadsafe(lambda: loop.create_task(state.drain(server_config.shutdown_grace_s)))
+            super().handle_exit(sig, frame)
+
+    server = Server(uv_config)
+    # uvicorn re-raises a caught signal after shutting down, to die "as expected"; a graceful
+    # shutdown should exit 0, so the handlers it restores ignore that replay.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if fatal:
+        log.error("exiting: the engine could not be loaded (%s)", fatal[0])
+        return 1
+    return 0

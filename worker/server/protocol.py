@@ -1,0 +1,173 @@
+"""Request bodies of the OpenAI endpoints, and their translation into SamplingParams.
+
+Only what the engine can honour is accepted; a field we would otherwise silently ignore
+(`echo`, penalties, `logit_bias`, tools) is refused with a 400 naming it. Unknown fields are
+ignored, as OpenAI-compatible servers do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.worker.server.errors import APIError, bad_request
+
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # P/D handshake (opaque here): {"do_remote_decode": true} to a prefill worker, the prefill's
+    # answer to a decode worker. Handed to the engine untouched.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported by this server", name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise bad_request("repetition_penalty is not supported by this server", "repetition_penalty")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k in (None, 0) else self.top_k,
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                min_tokens=self.min_tokens,
+            )
+        except SamplingParamsError as e:
+            param = logprobs_param if e.param == "logprobs" else e.param
+            raise bad_request(str(e), param) from None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template as given
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for i, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"only text content parts are supported (got {part.get('type')!r})",
+                                      f"messages.content.{i}")
+                texts.append(part["text"])
+            msg["content"] = "\n".join(texts)
+        elif self.content is None:
+            msg["content"] = ""
+        if msg["role"] == "developer":
+            msg["role"] = "system"  # OpenAI's newer name; chat templates know "system"
+        return msg
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+                       "model", "model_not_found")

@@ -1,0 +1,146 @@
+"""What both OpenAI endpoints share: prompt limits, starting the engine before the response,
+and the token-count bookkeeping behind `usage`.
+
+The engine's first output is awaited *before* the response starts: anything the engine refuses
+(a malformed `kv_transfer_params`, say) still becomes a proper HTTP error, and a router in front
+can retry elsewhere because not a byte was sent. After that, a failure can only be reported
+inside the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from pdserve.worker.outputs import RequestOutput, TokenLogprob
+from pdserve.worker.server.errors import APIError, bad_request
+from pdserve.worker.server.generation import Generation
+from pdserve.worker.server.sse import ClientGone, unless_disconnected
+
+log = logging.getLogger(__name__)
+
+Events = AsyncIterator[tuple[int, RequestOutput]]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range for this model's vocabulary (0..{vocab_size - 1})", param)
+    return ids
+
+
+def resolve_max_tokens(requested: int | None, prompts: list[list[int]], max_model_len: int,
+                       prompt_param: str, max_tokens_param: str) -> int:
+    """Check every prompt fits `--max-model-len` with room for the completion; return max_tokens."""
+    longest = max(len(p) for p in prompts)
+    if any(len(p) == 0 for p in prompts):
+        raise bad_request("the prompt must contain at least one token", prompt_param)
+    if longest >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length (--max-model-len) is {max_model_len} tokens, "
+            f"but the prompt has {longest} tokens, leaving no room for a completion.",
+            prompt_param, "context_length_exceeded")
+    if requested is None:
+        return max_model_len - longest
+    if requested < 1:
+        raise bad_request(f"{max_tokens_param} must be at least 1, got {requested}", max_tokens_param)
+    if longest + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length (--max-model-len) is {max_model_len} tokens, "
+            f"but {longest + requested} were requested ({longest} in the prompt, {requested} "
+            f"in the completion). Reduce the prompt or {max_tokens_param}.",
+            max_tokens_param, "context_length_exceeded")
+    return requested
+
+
+async def start(request: Request, gen: Generation) -> tuple[tuple[int, RequestOutput], Events]:
+    """Start all engine requests and wait for the first output (or a refusal)."""
+    events = gen.stream()
+
+    async def first():
+        try:
+            return await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+
+    try:
+        return await unless_disconnected(request, first()), events
+    except ValueError as e:  # the engine refused the request's content (RequestError, SamplingParamsError)
+        raise bad_request(str(e), getattr(e, "param", None)) from None
+    except RuntimeError as e:  # EngineDeadError: the step loop is gone; the pod must restart
+        log.error("engine unavailable for %s: %s", gen.request_id, e)
+        raise APIError(503, str(e), code="engine_dead") from None
+    except StopAsyncIteration:
+        raise APIError(500, "the engine returned no output") from None
+    except (APIError, ClientGone):
+        raise
+    except Exception as e:
+        log.exception("engine failed on request %s", gen.request_id)
+        raise APIError(500, f"engine error: {type(e).__name__}: {e}") from None
+
+
+@dataclass
+class ChoiceState:
+    """One choice's accumulated output (non-streamed responses and usage)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0
+    final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.num_tokens += len(out.new_token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.final = out
+
+    @property
+    def num_output_tokens(self) -> int:
+        # The engine's count includes a first token handed over by a prefill worker.
+        return max(self.num_tokens, self.final.num_output_tokens if self.final else 0)
+
+
+def usage(prompts: list[list[int]], n: int, choices: list[ChoiceState]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.final.num_cached_tokens for c in choices[::n] if c.final)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def collect(request: Request, first: tuple[int, RequestOutput], events: Events,
+                  num_choices: int) -> list[ChoiceState]:
+    choices = [ChoiceState() for _ in range(num_choices)]
+    choices[first[0]].add(first[1])
+
+    async def rest():
+        async with aclosing(events):
+            async for i, out in events:
+                choices[i].add(out)
+
+    await unless_disconnected(request, rest())
+    return choices
+
+
+def stream_error(e: BaseException) -> dict:
+    log.exception("request failed mid-stream", exc_info=e)
+    return {"error": {"message": f"engine error: {type(e).__name__}: {e}", "type": "server_error",
+                      "param": None, "code": None}}
