@@ -104,9 +104,10 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-    # Largest seq with cu_q[seq] // BLOCK_M + seq <= tile.
-    lo = 0
-    hi = num_seqs - 1
+    # Largest seq with cu_q[seq] // BLOCK_M + seq <= tile. lo/hi start as int32 tensors, not
+    # constants: Triton specialises num_seqs == 1 into a constexpr.
+    lo = tile * 0
+    hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= tile:
