@@ -99,12 +99,7 @@ class BlockManager:
             req.block_ids.append(b)
 
     def free_request(self, req: Request) -> None:
-        # Tail blocks go to the front of the eviction order: a shared prefix outlives its tails.
-        for b in reversed(req.block_ids):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.free[b] = None
-                self.free.move_to_end(b, last=False)
+        self._release(req.block_ids)
         req.block_ids = []
         req.num_hashed_blocks = 0
         req.num_computed_tokens = 0
@@ -153,8 +148,12 @@ class BlockManager:
             self._ref(b)
 
     def unpin(self, block_ids: list[int]) -> None:
+        self._release(block_ids)
+
+    def _release(self, block_ids: list[int]) -> None:
+        # Freed blocks join the back of the LRU queue (evicted after older free blocks), tail
+        # blocks ahead of head blocks: a shared prefix outlives the tails built on it.
         for b in reversed(block_ids):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free[b] = None
-                self.free.move_to_end(b, last=False)

@@ -1,0 +1,90 @@
+"""Greedy generation equals Hugging Face transformers token for token (fp32, CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.sampling_params import SamplingParams
+
+PROMPTS = [
+    [5, 17, 300, 42, 9, 1000, 77],
+    list(range(100, 137)),  # longer than several blocks
+    [3, 4],
+    [900 + 7 * i for i in range(19)],
+]
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(ckpt: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    outs = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def make_engine(ckpt, **kw) -> LLMEngine:
+    cfg = dict(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
+def test_batched_greedy_matches_hf(tiny_checkpoint, arch):
+    ckpt = tiny_checkpoint(arch)
+    engine = make_engine(ckpt)
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_chunked_prefill_matches_hf(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    # A 5-token budget splits every prompt over several steps and mixes chunks with decodes.
+    engine = make_engine(ckpt, max_num_batched_tokens=5)
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_checkpoint):
+    ckpt = tiny_checkpoint("qwen2")
+    engine = make_engine(ckpt)
+    ref = hf_reference(str(ckpt))
+    first = engine.generate(PROMPTS, GREEDY)
+    hits_before = engine.stats().prefix_cache_hits
+    second = engine.generate(PROMPTS, GREEDY)
+    assert first == second == ref
+    # Every full block but the one holding the last prompt token comes from the cache.
+    expected_hits = sum((len(p) - 1) // 4 * 4 for p in PROMPTS)
+    assert engine.stats().prefix_cache_hits - hits_before == expected_hits
+
+
+def test_preemption_by_recompute_matches_hf(tiny_checkpoint):
+    ckpt = tiny_checkpoint("qwen3")
+    engine = make_engine(ckpt)
+    per_block = engine.kv_cache.block_bytes
+    # 16 blocks x 4 tokens cannot hold all four sequences at once (they need ~29 blocks).
+    engine = make_engine(ckpt, kv_cache_memory=16 * per_block, enable_prefix_caching=False)
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    from pdserve.worker.model_config import ModelConfig, UnsupportedModelError
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
