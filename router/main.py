@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS")
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--eject-after-failures", type=int, default=3)
+    p.add_argument("--eject-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="first ejection period; doubles while the worker keeps failing (max 30 s)")
     p.add_argument("--probe-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--kv-events-port", type=int, default=5557)
     p.add_argument("--kv-events-replay-port", type=int, default=5558)
@@ -48,7 +50,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_keys=tuple(args.api_key) + keys_from_env(), pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
-        max_retries=args.max_retries, eject_after_failures=args.eject_after_failures,
+        max_retries=args.max_retries, eject_after_failures=args.eject_after_failures, eject_backoff_s=args.eject_backoff,
+        eject_backoff_max_s=max(30.0, args.eject_backoff),
         probe_interval_s=args.probe_interval, kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
     )

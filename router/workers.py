@@ -112,7 +112,8 @@ class WorkerSet:
         if ok:
             worker.healthy = True
             if worker.consecutive_failures >= self._eject_after:
-                worker.consecutive_failures = 0  # re-admitted; backoff kept until a real success
+                # Half-open: re-admitted on probation; one more failure ejects it again, for longer.
+                worker.consecutive_failures = self._eject_after - 1
         else:
             worker.healthy = False
             if worker.consecutive_failures >= self._eject_after:

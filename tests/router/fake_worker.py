@@ -7,7 +7,8 @@ can be compared with a single worker's.
 
     python tests/router/fake_worker.py --port P [--model NAME] [--delay S] [--kv-events HOST]
 
-Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now, "after": n, "waiting": x};
+Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
+"waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
 GET /debug/requests (bodies and headers received).
 """
 
@@ -185,7 +186,7 @@ def build(args) -> Starlette:
         return JSONResponse({})
 
     async def health(request: Request) -> Response:
-        return Response(status_code=503 if st.mode == "500" else 200)
+        return Response(status_code=503 if st.mode == "unhealthy" else 200)
 
     async def metrics(request: Request) -> Response:
         lbl = f'{{model_name="{args.model}"}}'

@@ -1,0 +1,166 @@
+"""Failure paths of the request path, each with real processes made to fail.
+
+The workers are tests/router/fake_worker.py processes: they stand in for the worker only so
+that faults can be injected on demand (500s, dying mid-request or mid-stream, hanging, holding
+KV blocks until the client goes away). Waits poll with a deadline; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "a prompt long enough to be worth disaggregating"
+
+
+def client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+
+
+def complete(router, stream=False, **kw) -> str:
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, **kw}
+    if stream:
+        return "".join(c.choices[0].text for c in client(router).completions.create(stream=True, **kw) if c.choices)
+    return client(router).completions.create(**kw).choices[0].text
+
+
+def metric(router, name: str, **labels) -> float:
+    total = 0.0
+    for line in httpx.get(router.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def eventually(check, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        time.sleep(0.05)
+
+
+def sse_events(router, body: dict) -> list[bytes]:
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def test_prefill_500_retries_another_and_failing_worker_is_ejected(launch):
+    bad, good, decode, single = (launch.fake_worker() for _ in range(4))
+    bad.control(mode="500")
+    router = launch.router("--prefill", bad.url, "--prefill", good.url, "--decode", decode.url,
+                           "--prefill-policy", "round-robin", "--eject-after-failures", "3", "--eject-backoff", "60")
+    want = complete(single)
+    for _ in range(8):
+        assert complete(router) == want
+    # Ejected after its third failure; the 60 s backoff keeps it out for the rest of the test.
+    assert len(bad.requests()) == 3
+    assert metric(router, "pdserve_router_retries_total", phase="prefill") == 3
+    assert metric(router, "pdserve_router_upstream_errors_total", worker=bad.url, phase="prefill") == 3
+    assert all("kv_transfer_params" in r["body"] for r in decode.requests())
+
+
+def test_prefill_dying_mid_request_retries_another(launch):
+    dying, good, decode, single = (launch.fake_worker() for _ in range(4))
+    router = launch.router("--prefill", dying.url, "--prefill", good.url, "--decode", decode.url)
+    dying.control(mode="exit_now")
+    want = complete(single)
+    assert [complete(router, stream=s) for s in (False, True, False)] == [want] * 3
+    assert dying.popen.wait(10) != 0
+
+
+def test_every_prefill_failing_falls_back_to_local_prefill(launch):
+    p1, p2, decode, single = (launch.fake_worker() for _ in range(4))
+    p1.control(mode="500")
+    p2.control(mode="500")
+    router = launch.router("--prefill", p1.url, "--prefill", p2.url, "--decode", decode.url)
+    assert complete(router, stream=True) == complete(single, stream=True)
+    assert "kv_transfer_params" not in decode.requests()[-1]["body"]
+    assert metric(router, "pdserve_router_retries_total", phase="prefill-local") == 1
+
+
+def test_no_healthy_prefill_goes_straight_to_decode(launch):
+    prefill, decode, single = (launch.fake_worker() for _ in range(3))
+    prefill.stop()  # nothing listens there any more: probes fail, the router stops trying it
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    eventually(lambda: httpx.get(router.url + "/ready").json()["prefill_workers"] == 0)
+    assert complete(router) == complete(single)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_decode_failure_before_first_byte_moves_to_another(launch, stream):
+    prefill, bad, good, single = (launch.fake_worker() for _ in range(4))
+    bad.control(mode="500")
+    router = launch.router("--prefill", prefill.url, "--decode", bad.url, "--decode", good.url,
+                           "--decode-policy", "round-robin")
+    want = complete(single, stream=stream)
+    for _ in range(3):
+        assert complete(router, stream=stream) == want
+    assert bad.requests() and metric(router, "pdserve_router_retries_total", phase="decode") >= 1
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
+
+
+def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    decode.control(mode="die_mid_stream", after=2)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_failed" and set(error) == {"message", "type", "param", "code"}
+    tokens = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]]
+    assert len(tokens) == 3  # the spliced first token, then the two the worker sent before dying
+    with pytest.raises(openai.APIError):
+        complete(router, stream=True)  # the openai client surfaces the error event
+
+
+def test_stalled_decode_stream_times_out_with_error_event(launch):
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--stream-idle-timeout", "1")
+    decode.control(mode="hang", after=1)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2]
+
+
+def test_dead_decode_worker_is_reprobed_and_readmitted(launch):
+    decode = launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--eject-after-failures", "1", "--eject-backoff", "0.2")
+    assert httpx.get(router.url + "/ready").status_code == 200
+    decode.stop()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+    assert r.status_code in (502, 503) and "error" in r.json()
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 503)
+    launch.restart(decode)
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    assert complete(router)
+
+
+def test_client_disconnect_frees_blocks_on_both_workers(launch):
+    prefill = launch.fake_worker("--pin-ttl", "600")  # only a release can free its blocks in time
+    decode = launch.fake_worker("--delay", "0.2")
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    total = decode.kv()["num_total_blocks"]
+    body = {"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        seen = b""
+        for data in r.iter_raw():
+            seen += data
+            if seen.count(b"data: ") >= 3:  # decode is streaming: its blocks are in use
+                busy = decode.kv()["num_free_blocks"]
+                break
+    assert busy < total
+    # Leaving the block closed the connection mid-stream.
+    eventually(lambda: decode.kv()["num_free_blocks"] == total)
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
+    eventually(lambda: metric(router, "pdserve_router_inflight") == 0)
