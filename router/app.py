@@ -101,7 +101,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             await prober.probe_all()  # so /ready and model checks are right from the first request
             tasks = [asyncio.create_task(prober.run(), name="prober"),
                      asyncio.create_task(discovery.follow(workers), name="discovery")]
-            subs = KVSubscriptions(kv_index, workers, config) if kv_index is not None else None
+            subs = KVSubscriptions(kv_index, workers, config, metrics) if kv_index is not None else None
             if subs is not None:
                 tasks.append(asyncio.create_task(subs.run(), name="kv-events"))
             app.state.kv_subscriptions = subs

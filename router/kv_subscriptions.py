@@ -14,11 +14,14 @@ import zmq.asyncio
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
 
 
 class KVSubscriptions:
-    def __init__(self, index: KVIndex, workers: WorkerSet, config: RouterConfig, resync_s: float = 1.0):
+    def __init__(self, index: KVIndex, workers: WorkerSet, config: RouterConfig, metrics: RouterMetrics,
+                 resync_s: float = 1.0):
+        self._metrics = metrics
         self._index = index
         self._workers = workers
         self._config = config
@@ -43,10 +46,14 @@ class KVSubscriptions:
                 continue
             pub, replay = self._endpoints(host)
             sub = KVEventSubscriber(self._ctx, pub, replay,
-                                    apply=lambda events, url=url: self._index.apply(url, events),
+                                    apply=lambda events, url=url: self._apply(url, events),
                                     reset=lambda url=url: self._index.clear(url))
             self.subscribers[url] = sub
             self._tasks[url] = asyncio.create_task(sub.run(), name=f"kv-events {url}")
+
+    def _apply(self, url: str, events: list[dict]) -> None:
+        self._index.apply(url, events)
+        self._metrics.kv_index_blocks.labels(url).set(self._index.num_blocks(url))
 
     async def run(self) -> None:
         try:

@@ -29,5 +29,9 @@ class RouterMetrics:
         self.retries = Counter("pdserve_router_retries", "Worker calls retried on another worker.", ["phase"],
                                registry=r)
 
+        self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
+                                     "KV blocks each worker reported cached (prefix-aware's index).", ["worker"],
+                                     registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

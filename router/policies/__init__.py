@@ -72,6 +72,6 @@ def create(name: str, ctx: PolicyContext) -> Policy:
     return target(ctx)
 
 
-def least_loaded(workers: Sequence[Worker]) -> Worker:
+def pick_least_loaded(workers: Sequence[Worker]) -> Worker:
     """The shared tie-breaker: fewest in-flight + waiting, then lowest KV usage, then list order."""
     return min(workers, key=lambda w: (w.load, w.kv_usage))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, RoutingRequest, least_loaded
+from pdserve.router.policies import PolicyContext, RoutingRequest, pick_least_loaded
 from pdserve.router.workers import Worker
 
 
@@ -17,4 +17,4 @@ class LeastLoaded:
         pass
 
     def choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
-        return least_loaded(workers)
+        return pick_least_loaded(workers)

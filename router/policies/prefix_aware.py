@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, RoutingRequest, least_loaded
+from pdserve.router.policies import PolicyContext, RoutingRequest, pick_least_loaded
 from pdserve.router.workers import Worker
 
 # Extra load (requests) a cache hit may cost before least-loaded wins instead.
@@ -24,7 +24,7 @@ class PrefixAware:
 
     def choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         tokens = request.token_ids()
-        fallback = least_loaded(workers)
+        fallback = pick_least_loaded(workers)
         if not tokens:
             return fallback
         matched = self._index.match(tokens, [w.url for w in workers])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, RoutingRequest, least_loaded
+from pdserve.router.policies import PolicyContext, RoutingRequest, pick_least_loaded
 from pdserve.router.workers import Worker
 
 HEADER = "x-session-id"
@@ -25,5 +25,5 @@ class SessionAffinity:
 
     def choose(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         if not request.session_id:
-            return least_loaded(workers)
+            return pick_least_loaded(workers)
         return max(workers, key=lambda w: _weight(request.session_id, w.url))

@@ -62,8 +62,9 @@ class State:
         if args.kv_events:
             from pdserve.router.kv_events import KVEventPublisher
 
-            self.publisher = KVEventPublisher(f"fake-{args.port}-{os.getpid()}", f"tcp://{args.kv_events}:5557",
-                                              f"tcp://{args.kv_events}:5558")
+            pub, replay = args.kv_ports.split(",")
+            self.publisher = KVEventPublisher(f"fake-{args.port}-{os.getpid()}", f"tcp://{args.kv_events}:{pub}",
+                                              f"tcp://{args.kv_events}:{replay}")
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -223,6 +224,7 @@ if __name__ == "__main__":
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--pin-ttl", type=float, default=30.0)
     p.add_argument("--kv-events", default=None, help="host to bind the KV event sockets on")
+    p.add_argument("--kv-ports", default="5557,5558", help="PUB,REPLAY ports of the KV event sockets")
     p.add_argument("--tokenizer", default=None, help="token ids for KV events (completions prompts only)")
     a = p.parse_args()
     uvicorn.run(build(a), host=a.host, port=a.port, log_level="warning")
