@@ -59,6 +59,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        if self.engine.connector is not None:
+            self.engine.connector.shutdown()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -80,7 +82,7 @@ class AsyncEngine:
                     await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
                 except asyncio.TimeoutError:
                     pass
-                if not self.engine.has_work() and not self.engine.pins:
+                if not self.engine.has_work() and not self.engine.has_pins:
                     continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)

@@ -39,6 +39,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.kv_transfer_params = kv_transfer_params
         self.keep_blocks = False  # on finish, leave block references for the KV pin table
+        self.aborted = False  # aborted while its KV was being pulled (blocks freed when it lands)
         self.arrival_time = time.monotonic()
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # Per-request generator: a seeded request samples the same tokens whatever it is batched with.

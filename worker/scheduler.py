@@ -45,6 +45,11 @@ class Scheduler:
         req.set_status(RequestStatus.WAITING)
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Admit a request that already owns its blocks (its KV arrived from a prefill worker)."""
+        req.set_status(RequestStatus.RUNNING)
+        self.running.append(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -1,0 +1,164 @@
+"""KVConnector: the worker-side half of P/D transfer (the engine holds the scheduler side).
+
+Prefill side: pins a finished prefill's blocks and describes them in kv_transfer_params;
+serves the side channel (and, for NIXL, release notifications). Decode side: checks the
+peer against --kv-peer-allow and the KV layout, then pulls blocks (NIXL READ or TCP) into
+blocks the engine allocated, on a thread pool so engine steps go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.metrics import KVMetrics
+from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
+from pdserve.worker.kv.peer_policy import PeerPolicy
+from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
+
+log = logging.getLogger(__name__)
+
+PULL_TIMEOUT_S = 30.0
+LEASE_S = 60.0
+
+
+class KVLayoutMismatch(ValueError):
+    pass
+
+
+class KVConnector:
+    def __init__(self, config: EngineConfig, cache: torch.Tensor, engine_id: str, layout: str):
+        self.engine_id = engine_id
+        self.layout = layout  # "<layers>x<kv heads>x<head dim>:<dtype>:<block size>"
+        self.transport = config.kv_transfer or ("nixl" if nixl_available() else "tcp")
+        if self.transport == "nixl" and not nixl_available():
+            from pdserve.worker.config import ConfigError
+
+            raise ConfigError("--kv-transfer", "nixl needs the nixl extra: pip install 'pdserve[nixl]'")
+        self.num_blocks = cache.shape[0]
+        self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
+        self.block_bytes = self.blocks.shape[1]
+        self.pins = PinTable(config.kv_pin_ttl)
+        self.metrics = KVMetrics(self.pins.num_blocks)
+        self.policy = PeerPolicy(config.kv_peer_allow)
+        self.port = config.kv_port
+        self.host = config.kv_host or os.environ.get("POD_IP") or "127.0.0.1"
+        self.nixl = NixlTransport(f"pdserve-{engine_id}", cache, self.block_bytes) if self.transport == "nixl" else None
+        self.server: side_channel.SideChannelServer | None = None
+        self.executor = ThreadPoolExecutor(4, thread_name_prefix="kv-pull")
+
+    # -- prefill side -------------------------------------------------------------------------
+
+    def start_server(self, bind_host: str = "0.0.0.0") -> None:
+        tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
+        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read}
+        self.server = side_channel.SideChannelServer(bind_host, self.port, handlers, tick=self._nixl_tick if self.nixl else None)
+        self.server.start()
+        log.info("KV side channel on %s:%d (advertised as %s), transport %s", bind_host, self.port, self.host, self.transport)
+
+    def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int) -> dict:
+        token, expires_at = self.pins.add(request_id, block_ids)
+        return {
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_request_id": request_id,
+            "remote_block_ids": block_ids,
+            "num_prompt_tokens": num_prompt_tokens,
+            "first_token_id": first_token_id,
+            "transfer_token": token,
+            "expires_at": expires_at,
+            "kv_layout": self.layout,
+            "transport": self.transport,
+        }
+
+    def _describe(self, body):
+        desc = {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes}
+        if self.nixl:
+            desc["nixl"] = self.nixl.describe()
+        return desc, [], None
+
+    def _lease(self, body):
+        ids = self.pins.lease(body["request_id"], body["token"], LEASE_S)
+        return {"block_ids": [ids[i] for i in body["indices"]]}, [], None
+
+    def _release(self, body):
+        return {"released": self.pins.release(body["request_id"], body["token"])}, [], None
+
+    def _nixl_tick(self) -> None:
+        for msg in self.nixl.notifications():
+            if msg.get("op") == "release" and self.pins.release(msg.get("request_id", ""), msg.get("token", "")):
+                self.metrics.bytes.labels("send", "nixl").inc(msg.get("bytes", 0))
+
+    # -- decode side --------------------------------------------------------------------------
+
+    def check_params(self, params: dict, block_size: int) -> None:
+        """Refuse params we could only turn into garbage (raised before anything is allocated)."""
+        remote = params.get("kv_layout")
+        if remote != self.layout:
+            raise KVLayoutMismatch(
+                f"kv_transfer_params describe KV layout {remote!r} but this worker's is {self.layout!r} "
+                f"(layers x kv heads x head dim : dtype : block size must match between prefill and decode)")
+        n = len(params.get("remote_block_ids") or [])
+        if n != -(-int(params["num_prompt_tokens"]) // block_size):
+            raise KVLayoutMismatch("kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+
+    def start_pull(self, params: dict, indices: list[int], dst_blocks: list[int]) -> Future:
+        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
+        return self.executor.submit(self._pull, params, indices, dst_blocks)
+
+    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int]) -> int:
+        t0 = time.perf_counter()
+        transport = params.get("transport", "tcp")
+        try:
+            host = self.policy.check(str(params["remote_host"]))
+            port = int(params["remote_port"])
+            if not indices:
+                nbytes = 0
+                self._release_remote(host, port, params)
+            elif transport == "nixl" and self.nixl is not None:
+                nbytes = self._nixl_pull(host, port, params, indices, dst_blocks)
+            else:
+                transport = "tcp"
+                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, PULL_TIMEOUT_S)
+        except Exception:
+            self.metrics.failures.labels("recv", transport).inc()
+            try:  # best effort: let the prefill side free its blocks now rather than at TTL
+                self._release_remote(self.policy.check(str(params["remote_host"])), int(params["remote_port"]), params)
+            except Exception:
+                pass
+            raise
+        self.metrics.bytes.labels("recv", transport).inc(nbytes)
+        self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
+        return nbytes
+
+    def _nixl_pull(self, host, port, params, indices, dst_blocks) -> int:
+        engine_id = params["remote_engine_id"]
+        peer = self.nixl.known_peer(engine_id)
+        if peer is None:
+            desc, _ = side_channel.call(host, port, "describe", {}, PULL_TIMEOUT_S)
+            if desc["engine_id"] != engine_id or "nixl" not in desc:
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} is not NIXL engine {engine_id}")
+            peer = self.nixl.add_peer(engine_id, desc["nixl"])
+        rid, token = params["remote_request_id"], params["transfer_token"]
+        reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices},
+                                     PULL_TIMEOUT_S)
+        nbytes = len(dst_blocks) * self.block_bytes
+        notif = {"op": "release", "request_id": rid, "token": token, "bytes": nbytes}
+        return self.nixl.read(peer, reply["block_ids"], dst_blocks, notif, PULL_TIMEOUT_S)
+
+    def _release_remote(self, host, port, params) -> None:
+        side_channel.call(host, port, "release",
+                          {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5.0)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.server:
+            self.server.stop()
