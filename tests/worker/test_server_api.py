@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.test_server_harness import WorkerProcess
+from tests.worker.test_server_harness import WorkerProcess, free_port
 
 KEY = "sk-test-key"
 NAME = "tiny-llama"
@@ -22,7 +22,9 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoint):
     with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", NAME, "--max-model-len", str(MAX_LEN),
-                       "--api-key", KEY, "--kv-cache-memory", str(32 << 20), "--kv-pin-ttl", "600") as w:
+                       "--api-key", KEY, "--kv-cache-memory", str(32 << 20), "--kv-pin-ttl", "600",
+                       # A KV side channel, so this one worker can play both P/D halves.
+                       "--kv-transfer", "tcp", "--kv-host", "127.0.0.1", "--kv-port", str(free_port())) as w:
         yield w
 
 
