@@ -2,8 +2,8 @@
 
 Kubernetes: the pods matching `--selector` in `--namespace` give each worker's role
 (`pdserve.io/role`: prefill | decode | both) and revision (`pdserve.io/revision`). A pod is
-routable when an endpoint object lists it ready: EndpointSlices (`discovery.k8s.io/v1`) where
-the server serves them, else core `Endpoints` (Kubernetes 1.20 serves only the v1beta1 slices).
+routable when an endpoint object lists it ready: EndpointSlices where the server serves them
+(`discovery.k8s.io/v1`, else `v1beta1` as on Kubernetes 1.20), else core `Endpoints`.
 A pod no Service selects has no endpoint object at all; then its own Ready condition and podIP
 are used, so a prefill pool needs no Service of its own. Reads are periodic lists (resync every
 `--discovery-interval`), which survive API-server restarts without watch bookkeeping.
@@ -12,7 +12,6 @@ are used, so a prefill pool needs no Service of its own. Reads are periodic list
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from pdserve.router.config import RouterConfig
@@ -107,42 +106,45 @@ def specs_from(pods: list[dict], ready: dict[str, tuple[str, int]], seen: set[st
 
 
 class KubernetesDiscovery:
+    # Newest first. v1beta1 matters beyond old clusters' sake: core Endpoints reject loopback
+    # addresses, EndpointSlices accept them (local test clusters put pods on 127.0.0.x).
+    SLICE_VERSIONS = ("discovery.k8s.io/v1", "discovery.k8s.io/v1beta1")
+
     def __init__(self, config: RouterConfig):
-        from kubernetes import client, config as kube_config
+        from kubernetes import client, config as kube_config, dynamic
 
         try:
             kube_config.load_incluster_config()
         except kube_config.ConfigException:
             kube_config.load_kube_config()
-        self._api = client.ApiClient()
-        self._core = client.CoreV1Api(self._api)
-        self._slices = None
+        # The dynamic client reads any group/version the server serves, whatever the Python
+        # client's generated models cover (v1beta1 slices are gone from recent clients).
+        self._dyn = dynamic.DynamicClient(client.ApiClient())
+        self._endpoint_api = None
         self._namespace = config.namespace
         self._selector = config.selector
         self._interval_s = config.discovery_interval_s
-        self._client = client
 
-    def _serves_slices_v1(self) -> bool:
-        groups = json.loads(self._client.ApisApi(self._api).get_api_versions(_preload_content=False).data)
-        for g in groups.get("groups", []):
-            if g.get("name") == "discovery.k8s.io":
-                return any(v.get("version") == "v1" for v in g.get("versions", []))
-        return False
+    def _resource(self, api_version: str, kind: str):
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            return self._dyn.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            return None
+
+    def _list_items(self, resource, **kw) -> list[dict]:
+        return resource.get(namespace=self._namespace, **kw).to_dict().get("items") or []
 
     def _list(self) -> list[WorkerSpec]:
-        if self._slices is None:
-            self._slices = self._serves_slices_v1()
-            log.info("discovery: using %s", "EndpointSlices (discovery.k8s.io/v1)" if self._slices else "Endpoints")
-        ns = self._namespace
-        pods = json.loads(self._core.list_namespaced_pod(ns, label_selector=self._selector,
-                                                         _preload_content=False).data)["items"]
-        if self._slices:
-            api = self._client.DiscoveryV1Api(self._api)
-            items = json.loads(api.list_namespaced_endpoint_slice(ns, _preload_content=False).data)["items"]
-            ready, seen = endpoints_from_slices(items)
-        else:
-            items = json.loads(self._core.list_namespaced_endpoints(ns, _preload_content=False).data)["items"]
-            ready, seen = endpoints_from_endpoints(items)
+        if self._endpoint_api is None:
+            found = next(((v, r) for v in self.SLICE_VERSIONS if (r := self._resource(v, "EndpointSlice"))), None)
+            self._endpoint_api = found or ("v1", self._resource("v1", "Endpoints"))
+            log.info("discovery: reading %s %s", self._endpoint_api[0], "EndpointSlices" if found else "Endpoints")
+        version, resource = self._endpoint_api
+        pods = self._list_items(self._resource("v1", "Pod"), label_selector=self._selector)
+        items = self._list_items(resource)
+        ready, seen = (endpoints_from_slices if version.startswith("discovery") else endpoints_from_endpoints)(items)
         return specs_from(pods, ready, seen)
 
     async def snapshot(self) -> list[WorkerSpec]:

@@ -118,7 +118,7 @@ def build(args) -> Starlette:
             if not stop_first:
                 st.expire()
                 st.pinned[rid] = (blocks(n_prompt), time.monotonic() + args.pin_ttl)
-                params = {"remote_url": f"http://127.0.0.1:{args.port}", "request_id": rid, "first": text}
+                params = {"remote_url": f"http://{args.host}:{args.port}", "request_id": rid, "first": text}
             return JSONResponse(completion(route, rid, text, finish, n_prompt, 1, params))
         start = 0
         if kvp.get("remote_url"):
