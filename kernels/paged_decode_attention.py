@@ -143,6 +143,13 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _tile_config() -> tuple[int, int, int]:
+    """(BLOCK_N tokens per KV tile, num_warps, num_stages); see docs/kernels.md."""
+    if interpreting():
+        return 16, 4, 1  # tiny tiles keep the CPU interpreter fast
+    return 64, 4, 2
+
+
 def _choose_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device) -> int:
     # Enough programs for ~2 waves over the SMs, but no split shorter than two KV tiles.
     want = triton.cdiv(2 * num_sms(device), batch * hkv)
@@ -188,8 +195,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
 
-    small = interpreting()  # tiny tiles keep the CPU interpreter fast
-    block_n = 16 if small else 64
+    block_n, warps, stages = _tile_config()
     if num_splits is None:
         num_splits = _choose_splits(batch, hkv, block_tables.shape[1] * block_size, block_n, device)
     group = hq // hkv
@@ -206,7 +212,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, hq)](

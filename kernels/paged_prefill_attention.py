@@ -150,6 +150,15 @@ def _prefill_kernel(
              mask=io_mask)
 
 
+def _tile_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); see docs/kernels.md for how these were chosen."""
+    if interpreting():
+        return 16, 16, 4, 1  # tiny tiles keep the CPU interpreter fast
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    return 128, 64, 8, 2
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -186,18 +195,13 @@ def paged_prefill_attention(
     if total == 0 or batch == 0:
         return out
 
-    if interpreting():
-        block_m, block_n, warps = 16, 16, 4  # tiny tiles keep the CPU interpreter fast
-    elif q.dtype == torch.float32:
-        block_m, block_n, warps = 64, 32, 4
-    else:
-        block_m, block_n, warps = 128, 64, 8
+    block_m, block_n, warps, stages = _tile_config(q.dtype)
     _prefill_kernel[(total // block_m + batch, hq)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
         scale * math.log2(math.e), batch,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return out
