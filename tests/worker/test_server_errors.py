@@ -64,6 +64,9 @@ CASES = [
      ("64", "70", "30", "40")),
     (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found", ("gpt-4", NAME)),
     (CMPL, {"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature", None, ()),
+    # Refused by the engine itself, still before the first byte of the stream.
+    (CMPL, {"prompt": "x", "stream": True, "kv_transfer_params": {"first_token_id": 5}}, 400,
+     "kv_transfer_params", None, ("kv_transfer_params",)),
     (CHAT, {}, 400, "messages", None, ()),
     (CHAT, {"messages": []}, 400, "messages", None, ()),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", None, ()),
