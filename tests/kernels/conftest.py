@@ -1,14 +1,14 @@
 """Kernel tests run the real Triton kernels on CPU tensors under Triton's interpreter.
 
-Triton decides interpreter-or-GPU when a kernel is decorated (at import), so the variable is set
-here, before any test module imports pdserve.kernels; kernel modules that something else in the
-session imported earlier are re-imported so their kernels are decorated again, interpreted.
-On a CUDA machine (tier 4) the same tests run on the GPU instead, plus the real-size ones.
+Triton picks interpreter-or-GPU when it is imported and when a kernel is decorated (its own
+tl.* helpers are kernels too), so TRITON_INTERPRET=1 must be set before anything imports
+triton. It is set here, which is early enough when the kernel tests are collected first; if
+something imported triton earlier in the session, every kernel test fails with that reason
+(set TRITON_INTERPRET=1 in the environment then) rather than skipping quietly.
+On a CUDA machine (tier 4) the same tests run compiled on the GPU, plus the real-size ones.
 """
-
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -17,10 +17,17 @@ import torch
 
 from tests.kernels.kernel_inputs import ON_GPU
 
-if not ON_GPU:
+TRITON_IMPORTED_TOO_EARLY = False
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in sorted(n for n in sys.modules if n.startswith("pdserve.kernels.")):
-        importlib.reload(sys.modules[_name])
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_active():
+    if TRITON_IMPORTED_TOO_EARLY:
+        pytest.fail("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1; "
+                    "run with TRITON_INTERPRET=1 in the environment")
 
 
 @pytest.fixture
