@@ -1,0 +1,107 @@
+"""The router in front of real `pdserve worker` processes (tiny checkpoint, CPU, TCP KV transfer),
+called with the real `openai` client: P/D output equals one worker's greedy output, streamed and
+not; a client disconnect frees KV blocks on both workers; a killed prefill worker falls back
+to local prefill on the decode worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import ROOT, Proc, free_port, wait_http
+from tests.router.test_failures import eventually
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+CHAT = [{"role": "user", "content": "Tell me about foxes and dogs."}]
+
+
+@pytest.fixture(scope="module")
+def stack(module_launch, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    workers = {}
+    for role in ("prefill", "decode"):
+        port, kv_port = free_port(), free_port()
+        cmd = [sys.executable, "-m", "pdserve.worker.cli", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
+               "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
+               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--log-level", "warning"]
+        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
+        module_launch.procs.append(workers[role])
+    for w in workers.values():
+        wait_http(w.url + "/health", w.popen, timeout_s=180)
+    router = module_launch.router("--prefill", workers["prefill"].url, "--decode", workers["decode"].url)
+    return workers["prefill"], workers["decode"], router
+
+
+def text_of(client, chat: bool, stream: bool) -> tuple[str, dict | None]:
+    if chat:
+        kw = dict(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            usage = next((c.usage.model_dump() for c in chunks if c.usage), None)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), usage
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.usage.model_dump()
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        usage = next((c.usage.model_dump() for c in chunks if c.usage), None)
+        return "".join(c.choices[0].text for c in chunks if c.choices), usage
+    r = client.completions.create(**kw)
+    return r.choices[0].text, r.usage.model_dump()
+
+
+def no_leaks(*workers) -> bool:
+    for w in workers:
+        kv = w.kv()
+        if kv["num_free_blocks"] != kv["num_total_blocks"] or kv["num_pinned_blocks"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_pd_equals_single_worker_greedy(stack, chat, stream):
+    prefill, decode, router = stack
+    via_router = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    single = openai.OpenAI(base_url=decode.url + "/v1", api_key="x", max_retries=0)  # no kv params: local prefill
+    got, got_usage = text_of(via_router, chat, stream)
+    want, want_usage = text_of(single, chat, stream)
+    assert got == want and got
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert got_usage[key] == want_usage[key]
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'disaggregated="yes"' in metrics
+    eventually(lambda: no_leaks(prefill, decode))
+
+
+def test_client_disconnect_frees_blocks_on_both_workers(stack):
+    prefill, decode, router = stack
+    body = {"model": "tiny", "prompt": PROMPT * 3, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 5:  # decoding on the decode worker: its blocks are in use
+                assert decode.kv()["num_free_blocks"] < decode.kv()["num_total_blocks"]
+                break
+    eventually(lambda: no_leaks(prefill, decode), timeout_s=30)
+    assert decode.kv()["num_running"] == 0
+
+
+def test_killed_prefill_worker_falls_back_to_local_prefill(stack):
+    prefill, decode, router = stack
+    via_router = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    single = openai.OpenAI(base_url=decode.url + "/v1", api_key="x", max_retries=0)
+    prefill.popen.kill()
+    prefill.popen.wait()
+    assert text_of(via_router, False, True)[0] == text_of(single, False, True)[0]
+    eventually(lambda: httpx.get(router.url + "/ready").json()["prefill_workers"] == 0)
+    assert text_of(via_router, True, False)[0] == text_of(single, True, False)[0]
