@@ -37,6 +37,7 @@ class EngineConfig:
     kv_host: str | None = None  # address peers use to reach our KV side channel
     kv_port: int = 5600
     kv_pin_ttl: float = 30.0
+    kv_pull_timeout: float = 30.0  # a silent prefill peer costs this much before local prefill
     kv_peer_allow: tuple[str, ...] = ()  # CIDRs/hosts a decode worker may pull from
     kv_events_port: int | None = None  # ZMQ PUB port for KV cache events (router prefix-aware)
 
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.kv_pull_timeout <= 0:
+            raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:
             raise ConfigError("--kv-pin-ttl", f"must be positive seconds, got {self.kv_pin_ttl}")
 
@@ -85,6 +88,7 @@ class EngineConfig:
         g.add_argument("--kv-host", default=None, help="address peers use for our KV side channel")
         g.add_argument("--kv-port", type=int, default=5600)
         g.add_argument("--kv-pin-ttl", type=float, default=30.0)
+        g.add_argument("--kv-pull-timeout", type=float, default=30.0)
         g.add_argument("--kv-peer-allow", nargs="*", default=[], help="CIDRs/hosts decode may pull from")
         g.add_argument("--kv-events-port", type=int, default=None)
 

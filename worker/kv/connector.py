@@ -25,7 +25,6 @@ from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
 
 log = logging.getLogger(__name__)
 
-PULL_TIMEOUT_S = 30.0
 LEASE_S = 60.0
 
 
@@ -49,6 +48,7 @@ class KVConnector:
         self.metrics = KVMetrics(self.pins.num_blocks)
         self.policy = PeerPolicy(config.kv_peer_allow)
         self.port = config.kv_port
+        self.timeout = config.kv_pull_timeout
         self.host = config.kv_host or os.environ.get("POD_IP") or "127.0.0.1"
         self.nixl = NixlTransport(f"pdserve-{engine_id}", cache, self.block_bytes) if self.transport == "nixl" else None
         self.server: side_channel.SideChannelServer | None = None
@@ -127,7 +127,7 @@ class KVConnector:
                 nbytes = self._nixl_pull(host, port, params, indices, dst_blocks)
             else:
                 transport = "tcp"
-                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, PULL_TIMEOUT_S)
+                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout)
         except Exception:
             self.metrics.failures.labels("recv", transport).inc()
             try:  # best effort: let the prefill side free its blocks now rather than at TTL
@@ -143,16 +143,16 @@ class KVConnector:
         engine_id = params["remote_engine_id"]
         peer = self.nixl.known_peer(engine_id)
         if peer is None:
-            desc, _ = side_channel.call(host, port, "describe", {}, PULL_TIMEOUT_S)
+            desc, _ = side_channel.call(host, port, "describe", {}, self.timeout)
             if desc["engine_id"] != engine_id or "nixl" not in desc:
                 raise side_channel.SideChannelError(f"KV peer {host}:{port} is not NIXL engine {engine_id}")
             peer = self.nixl.add_peer(engine_id, desc["nixl"])
         rid, token = params["remote_request_id"], params["transfer_token"]
         reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices},
-                                     PULL_TIMEOUT_S)
+                                     self.timeout)
         nbytes = len(dst_blocks) * self.block_bytes
         notif = {"op": "release", "request_id": rid, "token": token, "bytes": nbytes}
-        return self.nixl.read(peer, reply["block_ids"], dst_blocks, notif, PULL_TIMEOUT_S)
+        return self.nixl.read(peer, reply["block_ids"], dst_blocks, notif, self.timeout)
 
     def _release_remote(self, host, port, params) -> None:
         side_channel.call(host, port, "release",

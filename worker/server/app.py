@@ -182,7 +182,11 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        body = state.metrics.render()
+        connector = getattr(getattr(state.engine, "engine", None), "connector", None)
+        if connector is not None:  # P/D workers: pdserve_kv_* series from the KV connector
+            body += connector.metrics.render()
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/debug/kv")
     async def debug_kv():

@@ -1,0 +1,179 @@
+"""P/D KV transfer between two real worker processes on loopback, for each transport.
+
+Every test ends by checking that both workers' free-block counts are back at their start
+and nothing is left pinned.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from pdserve.worker.kv import side_channel
+from tests.worker.test_server_harness import WorkerProcess, free_port
+
+PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
+BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(1 << 22))
+
+
+def kv_state(w: WorkerProcess) -> dict:
+    return httpx.get(f"{w.url}/debug/kv", timeout=10).json()
+
+
+def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:
+    """Pins are freed by the engine loop shortly after release: poll until they are."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = kv_state(w)
+        if (s["num_free_blocks"] == start["num_free_blocks"] and s["num_pinned_blocks"] == 0) or time.monotonic() > deadline:
+            return s
+
+
+def metric(w: WorkerProcess, name: str) -> float:
+    text = httpx.get(f"{w.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def prefill(p: WorkerProcess, body: dict) -> dict:
+    r = httpx.post(f"{p.url}/v1/completions", timeout=60,
+                   json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["kv_transfer_params"]["transfer_token"]
+    return out
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def pd_pair(request, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    t = request.param
+    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      "--kv-pin-ttl", "3").start()
+    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      "--kv-pull-timeout", "3").start()
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield t, p, d
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.fixture
+def clean(pd_pair):
+    _, p, d = pd_pair
+    start = {w: kv_state(w) for w in (p, d)}
+    yield
+    for w in (p, d):
+        end = wait_clean(w, start[w])
+        assert end["num_free_blocks"] == start[w]["num_free_blocks"], f"{w.url} leaked KV blocks"
+        assert end["num_pinned_blocks"] == 0
+
+
+def test_pd_equals_single_worker_greedy(pd_pair, clean):
+    transport, p, d = pd_pair
+    body = {**BASE, "prompt": "A fresh prompt that neither worker has cached before: " + PROMPT}
+    first = prefill(p, body)
+    assert first["kv_transfer_params"]["transport"] == transport
+    pulled_before = metric(d, "pdserve_kv_transfer_bytes_total")
+    rest = httpx.post(f"{d.url}/v1/completions", timeout=60,
+                      json={**body, "kv_transfer_params": first["kv_transfer_params"]}).json()
+    plain = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60).json()
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == plain["choices"][0]["text"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):  # prompt once, all 12 completion tokens
+        assert rest["usage"][key] == plain["usage"][key]
+    assert rest["usage"]["completion_tokens"] == 12
+    assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled_before  # really pulled, not recomputed
+    assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == 0
+
+
+def test_streamed_decode_continues_after_first_token(pd_pair, clean):
+    _, p, d = pd_pair
+    plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
+    first = prefill(p, BASE)
+    text = first["choices"][0]["text"]
+    with httpx.stream("POST", f"{d.url}/v1/completions", timeout=60,
+                      json={**BASE, "stream": True, "kv_transfer_params": first["kv_transfer_params"]}) as r:
+        import json
+
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == plain
+
+
+def test_unpulled_blocks_are_freed_at_ttl(pd_pair, clean):
+    _, p, _ = pd_pair
+    before = kv_state(p)
+    prefill(p, BASE)
+    assert kv_state(p)["num_pinned_blocks"] > 0
+    # --kv-pin-ttl 3: the `clean` fixture's poll sees them freed without any release.
+    end = wait_clean(p, before, timeout=15)
+    assert end["num_pinned_blocks"] == 0
+
+
+def test_forged_and_expired_tokens_are_rejected(pd_pair, clean):
+    _, p, d = pd_pair
+    params = prefill(p, BASE)["kv_transfer_params"]
+    host, port = params["remote_host"], params["remote_port"]
+    forged = {"request_id": params["remote_request_id"], "token": "forged", "indices": [0]}
+    with pytest.raises(side_channel.SideChannelError, match="refused"):
+        side_channel.call(host, port, "read", forged, 5)
+    # A decode worker handed the forged token cannot pull; it prefills locally and still answers right.
+    plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
+    fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
+    bad = {**params, "transfer_token": "forged"}
+    rest = httpx.post(f"{d.url}/v1/completions", json={**BASE, "kv_transfer_params": bad}, timeout=60).json()
+    assert params and rest["choices"][0]["text"] == plain[len(plain) - len(rest["choices"][0]["text"]):]
+    assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks + 1
+    # Expired: after the TTL the genuine token is refused too.
+    time.sleep(4)
+    genuine = {**forged, "token": params["transfer_token"]}
+    with pytest.raises(side_channel.SideChannelError, match="refused"):
+        side_channel.call(host, port, "read", genuine, 5)
+
+
+def test_peer_outside_allowlist_is_never_contacted(pd_pair, clean):
+    _, p, d = pd_pair
+    params = prefill(p, BASE)["kv_transfer_params"]
+    failures = metric(d, "pdserve_kv_transfer_failures_total")
+    forged = {**params, "remote_host": "203.0.113.7"}  # TEST-NET-3: not in the default allowlist
+    r = httpx.post(f"{d.url}/v1/completions", json={**BASE, "kv_transfer_params": forged}, timeout=60)
+    assert r.status_code == 200  # served by local prefill
+    assert metric(d, "pdserve_kv_transfer_failures_total") == failures + 1
+    # Release the genuine pin so the leak check passes promptly.
+    side_channel.call(params["remote_host"], params["remote_port"], "release",
+                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5)
+
+
+def test_mismatched_block_size_is_refused(tiny_checkpoint, pd_pair):
+    _, p, _ = pd_pair
+    ckpt = tiny_checkpoint("llama")
+    params = prefill(p, BASE)["kv_transfer_params"]
+    args = ("--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(1 << 22))
+    with WorkerProcess(ckpt, *args, "--role", "decode", "--kv-transfer", "tcp") as d8:
+        r = httpx.post(f"{d8.url}/v1/completions", json={**BASE, "kv_transfer_params": params}, timeout=60)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert "block size is 4" in err["message"] and "8" in err["message"]
+        assert err["param"] == "kv_transfer_params"
+        assert kv_state(d8)["num_free_blocks"] == kv_state(d8)["num_total_blocks"]
+
+
+def test_killed_prefill_worker_means_local_prefill(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    with WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", "tcp", "--kv-pull-timeout", "2") as d:
+        start = kv_state(d)
+        plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
+        with WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", "tcp", "--kv-port", str(free_port())) as p:
+            first = prefill(p, BASE)
+            p.stop(sig=9)
+        rest = httpx.post(f"{d.url}/v1/completions", timeout=60,
+                          json={**BASE, "kv_transfer_params": first["kv_transfer_params"]}).json()
+        assert first["choices"][0]["text"] + rest["choices"][0]["text"] == plain
+        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == 1
+        assert wait_clean(d, start)["num_free_blocks"] == start["num_free_blocks"]
