@@ -1,0 +1,28 @@
+"""`pdserve bench NAME [ARGS...]`: runs bench/NAME.py as if it were `python -m pdserve.bench.NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+BENCHMARKS = {
+    "kernels": "pdserve.bench.kernels",
+    "kv-transfer": "pdserve.bench.kv_transfer",
+    "router": "pdserve.bench.router",
+    "engine": "pdserve.bench.engine",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see NAME --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    sys.argv = [f"pdserve bench {args.name}", *args.args]
+    try:
+        runpy.run_module(BENCHMARKS[args.name], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    return 0
