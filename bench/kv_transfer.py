@@ -137,7 +137,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-kib", type=int, default=256, help="bytes per KV block (all layers), KiB")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--transports", nargs="+", default=["nixl", "tcp"], choices=("nixl", "tcp"))
+    ap.add_argument("--ucx-tls", default=None,
+                    help="set UCX_TLS for both sides (e.g. cuda_ipc,cuda_copy,tcp for VRAM->VRAM on one host)")
     args = ap.parse_args(argv)
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the spawned prefill process
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible")
     if args.cross_gpu and torch.cuda.device_count() < 2:
@@ -147,7 +151,8 @@ def main(argv=None) -> int:
     block_bytes = args.block_kib * 1024
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
-          f"{args.iters} iters (median, first excluded), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+          f"{args.iters} iters (median, first excluded), torch {torch.__version__}, "
+          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, {time.strftime('%Y-%m-%d')}")
     results = {}
     for transport in args.transports:
         for scattered in (False, True):
