@@ -17,6 +17,8 @@ class OperatorConfig:
     resync_interval_s: float = 15.0
     # Optional APIs (ServiceMonitor, HPA/PDB versions) are re-discovered this often.
     discovery_ttl_s: float = 60.0
+    # None: in-cluster credentials in a pod, else KUBECONFIG / ~/.kube/config.
+    kubeconfig: str | None = None
 
     def __post_init__(self) -> None:
         if self.namespaces and self.all_namespaces:
@@ -41,25 +43,33 @@ class OperatorConfig:
         return cls(**values)
 
 
-def load_api_client():
-    """An ApiClient for in-cluster credentials when running in a pod, else the kubeconfig
-    (KUBECONFIG or ~/.kube/config); a fresh Configuration, not the client's global default."""
+def load_client_configuration(kubeconfig: str | None = None):
+    """A fresh client Configuration (never the client library's global default): from
+    `kubeconfig` if given, in-cluster credentials when running in a pod, else KUBECONFIG or
+    ~/.kube/config (read now, not when the library was imported)."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=cfg)
     else:
-        config.load_kube_config(client_configuration=cfg)
-    return client.ApiClient(cfg)
+        path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        config.load_kube_config(config_file=path, client_configuration=cfg)
+    return cfg
 
 
-def kubeconfig_namespace() -> str:
+def load_api_client(kubeconfig: str | None = None):
+    from kubernetes import client
+
+    return client.ApiClient(load_client_configuration(kubeconfig))
+
+
+def kubeconfig_namespace(kubeconfig: str | None = None) -> str:
     """The current context's namespace (default "default"), for `pdserve operator` without flags."""
     from kubernetes import config
 
     try:
-        _, ctx = config.list_kube_config_contexts()
+        _, ctx = config.list_kube_config_contexts(kubeconfig or os.environ.get("KUBECONFIG") or None)
     except config.ConfigException:
         ns_file = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
         return open(ns_file).read().strip() if os.path.exists(ns_file) else "default"

@@ -11,10 +11,11 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes.client import ApiClient
 from kubernetes.client.rest import ApiException
 
 from pdserve.operator import naming, status
-from pdserve.operator.config import OperatorConfig, load_api_client
+from pdserve.operator.config import OperatorConfig, load_client_configuration
 from pdserve.operator.kube import Kube
 from pdserve.operator.reconcile import reconcile
 from pdserve.operator.spec import SpecError
@@ -69,7 +70,20 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
             prefix="pdserve.io", key="last-handled-configuration")
         # Events are posted deliberately (_post), not for every log line.
         settings.posting.level = logging.WARNING
-        memo.kube = Kube(load_api_client(), config.discovery_ttl_s)
+        memo.kube = Kube(ApiClient(load_client_configuration(config.kubeconfig)), config.discovery_ttl_s)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # kopf's own client login reads the kubeconfig path the client library fixed at import
+        # time; ours honours OperatorConfig.kubeconfig and KUBECONFIG as they are now.
+        cfg = load_client_configuration(config.kubeconfig)
+        header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+        scheme, _, token = (header or "").rpartition(" ")
+        return kopf.ConnectionInfo(
+            server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+            scheme=scheme or ("Bearer" if token else None), token=token or None,
+            username=cfg.username or None, password=cfg.password or None,
+            certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
 
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)

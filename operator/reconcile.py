@@ -33,7 +33,11 @@ def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
 
     current = {d["metadata"]["labels"].get(naming.LABEL_ROLE): d
                for d in kube.list("apps/v1", "Deployment", ms.namespace, selector) if owned_by(d, ms.uid)}
-    replicas_now = {r: (d.get("spec") or {}).get("replicas", 1) for r, d in current.items()}
+    # Replica counts the prefill:decode ratio is measured against: the spec's for a fixed-size
+    # role, the Deployment's (an HPA moves it) for an autoscaled one.
+    replicas_now = {r: (current[r].get("spec") or {}).get("replicas", 1) if ms.spec.role(r).autoscaling
+                    else ms.spec.role(r).replicas for r in ("prefill", "decode")
+                    if r in current or not ms.spec.role(r).autoscaling}
 
     desired = build_children(ms, kube.versions(), replicas_now)
     deployments: dict[str, dict[str, Any]] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from pdserve.operator import naming
 from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec
@@ -38,18 +38,19 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
     return args + list(rs.args)
 
 
+def quantities(resources: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """Resources with every quantity as a string: server-side apply's typed schema (1.20)
+    rejects a bare integer quantity with a 500."""
+    return {kind: {k: str(v) for k, v in values.items()}
+            for kind in ("limits", "requests") if (values := resources.get(kind))}
+
+
 def worker_resources(ms: ModelServing, rs: RoleSpec) -> dict[str, Any]:
     """The user's resources, plus one GPU per tensor-parallel rank on cuda unless they set it."""
     limits = dict(rs.resources.get("limits") or {})
-    requests = dict(rs.resources.get("requests") or {})
     if ms.spec.device == "cuda" and GPU_RESOURCE not in limits:
         limits[GPU_RESOURCE] = rs.tensor_parallel_size
-    out: dict[str, Any] = {}
-    if limits:
-        out["limits"] = limits
-    if requests:
-        out["requests"] = requests
-    return out
+    return quantities({**rs.resources, "limits": limits})
 
 
 def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
     if env:
         container["env"] = env
     if r.resources:
-        container["resources"] = dict(r.resources)
+        container["resources"] = quantities(r.resources)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": naming.child_name(ms, "router"),
         "containers": [container],

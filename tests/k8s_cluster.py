@@ -51,6 +51,14 @@ class Cluster:
         self.core().create_namespace({"metadata": {"name": name}})
         return name
 
+    def delete_namespace(self, name: str) -> None:
+        """Delete a namespace and, as no kubelet will ever confirm it, force-delete its pods so
+        their resources (GPUs on node-0) are free for the next test."""
+        core = self.core()
+        core.delete_namespace(name, _preload_content=False)
+        for pod in core.list_namespaced_pod(name).items:
+            core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0, _preload_content=False)
+
     def stop(self) -> None:
         subprocess.run([str(SHARED_K8S / "stop-cluster.sh"), str(self.run_dir)], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
@@ -170,8 +178,18 @@ class Kubelet:
                            "containerStatuses": containers}}
         self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, body)
 
+    def reap(self) -> None:
+        """Confirm deletions, as a kubelet does once containers stop: a pod with a deletion
+        timestamp is removed for good (without this, terminating pods keep their GPUs)."""
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            if pod.metadata.deletion_timestamp:
+                self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, grace_period_seconds=0,
+                                                _preload_content=False)
+
     def make_ready(self, selector: str) -> int:
-        """Mark every bound, not-yet-ready pod matching selector Ready; returns how many."""
+        """Reap deleted pods, then mark every bound, not-yet-ready pod matching selector Ready;
+        returns how many were marked."""
+        self.reap()
         n = 0
         for pod in self.bound_pods(selector):
             conds = {c.type: c.status for c in (pod.status.conditions or ())}

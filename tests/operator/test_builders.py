@@ -48,9 +48,9 @@ def test_worker_args(spec, role, expect):
 
 
 @pytest.mark.parametrize("spec, role, gpus", [
-    ({}, "prefill", 1),
-    ({"prefill": {"tensorParallelSize": 4}}, "prefill", 4),
-    ({"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}}}, "decode", 8),
+    ({}, "prefill", "1"),
+    ({"prefill": {"tensorParallelSize": 4}}, "prefill", "4"),
+    ({"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}}}, "decode", "8"),
     ({"device": "cpu", "prefill": {"tensorParallelSize": 2}}, "prefill", None),
 ])
 def test_gpu_resources(spec, role, gpus):

@@ -1,0 +1,83 @@
+"""The CRD on a real Kubernetes 1.20 API server: accepted, defaulted, and bad specs rejected by
+the server itself with messages that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from pdserve.operator.kube import Kube
+
+pytestmark = [pytest.mark.k8s, pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")]
+
+GOOD = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "image": "reg/pdserve:1"}
+
+
+def create(k8s_cluster, namespace, spec, name="m"):
+    return client.CustomObjectsApi(k8s_cluster.api_client).create_namespaced_custom_object(
+        "pdserve.io", "v1alpha1", namespace, "modelservings",
+        {"apiVersion": "pdserve.io/v1alpha1", "kind": "ModelServing", "metadata": {"name": name}, "spec": spec})
+
+
+def test_minimal_spec_is_accepted_and_defaulted(k8s_cluster, crd, namespace):
+    obj = create(k8s_cluster, namespace, GOOD)
+    spec = obj["spec"]
+    assert spec["prefill"] == {"replicas": 1, "tensorParallelSize": 1}
+    assert spec["decode"] == {"replicas": 1, "tensorParallelSize": 1}
+    assert spec["router"] == {"replicas": 1, "service": {"type": "ClusterIP", "port": 80}}
+    assert spec["kvTransfer"] == {"backend": "nixl", "port": 5600}
+    assert spec["model"]["dtype"] == "auto" and spec["device"] == "cuda" and spec["imagePullPolicy"] == "IfNotPresent"
+    assert spec["monitoring"] == {"serviceMonitor": False}
+
+
+def test_full_spec_round_trips(k8s_cluster, crd, namespace):
+    spec = {**GOOD,
+            "model": {"source": "pvc://models/llama", "servedName": "llama", "dtype": "bfloat16", "maxModelLen": 8192,
+                      "hfTokenSecret": {"name": "hf"}},
+            "imagePullSecrets": [{"name": "regcred"}],
+            "prefill": {"replicas": 2, "tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "80Gi"}},
+                        "args": ["--block-size", "32"], "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                        "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                        "affinity": {"podAntiAffinity": {}}, "autoscaling": {"maxReplicas": 4}},
+            "router": {"policy": "kv-aware", "apiKeySecret": {"name": "keys"}, "pdMinPromptTokens": 32},
+            "prefillDecodeRatio": {"min": 0.5, "max": 2}}
+    obj = create(k8s_cluster, namespace, spec)
+    assert obj["spec"]["prefill"]["env"] == spec["prefill"]["env"]  # preserved, not pruned
+    assert obj["spec"]["prefill"]["autoscaling"] == {"maxReplicas": 4, "minReplicas": 1,
+                                                      "metric": "vllm:num_requests_waiting", "targetAverageValue": "4"}
+    assert obj["spec"]["router"]["apiKeySecret"] == {"name": "keys", "key": "api-keys"}
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ({"model": GOOD["model"]}, ["spec.image", "Required value"]),
+    ({"image": "x"}, ["spec.model", "Required value"]),
+    ({**GOOD, "model": {"source": "s3://bucket/model"}}, ["spec.model.source", "should match"]),
+    ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
+    ({**GOOD, "prefill": {"replicas": -1}}, ["spec.prefill.replicas", "greater than or equal to 0"]),
+    ({**GOOD, "decode": {"tensorParallelSize": 0}}, ["spec.decode.tensorParallelSize", "greater than or equal to 1"]),
+    ({**GOOD, "kvTransfer": {"backend": "rdma"}}, ["spec.kvTransfer.backend", "Unsupported value", "nixl"]),
+    ({**GOOD, "router": {"service": {"port": 70000}}}, ["spec.router.service.port", "less than or equal to 65535"]),
+    ({**GOOD, "router": {"service": {"type": "ExternalName"}}}, ["spec.router.service.type", "Unsupported value"]),
+    ({**GOOD, "prefill": {"autoscaling": {"minReplicas": 2}}}, ["spec.prefill.autoscaling.maxReplicas", "Required value"]),
+    ({**GOOD, "decode": {"replicas": "two"}}, ["spec.decode.replicas", "integer"]),
+])
+def test_invalid_specs_are_rejected_by_the_server(k8s_cluster, crd, namespace, spec, expect):
+    with pytest.raises(ApiException) as e:
+        create(k8s_cluster, namespace, spec)
+    assert e.value.status == 422
+    message = json.loads(e.value.body)["message"]
+    for text in expect:
+        assert text in message, message
+
+
+def test_printer_columns_served(k8s_cluster, crd, namespace):
+    create(k8s_cluster, namespace, GOOD, name="llama")
+    table = Kube(k8s_cluster.api_client).request(
+        "GET", f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/modelservings",
+        accept="application/json;as=Table;v=v1;g=meta.k8s.io")
+    names = [c["name"] for c in table["columnDefinitions"]]
+    assert names == ["Name", "Ready", "Prefill", "Decode", "Endpoint", "Revision", "Age"]
+    assert table["rows"][0]["cells"][0] == "llama"
