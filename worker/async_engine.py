@@ -61,6 +61,8 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
         if self.engine.connector is not None:
             self.engine.connector.shutdown()
+        if self.engine.kv_event_publisher is not None:
+            self.engine.kv_event_publisher.close()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -83,7 +83,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, max_len)
         self.runner = ModelRunner(self.model, bs, self.device)
         self.requests: dict[str, Request] = {}
-        self.kv_event_sinks: list = []
+        # KV cache events for KV-aware routers: collected during a step, published once per step.
+        self._kv_events: list[dict] = []
+        self.kv_event_publisher = None
+        if config.kv_events_port is not None:
+            from pdserve.router.kv_events import KVEventPublisher
+
+            self.kv_event_publisher = KVEventPublisher(
+                self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -147,12 +154,14 @@ class LLMEngine:
         self._start_pulls()
         self._finish_pulls()
         batch = self.scheduler.schedule()
+        self._publish_kv_events()  # evictions made while scheduling
         if not batch:
             if self._pulling:  # nothing to compute until a pull lands: wait for one, briefly
                 wait([f for _, f in self._pulling.values()], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         sampled, logprobs = self.runner.run(batch)
         finished = self.scheduler.update(batch, sampled)
+        self._publish_kv_events()
         finished_ids = {r.request_id for r in finished}
         for req, _ in batch.items:
             new = req.token_ids[req.num_prompt_tokens + req.num_emitted_tokens:] if req.request_id in sampled else []
@@ -355,8 +364,19 @@ class LLMEngine:
         return self.connector.pin(req.request_id, block_ids, req.num_prompt_tokens, req.output_token_ids[0])
 
     def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:
-        for sink in self.kv_event_sinks:
-            sink(kind, block_hashes, parent, token_ids)
+        if self.kv_event_publisher is None:
+            return
+        from pdserve.router.kv_events import block_removed, block_stored
+
+        if kind == "BlockStored":
+            self._kv_events.append(block_stored(block_hashes, parent, token_ids, self.block_manager.block_size))
+        else:
+            self._kv_events.append(block_removed(block_hashes))
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events:
+            self.kv_event_publisher.publish(self._kv_events)
+            self._kv_events = []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline batch generation (tests, benchmarks): output token ids per prompt."""
