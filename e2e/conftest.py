@@ -1,0 +1,23 @@
+"""Fixtures for the end-to-end tests: the same session fixtures as tests/ (the default model,
+converted once into the user cache; tiny random-weight checkpoints), plus a free-port helper."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tests.conftest import default_model_dir, tiny_checkpoint  # noqa: F401  (re-exported fixtures)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_name() -> str:
+    from pdserve.worker.default_model import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME

@@ -1,0 +1,389 @@
+"""`pdserve up`: a whole prefill/decode stack on this machine, as child processes.
+
+Prefill workers, decode workers and the router each run as their own `pdserve` process in its
+own session (process group), logging to a file in the log directory. The launcher prints each
+stage with its time, a ready banner with the OpenAI base URL, then watches: Ctrl-C or SIGTERM
+stops every child (router first, so nothing new comes in while workers drain), and a child
+that dies on its own stops the rest and exits 1 with that child's last log lines.
+
+`plan(config)` builds every child's command line and environment without starting anything,
+so tests can run the same commands one by one and kill them individually.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pdserve.worker.config import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+TAIL_LINES = 30
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str | None = None  # None: the default model, converted once by the launcher
+    served_model_name: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    host: str = "0.0.0.0"  # the router's bind address; workers listen on loopback only
+    port: int = 8000
+    device: str = "auto"
+    kv_transfer: str | None = None  # None: nixl if importable, else tcp
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_dir: str | None = None  # None: a fresh temporary directory
+    ready_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 40.0  # then SIGKILL; workers drain in-flight requests meanwhile
+
+    def __post_init__(self):
+        if self.prefill < 0:
+            raise ConfigError("--prefill", f"must be >= 0 (0 = every request prefills on its decode worker), got {self.prefill}")
+        if self.decode < 1:
+            raise ConfigError("--decode", f"must be at least 1, got {self.decode}")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError("--port", f"must be in 1..65535, got {self.port}")
+        if self.device not in DEVICES:
+            raise ConfigError("--device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.kv_transfer not in (None, "nixl", "tcp"):
+            raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
+        if self.kv_transfer == "nixl" and not nixl_installed():
+            raise ConfigError("--kv-transfer", "nixl is not installed (pip install 'pdserve[nixl]'), use tcp")
+        if self.device == "cuda" and not visible_gpus():
+            raise ConfigError("--device", "cuda was asked for but no GPU is visible")
+        if self.model is not None and not self.model:
+            raise ConfigError("--model", "must not be empty")
+        if self.ready_timeout_s <= 0:
+            raise ConfigError("--ready-timeout", f"must be > 0 seconds, got {self.ready_timeout_s}")
+
+    @property
+    def transport(self) -> str:
+        return self.kv_transfer or ("nixl" if nixl_installed() else "tcp")
+
+
+def nixl_installed() -> bool:
+    # find_spec, not import: importing nixl pulls in torch and UCX, seconds the launcher never needs.
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: SmolLM2-135M-Instruct, offline)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers (default 1)")
+    p.add_argument("--host", default="0.0.0.0", help="the router's bind address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port: the OpenAI base URL")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (GPUs go round-robin to the workers)")
+    p.add_argument("--kv-transfer", default=None, help="nixl | tcp (default: nixl if installed, else tcp)")
+    p.add_argument("--worker-args", default="", metavar="'ARGS'",
+                   help="extra flags for every worker, one quoted string, e.g. --worker-args='--max-model-len 2048'")
+    p.add_argument("--router-args", default="", metavar="'ARGS'",
+                   help="extra flags for the router, e.g. --router-args='--decode-policy round-robin'")
+    p.add_argument("--log-dir", default=None, help="where each child's log goes (default: a new temporary directory)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS")
+
+
+def _split(flag: str, value: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as e:
+        raise ConfigError(flag, f"cannot split {value!r}: {e}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
+                       decode=args.decode, host=args.host, port=args.port, device=args.device,
+                       kv_transfer=args.kv_transfer, worker_args=_split("--worker-args", args.worker_args),
+                       router_args=_split("--router-args", args.router_args), log_dir=args.log_dir,
+                       ready_timeout_s=args.ready_timeout)
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str  # prefill-0, decode-1, router
+    role: str  # prefill | decode | router
+    argv: tuple[str, ...]
+    env: dict  # added to the launcher's environment
+    url: str
+    kv_port: int | None = None
+
+
+def visible_gpus(environ=None) -> list[str]:
+    """GPU ids to hand out, without importing torch: CUDA_VISIBLE_DEVICES if set, else /dev/nvidiaN."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
+    found = [m.group(1) for p in Path("/dev").glob("nvidia*") if (m := re.fullmatch(r"nvidia(\d+)", p.name))]
+    return sorted(found, key=int)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] | None = None) -> list[Child]:
+    """Every child's command line: workers on loopback with OS-chosen HTTP and KV ports, then
+    the router on --host:--port pointing at them. Several workers on one GPU split its memory."""
+    gpus = (visible_gpus() if config.device != "cpu" else []) if gpus is None else gpus
+    cli = (sys.executable, "-m", "pdserve.worker.cli")
+    roles = ["prefill"] * config.prefill + ["decode"] * config.decode
+    sharing = {g: sum(1 for i in range(len(roles)) if gpus[i % len(gpus)] == g) for g in gpus}
+    children: list[Child] = []
+    for i, role in enumerate(roles):
+        port, kv_port = free_port(), free_port()
+        env, device = {}, ["--device", "cpu"]
+        if gpus:
+            gpu = gpus[i % len(gpus)]
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+            device = ["--device", "cuda"]
+            if sharing[gpu] > 1 and "--gpu-memory-utilization" not in " ".join(config.worker_args):
+                device += ["--gpu-memory-utilization", f"{0.9 / sharing[gpu]:.2f}"]
+        index = i if role == "prefill" else i - config.prefill
+        argv = (*cli, "worker", "--model", model_dir, "--served-model-name", served_name,
+                "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", config.transport,
+                "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), *device, *config.worker_args)
+        children.append(Child(f"{role}-{index}", role, argv, env, f"http://127.0.0.1:{port}", kv_port))
+    pools = [a for c in children for a in (f"--{c.role}", c.url)]
+    router = (*cli, "router", "--host", config.host, "--port", str(config.port), *pools, *config.router_args)
+    url_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    children.append(Child("router", "router", router, {}, f"http://{url_host}:{config.port}"))
+    return children
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class Running:
+    child: Child
+    proc: subprocess.Popen
+    log_path: Path
+    ready_at: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def tail(self, n: int = TAIL_LINES) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:]) or "(empty log)"
+
+
+class Launcher:
+    def __init__(self, config: StackConfig, out=sys.stdout):
+        self.config = config
+        self.out = out
+        self.t0 = time.monotonic()
+        self.running: list[Running] = []
+        self.stop_signal: int | None = None
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", file=self.out, flush=True)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if port_in_use(self.config.host, self.config.port):
+            print(f"pdserve up: --port: {self.config.host}:{self.config.port} is already in use", file=sys.stderr)
+            return 2
+        try:
+            model_dir, served = self._model()
+            children = plan(self.config, model_dir, served)
+            self._start(children, log_dir)
+            code = self._wait_ready(served)
+            if code is None:
+                self._banner(served, log_dir)
+                code = self._watch()
+        finally:
+            self._stop_all()
+        return code
+
+    def _model(self) -> tuple[str, str]:
+        if self.config.model is not None:
+            return self.config.model, self.config.served_model_name or self.config.model
+        from pdserve.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        self.say(f"stage 1/3 model: default {DEFAULT_MODEL_NAME} (converted once into the cache)")
+        t = time.monotonic()
+        path = ensure_default_model()  # once here, so N workers never convert it concurrently
+        self.say(f"  model at {path} ({time.monotonic() - t:.1f}s)")
+        return str(path), self.config.served_model_name or DEFAULT_MODEL_NAME
+
+    def _start(self, children: list[Child], log_dir: Path) -> None:
+        workers = [c for c in children if c.role != "router"]
+        self.say(f"stage 2/3 processes: {self.config.prefill} prefill + {self.config.decode} decode worker(s), "
+                 f"kv-transfer {self.config.transport}, device {describe_devices(workers)}; logs in {log_dir}")
+        for c in children:
+            path = log_dir / f"{c.name}.log"
+            with open(path, "ab") as log:
+                proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, **c.env}, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+            self.running.append(Running(c, proc, path))
+            kv = f" kv-port {c.kv_port}" if c.kv_port else ""
+            self.say(f"  started {c.name:<10} pid {proc.pid:<7} {c.url}{kv}")
+
+    def _wait_ready(self, served: str) -> int | None:
+        self.say("stage 3/3 health: waiting for every worker, then the router to see them all")
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while any(r.ready_at is None for r in self.running):
+                if (code := self._check_children()) is not None:
+                    return code
+                if time.monotonic() > deadline:
+                    late = ", ".join(r.child.name for r in self.running if r.ready_at is None)
+                    self.say(f"pdserve up: not ready after {self.config.ready_timeout_s:.0f}s: {late}")
+                    for r in self.running:
+                        if r.ready_at is None:
+                            self._print_tail(r)
+                    return 1
+                for r in self.running:
+                    if r.ready_at is None and self._is_ready(http, r):
+                        r.ready_at = time.monotonic()
+                        self.say(f"  {r.child.name:<10} ready ({r.ready_at - self.t0:.1f}s)")
+                time.sleep(_POLL_S)
+        return None
+
+    def _is_ready(self, http: httpx.Client, r: Running) -> bool:
+        try:
+            if r.child.role != "router":
+                return http.get(r.child.url + "/health").status_code == 200
+            resp = http.get(r.child.url + "/ready")
+            if resp.status_code != 200:
+                return False
+            body = resp.json()
+            # The router probes on its own clock: wait until it counts every worker we started.
+            return body.get("decode_workers") == self.config.decode and body.get("prefill_workers") == self.config.prefill
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def _check_children(self) -> int | None:
+        if self.stop_signal is not None:
+            self.say(f"{signal.Signals(self.stop_signal).name}: stopping")
+            return 0
+        for r in self.running:
+            if r.proc.poll() is not None:
+                self.say(f"pdserve up: {r.child.name} (pid {r.proc.pid}) exited with code {r.proc.returncode}; "
+                         f"stopping the stack")
+                self._print_tail(r)
+                return 1
+        return None
+
+    def _print_tail(self, r: Running) -> None:
+        print(f"---- last lines of {r.log_path} ----\n{r.tail()}\n----", file=self.out, flush=True)
+
+    def _banner(self, served: str, log_dir: Path) -> None:
+        base = self.running[-1].child.url + "/v1"
+        body = json.dumps({"model": served, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 32, "temperature": 0})
+        print(f"""
+pdserve up: ready in {time.monotonic() - self.t0:.1f}s. OpenAI base URL: {base}   model: {served}
+
+  curl {base}/chat/completions -H 'Content-Type: application/json' \\
+    -d '{body}'
+
+  python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{base}", api_key="none")
+for chunk in client.chat.completions.create(model="{served}", stream=True, max_tokens=32, temperature=0,
+        messages=[{{"role": "user", "content": "What is the capital of France?"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+EOF
+
+Logs: {log_dir}/   Ctrl-C stops the whole stack.
+""", file=self.out, flush=True)
+
+    def _watch(self) -> int:
+        while True:
+            if (code := self._check_children()) is not None:
+                return code
+            time.sleep(_POLL_S)
+
+    def _stop_all(self) -> None:
+        """Router first (no new requests), then the workers (they drain), then SIGKILL stragglers.
+        Whole process groups, so nothing a child started outlives the stack."""
+        alive = [r for r in self.running if r.proc.poll() is None]
+        if not alive:
+            return
+        self.say(f"stopping {len(alive)} process(es)")
+        routers = [r for r in alive if r.child.role == "router"]
+        for group in (routers, [r for r in alive if r.child.role != "router"]):
+            for r in group:
+                _signal_group(r.proc, signal.SIGTERM)
+            _wait(group, 10.0 if group is routers else self.config.shutdown_timeout_s)
+        for r in alive:
+            if r.proc.poll() is None:
+                self.say(f"  {r.child.name} did not stop in time: SIGKILL")
+            _signal_group(r.proc, signal.SIGKILL)  # also reaps anything left in the group
+            r.proc.wait()
+        self.say("stopped: " + ", ".join(f"{r.child.name}={r.proc.returncode}" for r in self.running))
+
+
+def describe_devices(workers: list[Child]) -> str:
+    gpus = sorted({c.env["CUDA_VISIBLE_DEVICES"] for c in workers if "CUDA_VISIBLE_DEVICES" in c.env})
+    return f"cuda (GPUs {', '.join(gpus)}, round-robin)" if gpus else "cpu"
+
+
+def _die_with_parent() -> None:
+    """Linux: a child gets SIGTERM if the launcher itself is killed (SIGKILL cannot be caught,
+    so this is the only way a `kill -9` of `pdserve up` leaves no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(group: list[Running], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for r in group:
+        try:
+            r.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    return Launcher(config).run()
