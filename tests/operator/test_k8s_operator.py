@@ -248,3 +248,41 @@ def test_optional_apis_hpa_and_service_monitor(k8s_cluster, operator_kubeconfig,
             wait_for(lambda: ("Normal", "Pruned") in api.events("opt"), what="Pruned event")
         finally:
             ext.delete_custom_resource_definition(SERVICE_MONITOR_CRD["metadata"]["name"])
+
+
+def test_unschedulable_pods_make_it_degraded(k8s_cluster, operator_kubeconfig, namespace):
+    """node-0 has 8 GPUs; a 16-way tensor-parallel decode worker can never be placed, and the
+    real scheduler says so on the pod."""
+    api, kubelet = Api(k8s_cluster, namespace), Kubelet(k8s_cluster, namespace)
+    with operator(operator_kubeconfig, namespace):
+        api.create("big", {**SPEC, "decode": {"tensorParallelSize": 16}})
+        wait_for(lambda: api.condition("big", "Degraded").get("reason") == "Unschedulable", what="Unschedulable")
+        message = api.condition("big", "Degraded")["message"]
+        assert "pod big-decode-" in message and "Insufficient nvidia.com/gpu" in message
+        wait_for(lambda: ("Warning", "Unschedulable") in api.events("big"), what="Unschedulable event")
+        # shrinking the request lets the new pod schedule; once it is ready the rollout removes
+        # the pending old one and Degraded clears
+        api.patch("big", {"decode": {"tensorParallelSize": 2}})
+        became(api, kubelet, "big", "Degraded", "False")
+        became(api, kubelet, "big", "Ready", "True")
+
+
+def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace):
+    """The real `pdserve operator` process (what the chart's Deployment runs), stopped by SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    api = Api(k8s_cluster, namespace)
+    env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "PDSERVE_OPERATOR_RESYNC_SECONDS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.worker.cli", "operator", "--namespace", namespace],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        api.create("cli", SPEC)
+        wait_for(lambda: len(api.deployments("cli")) == 3, what="children from the pdserve operator process")
+        wait_for(lambda: api.condition("cli", "Progressing").get("status") == "True", what="status written")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
