@@ -75,20 +75,42 @@ class SideChannelError(RuntimeError):
     pass
 
 
-def call(host: str, port: int, op: str, body: dict, timeout_s: float) -> tuple[dict, list]:
-    """One request/reply to a peer's side channel. Raises SideChannelError on refusal or timeout."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+_local = threading.local()  # per-thread sockets: a DEALER is not thread-safe
+
+
+def _socket(host: str, port: int, timeout_s: float) -> zmq.Socket:
+    """A kept-open DEALER per peer and thread: a new TCP connection per call costs most of a
+    small transfer's fixed overhead."""
+    cache = getattr(_local, "sockets", None)
+    if cache is None:
+        cache = _local.sockets = {}
+    sock = cache.get((host, port))
+    if sock is None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{host}:{port}")
+        cache[(host, port)] = sock
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    return sock
+
+
+def _drop(host: str, port: int) -> None:
+    sock = _local.sockets.pop((host, port), None)
+    if sock is not None:
+        sock.close()
+
+
+def call(host: str, port: int, op: str, body: dict, timeout_s: float) -> tuple[dict, list]:
+    """One request/reply to a peer's side channel. Raises SideChannelError on refusal or timeout."""
+    sock = _socket(host, port, timeout_s)
     try:
-        sock.connect(f"tcp://{host}:{port}")
         sock.send_multipart([b"", op.encode(), json.dumps(body).encode()])
         parts = sock.recv_multipart(copy=False)
     except zmq.Again as e:
+        # A late reply would pair with our next request: never reuse a socket that timed out.
+        _drop(host, port)
         raise SideChannelError(f"KV peer {host}:{port} did not answer {op} within {timeout_s}s") from e
-    finally:
-        sock.close()
     status = bytes(parts[1].buffer)
     if status != b"ok":
         raise SideChannelError(f"KV peer {host}:{port} refused {op}: {bytes(parts[2].buffer).decode(errors='replace')}")
