@@ -1,7 +1,7 @@
 """The router's HTTP surface: OpenAI routes, health, readiness, metrics.
 
 Every check that can fail (auth, body size, content type, JSON, model) runs before a response
-starts; errors use OpenAI's shape. The lifespan owns the one pooled httpx client and the
+starts; errors use OpenAI's shape. The lifespan owns the one pooled aiohttp session and the
 background tasks (probes, discovery, KV-event subscriptions).
 """
 
@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Awaitable
 
-import httpx
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -30,8 +30,10 @@ from pdserve.router.orchestrator import Call, Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, create
 from pdserve.router.policies.session_affinity import HEADER as SESSION_HEADER
 from pdserve.router.prober import Prober
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
+
+log = logging.getLogger("pdserve.router")
 
 
 class ClientGone(Exception):
@@ -89,13 +91,11 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_connections=config.max_connections,
-                              max_keepalive_connections=config.max_connections, keepalive_expiry=60)
-        async with httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client:
-            upstream = Upstream(client, workers, metrics)
+        async with make_session(config.max_connections) as session:
+            upstream = Upstream(session, workers, metrics)
             app.state.orchestrator = Orchestrator(config, upstream, create(config.prefill_policy, ctx),
                                                   create(config.decode_policy, ctx))
-            prober = Prober(workers, client, config.probe_interval_s, config.connect_timeout_s)
+            prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
             discovery = make_discovery(config)
             workers.update(await discovery.snapshot())
             await prober.probe_all()  # so /ready and model checks are right from the first request
@@ -180,6 +180,10 @@ def build_app(config: RouterConfig) -> FastAPI:
         except ClientGone:
             metrics.requests.labels(route, "499", "no").inc()
             return Response(status_code=499)
+        except Exception:  # a bug of ours still answers in OpenAI's shape, and is logged
+            log.exception("unexpected error on %s", route)
+            metrics.requests.labels(route, "500", "no").inc()
+            return RouterError(500, "internal router error", code="internal_error").response()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import httpx
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig
@@ -27,7 +26,8 @@ from pdserve.router.errors import RouterError, upstream_error_response
 from pdserve.router.policies import Policy, RoutingRequest
 from pdserve.router.prompt import estimate_tokens
 from pdserve.router.sse import DONE, EventFramer, drop_role_chunk, first_token_events, split_first_event
-from pdserve.router.upstream import Attempt, Upstream, close
+from pdserve.router.upstream import (UPSTREAM_ERRORS, Attempt, StreamBroken, Upstream, chunks, close, read_and_close,
+                                     timeout)
 from pdserve.router.workers import Worker
 
 log = logging.getLogger("pdserve.router")
@@ -64,9 +64,8 @@ class Orchestrator:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         c = config
-        self.prefill_timeout = httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s, pool=c.connect_timeout_s)
-        self.stream_timeout = httpx.Timeout(c.stream_idle_timeout_s, connect=c.connect_timeout_s,
-                                            pool=c.connect_timeout_s)
+        self.prefill_timeout = timeout(c.request_timeout_s, c.connect_timeout_s)
+        self.stream_timeout = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s)
 
     # ---- worker choice -------------------------------------------------------------------
 
@@ -137,14 +136,14 @@ class Orchestrator:
                     log.info("prefill on %r failed (%s)", worker, result.reason)
                     continue
                 try:
-                    content = await result.response.aread()
-                except httpx.TransportError as e:
+                    content = await result.response.read()
+                except UPSTREAM_ERRORS as e:
                     self.up.failed(worker, "prefill", repr(e))
                     continue
                 finally:
-                    await close(result.response)
-            if result.response.status_code != 200:
-                raise _passthrough(result.response.status_code, content)
+                    close(result.response)
+            if result.response.status != 200:
+                raise _passthrough(result.response.status, content)
             try:
                 answer = json.loads(content)
                 answer["choices"][0]
@@ -185,7 +184,7 @@ class Orchestrator:
     # ---- decode --------------------------------------------------------------------------
 
     async def _open_decode(self, call: Call, pool: list[Worker], payload: bytes,
-                           timeout: httpx.Timeout) -> Attempt:
+                           limits) -> Attempt:
         """Open the decode call, moving to another worker on connect errors and 5xx."""
         tried: set[int] = set()
         last: Attempt | None = None
@@ -197,22 +196,17 @@ class Orchestrator:
             tried.add(id(worker))
             if attempt:
                 self.metrics.retries.labels("decode").inc()
-            worker.inflight += 1  # released by the caller via _release once the body is consumed
-            self.metrics.inflight.labels(worker.url).set(worker.inflight)
-            last = await self.up.open(worker, PATHS[call.route], payload, call.headers(), timeout, "decode")
+            self.up.acquire(worker)  # released by the caller via _release once the body is consumed
+            last = await self.up.open(worker, PATHS[call.route], payload, call.headers(), limits, "decode")
             if not last.retryable:
                 return last
-            self._release(worker)
+            self.up.release(worker)
             log.info("decode on %r failed (%s)", worker, last.reason)
         if last is None:
             raise RouterError(503, "no healthy decode worker", code="no_workers")
-        if last.response is not None and last.response.status_code == 429:
+        if last.response is not None and last.response.status == 429:
             raise RouterError(429, "every decode worker is overloaded", code="overloaded")
         raise RouterError(502, f"decode failed on every worker tried (last: {last.reason})", code="upstream_failed")
-
-    def _release(self, worker: Worker) -> None:
-        worker.inflight -= 1
-        self.metrics.inflight.labels(worker.url).set(worker.inflight)
 
     def _decode_payload(self, call: Call, kv_transfer_params: dict | None) -> bytes:
         if kv_transfer_params is None:
@@ -220,22 +214,22 @@ class Orchestrator:
         return json.dumps(dict(call.body, kv_transfer_params=kv_transfer_params)).encode()
 
     async def _direct(self, call: Call, pool: list[Worker]) -> Response:
-        timeout = self.stream_timeout if call.stream else self.prefill_timeout
-        attempt = await self._open_decode(call, pool, self._decode_payload(call, None), timeout)
+        limits = self.stream_timeout if call.stream else self.prefill_timeout
+        attempt = await self._open_decode(call, pool, self._decode_payload(call, None), limits)
         response = attempt.response
-        if response.status_code != 200:
-            self._release(attempt.worker)
-            raise _passthrough(response.status_code, await self.up.read_and_close(response))
+        if response.status != 200:
+            self.up.release(attempt.worker)
+            raise _passthrough(response.status, await read_and_close(response))
         if call.stream:
             return self._stream_response(call, self._relay(call, attempt, first_event_is_role=False, ttft=True))
         try:
-            content = await response.aread()
-        except httpx.TransportError as e:
+            content = await response.read()
+        except UPSTREAM_ERRORS as e:
             self.up.failed(attempt.worker, "decode", repr(e))
             raise RouterError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
         finally:
-            await close(response)
-            self._release(attempt.worker)
+            close(response)
+            self.up.release(attempt.worker)
         self.up.workers.record_success(attempt.worker)
         self._observe_ttft(call)
         return self._done(call, Response(content, media_type="application/json"))
@@ -245,16 +239,16 @@ class Orchestrator:
         attempt = await self._open_decode(call, pool, self._decode_payload(call, prefill["kv_transfer_params"]),
                                           self.prefill_timeout)
         try:
-            content = await attempt.response.aread()
-        except httpx.TransportError as e:
+            content = await attempt.response.read()
+        except UPSTREAM_ERRORS as e:
             self.up.failed(attempt.worker, "decode", repr(e))
             raise RouterError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
         finally:
-            await close(attempt.response)
-            self._release(attempt.worker)
+            close(attempt.response)
+            self.up.release(attempt.worker)
         self.metrics.handoff.observe(time.monotonic() - t0)
-        if attempt.response.status_code != 200:
-            raise _passthrough(attempt.response.status_code, content)
+        if attempt.response.status != 200:
+            raise _passthrough(attempt.response.status, content)
         self.up.workers.record_success(attempt.worker)
         self._observe_ttft(call)
         return self._done(call, Response(json.dumps(merge_unary(call.route, prefill, json.loads(content))),
@@ -270,11 +264,11 @@ class Orchestrator:
         except RouterError as e:
             yield e.sse_event()
             return
-        if attempt.response.status_code != 200:
-            content = await self.up.read_and_close(attempt.response)
-            self._release(attempt.worker)
-            yield RouterError(attempt.response.status_code,
-                              f"decode worker answered {attempt.response.status_code}: "
+        if attempt.response.status != 200:
+            content = await read_and_close(attempt.response)
+            self.up.release(attempt.worker)
+            yield RouterError(attempt.response.status,
+                              f"decode worker answered {attempt.response.status}: "
                               f"{content[:300].decode(errors='replace')}").sse_event()
             return
         self.metrics.handoff.observe(time.monotonic() - t0)
@@ -287,7 +281,7 @@ class Orchestrator:
         framer = EventFramer()
         first = True
         try:
-            async for data in response.aiter_raw():
+            async for data in chunks(response):
                 out = framer.feed(data)
                 if not out:
                     continue
@@ -301,14 +295,14 @@ class Orchestrator:
                 if out:
                     yield out
             if not framer.done:
-                raise httpx.RemoteProtocolError("stream ended without [DONE]")
+                raise StreamBroken("stream ended without [DONE]")
             self.up.workers.record_success(worker)
-        except httpx.TransportError as e:
+        except UPSTREAM_ERRORS as e:
             self.up.failed(worker, "decode-stream", repr(e))
             yield RouterError(502, f"decode worker failed mid-stream: {e!r}", code="upstream_failed").sse_event()
         finally:
-            await close(response)
-            self._release(worker)
+            close(response)
+            self.up.release(worker)
 
     # ---- bookkeeping ---------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ for the vLLM gauges least-loaded uses, and `GET /v1/models` for the served-model
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
-import httpx
+import aiohttp
 
 from pdserve.router.workers import Worker, WorkerSet
 
@@ -43,25 +44,29 @@ def parse_load(text: str) -> dict[str, float]:
 
 
 class Prober:
-    def __init__(self, workers: WorkerSet, client: httpx.AsyncClient, interval_s: float, timeout_s: float):
+    def __init__(self, workers: WorkerSet, session: aiohttp.ClientSession, interval_s: float, timeout_s: float):
         self._workers = workers
-        self._client = client
+        self._session = session
         self._interval_s = interval_s
-        self._timeout = httpx.Timeout(timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        async with self._session.get(url, timeout=self._timeout) as r:
+            return r.status, await r.read()
 
     async def probe(self, worker: Worker) -> bool:
         try:
-            r = await self._client.get(worker.url + "/health", timeout=self._timeout)
-            ok = r.status_code == 200
+            status, _ = await self._get(worker.url + "/health")
+            ok = status == 200
             if ok:
-                m = await self._client.get(worker.url + "/metrics", timeout=self._timeout)
-                if m.status_code == 200:
-                    for attr, value in parse_load(m.text).items():
+                status, body = await self._get(worker.url + "/metrics")
+                if status == 200:
+                    for attr, value in parse_load(body.decode(errors="replace")).items():
                         setattr(worker, attr, value)
-                v = await self._client.get(worker.url + "/v1/models", timeout=self._timeout)
-                if v.status_code == 200:
-                    worker.models = frozenset(str(d.get("id")) for d in v.json().get("data", []))
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
+                status, body = await self._get(worker.url + "/v1/models")
+                if status == 200:
+                    worker.models = frozenset(str(d.get("id")) for d in json.loads(body).get("data", []))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             log.debug("probe of %s failed: %r", worker.url, e)
             ok = False
         self._workers.probe_result(worker, ok)

@@ -2,24 +2,34 @@
 
 `Upstream.open` returns a response whose status is known and whose body is still unread, so the
 caller can decide (pass through, retry elsewhere) before a byte goes to the client.
+
+The client is aiohttp's pooled keep-alive session: on this path httpx measured 5-10x slower
+(its connection pool scans every connection per request; see docs/router.md), which alone
+would have made the router the bottleneck of a P/D deployment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import AsyncIterator
 
-import anyio
-import httpx
+import aiohttp
 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Worker, WorkerSet
 
 log = logging.getLogger("pdserve.router")
 
-# Connection-level failures: the worker is down or died; another worker may do better.
-TRANSPORT_ERRORS = (httpx.TransportError,)
+
+class StreamBroken(Exception):
+    """The worker's stream ended without its `[DONE]`."""
+
+
+# Connection-level failures: the worker is down, died or stalled; another worker may do better.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken)
 
 
 @dataclass
@@ -27,26 +37,43 @@ class Attempt:
     """How one call ended: a response to use, or why another worker should be tried."""
 
     worker: Worker
-    response: httpx.Response | None = None
+    response: aiohttp.ClientResponse | None = None
     retryable: bool = False
     reason: str = ""
 
 
+def make_session(max_connections: int) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=60)
+    # Bytes are passed through as the worker sent them: no decompression, no cookie jar.
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
+
+
+def timeout(total_s: float | None, connect_s: float, read_s: float | None = None) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total_s, connect=connect_s, sock_read=read_s)
+
+
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, workers: WorkerSet, metrics: RouterMetrics):
-        self.client = client
+    def __init__(self, session: aiohttp.ClientSession, workers: WorkerSet, metrics: RouterMetrics):
+        self.session = session
         self.workers = workers
         self.metrics = metrics
 
     @contextlib.contextmanager
     def track(self, worker: Worker):
-        worker.inflight += 1
-        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+        self.acquire(worker)
         try:
             yield
         finally:
-            worker.inflight -= 1
-            self.metrics.inflight.labels(worker.url).set(worker.inflight)
+            self.release(worker)
+
+    def acquire(self, worker: Worker) -> None:
+        worker.inflight += 1
+        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+
+    def release(self, worker: Worker) -> None:
+        worker.inflight -= 1
+        self.metrics.inflight.labels(worker.url).set(worker.inflight)
 
     def failed(self, worker: Worker, phase: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(worker.url, phase).inc()
@@ -54,38 +81,40 @@ class Upstream:
             log.warning("ejected %r after %d failures (last: %s)", worker, worker.consecutive_failures, reason)
 
     async def open(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
-                   timeout: httpx.Timeout, phase: str) -> Attempt:
+                   limits: aiohttp.ClientTimeout, phase: str) -> Attempt:
         """POST and wait for the status line. 5xx and transport errors are retryable failures;
         429 is retryable without blaming the worker; other statuses are final answers."""
-        request = self.client.build_request("POST", worker.url + path, content=body, headers=headers,
-                                            timeout=timeout)
         try:
-            response = await self.client.send(request, stream=True)
-        except TRANSPORT_ERRORS as e:
+            response = await self.session.post(worker.url + path, data=body, headers=headers, timeout=limits)
+        except UPSTREAM_ERRORS as e:
             self.failed(worker, phase, repr(e))
             return Attempt(worker, retryable=True, reason=f"{type(e).__name__}: {e}")
-        if response.status_code >= 500 or response.status_code == 429:
-            content = await self.read_and_close(response)
-            reason = f"{response.status_code}: {content[:200].decode(errors='replace')}"
-            if response.status_code != 429:
+        if response.status >= 500 or response.status == 429:
+            content = await read_and_close(response)
+            reason = f"{response.status}: {content[:200].decode(errors='replace')}"
+            if response.status != 429:
                 self.failed(worker, phase, reason)
             return Attempt(worker, response=response, retryable=True, reason=reason)
         return Attempt(worker, response=response)
 
-    @staticmethod
-    async def read_and_close(response: httpx.Response) -> bytes:
-        try:
-            return await response.aread()
-        except TRANSPORT_ERRORS:
-            return b""
-        finally:
-            await close(response)
+
+async def read_and_close(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except UPSTREAM_ERRORS:
+        return b""
+    finally:
+        response.release()
 
 
-async def close(response: httpx.Response | None) -> None:
-    """Close an upstream response even while our task is being cancelled (client disconnect):
+async def chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async for data in response.content.iter_any():
+        yield data
+
+
+def close(response: aiohttp.ClientResponse | None) -> None:
+    """Drop the connection unless the body was fully read (then it goes back to the pool).
+    Synchronous on purpose: it must work inside a cancelled task (client disconnect), and
     closing the connection is what tells the worker to abort and free the request's KV."""
-    if response is None:
-        return
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
+    if response is not None:
+        response.close() if not response.content.at_eof() else response.release()
