@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from typing import Any
 
 import kopf
@@ -30,35 +31,43 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
-    for type_, reason, message in events:
-        kopf.event(body, type=type_, reason=reason, message=message)
-
-
-def _run(body: Any, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, source: str) -> None:
-    old = (body.get("status") or {}).get("conditions") or []
-    generation = body["metadata"].get("generation", 1)
-    try:
-        outcome = reconcile(memo.kube, body, _now())
-    except SpecError as e:
-        new = status.invalid_spec_status(generation, str(e), old, _now())
-        patch.status.update(new)
-        _post(body, status.transitions(old, new["conditions"]))
-        return  # nothing to retry until the spec changes
-    except ApiException as e:
-        reason = "ChildRejected" if e.status in _SPEC_CAUSED else "ApiError"
-        message = f"{source}: API server answered {e.status} {e.reason}: {(e.body or '')[:400]}"
-        new = {"conditions": status.merge_conditions(
-            old, [c for c in old if c.get("type") != "Degraded"]
-            + [status.condition("Degraded", True, reason, message, generation)], _now())}
-        patch.status.update(new)
-        _post(body, status.transitions(old, new["conditions"]))
-        if e.status in _SPEC_CAUSED:
-            raise kopf.PermanentError(message) from e
-        raise kopf.TemporaryError(message, delay=10) from e
-    patch.status.update(outcome.status)
-    _post(body, outcome.events)
+def _run(body: Any, memo: kopf.Memo, logger: logging.Logger, source: str) -> None:
+    """Reconcile one object. Handlers and the timer may fire together for the same object, so
+    runs are serialised per object, and each starts from a fresh read (never the event's
+    possibly stale body) and writes status itself before releasing the lock: the next run then
+    sees what this one did, and condition-change events are posted once."""
+    meta = body["metadata"]
+    kube: Kube = memo.kube
+    with memo.locks.setdefault(meta["uid"], threading.Lock()):
+        fresh = kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, meta["namespace"], meta["name"])
+        if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != meta["uid"]:
+            return  # gone: the garbage collector removes the children
+        old = (fresh.get("status") or {}).get("conditions") or []
+        generation = fresh["metadata"].get("generation", 1)
+        try:
+            outcome = reconcile(kube, fresh, _now())
+        except SpecError as e:
+            new = status.invalid_spec_status(generation, str(e), old, _now())
+            _report(kube, fresh, new, status.transitions(old, new["conditions"]))
+            return  # nothing to retry until the spec changes
+        except ApiException as e:
+            reason = "ChildRejected" if e.status in _SPEC_CAUSED else "ApiError"
+            message = f"{source}: API server answered {e.status} {e.reason}: {(e.body or '')[:400]}"
+            conds = [c for c in old if c.get("type") != "Degraded"] + \
+                [status.condition("Degraded", True, reason, message, generation)]
+            new = {"conditions": status.merge_conditions(old, conds, _now())}
+            _report(kube, fresh, new, status.transitions(old, new["conditions"]))
+            if e.status in _SPEC_CAUSED:
+                raise kopf.PermanentError(message) from e
+            raise kopf.TemporaryError(message, delay=10) from e
+        _report(kube, fresh, outcome.status, outcome.events)
     logger.debug("reconciled (%s): %s", source, outcome.status["conditions"])
+
+
+def _report(kube: Kube, obj: dict[str, Any], new_status: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
+    kube.patch_status(obj, new_status)
+    for type_, reason, message in events:
+        kopf.event(obj, type=type_, reason=reason, message=message)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.OperatorRegistry:
@@ -68,8 +77,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdserve.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="pdserve.io", key="last-handled-configuration")
-        # Events are posted deliberately (_post), not for every log line.
+        # Events are posted deliberately (_report), not for every log line.
         settings.posting.level = logging.WARNING
+        memo.locks = {}  # ModelServing uid -> lock serialising its reconciles
         memo.kube = Kube(ApiClient(load_client_configuration(config.kubeconfig)), config.discovery_ttl_s)
 
     @kopf.on.login(registry=registry)
@@ -88,13 +98,19 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, registry=registry)
-    def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
-                          reason: str, **_: Any) -> None:
-        _run(body, patch, memo, logger, str(reason))
+    def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, reason: str, **_: Any) -> None:
+        _run(body, memo, logger, str(reason))
 
-    @kopf.timer(*RESOURCE, interval=config.resync_interval_s, registry=registry)
-    def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-        _run(body, patch, memo, logger, "resync")
+    # The first tick waits one interval: creation is already handled by reconcile_handler.
+    @kopf.timer(*RESOURCE, interval=config.resync_interval_s, initial_delay=config.resync_interval_s,
+                registry=registry)
+    def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        _run(body, memo, logger, "resync")
+
+    # optional: no finalizer is added for it; a missed deletion only leaves one idle lock
+    @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
+    def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.locks.pop(body["metadata"]["uid"], None)
 
     return registry
 

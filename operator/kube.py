@@ -101,6 +101,12 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def patch_status(self, obj: dict[str, Any], status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
+        m = obj["metadata"]
+        url = path(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]) + "/status"
+        self.request("PATCH", url, body={"status": status}, content_type="application/merge-patch+json")
+
     def versions(self) -> ApiVersions:
         """Which optional APIs are served, re-discovered at most every discovery_ttl_s."""
         now = time.monotonic()
