@@ -15,9 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.worker.attention import make_backend
+from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model_loader import load_model
 from pdserve.worker.model_runner import ModelRunner
@@ -54,13 +55,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _attention_backend(name: str | None, device: torch.device):
+    if name is None:
+        return make_backend(device)
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from pdserve.worker.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
+                 static_decode: bool | None = None):
+        """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
+        tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
+        --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
+        static-buffer path without capturing."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.engine_id = uuid.uuid4().hex[:12]
-        backend = make_backend(self.device)
+        backend = _attention_backend(attention_backend, self.device)
         self.attention_backend = backend.name
         max_len = config.max_model_len
         loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len)
@@ -72,16 +90,24 @@ class LLMEngine:
             self.model.init_rope(max_len)
         self.max_model_len = max_len
         bs = config.block_size
-        num_blocks = self._num_kv_blocks()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        num_blocks = self._num_kv_blocks(backend)
         if num_blocks * bs < max_len:
             log.warning("KV cache holds %d tokens < max_model_len %d: long requests will be preempted",
                         num_blocks * bs, max_len)
         self.kv_cache = KVCache(mc, num_blocks, bs, self.dtype, self.device)
         backend.bind(self.kv_cache)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, on_event=self._on_kv_event)
-        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, max_len)
-        self.runner = ModelRunner(self.model, bs, self.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, max_len)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda" and not config.enforce_eager
+        graphs = None
+        if static_decode:
+            graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, -(-max_len // bs),
+                                                                capture=self.device.type == "cuda"), self.device)
+            graphs.capture()
+            log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
+        self.runner = ModelRunner(self.model, bs, self.device, graphs)
         self.requests: dict[str, Request] = {}
         # KV cache events for KV-aware routers: collected during a step, published once per step.
         self._kv_events: list[dict] = []
@@ -102,14 +128,16 @@ class LLMEngine:
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), num_blocks, bs,
                  num_blocks * KVCache.bytes_per_block(mc, bs, self.dtype) / 2**20, max_len, backend.name)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, backend) -> int:
         per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
+            peak = self._profile_activation_bytes(backend)
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used
-            # Headroom for activations of the largest step (a rough, conservative bound).
-            budget -= 2 * (self.config.max_num_batched_tokens or 2048) * self.model_config.vocab_size * 4
+            # Everything on the card now (weights, CUDA context, other processes) plus the
+            # largest step's activations must fit beside the KV cache in the allowed share.
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak
+            log.info("KV sizing: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations -> %.2f GiB for KV",
+                     total / 2**30, (total - free) / 2**30, peak / 2**30, max(budget, 0) / 2**30)
         else:
             budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         n = budget // per_block
@@ -117,6 +145,44 @@ class LLMEngine:
             raise ConfigError("--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization",
                               f"leaves room for {n} KV blocks of {per_block} bytes; need at least 2")
         return int(n)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, backend) -> int:
+        """Peak memory of the largest step (a full token budget of prefill, then sampling rows
+        for max_num_seqs), measured by running it over a throwaway KV cache just large enough."""
+        bs, mc = self.config.block_size, self.model_config
+        n, seq = self.max_num_batched_tokens, min(self.max_num_batched_tokens, self.max_model_len)
+        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
+        blocks = [-(-L // bs) for L in lens]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        scratch = KVCache(mc, sum(blocks), bs, self.dtype, self.device)
+        backend.bind(scratch)
+        first = [sum(blocks[:i]) for i in range(len(lens))]
+        table = [[f + j for j in range(max(blocks))] for f in first]  # columns past a row's blocks unread
+        slots = [(f * bs) + p for f, L in zip(first, lens) for p in range(L)]
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+
+        def dev(x, dt):
+            return torch.tensor(x, dtype=dt, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=dev(slots, torch.int64), num_decode_tokens=0,
+            decode_block_tables=dev([[0]], torch.int32)[:0], decode_context_lens=dev([], torch.int32),
+            prefill_block_tables=dev(table, torch.int32), prefill_cu_seqlens_q=dev(cu, torch.int32),
+            prefill_context_lens=dev(lens, torch.int32),
+        )
+        positions = dev([p for L in lens for p in range(L)], torch.int64)
+        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
+        rows = hidden[-min(n, self.config.max_num_seqs):]
+        self.model.compute_logits(rows).log_softmax(-1).argmax(-1).tolist()  # the sampler's buffers
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
+        del scratch, meta, hidden, rows
+        torch.cuda.empty_cache()
+        return peak
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -1,10 +1,16 @@
-"""Turns a scheduled batch into model inputs, runs the model and samples."""
+"""Turns a scheduled batch into model inputs, runs the model and samples.
+
+Host round-trips per step: none before sampling (inputs go host->device, nothing is read back);
+the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
+the engine captured them (`graphs`); prefill and mixed steps run eagerly.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pdserve.worker.attention import AttentionMetadata
+from pdserve.worker.cuda_graphs import DecodeGraphs
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
@@ -12,10 +18,11 @@ from pdserve.worker.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device):
+    def __init__(self, model, block_size: int, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.graphs = graphs
         self.sampler = Sampler()
 
     def _tensor(self, data, dtype) -> torch.Tensor:
@@ -58,13 +65,41 @@ class ModelRunner:
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
                 logits_idx, samplers)
 
+    def _run_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], list[Request]]:
+        """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
+        bs = self.block_size
+        ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
+        width = max(len(r.block_ids) for r, _ in batch.items)
+        for i, (req, _) in enumerate(batch.items):
+            p = req.num_computed_tokens
+            ids.append(req.token_ids[p])
+            positions.append(p)
+            slots.append(req.block_ids[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(req.block_ids + [0] * (width - len(req.block_ids)))
+            if p + 1 == req.num_tokens:
+                logits_idx.append(i)
+                samplers.append(req)
+        return self.graphs.run(ids, positions, slots, lens, tables), logits_idx, samplers
+
+    def _use_graph(self, batch: ScheduledBatch) -> bool:
+        return (self.graphs is not None and len(batch.items) <= self.graphs.config.max_batch
+                and all(n == 1 for _, n in batch.items))
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        input_ids, positions, meta, logits_idx, samplers = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        if self._use_graph(batch):
+            hidden, logits_idx, samplers = self._run_graph(batch)
+        else:
+            input_ids, positions, meta, logits_idx, samplers = self.prepare(batch)
+            hidden = self.model(input_ids, positions, meta)
         if not samplers:
             return {}, {}
-        logits = self.model.compute_logits(hidden[logits_idx])
+        if logits_idx == list(range(logits_idx[0], logits_idx[0] + len(logits_idx))):
+            rows = hidden[logits_idx[0]:logits_idx[0] + len(logits_idx)]  # a view: no index upload
+        else:
+            rows = hidden[logits_idx]
+        logits = self.model.compute_logits(rows)
         tokens, logprobs = self.sampler(logits, samplers)
         sampled = {r.request_id: t for r, t in zip(samplers, tokens)}
         lps = {r.request_id: lp for r, lp in zip(samplers, logprobs) if lp is not None}

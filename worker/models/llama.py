@@ -8,25 +8,51 @@ gate/up projections are fused at load time (one GEMM each instead of three / two
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pdserve.kernels.rms_norm import rms_norm_ref
-from pdserve.kernels.rotary import rotary_ref
-from pdserve.kernels.silu_and_mul import silu_and_mul_ref
+from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from pdserve.kernels.rotary import rotary, rotary_ref
+from pdserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from pdserve.worker.attention import AttentionBackend, AttentionMetadata
 from pdserve.worker.model_config import ModelConfig
 
 
+@dataclass(frozen=True)
+class PointwiseOps:
+    """The element-wise stages, all of one kind: torch references or Triton launchers."""
+
+    rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+
+
+TORCH_OPS = PointwiseOps(rms_norm_ref, rotary_ref, silu_and_mul_ref)
+TRITON_OPS = PointwiseOps(rms_norm, rotary, silu_and_mul)
+
+
+def pointwise_ops(backend: AttentionBackend) -> PointwiseOps:
+    # They follow the attention backend: Triton on CUDA (and under the interpreter in the twin
+    # test), the references on CPU, so one engine never mixes the two numerics.
+    return TRITON_OPS if backend.name == "triton" else TORCH_OPS
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, ops: PointwiseOps = TORCH_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fn = ops.rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm_ref(x, self.weight, self.eps, residual)
+        if x.dim() == 2 or self.fn is rms_norm_ref:
+            return self.fn(x, self.weight, self.eps, residual)
+        # Per-head norm (Qwen3 q/k, [T, H, D]): the launcher takes rows, so flatten the heads.
+        out, _ = self.fn(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        return out.view(x.shape), None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -51,13 +77,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
+        ops = pointwise_ops(backend)
+        self.rotary = ops.rotary
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -70,28 +98,30 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before rotary
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = rotary_ref(positions, q, k, cos_sin)
+        q, k = self.rotary(positions, q, k, cos_sin)
         o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: PointwiseOps = TORCH_OPS):
         super().__init__()
+        self.silu_and_mul = ops.silu_and_mul
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
+        ops = pointwise_ops(backend)
         self.self_attn = Attention(cfg, layer_idx, backend)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, positions, h, residual, cos_sin, meta):
         # Residual adds are fused into the norms: norm(x + residual) also returns the sum.
@@ -111,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pointwise_ops(backend))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.init_rope(max_positions)
 

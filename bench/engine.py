@@ -1,0 +1,301 @@
+"""Engine benchmark (a CUDA machine; not a test): pdserve against the hardware and Hugging Face.
+
+    python -m pdserve.bench.engine [--models qwen2.5-0.5b llama-3.1-8b] [--out results.md]
+
+One run measures, in this order: the device-to-device copy bandwidth; then per model (random
+bf16 weights in the real model's configuration, made once, saved as safetensors in a temp
+dir): Hugging Face `generate` on those weights in memory, then pdserve loading the saved files.
+Scenarios: batch-1 decode at input 128 and 1024 (ms/step; the bytes a step must read over the
+measured bandwidth), offline throughput at 1024-in/128-out and at input lengths uniform in
+[100, 1024] with 128 out (output tokens/s). Output lengths are fixed (ignore_eos /
+min_new_tokens); every engine is warmed up on the same shapes first; CUDA-graph capture time is
+reported separately. `--smoke` runs tiny models on CPU to check the script, not to time it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+OUT_TOKENS = 128
+HF_BATCH = 64  # HF generate pads a static batch: one batch of 64 prompts of each offline scenario
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str  # llama | qwen2
+    hf: dict  # config fields of the real model (public config.json values)
+
+
+MODELS = {
+    "llama-3.1-8b": ModelSpec("Llama-3.1-8B", "llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})),
+    "qwen2.5-0.5b": ModelSpec("Qwen2.5-0.5B", "qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        tie_word_embeddings=True, rope_theta=1000000.0)),
+    # --smoke: the same code path on CPU in seconds
+    "tiny-llama": ModelSpec("tiny-llama", "llama", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)),
+}
+
+
+@dataclass
+class Row:
+    model: str
+    scenario: str
+    impl: str
+    ms_step: float | None = None
+    tok_s: float | None = None
+    ratio: str = ""
+
+
+class Bench:
+    def __init__(self, device: str, smoke: bool):
+        self.device, self.smoke = device, smoke
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self.bw = self.copy_bandwidth()
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def copy_bandwidth(self) -> float:
+        """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+        if self.device != "cuda":
+            return 1e10
+        from pdserve.bench.kernels import copy_bandwidth
+
+        return copy_bandwidth()
+
+    def add(self, row: Row):
+        self.rows.append(row)
+        ms = f"{row.ms_step:.3f} ms" if row.ms_step is not None else ""
+        tok = f"{row.tok_s:.0f} tok/s" if row.tok_s is not None else ""
+        print(f"  {row.model:14s} {row.scenario:28s} {row.impl:34s} {ms:>12s} {tok:>14s} {row.ratio}", flush=True)
+
+    # -- workloads ------------------------------------------------------------------------------
+
+    def prompts(self, vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+    def scenarios(self):
+        n = 4 if self.smoke else 256
+        rng = random.Random(1)
+        return {
+            "offline 1024/128": [1024] * n,
+            "offline U[100,1024]/128": [rng.randint(100, 1024) for _ in range(n)],
+        }
+
+    # -- Hugging Face -------------------------------------------------------------------------
+
+    def hf_generate(self, model, batch: list[list[int]], new: int) -> float:
+        """Seconds for one left-padded generate() of exactly `new` tokens per prompt."""
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self.sync()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        self.sync()
+        assert out.shape[1] == width + new
+        return time.perf_counter() - t0
+
+    def run_hf(self, spec: ModelSpec, model, vocab: int) -> dict[str, float]:
+        tput = {}
+        steps = 8 if self.smoke else 64
+        for L in (128, 1024):
+            p = self.prompts(vocab, [L], 7)
+            self.hf_generate(model, p, 4)  # warm-up
+            t1 = self.hf_generate(model, p, 1)
+            tn = self.hf_generate(model, p, steps + 1)
+            self.add(Row(spec.name, f"bs=1 decode in={L}", "HF generate", ms_step=1e3 * (tn - t1) / steps))
+        for name, lengths in self.scenarios().items():
+            batch = self.prompts(vocab, lengths[:HF_BATCH], 11)
+            self.hf_generate(model, batch[:2], 2)  # warm-up
+            sec = self.hf_generate(model, batch, OUT_TOKENS)
+            tput[name] = len(batch) * OUT_TOKENS / sec
+            self.add(Row(spec.name, name, f"HF generate (batch {len(batch)})", tok_s=tput[name]))
+        return tput
+
+    # -- pdserve ------------------------------------------------------------------------------
+
+    def decode_steps(self, engine, prompt: list[int], steps: int) -> list[float]:
+        """Wall seconds of each decode step of one request (every step ends on the sampled ids)."""
+        from pdserve.worker.sampling_params import SamplingParams
+
+        engine.add_request(f"b{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                                          ignore_eos=True))
+        times = []
+        while engine.has_work():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return times[1:]  # the first step is the prefill
+
+    def run_pdserve(self, spec: ModelSpec, path: str, hf_tput: dict[str, float]) -> None:
+        from pdserve.worker.config import EngineConfig
+        from pdserve.worker.engine import LLMEngine
+        from pdserve.worker.sampling_params import SamplingParams
+
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
+                                        max_num_seqs=256, max_num_batched_tokens=8192,
+                                        enable_prefix_caching=False, kv_cache_memory=1 << 28))
+        graphs = engine.runner.graphs
+        cap = graphs.capture_seconds if graphs else 0.0
+        kv_gib = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size() / 2**30
+        self.notes.append(f"{spec.name}: engine start {time.perf_counter() - t0:.1f}s, of which CUDA-graph capture "
+                          f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
+                          f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}")
+        m = engine.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+        if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
+            weight_bytes -= m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
+        kv_per_token = engine.kv_cache.block_bytes // engine.block_manager.block_size
+        vocab = engine.model_config.vocab_size
+        steps = 16 if self.smoke else 128
+        for L in (128, 1024):
+            prompt = self.prompts(vocab, [L], 7)[0]
+            self.decode_steps(engine, prompt, 8)  # warm-up
+            step_bytes = weight_bytes + kv_per_token * (L + steps // 2)
+            roof_ms = 1e3 * step_bytes / self.bw
+            scen = f"bs=1 decode in={L}"
+            self.add(Row(spec.name, scen, f"roofline ({step_bytes / 1e9:.2f} GB/step)", ms_step=roof_ms))
+            ms = 1e3 * statistics.median(self.decode_steps(engine, prompt, steps))
+            self.add(Row(spec.name, scen, "pdserve (CUDA graphs)" if graphs else "pdserve", ms_step=ms,
+                         ratio=f"{100 * roof_ms / ms:.0f}% of copy BW"))
+            if graphs is not None and self.device == "cuda":
+                # GPU time of the same step alone: the bucket-1 graph replayed back to back
+                # over the static inputs the last step left (context L + steps).
+                from triton.testing import do_bench
+
+                fwd = do_bench(lambda: graphs.replay(1), warmup=20, rep=200, return_mode="median")
+                self.add(Row(spec.name, scen, "pdserve forward only (graph replay)", ms_step=fwd,
+                             ratio=f"{100 * roof_ms / fwd:.0f}% of copy BW"))
+                engine.runner.graphs = None
+                ms_e = 1e3 * statistics.median(self.decode_steps(engine, prompt, steps))
+                engine.runner.graphs = graphs
+                self.add(Row(spec.name, scen, "pdserve --enforce-eager", ms_step=ms_e,
+                             ratio=f"{100 * roof_ms / ms_e:.0f}% of copy BW"))
+        params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
+        for name, lengths in self.scenarios().items():
+            prompts = self.prompts(vocab, lengths, 13)
+            engine.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+            self.sync()
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            sec = time.perf_counter() - t0
+            assert all(len(o) == OUT_TOKENS for o in outs)
+            tput = len(prompts) * OUT_TOKENS / sec
+            self.add(Row(spec.name, name, f"pdserve ({len(prompts)} prompts)", tok_s=tput,
+                         ratio=f"{tput / hf_tput[name]:.1f}x HF"))
+        del engine, m
+        gc.collect()
+
+    # -- one model ----------------------------------------------------------------------------
+
+    def run_model(self, spec: ModelSpec) -> None:
+        import transformers
+        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+        print(f"== {spec.name}", flush=True)
+        cfg = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
+        tmp = tempfile.mkdtemp(prefix="pdserve-bench-")
+        try:
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+            model.eval()
+            model.save_pretrained(tmp)
+            save_tokenizer(tmp)
+            self.notes.append(f"{spec.name}: random weights made and saved in {time.perf_counter() - t0:.1f}s "
+                              f"(transformers {transformers.__version__}, sdpa attention)")
+            with torch.inference_mode():
+                hf_tput = self.run_hf(spec, model, cfg.vocab_size)
+            del model
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+            self.run_pdserve(spec, tmp, hf_tput)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+
+    def table(self) -> str:
+        lines = ["| model | scenario | impl | ms/step | output tok/s | vs limit / HF |",
+                 "| --- | --- | --- | ---: | ---: | --- |"]
+        for r in self.rows:
+            ms = f"{r.ms_step:.3f}" if r.ms_step is not None else ""
+            tok = f"{r.tok_s:.0f}" if r.tok_s is not None else ""
+            lines.append(f"| {r.model} | {r.scenario} | {r.impl} | {ms} | {tok} | {r.ratio} |")
+        return "\n".join(lines)
+
+
+def save_tokenizer(path: str) -> None:
+    """A word-level tokenizer: the engine loads one with every checkpoint, the bench feeds ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(1024)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                            unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"], choices=sorted(MODELS))
+    ap.add_argument("--out", help="also write the results (markdown) to this file, after each model")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("pdserve bench engine: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
+        return 2
+    models = ["tiny-llama"] if args.smoke else args.models
+    bench = Bench(device, args.smoke)
+    import triton
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
+    header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
+              f"bf16 · measured copy bandwidth {bench.bw / 1e9:.0f} GB/s")
+    print(header, flush=True)
+    for key in models:
+        bench.run_model(MODELS[key])
+        text = header + "\n\n" + bench.table() + "\n\n" + "\n".join(f"- {n}" for n in bench.notes)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

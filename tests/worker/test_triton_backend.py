@@ -1,0 +1,163 @@
+"""The GPU engine path against the torch reference engine: same greedy tokens.
+
+On CPU (CI) the Triton backend and the Triton element-wise kernels run under TRITON_INTERPRET=1
+(tests/conftest.py sets it) on CPU tensors, and the decode graphs' static-buffer path runs
+without capture. On a CUDA machine (tier 4) the same tests run compiled, with real CUDA graphs,
+plus the GPU-only checks at the end (--enforce-eager, KV sizing by --gpu-memory-utilization).
+fp32 throughout, so the two engines may differ only by rounding, and the tiny checkpoint's
+peaked logits (tests/checkpoints.py) leave greedy decoding no near-ties to flip.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.cuda_graphs import DecodeGraphConfig, batch_buckets
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.sampling_params import SamplingParams
+from tests.checkpoints import write_checkpoint
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (tier 4)")
+
+PROMPTS = [
+    [5, 17, 300, 42, 9, 1000, 77],
+    list(range(100, 137)),  # spans several blocks
+    [3, 4],
+]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A real (word-level) tokenizer made here, so this file runs where the default model is not
+    installed (the GPU machine); the engines are fed token ids and never detokenize."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(1536)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                                  unk_token="t0", bos_token="t1", eos_token="t2")
+    out = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tokenizer_dir)
+        return made[arch]
+
+    return make
+
+
+def free_gpu_memory():
+    # Engines hold reference cycles (bound-method callbacks); collect unreachable ones so the
+    # next engine's KV sizing sees their memory free again.
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
+def make_engine(ckpt, backend: str | None, **kw) -> LLMEngine:
+    # On the GPU the KV cache is sized by --gpu-memory-utilization, a share of the whole card
+    # counting engines still alive: a second live engine needs a larger share than the first.
+    free_gpu_memory()
+    static = kw.pop("static_decode", None)
+    cfg = dict(model=str(ckpt), device=DEVICE, dtype="float32", block_size=4, max_model_len=128,
+               kv_cache_memory=1 << 22, gpu_memory_utilization=0.25, max_num_seqs=8)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), attention_backend=backend, static_decode=static)
+
+
+def reference_tokens(ckpt, prompts, params):
+    engine = make_engine(ckpt, "torch", static_decode=False, gpu_memory_utilization=0.6)
+    return engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen2 (bias, tied) runs in the graphs test
+def test_triton_backend_matches_torch_backend(checkpoint, arch):
+    ckpt = checkpoint(arch)
+    engine = make_engine(ckpt, "triton", static_decode=False)
+    assert engine.attention_backend == "triton"
+    assert engine.runner.graphs is None
+    assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_triton_backend_mixed_steps_match(checkpoint):
+    # An 8-token budget splits prompts into chunks and mixes them with decodes in one step:
+    # the backend's decode-first split of q, and the prefill kernel over cached prefixes.
+    ckpt = checkpoint("llama")
+    engine = make_engine(ckpt, "triton", static_decode=False, max_num_batched_tokens=8)
+    assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
+
+
+def test_decode_graphs_pad_to_buckets_and_match(checkpoint):
+    # Three sequences finishing at different lengths walk the batch down through buckets 4
+    # (one padded row), 2 and 1; max_num_seqs=5 makes 5 a bucket too.
+    ckpt = checkpoint("qwen2")
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 5, 2)]
+    engine = make_engine(ckpt, "triton", static_decode=True, max_num_seqs=5)
+    graphs = engine.runner.graphs
+    assert graphs.buckets == [1, 2, 4, 5]
+    assert graphs.config.capture == ON_GPU
+    first = engine.generate(PROMPTS, params)
+    assert first == reference_tokens(ckpt, PROMPTS, params)
+    assert [len(t) for t in first] == [9, 5, 2]
+    assert graphs.num_replays == 8  # every step after the first (the prompts' prefill) is decode-only
+    # Again, now with stale ids in the static block table from the first run.
+    assert engine.generate(PROMPTS[::-1], params[::-1]) == reference_tokens(ckpt, PROMPTS[::-1], params[::-1])
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256)[-3:] == [240, 248, 256]
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        DecodeGraphConfig(max_batch=0, max_blocks_per_seq=4)
+    with pytest.raises(ValueError, match="max_blocks_per_seq must be >= 1"):
+        DecodeGraphConfig(max_batch=4, max_blocks_per_seq=0)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        LLMEngine(EngineConfig(device="cpu"), attention_backend="flash")
+
+
+@gpu_only
+def test_gpu_defaults_triton_graphs_and_enforce_eager(checkpoint):
+    ckpt = checkpoint("llama")
+    engine = make_engine(ckpt, None)
+    assert engine.attention_backend == "triton" and engine.runner.graphs is not None
+    assert engine.runner.graphs.capture_seconds > 0
+    eager = make_engine(ckpt, None, enforce_eager=True, gpu_memory_utilization=0.6)
+    assert eager.runner.graphs is None
+    assert engine.generate(PROMPTS, GREEDY) == eager.generate(PROMPTS, GREEDY)
+    assert engine.runner.graphs.num_replays > 0
+
+
+@gpu_only
+def test_gpu_memory_utilization_sizes_kv_cache(checkpoint):
+    ckpt = checkpoint("llama")
+    total = torch.cuda.mem_get_info()[1]
+    small = make_engine(ckpt, None, gpu_memory_utilization=0.2, enforce_eager=True)
+    small_bytes = small.kv_cache.tensor.numel() * small.kv_cache.tensor.element_size()
+    del small
+    big = make_engine(ckpt, None, gpu_memory_utilization=0.4, enforce_eager=True)
+    big_bytes = big.kv_cache.tensor.numel() * big.kv_cache.tensor.element_size()
+    # The tiny model is ~1 MB, so the KV cache takes nearly all of the allowed share.
+    assert small_bytes < 0.2 * total < big_bytes < 0.4 * total
+    assert big_bytes - small_bytes > 0.15 * total

@@ -1,0 +1,120 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model is mostly launch overhead: ~10 kernels per layer, each a few
+microseconds of GPU work and as much host time to launch. A CUDA graph replays the whole
+forward with one launch. Graphs fix their tensors' addresses and shapes, so the step's inputs
+live in static buffers sized for the largest bucket; a batch of n sequences runs the graph of
+the smallest bucket b >= n, and rows n..b-1 are padding that the kernels handle without
+special cases: slot -1 (the KV write skips it), context length 1 over whatever valid block id
+the table row holds, token and position 0. Their outputs are discarded.
+
+Block tables are `max_blocks_per_seq` wide. A step writes only the first `w` columns its
+batch needs; columns beyond a row's context are never read, so stale ids there are harmless
+(every id ever written is a valid block). Prefill and mixed steps run eagerly.
+
+`capture=False` keeps the static buffers and the padding but calls the forward directly
+instead of replaying a graph: the CPU tests run this path under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.worker.attention import AttentionMetadata
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including max_batch (padding <= 7 rows)."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch]
+    buckets += list(range(8, max_batch, 8))
+    return buckets + [max_batch]
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig:
+    max_batch: int  # the engine's max_num_seqs
+    max_blocks_per_seq: int  # ceil(max_model_len / block_size)
+    capture: bool = True  # False: same buffers and padding, forward run eagerly (CPU tests)
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise ValueError(f"DecodeGraphConfig.max_batch must be >= 1, got {self.max_batch}")
+        if self.max_blocks_per_seq < 1:
+            raise ValueError(f"DecodeGraphConfig.max_blocks_per_seq must be >= 1, got {self.max_blocks_per_seq}")
+
+
+class DecodeGraphs:
+    def __init__(self, model, config: DecodeGraphConfig, device: torch.device):
+        self.model, self.config, self.device = model, config, device
+        self.buckets = batch_buckets(config.max_batch)
+        n = config.max_batch
+        # Rows: token ids, positions, KV slots, context lengths. One buffer, so a step's scalars
+        # travel in one host->device copy; the int32 context lengths are cast inside the graph.
+        self._inputs = torch.tensor([[0], [0], [-1], [1]], dtype=torch.int64, device=device).repeat(1, n)
+        self._context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self._block_tables = torch.zeros(n, config.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The model over the first b rows of the static buffers -> hidden [b, H]."""
+        self._context_lens[:b].copy_(self._inputs[3, :b])
+        empty = self._block_tables[:0]
+        meta = AttentionMetadata(
+            slot_mapping=self._inputs[2, :b],
+            num_decode_tokens=b,
+            decode_block_tables=self._block_tables[:b],
+            decode_context_lens=self._context_lens[:b],
+            prefill_block_tables=empty,
+            prefill_cu_seqlens_q=self._context_lens[:1],  # no prefill rows: never read
+            prefill_context_lens=self._context_lens[:0],
+        )
+        return self.model(self._inputs[0, :b], self._inputs[1, :b], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every bucket (largest first, so smaller ones reuse its memory); returns seconds."""
+        if not self.config.capture:
+            return 0.0
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            self._forward(b)  # warm-up outside the graph: Triton compiles, allocator settles
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[b] = self._forward(b)
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def replay(self, b: int) -> torch.Tensor:
+        """Replay bucket b over whatever the static buffers hold (benchmarks time this)."""
+        self._graphs[b].replay()
+        return self._outputs[b]
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step for n <= max_batch sequences (tables padded to one width) -> hidden [n, H]."""
+        n = len(input_ids)
+        b = self.bucket(n)
+        pad = b - n
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+                             context_lens + [1] * pad], dtype=torch.int64)
+        self._inputs[:, :b].copy_(host, non_blocking=True)
+        width = len(block_tables[0])
+        self._block_tables[:n, :width].copy_(torch.tensor(block_tables, dtype=torch.int32), non_blocking=True)
+        self.num_replays += 1
+        if not self.config.capture:
+            return self._forward(b)[:n]
+        self._graphs[b].replay()
+        return self._outputs[b][:n]
