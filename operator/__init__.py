@@ -1,0 +1,1 @@
+"""The pdserve Kubernetes operator: reconciles ModelServing resources (see docs/operator.md)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kubernetes.client.rest import ApiException
+
 import pytest
 import yaml
 
@@ -12,7 +14,9 @@ from pdserve.operator.rbac import build_operator_cluster_role
 from tests.k8s_cluster import Cluster, k8s_cluster, wait_for  # noqa: F401  (fixture re-export)
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "modelservings.pdserve.io.yaml"
-OPERATOR_NS = "pdserve-system"
+# Distinct from what the chart installs (pdserve-operator), which may share this cluster.
+OPERATOR_NS = "pdserve-operator-test"
+OPERATOR_SA = "pdserve-operator-test"
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +25,11 @@ def crd(k8s_cluster: Cluster) -> dict:
 
     ext = client.ApiextensionsV1Api(k8s_cluster.api_client)
     body = yaml.safe_load(CRD_PATH.read_text())
-    ext.create_custom_resource_definition(body)
+    try:
+        ext.create_custom_resource_definition(body)
+    except ApiException as e:
+        if e.status != 409:  # another area of the session (the chart's tests) may have installed it
+            raise
 
     def established():
         got = ext.read_custom_resource_definition(body["metadata"]["name"])
@@ -33,20 +41,20 @@ def crd(k8s_cluster: Cluster) -> dict:
 
 @pytest.fixture(scope="session")
 def operator_kubeconfig(k8s_cluster: Cluster, crd, tmp_path_factory) -> Path:
-    """A kubeconfig for ServiceAccount pdserve-system/pdserve-operator bound to
+    """A kubeconfig for a ServiceAccount bound to
     build_operator_cluster_role(), with a token from the TokenRequest API."""
     from kubernetes import client
 
     core, rbac = k8s_cluster.core(), client.RbacAuthorizationV1Api(k8s_cluster.api_client)
     core.create_namespace({"metadata": {"name": OPERATOR_NS}})
-    core.create_namespaced_service_account(OPERATOR_NS, {"metadata": {"name": "pdserve-operator"}})
-    rbac.create_cluster_role(build_operator_cluster_role("pdserve-operator"))
+    core.create_namespaced_service_account(OPERATOR_NS, {"metadata": {"name": OPERATOR_SA}})
+    rbac.create_cluster_role(build_operator_cluster_role(OPERATOR_SA))
     rbac.create_cluster_role_binding({
-        "metadata": {"name": "pdserve-operator"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "pdserve-operator"},
-        "subjects": [{"kind": "ServiceAccount", "name": "pdserve-operator", "namespace": OPERATOR_NS}]})
+        "metadata": {"name": OPERATOR_SA},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR_SA},
+        "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NS}]})
     token = core.create_namespaced_service_account_token(
-        "pdserve-operator", OPERATOR_NS, {"spec": {"expirationSeconds": 24 * 3600}}).status.token
+        OPERATOR_SA, OPERATOR_NS, {"spec": {"expirationSeconds": 24 * 3600}}).status.token
     admin = yaml.safe_load(k8s_cluster.kubeconfig.read_text())
     admin["users"] = [{"name": "admin", "user": {"token": token}}]
     path = tmp_path_factory.mktemp("operator") / "kubeconfig"
