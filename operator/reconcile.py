@@ -34,10 +34,14 @@ def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
     current = {d["metadata"]["labels"].get(naming.LABEL_ROLE): d
                for d in kube.list("apps/v1", "Deployment", ms.namespace, selector) if owned_by(d, ms.uid)}
     # Replica counts the prefill:decode ratio is measured against: the spec's for a fixed-size
-    # role, the Deployment's (an HPA moves it) for an autoscaled one.
-    replicas_now = {r: (current[r].get("spec") or {}).get("replicas", 1) if ms.spec.role(r).autoscaling
-                    else ms.spec.role(r).replicas for r in ("prefill", "decode")
-                    if r in current or not ms.spec.role(r).autoscaling}
+    # role, the Deployment's (an HPA moves it) for an autoscaled one, once it exists.
+    replicas_now: dict[str, int] = {}
+    for role in ("prefill", "decode"):
+        rs = ms.spec.role(role)
+        if rs.autoscaling is None:
+            replicas_now[role] = rs.replicas
+        elif role in current:
+            replicas_now[role] = (current[role].get("spec") or {}).get("replicas", 1)
 
     desired = build_children(ms, kube.versions(), replicas_now)
     deployments: dict[str, dict[str, Any]] = {}
