@@ -8,6 +8,7 @@ from pdserve.operator import naming
 from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec
 
 HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557  # the router's default; replays are served on the next port
 MODEL_MOUNT = "/models"
 # Big checkpoints take minutes to load: the startup probe allows 30 min before liveness counts.
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180
@@ -35,6 +36,10 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
         args += ["--max-model-len", str(s.max_model_len)]
     if rs.max_num_seqs is not None:
         args += ["--max-num-seqs", str(rs.max_num_seqs)]
+    r = s.router
+    if "prefix-aware" in (r.policy, r.prefill_policy, r.decode_policy):
+        # KV-cache-aware routing feeds on the workers' block events.
+        args += ["--kv-events-port", str(KV_EVENTS_PORT)]
     return args + list(rs.args)
 
 

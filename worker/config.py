@@ -31,6 +31,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     seed: int = 0
     role: str = "both"
     kv_transfer: str | None = None  # nixl | tcp | None (= nixl if installed, else tcp)
@@ -62,6 +63,9 @@ class EngineConfig:
             raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("--tensor-parallel-size", f"tensor parallelism is not implemented yet; only 1 is "
+                                                        f"supported, got {self.tensor_parallel_size}")
         if self.kv_pull_timeout <= 0:
             raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:
@@ -82,6 +86,7 @@ class EngineConfig:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+        g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 (TP is not implemented yet)")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--role", default="both", choices=ROLES)
         g.add_argument("--kv-transfer", default=None, choices=("nixl", "tcp"))

@@ -39,6 +39,10 @@ def flag(args, name):
      "decode", {"--model": "/opt/model", "--device": "cpu", "--kv-transfer": "tcp", "--kv-port": "7000"}),
     ({"decode": {"tensorParallelSize": 4, "maxNumSeqs": 64, "args": ["--block-size", "32"]}},
      "decode", {"--tensor-parallel-size": "4", "--max-num-seqs": "64", "--block-size": "32"}),
+    # KV events only when a KV-cache-aware policy will consume them
+    ({}, "decode", {"--kv-events-port": None}),
+    ({"router": {"policy": "prefix-aware"}}, "decode", {"--kv-events-port": "5557"}),
+    ({"router": {"prefillPolicy": "prefix-aware"}}, "prefill", {"--kv-events-port": "5557"}),
 ])
 def test_worker_args(spec, role, expect):
     c = container(build_worker_deployment(ms(**spec), role))
