@@ -67,11 +67,12 @@ class Row:
 
 
 class Bench:
-    def __init__(self, device: str, smoke: bool):
-        self.device, self.smoke = device, smoke
+    def __init__(self, device: str, smoke: bool, profile_dir: str | None = None):
+        self.device, self.smoke, self.profile_dir = device, smoke, profile_dir
         self.rows: list[Row] = []
         self.notes: list[str] = []
         self.bw = self.copy_bandwidth()
+        self.flops = self.matmul_rate()
 
     def sync(self):
         if self.device == "cuda":
@@ -84,6 +85,55 @@ class Bench:
         from pdserve.bench.kernels import copy_bandwidth
 
         return copy_bandwidth()
+
+    def matmul_rate(self) -> float:
+        """FLOP/s of a bf16 8192^3 matrix product on random data (the prefill compute ceiling)."""
+        if self.device != "cuda":
+            return 1e11
+        from triton.testing import do_bench
+
+        a, b = torch.randn(2, 8192, 8192, dtype=torch.bfloat16, device="cuda")
+        ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+        return 2 * 8192**3 / (ms * 1e-3)
+
+    def profile(self, name: str, fn) -> None:
+        """cProfile of fn() (host-side Python of the engine) -> PROFILE_DIR/profile_<name>.txt."""
+        if not self.profile_dir:
+            return
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(fn)
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with open(f"{self.profile_dir}/profile_{name}.txt", "w") as f:
+            f.write(buf.getvalue())
+
+    def gemv_floor_ms(self, m) -> float:
+        """One CUDA graph of just the step's matrix products at batch 1 (every layer's qkv, o,
+        gate_up, down, then lm_head): what the step costs with all other kernels free."""
+        from triton.testing import do_bench
+
+        lins = [lin for layer in m.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        head = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        xs = [torch.randn(1, lin.in_features, dtype=head.dtype, device="cuda") for lin in lins]
+        xh = torch.randn(1, head.shape[1], dtype=head.dtype, device="cuda")
+
+        def body():
+            for lin, x in zip(lins, xs):
+                lin(x)
+            xh @ head.t()
+
+        with torch.inference_mode():
+            body()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                body()
+        return do_bench(g.replay, warmup=20, rep=200, return_mode="median")
 
     def add(self, row: Row):
         self.rows.append(row)
@@ -175,6 +225,7 @@ class Bench:
         weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
             weight_bytes -= m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
+        head_bytes = m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()  # same size either way
         kv_per_token = engine.kv_cache.block_bytes // engine.block_manager.block_size
         vocab = engine.model_config.vocab_size
         steps = 16 if self.smoke else 128
@@ -194,13 +245,21 @@ class Bench:
                 from triton.testing import do_bench
 
                 fwd = do_bench(lambda: graphs.replay(1), warmup=20, rep=200, return_mode="median")
-                self.add(Row(spec.name, scen, "pdserve forward only (graph replay)", ms_step=fwd,
-                             ratio=f"{100 * roof_ms / fwd:.0f}% of copy BW"))
+                fwd_roof = 1e3 * (step_bytes - head_bytes) / self.bw  # the graph stops before lm_head
+                self.add(Row(spec.name, scen, "pdserve forward only (graph replay, no lm_head)", ms_step=fwd,
+                             ratio=f"{100 * fwd_roof / fwd:.0f}% of copy BW"))
+                if L == 128:
+                    gemv = self.gemv_floor_ms(m)
+                    lin_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "proj" in n)
+                    self.add(Row(spec.name, scen, "matrix products alone, + lm_head (graph)", ms_step=gemv,
+                                 ratio=f"{100 * (lin_bytes + head_bytes) / self.bw * 1e3 / gemv:.0f}% of copy BW"))
                 engine.runner.graphs = None
                 ms_e = 1e3 * statistics.median(self.decode_steps(engine, prompt, steps))
                 engine.runner.graphs = graphs
                 self.add(Row(spec.name, scen, "pdserve --enforce-eager", ms_step=ms_e,
                              ratio=f"{100 * roof_ms / ms_e:.0f}% of copy BW"))
+            if L == 128:
+                self.profile(f"{spec.arch}_bs1_decode", lambda: self.decode_steps(engine, prompt, 64))
         params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
         for name, lengths in self.scenarios().items():
             prompts = self.prompts(vocab, lengths, 13)
@@ -211,10 +270,26 @@ class Bench:
             sec = time.perf_counter() - t0
             assert all(len(o) == OUT_TOKENS for o in outs)
             tput = len(prompts) * OUT_TOKENS / sec
+            floor = self.offline_floor_s(engine, lengths, weight_bytes, kv_per_token)
+            self.add(Row(spec.name, name, "floor: prefill FLOPs / matmul rate + decode bytes / copy BW",
+                         tok_s=len(prompts) * OUT_TOKENS / floor))
             self.add(Row(spec.name, name, f"pdserve ({len(prompts)} prompts)", tok_s=tput,
-                         ratio=f"{tput / hf_tput[name]:.1f}x HF"))
+                         ratio=f"{tput / hf_tput[name]:.1f}x HF, {100 * floor / sec:.0f}% of floor"))
+            if name.startswith("offline 1024"):
+                self.profile(f"{spec.arch}_offline", lambda: engine.generate(prompts[:64], params))
         del engine, m
         gc.collect()
+
+    def offline_floor_s(self, engine, lengths: list[int], weight_bytes: int, kv_per_token: int) -> float:
+        """Seconds no engine can beat: prefill matrix + causal attention FLOPs at the measured
+        matmul rate, plus OUT_TOKENS decode steps reading the weights and the average live KV."""
+        mc = engine.model_config
+        params = weight_bytes // 2 - mc.vocab_size * mc.hidden_size  # non-embedding, bf16 (lm_head once per sequence)
+        attn = sum(2 * L * L * mc.num_heads * mc.head_dim * mc.num_layers for L in lengths)  # causal QK^T + PV
+        prefill = (2 * params * sum(lengths) + attn) / self.flops
+        avg_ctx = statistics.fmean(lengths) + OUT_TOKENS / 2
+        decode = OUT_TOKENS * (weight_bytes + kv_per_token * avg_ctx * len(lengths)) / self.bw
+        return prefill + decode
 
     # -- one model ----------------------------------------------------------------------------
 
@@ -274,18 +349,19 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"], choices=sorted(MODELS))
     ap.add_argument("--out", help="also write the results (markdown) to this file, after each model")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
+    ap.add_argument("--profile-dir", help="write cProfile summaries of bs=1 decode and an offline batch here")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench engine: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
     models = ["tiny-llama"] if args.smoke else args.models
-    bench = Bench(device, args.smoke)
+    bench = Bench(device, args.smoke, args.profile_dir)
     import triton
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
     header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
-              f"bf16 · measured copy bandwidth {bench.bw / 1e9:.0f} GB/s")
+              f"bf16 · measured copy bandwidth {bench.bw / 1e9:.0f} GB/s · bf16 matmul {bench.flops / 1e12:.0f} TFLOP/s")
     print(header, flush=True)
     for key in models:
         bench.run_model(MODELS[key])

@@ -69,14 +69,13 @@ class ModelRunner:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
-        width = max(len(r.block_ids) for r, _ in batch.items)
         for i, (req, _) in enumerate(batch.items):
             p = req.num_computed_tokens
             ids.append(req.token_ids[p])
             positions.append(p)
             slots.append(req.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
-            tables.append(req.block_ids + [0] * (width - len(req.block_ids)))
+            tables.append(req.block_ids)
             if p + 1 == req.num_tokens:
                 logits_idx.append(i)
                 samplers.append(req)
@@ -100,6 +99,11 @@ class ModelRunner:
         else:
             rows = hidden[logits_idx]
         logits = self.model.compute_logits(rows)
+        if all(r.params.greedy and r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
+               for r in samplers):
+            # Plain greedy: argmax and one read-back. (The sampler would also sync once on a
+            # device-side "all greedy?" flag before it; that is a second round-trip per step.)
+            return {r.request_id: t for r, t in zip(samplers, logits.argmax(dim=-1).tolist())}, {}
         tokens, logprobs = self.sampler(logits, samplers)
         sampled = {r.request_id: t for r, t in zip(samplers, tokens)}
         lps = {r.request_id: lp for r, lp in zip(samplers, logprobs) if lp is not None}
