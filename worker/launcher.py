@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -184,7 +184,6 @@ class Running:
     proc: subprocess.Popen
     log_path: Path
     ready_at: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def tail(self, n: int = TAIL_LINES) -> str:
         try:
