@@ -29,10 +29,11 @@ pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
 # Router timeouts short enough that a hung (SIGSTOPped) worker costs seconds, yet long enough
-# for a decode worker's first byte on 2 busy CPU cores: when the prefill worker is gone, that
-# byte waits for the KV pull to time out and a local prefill. A short pin TTL releases KV that
+# for a decode worker's first byte on 2 busy CPU cores (--first-byte-timeout): when the prefill
+# worker is gone, that byte waits for the KV pull to time out and a local prefill. A short pin TTL releases KV that
 # a lost decode never pulls within the test; a short pull timeout bounds a dead prefill's cost.
-ROUTER_ARGS = ("--request-timeout", "30", "--stream-idle-timeout", "15", "--connect-timeout", "1",
+ROUTER_ARGS = ("--request-timeout", "30", "--first-byte-timeout", "30", "--stream-idle-timeout", "15",
+               "--connect-timeout", "1",
                "--probe-interval", "0.2", "--eject-backoff", "0.5")
 WORKER_ARGS = ("--kv-cache-memory", str(256 << 20), "--max-model-len", "1024", "--kv-pin-ttl", "10",
                "--kv-pull-timeout", "3")

@@ -45,7 +45,10 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     # Upper bound on a prefill call and on a whole non-streaming request.
     request_timeout_s: float = 600.0
-    # Longest silence tolerated between two chunks of an upstream stream.
+    # Longest wait for a streaming upstream's response headers. A worker answers only once its
+    # first token exists, so this covers its queueing and (local) prefill: it is no idle gap.
+    first_byte_timeout_s: float = 300.0
+    # Longest silence tolerated between two chunks of an upstream stream, once it has started.
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
     # A worker that fails this many times in a row is ejected, then re-probed with backoff.
@@ -83,7 +86,7 @@ class RouterConfig:
             raise ValueError("--pd-min-prompt-tokens must be >= 0")
         if self.max_retries < 0 or self.eject_after_failures < 1:
             raise ValueError("--max-retries must be >= 0 and --eject-after-failures >= 1")
-        for name in ("connect_timeout_s", "request_timeout_s", "stream_idle_timeout_s", "probe_interval_s",
+        for name in ("connect_timeout_s", "request_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s", "probe_interval_s",
                      "eject_backoff_s", "discovery_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")

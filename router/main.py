@@ -29,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
-    p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--first-byte-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="wait for a streaming worker's headers (its queueing and prefill included)")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="longest gap between chunks once a stream has started")
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--eject-after-failures", type=int, default=3)
     p.add_argument("--eject-backoff", type=float, default=1.0, metavar="SECONDS",
@@ -49,7 +52,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_policy=args.decode_policy or args.policy or "least-loaded",
         api_keys=tuple(args.api_key) + keys_from_env(), pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         max_retries=args.max_retries, eject_after_failures=args.eject_after_failures, eject_backoff_s=args.eject_backoff,
         eject_backoff_max_s=max(30.0, args.eject_backoff),
         probe_interval_s=args.probe_interval, kv_events_port=args.kv_events_port,

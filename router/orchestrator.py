@@ -65,7 +65,7 @@ class Orchestrator:
         self.decode_policy = decode_policy
         c = config
         self.prefill_timeout = timeout(c.request_timeout_s, c.connect_timeout_s)
-        self.stream_timeout = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s)
+        self.stream_timeout = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s, c.first_byte_timeout_s)
 
     # ---- worker choice -------------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class Orchestrator:
         framer = EventFramer()
         first = True
         try:
-            async for data in chunks(response):
+            async for data in chunks(response, self.stream_timeout.idle_s):
                 out = framer.feed(data)
                 if not out:
                     continue

@@ -49,8 +49,26 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
                                  cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False)
 
 
-def timeout(total_s: float | None, connect_s: float, read_s: float | None = None) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=total_s, connect=connect_s, sock_read=read_s)
+def timeout(total_s: float | None, connect_s: float, read_s: float | None = None,
+            first_byte_s: float | None = None) -> "Limits":
+    """aiohttp's sock_read would also bound the wait for headers, which for a worker includes
+    its queueing and prefill. Streams instead bound that wait with `first_byte_s` and each
+    later chunk with `read_s`."""
+    return Limits(total=total_s, connect=connect_s, sock_read=None if first_byte_s else read_s,
+                  first_byte_s=first_byte_s, idle_s=read_s if first_byte_s else None)
+
+
+@dataclass(frozen=True)
+class Limits:
+    total: float | None
+    connect: float
+    sock_read: float | None
+    first_byte_s: float | None = None  # headers must arrive within this (streams)
+    idle_s: float | None = None  # then each chunk within this (streams)
+
+    @property
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.total, connect=self.connect, sock_read=self.sock_read)
 
 
 class Upstream:
@@ -81,11 +99,13 @@ class Upstream:
             log.warning("ejected %r after %d failures (last: %s)", worker, worker.consecutive_failures, reason)
 
     async def open(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
-                   limits: aiohttp.ClientTimeout, phase: str) -> Attempt:
+                   limits: "Limits", phase: str) -> Attempt:
         """POST and wait for the status line. 5xx and transport errors are retryable failures;
         429 is retryable without blaming the worker; other statuses are final answers."""
         try:
-            response = await self.session.post(worker.url + path, data=body, headers=headers, timeout=limits)
+            async with asyncio.timeout(limits.first_byte_s):  # None: no bound beyond aiohttp's
+                response = await self.session.post(worker.url + path, data=body, headers=headers,
+                                                   timeout=limits.client_timeout)
         except UPSTREAM_ERRORS as e:
             self.failed(worker, phase, repr(e))
             return Attempt(worker, retryable=True, reason=f"{type(e).__name__}: {e}")
@@ -107,8 +127,18 @@ async def read_and_close(response: aiohttp.ClientResponse) -> bytes:
         response.release()
 
 
-async def chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    async for data in response.content.iter_any():
+async def chunks(response: aiohttp.ClientResponse, idle_s: float | None = None) -> AsyncIterator[bytes]:
+    """The body as it arrives; a gap longer than `idle_s` raises asyncio.TimeoutError."""
+    if idle_s is None:
+        async for data in response.content.iter_any():
+            yield data
+        return
+    content = response.content
+    while True:
+        async with asyncio.timeout(idle_s):  # no task per chunk, unlike wait_for
+            data = await content.readany()
+        if not data:
+            return
         yield data
 
 

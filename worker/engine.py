@@ -201,6 +201,9 @@ class LLMEngine:
             self._check_remote_params(kv_transfer_params, n)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
         with self._lock:
+            # A second request under a live id would never get outputs of its own: refuse it.
+            if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):
+                raise RequestError("request_id", f"request id {request_id!r} is already in flight")
             self._inbox.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -257,12 +260,10 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            for req in inbox:  # under the lock: add_request's duplicate check sees them
+                self.requests[req.request_id] = req
         outputs = []
         for req in inbox:
-            if req.request_id in self.requests:
-                log.warning("duplicate request id %s ignored", req.request_id)
-                continue
-            self.requests[req.request_id] = req
             if self._prepare_remote(req):
                 self._remote_waiting.append(req)
             elif req.status.finished:  # the handed-over first token already ended it

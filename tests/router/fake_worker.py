@@ -129,6 +129,8 @@ def build(args) -> Starlette:
         words = tokens_for(prompt, 1 if stop_first else max_tokens, start)
         if not body.get("stream"):
             return JSONResponse(completion(route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None))
+        # A real worker sends headers only once its first token exists (queueing + prefill).
+        await asyncio.sleep(args.header_delay)
 
         async def events():
             st.used += blocks(n_prompt)
@@ -222,6 +224,7 @@ if __name__ == "__main__":
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="tiny")
     p.add_argument("--delay", type=float, default=0.005)
+    p.add_argument("--header-delay", type=float, default=0.0, help="seconds before a stream's headers")
     p.add_argument("--pin-ttl", type=float, default=30.0)
     p.add_argument("--kv-events", default=None, help="host to bind the KV event sockets on")
     p.add_argument("--kv-ports", default="5557,5558", help="PUB,REPLAY ports of the KV event sockets")

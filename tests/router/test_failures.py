@@ -133,6 +133,22 @@ def test_stalled_decode_stream_times_out_with_error_event(launch):
     assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2]
 
 
+def test_slow_first_byte_is_not_an_idle_stream(launch):
+    # Headers after 2 s (a long local prefill) exceed the 1 s idle timeout but not the first-byte one.
+    decode = launch.fake_worker("--header-delay", "2")
+    router = launch.router("--decode", decode.url, "--stream-idle-timeout", "1", "--first-byte-timeout", "20")
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True})
+    assert events[-1] == b"data: [DONE]" and not any(b'"error"' in e for e in events)
+
+
+def test_first_byte_timeout_bounds_a_silent_worker(launch):
+    decode = launch.fake_worker("--header-delay", "30")
+    router = launch.router("--decode", decode.url, "--first-byte-timeout", "1", "--max-retries", "0")
+    r = httpx.post(router.url + "/v1/completions", timeout=20,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+
+
 def test_dead_decode_worker_is_reprobed_and_readmitted(launch):
     decode = launch.fake_worker()
     router = launch.router("--decode", decode.url, "--eject-after-failures", "1", "--eject-backoff", "0.2")

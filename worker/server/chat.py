@@ -59,7 +59,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     rid = serving.new_id("chatcmpl")
     gen = state.new_generation(rid, [prompt], params, body.n, body.kv_transfer_params)
     first, events = await serving.start(request, gen)
-    base = {"id": rid, "created": serving.now(), "model": state.served_model_name}
+    # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
+    # request ids stay unique per worker whatever the header says.
+    base = {"id": serving.response_id(request, rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         return SSEResponse(_stream(state, body, prompt, base, first, events))
 

@@ -41,7 +41,9 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     rid = serving.new_id("cmpl")
     gen = state.new_generation(rid, prompts, params, body.n, body.kv_transfer_params)
     first, events = await serving.start(request, gen)
-    base = {"id": rid, "object": "text_completion", "created": serving.now(), "model": state.served_model_name}
+    # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
+    # request ids stay unique per worker whatever the header says.
+    base = {"id": serving.response_id(request, rid), "object": "text_completion", "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen)))
 

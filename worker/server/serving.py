@@ -32,6 +32,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_id(request: Request, fallback: str) -> str:
+    return request.headers.get("x-request-id") or fallback
+
+
 def now() -> int:
     return int(time.time())
 
