@@ -67,8 +67,8 @@ class Row:
 
 
 class Bench:
-    def __init__(self, device: str, smoke: bool, profile_dir: str | None = None):
-        self.device, self.smoke, self.profile_dir = device, smoke, profile_dir
+    def __init__(self, device: str, smoke: bool, profile_dir: str | None = None, token_budget: int = 16384):
+        self.device, self.smoke, self.profile_dir, self.token_budget = device, smoke, profile_dir, token_budget
         self.rows: list[Row] = []
         self.notes: list[str] = []
         self.bw = self.copy_bandwidth()
@@ -213,14 +213,15 @@ class Bench:
 
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
-                                        max_num_seqs=256, max_num_batched_tokens=8192,
+                                        max_num_seqs=256, max_num_batched_tokens=self.token_budget,
                                         enable_prefix_caching=False, kv_cache_memory=1 << 28))
         graphs = engine.runner.graphs
         cap = graphs.capture_seconds if graphs else 0.0
         kv_gib = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size() / 2**30
         self.notes.append(f"{spec.name}: engine start {time.perf_counter() - t0:.1f}s, of which CUDA-graph capture "
                           f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
-                          f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}")
+                          f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
+                          f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}")
         m = engine.model
         weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
@@ -349,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.1-8b"], choices=sorted(MODELS))
     ap.add_argument("--out", help="also write the results (markdown) to this file, after each model")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="pdserve's token budget per step")
     ap.add_argument("--profile-dir", help="write cProfile summaries of bs=1 decode and an offline batch here")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
         print("pdserve bench engine: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
     models = ["tiny-llama"] if args.smoke else args.models
-    bench = Bench(device, args.smoke, args.profile_dir)
+    bench = Bench(device, args.smoke, args.profile_dir, args.max_num_batched_tokens)
     import triton
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
