@@ -180,3 +180,11 @@ def test_models_health_and_metrics(client, worker):
     assert value(r"vllm:time_to_first_token_seconds_count\{" + label + r"\}") >= 1
     kv = httpx.get(f"{worker.url}/debug/kv").json()
     assert 0 <= kv["num_free_blocks"] <= kv["num_total_blocks"] and kv["num_total_blocks"] > 0
+
+
+def test_x_request_id_names_the_response_and_may_repeat(client):
+    # A router sends one id to prefill and decode; clients may reuse ids. Both must work.
+    headers = {"X-Request-Id": "router-abc"}
+    a = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, extra_headers=headers, **GREEDY)
+    b = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, extra_headers=headers, **GREEDY)
+    assert a.id == b.id == "router-abc"
