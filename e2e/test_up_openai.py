@@ -135,6 +135,19 @@ def test_32_concurrent_requests_all_correct_and_complete(client, served_name):
             assert text.startswith(" Paris.") and finish == "length", (i, text)
 
 
+def test_readme_python_example_runs(up):
+    """README's quick-start snippet, pointed at this stack's port, prints the answer."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)\n```", readme, re.S).group(1)
+    assert "http://127.0.0.1:8000/v1" in snippet
+    snippet = snippet.replace("http://127.0.0.1:8000/v1", up.base_url)
+    r = subprocess.run([sys.executable, "-"], input=snippet, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ANSWER
+
+
 def test_no_kv_blocks_leaked(up):
     def back_to_start():
         for name, (_, url) in up.children.items():
