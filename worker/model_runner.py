@@ -34,7 +34,10 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         logits_idx, samplers = [], []
-        max_blocks = max(len(r.block_ids) for r, _ in batch.items)
+        # Width rounded up to 16 columns: Triton specializes integer arguments on divisibility by
+        # 16, so a width that wandered across that property would compile the attention kernels
+        # again (seconds, mid-serving) for each variant.
+        max_blocks = -(-max(len(r.block_ids) for r, _ in batch.items) // 16) * 16
         for req, n in batch.items:
             start = req.num_computed_tokens
             end = start + n
