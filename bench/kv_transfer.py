@@ -47,11 +47,15 @@ def _server(transport, port, device, num_blocks, block_bytes, plan, conn):
     c.shutdown()
 
 
+def _block_counts(sizes_mib, block_bytes) -> list[int]:
+    # A one-block pull first: its time is the per-request fixed cost, near enough.
+    return [1] + [max(1, mib * MiB // block_bytes) for mib in sizes_mib]
+
+
 def _plan(sizes_mib, block_bytes, iters, scattered):
     plan = []
-    for mib in sizes_mib:
-        n = max(1, mib * MiB // block_bytes)
-        stride = 2 if scattered else 1
+    stride = 2 if scattered else 1
+    for n in _block_counts(sizes_mib, block_bytes):
         plan += [list(range(0, n * stride, stride))] * iters
     return plan
 
@@ -84,6 +88,9 @@ def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_
     proc = ctx.Process(target=_server, args=(transport, port, server_dev, max_blocks, block_bytes, plan, child))
     proc.start()
     try:
+        while not parent.poll(1.0):  # a server that died (e.g. UCX refused its UCX_TLS) must not hang us
+            if not proc.is_alive():
+                raise RuntimeError(f"the {transport} server process exited with {proc.exitcode} before it was ready")
         params = parent.recv()
         cache = torch.zeros(max_blocks, block_bytes, dtype=torch.uint8, device=client_dev)
         cfg = EngineConfig(role="decode", kv_transfer=transport, kv_port=port + 1, kv_pull_timeout=120)
@@ -92,7 +99,7 @@ def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_
         warm = c.pin("warm", [0], 1, 0)  # a local pin just to get a well-formed params dict shape
         c.pins.release("warm", warm["transfer_token"])
         rows, k = [], 0
-        for mib in sizes_mib:
+        for _ in _block_counts(sizes_mib, block_bytes):
             times = []
             for _ in range(iters):
                 p = params[k]
@@ -120,13 +127,9 @@ def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_
 
 
 def fixed_cost_ms(rows) -> float:
-    """Intercept of a least-squares line time = a + bytes / bandwidth over the measured sizes."""
-    xs, ys = [r[0] for r in rows], [r[1] for r in rows]
-    if len(xs) < 2:
-        return ys[0] * 1e3
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return max(0.0, (my - b * mx) * 1e3)
+    """A one-block pull's time less its bytes at the largest transfer's bandwidth."""
+    (one_bytes, one_s), (big_bytes, big_s) = rows[0], rows[-1]
+    return max(0.0, one_s - one_bytes * big_s / big_bytes) * 1e3
 
 
 def main(argv=None) -> int:
@@ -163,15 +166,17 @@ def main(argv=None) -> int:
     labels = list(results)
     print("| size | torch copy GB/s | " + " | ".join(f"{l} GB/s (% of copy)" for l in labels) + " |")
     print("|---" * (2 + len(labels)) + "|")
-    for i, mib in enumerate(args.sizes_mib):
+    for i in range(len(args.sizes_mib) + 1):
         nbytes = results[labels[0]][i][0]
         copy = _torch_copy_gbps(nbytes, server_dev, client_dev, args.iters)
         cells = []
         for l in labels:
             gbps = results[l][i][0] / results[l][i][1] / 1e9
             cells.append(f"{gbps:.2f} ({100 * gbps / copy:.0f}%)")
-        print(f"| {nbytes / MiB:.0f} MiB | {copy:.2f} | " + " | ".join(cells) + " |")
-    print("| fixed cost per request (ms, fit) | - | " + " | ".join(f"{fixed_cost_ms(results[l]):.2f}" for l in labels) + " |")
+        size = f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB (1 block)"
+        print(f"| {size} | {copy:.2f} | " + " | ".join(cells) + " |")
+    print("| fixed cost per request (ms) | - | " + " | ".join(f"{fixed_cost_ms(results[l]):.2f}" for l in labels) + " |")
+    print("| 1-block pull latency (ms) | - | " + " | ".join(f"{results[l][0][1] * 1e3:.2f}" for l in labels) + " |")
     return 0
 
 

@@ -33,6 +33,8 @@ def resolve_model_path(model: str | None) -> str:
         return model
     if os.path.exists(model):
         raise FileNotFoundError(f"--model {model!r} is a file; pass the checkpoint directory")
+    if model.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"--model {model!r}: no such directory")
     from huggingface_hub import snapshot_download
 
     log.info("downloading %s from the hub (safetensors, config, tokenizer)", model)

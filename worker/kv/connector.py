@@ -50,7 +50,15 @@ class KVConnector:
         self.port = config.kv_port
         self.timeout = config.kv_pull_timeout
         self.host = config.kv_host or os.environ.get("POD_IP") or "127.0.0.1"
-        self.nixl = NixlTransport(f"pdserve-{engine_id}", cache, self.block_bytes) if self.transport == "nixl" else None
+        self.nixl = None
+        if self.transport == "nixl":
+            try:
+                self.nixl = NixlTransport(f"pdserve-{engine_id}", cache, self.block_bytes)
+            except Exception as e:  # e.g. UCX_TLS names transports this host cannot connect with
+                from pdserve.worker.config import ConfigError
+
+                raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
+                                                   f"or use --kv-transfer tcp") from e
         self.server: side_channel.SideChannelServer | None = None
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="kv-pull")
 
