@@ -100,7 +100,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, on_event=self._on_kv_event)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, max_len)
         if static_decode is None:
-            static_decode = self.device.type == "cuda" and not config.enforce_eager
+            # The torch reference reads context lengths on the host, which a graph cannot capture.
+            static_decode = self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
         graphs = None
         if static_decode:
             graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, -(-max_len // bs),
