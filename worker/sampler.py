@@ -13,9 +13,8 @@ class Sampler:
         """logits: [S, V] fp32, one row per request that samples this step."""
         logits = logits.float()
         self._suppress_early_stop(logits, reqs)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(r.params.greedy for r in reqs):  # a Python check: no device sync on the hot path
             for i, r in enumerate(reqs):
                 if not r.params.greedy:
                     tokens[i] = self._sample_row(logits[i], r)
