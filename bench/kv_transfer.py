@@ -155,7 +155,9 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
           f"{args.iters} iters (median, first excluded), torch {torch.__version__}, "
-          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, {time.strftime('%Y-%m-%d')}")
+          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
+          f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
+          f"{time.strftime('%Y-%m-%d')}")
     results = {}
     for transport in args.transports:
         for scattered in (False, True):

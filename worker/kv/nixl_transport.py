@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
 import time
 
@@ -39,6 +40,11 @@ def nixl_available() -> bool:
 
 class NixlTransport:
     def __init__(self, name: str, cache: torch.Tensor, block_bytes: int):
+        if cache.device.type == "cuda":
+            # UCX turns cuda_ipc READs (get_zcopy) off unless it sees NVLink; the fallback is a
+            # software emulation over TCP at ~0.5 GB/s. Measured on one H100 (P and D on the same
+            # card): 0.5 -> 215 GB/s for a 1 GiB pull with it on. An explicit setting wins.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         nixl_agent, nixl_agent_config = import_nixl()
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self.name = name
