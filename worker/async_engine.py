@@ -59,8 +59,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
-        if self.engine.connector is not None:
-            self.engine.connector.shutdown()
+        self.engine.kv_transfer.shutdown()
         if self.engine.kv_event_publisher is not None:
             self.engine.kv_event_publisher.close()
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import replace
 
 import torch
 
@@ -23,21 +21,14 @@ from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model_loader import load_model
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineStats, RequestOutput
-from pdserve.worker.request import Request, RequestStatus
+from pdserve.worker.kv.transfer_scheduler import KVTransferScheduler, is_remote_decode
+from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
-
-
-class RequestError(ValueError):
-    """The request cannot be served as given (maps to HTTP 400); `param` names the field."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,10 +112,10 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
-        # Decode side of P/D: requests waiting for blocks to pull into, and pulls in flight.
-        self._remote_waiting: list[Request] = []
-        self._pulling: dict[str, tuple[Request, Future]] = {}
-        self.connector = self._make_connector()
+        layout = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:{str(self.dtype).removeprefix('torch.')}:{bs}"
+        self.kv_transfer = KVTransferScheduler(config, self.engine_id, layout, self.kv_cache.tensor, self.block_manager,
+                                               self.scheduler, mc.vocab_size, max_len)
+        self.connector = self.kv_transfer.connector  # the worker-side half (metrics, tests)
         log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d, attention=%s",
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), num_blocks, bs,
                  num_blocks * KVCache.bytes_per_block(mc, bs, self.dtype) / 2**20, max_len, backend.name)
@@ -198,8 +189,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
-        if kv_transfer_params and "first_token_id" in kv_transfer_params:
-            self._check_remote_params(kv_transfer_params, n)
+        if is_remote_decode(kv_transfer_params):
+            self.kv_transfer.check_params(kv_transfer_params, n)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
         with self._lock:
             # A second request under a live id would never get outputs of its own: refuse it.
@@ -212,22 +203,19 @@ class LLMEngine:
             self._aborts.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._remote_waiting or self._pulling)
+        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self.kv_transfer.has_work)
 
     @property
     def has_pins(self) -> bool:
-        return self.connector is not None and len(self.connector.pins) > 0
+        return self.kv_transfer.has_pins
 
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_inbox()
-        self._free_released_pins()
-        self._start_pulls()
-        self._finish_pulls()
+        self.kv_transfer.step()
         batch = self.scheduler.schedule()
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
-            if self._pulling:  # nothing to compute until a pull lands: wait for one, briefly
-                wait([f for _, f in self._pulling.values()], timeout=0.005, return_when=FIRST_COMPLETED)
+            self.kv_transfer.wait_for_pull(timeout=0.005)
             return outputs
         sampled, logprobs = self.runner.run(batch)
         finished = self.scheduler.update(batch, sampled)
@@ -249,7 +237,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting) + len(self._inbox),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
-            num_pinned_blocks=self.connector.pins.num_blocks() if self.connector else 0,
+            num_pinned_blocks=self.kv_transfer.num_pinned_blocks,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
@@ -265,9 +253,9 @@ class LLMEngine:
                 self.requests[req.request_id] = req
         outputs = []
         for req in inbox:
-            if self._prepare_remote(req):
-                self._remote_waiting.append(req)
-            elif req.status.finished:  # the handed-over first token already ended it
+            if self.kv_transfer.admit(req):
+                continue  # waits for its prompt KV from a prefill worker
+            if req.status.finished:  # the handed-over first token already ended it
                 self.requests.pop(req.request_id)
                 outputs.append(self._output(req, [], None))
             else:
@@ -276,137 +264,18 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is None or req.status.finished:
                 continue
-            if req.request_id in self._pulling:
-                req.aborted = True  # blocks are being written: freed when the pull ends
-            else:
-                if req in self._remote_waiting:
-                    self._remote_waiting.remove(req)
-                    self._release_remote(req)
+            if self.kv_transfer.abort(req):  # else blocks are being written: freed when the pull ends
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             req.set_status(RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(req, [], None))
         return outputs
-
-    # -- KV transfer (scheduler side) ---------------------------------------------------------
-
-    def _make_connector(self):
-        c = self.config
-        if c.role == "both" and c.kv_transfer is None:
-            return None  # a plain worker: no side channel, no port
-        from pdserve.worker.kv.connector import KVConnector
-
-        mc = self.model_config
-        layout = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:{str(self.dtype).removeprefix('torch.')}:{c.block_size}"
-        connector = KVConnector(c, self.kv_cache.tensor, self.engine_id, layout)
-        if c.role in ("prefill", "both"):
-            connector.start_server()
-        return connector
-
-    REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
-                   "remote_block_ids": list, "num_prompt_tokens": int, "first_token_id": int,
-                   "transfer_token": str, "kv_layout": str}
-
-    def _check_remote_params(self, p: dict, num_prompt_tokens: int) -> None:
-        """Decode side: reject malformed or incompatible kv_transfer_params before admission."""
-        for key, typ in self.REMOTE_KEYS.items():
-            if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
-                raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} is missing or not a {typ.__name__}")
-        if not 0 <= p["first_token_id"] < self.model_config.vocab_size:
-            raise RequestError("kv_transfer_params", "kv_transfer_params.first_token_id is out of the vocabulary")
-        if p["num_prompt_tokens"] != num_prompt_tokens:
-            raise RequestError("kv_transfer_params", f"kv_transfer_params describe {p['num_prompt_tokens']} prompt "
-                                                     f"tokens but the prompt has {num_prompt_tokens}")
-        remote_bs = p["kv_layout"].rsplit(":", 1)[-1]
-        if remote_bs != str(self.block_manager.block_size):
-            raise RequestError("kv_transfer_params", f"the prefill worker's KV block size is {remote_bs} but this "
-                                                     f"worker's is {self.block_manager.block_size}; P and D must match")
-        if self.connector is not None:
-            from pdserve.worker.kv.connector import KVLayoutMismatch
-
-            try:
-                self.connector.check_params(p, self.block_manager.block_size)
-            except KVLayoutMismatch as e:
-                raise RequestError("kv_transfer_params", str(e)) from e
-
-    def _free_released_pins(self) -> None:
-        if self.connector is None:
-            return
-        for rid, block_ids, expired in self.connector.pins.collect():
-            if expired:
-                log.warning("KV pin of %s expired after %.0fs without a release; freeing %d blocks",
-                            rid, self.config.kv_pin_ttl, len(block_ids))
-            self.block_manager.unpin(block_ids)
-
-    def _start_pulls(self) -> None:
-        bs = self.block_manager.block_size
-        while self._remote_waiting:
-            req = self._remote_waiting[0]
-            cached = self.block_manager.lookup_prefix(req)
-            if not self.block_manager.can_allocate(req, req.num_tokens, cached):
-                return  # FCFS; retried next step as blocks free up
-            self._remote_waiting.pop(0)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = len(cached) * bs
-                self.block_manager.record_query(req.num_prompt_tokens, req.num_cached_tokens)
-            self.block_manager.take_cached(req, cached)
-            self.block_manager.allocate(req, req.num_tokens)
-            n_prompt_blocks = -(-req.num_prompt_tokens // bs)
-            # Prompt blocks already in our prefix cache are not pulled again.
-            indices = list(range(len(cached), n_prompt_blocks))
-            dst = req.block_ids[len(cached):n_prompt_blocks]
-            self._pulling[req.request_id] = (req, self.connector.start_pull(req.kv_transfer_params, indices, dst))
-
-    def _finish_pulls(self) -> None:
-        for rid, (req, fut) in list(self._pulling.items()):
-            if not fut.done():
-                continue
-            del self._pulling[rid]
-            if req.aborted:
-                self.block_manager.free_request(req)
-                continue
-            try:
-                fut.result()
-                req.num_computed_tokens = req.num_prompt_tokens
-            except Exception as e:
-                # The prompt's KV never arrived: prefill it here (slower, but the answer is
-                # the same) rather than failing the request.
-                log.warning("KV pull for %s failed (%s); prefilling locally", rid, e)
-                self.connector.metrics.local_prefill_fallbacks.inc()
-            self.scheduler.add_running(req)
-
-    def _release_remote(self, req: Request) -> None:
-        if self.connector is not None:  # an empty pull only releases the remote pin
-            self.connector.start_pull(req.kv_transfer_params, [], [])
-
-    def _prepare_remote(self, req: Request) -> bool:
-        """Set up P/D roles for `req`; True if its prompt KV is to be pulled from a prefill worker."""
-        p = req.kv_transfer_params
-        if not p:
-            return False
-        if p.get("do_remote_decode"):
-            # Prefill side: one token, then the blocks wait for the decode worker. A worker
-            # with no side channel serves the request plainly (no params come back).
-            req.params = replace(req.params, max_tokens=1, min_tokens=0)
-            req.keep_blocks = self.connector is not None and self.connector.server is not None
-            return False
-        if "first_token_id" not in p:
-            return False
-        # Decode side: the prefill worker already produced (and returned) the first token. It
-        # joins the sequence as an emitted output, so the caller never sees it twice.
-        req.token_ids.append(int(p["first_token_id"]))
-        req.num_emitted_tokens = 1
-        if req.check_stop(self.max_model_len):
-            self._release_remote(req)
-            return False
-        # Without a connector (or with a failed pull) the prompt is prefilled locally.
-        return self.connector is not None
 
     def _output(self, req: Request, new: list[int], logprob) -> RequestOutput:
         req.num_emitted_tokens += len(new)
         finished = req.status.finished
         kv_params = None
         if finished and req.keep_blocks and req.status is not RequestStatus.FINISHED_ABORTED:
-            kv_params = self._pin_for_remote(req)
+            kv_params = self.kv_transfer.pin(req)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
@@ -419,17 +288,6 @@ class LLMEngine:
             logprobs=[logprob] if logprob is not None else None,
             kv_transfer_params=kv_params,
         )
-
-    def _pin_for_remote(self, req: Request) -> dict:
-        """Keep the prompt's blocks for the decode worker; describe where they are."""
-        # The scheduler left the finished request's block references in place (keep_blocks);
-        # they move to the pin table, which drops them on release or TTL. Only prompt blocks
-        # are offered: the first token's KV was never computed here.
-        n_blocks = -(-req.num_prompt_tokens // self.block_manager.block_size)
-        block_ids, extra = req.block_ids[:n_blocks], req.block_ids[n_blocks:]
-        self.block_manager.unpin(extra)
-        req.block_ids = []
-        return self.connector.pin(req.request_id, block_ids, req.num_prompt_tokens, req.output_token_ids[0])
 
     def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:
         if self.kv_event_publisher is None:

@@ -10,6 +10,14 @@ import torch
 from pdserve.worker.sampling_params import SamplingParams
 
 
+class RequestError(ValueError):
+    """The request cannot be served as given (maps to HTTP 400); `param` names the field."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)admission: new, or preempted and to be recomputed
     RUNNING = "running"  # owns KV blocks and is scheduled every step
