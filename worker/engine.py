@@ -84,8 +84,15 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         num_blocks = self._num_kv_blocks(backend)
         if num_blocks * bs < max_len:
-            log.warning("KV cache holds %d tokens < max_model_len %d: long requests will be preempted",
-                        num_blocks * bs, max_len)
+            # A sequence longer than the whole cache could never run: it would preempt itself
+            # and be recomputed forever. Refuse an explicit limit; shrink a defaulted one.
+            if config.max_model_len is not None:
+                raise ConfigError("--max-model-len", f"{max_len} tokens do not fit the KV cache ({num_blocks * bs} "
+                                                     f"tokens); lower it or give the cache more memory "
+                                                     f"(--kv-cache-memory / --gpu-memory-utilization)")
+            log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
+                        num_blocks * bs, max_len, num_blocks * bs)
+            max_len = self.max_model_len = num_blocks * bs
         self.kv_cache = KVCache(mc, num_blocks, bs, self.dtype, self.device)
         backend.bind(self.kv_cache)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, on_event=self._on_kv_event)

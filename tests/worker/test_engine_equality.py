@@ -72,11 +72,25 @@ def test_preemption_by_recompute_matches_hf(tiny_checkpoint):
     engine = make_engine(ckpt)
     per_block = engine.kv_cache.block_bytes
     # 16 blocks x 4 tokens cannot hold all four sequences at once (they need ~29 blocks).
-    engine = make_engine(ckpt, kv_cache_memory=16 * per_block, enable_prefix_caching=False)
+    engine = make_engine(ckpt, kv_cache_memory=16 * per_block, enable_prefix_caching=False, max_model_len=64)
     assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
     stats = engine.stats()
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_max_model_len_must_fit_the_kv_cache(tiny_checkpoint):
+    from pdserve.worker.config import ConfigError
+
+    ckpt = tiny_checkpoint("llama")
+    per_block = make_engine(ckpt).kv_cache.block_bytes
+    # 8 blocks x 4 tokens = 32 tokens: a 128-token limit could never be served (it would
+    # preempt itself forever), so an explicit one is refused, naming the flag...
+    with pytest.raises(ConfigError, match="--max-model-len"):
+        make_engine(ckpt, kv_cache_memory=8 * per_block, max_model_len=128)
+    # ...and the model's default is lowered to what fits.
+    engine = make_engine(ckpt, kv_cache_memory=8 * per_block, max_model_len=None)
+    assert engine.max_model_len == 32 and engine.scheduler.max_model_len == 32
 
 
 def test_unsupported_architecture_is_named(tmp_path):
