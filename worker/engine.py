@@ -69,6 +69,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.engine_id = uuid.uuid4().hex[:12]
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
         backend = _attention_backend(attention_backend, self.device)
         self.attention_backend = backend.name
         max_len = config.max_model_len
