@@ -65,7 +65,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"pdserve router: {e}", file=sys.stderr)
+        message = str(e)
+        if args.policy and not (args.prefill_policy or args.decode_policy):
+            # The value came from --policy: name the flag the user typed.
+            message = message.replace("--prefill-policy", "--policy").replace("--decode-policy", "--policy")
+        print(f"pdserve router: {message}", file=sys.stderr)
         return 2
     import uvicorn
 

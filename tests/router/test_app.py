@@ -120,4 +120,7 @@ def test_bad_flags_name_the_flag(launch):
     assert r.returncode == 2 and "--decode" in r.stderr
     r = subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "router", "--decode", "http://a:1",
                         "--policy", "fastest"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--prefill-policy" in r.stderr and "round-robin" in r.stderr
+    assert r.returncode == 2 and "--policy: unknown policy 'fastest'" in r.stderr and "round-robin" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "router", "--decode", "http://a:1",
+                        "--decode-policy", "fastest"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--decode-policy: unknown policy 'fastest'" in r.stderr
