@@ -12,7 +12,7 @@ import pytest
 
 from e2e.conftest import free_port
 from e2e.processes import UpProcess, eventually, pid_alive
-from pdserve.worker.launcher import StackConfig, plan, visible_gpus
+from pdserve.worker.stack import StackConfig, plan, visible_gpus
 
 
 def up_cli(*args: str) -> subprocess.CompletedProcess:
