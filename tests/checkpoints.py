@@ -61,3 +61,17 @@ def write_checkpoint(out: Path, arch: str, tokenizer_dir: Path, seed: int = 0, *
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def write_word_tokenizer(out: Path, vocab_size: int = 1536) -> Path:
+    """A real (word-level) tokenizer made on the spot, for machines without the default model
+    (the GPU machine): engines fed token ids never need more."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                                  unk_token="t0", bos_token="t1", eos_token="t2")
+    tok.save_pretrained(out)
+    return out

@@ -29,6 +29,8 @@ from pdserve.worker.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+# Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
+GPU_HEADROOM_BYTES = 512 << 20
 
 
 def resolve_device(name: str) -> torch.device:
@@ -133,11 +135,16 @@ class LLMEngine:
         if self.device.type == "cuda":
             peak = self._profile_activation_bytes(backend)
             free, total = torch.cuda.mem_get_info(self.device)
-            # Everything on the card now (weights, CUDA context, other processes) plus the
-            # largest step's activations must fit beside the KV cache in the allowed share.
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak
-            log.info("KV sizing: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations -> %.2f GiB for KV",
-                     total / 2**30, (total - free) / 2**30, peak / 2**30, max(budget, 0) / 2**30)
+            # --gpu-memory-utilization is this engine's share of the card, as in vLLM: what this
+            # process holds (weights, anything else it allocated) plus the largest step's
+            # activations plus the KV cache. Other processes on the card (a prefill and a decode
+            # worker sharing one GPU) do not eat into it; what is actually free still caps it.
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(int(total * self.config.gpu_memory_utilization) - own - peak,
+                         free - peak - GPU_HEADROOM_BYTES)
+            log.info("KV sizing: %.2f GiB total, %.2f GiB free, %.2f GiB held by this process, %.2f GiB peak "
+                     "activations -> %.2f GiB for KV", total / 2**30, free / 2**30, own / 2**30, peak / 2**30,
+                     max(budget, 0) / 2**30)
         else:
             budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         n = budget // per_block

@@ -19,7 +19,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, batch_buckets
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import write_checkpoint, write_word_tokenizer
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -35,18 +35,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    """A real (word-level) tokenizer made here, so this file runs where the default model is not
-    installed (the GPU machine); the engines are fed token ids and never detokenize."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(1536)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
-                                  unk_token="t0", bos_token="t1", eos_token="t2")
-    out = tmp_path_factory.mktemp("tok")
-    tok.save_pretrained(out)
-    return out
+    """Made here, so this file runs where the default model is not installed (the GPU machine)."""
+    return write_word_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
