@@ -104,8 +104,8 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         if all(r.params.greedy and r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
                for r in samplers):
-            # Plain greedy: argmax and one read-back. (The sampler would also sync once on a
-            # device-side "all greedy?" flag before it; that is a second round-trip per step.)
+            # Plain greedy: argmax and one read-back, without the sampler's per-row work
+            # (stop-token suppression, logprobs).
             return {r.request_id: t for r, t in zip(samplers, logits.argmax(dim=-1).tolist())}, {}
         tokens, logprobs = self.sampler(logits, samplers)
         sampled = {r.request_id: t for r, t in zip(samplers, tokens)}
