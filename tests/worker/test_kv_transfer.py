@@ -177,3 +177,25 @@ def test_killed_prefill_worker_means_local_prefill(tiny_checkpoint):
         assert first["choices"][0]["text"] + rest["choices"][0]["text"] == plain
         assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == 1
         assert wait_clean(d, start)["num_free_blocks"] == start["num_free_blocks"]
+
+
+def test_prompt_blocks_cached_on_decode_are_not_pulled(pd_pair, clean):
+    _, p, d = pd_pair
+
+    def pulled_for(body) -> tuple[float, int]:
+        before = metric(d, "pdserve_kv_transfer_bytes_total")
+        first = prefill(p, body)
+        rest = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": first["kv_transfer_params"]},
+                          timeout=60).json()
+        assert rest["usage"]["completion_tokens"] == body["max_tokens"]
+        blocks = -(-rest["usage"]["prompt_tokens"] // 4)  # --block-size 4
+        return metric(d, "pdserve_kv_transfer_bytes_total") - before, blocks
+
+    fresh = {**BASE, "prompt": "Seven quiet owls watched the harbour lights fade over the grey water at dawn"}
+    full, fresh_blocks = pulled_for(fresh)  # nothing cached: every prompt block crosses over
+    block_bytes = full / fresh_blocks
+    cached = {**BASE, "prompt": "Nine restless gulls circled the fishing boats returning with silver catch"}
+    httpx.post(f"{d.url}/v1/completions", json=cached, timeout=60)  # decode now caches this prompt
+    partial, _ = pulled_for(cached)
+    # Every full block is a local prefix-cache hit; only the block with the last token is pulled.
+    assert partial == block_bytes
