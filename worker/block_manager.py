@@ -142,12 +142,8 @@ class BlockManager:
             if self.on_event:
                 self.on_event("BlockRemoved", [h], None, None)
 
-    def pin(self, block_ids: list[int]) -> None:
-        """Add a reference (KV held for a remote decode worker)."""
-        for b in block_ids:
-            self._ref(b)
-
     def unpin(self, block_ids: list[int]) -> None:
+        """Drop references a request handed over on finish (KV pinned for a remote decode)."""
         self._release(block_ids)
 
     def _release(self, block_ids: list[int]) -> None:

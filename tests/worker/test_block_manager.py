@@ -103,13 +103,12 @@ def test_preemption_frees_and_requeues_then_abort_restores_blocks():
     assert bm.num_free_blocks == 4 and not s.has_work()
 
 
-def test_pin_keeps_blocks_until_unpinned():
+def test_handed_over_blocks_stay_until_unpinned():
+    # A finished prefill keeps its references (keep_blocks) and hands them to the pin table.
     bm = BlockManager(4, BS)
     r = req("a", range(8))
     bm.allocate(r, 8)
-    ids = list(r.block_ids)
-    bm.pin(ids)
-    bm.free_request(r)
+    ids, r.block_ids = list(r.block_ids), []
     assert bm.num_free_blocks == 2
     bm.unpin(ids)
     assert bm.num_free_blocks == 4

@@ -20,12 +20,11 @@ from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
-from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 60.0
 
 
 class KVLayoutMismatch(ValueError):

@@ -13,6 +13,10 @@ import time
 from dataclasses import dataclass
 
 
+# How long a reader may hold a pin past its TTL while its bytes are on the wire.
+LEASE_S = 60.0
+
+
 @dataclass
 class Pin:
     block_ids: list[int]

@@ -10,9 +10,8 @@ import torch
 
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.block_runs import merge_runs
-from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.pins import LEASE_S, PinTable
 
-LEASE_S = 60.0
 
 
 class TcpServer:
