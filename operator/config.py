@@ -6,6 +6,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+# The image a ModelServing without spec.image runs; the chart sets it to its appVersion's image.
+DEFAULT_IMAGE_ENV = "PDSERVE_OPERATOR_DEFAULT_IMAGE"
+DEFAULT_IMAGE_REPOSITORY = "ghcr.io/pdserve/pdserve"
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -41,6 +45,19 @@ class OperatorConfig:
                     raise ValueError(f"{key} must be a number, got {env[key]!r}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def default_image(env: Mapping[str, str] | None = None) -> str:
+    """spec.image's default: $PDSERVE_OPERATOR_DEFAULT_IMAGE, else this release's image tag."""
+    env = os.environ if env is None else env
+    if env.get(DEFAULT_IMAGE_ENV):
+        return env[DEFAULT_IMAGE_ENV]
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{DEFAULT_IMAGE_REPOSITORY}:{version('pdserve')}"
+    except PackageNotFoundError:
+        return f"{DEFAULT_IMAGE_REPOSITORY}:latest"
 
 
 def load_client_configuration(kubeconfig: str | None = None):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pdserve.operator.config import default_image
+
 GPU_RESOURCE = "nvidia.com/gpu"
 ROLES = ("prefill", "decode")
 
@@ -121,15 +123,15 @@ class ModelServingSpec:
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> "ModelServingSpec":
         model = spec.get("model") or {}
-        if "source" not in model or "image" not in spec:
-            raise SpecError("spec.model.source and spec.image are required")
+        if "source" not in model:
+            raise SpecError("spec.model.source is required")
         router = spec.get("router") or {}
         service = router.get("service") or {}
         kv = spec.get("kvTransfer") or {}
         ratio = spec.get("prefillDecodeRatio") or {}
         return cls(
             source=model["source"],
-            image=spec["image"],
+            image=spec.get("image") or default_image(),
             served_name=model.get("servedName"),
             dtype=model.get("dtype", "auto"),
             max_model_len=model.get("maxModelLen"),

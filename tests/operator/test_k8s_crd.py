@@ -52,7 +52,6 @@ def test_full_spec_round_trips(k8s_cluster, crd, namespace):
 
 
 @pytest.mark.parametrize("spec, expect", [
-    ({"model": GOOD["model"]}, ["spec.image", "Required value"]),
     ({"image": "x"}, ["spec.model", "Required value"]),
     ({**GOOD, "model": {"source": "s3://bucket/model"}}, ["spec.model.source", "should match"]),
     ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
