@@ -3,7 +3,7 @@
     .venv/bin/python charts/sync.py           # rewrite the copies
     .venv/bin/python charts/sync.py --check   # exit 1 naming each stale copy (tests/charts run it)
 
-Copies: the CRD (crds/ is the source of truth; Helm installs charts/pdserve/crds/ before any
+Copies: the Grafana dashboards (charts/dashboards.py renders them), the CRD (crds/ is the source of truth; Helm installs charts/pdserve/crds/ before any
 template) and the operator's ClusterRole rules (pdserve.operator.rbac.build_operator_cluster_role,
 the same builder the real-server tests run the operator under).
 """
@@ -32,7 +32,12 @@ def expected() -> dict[Path, str]:
 
     # a JSON round trip unshares the builder's common verb lists, so YAML writes no anchors
     rules = json.loads(json.dumps(build_operator_cluster_role()["rules"]))
+    sys.path.insert(0, str(REPO / "charts"))
+    from dashboards import DASHBOARDS, render
+
+    out = {CHART / "dashboards" / f"{key}.json": json.dumps(render(key), indent=2) + "\n" for key in DASHBOARDS}
     return {
+        **out,
         CRD_COPY: CRD_SOURCE.read_text(),
         RULES_COPY: RULES_HEADER + yaml.safe_dump(rules, sort_keys=False, default_flow_style=None, width=200),
     }

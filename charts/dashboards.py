@@ -1,0 +1,147 @@
+"""The Grafana dashboards, written as data: `charts/sync.py` renders them into
+charts/pdserve/dashboards/*.json (importable into Grafana as they are, and shipped by the chart
+as one sidecar ConfigMap each).
+
+Every query filters on the labels the chart's PodMonitor/ServiceMonitor relabel from pod labels
+(namespace, modelserving, role, pod); tests/charts checks that each metric name a query uses is
+one a running worker or router exports, and evaluates every query on a real Prometheus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEL = 'namespace=~"$namespace", modelserving=~"$modelserving"'
+RATE = "$__rate_interval"
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    targets: tuple[tuple[str, str], ...]  # (PromQL, legend)
+    unit: str = "short"
+    kind: str = "timeseries"  # or "stat"
+    description: str = ""
+
+
+def quantiles(metric: str, extra: str = "", by: str = "", qs=(0.5, 0.9, 0.99), legend: str = "") -> tuple:
+    """p50/p90/p99 of a Prometheus histogram, optionally split by a label."""
+    sel = SEL + (f", {extra}" if extra else "")
+    group = f"le, {by}" if by else "le"
+    return tuple((f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{sel}}}[{RATE}])))",
+                  f"{legend}p{int(q * 100)}" + (f" {{{{{by}}}}}" if by else "")) for q in qs)
+
+
+def per_second(metric: str, by: str = "", extra: str = "", legend: str = "") -> tuple[str, str]:
+    sel = SEL + (f", {extra}" if extra else "")
+    agg = f"sum by ({by})" if by else "sum"
+    return f"{agg} (rate({metric}{{{sel}}}[{RATE}]))", legend or (f"{{{{{by}}}}}" if by else metric)
+
+
+DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
+    "pd-overview": ("pdserve / P/D overview", "Requests through the router, their latencies at the router and on the workers, and how many were disaggregated.", [
+        Panel("Request rate by status", (per_second("pdserve_router_requests_total", "status"),), "reqps"),
+        Panel("Disaggregated share", ((f'sum(rate(pdserve_router_requests_total{{{SEL}, disaggregated="yes"}}[{RATE}])) '
+                                       f'/ sum(rate(pdserve_router_requests_total{{{SEL}}}[{RATE}]))', "P/D share"),),
+              "percentunit", "stat", "Requests prefilled on a prefill worker and decoded on another (the rest ran on one decode worker)."),
+        Panel("Error rate (non-2xx)", ((f'sum(rate(pdserve_router_requests_total{{{SEL}, status!~"2.."}}[{RATE}])) '
+                                        f'/ sum(rate(pdserve_router_requests_total{{{SEL}}}[{RATE}]))', "errors"),),
+              "percentunit", "stat"),
+        Panel("Workers serving", ((f"count by (role) (vllm:num_requests_running{{{SEL}}})", "{{role}}"),), "short", "stat"),
+        Panel("Time to first token (router)", quantiles("pdserve_router_time_to_first_token_seconds"), "s"),
+        Panel("Time to first token (workers)", quantiles("vllm:time_to_first_token_seconds", by="role"), "s",
+              description="On a decode worker of a P/D request this starts when the decode request arrives."),
+        Panel("Inter-token latency (decode workers)", quantiles("vllm:inter_token_latency_seconds", 'role="decode"'), "s"),
+        Panel("End-to-end latency (router)", quantiles("pdserve_router_e2e_latency_seconds"), "s"),
+        Panel("End-to-end latency (workers)", quantiles("vllm:e2e_request_latency_seconds", by="role"), "s"),
+        Panel("Requests by P/D", (per_second("pdserve_router_requests_total", "disaggregated"),), "reqps"),
+    ]),
+    "workers": ("pdserve / workers", "Engine state of every prefill and decode worker.", [
+        Panel("Running requests", ((f"sum by (pod, role) (vllm:num_requests_running{{{SEL}}})", "{{role}} {{pod}}"),)),
+        Panel("Waiting requests", ((f"sum by (pod, role) (vllm:num_requests_waiting{{{SEL}}})", "{{role}} {{pod}}"),)),
+        Panel("KV cache usage", ((f"max by (pod, role) (vllm:kv_cache_usage_perc{{{SEL}}})", "{{role}} {{pod}}"),), "percentunit"),
+        Panel("Prefix cache hit rate", ((f"sum by (role) (rate(vllm:prefix_cache_hits_total{{{SEL}}}[{RATE}])) "
+                                         f"/ sum by (role) (rate(vllm:prefix_cache_queries_total{{{SEL}}}[{RATE}]))", "{{role}}"),),
+              "percentunit", description="Prompt tokens found in the prefix cache / prompt tokens looked up."),
+        Panel("Prompt tokens/s by role", (per_second("vllm:prompt_tokens_total", "role"),), "short"),
+        Panel("Generated tokens/s by role", (per_second("vllm:generation_tokens_total", "role"),), "short"),
+        Panel("Finished requests by reason", (per_second("vllm:request_success_total", "finished_reason"),), "reqps"),
+        Panel("Preemptions/s", (per_second("vllm:num_preemptions_total", "pod"),), "short"),
+        Panel("Free KV blocks", ((f"sum by (pod, role) (pdserve_kv_free_blocks{{{SEL}}})", "{{role}} {{pod}}"),
+                                 (f"sum by (pod, role) (pdserve_kv_total_blocks{{{SEL}}})", "total {{pod}}"))),
+    ]),
+    "kv-transfer": ("pdserve / KV transfer", "KV blocks moved from prefill to decode workers (NIXL or TCP).", [
+        Panel("KV bytes/s", (per_second("pdserve_kv_transfer_bytes_total", "direction, transport",
+                                        legend="{{direction}} {{transport}}"),), "Bps"),
+        Panel("Transfer latency (decode side)", quantiles("pdserve_kv_transfer_seconds", by="transport"), "s"),
+        Panel("Transfer failures/s", (per_second("pdserve_kv_transfer_failures_total", "transport"),
+                                      per_second("pdserve_kv_local_prefill_fallbacks_total", legend="local prefill fallbacks")), "short"),
+        Panel("Pinned blocks (prefill side)", ((f'sum by (pod) (pdserve_kv_pinned_blocks{{{SEL}, role="prefill"}})', "{{pod}}"),),
+              description="Blocks a prefill worker holds until a decode worker pulled them (or their TTL ends)."),
+        Panel("Prefill call (router)", quantiles("pdserve_router_prefill_seconds"), "s"),
+        Panel("Prefill answer to decode first byte (router)", quantiles("pdserve_router_handoff_seconds"), "s",
+              description="The hand-off: the decode worker's KV pull is inside it."),
+    ]),
+    "router": ("pdserve / router", "The router's view of its workers.", [
+        Panel("In-flight requests per worker", ((f"sum by (worker) (pdserve_router_inflight{{{SEL}}})", "{{worker}}"),)),
+        Panel("Retries/s by phase", (per_second("pdserve_router_retries_total", "phase"),), "short"),
+        Panel("Upstream errors/s", (per_second("pdserve_router_upstream_errors_total", "worker, phase",
+                                               legend="{{phase}} {{worker}}"),), "short"),
+        Panel("Requests/s by route and status", (per_second("pdserve_router_requests_total", "route, status",
+                                                            legend="{{route}} {{status}}"),), "reqps"),
+        Panel("Cached KV blocks per worker (prefix-aware index)", ((f"sum by (worker) (pdserve_router_kv_index_blocks{{{SEL}}})", "{{worker}}"),)),
+        Panel("Router time to first token", quantiles("pdserve_router_time_to_first_token_seconds"), "s"),
+    ]),
+}
+
+
+def _variable(name: str, label: str, query: str) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": name}, "definition": query, "refresh": 2, "includeAll": True,
+            "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "sort": 1}
+
+
+def render(key: str) -> dict:
+    title, description, panels = DASHBOARDS[key]
+    out, x, y = [], 0, 0
+    for i, p in enumerate(panels):
+        w, h = (6, 4) if p.kind == "stat" else (12, 8)
+        if x + w > 24:
+            x, y = 0, y + 8
+        panel = {
+            "id": i + 1, "type": p.kind, "title": p.title, "gridPos": {"x": x, "y": y, "w": w, "h": h},
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+            "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
+                         "datasource": {"type": "prometheus", "uid": "${datasource}"}} for j, (expr, legend) in enumerate(p.targets)],
+        }
+        if p.description:
+            panel["description"] = p.description
+        if p.kind == "timeseries":
+            panel["options"] = {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}}
+        out.append(panel)
+        x += w
+        if p.kind == "stat" and x >= 24:
+            x, y = 0, y + h
+    return {
+        "title": title, "description": description, "uid": f"pdserve-{key}", "tags": ["pdserve"],
+        "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s", "timezone": "browser",
+        "time": {"from": "now-1h", "to": "now"}, "graphTooltip": 1,
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+             "current": {}, "refresh": 1},
+            _variable("namespace", "Namespace", "label_values(vllm:num_requests_running, namespace)"),
+            _variable("modelserving", "ModelServing", 'label_values(vllm:num_requests_running{namespace=~"$namespace"}, modelserving)'),
+        ]},
+        "panels": out,
+    }
+
+
+def exprs(dashboard: dict) -> list[str]:
+    """Every PromQL expression in a rendered dashboard: panel targets and variable queries."""
+    found = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    for v in dashboard["templating"]["list"]:
+        q = (v.get("query") or {}).get("query", "") if isinstance(v.get("query"), dict) else ""
+        if q.startswith("label_values("):
+            found.append(q[len("label_values("):].rsplit(",", 1)[0])
+    return found
