@@ -22,12 +22,20 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from pdserve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
-from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
-from pdserve.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
-from pdserve.kernels.rotary import rotary, rotary_ref
-from pdserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.reference import (
+    kv_cache_write_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    silu_and_mul_ref,
+)
+from pdserve.kernels.kv_cache_write import kv_cache_write
+from pdserve.kernels.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.rotary import rotary
+from pdserve.kernels.silu_and_mul import silu_and_mul
 
 DT = torch.bfloat16
 HQ, HKV, D, BS = 32, 8, 128, 16  # Llama-3.1-8B attention, 16-token blocks

@@ -9,21 +9,6 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_same_layout, check_tensor
 
 
-def kv_cache_write_ref(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] (strided view)
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int, slot = block_id * block_size + offset; -1 = skip
-) -> None:
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
-
-
 @triton.jit
 def _kv_cache_write_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -56,7 +41,7 @@ def kv_cache_write(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton version of kv_cache_write_ref. Slots must lie in the cache or be negative (skip)."""
+    """Triton version of reference.kv_cache_write_ref. Slots must lie in the cache or be negative (skip)."""
     fn = "kv_cache_write"
     check_tensor(fn, "k_cache", k_cache, (None, None, None, None), FLOAT_DTYPES)
     _, block_size, hkv, d = k_cache.shape

@@ -54,7 +54,7 @@ def check_devices(fn: str, **tensors: torch.Tensor) -> torch.device:
     if first.type != "cuda" and not interpreting():
         raise ValueError(
             f"{fn}: tensors are on {first}; the Triton kernel needs CUDA tensors "
-            f"(use the *_ref function on CPU, or TRITON_INTERPRET=1 to test the kernel on CPU)"
+            f"(use pdserve.kernels.reference on CPU, or TRITON_INTERPRET=1 to test the kernel on CPU)"
         )
     return first
 

@@ -9,22 +9,6 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
 
-def rms_norm_ref(
-    x: torch.Tensor,  # [T, H]
-    weight: torch.Tensor,  # [H]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [T, H]; if given, x + residual is normalised
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (normed, new_residual); new_residual = x + residual (None if no residual)."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    # Same op order as Hugging Face's LlamaRMSNorm, so fp32 results match bit for bit.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype), residual
-
-
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
@@ -55,7 +39,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton version of rms_norm_ref; returns new tensors, inputs are not modified."""
+    """Triton version of reference.rms_norm_ref; returns new tensors, inputs are not modified."""
     fn = "rms_norm"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, hidden = x.shape

@@ -9,25 +9,6 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor
 
 
-def rotary_ref(
-    positions: torch.Tensor,  # [T] int
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: cos in [:, :D/2], sin in [:, D/2:]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()]
-    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
-    sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half], x[..., half:]
-        rotated = torch.cat([-x2, x1], -1)
-        return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
-
-    return rot(q), rot(k)
-
-
 @triton.jit
 def _rotate(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin,
             HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
@@ -67,7 +48,7 @@ def rotary(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of rotary_ref; returns new tensors. Positions must be < cos_sin_cache rows."""
+    """Triton version of reference.rotary_ref; returns new tensors. Positions must be < cos_sin_cache rows."""
     fn = "rotary"
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     t, hq, d = q.shape

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @triton.jit
@@ -28,7 +22,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of silu_and_mul_ref (computed in fp32, rounded once)."""
+    """Triton version of reference.silu_and_mul_ref (computed in fp32, rounded once)."""
     fn = "silu_and_mul"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, two_i = x.shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from pdserve.router.config import RouterConfig, keys_from_env
@@ -76,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.router.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=args.log_level,
-                access_log=False, loop="auto", http="auto", timeout_keep_alive=60)
+    server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
+                                           log_level=args.log_level, access_log=False, loop="auto",
+                                           http="auto", timeout_keep_alive=60))
+    # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
+    # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
+    # a graceful stop exits 0 like the workers do.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
     return 0

@@ -8,15 +8,16 @@ cache first, then attends over the cache, so cached prefixes and new tokens are 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from pdserve.kernels.kv_cache_write import kv_cache_write_ref
-from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pdserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
+from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.worker.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,7 +79,11 @@ def make_backend(device: torch.device) -> AttentionBackend:
     if device.type == "cuda":
         try:
             from pdserve.worker.triton_attention import TritonAttentionBackend
-        except ImportError:
+        except ImportError as e:
+            # CUDA builds of torch bring Triton along; without it the GPU would run the slow
+            # references, so say so loudly rather than serve at a fraction of the speed.
+            logger.warning("Triton is not importable (%s): CUDA runs the torch reference attention; "
+                           "install pdserve[triton] for the GPU kernels", e)
             return TorchAttentionBackend()
         return TritonAttentionBackend()
     return TorchAttentionBackend()

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.reference import rotary_ref, silu_and_mul_ref
 from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rms_norm import rms_norm
-from pdserve.kernels.rotary import rotary, rotary_ref
-from pdserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.rotary import rotary
+from pdserve.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.kernel_inputs import ON_GPU, block_tables_for, paged_kv, rel_error
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="real-size kernel checks need a CUDA GPU")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.kv_cache_write import kv_cache_write, kv_cache_write_ref
+from pdserve.kernels.reference import kv_cache_write_ref
+from pdserve.kernels.kv_cache_write import kv_cache_write
 from tests.kernels.kernel_inputs import DEVICE, paged_kv
 
 

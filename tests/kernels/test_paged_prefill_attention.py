@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pdserve.kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from pdserve.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, paged_kv, rel_error
 
 CASES = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from pdserve.kernels.reference import rms_norm_ref
+from pdserve.kernels.rms_norm import rms_norm
 from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
 
 

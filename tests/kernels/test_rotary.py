@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.rotary import rotary, rotary_ref
+from pdserve.kernels.reference import rotary_ref
+from pdserve.kernels.rotary import rotary
 from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
 
 

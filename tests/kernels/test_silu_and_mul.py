@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.reference import silu_and_mul_ref
+from pdserve.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
 
 

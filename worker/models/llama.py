@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
-from pdserve.kernels.rotary import rotary, rotary_ref
-from pdserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from pdserve.worker.attention import AttentionBackend, AttentionMetadata
 from pdserve.worker.model_config import ModelConfig
 
@@ -31,13 +29,22 @@ class PointwiseOps:
 
 
 TORCH_OPS = PointwiseOps(rms_norm_ref, rotary_ref, silu_and_mul_ref)
-TRITON_OPS = PointwiseOps(rms_norm, rotary, silu_and_mul)
+
+
+def triton_ops() -> PointwiseOps:
+    # Imported here, not at module level: Triton is needed only once the Triton backend is
+    # chosen, and the CPU path (`pdserve up` as README installs it) has no Triton at all.
+    from pdserve.kernels.rms_norm import rms_norm
+    from pdserve.kernels.rotary import rotary
+    from pdserve.kernels.silu_and_mul import silu_and_mul
+
+    return PointwiseOps(rms_norm, rotary, silu_and_mul)
 
 
 def pointwise_ops(backend: AttentionBackend) -> PointwiseOps:
     # They follow the attention backend: Triton on CUDA (and under the interpreter in the twin
     # test), the references on CPU, so one engine never mixes the two numerics.
-    return TRITON_OPS if backend.name == "triton" else TORCH_OPS
+    return triton_ops() if backend.name == "triton" else TORCH_OPS
 
 
 class RMSNorm(nn.Module):
