@@ -33,6 +33,7 @@ def build_children(ms: ModelServing, versions: ApiVersions, replicas_now: Mappin
         rbac.build_router_service_account(ms),
         rbac.build_router_role(ms),
         rbac.build_router_role_binding(ms),
+        rbac.build_worker_service_account(ms),
     ]
     for role in ("prefill", "decode"):
         out += [networking.build_worker_service(ms, role), workloads.build_worker_deployment(ms, role)]

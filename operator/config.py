@@ -75,12 +75,6 @@ def load_client_configuration(kubeconfig: str | None = None):
     return cfg
 
 
-def load_api_client(kubeconfig: str | None = None):
-    from kubernetes import client
-
-    return client.ApiClient(load_client_configuration(kubeconfig))
-
-
 def kubeconfig_namespace(kubeconfig: str | None = None) -> str:
     """The current context's namespace (default "default"), for `pdserve operator` without flags."""
     from kubernetes import config

@@ -1,79 +1,52 @@
-"""The few Kubernetes calls the operator makes, over the official client's ApiClient.
+"""The few Kubernetes calls the operator makes, through the client's DynamicClient.
 
 Children are written with server-side apply (field manager `pdserve-operator`, forced): one
 idempotent PATCH per child creates or updates it, leaves fields other managers own alone (an
-HPA's replica count), and is safe to repeat after an operator restart.
+HPA's replica count), and is safe to repeat after an operator restart. The DynamicClient
+resolves each kind's path from the server's discovery documents, so no group, version or
+plural is written down here, and optional APIs that appear later are found.
 """
 
 from __future__ import annotations
 
-import json
+import threading
 import time
-from typing import Any, Iterable
+from typing import Any
 
-from kubernetes import client
+from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from pdserve.operator import naming
-from pdserve.operator.optional import ApiVersions
+from pdserve.operator.optional import HPA_VERSIONS, PDB_VERSIONS, SERVICE_MONITOR_VERSION, ApiVersions
 
-# kind -> plural; every kind the operator reads or writes
-PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "ServiceAccount": "serviceaccounts",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
-    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "ServiceMonitor": "servicemonitors",
-    "Pod": "pods",
-    "ModelServing": naming.PLURAL,
-}
-_DISCOVERY_CANDIDATES = ("autoscaling/v2", "autoscaling/v2beta2", "policy/v1", "policy/v1beta1", "monitoring.coreos.com/v1")
-
-
-def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    p = f"{prefix}/namespaces/{namespace}/{PLURALS[kind]}"
-    return f"{p}/{name}" if name else p
+# (group/version, kind) pairs the optional children may use, newest first
+_OPTIONAL = [*((v, "HorizontalPodAutoscaler") for v in HPA_VERSIONS),
+             *((v, "PodDisruptionBudget") for v in PDB_VERSIONS),
+             (SERVICE_MONITOR_VERSION, "ServiceMonitor")]
 
 
 class Kube:
     """Thin wrapper; owns discovery caching (optional APIs can appear while we run)."""
 
     def __init__(self, api_client: client.ApiClient, discovery_ttl_s: float = 60.0):
-        self.api = api_client
+        self.dyn = dynamic.DynamicClient(api_client)
         self.discovery_ttl_s = discovery_ttl_s
         self._versions: ApiVersions | None = None
         self._discovered_at = 0.0
+        # kopf runs sync handlers on a thread pool; the client's discovery cache is not thread-safe
+        self._lock = threading.Lock()
 
-    def request(self, method: str, url: str, body: Any = None, query: list | None = None,
-                content_type: str | None = None, accept: str = "application/json") -> Any:
-        """One API call; returns the decoded JSON body, raises ApiException on non-2xx."""
-        headers = {"Accept": accept}
-        if content_type:
-            headers["Content-Type"] = content_type
-        elif body is not None:
-            headers["Content-Type"] = "application/json"
-        if not hasattr(self.api, "param_serialize"):  # kubernetes client before the v7 generator
-            return self.api.call_api(url, method, query_params=query or [], header_params=headers, body=body,
-                                     response_type="object", auth_settings=["BearerToken"],
-                                     _return_http_data_only=True)
-        resp = self.api.call_api(*self.api.param_serialize(
-            method, url, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]))
-        resp.read()
-        if not 200 <= resp.status <= 299:
-            raise ApiException(http_resp=resp)
-        return json.loads(resp.data) if resp.data else None
+    def resource(self, api_version: str, kind: str):
+        with self._lock:
+            return self.dyn.resources.get(api_version=api_version, kind=kind)
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        m = manifest["metadata"]
-        url = path(manifest["apiVersion"], manifest["kind"], m["namespace"], m["name"])
+        res = self.resource(manifest["apiVersion"], manifest["kind"])
         for attempt in range(3):
             try:
-                return self.request("PATCH", url, body=manifest, content_type="application/apply-patch+yaml",
-                                    query=[("fieldManager", naming.FIELD_MANAGER), ("force", "true")])
+                return res.server_side_apply(body=manifest, namespace=manifest["metadata"]["namespace"],
+                                             field_manager=naming.FIELD_MANAGER, force_conflicts=True).to_dict()
             except ApiException as e:
                 # Two reconciles (an event handler and the timer) may both create the object;
                 # the loser gets 409 AlreadyExists, and applying again updates it instead.
@@ -83,20 +56,20 @@ class Kube:
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.request("GET", path(api_version, kind, namespace, name))
+            return self.resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
     def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        out = self.request("GET", path(api_version, kind, namespace), query=[("labelSelector", selector)])
+        out = self.resource(api_version, kind).get(namespace=namespace, label_selector=selector).to_dict()
         return out.get("items") or []
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         try:
-            self.request("DELETE", path(api_version, kind, namespace, name),
-                       body={"propagationPolicy": "Background"})
+            self.resource(api_version, kind).delete(name=name, namespace=namespace,
+                                                   body={"propagationPolicy": "Background"})
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -104,27 +77,29 @@ class Kube:
     def patch_status(self, obj: dict[str, Any], status: dict[str, Any]) -> None:
         """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
         m = obj["metadata"]
-        url = path(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]) + "/status"
-        self.request("PATCH", url, body={"status": status}, content_type="application/merge-patch+json")
+        self.resource(obj["apiVersion"], obj["kind"]).status.patch(
+            body={"metadata": {"name": m["name"]}, "status": status}, namespace=m["namespace"],
+            content_type="application/merge-patch+json")
 
     def versions(self) -> ApiVersions:
         """Which optional APIs are served, re-discovered at most every discovery_ttl_s."""
         now = time.monotonic()
         if self._versions is None or now - self._discovered_at > self.discovery_ttl_s:
-            groups = self.request("GET", "/apis").get("groups") or []
-            listed = {v["groupVersion"] for g in groups for v in g.get("versions") or ()}
-            served: dict[str, set[str]] = {}
-            for gv in _DISCOVERY_CANDIDATES:
-                if gv in listed:
-                    resources = self.request("GET", f"/apis/{gv}").get("resources") or []
-                    served[gv] = {r["name"] for r in resources}
+            with self._lock:
+                # Start from the server's current group list: a CRD installed or removed since
+                # the last look must count, and the client's cache file may be another
+                # process's, or old.
+                self.dyn.resources.invalidate_cache()
+                served: dict[str, set[str]] = {}
+                for gv, kind in _OPTIONAL:
+                    try:
+                        res = self.dyn.resources.get(api_version=gv, kind=kind)
+                    except ResourceNotFoundError:
+                        continue
+                    served.setdefault(gv, set()).add(res.name)
             self._versions, self._discovered_at = ApiVersions.choose(served), now
         return self._versions
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or ())
-
-
-def names(objs: Iterable[dict[str, Any]]) -> set[str]:
-    return {o["metadata"]["name"] for o in objs}

@@ -6,7 +6,7 @@ from typing import Any
 
 from pdserve.operator import naming
 from pdserve.operator.spec import ModelServing
-from pdserve.operator.workloads import HTTP_PORT
+from pdserve.operator.pods import HTTP_PORT
 
 
 def endpoint(ms: ModelServing) -> str:

@@ -1,4 +1,6 @@
-"""RBAC: the router's namespaced read access, and the operator's own minimum ClusterRole."""
+"""ServiceAccounts and RBAC: one account per workload (the router's may read pods and endpoints
+in its namespace; the workers' holds nothing and mounts no token), and the operator's own
+minimum ClusterRole."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ ROUTER_RULES = [
 
 def build_router_service_account(ms: ModelServing) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": naming.metadata(ms, "router")}
+
+
+def build_worker_service_account(ms: ModelServing) -> dict[str, Any]:
+    """Shared by prefill and decode pods, so they do not run as the namespace's `default`."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": naming.metadata(ms, "worker"),
+            "automountServiceAccountToken": False}
 
 
 def build_router_role(ms: ModelServing) -> dict[str, Any]:

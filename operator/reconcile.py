@@ -29,7 +29,8 @@ def _version_for(kind: str, kube: Kube) -> str | None:
 def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
     ms = ModelServing.from_body(body)  # SpecError propagates: the handler reports it
     selector = f"{naming.LABEL_MODELSERVING}={ms.name}"
-    old_conditions = (body.get("status") or {}).get("conditions") or []
+    old_status = body.get("status") or {}
+    old_conditions = old_status.get("conditions") or []
 
     current = {d["metadata"]["labels"].get(naming.LABEL_ROLE): d
                for d in kube.list("apps/v1", "Deployment", ms.namespace, selector) if owned_by(d, ms.uid)}
@@ -71,5 +72,6 @@ def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
 
     pods = kube.list("v1", "Pod", ms.namespace, selector)
     new_status = status.build_status(ms, deployments, pods, old_conditions, now)
-    events += status.transitions(old_conditions, new_status["conditions"])
+    events += status.transitions(old_conditions, new_status["conditions"],
+                                 expected=not status.lost_ready_pods(old_status, new_status))
     return Outcome(new_status, events)

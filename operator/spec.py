@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from pdserve.operator.config import default_image
 
 GPU_RESOURCE = "nvidia.com/gpu"
-ROLES = ("prefill", "decode")
+# The router's built-in policies (pdserve.router.policies.BUILTIN); the CRD enum lists the same.
+POLICIES = ("round-robin", "least-loaded", "prefix-aware", "session-affinity")
 
 
 class SpecError(ValueError):
@@ -28,11 +29,56 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class ModelSource:
+    """`hf://org/name[@revision]`, `pvc://claim/path` or an absolute path inside the image."""
+
+    kind: str  # "hf" | "pvc" | "path"
+    repo: str = ""  # hf: org/name
+    revision: str | None = None  # hf: a pinned branch, tag or commit
+    claim: str = ""  # pvc
+    path: str = ""  # pvc: path inside the claim; path: the absolute path
+
+    @classmethod
+    def parse(cls, source: str) -> "ModelSource":
+        if source.startswith("hf://"):
+            repo, _, rev = source.removeprefix("hf://").partition("@")
+            return cls("hf", repo=repo, revision=rev or None)
+        if source.startswith("pvc://"):
+            claim, _, path = source.removeprefix("pvc://").partition("/")
+            return cls("pvc", claim=claim, path=path)
+        return cls("path", path=source)
+
+
+@dataclass(frozen=True)
 class Autoscaling:
     max_replicas: int
     min_replicas: int = 1
     metric: str = "vllm:num_requests_waiting"
     target_average_value: str = "4"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """RollingUpdate bounds; None means the role's default (see workloads.rollout_strategy)."""
+
+    max_surge: int | str | None = None
+    max_unavailable: int | str | None = None
+
+
+@dataclass(frozen=True)
+class KVTuning:
+    """UCX/NIXL settings for a worker pod; unset fields leave the engine's defaults."""
+
+    ucx_tls: str | None = None
+    ucx_net_devices: str | None = None
+    rdma_resource: str | None = None
+    rdma_count: int = 1
+
+    def over(self, base: "KVTuning") -> "KVTuning":
+        """Per-role settings over the spec-wide ones, field by field."""
+        return KVTuning(self.ucx_tls or base.ucx_tls, self.ucx_net_devices or base.ucx_net_devices,
+                        self.rdma_resource or base.rdma_resource,
+                        self.rdma_count if self.rdma_resource else base.rdma_count)
 
 
 @dataclass(frozen=True)
@@ -50,6 +96,12 @@ class RoleSpec:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
     autoscaling: Autoscaling | None = None
+    rollout: Rollout = Rollout()
+    # {startup|readiness|liveness: {periodSeconds, timeoutSeconds, failureThreshold, initialDelaySeconds}}
+    probes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    pod_template: Mapping[str, Any] = field(default_factory=dict)  # strategic merge over the built pod
+    shm_size: str = "8Gi"
+    kv: KVTuning = KVTuning()
 
     def __post_init__(self) -> None:
         a = self.autoscaling
@@ -57,6 +109,8 @@ class RoleSpec:
             raise SpecError(
                 f"spec.{self.role}.autoscaling.minReplicas ({a.min_replicas}) exceeds maxReplicas ({a.max_replicas})"
             )
+        if self.rollout.max_surge in (0, "0%") and self.rollout.max_unavailable in (0, "0%"):
+            raise SpecError(f"spec.{self.role}.rollout: maxSurge and maxUnavailable cannot both be 0 (nothing could move)")
 
 
 @dataclass(frozen=True)
@@ -75,6 +129,14 @@ class RouterSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
+    rollout: Rollout = Rollout()
+    probes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    pod_template: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefix_aware(self) -> bool:
+        """Whether a policy needs token ids (a tokenizer) and the workers' KV events."""
+        return "prefix-aware" in (self.policy, self.prefill_policy, self.decode_policy)
 
 
 @dataclass(frozen=True)
@@ -85,6 +147,8 @@ class ModelServingSpec:
     dtype: str = "auto"
     max_model_len: int | None = None
     hf_token_secret: SecretKeyRef | None = None
+    cache_claim: str | None = None  # a PVC for the Hugging Face cache, else an emptyDir
+    cache_size: str | None = None  # the emptyDir's sizeLimit and ephemeral-storage request
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
     device: str = "cuda"
@@ -93,6 +157,9 @@ class ModelServingSpec:
     router: RouterSpec = RouterSpec()
     kv_backend: str = "nixl"
     kv_port: int = 5600
+    kv: KVTuning = KVTuning()
+    drain_timeout_s: int = 30
+    drain_pre_stop_s: int = 5
     service_monitor: bool = False
     ratio_min: float | None = None
     ratio_max: float | None = None
@@ -109,13 +176,20 @@ class ModelServingSpec:
                     f"spec.{rs.role}.resources.limits[{GPU_RESOURCE}] is {gpus} but "
                     f"tensorParallelSize is {rs.tensor_parallel_size}: each worker needs one GPU per rank"
                 )
+        if self.cache_claim and self.cache_size:
+            raise SpecError("spec.model.cache: set claimName (a PVC) or sizeLimit (an emptyDir), not both")
+
+    @property
+    def model_source(self) -> ModelSource:
+        return ModelSource.parse(self.source)
 
     @property
     def model_name(self) -> str:
-        """What clients put in `model`: servedName, else the source without its scheme."""
+        """What clients put in `model`: servedName, else the source without scheme and revision."""
         if self.served_name:
             return self.served_name
-        return self.source.removeprefix("hf://").removeprefix("pvc://")
+        src = self.model_source
+        return {"hf": src.repo, "pvc": f"{src.claim}/{src.path}".rstrip("/"), "path": src.path}[src.kind]
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -129,6 +203,8 @@ class ModelServingSpec:
         service = router.get("service") or {}
         kv = spec.get("kvTransfer") or {}
         ratio = spec.get("prefillDecodeRatio") or {}
+        cache = model.get("cache") or {}
+        drain = spec.get("drain") or {}
         return cls(
             source=model["source"],
             image=spec.get("image") or default_image(),
@@ -136,6 +212,8 @@ class ModelServingSpec:
             dtype=model.get("dtype", "auto"),
             max_model_len=model.get("maxModelLen"),
             hf_token_secret=_secret_ref(model.get("hfTokenSecret"), "token"),
+            cache_claim=cache.get("claimName"),
+            cache_size=None if cache.get("sizeLimit") is None else str(cache["sizeLimit"]),
             image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
             image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
             device=spec.get("device", "cuda"),
@@ -156,9 +234,15 @@ class ModelServingSpec:
                 node_selector=dict(router.get("nodeSelector") or {}),
                 tolerations=tuple(router.get("tolerations") or ()),
                 affinity=dict(router.get("affinity") or {}),
+                rollout=_rollout(router.get("rollout")),
+                probes=dict(router.get("probes") or {}),
+                pod_template=dict(router.get("podTemplate") or {}),
             ),
             kv_backend=kv.get("backend", "nixl"),
             kv_port=kv.get("port", 5600),
+            kv=_kv(kv),
+            drain_timeout_s=drain.get("timeoutSeconds", 30),
+            drain_pre_stop_s=drain.get("preStopSeconds", 5),
             service_monitor=bool((spec.get("monitoring") or {}).get("serviceMonitor", False)),
             ratio_min=ratio.get("min"),
             ratio_max=ratio.get("max"),
@@ -208,7 +292,22 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
             metric=a.get("metric", "vllm:num_requests_waiting"),
             target_average_value=str(a.get("targetAverageValue", "4")),
         ),
+        rollout=_rollout(d.get("rollout")),
+        probes=dict(d.get("probes") or {}),
+        pod_template=dict(d.get("podTemplate") or {}),
+        shm_size=str(d.get("shmSize", "8Gi")),
+        kv=_kv(d.get("kvTransfer") or {}),
     )
+
+
+def _rollout(d: Mapping[str, Any] | None) -> Rollout:
+    d = d or {}
+    return Rollout(d.get("maxSurge"), d.get("maxUnavailable"))
+
+
+def _kv(d: Mapping[str, Any]) -> KVTuning:
+    rdma = d.get("rdma") or {}
+    return KVTuning(d.get("ucxTls"), d.get("ucxNetDevices"), rdma.get("resource"), rdma.get("count", 1))
 
 
 def _secret_ref(d: Mapping[str, Any] | None, default_key: str) -> SecretKeyRef | None:

@@ -3,11 +3,13 @@
 Ready: every role has as many ready pods as it wants, with at least one decode worker and one
 router. Progressing: some Deployment has not finished rolling out the current template (so a
 spec edit reads Progressing until the new revision is ready). Degraded: pods crash-loop, cannot
-pull their image or cannot be scheduled, a rollout missed its deadline, or the spec is invalid.
+pull their image or stay unschedulable while their role is short, a rollout missed its
+deadline, or the spec is invalid.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Iterable, Mapping
 
 from pdserve.operator import naming, networking
@@ -17,9 +19,11 @@ ROLES = ("prefill", "decode", "router")
 # containerStatuses[].state.waiting.reason values that will not fix themselves
 BAD_WAITING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
                "CreateContainerError", "InvalidImageName", "RunContainerError")
+# How long a pod may wait for capacity (e.g. GPUs a deleted pod still holds) before it counts.
+UNSCHEDULABLE_GRACE_S = 30
 
 
-def role_status(deployment: Mapping[str, Any] | None, desired: int) -> dict[str, Any]:
+def role_status(ms: ModelServing, role: str, deployment: Mapping[str, Any] | None, desired: int) -> dict[str, Any]:
     st = (deployment or {}).get("status") or {}
     if deployment is not None:
         desired = (deployment.get("spec") or {}).get("replicas", desired)  # an HPA may have moved it
@@ -30,7 +34,15 @@ def role_status(deployment: Mapping[str, Any] | None, desired: int) -> dict[str,
         "readyReplicas": ready,
         "updatedReplicas": st.get("updatedReplicas", 0),
         "ready": f"{ready}/{desired}",
+        # for the scale subresource (.status.decode.selector) and `kubectl get pods -l`
+        "selector": ",".join(f"{k}={v}" for k, v in naming.selector_labels(ms, role).items()),
     }
+
+
+def _observed(deployment: Mapping[str, Any]) -> bool:
+    """The Deployment controller has seen the current template (else its counts are stale)."""
+    st = deployment.get("status") or {}
+    return st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 1)
 
 
 def rolled_out(deployment: Mapping[str, Any] | None) -> bool:
@@ -38,15 +50,48 @@ def rolled_out(deployment: Mapping[str, Any] | None) -> bool:
     if deployment is None:
         return False
     st, want = deployment.get("status") or {}, (deployment.get("spec") or {}).get("replicas", 1)
-    return (st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 1)
+    return (_observed(deployment)
             and st.get("updatedReplicas", 0) == want
             and st.get("replicas", 0) == want
             and st.get("availableReplicas", 0) >= want)
 
 
-def degraded_reason(deployments: Iterable[Mapping[str, Any] | None],
-                    pods: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:
-    """(reason, message) of the first problem that needs a human, or None."""
+def rollout_progress(role: str, deployment: Mapping[str, Any] | None) -> str:
+    """What a role's Deployment is doing, in words that stay true at every step."""
+    if deployment is None:
+        return f"{role} not created yet"
+    if not _observed(deployment):
+        return f"{role} waiting for the Deployment controller"
+    st, want = deployment.get("status") or {}, (deployment.get("spec") or {}).get("replicas", 1)
+    updated, total, available = st.get("updatedReplicas", 0), st.get("replicas", 0), st.get("availableReplicas", 0)
+    old = max(total - updated, 0)
+    text = f"{role} {updated}/{want} updated"
+    if old:
+        text += f", {old} old pod{'s' if old > 1 else ''} left"
+    return text + f", {min(available, want)}/{want} available"
+
+
+def _role_of(pod: Mapping[str, Any]) -> str | None:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(naming.LABEL_ROLE)
+
+
+def _age_s(timestamp: str | None, now: str) -> float:
+    if not timestamp:
+        return 0.0
+    parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return (parse(now) - parse(timestamp)).total_seconds()
+
+
+def degraded_reason(deployments: Mapping[str, Mapping[str, Any] | None],
+                    pods: Iterable[Mapping[str, Any]], now: str) -> tuple[str, str] | None:
+    """(reason, message) of the first problem that needs a human, or None.
+
+    A pod waiting for capacity is a problem only when its role is short of available pods, no
+    pod of this ModelServing is terminating (whose GPUs are about to be freed), and it has
+    waited UNSCHEDULABLE_GRACE_S: a surge pod, or a rollout's pod waiting for its
+    predecessor's GPUs, is expected and shows in Progressing instead."""
+    pods = list(pods)
+    terminating = any((p.get("metadata") or {}).get("deletionTimestamp") for p in pods)
     for pod in pods:
         name = pod["metadata"]["name"]
         st = pod.get("status") or {}
@@ -58,14 +103,25 @@ def degraded_reason(deployments: Iterable[Mapping[str, Any] | None],
         for cond in st.get("conditions") or ():
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
                     and cond.get("reason") == "Unschedulable":
+                d = deployments.get(_role_of(pod) or "")
+                dst, want = (d or {}).get("status") or {}, ((d or {}).get("spec") or {}).get("replicas", 1)
+                if terminating or dst.get("availableReplicas", 0) >= want \
+                        or _age_s(cond.get("lastTransitionTime"), now) < UNSCHEDULABLE_GRACE_S:
+                    continue
                 return "Unschedulable", f"pod {name}: {cond.get('message', 'cannot be scheduled')}"
-    for d in deployments:
+    for d in deployments.values():
         for cond in ((d or {}).get("status") or {}).get("conditions") or ():
             if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
                 return "ProgressDeadlineExceeded", f"deployment {d['metadata']['name']}: {cond.get('message', '')}"
             if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
                 return "ReplicaFailure", f"deployment {d['metadata']['name']}: {cond.get('message', '')}"
     return None
+
+
+def waiting_for_capacity(pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    return [p["metadata"]["name"] for p in pods
+            if any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+                   for c in (p.get("status") or {}).get("conditions") or ())]
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
@@ -88,7 +144,7 @@ def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] |
                  pods: list[Mapping[str, Any]], old_conditions: Iterable[Mapping[str, Any]], now: str) -> dict[str, Any]:
     s = ms.spec
     desired = {"prefill": s.prefill.replicas, "decode": s.decode.replicas, "router": s.router.replicas}
-    roles = {r: role_status(deployments.get(r), desired[r]) for r in ROLES}
+    roles = {r: role_status(ms, r, deployments.get(r), desired[r]) for r in ROLES}
     summary = ", ".join(f"{r} {roles[r]['ready']}" for r in ROLES)
 
     short = [r for r in ROLES if roles[r]["readyReplicas"] < roles[r]["desiredReplicas"]]
@@ -103,15 +159,16 @@ def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] |
 
     pending = [r for r in ROLES if not rolled_out(deployments.get(r))]
     if pending:
-        prog_c = condition("Progressing", True, "RollingOut",
-                           f"revision {naming.revision(ms)} rolling out: " +
-                           ", ".join(f"{r} {roles[r]['updatedReplicas']}/{roles[r]['desiredReplicas']} updated"
-                                     for r in pending), ms.generation)
+        message = f"revision {naming.revision(ms)} rolling out: " + \
+            "; ".join(rollout_progress(r, deployments.get(r)) for r in pending)
+        if waiting := waiting_for_capacity(pods):
+            message += f"; waiting for capacity: {', '.join(sorted(waiting))}"
+        prog_c = condition("Progressing", True, "RollingOut", message, ms.generation)
     else:
         prog_c = condition("Progressing", False, "RolloutComplete",
                            f"revision {naming.revision(ms)} rolled out", ms.generation)
 
-    problem = degraded_reason(deployments.values(), pods)
+    problem = degraded_reason(deployments, pods, now)
     deg_c = (condition("Degraded", True, problem[0], problem[1], ms.generation) if problem
              else condition("Degraded", False, "AsExpected", "no failing pods", ms.generation))
 
@@ -122,6 +179,18 @@ def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] |
         **roles,
         "conditions": merge_conditions(old_conditions, [ready_c, prog_c, deg_c], now),
     }
+
+
+def lost_ready_pods(old_status: Mapping[str, Any], new_status: Mapping[str, Any]) -> bool:
+    """Whether some role has fewer ready pods than before without rolling out: scaling up or a
+    rollout (which replaces pods by design) only make Ready false for a while."""
+    for role in ROLES:
+        old, new = old_status.get(role) or {}, new_status.get(role) or {}
+        rolling = new.get("updatedReplicas", 0) < new.get("desiredReplicas", 0) \
+            or new.get("replicas", 0) > new.get("desiredReplicas", 0)
+        if new.get("readyReplicas", 0) < old.get("readyReplicas", 0) and not rolling:
+            return True
+    return False
 
 
 def invalid_spec_status(generation: int, message: str, old_conditions: Iterable[Mapping[str, Any]],
@@ -140,14 +209,17 @@ def invalid_spec_status(generation: int, message: str, old_conditions: Iterable[
 _QUIET_START = {("Degraded", "False"), ("Progressing", "False")}
 
 
-def transitions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
-    """Events for conditions whose status changed: (Normal|Warning, reason, message)."""
+def transitions(old: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]],
+                expected: bool = False) -> list[tuple[str, str, str]]:
+    """Events for conditions whose status changed: (Normal|Warning, reason, message). Warning
+    for Degraded, and for lost readiness unless `expected` (a scale-up or rollout)."""
     before = {c.get("type"): c.get("status") for c in old or ()}
     out = []
     for c in new:
         prev, kind, status = before.get(c["type"]), c["type"], c["status"]
         if prev == status or (prev is None and (kind, status) in _QUIET_START):
             continue
-        warning = (kind == "Degraded" and status == "True") or (kind == "Ready" and status == "False" and prev == "True")
+        warning = (kind == "Degraded" and status == "True") or \
+            (kind == "Ready" and status == "False" and prev == "True" and not expected)
         out.append(("Warning" if warning else "Normal", c["reason"], c["message"]))
     return out

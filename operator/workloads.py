@@ -4,40 +4,53 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pdserve.operator import naming
-from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec
+from pdserve.operator import naming, pods
+from pdserve.operator.merge import strategic_merge
+from pdserve.operator.pods import HTTP_PORT, KV_EVENTS_PORT
+from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec, Rollout, SpecError
 
-HTTP_PORT = 8000
-KV_EVENTS_PORT = 5557  # the router's default; replays are served on the next port
-MODEL_MOUNT = "/models"
 # Big checkpoints take minutes to load: the startup probe allows 30 min before liveness counts.
-STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180
+WORKER_PROBES = {
+    "startup": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180},
+    "readiness": {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+    "liveness": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+}
+# The router is ready only with a healthy decode worker behind it (/ready); /health says the
+# process is alive. Its startup covers fetching a tokenizer from the Hub.
+ROUTER_PROBES = {
+    "startup": {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 60},
+    "readiness": {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2},
+    "liveness": {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+}
+# Guaranteed enough to tokenize prompts and keep the prefix index; overridable (router.resources).
+ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+# A rollout that makes no progress this long is reported (Degraded, ProgressDeadlineExceeded);
+# it must outlast the startup probe's budget, or every slow model load would read as a failure.
+WORKER_PROGRESS_DEADLINE_S = 10 * 180 + 600
 
 
-def model_argument(source: str) -> tuple[str, dict[str, Any] | None]:
-    """`--model` value for a source, plus the read-only PVC volume it needs (if any)."""
-    if source.startswith("hf://"):
-        return source.removeprefix("hf://"), None
-    if source.startswith("pvc://"):
-        claim, _, path = source.removeprefix("pvc://").partition("/")
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return f"{MODEL_MOUNT}/{path}".rstrip("/"), volume
-    return source, None
+def rollout_strategy(rollout: Rollout, gpu: bool) -> dict[str, Any]:
+    """GPU roles replace a pod before starting its successor (maxSurge 0, maxUnavailable 1), so
+    a rollout needs no spare GPU; the router and CPU workers surge one pod first (no capacity
+    lost). Either bound may be set per role."""
+    surge, unavailable = (0, 1) if gpu else (1, 0)
+    return {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": surge if rollout.max_surge is None else rollout.max_surge,
+        "maxUnavailable": unavailable if rollout.max_unavailable is None else rollout.max_unavailable}}
 
 
 def worker_args(ms: ModelServing, role: str) -> list[str]:
     s, rs = ms.spec, ms.spec.role(role)
-    model, _ = model_argument(s.source)
-    args = ["--model", model, "--served-model-name", s.model_name, "--host", "0.0.0.0",
+    args = ["--model", pods.model_argument(ms), "--served-model-name", s.model_name, "--host", "0.0.0.0",
             "--port", str(HTTP_PORT), "--device", s.device, "--dtype", s.dtype, "--role", role,
             "--kv-transfer", s.kv_backend, "--kv-port", str(s.kv_port),
-            "--tensor-parallel-size", str(rs.tensor_parallel_size)]
+            "--tensor-parallel-size", str(rs.tensor_parallel_size),
+            "--shutdown-grace", str(s.drain_timeout_s)]
     if s.max_model_len is not None:
         args += ["--max-model-len", str(s.max_model_len)]
     if rs.max_num_seqs is not None:
         args += ["--max-num-seqs", str(rs.max_num_seqs)]
-    r = s.router
-    if "prefix-aware" in (r.policy, r.prefill_policy, r.decode_policy):
+    if s.router.prefix_aware:
         # KV-cache-aware routing feeds on the workers' block events.
         args += ["--kv-events-port", str(KV_EVENTS_PORT)]
     return args + list(rs.args)
@@ -51,26 +64,18 @@ def quantities(resources: Mapping[str, Any]) -> dict[str, dict[str, str]]:
 
 
 def worker_resources(ms: ModelServing, rs: RoleSpec) -> dict[str, Any]:
-    """The user's resources, plus one GPU per tensor-parallel rank on cuda unless they set it."""
+    """The user's resources, plus (unless they set them) one GPU per tensor-parallel rank on
+    cuda, the RDMA device, and ephemeral storage for a sized emptyDir model cache."""
+    s, kv = ms.spec, rs.kv.over(ms.spec.kv)
     limits = dict(rs.resources.get("limits") or {})
-    if ms.spec.device == "cuda" and GPU_RESOURCE not in limits:
-        limits[GPU_RESOURCE] = rs.tensor_parallel_size
-    return quantities({**rs.resources, "limits": limits})
-
-
-def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures}
-
-
-def _downward_env() -> list[dict[str, Any]]:
-    # POD_IP lets a worker advertise where its KV blocks can be pulled from.
-    return [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": p}}}
-            for n, p in (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
-                         ("POD_NAMESPACE", "metadata.namespace"))]
-
-
-def _secret_env(name: str, ref) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    requests = dict(rs.resources.get("requests") or {})
+    if s.device == "cuda":
+        limits.setdefault(GPU_RESOURCE, rs.tensor_parallel_size)
+    if kv.rdma_resource:
+        limits.setdefault(kv.rdma_resource, kv.rdma_count)
+    if s.model_source.kind == "hf" and s.cache_size and not s.cache_claim:
+        requests.setdefault("ephemeral-storage", s.cache_size)
+    return quantities({"limits": limits, "requests": requests})
 
 
 def _scheduling(rs) -> dict[str, Any]:
@@ -84,14 +89,41 @@ def _scheduling(rs) -> dict[str, Any]:
     return out
 
 
+def _pod_spec(ms: ModelServing, service_account: str, containers: list, volumes: list, rs) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "serviceAccountName": service_account,
+        "securityContext": pods.pod_security_context(),
+        "terminationGracePeriodSeconds": pods.termination_grace_s(ms),
+        "containers": containers,
+        "volumes": volumes,
+        **_scheduling(rs),
+    }
+    if ms.spec.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in ms.spec.image_pull_secrets]
+    return spec
+
+
 def _deployment(ms: ModelServing, role: str, replicas: int | None, pod_labels: dict[str, str],
-                pod_spec: dict[str, Any]) -> dict[str, Any]:
+                pod_spec: dict[str, Any], strategy: dict[str, Any], override: Mapping[str, Any],
+                progress_deadline_s: int | None = None) -> dict[str, Any]:
     meta = naming.metadata(ms, role)
     meta["labels"] = {**meta["labels"], **pod_labels}
+    template = {"metadata": {"labels": {**naming.labels(ms, role), **pod_labels}}, "spec": pod_spec}
+    if override:
+        try:
+            template = strategic_merge(template, override)
+        except ValueError as e:
+            raise SpecError(f"spec.{role}.{e}") from None
+        # The selector and revision labels are the operator's: an override cannot unhook pods.
+        template["metadata"]["labels"] = {**template["metadata"].get("labels", {}),
+                                          **naming.selector_labels(ms, role), **pod_labels}
     spec: dict[str, Any] = {
         "selector": {"matchLabels": naming.selector_labels(ms, role)},
-        "template": {"metadata": {"labels": {**naming.labels(ms, role), **pod_labels}}, "spec": pod_spec},
+        "strategy": strategy,
+        "template": template,
     }
+    if progress_deadline_s is not None:
+        spec["progressDeadlineSeconds"] = progress_deadline_s
     # Left out when an autoscaler owns the count: server-side apply then leaves it alone.
     if replicas is not None:
         spec["replicas"] = replicas
@@ -100,37 +132,48 @@ def _deployment(ms: ModelServing, role: str, replicas: int | None, pod_labels: d
 
 def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
     s, rs = ms.spec, ms.spec.role(role)
-    _, model_volume = model_argument(s.source)
-    env = _downward_env()
-    if s.hf_token_secret:
-        env.append(_secret_env("HF_TOKEN", s.hf_token_secret))
-    env += [dict(e) for e in rs.env]
-    mounts = [{"name": "shm", "mountPath": "/dev/shm"}]
-    # NCCL/NIXL and the tokenizer's workers use /dev/shm, which a container caps at 64 MiB.
-    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
-    if model_volume:
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-        volumes.append(model_volume)
+    kv, src = rs.kv.over(s.kv), s.model_source
+    tmp, tmp_mount = pods.tmp_volume()
+    cache, cache_mount = pods.cache_volume(ms)
+    # NCCL/NIXL and the tokenizer's workers use /dev/shm, which a container caps at 64 MiB;
+    # memory-backed, so it counts against the pod's memory: hence the cap.
+    volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}, tmp, cache]
+    mounts = [{"name": "shm", "mountPath": "/dev/shm"}, tmp_mount, cache_mount]
+    init: list[dict[str, Any]] = []
+    if src.kind == "pvc":
+        volume, mount = pods.model_pvc_volume(src)
+        volumes.append(volume)
+        mounts.append(mount)
+    elif src.kind == "hf" and src.revision:
+        init.append(pods.fetch_container(ms, "fetch-model", src, pods.pinned_dir(src), pods.MODEL_FILES,
+                                         [tmp_mount, cache_mount]))
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+             {"name": "kv", "containerPort": s.kv_port, "protocol": "TCP"}]
+    if s.router.prefix_aware:
+        ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                  {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}]
     container = {
         "name": "worker",
         "image": s.image,
         "imagePullPolicy": s.image_pull_policy,
         "command": ["pdserve", "worker"],
         "args": worker_args(ms, role),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "kv", "containerPort": s.kv_port, "protocol": "TCP"}],
-        "env": env,
+        "ports": ports,
+        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.ucx_env(kv), rs.env),
         "resources": worker_resources(ms, rs),
         "volumeMounts": mounts,
-        "startupProbe": _http_probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "readinessProbe": _http_probe("/health", 5, 3),
-        "livenessProbe": _http_probe("/health", 10, 6),
+        "securityContext": pods.container_security_context(kv),
+        "lifecycle": pods.pre_stop(ms),
+        **{f"{kind}Probe": pods.probe("/health", WORKER_PROBES[kind], rs.probes.get(kind)) for kind in WORKER_PROBES},
     }
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, **_scheduling(rs)}
-    if s.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in s.image_pull_secrets]
+    pod_spec = _pod_spec(ms, naming.child_name(ms, "worker"), [container], volumes, rs)
+    # Workers never call the API server: no token in their pods.
+    pod_spec["automountServiceAccountToken"] = False
+    if init:
+        pod_spec["initContainers"] = init
     replicas = None if rs.autoscaling else rs.replicas
-    return _deployment(ms, role, replicas, {naming.LABEL_REVISION: naming.revision(ms)}, pod_spec)
+    return _deployment(ms, role, replicas, {naming.LABEL_REVISION: naming.revision(ms)}, pod_spec,
+                       rollout_strategy(rs.rollout, s.device == "cuda"), rs.pod_template, WORKER_PROGRESS_DEADLINE_S)
 
 
 def router_args(ms: ModelServing) -> list[str]:
@@ -141,14 +184,32 @@ def router_args(ms: ModelServing) -> list[str]:
                         ("--decode-policy", r.decode_policy), ("--pd-min-prompt-tokens", r.pd_min_prompt_tokens)):
         if value is not None:
             args += [flag, str(value)]
+    if r.prefix_aware:
+        args += ["--tokenizer", pods.tokenizer_argument(ms)]
     return args + list(r.args)
 
 
 def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
-    s, r = ms.spec, ms.spec.router
-    env = [dict(e) for e in r.env]
+    s, r, src = ms.spec, ms.spec.router, ms.spec.model_source
+    tmp, tmp_mount = pods.tmp_volume()
+    volumes, mounts, init = [tmp], [tmp_mount], []
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
     if r.api_key_secret:
-        env.insert(0, _secret_env("PDSERVE_API_KEYS", r.api_key_secret))
+        env.append({"name": "PDSERVE_API_KEYS",
+                    "valueFrom": {"secretKeyRef": {"name": r.api_key_secret.name, "key": r.api_key_secret.key}}})
+    if r.prefix_aware and src.kind == "pvc":
+        volume, mount = pods.model_pvc_volume(src)
+        volumes.append(volume)
+        mounts.append(mount)
+    elif r.prefix_aware and src.kind == "hf":
+        # A small cache of its own: the router needs only the tokenizer's files.
+        volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
+        cache_mount = {"name": "cache", "mountPath": pods.CACHE_MOUNT}
+        mounts.append(cache_mount)
+        env = pods.merge_env(env, pods.hub_env(ms))
+        if src.revision:
+            init.append(pods.fetch_container(ms, "fetch-tokenizer", src, pods.TOKENIZER_DIR, pods.TOKENIZER_FILES,
+                                             [tmp_mount, cache_mount]))
     container: dict[str, Any] = {
         "name": "router",
         "image": s.image,
@@ -156,18 +217,16 @@ def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
         "command": ["pdserve", "router"],
         "args": router_args(ms),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe("/health", 5, 3),
-        "livenessProbe": _http_probe("/health", 10, 6),
+        "env": pods.merge_env(env, r.env),
+        "resources": quantities(r.resources or ROUTER_RESOURCES),
+        "volumeMounts": mounts,
+        "securityContext": pods.container_security_context(),
+        "lifecycle": pods.pre_stop(ms),
+        "startupProbe": pods.probe("/health", ROUTER_PROBES["startup"], r.probes.get("startup")),
+        "readinessProbe": pods.probe("/ready", ROUTER_PROBES["readiness"], r.probes.get("readiness")),
+        "livenessProbe": pods.probe("/health", ROUTER_PROBES["liveness"], r.probes.get("liveness")),
     }
-    if env:
-        container["env"] = env
-    if r.resources:
-        container["resources"] = quantities(r.resources)
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": naming.child_name(ms, "router"),
-        "containers": [container],
-        **_scheduling(r),
-    }
-    if s.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in s.image_pull_secrets]
-    return _deployment(ms, "router", r.replicas, {}, pod_spec)
+    pod_spec = _pod_spec(ms, naming.child_name(ms, "router"), [container], volumes, r)
+    if init:
+        pod_spec["initContainers"] = init
+    return _deployment(ms, "router", r.replicas, {}, pod_spec, rollout_strategy(r.rollout, gpu=False), r.pod_template)

@@ -79,7 +79,7 @@ def test_worker_pod_shape():
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["shm"]["emptyDir"] == {"medium": "Memory"}
+    assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     env = {e["name"]: e for e in c["env"]}
@@ -106,7 +106,7 @@ def test_labels_owner_and_immutable_selector():
 @pytest.mark.parametrize("change, same", [
     ({"prefill": {"replicas": 5}}, True),
     ({"decode": {"env": [{"name": "A", "value": "1"}]}}, True),
-    ({"router": {"policy": "kv-aware"}}, True),
+    ({"router": {"policy": "least-loaded"}}, True),
     ({"image": "reg/pdserve:2"}, False),
     ({"model": {**BASE["model"], "dtype": "float16"}}, False),
     ({"decode": {"tensorParallelSize": 2}}, False),
@@ -123,15 +123,15 @@ def test_revision_tracks_kv_compatibility_only(change, same):
 
 
 def test_router_deployment():
-    dep = build_router_deployment(ms(router={"replicas": 2, "policy": "kv-aware", "pdMinPromptTokens": 64,
+    dep = build_router_deployment(ms(router={"replicas": 2, "policy": "least-loaded", "pdMinPromptTokens": 64,
                                              "apiKeySecret": {"name": "keys"}}))
     c = container(dep)
     assert dep["spec"]["replicas"] == 2
     assert c["command"] == ["pdserve", "router"]
     assert flag(c["args"], "--discovery") == "kubernetes" and flag(c["args"], "--namespace") == "ns1"
     assert flag(c["args"], "--selector") == "pdserve.io/modelserving=llama"
-    assert flag(c["args"], "--policy") == "kv-aware" and flag(c["args"], "--pd-min-prompt-tokens") == "64"
-    assert c["env"][0] == {"name": "PDSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-keys"}}}
+    assert flag(c["args"], "--policy") == "least-loaded" and flag(c["args"], "--pd-min-prompt-tokens") == "64"
+    assert {"name": "PDSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-keys"}}} in c["env"]
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "llama-router"
     assert "nvidia.com/gpu" not in str(dep)
 

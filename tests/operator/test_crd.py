@@ -57,9 +57,14 @@ def test_no_cel_and_every_node_typed():
 
 def test_printer_columns_and_subresource():
     (version,) = load_crd()["spec"]["versions"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
+    # `kubectl scale ms` sizes decode; its selector is in the status the operator writes
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.decode.replicas",
+                                                "statusReplicasPath": ".status.decode.replicas",
+                                                "labelSelectorPath": ".status.decode.selector"}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
     assert cols[:4] == ["Ready", "Prefill", "Decode", "Endpoint"] and cols[-1] == "Age"
+    assert {"Generation", "Observed"} <= set(cols)  # a stale status is visible
     assert "ms" in load_crd()["spec"]["names"]["shortNames"]
 
 
@@ -69,7 +74,22 @@ SPECS = [
      "prefill": {"autoscaling": {"maxReplicas": 3}}, "decode": {"tensorParallelSize": 2},
      "router": {"apiKeySecret": {"name": "k"}, "service": {"type": "NodePort"}},
      "monitoring": {"serviceMonitor": True}},
+    {"model": {"source": "hf://m/x@v1.0", "cache": {"sizeLimit": "50Gi"}}, "kvTransfer": {"rdma": {"resource": "rdma/ib"}},
+     "decode": {"kvTransfer": {"rdma": {"resource": "rdma/hca"}}, "rollout": {"maxSurge": 1}},
+     "router": {"policy": "prefix-aware"}, "drain": {"timeoutSeconds": 60}},
 ]
+
+
+def test_policy_enum_is_the_routers_registry():
+    """A policy the router does not know is refused by the API server, not by a crash-looping
+    router pod."""
+    from pdserve.operator.spec import POLICIES
+    from pdserve.router.policies import BUILTIN
+
+    router = schema()["properties"]["spec"]["properties"]["router"]["properties"]
+    for field in ("policy", "prefillPolicy", "decodePolicy"):
+        assert router[field]["enum"] == list(BUILTIN)
+    assert list(POLICIES) == list(BUILTIN)
 
 
 def test_operator_defaults_match_schema_defaults():

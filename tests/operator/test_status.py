@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.operator.spec import ModelServing, ModelServingSpec
-from pdserve.operator.status import build_status, invalid_spec_status, merge_conditions, rolled_out, transitions
+from pdserve.operator.status import (build_status, invalid_spec_status, lost_ready_pods, merge_conditions,
+                                     rolled_out, transitions)
 
 SPEC = {"model": {"source": "hf://m/x"}, "image": "img", "prefill": {"replicas": 2}, "decode": {"replicas": 1}}
 T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:01:00Z"
@@ -35,7 +36,8 @@ def test_all_ready():
     s = build_status(ms(), all_ready(), [], [], T0)
     assert conds(s) == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
                         "Degraded": ("False", "AsExpected")}
-    assert s["prefill"] == {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2"}
+    assert s["prefill"] == {"desiredReplicas": 2, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2",
+                            "selector": "pdserve.io/modelserving=llama,pdserve.io/role=prefill"}
     assert s["endpoint"] == "http://llama-router.ns.svc:80" and s["observedGeneration"] == 1
 
 
@@ -53,25 +55,50 @@ def test_ready_and_progressing(deployments, ready, progressing):
     assert c["Ready"] == ready and c["Progressing"] == progressing
 
 
-def pod(name, waiting=None, unschedulable=False):
+@pytest.mark.parametrize("deployment, text", [
+    # the controller has not seen the new template: its counts describe the old one
+    (dep("decode", 2, 2, observed=1, generation=2), "decode waiting for the Deployment controller"),
+    (dep("decode", 2, 1, updated=1, total=2, observed=2, generation=2), "decode 1/2 updated, 1 old pod left, 1/2 available"),
+    (dep("decode", 2, 1, updated=2, total=2, observed=2, generation=2), "decode 2/2 updated, 1/2 available"),
+])
+def test_rollout_message_says_what_is_true(deployment, text):
+    prog = next(c for c in build_status(ms(), {**all_ready(), "decode": deployment}, [], [], T0)["conditions"]
+                if c["type"] == "Progressing")
+    assert prog["status"] == "True" and prog["message"].endswith(text), prog["message"]
+
+
+def pod(name, waiting=None, unschedulable=False, role="decode", since=T0, deleting=False):
     st = {"containerStatuses": [{"name": "worker", "restartCount": 7, "state": {"waiting": {"reason": waiting}}}]} if waiting else {}
     if unschedulable:
-        st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": since,
                              "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]
-    return {"metadata": {"name": name}, "status": st}
+    meta = {"name": name, "labels": {"pdserve.io/role": role}}
+    if deleting:
+        meta["deletionTimestamp"] = T0
+    return {"metadata": meta, "status": st}
+
+
+SHORT = {**all_ready(), "decode": dep("decode", 1, 0)}
 
 
 @pytest.mark.parametrize("pods, deployments, reason, text", [
     ([pod("p1", waiting="CrashLoopBackOff")], all_ready(), "CrashLoopBackOff", "pod p1 container worker: restarted 7 times"),
     ([pod("p2", waiting="ImagePullBackOff")], all_ready(), "ImagePullBackOff", "pod p2"),
-    ([pod("p3", unschedulable=True)], all_ready(), "Unschedulable", "Insufficient nvidia.com/gpu"),
+    # the role is short of pods and this one has waited past the grace period: a real problem
+    ([pod("p3", unschedulable=True)], SHORT, "Unschedulable", "Insufficient nvidia.com/gpu"),
+    # a surge pod (the role still has all its pods available) waits for capacity: expected
+    ([pod("p3", unschedulable=True)], all_ready(), None, None),
+    # a rollout's pod waiting for the GPUs of a predecessor that is still terminating: expected
+    ([pod("p3", unschedulable=True), pod("old", role="decode", deleting=True)], SHORT, None, None),
+    # just now unschedulable: the scheduler may not have retried since capacity was freed
+    ([pod("p3", unschedulable=True, since="2025-01-01T00:00:50Z")], SHORT, None, None),
     ([pod("p4", waiting="ContainerCreating")], all_ready(), None, None),  # transient: not degraded
     ([], {**all_ready(), "decode": dep("decode", 1, 0, conditions=[
         {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}])},
      "ProgressDeadlineExceeded", "deployment llama-decode: timed out"),
 ])
 def test_degraded(pods, deployments, reason, text):
-    degraded = next(c for c in build_status(ms(), deployments, pods, [], T0)["conditions"] if c["type"] == "Degraded")
+    degraded = next(c for c in build_status(ms(), deployments, pods, [], T1)["conditions"] if c["type"] == "Degraded")
     if reason is None:
         assert degraded["status"] == "False"
     else:
@@ -94,13 +121,27 @@ def test_transitions_become_events():
     assert transitions([], build_status(ms(), {}, [], [], T0)["conditions"]) == [
         ("Normal", "ReplicasNotReady", "ready: prefill 0/2, decode 0/1, router 0/1"),
         ("Normal", "RollingOut", "revision " + build_status(ms(), {}, [], [], T0)["revision"] +
-         " rolling out: prefill 0/2 updated, decode 0/1 updated, router 0/1 updated")]
+         " rolling out: prefill not created yet; decode not created yet; router not created yet")]
     ready = build_status(ms(), all_ready(), [], [], T0)["conditions"]
     crashed = build_status(ms(), {**all_ready(), "decode": dep("decode", 1, 0)}, [pod("p", waiting="CrashLoopBackOff")], ready, T1)
     kinds = {(t, r) for t, r, _ in transitions(ready, crashed["conditions"])}
     # a pod that is not available also means the rollout is not complete
     assert kinds == {("Warning", "ReplicasNotReady"), ("Warning", "CrashLoopBackOff"), ("Normal", "RollingOut")}
     assert transitions(ready, ready) == []
+
+
+def test_scale_up_is_news_not_a_warning():
+    before = build_status(ms(), all_ready(), [], [], T0)
+    scaled = build_status(ms(), {**all_ready(), "decode": dep("decode", 2, 1, updated=2, total=2)}, [], before["conditions"], T1)
+    assert not lost_ready_pods(before, scaled)
+    events = transitions(before["conditions"], scaled["conditions"], expected=not lost_ready_pods(before, scaled))
+    assert ("Normal", "ReplicasNotReady") in {(t, r) for t, r, _ in events}
+    assert not [e for e in events if e[0] == "Warning"]
+    # a pod that stops being ready with no rollout under way is a warning
+    lost = build_status(ms(), {**all_ready(), "prefill": dep("prefill", 2, 1, updated=2)}, [], before["conditions"], T1)
+    assert lost_ready_pods(before, lost)
+    assert ("Warning", "ReplicasNotReady") in {(t, r) for t, r, _ in transitions(
+        before["conditions"], lost["conditions"], expected=not lost_ready_pods(before, lost))}
 
 
 def test_invalid_spec_keeps_ready():
