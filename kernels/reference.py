@@ -123,3 +123,24 @@ def rotary_ref(
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rotary_kv_write_ref(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32, as rotary_ref
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] (strided view)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+    bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D], the qkv projection's bias (q | k | v)
+) -> torch.Tensor:  # rotated q [T, Hq, D]; rotated k and v land in the cache
+    """The decode layer's q/k/v epilogue: bias, rotary, KV write (what the Triton kernel fuses)."""
+    if bias is not None:
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        bq, bk, bv = bias.split([hq * d, hkv * d, hkv * d])
+        q, k, v = q + bq.view(hq, d), k + bk.view(hkv, d), v + bv.view(hkv, d)
+    q, k = rotary_ref(positions, q, k, cos_sin_cache)
+    kv_cache_write_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q

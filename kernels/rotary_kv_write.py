@@ -1,0 +1,126 @@
+"""Rotary embedding and the KV-cache write in one pass: a decode layer's q/k/v epilogue.
+
+After the fused qkv projection, a layer used to launch two kernels: rotary (q and k rotated
+into new tensors) and the KV write (k and v copied into their cache slots). Here one program
+per token adds the projection's bias (Qwen2's qkv bias: at one token cuBLAS cannot fuse it and
+torch launches a separate broadcast copy for it), rotates q and k in fp32, and stores the
+rotated q to the output, the rotated k and v straight into the cache. Attention then reads the
+new token's K/V from the cache like any other, so the rotated k never exists as a tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_same_layout, check_tensor
+
+
+@triton.jit
+def _rotate_heads(src_ptr, stride_h, bias_ptr, cos, sin,
+                  HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    # -> the rotated first and second halves of every head, fp32 [H_PAD, HALF_PAD] each.
+    h = tl.arange(0, H_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < HEADS) & (i < HALF)
+    x1 = tl.load(src_ptr + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + h * (2 * HALF) + i, mask=mask, other=0.0).to(tl.float32)
+        x2 += tl.load(bias_ptr + h * (2 * HALF) + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+def _rotary_kv_write_kernel(
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, bias_ptr, cs_ptr, qo_ptr, k_cache_ptr, v_cache_ptr,
+    block_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_qot, stride_qoh,
+    stride_cb, stride_ct, stride_ch,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # One program per token; cos/sin are read once for all of its q and k heads.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    q_mask = (hq < HQ) & (i < HALF)
+    q1, q2 = _rotate_heads(q_ptr + t * stride_qt, stride_qh, bias_ptr, cos, sin, HQ, HQ_PAD, HALF, HALF_PAD,
+                           HAS_BIAS)
+    q_dst = qo_ptr + t * stride_qot + hq * stride_qoh + i
+    tl.store(q_dst, q1.to(qo_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + HALF, q2.to(qo_ptr.dtype.element_ty), mask=q_mask)
+
+    # int64: block * block_stride overflows int32 on a large cache. A negative slot (a padding
+    # row of a CUDA-graph batch) writes nothing; its q is still rotated (and discarded).
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    hk = tl.arange(0, HKV_PAD)[:, None]
+    kv_mask = (hk < HKV) & (i < HALF) & (tl.zeros([HKV_PAD, HALF_PAD], tl.int64) + slot >= 0)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + hk * stride_ch + i
+    k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, bias_ptr + HQ * 2 * HALF, cos, sin,
+                           HKV, HKV_PAD, HALF, HALF_PAD, HAS_BIAS)
+    tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    # v is not rotated: cos = 1, sin = 0 passes both halves through (plus their bias).
+    v1, v2 = _rotate_heads(v_ptr + t * stride_vt, stride_vh, bias_ptr + (HQ + HKV) * 2 * HALF, 1.0, 0.0,
+                           HKV, HKV_PAD, HALF, HALF_PAD, HAS_BIAS)
+    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def rotary_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of reference.rotary_kv_write_ref: returns the rotated q (a new tensor) and
+    writes the rotated k and v into the cache. Positions must be < cos_sin_cache rows; slots must
+    lie in the cache or be negative (skip)."""
+    fn = "rotary_kv_write"
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    t, hq, d = q.shape
+    if d % 2:
+        raise ValueError(f"{fn}: head_dim must be even, got {d}")
+    check_tensor(fn, "k", k, (t, None, d), (q.dtype,))
+    hkv = k.shape[1]
+    check_tensor(fn, "v", v, (t, hkv, d), (q.dtype,))
+    check_tensor(fn, "positions", positions, (t,), INDEX_DTYPES)
+    check_tensor(fn, "slot_mapping", slot_mapping, (t,), INDEX_DTYPES)
+    check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
+    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), FLOAT_DTYPES)
+    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    tensors = dict(positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
+                   v_cache=v_cache, slot_mapping=slot_mapping)
+    if bias is not None:
+        check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
+        tensors["bias"] = bias
+    check_devices(fn, **tensors)
+    for name in ("q", "k", "v", "cos_sin_cache", "k_cache", "bias"):
+        if name in tensors and tensors[name].stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
+                             f"got strides {tensors[name].stride()}")
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    _rotary_kv_write_kernel[(t,)](
+        positions.contiguous(), slot_mapping.contiguous(), q, k, v, bias if bias is not None else q,
+        cos_sin_cache, q_out, k_cache, v_cache,
+        k_cache.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
+        HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
+        HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None,
+    )
+    return q_out

@@ -1,0 +1,91 @@
+"""rotary_kv_write: bias + rotary + KV write in one kernel, against the composed references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.reference import rotary_kv_write_ref
+from pdserve.kernels.rotary_kv_write import rotary_kv_write
+from tests.kernels.kernel_inputs import DEVICE, TOL, paged_kv, rel_error
+
+
+def _cos_sin_cache(max_pos: int, d: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], -1).float().to(DEVICE)
+
+
+def _fused_qkv(t: int, hq: int, hkv: int, d: int, dtype):
+    """q, k, v as the engine has them: views into one [T, (Hq + 2 Hkv) * D] projection output."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,block_size,with_bias", [
+    (4, 4, 64, 16, False),
+    (6, 2, 40, 5, True),  # GQA 3, non-power-of-two dim, odd block size, Qwen2-style bias
+    (3, 1, 96, 8, True),
+])
+def test_matches_reference(poison_empty, dtype, hq, hkv, d, block_size, with_bias):
+    t, num_blocks = 11, 7
+    cs = _cos_sin_cache(300, d)
+    positions = torch.randint(0, 300, (t,), device=DEVICE)
+    q, k, v = _fused_qkv(t, hq, hkv, d, dtype)
+    bias = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device=DEVICE) if with_bias else None
+    cache, k_cache, v_cache = paged_kv(num_blocks, 3, block_size, hkv, d, dtype)
+    cache.fill_(float("nan"))  # every slot not written must stay NaN, in every layer
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:t]
+    slots[[1, 6]] = -1  # padding rows (CUDA-graph batches): no write, q still rotated
+
+    q_out = rotary_kv_write(positions, q, k, v, cs, k_cache, v_cache, slots.int(), bias)
+
+    # float64 reference from the same inputs into a float64 copy of the cache.
+    ref_cache = cache.double()
+    b64 = bias.double() if bias is not None else None
+    q_ref = rotary_kv_write_ref(positions, q.double(), k.double(), v.double(), cs.double(),
+                                ref_cache[:, 1, 0], ref_cache[:, 1, 1], slots, b64)
+    assert q_out.dtype == dtype and q_out.is_contiguous()
+    assert rel_error(q_out, q_ref) < TOL[dtype]
+    assert torch.equal(cache.isnan(), ref_cache.isnan())  # exactly the mapped slots, this layer only
+    assert (~cache.isnan()).sum().item() == 2 * (t - 2) * hkv * d
+    keep = slots >= 0
+    blocks, offs = slots[keep] // block_size, slots[keep] % block_size
+    for layer_kv in (0, 1):
+        got = cache[blocks, 1, layer_kv, offs]
+        want = ref_cache[blocks, 1, layer_kv, offs]
+        assert rel_error(got, want) < TOL[dtype]
+
+
+def test_v_passes_through_unrotated_and_position_zero_is_identity():
+    # fp32, no bias: v must be written bit for bit; q and k at position 0 are unchanged.
+    t, hq, hkv, d = 3, 2, 1, 16
+    q, k, v = _fused_qkv(t, hq, hkv, d, torch.float32)
+    cache, k_cache, v_cache = paged_kv(2, 1, 4, hkv, d, torch.float32, layer=0)
+    slots = torch.tensor([0, 5, 2], device=DEVICE)
+    q_out = rotary_kv_write(torch.zeros(t, dtype=torch.int64, device=DEVICE), q, k, v, _cos_sin_cache(4, d),
+                            k_cache, v_cache, slots)
+    assert torch.equal(q_out, q)
+    assert torch.equal(v_cache.reshape(-1, hkv, d)[slots], v)
+    assert torch.equal(k_cache.reshape(-1, hkv, d)[slots], k)
+
+
+def test_empty_batch_and_bad_arguments():
+    q, k, v = _fused_qkv(3, 4, 2, 32, torch.float32)
+    cache, k_cache, v_cache = paged_kv(4, 2, 4, 2, 32, torch.float32)
+    cs, pos, slots = _cos_sin_cache(16, 32), torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE)
+    before = cache.clone()
+    out = rotary_kv_write(pos[:0], q[:0], k[:0], v[:0], cs, k_cache, v_cache, slots[:0])
+    assert out.shape == (0, 4, 32) and torch.equal(cache, before)
+    with pytest.raises(ValueError, match=r"rotary_kv_write: v has shape \[3, 1, 32\], expected \[3, 2, 32\]"):
+        rotary_kv_write(pos, q, k, v[:, :1], cs, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match=r"bias has shape \[10\], expected \[256\]"):
+        rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache, slots, torch.zeros(10, device=DEVICE))
+    with pytest.raises(TypeError, match="slot_mapping has dtype float32"):
+        rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache, slots.float())
+    with pytest.raises(ValueError, match=r"k_cache has shape \[4, 4, 2, 32\], expected \[\*, \*, 1, 32\]"):
+        rotary_kv_write(pos, q, k[:, :1], v[:, :1], cs, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape"):
+        rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache[:2], slots)
