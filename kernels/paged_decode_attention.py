@@ -5,6 +5,19 @@ one program that attends all query heads of that KV head's group to 1/S of the c
 are read once per group and a batch of one still fills the GPU; phase 2 merges the S partial
 results with their log-sum-exps. Split boundaries follow each sequence's own context length
 (read on the device), so the grid depends only on shapes: no host sync, CUDA-graph safe.
+
+Phase 2 runs inside phase 1 when the caller lends a `semaphores` buffer (int32, zeros, at least
+B * Hkv): each split program stores its partial result, then counts itself in with an atomic
+add on its (sequence, KV head) counter; the program that arrives last merges the S partials of
+the group and resets the counter to zero for the next launch. One launch per layer instead of
+two, which is what a batch-1 decode step (launch-bound) pays for. Without the buffer a second
+kernel reduces.
+
+Specialization: Triton compiles a variant per distinct key (integer arguments equal to 1 or
+divisible by 16, pointer alignment, constexprs). Everything that varies per step (the split
+count, the block-table width and stride, the table/length pointers) is kept out of the key, so
+the variants are exactly {split, unsplit} x {fused reduce or not}: a live server compiles them
+at start-up, never mid-traffic (tests/kernels/test_specialization.py).
 """
 
 from __future__ import annotations
@@ -29,15 +42,16 @@ from pdserve.kernels.launch import (
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"],
+            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sem_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -90,30 +104,61 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
         lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
+        if FUSED_REDUCE:
+            # Every thread's partial stores precede the count (barrier, then a release add by
+            # the counting thread); the last arrival's acquire makes all S partials visible.
+            tl.debug_barrier()
+            counter = sem_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
+                              num_splits, b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
+                              GROUP_PAD, HEAD_DIM, D_PAD)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_splits, out_off, out_mask, row_mask,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse), over ROWS heads whose
+    # partials start at rows `first_row` of [B * Hq * S]; one pass with a running max.
+    # Loads bypass L1 (.cg): other programs wrote these partials during this launch.
+    d = tl.arange(0, D_PAD)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    w_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + (first_row + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=row_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet: no NaN
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    res = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    # Grid (B, Hq): out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse).
+    # Grid (B, Hkv): the same merge the fused path runs in its last-arriving program.
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = (b * tl.num_programs(1) + h) * num_splits
-    s = tl.arange(0, S_PAD)
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + rows
     d = tl.arange(0, D_PAD)
-    lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    o = tl.load(
-        part_out_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0,
-    )
-    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
+                  num_splits, b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                  (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM), rows < GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
 
 
 def _tile_config() -> tuple[int, int, int]:
@@ -139,12 +184,16 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of reference.paged_decode_attention_ref.
 
     Contract not checked on the host (it would need a sync): 1 <= context_lens[i] <=
     block_tables.shape[1] * block_size, and every used block id is < num_blocks.
     `num_splits` overrides the split-K heuristic (tests use it to force both paths).
+    `semaphores`: int32 zeros, >= B * Hkv elements, lent to fuse the split merge into the one
+    launch (see the module docstring); the kernel leaves them zero again. Launches that share
+    a buffer must be ordered (one stream), as a model's layers are.
     """
     fn = "paged_decode_attention"
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
@@ -164,6 +213,12 @@ def paged_decode_attention(
         raise ValueError(f"{fn}: scale must be finite, got {scale}")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{fn}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if semaphores is not None:
+        check_tensor(fn, "semaphores", semaphores, (None,), (torch.int32,))
+        check_devices(fn, q=q, semaphores=semaphores)
+        if semaphores.numel() < batch * hkv or not semaphores.is_contiguous():
+            raise ValueError(f"{fn}: semaphores must be contiguous with >= batch * kv_heads = {batch * hkv} "
+                             f"elements, got {semaphores.numel()}")
     out = torch.empty((batch, hq, d), dtype=q.dtype, device=device)
     if batch == 0:
         return out
@@ -178,18 +233,22 @@ def paged_decode_attention(
         part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=device)
     else:
         part_out = part_lse = out  # unused
+    split = num_splits > 1
+    fused = split and semaphores is not None
+    group_pad = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        semaphores if fused else context_lens,
         scale * math.log2(math.e), num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, hq)](
+    if split and not fused:
+        _decode_reduce_kernel[(batch, hkv)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         )
     return out

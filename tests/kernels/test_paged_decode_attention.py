@@ -21,17 +21,42 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 9])  # 9 > tiles: some splits are empty
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(poison_empty, dtype, num_splits, case):
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["reduce-kernel", "fused-merge"])
+def test_matches_reference(poison_empty, dtype, num_splits, case, fused_merge):
     hq, hkv, d, block_size, ctx = CASES[case]
     _, k_cache, v_cache = paged_kv(40, 2, block_size, hkv, d, dtype)
     block_tables = block_tables_for(ctx, block_size, 40, extra=0 if case == 0 else 2)
     context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(ctx), hq, d, dtype=dtype, device=DEVICE)
     scale = d**-0.5
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits)
+    sem = torch.zeros(len(ctx) * hkv + 3, dtype=torch.int32, device=DEVICE) if fused_merge else None
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits,
+                                 semaphores=sem)
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, scale)
     assert out.dtype == dtype
     assert rel_error(out, ref) < TOL[dtype]
+    if sem is not None:
+        assert not sem.any(), "the last program of each group must reset its counter"
+
+
+def test_fused_merge_equals_reduce_kernel_over_repeated_launches():
+    # Both paths merge the same partials in the same order, so they agree bit for bit; on the
+    # GPU, many back-to-back launches on one counter buffer would expose a lost or early merge
+    # (a program merging before every partial is visible) as a mismatch.
+    hq, hkv, d, bs = (32, 8, 128, 16) if DEVICE == "cuda" else (4, 2, 32, 4)
+    ctx = [700, 1, 333, 2048, 64] if DEVICE == "cuda" else [40, 1, 17]
+    num_blocks = sum(-(-c // bs) for c in ctx) + 4
+    _, k_cache, v_cache = paged_kv(num_blocks, 2, bs, hkv, d, torch.bfloat16)
+    block_tables = block_tables_for(ctx, bs, num_blocks)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    sem = torch.zeros(len(ctx) * hkv, dtype=torch.int32, device=DEVICE)
+    for launch in range(50 if DEVICE == "cuda" else 3):
+        q = torch.randn(len(ctx), hq, d, dtype=torch.bfloat16, device=DEVICE)
+        plain = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, d**-0.5, num_splits=7)
+        fused = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, d**-0.5, num_splits=7,
+                                       semaphores=sem)
+        assert torch.equal(fused, plain), f"launch {launch}"
+    assert not sem.any()
 
 
 def test_strided_query_and_large_scale(poison_empty):
@@ -68,3 +93,7 @@ def test_rejects_bad_arguments():
         fn(q, k_cache, v_cache, bt, lens, 0.25, num_splits=0)
     with pytest.raises(ValueError, match="scale must be finite"):
         fn(q, k_cache, v_cache, bt, lens, float("nan"))
+    with pytest.raises(ValueError, match=r"semaphores must be contiguous with >= batch \* kv_heads = 4"):
+        fn(q, k_cache, v_cache, bt, lens, 0.25, semaphores=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="semaphores has dtype int64"):
+        fn(q, k_cache, v_cache, bt, lens, 0.25, semaphores=torch.zeros(4, dtype=torch.int64, device=DEVICE))
