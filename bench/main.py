@@ -11,6 +11,10 @@ BENCHMARKS = {
     "kv-transfer": "pdserve.bench.kv_transfer",
     "router": "pdserve.bench.router",
     "engine": "pdserve.bench.engine",
+    "serve": "pdserve.bench.serve",
+    "plot": "pdserve.bench.plot",
+    "serve-ceiling": "pdserve.bench.serve_ceiling",
+    "disagg": "pdserve.bench.disagg",
 }
 
 

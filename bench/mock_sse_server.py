@@ -1,0 +1,115 @@
+"""A minimal OpenAI completions server with known timings, for measuring the load generator.
+
+    python -m pdserve.bench.mock_sse_server --port 9000 [--ttft-ms 20] [--itl-ms 5]
+
+Raw asyncio HTTP/1.1 (keep-alive, chunked SSE), so it costs far less per token than the client
+it measures. Each `/v1/completions` stream sleeps --ttft-ms, then sends `max_tokens` text chunks
+--itl-ms apart, a usage chunk and `[DONE]`. Sleeps are to absolute due times, so the delays a
+correct client measures are exactly those asked for (plus scheduling noise). Prompts steer
+failures for tests: one containing `MOCK_429` is answered 429 with an OpenAI error body, one
+containing `MOCK_CUT` stops mid-stream without `[DONE]`. `GET /stats` reports requests served
+and the most ever in flight at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+_CHUNK = b'data: {"id":"cmpl-m","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t","logprobs":null,"finish_reason":null}]}\n\n'
+_DONE = b"data: [DONE]\n\n"
+_429 = json.dumps({"error": {"message": "mock overload", "type": "rate_limit_exceeded", "param": None,
+                             "code": "rate_limit_exceeded"}}).encode()
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _plain(status: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
+
+
+class MockServer:
+    def __init__(self, ttft_s: float, itl_s: float):
+        self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.served = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def _stream(self, writer: asyncio.StreamWriter, req: dict) -> None:
+        n = int(req.get("max_tokens") or 16)
+        cut = "MOCK_CUT" in str(req.get("prompt", ""))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        due = time.perf_counter() + self.ttft_s
+        for i in range(n):
+            wait = due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(_chunked(_CHUNK))
+            if cut and i == n // 2:
+                raise ConnectionResetError  # drop the connection mid-stream
+            due += self.itl_s
+        usage = {"id": "cmpl-m", "object": "text_completion", "created": 0, "model": "mock", "choices": [],
+                 "usage": {"prompt_tokens": len(str(req.get("prompt", "")).split()), "completion_tokens": n,
+                           "total_tokens": n}}
+        writer.write(_chunked(b"data: " + json.dumps(usage).encode() + b"\n\n") + _chunked(_DONE) + b"0\r\n\r\n")
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line, _, rest = head.partition(b"\r\n")
+                method, path, _ = line.split(b" ", 2)
+                length = 0
+                for h in rest.split(b"\r\n"):
+                    if h[:15].lower() == b"content-length:":
+                        length = int(h[15:])
+                body = await reader.readexactly(length) if length else b""
+                if method == b"GET":
+                    stats = {"served": self.served, "max_in_flight": self.max_in_flight}
+                    writer.write(_plain(b"200 OK", json.dumps(stats).encode() if path == b"/stats" else b"{}"))
+                    continue
+                req = json.loads(body)
+                if "MOCK_429" in str(req.get("prompt", "")):
+                    writer.write(_plain(b"429 Too Many Requests", _429))
+                    continue
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                try:
+                    await self._stream(writer, req)
+                finally:
+                    self.in_flight -= 1
+                    self.served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def serve(host: str, port: int, ttft_s: float, itl_s: float) -> None:
+    server = await asyncio.start_server(MockServer(ttft_s, itl_s).handle, host, port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="mock_sse_server", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--ttft-ms", type=float, default=20.0)
+    p.add_argument("--itl-ms", type=float, default=5.0)
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args.host, args.port, args.ttft_ms / 1000, args.itl_ms / 1000))
+
+
+if __name__ == "__main__":
+    main()

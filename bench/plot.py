@@ -1,0 +1,137 @@
+"""`pdserve bench plot RUN.json|DIR ... --out DIR`: charts of `pdserve bench serve` runs.
+
+Two PNGs: `latency_cdf.png` (TTFT, ITL and E2E distributions, one curve per run) and
+`vs_rate.png` (output throughput, TTFT p99, ITL p99 and goodput against the request rate, one
+curve per `--label`, so two setups land on one chart). matplotlib is optional: `bench serve
+--out` says so once and writes JSON alone; this command exits 2 naming the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+MISSING = "plots need matplotlib, which is not installed (pip install matplotlib)"
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rate(run: dict) -> float:
+    return run["request_rate"] if run["request_rate"] is not None else float("inf")
+
+
+def _cdf(ax, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = sorted(v * 1000 for v in values)
+    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, linewidth=1.2)
+
+
+def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Path]:
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = sorted(runs, key=lambda r: (r["label"], _rate(r)))
+    paths = []
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run in runs:
+        ok = [q for q in run["requests"] if q["error"] is None]
+        name = f"{run['label']} @ {run['request_rate'] or 'inf'}/s"
+        _cdf(axes[0], [q["ttft"] for q in ok], name)
+        _cdf(axes[1], [g for q in ok for g in q["itls"]], name)
+        _cdf(axes[2], [q["e2e"] for q in ok], name)
+    for ax, what in zip(axes, ("TTFT", "ITL", "E2E latency")):
+        ax.set_xlabel(f"{what} (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title or "latency CDFs")
+    fig.tight_layout()
+    paths.append(out / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    by_label = defaultdict(list)
+    for run in runs:
+        by_label[run["label"]].append(run)
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = (("output tok/s", lambda s: s["output_throughput"]),
+              ("TTFT p99 (ms)", lambda s: s["ttft_s"]["p99"] * 1000),
+              ("ITL p99 (ms)", lambda s: s["itl_s"]["p99"] * 1000),
+              ("goodput (req/s)", lambda s: s["request_goodput"] if s["request_goodput"] is not None
+               else s["request_throughput"]))
+    for label, group in by_label.items():
+        group = [r for r in group if r["request_rate"] is not None]
+        xs = [_rate(r) for r in group]
+        for ax, (_, value) in zip(axes, panels):
+            ax.plot(xs, [value(r["summary"]) for r in group], marker="o", label=label)
+    slos = next((r["summary"]["goodput_slos_ms"] for r in runs if r["summary"]["goodput_slos_ms"]), {})
+    for ax, (name, _) in zip(axes, panels):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+    if "ttft" in slos:
+        axes[1].axhline(slos["ttft"], color="grey", linestyle="--", linewidth=1, label="SLO")
+    if "itl" in slos:
+        axes[2].axhline(slos["itl"], color="grey", linestyle="--", linewidth=1, label="SLO")
+    if not slos:
+        axes[3].set_ylabel("request throughput (req/s; no --goodput SLO)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or "against request rate")
+    fig.tight_layout()
+    paths.append(out / "vs_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for p in map(Path, paths):
+        files = sorted(p.glob("*.json")) if p.is_dir() else [p]
+        for f in files:
+            run = json.loads(f.read_text())
+            if "summary" not in run or "requests" not in run:
+                raise ValueError(f"{f}: not a `pdserve bench serve` run (no summary/requests)")
+            runs.append(run)
+    if not runs:
+        raise ValueError("no run JSON found")
+    return runs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench plot", description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", metavar="RUN.json|DIR", help="run files of `pdserve bench serve --out`, or folders of them")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the PNGs go")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    if not available():
+        p.error(MISSING)
+    try:
+        runs = load_runs(args.runs)
+    except (OSError, ValueError) as e:
+        p.error(f"RUN.json: {e}")
+    for path in plot_runs(runs, args.out, args.title):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

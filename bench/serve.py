@@ -1,0 +1,302 @@
+"""`pdserve bench serve`: an OpenAI-compatible load generator, in the spirit of `vllm bench serve`
+(same metric names and meanings, so numbers compare).
+
+    pdserve bench serve --base-url http://127.0.0.1:8000 --model NAME [--tokenizer PATH]
+        [--endpoint completions|chat] [--input-len 1024 --output-len 128 --range-ratio 0 | --dataset FILE.jsonl]
+        [--num-requests 200 | --duration S] [--concurrency C] [--request-rate R [--burstiness 1]]
+        [--sweep-rates 1,2,4] [--goodput ttft:MS itl:MS e2e:MS] [--seed 0] [--out DIR --label NAME]
+        [--metrics-url URL ...]
+
+Every request streams, with `ignore_eos` so outputs are exactly `--output-len` tokens. Arrivals
+are a gamma process (`--burstiness 1`: Poisson) at `--request-rate`, or all at once when the
+rate is inf; `--concurrency` caps requests in flight either way. Each rate of `--sweep-rates`
+gets fresh random prompts, so no run hits the prefix cache of an earlier one. `--out` gets one
+JSON per run and PNG plots (bench/plot.py); `--metrics-url` scrapes servers' /metrics around
+each run into that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench import dataset, server_metrics
+from pdserve.bench.serve_metrics import RequestResult, format_summary, parse_goodput, summarize
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    base_url: str
+    model: str
+    endpoint: str = "completions"
+    request_rate: float = math.inf  # requests/s; inf = all at once (closed loop under --concurrency)
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular
+    concurrency: int | None = None
+    duration_s: float | None = None  # stop sending after this long (else send every request)
+    request_timeout_s: float = 600.0
+    ignore_eos: bool = True
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        from pdserve.bench.serve_client import ENDPOINTS
+
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint: must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate: must be > 0 (inf for all at once), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"--burstiness: must be > 0, got {self.burstiness}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency: must be >= 1, got {self.concurrency}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"--duration: must be > 0 seconds, got {self.duration_s}")
+
+
+def arrival_gaps(rate: float, burstiness: float, rng) -> "iter[float]":
+    """Seconds between sends: gamma with mean 1/rate and shape `burstiness` (vLLM's definition)."""
+    while True:
+        yield 0.0 if math.isinf(rate) else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[list[RequestResult], float]:
+    """Send `specs` (cycled while --duration lasts); return results in send order and the run's
+    duration (first send -> last completion)."""
+    import random
+
+    import aiohttp
+    from tqdm import tqdm
+
+    from pdserve.bench.serve_client import ENDPOINTS, stream_request
+
+    url = cfg.base_url.rstrip("/").removesuffix("/v1") + ENDPOINTS[cfg.endpoint]
+    rng = random.Random(cfg.seed)
+    gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    closed_loop = math.isinf(cfg.request_rate) and gate is not None
+    total = None if cfg.duration_s else len(specs)
+    bar = tqdm(total=total, unit="req", disable=not cfg.progress, leave=False, dynamic_ncols=True)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    tasks: list[asyncio.Task] = []
+
+    async def one(session, spec, due: float) -> RequestResult:
+        try:
+            if gate is not None and not closed_loop:
+                async with gate:
+                    r = await stream_request(session, url, cfg.endpoint, cfg.model, spec, cfg.ignore_eos)
+            else:
+                r = await stream_request(session, url, cfg.endpoint, cfg.model, spec, cfg.ignore_eos)
+            r.send_lag = 0.0 if closed_loop else r.start - due
+            return r
+        finally:
+            if closed_loop:
+                gate.release()
+            bar.update(1)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        gaps = arrival_gaps(cfg.request_rate, cfg.burstiness, rng)
+        t0 = time.perf_counter()
+        due = t0
+        i = 0
+        while True:
+            if cfg.duration_s is None and i >= len(specs):
+                break
+            due += next(gaps)
+            if cfg.duration_s is not None and due - t0 >= cfg.duration_s:
+                break
+            # Sleep to an absolute due time, so event-loop lag never accumulates into the rate.
+            wait = due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if closed_loop:
+                await gate.acquire()
+                if cfg.duration_s is not None and time.perf_counter() - t0 >= cfg.duration_s:
+                    gate.release()
+                    break
+            tasks.append(asyncio.create_task(one(session, specs[i % len(specs)], due)))
+            i += 1
+        results = list(await asyncio.gather(*tasks))
+    bar.close()
+    starts = [r.start for r in results]
+    ends = [r.start + r.e2e for r in results if r.ok]
+    duration = (max(ends, default=time.perf_counter()) - min(starts)) if starts else 0.0
+    return results, duration
+
+
+def prompts_needed(cfg: LoadConfig, num_requests: int | None) -> int:
+    if num_requests:
+        return num_requests
+    if not math.isinf(cfg.request_rate):
+        return math.ceil(cfg.request_rate * cfg.duration_s * 1.25) + 16
+    return 1024  # closed loop for --duration: cycled (a reused prompt may hit the prefix cache)
+
+
+def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult], deltas: dict) -> dict:
+    return {
+        "label": args.label, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base_url": cfg.base_url, "model": cfg.model, "endpoint": cfg.endpoint,
+        "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "duration_limit_s": cfg.duration_s,
+        "input_len": None if args.dataset else args.input_len, "output_len": args.output_len,
+        "range_ratio": args.range_ratio, "dataset": args.dataset, "seed": cfg.seed,
+        "summary": summary, "server_metrics": deltas,
+        "requests": [{"start": round(r.start - results[0].start, 6), "prompt_len": r.prompt_len, "output_len": r.output_len,
+                      "server_prompt_tokens": r.server_prompt_tokens, "output_tokens": r.output_tokens,
+                      "send_lag": round(r.send_lag, 6), "ttft": round(r.ttft, 6), "e2e": round(r.e2e, 6), "itls": [round(g, 6) for g in r.itls],
+                      "error": r.error} for r in results],
+    }
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: --model)")
+    p.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens of random prompts (default 1024)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (sent as max_tokens with ignore_eos)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random lengths uniform in [len*(1-R), len*(1+R)], 0 <= R < 1")
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl", help='lines of {"prompt": str, "output_len"?: int}')
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--num-requests", type=int, default=None, help="requests per run (default 200)")
+    n.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="send for this long, then drain")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    p.add_argument("--sweep-rates", default=None, metavar="R1,R2,...", help="one run per rate (overrides --request-rate)")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="per-request SLOs: ttft, tpot, itl (largest gap), e2e; e.g. ttft:2000 itl:25")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=0, help="sent (and not measured) before the first run")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="a server whose /metrics is scraped before and after each run (repeatable)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write one JSON per run and PNG plots here")
+    p.add_argument("--label", default="run", help="names this setup's curve in plots and its JSON files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _rates(args) -> list[float]:
+    if args.sweep_rates is None:
+        return [args.request_rate]
+    try:
+        rates = [float(x) for x in args.sweep_rates.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep-rates: expected numbers separated by commas, got {args.sweep_rates!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--sweep-rates: every rate must be > 0, got {args.sweep_rates!r}")
+    return rates
+
+
+def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
+    """Raises ValueError whose message starts with the offending flag."""
+    if args.dataset and args.input_len is not None:
+        raise ValueError("--input-len: not used with --dataset (prompt lengths come from the file)")
+    if args.dataset and not Path(args.dataset).is_file():
+        raise ValueError(f"--dataset: no such file: {args.dataset}")
+    if args.input_len is None:
+        args.input_len = 1024
+    for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len),
+                        ("--num-requests", args.num_requests)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio: must be in [0, 1), got {args.range_ratio}")
+    if args.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests: must be >= 0, got {args.warmup_requests}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout: must be > 0, got {args.request_timeout}")
+    if not args.label or not all(c.isalnum() or c in "._-" for c in args.label):
+        raise ValueError(f"--label: letters, digits, '.', '_' and '-' only, got {args.label!r}")
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as e:
+        raise ValueError(f"--goodput: {e}") from None
+    cfgs = [LoadConfig(args.base_url, args.model, args.endpoint, rate, args.burstiness, args.concurrency,
+                       args.duration, args.request_timeout, True, args.seed + i, not args.no_progress)
+            for i, rate in enumerate(_rates(args))]
+    if args.duration and math.isinf(cfgs[0].request_rate) and not args.concurrency:
+        raise ValueError("--duration: needs --request-rate, --sweep-rates or --concurrency (else nothing bounds the load)")
+    return cfgs, slos
+
+
+def make_specs(args, tokenizer, n: int, seed: int) -> list[dataset.RequestSpec]:
+    if args.dataset:
+        return dataset.file_requests(args.dataset, tokenizer, n, args.output_len, seed)
+    return dataset.random_requests(tokenizer, n, args.input_len, args.output_len, args.range_ratio, seed)
+
+
+def _run(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def rate_name(rate: float | None) -> str:
+    return "inf" if rate is None or math.isinf(rate) else f"{rate:g}"
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfgs, slos = configs_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        tokenizer = dataset.load_tokenizer(args.tokenizer or args.model)
+    except (OSError, ValueError) as e:
+        parser.error(f"--tokenizer: cannot load {args.tokenizer or args.model!r} (pass --tokenizer PATH): {e}")
+    plots = bool(args.out)
+    if args.out:
+        from pdserve.bench import plot
+
+        if not plot.available():
+            print(f"pdserve bench serve: --out: {plot.MISSING}; writing JSON only", file=sys.stderr)
+            plots = False
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.warmup_requests:
+        warm = make_specs(args, tokenizer, args.warmup_requests, args.seed + 10_000)
+        _run(run_load(LoadConfig(args.base_url, args.model, args.endpoint, concurrency=args.concurrency,
+                                 progress=False), warm))
+    records = []
+    for cfg in cfgs:
+        try:
+            specs = make_specs(args, tokenizer, prompts_needed(cfg, args.num_requests or (None if args.duration else 200)),
+                               cfg.seed)
+        except ValueError as e:
+            parser.error(f"--{'dataset' if args.dataset else 'input-len'}: {e}")
+        before = server_metrics.scrape_all(args.metrics_url)
+        results, duration = _run(run_load(cfg, specs))
+        deltas = server_metrics.delta(before, server_metrics.scrape_all(args.metrics_url))
+        summary = summarize(results, duration, slos)
+        if args.endpoint == "completions":  # chat templates add tokens the prompt length does not count
+            summary["prompt_len_mismatches"] = sum(1 for r in results if r.server_prompt_tokens is not None
+                                                   and r.server_prompt_tokens != r.prompt_len)
+        print(format_summary(summary, f"{args.label} @ {rate_name(cfg.request_rate)} req/s"), flush=True)
+        record = run_record(args, cfg, summary, results, deltas)
+        records.append(record)
+        if args.out:
+            path = Path(args.out) / f"{args.label}_rate-{rate_name(cfg.request_rate)}.json"
+            path.write_text(json.dumps(record))
+    if plots:
+        for path in plot.plot_runs(records, args.out):
+            print(f"wrote {path}")
+    return 0 if any(r["summary"]["completed"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
