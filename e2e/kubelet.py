@@ -1,0 +1,323 @@
+"""A kubelet stand-in for node-0 of the loopback control plane (../shared/k8s has no kubelet).
+
+Every pod the scheduler binds to node-0 runs as a local process of its container's
+command/args/env, on its own loopback address (127.0.0.2, 127.0.0.3, ...):
+
+- command[0] is looked up on PATH with the project's .venv/bin first: the image's entrypoint
+  `pdserve` is the local console script, so the image itself does not matter;
+- env: `value`, and `valueFrom` fieldRef (status.podIP, metadata.name, ...), secretKeyRef and
+  configMapKeyRef read through the API; $(VAR) references expand as Kubernetes does;
+- the pod's ServiceAccount identity: a token minted by the TokenRequest API for
+  spec.serviceAccountName, handed over as a kubeconfig in KUBECONFIG (a real kubelet projects
+  it into /var/run/secrets/..., a path shared by every process here);
+- the pod's network namespace: e2e/podnet/sitecustomize.py narrows wildcard binds to the pod IP;
+- status through the status subresource: Running with podIP once started, Ready when the
+  readiness probe (httpGet) answers 2xx (at once without a probe), not Ready while it fails;
+  a container that exits is restarted with back-off, restartCount counting;
+- deletion: SIGTERM to the process group, SIGKILL after terminationGracePeriodSeconds, then the
+  pod is removed for good (grace 0), as a kubelet confirms a deletion.
+
+Not emulated: liveness/startup probes, volumes (the model is a local path), resource limits,
+securityContext (processes run as the test's user), init and sidecar containers (the first
+container only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+log = logging.getLogger("kubelet")
+
+ROOT = Path(__file__).resolve().parents[1]
+PODNET = Path(__file__).resolve().parent / "podnet"
+NODE = "node-0"
+RESTART_BACKOFF_MAX_S = 10.0
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass
+class PodProcess:
+    namespace: str
+    name: str
+    uid: str
+    ip: str
+    log_path: Path
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    ready: bool | None = None  # last Ready reported (None: nothing reported yet)
+    restarts: int = 0
+    next_start: float = 0.0
+    stopping: bool = False
+    probe: dict[str, Any] | None = None
+    probe_port: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: known variables expand, $$ escapes, unknown ones stay."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+
+
+class Kubelet:
+    def __init__(self, api_client, server: str, ca_file: Path, work_dir: Path, namespaces: list[str],
+                 first_ip: int = 2, poll_s: float = 0.3):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.server = server  # the API server URL pods' kubeconfigs point at
+        self.ca_file = ca_file  # what verifies its serving certificate (a pod's ca.crt)
+        # Only these namespaces' pods run: other tests on the shared cluster play node-0's
+        # kubelet for their own pods without processes.
+        self.namespaces = list(namespaces)
+        self.work_dir = work_dir
+        self.poll_s = poll_s
+        self._next_ip = first_ip
+        self.pods: dict[str, PodProcess] = {}  # uid -> process
+        self.events: list[str] = []  # what happened, for the transcript
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = httpx.Client(timeout=1.0)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> "Kubelet":
+        self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop syncing and kill every process still running (test teardown)."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(10)
+        for p in list(self.pods.values()):
+            self._kill(p, grace_s=5)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as e:  # the API server restarting or a pod vanishing mid-sync
+                log.warning("kubelet sync failed: %r", e)
+            self._stop.wait(self.poll_s)
+
+    # -- one sync pass -----------------------------------------------------------------------
+
+    def sync(self) -> None:
+        pods = [pod for ns in self.namespaces
+                for pod in self.core.list_namespaced_pod(ns, field_selector=f"spec.nodeName={NODE}").items]
+        seen = set()
+        for pod in pods:
+            uid = pod.metadata.uid
+            seen.add(uid)
+            p = self.pods.get(uid)
+            if pod.metadata.deletion_timestamp:
+                if p is None:
+                    self._confirm_deletion(pod)
+                elif not p.stopping:
+                    p.stopping = True
+                    grace = pod.metadata.deletion_grace_period_seconds
+                    grace = pod.spec.termination_grace_period_seconds if grace is None else grace
+                    threading.Thread(target=self._terminate, args=(p, pod, 30 if grace is None else grace),
+                                     daemon=True).start()
+                continue
+            try:
+                if p is None:
+                    p = self.pods[uid] = self._create(pod)
+                self._run(p, pod)
+            except Exception as e:  # e.g. its ServiceAccount not created yet: retried next pass
+                log.warning("pod %s/%s: %r", pod.metadata.namespace, pod.metadata.name, e)
+        for uid in [u for u, p in self.pods.items() if u not in seen and not p.stopping]:
+            self._kill(self.pods.pop(uid), grace_s=1)  # force-deleted behind our back
+
+    def _run(self, p: PodProcess, pod) -> None:
+        if p.proc is not None and p.proc.poll() is not None:
+            code = p.proc.returncode
+            p.restarts += 1
+            p.next_start = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 2.0 ** p.restarts)
+            self._note(f"{p.namespace}/{p.name} exited {code}; restart {p.restarts}")
+            p.proc = None
+            self._patch(p, pod, ready=False, waiting=f"exit code {code}")
+            return
+        if p.proc is None:
+            if time.monotonic() < p.next_start:
+                return
+            p.proc = self._spawn(p)
+            self._patch(p, pod, ready=False)
+            if p.probe is None:
+                self._patch(p, pod, ready=True)
+            return
+        if p.probe is not None:
+            ready = self._probe(p)
+            if ready != p.ready:
+                self._patch(p, pod, ready=ready)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _create(self, pod) -> PodProcess:
+        c = pod.spec.containers[0]
+        ip = f"127.0.0.{self._next_ip}"
+        env = self._env(pod, c, ip)
+        self._next_ip += 1
+        argv = [expand(a, env) for a in [*(c.command or ()), *(c.args or ())]]
+        if not argv:
+            raise RuntimeError(f"pod {pod.metadata.name}: no command (the image's entrypoint is not emulated)")
+        venv_bin = str(ROOT / ".venv" / "bin")
+        exe = shutil.which(argv[0], path=f"{venv_bin}:{env.get('PATH', '')}")
+        if exe is None:
+            raise RuntimeError(f"pod {pod.metadata.name}: {argv[0]!r} not found")
+        argv[0] = exe
+        p = PodProcess(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, ip,
+                       self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", argv, env)
+        probe = c.readiness_probe
+        if probe is not None and probe.http_get is not None:
+            p.probe = {"path": probe.http_get.path or "/", "period": probe.period_seconds or 10}
+            port = probe.http_get.port
+            named = {cp.name: cp.container_port for cp in (c.ports or ()) if cp.name}
+            p.probe_port = named[port] if isinstance(port, str) and not port.isdigit() else int(port)
+            p.extra["last_probe"] = 0.0
+        self._note(f"{p.namespace}/{p.name} -> {ip}: {' '.join([Path(argv[0]).name, *argv[1:]])}")
+        return p
+
+    def _env(self, pod, c, ip: str) -> dict[str, str]:
+        pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
+        pod_dir.mkdir(parents=True, exist_ok=True)
+        env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+               "HOSTNAME": pod.metadata.name, "PYTHONPATH": str(PODNET), "PDSERVE_KUBELET_POD_IP": ip,
+               "PYTHONUNBUFFERED": "1"}
+        for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG"):  # the test user's caches (no downloads)
+            if k in os.environ:
+                env[k] = os.environ[k]
+        if self._automount(pod):
+            env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, pod_dir))
+        fields = {"status.podIP": ip, "status.hostIP": "127.0.0.1", "metadata.name": pod.metadata.name,
+                  "metadata.namespace": pod.metadata.namespace, "metadata.uid": pod.metadata.uid,
+                  "spec.nodeName": NODE, "spec.serviceAccountName": pod.spec.service_account_name or "default"}
+        for e in c.env or ():
+            if e.value_from is None:
+                env[e.name] = expand(e.value or "", env)
+            elif e.value_from.field_ref is not None:
+                env[e.name] = fields[e.value_from.field_ref.field_path]
+            elif e.value_from.secret_key_ref is not None:
+                import base64
+
+                ref = e.value_from.secret_key_ref
+                data = self.core.read_namespaced_secret(ref.name, pod.metadata.namespace).data or {}
+                env[e.name] = base64.b64decode(data[ref.key]).decode()
+            elif e.value_from.config_map_key_ref is not None:
+                ref = e.value_from.config_map_key_ref
+                env[e.name] = (self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {})[ref.key]
+        return env
+
+    def _automount(self, pod) -> bool:
+        """The pod's automountServiceAccountToken, else its ServiceAccount's, else true."""
+        if pod.spec.automount_service_account_token is not None:
+            return pod.spec.automount_service_account_token
+        sa = self.core.read_namespaced_service_account(pod.spec.service_account_name or "default", pod.metadata.namespace)
+        return sa.automount_service_account_token is not False
+
+    def _service_account_kubeconfig(self, pod, pod_dir: Path) -> Path:
+        """The pod's identity: a bound token for its ServiceAccount (TokenRequest API)."""
+        sa = pod.spec.service_account_name or "default"
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": 3600 * 24,
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name,
+                                            "uid": pod.metadata.uid}}}
+        token = self.core.create_namespaced_service_account_token(sa, pod.metadata.namespace, body).status.token
+        cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
+               "clusters": [{"name": "cluster", "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}],
+               "users": [{"name": sa, "user": {"token": token}}],
+               "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": sa,
+                                                        "namespace": pod.metadata.namespace}}]}
+        path = pod_dir / "kubeconfig"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    def _spawn(self, p: PodProcess) -> subprocess.Popen:
+        with open(p.log_path, "ab") as out:
+            return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _probe(self, p: PodProcess) -> bool:
+        now = time.monotonic()
+        if p.ready is True and now - p.extra["last_probe"] < min(p.probe["period"], 2):
+            return True
+        p.extra["last_probe"] = now
+        try:
+            return self._http.get(f"http://{p.ip}:{p.probe_port}{p.probe['path']}").status_code < 400
+        except httpx.HTTPError:
+            return False
+
+    def _patch(self, p: PodProcess, pod, ready: bool, waiting: str | None = None) -> None:
+        now = _now()
+        flag = "True" if ready else "False"
+        c = pod.spec.containers[0]
+        state = ({"waiting": {"reason": "CrashLoopBackOff", "message": waiting}} if waiting
+                 else {"running": {"startedAt": now}})
+        status = {
+            "phase": "Running", "podIP": p.ip, "podIPs": [{"ip": p.ip}], "hostIP": "127.0.0.1",
+            "startTime": (pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ") if pod.status.start_time else now),
+            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
+                           (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+            "containerStatuses": [{"name": c.name, "image": c.image, "imageID": "", "ready": ready,
+                                   "restartCount": p.restarts, "started": waiting is None, "state": state}],
+        }
+        try:
+            self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})
+            p.ready = ready
+            if ready:
+                self._note(f"{p.namespace}/{p.name} Ready at {p.ip}")
+        except Exception as e:  # deleted meanwhile: the next sync sees it
+            log.info("status patch of %s failed: %r", p.name, e)
+
+    def _terminate(self, p: PodProcess, pod, grace_s: float) -> None:
+        self._note(f"{p.namespace}/{p.name} terminating (grace {grace_s}s)")
+        self._kill(p, grace_s)
+        self._confirm_deletion(pod)
+        self.pods.pop(p.uid, None)
+
+    def _kill(self, p: PodProcess, grace_s: float) -> None:
+        proc = p.proc
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._note(f"{p.namespace}/{p.name} SIGKILL after {grace_s}s")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _confirm_deletion(self, pod) -> None:
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+
+        try:
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=V1DeleteOptions(
+                grace_period_seconds=0, preconditions=V1Preconditions(uid=pod.metadata.uid)))
+        except Exception:  # already gone
+            pass
+
+    def _note(self, line: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} kubelet: {line}")
+        log.info(line)
+
+    def running(self) -> list[PodProcess]:
+        return [p for p in self.pods.values() if p.proc is not None and p.proc.poll() is None]
