@@ -40,6 +40,7 @@ COPY router router
 COPY operator operator
 COPY kernels kernels
 COPY bench bench
+COPY protocol protocol
 # The project itself, from the copied source; pyproject.toml bounds its dependencies.
 # hadolint ignore=DL3013
 RUN pip install ".[nixl,triton]" \
