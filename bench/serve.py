@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a server whose /metrics is scraped before and after each run (repeatable)")
     p.add_argument("--out", default=None, metavar="DIR", help="write one JSON per run and PNG plots here")
     p.add_argument("--label", default="run", help="names this setup's curve in plots and its JSON files")
+    p.add_argument("--no-plots", action="store_true", help="with --out: JSON only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -260,13 +261,14 @@ def main(argv=None) -> int:
         tokenizer = dataset.load_tokenizer(args.tokenizer or args.model)
     except (OSError, ValueError) as e:
         parser.error(f"--tokenizer: cannot load {args.tokenizer or args.model!r} (pass --tokenizer PATH): {e}")
-    plots = bool(args.out)
-    if args.out:
+    plots = bool(args.out) and not args.no_plots
+    if plots:
         from pdserve.bench import plot
 
         if not plot.available():
             print(f"pdserve bench serve: --out: {plot.MISSING}; writing JSON only", file=sys.stderr)
             plots = False
+    if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.warmup_requests:
         warm = make_specs(args, tokenizer, args.warmup_requests, args.seed + 10_000)

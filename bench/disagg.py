@@ -1,0 +1,200 @@
+"""Disaggregation benchmark (not a test): aggregated vs prefill/decode serving under Poisson load.
+
+    python -m pdserve.bench.disagg --out DIR [--seconds 15] [--budget-s 520] [--smoke]
+
+On one random-weight Llama-3.1-8B-shaped checkpoint (bf16; a whitespace word tokenizer with one
+word per vocabulary id, so random prompts have exact lengths and every generated id prints),
+it starts with `pdserve up` (a) two aggregated workers behind the router (`--prefill 0
+--decode 2`, one GPU each) and (b) one prefill and one decode worker (NIXL between the GPUs),
+and sweeps Poisson rates with `pdserve bench serve` for 3000 in / 200 out and 8192 in / 256 out.
+Per point: throughput, TTFT and ITL p50/p99, goodput (per request, SLO TTFT <= 2 s and every gap
+<= 25 ms); a setup's goodput is the highest rate whose TTFT p99 <= 2 s and ITL p99 <= 25 ms.
+For (b) the servers' /metrics split the request: the prefill worker's TTFT (queue + prefill),
+the KV pull (bytes, ms, GB/s), the router's handoff. Writes DIR/results.md, DIR/summary.json,
+plots per workload and DIR/runs.tar.gz (every run's JSON and the stack logs).
+`--smoke`: a tiny model on CPU with TCP transfer, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.bench import disagg_report
+
+SLO_MS = {"ttft": 2000.0, "itl": 25.0}
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                tie_word_embeddings=False, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+# (input, output, rates): chosen around the rough first measurement (6 req/s at 3000/200 was near
+# one H100's prefill capacity); the lowest rate gives the low-load TTFT comparison.
+WORKLOADS = {"3000-200": (3000, 200, (1, 3, 5, 7)), "8192-256": (8192, 256, (0.5, 1.5, 2.5))}
+SMOKE_WORKLOADS = {"3000-200": (60, 8, (2, 4)), "8192-256": (120, 8, (1,))}
+SETUPS = (("agg", 0, 2), ("pd", 1, 1))
+
+
+def make_checkpoint(path: str, smoke: bool) -> None:
+    """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id."""
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    spec = TINY if smoke else LLAMA_8B
+    cfg = LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cpu" if smoke else "cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
+    model.save_pretrained(path)
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UpStack:
+    """`pdserve up` as a child process; `children` maps name -> URL once it is ready."""
+
+    def __init__(self, ckpt: str, prefill: int, decode: int, log_dir: Path, smoke: bool):
+        self.port = _free_port()
+        self.log_dir = log_dir
+        worker_args = "--max-model-len 2048 --kv-cache-memory 268435456" if smoke else "--max-model-len 8704"
+        self.cmd = [sys.executable, "-m", "pdserve.worker.cli", "up", "--model", ckpt, "--served-model-name", "llama",
+                    "--prefill", str(prefill), "--decode", str(decode), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--device", "cpu" if smoke else "cuda", "--log-dir", str(log_dir),
+                    f"--worker-args={worker_args}", "--ready-timeout", "400"]
+        if smoke:
+            self.cmd += ["--kv-transfer", "tcp"]
+        self.out = log_dir / "up.log"
+        self.proc: subprocess.Popen | None = None
+        self.children: dict[str, str] = {}
+
+    def start(self, timeout_s: float = 420.0) -> "UpStack":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out, "wb") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while "pdserve up: ready in" not in (text := self.out.read_text(errors="replace")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up did not get ready:\n{text[-4000:]}")
+            time.sleep(0.5)
+        self.children = {n: u for n, _, u in re.findall(r"started (\S+)\s+pid (\d+)\s+(http://\S+)", text)}
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def sweep(stack: UpStack, setup: str, workload: str, spec: tuple, ckpt: str, run_dir: Path, seconds: float,
+          deadline: float) -> list[dict]:
+    from pdserve.bench import serve
+
+    in_len, out_len, rates = spec
+    records = []
+    urls = [u for n, u in stack.children.items()]
+    for i, rate in enumerate(rates):
+        left = deadline - time.monotonic()
+        if left < seconds + 20:
+            print(f"[disagg] budget: skipping {setup} {workload} rate {rate} ({left:.0f}s left)", flush=True)
+            continue
+        argv = ["--base-url", stack.children["router"], "--model", "llama", "--tokenizer", ckpt,
+                "--input-len", str(in_len), "--output-len", str(out_len), "--request-rate", str(rate),
+                "--duration", str(seconds), "--seed", str(1000 * i + in_len), "--label", setup,
+                "--goodput", f"ttft:{SLO_MS['ttft']:g}", f"itl:{SLO_MS['itl']:g}", "--no-progress", "--no-plots",
+                "--request-timeout", "120", "--out", str(run_dir / f"{setup}_{workload}")]
+        argv += [a for u in urls for a in ("--metrics-url", u)]
+        if i == 0:
+            argv += ["--warmup-requests", "4"]  # kernels specialise on the first prompts of a length
+        t = time.monotonic()
+        serve.main(argv)
+        path = run_dir / f"{setup}_{workload}" / f"{setup}_rate-{serve.rate_name(rate)}.json"
+        run = json.loads(path.read_text())
+        run["workload"], run["setup"], run["send_seconds"] = workload, setup, seconds
+        run["roles"] = {u: n for n, u in stack.children.items()}
+        records.append(run)
+        print(f"[disagg] {setup} {workload} rate {rate}: {time.monotonic() - t:.0f}s", flush=True)
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench disagg", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--seconds", type=float, default=15.0, help="sending time per rate")
+    p.add_argument("--budget-s", type=float, default=520.0, help="skip rates that would end past this")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
+    p.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.make_checkpoint:
+        make_checkpoint(args.make_checkpoint, args.smoke)
+        return 0
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None
+    work = Path(tempfile.mkdtemp(prefix="pdserve-disagg-", dir=base))
+    ckpt = str(work / "ckpt")
+    # In a child process, so this process never holds a CUDA context the workers' memory sizing sees.
+    flags = ["--smoke"] if args.smoke else []
+    subprocess.run([sys.executable, "-m", "pdserve.bench.disagg", "--out", str(out), "--make-checkpoint", ckpt,
+                    *flags], check=True)
+    print(f"[disagg] checkpoint in {ckpt}: {time.monotonic() - t0:.0f}s", flush=True)
+    workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    runs: list[dict] = []
+    try:
+        for k, (setup, prefill, decode) in enumerate(SETUPS):
+            t = time.monotonic()
+            # Each setup gets an equal share of what is left, its own start included.
+            share = t + (deadline - t) / (len(SETUPS) - k)
+            stack = UpStack(ckpt, prefill, decode, work / "logs" / setup, args.smoke)
+            try:
+                stack.start()
+                print(f"[disagg] {setup} ready in {time.monotonic() - t:.0f}s: {stack.children}", flush=True)
+                for name, spec in workloads.items():
+                    runs += sweep(stack, setup, name, spec, ckpt, work / "runs", args.seconds, share)
+                    disagg_report.write(runs, out, SLO_MS, args.smoke)
+            finally:
+                stack.stop()
+    finally:
+        disagg_report.write(runs, out, SLO_MS, args.smoke, plots=True)
+        with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
+            for sub in ("runs", "logs"):
+                if (work / sub).exists():
+                    tar.add(work / sub, arcname=sub)
+        shutil.rmtree(work, ignore_errors=True)
+    print((out / "results.md").read_text())
+    print(f"[disagg] total {time.monotonic() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
