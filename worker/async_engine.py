@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
+from pdserve.worker.kv.connector_scheduler import is_remote_decode
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.sampling_params import SamplingParams
 
@@ -59,12 +60,13 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
-        self.engine.kv_transfer.shutdown()
-        if self.engine.kv_event_publisher is not None:
-            self.engine.kv_event_publisher.close()
+        self.engine.shutdown()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def metrics_collectors(self) -> list:
+        return self.engine.metrics_collectors()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -102,9 +104,7 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
-        emitted = []
-        if kv_transfer_params and not kv_transfer_params.get("do_remote_decode") and "first_token_id" in kv_transfer_params:
-            emitted = [int(kv_transfer_params["first_token_id"])]
+        emitted = [int(kv_transfer_params["first_token_id"])] if is_remote_decode(kv_transfer_params) else []
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q

@@ -142,10 +142,6 @@ class BlockManager:
             if self.on_event:
                 self.on_event("BlockRemoved", [h], None, None)
 
-    def unpin(self, block_ids: list[int]) -> None:
-        """Drop references a request handed over on finish (KV pinned for a remote decode)."""
-        self._release(block_ids)
-
     def _release(self, block_ids: list[int]) -> None:
         # Freed blocks join the back of the LRU queue (evicted after older free blocks), tail
         # blocks ahead of head blocks: a shared prefix outlives the tails built on it.

@@ -1,4 +1,10 @@
-"""The engine: add_request / step / abort over scheduler, block manager and model runner.
+"""The engine: add_request / step / abort over scheduler, model runner and KV connector.
+
+One step: apply queued arrivals and aborts; apply what the KV connector's worker side
+finished (pulls landed or failed, pinned blocks released); schedule; start this step's pulls;
+run the model; advance the requests. The scheduler owns every request and block; the model
+runner owns the model, the KV cache and the CUDA graphs; the connector's worker side moves
+bytes between workers.
 
 Thread model: `step()` runs on one thread (the async wrapper's executor); `add_request` and
 `abort` may be called from any thread. They only enqueue under a lock; the step thread
@@ -11,185 +17,61 @@ import logging
 import threading
 import uuid
 
-import torch
-
-from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
 from pdserve.worker.block_manager import BlockManager
-from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, is_remote_decode
 from pdserve.worker.kv_cache import KVCache
-from pdserve.worker.model_loader import load_model
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineStats, RequestOutput
-from pdserve.worker.kv.transfer_scheduler import KVTransferScheduler, is_remote_decode
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
-# Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
-GPU_HEADROOM_BYTES = 512 << 20
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device", f"{name} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _attention_backend(name: str | None, device: torch.device):
-    if name is None:
-        return make_backend(device)
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from pdserve.worker.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None):
-        """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
-        tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
-        --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
-        static-buffer path without capturing."""
+        """`attention_backend` and `static_decode`: test and benchmark overrides (see ModelRunner)."""
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.engine_id = uuid.uuid4().hex[:12]
-        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
-        backend = _attention_backend(attention_backend, self.device)
-        self.attention_backend = backend.name
-        max_len = config.max_model_len
-        loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
-        self.model_path = loaded.path
-        mc = self.model_config
-        if max_len is None:
-            max_len = mc.max_position_embeddings
-            self.model.init_rope(max_len)
-        self.max_model_len = max_len
-        bs = config.block_size
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        num_blocks = self._num_kv_blocks(backend)
-        if num_blocks * bs < max_len:
-            # A sequence longer than the whole cache could never run: it would preempt itself
-            # and be recomputed forever. Refuse an explicit limit; shrink a defaulted one.
-            if config.max_model_len is not None:
-                raise ConfigError("--max-model-len", f"{max_len} tokens do not fit the KV cache ({num_blocks * bs} "
-                                                     f"tokens); lower it or give the cache more memory "
-                                                     f"(--kv-cache-memory / --gpu-memory-utilization)")
-            log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
-                        num_blocks * bs, max_len, num_blocks * bs)
-            max_len = self.max_model_len = num_blocks * bs
-        self.kv_cache = KVCache(mc, num_blocks, bs, self.dtype, self.device)
-        backend.bind(self.kv_cache)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, on_event=self._on_kv_event)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, max_len)
-        if static_decode is None:
-            # The torch reference reads context lengths on the host, which a graph cannot capture.
-            static_decode = self.device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
-        graphs = None
-        if static_decode:
-            graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, -(-max_len // bs),
-                                                                capture=self.device.type == "cuda"), self.device)
-            graphs.capture()
-            log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
-        self.runner = ModelRunner(self.model, bs, self.device, graphs)
+        self.runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode)
+        r = self.runner
+        self.model_config, self.tokenizer, self.model_path = r.model_config, r.tokenizer, r.model_path
+        self.device, self.dtype, self.attention_backend = r.device, r.dtype, r.attention_backend
+        self.max_model_len, self.kv_cache = r.max_model_len, r.kv_cache
+        # The connector's worker-side half; a plain worker (role both, no --kv-transfer) opens no port.
+        self.kv_connector = None
+        if config.role != "both" or config.kv_transfer is not None:
+            from pdserve.worker.kv.connector import KVConnector
+
+            self.kv_connector = KVConnector(config, self.kv_cache.tensor, self.engine_id, self.kv_cache.layout)
+            if config.role in ("prefill", "both"):
+                self.kv_connector.start_server()
+        self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          on_event=self._on_kv_event)
+        kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
+                                            self.kv_connector)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
+                                   self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}
         # KV cache events for KV-aware routers: collected during a step, published once per step.
         self._kv_events: list[dict] = []
-        self.kv_event_publisher = None
+        self._kv_event_publisher = None
         if config.kv_events_port is not None:
-            from pdserve.router.kv_events import KVEventPublisher
+            from pdserve.protocol.kv_events import KVEventPublisher
 
-            self.kv_event_publisher = KVEventPublisher(
+            self._kv_event_publisher = KVEventPublisher(
                 self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
-        layout = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:{str(self.dtype).removeprefix('torch.')}:{bs}"
-        self.kv_transfer = KVTransferScheduler(config, self.engine_id, layout, self.kv_cache.tensor, self.block_manager,
-                                               self.scheduler, mc.vocab_size, max_len)
-        self.connector = self.kv_transfer.connector  # the worker-side half (metrics, tests)
+        mc = self.model_config
         log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d, attention=%s",
-                 mc.architecture, self.device, str(self.dtype).removeprefix("torch."), num_blocks, bs,
-                 num_blocks * KVCache.bytes_per_block(mc, bs, self.dtype) / 2**20, max_len, backend.name)
-
-    def _num_kv_blocks(self, backend) -> int:
-        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            peak = self._profile_activation_bytes(backend)
-            free, total = torch.cuda.mem_get_info(self.device)
-            # --gpu-memory-utilization is this engine's share of the card, as in vLLM: what this
-            # process holds (weights, anything else it allocated) plus the largest step's
-            # activations plus the KV cache. Other processes on the card (a prefill and a decode
-            # worker sharing one GPU) do not eat into it; what is actually free still caps it.
-            own = torch.cuda.memory_reserved(self.device)
-            budget = min(int(total * self.config.gpu_memory_utilization) - own - peak,
-                         free - peak - GPU_HEADROOM_BYTES)
-            log.info("KV sizing: %.2f GiB total, %.2f GiB free, %.2f GiB held by this process, %.2f GiB peak "
-                     "activations -> %.2f GiB for KV", total / 2**30, free / 2**30, own / 2**30, peak / 2**30,
-                     max(budget, 0) / 2**30)
-        else:
-            budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
-        n = budget // per_block
-        if n < 2:
-            raise ConfigError("--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization",
-                              f"leaves room for {n} KV blocks of {per_block} bytes; need at least 2")
-        return int(n)
-
-    @torch.inference_mode()
-    def _profile_activation_bytes(self, backend) -> int:
-        """Peak memory of the largest step (a full token budget of prefill, then sampling rows
-        for max_num_seqs), measured by running it over a throwaway KV cache just large enough."""
-        bs, mc = self.config.block_size, self.model_config
-        n, seq = self.max_num_batched_tokens, min(self.max_num_batched_tokens, self.max_model_len)
-        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
-        blocks = [-(-L // bs) for L in lens]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        scratch = KVCache(mc, sum(blocks), bs, self.dtype, self.device)
-        backend.bind(scratch)
-        first = [sum(blocks[:i]) for i in range(len(lens))]
-        table = [[f + j for j in range(max(blocks))] for f in first]  # columns past a row's blocks unread
-        slots = [(f * bs) + p for f, L in zip(first, lens) for p in range(L)]
-        cu = [0]
-        for L in lens:
-            cu.append(cu[-1] + L)
-
-        def dev(x, dt):
-            return torch.tensor(x, dtype=dt, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=dev(slots, torch.int64), num_decode_tokens=0,
-            decode_block_tables=dev([[0]], torch.int32)[:0], decode_context_lens=dev([], torch.int32),
-            prefill_block_tables=dev(table, torch.int32), prefill_cu_seqlens_q=dev(cu, torch.int32),
-            prefill_context_lens=dev(lens, torch.int32),
-        )
-        positions = dev([p for L in lens for p in range(L)], torch.int64)
-        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
-        rows = hidden[-min(n, self.config.max_num_seqs):]
-        self.model.compute_logits(rows).log_softmax(-1).argmax(-1).tolist()  # the sampler's buffers
-        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
-        del scratch, meta, hidden, rows
-        torch.cuda.empty_cache()
-        return peak
+                 mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
+                 r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, self.dtype) / 2**20, self.max_model_len,
+                 self.attention_backend)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -205,7 +87,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         if is_remote_decode(kv_transfer_params):
-            self.kv_transfer.check_params(kv_transfer_params, n)
+            self.scheduler.connector.check_params(kv_transfer_params, n)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
         with self._lock:
             # A second request under a live id would never get outputs of its own: refuse it.
@@ -218,19 +100,24 @@ class LLMEngine:
             self._aborts.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self.kv_transfer.has_work)
+        return bool(self.scheduler.has_work() or self._inbox or self._aborts)
 
     @property
     def has_pins(self) -> bool:
-        return self.kv_transfer.has_pins
+        """Blocks are held for a remote decode worker: step now and then, so expired pins are freed."""
+        return bool(self.scheduler.sending)
 
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_inbox()
-        self.kv_transfer.step()
+        if self.kv_connector is not None:
+            self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished())
         batch = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(batch.kv_connector_metadata)
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
-            self.kv_transfer.wait_for_pull(timeout=0.005)
+            if self.kv_connector is not None:
+                self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
             return outputs
         sampled, logprobs = self.runner.run(batch)
         finished = self.scheduler.update(batch, sampled)
@@ -249,14 +136,24 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_waiting=self.scheduler.num_waiting + len(self._inbox),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
-            num_pinned_blocks=self.kv_transfer.num_pinned_blocks,
+            num_pinned_blocks=self.scheduler.num_sending_blocks,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def metrics_collectors(self) -> list:
+        """Prometheus collectors beyond `stats()` (KV-transfer series), for the process's registry."""
+        return [self.kv_connector.metrics] if self.kv_connector is not None else []
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+        if self._kv_event_publisher is not None:
+            self._kv_event_publisher.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -268,29 +165,20 @@ class LLMEngine:
                 self.requests[req.request_id] = req
         outputs = []
         for req in inbox:
-            if self.kv_transfer.admit(req):
-                continue  # waits for its prompt KV from a prefill worker
-            if req.status.finished:  # the handed-over first token already ended it
+            if not self.scheduler.add(req):  # the handed-over first token already ended it
                 self.requests.pop(req.request_id)
                 outputs.append(self._output(req, [], None))
-            else:
-                self.scheduler.add(req)
         for rid in aborts:
             req = self.requests.pop(rid, None)
             if req is None or req.status.finished:
                 continue
-            if self.kv_transfer.abort(req):  # else blocks are being written: freed when the pull ends
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            req.set_status(RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(req, [], None))
         return outputs
 
     def _output(self, req: Request, new: list[int], logprob) -> RequestOutput:
         req.num_emitted_tokens += len(new)
         finished = req.status.finished
-        kv_params = None
-        if finished and req.keep_blocks and req.status is not RequestStatus.FINISHED_ABORTED:
-            kv_params = self.kv_transfer.pin(req)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
@@ -301,13 +189,13 @@ class LLMEngine:
             num_cached_tokens=max(0, req.num_cached_tokens),
             num_output_tokens=req.num_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
-            kv_transfer_params=kv_params,
+            kv_transfer_params=req.kv_transfer_params_out if finished else None,
         )
 
     def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:
-        if self.kv_event_publisher is None:
+        if self._kv_event_publisher is None:
             return
-        from pdserve.router.kv_events import block_removed, block_stored
+        from pdserve.protocol.kv_events import block_removed, block_stored
 
         if kind == "BlockStored":
             self._kv_events.append(block_stored(block_hashes, parent, token_ids, self.block_manager.block_size))
@@ -316,7 +204,7 @@ class LLMEngine:
 
     def _publish_kv_events(self) -> None:
         if self._kv_events:
-            self.kv_event_publisher.publish(self._kv_events)
+            self._kv_event_publisher.publish(self._kv_events)
             self._kv_events = []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

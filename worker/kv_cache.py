@@ -18,6 +18,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers = cfg.num_layers
+        # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
+        self.layout = (f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:"
+                       f"{str(dtype).removeprefix('torch.')}:{block_size}")
         self.tensor = torch.zeros(
             num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )

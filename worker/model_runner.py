@@ -1,29 +1,182 @@
-"""Turns a scheduled batch into model inputs, runs the model and samples.
+"""The model runner: loads the model, sizes and allocates the KV cache, captures decode CUDA
+graphs, then turns each scheduled batch into model inputs, runs the model and samples.
+
+Construction order matters (nano-vllm's): the model first, then the largest step is profiled
+to see what activations need, the KV cache takes what is left, and graphs are captured last,
+over the real cache.
 
 Host round-trips per step: none before sampling (inputs go host->device, nothing is read back);
 the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
-the engine captured them (`graphs`); prefill and mixed steps run eagerly.
+they were captured (`graphs`); prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from pdserve.worker.attention import AttentionMetadata
-from pdserve.worker.cuda_graphs import DecodeGraphs
+from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
+from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.model_loader import load_model
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
 from pdserve.worker.scheduler import ScheduledBatch
 
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+# Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
+GPU_HEADROOM_BYTES = 512 << 20
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", f"{name} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _attention_backend(name: str | None, device: torch.device):
+    if name is None:
+        return make_backend(device)
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from pdserve.worker.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
+
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device, graphs: DecodeGraphs | None = None):
-        self.model = model
-        self.block_size = block_size
-        self.device = device
-        self.graphs = graphs
+    def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
+                 static_decode: bool | None = None):
+        """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
+        tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
+        --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
+        static-buffer path without capturing."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
+        backend = _attention_backend(attention_backend, self.device)
+        self.attention_backend = backend.name
+        max_len = config.max_model_len
+        loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
+        self.model_path = loaded.path
+        mc = self.model_config
+        if max_len is None:
+            max_len = mc.max_position_embeddings
+            self.model.init_rope(max_len)
+        self.max_model_len = max_len
+        self.block_size = bs = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.num_blocks = num_blocks = self._num_kv_blocks(backend)
+        if num_blocks * bs < max_len:
+            # A sequence longer than the whole cache could never run: it would preempt itself
+            # and be recomputed forever. Refuse an explicit limit; shrink a defaulted one.
+            if config.max_model_len is not None:
+                raise ConfigError("--max-model-len", f"{max_len} tokens do not fit the KV cache ({num_blocks * bs} "
+                                                     f"tokens); lower it or give the cache more memory "
+                                                     f"(--kv-cache-memory / --gpu-memory-utilization)")
+            log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
+                        num_blocks * bs, max_len, num_blocks * bs)
+            max_len = self.max_model_len = num_blocks * bs
+        self.kv_cache = KVCache(mc, num_blocks, bs, self.dtype, self.device)
+        backend.bind(self.kv_cache)
+        self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
+
+    # -- construction: KV sizing and graph capture ----------------------------------------------
+
+    def _num_kv_blocks(self, backend) -> int:
+        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            peak = self._profile_activation_bytes(backend)
+            free, total = torch.cuda.mem_get_info(self.device)
+            # --gpu-memory-utilization is this engine's share of the card, as in vLLM: what this
+            # process holds (weights, anything else it allocated) plus the largest step's
+            # activations plus the KV cache. Other processes on the card (a prefill and a decode
+            # worker sharing one GPU) do not eat into it; what is actually free still caps it.
+            own = torch.cuda.memory_reserved(self.device)
+            budget = min(int(total * self.config.gpu_memory_utilization) - own - peak,
+                         free - peak - GPU_HEADROOM_BYTES)
+            log.info("KV sizing: %.2f GiB total, %.2f GiB free, %.2f GiB held by this process, %.2f GiB peak "
+                     "activations -> %.2f GiB for KV", total / 2**30, free / 2**30, own / 2**30, peak / 2**30,
+                     max(budget, 0) / 2**30)
+        else:
+            budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
+        n = budget // per_block
+        if n < 2:
+            raise ConfigError("--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization",
+                              f"leaves room for {n} KV blocks of {per_block} bytes; need at least 2")
+        return int(n)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, backend) -> int:
+        """Peak memory of the largest step (a full token budget of prefill, then sampling rows
+        for max_num_seqs), measured by running it over a throwaway KV cache just large enough."""
+        bs, mc = self.config.block_size, self.model_config
+        n, seq = self.max_num_batched_tokens, min(self.max_num_batched_tokens, self.max_model_len)
+        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
+        blocks = [-(-L // bs) for L in lens]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        scratch = KVCache(mc, sum(blocks), bs, self.dtype, self.device)
+        backend.bind(scratch)
+        first = [sum(blocks[:i]) for i in range(len(lens))]
+        table = [[f + j for j in range(max(blocks))] for f in first]  # columns past a row's blocks unread
+        slots = [(f * bs) + p for f, L in zip(first, lens) for p in range(L)]
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+
+        def dev(x, dt):
+            return torch.tensor(x, dtype=dt, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=dev(slots, torch.int64), num_decode_tokens=0,
+            decode_block_tables=dev([[0]], torch.int32)[:0], decode_context_lens=dev([], torch.int32),
+            prefill_block_tables=dev(table, torch.int32), prefill_cu_seqlens_q=dev(cu, torch.int32),
+            prefill_context_lens=dev(lens, torch.int32),
+        )
+        positions = dev([p for L in lens for p in range(L)], torch.int64)
+        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
+        rows = hidden[-min(n, self.config.max_num_seqs):]
+        self.model.compute_logits(rows).log_softmax(-1).argmax(-1).tolist()  # the sampler's buffers
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
+        del scratch, meta, hidden, rows
+        torch.cuda.empty_cache()
+        return peak
+
+    def _capture_decode_graphs(self, static_decode: bool | None, backend_name: str) -> DecodeGraphs | None:
+        config = self.config
+        if static_decode is None:
+            # The torch reference reads context lengths on the host, which a graph cannot capture.
+            static_decode = self.device.type == "cuda" and not config.enforce_eager and backend_name == "triton"
+        if not static_decode:
+            return None
+        graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                                            capture=self.device.type == "cuda"), self.device)
+        graphs.capture()
+        log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
+        return graphs
+
+    # -- every step -----------------------------------------------------------------------------
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         # Built on the CPU and copied once: one host->device transfer per input per step.

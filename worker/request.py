@@ -19,7 +19,8 @@ class RequestError(ValueError):
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued for (re)admission: new, or preempted and to be recomputed
+    WAITING = "waiting"  # queued for (re)admission: new, preempted (to be recomputed), or its remote KV arrived
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # owns blocks that a pull from a prefill worker is filling
     RUNNING = "running"  # owns KV blocks and is scheduled every step
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -45,9 +46,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first admission
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
-        self.kv_transfer_params = kv_transfer_params
-        self.keep_blocks = False  # on finish, leave block references for the KV pin table
-        self.aborted = False  # aborted while its KV was being pulled (blocks freed when it lands)
+        self.kv_transfer_params = kv_transfer_params  # as the caller sent them
+        # Set when it finishes as the prefill of a remote decode: where a decode worker pulls its KV.
+        self.kv_transfer_params_out: dict | None = None
         self.arrival_time = time.monotonic()
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # Per-request generator: a seeded request samples the same tokens whatever it is batched with.
@@ -68,6 +69,7 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     def set_status(self, status: RequestStatus) -> None:
+        """The only place a request's state changes (the scheduler and `check_stop` call it)."""
         self.status = status
 
     def check_stop(self, max_model_len: int) -> bool:

@@ -6,6 +6,22 @@ longer than the remaining budget are prefilled in chunks across steps. When a ru
 request needs a block and none is free, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (its full blocks usually come straight back from the prefix cache).
+
+The scheduler is the only owner of requests and blocks. P/D transfer plugs in through the
+KV connector's scheduler-side hooks (vLLM v1's shape): at admission the connector may claim
+prompt tokens that a prefill worker holds; the request then gets all its blocks and waits in
+WAITING_FOR_REMOTE_KVS while the worker-side half pulls into them, and rejoins the front of
+the queue when the pull lands (or fails: the rest is prefilled here). When a request
+finishes, the connector may keep its blocks for a remote decode worker's read; they are
+freed when the worker side reports the read released (or expired).
+
+States (each change goes through `Request.set_status`):
+
+    WAITING ──admit──▶ RUNNING ──stop/length──▶ FINISHED_*
+       │  ▲              │
+       │  └──preempt─────┘
+       └──remote KV──▶ WAITING_FOR_REMOTE_KVS ──pull landed or failed──▶ WAITING (front)
+    any ──abort──▶ FINISHED_ABORTED (blocks mid-pull are freed when the pull reports)
 """
 
 from __future__ import annotations
@@ -14,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
+from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.request import Request, RequestStatus
 
 
@@ -21,6 +39,7 @@ from pdserve.worker.request import Request, RequestStatus
 class ScheduledBatch:
     # (request, number of new tokens to compute this step), decode-like (1 token) ones first.
     items: list[tuple[Request, int]] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
 
     @property
     def num_tokens(self) -> int:
@@ -32,26 +51,39 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, connector: KVConnectorScheduler | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # own blocks a pull is filling
+        self.sending: dict[str, Request] = {}  # finished; blocks kept for a remote decode worker's read
         self.num_preemptions = 0
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> bool:
+        """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
+        if self.connector is not None:
+            self.connector.new_request(req)
+        if req.num_output_tokens and req.check_stop(self.max_model_len):
+            self._free(req)
+            return False
         req.set_status(RequestStatus.WAITING)
         self.waiting.append(req)
-
-    def add_running(self, req: Request) -> None:
-        """Admit a request that already owns its blocks (its KV arrived from a prefill worker)."""
-        req.set_status(RequestStatus.RUNNING)
-        self.running.append(req)
+        return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_remote_kvs)
+
+    @property
+    def num_sending_blocks(self) -> int:
+        return sum(len(r.block_ids) for r in self.sending.values())
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -80,23 +112,37 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self.bm.lookup_prefix(req) if req.num_computed_tokens == 0 else []
-            start = len(cached) * self.bm.block_size
+            fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
+            cached = self.bm.lookup_prefix(req) if fresh else []
+            start = len(cached) * self.bm.block_size if fresh else req.num_computed_tokens
+            num_remote, load_async = 0, False
+            if fresh and self.connector is not None:
+                num_remote, load_async = self.connector.get_num_new_matched_tokens(req, start)
             n = min(req.num_tokens - start, budget)
-            if not self.bm.can_allocate(req, start + n, cached):
+            # A pull writes every prompt block at once, so a request waiting for one gets them all now.
+            need = req.num_tokens if load_async else start + n
+            if not self.bm.can_allocate(req, need, cached):
                 break  # FCFS: don't let later requests overtake the head of the queue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the prompt once, not on every recompute
                 req.num_cached_tokens = start
                 self.bm.record_query(req.num_prompt_tokens, start)
-            self.bm.take_cached(req, cached)
-            self.bm.allocate(req, start + n)
+            if fresh:
+                self.bm.take_cached(req, cached)
+            self.bm.allocate(req, need)
+            if fresh and self.connector is not None:
+                self.connector.update_state_after_alloc(req, num_remote)
+            if load_async:
+                req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
+                self.waiting_for_remote_kvs[req.request_id] = req
+                continue
             req.set_status(RequestStatus.RUNNING)
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
         scheduled.sort(key=lambda item: item[1] > 1)
-        return ScheduledBatch(scheduled)
+        meta = self.connector.build_connector_meta() if self.connector is not None else KVConnectorMetadata()
+        return ScheduledBatch(scheduled, meta)
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
@@ -125,15 +171,46 @@ class Scheduler:
             if req.check_stop(self.max_model_len):
                 finished.append(req)
         for req in finished:
-            self.finish(req, req.status, free_blocks=not req.keep_blocks)
+            self.running.remove(req)
+            self._free(req)
         return finished
 
-    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
-        """Remove `req` from the queues. free_blocks=False hands its blocks to the caller (KV pin)."""
+    def update_from_kv_xfer(self, out: KVConnectorOutput) -> None:
+        """Apply what the connector's worker side reports: reads released, pulls landed or failed."""
+        for rid in out.finished_sending:
+            req = self.sending.pop(rid, None)
+            if req is not None:
+                self.bm.free_request(req)
+        arrived = []
+        for rid, ok in [(r, True) for r in out.finished_recving] + [(r, False) for r in out.failed_recving]:
+            req = self.waiting_for_remote_kvs.pop(rid, None)
+            if req is None:
+                continue
+            if req.status.finished:  # aborted while the pull was writing its blocks
+                self.bm.free_request(req)
+                continue
+            if ok:
+                req.num_computed_tokens = req.num_prompt_tokens
+            else:  # only its prefix-cache hits are computed; the rest is prefilled here
+                self.connector.load_failed(req)
+            req.set_status(RequestStatus.WAITING)
+            arrived.append(req)
+        self.waiting.extendleft(reversed(arrived))  # they hold their blocks: run them first
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End `req` early (abort): out of the queues, its blocks freed or handed to the connector."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if free_blocks:
-            self.bm.free_request(req)
         req.set_status(status)
+        if req.request_id not in self.waiting_for_remote_kvs:  # else freed when its pull reports
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        keep, params = self.connector.request_finished(req) if self.connector is not None else (False, None)
+        req.kv_transfer_params_out = params
+        if keep:
+            self.sending[req.request_id] = req
+        else:
+            self.bm.free_request(req)

@@ -103,17 +103,6 @@ def test_preemption_frees_and_requeues_then_abort_restores_blocks():
     assert bm.num_free_blocks == 4 and not s.has_work()
 
 
-def test_handed_over_blocks_stay_until_unpinned():
-    # A finished prefill keeps its references (keep_blocks) and hands them to the pin table.
-    bm = BlockManager(4, BS)
-    r = req("a", range(8))
-    bm.allocate(r, 8)
-    ids, r.block_ids = list(r.block_ids), []
-    assert bm.num_free_blocks == 2
-    bm.unpin(ids)
-    assert bm.num_free_blocks == 4
-
-
 @pytest.mark.parametrize("kw,param", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(logprobs=21), "logprobs"), (dict(stop=("",)), "stop"),

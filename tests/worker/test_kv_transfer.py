@@ -199,3 +199,14 @@ def test_prompt_blocks_cached_on_decode_are_not_pulled(pd_pair, clean):
     partial, _ = pulled_for(cached)
     # Every full block is a local prefix-cache hit; only the block with the last token is pulled.
     assert partial == block_bytes
+
+
+def test_metrics_list_each_family_once(pd_pair):
+    """One registry per process: engine, server and KV-transfer series each appear once."""
+    _, p, d = pd_pair
+    for w in (p, d):
+        text = httpx.get(f"{w.url}/metrics", timeout=10).text
+        families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
+        for name in ("pdserve_kv_pinned_blocks", "pdserve_kv_transfer_bytes_total", "vllm:num_requests_running"):
+            assert name in families

@@ -72,7 +72,7 @@ def test_pd_between_engine_processes_over_nixl(tmp_path):
             for o in decode.step():
                 out[o.request_id] += o.new_token_ids
         assert [out[f"d{i}"] for i in range(len(PROMPTS))] == expected
-        metrics = decode.connector.metrics
+        metrics = decode.kv_connector.metrics
         block_bytes = decode.kv_cache.block_bytes
         prompt_blocks = sum(-(-len(p) // decode.block_manager.block_size) for p in PROMPTS)
         assert metrics.bytes.labels("recv", "nixl")._value.get() == prompt_blocks * block_bytes

@@ -1,9 +1,18 @@
-"""KVConnector: the worker-side half of P/D transfer (the engine holds the scheduler side).
+"""KVConnector: the worker-side half of P/D transfer; it moves bytes and owns no request.
 
-Prefill side: pins a finished prefill's blocks and describes them in kv_transfer_params;
-serves the side channel (and, for NIXL, release notifications). Decode side: checks the
-peer against --kv-peer-allow and the KV layout, then pulls blocks (NIXL READ or TCP) into
-blocks the engine allocated, on a thread pool so engine steps go on meanwhile.
+The scheduler-side half (`connector_scheduler.KVConnectorScheduler`) decides; each step this
+half gets its orders as `KVConnectorMetadata` and reports back as `KVConnectorOutput`:
+
+  start_load_kv(meta)  start this step's pulls (NIXL READ or TCP) into blocks the scheduler
+                       allocated, on a thread pool so engine steps go on meanwhile; send the
+                       releases of pins nobody will read
+  get_finished()       pulls that landed or failed; pinned requests the decode side released
+                       (or that expired), whose blocks the scheduler may now free
+  wait_for_loads(t)    nothing to compute until a pull lands: block briefly rather than spin
+
+Prefill side: `pin()` records a finished prefill's blocks in the pin table and describes them
+in kv_transfer_params; the side channel serves reads and releases (and NIXL notifications)
+from that table on its own thread. Every peer is checked against --kv-peer-allow first.
 """
 
 from __future__ import annotations
@@ -11,12 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
@@ -24,11 +34,6 @@ from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
 
 log = logging.getLogger(__name__)
-
-
-
-class KVLayoutMismatch(ValueError):
-    pass
 
 
 class KVConnector:
@@ -44,7 +49,7 @@ class KVConnector:
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
         self.pins = PinTable(config.kv_pin_ttl)
-        self.metrics = KVMetrics(self.pins.num_blocks)
+        self.metrics = KVMetrics()
         self.policy = PeerPolicy(config.kv_peer_allow)
         self.port = config.kv_port
         self.timeout = config.kv_pull_timeout
@@ -60,6 +65,7 @@ class KVConnector:
                                                    f"or use --kv-transfer tcp") from e
         self.server: side_channel.SideChannelServer | None = None
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="kv-pull")
+        self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
 
     # -- prefill side -------------------------------------------------------------------------
 
@@ -104,43 +110,54 @@ class KVConnector:
             if msg.get("op") == "release" and self.pins.release(msg.get("request_id", ""), msg.get("token", "")):
                 self.metrics.bytes.labels("send", "nixl").inc(msg.get("bytes", 0))
 
-    # -- decode side --------------------------------------------------------------------------
+    # -- decode side: the step's orders and what came of them (step thread) ---------------------
 
-    def check_params(self, params: dict, block_size: int) -> None:
-        """Refuse params we could only turn into garbage (raised before anything is allocated)."""
-        remote = params.get("kv_layout")
-        if remote != self.layout:
-            raise KVLayoutMismatch(
-                f"kv_transfer_params describe KV layout {remote!r} but this worker's is {self.layout!r} "
-                f"(layers x kv heads x head dim : dtype : block size must match between prefill and decode)")
-        n = len(params.get("remote_block_ids") or [])
-        if n != -(-int(params["num_prompt_tokens"]) // block_size):
-            raise KVLayoutMismatch("kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        for load in meta.loads:
+            self._loading[load.request_id] = self.executor.submit(self._pull, load.params, load.indices,
+                                                                  load.dst_blocks)
+        for params in meta.releases:
+            self.executor.submit(self._release_quietly, params)
 
-    def start_pull(self, params: dict, indices: list[int], dst_blocks: list[int]) -> Future:
-        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
-        return self.executor.submit(self._pull, params, indices, dst_blocks)
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for rid, block_ids, expired in self.pins.collect():
+            if expired:
+                log.warning("KV pin of %s expired after %.0fs without a release; freeing %d blocks",
+                            rid, self.pins.ttl, len(block_ids))
+            out.finished_sending.append(rid)
+        for rid, fut in list(self._loading.items()):
+            if not fut.done():
+                continue
+            del self._loading[rid]
+            if fut.exception() is None:
+                out.finished_recving.append(rid)
+            else:
+                log.warning("KV pull for %s failed: %s", rid, fut.exception())
+                out.failed_recving.append(rid)
+        return out
+
+    def wait_for_loads(self, timeout: float) -> None:
+        if self._loading:
+            wait(self._loading.values(), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
     def _pull(self, params: dict, indices: list[int], dst_blocks: list[int]) -> int:
+        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
         t0 = time.perf_counter()
         transport = params.get("transport", "tcp")
         try:
             host = self.policy.check(str(params["remote_host"]))
             port = int(params["remote_port"])
-            if not indices:
-                nbytes = 0
-                self._release_remote(host, port, params)
-            elif transport == "nixl" and self.nixl is not None:
+            if transport == "nixl" and self.nixl is not None:
                 nbytes = self._nixl_pull(host, port, params, indices, dst_blocks)
             else:
                 transport = "tcp"
                 nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout)
         except Exception:
             self.metrics.failures.labels("recv", transport).inc()
-            try:  # best effort: let the prefill side free its blocks now rather than at TTL
-                self._release_remote(self.policy.check(str(params["remote_host"])), int(params["remote_port"]), params)
-            except Exception:
-                pass
+            self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
             raise
         self.metrics.bytes.labels("recv", transport).inc(nbytes)
         self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
@@ -161,9 +178,14 @@ class KVConnector:
         notif = {"op": "release", "request_id": rid, "token": token, "bytes": nbytes}
         return self.nixl.read(peer, reply["block_ids"], dst_blocks, notif, self.timeout)
 
-    def _release_remote(self, host, port, params) -> None:
-        side_channel.call(host, port, "release",
-                          {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5.0)
+    def _release_quietly(self, params: dict) -> None:
+        """Best effort: tell the prefill worker we will not read (more of) its pin. Its TTL is the backstop."""
+        try:
+            host = self.policy.check(str(params["remote_host"]))  # never contact a peer we would not pull from
+            side_channel.call(host, int(params["remote_port"]), "release",
+                              {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5.0)
+        except Exception as e:
+            log.debug("KV release of %s failed: %s", params.get("remote_request_id"), e)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

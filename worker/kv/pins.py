@@ -55,12 +55,6 @@ class PinTable:
             pin.leased_until = now + seconds
             return list(pin.block_ids)
 
-    def end_lease(self, request_id: str) -> None:
-        with self._lock:
-            pin = self._pins.get(request_id)
-            if pin is not None:
-                pin.leased_until = 0.0
-
     def release(self, request_id: str, token: str) -> bool:
         with self._lock:
             pin = self._pins.get(request_id)

@@ -71,6 +71,8 @@ class WorkerState:
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return
+        for collector in engine.metrics_collectors():  # one registry per process: /metrics lists each family once
+            self.metrics.registry.register(collector)
         self.engine = engine
         log.info("engine ready in %.1fs: serving %s (max_model_len=%d)", time.perf_counter() - t0,
                  self.served_model_name, engine.max_model_len)
@@ -182,11 +184,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
 
     @app.get("/metrics")
     async def metrics():
-        body = state.metrics.render()
-        connector = getattr(getattr(state.engine, "engine", None), "connector", None)
-        if connector is not None:  # P/D workers: pdserve_kv_* series from the KV connector
-            body += connector.metrics.render()
-        return Response(body, media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/debug/kv")
     async def debug_kv():

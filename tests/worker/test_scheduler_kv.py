@@ -1,0 +1,170 @@
+"""The scheduler with the KV connector's scheduler-side hooks: who holds which blocks when.
+
+Real parts: the Scheduler, BlockManager and KVConnectorScheduler, and real KVConnectors (the
+prefill one serves its side channel on loopback). The model is not run: `compute` stands in
+for a step, and the worker side's report (`KVConnectorOutput`) is written by hand where a
+test needs a pull to land or fail at a chosen moment. Pulls over real transports are tested
+in test_kv_transfer.py and test_pd_engines.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.kv.connector import KVConnector
+from pdserve.worker.kv.connector_meta import KVConnectorOutput
+from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
+from pdserve.worker.request import Request, RequestStatus
+from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.scheduler import Scheduler
+from tests.worker.test_server_harness import free_port
+
+BS, BLOCKS, VOCAB = 4, 16, 1000
+LAYOUT = f"1x1x4:float32:{BS}"
+
+
+def compute(sched: Scheduler, batch, sample=7):
+    sampled = {r.request_id: sample for r, n in batch.items if r.num_computed_tokens + n == r.num_tokens}
+    return sched.update(batch, sampled)
+
+
+def make(role: str):
+    cfg = EngineConfig(role=role, kv_transfer="tcp", kv_port=free_port(), kv_pin_ttl=30)
+    transfer = KVConnector(cfg, torch.zeros(BLOCKS, 1, 2, BS, 1, 4), f"{role}-engine", LAYOUT)
+    if role == "prefill":
+        transfer.start_server("127.0.0.1")
+    bm = BlockManager(BLOCKS, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                      connector=KVConnectorScheduler(BS, VOCAB, 64, transfer))
+    return sched, bm, transfer
+
+
+@pytest.fixture
+def prefill():
+    sched, bm, transfer = make("prefill")
+    yield sched, bm, transfer
+    transfer.shutdown()
+
+
+@pytest.fixture
+def decode():
+    sched, bm, transfer = make("decode")
+    yield sched, bm, transfer
+    transfer.shutdown()
+
+
+def remote_params(prefill, prompt) -> dict:
+    """What a prefill worker hands back: run the prompt there for one token."""
+    sched, _, _ = prefill
+    r = Request(f"p-{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=16), (),
+                {"do_remote_decode": True})
+    assert sched.add(r)
+    (done,) = compute(sched, sched.schedule())
+    return done.kv_transfer_params_out
+
+
+def decode_request(rid, prompt, params, max_tokens=4):
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), (), params)
+
+
+def test_finished_prefill_keeps_prompt_blocks_until_the_read_is_released(prefill):
+    sched, bm, transfer = prefill
+    r = Request("p", list(range(10)), SamplingParams(max_tokens=16), (), {"do_remote_decode": True})
+    assert sched.add(r) and r.params.max_tokens == 1  # a prefill for a remote decode runs one token
+    (done,) = compute(sched, sched.schedule())
+    params = done.kv_transfer_params_out
+    assert done.status is RequestStatus.FINISHED_LENGTH and params["first_token_id"] == 7
+    assert params["remote_block_ids"] == r.block_ids == [0, 1, 2] and params["kv_layout"] == LAYOUT
+    assert sched.sending == {"p": r} and sched.num_sending_blocks == 3 and bm.num_free_blocks == BLOCKS - 3
+    assert not sched.has_work()
+    assert sched.update_from_kv_xfer(transfer.get_finished()) is None and bm.num_free_blocks == BLOCKS - 3
+    assert transfer.pins.release("p", params["transfer_token"])
+    sched.update_from_kv_xfer(transfer.get_finished())
+    assert bm.num_free_blocks == BLOCKS and not sched.sending
+
+
+def test_aborted_prefill_frees_at_once(prefill):
+    sched, bm, _ = prefill
+    r = Request("p", list(range(10)), SamplingParams(max_tokens=16), (), {"do_remote_decode": True})
+    sched.add(r)
+    sched.schedule()
+    sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert r.kv_transfer_params_out is None and bm.num_free_blocks == BLOCKS and not sched.sending
+
+
+def test_remote_decode_waits_for_its_pull_then_decodes(prefill, decode):
+    prompt = list(range(100, 110))
+    params = remote_params(prefill, prompt)
+    sched, bm, _ = decode
+    r = decode_request("d", prompt, params)
+    assert sched.add(r) and r.output_token_ids == [7]  # the prefill worker's first token
+    batch = sched.schedule()
+    assert not batch and r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(r.block_ids) == 3 and sched.has_work()  # 11 tokens: every block the pull writes, and the next
+    (load,) = batch.kv_connector_metadata.loads
+    assert load.indices == [0, 1, 2] and load.dst_blocks == r.block_ids and load.params is params
+    assert not sched.schedule()  # still waiting: nothing to run
+    sched.update_from_kv_xfer(KVConnectorOutput(finished_recving=["d"]))
+    assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 10
+    batch = sched.schedule()
+    assert [(q.request_id, n) for q, n in batch.items] == [("d", 1)]  # only the first token's KV is computed
+    assert r.status is RequestStatus.RUNNING
+
+
+def test_failed_pull_prefills_the_rest_locally(prefill, decode):
+    prompt = list(range(200, 210))
+    params = remote_params(prefill, prompt)
+    sched, bm, transfer = decode
+    r = decode_request("d", prompt, params)
+    sched.add(r)
+    sched.schedule()
+    sched.update_from_kv_xfer(KVConnectorOutput(failed_recving=["d"]))
+    assert transfer.metrics.local_prefill_fallbacks._value.get() == 1
+    batch = sched.schedule()
+    assert [(q.request_id, n) for q, n in batch.items] == [("d", 11)]  # prompt and first token, here
+    compute(sched, batch)
+    assert r.output_token_ids == [7, 7]
+
+
+def test_abort_mid_pull_frees_blocks_only_when_the_pull_reports(prefill, decode):
+    params = remote_params(prefill, list(range(300, 310)))
+    sched, bm, _ = decode
+    r = decode_request("d", list(range(300, 310)), params)
+    sched.add(r)
+    sched.schedule()
+    sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert bm.num_free_blocks == BLOCKS - 3  # the pull may still be writing them
+    sched.update_from_kv_xfer(KVConnectorOutput(finished_recving=["d"]))
+    assert bm.num_free_blocks == BLOCKS and not sched.has_work()
+
+
+def test_unpulled_remote_kv_is_released(prefill, decode):
+    params = remote_params(prefill, list(range(400, 410)))
+    sched, bm, _ = decode
+    # Ended by its handed-over token: finished on arrival, and the prefill worker's pin released.
+    done = decode_request("a", list(range(400, 410)), params, max_tokens=1)
+    assert not sched.add(done) and done.status is RequestStatus.FINISHED_LENGTH
+    # Aborted while queued (a full batch ahead of it): released too, never pulled.
+    queued = decode_request("b", list(range(400, 410)), params)
+    sched.add(queued)
+    sched.finish(queued, RequestStatus.FINISHED_ABORTED)
+    meta = sched.schedule().kv_connector_metadata
+    assert meta.releases == [params, params] and not meta.loads and bm.num_free_blocks == BLOCKS
+
+
+def test_prompt_blocks_in_the_local_prefix_cache_are_not_pulled(prefill, decode):
+    prompt = list(range(500, 512))  # three full blocks
+    params = remote_params(prefill, prompt)
+    sched, bm, _ = decode
+    local = decode_request("local", prompt + [1], None, max_tokens=1)
+    sched.add(local)
+    compute(sched, sched.schedule())  # caches the prompt's three blocks here
+    r = decode_request("d", prompt, params)
+    sched.add(r)
+    batch = sched.schedule()
+    # Nothing left to pull: it runs at once, and the prefill worker is told to drop its pin.
+    assert [(q.request_id, n) for q, n in batch.items] == [("d", 1)]
+    assert batch.kv_connector_metadata.releases == [params] and not batch.kv_connector_metadata.loads

@@ -1,0 +1,137 @@
+"""KVConnectorScheduler: the scheduler-side half of P/D KV transfer, along vLLM v1's lines.
+
+The scheduler owns every request and every block; this half only answers its questions and
+records what the worker-side half (`connector.KVConnector`) must do this step. It does no I/O
+and runs on the engine's step thread.
+
+  new_request(req)                   on arrival: a prefill for a remote decode runs one token; a
+                                     decode handed a prefill worker's params starts from its first token
+  get_num_new_matched_tokens(req, n) at admission: prompt tokens to pull beyond the n cached here, and
+                                     whether the request waits for them (WAITING_FOR_REMOTE_KVS)
+  update_state_after_alloc(req, n)   its blocks are allocated: record the pull (or a bare release)
+  build_connector_meta()             at the end of schedule(): this step's pulls and releases
+  load_failed(req)                   a pull failed: counted; the scheduler prefills the rest locally
+  request_finished(req)              keep the blocks for a remote reader? and the params saying where
+
+A decode request that never pulls (it finished on its handed-over token, was aborted while
+queued, or its whole prompt was in our prefix cache) still releases the prefill worker's pin,
+so that worker frees its blocks now rather than at TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
+from pdserve.worker.request import Request, RequestError, RequestStatus
+
+log = logging.getLogger(__name__)
+
+# Keys (and types) a decode worker needs in kv_transfer_params; anything else is refused up front.
+REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
+               "remote_block_ids": list, "num_prompt_tokens": int, "first_token_id": int,
+               "transfer_token": str, "kv_layout": str}
+
+
+def is_remote_decode(params: dict | None) -> bool:
+    """Params handed to a decode worker by a prefill worker (not the router's request for one)."""
+    return bool(params) and not params.get("do_remote_decode") and "first_token_id" in params
+
+
+class KVConnectorScheduler:
+    def __init__(self, block_size: int, vocab_size: int, max_model_len: int, transfer=None):
+        """`transfer`: this worker's `KVConnector`, or None where no transport runs (then remote
+        decodes prefill locally and prefills for a remote decode are served plainly)."""
+        self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
+        self._transfer = transfer
+        self._can_send = transfer is not None and transfer.server is not None
+        self._unpulled: set[str] = set()  # remote decodes whose prefill worker still pins their prompt
+        self._meta = KVConnectorMetadata()
+
+    # -- arrival --------------------------------------------------------------------------------
+
+    def check_params(self, p: dict, num_prompt_tokens: int) -> None:
+        """Decode side: refuse malformed or incompatible params before anything is allocated."""
+        for key, typ in REMOTE_KEYS.items():
+            if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
+                raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} is missing or not a {typ.__name__}")
+        if not 0 <= p["first_token_id"] < self.vocab_size:
+            raise RequestError("kv_transfer_params", "kv_transfer_params.first_token_id is out of the vocabulary")
+        if p["num_prompt_tokens"] != num_prompt_tokens:
+            raise RequestError("kv_transfer_params", f"kv_transfer_params describe {p['num_prompt_tokens']} prompt "
+                                                     f"tokens but the prompt has {num_prompt_tokens}")
+        remote_bs = p["kv_layout"].rsplit(":", 1)[-1]
+        if remote_bs != str(self.block_size):
+            raise RequestError("kv_transfer_params", f"the prefill worker's KV block size is {remote_bs} but this "
+                                                     f"worker's is {self.block_size}; P and D must match")
+        if self._transfer is None:
+            return  # prefilled locally: the remote layout does not matter
+        if p["kv_layout"] != self._transfer.layout:
+            raise RequestError("kv_transfer_params", f"kv_transfer_params describe KV layout {p['kv_layout']!r} but "
+                                                     f"this worker's is {self._transfer.layout!r} (layers x kv heads x "
+                                                     f"head dim : dtype : block size must match between prefill and decode)")
+        if len(p["remote_block_ids"]) != -(-num_prompt_tokens // self.block_size):
+            raise RequestError("kv_transfer_params", "kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+
+    def new_request(self, req: Request) -> None:
+        p = req.kv_transfer_params
+        if not p:
+            return
+        if p.get("do_remote_decode"):
+            # Prefill side: one token, then (if we can serve reads) the blocks wait for the decode worker.
+            req.params = replace(req.params, max_tokens=1, min_tokens=0)
+        elif is_remote_decode(p):
+            # Decode side: the prefill worker's first token is an output the caller already has.
+            req.token_ids.append(int(p["first_token_id"]))
+            req.num_emitted_tokens = 1
+            if self._transfer is not None:
+                self._unpulled.add(req.request_id)
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(prompt tokens to pull beyond the `num_computed_tokens` cached here, whether to wait for them)."""
+        if req.request_id not in self._unpulled:
+            return 0, False
+        n = max(0, req.num_prompt_tokens - num_computed_tokens)
+        return n, n > 0
+
+    def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        if req.request_id not in self._unpulled:
+            return
+        self._unpulled.discard(req.request_id)
+        if num_external_tokens == 0:  # every prompt block was a prefix-cache hit here
+            self._meta.releases.append(req.kv_transfer_params)
+            return
+        bs = self.block_size
+        first = (req.num_prompt_tokens - num_external_tokens) // bs  # cached tokens are whole blocks
+        last = -(-req.num_prompt_tokens // bs)
+        self._meta.loads.append(KVLoad(req.request_id, req.kv_transfer_params, list(range(first, last)),
+                                       req.block_ids[first:last]))
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        return meta
+
+    def load_failed(self, req: Request) -> None:
+        # The prompt's KV never arrived: prefill it here (slower, same answer) rather than fail.
+        log.warning("KV pull for %s failed; prefilling locally", req.request_id)
+        self._transfer.metrics.local_prefill_fallbacks.inc()
+
+    # -- finish -----------------------------------------------------------------------------------
+
+    def request_finished(self, req: Request) -> tuple[bool, dict | None]:
+        """(keep the blocks until the worker half reports this request finished sending, params)."""
+        if req.request_id in self._unpulled:
+            self._unpulled.discard(req.request_id)
+            self._meta.releases.append(req.kv_transfer_params)
+            return False, None
+        p = req.kv_transfer_params
+        if not (p and p.get("do_remote_decode") and self._can_send) or req.status is RequestStatus.FINISHED_ABORTED:
+            return False, None
+        # Only prompt blocks are offered: the first token's KV was never computed here.
+        n_blocks = -(-req.num_prompt_tokens // self.block_size)
+        params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
+                                    req.output_token_ids[0])
+        return True, params
