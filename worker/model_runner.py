@@ -170,7 +170,8 @@ class ModelRunner:
             static_decode = self.device.type == "cuda" and not config.enforce_eager and backend_name == "triton"
         if not static_decode:
             return None
-        graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+        max_blocks = -(-self.max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, max_blocks,
                                                             capture=self.device.type == "cuda"), self.device)
         graphs.capture()
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)

@@ -68,11 +68,13 @@ class KVConnectorScheduler:
         if self._transfer is None:
             return  # prefilled locally: the remote layout does not matter
         if p["kv_layout"] != self._transfer.layout:
-            raise RequestError("kv_transfer_params", f"kv_transfer_params describe KV layout {p['kv_layout']!r} but "
-                                                     f"this worker's is {self._transfer.layout!r} (layers x kv heads x "
-                                                     f"head dim : dtype : block size must match between prefill and decode)")
+            raise RequestError("kv_transfer_params",
+                               f"kv_transfer_params describe KV layout {p['kv_layout']!r} but this worker's is "
+                               f"{self._transfer.layout!r} (layers x kv heads x head dim : dtype : block size must "
+                               f"match between prefill and decode)")
         if len(p["remote_block_ids"]) != -(-num_prompt_tokens // self.block_size):
-            raise RequestError("kv_transfer_params", "kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+            raise RequestError("kv_transfer_params",
+                               "kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
 
     def new_request(self, req: Request) -> None:
         p = req.kv_transfer_params
