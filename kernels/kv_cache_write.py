@@ -9,7 +9,7 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_same_layout, check_tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a row of a static buffer, or not
 def _kv_cache_write_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     block_size,

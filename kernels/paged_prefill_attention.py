@@ -58,7 +58,10 @@ def _attend_tile(
     return m_new, l, acc
 
 
-@triton.jit
+# num_seqs and the table stride change every step; table/length pointers may be views at any
+# offset: none of them may enter the specialization key (a new compile mid-traffic).
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb"],
+            do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "ctx_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr,
     scale_log2, num_seqs,

@@ -24,7 +24,7 @@ def _rotate(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, cos, si
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # a row of a static buffer, or not
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,

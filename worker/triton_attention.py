@@ -4,6 +4,10 @@ Selected automatically on CUDA (`make_backend`); on CPU it runs under TRITON_INT
 tests, which check it produces the torch backend's greedy tokens. Every launcher reads only
 shapes on the host, never index values, so a decode step through this backend can be captured
 in a CUDA graph (worker/cuda_graphs.py).
+
+Per layer of a decode step it launches two kernels: `forward_rotary` (the model's q/k/v
+epilogue: qkv bias, rotary and the KV-cache write in one kernel) and decode attention with its
+split merge fused in (the backend lends the kernel its arrival counters).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
+from pdserve.kernels.rotary_kv_write import rotary_kv_write
 from pdserve.worker.attention import AttentionMetadata, _PagedBackend
 
 
@@ -22,23 +27,56 @@ class TritonAttentionBackend(_PagedBackend):
     decode = staticmethod(paged_decode_attention)
     prefill = staticmethod(paged_prefill_attention)
 
+    def __init__(self):
+        super().__init__()
+        # int32 zeros the decode kernel counts split arrivals in (it leaves them zero). One buffer
+        # serves every layer: the layers' launches are ordered on one stream.
+        self._semaphores: torch.Tensor | None = None
+
+    def semaphores(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Counters for `rows` = batch * KV heads; grown outside graph capture only."""
+        if self._semaphores is None or self._semaphores.numel() < rows or self._semaphores.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # The buffer's address is baked into captured graphs; DecodeGraphs warms up its
+                # largest bucket before capturing, which sizes it for every later batch.
+                raise RuntimeError(f"TritonAttentionBackend: decode counters for {rows} rows would be allocated "
+                                   f"during CUDA-graph capture; run the largest batch once before capturing")
+            self._semaphores = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
+        return self._semaphores
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. Unlike the shared dispatch, a step that
-        # is all decode or all prefill returns the kernel's output as is: copying it into a
-        # separate `out` would add a write and a read of [T, Hq, D] per layer.
+        # q: [T, Hq, D] (rotated); k, v: [T, Hkv, D] -> [T, Hq, D].
         k_cache, v_cache = self.kv_cache.layer(layer)
         kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_rotary(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos_sin: torch.Tensor, bias: torch.Tensor | None,
+                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated):
+        one kernel adds the bias, rotates q and k and writes k and v into the cache."""
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # Unlike the shared dispatch, a step that is all decode or all prefill returns the
+        # kernel's output as is: copying it into a separate `out` would add a write and a read
+        # of [T, Hq, D] per layer.
         nd, total = meta.num_decode_tokens, q.shape[0]
         if nd == total:
-            return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_context_lens, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         if nd == 0:
             return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
                                            meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
         out = torch.empty_like(q)
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_context_lens, scale)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                            meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
         return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        sem = self.semaphores(q.shape[0] * k_cache.shape[2], q.device)
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                      scale, semaphores=sem)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
@@ -95,18 +96,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        # Triton: the projection's bias, rotary and the KV write run as one kernel after the
+        # GEMM (backend.forward_rotary). The bias moves into that kernel only where nothing sits
+        # between it and rotary (no q/k norm): at one token torch adds a bias with a launch of
+        # its own. The torch path keeps Hugging Face's op order, so fp32 stays bit-identical.
+        self.fused_epilogue = backend.name == "triton"
+        self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and not cfg.qk_norm
 
     def forward(self, positions, x, cos_sin, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.bias_in_epilogue:
+            qkv, bias = F.linear(x, self.qkv_proj.weight), self.qkv_proj.bias
+        else:
+            qkv, bias = self.qkv_proj(x), None
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before rotary
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = self.rotary(positions, q, k, cos_sin)
-        o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
+        if self.fused_epilogue:
+            o = self.backend.forward_rotary(self.layer_idx, positions, q, k, v, cos_sin, bias, meta, self.scale)
+        else:
+            q, k = self.rotary(positions, q, k, cos_sin)
+            o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
