@@ -45,7 +45,8 @@ TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_l
 # one H100's prefill capacity); the lowest rate gives the low-load TTFT comparison.
 WORKLOADS = {"3000-200": (3000, 200, (1, 3, 5, 7)), "8192-256": (8192, 256, (0.5, 1.5, 2.5))}
 SMOKE_WORKLOADS = {"3000-200": (60, 8, (2, 4)), "8192-256": (120, 8, (1,))}
-SETUPS = (("agg", 0, 2), ("pd", 1, 1))
+# P/D first: it has more moving parts, so a broken stack shows before half the budget is spent.
+SETUPS = (("pd", 1, 1), ("agg", 0, 2))
 
 
 def make_checkpoint(path: str, smoke: bool) -> None:
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=15.0, help="sending time per rate")
     p.add_argument("--budget-s", type=float, default=520.0, help="skip rates that would end past this")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
-    p.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", metavar="DIR", help="reuse this checkpoint (made by --make-checkpoint DIR)")
+    p.add_argument("--make-checkpoint", metavar="DIR", help="only write the random checkpoint to DIR")
     args = p.parse_args(argv)
     if args.make_checkpoint:
         make_checkpoint(args.make_checkpoint, args.smoke)
@@ -162,12 +164,13 @@ def main(argv=None) -> int:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None
     work = Path(tempfile.mkdtemp(prefix="pdserve-disagg-", dir=base))
-    ckpt = str(work / "ckpt")
-    # In a child process, so this process never holds a CUDA context the workers' memory sizing sees.
-    flags = ["--smoke"] if args.smoke else []
-    subprocess.run([sys.executable, "-m", "pdserve.bench.disagg", "--out", str(out), "--make-checkpoint", ckpt,
-                    *flags], check=True)
-    print(f"[disagg] checkpoint in {ckpt}: {time.monotonic() - t0:.0f}s", flush=True)
+    ckpt = args.checkpoint or str(work / "ckpt")
+    if not args.checkpoint:
+        # In a child process, so this process never holds a CUDA context the workers' memory sizing sees.
+        flags = ["--smoke"] if args.smoke else []
+        subprocess.run([sys.executable, "-m", "pdserve.bench.disagg", "--out", str(out), "--make-checkpoint", ckpt,
+                        *flags], check=True)
+        print(f"[disagg] checkpoint in {ckpt}: {time.monotonic() - t0:.0f}s", flush=True)
     workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
     runs: list[dict] = []
     try:

@@ -115,14 +115,14 @@ def write(runs: list[dict], out: Path, slo: dict, smoke: bool, plots: bool = Fal
         lines += [f"### {w.replace('-', ' in / ')} out", "",
                   "| setup | rate | sent | failed | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
                   "per-request goodput | SLO met |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |"]
-        for r in (r for r in rows if r["workload"] == w):
+        for r in sorted((r for r in rows if r["workload"] == w), key=lambda r: (r["setup"] != "agg", r["rate"])):
             lines.append(f"| {r['setup']} | {r['rate']:g} | {r['sent']} | {r['failed']} | {r['req_s']:.2f} | "
                          f"{r['out_tok_s']:.0f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                          f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['request_goodput']:.2f} | "
                          f"{'yes' if r['meets_slo'] else 'no'} |")
         for setup in ("agg", "pd"):
             lines.append(f"\ngoodput ({setup}): {_goodput([r for r in rows if r['workload'] == w and r['setup'] == setup]):g} req/s")
-        pd = [r for r in rows if r["workload"] == w and r["setup"] == "pd"]
+        pd = sorted((r for r in rows if r["workload"] == w and r["setup"] == "pd"), key=lambda r: r["rate"])
         if pd:
             low = pd[0]["p_ttft_ms"]
             lines += ["", "P/D TTFT split (means over the run, ms; queue = prefill-worker TTFT minus its value at the "
