@@ -73,5 +73,5 @@ def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
     pods = kube.list("v1", "Pod", ms.namespace, selector)
     new_status = status.build_status(ms, deployments, pods, old_conditions, now)
     events += status.transitions(old_conditions, new_status["conditions"],
-                                 expected=not status.lost_ready_pods(old_status, new_status))
+                                 expected=status.unready_expected(old_status, new_status))
     return Outcome(new_status, events)

@@ -181,16 +181,16 @@ def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] |
     }
 
 
-def lost_ready_pods(old_status: Mapping[str, Any], new_status: Mapping[str, Any]) -> bool:
-    """Whether some role has fewer ready pods than before without rolling out: scaling up or a
-    rollout (which replaces pods by design) only make Ready false for a while."""
-    for role in ROLES:
-        old, new = old_status.get(role) or {}, new_status.get(role) or {}
-        rolling = new.get("updatedReplicas", 0) < new.get("desiredReplicas", 0) \
-            or new.get("replicas", 0) > new.get("desiredReplicas", 0)
-        if new.get("readyReplicas", 0) < old.get("readyReplicas", 0) and not rolling:
-            return True
-    return False
+def unready_expected(old_status: Mapping[str, Any], new_status: Mapping[str, Any]) -> bool:
+    """Whether losing readiness is the expected effect of a change: a spec edit (a scale-up
+    wants pods that cannot be ready yet), a rollout already under way (it replaces pods by
+    design), or an autoscaler raising a role's count. Anything else is a warning."""
+    if old_status.get("observedGeneration") != new_status.get("observedGeneration"):
+        return True
+    if any(c.get("type") == "Progressing" and c.get("status") == "True" for c in old_status.get("conditions") or ()):
+        return True
+    return any((new_status.get(r) or {}).get("desiredReplicas", 0) > (old_status.get(r) or {}).get("desiredReplicas", 0)
+               for r in ROLES)
 
 
 def invalid_spec_status(generation: int, message: str, old_conditions: Iterable[Mapping[str, Any]],

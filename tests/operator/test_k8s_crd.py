@@ -42,18 +42,42 @@ def test_full_spec_round_trips(k8s_cluster, crd, namespace):
                         "args": ["--block-size", "32"], "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                         "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
                         "affinity": {"podAntiAffinity": {}}, "autoscaling": {"maxReplicas": 4}},
-            "router": {"policy": "kv-aware", "apiKeySecret": {"name": "keys"}, "pdMinPromptTokens": 32},
+            "router": {"policy": "prefix-aware", "apiKeySecret": {"name": "keys"}, "pdMinPromptTokens": 32,
+                       "rollout": {"maxSurge": "25%"}, "probes": {"readiness": {"timeoutSeconds": 3}}},
+            "decode": {"rollout": {"maxSurge": 0, "maxUnavailable": 1}, "shmSize": "16Gi",
+                       "kvTransfer": {"ucxNetDevices": "mlx5_0:1", "rdma": {"resource": "rdma/hca"}},
+                       "podTemplate": {"metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}},
+                                       "spec": {"containers": [{"name": "sidecar", "image": "busybox"}]}}},
+            "kvTransfer": {"ucxTls": "rc,cuda_copy"},
+            "drain": {"timeoutSeconds": 60, "preStopSeconds": 3},
             "prefillDecodeRatio": {"min": 0.5, "max": 2}}
     obj = create(k8s_cluster, namespace, spec)
     assert obj["spec"]["prefill"]["env"] == spec["prefill"]["env"]  # preserved, not pruned
     assert obj["spec"]["prefill"]["autoscaling"] == {"maxReplicas": 4, "minReplicas": 1,
                                                       "metric": "vllm:num_requests_waiting", "targetAverageValue": "4"}
     assert obj["spec"]["router"]["apiKeySecret"] == {"name": "keys", "key": "api-keys"}
+    # free-form pod overrides are kept as written; the RDMA count is defaulted
+    assert obj["spec"]["decode"]["podTemplate"] == spec["decode"]["podTemplate"]
+    assert obj["spec"]["decode"]["kvTransfer"]["rdma"] == {"resource": "rdma/hca", "count": 1}
+    assert obj["spec"]["router"]["rollout"] == {"maxSurge": "25%"} and obj["spec"]["drain"] == spec["drain"]
+
+
+@pytest.mark.parametrize("source", ["hf://org/model@main", "hf://org/model@0123abcd", "hf://org/model@refs/pr/1"])
+def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
+    spec = {**GOOD, "model": {"source": source, "cache": {"sizeLimit": "100Gi"}}}
+    assert create(k8s_cluster, namespace, spec)["spec"]["model"]["source"] == source
 
 
 @pytest.mark.parametrize("spec, expect", [
     ({"image": "x"}, ["spec.model", "Required value"]),
     ({**GOOD, "model": {"source": "s3://bucket/model"}}, ["spec.model.source", "should match"]),
+    ({**GOOD, "model": {"source": "hf://org/model@"}}, ["spec.model.source", "should match"]),
+    # a policy the router does not have never reaches a router pod
+    ({**GOOD, "router": {"policy": "kv-aware"}}, ["spec.router.policy", "Unsupported value", "prefix-aware"]),
+    ({**GOOD, "router": {"decodePolicy": "random"}}, ["spec.router.decodePolicy", "Unsupported value"]),
+    ({**GOOD, "drain": {"timeoutSeconds": -1}}, ["spec.drain.timeoutSeconds", "greater than or equal to 0"]),
+    ({**GOOD, "decode": {"probes": {"readiness": {"timeoutSeconds": 0}}}},
+     ["spec.decode.probes.readiness.timeoutSeconds", "greater than or equal to 1"]),
     ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
     ({**GOOD, "prefill": {"replicas": -1}}, ["spec.prefill.replicas", "greater than or equal to 0"]),
     ({**GOOD, "decode": {"tensorParallelSize": 0}}, ["spec.decode.tensorParallelSize", "greater than or equal to 1"]),
@@ -72,11 +96,16 @@ def test_invalid_specs_are_rejected_by_the_server(k8s_cluster, crd, namespace, s
         assert text in message, message
 
 
+def server_table(k8s_cluster, namespace) -> dict:
+    """What `kubectl get modelservings` shows: the server's Table for the CRD's columns."""
+    return Kube(k8s_cluster.api_client).dyn.request(
+        "GET", f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/modelservings",
+        header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}).to_dict()
+
+
 def test_printer_columns_served(k8s_cluster, crd, namespace):
     create(k8s_cluster, namespace, GOOD, name="llama")
-    table = Kube(k8s_cluster.api_client).request(
-        "GET", f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/modelservings",
-        accept="application/json;as=Table;v=v1;g=meta.k8s.io")
+    table = server_table(k8s_cluster, namespace)
     names = [c["name"] for c in table["columnDefinitions"]]
-    assert names == ["Name", "Ready", "Prefill", "Decode", "Endpoint", "Revision", "Age"]
+    assert names == ["Name", "Ready", "Prefill", "Decode", "Endpoint", "Generation", "Observed", "Revision", "Age"]
     assert table["rows"][0]["cells"][0] == "llama"

@@ -15,6 +15,7 @@ from pdserve.operator.config import OperatorConfig
 from pdserve.operator.handlers import build_registry
 from pdserve.operator.kube import Kube
 from tests.k8s_cluster import Kubelet, wait_for
+from tests.operator.test_k8s_crd import server_table
 
 pytestmark = [pytest.mark.k8s, pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")]
 
@@ -127,6 +128,9 @@ def test_lifecycle_create_ready_scale_edit_degrade_delete(k8s_cluster, operator_
         wait_for(lambda: api.deployments("llama")["llama-decode"].spec.replicas == 2, what="decode scaled to 2")
         became(api, kubelet, "llama", "Ready", "True")
         wait_for(lambda: api.get("llama")["status"]["decode"]["ready"] == "2/2", what="decode 2/2 in status")
+        # scaling up is an expected transition: news, not a warning
+        assert ("Normal", "ReplicasNotReady") in api.events("llama")
+        assert ("Warning", "ReplicasNotReady") not in api.events("llama")
         assert api.get("llama")["status"]["revision"] == revision  # scaling is not a new revision
 
         # edit what the KV layout depends on -> new revision rolls out, Progressing until ready
@@ -161,9 +165,7 @@ def test_lifecycle_create_ready_scale_edit_degrade_delete(k8s_cluster, operator_
 
 def print_table(k8s_cluster, namespace, capsys):
     """What `kubectl get modelservings` prints: the server's Table for the CRD's columns."""
-    table = Kube(k8s_cluster.api_client).request(
-        "GET", f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/modelservings",
-        accept="application/json;as=Table;v=v1;g=meta.k8s.io")
+    table = server_table(k8s_cluster, namespace)
     rows = [[c["name"].upper() for c in table["columnDefinitions"] if c["priority"] == 0]]
     rows += [[str(v) for v, c in zip(r["cells"], table["columnDefinitions"]) if c["priority"] == 0] for r in table["rows"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -177,10 +179,16 @@ def test_restart_converges_without_duplicates(k8s_cluster, operator_kubeconfig, 
     with operator(operator_kubeconfig, namespace):
         api.create("svc", SPEC)
         wait_for(lambda: len(api.deployments("svc")) == 3 and len(api.services("svc")) == 3, what="children")
+        wait_for(lambda: (api.get("svc").get("status") or {}).get("observedGeneration") == 1, what="status written")
 
     # while the operator is down: the spec changes and a child disappears (as if a reconcile
     # had been cut off half way)
     api.patch("svc", {"decode": {"replicas": 3}})
+    # `kubectl get ms` shows the status is stale: it describes an older generation
+    (row,) = server_table(k8s_cluster, namespace)["rows"]
+    cols = [c["name"] for c in server_table(k8s_cluster, namespace)["columnDefinitions"]]
+    cells = dict(zip(cols, row["cells"]))
+    assert cells["Generation"] == api.get("svc")["metadata"]["generation"] and cells["Observed"] < cells["Generation"]
     Kube(k8s_cluster.api_client).delete("v1", "Service", namespace, "svc-router")
     Kube(k8s_cluster.api_client).delete("apps/v1", "Deployment", namespace, "svc-prefill")
 
@@ -192,6 +200,7 @@ def test_restart_converges_without_duplicates(k8s_cluster, operator_kubeconfig, 
     assert len(api.deployments("svc")) == 3 and len(api.services("svc")) == 3
     assert len(api.core.list_namespaced_service_account(namespace, label_selector="pdserve.io/modelserving=svc").items) == 1
     assert api.get("svc")["status"]["decode"]["ready"] == "3/3"
+    assert api.get("svc")["status"]["observedGeneration"] == api.get("svc")["metadata"]["generation"]
 
 
 def test_spec_the_schema_allows_but_operator_refuses(k8s_cluster, operator_kubeconfig, namespace):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.operator.spec import ModelServing, ModelServingSpec
-from pdserve.operator.status import (build_status, invalid_spec_status, lost_ready_pods, merge_conditions,
+from pdserve.operator.status import (build_status, invalid_spec_status, unready_expected, merge_conditions,
                                      rolled_out, transitions)
 
 SPEC = {"model": {"source": "hf://m/x"}, "image": "img", "prefill": {"replicas": 2}, "decode": {"replicas": 1}}
@@ -130,18 +130,26 @@ def test_transitions_become_events():
     assert transitions(ready, ready) == []
 
 
-def test_scale_up_is_news_not_a_warning():
+def test_scale_up_and_rollouts_are_news_not_warnings():
     before = build_status(ms(), all_ready(), [], [], T0)
-    scaled = build_status(ms(), {**all_ready(), "decode": dep("decode", 2, 1, updated=2, total=2)}, [], before["conditions"], T1)
-    assert not lost_ready_pods(before, scaled)
-    events = transitions(before["conditions"], scaled["conditions"], expected=not lost_ready_pods(before, scaled))
+    # a spec edit (generation 2) asks for a second decode worker
+    scaled = build_status(ms(generation=2), {**all_ready(), "decode": dep("decode", 2, 1, updated=2, total=2)}, [],
+                          before["conditions"], T1)
+    assert unready_expected(before, scaled)
+    events = transitions(before["conditions"], scaled["conditions"], expected=unready_expected(before, scaled))
     assert ("Normal", "ReplicasNotReady") in {(t, r) for t, r, _ in events}
     assert not [e for e in events if e[0] == "Warning"]
-    # a pod that stops being ready with no rollout under way is a warning
+    # the last pod of a rollout being replaced: the rollout was already under way
+    assert unready_expected(scaled, build_status(ms(generation=2), {**all_ready(), "decode": dep("decode", 2, 1)}, [],
+                                                 scaled["conditions"], T1))
+    # an autoscaler raised the count (no spec edit)
+    hpa = build_status(ms(), {**all_ready(), "decode": dep("decode", 3, 1, updated=3, total=3)}, [], before["conditions"], T1)
+    assert unready_expected(before, hpa)
+    # a pod that stops being ready with nothing changing is a warning
     lost = build_status(ms(), {**all_ready(), "prefill": dep("prefill", 2, 1, updated=2)}, [], before["conditions"], T1)
-    assert lost_ready_pods(before, lost)
+    assert not unready_expected(before, lost)
     assert ("Warning", "ReplicasNotReady") in {(t, r) for t, r, _ in transitions(
-        before["conditions"], lost["conditions"], expected=not lost_ready_pods(before, lost))}
+        before["conditions"], lost["conditions"], expected=unready_expected(before, lost))}
 
 
 def test_invalid_spec_keeps_ready():
