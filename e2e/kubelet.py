@@ -15,11 +15,12 @@ command/args/env, on its own loopback address (127.0.0.2, 127.0.0.3, ...):
   readiness probe (httpGet) answers 2xx (at once without a probe), not Ready while it fails;
   a container that exits is restarted with back-off, restartCount counting;
 - deletion: SIGTERM to the process group, SIGKILL after terminationGracePeriodSeconds, then the
-  pod is removed for good (grace 0), as a kubelet confirms a deletion.
+  pod is removed for good (grace 0), as a kubelet confirms a deletion;
+- preStop hooks (exec, httpGet) run before the SIGTERM, inside the grace period.
 
-Not emulated: liveness/startup probes, volumes (the model is a local path), resource limits,
-securityContext (processes run as the test's user), init and sidecar containers (the first
-container only).
+Not emulated: liveness/startup probes, volumes (processes see this machine's filesystem; the
+model is a local path), resource limits, securityContext (processes run as the test's user),
+init and sidecar containers (the first container only).
 """
 
 from __future__ import annotations
@@ -187,12 +188,12 @@ class Kubelet:
         argv[0] = exe
         p = PodProcess(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, ip,
                        self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", argv, env)
+        p.extra["ports"] = {cp.name: cp.container_port for cp in (c.ports or ()) if cp.name}
         probe = c.readiness_probe
         if probe is not None and probe.http_get is not None:
             p.probe = {"path": probe.http_get.path or "/", "period": probe.period_seconds or 10}
             port = probe.http_get.port
-            named = {cp.name: cp.container_port for cp in (c.ports or ()) if cp.name}
-            p.probe_port = named[port] if isinstance(port, str) and not port.isdigit() else int(port)
+            p.probe_port = p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
             p.extra["last_probe"] = 0.0
         self._note(f"{p.namespace}/{p.name} -> {ip}: {' '.join([Path(argv[0]).name, *argv[1:]])}")
         return p
@@ -290,9 +291,29 @@ class Kubelet:
 
     def _terminate(self, p: PodProcess, pod, grace_s: float) -> None:
         self._note(f"{p.namespace}/{p.name} terminating (grace {grace_s}s)")
-        self._kill(p, grace_s)
+        deadline = time.monotonic() + grace_s
+        self._pre_stop(p, pod, grace_s)
+        self._kill(p, max(1.0, deadline - time.monotonic()))
         self._confirm_deletion(pod)
         self.pods.pop(p.uid, None)
+
+    def _pre_stop(self, p: PodProcess, pod, grace_s: float) -> None:
+        """The container's preStop hook (exec or httpGet) runs before SIGTERM, within the grace period."""
+        hook = (pod.spec.containers[0].lifecycle or None) and pod.spec.containers[0].lifecycle.pre_stop
+        if hook is None or p.proc is None or p.proc.poll() is not None:
+            return
+        try:
+            if hook._exec is not None and hook._exec.command:
+                self._note(f"{p.namespace}/{p.name} preStop: {' '.join(hook._exec.command)}")
+                subprocess.run(hook._exec.command, env=p.env, timeout=grace_s, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+            elif hook.http_get is not None:
+                self._note(f"{p.namespace}/{p.name} preStop: GET {hook.http_get.path}")
+                port = hook.http_get.port
+                port = p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
+                httpx.get(f"http://{p.ip}:{port}{hook.http_get.path or '/'}", timeout=grace_s)
+        except Exception as e:  # a failing hook does not stop the termination
+            log.info("preStop of %s failed: %r", p.name, e)
 
     def _kill(self, p: PodProcess, grace_s: float) -> None:
         proc = p.proc

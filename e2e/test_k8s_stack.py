@@ -146,8 +146,10 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
         who = sh({**env, "KUBECONFIG": proc.env["KUBECONFIG"]}, "kubectl", "auth", "can-i", "create", "deployments",
                  "-n", ns, check=False)
         assert who.strip().startswith("yes")  # the operator's identity is its ServiceAccount's
-        assert sh({**env, "KUBECONFIG": proc.env["KUBECONFIG"]}, "kubectl", "auth", "can-i", "delete", "secrets",
-                  "-n", ns, check=False).strip().startswith("no")  # and least privilege
+        for verb, resource, where in (("delete", "secrets", ns), ("create", "deployments", "default")):
+            answer = sh({**env, "KUBECONFIG": proc.env["KUBECONFIG"]}, "kubectl", "auth", "can-i", verb, resource,
+                        "-n", where, check=False)
+            assert answer.strip().startswith("no"), (verb, resource, where)  # least privilege, watched namespace only
 
         # -- 2. kubectl apply a minimal ModelServing (no image: the operator's default)
         manifest = tmp_path / "tiny.yaml"
