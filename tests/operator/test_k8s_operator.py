@@ -198,7 +198,8 @@ def test_restart_converges_without_duplicates(k8s_cluster, operator_kubeconfig, 
         wait_for(lambda: api.deployments("svc")["svc-decode"].spec.replicas == 3, what="decode scaled while down")
         became(api, kubelet, "svc", "Ready", "True")
     assert len(api.deployments("svc")) == 3 and len(api.services("svc")) == 3
-    assert len(api.core.list_namespaced_service_account(namespace, label_selector="pdserve.io/modelserving=svc").items) == 1
+    accounts = api.core.list_namespaced_service_account(namespace, label_selector="pdserve.io/modelserving=svc").items
+    assert sorted(a.metadata.name for a in accounts) == ["svc-router", "svc-worker"]
     assert api.get("svc")["status"]["decode"]["ready"] == "3/3"
     assert api.get("svc")["status"]["observedGeneration"] == api.get("svc")["metadata"]["generation"]
 
