@@ -103,6 +103,12 @@ def finished(pod_ip: str) -> float:
     return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
+def router_sees(base: str, prefill: int, decode: int) -> None:
+    """Pods Ready is not yet the router discovering them (it lists EndpointSlices every 2 s)."""
+    want = {"status": "ready", "decode_workers": decode, "prefill_workers": prefill}
+    wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).json() == want, timeout=60, what=f"router sees {want}")
+
+
 def ms_ready(custom, ns: str) -> dict | None:
     obj = custom.get_namespaced_custom_object("pdserve.io", "v1alpha1", ns, "modelservings", MS)
     st = obj.get("status") or {}
@@ -119,6 +125,7 @@ def stream(base_url: str, served: str, prompt: str = PROMPT) -> str:
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
+@pytest.mark.timeout(1500)  # ~3-5 min alone; more on a busy 2-core machine
 def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny_checkpoint, tmp_path):  # noqa: F811
     from kubernetes import client
 
@@ -172,6 +179,7 @@ spec:
 
         # -- 3. the openai client, streaming, through the router Service's endpoint: P/D answer
         base = wait_for(lambda: router_url(core, ns), timeout=60, what="router endpoint")
+        router_sees(base, prefill=1, decode=1)
         pods = pods_by_role(core, ns)
         prefill_ip, decode_ip = pods["prefill"][0].status.pod_ip, pods["decode"][0].status.pod_ip
         p0 = finished(prefill_ip)
@@ -187,6 +195,7 @@ spec:
         sh(env, "kubectl", "-n", ns, "patch", "ms", MS, "--type", "merge", "-p", '{"spec":{"decode":{"replicas":2}}}')
         wait_for(lambda: len(pods_by_role(core, ns).get("decode", ())) == 2 and ms_ready(custom, ns), timeout=300,
                  interval=1, what="2 ready decode workers")
+        router_sees(base, prefill=1, decode=2)
         decode_ips = [p.status.pod_ip for p in pods_by_role(core, ns)["decode"]]
         before = {ip: finished(ip) for ip in decode_ips}
 
