@@ -3,17 +3,10 @@ converted once into the user cache; tiny random-weight checkpoints), plus a free
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from tests.conftest import default_model_dir, tiny_checkpoint  # noqa: F401  (re-exported fixtures)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.net import free_port  # noqa: F401  (re-exported)
 
 
 @pytest.fixture(scope="session")

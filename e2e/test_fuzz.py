@@ -47,7 +47,7 @@ def openapi_routes() -> dict[str, list[tuple[str, str]]]:
 
 
 def body_strategies() -> dict[str, st.SearchStrategy]:
-    from pdserve.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 
     # Bound only what a *valid* request costs (choices x tokens); everything else stays wild.
     cost = {"n": st.integers(-1, 3), "max_tokens": st.none() | st.integers(-2, 12),

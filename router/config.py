@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-ENV_API_KEYS = "PDSERVE_API_KEYS"
+from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, api_keys_from
+
 
 
 def _check_url(url: str, flag: str) -> str:
@@ -21,14 +22,13 @@ def _check_url(url: str, flag: str) -> str:
 
 
 def keys_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
-    raw = (os.environ if environ is None else environ).get(ENV_API_KEYS, "")
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return api_keys_from((os.environ if environ is None else environ).get(ENV_API_KEYS))
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: int = HTTP_PORT
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     # Discovery: "static" (the URL lists above) or "kubernetes" (namespace + label selector).
@@ -57,8 +57,8 @@ class RouterConfig:
     eject_backoff_max_s: float = 30.0
     probe_interval_s: float = 1.0
     # KV events (prefix-aware policy): every worker publishes on these ports of its own host.
-    kv_events_port: int = 5557
-    kv_events_replay_port: int = 5558
+    kv_events_port: int = KV_EVENTS_PORT
+    kv_events_replay_port: int = KV_EVENTS_REPLAY_PORT
     # Hugging Face tokenizer directory; needed only by prefix-aware (block hashes need token ids).
     tokenizer: str | None = None
     max_connections: int = 1024

@@ -14,15 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.protocol.contract import (HTTP_PORT, HTTP_PORT_NAME, LABEL_REVISION, LABEL_ROLE, ROLE_BOTH, ROLE_DECODE,
+                                       ROLE_PREFILL)
 from pdserve.router.config import RouterConfig
 from pdserve.router.workers import WorkerSet, WorkerSpec
 
 log = logging.getLogger("pdserve.router")
-
-ROLE_LABEL = "pdserve.io/role"
-REVISION_LABEL = "pdserve.io/revision"
-PORT_NAME = "http"
-DEFAULT_PORT = 8000
 
 
 class StaticDiscovery:
@@ -38,15 +35,16 @@ class StaticDiscovery:
 
 
 def _roles(role: str | None) -> tuple[str, ...]:
-    return {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}.get(role or "", ())
+    return {ROLE_PREFILL: (ROLE_PREFILL,), ROLE_DECODE: (ROLE_DECODE,),
+            ROLE_BOTH: (ROLE_PREFILL, ROLE_DECODE)}.get(role or "", ())
 
 
 def _pod_port(pod: dict) -> int:
     for container in pod.get("spec", {}).get("containers", []):
         for port in container.get("ports") or []:
-            if port.get("name") == PORT_NAME:
+            if port.get("name") == HTTP_PORT_NAME:
                 return int(port["containerPort"])
-    return DEFAULT_PORT
+    return HTTP_PORT
 
 
 def _pod_ready(pod: dict) -> bool:
@@ -59,7 +57,7 @@ def endpoints_from_slices(slices: list[dict]) -> tuple[dict[str, tuple[str, int]
     """(ready pod name -> (ip, port), every pod name any slice mentions)."""
     ready, seen = {}, set()
     for s in slices:
-        port = next((p.get("port") for p in s.get("ports") or [] if p.get("name") == PORT_NAME), None)
+        port = next((p.get("port") for p in s.get("ports") or [] if p.get("name") == HTTP_PORT_NAME), None)
         for ep in s.get("endpoints") or []:
             ref = ep.get("targetRef") or {}
             if ref.get("kind") != "Pod" or not ep.get("addresses"):
@@ -74,7 +72,7 @@ def endpoints_from_endpoints(items: list[dict]) -> tuple[dict[str, tuple[str, in
     ready, seen = {}, set()
     for e in items:
         for subset in e.get("subsets") or []:
-            port = next((p.get("port") for p in subset.get("ports") or [] if p.get("name") == PORT_NAME), None)
+            port = next((p.get("port") for p in subset.get("ports") or [] if p.get("name") == HTTP_PORT_NAME), None)
             for key, is_ready in (("addresses", True), ("notReadyAddresses", False)):
                 for addr in subset.get(key) or []:
                     ref = addr.get("targetRef") or {}
@@ -100,8 +98,8 @@ def specs_from(pods: list[dict], ready: dict[str, tuple[str, int]], seen: set[st
         else:
             continue
         host = f"[{ip}]" if ":" in ip else ip
-        for role in _roles(labels.get(ROLE_LABEL)):
-            specs.append(WorkerSpec(f"http://{host}:{port}", role, labels.get(REVISION_LABEL)))
+        for role in _roles(labels.get(LABEL_ROLE)):
+            specs.append(WorkerSpec(f"http://{host}:{port}", role, labels.get(LABEL_REVISION)))
     return sorted(specs, key=lambda s: (s.role, s.url))
 
 

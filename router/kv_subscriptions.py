@@ -12,7 +12,7 @@ import asyncio
 import zmq.asyncio
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.kv_events import KVEventSubscriber
+from pdserve.protocol.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import RouterError, upstream_error_response
+from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.router.policies import Policy, RoutingRequest
 from pdserve.router.prompt import estimate_tokens
 from pdserve.router.sse import DONE, EventFramer, drop_role_chunk, first_token_events, split_first_event
@@ -87,7 +87,7 @@ class Orchestrator:
         model = call.body["model"]
         decode_pool = self._pool("decode", model)
         if not decode_pool:
-            raise RouterError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
+            raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
         prefill = None
         if self._pd_wanted(call.body):
             prefill_pool = [p for p in self._pool("prefill", model)
@@ -143,7 +143,7 @@ class Orchestrator:
                 finally:
                     close(result.response)
             if result.response.status != 200:
-                raise _passthrough(result.response.status, content)
+                raise UpstreamError(result.response.status, content)
             try:
                 answer = json.loads(content)
                 answer["choices"][0]
@@ -203,10 +203,10 @@ class Orchestrator:
             self.up.release(worker)
             log.info("decode on %r failed (%s)", worker, last.reason)
         if last is None:
-            raise RouterError(503, "no healthy decode worker", code="no_workers")
+            raise APIError(503, "no healthy decode worker", code="no_workers")
         if last.response is not None and last.response.status == 429:
-            raise RouterError(429, "every decode worker is overloaded", code="overloaded")
-        raise RouterError(502, f"decode failed on every worker tried (last: {last.reason})", code="upstream_failed")
+            raise APIError(429, "every decode worker is overloaded", code="overloaded")
+        raise APIError(502, f"decode failed on every worker tried (last: {last.reason})", code="upstream_failed")
 
     def _decode_payload(self, call: Call, kv_transfer_params: dict | None) -> bytes:
         if kv_transfer_params is None:
@@ -219,14 +219,14 @@ class Orchestrator:
         response = attempt.response
         if response.status != 200:
             self.up.release(attempt.worker)
-            raise _passthrough(response.status, await read_and_close(response))
+            raise UpstreamError(response.status, await read_and_close(response))
         if call.stream:
             return self._stream_response(call, self._relay(call, attempt, first_event_is_role=False, ttft=True))
         try:
             content = await response.read()
         except UPSTREAM_ERRORS as e:
             self.up.failed(attempt.worker, "decode", repr(e))
-            raise RouterError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
+            raise APIError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
         finally:
             close(response)
             self.up.release(attempt.worker)
@@ -242,13 +242,13 @@ class Orchestrator:
             content = await attempt.response.read()
         except UPSTREAM_ERRORS as e:
             self.up.failed(attempt.worker, "decode", repr(e))
-            raise RouterError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
+            raise APIError(502, f"decode worker failed mid-response: {e!r}", code="upstream_failed")
         finally:
             close(attempt.response)
             self.up.release(attempt.worker)
         self.metrics.handoff.observe(time.monotonic() - t0)
         if attempt.response.status != 200:
-            raise _passthrough(attempt.response.status, content)
+            raise UpstreamError(attempt.response.status, content)
         self.up.workers.record_success(attempt.worker)
         self._observe_ttft(call)
         return self._done(call, Response(json.dumps(merge_unary(call.route, prefill, json.loads(content))),
@@ -261,13 +261,13 @@ class Orchestrator:
         try:
             attempt = await self._open_decode(call, pool, self._decode_payload(call, prefill["kv_transfer_params"]),
                                               self.stream_timeout)
-        except RouterError as e:
+        except APIError as e:
             yield e.sse_event()
             return
         if attempt.response.status != 200:
             content = await read_and_close(attempt.response)
             self.up.release(attempt.worker)
-            yield RouterError(attempt.response.status,
+            yield APIError(attempt.response.status,
                               f"decode worker answered {attempt.response.status}: "
                               f"{content[:300].decode(errors='replace')}").sse_event()
             return
@@ -299,7 +299,7 @@ class Orchestrator:
             self.up.workers.record_success(worker)
         except UPSTREAM_ERRORS as e:
             self.up.failed(worker, "decode-stream", repr(e))
-            yield RouterError(502, f"decode worker failed mid-stream: {e!r}", code="upstream_failed").sse_event()
+            yield APIError(502, f"decode worker failed mid-stream: {e!r}", code="upstream_failed").sse_event()
         finally:
             close(response)
             self.up.release(worker)
@@ -328,21 +328,6 @@ class Orchestrator:
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
-
-
-def _passthrough(status: int, content: bytes) -> RouterError:
-    return _Passthrough(status, content)
-
-
-class _Passthrough(RouterError):
-    """A worker's own error answer (4xx), handed to the client unchanged."""
-
-    def __init__(self, status: int, content: bytes):
-        super().__init__(status, content[:300].decode(errors="replace"))
-        self.content = content
-
-    def response(self) -> Response:
-        return upstream_error_response(self.status, self.content)
 
 
 def merge_unary(route: str, prefill: dict, decode: dict) -> dict:

@@ -10,9 +10,6 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-ROLES = ("prefill", "decode")
-
-
 @dataclass(eq=False)
 class Worker:
     url: str

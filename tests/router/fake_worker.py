@@ -60,7 +60,7 @@ class State:
 
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         if args.kv_events:
-            from pdserve.router.kv_events import KVEventPublisher
+            from pdserve.protocol.kv_events import KVEventPublisher
 
             pub, replay = args.kv_ports.split(",")
             self.publisher = KVEventPublisher(f"fake-{args.port}-{os.getpid()}", f"tcp://{args.kv_events}:{pub}",

@@ -12,7 +12,7 @@ import pytest
 from pdserve.router.discovery import endpoints_from_endpoints, endpoints_from_slices, specs_from
 from pdserve.router.workers import WorkerSpec
 from tests.k8s_cluster import k8s_cluster  # noqa: F401  (the session fixture)
-from tests.router.conftest import free_port
+from tests.net import free_port
 from tests.router.test_failures import eventually
 
 

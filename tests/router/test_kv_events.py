@@ -11,10 +11,10 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from pdserve.router.kv_events import (KVEventPublisher, KVEventSubscriber, all_blocks_cleared, block_removed,
+from pdserve.protocol.kv_events import (KVEventPublisher, KVEventSubscriber, all_blocks_cleared, block_removed,
                                       block_stored, encode_seq)
 from pdserve.router.kv_index import KVIndex
-from tests.router.conftest import free_port
+from tests.net import free_port
 from tests.router.test_failures import eventually, metric
 
 BS = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router import policies
-from pdserve.router.kv_events import block_stored
+from pdserve.protocol.kv_events import block_stored
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.policies import PolicyContext, RoutingRequest
 from pdserve.router.workers import Worker

@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.router.conftest import ROOT, Proc, free_port, wait_http
+from tests.net import free_port
+from tests.router.conftest import ROOT, Proc, wait_http
 from tests.router.test_failures import eventually
 
 pytestmark = pytest.mark.slow

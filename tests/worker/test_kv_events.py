@@ -7,9 +7,10 @@ import json
 import httpx
 import zmq
 
-from pdserve.router.kv_events import decode_seq, encode_seq
+from pdserve.protocol.kv_events import decode_seq, encode_seq
 from pdserve.worker.block_manager import hash_prefix_blocks
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 
 def test_worker_publishes_block_stored_and_replays(tiny_checkpoint):

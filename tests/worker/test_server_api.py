@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 KEY = "sk-test-key"
 NAME = "tiny-llama"

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 # Long enough that nothing in these tests can finish on its own: a request that stops early
 # was aborted. (Decode runs ~100-300 tokens/s here, so 30000 tokens would take minutes.)

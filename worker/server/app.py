@@ -9,24 +9,23 @@ process exits non-zero and the pod restarts, rather than serving 503 forever.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from fastapi.responses import Response
 
+from pdserve.protocol.auth import authorize
+from pdserve.protocol.body import read_model
+from pdserve.protocol.disconnect import ClientGone
+from pdserve.protocol.errors import APIError, install_handlers
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.worker.server import chat, completions
 from pdserve.worker.server.config import ServerConfig
-from pdserve.worker.server.errors import APIError, bad_request, from_validation_error, install_handlers
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
-from pdserve.worker.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.worker.server.sse import ClientGone
 
 log = logging.getLogger("pdserve.worker.server")
 
@@ -112,14 +111,10 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
     app.state.worker = state
     install_handlers(app)
 
-    def authorize(request: Request) -> None:
-        if not config.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in config.api_keys):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+    api_keys = tuple(k.encode() for k in config.api_keys)
+
+    def authorized(request: Request) -> None:
+        authorize(request, api_keys)
 
     def ready() -> WorkerState:
         if state.draining:
@@ -130,47 +125,26 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             raise APIError(503, "the engine has failed; this worker must be restarted", code="engine_dead")
         return state
 
-    async def read_json(request: Request, model):
-        limit = config.max_request_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        try:
-            obj = json.loads(body)
-        except ValueError as e:
-            raise bad_request(f"malformed JSON in the request body: {e}") from None
-        if not isinstance(obj, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-
     def gone() -> Response:
         return Response(status_code=499)  # nobody reads it: the client left
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
-        body = await read_json(request, CompletionRequest)
+        body = await read_model(request, CompletionRequest, config.max_request_bytes)
         try:
             return await completions.create_completion(st, request, body)
         except ClientGone:
             return gone()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def v1_chat_completions(request: Request, st: WorkerState = Depends(ready)):
-        body = await read_json(request, ChatCompletionRequest)
+        body = await read_model(request, ChatCompletionRequest, config.max_request_bytes)
         try:
             return await chat.create_chat_completion(st, request, body)
         except ClientGone:
             return gone()
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def v1_models():
         card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve"}
         if state.engine is not None:

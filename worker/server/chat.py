@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.requests import Request
 
+from pdserve.protocol.errors import bad_request
+from pdserve.protocol.requests import ChatCompletionRequest
+from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                        ChatCompletionResponse, Delta)
+from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.server import serving
-from pdserve.worker.server.errors import bad_request
-from pdserve.worker.server.protocol import ChatCompletionRequest, check_model
-from pdserve.worker.server.sse import DONE, SSEResponse, event
+from pdserve.worker.server.sampling import sampling_params
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -51,13 +54,14 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
 
 async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
     body.check_unsupported()
-    check_model(body.model, state.served_model_name)
+    serving.check_model(body.model, state.served_model_name)
     prompt = render_prompt(state.tokenizer, body)
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
-    params = body.sampling_params(max_tokens, body.num_logprobs, "top_logprobs")
+    params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
+    kv_params = serving.kv_transfer_params(body.kv_transfer_params)
     rid = serving.new_id("chatcmpl")
-    gen = state.new_generation(rid, [prompt], params, body.n, body.kv_transfer_params)
+    gen = state.new_generation(rid, [prompt], params, body.n, kv_params)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
@@ -66,49 +70,45 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
         return SSEResponse(_stream(state, body, prompt, base, first, events))
 
     choices = await serving.collect(request, first, events, body.n)
-    out = {**base, "object": "chat.completion"}
-    out["choices"] = [
-        {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-         "logprobs": format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
-         "finish_reason": c.final.finish_reason if c.final else "abort",
-         "stop_reason": c.final.stop_reason if c.final else None}
+    out = ChatCompletionResponse(**base, choices=[
+        ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
+                   logprobs=format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
+                   finish_reason=c.final.finish_reason if c.final else "abort",
+                   stop_reason=c.final.stop_reason if c.final else None)
         for i, c in enumerate(choices)
-    ]
-    out["usage"] = serving.usage([prompt], body.n, choices)
-    kv = choices[0].final.kv_transfer_params if choices[0].final else None
-    if kv is not None:
-        out["kv_transfer_params"] = kv
-    return JSONResponse(out)
+    ], usage=serving.usage([prompt], body.n, choices),
+        kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+    return Response(out.model_dump_json(), media_type="application/json")
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events) -> AsyncIterator[bytes]:
-    base = {**base, "object": "chat.completion.chunk"}
     choices = [serving.ChoiceState() for _ in range(body.n)]
 
-    def chunk(i: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> bytes:
-        c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
-        return event({**base, "choices": [c]})
+    def chunk(i: int, delta: Delta, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
+        c = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                            stop_reason=stop_reason)
+        return ChatCompletionChunk(**base, choices=[c]).sse()
 
     def chunks(i: int, out):
         choices[i].add(out)
         lps = format_logprobs(state.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
         if out.text or lps:
-            yield chunk(i, {"content": out.text}, lps)
+            yield chunk(i, Delta(content=out.text), lps)
         if out.finished:
-            yield chunk(i, {}, None, out.finish_reason, stop_reason=out.stop_reason)
+            yield chunk(i, Delta(), None, out.finish_reason, out.stop_reason)
 
     try:
         for i in range(body.n):  # every choice opens with its role, as OpenAI's stream does
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, Delta(role="assistant", content=""))
         for b in chunks(*first):
             yield b
         async for i, out in events:
             for b in chunks(i, out):
                 yield b
         if body.include_usage:
-            yield event({**base, "choices": [], "usage": serving.usage([prompt], body.n, choices)})
+            yield ChatCompletionChunk(**base, choices=[], usage=serving.usage([prompt], body.n, choices)).sse()
     except Exception as e:
-        yield event(serving.stream_error(e))
+        yield serving.stream_error(e)
     finally:
         await events.aclose()
     yield DONE

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.requests import Request
 
+from pdserve.protocol.requests import CompletionRequest
+from pdserve.protocol.responses import CompletionChoice, CompletionChunk, CompletionResponse
+from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.server import serving
-from pdserve.worker.server.protocol import CompletionRequest, check_model
-from pdserve.worker.server.sse import DONE, SSEResponse, event
+from pdserve.worker.server.sampling import sampling_params
 
 
 def format_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
@@ -28,7 +30,7 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
 
 async def create_completion(state, request: Request, body: CompletionRequest):
     body.check_unsupported()
-    check_model(body.model, state.served_model_name)
+    serving.check_model(body.model, state.served_model_name)
     tok = state.tokenizer
     prompts = []
     for i, p in enumerate(body.prompts()):
@@ -37,30 +39,27 @@ async def create_completion(state, request: Request, body: CompletionRequest):
         else:
             prompts.append(serving.check_token_ids(p, state.vocab_size, "prompt"))
     max_tokens = serving.resolve_max_tokens(body.max_tokens, prompts, state.max_model_len, "prompt", "max_tokens")
-    params = body.sampling_params(max_tokens, body.logprobs, "logprobs")
+    params = sampling_params(body, max_tokens, body.logprobs, "logprobs")
+    kv_params = serving.kv_transfer_params(body.kv_transfer_params)
     rid = serving.new_id("cmpl")
-    gen = state.new_generation(rid, prompts, params, body.n, body.kv_transfer_params)
+    gen = state.new_generation(rid, prompts, params, body.n, kv_params)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
-    base = {"id": serving.response_id(request, rid), "object": "text_completion", "created": serving.now(), "model": state.served_model_name}
+    base = {"id": serving.response_id(request, rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen)))
 
     choices = await serving.collect(request, first, events, len(gen))
-    out = dict(base)
-    out["choices"] = [
-        {"index": i, "text": "".join(c.text),
-         "logprobs": format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
-         "finish_reason": c.final.finish_reason if c.final else "abort",
-         "stop_reason": c.final.stop_reason if c.final else None}
+    out = CompletionResponse(**base, choices=[
+        CompletionChoice(index=i, text="".join(c.text),
+                         logprobs=format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
+                         finish_reason=c.final.finish_reason if c.final else "abort",
+                         stop_reason=c.final.stop_reason if c.final else None)
         for i, c in enumerate(choices)
-    ]
-    out["usage"] = serving.usage(prompts, body.n, choices)
-    kv = choices[0].final.kv_transfer_params if choices[0].final else None
-    if kv is not None:
-        out["kv_transfer_params"] = kv
-    return JSONResponse(out)
+    ], usage=serving.usage(prompts, body.n, choices),
+        kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+    return Response(out.model_dump_json(), media_type="application/json")
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
@@ -76,11 +75,10 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
         if body.logprobs is not None:
             lps = format_logprobs(state.tokenizer, out.logprobs or [], text_len[i])
         text_len[i] += len(out.text)
-        c = {"index": i, "text": out.text, "logprobs": lps,
-             "finish_reason": out.finish_reason if out.finished else None}
-        if out.finished:
-            c["stop_reason"] = out.stop_reason
-        return event({**base, "choices": [c]})
+        c = CompletionChoice(index=i, text=out.text, logprobs=lps,
+                             finish_reason=out.finish_reason if out.finished else None,
+                             stop_reason=out.stop_reason if out.finished else None)
+        return CompletionChunk(**base, choices=[c]).sse()
 
     try:
         if (b := chunk(*first)) is not None:
@@ -89,9 +87,9 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
             if (b := chunk(i, out)) is not None:
                 yield b
         if body.include_usage:
-            yield event({**base, "choices": [], "usage": serving.usage(prompts, body.n, choices)})
+            yield CompletionChunk(**base, choices=[], usage=serving.usage(prompts, body.n, choices)).sse()
     except Exception as e:
-        yield event(serving.stream_error(e))
+        yield serving.stream_error(e)
     finally:
         await events.aclose()
     yield DONE

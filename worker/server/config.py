@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, api_keys_from
 from pdserve.worker.config import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -13,7 +14,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: int = HTTP_PORT
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     log_level: str = "info"
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before being read
@@ -35,9 +36,9 @@ class ServerConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="0.0.0.0")
-        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--port", type=int, default=HTTP_PORT)
         g.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                       help="accepted bearer key (repeatable; also env PDSERVE_API_KEYS, comma-separated)")
+                       help=f"accepted bearer key (repeatable; also env {ENV_API_KEYS}, comma-separated)")
         g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         g.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
         g.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
@@ -45,6 +46,5 @@ class ServerConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, env_api_keys: str | None = None) -> "ServerConfig":
-        keys = list(args.api_keys) + [k.strip() for k in (env_api_keys or "").split(",") if k.strip()]
-        return cls(host=args.host, port=args.port, api_keys=tuple(keys), log_level=args.log_level,
+        return cls(host=args.host, port=args.port, api_keys=tuple(args.api_keys) + api_keys_from(env_api_keys), log_level=args.log_level,
                    max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 
+from pdserve.protocol.contract import ENV_API_KEYS
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.server.config import ServerConfig
 
@@ -41,7 +42,7 @@ def served_model_name(config: EngineConfig) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         engine_config = EngineConfig.from_cli_args(args)
-        server_config = ServerConfig.from_cli_args(args, os.environ.get("PDSERVE_API_KEYS"))
+        server_config = ServerConfig.from_cli_args(args, os.environ.get(ENV_API_KEYS))
     except ConfigError as e:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 2

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from pdserve.protocol.disconnect import ClientGone, unless_disconnected
+from pdserve.protocol.errors import APIError, bad_request, error_body
+from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode
+from pdserve.protocol.responses import Usage
+from pdserve.protocol.sse import event
 from pdserve.worker.outputs import RequestOutput, TokenLogprob
-from pdserve.worker.server.errors import APIError, bad_request
 from pdserve.worker.server.generation import Generation
-from pdserve.worker.server.sse import ClientGone, unless_disconnected
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,23 @@ def response_id(request: Request, fallback: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
+                       "model", "model_not_found")
+
+
+def kv_transfer_params(params: dict | None) -> dict | None:
+    """A decode request's params are parsed once, here, before anything is allocated; a
+    prefill request's (`do_remote_decode`) go to the engine as they are."""
+    if not is_remote_decode(params):
+        return params
+    try:
+        return KVTransferParams.from_dict(params).to_dict()
+    except KVTransferParamsError as e:
+        raise bad_request(str(e), PARAM) from None
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
@@ -121,13 +141,12 @@ class ChoiceState:
         return max(self.num_tokens, self.final.num_output_tokens if self.final else 0)
 
 
-def usage(prompts: list[list[int]], n: int, choices: list[ChoiceState]) -> dict:
+def usage(prompts: list[list[int]], n: int, choices: list[ChoiceState]) -> Usage:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.final.num_cached_tokens for c in choices[::n] if c.final)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details={"cached_tokens": cached})
 
 
 async def collect(request: Request, first: tuple[int, RequestOutput], events: Events,
@@ -144,7 +163,7 @@ async def collect(request: Request, first: tuple[int, RequestOutput], events: Ev
     return choices
 
 
-def stream_error(e: BaseException) -> dict:
+def stream_error(e: BaseException) -> bytes:
+    """The error event of a stream that failed after its 200 (the caller sends [DONE] after it)."""
     log.exception("request failed mid-stream", exc_info=e)
-    return {"error": {"message": f"engine error: {type(e).__name__}: {e}", "type": "server_error",
-                      "param": None, "code": None}}
+    return event(error_body(500, f"engine error: {type(e).__name__}: {e}"))

@@ -1,18 +1,19 @@
-"""Request bodies of the OpenAI endpoints, and their translation into SamplingParams.
+"""Request bodies of the OpenAI endpoints, as the router and the worker both read them.
 
-Only what the engine can honour is accepted; a field we would otherwise silently ignore
-(`echo`, penalties, `logit_bias`, tools) is refused with a 400 naming it. Unknown fields are
-ignored, as OpenAI-compatible servers do, so newer clients keep working.
+The router validates a request with these models before anything is sent upstream; the
+worker validates it again (it may be called directly) and refuses, with a 400 naming it, any
+field it would otherwise silently ignore (`echo`, penalties, `logit_bias`, tools:
+`check_unsupported`). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
+clients keep working.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.worker.server.errors import APIError, bad_request
+from pdserve.protocol.errors import bad_request
 
 MAX_N = 128
 
@@ -22,12 +23,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class CommonRequest(BaseModel):
+    """Fields both endpoints share."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is a client bug, not true
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -42,8 +45,8 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # P/D handshake (opaque here): {"do_remote_decode": true} to a prefill worker, the prefill's
-    # answer to a decode worker. Handed to the engine untouched.
+    # P/D handshake (see kv_transfer.py): {"do_remote_decode": true} to a prefill worker, the
+    # prefill's KVTransferParams to a decode worker.
     kv_transfer_params: dict[str, Any] | None = None
 
     @property
@@ -61,27 +64,8 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_param: str) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k in (None, 0) else self.top_k,
-                seed=self.seed,
-                stop=tuple(stop),
-                stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos,
-                logprobs=logprobs,
-                min_tokens=self.min_tokens,
-            )
-        except SamplingParamsError as e:
-            param = logprobs_param if e.param == "logprobs" else e.param
-            raise bad_request(str(e), param) from None
 
-
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -133,7 +117,7 @@ class ChatMessage(BaseModel):
         return msg
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -165,9 +149,3 @@ class ChatCompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",
-                       "model", "model_not_found")

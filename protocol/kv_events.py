@@ -1,4 +1,4 @@
-"""KV cache events: the wire format, a publisher (for workers) and the router's subscriber.
+"""KV cache events: the wire format, a publisher (for workers) and a subscriber (for routers).
 
 Transport (as vLLM's KV events): ZMQ PUB for the live stream plus a ROUTER socket for replay.
 
@@ -33,10 +33,11 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-log = logging.getLogger("pdserve.router")
+from pdserve.protocol.contract import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
+
+log = logging.getLogger("pdserve.protocol")
 
 TOPIC = b"kv"
-EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
 def encode_seq(seq: int) -> bytes:
@@ -66,8 +67,8 @@ def all_blocks_cleared() -> dict:
 class KVEventPublisher:
     """Worker side: `publish(events)` from any thread; a daemon thread serves replays."""
 
-    def __init__(self, worker_id: str, pub_endpoint: str = "tcp://*:5557",
-                 replay_endpoint: str = "tcp://*:5558", buffer_batches: int = 10_000):
+    def __init__(self, worker_id: str, pub_endpoint: str = f"tcp://*:{KV_EVENTS_PORT}",
+                 replay_endpoint: str = f"tcp://*:{KV_EVENTS_REPLAY_PORT}", buffer_batches: int = 10_000):
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)

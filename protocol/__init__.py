@@ -1,0 +1,7 @@
+"""pdserve.protocol: what the components say to each other and to clients.
+
+The OpenAI request/response/chunk models, the one error table, SSE and client-disconnect
+helpers, body reading and API-key checks, the typed `KVTransferParams` of the P/D handshake,
+the KV-event wire format, and the contract constants (labels, ports, environment names).
+The worker and the router both import this package; neither imports the other.
+"""

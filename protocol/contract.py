@@ -1,0 +1,40 @@
+"""Names and numbers more than one component must agree on.
+
+A Kubernetes label, a port or an environment variable read by one process and written by
+another (the operator renders them into pod specs; the router reads them back) is defined
+here once, so a rename cannot leave the two sides disagreeing.
+"""
+
+from __future__ import annotations
+
+# Pod labels: which ModelServing a pod belongs to, its role, and the spec revision it came
+# from (the router pairs a prefill and a decode worker only within one revision).
+LABEL_MODELSERVING = "pdserve.io/modelserving"
+LABEL_ROLE = "pdserve.io/role"
+LABEL_REVISION = "pdserve.io/revision"
+
+# Worker roles as labelled and as discovered; a "both" worker serves in either pool.
+ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH = "prefill", "decode", "both"
+
+# The OpenAI HTTP port of workers and routers, and its name in a pod's container ports.
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+# KV events: every worker publishes on these ports of its own host (live stream, replay).
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = KV_EVENTS_PORT + 1
+
+# Comma-separated accepted API keys (how a Kubernetes Secret is mounted into a pod).
+ENV_API_KEYS = "PDSERVE_API_KEYS"
+
+# Request headers: one id for a request across router, prefill and decode; a session key for
+# the session-affinity policy.
+HEADER_REQUEST_ID = "x-request-id"
+HEADER_SESSION_ID = "x-session-id"
+
+# The OpenAI routes both the router and the worker serve, by short name.
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def api_keys_from(raw: str | None) -> tuple[str, ...]:
+    """`PDSERVE_API_KEYS`'s value as a tuple of keys (blanks dropped)."""
+    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())

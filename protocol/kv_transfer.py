@@ -1,0 +1,116 @@
+"""`kv_transfer_params`: the P/D handshake between router, prefill worker and decode worker.
+
+    router  ──{"do_remote_decode": true}, max_tokens=1, not streamed──▶ prefill worker
+    router  ◀── the first token + KVTransferParams (where its KV blocks are pinned) ──┘
+    router  ──the client's request + those KVTransferParams──▶ decode worker
+
+The router treats the prefill's answer as opaque and forwards it; the prefill side builds a
+`KVTransferParams`, the decode side parses it once (`from_dict`) before anything is allocated.
+A client never sets these: the router strips any it sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
+PREFILL_MAX_TOKENS = 1  # a prefill runs the prompt and samples exactly the first token
+
+
+class KVTransferParamsError(ValueError):
+    """Malformed or incompatible params; `param` names the request field for the 400."""
+
+    param = PARAM
+
+
+def remote_decode_request() -> dict:
+    """What the router puts in a prefill request: keep the KV, answer with where it is."""
+    return {"do_remote_decode": True}
+
+
+def wants_remote_decode(params: dict | None) -> bool:
+    """Prefill side: the caller asks this worker to prefill only and hand its KV over."""
+    return bool(params) and bool(params.get("do_remote_decode"))
+
+
+def is_remote_decode(params: dict | None) -> bool:
+    """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
+    return bool(params) and not params.get("do_remote_decode")
+
+
+def prefill_request(body: dict) -> dict:
+    """The prefill worker's request built from the client's: one token, not streamed, KV kept.
+    The one place the prefill's token budget is set (`max_completion_tokens` too when given)."""
+    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request()})
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = PREFILL_MAX_TOKENS
+    out.pop("stream_options", None)
+    return out
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Where a finished prefill's KV blocks wait, and what the decode worker needs to pull them."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    first_token_id: int  # sampled by the prefill; the decode worker appends it, never recomputes it
+    transfer_token: str  # proves the puller was handed these params; the pin table checks it
+    kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}:{block size}"; must match exactly
+    transport: str = "tcp"  # "nixl" or "tcp": how the prefill side serves the bytes
+    expires_at: float | None = None  # wall clock; after it the prefill frees the blocks itself
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_layout.rsplit(":", 1)[-1])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["remote_block_ids"] = list(self.remote_block_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "KVTransferParams":
+        """Parse a decode request's params; refuses anything missing, mistyped or inconsistent."""
+        if not isinstance(params, dict):
+            raise KVTransferParamsError(f"{PARAM} must be an object")
+        values = {name: params.get(name) for name in _REQUIRED}
+        for name, typ in _REQUIRED.items():
+            v = values[name]
+            if not isinstance(v, typ) or isinstance(v, bool):
+                raise KVTransferParamsError(f"{PARAM}.{name} is missing or not a {typ.__name__}")
+        ids = values["remote_block_ids"]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise KVTransferParamsError(f"{PARAM}.remote_block_ids must be a list of integers")
+        try:
+            block_size = int(values["kv_layout"].rsplit(":", 1)[-1])
+        except ValueError:
+            raise KVTransferParamsError(f"{PARAM}.kv_layout {values['kv_layout']!r} does not end in a block size")
+        if block_size < 1 or values["num_prompt_tokens"] < 1 or len(ids) != -(-values["num_prompt_tokens"] // block_size):
+            raise KVTransferParamsError(f"{PARAM}: remote_block_ids do not cover num_prompt_tokens")
+        transport = params.get("transport", "tcp")
+        expires_at = params.get("expires_at")
+        if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
+            raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
+        return cls(**{**values, "remote_block_ids": tuple(ids), "transport": transport, "expires_at": expires_at})
+
+    def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
+        """Decode side, against this worker and this request: the checks that need both."""
+        if not 0 <= self.first_token_id < vocab_size:
+            raise KVTransferParamsError(f"{PARAM}.first_token_id is out of the vocabulary")
+        if self.num_prompt_tokens != num_prompt_tokens:
+            raise KVTransferParamsError(f"{PARAM} describe {self.num_prompt_tokens} prompt tokens but the "
+                                        f"prompt has {num_prompt_tokens}")
+        if self.block_size != block_size:
+            raise KVTransferParamsError(f"the prefill worker's KV block size is {self.block_size} but this "
+                                        f"worker's is {block_size}; P and D must match")
+
+
+# The fields a decode worker cannot do without, and their wire types.
+_REQUIRED = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
+             "remote_block_ids": list, "num_prompt_tokens": int, "first_token_id": int,
+             "transfer_token": str, "kv_layout": str}

@@ -1,0 +1,116 @@
+"""Response bodies and stream chunks of the OpenAI endpoints, built by the worker and read (and,
+for a P/D request, spliced) by the router.
+
+Field order and nulls follow OpenAI's wire format: `logprobs` and `finish_reason` are always
+present (null until known); `usage`, `kv_transfer_params` and an empty `delta`'s keys are left
+out when there is nothing to say. Unknown fields are kept (`extra="allow"`), so whatever a
+worker adds passes through the router unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def _is_none(value) -> bool:
+    return value is None
+
+
+def omitted(default=None):
+    """A field left out of the JSON while it is None."""
+    return Field(default, exclude_if=_is_none)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def sse(self) -> bytes:
+        """One server-sent event carrying this object."""
+        return b"data: " + self.model_dump_json().encode() + b"\n\n"
+
+
+class Usage(_Wire):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, Any] | None = omitted()
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+
+class CompletionChoice(_Wire):
+    """A choice of a response, and of a stream chunk (OpenAI uses one shape for both)."""
+
+    index: int = 0
+    text: str = ""
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
+
+
+class CompletionResponse(_Wire):
+    id: str
+    object: str = "text_completion"
+    created: int = 0
+    model: str = ""
+    choices: list[CompletionChoice]
+    usage: Usage | None = omitted()
+    kv_transfer_params: dict[str, Any] | None = omitted()
+
+
+class CompletionChunk(CompletionResponse):
+    """Same shape as the response; a stream's last chunk (with include_usage) has no choices."""
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+
+class AssistantMessage(_Wire):
+    role: str = "assistant"
+    content: str | None = ""
+
+
+class ChatChoice(_Wire):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Wire):
+    id: str
+    object: str = "chat.completion"
+    created: int = 0
+    model: str = ""
+    choices: list[ChatChoice]
+    usage: Usage | None = omitted()
+    kv_transfer_params: dict[str, Any] | None = omitted()
+
+
+class Delta(_Wire):
+    """A chat stream's increment: `role` opens a choice, `content` continues it, `{}` ends it."""
+
+    role: str | None = omitted()
+    content: str | None = omitted()
+
+
+class ChatChunkChoice(_Wire):
+    index: int = 0
+    delta: Delta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = omitted()
+
+
+class ChatCompletionChunk(_Wire):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = 0
+    model: str = ""
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = omitted()
+
+
+RESPONSES = {"chat": ChatCompletionResponse, "completions": CompletionResponse}
