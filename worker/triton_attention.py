@@ -27,6 +27,9 @@ class TritonAttentionBackend(_PagedBackend):
     decode = staticmethod(paged_decode_attention)
     prefill = staticmethod(paged_prefill_attention)
 
+    # False: the v4 path (a separate reduce launch), kept for same-run before/after benchmarks.
+    fuse_decode_merge = True
+
     def __init__(self):
         super().__init__()
         # int32 zeros the decode kernel counts split arrivals in (it leaves them zero). One buffer
@@ -77,6 +80,6 @@ class TritonAttentionBackend(_PagedBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        sem = self.semaphores(q.shape[0] * k_cache.shape[2], q.device)
+        sem = self.semaphores(q.shape[0] * k_cache.shape[2], q.device) if self.fuse_decode_merge else None
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                       scale, semaphores=sem)
