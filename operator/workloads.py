@@ -29,6 +29,14 @@ ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memor
 WORKER_PROGRESS_DEADLINE_S = 10 * 180 + 600
 
 
+def worker_probes(ms: ModelServing) -> dict[str, dict[str, int]]:
+    """A draining worker answers /health with 503 (and stops accepting connections): liveness
+    must not kill it before the grace period ends, so its failure budget covers the drain."""
+    live = WORKER_PROBES["liveness"]
+    budget = -(-pods.termination_grace_s(ms) // live["periodSeconds"])
+    return {**WORKER_PROBES, "liveness": {**live, "failureThreshold": max(live["failureThreshold"], budget)}}
+
+
 def rollout_strategy(rollout: Rollout, gpu: bool) -> dict[str, Any]:
     """GPU roles replace a pod before starting its successor (maxSurge 0, maxUnavailable 1), so
     a rollout needs no spare GPU; the router and CPU workers surge one pod first (no capacity
@@ -164,7 +172,7 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),
         "lifecycle": pods.pre_stop(ms),
-        **{f"{kind}Probe": pods.probe("/health", WORKER_PROBES[kind], rs.probes.get(kind)) for kind in WORKER_PROBES},
+        **{f"{kind}Probe": pods.probe("/health", defaults, rs.probes.get(kind)) for kind, defaults in worker_probes(ms).items()},
     }
     pod_spec = _pod_spec(ms, naming.child_name(ms, "worker"), [container], volumes, rs)
     # Workers never call the API server: no token in their pods.

@@ -121,6 +121,8 @@ def test_grace_period_covers_pre_stop_and_drain(drain, grace, sleep, shutdown):
         assert pod(dep)["terminationGracePeriodSeconds"] == grace
         assert container(dep)["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", sleep]}}}
     assert flag(container(build_worker_deployment(m, "decode"))["args"], "--shutdown-grace") == shutdown
+    live = container(build_worker_deployment(m, "decode"))["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= grace  # liveness never cuts a drain short
 
 
 # 5. model cache and pinned revisions -----------------------------------------------------------
