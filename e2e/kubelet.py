@@ -175,7 +175,8 @@ class Kubelet:
 
     def _create(self, pod) -> PodProcess:
         c = pod.spec.containers[0]
-        ip = f"127.0.0.{self._next_ip}"
+        n = self._next_ip  # 127.0.0.2 .. 127.0.0.254, then 127.0.1.2 ...: all loopback
+        ip = f"127.0.{n // 253}.{n % 253 + 2}" if n >= 255 else f"127.0.0.{n}"
         env = self._env(pod, c, ip)
         self._next_ip += 1
         argv = [expand(a, env) for a in [*(c.command or ()), *(c.args or ())]]
