@@ -30,12 +30,22 @@ class Kube:
     """Thin wrapper; owns discovery caching (optional APIs can appear while we run)."""
 
     def __init__(self, api_client: client.ApiClient, discovery_ttl_s: float = 60.0):
-        self.dyn = dynamic.DynamicClient(api_client)
+        self.api_client = api_client
         self.discovery_ttl_s = discovery_ttl_s
+        self._dyn: dynamic.DynamicClient | None = None
         self._versions: ApiVersions | None = None
         self._discovered_at = 0.0
         # kopf runs sync handlers on a thread pool; the client's discovery cache is not thread-safe
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    @property
+    def dyn(self) -> dynamic.DynamicClient:
+        """Created on first use: it reads discovery documents, and an API server that is away
+        at start-up should fail one reconcile (retried), not the operator's start."""
+        with self._lock:
+            if self._dyn is None:
+                self._dyn = dynamic.DynamicClient(self.api_client)
+            return self._dyn
 
     def resource(self, api_version: str, kind: str):
         with self._lock:
