@@ -142,6 +142,7 @@ def test_production_pod_shape_is_accepted_and_runs(k8s_cluster, operator_kubecon
         assert decode.spec.termination_grace_period_seconds == 5 + 90 + 10
         assert worker.lifecycle.pre_stop._exec.command == ["sleep", "5"]
         assert worker.readiness_probe.timeout_seconds == 7
+        assert {e.name: e.value for e in worker.env}["UCX_TLS"] == "tcp"
         assert {p.name for p in worker.ports} == {"http", "kv", "kv-events", "kv-replay"}
         vols = {v.name: v for v in decode.spec.volumes}
         assert vols["shm"].empty_dir.size_limit == "2Gi" and {"cache", "tmp", "extra"} <= set(vols)

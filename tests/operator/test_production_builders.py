@@ -259,3 +259,18 @@ def test_shm_size():
     vols = lambda m, r: {v["name"]: v for v in pod(build_worker_deployment(m, r))["volumes"]}  # noqa: E731
     assert vols(ms(), "decode")["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert vols(ms(prefill={"shmSize": "32Gi"}), "prefill")["shm"]["emptyDir"]["sizeLimit"] == "32Gi"
+
+
+def test_fetch_command_runs(tmp_path):
+    """The init container's command as built, run with this environment's Python and the Hub
+    offline (no downloads in tests): it reaches snapshot_download with the pinned revision."""
+    import os
+    import subprocess
+    import sys
+
+    (init,) = pod(build_worker_deployment(ms(model={"source": "hf://org/m@0123abcd"}), "decode"))["initContainers"]
+    command = [sys.executable, *init["command"][1:]]
+    command[-2] = str(tmp_path / "dest")
+    out = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "LocalEntryNotFoundError" in out.stderr and "revision" in out.stderr
