@@ -66,9 +66,30 @@ class Row:
     ratio: str = ""
 
 
+OFFLINE = {"1024": "offline 1024/128", "uniform": "offline U[100,1024]/128"}
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What one run measures (the full plan by default; a device run with little time picks less)."""
+
+    decode_inputs: tuple[int, ...] = (128, 1024)
+    offline: tuple[str, ...] = ("1024", "uniform")  # keys of OFFLINE
+    hf: bool = True  # Hugging Face generate beside pdserve
+    eager: bool = True  # pdserve --enforce-eager bs=1 beside the graphs
+
+    def __post_init__(self):
+        if any(k not in OFFLINE for k in self.offline):
+            raise ValueError(f"BenchPlan.offline: unknown {self.offline}; choose from {sorted(OFFLINE)}")
+        if any(not 1 <= L <= 1900 for L in self.decode_inputs):
+            raise ValueError("BenchPlan.decode_inputs: input lengths must be in [1, 1900] (max_model_len 2048)")
+
+
 class Bench:
-    def __init__(self, device: str, smoke: bool, profile_dir: str | None = None, token_budget: int = 16384):
+    def __init__(self, device: str, smoke: bool, profile_dir: str | None = None, token_budget: int = 16384,
+                 plan: BenchPlan = BenchPlan()):
         self.device, self.smoke, self.profile_dir, self.token_budget = device, smoke, profile_dir, token_budget
+        self.plan = plan
         self.rows: list[Row] = []
         self.notes: list[str] = []
         self.bw = self.copy_bandwidth()
@@ -150,10 +171,11 @@ class Bench:
     def scenarios(self):
         n = 4 if self.smoke else 256
         rng = random.Random(1)
-        return {
-            "offline 1024/128": [1024] * n,
-            "offline U[100,1024]/128": [rng.randint(100, 1024) for _ in range(n)],
+        every = {
+            "1024": [1024] * n,
+            "uniform": [rng.randint(100, 1024) for _ in range(n)],
         }
+        return {OFFLINE[k]: every[k] for k in OFFLINE if k in self.plan.offline}
 
     # -- Hugging Face -------------------------------------------------------------------------
 
@@ -177,7 +199,7 @@ class Bench:
     def run_hf(self, spec: ModelSpec, model, vocab: int) -> dict[str, float]:
         tput = {}
         steps = 8 if self.smoke else 64
-        for L in (128, 1024):
+        for L in self.plan.decode_inputs:
             p = self.prompts(vocab, [L], 7)
             self.hf_generate(model, p, 4)  # warm-up
             t1 = self.hf_generate(model, p, 1)
@@ -222,7 +244,7 @@ class Bench:
                           f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
                           f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
                           f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}")
-        m = engine.model
+        m = engine.runner.model  # the runner owns the model (worker/model_runner.py)
         weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
             weight_bytes -= m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
@@ -230,7 +252,7 @@ class Bench:
         kv_per_token = engine.kv_cache.block_bytes // engine.block_manager.block_size
         vocab = engine.model_config.vocab_size
         steps = 16 if self.smoke else 128
-        for L in (128, 1024):
+        for L in self.plan.decode_inputs:
             prompt = self.prompts(vocab, [L], 7)[0]
             self.decode_steps(engine, prompt, 8)  # warm-up
             step_bytes = weight_bytes + kv_per_token * (L + steps // 2)
@@ -249,11 +271,12 @@ class Bench:
                 fwd_roof = 1e3 * (step_bytes - head_bytes) / self.bw  # the graph stops before lm_head
                 self.add(Row(spec.name, scen, "pdserve forward only (graph replay, no lm_head)", ms_step=fwd,
                              ratio=f"{100 * fwd_roof / fwd:.0f}% of copy BW"))
-                if L == 128:
+                if L == self.plan.decode_inputs[0]:
                     gemv = self.gemv_floor_ms(m)
                     lin_bytes = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "proj" in n)
                     self.add(Row(spec.name, scen, "matrix products alone, + lm_head (graph)", ms_step=gemv,
                                  ratio=f"{100 * (lin_bytes + head_bytes) / self.bw * 1e3 / gemv:.0f}% of copy BW"))
+            if graphs is not None and self.device == "cuda" and self.plan.eager:
                 engine.runner.graphs = None
                 ms_e = 1e3 * statistics.median(self.decode_steps(engine, prompt, steps))
                 engine.runner.graphs = graphs
@@ -278,8 +301,9 @@ class Bench:
             floor = self.offline_floor_s(engine, lengths, weight_bytes, kv_per_token)
             self.add(Row(spec.name, name, "floor: prefill FLOPs / matmul rate + decode bytes / copy BW",
                          tok_s=len(prompts) * OUT_TOKENS / floor))
+            vs_hf = f"{tput / hf_tput[name]:.1f}x HF, " if name in hf_tput else ""
             self.add(Row(spec.name, name, f"pdserve ({len(prompts)} prompts)", tok_s=tput,
-                         ratio=f"{tput / hf_tput[name]:.1f}x HF, {100 * floor / sec:.0f}% of floor"))
+                         ratio=f"{vs_hf}{100 * floor / sec:.0f}% of floor"))
             if name.startswith("offline 1024"):
                 self.profile(f"{spec.arch}_offline", lambda: engine.generate(prompts[:64], params))
         del engine, m
@@ -316,7 +340,7 @@ class Bench:
             self.notes.append(f"{spec.name}: random weights made and saved in {time.perf_counter() - t0:.1f}s "
                               f"(transformers {transformers.__version__}, sdpa attention)")
             with torch.inference_mode():
-                hf_tput = self.run_hf(spec, model, cfg.vocab_size)
+                hf_tput = self.run_hf(spec, model, cfg.vocab_size) if self.plan.hf else {}
             del model
             gc.collect()
             if self.device == "cuda":
@@ -356,13 +380,23 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="pdserve's token budget per step")
     ap.add_argument("--profile-dir", help="write cProfile summaries of bs=1 decode and an offline batch here")
+    ap.add_argument("--decode-inputs", type=int, nargs="+", default=[128, 1024], metavar="L",
+                    help="input lengths of the bs=1 decode rows (default 128 1024)")
+    ap.add_argument("--offline", nargs="*", default=["1024", "uniform"], choices=sorted(OFFLINE),
+                    help="offline scenarios: 1024 (1024/128), uniform (U[100,1024]/128); none given = skip")
+    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
+    ap.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager bs=1 rows")
     args = ap.parse_args(argv)
+    try:
+        plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager)
+    except ValueError as e:
+        ap.error(str(e))
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench engine: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
     models = ["tiny-llama"] if args.smoke else args.models
-    bench = Bench(device, args.smoke, args.profile_dir, args.max_num_batched_tokens)
+    bench = Bench(device, args.smoke, args.profile_dir, args.max_num_batched_tokens, plan)
     import triton
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.reference import rotary_ref, silu_and_mul_ref
+from pdserve.kernels.reference import rotary_kv_write_ref, rotary_ref, silu_and_mul_ref
 from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import rotary
+from pdserve.kernels.rotary_kv_write import rotary_kv_write
 from pdserve.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.kernel_inputs import ON_GPU, block_tables_for, paged_kv, rel_error
 
@@ -44,7 +45,8 @@ def attention_f64(q, k_cache, v_cache, block_tables, cu, context_lens, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", ATTN)
 @pytest.mark.parametrize("batch", [1, 3, 64])
-def test_decode_attention(poison_empty, dtype, shape, batch):
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["reduce-kernel", "fused-merge"])
+def test_decode_attention(poison_empty, dtype, shape, batch, fused_merge):
     hq, hkv, d, bs = shape
     ctx = torch.randint(1, 8192, (batch,)).tolist()
     ctx[0] = 8191 if batch == 1 else 1  # long split-K context / single-token context
@@ -53,7 +55,8 @@ def test_decode_attention(poison_empty, dtype, shape, batch):
     bt = block_tables_for(ctx, bs, num_blocks, extra=3)
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
-    out = paged_decode_attention(q, k_cache, v_cache, bt, lens, d**-0.5)
+    sem = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda") if fused_merge else None
+    out = paged_decode_attention(q, k_cache, v_cache, bt, lens, d**-0.5, semaphores=sem)
     cu = torch.arange(batch + 1, device="cuda")
     assert rel_error(out, attention_f64(q, k_cache, v_cache, bt, cu, lens, d**-0.5)) < GPU_TOL[dtype]
 
@@ -104,3 +107,28 @@ def test_elementwise(poison_empty, dtype):
     q, k = torch.randn(t, 32, 128, dtype=dtype, device="cuda"), torch.randn(t, 8, 128, dtype=dtype, device="cuda")
     (qo, ko), (qr, kr) = rotary(pos, q, k, cs), rotary_ref(pos, q.double(), k.double(), cs.double())
     assert rel_error(qo, qr) < GPU_TOL[dtype] and rel_error(ko, kr) < GPU_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,bias", [((32, 8, 128), False), ((14, 2, 64), True)])  # Llama-3.1-8B, Qwen2.5
+def test_rotary_kv_write(dtype, shape, bias):
+    hq, hkv, d = shape
+    t, bs, num_blocks = 4096, 16, 512
+    cache, k_cache, v_cache = paged_kv(num_blocks, 3, bs, hkv, d, dtype)
+    cache.fill_(float("nan"))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device="cuda")
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    b = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device="cuda") if bias else None
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d))
+    ang = torch.arange(32768, dtype=torch.float64, device="cuda")[:, None] * inv
+    cs = torch.cat([ang.cos(), ang.sin()], -1).float()
+    pos = torch.randint(0, 32768, (t,), device="cuda")
+    slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+    qo = rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache, slots, b)
+    ref = cache.double()
+    qr = rotary_kv_write_ref(pos, q.double(), k.double(), v.double(), cs.double(), ref[:, 1, 0], ref[:, 1, 1],
+                             slots, b.double() if bias else None)
+    assert rel_error(qo, qr) < GPU_TOL[dtype]
+    assert torch.equal(cache.isnan(), ref.isnan())
+    written = ~ref.isnan()
+    assert rel_error(cache[written], ref[written]) < GPU_TOL[dtype]
