@@ -63,9 +63,13 @@ def make_checkpoint(path: str, smoke: bool) -> None:
     with torch.device("cpu" if smoke else "cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
     model.save_pretrained(path)
-    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    # Special tokens must not be prefixes of words: added tokens match inside words, so a BOS
+    # named "w1" would split "w1000" into two tokens and random prompts would miss their length.
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), cfg.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
 def _free_port() -> int:
