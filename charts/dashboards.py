@@ -103,13 +103,16 @@ def _variable(name: str, label: str, query: str) -> dict:
 
 def render(key: str) -> dict:
     title, description, panels = DASHBOARDS[key]
-    out, x, y = [], 0, 0
-    for i, p in enumerate(panels):
-        w, h = (6, 4) if p.kind == "stat" else (12, 8)
-        if x + w > 24:
-            x, y = 0, y + 8
+    # Stat panels share the first row; time series follow, two per row.
+    stats = [p for p in panels if p.kind == "stat"]
+    series = [p for p in panels if p.kind != "stat"]
+    places = [(p, {"x": i * (24 // len(stats)), "y": 0, "w": 24 // len(stats), "h": 4}) for i, p in enumerate(stats)]
+    top = 4 if stats else 0
+    places += [(p, {"x": (i % 2) * 12, "y": top + (i // 2) * 8, "w": 12, "h": 8}) for i, p in enumerate(series)]
+    out = []
+    for i, (p, grid) in enumerate(places):
         panel = {
-            "id": i + 1, "type": p.kind, "title": p.title, "gridPos": {"x": x, "y": y, "w": w, "h": h},
+            "id": i + 1, "type": p.kind, "title": p.title, "gridPos": grid,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
             "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
@@ -120,9 +123,6 @@ def render(key: str) -> dict:
         if p.kind == "timeseries":
             panel["options"] = {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}}
         out.append(panel)
-        x += w
-        if p.kind == "stat" and x >= 24:
-            x, y = 0, y + h
     return {
         "title": title, "description": description, "uid": f"pdserve-{key}", "tags": ["pdserve"],
         "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s", "timezone": "browser",

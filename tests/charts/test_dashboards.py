@@ -68,8 +68,14 @@ def test_dashboards_are_importable_grafana_json():
         assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "namespace", "modelserving"]
         ids = [p["id"] for p in d["panels"]]
         assert len(set(ids)) == len(ids) and all(p["targets"] for p in d["panels"])
+        cells: set[tuple[int, int]] = set()
         for p in d["panels"]:
             assert p["datasource"]["uid"] == "${datasource}"  # no hard-wired datasource
+            g = p["gridPos"]
+            assert g["x"] + g["w"] <= 24
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not mine & cells, f"{d['title']}: {p['title']} overlaps another panel"
+            cells |= mine
 
 
 def exported_names(text: str) -> set[str]:
