@@ -7,13 +7,16 @@ A mock server (bench/mock_sse_server.py, its own process) answers with known del
 chunk after --ttft-ms, then one chunk every --itl-ms. The load generator's own code path
 (`run_load`, the same as the CLI's, Poisson arrivals) drives it at each rate. A rate passes when
 no request fails and the timings are right: measured TTFT and ITL p99 within --tolerance-ms of the
-mock's delays, and sends at most --tolerance-ms behind their Poisson schedule (p99). The highest
-passing rate is the ceiling: below it, what `bench serve` reports is the server, not itself.
+mock's delays, and sends at most --tolerance-ms behind their Poisson schedule (p99), with at least
+95% of the asked rate achieved. The highest passing rate is the ceiling: below it, what `bench
+serve` reports is the server, not itself. The same check on p50 is printed too: on a machine
+shared with other work, scheduling noise reaches p99 long before the generator saturates.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import socket
 import subprocess
@@ -50,6 +53,11 @@ def _cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
+def duration_share(s: dict, args) -> float:
+    """Fraction of the run spent sending: the rest is the last requests' drain."""
+    return args.seconds / s["duration_s"] if s["duration_s"] else 1.0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench serve-ceiling", description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="50,100,200,400,800,1600")
@@ -63,7 +71,7 @@ def main(argv=None) -> int:
     port = _free_port()
     mock = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_sse_server", "--port", str(port),
                              "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)])
-    rows, ceiling = [], None
+    rows, ceiling = [], {"p99": None, "p50": None}
     try:
         base = f"http://127.0.0.1:{port}"
         _wait(base + "/stats", mock)
@@ -76,26 +84,32 @@ def main(argv=None) -> int:
             results, duration = _run(run_load(cfg, specs))
             cpu = (_cpu_s() - cpu0) / (time.perf_counter() - t0)
             s = summarize(results, duration, {})
-            ttft_err = s["ttft_s"]["p99"] - args.ttft_ms / 1000
-            itl_err = s["itl_s"]["p99"] - args.itl_ms / 1000
-            lag = s["send_lag_s"]["p99"]
-            ok = s["failed"] == 0 and ttft_err <= tol and itl_err <= tol and lag <= tol
-            ceiling = rate if ok else ceiling
+            verdict = {}
+            for q in ("p50", "p99"):
+                ttft_err = s["ttft_s"][q] - args.ttft_ms / 1000
+                itl_err = s["itl_s"][q] - args.itl_ms / 1000
+                verdict[q] = (s["failed"] == 0 and s["request_throughput"] >= 0.95 * rate * duration_share(s, args)
+                              and ttft_err <= tol and itl_err <= tol and s["send_lag_s"][q] <= tol)
+                ceiling[q] = rate if verdict[q] else ceiling[q]
             rows.append(f"| {rate:g} | {s['request_throughput']:.1f} | {s['completed'] * args.output_len / duration:.0f} | "
                         f"{s['ttft_s']['p50'] * 1000:.2f} / {s['ttft_s']['p99'] * 1000:.2f} | "
-                        f"{s['itl_s']['p50'] * 1000:.2f} / {s['itl_s']['p99'] * 1000:.2f} | {lag * 1000:.2f} | "
-                        f"{cpu * 100:.0f}% | {s['failed']} | {'yes' if ok else 'no'} |")
+                        f"{s['itl_s']['p50'] * 1000:.2f} / {s['itl_s']['p99'] * 1000:.2f} | "
+                        f"{s['send_lag_s']['p50'] * 1000:.2f} / {s['send_lag_s']['p99'] * 1000:.2f} | "
+                        f"{cpu * 100:.0f}% | {s['failed']} | {'yes' if verdict['p50'] else 'no'} | "
+                        f"{'yes' if verdict['p99'] else 'no'} |")
             print(rows[-1], flush=True)
     finally:
         mock.terminate()
         mock.wait(10)
-    print(f"\nmock: TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {args.output_len} tokens; "
-          f"tolerance {args.tolerance_ms:g} ms\n")
-    print("| rate (req/s) | achieved req/s | chunks/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | send lag p99 ms "
-          "| client CPU | failed | timings right |")
-    print("| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | --- |")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nmock: TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, {args.output_len} tokens; tolerance "
+          f"{args.tolerance_ms:g} ms; {os.cpu_count()} CPUs, load average {load}\n")
+    print("| rate (req/s) | achieved req/s | chunks/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | send lag p50 / p99 ms "
+          "| client CPU | failed | p50 right | p99 right |")
+    print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- |")
     print("\n".join(rows))
-    print(f"\nceiling: {ceiling:g} req/s" if ceiling else "\nceiling: below the lowest rate tried")
+    for q in ("p99", "p50"):
+        print(f"ceiling ({q} timings right): " + (f"{ceiling[q]:g} req/s" if ceiling[q] else "below the lowest rate tried"))
     return 0
 
 
