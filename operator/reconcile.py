@@ -64,7 +64,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
                 events.append(("Normal", "Pruned", f"deleted {kind} {name}: no longer in the spec"))
 
     revision = naming.revision(ms)
-    old_revision = (body.get("status") or {}).get("revision")
+    old_revision = old_status.get("revision")
     if old_revision and old_revision != revision:
         events.append(("Normal", "RevisionChanged", f"rolling out worker revision {revision} (was {old_revision})"))
     if not current:
