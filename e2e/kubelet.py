@@ -146,7 +146,8 @@ class Kubelet:
                 self._run(p, pod)
             except Exception as e:  # e.g. its ServiceAccount not created yet: retried next pass
                 log.warning("pod %s/%s: %r", pod.metadata.namespace, pod.metadata.name, e)
-        for uid in [u for u, p in self.pods.items() if u not in seen and not p.stopping]:
+        # list(...) snapshots: terminating pods leave self.pods from their own threads
+        for uid in [u for u, p in list(self.pods.items()) if u not in seen and not p.stopping]:
             self._kill(self.pods.pop(uid), grace_s=1)  # force-deleted behind our back
 
     def _run(self, p: PodProcess, pod) -> None:
@@ -342,4 +343,4 @@ class Kubelet:
         log.info(line)
 
     def running(self) -> list[PodProcess]:
-        return [p for p in self.pods.values() if p.proc is not None and p.proc.poll() is None]
+        return [p for p in list(self.pods.values()) if p.proc is not None and p.proc.poll() is None]
