@@ -75,7 +75,7 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
     panels = (("output tok/s", lambda s: s["output_throughput"]),
               ("TTFT p99 (ms)", lambda s: s["ttft_s"]["p99"] * 1000),
               ("ITL p99 (ms)", lambda s: s["itl_s"]["p99"] * 1000),
-              ("goodput (req/s)", lambda s: s["request_goodput"] if s["request_goodput"] is not None
+              ("request goodput (req/s)", lambda s: s["request_goodput"] if s["request_goodput"] is not None
                else s["request_throughput"]))
     for label, group in by_label.items():
         group = [r for r in group if r["request_rate"] is not None]
@@ -91,7 +91,10 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
         axes[1].axhline(slos["ttft"], color="grey", linestyle="--", linewidth=1, label="SLO")
     if "itl" in slos:
         axes[2].axhline(slos["itl"], color="grey", linestyle="--", linewidth=1, label="SLO")
-    if not slos:
+    if slos:
+        axes[3].set_title("per request: " + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+                          + (" (itl: every gap)" if "itl" in slos else ""), fontsize=9)
+    else:
         axes[3].set_ylabel("request throughput (req/s; no --goodput SLO)")
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "against request rate")
