@@ -27,14 +27,17 @@ from pdserve.kernels.reference import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
+    paged_decode_attention_rotary_ref,
+    rotary_kv_write_ref,
     rotary_ref,
     silu_and_mul_ref,
 )
 from pdserve.kernels.kv_cache_write import kv_cache_write
-from pdserve.kernels.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import rotary
+from pdserve.kernels.rotary_kv_write import rotary_kv_write
 from pdserve.kernels.silu_and_mul import silu_and_mul
 
 DT = torch.bfloat16
@@ -89,6 +92,20 @@ def bench_decode(batch: int, ctx_len: int) -> list[Row]:
     nbytes = kv_bytes + 2 * q.numel() * DT.itemsize
     shape = f"B={batch} ctx={ctx_len}"
     rows = [Row("decode attn", shape, "triton", _time(lambda: paged_decode_attention(q, *next(cyc), bt, lens, D**-0.5)), nbytes)]
+    sem = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
+    rows.append(Row("decode attn", shape, "triton, merge fused", _time(
+        lambda: paged_decode_attention(q, *next(cyc), bt, lens, D**-0.5, semaphores=sem)), nbytes))
+    # The whole decode attention of a layer from the projection's output: rotary, KV write, merge.
+    k_new, v_new = torch.randn(2, batch, HKV, D, dtype=DT, device="cuda")
+    pos = lens.long() - 1
+    slots = torch.stack([bt[i, p // BS].long() * BS + p % BS for i, p in enumerate(pos.tolist())])
+    cs = torch.randn(ctx_len, D, device="cuda")
+    rows.append(Row("decode attn", shape, "triton, + rotary + KV write, merge fused", _time(
+        lambda: paged_decode_attention_rotary(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5,
+                                              semaphores=sem)), nbytes))
+    rows.append(Row("decode attn", shape, "torch ref, + rotary + KV write", _time(
+        lambda: paged_decode_attention_rotary_ref(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5)),
+        nbytes))
     rows.append(Row("decode attn", shape, "torch ref", _time(lambda: paged_decode_attention_ref(q, *next(cyc), bt, lens, D**-0.5)), nbytes))
     # SDPA over the same K/V already gathered into contiguous [B, Hkv, L, D] (no paging at all).
     dense = [(k[bt.long()].flatten(1, 2).transpose(1, 2).contiguous(), v[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()) for k, v in kvs[:layers]]
@@ -143,6 +160,11 @@ def bench_elementwise(t: int) -> list[Row]:
     nb = 2 * (q.numel() + k.numel()) * DT.itemsize + t * D * 4
     for impl, f in (("triton", rotary), ("torch ref", rotary_ref)):
         rows.append(Row("rotary", f"T={t} Hq={HQ} Hkv={HKV}", impl, _time(lambda: f(pos, q, k, cs)), nb))
+    v = torch.randn(t, HKV, D, dtype=DT, device="cuda")
+    nb = (2 * q.numel() + 4 * k.numel()) * DT.itemsize + t * D * 4  # q in/out, k and v in and into the cache
+    for impl, f in (("triton", rotary_kv_write), ("torch ref", rotary_kv_write_ref)):
+        rows.append(Row("rotary + kv write", f"T={t} Hq={HQ} Hkv={HKV}", impl,
+                        _time(lambda: f(pos, q, k, v, cs, *kvs[1], slots)), nb))
 
     g = torch.randn(t, 2 * 14336, dtype=DT, device="cuda")
     nb = g.numel() * DT.itemsize * 3 // 2

@@ -6,9 +6,9 @@
 GPU: for each model (random bf16 weights in the real configuration, built in memory: no
 checkpoint, no engine, no server) it builds the Llama-family model over the Triton backend and
 a KV cache holding one sequence of `--context` tokens, and captures one decode step (forward,
-lm_head, argmax) as a CUDA graph twice: "fused" (rotary + KV write + qkv bias in one kernel,
-decode attention's split merge inside its split launch) and "v4" (rotary, KV write and the
-merge as separate launches, the bias added by torch). Both graphs are timed in the same run,
+lm_head, argmax) as a CUDA graph twice: "fused" (qkv bias, rotary, KV write, attention and its
+split merge in one launch) and "v4" (rotary, KV write, split attention and the merge as four
+launches, the bias added by torch). Both graphs are timed in the same run,
 beside the copy bandwidth of that run, and profiled with torch.profiler: one table per model
 and path of every kernel's calls and GPU time per step, and the launches per layer.
 
@@ -86,7 +86,7 @@ def set_path(model, backend, fused: bool) -> None:
         attn = layer.self_attn
         attn.fused_epilogue = fused
         attn.bias_in_epilogue = fused and model.cfg.qkv_bias and not model.cfg.qk_norm
-    backend.fuse_decode_merge = fused
+    backend.fuse_decode_merge = backend.fuse_decode_rotary = fused
 
 
 def step_fn(model, ids, positions, meta):

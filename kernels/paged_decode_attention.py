@@ -30,6 +30,7 @@ import triton.language as tl
 
 from pdserve.kernels.launch import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_devices,
     check_same_layout,
     check_tensor,
@@ -42,16 +43,36 @@ from pdserve.kernels.launch import (
 MAX_SPLITS = 64
 
 
+@triton.jit
+def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, d, partner, cos, sin_signed,
+             HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, ROTATE: tl.constexpr):
+    # [R, D_PAD] fp32: rows of one token (+ their bias), rotate-half applied on the full width:
+    # element d pairs with d +- D/2, so out = x * cos + x[partner] * (-sin | +sin).
+    mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(ptr + rows[:, None] * row_stride + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        xp = tl.load(ptr + rows[:, None] * row_stride + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            xp += tl.load(bias_ptr + rows[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x * cos[None, :] + xp * sin_signed[None, :]
+    return x
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"],
-            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr"])
+            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr", "pos_ptr", "slot_ptr"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sem_ptr,
+    pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ob, stride_oh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -67,7 +88,38 @@ def _decode_split_kernel(
     heads = kvh * GROUP + rows
     d = tl.arange(0, D_PAD)
     q_mask = (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if ROTARY:
+        # q/k/v come straight from the projection: add the bias, rotate q (rounded to q's dtype,
+        # as the separate rotary kernel's output is), and let the split that holds the new
+        # token write its rotated k and v into the cache before any of its tiles reads them.
+        half: tl.constexpr = HEAD_DIM // 2
+        lo = d < half
+        partner = tl.where(lo, d + half, d - half)
+        freq = tl.where(lo, d, d - half)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + freq, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + half + freq, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        sin = tl.where(lo, -sin, sin)
+        q = _rotated(q_ptr + b * stride_qb, heads, stride_qh, rows < GROUP, bias_ptr, d, partner, cos, sin,
+                     HEAD_DIM, HAS_BIAS, True).to(q_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (ctx - 1 >= start) & (ctx - 1 < end) & (slot >= 0):
+            hq_total = tl.num_programs(1) * GROUP
+            one = tl.arange(0, 1)  # the KV head's single row, as a [1, D_PAD] tile
+            dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+                   + d * stride_cd)[None, :]
+            kv_mask = (one[:, None] < 1) & (d[None, :] < HEAD_DIM)
+            k_new = _rotated(k_new_ptr + b * stride_knb + kvh * stride_knh, one, 0, one < 1,
+                             bias_ptr + (hq_total + kvh) * HEAD_DIM, d, partner, cos, sin, HEAD_DIM, HAS_BIAS, True)
+            tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=kv_mask)
+            v_new = _rotated(v_new_ptr + b * stride_vnb + kvh * stride_vnh, one, 0, one < 1,
+                             bias_ptr + (hq_total + tl.num_programs(1) + kvh) * HEAD_DIM, d, partner, cos, sin,
+                             HEAD_DIM, HAS_BIAS, False)
+            tl.store(v_ptr + dst, v_new.to(v_ptr.dtype.element_ty), mask=kv_mask)
+        tl.debug_barrier()  # every thread's cache stores before any thread's tile loads
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask,
+                    other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -195,7 +247,58 @@ def paged_decode_attention(
     launch (see the module docstring); the kernel leaves them zero again. Launches that share
     a buffer must be ordered (one stream), as a model's layers are.
     """
-    fn = "paged_decode_attention"
+    return _launch("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens, scale,
+                   num_splits, semaphores, None)
+
+
+def paged_decode_attention_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    semaphores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of reference.paged_decode_attention_rotary_ref: a decode layer's whole
+    attention in one launch. q [B, Hq, D], k/v [B, Hkv, D] straight from the qkv projection
+    (bias not added, not rotated); the bias is added, q and k rotated at `positions`, k and v
+    written at `slot_mapping` (< 0: not written), then attention as paged_decode_attention.
+    Same contract, plus: positions[i] < cos_sin_cache rows, and the new token is the last of
+    its context (positions[i] == context_lens[i] - 1, as for every decode token)."""
+    fn = "paged_decode_attention_rotary"
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    batch, hq, d = q.shape
+    if d % 2:
+        raise ValueError(f"{fn}: head_dim must be even, got {d}")
+    check_tensor(fn, "k", k, (batch, None, d), (q.dtype,))
+    hkv = k.shape[1]
+    check_tensor(fn, "v", v, (batch, hkv, d), (q.dtype,))
+    check_tensor(fn, "positions", positions, (batch,), INDEX_DTYPES)
+    check_tensor(fn, "slot_mapping", slot_mapping, (batch,), INDEX_DTYPES)
+    check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
+    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), (q.dtype,))
+    tensors = dict(q=q, k=k, v=v, positions=positions, slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)
+    if bias is not None:
+        check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
+        tensors["bias"] = bias
+    check_devices(fn, **tensors)
+    for name, t in tensors.items():
+        if t.dim() > 1 and t.stride(-1) != 1 or name == "bias" and not t.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
+    rotary = (positions.contiguous(), slot_mapping.contiguous(), k, v, bias, cos_sin_cache)
+    return _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary)
+
+
+def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary):
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     batch, hq, d = q.shape
     check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype,))
@@ -236,13 +339,20 @@ def paged_decode_attention(
     split = num_splits > 1
     fused = split and semaphores is not None
     group_pad = max(16, triton.next_power_of_2(group))
+    if rotary is not None:
+        positions, slots, k_new, v_new, bias, cs = rotary
+        rotary_args = (positions, slots, k_new, v_new, bias if bias is not None else q, cs)
+        rotary_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cs.stride(0))
+    else:  # unused pointers and strides: any valid values
+        rotary_args, rotary_strides = (context_lens, context_lens, q, q, q, q), (0, 0, 0, 0, 0)
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        semaphores if fused else context_lens,
+        semaphores if fused else context_lens, *rotary_args,
         scale * math.log2(math.e), num_splits,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1), *rotary_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
+        ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )

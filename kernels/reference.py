@@ -144,3 +144,22 @@ def rotary_kv_write_ref(
     q, k = rotary_ref(positions, q, k, cos_sin_cache)
     kv_cache_write_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def paged_decode_attention_rotary_ref(
+    q: torch.Tensor,  # [B, Hq, D], straight from the projection (no bias, not rotated)
+    k: torch.Tensor,  # [B, Hkv, D]
+    v: torch.Tensor,  # [B, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, the new token included
+    positions: torch.Tensor,  # [B] int, context_lens - 1
+    slot_mapping: torch.Tensor,  # [B] int; -1 = not written
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32
+    scale: float,
+    bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D]
+) -> torch.Tensor:  # [B, Hq, D]
+    """A decode layer's attention from the projection's output: epilogue, then paged attention."""
+    q = rotary_kv_write_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, bias)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -5,9 +5,10 @@ tests, which check it produces the torch backend's greedy tokens. Every launcher
 shapes on the host, never index values, so a decode step through this backend can be captured
 in a CUDA graph (worker/cuda_graphs.py).
 
-Per layer of a decode step it launches two kernels: `forward_rotary` (the model's q/k/v
-epilogue: qkv bias, rotary and the KV-cache write in one kernel) and decode attention with its
-split merge fused in (the backend lends the kernel its arrival counters).
+`forward_rotary` takes q/k/v straight from the qkv projection. A decode token's whole attention
+is then one launch: the decode kernel adds the bias, rotates q and k, writes k and v into the
+cache and attends, its split merge fused in (the backend lends it the arrival counters).
+Prefill tokens get one epilogue kernel (bias + rotary + KV write) before prefill attention.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels.kv_cache_write import kv_cache_write
-from pdserve.kernels.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
 from pdserve.worker.attention import AttentionMetadata, _PagedBackend
@@ -27,8 +28,10 @@ class TritonAttentionBackend(_PagedBackend):
     decode = staticmethod(paged_decode_attention)
     prefill = staticmethod(paged_prefill_attention)
 
-    # False: the v4 path (a separate reduce launch), kept for same-run before/after benchmarks.
+    # False: v4's launches (a separate reduce; rotary + KV write before decode attention),
+    # kept for same-run before/after benchmarks (bench/profile_decode.py).
     fuse_decode_merge = True
+    fuse_decode_rotary = True
 
     def __init__(self):
         super().__init__()
@@ -57,11 +60,25 @@ class TritonAttentionBackend(_PagedBackend):
     def forward_rotary(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, cos_sin: torch.Tensor, bias: torch.Tensor | None,
                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated):
-        one kernel adds the bias, rotates q and k and writes k and v into the cache."""
+        """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
-        q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        nd, total = meta.num_decode_tokens, q.shape[0]
+        if nd == 0 or not self.fuse_decode_rotary:
+            q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias)
+            return self._attend(q, k_cache, v_cache, meta, scale)
+        # Decode rows: epilogue and attention in one launch, in mixed steps too (so a mixed step
+        # meets the same kernel variants as the graphs: nothing to compile mid-traffic).
+        sem = self.semaphores(nd * k_cache.shape[2], q.device) if self.fuse_decode_merge else None
+        dec = paged_decode_attention_rotary(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, positions[:nd], meta.slot_mapping[:nd],
+                                            cos_sin, scale, bias, semaphores=sem)
+        if nd == total:
+            return dec
+        qp = rotary_kv_write(positions[nd:], q[nd:], k[nd:], v[nd:], cos_sin, k_cache, v_cache,
+                             meta.slot_mapping[nd:], bias)
+        pre = paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                      meta.prefill_context_lens, scale)
+        return torch.cat([dec, pre])
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # Unlike the shared dispatch, a step that is all decode or all prefill returns the

@@ -97,3 +97,61 @@ def test_rejects_bad_arguments():
         fn(q, k_cache, v_cache, bt, lens, 0.25, semaphores=torch.zeros(3, dtype=torch.int32, device=DEVICE))
     with pytest.raises(TypeError, match="semaphores has dtype int64"):
         fn(q, k_cache, v_cache, bt, lens, 0.25, semaphores=torch.zeros(4, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case,with_bias", [(0, False), (1, True), (2, True)])
+def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dtype, num_splits, case, with_bias):
+    # One launch = rotary_kv_write + decode attention: the new token's k/v are written by the
+    # split that holds its position, which then reads them back from the cache.
+    from pdserve.kernels.paged_decode_attention import paged_decode_attention_rotary
+    from pdserve.kernels.reference import paged_decode_attention_rotary_ref
+
+    hq, hkv, d, block_size, ctx = CASES[case]
+    cache, k_cache, v_cache = paged_kv(40, 2, block_size, hkv, d, dtype)
+    block_tables = block_tables_for(ctx, block_size, 40, extra=1)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    b = len(ctx)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    bias = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device=DEVICE) if with_bias else None
+    positions = context_lens.long() - 1
+    slots = torch.stack([block_tables[i, p // block_size].long() * block_size + p % block_size
+                         for i, p in enumerate(positions.tolist())])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(128, dtype=torch.float64)[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEVICE)
+    ref_cache = cache.double()
+    ref = paged_decode_attention_rotary_ref(q.double(), k.double(), v.double(), ref_cache[:, 1, 0],
+                                            ref_cache[:, 1, 1], block_tables, context_lens, positions, slots,
+                                            cs.double(), d**-0.5, bias.double() if bias is not None else None)
+    sem = torch.zeros(b * hkv, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, block_tables, context_lens, positions,
+                                        slots.int(), cs, d**-0.5, bias, num_splits=num_splits, semaphores=sem)
+    # Twice the bound: the rotated q and the new K/V are rounded to the cache dtype before the
+    # attention (truncated, under the interpreter) where the float64 reference keeps them exact.
+    assert out.dtype == dtype
+    assert rel_error(out, ref) < 2 * TOL[dtype]
+    blk, off = slots // block_size, slots % block_size  # the new tokens' K/V, where the reference put them
+    for kv in (0, 1):
+        assert rel_error(cache[blk, 1, kv, off], ref_cache[blk, 1, kv, off]) < TOL[dtype]
+    assert torch.equal(cache[:, 0], ref_cache[:, 0].to(dtype))  # the other layer untouched
+    assert not sem.any()
+
+
+def test_rotary_variant_padding_rows_write_nothing():
+    from pdserve.kernels.paged_decode_attention import paged_decode_attention_rotary
+
+    cache, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
+    before = cache.clone()
+    q, k, v = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
+    ones = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    cs = torch.randn(8, 16, device=DEVICE)
+    out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones * 0, -ones, cs, 0.25, num_splits=2)
+    assert torch.equal(cache, before) and not out.isnan().any()
+    with pytest.raises(ValueError, match=r"paged_decode_attention_rotary: bias has shape \[3\], expected \[128\]"):
+        paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones, ones, cs, 0.25, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"k_cache has shape \[8, 4, 2, 16\], expected \[\*, \*, 1, 16\]"):
+        paged_decode_attention_rotary(q, k[:, :1], v[:, :1], k_cache, v_cache, bt, ones, ones, ones, cs, 0.25)

@@ -180,7 +180,8 @@ def test_per_step_integers_are_not_specialized():
         return set(opts.get(attr) or [])
 
     expect = {
-        "paged_decode_attention._decode_split_kernel": ({"num_splits", "stride_btb"}, {"bt_ptr", "ctx_ptr"}),
+        "paged_decode_attention._decode_split_kernel": ({"num_splits", "stride_btb"},
+                                                        {"bt_ptr", "ctx_ptr", "pos_ptr", "slot_ptr"}),
         "paged_decode_attention._decode_reduce_kernel": ({"num_splits"}, set()),
         "paged_prefill_attention._prefill_kernel": ({"num_seqs", "stride_btb"}, {"bt_ptr", "cu_q_ptr", "ctx_ptr"}),
         "rotary_kv_write._rotary_kv_write_kernel": (set(), {"pos_ptr", "slot_ptr"}),
