@@ -46,7 +46,10 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._task is not None and not self._task.done() and self.error is None
+        """False once the step loop or the KV side channel is gone: /health turns 503, so the
+        router stops sending here and Kubernetes restarts the pod."""
+        return (self._task is not None and not self._task.done() and self.error is None
+                and self.engine.kv_health() is None)
 
     async def start(self) -> None:
         self._wake = asyncio.Event()

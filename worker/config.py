@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import ipaddress
+import os
+from dataclasses import dataclass, field, fields
 
 ROLES = ("both", "prefill", "decode")
+ENV_KV_SECRET = "PDSERVE_KV_SECRET"  # the side channel's shared secret (a Kubernetes Secret, say)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -35,11 +38,14 @@ class EngineConfig:
     seed: int = 0
     role: str = "both"
     kv_transfer: str | None = None  # nixl | tcp | None (= nixl if installed, else tcp)
-    kv_host: str | None = None  # address peers use to reach our KV side channel
+    kv_host: str | None = None  # where the KV side channel listens and what peers are told (default: see kv_bind_host)
+    kv_bind_host: str | None = None  # without kv_host: listen here (the CLI passes the HTTP --host); None = loopback
     kv_port: int = 5600
     kv_pin_ttl: float = 30.0
     kv_pull_timeout: float = 30.0  # a silent prefill peer costs this much before local prefill
-    kv_peer_allow: tuple[str, ...] = ()  # CIDRs/hosts a decode worker may pull from
+    kv_peer_allow: tuple[str, ...] = ()  # CIDRs/hosts a decode worker may pull from; empty = none
+    kv_max_pulls_per_peer: int = 4  # concurrent pulls (and releases) per prefill peer; more wait their turn
+    kv_secret: str | None = field(default=None, repr=False)  # side-channel shared secret; None = unauthenticated
     kv_events_port: int | None = None  # ZMQ PUB port for KV cache events (router prefix-aware)
 
     def __post_init__(self):
@@ -70,6 +76,17 @@ class EngineConfig:
             raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:
             raise ConfigError("--kv-pin-ttl", f"must be positive seconds, got {self.kv_pin_ttl}")
+        if self.kv_max_pulls_per_peer < 1:
+            raise ConfigError("--kv-max-pulls-per-peer", f"must be at least 1, got {self.kv_max_pulls_per_peer}")
+        if self.kv_secret is not None and len(self.kv_secret) < 16:
+            raise ConfigError("--kv-secret", f"must be at least 16 characters (a random string, the same on every "
+                                             f"worker of the deployment); got {len(self.kv_secret)}")
+        for item in self.kv_peer_allow:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                if not item or "/" in item or any(c.isspace() for c in item):
+                    raise ConfigError("--kv-peer-allow", f"{item!r} is neither a CIDR nor a host name") from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -90,16 +107,26 @@ class EngineConfig:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--role", default="both", choices=ROLES)
         g.add_argument("--kv-transfer", default=None, choices=("nixl", "tcp"))
-        g.add_argument("--kv-host", default=None, help="address peers use for our KV side channel")
+        g.add_argument("--kv-host", default=None,
+                       help="address the KV side channel listens on and advertises (default: listen where HTTP "
+                            "listens, advertise $POD_IP or that address)")
         g.add_argument("--kv-port", type=int, default=5600)
         g.add_argument("--kv-pin-ttl", type=float, default=30.0)
         g.add_argument("--kv-pull-timeout", type=float, default=30.0)
-        g.add_argument("--kv-peer-allow", nargs="*", default=[], help="CIDRs/hosts decode may pull from")
+        g.add_argument("--kv-peer-allow", nargs="*", default=[],
+                       help="CIDRs/host names a decode worker may pull KV from (default: none)")
+        g.add_argument("--kv-max-pulls-per-peer", type=int, default=4)
+        g.add_argument("--kv-secret", default=None,
+                       help=f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
+                            f"arguments are visible in the process list)")
         g.add_argument("--kv-events-port", type=int, default=None)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace, environ=os.environ) -> "EngineConfig":
         kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         if "kv_peer_allow" in kwargs:
             kwargs["kv_peer_allow"] = tuple(kwargs["kv_peer_allow"] or ())
+        kwargs.setdefault("kv_bind_host", getattr(args, "host", None))  # the HTTP server's --host
+        if not kwargs.get("kv_secret"):
+            kwargs["kv_secret"] = environ.get(ENV_KV_SECRET) or None
         return cls(**kwargs)

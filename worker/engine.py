@@ -87,7 +87,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         if is_remote_decode(kv_transfer_params):
-            self.scheduler.connector.check_params(kv_transfer_params, n)
+            self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
         with self._lock:
             # A second request under a live id would never get outputs of its own: refuse it.
@@ -144,6 +144,10 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def kv_health(self) -> str | None:
+        """None while P/D transfer can work; else why not (the server's /health answers 503)."""
+        return self.kv_connector.health() if self.kv_connector is not None else None
 
     def metrics_collectors(self) -> list:
         """Prometheus collectors beyond `stats()` (KV-transfer series), for the process's registry."""

@@ -12,11 +12,16 @@ import httpx
 import pytest
 
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.prompt_binding import token_digest
 from tests.worker.test_server_harness import WorkerProcess, free_port
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
 BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(1 << 22))
+ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(1 << 22), "--kv-peer-allow", "127.0.0.1")
+SECRET = "kv-transfer-tests-shared-secret"
+ENV = {"PDSERVE_KV_SECRET": SECRET}  # as a Kubernetes Secret would pass it
+AUTH = SideChannelAuth(SECRET)
 
 
 def kv_state(w: WorkerProcess) -> dict:
@@ -51,9 +56,9 @@ def pd_pair(request, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
     t = request.param
     p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pin-ttl", "3").start()
+                      "--kv-pin-ttl", "3", env=ENV).start()
     d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pull-timeout", "3").start()
+                      "--kv-pull-timeout", "3", env=ENV).start()
     try:
         p.wait_ready()
         d.wait_ready()
@@ -120,13 +125,15 @@ def test_forged_and_expired_tokens_are_rejected(pd_pair, clean):
     _, p, d = pd_pair
     params = prefill(p, BASE)["kv_transfer_params"]
     host, port = params["remote_host"], params["remote_port"]
-    forged = {"request_id": params["remote_request_id"], "token": "forged", "indices": [0]}
+    digest = token_digest(params["transfer_token"])
+    forged = {"request_id": params["remote_request_id"], "token": "forged", "indices": [0], "prompt_digest": digest}
     with pytest.raises(side_channel.SideChannelError, match="refused"):
-        side_channel.call(host, port, "read", forged, 5)
-    # A decode worker handed the forged token cannot pull; it prefills locally and still answers right.
+        side_channel.call(host, port, "read", forged, 5, AUTH)
+    # A decode worker handed the forged token (bound to the right prompt, so it passes the decode
+    # side's early check) cannot pull; it prefills locally and still answers right.
     plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
     fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
-    bad = {**params, "transfer_token": "forged"}
+    bad = {**params, "transfer_token": f"forged.{digest}"}
     rest = httpx.post(f"{d.url}/v1/completions", json={**BASE, "kv_transfer_params": bad}, timeout=60).json()
     assert params and rest["choices"][0]["text"] == plain[len(plain) - len(rest["choices"][0]["text"]):]
     assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks + 1
@@ -134,20 +141,22 @@ def test_forged_and_expired_tokens_are_rejected(pd_pair, clean):
     time.sleep(4)
     genuine = {**forged, "token": params["transfer_token"]}
     with pytest.raises(side_channel.SideChannelError, match="refused"):
-        side_channel.call(host, port, "read", genuine, 5)
+        side_channel.call(host, port, "read", genuine, 5, AUTH)
 
 
 def test_peer_outside_allowlist_is_never_contacted(pd_pair, clean):
     _, p, d = pd_pair
     params = prefill(p, BASE)["kv_transfer_params"]
     failures = metric(d, "pdserve_kv_transfer_failures_total")
-    forged = {**params, "remote_host": "203.0.113.7"}  # TEST-NET-3: not in the default allowlist
-    r = httpx.post(f"{d.url}/v1/completions", json={**BASE, "kv_transfer_params": forged}, timeout=60)
-    assert r.status_code == 200  # served by local prefill
-    assert metric(d, "pdserve_kv_transfer_failures_total") == failures + 1
+    for host in ("203.0.113.7", "169.254.169.254", "metadata.google.internal"):  # not in --kv-peer-allow
+        forged = {**params, "remote_host": host}
+        r = httpx.post(f"{d.url}/v1/completions", json={**BASE, "kv_transfer_params": forged}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+        assert "--kv-peer-allow" in r.json()["error"]["message"]
+    assert metric(d, "pdserve_kv_transfer_failures_total") == failures  # refused before any connection
     # Release the genuine pin so the leak check passes promptly.
     side_channel.call(params["remote_host"], params["remote_port"], "release",
-                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5)
+                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH)
 
 
 def test_mismatched_block_size_is_refused(tiny_checkpoint, pd_pair):
@@ -166,10 +175,11 @@ def test_mismatched_block_size_is_refused(tiny_checkpoint, pd_pair):
 
 def test_killed_prefill_worker_means_local_prefill(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    with WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", "tcp", "--kv-pull-timeout", "2") as d:
+    with WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", "tcp", "--kv-pull-timeout", "2", env=ENV) as d:
         start = kv_state(d)
         plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
-        with WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", "tcp", "--kv-port", str(free_port())) as p:
+        with WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", "tcp", "--kv-port", str(free_port()),
+                           env=ENV) as p:
             first = prefill(p, BASE)
             p.stop(sig=9)
         rest = httpx.post(f"{d.url}/v1/completions", timeout=60,

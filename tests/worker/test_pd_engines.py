@@ -32,7 +32,8 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl ext
 def make_engine(ckpt, role, port, util, prefix_caching=True) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device=DEVICE, role=role, kv_transfer="nixl", kv_port=port,
                                   gpu_memory_utilization=util, kv_cache_memory=64 << 20, max_model_len=512,
-                                  max_num_seqs=8, enable_prefix_caching=prefix_caching))
+                                  max_num_seqs=8, enable_prefix_caching=prefix_caching,
+                                  kv_peer_allow=("127.0.0.1",), kv_secret="engine-test-shared-secret"))
 
 
 def prefill_process(ckpt, port, conn) -> None:

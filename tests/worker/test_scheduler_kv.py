@@ -32,10 +32,10 @@ def compute(sched: Scheduler, batch, sample=7):
 
 
 def make(role: str):
-    cfg = EngineConfig(role=role, kv_transfer="tcp", kv_port=free_port(), kv_pin_ttl=30)
+    cfg = EngineConfig(role=role, kv_transfer="tcp", kv_port=free_port(), kv_pin_ttl=30, kv_peer_allow=("127.0.0.1",))
     transfer = KVConnector(cfg, torch.zeros(BLOCKS, 1, 2, BS, 1, 4), f"{role}-engine", LAYOUT)
     if role == "prefill":
-        transfer.start_server("127.0.0.1")
+        transfer.start_server()
     bm = BlockManager(BLOCKS, BS)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
                       connector=KVConnectorScheduler(BS, VOCAB, 64, transfer))

@@ -12,26 +12,37 @@ half gets its orders as `KVConnectorMetadata` and reports back as `KVConnectorOu
 
 Prefill side: `pin()` records a finished prefill's blocks in the pin table and describes them
 in kv_transfer_params; the side channel serves reads and releases (and NIXL notifications)
-from that table on its own thread. Every peer is checked against --kv-peer-allow first.
+from that table on its own thread.
+
+Security (docs/security.md): the side channel listens where HTTP does unless --kv-host says
+otherwise, and with --kv-secret every message is authenticated both ways; `describe` gives
+only the layout, and NIXL agent metadata travels only in the reply to a lease (a live
+transfer token for the reader's own prompt). Decode side: every peer is checked against
+--kv-peer-allow (default: nobody), and pulls run in a pool bounded per peer.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, PinTable
-from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
+from pdserve.worker.kv.pull_pool import PullPool
+from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
+
+PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +62,15 @@ class KVConnector:
         self.pins = PinTable(config.kv_pin_ttl)
         self.metrics = KVMetrics()
         self.policy = PeerPolicy(config.kv_peer_allow)
+        self.auth = SideChannelAuth(config.kv_secret)
         self.port = config.kv_port
         self.timeout = config.kv_pull_timeout
-        self.host = config.kv_host or os.environ.get("POD_IP") or "127.0.0.1"
+        # Listen where HTTP listens unless told otherwise; advertise an address peers can use.
+        self.bind_host = config.kv_host or config.kv_bind_host or "127.0.0.1"
+        advertised = config.kv_host or os.environ.get("POD_IP")
+        if advertised is None:
+            advertised = "127.0.0.1" if _is_wildcard(self.bind_host) else self.bind_host
+        self.host = advertised
         self.nixl = None
         if self.transport == "nixl":
             try:
@@ -64,20 +81,33 @@ class KVConnector:
                 raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
                                                    f"or use --kv-transfer tcp") from e
         self.server: side_channel.SideChannelServer | None = None
-        self.executor = ThreadPoolExecutor(4, thread_name_prefix="kv-pull")
+        self.pool = PullPool(PULL_THREADS, config.kv_max_pulls_per_peer, cooldown_s=min(10.0, self.timeout))
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
 
     # -- prefill side -------------------------------------------------------------------------
 
-    def start_server(self, bind_host: str = "0.0.0.0") -> None:
+    def start_server(self) -> None:
         tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
         handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read}
-        self.server = side_channel.SideChannelServer(bind_host, self.port, handlers, tick=self._nixl_tick if self.nixl else None)
+        self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth,
+                                                     tick=self._nixl_tick if self.nixl else None)
         self.server.start()
-        log.info("KV side channel on %s:%d (advertised as %s), transport %s", bind_host, self.port, self.host, self.transport)
+        log.info("KV side channel on %s:%d (advertised as %s), transport %s, %s", self.bind_host, self.port,
+                 self.host, self.transport, "authenticated" if self.auth.enabled else "UNAUTHENTICATED")
+        if not self.auth.enabled:
+            log.warning("KV side channel without --kv-secret: any host that reaches %s:%d can ask it for pinned "
+                        "blocks with a transfer token; set --kv-secret (or PDSERVE_KV_SECRET) on every worker",
+                        self.bind_host, self.port)
 
-    def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int) -> dict:
-        token, expires_at = self.pins.add(request_id, block_ids)
+    def health(self) -> str | None:
+        """None while the side channel serves; else why not (the worker's /health turns 503)."""
+        if self.server is not None and not self.server.healthy:
+            return "the KV side channel thread has stopped"
+        return None
+
+    def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
+            prompt_digest: str) -> dict:
+        token, expires_at = self.pins.add(request_id, block_ids, prompt_digest)
         return {
             "remote_engine_id": self.engine_id,
             "remote_host": self.host,
@@ -93,17 +123,22 @@ class KVConnector:
         }
 
     def _describe(self, body):
-        desc = {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes}
-        if self.nixl:
-            desc["nixl"] = self.nixl.describe()
-        return desc, [], None
+        # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).
+        return {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes,
+                "transport": self.transport}, []
 
     def _lease(self, body):
-        ids = self.pins.lease(body["request_id"], body["token"], LEASE_S)
-        return {"block_ids": [ids[i] for i in body["indices"]]}, [], None
+        if self.nixl is None:
+            raise ValueError("this worker serves KV over TCP: use read")
+        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"))
+        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"],
+                 "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
+        if body.get("want_metadata"):
+            reply["nixl"] = self.nixl.describe()
+        return reply, []
 
     def _release(self, body):
-        return {"released": self.pins.release(body["request_id"], body["token"])}, [], None
+        return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
 
     def _nixl_tick(self) -> None:
         for msg in self.nixl.notifications():
@@ -114,10 +149,10 @@ class KVConnector:
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         for load in meta.loads:
-            self._loading[load.request_id] = self.executor.submit(self._pull, load.params, load.indices,
-                                                                  load.dst_blocks)
+            self._loading[load.request_id] = self.pool.submit(
+                _peer(load.params), self._pull, load.params, load.indices, load.dst_blocks, load.prompt_digest)
         for params in meta.releases:
-            self.executor.submit(self._release_quietly, params)
+            self.pool.submit(_peer(params), self._release_quietly, params)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -143,7 +178,7 @@ class KVConnector:
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
-    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int]) -> int:
+    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int], digest: str) -> int:
         """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
         t0 = time.perf_counter()
         transport = params.get("transport", "tcp")
@@ -151,10 +186,10 @@ class KVConnector:
             host = self.policy.check(str(params["remote_host"]))
             port = int(params["remote_port"])
             if transport == "nixl" and self.nixl is not None:
-                nbytes = self._nixl_pull(host, port, params, indices, dst_blocks)
+                nbytes = self._nixl_pull(host, port, params, indices, dst_blocks, digest)
             else:
                 transport = "tcp"
-                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout)
+                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest)
         except Exception:
             self.metrics.failures.labels("recv", transport).inc()
             self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
@@ -163,17 +198,22 @@ class KVConnector:
         self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
         return nbytes
 
-    def _nixl_pull(self, host, port, params, indices, dst_blocks) -> int:
+    def _nixl_pull(self, host, port, params, indices, dst_blocks, digest) -> int:
         engine_id = params["remote_engine_id"]
         peer = self.nixl.known_peer(engine_id)
-        if peer is None:
-            desc, _ = side_channel.call(host, port, "describe", {}, self.timeout)
-            if desc["engine_id"] != engine_id or "nixl" not in desc:
-                raise side_channel.SideChannelError(f"KV peer {host}:{port} is not NIXL engine {engine_id}")
-            peer = self.nixl.add_peer(engine_id, desc["nixl"])
         rid, token = params["remote_request_id"], params["transfer_token"]
-        reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices},
-                                     self.timeout)
+        reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices,
+                                                           "prompt_digest": digest, "want_metadata": peer is None},
+                                     self.timeout, self.auth)
+        if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
+            raise side_channel.SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not "
+                                                f"confirm the prompt digest")
+        if peer is None:
+            if not isinstance(reply.get("nixl"), dict):
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
+            peer = self.nixl.add_peer(engine_id, reply["nixl"])
+        if len(reply.get("block_ids", ())) != len(dst_blocks):
+            raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
         nbytes = len(dst_blocks) * self.block_bytes
         notif = {"op": "release", "request_id": rid, "token": token, "bytes": nbytes}
         return self.nixl.read(peer, reply["block_ids"], dst_blocks, notif, self.timeout)
@@ -183,11 +223,23 @@ class KVConnector:
         try:
             host = self.policy.check(str(params["remote_host"]))  # never contact a peer we would not pull from
             side_channel.call(host, int(params["remote_port"]), "release",
-                              {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5.0)
+                              {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
+                              min(5.0, self.timeout), self.auth)
         except Exception as e:
             log.debug("KV release of %s failed: %s", params.get("remote_request_id"), e)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         if self.server:
             self.server.stop()
+
+
+def _peer(params: dict) -> tuple[str, int]:
+    return str(params.get("remote_host")), int(params.get("remote_port", 0))
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False

@@ -18,6 +18,7 @@ class KVLoad:
     params: dict  # the prefill worker's kv_transfer_params
     indices: list[int]  # positions in params["remote_block_ids"] to read
     dst_blocks: list[int]  # our block ids, one per index
+    prompt_digest: str  # of this request's prompt: the prefill side serves only blocks computed from it
 
 
 @dataclass

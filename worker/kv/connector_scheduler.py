@@ -24,6 +24,8 @@ import logging
 from dataclasses import replace
 
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
+from pdserve.worker.kv.peer_policy import PeerNotAllowed
+from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
 from pdserve.worker.request import Request, RequestError, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,9 @@ class KVConnectorScheduler:
 
     # -- arrival --------------------------------------------------------------------------------
 
-    def check_params(self, p: dict, num_prompt_tokens: int) -> None:
-        """Decode side: refuse malformed or incompatible params before anything is allocated."""
+    def check_params(self, p: dict, prompt_token_ids: list[int]) -> None:
+        """Decode side: refuse malformed, incompatible or foreign params before anything is allocated."""
+        num_prompt_tokens = len(prompt_token_ids)
         for key, typ in REMOTE_KEYS.items():
             if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
                 raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} is missing or not a {typ.__name__}")
@@ -75,6 +78,13 @@ class KVConnectorScheduler:
         if len(p["remote_block_ids"]) != -(-num_prompt_tokens // self.block_size):
             raise RequestError("kv_transfer_params",
                                "kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+        # The pin's own check (on pull) is what holds against forgery; this one answers 400 early.
+        if token_digest(p["transfer_token"]) != prompt_digest(prompt_token_ids):
+            raise RequestError("kv_transfer_params", "kv_transfer_params were issued for a different prompt")
+        try:
+            self._transfer.policy.check(p["remote_host"])
+        except PeerNotAllowed as e:
+            raise RequestError("kv_transfer_params", str(e)) from None
 
     def new_request(self, req: Request) -> None:
         p = req.kv_transfer_params
@@ -110,7 +120,7 @@ class KVConnectorScheduler:
         first = (req.num_prompt_tokens - num_external_tokens) // bs  # cached tokens are whole blocks
         last = -(-req.num_prompt_tokens // bs)
         self._meta.loads.append(KVLoad(req.request_id, req.kv_transfer_params, list(range(first, last)),
-                                       req.block_ids[first:last]))
+                                       req.block_ids[first:last], prompt_digest(req.token_ids[:req.num_prompt_tokens])))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()
@@ -135,5 +145,5 @@ class KVConnectorScheduler:
         # Only prompt blocks are offered: the first token's KV was never computed here.
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
         params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
-                                    req.output_token_ids[0])
+                                    req.output_token_ids[0], prompt_digest(req.token_ids[:req.num_prompt_tokens]))
         return True, params

@@ -1,9 +1,16 @@
 """NIXL transport: one-sided READ of the remote KV cache (UCX backend), CPU or GPU memory.
 
-The whole KV cache tensor is registered once. The decode side adds the prefill agent once
-(its metadata comes over the side channel), leases the request's blocks, READs them as one
-descriptor per contiguous run, and the READ's completion notification tells the prefill side
-to release them.
+The whole KV cache tensor is registered once. The decode side leases the request's blocks
+over the side channel; the first lease's reply also carries the prefill agent's metadata,
+which the decode side adds once. It READs the blocks as one descriptor per contiguous run, and
+the READ's completion notification tells the prefill side to release them.
+
+What NIXL/UCX cannot enforce for us: once a peer holds the agent metadata (the UCX worker
+address and the remote key of the registered cache), a one-sided READ or WRITE of any byte of
+that registration is served by the NIC / UCX transport without asking this process. The
+lease is then a courtesy, not a check. So the metadata is handed out only inside a lease,
+i.e. to a peer that proved it holds the side-channel secret *and* a live transfer token, and
+the registration is the whole cache (see docs/security.md for why not per lease).
 """
 
 from __future__ import annotations
@@ -55,11 +62,15 @@ class NixlTransport:
         self.device_id = cache.device.index or 0
         self.base = cache.data_ptr()
         self._remote: dict[str, dict] = {}  # engine id -> described peer
+        self._described: dict | None = None
         self._lock = threading.Lock()  # agent calls from pull threads and the side-channel thread
 
     def describe(self) -> dict:
-        return {"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "base": self.base, "device_id": self.device_id, "mem_type": self.mem_type}
+        """Everything a peer needs to READ (or WRITE) this cache: give it only to a leaseholder."""
+        if self._described is None:
+            self._described = {"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                               "base": self.base, "device_id": self.device_id, "mem_type": self.mem_type}
+        return self._described
 
     def add_peer(self, engine_id: str, desc: dict) -> dict:
         with self._lock:

@@ -1,9 +1,22 @@
 """The prefill worker's KV side channel: one ZMQ ROUTER socket on --kv-port, one thread.
 
-Requests are [op, json] multipart messages; replies are [b"ok", json, *frames] or
-[b"err", message]. Ops: describe (layout and transport metadata), lease (authenticate and
-hold blocks for a one-sided NIXL read), read (TCP: the block bytes themselves), release
-(the decode side is done). Every op but describe names a request and its transfer token.
+Wire format (after ZMQ's routing frames):
+  request  [b"", op, body json, mac]              body carries ts and nonce (see `auth`)
+  reply    [b"", b"ok", json, mac, *block frames] or [b"", b"err", message, mac]
+Ops: describe (layout only), lease (authenticate a transfer token and hold its blocks for a
+one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: the
+block bytes themselves, a copy, and the pin is released at once), release (the decode side
+is done).
+
+One thread serves everyone, so nothing on it may wait for a peer:
+- every message is handled inside one try, whatever its frames (a malformed one gets an
+  error reply, or is dropped when it cannot even be answered), and the loop itself is
+  guarded: the thread ends only on `stop()`; `healthy` reports that, for /health;
+- requests are capped at MAX_REQUEST_BYTES (libzmq drops the connection beyond it);
+- block bytes are copied out of the KV cache before they are queued, so a pin never waits
+  on a slow reader, and sends never block: a ROUTER drops a message to a peer whose queue
+  (SNDHWM) is full, and a peer address with MAX_UNSENT_PER_PEER replies still unsent gets
+  "busy" instead of more bytes. ZMQ fair-queues incoming messages across connections.
 """
 
 from __future__ import annotations
@@ -11,29 +24,50 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import zmq
 
+from pdserve.worker.kv.auth import SideChannelAuth
+
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+MAX_REQUEST_BYTES = 64 * 1024  # requests are small JSON; bytes only flow in replies
+SNDHWM = 16  # queued outgoing messages per connection before ROUTER drops
+MAX_UNSENT_PER_PEER = 2  # replies with block bytes not yet on the wire, per peer address
+MAX_UNSENT = 16  # the same, all peers together: bounds the memory of copied blocks
+
+Handler = Callable[[dict], tuple[dict, list]]  # body -> (reply, block frames)
+
+
+class Busy(RuntimeError):
+    pass
 
 
 class SideChannelServer:
-    def __init__(self, bind_host: str, port: int, handlers: dict[str, Callable], tick: Callable[[], None] | None = None):
+    def __init__(self, bind_host: str, port: int, handlers: dict[str, Handler], auth: SideChannelAuth,
+                 tick: Callable[[], None] | None = None):
         self.handlers = handlers
+        self.auth = auth
         self.tick = tick  # called every poll interval (NIXL notifications)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         try:
             self.sock.bind(f"tcp://{bind_host}:{port}")
         except zmq.ZMQError as e:
             self.sock.close()
             raise OSError(f"--kv-port {port}: cannot listen on {bind_host}:{port} ({e})") from e
+        self._unsent: list[tuple[zmq.MessageTracker, str]] = []  # (tracker, peer address)
+        self._unsent_by_peer: Counter[str] = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
+        self.num_refused = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -43,36 +77,96 @@ class SideChannelServer:
         self._thread.join(timeout=5)
         self.sock.close()
 
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if self.tick:
-                try:
-                    self.tick()
-                except Exception:
-                    log.exception("KV side channel tick failed")
-            if not dict(poller.poll(POLL_MS)):
-                continue
-            ident, _, op, body = self.sock.recv_multipart()
-            handler = self.handlers.get(op.decode(errors="replace"))
             try:
-                if handler is None:
-                    raise ValueError(f"unknown op {op!r}")
-                reply, frames, after = handler(json.loads(body))
-                trackers = self.sock.send_multipart([ident, b"", b"ok", json.dumps(reply).encode(), *frames],
-                                                    copy=not frames, track=bool(frames))
-                if after is not None:
-                    if trackers is not None:
-                        trackers.wait(30)  # zero-copy frames: memory stays leased until sent
-                    after()
-            except Exception as e:
-                log.warning("KV side channel %s refused: %s", op, e)
-                self.sock.send_multipart([ident, b"", b"err", str(e).encode()])
+                if self.tick:
+                    self.tick()
+                self._reap()
+                if not dict(poller.poll(POLL_MS)):
+                    continue
+                for _ in range(64):  # a burst, then back to tick and reap
+                    try:
+                        msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(msg)
+            except Exception:  # a bug must not end the channel: log it and serve the next message
+                log.exception("KV side channel loop error")
+                time.sleep(POLL_MS / 1000)
+        log.info("KV side channel stopped")
+
+    def _handle(self, msg: list[zmq.Frame]) -> None:
+        ident = msg[0].bytes
+        peer = msg[0].get("Peer-Address") or "?"
+        parts = [f.bytes for f in msg[1:]]
+        if len(parts) != 4 or parts[0] != b"":
+            self._refuse(ident, "", f"malformed request: {len(msg)} frames, expected [id, '', op, body, mac]", peer)
+            return
+        _, op, raw, mac = parts
+        nonce = ""
+        try:
+            body = self.auth.verify_request(op, raw, mac)
+            nonce = str(body.get("nonce", ""))
+            handler = self.handlers.get(op.decode(errors="replace"))
+            if handler is None:
+                raise ValueError(f"unknown op {op[:32]!r}")
+            if op == b"read" and (self._unsent_by_peer[peer] >= MAX_UNSENT_PER_PEER or len(self._unsent) >= MAX_UNSENT):
+                raise Busy(f"busy: replies to {peer} are still unsent; retry after reading them")
+            reply, frames = handler(body)
+            payload = json.dumps(reply).encode()
+            head = [ident, b"", b"ok", payload, self.auth.sign_reply(nonce, b"ok", payload)]
+            if not frames:
+                self.sock.send_multipart(head, zmq.NOBLOCK)
+                return
+            # The frames are this reply's own copy: zero-copy hands them to ZMQ, the tracker says
+            # when ZMQ let go (sent, or dropped with a full queue or a closed connection).
+            tracker = self.sock.send_multipart(head + frames, zmq.NOBLOCK, copy=False, track=True)
+            self._unsent.append((tracker, peer))
+            self._unsent_by_peer[peer] += 1
+        except Exception as e:
+            self._refuse(ident, nonce, str(e) or type(e).__name__, peer)
+
+    def _refuse(self, ident: bytes, nonce: str, message: str, peer: str) -> None:
+        self.num_refused += 1
+        log.warning("KV side channel refused a request from %s: %s", peer, message[:200])
+        payload = message[:500].encode(errors="replace")
+        try:
+            self.sock.send_multipart([ident, b"", b"err", payload, self.auth.sign_reply(nonce, b"err", payload)],
+                                     zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone or its queue is full: it gets its own timeout
+
+    def _reap(self) -> None:
+        if not self._unsent:
+            return
+        still = []
+        for tracker, peer in self._unsent:
+            if tracker.done:
+                self._unsent_by_peer[peer] -= 1
+                if self._unsent_by_peer[peer] <= 0:
+                    del self._unsent_by_peer[peer]
+            else:
+                still.append((tracker, peer))
+        self._unsent = still
 
 
 class SideChannelError(RuntimeError):
     pass
+
+
+class PeerTimeout(SideChannelError):
+    """The peer did not answer in time: it is down, partitioned, or not a KV side channel."""
+
+
+class PeerBusy(SideChannelError):
+    """The peer has too many of our replies still unsent; retrying shortly is right."""
 
 
 _local = threading.local()  # per-thread sockets: a DEALER is not thread-safe
@@ -101,17 +195,27 @@ def _drop(host: str, port: int) -> None:
         sock.close()
 
 
-def call(host: str, port: int, op: str, body: dict, timeout_s: float) -> tuple[dict, list]:
+def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: SideChannelAuth) -> tuple[dict, list]:
     """One request/reply to a peer's side channel. Raises SideChannelError on refusal or timeout."""
     sock = _socket(host, port, timeout_s)
+    raw, mac, nonce = auth.sign_request(op, body)
     try:
-        sock.send_multipart([b"", op.encode(), json.dumps(body).encode()])
+        sock.send_multipart([b"", op.encode(), raw, mac])
         parts = sock.recv_multipart(copy=False)
     except zmq.Again as e:
         # A late reply would pair with our next request: never reuse a socket that timed out.
         _drop(host, port)
-        raise SideChannelError(f"KV peer {host}:{port} did not answer {op} within {timeout_s}s") from e
-    status = bytes(parts[1].buffer)
+        raise PeerTimeout(f"KV peer {host}:{port} did not answer {op} within {timeout_s}s") from e
+    if len(parts) < 4 or parts[0].bytes != b"":
+        _drop(host, port)
+        raise SideChannelError(f"KV peer {host}:{port} sent a malformed reply to {op}")
+    status, payload, reply_mac = parts[1].bytes, parts[2].bytes, parts[3].bytes
     if status != b"ok":
-        raise SideChannelError(f"KV peer {host}:{port} refused {op}: {bytes(parts[2].buffer).decode(errors='replace')}")
-    return json.loads(bytes(parts[2].buffer)), parts[3:]
+        kind = PeerBusy if payload.startswith(b"busy:") else SideChannelError
+        raise kind(f"KV peer {host}:{port} refused {op}: {payload.decode(errors='replace')}")
+    try:
+        auth.verify_reply(nonce, status, payload, reply_mac)
+    except PermissionError as e:
+        _drop(host, port)
+        raise SideChannelError(f"KV peer {host}:{port}: {e}") from None
+    return json.loads(payload), parts[4:]

@@ -1,0 +1,96 @@
+"""Side-channel authentication: every message carries an HMAC-SHA256 under a shared secret.
+
+The prefill and decode workers of one deployment share `--kv-secret` (in Kubernetes: an env
+var from a Secret). Each request is `[op, body, mac]`, where the body carries a wall-clock
+timestamp and a random nonce and `mac = HMAC(secret, "req" | op | body)`. The server checks
+the MAC in constant time, refuses timestamps more than `WINDOW_S` away from its clock, and
+refuses a nonce it has seen within that window (so a captured message cannot be replayed).
+Replies carry `HMAC(secret, "rep" | request nonce | status | payload)`, so the client knows
+the answer came from a holder of the secret and belongs to its own request.
+
+What this does not give: confidentiality. Bodies and KV bytes cross the network in clear;
+the deployment isolates KV ports (NetworkPolicy) or runs on a trusted fabric. Bulk reply
+frames (TCP block bytes) are not MACed: hashing every KV byte would cost more than the copy.
+
+With no secret configured, requests are unsigned and the server accepts them; a worker warns
+at startup, and what such a channel still protects (transfer tokens, prompt binding, NIXL
+metadata only inside a lease) is listed in docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from collections import OrderedDict
+
+WINDOW_S = 60.0  # accepted clock skew plus delivery time; nonces are remembered this long
+MAX_NONCES = 200_000  # memory bound of the replay cache (about 20 MB at its fullest)
+
+
+class AuthError(PermissionError):
+    pass
+
+
+class SideChannelAuth:
+    def __init__(self, secret: str | bytes | None):
+        if isinstance(secret, str):
+            secret = secret.encode()
+        # A derived key, so the raw secret (perhaps shared with other uses) is never the MAC key.
+        self._key = hashlib.sha256(b"pdserve-kv-side-channel\0" + secret).digest() if secret else None
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> expiry (server side)
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, *parts: bytes) -> bytes:
+        return hmac.new(self._key, b"\0".join(parts), hashlib.sha256).digest()
+
+    # -- client ---------------------------------------------------------------------------------
+
+    def sign_request(self, op: str, body: dict) -> tuple[bytes, bytes, str]:
+        """(body bytes, mac, nonce) for a request; mac is b"" without a secret."""
+        nonce = secrets.token_hex(16)
+        raw = json.dumps({**body, "ts": time.time(), "nonce": nonce}).encode()
+        return raw, (self._mac(b"req", op.encode(), raw) if self._key else b""), nonce
+
+    def verify_reply(self, nonce: str, status: bytes, payload: bytes, mac: bytes) -> None:
+        if self._key and not hmac.compare_digest(mac, self._mac(b"rep", nonce.encode(), status, payload)):
+            raise AuthError("the KV peer's reply is not signed with our --kv-secret")
+
+    # -- server ---------------------------------------------------------------------------------
+
+    def verify_request(self, op: bytes, raw: bytes, mac: bytes) -> dict:
+        """The request's body, or AuthError. Single-threaded (the side-channel thread)."""
+        if self._key and not hmac.compare_digest(mac, self._mac(b"req", op, raw)):
+            raise AuthError("unauthenticated: the request is not signed with this deployment's --kv-secret")
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        if self._key:
+            ts, nonce = body.get("ts"), body.get("nonce")
+            now = time.time()
+            if not isinstance(ts, (int, float)) or abs(now - ts) > WINDOW_S or not isinstance(nonce, str):
+                raise AuthError("stale or undated request (check the clocks of prefill and decode nodes)")
+            self._forget(now)
+            key = nonce.encode()
+            if key in self._seen:
+                raise AuthError("replayed request")
+            if len(self._seen) >= MAX_NONCES:
+                raise AuthError("too many requests in the replay window; retry later")
+            self._seen[key] = now + WINDOW_S
+        return body
+
+    def sign_reply(self, nonce: str, status: bytes, payload: bytes) -> bytes:
+        return self._mac(b"rep", nonce.encode(), status, payload) if self._key else b""
+
+    def _forget(self, now: float) -> None:
+        # Insertion order is expiry order (expiry = arrival + WINDOW_S), so expired ones lead.
+        while self._seen:
+            nonce, expiry = next(iter(self._seen.items()))
+            if expiry > now:
+                break
+            del self._seen[nonce]
