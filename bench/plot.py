@@ -61,7 +61,8 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
         ax.set_ylabel("fraction of samples")
         ax.set_xscale("log")
         ax.grid(True, which="both", alpha=0.3)
-    axes[2].legend(fontsize=7, loc="lower right")
+    if axes[2].get_legend_handles_labels()[0]:  # no curve at all when every request failed
+        axes[2].legend(fontsize=7, loc="lower right")
     fig.suptitle(title or "latency CDFs")
     fig.tight_layout()
     paths.append(out / "latency_cdf.png")
