@@ -68,7 +68,7 @@ def revision(ms: ModelServing) -> str:
 
     Both roles carry the same revision: the router pairs only workers of one revision, so a
     rollout never hands KV blocks across incompatible layouts (model, dtype, context length,
-    image, transfer backend, TP degrees, extra engine args). Replica counts, resources, env and scheduling fields
+    image, transfer backend and secret, TP degrees, extra engine args). Replica counts, resources, env and scheduling fields
     roll pods out without changing it.
     """
     s = ms.spec
@@ -78,7 +78,8 @@ def revision(ms: ModelServing) -> str:
         "maxModelLen": s.max_model_len,
         "image": s.image,
         "device": s.device,
-        "kv": [s.kv_backend, s.kv_port],
+        # old and new workers of one revision must still authenticate each other
+        "kv": [s.kv_backend, s.kv_port] + ([s.kv_secret.name, s.kv_secret.key] if s.kv_secret else []),
         "tp": [s.prefill.tensor_parallel_size, s.decode.tensor_parallel_size],
         # extra args may set anything the engine reads (block size, quantization, ...)
         "args": [list(s.prefill.args), list(s.decode.args)],

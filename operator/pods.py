@@ -80,8 +80,14 @@ def hub_env(ms: ModelServing) -> list[dict[str, Any]]:
     return env
 
 
-def ucx_env(kv: KVTuning) -> list[dict[str, Any]]:
-    return [{"name": n, "value": v} for n, v in (("UCX_TLS", kv.ucx_tls), ("UCX_NET_DEVICES", kv.ucx_net_devices)) if v]
+def kv_env(ms: ModelServing, kv: KVTuning) -> list[dict[str, Any]]:
+    """UCX settings, and the side channel's shared secret (an env var: arguments are visible
+    in the process list)."""
+    env = [{"name": n, "value": v} for n, v in (("UCX_TLS", kv.ucx_tls), ("UCX_NET_DEVICES", kv.ucx_net_devices)) if v]
+    if ms.spec.kv_secret:
+        ref = ms.spec.kv_secret
+        env.append({"name": "PDSERVE_KV_SECRET", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
 
 
 def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:

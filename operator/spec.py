@@ -14,6 +14,10 @@ from typing import Any, Mapping
 from pdserve.operator.config import default_image
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# Where pod networks live in nearly every cluster (RFC 1918, shared address space, IPv6 ULA):
+# a decode worker pulls KV only from these, so a forged kv_transfer_params cannot point it at
+# the internet or a cloud metadata address (link-local).
+PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fd00::/8")
 # The router's built-in policies (pdserve.router.policies.BUILTIN); the CRD enum lists the same.
 POLICIES = ("round-robin", "least-loaded", "prefix-aware", "session-affinity")
 
@@ -158,6 +162,8 @@ class ModelServingSpec:
     kv_backend: str = "nixl"
     kv_port: int = 5600
     kv: KVTuning = KVTuning()
+    kv_peer_allow: tuple[str, ...] = PRIVATE_NETWORKS
+    kv_secret: SecretKeyRef | None = None  # shared by all workers: authenticates the KV side channel
     drain_timeout_s: int = 30
     drain_pre_stop_s: int = 5
     service_monitor: bool = False
@@ -241,6 +247,8 @@ class ModelServingSpec:
             kv_backend=kv.get("backend", "nixl"),
             kv_port=kv.get("port", 5600),
             kv=_kv(kv),
+            kv_peer_allow=tuple(kv.get("peerAllow") or PRIVATE_NETWORKS),
+            kv_secret=_secret_ref(kv.get("secret"), "kv-secret"),
             drain_timeout_s=drain.get("timeoutSeconds", 30),
             drain_pre_stop_s=drain.get("preStopSeconds", 5),
             service_monitor=bool((spec.get("monitoring") or {}).get("serviceMonitor", False)),

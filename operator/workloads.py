@@ -61,6 +61,9 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
     if s.router.prefix_aware:
         # KV-cache-aware routing feeds on the workers' block events.
         args += ["--kv-events-port", str(KV_EVENTS_PORT)]
+    if role == "decode":
+        # Decode workers pull KV from the addresses prefill workers advertise (their pod IPs).
+        args += ["--kv-peer-allow", *s.kv_peer_allow]
     return args + list(rs.args)
 
 
@@ -167,7 +170,7 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "command": ["pdserve", "worker"],
         "args": worker_args(ms, role),
         "ports": ports,
-        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.ucx_env(kv), rs.env),
+        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv), rs.env),
         "resources": worker_resources(ms, rs),
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),

@@ -274,3 +274,37 @@ def test_fetch_command_runs(tmp_path):
     out = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "LocalEntryNotFoundError" in out.stderr and "revision" in out.stderr
+
+
+def test_decode_pulls_only_from_allowed_peers_and_authenticates():
+    """A forged kv_transfer_params must not make a decode worker connect anywhere: by default
+    only private (pod network) ranges, never link-local metadata addresses or the internet."""
+    d = container(build_worker_deployment(ms(), "decode"))
+    allowed = d["args"][d["args"].index("--kv-peer-allow") + 1:]
+    assert allowed == ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fd00::/8"]
+    assert "--kv-peer-allow" not in container(build_worker_deployment(ms(), "prefill"))["args"]  # prefill never pulls
+    m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14"], "secret": {"name": "kv"}})
+    d = container(build_worker_deployment(m, "decode"))
+    assert d["args"][d["args"].index("--kv-peer-allow") + 1] == "10.8.0.0/14"
+    for role in ("prefill", "decode"):
+        assert env(container(build_worker_deployment(m, role)))["PDSERVE_KV_SECRET"] == \
+            {"secretKeyRef": {"name": "kv", "key": "kv-secret"}}
+    assert naming.revision(m) != naming.revision(ms())  # a new secret: old and new pods would not authenticate
+
+
+def test_worker_accepts_the_args_as_built():
+    """The worker's own argument parser and config take the operator's args (no engine starts)."""
+    import argparse
+
+    from pdserve.worker.config import EngineConfig
+
+    for role in ("prefill", "decode"):
+        c = container(build_worker_deployment(ms(router={"policy": "prefix-aware"}, device="cpu",
+                                                 kvTransfer={"backend": "tcp"}), role))
+        parser = argparse.ArgumentParser()
+        from pdserve.worker.server.main import add_arguments
+        add_arguments(parser)
+        config = EngineConfig.from_cli_args(parser.parse_args(c["args"]))
+        assert config.role == role
+        if role == "decode":
+            assert "10.0.0.0/8" in config.kv_peer_allow
