@@ -46,7 +46,7 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
 
 # 1. Correctness on the GPU. Kernel tests in 6 processes (Triton compiles dominate); the engine
 #    tests serially (each engine sizes its KV cache from a share of the card).
-step "kernel tests (GPU)" 100 $PY -m pytest tests/kernels -q -x -n 6 -p no:cacheprovider \
+step "kernel tests (GPU)" 100 $PY -m pytest tests/kernels -q -n 6 -p no:cacheprovider \
   --junitxml="$OUT/tests-kernels.xml" > "$OUT/tests.txt" 2>&1
 tail -n 25 "$OUT/tests.txt"
 step "triton backend (GPU)" 60 $PY -m pytest -q -p no:cacheprovider tests/worker/test_triton_backend.py \

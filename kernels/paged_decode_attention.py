@@ -92,7 +92,7 @@ def _decode_split_kernel(
         # q/k/v come straight from the projection: add the bias, rotate q (rounded to q's dtype,
         # as the separate rotary kernel's output is), and let the split that holds the new
         # token write its rotated k and v into the cache before any of its tiles reads them.
-        half: tl.constexpr = HEAD_DIM // 2
+        half = HEAD_DIM // 2
         lo = d < half
         partner = tl.where(lo, d + half, d - half)
         freq = tl.where(lo, d, d - half)
@@ -105,14 +105,15 @@ def _decode_split_kernel(
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (ctx - 1 >= start) & (ctx - 1 < end) & (slot >= 0):
             hq_total = tl.num_programs(1) * GROUP
-            one = tl.arange(0, 1)  # the KV head's single row, as a [1, D_PAD] tile
+            # The KV head's one row, in row 0 of a [GROUP_PAD, D_PAD] tile (no size-1 tensors).
+            first = rows < 1
             dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-                   + d * stride_cd)[None, :]
-            kv_mask = (one[:, None] < 1) & (d[None, :] < HEAD_DIM)
-            k_new = _rotated(k_new_ptr + b * stride_knb + kvh * stride_knh, one, 0, one < 1,
+                   + rows[:, None] * 0 + d[None, :] * stride_cd)
+            kv_mask = first[:, None] & (d[None, :] < HEAD_DIM)
+            k_new = _rotated(k_new_ptr + b * stride_knb + kvh * stride_knh, rows, 0, first,
                              bias_ptr + (hq_total + kvh) * HEAD_DIM, d, partner, cos, sin, HEAD_DIM, HAS_BIAS, True)
             tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=kv_mask)
-            v_new = _rotated(v_new_ptr + b * stride_vnb + kvh * stride_vnh, one, 0, one < 1,
+            v_new = _rotated(v_new_ptr + b * stride_vnb + kvh * stride_vnh, rows, 0, first,
                              bias_ptr + (hq_total + tl.num_programs(1) + kvh) * HEAD_DIM, d, partner, cos, sin,
                              HEAD_DIM, HAS_BIAS, False)
             tl.store(v_ptr + dst, v_new.to(v_ptr.dtype.element_ty), mask=kv_mask)

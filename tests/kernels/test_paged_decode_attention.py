@@ -40,9 +40,9 @@ def test_matches_reference(poison_empty, dtype, num_splits, case, fused_merge):
 
 
 def test_fused_merge_equals_reduce_kernel_over_repeated_launches():
-    # Both paths merge the same partials in the same order, so they agree bit for bit; on the
-    # GPU, many back-to-back launches on one counter buffer would expose a lost or early merge
-    # (a program merging before every partial is visible) as a mismatch.
+    # Both paths merge the same partials in the same order (bit for bit under the interpreter);
+    # on the GPU, many back-to-back launches on one counter buffer would expose a lost or early
+    # merge (a program merging before every partial is visible: stale or unwritten partials).
     hq, hkv, d, bs = (32, 8, 128, 16) if DEVICE == "cuda" else (4, 2, 32, 4)
     ctx = [700, 1, 333, 2048, 64] if DEVICE == "cuda" else [40, 1, 17]
     num_blocks = sum(-(-c // bs) for c in ctx) + 4
@@ -55,7 +55,10 @@ def test_fused_merge_equals_reduce_kernel_over_repeated_launches():
         plain = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, d**-0.5, num_splits=7)
         fused = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, d**-0.5, num_splits=7,
                                        semaphores=sem)
-        assert torch.equal(fused, plain), f"launch {launch}"
+        if DEVICE == "cuda":  # two compiled kernels may contract multiply-adds differently: an ulp
+            assert rel_error(fused, plain) < 4e-3, f"launch {launch}"
+        else:
+            assert torch.equal(fused, plain), f"launch {launch}"
     assert not sem.any()
 
 
