@@ -16,7 +16,6 @@
 set -u
 OUT=${OUT:-$PWD/gpu_perf_out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
 # pdserve is a namespace package mapped from top-level folders (pyproject package-dir): a link
@@ -27,14 +26,6 @@ for d in worker kernels bench protocol router; do ln -s "$PWD/$d" "$PD/pdserve/$
 export PYTHONPATH="$PD:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__, '· transformers', transformers.__version__)"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-
 step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
@@ -44,23 +35,33 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
   echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s"
 }
 
-# 1. Correctness on the GPU. Kernel tests in 6 processes (Triton compiles dominate); the engine
-#    tests serially (each engine sizes its KV cache from a share of the card).
-step "kernel tests (GPU)" 100 $PY -m pytest tests/kernels -q -n 6 -p no:cacheprovider \
-  --junitxml="$OUT/tests-kernels.xml" > "$OUT/tests.txt" 2>&1
-tail -n 25 "$OUT/tests.txt"
-step "triton backend (GPU)" 60 $PY -m pytest -q -p no:cacheprovider tests/worker/test_triton_backend.py \
-  >> "$OUT/tests.txt" 2>&1
-tail -n 15 "$OUT/tests.txt"
-rm -f "$OUT/tests-kernels.xml"
+main() {
+  {
+    date -u
+    echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__, '· transformers', transformers.__version__)"
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
 
-# 2. Where a decode step's GPU time goes, this version against v4, in one process.
-step "profile_decode" 110 $PY -m pdserve.bench.profile_decode --models qwen2.5-0.5b llama-3.1-8b \
-  --context 128 --out "$OUT/profile_decode.md"
+  # 1. Correctness on the GPU. Kernel tests in 6 processes (Triton compiles dominate); the
+  #    engine tests serially (each engine sizes its KV cache from a share of the card).
+  step "kernel tests (GPU)" 100 $PY -m pytest tests/kernels -q -n 6 -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+  tail -n 25 "$OUT/tests.txt"
+  step "triton backend (GPU)" 60 $PY -m pytest -q -p no:cacheprovider tests/worker/test_triton_backend.py \
+    >> "$OUT/tests.txt" 2>&1
+  tail -n 15 "$OUT/tests.txt"
 
-# 3. The issue's engine numbers (no HF baselines, no eager rows: the time goes to what the
-#    targets need). Qwen first: it is quick, so its numbers survive a timeout of the Llama part.
-step "engine bench" 190 $PY -m pdserve.bench.engine --models qwen2.5-0.5b llama-3.1-8b \
-  --decode-inputs 128 --offline 1024 --no-hf --no-eager --out "$OUT/engine.md"
+  # 2. Where a decode step's GPU time goes, this version against v4, in one process.
+  step "profile_decode" 110 $PY -m pdserve.bench.profile_decode --models qwen2.5-0.5b llama-3.1-8b \
+    --context 128 --out "$OUT/profile_decode.md"
 
-ls -la "$OUT"
+  # 3. The issue's engine numbers (no HF baselines, no eager rows: the time goes to what the
+  #    targets need). Qwen first: it is quick, so its numbers survive a timeout of the Llama part.
+  step "engine bench" 190 $PY -m pdserve.bench.engine --models qwen2.5-0.5b llama-3.1-8b \
+    --decode-inputs 128 --offline 1024 --no-hf --no-eager --out "$OUT/engine.md"
+
+  ls -la "$OUT"
+}
+
+main 2>&1 | tee "$OUT/log.txt"
