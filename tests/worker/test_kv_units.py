@@ -68,3 +68,68 @@ def test_released_pin_is_collected_once():
     assert pins.release("r1", token)
     assert pins.collect() == [("r1", [1], False)]
     assert pins.collect() == [] and len(pins) == 0
+
+
+def test_token_carries_the_prompt_digest():
+    pins = PinTable(ttl=30)
+    token, _ = pins.add("r1", [1], DIGEST)
+    assert token_digest(token) == DIGEST and token_digest("no-digest") is None
+    assert prompt_digest([1, 2, 3]) != prompt_digest([1, 2, 4]) and prompt_digest([1, 2, 3]) == DIGEST
+
+
+def test_side_channel_auth_macs_both_ways_and_refuses_replays():
+    import json as _json
+
+    from pdserve.worker.kv.auth import AuthError, SideChannelAuth
+
+    server, client, other = SideChannelAuth("s" * 20), SideChannelAuth("s" * 20), SideChannelAuth("t" * 20)
+    raw, mac, nonce = client.sign_request("read", {"x": 1})
+    assert server.verify_request(b"read", raw, mac)["x"] == 1
+    with pytest.raises(AuthError, match="replayed"):
+        server.verify_request(b"read", raw, mac)
+    raw, mac, nonce = client.sign_request("read", {"x": 1})
+    with pytest.raises(AuthError, match="unauthenticated"):
+        server.verify_request(b"lease", raw, mac)  # the op is covered by the MAC
+    tampered = raw.replace(b'"x": 1', b'"x": 2')
+    with pytest.raises(AuthError, match="unauthenticated"):
+        server.verify_request(b"read", tampered, mac)
+    raw2, mac2, _ = other.sign_request("read", {})
+    with pytest.raises(AuthError):
+        server.verify_request(b"read", raw2, mac2)
+    stale = _json.dumps({"ts": 0, "nonce": "n"}).encode()
+    with pytest.raises(AuthError, match="stale"):
+        server.verify_request(b"read", stale, server._mac(b"req", b"read", stale))
+    reply_mac = server.sign_reply(nonce, b"ok", b"{}")
+    client.verify_reply(nonce, b"ok", b"{}", reply_mac)
+    with pytest.raises(AuthError):
+        client.verify_reply("another-nonce", b"ok", b"{}", reply_mac)  # not the answer to this request
+    with pytest.raises(AuthError):
+        client.verify_reply(nonce, b"ok", b"{}", b"")  # an unauthenticated server
+
+
+def test_pull_pool_bounds_each_peer_and_cools_down_a_silent_one():
+    import threading
+
+    from pdserve.worker.kv.pull_pool import PeerCoolingDown, PullPool
+    from pdserve.worker.kv.side_channel import PeerTimeout
+
+    pool = PullPool(max_workers=8, per_peer=2, cooldown_s=30)
+    gate, started = threading.Event(), []
+
+    def hang(i):
+        started.append(i)
+        gate.wait(10)
+        raise PeerTimeout("silent")
+
+    silent = [pool.submit(("10.0.0.1", 1), hang, i) for i in range(6)]
+    other = [pool.submit(("10.0.0.2", 1), lambda i=i: i) for i in range(5)]
+    assert [f.result(5) for f in other] == list(range(5))  # another peer is not held up
+    assert len(started) == 2 and pool.running(("10.0.0.1", 1)) == 2  # the rest wait without a thread
+    gate.set()
+    for f in silent:
+        with pytest.raises((PeerTimeout, PeerCoolingDown)):
+            f.result(5)
+    assert len(started) == 2  # the queued four failed fast once the peer timed out
+    with pytest.raises(PeerCoolingDown):
+        pool.submit(("10.0.0.1", 1), lambda: 1).result(1)
+    pool.shutdown()

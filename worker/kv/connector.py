@@ -37,7 +37,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
-from pdserve.worker.kv.peer_policy import PeerPolicy
+from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
@@ -190,9 +190,10 @@ class KVConnector:
             else:
                 transport = "tcp"
                 nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest)
-        except Exception:
+        except Exception as e:
             self.metrics.failures.labels("recv", transport).inc()
-            self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
+            if not isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed)):
+                self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
             raise
         self.metrics.bytes.labels("recv", transport).inc(nbytes)
         self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)

@@ -117,6 +117,8 @@ class SideChannelServer:
             handler = self.handlers.get(op.decode(errors="replace"))
             if handler is None:
                 raise ValueError(f"unknown op {op[:32]!r}")
+            if op == b"read":
+                self._reap()
             if op == b"read" and (self._unsent_by_peer[peer] >= MAX_UNSENT_PER_PEER or len(self._unsent) >= MAX_UNSENT):
                 raise Busy(f"busy: replies to {peer} are still unsent; retry after reading them")
             reply, frames = handler(body)
