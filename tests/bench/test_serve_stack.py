@@ -35,7 +35,10 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint, tmp_path_factory):
     config = StackConfig(prefill=1, decode=1, host="127.0.0.1", port=free_port(), device="cpu", kv_transfer="tcp",
-                         worker_args=("--kv-cache-memory", str(64 << 20), "--max-model-len", "512"))
+                         # Workers on loopback pull KV from each other: allow it explicitly (the
+                         # default allows no peer), whatever `pdserve up` adds by itself.
+                         worker_args=("--kv-cache-memory", str(64 << 20), "--max-model-len", "512",
+                                      "--kv-peer-allow", "127.0.0.1"))
     s = Stack(config, tiny_checkpoint("llama"), "tiny", tmp_path_factory.mktemp("bench-stack"))
     try:
         yield s.start_all()
