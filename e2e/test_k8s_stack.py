@@ -158,7 +158,8 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
                         "-n", where, check=False)
             assert answer.strip().startswith("no"), (verb, resource, where)  # least privilege, watched namespace only
 
-        # -- 2. kubectl apply a minimal ModelServing (no image: the operator's default)
+        # -- 2. kubectl apply a minimal ModelServing (no image: the operator's default; the KV
+        #       peer allowlist names this cluster's loopback pod network)
         manifest = tmp_path / "tiny.yaml"
         manifest.write_text(f"""apiVersion: pdserve.io/v1alpha1
 kind: ModelServing
@@ -168,6 +169,7 @@ spec:
   device: cpu
   prefill: {{replicas: 1}}
   decode: {{replicas: 1}}
+  kvTransfer: {{peerAllow: [127.0.0.0/8]}}  # this cluster's pod network is loopback, not a private range
 """)
         transcript.add(f"cat {manifest.name}", manifest.read_text())
         transcript.add(f"kubectl -n {ns} apply -f {manifest.name}", sh(env, "kubectl", "-n", ns, "apply", "-f", str(manifest)))
