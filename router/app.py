@@ -30,8 +30,9 @@ from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Call, Orchestrator
-from pdserve.router.policies import PolicyContext, RoutingRequest, create
+from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
+from pdserve.router.selection import Selector
 from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
 
@@ -41,22 +42,21 @@ log = logging.getLogger("pdserve.router")
 def build_app(config: RouterConfig) -> FastAPI:
     metrics = RouterMetrics()
     workers = WorkerSet(config.eject_after_failures, config.eject_backoff_s, config.eject_backoff_max_s)
-    wants_index = "prefix-aware" in (config.prefill_policy, config.decode_policy)
+    wants_index = needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
     kv_index = KVIndex() if wants_index else None
     tokenizer = None
     if wants_index:
         from pdserve.router.prompt import PromptTokenizer
 
         tokenizer = PromptTokenizer(config.tokenizer)
-    ctx = PolicyContext(kv_index=kv_index)
+    ctx = PolicyContext(kv_index=kv_index, pd_min_prompt_tokens=config.pd_min_prompt_tokens)
     api_keys = tuple(k.encode() for k in config.api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with make_session(config.max_connections) as session:
             upstream = Upstream(session, workers, metrics)
-            app.state.orchestrator = Orchestrator(config, upstream, create(config.prefill_policy, ctx),
-                                                  create(config.decode_policy, ctx))
+            app.state.orchestrator = Orchestrator(config, upstream, Selector(config, ctx, workers))
             prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
             discovery = make_discovery(config)
             workers.update(await discovery.snapshot())

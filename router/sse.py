@@ -1,4 +1,4 @@
-"""Server-sent events: pass-through framing and the first-token splice of a P/D stream.
+"""Server-sent events passed through from a worker.
 
 Upstream bytes are forwarded in whole events (split on the blank line), so a failure can never
 leave half an event on the wire before our error event. Only the decode worker's first event
@@ -8,9 +8,6 @@ of a chat stream is parsed (its role chunk is dropped: the router already sent o
 from __future__ import annotations
 
 import json
-import time
-
-DONE = b"data: [DONE]\n\n"
 
 
 class EventFramer:
@@ -52,23 +49,3 @@ def drop_role_chunk(event: bytes) -> bytes:
         return b""
     del delta["role"]
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-
-def first_token_events(route: str, prefill: dict) -> bytes:
-    """The events a single worker would have sent for the first token, built from the prefill answer."""
-    choice = prefill["choices"][0]
-    base = {"id": prefill.get("id", ""), "created": prefill.get("created", int(time.time())),
-            "model": prefill.get("model", "")}
-    if route == "chat":
-        base["object"] = "chat.completion.chunk"
-        role = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]}
-        text = (choice.get("message") or {}).get("content") or ""
-        token = {**base, "choices": [{"index": 0, "delta": {"content": text},
-                                      "logprobs": choice.get("logprobs"), "finish_reason": None}]}
-        events = [role, token]
-    else:
-        base["object"] = "text_completion"
-        events = [{**base, "choices": [{"index": 0, "text": choice.get("text", ""),
-                                        "logprobs": choice.get("logprobs"), "finish_reason": None}]}]
-    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)

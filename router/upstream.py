@@ -11,7 +11,6 @@ would have made the router the bottleneck of a P/D deployment.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -72,18 +71,12 @@ class Limits:
 
 
 class Upstream:
+    """The pooled session plus the failure accounting every call shares."""
+
     def __init__(self, session: aiohttp.ClientSession, workers: WorkerSet, metrics: RouterMetrics):
         self.session = session
         self.workers = workers
         self.metrics = metrics
-
-    @contextlib.contextmanager
-    def track(self, worker: Worker):
-        self.acquire(worker)
-        try:
-            yield
-        finally:
-            self.release(worker)
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
@@ -98,7 +91,7 @@ class Upstream:
         if self.workers.record_failure(worker):
             log.warning("ejected %r after %d failures (last: %s)", worker, worker.consecutive_failures, reason)
 
-    async def open(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
+    async def post(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
                    limits: "Limits", phase: str) -> Attempt:
         """POST and wait for the status line. 5xx and transport errors are retryable failures;
         429 is retryable without blaming the worker; other statuses are final answers."""

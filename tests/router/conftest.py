@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    # Generous: a fake worker that loads a tokenizer imports transformers, slow on a busy machine.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -127,10 +127,10 @@ def build(args) -> Starlette:
             start = 1
         finish_reason = "stop" if stop_first else "length"
         words = tokens_for(prompt, 1 if stop_first else max_tokens, start)
+        # A real worker answers only once its first token exists (queueing + prefill, or a KV pull).
+        await asyncio.sleep(args.header_delay)
         if not body.get("stream"):
             return JSONResponse(completion(route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None))
-        # A real worker sends headers only once its first token exists (queueing + prefill).
-        await asyncio.sleep(args.header_delay)
 
         async def events():
             st.used += blocks(n_prompt)
@@ -224,7 +224,7 @@ if __name__ == "__main__":
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="tiny")
     p.add_argument("--delay", type=float, default=0.005)
-    p.add_argument("--header-delay", type=float, default=0.0, help="seconds before a stream's headers")
+    p.add_argument("--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)")
     p.add_argument("--pin-ttl", type=float, default=30.0)
     p.add_argument("--kv-events", default=None, help="host to bind the KV event sockets on")
     p.add_argument("--kv-ports", default="5557,5558", help="PUB,REPLAY ports of the KV event sockets")

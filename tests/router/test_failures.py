@@ -180,3 +180,24 @@ def test_client_disconnect_frees_blocks_on_both_workers(launch):
     eventually(lambda: decode.kv()["num_free_blocks"] == total)
     eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
     eventually(lambda: metric(router, "pdserve_router_inflight") == 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_client_gone_during_handoff_releases_every_worker(launch, stream):
+    # The decode worker sends its headers only after 3 s (a slow KV pull): the client has the
+    # first token (streamed) or nothing yet (unary) and hangs up in that gap.
+    prefill = launch.fake_worker("--pin-ttl", "600")
+    decode = launch.fake_worker("--header-delay", "3")
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "stream": stream}
+    if stream:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+            first = next(r.iter_raw())
+            assert b'"text"' in first  # the spliced first token, sent before the decode answered
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(router.url + "/v1/completions", json=body, timeout=1.5)
+    eventually(lambda: decode.requests() and metric(router, "pdserve_router_inflight", worker=decode.url) == 0)
+    # The decode worker did receive the handoff: what was held on it is released, not leaked.
+    assert "kv_transfer_params" in decode.requests()[-1]["body"]
+    assert metric(router, "pdserve_router_inflight") == 0

@@ -103,3 +103,92 @@ def test_prefix_aware(cached, states, tokens, expected):
 def test_prefix_aware_needs_the_index():
     with pytest.raises(ValueError, match="KV event index"):
         policies.create("prefix-aware", PolicyContext())
+
+
+# ---- the rest of the pipeline: pool filters, the P/D decider, profile filters, pickers --------
+
+from pdserve.router.policies import PoolQuery, plugin  # noqa: E402
+from pdserve.router.selection import Selector  # noqa: E402
+
+
+def worker(url="http://w:1", role="decode", revision=None, **state) -> Worker:
+    w = Worker(url, role, revision)
+    for k, v in state.items():
+        setattr(w, k, v)
+    return w
+
+
+@pytest.mark.parametrize("name,workers,query,kept", [
+    ("role", [worker(role="prefill"), worker(role="decode")], PoolQuery("decode", "m"), [1]),
+    ("health", [worker(healthy=False), worker(), worker(ejected_until=float("inf"))], PoolQuery("decode", "m"), [1]),
+    ("model", [worker(models=frozenset({"a"})), worker(models=frozenset({"m"})), worker()], PoolQuery("decode", "m"),
+     [1, 2]),  # a worker whose models are not probed yet is not excluded
+    ("revision", [worker(revision="r1"), worker(revision="r2"), worker()], PoolQuery("decode", "m"), [0, 1, 2]),
+    ("revision", [worker(revision="r1"), worker(revision="r2"), worker()],
+     PoolQuery("decode", "m", partners=[worker(role="prefill", revision="r2")]), [1, 2]),
+    ("revision", [worker(revision="r1"), worker(revision="r2")],
+     PoolQuery("prefill", "m", partners=[worker(revision=None)]), [0, 1]),  # unlabelled pairs with all
+    ("revision", [worker(revision="r1")], PoolQuery("prefill", "m", partners=[]), []),  # no decode worker at all
+])
+def test_pool_filters(name, workers, query, kept):
+    f = plugin("pool-filter", name, PolicyContext())
+    assert [workers.index(w) for w in f.filter(workers, query)] == kept
+
+
+@pytest.mark.parametrize("body,min_tokens,expected", [
+    ({"prompt": "x" * 400}, 0, True),
+    ({"prompt": "x" * 400}, 101, False),  # ~100 tokens estimated
+    ({"prompt": "x" * 400}, 100, True),
+    ({"prompt": "x" * 400, "n": 2}, 0, False),  # n > 1 is served by one worker
+    ({"prompt": "x", "max_tokens": 1}, 0, False),  # nothing left to hand off
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1}, 0, False),
+    ({"messages": [{"role": "user", "content": "x" * 40}]}, 14, True),  # 10 + 4 per message
+])
+def test_prompt_length_decider(body, min_tokens, expected):
+    decider = plugin("decider", "prompt-length", PolicyContext(pd_min_prompt_tokens=min_tokens))
+    assert decider.disaggregate(body) is expected
+
+
+@pytest.mark.parametrize("loads,kept", [
+    ([0, 8, 9], [0, 1]),
+    ([20, 12, 30], [0, 1]),
+    ([5], [0]),
+])
+def test_load_headroom_filter(loads, kept):
+    workers = [worker(f"http://w:{i}", inflight=n) for i, n in enumerate(loads)]
+    f = plugin("filter", "load-headroom", PolicyContext())
+    assert [workers.index(w) for w in f.filter(workers, RoutingRequest({}))] == kept
+
+
+def test_round_robin_picker_rotates_among_the_best_scored_only():
+    workers = [worker(f"http://w:{i}") for i in range(4)]
+    picker = plugin("picker", "round-robin", PolicyContext())
+    scores = [(1.0,), (0.0,), (1.0,), (1.0,)]
+    assert [workers.index(picker.pick(workers, scores)) for _ in range(4)] == [0, 2, 3, 0]
+
+
+def test_max_score_picker_compares_scores_in_scorer_order():
+    workers = [worker(f"http://w:{i}") for i in range(3)]
+    picker = plugin("picker", "max-score", PolicyContext())
+    assert picker.pick(workers, [(1.0, -5.0), (1.0, -1.0), (0.0, 0.0)]) is workers[1]
+    assert picker.pick(workers, [(1.0, 0.0), (1.0, 0.0), (1.0, 0.0)]) is workers[0]  # full tie: list order
+
+
+def test_unknown_plugin_names_its_kind():
+    with pytest.raises(ValueError, match="unknown scorer plugin 'nope'.*load"):
+        plugin("scorer", "nope", PolicyContext())
+
+
+def test_selector_pairs_decode_with_the_prefill_revision():
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.workers import WorkerSet, WorkerSpec
+
+    ws = WorkerSet(3, 1.0, 30.0)
+    ws.update([WorkerSpec("http://p1:1", "prefill", "r1"), WorkerSpec("http://p2:1", "prefill", "r2"),
+               WorkerSpec("http://d1:1", "decode", "r1"), WorkerSpec("http://d3:1", "decode", "r3")])
+    sel = Selector(RouterConfig(decode_urls=("http://x:1",)), PolicyContext(), ws)
+    decode = sel.pool("decode", "m")
+    assert [w.url for w in decode] == ["http://d1:1", "http://d3:1"]
+    prefill = sel.pool("prefill", "m", partners=decode)
+    assert [w.url for w in prefill] == ["http://p1:1"]  # r2 has no decode worker
+    assert [w.url for w in sel.pool("decode", "m", partners=prefill)] == ["http://d1:1"]

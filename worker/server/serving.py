@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode
@@ -36,7 +37,7 @@ def new_id(prefix: str) -> str:
 
 
 def response_id(request: Request, fallback: str) -> str:
-    return request.headers.get("x-request-id") or fallback
+    return request.headers.get(HEADER_REQUEST_ID) or fallback
 
 
 def now() -> int:

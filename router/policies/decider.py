@@ -1,0 +1,20 @@
+"""The P/D decider: is a request worth a prefill worker, or should its decode worker prefill?"""
+
+from __future__ import annotations
+
+from pdserve.router.policies import PolicyContext
+from pdserve.router.prompt import estimate_tokens
+
+
+class PromptLength:
+    """Disaggregate prompts of at least `--pd-min-prompt-tokens` (estimated) that will decode
+    more than one token into one choice: after a single token there is nothing to hand off,
+    and n > 1 is served by one worker."""
+
+    def __init__(self, ctx: PolicyContext):
+        self.min_tokens = ctx.pd_min_prompt_tokens
+
+    def disaggregate(self, body: dict) -> bool:
+        if body.get("n", 1) != 1 or body.get("max_tokens") == 1 or body.get("max_completion_tokens") == 1:
+            return False
+        return estimate_tokens(body) >= self.min_tokens

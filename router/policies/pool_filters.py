@@ -1,0 +1,55 @@
+"""Pool filters: which workers may serve a phase at all (role, health, model, revision)."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from pdserve.router.policies import PolicyContext, PoolQuery
+from pdserve.router.workers import Worker
+
+
+class RoleFilter:
+    def __init__(self, ctx: PolicyContext):
+        pass
+
+    def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
+        return [w for w in workers if w.role == query.role]
+
+
+class HealthFilter:
+    """Probed healthy and not ejected for recent failures."""
+
+    def __init__(self, ctx: PolicyContext):
+        pass
+
+    def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
+        now = time.monotonic()
+        return [w for w in workers if w.routable(now)]
+
+
+class ModelFilter:
+    """Serves the requested model (a worker not probed yet for its models is not excluded)."""
+
+    def __init__(self, ctx: PolicyContext):
+        pass
+
+    def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
+        return [w for w in workers if not w.models or query.model in w.models]
+
+
+class RevisionFilter:
+    """Shares a spec revision with at least one partner, so a rolling update never pairs a
+    prefill and a decode worker whose KV layouts may differ. Unlabelled workers pair with all."""
+
+    def __init__(self, ctx: PolicyContext):
+        pass
+
+    def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
+        if query.partners is None:
+            return list(workers)
+        return [w for w in workers if any(_same_revision(w, p) for p in query.partners)]
+
+
+def _same_revision(a: Worker, b: Worker) -> bool:
+    return a.revision is None or b.revision is None or a.revision == b.revision

@@ -1,0 +1,37 @@
+"""The router's selection pipeline, assembled from plugins: pool filters, the P/D decider, and
+one profile per phase (see policies/__init__.py for the shape)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pdserve.protocol.contract import ROLE_DECODE, ROLE_PREFILL
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import PolicyContext, PoolQuery, RoutingRequest, create, plugin
+from pdserve.router.workers import Worker, WorkerSet
+
+POOL_FILTERS = ("role", "health", "model", "revision")
+DECIDER = "prompt-length"
+
+
+class Selector:
+    def __init__(self, config: RouterConfig, ctx: PolicyContext, workers: WorkerSet):
+        self.workers = workers
+        self.pool_filters = [plugin("pool-filter", name, ctx) for name in POOL_FILTERS]
+        self.decider = plugin("decider", DECIDER, ctx)
+        self.profiles = {ROLE_PREFILL: create(config.prefill_policy, ctx),
+                         ROLE_DECODE: create(config.decode_policy, ctx)}
+
+    def pool(self, role: str, model: str, partners: Sequence[Worker] | None = None) -> list[Worker]:
+        """The workers that may serve `role` for `model`, paired by revision with `partners`."""
+        query = PoolQuery(role, model, partners)
+        candidates = self.workers.all()
+        for f in self.pool_filters:
+            candidates = f.filter(candidates, query)
+        return candidates
+
+    def disaggregate(self, body: dict) -> bool:
+        return self.decider.disaggregate(body)
+
+    def choose(self, role: str, candidates: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self.profiles[role].choose(candidates, request)

@@ -1,0 +1,94 @@
+"""One phase of one request against a pool of workers: the upstream call context.
+
+It owns everything that must pair up: the worker it holds is acquired (in-flight +1) when a
+call starts and released exactly once, when the call moves to another worker or the context
+closes, on every path: success, a worker's error, a retry, the client hanging up (the task is
+cancelled, or the stream's iterator closed, inside the `async with`). It also owns retries
+(another routable worker, at most `max_retries` more) and success/failure accounting.
+
+    async with UpstreamCall(upstream, "decode", pool, choose, retries) as call:
+        response = await call.open(path, body, headers, limits)   # None: every try failed
+        ...read or relay response...
+        call.succeeded()          # or call.retry_elsewhere(reason) and open() again
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import aiohttp
+
+from pdserve.router.upstream import Limits, Upstream, close
+from pdserve.router.workers import Worker
+
+log = logging.getLogger("pdserve.router")
+
+
+class UpstreamCall:
+    def __init__(self, upstream: Upstream, phase: str, pool: Sequence[Worker],
+                 choose: Callable[[Sequence[Worker]], Worker], max_retries: int):
+        self.up = upstream
+        self.phase = phase
+        self._pool = pool
+        self._choose = choose
+        self._max_attempts = 1 + max_retries
+        self._tried: set[int] = set()
+        self.attempts = 0
+        self.worker: Worker | None = None  # held (acquired) while set
+        self.response: aiohttp.ClientResponse | None = None
+        self.last_status: int | None = None  # of the last retryable answer, for the final error
+        self.last_reason = ""
+
+    async def __aenter__(self) -> "UpstreamCall":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    async def open(self, path: str, body: bytes, headers: dict[str, str], limits: Limits) -> aiohttp.ClientResponse | None:
+        """A response with a final status (not 5xx, not 429) from the next worker that gives
+        one, its body unread; None when no candidate or attempt is left."""
+        self.close()
+        while self.attempts < self._max_attempts:
+            candidates = [w for w in self._pool if id(w) not in self._tried and w.routable()]
+            if not candidates:
+                break
+            worker = self._choose(candidates)
+            self._tried.add(id(worker))
+            if self.attempts:
+                self.up.metrics.retries.labels(self.phase).inc()
+            self.attempts += 1
+            self.up.acquire(worker)
+            self.worker = worker
+            attempt = await self.up.post(worker, path, body, headers, limits, self.phase)
+            if not attempt.retryable:
+                self.response = attempt.response
+                return self.response
+            self.last_status = attempt.response.status if attempt.response is not None else None
+            self.last_reason = attempt.reason
+            log.info("%s on %r failed (%s)", self.phase, worker, attempt.reason)
+            self.close()
+        return None
+
+    def retry_elsewhere(self, reason: str, phase: str | None = None) -> None:
+        """The held worker's answer was unusable: count its failure; the next open() goes elsewhere."""
+        self.failed(reason, phase)
+        self.close()
+
+    def failed(self, reason: str, phase: str | None = None) -> None:
+        self.last_reason = reason
+        self.up.failed(self.worker, phase or self.phase, reason)
+
+    def succeeded(self) -> None:
+        self.up.workers.record_success(self.worker)
+
+    def close(self) -> None:
+        """Drop the response (its connection, unless fully read) and release the worker. Idempotent;
+        synchronous, so it also runs inside a cancelled task."""
+        if self.response is not None:
+            close(self.response)
+            self.response = None
+        if self.worker is not None:
+            self.up.release(self.worker)
+            self.worker = None

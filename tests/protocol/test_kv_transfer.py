@@ -1,0 +1,67 @@
+"""KVTransferParams: what a prefill worker hands over parses back to the same object, and every
+malformed or incompatible field is refused with a message naming it (table-driven, pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.protocol.kv_transfer import (KVTransferParams, KVTransferParamsError, is_remote_decode, prefill_request,
+                                          wants_remote_decode)
+
+GOOD = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600, "remote_request_id": "r1",
+        "remote_block_ids": [3, 4, 5], "num_prompt_tokens": 9, "first_token_id": 42, "transfer_token": "t",
+        "expires_at": 1.5e9, "kv_layout": "2x4x16:float32:4", "transport": "nixl"}
+
+
+def test_round_trip():
+    p = KVTransferParams.from_dict(GOOD)
+    assert p.to_dict() == GOOD and p.block_size == 4 and p.remote_block_ids == (3, 4, 5)
+    assert KVTransferParams.from_dict({k: v for k, v in GOOD.items() if k not in ("transport", "expires_at")}).transport == "tcp"
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"remote_port": "5600"}, "remote_port is missing or not a int"),
+    ({"first_token_id": True}, "first_token_id is missing or not a int"),
+    ({"remote_host": None}, "remote_host is missing"),
+    ({"remote_block_ids": [1, "2", 3]}, "list of integers"),
+    ({"remote_block_ids": [1, 2]}, "do not cover num_prompt_tokens"),
+    ({"kv_layout": "2x4x16:float32:four"}, "does not end in a block size"),
+    ({"kv_layout": "2x4x16:float32:0"}, "do not cover"),
+    ({"transport": 3}, "transport must be a string"),
+])
+def test_malformed_params_are_refused(change, says):
+    with pytest.raises(KVTransferParamsError, match=says) as e:
+        KVTransferParams.from_dict({**GOOD, **change})
+    assert e.value.param == "kv_transfer_params"
+
+
+@pytest.mark.parametrize("num_prompt_tokens,block_size,vocab,says", [
+    (9, 4, 42, "out of the vocabulary"),
+    (8, 4, 100, "describe 9 prompt tokens but the prompt has 8"),
+    (9, 8, 100, "block size is 4 but this worker's is 8"),
+])
+def test_incompatible_params_are_refused(num_prompt_tokens, block_size, vocab, says):
+    with pytest.raises(KVTransferParamsError, match=says):
+        KVTransferParams.from_dict(GOOD).check_compatible(num_prompt_tokens, block_size, vocab)
+
+
+@pytest.mark.parametrize("params,remote_decode,wants", [
+    (None, False, False),
+    ({}, False, False),
+    ({"do_remote_decode": True}, False, True),
+    (GOOD, True, False),
+    ({"first_token_id": 5}, True, False),  # a decode request, malformed: from_dict refuses it
+])
+def test_predicates(params, remote_decode, wants):
+    assert is_remote_decode(params) is remote_decode and wants_remote_decode(params) is wants
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}},
+     {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}),
+    ({"messages": [], "max_completion_tokens": 50},
+     {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "stream": False,
+      "kv_transfer_params": {"do_remote_decode": True}}),
+])
+def test_prefill_request(body, expected):
+    assert prefill_request(body) == expected
