@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.worker.config import ConfigError
+from pdserve.worker.config import ENV_KV_SECRET, ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -85,9 +86,20 @@ def visible_gpus(environ=None) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. All n sockets stay bound until every port is chosen: a
+    port closed at once may be handed out again by the very next bind."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] | None = None) -> list[Child]:
@@ -97,10 +109,14 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     cli = (sys.executable, "-m", "pdserve.worker.cli")
     roles = ["prefill"] * config.prefill + ["decode"] * config.decode
     sharing = {g: sum(1 for i in range(len(roles)) if gpus[i % len(gpus)] == g) for g in gpus}
+    # The stack's workers authenticate each other's KV side channel with one random secret (in
+    # the environment, not argv, so `ps` does not show it) and pull only from loopback peers.
+    kv_secret = secrets.token_hex(16)
     children: list[Child] = []
+    ports = free_ports(2 * len(roles))
     for i, role in enumerate(roles):
-        port, kv_port = free_port(), free_port()
-        env, device = {}, ["--device", "cpu"]
+        port, kv_port = ports[2 * i], ports[2 * i + 1]
+        env, device = {ENV_KV_SECRET: kv_secret}, ["--device", "cpu"]
         if gpus:
             gpu = gpus[i % len(gpus)]
             env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -110,7 +126,8 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
         index = i if role == "prefill" else i - config.prefill
         argv = (*cli, "worker", "--model", model_dir, "--served-model-name", served_name,
                 "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", config.transport,
-                "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), *device, *config.worker_args)
+                "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1/32",
+                *device, *config.worker_args)
         children.append(Child(f"{role}-{index}", role, argv, env, f"http://127.0.0.1:{port}", kv_port))
     pools = [a for c in children for a in (f"--{c.role}", c.url)]
     router = (*cli, "router", "--host", config.host, "--port", str(config.port), *pools, *config.router_args)
