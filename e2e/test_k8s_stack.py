@@ -175,6 +175,7 @@ spec:
         transcript.add(f"kubectl -n {ns} apply -f {manifest.name}", sh(env, "kubectl", "-n", ns, "apply", "-f", str(manifest)))
         obj = wait_for(lambda: ms_ready(custom, ns), timeout=300, interval=1, what="ModelServing Ready")
         assert obj["spec"].get("image") is None
+        assert "Forbidden" not in proc.log_path.read_text(errors="replace")  # its role is enough
         deploy = apps.read_namespaced_deployment(f"{MS}-decode", ns)
         assert deploy.spec.template.spec.containers[0].image == "ghcr.io/pdserve/pdserve:0.1.0"  # chart appVersion
         transcript.add(f"kubectl -n {ns} get ms,pods -o wide", sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))

@@ -65,11 +65,11 @@ def test_watched_namespaces_bind_the_role_only_there(helm):
     full = build_operator_cluster_role()["rules"]
     roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
     assert roles["rel-operator"]["rules"] == full
-    assert all(rule in full for rule in roles["rel-operator-crd-reader"]["rules"])  # a subset, cluster-scoped
+    assert all(rule in full for rule in roles["rel-operator-cluster-reader"]["rules"])  # a subset, cluster-scoped
     bindings = [d for d in docs if d["kind"] == "RoleBinding"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["a", "b"]
     assert {b["roleRef"]["name"] for b in bindings} == {"rel-operator"}
-    assert [d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"] == ["rel-operator-crd-reader"]
+    assert [d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"] == ["rel-operator-cluster-reader"]
 
 
 def test_operator_deployment(helm):
