@@ -41,6 +41,7 @@ COPY operator operator
 COPY kernels kernels
 COPY bench bench
 COPY protocol protocol
+COPY cli cli
 # The project itself, from the copied source; pyproject.toml bounds its dependencies.
 # hadolint ignore=DL3013
 RUN pip install ".[nixl,triton]" \

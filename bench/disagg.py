@@ -86,7 +86,7 @@ class UpStack:
         self.log_dir = log_dir
         worker_args = "--max-model-len 2048 --kv-cache-memory 268435456" if smoke else "--max-model-len 8704"
         worker_args += " --kv-peer-allow 127.0.0.1"  # all workers on loopback; the default allows no peer
-        self.cmd = [sys.executable, "-m", "pdserve.worker.cli", "up", "--model", ckpt, "--served-model-name", "llama",
+        self.cmd = [sys.executable, "-m", "pdserve.cli.main", "up", "--model", ckpt, "--served-model-name", "llama",
                     "--prefill", str(prefill), "--decode", str(decode), "--host", "127.0.0.1",
                     "--port", str(self.port), "--device", "cpu" if smoke else "cuda", "--log-dir", str(log_dir),
                     f"--worker-args={worker_args}", "--ready-timeout", "400"]

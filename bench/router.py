@@ -194,11 +194,11 @@ def _start_router(prefill: int | None, decode: int, profile: str | None) -> tupl
     if prefill:
         args += ["--prefill", f"http://127.0.0.1:{prefill}"]
     if profile:
-        code = ("import cProfile; from pdserve.worker.cli import main; "
+        code = ("import cProfile; from pdserve.cli.main import main; "
                 f"cProfile.run({f'main({args!r})'!r}, {profile!r})")
         cmd = [sys.executable, "-c", code]
     else:
-        cmd = [sys.executable, "-m", "pdserve.worker.cli", *args]
+        cmd = [sys.executable, "-m", "pdserve.cli.main", *args]
     proc = subprocess.Popen(cmd)
     _wait(port)
     return proc, port

@@ -1,7 +1,7 @@
 """Real processes for the end-to-end tests.
 
 `UpProcess` runs `pdserve up` itself and reads its stage log. `Stack` starts the very same
-children (`pdserve.worker.stack.plan`: same command lines, same environment) one by one, so
+children (`pdserve.cli.stack.plan`: same command lines, same environment) one by one, so
 a fault test can kill, stop or restart any single worker while the rest keep serving; `pdserve
 up` itself would (rightly) take the whole stack down when a child dies. Every process runs in
 its own session and is stopped by its process group at teardown.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.worker.stack import StackConfig, plan
+from pdserve.cli.stack import StackConfig, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ class UpProcess:
     """`pdserve up ARGS` with its stdout in a file; `children` maps name -> (pid, url)."""
 
     def __init__(self, *args: str, log_path: Path):
-        self.cmd = [sys.executable, "-m", "pdserve.worker.cli", "up", *args]
+        self.cmd = [sys.executable, "-m", "pdserve.cli.main", "up", *args]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 

@@ -22,7 +22,7 @@ import pytest
 from e2e.conftest import free_port
 from e2e.outcomes import Outcome, stream_request, unary_request
 from e2e.processes import Stack, eventually
-from pdserve.worker.stack import StackConfig
+from pdserve.cli.stack import StackConfig
 
 pytestmark = pytest.mark.slow
 

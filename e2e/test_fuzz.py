@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from e2e.conftest import free_port
 from e2e.processes import Stack, eventually
 from e2e.schema_strategies import JSON_VALUES, from_schema
-from pdserve.worker.stack import StackConfig
+from pdserve.cli.stack import StackConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ import pytest
 
 from e2e.conftest import free_port
 from e2e.processes import UpProcess, eventually, pid_alive
-from pdserve.worker.stack import StackConfig, plan, visible_gpus
+from pdserve.cli.stack import StackConfig, plan, visible_gpus
 
 
 def up_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "up", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", "up", *args], capture_output=True, text=True,
                           timeout=120)
 
 

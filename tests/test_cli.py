@@ -17,7 +17,7 @@ def test_ci_runs_readme_test_command():
 
 
 def _pdserve(*args):
-    return subprocess.run([sys.executable, "-m", "pdserve.worker.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_cli_lists_subcommands():

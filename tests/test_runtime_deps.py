@@ -13,18 +13,42 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; (]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def runtime_closure() -> set[str]:
+    """Every distribution README's first command installs: pdserve's dependencies (no extras but
+    nixl) and theirs, recursively, from the installed metadata."""
+    seen: set[str] = set()
+    todo = [_name(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    todo.append("nixl-cu13")
+    while todo:
+        dist = todo.pop()
+        if dist in seen:
+            continue
+        seen.add(dist)
+        try:
+            requires = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in requires if "extra ==" not in r and "extra==" not in r]
+    return seen
+
+
 def dev_only_packages() -> list[str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    runtime = {re.split(r"[<>=!\[; ]", d)[0].lower() for d in project["dependencies"]}
-    dev = {re.split(r"[<>=!\[; ]", d)[0].lower() for d in project["optional-dependencies"]["dev"]}
-    # Import names of the distributions; pytest-timeout's plugin hides behind pytest anyway.
-    import_names = {"pyyaml": "yaml", "pytest-timeout": "pytest_timeout"}
-    return sorted(import_names.get(d, d).replace("-", "_") for d in dev - runtime)
+    """Import names of what only the `dev` extra brings: its distributions not in the runtime closure."""
+    dev = {_name(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]}
+    only_dev = dev - runtime_closure()
+    modules = {mod for mod, dists in metadata.packages_distributions().items()
+               if any(_name(d) in only_dev for d in dists) and mod.isidentifier()}
+    return sorted(modules)
 
 
 def test_triton_is_not_a_runtime_dependency():
@@ -43,7 +67,7 @@ def test_cpu_path_runs_without_test_only_packages(tiny_checkpoint):
         import pdserve.worker.server.app, pdserve.worker.server.main  # noqa: F401
         import pdserve.router.app, pdserve.router.main  # noqa: F401
         import pdserve.operator.handlers  # noqa: F401
-        from pdserve.worker.cli import main  # noqa: F401
+        from pdserve.cli.main import main  # noqa: F401
         from pdserve.worker.config import EngineConfig
         from pdserve.worker.engine import LLMEngine
         from pdserve.worker.sampling_params import SamplingParams

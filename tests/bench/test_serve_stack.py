@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from e2e.processes import ROOT, Stack
-from pdserve.worker.stack import StackConfig
+from pdserve.cli.stack import StackConfig
 from tests.net import free_port
 from tests.test_runtime_deps import dev_only_packages
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "pdserve.worker.cli", "bench"]
+CLI = [sys.executable, "-m", "pdserve.cli.main", "bench"]
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -89,7 +89,7 @@ def exported_names(text: str) -> set[str]:
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint, tmp_path_factory):
     from e2e.processes import Stack
-    from pdserve.worker.stack import StackConfig, free_port
+    from pdserve.cli.stack import StackConfig, free_port
 
     config = StackConfig(prefill=1, decode=1, host="127.0.0.1", port=free_port(), device="cpu", kv_transfer="tcp")
     s = Stack(config, tiny_checkpoint("llama"), "tiny", tmp_path_factory.mktemp("dash-stack"))

@@ -286,7 +286,7 @@ def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace):
 
     api = Api(k8s_cluster, namespace)
     env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "PDSERVE_OPERATOR_RESYNC_SECONDS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.worker.cli", "operator", "--namespace", namespace],
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "operator", "--namespace", namespace],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         api.create("cli", SPEC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.operator.config import OperatorConfig
-from pdserve.worker.cli import main
+from pdserve.cli.main import main
 
 
 def test_help_lists_flags(capsys):

@@ -81,7 +81,7 @@ class Launcher:
 
     def router(self, *args: str, env: dict | None = None, wait: bool = True) -> Proc:
         port = free_port()
-        cmd = [sys.executable, "-m", "pdserve.worker.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "pdserve.cli.main", "router", "--host", "127.0.0.1", "--port", str(port),
                "--probe-interval", "0.2", "--log-level", "warning", *args]
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         proc = Proc(f"http://127.0.0.1:{port}", p, cmd)

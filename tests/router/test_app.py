@@ -115,12 +115,12 @@ def test_bad_flags_name_the_flag(launch):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "router", "--decode", "localhost:1"],
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "router", "--decode", "localhost:1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--decode" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "router", "--decode", "http://a:1",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "router", "--decode", "http://a:1",
                         "--policy", "fastest"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--policy: unknown policy 'fastest'" in r.stderr and "round-robin" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "router", "--decode", "http://a:1",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "router", "--decode", "http://a:1",
                         "--decode-policy", "fastest"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--decode-policy: unknown policy 'fastest'" in r.stderr

@@ -28,7 +28,7 @@ def stack(module_launch, tiny_checkpoint):
     workers = {}
     for role in ("prefill", "decode"):
         port, kv_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "pdserve.worker.cli", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
+        cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
                "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--log-level", "warning"]
         popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -22,7 +22,7 @@ class WorkerProcess:
     def __init__(self, model: Path | str, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 180):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "pdserve.worker.cli", "worker", "--model", str(model),
+        self.cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(model),
                     "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout

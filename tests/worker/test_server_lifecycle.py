@@ -153,7 +153,7 @@ def test_not_ready_until_engine_loaded(tiny_checkpoint):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "pdserve.worker.cli", "worker", *args],
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", "worker", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,7 +1,7 @@
 """The local stack's shape: what `pdserve up` runs, as pure data (no process is started here).
 
 `plan(config)` builds every child's command line and environment, so tests can run the same
-commands one by one and kill them individually; `worker/launcher.py` starts and watches them.
+commands one by one and kill them individually; `cli/launcher.py` starts and watches them.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     """Every child's command line: workers on loopback with OS-chosen HTTP and KV ports, then
     the router on --host:--port pointing at them. Several workers on one GPU split its memory."""
     gpus = (visible_gpus() if config.device != "cpu" else []) if gpus is None else gpus
-    cli = (sys.executable, "-m", "pdserve.worker.cli")
+    cli = (sys.executable, "-m", "pdserve.cli.main")
     roles = ["prefill"] * config.prefill + ["decode"] * config.decode
     sharing = {g: sum(1 for i in range(len(roles)) if gpus[i % len(gpus)] == g) for g in gpus}
     # The stack's workers authenticate each other's KV side channel with one random secret (in

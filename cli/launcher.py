@@ -6,7 +6,7 @@ stage with its time, a ready banner with the OpenAI base URL, then watches: Ctrl
 stops every child (router first, so nothing new comes in while workers drain), and a child
 that dies on its own stops the rest and exits 1 with that child's last log lines.
 
-What to start comes from `worker/stack.py` (`plan()`, pure); this module starts and watches it.
+What to start comes from `cli/stack.py` (`plan()`, pure); this module starts and watches it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.worker.config import ConfigError
-from pdserve.worker.stack import DEVICES, Child, StackConfig, describe_devices, plan
+from pdserve.cli.stack import DEVICES, Child, StackConfig, describe_devices, plan
 
 TAIL_LINES = 30
 _POLL_S = 0.2

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("pdserve.worker.server.main", "run one engine behind an OpenAI-compatible server"),
     "router": ("pdserve.router.main", "run the OpenAI front door that orchestrates prefill/decode"),
     "operator": ("pdserve.operator.main", "run the Kubernetes operator for ModelServing resources"),
-    "up": ("pdserve.worker.launcher", "run a whole prefill/decode stack on this machine"),
+    "up": ("pdserve.cli.launcher", "run a whole prefill/decode stack on this machine"),
     "bench": ("pdserve.bench.main", "run a benchmark and print its table"),
 }
 
