@@ -68,6 +68,7 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
         self.num_refused = 0
+        self._next_log = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -104,7 +105,10 @@ class SideChannelServer:
 
     def _handle(self, msg: list[zmq.Frame]) -> None:
         ident = msg[0].bytes
-        peer = msg[0].get("Peer-Address") or "?"
+        try:
+            peer = msg[0].get("Peer-Address") or "?"
+        except zmq.ZMQError:
+            peer = "?"
         parts = [f.bytes for f in msg[1:]]
         if len(parts) != 4 or parts[0] != b"":
             self._refuse(ident, "", f"malformed request: {len(msg)} frames, expected [id, '', op, body, mac]", peer)
@@ -137,7 +141,11 @@ class SideChannelServer:
 
     def _refuse(self, ident: bytes, nonce: str, message: str, peer: str) -> None:
         self.num_refused += 1
-        log.warning("KV side channel refused a request from %s: %s", peer, message[:200])
+        now = time.monotonic()
+        if now >= self._next_log:  # a flood of bad messages must not become a flood of log lines
+            log.warning("KV side channel refused a request from %s: %s (%d refused so far)", peer, message[:200],
+                        self.num_refused)
+            self._next_log = now + 1.0
         payload = message[:500].encode(errors="replace")
         try:
             self.sock.send_multipart([ident, b"", b"err", payload, self.auth.sign_reply(nonce, b"err", payload)],
