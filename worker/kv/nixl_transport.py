@@ -69,8 +69,9 @@ class NixlTransport:
     def describe(self) -> dict:
         """Everything a peer needs to READ (or WRITE) this cache: give it only to a leaseholder."""
         if self._described is None:
-            self._described = {"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                               "base": self.base, "device_id": self.device_id, "mem_type": self.mem_type}
+            metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+            self._described = {"agent": self.name, "metadata": metadata, "base": self.base,
+                               "device_id": self.device_id, "mem_type": self.mem_type}
         return self._described
 
     def add_peer(self, engine_id: str, desc: dict) -> dict:

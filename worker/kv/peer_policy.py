@@ -36,7 +36,8 @@ class PeerPolicy:
         try:
             addr = ipaddress.ip_address(host)
         except ValueError:
-            raise PeerNotAllowed(f"KV peer {host!r} is not an address and not a host named in --kv-peer-allow") from None
+            raise PeerNotAllowed(f"KV peer {host!r} is not an address and not a host named in "
+                                 f"--kv-peer-allow") from None
         if any(addr in n for n in self.networks):
             return str(addr)
         raise PeerNotAllowed(f"KV peer {host} is not in --kv-peer-allow")
