@@ -1,4 +1,5 @@
-"""Every child manifest of one ModelServing, in apply order (pure)."""
+"""Every child manifest of one ModelServing, in apply order (pure). The generated KV Secret is
+not among them: it is created once, never applied (operator/kv_secret.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pdserve.operator.optional import ApiVersions
 from pdserve.operator.spec import ModelServing
 
 # Kinds that come and go with the spec or the cluster's APIs; the reconciler prunes these.
-PRUNABLE = ("HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor")
+PRUNABLE = ("HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor", "NetworkPolicy")
 
 
 def autoscaler_bounds(ms: ModelServing, role: str, replicas_now: Mapping[str, int]) -> tuple[int, int]:
@@ -38,6 +39,8 @@ def build_children(ms: ModelServing, versions: ApiVersions, replicas_now: Mappin
     for role in ("prefill", "decode"):
         out += [networking.build_worker_service(ms, role), workloads.build_worker_deployment(ms, role)]
     out += [networking.build_router_service(ms), workloads.build_router_deployment(ms)]
+    if ms.spec.network_policy:
+        out.append(networking.build_worker_network_policy(ms))
     if versions.hpa:
         for role in ("prefill", "decode"):
             if ms.spec.role(role).autoscaling is not None:

@@ -64,6 +64,11 @@ class Kube:
                     raise
         raise AssertionError("unreachable")
 
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """A plain create (409 if it exists): for objects made once and never re-applied."""
+        res = self.resource(manifest["apiVersion"], manifest["kind"])
+        return res.create(body=manifest, namespace=manifest["metadata"]["namespace"]).to_dict()
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self.resource(api_version, kind).get(name=name, namespace=namespace).to_dict()

@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any
 
-from pdserve.operator.spec import ModelServing
+from pdserve.operator.spec import ModelServing, SecretKeyRef
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -22,10 +22,17 @@ LABEL_ROLE = "pdserve.io/role"
 LABEL_REVISION = "pdserve.io/revision"
 MANAGED_BY = "pdserve-operator"
 FIELD_MANAGER = "pdserve-operator"
+KV_SECRET_KEY = "kv-secret"
 
 
 def child_name(ms: ModelServing, role: str) -> str:
     return f"{ms.name}-{role}"
+
+
+def kv_secret_ref(ms: ModelServing) -> SecretKeyRef:
+    """The Secret key every worker reads PDSERVE_KV_SECRET from: the user's
+    kvTransfer.secretRef, else the one the operator generates (operator/secrets.py)."""
+    return ms.spec.kv_secret or SecretKeyRef(child_name(ms, "kv-secret"), KV_SECRET_KEY)
 
 
 def selector_labels(ms: ModelServing, role: str) -> dict[str, str]:
@@ -79,7 +86,7 @@ def revision(ms: ModelServing) -> str:
         "image": s.image,
         "device": s.device,
         # old and new workers of one revision must still authenticate each other
-        "kv": [s.kv_backend, s.kv_port] + ([s.kv_secret.name, s.kv_secret.key] if s.kv_secret else []),
+        "kv": [s.kv_backend, s.kv_port, kv_secret_ref(ms).name, kv_secret_ref(ms).key, ms.kv_secret_uid],
         "tp": [s.prefill.tensor_parallel_size, s.decode.tensor_parallel_size],
         # extra args may set anything the engine reads (block size, quantization, ...)
         "args": [list(s.prefill.args), list(s.decode.args)],

@@ -1,4 +1,5 @@
-"""Services: the router's front door and one headless Service per worker role (pure builders)."""
+"""Services (the router's front door and one headless Service per worker role) and the
+workers' NetworkPolicy (pure builders)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from typing import Any
 
 from pdserve.operator import naming
 from pdserve.operator.spec import ModelServing
-from pdserve.operator.pods import HTTP_PORT
+from pdserve.operator.pods import HTTP_PORT, KV_EVENTS_PORT
+
+NETWORK_POLICY_VERSION = "networking.k8s.io/v1"
+# Who scrapes /metrics when a ServiceMonitor is made and networkPolicy.metricsFrom is unset:
+# Prometheus pods (the Prometheus operator labels them so) in any namespace.
+DEFAULT_SCRAPERS = ({"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
 
 
 def endpoint(ms: ModelServing) -> str:
@@ -42,4 +48,45 @@ def build_worker_service(ms: ModelServing, role: str) -> dict[str, Any]:
                 {"name": "kv", "port": ms.spec.kv_port, "targetPort": "kv", "protocol": "TCP"},
             ],
         },
+    }
+
+
+def metrics_scrapers(ms: ModelServing) -> tuple[dict[str, Any], ...]:
+    s = ms.spec
+    if s.metrics_from is not None:
+        return tuple(dict(p) for p in s.metrics_from)
+    return DEFAULT_SCRAPERS if s.service_monitor else ()
+
+
+def build_worker_network_policy(ms: ModelServing) -> dict[str, Any]:
+    """Ingress to prefill and decode pods only from this ModelServing's own pods (and scrapers).
+
+    - Workers of this ModelServing: every TCP port. The KV side channel has a known port, but
+      NIXL's UCX TCP transport listens on ephemeral ports it picks at start-up, which cannot be
+      listed here. (RDMA traffic bypasses the kernel's network stack, so no NetworkPolicy sees it.)
+    - Routers of this ModelServing: the HTTP port, plus the KV-event ports when a prefix-aware
+      policy subscribes to them.
+    - Metric scrapers (networkPolicy.metricsFrom): the HTTP port, where /metrics is served; a
+      NetworkPolicy works on ports, not paths, so they reach /v1 too (guard it with an API key).
+    Kubelet probes come from the node and are admitted by every common policy implementation.
+    Only ingress is restricted: workers still reach DNS, the Hub and the API server.
+    """
+    workers = {"podSelector": {"matchExpressions": [
+        {"key": naming.LABEL_MODELSERVING, "operator": "In", "values": [ms.name]},
+        {"key": naming.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]}}
+    http = [{"protocol": "TCP", "port": HTTP_PORT}]
+    router_ports = list(http)
+    if ms.spec.router.prefix_aware:
+        router_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_EVENTS_PORT + 1}]
+    ingress = [
+        {"from": [workers], "ports": [{"protocol": "TCP"}]},  # no port: every TCP port
+        {"from": [{"podSelector": {"matchLabels": naming.selector_labels(ms, "router")}}], "ports": router_ports},
+    ]
+    if scrapers := metrics_scrapers(ms):
+        ingress.append({"from": list(scrapers), "ports": http})
+    return {
+        "apiVersion": NETWORK_POLICY_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": naming.metadata(ms, "workers"),
+        "spec": {"podSelector": workers["podSelector"], "policyTypes": ["Ingress"], "ingress": ingress},
     }

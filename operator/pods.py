@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from pdserve.operator import naming
 from pdserve.operator.spec import KVTuning, ModelServing, ModelSource
 
 HTTP_PORT = 8000
@@ -81,12 +82,12 @@ def hub_env(ms: ModelServing) -> list[dict[str, Any]]:
 
 
 def kv_env(ms: ModelServing, kv: KVTuning) -> list[dict[str, Any]]:
-    """UCX settings, and the side channel's shared secret (an env var: arguments are visible
-    in the process list)."""
+    """UCX settings, and the side channel's shared secret: always set (the user's Secret or the
+    generated one), as an env var from a secretKeyRef (arguments are visible in the process
+    list, and the pod template names the Secret, not its value)."""
     env = [{"name": n, "value": v} for n, v in (("UCX_TLS", kv.ucx_tls), ("UCX_NET_DEVICES", kv.ucx_net_devices)) if v]
-    if ms.spec.kv_secret:
-        ref = ms.spec.kv_secret
-        env.append({"name": "PDSERVE_KV_SECRET", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    ref = naming.kv_secret_ref(ms)
+    env.append({"name": "PDSERVE_KV_SECRET", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env
 
 

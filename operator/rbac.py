@@ -70,6 +70,12 @@ def build_operator_cluster_role(name: str = "pdserve-operator") -> dict[str, Any
             {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": _WRITE},
             {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _WRITE},
             {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"], "verbs": _WRITE},
+            # the workers' NetworkPolicy: applied, listed and deleted (pruned) when turned off
+            {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+             "verbs": ["get", "list", "create", "patch", "delete"]},
+            # the generated KV Secret: created once and read back, never updated, listed or
+            # deleted (the garbage collector deletes it with its ModelServing)
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
             *ROUTER_RULES,
             {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             # kopf lists namespaces in --all-namespaces mode and CRDs to resolve resources

@@ -6,12 +6,15 @@ looks at what changed, only at what the spec says now and what the cluster has.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.operator import naming, networking, status
 from pdserve.operator.children import PRUNABLE, build_children
 from pdserve.operator.kube import Kube, owned_by
+from pdserve.operator.kv_secret import ensure_kv_secret
+from pdserve.operator.networking import NETWORK_POLICY_VERSION
 from pdserve.operator.spec import ModelServing
 
 
@@ -23,11 +26,14 @@ class Outcome:
 
 def _version_for(kind: str, kube: Kube) -> str | None:
     v = kube.versions()
-    return {"HorizontalPodAutoscaler": v.hpa, "PodDisruptionBudget": v.pdb, "ServiceMonitor": v.service_monitor}[kind]
+    return {"HorizontalPodAutoscaler": v.hpa, "PodDisruptionBudget": v.pdb, "ServiceMonitor": v.service_monitor,
+            "NetworkPolicy": NETWORK_POLICY_VERSION}[kind]
 
 
 def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
     ms = ModelServing.from_body(body)  # SpecError propagates: the handler reports it
+    # before any worker is built: the generated Secret's uid is part of the worker revision
+    ms = dataclasses.replace(ms, kv_secret_uid=ensure_kv_secret(kube, ms))
     selector = f"{naming.LABEL_MODELSERVING}={ms.name}"
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []

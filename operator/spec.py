@@ -104,7 +104,7 @@ class RoleSpec:
     # {startup|readiness|liveness: {periodSeconds, timeoutSeconds, failureThreshold, initialDelaySeconds}}
     probes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # strategic merge over the built pod
-    shm_size: str = "8Gi"
+    shm_size: str | None = None  # None: scaled with tensorParallelSize (workloads.shm_size)
     kv: KVTuning = KVTuning()
 
     def __post_init__(self) -> None:
@@ -163,7 +163,13 @@ class ModelServingSpec:
     kv_port: int = 5600
     kv: KVTuning = KVTuning()
     kv_peer_allow: tuple[str, ...] = PRIVATE_NETWORKS
-    kv_secret: SecretKeyRef | None = None  # shared by all workers: authenticates the KV side channel
+    # Shared by all workers, authenticates the KV side channel; None: the operator generates one
+    # (naming.kv_secret_ref).
+    kv_secret: SecretKeyRef | None = None
+    network_policy: bool = True
+    # NetworkPolicyPeers admitted to the workers' HTTP port for scraping /metrics; None: the
+    # default (Prometheus pods anywhere when a ServiceMonitor is made, else nobody).
+    metrics_from: tuple[Mapping[str, Any], ...] | None = None
     drain_timeout_s: int = 30
     drain_pre_stop_s: int = 5
     service_monitor: bool = False
@@ -176,10 +182,14 @@ class ModelServingSpec:
                 f"spec.prefillDecodeRatio.min ({self.ratio_min}) exceeds spec.prefillDecodeRatio.max ({self.ratio_max})"
             )
         for rs in (self.prefill, self.decode):
-            gpus = _gpu_limit(rs.role, rs.resources)
+            limit, request = (_gpu_count(rs.role, rs.resources, kind) for kind in ("limits", "requests"))
+            if limit is not None and request is not None and limit != request:
+                raise SpecError(f"spec.{rs.role}.resources: requests[{GPU_RESOURCE}] ({request}) must equal "
+                                f"limits[{GPU_RESOURCE}] ({limit}) (GPUs cannot be overcommitted)")
+            gpus, kind = (limit, "limits") if limit is not None else (request, "requests")
             if self.device == "cuda" and gpus is not None and gpus < rs.tensor_parallel_size:
                 raise SpecError(
-                    f"spec.{rs.role}.resources.limits[{GPU_RESOURCE}] is {gpus} but "
+                    f"spec.{rs.role}.resources.{kind}[{GPU_RESOURCE}] is {gpus} but "
                     f"tensorParallelSize is {rs.tensor_parallel_size}: each worker needs one GPU per rank"
                 )
         if self.cache_claim and self.cache_size:
@@ -211,6 +221,8 @@ class ModelServingSpec:
         ratio = spec.get("prefillDecodeRatio") or {}
         cache = model.get("cache") or {}
         drain = spec.get("drain") or {}
+        netpol = spec.get("networkPolicy") or {}
+        metrics_from = netpol.get("metricsFrom")
         return cls(
             source=model["source"],
             image=spec.get("image") or default_image(),
@@ -248,7 +260,9 @@ class ModelServingSpec:
             kv_port=kv.get("port", 5600),
             kv=_kv(kv),
             kv_peer_allow=tuple(kv.get("peerAllow") or PRIVATE_NETWORKS),
-            kv_secret=_secret_ref(kv.get("secret"), "kv-secret"),
+            kv_secret=_secret_ref(kv.get("secretRef"), "kv-secret"),
+            network_policy=bool(netpol.get("enabled", True)),
+            metrics_from=None if metrics_from is None else tuple(dict(p) for p in metrics_from),
             drain_timeout_s=drain.get("timeoutSeconds", 30),
             drain_pre_stop_s=drain.get("preStopSeconds", 5),
             service_monitor=bool((spec.get("monitoring") or {}).get("serviceMonitor", False)),
@@ -266,6 +280,10 @@ class ModelServing:
     uid: str
     spec: ModelServingSpec
     generation: int = 1
+    # uid of the KV Secret the operator generated (reconcile fills it in; "" when the user names
+    # one): part of the revision, so a re-created Secret (a new value) rolls pods to a revision
+    # that never pairs with pods holding the old value.
+    kv_secret_uid: str = ""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> "ModelServing":
@@ -303,7 +321,7 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
         rollout=_rollout(d.get("rollout")),
         probes=dict(d.get("probes") or {}),
         pod_template=dict(d.get("podTemplate") or {}),
-        shm_size=str(d.get("shmSize", "8Gi")),
+        shm_size=None if d.get("shmSize") is None else str(d["shmSize"]),
         kv=_kv(d.get("kvTransfer") or {}),
     )
 
@@ -322,11 +340,11 @@ def _secret_ref(d: Mapping[str, Any] | None, default_key: str) -> SecretKeyRef |
     return None if not d else SecretKeyRef(name=d["name"], key=d.get("key", default_key))
 
 
-def _gpu_limit(role: str, resources: Mapping[str, Any]) -> int | None:
-    value = (resources.get("limits") or {}).get(GPU_RESOURCE)
+def _gpu_count(role: str, resources: Mapping[str, Any], kind: str) -> int | None:
+    value = (resources.get(kind) or {}).get(GPU_RESOURCE)
     if value is None:
         return None
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise SpecError(f"spec.{role}.resources.limits[{GPU_RESOURCE}] must be a whole number of GPUs, got {value!r}") from None
+        raise SpecError(f"spec.{role}.resources.{kind}[{GPU_RESOURCE}] must be a whole number of GPUs, got {value!r}") from None

@@ -81,12 +81,27 @@ def worker_resources(ms: ModelServing, rs: RoleSpec) -> dict[str, Any]:
     limits = dict(rs.resources.get("limits") or {})
     requests = dict(rs.resources.get("requests") or {})
     if s.device == "cuda":
-        limits.setdefault(GPU_RESOURCE, rs.tensor_parallel_size)
+        # one GPU per rank, unless the user counted them (ModelServingSpec checks it is enough)
+        limits.setdefault(GPU_RESOURCE, requests.get(GPU_RESOURCE, rs.tensor_parallel_size))
     if kv.rdma_resource:
         limits.setdefault(kv.rdma_resource, kv.rdma_count)
     if s.model_source.kind == "hf" and s.cache_size and not s.cache_claim:
         requests.setdefault("ephemeral-storage", s.cache_size)
     return quantities({"limits": limits, "requests": requests})
+
+
+# /dev/shm cap per tensor-parallel rank, and the floor for any worker. Memory-backed and a cap,
+# not a reservation: only what is written counts against the pod's memory.
+SHM_PER_RANK_GI = 4
+SHM_MIN_GI = 8
+
+
+def shm_size(rs: RoleSpec) -> str:
+    """The user's shmSize, else max(8Gi, 4Gi per rank): NCCL's shared-memory transport and
+    proxy buffers, and the ranks' step-plan broadcast, grow with the number of ranks in a pod."""
+    if rs.shm_size is not None:
+        return rs.shm_size
+    return f"{max(SHM_MIN_GI, SHM_PER_RANK_GI * rs.tensor_parallel_size)}Gi"
 
 
 def _scheduling(rs) -> dict[str, Any]:
@@ -146,9 +161,9 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
     kv, src = rs.kv.over(s.kv), s.model_source
     tmp, tmp_mount = pods.tmp_volume()
     cache, cache_mount = pods.cache_volume(ms)
-    # NCCL/NIXL and the tokenizer's workers use /dev/shm, which a container caps at 64 MiB;
-    # memory-backed, so it counts against the pod's memory: hence the cap.
-    volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}, tmp, cache]
+    # NCCL/NIXL, the tensor-parallel ranks and the tokenizer's workers use /dev/shm, which a
+    # container caps at 64 MiB; memory-backed, so it counts against the pod's memory: hence the cap.
+    volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(rs)}}, tmp, cache]
     mounts = [{"name": "shm", "mountPath": "/dev/shm"}, tmp_mount, cache_mount]
     init: list[dict[str, Any]] = []
     if src.kind == "pvc":

@@ -145,7 +145,7 @@ def test_router_deployment():
 ])
 def test_optional_children_follow_served_apis(apis, spec, kinds):
     children = build_children(ms(**spec), apis, {})
-    core = {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"}
+    core = {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment", "NetworkPolicy"}  # NetworkPolicy: always served
     assert {c["kind"] for c in children} - core == kinds
     for c in children:
         if c["kind"] in ("HorizontalPodAutoscaler", "PodDisruptionBudget"):

@@ -283,7 +283,7 @@ def test_decode_pulls_only_from_allowed_peers_and_authenticates():
     allowed = d["args"][d["args"].index("--kv-peer-allow") + 1:]
     assert allowed == ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fd00::/8"]
     assert "--kv-peer-allow" not in container(build_worker_deployment(ms(), "prefill"))["args"]  # prefill never pulls
-    m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14"], "secret": {"name": "kv"}})
+    m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14"], "secretRef": {"name": "kv"}})
     d = container(build_worker_deployment(m, "decode"))
     assert d["args"][d["args"].index("--kv-peer-allow") + 1] == "10.8.0.0/14"
     for role in ("prefill", "decode"):
