@@ -30,7 +30,8 @@ def stack(module_launch, tiny_checkpoint):
         port, kv_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
-               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--log-level", "warning"]
+               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
+               "--log-level", "warning"]
         popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
         module_launch.procs.append(workers[role])

@@ -25,7 +25,8 @@ def worker(tiny_checkpoint):
     with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", NAME, "--max-model-len", str(MAX_LEN),
                        "--api-key", KEY, "--kv-cache-memory", str(32 << 20), "--kv-pin-ttl", "600",
                        # A KV side channel, so this one worker can play both P/D halves.
-                       "--kv-transfer", "tcp", "--kv-host", "127.0.0.1", "--kv-port", str(free_port())) as w:
+                       "--kv-transfer", "tcp", "--kv-host", "127.0.0.1", "--kv-port", str(free_port()),
+                       "--kv-peer-allow", "127.0.0.1") as w:
         yield w
 
 
