@@ -23,12 +23,14 @@ import time
 import torch
 
 MiB = 1 << 20
+BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
 
 
 def _config(transport: str, port: int):
     from pdserve.worker.config import EngineConfig
 
-    return EngineConfig(role="prefill", kv_transfer=transport, kv_port=port, kv_pin_ttl=3600, kv_pull_timeout=120)
+    return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port, kv_pin_ttl=3600,
+                        kv_pull_timeout=120)
 
 
 def _server(transport, port, device, num_blocks, block_bytes, plan, conn):
@@ -37,10 +39,10 @@ def _server(transport, port, device, num_blocks, block_bytes, plan, conn):
 
     cache = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
     c = KVConnector(_config(transport, port), cache, f"bench-server-{transport}", "bench")
-    c.start_server("127.0.0.1")
+    c.start_server()
     params = []
     for i, block_ids in enumerate(plan):
-        p = c.pin(f"r{i}", block_ids, len(block_ids), 0)
+        p = c.pin(f"r{i}", block_ids, len(block_ids), 0, BENCH_DIGEST)
         params.append(p)
     conn.send(params)
     conn.recv()  # stop
@@ -93,10 +95,11 @@ def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_
                 raise RuntimeError(f"the {transport} server process exited with {proc.exitcode} before it was ready")
         params = parent.recv()
         cache = torch.zeros(max_blocks, block_bytes, dtype=torch.uint8, device=client_dev)
-        cfg = EngineConfig(role="decode", kv_transfer=transport, kv_port=port + 1, kv_pull_timeout=120)
+        cfg = EngineConfig(role="decode", kv_transfer=transport, kv_port=port + 1, kv_pull_timeout=120,
+                           kv_peer_allow=("127.0.0.1",))
         c = KVConnector(cfg, cache, f"bench-client-{transport}", "bench")
         # Warm-up: the first NIXL pull also fetches and adds the peer's agent metadata.
-        warm = c.pin("warm", [0], 1, 0)  # a local pin just to get a well-formed params dict shape
+        warm = c.pin("warm", [0], 1, 0, BENCH_DIGEST)  # a local pin just to get a well-formed params dict shape
         c.pins.release("warm", warm["transfer_token"])
         rows, k = [], 0
         for _ in _block_counts(sizes_mib, block_bytes):
@@ -109,7 +112,7 @@ def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_
                 if client_dev != "cpu":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                c._pull(p, list(range(n)), dst)
+                c._pull(p, list(range(n)), dst, BENCH_DIGEST)
                 if client_dev != "cpu":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)

@@ -168,3 +168,22 @@ def test_prompt_blocks_in_the_local_prefix_cache_are_not_pulled(prefill, decode)
     # Nothing left to pull: it runs at once, and the prefill worker is told to drop its pin.
     assert [(q.request_id, n) for q, n in batch.items] == [("d", 1)]
     assert batch.kv_connector_metadata.releases == [params] and not batch.kv_connector_metadata.loads
+
+
+def test_pins_are_capped_at_half_the_cache(prefill):
+    """A flood of prefill-only requests cannot pin the whole cache: past half of it a prefill
+    finishes without kv_transfer_params and its blocks are freed at once."""
+    sched, bm, transfer = prefill
+    outs = []
+    for i in range(3):  # 3 blocks each; 16 blocks: the third would make 9 > 8
+        r = Request(f"p{i}", list(range(10 * i, 10 * i + 10)), SamplingParams(max_tokens=16), (),
+                    {"do_remote_decode": True})
+        sched.add(r)
+        (done,) = compute(sched, sched.schedule())
+        outs.append(done.kv_transfer_params_out)
+    assert outs[0] and outs[1] and outs[2] is None
+    assert sched.num_sending_blocks == 6 and bm.num_free_blocks == BLOCKS - 6
+    for p in outs[:2]:
+        assert transfer.pins.release(p["remote_request_id"], p["transfer_token"])
+    sched.update_from_kv_xfer(transfer.get_finished())
+    assert bm.num_free_blocks == BLOCKS and not sched.sending

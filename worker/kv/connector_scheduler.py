@@ -36,6 +36,10 @@ REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, 
                "transfer_token": str, "kv_layout": str}
 
 
+# At most this share of the KV cache is held for remote decode workers at once.
+MAX_PINNED_FRACTION = 0.5
+
+
 def is_remote_decode(params: dict | None) -> bool:
     """Params handed to a decode worker by a prefill worker (not the router's request for one)."""
     return bool(params) and not params.get("do_remote_decode") and "first_token_id" in params
@@ -144,6 +148,13 @@ class KVConnectorScheduler:
             return False, None
         # Only prompt blocks are offered: the first token's KV was never computed here.
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
+        if self._transfer.pins.num_blocks() + n_blocks > self._transfer.num_blocks * MAX_PINNED_FRACTION:
+            # Pins live until released or their TTL: unbounded, a flood of prefill-only requests
+            # would hold the cache and stall every other request. Answer without params instead
+            # (the router then lets the decode worker prefill).
+            log.warning("not pinning %s: pinned KV blocks would exceed %.0f%% of the cache", req.request_id,
+                        100 * MAX_PINNED_FRACTION)
+            return False, None
         params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
                                     req.output_token_ids[0], prompt_digest(req.token_ids[:req.num_prompt_tokens]))
         return True, params
