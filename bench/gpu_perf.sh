@@ -22,8 +22,9 @@ export PYTHONUNBUFFERED=1
 # farm makes it importable without building or installing anything.
 PD=/tmp/pdserve-path
 rm -rf "$PD" && mkdir -p "$PD/pdserve"
-for d in worker kernels bench protocol router; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
-export PYTHONPATH="$PD:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
+# Not the repository root itself: its operator/ folder would shadow the standard library.
+export PYTHONPATH="$PD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
 step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
@@ -48,7 +49,7 @@ main() {
   #    engine tests serially (each engine sizes its KV cache from a share of the card).
   step "kernel tests (GPU)" 100 $PY -m pytest tests/kernels -q -n 6 -p no:cacheprovider > "$OUT/tests.txt" 2>&1
   tail -n 25 "$OUT/tests.txt"
-  step "triton backend (GPU)" 60 $PY -m pytest -q -p no:cacheprovider tests/worker/test_triton_backend.py \
+  step "triton backend (GPU)" 150 $PY -m pytest -q -p no:cacheprovider tests/worker/test_triton_backend.py \
     >> "$OUT/tests.txt" 2>&1
   tail -n 15 "$OUT/tests.txt"
 
