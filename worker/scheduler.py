@@ -112,6 +112,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.connector is not None and not self.connector.can_admit(req):
+                break  # its blocks would be pinned past the cap: wait for remote readers to release
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
             cached = self.bm.lookup_prefix(req) if fresh else []
             start = len(cached) * self.bm.block_size if fresh else req.num_computed_tokens

@@ -171,19 +171,23 @@ def test_prompt_blocks_in_the_local_prefix_cache_are_not_pulled(prefill, decode)
 
 
 def test_pins_are_capped_at_half_the_cache(prefill):
-    """A flood of prefill-only requests cannot pin the whole cache: past half of it a prefill
-    finishes without kv_transfer_params and its blocks are freed at once."""
+    """A flood of prefill-only requests cannot pin the whole cache: past half of it the next
+    prefill for a remote decode waits in the queue (holding nothing) until a pin is released."""
     sched, bm, transfer = prefill
+    reqs = [Request(f"p{i}", list(range(10 * i, 10 * i + 10)), SamplingParams(max_tokens=16), (),
+                    {"do_remote_decode": True}) for i in range(3)]  # 3 blocks each; 16 blocks, cap 8
     outs = []
-    for i in range(3):  # 3 blocks each; 16 blocks: the third would make 9 > 8
-        r = Request(f"p{i}", list(range(10 * i, 10 * i + 10)), SamplingParams(max_tokens=16), (),
-                    {"do_remote_decode": True})
+    for r in reqs[:2]:
         sched.add(r)
         (done,) = compute(sched, sched.schedule())
         outs.append(done.kv_transfer_params_out)
-    assert outs[0] and outs[1] and outs[2] is None
-    assert sched.num_sending_blocks == 6 and bm.num_free_blocks == BLOCKS - 6
-    for p in outs[:2]:
+    sched.add(reqs[2])
+    assert not sched.schedule() and reqs[2].status is RequestStatus.WAITING and not reqs[2].block_ids
+    assert transfer.pins.release("p0", outs[0]["transfer_token"])
+    sched.update_from_kv_xfer(transfer.get_finished())
+    (done,) = compute(sched, sched.schedule())  # admitted now that 3 pinned + 3 <= 8
+    assert done is reqs[2] and done.kv_transfer_params_out
+    for p in (outs[1], done.kv_transfer_params_out):
         assert transfer.pins.release(p["remote_request_id"], p["transfer_token"])
     sched.update_from_kv_xfer(transfer.get_finished())
     assert bm.num_free_blocks == BLOCKS and not sched.sending

@@ -175,6 +175,8 @@ class KVConnector:
     def wait_for_loads(self, timeout: float) -> None:
         if self._loading:
             wait(self._loading.values(), timeout=timeout, return_when=FIRST_COMPLETED)
+        else:  # nothing could be scheduled (no free blocks, or pins at their cap): wait for a release
+            time.sleep(timeout)
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 

@@ -6,6 +6,7 @@ and runs on the engine's step thread.
 
   new_request(req)                   on arrival: a prefill for a remote decode runs one token; a
                                      decode handed a prefill worker's params starts from its first token
+  can_admit(req)                     at admission: a prefill for a remote decode waits while pins are at the cap
   get_num_new_matched_tokens(req, n) at admission: prompt tokens to pull beyond the n cached here, and
                                      whether the request waits for them (WAITING_FOR_REMOTE_KVS)
   update_state_after_alloc(req, n)   its blocks are allocated: record the pull (or a bare release)
@@ -113,6 +114,18 @@ class KVConnectorScheduler:
         n = max(0, req.num_prompt_tokens - num_computed_tokens)
         return n, n > 0
 
+    def can_admit(self, req: Request) -> bool:
+        """Prefill side: hold back a prefill for a remote decode while pinned blocks are at the
+        cap. Pins live until released or expired; unbounded, a flood of prefill-only requests
+        would hold the whole cache. Waiting (not refusing) keeps the router's contract: a
+        prefill answer always carries params. With nothing pinned, anything is admitted."""
+        p = req.kv_transfer_params
+        if not (p and p.get("do_remote_decode") and self._can_send):
+            return True
+        pinned = self._transfer.pins.num_blocks()
+        need = -(-req.num_prompt_tokens // self.block_size)
+        return pinned == 0 or pinned + need <= self._transfer.num_blocks * MAX_PINNED_FRACTION
+
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
         if req.request_id not in self._unpulled:
             return
@@ -148,13 +161,6 @@ class KVConnectorScheduler:
             return False, None
         # Only prompt blocks are offered: the first token's KV was never computed here.
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
-        if self._transfer.pins.num_blocks() + n_blocks > self._transfer.num_blocks * MAX_PINNED_FRACTION:
-            # Pins live until released or their TTL: unbounded, a flood of prefill-only requests
-            # would hold the cache and stall every other request. Answer without params instead
-            # (the router then lets the decode worker prefill).
-            log.warning("not pinning %s: pinned KV blocks would exceed %.0f%% of the cache", req.request_id,
-                        100 * MAX_PINNED_FRACTION)
-            return False, None
         params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
                                     req.output_token_ids[0], prompt_digest(req.token_ids[:req.num_prompt_tokens]))
         return True, params
