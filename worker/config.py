@@ -69,9 +69,12 @@ class EngineConfig:
             raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size", f"tensor parallelism is not implemented yet; only 1 is "
-                                                        f"supported, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.role != "both" or self.kv_transfer is not None):
+            # The KV connector moves rank 0's cache only; each rank's head shard is not wired yet.
+            raise ConfigError("--tensor-parallel-size", "prefill/decode KV transfer with tensor parallelism is not "
+                                                        "supported yet; use --role both without --kv-transfer")
         if self.kv_pull_timeout <= 0:
             raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:
@@ -103,7 +106,8 @@ class EngineConfig:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-        g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 (TP is not implemented yet)")
+        g.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard the model over this many GPUs (processes on CPU), one process per rank")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--role", default="both", choices=ROLES)
         g.add_argument("--kv-transfer", default=None, choices=("nixl", "tcp"))

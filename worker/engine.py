@@ -154,6 +154,7 @@ class LLMEngine:
         return [self.kv_connector.metrics] if self.kv_connector is not None else []
 
     def shutdown(self) -> None:
+        self.runner.shutdown()  # a tensor-parallel worker's other ranks
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         if self._kv_event_publisher is not None:

@@ -47,28 +47,44 @@ def _stage(name: str, t0: float) -> float:
     return t
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None) -> LoadedModel:
+def read_model_config(path: str) -> ModelConfig:
+    from transformers import AutoConfig, GenerationConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        gen_eos = None
+    return ModelConfig.from_hf(hf_config, gen_eos)
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None,
+               tp: tuple[int, int] = (0, 1)) -> LoadedModel:
+    """tp = (rank, size): with size > 1 the model holds rank's shard (models/parallel.py) and
+    `model.cfg` is the shard's config; `model_config` stays the full model's."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     from pdserve.worker.models.llama import LlamaForCausalLM
 
     t = time.perf_counter()
     path = resolve_model_path(model)
     t = _stage(f"resolve {os.path.basename(path.rstrip('/'))}", t)
-    hf_config = AutoConfig.from_pretrained(path)
-    try:
-        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        gen_eos = None
-    cfg = ModelConfig.from_hf(hf_config, gen_eos)
+    cfg = read_model_config(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     t = _stage("config + tokenizer", t)
 
+    shard = None
+    if tp[1] > 1:
+        from pdserve.worker.models.parallel import TPShard, parallelize, shard_config
+
+        shard = TPShard(tp[0], tp[1], cfg)
     positions = max_positions or cfg.max_position_embeddings
     # Build on the meta device and materialise on the target: no random init, no CPU copy.
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, backend, positions)
+        net = LlamaForCausalLM(cfg if shard is None else shard_config(shard), backend, positions)
+        if shard is not None:
+            parallelize(net, shard)
     net = net.to(dtype=dtype).to_empty(device=device)
     net.init_rope(positions)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -81,8 +97,15 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
 
-    net.load_weights(tensors())
+    def shards():
+        from pdserve.worker.models.parallel import shard_weight
+
+        for name, w in tensors():
+            yield name, shard_weight(name.removeprefix("model."), w, shard)
+
+    net.load_weights(tensors() if shard is None else shards())
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    _stage(f"weights ({nbytes / 2**20:.0f} MiB, {len(files)} files) -> {device}", t)
+    what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
+    _stage(f"{what} ({nbytes / 2**20:.0f} MiB, {len(files)} files) -> {device}", t)
     return LoadedModel(path, net, cfg, tokenizer)

@@ -8,11 +8,18 @@ over the real cache.
 Host round-trips per step: none before sampling (inputs go host->device, nothing is read back);
 the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
 they were captured (`graphs`); prefill and mixed steps run eagerly.
+
+Tensor parallelism (--tensor-parallel-size N > 1): this runner is rank 0; it starts ranks
+1..N-1 (tp_worker.py), each a ModelRunner of its own shard (models/parallel.py), and every step
+sends them the step's plan (`StepPlan`) before running it itself; logits are gathered to rank 0,
+which alone samples. At N = 1 none of this exists: no processes, no collectives, no plan sent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +34,17 @@ from pdserve.worker.sampler import Sampler
 from pdserve.worker.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step's model inputs as host lists: all a tensor-parallel rank needs to run the step."""
+
+    graph: bool  # decode only, through the CUDA graphs' static buffers
+    # graph: (ids, positions, slots, context_lens, block_tables) as DecodeGraphs.run takes them;
+    # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens)
+    inputs: tuple
+    logits_idx: list[int]  # rows of the step's hidden states that are projected to logits
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
@@ -62,20 +80,33 @@ def _attention_backend(name: str | None, device: torch.device):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
-                 static_decode: bool | None = None):
+                 static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None):
         """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
         tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
         --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
-        static-buffer path without capturing."""
+        static-buffer path without capturing. `tp_rank` / `tp_store_port`: set by tp_worker.py
+        for ranks >= 1 of a tensor-parallel worker."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
+        self.followers = None  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
+        if self.tp_size > 1:
+            self.device = self._start_tensor_parallel(attention_backend, static_decode, tp_store_port)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
         backend = _attention_backend(attention_backend, self.device)
         self.attention_backend = backend.name
         max_len = config.max_model_len
-        loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len)
+        loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len,
+                            tp=(tp_rank, self.tp_size))
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
+        # What this rank holds (its heads and KV heads): the full model's shape at TP = 1.
+        self.shard_config = self.model.cfg
+        self.tp_shard = None
+        if self.tp_size > 1:
+            from pdserve.worker.models.parallel import TPShard
+
+            self.tp_shard = TPShard(tp_rank, self.tp_size, self.model_config)
         self.model_path = loaded.path
         mc = self.model_config
         if max_len is None:
@@ -95,15 +126,45 @@ class ModelRunner:
             log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
                         num_blocks * bs, max_len, num_blocks * bs)
             max_len = self.max_model_len = num_blocks * bs
-        self.kv_cache = KVCache(mc, num_blocks, bs, self.dtype, self.device)
+        self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.dtype, self.device)
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
 
-    # -- construction: KV sizing and graph capture ----------------------------------------------
+    # -- construction: tensor parallelism, KV sizing and graph capture ---------------------------
+
+    def _start_tensor_parallel(self, attention_backend, static_decode, store_port) -> torch.device:
+        """Join the process group (rank 0 first checks the model shards and starts the others)."""
+        from pdserve.worker.distributed import create_store, init_tensor_parallel, rank_device
+
+        store = None
+        if self.tp_rank == 0:
+            from pdserve.worker.model_loader import read_model_config, resolve_model_path
+            from pdserve.worker.models.parallel import TPShard
+            from pdserve.worker.tp_worker import TPFollowers
+
+            TPShard(0, self.tp_size, read_model_config(resolve_model_path(self.config.model)))  # ConfigError now
+            store = create_store(self.tp_size)
+            store_port = store.port
+            self.followers = TPFollowers(self.config, store_port, attention_backend, static_decode)
+        device = rank_device(self.device, self.tp_rank)
+        if device.type == "cpu":
+            # N processes share the host's cores: without this each would start one thread per core.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        init_tensor_parallel(self.tp_rank, self.tp_size, device, store_port, store)
+        return device
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (rank 0 of a tensor-parallel worker); nothing to do otherwise."""
+        if self.followers is not None:
+            self.followers.shutdown()
+            self.followers = None
+            from pdserve.worker.distributed import shutdown_tensor_parallel
+
+            shutdown_tensor_parallel()
 
     def _num_kv_blocks(self, backend) -> int:
-        per_block = KVCache.bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             peak = self._profile_activation_bytes(backend)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -120,6 +181,12 @@ class ModelRunner:
         else:
             budget = self.config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         n = budget // per_block
+        if self.tp_size > 1:
+            # Every rank sized its own cache (--gpu-memory-utilization is per rank); the scheduler's
+            # block ids must exist on all of them.
+            from pdserve.worker.distributed import agree_min
+
+            n = agree_min(n, self.device)
         if n < 2:
             raise ConfigError("--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization",
                               f"leaves room for {n} KV blocks of {per_block} bytes; need at least 2")
@@ -136,7 +203,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        scratch = KVCache(mc, sum(blocks), bs, self.dtype, self.device)
+        scratch = KVCache(self.shard_config, sum(blocks), bs, self.dtype, self.device)
         backend.bind(scratch)
         first = [sum(blocks[:i]) for i in range(len(lens))]
         table = [[f + j for j in range(max(blocks))] for f in first]  # columns past a row's blocks unread
@@ -183,7 +250,7 @@ class ModelRunner:
         # Built on the CPU and copied once: one host->device transfer per input per step.
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+    def _plan_eager(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Request]]:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
@@ -209,6 +276,11 @@ class ModelRunner:
             if end == req.num_tokens:  # reached the end of what is known: sample the next token
                 logits_idx.append(len(input_ids) - 1)
                 samplers.append(req)
+        inputs = (input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu)
+        return StepPlan(False, inputs, logits_idx), samplers
+
+    def _eager_inputs(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu = inputs
         i32 = torch.int32
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
@@ -219,10 +291,13 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._tensor(cu, i32),
             prefill_context_lens=self._tensor(pre_lens, i32),
         )
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                logits_idx, samplers)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
-    def _run_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], list[Request]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+        plan, samplers = self._plan_eager(batch)
+        return (*self._eager_inputs(plan.inputs), plan.logits_idx, samplers)
+
+    def _plan_graph(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Request]]:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
@@ -236,26 +311,43 @@ class ModelRunner:
             if p + 1 == req.num_tokens:
                 logits_idx.append(i)
                 samplers.append(req)
-        return self.graphs.run(ids, positions, slots, lens, tables), logits_idx, samplers
+        return StepPlan(True, (ids, positions, slots, lens, tables), logits_idx), samplers
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.items) <= self.graphs.config.max_batch
                 and all(n == 1 for _, n in batch.items))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        if self._use_graph(batch):
-            hidden, logits_idx, samplers = self._run_graph(batch)
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
+        row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples)."""
+        if plan.graph:
+            hidden = self.graphs.run(*plan.inputs)
         else:
-            input_ids, positions, meta, logits_idx, samplers = self.prepare(batch)
+            input_ids, positions, meta = self._eager_inputs(plan.inputs)
             hidden = self.model(input_ids, positions, meta)
-        if not samplers:
-            return {}, {}
+        logits_idx = plan.logits_idx
+        if not logits_idx:
+            return None
         if logits_idx == list(range(logits_idx[0], logits_idx[0] + len(logits_idx))):
             rows = hidden[logits_idx[0]:logits_idx[0] + len(logits_idx)]  # a view: no index upload
         else:
             rows = hidden[logits_idx]
         logits = self.model.compute_logits(rows)
+        if self.tp_shard is not None:
+            from pdserve.worker.models.parallel import gather_logits
+
+            logits = gather_logits(logits, self.tp_shard)
+        return logits
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        plan, samplers = self._plan_graph(batch) if self._use_graph(batch) else self._plan_eager(batch)
+        if self.followers is not None:
+            self.followers.send(plan)
+        logits = self.execute(plan)
+        if not samplers:
+            return {}, {}
         if all(r.params.greedy and r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
                for r in samplers):
             # Plain greedy: argmax and one read-back, without the sampler's per-row work

@@ -1,0 +1,62 @@
+"""The tensor-parallel process group: one process per rank, NCCL on CUDA, gloo on CPU.
+
+Rank 0 (the serving process) creates the rendezvous store on a free loopback port before it
+starts the other ranks, so the port is known without a race; every rank then joins the
+default process group over that store. Collectives time out (COLLECTIVE_TIMEOUT) instead of
+waiting forever, and the watchdogs in tp_worker.py end the worker much sooner than that when a
+rank process dies.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+# Long enough for a rank that compiles Triton kernels on its first step while the others wait
+# in the first all-reduce; a dead rank is caught by the process watchdogs, not by this.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+STORE_HOST = "127.0.0.1"  # all ranks of a worker share one host (one pod)
+
+
+def create_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (store.port); the others connect to it."""
+    return dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r uses the r-th card after the configured one (cuda -> cuda:r, cuda:2 -> cuda:2+r)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def init_tensor_parallel(rank: int, world_size: int, device: torch.device, store_port: int,
+                         store: dist.TCPStore | None = None) -> None:
+    if device.type == "cuda":
+        if device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"tensor-parallel rank {rank} needs {device} but only {torch.cuda.device_count()} "
+                               f"CUDA devices are visible")
+        torch.cuda.set_device(device)
+    if store is None:
+        store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                            **kwargs)
+    # A first collective: every rank is connected before any of them loads weights.
+    dist.barrier()
+
+
+def agree_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's value (KV blocks: the scheduler's block ids must exist on all)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def shutdown_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

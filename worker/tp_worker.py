@@ -1,0 +1,142 @@
+"""The processes of a tensor-parallel worker: rank 0 leads, ranks 1..N-1 follow its step plan.
+
+Rank 0 is the serving process: HTTP, scheduler, sampling. At start it spawns one process per
+other rank (`TPFollowers`); each builds its own ModelRunner shard and then loops: receive a
+`StepPlan` (token ids, positions, KV slots, block tables, which rows to project to logits), run
+the same forward as rank 0, take part in the collectives, repeat. Plans travel over one pipe
+per follower, pickled once per step: a few KB, tens of microseconds, and no collective that
+would have to wait (and time out) while the server is idle.
+
+Failure: each side watches the other. Rank 0 waits on the followers' process sentinels; a
+follower that exits while the worker is not shutting down is logged by rank and exit code and
+the whole worker exits (code 1) at once, whatever collective rank 0 is blocked in. A follower
+polls for its parent and exits when rank 0 is gone (or its pipe closes), so no rank outlives
+the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import sys
+import threading
+import time
+
+from pdserve.worker.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_S = 1.0
+SHUTDOWN_WAIT_S = 10.0
+EXIT_CODE_RANK_DIED = 1
+
+
+def _flush_logs() -> None:
+    for h in logging.getLogger().handlers:
+        h.flush()
+    sys.stderr.flush()
+
+
+class TPFollowers:
+    """Rank 0's handle on ranks 1..N-1: start them, send each step's plan, stop or watch them."""
+
+    def __init__(self, config: EngineConfig, store_port: int, attention_backend: str | None,
+                 static_decode: bool | None):
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._procs: list[mp.Process] = []
+        self._conns = []
+        self._stopping = False
+        for rank in range(1, config.tensor_parallel_size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
+                            args=(config, rank, store_port, recv, attention_backend, static_decode, os.getpid()))
+            p.start()
+            recv.close()  # the follower's end; ours would keep the pipe open after it dies
+            self._procs.append(p)
+            self._conns.append(send)
+        log.info("tensor parallel: started ranks 1..%d (pids %s)", len(self._procs),
+                 ", ".join(str(p.pid) for p in self._procs))
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def send(self, plan) -> None:
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for c in self._conns:
+            c.send_bytes(data)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
+        ready = mp.connection.wait(list(sentinels))
+        if self._stopping:
+            return
+        rank, p = sentinels[ready[0]]
+        p.join(0.1)
+        log.critical("tensor-parallel rank %d (pid %d) exited with code %s; the worker cannot continue without it "
+                     "and exits now", rank, p.pid, p.exitcode)
+        self._terminate()
+        _flush_logs()
+        os._exit(EXIT_CODE_RANK_DIED)
+
+    def _terminate(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for c in self._conns:
+            try:
+                c.send_bytes(pickle.dumps(None))
+                c.close()
+            except OSError:
+                pass  # already gone
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._terminate()
+
+
+def _watch_parent(parent_pid: int, rank: int) -> None:
+    def loop():
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.critical("tensor-parallel rank %d: rank 0 (pid %d) is gone; exiting", rank, parent_pid)
+        _flush_logs()
+        os._exit(EXIT_CODE_RANK_DIED)
+
+    threading.Thread(target=loop, name="tp-parent-watch", daemon=True).start()
+
+
+def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attention_backend: str | None,
+                  static_decode: bool | None, parent_pid: int) -> None:
+    """Entry point of rank >= 1: build the shard, then run every plan rank 0 sends until told to stop."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    _watch_parent(parent_pid, rank)
+    from pdserve.worker.distributed import shutdown_tensor_parallel
+    from pdserve.worker.model_runner import ModelRunner
+
+    try:
+        runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
+                             tp_rank=rank, tp_store_port=store_port)
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:  # rank 0 says None before it closes the pipe: without that, it died
+                log.critical("tensor-parallel rank %d: rank 0 (pid %d) is gone (its step pipe closed); exiting",
+                             rank, parent_pid)
+                _flush_logs()
+                os._exit(EXIT_CODE_RANK_DIED)
+            plan = pickle.loads(data)
+            if plan is None:
+                break
+            runner.execute(plan)
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        _flush_logs()
+        os._exit(EXIT_CODE_RANK_DIED)
+    shutdown_tensor_parallel()
