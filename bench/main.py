@@ -11,6 +11,7 @@ BENCHMARKS = {
     "kv-transfer": "pdserve.bench.kv_transfer",
     "router": "pdserve.bench.router",
     "engine": "pdserve.bench.engine",
+    "tp": "pdserve.bench.tp",
     "serve": "pdserve.bench.serve",
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",

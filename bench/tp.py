@@ -1,0 +1,261 @@
+"""Tensor-parallel benchmark (a machine with 2-4 CUDA GPUs; not a test): one model at TP=1/2/4.
+
+    python -m pdserve.bench.tp [--tp 1 2 4] [--model llama-3.1-8b] [--out docs/benchmarks-tp.md]
+
+Random bf16 weights in the real model's configuration (made once on cuda:0, saved as
+safetensors in a temp dir, as bench/engine.py does). Per TP size, one engine
+(`tensor_parallel_size=N`, CUDA graphs on, default --gpu-memory-utilization per rank):
+- bs=1 decode at input 128: median ms/step over 128 steps (every step ends on the sampled id);
+- offline 1024-in/128-out over `--num-prompts` prompts: output tokens/s (the scenario once
+  untimed first: Triton compiles per batch mix);
+- the step's all-reduces alone: 2L + 1 all-reduces of [1, hidden] bf16 (one per row-parallel
+  layer, one for the embedding), captured in one CUDA graph on N fresh NCCL ranks over the same
+  cards and replayed: the communication a bs=1 decode step cannot avoid;
+- bf16 agreement with TP=1: greedy tokens of 4 prompts x 32 tokens (exact match per prompt,
+  first divergence), and the largest |logprob difference| over the top-5 of the first token.
+Random weights give flat logits (near-ties), so a late greedy divergence is bf16 reduction
+order, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert exact equality.
+
+`--smoke`: a tiny model on CPU over gloo, to check the script; it times nothing meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+DECODE_INPUT = 128
+OUT_TOKENS = 128
+CHECK_PROMPTS, CHECK_TOKENS, CHECK_TOPK = 4, 32, 5
+
+
+def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count: int, device: str, iters: int,
+                    out) -> None:
+    """One rank of the all-reduce micro-benchmark: `count` all-reduces of `shape`, as one step."""
+    import torch.distributed as dist
+
+    cuda = device == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=False)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n,
+                            **({"device_id": dev} if cuda else {}))
+    x = torch.ones(shape, dtype=torch.bfloat16 if cuda else torch.float32, device=dev)
+
+    def step():
+        for _ in range(count):
+            dist.all_reduce(x)
+
+    for _ in range(3):
+        step()
+    how = "eager"
+    if cuda:
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run, how = graph.replay, "CUDA graph"
+        except Exception as e:  # report eager timings rather than nothing
+            print(f"all-reduce capture failed ({e}); timing eager launches", file=sys.stderr)
+            run = step
+        run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+    sec = (time.perf_counter() - t0) / iters
+    dist.barrier()
+    if rank == 0:
+        out.put((sec, how))
+    dist.destroy_process_group()
+
+
+def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int) -> tuple[float, str]:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)  # on a free port
+    procs = [ctx.Process(target=_allreduce_rank,
+                         args=(r, n, store.port, (1, hidden), 2 * layers + 1, device, iters, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    sec, how = out.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return 1e3 * sec, how
+
+
+def write_checkpoint(spec, device: str) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from pdserve.bench.engine import save_tokenizer
+
+    cfg = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
+    tmp = tempfile.mkdtemp(prefix="pdserve-bench-tp-")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(tmp)
+    save_tokenizer(tmp)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return tmp
+
+
+def decode_ms(engine, prompt: list[int], steps: int) -> float:
+    from pdserve.worker.sampling_params import SamplingParams
+
+    engine.add_request(f"d{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                                     ignore_eos=True))
+    times = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])  # the first step is the prefill
+
+
+def greedy_with_logprobs(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """Greedy tokens per prompt and the top-k logprobs of each prompt's first generated token."""
+    from pdserve.worker.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True, logprobs=CHECK_TOPK)
+    tokens, firsts = {}, {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}", p, params)
+    while engine.has_work():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.logprobs and o.request_id not in firsts:
+                firsts[o.request_id] = dict(o.logprobs[0].top)
+    ids = [f"c{i}" for i in range(len(prompts))]
+    return [tokens[i] for i in ids], [firsts[i] for i in ids]
+
+
+def run_tp(n: int, path: str, args, vocab: int) -> dict:
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.engine import LLMEngine
+    from pdserve.worker.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
+                                    max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+                                    enable_prefix_caching=False, tensor_parallel_size=n,
+                                    kv_cache_memory=None if args.device == "cuda" else 1 << 26))
+    start_s = time.perf_counter() - t0
+    rng = random.Random(7)
+    res = {"tp": n, "start_s": start_s, "kv_blocks": engine.block_manager.num_blocks,
+           "graphs": engine.runner.graphs is not None}
+    try:
+        prompt = [rng.randrange(3, vocab) for _ in range(DECODE_INPUT)]
+        decode_ms(engine, prompt, 8)  # warm-up
+        res["decode_ms"] = decode_ms(engine, prompt, args.decode_steps)
+        prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
+        params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
+        engine.generate(prompts, params)  # warm-up: the same batch mix compiles the same kernels
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        check = [[rng.randrange(3, vocab) for _ in range(24 + 8 * i)] for i in range(CHECK_PROMPTS)]
+        res["greedy"], res["top"] = greedy_with_logprobs(engine, check)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def agreement(ref: dict, other: dict) -> str:
+    exact = sum(a == b for a, b in zip(ref["greedy"], other["greedy"]))
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+              for a, b in zip(ref["greedy"], other["greedy"])]
+    div = ", ".join("-" if f is None else str(f) for f in firsts)
+    diffs = [abs(lp - o[t]) for r, o in zip(ref["top"], other["top"]) for t, lp in r.items() if t in o]
+    top_same = sum(set(r) == set(o) for r, o in zip(ref["top"], other["top"]))
+    return (f"{exact}/{len(firsts)} exact (first divergence: {div}); top-{CHECK_TOPK} sets equal {top_same}/"
+            f"{len(firsts)}, max |dlogprob| {max(diffs, default=float('nan')):.3f}")
+
+
+def main(argv=None) -> int:
+    from pdserve.bench.engine import MODELS
+
+    ap = argparse.ArgumentParser(prog="pdserve bench tp", description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes (1 first: the reference)")
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    ap.add_argument("--num-prompts", type=int, default=256, help="offline 1024/128 prompts")
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo: checks the script only")
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.model, args.num_prompts, args.decode_steps = "tiny-llama", 4, 8
+    elif not torch.cuda.is_available():
+        print("pdserve bench tp: needs CUDA GPUs (none visible); --smoke runs a CPU check", file=sys.stderr)
+        return 2
+    sizes = sorted(set(args.tp))
+    if not args.smoke and max(sizes) > torch.cuda.device_count():
+        sizes = [n for n in sizes if n <= torch.cuda.device_count()]
+        print(f"only {torch.cuda.device_count()} GPUs visible: TP sizes {sizes}", file=sys.stderr)
+    spec = MODELS[args.model]
+    path = write_checkpoint(spec, args.device)
+    results = []
+    try:
+        for n in sizes:
+            print(f"== TP={n}", flush=True)
+            r = run_tp(n, path, args, spec.hf["vocab_size"])
+            if n > 1:
+                r["allreduce_ms"], r["allreduce_how"] = allreduce_ms_per_step(
+                    n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"], args.device, 20 if args.smoke else 200)
+            results.append(r)
+            print(r.get("decode_ms"), r.get("offline_tok_s"), r.get("allreduce_ms"), flush=True)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run, gloo)"
+    lines = [f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
+             f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'}", "",
+             "| TP | bs=1 decode in=128 ms/step | all-reduces of that step alone (2L+1 at bs=1) ms | offline 1024/128 tok/s "
+             f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 |",
+             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+    ref = results[0] if results and results[0]["tp"] == 1 else None
+    for r in results:
+        ar = f"{r['allreduce_ms']:.3f} ({r['allreduce_how']})" if "allreduce_ms" in r else "-"
+        agree = agreement(ref, r) if ref is not None and r is not ref else "(reference)"
+        lines.append(f"| {r['tp']} | {r['decode_ms']:.2f} | {ar} | {r['offline_tok_s']:.0f} | {r['kv_blocks']} | "
+                     f"{agree} |")
+    lines += ["", f"- engine start (load, KV sizing, graph capture): "
+                  + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
