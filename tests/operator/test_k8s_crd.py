@@ -31,6 +31,7 @@ def test_minimal_spec_is_accepted_and_defaulted(k8s_cluster, crd, namespace):
     assert spec["kvTransfer"] == {"backend": "nixl", "port": 5600}
     assert spec["model"]["dtype"] == "auto" and spec["device"] == "cuda" and spec["imagePullPolicy"] == "IfNotPresent"
     assert spec["monitoring"] == {"serviceMonitor": False}
+    assert spec["networkPolicy"] == {"enabled": True}  # secure by default
 
 
 def test_full_spec_round_trips(k8s_cluster, crd, namespace):
