@@ -21,6 +21,7 @@ from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, is_remote_decode
 from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
@@ -86,7 +87,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        check_logit_bias(params, vocab)
         if is_remote_decode(kv_transfer_params):
+            if params.prompt_logprobs is not None:  # the prompt ran elsewhere: no logits here
+                raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
+                                           "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
         with self._lock:
@@ -182,6 +187,9 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request, new: list[int], logprob) -> RequestOutput:
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or req.status.finished):
+            prompt_lps = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
         req.num_emitted_tokens += len(new)
         finished = req.status.finished
         return RequestOutput(
@@ -194,6 +202,7 @@ class LLMEngine:
             num_cached_tokens=max(0, req.num_cached_tokens),
             num_output_tokens=req.num_output_tokens,
             logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=prompt_lps,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
         )
 

