@@ -66,6 +66,23 @@ def test_tp2_greedy_equals_tp1(checkpoint, arch, kv_heads, static_decode):
     assert generate(ckpt, 2, static_decode) == ref
 
 
+def test_tp2_triton_backend_equals_tp1(checkpoint):
+    # The GPU path's kernels (Triton interpreter on CPU): fused bias + rotary + KV write over a
+    # rank's heads, decode through the graphs' static buffers. Short: the interpreter is slow.
+    ckpt = checkpoint("qwen2", 1)
+    prompts, params = PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=16, max_model_len=64,
+                                        kv_cache_memory=1 << 22, tensor_parallel_size=tp),
+                           attention_backend="triton", static_decode=True)
+        try:
+            outs.append(engine.generate(prompts, params))
+        finally:
+            engine.shutdown()
+    assert outs[0] == outs[1]
+
+
 def test_tp2_chunked_prefill_equals_tp1(checkpoint):
     ckpt = checkpoint("llama", 2)
     # A 5-token budget splits prompts over steps and mixes prefill chunks with decodes.
