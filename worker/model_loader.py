@@ -98,10 +98,13 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
                     yield name, sf.get_tensor(name)
 
     def shards():
+        # Each rank reads only its slice of each tensor (and whole small ones), not the checkpoint.
         from pdserve.worker.models.parallel import shard_weight
 
-        for name, w in tensors():
-            yield name, shard_weight(name.removeprefix("model."), w, shard)
+        for f in files:
+            with safe_open(f, framework="pt", device=str(device)) as sf:
+                for name in sf.keys():
+                    yield name, shard_weight(name.removeprefix("model."), sf.get_slice(name), shard)
 
     net.load_weights(tensors() if shard is None else shards())
     net.eval()

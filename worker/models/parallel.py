@@ -135,8 +135,9 @@ def gather_logits(local: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)[:, :shard.full.vocab_size]
 
 
-def shard_weight(name: str, w: torch.Tensor, shard: TPShard) -> torch.Tensor:
-    """A checkpoint tensor (name without the "model." prefix) -> the rank's slice of it."""
+def shard_weight(name: str, w, shard: TPShard) -> torch.Tensor:
+    """A checkpoint tensor (name without the "model." prefix) -> the rank's slice of it. `w` is a
+    tensor or a safetensors slice: indexing the slice reads only the rank's part from the file."""
     c, r = shard.full, shard.rank
     parts = name.split(".")
     leaf = parts[-2] if len(parts) >= 2 else ""
@@ -158,10 +159,11 @@ def shard_weight(name: str, w: torch.Tensor, shard: TPShard) -> torch.Tensor:
         if is_weight:
             n = shard.intermediate_size
             return w[:, r * n:(r + 1) * n]
-        return w if r == 0 else torch.zeros_like(w)  # the bias is added once, by rank 0
+        return w[:] if r == 0 else torch.zeros_like(w[:])  # the bias is added once, by rank 0
     if leaf in ("embed_tokens", "lm_head"):
         start, end = shard.vocab_range
-        out = w.new_zeros(shard.vocab_per_rank, w.shape[1])
-        out[:end - start] = w[start:end]
+        part = w[start:end]
+        out = part.new_zeros(shard.vocab_per_rank, part.shape[1])
+        out[:end - start] = part
         return out
-    return w  # norms (incl. per-head q/k norms): replicated
+    return w[:]  # norms (incl. per-head q/k norms): replicated
