@@ -2,7 +2,7 @@
 
 The router validates a request with these models before anything is sent upstream; the
 worker validates it again (it may be called directly) and refuses, with a 400 naming it, any
-field it would otherwise silently ignore (`echo`, penalties, `logit_bias`, tools:
+field it would otherwise silently ignore (`suffix`, `best_of` other than n, tools:
 `check_unsupported`). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
 clients keep working.
 """
@@ -54,13 +54,6 @@ class CommonRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("repetition_penalty is not supported by this server", "repetition_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -75,8 +68,6 @@ class CompletionRequest(CommonRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -111,3 +111,93 @@ def test_engine_prompt_logprobs_zero_top_and_abort(tiny_checkpoint):
     while engine.has_work():
         engine.step()
     assert engine.runner.prompt_logprobs._by_request == {}
+
+
+# -- through the HTTP server, with the real openai client ------------------------------------------
+
+NAME = "tiny-echo"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoint):
+    # A small token budget: the longer prompts are prefilled in chunks behind the server too.
+    with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", NAME, "--max-model-len", "256",
+                       "--kv-cache-memory", str(32 << 20), "--max-num-batched-tokens", "16") as w:
+        yield openai.OpenAI(base_url=f"{w.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _entries(lp, n: int):
+    """The first n positions of a legacy logprobs object as (token_logprob, top dict) pairs."""
+    return list(zip(lp.token_logprobs[:n], lp.top_logprobs[:n]))
+
+
+def _check_http(ckpt, tokenizer, prompt: list[int], lp, top: int) -> float:
+    ref = hf_logprobs(str(ckpt), tuple(prompt))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+    worst = 0.0
+    for p in range(1, len(prompt)):
+        worst = max(worst, abs(lp.token_logprobs[p] - float(ref[p - 1][prompt[p]])))
+        vals, ids = ref[p - 1].topk(top)
+        want = {tokenizer.decode([t]): float(v) for t, v in zip(ids.tolist(), vals)}
+        got = lp.top_logprobs[p]
+        assert set(want) <= set(got) and len(got) <= top + 1  # top-N plus the prompt token itself
+        worst = max(worst, max(abs(got[k] - v) for k, v in want.items()))
+    assert worst < TOL, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 4])
+def test_http_echo_logprobs_equal_hf(client, tokenizer, tiny_checkpoint, max_tokens):
+    ckpt = tiny_checkpoint("llama")
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3]]  # a batch of token-id prompts, as lm-eval sends
+    r = client.completions.create(model=NAME, prompt=prompts, echo=True, logprobs=TOP, max_tokens=max_tokens,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 3
+    for choice, prompt in zip(r.choices, prompts):
+        lp = choice.logprobs
+        _check_http(ckpt, tokenizer, prompt, lp, TOP)
+        assert len(lp.tokens) == len(prompt) + max_tokens
+        head = tokenizer.decode(prompt)
+        assert choice.text.startswith(head) and lp.text_offset[len(prompt) - 1] < len(head)
+        if max_tokens:
+            assert lp.text_offset[len(prompt)] == len(head)  # the completion's offsets follow the echo
+            assert all(v is not None for v in lp.token_logprobs[len(prompt):])
+        else:
+            assert choice.text == head
+    assert r.usage.completion_tokens == 3 * max_tokens
+    assert r.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+
+def test_http_echo_text_prompt_and_stream(client, tokenizer, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    text = "The capital of France is Paris, and the capital of Spain is"
+    ids = tokenizer(text)["input_ids"]
+    r = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=2, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text.startswith(text)
+    _check_http(ckpt, tokenizer, ids, r.choices[0].logprobs, 2)
+    chunks = list(client.completions.create(model=NAME, prompt=text, echo=True, logprobs=2, max_tokens=3,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
+                for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == r.choices[0].logprobs.token_logprobs
+    assert chunks[-1].usage.completion_tokens == 3
+    # echo without logprobs: the prompt in front, no logprobs at all.
+    plain = client.completions.create(model=NAME, prompt=text, echo=True, max_tokens=0)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+
+
+def test_http_max_tokens_zero_needs_echo(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"

@@ -11,7 +11,7 @@ from pdserve.protocol.requests import CompletionRequest
 from pdserve.protocol.responses import CompletionChoice, CompletionChunk, CompletionResponse
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.worker.outputs import TokenLogprob
-from pdserve.worker.server import serving
+from pdserve.worker.server import echo, serving
 from pdserve.worker.server.sampling import sampling_params
 
 
@@ -38,8 +38,11 @@ async def create_completion(state, request: Request, body: CompletionRequest):
             prompts.append(tok(p, add_special_tokens=True)["input_ids"])
         else:
             prompts.append(serving.check_token_ids(p, state.vocab_size, "prompt"))
-    max_tokens = serving.resolve_max_tokens(body.max_tokens, prompts, state.max_model_len, "prompt", "max_tokens")
-    params = sampling_params(body, max_tokens, body.logprobs, "logprobs")
+    only_prompt = echo.echo_only(body)
+    max_tokens = serving.resolve_max_tokens(1 if only_prompt else body.max_tokens, prompts, state.max_model_len,
+                                            "prompt", "max_tokens")
+    params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
+    echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
     kv_params = serving.kv_transfer_params(body.kv_transfer_params)
     rid = serving.new_id("cmpl")
     gen = state.new_generation(rid, prompts, params, body.n, kv_params)
@@ -48,7 +51,7 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     # request ids stay unique per worker whatever the header says.
     base = {"id": serving.response_id(request, rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
-        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen)))
+        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), echoer))
 
     choices = await serving.collect(request, first, events, len(gen))
     out = CompletionResponse(**base, choices=[
@@ -59,16 +62,23 @@ async def create_completion(state, request: Request, body: CompletionRequest):
         for i, c in enumerate(choices)
     ], usage=serving.usage(prompts, body.n, choices),
         kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+    if echoer is not None:
+        for i, c in enumerate(choices):
+            echoer.prompt_lps[i] = c.prompt_logprobs
+            echoer.choice(i, out.choices[i])
+        echoer.usage(out.usage)
     return Response(out.model_dump_json(), media_type="application/json")
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
-                  num_choices: int) -> AsyncIterator[bytes]:
+                  num_choices: int, echoer: echo.Echo | None = None) -> AsyncIterator[bytes]:
     choices = [serving.ChoiceState() for _ in range(num_choices)]
     text_len = [0] * num_choices
 
     def chunk(i: int, out) -> bytes | None:
         choices[i].add(out)
+        if echoer is not None:
+            echoer.see(i, out)
         if not (out.text or out.finished or (out.logprobs and body.logprobs is not None)):
             return None
         lps = None
@@ -78,6 +88,8 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
         c = CompletionChoice(index=i, text=out.text, logprobs=lps,
                              finish_reason=out.finish_reason if out.finished else None,
                              stop_reason=out.stop_reason if out.finished else None)
+        if echoer is not None:
+            echoer.choice(i, c)
         return CompletionChunk(**base, choices=[c]).sse()
 
     try:
@@ -87,7 +99,8 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
             if (b := chunk(i, out)) is not None:
                 yield b
         if body.include_usage:
-            yield CompletionChunk(**base, choices=[], usage=serving.usage(prompts, body.n, choices)).sse()
+            usage = serving.usage(prompts, body.n, choices)
+            yield CompletionChunk(**base, choices=[], usage=echoer.usage(usage) if echoer else usage).sse()
     except Exception as e:
         yield serving.stream_error(e)
     finally:

@@ -7,7 +7,19 @@ from pdserve.protocol.requests import CommonRequest
 from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
 
 
-def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, logprobs_param: str) -> SamplingParams:
+def logit_bias(body: CommonRequest) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    out = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            out.append((int(key), float(bias)))
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return tuple(out)
+
+
+def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, logprobs_param: str,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """`logprobs_param` names the request field the engine's `logprobs` came from
     (`logprobs` on completions, `top_logprobs` on chat), so a 400 points at what the client sent."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
@@ -23,6 +35,11 @@ def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, 
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=logit_bias(body),
+            prompt_logprobs=prompt_logprobs,
         )
     except SamplingParamsError as e:
         param = logprobs_param if e.param == "logprobs" else e.param

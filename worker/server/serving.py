@@ -127,8 +127,11 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     final: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.num_tokens += len(out.new_token_ids)
         if out.logprobs:
