@@ -1,0 +1,171 @@
+"""How one chat request uses tools: which parser reads its output, what the template sees,
+and what `tool_choice` forces.
+
+- `none` (or no tools): the template gets no tools and the output is plain content.
+- `auto`: needs `--enable-auto-tool-choice` and `--tool-call-parser` (vLLM's rule); the model
+  decides, the parser finds the calls.
+- `required` / named: needs `--tool-call-parser`. There is no grammar engine yet, so the call
+  is forced at the prompt: the assistant's reply is started with the opening of a call (for a
+  named tool, up to its arguments), and the result is checked: output that is still no valid
+  call (of that tool) is an error, never passed off as one.
+
+A chat template that knows tools (it mentions `tools`) gets them as `tools=` and the messages
+as transformers' convention has them (`tool_calls[].function.arguments` as an object). One that
+does not (SmolLM2's, say) would silently drop them, so the parser's own format is rendered
+instead: the tools in a system message, past calls and tool results as the model writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve.protocol.errors import APIError, bad_request
+from pdserve.protocol.tools import NamedToolChoice
+from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    parser: ToolParser | None = None  # None: the output is content only
+    forced_prefix: str = ""  # prepended to the reply by the prompt, and to the parsed text
+    required: bool = False
+    name: str | None = None  # tool_choice named this function
+    tools: list[dict] | None = None  # for the template
+
+    def stream(self):
+        if self.parser is None:
+            return None
+        s = self.parser.stream()
+        if self.forced_prefix:
+            s.feed(self.forced_prefix)  # inside a call block: nothing comes out
+        return s
+
+    def check(self, parsed: Parsed) -> None:
+        """A forced choice whose output is not a call (of the named tool) is an error."""
+        if not self.required:
+            return
+        if not parsed.calls:
+            raise APIError(500, "tool_choice requires a tool call, but the model's output is not a valid one "
+                                f"(forced at the prompt; no grammar engine yet): {parsed.content!r:.300}",
+                           "tool_choice", "tool_call_invalid")
+        allowed = {t["function"]["name"] for t in self.tools or []}
+        if any(c.function.name not in allowed for c in parsed.calls):
+            raise APIError(500, f"tool_choice allows {sorted(allowed)}, but the model called "
+                                f"{[c.function.name for c in parsed.calls]}", "tool_choice", "tool_call_invalid")
+
+
+def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
+    choice = body.tool_choice
+    if not body.tools or choice == "none":
+        return ToolPlan()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice is None or choice == "auto":
+        if not (auto_enabled and parser_name):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                              "to be set on the worker", "tool_choice")
+        return ToolPlan(get_parser(parser_name), tools=tools)
+    if not parser_name:
+        raise bad_request(f"tool_choice {_show(choice)} requires --tool-call-parser to be set on the worker",
+                          "tool_choice")
+    if body.n > 1:
+        raise bad_request("tool_choice required or named supports n=1 only", "n")
+    parser = get_parser(parser_name)
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if name is not None:
+        tools = [t for t in tools if t["function"]["name"] == name]
+    return ToolPlan(parser, parser.forced_prefix(name), True, name, tools)
+
+
+def _show(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
+
+
+def template_input(messages: list[dict], plan: ToolPlan, chat_template: str | None,
+                   fallback_parser: ToolParser | None) -> tuple[list[dict], dict]:
+    """The messages and extra apply_chat_template kwargs for this request."""
+    msgs = [_arguments_as_objects(m) for m in messages]
+    if "tools" in (chat_template or ""):
+        return msgs, ({"tools": plan.tools} if plan.tools else {})
+    parser = plan.parser or fallback_parser
+    if parser is None:
+        return msgs, {}
+    out = []
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = parser.render_calls(m.pop("tool_calls"))
+            m["content"] = f"{m['content']}\n{calls}" if m.get("content") else calls
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": parser.render_result(m.get("content") or "")}
+        out.append(m)
+    if plan.tools:
+        prompt = parser.system_prompt(plan.tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+def _arguments_as_objects(msg: dict) -> dict:
+    """OpenAI sends a past call's arguments as JSON text; templates expect an object."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
+    fixed = []
+    for i, c in enumerate(calls):
+        fn = dict((c or {}).get("function") or {})
+        if not isinstance(fn.get("name"), str):
+            raise bad_request("an assistant tool call needs function.name", f"messages.tool_calls.{i}")
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"] or "{}")
+            except ValueError:
+                raise bad_request(f"tool call {fn['name']!r} has arguments that are not JSON",
+                                  f"messages.tool_calls.{i}") from None
+        fixed.append({**c, "function": fn})
+    return {**msg, "tool_calls": fixed}
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by calling; a cut-off reply stays "length"."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def complete_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None]:
+    """A whole reply's content and tool_calls (OpenAI shape), or APIError for a forced miss."""
+    if plan.parser is None:
+        return text, None
+    s = plan.stream()
+    parsed = s.feed(text)
+    parsed += s.finish()
+    plan.check(parsed)
+    if not parsed.calls:
+        return text, None
+    return parsed.content.strip() or None, [c.model_dump() for c in parsed.calls]
+
+
+class StreamedCalls:
+    """One streamed choice: text in, content and OpenAI tool-call increments out."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.stream = plan.stream()
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.stream is None:
+            return text, []
+        parsed = self.stream.feed(text)
+        if finished:
+            parsed += self.stream.finish()
+            if self.num_calls == 0:
+                self.plan.check(parsed)
+        deltas = []
+        for call in parsed.calls:
+            # OpenAI's increments: the first names the call, the next carries its arguments.
+            deltas.append({"index": self.num_calls, "id": call.id, "type": "function",
+                           "function": {"name": call.function.name, "arguments": ""}})
+            deltas.append({"index": self.num_calls, "function": {"arguments": call.function.arguments}})
+            self.num_calls += 1
+        return parsed.content, deltas
