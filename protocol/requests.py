@@ -19,14 +19,15 @@ MAX_N = 128
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class CommonRequest(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. Strict, as OpenAI's API is: `"16"` is not an int nor `"yes"`
+    a bool (an int is still a valid float)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -86,7 +87,7 @@ class CompletionRequest(CommonRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template as given
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... reach the template as given
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None

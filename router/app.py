@@ -1,5 +1,10 @@
 """The router's HTTP surface: OpenAI routes, health, readiness, metrics.
 
+With `--api-key`, everything but `/health` and `/ready` (probes, which carry no key) needs a
+key: the OpenAI routes, `/v1/models`, `/metrics` and `/debug/workers`. Every call to a worker
+carries the worker key (`--worker-api-key`, default the first client key): a keyed worker
+takes `kv_transfer_params` only from whoever holds it.
+
 Every check that can fail (auth, body size, content type, JSON, model) runs before a response
 starts; errors use OpenAI's shape. The lifespan owns the one pooled aiohttp session and the
 background tasks (probes, discovery, KV-event subscriptions).
@@ -55,6 +60,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with make_session(config.max_connections) as session:
+            if config.worker_api_key:
+                # Default headers of the one session: requests, probes and scrapes all carry it.
+                session.headers["Authorization"] = f"Bearer {config.worker_api_key}"
             upstream = Upstream(session, workers, metrics)
             app.state.orchestrator = Orchestrator(config, upstream, Selector(config, ctx, workers))
             prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
@@ -84,12 +92,12 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     install_handlers(app)
 
-    async def parse(request: Request, route: str) -> Call:
+    async def parse(request: Request, route: str, request_id: str) -> Call:
         authorize(request, api_keys)
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
-        raw = await read_body(request, config.max_body_bytes)
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
         body = parse_object(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -106,19 +114,24 @@ def build_app(config: RouterConfig) -> FastAPI:
         if KV_TRANSFER_PARAMS in body:  # only the router may steer KV transfer
             del body[KV_TRANSFER_PARAMS]
             raw = json.dumps(body).encode()
-        request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         return Call(route, body, raw, request_id, routing, started=time.monotonic())
 
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()
+        # One id for the client, both upstream legs and the logs; echoed as a response header.
+        request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
         try:
-            call = await parse(request, route)
-            return await unless_disconnected(request, app.state.orchestrator.handle(call))
+            call = await parse(request, route, request_id)
+            response = await unless_disconnected(request, app.state.orchestrator.handle(call))
+            response.headers[HEADER_REQUEST_ID] = request_id
+            return response
         except APIError as e:
             metrics.requests.labels(route, str(e.status), "no").inc()
             metrics.e2e.observe(time.monotonic() - started)
-            return e.response()
+            response = e.response()
+            response.headers[HEADER_REQUEST_ID] = request_id
+            return response
         except ClientGone:
             metrics.requests.labels(route, "499", "no").inc()
             return Response(status_code=499)
@@ -138,7 +151,14 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request, api_keys)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdserve"} for m in sorted(workers.models())]
+        data = []
+        for m in sorted(workers.models()):
+            card = {"id": m, "object": "model", "created": 0, "owned_by": "pdserve"}
+            # The smallest of its workers' limits: what every worker serving it accepts.
+            lens = [w.max_model_len for w in workers.all() if m in w.models and w.max_model_len]
+            if lens:
+                card["max_model_len"] = min(lens)
+            data.append(card)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -153,7 +173,18 @@ def build_app(config: RouterConfig) -> FastAPI:
         return JSONResponse({"status": "ready", "decode_workers": n, "prefill_workers": len(workers.pool("prefill"))})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        authorize(request, api_keys)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/workers")
+    async def debug_workers(request: Request) -> Response:
+        """Per worker: health, ejection and the router's own in-flight count (tests prove every
+        acquire was released by reading it back to 0)."""
+        authorize(request, api_keys)
+        now = time.monotonic()
+        return JSONResponse([{"url": w.url, "role": w.role, "healthy": w.healthy, "routable": w.routable(now),
+                              "inflight": w.inflight, "consecutive_failures": w.consecutive_failures}
+                             for w in workers.all()])
 
     return app

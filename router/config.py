@@ -1,7 +1,8 @@
 """The router's one configuration object, validated once at start-up.
 
 Environment variables are read here and nowhere else (`PDSERVE_API_KEYS`: comma-separated keys,
-which is how a Kubernetes Secret is usually mounted into the router pod).
+which is how a Kubernetes Secret is usually mounted into the router pod; `PDSERVE_WORKER_API_KEY`:
+the key the router presents to workers).
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ def _check_url(url: str, flag: str) -> str:
     return url.rstrip("/")
 
 
+ENV_WORKER_API_KEY = "PDSERVE_WORKER_API_KEY"
+
+
 def keys_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
     return api_keys_from((os.environ if environ is None else environ).get(ENV_API_KEYS))
+
+
+def worker_key_from_env(environ: dict[str, str] | None = None) -> str | None:
+    return (os.environ if environ is None else environ).get(ENV_WORKER_API_KEY) or None
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,9 @@ class RouterConfig:
     prefill_policy: str = "round-robin"
     decode_policy: str = "least-loaded"
     api_keys: tuple[str, ...] = ()
+    # Sent as `Authorization: Bearer` on every call to a worker (requests, probes, scrapes).
+    # None: the router's first client key, so workers and router sharing one key just work.
+    worker_api_key: str | None = None
     # Prompts estimated shorter than this go straight to a decode worker (local prefill).
     pd_min_prompt_tokens: int = 0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -62,6 +73,13 @@ class RouterConfig:
     # Hugging Face tokenizer directory; needed only by prefix-aware (block hashes need token ids).
     tokenizer: str | None = None
     max_connections: int = 1024
+    # Slow or numerous clients (protocol/http_limits.py): request headers must be complete this
+    # long after a connection opens, the body must arrive within body_timeout_s; past
+    # max_client_connections open connections, new requests get 503.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 30.0
+    max_client_connections: int = 4096
 
     def __post_init__(self) -> None:
         from pdserve.router.policies import available
@@ -87,10 +105,14 @@ class RouterConfig:
         if self.max_retries < 0 or self.eject_after_failures < 1:
             raise ValueError("--max-retries must be >= 0 and --eject-after-failures >= 1")
         for name in ("connect_timeout_s", "request_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s", "probe_interval_s",
-                     "eject_backoff_s", "discovery_interval_s"):
+                     "eject_backoff_s", "discovery_interval_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be >= 1024")
         if any(not k for k in self.api_keys):
             raise ValueError("--api-key must not be empty")
+        if self.max_client_connections < 1:
+            raise ValueError("--max-client-connections must be >= 1")
+        if self.worker_api_key is None and self.api_keys:
+            object.__setattr__(self, "worker_api_key", self.api_keys[0])

@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 
-from pdserve.router.config import RouterConfig, keys_from_env
+from pdserve.protocol.http_limits import ClientLimits
+from pdserve.router.config import RouterConfig, keys_from_env, worker_key_from_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", default=None, help="default: least-loaded, or --policy")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted client key (repeatable); also from $PDSERVE_API_KEYS, comma-separated")
+    p.add_argument("--worker-api-key", default=None, metavar="KEY",
+                   help="key sent to workers (started with that --api-key); also $PDSERVE_WORKER_API_KEY; "
+                        "default: the first --api-key")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a client's request headers must be complete within this (slowloris)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a client's request body must arrive within this (408 otherwise)")
+    p.add_argument("--keep-alive", type=float, default=30.0, metavar="SECONDS", help="idle keep-alive connections close after this")
+    p.add_argument("--max-client-connections", type=int, default=4096,
+                   help="open client connections past which new requests get 503")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0,
                    help="shorter prompts (estimated) skip the prefill worker")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (needed by prefix-aware)")
@@ -51,7 +62,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery_interval_s=args.discovery_interval,
         prefill_policy=args.prefill_policy or args.policy or "round-robin",
         decode_policy=args.decode_policy or args.policy or "least-loaded",
-        api_keys=tuple(args.api_key) + keys_from_env(), pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        api_keys=tuple(args.api_key) + keys_from_env(),
+        worker_api_key=args.worker_api_key or worker_key_from_env(),
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive,
+        max_client_connections=args.max_client_connections, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         tokenizer=args.tokenizer, max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, first_byte_timeout_s=args.first_byte_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
@@ -79,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
                                            log_level=args.log_level, access_log=False, loop="auto",
-                                           http="auto", timeout_keep_alive=60))
+                                           **ClientLimits(config.header_timeout_s, config.keep_alive_s,
+                                                          config.max_client_connections).uvicorn_options()))
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
     # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
     # a graceful stop exits 0 like the workers do.

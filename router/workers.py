@@ -21,9 +21,13 @@ class Worker:
     num_running: float = 0.0  # scraped vllm:num_requests_running
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
     models: frozenset[str] = frozenset()
+    max_model_len: int | None = None  # from its /v1/models card
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0
+    # A probe failed while the worker was ejected: it really was down, so a later good probe
+    # means it came back (a restart) and readmits it without waiting for the backoff.
+    seen_down: bool = False
     host: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,10 +106,20 @@ class WorkerSet:
         worker.ejected_until = time.monotonic() + worker.backoff_s
 
     def probe_result(self, worker: Worker, ok: bool) -> None:
-        """A health probe's verdict. An ejected worker comes back only after its backoff ran out."""
+        """A health probe's verdict. An ejected worker comes back when its backoff ran out, or
+        at once when its health went bad and is good again (it was restarted): waiting out a
+        backoff grown while it was down would answer 503 for seconds with a healthy worker.
+        A worker ejected for failing requests while its health stayed good waits the backoff."""
         now = time.monotonic()
         if now < worker.ejected_until:
-            return
+            if not ok:
+                worker.healthy = False
+                worker.seen_down = True
+                return
+            if not worker.seen_down:
+                return
+            worker.ejected_until = 0.0
+        worker.seen_down = False
         if ok:
             worker.healthy = True
             if worker.consecutive_failures >= self._eject_after:

@@ -97,7 +97,8 @@ def test_models_health_ready_metrics(stack):
     assert [m.id for m in client.models.list()] == ["tiny"]
     assert httpx.get(router.url + "/health").status_code == 200
     assert httpx.get(router.url + "/ready").json()["decode_workers"] == 1
-    text = httpx.get(router.url + "/metrics").text
+    assert httpx.get(router.url + "/metrics").status_code == 401  # keyed router: only /health, /ready are public
+    text = httpx.get(router.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     for name in ("pdserve_router_requests_total", "pdserve_router_time_to_first_token_seconds",
                  "pdserve_router_e2e_latency_seconds", "pdserve_router_prefill_seconds",
                  "pdserve_router_handoff_seconds", "pdserve_router_upstream_errors_total",

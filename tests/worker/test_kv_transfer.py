@@ -25,7 +25,7 @@ AUTH = SideChannelAuth(SECRET)
 
 
 def kv_state(w: WorkerProcess) -> dict:
-    return httpx.get(f"{w.url}/debug/kv", timeout=10).json()
+    return httpx.get(f"{w.url}/debug/kv", timeout=10, headers=w.headers).json()
 
 
 def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:
@@ -38,7 +38,7 @@ def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:
 
 
 def metric(w: WorkerProcess, name: str) -> float:
-    text = httpx.get(f"{w.url}/metrics", timeout=10).text
+    text = httpx.get(f"{w.url}/metrics", timeout=10, headers=w.headers).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

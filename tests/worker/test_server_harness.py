@@ -26,6 +26,9 @@ class WorkerProcess:
                     "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
+        # With --api-key, /v1, /metrics and /debug/kv need it: helpers send `headers`.
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-worker-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 

@@ -18,10 +18,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from pdserve.protocol.auth import authorize
-from pdserve.protocol.body import read_model
+from pdserve.protocol.body import parse_object, read_body, read_model, validate
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.worker.server import chat, completions
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
@@ -130,37 +131,59 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
-        body = await read_model(request, CompletionRequest, config.max_request_bytes)
         try:
+            body = await read_model(request, CompletionRequest, config.max_request_bytes, config.body_timeout_s)
             return await completions.create_completion(st, request, body)
         except ClientGone:
             return gone()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def v1_chat_completions(request: Request, st: WorkerState = Depends(ready)):
-        body = await read_model(request, ChatCompletionRequest, config.max_request_bytes)
         try:
+            body = await read_model(request, ChatCompletionRequest, config.max_request_bytes, config.body_timeout_s)
             return await chat.create_chat_completion(st, request, body)
         except ClientGone:
             return gone()
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def v1_models():
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def v1_responses(request: Request, st: WorkerState = Depends(ready)):
+        """The Responses API, mapped onto chat (protocol/responses_api.py)."""
+        try:
+            raw = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
+            body = validate(ChatCompletionRequest, to_chat(raw))
+            return from_chat(await chat.create_chat_completion(st, request, body), raw)
+        except ClientGone:
+            return gone()
+
+    def model_card() -> dict:
         card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve"}
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def v1_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def v1_model(model_id: str):
+        if model_id != state.served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+        return model_card()
 
     @app.get("/health")
     async def health():
         ready()
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    # Public: /health only (Kubernetes probes and the router's carry no key). With --api-key,
+    # /v1/*, /metrics and /debug/kv need it: the router scrapes with its worker key, Prometheus
+    # with a bearer token (ServiceMonitor `authorization`).
+    @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/debug/kv")
+    @app.get("/debug/kv", dependencies=[Depends(authorized)])
     async def debug_kv():
         """For tests and operators: free-block counts prove requests leak no KV memory."""
         if state.engine is None:

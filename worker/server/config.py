@@ -19,6 +19,11 @@ class ServerConfig:
     log_level: str = "info"
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before being read
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
+    # Slow or numerous clients (pdserve.protocol.http_limits): headers complete within
+    # header_timeout_s, the body within body_timeout_s (408), at most max_connections open.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 2048
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -29,6 +34,11 @@ class ServerConfig:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes", f"must be at least 1024, got {self.max_request_bytes}")
+        for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
+            if value <= 0:
+                raise ConfigError(flag, f"must be > 0 seconds, got {value}")
+        if self.max_connections < 1:
+            raise ConfigError("--max-connections", f"must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0:
             raise ConfigError("--shutdown-grace", f"must be >= 0 seconds, got {self.shutdown_grace_s}")
 
@@ -43,8 +53,16 @@ class ServerConfig:
         g.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
         g.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+        g.add_argument("--header-timeout", type=float, default=10.0, dest="header_timeout_s",
+                       help="seconds a client may take to send a request's headers (slowloris)")
+        g.add_argument("--body-timeout", type=float, default=60.0, dest="body_timeout_s",
+                       help="seconds a client may take to send a request's body (408 after)")
+        g.add_argument("--max-connections", type=int, default=2048,
+                       help="open connections past which new requests get 503")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, env_api_keys: str | None = None) -> "ServerConfig":
         return cls(host=args.host, port=args.port, api_keys=tuple(args.api_keys) + api_keys_from(env_api_keys), log_level=args.log_level,
-                   max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s)
+                   max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
+                   header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                   max_connections=args.max_connections)

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from pdserve.protocol.contract import ENV_API_KEYS
+from pdserve.protocol.http_limits import ClientLimits
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.server.config import ServerConfig
 
@@ -65,9 +66,13 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(server_config, served_model_name(engine_config),
                     lambda: AsyncEngine.from_config(engine_config), on_fatal)
     state = app.state.worker
+    # Keep-alive stays at uvicorn's 5 s: below the router's pool keep-alive would drop
+    # connections the router still thinks are open, above it only holds idle sockets.
+    limits = ClientLimits(server_config.header_timeout_s, 5.0, server_config.max_connections)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-                               timeout_graceful_shutdown=server_config.shutdown_grace_s + _UVICORN_SLACK_S)
+                               timeout_graceful_shutdown=server_config.shutdown_grace_s + _UVICORN_SLACK_S,
+                               **limits.uvicorn_options())
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

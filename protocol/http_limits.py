@@ -1,0 +1,72 @@
+"""Limits on slow and numerous clients, for the uvicorn server of the router and the worker.
+
+uvicorn bounds the idle time *between* requests (`timeout_keep_alive`) and, with
+`limit_concurrency`, answers 503 once that many connections or requests are open; it does not
+bound how long a client may take to send a request's headers: a client that sends one header
+line every few seconds holds its connection (and a file descriptor) forever, and a few
+thousand such clients starve everybody else (slowloris). `HeaderDeadlineProtocol` closes a
+connection whose request headers are not complete within `header_timeout_s` of its first byte
+(or of the connection opening). The body has its own deadline where it is read
+(`protocol.body.read_body`, 408).
+
+What this cannot do, and the ingress in front should: limit connections and request rate per
+client address, and terminate TLS (a TLS handshake is not covered by the header deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class HeaderDeadlineProtocol(HttpToolsProtocol):
+    header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()  # the next request on a kept-alive connection gets its own deadline
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 30.0
+    # Open connections (and requests) past which new requests get 503 at once.
+    max_connections: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.header_timeout_s <= 0 or self.keep_alive_s <= 0 or self.max_connections < 1:
+            raise ValueError("header timeout and keep-alive must be > 0 and max connections >= 1")
+
+    def uvicorn_options(self) -> dict:
+        protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,), {"header_timeout_s": self.header_timeout_s})
+        return {"http": protocol, "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.max_connections}

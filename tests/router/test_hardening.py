@@ -1,0 +1,240 @@
+"""Issue 15 on the router, with real processes (router + tests/router/fake_worker.py, which
+stands in for workers so faults can be injected: 4xx answers, SIGSTOP, restarts on the same
+port). Bad input is a 400 and never a worker failure; the router presents its worker key;
+an unkeyed client reaches only /health and /ready; a restarted worker is readmitted without
+waiting out its ejection backoff; every in-flight count returns to 0 on every path; slow
+clients are cut off without starving others or counting as 500s."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.router.test_failures import PROMPT, eventually, metric
+
+KEY = "sk-router-client"
+WORKER_KEY = "sk-router-to-worker"
+
+
+def workers_view(router, key=None) -> list[dict]:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(router.url + "/debug/workers", headers=headers, timeout=5).json()
+
+
+def inflight_total(router, key=None) -> int:
+    return sum(w["inflight"] for w in workers_view(router, key))
+
+
+BAD_BODIES = {
+    "surrogate in prompt": b'{"model": "tiny", "prompt": "hi \\ud800 there"}',
+    "surrogate in prompt list": b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}',
+    "surrogate in stop": b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud83d"]}',
+    "surrogate in a key": b'{"model": "tiny", "prompt": "hi", "\\ud800": 1}',
+    "deep nesting": b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "deep unbalanced": b"[" * 100_000,
+    "max_tokens as string": b'{"model": "tiny", "prompt": "hi", "max_tokens": "16"}',
+    "n as string": b'{"model": "tiny", "prompt": "hi", "n": "2"}',
+    "temperature as string": b'{"model": "tiny", "prompt": "hi", "temperature": "0.5"}',
+    "seed as bool": b'{"model": "tiny", "prompt": "hi", "seed": true}',
+    "ignore_eos as string": b'{"model": "tiny", "prompt": "hi", "ignore_eos": "true"}',
+    "huge max_tokens": b'{"model": "tiny", "prompt": "hi", "max_tokens": 1e400}',
+}
+BAD_CHAT = {
+    "surrogate in message": b'{"model": "tiny", "messages": [{"role": "user", "content": "a \\ud800 b"}]}',
+    "surrogate in content part": b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                                 b'[{"type": "text", "text": "\\udc00"}]}]}',
+    "max_completion_tokens as string": b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                                       b'"max_completion_tokens": "5"}',
+}
+
+
+@pytest.fixture(scope="module")
+def keyed(module_launch):
+    decode = module_launch.fake_worker()
+    prefill = module_launch.fake_worker()
+    router = module_launch.router("--prefill", prefill.url, "--decode", decode.url, "--api-key", KEY,
+                                  "--worker-api-key", WORKER_KEY, "--eject-after-failures", "1")
+    return prefill, decode, router
+
+
+def post(router, path, content, key=KEY):
+    return httpx.post(router.url + path, content=content, timeout=30,
+                      headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", b) for b in BAD_BODIES.values()]
+                         + [("/v1/chat/completions", b) for b in BAD_CHAT.values()],
+                         ids=list(BAD_BODIES) + list(BAD_CHAT))
+def test_bad_input_is_400_and_never_reaches_a_worker(keyed, path, body):
+    prefill, decode, router = keyed
+    seen = len(decode.requests()) + len(prefill.requests())
+    r = post(router, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert len(decode.requests()) + len(prefill.requests()) == seen
+
+
+def test_worker_4xx_passes_through_and_is_not_a_worker_failure(keyed):
+    """Ejection after ONE failure: had a worker's 400 counted, the decode pool would be empty."""
+    prefill, decode, router = keyed
+    for _ in range(5):  # the fake worker refuses max_tokens < 0 (the router's models allow it)
+        r = post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert all(w["routable"] and w["consecutive_failures"] == 0 for w in workers_view(router, KEY))
+    assert metric_keyed(router, "pdserve_router_upstream_errors_total") == 0
+    assert httpx.get(router.url + "/ready").status_code == 200
+    assert post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 3}').status_code == 200
+
+
+def metric_keyed(router, name: str) -> float:
+    text = httpx.get(router.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_every_worker_call_carries_the_worker_key(keyed):
+    prefill, decode, router = keyed
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3}
+    for stream in (False, True):
+        r = httpx.post(router.url + "/v1/completions", json={**body, "stream": stream}, timeout=30,
+                       headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+    sent = prefill.requests()[-2:] + decode.requests()[-2:]
+    assert "kv_transfer_params" in sent[-1]["body"]  # it was P/D
+    assert {req["headers"].get("authorization") for req in sent} == {f"Bearer {WORKER_KEY}"}
+
+
+def test_unkeyed_client_reaches_only_health_and_ready(keyed):
+    _, _, router = keyed
+    assert httpx.get(router.url + "/health").status_code == 200
+    assert httpx.get(router.url + "/ready").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/debug/workers"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+        for key in (None, "wrong", WORKER_KEY):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            r = httpx.request(method, router.url + path, headers=headers, json={"model": "tiny", "prompt": "x"})
+            assert r.status_code == 401, (method, path, key, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+
+
+def test_restarted_worker_is_readmitted_without_waiting_out_its_backoff(launch):
+    """A 60 s backoff: only a probe that saw the worker down and then healthy can readmit it in time."""
+    decode = launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--eject-after-failures", "1", "--eject-backoff", "60")
+    decode.stop()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+    assert r.status_code in (502, 503)
+    eventually(lambda: not workers_view(router)[0]["healthy"])  # a probe saw it down
+    assert not workers_view(router)[0]["routable"]
+    decode = launch.restart(decode)
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200, timeout_s=20)
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_worker_ejected_for_errors_while_healthy_keeps_its_backoff(launch):
+    decode, spare = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--decode", spare.url, "--eject-after-failures", "1",
+                           "--eject-backoff", "60", "--decode-policy", "round-robin")
+    decode.control(mode="500")
+    for _ in range(4):  # retried on the spare: every answer is good
+        r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200
+    view = {w["url"]: w for w in workers_view(router)}
+    assert not view[decode.url]["routable"] and view[decode.url]["healthy"]
+    n = len(decode.requests())
+    for _ in range(10):  # probes keep saying 200, yet no request goes to the ejected worker
+        assert httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                          timeout=10).status_code == 200
+    assert len(decode.requests()) == n
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_sigstopped_workers_hold_nothing_after_the_client_leaves(launch, stream):
+    """Every acquire released: a stopped prefill (client hangs up while it waits), then a stopped
+    decode (client hangs up before its first byte); counts read back from /debug/workers."""
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+    for stopped in (prefill, decode):
+        os.kill(stopped.popen.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=1.5) as r:
+                    for _ in r.iter_raw():  # streamed: the first token may arrive, then silence
+                        pass
+            eventually(lambda: inflight_total(router) == 0)
+        finally:
+            os.kill(stopped.popen.pid, signal.SIGCONT)
+    eventually(lambda: all(w["routable"] for w in workers_view(router)))
+    assert httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=10).status_code == 200
+    assert inflight_total(router) == 0
+
+
+def test_sigstopped_decode_is_bounded_by_the_request_timeout(launch):
+    decode = launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--request-timeout", "2", "--first-byte-timeout", "2",
+                           "--max-retries", "0")
+    os.kill(decode.popen.pid, signal.SIGSTOP)
+    try:
+        for stream in (False, True):
+            r = httpx.post(router.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream})
+            assert r.status_code in (502, 503) and r.json()["error"]["code"] in ("upstream_failed", "no_workers")
+        assert inflight_total(router) == 0
+    finally:
+        os.kill(decode.popen.pid, signal.SIGCONT)
+
+
+async def _slow_clients(host: str, port: int, n_headers: int, n_bodies: int, interval_s: float, lines: int):
+    """Slowloris: n_headers connections send a header line, n_bodies a body line, every
+    interval_s, `lines` times. Returns how many the server closed (or answered) before the
+    client finished sending."""
+
+    async def one(slow_body: bool) -> bool:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            if slow_body:
+                writer.write(head + b"content-length: 100000\r\n\r\n{")
+            else:
+                writer.write(head)
+            for i in range(lines):
+                await writer.drain()
+                try:
+                    data = await asyncio.wait_for(reader.read(1024), interval_s)
+                except asyncio.TimeoutError:
+                    writer.write(b' "k": 1,' if slow_body else f"x-slow-{i}: 1\r\n".encode())
+                    continue
+                return True  # EOF or an answer (408) while the client was still sending
+            return False
+        except (ConnectionError, OSError):
+            return True
+        finally:
+            writer.close()
+
+    results = await asyncio.gather(*[one(False) for _ in range(n_headers)], *[one(True) for _ in range(n_bodies)])
+    return sum(results)
+
+
+def test_slow_clients_are_cut_off_without_starving_others_or_counting_as_500(launch):
+    decode = launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--header-timeout", "1", "--body-timeout", "1")
+    host, port = router.url.removeprefix("http://").split(":")
+    n = 150
+    loop = asyncio.new_event_loop()
+    try:
+        slow = loop.create_task(_slow_clients(host, int(port), n, n, 0.5, 20))
+        loop.run_until_complete(asyncio.sleep(0.3))  # they are all connected and trickling
+        # Meanwhile a well-behaved client is served.
+        r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 200
+        cut = loop.run_until_complete(slow)
+    finally:
+        loop.close()
+    assert cut == 2 * n  # every slow client was cut off before it finished (20 lines x 0.5 s)
+    assert metric(router, "pdserve_router_requests_total", status="500") == 0
+    assert metric(router, "pdserve_router_requests_total", status="408") == n
