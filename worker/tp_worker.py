@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config import ConfigError, EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,10 @@ def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attent
             if plan is None:
                 break
             runner.execute(plan)
+    except ConfigError as e:  # rank 0 meets the same limit; say it once, without a traceback
+        log.critical("tensor-parallel rank %d: %s", rank, e)
+        _flush_logs()
+        os._exit(EXIT_CODE_RANK_DIED)
     except BaseException:
         log.exception("tensor-parallel rank %d failed", rank)
         _flush_logs()
