@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from pdserve.worker.sampling_params import SamplingParams
 
 
@@ -51,10 +49,6 @@ class Request:
         self.kv_transfer_params_out: dict | None = None
         self.arrival_time = time.monotonic()
         self.num_emitted_tokens = 0  # outputs already reported to the caller
-        # Per-request generator: a seeded request samples the same tokens whatever it is batched with.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_tokens(self) -> int:

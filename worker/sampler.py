@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+A seeded request draws each token from its own random stream, derived from (seed, index of the
+token in the output): the tokens do not depend on what the request is batched with, on a
+preemption, or on which worker samples which position. The last is what makes P/D exact: the
+prefill worker samples output 0 and the decode worker outputs 1.., from the same streams a
+single worker would use.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,18 @@ import torch
 from pdserve.worker.logits_processors import apply_logits_processors
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_generator(seed: int, index: int) -> torch.Generator:
+    """The random stream of output token `index` of a request seeded with `seed`: a splitmix64
+    mix of the pair, so neighbouring seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed((z ^ (z >> 31)) & ((1 << 63) - 1))
 
 
 class Sampler:
@@ -45,9 +64,9 @@ class Sampler:
             drop = sorted_p.cumsum(-1) - sorted_p > p.top_p
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        # Sampling happens on the CPU generator for seeded requests: reproducible on any device.
-        if r.generator is not None:
-            return int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
+        # Seeded: sampled on a CPU generator, so reproducible on any device.
+        if p.seed is not None:
+            return int(torch.multinomial(probs.cpu(), 1, generator=position_generator(p.seed, r.num_output_tokens)))
         return int(torch.multinomial(probs, 1))
 
     @staticmethod
