@@ -124,7 +124,9 @@ class AsyncEngine:
                     if not out.finished:
                         self.engine.abort(request_id)  # the engine cannot see strings; stop it here
                     out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
-                elif out.finished:
+                elif out.finished and not (out.kv_transfer_params and out.finish_reason == "length"):
+                    # A prefill handing its KV to a decode worker ends here but the generation does
+                    # not: held-back text is the decode worker's to release (detokenizer.py).
                     text += detok.flush()
                 out.text = text
                 done = out.finished

@@ -14,12 +14,13 @@ already-decoded ids, as TGI and vLLM do: SentencePiece decoders drop a word's le
 it starts the decoded sequence, so a token is always decoded behind some context and only the
 text past the context's own decoding is new. Work per step is O(window), not O(output).
 
-Resuming a request another worker began (P/D): a decode worker is handed the prompt and the
-first generated token, whose text the prefill worker already returned to the client. Pass those
-ids as `emitted_token_ids`; their full text (as `update()` + `flush()` would have given it) counts
-as emitted and is never returned again, yet a stop string that starts inside it and ends in a
-later token is still found. One edge stays imperfect: if the first token ends in an incomplete
-character, the prefill side's U+FFFD cannot be taken back; the completed character follows it.
+Resuming a request another worker began (P/D): the prefill worker samples the first token and
+returns only what `update()` released for it, never `flush()`: text that may still become a stop
+string, or half a UTF-8 character, stays held as it would on one worker. The decode worker is
+handed that token as `emitted_token_ids`; replaying `update()` over it gives exactly the text the
+prefill released (counted as emitted) and the same hold-backs, so the two workers' text is
+the one worker's text, split at the same place: a stop string spanning the first and second
+tokens is found, and a character split over them is emitted whole.
 """
 
 from __future__ import annotations
@@ -63,10 +64,7 @@ class IncrementalDetokenizer:
         self._stop_from = 0  # no stop string can start before this char of output_text
         self.stopped: str | None = None
         if emitted_token_ids:
-            self.update(emitted_token_ids)
-            if self.stopped is None:
-                self.output_text += self._decode_pending()
-                self._emitted = len(self.output_text)
+            self.update(emitted_token_ids)  # its released text was sent by the prefill worker
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(

@@ -114,21 +114,38 @@ def test_invalid_bytes_do_not_stall_forever(tok, prompt):
     assert "\ufffd" in "".join(deltas)
 
 
-@pytest.mark.parametrize("first_text", ["Hé", "Héllo 世界! 🎉 The"])
-def test_resume_after_emitted_tokens(tok, prompt, first_text):
-    # A decode worker handed the first tokens by a prefill worker returns only what follows.
+def _single(tok, prompt, ids, stop=()):
+    """What one worker returns for these generated ids: (text, stop)."""
+    det = IncrementalDetokenizer(tok, prompt, stop=stop)
+    deltas, hit = _run(det, ids)
+    return "".join(deltas) + det.flush(), hit
+
+
+def _split(tok, prompt, ids, n, stop=()):
+    """P/D: the prefill worker releases (never flushes) the text of ids[:n]; the decode worker,
+    handed those ids, returns the rest. (text, stop) as the client sees them."""
+    head, hit = IncrementalDetokenizer(tok, prompt, stop=stop).update(ids[:n])
+    if hit is not None:
+        return head, hit
+    det = IncrementalDetokenizer(tok, prompt, stop=stop, emitted_token_ids=ids[:n])
+    deltas, hit = _run(det, ids[n:])
+    return head + "".join(deltas) + ("" if hit else det.flush()), hit
+
+
+@pytest.mark.parametrize("stop", [(), ("\n\n",), ("is P",), ("世界",), ("🎉 T", "xyz")])
+def test_resume_at_any_split_equals_one_worker(tok, prompt, stop):
+    # Every split point, including one inside a multi-byte character or a stop string.
     ids = _ids(tok, TEXT)
-    n = len(_ids(tok, first_text))
-    assert tok.decode(ids[:n]) == first_text
-    det = IncrementalDetokenizer(tok, prompt, emitted_token_ids=ids[:n])
-    deltas, stop = _run(det, ids[n:])
-    assert stop is None
-    assert "".join(deltas) + det.flush() == TEXT[len(first_text) :]
+    want = _single(tok, prompt, ids, stop)
+    for n in range(1, len(ids)):
+        assert _split(tok, prompt, ids, n, stop) == want, n
 
 
 def test_resume_finds_stop_string_that_began_in_emitted_text(tok, prompt):
     ids = _ids(tok, "a\n\nb")
     assert tok.decode(ids[:2]) == "a\n"  # first token(s) end in half of the stop string
+    head, hit = IncrementalDetokenizer(tok, prompt, stop=("\n\n",)).update(ids[:2])
+    assert (head, hit) == ("a", None)  # the "\n" is held: it may start the stop string
     det = IncrementalDetokenizer(tok, prompt, stop=("\n\n",), emitted_token_ids=ids[:2])
     deltas, stop = _run(det, ids[2:])
     assert stop == "\n\n" and "".join(deltas) == ""
