@@ -40,12 +40,29 @@ def is_remote_decode(params: dict | None) -> bool:
 
 def prefill_request(body: dict) -> dict:
     """The prefill worker's request built from the client's: one token, not streamed, KV kept.
-    The one place the prefill's token budget is set (`max_completion_tokens` too when given)."""
+    The one place the prefill's token budget is set (`max_completion_tokens` too when given).
+    `min_tokens` is cut to what applies to the first token (EOS and stop tokens are barred from
+    it when min_tokens >= 1); the decode worker gets the client's value and applies the rest."""
     out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request()})
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = PREFILL_MAX_TOKENS
+    if out.get("min_tokens"):
+        out["min_tokens"] = min(out["min_tokens"], PREFILL_MAX_TOKENS)
     out.pop("stream_options", None)
     return out
+
+
+def single_sequence(body: dict) -> bool:
+    """Whether a request generates exactly one sequence, the only shape a hand-off describes:
+    one prompt's KV and one first token. A list of prompts or n > 1 (best_of) is served whole
+    by one worker instead."""
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+        return False
+    prompt = body.get("prompt")
+    if "messages" in body or isinstance(prompt, str):
+        return True
+    # A completions prompt list is one prompt only as token ids, or a list of one prompt.
+    return isinstance(prompt, list) and (all(isinstance(t, int) for t in prompt) or len(prompt) == 1)
 
 
 @dataclass(frozen=True)

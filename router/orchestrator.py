@@ -27,7 +27,7 @@ from starlette.responses import Response
 from pdserve.protocol.contract import HEADER_REQUEST_ID, PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
-from pdserve.protocol.kv_transfer import prefill_request
+from pdserve.protocol.kv_transfer import prefill_request, single_sequence
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import SSEResponse
 from pdserve.router.config import RouterConfig
@@ -93,7 +93,9 @@ class Orchestrator:
         if not decode_pool:
             raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
         prefill = None
-        if self.selector.disaggregate(call.body):
+        # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
+        # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
+        if single_sequence(call.body) and self.selector.disaggregate(call.body):
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
                 prefill = await self._prefill(call, prefill_pool)
@@ -145,7 +147,7 @@ class Orchestrator:
             return self._done(call, Response(answer.model_dump_json(), media_type="application/json"))
 
         async def events() -> AsyncIterator[bytes]:
-            yield first_token_events(answer)
+            yield first_token_events(answer, finished=True)
             yield closing_events(answer, call.include_usage)
 
         return self._stream_response(call, events())
@@ -213,7 +215,8 @@ class Orchestrator:
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
     async def _pd_stream(self, call: Call, pool: list[Worker], prefill: Answer) -> AsyncIterator[bytes]:
-        yield first_token_events(prefill)
+        if first := first_token_events(prefill):
+            yield first
         self._observe_ttft(call)
         t0 = time.monotonic()
         # Held from here: a client that hangs up while the decode worker pulls the KV closes

@@ -65,7 +65,10 @@ class Prober:
                         setattr(worker, attr, value)
                 status, body = await self._get(worker.url + "/v1/models")
                 if status == 200:
-                    worker.models = frozenset(str(d.get("id")) for d in json.loads(body).get("data", []))
+                    cards = json.loads(body).get("data", [])
+                    worker.models = frozenset(str(d.get("id")) for d in cards)
+                    lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
+                    worker.max_model_len = min(lens) if lens else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             log.debug("probe of %s failed: %r", worker.url, e)
             ok = False

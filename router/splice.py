@@ -16,29 +16,35 @@ def _ids(answer: Answer) -> dict:
     return {"id": answer.id, "created": answer.created, "model": answer.model}
 
 
-def first_token_events(answer: Answer) -> bytes:
-    """The events a single worker would have sent for the first token."""
+def first_token_events(answer: Answer, finished: bool = False) -> bytes:
+    """The events a single worker would have sent for the first token: its text as the prefill
+    released it (possibly "" while a stop string or a character may still be completing), sent
+    when there is text or logprobs to carry, as the worker's own stream does; with `finished`,
+    the first token also ended the request and its finish is part of the events."""
     choice = answer.choices[0]
+    finish = dict(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason) if finished else {}
     if isinstance(answer, ChatCompletionResponse):
-        role = ChatCompletionChunk(**_ids(answer), choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
-        token = ChatCompletionChunk(**_ids(answer), choices=[
-            ChatChunkChoice(delta=Delta(content=choice.message.content or ""), logprobs=choice.logprobs)])
-        return role.sse() + token.sse()
-    return CompletionChunk(**_ids(answer), choices=[CompletionChoice(text=choice.text, logprobs=choice.logprobs)]).sse()
+        out = ChatCompletionChunk(**_ids(answer), choices=[
+            ChatChunkChoice(delta=Delta(role="assistant", content=""))]).sse()
+        text = choice.message.content or ""
+        if text or choice.logprobs:
+            out += ChatCompletionChunk(**_ids(answer), choices=[
+                ChatChunkChoice(delta=Delta(content=text), logprobs=choice.logprobs)]).sse()
+        if finished:
+            out += ChatCompletionChunk(**_ids(answer), choices=[ChatChunkChoice(delta=Delta(), **finish)]).sse()
+        return out
+    if not (choice.text or choice.logprobs is not None or finished):
+        return b""
+    return CompletionChunk(**_ids(answer), choices=[
+        CompletionChoice(text=choice.text, logprobs=choice.logprobs, **finish)]).sse()
 
 
 def closing_events(answer: Answer, include_usage: bool) -> bytes:
-    """The rest of a stream whose first token also ended it (EOS or a stop on token one)."""
-    finish = answer.choices[0].finish_reason
-    if isinstance(answer, ChatCompletionResponse):
-        last = ChatCompletionChunk(**_ids(answer), choices=[ChatChunkChoice(delta=Delta(), finish_reason=finish)])
-        usage = ChatCompletionChunk(**_ids(answer), choices=[], usage=answer.usage)
-    else:
-        last = CompletionChunk(**_ids(answer), choices=[CompletionChoice(finish_reason=finish)])
-        usage = CompletionChunk(**_ids(answer), choices=[], usage=answer.usage)
-    out = last.sse()
+    """The end of a stream whose first token also ended it (EOS or a stop on token one)."""
+    out = b""
     if include_usage and answer.usage is not None:
-        out += usage.sse()
+        kind = ChatCompletionChunk if isinstance(answer, ChatCompletionResponse) else CompletionChunk
+        out += kind(**_ids(answer), choices=[], usage=answer.usage).sse()
     return out + DONE
 
 
@@ -57,7 +63,9 @@ def merge_unary(prefill: Answer, decode: Answer) -> Answer:
         if lp_first and lp_rest:
             for key in ("tokens", "token_logprobs", "top_logprobs"):
                 lp_rest[key] = (lp_first.get(key) or []) + (lp_rest.get(key) or [])
-            lp_rest["text_offset"] = (lp_first.get("text_offset") or []) + [
-                o + len(head) for o in lp_rest.get("text_offset") or []]
+            # Offsets count each token's own text (as the worker does), not the released text.
+            tokens, offsets = lp_first.get("tokens") or [], lp_first.get("text_offset") or []
+            base = offsets[-1] + len(tokens[-1]) if tokens and offsets else 0
+            lp_rest["text_offset"] = offsets + [o + base for o in lp_rest.get("text_offset") or []]
     decode.kv_transfer_params = None
     return decode

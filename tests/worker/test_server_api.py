@@ -145,7 +145,7 @@ def test_prefill_then_decode_handshake(client, worker):
                                     extra_body={"ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}})
     kv = pre.model_extra["kv_transfer_params"]
     assert kv["first_token_id"] >= 0 and pre.usage.completion_tokens == 1
-    assert httpx.get(f"{worker.url}/debug/kv").json()["num_pinned_blocks"] >= 1
+    assert httpx.get(f"{worker.url}/debug/kv", headers=worker.headers).json()["num_pinned_blocks"] >= 1
     dec = client.completions.create(model=NAME, prompt="Disaggregate me", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True, "kv_transfer_params": kv})
     assert pre.choices[0].text + dec.choices[0].text == plain.choices[0].text
@@ -166,7 +166,7 @@ def test_models_health_and_metrics(client, worker):
     assert card.id == NAME and card.model_extra["max_model_len"] == MAX_LEN
     assert httpx.get(f"{worker.url}/health").status_code == 200
     client.completions.create(model=NAME, prompt="count me", max_tokens=3, **GREEDY)
-    text = httpx.get(f"{worker.url}/metrics").text
+    text = httpx.get(f"{worker.url}/metrics", headers=worker.headers).text
     label = f'model_name="{NAME}"'
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
@@ -180,7 +180,7 @@ def test_models_health_and_metrics(client, worker):
     assert value(r'vllm:request_success_total\{finished_reason="length",' + label + r"\}") >= 1
     assert value(r"vllm:generation_tokens_total\{" + label + r"\}") >= 3
     assert value(r"vllm:time_to_first_token_seconds_count\{" + label + r"\}") >= 1
-    kv = httpx.get(f"{worker.url}/debug/kv").json()
+    kv = httpx.get(f"{worker.url}/debug/kv", headers=worker.headers).json()
     assert 0 <= kv["num_free_blocks"] <= kv["num_total_blocks"] and kv["num_total_blocks"] > 0
 
 
@@ -189,4 +189,4 @@ def test_x_request_id_names_the_response_and_may_repeat(client):
     headers = {"X-Request-Id": "router-abc"}
     a = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, extra_headers=headers, **GREEDY)
     b = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, extra_headers=headers, **GREEDY)
-    assert a.id == b.id == "router-abc"
+    assert a.id == b.id == "cmpl-router-abc"  # vLLM's shape: {prefix}-{X-Request-Id}

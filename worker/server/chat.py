@@ -59,13 +59,13 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
-    kv_params = serving.kv_transfer_params(body.kv_transfer_params)
+    kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
     rid = serving.new_id("chatcmpl")
     gen = state.new_generation(rid, [prompt], params, body.n, kv_params)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
-    base = {"id": serving.response_id(request, rid), "created": serving.now(), "model": state.served_model_name}
+    base = {"id": serving.response_id(request, "chatcmpl", rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         return SSEResponse(_stream(state, body, prompt, base, first, events))
 

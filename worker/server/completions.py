@@ -43,15 +43,17 @@ async def create_completion(state, request: Request, body: CompletionRequest):
                                             "prompt", "max_tokens")
     params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
     echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
-    kv_params = serving.kv_transfer_params(body.kv_transfer_params)
+    kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
     rid = serving.new_id("cmpl")
     gen = state.new_generation(rid, prompts, params, body.n, kv_params)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
-    base = {"id": serving.response_id(request, rid), "created": serving.now(), "model": state.served_model_name}
+    base = {"id": serving.response_id(request, "cmpl", rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
-        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), echoer))
+        # Logprob text offsets continue after the first token's text a prefill worker returned.
+        offset = serving.handed_over_text(tok, prompts[0], params, kv_params)
+        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), len(offset), echoer))
 
     choices = await serving.collect(request, first, events, len(gen))
     out = CompletionResponse(**base, choices=[
@@ -71,9 +73,9 @@ async def create_completion(state, request: Request, body: CompletionRequest):
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
-                  num_choices: int, echoer: echo.Echo | None = None) -> AsyncIterator[bytes]:
+                  num_choices: int, text_offset: int = 0, echoer: echo.Echo | None = None) -> AsyncIterator[bytes]:
     choices = [serving.ChoiceState() for _ in range(num_choices)]
-    text_len = [0] * num_choices
+    text_len = [text_offset] * num_choices
 
     def chunk(i: int, out) -> bytes | None:
         choices[i].add(out)

@@ -24,7 +24,9 @@ from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
+from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.outputs import RequestOutput, TokenLogprob
+from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.server.generation import Generation
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def response_id(request: Request, fallback: str) -> str:
-    return request.headers.get(HEADER_REQUEST_ID) or fallback
+def response_id(request: Request, prefix: str, fallback: str) -> str:
+    """OpenAI's id shape (`cmpl-…`, `chatcmpl-…`); with an X-Request-Id (a router sends one to
+    prefill and decode) it is `{prefix}-{that id}`, as vLLM names it, so both legs agree."""
+    header = request.headers.get(HEADER_REQUEST_ID)
+    return f"{prefix}-{header}" if header else fallback
 
 
 def now() -> int:
@@ -50,15 +55,27 @@ def check_model(requested: str | None, served: str) -> None:
                        "model", "model_not_found")
 
 
-def kv_transfer_params(params: dict | None) -> dict | None:
+def kv_transfer_params(params: dict | None, num_sequences: int) -> dict | None:
     """A decode request's params are parsed once, here, before anything is allocated; a
-    prefill request's (`do_remote_decode`) go to the engine as they are."""
+    prefill request's (`do_remote_decode`) go to the engine as they are. A hand-off is one
+    sequence's (one prompt, one first token): several prompts or n > 1 cannot share it."""
+    if params and num_sequences != 1:
+        raise bad_request(f"{PARAM} describe one sequence; this request has {num_sequences} "
+                          "(a list of prompts or n > 1)", PARAM)
     if not is_remote_decode(params):
         return params
     try:
         return KVTransferParams.from_dict(params).to_dict()
     except KVTransferParamsError as e:
         raise bad_request(str(e), PARAM) from None
+
+
+def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams, kv_params: dict | None) -> str:
+    """On a decode worker: the text the prefill worker already returned for the handed-over first
+    token (what its detokenizer released, detokenizer.py); "" for any other request."""
+    if not is_remote_decode(kv_params):
+        return ""
+    return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params["first_token_id"]])[0]
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:

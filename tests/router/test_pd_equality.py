@@ -1,0 +1,273 @@
+"""The router's P/D path gives exactly what one worker gives, for every request shape.
+
+Real processes on a tiny random-weight checkpoint, for each KV transport (tcp, nixl): a
+prefill worker, a decode worker and the router in front. The single-worker reference is the
+decode worker called directly (no kv_transfer_params: it prefills locally). Each request goes
+to both and the answers must be equal: text, finish and stop reasons, token logprobs, usage,
+streamed or not. Greedy and seeded sampling only (an unseeded sample has nothing to equal).
+
+The regression tests pin the issue-14 bugs; the hypothesis test draws random requests
+(derandomized: the same examples every run, so a failure reproduces).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.router.conftest import Launcher
+from tests.worker.test_server_harness import WorkerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--served-model-name", "tiny", "--max-model-len", "256", "--block-size", "4",
+        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1", "--kv-pin-ttl", "5")
+ENV = {"PDSERVE_KV_SECRET": "pd-equality-test-shared-secret"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
+TEXTS = ["The capital of France is Paris.", "Hello", "One two three four five six seven eight nine ten",
+         "Tell me a story about a fox and a dog who became friends in the forest."]
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def stack(request, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    t = request.param
+    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
+    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
+    launcher = Launcher()
+    try:
+        p.start(), d.start()
+        p.wait_ready(), d.wait_ready()
+        router = launcher.router("--prefill", p.url, "--decode", d.url)
+        yield router.url, d.url
+    finally:
+        launcher.stop_all()
+        p.stop()
+        d.stop()
+
+
+# ---- one answer, normalised --------------------------------------------------------------------
+
+def _merge_logprobs(route: str, acc: dict | None, lp: dict | None) -> dict | None:
+    if lp is None:
+        return acc
+    acc = acc or {}
+    for k, v in lp.items():
+        acc[k] = (acc.get(k) or []) + (v or [])
+    return acc
+
+
+def ask(url: str, route: str, body: dict) -> dict:
+    """The answer as comparable data: per choice text, finish/stop reason, logprobs; usage."""
+    r = httpx.post(url + PATHS[route], json=body, timeout=120)
+    assert r.status_code == 200, (url, r.status_code, r.text)
+    text_key = "text" if route == "completions" else "content"
+    if not body.get("stream"):
+        out = r.json()
+        assert out["id"].startswith(PREFIX[route]) and "kv_transfer_params" not in out
+        choices = {c["index"]: {"text": c["text"] if route == "completions" else c["message"]["content"],
+                                "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
+                                "logprobs": c["logprobs"]} for c in out["choices"]}
+        usage = {k: out["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return {"choices": choices, "usage": usage}
+    choices: dict[int, dict] = {}
+    usage, ids, done = None, set(), False
+    for line in r.text.split("\n\n"):
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        if line == "data: [DONE]":
+            done = True
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        ids.add(chunk["id"])
+        if chunk.get("usage"):
+            usage = {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        for c in chunk["choices"]:
+            slot = choices.setdefault(c["index"], {"text": "", "finish_reason": None, "stop_reason": None,
+                                                   "logprobs": None})
+            piece = c[text_key] if route == "completions" else c["delta"].get("content")
+            slot["text"] += piece or ""
+            slot["logprobs"] = _merge_logprobs(route, slot["logprobs"], c.get("logprobs"))
+            if c.get("finish_reason"):
+                slot["finish_reason"], slot["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+    assert done and len(ids) == 1 and ids.pop().startswith(PREFIX[route])
+    return {"choices": choices, "usage": usage}
+
+
+def _close(a, b) -> bool:
+    """Equal data; floats (logprobs) to 1e-4: the two paths run the same arithmetic, but a
+    prompt prefilled in another batch shape may round differently in the last bits."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same(stack, route: str, body: dict) -> dict:
+    router, worker = stack
+    body = {"model": "tiny", **body}
+    want = ask(worker, route, body)
+    got = ask(router, route, body)
+    assert _close(got, want), f"\nrequest {body}\nrouter {got}\nworker {want}"
+    return want
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---- the issue's bugs, one by one ---------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompt", [
+    ["The capital of France is", "The capital of Spain is"],  # equal token lengths
+    ["The capital of France is", "Hello there my good friend, how are"],  # unequal
+    [[1, 2, 3, 4, 5], [6, 7, 8]],  # lists of token ids
+    [[9, 10, 11, 12]],  # one prompt of token ids in a list
+])
+def test_prompt_lists(stack, prompt, stream):
+    out = assert_same(stack, "completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "stream": stream,
+                                             "stream_options": {"include_usage": True} if stream else None})
+    assert sorted(out["choices"]) == list(range(len(prompt)))
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_n_and_seed(stack, route):
+    key = {"prompt": TEXTS[0]} if route == "completions" else {"messages": chat(TEXTS[0])}
+    out = assert_same(stack, route, {**key, "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 6})
+    assert len({c["text"] for c in out["choices"].values()}) > 1  # n samples, not one copied
+
+
+def _first_two_tokens(stack, body: dict) -> tuple[str, str]:
+    _, worker = stack
+    r = httpx.post(worker + "/v1/completions", json={**body, "model": "tiny", "max_tokens": 2, "temperature": 0,
+                                                     "ignore_eos": True, "logprobs": 0}, timeout=60).json()
+    return tuple(r["choices"][0]["logprobs"]["tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_spanning_first_and_second_token(stack, stream):
+    body = {"prompt": TEXTS[0], "ignore_eos": True}
+    t0, t1 = _first_two_tokens(stack, body)
+    assert t0 and t1
+    for stop in (t0[-1] + t1[0], t0 + t1[0], t0[-1] + t1):
+        out = assert_same(stack, "completions", {**body, "stop": [stop], "max_tokens": 6, "temperature": 0,
+                                                 "stream": stream})
+        want = (t0 + t1)[:(t0 + t1).index(stop)]
+        assert out["choices"][0]["text"] == want and out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_min_tokens_above_one(stack):
+    # The prefill leg samples one token: it must neither refuse min_tokens nor let EOS end it.
+    out = assert_same(stack, "completions", {"prompt": TEXTS[0], "max_tokens": 6, "min_tokens": 4, "temperature": 0})
+    assert out["usage"]["completion_tokens"] >= 4
+    out = assert_same(stack, "chat", {"messages": chat(TEXTS[1]), "max_tokens": 5, "min_tokens": 5, "temperature": 0,
+                                      "stream": True, "stream_options": {"include_usage": True}})
+    assert out["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_sampling_is_path_independent(stack, stream):
+    for seed in (123, 7):
+        out = assert_same(stack, "chat", {"messages": chat(TEXTS[3]), "seed": seed, "temperature": 1.0,
+                                          "max_tokens": 10, "ignore_eos": True, "stream": stream,
+                                          "stream_options": {"include_usage": True} if stream else None})
+        assert out["usage"]["completion_tokens"] == 10
+
+
+def test_models_header_ids_and_stream_serialisation(stack):
+    router, worker = stack
+    card = httpx.get(router + "/v1/models").json()["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 256
+    r = httpx.post(router + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                   headers={"x-request-id": "abc123"}, timeout=60)
+    assert r.headers["x-request-id"] == "abc123" and r.json()["id"] == "cmpl-abc123"
+    r = httpx.post(router + "/v1/chat/completions", json={"model": "tiny", "messages": chat("Hi"), "max_tokens": 2},
+                   timeout=60)
+    assert r.headers["x-request-id"] and r.json()["id"] == "chatcmpl-" + r.headers["x-request-id"]
+    # Every streamed event, the prefill's first token included, is what the worker itself sends.
+    for route, key in (("chat", {"messages": chat(TEXTS[2])}), ("completions", {"prompt": TEXTS[2]})):
+        body = {"model": "tiny", **key, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        events = []
+        for url in (router, worker):
+            text = httpx.post(url + PATHS[route], json=body, timeout=60, headers={"x-request-id": "same"}).text
+            events.append([_without_created(e) for e in text.split("\n\n") if e])
+        assert events[0] == events[1]
+
+
+def _without_created(event: str) -> str:
+    if event == "data: [DONE]":
+        return event
+    chunk = json.loads(event[6:])
+    chunk.pop("created")
+    if chunk.get("usage"):  # cached prompt tokens depend on each worker's cache, not on the path
+        chunk["usage"]["prompt_tokens_details"].pop("cached_tokens")
+    return json.dumps(chunk)  # key order as sent
+
+
+# ---- the property: any request, same answer ----------------------------------------------------
+
+STOPS = ["e", " t", "an", "\n", "er", "s ", "the", "ing"]
+
+
+@st.composite
+def requests(draw) -> tuple[str, dict]:
+    route = draw(st.sampled_from(["completions", "chat"]))
+    body: dict = {}
+    if route == "completions":
+        body["prompt"] = draw(st.one_of(
+            st.sampled_from(TEXTS),
+            st.lists(st.sampled_from(TEXTS), min_size=1, max_size=3),
+            st.lists(st.integers(1, 5000), min_size=1, max_size=12),
+            st.lists(st.lists(st.integers(1, 5000), min_size=1, max_size=8), min_size=1, max_size=2)))
+    else:
+        body["messages"] = chat(draw(st.sampled_from(TEXTS)))
+    max_tokens = draw(st.integers(1, 8))
+    body["max_tokens" if route == "completions" or draw(st.booleans()) else "max_completion_tokens"] = max_tokens
+    if draw(st.booleans()):
+        body["min_tokens"] = draw(st.integers(0, max_tokens))
+    if draw(st.booleans()):
+        body["stop"] = draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=3))
+    if draw(st.integers(0, 3)) == 0:
+        body["stop_token_ids"] = draw(st.lists(st.integers(0, 2000), min_size=1, max_size=3))
+    if draw(st.booleans()):
+        body["temperature"] = 0
+    else:
+        body["seed"] = draw(st.integers(0, 2**31))
+        body["temperature"] = draw(st.sampled_from([0.5, 1.0, 1.5]))
+        if draw(st.booleans()):
+            body["top_p"] = draw(st.sampled_from([0.5, 0.9]))
+        if draw(st.booleans()):
+            body["top_k"] = draw(st.sampled_from([5, 50]))
+    body["n"] = draw(st.sampled_from([1, 1, 2]))
+    if draw(st.booleans()):
+        if route == "completions":
+            body["logprobs"] = draw(st.integers(0, 3))
+        else:
+            body["logprobs"] = True
+            body["top_logprobs"] = draw(st.integers(0, 3))
+    body["ignore_eos"] = draw(st.booleans())
+    body["stream"] = draw(st.booleans())
+    if body["stream"] and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": True}
+    return route, body
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=requests())
+def test_any_request_equals_single_worker(stack, case):
+    route, body = case
+    assert_same(stack, route, body)
