@@ -1,0 +1,94 @@
+"""Keyed workers behind a keyed router (issue 15, item 3), real processes: two `pdserve worker`s
+(tiny checkpoint, CPU, TCP KV transfer, a KV secret, --api-key) and `pdserve router` with a
+client key and the workers' key. P/D works (the decode worker pulls the prefill's KV: bytes
+moved, no local-prefill fallback); an unkeyed client reaches nothing but /health (and the
+router's /ready); a client holding only the router's key cannot hand a worker KV params."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.net import free_port
+from tests.router.conftest import ROOT, Proc, wait_http
+from tests.router.test_failures import eventually
+
+pytestmark = pytest.mark.slow
+
+CLIENT_KEY = "sk-client-of-the-router"
+WORKER_KEY = "sk-router-to-workers"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.fixture(scope="module")
+def stack(module_launch, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    env = {**os.environ, "PDSERVE_KV_SECRET": "keyed-stack-kv-secret-0123456789"}
+    workers = {}
+    for role in ("prefill", "decode"):
+        port, kv_port = free_port(), free_port()
+        cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
+               "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
+               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
+               "--api-key", WORKER_KEY, "--log-level", "warning", "--max-model-len", "256"]
+        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
+        module_launch.procs.append(workers[role])
+    for w in workers.values():
+        wait_http(w.url + "/health", w.popen, timeout_s=180)
+    router = module_launch.router("--prefill", workers["prefill"].url, "--decode", workers["decode"].url,
+                                  "--api-key", CLIENT_KEY, "--worker-api-key", WORKER_KEY)
+    auth = {"authorization": f"Bearer {CLIENT_KEY}"}
+    eventually(lambda: httpx.get(router.url + "/v1/models", headers=auth).json()["data"], timeout_s=30)
+    return workers["prefill"], workers["decode"], router
+
+
+def metric(url: str, name: str, key: str) -> float:
+    text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {key}"}, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_pd_works_with_keyed_workers_behind_a_keyed_router(stack):
+    prefill, decode, router = stack
+    moved = metric(decode.url, "pdserve_kv_transfer_bytes_total", WORKER_KEY)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=CLIENT_KEY, max_retries=0)
+    for stream in (False, True):
+        kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        else:
+            text = client.completions.create(**kw).choices[0].text
+        assert text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
+    assert chat.choices[0].message.content is not None
+    assert metric(router.url, 'pdserve_router_requests_total{disaggregated="yes"', CLIENT_KEY) >= 3
+    assert metric(decode.url, "pdserve_kv_transfer_bytes_total", WORKER_KEY) > moved  # pulled, not recomputed
+    assert metric(decode.url, "pdserve_kv_local_prefill_fallbacks_total", WORKER_KEY) == 0
+    for w in (prefill, decode):
+        eventually(lambda: httpx.get(w.url + "/debug/kv", headers={"authorization": f"Bearer {WORKER_KEY}"})
+                   .json()["num_pinned_blocks"] == 0)
+
+
+@pytest.mark.parametrize("key", [None, "wrong", CLIENT_KEY], ids=["no-key", "wrong-key", "router-key"])
+def test_a_client_without_the_worker_key_reaches_only_health(stack, key):
+    prefill, decode, router = stack
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    for w in (prefill, decode):
+        assert httpx.get(w.url + "/health").status_code == 200
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("GET", "/metrics"), ("GET", "/debug/kv")):
+            r = httpx.request(method, w.url + path, headers=headers, json=body, timeout=10)
+            assert r.status_code == 401, (w.url, path, r.text)
+    if key != CLIENT_KEY:
+        assert httpx.get(router.url + "/health").status_code == 200
+        assert httpx.get(router.url + "/ready").status_code == 200
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                             ("GET", "/debug/workers")):
+            assert httpx.request(method, router.url + path, headers=headers, json=body).status_code == 401
