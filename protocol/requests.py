@@ -2,7 +2,7 @@
 
 The router validates a request with these models before anything is sent upstream; the
 worker validates it again (it may be called directly) and refuses, with a 400 naming it, any
-field it would otherwise silently ignore (`suffix`, `best_of` other than n, tools:
+field it would otherwise silently ignore (`suffix`, `best_of` other than n, `response_format`:
 `check_unsupported`). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
 clients keep working.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from pdserve.protocol.errors import bad_request
+from pdserve.protocol.tools import Tool, ToolChoice, check_tool_request
 
 MAX_N = 128
 
@@ -118,13 +119,14 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" when tools are given (OpenAI's default)
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
+        check_tool_request(self.tools, self.tool_choice)
         if self.response_format and self.response_format.get("type") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:

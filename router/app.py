@@ -29,6 +29,7 @@ from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
 from pdserve.router.kv_index import KVIndex
@@ -99,6 +100,10 @@ def build_app(config: RouterConfig) -> FastAPI:
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
         raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
         body = parse_object(raw)
+        if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
+            request.state.responses_body = body
+            body, route = to_chat(body), "chat"
+            raw = json.dumps(body).encode()
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "'model' is required and must be a string", param="model")
@@ -124,6 +129,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             call = await parse(request, route, request_id)
             response = await unless_disconnected(request, app.state.orchestrator.handle(call))
+            if route == "responses":
+                response = from_chat(response, request.state.responses_body)
             response.headers[HEADER_REQUEST_ID] = request_id
             return response
         except APIError as e:
@@ -148,6 +155,10 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await serve(request, "completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve(request, "responses")
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request, api_keys)
@@ -160,6 +171,14 @@ def build_app(config: RouterConfig) -> FastAPI:
                 card["max_model_len"] = min(lens)
             data.append(card)
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        listing = json.loads((await models(request)).body)
+        card = next((c for c in listing["data"] if c["id"] == model_id), None)
+        if card is None:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+        return JSONResponse(card)
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,4 +17,6 @@ class PromptLength:
     def disaggregate(self, body: dict) -> bool:
         if body.get("n", 1) != 1 or body.get("max_tokens") == 1 or body.get("max_completion_tokens") == 1:
             return False
+        if body.get("tools") and body.get("tool_choice") != "none":
+            return False  # tool calls are parsed from the whole reply, so one worker makes it all
         return estimate_tokens(body) >= self.min_tokens

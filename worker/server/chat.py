@@ -7,14 +7,17 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from pdserve.protocol.errors import bad_request
+from pdserve.protocol.errors import APIError, bad_request
 from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                         ChatCompletionResponse, Delta)
-from pdserve.protocol.sse import DONE, SSEResponse
+from pdserve.protocol.sse import DONE, SSEResponse, event
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.server import serving
 from pdserve.worker.server.sampling import sampling_params
+from pdserve.worker.server.tool_parsers import get_parser
+from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, finish_reason,
+                                                     plan_tools, template_input)
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -34,10 +37,12 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
     return {"content": content}
 
 
-def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = ToolPlan(),
+                  parser_name: str | None = None) -> list[int]:
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [m.for_template() for m in body.messages]
+    messages, tool_kwargs = template_input([m.for_template() for m in body.messages], tools,
+                                           tokenizer.chat_template, get_parser(parser_name) if parser_name else None)
     if body.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", "messages")
     try:
@@ -45,9 +50,11 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
             messages, tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}))
+            **tool_kwargs, **(body.chat_template_kwargs or {}))
     except Exception as e:  # jinja raise_exception(), wrong roles order, bad kwargs
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    # A forced tool call starts the reply (tool_parsers/plan.py: no grammar engine yet).
+    text += tools.forced_prefix
     # The template writes the special tokens itself (BOS, role markers): add none on top.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -55,7 +62,9 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
 async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
     body.check_unsupported()
     serving.check_model(body.model, state.served_model_name)
-    prompt = render_prompt(state.tokenizer, body)
+    cfg = state.config
+    tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+    prompt = render_prompt(state.tokenizer, body, tools, cfg.tool_call_parser)
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
@@ -67,22 +76,25 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     # request ids stay unique per worker whatever the header says.
     base = {"id": serving.response_id(request, "chatcmpl", rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, base, first, events))
+        return SSEResponse(_stream(state, body, prompt, base, first, events, tools))
 
     choices = await serving.collect(request, first, events, body.n)
+    messages = [complete_message(tools, "".join(c.text)) for c in choices]
     out = ChatCompletionResponse(**base, choices=[
-        ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
+        ChatChoice(index=i, message=AssistantMessage(content=content, **({"tool_calls": calls} if calls else {})),
                    logprobs=format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
-                   finish_reason=c.final.finish_reason if c.final else "abort",
+                   finish_reason=finish_reason(c.final.finish_reason, bool(calls)) if c.final else "abort",
                    stop_reason=c.final.stop_reason if c.final else None)
-        for i, c in enumerate(choices)
+        for i, (c, (content, calls)) in enumerate(zip(choices, messages))
     ], usage=serving.usage([prompt], body.n, choices),
         kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
     return Response(out.model_dump_json(), media_type="application/json")
 
 
-async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events) -> AsyncIterator[bytes]:
+async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,
+                  tools: ToolPlan = ToolPlan()) -> AsyncIterator[bytes]:
     choices = [serving.ChoiceState() for _ in range(body.n)]
+    calls = [StreamedCalls(tools) for _ in range(body.n)]
 
     def chunk(i: int, delta: Delta, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
         c = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
@@ -92,10 +104,18 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
     def chunks(i: int, out):
         choices[i].add(out)
         lps = format_logprobs(state.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
-        if out.text or lps:
-            yield chunk(i, Delta(content=out.text), lps)
+        try:
+            text, tool_deltas = calls[i].feed(out.text, out.finished)
+        except APIError as e:  # a forced tool call that did not come: said once, in OpenAI's shape
+            yield event(e.body())
+            return
+        if text or lps:
+            yield chunk(i, Delta(content=text), lps)
+        for d in tool_deltas:
+            yield chunk(i, Delta(tool_calls=[d]))
         if out.finished:
-            yield chunk(i, Delta(), None, out.finish_reason, out.stop_reason)
+            reason = finish_reason(out.finish_reason, calls[i].num_calls > 0)
+            yield chunk(i, Delta(), None, reason, out.stop_reason)
 
     try:
         for i in range(body.n):  # every choice opens with its role, as OpenAI's stream does

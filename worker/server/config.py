@@ -24,6 +24,8 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     max_connections: int = 2048
+    tool_call_parser: str | None = None  # how generated text becomes tool_calls (tool_parsers/)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) allowed
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -41,6 +43,13 @@ class ServerConfig:
             raise ConfigError("--max-connections", f"must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0:
             raise ConfigError("--shutdown-grace", f"must be >= 0 seconds, got {self.shutdown_grace_s}")
+        from pdserve.worker.server.tool_parsers import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ConfigError("--tool-call-parser", f"must be one of {', '.join(sorted(PARSERS))}, "
+                                                    f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice", "needs --tool-call-parser")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +68,17 @@ class ServerConfig:
                        help="seconds a client may take to send a request's body (408 after)")
         g.add_argument("--max-connections", type=int, default=2048,
                        help="open connections past which new requests get 503")
+        g.add_argument("--tool-call-parser", default=None,
+                       help="tool-call format of the model's output: hermes (Qwen2.5/3, Hermes, SmolLM2) "
+                            "or llama3_json (Llama 3.1/3.2)")
+        g.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto")')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, env_api_keys: str | None = None) -> "ServerConfig":
         return cls(host=args.host, port=args.port, api_keys=tuple(args.api_keys) + api_keys_from(env_api_keys), log_level=args.log_level,
                    max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
                    header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                   max_connections=args.max_connections)
+                   max_connections=args.max_connections,
+                   tool_call_parser=getattr(args, "tool_call_parser", None),
+                   enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
