@@ -66,6 +66,30 @@ def test_tp2_greedy_equals_tp1(checkpoint, arch, kv_heads, static_decode):
     assert generate(ckpt, 2, static_decode) == ref
 
 
+def test_tp2_seeded_sampling_and_logprobs_equal_tp1(checkpoint):
+    # Only rank 0 samples, from the gathered full-vocabulary logits: seeded sampling, top-p and
+    # logprobs behave as at TP=1 (logprobs equal up to the all-reduce's summation order).
+    ckpt = checkpoint("llama", 2)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=123, logprobs=3, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                        kv_cache_memory=1 << 22, tensor_parallel_size=tp))
+        try:
+            engine.add_request("r", PROMPTS[0], params)
+            outs = []
+            while engine.has_work():
+                outs += engine.step()
+            runs.append(([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.logprobs or []]))
+        finally:
+            engine.shutdown()
+    (tokens1, lps1), (tokens2, lps2) = runs
+    assert tokens1 == tokens2 and len(lps1) == len(lps2) == 8
+    for a, b in zip(lps1, lps2):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_tp2_triton_backend_equals_tp1(checkpoint):
     # The GPU path's kernels (Triton interpreter on CPU): fused bias + rotary + KV write over a
     # rank's heads, decode through the graphs' static buffers. Short: the interpreter is slow.
