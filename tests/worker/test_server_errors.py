@@ -102,7 +102,8 @@ def test_malformed_json(http, raw):
 def test_api_key_required(http, headers):
     for path, body in ((CMPL, {"prompt": "x"}), (CHAT, {"messages": MSGS})):
         _check(http.post(path, json=body, headers=headers), 401, code="invalid_api_key")
-    _check(http.get("/v1/models", headers=headers), 401, code="invalid_api_key")
+    for path in ("/v1/models", "/metrics", "/debug/kv"):  # only /health is public on a keyed worker
+        _check(http.get(path, headers=headers), 401, code="invalid_api_key")
     assert http.get("/health").status_code == 200  # probes carry no key
 
 
@@ -128,7 +129,7 @@ def test_unknown_route_and_method(http):
 def test_errors_leak_nothing_and_server_stays_healthy(http):
     for path, body, *_ in CASES:
         http.post(path, json=body, headers=AUTH)
-    kv = http.get("/debug/kv").json()
+    kv = http.get("/debug/kv", headers=AUTH).json()
     assert kv["num_free_blocks"] == kv["num_total_blocks"] and kv["num_running"] == kv["num_waiting"] == 0
     r = http.post(CMPL, json={"prompt": "still fine", "max_tokens": 2}, headers=AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
