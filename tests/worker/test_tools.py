@@ -232,7 +232,7 @@ def test_streamed_tool_calls_have_openais_incremental_shape(client):
 def test_required_gives_a_valid_call_or_says_it_could_not(client):
     try:
         r = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="required", **GREEDY)
-    except openai.InternalServerError as e:
+    except openai.UnprocessableEntityError as e:
         assert e.body["code"] == "tool_call_invalid"
         return
     assert {c.function.name for c in r.choices[0].message.tool_calls} <= {"get_weather"}

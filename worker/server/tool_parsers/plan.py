@@ -7,7 +7,8 @@ and what `tool_choice` forces.
 - `required` / named: needs `--tool-call-parser`. There is no grammar engine yet, so the call
   is forced at the prompt: the assistant's reply is started with the opening of a call (for a
   named tool, up to its arguments), and the result is checked: output that is still no valid
-  call (of that tool) is an error, never passed off as one.
+  call (of an offered tool) is a 422 `tool_call_invalid`, never passed off as one. (422, not
+  5xx: greedy output would fail the same way on any worker, so a router must not retry it.)
 
 A chat template that knows tools (it mentions `tools`) gets them as `tools=` and the messages
 as transformers' convention has them (`tool_calls[].function.arguments` as an object). One that
@@ -46,12 +47,12 @@ class ToolPlan:
         if not self.required:
             return
         if not parsed.calls:
-            raise APIError(500, "tool_choice requires a tool call, but the model's output is not a valid one "
+            raise APIError(422, "tool_choice requires a tool call, but the model's output is not a valid one "
                                 f"(forced at the prompt; no grammar engine yet): {parsed.content!r:.300}",
                            "tool_choice", "tool_call_invalid")
         allowed = {t["function"]["name"] for t in self.tools or []}
         if any(c.function.name not in allowed for c in parsed.calls):
-            raise APIError(500, f"tool_choice allows {sorted(allowed)}, but the model called "
+            raise APIError(422, f"tool_choice allows {sorted(allowed)}, but the model called "
                                 f"{[c.function.name for c in parsed.calls]}", "tool_choice", "tool_call_invalid")
 
 
