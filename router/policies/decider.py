@@ -19,4 +19,6 @@ class PromptLength:
             return False
         if body.get("tools") and body.get("tool_choice") != "none":
             return False  # tool calls are parsed from the whole reply, so one worker makes it all
+        if body.get("echo"):
+            return False  # the prompt's logprobs come from its prefill: one worker runs it and decodes
         return estimate_tokens(body) >= self.min_tokens

@@ -141,6 +141,7 @@ def test_pool_filters(name, workers, query, kept):
     ({"prompt": "x" * 400}, 100, True),
     ({"prompt": "x" * 400, "n": 2}, 0, False),  # n > 1 is served by one worker
     ({"prompt": "x", "max_tokens": 1}, 0, False),  # nothing left to hand off
+    ({"prompt": "x" * 400, "echo": True, "logprobs": 1, "max_tokens": 5}, 0, False),  # prompt logprobs: one worker
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1}, 0, False),
     ({"messages": [{"role": "user", "content": "x" * 40}]}, 14, True),  # 10 + 4 per message
 ])
