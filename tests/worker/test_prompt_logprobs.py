@@ -201,3 +201,17 @@ def test_http_max_tokens_zero_needs_echo(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_tensor_parallel_prompt_logprobs_equal_hf(tiny_checkpoint):
+    """TP=2 (two CPU processes over gloo): the follower rank joins each slice's logits gather."""
+    ckpt = tiny_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                    kv_cache_memory=1 << 22, max_num_batched_tokens=16, tensor_parallel_size=2))
+    try:
+        echo = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+        out = run_engine(engine, PROMPTS, [echo] * len(PROMPTS))
+        for i, p in enumerate(PROMPTS):
+            check_against_hf(ckpt, p, out[i][1], TOP)
+    finally:
+        engine.shutdown()
