@@ -16,6 +16,10 @@ safetensors in a temp dir, as bench/engine.py does). Per TP size, one engine
 Random weights give flat logits (near-ties), so a late greedy divergence is bf16 reduction
 order, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert exact equality.
 
+Each TP size is one engine start (load, KV sizing, graph capture): with a per-command time
+limit, run one size per command with `--checkpoint DIR` (written once, reused) and `--out`.
+Without TP=1 in the same run, the agreement column has no reference.
+
 `--smoke`: a tiny model on CPU over gloo, to check the script; it times nothing meaningful.
 """
 
@@ -104,13 +108,15 @@ def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: 
     return 1e3 * sec, how
 
 
-def write_checkpoint(spec, device: str) -> str:
+def write_checkpoint(spec, device: str, path: str | None = None) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from pdserve.bench.engine import save_tokenizer
 
+    if path is not None and os.path.exists(os.path.join(path, "config.json")):
+        return path  # made by an earlier run (--checkpoint)
     cfg = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
-    tmp = tempfile.mkdtemp(prefix="pdserve-bench-tp-")
+    tmp = path or tempfile.mkdtemp(prefix="pdserve-bench-tp-")
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -208,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=256, help="offline 1024/128 prompts")
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--checkpoint", help="keep the random checkpoint here and reuse it on the next run "
+                                         "(one TP size per command fits a short per-command time limit)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no decode CUDA graphs (if capturing the all-reduces fails on this machine)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo: checks the script only")
@@ -223,7 +231,9 @@ def main(argv=None) -> int:
         sizes = [n for n in sizes if n <= torch.cuda.device_count()]
         print(f"only {torch.cuda.device_count()} GPUs visible: TP sizes {sizes}", file=sys.stderr)
     spec = MODELS[args.model]
-    path = write_checkpoint(spec, args.device)
+    t0 = time.perf_counter()
+    path = write_checkpoint(spec, args.device, args.checkpoint)
+    print(f"checkpoint {path} ready in {time.perf_counter() - t0:.0f}s", flush=True)
     results = []
     try:
         for n in sizes:
@@ -235,7 +245,20 @@ def main(argv=None) -> int:
             results.append(r)
             print(r.get("decode_ms"), r.get("offline_tok_s"), r.get("allreduce_ms"), flush=True)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if args.checkpoint is None:
+            shutil.rmtree(path, ignore_errors=True)
+    if args.checkpoint is not None:
+        # Runs of one TP size each add up: earlier sizes (and TP=1's reference outputs) are kept.
+        import json
+
+        saved = os.path.join(args.checkpoint, "bench_tp_results.json")
+        old = json.load(open(saved)) if os.path.exists(saved) else []
+        results = sorted([r for r in old if r["tp"] not in sizes] + results, key=lambda r: r["tp"])
+        with open(saved, "w") as f:
+            json.dump(results, f)
+        for r in results:
+            r["top"] = [{int(t): lp for t, lp in top.items()} for top in r["top"]]  # json keys are strings
+        sizes = [r["tp"] for r in results]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run, gloo)"
     lines = [f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
              f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
@@ -246,7 +269,7 @@ def main(argv=None) -> int:
     ref = results[0] if results and results[0]["tp"] == 1 else None
     for r in results:
         ar = f"{r['allreduce_ms']:.3f} ({r['allreduce_how']})" if "allreduce_ms" in r else "-"
-        agree = agreement(ref, r) if ref is not None and r is not ref else "(reference)"
+        agree = "(reference)" if r is ref else agreement(ref, r) if ref is not None else "- (no TP=1 run)"
         lines.append(f"| {r['tp']} | {r['decode_ms']:.2f} | {ar} | {r['offline_tok_s']:.0f} | {r['kv_blocks']} | "
                      f"{agree} |")
     lines += ["", f"- engine start (load, KV sizing, graph capture): "
