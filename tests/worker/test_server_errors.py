@@ -80,7 +80,10 @@ CASES = [
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs", None, ()),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", None, ()),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens", None, ()),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools", None, ()),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools.0.function", None, ()),
+    # Tools without --enable-auto-tool-choice (this worker has none): "auto" is refused, naming the flag.
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", None,
+     ("--enable-auto-tool-choice",)),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 80}]}, 400, "messages", "context_length_exceeded",
      ("64",)),
     (CHAT, {"messages": MSGS, "model": "other", "stream": True}, 404, "model", "model_not_found", ()),
