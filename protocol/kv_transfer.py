@@ -55,8 +55,9 @@ def prefill_request(body: dict) -> dict:
 def single_sequence(body: dict) -> bool:
     """Whether a request generates exactly one sequence, the only shape a hand-off describes:
     one prompt's KV and one first token. A list of prompts or n > 1 (best_of) is served whole
-    by one worker instead."""
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+    by one worker instead; so is `echo` (both legs would echo the prompt, and its prompt
+    logprobs come from the prefill pass, which is the whole of the work)."""
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or body.get("echo"):
         return False
     prompt = body.get("prompt")
     if "messages" in body or isinstance(prompt, str):

@@ -142,6 +142,13 @@ def test_prompt_lists(stack, prompt, stream):
     assert sorted(out["choices"]) == list(range(len(prompt)))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo(stack, stream):
+    out = assert_same(stack, "completions", {"prompt": TEXTS[0], "echo": True, "logprobs": 1, "max_tokens": 3,
+                                             "temperature": 0, "stream": stream})
+    assert out["choices"][0]["text"].startswith(TEXTS[0])
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_n_and_seed(stack, route):
     key = {"prompt": TEXTS[0]} if route == "completions" else {"messages": chat(TEXTS[0])}
@@ -258,6 +265,8 @@ def requests(draw) -> tuple[str, dict]:
         else:
             body["logprobs"] = True
             body["top_logprobs"] = draw(st.integers(0, 3))
+    if route == "completions" and draw(st.integers(0, 4)) == 0:
+        body["echo"] = True
     body["ignore_eos"] = draw(st.booleans())
     body["stream"] = draw(st.booleans())
     if body["stream"] and draw(st.booleans()):
