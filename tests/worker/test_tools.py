@@ -25,7 +25,8 @@ from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.worker.server.chat import render_prompt
 from pdserve.worker.server.tool_parsers import PARSERS, get_parser
 from pdserve.worker.server.tool_parsers.base import loads_lenient
-from pdserve.worker.server.tool_parsers.plan import ToolPlan, complete_message, plan_tools, template_input
+from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, plan_tools,
+                                                     template_input)
 from tests.worker.test_server_harness import WorkerProcess
 
 WEATHER = {"type": "function", "function": {
@@ -145,6 +146,17 @@ def test_plan_follows_vllms_flag_rules():
     named = plan_tools(_request(tools=[WEATHER, TIME], tool_choice=NAMED), "hermes", False)
     assert named.required and [t["function"]["name"] for t in named.tools] == ["get_weather"]
     assert named.forced_prefix.endswith('"arguments": ')
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "get_time", ' \
+          '"arguments": {}}</tool_call>'
+    for parallel, names in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        plan = plan_tools(_request(tools=[WEATHER, TIME], parallel_tool_calls=parallel), "hermes", True)
+        assert [c["function"]["name"] for c in complete_message(plan, two)[1]] == names
+        streamed = StreamedCalls(plan)
+        deltas = [d for ch in two for d in streamed.feed(ch, False)[1]] + streamed.feed("", True)[1]
+        assert [d["function"]["name"] for d in deltas if "id" in d] == names
 
 
 def test_a_missed_forced_call_is_an_error_not_content():

@@ -33,6 +33,7 @@ class ToolPlan:
     required: bool = False
     name: str | None = None  # tool_choice named this function
     tools: list[dict] | None = None  # for the template
+    parallel: bool = True  # parallel_tool_calls=false: only the first call of a reply is kept
 
     def stream(self):
         if self.parser is None:
@@ -65,7 +66,7 @@ def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
         if not (auto_enabled and parser_name):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                               "to be set on the worker", "tool_choice")
-        return ToolPlan(get_parser(parser_name), tools=tools)
+        return ToolPlan(get_parser(parser_name), tools=tools, parallel=body.parallel_tool_calls)
     if not parser_name:
         raise bad_request(f"tool_choice {_show(choice)} requires --tool-call-parser to be set on the worker",
                           "tool_choice")
@@ -75,7 +76,7 @@ def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if name is not None:
         tools = [t for t in tools if t["function"]["name"] == name]
-    return ToolPlan(parser, parser.forced_prefix(name), True, name, tools)
+    return ToolPlan(parser, parser.forced_prefix(name), True, name, tools, body.parallel_tool_calls)
 
 
 def _show(choice) -> str:
@@ -143,7 +144,8 @@ def complete_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] 
     plan.check(parsed)
     if not parsed.calls:
         return text, None
-    return parsed.content.strip() or None, [c.model_dump() for c in parsed.calls]
+    calls = parsed.calls if plan.parallel else parsed.calls[:1]
+    return parsed.content.strip() or None, [c.model_dump() for c in calls]
 
 
 class StreamedCalls:
@@ -163,7 +165,7 @@ class StreamedCalls:
             if self.num_calls == 0:
                 self.plan.check(parsed)
         deltas = []
-        for call in parsed.calls:
+        for call in parsed.calls if self.plan.parallel else parsed.calls[:1 - min(self.num_calls, 1)]:
             # OpenAI's increments: the first names the call, the next carries its arguments.
             deltas.append({"index": self.num_calls, "id": call.id, "type": "function",
                            "function": {"name": call.function.name, "arguments": ""}})
