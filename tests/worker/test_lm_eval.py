@@ -1,0 +1,75 @@
+"""lm-eval's `local-completions` backend against a real worker equals its `hf` backend on the same
+tiny fp32 checkpoint: a small local multiple-choice task (a jsonl file written here, lm-eval's
+task YAML), per-sample loglikelihoods within 1e-4 and the same is_greedy flags. This is the
+echo + prompt-logprobs path (`echo=True, logprobs=1, max_tokens=1`, token-id prompts, batched)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.worker.test_server_harness import WorkerProcess
+
+lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (the dev extra)")
+
+NAME = "tiny-lm-eval"
+TOL = 1e-4
+DOCS = [
+    {"question": "The capital of France is", "choices": [" Paris", " Madrid", " a large city in Europe"], "answer": 0},
+    {"question": "Two plus two equals", "choices": [" four", " five", " 22"], "answer": 0},
+    {"question": "Water boils at", "choices": [" 100 degrees", " room temperature"], "answer": 0},
+    {"question": "Q: What colour is the sky?\nA:", "choices": [" blue", " green", " the colour of the sea"], "answer": 0},
+]
+
+
+def _task_dir(tmp_path):
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "tiny.yaml").write_text(f"""task: pdserve_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""")
+    return tmp_path
+
+
+def _loglikelihoods(model, task_dir) -> list[tuple[float, bool]]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    out = simple_evaluate(model=model, tasks=["pdserve_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
+                          log_samples=True, bootstrap_iters=0)
+    samples = sorted(out["samples"]["pdserve_tiny_mc"], key=lambda s: s["doc_id"])
+    return [tuple(r) for s in samples for r in s["filtered_resps"]]
+
+
+def test_local_completions_equals_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    ckpt = str(tiny_checkpoint("llama"))
+    task_dir = _task_dir(tmp_path)
+    want = _loglikelihoods(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
+    with WorkerProcess(ckpt, "--served-model-name", NAME, "--max-model-len", "256",
+                       "--kv-cache-memory", str(32 << 20)) as w:
+        api = LocalCompletionsAPI(base_url=f"{w.url}/v1/completions", model=NAME, tokenizer=ckpt,
+                                  tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
+                                  num_concurrent=1, max_retries=1)
+        got = _loglikelihoods(api, task_dir)
+    assert len(got) == len(want) == sum(len(d["choices"]) for d in DOCS)
+    worst = max(abs(g[0] - h[0]) for g, h in zip(got, want))
+    print(f"lm-eval local-completions vs hf: max |loglikelihood difference| = {worst:.2e}, "
+          f"is_greedy {[g[1] for g in got]}")
+    assert worst < TOL, (worst, got, want)
+    assert [g[1] for g in got] == [h[1] for h in want]
