@@ -343,7 +343,7 @@ class ModelRunner:
         self.prompt_scores = None
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
-                                            self._project)
+                                            self._project, self.config.max_num_seqs)
         logits_idx = plan.logits_idx
         if not logits_idx:
             return None

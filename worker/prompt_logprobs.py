@@ -3,8 +3,8 @@ gives each prompt token after the tokens before it, plus the top-N alternatives 
 
 They come from the prefill's own hidden states: position p's logits score prompt token p+1.
 Only requests that ask for them project their prompt rows to logits, and those rows go
-through the LM head in slices of `SLICE_ROWS`, so a long prompt never holds [P, V] fp32 logits
-at once. A prefill split into chunks scores each chunk's rows when the chunk runs; the first
+through the LM head in slices of `slice_rows` (the runner passes --max-num-seqs: the number of
+logit rows its memory profile measured), so a long prompt never holds [P, V] fp32 logits at once. A prefill split into chunks scores each chunk's rows when the chunk runs; the first
 prompt token has nothing before it and gets None (as OpenAI and vLLM return).
 
 Such a request skips the prefix cache lookup (a cached block's positions have no hidden states
@@ -21,8 +21,6 @@ import torch
 
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
-
-SLICE_ROWS = 512
 
 
 def scores_prompt(req: Request) -> bool:
@@ -50,17 +48,18 @@ def plan_rows(req: Request, start: int, end: int, first_row: int, rows: list[int
 
 
 @torch.inference_mode()
-def score_rows(hidden: torch.Tensor, rows: list[int], targets: list[int], top_k: int, project) -> tuple | None:
+def score_rows(hidden: torch.Tensor, rows: list[int], targets: list[int], top_k: int, project,
+               slice_rows: int) -> tuple | None:
     """log_softmax of `project(hidden[rows])` in slices -> (target logprob [R], top values [R, k],
     top ids [R, k]) on rank 0; None where `project` returns None (the other TP ranks)."""
     out = []
-    for s in range(0, len(rows), SLICE_ROWS):
-        idx = torch.tensor(rows[s:s + SLICE_ROWS], device=hidden.device)
+    for s in range(0, len(rows), slice_rows):
+        idx = torch.tensor(rows[s:s + slice_rows], device=hidden.device)
         logits = project(hidden[idx])
         if logits is None:
             continue
         lp = logits.float().log_softmax(-1)
-        tgt = torch.tensor(targets[s:s + SLICE_ROWS], device=lp.device).unsqueeze(1)
+        tgt = torch.tensor(targets[s:s + slice_rows], device=lp.device).unsqueeze(1)
         vals, ids = lp.topk(top_k, dim=-1) if top_k > 0 else (lp[:, :0], tgt[:, :0])
         out.append((lp.gather(1, tgt).squeeze(1), vals, ids))
     if not out:

@@ -78,7 +78,9 @@ def run_engine(engine: LLMEngine, prompts, params_list) -> dict[int, tuple[list[
 def test_engine_prompt_logprobs_equal_hf(tiny_checkpoint, budget):
     ckpt = tiny_checkpoint("llama")
     engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22, max_num_batched_tokens=budget))
+                                    kv_cache_memory=1 << 22, max_num_batched_tokens=budget,
+                                    # Whole prefills: 3 logit rows per LM-head slice, so long prompts take many.
+                                    max_num_seqs=3 if budget is None else 64))
     echo = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
     plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     # Warm the prefix cache with the same prompts first: echo requests must not take cached blocks.
