@@ -18,7 +18,19 @@ from hypothesis import strategies as st
 # Integers well past int64 on both sides: seeds, token ids and limits must be refused, not crash.
 _INTS = st.one_of(st.integers(-3, 300), st.integers(-(2**70), 2**70))
 _FLOATS = st.one_of(st.floats(-3, 3), st.floats(allow_nan=False, allow_infinity=False))
-_TEXT = st.text(max_size=40)
+# Text a client can send in JSON but a tokenizer may not take: lone UTF-16 surrogates (a str
+# that cannot be UTF-8 encoded), NUL, astral characters. json.dumps escapes them as \uXXXX.
+_ODD = st.sampled_from(["\ud800", "\udfff", "\udc00x", "\x00", "\U0001F600", "\ufffe"])
+
+
+def _text(min_size: int = 0, max_size: int = 40) -> st.SearchStrategy:
+    plain = st.text(min_size=min_size, max_size=max_size)
+    # Rare per string (a body holds many strings): most generated requests must still run.
+    odd = st.builds(lambda a, odd, b: a + odd + b, st.text(max_size=8), _ODD, st.text(max_size=8))
+    return st.integers(0, 11).flatmap(lambda k: odd if k == 0 else plain)
+
+
+_TEXT = _text()
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | _INTS | _FLOATS | _TEXT,
@@ -51,7 +63,7 @@ class _Builder:
         if isinstance(kind, list):
             return st.one_of([self.build({**s, "type": k}) for k in kind])
         if kind == "string":
-            return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength", 40))
+            return _text(s.get("minLength", 0), s.get("maxLength", 40))
         if kind == "integer":
             lo = s.get("minimum", s["exclusiveMinimum"] + 1 if "exclusiveMinimum" in s else None)
             hi = s.get("maximum", s["exclusiveMaximum"] - 1 if "exclusiveMaximum" in s else None)

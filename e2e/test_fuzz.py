@@ -5,7 +5,9 @@ request is cheap).
 Routes and methods come from each app's OpenAPI document; request bodies from the worker's
 request models' JSON Schemas (the router accepts the same bodies), mixed with arbitrary JSON,
 raw bytes and wrong content types. Promise: no 5xx, every error is OpenAI's error JSON, every
-stream ends with [DONE], no process dies, and no KV block is left behind.
+stream ends with [DONE], no process dies, and no KV block is left behind. Strings carry lone
+surrogates and NUL bytes (schema_strategies), and a share of the bodies are adversarial on
+purpose (`ADVERSARIAL`: huge numbers, deep nesting, string-typed numbers).
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ RUNNABLE_FIELDS = {"model", "prompt", "messages", "n", "stream", "stream_options
                    "ignore_eos", "min_tokens", "logprobs", "top_logprobs"}
 
 
+def _nest(depth: int) -> bytes:
+    return b'{"model": "tiny", "prompt": "x", "n": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+# Bodies that once made a worker or the router answer 5xx, or that a lax parser coerces.
+ADVERSARIAL = [
+    b'{"model": "tiny", "prompt": "hi \\ud800 there", "max_tokens": 2}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "a\\u0000b", "stop": ["\\u0000"], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 1e400}',
+    b'{"model": "tiny", "prompt": "x", "temperature": 1e400, "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "temperature": -1e308, "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "top_p": NaN, "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "seed": 123456789012345678901234567890, "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": [99999999999999999999], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": "16"}',
+    b'{"model": "tiny", "prompt": "x", "n": "2"}',
+    _nest(100_000), _nest(1_000), _nest(65), b"[" * 100_000,
+]
+
+
 def openapi_routes() -> dict[str, list[tuple[str, str]]]:
     """{"router"|"worker": [(method, path)]} from the apps' OpenAPI documents (built, not served)."""
     from pdserve.router.app import build_app as router_app
@@ -52,10 +75,11 @@ def body_strategies() -> dict[str, st.SearchStrategy]:
     # Bound only what a *valid* request costs (choices x tokens); everything else stays wild.
     cost = {"n": st.integers(-1, 3), "max_tokens": st.none() | st.integers(-2, 12),
             "max_completion_tokens": st.none() | st.integers(-2, 12),
-            "model": st.sampled_from([MODEL, MODEL, "", "other-model"]) | st.text(max_size=8)}
+            "model": st.sampled_from([MODEL] * 6 + ["", "other-model"]) | st.text(max_size=8)}
     def both(schema: dict) -> st.SearchStrategy:
         runnable = {**schema, "properties": {k: v for k, v in schema["properties"].items() if k in RUNNABLE_FIELDS}}
-        return st.one_of(from_schema(schema, cost), from_schema(runnable, cost))
+        full, runs = from_schema(schema, cost), from_schema(runnable, cost)
+        return st.integers(0, 2).flatmap(lambda k: full if k == 0 else runs)  # most bodies should run
 
     return {"/v1/completions": both(CompletionRequest.model_json_schema()),
             "/v1/chat/completions": both(ChatCompletionRequest.model_json_schema())}
@@ -79,12 +103,16 @@ def requests_strategy(routes: dict[str, list[tuple[str, str]]]):
     @st.composite
     def one(draw):
         target = draw(st.sampled_from(sorted(routes)))
-        method, path = draw(st.sampled_from(routes[target]))
+        # The generation routes get most of the budget: they are where bodies matter.
+        weighted = routes[target] + [r for r in routes[target] if r[1] in bodies] * 4
+        method, path = draw(st.sampled_from(weighted))
         method = draw(st.sampled_from([method] * 4 + ["PUT", "DELETE", "GET", "POST"]))
         headers, content = {}, None
         if method == "POST":
-            kind = draw(st.sampled_from(["schema"] * 6 + ["json", "bytes"]))
-            if kind == "schema" and path in bodies:
+            kind = draw(st.sampled_from(["schema"] * 6 + ["json", "bytes", "adversarial"]))
+            if kind == "adversarial":
+                content = draw(st.sampled_from(ADVERSARIAL))
+            elif kind == "schema" and path in bodies:
                 content = json.dumps(draw(bodies[path])).encode()
             elif kind == "bytes":
                 content = draw(st.binary(max_size=64))
