@@ -17,7 +17,7 @@ import math
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.router.conftest import Launcher
@@ -209,8 +209,9 @@ def test_models_header_ids_and_stream_serialisation(stack):
                 "stream_options": {"include_usage": True}}
         events = []
         for url in (router, worker):
-            text = httpx.post(url + PATHS[route], json=body, timeout=60, headers={"x-request-id": "same"}).text
-            events.append([_without_created(e) for e in text.split("\n\n") if e])
+            r = httpx.post(url + PATHS[route], json=body, timeout=60, headers={"x-request-id": "same"})
+            assert url == worker or r.headers["x-request-id"] == "same"
+            events.append([_without_created(e) for e in r.text.split("\n\n") if e])
         assert events[0] == events[1]
 
 
@@ -274,9 +275,18 @@ def requests(draw) -> tuple[str, dict]:
     return route, body
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+def disaggregated(router: str) -> float:
+    text = httpx.get(router + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_router_requests_total{") and 'disaggregated="yes"' in line)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=requests())
 def test_any_request_equals_single_worker(stack, case):
     route, body = case
+    before = disaggregated(stack[0])
     assert_same(stack, route, body)
+    # What the router did with it (--hypothesis-show-statistics): one sequence should be P/D.
+    event("P/D" if disaggregated(stack[0]) > before else "one worker")
