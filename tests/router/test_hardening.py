@@ -224,7 +224,7 @@ def test_slow_clients_are_cut_off_without_starving_others_or_counting_as_500(lau
     decode = launch.fake_worker()
     router = launch.router("--decode", decode.url, "--header-timeout", "1", "--body-timeout", "1")
     host, port = router.url.removeprefix("http://").split(":")
-    n = 150
+    n = 250  # 500 slow connections, as in the review
     loop = asyncio.new_event_loop()
     try:
         slow = loop.create_task(_slow_clients(host, int(port), n, n, 0.5, 20))
