@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 MAX_EXAMPLES = 200
-# Fields the server refuses unless absent/neutral (penalties, logit_bias, echo, tools, ...): a
-# second body strategy leaves them out, so more generated requests get past validation and run.
+# Fields most random values make invalid (penalties out of range, logit_bias ids outside the
+# vocabulary, echo without logprobs, malformed tools, ...): a second body strategy leaves them
+# out, so more generated requests get past validation and run; the first keeps every field.
 RUNNABLE_FIELDS = {"model", "prompt", "messages", "n", "stream", "stream_options", "max_tokens",
                    "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "min_tokens", "logprobs", "top_logprobs"}
