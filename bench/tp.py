@@ -21,6 +21,12 @@ limit, run one size per command with `--checkpoint DIR` (written once, reused) a
 Without TP=1 in the same run, the agreement column has no reference.
 
 `--smoke`: a tiny model on CPU over gloo, to check the script; it times nothing meaningful.
+
+Debugging a hang: every rank logs at INFO (rank 0 too), `--env NCCL_DEBUG=INFO` (repeatable)
+sets variables before any process group exists (the ranks inherit them), and `--timeout S`
+bounds the run: past S seconds every rank prints its Python stacks (SIGUSR1 to the other
+ranks) and the bench exits with code 3 and a message, instead of waiting for the 10-minute
+collective timeout or the device's time limit.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count:
     if cuda:
         torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, n, is_master=False)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n,
-                            **({"device_id": dev} if cuda else {}))
+    # As worker/distributed.py: set_device, no device_id (eager NCCL init), first collective on the card.
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
+    dist.barrier(**({"device_ids": [rank]} if cuda else {}))
     x = torch.ones(shape, dtype=torch.bfloat16 if cuda else torch.float32, device=dev)
 
     def step():
@@ -170,12 +177,14 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
                                     enable_prefix_caching=False, tensor_parallel_size=n, enforce_eager=args.enforce_eager,
                                     kv_cache_memory=None if args.device == "cuda" else 1 << 26))
     start_s = time.perf_counter() - t0
+    print(f"TP={n}: engine started in {start_s:.0f}s", flush=True)
     rng = random.Random(7)
     res = {"tp": n, "start_s": start_s, "kv_blocks": engine.block_manager.num_blocks,
            "graphs": engine.runner.graphs is not None}
     try:
         prompt = [rng.randrange(3, vocab) for _ in range(DECODE_INPUT)]
         decode_ms(engine, prompt, 8)  # warm-up
+        print(f"TP={n}: first steps done (decode warm-up)", flush=True)
         res["decode_ms"] = decode_ms(engine, prompt, args.decode_steps)
         prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
         params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -205,7 +214,42 @@ def agreement(ref: dict, other: dict) -> str:
             f"{len(firsts)}, max |dlogprob| {max(diffs, default=float('nan')):.3f}")
 
 
+EXIT_TIMEOUT = 3
+
+
+def arm_timeout(seconds: float) -> None:
+    """Past `seconds`: every rank's stacks, then exit EXIT_TIMEOUT with a message. Two layers:
+    a Python timer (can signal the other ranks, needs the GIL) and faulthandler's C thread
+    (10 s later; dumps and exits even if the main thread holds the GIL inside a CUDA call)."""
+    import faulthandler
+    import multiprocessing
+    import signal
+    import threading
+
+    def fire():
+        ranks = multiprocessing.active_children()  # the TP ranks (and all-reduce bench ranks)
+        print(f"pdserve bench tp: no result after {seconds:.0f}s (--timeout); stacks of rank 0 and of "
+              f"pids {[p.pid for p in ranks]} follow, then exit {EXIT_TIMEOUT}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for p in ranks:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(3)  # their dumps reach stderr
+        for p in ranks:
+            p.kill()
+        os._exit(EXIT_TIMEOUT)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 10, exit=True)
+
+
 def main(argv=None) -> int:
+    import logging
+
     from pdserve.bench.engine import MODELS
 
     ap = argparse.ArgumentParser(prog="pdserve bench tp", description=__doc__.splitlines()[0])
@@ -219,7 +263,24 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no decode CUDA graphs (if capturing the all-reduces fails on this machine)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo: checks the script only")
+    ap.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="give up after S seconds: print every rank's stacks and exit 3 (a hang then ends "
+                         "with a message)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set before any process group starts, inherited by every rank (repeatable), e.g. "
+                         "--env NCCL_DEBUG=INFO --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
     args = ap.parse_args(argv)
+    for kv in args.env:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            ap.error(f"--env: expected KEY=VALUE, got {kv!r}")
+        os.environ[key] = value
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [tp rank 0] %(name)s: %(message)s")
+    if args.timeout is not None:
+        if args.timeout <= 0:
+            ap.error("--timeout: must be > 0 seconds")
+        arm_timeout(args.timeout)
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.model, args.num_prompts, args.decode_steps = "tiny-llama", 4, 8

@@ -10,6 +10,7 @@ rank process dies.
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ import torch.distributed as dist
 # in the first all-reduce; a dead rank is caught by the process watchdogs, not by this.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 STORE_HOST = "127.0.0.1"  # all ranks of a worker share one host (one pod)
+
+log = logging.getLogger(__name__)
 
 
 def create_store(world_size: int) -> dist.TCPStore:
@@ -43,18 +46,28 @@ def init_tensor_parallel(rank: int, world_size: int, device: torch.device, store
     if store is None:
         store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
-                            **kwargs)
+    # No `device_id=`: it opts into NCCL's eager communicator init, which on torch >= 2.7 is
+    # known to hang collectives at random on multi-H100 hosts (pytorch#153960) and is ignored
+    # under TORCH_DISTRIBUTED_DEBUG=DETAIL (pytorch#178977). set_device above binds the rank to
+    # its card; the communicator is created by the first collective, the barrier below, on the
+    # card named explicitly (as vLLM does: set_device, then a lazily initialised group).
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    log.info("tensor-parallel rank %d/%d joined the %s group on %s", rank, world_size, backend, device)
     # A first collective: every rank is connected before any of them loads weights.
-    dist.barrier()
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+    log.info("tensor-parallel rank %d: first barrier passed", rank)
 
 
 def agree_min(value: int, device: torch.device) -> int:
     """The smallest of every rank's value (KV blocks: the scheduler's block ids must exist on all)."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    agreed = int(t.item())
+    log.info("tensor-parallel rank %d: KV blocks own %d, smallest of all ranks %d", dist.get_rank(), value, agreed)
+    return agreed
 
 
 def shutdown_tensor_parallel() -> None:

@@ -232,7 +232,13 @@ class ModelRunner:
         positions = dev([p for L in lens for p in range(L)], torch.int64)
         hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
         rows = hidden[-min(n, self.config.max_num_seqs):]
-        self.model.compute_logits(rows).log_softmax(-1).argmax(-1).tolist()  # the sampler's buffers
+        # The sampler's buffers; under TP the full-vocabulary logits all-gathered from every rank
+        # (every rank profiles, so the collectives match).
+        logits = self._project(rows)
+        if logits is not None:
+            logits.log_softmax(-1).argmax(-1).tolist()
+        torch.cuda.synchronize(self.device)
+        del logits
         peak = torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
         del scratch, meta, hidden, rows
         torch.cuda.empty_cache()
@@ -364,6 +370,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            # The server steps on its own thread, and the current device is per thread: without
+            # this, Triton launches would target cuda:0 whatever card this rank was given.
+            torch.cuda.set_device(self.device)
         plan, samplers = self._plan_graph(batch) if self._use_graph(batch) else self._plan_eager(batch)
         if self.followers is not None:
             self.followers.send(plan)

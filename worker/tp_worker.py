@@ -16,11 +16,13 @@ the worker.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -117,12 +119,17 @@ def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attent
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     _watch_parent(parent_pid, rank)
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr (C-level handler: works
+    # while the rank is blocked in a CUDA/NCCL call); bench/tp.py --timeout sends it to all ranks.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from pdserve.worker.distributed import shutdown_tensor_parallel
     from pdserve.worker.model_runner import ModelRunner
 
     try:
         runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
                              tp_rank=rank, tp_store_port=store_port)
+        log.info("tensor-parallel rank %d ready: waiting for step plans", rank)
+        steps = 0
         while True:
             try:
                 data = conn.recv_bytes()
@@ -134,7 +141,13 @@ def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attent
             plan = pickle.loads(data)
             if plan is None:
                 break
+            if steps == 0:
+                log.info("tensor-parallel rank %d: first step plan received (%s)", rank,
+                         "graph" if plan.graph else "eager")
             runner.execute(plan)
+            if steps == 0:
+                log.info("tensor-parallel rank %d: first step issued (its GPU work queued)", rank)
+            steps += 1
     except ConfigError as e:  # rank 0 meets the same limit; say it once, without a traceback
         log.critical("tensor-parallel rank %d: %s", rank, e)
         _flush_logs()

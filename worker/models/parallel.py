@@ -126,10 +126,17 @@ def parallelize(model: nn.Module, shard: TPShard) -> nn.Module:
 
 
 def gather_logits(local: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
-    """[S, V/N] on every rank -> [S, V] fp32 on rank 0 (None elsewhere), padding rows dropped."""
+    """[S, V/N] on every rank -> [S, V] fp32 on rank 0 (None elsewhere), padding rows dropped.
+
+    An all-gather, not `dist.gather`: NCCL runs gather as grouped point-to-point sends/receives
+    (connections set up lazily on first use, outside the ring the all-reduces use), the one
+    collective of a step that the start-up path (memory profile, KV agreement, graph warm-ups)
+    never exercised before TP > 1 hung on its first step on H100s. The all-gather is the same
+    kind of ring collective as the all-reduces; the cost is S x V fp32 landing on every rank
+    instead of rank 0 only (at most max_num_seqs rows: about 130 MB at 256 x 128k)."""
     local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(local, parts, dst=0)
+    parts = [torch.empty_like(local) for _ in range(shard.size)]
+    dist.all_gather(parts, local)
     if shard.rank != 0:
         return None
     return torch.cat(parts, dim=-1)[:, :shard.full.vocab_size]
