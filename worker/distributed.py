@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 # Long enough for a rank that compiles Triton kernels on its first step while the others wait
 # in the first all-reduce; a dead rank is caught by the process watchdogs, not by this.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# PDSERVE_TP_COLLECTIVE_TIMEOUT_S shortens it for debugging a hang: NCCL's watchdog then logs
+# which collective (sequence number, op, element count) each rank was stuck in, and the rank exits.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PDSERVE_TP_COLLECTIVE_TIMEOUT_S", 600)))
 STORE_HOST = "127.0.0.1"  # all ranks of a worker share one host (one pod)
 
 log = logging.getLogger(__name__)
