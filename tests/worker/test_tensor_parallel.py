@@ -236,3 +236,18 @@ def test_killed_rank0_takes_the_other_ranks_down(checkpoint):
         w.proc.wait()
         assert _wait_gone(rank1, 15), f"rank 1 outlived rank 0:\n{w.output()}"
         assert f"tensor-parallel rank 1: rank 0 (pid {w.proc.pid}) is gone" in w.output()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--smoke", "--env", "NCCL_DEBUG"], "--env: expected KEY=VALUE"),
+    (["--smoke", "--timeout", "0"], "--timeout: must be > 0"),
+])
+def test_bench_tp_debug_flags_refuse_bad_values(argv, message, capsys):
+    """bench/tp.py's hang-debugging flags (--env, --timeout) name the flag on bad input, before
+    any rank starts."""
+    from pdserve.bench.tp import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
