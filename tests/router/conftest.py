@@ -79,6 +79,23 @@ class Launcher:
         wait_http(fresh.url + "/health", p)
         return fresh
 
+    def real_pd_workers(self, ckpt, *extra: str, env: dict | None = None) -> tuple[Proc, Proc]:
+        """A real `pdserve worker` prefill and decode pair (served name "tiny", TCP KV transfer on
+        loopback, each allowing its loopback peer), both healthy on return."""
+        workers = []
+        for role in ("prefill", "decode"):
+            port, kv_port = free_port(), free_port()
+            cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name",
+                   "tiny", "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
+                   "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
+                   "--log-level", "warning", *extra]
+            popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            workers.append(Proc(f"http://127.0.0.1:{port}", popen, cmd))
+            self.procs.append(workers[-1])
+        for w in workers:
+            wait_http(w.url + "/health", w.popen, timeout_s=180)
+        return workers[0], workers[1]
+
     def router(self, *args: str, env: dict | None = None, wait: bool = True) -> Proc:
         port = free_port()
         cmd = [sys.executable, "-m", "pdserve.cli.main", "router", "--host", "127.0.0.1", "--port", str(port),

@@ -7,15 +7,11 @@ router's /ready); a client holding only the router's key cannot hand a worker KV
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.net import free_port
-from tests.router.conftest import ROOT, Proc, wait_http
 from tests.router.test_failures import eventually
 
 pytestmark = pytest.mark.slow
@@ -29,23 +25,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 def stack(module_launch, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
     env = {**os.environ, "PDSERVE_KV_SECRET": "keyed-stack-kv-secret-0123456789"}
-    workers = {}
-    for role in ("prefill", "decode"):
-        port, kv_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
-               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
-               "--api-key", WORKER_KEY, "--log-level", "warning", "--max-model-len", "256"]
-        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
-        module_launch.procs.append(workers[role])
-    for w in workers.values():
-        wait_http(w.url + "/health", w.popen, timeout_s=180)
-    router = module_launch.router("--prefill", workers["prefill"].url, "--decode", workers["decode"].url,
+    prefill, decode = module_launch.real_pd_workers(ckpt, "--api-key", WORKER_KEY, "--max-model-len", "256", env=env)
+    router = module_launch.router("--prefill", prefill.url, "--decode", decode.url,
                                   "--api-key", CLIENT_KEY, "--worker-api-key", WORKER_KEY)
     auth = {"authorization": f"Bearer {CLIENT_KEY}"}
     eventually(lambda: httpx.get(router.url + "/v1/models", headers=auth).json()["data"], timeout_s=30)
-    return workers["prefill"], workers["decode"], router
+    return prefill, decode, router
 
 
 def metric(url: str, name: str, key: str) -> float:

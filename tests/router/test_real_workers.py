@@ -5,15 +5,11 @@ to local prefill on the decode worker."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.net import free_port
-from tests.router.conftest import ROOT, Proc, wait_http
 from tests.router.test_failures import eventually
 
 pytestmark = pytest.mark.slow
@@ -25,20 +21,9 @@ CHAT = [{"role": "user", "content": "Tell me about foxes and dogs."}]
 @pytest.fixture(scope="module")
 def stack(module_launch, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    workers = {}
-    for role in ("prefill", "decode"):
-        port, kv_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
-               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
-               "--log-level", "warning"]
-        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
-        module_launch.procs.append(workers[role])
-    for w in workers.values():
-        wait_http(w.url + "/health", w.popen, timeout_s=180)
-    router = module_launch.router("--prefill", workers["prefill"].url, "--decode", workers["decode"].url)
-    return workers["prefill"], workers["decode"], router
+    prefill, decode = module_launch.real_pd_workers(ckpt)
+    router = module_launch.router("--prefill", prefill.url, "--decode", decode.url)
+    return prefill, decode, router
 
 
 def text_of(client, chat: bool, stream: bool) -> tuple[str, dict | None]:

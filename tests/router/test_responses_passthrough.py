@@ -5,15 +5,11 @@ path (prefill worker, KV hand-off, decode worker) and must answer what one worke
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.net import free_port
-from tests.router.conftest import ROOT, Proc, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -26,22 +22,11 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 @pytest.fixture(scope="module")
 def stack(module_launch, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    workers = {}
-    for role in ("prefill", "decode"):
-        port, kv_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
-               "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
-               "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--log-level", "warning"]
-        popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        workers[role] = Proc(f"http://127.0.0.1:{port}", popen, cmd)
-        module_launch.procs.append(workers[role])
-    for w in workers.values():
-        wait_http(w.url + "/health", w.popen, timeout_s=180)
+    prefill, decode = module_launch.real_pd_workers(ckpt, "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
     # Every prompt is worth disaggregating: the Responses requests below take the P/D path.
-    router = module_launch.router("--prefill", workers["prefill"].url, "--decode", workers["decode"].url,
+    router = module_launch.router("--prefill", prefill.url, "--decode", decode.url,
                                   "--pd-min-prompt-tokens", "1")
-    return workers["prefill"], workers["decode"], router
+    return prefill, decode, router
 
 
 def _clients(stack):
