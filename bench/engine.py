@@ -33,6 +33,20 @@ OUT_TOKENS = 128
 HF_BATCH = 64  # HF generate pads a static batch: one batch of 64 prompts of each offline scenario
 
 
+def decode_step_seconds(engine, prompt: list[int], steps: int) -> list[float]:
+    """Wall seconds of each decode step of one greedy request (every step ends on the sampled ids)."""
+    from pdserve.worker.sampling_params import SamplingParams
+
+    engine.add_request(f"b{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                                      ignore_eos=True))
+    times = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times[1:]  # the first step is the prefill
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -218,17 +232,7 @@ class Bench:
     # -- pdserve ------------------------------------------------------------------------------
 
     def decode_steps(self, engine, prompt: list[int], steps: int) -> list[float]:
-        """Wall seconds of each decode step of one request (every step ends on the sampled ids)."""
-        from pdserve.worker.sampling_params import SamplingParams
-
-        engine.add_request(f"b{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
-                                                                          ignore_eos=True))
-        times = []
-        while engine.has_work():
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        return times[1:]  # the first step is the prefill
+        return decode_step_seconds(engine, prompt, steps)
 
     def run_pdserve(self, spec: ModelSpec, path: str, hf_tput: dict[str, float]) -> None:
         from pdserve.worker.config import EngineConfig

@@ -137,16 +137,9 @@ def write_checkpoint(spec, device: str, path: str | None = None) -> str:
 
 
 def decode_ms(engine, prompt: list[int], steps: int) -> float:
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.bench.engine import decode_step_seconds
 
-    engine.add_request(f"d{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
-                                                                     ignore_eos=True))
-    times = []
-    while engine.has_work():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[1:])  # the first step is the prefill
+    return 1e3 * statistics.median(decode_step_seconds(engine, prompt, steps))
 
 
 def greedy_with_logprobs(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict[int, float]]]:
