@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
-from pdserve.worker.kv.connector_scheduler import is_remote_decode
+from pdserve.protocol.kv_transfer import is_remote_decode
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.sampling_params import SamplingParams
 

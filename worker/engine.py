@@ -19,7 +19,8 @@ import uuid
 
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
-from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, is_remote_decode
+from pdserve.protocol.kv_transfer import is_remote_decode
+from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import ModelRunner

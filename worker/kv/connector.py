@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
@@ -108,19 +109,11 @@ class KVConnector:
     def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
             prompt_digest: str) -> dict:
         token, expires_at = self.pins.add(request_id, block_ids, prompt_digest)
-        return {
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_request_id": request_id,
-            "remote_block_ids": block_ids,
-            "num_prompt_tokens": num_prompt_tokens,
-            "first_token_id": first_token_id,
-            "transfer_token": token,
-            "expires_at": expires_at,
-            "kv_layout": self.layout,
-            "transport": self.transport,
-        }
+        return KVTransferParams(
+            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
+            remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
+            first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
+            expires_at=expires_at).to_dict()
 
     def _describe(self, body):
         # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, KVTransferParams, KVTransferParamsError,
+                                          is_remote_decode, wants_remote_decode)
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -31,19 +33,8 @@ from pdserve.worker.request import Request, RequestError, RequestStatus
 
 log = logging.getLogger(__name__)
 
-# Keys (and types) a decode worker needs in kv_transfer_params; anything else is refused up front.
-REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
-               "remote_block_ids": list, "num_prompt_tokens": int, "first_token_id": int,
-               "transfer_token": str, "kv_layout": str}
-
-
 # At most this share of the KV cache is held for remote decode workers at once.
 MAX_PINNED_FRACTION = 0.5
-
-
-def is_remote_decode(params: dict | None) -> bool:
-    """Params handed to a decode worker by a prefill worker (not the router's request for one)."""
-    return bool(params) and not params.get("do_remote_decode") and "first_token_id" in params
 
 
 class KVConnectorScheduler:
@@ -59,45 +50,38 @@ class KVConnectorScheduler:
     # -- arrival --------------------------------------------------------------------------------
 
     def check_params(self, p: dict, prompt_token_ids: list[int]) -> None:
-        """Decode side: refuse malformed, incompatible or foreign params before anything is allocated."""
-        num_prompt_tokens = len(prompt_token_ids)
-        for key, typ in REMOTE_KEYS.items():
-            if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
-                raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} is missing or not a {typ.__name__}")
-        if not 0 <= p["first_token_id"] < self.vocab_size:
-            raise RequestError("kv_transfer_params", "kv_transfer_params.first_token_id is out of the vocabulary")
-        if p["num_prompt_tokens"] != num_prompt_tokens:
-            raise RequestError("kv_transfer_params", f"kv_transfer_params describe {p['num_prompt_tokens']} prompt "
-                                                     f"tokens but the prompt has {num_prompt_tokens}")
-        remote_bs = p["kv_layout"].rsplit(":", 1)[-1]
-        if remote_bs != str(self.block_size):
-            raise RequestError("kv_transfer_params", f"the prefill worker's KV block size is {remote_bs} but this "
-                                                     f"worker's is {self.block_size}; P and D must match")
+        """Decode side: refuse malformed, incompatible or foreign params before anything is
+        allocated. Shape and internal consistency are KVTransferParams' (protocol/kv_transfer.py);
+        what needs this worker and this prompt is checked here, each thing once."""
+        try:
+            kv = KVTransferParams.from_dict(p)
+            kv.check_compatible(len(prompt_token_ids), self.block_size, self.vocab_size)
+        except KVTransferParamsError as e:
+            raise RequestError(PARAM, str(e)) from None
         if self._transfer is None:
             return  # prefilled locally: the remote layout does not matter
-        if p["kv_layout"] != self._transfer.layout:
-            raise RequestError("kv_transfer_params",
-                               f"kv_transfer_params describe KV layout {p['kv_layout']!r} but this worker's is "
-                               f"{self._transfer.layout!r} (layers x kv heads x head dim : dtype : block size must "
-                               f"match between prefill and decode)")
-        if len(p["remote_block_ids"]) != -(-num_prompt_tokens // self.block_size):
-            raise RequestError("kv_transfer_params",
-                               "kv_transfer_params: remote_block_ids do not cover num_prompt_tokens")
+        if kv.kv_layout != self._transfer.layout:
+            raise RequestError(PARAM, f"{PARAM} describe KV layout {kv.kv_layout!r} but this worker's is "
+                                      f"{self._transfer.layout!r} (layers x kv heads x head dim : dtype : block "
+                                      f"size must match between prefill and decode)")
         # The pin's own check (on pull) is what holds against forgery; this one answers 400 early.
-        if token_digest(p["transfer_token"]) != prompt_digest(prompt_token_ids):
-            raise RequestError("kv_transfer_params", "kv_transfer_params were issued for a different prompt")
+        if token_digest(kv.transfer_token) != prompt_digest(prompt_token_ids):
+            raise RequestError(PARAM, f"{PARAM} were issued for a different prompt")
         try:
-            self._transfer.policy.check(p["remote_host"])
+            self._transfer.policy.check(kv.remote_host)
         except PeerNotAllowed as e:
-            raise RequestError("kv_transfer_params", str(e)) from None
+            raise RequestError(PARAM, str(e)) from None
 
     def new_request(self, req: Request) -> None:
         p = req.kv_transfer_params
         if not p:
             return
-        if p.get("do_remote_decode"):
+        if wants_remote_decode(p):
             # Prefill side: one token, then (if we can serve reads) the blocks wait for the decode worker.
-            req.params = replace(req.params, max_tokens=1, min_tokens=0)
+            # min_tokens cut as the router's prefill_request cuts it: EOS stays barred from the
+            # first token when the client asked for at least one.
+            req.params = replace(req.params, max_tokens=PREFILL_MAX_TOKENS,
+                                 min_tokens=min(req.params.min_tokens, PREFILL_MAX_TOKENS))
         elif is_remote_decode(p):
             # Decode side: the prefill worker's first token is an output the caller already has.
             req.token_ids.append(int(p["first_token_id"]))
@@ -120,7 +104,7 @@ class KVConnectorScheduler:
         would hold the whole cache. Waiting (not refusing) keeps the router's contract: a
         prefill answer always carries params. With nothing pinned, anything is admitted."""
         p = req.kv_transfer_params
-        if not (p and p.get("do_remote_decode") and self._can_send):
+        if not (wants_remote_decode(p) and self._can_send):
             return True
         pinned = self._transfer.pins.num_blocks()
         need = -(-req.num_prompt_tokens // self.block_size)
@@ -157,7 +141,7 @@ class KVConnectorScheduler:
             self._meta.releases.append(req.kv_transfer_params)
             return False, None
         p = req.kv_transfer_params
-        if not (p and p.get("do_remote_decode") and self._can_send) or req.status is RequestStatus.FINISHED_ABORTED:
+        if not (wants_remote_decode(p) and self._can_send) or req.status is RequestStatus.FINISHED_ABORTED:
             return False, None
         # Only prompt blocks are offered: the first token's KV was never computed here.
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
