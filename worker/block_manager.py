@@ -5,6 +5,14 @@ so equal hashes mean equal prefixes. Freed blocks keep their contents and hash a
 LRU free queue: a later request with the same prefix takes them back (a prefix-cache hit)
 until the allocator reuses them for something else (eviction). A block is therefore free
 (ref_count 0) and possibly cached at the same time; "free blocks" counts both.
+
+Free blocks live in two pools. Empty ones (no published hash) cost nothing to reuse and are
+taken first, as runs of consecutive ids: a request whose blocks are consecutive ids is a few
+large spans of the block-major KV cache (kv_cache.py), so a KV transfer moves it with a few
+descriptors rather than one per block (issue 17: per-descriptor cost dominated scattered
+pulls). Cached ones are evicted only when no empty block is left, strictly least recently
+freed first; which cached blocks go is never bent for contiguity, only the order they are
+handed out in (ascending ids, so neighbours still merge).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # free and hashed, least recently freed first
+        self.empty = bytearray(b"\x01") * num_blocks  # empty[b] == 1: b is free and holds no hash
+        self.num_empty = num_blocks
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
         # on_event(kind, block_hashes, parent_hash, token_ids): KV cache events for the router.
@@ -47,7 +57,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.num_empty + len(self.cached_free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -81,7 +91,7 @@ class BlockManager:
         have = len(req.block_ids) + len(cached)
         new = max(0, self.blocks_needed(num_tokens) - have)
         reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)  # hits sitting in the free queue
-        return new + reclaimed <= len(self.free)
+        return new + reclaimed <= self.num_free_blocks
 
     def take_cached(self, req: Request, cached: list[int]) -> None:
         for b in cached:
@@ -92,11 +102,44 @@ class BlockManager:
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Grow `req` to own blocks for its first `num_tokens` tokens. Caller checked can_allocate."""
-        for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
-            b, _ = self.free.popitem(last=False)  # least recently freed first
+        n = self.blocks_needed(num_tokens) - len(req.block_ids)
+        if n <= 0:
+            return
+        new = self._take_empty(min(n, self.num_empty), req.block_ids[-1] + 1 if req.block_ids else None)
+        evicted = []
+        for _ in range(n - len(new)):
+            b, _ = self.cached_free.popitem(last=False)  # least recently freed first
             self._evict(b)
+            evicted.append(b)
+        for b in new + evicted:
             self.ref_counts[b] = 1
-            req.block_ids.append(b)
+        req.block_ids.extend(new + sorted(evicted))
+
+    def _take_empty(self, n: int, after: int | None) -> list[int]:
+        """n empty block ids in few runs: first the ids right after the request's last block
+        (a growing request stays one run), then the first run long enough for the rest; where
+        none is, the first run half as long, and so on (fragmented space: fewest runs, greedily)."""
+        taken: list[int] = []
+        e = self.empty
+        if after is not None:
+            while len(taken) < n and after < self.num_blocks and e[after]:
+                e[after] = 0
+                taken.append(after)
+                after += 1
+        size = n - len(taken)
+        while len(taken) < n:
+            size = min(size, n - len(taken))
+            start = e.find(b"\x01" * size)
+            if start < 0:
+                size //= 2  # size 1 always finds one: the pool holds at least n - len(taken) blocks
+                continue
+            end = start + size
+            while end < self.num_blocks and end - start < n - len(taken) and e[end]:
+                end += 1  # the run found may be longer than asked: take what is still needed
+            taken.extend(range(start, end))
+            e[start:end] = bytes(end - start)
+        self.num_empty -= len(taken)
+        return taken
 
     def free_request(self, req: Request) -> None:
         self._release(req.block_ids)
@@ -131,7 +174,11 @@ class BlockManager:
 
     def _ref(self, b: int) -> None:
         if self.ref_counts[b] == 0:
-            del self.free[b]
+            if self.block_hash[b] is not None:
+                del self.cached_free[b]
+            else:  # not reached by prefix hits (they are hashed); kept exact for any caller
+                self.empty[b] = 0
+                self.num_empty -= 1
         self.ref_counts[b] += 1
 
     def _evict(self, b: int) -> None:
@@ -148,4 +195,8 @@ class BlockManager:
         for b in reversed(block_ids):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free[b] = None
+                if self.block_hash[b] is not None:
+                    self.cached_free[b] = None
+                else:
+                    self.empty[b] = 1
+                    self.num_empty += 1

@@ -113,3 +113,106 @@ def test_sampling_params_name_the_bad_field(kw, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+# -- contiguous allocation (issue 17: few, long runs -> few transfer descriptors) ---------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from pdserve.worker.kv.block_runs import merge_runs  # noqa: E402
+
+
+def runs(ids):
+    return len(merge_runs(ids, ids))
+
+
+def test_fresh_cache_hands_out_one_run_and_growth_extends_it():
+    bm = BlockManager(64, BS)
+    a = req("a", range(4 * 10))
+    bm.allocate(a, 40)
+    assert a.block_ids == list(range(10))
+    b = req("b", range(4))
+    bm.allocate(b, 4)  # b takes block 10; a's next block is not adjacent any more
+    for n in range(41, 41 + 4 * 5):  # a decodes 20 tokens: 5 more blocks, one run after b's
+        bm.allocate(a, n)
+    assert a.block_ids == list(range(10)) + list(range(11, 16)) and runs(a.block_ids) == 2
+
+
+def test_freed_middle_run_is_reused_whole_before_scattered_holes():
+    bm = BlockManager(32, BS)
+    reqs = [req(str(i), range(i * 100, i * 100 + 16)) for i in range(8)]  # 4 blocks each
+    for r in reqs:
+        bm.allocate(r, 16)
+    for r in reqs[0:8:2]:
+        bm.free_request(r)  # holes of 4 at 0, 8, 16, 24 (prefix caching has published nothing)
+    bm.free_request(reqs[3])  # 8..11 and 12..15 join: one hole of 8
+    big = req("big", range(1000, 1000 + 4 * 8))
+    bm.allocate(big, 32)
+    assert big.block_ids == list(range(8, 16))  # the one run long enough, not 0..3 + 8..11
+
+
+def test_cached_blocks_evicted_least_recently_freed_first_after_empty_ones():
+    bm = BlockManager(8, BS)
+    old, new = req("old", range(8)), req("new", range(50, 58))
+    for r in (old, new):  # 2 full blocks each, published in the prefix cache
+        bm.allocate(r, 8)
+        r.num_computed_tokens = 8
+        bm.register_computed(r)
+    bm.free_request(old)
+    bm.free_request(new)
+    filler = req("f", range(200, 216))
+    bm.allocate(filler, 16)  # the 4 empty blocks go first: no prefix is lost
+    assert sorted(filler.block_ids) == [4, 5, 6, 7] and len(bm.lookup_prefix(req("x", range(9)))) == 2
+    two = req("two", range(300, 308))
+    bm.allocate(two, 8)  # now eviction: old's blocks (freed first), handed out in ascending order
+    assert two.block_ids == [0, 1] and bm.lookup_prefix(req("x", range(9))) == []
+    assert len(bm.lookup_prefix(req("y", list(range(50, 58)) + [1]))) == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]), st.integers(0, 7), st.integers(1, 40)),
+                max_size=60),
+       st.booleans())
+def test_allocation_never_hands_out_a_used_block_and_keeps_lru_and_runs(ops, caching):
+    """Random alloc/grow/free with prefix caching: every allocation takes only free blocks; the
+    cached blocks it evicts are the least recently freed ones; and where the empty free blocks
+    form one run long enough, the new blocks are one run."""
+    num_blocks = 48
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    live: dict[int, object] = {}
+    for i, (op, slot, size) in enumerate(ops):
+        r = live.get(slot)
+        if op == "free" and r is not None:
+            bm.free_request(live.pop(slot))
+            continue
+        if op == "grow" and r is not None:
+            num_tokens = r.num_tokens + size
+            r.token_ids += [7] * size
+        elif r is None:
+            r = req(f"{i}", [t % 5 for t in range(size)])  # few distinct prefixes: real hits
+            hits = bm.lookup_prefix(r)
+            if not bm.can_allocate(r, size, hits):
+                continue
+            bm.take_cached(r, hits)
+            num_tokens = size
+        else:
+            continue
+        if not bm.can_allocate(r, num_tokens):
+            continue
+        used = {b for x in live.values() for b in x.block_ids} | set(r.block_ids)
+        empty = [b for b in range(num_blocks) if bm.empty[b]]
+        need = bm.blocks_needed(num_tokens) - len(r.block_ids)
+        oldest = list(bm.cached_free)[:max(0, need - len(empty))]
+        before = len(r.block_ids)
+        bm.allocate(r, num_tokens)
+        got = r.block_ids[before:]
+        assert len(got) == need and not used & set(got) and len(set(got)) == need
+        assert set(got) - set(empty) == set(oldest)  # LRU eviction, only once the empty pool ran out
+        if need and runs(empty) == 1 and len(empty) >= need and before == 0:
+            assert runs(got) == 1
+        r.num_computed_tokens = num_tokens
+        bm.register_computed(r)
+        live[slot] = r
+        held = [b for x in live.values() for b in x.block_ids]
+        assert bm.num_free_blocks + len(set(held)) == num_blocks
+        assert all(bm.ref_counts[b] > 0 and not bm.empty[b] and b not in bm.cached_free for b in held)
