@@ -1,5 +1,5 @@
-"""Every child manifest of one ModelServing, in apply order (pure). The generated KV Secret is
-not among them: it is created once, never applied (operator/kv_secret.py)."""
+"""Every child manifest of one ModelServing, in apply order (pure). The generated Secrets are
+not among them: each is created once, never applied (operator/generated_secrets.py)."""
 
 from __future__ import annotations
 

@@ -11,18 +11,21 @@ import json
 from typing import Any
 
 from pdserve.operator.spec import ModelServing, SecretKeyRef
+# The labels the router selects and pairs workers by: defined once, with the router's side.
+from pdserve.protocol.contract import LABEL_MODELSERVING, LABEL_REVISION, LABEL_ROLE  # noqa: F401
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 KIND = "ModelServing"
 PLURAL = "modelservings"
 
-LABEL_MODELSERVING = "pdserve.io/modelserving"
-LABEL_ROLE = "pdserve.io/role"
-LABEL_REVISION = "pdserve.io/revision"
 MANAGED_BY = "pdserve-operator"
 FIELD_MANAGER = "pdserve-operator"
 KV_SECRET_KEY = "kv-secret"
+WORKER_API_KEY_KEY = "api-key"
+# On worker and router pod templates: the generated worker API key Secret's uid, so a re-created
+# Secret (a new value) restarts every pod that read the old one at start-up.
+ANNOTATION_WORKER_API_KEY_UID = "pdserve.io/worker-api-key-uid"
 
 
 def child_name(ms: ModelServing, role: str) -> str:
@@ -31,8 +34,15 @@ def child_name(ms: ModelServing, role: str) -> str:
 
 def kv_secret_ref(ms: ModelServing) -> SecretKeyRef:
     """The Secret key every worker reads PDSERVE_KV_SECRET from: the user's
-    kvTransfer.secretRef, else the one the operator generates (operator/secrets.py)."""
+    kvTransfer.secretRef, else the one the operator generates (operator/generated_secrets.py)."""
     return ms.spec.kv_secret or SecretKeyRef(child_name(ms, "kv-secret"), KV_SECRET_KEY)
+
+
+def worker_api_key_ref(ms: ModelServing) -> SecretKeyRef:
+    """The Secret key holding the one API key workers accept (PDSERVE_API_KEYS) and the router
+    presents to them (PDSERVE_WORKER_API_KEY): the user's workerApiKeySecret, else the one the
+    operator generates."""
+    return ms.spec.worker_api_key_secret or SecretKeyRef(child_name(ms, "worker-api-key"), WORKER_API_KEY_KEY)
 
 
 def selector_labels(ms: ModelServing, role: str) -> dict[str, str]:

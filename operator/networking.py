@@ -7,7 +7,7 @@ from typing import Any
 
 from pdserve.operator import naming
 from pdserve.operator.spec import ModelServing
-from pdserve.operator.pods import HTTP_PORT, KV_EVENTS_PORT
+from pdserve.protocol.contract import HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, ROLE_DECODE, ROLE_PREFILL
 
 NETWORK_POLICY_VERSION = "networking.k8s.io/v1"
 # Who scrapes /metrics when a ServiceMonitor is made and networkPolicy.metricsFrom is unset:
@@ -29,7 +29,7 @@ def build_router_service(ms: ModelServing) -> dict[str, Any]:
         "spec": {
             "type": r.service_type,
             "selector": naming.selector_labels(ms, "router"),
-            "ports": [{"name": "http", "port": r.service_port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": HTTP_PORT_NAME, "port": r.service_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}],
         },
     }
 
@@ -44,7 +44,7 @@ def build_worker_service(ms: ModelServing, role: str) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": naming.selector_labels(ms, role),
             "ports": [
-                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": HTTP_PORT_NAME, "port": HTTP_PORT, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"},
                 {"name": "kv", "port": ms.spec.kv_port, "targetPort": "kv", "protocol": "TCP"},
             ],
         },
@@ -67,17 +67,18 @@ def build_worker_network_policy(ms: ModelServing) -> dict[str, Any]:
     - Routers of this ModelServing: the HTTP port, plus the KV-event ports when a prefix-aware
       policy subscribes to them.
     - Metric scrapers (networkPolicy.metricsFrom): the HTTP port, where /metrics is served; a
-      NetworkPolicy works on ports, not paths, so they reach /v1 too (guard it with an API key).
+      NetworkPolicy works on ports, not paths, so they reach /v1 too, which the workers' API key
+      guards (as it guards /metrics: the ServiceMonitor carries the key).
     Kubelet probes come from the node and are admitted by every common policy implementation.
     Only ingress is restricted: workers still reach DNS, the Hub and the API server.
     """
     workers = {"podSelector": {"matchExpressions": [
         {"key": naming.LABEL_MODELSERVING, "operator": "In", "values": [ms.name]},
-        {"key": naming.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]}}
+        {"key": naming.LABEL_ROLE, "operator": "In", "values": [ROLE_PREFILL, ROLE_DECODE]}]}}
     http = [{"protocol": "TCP", "port": HTTP_PORT}]
     router_ports = list(http)
     if ms.spec.router.prefix_aware:
-        router_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_EVENTS_PORT + 1}]
+        router_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_EVENTS_REPLAY_PORT}]
     ingress = [
         {"from": [workers], "ports": [{"protocol": "TCP"}]},  # no port: every TCP port
         {"from": [{"podSelector": {"matchLabels": naming.selector_labels(ms, "router")}}], "ports": router_ports},

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.operator import naming
-from pdserve.operator.spec import Autoscaling, ModelServing
+from pdserve.operator.spec import Autoscaling, ModelServing, SecretKeyRef
+from pdserve.protocol.contract import HTTP_PORT_NAME, ROLE_DECODE, ROLE_PREFILL
 
 HPA_VERSIONS = ("autoscaling/v2", "autoscaling/v2beta2")
 PDB_VERSIONS = ("policy/v1", "policy/v1beta1")
@@ -92,8 +93,27 @@ def build_pdb(ms: ModelServing, role: str, api_version: str) -> dict[str, Any]:
     }
 
 
+# The Service label Prometheus exposes for pdserve.io/role (label names are sanitised to [a-z0-9_]).
+ROLE_META_LABEL = "__meta_kubernetes_service_label_" + "".join(c if c.isalnum() else "_" for c in naming.LABEL_ROLE)
+
+
+def _metrics_endpoint(roles: str, token: SecretKeyRef | None) -> dict[str, Any]:
+    """Scrape /metrics of the Services whose role matches `roles` (a regex), with the Secret
+    key as bearer token when the target needs one."""
+    endpoint: dict[str, Any] = {
+        "port": HTTP_PORT_NAME, "path": "/metrics", "interval": "15s",
+        "relabelings": [{"sourceLabels": [ROLE_META_LABEL], "regex": roles, "action": "keep"}]}
+    if token is not None:
+        endpoint["bearerTokenSecret"] = {"name": token.name, "key": token.key}
+    return endpoint
+
+
 def build_service_monitor(ms: ModelServing) -> dict[str, Any]:
-    """Scrapes /metrics on every Service of this ModelServing (workers and router)."""
+    """Scrapes /metrics on every Service of this ModelServing, one endpoint per credential: the
+    workers' with their API key (a keyed worker answers /metrics 401 without it); the router's
+    with its client key Secret when it has one (that Secret must then hold a single key: the
+    whole value is sent as the token)."""
+    workers = f"{ROLE_PREFILL}|{ROLE_DECODE}"
     return {
         "apiVersion": SERVICE_MONITOR_VERSION,
         "kind": "ServiceMonitor",
@@ -101,6 +121,7 @@ def build_service_monitor(ms: ModelServing) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": {naming.LABEL_MODELSERVING: ms.name}},
             "namespaceSelector": {"matchNames": [ms.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "endpoints": [_metrics_endpoint(workers, naming.worker_api_key_ref(ms)),
+                          _metrics_endpoint("router", ms.spec.router.api_key_secret)],
         },
     }

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from pdserve.operator import naming
-from pdserve.operator.spec import KVTuning, ModelServing, ModelSource
+from pdserve.operator.spec import KVTuning, ModelServing, ModelSource, SecretKeyRef
+from pdserve.protocol.contract import ENV_KV_SECRET, HTTP_PORT_NAME
 
-HTTP_PORT = 8000
-KV_EVENTS_PORT = 5557  # the router's default; replays are served on the next port
 MODEL_MOUNT = "/models"  # a pvc:// source, read-only
 CACHE_MOUNT = "/cache"  # the Hugging Face cache (HF_HOME) and pinned downloads
 HF_HOME = f"{CACHE_MOUNT}/huggingface"
@@ -45,7 +44,7 @@ def container_security_context(kv: KVTuning | None = None) -> dict[str, Any]:
 
 
 def probe(path: str, defaults: Mapping[str, int], overrides: Mapping[str, int] | None) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, **defaults, **(overrides or {})}
+    return {"httpGet": {"path": path, "port": HTTP_PORT_NAME}, **defaults, **(overrides or {})}
 
 
 def pre_stop(ms: ModelServing) -> dict[str, Any]:
@@ -76,8 +75,7 @@ def hub_env(ms: ModelServing) -> list[dict[str, Any]]:
     """HOME and caches on writable volumes (the root filesystem is read-only), and the token."""
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": HF_HOME}]
     if ms.spec.hf_token_secret:
-        ref = ms.spec.hf_token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        env.append(secret_env("HF_TOKEN", ms.spec.hf_token_secret))
     return env
 
 
@@ -86,9 +84,13 @@ def kv_env(ms: ModelServing, kv: KVTuning) -> list[dict[str, Any]]:
     generated one), as an env var from a secretKeyRef (arguments are visible in the process
     list, and the pod template names the Secret, not its value)."""
     env = [{"name": n, "value": v} for n, v in (("UCX_TLS", kv.ucx_tls), ("UCX_NET_DEVICES", kv.ucx_net_devices)) if v]
-    ref = naming.kv_secret_ref(ms)
-    env.append({"name": "PDSERVE_KV_SECRET", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    env.append(secret_env(ENV_KV_SECRET, naming.kv_secret_ref(ms)))
     return env
+
+
+def secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    """An env var from a Secret key: the pod template names the Secret, never holds its value."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
 def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:

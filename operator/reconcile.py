@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from pdserve.operator import naming, networking, status
 from pdserve.operator.children import PRUNABLE, build_children
 from pdserve.operator.kube import Kube, owned_by
-from pdserve.operator.kv_secret import ensure_kv_secret
+from pdserve.operator.generated_secrets import KV_SECRET, WORKER_API_KEY, ensure_secret
 from pdserve.operator.networking import NETWORK_POLICY_VERSION
 from pdserve.operator.spec import ModelServing
 
@@ -32,8 +32,9 @@ def _version_for(kind: str, kube: Kube) -> str | None:
 
 def reconcile(kube: Kube, body: Mapping[str, Any], now: str) -> Outcome:
     ms = ModelServing.from_body(body)  # SpecError propagates: the handler reports it
-    # before any worker is built: the generated Secret's uid is part of the worker revision
-    ms = dataclasses.replace(ms, kv_secret_uid=ensure_kv_secret(kube, ms))
+    # before any pod is built: the generated Secrets' uids are part of the pod templates
+    ms = dataclasses.replace(ms, kv_secret_uid=ensure_secret(kube, ms, KV_SECRET),
+                             worker_api_key_uid=ensure_secret(kube, ms, WORKER_API_KEY))
     selector = f"{naming.LABEL_MODELSERVING}={ms.name}"
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []

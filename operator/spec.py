@@ -166,6 +166,9 @@ class ModelServingSpec:
     # Shared by all workers, authenticates the KV side channel; None: the operator generates one
     # (naming.kv_secret_ref).
     kv_secret: SecretKeyRef | None = None
+    # The one API key workers accept and the router presents to them; None: the operator
+    # generates one (naming.worker_api_key_ref).
+    worker_api_key_secret: SecretKeyRef | None = None
     network_policy: bool = True
     # NetworkPolicyPeers admitted to the workers' HTTP port for scraping /metrics; None: the
     # default (Prometheus pods anywhere when a ServiceMonitor is made, else nobody).
@@ -261,6 +264,7 @@ class ModelServingSpec:
             kv=_kv(kv),
             kv_peer_allow=tuple(kv.get("peerAllow") or PRIVATE_NETWORKS),
             kv_secret=_secret_ref(kv.get("secretRef"), "kv-secret"),
+            worker_api_key_secret=_secret_ref(spec.get("workerApiKeySecret"), "api-key"),
             network_policy=bool(netpol.get("enabled", True)),
             metrics_from=None if metrics_from is None else tuple(dict(p) for p in metrics_from),
             drain_timeout_s=drain.get("timeoutSeconds", 30),
@@ -284,6 +288,9 @@ class ModelServing:
     # one): part of the revision, so a re-created Secret (a new value) rolls pods to a revision
     # that never pairs with pods holding the old value.
     kv_secret_uid: str = ""
+    # uid of the generated worker API key Secret ("" when the user names one): annotated on the
+    # worker and router pods, so a re-created Secret restarts all of them with the new key.
+    worker_api_key_uid: str = ""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> "ModelServing":

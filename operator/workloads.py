@@ -6,8 +6,9 @@ from typing import Any, Mapping
 
 from pdserve.operator import naming, pods
 from pdserve.operator.merge import strategic_merge
-from pdserve.operator.pods import HTTP_PORT, KV_EVENTS_PORT
 from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec, Rollout, SpecError
+from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT,
+                                       KV_EVENTS_REPLAY_PORT)
 
 # Big checkpoints take minutes to load: the startup probe allows 30 min before liveness counts.
 WORKER_PROBES = {
@@ -129,12 +130,20 @@ def _pod_spec(ms: ModelServing, service_account: str, containers: list, volumes:
     return spec
 
 
+def pod_annotations(ms: ModelServing) -> dict[str, str]:
+    """On worker and router pods: a re-created generated API key Secret restarts them all, so
+    no pod keeps a key the others no longer use."""
+    return {naming.ANNOTATION_WORKER_API_KEY_UID: ms.worker_api_key_uid} if ms.worker_api_key_uid else {}
+
+
 def _deployment(ms: ModelServing, role: str, replicas: int | None, pod_labels: dict[str, str],
                 pod_spec: dict[str, Any], strategy: dict[str, Any], override: Mapping[str, Any],
                 progress_deadline_s: int | None = None) -> dict[str, Any]:
     meta = naming.metadata(ms, role)
     meta["labels"] = {**meta["labels"], **pod_labels}
-    template = {"metadata": {"labels": {**naming.labels(ms, role), **pod_labels}}, "spec": pod_spec}
+    template: dict[str, Any] = {"metadata": {"labels": {**naming.labels(ms, role), **pod_labels}}, "spec": pod_spec}
+    if annotations := pod_annotations(ms):
+        template["metadata"]["annotations"] = annotations
     if override:
         try:
             template = strategic_merge(template, override)
@@ -173,11 +182,14 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
     elif src.kind == "hf" and src.revision:
         init.append(pods.fetch_container(ms, "fetch-model", src, pods.pinned_dir(src), pods.MODEL_FILES,
                                          [tmp_mount, cache_mount]))
-    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
              {"name": "kv", "containerPort": s.kv_port, "protocol": "TCP"}]
     if s.router.prefix_aware:
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-                  {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}]
+                  {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]
+    # The workers' one API key: /v1 (so kv_transfer_params come only from the router that holds
+    # it), /metrics and /debug/kv need it; /health stays open for probes.
+    auth_env = [pods.secret_env(ENV_API_KEYS, naming.worker_api_key_ref(ms))]
     container = {
         "name": "worker",
         "image": s.image,
@@ -185,7 +197,7 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "command": ["pdserve", "worker"],
         "args": worker_args(ms, role),
         "ports": ports,
-        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv), rs.env),
+        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv) + auth_env, rs.env),
         "resources": worker_resources(ms, rs),
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),
@@ -219,10 +231,11 @@ def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
     s, r, src = ms.spec, ms.spec.router, ms.spec.model_source
     tmp, tmp_mount = pods.tmp_volume()
     volumes, mounts, init = [tmp], [tmp_mount], []
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]
+    # The key the workers accept, sent on every call to them (requests, probes, scrapes).
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"},
+                                 pods.secret_env(ENV_WORKER_API_KEY, naming.worker_api_key_ref(ms))]
     if r.api_key_secret:
-        env.append({"name": "PDSERVE_API_KEYS",
-                    "valueFrom": {"secretKeyRef": {"name": r.api_key_secret.name, "key": r.api_key_secret.key}}})
+        env.append(pods.secret_env(ENV_API_KEYS, r.api_key_secret))  # the keys clients present
     if r.prefix_aware and src.kind == "pvc":
         volume, mount = pods.model_pvc_volume(src)
         volumes.append(volume)
@@ -242,7 +255,7 @@ def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
         "imagePullPolicy": s.image_pull_policy,
         "command": ["pdserve", "router"],
         "args": router_args(ms),
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": pods.merge_env(env, r.env),
         "resources": quantities(r.resources or ROUTER_RESOURCES),
         "volumeMounts": mounts,

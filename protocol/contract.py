@@ -25,6 +25,12 @@ KV_EVENTS_REPLAY_PORT = KV_EVENTS_PORT + 1
 
 # Comma-separated accepted API keys (how a Kubernetes Secret is mounted into a pod).
 ENV_API_KEYS = "PDSERVE_API_KEYS"
+# The one key the router presents to workers (a keyed worker accepts kv_transfer_params, and
+# serves /metrics, only to its holder); the operator sets it from the same Secret as the
+# workers' ENV_API_KEYS.
+ENV_WORKER_API_KEY = "PDSERVE_WORKER_API_KEY"
+# The KV side channel's shared secret, the same on every prefill and decode worker.
+ENV_KV_SECRET = "PDSERVE_KV_SECRET"
 
 # Request headers: one id for a request across router, prefill and decode; a session key for
 # the session-affinity policy.

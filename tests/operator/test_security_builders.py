@@ -1,5 +1,5 @@
-"""Pure builder checks for the secure defaults of the KV data path (issue 15: the generated KV
-secret, the workers' NetworkPolicy, the operator's RBAC for them) and for tensor-parallel
+"""Pure builder checks for the secure defaults of the KV data path (issue 15: the generated
+Secrets, the workers' NetworkPolicy, the operator's RBAC for them) and for tensor-parallel
 workers (issue 18: GPUs, the flag, /dev/shm)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.operator import naming
 from pdserve.operator.children import build_children
-from pdserve.operator.kv_secret import build_kv_secret, check_kv_secret, new_value
+from pdserve.operator.generated_secrets import KV_SECRET, WORKER_API_KEY, build_secret, check_secret, new_value
 from pdserve.operator.networking import build_worker_network_policy
 from pdserve.operator.optional import ApiVersions
 from pdserve.operator.rbac import build_operator_cluster_role
@@ -58,34 +58,42 @@ def test_revision_follows_the_generated_secrets_identity_not_the_reconcile():
     assert naming.revision(ms(kvTransfer={"secretRef": {"name": "other"}})) != naming.revision(ms())
 
 
-def test_generated_secret_is_owned_random_and_long_enough():
-    m = ms()
-    s = build_kv_secret(m, new_value())
-    assert (s["kind"], s["type"], s["metadata"]["name"]) == ("Secret", "Opaque", "llama-kv-secret")
+# (Secret name, data key, the spec field that replaces it) of each generated Secret
+GENERATED = [(KV_SECRET, "llama-kv-secret", "kv-secret", "kvTransfer.secretRef"),
+             (WORKER_API_KEY, "llama-worker-api-key", "api-key", "workerApiKeySecret")]
+
+
+@pytest.mark.parametrize("which, name, key, field", GENERATED)
+def test_generated_secret_is_owned_random_and_long_enough(which, name, key, field):
+    s = build_secret(ms(), which, new_value())
+    assert (s["kind"], s["type"], s["metadata"]["name"]) == ("Secret", "Opaque", name)
     (ref,) = s["metadata"]["ownerReferences"]
     assert (ref["kind"], ref["uid"], ref["controller"]) == ("ModelServing", "uid-1", True)
-    value = base64.b64decode(s["data"]["kv-secret"]).decode()
+    value = base64.b64decode(s["data"][key]).decode()
     assert len(value) >= 32 and value != new_value()
+    assert "," not in value  # PDSERVE_API_KEYS is comma-separated: one key must stay one key
 
 
+@pytest.mark.parametrize("which, name, key, field", GENERATED)
 @pytest.mark.parametrize("owners, data, message", [
-    ([], {"kv-secret": base64.b64encode(b"x" * 40).decode()}, "set kvTransfer.secretRef to use it, or delete it"),
-    ([{"kind": "ModelServing", "uid": "old-uid"}], {"kv-secret": base64.b64encode(b"x" * 40).decode()},
-     "belongs to a deleted ModelServing of this name"),
-    ([{"kind": "ModelServing", "uid": "uid-1"}], {"kv-secret": base64.b64encode(b"short").decode()},
-     "its key kv-secret is missing or shorter than 16 characters"),
-    ([{"kind": "ModelServing", "uid": "uid-1"}], {}, "its key kv-secret is missing"),
+    ([], "x" * 40, "set {field} to use it, or delete it"),
+    ([{"kind": "ModelServing", "uid": "old-uid"}], "x" * 40, "belongs to a deleted ModelServing of this name"),
+    ([{"kind": "ModelServing", "uid": "uid-1"}], "short", "its key {key} is missing or shorter than 16 characters"),
+    ([{"kind": "ModelServing", "uid": "uid-1"}], None, "its key {key} is missing"),
 ])
-def test_an_existing_secret_that_is_not_ours_or_not_usable_is_refused(owners, data, message):
-    obj = {"metadata": {"name": "llama-kv-secret", "uid": "s-1", "ownerReferences": owners}, "data": data}
-    with pytest.raises(SpecError, match=message):
-        check_kv_secret(ms(), obj)
+def test_an_existing_secret_that_is_not_ours_or_not_usable_is_refused(which, name, key, field, owners, data, message):
+    obj = {"metadata": {"name": name, "uid": "s-1", "ownerReferences": owners},
+           "data": {} if data is None else {key: base64.b64encode(data.encode()).decode()}}
+    with pytest.raises(SpecError, match=message.format(field=field, key=key).replace(".", r"\.")) as e:
+        check_secret(ms(), which, obj)
+    assert str(e.value).startswith(f"spec.{field} is unset, so the operator manages Secret {name}")
 
 
-def test_our_secret_is_used_as_it_is():
-    obj = {"metadata": {"name": "llama-kv-secret", "uid": "s-1", "ownerReferences": [{"kind": "ModelServing", "uid": "uid-1"}]},
-           "data": {"kv-secret": base64.b64encode(b"y" * 43).decode()}}
-    assert check_kv_secret(ms(), obj) == "s-1"
+@pytest.mark.parametrize("which, name, key, field", GENERATED)
+def test_our_secret_is_used_as_it_is(which, name, key, field):
+    obj = {"metadata": {"name": name, "uid": "s-1", "ownerReferences": [{"kind": "ModelServing", "uid": "uid-1"}]},
+           "data": {key: base64.b64encode(b"y" * 43).decode()}}
+    assert check_secret(ms(), which, obj) == "s-1"
 
 
 # the NetworkPolicy --------------------------------------------------------------------------
