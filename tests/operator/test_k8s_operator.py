@@ -253,6 +253,9 @@ def test_optional_apis_hpa_and_service_monitor(k8s_cluster, operator_kubeconfig,
         try:
             (sm,) = wait_for(monitors, what="a ServiceMonitor once its CRD is served")
             assert sm["spec"]["selector"] == {"matchLabels": {"pdserve.io/modelserving": "opt"}}
+            # worker /metrics is keyed: the worker endpoint carries the generated key's Secret
+            assert sm["spec"]["endpoints"][0]["bearerTokenSecret"] == {"name": "opt-worker-api-key", "key": "api-key"}
+            assert api.core.read_namespaced_secret("opt-worker-api-key", namespace).data["api-key"]
             api.patch("opt", {"monitoring": {"serviceMonitor": False}, "prefill": {"autoscaling": None}})
             wait_for(lambda: not monitors() and not hpas(), what="ServiceMonitor and HPA pruned")
             wait_for(lambda: ("Normal", "Pruned") in api.events("opt"), what="Pruned event")

@@ -27,10 +27,21 @@ def secret(api: Api, name: str):
         raise
 
 
-def worker_secret_refs(kubelet: Kubelet, name: str) -> set[tuple[str, str]]:
+def worker_secret_refs(kubelet: Kubelet, name: str, env: str = "PDSERVE_KV_SECRET",
+                       roles: str = "prefill,decode") -> set[tuple[str, str]]:
     return {(e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key)
-            for p in kubelet.bound_pods(f"pdserve.io/modelserving={name},pdserve.io/role in (prefill,decode)")
-            for e in p.spec.containers[0].env or () if e.name == "PDSERVE_KV_SECRET"}
+            for p in kubelet.bound_pods(f"pdserve.io/modelserving={name},pdserve.io/role in ({roles})")
+            for e in p.spec.containers[0].env or () if e.name == env}
+
+
+def key_uids(kubelet: Kubelet, name: str) -> dict[str, set[str]]:
+    """role -> the worker API key Secret uids its live pods were started with (annotation)."""
+    out: dict[str, set[str]] = {}
+    for p in kubelet.bound_pods(f"pdserve.io/modelserving={name}"):
+        if not p.metadata.deletion_timestamp:
+            out.setdefault(p.metadata.labels["pdserve.io/role"], set()).add(
+                (p.metadata.annotations or {}).get("pdserve.io/worker-api-key-uid"))
+    return out
 
 
 def test_kv_secret_is_generated_once_and_survives_reconciles_restarts_and_rollouts(k8s_cluster, operator_kubeconfig,
@@ -45,14 +56,22 @@ def test_kv_secret_is_generated_once_and_survives_reconciles_restarts_and_rollou
         assert (ref.kind, ref.uid, ref.controller) == ("ModelServing", uid, True)
         assert worker_secret_refs(kubelet, "sec") == {("sec-kv-secret", "kv-secret")}
         revision = api.get("sec")["status"]["revision"]
+        # the workers' API key: the same lifecycle; workers accept it, the router presents it
+        key = secret(api, "sec-worker-api-key")
+        assert key.type == "Opaque" and len(key.data["api-key"]) >= 40
+        assert [(r.kind, r.uid) for r in key.metadata.owner_references] == [("ModelServing", uid)]
+        assert worker_secret_refs(kubelet, "sec", "PDSERVE_API_KEYS") == {("sec-worker-api-key", "api-key")}
+        assert worker_secret_refs(kubelet, "sec", "PDSERVE_WORKER_API_KEY", "router") == {("sec-worker-api-key", "api-key")}
+        assert key_uids(kubelet, "sec") == {r: {key.metadata.uid} for r in ("prefill", "decode", "router")}
 
         # many timer reconciles and a spec edit that rolls the pods: the Secret is untouched
         time.sleep(4)  # resync every 1 s
         api.patch("sec", {"decode": {"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}})
         became(api, kubelet, "sec", "Progressing", "False", "RolloutComplete", timeout=90)
-        same = secret(api, "sec-kv-secret")
-        assert (same.metadata.uid, same.metadata.resource_version, same.data) == \
-            (first.metadata.uid, first.metadata.resource_version, first.data)
+        for name, before in (("sec-kv-secret", first), ("sec-worker-api-key", key)):
+            same = secret(api, name)
+            assert (same.metadata.uid, same.metadata.resource_version, same.data) == \
+                (before.metadata.uid, before.metadata.resource_version, before.data)
         assert api.get("sec")["status"]["revision"] == revision  # env is not part of the revision
 
     # a restarted operator reads it, never rewrites it
@@ -61,9 +80,24 @@ def test_kv_secret_is_generated_once_and_survives_reconciles_restarts_and_rollou
         wait_for(lambda: api.get("sec")["status"]["observedGeneration"] == api.get("sec")["metadata"]["generation"],
                  what="the restarted operator's reconcile")
         time.sleep(3)
-        after = secret(api, "sec-kv-secret")
-        assert (after.metadata.uid, after.metadata.resource_version, after.data) == \
-            (first.metadata.uid, first.metadata.resource_version, first.data)
+        for name, before in (("sec-kv-secret", first), ("sec-worker-api-key", key)):
+            after = secret(api, name)
+            assert (after.metadata.uid, after.metadata.resource_version, after.data) == \
+                (before.metadata.uid, before.metadata.resource_version, before.data)
+        assert api.get("sec")["status"]["revision"] == revision
+
+        # the API key deleted by hand: a new one, and every pod (workers and router) restarts
+        # with it, on the same revision (who may call a worker is not what pairs workers)
+        api.core.delete_namespaced_secret("sec-worker-api-key", namespace)
+        new_key = wait_for(lambda: (s := secret(api, "sec-worker-api-key")) is not None
+                           and s.metadata.uid != key.metadata.uid and s, what="a new worker API key")
+        assert new_key.data != key.data
+
+        def restarted():
+            kubelet.make_ready("pdserve.io/modelserving=sec")
+            return key_uids(kubelet, "sec") == {r: {new_key.metadata.uid} for r in ("prefill", "decode", "router")}
+
+        wait_for(restarted, timeout=90, what="every pod restarted with the new key")
         assert api.get("sec")["status"]["revision"] == revision
 
         # deleted by hand: a new Secret (new value) and a new revision, so old and new pods never pair
@@ -77,7 +111,8 @@ def test_kv_secret_is_generated_once_and_survives_reconciles_restarts_and_rollou
 
         # deleted with the ModelServing (garbage collector, through the owner reference)
         api.delete("sec")
-        wait_for(lambda: secret(api, "sec-kv-secret") is None, what="the Secret garbage-collected")
+        wait_for(lambda: secret(api, "sec-kv-secret") is None and secret(api, "sec-worker-api-key") is None,
+                 what="the Secrets garbage-collected")
 
 
 def test_a_foreign_secret_of_that_name_is_refused_and_a_secret_ref_is_used_as_given(k8s_cluster, operator_kubeconfig,
@@ -99,6 +134,20 @@ def test_a_foreign_secret_of_that_name_is_refused_and_a_secret_ref_is_used_as_gi
         became(api, kubelet, "mine", "Ready", "True")
         assert api.condition("mine", "Degraded")["status"] == "False"
         assert worker_secret_refs(kubelet, "mine") == {("mine-kv-secret", "kv-secret")}
+
+        # the workers' API key from the user's Secret: workers and router read it, no uid annotation
+        api.core.create_namespaced_secret(namespace, {"metadata": {"name": "mine-keys"},
+                                                      "stringData": {"api-key": "users-own-worker-key-0123"}})
+        api.patch("mine", {"workerApiKeySecret": {"name": "mine-keys"}})
+
+        def switched():
+            kubelet.make_ready("pdserve.io/modelserving=mine")
+            return (worker_secret_refs(kubelet, "mine", "PDSERVE_API_KEYS") == {("mine-keys", "api-key")}
+                    and worker_secret_refs(kubelet, "mine", "PDSERVE_WORKER_API_KEY", "router") == {("mine-keys", "api-key")}
+                    and key_uids(kubelet, "mine") == {r: {None} for r in ("prefill", "decode", "router")})
+
+        wait_for(switched, timeout=90, what="workers and router on the user's key Secret")
+        assert secret(api, "mine-keys").metadata.owner_references is None  # theirs, never adopted
 
 
 def test_network_policy_is_accepted_selects_this_modelserving_and_follows_the_spec(k8s_cluster, operator_kubeconfig,
