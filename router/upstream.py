@@ -70,13 +70,51 @@ class Limits:
         return aiohttp.ClientTimeout(total=self.total, connect=self.connect, sock_read=self.sock_read)
 
 
+class WorkerLost(Exception):
+    """The worker stopped answering health probes while a call waited on it."""
+
+
 class Upstream:
-    """The pooled session plus the failure accounting every call shares."""
+    """The pooled session plus the failure accounting every call shares.
+
+    It also knows what each worker holds: the tasks waiting for its status line and the
+    responses being read. When the prober finds a worker lost (a SIGSTOPped, wedged or
+    partitioned process accepts connections and then says nothing), those are abandoned at once:
+    a wait for a status line ends as a retryable failure (another worker is tried), a body being
+    read ends as a broken connection (the caller's usual error path). Without this such calls
+    would wait out `--first-byte-timeout` / `--request-timeout` (minutes)."""
 
     def __init__(self, session: aiohttp.ClientSession, workers: WorkerSet, metrics: RouterMetrics):
         self.session = session
         self.workers = workers
         self.metrics = metrics
+        self._waiting: dict[Worker, set[asyncio.Task]] = {}
+        self._abandoned: set[asyncio.Task] = set()
+        self._reading: dict[Worker, set[aiohttp.ClientResponse]] = {}
+        workers.on_lost.append(self.abandon)
+
+    def abandon(self, worker: Worker) -> int:
+        """Stop every call waiting on `worker` (see the class doc); returns how many."""
+        tasks = self._waiting.pop(worker, set())
+        responses = self._reading.pop(worker, set())
+        for task in tasks:
+            self._abandoned.add(task)
+            task.cancel()
+        for response in responses:
+            response.close()  # the reader gets ClientConnectionError: an UPSTREAM_ERROR
+        if tasks or responses:
+            log.warning("%r stopped answering health probes: abandoning %d call(s) waiting on it",
+                        worker, len(tasks) + len(responses))
+        return len(tasks) + len(responses)
+
+    def reading(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+        """`response`'s body is being read from `worker` until `done_reading`."""
+        self._reading.setdefault(worker, set()).add(response)
+
+    def done_reading(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+        held = self._reading.get(worker)
+        if held is not None:
+            held.discard(response)
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
@@ -95,13 +133,27 @@ class Upstream:
                    limits: "Limits", phase: str) -> Attempt:
         """POST and wait for the status line. 5xx and transport errors are retryable failures;
         429 is retryable without blaming the worker; other statuses are final answers."""
+        task = asyncio.current_task()
+        self._waiting.setdefault(worker, set()).add(task)
         try:
             async with asyncio.timeout(limits.first_byte_s):  # None: no bound beyond aiohttp's
                 response = await self.session.post(worker.url + path, data=body, headers=headers,
                                                    timeout=limits.client_timeout)
+        except asyncio.CancelledError:
+            # Ours (abandon()) unless the client's cancellation is also pending: then it wins.
+            if task not in self._abandoned or task.uncancel() > 0:
+                raise
+            e = WorkerLost("the worker stopped answering health probes while this call waited")
+            self.failed(worker, phase, repr(e))
+            return Attempt(worker, retryable=True, reason=f"{type(e).__name__}: {e}")
         except UPSTREAM_ERRORS as e:
             self.failed(worker, phase, repr(e))
             return Attempt(worker, retryable=True, reason=f"{type(e).__name__}: {e}")
+        finally:
+            self._abandoned.discard(task)
+            waiting = self._waiting.get(worker)
+            if waiting is not None:
+                waiting.discard(task)
         if response.status >= 500 or response.status == 429:
             content = await read_and_close(response)
             reason = f"{response.status}: {content[:200].decode(errors='replace')}"

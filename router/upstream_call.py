@@ -64,6 +64,7 @@ class UpstreamCall:
             attempt = await self.up.post(worker, path, body, headers, limits, self.phase)
             if not attempt.retryable:
                 self.response = attempt.response
+                self.up.reading(worker, self.response)
                 return self.response
             self.last_status = attempt.response.status if attempt.response is not None else None
             self.last_reason = attempt.reason
@@ -87,6 +88,7 @@ class UpstreamCall:
         """Drop the response (its connection, unless fully read) and release the worker. Idempotent;
         synchronous, so it also runs inside a cancelled task."""
         if self.response is not None:
+            self.up.done_reading(self.worker, self.response)
             close(self.response)
             self.response = None
         if self.worker is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from urllib.parse import urlsplit
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class Worker:
     # A probe failed while the worker was ejected: it really was down, so a later good probe
     # means it came back (a restart) and readmits it without waiting for the backoff.
     seen_down: bool = False
+    failed_probes: int = 0  # consecutive health probes that failed or timed out
     host: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,14 @@ class WorkerSpec:
     revision: str | None = None
 
 
+# A worker whose health probes fail this many times in a row is "lost": calls waiting on it are
+# abandoned (and retried elsewhere) instead of waiting out the long request timeouts. One failed
+# probe may be a blip on a loaded host; two in a row (each with the connect timeout, a probe
+# interval apart) is a worker that cannot answer a trivial GET for seconds: stopped, wedged,
+# or partitioned away. A busy worker still answers /health (its HTTP loop is not the engine).
+LOST_AFTER_FAILED_PROBES = 2
+
+
 class WorkerSet:
     """All known workers, by role; failure accounting with ejection and exponential backoff."""
 
@@ -63,6 +73,7 @@ class WorkerSet:
         self._backoff_s = backoff_s
         self._backoff_max_s = backoff_max_s
         self.version = 0  # bumped on membership change, so subscribers can react
+        self.on_lost: list[Callable[[Worker], None]] = []  # called when a worker's probes start failing
 
     def update(self, specs: list[WorkerSpec]) -> None:
         fresh: dict[tuple[str, str], Worker] = {}
@@ -111,6 +122,10 @@ class WorkerSet:
         backoff grown while it was down would answer 503 for seconds with a healthy worker.
         A worker ejected for failing requests while its health stayed good waits the backoff."""
         now = time.monotonic()
+        worker.failed_probes = 0 if ok else worker.failed_probes + 1
+        if worker.failed_probes == LOST_AFTER_FAILED_PROBES:
+            for callback in self.on_lost:
+                callback(worker)
         if now < worker.ejected_until:
             if not ok:
                 worker.healthy = False

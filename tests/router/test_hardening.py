@@ -8,6 +8,7 @@ clients are cut off without starving others or counting as 500s."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -238,3 +239,76 @@ def test_slow_clients_are_cut_off_without_starving_others_or_counting_as_500(lau
     assert cut == 2 * n  # every slow client was cut off before it finished (20 lines x 0.5 s)
     assert metric(router, "pdserve_router_requests_total", status="500") == 0
     assert metric(router, "pdserve_router_requests_total", status="408") == n
+
+
+def _concurrently(n: int, fn) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: fn(), range(n)))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_calls_waiting_on_a_sigstopped_worker_move_to_a_healthy_one(launch, role, stream):
+    """A stopped worker accepts connections and says nothing. The router's timeouts stay at
+    their defaults (minutes); once the worker fails two health probes, the calls waiting on it
+    are abandoned and retried on the other worker, so every client gets its full answer well
+    inside the client's 60 s. Without that, the stopped worker's share would hang for 300 s."""
+    stopped, other, decode, single = (launch.fake_worker() for _ in range(4))
+    pools = (("--prefill", stopped.url, "--prefill", other.url, "--decode", decode.url) if role == "prefill"
+             else ("--decode", stopped.url, "--decode", other.url))
+    router = launch.router(*pools, f"--{role}-policy", "round-robin")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "stream": stream}
+    want = httpx.post(single.url + "/v1/completions", json={**body, "stream": False}, timeout=10).json()
+    want_text = want["choices"][0]["text"]
+
+    def ask() -> str:
+        if not stream:
+            r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    text += "".join(c["text"] for c in event["choices"])
+        return text
+
+    os.kill(stopped.popen.pid, signal.SIGSTOP)
+    try:
+        # Round-robin over both workers: with four at once, the stopped one holds some of them.
+        assert _concurrently(4, ask) == [want_text] * 4
+        lost = metric(router, "pdserve_router_upstream_errors_total", worker=stopped.url)
+        assert lost >= 1  # the calls really went to the stopped worker and were moved
+        if role == "prefill":  # moved to the other prefill worker, not prefilled locally
+            assert all("kv_transfer_params" in r["body"] for r in decode.requests())
+        eventually(lambda: inflight_total(router) == 0)
+    finally:
+        os.kill(stopped.popen.pid, signal.SIGCONT)
+
+
+def test_a_stream_from_a_worker_that_stops_mid_answer_ends_with_an_error_event(launch):
+    """Once bytes went to the client the answer cannot move: the stream ends with one error
+    event as soon as the worker is found lost, not after the 120 s idle timeout."""
+    decode = launch.fake_worker("--delay", "0.2")
+    router = launch.router("--decode", decode.url)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    events = []
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:
+                os.kill(decode.popen.pid, signal.SIGSTOP)
+    try:
+        assert events[-1]["error"]["code"] == "upstream_failed", events[-1]
+        assert "WorkerLost" in events[-1]["error"]["message"] or "closed" in events[-1]["error"]["message"]
+        eventually(lambda: inflight_total(router) == 0)
+    finally:
+        os.kill(decode.popen.pid, signal.SIGCONT)
