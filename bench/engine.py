@@ -93,6 +93,9 @@ class BenchPlan:
     offline: tuple[str, ...] = ("1024", "uniform")  # keys of OFFLINE
     hf: bool = True  # Hugging Face generate beside pdserve
     eager: bool = True  # pdserve --enforce-eager bs=1 beside the graphs
+    # The engine's own bs=1 graph captured on v4's unfused decode path and on the fused one,
+    # timed (step and forward) and profiled per kernel in the same run.
+    decode_paths: bool = False
 
     def __post_init__(self):
         if any(k not in OFFLINE for k in self.offline):
@@ -108,6 +111,7 @@ class Bench:
         self.plan = plan
         self.rows: list[Row] = []
         self.notes: list[str] = []
+        self.sections: list[str] = []  # markdown after the table (per-kernel profiles)
         self.bw = self.copy_bandwidth()
         self.flops = self.matmul_rate()
 
@@ -290,6 +294,8 @@ class Bench:
                              ratio=f"{100 * roof_ms / ms_e:.0f}% of copy BW"))
             if L == 128:
                 self.profile(f"{spec.arch}_bs1_decode", lambda: self.decode_steps(engine, prompt, 64))
+            if self.plan.decode_paths and graphs is not None and L == self.plan.decode_inputs[0]:
+                self.decode_path_rows(spec, engine, prompt, steps, scen, roof_ms)
         params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
         for name, lengths in self.scenarios().items():
             prompts = self.prompts(vocab, lengths, 13)
@@ -314,6 +320,48 @@ class Bench:
                 self.profile(f"{spec.arch}_offline", lambda: engine.generate(prompts[:64], params))
         del engine, m
         gc.collect()
+
+    def decode_path_rows(self, spec: ModelSpec, engine, prompt: list[int], steps: int, scen: str,
+                         roof_ms: float) -> None:
+        """The engine's own batch-1 decode graph, captured on each decode path in turn (v4's
+        separate rotary / KV write / attention / merge launches, then the fused ones), with
+        the step, the forward replay and the kernels the profiler sees in that graph. The
+        kernel harness (bench/profile_decode.py) builds its own model and graph; this asks
+        whether the engine's graph gains what the harness does."""
+        from triton.testing import do_bench
+
+        from pdserve.bench.profile_decode import kernel_table, set_path, short
+        from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+
+        runner = engine.runner
+        model, full = runner.model, runner.graphs
+        backend = model.layers[0].self_attn.backend
+        n_layers = len(model.layers)
+        try:
+            for fused in (False, True):
+                set_path(model, backend, fused)
+                one = DecodeGraphs(model, DecodeGraphConfig(1, full.config.max_blocks_per_seq), runner.device)
+                one.capture()
+                runner.graphs = one
+                self.decode_steps(engine, prompt, 8)  # warm-up on this graph
+                ms = 1e3 * statistics.median(self.decode_steps(engine, prompt, steps))
+                fwd = do_bench(lambda: one.replay(1), warmup=20, rep=200, return_mode="median")
+                rows, total_us, per_layer = kernel_table(one._graphs[1], 20, n_layers)
+                path = "fused" if fused else "v4 path (unfused)"
+                self.add(Row(spec.name, scen, f"engine bs=1 graph, {path}: step", ms_step=ms,
+                             ratio=f"{100 * roof_ms / ms:.0f}% of copy BW"))
+                self.add(Row(spec.name, scen, f"engine bs=1 graph, {path}: forward replay", ms_step=fwd,
+                             ratio=f"{sum(r[1] for r in rows):.0f} kernels, {per_layer}/layer, "
+                                   f"GPU busy {total_us / 1e3:.3f} ms"))
+                self.sections += [f"### {spec.name}: the engine's bs=1 decode graph, {path}: forward replay {fwd:.3f} ms, "
+                                  f"kernels busy {total_us / 1e3:.3f} ms, step {ms:.3f} ms", "",
+                                  "| kernel | calls/step | µs/step | µs/call |", "| --- | ---: | ---: | ---: |"]
+                self.sections += [f"| `{short(k)}` | {c:.0f} | {us:.1f} | {us / c:.2f} |" for k, c, us in rows]
+                self.sections.append("")
+                del one
+        finally:
+            set_path(model, backend, True)
+            runner.graphs = full
 
     def offline_floor_s(self, engine, lengths: list[int], weight_bytes: int, kv_per_token: int) -> float:
         """Seconds no engine can beat: prefill matrix + causal attention FLOPs at the measured
@@ -392,9 +440,13 @@ def main(argv=None) -> int:
                     help="offline scenarios: 1024 (1024/128), uniform (U[100,1024]/128); none given = skip")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate")
     ap.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager bs=1 rows")
+    ap.add_argument("--decode-paths", action="store_true",
+                    help="GPU: also capture the engine's bs=1 graph on the unfused (v4) and fused decode paths, "
+                         "timed and profiled per kernel in the same run")
     args = ap.parse_args(argv)
     try:
-        plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager)
+        plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager,
+                         decode_paths=args.decode_paths)
     except ValueError as e:
         ap.error(str(e))
     device = "cpu" if args.smoke else "cuda"
@@ -411,7 +463,8 @@ def main(argv=None) -> int:
     print(header, flush=True)
     for key in models:
         bench.run_model(MODELS[key])
-        text = header + "\n\n" + bench.table() + "\n\n" + "\n".join(f"- {n}" for n in bench.notes)
+        text = (header + "\n\n" + bench.table() + "\n\n" + "\n".join(f"- {n}" for n in bench.notes)
+                + ("\n\n" + "\n".join(bench.sections) if bench.sections else ""))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
