@@ -93,8 +93,19 @@ def build_pdb(ms: ModelServing, role: str, api_version: str) -> dict[str, Any]:
     }
 
 
-# The Service label Prometheus exposes for pdserve.io/role (label names are sanitised to [a-z0-9_]).
-ROLE_META_LABEL = "__meta_kubernetes_service_label_" + "".join(c if c.isalnum() else "_" for c in naming.LABEL_ROLE)
+def _meta(kind: str, label: str) -> str:
+    """The discovery label Prometheus exposes for a Kubernetes label (names sanitised to [a-z0-9_])."""
+    return f"__meta_kubernetes_{kind}_label_" + "".join(c if c.isalnum() else "_" for c in label)
+
+
+ROLE_META_LABEL = _meta("service", naming.LABEL_ROLE)
+# What the Grafana dashboards filter and group on (the chart's monitors add the same labels).
+DASHBOARD_RELABELINGS = tuple(
+    [{"sourceLabels": [_meta("pod", label)], "targetLabel": target}
+     for label, target in ((naming.LABEL_ROLE, "role"), (naming.LABEL_MODELSERVING, "modelserving"),
+                           (naming.LABEL_REVISION, "revision"))]
+    + [{"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
+       {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "pod"}])
 
 
 def _metrics_endpoint(roles: str, token: SecretKeyRef | None) -> dict[str, Any]:
@@ -102,7 +113,8 @@ def _metrics_endpoint(roles: str, token: SecretKeyRef | None) -> dict[str, Any]:
     key as bearer token when the target needs one."""
     endpoint: dict[str, Any] = {
         "port": HTTP_PORT_NAME, "path": "/metrics", "interval": "15s",
-        "relabelings": [{"sourceLabels": [ROLE_META_LABEL], "regex": roles, "action": "keep"}]}
+        "relabelings": [{"sourceLabels": [ROLE_META_LABEL], "regex": roles, "action": "keep"},
+                        *(dict(r) for r in DASHBOARD_RELABELINGS)]}
     if token is not None:
         endpoint["bearerTokenSecret"] = {"name": token.name, "key": token.key}
     return endpoint

@@ -132,6 +132,7 @@ def test_optional_modelserving(helm):
     ("operatr.verbose=true", ["operatr"]),
     ("operator.watchNamespaces={Bad_NS}", ["watchNamespaces"]),
     ("monitoring.podMonitor.interval=soon", ["interval"]),
+    ("monitoring.workerApiKeySecret.name=Not_A_Name", ["workerApiKeySecret", "name"]),
 ])
 def test_schema_refuses_bad_values(helm, bad, words):
     out = run(helm, "template", "rel", str(CHART), "--set", bad)
@@ -151,3 +152,33 @@ def test_notes_say_how_to_reach_router_and_dashboards():
     notes = out.stdout.split("NOTES:", 1)[1]
     assert "port-forward svc/NAME-router" in notes and "grafana_dashboard=1" in notes
 
+
+
+def test_monitors_send_the_worker_api_key_when_named(helm):
+    """Workers serve /metrics only with their API key: the chart's monitors carry it from the
+    Secret named in monitoring.workerApiKeySecret, and nothing when it is unset."""
+    on = ("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true")
+    api = ("monitoring.coreos.com/v1",)
+    docs = render(helm, *on, api_versions=api)
+    assert "bearerTokenSecret" not in one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert "bearerTokenSecret" not in one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+    docs = render(helm, *on, "monitoring.workerApiKeySecret.name=scrape-key", api_versions=api)
+    for endpoint in (one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0], one(docs, "ServiceMonitor")["spec"]["endpoints"][0]):
+        assert endpoint["bearerTokenSecret"] == {"name": "scrape-key", "key": "api-key"}
+        assert endpoint["relabelings"]  # still there after the token
+
+
+def test_the_operators_service_monitor_relabels_as_the_charts_monitors_do(helm):
+    """The dashboards filter on role, modelserving, revision, namespace and pod: a ModelServing's
+    own ServiceMonitor (spec.monitoring.serviceMonitor) gives its series the same labels."""
+    from pdserve.operator.optional import build_service_monitor
+    from pdserve.operator.spec import ModelServing, ModelServingSpec
+
+    chart = one(render(helm, "monitoring.podMonitor.enabled=true", api_versions=("monitoring.coreos.com/v1",)),
+                "PodMonitor")["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    m = ModelServing("llama", "ns", "u", ModelServingSpec.from_dict({"model": {"source": "hf://m/x"}, "image": "i"}))
+    endpoints = build_service_monitor(m)["spec"]["endpoints"]
+    assert len(endpoints) == 2
+    for endpoint in endpoints:
+        assert endpoint["relabelings"][0]["action"] == "keep"  # its role filter, then the chart's labels
+        assert endpoint["relabelings"][1:] == chart

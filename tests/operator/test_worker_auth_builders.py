@@ -67,7 +67,7 @@ def test_a_recreated_generated_secret_restarts_workers_and_router_but_keeps_the_
 def test_service_monitor_scrapes_workers_with_their_key_and_the_router_with_its_own():
     (workers, router) = build_service_monitor(ms())["spec"]["endpoints"]
     assert workers["bearerTokenSecret"] == {"name": "llama-worker-api-key", "key": "api-key"}
-    assert workers["relabelings"] == [{"sourceLabels": [ROLE_META_LABEL], "regex": "prefill|decode", "action": "keep"}]
+    assert workers["relabelings"][0] == {"sourceLabels": [ROLE_META_LABEL], "regex": "prefill|decode", "action": "keep"}
     assert ROLE_META_LABEL == "__meta_kubernetes_service_label_pdserve_io_role"  # Prometheus' sanitised name
     assert (workers["port"], workers["path"]) == (router["port"], router["path"]) == ("http", "/metrics")
     assert router["relabelings"][0]["regex"] == "router" and "bearerTokenSecret" not in router  # an unkeyed router
@@ -99,3 +99,4 @@ def test_the_operator_spells_no_contract_value_itself(path):
                 and isinstance(node.value, (str, int))}
     dupes = [(name, line) for value, line in literals for name, v in SHARED.items() if value == v]
     assert not dupes, f"{path.name}: use pdserve.protocol.contract instead of literals {sorted(dupes)}"
+

@@ -41,3 +41,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - sourceLabels: [__meta_kubernetes_pod_name]
   targetLabel: pod
 {{- end -}}
+
+{{/* The worker API key every scrape presents: workers answer /metrics 401 without it. The
+Prometheus Operator reads the Secret from the monitor's namespace (the release's). */}}
+{{- define "pdserve.bearerTokenSecret" -}}
+{{- with .Values.monitoring.workerApiKeySecret.name }}
+bearerTokenSecret:
+  name: {{ . }}
+  key: {{ $.Values.monitoring.workerApiKeySecret.key }}
+{{- end }}
+{{- end -}}
