@@ -2,8 +2,16 @@
 
 The whole KV cache tensor is registered once. The decode side leases the request's blocks
 over the side channel; the first lease's reply also carries the prefill agent's metadata,
-which the decode side adds once. It READs the blocks as one descriptor per contiguous run, and
-the READ's completion notification tells the prefill side to release them.
+which the decode side adds once. A NIXL notification sent once the READ is DONE tells the
+prefill side to release the blocks (attached to the READ instead, it makes the READ wait for
+a flush round trip to the peer: see docs/performance.md).
+
+Descriptors are prepared once, not per pull: this agent's cache as one descriptor per block
+(`prep_xfer_dlist` on NIXL_INIT_AGENT) and, when a peer is added, the peer's cache the same
+way. A pull is then `make_prepped_xfer` with block indices on both sides; NIXL merges
+neighbouring indices into one descriptor, so a run of consecutive blocks (block_manager.py
+hands those out) still moves as one span. Without the peer's block count (an older peer)
+the pull builds its descriptor lists per call, one per merged run (`block_runs.py`).
 
 What NIXL/UCX cannot enforce for us: once a peer holds the agent metadata (the UCX worker
 address and the remote key of the registered cache), a one-sided READ or WRITE of any byte of
@@ -22,11 +30,15 @@ import os
 import threading
 import time
 
+import numpy as np
 import torch
 
 from pdserve.worker.kv.block_runs import merge_runs
 
 log = logging.getLogger(__name__)
+
+# Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
+SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
 
 
 def import_nixl():
@@ -62,7 +74,15 @@ class NixlTransport:
         self.mem_type = "VRAM" if cache.device.type == "cuda" else "DRAM"
         self.device_id = cache.device.index or 0
         self.base = cache.data_ptr()
+        self.num_blocks = cache.numel() * cache.element_size() // block_bytes
+        self.use_prepped = True  # False: build descriptor lists per pull (the bench compares both)
+        # False: the release notification rides on the READ (NIXL completes the READ only after a
+        # flush round trip to the peer); True: sent with send_notif once the READ is DONE.
+        self.notify_after_read = True
+        self._local_prep = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _block_descs(self.base, self.num_blocks, block_bytes, self.device_id), self.mem_type)
         self._remote: dict[str, dict] = {}  # engine id -> described peer
+        self._remote_prep: dict[str, object] = {}  # agent name -> its cache prepared, one descriptor per block
         self._described: dict | None = None
         self._lock = threading.Lock()  # agent calls from pull threads and the side-channel thread
 
@@ -71,44 +91,81 @@ class NixlTransport:
         if self._described is None:
             metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
             self._described = {"agent": self.name, "metadata": metadata, "base": self.base,
-                               "device_id": self.device_id, "mem_type": self.mem_type}
+                               "device_id": self.device_id, "mem_type": self.mem_type,
+                               "num_blocks": self.num_blocks}
         return self._described
 
     def add_peer(self, engine_id: str, desc: dict) -> dict:
         with self._lock:
             if engine_id not in self._remote:
                 self.agent.add_remote_agent(base64.b64decode(desc["metadata"]))
+                if isinstance(desc.get("num_blocks"), int) and desc["num_blocks"] > 0:
+                    self._remote_prep[desc["agent"]] = self.agent.prep_xfer_dlist(
+                        desc["agent"], _block_descs(desc["base"], desc["num_blocks"], self.block_bytes,
+                                                    desc["device_id"]), desc["mem_type"])
                 self._remote[engine_id] = desc
             return self._remote[engine_id]
 
     def known_peer(self, engine_id: str) -> dict | None:
         return self._remote.get(engine_id)
 
-    def read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict, timeout_s: float) -> int:
-        bb = self.block_bytes
-        runs = merge_runs(src_blocks, dst_blocks)
-        remote = [(peer["base"] + s * bb, c * bb, peer["device_id"]) for s, _, c in runs]
-        local = [(self.base + d * bb, c * bb, self.device_id) for _, d, c in runs]
+    def read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict | None, timeout_s: float,
+             timings: dict | None = None) -> int:
+        """READ remote `src_blocks` into local `dst_blocks`; returns bytes. `timings` (if given)
+        gets the seconds spent preparing the request, posting it, waiting for it and releasing it."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+        msg = json.dumps(notif).encode() if notif else b""
+        attached = b"" if self.notify_after_read else msg
+        t0 = time.perf_counter()
         with self._lock:
-            handle = self.agent.initialize_xfer(
-                "READ", self.agent.get_xfer_descs(local, self.mem_type),
-                self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"],
-                json.dumps(notif).encode())
+            prepped = self._remote_prep.get(peer["agent"]) if self.use_prepped else None
+            if prepped is not None:
+                handle = self.agent.make_prepped_xfer("READ", self._local_prep, dst_blocks, prepped, src_blocks,
+                                                      attached)
+            else:
+                bb = self.block_bytes
+                runs = merge_runs(src_blocks, dst_blocks)
+                remote = [(peer["base"] + s * bb, c * bb, peer["device_id"]) for s, _, c in runs]
+                local = [(self.base + d * bb, c * bb, self.device_id) for _, d, c in runs]
+                handle = self.agent.initialize_xfer(
+                    "READ", self.agent.get_xfer_descs(local, self.mem_type),
+                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], attached)
+            t1 = time.perf_counter()
             state = self.agent.transfer(handle)
-        deadline = time.monotonic() + timeout_s
+        t2 = time.perf_counter()
         try:
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NIXL READ from {peer['agent']} timed out after {timeout_s}s")
-                time.sleep(0.0002)
-                with self._lock:
-                    state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ from {peer['agent']} failed ({state})")
+            self._wait(handle, state, peer["agent"], timeout_s)
         finally:
+            t3 = time.perf_counter()
             with self._lock:
                 self.agent.release_xfer_handle(handle)
-        return sum(c for _, _, c in runs) * bb
+        t4 = time.perf_counter()
+        if msg and not attached:  # the bytes have landed here: the peer may free its blocks now
+            with self._lock:
+                self.agent.send_notif(peer["agent"], msg)
+        if timings is not None:
+            timings.update(prepare=t1 - t0, post=t2 - t1, wait=t3 - t2, release=t4 - t3,
+                           notify=time.perf_counter() - t4)
+        return len(src_blocks) * self.block_bytes
+
+    def _wait(self, handle, state: str, agent: str, timeout_s: float) -> None:
+        """Poll a posted transfer until DONE. Spin first (a small pull completes in tens of
+        microseconds, and each check also drives UCX progress), then back off to at most
+        POLL_MAX_S between checks so a long pull does not hold the lock and a core."""
+        start = time.perf_counter()
+        delay = 0.0
+        while state == "PROC":
+            elapsed = time.perf_counter() - start
+            if elapsed > timeout_s:
+                raise TimeoutError(f"NIXL READ from {agent} timed out after {timeout_s}s")
+            if elapsed > SPIN_S:
+                delay = min(POLL_MAX_S, max(POLL_MIN_S, delay * 2))
+                time.sleep(delay)
+            with self._lock:
+                state = self.agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ from {agent} failed ({state})")
 
     def notifications(self) -> list[dict]:
         with self._lock:
@@ -121,3 +178,12 @@ class NixlTransport:
                 except ValueError:
                     log.warning("ignoring malformed NIXL notification %r", m[:80])
         return out
+
+
+def _block_descs(base: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
+    """[num_blocks, 3] (address, bytes, device): one transfer descriptor per KV block."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * block_bytes
+    descs[:, 1] = block_bytes
+    descs[:, 2] = device_id
+    return descs
