@@ -1,14 +1,24 @@
-"""KV transfer benchmark: GB/s and fixed per-request cost by size, NIXL and TCP, vs a torch copy.
+"""KV transfer benchmark: GB/s by size and block layout, NIXL and TCP, vs a torch copy; where the
+fixed cost of a pull goes; what a per-lease NIXL registration would cost.
 
-A "prefill" process owns a KV cache and pins block ranges; this process plays the decode
-worker and pulls them through the real KVConnector (side channel, leases, releases and all).
+A "prefill" process owns a KV cache and pins block lists; this process plays the decode worker
+and pulls them through the real KVConnector (side channel, lease, READ, release notification).
 The baseline is a plain torch copy of the same number of bytes on the same device(s), measured
-in the same run. Contiguous block runs (one descriptor) and scattered blocks (one descriptor
-per block) are both measured, since allocation order decides which a real request gets.
+in the same run. Block layouts (the same ids on both sides except "real"):
 
-    python -m pdserve.bench.kv_transfer --device cpu
-    python -m pdserve.bench.kv_transfer --device cuda            # one GPU: VRAM -> VRAM
-    python -m pdserve.bench.kv_transfer --device cuda --cross-gpu  # cuda:0 -> cuda:1
+  contiguous  ids 0..n-1: one descriptor
+  scattered   every other id: one descriptor per block (the worst case)
+  real        a prompt's blocks as the BlockManager places them after churn: a random
+              alloc/grow/free workload with prefix caching runs through the real BlockManager
+              on each side (different seeds), then a request of n blocks is allocated; the
+              descriptor count is the runs of (source, destination) pairs that merge
+
+NIXL is measured with descriptor lists prepared once per peer (`prepped`: a pull is
+make_prepped_xfer with block indices) and built per pull (`dlist`), see --nixl-modes.
+
+    python -m pdserve.bench.kv_transfer --device cpu --sizes-mib 1 16 64
+    python -m pdserve.bench.kv_transfer --device cuda --ucx-tls cuda_ipc,cuda_copy,tcp
+    python -m pdserve.bench.kv_transfer --device cuda --cross-gpu   # cuda:0 -> cuda:1
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -24,42 +35,110 @@ import torch
 
 MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
+CHURN_BLOCK_SIZE = 16  # tokens per block in the churn workload (only the block ids matter)
 
 
-def _config(transport: str, port: int):
+def _config(transport: str, port: int, role: str):
     from pdserve.worker.config import EngineConfig
 
-    return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port, kv_pin_ttl=3600,
-                        kv_pull_timeout=120)
+    if role == "prefill":
+        return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port,
+                            kv_pin_ttl=3600, kv_pull_timeout=120)
+    return EngineConfig(role="decode", kv_transfer=transport, kv_port=port, kv_pull_timeout=120,
+                        kv_peer_allow=("127.0.0.1",))
 
 
-def _server(transport, port, device, num_blocks, block_bytes, plan, conn):
-    """Prefill side: pin every planned request, send their params, serve until told to stop."""
+# -- block layouts ------------------------------------------------------------------------------
+
+def churned_blocks(num_blocks: int, n: int, seed: int) -> list[int]:
+    """The block ids the real BlockManager gives a new n-block request after a random workload:
+    requests of 1..num_blocks/32 blocks with unique prompts (their full blocks enter the prefix
+    cache when freed), decode growth of live requests, and frees, turning the cache over about
+    four times; then live requests are freed at random until n blocks are free."""
+    from pdserve.worker.block_manager import BlockManager
+    from pdserve.worker.request import Request
+    from pdserve.worker.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    bs = CHURN_BLOCK_SIZE
+    bm = BlockManager(num_blocks, bs)
+    params = SamplingParams(max_tokens=1 << 20)
+    live: list[Request] = []
+    next_token = 0
+
+    def tokens(k: int) -> list[int]:
+        nonlocal next_token
+        next_token += k
+        return list(range(next_token - k, next_token))  # unique: no accidental prefix hits
+
+    def run(r: Request, num_tokens: int) -> None:
+        bm.allocate(r, num_tokens)
+        r.num_computed_tokens = num_tokens
+        bm.register_computed(r)
+
+    max_req = max(2, num_blocks // 32)
+    for i in range(8 * 32):
+        if live and rng.random() < 0.4:
+            bm.free_request(live.pop(rng.randrange(len(live))))
+            continue
+        r = Request(f"c{i}", tokens(rng.randint(1, max_req) * bs - rng.randrange(bs)), params)
+        if not bm.can_allocate(r, r.num_tokens):
+            if live:
+                bm.free_request(live.pop(rng.randrange(len(live))))
+            continue
+        run(r, r.num_tokens)
+        live.append(r)
+        grow = rng.choice(live)  # a running request decodes into a new block
+        grow.token_ids += tokens(bs)
+        if bm.can_allocate(grow, grow.num_tokens):
+            run(grow, grow.num_tokens)
+        else:
+            del grow.token_ids[-bs:]
+    while bm.num_free_blocks < n:
+        bm.free_request(live.pop(rng.randrange(len(live))))
+    target = Request("target", tokens(n * bs), params)
+    bm.allocate(target, n * bs)
+    return target.block_ids
+
+
+def layout(kind: str, n: int, num_blocks: int, seed: int) -> tuple[list[int], list[int]]:
+    """(source ids on the prefill side, destination ids on the decode side) for an n-block pull."""
+    if kind == "contiguous":
+        ids = list(range(n))
+        return ids, ids
+    if kind == "scattered":
+        ids = list(range(0, 2 * n, 2))
+        return ids, ids
+    return churned_blocks(num_blocks, n, seed), churned_blocks(num_blocks, n, seed + 1)
+
+
+def num_runs(src: list[int], dst: list[int]) -> int:
+    from pdserve.worker.kv.block_runs import merge_runs
+
+    return len(merge_runs(src, dst))
+
+
+# -- the prefill process --------------------------------------------------------------------------
+
+def kv_cache(num_blocks: int, block_bytes: int, device, fill: bool = False) -> tuple[torch.Tensor, str]:
+    """A cache shaped as the worker's [blocks, layers, 2, block size, kv heads, head dim] (one
+    layer, one token, one head: only each block's bytes matter here), and its layout string."""
+    shape = (num_blocks, 1, 2, 1, 1, block_bytes // 2)
+    cache = (torch.randint(0, 255, shape, dtype=torch.uint8, device=device) if fill
+             else torch.zeros(shape, dtype=torch.uint8, device=device))
+    return cache, f"1x1x{block_bytes // 2}:uint8:1"
+
+
+def _server(transport, port, device, num_blocks, block_bytes, pins, conn):
+    """Prefill side: pin every block list, send their params, serve until told to stop."""
     from pdserve.worker.kv.connector import KVConnector
 
-    cache = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
-    c = KVConnector(_config(transport, port), cache, f"bench-server-{transport}", "bench")
+    cache, layout = kv_cache(num_blocks, block_bytes, device, fill=True)
+    c = KVConnector(_config(transport, port, "prefill"), cache, f"bench-server-{transport}", layout)
     c.start_server()
-    params = []
-    for i, block_ids in enumerate(plan):
-        p = c.pin(f"r{i}", block_ids, len(block_ids), 0, BENCH_DIGEST)
-        params.append(p)
-    conn.send(params)
+    conn.send([c.pin(f"r{i}", ids, len(ids), 0, BENCH_DIGEST) for i, ids in enumerate(pins)])
     conn.recv()  # stop
     c.shutdown()
-
-
-def _block_counts(sizes_mib, block_bytes) -> list[int]:
-    # A one-block pull first: its time is the per-request fixed cost, near enough.
-    return [1] + [max(1, mib * MiB // block_bytes) for mib in sizes_mib]
-
-
-def _plan(sizes_mib, block_bytes, iters, scattered):
-    plan = []
-    stride = 2 if scattered else 1
-    for n in _block_counts(sizes_mib, block_bytes):
-        plan += [list(range(0, n * stride, stride))] * iters
-    return plan
 
 
 def _torch_copy_gbps(nbytes, src_dev, dst_dev, iters) -> float:
@@ -68,65 +147,134 @@ def _torch_copy_gbps(nbytes, src_dev, dst_dev, iters) -> float:
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=dst_dev)
     times = []
     for _ in range(iters + 1):
-        if dst.is_cuda or src.is_cuda:
-            torch.cuda.synchronize()
+        _sync(dst.device)
         t = time.perf_counter()
         dst.copy_(src)
-        if dst.is_cuda or src.is_cuda:
-            torch.cuda.synchronize()
+        _sync(dst.device)
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def bench_transport(transport, sizes_mib, block_bytes, iters, scattered, server_dev, client_dev):
-    from pdserve.worker.kv.connector import KVConnector
-    from pdserve.worker.config import EngineConfig
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
-    max_blocks = max(1, max(sizes_mib) * MiB // block_bytes) * (2 if scattered else 1)
-    plan = _plan(sizes_mib, block_bytes, iters, scattered)
+
+# -- one transport: every layout, size and mode against one prefill process -----------------------
+
+def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, breakdown_iters, server_dev,
+                    client_dev, notify_after_read=True):
+    """cases: [(layout, size index, src ids, dst ids)]. Returns ({(layout, i, mode): (bytes, s)},
+    {mode: {part: median s}} for NIXL 1-block pulls taken apart)."""
+    from pdserve.worker.kv import side_channel
+    from pdserve.worker.kv.connector import KVConnector
+
+    pins = [[0]]  # warm-up: the first NIXL pull also fetches and adds the peer's agent metadata
+    for _, _, src, _ in cases:
+        pins += [src] * (iters * len(modes))
+    nixl_breakdown = transport == "nixl" and breakdown_iters > 0
+    if nixl_breakdown:
+        pins += [[0]] * (2 * breakdown_iters * len(modes))  # notification after / on the READ
     port = 20000 + os.getpid() % 20000
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_server, args=(transport, port, server_dev, max_blocks, block_bytes, plan, child))
+    proc = ctx.Process(target=_server, args=(transport, port, server_dev, num_blocks, block_bytes, pins, child))
     proc.start()
     try:
         while not parent.poll(1.0):  # a server that died (e.g. UCX refused its UCX_TLS) must not hang us
             if not proc.is_alive():
                 raise RuntimeError(f"the {transport} server process exited with {proc.exitcode} before it was ready")
-        params = parent.recv()
-        cache = torch.zeros(max_blocks, block_bytes, dtype=torch.uint8, device=client_dev)
-        cfg = EngineConfig(role="decode", kv_transfer=transport, kv_port=port + 1, kv_pull_timeout=120,
-                           kv_peer_allow=("127.0.0.1",))
-        c = KVConnector(cfg, cache, f"bench-client-{transport}", "bench")
-        # Warm-up: the first NIXL pull also fetches and adds the peer's agent metadata.
-        warm = c.pin("warm", [0], 1, 0, BENCH_DIGEST)  # a local pin just to get a well-formed params dict shape
-        c.pins.release("warm", warm["transfer_token"])
-        rows, k = [], 0
-        for _ in _block_counts(sizes_mib, block_bytes):
-            times = []
-            for _ in range(iters):
-                p = params[k]
-                k += 1
-                n = len(p["remote_block_ids"])
-                dst = list(range(0, n * (2 if scattered else 1), 2 if scattered else 1))
-                if client_dev != "cpu":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                c._pull(p, list(range(n)), dst, BENCH_DIGEST)
-                if client_dev != "cpu":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            nbytes = len(params[k - 1]["remote_block_ids"]) * block_bytes
-            # Skip the first iteration (connection / agent setup) when there is more than one.
-            steady = times[1:] if len(times) > 1 else times
-            rows.append((nbytes, statistics.median(steady)))
+        params = iter(parent.recv())
+        cache, layout = kv_cache(num_blocks, block_bytes, client_dev)
+        c = KVConnector(_config(transport, port + 1, "decode"), cache, f"bench-client-{transport}", layout)
+        c._pull(next(params), [0], [0], BENCH_DIGEST)
+        if c.nixl is not None:
+            c.nixl.notify_after_read = notify_after_read
+        rows = {}
+        for kind, i, src, dst in cases:
+            for mode in modes:
+                if c.nixl is not None:
+                    c.nixl.use_prepped = mode == "prepped"
+                times = []
+                for _ in range(iters):
+                    _sync(client_dev)
+                    t = time.perf_counter()
+                    c._pull(next(params), list(range(len(src))), dst, BENCH_DIGEST)
+                    _sync(client_dev)
+                    times.append(time.perf_counter() - t)
+                rows[(kind, i, mode)] = (len(src) * block_bytes, statistics.median(times))
+        parts = {}
+        if nixl_breakdown:
+            for mode in modes:
+                for after in (True, False):
+                    c.nixl.use_prepped, c.nixl.notify_after_read = mode == "prepped", after
+                    label = f"nixl {mode}, release notification {'after the READ' if after else 'on the READ'}"
+                    parts[label] = _breakdown(c, side_channel, params, breakdown_iters, client_dev)
         c.shutdown()
-        return rows
+        return rows, parts
     finally:
         parent.send("stop")
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def _breakdown(c, side_channel, params, iters, client_dev) -> dict[str, float]:
+    """A 1-block NIXL pull's steps timed one by one, as KVConnector._nixl_pull runs them: the
+    lease round trip on the side channel, then NIXL's prepare / post / wait for DONE / release
+    the handle / send the release notification (when it is not attached to the READ)."""
+    samples: dict[str, list[float]] = {}
+    for _ in range(iters):
+        p = next(params)
+        peer = c.nixl.known_peer(p["remote_engine_id"])
+        t0 = time.perf_counter()
+        reply, _ = side_channel.call(p["remote_host"], p["remote_port"], "lease", {
+            "request_id": p["remote_request_id"], "token": p["transfer_token"], "indices": [0],
+            "prompt_digest": BENCH_DIGEST, "want_metadata": False}, c.timeout, c.auth)
+        t = {"lease": time.perf_counter() - t0}
+        notif = {"op": "release", "request_id": p["remote_request_id"], "token": p["transfer_token"],
+                 "bytes": c.block_bytes}
+        c.nixl.read(peer, reply["block_ids"], [0], notif, c.timeout, t)
+        _sync(client_dev)
+        t["total"] = time.perf_counter() - t0
+        for k, v in t.items():
+            samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# -- what registering each lease's blocks (instead of the whole cache) would cost ------------------
+
+def lease_registration_cost(device: str, block_bytes: int, n_blocks: int, iters: int) -> dict[str, float]:
+    """Median seconds per lease to register n blocks with NIXL, export their partial metadata
+    (descriptors only: the connection is made once), load it on the peer, and deregister. Two
+    agents in this process; the bytes are never moved (the pull itself is measured above)."""
+    from pdserve.worker.kv.nixl_transport import import_nixl
+
+    nixl_agent, nixl_agent_config = import_nixl()
+    owner = nixl_agent(f"bench-reg-owner-{os.getpid()}", nixl_agent_config(enable_listen_thread=False,
+                                                                           backends=["UCX"]))
+    peer = nixl_agent(f"bench-reg-peer-{os.getpid()}", nixl_agent_config(enable_listen_thread=False,
+                                                                         backends=["UCX"]))
+    cache = torch.zeros(2 * n_blocks, block_bytes, dtype=torch.uint8, device=device)
+    mem = "VRAM" if cache.is_cuda else "DRAM"
+    dev = cache.device.index or 0
+    samples: dict[str, list[float]] = {}
+    for i in range(iters + 1):
+        start = cache.data_ptr() + (i % 2) * n_blocks * block_bytes  # alternate spans: nothing cached by address
+        t0 = time.perf_counter()
+        reg = owner.register_memory([(start, n_blocks * block_bytes, dev, "")], mem)
+        t1 = time.perf_counter()
+        md = owner.get_partial_agent_metadata(reg, inc_conn_info=i == 0)  # connection info once
+        t2 = time.perf_counter()
+        peer.add_remote_agent(md)
+        t3 = time.perf_counter()
+        owner.deregister_memory(reg)
+        t4 = time.perf_counter()
+        if i:  # the first lease pays one-off setup (the connection)
+            for k, v in (("register", t1 - t0), ("partial metadata", t2 - t1), ("peer loads it", t3 - t2),
+                         ("deregister", t4 - t3), ("total", t4 - t0)):
+                samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def fixed_cost_ms(rows) -> float:
@@ -135,17 +283,32 @@ def fixed_cost_ms(rows) -> float:
     return max(0.0, one_s - one_bytes * big_s / big_bytes) * 1e3
 
 
+# -- report -------------------------------------------------------------------------------------
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench kv-transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--cross-gpu", action="store_true", help="server on cuda:0, client on cuda:1")
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--block-kib", type=int, default=256, help="bytes per KV block (all layers), KiB")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=5, help="pulls per size, layout and mode (median reported)")
     ap.add_argument("--transports", nargs="+", default=["nixl", "tcp"], choices=("nixl", "tcp"))
+    ap.add_argument("--layouts", nargs="+", default=["contiguous", "scattered", "real"],
+                    choices=("contiguous", "scattered", "real"))
+    ap.add_argument("--nixl-modes", nargs="+", default=["prepped", "dlist"], choices=("prepped", "dlist"),
+                    help="prepped: descriptor lists prepared once per peer; dlist: built per pull")
+    ap.add_argument("--notify", default="after", choices=("after", "on-read"),
+                    help="NIXL release notification: sent after the READ is DONE (pdserve's default) or attached to it")
+    ap.add_argument("--breakdown-iters", type=int, default=20, help="1-block NIXL pulls taken apart (0: skip)")
+    ap.add_argument("--lease-registration-blocks", type=int, default=64,
+                    help="blocks per lease in the per-lease registration cost (0: skip)")
+    ap.add_argument("--seed", type=int, default=0, help="churn workload seed of the real layout")
     ap.add_argument("--ucx-tls", default=None,
                     help="set UCX_TLS for both sides (e.g. cuda_ipc,cuda_copy,tcp for VRAM->VRAM on one host)")
+    ap.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     args = ap.parse_args(argv)
+    if min(args.sizes_mib) < 1 or args.iters < 1 or args.block_kib < 1 or args.breakdown_iters < 0:
+        ap.error("--sizes-mib, --iters and --block-kib must be >= 1, --breakdown-iters >= 0")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the spawned prefill process
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -155,34 +318,81 @@ def main(argv=None) -> int:
     server_dev = "cuda:0" if args.device == "cuda" else "cpu"
     client_dev = ("cuda:1" if args.cross_gpu else "cuda:0") if args.device == "cuda" else "cpu"
     block_bytes = args.block_kib * 1024
-    card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    print(f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
-          f"{args.iters} iters (median, first excluded), torch {torch.__version__}, "
-          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
-          f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
-          f"{time.strftime('%Y-%m-%d')}")
-    results = {}
+    counts = [1] + [max(1, mib * MiB // block_bytes) for mib in args.sizes_mib]  # 1 block: the fixed cost
+    # The real layout's caches: twice the largest pull, so the churn leaves live requests around it.
+    num_blocks = max(64, 2 * max(counts))
+    cases = []
+    for kind in args.layouts:
+        for i, n in enumerate(counts):
+            src, dst = layout(kind, n, num_blocks, args.seed + 1000 * i)
+            cases.append((kind, i, src, dst))
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    lines = [f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
+             f"median of {args.iters}, torch {torch.__version__}, nixl {_nixl_version()}, "
+             f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
+             f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}", ""]
+    results, parts = {}, {}
     for transport in args.transports:
-        for scattered in (False, True):
-            label = f"{transport}{' scattered' if scattered else ''}"
-            print(f"  measuring {label} ...", file=sys.stderr, flush=True)
-            results[label] = bench_transport(transport, args.sizes_mib, block_bytes, args.iters, scattered,
-                                             server_dev, client_dev)
-    labels = list(results)
-    print("| size | torch copy GB/s | " + " | ".join(f"{l} GB/s (% of copy)" for l in labels) + " |")
-    print("|---" * (2 + len(labels)) + "|")
-    for i in range(len(args.sizes_mib) + 1):
-        nbytes = results[labels[0]][i][0]
-        copy = _torch_copy_gbps(nbytes, server_dev, client_dev, args.iters)
+        modes = args.nixl_modes if transport == "nixl" else ["-"]
+        print(f"  measuring {transport} ...", file=sys.stderr, flush=True)
+        rows, br = bench_transport(transport, cases, modes, num_blocks, block_bytes, args.iters,
+                                   args.breakdown_iters, server_dev, client_dev, args.notify == "after")
+        for (kind, i, mode), v in rows.items():
+            results[(kind, i, transport if mode == "-" else f"{transport} {mode}")] = v
+        parts.update(br)
+    columns = list(dict.fromkeys(col for _, _, col in results))
+    lines += ["| size | layout | descriptors | torch copy GB/s | "
+              + " | ".join(f"{col} GB/s (% of copy)" for col in columns) + " |",
+              "|---" * (4 + len(columns)) + "|"]
+    copies = {}
+    for kind, i, src, dst in cases:
+        nbytes = len(src) * block_bytes
+        if nbytes not in copies:
+            copies[nbytes] = _torch_copy_gbps(nbytes, server_dev, client_dev, args.iters)
         cells = []
-        for l in labels:
-            gbps = results[l][i][0] / results[l][i][1] / 1e9
-            cells.append(f"{gbps:.2f} ({100 * gbps / copy:.0f}%)")
-        size = f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB (1 block)"
-        print(f"| {size} | {copy:.2f} | " + " | ".join(cells) + " |")
-    print("| fixed cost per request (ms) | - | " + " | ".join(f"{fixed_cost_ms(results[l]):.2f}" for l in labels) + " |")
-    print("| 1-block pull latency (ms) | - | " + " | ".join(f"{results[l][0][1] * 1e3:.2f}" for l in labels) + " |")
+        for col in columns:
+            b, s = results[(kind, i, col)]
+            cells.append(f"{b / s / 1e9:.2f} ({100 * b / s / 1e9 / copies[nbytes]:.0f}%)")
+        size = f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+        lines.append(f"| {size} | {kind} | {num_runs(src, dst)} | {copies[nbytes]:.2f} | " + " | ".join(cells) + " |")
+    for kind in args.layouts:
+        fixed = [fixed_cost_ms([results[(kind, 0, col)], results[(kind, len(counts) - 1, col)]]) for col in columns]
+        lines.append(f"| fixed cost per pull (ms) | {kind} | | | " + " | ".join(f"{f:.2f}" for f in fixed) + " |")
+    if parts:
+        names = ["lease", "prepare", "post", "wait", "release", "notify", "total"]
+        lines += ["", f"1-block NIXL pull taken apart (median of {args.breakdown_iters}, ms):", "",
+                  "| step | " + " | ".join(parts) + " |", "|---" * (1 + len(parts)) + "|"]
+        labels = {"lease": "lease (side-channel round trip)", "prepare": "prepare (make_prepped_xfer / initialize_xfer)",
+                  "post": "post (transfer)", "wait": "wait for DONE", "release": "release_xfer_handle",
+                  "notify": "send_notif (release), after DONE", "total": "total"}
+        for k in names:
+            lines.append(f"| {labels[k]} | " + " | ".join(f"{parts[m][k] * 1e3:.3f}" for m in parts) + " |")
+    if "nixl" in args.transports and args.lease_registration_blocks > 0:
+        n = args.lease_registration_blocks
+        cost = lease_registration_cost(server_dev, block_bytes, n, 20)
+        lines += ["", f"Per-lease NIXL registration of {n} blocks ({n * block_bytes / MiB:.0f} MiB), median of 20, "
+                      f"ms (not used by pdserve: see docs/security.md):", "",
+                  "| register | partial metadata | peer loads it | deregister | total |", "|---|---|---|---|---|",
+                  "| " + " | ".join(f"{cost[k] * 1e3:.3f}" for k in ("register", "partial metadata", "peer loads it",
+                                                                         "deregister", "total")) + " |"]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
     return 0
+
+
+def _nixl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("nixl-cu13", "nixl-cu12", "nixl"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 if __name__ == "__main__":

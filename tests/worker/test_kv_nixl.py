@@ -1,0 +1,79 @@
+"""NixlTransport on CPU memory (NIXL's UCX backend moves DRAM here as it moves VRAM on GPUs):
+the prepared-descriptor READ and the per-pull descriptor READ land the same bytes, the release
+notification reaches the owner, and a peer that does not say its block count is still served.
+
+Both agents live in this process: the transfers are real UCX transfers between two NIXL
+agents; the multi-process path (side channel, leases) is tests/worker/test_kv_transfer.py."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
+
+BLOCKS, BLOCK_BYTES = 32, 4096
+_names = itertools.count()
+
+
+def transport(fill: bool) -> NixlTransport:
+    cache = (torch.randint(0, 255, (BLOCKS, 1, 2, 1, 1, BLOCK_BYTES // 2), dtype=torch.uint8) if fill
+             else torch.zeros(BLOCKS, 1, 2, 1, 1, BLOCK_BYTES // 2, dtype=torch.uint8))
+    return NixlTransport(f"test-nixl-{next(_names)}", cache, BLOCK_BYTES)
+
+
+def wait_notifications(t: NixlTransport, n: int) -> list[dict]:
+    got, deadline = [], time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        got += t.notifications()
+        time.sleep(0.01)
+    return got
+
+
+@pytest.fixture(scope="module")
+def pair():
+    owner, reader = transport(fill=True), transport(fill=False)
+    peer = reader.add_peer("owner", owner.describe())
+    assert peer["agent"] in reader._remote_prep  # the owner's cache prepared once, one descriptor per block
+    return owner, reader, peer
+
+
+@pytest.mark.parametrize("prepped", [True, False])
+@pytest.mark.parametrize("after", [True, False])
+@pytest.mark.parametrize("src,dst", [
+    (list(range(4, 12)), list(range(20, 28))),  # one run each side: NIXL merges it into one descriptor
+    ([1, 9, 2, 30, 31], [0, 3, 6, 7, 8]),  # runs that do not line up, out of order
+])
+def test_read_lands_the_blocks_and_tells_the_owner(pair, prepped, after, src, dst):
+    owner, reader, peer = pair
+    reader.use_prepped, reader.notify_after_read = prepped, after
+    reader.cache.zero_()
+    timings = {}
+    n = reader.read(peer, src, dst, {"op": "release", "request_id": "r", "token": "t"}, 10.0, timings)
+    assert n == len(src) * BLOCK_BYTES
+    mine, theirs = reader.cache.view(BLOCKS, -1), owner.cache.view(BLOCKS, -1)
+    assert torch.equal(mine[dst], theirs[src])
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    assert not mine[untouched].any()
+    assert wait_notifications(owner, 1) == [{"op": "release", "request_id": "r", "token": "t"}]
+    assert set(timings) == {"prepare", "post", "wait", "release", "notify"}
+
+
+def test_a_peer_without_its_block_count_is_read_with_per_pull_descriptors():
+    owner, reader = transport(fill=True), transport(fill=False)
+    desc = {k: v for k, v in owner.describe().items() if k != "num_blocks"}  # as an older worker sends it
+    peer = reader.add_peer("old", desc)
+    assert desc["agent"] not in reader._remote_prep
+    reader.read(peer, [3, 4, 5], [0, 1, 2], None, 10.0)
+    assert torch.equal(reader.cache[:3], owner.cache[3:6])
+
+
+def test_read_refuses_lists_of_different_lengths(pair):
+    _, reader, peer = pair
+    with pytest.raises(ValueError, match="2 source blocks for 1 destination"):
+        reader.read(peer, [0, 1], [0], None, 10.0)
