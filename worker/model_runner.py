@@ -58,11 +58,15 @@ GPU_HEADROOM_BYTES = 512 << 20
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device, always with an index on CUDA ("cuda" -> the current card): the engine steps on
+    its own thread and sets that thread's device from it (torch.cuda.set_device needs an index)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device", f"{name} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
