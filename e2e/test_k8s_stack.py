@@ -97,10 +97,23 @@ def pods_by_role(core, ns: str) -> dict[str, list]:
     return out
 
 
-def finished(pod_ip: str) -> float:
+def worker_key(core, ns: str) -> str:
+    """The API key the operator generated for the workers (Secret <ms>-worker-api-key)."""
+    import base64
+
+    return base64.b64decode(core.read_namespaced_secret(f"{MS}-worker-api-key", ns).data["api-key"]).decode()
+
+
+def metric(pod_ip: str, key: str, name: str) -> float:
+    """A worker's counter summed over its labels; /metrics is keyed."""
+    r = httpx.get(f"http://{pod_ip}:8000/metrics", timeout=5, headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", r.text, re.M))
+
+
+def finished(pod_ip: str, key: str) -> float:
     """Requests a worker finished (vllm:request_success_total, all reasons)."""
-    text = httpx.get(f"http://{pod_ip}:8000/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+    return metric(pod_ip, key, "vllm:request_success_total")
 
 
 def router_sees(base: str, prefill: int, decode: int) -> None:
@@ -180,17 +193,31 @@ spec:
         assert deploy.spec.template.spec.containers[0].image == "ghcr.io/pdserve/pdserve:0.1.0"  # chart appVersion
         transcript.add(f"kubectl -n {ns} get ms,pods -o wide", sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))
 
-        # -- 3. the openai client, streaming, through the router Service's endpoint: P/D answer
+        # -- 3. the workers are keyed (the operator's generated Secret): without the key a
+        #       worker answers only /health; the router holds the key, so P/D goes through
+        key = worker_key(core, ns)
         base = wait_for(lambda: router_url(core, ns), timeout=60, what="router endpoint")
         router_sees(base, prefill=1, decode=1)
         pods = pods_by_role(core, ns)
         prefill_ip, decode_ip = pods["prefill"][0].status.pod_ip, pods["decode"][0].status.pod_ip
-        p0 = finished(prefill_ip)
+        body = {"model": MS, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        for ip in (prefill_ip, decode_ip):
+            assert httpx.get(f"http://{ip}:8000/health", timeout=5).status_code == 200
+            for method, path in (("POST", "/v1/completions"), ("GET", "/metrics"), ("GET", "/v1/models")):
+                r = httpx.request(method, f"http://{ip}:8000{path}", json=body if method == "POST" else None, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (ip, path, r.text)
+        p0, moved0 = finished(prefill_ip, key), metric(decode_ip, key, "pdserve_kv_transfer_bytes_total")
+        fallbacks0 = metric(decode_ip, key, "pdserve_kv_local_prefill_fallbacks_total")
         answer = stream(base, MS)
-        assert finished(prefill_ip) == p0 + 1  # it was prefilled on the prefill worker...
-        single = httpx.post(f"http://{decode_ip}:8000/v1/completions", timeout=120, json={
-            "model": MS, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}).json()["choices"][0]["text"]
+        assert finished(prefill_ip, key) == p0 + 1  # it was prefilled on the prefill worker...
+        # ...whose KV the keyed decode worker took from the router's params and pulled
+        assert metric(decode_ip, key, "pdserve_kv_transfer_bytes_total") > moved0
+        assert metric(decode_ip, key, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks0
+        single = httpx.post(f"http://{decode_ip}:8000/v1/completions", timeout=120, json=body,
+                            headers={"Authorization": f"Bearer {key}"}).json()["choices"][0]["text"]
         assert answer == single and answer  # ...and equals one worker's own greedy answer
+        transcript.add("keyed workers: unkeyed calls", f"/health 200; /v1/completions, /metrics, /v1/models 401 "
+                       f"invalid_api_key on {prefill_ip} and {decode_ip}")
         transcript.add(f"openai streaming completion via {base} (Service {MS}-router)",
                        f"prompt: {PROMPT!r}\nanswer (P/D, streamed): {answer!r}\nsingle decode worker:   {single!r}")
 
@@ -200,7 +227,7 @@ spec:
                  interval=1, what="2 ready decode workers")
         router_sees(base, prefill=1, decode=2)
         decode_ips = [p.status.pod_ip for p in pods_by_role(core, ns)["decode"]]
-        before = {ip: finished(ip) for ip in decode_ips}
+        before = {ip: finished(ip, key) for ip in decode_ips}
 
         def both_used() -> bool:
             threads = [threading.Thread(target=stream, args=(base, MS, f"{PROMPT} {i}")) for i in range(6)]
@@ -208,10 +235,10 @@ spec:
                 t.start()
             for t in threads:
                 t.join()
-            return all(finished(ip) > before[ip] for ip in decode_ips)
+            return all(finished(ip, key) > before[ip] for ip in decode_ips)
 
         wait_for(both_used, timeout=120, interval=0.5, what="both decode workers used")
-        used = {ip: finished(ip) - before[ip] for ip in decode_ips}
+        used = {ip: finished(ip, key) - before[ip] for ip in decode_ips}
         transcript.add("scale decode to 2", f"kubectl -n {ns} patch ms {MS} --type merge -p "
                        f"'{{\"spec\":{{\"decode\":{{\"replicas\":2}}}}}}'\nrequests finished per decode worker: {used}")
 
