@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -26,43 +25,15 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.worker.config import ConfigError
-from pdserve.cli.stack import DEVICES, Child, StackConfig, describe_devices, plan
+from pdserve.cli.stack import Child, StackConfig, describe_devices, plan
+from pdserve.protocol.flags import add_flags, from_flags
 
 TAIL_LINES = 30
 _POLL_S = 0.2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers (default 1)")
-    p.add_argument("--host", default="0.0.0.0", help="the router's bind address")
-    p.add_argument("--port", type=int, default=8000, help="the router's port: the OpenAI base URL")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (GPUs go round-robin to the workers)")
-    p.add_argument("--kv-transfer", default=None, help="nixl | tcp (default: nixl if installed, else tcp)")
-    p.add_argument("--worker-args", default="", metavar="'ARGS'",
-                   help="extra flags for every worker, one quoted string, e.g. --worker-args='--max-model-len 2048'")
-    p.add_argument("--router-args", default="", metavar="'ARGS'",
-                   help="extra flags for the router, e.g. --router-args='--decode-policy round-robin'")
-    p.add_argument("--log-dir", default=None, help="where each child's log goes (default: a new temporary directory)")
-    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="SECONDS")
-
-
-def _split(flag: str, value: str) -> tuple[str, ...]:
-    try:
-        return tuple(shlex.split(value))
-    except ValueError as e:
-        raise ConfigError(flag, f"cannot split {value!r}: {e}") from None
-
-
-def config_from_args(args: argparse.Namespace) -> StackConfig:
-    return StackConfig(model=args.model, served_model_name=args.served_model_name, prefill=args.prefill,
-                       decode=args.decode, host=args.host, port=args.port, device=args.device,
-                       kv_transfer=args.kv_transfer, worker_args=_split("--worker-args", args.worker_args),
-                       router_args=_split("--router-args", args.router_args), log_dir=args.log_dir,
-                       ready_timeout_s=args.ready_timeout)
+    add_flags(p, StackConfig)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -272,9 +243,5 @@ def _wait(group: list[Running], timeout_s: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-    except ConfigError as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
-        return 2
-    return Launcher(config).run()
+    # A ConfigError reaches pdserve.cli.main, which names the flag and exits 2.
+    return Launcher(from_flags(StackConfig, args)).run()

@@ -10,7 +10,11 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
+from pdserve.protocol.flags import ConfigError
+
+# name -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int; the
+# worker's, router's and up's arguments are generated from their config dataclasses
+# (pdserve.protocol.flags), and a ConfigError from run() becomes exit code 2.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("pdserve.worker.server.main", "run one engine behind an OpenAI-compatible server"),
     "router": ("pdserve.router.main", "run the OpenAI front door that orchestrates prefill/decode"),
@@ -40,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argparse.ArgumentParser(prog=f"pdserve {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(cmd)
     args = cmd.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:  # a component's config rejected a value: name the flag, no traceback
+        print(f"pdserve {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

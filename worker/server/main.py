@@ -12,11 +12,11 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 
 from pdserve.protocol.contract import ENV_API_KEYS
+from pdserve.protocol.flags import add_flags
 from pdserve.protocol.http_limits import ClientLimits
-from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.config import EngineConfig
 from pdserve.worker.server.config import ServerConfig
 
 log = logging.getLogger("pdserve.worker.server")
@@ -26,8 +26,8 @@ _UVICORN_SLACK_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineConfig.add_cli_args(parser)
-    ServerConfig.add_cli_args(parser)
+    add_flags(parser, EngineConfig, "engine")
+    add_flags(parser, ServerConfig, "server")
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -40,13 +40,16 @@ def served_model_name(config: EngineConfig) -> str:
     return DEFAULT_MODEL_NAME
 
 
+def configs_from_args(args: argparse.Namespace, environ=os.environ) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs of the command line; the KV side channel listens where HTTP does (--host)
+    unless --kv-host says otherwise."""
+    server_config = ServerConfig.from_cli_args(args, environ.get(ENV_API_KEYS))
+    return EngineConfig.from_cli_args(args, environ, bind_host=server_config.host), server_config
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        engine_config = EngineConfig.from_cli_args(args)
-        server_config = ServerConfig.from_cli_args(args, os.environ.get(ENV_API_KEYS))
-    except ConfigError as e:
-        print(f"pdserve worker: {e}", file=sys.stderr)
-        return 2
+    # A ConfigError (a bad flag) reaches pdserve.cli.main, which names the flag and exits 2.
+    engine_config, server_config = configs_from_args(args)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
