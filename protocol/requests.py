@@ -2,8 +2,10 @@
 
 The router validates a request with these models before anything is sent upstream; the
 worker validates it again (it may be called directly) and refuses, with a 400 naming it, any
-field it would otherwise silently ignore (`suffix`, `best_of` other than n, `response_format`:
-`check_unsupported`). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
+field it would otherwise silently ignore (`suffix`, `best_of` other than n: `check_unsupported`).
+Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read into
+one (kind, value, param) triple by `structured_output()`; whether a schema or regex compiles
+is the worker's grammar engine's call (worker/structured_output.py). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
 clients keep working.
 """
 
@@ -14,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from pdserve.protocol.errors import bad_request
+from pdserve.protocol.structured import StructuredOutputFields
 from pdserve.protocol.tools import Tool, ToolChoice, check_tool_request
 
 MAX_N = 128
@@ -24,7 +27,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CommonRequest(BaseModel):
+class CommonRequest(StructuredOutputFields):
     """Fields both endpoints share. Strict, as OpenAI's API is: `"16"` is not an int nor `"yes"`
     a bool (an int is still a valid float)."""
 
@@ -58,6 +61,7 @@ class CommonRequest(BaseModel):
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        self.structured_output()  # the shape of response_format / guided_* (400 naming the field)
 
 
 class CompletionRequest(CommonRequest):
@@ -122,13 +126,14 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" when tools are given (OpenAI's default)
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         check_tool_request(self.tools, self.tool_choice)
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
+        spec = self.structured_output()
+        if spec is not None and self.tools and self.tool_choice not in (None, "auto", "none"):
+            # A forced tool call is its own output format: two formats cannot both hold.
+            raise bad_request(f"{spec[2]} cannot be combined with a forced tool call (tool_choice)", spec[2])
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -21,21 +21,23 @@ from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
 from pdserve.protocol.kv_transfer import is_remote_decode
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
-from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.scheduler import Scheduler
+from pdserve.worker.structured_output import DEFAULT_BACKEND, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
-                 static_decode: bool | None = None):
-        """`attention_backend` and `static_decode`: test and benchmark overrides (see ModelRunner)."""
+                 static_decode: bool | None = None, structured_outputs_backend: str | None = None):
+        """`attention_backend` and `static_decode`: test and benchmark overrides (see ModelRunner);
+        `structured_outputs_backend` overrides the config's grammar engine (structured_output.py)."""
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
         self.runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode)
@@ -48,7 +50,10 @@ class LLMEngine:
         if config.role != "both" or config.kv_transfer is not None:
             from pdserve.worker.kv.connector import KVConnector
 
-            self.kv_connector = KVConnector(config, self.kv_cache.tensor, self.engine_id, self.kv_cache.layout)
+            # Under TP every rank gets a connector over its shard; the layout named is the whole model's.
+            self.kv_connector = KVConnector(config, self.kv_cache.tensor, self.engine_id,
+                                            kv_layout(self.model_config, self.dtype, config.block_size),
+                                            tp=r.kv_tp_rank, link=r.kv_tp_link)
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()
         self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -58,6 +63,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+            structured_outputs_backend or getattr(config, "structured_outputs_backend", DEFAULT_BACKEND))
         # KV cache events for KV-aware routers: collected during a step, published once per step.
         self._kv_events: list[dict] = []
         self._kv_event_publisher = None
@@ -95,6 +103,8 @@ class LLMEngine:
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
+        if params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400
+            req.grammar = self.structured_outputs.matcher(params.structured)
         with self._lock:
             # A second request under a live id would never get outputs of its own: refuse it.
             if request_id in self.requests or any(r.request_id == request_id for r in self._inbox):

@@ -49,6 +49,8 @@ class Request:
         self.kv_transfer_params_out: dict | None = None
         self.arrival_time = time.monotonic()
         self.num_emitted_tokens = 0  # outputs already reported to the caller
+        # structured_output.GrammarMatcher when params.structured is set (the engine makes it).
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +72,13 @@ class Request:
         """After appending a token: decide whether the request is done (token-level rules)."""
         last = self.token_ids[-1]
         n = self.num_output_tokens
+        if self.grammar is not None:
+            # The grammar is complete (its EOS consumed), or a token outside it arrived: stop,
+            # as vLLM does. Advancing here also consumes a handed-over first token (P/D).
+            self.grammar.advance(self.output_token_ids)
+            if self.grammar.terminated or self.grammar.failed:
+                self.set_status(RequestStatus.FINISHED_STOPPED)
+                return True
         if n >= self.params.min_tokens:
             if last in self.eos_token_ids:
                 self.set_status(RequestStatus.FINISHED_STOPPED)

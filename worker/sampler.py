@@ -14,6 +14,7 @@ import torch
 from pdserve.worker.logits_processors import apply_logits_processors
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
+from pdserve.worker.structured_output import apply_grammar_masks
 
 
 _MASK64 = (1 << 64) - 1
@@ -33,6 +34,7 @@ class Sampler:
         """logits: [S, V] fp32, one row per request that samples this step."""
         logits = logits.float()
         self._suppress_early_stop(logits, reqs)
+        apply_grammar_masks(logits, reqs)  # response_format / guided_*: -inf outside the grammar
         apply_logits_processors(logits, reqs)  # bias and penalties (logprobs below include them)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in reqs):  # a Python check: no device sync on the hot path

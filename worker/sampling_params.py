@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pdserve.worker.structured_output import StructuredOutputSpec
 
 
 class SamplingParamsError(ValueError):
@@ -34,6 +36,8 @@ class SamplingParams:
     # Top-N logprobs per prompt token (0 = only the prompt token's own), from the prefill's
     # logits; None = not computed. Such a request skips the prefix cache (cached tokens have no logits).
     prompt_logprobs: int | None = None
+    # response_format / guided_*: the output is masked to this grammar (structured_output.py).
+    structured: StructuredOutputSpec | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -69,8 +73,8 @@ class SamplingParams:
 
     @property
     def modifies_logits(self) -> bool:
-        """Penalties or bias change this request's logits before sampling (even greedy)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Penalties, bias or a grammar change this request's logits before sampling (even greedy)."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.requests import CommonRequest
 from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.worker.structured_output import StructuredOutputSpec
 
 
 def logit_bias(body: CommonRequest) -> tuple[tuple[int, float], ...]:
@@ -16,6 +17,12 @@ def logit_bias(body: CommonRequest) -> tuple[tuple[int, float], ...]:
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     return tuple(out)
+
+
+def structured_output(body: CommonRequest) -> StructuredOutputSpec | None:
+    """response_format / guided_* / structured_outputs as the engine's grammar spec."""
+    spec = body.structured_output()
+    return None if spec is None else StructuredOutputSpec(*spec)
 
 
 def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, logprobs_param: str,
@@ -40,6 +47,7 @@ def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, 
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=logit_bias(body),
             prompt_logprobs=prompt_logprobs,
+            structured=structured_output(body),
         )
     except SamplingParamsError as e:
         param = logprobs_param if e.param == "logprobs" else e.param

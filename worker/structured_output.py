@@ -1,0 +1,228 @@
+"""Structured outputs: grammars compiled once per spec, one matcher per request, a token mask.
+
+A request's `response_format` / `guided_*` becomes a `StructuredOutputSpec` (a hashable value in
+its SamplingParams). The engine compiles it when the request arrives (an invalid schema or regex
+is the caller's 400 there, before anything runs) through `StructuredOutputs`, which caches the
+compiled grammar per spec and builds the grammar engine's tokenizer view once. Each request owns
+a `GrammarMatcher`:
+
+    sampler     mask = apply_grammar_masks(logits, reqs)   rows outside the grammar -> -inf
+    check_stop  matcher.advance(output tokens)             catches up with every appended token
+
+The matcher catches up with the request's output tokens instead of being fed by whoever appends
+them. That one rule covers the P/D hand-off (a decode worker appends the prefill's first token,
+and its matcher consumes it before the second token is masked), preemption by recompute (the
+outputs stay; the matcher never rewinds) and the sampler itself.
+
+The grammar engine is chosen per worker (`--structured-outputs-backend`): llguidance (default; a
+small Rust wheel without dependencies, grammars compiled lazily as tokens arrive) or xgrammar
+(precompiles a token-mask cache per grammar). Both fill the same bitmask: int32 words, bit k of
+word w = token 32*w + k allowed, so the device side below is shared. The engines are told the
+model's vocabulary size (the logits' width), so ids past the tokenizer's vocabulary (padding of
+the embedding) are never allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("llguidance", "xgrammar")
+DEFAULT_BACKEND = "llguidance"  # measured: bench/structured.py, docs/structured-outputs.md
+KINDS = ("json", "regex", "choice", "grammar")
+CACHE_SIZE = 256  # compiled grammars kept per worker (a compiled JSON schema is kilobytes)
+
+
+class GrammarError(ValueError):
+    """The spec does not compile (bad schema, regex or grammar); `param` names the request field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match. `value`: a JSON schema as canonical JSON text (json), a regex,
+    the choices (choice), or a GBNF grammar with a `root` rule (grammar). `param` is the request
+    field it came from, for errors; it is not part of the cache key."""
+
+    kind: str
+    value: str | tuple[str, ...]
+    param: str = "response_format"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}")
+
+    @property
+    def key(self) -> tuple:
+        return self.kind, self.value
+
+    @staticmethod
+    def choice_regex(choices: tuple[str, ...]) -> str:
+        """vLLM's guided_choice: exactly one of the strings (regex metacharacters escaped)."""
+        import re
+
+        return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (engine-neutral face of the two backends)."""
+
+    def __init__(self, impl, backend: str, eos_token_ids: tuple[int, ...]):
+        self._m = impl
+        self._backend = backend
+        self._eos = set(eos_token_ids)
+        self.num_consumed = 0  # output tokens advanced over
+        self.terminated = False  # the grammar is complete and its end (an EOS token) was consumed
+        self.failed = False  # a token outside the grammar arrived (a handed-over token, say)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._backend == "xgrammar":
+            self._m.fill_next_token_bitmask(bitmask, row)
+        else:
+            import llguidance.torch
+
+            llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def advance(self, output_token_ids: list[int]) -> None:
+        """Consume the output tokens not consumed yet."""
+        while self.num_consumed < len(output_token_ids) and not (self.terminated or self.failed):
+            token = output_token_ids[self.num_consumed]
+            self.num_consumed += 1
+            if self._backend == "xgrammar":
+                ok = self._m.accept_token(token)
+                self.terminated = ok and self._m.is_terminated()
+            else:
+                ok = self._m.consume_token(token)
+                self.terminated = ok and token in self._eos and self._m.is_stopped()
+            if not ok:
+                self.failed = True
+                log.warning("structured output: token %d is outside the grammar; the request stops", token)
+
+
+class StructuredOutputs:
+    """The worker's grammar compiler: one tokenizer view, a cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], backend: str = DEFAULT_BACKEND):
+        if backend not in BACKENDS:
+            raise ValueError(f"structured outputs backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._hf_tokenizer = tokenizer
+        self._tokenizer = None  # the engine's view of the vocabulary, built on first use (~0.5 s)
+        self._compiler = None
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()  # add_request may run on several threads
+        __import__(backend)  # not installed: the worker fails at start, not at the first request
+
+    def matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
+        """A fresh matcher for `spec` (raises GrammarError if the spec does not compile)."""
+        compiled = self.compile(spec)
+        if self.backend == "xgrammar":
+            import xgrammar
+
+            impl = xgrammar.GrammarMatcher(compiled)
+        else:
+            import llguidance
+
+            impl = llguidance.LLMatcher(self._tokenizer, compiled)
+            if impl.is_error():
+                raise GrammarError(spec.param, f"invalid {spec.param}: {impl.get_error()}")
+        return GrammarMatcher(impl, self.backend, self.eos_token_ids)
+
+    def compile(self, spec: StructuredOutputSpec):
+        with self._lock:
+            hit = self._cache.get(spec.key)
+            if hit is not None:
+                self._cache.move_to_end(spec.key)
+                return hit
+            self._ensure_tokenizer()
+        # Compiling runs outside the lock: a large schema never stalls other callers' hits.
+        try:
+            compiled = self._compile_xgrammar(spec) if self.backend == "xgrammar" else self._compile_llguidance(spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engines raise assorted types for bad user input
+            raise GrammarError(spec.param, f"invalid {spec.param}: {e}") from None
+        with self._lock:
+            self._cache[spec.key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _ensure_tokenizer(self) -> None:
+        if self._tokenizer is not None:
+            return
+        if self.backend == "xgrammar":
+            import xgrammar
+
+            self._tokenizer = xgrammar.TokenizerInfo.from_huggingface(
+                self._hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
+            self._compiler = xgrammar.GrammarCompiler(self._tokenizer)
+        else:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=list(self.eos_token_ids))
+
+    def _compile_xgrammar(self, spec: StructuredOutputSpec):
+        c = self._compiler
+        if spec.kind == "json":
+            # Compact JSON (no free whitespace): a model cannot wander off into blank lines.
+            return c.compile_json_schema(spec.value, any_whitespace=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return c.compile_regex(StructuredOutputSpec.choice_regex(spec.value))
+        return c.compile_grammar(spec.value)
+
+    def _compile_llguidance(self, spec: StructuredOutputSpec) -> str:
+        import llguidance
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        M = llguidance.LLMatcher
+        if spec.kind == "json":
+            grammar = M.grammar_from_json_schema(spec.value, defaults={"whitespace_flexible": False})
+        elif spec.kind == "regex":
+            grammar = M.grammar_from_regex(spec.value)
+        elif spec.kind == "choice":
+            grammar = M.grammar_from_regex(StructuredOutputSpec.choice_regex(spec.value))
+        else:
+            grammar = M.grammar_from_lark(gbnf_to_lark(spec.value))
+        error = M.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GrammarError(spec.param, f"invalid {spec.param}: {error}")
+        return grammar
+
+
+_BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs) -> None:
+    """In place on [S, V] logits: tokens a request's grammar does not allow next -> -inf.
+    The bitmask is filled on the host (the grammar engines run there), copied once, and unpacked
+    on the logits' device: bytes -> bits -> [S, V] bool, one masked_fill for the whole batch."""
+    rows = [(i, r.grammar) for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+    if not rows:
+        return
+    S, V = logits.shape
+    words = (V + 31) // 32
+    bitmask = torch.full((S, words), -1, dtype=torch.int32)  # rows without a grammar: everything allowed
+    for i, m in rows:
+        m.advance(reqs[i].output_token_ids)  # a token appended since the last step (the P/D hand-off's)
+        m.fill(bitmask, i)
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    # Little-endian int32 words as bytes: byte 4w+j bit b is token 32w + 8j + b.
+    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> _BIT.to(logits.device)) & 1
+    allowed = bits.view(S, words * 32)[:, :V].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
