@@ -299,6 +299,8 @@ def main(argv=None) -> int:
                     help="prepped: descriptor lists prepared once per peer; dlist: built per pull")
     ap.add_argument("--notify", default="after", choices=("after", "on-read"),
                     help="NIXL release notification: sent after the READ is DONE (pdserve's default) or attached to it")
+    ap.add_argument("--spin-us", type=float, default=None,
+                    help="NIXL completion polling: busy-check this long before backing off (default: the transport's)")
     ap.add_argument("--breakdown-iters", type=int, default=20, help="1-block NIXL pulls taken apart (0: skip)")
     ap.add_argument("--lease-registration-blocks", type=int, default=64,
                     help="blocks per lease in the per-lease registration cost (0: skip)")
@@ -311,6 +313,10 @@ def main(argv=None) -> int:
         ap.error("--sizes-mib, --iters and --block-kib must be >= 1, --breakdown-iters >= 0")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the spawned prefill process
+    if args.spin_us is not None:  # only this (decode) process polls
+        from pdserve.worker.kv import nixl_transport
+
+        nixl_transport.SPIN_S = args.spin_us * 1e-6
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible")
     if args.cross_gpu and torch.cuda.device_count() < 2:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# KV-transfer bench on a GPU machine (issue 17), from the repo root, in about 3 minutes:
+#
+#   bash bench/kv_transfer_gpu.sh      # writes into $OUT (the device tool's folder), else ./kv_transfer_out
+#
+# 1. one GPU, VRAM -> VRAM on the same card (P and D sharing it), NIXL and TCP    kv_transfer_1gpu.md
+# 2. if a second GPU is visible: cuda:0 -> cuda:1, NIXL                            kv_transfer_2gpu.md
+# Each table: GB/s by size x layout (contiguous / scattered / real = after BlockManager churn,
+# with its descriptor count) for NIXL with prepared and per-pull descriptor lists (and TCP),
+# against the same-run torch copy; a 1-block NIXL pull taken apart; per-lease registration cost.
+#
+# Needs torch (the device image has it) and nixl-cu13, pyzmq, prometheus-client: each one the
+# image lacks is taken from .whl/ (git-ignored; carry it): a wheel .whl/<name>-*.whl, installed
+# with --no-deps into a temporary folder, or a plain package folder .whl/site/<module>.
+set -u
+OUT=${OUT:-$PWD/kv_transfer_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+DEPS=/tmp/pdserve-kv-deps
+rm -rf "$DEPS" && mkdir -p "$DEPS"
+for spec in nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client; do
+  module=${spec%%:*} wheel=${spec##*:}
+  $PY -c "import $module" 2>/dev/null && continue
+  whl=$(ls .whl/"$wheel"-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$whl" ]; then
+    $PY -m pip install -q --no-deps --no-index --target "$DEPS" "$whl" || exit 1
+  elif [ -d ".whl/site/$module" ]; then
+    ln -s "$PWD/.whl/site/$module" "$DEPS/$module"
+  else
+    echo "missing Python module $module: put its wheel in .whl/ (or the package in .whl/site/)" >&2
+    exit 1
+  fi
+done
+
+# pdserve is a namespace package mapped from top-level folders (pyproject package-dir): a link
+# farm makes it importable without building anything (not the repo root: its operator/ folder
+# would shadow the standard library).
+PD=/tmp/pdserve-path
+rm -rf "$PD" && mkdir -p "$PD/pdserve"
+for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
+export PYTHONPATH="$PD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  date -u
+  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -n 4
+  $PY -c "import sys, torch; print('python', sys.version.split()[0], '· torch', torch.__version__, '· GPUs', torch.cuda.device_count())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+TLS=cuda_ipc,cuda_copy,tcp
+echo "=== one GPU (same card)"
+timeout --kill-after=10 150 $PY -m pdserve.bench.kv_transfer --device cuda --ucx-tls "$TLS" \
+  --out "$OUT/kv_transfer_1gpu.md" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/log.txt"
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  echo "=== two GPUs (cuda:0 -> cuda:1)"
+  timeout --kill-after=10 90 $PY -m pdserve.bench.kv_transfer --device cuda --cross-gpu --ucx-tls "$TLS" \
+    --transports nixl --out "$OUT/kv_transfer_2gpu.md" 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/log.txt"
+fi
