@@ -77,3 +77,65 @@ def test_read_refuses_lists_of_different_lengths(pair):
     _, reader, peer = pair
     with pytest.raises(ValueError, match="2 source blocks for 1 destination"):
         reader.read(peer, [0, 1], [0], None, 10.0)
+
+
+def _owner(conn, nbytes: int) -> None:
+    """Owner process: registers one span, hands over its partial metadata, deregisters on cue."""
+    from pdserve.worker.kv.nixl_transport import import_nixl
+
+    nixl_agent, nixl_agent_config = import_nixl()
+    agent = nixl_agent("dereg-owner", nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+    buf = torch.arange(2 * nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    reg = agent.register_memory([(buf.data_ptr() + nbytes, nbytes, 0, "")], "DRAM")
+    conn.send((buf.data_ptr() + nbytes, agent.get_partial_agent_metadata(reg, inc_conn_info=True)))
+    conn.recv()
+    agent.deregister_memory(reg)
+    conn.send("deregistered")
+    conn.recv()
+
+
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"])
+def test_deregistration_does_not_revoke_a_peers_read(ucx_tls, monkeypatch):
+    """Why pdserve has no per-lease NIXL registration (docs/security.md): on UCX's CPU
+    transports a peer that was given a registration's metadata still READs the bytes after the
+    owner deregistered it. If a NIXL/UCX release changes this, this test fails: revisit the doc."""
+    import multiprocessing as mp
+
+    from pdserve.worker.kv.nixl_transport import import_nixl
+
+    if ucx_tls:
+        monkeypatch.setenv("UCX_TLS", ucx_tls)
+    nbytes = 64 * 1024
+    expected = torch.arange(2 * nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)[nbytes:]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_owner, args=(child, nbytes))
+    proc.start()
+    try:
+        assert conn.poll(60), "owner process did not start"
+        addr, metadata = conn.recv()
+        nixl_agent, nixl_agent_config = import_nixl()
+        peer = nixl_agent(f"dereg-peer-{ucx_tls}", nixl_agent_config(enable_listen_thread=False, backends=["UCX"]))
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        peer.register_memory(dst)
+        peer.add_remote_agent(metadata)
+
+        def read() -> str:
+            handle = peer.initialize_xfer("READ", peer.get_xfer_descs([(dst.data_ptr(), nbytes, 0)], "DRAM"),
+                                          peer.get_xfer_descs([(addr, nbytes, 0)], "DRAM"), "dereg-owner")
+            state, deadline = peer.transfer(handle), time.monotonic() + 30
+            while state == "PROC" and time.monotonic() < deadline:
+                state = peer.check_xfer_state(handle)
+            peer.release_xfer_handle(handle)
+            return state
+
+        assert read() == "DONE" and torch.equal(dst, expected)
+        conn.send("deregister")
+        assert conn.recv() == "deregistered"
+        dst.zero_()
+        assert read() == "DONE" and torch.equal(dst, expected)  # the residual risk, demonstrated
+    finally:
+        conn.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
