@@ -135,7 +135,9 @@ def test_production_pod_shape_is_accepted_and_runs(k8s_cluster, operator_kubecon
         decode, router = deps["prod-decode"].spec.template, deps["prod-router"].spec.template
         worker = decode.spec.containers[0]
         assert [c.name for c in decode.spec.containers] == ["worker", "sidecar"]
-        assert decode.metadata.annotations == {"example.com/network": "fast"}
+        # the user's annotation merged with the operator's (the generated worker API key's uid)
+        key_uid = api.core.read_namespaced_secret("prod-worker-api-key", namespace).metadata.uid
+        assert decode.metadata.annotations == {"example.com/network": "fast", "pdserve.io/worker-api-key-uid": key_uid}
         assert decode.spec.init_containers[0].name == "fetch-model"
         assert decode.spec.security_context.run_as_non_root and decode.spec.security_context.seccomp_profile.type == "RuntimeDefault"
         assert worker.security_context.read_only_root_filesystem and worker.security_context.capabilities.drop == ["ALL"]
