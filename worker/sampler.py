@@ -33,8 +33,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [S, V] fp32, one row per request that samples this step."""
         logits = logits.float()
-        self._suppress_early_stop(logits, reqs)
         apply_grammar_masks(logits, reqs)  # response_format / guided_*: -inf outside the grammar
+        self._suppress_early_stop(logits, reqs)
         apply_logits_processors(logits, reqs)  # bias and penalties (logprobs below include them)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in reqs):  # a Python check: no device sync on the hot path
@@ -49,6 +49,13 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens:
                 stops = list(r.eos_token_ids) + list(r.params.stop_token_ids)
+                if stops and r.grammar is not None:
+                    # A complete grammar allows only its end: that wins over min_tokens (a row of
+                    # -inf has nothing to sample). Rare (min_tokens + a grammar), so the sync is fine.
+                    rest = logits[i].clone()
+                    rest[stops] = float("-inf")
+                    if not bool(torch.isfinite(rest).any()):
+                        continue
                 if stops:
                     logits[i, stops] = float("-inf")
 
