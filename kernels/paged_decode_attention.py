@@ -165,7 +165,7 @@ def _decode_split_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
-                              num_splits, b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
+                              tl.cdiv(ctx, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
                               GROUP_PAD, HEAD_DIM, D_PAD)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
@@ -174,16 +174,20 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_splits, out_off, out_mask, row_mask,
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, out_off, out_mask, row_mask,
                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse), over ROWS heads whose
     # partials start at rows `first_row` of [B * Hq * S]; one pass with a running max.
+    # Only the first `num_used` splits hold tokens: the split count is sized for the longest
+    # context a table can hold, so a short one leaves most splits empty (w_s = 0), and each
+    # iteration is a dependent global load (~0.5 us): merging 2 of 16 splits, not all 16, took
+    # the bs=1 decode attention launch from ~9 to ~3 us at context 128 (docs/performance.md).
     # Loads bypass L1 (.cg): other programs wrote these partials during this launch.
     d = tl.arange(0, D_PAD)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     w_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, num_used):
         lse = tl.load(part_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(part_out_ptr + (first_row + s)[:, None] * HEAD_DIM + d[None, :],
                     mask=row_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
@@ -198,19 +202,22 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_splits, ou
     tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["ctx_ptr"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, ctx_ptr, num_splits, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Grid (B, Hkv): the same merge the fused path runs in its last-arriving program.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N  # as the split kernel's
     rows = tl.arange(0, GROUP_PAD)
     heads = kvh * GROUP + rows
     d = tl.arange(0, D_PAD)
     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
-                  num_splits, b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                  tl.cdiv(ctx, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                   (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM), rows < GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
 
 
@@ -359,7 +366,7 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
     )
     if split and not fused:
         _decode_reduce_kernel[(batch, hkv)](
-            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
+            part_out, part_lse, out, context_lens, num_splits, out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n,
         )
     return out
