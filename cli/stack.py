@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.protocol.contract import HTTP_PORT
 from pdserve.protocol.flags import ConfigError, flag
-from pdserve.worker.config import ENV_KV_SECRET
+from pdserve.protocol.contract import ENV_KV_SECRET
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
-from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, api_keys_from
+from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, KV_EVENTS_PORT,
+                                       KV_EVENTS_REPLAY_PORT, api_keys_from)
 from pdserve.protocol.flags import ConfigError, flag, flag_name
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -26,7 +27,6 @@ def _check_url(url: str, flag_: str) -> str:
     return url.rstrip("/")
 
 
-ENV_WORKER_API_KEY = "PDSERVE_WORKER_API_KEY"
 
 
 def keys_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:

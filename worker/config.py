@@ -10,10 +10,10 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
 
 ROLES = ("both", "prefill", "decode")
-ENV_KV_SECRET = "PDSERVE_KV_SECRET"  # the side channel's shared secret (a Kubernetes Secret, say)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
