@@ -81,6 +81,9 @@ class KVTransferParams:
     kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}:{block size}"; must match exactly
     transport: str = "tcp"  # "nixl" or "tcp": how the prefill side serves the bytes
     expires_at: float | None = None  # wall clock; after it the prefill frees the blocks itself
+    # The prefill worker's tensor-parallel size: rank r serves its KV heads on remote_port + r
+    # (worker/kv/tp_transfer.py maps them onto the decode worker's ranks).
+    kv_tp_size: int = 1
 
     @property
     def block_size(self) -> int:
@@ -112,9 +115,13 @@ class KVTransferParams:
             raise KVTransferParamsError(f"{PARAM}: remote_block_ids do not cover num_prompt_tokens")
         transport = params.get("transport", "tcp")
         expires_at = params.get("expires_at")
+        tp_size = params.get("kv_tp_size", 1)
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= 64:
+            raise KVTransferParamsError(f"{PARAM}.kv_tp_size must be an integer in [1, 64]")
         if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
-        return cls(**{**values, "remote_block_ids": tuple(ids), "transport": transport, "expires_at": expires_at})
+        return cls(**{**values, "remote_block_ids": tuple(ids), "transport": transport, "expires_at": expires_at,
+                      "kv_tp_size": tp_size})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""

@@ -14,13 +14,17 @@ import torch
 from pdserve.worker.model_config import ModelConfig
 
 
+def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
+    """"<layers>x<kv heads>x<head dim>:<dtype>:<block size>" (P/D peers compare it before a pull)."""
+    return f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:{str(dtype).removeprefix('torch.')}:{block_size}"
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers = cfg.num_layers
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
-        self.layout = (f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:"
-                       f"{str(dtype).removeprefix('torch.')}:{block_size}")
+        self.layout = kv_layout(cfg, dtype, block_size)
         self.tensor = torch.zeros(
             num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )

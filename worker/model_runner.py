@@ -137,6 +137,11 @@ class ModelRunner:
                         num_blocks * bs, max_len, num_blocks * bs)
             max_len = self.max_model_len = num_blocks * bs
         self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.dtype, self.device)
+        from pdserve.worker.kv.tp_transfer import TPRank
+
+        # The KV connector of this rank (kv/tp_link.py): which heads it holds; rank 0's pipes to the others.
+        self.kv_tp_rank = TPRank(tp_rank, self.tp_size, self.model_config.num_kv_heads)
+        self.kv_tp_link = self.followers.kv_link if self.followers is not None else None
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()

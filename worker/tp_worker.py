@@ -47,18 +47,28 @@ class TPFollowers:
 
     def __init__(self, config: EngineConfig, store_port: int, attention_backend: str | None,
                  static_decode: bool | None):
+        from pdserve.worker.kv.tp_link import TPLeaderLink, needs_kv_connector
+
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         self._procs: list[mp.Process] = []
         self._conns = []
+        kv_conns = []
         self._stopping = False
         for rank in range(1, config.tensor_parallel_size):
             recv, send = ctx.Pipe(duplex=False)
+            # P/D: the KV connector's messages both ways (kv/tp_link.py), apart from the step plans.
+            kv_ours, kv_theirs = ctx.Pipe(duplex=True) if needs_kv_connector(config) else (None, None)
             p = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
-                            args=(config, rank, store_port, recv, attention_backend, static_decode, os.getpid()))
+                            args=(config, rank, store_port, recv, attention_backend, static_decode, os.getpid(),
+                                  kv_theirs))
             p.start()
             recv.close()  # the follower's end; ours would keep the pipe open after it dies
+            if kv_theirs is not None:
+                kv_theirs.close()
+                kv_conns.append(kv_ours)
             self._procs.append(p)
             self._conns.append(send)
+        self.kv_link = TPLeaderLink(kv_conns) if kv_conns else None
         log.info("tensor parallel: started ranks 1..%d (pids %s)", len(self._procs),
                  ", ".join(str(p.pid) for p in self._procs))
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -114,7 +124,7 @@ def _watch_parent(parent_pid: int, rank: int) -> None:
 
 
 def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attention_backend: str | None,
-                  static_decode: bool | None, parent_pid: int) -> None:
+                  static_decode: bool | None, parent_pid: int, kv_conn=None) -> None:
     """Entry point of rank >= 1: build the shard, then run every plan rank 0 sends until told to stop."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
@@ -128,6 +138,12 @@ def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attent
     try:
         runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
                              tp_rank=rank, tp_store_port=store_port)
+        if kv_conn is not None:  # P/D: this rank's KV connector, driven by rank 0 (kv/tp_link.py)
+            from pdserve.worker.kv.tp_link import start_follower_kv
+            from pdserve.worker.kv.tp_transfer import TPRank
+
+            start_follower_kv(kv_conn, config, runner.kv_cache.tensor,
+                              TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
         log.info("tensor-parallel rank %d ready: waiting for step plans", rank)
         steps = 0
         while True:

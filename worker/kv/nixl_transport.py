@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -112,7 +113,14 @@ class NixlTransport:
     def read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict | None, timeout_s: float,
              timings: dict | None = None) -> int:
         """READ remote `src_blocks` into local `dst_blocks`; returns bytes. `timings` (if given)
-        gets the seconds spent preparing the request, posting it, waiting for it and releasing it."""
+        gets the seconds spent preparing the request, posting it, waiting for it, releasing it
+        and sending the notification."""
+        return self.finish_read(self.post_read(peer, src_blocks, dst_blocks, notif, timings), timeout_s, timings)
+
+    def post_read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict | None,
+                  timings: dict | None = None) -> "PostedRead":
+        """Start a READ; finish_read (or abort_read) must follow. In between, the caller may do
+        other work while the bytes move (the connector runs the lease round trip)."""
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
         msg = json.dumps(notif).encode() if notif else b""
@@ -133,21 +141,38 @@ class NixlTransport:
                     self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], attached)
             t1 = time.perf_counter()
             state = self.agent.transfer(handle)
+        if timings is not None:
+            timings.update(prepare=t1 - t0, post=time.perf_counter() - t1)
+        return PostedRead(handle, state, peer["agent"], b"" if attached else msg, len(src_blocks) * self.block_bytes)
+
+    def finish_read(self, xfer: "PostedRead", timeout_s: float, timings: dict | None = None) -> int:
+        """Wait for a posted READ, release its handle, then send its notification (the bytes
+        have landed here: the peer may free its blocks). Returns bytes."""
         t2 = time.perf_counter()
         try:
-            self._wait(handle, state, peer["agent"], timeout_s)
+            self._wait(xfer.handle, xfer.state, xfer.agent, timeout_s)
         finally:
             t3 = time.perf_counter()
             with self._lock:
-                self.agent.release_xfer_handle(handle)
+                self.agent.release_xfer_handle(xfer.handle)
         t4 = time.perf_counter()
-        if msg and not attached:  # the bytes have landed here: the peer may free its blocks now
+        if xfer.notif:
             with self._lock:
-                self.agent.send_notif(peer["agent"], msg)
+                self.agent.send_notif(xfer.agent, xfer.notif)
         if timings is not None:
-            timings.update(prepare=t1 - t0, post=t2 - t1, wait=t3 - t2, release=t4 - t3,
-                           notify=time.perf_counter() - t4)
-        return len(src_blocks) * self.block_bytes
+            timings.update(wait=t3 - t2, release=t4 - t3, notify=time.perf_counter() - t4)
+        return xfer.nbytes
+
+    def abort_read(self, xfer: "PostedRead", timeout_s: float) -> None:
+        """A posted READ whose bytes will not be used: let it end (its handle cannot be released
+        while in flight), release it, and send no notification."""
+        try:
+            self._wait(xfer.handle, xfer.state, xfer.agent, timeout_s)
+        except (TimeoutError, RuntimeError) as e:
+            log.debug("abandoned NIXL READ from %s: %s", xfer.agent, e)
+        finally:
+            with self._lock:
+                self.agent.release_xfer_handle(xfer.handle)
 
     def _wait(self, handle, state: str, agent: str, timeout_s: float) -> None:
         """Poll a posted transfer until DONE. Spin first (a small pull completes in tens of
@@ -167,6 +192,42 @@ class NixlTransport:
         if state != "DONE":
             raise RuntimeError(f"NIXL READ from {agent} failed ({state})")
 
+    def read_into(self, peer: dict, src_blocks: list[int], staging: torch.Tensor, notif: dict, timeout_s: float) -> int:
+        """READ remote blocks src_blocks[i] into row i of `staging` [rows, remote block bytes], a
+        buffer registered for this read only: a tensor-parallel peer's blocks hold other heads
+        than ours, so they land here and the caller scatters the heads it needs (tp_transfer.py)."""
+        bb = staging.shape[1]
+        mem_type = "VRAM" if staging.device.type == "cuda" else "DRAM"
+        dev = staging.device.index or 0
+        runs = merge_runs(src_blocks, list(range(len(src_blocks))))
+        remote = [(peer["base"] + s * bb, c * bb, peer["device_id"]) for s, _, c in runs]
+        local = [(staging.data_ptr() + d * bb, c * bb, dev) for _, d, c in runs]
+        with self._lock:
+            reg = self.agent.register_memory(staging)
+        try:
+            with self._lock:
+                handle = self.agent.initialize_xfer(
+                    "READ", self.agent.get_xfer_descs(local, mem_type),
+                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], json.dumps(notif).encode())
+                state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            try:
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"NIXL READ from {peer['agent']} timed out after {timeout_s}s")
+                    time.sleep(0.0002)
+                    with self._lock:
+                        state = self.agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL READ from {peer['agent']} failed ({state})")
+            finally:
+                with self._lock:
+                    self.agent.release_xfer_handle(handle)
+        finally:
+            with self._lock:
+                self.agent.deregister_memory(reg)
+        return len(src_blocks) * bb
+
     def notifications(self) -> list[dict]:
         with self._lock:
             notifs = self.agent.get_new_notifs()
@@ -178,6 +239,15 @@ class NixlTransport:
                 except ValueError:
                     log.warning("ignoring malformed NIXL notification %r", m[:80])
         return out
+
+
+@dataclass
+class PostedRead:
+    handle: object  # NIXL transfer handle
+    state: str  # what transfer() answered: "DONE" or "PROC"
+    agent: str  # the peer agent
+    notif: bytes  # to send once DONE (empty: none, or it rode on the READ)
+    nbytes: int
 
 
 def _block_descs(base: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:

@@ -43,9 +43,11 @@ class PinTable:
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
 
-    def add(self, request_id: str, block_ids: list[int], prompt_digest: str) -> tuple[str, float]:
-        """Pin blocks; returns (transfer token, wall-clock expiry) for kv_transfer_params."""
-        token = bind_token(secrets.token_urlsafe(24), prompt_digest)
+    def add(self, request_id: str, block_ids: list[int], prompt_digest: str,
+            token: str | None = None) -> tuple[str, float]:
+        """Pin blocks; returns (transfer token, wall-clock expiry) for kv_transfer_params.
+        `token`: a tensor-parallel rank >= 1 mirrors rank 0's pin under rank 0's token."""
+        token = token or bind_token(secrets.token_urlsafe(24), prompt_digest)
         with self._lock:
             self._pins[request_id] = Pin(list(block_ids), token, prompt_digest, time.monotonic() + self.ttl)
         return token, time.time() + self.ttl

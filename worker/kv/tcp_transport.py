@@ -42,7 +42,10 @@ class TcpServer:
                 runs.append(count)
                 nbytes += chunk.numel()
         finally:
-            self.pins.release(rid, token)  # a read is also the release: one reader, once
+            if not body.get("keep"):  # a read is also the release: one reader, once
+                self.pins.release(rid, token)
+            # "keep": tensor-parallel readers (several decode ranks may read this rank's shard);
+            # the lease holds the pin until the decode worker's rank 0 releases it (kv/tp_transfer.py).
         self.on_sent(nbytes)
         return {"runs": runs, "prompt_digest": body["prompt_digest"]}, frames
 
@@ -54,10 +57,13 @@ def check_indices(indices, num_pinned: int) -> list[int]:
 
 
 def tcp_pull(host: str, port: int, params: dict, indices: list[int], dst_blocks: list[int],
-             blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str) -> int:
-    """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes."""
+             blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False) -> int:
+    """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes.
+    `keep`: leave the pin for an explicit release (tensor-parallel readers)."""
     body = {"request_id": params["remote_request_id"], "token": params["transfer_token"], "indices": indices,
             "prompt_digest": digest}
+    if keep:
+        body["keep"] = True
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -72,7 +78,8 @@ def tcp_pull(host: str, port: int, params: dict, indices: list[int], dst_blocks:
     runs = reply.get("runs")
     if (not isinstance(runs, list) or len(frames) != len(runs) or sum(runs) != len(dst_blocks)
             or any(len(f.buffer) != c * blocks.shape[1] for f, c in zip(frames, runs))):
-        raise side_channel.SideChannelError("KV peer sent a malformed read reply")
+        raise side_channel.SideChannelError(f"KV peer sent a malformed read reply ({len(frames)} frames for runs "
+                                            f"{runs}, {len(dst_blocks)} blocks of {blocks.shape[1]} bytes expected)")
     pos, nbytes = 0, 0
     for frame, count in zip(frames, runs):
         data = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(count, blocks.shape[1])

@@ -31,6 +31,24 @@ from pdserve.worker.config import ConfigError
 from pdserve.worker.model_config import ModelConfig
 
 
+def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads (of the full model) that rank `rank` of `tp_size` holds, in cache order.
+
+    With N <= KV heads, KV/N consecutive heads each; with N > KV heads, one head, replicated on
+    N/KV consecutive ranks. The one mapping both weight loading and KV transfer between workers
+    of different TP sizes use (kv/tp_transfer.py), so the two can never disagree."""
+    if num_kv_heads >= tp_size:
+        n = num_kv_heads // tp_size
+        return range(rank * n, rank * n + n)
+    head = rank // (tp_size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def check_kv_heads(num_kv_heads: int, tp_size: int) -> bool:
+    """Whether `tp_size` ranks can share `num_kv_heads` KV heads (one divides the other)."""
+    return tp_size >= 1 and ((num_kv_heads % tp_size) if num_kv_heads >= tp_size else (tp_size % num_kv_heads)) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class TPShard:
     """Which slice of the full model one rank holds (ranges in heads / rows of the full model)."""
@@ -43,7 +61,7 @@ class TPShard:
         c, n = self.full, self.size
         if c.num_heads % n:
             raise ConfigError("--tensor-parallel-size", f"{n} does not divide the model's {c.num_heads} attention heads")
-        if (c.num_kv_heads % n) if c.num_kv_heads >= n else (n % c.num_kv_heads):
+        if not check_kv_heads(c.num_kv_heads, n):
             raise ConfigError("--tensor-parallel-size", f"{n} and the model's {c.num_kv_heads} KV heads: one must "
                                                         f"divide the other")
         if c.intermediate_size % n:
@@ -55,12 +73,11 @@ class TPShard:
 
     @property
     def num_kv_heads(self) -> int:
-        return max(1, self.full.num_kv_heads // self.size)
+        return len(kv_head_range(self.full.num_kv_heads, self.size, self.rank))
 
     @property
     def first_kv_head(self) -> int:
-        kv, n = self.full.num_kv_heads, self.size
-        return self.rank * kv // n if kv >= n else self.rank // (n // kv)
+        return kv_head_range(self.full.num_kv_heads, self.size, self.rank).start
 
     @property
     def intermediate_size(self) -> int:

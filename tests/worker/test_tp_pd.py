@@ -1,0 +1,193 @@
+"""P/D between tensor-parallel workers (CPU, gloo, fp32): real `pdserve worker` processes on
+loopback, TCP and NIXL (UCX moving DRAM between processes).
+
+One group of four workers per (transport, model): prefill TP=1 and TP=2, decode TP=1 and TP=2.
+Each P/D pair's output (the prefill's first token + the decode's rest) must equal the TP=1
+decode worker's own greedy output for the same prompt, the decode worker must have pulled
+(bytes counted, no local-prefill fallback), and afterwards no worker holds a block it did not
+hold before. Llama with 2 KV heads maps heads across ranks (TP=2 -> TP=1 interleaves both
+prefill ranks' heads; TP=1 -> TP=2 keeps each rank's slice); Qwen2 with 1 KV head has it
+replicated on both ranks of a TP=2 worker. A pull that fails on one rank only falls back to local
+prefill on every rank, with the same output.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import httpx
+import pytest
+
+from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.nixl_transport import nixl_available
+from pdserve.worker.kv.tp_transfer import Source, TPRank, kv_sources
+from tests.checkpoints import write_checkpoint
+from tests.worker.test_server_harness import WorkerProcess
+
+SECRET = "tp-pd-tests-shared-secret"
+ENV = {"PDSERVE_KV_SECRET": SECRET}
+ARGS = ("--served-model-name", "x", "--max-model-len", "128", "--block-size", "4", "--kv-cache-memory", str(1 << 21),
+        "--kv-peer-allow", "127.0.0.1", "--kv-pull-timeout", "5", "--kv-pin-ttl", "20")
+MAX_TOKENS = 8
+
+
+# -- which prefill rank holds each decode rank's heads ---------------------------------------------
+
+@pytest.mark.parametrize("kv,remote,local,rank,want", [
+    (2, 2, 2, 1, [Source(1, [0], [0], 1, 1)]),  # same TP: the matching rank, whole blocks
+    (2, 2, 1, 0, [Source(0, [0], [0], 1, 2), Source(1, [0], [1], 1, 2)]),  # interleave both ranks' heads
+    (2, 1, 2, 1, [Source(0, [1], [0], 2, 1)]),  # keep our slice of the full-head block
+    (1, 2, 2, 1, [Source(1, [0], [0], 1, 1)]),  # a replicated head: the matching replica
+    (1, 2, 1, 0, [Source(0, [0], [0], 1, 1)]),  # one replica is enough
+    (4, 2, 4, 3, [Source(1, [1], [0], 2, 1)]),
+    (2, 4, 1, 0, [Source(0, [0], [0], 1, 2), Source(2, [0], [1], 1, 2)]),  # 2 KV heads on 4 ranks
+])
+def test_kv_sources(kv, remote, local, rank, want):
+    got = kv_sources(kv, remote, TPRank(rank, local, kv))
+    assert got == want
+    assert [s.direct for s in got] == [s.remote_num_heads == s.local_num_heads and s.remote_heads == s.local_heads
+                                       == list(range(s.local_num_heads)) for s in want]
+
+
+def test_unreadable_remote_tp_is_refused():
+    with pytest.raises(ValueError, match="tensor-parallel size 3 cannot shard this model's 2 KV heads"):
+        kv_sources(2, 3, TPRank(0, 1, 2))
+
+
+# -- real workers -----------------------------------------------------------------------------------
+
+def free_kv_ports() -> int:
+    """A port p with p and p + 1 free: a TP=2 prefill worker serves rank r's shard on --kv-port + r.
+    Below Linux's ephemeral range, so no port the OS hands out meanwhile (an HTTP port) takes p + 1."""
+    while True:
+        p = random.randrange(20000, 32000)
+        try:
+            for port in (p, p + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return p
+
+
+def kv_state(w: WorkerProcess) -> dict:
+    return httpx.get(f"{w.url}/debug/kv", timeout=10).json()
+
+
+def metric(w: WorkerProcess, name: str) -> float:
+    text = httpx.get(f"{w.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1)]
+
+
+@pytest.fixture(scope="module", params=GROUPS, ids=[f"{t}-{a}-kv{k}" for t, a, k in GROUPS])
+def workers(request, tmp_path_factory, default_model_dir):
+    transport, arch, kv = request.param
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("needs the nixl extra (pip install 'pdserve[nixl]')")
+    ckpt = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}-kv{kv}"), arch, default_model_dir,
+                            num_key_value_heads=kv)
+    ws = {}
+    for role in ("prefill", "decode"):
+        for tp in (1, 2):
+            ws[role, tp] = WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport,
+                                         "--tensor-parallel-size", str(tp), "--kv-port", str(free_kv_ports()),
+                                         env=ENV).start()
+    try:
+        for w in ws.values():
+            w.wait_ready()
+        yield transport, ws
+    finally:
+        for w in ws.values():
+            w.stop()
+
+
+@pytest.fixture
+def no_leaks(workers):
+    _, ws = workers
+    start = {k: kv_state(w)["num_free_blocks"] for k, w in ws.items()}
+    yield
+    for k, w in ws.items():
+        deadline = time.monotonic() + 15
+        while True:  # pins are freed by the engine loop shortly after the release
+            s = kv_state(w)
+            if (s["num_free_blocks"] == start[k] and s["num_pinned_blocks"] == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert s["num_pinned_blocks"] == 0, f"{k} still pins blocks"
+        assert s["num_free_blocks"] == start[k], f"{k} leaked KV blocks"
+
+
+def prompt_of(tag: str) -> list[int]:
+    # Token ids: a prompt of several blocks that no worker has seen (no prefix-cache hit on decode).
+    base = sum(map(ord, tag)) * 7
+    return [(base + 13 * i) % 900 + 50 for i in range(23)]
+
+
+def pd(p: WorkerProcess, d: WorkerProcess, prompt: list[int], tamper=None) -> str:
+    """The P/D text: the prefill worker's first token, then the decode worker's rest."""
+    body = {"model": "x", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(f"{p.url}/v1/completions", timeout=120,
+                       json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    if tamper:
+        tamper(params)
+    rest = httpx.post(f"{d.url}/v1/completions", timeout=120, json={**body, "kv_transfer_params": params})
+    assert rest.status_code == 200, rest.text
+    assert rest.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    return first.json()["choices"][0]["text"] + rest.json()["choices"][0]["text"]
+
+
+def single(w: WorkerProcess, prompt: list[int]) -> str:
+    r = httpx.post(f"{w.url}/v1/completions", timeout=120,
+                   json={"model": "x", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+PAIRS = [(2, 2), (2, 1), (1, 2)]  # (prefill TP, decode TP)
+
+
+def test_tp_pd_equals_single_worker_greedy(workers, no_leaks):
+    transport, ws = workers
+    results = {}
+    for ptp, dtp in PAIRS:
+        p, d = ws["prefill", ptp], ws["decode", dtp]
+        prompt = prompt_of(f"{transport}{ptp}{dtp}")
+        pulled = metric(d, "pdserve_kv_transfer_bytes_total")
+        results[ptp, dtp] = (prompt, pd(p, d, prompt))
+        assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled, f"TP {ptp} -> {dtp} did not pull"
+    for w in (ws["decode", 1], ws["decode", 2]):
+        assert metric(w, "pdserve_kv_local_prefill_fallbacks_total") == 0
+    # The reference: one TP=1 worker serving the whole request (after the P/D runs, so its prefix
+    # cache could not have spared any pull above).
+    for (ptp, dtp), (prompt, text) in results.items():
+        assert text == single(ws["decode", 1], prompt), f"TP {ptp} -> {dtp} differs from a single worker"
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 2), (2, 1)])
+def test_one_rank_failing_falls_back_on_all_ranks(workers, no_leaks, ptp, dtp):
+    """Prefill rank 1's pin is released before the decode worker pulls: the read of rank 1's
+    shard fails, rank 0's succeeds; every decode rank must prefill locally, with the same output."""
+    transport, ws = workers
+    if transport != "tcp":
+        pytest.skip("one transport is enough for the fallback's bookkeeping")
+    p, d = ws["prefill", ptp], ws["decode", dtp]
+    prompt = prompt_of(f"fail{ptp}{dtp}")
+
+    def release_rank1(params):
+        side_channel.call("127.0.0.1", params["remote_port"] + 1, "release",
+                          {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
+                          5.0, SideChannelAuth(SECRET))
+
+    fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
+    text = pd(p, d, prompt, tamper=release_rank1)
+    assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks + 1
+    assert text == single(ws["decode", 1], prompt)
