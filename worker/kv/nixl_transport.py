@@ -93,14 +93,17 @@ class NixlTransport:
             metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
             self._described = {"agent": self.name, "metadata": metadata, "base": self.base,
                                "device_id": self.device_id, "mem_type": self.mem_type,
-                               "num_blocks": self.num_blocks}
+                               "num_blocks": self.num_blocks, "block_bytes": self.block_bytes}
         return self._described
 
     def add_peer(self, engine_id: str, desc: dict) -> dict:
         with self._lock:
             if engine_id not in self._remote:
                 self.agent.add_remote_agent(base64.b64decode(desc["metadata"]))
-                if isinstance(desc.get("num_blocks"), int) and desc["num_blocks"] > 0:
+                # A tensor-parallel peer of another TP size has other block bytes: its blocks are
+                # read whole into a staging buffer (read_into), never paired with ours one to one.
+                same_blocks = desc.get("block_bytes", self.block_bytes) == self.block_bytes
+                if same_blocks and isinstance(desc.get("num_blocks"), int) and desc["num_blocks"] > 0:
                     self._remote_prep[desc["agent"]] = self.agent.prep_xfer_dlist(
                         desc["agent"], _block_descs(desc["base"], desc["num_blocks"], self.block_bytes,
                                                     desc["device_id"]), desc["mem_type"])
@@ -192,7 +195,8 @@ class NixlTransport:
         if state != "DONE":
             raise RuntimeError(f"NIXL READ from {agent} failed ({state})")
 
-    def read_into(self, peer: dict, src_blocks: list[int], staging: torch.Tensor, notif: dict, timeout_s: float) -> int:
+    def read_into(self, peer: dict, src_blocks: list[int], staging: torch.Tensor, notif: dict | None,
+                  timeout_s: float) -> int:
         """READ remote blocks src_blocks[i] into row i of `staging` [rows, remote block bytes], a
         buffer registered for this read only: a tensor-parallel peer's blocks hold other heads
         than ours, so they land here and the caller scatters the heads it needs (tp_transfer.py)."""
@@ -208,7 +212,8 @@ class NixlTransport:
             with self._lock:
                 handle = self.agent.initialize_xfer(
                     "READ", self.agent.get_xfer_descs(local, mem_type),
-                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], json.dumps(notif).encode())
+                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"],
+                    json.dumps(notif).encode() if notif else b"")
                 state = self.agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             try:

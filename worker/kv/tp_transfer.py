@@ -134,7 +134,7 @@ def _read(conn, transport: str, host: str, port: int, remote_rank: int, params: 
         peer = conn.nixl.add_peer(key, reply["nixl"])
     if len(reply.get("block_ids", ())) != len(dst_rows):
         raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
-    notif = {"op": "read", "request_id": rid}  # not a release: decode rank 0 releases every rank's pin
+    notif = None  # no release on read: decode rank 0 releases every prefill rank's pin once all ranks read
     if dst is conn.blocks:
         return conn.nixl.read(peer, reply["block_ids"], dst_rows, notif, conn.timeout)
     return conn.nixl.read_into(peer, reply["block_ids"], dst, notif, conn.timeout)
