@@ -158,10 +158,10 @@ def test_engine_refuses_before_starting_ranks(checkpoint):
         LLMEngine(EngineConfig(model=str(checkpoint("llama", 2)), device="cpu", tensor_parallel_size=3))
 
 
-@pytest.mark.parametrize("kw", [{"role": "prefill"}, {"kv_transfer": "tcp"}])
-def test_tp_with_kv_transfer_is_refused_for_now(kw):
-    with pytest.raises(ConfigError, match="--tensor-parallel-size: prefill/decode KV transfer"):
-        EngineConfig(tensor_parallel_size=2, **kw)
+@pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp"}])
+def test_tp_with_kv_transfer_is_accepted(kw):
+    # P/D between tensor-parallel workers: tests/worker/test_tp_pd.py.
+    assert EngineConfig(tensor_parallel_size=2, **kw).tensor_parallel_size == 2
 
 
 def _follower_pids(worker: WorkerProcess) -> list[int]:
