@@ -139,3 +139,78 @@ def test_deregistration_does_not_revoke_a_peers_read(ucx_tls, monkeypatch):
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+# -- the connector's NIXL pull: lease round trip overlapped with the READ ------------------------
+
+DIGEST = "d" * 32
+
+
+@pytest.fixture(scope="module")
+def connectors():
+    """A prefill and a decode KVConnector in this process, talking over a real side channel
+    (ZMQ on loopback) and NIXL."""
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.kv.connector import KVConnector
+    from tests.net import free_port
+
+    port = free_port()
+    shape = (BLOCKS, 1, 2, 1, 1, BLOCK_BYTES // 2)
+    layout = f"1x1x{BLOCK_BYTES // 2}:uint8:1"
+    p = KVConnector(EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port),
+                    torch.randint(0, 255, shape, dtype=torch.uint8), "overlap-p", layout)
+    p.start_server()
+    d = KVConnector(EngineConfig(role="decode", kv_transfer="nixl", kv_port=free_port(),
+                                 kv_peer_allow=("127.0.0.1",)), torch.zeros(shape, dtype=torch.uint8), "overlap-d", layout)
+    yield p, d
+    d.shutdown()
+    p.shutdown()
+
+
+def _released(p, rid: str) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if rid not in p.pins._pins or p.pins._pins[rid].released:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_pulls_from_a_known_peer_overlap_the_lease_and_land_the_bytes(connectors, monkeypatch):
+    from pdserve.worker.kv import connector, side_channel
+
+    p, d = connectors
+    events = []
+    post_read, call = d.nixl.post_read, side_channel.call
+    monkeypatch.setattr(d.nixl, "post_read", lambda *a, **k: events.append("read") or post_read(*a, **k))
+    monkeypatch.setattr(connector.side_channel, "call", lambda *a, **k: events.append(a[2]) or call(*a, **k))
+    for i, (src, dst) in enumerate([([3, 4, 5], [10, 11, 12]), ([7, 20], [0, 30])]):
+        params = p.pin(f"ok{i}", src, len(src), 0, DIGEST)
+        assert d._pull(params, list(range(len(src))), dst, DIGEST) == len(src) * BLOCK_BYTES
+        assert torch.equal(d.blocks[dst], p.blocks[src])
+        assert _released(p, f"ok{i}")  # the notification after the READ released the pin
+    # First pull: the lease brings the peer's metadata, then the READ. Second: READ posted first.
+    assert events == ["lease", "read", "read", "lease"]
+
+
+def test_forged_block_ids_read_early_are_abandoned(connectors):
+    """Params naming other blocks than their pin (same count): the early READ of the named
+    blocks is abandoned when the lease answers with the pin's blocks, and the pull fails."""
+    from pdserve.worker.kv.side_channel import SideChannelError
+
+    p, d = connectors
+    d._pull(p.pin("warm", [0], 1, 0, DIGEST), [0], [0], DIGEST)  # the peer is known: the early READ path
+    forged = dict(p.pin("victim", [1, 2], 2, 0, DIGEST), remote_block_ids=[8, 9])
+    with pytest.raises(SideChannelError, match="leased other blocks"):
+        d._pull(forged, [0, 1], [14, 15], DIGEST)
+    assert _released(p, "victim")  # the failed pull told the prefill side it will not read
+
+
+def test_wrong_prompt_digest_is_refused_by_the_lease(connectors):
+    from pdserve.worker.kv.side_channel import SideChannelError
+
+    p, d = connectors
+    d._pull(p.pin("warm2", [0], 1, 0, DIGEST), [0], [0], DIGEST)
+    params = p.pin("other-prompt", [5], 1, 0, DIGEST)
+    with pytest.raises(SideChannelError, match="prompt mismatch"):
+        d._pull(params, [0], [16], "e" * 32)
