@@ -1,0 +1,342 @@
+"""KVConnector: the worker-side half of P/D transfer; it moves bytes and owns no request.
+
+The scheduler-side half (`connector_scheduler.KVConnectorScheduler`) decides; each step this
+half gets its orders as `KVConnectorMetadata` and reports back as `KVConnectorOutput`:
+
+  start_load_kv(meta)  start this step's pulls (NIXL READ or TCP) into blocks the scheduler
+                       allocated, on a thread pool so engine steps go on meanwhile; send the
+                       releases of pins nobody will read
+  get_finished()       pulls that landed or failed; pinned requests the decode side released
+                       (or that expired), whose blocks the scheduler may now free
+  wait_for_loads(t)    nothing to compute until a pull lands: block briefly rather than spin
+
+Prefill side: `pin()` records a finished prefill's blocks in the pin table and describes them
+in kv_transfer_params; the side channel serves reads and releases (and NIXL notifications)
+from that table on its own thread.
+
+Security (docs/security.md): the side channel listens where HTTP does unless --kv-host says
+otherwise, and with --kv-secret every message is authenticated both ways; `describe` gives
+only the layout, and NIXL agent metadata travels only in the reply to a lease (a live
+transfer token for the reader's own prompt). Decode side: every peer is checked against
+--kv-peer-allow (default: nobody), and pulls run in a pool bounded per peer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import torch
+
+from pdserve.protocol.kv_transfer import KVTransferParams
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
+from pdserve.worker.kv.metrics import KVMetrics
+from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
+from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
+from pdserve.worker.kv.pins import LEASE_S, PinTable
+from pdserve.worker.kv.pull_pool import PullPool
+from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
+from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
+
+PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
+
+log = logging.getLogger(__name__)
+
+
+class KVConnector:
+    def __init__(self, config: EngineConfig, cache: torch.Tensor, engine_id: str, layout: str,
+                 tp: TPRank | None = None, link=None, report=None):
+        """Tensor parallelism (tp_link.py): every rank has a connector over its cache shard. `tp`:
+        this rank; `link`: rank 0's pipes to the other ranks; `report`: rank >= 1's way back."""
+        self.engine_id = engine_id
+        # "<layers>x<kv heads>x<head dim>:<dtype>:<block size>", of the whole model (all ranks'
+        # heads): peers of different TP sizes compare equal and map heads (tp_transfer.py).
+        self.layout = layout
+        self.tp = tp or TPRank(0, 1, cache.shape[4])
+        self.link, self._report = link, report
+        self.cache = cache  # [num_blocks, layers, 2, block_size, this rank's kv heads, head_dim]
+        self.transport = config.kv_transfer or ("nixl" if nixl_available() else "tcp")
+        if self.transport == "nixl" and not nixl_available():
+            from pdserve.worker.config import ConfigError
+
+            raise ConfigError("--kv-transfer", "nixl needs the nixl extra: pip install 'pdserve[nixl]'")
+        self.num_blocks = cache.shape[0]
+        self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
+        self.block_bytes = self.blocks.shape[1]
+        self.pins = PinTable(config.kv_pin_ttl)
+        self.metrics = KVMetrics()
+        self.policy = PeerPolicy(config.kv_peer_allow)
+        self.auth = SideChannelAuth(config.kv_secret)
+        self.port = config.kv_port + self.tp.rank  # a TP prefill worker serves rank r's shard on kv_port + r
+        self.timeout = config.kv_pull_timeout
+        # Listen where HTTP listens unless told otherwise; advertise an address peers can use.
+        self.bind_host = config.kv_host or config.kv_bind_host or "127.0.0.1"
+        advertised = config.kv_host or os.environ.get("POD_IP")
+        if advertised is None:
+            advertised = "127.0.0.1" if _is_wildcard(self.bind_host) else self.bind_host
+        self.host = advertised
+        self.nixl = None
+        if self.transport == "nixl":
+            try:
+                name = f"pdserve-{engine_id}" + (f"-r{self.tp.rank}" if self.tp.size > 1 else "")
+                self.nixl = NixlTransport(name, cache, self.block_bytes)
+            except Exception as e:  # e.g. UCX_TLS names transports this host cannot connect with
+                from pdserve.worker.config import ConfigError
+
+                raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
+                                                   f"or use --kv-transfer tcp") from e
+        self.server: side_channel.SideChannelServer | None = None
+        self.pool = PullPool(PULL_THREADS, config.kv_max_pulls_per_peer, cooldown_s=min(10.0, self.timeout))
+        self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
+        self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
+        # Rank 0 of a TP worker (step thread only): what the other ranks have yet to report.
+        self._tp_waiting: dict[str, set[int]] = {}  # pull -> ranks still pulling
+        self._tp_failed: dict[str, str] = {}  # pull -> why a rank's part failed
+        self._tp_releases: dict[str, dict] = {}  # pull -> params whose pins rank 0 releases after it
+        self._tp_unpinned: dict[str, int] = {}  # pin -> ranks whose mirror is gone
+        self._tp_sent: set[str] = set()  # rank 0's own pin gone, the other ranks' not yet
+        if link is not None:
+            link.send(("init", engine_id, layout))
+
+    # -- prefill side -------------------------------------------------------------------------
+
+    def start_server(self) -> None:
+        tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
+        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read}
+        self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick)
+        self.server.start()
+        log.info("KV side channel on %s:%d (advertised as %s), transport %s, %s", self.bind_host, self.port,
+                 self.host, self.transport, "authenticated" if self.auth.enabled else "UNAUTHENTICATED")
+        if not self.auth.enabled:
+            log.warning("KV side channel without --kv-secret: any host that reaches %s:%d can ask it for pinned "
+                        "blocks with a transfer token; set --kv-secret (or PDSERVE_KV_SECRET) on every worker",
+                        self.bind_host, self.port)
+
+    def health(self) -> str | None:
+        """None while the side channel serves; else why not (the worker's /health turns 503)."""
+        if self.server is not None and not self.server.healthy:
+            return "the KV side channel thread has stopped"
+        return None
+
+    def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
+            prompt_digest: str) -> dict:
+        token, expires_at = self.pins.add(request_id, block_ids, prompt_digest)
+        if self.link is not None:  # the other ranks serve their shards of these blocks under the same token
+            self.link.send(("pin", request_id, list(block_ids), token, prompt_digest))
+        return KVTransferParams(
+            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
+            remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
+            first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
+            expires_at=expires_at, kv_tp_size=self.tp.size).to_dict()  # rank r's shard: remote_port + r
+
+    def _describe(self, body):
+        # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).
+        return {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes,
+                "transport": self.transport}, []
+
+    def _lease(self, body):
+        if self.nixl is None:
+            raise ValueError("this worker serves KV over TCP: use read")
+        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"))
+        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"],
+                 "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
+        if body.get("want_metadata"):
+            reply["nixl"] = self.nixl.describe()
+        return reply, []
+
+    def _release(self, body):
+        return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
+
+    def _tick(self) -> None:
+        """Side-channel thread, every poll: NIXL notifications; on rank >= 1, pins that are gone."""
+        if self.nixl is not None:
+            self._nixl_tick()
+        if self._report is not None:
+            for rid, _, _ in self.pins.collect():
+                self._report(("unpinned", self.tp.rank, rid))
+
+    def _nixl_tick(self) -> None:
+        for msg in self.nixl.notifications():
+            if msg.get("op") == "release" and self.pins.release(msg.get("request_id", ""), msg.get("token", "")):
+                self.metrics.bytes.labels("send", "nixl").inc(msg.get("bytes", 0))
+
+    # -- decode side: the step's orders and what came of them (step thread) ---------------------
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        if self.link is not None and meta.loads:
+            self.link.send(("loads", meta.loads))  # every rank pulls its own heads into the same blocks
+            for load in meta.loads:
+                self._tp_waiting[load.request_id] = set(range(1, self.tp.size))
+        for load in meta.loads:
+            if self._tp_pull(load.params):
+                self._tp_releases[load.request_id] = load.params
+            self._loading[load.request_id] = self.pool.submit(
+                _peer(load.params), self._pull, load.params, load.indices, load.dst_blocks, load.prompt_digest)
+        for params in meta.releases:
+            self.pool.submit(_peer(params), self._release_quietly, params)
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for rid, block_ids, expired in self.pins.collect():
+            if expired:
+                log.warning("KV pin of %s expired after %.0fs without a release; freeing %d blocks",
+                            rid, self.pins.ttl, len(block_ids))
+            if self.link is None:
+                out.finished_sending.append(rid)
+            else:
+                self._tp_sent.add(rid)
+        if self.link is not None:
+            self._apply_rank_reports(out)
+        for rid, fut in list(self._loading.items()):
+            if not fut.done() or self._tp_waiting.get(rid):
+                continue
+            del self._loading[rid]
+            self._tp_waiting.pop(rid, None)
+            error = fut.exception() or self._tp_failed.pop(rid, None)
+            if error is None:
+                out.finished_recving.append(rid)
+            else:
+                log.warning("KV pull for %s failed: %s", rid, error)
+                out.failed_recving.append(rid)
+            params = self._tp_releases.pop(rid, None)
+            if params is not None:  # every rank has read (or given up): free every prefill rank's pin
+                self.pool.submit(_peer(params), self._release_quietly, params)
+        return out
+
+    def _apply_rank_reports(self, out: KVConnectorOutput) -> None:
+        """Rank 0: fold in what ranks 1..N-1 finished; a pull or pin is done when all ranks' are."""
+        for msg in self.link.reports():
+            if msg[0] == "pulled":
+                _, rank, rid, error = msg
+                self._tp_waiting.get(rid, set()).discard(rank)
+                if error is not None:
+                    self._tp_failed.setdefault(rid, f"rank {rank}: {error}")
+            elif msg[0] == "unpinned":
+                self._tp_unpinned[msg[2]] = self._tp_unpinned.get(msg[2], 0) + 1
+        for rid in [r for r in self._tp_sent if self._tp_unpinned.get(r, 0) >= self.tp.size - 1]:
+            self._tp_sent.discard(rid)
+            self._tp_unpinned.pop(rid, None)
+            out.finished_sending.append(rid)
+
+    def start_follower_loads(self, loads: list) -> None:
+        """Rank >= 1: rank 0's pulls of this step, for this rank's heads; each reports when done."""
+        for load in loads:
+            fut = self.pool.submit(_peer(load.params), self._pull, load.params, load.indices, load.dst_blocks,
+                                   load.prompt_digest)
+            fut.add_done_callback(lambda f, rid=load.request_id: self._report(
+                ("pulled", self.tp.rank, rid, None if f.exception() is None else str(f.exception()))))
+
+    def wait_for_loads(self, timeout: float) -> None:
+        pending = [f for f in self._loading.values() if not f.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        elif self._loading and self.link is not None:  # ours landed; the other ranks' have not
+            self.link.wait(timeout)
+        else:  # nothing could be scheduled (no free blocks, or pins at their cap): wait for a release
+            time.sleep(timeout)
+
+    # -- decode side: moving bytes (pull threads) -------------------------------------------------
+
+    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int], digest: str) -> int:
+        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
+        t0 = time.perf_counter()
+        transport = params.get("transport", "tcp")
+        try:
+            host = self.policy.check(str(params["remote_host"]))
+            port = int(params["remote_port"])
+            if self._tp_pull(params):
+                transport = transport if transport == "nixl" and self.nixl is not None else "tcp"
+                nbytes = pull_shards(self, host, params, indices, dst_blocks, digest, transport)
+            elif transport == "nixl" and self.nixl is not None:
+                nbytes = self._nixl_pull(host, port, params, indices, dst_blocks, digest)
+            else:
+                transport = "tcp"
+                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest)
+        except Exception as e:
+            self.metrics.failures.labels("recv", transport).inc()
+            if not isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed)) and not self._tp_pull(params):
+                self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
+            raise
+        self.metrics.bytes.labels("recv", transport).inc(nbytes)
+        self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
+        return nbytes
+
+    def _nixl_pull(self, host, port, params, indices, dst_blocks, digest) -> int:
+        """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params
+        name starts first and the lease round trip runs while the bytes move. Those bytes count
+        only if the lease then confirms the same blocks for this prompt: a pin is never re-made
+        under a token, so blocks read before a successful lease were read while the pin held
+        them. Otherwise the READ is abandoned and the scheduler prefills locally over them."""
+        engine_id = params["remote_engine_id"]
+        peer = self.nixl.known_peer(engine_id)
+        rid, token = params["remote_request_id"], params["transfer_token"]
+        notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * self.block_bytes}
+        src = [params["remote_block_ids"][i] for i in check_indices(indices, len(params["remote_block_ids"]))]
+        early = None
+        # Not with the release riding on the READ: it would end the pin before the lease.
+        if peer is not None and self.overlap_lease and self.nixl.notify_after_read:
+            early = self.nixl.post_read(peer, src, dst_blocks, notif)
+        try:
+            reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices,
+                                                               "prompt_digest": digest, "want_metadata": peer is None},
+                                         self.timeout, self.auth)
+            if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not "
+                                                    f"confirm the prompt digest")
+            if peer is None:
+                if not isinstance(reply.get("nixl"), dict):
+                    raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
+                peer = self.nixl.add_peer(engine_id, reply["nixl"])
+            if reply.get("block_ids") != src:
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} leased other blocks than the params name")
+        except BaseException:
+            if early is not None:
+                self.nixl.abort_read(early, self.timeout)
+            raise
+        return self.nixl.finish_read(early or self.nixl.post_read(peer, src, dst_blocks, notif), self.timeout)
+
+    def _tp_pull(self, params: dict) -> bool:
+        """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""
+        try:
+            return self.tp.size > 1 or remote_tp_size(params) > 1
+        except ValueError:
+            return True  # the pull refuses it (and falls back to local prefill)
+
+    def _release_quietly(self, params: dict) -> None:
+        """Best effort: tell the prefill worker we will not read (more of) its pin (every rank's,
+        when it is tensor-parallel). Its TTL is the backstop."""
+        try:
+            host = self.policy.check(str(params["remote_host"]))  # never contact a peer we would not pull from
+            ranks = remote_tp_size(params)
+        except Exception as e:
+            log.debug("KV release of %s not sent: %s", params.get("remote_request_id"), e)
+            return
+        for rank in range(ranks):
+            try:
+                side_channel.call(host, int(params["remote_port"]) + rank, "release",
+                                  {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
+                                  min(5.0, self.timeout), self.auth)
+            except Exception as e:
+                log.debug("KV release of %s (rank %d) failed: %s", params.get("remote_request_id"), rank, e)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+        if self.server:
+            self.server.stop()
+
+
+def _peer(params: dict) -> tuple[str, int]:
+    return str(params.get("remote_host")), int(params.get("remote_port", 0))
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
