@@ -14,7 +14,8 @@ in the same run. Block layouts (the same ids on both sides except "real"):
               descriptor count is the runs of (source, destination) pairs that merge
 
 NIXL is measured with descriptor lists prepared once per peer (`prepped`: a pull is
-make_prepped_xfer with block indices) and built per pull (`dlist`), see --nixl-modes.
+make_prepped_xfer with block indices) and built per pull (`dlist`), both with the READ posted
+before the lease round trip; and `serial`: prepped, lease first (see --nixl-modes).
 
     python -m pdserve.bench.kv_transfer --device cpu --sizes-mib 1 16 64
     python -m pdserve.bench.kv_transfer --device cuda --ucx-tls cuda_ipc,cuda_copy,tcp
@@ -194,7 +195,8 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
         for kind, i, src, dst in cases:
             for mode in modes:
                 if c.nixl is not None:
-                    c.nixl.use_prepped = mode == "prepped"
+                    c.nixl.use_prepped = mode != "dlist"
+                    c.overlap_lease = mode != "serial"
                 times = []
                 for _ in range(iters):
                     _sync(client_dev)
@@ -205,7 +207,7 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
                 rows[(kind, i, mode)] = (len(src) * block_bytes, statistics.median(times))
         parts = {}
         if nixl_breakdown:
-            for mode in modes:
+            for mode in [m for m in modes if m != "serial"]:  # the breakdown times its steps one after another
                 for after in (True, False):
                     c.nixl.use_prepped, c.nixl.notify_after_read = mode == "prepped", after
                     label = f"nixl {mode}, release notification {'after the READ' if after else 'on the READ'}"
@@ -295,8 +297,10 @@ def main(argv=None) -> int:
     ap.add_argument("--transports", nargs="+", default=["nixl", "tcp"], choices=("nixl", "tcp"))
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "scattered", "real"],
                     choices=("contiguous", "scattered", "real"))
-    ap.add_argument("--nixl-modes", nargs="+", default=["prepped", "dlist"], choices=("prepped", "dlist"),
-                    help="prepped: descriptor lists prepared once per peer; dlist: built per pull")
+    ap.add_argument("--nixl-modes", nargs="+", default=["prepped", "dlist", "serial"],
+                    choices=("prepped", "dlist", "serial"),
+                    help="prepped: descriptor lists prepared once per peer, READ overlapped with the lease; dlist: "
+                         "descriptor lists built per pull; serial: prepped, but the lease round trip before the READ")
     ap.add_argument("--notify", default="after", choices=("after", "on-read"),
                     help="NIXL release notification: sent after the READ is DONE (pdserve's default) or attached to it")
     ap.add_argument("--spin-us", type=float, default=None,
