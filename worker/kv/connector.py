@@ -233,11 +233,11 @@ class KVConnector:
                 ("pulled", self.tp.rank, rid, None if f.exception() is None else str(f.exception()))))
 
     def wait_for_loads(self, timeout: float) -> None:
-        pending = [f for f in self._loading.values() if not f.done()]
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-        elif self._loading and self.link is not None:  # ours landed; the other ranks' have not
-            self.link.wait(timeout)
+        if self._loading:
+            if self.link is None or not any(f.done() for f in self._loading.values()):
+                wait(self._loading.values(), timeout=timeout, return_when=FIRST_COMPLETED)
+            else:  # some landed here and wait on the other ranks: their reports wake us
+                self.link.wait(timeout)
         else:  # nothing could be scheduled (no free blocks, or pins at their cap): wait for a release
             time.sleep(timeout)
 
