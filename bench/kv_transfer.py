@@ -175,7 +175,7 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
         pins += [src] * (iters * len(modes))
     nixl_breakdown = transport == "nixl" and breakdown_iters > 0
     if nixl_breakdown:
-        pins += [[0]] * (2 * breakdown_iters * len(modes))  # notification after / on the READ
+        pins += [[0]] * (2 * 2 * breakdown_iters * len(modes))  # notification after / on the READ; 2 per step
     port = 20000 + os.getpid() % 20000
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -209,7 +209,7 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
         if nixl_breakdown:
             for mode in [m for m in modes if m != "serial"]:  # the breakdown times its steps one after another
                 for after in (True, False):
-                    c.nixl.use_prepped, c.nixl.notify_after_read = mode == "prepped", after
+                    c.nixl.use_prepped, c.nixl.notify_after_read, c.overlap_lease = mode == "prepped", after, True
                     label = f"nixl {mode}, release notification {'after the READ' if after else 'on the READ'}"
                     parts[label] = _breakdown(c, side_channel, params, breakdown_iters, client_dev)
         c.shutdown()
@@ -239,6 +239,11 @@ def _breakdown(c, side_channel, params, iters, client_dev) -> dict[str, float]:
         c.nixl.read(peer, reply["block_ids"], [0], notif, c.timeout, t)
         _sync(client_dev)
         t["total"] = time.perf_counter() - t0
+        q = next(params)  # the same pull through the connector, interleaved: what the main table measures
+        t0 = time.perf_counter()
+        c._pull(q, [0], [0], BENCH_DIGEST)
+        _sync(client_dev)
+        t["pull"] = time.perf_counter() - t0
         for k, v in t.items():
             samples.setdefault(k, []).append(v)
     return {k: statistics.median(v) for k, v in samples.items()}
@@ -370,12 +375,13 @@ def main(argv=None) -> int:
         fixed = [fixed_cost_ms([results[(kind, 0, col)], results[(kind, len(counts) - 1, col)]]) for col in columns]
         lines.append(f"| fixed cost per pull (ms) | {kind} | | | " + " | ".join(f"{f:.2f}" for f in fixed) + " |")
     if parts:
-        names = ["lease", "prepare", "post", "wait", "release", "notify", "total"]
+        names = ["lease", "prepare", "post", "wait", "release", "notify", "total", "pull"]
         lines += ["", f"1-block NIXL pull taken apart (median of {args.breakdown_iters}, ms):", "",
                   "| step | " + " | ".join(parts) + " |", "|---" * (1 + len(parts)) + "|"]
         labels = {"lease": "lease (side-channel round trip)", "prepare": "prepare (make_prepped_xfer / initialize_xfer)",
                   "post": "post (transfer)", "wait": "wait for DONE", "release": "release_xfer_handle",
-                  "notify": "send_notif (release), after DONE", "total": "total"}
+                  "notify": "send_notif (release), after DONE", "total": "total",
+                  "pull": "KVConnector._pull end to end (READ during the lease where the release comes after)"}
         for k in names:
             lines.append(f"| {labels[k]} | " + " | ".join(f"{parts[m][k] * 1e3:.3f}" for m in parts) + " |")
     if "nixl" in args.transports and args.lease_registration_blocks > 0:
