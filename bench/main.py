@@ -16,6 +16,7 @@ BENCHMARKS = {
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",
     "disagg": "pdserve.bench.disagg",
+    "structured": "pdserve.bench.structured",
 }
 
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device run of bench/structured.py (1x H100, ~5 minutes). From the repo root, after staging
+# the wheels and SmolLM2's tokenizer here (the device machine reaches no index):
+#
+#   mkdir -p .bench-structured/smollm2 && echo /.bench-structured/ >> .git/info/exclude
+#   pip download --no-deps -d .bench-structured llguidance xgrammar apache-tvm-ffi pydantic \
+#       pydantic-core annotated-types typing-inspection
+#   cp ~/.cache/pdserve/models/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,config.json} \
+#       .bench-structured/smollm2/
+#   then, on the device:  bash bench/structured_gpu.sh     (carry: [".bench-structured"])
+#
+# Writes $OUT/structured.md (else ./structured_out). Wheels that do not fit the device's Python
+# are skipped; the bench skips an engine that does not import. Only torch, triton and
+# transformers are needed besides: the bench never imports the server.
+set -u
+OUT=${OUT:-$PWD/structured_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+# pdserve is a namespace package mapped from top-level folders: a link farm makes it importable.
+PD=/tmp/pdserve-path
+rm -rf "$PD" && mkdir -p "$PD/pdserve"
+for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
+export PYTHONPATH="$PD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+  for w in .bench-structured/*.whl; do $PY -m pip install -q --no-deps --no-index "$w" 2>&1 | tail -1 || true; done
+} 2>&1 | tee "$OUT/env.txt"
+timeout --kill-after=10 540 $PY -m pdserve.bench.structured --device cuda --tokenizer .bench-structured/smollm2 \
+  --batch 1 8 32 --out "$OUT/structured.md" "$@" 2>&1 | grep -v Warning | tee "$OUT/log.txt"
