@@ -56,6 +56,8 @@ class EngineConfig:
                                  unset=f"${ENV_KV_SECRET}, else unauthenticated")
     kv_events_port: int | None = flag(None, "ZMQ PUB port of the KV cache events the router's prefix-aware policy "
                                             "follows (replay on the next port)", unset="no events")
+    structured_outputs_backend: str = flag("llguidance", "grammar engine of response_format / guided_* "
+                                           "(docs/structured-outputs.md)", choices=("llguidance", "xgrammar"))
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

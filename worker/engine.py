@@ -28,7 +28,7 @@ from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.scheduler import Scheduler
-from pdserve.worker.structured_output import DEFAULT_BACKEND, StructuredOutputs
+from pdserve.worker.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-            structured_outputs_backend or getattr(config, "structured_outputs_backend", DEFAULT_BACKEND))
+            structured_outputs_backend or config.structured_outputs_backend)
         # KV cache events for KV-aware routers: collected during a step, published once per step.
         self._kv_events: list[dict] = []
         self._kv_event_publisher = None

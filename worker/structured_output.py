@@ -129,7 +129,13 @@ class StructuredOutputs:
         self._executor = None
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()  # add_request may run on several threads
-        __import__(backend)  # not installed: the worker fails at start, not at the first request
+        try:  # not installed: the worker fails at start, naming the flag, not at the first request
+            __import__(backend)
+        except ImportError as e:
+            from pdserve.protocol.flags import ConfigError
+
+            raise ConfigError("--structured-outputs-backend", f"{backend} is not installed ({e}); "
+                                                              f"pip install {'llguidance' if backend == 'llguidance' else 'pdserve[xgrammar]'}") from None
 
     def matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
         """A fresh matcher for `spec` (raises GrammarError if the spec does not compile)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import httpx
 import jsonschema
@@ -189,6 +190,16 @@ def test_an_invalid_spec_is_refused_at_add_request(engine):
             engine.add_request("bad", [1, 2, 3], SamplingParams(structured=spec))
         assert e.value.param == spec.param
     assert not engine.has_work()
+
+
+def test_a_missing_engine_fails_at_start_naming_the_flag(monkeypatch, engine):
+    from pdserve.protocol.flags import ConfigError
+    from pdserve.worker.structured_output import StructuredOutputs
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # what an environment without the wheel imports
+    with pytest.raises(ConfigError) as e:
+        StructuredOutputs(engine.tokenizer, engine.model_config.vocab_size, (2,), "xgrammar")
+    assert e.value.flag == "--structured-outputs-backend" and "pdserve[xgrammar]" in str(e.value)
 
 
 # ---- through a real worker: openai and langchain-openai ------------------------------------------------
