@@ -144,7 +144,7 @@ class KVConnector:
         if self.nixl is None:
             raise ValueError("this worker serves KV over TCP: use read")
         ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"))
-        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"],
+        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"], "tp_rank": self.tp.rank,
                  "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
         if body.get("want_metadata"):
             reply["nixl"] = self.nixl.describe()

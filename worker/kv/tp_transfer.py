@@ -128,6 +128,9 @@ def _read(conn, transport: str, host: str, port: int, remote_rank: int, params: 
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
         raise side_channel.SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not "
                                             f"confirm the prompt digest")
+    if reply.get("tp_rank", 0) != remote_rank:
+        raise side_channel.SideChannelError(f"KV peer {host}:{port} is tensor-parallel rank {reply.get('tp_rank')}, "
+                                            f"not rank {remote_rank}: its heads are not the ones expected")
     if peer is None:
         if not isinstance(reply.get("nixl"), dict):
             raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
