@@ -70,7 +70,8 @@ class StructuredOutputSpec:
         """vLLM's guided_choice: exactly one of the strings (regex metacharacters escaped)."""
         import re
 
-        return "(" + "|".join(re.escape(c) for c in choices) + ")"
+        # Only the metacharacters: re.escape also escapes spaces, which xgrammar warns about.
+        return "(" + "|".join(re.sub(r"([\\^$.|?*+()\[\]{}/-])", r"\\\1", c) for c in choices) + ")"
 
 
 class GrammarMatcher:

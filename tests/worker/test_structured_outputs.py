@@ -128,7 +128,8 @@ def _check(kind, value, text):
 
 CASES = [("json", PERSON), ("json", ENUMS), ("json", {"type": "object", "properties": {"ok": {"type": "boolean"}},
                                                       "required": ["ok"], "additionalProperties": False}),
-         ("regex", PHONE), ("regex", r"(yes|no)!{1,3}"), ("choice", CHOICES)]
+         ("regex", PHONE), ("regex", r"(yes|no)!{1,3}"), ("choice", CHOICES),
+         ("choice", ["a.b (c)", "x|y+", "[z] 1-2/3", "back\\slash"])]  # regex metacharacters are literal
 
 
 def test_every_output_obeys_its_grammar(engine):
