@@ -193,3 +193,66 @@ def test_one_rank_failing_falls_back_on_all_ranks(workers, no_leaks, ptp, dtp):
     text = pd(p, d, prompt, tamper=release_rank1)
     assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks + reads_rank1
     assert text == single(ws["decode", 1], prompt)
+
+
+# -- the head mapping byte for byte, in process (two "ranks" are two connectors on port, port + 1) --
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_staged_pulls_put_every_head_where_it_belongs(transport):
+    """Prefill TP=2 -> decode TP=1 interleaves both ranks' heads; prefill TP=1 -> decode TP=2 keeps
+    each rank's slice: the decode caches must equal the prefill caches' heads exactly."""
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("needs the nixl extra (pip install 'pdserve[nixl]')")
+    import torch
+
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.kv.connector import KVConnector
+    from pdserve.worker.kv.prompt_binding import prompt_digest
+
+    layers, bs, kv, dim, blocks = 2, 4, 2, 8, 16
+    prompt = list(range(10, 10 + 3 * bs))
+    digest = prompt_digest(prompt)
+    src_ids, dst_ids = [3, 4, 9], [7, 1, 2]
+
+    def config(port):
+        return EngineConfig(device="cpu", kv_transfer=transport, kv_port=port, kv_peer_allow=("127.0.0.1",),
+                            kv_secret=SECRET, kv_pull_timeout=10)
+
+    def cache(heads, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(blocks, layers, 2, bs, heads, dim, generator=g)
+
+    def serve(size):
+        """A prefill worker of TP `size`: one connector per rank, rank r on port + r, one pin."""
+        port = free_kv_ports()
+        ranks = [KVConnector(config(port), cache(kv // size, r), "eng", "layout", tp=TPRank(r, size, kv))
+                 for r in range(size)]
+        token = None
+        for c in ranks:
+            c.start_server()
+            token, _ = c.pins.add("req", src_ids, digest, token=token)
+        params = {"remote_engine_id": "eng", "remote_host": "127.0.0.1", "remote_port": port,
+                  "remote_request_id": "req", "transfer_token": token, "kv_tp_size": size}
+        return ranks, params
+
+    def pull(size, rank, params):
+        c = KVConnector(config(free_kv_ports()), cache(kv // size, 99), "dec", "layout", tp=TPRank(rank, size, kv))
+        c.cache.zero_()
+        c._pull(params, list(range(len(src_ids))), dst_ids, digest)
+        c.shutdown()
+        return c.cache[dst_ids]
+
+    prefill, params = serve(2)  # TP=2 -> TP=1: head h comes from rank h
+    try:
+        want = torch.cat([r.cache[src_ids] for r in prefill], dim=4)
+        assert torch.equal(pull(1, 0, params), want)
+    finally:
+        for r in prefill:
+            r.shutdown()
+    prefill, params = serve(1)  # TP=1 -> TP=2: rank r keeps head r
+    try:
+        full = prefill[0].cache[src_ids]
+        for rank in (0, 1):
+            assert torch.equal(pull(2, rank, params), full[:, :, :, :, rank:rank + 1])
+    finally:
+        prefill[0].shutdown()
