@@ -260,7 +260,8 @@ class KVConnector:
                 nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest)
         except Exception as e:
             self.metrics.failures.labels("recv", transport).inc()
-            if not isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed)) and not self._tp_pull(params):
+            quiet = isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed))
+            if not quiet and not self._tp_pull(params):  # under TP rank 0 releases once all ranks are done
                 self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
             raise
         self.metrics.bytes.labels("recv", transport).inc(nbytes)

@@ -98,7 +98,8 @@ def pull_shards(conn, host: str, params: dict, indices: list[int], dst_blocks: l
     for s in sources:
         port = base_port + s.remote_rank
         if s.direct:
-            nbytes += _read(conn, transport, host, port, s.remote_rank, params, indices, dst_blocks, conn.blocks, digest)
+            nbytes += _read(conn, transport, host, port, s.remote_rank, params, indices, dst_blocks, conn.blocks,
+                            digest)
             continue
         buf = torch.empty(n, head_bytes * s.remote_num_heads, dtype=torch.uint8, device=cache.device)
         nbytes += _read(conn, transport, host, port, s.remote_rank, params, indices, list(range(n)), buf, digest)
