@@ -187,6 +187,13 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
         res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
         check = [[rng.randrange(3, vocab) for _ in range(24 + 8 * i)] for i in range(CHECK_PROMPTS)]
         res["greedy"], res["top"] = greedy_with_logprobs(engine, check)
+    except BaseException:
+        # Printed before shutdown: a shutdown that hangs must not hide why the run stopped.
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
     finally:
         engine.shutdown()
         del engine

@@ -73,6 +73,27 @@ def agree_min(value: int, device: torch.device) -> int:
     return agreed
 
 
+DESTROY_WAIT_S = 10.0
+
+
 def shutdown_tensor_parallel() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group, but never hang a shutdown on it: with NCCL, a collective that
+    another rank never joined (it died, or this rank left a step early on an error) makes
+    destroy_process_group wait forever (seen on 2x H100). Past DESTROY_WAIT_S we log and go on;
+    the process is exiting and the driver reclaims the communicator."""
+    if not dist.is_initialized():
+        return
+    import threading
+
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=destroy, name="tp-destroy", daemon=True).start()
+    if not done.wait(DESTROY_WAIT_S):
+        log.error("tensor-parallel: destroying the process group did not finish in %.0fs (a collective "
+                  "another rank never joined); exiting without it", DESTROY_WAIT_S)
