@@ -95,7 +95,9 @@ def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count:
     dist.barrier()
     if rank == 0:
         out.put((sec, how))
-    dist.destroy_process_group()
+    from pdserve.worker.distributed import shutdown_tensor_parallel
+
+    shutdown_tensor_parallel()  # bounded: NCCL's destroy hung this process on 2x H100
 
 
 def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int) -> tuple[float, str]:
