@@ -10,13 +10,14 @@ from pdserve.protocol.kv_transfer import (KVTransferParams, KVTransferParamsErro
 
 GOOD = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600, "remote_request_id": "r1",
         "remote_block_ids": [3, 4, 5], "num_prompt_tokens": 9, "first_token_id": 42, "transfer_token": "t",
-        "expires_at": 1.5e9, "kv_layout": "2x4x16:float32:4", "transport": "nixl"}
+        "expires_at": 1.5e9, "kv_layout": "2x4x16:float32:4", "transport": "nixl", "kv_tp_size": 2}
 
 
 def test_round_trip():
     p = KVTransferParams.from_dict(GOOD)
     assert p.to_dict() == GOOD and p.block_size == 4 and p.remote_block_ids == (3, 4, 5)
-    assert KVTransferParams.from_dict({k: v for k, v in GOOD.items() if k not in ("transport", "expires_at")}).transport == "tcp"
+    older = KVTransferParams.from_dict({k: v for k, v in GOOD.items() if k not in ("transport", "expires_at", "kv_tp_size")})
+    assert older.transport == "tcp" and older.kv_tp_size == 1  # a sender that predates a field gets its default
 
 
 @pytest.mark.parametrize("change,says", [
@@ -28,6 +29,9 @@ def test_round_trip():
     ({"kv_layout": "2x4x16:float32:four"}, "does not end in a block size"),
     ({"kv_layout": "2x4x16:float32:0"}, "do not cover"),
     ({"transport": 3}, "transport must be a string"),
+    ({"kv_tp_size": 0}, r"kv_tp_size must be an integer in \[1, 64\]"),
+    ({"kv_tp_size": "2"}, r"kv_tp_size must be an integer"),
+    ({"kv_tp_size": True}, r"kv_tp_size must be an integer"),
 ])
 def test_malformed_params_are_refused(change, says):
     with pytest.raises(KVTransferParamsError, match=says) as e:
