@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from pdserve.operator.spec import ModelServing, SecretKeyRef
+from pdserve.protocol.contract import ROLE_PREFILL
 # The labels the router selects and pairs workers by: defined once, with the router's side.
 from pdserve.protocol.contract import LABEL_MODELSERVING, LABEL_REVISION, LABEL_ROLE  # noqa: F401
 
@@ -30,6 +31,18 @@ ANNOTATION_WORKER_API_KEY_UID = "pdserve.io/worker-api-key-uid"
 
 def child_name(ms: ModelServing, role: str) -> str:
     return f"{ms.name}-{role}"
+
+
+KV_PORT_NAME = "kv"
+
+
+def kv_ports(ms: ModelServing, role: str) -> list[tuple[str, int]]:
+    """(name, number) of the KV side-channel ports a worker of this role opens: rank r of a
+    prefill worker serves its cache shard on kvTransfer.port + r, so a TP=N prefill worker has N
+    (`kv`, `kv-1`, … `kv-63`: within the 15-character port-name limit at the CRD's TP ≤ 64).
+    Decode workers only dial out; they keep the one `kv` port they always declared."""
+    n = ms.spec.role(role).tensor_parallel_size if role == ROLE_PREFILL else 1
+    return [(KV_PORT_NAME if r == 0 else f"{KV_PORT_NAME}-{r}", ms.spec.kv_port + r) for r in range(n)]
 
 
 def kv_secret_ref(ms: ModelServing) -> SecretKeyRef:

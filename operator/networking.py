@@ -45,8 +45,8 @@ def build_worker_service(ms: ModelServing, role: str) -> dict[str, Any]:
             "selector": naming.selector_labels(ms, role),
             "ports": [
                 {"name": HTTP_PORT_NAME, "port": HTTP_PORT, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"},
-                {"name": "kv", "port": ms.spec.kv_port, "targetPort": "kv", "protocol": "TCP"},
-            ],
+            ] + [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                 for name, port in naming.kv_ports(ms, role)],
         },
     }
 
@@ -61,9 +61,9 @@ def metrics_scrapers(ms: ModelServing) -> tuple[dict[str, Any], ...]:
 def build_worker_network_policy(ms: ModelServing) -> dict[str, Any]:
     """Ingress to prefill and decode pods only from this ModelServing's own pods (and scrapers).
 
-    - Workers of this ModelServing: every TCP port. The KV side channel has a known port, but
-      NIXL's UCX TCP transport listens on ephemeral ports it picks at start-up, which cannot be
-      listed here. (RDMA traffic bypasses the kernel's network stack, so no NetworkPolicy sees it.)
+    - Workers of this ModelServing: every TCP port. The KV side channel has known ports (one per
+      prefill rank: naming.kv_ports), but NIXL's UCX TCP transport listens on ephemeral ports it
+      picks at start-up, which cannot be listed here. (RDMA traffic bypasses the kernel's network stack, so no NetworkPolicy sees it.)
     - Routers of this ModelServing: the HTTP port, plus the KV-event ports when a prefix-aware
       policy subscribes to them.
     - Metric scrapers (networkPolicy.metricsFrom): the HTTP port, where /metrics is served; a

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pdserve.operator.config import default_image
+from pdserve.protocol.contract import HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # Where pod networks live in nearly every cluster (RFC 1918, shared address space, IPv6 ULA):
@@ -195,6 +196,16 @@ class ModelServingSpec:
                     f"spec.{rs.role}.resources.{kind}[{GPU_RESOURCE}] is {gpus} but "
                     f"tensorParallelSize is {rs.tensor_parallel_size}: each worker needs one GPU per rank"
                 )
+        # Rank r of a prefill worker listens on kvTransfer.port + r: the range must fit and miss
+        # the worker's other ports, or a rank fails to bind at start-up.
+        last = self.kv_port + self.prefill.tensor_parallel_size - 1
+        if last > 65535:
+            raise SpecError(f"spec.kvTransfer.port ({self.kv_port}) + spec.prefill.tensorParallelSize - 1 is {last}, "
+                            f"past 65535: prefill rank r listens on kvTransfer.port + r")
+        taken = {HTTP_PORT} | ({KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT} if self.router.prefix_aware else set())
+        if clash := sorted(p for p in taken if self.kv_port <= p <= last):
+            raise SpecError(f"spec.kvTransfer.port: the prefill KV ports {self.kv_port}..{last} (one per "
+                            f"tensor-parallel rank) include {clash[0]}, which the worker also listens on")
         if self.cache_claim and self.cache_size:
             raise SpecError("spec.model.cache: set claimName (a PVC) or sizeLimit (an emptyDir), not both")
 

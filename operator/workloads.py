@@ -182,8 +182,8 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
     elif src.kind == "hf" and src.revision:
         init.append(pods.fetch_container(ms, "fetch-model", src, pods.pinned_dir(src), pods.MODEL_FILES,
                                          [tmp_mount, cache_mount]))
-    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
-             {"name": "kv", "containerPort": s.kv_port, "protocol": "TCP"}]
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in naming.kv_ports(ms, role)]
     if s.router.prefix_aware:
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
                   {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]

@@ -11,7 +11,7 @@ import pytest
 from pdserve.operator import naming
 from pdserve.operator.children import build_children
 from pdserve.operator.generated_secrets import KV_SECRET, WORKER_API_KEY, build_secret, check_secret, new_value
-from pdserve.operator.networking import build_worker_network_policy
+from pdserve.operator.networking import build_worker_network_policy, build_worker_service
 from pdserve.operator.optional import ApiVersions
 from pdserve.operator.rbac import build_operator_cluster_role
 from pdserve.operator.spec import ModelServing, ModelServingSpec, SpecError
@@ -221,3 +221,61 @@ def test_gpu_counts_that_cannot_serve_the_ranks_are_spec_errors(role_spec, messa
 
 def test_tensor_parallel_sizes_are_in_the_revision():
     assert naming.revision(ms(decode={"tensorParallelSize": 2})) != naming.revision(ms())
+
+
+# tensor-parallel prefill workers serve rank r's KV shard on kvTransfer.port + r ---------------
+
+def ports(m, role):
+    c = worker(m, role)
+    svc = build_worker_service(m, role)["spec"]["ports"]
+    return ([(p["name"], p["containerPort"]) for p in c["ports"]],
+            [(p["name"], p["port"], p["targetPort"]) for p in svc])
+
+
+def test_tp1_workers_keep_the_http_and_one_kv_port():
+    for role in ("prefill", "decode"):
+        container, service = ports(ms(), role)
+        assert container == [("http", 8000), ("kv", 5600)]
+        assert service == [("http", 8000, "http"), ("kv", 5600, "kv")]
+
+
+@pytest.mark.parametrize("tp, expected", [
+    (2, [("kv", 5600), ("kv-1", 5601)]),
+    (4, [("kv", 5600), ("kv-1", 5601), ("kv-2", 5602), ("kv-3", 5603)]),
+])
+def test_tp_prefill_workers_open_a_kv_port_per_rank_in_pod_and_service(tp, expected):
+    m = ms(prefill={"tensorParallelSize": tp}, decode={"tensorParallelSize": tp}, kvTransfer={"port": 5600})
+    container, service = ports(m, "prefill")
+    assert container == [("http", 8000)] + expected
+    assert service == [("http", 8000, "http")] + [(n, p, n) for n, p in expected]
+    assert worker(m, "prefill")["args"][worker(m, "prefill")["args"].index("--kv-port") + 1] == "5600"
+    # decode ranks only dial out: the decode pods keep their one kv port
+    assert ports(m, "decode") == ([("http", 8000), ("kv", 5600)], [("http", 8000, "http"), ("kv", 5600, "kv")])
+
+
+def test_the_network_policy_admits_every_prefill_ranks_kv_port_from_the_workers():
+    """Workers of this ModelServing reach each other on every TCP port (UCX's ephemeral
+    listeners), which covers kvTransfer.port + r for every rank; nobody else reaches them."""
+    p = build_worker_network_policy(ms(prefill={"tensorParallelSize": 4}))
+    worker_rule, router_rule = p["spec"]["ingress"]
+    assert worker_rule["ports"] == [{"protocol": "TCP"}]  # no port: kvTransfer.port .. + 3 included
+    assert all(r["port"] not in range(5600, 5604) for r in router_rule["ports"])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kvTransfer": {"port": 65534}, "prefill": {"tensorParallelSize": 4}},
+     r"spec.kvTransfer.port \(65534\) \+ spec.prefill.tensorParallelSize - 1 is 65537, past 65535"),
+    ({"kvTransfer": {"port": 7998}, "prefill": {"tensorParallelSize": 4}},
+     r"spec.kvTransfer.port: the prefill KV ports 7998..8001 .* include 8000"),
+    ({"kvTransfer": {"port": 5556}, "prefill": {"tensorParallelSize": 2}, "router": {"policy": "prefix-aware"}},
+     r"spec.kvTransfer.port: the prefill KV ports 5556..5557 .* include 5557"),
+])
+def test_a_prefill_kv_port_range_that_cannot_be_bound_is_a_spec_error(spec, message):
+    with pytest.raises(SpecError, match=message):
+        ms(**spec)
+
+
+def test_kv_port_ranges_clear_of_the_other_ports_are_fine():
+    ms(kvTransfer={"port": 5556}, prefill={"tensorParallelSize": 2})  # no KV events without prefix-aware
+    ms(kvTransfer={"port": 65532}, prefill={"tensorParallelSize": 4})  # ends at 65535
+    ms(kvTransfer={"port": 7996}, decode={"tensorParallelSize": 8})  # decode ranks listen on nothing
