@@ -52,21 +52,25 @@ def _loglikelihoods(model, task_dir) -> list[tuple[float, bool]]:
     return [tuple(r) for s in samples for r in s["filtered_resps"]]
 
 
-def test_local_completions_equals_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+def _hf_and_worker(ckpt: str, task_dir, run) -> tuple[list, list]:
+    """`run(lm, task_dir)` with lm-eval's hf backend, then with local-completions against a real worker."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    ckpt = str(tiny_checkpoint("llama"))
-    task_dir = _task_dir(tmp_path)
-    want = _loglikelihoods(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
+    want = run(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
     with WorkerProcess(ckpt, "--served-model-name", NAME, "--max-model-len", "256",
                        "--kv-cache-memory", str(32 << 20)) as w:
         api = LocalCompletionsAPI(base_url=f"{w.url}/v1/completions", model=NAME, tokenizer=ckpt,
                                   tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
                                   num_concurrent=1, max_retries=1)
-        got = _loglikelihoods(api, task_dir)
+        return want, run(api, task_dir)
+
+def test_local_completions_equals_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt = str(tiny_checkpoint("llama"))
+    want, got = _hf_and_worker(ckpt, _task_dir(tmp_path), _loglikelihoods)
     assert len(got) == len(want) == sum(len(d["choices"]) for d in DOCS)
     worst = max(abs(g[0] - h[0]) for g, h in zip(got, want))
     print(f"lm-eval local-completions vs hf: max |loglikelihood difference| = {worst:.2e}, "
@@ -116,18 +120,8 @@ def test_local_completions_generations_equal_hf_backend(tiny_checkpoint, tmp_pat
     """generate_until (greedy, stop strings, max_gen_toks): the worker's text equals HF generate's."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-
     ckpt = str(tiny_checkpoint("llama"))
-    task_dir = _gen_task_dir(tmp_path)
-    want = _generations(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
-    with WorkerProcess(ckpt, "--served-model-name", NAME, "--max-model-len", "256",
-                       "--kv-cache-memory", str(32 << 20)) as w:
-        api = LocalCompletionsAPI(base_url=f"{w.url}/v1/completions", model=NAME, tokenizer=ckpt,
-                                  tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
-                                  num_concurrent=1, max_retries=1)
-        got = _generations(api, task_dir)
+    want, got = _hf_and_worker(ckpt, _gen_task_dir(tmp_path), _generations)
     print(f"lm-eval generate_until local-completions vs hf: {sum(g == h for g, h in zip(got, want))}/{len(want)} equal")
     assert len(got) == len(want) == len(DOCS)
     assert all(w for w in want)  # something was generated: an empty string would equal trivially
