@@ -192,8 +192,8 @@ def test_network_policy_is_accepted_selects_this_modelserving_and_follows_the_sp
 
 
 def test_tensor_parallel_workers_request_a_gpu_per_rank_and_fill_node_0(k8s_cluster, operator_kubeconfig, namespace):
-    """2 prefill workers of TP=2 and 1 decode worker of TP=4: exactly node-0's 8 GPUs; one
-    more TP=2 worker cannot be placed and waits for capacity."""
+    """2 prefill workers of TP=2 and 1 decode worker of TP=4: exactly node-0's 8 GPUs, a KV port
+    per prefill rank; one more TP=2 worker cannot be placed and waits for capacity."""
     api, kubelet = Api(k8s_cluster, namespace), Kubelet(k8s_cluster, namespace)
     spec = {**SPEC, "prefill": {"replicas": 2, "tensorParallelSize": 2}, "decode": {"replicas": 1, "tensorParallelSize": 4}}
     with operator(operator_kubeconfig, namespace):
@@ -210,6 +210,13 @@ def test_tensor_parallel_workers_request_a_gpu_per_rank_and_fill_node_0(k8s_clus
                 assert c.args[c.args.index("--tensor-parallel-size") + 1] == str(ranks)
                 (vol,) = [v for v in p.spec.volumes if v.name == "shm"]
                 assert (vol.empty_dir.medium, vol.empty_dir.size_limit) == ("Memory", shm)
+                # prefill rank r serves its KV shard on kvTransfer.port + r; decode ranks only dial out
+                kv = [("kv", 5600), ("kv-1", 5601)] if role == "prefill" else [("kv", 5600)]
+                assert [(x.name, x.container_port) for x in c.ports] == [("http", 8000)] + kv
+            # the API server accepts the per-rank port names in the headless Service too
+            svc = api.core.read_namespaced_service(f"tp-{role}", namespace)
+            assert [(x.name, x.port, x.target_port) for x in svc.spec.ports] == [("http", 8000, "http")] + [
+                (n, p, n) for n, p in kv]
 
         api.patch("tp", {"prefill": {"replicas": 3}})
         wait_for(lambda: "waiting for capacity" in api.condition("tp", "Progressing").get("message", ""),
