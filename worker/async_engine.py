@@ -123,6 +123,12 @@ class AsyncEngine:
                 if stop is not None:
                     if not out.finished:
                         self.engine.abort(request_id)  # the engine cannot see strings; stop it here
+                    elif out.kv_transfer_params:
+                        # A prefill for a remote decode whose first token ends the answer: the router
+                        # calls no decode worker, so release the pin now and hand out no params.
+                        self.engine.unpin(request_id, out.kv_transfer_params)
+                        out.kv_transfer_params = None
+                        self._kick()
                     out.finished, out.finish_reason, out.stop_reason = True, "stop", stop
                 elif out.finished and not (out.kv_transfer_params and out.finish_reason == "length"):
                     # A prefill handing its KV to a decode worker ends here but the generation does

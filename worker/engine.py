@@ -77,6 +77,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
+        self._unpins: list[tuple[str, str]] = []  # (request id, transfer token): pins to release
         mc = self.model_config
         log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d, attention=%s",
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
@@ -115,8 +116,14 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
+    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:
+        """Any thread: a finished prefill's pin will not be read (its answer ended on a stop
+        string, which only the detokenizer sees): free its blocks at the next step, not at TTL."""
+        with self._lock:
+            self._unpins.append((request_id, str(kv_transfer_params.get("transfer_token", ""))))
+
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._inbox or self._aborts)
+        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._unpins)
 
     @property
     def has_pins(self) -> bool:
@@ -126,6 +133,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_inbox()
         if self.kv_connector is not None:
+            with self._lock:
+                unpins, self._unpins = self._unpins, []
+            for rid, token in unpins:
+                self.kv_connector.unpin(rid, token)
             self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished())
         batch = self.scheduler.schedule()
         if self.kv_connector is not None:

@@ -135,6 +135,14 @@ class KVConnector:
             first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
             expires_at=expires_at, kv_tp_size=self.tp.size).to_dict()  # rank r's shard: remote_port + r
 
+    def unpin(self, request_id: str, token: str) -> None:
+        """Step thread: this worker itself knows no decode worker will read a pin (the answer's
+        first token hit a stop string). Released as a decode worker's release would be, on every
+        rank; the blocks are then freed by the expiry path (get_finished -> the scheduler)."""
+        self.pins.release(request_id, token)
+        if self.link is not None:
+            self.link.send(("release", request_id, token))
+
     def _describe(self, body):
         # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).
         return {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes,

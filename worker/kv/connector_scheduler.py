@@ -13,6 +13,7 @@ and runs on the engine's step thread.
   build_connector_meta()             at the end of schedule(): this step's pulls and releases
   load_failed(req)                   a pull failed: counted; the scheduler prefills the rest locally
   request_finished(req)              keep the blocks for a remote reader? and the params saying where
+                                     (only for a prefill that stopped at its length: see there)
 
 A decode request that never pulls (it finished on its handed-over token, was aborted while
 queued, or its whole prompt was in our prefix cache) still releases the prefill worker's pin,
@@ -141,7 +142,10 @@ class KVConnectorScheduler:
             self._meta.releases.append(req.kv_transfer_params)
             return False, None
         p = req.kv_transfer_params
-        if not (wants_remote_decode(p) and self._can_send) or req.status is RequestStatus.FINISHED_ABORTED:
+        # Only a prefill cut at its one token goes on to a decode worker. One whose first token
+        # ended the generation (EOS, a stop token id) is answered by this worker alone, and
+        # the router calls no decode worker: a pin would hold blocks nobody reads until TTL.
+        if not (wants_remote_decode(p) and self._can_send) or req.status is not RequestStatus.FINISHED_LENGTH:
             return False, None
         # Only prompt blocks are offered: the first token's KV was never computed here.
         n_blocks = -(-req.num_prompt_tokens // self.block_size)

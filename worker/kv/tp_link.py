@@ -10,6 +10,7 @@ rank 0 -> rank r
                                                 worker, its side channel on --kv-port + r)
   ("pin", rid, block_ids, token, prompt_digest) mirror the pin rank 0 just made, before its
                                                 kv_transfer_params leave the worker
+  ("release", rid, token)                       rank 0 released its pin itself: release the mirror
   ("loads", [KVLoad, ...])                      this step's pulls: rank r reads its own heads
 rank r -> rank 0
   ("pulled", r, rid, error or None)             rank r's pull of rid landed (or failed)
@@ -94,6 +95,8 @@ def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank) -> None:
             elif msg[0] == "pin":
                 _, rid, block_ids, token, digest = msg
                 connector.pins.add(rid, block_ids, digest, token=token)
+            elif msg[0] == "release":  # rank 0's own release (KVConnector.unpin); reported as "unpinned"
+                connector.pins.release(msg[1], msg[2])
             elif msg[0] == "loads":
                 connector.start_follower_loads(msg[1])
         except BaseException:  # e.g. --kv-port + rank taken: the worker cannot serve P/D correctly
