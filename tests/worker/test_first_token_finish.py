@@ -101,3 +101,41 @@ def test_router_stop_string_on_first_token(stack, first):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ""
     eventually(lambda: no_pins(prefill))
     assert decode.kv() == decode_before
+
+
+def test_tensor_parallel_prefill_releases_every_rank(tmp_path_factory, default_model_dir):
+    """TP=2 prefill worker: rank 1 mirrors rank 0's pins, and rank 0 frees the blocks only when
+    every rank's pin is gone, so the stop-string release must reach rank 1 too (tp_link.py)."""
+    from pdserve.worker.kv import side_channel
+    from pdserve.worker.kv.auth import SideChannelAuth
+    from tests.checkpoints import write_checkpoint
+    from tests.worker.test_server_harness import WorkerProcess
+    from tests.worker.test_tp_pd import free_kv_ports
+
+    secret = "first-token-finish-tp-secret"
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("ckpt-tp"), "llama", default_model_dir, num_key_value_heads=2)
+    w = WorkerProcess(ckpt, "--served-model-name", "x", "--max-model-len", "128", "--block-size", "4",
+                      "--kv-cache-memory", str(1 << 21), "--role", "prefill", "--kv-transfer", "tcp",
+                      "--tensor-parallel-size", "2", "--kv-port", str(free_kv_ports()), "--kv-pin-ttl", "600",
+                      env={"PDSERVE_KV_SECRET": secret}).start()
+    try:
+        w.wait_ready()
+        kv = lambda: httpx.get(f"{w.url}/debug/kv", timeout=10).json()  # noqa: E731
+        body = {"model": "x", "prompt": PROMPTS[0], "ignore_eos": True, **PREFILL_LEG}
+        normal = httpx.post(f"{w.url}/v1/completions", json=body, timeout=120).json()
+        params = normal["kv_transfer_params"]
+        text = normal["choices"][0]["text"]
+        assert kv()["num_pinned_blocks"] > 0
+        for rank in (0, 1):  # as a decode worker would after reading every rank's shard
+            side_channel.call(params["remote_host"], params["remote_port"] + rank, "release",
+                              {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
+                              5, SideChannelAuth(secret))
+        eventually(lambda: kv()["num_pinned_blocks"] == 0)
+        if not text:
+            pytest.skip("the greedy first token's text is held back (no stop string to match)")
+        stopped = httpx.post(f"{w.url}/v1/completions", json={**body, "stop": [text]}, timeout=120).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert stopped.get("kv_transfer_params") is None
+        eventually(lambda: kv()["num_pinned_blocks"] == 0 and kv()["num_free_blocks"] == kv()["num_total_blocks"])
+    finally:
+        w.stop()
