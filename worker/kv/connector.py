@@ -292,15 +292,8 @@ class KVConnector:
         if peer is not None and self.overlap_lease and self.nixl.notify_after_read:
             early = self.nixl.post_read(peer, src, dst_blocks, notif)
         try:
-            reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices,
-                                                               "prompt_digest": digest, "want_metadata": peer is None},
-                                         self.timeout, self.auth)
-            if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
-                raise side_channel.SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not "
-                                                    f"confirm the prompt digest")
+            reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, self.timeout, self.auth)
             if peer is None:
-                if not isinstance(reply.get("nixl"), dict):
-                    raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
                 peer = self.nixl.add_peer(engine_id, reply["nixl"])
             if reply.get("block_ids") != src:
                 raise side_channel.SideChannelError(f"KV peer {host}:{port} leased other blocks than the params name")

@@ -229,3 +229,19 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
         _drop(host, port)
         raise SideChannelError(f"KV peer {host}:{port}: {e}") from None
     return json.loads(payload), parts[4:]
+
+
+def lease(host: str, port: int, params: dict, indices: list[int], digest: str, want_metadata: bool,
+          timeout_s: float, auth: SideChannelAuth) -> tuple[dict, list]:
+    """Lease `indices` of the blocks `params` name, and check the reply is from the engine the params
+    name, for this prompt. The caller checks the blocks it got (one rank or the whole cache)."""
+    engine_id = params["remote_engine_id"]
+    reply, frames = call(host, port, "lease", {"request_id": params["remote_request_id"],
+                                               "token": params["transfer_token"], "indices": indices,
+                                               "prompt_digest": digest, "want_metadata": want_metadata},
+                         timeout_s, auth)
+    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
+        raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
+    if want_metadata and not isinstance(reply.get("nixl"), dict):
+        raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
+    return reply, frames

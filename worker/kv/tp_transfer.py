@@ -120,21 +120,13 @@ def _read(conn, transport: str, host: str, port: int, remote_rank: int, params: 
     """Whole remote blocks at `indices` of one prefill rank into rows `dst_rows` of `dst` [rows, bytes]."""
     if transport == "tcp":
         return tcp_pull(host, port, params, indices, dst_rows, dst, conn.timeout, conn.auth, digest, keep=True)
-    engine_id, rid, token = params["remote_engine_id"], params["remote_request_id"], params["transfer_token"]
-    key = f"{engine_id}#{remote_rank}"
+    key = f"{params['remote_engine_id']}#{remote_rank}"
     peer = conn.nixl.known_peer(key)
-    reply, _ = side_channel.call(host, port, "lease", {"request_id": rid, "token": token, "indices": indices,
-                                                       "prompt_digest": digest, "want_metadata": peer is None},
-                                 conn.timeout, conn.auth)
-    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not "
-                                            f"confirm the prompt digest")
+    reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
     if reply.get("tp_rank", 0) != remote_rank:
         raise side_channel.SideChannelError(f"KV peer {host}:{port} is tensor-parallel rank {reply.get('tp_rank')}, "
                                             f"not rank {remote_rank}: its heads are not the ones expected")
     if peer is None:
-        if not isinstance(reply.get("nixl"), dict):
-            raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
         peer = conn.nixl.add_peer(key, reply["nixl"])
     if len(reply.get("block_ids", ())) != len(dst_rows):
         raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
