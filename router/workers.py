@@ -58,10 +58,11 @@ class WorkerSpec:
 
 # A worker whose health probes fail this many times in a row is "lost": calls waiting on it are
 # abandoned (and retried elsewhere) instead of waiting out the long request timeouts. One failed
-# probe may be a blip on a loaded host; two in a row (each with the connect timeout, a probe
-# interval apart) is a worker that cannot answer a trivial GET for seconds: stopped, wedged,
-# or partitioned away. A busy worker still answers /health (its HTTP loop is not the engine).
-LOST_AFTER_FAILED_PROBES = 2
+# probe may be a blip on a loaded host; three in a row (each with the connect timeout, a probe
+# interval apart: ~8 s with the defaults) is a worker that cannot answer a trivial GET for
+# seconds: stopped, wedged, or partitioned away. A busy worker still answers /health (its HTTP
+# loop is not the engine's thread), and cutting a slow but live worker's streams costs answers.
+LOST_AFTER_FAILED_PROBES = 3
 
 
 class WorkerSet:

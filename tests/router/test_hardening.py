@@ -252,7 +252,7 @@ def _concurrently(n: int, fn) -> list:
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_calls_waiting_on_a_sigstopped_worker_move_to_a_healthy_one(launch, role, stream):
     """A stopped worker accepts connections and says nothing. The router's timeouts stay at
-    their defaults (minutes); once the worker fails two health probes, the calls waiting on it
+    their defaults (minutes); once the worker fails three health probes, the calls waiting on it
     are abandoned and retried on the other worker, so every client gets its full answer well
     inside the client's 60 s. Without that, the stopped worker's share would hang for 300 s."""
     stopped, other, decode, single = (launch.fake_worker() for _ in range(4))
