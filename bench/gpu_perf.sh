@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device run (1x H100, <= 8 minutes) for issue 17's decode numbers. From the repo root:
+# One device run (1x H100, <= 10 minutes) for issue 17's decode numbers. From the repo root:
 #
-#   bash bench/gpu_perf.sh            # writes into $OUT (the device tool's folder), else ./gpu_perf_out
+#   run(kind="nvidia-h100-x1", carry=[".bench-structured"], command="bash bench/gpu_perf.sh")
+#   (writes into $OUT, the device tool's folder; else ./gpu_perf_out)
 #
 # Steps, each under its own time limit so a slow one cannot starve the rest (seconds):
 #   1. kernel tests compiled on the GPU (fused kernels, the fused decode merge against the
@@ -9,22 +10,20 @@
 #      Triton-backend engine tests (greedy tokens = the torch engine's, real CUDA graphs)   100 + 60
 #   2. per-kernel profile of a bs=1 decode graph, fused vs v4, both models (profile_decode)  110
 #   3. engine: bs=1 decode ms/step (CUDA graphs) for both models with the same-run copy
-#      bandwidth and roofline %, offline 1024/128 against its floor (bench.engine)          190
+#      bandwidth and roofline %, offline 1024/128 against its floor, and the engine's own
+#      bs=1 graph on the unfused vs fused decode path, per kernel (bench.engine --decode-paths) 330
 # Files in $OUT (<= 8): env.txt, tests.txt, profile_decode.md, engine.md, log.txt.
-# Needs only what the device image has (torch, triton, transformers, safetensors, tokenizers,
-# pytest, pytest-xdist): the engine bench never imports the server (fastapi, pydantic).
+# Needs what the device image has (torch, triton, transformers, safetensors, tokenizers, pytest,
+# pytest-xdist) plus the carried pyzmq and llguidance wheels: the engine bench never imports the
+# server (fastapi, pydantic).
 set -u
 OUT=${OUT:-$PWD/gpu_perf_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-# pdserve is a namespace package mapped from top-level folders (pyproject package-dir): a link
-# farm makes it importable without building or installing anything.
-PD=/tmp/pdserve-path
-rm -rf "$PD" && mkdir -p "$PD/pdserve"
-for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
-# Not the repository root itself: its operator/ folder would shadow the standard library.
-export PYTHONPATH="$PD${PYTHONPATH:+:$PYTHONPATH}"
+# The engine needs pyzmq and llguidance, which the device image lacks: carry their wheels
+# (run(..., carry=[".bench-structured"]) — see bench/structured_gpu.sh for how it is staged).
+source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance || exit 1
 PY=${PYTHON:-python3}
 
 step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
@@ -59,8 +58,8 @@ main() {
 
   # 3. The issue's engine numbers (no HF baselines, no eager rows: the time goes to what the
   #    targets need). Qwen first: it is quick, so its numbers survive a timeout of the Llama part.
-  step "engine bench" 190 $PY -m pdserve.bench.engine --models qwen2.5-0.5b llama-3.1-8b \
-    --decode-inputs 128 --offline 1024 --no-hf --no-eager --out "$OUT/engine.md"
+  step "engine bench" 330 $PY -m pdserve.bench.engine --models qwen2.5-0.5b llama-3.1-8b \
+    --decode-inputs 128 --offline 1024 --no-hf --no-eager --decode-paths --out "$OUT/engine.md"
 
   ls -la "$OUT"
 }

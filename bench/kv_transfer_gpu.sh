@@ -18,29 +18,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
-DEPS=/tmp/pdserve-kv-deps
-rm -rf "$DEPS" && mkdir -p "$DEPS"
-for spec in nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client; do
-  module=${spec%%:*} wheel=${spec##*:}
-  $PY -c "import $module" 2>/dev/null && continue
-  whl=$(ls .whl/"$wheel"-*.whl 2>/dev/null | head -n 1)
-  if [ -n "$whl" ]; then
-    $PY -m pip install -q --no-deps --no-index --target "$DEPS" "$whl" || exit 1
-  elif [ -d ".whl/site/$module" ]; then
-    ln -s "$PWD/.whl/site/$module" "$DEPS/$module"
-  else
-    echo "missing Python module $module: put its wheel in .whl/ (or the package in .whl/site/)" >&2
-    exit 1
-  fi
-done
-
-# pdserve is a namespace package mapped from top-level folders (pyproject package-dir): a link
-# farm makes it importable without building anything (not the repo root: its operator/ folder
-# would shadow the standard library).
-PD=/tmp/pdserve-path
-rm -rf "$PD" && mkdir -p "$PD/pdserve"
-for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
-export PYTHONPATH="$PD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+source bench/gpu_env.sh nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client || exit 1
 
 {
   date -u
