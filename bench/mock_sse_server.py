@@ -24,6 +24,19 @@ _429 = json.dumps({"error": {"message": "mock overload", "type": "rate_limit_exc
                              "code": "rate_limit_exceeded"}}).encode()
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes, bytes]:
+    """One HTTP/1.1 request off a keep-alive connection -> (method, path, body). Minimal on
+    purpose (Content-Length bodies only): the mocks must cost the load generator nothing."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    line, _, rest = head.partition(b"\r\n")
+    method, path, _ = line.split(b" ", 2)
+    length = 0
+    for h in rest.split(b"\r\n"):
+        if h[:15].lower() == b"content-length:":
+            length = int(h[15:])
+    return method, path, await reader.readexactly(length) if length else b""
+
+
 def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -60,14 +73,7 @@ class MockServer:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line, _, rest = head.partition(b"\r\n")
-                method, path, _ = line.split(b" ", 2)
-                length = 0
-                for h in rest.split(b"\r\n"):
-                    if h[:15].lower() == b"content-length:":
-                        length = int(h[15:])
-                body = await reader.readexactly(length) if length else b""
+                method, path, body = await read_request(reader)
                 if method == b"GET":
                     stats = {"served": self.served, "max_in_flight": self.max_in_flight}
                     writer.write(_plain(b"200 OK", json.dumps(stats).encode() if path == b"/stats" else b"{}"))

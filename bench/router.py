@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from pdserve.bench.mock_sse_server import read_request
+
 MODEL = "mock"
 
 
@@ -62,14 +64,7 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line, _, rest = head.partition(b"\r\n")
-                method, path, _ = line.split(b" ", 2)
-                length = 0
-                for h in rest.split(b"\r\n"):
-                    if h[:15].lower() == b"content-length:":
-                        length = int(h[15:])
-                body = await reader.readexactly(length) if length else b""
+                method, path, body = await read_request(reader)
                 if method == b"GET":
                     writer.write(plain(models if path == b"/v1/models" else b"ok" if path == b"/health" else b""))
                     continue
