@@ -21,7 +21,7 @@ import zmq
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import bind_token, prompt_digest
-from tests.worker.test_kv_transfer import kv_state, metric, wait_clean
+from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, pd_pair, wait_clean
 from tests.worker.test_server_harness import WorkerProcess, free_port
 
 SECRET = "the-deployment's-kv-secret-0123456789"
@@ -38,30 +38,15 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def pair(request, tiny_checkpoint):
-    ckpt, t = tiny_checkpoint("llama"), request.param
-    env = {"PDSERVE_KV_SECRET": SECRET}
-    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pin-ttl", "30", env=env).start()
-    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pull-timeout", str(PULL_TIMEOUT), env=env).start()
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield t, p, d
-    finally:
-        p.stop()
-        d.stop()
+    with pd_pair(tiny_checkpoint("llama"), request.param, ARGS, {"PDSERVE_KV_SECRET": SECRET},
+                 pin_ttl=30, pull_timeout=PULL_TIMEOUT) as (p, d):
+        yield request.param, p, d
 
 
 @pytest.fixture
 def clean(pair):
-    _, p, d = pair
-    start = {w: kv_state(w) for w in (p, d)}
-    yield
-    for w in (p, d):
-        end = wait_clean(w, start[w], timeout=PULL_TIMEOUT + 15)
-        assert end["num_free_blocks"] == start[w]["num_free_blocks"], f"{w.url} leaked KV blocks"
-        assert end["num_pinned_blocks"] == 0
+    with leaves_no_kv(pair[1:], timeout=PULL_TIMEOUT + 15):
+        yield
 
 
 def post(w: WorkerProcess, body: dict, headers=HEADERS) -> httpx.Response:

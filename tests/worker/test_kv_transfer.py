@@ -14,6 +14,8 @@ import pytest
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import token_digest
+from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, wait_clean
+from tests.worker.kv_harness import pd_pair as start_pd_pair
 from tests.worker.test_server_harness import WorkerProcess, free_port
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
@@ -22,24 +24,6 @@ ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(
 SECRET = "kv-transfer-tests-shared-secret"
 ENV = {"PDSERVE_KV_SECRET": SECRET}  # as a Kubernetes Secret would pass it
 AUTH = SideChannelAuth(SECRET)
-
-
-def kv_state(w: WorkerProcess) -> dict:
-    return httpx.get(f"{w.url}/debug/kv", timeout=10, headers=w.headers).json()
-
-
-def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:
-    """Pins are freed by the engine loop shortly after release: poll until they are."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = kv_state(w)
-        if (s["num_free_blocks"] == start["num_free_blocks"] and s["num_pinned_blocks"] == 0) or time.monotonic() > deadline:
-            return s
-
-
-def metric(w: WorkerProcess, name: str) -> float:
-    text = httpx.get(f"{w.url}/metrics", timeout=10, headers=w.headers).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def prefill(p: WorkerProcess, body: dict) -> dict:
@@ -53,30 +37,14 @@ def prefill(p: WorkerProcess, body: dict) -> dict:
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def pd_pair(request, tiny_checkpoint):
-    ckpt = tiny_checkpoint("llama")
-    t = request.param
-    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pin-ttl", "3", env=ENV).start()
-    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      "--kv-pull-timeout", "3", env=ENV).start()
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield t, p, d
-    finally:
-        p.stop()
-        d.stop()
+    with start_pd_pair(tiny_checkpoint("llama"), request.param, ARGS, ENV, pin_ttl=3, pull_timeout=3) as (p, d):
+        yield request.param, p, d
 
 
 @pytest.fixture
 def clean(pd_pair):
-    _, p, d = pd_pair
-    start = {w: kv_state(w) for w in (p, d)}
-    yield
-    for w in (p, d):
-        end = wait_clean(w, start[w])
-        assert end["num_free_blocks"] == start[w]["num_free_blocks"], f"{w.url} leaked KV blocks"
-        assert end["num_pinned_blocks"] == 0
+    with leaves_no_kv(pd_pair[1:]):
+        yield
 
 
 def test_pd_equals_single_worker_greedy(pd_pair, clean):

@@ -25,6 +25,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.tp_transfer import Source, TPRank, kv_sources
 from tests.checkpoints import write_checkpoint
+from tests.worker.kv_harness import kv_state, metric
 from tests.worker.test_server_harness import WorkerProcess
 
 SECRET = "tp-pd-tests-shared-secret"
@@ -71,15 +72,6 @@ def free_kv_ports() -> int:
         except OSError:
             continue
         return p
-
-
-def kv_state(w: WorkerProcess) -> dict:
-    return httpx.get(f"{w.url}/debug/kv", timeout=10).json()
-
-
-def metric(w: WorkerProcess, name: str) -> float:
-    text = httpx.get(f"{w.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1)]
