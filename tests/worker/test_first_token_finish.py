@@ -66,28 +66,29 @@ def no_pins(w) -> bool:
     return kv["num_pinned_blocks"] == 0 and kv["num_free_blocks"] == kv["num_total_blocks"]
 
 
-def test_stop_string_on_first_token_releases_the_pin(stack, first):
-    prefill, _, _ = stack
-    prompt, _, text = first
+def stopped_prefill_leg(prefill, prompt, **stop) -> dict:
+    """A prefill leg (as the router sends it) whose first token ends the answer: no hand-off."""
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": prompt, "stop": [text], **PREFILL_LEG})
+                   json={"model": "tiny", "prompt": prompt, **stop, **PREFILL_LEG})
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["choices"][0]["finish_reason"] == "stop"
-    assert out["choices"][0]["text"] == ""  # the stop string itself is not returned
     assert out.get("kv_transfer_params") is None
+    return out
+
+
+def test_stop_string_on_first_token_releases_the_pin(stack, first):
+    prefill, _, _ = stack
+    prompt, _, text = first
+    out = stopped_prefill_leg(prefill, prompt, stop=[text])
+    assert out["choices"][0]["text"] == ""  # the stop string itself is not returned
     eventually(lambda: no_pins(prefill))  # the TTL is 600 s: only the release frees them here
 
 
 def test_stop_token_id_on_first_token_never_pins(stack, first):
     prefill, _, _ = stack
     prompt, token_id, _ = first
-    r = httpx.post(f"{prefill.url}/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": prompt, "stop_token_ids": [token_id], **PREFILL_LEG})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["choices"][0]["finish_reason"] == "stop"
-    assert out.get("kv_transfer_params") is None
+    stopped_prefill_leg(prefill, prompt, stop_token_ids=[token_id])
     assert prefill.kv()["num_pinned_blocks"] == 0  # never taken, so nothing to wait for
     eventually(lambda: no_pins(prefill))
 
