@@ -38,6 +38,18 @@ class Usage(_Wire):
     prompt_tokens_details: dict[str, Any] | None = omitted()
 
 
+class _Envelope(_Wire):
+    """What every response and stream chunk carries around its choices, in OpenAI's key order;
+    a subclass names its `object` and choice type (an override keeps the base's key position)."""
+
+    id: str
+    object: str
+    created: int = 0
+    model: str = ""
+    choices: list
+    usage: Usage | None = omitted()
+
+
 # ---- /v1/completions ------------------------------------------------------------------------
 
 class CompletionChoice(_Wire):
@@ -50,13 +62,9 @@ class CompletionChoice(_Wire):
     stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
 
 
-class CompletionResponse(_Wire):
-    id: str
+class CompletionResponse(_Envelope):
     object: str = "text_completion"
-    created: int = 0
-    model: str = ""
     choices: list[CompletionChoice]
-    usage: Usage | None = omitted()
     kv_transfer_params: dict[str, Any] | None = omitted()
 
 
@@ -79,13 +87,9 @@ class ChatChoice(_Wire):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Wire):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: str = "chat.completion"
-    created: int = 0
-    model: str = ""
     choices: list[ChatChoice]
-    usage: Usage | None = omitted()
     kv_transfer_params: dict[str, Any] | None = omitted()
 
 
@@ -104,13 +108,9 @@ class ChatChunkChoice(_Wire):
     stop_reason: int | str | None = omitted()
 
 
-class ChatCompletionChunk(_Wire):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: str = "chat.completion.chunk"
-    created: int = 0
-    model: str = ""
     choices: list[ChatChunkChoice]
-    usage: Usage | None = omitted()
 
 
 RESPONSES = {"chat": ChatCompletionResponse, "completions": CompletionResponse}
