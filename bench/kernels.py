@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from pdserve.bench.report import publish
 from pdserve.kernels.reference import (
     kv_cache_write_ref,
     paged_decode_attention_ref,
@@ -203,10 +204,7 @@ def main() -> None:
         f"{datetime.date.today().isoformat()} · dtype bf16 · measured copy bandwidth {bw / 1e9:.0f} GB/s"
     )
     text = header + "\n\n" + table(rows, bw)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

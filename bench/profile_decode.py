@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import torch
 
+from pdserve.bench.report import publish
+
 BLOCK = 16
 MAX_MODEL_LEN = 2048  # the engine bench's: sets the decode block-table width (and the split count)
 
@@ -266,10 +268,7 @@ def main(argv=None) -> int:
         text = "\n".join([header, "", "| model | path | ms/step (graph) | of roofline | kernels/step | per layer | "
                           "GPU ms (kernel sum) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |", *summary, "",
                           *tables])
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.out)
     return 0
 
 

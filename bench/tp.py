@@ -44,6 +44,8 @@ import time
 
 import torch
 
+from pdserve.bench.report import publish
+
 DECODE_INPUT = 128
 OUT_TOKENS = 128
 CHECK_PROMPTS, CHECK_TOKENS, CHECK_TOPK = 4, 32, 5
@@ -338,10 +340,7 @@ def main(argv=None) -> int:
     lines += ["", f"- engine start (load, KV sizing, graph capture): "
                   + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    publish(text, args.out)
     return 0
 
 
