@@ -416,13 +416,14 @@ class Bench:
         return "\n".join(lines)
 
 
-def save_tokenizer(path: str) -> None:
-    """A word-level tokenizer: the engine loads one with every checkpoint, the bench feeds ids."""
+def save_tokenizer(path: str, size: int = 1024) -> None:
+    """A word-level tokenizer ("t<id>" words): the engine loads one with every checkpoint, the
+    bench feeds ids. `size` = the model's vocabulary makes every id's text name it (bench/tp_pd.py)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(1024)}
+    vocab = {f"t{i}": i for i in range(size)}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
                             unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
 

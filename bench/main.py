@@ -12,6 +12,7 @@ BENCHMARKS = {
     "router": "pdserve.bench.router",
     "engine": "pdserve.bench.engine",
     "tp": "pdserve.bench.tp",
+    "tp-pd": "pdserve.bench.tp_pd",
     "serve": "pdserve.bench.serve",
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",
