@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 from pdserve.bench import disagg_report
+from pdserve.cli.stack import free_port
 
 SLO_MS = {"ttft": 2000.0, "itl": 25.0}
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -72,17 +72,11 @@ def make_checkpoint(path: str, smoke: bool) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class UpStack:
     """`pdserve up` as a child process; `children` maps name -> URL once it is ready."""
 
     def __init__(self, ckpt: str, prefill: int, decode: int, log_dir: Path, smoke: bool):
-        self.port = _free_port()
+        self.port = free_port()
         self.log_dir = log_dir
         worker_args = "--max-model-len 2048 --kv-cache-memory 268435456" if smoke else "--max-model-len 8704"
         worker_args += " --kv-peer-allow 127.0.0.1"  # all workers on loopback; the default allows no peer

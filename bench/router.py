@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import tempfile
 import time
 
 from pdserve.bench.mock_sse_server import read_request
+from pdserve.cli.stack import free_port
 
 MODEL = "mock"
 
@@ -163,12 +163,6 @@ async def _saturate(port: int, n: int, concurrency: int) -> float:
 
 # ---- orchestration -----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(port: int, path: str = "/health", timeout_s: float = 30) -> None:
     import httpx
 
@@ -183,7 +177,7 @@ def _wait(port: int, path: str = "/health", timeout_s: float = 30) -> None:
 
 
 def _start_router(prefill: int | None, decode: int, profile: str | None) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     args = ["router", "--host", "127.0.0.1", "--port", str(port), "--decode", f"http://127.0.0.1:{decode}",
             "--log-level", "warning"]
     if prefill:
@@ -223,7 +217,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     ctx = multiprocessing.get_context("spawn")
-    ports = {name: _free_port() for name in ("prefill", "decode", "fast_prefill", "fast_decode")}
+    ports = {name: free_port() for name in ("prefill", "decode", "fast_prefill", "fast_decode")}
     delays = {"prefill": args.delay_ms / 1e3, "decode": args.delay_ms / 1e3, "fast_prefill": 0.0, "fast_decode": 0.0}
     mocks = [ctx.Process(target=_mock_worker, args=(ports[n], args.tokens, delays[n]), daemon=True) for n in ports]
     for m in mocks:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,7 @@ import urllib.request
 from pdserve.bench.dataset import RequestSpec
 from pdserve.bench.serve import LoadConfig, _run, run_load
 from pdserve.bench.serve_metrics import summarize
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.cli.stack import free_port
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
@@ -68,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance-ms", type=float, default=2.0)
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    port = _free_port()
+    port = free_port()
     mock = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_sse_server", "--port", str(port),
                              "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)])
     rows, ceiling = [], {"p99": None, "p50": None}
