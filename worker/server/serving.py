@@ -87,13 +87,15 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
 
 def resolve_max_tokens(requested: int | None, prompts: list[list[int]], max_model_len: int,
                        prompt_param: str, max_tokens_param: str) -> int:
-    """Check every prompt fits `--max-model-len` with room for the completion; return max_tokens."""
+    """Check every prompt fits `--max-model-len` with room for the completion; return max_tokens.
+    The message opens as OpenAI's and vLLM's do: clients match that phrase (LiteLLM raises its
+    ContextWindowExceededError, which drives its context-window fallbacks, on it)."""
     longest = max(len(p) for p in prompts)
     if any(len(p) == 0 for p in prompts):
         raise bad_request("the prompt must contain at least one token", prompt_param)
     if longest >= max_model_len:
         raise bad_request(
-            f"This model's maximum context length (--max-model-len) is {max_model_len} tokens, "
+            f"This model's maximum context length is {max_model_len} tokens (--max-model-len), "
             f"but the prompt has {longest} tokens, leaving no room for a completion.",
             prompt_param, "context_length_exceeded")
     if requested is None:
@@ -102,7 +104,7 @@ def resolve_max_tokens(requested: int | None, prompts: list[list[int]], max_mode
         raise bad_request(f"{max_tokens_param} must be at least 1, got {requested}", max_tokens_param)
     if longest + requested > max_model_len:
         raise bad_request(
-            f"This model's maximum context length (--max-model-len) is {max_model_len} tokens, "
+            f"This model's maximum context length is {max_model_len} tokens (--max-model-len), "
             f"but {longest + requested} were requested ({longest} in the prompt, {requested} "
             f"in the completion). Reduce the prompt or {max_tokens_param}.",
             max_tokens_param, "context_length_exceeded")
