@@ -42,6 +42,14 @@ def _cdf(ax, values: list[float], label: str) -> None:
     ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, linewidth=1.2)
 
 
+def _save(plt, fig, title: str, path: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise (a sweep draws many)
+    return path
+
+
 def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Path]:
     plt = _pyplot()
     out = Path(out_dir)
@@ -63,11 +71,7 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
         ax.grid(True, which="both", alpha=0.3)
     if axes[2].get_legend_handles_labels()[0]:  # no curve at all when every request failed
         axes[2].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title or "latency CDFs")
-    fig.tight_layout()
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, title or "latency CDFs", out / "latency_cdf.png"))
 
     by_label = defaultdict(list)
     for run in runs:
@@ -98,11 +102,7 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
     else:
         axes[3].set_ylabel("request throughput (req/s; no --goodput SLO)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title or "against request rate")
-    fig.tight_layout()
-    paths.append(out / "vs_rate.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, title or "against request rate", out / "vs_rate.png"))
     return paths
 
 

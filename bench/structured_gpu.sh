@@ -15,13 +15,9 @@
 set -u
 OUT=${OUT:-$PWD/structured_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-# pdserve is a namespace package mapped from top-level folders: a link farm makes it importable.
-PD=/tmp/pdserve-path
-rm -rf "$PD" && mkdir -p "$PD/pdserve"
-for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
-export PYTHONPATH="$PD${PYTHONPATH:+:$PYTHONPATH}"
+# pdserve importable (sets PY, PYTHONPATH, PYTHONUNBUFFERED); the wheels are installed below, each
+# tried on its own, since which engines fit the device's Python is part of what this run reports.
+source bench/gpu_env.sh || exit 1
 {
   date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
