@@ -8,7 +8,8 @@ it measures. Each `/v1/completions` stream sleeps --ttft-ms, then sends `max_tok
 correct client measures are exactly those asked for (plus scheduling noise). Prompts steer
 failures for tests: one containing `MOCK_429` is answered 429 with an OpenAI error body, one
 containing `MOCK_CUT` stops mid-stream without `[DONE]`. `GET /stats` reports requests served
-and the most ever in flight at once.
+and the most ever in flight at once. Its raw-HTTP plumbing (read_request, chunked,
+serve_forever) also runs bench/router.py's mock workers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,27 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes, byte
     return method, path, await reader.readexactly(length) if length else b""
 
 
-def _chunked(data: bytes) -> bytes:
+def chunked(data: bytes) -> bytes:
+    """One chunk of a `transfer-encoding: chunked` body."""
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def serve_forever(handle, host: str, port: int) -> None:
+    """Serve `handle(reader, writer)` per connection until the process is killed, on uvloop when
+    installed: a mock must cost far less than the client or router it is there to measure."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, host, port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
 
 
 def _plain(status: bytes, body: bytes) -> bytes:
@@ -61,14 +81,14 @@ class MockServer:
             wait = due - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            writer.write(_chunked(_CHUNK))
+            writer.write(chunked(_CHUNK))
             if cut and i == n // 2:
                 raise ConnectionResetError  # drop the connection mid-stream
             due += self.itl_s
         usage = {"id": "cmpl-m", "object": "text_completion", "created": 0, "model": "mock", "choices": [],
                  "usage": {"prompt_tokens": len(str(req.get("prompt", "")).split()), "completion_tokens": n,
                            "total_tokens": n}}
-        writer.write(_chunked(b"data: " + json.dumps(usage).encode() + b"\n\n") + _chunked(_DONE) + b"0\r\n\r\n")
+        writer.write(chunked(b"data: " + json.dumps(usage).encode() + b"\n\n") + chunked(_DONE) + b"0\r\n\r\n")
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -95,12 +115,6 @@ class MockServer:
             writer.close()
 
 
-async def serve(host: str, port: int, ttft_s: float, itl_s: float) -> None:
-    server = await asyncio.start_server(MockServer(ttft_s, itl_s).handle, host, port, backlog=4096)
-    async with server:
-        await server.serve_forever()
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="mock_sse_server", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -108,13 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=5.0)
     args = p.parse_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(args.host, args.port, args.ttft_ms / 1000, args.itl_ms / 1000))
+    serve_forever(MockServer(args.ttft_ms / 1000, args.itl_ms / 1000).handle, args.host, args.port)
 
 
 if __name__ == "__main__":

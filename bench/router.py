@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from pdserve.bench.mock_sse_server import read_request
+from pdserve.bench.mock_sse_server import chunked, read_request, serve_forever
 from pdserve.cli.stack import free_port
 
 MODEL = "mock"
@@ -38,20 +38,12 @@ MODEL = "mock"
 # ---- mock worker -------------------------------------------------------------------------
 
 def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-
     def chunk(i: int) -> bytes:
-        data = b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n' % i
-        return b"%x\r\n%s\r\n" % (len(data), data)
+        return chunked(b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n' % i)
 
     chunks = [chunk(i) for i in range(tokens)]
     done = b"data: [DONE]\n\n"
-    tail = b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
+    tail = chunked(done) + b"0\r\n\r\n"
     prefill = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL,
                           "choices": [{"index": 0, "text": " t0", "logprobs": None, "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
@@ -82,12 +74,7 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
         finally:
             writer.close()
 
-    async def main() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(main())
+    serve_forever(handle, "127.0.0.1", port)
 
 
 # ---- load generator ----------------------------------------------------------------------
