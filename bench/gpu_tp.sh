@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 # The server (tp-pd) needs what the image lacks: carry .whl (bench/gpu_env.sh says how it is read).
 source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 fastapi:fastapi starlette:starlette \
   pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  uvicorn:uvicorn opentelemetry:opentelemetry_api annotated_doc:annotated_doc || exit 1
+  uvicorn:uvicorn httptools:httptools opentelemetry:opentelemetry_api annotated_doc:annotated_doc || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 cd /tmp
 timeout --kill-after=10 300 $PY -m pdserve.bench.tp --tp 1 2 4 --num-prompts 128 \

@@ -13,8 +13,10 @@ safetensors in a temp dir, as bench/engine.py does). Per TP size, one engine
   cards and replayed: the communication a bs=1 decode step cannot avoid;
 - bf16 agreement with TP=1: greedy tokens of 4 prompts x 32 tokens (exact match per prompt,
   first divergence), and the largest |logprob difference| over the top-5 of the first token.
-Random weights give flat logits (near-ties), so a late greedy divergence is bf16 reduction
-order, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert exact equality.
+- each size's bf16 error against transformers in fp32 on the same weights (the first generated
+  token's top-5 logprobs, and whether it is fp32's argmax): TP=1's error is the bf16 yardstick.
+Random weights give flat logits (near-ties), so a greedy divergence is bf16 reduction order when
+TP=N's fp32 error matches TP=1's, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert exact equality.
 
 Each TP size is one engine start (load, KV sizing, graph capture): with a per-command time
 limit, run one size per command with `--checkpoint DIR` (written once, reused) and `--out`.
@@ -191,6 +193,7 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
         res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
         check = [[rng.randrange(3, vocab) for _ in range(24 + 8 * i)] for i in range(CHECK_PROMPTS)]
         res["greedy"], res["top"] = greedy_with_logprobs(engine, check)
+        res["check"] = check
     except BaseException:
         # Printed before shutdown: a shutdown that hangs must not hide why the run stopped.
         import traceback
@@ -205,6 +208,33 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return res
+
+
+def fp32_reference(path: str, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
+    """Next-token logprobs of each prompt from transformers in fp32 on the same weights: the yardstick
+    for every TP size's bf16 error (random weights' flat logits make bf16 greedy ties common)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 device_map="cuda:0" if device == "cuda" else None)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            logits = model(torch.tensor([p], device=model.device)).logits[0, -1].float()
+            out.append(torch.log_softmax(logits, -1).cpu())
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def fp32_error(r: dict, ref: list[torch.Tensor]) -> str:
+    """max |logprob - fp32| over each prompt's engine top-k, and how often the first greedy token is
+    fp32's argmax."""
+    err = max(abs(lp - ref[i][t].item()) for i, top in enumerate(r["top"]) for t, lp in top.items())
+    same = sum(g[0] == int(ref[i].argmax()) for i, g in enumerate(r["greedy"]))
+    return f"{err:.3f}; first token = fp32 argmax {same}/{len(ref)}"
 
 
 def agreement(ref: dict, other: dict) -> str:
@@ -309,6 +339,11 @@ def main(argv=None) -> int:
                     n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"], args.device, 20 if args.smoke else 200)
             results.append(r)
             print(r.get("decode_ms"), r.get("offline_tok_s"), r.get("allreduce_ms"), flush=True)
+        t0 = time.perf_counter()
+        ref32 = fp32_reference(path, results[0]["check"], args.device) if results else []
+        for r in results:
+            r["vs_fp32"] = fp32_error(r, ref32)
+        print(f"fp32 reference in {time.perf_counter() - t0:.0f}s", flush=True)
     finally:
         if args.checkpoint is None:
             shutil.rmtree(path, ignore_errors=True)
@@ -329,14 +364,15 @@ def main(argv=None) -> int:
              f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
              f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}", "",
              "| TP | bs=1 decode in=128 ms/step | all-reduces of that step alone (2L+1 at bs=1) ms | offline 1024/128 tok/s "
-             f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 |",
-             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 | first token's top-5 "
+             "logprobs vs fp32 transformers: max abs error |",
+             "| ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     ref = results[0] if results and results[0]["tp"] == 1 else None
     for r in results:
         ar = f"{r['allreduce_ms']:.3f} ({r['allreduce_how']})" if "allreduce_ms" in r else "-"
         agree = "(reference)" if r is ref else agreement(ref, r) if ref is not None else "- (no TP=1 run)"
         lines.append(f"| {r['tp']} | {r['decode_ms']:.2f} | {ar} | {r['offline_tok_s']:.0f} | {r['kv_blocks']} | "
-                     f"{agree} |")
+                     f"{agree} | {r.get('vs_fp32', '-')} |")
     lines += ["", f"- engine start (load, KV sizing, graph capture): "
                   + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
     text = "\n".join(lines)
