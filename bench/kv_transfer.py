@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from pdserve.bench.report import publish
+
 MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
 CHURN_BLOCK_SIZE = 16  # tokens per block in the churn workload (only the block ids matter)
@@ -392,11 +394,7 @@ def main(argv=None) -> int:
                   "| register | partial metadata | peer loads it | deregister | total |", "|---|---|---|---|---|",
                   "| " + " | ".join(f"{cost[k] * 1e3:.3f}" for k in ("register", "partial metadata", "peer loads it",
                                                                          "deregister", "total")) + " |"]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    publish("\n".join(lines), args.out)
     return 0
 
 
