@@ -85,7 +85,7 @@ class Launcher:
             return 2
         try:
             model_dir, served = self._model()
-            children = plan(self.config, model_dir, served)
+            children = plan(self.config, model_dir, served, default_model=self.config.model is None)
             self._start(children, log_dir)
             code = self._wait_ready(served)
             if code is None:

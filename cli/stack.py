@@ -125,9 +125,16 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] | None = None) -> list[Child]:
+# The default model writes Hermes-style <tool_call> blocks: with it, tools work as in a vLLM
+# started with these flags, so OpenAI and LangChain tool calls run against the quick start.
+DEFAULT_MODEL_TOOL_ARGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+
+
+def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] | None = None,
+         default_model: bool = False) -> list[Child]:
     """Every child's command line: workers on loopback with OS-chosen HTTP and KV ports, then
-    the router on --host:--port pointing at them. Several workers on one GPU split its memory."""
+    the router on --host:--port pointing at them. Several workers on one GPU split its memory.
+    `default_model`: model_dir is the launcher's SmolLM2, whose tool-call format is known."""
     gpus = (visible_gpus() if config.device != "cpu" else []) if gpus is None else gpus
     cli = (sys.executable, "-m", "pdserve.cli.main")
     roles = ["prefill"] * config.prefill + ["decode"] * config.decode
@@ -135,6 +142,8 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     # The stack's workers authenticate each other's KV side channel with one random secret (in
     # the environment, not argv, so `ps` does not show it) and pull only from loopback peers.
     kv_secret = secrets.token_hex(16)
+    given = " ".join(config.worker_args)
+    tool_args = DEFAULT_MODEL_TOOL_ARGS if default_model and "--tool-call-parser" not in given else ()
     children: list[Child] = []
     ports = free_ports(2 * len(roles))
     for i, role in enumerate(roles):
@@ -150,7 +159,7 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
         argv = (*cli, "worker", "--model", model_dir, "--served-model-name", served_name,
                 "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", config.transport,
                 "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1/32",
-                *device, *config.worker_args)
+                *device, *tool_args, *config.worker_args)
         children.append(Child(f"{role}-{index}", role, argv, env, f"http://127.0.0.1:{port}", kv_port))
     pools = [a for c in children for a in (f"--{c.role}", c.url)]
     router = (*cli, "router", "--host", config.host, "--port", str(config.port), *pools, *config.router_args)

@@ -1,3 +1,4 @@
+import argparse
 import re
 import subprocess
 import sys
@@ -31,3 +32,28 @@ def test_cli_unknown_subcommand_names_it():
     r = _pdserve("frobnicate")
     assert r.returncode == 2
     assert "frobnicate" in r.stderr
+
+
+def test_up_turns_on_tool_calls_for_the_default_model_only():
+    """The quick start's SmolLM2 gets vLLM's tool flags (its hermes format), so bind_tools and
+    tool_choice work against `pdserve up` as is; a model of the user's gets none; a parser named
+    in --worker-args wins. Each worker command line still parses."""
+    from pdserve.cli.stack import StackConfig, plan
+    from pdserve.worker.server.main import add_arguments, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def worker_configs(config, default_model):
+        for child in plan(config, "/m", "m", gpus=[], default_model=default_model):
+            if child.role != "router":
+                argv = list(child.argv)
+                yield configs_from_args(parser.parse_args(argv[argv.index("worker") + 1:]), environ={})[1]
+
+    for server in worker_configs(StackConfig(kv_transfer="tcp"), True):
+        assert (server.tool_call_parser, server.enable_auto_tool_choice) == ("hermes", True)
+    for server in worker_configs(StackConfig(kv_transfer="tcp"), False):
+        assert (server.tool_call_parser, server.enable_auto_tool_choice) == (None, False)
+    mine = StackConfig(kv_transfer="tcp", worker_args=("--tool-call-parser", "llama3_json"))
+    for server in worker_configs(mine, True):
+        assert (server.tool_call_parser, server.enable_auto_tool_choice) == ("llama3_json", False)
