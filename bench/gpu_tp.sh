@@ -8,7 +8,7 @@
 #    bf16 greedy/top-5 agreement with TP=1 (TP=1 is the reference, within this call only).
 # 2. bench tp-pd: P/D between TP workers (2->2, 2->1, 1->2, 1->1) over TCP and NIXL, real worker
 #    processes, bf16 greedy against the decode worker alone.
-# Writes $OUT/tp.md, $OUT/tp_pd.md and their logs. NCCL's destroy_process_group hangs on this image
+# ONLY_TP_PD=1 skips step 1. Writes $OUT/tp.md, $OUT/tp_pd.md and their logs. NCCL's destroy_process_group hangs on this image
 # when ranks reach it at different times; the worker bounds it (worker/distributed.py).
 set -u
 OUT=${OUT:-$PWD/gpu_tp_out}
@@ -20,7 +20,7 @@ source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 fast
   uvicorn:uvicorn httptools:httptools opentelemetry:opentelemetry_api annotated_doc:annotated_doc || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 cd /tmp
-timeout --kill-after=10 300 $PY -m pdserve.bench.tp --tp 1 2 4 --num-prompts 128 \
+[ -n "${ONLY_TP_PD:-}" ] || timeout --kill-after=10 300 $PY -m pdserve.bench.tp --tp 1 2 4 --num-prompts 128 \
   --checkpoint /tmp/l8b --timeout 290 --env PDSERVE_TP_COLLECTIVE_TIMEOUT_S=120 --out "$OUT/tp.md" \
   > "$OUT/tp_log.txt" 2>&1
 echo "bench tp: rc=$?"

@@ -103,6 +103,10 @@ class ModelRunner:
         self.followers = None  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
         if self.tp_size > 1:
             self.device = self._start_tensor_parallel(attention_backend, static_decode, tp_store_port)
+        elif self.device.type == "cuda":
+            # Loading, KV sizing and graph capture run on this thread: Triton launches on the
+            # current device, so `--device cuda:1` must make it current (TP ranks do it on joining).
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
         backend = _attention_backend(attention_backend, self.device)
         self.attention_backend = backend.name
