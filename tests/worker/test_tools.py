@@ -5,10 +5,9 @@ the real default model (SmolLM2-135M-Instruct, greedy) with `--tool-call-parser 
 `bind_tools`.
 
 A 135M model's choices are not ours to assert: the end-to-end tests force a call with a named
-`tool_choice` (prompt-level forcing, tool_parsers/plan.py), check the protocol (tool_calls,
-streamed increments, finish_reason, tool results templated back), and where the model may or
-may not comply (`required`), accept exactly a valid call of an offered tool or the documented
-`tool_call_invalid` error, never anything else.
+or `required` `tool_choice` (the reply opened at the prompt, the rest masked by the grammar
+engine to the tool's schema, tool_parsers/plan.py) and check the protocol (tool_calls that
+parse and satisfy the schema, streamed increments, finish_reason, tool results templated back).
 """
 
 from __future__ import annotations
@@ -159,6 +158,25 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         assert [d["function"]["name"] for d in deltas if "id" in d] == names
 
 
+def test_forced_choices_carry_the_grammar_of_the_call():
+    """What the grammar admits after the forced prefix (the call's JSON, then EOS: no closing
+    tag) parses as the call, for every parser; the grammar is the tool's parameters (named) or
+    one call object naming an offered tool with the parser's arguments key (required)."""
+    for name in PARSERS:
+        parser = get_parser(name)
+        named = plan_tools(_request(tools=[WEATHER, TIME], tool_choice=NAMED), name, False)
+        assert (named.grammar.kind, named.grammar.param) == ("json", "tool_choice")
+        assert json.loads(named.grammar.value) == WEATHER["function"]["parameters"]
+        assert complete_message(named, '{"city": "Oslo"}')[1][0]["function"]["name"] == "get_weather"
+        required = plan_tools(_request(tools=[WEATHER, TIME], tool_choice="required"), name, False)
+        options = json.loads(required.grammar.value)["anyOf"]
+        assert [o["properties"]["name"] for o in options] == [{"const": "get_weather"}, {"const": "get_time"}]
+        assert all(o["required"] == ["name", parser.arguments_key] for o in options)
+        _, calls = complete_message(required, json.dumps({"name": "get_time", parser.arguments_key: {}}))
+        assert calls[0]["function"]["name"] == "get_time" and calls[0]["function"]["arguments"] == "{}"
+    assert plan_tools(_request(tools=[WEATHER]), "hermes", True).grammar is None  # auto: the model decides
+
+
 def test_a_missed_forced_call_is_an_error_not_content():
     plan = plan_tools(_request(tools=[WEATHER], tool_choice="required"), "hermes", False)
     with pytest.raises(APIError) as e:
@@ -241,13 +259,23 @@ def test_streamed_tool_calls_have_openais_incremental_shape(client):
     assert finish == [whole.choices[0].finish_reason]
 
 
-def test_required_gives_a_valid_call_or_says_it_could_not(client):
-    try:
-        r = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="required", **GREEDY)
-    except openai.UnprocessableEntityError as e:
-        assert e.body["code"] == "tool_call_invalid"
-        return
-    assert {c.function.name for c in r.choices[0].message.tool_calls} <= {"get_weather"}
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tools", [[WEATHER], [TIME, WEATHER]])
+def test_required_always_gives_a_call_of_an_offered_tool(client, tools, stream):
+    """The grammar makes the call: an offered tool, arguments with the schema's required keys."""
+    kw = dict(messages=ASK, tools=tools, tool_choice="required", **GREEDY)
+    if stream:
+        deltas = [d for c in client.chat.completions.create(stream=True, **kw) if c.choices
+                  for d in c.choices[0].delta.tool_calls or []]
+        name, arguments = deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas)
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert name in {t["function"]["name"] for t in tools}
+    if name == "get_weather":
+        assert isinstance(json.loads(arguments)["city"], str)
 
 
 def test_auto_and_none_without_a_call_are_plain_content(client):
@@ -301,3 +329,24 @@ def test_langchain_bind_tools_round_trip(worker):
     for chunk in streamed[1:]:
         merged += chunk
     assert [c["name"] for c in merged.tool_calls] == ["get_weather"]
+
+
+def test_langchain_structured_output_by_function_calling(worker):
+    """with_structured_output(method="function_calling") is a named tool_choice of the schema's
+    tool: the grammar makes its arguments validate, so langchain hands back the pydantic object.
+    strict=True sends additionalProperties: false; without it the schema admits any extra key,
+    and this 135M model, greedy, keeps inventing keys until max_tokens."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    llm = ChatOpenAI(model="smol", base_url=f"{worker.url}/v1", api_key="x", temperature=0, max_tokens=60,
+                     max_retries=0)
+    person = llm.with_structured_output(Person, method="function_calling", strict=True).invoke("Alice is 30 years old.")
+    assert isinstance(person, Person)
+    raw = llm.with_structured_output(Person, method="function_calling", strict=True, include_raw=True).invoke(
+        "Bob is 41.")
+    assert raw["parsing_error"] is None and raw["raw"].tool_calls[0]["name"] == "Person"

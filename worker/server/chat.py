@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi.responses import Response
@@ -53,7 +54,7 @@ def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = Tool
             **tool_kwargs, **(body.chat_template_kwargs or {}))
     except Exception as e:  # jinja raise_exception(), wrong roles order, bad kwargs
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    # A forced tool call starts the reply (tool_parsers/plan.py: no grammar engine yet).
+    # A forced tool call starts the reply; its grammar does the rest (tool_parsers/plan.py).
     text += tools.forced_prefix
     # The template writes the special tokens itself (BOS, role markers): add none on top.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -68,6 +69,8 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
+    if tools.grammar is not None:  # a forced tool call (response_format with it is refused already)
+        params = dataclasses.replace(params, structured=tools.grammar)
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
     rid = serving.new_id("chatcmpl")
     gen = state.new_generation(rid, [prompt], params, body.n, kv_params)

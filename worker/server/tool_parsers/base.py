@@ -9,8 +9,8 @@ increment, not token by token).
 
 A parser also knows how its model family writes calls, so the worker can (a) render tools and
 past calls for chat templates that know nothing of tools (`system_prompt`, `render_call`,
-`render_result`) and (b) force a call without a grammar engine by starting the assistant's
-reply with the opening of one (`forced_prefix`).
+`render_result`) and (b) force a call: the assistant's reply starts with the opening of one
+(`forced_prefix`) and the grammar engine masks the rest to the call's JSON (plan.py).
 """
 
 from __future__ import annotations
@@ -78,8 +78,11 @@ class ToolParser:
         out += s.finish()
         return out
 
+    arguments_key = "arguments"  # what the call object names its arguments
+
     def forced_prefix(self, function_name: str | None) -> str:
-        """Assistant text that opens a call (of `function_name`, when given)."""
+        """Assistant text that opens a call: up to the call object (any tool), or up to the
+        value of `arguments_key` (`function_name`'s call). The grammar takes it from there."""
         raise NotImplementedError
 
     def system_prompt(self, tools: list[dict]) -> str:

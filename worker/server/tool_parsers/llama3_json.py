@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pdserve.worker.server.tool_parsers.base import (Parsed, ToolCallParseError, ToolCallStream, ToolParser,
-                                                     call_from_json, held_back)
+                                                     call_from_json, held_back, loads_lenient)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -51,8 +51,10 @@ def _objects(body: str) -> list:
     while i < len(body):
         try:
             obj, i = dec.raw_decode(body, i)
-        except ValueError as e:
-            raise ToolCallParseError(f"not a JSON tool call ({e}): {body!r:.200}") from None
+        except ValueError:
+            # The last call may lack its closing brackets (cut short, or a named call whose
+            # grammar ends with its parameters): closed, as hermes does.
+            obj, i = loads_lenient(body[i:]), len(body)
         objs.append(obj)
         while i < len(body) and body[i] in " \t\r\n;":
             i += 1
@@ -67,9 +69,11 @@ class Llama3JsonParser(ToolParser):
     def stream(self) -> Llama3JsonStream:
         return Llama3JsonStream()
 
+    arguments_key = "parameters"
+
     def forced_prefix(self, function_name: str | None) -> str:
         if function_name is None:
-            return '{"name": "'
+            return ""  # the whole reply is the call object
         return '{"name": ' + json.dumps(function_name) + ', "parameters": '
 
     def system_prompt(self, tools: list[dict]) -> str:

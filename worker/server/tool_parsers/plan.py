@@ -4,11 +4,13 @@ and what `tool_choice` forces.
 - `none` (or no tools): the template gets no tools and the output is plain content.
 - `auto`: needs `--enable-auto-tool-choice` and `--tool-call-parser` (vLLM's rule); the model
   decides, the parser finds the calls.
-- `required` / named: needs `--tool-call-parser`. There is no grammar engine yet, so the call
-  is forced at the prompt: the assistant's reply is started with the opening of a call (for a
-  named tool, up to its arguments), and the result is checked: output that is still no valid
-  call (of an offered tool) is a 422 `tool_call_invalid`, never passed off as one. (422, not
-  5xx: greedy output would fail the same way on any worker, so a router must not retry it.)
+- `required` / named: needs `--tool-call-parser`. The assistant's reply is started with the
+  opening of a call in the parser's format (for a named tool, up to its arguments), and the
+  grammar engine masks the rest to JSON of the tool's `parameters` schema (named) or to one
+  `{"name": <an offered tool>, "arguments": ...}` object (required), as vLLM forces these
+  choices with structured outputs. The result is still checked: a reply cut by `max_tokens`
+  inside the call is no valid call, a 422 `tool_call_invalid`, never passed off as one. (422,
+  not 5xx: the same request would fail the same way on any worker, so a router must not retry.)
 
 A chat template that knows tools (it mentions `tools`) gets them as `tools=` and the messages
 as transformers' convention has them (`tool_calls[].function.arguments` as an object). One that
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pdserve.protocol.errors import APIError, bad_request
 from pdserve.protocol.tools import NamedToolChoice
 from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
+from pdserve.worker.structured_output import StructuredOutputSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ToolPlan:
     name: str | None = None  # tool_choice named this function
     tools: list[dict] | None = None  # for the template
     parallel: bool = True  # parallel_tool_calls=false: only the first call of a reply is kept
+    grammar: StructuredOutputSpec | None = None  # a forced call: what follows forced_prefix
 
     def stream(self):
         if self.parser is None:
@@ -49,7 +53,7 @@ class ToolPlan:
             return
         if not parsed.calls:
             raise APIError(422, "tool_choice requires a tool call, but the model's output is not a valid one "
-                                f"(forced at the prompt; no grammar engine yet): {parsed.content!r:.300}",
+                                f"(cut by max_tokens?): {parsed.content!r:.300}",
                            "tool_choice", "tool_call_invalid")
         allowed = {t["function"]["name"] for t in self.tools or []}
         if any(c.function.name not in allowed for c in parsed.calls):
@@ -76,7 +80,19 @@ def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if name is not None:
         tools = [t for t in tools if t["function"]["name"] == name]
-    return ToolPlan(parser, parser.forced_prefix(name), True, name, tools, body.parallel_tool_calls)
+        schema = _arguments_schema(tools[0])
+    else:  # one call object of any offered tool, its properties in the order the model writes them
+        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                              parser.arguments_key: _arguments_schema(t)},
+                             "required": ["name", parser.arguments_key], "additionalProperties": False}
+                            for t in tools]}
+    grammar = StructuredOutputSpec("json", json.dumps(schema, separators=(",", ":")), "tool_choice")
+    return ToolPlan(parser, parser.forced_prefix(name), True, name, tools, body.parallel_tool_calls, grammar)
+
+
+def _arguments_schema(tool: dict) -> dict:
+    """A tool's `parameters`; arguments are an object even when it declares none."""
+    return tool["function"].get("parameters") or {"type": "object"}
 
 
 def _show(choice) -> str:
