@@ -4,19 +4,19 @@
 #   run(kind="nvidia-h100-x2", carry=[".whl"], command="bash bench/gpu_perf.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_perf_out)
 #
-# Two lanes at once, one card each, then the cross-GPU pull (seconds are each step's limit):
-#   cuda:1  engine: bs=1 decode ms/step (CUDA graphs) for both models with the same-run copy
-#           bandwidth and roofline %, offline 1024/128 against its floor, and the engine's own
-#           bs=1 graph on the unfused vs fused decode path, per kernel (bench.engine --decode-paths) 330
-#   cuda:0  KV transfer on one card (NIXL and TCP, contiguous / scattered / real layout after
-#           churn, fixed cost per pull) against the same-run copy_                               150
-#           per-kernel profile of a bs=1 decode graph, fused vs v4, both models (profile_decode)  110
-#           kernel tests compiled on the GPU (fused kernels, decode merge, compile count)          70
-#   both    KV transfer cuda:0 -> cuda:1 (NIXL) against the same-run peer copy_                  90
-# The engine lane has its card to itself; the lanes share the host's 32 cores, which the step
-# times (host work included) could feel: env.txt records the load.
-# Files in $OUT: env.txt, engine.md, profile_decode.md, kv_transfer_1gpu.md, kv_transfer_2gpu.md,
-# tests.txt, log_*.txt.
+# One step after another, each alone on the machine (seconds are each step's limit; ~5 min in all):
+#   engine: bs=1 decode ms/step (CUDA graphs) for both models with the same-run copy bandwidth
+#           and roofline %, offline 1024/128 against its floor, and the engine's own bs=1 graph
+#           on the unfused vs fused decode path, per kernel (bench.engine --decode-paths)      200
+#   KV transfer on one card (NIXL and TCP; contiguous / scattered / real layout after churn;
+#           fixed cost per pull) against the same-run copy_                                   150
+#   KV transfer cuda:0 -> cuda:1 (NIXL) against the same-run peer copy_ (needs 2 GPUs)        90
+#   per-kernel profile of a bs=1 decode graph, fused vs v4, both models (profile_decode)      80
+#   kernel tests compiled on the GPU (fused kernels, decode merge, compile count)             70
+# (Run as two concurrent lanes, one card each, the KV rows lost a third: the side-channel round
+# trip is host work, and it felt the other lane. Hence sequential.)
+# Files in $OUT: env.txt, engine.md, kv_transfer_1gpu.md, kv_transfer_2gpu.md, profile_decode.md,
+# tests.txt, log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_perf_out}
 mkdir -p "$OUT"
@@ -40,31 +40,21 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
   $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__, '· transformers', transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-REPO=$PWD
 TLS=cuda_ipc,cuda_copy,tcp
-
-engine_lane() {
-  cd /tmp && CUDA_VISIBLE_DEVICES=1 step "engine bench (cuda:1)" 330 $PY -m pdserve.bench.engine \
-    --models qwen2.5-0.5b llama-3.1-8b --decode-inputs 128 --offline 1024 --no-hf --no-eager --decode-paths \
-    --out "$OUT/engine.md"
-}
-
-kv_lane() {
-  cd /tmp && export CUDA_VISIBLE_DEVICES=0
-  step "kv transfer, one card (cuda:0)" 150 $PY -m pdserve.bench.kv_transfer --device cuda --ucx-tls "$TLS" \
+main() {
+  cd /tmp
+  step "engine bench" 200 $PY -m pdserve.bench.engine --models qwen2.5-0.5b llama-3.1-8b --decode-inputs 128 \
+    --offline 1024 --no-hf --no-eager --decode-paths --out "$OUT/engine.md" 2>&1 | grep -v " INFO "
+  step "kv transfer, one card" 150 $PY -m pdserve.bench.kv_transfer --device cuda --ucx-tls "$TLS" \
     --out "$OUT/kv_transfer_1gpu.md" 2>&1 | grep -v "NIXL INFO"
-  step "profile_decode (cuda:0)" 110 $PY -m pdserve.bench.profile_decode --models qwen2.5-0.5b llama-3.1-8b \
+  step "kv transfer, cuda:0 -> cuda:1" 90 $PY -m pdserve.bench.kv_transfer --device cuda --cross-gpu \
+    --ucx-tls "$TLS" --transports nixl --out "$OUT/kv_transfer_2gpu.md" 2>&1 | grep -v "NIXL INFO"
+  step "profile_decode" 80 $PY -m pdserve.bench.profile_decode --models qwen2.5-0.5b llama-3.1-8b \
     --context 128 --out "$OUT/profile_decode.md"
-  cd "$REPO" && step "kernel tests (cuda:0)" 70 $PY -m pytest tests/kernels -q -n 4 -p no:cacheprovider \
-    > "$OUT/tests.txt" 2>&1
-  tail -n 5 "$OUT/tests.txt"
+  cd "$OLDPWD" && step "kernel tests" 70 $PY -m pytest tests/kernels -q -n 4 -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+  tail -n 3 "$OUT/tests.txt"
+  uptime
+  ls -la "$OUT"
 }
-
-engine_lane > "$OUT/log_engine.txt" 2>&1 &
-kv_lane > "$OUT/log_kv.txt" 2>&1
-wait
-uptime >> "$OUT/env.txt"
-cat "$OUT/log_kv.txt" "$OUT/log_engine.txt" | grep -v " INFO " | tail -n 60
-cd /tmp && step "kv transfer, cuda:0 -> cuda:1" 90 $PY -m pdserve.bench.kv_transfer --device cuda --cross-gpu \
-  --ucx-tls "$TLS" --transports nixl --out "$OUT/kv_transfer_2gpu.md" 2>&1 | grep -v "NIXL INFO" | tail -n 30
-ls -la "$OUT"
+main > "$OUT/log.txt" 2>&1
+grep -v "^|" "$OUT/log.txt" | tail -n 40
