@@ -1,6 +1,6 @@
 """`kv_transfer_params`: the P/D handshake between router, prefill worker and decode worker.
 
-    router  ──{"do_remote_decode": true}, max_tokens=1, not streamed──▶ prefill worker
+    router  ──{"do_remote_decode": true, "decode_budget"}, max_tokens=1, not streamed──▶ prefill worker
     router  ◀── the first token + KVTransferParams (where its KV blocks are pinned) ──┘
     router  ──the client's request + those KVTransferParams──▶ decode worker
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from pdserve.protocol.requests import CompletionRequest
+
 PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
 PREFILL_MAX_TOKENS = 1  # a prefill runs the prompt and samples exactly the first token
 
@@ -23,9 +25,25 @@ class KVTransferParamsError(ValueError):
     param = PARAM
 
 
-def remote_decode_request() -> dict:
-    """What the router puts in a prefill request: keep the KV, answer with where it is."""
-    return {"do_remote_decode": True}
+BUDGET = "decode_budget"  # in a prefill request's params: the client's own token budget
+
+
+def remote_decode_request(budget: dict | None = None) -> dict:
+    """What the router puts in a prefill request: keep the KV, answer with where it is. With
+    `budget` (the client's max_tokens or max_completion_tokens, and min_tokens) the prefill
+    worker refuses at once what the decode worker would refuse for it (prompt + max_tokens over
+    the context, min_tokens over max_tokens): otherwise the decode leg fails after the prefill,
+    and the pinned KV waits for nobody until its TTL."""
+    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {})}
+
+
+def decode_budget(body: dict) -> dict:
+    """The client's budget fields as the decode worker will read them (a completions request
+    without max_tokens gets that field's default, 16; chat's default fits the context)."""
+    out = {k: body[k] for k in ("max_completion_tokens", "max_tokens", "min_tokens") if body.get(k) is not None}
+    if "prompt" in body and "max_tokens" not in body:
+        out["max_tokens"] = CompletionRequest.model_fields["max_tokens"].default
+    return out
 
 
 def wants_remote_decode(params: dict | None) -> bool:
@@ -43,7 +61,7 @@ def prefill_request(body: dict) -> dict:
     The one place the prefill's token budget is set (`max_completion_tokens` too when given).
     `min_tokens` is cut to what applies to the first token (EOS and stop tokens are barred from
     it when min_tokens >= 1); the decode worker gets the client's value and applies the rest."""
-    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request()})
+    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body))})
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = PREFILL_MAX_TOKENS
     if out.get("min_tokens"):

@@ -62,10 +62,16 @@ def test_predicates(params, remote_decode, wants):
 
 @pytest.mark.parametrize("body,expected", [
     ({"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}},
-     {"prompt": "x", "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}),
-    ({"messages": [], "max_completion_tokens": 50},
-     {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "stream": False,
-      "kv_transfer_params": {"do_remote_decode": True}}),
+     {"prompt": "x", "max_tokens": 1, "stream": False,
+      "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 50}}}),
+    ({"messages": [], "max_completion_tokens": 50, "min_tokens": 3},
+     {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "min_tokens": 1, "stream": False,
+      "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_completion_tokens": 50, "min_tokens": 3}}}),
+    # The decode worker's defaults: completions 16, chat whatever fits (no budget to check).
+    ({"prompt": "x"}, {"prompt": "x", "max_tokens": 1, "stream": False,
+                       "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 16}}}),
+    ({"messages": [], "max_tokens": None},
+     {"messages": [], "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}),
 ])
 def test_prefill_request(body, expected):
     assert prefill_request(body) == expected

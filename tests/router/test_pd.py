@@ -75,7 +75,8 @@ def test_pd_output_equals_single_worker(stack, chat, stream):
     (p,) = prefill.requests()[n_prefill:]
     (d,) = decode.requests()[n_decode:]
     assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
-    assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True} and "stream_options" not in p["body"]
+    assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True, "decode_budget": {"max_tokens": 6}}
+    assert "stream_options" not in p["body"]
     assert d["body"]["max_tokens"] == 6 and d["body"].get("stream", False) == stream
     assert d["body"]["kv_transfer_params"]["remote_url"] == prefill.url
     assert p["headers"]["x-request-id"] == d["headers"]["x-request-id"]

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.protocol.kv_transfer import prefill_request
 from tests.router.test_failures import eventually
 
 pytestmark = pytest.mark.slow
@@ -81,6 +82,36 @@ def test_client_disconnect_frees_blocks_on_both_workers(stack):
                 break
     eventually(lambda: no_leaks(prefill, decode), timeout_s=30)
     assert decode.kv()["num_running"] == 0
+
+
+CTX = "context_length_exceeded"
+
+
+@pytest.mark.parametrize("chat,budget,param,code", [
+    (False, {"max_tokens": 10**6}, "max_tokens", CTX),
+    (True, {"max_tokens": 10**6}, "max_tokens", CTX),
+    (True, {"max_completion_tokens": 10**6}, "max_completion_tokens", CTX),
+    (False, {"max_tokens": 4, "min_tokens": 8}, "min_tokens", None),
+    (True, {"max_tokens": 4, "min_tokens": 8}, "min_tokens", None),
+])
+def test_what_the_decode_worker_would_refuse_pins_no_kv(stack, chat, budget, param, code):
+    """The prefill leg carries the client's budget: a request the decode worker would refuse
+    (context, min_tokens) is refused by the prefill worker before its KV is pinned (else the
+    pin would wait for a decode that never comes, until its TTL), with the decode's error."""
+    prefill, decode, router = stack
+    route, body = ("chat/completions", {"messages": CHAT}) if chat else ("completions", {"prompt": PROMPT})
+    body = {"model": "tiny", "temperature": 0, **body, **budget}
+    direct = httpx.post(f"{prefill.url}/v1/{route}", json=prefill_request(body), timeout=60)  # the router's leg
+    assert direct.status_code == 400, direct.text
+    assert (direct.json()["error"]["param"], direct.json()["error"]["code"]) == (param, code)
+    assert prefill.kv()["num_pinned_blocks"] == 0
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    create = client.chat.completions.create if chat else client.completions.create
+    extra = {"min_tokens": body.pop("min_tokens")} if "min_tokens" in body else {}
+    with pytest.raises(openai.BadRequestError) as e:
+        create(**body, extra_body=extra)
+    assert (e.value.body["param"], e.value.body["code"]) == (param, code)
+    assert prefill.kv()["num_pinned_blocks"] == 0 and decode.kv()["num_running"] == 0
 
 
 def test_killed_prefill_worker_falls_back_to_local_prefill(stack):

@@ -68,6 +68,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     prompt = render_prompt(state.tokenizer, body, tools, cfg.tool_call_parser)
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
+    serving.check_decode_budget(body.kv_transfer_params, [prompt], state.max_model_len, "messages")
     params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
     if tools.grammar is not None:  # a forced tool call (response_format with it is refused already)
         params = dataclasses.replace(params, structured=tools.grammar)

@@ -41,6 +41,7 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     only_prompt = echo.echo_only(body)
     max_tokens = serving.resolve_max_tokens(1 if only_prompt else body.max_tokens, prompts, state.max_model_len,
                                             "prompt", "max_tokens")
+    serving.check_decode_budget(body.kv_transfer_params, prompts, state.max_model_len, "prompt")
     params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
     echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
-from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode
+from pdserve.protocol.kv_transfer import (BUDGET, PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode,
+                                         wants_remote_decode)
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
 from pdserve.worker.detokenizer import IncrementalDetokenizer
@@ -109,6 +110,22 @@ def resolve_max_tokens(requested: int | None, prompts: list[list[int]], max_mode
             f"in the completion). Reduce the prompt or {max_tokens_param}.",
             max_tokens_param, "context_length_exceeded")
     return requested
+
+
+def check_decode_budget(kv_params: dict | None, prompts: list[list[int]], max_model_len: int,
+                        prompt_param: str) -> None:
+    """On a prefill worker asked to hand its KV off: refuse now what the decode worker will
+    refuse for the client's own budget (kv_transfer.decode_budget), so a request that cannot
+    be served pins no KV for nothing. Callers that send no budget (vLLM's proxies) get no check."""
+    if not wants_remote_decode(kv_params) or not isinstance(budget := kv_params.get(BUDGET), dict):
+        return
+    param = "max_completion_tokens" if "max_completion_tokens" in budget else "max_tokens"
+    requested, min_tokens = budget.get(param), budget.get("min_tokens", 0)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (requested or 0, min_tokens)):
+        raise bad_request(f"{PARAM}.{BUDGET} holds token counts, got {budget!r}", PARAM)
+    max_tokens = resolve_max_tokens(requested, prompts, max_model_len, prompt_param, param)
+    if not 0 <= min_tokens <= max_tokens:
+        raise bad_request(f"min_tokens must be in [0, max_tokens], got {min_tokens}", "min_tokens")
 
 
 async def start(request: Request, gen: Generation) -> tuple[tuple[int, RequestOutput], Events]:
