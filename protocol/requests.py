@@ -97,14 +97,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, index: int) -> dict[str, Any]:
+        """`index`: this message's place in `messages`, for the `param` of a 400."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             texts = []
             for i, part in enumerate(self.content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"only text content parts are supported (got {part.get('type')!r})",
-                                      f"messages.content.{i}")
+                param = f"messages.{index}.content.{i}"
+                if part.get("type") != "text":
+                    raise bad_request(f"only text content parts are supported (got {part.get('type')!r})", param)
+                if not isinstance(part.get("text"), str):
+                    raise bad_request("a text content part needs 'text', a string", param)
                 texts.append(part["text"])
             msg["content"] = "\n".join(texts)
         elif self.content is None:

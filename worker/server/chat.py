@@ -42,7 +42,7 @@ def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = Tool
                   parser_name: str | None = None) -> list[int]:
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages, tool_kwargs = template_input([m.for_template() for m in body.messages], tools,
+    messages, tool_kwargs = template_input([m.for_template(i) for i, m in enumerate(body.messages)], tools,
                                            tokenizer.chat_template, get_parser(parser_name) if parser_name else None)
     if body.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", "messages")

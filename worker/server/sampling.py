@@ -50,5 +50,7 @@ def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, 
             structured=structured_output(body),
         )
     except SamplingParamsError as e:
-        param = logprobs_param if e.param == "logprobs" else e.param
-        raise bad_request(str(e), param) from None
+        if e.param != "logprobs":
+            raise bad_request(str(e), e.param) from None
+        # The message names the field the client sent (chat's top_logprobs), as the param does.
+        raise bad_request(str(e).replace("logprobs", logprobs_param, 1), logprobs_param) from None
