@@ -224,13 +224,16 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport):
             c.start_server()
             token, _ = c.pins.add("req", src_ids, digest, token=token)
         params = {"remote_engine_id": "eng", "remote_host": "127.0.0.1", "remote_port": port,
-                  "remote_request_id": "req", "transfer_token": token, "kv_tp_size": size}
+                  "remote_request_id": "req", "transfer_token": token, "kv_tp_size": size,
+                  "transport": transport}  # absent, a pull goes over TCP
         return ranks, params
 
     def pull(size, rank, params):
         c = KVConnector(config(free_kv_ports()), cache(kv // size, 99), "dec", "layout", tp=TPRank(rank, size, kv))
         c.cache.zero_()
         c._pull(params, list(range(len(src_ids))), dst_ids, digest)
+        if transport == "nixl":  # it really read over NIXL, into its registered staging buffer
+            assert c.nixl.staging.registrations == 1
         c.shutdown()
         return c.cache[dst_ids]
 

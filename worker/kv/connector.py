@@ -329,6 +329,8 @@ class KVConnector:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        if self.nixl is not None:
+            self.nixl.close()  # deregister and free its staging buffers
         if self.server:
             self.server.stop()
 

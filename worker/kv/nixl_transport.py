@@ -13,6 +13,10 @@ neighbouring indices into one descriptor, so a run of consecutive blocks (block_
 hands those out) still moves as one span. Without the peer's block count (an older peer)
 the pull builds its descriptor lists per call, one per merged run (`block_runs.py`).
 
+A tensor-parallel peer of another TP size has other blocks than ours: its blocks are READ into
+`self.staging` (staging.py), buffers registered once and reused by one pull at a time, and
+tp_transfer.py scatters the heads this rank keeps.
+
 What NIXL/UCX cannot enforce for us: once a peer holds the agent metadata (the UCX worker
 address and the remote key of the registered cache), a one-sided READ or WRITE of any byte of
 that registration is served by the NIC / UCX transport without asking this process. The
@@ -35,11 +39,16 @@ import numpy as np
 import torch
 
 from pdserve.worker.kv.block_runs import merge_runs
+from pdserve.worker.kv.staging import StagingPool, slot_cap
 
 log = logging.getLogger(__name__)
 
 # Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
 SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
+
+
+class ReadFailed(RuntimeError):
+    """NIXL reported the READ failed: it has ended, nothing writes into its destination any more."""
 
 
 def import_nixl():
@@ -86,6 +95,8 @@ class NixlTransport:
         self._remote_prep: dict[str, object] = {}  # agent name -> its cache prepared, one descriptor per block
         self._described: dict | None = None
         self._lock = threading.Lock()  # agent calls from pull threads and the side-channel thread
+        # Where a tensor-parallel peer's blocks (other heads than ours) land: registered once, reused.
+        self.staging = StagingPool(cache.device, slot_cap(cache), self._register, self._deregister)
 
     def describe(self) -> dict:
         """Everything a peer needs to READ (or WRITE) this cache: give it only to a leaseholder."""
@@ -166,16 +177,25 @@ class NixlTransport:
             timings.update(wait=t3 - t2, release=t4 - t3, notify=time.perf_counter() - t4)
         return xfer.nbytes
 
-    def abort_read(self, xfer: "PostedRead", timeout_s: float) -> None:
+    def abort_read(self, xfer: "PostedRead", timeout_s: float) -> bool:
         """A posted READ whose bytes will not be used: let it end (its handle cannot be released
-        while in flight), release it, and send no notification."""
+        while in flight), release it, and send no notification. False: it may still be writing
+        into its destination (the wait timed out or the release failed)."""
+        ended = True
         try:
             self._wait(xfer.handle, xfer.state, xfer.agent, timeout_s)
+        except ReadFailed as e:
+            log.debug("abandoned NIXL READ from %s: %s", xfer.agent, e)
         except (TimeoutError, RuntimeError) as e:
             log.debug("abandoned NIXL READ from %s: %s", xfer.agent, e)
-        finally:
+            ended = False
+        try:
             with self._lock:
                 self.agent.release_xfer_handle(xfer.handle)
+        except Exception as e:
+            log.warning("could not release an abandoned NIXL READ from %s: %s", xfer.agent, e)
+            ended = False
+        return ended
 
     def _wait(self, handle, state: str, agent: str, timeout_s: float) -> None:
         """Poll a posted transfer until DONE. Spin first (a small pull completes in tens of
@@ -193,45 +213,34 @@ class NixlTransport:
             with self._lock:
                 state = self.agent.check_xfer_state(handle)
         if state != "DONE":
-            raise RuntimeError(f"NIXL READ from {agent} failed ({state})")
+            raise ReadFailed(f"NIXL READ from {agent} failed ({state})")
 
-    def read_into(self, peer: dict, src_blocks: list[int], staging: torch.Tensor, notif: dict | None,
-                  timeout_s: float) -> int:
-        """READ remote blocks src_blocks[i] into row i of `staging` [rows, remote block bytes], a
-        buffer registered for this read only: a tensor-parallel peer's blocks hold other heads
-        than ours, so they land here and the caller scatters the heads it needs (tp_transfer.py)."""
-        bb = staging.shape[1]
-        mem_type = "VRAM" if staging.device.type == "cuda" else "DRAM"
-        dev = staging.device.index or 0
+    def post_read_into(self, peer: dict, src_blocks: list[int], dst: torch.Tensor) -> "PostedRead":
+        """Start a READ of remote blocks src_blocks[i] into row i of `dst` [rows, remote block
+        bytes], a view inside a buffer of self.staging (registered): a tensor-parallel peer's
+        blocks hold other heads than ours, so they land there and the caller scatters the heads
+        it keeps (tp_transfer.py). No notification: tensor-parallel reads keep the pin."""
+        bb = dst.shape[1]
         runs = merge_runs(src_blocks, list(range(len(src_blocks))))
         remote = [(peer["base"] + s * bb, c * bb, peer["device_id"]) for s, _, c in runs]
-        local = [(staging.data_ptr() + d * bb, c * bb, dev) for _, d, c in runs]
+        local = [(dst.data_ptr() + d * bb, c * bb, self.device_id) for _, d, c in runs]
         with self._lock:
-            reg = self.agent.register_memory(staging)
-        try:
-            with self._lock:
-                handle = self.agent.initialize_xfer(
-                    "READ", self.agent.get_xfer_descs(local, mem_type),
-                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"],
-                    json.dumps(notif).encode() if notif else b"")
-                state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            try:
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"NIXL READ from {peer['agent']} timed out after {timeout_s}s")
-                    time.sleep(0.0002)
-                    with self._lock:
-                        state = self.agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL READ from {peer['agent']} failed ({state})")
-            finally:
-                with self._lock:
-                    self.agent.release_xfer_handle(handle)
-        finally:
-            with self._lock:
-                self.agent.deregister_memory(reg)
-        return len(src_blocks) * bb
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
+                                                self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], b"")
+            state = self.agent.transfer(handle)
+        return PostedRead(handle, state, peer["agent"], b"", len(src_blocks) * bb)
+
+    def _register(self, buf: torch.Tensor):
+        with self._lock:
+            return self.agent.register_memory(buf)
+
+    def _deregister(self, reg) -> None:
+        with self._lock:
+            self.agent.deregister_memory(reg)
+
+    def close(self) -> None:
+        """Deregister and free the staging buffers (the connector shuts down)."""
+        self.staging.close()
 
     def notifications(self) -> list[dict]:
         with self._lock:

@@ -9,9 +9,12 @@ A decode rank needs exactly its own heads. `kv_sources` says where each lives:
 - same TP (or the same heads, e.g. a replicated head): one source, the whole block, read straight
   into our blocks (one descriptor per run of blocks, as at TP = 1);
 - otherwise the heads are not contiguous in a block, so whole remote blocks (contiguous, fast)
-  are read into a staging buffer per source and the heads we hold are scattered into our blocks
-  with one indexed copy: decode TP=1 from prefill TP=2 reads both prefill ranks and interleaves
-  their heads; decode TP=2 from prefill TP=1 reads the full-head block and keeps its slice.
+  are read into a staging area (a region per source) and the heads we hold are scattered into
+  our blocks with one indexed copy: decode TP=1 from prefill TP=2 reads both prefill ranks and
+  interleaves their heads; decode TP=2 from prefill TP=1 reads the full-head block and keeps its
+  slice. On NIXL the area is a slot of the transport's StagingPool (staging.py: registered once,
+  reused, one pull at a time, a pull longer than a slot's cap in chunks), and every source's
+  READ is posted before the first is waited for; on TCP it is a plain tensor per pull.
 
 When either side has TP > 1 a read does not release the prefill pin: several decode ranks may
 read one prefill rank. Decode rank 0 releases every prefill rank's pin once all decode ranks
@@ -20,11 +23,13 @@ have landed (or failed) their pulls (connector.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.nixl_transport import ReadFailed
 from pdserve.worker.kv.tcp_transport import tcp_pull
 from pdserve.worker.models.parallel import check_kv_heads, kv_head_range
 
@@ -91,35 +96,103 @@ def pull_shards(conn, host: str, params: dict, indices: list[int], dst_blocks: l
     """Decode rank: pull our heads of the remote blocks at `indices` into `dst_blocks`. Returns
     bytes moved. `conn` is this rank's KVConnector (its cache, auth, timeout, NIXL agent)."""
     sources = kv_sources(conn.tp.num_kv_heads, remote_tp_size(params), conn.tp)
-    cache = conn.cache  # [num_blocks, layers, 2, block_size, heads, dim]
-    head_bytes = conn.block_bytes // cache.shape[4]
+    head_bytes = conn.block_bytes // conn.cache.shape[4]
     base_port = int(params["remote_port"])
-    n, nbytes, staged = len(dst_blocks), 0, []
-    for s in sources:
+    nbytes = 0
+    for s in (s for s in sources if s.direct):
         port = base_port + s.remote_rank
-        if s.direct:
-            nbytes += _read(conn, transport, host, port, s.remote_rank, params, indices, dst_blocks, conn.blocks,
-                            digest)
-            continue
-        buf = torch.empty(n, head_bytes * s.remote_num_heads, dtype=torch.uint8, device=cache.device)
-        nbytes += _read(conn, transport, host, port, s.remote_rank, params, indices, list(range(n)), buf, digest)
-        staged.append((s, buf))
-    if staged:
-        # Every source landed: build the blocks' new contents, then one indexed copy into the cache.
-        shape = cache.shape[1:4]
-        new = torch.empty((n, *shape, cache.shape[4], cache.shape[5]), dtype=cache.dtype, device=cache.device)
-        for s, buf in staged:
-            remote = buf.view(cache.dtype).view(n, *shape, s.remote_num_heads, cache.shape[5])
-            new[:, :, :, :, s.local_heads] = remote[:, :, :, :, s.remote_heads]
-        cache.index_copy_(0, torch.tensor(dst_blocks, device=cache.device), new)
+        if transport == "tcp":
+            nbytes += tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                               keep=True)
+        else:
+            peer, src = _lease(conn, host, port, s.remote_rank, params, indices, digest)
+            nbytes += conn.nixl.read(peer, src, dst_blocks, None, conn.timeout)
+    staged = [s for s in sources if not s.direct]
+    if not staged:
+        return nbytes
+    per_block = sum(head_bytes * s.remote_num_heads for s in staged)  # staged bytes per block, all sources
+    # NIXL: a registered staging slot holds at most its cap; a longer pull goes in chunks (a lease each).
+    chunk = max(1, len(dst_blocks)) if transport == "tcp" else conn.nixl.staging.blocks_per_chunk(per_block)
+    for i in range(0, len(dst_blocks), chunk):
+        nbytes += _pull_staged(conn, host, params, indices[i:i + chunk], dst_blocks[i:i + chunk], digest, transport,
+                               staged, head_bytes)
     return nbytes
 
 
-def _read(conn, transport: str, host: str, port: int, remote_rank: int, params: dict, indices: list[int],
-          dst_rows: list[int], dst: torch.Tensor, digest: str) -> int:
-    """Whole remote blocks at `indices` of one prefill rank into rows `dst_rows` of `dst` [rows, bytes]."""
+def _pull_staged(conn, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,
+                 transport: str, staged: list[Source], head_bytes: int) -> int:
+    """Whole remote blocks of every staged source into one staging area (a region each), then
+    one indexed copy of the heads we keep into our blocks."""
+    cache = conn.cache  # [num_blocks, layers, 2, block_size, heads, dim]
+    n, nbytes = len(dst_blocks), 0
+    sizes = [n * head_bytes * s.remote_num_heads for s in staged]
+    with _staging(conn, transport, sum(sizes)) as (area, slot):
+        regions, off = [], 0
+        for s, size in zip(staged, sizes):
+            regions.append(area[off:off + size].view(n, size // n))
+            off += size
+        if transport == "tcp":
+            for s, region in zip(staged, regions):
+                nbytes += tcp_pull(host, int(params["remote_port"]) + s.remote_rank, params, indices, list(range(n)),
+                                   region, conn.timeout, conn.auth, digest, keep=True)
+        else:
+            nbytes += _nixl_reads(conn, slot, host, params, indices, digest, staged, regions)
+        # Every source landed: build the blocks' new contents, then one indexed copy into the cache.
+        # A slot's scatter runs on the slot's stream and ends before the slot goes back (staging.py).
+        stream = slot.stream if slot is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            shape = cache.shape[1:4]
+            new = torch.empty((n, *shape, cache.shape[4], cache.shape[5]), dtype=cache.dtype, device=cache.device)
+            for s, region in zip(staged, regions):
+                remote = region.view(cache.dtype).view(n, *shape, s.remote_num_heads, cache.shape[5])
+                new[:, :, :, :, s.local_heads] = remote[:, :, :, :, s.remote_heads]
+            cache.index_copy_(0, torch.tensor(dst_blocks, device=cache.device), new)
+            if stream is not None:
+                stream.synchronize()
+    return nbytes
+
+
+@contextlib.contextmanager
+def _staging(conn, transport: str, nbytes: int):
+    """(a uint8 area of `nbytes`, its NIXL staging slot or None). TCP copies frames in with
+    index_copy_, so a fresh tensor (torch's caching allocator on CUDA) needs no registration."""
     if transport == "tcp":
-        return tcp_pull(host, port, params, indices, dst_rows, dst, conn.timeout, conn.auth, digest, keep=True)
+        yield torch.empty(nbytes, dtype=torch.uint8, device=conn.cache.device), None
+        return
+    with conn.nixl.staging.take(nbytes, conn.timeout) as slot:
+        yield slot.data[:nbytes], slot
+
+
+def _nixl_reads(conn, slot, host: str, params: dict, indices: list[int], digest: str, staged: list[Source],
+                regions: list[torch.Tensor]) -> int:
+    """Lease and post a READ per source, then wait for all: source k's bytes move while source
+    k + 1's lease runs. Every READ has ended before this returns or raises; one that may not
+    have (a timeout) retires the slot, which is then never reused (staging.py)."""
+    base_port, pending, nbytes = int(params["remote_port"]), [], 0
+    try:
+        for s, region in zip(staged, regions):
+            peer, src = _lease(conn, host, base_port + s.remote_rank, s.remote_rank, params, indices, digest)
+            pending.append(conn.nixl.post_read_into(peer, src, region))
+        while pending:
+            xfer = pending.pop(0)
+            try:
+                nbytes += conn.nixl.finish_read(xfer, conn.timeout)
+            except ReadFailed:
+                raise  # it ended
+            except BaseException:
+                slot.retire = True
+                raise
+    finally:
+        for xfer in pending:  # a lease or an earlier READ failed: these bytes will not be used
+            if not conn.nixl.abort_read(xfer, conn.timeout):
+                slot.retire = True
+    return nbytes
+
+
+def _lease(conn, host: str, port: int, remote_rank: int, params: dict, indices: list[int],
+           digest: str) -> tuple[dict, list[int]]:
+    """Lease the blocks at `indices` from prefill rank `remote_rank`: (its NIXL peer, their block ids).
+    No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
     key = f"{params['remote_engine_id']}#{remote_rank}"
     peer = conn.nixl.known_peer(key)
     reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
@@ -128,9 +201,6 @@ def _read(conn, transport: str, host: str, port: int, remote_rank: int, params: 
                                             f"not rank {remote_rank}: its heads are not the ones expected")
     if peer is None:
         peer = conn.nixl.add_peer(key, reply["nixl"])
-    if len(reply.get("block_ids", ())) != len(dst_rows):
+    if len(reply.get("block_ids", ())) != len(indices):
         raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
-    notif = None  # no release on read: decode rank 0 releases every prefill rank's pin once all ranks read
-    if dst is conn.blocks:
-        return conn.nixl.read(peer, reply["block_ids"], dst_rows, notif, conn.timeout)
-    return conn.nixl.read_into(peer, reply["block_ids"], dst, notif, conn.timeout)
+    return peer, reply["block_ids"]
