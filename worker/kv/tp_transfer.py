@@ -140,13 +140,15 @@ def _pull_staged(conn, host: str, params: dict, indices: list[int], dst_blocks: 
         # Every source landed: build the blocks' new contents, then one indexed copy into the cache.
         # A slot's scatter runs on the slot's stream and ends before the slot goes back (staging.py).
         stream = slot.stream if slot is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            shape = cache.shape[1:4]
-            new = torch.empty((n, *shape, cache.shape[4], cache.shape[5]), dtype=cache.dtype, device=cache.device)
-            for s, region in zip(staged, regions):
-                remote = region.view(cache.dtype).view(n, *shape, s.remote_num_heads, cache.shape[5])
-                new[:, :, :, :, s.local_heads] = remote[:, :, :, :, s.remote_heads]
-            cache.index_copy_(0, torch.tensor(dst_blocks, device=cache.device), new)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                shape = cache.shape[1:4]
+                new = torch.empty((n, *shape, cache.shape[4], cache.shape[5]), dtype=cache.dtype, device=cache.device)
+                for s, region in zip(staged, regions):
+                    remote = region.view(cache.dtype).view(n, *shape, s.remote_num_heads, cache.shape[5])
+                    new[:, :, :, :, s.local_heads] = remote[:, :, :, :, s.remote_heads]
+                cache.index_copy_(0, torch.tensor(dst_blocks, device=cache.device), new)
+        finally:
             if stream is not None:
                 stream.synchronize()
     return nbytes
