@@ -39,6 +39,9 @@ HEADER_SESSION_ID = "x-session-id"
 
 # The OpenAI routes both the router and the worker serve, by short name.
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# On a prefill worker: the router frees a hand-off's pin that no decode worker was sent
+# (the client left first), with the kv_transfer_params the prefill answered as the body.
+PATH_KV_RELEASE = "/kv/release"
 
 
 def api_keys_from(raw: str | None) -> tuple[str, ...]:

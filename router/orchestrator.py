@@ -15,12 +15,14 @@ and accounting for them is the upstream call's (upstream_call.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -40,6 +42,11 @@ from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
 
 log = logging.getLogger("pdserve.router")
+
+# How long a hand-off's decode call outlives a client that left (Orchestrator._open): a worker
+# reads a request within milliseconds unless its event loop is stalled; the pin's TTL is the
+# backstop past that.
+HANDOFF_GRACE_S = 2.0
 
 
 @dataclass
@@ -64,6 +71,17 @@ class Call:
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id}
+
+
+@dataclass
+class Handoff:
+    """A prefill's KV waiting for its decode worker. Once a decode worker may hold the params
+    (`sent`), that worker reads or releases the pin; until then, giving up is the router's to
+    report, or the blocks stay pinned until the TTL."""
+
+    worker: Worker  # the prefill worker
+    params: dict
+    sent: bool = False
 
 
 class Orchestrator:
@@ -107,9 +125,13 @@ class Orchestrator:
             return self._finished_by_prefill(call, answer)
         call.disaggregated = True
         decode_pool = self.selector.pool(ROLE_DECODE, model, partners=[worker])
+        handoff = Handoff(worker, answer.kv_transfer_params)
         if call.stream:
-            return self._stream_response(call, self._pd_stream(call, decode_pool, answer))
-        return await self._pd_unary(call, decode_pool, answer)
+            return self._stream_response(call, self._pd_stream(call, decode_pool, answer, handoff), handoff=handoff)
+        try:
+            return await self._pd_unary(call, decode_pool, answer, handoff)
+        finally:
+            self._abandon(handoff)
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -167,9 +189,27 @@ class Orchestrator:
             return call.raw
         return json.dumps({**call.body, KV_TRANSFER_PARAMS: prefill.kv_transfer_params}).encode()
 
-    async def _unary(self, up: UpstreamCall, call: Call, payload: bytes) -> bytes:
+    async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits, handoff: bool) -> \
+            aiohttp.ClientResponse | None:
+        """`up.open`. For a hand-off the call is not cut off the moment the client leaves: a
+        connection closed before the decode worker has read the request loses it there, and
+        then nobody releases the prefill's pin before its TTL. The call goes on in the
+        background for HANDOFF_GRACE_S (or until it answers), so the decode worker has taken the
+        request in when it is cut off: it aborts it and releases the pin, as for any client that
+        leaves. (A release from here could race that worker's read of the blocks instead.)"""
+        opening = up.open(PATHS[call.route], payload, call.headers(), limits)
+        if not handoff:
+            return await opening
+        task = asyncio.ensure_future(opening)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            up.close_when_done(task, HANDOFF_GRACE_S)
+            raise
+
+    async def _unary(self, up: UpstreamCall, call: Call, payload: bytes, handoff: bool = False) -> bytes:
         """Open a non-streaming decode call and read its whole (200) answer."""
-        response = await up.open(PATHS[call.route], payload, call.headers(), self._unary_limits(call))
+        response = await self._open(up, call, payload, self._unary_limits(call), handoff)
         if response is None:
             raise self._no_decode(up)
         try:
@@ -201,10 +241,20 @@ class Orchestrator:
         self._observe_ttft(call)
         return self._done(call, Response(content, media_type="application/json"))
 
-    async def _pd_unary(self, call: Call, pool: list[Worker], prefill: Answer) -> Response:
+    def _abandon(self, handoff: Handoff) -> None:
+        if not handoff.sent:
+            self.up.release_kv(handoff.worker, handoff.params)
+            handoff.sent = True
+
+    async def _pd_unary(self, call: Call, pool: list[Worker], prefill: Answer, handoff: Handoff) -> Response:
         t0 = time.monotonic()
         async with self._call("decode", ROLE_DECODE, call, pool) as up:
-            content = await self._unary(up, call, self._decode_payload(call, prefill))
+            handoff.sent = True
+            try:
+                content = await self._unary(up, call, self._decode_payload(call, prefill), handoff=True)
+            except APIError:
+                handoff.sent = up.attempts > 0  # no decode worker was even tried: nobody has the params
+                raise
         self.metrics.handoff.observe(time.monotonic() - t0)
         try:
             decode = RESPONSES[call.route].model_validate_json(content)
@@ -214,7 +264,10 @@ class Orchestrator:
         self._observe_ttft(call)
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
-    async def _pd_stream(self, call: Call, pool: list[Worker], prefill: Answer) -> AsyncIterator[bytes]:
+    async def _pd_stream(self, call: Call, pool: list[Worker], prefill: Answer,
+                         handoff: Handoff) -> AsyncIterator[bytes]:
+        # A client that hangs up from here until the decode call is opened leaves the pin to
+        # the router (handoff; _stream_response releases it), and after that to the decode worker.
         if first := first_token_events(prefill):
             yield first
         self._observe_ttft(call)
@@ -223,9 +276,10 @@ class Orchestrator:
         # this iterator (SSEResponse), which closes the call and releases the worker.
         up = self._call("decode", ROLE_DECODE, call, pool)
         try:
-            response = await up.open(PATHS[call.route], self._decode_payload(call, prefill), call.headers(),
-                                     self.stream_limits)
+            handoff.sent = True
+            response = await self._open(up, call, self._decode_payload(call, prefill), self.stream_limits, True)
             if response is None:
+                handoff.sent = up.attempts > 0
                 yield self._no_decode(up).sse_event()
                 return
             if response.status != 200:
@@ -276,10 +330,13 @@ class Orchestrator:
         self.metrics.requests.labels(call.route, str(response.status_code), _yes(call.disaggregated)).inc()
         return response
 
-    def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | None = None) -> SSEResponse:
+    def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | None = None,
+                         handoff: Handoff | None = None) -> SSEResponse:
         def closed() -> None:
             if held is not None:
                 held.close()
+            if handoff is not None:
+                self._abandon(handoff)
             self.metrics.e2e.observe(time.monotonic() - call.started)
             self.metrics.requests.labels(call.route, "200", _yes(call.disaggregated)).inc()
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
+from pdserve.protocol.contract import PATH_KV_RELEASE
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Worker, WorkerSet
 
@@ -91,7 +92,27 @@ class Upstream:
         self._waiting: dict[Worker, set[asyncio.Task]] = {}
         self._abandoned: set[asyncio.Task] = set()
         self._reading: dict[Worker, set[aiohttp.ClientResponse]] = {}
+        self._background: set[asyncio.Task] = set()
         workers.on_lost.append(self.abandon)
+
+    def keep(self, task: asyncio.Task) -> None:
+        """Hold a reference to a task nobody awaits until it is done (the loop's is weak)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def release_kv(self, worker: Worker, kv_transfer_params: dict) -> None:
+        """In the background, best effort: the prefill `worker` frees the pin of a hand-off that
+        no decode worker was sent (the client left first); its TTL is the backstop."""
+        self.keep(asyncio.get_running_loop().create_task(self._release_kv(worker, kv_transfer_params)))
+
+    async def _release_kv(self, worker: Worker, kv_transfer_params: dict) -> None:
+        try:
+            async with self.session.post(worker.url + PATH_KV_RELEASE, json=kv_transfer_params,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 202:
+                    log.debug("KV release on %r answered %d", worker, r.status)
+        except UPSTREAM_ERRORS as e:
+            log.debug("KV release on %r failed: %r", worker, e)
 
     def abandon(self, worker: Worker) -> int:
         """Stop every call waiting on `worker` (see the class doc); returns how many."""

@@ -14,6 +14,7 @@ cancelled, or the stream's iterator closed, inside the `async with`). It also ow
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable, Sequence
 
@@ -39,6 +40,7 @@ class UpstreamCall:
         self.response: aiohttp.ClientResponse | None = None
         self.last_status: int | None = None  # of the last retryable answer, for the final error
         self.last_reason = ""
+        self._lingering: asyncio.Task | None = None  # an open() left to finish: close() waits for it
 
     async def __aenter__(self) -> "UpstreamCall":
         return self
@@ -49,7 +51,7 @@ class UpstreamCall:
     async def open(self, path: str, body: bytes, headers: dict[str, str], limits: Limits) -> aiohttp.ClientResponse | None:
         """A response with a final status (not 5xx, not 429) from the next worker that gives
         one, its body unread; None when no candidate or attempt is left."""
-        self.close()
+        self._drop()
         while self.attempts < self._max_attempts:
             candidates = [w for w in self._pool if id(w) not in self._tried and w.routable()]
             if not candidates:
@@ -69,7 +71,7 @@ class UpstreamCall:
             self.last_status = attempt.response.status if attempt.response is not None else None
             self.last_reason = attempt.reason
             log.info("%s on %r failed (%s)", self.phase, worker, attempt.reason)
-            self.close()
+            self._drop()
         return None
 
     def retry_elsewhere(self, reason: str, phase: str | None = None) -> None:
@@ -84,9 +86,29 @@ class UpstreamCall:
     def succeeded(self) -> None:
         self.up.workers.record_success(self.worker)
 
+    def close_when_done(self, task: asyncio.Task, within_s: float) -> None:
+        """The caller left while `task` (this call's `open()`) waits for a status line: give the
+        worker `within_s` to take the request in (an answer in time closes the call at once),
+        then cut it off. Until then `close()` does nothing."""
+        self._lingering = task
+        asyncio.get_running_loop().call_later(within_s, task.cancel)
+
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled():
+                t.exception()  # retrieved: a failure here is nobody's to report
+            self._lingering = None
+            self._drop()
+
+        self.up.keep(task)
+        task.add_done_callback(done)
+
     def close(self) -> None:
         """Drop the response (its connection, unless fully read) and release the worker. Idempotent;
         synchronous, so it also runs inside a cancelled task."""
+        if self._lingering is None:
+            self._drop()
+
+    def _drop(self) -> None:
         if self.response is not None:
             self.up.done_reading(self.worker, self.response)
             close(self.response)

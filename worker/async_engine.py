@@ -75,6 +75,11 @@ class AsyncEngine:
         self.engine.abort(request_id)
         self._kick()
 
+    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:
+        """A finished prefill's pin that no decode worker will read: freed at the next step."""
+        self.engine.unpin(request_id, kv_transfer_params)
+        self._kick()
+
     def _kick(self) -> None:
         if self._wake is not None:
             self._wake.set()

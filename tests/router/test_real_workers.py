@@ -5,6 +5,7 @@ to local prefill on the decode worker."""
 
 from __future__ import annotations
 
+import time
 
 import httpx
 import openai
@@ -82,6 +83,36 @@ def test_client_disconnect_frees_blocks_on_both_workers(stack):
                 break
     eventually(lambda: no_leaks(prefill, decode), timeout_s=30)
     assert decode.kv()["num_running"] == 0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("completions", {"prompt": PROMPT * 3}),
+    ("chat/completions", {"messages": [{"role": "user", "content": PROMPT * 3}]}),
+], ids=["completions", "chat"])
+def test_a_client_gone_after_the_first_token_leaves_no_pin(stack, route, body):
+    """The router streams the prefill's first token before it calls the decode worker: a client
+    that leaves right then must not leave the prefill's KV pinned until the TTL (30 s here; the
+    router releases it at once, since no decode worker has the params)."""
+    prefill, decode, router = stack
+    body = {"model": "tiny", "max_tokens": 500, "ignore_eos": True, "stream": True, **body}
+    with httpx.stream("POST", f"{router.url}/v1/{route}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # the first event, then hang up
+    eventually(lambda: no_leaks(prefill, decode), timeout_s=10)
+
+
+def test_kv_release_needs_the_transfer_token(stack):
+    """POST /kv/release frees a pin only for a caller holding its params (the transfer token)."""
+    prefill, _, _ = stack
+    body = prefill_request({"model": "tiny", "prompt": PROMPT, "max_tokens": 50, "temperature": 0})
+    params = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    assert prefill.kv()["num_pinned_blocks"] > 0
+    assert httpx.post(prefill.url + "/kv/release", json={**params, "transfer_token": "forged"}).status_code == 202
+    assert httpx.post(prefill.url + "/kv/release", json={"remote_request_id": "x"}).status_code == 400
+    time.sleep(1.0)  # two idle ticks of the engine loop: a forged release would have been applied
+    assert prefill.kv()["num_pinned_blocks"] > 0
+    assert httpx.post(prefill.url + "/kv/release", json=params).status_code == 202
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0, timeout_s=5)
 
 
 CTX = "context_length_exceeded"

@@ -20,7 +20,9 @@ from fastapi.responses import Response
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, read_model, validate
 from pdserve.protocol.disconnect import ClientGone
-from pdserve.protocol.errors import APIError, install_handlers
+from pdserve.protocol.contract import PATH_KV_RELEASE
+from pdserve.protocol.errors import APIError, bad_request, install_handlers
+from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.worker.server import chat, completions
@@ -154,6 +156,21 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             return from_chat(await chat.create_chat_completion(st, request, body), raw)
         except ClientGone:
             return gone()
+
+    @app.post(PATH_KV_RELEASE, dependencies=[Depends(authorized)])
+    async def kv_release(request: Request, st: WorkerState = Depends(ready)):
+        """The router gave up on a hand-off before sending its params to any decode worker:
+        free the pinned blocks now, not at the TTL. Only a holder of the params can (the pin
+        table checks their transfer token, as for the side channel's release)."""
+        try:
+            params = KVTransferParams.from_dict(
+                parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s)))
+        except KVTransferParamsError as e:
+            raise bad_request(str(e), PARAM) from None
+        except ClientGone:
+            return gone()
+        st.engine.unpin(params.remote_request_id, params.to_dict())
+        return Response(status_code=202)
 
     def model_card() -> dict:
         card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve"}
