@@ -68,7 +68,7 @@ def test_a_client_without_the_worker_key_reaches_only_health(stack, key):
     for w in (prefill, decode):
         assert httpx.get(w.url + "/health").status_code == 200
         for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                             ("GET", "/metrics"), ("GET", "/debug/kv")):
+                             ("GET", "/metrics"), ("GET", "/debug/kv"), ("POST", "/kv/release")):
             r = httpx.request(method, w.url + path, headers=headers, json=body, timeout=10)
             assert r.status_code == 401, (w.url, path, r.text)
     if key != CLIENT_KEY:
