@@ -136,6 +136,28 @@ class Orchestrator:
     # ---- prefill -------------------------------------------------------------------------
 
     async def _prefill(self, call: Call, pool: list[Worker]) -> tuple[Worker, Answer] | None:
+        """`_prefill_call`. A client that leaves meanwhile does not cut the call off at once: a
+        prefill that finishes just then pins its KV while its answer, the only record of that
+        pin, is lost with the connection. The call goes on for up to HANDOFF_GRACE_S; an answer
+        in that time has its pin released (no decode worker has the params); later, the prefill
+        worker sees the hang-up and aborts a request it has not finished."""
+        task = asyncio.ensure_future(self._prefill_call(call, pool))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().call_later(HANDOFF_GRACE_S, task.cancel)
+            task.add_done_callback(self._release_unused)
+            self.up.keep(task)
+            raise
+
+    def _release_unused(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None or task.result() is None:
+            return
+        worker, answer = task.result()
+        if answer.kv_transfer_params:
+            self.up.release_kv(worker, answer.kv_transfer_params)
+
+    async def _prefill_call(self, call: Call, pool: list[Worker]) -> tuple[Worker, Answer] | None:
         """The prefill answer, or None when every prefill worker failed (local prefill follows)."""
         payload = json.dumps(prefill_request(call.body)).encode()
         t0 = time.monotonic()

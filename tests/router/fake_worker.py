@@ -5,7 +5,7 @@ OpenAI completions/chat (stream and not), the P/D handshake, /health, /metrics (
 /v1/models, /debug/kv. "Generation" is deterministic text derived from the prompt, so P/D output
 can be compared with a single worker's.
 
-    python tests/router/fake_worker.py --port P [--model NAME] [--delay S] [--kv-events HOST]
+    python tests/router/fake_worker.py --port P [--model NAME] [--delay S] [--prefill-delay S] [--kv-events HOST]
 
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
@@ -112,6 +112,7 @@ def build(args) -> Starlette:
                                        "parent_block_hash": None, "token_ids": words[:full * BLOCK_SIZE],
                                        "block_size": BLOCK_SIZE}])
         if kvp.get("do_remote_decode"):
+            await asyncio.sleep(args.prefill_delay)  # not cut short by a hang-up: it pins all the same
             text = tokens_for(prompt, 1)[0]
             finish = "stop" if stop_first else "length"
             params = None
@@ -224,6 +225,7 @@ if __name__ == "__main__":
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="tiny")
     p.add_argument("--delay", type=float, default=0.005)
+    p.add_argument("--prefill-delay", type=float, default=0.0)
     p.add_argument("--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)")
     p.add_argument("--pin-ttl", type=float, default=30.0)
     p.add_argument("--kv-events", default=None, help="host to bind the KV event sockets on")

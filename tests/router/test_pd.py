@@ -8,8 +8,11 @@ and that P/D output equals one worker's output, streamed and not.
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
+
+from tests.router.test_failures import eventually
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "user", "content": "tell me a story about a fox"}]
@@ -127,3 +130,21 @@ def test_short_prompts_go_straight_to_decode(launch):
     assert prefill.requests() == []
     client.completions.create(model="tiny", prompt="long " * 100, max_tokens=3)
     assert len(prefill.requests()) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_client_gone_while_the_prefill_finishes_leaves_no_pin(launch, stream):
+    """A prefill that finishes after its client left still pins KV (this fake, like a worker
+    whose engine finished just then, does not notice the hang-up), and only its answer names
+    the pin: the router lets the call finish (up to 2 s) and releases the pin at once, rather
+    than leave it to the prefill's TTL (60 s here)."""
+    prefill = launch.fake_worker("--prefill-delay", "0.5", "--pin-ttl", "60")
+    decode = launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "stream": stream}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(router.url + "/v1/completions", json=body, timeout=0.2)
+    assert [r["body"]["kv_transfer_params"]["do_remote_decode"] for r in prefill.requests()] == [True]
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0 and prefill.kv()["num_free_blocks"] == 100,
+               timeout_s=5)
+    assert decode.requests() == []  # the hand-off was given up, not passed on
