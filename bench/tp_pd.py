@@ -155,6 +155,7 @@ def run_transport(transport: str, ckpt: str, args) -> list[dict]:
             first_ms = 1e3 * (d.metric("pdserve_kv_transfer_seconds_sum") - secs_w)
             pulled0, secs0 = d.metric("pdserve_kv_transfer_bytes_total"), d.metric("pdserve_kv_transfer_seconds_sum")
             pulls0 = d.metric("pdserve_kv_transfer_seconds_count")
+            fallbacks0 = d.metric("pdserve_kv_local_prefill_fallbacks_total")
             prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
             got = [pd_tokens(p, d, q) for q in prompts]
             pulled = d.metric("pdserve_kv_transfer_bytes_total") - pulled0
@@ -166,7 +167,7 @@ def run_transport(transport: str, ckpt: str, args) -> list[dict]:
             rows.append({"transport": transport, "pair": f"{ptp} -> {dtp}", "exact": sum(x is None for x in diffs),
                          "n": len(prompts), "diffs": diffs, "bytes": pulled, "pulls": pulls,
                          "pull_ms": 1e3 * secs / pulls if pulls else float("nan"), "first_ms": first_ms,
-                         "fallbacks": d.metric("pdserve_kv_local_prefill_fallbacks_total"),
+                         "fallbacks": d.metric("pdserve_kv_local_prefill_fallbacks_total") - fallbacks0,
                          "tokens": [len(g) for g in got]})
             print(rows[-1], flush=True)
         return rows
