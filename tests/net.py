@@ -27,8 +27,9 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now, and not one handed out before by this process.
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port nothing listens on right now, and not one handed out before by this process (with
+    `span`, the first of that many such ports in a row: a server that also binds port + 1).
 
     The caller binds it later (a child process, seconds on). Two races are closed: a port from
     the kernel's bind(0) could come back from the very next bind(0) (a test asks for an HTTP and
@@ -37,17 +38,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     from below that range, and are never repeated. What is left: another process on the machine
     taking the same port in that window."""
     low = _ephemeral_low()
+    def take(port: int) -> bool:
+        ports = range(port, port + span)
+        if port + span > 65536 or any(q in _handed_out for q in ports) or not all(_bindable(host, q) for q in ports):
+            return False
+        _handed_out.update(ports)
+        return True
+
     if low - _FLOOR >= 2000:
         for _ in range(1000):
-            port = _rng.randrange(_FLOOR, low)
-            if port not in _handed_out and _bindable(host, port):
-                _handed_out.add(port)
+            if take(port := _rng.randrange(_FLOOR, low - span + 1)):
                 return port
     for _ in range(1000):  # a machine whose ephemeral range starts low: the kernel's choice, unrepeated
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
+        if take(port):
             return port
     raise RuntimeError("no free loopback port")
