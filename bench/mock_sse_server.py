@@ -8,8 +8,9 @@ it measures. Each `/v1/completions` stream sleeps --ttft-ms, then sends `max_tok
 correct client measures are exactly those asked for (plus scheduling noise). Prompts steer
 failures for tests: one containing `MOCK_429` is answered 429 with an OpenAI error body, one
 containing `MOCK_CUT` stops mid-stream without `[DONE]`. `GET /stats` reports requests served
-and the most ever in flight at once. Its raw-HTTP plumbing (read_request, chunked,
-serve_forever) also runs bench/router.py's mock workers.
+and the most ever in flight at once; `GET /v1/models` lists --model, with --root as its card's
+`root`. Its raw-HTTP plumbing (read_request, chunked, serve_forever) also runs bench/router.py's
+mock workers.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def _plain(status: bytes, body: bytes) -> bytes:
 
 
 class MockServer:
-    def __init__(self, ttft_s: float, itl_s: float):
+    def __init__(self, ttft_s: float, itl_s: float, model: str = "mock", root: str | None = None):
         self.ttft_s, self.itl_s = ttft_s, itl_s
+        card = {"id": model, "object": "model", "owned_by": "mock", **({"root": root} if root else {})}
+        self.models = json.dumps({"object": "list", "data": [card]}).encode()
         self.served = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -96,7 +99,8 @@ class MockServer:
                 method, path, body = await read_request(reader)
                 if method == b"GET":
                     stats = {"served": self.served, "max_in_flight": self.max_in_flight}
-                    writer.write(_plain(b"200 OK", json.dumps(stats).encode() if path == b"/stats" else b"{}"))
+                    body = {b"/stats": json.dumps(stats).encode(), b"/v1/models": self.models}.get(path, b"{}")
+                    writer.write(_plain(b"200 OK", body))
                     continue
                 req = json.loads(body)
                 if "MOCK_429" in str(req.get("prompt", "")):
@@ -121,8 +125,11 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=5.0)
+    p.add_argument("--model", default="mock", help="the model its /v1/models lists")
+    p.add_argument("--root", default=None, help="that model card's root (vLLM's: what the model was loaded from)")
     args = p.parse_args(argv)
-    serve_forever(MockServer(args.ttft_ms / 1000, args.itl_ms / 1000).handle, args.host, args.port)
+    serve_forever(MockServer(args.ttft_ms / 1000, args.itl_ms / 1000, args.model, args.root).handle,
+                  args.host, args.port)
 
 
 if __name__ == "__main__":

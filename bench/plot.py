@@ -2,7 +2,8 @@
 
 Two PNGs: `latency_cdf.png` (TTFT, ITL and E2E distributions, one curve per run) and
 `vs_rate.png` (output throughput, TTFT p99, ITL p99 and goodput against the request rate, one
-curve per `--label`, so two setups land on one chart). matplotlib is optional: `bench serve
+curve per `--label`, so two setups land on one chart; rate inf is drawn one step right of the
+largest finite rate, labelled "inf"). matplotlib is optional: `bench serve
 --out` says so once and writes JSON alone; this command exits 2 naming the package.
 """
 
@@ -16,6 +17,12 @@ from collections import defaultdict
 from pathlib import Path
 
 MISSING = "plots need matplotlib, which is not installed (pip install matplotlib)"
+
+
+def missing_for(out_dir: str | Path) -> str:
+    """What `bench serve --out` says without matplotlib: how to get the plots of this run later."""
+    return (f"plots need matplotlib, which is not installed: pip install matplotlib, then "
+            f"`pdserve bench plot {out_dir} --out {out_dir}` draws them from the JSON written there")
 
 
 def available() -> bool:
@@ -33,6 +40,25 @@ def _pyplot():
 
 def _rate(run: dict) -> float:
     return run["request_rate"] if run["request_rate"] is not None else float("inf")
+
+
+def rate_axis(rates: list[float]) -> tuple[dict[float, float], list[tuple[float, str]]]:
+    """x position and tick of each offered rate. Rate inf (everything at once) has no place on a
+    numeric axis: it goes one step right of the largest finite rate, labelled "inf", so a sweep
+    that ends with inf, or a run at inf alone, is drawn rather than left out."""
+    finite = sorted({r for r in rates if r != float("inf")})
+    pos = {r: r for r in finite}
+    ticks = [(r, f"{r:g}") for r in finite]
+    if float("inf") in rates:
+        if not finite:
+            top = 1.0
+        elif len(finite) == 1:
+            top = 2 * finite[0]
+        else:
+            top = finite[-1] + (finite[-1] - finite[-2])
+        pos[float("inf")] = top
+        ticks.append((top, "inf"))
+    return pos, ticks
 
 
 def _cdf(ax, values: list[float], label: str) -> None:
@@ -82,14 +108,22 @@ def plot_runs(runs: list[dict], out_dir: str | Path, title: str = "") -> list[Pa
               ("ITL p99 (ms)", lambda s: s["itl_s"]["p99"] * 1000),
               ("request goodput (req/s)", lambda s: s["request_goodput"] if s["request_goodput"] is not None
                else s["request_throughput"]))
+    pos, ticks = rate_axis([_rate(r) for r in runs])
     for label, group in by_label.items():
-        group = [r for r in group if r["request_rate"] is not None]
-        xs = [_rate(r) for r in group]
+        xs = [pos[_rate(r)] for r in group]
         for ax, (_, value) in zip(axes, panels):
             ax.plot(xs, [value(r["summary"]) for r in group], marker="o", label=label)
+    if any(_rate(r) == float("inf") for r in runs):  # what "all at once" came to
+        for label, group in by_label.items():
+            for r in group:
+                if _rate(r) == float("inf"):
+                    axes[0].annotate(f"{r['summary']['request_throughput']:.3g} req/s achieved",
+                                     (pos[float("inf")], r["summary"]["output_throughput"]), fontsize=7,
+                                     textcoords="offset points", xytext=(-4, 6), ha="right")
     slos = next((r["summary"]["goodput_slos_ms"] for r in runs if r["summary"]["goodput_slos_ms"]), {})
     for ax, (name, _) in zip(axes, panels):
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("request rate (req/s; inf: all at once)" if pos.get(float("inf")) else "request rate (req/s)")
+        ax.set_xticks([x for x, _ in ticks], [t for _, t in ticks])
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
     if "ttft" in slos:

@@ -12,7 +12,8 @@ are a gamma process (`--burstiness 1`: Poisson) at `--request-rate`, or all at o
 rate is inf; `--concurrency` caps requests in flight either way. Each rate of `--sweep-rates`
 gets fresh random prompts, so no run hits the prefix cache of an earlier one. `--out` gets one
 JSON per run and PNG plots (bench/plot.py); `--metrics-url` scrapes servers' /metrics around
-each run into that JSON.
+each run into that JSON. Without `--tokenizer` the tokenizer is found from the server's
+/v1/models card (bench/serve_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench import dataset, server_metrics
+from pdserve.bench import dataset, server_metrics, serve_tokenizer
 from pdserve.bench.serve_metrics import RequestResult, format_summary, parse_goodput, summarize
 
 
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--model", required=True, help="model name sent in each request")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: --model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or hub id (default: the root of the model's /v1/models card, else --model)")
     p.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens of random prompts (default 1024)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (sent as max_tokens with ignore_eos)")
@@ -264,16 +266,19 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        tokenizer = dataset.load_tokenizer(args.tokenizer or args.model)
-    except (OSError, ValueError) as e:
-        parser.error(f"--tokenizer: cannot load {args.tokenizer or args.model!r} (pass --tokenizer PATH): {e}")
+        tokenizer, _ = serve_tokenizer.resolve(args.tokenizer, args.base_url, args.model,
+                                               say=lambda msg: print(f"pdserve bench serve: {msg}", file=sys.stderr))
+    except serve_tokenizer.TokenizerNotFound as e:
+        parser.error(f"--tokenizer: cannot load a tokenizer ({e}); pass --tokenizer PATH (the model's directory)")
     plots = bool(args.out) and not args.no_plots
+    unplotted = False  # plots wanted, matplotlib missing: said again at the end, where it is seen
     if plots:
         from pdserve.bench import plot
 
         if not plot.available():
-            print(f"pdserve bench serve: --out: {plot.MISSING}; writing JSON only", file=sys.stderr)
+            print(f"pdserve bench serve: --out: writing JSON only; {plot.missing_for(args.out)}", file=sys.stderr)
             plots = False
+            unplotted = True
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.warmup_requests:
@@ -303,6 +308,8 @@ def main(argv=None) -> int:
     if plots:
         for path in plot.plot_runs(records, args.out):
             print(f"wrote {path}")
+    if unplotted:
+        print(f"pdserve bench serve: no plots: {plot.missing_for(args.out)}", file=sys.stderr)
     return 0 if any(r["summary"]["completed"] for r in records) else 1
 
 

@@ -169,6 +169,10 @@ def build_app(config: RouterConfig) -> FastAPI:
             lens = [w.max_model_len for w in workers.all() if m in w.models and w.max_model_len]
             if lens:
                 card["max_model_len"] = min(lens)
+            # vLLM's `root` (what the model was loaded from), passed through when its workers agree.
+            roots = {w.roots[m] for w in workers.all() if m in w.models and m in w.roots}
+            if len(roots) == 1:
+                card["root"] = roots.pop()
             data.append(card)
         return JSONResponse({"object": "list", "data": data})
 

@@ -31,7 +31,7 @@ from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import prefill_request, single_sequence
 from pdserve.protocol.responses import RESPONSES
-from pdserve.protocol.sse import SSEResponse
+from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.selection import Selector
@@ -354,15 +354,38 @@ class Orchestrator:
 
     def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | None = None,
                          handoff: Handoff | None = None) -> SSEResponse:
+        """A stream is counted once: just before its `[DONE]` goes to the transport, so a scrape
+        made by a client that has seen the end always includes it (on_close runs only after the
+        last byte is out, by then the client may have scraped already); or, for a stream that
+        ends without `[DONE]` (the client left), when it closes, as the 200 it was sent."""
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.e2e.observe(time.monotonic() - call.started)
+                self.metrics.requests.labels(call.route, "200", _yes(call.disaggregated)).inc()
+
+        async def counting() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in events:
+                    # [DONE] is always the last event of the chunk that carries it (whole events;
+                    # JSON escapes newlines, so no data can end this way).
+                    if chunk.endswith(DONE):
+                        count()
+                    yield chunk
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+
         def closed() -> None:
             if held is not None:
                 held.close()
             if handoff is not None:
                 self._abandon(handoff)
-            self.metrics.e2e.observe(time.monotonic() - call.started)
-            self.metrics.requests.labels(call.route, "200", _yes(call.disaggregated)).inc()
+            count()
 
-        return SSEResponse(events, on_close=closed)
+        return SSEResponse(counting(), on_close=closed)
 
 
 def _yes(flag: bool) -> str:

@@ -69,6 +69,7 @@ class Prober:
                     worker.models = frozenset(str(d.get("id")) for d in cards)
                     lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
                     worker.max_model_len = min(lens) if lens else None
+                    worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             log.debug("probe of %s failed: %r", worker.url, e)
             ok = False

@@ -23,6 +23,7 @@ class Worker:
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc (0..1)
     models: frozenset[str] = frozenset()
     max_model_len: int | None = None  # from its /v1/models card
+    roots: dict[str, str] = field(default_factory=dict)  # model id -> its card's `root` (what it was loaded from)
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0

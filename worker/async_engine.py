@@ -34,6 +34,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.model_path: str | None = getattr(engine, "model_path", None)  # the directory loaded
         self._queues: dict[str, asyncio.Queue] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake: asyncio.Event | None = None

@@ -67,12 +67,13 @@ def mock():
 
 def test_sweep_against_local_stack_accounts_for_every_request(stack, tiny_checkpoint, tmp_path):
     router, prefill, decode = stack.url("router"), stack.url("prefill-0"), stack.url("decode-0")
-    r = bench("serve", "--base-url", router + "/v1", "--model", "tiny", "--tokenizer", str(tiny_checkpoint("llama")),
-              "--input-len", "48", "--range-ratio", "0.25", "--output-len", "12", "--num-requests", "16",
+    # No --tokenizer: the router's /v1/models names the checkpoint the workers loaded (its root).
+    r = bench("serve", "--base-url", router + "/v1", "--model", "tiny", "--input-len", "48", "--range-ratio", "0.25", "--output-len", "12", "--num-requests", "16",
               "--sweep-rates", "8,inf", "--concurrency", "4", "--goodput", "ttft:600000", "e2e:600000",
               "--metrics-url", router, "--metrics-url", prefill, "--metrics-url", decode,
               "--out", str(tmp_path), "--label", "pd", "--no-progress")
     assert r.stdout.count("Successful requests:") == 2 and "P99 ITL (ms):" in r.stdout
+    assert f"tokenizer: {tiny_checkpoint('llama')} (the served model's root" in r.stderr
     for rate in ("8", "inf"):
         run = json.loads((tmp_path / f"pd_rate-{rate}.json").read_text())
         s, reqs, m = run["summary"], run["requests"], run["server_metrics"]
@@ -137,6 +138,7 @@ def test_runs_on_runtime_dependencies_alone(mock, default_model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "matplotlib" in r.stderr and "pip install matplotlib" in r.stderr
+    assert f"pdserve bench plot {tmp_path} --out {tmp_path}" in r.stderr  # how to get the plots of this run
     assert json.loads((tmp_path / "run_rate-50.json").read_text())["summary"]["completed"] == 5
     assert not list(tmp_path.glob("*.png"))
 

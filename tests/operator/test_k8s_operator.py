@@ -280,7 +280,7 @@ def test_unschedulable_pods_make_it_degraded(k8s_cluster, operator_kubeconfig, n
         became(api, kubelet, "big", "Ready", "True")
 
 
-def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace):
+def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace, tmp_path):
     """The real `pdserve operator` process (what the chart's Deployment runs), stopped by SIGTERM."""
     import os
     import signal
@@ -289,13 +289,17 @@ def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace):
 
     api = Api(k8s_cluster, namespace)
     env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "PDSERVE_OPERATOR_RESYNC_SECONDS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "operator", "--namespace", namespace],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        api.create("cli", SPEC)
-        wait_for(lambda: len(api.deployments("cli")) == 3, what="children from the pdserve operator process")
-        wait_for(lambda: api.condition("cli", "Progressing").get("status") == "True", what="status written")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    # Its log goes to a file: a pipe nobody reads until the end would stall a chatty operator
+    # once the pipe's buffer (64 KiB) is full.
+    log = tmp_path / "operator.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "operator", "--namespace", namespace],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            api.create("cli", SPEC)
+            wait_for(lambda: len(api.deployments("cli")) == 3, what="children from the pdserve operator process")
+            wait_for(lambda: api.condition("cli", "Progressing").get("status") == "True", what="status written")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, log.read_text()[-3000:]

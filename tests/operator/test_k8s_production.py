@@ -14,6 +14,7 @@ from kubernetes import client
 
 from pdserve.operator.status import UNSCHEDULABLE_GRACE_S
 from tests.k8s_cluster import Kubelet, wait_for
+from tests.net import free_port
 from tests.operator.test_k8s_operator import SPEC, Api, became, operator
 
 pytestmark = [pytest.mark.k8s, pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")]
@@ -162,7 +163,6 @@ def test_prefix_aware_router_starts_as_built_and_is_unready_without_workers(k8s_
     prefix-aware policy, /health says alive, and /ready (the readinessProbe) says 503 while no
     decode worker is healthy, so a Service would not send it traffic."""
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -176,9 +176,7 @@ def test_prefix_aware_router_starts_as_built_and_is_unready_without_workers(k8s_
         {"model": {"source": str(tiny_checkpoint("llama"))}, "router": {"policy": "prefix-aware"}}))
     (c,) = build_router_deployment(m)["spec"]["template"]["spec"]["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = list(c["args"])
     args[args.index("--host") + 1], args[args.index("--port") + 1] = "127.0.0.1", str(port)
     env = {**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}

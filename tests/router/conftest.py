@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0, log: Path | None = None) -> None:
     # Generous: a fake worker that loads a tokenizer imports transformers, slow on a busy machine.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {tail}")
         try:
             if httpx.get(url, timeout=1.0).status_code < 500:
                 return
@@ -38,6 +40,7 @@ class Proc:
     url: str
     popen: subprocess.Popen
     args: list[str] = field(default_factory=list)
+    log: Path | None = None  # its stderr
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -59,24 +62,31 @@ class Proc:
 
 
 class Launcher:
-    def __init__(self) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         self.procs: list[Proc] = []
+        # Each process's stderr goes to a file: a pipe that nobody reads stalls a process once it
+        # has logged its buffer's worth (64 KiB), e.g. a warning per failed request in a long module.
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-test-procs-"))
+
+    def _spawn(self, url: str, cmd: list[str], env: dict | None = None) -> Proc:
+        log = self.log_dir / f"{len(self.procs):03d}.log"
+        with log.open("wb") as err:
+            popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        proc = Proc(url, popen, cmd, log)
+        self.procs.append(proc)
+        return proc
 
     def fake_worker(self, *extra: str, host: str = "127.0.0.1", port: int | None = None) -> Proc:
         port = port or free_port(host)
         cmd = [sys.executable, str(FAKE_WORKER), "--host", host, "--port", str(port), *extra]
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        proc = Proc(f"http://{host}:{port}", p, cmd)
-        self.procs.append(proc)
-        wait_http(proc.url + "/health", p)
+        proc = self._spawn(f"http://{host}:{port}", cmd)
+        wait_http(proc.url + "/health", proc.popen, log=proc.log)
         return proc
 
     def restart(self, proc: Proc) -> Proc:
         proc.stop()
-        p = subprocess.Popen(proc.args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        fresh = Proc(proc.url, p, proc.args)
-        self.procs.append(fresh)
-        wait_http(fresh.url + "/health", p)
+        fresh = self._spawn(proc.url, proc.args)
+        wait_http(fresh.url + "/health", fresh.popen, log=fresh.log)
         return fresh
 
     def real_pd_workers(self, ckpt, *extra: str, env: dict | None = None) -> tuple[Proc, Proc]:
@@ -89,22 +99,18 @@ class Launcher:
                    "tiny", "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
                    "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
                    "--log-level", "warning", *extra]
-            popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-            workers.append(Proc(f"http://127.0.0.1:{port}", popen, cmd))
-            self.procs.append(workers[-1])
+            workers.append(self._spawn(f"http://127.0.0.1:{port}", cmd, env))
         for w in workers:
-            wait_http(w.url + "/health", w.popen, timeout_s=180)
+            wait_http(w.url + "/health", w.popen, timeout_s=180, log=w.log)
         return workers[0], workers[1]
 
     def router(self, *args: str, env: dict | None = None, wait: bool = True) -> Proc:
         port = free_port()
         cmd = [sys.executable, "-m", "pdserve.cli.main", "router", "--host", "127.0.0.1", "--port", str(port),
                "--probe-interval", "0.2", "--log-level", "warning", *args]
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        proc = Proc(f"http://127.0.0.1:{port}", p, cmd)
-        self.procs.append(proc)
+        proc = self._spawn(f"http://127.0.0.1:{port}", cmd, env)
         if wait:
-            wait_http(proc.url + "/health", p)
+            wait_http(proc.url + "/health", proc.popen, log=proc.log)
         return proc
 
     def stop_all(self) -> None:
@@ -113,14 +119,14 @@ class Launcher:
 
 
 @pytest.fixture
-def launch():
-    launcher = Launcher()
+def launch(tmp_path_factory):
+    launcher = Launcher(tmp_path_factory.mktemp("procs"))
     yield launcher
     launcher.stop_all()
 
 
 @pytest.fixture(scope="module")
-def module_launch():
-    launcher = Launcher()
+def module_launch(tmp_path_factory):
+    launcher = Launcher(tmp_path_factory.mktemp("procs"))
     yield launcher
     launcher.stop_all()

@@ -198,7 +198,10 @@ def build(args) -> Starlette:
                         f"vllm:kv_cache_usage_perc{lbl} {st.used / TOTAL_BLOCKS}\n")
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": args.model, "object": "model"}]})
+        card = {"id": args.model, "object": "model"}
+        if args.root:
+            card["root"] = args.root
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def debug_kv(request: Request) -> Response:
         st.expire()
@@ -224,6 +227,7 @@ if __name__ == "__main__":
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--root", default=None, help="the /v1/models card's root (what vLLM loaded the model from)")
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--prefill-delay", type=float, default=0.0)
     p.add_argument("--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)")

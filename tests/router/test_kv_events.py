@@ -39,6 +39,23 @@ async def until(check, timeout_s=10.0):
         await asyncio.sleep(0.01)
 
 
+async def subscribed(pub: KVEventPublisher, sub: KVEventSubscriber, timeout_s: float = 10.0) -> None:
+    """Until `sub` receives `pub`'s live batches. A SUB socket's subscription reaches the
+    publisher some time after it connects (or reconnects), and a PUB drops what it sends before
+    that: empty batches are published until one arrives. (Each that arrives live also replays
+    any dropped before it: what the subscriber does on a gap.) Call it once the subscriber's
+    start-up replay is done, so only a live batch moves `next_seq`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        seq = pub.publish([])
+        wait_until = min(deadline, asyncio.get_running_loop().time() + 0.2)
+        while asyncio.get_running_loop().time() < wait_until:
+            if sub.source == pub._worker_id and sub.next_seq > seq:
+                return
+            await asyncio.sleep(0.01)
+        assert asyncio.get_running_loop().time() < deadline, "no live batch reached the subscriber"
+
+
 def test_block_stored_checks_its_token_count():
     with pytest.raises(ValueError, match="block_size"):
         block_stored([1, 2], None, [1, 2, 3], 4)
@@ -73,20 +90,20 @@ def test_subscriber_replays_history_and_gaps_and_resets_on_restart():
             await until(lambda: sub.next_seq == 1)
             assert index.match([1, 2, 3, 4], ["w"]) == {"w": 1}
             # Live events; one is lost on the wire and must come back through the replay socket.
-            await asyncio.sleep(0.2)  # let the SUB subscription reach the publisher
+            await subscribed(pub, sub)
+            base = sub.next_seq
             lose(pub, [block_stored([2], 1, [5, 6, 7, 8], BS)])
             pub.publish([block_stored([3], 2, [9, 10, 11, 12], BS)])
-            await until(lambda: sub.next_seq == 3)
+            await until(lambda: sub.next_seq == base + 2)
             assert index.match(list(range(1, 13)), ["w"]) == {"w": 3}
-            assert sub.applied == 3
+            assert sub.applied == base + 2  # each batch once
             # The worker restarts: a new publisher id on the same endpoints, seq from 0 again.
             pub.close()
             pub = KVEventPublisher("w-2", pub_ep, replay_ep)
-            await asyncio.sleep(0.3)  # ZMQ reconnects by itself
-            pub.publish([block_stored([7], None, [5, 5, 5, 5], BS)])
-            await until(lambda: sub.source == "w-2")
+            await subscribed(pub, sub)  # ZMQ reconnects by itself, in its own time
             assert index.match(list(range(1, 13)), ["w"]) == {}  # the old worker's blocks are gone
-            assert index.match([5, 5, 5, 5], ["w"]) == {"w": 1}
+            pub.publish([block_stored([7], None, [5, 5, 5, 5], BS)])
+            await until(lambda: index.match([5, 5, 5, 5], ["w"]) == {"w": 1})
             task.cancel()
         finally:
             pub.close()

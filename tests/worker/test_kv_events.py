@@ -15,7 +15,7 @@ from tests.worker.test_server_harness import WorkerProcess
 
 def test_worker_publishes_block_stored_and_replays(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    port = free_port()
+    port = free_port(span=2)  # events on port, replay on port + 1
     with WorkerProcess(ckpt, "--max-model-len", "256", "--block-size", "4", "--kv-events-port", str(port)) as w:
         ctx = zmq.Context.instance()
         prompt = list(range(300, 318))  # 18 tokens: 4 full blocks

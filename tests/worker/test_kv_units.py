@@ -45,7 +45,26 @@ def test_allowlist_of_cidrs_and_exact_names():
             policy.check(host)
 
 
-def test_pin_lease_release_and_expiry():
+class Clock:
+    """time.monotonic for the pin table, moved by the test: expiry without sleeping, so a busy
+    machine cannot stretch the time between two checks."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+
+def test_pin_lease_release_and_expiry(monkeypatch):
+    from pdserve.worker.kv import pins as pins_module
+
+    clock = Clock()
+    monkeypatch.setattr(pins_module, "time", clock)
     pins = PinTable(ttl=0.2)
     token, _ = pins.add("r1", [3, 4], DIGEST)
     with pytest.raises(PinError):
@@ -53,9 +72,9 @@ def test_pin_lease_release_and_expiry():
     with pytest.raises(PinError, match="prompt mismatch"):
         pins.lease("r1", token, 5, prompt_digest([9, 9]))
     assert pins.lease("r1", token, 1.5, DIGEST) == [3, 4]
-    time.sleep(0.3)
+    clock.now += 0.3
     assert pins.collect() == []  # expired but leased: its bytes may be on the wire
-    time.sleep(1.5)  # the lease ran out
+    clock.now += 1.5  # the lease ran out
     assert pins.collect() == [("r1", [3, 4], True)]
     with pytest.raises(PinError):
         pins.lease("r1", token, 5, DIGEST)  # gone

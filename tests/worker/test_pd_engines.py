@@ -44,9 +44,13 @@ def prefill_process(ckpt, port, conn) -> None:
     while len(params) < len(PROMPTS):
         params.update({o.request_id: o.kv_transfer_params for o in engine.step() if o.finished})
     conn.send([params[f"p{i}"] for i in range(len(PROMPTS))])
-    while not conn.poll(0.05):
-        engine.step()  # frees pins as the decode side releases them
-    conn.send(engine.stats())
+    while True:  # frees pins as the decode side releases them; answers "stats" until "stop"
+        if conn.poll(0.05):
+            order = conn.recv()
+            conn.send(engine.stats())
+            if order == "stop":
+                return
+        engine.step()
 
 
 def test_pd_between_engine_processes_over_nixl(tmp_path):
@@ -80,10 +84,17 @@ def test_pd_between_engine_processes_over_nixl(tmp_path):
         assert metrics.local_prefill_fallbacks._value.get() == 0
         stats = decode.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
-        time.sleep(1.0)  # the release notifications reach the prefill side
+        # The release notifications reach the prefill side in their own time: ask until they have.
+        deadline = time.monotonic() + 60
+        while True:
+            here.send("stats")
+            assert here.poll(30), "the prefill process stopped answering"
+            prefill_stats = here.recv()
+            if prefill_stats.num_pinned_blocks == 0 or time.monotonic() > deadline:
+                break
         here.send("stop")
         assert here.poll(30)
-        prefill_stats = here.recv()
+        here.recv()
         assert prefill_stats.num_pinned_blocks == 0
         assert prefill_stats.num_free_blocks == prefill_stats.num_total_blocks
     finally:

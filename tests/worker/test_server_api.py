@@ -5,6 +5,7 @@ consistency are what is checked)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import httpx
@@ -161,9 +162,10 @@ def test_prefill_then_decode_handshake(client, worker):
     assert pre.choices[0].message.content + "".join(c.choices[0].delta.content or "" for c in chunks) == chat_plain
 
 
-def test_models_health_and_metrics(client, worker):
+def test_models_health_and_metrics(client, worker, tiny_checkpoint):
     (card,) = client.models.list().data
     assert card.id == NAME and card.model_extra["max_model_len"] == MAX_LEN
+    assert card.model_extra["root"] == os.path.abspath(tiny_checkpoint("llama"))  # vLLM's: what was loaded
     assert httpx.get(f"{worker.url}/health").status_code == 200
     client.completions.create(model=NAME, prompt="count me", max_tokens=3, **GREEDY)
     text = httpx.get(f"{worker.url}/metrics", headers=worker.headers).text

@@ -13,8 +13,6 @@ prefill on every rank, with the same output.
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 
 import httpx
@@ -25,6 +23,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.tp_transfer import Source, TPRank, kv_sources
 from tests.checkpoints import write_checkpoint
+from tests.net import free_port
 from tests.worker.kv_harness import kv_state, metric
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -61,17 +60,8 @@ def test_unreadable_remote_tp_is_refused():
 # -- real workers -----------------------------------------------------------------------------------
 
 def free_kv_ports() -> int:
-    """A port p with p and p + 1 free: a TP=2 prefill worker serves rank r's shard on --kv-port + r.
-    Below Linux's ephemeral range, so no port the OS hands out meanwhile (an HTTP port) takes p + 1."""
-    while True:
-        p = random.randrange(20000, 32000)
-        try:
-            for port in (p, p + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return p
+    """A port p with p and p + 1 free: a TP=2 prefill worker serves rank r's shard on --kv-port + r."""
+    return free_port(span=2)
 
 
 GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1)]

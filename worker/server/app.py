@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -37,9 +38,10 @@ class WorkerState:
     """Everything the routes share; lives on `app.state.worker`."""
 
     def __init__(self, config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None):
         self.config = config
         self.served_model_name = served_model_name
+        self.model_source = model_source  # --model as given: a hub id or a directory; None: the default model
         self.created = int(time.time())
         self._factory = engine_factory
         self._on_fatal = on_fatal
@@ -47,6 +49,15 @@ class WorkerState:
         self.draining = False
         self.inflight: set[str] = set()
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
+
+    @property
+    def model_root(self) -> str | None:
+        """vLLM's `root` of a model card: what the model was loaded from, so a client (`pdserve
+        bench serve`) finds its tokenizer. --model as given (a hub id; a directory, made
+        absolute), else the default model's directory once the engine has it."""
+        if self.model_source:
+            return os.path.abspath(self.model_source) if os.path.isdir(self.model_source) else self.model_source
+        return getattr(self.engine, "model_path", None) if self.engine is not None else None
 
     @property
     def tokenizer(self):
@@ -96,8 +107,8 @@ class WorkerState:
 
 
 def build_app(config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
-              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
-    state = WorkerState(config, served_model_name, engine_factory, on_fatal)
+              on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None) -> FastAPI:
+    state = WorkerState(config, served_model_name, engine_factory, on_fatal, model_source)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -174,6 +185,8 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
 
     def model_card() -> dict:
         card = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "pdserve"}
+        if root := state.model_root:
+            card["root"] = root
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_model_len
         return card
