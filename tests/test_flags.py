@@ -84,7 +84,9 @@ def test_help_prints_each_default_from_the_dataclass(name, capsys, monkeypatch):
             if spec_of(f).not_a_flag:
                 continue
             line = entries[flag_name(f)]
-            if isinstance(f.default, bool):
+            if spec_of(f).show is not None:  # a default written as the flag takes it (JSON, say)
+                shown = spec_of(f).show(f.default)
+            elif isinstance(f.default, bool):
                 shown = flag_name(f) if f.default else "--no-" + flag_name(f)[2:]
             elif f.default is None or f.default in ("", ()):
                 shown = spec_of(f).unset or "none"  # what an absent value means, said in words
