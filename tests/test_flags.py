@@ -130,6 +130,18 @@ def test_router_policy_shorthand_and_env():
     assert (c.prefill_policy, c.decode_policy) == (RouterConfig.prefill_policy, RouterConfig.decode_policy)
 
 
+def test_cors_flags_take_json_lists_as_vllms_do():
+    """vLLM's spelling: a JSON list per flag; defaults ["*"] and no credentials, on both components."""
+    argv = ["--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods", '["POST"]',
+            "--allow-credentials"]
+    _, server = worker_main.configs_from_args(parser_of("worker").parse_args(argv), environ={})
+    router = router_main.config_from_args(parser_of("router").parse_args(["--decode", "http://d:1", *argv]), environ={})
+    for c in (server, router):
+        assert c.allowed_origins == ("https://a.example", "https://b.example") and c.allowed_methods == ("POST",)
+        assert c.allowed_headers == ("*",) and c.allow_credentials is True
+    assert (ServerConfig().allowed_origins, ServerConfig().allow_credentials) == (("*",), False)
+
+
 def test_router_ejection_cap_is_explicit():
     """The longest ejection is --eject-backoff-max: unset, it is 30 s or --eject-backoff if that
     is longer (what --help says); set below --eject-backoff, it is an error naming it."""
@@ -169,6 +181,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (["router", "--decode", "http://d:1", "--eject-backoff", "5", "--eject-backoff-max", "1"], "--eject-backoff-max:"),
     (["router", "--decode", "http://d:1", "--max-retries", "-1"], "--max-retries: must be >= 0"),
     (["up", "--shutdown-timeout", "0"], "--shutdown-timeout: must be > 0 seconds"),
+    (["router", "--decode", "http://d:1", "--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list"),
+    (["worker", "--allowed-headers", '{"a": 1}'], "argument --allowed-headers: expected a JSON list"),
     (["up", "--kv-transfer", "rdma"], "argument --kv-transfer: invalid choice: 'rdma'"),
 ])
 def test_bad_value_exits_2_naming_the_flag(argv, message):
