@@ -16,13 +16,20 @@ PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-He
 
 
 @pytest.fixture(scope="module")
-def routers(module_launch):
-    worker = module_launch.fake_worker()
-    open_router = module_launch.router("--decode", worker.url, "--api-key", KEY)
-    strict_router = module_launch.router("--decode", worker.url, "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
-                                         "--allowed-methods", '["GET", "POST"]', "--allowed-headers",
-                                         '["Authorization", "Content-Type"]', "--allow-credentials")
-    return open_router, strict_router
+def worker(module_launch):
+    return module_launch.fake_worker()
+
+
+@pytest.fixture(scope="module")
+def open_router(module_launch, worker):
+    return module_launch.router("--decode", worker.url, "--api-key", KEY)
+
+
+@pytest.fixture(scope="module")
+def strict_router(module_launch, worker):
+    return module_launch.router("--decode", worker.url, "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
+                                "--allowed-methods", '["GET", "POST"]', "--allowed-headers",
+                                '["Authorization", "Content-Type"]', "--allow-credentials")
 
 
 def _preflight(router, origin: str) -> httpx.Response:
@@ -36,8 +43,7 @@ def _chat(router, origin: str):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
-def test_preflight_is_answered_without_a_key_by_default(routers):
-    open_router, _ = routers
+def test_preflight_is_answered_without_a_key_by_default(open_router):
     r = _preflight(open_router, "https://anywhere.example")
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == "*"
@@ -46,8 +52,7 @@ def test_preflight_is_answered_without_a_key_by_default(routers):
     assert "access-control-allow-credentials" not in r.headers
 
 
-def test_answers_carry_the_allow_origin_header(routers):
-    open_router, _ = routers
+def test_answers_carry_the_allow_origin_header(open_router):
     raw = _chat(open_router, "https://anywhere.example")
     assert raw.http_response.status_code == 200 and raw.parse().choices[0].message.content
     assert raw.headers["access-control-allow-origin"] == "*"
@@ -56,8 +61,7 @@ def test_answers_carry_the_allow_origin_header(routers):
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
 
 
-def test_a_restricted_origin_list(routers):
-    _, strict_router = routers
+def test_a_restricted_origin_list(strict_router):
     r = _preflight(strict_router, APP)
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == APP
