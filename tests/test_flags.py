@@ -130,8 +130,9 @@ def test_router_policy_shorthand_and_env():
     assert (c.prefill_policy, c.decode_policy) == (RouterConfig.prefill_policy, RouterConfig.decode_policy)
 
 
-def test_cors_flags_take_json_lists_as_vllms_do():
+def test_cors_flags_take_json_lists_as_vllms_do(capsys, monkeypatch):
     """vLLM's spelling: a JSON list per flag; defaults ["*"] and no credentials, on both components."""
+    assert help_entries("router", capsys, monkeypatch)["--allowed-origins"].endswith('(default: ["*"])')
     argv = ["--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods", '["POST"]',
             "--allow-credentials"]
     _, server = worker_main.configs_from_args(parser_of("worker").parse_args(argv), environ={})
