@@ -46,6 +46,7 @@ class Flag:
     metavar: str | None = None
     repeat: bool = False  # tuple fields: one value per repeated flag instead of several after one
     parse: Callable[[str], Any] | None = None  # str -> field value; raise ArgumentTypeError on bad input
+    show: Callable[[Any], str] | None = None  # the default as --help prints it, when str() would not do
     not_a_flag: str | None = None  # set by no_flag(): why the command line does not set this field
 
 
@@ -74,6 +75,8 @@ def flag_name(f: dataclasses.Field) -> str | None:
 def show_default(f: dataclasses.Field) -> str:
     """The default as `--help` prints it."""
     spec, value = spec_of(f), f.default
+    if spec.show is not None:
+        return spec.show(value)
     if value is None or value == "" or value == ():
         if spec.unset is None and value is None:
             raise TypeError(f"{f.name}: a None default needs flag(unset=...) saying what it means")

@@ -1,7 +1,9 @@
 """The router's HTTP surface: OpenAI routes, health, readiness, metrics.
 
-With `--api-key`, everything but `/health` and `/ready` (probes, which carry no key) needs a
-key: the OpenAI routes, `/v1/models`, `/metrics` and `/debug/workers`. Every call to a worker
+With `--api-key`, everything but `/health`, `/ready`, `/ping` (probes, which carry no key),
+`/version` and the docs (protocol/utility_routes.py) needs a key: the OpenAI routes,
+`/v1/models`, `/tokenize`, `/detokenize`, `/metrics` and `/debug/workers`. CORS preflights are
+answered before any of that (protocol/cors.py). Every call to a worker
 carries the worker key (`--worker-api-key`, default the first client key): a keyed worker
 takes `kv_transfer_params` only from whoever holds it.
 
@@ -22,6 +24,7 @@ import uuid
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, validate
 from pdserve.protocol.contract import HEADER_REQUEST_ID, HEADER_SESSION_ID
@@ -30,8 +33,10 @@ from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import from_chat, to_chat
+from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
+from pdserve.router.forward import Forwarder
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
@@ -65,7 +70,9 @@ def build_app(config: RouterConfig) -> FastAPI:
                 # Default headers of the one session: requests, probes and scrapes all carry it.
                 session.headers["Authorization"] = f"Bearer {config.worker_api_key}"
             upstream = Upstream(session, workers, metrics)
-            app.state.orchestrator = Orchestrator(config, upstream, Selector(config, ctx, workers))
+            selector = Selector(config, ctx, workers)
+            app.state.orchestrator = Orchestrator(config, upstream, selector)
+            app.state.forwarder = Forwarder(config, upstream, selector)
             prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
             discovery = make_discovery(config)
             workers.update(await discovery.snapshot())
@@ -85,20 +92,32 @@ def build_app(config: RouterConfig) -> FastAPI:
                 if subs is not None:
                     subs.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve router", lifespan=lifespan, **utility_routes.DOCS)
     app.state.config = config
     app.state.workers = workers
     app.state.metrics = metrics
     app.state.kv_index = kv_index
 
     install_handlers(app)
+    cors.install(app, config)
 
-    async def parse(request: Request, route: str, request_id: str) -> Call:
+    async def read_json(request: Request) -> bytes:
         authorize(request, api_keys)
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
-        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        return await read_body(request, config.max_body_bytes, config.body_timeout_s)
+
+    def served_model(model: str) -> None:
+        served = workers.models()
+        if not served:
+            raise APIError(503, "no worker is ready yet", code="no_workers")
+        if model not in served:
+            raise APIError(404, f"model {model!r} is not served here (serving: {', '.join(sorted(served))})",
+                           param="model", code="model_not_found")
+
+    async def parse(request: Request, route: str, request_id: str) -> Call:
+        raw = await read_json(request)
         body = parse_object(raw)
         if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
             request.state.responses_body = body
@@ -110,12 +129,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         # The worker's own models: what it would refuse as malformed is refused here, before
         # any worker is called (its semantic checks, such as context length, stay with it).
         validate(ChatCompletionRequest if route == "chat" else CompletionRequest, body)
-        served = workers.models()
-        if not served:
-            raise APIError(503, "no worker is ready yet", code="no_workers")
-        if model not in served:
-            raise APIError(404, f"model {model!r} is not served here (serving: {', '.join(sorted(served))})",
-                           param="model", code="model_not_found")
+        served_model(model)
         if KV_TRANSFER_PARAMS in body:  # only the router may steer KV transfer
             del body[KV_TRANSFER_PARAMS]
             raw = json.dumps(body).encode()
@@ -159,6 +173,32 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await serve(request, "responses")
 
+    async def forward(request: Request, path: str, check) -> Response:
+        """/tokenize, /detokenize: validated here like any route, answered by one worker."""
+        request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
+        try:
+            body = parse_object(await read_json(request))
+        except ClientGone:
+            return Response(status_code=499)
+        model = check(body).model
+        if model is None:  # optional, as on vLLM: the one model served, if there is one
+            served = sorted(workers.models())
+            if len(served) > 1:
+                raise APIError(400, f"'model' is required: this router serves {', '.join(served)}", param="model")
+            model = served[0] if served else ""
+        served_model(model)
+        response = await app.state.forwarder.forward(path, body, model, request_id)
+        response.headers[HEADER_REQUEST_ID] = request_id
+        return response
+
+    @app.post(PATH_TOKENIZE)
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, PATH_TOKENIZE, tokenize_request)
+
+    @app.post(PATH_DETOKENIZE)
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, PATH_DETOKENIZE, detokenize_request)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request, api_keys)
@@ -188,6 +228,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
+    utility_routes.install(app, api_keys, health)
+
     @app.get("/ready")
     async def ready() -> Response:
         n = len(workers.pool("decode"))
@@ -200,7 +242,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         authorize(request, api_keys)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/debug/workers")
+    @app.get("/debug/workers", include_in_schema=False)
     async def debug_workers(request: Request) -> Response:
         """Per worker: health, ejection and the router's own in-flight count (tests prove every
         acquire was released by reading it back to 0)."""

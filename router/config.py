@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from urllib.parse import urlsplit
 
+from pdserve.protocol import cors
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, KV_EVENTS_PORT,
                                        KV_EVENTS_REPLAY_PORT, api_keys_from)
 from pdserve.protocol.flags import ConfigError, flag, flag_name
@@ -61,6 +62,11 @@ class RouterConfig:
     # None: the router's first client key, so workers and router sharing one key just work.
     worker_api_key: str | None = flag(None, "key sent to workers (started with that --api-key)", metavar="KEY",
                                       unset=f"${ENV_WORKER_API_KEY}, else the first --api-key")
+    # CORS, as vLLM's flags (protocol/cors.py): a browser app may call the router.
+    allowed_origins: tuple[str, ...] = cors.allowed("origins", "https://app.example")
+    allowed_methods: tuple[str, ...] = cors.allowed("methods", "POST")
+    allowed_headers: tuple[str, ...] = cors.allowed("headers", "Authorization")
+    allow_credentials: bool = cors.allow_credentials()
     pd_min_prompt_tokens: int = flag(0, "shorter prompts (estimated) skip the prefill worker")
     max_body_bytes: int = flag(8 * 1024 * 1024, "larger request bodies get 413")
     connect_timeout_s: float = flag(2.0, "seconds to open a connection to a worker")
@@ -123,6 +129,7 @@ class RouterConfig:
                 raise ConfigError(flag_name(f), f"must be > 0 seconds, not {value}")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key", "must not be empty")
+        cors.check(self)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.eject_backoff_max_s is None:

@@ -84,7 +84,9 @@ def test_help_prints_each_default_from_the_dataclass(name, capsys, monkeypatch):
             if spec_of(f).not_a_flag:
                 continue
             line = entries[flag_name(f)]
-            if isinstance(f.default, bool):
+            if spec_of(f).show is not None:  # a default written as the flag takes it (JSON, say)
+                shown = spec_of(f).show(f.default)
+            elif isinstance(f.default, bool):
                 shown = flag_name(f) if f.default else "--no-" + flag_name(f)[2:]
             elif f.default is None or f.default in ("", ()):
                 shown = spec_of(f).unset or "none"  # what an absent value means, said in words
@@ -128,6 +130,19 @@ def test_router_policy_shorthand_and_env():
     assert (c.prefill_policy, c.decode_policy) == (RouterConfig.prefill_policy, RouterConfig.decode_policy)
 
 
+def test_cors_flags_take_json_lists_as_vllms_do(capsys, monkeypatch):
+    """vLLM's spelling: a JSON list per flag; defaults ["*"] and no credentials, on both components."""
+    assert help_entries("router", capsys, monkeypatch)["--allowed-origins"].endswith('(default: ["*"])')
+    argv = ["--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods", '["POST"]',
+            "--allow-credentials"]
+    _, server = worker_main.configs_from_args(parser_of("worker").parse_args(argv), environ={})
+    router = router_main.config_from_args(parser_of("router").parse_args(["--decode", "http://d:1", *argv]), environ={})
+    for c in (server, router):
+        assert c.allowed_origins == ("https://a.example", "https://b.example") and c.allowed_methods == ("POST",)
+        assert c.allowed_headers == ("*",) and c.allow_credentials is True
+    assert (ServerConfig().allowed_origins, ServerConfig().allow_credentials) == (("*",), False)
+
+
 def test_router_ejection_cap_is_explicit():
     """The longest ejection is --eject-backoff-max: unset, it is 30 s or --eject-backoff if that
     is longer (what --help says); set below --eject-backoff, it is an error naming it."""
@@ -167,6 +182,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (["router", "--decode", "http://d:1", "--eject-backoff", "5", "--eject-backoff-max", "1"], "--eject-backoff-max:"),
     (["router", "--decode", "http://d:1", "--max-retries", "-1"], "--max-retries: must be >= 0"),
     (["up", "--shutdown-timeout", "0"], "--shutdown-timeout: must be > 0 seconds"),
+    (["router", "--decode", "http://d:1", "--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list"),
+    (["worker", "--allowed-headers", '{"a": 1}'], "argument --allowed-headers: expected a JSON list"),
     (["up", "--kv-transfer", "rdma"], "argument --kv-transfer: invalid choice: 'rdma'"),
 ])
 def test_bad_value_exits_2_naming_the_flag(argv, message):

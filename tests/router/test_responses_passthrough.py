@@ -5,10 +5,13 @@ path (prefill worker, KV hand-off, decode worker) and must answer what one worke
 
 from __future__ import annotations
 
+import json
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 
 pytestmark = pytest.mark.slow
@@ -17,6 +20,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 GREEDY = dict(model="tiny", temperature=0, max_output_tokens=10)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
+# Responses' flat function tool, its arguments bounded so a random model's forced call closes.
+CITY_TOOL = {"type": "function", "name": "get_city", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = Field(ge=0, le=8)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +112,30 @@ def test_tool_requests_pass_through_and_are_not_disaggregated(stack):
     assert _pd_requests(router) == before
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.choices[0].message.tool_calls == want.choices[0].message.tool_calls  # gibberish: none
+
+
+def test_responses_parse_through_pd_equals_one_worker(stack):
+    """text_format rides the P/D path (the grammar constrains the prefill's first token and the
+    decode worker's rest) and parses into the same object one worker gives."""
+    via_router, single = _clients(stack)
+    kw = dict(model="tiny", input=PROMPT, text_format=Pet, max_output_tokens=80, temperature=0)
+    before = _pd_requests(stack[2])
+    got = via_router.responses.parse(**kw)
+    assert _pd_requests(stack[2]) == before + 1
+    want = single.responses.parse(**kw)
+    assert isinstance(got.output_parsed, Pet) and got.output_parsed == want.output_parsed
+    assert got.output_text == want.output_text
+
+
+def test_responses_function_tools_through_the_router(stack):
+    via_router, single = _clients(stack)
+    kw = dict(model="tiny", input=PROMPT, tools=[CITY_TOOL], tool_choice="required", max_output_tokens=40,
+              temperature=0)
+    got = via_router.responses.create(**kw)
+    want = single.responses.create(**kw)
+    (call,) = [o for o in got.output if o.type == "function_call"]
+    assert call.name == "get_city" and json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+    assert [(o.name, o.arguments) for o in want.output if o.type == "function_call"] == [(call.name, call.arguments)]
+    events = list(via_router.responses.create(**kw, stream=True))
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, done.arguments) == (call.name, call.arguments)

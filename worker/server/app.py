@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, read_model, validate
 from pdserve.protocol.disconnect import ClientGone
@@ -26,7 +27,8 @@ from pdserve.protocol.errors import APIError, bad_request, install_handlers
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import from_chat, to_chat
-from pdserve.worker.server import chat, completions
+from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
+from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -121,9 +123,10 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             await asyncio.gather(loader, return_exceptions=True)
             await state.close()
 
-    app = FastAPI(title="pdserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve worker", lifespan=lifespan, **utility_routes.DOCS)
     app.state.worker = state
     install_handlers(app)
+    cors.install(app, config)
 
     api_keys = tuple(k.encode() for k in config.api_keys)
 
@@ -168,7 +171,23 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         except ClientGone:
             return gone()
 
-    @app.post(PATH_KV_RELEASE, dependencies=[Depends(authorized)])
+    @app.post(PATH_TOKENIZE, dependencies=[Depends(authorized)])
+    async def tokenize_route(request: Request, st: WorkerState = Depends(ready)):
+        try:
+            return tokenize.tokenize(st, parse_object(await read_body(request, config.max_request_bytes,
+                                                                      config.body_timeout_s)))
+        except ClientGone:
+            return gone()
+
+    @app.post(PATH_DETOKENIZE, dependencies=[Depends(authorized)])
+    async def detokenize_route(request: Request, st: WorkerState = Depends(ready)):
+        try:
+            return tokenize.detokenize(st, parse_object(await read_body(request, config.max_request_bytes,
+                                                                        config.body_timeout_s)))
+        except ClientGone:
+            return gone()
+
+    @app.post(PATH_KV_RELEASE, dependencies=[Depends(authorized)], include_in_schema=False)
     async def kv_release(request: Request, st: WorkerState = Depends(ready)):
         """The router gave up on a hand-off before sending its params to any decode worker:
         free the pinned blocks now, not at the TTL. Only a holder of the params can (the pin
@@ -206,14 +225,21 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         ready()
         return {"status": "ok"}
 
-    # Public: /health only (Kubernetes probes and the router's carry no key). With --api-key,
-    # /v1/*, /metrics and /debug/kv need it: the router scrapes with its worker key, Prometheus
+    async def ping() -> Response:
+        ready()
+        return Response(status_code=200)
+
+    utility_routes.install(app, api_keys, ping)
+
+    # Public: /health, /ping, /version and the docs (Kubernetes probes and the router's carry no
+    # key; protocol/utility_routes.py). With --api-key, /v1/*, /tokenize, /detokenize, /metrics
+    # and /debug/kv need it: the router scrapes with its worker key, Prometheus
     # with a bearer token (ServiceMonitor `authorization`).
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/debug/kv", dependencies=[Depends(authorized)])
+    @app.get("/debug/kv", dependencies=[Depends(authorized)], include_in_schema=False)
     async def debug_kv():
         """For tests and operators: free-block counts prove requests leak no KV memory."""
         if state.engine is None:

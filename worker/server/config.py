@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.protocol import cors
 from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, api_keys_from
 from pdserve.protocol.flags import ConfigError, flag, from_flags
 
@@ -19,6 +20,11 @@ class ServerConfig:
     port: int = flag(HTTP_PORT, "HTTP port")
     api_keys: tuple[str, ...] = flag((), f"accepted bearer key (repeatable; also ${ENV_API_KEYS}, comma-separated)",
                                      name="--api-key", metavar="KEY", repeat=True, unset="no authentication")
+    # CORS, as vLLM's flags (protocol/cors.py): a browser app may call the worker.
+    allowed_origins: tuple[str, ...] = cors.allowed("origins", "https://app.example")
+    allowed_methods: tuple[str, ...] = cors.allowed("methods", "POST")
+    allowed_headers: tuple[str, ...] = cors.allowed("headers", "Authorization")
+    allow_credentials: bool = cors.allow_credentials()
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
     max_request_bytes: int = flag(16 * 1024 * 1024, "larger request bodies get 413 before being read")
     shutdown_grace_s: float = flag(30.0, "seconds in-flight requests may run after SIGTERM before they are aborted")
@@ -35,6 +41,7 @@ class ServerConfig:
             raise ConfigError("--port", f"must be in 0..65535, got {self.port}")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key", "must not be empty")
+        cors.check(self)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:

@@ -1,0 +1,40 @@
+"""POST /tokenize and /detokenize (vLLM's utility routes; bodies in protocol/tokenize.py).
+
+The chat form renders the prompt with chat.render_prompt, the function a chat completion uses,
+so its `count` is the prompt a completion of those messages would run. Tools are rendered for
+the template as `"auto"` would render them, without the flags `"auto"` needs: nothing is
+generated, so no parser has to read a reply.
+"""
+
+from __future__ import annotations
+
+from pdserve.protocol.errors import bad_request
+from pdserve.protocol.tokenize import TokenizeChatRequest, detokenize_request, tokenize_request
+from pdserve.worker.server import serving
+from pdserve.worker.server.chat import render_prompt
+from pdserve.worker.server.tool_parsers.plan import ToolPlan
+
+
+def tokenize(state, body: dict) -> dict:
+    req = tokenize_request(body)
+    serving.check_model(req.model, state.served_model_name)
+    tok = state.tokenizer
+    if isinstance(req, TokenizeChatRequest):
+        chat = req.as_chat()
+        tools = ToolPlan(tools=[t.model_dump(exclude_none=True) for t in chat.tools]) if chat.tools else ToolPlan()
+        ids = render_prompt(tok, chat, tools, state.config.tool_call_parser)
+        if req.add_special_tokens:
+            ids = tok.build_inputs_with_special_tokens(ids)
+    else:
+        ids = tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def detokenize(state, body: dict) -> dict:
+    req = detokenize_request(body)
+    serving.check_model(req.model, state.served_model_name)
+    bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
+    if bad:
+        raise bad_request(f"token ids out of the vocabulary (0..{state.vocab_size - 1}): {bad[:5]}", "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
