@@ -32,6 +32,7 @@ request gets a copy of it. Schemas are closed unless they say otherwise (closed_
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,13 +56,20 @@ class GrammarError(ValueError):
         self.param = param
 
 
+# Where an engine's message turns into its internals: llguidance's panic backtrace
+# ("<backtrace>", then "   0: <unknown>" frames), Rust's "stack backtrace:", a Python traceback.
+_BACKTRACE = re.compile(r"<backtrace>|stack backtrace:|Traceback \(most recent call last\)|^\s*\d+: ", re.M)
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[01:51:33] /project/cpp/x.cc:83: "
+
+
 def engine_error(e: object) -> str:
-    """An engine's complaint as the client may see it: its first line, at most MAX_ERROR_CHARS
-    (never a Rust backtrace, never a multi-megabyte echo of the caller's schema)."""
-    lines = str(e).strip().splitlines()
-    line = lines[0].strip() if lines else ""
-    line = line or type(e).__name__
-    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS] + "..."
+    """An engine's complaint as the client may see it: up to any backtrace, on one line, at most
+    MAX_ERROR_CHARS (a regex error's caret lines are kept, flattened; a schema is not echoed whole)."""
+    text = str(e)
+    if (m := _BACKTRACE.search(text)) is not None:
+        text = text[:m.start()]
+    text = " ".join(_LOG_PREFIX.sub("", text.strip()).split()) or type(e).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 @dataclass(frozen=True)
