@@ -34,9 +34,10 @@ HEALTH_TIMEOUT_S = 5.0  # a poll answers in milliseconds; a blocked loop held it
 def pattern_schema(num_bytes: int, salt: str) -> dict:
     """An object of string properties with distinct patterns: each pattern is a lexer of its own,
     so compiling costs the engine ~2 s per 230 KB (and llguidance panics near 1 MB)."""
-    props, i = {}, 0
-    while len(json.dumps(props)) < num_bytes:
+    props, size, i = {}, 0, 0
+    while size < num_bytes:
         props[f"{salt}{i}"] = {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 13 + 8}}}x{i}$"}
+        size += len(json.dumps({f"{salt}{i}": props[f"{salt}{i}"]}))
         i += 1
     return {"type": "object", "properties": props}
 
