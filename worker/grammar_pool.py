@@ -35,8 +35,8 @@ class GrammarPool:
         """The request's matcher; GrammarError (400) for a spec that does not compile, APIError 429
         when `capacity` compiles are already running or waiting."""
         so = self.structured_outputs
-        if so.is_cached(spec):
-            return so.matcher(spec)
+        if (hit := so.cached(spec)) is not None:
+            return so.matcher(spec, hit)
         so.check_size(spec)  # too large: 400 before it takes a place in the queue
         compile_ = self._inflight.get(spec.key)
         if compile_ is None:

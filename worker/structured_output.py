@@ -45,6 +45,9 @@ BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"  # measured: bench/structured.py, docs/structured-outputs.md
 KINDS = ("json", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept per worker (a compiled JSON schema is kilobytes)
+# ... and at most this much spec text behind them: a compiled grammar weighs ~80x its spec (a
+# 250 KB schema of patterns: 20 MiB for llguidance), so 256 large ones would be gigabytes.
+CACHE_SPEC_BYTES = 4 * 1024 * 1024
 MAX_ERROR_CHARS = 300  # an engine's error message, cut to its first line and this length
 
 
@@ -161,7 +164,8 @@ class StructuredOutputs:
         self._tokenizer = None  # the engine's view of the vocabulary, built on first use (~0.5 s)
         self._compiler = None
         self._executor = None
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[object, int]] = OrderedDict()  # key -> (compiled, spec bytes)
+        self._cache_bytes = 0
         self._lock = threading.Lock()  # add_request may run on several threads
         try:  # not installed: the worker fails at start, naming the flag, not at the first request
             __import__(backend)
@@ -184,9 +188,14 @@ class StructuredOutputs:
             impl = compiled.deep_copy()  # the cached matcher stays at the grammar's start
         return GrammarMatcher(impl, self.backend, self.eos_token_ids, self.vocab_size, self._executor)
 
-    def is_cached(self, spec: StructuredOutputSpec) -> bool:
+    def cached(self, spec: StructuredOutputSpec):
+        """The spec's compiled grammar if it is in the cache (now its most recent entry), else None."""
         with self._lock:
-            return spec.key in self._cache
+            hit = self._cache.get(spec.key)
+            if hit is None:
+                return None
+            self._cache.move_to_end(spec.key)
+            return hit[0]
 
     def check_size(self, spec: StructuredOutputSpec) -> None:
         """Refuse a spec over --max-structured-spec-bytes (GrammarError, the caller's 400)."""
@@ -198,11 +207,10 @@ class StructuredOutputs:
         """The spec's compiled grammar, from the cache or compiled now (any thread; seconds for a
         large schema: the server calls it through grammar_pool.GrammarPool)."""
         self.check_size(spec)
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         with self._lock:
-            hit = self._cache.get(spec.key)
-            if hit is not None:
-                self._cache.move_to_end(spec.key)
-                return hit
             self._ensure_tokenizer()
         # Compiling runs outside the lock: a large schema never stalls other callers' hits.
         try:
@@ -214,9 +222,11 @@ class StructuredOutputs:
                 raise
             raise GrammarError(spec.param, f"invalid {spec.param}: {engine_error(e)}") from None
         with self._lock:
-            self._cache[spec.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if spec.key not in self._cache:
+                self._cache[spec.key] = compiled, spec.num_bytes
+                self._cache_bytes += spec.num_bytes
+            while len(self._cache) > CACHE_SIZE or (self._cache_bytes > CACHE_SPEC_BYTES and len(self._cache) > 1):
+                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
         return compiled
 
     def _ensure_tokenizer(self) -> None:

@@ -114,8 +114,8 @@ class GatedCompiler:
         self.compiled: list[tuple] = []
         self.cache: dict[tuple, object] = {}
 
-    def is_cached(self, spec):
-        return spec.key in self.cache
+    def cached(self, spec):
+        return self.cache.get(spec.key)
 
     def check_size(self, spec):
         if spec.num_bytes > 1000:
@@ -214,3 +214,19 @@ def test_engine_errors_keep_their_detail_on_one_line():
     xgrammar = "[01:51:33] /project/cpp/regex_converter.cc:83: Regex parsing error at position 4: not closed.\n"
     assert engine_error(xgrammar) == "Regex parsing error at position 4: not closed."
     assert len(engine_error("x" * 100_000)) < 400
+
+
+def test_the_cache_is_bounded_by_spec_bytes(monkeypatch, default_model_dir):
+    """A compiled grammar weighs ~80x its spec: the cache keeps at most CACHE_SPEC_BYTES of them."""
+    from transformers import AutoTokenizer
+
+    from pdserve.worker import structured_output
+
+    monkeypatch.setattr(structured_output, "CACHE_SPEC_BYTES", 250)
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    so = StructuredOutputs(tok, len(tok), (2,), "llguidance")
+    specs = [StructuredOutputSpec("regex", f"{c}{'a' * 90}") for c in "xyz"]  # 91 bytes each
+    for spec in specs:
+        so.compile(spec)
+    assert so.cached(specs[0]) is None  # the least recently used went first
+    assert so.cached(specs[1]) is not None and so.cached(specs[2]) is not None
