@@ -48,7 +48,7 @@ CACHE_SIZE = 256  # compiled grammars kept per worker (a compiled JSON schema is
 # ... and at most this much spec text behind them: a compiled grammar weighs ~80x its spec (a
 # 250 KB schema of patterns: 20 MiB for llguidance), so 256 large ones would be gigabytes.
 CACHE_SPEC_BYTES = 4 * 1024 * 1024
-MAX_ERROR_CHARS = 300  # an engine's error message, cut to its first line and this length
+MAX_ERROR_CHARS = 300  # an engine's error message, on one line, cut before any backtrace and to this length
 
 
 class GrammarError(ValueError):

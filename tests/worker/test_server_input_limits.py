@@ -79,6 +79,8 @@ def test_health_answers_while_large_schemas_and_prompts_arrive(worker):
     attacks.append(lambda: schema_request(pattern_schema(1_000_000, "d")))  # over --max-structured-spec-bytes
     attacks.append(lambda: httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello world " * 700_000,
                                                                       "max_tokens": 2}, timeout=600))  # 8.4 MB
+    attacks.append(lambda: httpx.post(chat, json={"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hello world " * 700_000}]}, timeout=600))  # the same, templated
     poller = threading.Thread(target=poll_health)
     poller.start()
     try:
@@ -93,10 +95,12 @@ def test_health_answers_while_large_schemas_and_prompts_arrive(worker):
         assert r.status_code in (200, 429), r.text
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "grammar_compile_busy" and r.headers["retry-after"]
-    big, prompt = results[3], results[4]
+    big, prompts = results[3], results[4:]
     assert big.status_code == 400 and big.json()["error"]["param"] == "response_format", big.text
     assert "--max-structured-spec-bytes" in big.json()["error"]["message"]
-    assert prompt.status_code == 400 and prompt.json()["error"]["code"] == "context_length_exceeded", prompt.text
+    for r, param in zip(prompts, ("prompt", "messages")):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == param
     for r in results:
         if r.status_code != 200:
             no_backtrace(r.json())
