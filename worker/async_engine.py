@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
+from pdserve.worker.grammar_pool import GrammarPool
 from pdserve.protocol.kv_transfer import is_remote_decode
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.sampling_params import SamplingParams
@@ -37,6 +38,10 @@ class AsyncEngine:
         self.model_path: str | None = getattr(engine, "model_path", None)  # the directory loaded
         self._queues: dict[str, asyncio.Queue] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        cfg = engine.config
+        # Grammars compile on their own threads, never on the event loop (grammar_pool.py).
+        self.grammars = GrammarPool(engine.structured_outputs, cfg.structured_compile_workers,
+                                    cfg.structured_compile_queue)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
@@ -64,6 +69,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.grammars.shutdown()
         self.engine.shutdown()
 
     def stats(self) -> EngineStats:
@@ -119,7 +125,10 @@ class AsyncEngine:
         self._queues[request_id] = q
         done = False
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer_params)  # raises RequestError
+            # A new grammar compiles off the loop (seconds for a large schema); 400 or 429 from here.
+            grammar = await self.grammars.matcher(params.structured) if params.structured is not None else None
+            self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer_params,  # raises RequestError
+                                    grammar=grammar)
             self._kick()
             while True:
                 out = await q.get()

@@ -58,8 +58,24 @@ class EngineConfig:
                                             "follows (replay on the next port)", unset="no events")
     structured_outputs_backend: str = flag("llguidance", "grammar engine of response_format / guided_* "
                                            "(docs/structured-outputs.md)", choices=("llguidance", "xgrammar"))
+    structured_outputs_allow_additional_properties: bool = flag(
+        False, "let JSON schemas that do not say additionalProperties (or items after prefixItems) admit "
+               "undeclared keys, as JSON Schema's default reads; off: closed, as xgrammar's strict mode and vLLM")
+    # Compiling a grammar costs seconds for a large schema: bounded, off the event loop (grammar_pool.py).
+    max_structured_spec_bytes: int = flag(256 * 1024, "larger response_format / guided_* / tool schemas get 400 "
+                                                      "before they are compiled")
+    structured_compile_workers: int = flag(2, "threads compiling grammars (response_format, guided_*, forced "
+                                              "tool calls) off the event loop")
+    structured_compile_queue: int = flag(8, "grammar compiles that may wait for a thread; past that, requests "
+                                            "with a new grammar get 429")
 
     def __post_init__(self):
+        if self.max_structured_spec_bytes < 1:
+            raise ConfigError("--max-structured-spec-bytes", f"must be positive, got {self.max_structured_spec_bytes}")
+        if self.structured_compile_workers < 1:
+            raise ConfigError("--structured-compile-workers", f"must be at least 1, got {self.structured_compile_workers}")
+        if self.structured_compile_queue < 0:
+            raise ConfigError("--structured-compile-queue", f"must be >= 0, got {self.structured_compile_queue}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("--block-size", f"must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

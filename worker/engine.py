@@ -65,7 +65,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-            structured_outputs_backend or config.structured_outputs_backend)
+            structured_outputs_backend or config.structured_outputs_backend,
+            allow_additional_properties=config.structured_outputs_allow_additional_properties,
+            max_spec_bytes=config.max_structured_spec_bytes)
         # KV cache events for KV-aware routers: collected during a step, published once per step.
         self._kv_events: list[dict] = []
         self._kv_event_publisher = None
@@ -87,7 +89,9 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> None:
+                    kv_transfer_params: dict | None = None, grammar=None) -> None:
+        """`grammar`: the request's GrammarMatcher when the caller built it (the server does, off
+        its event loop: grammar_pool.py); else a spec in `params` is compiled here."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("prompt", "the prompt is empty")
@@ -104,7 +108,9 @@ class LLMEngine:
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
-        if params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400
+        if grammar is not None:
+            req.grammar = grammar
+        elif params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400
             req.grammar = self.structured_outputs.matcher(params.structured)
         with self._lock:
             # A second request under a live id would never get outputs of its own: refuse it.

@@ -20,11 +20,19 @@ small Rust wheel without dependencies, grammars compiled lazily as tokens arrive
 word w = token 32*w + k allowed, so the device side below is shared. The engines are told the
 model's vocabulary size (the logits' width), so ids past the tokenizer's vocabulary (padding of
 the embedding) are never allowed.
+
+Compiling is the costly part (a large schema takes the engines seconds, in Rust, outside the
+GIL): the server does it off the event loop, in grammar_pool.py; here a spec larger than
+`--max-structured-spec-bytes` is refused before either engine sees it, and an engine's error
+reaches the client as one line (llguidance reports an internal panic with its backtrace). For
+llguidance the cache holds a pristine matcher (building one is most of the cost) and each
+request gets a copy of it. Schemas are closed unless they say otherwise (closed_schema.py).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,6 +45,10 @@ BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"  # measured: bench/structured.py, docs/structured-outputs.md
 KINDS = ("json", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept per worker (a compiled JSON schema is kilobytes)
+# ... and at most this much spec text behind them: a compiled grammar weighs ~80x its spec (a
+# 250 KB schema of patterns: 20 MiB for llguidance), so 256 large ones would be gigabytes.
+CACHE_SPEC_BYTES = 4 * 1024 * 1024
+MAX_ERROR_CHARS = 300  # an engine's error message, on one line, cut before any backtrace and to this length
 
 
 class GrammarError(ValueError):
@@ -45,6 +57,22 @@ class GrammarError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+# Where an engine's message turns into its internals: llguidance's panic backtrace
+# ("<backtrace>", then "   0: <unknown>" frames), Rust's "stack backtrace:", a Python traceback.
+_BACKTRACE = re.compile(r"<backtrace>|stack backtrace:|Traceback \(most recent call last\)|^\s*\d+: ", re.M)
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[01:51:33] /project/cpp/x.cc:83: "
+
+
+def engine_error(e: object) -> str:
+    """An engine's complaint as the client may see it: up to any backtrace, on one line, at most
+    MAX_ERROR_CHARS (a regex error's caret lines are kept, flattened; a schema is not echoed whole)."""
+    text = str(e)
+    if (m := _BACKTRACE.search(text)) is not None:
+        text = text[:m.start()]
+    text = " ".join(_LOG_PREFIX.sub("", text.strip()).split()) or type(e).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,11 @@ class StructuredOutputSpec:
     @property
     def key(self) -> tuple:
         return self.kind, self.value
+
+    @property
+    def num_bytes(self) -> int:
+        values = self.value if isinstance(self.value, tuple) else (self.value,)
+        return sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
 
     @staticmethod
     def choice_regex(choices: tuple[str, ...]) -> str:
@@ -118,17 +151,21 @@ class GrammarMatcher:
 class StructuredOutputs:
     """The worker's grammar compiler: one tokenizer view, a cache of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], backend: str = DEFAULT_BACKEND):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], backend: str = DEFAULT_BACKEND,
+                 allow_additional_properties: bool = False, max_spec_bytes: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"structured outputs backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
+        self.allow_additional_properties = allow_additional_properties  # JSON Schema's open default
+        self.max_spec_bytes = max_spec_bytes  # None: no limit
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._hf_tokenizer = tokenizer
         self._tokenizer = None  # the engine's view of the vocabulary, built on first use (~0.5 s)
         self._compiler = None
         self._executor = None
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[object, int]] = OrderedDict()  # key -> (compiled, spec bytes)
+        self._cache_bytes = 0
         self._lock = threading.Lock()  # add_request may run on several threads
         try:  # not installed: the worker fails at start, naming the flag, not at the first request
             __import__(backend)
@@ -138,39 +175,58 @@ class StructuredOutputs:
             raise ConfigError("--structured-outputs-backend", f"{backend} is not installed ({e}); "
                                                               f"pip install {'llguidance' if backend == 'llguidance' else 'pdserve[xgrammar]'}") from None
 
-    def matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
-        """A fresh matcher for `spec` (raises GrammarError if the spec does not compile)."""
-        compiled = self.compile(spec)
+    def matcher(self, spec: StructuredOutputSpec, compiled=None) -> GrammarMatcher:
+        """A fresh matcher for `spec` (raises GrammarError if the spec does not compile);
+        `compiled`: what compile(spec) returned, when the caller compiled it elsewhere."""
+        if compiled is None:
+            compiled = self.compile(spec)
         if self.backend == "xgrammar":
             import xgrammar
 
             impl = xgrammar.GrammarMatcher(compiled)
         else:
-            import llguidance
-
-            impl = llguidance.LLMatcher(self._tokenizer, compiled)
-            if impl.is_error():
-                raise GrammarError(spec.param, f"invalid {spec.param}: {impl.get_error()}")
+            impl = compiled.deep_copy()  # the cached matcher stays at the grammar's start
         return GrammarMatcher(impl, self.backend, self.eos_token_ids, self.vocab_size, self._executor)
 
-    def compile(self, spec: StructuredOutputSpec):
+    def cached(self, spec: StructuredOutputSpec):
+        """The spec's compiled grammar if it is in the cache (now its most recent entry), else None."""
         with self._lock:
             hit = self._cache.get(spec.key)
-            if hit is not None:
-                self._cache.move_to_end(spec.key)
-                return hit
+            if hit is None:
+                return None
+            self._cache.move_to_end(spec.key)
+            return hit[0]
+
+    def check_size(self, spec: StructuredOutputSpec) -> None:
+        """Refuse a spec over --max-structured-spec-bytes (GrammarError, the caller's 400)."""
+        if self.max_spec_bytes is not None and spec.num_bytes > self.max_spec_bytes:
+            raise GrammarError(spec.param, f"{spec.param} is {spec.num_bytes} bytes; this worker compiles "
+                                           f"at most {self.max_spec_bytes} (--max-structured-spec-bytes)")
+
+    def compile(self, spec: StructuredOutputSpec):
+        """The spec's compiled grammar, from the cache or compiled now (any thread; seconds for a
+        large schema: the server calls it through grammar_pool.GrammarPool)."""
+        self.check_size(spec)
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        with self._lock:
             self._ensure_tokenizer()
         # Compiling runs outside the lock: a large schema never stalls other callers' hits.
         try:
             compiled = self._compile_xgrammar(spec) if self.backend == "xgrammar" else self._compile_llguidance(spec)
         except GrammarError:
             raise
-        except Exception as e:  # noqa: BLE001 - the engines raise assorted types for bad user input
-            raise GrammarError(spec.param, f"invalid {spec.param}: {e}") from None
+        except BaseException as e:  # noqa: BLE001 - assorted types for bad user input (a Rust panic is a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise GrammarError(spec.param, f"invalid {spec.param}: {engine_error(e)}") from None
         with self._lock:
-            self._cache[spec.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if spec.key not in self._cache:
+                self._cache[spec.key] = compiled, spec.num_bytes
+                self._cache_bytes += spec.num_bytes
+            while len(self._cache) > CACHE_SIZE or (self._cache_bytes > CACHE_SPEC_BYTES and len(self._cache) > 1):
+                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
         return compiled
 
     def _ensure_tokenizer(self) -> None:
@@ -195,30 +251,41 @@ class StructuredOutputs:
         c = self._compiler
         if spec.kind == "json":
             # Compact JSON (no free whitespace): a model cannot wander off into blank lines.
-            return c.compile_json_schema(spec.value, any_whitespace=False)
+            # strict_mode: undeclared keys and items are refused unless the schema allows them.
+            return c.compile_json_schema(spec.value, any_whitespace=False,
+                                         strict_mode=not self.allow_additional_properties)
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
         if spec.kind == "choice":
             return c.compile_regex(StructuredOutputSpec.choice_regex(spec.value))
         return c.compile_grammar(spec.value)
 
-    def _compile_llguidance(self, spec: StructuredOutputSpec) -> str:
+    def _compile_llguidance(self, spec: StructuredOutputSpec):
+        import json
+
         import llguidance
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
+        from pdserve.worker.closed_schema import close_schema
+
         M = llguidance.LLMatcher
         if spec.kind == "json":
-            grammar = M.grammar_from_json_schema(spec.value, defaults={"whitespace_flexible": False})
+            schema = spec.value
+            if not self.allow_additional_properties:  # as xgrammar's strict mode reads it
+                schema = json.dumps(close_schema(json.loads(schema)), separators=(",", ":"))
+            grammar = M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         elif spec.kind == "regex":
             grammar = M.grammar_from_regex(spec.value)
         elif spec.kind == "choice":
             grammar = M.grammar_from_regex(StructuredOutputSpec.choice_regex(spec.value))
         else:
             grammar = M.grammar_from_lark(gbnf_to_lark(spec.value))
-        error = M.validate_grammar(grammar, self._tokenizer)
-        if error:
-            raise GrammarError(spec.param, f"invalid {spec.param}: {error}")
-        return grammar
+        # Building the matcher checks the grammar (and is most of the cost): it is what the
+        # cache keeps, and each request's matcher is a copy of it.
+        matcher = M(self._tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(spec.param, f"invalid {spec.param}: {engine_error(matcher.get_error())}")
+        return matcher
 
 
 _BIT = torch.arange(8, dtype=torch.uint8)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -193,6 +194,79 @@ def test_an_invalid_spec_is_refused_at_add_request(engine):
     assert not engine.has_work()
 
 
+# ---- closed schemas: no key the schema does not declare (issue 23, item 9) --------------------------------
+
+ARGS = {"type": "object", "required": ["city"],  # a tool's parameters as clients write them: no additionalProperties
+        "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]},
+                       "where": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90,
+                                                                          "maximum": 90}}}}}
+CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": ARGS},  # a forced call's
+        "required": ["name", "arguments"], "additionalProperties": False}                       # (plan_tools)
+
+
+def _undeclared(value, schema) -> list[str]:
+    """Keys of `value` (recursively) that its schema's properties do not declare."""
+    if not isinstance(value, dict):
+        return []
+    props = schema.get("properties", {})
+    return [k for k in value if k not in props] + [u for k, v in value.items() if k in props
+                                                   for u in _undeclared(v, props[k])]
+
+
+def test_close_schema():
+    from pdserve.worker.closed_schema import close_schema
+
+    assert close_schema({"type": "object"}) == {"type": "object"}  # any object stays any object
+    closed = close_schema(ARGS)
+    assert closed["additionalProperties"] is False and closed["properties"]["where"]["additionalProperties"] is False
+    assert "additionalProperties" not in ARGS  # a copy
+    assert close_schema({"properties": {"a": {}}, "additionalProperties": True})["additionalProperties"] is True
+    assert close_schema({"prefixItems": [{"type": "integer"}]})["items"] is False
+    anyof = close_schema({"anyOf": [{"properties": {"a": {}}}], "$defs": {"D": {"properties": {"b": {}}}}})
+    assert anyof["anyOf"][0]["additionalProperties"] is False and anyof["$defs"]["D"]["additionalProperties"] is False
+    allof = close_schema({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]})
+    assert all("additionalProperties" not in s for s in allof["allOf"])  # each branch names only its part
+
+
+@pytest.mark.parametrize("schema", [ARGS, CALL], ids=["response_format", "forced_call"])
+def test_undeclared_keys_are_never_written(engine, schema):
+    """xgrammar's strict mode and llguidance alike: many seeds of a random model, hot, and every
+    output is a complete object of declared keys only (an open grammar lets it invent keys,
+    whose names are unbounded strings: it then also runs out of tokens)."""
+    tok = engine.tokenizer
+    seeds = range(12)
+    params = [SamplingParams(max_tokens=100, temperature=1.2, seed=s, structured=_spec("json", schema)) for s in seeds]
+    for out in engine.generate([tok.encode("Weather?")] * len(params), params):
+        assert out[-1] in engine.model_config.eos_token_ids, tok.decode(out)
+        value = json.loads(tok.decode(out, skip_special_tokens=True))
+        jsonschema.validate(value, schema)
+        assert not _undeclared(value, schema), value
+
+
+def test_additional_properties_are_a_worker_switch(engine):
+    """--structured-outputs-allow-additional-properties restores JSON Schema's open reading."""
+    from pdserve.worker.structured_output import StructuredOutputs
+
+    tok, eos = engine.tokenizer, engine.model_config.eos_token_ids
+    spec = _spec("json", ARGS)
+    # xgrammar's compact JSON is `, `/`: `-separated, llguidance's `,`/`:`.
+    seps = (", ", ": ") if engine.structured_outputs.backend == "xgrammar" else (",", ":")
+
+    def accepts(so, value) -> bool:
+        m = so.matcher(spec)
+        m.advance(tok.encode(json.dumps(value, separators=seps), add_special_tokens=False) + [eos[0]])
+        return m.terminated and not m.failed
+
+    declared, extra = {"city": "Rome", "unit": "C"}, {"city": "Rome", "properties": {"x": 1}}
+    nested = {"city": "Rome", "where": {"lat": 4, "lon": 5}}
+    strict = engine.structured_outputs
+    assert not strict.allow_additional_properties  # the default
+    open_ = StructuredOutputs(tok, engine.model_config.vocab_size, eos, strict.backend,
+                              allow_additional_properties=True)
+    assert accepts(strict, declared) and not accepts(strict, extra) and not accepts(strict, nested)
+    assert accepts(open_, declared) and accepts(open_, extra) and accepts(open_, nested)
+
+
 def test_a_missing_engine_fails_at_start_naming_the_flag(monkeypatch, engine):
     from pdserve.protocol.flags import ConfigError
     from pdserve.worker.structured_output import StructuredOutputs
@@ -208,7 +282,7 @@ def test_a_missing_engine_fails_at_start_naming_the_flag(monkeypatch, engine):
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoint):
     with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", "tiny", "--max-model-len", "512",
-                       "--log-level", "warning") as w:
+                       "--tool-call-parser", "hermes", "--log-level", "warning") as w:
         yield w
 
 
@@ -329,3 +403,30 @@ def test_langchain_with_structured_output(worker):
     mood = {"title": "Mood", "description": "How it feels.", **ENUMS}  # a plain JSON schema: a dict comes back
     as_dict = llm.with_structured_output(mood, method="json_schema", strict=True).invoke("How do you feel?")
     jsonschema.validate(as_dict, ENUMS)
+
+
+def test_forced_tool_calls_carry_only_declared_arguments(worker, client):
+    """langchain's bind_tools(tool_choice="any") (a `required` call) and a named tool_choice: the
+    arguments hold the tool's declared keys only, whatever the seed (issue 23: a forced call
+    came back as {'city': 'Paris', 'properties': {...}})."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    for seed in range(4):
+        llm = ChatOpenAI(model="tiny", base_url=f"{worker.url}/v1", api_key="x", temperature=1.2, seed=seed,
+                         max_tokens=100, max_retries=0)
+        (call,) = llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
+        assert call["name"] == "get_weather" and set(call["args"]) == {"city"}, call
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=100, temperature=1.2, seed=seed,
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": ARGS}}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        (named,) = r.choices[0].message.tool_calls
+        args = json.loads(named.function.arguments)
+        jsonschema.validate(args, ARGS)
+        assert not _undeclared(args, ARGS), args

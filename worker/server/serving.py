@@ -1,6 +1,11 @@
 """What both OpenAI endpoints share: prompt limits, starting the engine before the response,
 and the token-count bookkeeping behind `usage`.
 
+Templating and tokenizing run off the event loop (`off_loop`): an 8 MB prompt takes the
+tokenizer seconds, and the loop also answers /health. A text that cannot fit `--max-model-len`
+whatever its tokens (longer than max_model_len tokens of the vocabulary's longest could cover)
+is refused before it is tokenized at all.
+
 The engine's first output is awaited *before* the response starts: anything the engine refuses
 (a malformed `kv_transfer_params`, say) still becomes a proper HTTP error, and a router in front
 can retry elsewhere because not a byte was sent. After that, a failure can only be reported
@@ -9,6 +14,7 @@ inside the stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -77,6 +83,36 @@ def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams, kv_pa
     if not is_remote_decode(kv_params):
         return ""
     return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params["first_token_id"]])[0]
+
+
+async def off_loop(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a thread (the tokenizers run in Rust without the GIL, templates
+    in Python that yields it): CPU-heavy work on a request's input never stalls the event loop."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+# Normalizers may drop characters (accents, controls) a token then does not cover: a wide margin.
+TEXT_MARGIN = 4
+
+
+def max_token_chars(tokenizer) -> int:
+    """Most characters of text one token covers: its vocabulary's longest entry (a byte-level
+    BPE entry spells one character per byte; a SentencePiece one, one per character)."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        _MAX_TOKEN_CHARS[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    return _MAX_TOKEN_CHARS[key]
+
+
+def check_text_length(text: str, tokenizer, max_model_len: int, param: str) -> None:
+    """Before tokenizing: refuse a text no tokenization could fit into --max-model-len."""
+    bound = max_model_len * max_token_chars(tokenizer) * TEXT_MARGIN
+    if len(text) > bound:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens (--max-model-len), but the "
+            f"prompt is {len(text)} characters, more than that many tokens can hold; reduce the prompt.",
+            param, "context_length_exceeded")
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
