@@ -32,6 +32,7 @@ from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.worker.server.serving import off_loop
 
 log = logging.getLogger("pdserve.worker.server")
 
@@ -174,16 +175,17 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
     @app.post(PATH_TOKENIZE, dependencies=[Depends(authorized)])
     async def tokenize_route(request: Request, st: WorkerState = Depends(ready)):
         try:
-            return tokenize.tokenize(st, parse_object(await read_body(request, config.max_request_bytes,
-                                                                      config.body_timeout_s)))
+            # Off the loop, as generation's tokenizing is: a large body must not stall /health.
+            body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
+            return await off_loop(tokenize.tokenize, st, body)
         except ClientGone:
             return gone()
 
     @app.post(PATH_DETOKENIZE, dependencies=[Depends(authorized)])
     async def detokenize_route(request: Request, st: WorkerState = Depends(ready)):
         try:
-            return tokenize.detokenize(st, parse_object(await read_body(request, config.max_request_bytes,
-                                                                        config.body_timeout_s)))
+            body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
+            return await off_loop(tokenize.detokenize, st, body)
         except ClientGone:
             return gone()
 
