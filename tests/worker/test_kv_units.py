@@ -133,3 +133,56 @@ def test_pull_pool_bounds_each_peer_and_cools_down_a_silent_one():
     with pytest.raises(PeerCoolingDown):
         pool.submit(("10.0.0.1", 1), lambda: 1).result(1)
     pool.shutdown()
+
+
+class _Clock:
+    """The auth module's `time`, moved by hand: the replay window is 60 s of wall clock."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def _signed(auth, op: str, body: dict) -> tuple[bytes, bytes]:
+    import json as _json
+
+    raw = _json.dumps(body).encode()
+    return raw, auth._mac(b"req", op.encode(), raw)
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf"), True])
+def test_side_channel_auth_refuses_a_non_finite_timestamp(ts):
+    """Issue 23 item 5: NaN compares false with everything, so it passed the freshness check."""
+    from pdserve.worker.kv.auth import AuthError, SideChannelAuth
+
+    server = SideChannelAuth("s" * 20)
+    raw, mac = _signed(server, "read", {"ts": ts, "nonce": "n1"})
+    with pytest.raises(AuthError, match="stale or undated"):
+        server.verify_request(b"read", raw, mac)
+
+
+def test_a_future_dated_message_cannot_be_replayed_once_its_arrival_window_ends(monkeypatch):
+    """Issue 23 item 5: a message dated 50 s ahead stays fresh until 110 s after it arrives; its
+    nonce must be remembered that long (it was forgotten 60 s after arrival, then replayable)."""
+    from pdserve.worker.kv import auth as auth_module
+    from pdserve.worker.kv.auth import WINDOW_S, AuthError, SideChannelAuth
+
+    clock = _Clock(1_000_000.0)
+    monkeypatch.setattr(auth_module, "time", clock)
+    server = SideChannelAuth("s" * 20)
+    ahead = _signed(server, "read", {"ts": clock.now + WINDOW_S - 10, "nonce": "ahead"})
+    now = _signed(server, "read", {"ts": clock.now, "nonce": "now"})
+    assert server.verify_request(b"read", *ahead)["nonce"] == "ahead"
+    assert server.verify_request(b"read", *now)["nonce"] == "now"
+    clock.now += WINDOW_S + 1  # the arrival window of both has passed; "ahead" is still fresh
+    with pytest.raises(AuthError, match="replayed"):
+        server.verify_request(b"read", *ahead)
+    with pytest.raises(AuthError, match="stale"):
+        server.verify_request(b"read", *now)  # stale now: refused without the cache
+    assert b"now" not in server._seen  # and forgotten: the cache holds only what is still acceptable
+    clock.now += WINDOW_S  # "ahead" is stale too, and forgotten
+    with pytest.raises(AuthError, match="stale"):
+        server.verify_request(b"read", *ahead)
+    assert not server._seen
