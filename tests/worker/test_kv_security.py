@@ -67,7 +67,8 @@ def pd(p, d, prompt) -> tuple[str, httpx.Response]:
 
 def release(params: dict) -> None:
     side_channel.call(params["remote_host"], params["remote_port"], "release",
-                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH)
+                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH,
+                      params["remote_engine_id"])
 
 
 def where(params: dict) -> tuple[str, int]:
@@ -89,12 +90,13 @@ def test_side_channel_refuses_peers_without_the_secret(pair, clean):
     desc, _ = side_channel.call(host, port, "describe", {}, 5, AUTH)
     assert set(desc) == {"engine_id", "kv_layout", "block_bytes", "transport"}  # no agent metadata, no address
     if transport == "nixl":
-        lease, _ = side_channel.call(host, port, "lease", read, 5, AUTH)
+        engine = params["remote_engine_id"]
+        lease, _ = side_channel.call(host, port, "lease", read, 5, AUTH, engine)
         assert "nixl" not in lease  # not asked for
-        lease, _ = side_channel.call(host, port, "lease", {**read, "want_metadata": True}, 5, AUTH)
+        lease, _ = side_channel.call(host, port, "lease", {**read, "want_metadata": True}, 5, AUTH, engine)
         assert {"agent", "metadata", "base"} <= set(lease["nixl"])  # the one way to get it: secret + live token
     # A captured, correctly signed message cannot be replayed.
-    raw, mac, _ = AUTH.sign_request("describe", {})
+    raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
     with zmq.Context.instance().socket(zmq.DEALER) as s:
         s.setsockopt(zmq.RCVTIMEO, 5000)
         s.connect(f"tcp://{host}:{port}")
@@ -275,10 +277,12 @@ def test_slow_readers_do_not_stall_other_peers(pair, clean):
         for params in pins:
             raw, mac, _ = AUTH.sign_request("read", {"request_id": params["remote_request_id"], "indices": [0, 1, 2],
                                                      "token": params["transfer_token"],
-                                                     "prompt_digest": prompt_digest(A)})
+                                                     "prompt_digest": prompt_digest(A),
+                                                     "to": side_channel.destination(params["remote_engine_id"], host,
+                                                                                    port)})
             slow.send_multipart([b"", b"read", raw, mac])
         for _ in range(3000):
-            raw, mac, _ = AUTH.sign_request("describe", {})
+            raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
             slow.send_multipart([b"", b"describe", raw, mac])
         fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
         pulled = metric(d, "pdserve_kv_transfer_bytes_total")

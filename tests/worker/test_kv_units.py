@@ -32,17 +32,59 @@ def test_merge_runs_rejects_unequal_lists():
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.244.1.7", "localhost", "8.8.8.8", "169.254.169.254"])
 def test_default_peer_policy_denies_everyone(host):
     with pytest.raises(PeerNotAllowed, match="kv-peer-allow"):
-        PeerPolicy().check(host)
+        PeerPolicy().check(host, 5600)
 
 
 def test_allowlist_of_cidrs_and_exact_names():
     policy = PeerPolicy(("10.1.0.0/16", "prefill-0.svc", "::1"))
-    assert policy.check("10.1.2.3") == "10.1.2.3"
-    assert policy.check("prefill-0.svc") == "prefill-0.svc"
-    assert policy.check("::1") == "::1"
+    assert policy.check("10.1.2.3", 5600) == "10.1.2.3"
+    assert policy.check("prefill-0.svc", 1) == "prefill-0.svc"
+    assert policy.check("::1", 65535) == "::1"
+    assert policy.any_port() == ["10.1.0.0/16", "::1/128", "prefill-0.svc"]  # the worker warns about these
     for host in ("127.0.0.1", "10.2.0.1", "prefill-1.svc", "localhost"):  # names not listed: no DNS lookup
         with pytest.raises(PeerNotAllowed):
-            policy.check(host)
+            policy.check(host, 5600)
+
+
+def test_allowlist_ports_limit_where_a_worker_connects():
+    """Issue 23 item 1: params naming an allowed host on a port the deployment did not declare
+    (one an attacker listens on) are refused."""
+    policy = PeerPolicy(("10.0.0.0/8:5600-5603", "prefill-0.svc:7000", "[fd00::/8]:5600", "192.168.0.0/16"))
+    assert policy.check("10.9.8.7", 5600) == "10.9.8.7" and policy.check("10.9.8.7", 5603) == "10.9.8.7"
+    assert policy.check("prefill-0.svc", 7000) == "prefill-0.svc"
+    assert policy.check("fd00::1", 5600) == "fd00::1"
+    assert policy.check("192.168.1.1", 12345) == "192.168.1.1"  # no ports named: any (warned about)
+    assert policy.any_port() == ["192.168.0.0/16"]
+    for host, port in (("10.9.8.7", 5604), ("10.9.8.7", 5599), ("prefill-0.svc", 7001), ("fd00::1", 5601)):
+        with pytest.raises(PeerNotAllowed, match="port"):
+            policy.check(host, port)
+
+
+@pytest.mark.parametrize("entry,parsed", [
+    ("10.0.0.0/8", ("10.0.0.0/8", None)),
+    ("10.0.0.0/8:5600-5607", ("10.0.0.0/8", (5600, 5607))),
+    ("10.0.0.1:5600", ("10.0.0.1", (5600, 5600))),
+    ("prefill-0.svc:7000", ("prefill-0.svc", (7000, 7000))),
+    ("fd00::/8", ("fd00::/8", None)),
+    ("::1", ("::1", None)),
+    ("[fd00::/8]:5600-5601", ("fd00::/8", (5600, 5601))),
+    ("[::1]", ("::1", None)),
+])
+def test_peer_entries_parse(entry, parsed):
+    from pdserve.protocol.kv_peers import parse_peer, with_ports
+
+    assert parse_peer(entry) == parsed
+    peer, ports = parsed
+    assert parse_peer(with_ports(entry, 1, 2)) == (peer, ports or (1, 2))  # ports given are kept
+
+
+@pytest.mark.parametrize("entry", ["", "a b", "10.0.0.0/8:", "10.0.0.0/8:0", "10.0.0.0/8:5601-5600",
+                                   "10.0.0.0/8:70000", "host:x", "[fd00::/8]:", "[fd00::/8", "a/b", "h:1:2x"])
+def test_bad_peer_entries_are_refused(entry):
+    from pdserve.protocol.kv_peers import parse_peer
+
+    with pytest.raises(ValueError):
+        parse_peer(entry)
 
 
 def test_pin_lease_release_and_expiry():
