@@ -161,8 +161,8 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
                 device += ["--gpu-memory-utilization", f"{0.9 / sharing[gpu]:.2f}"]
         index = i if role == "prefill" else i - config.prefill
         if config.prefill:
-            kv = ("--role", role, "--kv-transfer", config.transport, "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
-                  *(("--kv-peer-allow", *prefill_peers) if role == "decode" else ()))
+            kv = ("--role", role, "--kv-transfer", config.transport, "--kv-host", "127.0.0.1",
+                  "--kv-port", str(kv_port), *(("--kv-peer-allow", *prefill_peers) if role == "decode" else ()))
         else:  # no prefill worker to pull from: the decode pool's workers are plain (aggregated) ones
             kv, kv_port = ("--role", "both"), None
         argv = (*cli, "worker", "--model", model_dir, "--served-model-name", served_name,
