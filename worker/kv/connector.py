@@ -73,7 +73,7 @@ class KVConnector:
         self.pins = PinTable(config.kv_pin_ttl)
         self.metrics = KVMetrics()
         self.policy = PeerPolicy(config.kv_peer_allow)
-        if config.role != "prefill":  # this worker may act as decode
+        if config.role != "prefill" and self.tp.rank == 0:  # this worker may act as decode (said once)
             if self.policy.empty:  # only `both` gets here: a decode worker without peers refuses to start
                 log.error("this worker (role %s, --kv-transfer %s) may decode for a prefill worker but "
                           "--kv-peer-allow is empty: it pulls from no one, so every P/D request it gets is "
