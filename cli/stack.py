@@ -140,12 +140,16 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     roles = ["prefill"] * config.prefill + ["decode"] * config.decode
     sharing = {g: sum(1 for i in range(len(roles)) if gpus[i % len(gpus)] == g) for g in gpus}
     # The stack's workers authenticate each other's KV side channel with one random secret (in
-    # the environment, not argv, so `ps` does not show it) and pull only from loopback peers.
+    # the environment, not argv, so `ps` does not show it); decode workers pull only from the
+    # prefill workers' KV ports on loopback (a TP prefill worker's rank r listens on its port + r).
     kv_secret = secrets.token_hex(16)
     given = " ".join(config.worker_args)
     tool_args = DEFAULT_MODEL_TOOL_ARGS if default_model and "--tool-call-parser" not in given else ()
     children: list[Child] = []
     ports = free_ports(2 * len(roles))
+    tp = tensor_parallel_size(config.worker_args)
+    prefill_peers = [f"127.0.0.1:{kv}" if tp == 1 else f"127.0.0.1:{kv}-{kv + tp - 1}"
+                     for kv in ports[1:2 * config.prefill:2]]
     for i, role in enumerate(roles):
         port, kv_port = ports[2 * i], ports[2 * i + 1]
         env, device = {ENV_KV_SECRET: kv_secret}, ["--device", "cpu"]
@@ -156,16 +160,30 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
             if sharing[gpu] > 1 and "--gpu-memory-utilization" not in " ".join(config.worker_args):
                 device += ["--gpu-memory-utilization", f"{0.9 / sharing[gpu]:.2f}"]
         index = i if role == "prefill" else i - config.prefill
+        if config.prefill:
+            kv = ("--role", role, "--kv-transfer", config.transport, "--kv-host", "127.0.0.1",
+                  "--kv-port", str(kv_port), *(("--kv-peer-allow", *prefill_peers) if role == "decode" else ()))
+        else:  # no prefill worker to pull from: the decode pool's workers are plain (aggregated) ones
+            kv, kv_port = ("--role", "both"), None
         argv = (*cli, "worker", "--model", model_dir, "--served-model-name", served_name,
-                "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", config.transport,
-                "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1/32",
-                *device, *tool_args, *config.worker_args)
+                "--host", "127.0.0.1", "--port", str(port), *kv, *device, *tool_args, *config.worker_args)
         children.append(Child(f"{role}-{index}", role, argv, env, f"http://127.0.0.1:{port}", kv_port))
     pools = [a for c in children for a in (f"--{c.role}", c.url)]
     router = (*cli, "router", "--host", config.host, "--port", str(config.port), *pools, *config.router_args)
     url_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     children.append(Child("router", "router", router, {}, f"http://{url_host}:{config.port}"))
     return children
+
+
+def tensor_parallel_size(worker_args: tuple[str, ...]) -> int:
+    """The --tensor-parallel-size in --worker-args (the last one wins, as argparse reads it), else 1."""
+    size = 1
+    for i, arg in enumerate(worker_args):
+        value = arg.partition("=")[2] if arg.startswith("--tensor-parallel-size=") else (
+            worker_args[i + 1] if arg == "--tensor-parallel-size" and i + 1 < len(worker_args) else None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            size = int(value)
+    return size
 
 
 def describe_devices(workers: list[Child]) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from pdserve.operator.config import default_image
 from pdserve.protocol.contract import HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
+from pdserve.protocol.kv_peers import parse_peer
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # Where pod networks live in nearly every cluster (RFC 1918, shared address space, IPv6 ULA):
@@ -208,6 +209,11 @@ class ModelServingSpec:
                             f"tensor-parallel rank) include {clash[0]}, which the worker also listens on")
         if self.cache_claim and self.cache_size:
             raise SpecError("spec.model.cache: set claimName (a PVC) or sizeLimit (an emptyDir), not both")
+        for peer in self.kv_peer_allow:
+            try:
+                parse_peer(peer)
+            except ValueError as e:
+                raise SpecError(f"spec.kvTransfer.peerAllow: {e}") from None
 
     @property
     def model_source(self) -> ModelSource:

@@ -9,6 +9,7 @@ from pdserve.operator.merge import strategic_merge
 from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec, Rollout, SpecError
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT,
                                        KV_EVENTS_REPLAY_PORT)
+from pdserve.protocol.kv_peers import with_ports
 
 # Big checkpoints take minutes to load: the startup probe allows 30 min before liveness counts.
 WORKER_PROBES = {
@@ -63,8 +64,12 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
         # KV-cache-aware routing feeds on the workers' block events.
         args += ["--kv-events-port", str(KV_EVENTS_PORT)]
     if role == "decode":
-        # Decode workers pull KV from the addresses prefill workers advertise (their pod IPs).
-        args += ["--kv-peer-allow", *s.kv_peer_allow]
+        # Decode workers pull KV from the addresses prefill workers advertise (their pod IPs), on
+        # the prefill ranks' KV ports only (rank r listens on kvTransfer.port + r): params naming an
+        # allowed address but another port are refused (docs/security.md). An entry that names
+        # its own ports keeps them.
+        last = s.kv_port + s.prefill.tensor_parallel_size - 1
+        args += ["--kv-peer-allow", *(with_ports(peer, s.kv_port, last) for peer in s.kv_peer_allow)]
     return args + list(rs.args)
 
 

@@ -170,6 +170,32 @@ def test_flags_others_build_still_parse():
     assert c.worker_args == ("--max-model-len", "2048") and c.router_args == ("--decode-policy", "x")
 
 
+def test_up_decode_workers_pull_only_from_the_stacks_prefill_kv_ports():
+    """Issue 23 items 1 and 3: `pdserve up` allows each decode worker exactly its prefill
+    workers' KV ports on loopback (every TP rank's), and with --prefill 0 starts plain workers
+    (no KV side channel, no peers to name), which the worker's own checks accept."""
+    from pdserve.cli.stack import plan
+
+    def parsed(child):
+        rest = list(child.argv[child.argv.index("worker") + 1:])
+        return worker_main.configs_from_args(parser_of("worker").parse_args(rest), environ={})[0]
+
+    for tp, span in ((1, 0), (2, 1)):
+        children = plan(StackConfig(prefill=2, decode=2, kv_transfer="tcp",
+                                    worker_args=("--tensor-parallel-size", str(tp))), "/m", "tiny", gpus=[])
+        workers = [c for c in children if c.role != "router"]
+        ports = [c.kv_port for c in workers if c.role == "prefill"]
+        want = tuple(f"127.0.0.1:{p}" if not span else f"127.0.0.1:{p}-{p + span}" for p in ports)
+        for c in workers:
+            config = parsed(c)
+            assert config.kv_peer_allow == (want if c.role == "decode" else ())
+            assert config.kv_listen_host == "127.0.0.1"
+    for c in plan(StackConfig(prefill=0, decode=2, kv_transfer="tcp"), "/m", "tiny", gpus=[]):
+        if c.role == "decode":
+            config = parsed(c)
+            assert config.role == "both" and config.kv_transfer is None and c.kv_port is None
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True, timeout=60)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
+from pdserve.protocol.kv_peers import parse_peer
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -43,13 +44,15 @@ class EngineConfig:
     kv_host: str | None = flag(None, "address the KV side channel listens on and advertises",
                                unset="listen where HTTP listens, advertise $POD_IP or that address")
     kv_bind_host: str | None = no_flag(None, "the server's --host: without --kv-host the side channel listens "
-                                             "where HTTP does (None = loopback)")
+                                             "where HTTP does (None = loopback, as the server's default)")
     kv_port: int = flag(5600, "port of the KV side channel")
     kv_pin_ttl: float = flag(30.0, "seconds a prefill worker keeps a request's KV blocks for its decode worker",
                              metavar="SECONDS")
     kv_pull_timeout: float = flag(30.0, "seconds a silent prefill peer costs before the decode worker prefills "
                                         "locally", metavar="SECONDS")
-    kv_peer_allow: tuple[str, ...] = flag((), "CIDRs/host names a decode worker may pull KV from", metavar="PEER")
+    kv_peer_allow: tuple[str, ...] = flag((), "CIDRs/host names a decode worker may pull KV from, each optionally "
+                                               "with its ports: 10.0.0.0/8:5600-5607, [fd00::/8]:5600",
+                                          metavar="PEER[:PORTS]", unset="nobody (a decode worker refuses to start)")
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,
@@ -109,13 +112,42 @@ class EngineConfig:
                                              f"worker of the deployment); got {len(self.kv_secret)}")
         for item in self.kv_peer_allow:
             try:
-                ipaddress.ip_network(item, strict=False)
-            except ValueError:
-                if not item or "/" in item or any(c.isspace() for c in item):
-                    raise ConfigError("--kv-peer-allow", f"{item!r} is neither a CIDR nor a host name") from None
+                parse_peer(item)
+            except ValueError as e:
+                raise ConfigError("--kv-peer-allow", str(e)) from None
+        # A deployment mistake is refused here, loudly, rather than blamed on each request later.
+        if self.role == "decode" and not self.kv_peer_allow:
+            raise ConfigError("--kv-peer-allow", "a decode worker pulls KV from prefill workers: name them (CIDRs or "
+                                                 "host names, with their KV ports, e.g. 10.0.0.0/8:5600-5607); "
+                                                 "with no entry it could pull from no one")
+        if self.serves_kv and self.kv_secret is None and not is_loopback(self.kv_listen_host):
+            raise ConfigError("--kv-secret", f"the KV side channel would listen on {self.kv_listen_host} without a "
+                                             f"secret: anyone who reaches that port and learns a transfer token could "
+                                             f"read KV blocks. Set ${ENV_KV_SECRET} (the same random string of 16+ "
+                                             f"characters on every worker of the deployment), or listen on loopback")
+
+    @property
+    def serves_kv(self) -> bool:
+        """This worker runs the KV side channel (prefill, or both with a KV transfer): engine.py's rule."""
+        return self.role == "prefill" or (self.role == "both" and self.kv_transfer is not None)
+
+    @property
+    def kv_listen_host(self) -> str:
+        """Where the side channel listens: --kv-host, else the HTTP --host, else loopback."""
+        return self.kv_host or self.kv_bind_host or "127.0.0.1"
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, environ=os.environ, bind_host: str | None = None) -> "EngineConfig":
         """From `add_flags(parser, EngineConfig)`'s namespace; `bind_host` is the server's --host."""
         return from_flags(cls, args, kv_bind_host=bind_host,
                           kv_secret=getattr(args, "kv_secret", None) or environ.get(ENV_KV_SECRET) or None)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can connect: a loopback address or the name localhost."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

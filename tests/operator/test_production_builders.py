@@ -281,11 +281,17 @@ def test_decode_pulls_only_from_allowed_peers_and_authenticates():
     only private (pod network) ranges, never link-local metadata addresses or the internet."""
     d = container(build_worker_deployment(ms(), "decode"))
     allowed = d["args"][d["args"].index("--kv-peer-allow") + 1:]
-    assert allowed == ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fd00::/8"]
+    # Only the prefill KV port (issue 23: an allowed address on another port, e.g. one an attacker
+    # listens on, is refused).
+    assert allowed == ["10.0.0.0/8:5600", "172.16.0.0/12:5600", "192.168.0.0/16:5600", "100.64.0.0/10:5600",
+                       "[fd00::/8]:5600"]
     assert "--kv-peer-allow" not in container(build_worker_deployment(ms(), "prefill"))["args"]  # prefill never pulls
-    m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14"], "secretRef": {"name": "kv"}})
+    m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14", "prefill.example:7000-7001"], "secretRef": {"name": "kv"},
+                       "port": 6000}, prefill={"replicas": 1, "tensorParallelSize": 2})
     d = container(build_worker_deployment(m, "decode"))
-    assert d["args"][d["args"].index("--kv-peer-allow") + 1] == "10.8.0.0/14"
+    at = d["args"].index("--kv-peer-allow")
+    # Every prefill rank's port (rank r on port + r); an entry naming its own ports keeps them.
+    assert d["args"][at + 1:at + 3] == ["10.8.0.0/14:6000-6001", "prefill.example:7000-7001"]
     for role in ("prefill", "decode"):
         assert env(container(build_worker_deployment(m, role)))["PDSERVE_KV_SECRET"] == \
             {"secretKeyRef": {"name": "kv", "key": "kv-secret"}}
@@ -296,15 +302,16 @@ def test_worker_accepts_the_args_as_built():
     """The worker's own argument parser and config take the operator's args (no engine starts)."""
     import argparse
 
-    from pdserve.worker.config import EngineConfig
-
     for role in ("prefill", "decode"):
         c = container(build_worker_deployment(ms(router={"policy": "prefix-aware"}, device="cpu",
                                                  kvTransfer={"backend": "tcp"}), role))
         parser = argparse.ArgumentParser()
-        from pdserve.worker.server.main import add_arguments
+        from pdserve.worker.server.main import add_arguments, configs_from_args
         add_arguments(parser)
-        config = EngineConfig.from_cli_args(parser.parse_args(c["args"]))
+        # As in the pod: the KV secret from its Secret (a worker serving KV beyond loopback needs it).
+        config, server = configs_from_args(parser.parse_args(c["args"]), environ={"PDSERVE_KV_SECRET": "k" * 32})
         assert config.role == role
+        assert server.host == "0.0.0.0" and config.kv_listen_host == "0.0.0.0"  # the pod IP, not loopback
+        assert "PDSERVE_KV_SECRET" in env(c)
         if role == "decode":
-            assert "10.0.0.0/8" in config.kv_peer_allow
+            assert "10.0.0.0/8:5600" in config.kv_peer_allow

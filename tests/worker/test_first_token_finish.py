@@ -130,7 +130,7 @@ def test_tensor_parallel_prefill_releases_every_rank(tmp_path_factory, default_m
         for rank in (0, 1):  # as a decode worker would after reading every rank's shard
             side_channel.call(params["remote_host"], params["remote_port"] + rank, "release",
                               {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
-                              5, SideChannelAuth(secret))
+                              5, SideChannelAuth(secret), params["remote_engine_id"])
         eventually(lambda: kv()["num_pinned_blocks"] == 0)
         if not text:
             pytest.skip("the greedy first token's text is held back (no stop string to match)")

@@ -9,6 +9,7 @@ Every test ends with both workers' blocks all free and nothing pinned.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -67,7 +68,8 @@ def pd(p, d, prompt) -> tuple[str, httpx.Response]:
 
 def release(params: dict) -> None:
     side_channel.call(params["remote_host"], params["remote_port"], "release",
-                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH)
+                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH,
+                      params["remote_engine_id"])
 
 
 def where(params: dict) -> tuple[str, int]:
@@ -89,12 +91,13 @@ def test_side_channel_refuses_peers_without_the_secret(pair, clean):
     desc, _ = side_channel.call(host, port, "describe", {}, 5, AUTH)
     assert set(desc) == {"engine_id", "kv_layout", "block_bytes", "transport"}  # no agent metadata, no address
     if transport == "nixl":
-        lease, _ = side_channel.call(host, port, "lease", read, 5, AUTH)
+        engine = params["remote_engine_id"]
+        lease, _ = side_channel.call(host, port, "lease", read, 5, AUTH, engine)
         assert "nixl" not in lease  # not asked for
-        lease, _ = side_channel.call(host, port, "lease", {**read, "want_metadata": True}, 5, AUTH)
+        lease, _ = side_channel.call(host, port, "lease", {**read, "want_metadata": True}, 5, AUTH, engine)
         assert {"agent", "metadata", "base"} <= set(lease["nixl"])  # the one way to get it: secret + live token
     # A captured, correctly signed message cannot be replayed.
-    raw, mac, _ = AUTH.sign_request("describe", {})
+    raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
     with zmq.Context.instance().socket(zmq.DEALER) as s:
         s.setsockopt(zmq.RCVTIMEO, 5000)
         s.connect(f"tcp://{host}:{port}")
@@ -104,6 +107,111 @@ def test_side_channel_refuses_peers_without_the_secret(pair, clean):
             replies.append(s.recv_multipart()[1])
     assert replies == [b"ok", b"err"]
     release(params)
+
+
+class Listener:
+    """An attacker's ZMQ endpoint on an allowed host: keeps every message it is sent ([op, body,
+    mac]) and answers each with an error, so the decode worker gives up at once."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.received: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)  # the only user of the socket
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                ident, *parts = self.sock.recv_multipart()
+                self.received.append(parts[1:])
+                self.sock.send_multipart([ident, b"", b"err", b"not a KV peer", b""])
+
+    def __enter__(self) -> "Listener":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+def relay(host: str, port: int, message: list[bytes]) -> tuple[bytes, bytes]:
+    """Send a captured [op, body, mac] unchanged to host:port; (status, payload) of its answer."""
+    with zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(f"tcp://{host}:{port}")
+        s.send_multipart([b"", *message])
+        reply = s.recv_multipart()
+    return reply[1], reply[2]
+
+
+def test_a_message_the_decode_worker_signed_for_another_peer_is_refused(pair, clean):
+    """Issue 23 item 1, the attack itself. The attacker holds the worker API key (as the router
+    and Prometheus do) but not the KV secret. It prefills a prompt, then hands the decode worker
+    those params with the port changed to one it listens on (the host stays allowed) and the
+    engine id changed (a new one: a NIXL decode worker then asks for the agent metadata) or
+    kept. The decode worker signs a read (TCP) or lease (NIXL) and sends it there; relayed
+    unchanged to the real prefill worker, it returned the KV bytes or the NIXL metadata of the
+    whole cache. Now the signed body names the worker it is for, and the prefill worker refuses
+    it, and any message signed for another host or port of it; the request itself is served
+    (local prefill)."""
+    transport, p, d = pair
+    genuine = prefill(p, A)["kv_transfer_params"]
+    host, port = where(genuine)
+    with Listener() as attacker:
+        for engine in (f"attacker-{secrets.token_hex(4)}", genuine["remote_engine_id"]):
+            forged = {**genuine, "remote_port": attacker.port, "remote_engine_id": engine}
+            seen = len(attacker.received)
+            r = post(d, {"prompt": A, **GREEDY, "kv_transfer_params": forged})
+            assert r.status_code == 200, r.text  # the pull failed: decode prefilled locally
+            captured = attacker.received[seen:]
+            assert any(m[0] == (b"read" if transport == "tcp" else b"lease") for m in captured), captured
+            for message in captured:  # the pull, and the release that followed its failure
+                status, payload = relay(host, port, message)
+                assert status == b"err" and b"not for this worker" in payload, (message[0], status, payload[:200])
+    # The same holds for messages signed by a secret holder for another host or port of this worker.
+    engine = genuine["remote_engine_id"]
+    body = {"request_id": genuine["remote_request_id"], "token": genuine["transfer_token"], "indices": [0],
+            "prompt_digest": prompt_digest(A)}
+    for to in (side_channel.destination(engine, "127.0.0.2", port), side_channel.destination(engine, host, port + 1),
+               side_channel.destination("another-engine", host, port), None):
+        raw, mac, _ = AUTH.sign_request("read", {**body, **({"to": to} if to else {})})
+        status, payload = relay(host, port, [b"read", raw, mac])
+        assert status == b"err" and b"refused" in payload, payload
+    # Nothing above touched the pin: addressed to this worker, the release finds it.
+    reply, _ = side_channel.call(host, port, "release", {"request_id": genuine["remote_request_id"],
+                                                         "token": genuine["transfer_token"]}, 5, AUTH, engine)
+    assert reply == {"released": True}
+
+
+def test_params_naming_an_allowed_host_on_another_port_are_refused(pair, tiny_checkpoint, clean):
+    """Issue 23 item 1, the allowlist half: a decode worker allowed only the prefill worker's KV
+    port (`--kv-peer-allow 127.0.0.1:PORT`, as `pdserve up` and the operator now pass) refuses
+    params naming that host on another port (400, before any connection: the attacker's port is
+    never contacted), and params whose TP size would make it contact PORT + 1; the genuine
+    params still pull."""
+    transport, p, _ = pair
+    if transport != "tcp":
+        pytest.skip("the allowlist is the same code for both transports")
+    genuine = prefill(p, A)["kv_transfer_params"]
+    host, port = where(genuine)
+    with Listener() as attacker, WorkerProcess(
+            tiny_checkpoint("llama"), *ARGS, "--role", "decode", "--kv-transfer", transport, "--kv-port",
+            str(free_port()), "--kv-peer-allow", f"127.0.0.1:{port}", env={"PDSERVE_KV_SECRET": SECRET}) as d:
+        for forged in ({**genuine, "remote_port": attacker.port}, {**genuine, "kv_tp_size": 2}):
+            r = post(d, {"prompt": A, **GREEDY, "kv_transfer_params": forged})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+            assert "--kv-peer-allow" in r.json()["error"]["message"] and "port" in r.json()["error"]["message"]
+        assert metric(d, "pdserve_kv_transfer_failures_total") == 0
+        r = post(d, {"prompt": A, **GREEDY, "kv_transfer_params": genuine})
+        assert r.status_code == 200
+        assert metric(d, "pdserve_kv_transfer_bytes_total") > 0
+        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == 0
+    assert attacker.received == []
 
 
 def test_decode_with_the_wrong_secret_cannot_pull(pair, tiny_checkpoint, clean):
@@ -275,10 +383,12 @@ def test_slow_readers_do_not_stall_other_peers(pair, clean):
         for params in pins:
             raw, mac, _ = AUTH.sign_request("read", {"request_id": params["remote_request_id"], "indices": [0, 1, 2],
                                                      "token": params["transfer_token"],
-                                                     "prompt_digest": prompt_digest(A)})
+                                                     "prompt_digest": prompt_digest(A),
+                                                     "to": side_channel.destination(params["remote_engine_id"], host,
+                                                                                    port)})
             slow.send_multipart([b"", b"read", raw, mac])
         for _ in range(3000):
-            raw, mac, _ = AUTH.sign_request("describe", {})
+            raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
             slow.send_multipart([b"", b"describe", raw, mac])
         fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
         pulled = metric(d, "pdserve_kv_transfer_bytes_total")

@@ -96,7 +96,7 @@ def test_forged_and_expired_tokens_are_rejected(pd_pair, clean):
     digest = token_digest(params["transfer_token"])
     forged = {"request_id": params["remote_request_id"], "token": "forged", "indices": [0], "prompt_digest": digest}
     with pytest.raises(side_channel.SideChannelError, match="refused"):
-        side_channel.call(host, port, "read", forged, 5, AUTH)
+        side_channel.call(host, port, "read", forged, 5, AUTH, params["remote_engine_id"])
     # A decode worker handed the forged token (bound to the right prompt, so it passes the decode
     # side's early check) cannot pull; it prefills locally and still answers right.
     plain = httpx.post(f"{d.url}/v1/completions", json=BASE, timeout=60).json()["choices"][0]["text"]
@@ -109,7 +109,7 @@ def test_forged_and_expired_tokens_are_rejected(pd_pair, clean):
     time.sleep(4)
     genuine = {**forged, "token": params["transfer_token"]}
     with pytest.raises(side_channel.SideChannelError, match="refused"):
-        side_channel.call(host, port, "read", genuine, 5, AUTH)
+        side_channel.call(host, port, "read", genuine, 5, AUTH, params["remote_engine_id"])
 
 
 def test_peer_outside_allowlist_is_never_contacted(pd_pair, clean):
@@ -124,14 +124,16 @@ def test_peer_outside_allowlist_is_never_contacted(pd_pair, clean):
     assert metric(d, "pdserve_kv_transfer_failures_total") == failures  # refused before any connection
     # Release the genuine pin so the leak check passes promptly.
     side_channel.call(params["remote_host"], params["remote_port"], "release",
-                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH)
+                      {"request_id": params["remote_request_id"], "token": params["transfer_token"]}, 5, AUTH,
+                      params["remote_engine_id"])
 
 
 def test_mismatched_block_size_is_refused(tiny_checkpoint, pd_pair):
     _, p, _ = pd_pair
     ckpt = tiny_checkpoint("llama")
     params = prefill(p, BASE)["kv_transfer_params"]
-    args = ("--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(1 << 22))
+    args = ("--max-model-len", "256", "--block-size", "8", "--kv-cache-memory", str(1 << 22), "--kv-peer-allow",
+            "127.0.0.1")
     with WorkerProcess(ckpt, *args, "--role", "decode", "--kv-transfer", "tcp") as d8:
         r = httpx.post(f"{d8.url}/v1/completions", json={**BASE, "kv_transfer_params": params}, timeout=60)
         assert r.status_code == 400

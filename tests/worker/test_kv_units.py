@@ -32,17 +32,59 @@ def test_merge_runs_rejects_unequal_lists():
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.244.1.7", "localhost", "8.8.8.8", "169.254.169.254"])
 def test_default_peer_policy_denies_everyone(host):
     with pytest.raises(PeerNotAllowed, match="kv-peer-allow"):
-        PeerPolicy().check(host)
+        PeerPolicy().check(host, 5600)
 
 
 def test_allowlist_of_cidrs_and_exact_names():
     policy = PeerPolicy(("10.1.0.0/16", "prefill-0.svc", "::1"))
-    assert policy.check("10.1.2.3") == "10.1.2.3"
-    assert policy.check("prefill-0.svc") == "prefill-0.svc"
-    assert policy.check("::1") == "::1"
+    assert policy.check("10.1.2.3", 5600) == "10.1.2.3"
+    assert policy.check("prefill-0.svc", 1) == "prefill-0.svc"
+    assert policy.check("::1", 65535) == "::1"
+    assert policy.any_port() == ["10.1.0.0/16", "::1/128", "prefill-0.svc"]  # the worker warns about these
     for host in ("127.0.0.1", "10.2.0.1", "prefill-1.svc", "localhost"):  # names not listed: no DNS lookup
         with pytest.raises(PeerNotAllowed):
-            policy.check(host)
+            policy.check(host, 5600)
+
+
+def test_allowlist_ports_limit_where_a_worker_connects():
+    """Issue 23 item 1: params naming an allowed host on a port the deployment did not declare
+    (one an attacker listens on) are refused."""
+    policy = PeerPolicy(("10.0.0.0/8:5600-5603", "prefill-0.svc:7000", "[fd00::/8]:5600", "192.168.0.0/16"))
+    assert policy.check("10.9.8.7", 5600) == "10.9.8.7" and policy.check("10.9.8.7", 5603) == "10.9.8.7"
+    assert policy.check("prefill-0.svc", 7000) == "prefill-0.svc"
+    assert policy.check("fd00::1", 5600) == "fd00::1"
+    assert policy.check("192.168.1.1", 12345) == "192.168.1.1"  # no ports named: any (warned about)
+    assert policy.any_port() == ["192.168.0.0/16"]
+    for host, port in (("10.9.8.7", 5604), ("10.9.8.7", 5599), ("prefill-0.svc", 7001), ("fd00::1", 5601)):
+        with pytest.raises(PeerNotAllowed, match="port"):
+            policy.check(host, port)
+
+
+@pytest.mark.parametrize("entry,parsed", [
+    ("10.0.0.0/8", ("10.0.0.0/8", None)),
+    ("10.0.0.0/8:5600-5607", ("10.0.0.0/8", (5600, 5607))),
+    ("10.0.0.1:5600", ("10.0.0.1", (5600, 5600))),
+    ("prefill-0.svc:7000", ("prefill-0.svc", (7000, 7000))),
+    ("fd00::/8", ("fd00::/8", None)),
+    ("::1", ("::1", None)),
+    ("[fd00::/8]:5600-5601", ("fd00::/8", (5600, 5601))),
+    ("[::1]", ("::1", None)),
+])
+def test_peer_entries_parse(entry, parsed):
+    from pdserve.protocol.kv_peers import parse_peer, with_ports
+
+    assert parse_peer(entry) == parsed
+    peer, ports = parsed
+    assert parse_peer(with_ports(entry, 1, 2)) == (peer, ports or (1, 2))  # ports given are kept
+
+
+@pytest.mark.parametrize("entry", ["", "a b", "10.0.0.0/8:", "10.0.0.0/8:0", "10.0.0.0/8:5601-5600",
+                                   "10.0.0.0/8:70000", "host:x", "[fd00::/8]:", "[fd00::/8", "a/b", "h:1:2x"])
+def test_bad_peer_entries_are_refused(entry):
+    from pdserve.protocol.kv_peers import parse_peer
+
+    with pytest.raises(ValueError):
+        parse_peer(entry)
 
 
 class Clock:
@@ -152,3 +194,56 @@ def test_pull_pool_bounds_each_peer_and_cools_down_a_silent_one():
     with pytest.raises(PeerCoolingDown):
         pool.submit(("10.0.0.1", 1), lambda: 1).result(1)
     pool.shutdown()
+
+
+class _Clock:
+    """The auth module's `time`, moved by hand: the replay window is 60 s of wall clock."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def _signed(auth, op: str, body: dict) -> tuple[bytes, bytes]:
+    import json as _json
+
+    raw = _json.dumps(body).encode()
+    return raw, auth._mac(b"req", op.encode(), raw)
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf"), True])
+def test_side_channel_auth_refuses_a_non_finite_timestamp(ts):
+    """Issue 23 item 5: NaN compares false with everything, so it passed the freshness check."""
+    from pdserve.worker.kv.auth import AuthError, SideChannelAuth
+
+    server = SideChannelAuth("s" * 20)
+    raw, mac = _signed(server, "read", {"ts": ts, "nonce": "n1"})
+    with pytest.raises(AuthError, match="stale or undated"):
+        server.verify_request(b"read", raw, mac)
+
+
+def test_a_future_dated_message_cannot_be_replayed_once_its_arrival_window_ends(monkeypatch):
+    """Issue 23 item 5: a message dated 50 s ahead stays fresh until 110 s after it arrives; its
+    nonce must be remembered that long (it was forgotten 60 s after arrival, then replayable)."""
+    from pdserve.worker.kv import auth as auth_module
+    from pdserve.worker.kv.auth import WINDOW_S, AuthError, SideChannelAuth
+
+    clock = _Clock(1_000_000.0)
+    monkeypatch.setattr(auth_module, "time", clock)
+    server = SideChannelAuth("s" * 20)
+    ahead = _signed(server, "read", {"ts": clock.now + WINDOW_S - 10, "nonce": "ahead"})
+    now = _signed(server, "read", {"ts": clock.now, "nonce": "now"})
+    assert server.verify_request(b"read", *ahead)["nonce"] == "ahead"
+    assert server.verify_request(b"read", *now)["nonce"] == "now"
+    clock.now += WINDOW_S + 1  # the arrival window of both has passed; "ahead" is still fresh
+    with pytest.raises(AuthError, match="replayed"):
+        server.verify_request(b"read", *ahead)
+    with pytest.raises(AuthError, match="stale"):
+        server.verify_request(b"read", *now)  # stale now: refused without the cache
+    assert b"now" not in server._seen  # and forgotten: the cache holds only what is still acceptable
+    clock.now += WINDOW_S  # "ahead" is stale too, and forgotten
+    with pytest.raises(AuthError, match="stale"):
+        server.verify_request(b"read", *ahead)
+    assert not server._seen

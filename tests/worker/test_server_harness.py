@@ -19,11 +19,13 @@ from tests.net import free_port  # noqa: F401 (imported from here by other worke
 class WorkerProcess:
     """`with WorkerProcess(model_dir, "--max-model-len", "256") as w:` -> w.url serves /v1."""
 
-    def __init__(self, model: Path | str, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 180):
+    def __init__(self, model: Path | str, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 180,
+                 host: str | None = "127.0.0.1"):
+        """`host`: its --host (None: none given, the worker's default, which is loopback)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(model),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
+                    *(("--host", host) if host else ()), "--port", str(self.port), "--device", "cpu", *args]
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout = ready_timeout
         # With --api-key, /v1, /metrics and /debug/kv need it: helpers send `headers`.

@@ -168,7 +168,7 @@ def test_one_rank_failing_falls_back_on_all_ranks(workers, no_leaks, ptp, dtp):
     def release_rank1(params):
         side_channel.call("127.0.0.1", params["remote_port"] + 1, "release",
                           {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
-                          5.0, SideChannelAuth(SECRET))
+                          5.0, SideChannelAuth(SECRET), params["remote_engine_id"])
 
     reads_rank1 = any(s.remote_rank == 1 for r in range(dtp) for s in kv_sources(kv, ptp, TPRank(r, dtp, kv)))
     fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")

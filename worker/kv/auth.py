@@ -3,8 +3,11 @@
 The prefill and decode workers of one deployment share `--kv-secret` (in Kubernetes: an env
 var from a Secret). Each request is `[op, body, mac]`, where the body carries a wall-clock
 timestamp and a random nonce and `mac = HMAC(secret, "req" | op | body)`. The server checks
-the MAC in constant time, refuses timestamps more than `WINDOW_S` away from its clock, and
-refuses a nonce it has seen within that window (so a captured message cannot be replayed).
+the MAC in constant time, refuses timestamps that are not finite or more than `WINDOW_S` away
+from its clock, and refuses a nonce it has seen while its timestamp is still acceptable (so a
+captured message cannot be replayed: a nonce is remembered until `WINDOW_S` after the later of
+its timestamp and its arrival, so a message dated ahead of our clock is not forgotten while it
+is still fresh).
 Replies carry `HMAC(secret, "rep" | request nonce | status | payload)`, so the client knows
 the answer came from a holder of the secret and belongs to its own request.
 
@@ -20,11 +23,12 @@ metadata only inside a lease) is listed in docs/security.md.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import json
+import math
 import secrets
 import time
-from collections import OrderedDict
 
 WINDOW_S = 60.0  # accepted clock skew plus delivery time; nonces are remembered this long
 MAX_NONCES = 200_000  # memory bound of the replay cache (about 20 MB at its fullest)
@@ -40,7 +44,8 @@ class SideChannelAuth:
             secret = secret.encode()
         # A derived key, so the raw secret (perhaps shared with other uses) is never the MAC key.
         self._key = hashlib.sha256(b"pdserve-kv-side-channel\0" + secret).digest() if secret else None
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> expiry (server side)
+        self._seen: set[bytes] = set()  # nonces still inside their window (server side)
+        self._expiries: list[tuple[float, bytes]] = []  # heap of (expiry, nonce): they expire out of order
 
     @property
     def enabled(self) -> bool:
@@ -73,24 +78,25 @@ class SideChannelAuth:
         if self._key:
             ts, nonce = body.get("ts"), body.get("nonce")
             now = time.time()
-            if not isinstance(ts, (int, float)) or abs(now - ts) > WINDOW_S or not isinstance(nonce, str):
-                raise AuthError("stale or undated request (check the clocks of prefill and decode nodes)")
             self._forget(now)
+            # NaN compares false with everything, so `abs(now - nan) > WINDOW_S` would let it through.
+            if (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)
+                    or abs(now - ts) > WINDOW_S or not isinstance(nonce, str)):
+                raise AuthError("stale or undated request (check the clocks of prefill and decode nodes)")
             key = nonce.encode()
             if key in self._seen:
                 raise AuthError("replayed request")
             if len(self._seen) >= MAX_NONCES:
                 raise AuthError("too many requests in the replay window; retry later")
-            self._seen[key] = now + WINDOW_S
+            # Accepted until now - ts > WINDOW_S: remember it at least that long (a message dated
+            # ahead of our clock stays acceptable for up to 2 x WINDOW_S after it arrives).
+            self._seen.add(key)
+            heapq.heappush(self._expiries, (max(ts, now) + WINDOW_S, key))
         return body
 
     def sign_reply(self, nonce: str, status: bytes, payload: bytes) -> bytes:
         return self._mac(b"rep", nonce.encode(), status, payload) if self._key else b""
 
     def _forget(self, now: float) -> None:
-        # Insertion order is expiry order (expiry = arrival + WINDOW_S), so expired ones lead.
-        while self._seen:
-            nonce, expiry = next(iter(self._seen.items()))
-            if expiry > now:
-                break
-            del self._seen[nonce]
+        while self._expiries and self._expiries[0][0] < now:
+            self._seen.discard(heapq.heappop(self._expiries)[1])

@@ -15,10 +15,11 @@ in kv_transfer_params; the side channel serves reads and releases (and NIXL noti
 from that table on its own thread.
 
 Security (docs/security.md): the side channel listens where HTTP does unless --kv-host says
-otherwise, and with --kv-secret every message is authenticated both ways; `describe` gives
-only the layout, and NIXL agent metadata travels only in the reply to a lease (a live
-transfer token for the reader's own prompt). Decode side: every peer is checked against
---kv-peer-allow (default: nobody), and pulls run in a pool bounded per peer.
+otherwise, and with --kv-secret every message is authenticated both ways and names the worker
+it is for (engine id, advertised host and port: a signed message is good there only);
+`describe` gives only the layout, and NIXL agent metadata travels only in the reply to a lease
+(a live transfer token for the reader's own prompt). Decode side: every peer host and port is
+checked against --kv-peer-allow (default: nobody), and pulls run in a pool bounded per peer.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ class KVConnector:
         self.pins = PinTable(config.kv_pin_ttl)
         self.metrics = KVMetrics()
         self.policy = PeerPolicy(config.kv_peer_allow)
+        if config.role != "prefill" and self.tp.rank == 0:  # this worker may act as decode (said once)
+            if self.policy.empty:  # only `both` gets here: a decode worker without peers refuses to start
+                log.error("this worker (role %s, --kv-transfer %s) may decode for a prefill worker but "
+                          "--kv-peer-allow is empty: it pulls from no one, so every P/D request it gets is "
+                          "prefilled here again (counted in pdserve_kv_local_prefill_fallbacks_total). Name "
+                          "the prefill workers' addresses and KV ports in --kv-peer-allow", config.role,
+                          config.kv_transfer)
+            elif any_port := self.policy.any_port():
+                log.warning("--kv-peer-allow %s allows every port of those hosts: params naming such a host may "
+                            "make this worker connect to any of its ports; add the prefill KV ports "
+                            "(e.g. %s:5600-5607)", " ".join(any_port), any_port[0])
         self.auth = SideChannelAuth(config.kv_secret)
         self.port = config.kv_port + self.tp.rank  # a TP prefill worker serves rank r's shard on kv_port + r
         self.timeout = config.kv_pull_timeout
@@ -109,7 +121,9 @@ class KVConnector:
     def start_server(self) -> None:
         tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
         handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read}
-        self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick)
+        self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,
+                                                     identity=side_channel.destination(self.engine_id, self.host,
+                                                                                       self.port))
         self.server.start()
         log.info("KV side channel on %s:%d (advertised as %s), transport %s, %s", self.bind_host, self.port,
                  self.host, self.transport, "authenticated" if self.auth.enabled else "UNAUTHENTICATED")
@@ -256,7 +270,7 @@ class KVConnector:
         t0 = time.perf_counter()
         transport = params.get("transport", "tcp")
         try:
-            host = self.policy.check(str(params["remote_host"]))
+            host = self.allowed_peer(params)
             port = int(params["remote_port"])
             if self._tp_pull(params):
                 transport = transport if transport == "nixl" and self.nixl is not None else "tcp"
@@ -303,6 +317,18 @@ class KVConnector:
             raise
         return self.nixl.finish_read(early or self.nixl.post_read(peer, src, dst_blocks, notif), self.timeout)
 
+    def allowed_peer(self, params: dict) -> str:
+        """The address to connect to for these params, if --kv-peer-allow admits their host and
+        every port they make us contact (a TP prefill worker's rank r listens on remote_port + r);
+        else PeerNotAllowed (or ValueError for a malformed TP size)."""
+        host, port = str(params.get("remote_host")), params.get("remote_port")
+        if type(port) is not int:
+            raise PeerNotAllowed(f"KV peer port {port!r} is not a port")
+        address = self.policy.check(host, port)
+        for rank in range(1, remote_tp_size(params)):
+            self.policy.check(host, port + rank)
+        return address
+
     def _tp_pull(self, params: dict) -> bool:
         """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""
         try:
@@ -314,7 +340,7 @@ class KVConnector:
         """Best effort: tell the prefill worker we will not read (more of) its pin (every rank's,
         when it is tensor-parallel). Its TTL is the backstop."""
         try:
-            host = self.policy.check(str(params["remote_host"]))  # never contact a peer we would not pull from
+            host = self.allowed_peer(params)  # never contact a peer we would not pull from
             ranks = remote_tp_size(params)
         except Exception as e:
             log.debug("KV release of %s not sent: %s", params.get("remote_request_id"), e)
@@ -323,7 +349,7 @@ class KVConnector:
             try:
                 side_channel.call(host, int(params["remote_port"]) + rank, "release",
                                   {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
-                                  min(5.0, self.timeout), self.auth)
+                                  min(5.0, self.timeout), self.auth, params["remote_engine_id"])
             except Exception as e:
                 log.debug("KV release of %s (rank %d) failed: %s", params.get("remote_request_id"), rank, e)
 

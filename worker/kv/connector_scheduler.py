@@ -23,6 +23,7 @@ so that worker frees its blocks now rather than at TTL.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, KVTransferParams, KVTransferParamsError,
@@ -47,6 +48,7 @@ class KVConnectorScheduler:
         self._can_send = transfer is not None and transfer.server is not None
         self._unpulled: set[str] = set()  # remote decodes whose prefill worker still pins their prompt
         self._meta = KVConnectorMetadata()
+        self._next_log = 0.0  # rate limit of the empty-allowlist error
 
     # -- arrival --------------------------------------------------------------------------------
 
@@ -68,9 +70,11 @@ class KVConnectorScheduler:
         # The pin's own check (on pull) is what holds against forgery; this one answers 400 early.
         if token_digest(kv.transfer_token) != prompt_digest(prompt_token_ids):
             raise RequestError(PARAM, f"{PARAM} were issued for a different prompt")
+        if self._transfer.policy.empty:
+            return  # a worker that pulls from no one prefills locally (new_request); never the client's fault
         try:
-            self._transfer.policy.check(kv.remote_host)
-        except PeerNotAllowed as e:
+            self._transfer.allowed_peer(p)
+        except (PeerNotAllowed, ValueError) as e:
             raise RequestError(PARAM, str(e)) from None
 
     def new_request(self, req: Request) -> None:
@@ -87,8 +91,17 @@ class KVConnectorScheduler:
             # Decode side: the prefill worker's first token is an output the caller already has.
             req.token_ids.append(int(p["first_token_id"]))
             req.num_emitted_tokens = 1
-            if self._transfer is not None:
-                self._unpulled.add(req.request_id)
+            if self._transfer is None:
+                return
+            if self._transfer.policy.empty:  # a `both` worker started without peers (it logged an error)
+                self._transfer.metrics.local_prefill_fallbacks.inc()
+                now = time.monotonic()
+                if now >= self._next_log:
+                    self._next_log = now + 60.0
+                    log.error("a P/D request came with kv_transfer_params but --kv-peer-allow is empty: prefilling "
+                              "it here (a deployment mistake: name the prefill workers in --kv-peer-allow)")
+                return
+            self._unpulled.add(req.request_id)
 
     # -- admission --------------------------------------------------------------------------------
 

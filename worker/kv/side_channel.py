@@ -1,12 +1,21 @@
 """The prefill worker's KV side channel: one ZMQ ROUTER socket on --kv-port, one thread.
 
 Wire format (after ZMQ's routing frames):
-  request  [b"", op, body json, mac]              body carries ts and nonce (see `auth`)
+  request  [b"", op, body json, mac]              body carries ts and nonce (see `auth`) and
+                                                  `to`: the worker it is meant for
   reply    [b"", b"ok", json, mac, *block frames] or [b"", b"err", message, mac]
 Ops: describe (layout only), lease (authenticate a transfer token and hold its blocks for a
 one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: the
 block bytes themselves, a copy, and the pin is released at once), release (the decode side
 is done).
+
+Every request names its destination inside the signed body, `to = {engine_id, host, port}`,
+and the server refuses one meant for another worker (`Destination`). The MAC already binds
+the op and the request (id, token, indices, prompt digest); without `to`, a decode worker
+tricked into signing a lease or read for an address it was handed (forged kv_transfer_params
+naming an allowed host but the attacker's port) produced a message the attacker could relay
+unchanged to the real prefill worker: a signing oracle for the whole cache (issue 23). Only
+`describe` (layout only) may leave the engine id out: the asker may not know it yet.
 
 One thread serves everyone, so nothing on it may wait for a peer:
 - every message is handled inside one try, whatever its frames (a malformed one gets an
@@ -21,6 +30,7 @@ One thread serves everyone, so nothing on it may wait for a peer:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -47,11 +57,29 @@ class Busy(RuntimeError):
     pass
 
 
+def destination(engine_id: str | None, host: str, port: int) -> dict:
+    """What a request names as its recipient (signed with the rest of the body)."""
+    return {"engine_id": engine_id, "host": host, "port": port}
+
+
+def _same_host(a, b) -> bool:
+    """Addresses compare as addresses (::1 == 0:0::1), names case-insensitively."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
+
+
 class SideChannelServer:
     def __init__(self, bind_host: str, port: int, handlers: dict[str, Handler], auth: SideChannelAuth,
-                 tick: Callable[[], None] | None = None):
+                 tick: Callable[[], None] | None = None, identity: dict | None = None):
+        """`identity`: `destination(engine id, advertised host, port)` of this worker; a request
+        whose `to` differs is refused (None: only in tests of the channel itself)."""
         self.handlers = handlers
         self.auth = auth
+        self.identity = identity
         self.tick = tick  # called every poll interval (NIXL notifications)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -121,6 +149,7 @@ class SideChannelServer:
             handler = self.handlers.get(op.decode(errors="replace"))
             if handler is None:
                 raise ValueError(f"unknown op {op[:32]!r}")
+            self._check_destination(op, body)
             if op == b"read":
                 self._reap()
             if op == b"read" and (self._unsent_by_peer[peer] >= MAX_UNSENT_PER_PEER or len(self._unsent) >= MAX_UNSENT):
@@ -138,6 +167,20 @@ class SideChannelServer:
             self._unsent_by_peer[peer] += 1
         except Exception as e:
             self._refuse(ident, nonce, str(e) or type(e).__name__, peer)
+
+    def _check_destination(self, op: bytes, body: dict) -> None:
+        if self.identity is None:
+            return
+        to, me = body.get("to"), self.identity
+        if not isinstance(to, dict):
+            raise PermissionError("the request names no destination (`to`): refused")
+        engine_ok = to.get("engine_id") == me["engine_id"] or (op == b"describe" and to.get("engine_id") is None)
+        # type() is int: a bool equals 0 or 1, and a float port names no port.
+        port_ok = type(to.get("port")) is int and to["port"] == me["port"]
+        if not (engine_ok and port_ok and _same_host(to.get("host"), me["host"])):
+            raise PermissionError(f"this request is meant for engine {str(to.get('engine_id'))[:40]} at "
+                                  f"{str(to.get('host'))[:80]}:{str(to.get('port'))[:8]}, not for this worker "
+                                  f"(engine {me['engine_id']} at {me['host']}:{me['port']}): refused")
 
     def _refuse(self, ident: bytes, nonce: str, message: str, peer: str) -> None:
         self.num_refused += 1
@@ -205,10 +248,13 @@ def _drop(host: str, port: int) -> None:
         sock.close()
 
 
-def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: SideChannelAuth) -> tuple[dict, list]:
-    """One request/reply to a peer's side channel. Raises SideChannelError on refusal or timeout."""
+def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: SideChannelAuth,
+         engine_id: str | None = None) -> tuple[dict, list]:
+    """One request/reply to the side channel of engine `engine_id` at host:port (the body names
+    it, signed: the message is good for that worker only). Raises SideChannelError on refusal
+    or timeout."""
     sock = _socket(host, port, timeout_s)
-    raw, mac, nonce = auth.sign_request(op, body)
+    raw, mac, nonce = auth.sign_request(op, {**body, "to": destination(engine_id, host, port)})
     try:
         sock.send_multipart([b"", op.encode(), raw, mac])
         parts = sock.recv_multipart(copy=False)
@@ -239,7 +285,7 @@ def lease(host: str, port: int, params: dict, indices: list[int], digest: str, w
     reply, frames = call(host, port, "lease", {"request_id": params["remote_request_id"],
                                                "token": params["transfer_token"], "indices": indices,
                                                "prompt_digest": digest, "want_metadata": want_metadata},
-                         timeout_s, auth)
+                         timeout_s, auth, engine_id)
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
         raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
     if want_metadata and not isinstance(reply.get("nixl"), dict):

@@ -67,7 +67,8 @@ def tcp_pull(host: str, port: int, params: dict, indices: list[int], dst_blocks:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            reply, frames = side_channel.call(host, port, "read", body, max(0.1, deadline - time.monotonic()), auth)
+            reply, frames = side_channel.call(host, port, "read", body, max(0.1, deadline - time.monotonic()), auth,
+                                              params["remote_engine_id"])
             break
         except side_channel.PeerBusy:
             if time.monotonic() + BUSY_RETRY_S >= deadline:

@@ -16,7 +16,7 @@ import signal
 from pdserve.protocol.contract import ENV_API_KEYS
 from pdserve.protocol.flags import add_flags
 from pdserve.protocol.http_limits import ClientLimits
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config import EngineConfig, is_loopback
 from pdserve.worker.server.config import ServerConfig
 
 log = logging.getLogger("pdserve.worker.server")
@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     engine_config, server_config = configs_from_args(args)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not server_config.api_keys and not is_loopback(server_config.host):
+        log.warning("listening on %s without --api-key (or $%s): anyone who reaches this port may send "
+                    "requests, kv_transfer_params included, and read /metrics and /debug/kv", server_config.host,
+                    ENV_API_KEYS)
 
     import uvicorn
 
