@@ -134,6 +134,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             del body[KV_TRANSFER_PARAMS]
             raw = json.dumps(body).encode()
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
+        await routing.tokenize_off_loop()
         return Call(route, body, raw, request_id, routing, started=time.monotonic())
 
     async def serve(request: Request, route: str) -> Response:

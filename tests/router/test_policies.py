@@ -193,3 +193,26 @@ def test_selector_pairs_decode_with_the_prefill_revision():
     prefill = sel.pool("prefill", "m", partners=decode)
     assert [w.url for w in prefill] == ["http://p1:1"]  # r2 has no decode worker
     assert [w.url for w in sel.pool("decode", "m", partners=prefill)] == ["http://d1:1"]
+
+
+def test_prefix_aware_token_ids_are_computed_once_and_off_the_event_loop():
+    """Issue 23: prefix-aware hashes token ids, and an 8 MB prompt tokenized on the router's event
+    loop stalls every request and /health. The router computes them on a thread before selection;
+    the policies' synchronous token_ids() then reuses them."""
+    import asyncio
+    import threading
+
+    calls = []
+
+    def tokenize(body):
+        calls.append(threading.get_ident())
+        return [1, 2, 3]
+
+    async def main():
+        routing = RoutingRequest({"prompt": "x"}, None, tokenize)
+        await routing.tokenize_off_loop()
+        return threading.get_ident(), routing
+
+    loop_thread, routing = asyncio.run(main())
+    assert routing.token_ids() == [1, 2, 3]
+    assert len(calls) == 1 and calls[0] != loop_thread
