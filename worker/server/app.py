@@ -172,22 +172,19 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         except ClientGone:
             return gone()
 
-    @app.post(PATH_TOKENIZE, dependencies=[Depends(authorized)])
-    async def tokenize_route(request: Request, st: WorkerState = Depends(ready)):
-        try:
-            # Off the loop, as generation's tokenizing is: a large body must not stall /health.
-            body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
-            return await off_loop(tokenize.tokenize, st, body)
-        except ClientGone:
-            return gone()
+    def token_route(path: str, handler) -> None:
+        async def route(request: Request, st: WorkerState = Depends(ready)):
+            try:
+                body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
+                # Off the loop, as generation's tokenizing is: a large body must not stall /health.
+                return await off_loop(handler, st, body)
+            except ClientGone:
+                return gone()
 
-    @app.post(PATH_DETOKENIZE, dependencies=[Depends(authorized)])
-    async def detokenize_route(request: Request, st: WorkerState = Depends(ready)):
-        try:
-            body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
-            return await off_loop(tokenize.detokenize, st, body)
-        except ClientGone:
-            return gone()
+        app.post(path, dependencies=[Depends(authorized)], name=handler.__name__)(route)
+
+    token_route(PATH_TOKENIZE, tokenize.tokenize)
+    token_route(PATH_DETOKENIZE, tokenize.detokenize)
 
     @app.post(PATH_KV_RELEASE, dependencies=[Depends(authorized)], include_in_schema=False)
     async def kv_release(request: Request, st: WorkerState = Depends(ready)):
