@@ -158,7 +158,7 @@ def test_engine_refuses_before_starting_ranks(checkpoint):
         LLMEngine(EngineConfig(model=str(checkpoint("llama", 2)), device="cpu", tensor_parallel_size=3))
 
 
-@pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp"}])
+@pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp", "kv_peer_allow": ("127.0.0.1",)}])
 def test_tp_with_kv_transfer_is_accepted(kw):
     # P/D between tensor-parallel workers: tests/worker/test_tp_pd.py.
     assert EngineConfig(tensor_parallel_size=2, **kw).tensor_parallel_size == 2
