@@ -32,7 +32,7 @@ from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
-from pdserve.worker.server.serving import off_loop
+from pdserve.worker.server.serving import max_prompt_chars, off_loop
 
 log = logging.getLogger("pdserve.worker.server")
 
@@ -49,6 +49,7 @@ class WorkerState:
         self._factory = engine_factory
         self._on_fatal = on_fatal
         self.engine = None  # set once loaded and started
+        self.max_prompt_chars = 0  # serving.max_prompt_chars, set with the engine
         self.draining = False
         self.inflight: set[str] = set()
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
@@ -82,6 +83,7 @@ class WorkerState:
         try:
             engine = await asyncio.to_thread(self._factory)
             await engine.start()
+            self.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, engine.tokenizer, engine.max_model_len)
         except Exception as e:
             log.exception("engine failed to load")
             if self._on_fatal is not None:

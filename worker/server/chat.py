@@ -39,9 +39,10 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
 
 
 def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = ToolPlan(),
-                  parser_name: str | None = None, max_model_len: int | None = None) -> list[int]:
-    """The prompt's token ids (any thread: the server runs it off its event loop). With
-    `max_model_len`, a rendered text too long for it is refused before it is tokenized."""
+                  parser_name: str | None = None, limit: tuple[int, int] | None = None) -> list[int]:
+    """The prompt's token ids (any thread: the server runs it off its event loop). With `limit`
+    (max_prompt_chars, max_model_len), a rendered text too long for it is refused before it is
+    tokenized."""
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages, tool_kwargs = template_input([m.for_template(i) for i, m in enumerate(body.messages)], tools,
@@ -58,8 +59,8 @@ def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = Tool
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
     # A forced tool call starts the reply; its grammar does the rest (tool_parsers/plan.py).
     text += tools.forced_prefix
-    if max_model_len is not None:
-        serving.check_text_length(text, tokenizer, max_model_len, "messages")
+    if limit is not None:
+        serving.check_text_length(text, *limit, "messages")
     # The template writes the special tokens itself (BOS, role markers): add none on top.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -70,7 +71,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     cfg = state.config
     tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     prompt = await serving.off_loop(render_prompt, state.tokenizer, body, tools, cfg.tool_call_parser,
-                                    state.max_model_len)
+                                    (state.max_prompt_chars, state.max_model_len))
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     serving.check_decode_budget(body.kv_transfer_params, [prompt], state.max_model_len, "messages")

@@ -28,20 +28,21 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _tokenize(tok, prompts: list, vocab_size: int) -> list[list[int]]:
-    return [tok(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
-            else serving.check_token_ids(p, vocab_size, "prompt") for p in prompts]
+def _tokenize(state, prompts: list) -> list[list[int]]:
+    """Each prompt's token ids (on a thread: an 8 MB prompt takes the tokenizer seconds); a text
+    too long for any tokenization to fit is refused before any is tokenized."""
+    for p in prompts:
+        if isinstance(p, str):
+            serving.check_text_length(p, state.max_prompt_chars, state.max_model_len, "prompt")
+    return [state.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
+            else serving.check_token_ids(p, state.vocab_size, "prompt") for p in prompts]
 
 
 async def create_completion(state, request: Request, body: CompletionRequest):
     body.check_unsupported()
     serving.check_model(body.model, state.served_model_name)
     tok = state.tokenizer
-    raw = body.prompts()
-    for p in raw:
-        if isinstance(p, str):  # a text too long for any tokenization to fit is never tokenized
-            serving.check_text_length(p, tok, state.max_model_len, "prompt")
-    prompts = await serving.off_loop(_tokenize, tok, raw, state.vocab_size)
+    prompts = await serving.off_loop(_tokenize, state, body.prompts())
     only_prompt = echo.echo_only(body)
     max_tokens = serving.resolve_max_tokens(1 if only_prompt else body.max_tokens, prompts, state.max_model_len,
                                             "prompt", "max_tokens")

@@ -91,24 +91,22 @@ async def off_loop(fn, *args, **kwargs):
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-_MAX_TOKEN_CHARS: dict[int, int] = {}
 # Normalizers may drop characters (accents, controls) a token then does not cover: a wide margin.
 TEXT_MARGIN = 4
 
 
-def max_token_chars(tokenizer) -> int:
-    """Most characters of text one token covers: its vocabulary's longest entry (a byte-level
-    BPE entry spells one character per byte; a SentencePiece one, one per character)."""
-    key = id(tokenizer)
-    if key not in _MAX_TOKEN_CHARS:
-        _MAX_TOKEN_CHARS[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
-    return _MAX_TOKEN_CHARS[key]
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """Most characters a prompt that fits --max-model-len could have: that many tokens of the
+    vocabulary's longest entry (a byte-level BPE entry spells one character per byte; a
+    SentencePiece one, one per character), times TEXT_MARGIN. Computed once per loaded engine."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    return max_model_len * longest * TEXT_MARGIN
 
 
-def check_text_length(text: str, tokenizer, max_model_len: int, param: str) -> None:
-    """Before tokenizing: refuse a text no tokenization could fit into --max-model-len."""
-    bound = max_model_len * max_token_chars(tokenizer) * TEXT_MARGIN
-    if len(text) > bound:
+def check_text_length(text: str, max_chars: int, max_model_len: int, param: str) -> None:
+    """Before tokenizing: refuse a text no tokenization could fit into --max-model-len
+    (`max_chars`: max_prompt_chars of the worker's tokenizer)."""
+    if len(text) > max_chars:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens (--max-model-len), but the "
             f"prompt is {len(text)} characters, more than that many tokens can hold; reduce the prompt.",
