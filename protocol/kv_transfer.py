@@ -4,6 +4,12 @@
     router  ◀── the first token + KVTransferParams (where its KV blocks are pinned) ──┘
     router  ──the client's request + those KVTransferParams──▶ decode worker
 
+Streamed hand-off (`"stream_kv": true` in the prefill request): the prefill worker answers in
+two NDJSON lines, the first as soon as it has admitted the request and pinned its (not yet
+computed) blocks: those params carry `stream_kv` and no first token. The router hands them to
+the decode worker at once; it pulls each chunk as the prefill computes it and learns the first
+token from the prefill's side channel when the prefill ends (docs/architecture.md).
+
 The router treats the prefill's answer as opaque and forwards it; the prefill side builds a
 `KVTransferParams`, the decode side parses it once (`from_dict`) before anything is allocated.
 A client never sets these: the router strips any it sends.
@@ -28,13 +34,17 @@ class KVTransferParamsError(ValueError):
 BUDGET = "decode_budget"  # in a prefill request's params: the client's own token budget
 
 
-def remote_decode_request(budget: dict | None = None) -> dict:
+STREAM_KV = "stream_kv"  # in a prefill request: announce the params early (two NDJSON lines)
+NDJSON = "application/x-ndjson"  # the streamed hand-off's answer from a prefill worker
+
+
+def remote_decode_request(budget: dict | None = None, stream_kv: bool = False) -> dict:
     """What the router puts in a prefill request: keep the KV, answer with where it is. With
     `budget` (the client's max_tokens or max_completion_tokens, and min_tokens) the prefill
     worker refuses at once what the decode worker would refuse for it (prompt + max_tokens over
     the context, min_tokens over max_tokens): otherwise the decode leg fails after the prefill,
     and the pinned KV waits for nobody until its TTL."""
-    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {})}
+    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {}), **({STREAM_KV: True} if stream_kv else {})}
 
 
 def decode_budget(body: dict) -> dict:
@@ -51,17 +61,27 @@ def wants_remote_decode(params: dict | None) -> bool:
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
+def wants_stream_kv(params: dict | None) -> bool:
+    """Prefill side: announce the pin at admission and let the decode side read chunks as they land."""
+    return wants_remote_decode(params) and params.get(STREAM_KV) is True
+
+
+def is_streamed(params: dict | None) -> bool:
+    """Decode side: params announced before the prefill ended (no first token yet)."""
+    return is_remote_decode(params) and params.get(STREAM_KV) is True
+
+
 def is_remote_decode(params: dict | None) -> bool:
     """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
     return bool(params) and not params.get("do_remote_decode")
 
 
-def prefill_request(body: dict) -> dict:
+def prefill_request(body: dict, stream_kv: bool = False) -> dict:
     """The prefill worker's request built from the client's: one token, not streamed, KV kept.
     The one place the prefill's token budget is set (`max_completion_tokens` too when given).
     `min_tokens` is cut to what applies to the first token (EOS and stop tokens are barred from
     it when min_tokens >= 1); the decode worker gets the client's value and applies the rest."""
-    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body))})
+    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body), stream_kv)})
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = PREFILL_MAX_TOKENS
     if out.get("min_tokens"):
@@ -94,7 +114,9 @@ class KVTransferParams:
     remote_request_id: str
     remote_block_ids: tuple[int, ...]
     num_prompt_tokens: int
-    first_token_id: int  # sampled by the prefill; the decode worker appends it, never recomputes it
+    # Sampled by the prefill; the decode worker appends it, never recomputes it. None in streamed
+    # params (the prefill has not run yet): the decode side learns it from the side channel.
+    first_token_id: int | None
     transfer_token: str  # proves the puller was handed these params; the pin table checks it
     kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}:{block size}"; must match exactly
     transport: str = "tcp"  # "nixl" or "tcp": how the prefill side serves the bytes
@@ -102,6 +124,7 @@ class KVTransferParams:
     # The prefill worker's tensor-parallel size: rank r serves its KV heads on remote_port + r
     # (worker/kv/tp_transfer.py maps them onto the decode worker's ranks).
     kv_tp_size: int = 1
+    stream_kv: bool = False  # announced at admission: blocks become readable chunk by chunk
 
     @property
     def block_size(self) -> int:
@@ -110,6 +133,8 @@ class KVTransferParams:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["remote_block_ids"] = list(self.remote_block_ids)
+        if not self.stream_kv:
+            del d[STREAM_KV]  # a plain hand-off's params stay as they always were
         return d
 
     @classmethod
@@ -117,9 +142,14 @@ class KVTransferParams:
         """Parse a decode request's params; refuses anything missing, mistyped or inconsistent."""
         if not isinstance(params, dict):
             raise KVTransferParamsError(f"{PARAM} must be an object")
+        stream_kv = params.get(STREAM_KV, False)
+        if not isinstance(stream_kv, bool):
+            raise KVTransferParamsError(f"{PARAM}.{STREAM_KV} must be a boolean")
         values = {name: params.get(name) for name in _REQUIRED}
         for name, typ in _REQUIRED.items():
             v = values[name]
+            if name == "first_token_id" and stream_kv and v is None:
+                continue
             if not isinstance(v, typ) or isinstance(v, bool):
                 raise KVTransferParamsError(f"{PARAM}.{name} is missing or not a {typ.__name__}")
         ids = values["remote_block_ids"]
@@ -139,11 +169,11 @@ class KVTransferParams:
         if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
         return cls(**{**values, "remote_block_ids": tuple(ids), "transport": transport, "expires_at": expires_at,
-                      "kv_tp_size": tp_size})
+                      "kv_tp_size": tp_size, "stream_kv": stream_kv})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""
-        if not 0 <= self.first_token_id < vocab_size:
+        if self.first_token_id is not None and not 0 <= self.first_token_id < vocab_size:
             raise KVTransferParamsError(f"{PARAM}.first_token_id is out of the vocabulary")
         if self.num_prompt_tokens != num_prompt_tokens:
             raise KVTransferParamsError(f"{PARAM} describe {self.num_prompt_tokens} prompt tokens but the "

@@ -16,7 +16,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.grammar_pool import GrammarPool
-from pdserve.protocol.kv_transfer import is_remote_decode
+from pdserve.protocol.kv_transfer import is_remote_decode, is_streamed
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.sampling_params import SamplingParams
 
@@ -58,6 +58,9 @@ class AsyncEngine:
                 and self.engine.kv_health() is None)
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # A streamed prefill's params reach its HTTP request while its first chunk computes.
+        self.engine.on_announce = lambda outs: loop.call_soon_threadsafe(self._deliver, outs)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
@@ -110,16 +113,23 @@ class AsyncEngine:
                 for q in self._queues.values():
                     q.put_nowait(e)
                 return
-            for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
-        emitted = [int(kv_transfer_params["first_token_id"])] if is_remote_decode(kv_transfer_params) else []
+        # A decode worker's first token was sent by the prefill worker: replayed into the
+        # detokenizer, never emitted. A streamed hand-off learns it with the KV pull (below).
+        streamed = is_streamed(kv_transfer_params)
+        emitted = [int(kv_transfer_params["first_token_id"])] if is_remote_decode(kv_transfer_params) and not streamed \
+            else []
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
@@ -134,6 +144,13 @@ class AsyncEngine:
                 out = await q.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine failed: {out}") from out
+                if out.handed_over_token_ids:
+                    detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                                   emitted_token_ids=out.handed_over_token_ids)
+                    out.handed_over_text = detok.output_text[:detok.num_emitted_chars]
+                    if not out.finished:
+                        yield out  # tells the server the first token's text (logprob offsets); no tokens
+                        continue
                 text, stop = detok.update(out.new_token_ids)
                 if stop is not None:
                     if not out.finished:

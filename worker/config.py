@@ -53,6 +53,9 @@ class EngineConfig:
     kv_peer_allow: tuple[str, ...] = flag((), "CIDRs/host names a decode worker may pull KV from, each optionally "
                                                "with its ports: 10.0.0.0/8:5600-5607, [fd00::/8]:5600",
                                           metavar="PEER[:PORTS]", unset="nobody (a decode worker refuses to start)")
+    kv_stream_chunk_tokens: int = flag(512, "a streamed hand-off's prefill runs in chunks of at most this many "
+                                            "tokens, each readable by the decode worker as soon as it is computed "
+                                            "(0: one chunk as the step budget allows)")
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,
@@ -101,6 +104,8 @@ class EngineConfig:
             raise ConfigError("--device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
+        if self.kv_stream_chunk_tokens < 0:
+            raise ConfigError("--kv-stream-chunk-tokens", f"must be 0 or positive, got {self.kv_stream_chunk_tokens}")
         if self.kv_pull_timeout <= 0:
             raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:

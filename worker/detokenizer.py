@@ -66,6 +66,11 @@ class IncrementalDetokenizer:
         if emitted_token_ids:
             self.update(emitted_token_ids)  # its released text was sent by the prefill worker
 
+    @property
+    def num_emitted_chars(self) -> int:
+        """Characters of output_text handed out so far (or sent by another worker)."""
+        return self._emitted
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False

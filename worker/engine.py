@@ -59,7 +59,7 @@ class LLMEngine:
         self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
                                           on_event=self._on_kv_event)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
-                                            self.kv_connector)
+                                            self.kv_connector, config.kv_stream_chunk_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}
@@ -80,6 +80,9 @@ class LLMEngine:
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._unpins: list[tuple[str, str]] = []  # (request id, transfer token): pins to release
+        # Where a streamed prefill's params go the moment it is admitted, before its first chunk
+        # runs (the async engine delivers them to the waiting HTTP request); None: with the step's outputs.
+        self.on_announce = None
         mc = self.model_config
         log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d, attention=%s",
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
@@ -138,21 +141,29 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_inbox()
+
         if self.kv_connector is not None:
             with self._lock:
                 unpins, self._unpins = self._unpins, []
             for rid, token in unpins:
                 self.kv_connector.unpin(rid, token)
-            self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished())
+            for req in self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished()):
+                # A streamed hand-off's first token came with its pull (or it ended without one).
+                outputs.append(self._output(req, [], None, handed_over=req.output_token_ids[:1]))
+                if req.status.finished:
+                    self.requests.pop(req.request_id, None)
         batch = self.scheduler.schedule()
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(batch.kv_connector_metadata)
+            outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
             if self.kv_connector is not None:
                 self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
             return outputs
         sampled, logprobs = self.runner.run(batch)
+        if self.scheduler.connector.streams(batch.items):
+            self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
         self._publish_kv_events()
         finished_ids = {r.request_id for r in finished}
@@ -214,7 +225,21 @@ class LLMEngine:
             outputs.append(self._output(req, [], None))
         return outputs
 
-    def _output(self, req: Request, new: list[int], logprob) -> RequestOutput:
+    def _announce(self) -> list[RequestOutput]:
+        """Streamed prefills admitted this step: their params leave now, before the chunk runs
+        (through `on_announce`; else with this step's outputs)."""
+        announced = self.scheduler.connector.announced
+        if not announced:
+            return []
+        outs = [RequestOutput(request_id=r.request_id, new_token_ids=[], num_prompt_tokens=r.num_prompt_tokens,
+                              kv_transfer_params=r.kv_transfer_params_out) for r in announced]
+        announced.clear()
+        if self.on_announce is None:
+            return outs
+        self.on_announce(outs)
+        return []
+
+    def _output(self, req: Request, new: list[int], logprob, handed_over: list[int] | None = None) -> RequestOutput:
         prompt_lps = None
         if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or req.status.finished):
             prompt_lps = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
@@ -232,6 +257,7 @@ class LLMEngine:
             logprobs=[logprob] if logprob is not None else None,
             prompt_logprobs=prompt_lps,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
+            handed_over_token_ids=handed_over,
         )
 
     def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:

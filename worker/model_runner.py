@@ -175,6 +175,12 @@ class ModelRunner:
         init_tensor_parallel(self.tp_rank, self.tp_size, device, store_port, store)
         return device
 
+    def synchronize(self) -> None:
+        """Wait until this rank's queued device work is done (a streamed KV chunk is read by
+        another process right after; TP ranks are tied to this one by the step's collectives)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def shutdown(self) -> None:
         """Stop the other ranks (rank 0 of a tensor-parallel worker); nothing to do otherwise."""
         if self.followers is not None:

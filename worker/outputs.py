@@ -33,7 +33,13 @@ class RequestOutput:
     # With the first output of a request that asked for prompt logprobs: one per prompt token,
     # None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    kv_transfer_params: dict | None = None  # set on the final output of a remote-decode prefill
+    # Set on the final output of a remote-decode prefill, and on a streamed one's first output
+    # (its pin, made at admission; no tokens yet).
+    kv_transfer_params: dict | None = None
+    # A streamed hand-off on the decode side: the prefill's first token, arrived with the KV pull
+    # (already sent to the client by the router; not a new token).
+    handed_over_token_ids: list[int] | None = None
+    handed_over_text: str | None = None  # that token's text as the prefill worker released it (async layer)
     # Filled by the async layer's detokenizer: new text since the previous output (whole UTF-8
     # characters only; a matched stop string and anything after it removed).
     text: str = ""

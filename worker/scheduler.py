@@ -96,6 +96,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.connector is not None:
+                n = self.connector.chunk_cap(req, n)
             while not self.bm.can_allocate(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is req:
@@ -122,8 +124,13 @@ class Scheduler:
             if fresh and self.connector is not None:
                 num_remote, load_async = self.connector.get_num_new_matched_tokens(req, start)
             n = min(req.num_tokens - start, budget)
-            # A pull writes every prompt block at once, so a request waiting for one gets them all now.
-            need = req.num_tokens if load_async else start + n
+            whole = load_async
+            if self.connector is not None:
+                n = self.connector.chunk_cap(req, n)
+                whole = whole or self.connector.allocates_prompt(req)
+            # A pull writes every prompt block at once, so a request waiting for one gets them all
+            # now; so does a streamed prefill (its blocks are pinned at admission).
+            need = req.num_tokens if whole else start + n
             if not self.bm.can_allocate(req, need, cached):
                 break  # FCFS: don't let later requests overtake the head of the queue
             self.waiting.popleft()
@@ -150,7 +157,7 @@ class Scheduler:
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
         for req in reversed(self.running):
-            if id(req) not in taken:
+            if id(req) not in taken and (self.connector is None or self.connector.preemptible(req)):
                 return req
         return None
 
@@ -173,18 +180,22 @@ class Scheduler:
             req.token_ids.append(token)
             if req.check_stop(self.max_model_len):
                 finished.append(req)
+        if self.connector is not None:
+            self.connector.after_step(batch.items)  # streamed prefills: this step's blocks are readable
         for req in finished:
             self.running.remove(req)
             self._free(req)
         return finished
 
-    def update_from_kv_xfer(self, out: KVConnectorOutput) -> None:
-        """Apply what the connector's worker side reports: reads released, pulls landed or failed."""
+    def update_from_kv_xfer(self, out: KVConnectorOutput) -> list[Request]:
+        """Apply what the connector's worker side reports: reads released, pulls landed or failed.
+        Returns the streamed hand-offs that got their first token now (finished ones included:
+        the caller reports them), and those that never will (finished, aborted)."""
         for rid in out.finished_sending:
             req = self.sending.pop(rid, None)
             if req is not None:
                 self.bm.free_request(req)
-        arrived = []
+        arrived, reported = [], []
         for rid, ok in [(r, True) for r in out.finished_recving] + [(r, False) for r in out.failed_recving]:
             req = self.waiting_for_remote_kvs.pop(rid, None)
             if req is None:
@@ -192,6 +203,10 @@ class Scheduler:
             if req.status.finished:  # aborted while the pull was writing its blocks
                 self.bm.free_request(req)
                 continue
+            if self.connector.awaits_first_token(req):
+                reported.append(req)
+                if not self._take_first_token(req, out.first_tokens.get(rid)):
+                    continue
             if ok:
                 req.num_computed_tokens = req.num_prompt_tokens
             else:  # only its prefix-cache hits are computed; the rest is prefilled here
@@ -199,6 +214,23 @@ class Scheduler:
             req.set_status(RequestStatus.WAITING)
             arrived.append(req)
         self.waiting.extendleft(reversed(arrived))  # they hold their blocks: run them first
+        return reported
+
+    def _take_first_token(self, req: Request, token: int | None) -> bool:
+        """A streamed hand-off's first token, sampled by the prefill worker, arrived with its
+        pull: appended as an output the caller already has. False: the request ended here (the
+        prefill never finished for us, or that token ends it)."""
+        self.connector.first_token_arrived(req)
+        if token is None:
+            req.set_status(RequestStatus.FINISHED_ABORTED)
+            self._free(req)
+            return False
+        req.token_ids.append(token)
+        req.num_emitted_tokens = 1
+        if req.check_stop(self.max_model_len):
+            self._free(req)
+            return False
+        return True
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End `req` early (abort): out of the queues, its blocks freed or handed to the connector."""
@@ -209,6 +241,8 @@ class Scheduler:
         req.set_status(status)
         if req.request_id not in self.waiting_for_remote_kvs:  # else freed when its pull reports
             self._free(req)
+        elif self.connector is not None:
+            self.connector.cancel_load(req)  # a streamed pull stops between chunks
 
     def _free(self, req: Request) -> None:
         keep, params = self.connector.request_finished(req) if self.connector is not None else (False, None)

@@ -80,7 +80,7 @@ def test_finished_prefill_keeps_prompt_blocks_until_the_read_is_released(prefill
     assert params["remote_block_ids"] == r.block_ids == [0, 1, 2] and params["kv_layout"] == LAYOUT
     assert sched.sending == {"p": r} and sched.num_sending_blocks == 3 and bm.num_free_blocks == BLOCKS - 3
     assert not sched.has_work()
-    assert sched.update_from_kv_xfer(transfer.get_finished()) is None and bm.num_free_blocks == BLOCKS - 3
+    assert sched.update_from_kv_xfer(transfer.get_finished()) == [] and bm.num_free_blocks == BLOCKS - 3
     assert transfer.pins.release("p", params["transfer_token"])
     sched.update_from_kv_xfer(transfer.get_finished())
     assert bm.num_free_blocks == BLOCKS and not sched.sending

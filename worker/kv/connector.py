@@ -106,6 +106,8 @@ class KVConnector:
         self.server: side_channel.SideChannelServer | None = None
         self.pool = PullPool(PULL_THREADS, config.kv_max_pulls_per_peer, cooldown_s=min(10.0, self.timeout))
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
+        self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
+        self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
         self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
         # Rank 0 of a TP worker (step thread only): what the other ranks have yet to report.
         self._tp_waiting: dict[str, set[int]] = {}  # pull -> ranks still pulling
@@ -120,10 +122,12 @@ class KVConnector:
 
     def start_server(self) -> None:
         tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
-        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read}
+        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read,
+                    "progress": self._progress}
         self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,
                                                      identity=side_channel.destination(self.engine_id, self.host,
                                                                                        self.port))
+        self.pins.on_change = self.server.wake  # a reader waiting for a chunk hears of it at once
         self.server.start()
         log.info("KV side channel on %s:%d (advertised as %s), transport %s, %s", self.bind_host, self.port,
                  self.host, self.transport, "authenticated" if self.auth.enabled else "UNAUTHENTICATED")
@@ -149,6 +153,42 @@ class KVConnector:
             first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
             expires_at=expires_at, kv_tp_size=self.tp.size).to_dict()  # rank r's shard: remote_port + r
 
+    def pin_streamed(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, ready: int,
+                     prompt_digest: str) -> dict:
+        """Step thread, at a streamed prefill's admission: pin every prompt block now (`ready` of
+        them computed already) and return the params a decode worker pulls chunk by chunk with."""
+        token = self.pins.add_streamed(request_id, block_ids, prompt_digest, ready)
+        if self.link is not None:
+            self.link.send(("pin_streamed", request_id, list(block_ids), token, prompt_digest, ready))
+        return KVTransferParams(
+            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
+            remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
+            first_token_id=None, transfer_token=token, kv_layout=self.layout, transport=self.transport,
+            kv_tp_size=self.tp.size, stream_kv=True).to_dict()
+
+    def advance(self, request_id: str, ready: int) -> None:
+        """Step thread, after a step's KV is on the device: `ready` leading blocks are readable."""
+        self.pins.advance(request_id, ready)
+        if self.link is not None:
+            self.link.send(("advance", request_id, ready))
+
+    def finish_streamed(self, request_id: str, first_token_id: int, params: dict) -> dict | None:
+        """The streamed prefill ended on `first_token_id`: the final params (a plain hand-off's,
+        valid for a decode worker that pulls after the prefill), or None if the pin is gone."""
+        done = self.pins.finish(request_id, first_token_id)
+        if self.link is not None:
+            self.link.send(("finish", request_id, first_token_id))
+        if done is None:
+            return None
+        final = {**params, "first_token_id": first_token_id, "expires_at": done[1]}
+        del final["stream_kv"]
+        return final
+
+    def cancel_streamed(self, request_id: str) -> None:
+        self.pins.cancel(request_id)
+        if self.link is not None:
+            self.link.send(("cancel", request_id))
+
     def unpin(self, request_id: str, token: str) -> None:
         """Step thread: this worker itself knows no decode worker will read a pin (the answer's
         first token hit a stop string). Released as a decode worker's release would be, on every
@@ -165,12 +205,20 @@ class KVConnector:
     def _lease(self, body):
         if self.nixl is None:
             raise ValueError("this worker serves KV over TCP: use read")
-        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"))
+        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"),
+                              _indices(body))
         reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"], "tp_rank": self.tp.rank,
                  "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
         if body.get("want_metadata"):
             reply["nixl"] = self.nixl.describe()
         return reply, []
+
+    def _progress(self, body):
+        """A streamed pin's progress (pins.NotReady defers the reply until it changes)."""
+        rid, digest = body.get("request_id"), body.get("prompt_digest")
+        have = -1 if body.get("deadline") else body.get("have")  # past the deadline: what there is
+        state = self.pins.progress(rid, body.get("token"), digest, have)
+        return {"engine_id": self.engine_id, "prompt_digest": digest, **state}, []
 
     def _release(self, body):
         return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
@@ -199,9 +247,17 @@ class KVConnector:
             if self._tp_pull(load.params):
                 self._tp_releases[load.request_id] = load.params
             self._loading[load.request_id] = self.pool.submit(
-                _peer(load.params), self._pull, load.params, load.indices, load.dst_blocks, load.prompt_digest)
+                _peer(load.params), self._pull, load.params, load.indices, load.dst_blocks, load.prompt_digest,
+                load.request_id)
         for params in meta.releases:
             self.pool.submit(_peer(params), self._release_quietly, params)
+        if self.link is not None and meta.cancels:
+            self.link.send(("cancels", meta.cancels))
+        self._stopping.update(rid for rid in meta.cancels if rid in self._loading)
+
+    def stop_pulls(self, request_ids: list[str]) -> None:
+        """Rank >= 1: rank 0's request was aborted mid-pull."""
+        self._stopping.update(request_ids)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -220,6 +276,9 @@ class KVConnector:
                 continue
             del self._loading[rid]
             self._tp_waiting.pop(rid, None)
+            self._stopping.discard(rid)
+            if rid in self._first_tokens:
+                out.first_tokens[rid] = self._first_tokens.pop(rid)
             error = fut.exception() or self._tp_failed.pop(rid, None)
             if error is None:
                 out.finished_recving.append(rid)
@@ -250,9 +309,13 @@ class KVConnector:
         """Rank >= 1: rank 0's pulls of this step, for this rank's heads; each reports when done."""
         for load in loads:
             fut = self.pool.submit(_peer(load.params), self._pull, load.params, load.indices, load.dst_blocks,
-                                   load.prompt_digest)
-            fut.add_done_callback(lambda f, rid=load.request_id: self._report(
-                ("pulled", self.tp.rank, rid, None if f.exception() is None else str(f.exception()))))
+                                   load.prompt_digest, load.request_id)
+            fut.add_done_callback(lambda f, rid=load.request_id: self._follower_pulled(rid, f))
+
+    def _follower_pulled(self, rid: str, fut: Future) -> None:
+        self._first_tokens.pop(rid, None)  # rank 0 hands the first token on
+        self._stopping.discard(rid)
+        self._report(("pulled", self.tp.rank, rid, None if fut.exception() is None else str(fut.exception())))
 
     def wait_for_loads(self, timeout: float) -> None:
         if self._loading:
@@ -265,21 +328,19 @@ class KVConnector:
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
-    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int], digest: str) -> int:
-        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`."""
+    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int], digest: str, rid: str = "") -> int:
+        """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`, for
+        our request `rid`."""
         t0 = time.perf_counter()
         transport = params.get("transport", "tcp")
+        if transport != "nixl" or self.nixl is None:
+            transport = "tcp"
         try:
             host = self.allowed_peer(params)
-            port = int(params["remote_port"])
-            if self._tp_pull(params):
-                transport = transport if transport == "nixl" and self.nixl is not None else "tcp"
-                nbytes = pull_shards(self, host, params, indices, dst_blocks, digest, transport)
-            elif transport == "nixl" and self.nixl is not None:
-                nbytes = self._nixl_pull(host, port, params, indices, dst_blocks, digest)
+            if params.get("stream_kv"):
+                nbytes = self._stream_pull(rid, host, params, indices, dst_blocks, digest, transport)
             else:
-                transport = "tcp"
-                nbytes = tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest)
+                nbytes = self._pull_blocks(host, params, indices, dst_blocks, digest, transport, last=True)
         except Exception as e:
             self.metrics.failures.labels("recv", transport).inc()
             quiet = isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed))
@@ -290,7 +351,51 @@ class KVConnector:
         self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
         return nbytes
 
-    def _nixl_pull(self, host, port, params, indices, dst_blocks, digest) -> int:
+    def _pull_blocks(self, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,
+                     transport: str, last: bool) -> int:
+        """One read of blocks the prefill side has computed; `last`: the read also releases the
+        pin (a tensor-parallel pull never does: rank 0 releases once every rank has read)."""
+        port = int(params["remote_port"])
+        if self._tp_pull(params):
+            return pull_shards(self, host, params, indices, dst_blocks, digest, transport)
+        if transport == "nixl":
+            return self._nixl_pull(host, port, params, indices, dst_blocks, digest, release=last)
+        return tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest,
+                        keep=not last)
+
+    def _stream_pull(self, rid: str, host: str, params: dict, indices: list[int], dst_blocks: list[int],
+                     digest: str, transport: str) -> int:
+        """A streamed hand-off: read each chunk of the blocks we lack as soon as the prefill has
+        computed it (the side channel answers `progress` when more blocks are ready), until
+        the prefill ends with its first token. Every read keeps the pin; it is released after the
+        last one (by rank 0 under tensor parallelism), never while a read may still run."""
+        want = dict(zip(indices, dst_blocks))  # remote positions we lack -> our blocks
+        port, n = int(params["remote_port"]), len(params["remote_block_ids"])
+        have, nbytes = 0, 0
+        while True:
+            if rid in self._stopping:
+                raise PullStopped("the request was aborted")
+            p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth)
+            if p["state"] == "cancelled":
+                raise PullStopped("the prefill worker cancelled the prefill")
+            ready = min(p["ready"], n)
+            if p["state"] == "done":
+                token = p.get("first_token_id")
+                if type(token) is not int:
+                    raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
+                self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
+            chunk = [i for i in range(have, ready) if i in want]
+            if chunk:
+                nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
+                                            last=False)
+            have = max(have, ready)
+            if p["state"] == "done":
+                break
+        if not self._tp_pull(params):
+            self.pool.submit(_peer(params), self._release_quietly, params)  # off this pull's path
+        return nbytes
+
+    def _nixl_pull(self, host, port, params, indices, dst_blocks, digest, release: bool = True) -> int:
         """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params
         name starts first and the lease round trip runs while the bytes move. Those bytes count
         only if the lease then confirms the same blocks for this prompt: a pin is never re-made
@@ -299,11 +404,13 @@ class KVConnector:
         engine_id = params["remote_engine_id"]
         peer = self.nixl.known_peer(engine_id)
         rid, token = params["remote_request_id"], params["transfer_token"]
-        notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * self.block_bytes}
+        notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * self.block_bytes} \
+            if release else None
         src = [params["remote_block_ids"][i] for i in check_indices(indices, len(params["remote_block_ids"]))]
         early = None
-        # Not with the release riding on the READ: it would end the pin before the lease.
-        if peer is not None and self.overlap_lease and self.nixl.notify_after_read:
+        # Not with the release riding on the READ: it would end the pin before the lease. Not
+        # for a streamed chunk either: the lease is what says its blocks are computed.
+        if peer is not None and self.overlap_lease and release and self.nixl.notify_after_read:
             early = self.nixl.post_read(peer, src, dst_blocks, notif)
         try:
             reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, self.timeout, self.auth)
@@ -359,6 +466,16 @@ class KVConnector:
             self.nixl.close()  # deregister and free its staging buffers
         if self.server:
             self.server.stop()
+
+
+class PullStopped(RuntimeError):
+    """A streamed pull ended early: its request was aborted here, or the prefill was cancelled."""
+
+
+def _indices(body: dict) -> list | None:
+    """The blocks a lease or read waits for (a streamed pin defers it until they are computed)."""
+    indices = body.get("indices")
+    return indices if isinstance(indices, list) else None
 
 
 def _peer(params: dict) -> tuple[str, int]:

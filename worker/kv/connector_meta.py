@@ -25,9 +25,10 @@ class KVLoad:
 class KVConnectorMetadata:
     loads: list[KVLoad] = field(default_factory=list)
     releases: list[dict] = field(default_factory=list)  # kv_transfer_params whose pins to free unread
+    cancels: list[str] = field(default_factory=list)  # requests aborted mid-pull: stop their streamed pulls
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.releases)
+        return bool(self.loads or self.releases or self.cancels)
 
 
 @dataclass
@@ -35,3 +36,5 @@ class KVConnectorOutput:
     finished_sending: list[str] = field(default_factory=list)  # pinned requests whose blocks may be freed
     finished_recving: list[str] = field(default_factory=list)  # pulls that landed
     failed_recving: list[str] = field(default_factory=list)  # pulls that failed: prefill the rest locally
+    # Streamed hand-offs (landed or failed): the first token the prefill side sampled, once known.
+    first_tokens: dict[str, int] = field(default_factory=dict)

@@ -15,6 +15,13 @@ and runs on the engine's step thread.
   request_finished(req)              keep the blocks for a remote reader? and the params saying where
                                      (only for a prefill that stopped at its length: see there)
 
+Streamed hand-off (`stream_kv`, docs/architecture.md). Prefill side: the request's whole prompt
+gets its blocks at admission and they are pinned at once (`announced`: the engine sends those
+params out before the first chunk runs); `chunk_cap` keeps its steps to --kv-stream-chunk-tokens;
+`after_step` makes each step's computed blocks readable; `request_finished` records the first
+token (or cancels the pin). Decode side: the request waits for its pull even when every block
+is cached here, since the first token comes with the pull's end (`first_token_arrived`).
+
 A decode request that never pulls (it finished on its handed-over token, was aborted while
 queued, or its whole prompt was in our prefix cache) still releases the prefill worker's pin,
 so that worker frees its blocks now rather than at TTL.
@@ -27,7 +34,7 @@ import time
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, KVTransferParams, KVTransferParamsError,
-                                          is_remote_decode, wants_remote_decode)
+                                          is_remote_decode, is_streamed, wants_remote_decode, wants_stream_kv)
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -40,13 +47,18 @@ MAX_PINNED_FRACTION = 0.5
 
 
 class KVConnectorScheduler:
-    def __init__(self, block_size: int, vocab_size: int, max_model_len: int, transfer=None):
+    def __init__(self, block_size: int, vocab_size: int, max_model_len: int, transfer=None,
+                 stream_chunk_tokens: int = 0):
         """`transfer`: this worker's `KVConnector`, or None where no transport runs (then remote
         decodes prefill locally and prefills for a remote decode are served plainly)."""
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self._transfer = transfer
         self._can_send = transfer is not None and transfer.server is not None
+        self.stream_chunk_tokens = stream_chunk_tokens
         self._unpulled: set[str] = set()  # remote decodes whose prefill worker still pins their prompt
+        self._streaming: set[str] = set()  # prefill side: streamed hand-offs not finished yet
+        self.announced: list[Request] = []  # prefill side: pinned at admission; their params go out now
+        self._awaiting_first: set[str] = set()  # decode side: streamed hand-offs whose first token is to come
         self._meta = KVConnectorMetadata()
         self._next_log = 0.0  # rate limit of the empty-allowlist error
 
@@ -61,6 +73,10 @@ class KVConnectorScheduler:
             kv.check_compatible(len(prompt_token_ids), self.block_size, self.vocab_size)
         except KVTransferParamsError as e:
             raise RequestError(PARAM, str(e)) from None
+        if kv.stream_kv and (self._transfer is None or self._transfer.policy.empty):
+            # Its first token comes with the pull: a worker that pulls from no one cannot serve it.
+            raise RequestError(PARAM, f"{PARAM} of a streamed hand-off need a decode worker that pulls KV "
+                                      f"(--kv-transfer and --kv-peer-allow naming the prefill worker)")
         if self._transfer is None:
             return  # prefilled locally: the remote layout does not matter
         if kv.kv_layout != self._transfer.layout:
@@ -87,6 +103,11 @@ class KVConnectorScheduler:
             # first token when the client asked for at least one.
             req.params = replace(req.params, max_tokens=PREFILL_MAX_TOKENS,
                                  min_tokens=min(req.params.min_tokens, PREFILL_MAX_TOKENS))
+            if wants_stream_kv(p) and self._can_send:
+                self._streaming.add(req.request_id)
+        elif is_streamed(p):  # decode side, announced early: check_params saw a transport and peers
+            self._awaiting_first.add(req.request_id)
+            self._unpulled.add(req.request_id)
         elif is_remote_decode(p):
             # Decode side: the prefill worker's first token is an output the caller already has.
             req.token_ids.append(int(p["first_token_id"]))
@@ -110,7 +131,45 @@ class KVConnectorScheduler:
         if req.request_id not in self._unpulled:
             return 0, False
         n = max(0, req.num_prompt_tokens - num_computed_tokens)
-        return n, n > 0
+        return n, n > 0 or req.request_id in self._awaiting_first  # the first token comes with the pull
+
+    def allocates_prompt(self, req: Request) -> bool:
+        """Prefill side: a streamed hand-off's prompt gets every block at admission (pinned then)."""
+        return req.request_id in self._streaming
+
+    def chunk_cap(self, req: Request, n: int) -> int:
+        """Tokens of `req` to compute this step: a streamed prefill's chunks are kept small so the
+        decode worker reads chunk k while chunk k+1 is computed."""
+        if self.stream_chunk_tokens and req.request_id in self._streaming:
+            return min(n, self.stream_chunk_tokens)
+        return n
+
+    def preemptible(self, req: Request) -> bool:
+        """A streamed prefill is never preempted: its pinned blocks may be under a reader. It
+        holds every block it needs from admission, so it never waits for one either."""
+        return req.request_id not in self._streaming
+
+    def streams(self, items) -> bool:
+        """Whether this step computed a chunk of a streamed prefill (the engine waits for the
+        device before the chunk is made readable)."""
+        return bool(self._streaming) and any(r.request_id in self._streaming for r, _ in items)
+
+    def after_step(self, items) -> None:
+        """Prefill side, after a step's KV is on the device: its full blocks are readable."""
+        for req, _ in items:
+            if req.request_id in self._streaming and not req.status.finished:
+                self._transfer.advance(req.request_id, req.num_computed_tokens // self.block_size)
+
+    def awaits_first_token(self, req: Request) -> bool:
+        return req.request_id in self._awaiting_first
+
+    def first_token_arrived(self, req: Request) -> None:
+        self._awaiting_first.discard(req.request_id)
+
+    def cancel_load(self, req: Request) -> None:
+        """Decode side: `req` was aborted while its pull runs: stop the pull between chunks."""
+        self._awaiting_first.discard(req.request_id)
+        self._meta.cancels.append(req.request_id)
 
     def can_admit(self, req: Request) -> bool:
         """Prefill side: hold back a prefill for a remote decode while pinned blocks are at the
@@ -125,10 +184,13 @@ class KVConnectorScheduler:
         return pinned == 0 or pinned + need <= self._transfer.num_blocks * MAX_PINNED_FRACTION
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        if req.request_id in self._streaming:
+            self._announce(req)
+            return
         if req.request_id not in self._unpulled:
             return
         self._unpulled.discard(req.request_id)
-        if num_external_tokens == 0:  # every prompt block was a prefix-cache hit here
+        if num_external_tokens == 0 and req.request_id not in self._awaiting_first:  # every block was cached here
             self._meta.releases.append(req.kv_transfer_params)
             return
         bs = self.block_size
@@ -136,6 +198,15 @@ class KVConnectorScheduler:
         last = -(-req.num_prompt_tokens // bs)
         self._meta.loads.append(KVLoad(req.request_id, req.kv_transfer_params, list(range(first, last)),
                                        req.block_ids[first:last], prompt_digest(req.token_ids[:req.num_prompt_tokens])))
+
+    def _announce(self, req: Request) -> None:
+        """Prefill side, at admission: pin every prompt block now (the prefix-cache hits are
+        readable already) and hand the params out before the first chunk is computed."""
+        n_blocks = -(-req.num_prompt_tokens // self.block_size)
+        req.kv_transfer_params_out = self._transfer.pin_streamed(
+            req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens, req.num_computed_tokens // self.block_size,
+            prompt_digest(req.token_ids[:req.num_prompt_tokens]))
+        self.announced.append(req)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()
@@ -150,6 +221,9 @@ class KVConnectorScheduler:
 
     def request_finished(self, req: Request) -> tuple[bool, dict | None]:
         """(keep the blocks until the worker half reports this request finished sending, params)."""
+        self._awaiting_first.discard(req.request_id)
+        if req.request_id in self._streaming:
+            return self._streamed_finished(req)
         if req.request_id in self._unpulled:
             self._unpulled.discard(req.request_id)
             self._meta.releases.append(req.kv_transfer_params)
@@ -165,3 +239,17 @@ class KVConnectorScheduler:
         params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
                                     req.output_token_ids[0], prompt_digest(req.token_ids[:req.num_prompt_tokens]))
         return True, params
+
+    def _streamed_finished(self, req: Request) -> tuple[bool, dict | None]:
+        self._streaming.discard(req.request_id)
+        early = req.kv_transfer_params_out
+        if early is None:  # ended before admission: nothing was pinned
+            return False, None
+        if req.status is RequestStatus.FINISHED_LENGTH:
+            final = self._transfer.finish_streamed(req.request_id, req.output_token_ids[0], early)
+            # None: the decode side released the pin meanwhile (it was aborted): nobody reads these.
+            return (True, final) if final is not None else (False, None)
+        # Aborted, or the first token ended the request: readers are told, and the blocks wait
+        # for no lease to hold them before they are freed (get_finished reports it).
+        self._transfer.cancel_streamed(req.request_id)
+        return True, None

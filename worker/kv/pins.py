@@ -7,6 +7,14 @@ by TTL: its blocks could be reallocated while their bytes are on the wire.
 A pin is bound to the digest of the prompt its blocks were computed from: a reader must
 present the digest of *its* prompt, so valid params replayed with another prompt of the same
 length get nothing (the decode side would otherwise cache A's KV under B's block hashes).
+
+A streamed pin (the streamed hand-off) is made when its prefill is admitted, before any block
+is computed: `ready` counts its leading blocks whose KV is written, and grows after each
+prefill step (`advance`); `finish` records the first token and makes every block readable;
+`cancel` ends it (the prefill was aborted or its first token ended the request). A reader
+asking for blocks not ready yet, or for progress with nothing new, gets `NotReady` and the
+side channel answers later (a deferred reply). A running pin never expires: its request is
+alive on this worker, and its end (finish or cancel) starts the TTL.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from pdserve.worker.kv.prompt_binding import bind_token
 LEASE_S = 60.0
 
 
+RUNNING, DONE, CANCELLED = "running", "done", "cancelled"
+
+
 @dataclass
 class Pin:
     block_ids: list[int]
@@ -31,10 +42,17 @@ class Pin:
     expires_at: float  # monotonic
     leased_until: float = 0.0
     released: bool = False
+    ready: int = 0  # leading blocks whose KV is computed (all of them once DONE)
+    state: str = DONE
+    first_token_id: int | None = None  # known once DONE (streamed pins)
 
 
 class PinError(PermissionError):
     pass
+
+
+class NotReady(Exception):
+    """Nothing to answer yet: the side channel replies when the pin changes (or at its deadline)."""
 
 
 class PinTable:
@@ -42,6 +60,7 @@ class PinTable:
         self.ttl = ttl
         self._pins: dict[str, Pin] = {}
         self._lock = threading.Lock()
+        self.on_change = None  # () -> None: a streamed pin changed (the side channel retries its waiters)
 
     def add(self, request_id: str, block_ids: list[int], prompt_digest: str,
             token: str | None = None) -> tuple[str, float]:
@@ -52,21 +71,96 @@ class PinTable:
             self._pins[request_id] = Pin(list(block_ids), token, prompt_digest, time.monotonic() + self.ttl)
         return token, time.time() + self.ttl
 
-    def lease(self, request_id: str, token: str, seconds: float, prompt_digest: str) -> list[int]:
-        """Authenticate a reader and hold the pin for `seconds`; returns the pinned block ids."""
-        now = time.monotonic()
-        if not (isinstance(request_id, str) and isinstance(token, str) and isinstance(prompt_digest, str)):
-            raise PinError("request_id, token and prompt_digest must be strings")
+    def add_streamed(self, request_id: str, block_ids: list[int], prompt_digest: str, ready: int,
+                     token: str | None = None) -> str:
+        """Pin a prefill's blocks at admission: `ready` of them hold KV already (prefix-cache hits)."""
+        token = token or bind_token(secrets.token_urlsafe(24), prompt_digest)
+        with self._lock:
+            self._pins[request_id] = Pin(list(block_ids), token, prompt_digest, float("inf"), ready=ready,
+                                         state=RUNNING)
+        return token
+
+    def advance(self, request_id: str, ready: int) -> None:
+        """Step thread: the prefill step that just ended made `ready` leading blocks readable."""
         with self._lock:
             pin = self._pins.get(request_id)
-            if pin is None or pin.released or not secrets.compare_digest(pin.token.encode(), token.encode()):
-                raise PinError("unknown, released or expired transfer, or a wrong transfer token")
-            if pin.expires_at <= now:
-                raise PinError("the transfer token has expired")
-            if not secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
-                raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+            if pin is None or pin.state != RUNNING or ready <= pin.ready:
+                return
+            pin.ready = min(ready, len(pin.block_ids))
+        self._changed()
+
+    def finish(self, request_id: str, first_token_id: int) -> tuple[str, float] | None:
+        """The prefill ended on its first token: every block is readable, the TTL starts.
+        Returns (token, wall-clock expiry), or None when the pin is gone (released meanwhile)."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None or pin.released:
+                return None
+            pin.state, pin.ready, pin.first_token_id = DONE, len(pin.block_ids), first_token_id
+            pin.expires_at = time.monotonic() + self.ttl
+            token = pin.token
+        self._changed()
+        return token, time.time() + self.ttl
+
+    def cancel(self, request_id: str) -> bool:
+        """The prefill will not finish for a reader (aborted, or its first token ended the
+        request): readers are told, and the blocks are freed once no read holds them."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None:
+                return False
+            pin.state, pin.released = CANCELLED, True
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _authenticate(self, request_id, token, prompt_digest, now: float) -> Pin:
+        if not (isinstance(request_id, str) and isinstance(token, str) and isinstance(prompt_digest, str)):
+            raise PinError("request_id, token and prompt_digest must be strings")
+        pin = self._pins.get(request_id)
+        if pin is None or not secrets.compare_digest(pin.token.encode(), token.encode()):
+            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+        if pin.state == CANCELLED:
+            raise PinError("the prefill was cancelled: its KV will not be computed")
+        if pin.released:
+            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+        if pin.expires_at <= now:
+            raise PinError("the transfer token has expired")
+        if not secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
+            raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+        return pin
+
+    def lease(self, request_id: str, token: str, seconds: float, prompt_digest: str,
+              indices: list[int] | None = None) -> list[int]:
+        """Authenticate a reader and hold the pin for `seconds`; returns the pinned block ids.
+        NotReady while any of `indices` (positions in the pin) is not computed yet."""
+        now = time.monotonic()
+        with self._lock:
+            pin = self._authenticate(request_id, token, prompt_digest, now)
+            if indices and pin.state == RUNNING and any(type(i) is int and i >= pin.ready for i in indices):
+                raise NotReady()
             pin.leased_until = now + seconds
             return list(pin.block_ids)
+
+    def progress(self, request_id: str, token: str, prompt_digest: str, have) -> dict:
+        """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
+        there is more, or the prefill ended. Only the holder of the token may ask."""
+        with self._lock:
+            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
+            if pin.state == RUNNING and type(have) is int and pin.ready <= have:
+                raise NotReady()
+            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
+
+    def state(self, request_id: str) -> dict | None:
+        """A pin's progress for a deferred reply past its deadline (None: gone)."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None:
+                return None
+            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
 
     def release(self, request_id: str, token: str) -> bool:
         if not (isinstance(request_id, str) and isinstance(token, str)):
@@ -77,7 +171,8 @@ class PinTable:
                 return False
             pin.released = True
             pin.leased_until = 0.0
-            return True
+        self._changed()  # a reader waiting on it learns at once
+        return True
 
     def collect(self) -> list[tuple[str, list[int], bool]]:
         """Pins to free now: released ones, and expired ones not under lease. (id, blocks, expired)."""

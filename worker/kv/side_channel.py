@@ -7,7 +7,15 @@ Wire format (after ZMQ's routing frames):
 Ops: describe (layout only), lease (authenticate a transfer token and hold its blocks for a
 one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: the
 block bytes themselves, a copy, and the pin is released at once), release (the decode side
-is done).
+is done), progress (a streamed pin: how many blocks are ready, and the first token once the
+prefill ended).
+
+Deferred replies: a handler that has nothing to answer yet (a progress with nothing new, a
+lease of blocks still being computed) raises `pins.NotReady`; the request waits in a bounded
+list and is retried whenever the step thread calls `wake()` (a pin changed), and answered at
+the latest after DEFER_S (a handler called with `deadline=True` answers with what it has). So
+a reader learns of a chunk within microseconds of its step ending, without polling, and the
+one thread never blocks.
 
 Every request names its destination inside the signed body, `to = {engine_id, host, port}`,
 and the server refuses one meant for another worker (`Destination`). The MAC already binds
@@ -33,6 +41,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -41,6 +50,7 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.pins import NotReady
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,8 @@ MAX_REQUEST_BYTES = 64 * 1024  # requests are small JSON; bytes only flow in rep
 SNDHWM = 16  # queued outgoing messages per connection before ROUTER drops
 MAX_UNSENT_PER_PEER = 2  # replies with block bytes not yet on the wire, per peer address
 MAX_UNSENT = 16  # the same, all peers together: bounds the memory of copied blocks
+DEFER_S = 1.0  # longest a deferred request waits before it is answered with what there is
+MAX_DEFERRED = 512  # deferred requests held at once; beyond, "busy"
 
 Handler = Callable[[dict], tuple[dict, list]]  # body -> (reply, block frames)
 
@@ -91,6 +103,11 @@ class SideChannelServer:
         except zmq.ZMQError as e:
             self.sock.close()
             raise OSError(f"--kv-port {port}: cannot listen on {bind_host}:{port} ({e})") from e
+        # (ident, nonce, op, body, peer, deadline): requests waiting for a pin to change
+        self._deferred: list[tuple[bytes, str, bytes, dict, str, float]] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._unsent: list[tuple[zmq.MessageTracker, str]] = []  # (tracker, peer address)
         self._unsent_by_peer: Counter[str] = Counter()
         self._stop = threading.Event()
@@ -105,6 +122,15 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self.sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def wake(self) -> None:
+        """Any thread: a pin changed; retry the deferred requests now."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake is already pending (or the channel is stopping)
 
     @property
     def healthy(self) -> bool:
@@ -113,12 +139,18 @@ class SideChannelServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 if self.tick:
                     self.tick()
                 self._reap()
-                if not dict(poller.poll(POLL_MS)):
+                ready = dict(poller.poll(POLL_MS))
+                if self._wake_r in ready:
+                    self._drain_wake()
+                if self._deferred:
+                    self._retry_deferred()
+                if self.sock not in ready:
                     continue
                 for _ in range(64):  # a burst, then back to tick and reap
                     try:
@@ -130,6 +162,19 @@ class SideChannelServer:
                 log.exception("KV side channel loop error")
                 time.sleep(POLL_MS / 1000)
         log.info("KV side channel stopped")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _retry_deferred(self) -> None:
+        waiting, self._deferred = self._deferred, []
+        now = time.monotonic()
+        for ident, nonce, op, body, peer, deadline in waiting:
+            self._answer(ident, nonce, op, body, peer, deadline, late=now >= deadline)
 
     def _handle(self, msg: list[zmq.Frame]) -> None:
         ident = msg[0].bytes
@@ -152,9 +197,28 @@ class SideChannelServer:
             self._check_destination(op, body)
             if op == b"read":
                 self._reap()
+        except Exception as e:
+            self._refuse(ident, nonce, str(e) or type(e).__name__, peer)
+            return
+        self._answer(ident, nonce, op, body, peer, time.monotonic() + DEFER_S, late=False)
+
+    def _answer(self, ident: bytes, nonce: str, op: bytes, body: dict, peer: str, deadline: float,
+                late: bool) -> None:
+        """Run the op's handler and reply; a NotReady defers the request (`late`: its deadline
+        passed, the handler answers with what it has or refuses)."""
+        try:
+            handler = self.handlers[op.decode()]
             if op == b"read" and (self._unsent_by_peer[peer] >= MAX_UNSENT_PER_PEER or len(self._unsent) >= MAX_UNSENT):
                 raise Busy(f"busy: replies to {peer} are still unsent; retry after reading them")
-            reply, frames = handler(body)
+            try:
+                reply, frames = handler({**body, "deadline": True} if late else body)
+            except NotReady:
+                if late:
+                    raise TimeoutError(f"{op.decode()}: the blocks were not ready within {DEFER_S}s") from None
+                if len(self._deferred) >= MAX_DEFERRED:
+                    raise Busy("busy: too many requests are waiting for prefills; retry") from None
+                self._deferred.append((ident, nonce, op, body, peer, deadline))
+                return
             payload = json.dumps(reply).encode()
             head = [ident, b"", b"ok", payload, self.auth.sign_reply(nonce, b"ok", payload)]
             if not frames:
@@ -275,6 +339,21 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
         _drop(host, port)
         raise SideChannelError(f"KV peer {host}:{port}: {e}") from None
     return json.loads(payload), parts[4:]
+
+
+def progress(host: str, port: int, params: dict, digest: str, have: int, timeout_s: float,
+             auth: SideChannelAuth) -> dict:
+    """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
+    (or after the server's DEFER_S with what there is): {ready, state, first_token_id}."""
+    engine_id = params["remote_engine_id"]
+    reply, _ = call(host, port, "progress", {"request_id": params["remote_request_id"],
+                                             "token": params["transfer_token"], "prompt_digest": digest,
+                                             "have": have}, timeout_s, auth, engine_id)
+    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
+        raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
+    if type(reply.get("ready")) is not int or reply.get("state") not in ("running", "done", "cancelled"):
+        raise SideChannelError(f"KV peer {host}:{port} sent a malformed progress reply")
+    return reply
 
 
 def lease(host: str, port: int, params: dict, indices: list[int], digest: str, want_metadata: bool,

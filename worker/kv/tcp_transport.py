@@ -31,7 +31,9 @@ class TcpServer:
 
     def handle_read(self, body: dict):
         rid, token = body.get("request_id"), body.get("token")
-        pinned = self.pins.lease(rid, token, LEASE_S, body.get("prompt_digest"))
+        indices = body.get("indices")  # a streamed pin defers the read until these are computed
+        pinned = self.pins.lease(rid, token, LEASE_S, body.get("prompt_digest"),
+                                 indices if isinstance(indices, list) else None)
         try:
             ids = [pinned[i] for i in check_indices(body.get("indices"), len(pinned))]
             frames, runs, nbytes = [], [], 0

@@ -11,7 +11,15 @@ rank 0 -> rank r
   ("pin", rid, block_ids, token, prompt_digest) mirror the pin rank 0 just made, before its
                                                 kv_transfer_params leave the worker
   ("release", rid, token)                       rank 0 released its pin itself: release the mirror
+  ("pin_streamed", rid, block_ids, token,       a streamed prefill's pin, made at admission with
+   prompt_digest, ready)                        `ready` blocks computed
+  ("advance", rid, ready)                       a step ended: `ready` blocks are computed on every
+                                                rank (rank 0 waited for its device, and the step's
+                                                collectives tie every rank's KV writes before it)
+  ("finish", rid, first_token_id)               the streamed prefill ended
+  ("cancel", rid)                               it will not (aborted, or its first token ended it)
   ("loads", [KVLoad, ...])                      this step's pulls: rank r reads its own heads
+  ("cancels", [rid, ...])                       requests aborted mid-pull: stop their streamed pulls
 rank r -> rank 0
   ("pulled", r, rid, error or None)             rank r's pull of rid landed (or failed)
   ("unpinned", r, rid)                          rank r's pin of rid was released or expired
@@ -97,8 +105,19 @@ def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank) -> None:
                 connector.pins.add(rid, block_ids, digest, token=token)
             elif msg[0] == "release":  # rank 0's own release (KVConnector.unpin); reported as "unpinned"
                 connector.pins.release(msg[1], msg[2])
+            elif msg[0] == "pin_streamed":
+                _, rid, block_ids, token, digest, ready = msg
+                connector.pins.add_streamed(rid, block_ids, digest, ready, token=token)
+            elif msg[0] == "advance":
+                connector.pins.advance(msg[1], msg[2])
+            elif msg[0] == "finish":
+                connector.pins.finish(msg[1], msg[2])
+            elif msg[0] == "cancel":
+                connector.pins.cancel(msg[1])
             elif msg[0] == "loads":
                 connector.start_follower_loads(msg[1])
+            elif msg[0] == "cancels":
+                connector.stop_pulls(msg[1])
         except BaseException:  # e.g. --kv-port + rank taken: the worker cannot serve P/D correctly
             log.exception("tensor-parallel rank %d: KV connector failed on %r; exiting", tp.rank, msg[0])
             for h in logging.getLogger().handlers:

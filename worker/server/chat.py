@@ -88,17 +88,21 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     if body.stream:
         return SSEResponse(_stream(state, body, prompt, base, first, events, tools))
 
+    def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
+        messages = [complete_message(tools, "".join(c.text)) for c in choices]
+        return ChatCompletionResponse(**base, choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=content, **({"tool_calls": calls} if calls else {})),
+                       logprobs=format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
+                       finish_reason=finish_reason(c.final.finish_reason, bool(calls)) if c.final else "abort",
+                       stop_reason=c.final.stop_reason if c.final else None)
+            for i, (c, (content, calls)) in enumerate(zip(choices, messages))
+        ], usage=serving.usage([prompt], body.n, choices),
+            kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+
+    if serving.announced(first):  # a streamed prefill: its params now, the answer when it ends
+        return serving.handoff_response(request, first, events, body.n, answer)
     choices = await serving.collect(request, first, events, body.n)
-    messages = [complete_message(tools, "".join(c.text)) for c in choices]
-    out = ChatCompletionResponse(**base, choices=[
-        ChatChoice(index=i, message=AssistantMessage(content=content, **({"tool_calls": calls} if calls else {})),
-                   logprobs=format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
-                   finish_reason=finish_reason(c.final.finish_reason, bool(calls)) if c.final else "abort",
-                   stop_reason=c.final.stop_reason if c.final else None)
-        for i, (c, (content, calls)) in enumerate(zip(choices, messages))
-    ], usage=serving.usage([prompt], body.n, choices),
-        kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
-    return Response(out.model_dump_json(), media_type="application/json")
+    return Response(answer(choices).model_dump_json(), media_type="application/json")
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,

@@ -61,21 +61,26 @@ async def create_completion(state, request: Request, body: CompletionRequest):
         offset = serving.handed_over_text(tok, prompts[0], params, kv_params)
         return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), len(offset), echoer))
 
+    def answer(choices: list[serving.ChoiceState]) -> CompletionResponse:
+        out = CompletionResponse(**base, choices=[
+            CompletionChoice(index=i, text="".join(c.text),
+                             logprobs=format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
+                             finish_reason=c.final.finish_reason if c.final else "abort",
+                             stop_reason=c.final.stop_reason if c.final else None)
+            for i, c in enumerate(choices)
+        ], usage=serving.usage(prompts, body.n, choices),
+            kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+        if echoer is not None:
+            for i, c in enumerate(choices):
+                echoer.prompt_lps[i] = c.prompt_logprobs
+                echoer.choice(i, out.choices[i])
+            echoer.usage(out.usage)
+        return out
+
+    if serving.announced(first):  # a streamed prefill: its params now, the answer when it ends
+        return serving.handoff_response(request, first, events, len(gen), answer)
     choices = await serving.collect(request, first, events, len(gen))
-    out = CompletionResponse(**base, choices=[
-        CompletionChoice(index=i, text="".join(c.text),
-                         logprobs=format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
-                         finish_reason=c.final.finish_reason if c.final else "abort",
-                         stop_reason=c.final.stop_reason if c.final else None)
-        for i, c in enumerate(choices)
-    ], usage=serving.usage(prompts, body.n, choices),
-        kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
-    if echoer is not None:
-        for i, c in enumerate(choices):
-            echoer.prompt_lps[i] = c.prompt_logprobs
-            echoer.choice(i, out.choices[i])
-        echoer.usage(out.usage)
-    return Response(out.model_dump_json(), media_type="application/json")
+    return Response(answer(choices).model_dump_json(), media_type="application/json")
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
@@ -84,6 +89,8 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
     text_len = [text_offset] * num_choices
 
     def chunk(i: int, out) -> bytes | None:
+        if out.handed_over_text is not None:  # a streamed hand-off: offsets continue after the first token
+            text_len[i] = len(out.handed_over_text)
         choices[i].add(out)
         if echoer is not None:
             echoer.see(i, out)

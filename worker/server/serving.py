@@ -15,6 +15,7 @@ inside the stream.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -23,12 +24,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
-from pdserve.protocol.kv_transfer import (BUDGET, PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode,
-                                         wants_remote_decode)
+from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, KVTransferParamsError,
+                                          is_remote_decode, wants_remote_decode)
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
 from pdserve.worker.detokenizer import IncrementalDetokenizer
@@ -80,8 +82,8 @@ def kv_transfer_params(params: dict | None, num_sequences: int) -> dict | None:
 def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams, kv_params: dict | None) -> str:
     """On a decode worker: the text the prefill worker already returned for the handed-over first
     token (what its detokenizer released, detokenizer.py); "" for any other request."""
-    if not is_remote_decode(kv_params):
-        return ""
+    if not is_remote_decode(kv_params) or kv_params.get("first_token_id") is None:
+        return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
     return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params["first_token_id"]])[0]
 
 
@@ -235,6 +237,35 @@ async def collect(request: Request, first: tuple[int, RequestOutput], events: Ev
 
     await unless_disconnected(request, rest())
     return choices
+
+
+def announced(first: tuple[int, RequestOutput]) -> bool:
+    """Whether the engine's first output is a streamed prefill's announcement (its pin's params,
+    before any token): the answer is then the two-line hand-off (`handoff_response`)."""
+    out = first[1]
+    return bool(out.kv_transfer_params) and not out.finished and not out.new_token_ids
+
+
+def handoff_response(request: Request, first: tuple[int, RequestOutput], events: Events, num_choices: int,
+                     answer) -> StreamingResponse:
+    """A streamed prefill's answer (protocol/kv_transfer.py): line 1 the params, sent now so the
+    router hands them to a decode worker while the prefill runs; line 2, when it ends, the
+    ordinary answer (`answer(choices)`, a response model) or an OpenAI error object."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield json.dumps({PARAM: first[1].kv_transfer_params}).encode() + b"\n"
+        try:
+            choices = await collect(request, first, events, num_choices)
+            yield answer(choices).model_dump_json().encode() + b"\n"
+        except ClientGone:
+            return  # the generation was aborted on the way out: the pin is cancelled with it
+        except APIError as e:
+            yield json.dumps(e.body()).encode() + b"\n"
+        except Exception as e:
+            log.exception("prefill failed after its hand-off was announced")
+            yield json.dumps(error_body(500, f"engine error: {type(e).__name__}: {e}")).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type=NDJSON)
 
 
 def stream_error(e: BaseException) -> bytes:

@@ -1,0 +1,171 @@
+"""The streamed hand-off between two real engines (one process, real side channel on loopback,
+real TCP or NIXL): the decode side reads each chunk while the prefill computes the next.
+
+The prefill engine is stepped by the test, one chunk at a time, and then *held*: the decode
+side must have chunk k's blocks (byte-equal to the prefill's) before chunk k+1 is computed. A
+decode side that read only after the prefill ended would never get them while the prefill is
+held, and the bounded wait fails. Nothing here depends on timing: every wait is for a condition.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.protocol.kv_transfer import is_streamed
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.kv.nixl_transport import nixl_available
+from pdserve.worker.sampling_params import SamplingParams
+from tests.checkpoints import write_checkpoint, write_word_tokenizer
+from tests.net import free_port
+
+BLOCK, CHUNK = 4, 8  # two blocks per chunk
+PROMPT = list(range(100, 100 + 37))  # 10 blocks, the last one partial; 5 chunks
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("streamed")
+    return write_checkpoint(d / "m", "llama", write_word_tokenizer(d / "tok"), hidden_size=64,
+                            intermediate_size=128, num_hidden_layers=2)
+
+
+def engine(ckpt, role: str, transport: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(ckpt), device="cpu", role=role, kv_transfer=transport,
+                                  kv_port=free_port(), block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
+                                  kv_stream_chunk_tokens=CHUNK, kv_peer_allow=("127.0.0.1",),
+                                  kv_secret="streamed-handoff-test-secret", kv_pull_timeout=10, **kw))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request, ckpt):
+    p, d = engine(ckpt, "prefill", request.param), engine(ckpt, "decode", request.param)
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def until(cond, what: str, engines=(), timeout: float = 30.0):
+    """Step `engines` (their pulls land, pins free) until `cond()`; bounded."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for e in engines:
+            outs += e.step()
+    return outs
+
+
+def announce(p: LLMEngine, rid: str, prompt=PROMPT, params=GREEDY) -> dict:
+    """Admit a streamed prefill: its params come out before any chunk is computed."""
+    p.add_request(rid, prompt, params, {"do_remote_decode": True, "stream_kv": True})
+    outs = []
+    while not any(o.request_id == rid and o.kv_transfer_params for o in outs):
+        outs += p.step()
+    early = next(o for o in outs if o.request_id == rid and o.kv_transfer_params)
+    assert not early.finished and not early.new_token_ids and is_streamed(early.kv_transfer_params)
+    assert early.kv_transfer_params["first_token_id"] is None
+    return early.kv_transfer_params
+
+
+def blocks_equal(p: LLMEngine, prid: str, d: LLMEngine, drid: str, upto: int) -> bool:
+    preq, dreq = p.requests.get(prid), d.requests.get(drid)
+    if preq is None or dreq is None or len(dreq.block_ids) < upto:
+        return False
+    src, dst = preq.block_ids[:upto], dreq.block_ids[:upto]
+    return torch.equal(p.kv_cache.tensor[src], d.kv_cache.tensor[dst])
+
+
+def free_and_unpinned(*engines) -> bool:
+    return all(e.stats().num_free_blocks == e.stats().num_total_blocks and not e.has_pins for e in engines)
+
+
+def test_blocks_cached_on_prefill_are_readable_at_admission_and_an_abort_cancels(ckpt, pair):
+    p, d = pair
+    p.generate([PROMPT[:20]], GREEDY)  # P's prefix cache now holds the prompt's first 5 blocks
+    params = announce(p, "p0")  # admitted with those 5 ready, and its first chunk computed in that step
+    d.add_request("d0", PROMPT, GREEDY, params)
+    cached = 20 // BLOCK
+    assert p.requests["p0"].num_cached_tokens == 20
+    until(lambda: blocks_equal(p, "p0", d, "d0", cached), "the cached blocks on the decode side", [d])
+    p.abort("p0")  # the prefill never finishes: the decode side is told, and gives up
+    outs = until(lambda: "d0" not in d.requests, "the decode request to end", [p, d])
+    ends = [o for o in outs if o.request_id == "d0" and o.finished]
+    assert ends and ends[0].finish_reason == "abort" and not ends[0].new_token_ids
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
+def test_decode_aborted_mid_pull_releases_and_the_prefill_finishes_alone(ckpt, pair):
+    p, d = pair
+    fresh = [t + 600 for t in PROMPT]
+    params = announce(p, "p2", fresh)
+    d.add_request("d2", fresh, GREEDY, params)
+    p.step()  # one chunk
+    until(lambda: blocks_equal(p, "p2", d, "d2", CHUNK // BLOCK), "the first chunk on the decode side", [d])
+    d.abort("d2")
+    until(lambda: "d2" not in d.requests and free_and_unpinned(d), "the decode side freed", [d])
+    outs = until(lambda: "p2" not in p.requests, "the prefill to finish", [p])
+    assert [o for o in outs if o.request_id == "p2" and o.finished]
+    until(lambda: free_and_unpinned(p), "the prefill's pin released and its blocks freed", [p, d])
+
+
+def test_a_first_token_that_ends_the_request_cancels_the_hand_off(ckpt, pair):
+    p, d = pair
+    fresh = [t + 900 for t in PROMPT]
+    first = engine_answer(ckpt, fresh)[0]
+    params = announce(p, "p3", fresh, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first]))
+    d.add_request("d3", fresh, GREEDY, params)
+    outs = until(lambda: "p3" not in p.requests, "the prefill to finish", [p, d])
+    fin = [o for o in outs if o.request_id == "p3" and o.finished][0]
+    assert fin.finish_reason == "stop" and fin.kv_transfer_params is None
+    outs = until(lambda: "d3" not in d.requests, "the decode request to end", [p, d])
+    assert not [t for o in outs if o.request_id == "d3" for t in o.new_token_ids]
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
+def test_overlap_timeline_and_one_answer(ckpt, pair):
+    p, d = pair
+    fresh = [t + 300 for t in PROMPT]  # not in either prefix cache
+    expected = engine_answer(ckpt, fresh)
+    params = announce(p, "p1", fresh)
+    d.add_request("d1", fresh, GREEDY, params)
+    n_blocks = -(-len(fresh) // BLOCK)
+    outs, first = [], None
+    done_blocks = 0
+    while first is None:
+        step = p.step()  # one chunk (CHUNK tokens = 2 blocks) per step
+        outs += step
+        fin = [o for o in step if o.request_id == "p1" and o.finished]
+        if fin:
+            first = fin[0].new_token_ids[0]
+            break
+        done_blocks = p.requests["p1"].num_computed_tokens // BLOCK
+        # Held here: the decode side must have every computed block before the next chunk runs.
+        until(lambda: blocks_equal(p, "p1", d, "d1", done_blocks), f"blocks 0..{done_blocks} on the decode side",
+              [d])
+    assert 0 < done_blocks < n_blocks - 1, "the prefill ran in one step: no chunk to overlap"
+    tokens = [first]
+    deadline = time.monotonic() + 60
+    while "d1" in d.requests:
+        assert time.monotonic() < deadline
+        for o in d.step():
+            if o.request_id == "d1":
+                assert o.handed_over_token_ids in (None, [first])
+                tokens += o.new_token_ids
+        p.step()
+    assert tokens == expected
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
+def engine_answer(ckpt, prompt) -> list[int]:
+    e = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=BLOCK, kv_cache_memory=8 << 20,
+                               max_model_len=256))
+    try:
+        return e.generate([prompt], GREEDY)[0]
+    finally:
+        e.shutdown()
