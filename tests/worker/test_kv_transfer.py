@@ -190,3 +190,79 @@ def test_metrics_list_each_family_once(pd_pair):
         assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
         for name in ("pdserve_kv_pinned_blocks", "pdserve_kv_transfer_bytes_total", "vllm:num_requests_running"):
             assert name in families
+
+
+def _sse_text(r: httpx.Response) -> tuple[str, list[int]]:
+    import json
+
+    text, offsets = "", []
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            offsets += (choice.get("logprobs") or {}).get("text_offset", [])
+    return text, offsets
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_streamed_hand_off_over_http_equals_one_worker(pd_pair, clean, stream):
+    """The two-line prefill answer: the params first (the decode call starts on them while the
+    prefill runs), the ordinary answer second; the decode worker learns the first token with
+    its pull. Text, usage and logprob offsets equal one worker's."""
+    import json
+    import threading
+
+    _, p, d = pd_pair
+    body = {**BASE, "prompt": f"Streamed {stream}, then " + PROMPT, "logprobs": 1}
+    plain = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True,
+                                                                            "stream_kv": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = r.iter_lines()
+        early = json.loads(next(lines))["kv_transfer_params"]
+        assert early["stream_kv"] is True and early["first_token_id"] is None
+        decoded: dict = {}
+
+        def decode():  # started before the prefill's answer is read
+            dbody = {**body, "stream": stream, "kv_transfer_params": early}
+            if stream:
+                with httpx.stream("POST", f"{d.url}/v1/completions", json=dbody, timeout=60) as dr:
+                    decoded["text"], decoded["offsets"] = _sse_text(dr)
+            else:
+                out = httpx.post(f"{d.url}/v1/completions", json=dbody, timeout=60).json()
+                decoded["text"] = out["choices"][0]["text"]
+                decoded["offsets"] = out["choices"][0]["logprobs"]["text_offset"]
+                decoded["usage"] = out["usage"]
+
+        t = threading.Thread(target=decode)
+        t.start()
+        answer = json.loads(next(lines))
+    t.join(60)
+    assert not t.is_alive()
+    final = answer["kv_transfer_params"]
+    assert final["first_token_id"] is not None and "stream_kv" not in final
+    first_text = answer["choices"][0]["text"]
+    assert first_text + decoded["text"] == plain["choices"][0]["text"]
+    # A streamed decode's offsets continue after the first token's text; a whole answer's start at
+    # its own text (the router's merge shifts them, as for any hand-off).
+    shift = 0 if stream else len(first_text)
+    assert answer["choices"][0]["logprobs"]["text_offset"] + [o + shift for o in decoded["offsets"]] == \
+        plain["choices"][0]["logprobs"]["text_offset"]
+    if not stream:
+        assert decoded["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+def test_a_prefill_client_that_leaves_after_the_announcement_frees_everything(pd_pair, clean):
+    import json
+
+    _, p, d = pd_pair
+    body = {**BASE, "prompt": "Hang up after the params: " + PROMPT * 3}
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True,
+                                                                            "stream_kv": True}}) as r:
+        early = json.loads(next(r.iter_lines()))["kv_transfer_params"]
+    # The decode worker may still get the params: it waits for a prefill that was aborted (or
+    # finished and then released by nobody) and ends the request or prefills as the pin says.
+    out = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": early}, timeout=60)
+    assert out.status_code == 200

@@ -30,7 +30,8 @@ from tests.worker.test_server_harness import WorkerProcess
 SECRET = "tp-pd-tests-shared-secret"
 ENV = {"PDSERVE_KV_SECRET": SECRET}
 ARGS = ("--served-model-name", "x", "--max-model-len", "128", "--block-size", "4", "--kv-cache-memory", str(1 << 21),
-        "--kv-peer-allow", "127.0.0.1", "--kv-pull-timeout", "5", "--kv-pin-ttl", "20")
+        "--kv-peer-allow", "127.0.0.1", "--kv-pull-timeout", "5", "--kv-pin-ttl", "20",
+        "--kv-stream-chunk-tokens", "8")  # a streamed hand-off's 23-token prompt in 3 chunks
 MAX_TOKENS = 8
 
 
@@ -126,6 +127,29 @@ def pd(p: WorkerProcess, d: WorkerProcess, prompt: list[int], tamper=None) -> st
     return first.json()["choices"][0]["text"] + rest.json()["choices"][0]["text"]
 
 
+def pd_streamed(p: WorkerProcess, d: WorkerProcess, prompt: list[int]) -> str:
+    """The streamed hand-off: the decode request starts on the prefill's first line (its pin, made
+    at admission), every rank reading its heads chunk by chunk; then the prefill's answer."""
+    import json
+    import threading
+
+    body = {"model": "x", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    rest: dict = {}
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=120,
+                      json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True,
+                                                                            "stream_kv": True}}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        early = json.loads(next(lines))["kv_transfer_params"]
+        t = threading.Thread(target=lambda: rest.update(httpx.post(
+            f"{d.url}/v1/completions", timeout=120, json={**body, "kv_transfer_params": early}).json()))
+        t.start()
+        first = json.loads(next(lines))
+    t.join(120)
+    assert rest["usage"]["completion_tokens"] == MAX_TOKENS, rest
+    return first["choices"][0]["text"] + rest["choices"][0]["text"]
+
+
 def single(w: WorkerProcess, prompt: list[int]) -> str:
     r = httpx.post(f"{w.url}/v1/completions", timeout=120,
                    json={"model": "x", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -137,14 +161,15 @@ def single(w: WorkerProcess, prompt: list[int]) -> str:
 PAIRS = [(2, 2), (2, 1), (1, 2)]  # (prefill TP, decode TP)
 
 
-def test_tp_pd_equals_single_worker_greedy(workers, no_leaks):
+@pytest.mark.parametrize("streamed", [False, True], ids=["after-prefill", "streamed"])
+def test_tp_pd_equals_single_worker_greedy(workers, no_leaks, streamed):
     transport, ws, _ = workers
     results = {}
     for ptp, dtp in PAIRS:
         p, d = ws["prefill", ptp], ws["decode", dtp]
-        prompt = prompt_of(f"{transport}{ptp}{dtp}")
+        prompt = prompt_of(f"{transport}{ptp}{dtp}{streamed}")
         pulled = metric(d, "pdserve_kv_transfer_bytes_total")
-        results[ptp, dtp] = (prompt, pd(p, d, prompt))
+        results[ptp, dtp] = (prompt, (pd_streamed if streamed else pd)(p, d, prompt))
         assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled, f"TP {ptp} -> {dtp} did not pull"
     for w in (ws["decode", 1], ws["decode", 2]):
         assert metric(w, "pdserve_kv_local_prefill_fallbacks_total") == 0
