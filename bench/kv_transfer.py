@@ -11,7 +11,9 @@ in the same run. Block layouts (the same ids on both sides except "real"):
   real        a prompt's blocks as the BlockManager places them after churn: a random
               alloc/grow/free workload with prefix caching runs through the real BlockManager
               on each side (different seeds), then a request of n blocks is allocated; the
-              descriptor count is the runs of (source, destination) pairs that merge
+              descriptor count is the runs of (source, destination) pairs that merge, which
+              is what NIXL posts on either path (tests/worker/test_kv_nixl.py checks it against
+              NIXL's telemetry); --eviction-slack churns with that BlockManager eviction_slack
 
 NIXL is measured with descriptor lists prepared once per peer (`prepped`: a pull is
 make_prepped_xfer with block indices) and built per pull (`dlist`), both with the READ posted
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import random
 import statistics
 import sys
 import time
@@ -38,7 +39,6 @@ from pdserve.bench.report import publish
 
 MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
-CHURN_BLOCK_SIZE = 16  # tokens per block in the churn workload (only the block ids matter)
 
 
 def _config(transport: str, port: int, role: str):
@@ -53,58 +53,15 @@ def _config(transport: str, port: int, role: str):
 
 # -- block layouts ------------------------------------------------------------------------------
 
-def churned_blocks(num_blocks: int, n: int, seed: int) -> list[int]:
-    """The block ids the real BlockManager gives a new n-block request after a random workload:
-    requests of 1..num_blocks/32 blocks with unique prompts (their full blocks enter the prefix
-    cache when freed), decode growth of live requests, and frees, turning the cache over about
-    four times; then live requests are freed at random until n blocks are free."""
-    from pdserve.worker.block_manager import BlockManager
-    from pdserve.worker.request import Request
-    from pdserve.worker.sampling_params import SamplingParams
+def churned_blocks(num_blocks: int, n: int, seed: int, eviction_slack: float = 0.0) -> list[int]:
+    """The block ids the real BlockManager gives a new n-block request after a random workload
+    of mixed lengths turning the cache over about four times (block_churn.py)."""
+    from pdserve.bench.block_churn import churned_blocks as churned
 
-    rng = random.Random(seed)
-    bs = CHURN_BLOCK_SIZE
-    bm = BlockManager(num_blocks, bs)
-    params = SamplingParams(max_tokens=1 << 20)
-    live: list[Request] = []
-    next_token = 0
-
-    def tokens(k: int) -> list[int]:
-        nonlocal next_token
-        next_token += k
-        return list(range(next_token - k, next_token))  # unique: no accidental prefix hits
-
-    def run(r: Request, num_tokens: int) -> None:
-        bm.allocate(r, num_tokens)
-        r.num_computed_tokens = num_tokens
-        bm.register_computed(r)
-
-    max_req = max(2, num_blocks // 32)
-    for i in range(8 * 32):
-        if live and rng.random() < 0.4:
-            bm.free_request(live.pop(rng.randrange(len(live))))
-            continue
-        r = Request(f"c{i}", tokens(rng.randint(1, max_req) * bs - rng.randrange(bs)), params)
-        if not bm.can_allocate(r, r.num_tokens):
-            if live:
-                bm.free_request(live.pop(rng.randrange(len(live))))
-            continue
-        run(r, r.num_tokens)
-        live.append(r)
-        grow = rng.choice(live)  # a running request decodes into a new block
-        grow.token_ids += tokens(bs)
-        if bm.can_allocate(grow, grow.num_tokens):
-            run(grow, grow.num_tokens)
-        else:
-            del grow.token_ids[-bs:]
-    while bm.num_free_blocks < n:
-        bm.free_request(live.pop(rng.randrange(len(live))))
-    target = Request("target", tokens(n * bs), params)
-    bm.allocate(target, n * bs)
-    return target.block_ids
+    return churned(num_blocks, n, seed, eviction_slack)
 
 
-def layout(kind: str, n: int, num_blocks: int, seed: int) -> tuple[list[int], list[int]]:
+def layout(kind: str, n: int, num_blocks: int, seed: int, eviction_slack: float = 0.0) -> tuple[list[int], list[int]]:
     """(source ids on the prefill side, destination ids on the decode side) for an n-block pull."""
     if kind == "contiguous":
         ids = list(range(n))
@@ -112,7 +69,7 @@ def layout(kind: str, n: int, num_blocks: int, seed: int) -> tuple[list[int], li
     if kind == "scattered":
         ids = list(range(0, 2 * n, 2))
         return ids, ids
-    return churned_blocks(num_blocks, n, seed), churned_blocks(num_blocks, n, seed + 1)
+    return churned_blocks(num_blocks, n, seed, eviction_slack), churned_blocks(num_blocks, n, seed + 1, eviction_slack)
 
 
 def num_runs(src: list[int], dst: list[int]) -> int:
@@ -316,12 +273,15 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-registration-blocks", type=int, default=64,
                     help="blocks per lease in the per-lease registration cost (0: skip)")
     ap.add_argument("--seed", type=int, default=0, help="churn workload seed of the real layout")
+    ap.add_argument("--eviction-slack", type=float, default=0.0,
+                    help="BlockManager eviction_slack of the real layout's churn (0: strict LRU, the default)")
     ap.add_argument("--ucx-tls", default=None,
                     help="set UCX_TLS for both sides (e.g. cuda_ipc,cuda_copy,tcp for VRAM->VRAM on one host)")
     ap.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     args = ap.parse_args(argv)
-    if min(args.sizes_mib) < 1 or args.iters < 1 or args.block_kib < 1 or args.breakdown_iters < 0:
-        ap.error("--sizes-mib, --iters and --block-kib must be >= 1, --breakdown-iters >= 0")
+    if min(args.sizes_mib) < 1 or args.iters < 1 or args.block_kib < 1 or args.breakdown_iters < 0 \
+            or args.eviction_slack < 0:
+        ap.error("--sizes-mib, --iters and --block-kib must be >= 1, --breakdown-iters and --eviction-slack >= 0")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the spawned prefill process
     if args.spin_us is not None:  # only this (decode) process polls
@@ -341,7 +301,7 @@ def main(argv=None) -> int:
     cases = []
     for kind in args.layouts:
         for i, n in enumerate(counts):
-            src, dst = layout(kind, n, num_blocks, args.seed + 1000 * i)
+            src, dst = layout(kind, n, num_blocks, args.seed + 1000 * i, args.eviction_slack)
             cases.append((kind, i, src, dst))
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     lines = [f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
@@ -359,9 +319,9 @@ def main(argv=None) -> int:
             results[(kind, i, transport if mode == "-" else f"{transport} {mode}")] = v
         parts.update(br)
     columns = list(dict.fromkeys(col for _, _, col in results))
-    lines += ["| size | layout | descriptors | torch copy GB/s | "
+    lines += ["| size | layout | descriptors | MiB per descriptor | torch copy GB/s | "
               + " | ".join(f"{col} GB/s (% of copy)" for col in columns) + " |",
-              "|---" * (4 + len(columns)) + "|"]
+              "|---" * (5 + len(columns)) + "|"]
     copies = {}
     for kind, i, src, dst in cases:
         nbytes = len(src) * block_bytes
@@ -372,10 +332,12 @@ def main(argv=None) -> int:
             b, s = results[(kind, i, col)]
             cells.append(f"{b / s / 1e9:.2f} ({100 * b / s / 1e9 / copies[nbytes]:.0f}%)")
         size = f"{nbytes / MiB:.0f} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
-        lines.append(f"| {size} | {kind} | {num_runs(src, dst)} | {copies[nbytes]:.2f} | " + " | ".join(cells) + " |")
+        runs = num_runs(src, dst)
+        lines.append(f"| {size} | {kind} | {runs} | {nbytes / runs / MiB:.2f} | {copies[nbytes]:.2f} | "
+                     + " | ".join(cells) + " |")
     for kind in args.layouts:
         fixed = [fixed_cost_ms([results[(kind, 0, col)], results[(kind, len(counts) - 1, col)]]) for col in columns]
-        lines.append(f"| fixed cost per pull (ms) | {kind} | | | " + " | ".join(f"{f:.2f}" for f in fixed) + " |")
+        lines.append(f"| fixed cost per pull (ms) | {kind} | | | | " + " | ".join(f"{f:.2f}" for f in fixed) + " |")
     if parts:
         names = ["lease", "prepare", "post", "wait", "release", "notify", "total", "pull"]
         lines += ["", f"1-block NIXL pull taken apart (median of {args.breakdown_iters}, ms):", "",

@@ -10,17 +10,26 @@ Free blocks live in two pools. Empty ones (no published hash) cost nothing to re
 taken first, as runs of consecutive ids: a request whose blocks are consecutive ids is a few
 large spans of the block-major KV cache (kv_cache.py), so a KV transfer moves it with a few
 descriptors rather than one per block (issue 17: per-descriptor cost dominated scattered
-pulls). Cached ones are evicted only when no empty block is left, strictly least recently
-freed first; which cached blocks go is never bent for contiguity, only the order they are
-handed out in (ascending ids, so neighbours still merge).
+pulls). They are kept as maximal runs (free_runs.py): a request takes the ids right after its
+last block first (a growing request stays one run), then the shortest run that holds the rest,
+else the longest runs whole; no allocation scans the cache. Cached ones are evicted only when
+no empty block is left. By default strictly least recently freed first, and which cached blocks
+go is never bent for contiguity, only the order they are handed out in: all of an allocation's
+new blocks in ascending ids (the growth run first), so evicted blocks merge with each other and
+with the empty ones. `eviction_slack` s > 0 relaxes that for longer runs after churn: the m
+blocks evicted are the longest runs among the ceil((1 + s) m) least recently freed ones (never
+a block fresher than those; bench/block_churn.py measures what it buys).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
+from itertools import islice
 
+from pdserve.worker.free_runs import FreeRuns
 from pdserve.worker.request import Request
 
 NONE_HASH = 0
@@ -41,19 +50,31 @@ def hash_prefix_blocks(token_ids: list[int], block_size: int, parent: int = NONE
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_event=None):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_event=None,
+                 eviction_slack: float = 0.0):
+        if eviction_slack < 0:
+            raise ValueError(f"eviction_slack must be >= 0, got {eviction_slack}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.eviction_slack = eviction_slack
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free and hashed, least recently freed first
-        self.empty = bytearray(b"\x01") * num_blocks  # empty[b] == 1: b is free and holds no hash
-        self.num_empty = num_blocks
+        self.empty_runs = FreeRuns(num_blocks)  # free blocks that hold no hash
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
         # on_event(kind, block_hashes, parent_hash, token_ids): KV cache events for the router.
         self.on_event = on_event
+
+    @property
+    def empty(self) -> bytearray:
+        """empty[b] == 1: b is free and holds no hash (read-only view for callers)."""
+        return self.empty_runs.mask
+
+    @property
+    def num_empty(self) -> int:
+        return len(self.empty_runs)
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,41 +126,40 @@ class BlockManager:
         n = self.blocks_needed(num_tokens) - len(req.block_ids)
         if n <= 0:
             return
-        new = self._take_empty(min(n, self.num_empty), req.block_ids[-1] + 1 if req.block_ids else None)
-        evicted = []
-        for _ in range(n - len(new)):
-            b, _ = self.cached_free.popitem(last=False)  # least recently freed first
-            self._evict(b)
-            evicted.append(b)
-        for b in new + evicted:
+        grow = self.empty_runs.take_from(req.block_ids[-1] + 1, n) if req.block_ids else range(0)
+        rest = self.empty_runs.take(min(n - len(grow), self.num_empty))
+        evicted = self._evict_oldest(n - len(grow) - len(rest))
+        new = list(grow) + sorted(rest + evicted)
+        for b in new:
             self.ref_counts[b] = 1
-        req.block_ids.extend(new + sorted(evicted))
+        req.block_ids.extend(new)
 
-    def _take_empty(self, n: int, after: int | None) -> list[int]:
-        """n empty block ids in few runs: first the ids right after the request's last block
-        (a growing request stays one run), then the first run long enough for the rest; where
-        none is, the first run half as long, and so on (fragmented space: fewest runs, greedily)."""
-        taken: list[int] = []
-        e = self.empty
-        if after is not None:
-            while len(taken) < n and after < self.num_blocks and e[after]:
-                e[after] = 0
-                taken.append(after)
-                after += 1
-        size = n - len(taken)
-        while len(taken) < n:
-            size = min(size, n - len(taken))
-            start = e.find(b"\x01" * size)
-            if start < 0:
-                size //= 2  # size 1 always finds one: the pool holds at least n - len(taken) blocks
-                continue
-            end = start + size
-            while end < self.num_blocks and end - start < n - len(taken) and e[end]:
-                end += 1  # the run found may be longer than asked: take what is still needed
-            taken.extend(range(start, end))
-            e[start:end] = bytes(end - start)
-        self.num_empty -= len(taken)
-        return taken
+    def _evict_oldest(self, m: int) -> list[int]:
+        """Take m cached free blocks out of the prefix cache: the m least recently freed, or with
+        eviction_slack s, the longest runs among the ceil((1 + s) m) least recently freed."""
+        if m <= 0:
+            return []
+        if not self.eviction_slack:
+            out = [self.cached_free.popitem(last=False)[0] for _ in range(m)]
+        else:
+            window = sorted(islice(self.cached_free, math.ceil((1 + self.eviction_slack) * m)))
+            runs: list[list[int]] = []
+            for b in window:
+                if runs and runs[-1][-1] + 1 == b:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            runs.sort(key=len, reverse=True)  # stable: equal lengths keep ascending ids
+            out = []
+            for r in runs:
+                out.extend(r[:m - len(out)])
+                if len(out) == m:
+                    break
+            for b in out:
+                del self.cached_free[b]
+        for b in out:
+            self._evict(b)
+        return out
 
     def free_request(self, req: Request) -> None:
         self._release(req.block_ids)
@@ -177,8 +197,7 @@ class BlockManager:
             if self.block_hash[b] is not None:
                 del self.cached_free[b]
             else:  # not reached by prefix hits (they are hashed); kept exact for any caller
-                self.empty[b] = 0
-                self.num_empty -= 1
+                self.empty_runs.take_block(b)
         self.ref_counts[b] += 1
 
     def _evict(self, b: int) -> None:
@@ -198,5 +217,4 @@ class BlockManager:
                 if self.block_hash[b] is not None:
                     self.cached_free[b] = None
                 else:
-                    self.empty[b] = 1
-                    self.num_empty += 1
+                    self.empty_runs.put(b)

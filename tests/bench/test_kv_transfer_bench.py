@@ -34,7 +34,7 @@ def test_tiny_run_writes_every_table(tmp_path, capsys):
                            "--out", str(out)])
     assert rc == 0
     report = out.read_text()
-    for needle in ("| 1 MiB | contiguous | 1 |", "| 1 MiB | real |", "nixl prepped GB/s", "nixl dlist GB/s",
+    for needle in ("| 1 MiB | contiguous | 1 | 1.00 |", "| 1 MiB | real |", "nixl prepped GB/s", "nixl dlist GB/s",
                    "tcp GB/s", "| lease (side-channel round trip) |", "| fixed cost per pull (ms) | real |",
                    "Per-lease NIXL registration of 4 blocks"):
         assert needle in report, needle
@@ -43,3 +43,5 @@ def test_tiny_run_writes_every_table(tmp_path, capsys):
 def test_bad_flags_are_named():
     with pytest.raises(SystemExit):
         kv_transfer.main(["--iters", "0"])
+    with pytest.raises(SystemExit):
+        kv_transfer.main(["--eviction-slack", "-1"])

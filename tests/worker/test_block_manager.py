@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.worker.block_manager import BlockManager, hash_prefix_blocks
@@ -216,3 +218,140 @@ def test_allocation_never_hands_out_a_used_block_and_keeps_lru_and_runs(ops, cac
         held = [b for x in live.values() for b in x.block_ids]
         assert bm.num_free_blocks + len(set(held)) == num_blocks
         assert all(bm.ref_counts[b] > 0 and not bm.empty[b] and b not in bm.cached_free for b in held)
+
+
+# -- free runs: the empty pool as maximal runs (issue 24: long runs without a scan) -------------
+
+from pdserve.worker.free_runs import FreeRuns  # noqa: E402
+
+
+def fewest_runs(lengths: list[int], n: int) -> int:
+    """The fewest runs out of runs of these lengths that hold n blocks."""
+    total = 0
+    for i, length in enumerate(sorted(lengths, reverse=True)):
+        total += length
+        if total >= n:
+            return i + 1
+    raise AssertionError("not enough free blocks")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "put", "take_block", "take_from"]), st.integers(0, 63),
+                          st.integers(1, 20)), max_size=80))
+def test_free_runs_stay_maximal_and_take_the_fewest_runs(ops):
+    fr, free = FreeRuns(64), set(range(64))
+    for op, b, n in ops:
+        if op == "take" and n <= len(free):
+            want = fewest_runs([length for _, length in fr.runs()], n)
+            got = fr.take(n)
+            assert len(got) == len(set(got)) == n and set(got) <= free and runs(sorted(got)) == want
+            free -= set(got)
+        elif op == "put" and b not in free:
+            fr.put(b)
+            free.add(b)
+        elif op == "take_block" and b in free:
+            fr.take_block(b)
+            free.discard(b)
+        elif op == "take_from":
+            got = fr.take_from(b, n)
+            expect = []
+            if b in free and b - 1 not in free:  # b starts a run
+                while len(expect) < n and b + len(expect) in free:
+                    expect.append(b + len(expect))
+            assert list(got) == expect
+            free -= set(got)
+        assert len(fr) == len(free) and {i for i in range(64) if fr.mask[i]} == free
+        spans = fr.runs()  # maximal, disjoint, covering exactly the free ids
+        assert sum(length for _, length in spans) == len(free) == len({*free})
+        assert len(spans) == runs(sorted(free)) if free else spans == []
+
+
+def churn(bm: BlockManager, seed: int, turns: int = 300) -> list:
+    """Random arrivals of mixed lengths (unique prompts: full blocks enter the prefix cache when
+    freed), decode growth and finishes; returns the live requests."""
+    import random
+
+    rng, live, nxt = random.Random(seed), [], 0
+    for i in range(turns):
+        if live and rng.random() < 0.45:
+            bm.free_request(live.pop(rng.randrange(len(live))))
+            continue
+        size = rng.randint(1, 12) * BS - rng.randrange(BS)
+        r = req(f"c{i}", range(nxt, nxt + size))
+        nxt += size
+        if bm.can_allocate(r, size):
+            bm.allocate(r, size)
+            r.num_computed_tokens = size
+            bm.register_computed(r)
+            live.append(r)
+    return live
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_after_churn_a_request_taking_every_free_block_gets_one_run_per_free_extent(seed):
+    """Whatever churn left, the blocks handed out are ascending apart from the growth run: a
+    request that takes every free block (empty and cached) gets exactly the cache's free extents
+    as its runs, the fewest any allocator could give it."""
+    bm = BlockManager(256, BS)
+    churn(bm, seed)
+    free = sorted(b for b in range(256) if bm.ref_counts[b] == 0)
+    assert runs(free) > 4 and len(bm.cached_free) > len(free) // 2  # fragmented, mostly cached
+    everything = req("all", range(10**6, 10**6 + len(free) * BS))
+    bm.allocate(everything, len(free) * BS)
+    assert everything.block_ids == free and runs(everything.block_ids) == runs(free)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_after_churn_empty_blocks_go_in_the_fewest_runs(seed):
+    bm = BlockManager(512, BS, enable_prefix_caching=False)  # every free block is empty
+    churn(bm, seed)
+    lengths = [length for _, length in bm.empty_runs.runs()]
+    n = min(len(bm.empty_runs), 40)
+    r = req("r", range(10**6, 10**6 + n * BS))
+    bm.allocate(r, n * BS)
+    assert runs(r.block_ids) == fewest_runs(lengths, n)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([0.5, 1.0, 3.0]), st.integers(1, 60))
+def test_eviction_slack_evicts_only_among_the_oldest_and_only_once_empty_blocks_ran_out(seed, slack, need):
+    bm = BlockManager(256, BS, eviction_slack=slack)
+    live = churn(bm, seed)
+    held = {b for r in live for b in r.block_ids}
+    empty = {b for b in range(256) if bm.empty[b]}
+    need = min(need, bm.num_free_blocks)
+    m = max(0, need - len(empty))
+    window = set(list(bm.cached_free)[:math.ceil((1 + slack) * m)])
+    r = req("r", range(10**6, 10**6 + need * BS))
+    bm.allocate(r, need * BS)
+    got = set(r.block_ids)
+    assert len(got) == need and not got & held
+    if m:
+        assert empty <= got and got - empty <= window  # every empty block first; evicted among the oldest
+    else:
+        assert got <= empty
+    assert all(b not in bm.cached_free and not bm.empty[b] and bm.ref_counts[b] == 1 for b in got)
+
+
+def test_eviction_slack_must_not_be_negative():
+    with pytest.raises(ValueError):
+        BlockManager(8, BS, eviction_slack=-0.5)
+
+
+def test_eviction_slack_takes_a_run_from_among_the_oldest():
+    def freed_in_order(slack):
+        bm = BlockManager(8, BS, eviction_slack=slack)
+        rs = [req(str(i), range(i * 10, i * 10 + BS)) for i in range(8)]
+        for r in rs:  # one full block each, ids 0..7, published
+            bm.allocate(r, BS)
+            r.num_computed_tokens = BS
+            bm.register_computed(r)
+        assert [r.block_ids for r in rs] == [[i] for i in range(8)]
+        for i in (0, 5, 6, 2, 1, 3, 4, 7):
+            bm.free_request(rs[i])
+        two = req("two", range(500, 500 + 2 * BS))
+        bm.allocate(two, 2 * BS)
+        return two.block_ids
+
+    assert freed_in_order(0.0) == [0, 5]  # strict LRU: the two least recently freed
+    assert freed_in_order(1.0) == [5, 6]  # the one run among the 4 least recently freed

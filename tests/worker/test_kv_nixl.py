@@ -214,3 +214,38 @@ def test_wrong_prompt_digest_is_refused_by_the_lease(connectors):
     params = p.pin("other-prompt", [5], 1, 0, DIGEST)
     with pytest.raises(SideChannelError, match="prompt mismatch"):
         d._pull(params, [0], [16], "e" * 32)
+
+
+# -- one descriptor per run (issue 24): NIXL's own count, the bytes it moved ---------------------
+
+def _mixed_layout(blocks: int) -> tuple[list[int], list[int]]:
+    """(source, destination) ids: a long run, a run whose destination breaks halfway, scattered
+    singles, and a run going down (no two ids consecutive)."""
+    src = list(range(2, 12)) + [20, 21, 22, 23] + [30, 34, 38] + [50, 49, 48]
+    dst = list(range(40, 50)) + [0, 1, 60, 61] + [5, 9, 13] + [20, 21, 22]
+    assert max(src + dst) < blocks and len(set(src)) == len(set(dst)) == len(src)
+    return src, dst
+
+
+@pytest.mark.parametrize("prepped", [True, False])
+def test_a_pull_posts_one_descriptor_per_run_and_moves_exactly_those_bytes(prepped):
+    from pdserve.worker.kv.block_runs import merge_runs
+
+    blocks = 64
+    owner = NixlTransport(f"test-nixl-{next(_names)}", torch.randint(0, 255, (blocks, BLOCK_BYTES), dtype=torch.uint8),
+                          BLOCK_BYTES)
+    reader = NixlTransport(f"test-nixl-{next(_names)}", torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8),
+                           BLOCK_BYTES, capture_telemetry=True)
+    peer = reader.add_peer("owner", owner.describe())
+    reader.use_prepped = prepped
+    src, dst = _mixed_layout(blocks)
+    runs = merge_runs(src, dst)
+    assert len(runs) == 1 + 2 + 3 + 3  # 10 blocks in one run; 2 + 2; singles; the down run is 3 singles
+    xfer = reader.post_read(peer, src, dst, None)
+    reader._wait(xfer.handle, xfer.state, xfer.agent, 10.0)  # NIXL answers telemetry once DONE
+    posted = reader.agent.get_xfer_telemetry(xfer.handle).descCount  # its count, after its merging
+    assert reader.finish_read(xfer, 10.0) == len(src) * BLOCK_BYTES
+    assert posted == xfer.descriptors == len(runs)
+    assert torch.equal(reader.cache[dst], owner.cache[src])
+    untouched = [b for b in range(blocks) if b not in dst]
+    assert not reader.cache[untouched].any()  # nothing outside the destination blocks was written

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pdserve.worker.kv.block_runs import merge_runs
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
@@ -247,3 +248,17 @@ def test_a_future_dated_message_cannot_be_replayed_once_its_arrival_window_ends(
     with pytest.raises(AuthError, match="stale"):
         server.verify_request(b"read", *ahead)
     assert not server._seen
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30))
+def test_run_starts_agree_with_merge_runs(pairs):
+    import numpy as np
+
+    from pdserve.worker.kv.block_runs import as_indices, run_starts
+
+    src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+    starts = run_starts(as_indices(src), as_indices(dst))
+    ends = list(starts[1:]) + [len(src)]
+    assert [(src[a], dst[a], b - a) for a, b in zip(starts, ends)] == merge_runs(src, dst)
+    assert as_indices(src).dtype == np.int32 and list(as_indices(src)) == src
