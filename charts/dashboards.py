@@ -55,6 +55,10 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("End-to-end latency (router)", quantiles("pdserve_router_e2e_latency_seconds"), "s"),
         Panel("End-to-end latency (workers)", quantiles("vllm:e2e_request_latency_seconds", by="role"), "s"),
         Panel("Requests by P/D", (per_second("pdserve_router_requests_total", "disaggregated"),), "reqps"),
+        Panel("First-to-second token gap (router)", quantiles("pdserve_router_first_token_gap_seconds",
+                                                              by="disaggregated"), "s",
+              description="The stall a client sees after its first token; on a P/D request (yes) the hand-off to "
+                          "the decode worker is inside it."),
         Panel("Hand-off on decode workers", quantiles("pdserve_kv_decode_admission_wait_seconds", qs=(0.5, 0.99),
                                                       legend="admission wait ")
               + quantiles("pdserve_kv_transfer_seconds", 'direction="recv"', qs=(0.5, 0.99), legend="KV pull ")
@@ -109,6 +113,8 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                                             legend="{{route}} {{status}}"),), "reqps"),
         Panel("Cached KV blocks per worker (prefix-aware index)", ((f"sum by (worker) (pdserve_router_kv_index_blocks{{{SEL}}})", "{{worker}}"),)),
         Panel("Router time to first token", quantiles("pdserve_router_time_to_first_token_seconds"), "s"),
+        Panel("First-to-second token gap", quantiles("pdserve_router_first_token_gap_seconds", by="disaggregated"), "s",
+              description="Between the first and second token events sent to the client, by P/D."),
     ]),
 }
 
