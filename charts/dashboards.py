@@ -98,7 +98,8 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                                               by="transport"), "bytes"),
         Panel("Pull bandwidth per request (decode side)",
               quantiles("pdserve_kv_transfer_bandwidth_bytes_per_second", 'direction="recv"', by="transport"), "Bps",
-              description="One request's pulled bytes over its pull's duration (a chunked pull counts once)."),
+              description="One request's pulled bytes over its pull's duration (a streamed pull's includes "
+                          "waiting for the prefill to compute its chunks)."),
         Panel("Decode admission wait", quantiles("pdserve_kv_decode_admission_wait_seconds"), "s",
               description="A P/D request on its decode worker: from arrival to admission with its KV blocks allocated."),
         Panel("KV landed to first decode step", quantiles("pdserve_kv_first_step_wait_seconds"), "s",

@@ -1,14 +1,12 @@
-"""KVMetrics: one observation per pulled request (bytes, seconds, bandwidth), whatever the
-number of chunks the pull was made of, and the decode side's hand-off waits."""
+"""KVMetrics: one observation per pulled request (bytes, seconds, bandwidth) under its transport,
+and the decode side's hand-off waits."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.worker.kv.metrics import KVMetrics, PullMeter
+from pdserve.worker.kv.metrics import KVMetrics
 
 
 def sample(m: KVMetrics, name: str, **labels) -> float | None:
@@ -40,23 +38,6 @@ def test_a_pull_without_measurable_duration_has_no_bandwidth():
     recv = {"direction": "recv", "transport": "tcp"}
     assert sample(m, "pdserve_kv_transfer_request_bytes_count", **recv) == 1
     assert sample(m, "pdserve_kv_transfer_bandwidth_bytes_per_second_count", **recv) is None
-
-
-def test_pull_meter_observes_chunks_once():
-    m = KVMetrics()
-    meter = PullMeter(m, "nixl")
-    threads = [threading.Thread(target=lambda: [meter.add(8) for _ in range(1000)]) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert meter.finish() is True
-    assert meter.finish() is False  # a second report of the same pull is not a second pull
-    recv = {"direction": "recv", "transport": "nixl"}
-    assert sample(m, "pdserve_kv_transfer_request_bytes_count", **recv) == 1
-    assert sample(m, "pdserve_kv_transfer_request_bytes_sum", **recv) == 4 * 1000 * 8
-    assert sample(m, "pdserve_kv_transfer_bytes_total", **recv) == 4 * 1000 * 8
-    assert sample(m, "pdserve_kv_transfer_seconds_count", **recv) == 1
 
 
 def test_decode_waits_observe_only_what_a_request_had():

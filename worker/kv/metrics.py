@@ -9,9 +9,6 @@ engine state, reported from `engine.stats()` with the other engine series.) Offl
 
 from __future__ import annotations
 
-import threading
-import time
-
 from prometheus_client import Counter, Histogram
 
 LABELS = ("direction", "transport")
@@ -45,8 +42,9 @@ class KVMetrics:
                                          "first decode step producing a token.", registry=None, buckets=_WAIT_SECONDS)
 
     def observe_pull(self, transport: str, nbytes: int, seconds: float) -> None:
-        """One request's pull landed: `nbytes` in `seconds`. Once per request: a pull made of
-        several chunks reports their total once, when its last chunk lands (`PullMeter`)."""
+        """One request's pull landed: `nbytes` in `seconds`. Once per request: a streamed pull
+        reports its chunks' total once, when its last chunk landed (the end of `KVConnector._pull`),
+        and its seconds include waiting for the prefill to compute them."""
         labels = ("recv", transport)
         self.bytes.labels(*labels).inc(nbytes)
         self.seconds.labels(*labels).observe(seconds)
@@ -67,28 +65,3 @@ class KVMetrics:
                        self.local_prefill_fallbacks, self.admission_wait, self.first_step_wait):
             yield from metric.collect()
 
-
-class PullMeter:
-    """One request's pull made of several chunks, which pull threads may land concurrently:
-    `add` each chunk's bytes; `finish` observes them once, as one pull from the meter's start."""
-
-    def __init__(self, metrics: KVMetrics, transport: str):
-        self.metrics, self.transport = metrics, transport
-        self.nbytes = 0
-        self._start = time.perf_counter()
-        self._lock = threading.Lock()
-        self._finished = False
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.nbytes += nbytes
-
-    def finish(self) -> bool:
-        """Observe the pull (the first call only; False on later ones)."""
-        with self._lock:
-            if self._finished:
-                return False
-            self._finished = True
-            nbytes, seconds = self.nbytes, time.perf_counter() - self._start
-        self.metrics.observe_pull(self.transport, nbytes, seconds)
-        return True
