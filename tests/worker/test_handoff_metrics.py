@@ -1,7 +1,7 @@
 """The hand-off made visible (issue 24, item 4) on real prefill and decode worker processes:
 a plain request shows one queue-time observation; a P/D request shows, on the decode worker,
 one observation in each hand-off wait histogram and one pull in the per-request bytes and
-bandwidth histograms under its transport.
+bandwidth histograms under its transport, whether its KV came whole or streamed chunk by chunk.
 
 A worker may count a request after its client has seen the answer, so every count is read by
 polling /metrics until it appears, within a bound; nothing here sleeps or asserts on timing.
@@ -9,6 +9,8 @@ polling /metrics until it appears, within a bound; nothing here sleeps or assert
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
@@ -74,19 +76,39 @@ def test_a_plain_request_is_one_queue_time_observation(pair):
     assert value(snap, ADMISSION) == counts[ADMISSION] and value(snap, FIRST_STEP) == counts[FIRST_STEP]
 
 
-def test_a_pd_request_shows_its_hand_off_on_the_decode_worker(pair):
+def prefill_then_decode(p: WorkerProcess, d: WorkerProcess, body: dict, streamed: bool) -> str:
+    """A P/D request by hand; streamed: the decode call starts on the prefill's early params, while
+    the prefill runs. Returns the transport the prefill worker named."""
+    prefill = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "stream_kv": streamed}}
+    if not streamed:
+        first = httpx.post(f"{p.url}/v1/completions", timeout=60, json=prefill)
+        assert first.status_code == 200, first.text
+        params = first.json()["kv_transfer_params"]
+        rest = httpx.post(f"{d.url}/v1/completions", timeout=60, json={**body, "kv_transfer_params": params})
+        assert rest.status_code == 200, rest.text
+        return params["transport"]
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=60, json=prefill) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        early = json.loads(next(lines))["kv_transfer_params"]
+        decoded = {}
+        t = threading.Thread(target=lambda: decoded.update(r=httpx.post(
+            f"{d.url}/v1/completions", timeout=60, json={**body, "kv_transfer_params": early})))
+        t.start()
+        json.loads(next(lines))  # the prefill's answer
+    t.join(60)
+    assert not t.is_alive() and decoded["r"].status_code == 200, decoded
+    return early["transport"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_pd_request_shows_its_hand_off_on_the_decode_worker(pair, streamed):
     transport, p, d = pair
-    body = {**BODY, "prompt": f"A prompt only the {transport} pair has seen: " + BODY["prompt"]}
+    body = {**BODY, "prompt": f"A prompt only the {transport} pair has seen ({streamed}): " + BODY["prompt"]}
     recv = {"direction": "recv", "transport": transport}
     with leaves_no_kv([p, d]):
         p_before, d_before = samples(p), samples(d)
-        first = httpx.post(f"{p.url}/v1/completions", timeout=60,
-                           json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        assert first.status_code == 200, first.text
-        params = first.json()["kv_transfer_params"]
-        assert params["transport"] == transport
-        rest = httpx.post(f"{d.url}/v1/completions", timeout=60, json={**body, "kv_transfer_params": params})
-        assert rest.status_code == 200, rest.text
+        assert prefill_then_decode(p, d, body, streamed) == transport
         expected = {key(QUEUE): value(d_before, QUEUE) + 1,
                     key(ADMISSION): value(d_before, ADMISSION) + 1,
                     key(FIRST_STEP): value(d_before, FIRST_STEP) + 1}
@@ -96,7 +118,7 @@ def test_a_pd_request_shows_its_hand_off_on_the_decode_worker(pair):
                   - value(d_before, "pdserve_kv_transfer_bytes_total", **recv))
         request_bytes = (value(snap, "pdserve_kv_transfer_request_bytes_sum", **recv)
                          - value(d_before, "pdserve_kv_transfer_request_bytes_sum", **recv))
-        assert pulled > 0 and request_bytes == pulled  # the one pull's bytes, counted once
+        assert pulled > 0 and request_bytes == pulled  # the one pull's bytes (all its chunks), counted once
         assert value(snap, "pdserve_kv_local_prefill_fallbacks_total") == value(d_before, "pdserve_kv_local_prefill_fallbacks_total")
         # The prefill worker's own request queued too (its hand-off waits are the decode side's).
         p_snap = wait_counts(p, {key(QUEUE): value(p_before, QUEUE) + 1})
