@@ -55,6 +55,16 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("End-to-end latency (router)", quantiles("pdserve_router_e2e_latency_seconds"), "s"),
         Panel("End-to-end latency (workers)", quantiles("vllm:e2e_request_latency_seconds", by="role"), "s"),
         Panel("Requests by P/D", (per_second("pdserve_router_requests_total", "disaggregated"),), "reqps"),
+        Panel("First-to-second token gap (router)", quantiles("pdserve_router_first_token_gap_seconds",
+                                                              by="disaggregated"), "s",
+              description="The stall a client sees after its first token; on a P/D request (yes) the hand-off to "
+                          "the decode worker is inside it."),
+        Panel("Hand-off on decode workers", quantiles("pdserve_kv_decode_admission_wait_seconds", qs=(0.5, 0.99),
+                                                      legend="admission wait ")
+              + quantiles("pdserve_kv_transfer_seconds", 'direction="recv"', qs=(0.5, 0.99), legend="KV pull ")
+              + quantiles("pdserve_kv_first_step_wait_seconds", qs=(0.5, 0.99), legend="landed to first step "), "s",
+              description="A P/D request on its decode worker, in order: arrival to admission with blocks, the KV "
+                          "pull, the pull landed to the first decode step's token."),
     ]),
     "workers": ("pdserve / workers", "Engine state of every prefill and decode worker.", [
         Panel("Running requests", ((f"sum by (pod, role) (vllm:num_requests_running{{{SEL}}})", "{{role}} {{pod}}"),)),
@@ -67,6 +77,9 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("Generated tokens/s by role", (per_second("vllm:generation_tokens_total", "role"),), "short"),
         Panel("Finished requests by reason", (per_second("vllm:request_success_total", "finished_reason"),), "reqps"),
         Panel("Preemptions/s", (per_second("vllm:num_preemptions_total", "pod"),), "short"),
+        Panel("Queue time (arrival to first scheduled)", quantiles("vllm:request_queue_time_seconds", by="role"), "s",
+              description="vLLM's queue time. On a decode worker a P/D request is first scheduled once its KV pull "
+                          "landed, so the pull is inside it."),
         Panel("Free KV blocks", ((f"sum by (pod, role) (pdserve_kv_free_blocks{{{SEL}}})", "{{role}} {{pod}}"),
                                  (f"sum by (pod, role) (pdserve_kv_total_blocks{{{SEL}}})", "total {{pod}}"))),
     ]),
@@ -81,6 +94,16 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("Prefill call (router)", quantiles("pdserve_router_prefill_seconds"), "s"),
         Panel("Prefill answer to decode first byte (router)", quantiles("pdserve_router_handoff_seconds"), "s",
               description="The hand-off: the decode worker's KV pull is inside it."),
+        Panel("KV bytes per request (decode side)", quantiles("pdserve_kv_transfer_request_bytes", 'direction="recv"',
+                                                              by="transport"), "bytes"),
+        Panel("Pull bandwidth per request (decode side)",
+              quantiles("pdserve_kv_transfer_bandwidth_bytes_per_second", 'direction="recv"', by="transport"), "Bps",
+              description="One request's pulled bytes over its pull's duration (a streamed pull's includes "
+                          "waiting for the prefill to compute its chunks)."),
+        Panel("Decode admission wait", quantiles("pdserve_kv_decode_admission_wait_seconds"), "s",
+              description="A P/D request on its decode worker: from arrival to admission with its KV blocks allocated."),
+        Panel("KV landed to first decode step", quantiles("pdserve_kv_first_step_wait_seconds"), "s",
+              description="A P/D request on its decode worker: from its KV pull landing to its first decode step's token."),
     ]),
     "router": ("pdserve / router", "The router's view of its workers.", [
         Panel("In-flight requests per worker", ((f"sum by (worker) (pdserve_router_inflight{{{SEL}}})", "{{worker}}"),)),
@@ -91,6 +114,8 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                                             legend="{{route}} {{status}}"),), "reqps"),
         Panel("Cached KV blocks per worker (prefix-aware index)", ((f"sum by (worker) (pdserve_router_kv_index_blocks{{{SEL}}})", "{{worker}}"),)),
         Panel("Router time to first token", quantiles("pdserve_router_time_to_first_token_seconds"), "s"),
+        Panel("First-to-second token gap", quantiles("pdserve_router_first_token_gap_seconds", by="disaggregated"), "s",
+              description="Between the first and second token events sent to the client, by P/D."),
     ]),
 }
 

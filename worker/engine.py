@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 from pdserve.worker.block_manager import BlockManager
@@ -240,6 +241,7 @@ class LLMEngine:
         return []
 
     def _output(self, req: Request, new: list[int], logprob, handed_over: list[int] | None = None) -> RequestOutput:
+        queue_time = self._report_waits(req, new) if not req.waits_reported and (new or req.status.finished) else None
         prompt_lps = None
         if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or req.status.finished):
             prompt_lps = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
@@ -258,7 +260,22 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             handed_over_token_ids=handed_over,
+            queue_time=queue_time,
         )
+
+    def _report_waits(self, req: Request, new: list[int]) -> float | None:
+        """A request's first output with tokens, or its final one (a streamed hand-off's output
+        carrying only the prefill's first token is neither): observe a remote-prefilled request's
+        hand-off waits (KV metrics: arrival to admission with blocks; pull landed to this first
+        decode step, when it had both) and return its queue time, which the server observes."""
+        now = time.monotonic()
+        req.waits_reported = True
+        if self.kv_connector is not None and is_remote_decode(req.kv_transfer_params):
+            admitted, landed = req.admitted_time, req.kv_landed_time
+            self.kv_connector.metrics.observe_decode_waits(
+                None if admitted is None else admitted - req.arrival_time,
+                None if landed is None or not new else now - landed)
+        return None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
 
     def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:
         if self._kv_event_publisher is None:

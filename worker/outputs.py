@@ -40,6 +40,10 @@ class RequestOutput:
     # (already sent to the client by the router; not a new token).
     handed_over_token_ids: list[int] | None = None
     handed_over_text: str | None = None  # that token's text as the prefill worker released it (async layer)
+    # With a request's first output with tokens (or its final one), if it was scheduled: seconds
+    # from its arrival to its first scheduling (vLLM's queue time; on a decode worker of a P/D
+    # request the KV pull is inside it).
+    queue_time: float | None = None
     # Filled by the async layer's detokenizer: new text since the previous output (whole UTF-8
     # characters only; a matched stop string and anything after it removed).
     text: str = ""

@@ -48,6 +48,11 @@ class Request:
         # Set when it finishes as the prefill of a remote decode: where a decode worker pulls its KV.
         self.kv_transfer_params_out: dict | None = None
         self.arrival_time = time.monotonic()
+        # Latency stamps (time.monotonic()), each set once; the engine reports them with the first output.
+        self.admitted_time: float | None = None  # first given its blocks: RUNNING or WAITING_FOR_REMOTE_KVS
+        self.first_scheduled_time: float | None = None  # first RUNNING: vLLM's queue time ends here
+        self.kv_landed_time: float | None = None  # the scheduler learnt that its remote KV pull landed
+        self.waits_reported = False  # the engine reported them (with its first output with tokens, or final one)
         self.num_emitted_tokens = 0  # outputs already reported to the caller
         # structured_output.GrammarMatcher when params.structured is set (the engine makes it).
         self.grammar = None
@@ -65,8 +70,13 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
     def set_status(self, status: RequestStatus) -> None:
-        """The only place a request's state changes (the scheduler and `check_stop` call it)."""
+        """The only place a request's state changes (the scheduler and `check_stop` call it), so
+        the first admission and first scheduling are stamped here, whichever path admits it."""
         self.status = status
+        if status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS) and self.admitted_time is None:
+            self.admitted_time = time.monotonic()
+        if status is RequestStatus.RUNNING and self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
 
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: decide whether the request is done (token-level rules)."""

@@ -26,6 +26,7 @@ States (each change goes through `Request.set_status`):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -209,6 +210,7 @@ class Scheduler:
                     continue
             if ok:
                 req.num_computed_tokens = req.num_prompt_tokens
+                req.kv_landed_time = time.monotonic()
             else:  # only its prefix-cache hits are computed; the rest is prefilled here
                 self.connector.load_failed(req)
             req.set_status(RequestStatus.WAITING)

@@ -191,3 +191,39 @@ def test_pins_are_capped_at_half_the_cache(prefill):
         assert transfer.pins.release(p["remote_request_id"], p["transfer_token"])
     sched.update_from_kv_xfer(transfer.get_finished())
     assert bm.num_free_blocks == BLOCKS and not sched.sending
+
+
+def test_latency_stamps_of_a_remote_decode(prefill, decode):
+    """Admission (blocks allocated for the pull), landing, first scheduling: each stamped once, in
+    that order; vLLM's queue time ends at the first scheduling, after the pull."""
+    prompt = list(range(300, 310))
+    params = remote_params(prefill, prompt)
+    sched, _, _ = decode
+    r = decode_request("d", prompt, params)
+    sched.add(r)
+    assert r.admitted_time is None and r.first_scheduled_time is None
+    sched.schedule()
+    admitted = r.admitted_time
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and r.arrival_time <= admitted
+    assert r.first_scheduled_time is None and r.kv_landed_time is None
+    sched.update_from_kv_xfer(KVConnectorOutput(finished_recving=["d"]))
+    assert admitted <= r.kv_landed_time and r.first_scheduled_time is None
+    sched.schedule()
+    assert r.status is RequestStatus.RUNNING and r.kv_landed_time <= r.first_scheduled_time
+    first = r.first_scheduled_time
+    sched._preempt(r)
+    sched.schedule()  # readmitted: its first admission and scheduling stay as they were
+    assert r.status is RequestStatus.RUNNING and (r.admitted_time, r.first_scheduled_time) == (admitted, first)
+
+
+def test_a_failed_pull_has_no_landing(prefill, decode):
+    prompt = list(range(400, 410))
+    params = remote_params(prefill, prompt)
+    sched, _, _ = decode
+    r = decode_request("d", prompt, params)
+    sched.add(r)
+    sched.schedule()
+    sched.update_from_kv_xfer(KVConnectorOutput(failed_recving=["d"]))
+    sched.schedule()
+    assert r.status is RequestStatus.RUNNING and r.kv_landed_time is None
+    assert r.admitted_time <= r.first_scheduled_time

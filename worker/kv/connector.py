@@ -347,8 +347,7 @@ class KVConnector:
             if not quiet and not self._tp_pull(params):  # under TP rank 0 releases once all ranks are done
                 self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
             raise
-        self.metrics.bytes.labels("recv", transport).inc(nbytes)
-        self.metrics.seconds.labels("recv", transport).observe(time.perf_counter() - t0)
+        self.metrics.observe_pull(transport, nbytes, time.perf_counter() - t0)
         return nbytes
 
     def _pull_blocks(self, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,

@@ -53,6 +53,8 @@ class Generation:
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()
+                    if out.queue_time is not None:
+                        self.metrics.queued(out.queue_time)
                     if out.new_token_ids:
                         if last is None:
                             self.metrics.first_token(now - self.arrival)

@@ -75,6 +75,9 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", label,
                              buckets=_E2E_BUCKETS, registry=r)
+        # vLLM's name and meaning; TTFT's buckets, not vLLM's (from 0.3 s): a healthy queue waits ms.
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (time waiting).",
+                                    label, buckets=_TTFT_BUCKETS, registry=r)
         r.register(_EngineCollector(model_name, stats))
         # Pre-create children so every series exists (at 0) from the first scrape.
         self._prompt = self.prompt_tokens.labels(model_name)
@@ -82,11 +85,15 @@ class ServerMetrics:
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
         self._e2e = self.e2e.labels(model_name)
+        self._queue_time = self.queue_time.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
 
     def first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
+
+    def queued(self, queue_s: float) -> None:
+        self._queue_time.observe(queue_s)
 
     def tokens(self, gap_s: float, n: int) -> None:
         """`n` tokens arrived together `gap_s` after the previous output: n gaps of gap/n."""
