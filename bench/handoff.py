@@ -1,6 +1,6 @@
 """Hand-off benchmark (issue 24, not a test): the stall after the first token, P/D against aggregated.
 
-    python -m pdserve.bench.handoff --out DIR [--budget-s 530] [--seconds 22] [--chunk-tokens 512] [--smoke]
+    python -m pdserve.bench.handoff --out DIR [--budget-s 520] [--seconds 20] [--chunk-tokens 512] [--smoke]
     python -m pdserve.bench.handoff --replot DIR      # results.md and the figure again from DIR/summary.json
 
 On bench/disagg.py's random Llama-3.1-8B-shaped checkpoint (bf16, word tokenizer: exact prompt
@@ -31,9 +31,11 @@ and named. --smoke: a tiny model on CPU, TCP only, small sizes (checks the scrip
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -41,8 +43,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from pdserve.bench import disagg_report, handoff_report
+from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
 from pdserve.bench.disagg import UpStack
 
 SLO = ("ttft:2000", "itl:25")
@@ -62,7 +65,7 @@ class Sizes:
     per_request_s: tuple[float, float]  # a sweep request costs a + b * prompt tokens
 
 
-GPU = Sizes(3000, 200, (1, 6), (1024, 3000, 8192, 16384), 32, 5, 16640, 8704, 35.0, (0.4, 1e-4))
+GPU = Sizes(3000, 200, (1, 6), (1024, 3000, 8192, 16384), 32, 5, 16640, 8704, 30.0, (0.3, 1e-4))
 SMOKE = Sizes(60, 8, (1, 3), (64, 128, 256, 512), 8, 3, 2048, 2048, 25.0, (0.3, 1e-3))
 
 
@@ -116,9 +119,9 @@ def points(spec: StackSpec, sizes: Sizes) -> list[Point]:
 
 def estimate(p: Point, sizes: Sizes, seconds: float) -> float:
     if p.kind == "load":
-        return seconds + 8 + sizes.output_len * 0.03  # + warm-up and drain
+        return seconds + 6 + sizes.output_len * 0.01  # + prompts, warm-up and drain
     a, b = sizes.per_request_s
-    return (sizes.sweep_requests + 1) * (a + b * p.prompt_len) + 3
+    return (sizes.sweep_requests + 1) * (a + b * p.prompt_len) + 2
 
 
 class Runner:
@@ -130,6 +133,7 @@ class Runner:
         self.skipped: list[str] = []
         self.runs: list[dict] = []
         self.start_costs: list[float] = []
+        self.tokenizer = dataset.load_tokenizer(ckpt)
 
     def say(self, msg: str) -> None:
         print(f"[handoff {time.monotonic() - self.t0:5.0f}s] {msg}", flush=True)
@@ -142,7 +146,7 @@ class Runner:
         start = max(self.start_costs) if self.start_costs else self.sizes.start_s
         return start + 5 + sum(estimate(p, self.sizes, self.args.seconds) for p in points(spec, self.sizes))
 
-    def run_all(self, stacks: list[StackSpec]) -> None:
+    def run_all(self, stacks: list[StackSpec], after_each) -> None:
         for k, spec in enumerate(stacks):
             left = self.deadline - time.monotonic()
             share_end = time.monotonic() + left * self.stack_cost(spec) / sum(map(self.stack_cost, stacks[k:]))
@@ -153,6 +157,7 @@ class Runner:
                 self.say(f"budget: skipping stack {spec.name} ({left:.0f}s left)")
                 continue
             self.run_stack(spec, todo, share_end)
+            after_each()  # the report so far: a kill past the budget keeps it
 
     def run_stack(self, spec: StackSpec, todo: list[Point], share_end: float) -> None:
         worker, router = stack_flags(spec, self.args.chunk_tokens, self.support)
@@ -190,30 +195,50 @@ class Runner:
             self.stage(f"{spec.name} stop", t)
 
     def measure(self, stack: UpStack, spec: StackSpec, p: Point, warmup: int) -> dict:
-        from pdserve.bench import serve
-
-        s = self.sizes
-        run_dir = self.work / "runs" / spec.name
+        """One point through bench/serve.py's load generator (the tokenizer loaded once per run)."""
+        s, seconds = self.sizes, self.args.seconds
         seed = 7919 * (len(self.runs) + 1)  # fresh prompts per point: nothing hits the prefix cache
-        argv = ["--base-url", stack.children["router"], "--model", "llama", "--tokenizer", self.ckpt,
-                "--goodput", *SLO, "--no-progress", "--no-plots", "--request-timeout", "120", "--out", str(run_dir),
-                "--seed", str(seed)]
-        argv += [a for u in stack.children.values() for a in ("--metrics-url", u)]
+        base = stack.children["router"]
         if p.kind == "load":
-            label = spec.name
-            argv += ["--input-len", str(s.input_len), "--output-len", str(s.output_len), "--request-rate",
-                     str(p.rate), "--duration", str(self.args.seconds), "--label", label,
-                     "--warmup-requests", str(warmup)]
-        else:  # sequential: closed loop of one; one warm-up per length (kernels specialise on it)
-            label = f"{spec.name}-len{p.prompt_len}"
-            argv += ["--input-len", str(p.prompt_len), "--output-len", str(s.sweep_output_len), "--concurrency", "1",
-                     "--num-requests", str(s.sweep_requests), "--label", label, "--warmup-requests", "1"]
-        if serve.main(argv) != 0:
-            raise RuntimeError("no request completed")
-        run = json.loads((run_dir / f"{label}_rate-{serve.rate_name(p.rate)}.json").read_text())
+            label, in_len, out_len, n = spec.name, s.input_len, s.output_len, None
+            cfg = serve.LoadConfig(base, "llama", request_rate=p.rate, duration_s=seconds, request_timeout_s=120,
+                                   seed=seed, progress=False)
+        else:  # sequential: a closed loop of one; one warm-up per length (kernels specialise on it)
+            label, in_len, out_len, n = f"{spec.name}-len{p.prompt_len}", p.prompt_len, s.sweep_output_len, s.sweep_requests
+            cfg = serve.LoadConfig(base, "llama", concurrency=1, request_timeout_s=120, seed=seed, progress=False)
+            warmup = 1
+        if warmup:
+            warm = dataset.random_requests(self.tokenizer, warmup, in_len, out_len, seed=seed + 1)
+            run_async(serve.run_load(serve.LoadConfig(base, "llama", concurrency=cfg.concurrency, progress=False), warm))
+        specs = dataset.random_requests(self.tokenizer, serve.prompts_needed(cfg, n), in_len, out_len, seed=seed)
+        urls = list(stack.children.values())
+        before = server_metrics.scrape_all(urls)
+        results, duration = run_async(serve.run_load(cfg, specs))
+        deltas = server_metrics.delta(before, server_metrics.scrape_all(urls))
+        summary = serve_metrics.summarize(results, duration, serve_metrics.parse_goodput(list(SLO)))
+        if not summary["completed"]:
+            raise RuntimeError(f"no request completed: {summary['errors']}")
+        names = SimpleNamespace(label=label, input_len=in_len, output_len=out_len, range_ratio=0.0, dataset=None)
+        run = serve.run_record(names, cfg, summary, results, deltas)
         run.update(stack=spec.name, transport=spec.transport, overlap=spec.overlap, kind=p.kind,
                    roles={u: n for n, u in stack.children.items()})
+        path = self.work / "runs" / f"{label}_rate-{serve.rate_name(cfg.request_rate)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run))
+        r = handoff_report.row(run)
+        self.say(f"{label} @ {serve.rate_name(cfg.request_rate)}: first gap p50/p99 {r['first_gap_p50_ms']:.1f}/"
+                 f"{r['first_gap_p99_ms']:.1f} ms, steady ITL p50 {r['steady_itl_p50_ms']:.1f} ms, TTFT p50 "
+                 f"{r['ttft_p50_ms']:.0f} ms, good {r['good']}/{r['sent']}, failed {r['failed']}")
         return run
+
+
+def run_async(coro):
+    """As `pdserve bench serve` runs its load: on uvloop where installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dict[str, bool]) -> dict:
@@ -222,8 +247,9 @@ def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dic
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     per_token = handoff_report.kv_bytes_per_token(config) if config else 0
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+        repo = Path(__file__).resolve().parents[1]  # through gpu_env.sh's link farm too
+        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
     missing = [f for f, ok in support.items() if not ok]
@@ -249,8 +275,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench handoff", description=__doc__.splitlines()[0])
     p.add_argument("--out", metavar="DIR", help="results.md, summary.json, the figure, runs.tar.gz")
     p.add_argument("--replot", metavar="DIR", help="only redraw DIR's results.md and figure from its summary.json")
-    p.add_argument("--seconds", type=float, default=None, help="sending time per load point (default 22, smoke 4)")
-    p.add_argument("--budget-s", type=float, default=None, help="skip what would end past this (default 530, smoke 400)")
+    p.add_argument("--seconds", type=float, default=None, help="sending time per load point (default 20, smoke 4)")
+    p.add_argument("--budget-s", type=float, default=None, help="skip what would end past this (default 520, smoke 400)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="--kv-stream-chunk-tokens of overlap on "
                    "(default 512, smoke 32)")
     p.add_argument("--stacks", default=None, help="comma-separated subset of agg,nixl-off,nixl-on,tcp-off,tcp-on")
@@ -266,8 +292,8 @@ def main(argv=None) -> int:
     if not args.out:
         p.error("--out: required (or --replot DIR)")
     sizes = SMOKE if args.smoke else GPU
-    args.seconds = args.seconds or (4.0 if args.smoke else 22.0)
-    args.budget_s = args.budget_s or (400.0 if args.smoke else 530.0)
+    args.seconds = args.seconds or (4.0 if args.smoke else 20.0)
+    args.budget_s = args.budget_s or (400.0 if args.smoke else 520.0)
     args.chunk_tokens = args.chunk_tokens if args.chunk_tokens is not None else (32 if args.smoke else 512)
     stacks = list(SMOKE_STACKS if args.smoke else STACKS)
     if args.stacks:
@@ -276,6 +302,8 @@ def main(argv=None) -> int:
             p.error(f"--stacks: unknown {', '.join(unknown)}")
         stacks = [s for s in STACKS if s.name in names]
     t0 = time.monotonic()
+    # timeout(1) sends SIGTERM: unwind, so the stack is stopped and the report written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     support = {f: False for f in ("--pd-handoff", "--kv-stream-chunk-tokens")} if args.no_overlap_flags else flag_support()
     print(f"[handoff] flags in this checkout: {support}", flush=True)
     if not all(support.values()) and not args.smoke:
@@ -300,7 +328,7 @@ def main(argv=None) -> int:
         if not args.checkpoint:
             runner.stages.append(("checkpoint", time.monotonic() - t))
         runner.say(f"plan: {', '.join(f'{s.name} (~{runner.stack_cost(s):.0f}s)' for s in stacks)}")
-        runner.run_all(stacks)
+        runner.run_all(stacks, lambda: handoff_report.render(summarize(runner, args, sizes, ckpt, support), out))
     finally:
         summary = summarize(runner, args, sizes, ckpt, support)
         handoff_report.render(summary, out)
