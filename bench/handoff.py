@@ -36,6 +36,7 @@ import datetime
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -61,12 +62,14 @@ class Sizes:
     sweep_requests: int
     max_model_len: int
     max_num_batched_tokens: int  # the disagg run's step budget, so the load points compare with it
-    start_s: float  # first guesses of the costs; measured ones replace them
-    per_request_s: tuple[float, float]  # a sweep request costs a + b * prompt tokens
+    start_s: float  # first guesses of the costs; measured ones correct them (Runner.estimate)
+    per_request_s: dict  # transport -> (a, b): a sweep request costs a + b * prompt tokens
 
 
-GPU = Sizes(3000, 200, (1, 6), (1024, 3000, 8192, 16384), 32, 5, 16640, 8704, 30.0, (0.3, 1e-4))
-SMOKE = Sizes(60, 8, (1, 3), (64, 128, 256, 512), 8, 3, 2048, 2048, 25.0, (0.3, 1e-3))
+# The sweep runs 3000 last: the first budget cut takes the length the 1 req/s load point also shows.
+GPU = Sizes(3000, 200, (1, 6), (1024, 16384, 8192, 3000), 32, 5, 16640, 8704, 30.0,
+            {"nixl": (0.25, 5e-5), "tcp": (0.25, 1.1e-4)})
+SMOKE = Sizes(60, 8, (1, 3), (64, 512, 256, 128), 8, 3, 2048, 2048, 25.0, {"nixl": (0.3, 1e-3), "tcp": (0.3, 1e-3)})
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,11 @@ def points(spec: StackSpec, sizes: Sizes) -> list[Point]:
     return [Point("load", rate=r) for r in rates] + sweep
 
 
-def estimate(p: Point, sizes: Sizes, seconds: float) -> float:
+def estimate(p: Point, spec: StackSpec, sizes: Sizes, seconds: float) -> float:
+    """A first guess of a point's seconds: sending (or sequential requests), prompts, warm-up, drain."""
     if p.kind == "load":
-        return seconds + 6 + sizes.output_len * 0.01  # + prompts, warm-up and drain
-    a, b = sizes.per_request_s
+        return seconds + 6 + sizes.output_len * 0.01
+    a, b = sizes.per_request_s[spec.transport]
     return (sizes.sweep_requests + 1) * (a + b * p.prompt_len) + 2
 
 
@@ -133,6 +137,7 @@ class Runner:
         self.skipped: list[str] = []
         self.runs: list[dict] = []
         self.start_costs: list[float] = []
+        self.ratios: dict[str, list[float]] = {"load": [], "sweep": []}  # measured / first guess
         self.tokenizer = dataset.load_tokenizer(ckpt)
 
     def say(self, msg: str) -> None:
@@ -142,17 +147,23 @@ class Runner:
         self.stages.append((name, time.monotonic() - t))
         self.say(f"stage {name}: {self.stages[-1][1]:.0f}s")
 
+    def estimate(self, p: Point, spec: StackSpec) -> float:
+        """The first guess scaled by how the points measured so far compared with theirs."""
+        ratios = self.ratios[p.kind]
+        scale = min(2.0, max(0.5, statistics.median(ratios))) if ratios else 1.0
+        return estimate(p, spec, self.sizes, self.args.seconds) * scale
+
     def stack_cost(self, spec: StackSpec) -> float:
         start = max(self.start_costs) if self.start_costs else self.sizes.start_s
-        return start + 5 + sum(estimate(p, self.sizes, self.args.seconds) for p in points(spec, self.sizes))
+        return start + 5 + sum(self.estimate(p, spec) for p in points(spec, self.sizes))
 
     def run_all(self, stacks: list[StackSpec], after_each) -> None:
         for k, spec in enumerate(stacks):
             left = self.deadline - time.monotonic()
             share_end = time.monotonic() + left * self.stack_cost(spec) / sum(map(self.stack_cost, stacks[k:]))
             todo = points(spec, self.sizes)
-            first = estimate(todo[0], self.sizes, self.args.seconds)
-            if left < self.stack_cost(spec) - sum(estimate(p, self.sizes, self.args.seconds) for p in todo) + first:
+            first = self.estimate(todo[0], spec)
+            if left < self.stack_cost(spec) - sum(self.estimate(p, spec) for p in todo) + first:
                 self.skipped.append(f"{spec.name} (whole stack: {left:.0f}s left)")
                 self.say(f"budget: skipping stack {spec.name} ({left:.0f}s left)")
                 continue
@@ -178,14 +189,15 @@ class Runner:
             self.stage(f"{spec.name} start", t)
             for i, p in enumerate(todo):
                 what = f"{spec.name} {p.kind} {p.rate if p.kind == 'load' else p.prompt_len}"
-                if time.monotonic() + estimate(p, self.sizes, self.args.seconds) > share_end:
+                if time.monotonic() + self.estimate(p, spec) > share_end:
                     self.skipped.append(f"{what} (budget)")
                     self.say(f"budget: skipping {what} ({share_end - time.monotonic():.0f}s left of its stack's share)")
                     continue
                 t = time.monotonic()
                 try:
                     self.runs.append(self.measure(stack, spec, p, warmup=4 if i == 0 else 0))
-                except (Exception, SystemExit) as e:  # serve.main exits through argparse on bad input
+                    self.ratios[p.kind].append((time.monotonic() - t) / estimate(p, spec, self.sizes, self.args.seconds))
+                except Exception as e:  # noqa: BLE001 - a failed point is reported; the rest still runs
                     self.skipped.append(f"{what} (failed: {type(e).__name__}: {e})")
                     self.say(f"{what}: failed: {e!r}")
                 self.stage(what, t)
@@ -263,7 +275,7 @@ def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dic
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "config": {"model": model, "chunk_tokens": args.chunk_tokens, "seconds": args.seconds,
                        "input_len": sizes.input_len, "output_len": sizes.output_len, "rates": list(sizes.rates),
-                       "lengths": list(sizes.lengths), "sweep_requests": sizes.sweep_requests,
+                       "lengths": sorted(sizes.lengths), "sweep_requests": sizes.sweep_requests,
                        "sweep_output_len": sizes.sweep_output_len, "max_model_len": sizes.max_model_len,
                        "max_num_batched_tokens": sizes.max_num_batched_tokens, "budget_s": args.budget_s,
                        "kv_bytes_per_token": per_token},
