@@ -194,6 +194,10 @@ def _f(v: float | None, nd: int = 1) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
 
 
+def _g(v: float | None) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
+
+
 def _setup(r: dict) -> str:
     return "aggregated" if not r["transport"] else f"P/D {r['transport']}, overlap {'on' if r['overlap'] else 'off'}"
 
@@ -205,7 +209,9 @@ def markdown(summary: dict) -> str:
          f"workers `--kv-stream-chunk-tokens {cfg['chunk_tokens']}`, off = `--pd-handoff after-prefill` + "
          f"`--kv-stream-chunk-tokens 0`. {summary['flags_note']}", "",
          "First gap = the client's gap between token 1 and token 2 (in P/D the hand-off); steady ITL = every later "
-         "gap, pooled; good = TTFT <= 2 s and every gap <= 25 ms.", ""]
+         "gap, pooled; good = TTFT <= 2 s and every gap <= 25 ms. KV pull = the decode worker's "
+         "`pdserve_kv_transfer_seconds` (mean per request): with overlap on a pull spans the prefill (it waits for "
+         "chunks), so its GB/s is not the link's.", ""]
     load = [r for r in rows if r["kind"] == "load"]
     if load:
         L += [f"## {cfg['input_len']} in / {cfg['output_len']} out, Poisson arrivals, {cfg['seconds']:g} s of sending "
@@ -214,7 +220,7 @@ def markdown(summary: dict) -> str:
               "| failed | KV pull ms (GB/s) | prefill-worker TTFT ms |",
               "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |"]
         for r in sorted(load, key=lambda r: (r["rate"], r["transport"] or "", r["overlap"] or False)):
-            kv = f"{_f(r.get('kv_ms'))} ({_f(r.get('kv_gbps'))})" if r["transport"] else "–"
+            kv = f"{_f(r.get('kv_ms'))} ({_g(r.get('kv_gbps'))})" if r["transport"] else "–"
             L.append(f"| {r['rate']:g} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_p99_ms'])} | "
                      f"{_f(r['steady_itl_p50_ms'])} | {_f(r['itl_p99_ms'])} | {_f(r['ttft_p50_ms'], 0)} / "
                      f"{_f(r['ttft_p99_ms'], 0)} | {r['good']}/{r['sent']} | {r['failed']} | {kv} | "
@@ -229,7 +235,7 @@ def markdown(summary: dict) -> str:
         for r in sorted(sweep, key=lambda r: (r["prompt_len"], r["transport"], r["overlap"])):
             L.append(f"| {r['prompt_len']} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_max_ms'])} | "
                      f"{_f(r['steady_itl_p50_ms'])} | {_f(r['ttft_p50_ms'])} | {_f(r.get('p_ttft_ms'))} | "
-                     f"{_f(r.get('kv_mb_per_req'))} | {_f(r.get('kv_ms'))} | {_f(r.get('kv_gbps'))} |")
+                     f"{_f(r.get('kv_mb_per_req'))} | {_f(r.get('kv_ms'))} | {_g(r.get('kv_gbps'))} |")
         L.append("")
     if pred:
         g = " | ".join(f"{b} GB/s off / on" for b in LINKS_GBPS)
@@ -250,7 +256,7 @@ def markdown(summary: dict) -> str:
                   "", "| setup | prompt | link GB/s | predicted first gap ms | measured first gap p50 ms | of it over a steady gap "
                   "| transfer the prefill cannot hide ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for c in pred["checks"]:
-                L.append(f"| {c['stack']} | {c['prompt_len']} | {c['gbps']:.1f} | {c['predicted_ms']:.1f} | "
+                L.append(f"| {c['stack']} | {c['prompt_len']} | {_g(c['gbps'])} | {c['predicted_ms']:.1f} | "
                          f"{c['measured_ms']:.1f} | {c['stall_ms']:.1f} | {c['unhidden_ms']:.1f} |")
         L.append("")
     L += ["## Issue 24's targets (NIXL unless named)", "", "| target | overlap off | overlap on |", "| --- | --- | --- |"]
