@@ -75,17 +75,25 @@ def make_checkpoint(path: str, smoke: bool) -> None:
 class UpStack:
     """`pdserve up` as a child process; `children` maps name -> URL once it is ready."""
 
-    def __init__(self, ckpt: str, prefill: int, decode: int, log_dir: Path, smoke: bool):
+    def __init__(self, ckpt: str, prefill: int, decode: int, log_dir: Path, smoke: bool, *,
+                 transport: str | None = None, max_model_len: int | None = None, worker_args: str = "",
+                 router_args: str = ""):
+        """transport: nixl | tcp (default: tcp for --smoke, else what `pdserve up` picks); the
+        extra worker/router flags go to every worker / the router (bench/handoff.py's overlap)."""
         self.port = free_port()
         self.log_dir = log_dir
-        worker_args = "--max-model-len 2048 --kv-cache-memory 268435456" if smoke else "--max-model-len 8704"
-        worker_args += " --kv-peer-allow 127.0.0.1"  # all workers on loopback; the default allows no peer
+        max_len = max_model_len or (2048 if smoke else 8704)
+        base = f"--max-model-len {max_len}" + (" --kv-cache-memory 268435456" if smoke else "")
+        base += " --kv-peer-allow 127.0.0.1"  # all workers on loopback; the default allows no peer
         self.cmd = [sys.executable, "-m", "pdserve.cli.main", "up", "--model", ckpt, "--served-model-name", "llama",
                     "--prefill", str(prefill), "--decode", str(decode), "--host", "127.0.0.1",
                     "--port", str(self.port), "--device", "cpu" if smoke else "cuda", "--log-dir", str(log_dir),
-                    f"--worker-args={worker_args}", "--ready-timeout", "400"]
-        if smoke:
-            self.cmd += ["--kv-transfer", "tcp"]
+                    f"--worker-args={base} {worker_args}".rstrip(), "--ready-timeout", "400"]
+        if router_args:
+            self.cmd.append(f"--router-args={router_args}")
+        transport = transport or ("tcp" if smoke else None)
+        if transport:
+            self.cmd += ["--kv-transfer", transport]
         self.out = log_dir / "up.log"
         self.proc: subprocess.Popen | None = None
         self.children: dict[str, str] = {}

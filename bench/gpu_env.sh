@@ -14,12 +14,26 @@
 PY=${PYTHON:-python3}
 PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps}
 rm -rf "$PDSERVE_DEPS" && mkdir -p "$PDSERVE_DEPS"
+# The image's own copy of a module is kept unless a carried wheel is newer (an older one can miss
+# what the carried packages need: fastapi 0.165 wants starlette >= 1.6, pydantic typing_extensions
+# >= 4.16); a module whose version cannot be read is taken from the wheel.
+_gpu_env_keep() {  # _gpu_env_keep MODULE DIST WHEEL: 0 if the image's MODULE imports and is not older
+  $PY - "$@" 2>/dev/null <<'EOF'
+import importlib, importlib.metadata as md, sys
+module, dist, whl = sys.argv[1:]
+importlib.import_module(module)
+if whl:
+    from packaging.version import Version
+    sys.exit(Version(md.version(dist)) < Version(whl.rsplit("/", 1)[-1].split("-")[1]))
+EOF
+}
+GPU_ENV_WHEELS=()  # one pip call for all of them: pip's start costs a second each
 for spec in "$@"; do
   module=${spec%%:*} wheel=${spec##*:}
-  $PY -c "import $module" 2>/dev/null && continue
   whl=$(ls .whl/"$wheel"-*.whl .bench-structured/"$wheel"-*.whl 2>/dev/null | head -n 1)
+  _gpu_env_keep "$module" "$wheel" "$whl" && continue
   if [ -n "$whl" ]; then
-    $PY -m pip install -q --no-deps --no-index --target "$PDSERVE_DEPS" "$whl" 2>&1 | grep -v "^WARNING" || true
+    GPU_ENV_WHEELS+=("$whl")
   elif [ -d ".whl/site/$module" ]; then
     ln -s "$PWD/.whl/site/$module" "$PDSERVE_DEPS/$module"
   else
@@ -27,6 +41,11 @@ for spec in "$@"; do
     return 1 2>/dev/null || exit 1
   fi
 done
+if [ ${#GPU_ENV_WHEELS[@]} -gt 0 ]; then
+  $PY -m pip install -q --no-deps --no-index --no-compile --target "$PDSERVE_DEPS" "${GPU_ENV_WHEELS[@]}" 2>&1 \
+    | grep -v "^WARNING" || true
+fi
+echo "gpu_env: installed from carried wheels: ${GPU_ENV_WHEELS[*]:-none}" >&2
 PD=/tmp/pdserve-path
 rm -rf "$PD" && mkdir -p "$PD/pdserve"
 for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",
     "disagg": "pdserve.bench.disagg",
+    "handoff": "pdserve.bench.handoff",
     "structured": "pdserve.bench.structured",
 }
 

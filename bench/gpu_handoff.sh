@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 24's hand-off measurement in one device call on a 2-GPU machine (<= 10 minutes). From the
+# repo root, with .whl/ rebuilt (the wheels below; git-ignored, so carried):
+#
+#   run(command="bash bench/gpu_handoff.sh", kind="nvidia-h100-x2", carry=[".whl"], timeout_s=600)
+#
+# Runs bench/handoff.py (its docstring has the plan): aggregated vs P/D 1+1 over NIXL and TCP,
+# overlap off and on, 3000/200 at 1 and 6 req/s, the 1k-16k prompt-length sweep, the stall model.
+# Extra arguments go to bench/handoff.py (e.g. --chunk-tokens 256, --stacks agg,nixl-off,nixl-on).
+# The harness gets what the 600 s call has left after the setup here (~20 s), less 50 s for the last
+# stack's stop, the report and a margin (~530 s, its checkpoint included; HANDOFF_BUDGET_S=N caps it).
+# Files in $OUT (else ./gpu_handoff_out): results.md, summary.json, first_gap_vs_prompt.png (where
+# the image has matplotlib; else `python -m pdserve.bench.handoff --replot DIR` here draws it),
+# runs.tar.gz (every run's JSON with per-request gaps, every stack's logs), env.txt, log.txt.
+set -u
+OUT=${OUT:-$PWD/gpu_handoff_out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the harness runs from /tmp
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+# What the worker, the router and the load generator import that the image may lack (a module
+# the image has is kept unless the carried wheel is newer: bench/gpu_env.sh).
+DEPS=(zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client
+  fastapi:fastapi starlette:starlette pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types
+  typing_inspection:typing_inspection typing_extensions:typing_extensions opentelemetry:opentelemetry_api
+  annotated_doc:annotated_doc anyio:anyio idna:idna uvicorn:uvicorn click:click h11:h11 httptools:httptools
+  httpx:httpx httpcore:httpcore certifi:certifi aiohttp:aiohttp aiosignal:aiosignal frozenlist:frozenlist
+  multidict:multidict yarl:yarl propcache:propcache aiohappyeyeballs:aiohappyeyeballs attrs:attrs tqdm:tqdm)
+ls .whl/uvloop-*.whl >/dev/null 2>&1 && DEPS+=(uvloop:uvloop)  # optional: uvicorn's and the client's loop
+source bench/gpu_env.sh "${DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
+{
+  date -u
+  echo "commit: $(git describe --always --dirty 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -n 4
+  echo "cores: $(nproc)"
+  cd /tmp  # python from the repo root would find its operator/ folder before the standard library's
+  # The import chains the stack needs, before any model is loaded: a missing wheel fails here in seconds.
+  $PY -c "import sys, importlib.util as u, torch, triton, transformers, nixl_cu13, pdserve.router.app, pdserve.bench.serve
+import pdserve.worker.server.app
+print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__,
+      '· transformers', transformers.__version__, '· matplotlib', 'yes' if u.find_spec('matplotlib') else 'no')
+print('imports: ok · GPUs', torch.cuda.device_count())"
+  cd "$OLDPWD"
+} >> "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+grep -q "imports: ok" "$OUT/env.txt" || { echo "an import failed (env.txt above): stopping before any model load"; exit 1; }
+GPUS=$(sed -n 's/^imports: ok · GPUs //p' "$OUT/env.txt")
+# (HANDOFF_MIN_GPUS=0 ... --smoke runs this script end to end on a CPU machine.)
+[ "${GPUS:-0}" -ge "${HANDOFF_MIN_GPUS:-2}" ] || { echo "needs 2 GPUs, sees ${GPUS:-0}: stopping"; exit 1; }
+echo "setup: $(( $(date +%s) - T0 ))s"
+set -o pipefail
+cd /tmp
+# The call may run 600 s: what the setup left, less the last stack's stop and the report (~25 s)
+# and a margin; HANDOFF_BUDGET_S lowers it. SIGTERM at the hard limit: the harness stops its
+# stack and writes the report so far (runs.tar.gz too).
+LEFT=$(( 590 - ($(date +%s) - T0) ))
+BUDGET=$(( LEFT - 40 ))
+[ -n "${HANDOFF_BUDGET_S:-}" ] && [ "$HANDOFF_BUDGET_S" -lt "$BUDGET" ] && BUDGET=$HANDOFF_BUDGET_S
+echo "harness budget: ${BUDGET}s (hard limit $(( BUDGET + 30 ))s)"
+timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT" --budget-s "$BUDGET" "$@" \
+  > "$OUT/log.txt" 2>&1
+echo "bench handoff: rc=$? in $(( $(date +%s) - T0 ))s (setup included)"
+grep "^\[handoff" "$OUT/log.txt" | tail -n 40
+cat "$OUT/results.md" 2>/dev/null || tail -n 60 "$OUT/log.txt"
+ls -la "$OUT"

@@ -1,0 +1,325 @@
+"""Rows, the stall model, issue 24's targets, results.md and the figure, from bench/handoff.py's runs.
+
+Definitions (stated again in the report):
+- first gap: the client's gap between the first and the second content chunk of a request (one
+  token per chunk): in P/D the hand-off stall (first token from P, second from D);
+- steady ITL: every later gap, pooled over the point's requests;
+- good: a request with TTFT <= 2 s and every gap <= 25 ms (vLLM's per-request goodput);
+- P/D split from the servers' /metrics deltas (bench/disagg_report.point): the prefill worker's
+  TTFT (queue + prefill), the decode worker's KV pulls (bytes, seconds).
+Everything here reads and writes plain dicts, so `--replot` rebuilds the report from summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from pdserve.bench import disagg_report
+
+LINKS_GBPS = (2, 10, 25, 50)
+FLAT_MS = 5.0  # "flat": first gap spread over prompt lengths, and the TCP slack of issue 24
+
+
+def pct(values: list[float], p: float) -> float:
+    """numpy.percentile's linear interpolation; nan when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def row(run: dict) -> dict:
+    """One point: a serve run record of bench/handoff.py (keys stack, transport, overlap, kind added)."""
+    ok = [q for q in run["requests"] if q["error"] is None]
+    firsts = [q["itls"][0] * 1e3 for q in ok if q["itls"]]
+    steady = [g * 1e3 for q in ok for g in q["itls"][1:]]
+    s = run["summary"]
+    r = {"stack": run["stack"], "transport": run["transport"], "overlap": run["overlap"], "kind": run["kind"],
+         "rate": run["request_rate"], "prompt_len": run["input_len"], "output_len": run["output_len"],
+         "sent": s["num_requests"], "failed": s["failed"], "errors": s["errors"], "good": s.get("good_requests"),
+         "ttft_p50_ms": pct([q["ttft"] * 1e3 for q in ok], 50), "ttft_p99_ms": pct([q["ttft"] * 1e3 for q in ok], 99),
+         "first_gap_p50_ms": pct(firsts, 50), "first_gap_p99_ms": pct(firsts, 99),
+         "first_gap_max_ms": max(firsts, default=math.nan), "steady_itl_p50_ms": pct(steady, 50),
+         "itl_p99_ms": pct(firsts + steady, 99), "send_lag_p99_ms": s["send_lag_s"]["p99"] * 1e3}
+    if run["transport"]:  # P/D: the split from /metrics
+        d = disagg_report.point({**run, "setup": "pd", "workload": ""})
+        r.update({k: d[k] for k in ("p_ttft_ms", "router_prefill_ms", "handoff_ms", "kv_pulls", "kv_mb_per_req",
+                                    "kv_ms", "kv_gbps", "kv_failures")})
+    return r
+
+
+# ---- the stall model -----------------------------------------------------------------------------
+
+def kv_bytes_per_token(config: dict) -> int:
+    """layers x 2 (K and V) x kv heads x head dim x element bytes, from a HF config.json."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    elem = 4 if "32" in str(dtype) else 2
+    return config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads) * head_dim * elem
+
+
+def stall_off_ms(nbytes: float, gbps: float, fixed_ms: float) -> float:
+    """After-prefill hand-off: the whole KV crosses the link once the prefill has ended."""
+    return nbytes / (gbps * 1e6) + fixed_ms
+
+
+def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, n_chunks: int, fixed_ms: float) -> float:
+    """Streamed hand-off, chunk k sent once computed (equal chunk times, one link): the last byte
+    lands at max over k of (k*P/n + (n-k+1)*B/(n*bw)), linear in k, so the stall after the prefill
+    ends is max(last chunk alone, B/bw - P*(n-1)/n)."""
+    link = nbytes / (gbps * 1e6)
+    return max(link / n_chunks, link - prefill_ms * (n_chunks - 1) / n_chunks) + fixed_ms
+
+
+def _sweep(rows: list[dict], stack: str) -> dict[int, dict]:
+    return {r["prompt_len"]: r for r in rows if r["kind"] == "sweep" and r["stack"] == stack
+            and r["failed"] < r["sent"]}
+
+
+def prediction(rows: list[dict], per_token: int, chunk: int) -> dict:
+    """Fits the two fixed costs on the NIXL sweep (TCP if NIXL is missing) and predicts the stall
+    per prompt length and link; also checks the model at each stack's own measured link."""
+    off = _sweep(rows, "nixl-off") or _sweep(rows, "tcp-off")
+    on_name = "nixl-on" if _sweep(rows, "nixl-on") else "tcp-on"
+    on = _sweep(rows, on_name)
+    if not off:
+        return {}
+    n_chunks = lambda L: max(1, math.ceil(L / chunk)) if chunk else 1
+    prefill = {L: r["p_ttft_ms"] for L, r in off.items()}
+    fixed_off = statistics.median(r["first_gap_p50_ms"] - r["kv_ms"] for r in off.values())
+    off_bw = {L: r["kv_gbps"] for L, r in off.items()}
+    fixed_on = statistics.median(
+        r["first_gap_p50_ms"] - stall_on_ms(L * per_token, off_bw[L], prefill[L], n_chunks(L), 0.0)
+        for L, r in on.items() if L in off and off_bw[L] > 0) if on else fixed_off
+    table = [{"prompt_len": L, "kv_mb": L * per_token / 1e6, "prefill_ms": prefill[L], "chunks": n_chunks(L),
+              "off_ms": {str(g): stall_off_ms(L * per_token, g, fixed_off) for g in LINKS_GBPS},
+              "on_ms": {str(g): stall_on_ms(L * per_token, g, prefill[L], n_chunks(L), fixed_on) for g in LINKS_GBPS}}
+             for L in sorted(off)]
+    checks = []
+    for stack in ("nixl-off", "nixl-on", "tcp-off", "tcp-on"):
+        twin = _sweep(rows, stack.replace("-on", "-off"))  # the link's speed comes from the off run's pulls
+        for L, r in sorted(_sweep(rows, stack).items()):
+            if L not in twin or not twin[L]["kv_gbps"] or L not in prefill:
+                continue
+            bw = twin[L]["kv_gbps"]
+            pred = (stall_on_ms(L * per_token, bw, prefill[L], n_chunks(L), fixed_on) if stack.endswith("-on")
+                    else stall_off_ms(L * per_token, bw, fixed_off))
+            checks.append({"stack": stack, "prompt_len": L, "gbps": bw, "predicted_ms": pred,
+                           "measured_ms": r["first_gap_p50_ms"], "stall_ms": r["first_gap_p50_ms"] - r["steady_itl_p50_ms"],
+                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], n_chunks(L), 0.0)})
+    return {"per_token_bytes": per_token, "chunk_tokens": chunk, "fixed_off_ms": fixed_off, "fixed_on_ms": fixed_on,
+            "fixed_on_from": on_name if on else "nixl-off (no overlap-on sweep)", "table": table, "checks": checks}
+
+
+# ---- issue 24's targets ------------------------------------------------------------------------
+
+def _load(rows, stack, rate):
+    return next((r for r in rows if r["kind"] == "load" and r["stack"] == stack and r["rate"] == rate), None)
+
+
+def targets(rows: list[dict], pred: dict, rates: tuple[float, float]) -> list[dict]:
+    """Each target for overlap off and on (NIXL unless named): value text and met/missed."""
+    low, high = rates
+    agg_low = _load(rows, "agg", low)
+    out = []
+
+    def add(name, fn):
+        cells = {}
+        for mode in ("off", "on"):
+            try:
+                cells[mode] = fn(mode)
+            except (TypeError, KeyError, ValueError, statistics.StatisticsError):
+                cells[mode] = None
+            cells[mode] = cells[mode] or ("not measured", "n/a")
+        out.append({"target": name, **cells})
+
+    def gap_vs_itl(mode):
+        r = _load(rows, f"nixl-{mode}", low)
+        v = r["first_gap_p50_ms"] / r["steady_itl_p50_ms"]
+        return f"{r['first_gap_p50_ms']:.1f} vs {r['steady_itl_p50_ms']:.1f} ms ({v:.2f}x)", _verdict(v <= 1.5)
+
+    def gap_p99(mode):
+        r = _load(rows, f"nixl-{mode}", high)
+        return f"{r['first_gap_p99_ms']:.1f} ms", _verdict(r["first_gap_p99_ms"] <= 25)
+
+    def goodput(mode):
+        r = _load(rows, f"nixl-{mode}", high)
+        return f"{r['good']}/{r['sent']} ({r['good'] / r['sent']:.0%})", _verdict(r["good"] >= 0.9 * r["sent"])
+
+    def ttft(mode):
+        r = _load(rows, f"nixl-{mode}", low)
+        d = r["ttft_p50_ms"] - agg_low["ttft_p50_ms"]
+        return f"{r['ttft_p50_ms']:.1f} vs {agg_low['ttft_p50_ms']:.1f} ms ({d:+.1f})", _verdict(d <= 5)
+
+    def flat(mode):
+        s = _sweep(rows, f"nixl-{mode}")
+        if len(s) < 2:
+            return None
+        gaps = [r["first_gap_p50_ms"] for r in s.values()]
+        return f"{min(gaps):.1f}..{max(gaps):.1f} ms", _verdict(max(gaps) - min(gaps) <= FLAT_MS)
+
+    def tcp_slack(mode):
+        checks = [c for c in pred.get("checks", []) if c["stack"] == f"tcp-{mode}"]
+        if not checks:
+            return None
+        worst = max(checks, key=lambda c: c["stall_ms"] - c["unhidden_ms"])
+        slack = worst["stall_ms"] - worst["unhidden_ms"]
+        return (f"worst at {worst['prompt_len']}: {worst['stall_ms']:.1f} vs {worst['unhidden_ms']:.1f} ms "
+                f"({slack:+.1f})", _verdict(slack <= FLAT_MS))
+
+    add(f"first gap p50 <= 1.5x steady ITL p50 at {low:g} req/s", gap_vs_itl)
+    add(f"first gap p99 <= 25 ms at {high:g} req/s", gap_p99)
+    add(f"requests with TTFT <= 2 s and every gap <= 25 ms >= 90% at {high:g} req/s", goodput)
+    add(f"P/D TTFT p50 <= aggregated + 5 ms at {low:g} req/s", ttft)
+    add(f"first gap flat over prompt lengths (spread <= {FLAT_MS:g} ms)", flat)
+    add(f"TCP: stall (first gap - steady ITL, p50) <= transfer that cannot overlap the prefill + {FLAT_MS:g} ms, "
+        "every length", tcp_slack)
+    return out
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+# ---- results.md and the figure -----------------------------------------------------------------
+
+def _f(v: float | None, nd: int = 1) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+
+def _g(v: float | None) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
+
+
+def _setup(r: dict) -> str:
+    return "aggregated" if not r["transport"] else f"P/D {r['transport']}, overlap {'on' if r['overlap'] else 'off'}"
+
+
+def markdown(summary: dict) -> str:
+    rows, pred, cfg = summary["rows"], summary.get("prediction") or {}, summary["config"]
+    L = [f"# The hand-off stall (issue 24): {summary['environment']}", "",
+         f"Commit {summary.get('commit', '?')}. Model: {cfg['model']}; overlap on = router `--pd-handoff streamed` + "
+         f"workers `--kv-stream-chunk-tokens {cfg['chunk_tokens']}`, off = `--pd-handoff after-prefill` + "
+         f"`--kv-stream-chunk-tokens 0`. {summary['flags_note']}", "",
+         "First gap = the client's gap between token 1 and token 2 (in P/D the hand-off); steady ITL = every later "
+         "gap, pooled; good = TTFT <= 2 s and every gap <= 25 ms. KV pull = the decode worker's "
+         "`pdserve_kv_transfer_seconds` (mean per request): with overlap on a pull spans the prefill (it waits for "
+         "chunks), so its GB/s is not the link's.", ""]
+    load = [r for r in rows if r["kind"] == "load"]
+    if load:
+        L += [f"## {cfg['input_len']} in / {cfg['output_len']} out, Poisson arrivals, {cfg['seconds']:g} s of sending "
+              "per point", "",
+              "| rate | setup | first gap p50 / p99 ms | steady ITL p50 ms | ITL p99 ms | TTFT p50 / p99 ms | good / sent "
+              "| failed | KV pull ms (GB/s) | prefill-worker TTFT ms |",
+              "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |"]
+        for r in sorted(load, key=lambda r: (r["rate"], r["transport"] or "", r["overlap"] or False)):
+            kv = f"{_f(r.get('kv_ms'))} ({_g(r.get('kv_gbps'))})" if r["transport"] else "–"
+            L.append(f"| {r['rate']:g} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_p99_ms'])} | "
+                     f"{_f(r['steady_itl_p50_ms'])} | {_f(r['itl_p99_ms'])} | {_f(r['ttft_p50_ms'], 0)} / "
+                     f"{_f(r['ttft_p99_ms'], 0)} | {r['good']}/{r['sent']} | {r['failed']} | {kv} | "
+                     f"{_f(r.get('p_ttft_ms'))} |")
+        L.append("")
+    sweep = [r for r in rows if r["kind"] == "sweep"]
+    if sweep:
+        L += [f"## Stall after the first token against prompt length ({cfg['sweep_requests']} sequential requests "
+              f"per point after 1 warm-up, {cfg['sweep_output_len']} out)", "", "![first gap](first_gap_vs_prompt.png)", "",
+              "| prompt | setup | first gap p50 / max ms | steady ITL p50 ms | TTFT p50 ms | prefill-worker TTFT ms "
+              "| KV MB/req | KV pull ms | KV GB/s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in sorted(sweep, key=lambda r: (r["prompt_len"], r["transport"], r["overlap"])):
+            L.append(f"| {r['prompt_len']} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_max_ms'])} | "
+                     f"{_f(r['steady_itl_p50_ms'])} | {_f(r['ttft_p50_ms'])} | {_f(r.get('p_ttft_ms'))} | "
+                     f"{_f(r.get('kv_mb_per_req'))} | {_f(r.get('kv_ms'))} | {_g(r.get('kv_gbps'))} |")
+        L.append("")
+    if pred:
+        g = " | ".join(f"{b} GB/s off / on" for b in LINKS_GBPS)
+        L += ["## Predicted stall after the first token, by link (ms)", "",
+              f"KV bytes = layers x 2 x KV heads x head dim x element bytes x tokens = {pred['per_token_bytes']} B/token. "
+              f"Without overlap: stall = bytes / bw + c_off. With overlap (chunks of {pred['chunk_tokens']} tokens, "
+              "n = ceil(tokens / chunk), chunk k sent as soon as computed, P = the measured prefill): stall = "
+              "max(bytes / (n bw), bytes / bw - P (n-1)/n) + c_on. c_off = "
+              f"{pred['fixed_off_ms']:.1f} ms (median of first gap - KV pull over the off sweep: admission, first decode "
+              f"step, relay), c_on = {pred['fixed_on_ms']:.1f} ms (median of first gap - the model's transfer term over "
+              f"the {pred['fixed_on_from']} sweep). P = the prefill worker's TTFT at low load, overlap off.", "",
+              f"| prompt | KV MB | prefill ms | chunks | {g} |", "| ---: | ---: | ---: | ---: |" + " --- |" * len(LINKS_GBPS)]
+        for t in pred["table"]:
+            cells = " | ".join(f"{t['off_ms'][str(b)]:.0f} / {t['on_ms'][str(b)]:.0f}" for b in LINKS_GBPS)
+            L.append(f"| {t['prompt_len']} | {t['kv_mb']:.0f} | {t['prefill_ms']:.1f} | {t['chunks']} | {cells} |")
+        if pred["checks"]:
+            L += ["", "The model at each run's own link (bw = the off run's measured pull rate; NIXL fits c, TCP tests it):",
+                  "", "| setup | prompt | link GB/s | predicted first gap ms | measured first gap p50 ms | of it over a steady gap "
+                  "| transfer the prefill cannot hide ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for c in pred["checks"]:
+                L.append(f"| {c['stack']} | {c['prompt_len']} | {_g(c['gbps'])} | {c['predicted_ms']:.1f} | "
+                         f"{c['measured_ms']:.1f} | {c['stall_ms']:.1f} | {c['unhidden_ms']:.1f} |")
+        L.append("")
+    L += ["## Issue 24's targets (NIXL unless named)", "", "| target | overlap off | overlap on |", "| --- | --- | --- |"]
+    for t in summary["targets"]:
+        L.append(f"| {t['target']} | {t['off'][0]}: **{t['off'][1]}** | {t['on'][0]}: **{t['on'][1]}** |")
+    L += ["", "## Stages", "", "| stage | seconds |", "| --- | ---: |"]
+    L += [f"| {name} | {sec:.0f} |" for name, sec in summary["stages"]]
+    if summary["skipped"]:
+        L += ["", "Skipped (budget or failure): " + "; ".join(summary["skipped"])]
+    return "\n".join(L) + "\n"
+
+
+def figure(summary: dict, path: Path) -> Path | None:
+    """x = prompt tokens, y = first gap p50 (bars to the max), one line per transport x overlap,
+    the steady ITL p50 dotted. None without matplotlib (then `--replot` draws it elsewhere)."""
+    from pdserve.bench import plot
+
+    sweep = [r for r in summary["rows"] if r["kind"] == "sweep" and not math.isnan(r["first_gap_p50_ms"])]
+    if not sweep or not plot.available():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {"nixl": "tab:blue", "tcp": "tab:orange"}
+    for stack in dict.fromkeys(r["stack"] for r in sweep):
+        pts = sorted((r for r in sweep if r["stack"] == stack), key=lambda r: r["prompt_len"])
+        x = [r["prompt_len"] for r in pts]
+        y = [r["first_gap_p50_ms"] for r in pts]
+        up = [max(0.0, r["first_gap_max_ms"] - r["first_gap_p50_ms"]) for r in pts]
+        ax.errorbar(x, y, yerr=[[0] * len(y), up], marker="o", capsize=3, color=colors.get(pts[0]["transport"]),
+                    linestyle="-" if pts[0]["overlap"] else "--",
+                    label=f"{pts[0]['transport']}, overlap {'on' if pts[0]['overlap'] else 'off'}")
+    itl = statistics.median(r["steady_itl_p50_ms"] for r in sweep if not math.isnan(r["steady_itl_p50_ms"]))
+    ax.axhline(itl, color="grey", linestyle=":", label=f"steady ITL p50 ({itl:.1f} ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    lens = sorted({r["prompt_len"] for r in sweep})
+    ax.set_xticks(lens, [f"{L / 1000:g}k" if L >= 1000 else str(L) for L in lens])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("first gap after token 1, p50 (ms; bar to max)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"stall after the first token: {summary['environment']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render(summary: dict, out: Path) -> list[Path]:
+    """results.md, summary.json and the figure; the figure's absence is said in results.md. The
+    prediction and the targets are derived here from the rows, so `--replot` applies this code."""
+    cfg = summary["config"]
+    pred = prediction(summary["rows"], cfg["kv_bytes_per_token"], cfg["chunk_tokens"]) if cfg["kv_bytes_per_token"] else {}
+    summary = {**summary, "prediction": pred, "targets": targets(summary["rows"], pred, tuple(cfg["rates"]))}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    png = figure(summary, out / "first_gap_vs_prompt.png")
+    text = markdown(summary)
+    if png is None and any(r["kind"] == "sweep" for r in summary["rows"]):
+        text += "\n(No figure here: matplotlib is missing. `python -m pdserve.bench.handoff --replot DIR` draws it.)\n"
+    (out / "results.md").write_text(text)
+    return [out / "results.md", out / "summary.json", *([png] if png else [])]
