@@ -4,6 +4,12 @@
     router  ◀── the first token + KVTransferParams (where its KV blocks are pinned) ──┘
     router  ──the client's request + those KVTransferParams──▶ decode worker
 
+Streamed hand-off (`"stream_kv": true` in the prefill request): the prefill worker answers in
+two NDJSON lines, the first as soon as it has admitted the request and pinned its (not yet
+computed) blocks: those params carry `stream_kv` and no first token. The router hands them to
+the decode worker at once; it pulls each chunk as the prefill computes it and learns the first
+token from the prefill's side channel when the prefill ends (docs/architecture.md).
+
 The router treats the prefill's answer as opaque and forwards it; the prefill side builds a
 `KVTransferParams`, the decode side parses it once (`from_dict`) before anything is allocated.
 A client never sets these: the router strips any it sends.
@@ -28,13 +34,17 @@ class KVTransferParamsError(ValueError):
 BUDGET = "decode_budget"  # in a prefill request's params: the client's own token budget
 
 
-def remote_decode_request(budget: dict | None = None) -> dict:
+STREAM_KV = "stream_kv"  # in a prefill request: announce the params early (two NDJSON lines)
+NDJSON = "application/x-ndjson"  # the streamed hand-off's answer from a prefill worker
+
+
+def remote_decode_request(budget: dict | None = None, stream_kv: bool = False) -> dict:
     """What the router puts in a prefill request: keep the KV, answer with where it is. With
     `budget` (the client's max_tokens or max_completion_tokens, and min_tokens) the prefill
     worker refuses at once what the decode worker would refuse for it (prompt + max_tokens over
     the context, min_tokens over max_tokens): otherwise the decode leg fails after the prefill,
     and the pinned KV waits for nobody until its TTL."""
-    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {})}
+    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {}), **({STREAM_KV: True} if stream_kv else {})}
 
 
 def decode_budget(body: dict) -> dict:
@@ -51,17 +61,27 @@ def wants_remote_decode(params: dict | None) -> bool:
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
+def wants_stream_kv(params: dict | None) -> bool:
+    """Prefill side: announce the pin at admission and let the decode side read chunks as they land."""
+    return wants_remote_decode(params) and params.get(STREAM_KV) is True
+
+
+def is_streamed(params: dict | None) -> bool:
+    """Decode side: params announced before the prefill ended (no first token yet)."""
+    return is_remote_decode(params) and params.get(STREAM_KV) is True
+
+
 def is_remote_decode(params: dict | None) -> bool:
     """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
     return bool(params) and not params.get("do_remote_decode")
 
 
-def prefill_request(body: dict) -> dict:
+def prefill_request(body: dict, stream_kv: bool = False) -> dict:
     """The prefill worker's request built from the client's: one token, not streamed, KV kept.
     The one place the prefill's token budget is set (`max_completion_tokens` too when given).
     `min_tokens` is cut to what applies to the first token (EOS and stop tokens are barred from
     it when min_tokens >= 1); the decode worker gets the client's value and applies the rest."""
-    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body))})
+    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body), stream_kv)})
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = PREFILL_MAX_TOKENS
     if out.get("min_tokens"):
