@@ -16,7 +16,8 @@ The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transf
 `stream_kv` gets two NDJSON lines (unless --json-prefill: an old worker's one JSON answer), line
 1 the early params (pinned at admission), line 2 the ordinary answer. POST /control
 {"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"break"}
-makes line 2 an error, or breaks the connection instead; "ok" again restores it. As a decode
+makes line 2 an error, or breaks the connection instead; "ok" again restores it ("delay" and
+"header_delay" set those flags' values). As a decode
 worker, a request with streamed params asks the prefill's side channel (POST /kv/progress) for
 the prefill's state on arrival (recorded in /debug/requests as `prefill_state_at_arrival`), then
 waits there for the first token. GET /debug/events: what happened to hand-offs, in order
@@ -93,6 +94,7 @@ class State:
         for gate in self.gates.values():
             gate.set()
         self.handoff = "ok"
+        self.delay, self.header_delay = args.delay, args.header_delay  # /control may change them
         self.client = httpx.AsyncClient()
         self.publisher = None
         self.tokenizer = None
@@ -184,11 +186,11 @@ def build(args) -> Starlette:
             # Until it answers, a caller that leaves is noticed: the decode aborts (and releases).
             if not await until_gone(request, rid, kvp, pull(kvp)):
                 return Response(status_code=499)
-            if not await until_gone(request, rid, None, asyncio.sleep(args.header_delay)):
+            if not await until_gone(request, rid, None, asyncio.sleep(st.header_delay)):
                 return Response(status_code=499)
         else:
             # A real worker answers only once its first token exists (queueing + prefill, or a KV pull).
-            await asyncio.sleep(args.header_delay)
+            await asyncio.sleep(st.header_delay)
         if not body.get("stream"):
             return JSONResponse(completion(route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None))
 
@@ -206,7 +208,7 @@ def build(args) -> Starlette:
                         os._exit(1)
                     if st.mode == "hang" and i >= st.after:
                         await asyncio.sleep(3600)
-                    await asyncio.sleep(args.delay)
+                    await asyncio.sleep(st.delay)
                     yield sse(chunk(route, rid, {"content": w} if route == "chat" else w, None))
                 yield sse(chunk(route, rid, {} if route == "chat" else "", finish_reason))
                 if (body.get("stream_options") or {}).get("include_usage"):
@@ -352,6 +354,8 @@ def build(args) -> Starlette:
         st.after = body.get("after", st.after)
         st.waiting = body.get("waiting", st.waiting)
         st.handoff = body.get("handoff", st.handoff)
+        st.delay = body.get("delay", st.delay)
+        st.header_delay = body.get("header_delay", st.header_delay)
         if body.get("hold"):
             st.gates[body["hold"]].clear()
         if body.get("release"):
