@@ -155,16 +155,20 @@ def test_decode_is_opened_before_the_prefill_ends(stack, stream):
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_first_token_that_ends_the_request_closes_the_decode_call(stack, stream):
     prefill, decode, single, streamed, _ = stack
+    prefill.control(hold="line2")  # until the decode worker has the request
     rid = uuid.uuid4().hex
     path, payload = "/v1/completions", {"model": "tiny", "prompt": "STOP1 now", "max_tokens": 5, "stream": stream}
-    got = send(streamed, path, payload, rid)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send, streamed, path, payload, rid)
+        eventually(lambda: request_of(decode, rid) is not None)
+        prefill.control(release=True)
+        got = answer.result(timeout=30)
     want = send(single, path, payload, uuid.uuid4().hex)
     assert text_of(got, stream) == text_of(want, stream)
     finish = (got.json()["choices"][0]["finish_reason"] if not stream else
               [json.loads(e[6:])["choices"][0]["finish_reason"] for e in got.text.splitlines() if e.startswith("data: {")][-1])
     assert finish == "stop"
-    assert request_of(decode, rid) is not None  # opened at line 1 ...
-    eventually(lambda: "d_abort" in events_of(decode, rid))  # ... and closed: the decode worker aborted
+    eventually(lambda: "d_abort" in events_of(decode, rid))  # closed: the decode worker aborted
     eventually(lambda: settled(streamed, prefill))
 
 
@@ -173,11 +177,15 @@ def test_first_token_that_ends_the_request_closes_the_decode_call(stack, stream)
 def test_prefill_failing_after_line_1_falls_back_to_local_prefill(stack, tolerant, stream, failure):
     prefill, decode, single, _, _ = stack
     streamed = tolerant
-    prefill.control(handoff=failure)
+    prefill.control(handoff=failure, hold="line2")  # fails once the decode worker has the request
     local = metric(streamed, "pdserve_router_retries_total", phase="prefill-local")
     rid = uuid.uuid4().hex
     path, payload = body(False, stream)
-    got = send(streamed, path, payload, rid)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send, streamed, path, payload, rid)
+        eventually(lambda: request_of(decode, rid) is not None)
+        prefill.control(release=True)
+        got = answer.result(timeout=30)
     assert text_of(got, stream) == text_of(send(single, path, payload, uuid.uuid4().hex), stream)
     assert failure in events_of(prefill, rid)
     handed, fallback = [r for r in decode.requests() if r["headers"].get("x-request-id") == rid]

@@ -121,10 +121,10 @@ def test_first_token_that_ends_the_request_skips_decode(stack):
         want = direct.completions.create(**kw)
         assert (text, finish) == (want.choices[0].text, "stop")
     # The streamed hand-off opened the decode call at the prefill's first line; the answer
-    # closed it: the decode worker aborted both without generating (after-prefill never calls
-    # it: test_handoff.py).
+    # closed it (maybe before the decode worker read it): what the decode worker got it aborted
+    # without generating (after-prefill never calls it: test_handoff.py).
     rids = [r["headers"]["x-request-id"] for r in decode.requests()[n_decode:]]
-    assert len(rids) == 2
+    assert len(rids) <= 2
     eventually(lambda: {e["rid"] for e in decode.events() if e["event"] == "d_abort"} >= set(rids))
     assert prefill.kv()["num_pinned_blocks"] == 0
 
