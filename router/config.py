@@ -17,6 +17,7 @@ from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PO
 from pdserve.protocol.flags import ConfigError, flag, flag_name
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PD_HANDOFFS = ("streamed", "after-prefill")
 # Without --eject-backoff-max, a worker's ejection doubles up to this (or --eject-backoff, if longer).
 _EJECT_BACKOFF_MAX_S = 30.0
 
@@ -68,6 +69,12 @@ class RouterConfig:
     allowed_headers: tuple[str, ...] = cors.allowed("headers", "Authorization")
     allow_credentials: bool = cors.allow_credentials()
     pd_min_prompt_tokens: int = flag(0, "shorter prompts (estimated) skip the prefill worker")
+    # streamed: the decode call opens as soon as the prefill worker has admitted the request
+    # (the first of its two NDJSON lines), so the KV moves while the prefill computes it and the
+    # second token does not wait for a whole transfer; a prefill worker that answers plain JSON
+    # gets the after-prefill path. router/handoff.py.
+    pd_handoff: str = flag("streamed", "when the decode call opens: streamed (as soon as the prefill worker admits "
+                                       "the request) or after-prefill (once it has answered)", choices=PD_HANDOFFS)
     max_body_bytes: int = flag(8 * 1024 * 1024, "larger request bodies get 413")
     connect_timeout_s: float = flag(2.0, "seconds to open a connection to a worker")
     request_timeout_s: float = flag(600.0, "seconds a prefill call, or a whole non-streaming request, may take")
@@ -108,6 +115,8 @@ class RouterConfig:
             object.__setattr__(self, "decode_urls", tuple(_check_url(u, "--decode") for u in self.decode_urls))
         elif not self.selector:
             raise ConfigError("--selector", "required with --discovery kubernetes (e.g. pdserve.io/modelserving=llama)")
+        if self.pd_handoff not in PD_HANDOFFS:
+            raise ConfigError("--pd-handoff", f"must be one of {', '.join(PD_HANDOFFS)}, not {self.pd_handoff!r}")
         for flag_, name in (("--prefill-policy", self.prefill_policy), ("--decode-policy", self.decode_policy)):
             if name not in available():
                 raise ConfigError(flag_, f"unknown policy {name!r} (choose from {', '.join(available())})")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The stall between a stream's first two tokens: decode steps are milliseconds, a KV hand-off that
+# waits for a whole transfer can be seconds.
+_GAP_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -23,6 +27,10 @@ class RouterMetrics:
         self.handoff = Histogram("pdserve_router_handoff_seconds",
                                  "From the prefill answer to the decode worker's first byte (KV transfer included).",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_token_gap = Histogram("pdserve_router_first_token_gap_seconds",
+                                         "Streams: from sending the first token's event to sending the second's "
+                                         "(P/D: the stall after the hand-off; direct: the first inter-token gap).",
+                                         ["disaggregated"], buckets=_GAP_BUCKETS, registry=r)
         self.upstream_errors = Counter("pdserve_router_upstream_errors", "Failed worker calls.",
                                        ["worker", "phase"], registry=r)
         self.inflight = Gauge("pdserve_router_inflight", "Requests open on each worker.", ["worker"], registry=r)

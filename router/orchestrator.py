@@ -1,7 +1,8 @@
 """The request path: choose workers, prefill, hand off to decode, splice and stream.
 
-    handle() ── P/D? ──▶ prefill (max_tokens=1, kv_transfer_params{do_remote_decode})
+    handle() ── P/D? ──▶ prefill (max_tokens=1, kv_transfer_params{do_remote_decode[, stream_kv]})
                  │          retry other prefill workers; all failed → local prefill on decode
+                 │          streamed answer (NDJSON) → handoff.py: decode opens at its first line
                  ▼
                decode (original request + the prefill's kv_transfer_params)
                  stream: first token sent as soon as prefill answers, then the decode stream
@@ -29,14 +30,15 @@ from starlette.responses import Response
 from pdserve.protocol.contract import HEADER_REQUEST_ID, PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
-from pdserve.protocol.kv_transfer import prefill_request, single_sequence
+from pdserve.protocol.kv_transfer import NDJSON, prefill_request, single_sequence
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.config import RouterConfig
+from pdserve.router.handoff import DecodeLeg, StreamedHandoff, StreamedPrefill
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.selection import Selector
-from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
-from pdserve.router.sse import EventFramer, drop_role_chunk, split_first_event
+from pdserve.router.splice import Answer, closing_events, first_token_ended, first_token_events, merge_unary
+from pdserve.router.sse import EventFramer, drop_role_chunk, split_first_event, token_events
 from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, Upstream, chunks, read_and_close, timeout
 from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
@@ -93,6 +95,7 @@ class Orchestrator:
         c = config
         self.prefill_limits = timeout(c.request_timeout_s, c.connect_timeout_s)
         self.stream_limits = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s, c.first_byte_timeout_s)
+        self.streamed = StreamedHandoff(self, HANDOFF_GRACE_S)
 
     def _unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -116,12 +119,13 @@ class Orchestrator:
         if single_sequence(call.body) and self.selector.disaggregate(call.body):
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
-                prefill = await self._prefill(call, prefill_pool)
+                prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))
         if prefill is None:
             return await self._direct(call, decode_pool)
+        if isinstance(prefill, StreamedPrefill):
+            return await self.streamed.run(call, prefill)
         worker, answer = prefill
-        if not answer.kv_transfer_params or answer.choices[0].finish_reason not in (None, "length"):
-            # The first token ended the request (EOS or a stop): the prefill answer is the whole answer.
+        if first_token_ended(answer):
             return self._finished_by_prefill(call, answer)
         call.disaggregated = True
         decode_pool = self.selector.pool(ROLE_DECODE, model, partners=[worker])
@@ -135,13 +139,22 @@ class Orchestrator:
 
     # ---- prefill -------------------------------------------------------------------------
 
-    async def _prefill(self, call: Call, pool: list[Worker]) -> tuple[Worker, Answer] | None:
+    def _streams_kv(self, call: Call) -> bool:
+        """Ask for the streamed hand-off? Not for a request that cannot go past its first token:
+        no decode call would follow (the decider disaggregates none, but a plugin might)."""
+        body = call.body
+        return self.config.pd_handoff == "streamed" and 1 not in (body.get("max_tokens"),
+                                                                  body.get("max_completion_tokens"))
+
+    async def _prefill(self, call: Call, pool: list[Worker], stream_kv: bool = False) -> \
+            tuple[Worker, Answer] | StreamedPrefill | None:
         """`_prefill_call`. A client that leaves meanwhile does not cut the call off at once: a
         prefill that finishes just then pins its KV while its answer, the only record of that
         pin, is lost with the connection. The call goes on for up to HANDOFF_GRACE_S; an answer
         in that time has its pin released (no decode worker has the params); later, the prefill
-        worker sees the hang-up and aborts a request it has not finished."""
-        task = asyncio.ensure_future(self._prefill_call(call, pool))
+        worker sees the hang-up and aborts a request it has not finished. (A streamed answer's
+        first line in that time: its call is closed, and the prefill worker aborts and unpins.)"""
+        task = asyncio.ensure_future(self._prefill_call(call, pool, stream_kv))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -153,17 +166,32 @@ class Orchestrator:
     def _release_unused(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None or task.result() is None:
             return
+        if isinstance(task.result(), StreamedPrefill):
+            task.result().abort()
+            return
         worker, answer = task.result()
         if answer.kv_transfer_params:
             self.up.release_kv(worker, answer.kv_transfer_params)
 
-    async def _prefill_call(self, call: Call, pool: list[Worker]) -> tuple[Worker, Answer] | None:
-        """The prefill answer, or None when every prefill worker failed (local prefill follows)."""
-        payload = json.dumps(prefill_request(call.body)).encode()
+    async def _prefill_call(self, call: Call, pool: list[Worker], stream_kv: bool) -> \
+            tuple[Worker, Answer] | StreamedPrefill | None:
+        """The prefill answer, or None when every prefill worker failed (local prefill follows).
+        With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
+        first line read, its call held open (the StreamedPrefill closes it)."""
+        payload = json.dumps(prefill_request(call.body, stream_kv)).encode()
         t0 = time.monotonic()
-        async with self._call("prefill", ROLE_PREFILL, call, pool) as up:
+        up = self._call("prefill", ROLE_PREFILL, call, pool)
+        streamed = None
+        try:
             while (response := await up.open(PATHS[call.route], payload, call.headers(),
                                              self.prefill_limits)) is not None:
+                if response.status == 200 and response.content_type == NDJSON:
+                    try:
+                        streamed = await StreamedPrefill.first_line(up, response, t0, self.metrics)
+                    except (*UPSTREAM_ERRORS, ValueError) as e:  # closing it: the worker aborts and unpins
+                        up.retry_elsewhere(repr(e))
+                        continue
+                    return streamed
                 try:
                     content = await response.read()
                 except UPSTREAM_ERRORS as e:
@@ -180,11 +208,15 @@ class Orchestrator:
                 up.succeeded()
                 self.metrics.prefill.observe(time.monotonic() - t0)
                 return up.worker, answer
+        finally:
+            if streamed is None:
+                up.close()
         self.metrics.retries.labels("prefill-local").inc()
         log.warning("every prefill attempt failed; prefilling on the decode worker")
         return None
 
     def _finished_by_prefill(self, call: Call, answer: Answer) -> Response:
+        """The first token ended the request (EOS or a stop): the prefill answer is the whole answer."""
         answer.kv_transfer_params = None
         self._observe_ttft(call)
         if not call.stream:
@@ -206,10 +238,9 @@ class Orchestrator:
             return APIError(429, "every decode worker is overloaded", code="overloaded")
         return APIError(502, f"decode failed on every worker tried (last: {up.last_reason})", code="upstream_failed")
 
-    def _decode_payload(self, call: Call, prefill: Answer | None) -> bytes:
-        if prefill is None:
-            return call.raw
-        return json.dumps({**call.body, KV_TRANSFER_PARAMS: prefill.kv_transfer_params}).encode()
+    @staticmethod
+    def _decode_payload(call: Call, kv_transfer_params: dict) -> bytes:
+        return json.dumps({**call.body, KV_TRANSFER_PARAMS: kv_transfer_params}).encode()
 
     async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits, handoff: bool) -> \
             aiohttp.ClientResponse | None:
@@ -231,7 +262,10 @@ class Orchestrator:
 
     async def _unary(self, up: UpstreamCall, call: Call, payload: bytes, handoff: bool = False) -> bytes:
         """Open a non-streaming decode call and read its whole (200) answer."""
-        response = await self._open(up, call, payload, self._unary_limits(call), handoff)
+        return await self._answer(up, await self._open(up, call, payload, self._unary_limits(call), handoff))
+
+    async def _answer(self, up: UpstreamCall, response: aiohttp.ClientResponse | None) -> bytes:
+        """A non-streaming decode call's whole answer, once its status is known; errors raised."""
         if response is None:
             raise self._no_decode(up)
         try:
@@ -273,11 +307,15 @@ class Orchestrator:
         async with self._call("decode", ROLE_DECODE, call, pool) as up:
             handoff.sent = True
             try:
-                content = await self._unary(up, call, self._decode_payload(call, prefill), handoff=True)
+                payload = self._decode_payload(call, prefill.kv_transfer_params)
+                content = await self._unary(up, call, payload, handoff=True)
             except APIError:
                 handoff.sent = up.attempts > 0  # no decode worker was even tried: nobody has the params
                 raise
         self.metrics.handoff.observe(time.monotonic() - t0)
+        return self._merged(call, prefill, content)
+
+    def _merged(self, call: Call, prefill: Answer, content: bytes) -> Response:
         try:
             decode = RESPONSES[call.route].model_validate_json(content)
             decode.choices[0]
@@ -299,21 +337,30 @@ class Orchestrator:
         up = self._call("decode", ROLE_DECODE, call, pool)
         try:
             handoff.sent = True
-            response = await self._open(up, call, self._decode_payload(call, prefill), self.stream_limits, True)
+            payload = self._decode_payload(call, prefill.kv_transfer_params)
+            response = await self._open(up, call, payload, self.stream_limits, True)
             if response is None:
                 handoff.sent = up.attempts > 0
-                yield self._no_decode(up).sse_event()
-                return
-            if response.status != 200:
-                content = await read_and_close(response)
-                yield APIError(response.status, f"decode worker answered {response.status}: "
-                                                f"{content[:300].decode(errors='replace')}").sse_event()
-                return
-            self.metrics.handoff.observe(time.monotonic() - t0)
-            async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False):
+            async for chunk in self._decode_events(call, up, response, t0):
                 yield chunk
         finally:
             up.close()
+
+    async def _decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
+                             since: float) -> AsyncIterator[bytes]:
+        """A hand-off's decode stream after the first token, once its status is known: one error
+        event (and [DONE]) when no worker took it, else its events relayed."""
+        if response is None:
+            yield self._no_decode(up).sse_event()
+            return
+        if response.status != 200:
+            content = await read_and_close(response)
+            yield APIError(response.status, f"decode worker answered {response.status}: "
+                                            f"{content[:300].decode(errors='replace')}").sse_event()
+            return
+        self.metrics.handoff.observe(time.monotonic() - since)
+        async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False):
+            yield chunk
 
     async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool) -> AsyncIterator[bytes]:
         """Pass the decode worker's SSE through in whole events; a break becomes one error event."""
@@ -352,12 +399,13 @@ class Orchestrator:
         self.metrics.requests.labels(call.route, str(response.status_code), _yes(call.disaggregated)).inc()
         return response
 
-    def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | None = None,
+    def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | DecodeLeg | None = None,
                          handoff: Handoff | None = None) -> SSEResponse:
         """A stream is counted once: just before its `[DONE]` goes to the transport, so a scrape
         made by a client that has seen the end always includes it (on_close runs only after the
         last byte is out, by then the client may have scraped already); or, for a stream that
-        ends without `[DONE]` (the client left), when it closes, as the 200 it was sent."""
+        ends without `[DONE]` (the client left), when it closes, as the 200 it was sent. The gap
+        between its first two token events is observed the same way: before the second goes out."""
         counted = False
 
         def count() -> None:
@@ -368,8 +416,16 @@ class Orchestrator:
                 self.metrics.requests.labels(call.route, "200", _yes(call.disaggregated)).inc()
 
         async def counting() -> AsyncIterator[bytes]:
+            tokens, first_sent = 0, 0.0
             try:
                 async for chunk in events:
+                    if tokens < 2 and (n := token_events(chunk, 2 - tokens)):
+                        now = time.monotonic()
+                        if tokens == 0:
+                            first_sent = now
+                        tokens += n
+                        if tokens == 2:  # both in one chunk: sent together, a gap of 0
+                            self.metrics.first_token_gap.labels(_yes(call.disaggregated)).observe(now - first_sent)
                     # [DONE] is always the last event of the chunk that carries it (whole events;
                     # JSON escapes newlines, so no data can end this way).
                     if chunk.endswith(DONE):

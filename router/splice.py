@@ -16,6 +16,12 @@ def _ids(answer: Answer) -> dict:
     return {"id": answer.id, "created": answer.created, "model": answer.model}
 
 
+def first_token_ended(answer: Answer) -> bool:
+    """The prefill's first token ended the request (EOS or a stop; then no params are returned):
+    nothing is left to decode."""
+    return not answer.kv_transfer_params or answer.choices[0].finish_reason not in (None, "length")
+
+
 def first_token_events(answer: Answer, finished: bool = False) -> bytes:
     """The events a single worker would have sent for the first token: its text as the prefill
     released it (possibly "" while a stop string or a character may still be completing), sent

@@ -49,3 +49,29 @@ def drop_role_chunk(event: bytes) -> bytes:
         return b""
     del delta["role"]
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def token_events(block: bytes, most: int = 2) -> int:
+    """How many of `block`'s events carry a generated token (text, a tool call, reasoning or
+    logprobs; not a role chunk, a finish-only chunk, usage, an error or [DONE]), counting at most
+    `most`. Parses JSON, so the router calls it only for a stream's first few events."""
+    n = 0
+    for event in block.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        try:
+            choices = json.loads(event[6:]).get("choices") or ()
+        except (ValueError, AttributeError):
+            continue
+        if any(_carries_token(c) for c in choices if isinstance(c, dict)):
+            n += 1
+            if n >= most:
+                break
+    return n
+
+
+def _carries_token(choice: dict) -> bool:
+    if choice.get("text") or choice.get("logprobs"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content"))

@@ -57,6 +57,10 @@ class Proc:
     def requests(self) -> list[dict]:
         return httpx.get(self.url + "/debug/requests", timeout=5).json()
 
+    def events(self) -> list[dict]:
+        """The fake worker's hand-off events, in order (fake_worker.py)."""
+        return httpx.get(self.url + "/debug/events", timeout=5).json()
+
     def kv(self) -> dict:
         return httpx.get(self.url + "/debug/kv", timeout=5).json()
 
