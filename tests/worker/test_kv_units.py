@@ -262,3 +262,25 @@ def test_run_starts_agree_with_merge_runs(pairs):
     ends = list(starts[1:]) + [len(src)]
     assert [(src[a], dst[a], b - a) for a, b in zip(starts, ends)] == merge_runs(src, dst)
     assert as_indices(src).dtype == np.int32 and list(as_indices(src)) == src
+
+
+def test_a_wake_is_drained_so_the_side_channel_thread_sleeps_in_poll():
+    """A wake left unread would make every poll return at once: a thread spinning on the GIL
+    beside the engine's step thread (it cost a streamed prefill 200 ms per chunk on a GPU)."""
+    import select
+    import time
+
+    from pdserve.worker.kv.auth import SideChannelAuth
+    from pdserve.worker.kv.side_channel import SideChannelServer
+    from tests.net import free_port
+
+    server = SideChannelServer("127.0.0.1", free_port(), {}, SideChannelAuth(None))
+    server.start()
+    try:
+        server.wake()
+        deadline = time.monotonic() + 10
+        while select.select([server._wake_r], [], [], 0)[0]:
+            assert time.monotonic() < deadline, "the wake was never drained"
+            time.sleep(0.01)
+    finally:
+        server.stop()

@@ -146,7 +146,7 @@ class SideChannelServer:
                     self.tick()
                 self._reap()
                 ready = dict(poller.poll(POLL_MS))
-                if self._wake_r in ready:
+                if self._wake_r.fileno() in ready:  # pyzmq reports a plain socket by its descriptor
                     self._drain_wake()
                 if self._deferred:
                     self._retry_deferred()
