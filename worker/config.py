@@ -53,9 +53,14 @@ class EngineConfig:
     kv_peer_allow: tuple[str, ...] = flag((), "CIDRs/host names a decode worker may pull KV from, each optionally "
                                                "with its ports: 10.0.0.0/8:5600-5607, [fd00::/8]:5600",
                                           metavar="PEER[:PORTS]", unset="nobody (a decode worker refuses to start)")
-    kv_stream_chunk_tokens: int = flag(512, "a streamed hand-off's prefill runs in chunks of at most this many "
-                                            "tokens, each readable by the decode worker as soon as it is computed "
-                                            "(0: one chunk as the step budget allows)")
+    kv_stream_chunk_tokens: int = flag(512, "a streamed hand-off's prefill computes its last this-many prompt "
+                                            "tokens in a step of their own (--kv-stream-split tail) or every chunk "
+                                            "at most this long (even); each chunk is readable by the decode worker "
+                                            "as soon as it is computed (0: chunks as the step budget allows)")
+    kv_stream_split: str = flag("tail", "how a streamed hand-off's prefill is cut: tail = as few steps as the budget "
+                                        "allows, the last --kv-stream-chunk-tokens alone (one extra step; the bytes "
+                                        "left after the prefill are that tail's); even = every chunk that long (hides "
+                                        "more of a slow link, costs a step per chunk)", choices=("tail", "even"))
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,

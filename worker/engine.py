@@ -60,7 +60,8 @@ class LLMEngine:
         self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
                                           on_event=self._on_kv_event)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
-                                            self.kv_connector, config.kv_stream_chunk_tokens)
+                                            self.kv_connector, config.kv_stream_chunk_tokens,
+                                            config.kv_stream_split)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}

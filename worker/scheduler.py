@@ -98,7 +98,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.connector is not None:
-                n = self.connector.chunk_cap(req, n)
+                n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
             while not self.bm.can_allocate(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is req:
@@ -127,7 +127,7 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             whole = load_async
             if self.connector is not None:
-                n = self.connector.chunk_cap(req, n)
+                n = self.connector.chunk_cap(req, n, start)
                 whole = whole or self.connector.allocates_prompt(req)
             # A pull writes every prompt block at once, so a request waiting for one gets them all
             # now; so does a streamed prefill (its blocks are pinned at admission).

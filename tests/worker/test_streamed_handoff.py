@@ -35,10 +35,10 @@ def ckpt(tmp_path_factory):
                             intermediate_size=128, num_hidden_layers=2)
 
 
-def engine(ckpt, role: str, transport: str, **kw) -> LLMEngine:
+def engine(ckpt, role: str, transport: str, split: str = "even", **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device="cpu", role=role, kv_transfer=transport,
                                   kv_port=free_port(), block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
-                                  kv_stream_chunk_tokens=CHUNK, kv_peer_allow=("127.0.0.1",),
+                                  kv_stream_chunk_tokens=CHUNK, kv_stream_split=split, kv_peer_allow=("127.0.0.1",),
                                   kv_secret="streamed-handoff-test-secret", kv_pull_timeout=10, **kw))
 
 
@@ -169,3 +169,28 @@ def engine_answer(ckpt, prompt) -> list[int]:
         return e.generate([prompt], GREEDY)[0]
     finally:
         e.shutdown()
+
+
+def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt):
+    """--kv-stream-split tail: everything but the last CHUNK tokens in one step (the budget allows
+    it), readable by the decode side before the tail is computed; the tail, then the first token."""
+    p, d = engine(ckpt, "prefill", "tcp", split="tail"), engine(ckpt, "decode", "tcp")
+    try:
+        fresh = [t + 1200 for t in PROMPT]
+        params = announce(p, "p4", fresh)  # admitted, and its first step run: all but the tail
+        assert p.requests["p4"].num_computed_tokens == len(fresh) - CHUNK
+        d.add_request("d4", fresh, GREEDY, params)
+        head = (len(fresh) - CHUNK) // BLOCK
+        until(lambda: blocks_equal(p, "p4", d, "d4", head), "the head's blocks on the decode side", [d])
+        fin = [o for o in p.step() if o.request_id == "p4" and o.finished]
+        assert fin and fin[0].new_token_ids, "the tail and the first token take exactly one more step"
+        tokens = [fin[0].new_token_ids[0]]
+        deadline = time.monotonic() + 60
+        while "d4" in d.requests:
+            assert time.monotonic() < deadline
+            tokens += [t for o in d.step() if o.request_id == "d4" for t in o.new_token_ids]
+            p.step()
+        assert tokens == engine_answer(ckpt, fresh)
+    finally:
+        p.shutdown()
+        d.shutdown()
