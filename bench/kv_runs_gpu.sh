@@ -14,7 +14,11 @@ set -u
 OUT=${OUT:-$PWD/kv_runs_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-source bench/gpu_env.sh nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client || exit 1
+# The connector imports protocol/, which needs pydantic (the image has none).
+source bench/gpu_env.sh nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client pydantic:pydantic \
+  pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
+  typing_extensions:typing_extensions || exit 1
+SLACKS=${KV_RUNS_SLACKS:-0 1}  # eviction slacks to measure (KV_RUNS_SLACKS=0: strict LRU only)
 {
   date -u
   echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -29,15 +33,17 @@ KV=(--device cuda --ucx-tls "$TLS" --transports nixl --nixl-modes prepped dlist 
     --sizes-mib 64 256 1024 --breakdown-iters 0 --lease-registration-blocks 0)
 main() {
   cd /tmp
-  echo "=== block runs after churn (CPU)"
-  timeout --kill-after=10 60 $PY -m pdserve.bench.block_churn --out "$OUT/block_churn.md"
-  for slack in 0 1; do
+  if [ -z "${KV_RUNS_SKIP_CHURN:-}" ]; then
+    echo "=== block runs after churn (CPU)"
+    timeout --kill-after=10 60 $PY -m pdserve.bench.block_churn --out "$OUT/block_churn.md"
+  fi
+  for slack in $SLACKS; do
     echo "=== one card, eviction slack $slack"
     timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --eviction-slack $slack \
       --out "$OUT/kv_runs_1gpu_slack$slack.md" 2>&1 | grep -v "NIXL INFO"
   done
   if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    for slack in 0 1; do
+    for slack in $SLACKS; do
       echo "=== cuda:0 -> cuda:1, eviction slack $slack"
       timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --cross-gpu --eviction-slack $slack \
         --out "$OUT/kv_runs_2gpu_slack$slack.md" 2>&1 | grep -v "NIXL INFO"
