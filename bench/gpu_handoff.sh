@@ -19,13 +19,8 @@ PY=${PYTHON:-python3}
 T0=$(date +%s)
 # What the worker, the router and the load generator import that the image may lack (a module
 # the image has is kept unless the carried wheel is newer: bench/gpu_env.sh).
-DEPS=(zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client
-  fastapi:fastapi starlette:starlette pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types
-  typing_inspection:typing_inspection typing_extensions:typing_extensions opentelemetry:opentelemetry_api
-  annotated_doc:annotated_doc anyio:anyio idna:idna uvicorn:uvicorn click:click h11:h11 httptools:httptools
-  httpx:httpx httpcore:httpcore certifi:certifi aiohttp:aiohttp aiosignal:aiosignal frozenlist:frozenlist
-  multidict:multidict yarl:yarl propcache:propcache aiohappyeyeballs:aiohappyeyeballs attrs:attrs tqdm:tqdm)
-ls .whl/uvloop-*.whl >/dev/null 2>&1 && DEPS+=(uvloop:uvloop)  # optional: uvicorn's and the client's loop
+source bench/gpu_server_deps.sh
+DEPS=("${SERVER_DEPS[@]}")
 source bench/gpu_env.sh "${DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
 {
   date -u

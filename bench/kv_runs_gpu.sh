@@ -14,10 +14,9 @@ set -u
 OUT=${OUT:-$PWD/kv_runs_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-# The connector imports protocol/, which needs pydantic (the image has none).
-source bench/gpu_env.sh nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client pydantic:pydantic \
-  pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  typing_extensions:typing_extensions || exit 1
+# The connector imports protocol/ (pydantic, fastapi): the server stack's wheels.
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
 SLACKS=${KV_RUNS_SLACKS:-0 1}  # eviction slacks to measure (KV_RUNS_SLACKS=0: strict LRU only)
 {
   date -u
