@@ -371,6 +371,7 @@ class KVConnector:
         want = dict(zip(indices, dst_blocks))  # remote positions we lack -> our blocks
         port, n = int(params["remote_port"]), len(params["remote_block_ids"])
         have, nbytes = 0, 0
+        stalled_since = time.monotonic()
         while True:
             if rid in self._stopping:
                 raise PullStopped("the request was aborted")
@@ -378,6 +379,12 @@ class KVConnector:
             if p["state"] == "cancelled":
                 raise PullStopped("the prefill worker cancelled the prefill")
             ready = min(p["ready"], n)
+            # A peer that answers but never computes another chunk costs what a silent one does.
+            if ready > have or p["state"] == "done":
+                stalled_since = time.monotonic()
+            elif time.monotonic() - stalled_since > self.timeout:
+                raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
+                                               f"{self.timeout:.0f}s")
             if p["state"] == "done":
                 token = p.get("first_token_id")
                 if type(token) is not int:
