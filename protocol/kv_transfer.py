@@ -36,6 +36,9 @@ BUDGET = "decode_budget"  # in a prefill request's params: the client's own toke
 
 STREAM_KV = "stream_kv"  # in a prefill request: announce the params early (two NDJSON lines)
 NDJSON = "application/x-ndjson"  # the streamed hand-off's answer from a prefill worker
+# The error code of a decode worker that cannot take streamed params (it pulls from no one): the
+# router then waits for the prefill's answer and hands over its final params instead.
+STREAM_UNSUPPORTED = "kv_stream_unsupported"
 
 
 def remote_decode_request(budget: dict | None = None, stream_kv: bool = False) -> dict:

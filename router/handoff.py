@@ -37,6 +37,7 @@ from starlette.responses import Response
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
+from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.protocol.responses import RESPONSES
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.splice import Answer, first_token_ended, first_token_events
@@ -120,6 +121,7 @@ class DecodeLeg:
     def __init__(self, up: UpstreamCall, grace_s: float):
         self.up = up
         self.opening: asyncio.Task | None = None
+        self.refusal: APIError | None = None  # why it was refused, once read
         self._grace_s = grace_s
         self._closed = False
 
@@ -178,11 +180,16 @@ class StreamedHandoff:
         try:
             await asyncio.wait((leg.opening, final), return_when=asyncio.FIRST_COMPLETED)
             if not final.done() and leg.refused():
+                refusal = await self._refusal(leg)
+                if _stream_unsupported(refusal):
+                    # That decode worker pulls from no one: hand over the final params instead.
+                    leg.close()
+                    return await o._after_prefill(call, prefill.worker, await final)
                 # No decode worker will read this KV: stop computing it and free the pin.
                 final.cancel()
                 prefill.abort()
                 o.up.release_kv(prefill.worker, prefill.params)
-                raise await self._refusal(leg)
+                raise refusal
             answer = await final
         except PrefillFailed as e:
             leg.drop()
@@ -205,7 +212,12 @@ class StreamedHandoff:
         try:
             response = await leg.response()
             if leg.refused():
+                refusal = await self._refusal(leg)
+                if _stream_unsupported(refusal):
+                    leg.close()
+                    return await o._after_prefill(call, prefill.worker, answer)
                 o.up.release_kv(prefill.worker, prefill.params)
+                raise refusal
             content = await o._answer(leg.up, response)
         finally:
             leg.close()
@@ -213,11 +225,12 @@ class StreamedHandoff:
         return o._merged(call, answer, content)
 
     async def _refusal(self, leg: DecodeLeg) -> APIError:
-        """The error a refused decode call gives the client, as after-prefill."""
-        response = leg.opening.result()
-        if response is None:
-            return self.o._no_decode(leg.up)
-        return UpstreamError(response.status, await read_and_close(response))
+        """The error a refused decode call gives the client, as after-prefill (read once)."""
+        if leg.refusal is None:
+            response = leg.opening.result() if leg.opening.exception() is None else None
+            leg.refusal = self.o._no_decode(leg.up) if response is None else \
+                UpstreamError(response.status, await read_and_close(response))
+        return leg.refusal
 
     async def _stream(self, call: "Call", prefill: StreamedPrefill, answer: Answer, leg: DecodeLeg,
                       since: float) -> AsyncIterator[bytes]:
@@ -229,11 +242,40 @@ class StreamedHandoff:
             o._observe_ttft(call)
             response = await leg.response()
             if leg.refused():
+                refusal = await self._refusal(leg)
+                if _stream_unsupported(refusal):  # the first token is out: the final params, the rest
+                    leg.close()
+                    from pdserve.router.orchestrator import Handoff  # (a cycle at import time)
+
+                    handoff = Handoff(prefill.worker, answer.kv_transfer_params)
+                    pool = o.selector.pool(ROLE_DECODE, call.body["model"], partners=[prefill.worker])
+                    try:
+                        async for chunk in o._pd_stream(call, pool, answer, handoff, first_sent=True):
+                            yield chunk
+                    finally:
+                        o._abandon(handoff)
+                    return
                 o.up.release_kv(prefill.worker, prefill.params)
+                if isinstance(refusal, UpstreamError):  # as _decode_events words a refusal
+                    refusal = APIError(refusal.status, f"decode worker answered {refusal.status}: "
+                                                       f"{refusal.content[:300].decode(errors='replace')}")
+                yield refusal.sse_event()
+                return
             async for chunk in o._decode_events(call, leg.up, response, since):
                 yield chunk
         finally:
             leg.close()
+
+
+def _stream_unsupported(refusal: APIError) -> bool:
+    """A decode worker that cannot take streamed params (it pulls from no one) said so."""
+    if not isinstance(refusal, UpstreamError) or refusal.status != 400:
+        return False
+    try:
+        error = json.loads(refusal.content).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == STREAM_UNSUPPORTED
 
 
 def _retrieved(task: asyncio.Task) -> None:

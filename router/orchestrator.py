@@ -124,11 +124,14 @@ class Orchestrator:
             return await self._direct(call, decode_pool)
         if isinstance(prefill, StreamedPrefill):
             return await self.streamed.run(call, prefill)
-        worker, answer = prefill
+        return await self._after_prefill(call, *prefill)
+
+    async def _after_prefill(self, call: Call, worker: Worker, answer: Answer) -> Response:
+        """The hand-off once the prefill has answered: the decode call gets its final params."""
         if first_token_ended(answer):
             return self._finished_by_prefill(call, answer)
         call.disaggregated = True
-        decode_pool = self.selector.pool(ROLE_DECODE, model, partners=[worker])
+        decode_pool = self.selector.pool(ROLE_DECODE, call.body["model"], partners=[worker])
         handoff = Handoff(worker, answer.kv_transfer_params)
         if call.stream:
             return self._stream_response(call, self._pd_stream(call, decode_pool, answer, handoff), handoff=handoff)
@@ -325,12 +328,13 @@ class Orchestrator:
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
     async def _pd_stream(self, call: Call, pool: list[Worker], prefill: Answer,
-                         handoff: Handoff) -> AsyncIterator[bytes]:
+                         handoff: Handoff, first_sent: bool = False) -> AsyncIterator[bytes]:
         # A client that hangs up from here until the decode call is opened leaves the pin to
         # the router (handoff; _stream_response releases it), and after that to the decode worker.
-        if first := first_token_events(prefill):
-            yield first
-        self._observe_ttft(call)
+        if not first_sent:
+            if first := first_token_events(prefill):
+                yield first
+            self._observe_ttft(call)
         t0 = time.monotonic()
         # Held from here: a client that hangs up while the decode worker pulls the KV closes
         # this iterator (SSEResponse), which closes the call and releases the worker.

@@ -11,9 +11,9 @@ from pdserve.worker.sampling_params import SamplingParams
 class RequestError(ValueError):
     """The request cannot be served as given (maps to HTTP 400); `param` names the field."""
 
-    def __init__(self, param: str | None, message: str):
+    def __init__(self, param: str | None, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class RequestStatus(enum.Enum):

@@ -3,7 +3,9 @@ but was started without --kv-peer-allow pulls from no one. That deployment mista
 as an error when it starts, and a P/D request it gets is served by prefilling locally (counted
 in pdserve_kv_local_prefill_fallbacks_total, what an alert watches), never a 400 blaming
 kv_transfer_params, a field the client never sent. (A worker started as --role decode without
-peers refuses to start: tests/worker/test_exposure_defaults.py.)
+peers refuses to start: tests/worker/test_exposure_defaults.py.) Streamed params, whose first
+token only a pull would bring, it refuses with `kv_stream_unsupported`; the router then waits for
+the prefill's answer and hands over its final params.
 
 Real processes: a prefill worker, the `both` worker and the router, each its own OS process."""
 
@@ -61,3 +63,13 @@ def test_a_worker_that_pulls_from_no_one_prefills_locally_and_says_so(launch, ti
     assert metric(router.url, 'pdserve_router_requests_total{disaggregated="yes"') >= 1  # it went P then D
     assert metric(both.url, "pdserve_kv_local_prefill_fallbacks_total") == 1
     assert metric(both.url, "pdserve_kv_transfer_bytes_total") == 0  # and contacted no peer
+    # Streamed too: the router's streamed hand-off is refused with kv_stream_unsupported by a
+    # worker that pulls from no one, and the router hands over the final params instead.
+    text = ""
+    with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c.get("text", "") for c in __import__("json").loads(line[6:])["choices"])
+    assert text == alone
+    assert metric(both.url, "pdserve_kv_local_prefill_fallbacks_total") == 2

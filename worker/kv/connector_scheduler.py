@@ -33,8 +33,9 @@ import logging
 import time
 from dataclasses import replace
 
-from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, KVTransferParams, KVTransferParamsError,
-                                          is_remote_decode, is_streamed, wants_remote_decode, wants_stream_kv)
+from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
+                                          KVTransferParamsError, is_remote_decode, is_streamed, wants_remote_decode,
+                                          wants_stream_kv)
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -76,7 +77,8 @@ class KVConnectorScheduler:
         if kv.stream_kv and (self._transfer is None or self._transfer.policy.empty):
             # Its first token comes with the pull: a worker that pulls from no one cannot serve it.
             raise RequestError(PARAM, f"{PARAM} of a streamed hand-off need a decode worker that pulls KV "
-                                      f"(--kv-transfer and --kv-peer-allow naming the prefill worker)")
+                                      f"(--kv-transfer and --kv-peer-allow naming the prefill worker)",
+                               STREAM_UNSUPPORTED)
         if self._transfer is None:
             return  # prefilled locally: the remote layout does not matter
         if kv.kv_layout != self._transfer.layout:

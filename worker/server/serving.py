@@ -178,7 +178,7 @@ async def start(request: Request, gen: Generation) -> tuple[tuple[int, RequestOu
     try:
         return await unless_disconnected(request, first()), events
     except ValueError as e:  # the engine refused the request's content (RequestError, SamplingParamsError)
-        raise bad_request(str(e), getattr(e, "param", None)) from None
+        raise bad_request(str(e), getattr(e, "param", None), getattr(e, "code", None)) from None
     except RuntimeError as e:  # EngineDeadError: the step loop is gone; the pod must restart
         log.error("engine unavailable for %s: %s", gen.request_id, e)
         raise APIError(503, str(e), code="engine_dead") from None
