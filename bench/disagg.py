@@ -152,6 +152,15 @@ def sweep(stack: UpStack, setup: str, workload: str, spec: tuple, ckpt: str, run
     return records
 
 
+def pack_runs(work: Path, out: Path) -> None:
+    """Every run's JSON and every stack's logs into out/runs.tar.gz; the work folder removed."""
+    with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
+        for sub in ("runs", "logs"):
+            if (work / sub).exists():
+                tar.add(work / sub, arcname=sub)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench disagg", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, metavar="DIR")
@@ -196,11 +205,7 @@ def main(argv=None) -> int:
                 stack.stop()
     finally:
         disagg_report.write(runs, out, SLO_MS, args.smoke, plots=True)
-        with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
-            for sub in ("runs", "logs"):
-                if (work / sub).exists():
-                    tar.add(work / sub, arcname=sub)
-        shutil.rmtree(work, ignore_errors=True)
+        pack_runs(work, out)
     print((out / "results.md").read_text())
     print(f"[disagg] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0

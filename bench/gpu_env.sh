@@ -51,3 +51,12 @@ rm -rf "$PD" && mkdir -p "$PD/pdserve"
 for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
 export PYTHONPATH="$PD:$PDSERVE_DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+
+# The machine a GPU script ran on (its env.txt): date, commit, cards, links, versions.
+gpu_env_report() {
+  date -u
+  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -n 4
+  $PY -c "import sys, torch; print('python', sys.version.split()[0], '· torch', torch.__version__, '· GPUs', torch.cuda.device_count())"
+}

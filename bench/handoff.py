@@ -39,7 +39,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
-from pdserve.bench.disagg import UpStack
+from pdserve.bench.disagg import UpStack, pack_runs
 
 SLO = ("ttft:2000", "itl:25")
 
@@ -344,11 +343,7 @@ def main(argv=None) -> int:
     finally:
         summary = summarize(runner, args, sizes, ckpt, support)
         handoff_report.render(summary, out)
-        with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
-            for sub in ("runs", "logs"):
-                if (work / sub).exists():
-                    tar.add(work / sub, arcname=sub)
-        shutil.rmtree(work, ignore_errors=True)
+        pack_runs(work, out)
     print((out / "results.md").read_text())
     print(f"[handoff] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0

@@ -18,13 +18,7 @@ PY=${PYTHON:-python3}
 source bench/gpu_server_deps.sh
 source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
 SLACKS=${KV_RUNS_SLACKS:-0 1}  # eviction slacks to measure (KV_RUNS_SLACKS=0: strict LRU only)
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  nvidia-smi topo -m 2>/dev/null | head -n 4
-  $PY -c "import sys, torch; print('python', sys.version.split()[0], '· torch', torch.__version__, '· GPUs', torch.cuda.device_count())"
-} > "$OUT/env.txt" 2>&1
+gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 TLS=cuda_ipc,cuda_copy,tcp

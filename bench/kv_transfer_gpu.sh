@@ -18,15 +18,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
-source bench/gpu_env.sh nixl_cu13:nixl_cu13 zmq:pyzmq prometheus_client:prometheus_client || exit 1
+# The connector imports protocol/ (pydantic, fastapi): the server stack's wheels.
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
 
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  nvidia-smi topo -m 2>/dev/null | head -n 4
-  $PY -c "import sys, torch; print('python', sys.version.split()[0], '· torch', torch.__version__, '· GPUs', torch.cuda.device_count())"
-} > "$OUT/env.txt" 2>&1
+gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 TLS=cuda_ipc,cuda_copy,tcp
