@@ -143,7 +143,6 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._apply_inbox()
-
         if self.kv_connector is not None:
             with self._lock:
                 unpins, self._unpins = self._unpins, []
