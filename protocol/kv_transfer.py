@@ -59,23 +59,31 @@ def decode_budget(body: dict) -> dict:
     return out
 
 
-def wants_remote_decode(params: dict | None) -> bool:
+def wants_remote_decode(params) -> bool:
     """Prefill side: the caller asks this worker to prefill only and hand its KV over."""
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+        return isinstance(params, RemoteDecodeRequest)
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
-def wants_stream_kv(params: dict | None) -> bool:
+def wants_stream_kv(params) -> bool:
     """Prefill side: announce the pin at admission and let the decode side read chunks as they land."""
+    if isinstance(params, RemoteDecodeRequest):
+        return params.stream_kv
     return wants_remote_decode(params) and params.get(STREAM_KV) is True
 
 
-def is_streamed(params: dict | None) -> bool:
+def is_streamed(params) -> bool:
     """Decode side: params announced before the prefill ended (no first token yet)."""
+    if isinstance(params, KVTransferParams):
+        return params.stream_kv
     return is_remote_decode(params) and params.get(STREAM_KV) is True
 
 
-def is_remote_decode(params: dict | None) -> bool:
+def is_remote_decode(params) -> bool:
     """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+        return isinstance(params, KVTransferParams)
     return bool(params) and not params.get("do_remote_decode")
 
 
@@ -184,6 +192,35 @@ class KVTransferParams:
         if self.block_size != block_size:
             raise KVTransferParamsError(f"the prefill worker's KV block size is {self.block_size} but this "
                                         f"worker's is {block_size}; P and D must match")
+
+
+@dataclass(frozen=True)
+class RemoteDecodeRequest:
+    """Prefill side: what the router asks of a prefill worker (`remote_decode_request`): prefill
+    only, keep the KV for a decode worker. `decode_budget` is the client's budget as sent (checked
+    by the server, serving.check_decode_budget); `stream_kv` asks for the streamed hand-off."""
+
+    decode_budget: dict | None = None
+    stream_kv: bool = False
+
+    def to_dict(self) -> dict:
+        return remote_decode_request(self.decode_budget, self.stream_kv)
+
+
+def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | None":
+    """The one parse of a request body's `kv_transfer_params` on a worker: a prefill request's
+    (`do_remote_decode`) becomes a RemoteDecodeRequest (lenient, as it always was: a budget that
+    is not an object is no budget, `stream_kv` counts only when exactly true); a decode request's
+    a validated KVTransferParams (KVTransferParamsError otherwise); none (or empty) is None.
+    Objects already parsed pass through."""
+    if isinstance(params, (KVTransferParams, RemoteDecodeRequest)) or not params:
+        return params or None
+    if not isinstance(params, dict):
+        raise KVTransferParamsError(f"{PARAM} must be an object")
+    if wants_remote_decode(params):
+        budget = params.get(BUDGET)
+        return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True)
+    return KVTransferParams.from_dict(params)
 
 
 # The fields a decode worker cannot do without, and their wire types.

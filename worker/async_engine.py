@@ -16,8 +16,10 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.grammar_pool import GrammarPool
-from pdserve.protocol.kv_transfer import is_remote_decode, is_streamed
+from pdserve.protocol.kv_transfer import (PARAM, KVTransferParamsError, is_remote_decode, is_streamed,
+                                          parse_kv_transfer_params)
 from pdserve.worker.outputs import EngineStats, RequestOutput
+from pdserve.worker.request import RequestError
 from pdserve.worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -122,14 +124,18 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params=None) -> AsyncIterator[RequestOutput]:
+        """`kv_transfer_params`: parsed (KVTransferParams | RemoteDecodeRequest), or a dict parsed here."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
         # A decode worker's first token was sent by the prefill worker: replayed into the
         # detokenizer, never emitted. A streamed hand-off learns it with the KV pull (below).
+        try:
+            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
+        except KVTransferParamsError as e:
+            raise RequestError(PARAM, str(e)) from None
         streamed = is_streamed(kv_transfer_params)
-        emitted = [int(kv_transfer_params["first_token_id"])] if is_remote_decode(kv_transfer_params) and not streamed \
-            else []
+        emitted = [kv_transfer_params.first_token_id] if is_remote_decode(kv_transfer_params) and not streamed else []
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q

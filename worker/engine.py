@@ -20,7 +20,8 @@ import uuid
 
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
-from pdserve.protocol.kv_transfer import is_remote_decode
+from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
+                                          is_remote_decode, parse_kv_transfer_params)
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
@@ -94,9 +95,11 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None, grammar=None) -> None:
-        """`grammar`: the request's GrammarMatcher when the caller built it (the server does, off
-        its event loop: grammar_pool.py); else a spec in `params` is compiled here."""
+                    kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None, grammar=None) -> None:
+        """`kv_transfer_params`: the parsed object (the server parses the body once); a dict (a
+        direct caller, a test) is parsed here, the same way. `grammar`: the request's
+        GrammarMatcher when the caller built it (the server does, off its event loop:
+        grammar_pool.py); else a spec in `params` is compiled here."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("prompt", "the prompt is empty")
@@ -107,6 +110,10 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
         check_logit_bias(params, vocab)
+        try:
+            kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
+        except KVTransferParamsError as e:
+            raise RequestError(PARAM, str(e)) from None
         if is_remote_decode(kv_transfer_params):
             if params.prompt_logprobs is not None:  # the prompt ran elsewhere: no logits here
                 raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
@@ -127,7 +134,7 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
-    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:
+    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:  # the params this worker emitted
         """Any thread: a finished prefill's pin will not be read (its answer ended on a stop
         string, which only the detokenizer sees): free its blocks at the next step, not at TTL."""
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pdserve.protocol.kv_transfer import parse_kv_transfer_params
 from pdserve.worker.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), kv_transfer_params: dict | None = None):
+                 eos_token_ids: tuple[int, ...] = (), kv_transfer_params=None):
         self.request_id = request_id
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -44,7 +45,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first admission
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
-        self.kv_transfer_params = kv_transfer_params  # as the caller sent them
+        # Parsed once (the server does; a dict from a direct caller is parsed here): KVTransferParams on
+        # a decode worker, RemoteDecodeRequest on a prefill worker, or None.
+        self.kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         # Set when it finishes as the prefill of a remote decode: where a decode worker pulls its KV.
         self.kv_transfer_params_out: dict | None = None
         self.arrival_time = time.monotonic()

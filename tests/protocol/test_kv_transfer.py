@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.protocol.kv_transfer import (KVTransferParams, KVTransferParamsError, is_remote_decode, prefill_request,
-                                          wants_remote_decode)
+from pdserve.protocol.kv_transfer import (KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
+                                          is_remote_decode, is_streamed, parse_kv_transfer_params, prefill_request,
+                                          wants_remote_decode, wants_stream_kv)
 
 GOOD = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600, "remote_request_id": "r1",
         "remote_block_ids": [3, 4, 5], "num_prompt_tokens": 9, "first_token_id": 42, "transfer_token": "t",
@@ -47,6 +48,32 @@ def test_malformed_params_are_refused(change, says):
 def test_incompatible_params_are_refused(num_prompt_tokens, block_size, vocab, says):
     with pytest.raises(KVTransferParamsError, match=says):
         KVTransferParams.from_dict(GOOD).check_compatible(num_prompt_tokens, block_size, vocab)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    (None, None),
+    ({}, None),
+    ({"do_remote_decode": True}, RemoteDecodeRequest()),
+    ({"do_remote_decode": True, "stream_kv": True, "decode_budget": {"max_tokens": 5}},
+     RemoteDecodeRequest({"max_tokens": 5}, True)),
+    ({"do_remote_decode": True, "stream_kv": "yes", "decode_budget": 7}, RemoteDecodeRequest()),  # lenient, as before
+    (GOOD, KVTransferParams.from_dict(GOOD)),
+])
+def test_one_parse_into_the_object_the_engine_carries(raw, expected):
+    parsed = parse_kv_transfer_params(raw)
+    assert parsed == expected and parse_kv_transfer_params(parsed) is parsed  # parsed objects pass through
+    if parsed is not None:  # the predicates read the object as they read the dict
+        assert (is_remote_decode(parsed), wants_remote_decode(parsed)) == (is_remote_decode(raw), wants_remote_decode(raw))
+        assert (is_streamed(parsed), wants_stream_kv(parsed)) == (is_streamed(raw), wants_stream_kv(raw))
+    if isinstance(parsed, RemoteDecodeRequest) and raw.get("stream_kv") != "yes":
+        assert parsed.to_dict() == raw  # the wire form is unchanged
+
+
+def test_a_malformed_decode_request_is_refused_by_the_one_parse():
+    with pytest.raises(KVTransferParamsError, match="first_token_id is missing"):
+        parse_kv_transfer_params({**GOOD, "first_token_id": None})
+    with pytest.raises(KVTransferParamsError, match="must be an object"):
+        parse_kv_transfer_params([1])
 
 
 @pytest.mark.parametrize("params,remote_decode,wants", [

@@ -105,7 +105,7 @@ def test_remote_decode_waits_for_its_pull_then_decodes(prefill, decode):
     assert not batch and r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     assert len(r.block_ids) == 3 and sched.has_work()  # 11 tokens: every block the pull writes, and the next
     (load,) = batch.kv_connector_metadata.loads
-    assert load.indices == [0, 1, 2] and load.dst_blocks == r.block_ids and load.params is params
+    assert load.indices == [0, 1, 2] and load.dst_blocks == r.block_ids and load.params.to_dict() == params
     assert not sched.schedule()  # still waiting: nothing to run
     sched.update_from_kv_xfer(KVConnectorOutput(finished_recving=["d"]))
     assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 10
@@ -152,7 +152,7 @@ def test_unpulled_remote_kv_is_released(prefill, decode):
     sched.add(queued)
     sched.finish(queued, RequestStatus.FINISHED_ABORTED)
     meta = sched.schedule().kv_connector_metadata
-    assert meta.releases == [params, params] and not meta.loads and bm.num_free_blocks == BLOCKS
+    assert [p.to_dict() for p in meta.releases] == [params, params] and not meta.loads and bm.num_free_blocks == BLOCKS
 
 
 def test_prompt_blocks_in_the_local_prefix_cache_are_not_pulled(prefill, decode):
@@ -167,7 +167,8 @@ def test_prompt_blocks_in_the_local_prefix_cache_are_not_pulled(prefill, decode)
     batch = sched.schedule()
     # Nothing left to pull: it runs at once, and the prefill worker is told to drop its pin.
     assert [(q.request_id, n) for q, n in batch.items] == [("d", 1)]
-    assert batch.kv_connector_metadata.releases == [params] and not batch.kv_connector_metadata.loads
+    meta = batch.kv_connector_metadata
+    assert [p.to_dict() for p in meta.releases] == [params] and not meta.loads
 
 
 def test_pins_are_capped_at_half_the_cache(prefill):

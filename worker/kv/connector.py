@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
-from pdserve.protocol.kv_transfer import KVTransferParams
+from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_params
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
@@ -112,7 +112,7 @@ class KVConnector:
         # Rank 0 of a TP worker (step thread only): what the other ranks have yet to report.
         self._tp_waiting: dict[str, set[int]] = {}  # pull -> ranks still pulling
         self._tp_failed: dict[str, str] = {}  # pull -> why a rank's part failed
-        self._tp_releases: dict[str, dict] = {}  # pull -> params whose pins rank 0 releases after it
+        self._tp_releases: dict[str, KVTransferParams] = {}  # pull -> params whose pins rank 0 releases after it
         self._tp_unpinned: dict[str, int] = {}  # pin -> ranks whose mirror is gone
         self._tp_sent: set[str] = set()  # rank 0's own pin gone, the other ranks' not yet
         if link is not None:
@@ -172,7 +172,7 @@ class KVConnector:
         if self.link is not None:
             self.link.send(("advance", request_id, ready))
 
-    def finish_streamed(self, request_id: str, first_token_id: int, params: dict) -> dict | None:
+    def finish_streamed(self, request_id: str, first_token_id: int, params: KVTransferParams) -> dict | None:
         """The streamed prefill ended on `first_token_id`: the final params (a plain hand-off's,
         valid for a decode worker that pulls after the prefill), or None if the pin is gone."""
         done = self.pins.finish(request_id, first_token_id)
@@ -328,16 +328,18 @@ class KVConnector:
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
-    def _pull(self, params: dict, indices: list[int], dst_blocks: list[int], digest: str, rid: str = "") -> int:
+    def _pull(self, params: KVTransferParams | dict, indices: list[int], dst_blocks: list[int], digest: str,
+              rid: str = "") -> int:
         """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`, for
         our request `rid`."""
         t0 = time.perf_counter()
-        transport = params.get("transport", "tcp")
+        params = as_params(params)
+        transport = params.transport
         if transport != "nixl" or self.nixl is None:
             transport = "tcp"
         try:
             host = self.allowed_peer(params)
-            if params.get("stream_kv"):
+            if params.stream_kv:
                 nbytes = self._stream_pull(rid, host, params, indices, dst_blocks, digest, transport)
             else:
                 nbytes = self._pull_blocks(host, params, indices, dst_blocks, digest, transport, last=True)
@@ -350,11 +352,11 @@ class KVConnector:
         self.metrics.observe_pull(transport, nbytes, time.perf_counter() - t0)
         return nbytes
 
-    def _pull_blocks(self, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,
+    def _pull_blocks(self, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
                      transport: str, last: bool) -> int:
         """One read of blocks the prefill side has computed; `last`: the read also releases the
         pin (a tensor-parallel pull never does: rank 0 releases once every rank has read)."""
-        port = int(params["remote_port"])
+        port = params.remote_port
         if self._tp_pull(params):
             return pull_shards(self, host, params, indices, dst_blocks, digest, transport)
         if transport == "nixl":
@@ -362,14 +364,14 @@ class KVConnector:
         return tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest,
                         keep=not last)
 
-    def _stream_pull(self, rid: str, host: str, params: dict, indices: list[int], dst_blocks: list[int],
+    def _stream_pull(self, rid: str, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
                      digest: str, transport: str) -> int:
         """A streamed hand-off: read each chunk of the blocks we lack as soon as the prefill has
         computed it (the side channel answers `progress` when more blocks are ready), until
         the prefill ends with its first token. Every read keeps the pin; it is released after the
         last one (by rank 0 under tensor parallelism), never while a read may still run."""
         want = dict(zip(indices, dst_blocks))  # remote positions we lack -> our blocks
-        port, n = int(params["remote_port"]), len(params["remote_block_ids"])
+        port, n = params.remote_port, len(params.remote_block_ids)
         have, nbytes = 0, 0
         stalled_since = time.monotonic()
         while True:
@@ -407,12 +409,12 @@ class KVConnector:
         only if the lease then confirms the same blocks for this prompt: a pin is never re-made
         under a token, so blocks read before a successful lease were read while the pin held
         them. Otherwise the READ is abandoned and the scheduler prefills locally over them."""
-        engine_id = params["remote_engine_id"]
+        engine_id = params.remote_engine_id
         peer = self.nixl.known_peer(engine_id)
-        rid, token = params["remote_request_id"], params["transfer_token"]
+        rid, token = params.remote_request_id, params.transfer_token
         notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * self.block_bytes} \
             if release else None
-        src = [params["remote_block_ids"][i] for i in check_indices(indices, len(params["remote_block_ids"]))]
+        src = [params.remote_block_ids[i] for i in check_indices(indices, len(params.remote_block_ids))]
         early = None
         # Not with the release riding on the READ: it would end the pin before the lease. Not
         # for a streamed chunk either: the lease is what says its blocks are computed.
@@ -430,11 +432,12 @@ class KVConnector:
             raise
         return self.nixl.finish_read(early or self.nixl.post_read(peer, src, dst_blocks, notif), self.timeout)
 
-    def allowed_peer(self, params: dict) -> str:
+    def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to connect to for these params, if --kv-peer-allow admits their host and
         every port they make us contact (a TP prefill worker's rank r listens on remote_port + r);
-        else PeerNotAllowed (or ValueError for a malformed TP size)."""
-        host, port = str(params.get("remote_host")), params.get("remote_port")
+        else PeerNotAllowed."""
+        params = as_params(params)
+        host, port = params.remote_host, params.remote_port
         if type(port) is not int:
             raise PeerNotAllowed(f"KV peer port {port!r} is not a port")
         address = self.policy.check(host, port)
@@ -442,29 +445,30 @@ class KVConnector:
             self.policy.check(host, port + rank)
         return address
 
-    def _tp_pull(self, params: dict) -> bool:
+    def _tp_pull(self, params: KVTransferParams) -> bool:
         """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""
         try:
             return self.tp.size > 1 or remote_tp_size(params) > 1
         except ValueError:
             return True  # the pull refuses it (and falls back to local prefill)
 
-    def _release_quietly(self, params: dict) -> None:
+    def _release_quietly(self, params: KVTransferParams) -> None:
         """Best effort: tell the prefill worker we will not read (more of) its pin (every rank's,
         when it is tensor-parallel). Its TTL is the backstop."""
+        params = as_params(params)
         try:
             host = self.allowed_peer(params)  # never contact a peer we would not pull from
             ranks = remote_tp_size(params)
         except Exception as e:
-            log.debug("KV release of %s not sent: %s", params.get("remote_request_id"), e)
+            log.debug("KV release of %s not sent: %s", params.remote_request_id, e)
             return
         for rank in range(ranks):
             try:
-                side_channel.call(host, int(params["remote_port"]) + rank, "release",
-                                  {"request_id": params["remote_request_id"], "token": params["transfer_token"]},
-                                  min(5.0, self.timeout), self.auth, params["remote_engine_id"])
+                side_channel.call(host, params.remote_port + rank, "release",
+                                  {"request_id": params.remote_request_id, "token": params.transfer_token},
+                                  min(5.0, self.timeout), self.auth, params.remote_engine_id)
             except Exception as e:
-                log.debug("KV release of %s (rank %d) failed: %s", params.get("remote_request_id"), rank, e)
+                log.debug("KV release of %s (rank %d) failed: %s", params.remote_request_id, rank, e)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
@@ -472,6 +476,11 @@ class KVConnector:
             self.nixl.close()  # deregister and free its staging buffers
         if self.server:
             self.server.stop()
+
+
+def as_params(params: KVTransferParams | dict) -> KVTransferParams:
+    """The parsed params (the request carries them so); a dict (the params a test's pin returned) is parsed."""
+    return params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
 
 
 class PullStopped(RuntimeError):
@@ -484,8 +493,9 @@ def _indices(body: dict) -> list | None:
     return indices if isinstance(indices, list) else None
 
 
-def _peer(params: dict) -> tuple[str, int]:
-    return str(params.get("remote_host")), int(params.get("remote_port", 0))
+def _peer(params: KVTransferParams | dict) -> tuple[str, int]:
+    params = as_params(params)
+    return params.remote_host, params.remote_port
 
 
 def _is_wildcard(host: str) -> bool:

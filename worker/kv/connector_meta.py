@@ -10,13 +10,17 @@ the decode side is done with (released, or expired), so the scheduler frees thei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.protocol.kv_transfer import KVTransferParams
 
 
 @dataclass(frozen=True)
 class KVLoad:
     request_id: str
-    params: dict  # the prefill worker's kv_transfer_params
-    indices: list[int]  # positions in params["remote_block_ids"] to read
+    params: KVTransferParams  # the prefill worker's kv_transfer_params, parsed
+    indices: list[int]  # positions in params.remote_block_ids to read
     dst_blocks: list[int]  # our block ids, one per index
     prompt_digest: str  # of this request's prompt: the prefill side serves only blocks computed from it
 
@@ -24,7 +28,7 @@ class KVLoad:
 @dataclass
 class KVConnectorMetadata:
     loads: list[KVLoad] = field(default_factory=list)
-    releases: list[dict] = field(default_factory=list)  # kv_transfer_params whose pins to free unread
+    releases: list[KVTransferParams] = field(default_factory=list)  # kv_transfer_params whose pins to free unread
     cancels: list[str] = field(default_factory=list)  # requests aborted mid-pull: stop their streamed pulls
 
     def __bool__(self) -> bool:

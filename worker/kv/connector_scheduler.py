@@ -65,12 +65,11 @@ class KVConnectorScheduler:
 
     # -- arrival --------------------------------------------------------------------------------
 
-    def check_params(self, p: dict, prompt_token_ids: list[int]) -> None:
+    def check_params(self, kv: KVTransferParams, prompt_token_ids: list[int]) -> None:
         """Decode side: refuse malformed, incompatible or foreign params before anything is
-        allocated. Shape and internal consistency are KVTransferParams' (protocol/kv_transfer.py);
+        allocated. Shape and internal consistency were checked by the one parse (protocol/kv_transfer.py);
         what needs this worker and this prompt is checked here, each thing once."""
         try:
-            kv = KVTransferParams.from_dict(p)
             kv.check_compatible(len(prompt_token_ids), self.block_size, self.vocab_size)
         except KVTransferParamsError as e:
             raise RequestError(PARAM, str(e)) from None
@@ -91,7 +90,7 @@ class KVConnectorScheduler:
         if self._transfer.policy.empty:
             return  # a worker that pulls from no one prefills locally (new_request); never the client's fault
         try:
-            self._transfer.allowed_peer(p)
+            self._transfer.allowed_peer(kv)
         except (PeerNotAllowed, ValueError) as e:
             raise RequestError(PARAM, str(e)) from None
 
@@ -112,7 +111,7 @@ class KVConnectorScheduler:
             self._unpulled.add(req.request_id)
         elif is_remote_decode(p):
             # Decode side: the prefill worker's first token is an output the caller already has.
-            req.token_ids.append(int(p["first_token_id"]))
+            req.token_ids.append(p.first_token_id)
             req.num_emitted_tokens = 1
             if self._transfer is None:
                 return

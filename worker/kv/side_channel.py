@@ -51,6 +51,10 @@ import zmq
 
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.pins import NotReady
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.protocol.kv_transfer import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -341,13 +345,13 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
     return json.loads(payload), parts[4:]
 
 
-def progress(host: str, port: int, params: dict, digest: str, have: int, timeout_s: float,
+def progress(host: str, port: int, params: KVTransferParams, digest: str, have: int, timeout_s: float,
              auth: SideChannelAuth) -> dict:
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
     (or after the server's DEFER_S with what there is): {ready, state, first_token_id}."""
-    engine_id = params["remote_engine_id"]
-    reply, _ = call(host, port, "progress", {"request_id": params["remote_request_id"],
-                                             "token": params["transfer_token"], "prompt_digest": digest,
+    engine_id = params.remote_engine_id
+    reply, _ = call(host, port, "progress", {"request_id": params.remote_request_id,
+                                             "token": params.transfer_token, "prompt_digest": digest,
                                              "have": have}, timeout_s, auth, engine_id)
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
         raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
@@ -356,13 +360,13 @@ def progress(host: str, port: int, params: dict, digest: str, have: int, timeout
     return reply
 
 
-def lease(host: str, port: int, params: dict, indices: list[int], digest: str, want_metadata: bool,
+def lease(host: str, port: int, params: KVTransferParams, indices: list[int], digest: str, want_metadata: bool,
           timeout_s: float, auth: SideChannelAuth) -> tuple[dict, list]:
     """Lease `indices` of the blocks `params` name, and check the reply is from the engine the params
     name, for this prompt. The caller checks the blocks it got (one rank or the whole cache)."""
-    engine_id = params["remote_engine_id"]
-    reply, frames = call(host, port, "lease", {"request_id": params["remote_request_id"],
-                                               "token": params["transfer_token"], "indices": indices,
+    engine_id = params.remote_engine_id
+    reply, frames = call(host, port, "lease", {"request_id": params.remote_request_id,
+                                               "token": params.transfer_token, "indices": indices,
                                                "prompt_digest": digest, "want_metadata": want_metadata},
                          timeout_s, auth, engine_id)
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:

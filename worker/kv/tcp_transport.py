@@ -17,6 +17,10 @@ from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import merge_runs
 from pdserve.worker.kv.pins import LEASE_S, PinTable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.protocol.kv_transfer import KVTransferParams
 
 BUSY_RETRY_S = 0.01
 
@@ -58,11 +62,11 @@ def check_indices(indices, num_pinned: int) -> list[int]:
     return indices
 
 
-def tcp_pull(host: str, port: int, params: dict, indices: list[int], dst_blocks: list[int],
+def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
              blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False) -> int:
     """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes.
     `keep`: leave the pin for an explicit release (tensor-parallel readers)."""
-    body = {"request_id": params["remote_request_id"], "token": params["transfer_token"], "indices": indices,
+    body = {"request_id": params.remote_request_id, "token": params.transfer_token, "indices": indices,
             "prompt_digest": digest}
     if keep:
         body["keep"] = True
@@ -70,7 +74,7 @@ def tcp_pull(host: str, port: int, params: dict, indices: list[int], dst_blocks:
     while True:
         try:
             reply, frames = side_channel.call(host, port, "read", body, max(0.1, deadline - time.monotonic()), auth,
-                                              params["remote_engine_id"])
+                                              params.remote_engine_id)
             break
         except side_channel.PeerBusy:
             if time.monotonic() + BUSY_RETRY_S >= deadline:

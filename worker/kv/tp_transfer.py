@@ -32,8 +32,11 @@ from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.nixl_transport import ReadFailed
 from pdserve.worker.kv.tcp_transport import tcp_pull
 from pdserve.worker.models.parallel import check_kv_heads, kv_head_range
+from typing import TYPE_CHECKING
 
-TP_PARAM = "kv_tp_size"  # kv_transfer_params key: the prefill worker's TP size (absent = 1)
+if TYPE_CHECKING:
+    from pdserve.protocol.kv_transfer import KVTransferParams
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +69,8 @@ class Source:
         return self.remote_num_heads == n and self.remote_heads == self.local_heads == list(range(n))
 
 
-def remote_tp_size(params: dict) -> int:
-    n = params.get(TP_PARAM, 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"kv_transfer_params.{TP_PARAM} must be a positive integer, got {n!r}")
-    return n
+def remote_tp_size(params: KVTransferParams) -> int:
+    return params.kv_tp_size  # checked by the parse (protocol/kv_transfer.py)
 
 
 def kv_sources(num_kv_heads: int, remote_size: int, local: TPRank) -> list[Source]:
@@ -91,13 +91,13 @@ def kv_sources(num_kv_heads: int, remote_size: int, local: TPRank) -> list[Sourc
     return [Source(p, src, dst, len(remote[p]), len(mine)) for p, (src, dst) in sorted(picked.items())]
 
 
-def pull_shards(conn, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,
+def pull_shards(conn, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
                 transport: str) -> int:
     """Decode rank: pull our heads of the remote blocks at `indices` into `dst_blocks`. Returns
     bytes moved. `conn` is this rank's KVConnector (its cache, auth, timeout, NIXL agent)."""
     sources = kv_sources(conn.tp.num_kv_heads, remote_tp_size(params), conn.tp)
     head_bytes = conn.block_bytes // conn.cache.shape[4]
-    base_port = int(params["remote_port"])
+    base_port = params.remote_port
     nbytes = 0
     for s in (s for s in sources if s.direct):
         port = base_port + s.remote_rank
@@ -119,7 +119,7 @@ def pull_shards(conn, host: str, params: dict, indices: list[int], dst_blocks: l
     return nbytes
 
 
-def _pull_staged(conn, host: str, params: dict, indices: list[int], dst_blocks: list[int], digest: str,
+def _pull_staged(conn, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
                  transport: str, staged: list[Source], head_bytes: int) -> int:
     """Whole remote blocks of every staged source into one staging area (a region each), then
     one indexed copy of the heads we keep into our blocks."""
@@ -133,7 +133,7 @@ def _pull_staged(conn, host: str, params: dict, indices: list[int], dst_blocks: 
             off += size
         if transport == "tcp":
             for s, region in zip(staged, regions):
-                nbytes += tcp_pull(host, int(params["remote_port"]) + s.remote_rank, params, indices, list(range(n)),
+                nbytes += tcp_pull(host, params.remote_port + s.remote_rank, params, indices, list(range(n)),
                                    region, conn.timeout, conn.auth, digest, keep=True)
         else:
             nbytes += _nixl_reads(conn, slot, host, params, indices, digest, staged, regions)
@@ -165,12 +165,12 @@ def _staging(conn, transport: str, nbytes: int):
         yield slot.data[:nbytes], slot
 
 
-def _nixl_reads(conn, slot, host: str, params: dict, indices: list[int], digest: str, staged: list[Source],
+def _nixl_reads(conn, slot, host: str, params: KVTransferParams, indices: list[int], digest: str, staged: list[Source],
                 regions: list[torch.Tensor]) -> int:
     """Lease and post a READ per source, then wait for all: source k's bytes move while source
     k + 1's lease runs. Every READ has ended before this returns or raises; one that may not
     have (a timeout) retires the slot, which is then never reused (staging.py)."""
-    base_port, pending, nbytes = int(params["remote_port"]), [], 0
+    base_port, pending, nbytes = params.remote_port, [], 0
     try:
         for s, region in zip(staged, regions):
             peer, src = _lease(conn, host, base_port + s.remote_rank, s.remote_rank, params, indices, digest)
@@ -191,11 +191,11 @@ def _nixl_reads(conn, slot, host: str, params: dict, indices: list[int], digest:
     return nbytes
 
 
-def _lease(conn, host: str, port: int, remote_rank: int, params: dict, indices: list[int],
+def _lease(conn, host: str, port: int, remote_rank: int, params: KVTransferParams, indices: list[int],
            digest: str) -> tuple[dict, list[int]]:
     """Lease the blocks at `indices` from prefill rank `remote_rank`: (its NIXL peer, their block ids).
     No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
-    key = f"{params['remote_engine_id']}#{remote_rank}"
+    key = f"{params.remote_engine_id}#{remote_rank}"
     peer = conn.nixl.known_peer(key)
     reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
     if reply.get("tp_rank", 0) != remote_rank:

@@ -30,7 +30,8 @@ from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, KVTransferParamsError,
-                                          is_remote_decode, wants_remote_decode)
+                                          RemoteDecodeRequest, is_remote_decode, parse_kv_transfer_params,
+                                          wants_remote_decode)
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
 from pdserve.worker.detokenizer import IncrementalDetokenizer
@@ -64,27 +65,27 @@ def check_model(requested: str | None, served: str) -> None:
                        "model", "model_not_found")
 
 
-def kv_transfer_params(params: dict | None, num_sequences: int) -> dict | None:
-    """A decode request's params are parsed once, here, before anything is allocated; a
-    prefill request's (`do_remote_decode`) go to the engine as they are. A hand-off is one
-    sequence's (one prompt, one first token): several prompts or n > 1 cannot share it."""
+def kv_transfer_params(params: dict | None, num_sequences: int) -> KVTransferParams | RemoteDecodeRequest | None:
+    """A request's params are parsed once, here, before anything is allocated, into the object
+    the engine carries (protocol/kv_transfer.py: a decode request's KVTransferParams, a prefill
+    request's RemoteDecodeRequest). A hand-off is one sequence's (one prompt, one first token):
+    several prompts or n > 1 cannot share it."""
     if params and num_sequences != 1:
         raise bad_request(f"{PARAM} describe one sequence; this request has {num_sequences} "
                           "(a list of prompts or n > 1)", PARAM)
-    if not is_remote_decode(params):
-        return params
     try:
-        return KVTransferParams.from_dict(params).to_dict()
+        return parse_kv_transfer_params(params)
     except KVTransferParamsError as e:
         raise bad_request(str(e), PARAM) from None
 
 
-def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams, kv_params: dict | None) -> str:
+def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
+                     kv_params: KVTransferParams | RemoteDecodeRequest | None) -> str:
     """On a decode worker: the text the prefill worker already returned for the handed-over first
     token (what its detokenizer released, detokenizer.py); "" for any other request."""
-    if not is_remote_decode(kv_params) or kv_params.get("first_token_id") is None:
+    if not is_remote_decode(kv_params) or kv_params.first_token_id is None:
         return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
-    return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params["first_token_id"]])[0]
+    return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params.first_token_id])[0]
 
 
 async def off_loop(fn, *args, **kwargs):
@@ -148,12 +149,15 @@ def resolve_max_tokens(requested: int | None, prompts: list[list[int]], max_mode
     return requested
 
 
-def check_decode_budget(kv_params: dict | None, prompts: list[list[int]], max_model_len: int,
+def check_decode_budget(kv_params: dict | RemoteDecodeRequest | None, prompts: list[list[int]], max_model_len: int,
                         prompt_param: str) -> None:
     """On a prefill worker asked to hand its KV off: refuse now what the decode worker will
     refuse for the client's own budget (kv_transfer.decode_budget), so a request that cannot
     be served pins no KV for nothing. Callers that send no budget (vLLM's proxies) get no check."""
-    if not wants_remote_decode(kv_params) or not isinstance(budget := kv_params.get(BUDGET), dict):
+    if not wants_remote_decode(kv_params):
+        return
+    budget = kv_params.decode_budget if isinstance(kv_params, RemoteDecodeRequest) else kv_params.get(BUDGET)
+    if not isinstance(budget, dict):
         return
     param = "max_completion_tokens" if "max_completion_tokens" in budget else "max_tokens"
     requested, min_tokens = budget.get(param), budget.get("min_tokens", 0)
