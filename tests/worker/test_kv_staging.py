@@ -142,7 +142,10 @@ def nixl_world():
         for c in ranks:
             token, _ = c.pins.add(rid, src_ids, digest, token=token)
         params = {"remote_engine_id": ranks[0].engine_id, "remote_host": "127.0.0.1", "remote_port": ranks[0].port,
-                  "remote_request_id": rid, "transfer_token": token, "kv_tp_size": len(ranks), "transport": "nixl"}
+                  "remote_request_id": rid, "transfer_token": token, "kv_tp_size": len(ranks), "transport": "nixl",
+                  # the rest of a decode request's params: a pull reads only the fields above
+                  "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
+                  "kv_layout": "layout:16"}
         return params, digest
 
     def pull(dec, params, digest, dst_ids):

@@ -240,7 +240,9 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport):
             token, _ = c.pins.add("req", src_ids, digest, token=token)
         params = {"remote_engine_id": "eng", "remote_host": "127.0.0.1", "remote_port": port,
                   "remote_request_id": "req", "transfer_token": token, "kv_tp_size": size,
-                  "transport": transport}  # absent, a pull goes over TCP
+                  "transport": transport,  # absent, a pull goes over TCP
+                  "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
+                  "kv_layout": "layout:16"}
         return ranks, params
 
     def pull(size, rank, params):
