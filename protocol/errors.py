@@ -81,7 +81,8 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
-    return bad_request(f"{param}: {msg}" if param else msg, param)
+    named = param is None or msg.startswith(param)  # a custom error that names its field already
+    return bad_request(msg if named else f"{param}: {msg}", param)
 
 
 class UpstreamError(APIError):

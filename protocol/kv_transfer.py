@@ -18,8 +18,10 @@ A client never sets these: the router strips any it sends.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Annotated
 
-from pdserve.protocol.requests import CompletionRequest
+from pydantic import PlainValidator
+from pydantic_core import PydanticCustomError
 
 PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
 PREFILL_MAX_TOKENS = 1  # a prefill runs the prompt and samples exactly the first token
@@ -55,6 +57,8 @@ def decode_budget(body: dict) -> dict:
     without max_tokens gets that field's default, 16; chat's default fits the context)."""
     out = {k: body[k] for k in ("max_completion_tokens", "max_tokens", "min_tokens") if body.get(k) is not None}
     if "prompt" in body and "max_tokens" not in body:
+        from pdserve.protocol.requests import CompletionRequest  # it imports this module
+
         out["max_tokens"] = CompletionRequest.model_fields["max_tokens"].default
     return out
 
@@ -227,3 +231,17 @@ def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest 
 _REQUIRED = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
              "remote_block_ids": list, "num_prompt_tokens": int, "first_token_id": int,
              "transfer_token": str, "kv_layout": str}
+
+
+def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | None":
+    try:
+        return parse_kv_transfer_params(value)
+    except KVTransferParamsError as e:
+        # A custom error keeps the parse's own message (the 400's text), without pydantic's prefix.
+        raise PydanticCustomError(PARAM, "{message}", {"message": str(e)}) from None
+
+
+# The request models' field (protocol/requests.py): validated with the body, by the one parse,
+# into the object the worker carries to its engine.
+KVTransferField = Annotated[KVTransferParams | RemoteDecodeRequest | None,
+                            PlainValidator(_validated, json_schema_input_type=dict | None)]

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from pdserve.protocol.errors import bad_request
+from pdserve.protocol.kv_transfer import KVTransferField
 from pdserve.protocol.structured import StructuredOutputFields
 from pdserve.protocol.tools import Tool, ToolChoice, check_tool_request
 
@@ -50,9 +51,9 @@ class CommonRequest(StructuredOutputFields):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # P/D handshake (see kv_transfer.py): {"do_remote_decode": true} to a prefill worker, the
-    # prefill's KVTransferParams to a decode worker.
-    kv_transfer_params: dict[str, Any] | None = None
+    # P/D handshake (see kv_transfer.py): {"do_remote_decode": true} to a prefill worker (a
+    # RemoteDecodeRequest once validated), the prefill's KVTransferParams to a decode worker.
+    kv_transfer_params: KVTransferField = None
 
     @property
     def include_usage(self) -> bool:

@@ -126,13 +126,13 @@ def build_app(config: RouterConfig) -> FastAPI:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "'model' is required and must be a string", param="model")
+        if KV_TRANSFER_PARAMS in body:  # only the router may steer KV transfer: a client's are dropped
+            del body[KV_TRANSFER_PARAMS]
+            raw = json.dumps(body).encode()
         # The worker's own models: what it would refuse as malformed is refused here, before
         # any worker is called (its semantic checks, such as context length, stay with it).
         validate(ChatCompletionRequest if route == "chat" else CompletionRequest, body)
         served_model(model)
-        if KV_TRANSFER_PARAMS in body:  # only the router may steer KV transfer
-            del body[KV_TRANSFER_PARAMS]
-            raw = json.dumps(body).encode()
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
         return Call(route, body, raw, request_id, routing, started=time.monotonic())

@@ -61,7 +61,8 @@ class LLMEngine:
         self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
                                           on_event=self._on_kv_event)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
-                                            self.kv_connector, config.kv_stream_chunk_tokens,
+                                            self.kv_connector.endpoint() if self.kv_connector else None,
+                                            config.kv_stream_chunk_tokens,
                                             config.kv_stream_split)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
@@ -154,7 +155,7 @@ class LLMEngine:
             with self._lock:
                 unpins, self._unpins = self._unpins, []
             for rid, token in unpins:
-                self.kv_connector.unpin(rid, token)
+                self.scheduler.connector.unpin(rid, token)
             for req in self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished()):
                 # A streamed hand-off's first token came with its pull (or it ended without one).
                 outputs.append(self._output(req, [], None, handed_over=req.output_token_ids[:1]))
@@ -162,7 +163,8 @@ class LLMEngine:
                     self.requests.pop(req.request_id, None)
         batch = self.scheduler.schedule()
         if self.kv_connector is not None:
-            self.kv_connector.start_load_kv(batch.kv_connector_metadata)
+            # Orders since the last step's (aborts, unpins) and admission's (pulls, streamed pins).
+            self.kv_connector.apply(batch.kv_connector_metadata)
             outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
@@ -173,6 +175,10 @@ class LLMEngine:
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
+        if self.kv_connector is not None:
+            # The results' orders (finished prefills' pins, streamed progress), before any output
+            # of this step leaves: a pin exists before its params can reach a reader.
+            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         finished_ids = {r.request_id for r in finished}
         for req, _ in batch.items:

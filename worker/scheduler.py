@@ -192,6 +192,8 @@ class Scheduler:
         """Apply what the connector's worker side reports: reads released, pulls landed or failed.
         Returns the streamed hand-offs that got their first token now (finished ones included:
         the caller reports them), and those that never will (finished, aborted)."""
+        if self.connector is not None:
+            self.connector.pins_freed(out.finished_sending)
         for rid in out.finished_sending:
             req = self.sending.pop(rid, None)
             if req is not None:

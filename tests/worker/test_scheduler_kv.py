@@ -9,6 +9,8 @@ in test_kv_transfer.py and test_pd_engines.py.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -26,9 +28,15 @@ BS, BLOCKS, VOCAB = 4, 16, 1000
 LAYOUT = f"1x1x4:float32:{BS}"
 
 
+# Each scheduler's worker half: `compute` hands it the step's orders, as the engine does.
+WORKER_HALF: "weakref.WeakKeyDictionary[Scheduler, KVConnector]" = weakref.WeakKeyDictionary()
+
+
 def compute(sched: Scheduler, batch, sample=7):
     sampled = {r.request_id: sample for r, n in batch.items if r.num_computed_tokens + n == r.num_tokens}
-    return sched.update(batch, sampled)
+    finished = sched.update(batch, sampled)
+    WORKER_HALF[sched].apply(sched.connector.build_connector_meta())  # finished prefills' pins
+    return finished
 
 
 def make(role: str):
@@ -38,7 +46,8 @@ def make(role: str):
         transfer.start_server()
     bm = BlockManager(BLOCKS, BS)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                      connector=KVConnectorScheduler(BS, VOCAB, 64, transfer))
+                      connector=KVConnectorScheduler(BS, VOCAB, 64, transfer.endpoint()))
+    WORKER_HALF[sched] = transfer
     return sched, bm, transfer
 
 

@@ -3,16 +3,17 @@
 The scheduler-side half (`connector_scheduler.KVConnectorScheduler`) decides; each step this
 half gets its orders as `KVConnectorMetadata` and reports back as `KVConnectorOutput`:
 
-  start_load_kv(meta)  start this step's pulls (NIXL READ or TCP) into blocks the scheduler
-                       allocated, on a thread pool so engine steps go on meanwhile; send the
-                       releases of pins nobody will read
+  apply(meta)          the orders: prefill side, make, advance, finish, cancel or release pins
+                       in the pin table; decode side, start this step's pulls (NIXL READ or TCP)
+                       into blocks the scheduler allocated, on a thread pool so engine steps go
+                       on meanwhile, send the releases of pins nobody will read, stop aborted pulls
   get_finished()       pulls that landed or failed; pinned requests the decode side released
                        (or that expired), whose blocks the scheduler may now free
   wait_for_loads(t)    nothing to compute until a pull lands: block briefly rather than spin
+  endpoint()           the plain facts the scheduler half works from (endpoint.py)
 
-Prefill side: `pin()` records a finished prefill's blocks in the pin table and describes them
-in kv_transfer_params; the side channel serves reads and releases (and NIXL notifications)
-from that table on its own thread.
+Prefill side: the side channel serves reads, progress and releases (and NIXL notifications)
+from the pin table on its own thread.
 
 Security (docs/security.md): the side channel listens where HTTP does unless --kv-host says
 otherwise, and with --kv-secret every message is authenticated both ways and names the worker
@@ -27,8 +28,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import replace
 
 import torch
 
@@ -36,11 +39,13 @@ from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_par
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
-from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput, KVPin
+from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, PinTable
+from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
 from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
@@ -142,60 +147,17 @@ class KVConnector:
             return "the KV side channel thread has stopped"
         return None
 
+    def endpoint(self) -> KVEndpoint:
+        """What the scheduler half may know of this side (it never calls this object)."""
+        return KVEndpoint(self.engine_id, self.host, self.port, self.layout, self.transport, self.tp.size,
+                          self.num_blocks, self.pins.ttl, self.server is not None, self.policy, self.metrics)
+
     def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
             prompt_digest: str) -> dict:
-        token, expires_at = self.pins.add(request_id, block_ids, prompt_digest)
-        if self.link is not None:  # the other ranks serve their shards of these blocks under the same token
-            self.link.send(("pin", request_id, list(block_ids), token, prompt_digest))
-        return KVTransferParams(
-            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
-            remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
-            first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
-            expires_at=expires_at, kv_tp_size=self.tp.size).to_dict()  # rank r's shard: remote_port + r
-
-    def pin_streamed(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, ready: int,
-                     prompt_digest: str) -> dict:
-        """Step thread, at a streamed prefill's admission: pin every prompt block now (`ready` of
-        them computed already) and return the params a decode worker pulls chunk by chunk with."""
-        token = self.pins.add_streamed(request_id, block_ids, prompt_digest, ready)
-        if self.link is not None:
-            self.link.send(("pin_streamed", request_id, list(block_ids), token, prompt_digest, ready))
-        return KVTransferParams(
-            remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
-            remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
-            first_token_id=None, transfer_token=token, kv_layout=self.layout, transport=self.transport,
-            kv_tp_size=self.tp.size, stream_kv=True).to_dict()
-
-    def advance(self, request_id: str, ready: int) -> None:
-        """Step thread, after a step's KV is on the device: `ready` leading blocks are readable."""
-        self.pins.advance(request_id, ready)
-        if self.link is not None:
-            self.link.send(("advance", request_id, ready))
-
-    def finish_streamed(self, request_id: str, first_token_id: int, params: KVTransferParams) -> dict | None:
-        """The streamed prefill ended on `first_token_id`: the final params (a plain hand-off's,
-        valid for a decode worker that pulls after the prefill), or None if the pin is gone."""
-        done = self.pins.finish(request_id, first_token_id)
-        if self.link is not None:
-            self.link.send(("finish", request_id, first_token_id))
-        if done is None:
-            return None
-        final = {**params, "first_token_id": first_token_id, "expires_at": done[1]}
-        del final["stream_kv"]
-        return final
-
-    def cancel_streamed(self, request_id: str) -> None:
-        self.pins.cancel(request_id)
-        if self.link is not None:
-            self.link.send(("cancel", request_id))
-
-    def unpin(self, request_id: str, token: str) -> None:
-        """Step thread: this worker itself knows no decode worker will read a pin (the answer's
-        first token hit a stop string). Released as a decode worker's release would be, on every
-        rank; the blocks are then freed by the expiry path (get_finished -> the scheduler)."""
-        self.pins.release(request_id, token)
-        if self.link is not None:
-            self.link.send(("release", request_id, token))
+        """Pin blocks without a scheduler (benchmarks, tests): what a finished prefill's pin order does."""
+        token = bind_token(secrets.token_urlsafe(24), prompt_digest)
+        self.apply(KVConnectorMetadata(pins=[KVPin(request_id, list(block_ids), token, prompt_digest)]))
+        return self.endpoint().params(request_id, block_ids, num_prompt_tokens, token, first_token_id)
 
     def _describe(self, body):
         # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).
@@ -238,11 +200,19 @@ class KVConnector:
 
     # -- decode side: the step's orders and what came of them (step thread) ---------------------
 
-    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
-        if self.link is not None and meta.loads:
-            self.link.send(("loads", meta.loads))  # every rank pulls its own heads into the same blocks
+    def apply(self, meta: KVConnectorMetadata) -> None:
+        """Step thread: carry out the scheduler half's orders (connector_meta.py): the pin table's
+        changes, then this step's pulls (on a thread pool, so steps go on meanwhile), the releases
+        of pins nobody will read, and stops of aborted pulls. Under tensor parallelism every rank
+        gets the same orders: it mirrors the pins and pulls its own heads into the same blocks."""
+        if not meta:
+            return
+        if self.link is not None:
+            # Releases of remote pins reach every remote rank from here. New pins are acknowledged.
+            self.link.send(("orders", replace(meta, releases=[])), ack=bool(meta.pins))
             for load in meta.loads:
                 self._tp_waiting[load.request_id] = set(range(1, self.tp.size))
+        self._apply_pin_orders(meta)
         for load in meta.loads:
             if self._tp_pull(load.params):
                 self._tp_releases[load.request_id] = load.params
@@ -251,13 +221,28 @@ class KVConnector:
                 load.request_id)
         for params in meta.releases:
             self.pool.submit(_peer(params), self._release_quietly, params)
-        if self.link is not None and meta.cancels:
-            self.link.send(("cancels", meta.cancels))
         self._stopping.update(rid for rid in meta.cancels if rid in self._loading)
 
-    def stop_pulls(self, request_ids: list[str]) -> None:
-        """Rank >= 1: rank 0's request was aborted mid-pull."""
-        self._stopping.update(request_ids)
+    def apply_follower(self, meta: KVConnectorMetadata) -> None:
+        """Rank >= 1: rank 0's orders, on this rank's shard (a follower's pulls report back)."""
+        self._apply_pin_orders(meta)
+        self.start_follower_loads(meta.loads)
+        self._stopping.update(meta.cancels)
+
+    def _apply_pin_orders(self, meta: KVConnectorMetadata) -> None:
+        for p in meta.pins:
+            if p.ready is None:
+                self.pins.add(p.request_id, p.block_ids, p.prompt_digest, token=p.token)
+            else:
+                self.pins.add_streamed(p.request_id, p.block_ids, p.prompt_digest, p.ready, token=p.token)
+        for rid, ready in meta.advances:  # a step ended with this many leading blocks written
+            self.pins.advance(rid, ready)
+        for rid, first_token_id in meta.finishes:
+            self.pins.finish(rid, first_token_id)  # a pin released meanwhile stays released
+        for rid in meta.cancelled_pins:
+            self.pins.cancel(rid)
+        for rid, token in meta.unpins:  # freed, as a reader's release would free it, by get_finished
+            self.pins.release(rid, token)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
@@ -433,17 +418,8 @@ class KVConnector:
         return self.nixl.finish_read(early or self.nixl.post_read(peer, src, dst_blocks, notif), self.timeout)
 
     def allowed_peer(self, params: KVTransferParams) -> str:
-        """The address to connect to for these params, if --kv-peer-allow admits their host and
-        every port they make us contact (a TP prefill worker's rank r listens on remote_port + r);
-        else PeerNotAllowed."""
-        params = as_params(params)
-        host, port = params.remote_host, params.remote_port
-        if type(port) is not int:
-            raise PeerNotAllowed(f"KV peer port {port!r} is not a port")
-        address = self.policy.check(host, port)
-        for rank in range(1, remote_tp_size(params)):
-            self.policy.check(host, port + rank)
-        return address
+        """The address to pull these params' blocks from, or PeerNotAllowed (endpoint.allowed_peer)."""
+        return allowed_peer(self.policy, as_params(params))
 
     def _tp_pull(self, params: KVTransferParams) -> bool:
         """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""

@@ -1,8 +1,11 @@
 """KVConnectorScheduler: the scheduler-side half of P/D KV transfer, along vLLM v1's lines.
 
 The scheduler owns every request and every block; this half only answers its questions and
-records what the worker-side half (`connector.KVConnector`) must do this step. It does no I/O
-and runs on the engine's step thread.
+records, as orders in `KVConnectorMetadata`, what the worker-side half (`connector.KVConnector`)
+must do: pulls and releases on the decode side, pins and their progress on the prefill side. It
+never calls the worker half: it knows this worker's transfer side as plain facts (`KVEndpoint`),
+mints a pin's transfer token itself and writes the params that describe it. It does no I/O and
+runs on the engine's step thread.
 
   new_request(req)                   on arrival: a prefill for a remote decode runs one token; a
                                      decode handed a prefill worker's params starts from its first token
@@ -10,7 +13,9 @@ and runs on the engine's step thread.
   get_num_new_matched_tokens(req, n) at admission: prompt tokens to pull beyond the n cached here, and
                                      whether the request waits for them (WAITING_FOR_REMOTE_KVS)
   update_state_after_alloc(req, n)   its blocks are allocated: record the pull (or a bare release)
-  build_connector_meta()             at the end of schedule(): this step's pulls and releases
+  build_connector_meta()             the orders so far (the engine takes them after schedule()
+                                     and after the step's results, before any output leaves)
+  pins_freed(rids)                   the worker half reported those pins gone (read, released, expired)
   load_failed(req)                   a pull failed: counted; the scheduler prefills the rest locally
   request_finished(req)              keep the blocks for a remote reader? and the params saying where
                                      (only for a prefill that stopped at its length: see there)
@@ -30,15 +35,17 @@ so that worker frees its blocks now rather than at TTL.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
                                           KVTransferParamsError, is_remote_decode, is_streamed, wants_remote_decode,
                                           wants_stream_kv)
-from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
+from pdserve.worker.kv.endpoint import KVEndpoint
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
-from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
+from pdserve.worker.kv.prompt_binding import bind_token, prompt_digest, token_digest
 from pdserve.worker.request import Request, RequestError, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -48,13 +55,16 @@ MAX_PINNED_FRACTION = 0.5
 
 
 class KVConnectorScheduler:
-    def __init__(self, block_size: int, vocab_size: int, max_model_len: int, transfer=None,
+    def __init__(self, block_size: int, vocab_size: int, max_model_len: int, endpoint: KVEndpoint | None = None,
                  stream_chunk_tokens: int = 0, stream_split: str = "tail"):
-        """`transfer`: this worker's `KVConnector`, or None where no transport runs (then remote
-        decodes prefill locally and prefills for a remote decode are served plainly)."""
+        """`endpoint`: this worker's transfer side (`KVConnector.endpoint()`), or None where no
+        transport runs (then remote decodes prefill locally and prefills for a remote decode are
+        served plainly)."""
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
-        self._transfer = transfer
-        self._can_send = transfer is not None and transfer.server is not None
+        self._endpoint = endpoint
+        self._can_send = endpoint is not None and endpoint.serves
+        self._pinned: dict[str, int] = {}  # prefill side: pins ordered and not reported gone -> their blocks
+        self._num_pinned = 0
         self.stream_chunk_tokens, self.stream_split = stream_chunk_tokens, stream_split
         self._unpulled: set[str] = set()  # remote decodes whose prefill worker still pins their prompt
         self._streaming: set[str] = set()  # prefill side: streamed hand-offs not finished yet
@@ -73,24 +83,25 @@ class KVConnectorScheduler:
             kv.check_compatible(len(prompt_token_ids), self.block_size, self.vocab_size)
         except KVTransferParamsError as e:
             raise RequestError(PARAM, str(e)) from None
-        if kv.stream_kv and (self._transfer is None or self._transfer.policy.empty):
+        ep = self._endpoint
+        if kv.stream_kv and (ep is None or ep.policy.empty):
             # Its first token comes with the pull: a worker that pulls from no one cannot serve it.
             raise RequestError(PARAM, f"{PARAM} of a streamed hand-off need a decode worker that pulls KV "
                                       f"(--kv-transfer and --kv-peer-allow naming the prefill worker)",
                                STREAM_UNSUPPORTED)
-        if self._transfer is None:
+        if ep is None:
             return  # prefilled locally: the remote layout does not matter
-        if kv.kv_layout != self._transfer.layout:
+        if kv.kv_layout != ep.layout:
             raise RequestError(PARAM, f"{PARAM} describe KV layout {kv.kv_layout!r} but this worker's is "
-                                      f"{self._transfer.layout!r} (layers x kv heads x head dim : dtype : block "
+                                      f"{ep.layout!r} (layers x kv heads x head dim : dtype : block "
                                       f"size must match between prefill and decode)")
         # The pin's own check (on pull) is what holds against forgery; this one answers 400 early.
         if token_digest(kv.transfer_token) != prompt_digest(prompt_token_ids):
             raise RequestError(PARAM, f"{PARAM} were issued for a different prompt")
-        if self._transfer.policy.empty:
+        if ep.policy.empty:
             return  # a worker that pulls from no one prefills locally (new_request); never the client's fault
         try:
-            self._transfer.allowed_peer(kv)
+            ep.allowed_peer(kv)
         except (PeerNotAllowed, ValueError) as e:
             raise RequestError(PARAM, str(e)) from None
 
@@ -113,10 +124,10 @@ class KVConnectorScheduler:
             # Decode side: the prefill worker's first token is an output the caller already has.
             req.token_ids.append(p.first_token_id)
             req.num_emitted_tokens = 1
-            if self._transfer is None:
+            if self._endpoint is None:
                 return
-            if self._transfer.policy.empty:  # a `both` worker started without peers (it logged an error)
-                self._transfer.metrics.local_prefill_fallbacks.inc()
+            if self._endpoint.policy.empty:  # a `both` worker started without peers (it logged an error)
+                self._endpoint.metrics.local_prefill_fallbacks.inc()
                 now = time.monotonic()
                 if now >= self._next_log:
                     self._next_log = now + 60.0
@@ -167,7 +178,7 @@ class KVConnectorScheduler:
         """Prefill side, after a step's KV is on the device: its full blocks are readable."""
         for req, _ in items:
             if req.request_id in self._streaming and not req.status.finished:
-                self._transfer.advance(req.request_id, req.num_computed_tokens // self.block_size)
+                self._meta.advances.append((req.request_id, req.num_computed_tokens // self.block_size))
 
     def awaits_first_token(self, req: Request) -> bool:
         return req.request_id in self._awaiting_first
@@ -188,9 +199,8 @@ class KVConnectorScheduler:
         p = req.kv_transfer_params
         if not (wants_remote_decode(p) and self._can_send):
             return True
-        pinned = self._transfer.pins.num_blocks()
         need = -(-req.num_prompt_tokens // self.block_size)
-        return pinned == 0 or pinned + need <= self._transfer.num_blocks * MAX_PINNED_FRACTION
+        return self._num_pinned == 0 or self._num_pinned + need <= self._endpoint.num_blocks * MAX_PINNED_FRACTION
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
         if req.request_id in self._streaming:
@@ -211,11 +221,31 @@ class KVConnectorScheduler:
     def _announce(self, req: Request) -> None:
         """Prefill side, at admission: pin every prompt block now (the prefix-cache hits are
         readable already) and hand the params out before the first chunk is computed."""
-        n_blocks = -(-req.num_prompt_tokens // self.block_size)
-        req.kv_transfer_params_out = self._transfer.pin_streamed(
-            req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens, req.num_computed_tokens // self.block_size,
-            prompt_digest(req.token_ids[:req.num_prompt_tokens]))
+        req.kv_transfer_params_out = self._pin(req, ready=req.num_computed_tokens // self.block_size)
         self.announced.append(req)
+
+    def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> dict:
+        """Order a pin of `req`'s prompt blocks and return the params that describe it. Only
+        prompt blocks are offered: the first token's KV is never computed on the prefill side."""
+        n_blocks = -(-req.num_prompt_tokens // self.block_size)
+        blocks = req.block_ids[:n_blocks]
+        digest = prompt_digest(req.token_ids[:req.num_prompt_tokens])
+        token = bind_token(secrets.token_urlsafe(24), digest)
+        self._meta.pins.append(KVPin(req.request_id, list(blocks), token, digest, ready))
+        self._pinned[req.request_id] = len(blocks)
+        self._num_pinned += len(blocks)
+        return self._endpoint.params(req.request_id, blocks, req.num_prompt_tokens, token, first_token_id,
+                                     stream_kv=ready is not None)
+
+    def pins_freed(self, request_ids: list[str]) -> None:
+        """The worker half reported these pins gone (released by their reader, cancelled, or expired)."""
+        for rid in request_ids:
+            self._num_pinned -= self._pinned.pop(rid, 0)
+
+    def unpin(self, request_id: str, token: str) -> None:
+        """This worker itself knows no decode worker will read a pin it handed out (the answer's
+        first token hit a stop string, which only the detokenizer sees): release it now."""
+        self._meta.unpins.append((request_id, token))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()
@@ -224,7 +254,7 @@ class KVConnectorScheduler:
     def load_failed(self, req: Request) -> None:
         # The prompt's KV never arrived: prefill it here (slower, same answer) rather than fail.
         log.warning("KV pull for %s failed; prefilling locally", req.request_id)
-        self._transfer.metrics.local_prefill_fallbacks.inc()
+        self._endpoint.metrics.local_prefill_fallbacks.inc()
 
     # -- finish -----------------------------------------------------------------------------------
 
@@ -243,22 +273,26 @@ class KVConnectorScheduler:
         # the router calls no decode worker: a pin would hold blocks nobody reads until TTL.
         if not (wants_remote_decode(p) and self._can_send) or req.status is not RequestStatus.FINISHED_LENGTH:
             return False, None
-        # Only prompt blocks are offered: the first token's KV was never computed here.
-        n_blocks = -(-req.num_prompt_tokens // self.block_size)
-        params = self._transfer.pin(req.request_id, req.block_ids[:n_blocks], req.num_prompt_tokens,
-                                    req.output_token_ids[0], prompt_digest(req.token_ids[:req.num_prompt_tokens]))
-        return True, params
+        return True, self._pin(req, first_token_id=req.output_token_ids[0])
 
     def _streamed_finished(self, req: Request) -> tuple[bool, dict | None]:
         self._streaming.discard(req.request_id)
         early = req.kv_transfer_params_out
         if early is None:  # ended before admission: nothing was pinned
             return False, None
+        if req.request_id not in self._pinned:
+            # The decode side released the pin and it is gone (its request was aborted): nobody
+            # reads these blocks, and no report of the pin is to come: free them now.
+            return False, None
         if req.status is RequestStatus.FINISHED_LENGTH:
-            final = self._transfer.finish_streamed(req.request_id, req.output_token_ids[0], early)
-            # None: the decode side released the pin meanwhile (it was aborted): nobody reads these.
-            return (True, final) if final is not None else (False, None)
+            # Every block readable, the TTL starts. The final params are a plain hand-off's, good
+            # for a decode worker that pulls after the prefill (the router's fallback).
+            self._meta.finishes.append((req.request_id, req.output_token_ids[0]))
+            final = {**early, "first_token_id": req.output_token_ids[0],
+                     "expires_at": time.time() + self._endpoint.pin_ttl}
+            del final["stream_kv"]
+            return True, final
         # Aborted, or the first token ended the request: readers are told, and the blocks wait
         # for no lease to hold them before they are freed (get_finished reports it).
-        self._transfer.cancel_streamed(req.request_id)
+        self._meta.cancelled_pins.append(req.request_id)
         return True, None

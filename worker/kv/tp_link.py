@@ -8,19 +8,18 @@ follower by a thread of its own, so a pin is mirrored at once even while the ran
 rank 0 -> rank r
   ("init", engine_id, layout)                   build rank r's connector (and, on a prefill
                                                 worker, its side channel on --kv-port + r)
-  ("pin", rid, block_ids, token, prompt_digest) mirror the pin rank 0 just made, before its
-                                                kv_transfer_params leave the worker
-  ("release", rid, token)                       rank 0 released its pin itself: release the mirror
-  ("pin_streamed", rid, block_ids, token,       a streamed prefill's pin, made at admission with
-   prompt_digest, ready)                        `ready` blocks computed
-  ("advance", rid, ready)                       a step ended: `ready` blocks are computed on every
-                                                rank (rank 0 waited for its device, and the step's
-                                                collectives tie every rank's KV writes before it)
-  ("finish", rid, first_token_id)               the streamed prefill ended
-  ("cancel", rid)                               it will not (aborted, or its first token ended it)
-  ("loads", [KVLoad, ...])                      this step's pulls: rank r reads its own heads
-  ("cancels", [rid, ...])                       requests aborted mid-pull: stop their streamed pulls
+  ("orders", KVConnectorMetadata)               the scheduler half's orders of a step, as rank 0
+                                                carries them out (connector_meta.py), before any
+                                                params they describe leave the worker: mirror the
+                                                pin table's changes (a streamed pin's `advance`
+                                                comes after the step's collectives tied every
+                                                rank's KV writes), pull this rank's heads of the
+                                                loads, stop aborted pulls. Releases of remote pins
+                                                stay on rank 0 (it releases every remote rank).
 rank r -> rank 0
+  ("applied", r)                                rank r carried out orders that made pins (rank 0
+                                                waits for every rank's before their params leave:
+                                                a reader may reach rank r at once)
   ("pulled", r, rid, error or None)             rank r's pull of rid landed (or failed)
   ("unpinned", r, rid)                          rank r's pin of rid was released or expired
 
@@ -36,6 +35,7 @@ import multiprocessing.connection
 import os
 import pickle
 import threading
+import time
 
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv.tp_transfer import TPRank
@@ -48,19 +48,47 @@ def needs_kv_connector(config: EngineConfig) -> bool:
     return config.role != "both" or config.kv_transfer is not None
 
 
+# How long rank 0 waits for every rank to mirror new pins; past it a rank is taken to be dying
+# (the TP watchdog ends the worker) and the params leave anyway.
+ACK_TIMEOUT_S = 30.0
+
+
 class TPLeaderLink:
     """Rank 0's end of the followers' KV pipes (used from the engine's step thread)."""
 
     def __init__(self, conns: list):
         self.conns = conns
+        self._held: list[tuple] = []  # reports read while waiting for acks, for the next reports()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: tuple, ack: bool = False) -> None:
+        """`ack`: return once every rank has carried the message out (new pins: their params are
+        about to leave, and a reader may reach rank r at once)."""
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for c in self.conns:
             c.send_bytes(data)
+        if ack:
+            self._await_acks()
+
+    def _await_acks(self) -> None:
+        waiting = set(self.conns)
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for c in multiprocessing.connection.wait(list(waiting), left):
+                try:
+                    msg = pickle.loads(c.recv_bytes())
+                except (EOFError, OSError):
+                    waiting.discard(c)  # the rank died: the TP watchdog ends the worker
+                    continue
+                if msg[0] == "applied":
+                    waiting.discard(c)
+                else:
+                    self._held.append(msg)
+        if waiting:
+            log.error("%d tensor-parallel rank(s) did not mirror new KV pins within %.0fs", len(waiting),
+                      ACK_TIMEOUT_S)
 
     def reports(self) -> list[tuple]:
-        out = []
+        out, self._held = self._held, []
         for c in self.conns:
             try:
                 while c.poll():
@@ -70,7 +98,8 @@ class TPLeaderLink:
         return out
 
     def wait(self, timeout: float) -> None:
-        multiprocessing.connection.wait(self.conns, timeout)
+        if not self._held:
+            multiprocessing.connection.wait(self.conns, timeout)
 
 
 def start_follower_kv(conn, config: EngineConfig, cache, tp: TPRank) -> None:
@@ -100,24 +129,10 @@ def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank) -> None:
                 connector = KVConnector(config, cache, msg[1], msg[2], tp=tp, report=report)
                 if config.role in ("prefill", "both"):
                     connector.start_server()
-            elif msg[0] == "pin":
-                _, rid, block_ids, token, digest = msg
-                connector.pins.add(rid, block_ids, digest, token=token)
-            elif msg[0] == "release":  # rank 0's own release (KVConnector.unpin); reported as "unpinned"
-                connector.pins.release(msg[1], msg[2])
-            elif msg[0] == "pin_streamed":
-                _, rid, block_ids, token, digest, ready = msg
-                connector.pins.add_streamed(rid, block_ids, digest, ready, token=token)
-            elif msg[0] == "advance":
-                connector.pins.advance(msg[1], msg[2])
-            elif msg[0] == "finish":
-                connector.pins.finish(msg[1], msg[2])
-            elif msg[0] == "cancel":
-                connector.pins.cancel(msg[1])
-            elif msg[0] == "loads":
-                connector.start_follower_loads(msg[1])
-            elif msg[0] == "cancels":
-                connector.stop_pulls(msg[1])
+            elif msg[0] == "orders":
+                connector.apply_follower(msg[1])
+                if msg[1].pins:
+                    report(("applied", tp.rank))  # rank 0 waits for it before the pins' params leave
         except BaseException:  # e.g. --kv-port + rank taken: the worker cannot serve P/D correctly
             log.exception("tensor-parallel rank %d: KV connector failed on %r; exiting", tp.rank, msg[0])
             for h in logging.getLogger().handlers:

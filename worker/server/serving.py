@@ -29,9 +29,8 @@ from starlette.responses import StreamingResponse
 from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
-from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, KVTransferParamsError,
-                                          RemoteDecodeRequest, is_remote_decode, parse_kv_transfer_params,
-                                          wants_remote_decode)
+from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
+                                          is_remote_decode, wants_remote_decode)
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
 from pdserve.worker.detokenizer import IncrementalDetokenizer
@@ -65,18 +64,15 @@ def check_model(requested: str | None, served: str) -> None:
                        "model", "model_not_found")
 
 
-def kv_transfer_params(params: dict | None, num_sequences: int) -> KVTransferParams | RemoteDecodeRequest | None:
-    """A request's params are parsed once, here, before anything is allocated, into the object
-    the engine carries (protocol/kv_transfer.py: a decode request's KVTransferParams, a prefill
-    request's RemoteDecodeRequest). A hand-off is one sequence's (one prompt, one first token):
-    several prompts or n > 1 cannot share it."""
+def kv_transfer_params(params: KVTransferParams | RemoteDecodeRequest | None,
+                       num_sequences: int) -> KVTransferParams | RemoteDecodeRequest | None:
+    """A request's params, parsed with its body (protocol/requests.py) into the object the engine
+    carries. A hand-off is one sequence's (one prompt, one first token): several prompts or n > 1
+    cannot share it."""
     if params and num_sequences != 1:
         raise bad_request(f"{PARAM} describe one sequence; this request has {num_sequences} "
                           "(a list of prompts or n > 1)", PARAM)
-    try:
-        return parse_kv_transfer_params(params)
-    except KVTransferParamsError as e:
-        raise bad_request(str(e), PARAM) from None
+    return params
 
 
 def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
