@@ -57,6 +57,8 @@ def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count:
                     method: str, out) -> None:
     """One rank of the all-reduce micro-benchmark: `count` all-reduces of `shape`, as one step,
     through the worker's own communicator (parallel/communicator.py) forced to `method`."""
+    import torch.distributed as dist
+
     from pdserve.worker.parallel import communicator
     from pdserve.worker.parallel.group import init_tensor_parallel
 
@@ -122,7 +124,20 @@ def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: 
              for r in range(n)]
     for p in procs:
         p.start()
-    sec, how = out.get(timeout=300)
+    import queue
+
+    deadline = time.monotonic() + 300
+    while True:  # a rank that died (e.g. the symmetric op failed) ends the wait at once
+        try:
+            sec, how = out.get(timeout=2)
+            break
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"all-reduce bench ({method}, TP={n}): " + (
+                    f"rank exited with code {dead[0].exitcode}" if dead else "no result in 300 s"))
     for p in procs:
         p.join(60)
     return 1e3 * sec, how
