@@ -29,7 +29,7 @@ gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 cd /tmp
 if [ -n "${QUICK:-}" ]; then
-  TP_ARGS="--num-prompts 0 --no-fp32-check" LIMIT=330
+  TP_ARGS="--num-prompts 0 --no-fp32-check --decode-steps 64" LIMIT=360
 else
   TP_ARGS="--num-prompts 128" LIMIT=400
 fi
@@ -37,7 +37,7 @@ fi
   --all-reduce $ALL_REDUCE --checkpoint /tmp/l8b --timeout $((LIMIT - 10)) --env PDSERVE_TP_COLLECTIVE_TIMEOUT_S=120 \
   --out "$OUT/tp.md" > "$OUT/tp_log.txt" 2>&1
 echo "bench tp: rc=$?"
-grep -v " INFO " "$OUT/tp_log.txt" | tail -n 16
+grep -v " INFO " "$OUT/tp_log.txt" | tail -n 40
 grep "symmetric-memory\|all-reduce of" "$OUT/tp_log.txt" | sed "s/^.* \(INFO\|WARNING\) //" | sort | uniq -c | sort -rn | head -n 12
 [ -n "${QUICK:-}" ] && exit 0
 timeout --kill-after=10 230 $PY -m pdserve.bench.tp_pd --ready-timeout 150 --checkpoint /tmp/tp_pd_ckpt \

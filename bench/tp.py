@@ -51,16 +51,18 @@ from pdserve.bench.report import publish
 DECODE_INPUT = 128
 OUT_TOKENS = 128
 CHECK_PROMPTS, CHECK_TOKENS, CHECK_TOPK = 4, 32, 5
+ALLREDUCE_ROWS = (1, 8, 64, 512)  # messages of [rows, hidden] in the all-reduce sweep: decode bs=1 .. a prefill chunk
 
 
-def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count: int, device: str, iters: int,
+def _allreduce_rank(rank: int, n: int, port: int, hidden: int, rows: list[int], count: int, device: str, iters: int,
                     method: str, out) -> None:
-    """One rank of the all-reduce micro-benchmark: `count` all-reduces of `shape`, as one step,
-    through the worker's own communicator (parallel/communicator.py) forced to `method`."""
+    """One rank of the all-reduce micro-benchmark: per message of [rows, hidden], `count`
+    all-reduces as one step (one CUDA graph), through the worker's own communicator
+    (parallel/communicator.py) forced to `method`."""
     import torch.distributed as dist
 
     from pdserve.worker.parallel import communicator
-    from pdserve.worker.parallel.group import init_tensor_parallel
+    from pdserve.worker.parallel.group import init_tensor_parallel, shutdown_tensor_parallel
 
     os.environ["PDSERVE_TP_ALL_REDUCE"] = method
     cuda = device == "cuda"
@@ -68,51 +70,58 @@ def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count:
     # As the worker does: set_device, process group, first barrier, then the communicator.
     init_tensor_parallel(rank, n, dev, port)
     comm = communicator._current
-    x = torch.ones(shape, dtype=torch.bfloat16 if cuda else torch.float32, device=dev)
-    used = comm.method(x)
-    # Correctness on the way: n ranks' ones sum to n (x is reset before each reduce).
-    y = comm.all_reduce(x.clone())
-    if not torch.all(y == n):
-        raise AssertionError(f"{used} all-reduce of ones over {n} ranks gave {y.flatten()[:4].tolist()}")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result = {}
+    for m in rows:
+        # Correctness on the way: small integers sum exactly in bf16, whatever the order.
+        base = (torch.arange(m * hidden, device=dev) % 7).to(dtype).view(m, hidden)
+        y = comm.all_reduce(base + rank)
+        want = base * n + n * (n - 1) // 2
+        if not torch.equal(y, want):
+            raise AssertionError(f"{comm.method(y)} all-reduce of [{m}, {hidden}] over {n} ranks is wrong")
+        x = torch.ones(m, hidden, dtype=dtype, device=dev)
+        used = comm.method(x)
 
-    def step():
-        for _ in range(count):
-            comm.all_reduce(x)
+        def step():
+            for _ in range(count):
+                comm.all_reduce(x)
 
-    for _ in range(3):
-        step()
-    how = "eager"
-    if cuda:
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run, how = graph.replay, "CUDA graph"
-        except Exception as e:  # report eager timings rather than nothing
-            print(f"all-reduce capture failed ({e}); timing eager launches", file=sys.stderr)
-            run = step
-        run()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(3):
             step()
-    sec = (time.perf_counter() - t0) / iters
-    dist.barrier()
+        how = "eager"
+        if cuda:
+            torch.cuda.synchronize()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                run, how = graph.replay, "CUDA graph"
+            except Exception as e:  # report eager timings rather than nothing
+                print(f"all-reduce capture failed ({e}); timing eager launches", file=sys.stderr)
+                run = step
+            run()
+            torch.cuda.synchronize()
+            dist.barrier(device_ids=[dev.index])
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            torch.cuda.synchronize()
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+        result[m] = ((time.perf_counter() - t0) / iters, f"{used}, {how}")
+        dist.barrier()
     if rank == 0:
-        out.put((sec, f"{used}, {how}"))
-    from pdserve.worker.parallel.group import shutdown_tensor_parallel
-
+        out.put(result)
     shutdown_tensor_parallel()  # bounded: NCCL's destroy hung this process on 2x H100
 
 
-def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int,
-                          method: str = "nccl") -> tuple[float, str]:
+def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int, method: str = "nccl",
+                          rows: tuple[int, ...] = (1,)) -> dict[int, tuple[float, str]]:
+    """{rows: (ms for the 2L+1 all-reduces of [rows, hidden], "method, how")}."""
+    import queue
+
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -120,16 +129,14 @@ def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: 
     out = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)  # on a free port
     procs = [ctx.Process(target=_allreduce_rank,
-                         args=(r, n, store.port, (1, hidden), 2 * layers + 1, device, iters, method, out))
+                         args=(r, n, store.port, hidden, list(rows), 2 * layers + 1, device, iters, method, out))
              for r in range(n)]
     for p in procs:
         p.start()
-    import queue
-
     deadline = time.monotonic() + 300
     while True:  # a rank that died (e.g. the symmetric op failed) ends the wait at once
         try:
-            sec, how = out.get(timeout=2)
+            result = out.get(timeout=2)
             break
         except queue.Empty:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
@@ -140,7 +147,7 @@ def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: 
                     f"rank exited with code {dead[0].exitcode}" if dead else "no result in 300 s"))
     for p in procs:
         p.join(60)
-    return 1e3 * sec, how
+    return {m: (1e3 * sec, how) for m, (sec, how) in result.items()}
 
 
 def write_checkpoint(spec, device: str, path: str | None = None) -> str:
@@ -368,11 +375,15 @@ def main(argv=None) -> int:
                 r = run_tp(n, path, args, spec.hf["vocab_size"])
                 r["all_reduce"] = method
                 if n > 1:
-                    r["allreduce_ms"], r["allreduce_how"] = allreduce_ms_per_step(
-                        n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"], args.device,
-                        20 if args.smoke else 200, method)
+                    sweep = allreduce_ms_per_step(n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"],
+                                                  args.device, 20 if args.smoke else 200, method, ALLREDUCE_ROWS)
+                    r["allreduce_ms"], r["allreduce_how"] = sweep[1]
+                    r["allreduce_sweep"] = {str(m): v for m, v in sweep.items()}
                 results.append(r)
-                print(r.get("decode_ms"), r.get("offline_tok_s"), r.get("allreduce_ms"), flush=True)
+                # A row as soon as it exists: a run cut short by a time limit still leaves its numbers.
+                print(f"RESULT TP={n} all-reduce={method} decode_ms={r.get('decode_ms')} "
+                      f"offline_tok_s={r.get('offline_tok_s')} step_allreduce_ms={r.get('allreduce_ms')} "
+                      f"sweep={r.get('allreduce_sweep')} start_s={r['start_s']:.0f}", flush=True)
         if not args.no_fp32_check:
             t0 = time.perf_counter()
             ref32 = fp32_reference(path, results[0]["check"], args.device) if results else []
@@ -413,6 +424,21 @@ def main(argv=None) -> int:
         tok = f"{r['offline_tok_s']:.0f}" if "offline_tok_s" in r else "-"
         lines.append(f"| {r['tp']} | {r.get('all_reduce', '-')} | {r['decode_ms']:.2f}{rel} | {ar} | {per} | {tok} | "
                      f"{r['kv_blocks']} | {agree} | {r.get('vs_fp32', '-')} |")
+    swept = [r for r in results if "allreduce_sweep" in r]
+    if swept:
+        hidden = spec.hf["hidden_size"]
+        lines += ["", f"All-reduce alone, us per all-reduce of [rows, {hidden}] "
+                      f"({'bf16' if args.device == 'cuda' else 'fp32'}; {steps} in one CUDA graph, replayed; "
+                      "the method each message took):", "",
+                  "| TP | all-reduce | " + " | ".join(f"{m} rows ({m * hidden * (2 if args.device == 'cuda' else 4) // 1024} KB)"
+                                                     for m in ALLREDUCE_ROWS) + " |",
+                  "| ---: | --- |" + " ---: |" * len(ALLREDUCE_ROWS)]
+        for r in swept:
+            cells = []
+            for m in ALLREDUCE_ROWS:
+                ms, how = r["allreduce_sweep"][str(m)]
+                cells.append(f"{1e3 * ms / steps:.1f} ({how.split(',')[0]})")
+            lines.append(f"| {r['tp']} | {r['all_reduce']} | " + " | ".join(cells) + " |")
     lines += ["", f"- engine start (load, KV sizing, graph capture): "
                   + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
     text = "\n".join(lines)
