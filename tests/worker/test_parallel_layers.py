@@ -162,3 +162,21 @@ def test_parallel_layers_over_gloo_equal_the_full_layers():
         assert got[rank]["sum"] == [3.0 * i for i in range(8)]  # 1x + 2x
         assert got[rank]["row"] and got[rank]["embed"]
     assert got[0]["logits"] is True and got[1]["logits"] is None  # gathered to rank 0 only
+
+
+def test_tensor_parallel_imports_go_one_way():
+    """parallel/ imports neither the runner, the engine nor the model (the engine hands the
+    runner class to the rank processes); the runner never imports the rank processes; kv/ takes
+    the head ranges from parallel/shard.py, not from the model. Lazy imports included."""
+    from tests.test_layering import imported_modules
+
+    parallel = imported_modules("worker/parallel")
+    assert set(parallel) >= {f"worker/parallel/{f}.py" for f in ("shard", "layers", "communicator", "group", "ranks")}
+    upward = ("pdserve.worker.model_runner", "pdserve.worker.engine", "pdserve.worker.models")
+    assert not {f: sorted(m for m in mods if m.startswith(upward)) for f, mods in parallel.items()
+                if any(m.startswith(upward) for m in mods)}
+    runner = imported_modules("worker")["worker/model_runner.py"]
+    assert "pdserve.worker.parallel.ranks" not in runner
+    kv = imported_modules("worker/kv")
+    assert not {f for f, mods in kv.items() if any(m.startswith("pdserve.worker.models") for m in mods)}
+    assert "pdserve.worker.parallel.shard" in kv["worker/kv/tp_transfer.py"]

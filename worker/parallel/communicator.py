@@ -98,6 +98,7 @@ class Communicator:
         return self.buffer is not None
 
     def _init_symmetric(self) -> None:
+        error = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -112,12 +113,46 @@ class Communicator:
             symm_mem.rendezvous(buf, self.group_name)
             self.buffer = buf
             self._copy_in_kernel = hasattr(ops, "one_shot_all_reduce_copy_out")
-            log.info("tensor-parallel rank %d: symmetric-memory all-reduce ready (%d MiB buffer)", dist.get_rank(),
-                     self.config.buffer_bytes >> 20)
-        except Exception as e:  # no P2P between the cards, an old torch: NCCL for everything
-            # Every rank takes this branch or none: the rendezvous is collective.
-            log.warning("tensor-parallel: symmetric-memory all-reduce unavailable (%s); NCCL for all messages", e)
-            self.buffer = None
+            self._self_test()
+        except Exception as e:  # no P2P between the cards, an old torch, a wrong sum
+            error = e
+        # Every rank uses the buffer or none does: a rank whose set-up or first sum failed would
+        # otherwise wait in NCCL while the others wait on its signal pad.
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 1:
+            log.info("tensor-parallel rank %d: symmetric-memory all-reduce ready (%d MiB buffer; one-shot up to "
+                     "%d KB, two-shot up to %d MB, NCCL above)", dist.get_rank(), self.config.buffer_bytes >> 20,
+                     self.config.one_shot_max_bytes >> 10, self.config.buffer_bytes >> 20)
+            return
+        self.buffer = None
+        log.warning("tensor-parallel rank %d: symmetric-memory all-reduce unavailable (%s); NCCL for all messages",
+                    dist.get_rank(), error or "another rank could not set it up")
+
+    def _self_test(self) -> None:
+        """One sum per method before any graph captures it: small integers add exactly in bf16."""
+        n, rank = self.world_size, dist.get_rank()
+        for method, rows in (("one_shot", 1), ("two_shot", 64)):
+            if method == "two_shot" and n not in (2, 4, 8):
+                continue  # choose() never picks it there
+            base = (torch.arange(rows * 4096, device=self.device) % 7).to(torch.bfloat16)
+            got = self._symmetric(method, base + rank)
+            if not torch.equal(got, base * n + n * (n - 1) // 2):
+                raise RuntimeError(f"{method} all-reduce self-test gave a wrong sum")
+
+    def _symmetric(self, method: str, x: torch.Tensor) -> torch.Tensor:
+        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        ops = torch.ops.symm_mem
+        if method == "one_shot":
+            if self._copy_in_kernel:  # the copy into the buffer runs inside the all-reduce kernel
+                ops.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
+            else:
+                staged.copy_(x)
+                ops.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        else:
+            staged.copy_(x)
+            ops.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        return x
 
     def method(self, x: torch.Tensor) -> str:
         return choose(x.numel() * x.element_size(), x.dtype, x.device.type, self.world_size, self.symm_ready,
@@ -133,18 +168,7 @@ class Communicator:
         if method in ("gloo", "nccl"):
             dist.all_reduce(x)
             return x
-        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        ops = torch.ops.symm_mem
-        if method == "one_shot":
-            if self._copy_in_kernel:  # the copy into the buffer runs inside the all-reduce kernel
-                ops.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
-            else:
-                staged.copy_(x)
-                ops.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
-        else:
-            staged.copy_(x)
-            ops.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
-        return x
+        return self._symmetric(method, x)
 
 
 _current: Communicator | None = None
