@@ -4,14 +4,14 @@
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_tp.sh")
 #
 # 1. bench tp: Llama-3.1-8B with random bf16 weights at TP=1, 2 (and 4 where 4 GPUs are visible;
-#    CUDA graphs), each TP>1 size once per all-reduce method ($ALL_REDUCE, default "nccl auto":
-#    NCCL alone, then the worker's own choice, symmetric memory for small messages; same run,
-#    same cards): bs=1 decode ms/step, the step's 2L+1 all-reduces alone (one CUDA graph) and
+#    CUDA graphs), each TP>1 size once per all-reduce method ($ALL_REDUCE: "auto", the worker's
+#    default, symmetric memory for small messages; with QUICK=1 "nccl auto", NCCL alone then
+#    auto, same run, same cards): bs=1 decode ms/step, the step's 2L+1 all-reduces alone (one CUDA graph) and
 #    per all-reduce, bf16 greedy/top-5 agreement with TP=1 (TP=1 is the reference, within this
 #    call only), offline 1024/128 tok/s and the fp32 transformers check.
 # 2. bench tp-pd: P/D between TP workers (2->2, 2->1, 1->2, 1->1) over TCP and NIXL, real worker
 #    processes, bf16 greedy against the decode worker alone.
-# QUICK=1: step 1 without the offline run and the fp32 check, and no step 2 (about 4 minutes:
+# QUICK=1: step 1 without the offline run and the fp32 check, and no step 2 (about 6 minutes:
 # issue 25's all-reduce comparison). ONLY_TP_PD=1 skips step 1. Writes $OUT/env.txt, $OUT/tp.md,
 # $OUT/tp_pd.md and their logs. NCCL's destroy_process_group hangs on this image when ranks reach
 # it at different times; the worker bounds it (worker/parallel/group.py).
@@ -19,7 +19,6 @@ set -u
 OUT=${OUT:-$PWD/gpu_tp_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-ALL_REDUCE=${ALL_REDUCE:-nccl auto}
 # The engine imports protocol/ (pydantic); the server (tp-pd) needs the rest the image lacks:
 # carry .whl (bench/gpu_env.sh says how it is read).
 source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 fastapi:fastapi starlette:starlette \
@@ -29,9 +28,9 @@ gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 cd /tmp
 if [ -n "${QUICK:-}" ]; then
-  TP_ARGS="--num-prompts 0 --no-fp32-check --decode-steps 64" LIMIT=360
-else
-  TP_ARGS="--num-prompts 128" LIMIT=400
+  TP_ARGS="--num-prompts 0 --no-fp32-check --decode-steps 64" LIMIT=420 ALL_REDUCE=${ALL_REDUCE:-nccl auto}
+else  # one engine per TP size: the offline runs and tp-pd must fit the same 10-minute call
+  TP_ARGS="--num-prompts 128" LIMIT=400 ALL_REDUCE=${ALL_REDUCE:-auto}
 fi
 [ -n "${ONLY_TP_PD:-}" ] || timeout --kill-after=10 $LIMIT $PY -m pdserve.bench.tp --tp 1 2 4 $TP_ARGS \
   --all-reduce $ALL_REDUCE --checkpoint /tmp/l8b --timeout $((LIMIT - 10)) --env PDSERVE_TP_COLLECTIVE_TIMEOUT_S=120 \
