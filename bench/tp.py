@@ -51,60 +51,77 @@ from pdserve.bench.report import publish
 DECODE_INPUT = 128
 OUT_TOKENS = 128
 CHECK_PROMPTS, CHECK_TOKENS, CHECK_TOPK = 4, 32, 5
+ALLREDUCE_ROWS = (1, 8, 64, 512)  # messages of [rows, hidden] in the all-reduce sweep: decode bs=1 .. a prefill chunk
 
 
-def _allreduce_rank(rank: int, n: int, port: int, shape: tuple[int, int], count: int, device: str, iters: int,
-                    out) -> None:
-    """One rank of the all-reduce micro-benchmark: `count` all-reduces of `shape`, as one step."""
+def _allreduce_rank(rank: int, n: int, port: int, hidden: int, rows: list[int], count: int, device: str, iters: int,
+                    method: str, out) -> None:
+    """One rank of the all-reduce micro-benchmark: per message of [rows, hidden], `count`
+    all-reduces as one step (one CUDA graph), through the worker's own communicator
+    (parallel/communicator.py) forced to `method`."""
     import torch.distributed as dist
 
+    from pdserve.worker.parallel import communicator
+    from pdserve.worker.parallel.group import init_tensor_parallel, shutdown_tensor_parallel
+
+    os.environ["PDSERVE_TP_ALL_REDUCE"] = method
     cuda = device == "cuda"
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-    store = dist.TCPStore("127.0.0.1", port, n, is_master=False)
-    # As worker/distributed.py: set_device, no device_id (eager NCCL init), first collective on the card.
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
-    dist.barrier(**({"device_ids": [rank]} if cuda else {}))
-    x = torch.ones(shape, dtype=torch.bfloat16 if cuda else torch.float32, device=dev)
+    # As the worker does: set_device, process group, first barrier, then the communicator.
+    init_tensor_parallel(rank, n, dev, port)
+    comm = communicator._current
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result = {}
+    for m in rows:
+        # Correctness on the way: small integers sum exactly in bf16, whatever the order.
+        base = (torch.arange(m * hidden, device=dev) % 7).to(dtype).view(m, hidden)
+        y = comm.all_reduce(base + rank)
+        want = base * n + n * (n - 1) // 2
+        if not torch.equal(y, want):
+            raise AssertionError(f"{comm.method(y)} all-reduce of [{m}, {hidden}] over {n} ranks is wrong")
+        x = torch.ones(m, hidden, dtype=dtype, device=dev)
+        used = comm.method(x)
 
-    def step():
-        for _ in range(count):
-            dist.all_reduce(x)
+        def step():
+            for _ in range(count):
+                comm.all_reduce(x)
 
-    for _ in range(3):
-        step()
-    how = "eager"
-    if cuda:
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run, how = graph.replay, "CUDA graph"
-        except Exception as e:  # report eager timings rather than nothing
-            print(f"all-reduce capture failed ({e}); timing eager launches", file=sys.stderr)
-            run = step
-        run()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(3):
             step()
-    sec = (time.perf_counter() - t0) / iters
-    dist.barrier()
+        how = "eager"
+        if cuda:
+            torch.cuda.synchronize()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                run, how = graph.replay, "CUDA graph"
+            except Exception as e:  # report eager timings rather than nothing
+                print(f"all-reduce capture failed ({e}); timing eager launches", file=sys.stderr)
+                run = step
+            run()
+            torch.cuda.synchronize()
+            dist.barrier(device_ids=[dev.index])
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            torch.cuda.synchronize()
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+        result[m] = ((time.perf_counter() - t0) / iters, f"{used}, {how}")
+        dist.barrier()
     if rank == 0:
-        out.put((sec, how))
-    from pdserve.worker.distributed import shutdown_tensor_parallel
-
+        out.put(result)
     shutdown_tensor_parallel()  # bounded: NCCL's destroy hung this process on 2x H100
 
 
-def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int) -> tuple[float, str]:
+def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: int, method: str = "nccl",
+                          rows: tuple[int, ...] = (1,)) -> dict[int, tuple[float, str]]:
+    """{rows: (ms for the 2L+1 all-reduces of [rows, hidden], "method, how")}."""
+    import queue
+
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -112,13 +129,25 @@ def allreduce_ms_per_step(n: int, hidden: int, layers: int, device: str, iters: 
     out = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)  # on a free port
     procs = [ctx.Process(target=_allreduce_rank,
-                         args=(r, n, store.port, (1, hidden), 2 * layers + 1, device, iters, out)) for r in range(n)]
+                         args=(r, n, store.port, hidden, list(rows), 2 * layers + 1, device, iters, method, out))
+             for r in range(n)]
     for p in procs:
         p.start()
-    sec, how = out.get(timeout=300)
+    deadline = time.monotonic() + 300
+    while True:  # a rank that died (e.g. the symmetric op failed) ends the wait at once
+        try:
+            result = out.get(timeout=2)
+            break
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"all-reduce bench ({method}, TP={n}): " + (
+                    f"rank exited with code {dead[0].exitcode}" if dead else "no result in 300 s"))
     for p in procs:
         p.join(60)
-    return 1e3 * sec, how
+    return {m: (1e3 * sec, how) for m, (sec, how) in result.items()}
 
 
 def write_checkpoint(spec, device: str, path: str | None = None) -> str:
@@ -172,7 +201,9 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-                                    max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+                                    # No offline run: a small batch limit captures fewer decode graphs (a faster start).
+                                    max_model_len=2048, max_num_seqs=256 if args.num_prompts else 8,
+                                    max_num_batched_tokens=16384,
                                     enable_prefix_caching=False, tensor_parallel_size=n, enforce_eager=args.enforce_eager,
                                     kv_cache_memory=None if args.device == "cuda" else 1 << 26))
     start_s = time.perf_counter() - t0
@@ -185,12 +216,13 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
         decode_ms(engine, prompt, 8)  # warm-up
         print(f"TP={n}: first steps done (decode warm-up)", flush=True)
         res["decode_ms"] = decode_ms(engine, prompt, args.decode_steps)
-        prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
-        params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
-        engine.generate(prompts, params)  # warm-up: the same batch mix compiles the same kernels
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        if args.num_prompts:
+            prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
+            params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
+            engine.generate(prompts, params)  # warm-up: the same batch mix compiles the same kernels
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
         check = [[rng.randrange(3, vocab) for _ in range(24 + 8 * i)] for i in range(CHECK_PROMPTS)]
         res["greedy"], res["top"] = greedy_with_logprobs(engine, check)
         res["check"] = check
@@ -289,7 +321,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench tp", description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes (1 first: the reference)")
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
-    ap.add_argument("--num-prompts", type=int, default=256, help="offline 1024/128 prompts")
+    ap.add_argument("--num-prompts", type=int, default=256, help="offline 1024/128 prompts (0: no offline run)")
+    ap.add_argument("--all-reduce", nargs="+", default=["auto"], choices=["auto", "nccl", "one_shot", "two_shot"],
+                    help="the TP all-reduce (PDSERVE_TP_ALL_REDUCE) of each TP>1 engine and micro-benchmark; "
+                         "several: one engine per method, compared in the same run")
+    ap.add_argument("--no-fp32-check", action="store_true", help="skip the transformers fp32 reference")
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--out", help="also write the markdown table here")
     ap.add_argument("--checkpoint", help="keep the random checkpoint here and reuse it on the next run "
@@ -332,18 +368,28 @@ def main(argv=None) -> int:
     results = []
     try:
         for n in sizes:
-            print(f"== TP={n}", flush=True)
-            r = run_tp(n, path, args, spec.hf["vocab_size"])
-            if n > 1:
-                r["allreduce_ms"], r["allreduce_how"] = allreduce_ms_per_step(
-                    n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"], args.device, 20 if args.smoke else 200)
-            results.append(r)
-            print(r.get("decode_ms"), r.get("offline_tok_s"), r.get("allreduce_ms"), flush=True)
-        t0 = time.perf_counter()
-        ref32 = fp32_reference(path, results[0]["check"], args.device) if results else []
-        for r in results:
-            r["vs_fp32"] = fp32_error(r, ref32)
-        print(f"fp32 reference in {time.perf_counter() - t0:.0f}s", flush=True)
+            for method in (["-"] if n == 1 else args.all_reduce):
+                print(f"== TP={n} all-reduce {method}", flush=True)
+                if n > 1:
+                    os.environ["PDSERVE_TP_ALL_REDUCE"] = method  # the ranks inherit it
+                r = run_tp(n, path, args, spec.hf["vocab_size"])
+                r["all_reduce"] = method
+                if n > 1:
+                    sweep = allreduce_ms_per_step(n, spec.hf["hidden_size"], spec.hf["num_hidden_layers"],
+                                                  args.device, 20 if args.smoke else 200, method, ALLREDUCE_ROWS)
+                    r["allreduce_ms"], r["allreduce_how"] = sweep[1]
+                    r["allreduce_sweep"] = {str(m): v for m, v in sweep.items()}
+                results.append(r)
+                # A row as soon as it exists: a run cut short by a time limit still leaves its numbers.
+                print(f"RESULT TP={n} all-reduce={method} decode_ms={r.get('decode_ms')} "
+                      f"offline_tok_s={r.get('offline_tok_s')} step_allreduce_ms={r.get('allreduce_ms')} "
+                      f"sweep={r.get('allreduce_sweep')} start_s={r['start_s']:.0f}", flush=True)
+        if not args.no_fp32_check:
+            t0 = time.perf_counter()
+            ref32 = fp32_reference(path, results[0]["check"], args.device) if results else []
+            for r in results:
+                r["vs_fp32"] = fp32_error(r, ref32)
+            print(f"fp32 reference in {time.perf_counter() - t0:.0f}s", flush=True)
     finally:
         if args.checkpoint is None:
             shutil.rmtree(path, ignore_errors=True)
@@ -353,7 +399,7 @@ def main(argv=None) -> int:
 
         saved = os.path.join(args.checkpoint, "bench_tp_results.json")
         old = json.load(open(saved)) if os.path.exists(saved) else []
-        results = sorted([r for r in old if r["tp"] not in sizes] + results, key=lambda r: r["tp"])
+        results = sorted([r for r in old if r["tp"] not in sizes] + results, key=lambda r: (r["tp"], r.get("all_reduce", "-")))
         with open(saved, "w") as f:
             json.dump(results, f)
         for r in results:
@@ -363,16 +409,36 @@ def main(argv=None) -> int:
     lines = [f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
              f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
              f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}", "",
-             "| TP | bs=1 decode in=128 ms/step | all-reduces of that step alone (2L+1 at bs=1) ms | offline 1024/128 tok/s "
+             "| TP | all-reduce | bs=1 decode in=128 ms/step (x TP=1) | all-reduces of that step alone (2L+1 at bs=1) ms "
+             "| per all-reduce us | offline 1024/128 tok/s "
              f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 | first token's top-5 "
              "logprobs vs fp32 transformers: max abs error |",
-             "| ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     ref = results[0] if results and results[0]["tp"] == 1 else None
+    steps = 2 * spec.hf["num_hidden_layers"] + 1
     for r in results:
         ar = f"{r['allreduce_ms']:.3f} ({r['allreduce_how']})" if "allreduce_ms" in r else "-"
+        per = f"{1e3 * r['allreduce_ms'] / steps:.1f}" if "allreduce_ms" in r else "-"
         agree = "(reference)" if r is ref else agreement(ref, r) if ref is not None else "- (no TP=1 run)"
-        lines.append(f"| {r['tp']} | {r['decode_ms']:.2f} | {ar} | {r['offline_tok_s']:.0f} | {r['kv_blocks']} | "
-                     f"{agree} | {r.get('vs_fp32', '-')} |")
+        rel = f" ({r['decode_ms'] / ref['decode_ms']:.2f}x)" if ref is not None and r is not ref else ""
+        tok = f"{r['offline_tok_s']:.0f}" if "offline_tok_s" in r else "-"
+        lines.append(f"| {r['tp']} | {r.get('all_reduce', '-')} | {r['decode_ms']:.2f}{rel} | {ar} | {per} | {tok} | "
+                     f"{r['kv_blocks']} | {agree} | {r.get('vs_fp32', '-')} |")
+    swept = [r for r in results if "allreduce_sweep" in r]
+    if swept:
+        hidden = spec.hf["hidden_size"]
+        lines += ["", f"All-reduce alone, us per all-reduce of [rows, {hidden}] "
+                      f"({'bf16' if args.device == 'cuda' else 'fp32'}; {steps} in one CUDA graph, replayed; "
+                      "the method each message took):", "",
+                  "| TP | all-reduce | " + " | ".join(f"{m} rows ({m * hidden * (2 if args.device == 'cuda' else 4) // 1024} KB)"
+                                                     for m in ALLREDUCE_ROWS) + " |",
+                  "| ---: | --- |" + " ---: |" * len(ALLREDUCE_ROWS)]
+        for r in swept:
+            cells = []
+            for m in ALLREDUCE_ROWS:
+                ms, how = r["allreduce_sweep"][str(m)]
+                cells.append(f"{1e3 * ms / steps:.1f} ({how.split(',')[0]})")
+            lines.append(f"| {r['tp']} | {r['all_reduce']} | " + " | ".join(cells) + " |")
     lines += ["", f"- engine start (load, KV sizing, graph capture): "
                   + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
     text = "\n".join(lines)

@@ -42,7 +42,20 @@ class LLMEngine:
         `structured_outputs_backend` overrides the config's grammar engine (structured_output.py)."""
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
-        self.runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode)
+        # Tensor parallelism: the other ranks start first (each builds its own ModelRunner shard),
+        # then rank 0's runner joins them (parallel/ranks.py).
+        self.followers, store = None, None
+        if config.tensor_parallel_size > 1:
+            from pdserve.worker.parallel.ranks import start_followers
+
+            store, self.followers = start_followers(config, ModelRunner, attention_backend, static_decode)
+        try:
+            self.runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
+                                      tp_store=store, followers=self.followers)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.shutdown()
+            raise
         r = self.runner
         self.model_config, self.tokenizer, self.model_path = r.model_config, r.tokenizer, r.model_path
         self.device, self.dtype, self.attention_backend = r.device, r.dtype, r.attention_backend
@@ -212,7 +225,10 @@ class LLMEngine:
         return [self.kv_connector.metrics] if self.kv_connector is not None else []
 
     def shutdown(self) -> None:
-        self.runner.shutdown()  # a tensor-parallel worker's other ranks
+        if self.followers is not None:  # a tensor-parallel worker's other ranks, then the group
+            self.followers.shutdown()
+            self.followers = None
+        self.runner.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         if self._kv_event_publisher is not None:

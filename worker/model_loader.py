@@ -60,7 +60,7 @@ def read_model_config(path: str) -> ModelConfig:
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None,
                tp: tuple[int, int] = (0, 1)) -> LoadedModel:
-    """tp = (rank, size): with size > 1 the model holds rank's shard (models/parallel.py) and
+    """tp = (rank, size): with size > 1 the model holds rank's shard (parallel/shard.py) and
     `model.cfg` is the shard's config; `model_config` stays the full model's."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
@@ -76,15 +76,13 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
 
     shard = None
     if tp[1] > 1:
-        from pdserve.worker.models.parallel import TPShard, parallelize, shard_config
+        from pdserve.worker.parallel.shard import TPShard
 
         shard = TPShard(tp[0], tp[1], cfg)
     positions = max_positions or cfg.max_position_embeddings
     # Build on the meta device and materialise on the target: no random init, no CPU copy.
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg if shard is None else shard_config(shard), backend, positions)
-        if shard is not None:
-            parallelize(net, shard)
+        net = LlamaForCausalLM(cfg, backend, positions, shard)
     net = net.to(dtype=dtype).to_empty(device=device)
     net.init_rope(positions)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -92,21 +90,14 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
         raise FileNotFoundError(f"no *.safetensors in {path}")
 
     def tensors():
+        # Whole tensors at TP = 1; under TP, slices: each parameter's weight loader
+        # (parallel/layers.py) indexes its rank's part, and only that part is read from the file.
         for f in files:
             with safe_open(f, framework="pt", device=str(device)) as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    yield name, sf.get_tensor(name) if shard is None else sf.get_slice(name)
 
-    def shards():
-        # Each rank reads only its slice of each tensor (and whole small ones), not the checkpoint.
-        from pdserve.worker.models.parallel import shard_weight
-
-        for f in files:
-            with safe_open(f, framework="pt", device=str(device)) as sf:
-                for name in sf.keys():
-                    yield name, shard_weight(name.removeprefix("model."), sf.get_slice(name), shard)
-
-    net.load_weights(tensors() if shard is None else shards())
+    net.load_weights(tensors())
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"

@@ -9,10 +9,11 @@ Host round-trips per step: none before sampling (inputs go host->device, nothing
 the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
 they were captured (`graphs`); prefill and mixed steps run eagerly.
 
-Tensor parallelism (--tensor-parallel-size N > 1): this runner is rank 0; it starts ranks
-1..N-1 (tp_worker.py), each a ModelRunner of its own shard (models/parallel.py), and every step
-sends them the step's plan (`StepPlan`) before running it itself; logits are gathered to rank 0,
-which alone samples. At N = 1 none of this exists: no processes, no collectives, no plan sent.
+Tensor parallelism (--tensor-parallel-size N > 1): the engine starts ranks 1..N-1
+(parallel/ranks.py), each a ModelRunner of its own shard (parallel/shard.py, parallel/layers.py),
+and hands rank 0's runner their handle (`followers`); every step this runner sends them the
+step's plan (`StepPlan`) before running it itself; logits are gathered to rank 0, which alone
+samples. At N = 1 none of this exists: no processes, no collectives, no plan sent.
 """
 
 from __future__ import annotations
@@ -90,19 +91,24 @@ def _attention_backend(name: str | None, device: torch.device):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
-                 static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None):
+                 static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None,
+                 tp_store=None, followers=None):
         """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
         tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
         --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
-        static-buffer path without capturing. `tp_rank` / `tp_store_port`: set by tp_worker.py
-        for ranks >= 1 of a tensor-parallel worker."""
+        static-buffer path without capturing. Tensor parallelism: rank 0 gets the rendezvous
+        store and the other ranks' handle (`tp_store`, `followers`: parallel/ranks.py's
+        start_followers); ranks >= 1 their rank and the store's port."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
-        self.followers = None  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
+        self.followers = followers  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
         if self.tp_size > 1:
-            self.device = self._start_tensor_parallel(attention_backend, static_decode, tp_store_port)
+            if tp_rank == 0 and (tp_store is None or followers is None):
+                raise ValueError("rank 0 of a tensor-parallel worker needs the store and the followers "
+                                 "(parallel/ranks.py start_followers; LLMEngine does this)")
+            self.device = self._join_tensor_parallel(tp_store_port, tp_store)
         elif self.device.type == "cuda":
             # Loading, KV sizing and graph capture run on this thread: Triton launches on the
             # current device, so `--device cuda:1` must make it current (TP ranks do it on joining).
@@ -116,11 +122,6 @@ class ModelRunner:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
         # What this rank holds (its heads and KV heads): the full model's shape at TP = 1.
         self.shard_config = self.model.cfg
-        self.tp_shard = None
-        if self.tp_size > 1:
-            from pdserve.worker.models.parallel import TPShard
-
-            self.tp_shard = TPShard(tp_rank, self.tp_size, self.model_config)
         self.model_path = loaded.path
         mc = self.model_config
         if max_len is None:
@@ -154,20 +155,12 @@ class ModelRunner:
 
     # -- construction: tensor parallelism, KV sizing and graph capture ---------------------------
 
-    def _start_tensor_parallel(self, attention_backend, static_decode, store_port) -> torch.device:
-        """Join the process group (rank 0 first checks the model shards and starts the others)."""
-        from pdserve.worker.distributed import create_store, init_tensor_parallel, rank_device
+    def _join_tensor_parallel(self, store_port, store) -> torch.device:
+        """Join the process group (and make the rank's all-reduce communicator)."""
+        from pdserve.worker.parallel.group import init_tensor_parallel, rank_device
 
-        store = None
-        if self.tp_rank == 0:
-            from pdserve.worker.model_loader import read_model_config, resolve_model_path
-            from pdserve.worker.models.parallel import TPShard
-            from pdserve.worker.tp_worker import TPFollowers
-
-            TPShard(0, self.tp_size, read_model_config(resolve_model_path(self.config.model)))  # ConfigError now
-            store = create_store(self.tp_size)
+        if store is not None:
             store_port = store.port
-            self.followers = TPFollowers(self.config, store_port, attention_backend, static_decode)
         device = rank_device(self.device, self.tp_rank)
         if device.type == "cpu":
             # N processes share the host's cores: without this each would start one thread per core.
@@ -182,11 +175,10 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
 
     def shutdown(self) -> None:
-        """Stop the other ranks (rank 0 of a tensor-parallel worker); nothing to do otherwise."""
-        if self.followers is not None:
-            self.followers.shutdown()
-            self.followers = None
-            from pdserve.worker.distributed import shutdown_tensor_parallel
+        """Leave the tensor-parallel group (after the engine stopped the other ranks)."""
+        self.followers = None
+        if self.tp_size > 1:
+            from pdserve.worker.parallel.group import shutdown_tensor_parallel
 
             shutdown_tensor_parallel()
 
@@ -211,7 +203,7 @@ class ModelRunner:
         if self.tp_size > 1:
             # Every rank sized its own cache (--gpu-memory-utilization is per rank); the scheduler's
             # block ids must exist on all of them.
-            from pdserve.worker.distributed import agree_min
+            from pdserve.worker.parallel.group import agree_min
 
             n = agree_min(n, self.device)
         if n < 2:
@@ -380,12 +372,7 @@ class ModelRunner:
 
     def _project(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Hidden rows -> full-vocabulary fp32 logits (gathered to rank 0 under TP; None elsewhere)."""
-        logits = self.model.compute_logits(rows)
-        if self.tp_shard is not None:
-            from pdserve.worker.models.parallel import gather_logits
-
-            logits = gather_logits(logits, self.tp_shard)
-        return logits
+        return self.model.compute_logits(rows)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:

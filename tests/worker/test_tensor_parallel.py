@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.model_config import ModelConfig
-from pdserve.worker.models.parallel import TPShard
+from pdserve.worker.parallel.shard import TPShard
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint
 from tests.worker.test_server_harness import WorkerProcess

@@ -2,7 +2,7 @@
 
 The scheduler half lives on rank 0 only (it owns requests and blocks); the worker half
 (connector.KVConnector) runs on every rank over that rank's cache shard. They talk over one
-duplex pipe per follower (made by tp_worker.TPFollowers beside its step pipe), read on the
+duplex pipe per follower (made by parallel/ranks.TPFollowers beside its step pipe), read on the
 follower by a thread of its own, so a pin is mirrored at once even while the rank runs a step.
 
 rank 0 -> rank r

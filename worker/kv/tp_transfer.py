@@ -1,7 +1,7 @@
 """KV transfer between tensor-parallel workers: which prefill rank holds each of our KV heads.
 
 A worker of TP size N keeps, on rank r, the paged cache of the KV heads `kv_head_range(KV, N, r)`
-(models/parallel.py), laid out [block, layer, k|v, token, head, dim]. Every rank uses the same
+(parallel/shard.py), laid out [block, layer, k|v, token, head, dim]. Every rank uses the same
 block ids (rank 0 schedules), and every rank of a prefill worker serves its own shard on
 `--kv-port + r` with the same secret and a mirror of rank 0's pins (tp_link.py).
 
@@ -31,7 +31,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.nixl_transport import ReadFailed
 from pdserve.worker.kv.tcp_transport import tcp_pull
-from pdserve.worker.models.parallel import check_kv_heads, kv_head_range
+from pdserve.worker.parallel.shard import check_kv_heads, kv_head_range
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -3,6 +3,12 @@
 Tokens of all scheduled sequences are flattened into one [T] batch (no padding); attention
 reads per-sequence context from the paged cache through the attention backend. q/k/v and
 gate/up projections are fused at load time (one GEMM each instead of three / two).
+
+The same code runs at any tensor-parallel size: the projections, the embedding and the lm_head
+are parallel layers (parallel/layers.py) built from the full model's sizes and the rank's
+`TPShard`; each loads its own slice of the checkpoint and runs its own collective. At TP = 1
+the shard is the whole model and no collective runs. `self.cfg` is the rank's view (its heads,
+MLP columns and vocabulary rows: parallel/shard.py), from which the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -18,6 +24,16 @@ from torch import nn
 from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from pdserve.worker.attention import AttentionBackend, AttentionMetadata
 from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    logits,
+    weight_loader_of,
+)
+from pdserve.worker.parallel.shard import TPShard, shard_config
 
 
 @dataclass(frozen=True)
@@ -83,15 +99,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard):
         super().__init__()
         ops = pointwise_ops(backend)
         self.rotary = ops.rotary
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.qkv_bias, shard)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, shard)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -125,22 +141,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: PointwiseOps = TORCH_OPS):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, ops: PointwiseOps = TORCH_OPS):
         super().__init__()
         self.silu_and_mul = ops.silu_and_mul
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, shard)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, shard)
 
     def forward(self, x):
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard):
         super().__init__()
         ops = pointwise_ops(backend)
-        self.self_attn = Attention(cfg, layer_idx, backend)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, layer_idx, backend, shard)
+        self.mlp = MLP(cfg, shard, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -157,13 +174,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):
+        """`cfg`: the full model's config; `shard`: this rank's part (None: the whole model, TP = 1)."""
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.shard = shard = shard or TPShard(0, 1, cfg)
+        self.cfg = shard_config(shard)  # what this rank holds (the full config at TP = 1)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pointwise_ops(backend))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard)
         self.init_rope(max_positions)
 
     def init_rope(self, max_positions: int) -> None:
@@ -184,16 +203,19 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Hidden rows -> fp32 logits of the full vocabulary (gathered to rank 0 under TP; None
+        on the other ranks)."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ w.t()).float()
+        return logits(h, w, self.shard)
 
-    # Checkpoint names -> our fused parameters: (our name, shard index) for stacked params.
-    STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    # Checkpoint names -> our fused parameters: (our name, the part's id for its weight loader).
+    STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights) -> None:
-        """weights: iterable of (checkpoint name, tensor). Fails loudly on missing/unknown names."""
+        """weights: iterable of (checkpoint name, tensor or safetensors slice). Each parameter's
+        weight loader takes its rank's part. Fails loudly on missing/unknown names."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
@@ -212,19 +234,15 @@ class LlamaForCausalLM(nn.Module):
             if target_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
             p = params[target_name]
+            owner, _, _ = target_name.rpartition(".")
             with torch.no_grad():
-                if shard is None:
-                    p.copy_(w)
-                else:
-                    sizes = self._shard_sizes(parts[-2])
-                    start = sum(sizes[:shard])
-                    p[start:start + sizes[shard]].copy_(w)
+                weight_loader_of(self.get_submodule(owner))(p, w, shard)
             loaded.add(f"{target_name}#{shard}")
         expected = set()
         for n in params:
             leaf = n.split(".")[-2] if n.count(".") else ""
             if leaf in ("qkv_proj",):
-                expected |= {f"{n}#{i}" for i in range(3)}
+                expected |= {f"{n}#{i}" for i in "qkv"}
             elif leaf == "gate_up_proj":
                 expected |= {f"{n}#{i}" for i in range(2)}
             else:
@@ -232,9 +250,3 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.cfg
-        if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]

@@ -1,7 +1,9 @@
 """The processes of a tensor-parallel worker: rank 0 leads, ranks 1..N-1 follow its step plan.
 
-Rank 0 is the serving process: HTTP, scheduler, sampling. At start it spawns one process per
-other rank (`TPFollowers`); each builds its own ModelRunner shard and then loops: receive a
+Rank 0 is the serving process: HTTP, scheduler, sampling. At start the engine spawns one process
+per other rank (`start_followers`); each builds its own ModelRunner shard (the engine passes the
+runner class in, so this module never imports the runner and the runner never imports this
+module: the runner only calls `send`) and then loops: receive a
 `StepPlan` (token ids, positions, KV slots, block tables, which rows to project to logits), run
 the same forward as rank 0, take part in the collectives, repeat. Plans travel over one pipe
 per follower, pickled once per step: a few KB, tens of microseconds, and no collective that
@@ -28,6 +30,7 @@ import threading
 import time
 
 from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.parallel.group import create_store, shutdown_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,10 @@ def _flush_logs() -> None:
 class TPFollowers:
     """Rank 0's handle on ranks 1..N-1: start them, send each step's plan, stop or watch them."""
 
-    def __init__(self, config: EngineConfig, store_port: int, attention_backend: str | None,
+    def __init__(self, config: EngineConfig, build_runner, store_port: int, attention_backend: str | None,
                  static_decode: bool | None):
+        """`build_runner(config, attention_backend=, static_decode=, tp_rank=, tp_store_port=)`
+        makes a rank's runner in its process (ModelRunner; pickled by reference)."""
         from pdserve.worker.kv.tp_link import TPLeaderLink, needs_kv_connector
 
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
@@ -59,8 +64,8 @@ class TPFollowers:
             # P/D: the KV connector's messages both ways (kv/tp_link.py), apart from the step plans.
             kv_ours, kv_theirs = ctx.Pipe(duplex=True) if needs_kv_connector(config) else (None, None)
             p = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
-                            args=(config, rank, store_port, recv, attention_backend, static_decode, os.getpid(),
-                                  kv_theirs))
+                            args=(config, build_runner, rank, store_port, recv, attention_backend, static_decode,
+                                  os.getpid(), kv_theirs))
             p.start()
             recv.close()  # the follower's end; ours would keep the pipe open after it dies
             if kv_theirs is not None:
@@ -123,8 +128,21 @@ def _watch_parent(parent_pid: int, rank: int) -> None:
     threading.Thread(target=loop, name="tp-parent-watch", daemon=True).start()
 
 
-def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attention_backend: str | None,
-                  static_decode: bool | None, parent_pid: int, kv_conn=None) -> None:
+def start_followers(config: EngineConfig, build_runner, attention_backend: str | None = None,
+                    static_decode: bool | None = None):
+    """Rank 0, before its own runner: check that the model shards (a ConfigError now, before any
+    process starts), create the rendezvous store, start ranks 1..N-1. -> (store, TPFollowers)."""
+    from pdserve.worker.model_loader import read_model_config, resolve_model_path
+    from pdserve.worker.parallel.shard import TPShard
+
+    TPShard(0, config.tensor_parallel_size, read_model_config(resolve_model_path(config.model)))
+    store = create_store(config.tensor_parallel_size)
+    return store, TPFollowers(config, build_runner, store.port, attention_backend, static_decode)
+
+
+def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int, conn,
+                  attention_backend: str | None, static_decode: bool | None, parent_pid: int,
+                  kv_conn=None) -> None:
     """Entry point of rank >= 1: build the shard, then run every plan rank 0 sends until told to stop."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
@@ -132,12 +150,9 @@ def follower_main(config: EngineConfig, rank: int, store_port: int, conn, attent
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr (C-level handler: works
     # while the rank is blocked in a CUDA/NCCL call); bench/tp.py --timeout sends it to all ranks.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from pdserve.worker.distributed import shutdown_tensor_parallel
-    from pdserve.worker.model_runner import ModelRunner
-
     try:
-        runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
-                             tp_rank=rank, tp_store_port=store_port)
+        runner = build_runner(config, attention_backend=attention_backend, static_decode=static_decode,
+                              tp_rank=rank, tp_store_port=store_port)
         if kv_conn is not None:  # P/D: this rank's KV connector, driven by rank 0 (kv/tp_link.py)
             from pdserve.worker.kv.tp_link import start_follower_kv
             from pdserve.worker.kv.tp_transfer import TPRank

@@ -1,9 +1,10 @@
-"""The tensor-parallel process group: one process per rank, NCCL on CUDA, gloo on CPU.
+"""The tensor-parallel process group: one process per rank, NCCL on CUDA, gloo on CPU, and the
+rank's all-reduce communicator (communicator.py) on top of it.
 
 Rank 0 (the serving process) creates the rendezvous store on a free loopback port before it
 starts the other ranks, so the port is known without a race; every rank then joins the
 default process group over that store. Collectives time out (COLLECTIVE_TIMEOUT) instead of
-waiting forever, and the watchdogs in tp_worker.py end the worker much sooner than that when a
+waiting forever, and the watchdogs in ranks.py end the worker much sooner than that when a
 rank process dies.
 """
 
@@ -15,6 +16,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from pdserve.worker.parallel.communicator import Communicator, set_communicator
 
 # Long enough for a rank that compiles Triton kernels on its first step while the others wait
 # in the first all-reduce; a dead rank is caught by the process watchdogs, not by this.
@@ -62,6 +65,8 @@ def init_tensor_parallel(rank: int, world_size: int, device: torch.device, store
     else:
         dist.barrier()
     log.info("tensor-parallel rank %d: first barrier passed", rank)
+    # Every rank, before any weights or graphs: the symmetric buffer's rendezvous is collective.
+    set_communicator(Communicator(device))
 
 
 def agree_min(value: int, device: torch.device) -> int:
@@ -81,6 +86,7 @@ def shutdown_tensor_parallel() -> None:
     another rank never joined (it died, or this rank left a step early on an error) makes
     destroy_process_group wait forever (seen on 2x H100). Past DESTROY_WAIT_S we log and go on;
     the process is exiting and the driver reclaims the communicator."""
+    set_communicator(None)
     if not dist.is_initialized():
         return
     import threading
