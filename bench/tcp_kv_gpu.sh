@@ -30,7 +30,7 @@ if [ "${TCP_KV_HANDOFF:-1}" = 1 ] && [ "$LEFT" -gt 150 ]; then
   BUDGET=$(( LEFT - 45 ))
   echo "=== first gap over TCP, overlap off and on (budget ${BUDGET}s)"
   timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT/handoff" \
-    --stacks tcp-off,tcp-on --seconds 15 --budget-s "$BUDGET" > "$OUT/handoff.log" 2>&1
+    --stacks "${TCP_KV_STACKS:-tcp-on,tcp-off}" --seconds 15 --budget-s "$BUDGET" > "$OUT/handoff.log" 2>&1
   echo "handoff: rc=$?"
   grep "^\[handoff" "$OUT/handoff.log" | tail -n 20
   cat "$OUT/handoff/results.md" 2>/dev/null | head -n 40
