@@ -10,7 +10,7 @@ A transfer is cut into chunks of whole blocks (about CHUNK_BYTES); chunk j trave
 j mod streams, in order, so both sides know every chunk's place without headers. Per stream:
 
   prefill  copy chunk k+1 device -> page-locked host buffer (async, its own CUDA stream)
-           while chunk k is on the wire (sendall from that buffer: no Python copy)
+           while chunk k is on the wire (sent from that buffer: no Python copy)
   decode   recv_into a page-locked buffer, then host -> device into the destination blocks
            (async) while the next chunk lands in the other buffer
 
@@ -52,10 +52,10 @@ from pdserve.worker.kv.pins import LEASE_S, PinError, PinTable
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 20  # a chunk: whole blocks, about this many bytes (at least one block)
+CHUNK_BYTES = 8 << 20  # a chunk: whole blocks, about this many bytes (at least one block)
 MAX_STREAMS_PER_TRANSFER = 8
 MAX_SEND_STREAMS = 16  # streams a prefill worker serves at once (2 buffers of a chunk each)
-MAX_RECV_BYTES = 256 << 20  # host buffers all pulls of a decode worker share
+MAX_RECV_BYTES = 512 << 20  # host buffers all pulls of a decode worker share
 MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefill worker keeps open
 HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
 SEND_TIMEOUT_S = 10.0  # a chunk the reader does not take within this ends the transfer
@@ -109,13 +109,36 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _blocking(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking mode with the kernel's own timeouts: a send or a MSG_WAITALL receive then moves a
+    whole chunk in one system call, so a stream thread takes the GIL back once per chunk rather
+    than once per few hundred KiB. (Under a busy engine thread each take waits up to Python's
+    switch interval, 5 ms: per-packet receives made a 64 MiB read under decode load 100+ ms.)"""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             raise ConnectionError("the KV peer closed the data connection")
         got += n
+        if got < len(view) and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("the KV data transfer ran out of time")
+
+
+def _send_all(sock: socket.socket, view: memoryview, timeout_s: float) -> None:
+    """Blocking sends (SO_SNDTIMEO each), at most `timeout_s` for the whole view: a reader that
+    takes a byte now and then does not keep the stream alive."""
+    deadline, sent = time.monotonic() + timeout_s, 0
+    while sent < len(view):
+        sent += sock.send(view[sent:])
+        if sent < len(view) and time.monotonic() > deadline:
+            raise TimeoutError("the KV reader did not take a chunk in time")
 
 
 def _stream_ctx(stream):
@@ -268,7 +291,7 @@ class DataServer:
                 conn.sendall(REFUSED)
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(SEND_TIMEOUT_S)
+            _blocking(conn, SEND_TIMEOUT_S)
             conn.sendall(ACCEPTED)
             self._send(*claimed, conn)
         except Exception as e:  # the reader hung up or stalled, or the pin went: this stream ends
@@ -312,7 +335,7 @@ class DataServer:
     def _put(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, nbytes: int) -> None:
         if event is not None:
             event.synchronize()
-        conn.sendall(memoryview(buf.numpy())[:nbytes])
+        _send_all(conn, memoryview(buf.numpy())[:nbytes], SEND_TIMEOUT_S)
         with self._cond:
             t.sent += nbytes
 
@@ -374,6 +397,7 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
                 if errors:  # another stream failed while this one connected
                     raise ConnectionAbortedError("the pull failed on another stream")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _blocking(sock, _left(deadline))
             sock.sendall(HELLO.pack(MAGIC, ticket, index, plan.streams, auth.sign_data(ticket, index)))
             ack = bytearray(1)
             _recv_exact(sock, memoryview(ack))
@@ -406,7 +430,7 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
         pool.give_back(bufs)
     if errors:
         first = errors[0]  # the cause; the others are the abort it triggered
-        if isinstance(first, (socket.timeout, TimeoutError)):
+        if isinstance(first, (socket.timeout, TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO
             raise side_channel.PeerTimeout(f"KV peer {host}:{port}: the data transfer did not finish in time")
         if isinstance(first, side_channel.SideChannelError):
             raise first
@@ -432,8 +456,8 @@ def _receive_stream(sock: socket.socket, plan: Plan, index: int, bufs: list[torc
             if events[b] is not None:
                 events[b].synchronize()  # its previous chunk's copy to the device has read it
             view = memoryview(bufs[b].numpy())[:count * bb]
-            sock.settimeout(_left(deadline))
-            _recv_exact(sock, view)
+            _left(deadline)
+            _recv_exact(sock, view, deadline)
             with _stream_ctx(stream):
                 for pos, dst, n in _runs(dst_blocks[first:first + count]):
                     blocks[dst:dst + n].copy_(bufs[b][pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
