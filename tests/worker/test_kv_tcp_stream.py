@@ -15,6 +15,7 @@ import torch
 
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest
 from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
@@ -285,3 +286,28 @@ def test_a_data_connection_needs_a_live_ticket_and_the_secret(prefill):
     with pytest.raises(side_channel.SideChannelError, match="transfer token"):
         prefill.grant({**prefill.pin("u", [1]), "transfer_token": "forged"}, [0])
     assert prefill.tcp.data.wait_idle(10)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs nixl")
+def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
+    """A decode worker without RDMA (`--kv-transfer tcp`) pulls from a NIXL prefill worker: the
+    real KVConnector serves the read over its data connections whatever its own transport."""
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.kv.connector import KVConnector
+
+    port = free_port()
+    cache = torch.randint(0, 256, (64, 1, 2, 1, 1, BLOCK_BYTES // 2), dtype=torch.uint8).view(torch.bfloat16)
+    config = EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port, kv_secret=SECRET)
+    c = KVConnector(config, cache, "nixl-prefill", f"1x1x{BLOCK_BYTES // 4}:bfloat16:1")
+    c.start_server()
+    try:
+        src = [3, 4, 5, 20, 21, 40, 41, 42, 43, 9]
+        params = c.pin("r", src, len(src), 0, DIGEST)
+        assert params["transport"] == "nixl"
+        mine = torch.zeros(64, BLOCK_BYTES, dtype=torch.uint8)
+        n = tcp_pull("127.0.0.1", port, params, list(range(len(src))), list(range(10)), mine, 10, AUTH, DIGEST)
+        assert n == len(src) * BLOCK_BYTES and torch.equal(mine[:10], c.blocks[src])
+        assert c._tcp.data.wait_idle(10)
+        assert [rid for rid, _, _ in c.pins.collect()] == ["r"]  # the read released the pin
+    finally:
+        c.shutdown()
