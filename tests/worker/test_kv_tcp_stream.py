@@ -182,31 +182,45 @@ def test_the_reader_holds_only_bounded_buffers_whatever_the_pull_size(prefill, m
     assert pool.in_use == 0
 
 
-def test_a_reader_that_stops_draining_holds_only_its_buffers_then_nothing(big_prefill, monkeypatch):
+def stalled_reader(prefill: Prefill, rid: str):
+    """A pin of 512 blocks (32 MiB: more than loopback buffers take), granted, its one stream
+    claimed by a reader with a 4 KiB window that never reads: (socket, the server's answer)."""
+    grant = prefill.grant(prefill.pin(rid, list(range(512))), list(range(512)))
+    return connect(prefill, grant, slow=True)
+
+
+def test_a_reader_that_stops_draining_holds_only_its_bounded_buffers(big_prefill, monkeypatch):
     """Prefill side: a reader that claims a stream and never reads ties up that stream's two
-    chunk buffers, not a copy of the transfer; the side channel serves others meanwhile; once a
-    chunk is not taken within SEND_TIMEOUT_S the stream ends, the pin is released (a read is the
-    release), and every buffer and count is back."""
+    chunk buffers, not a copy of the transfer, and the side channel serves others meanwhile."""
     monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 4 * BLOCK_BYTES)
-    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 60.0)  # the stall outlasts this test's checks
     prefill = big_prefill
-    params = prefill.pin("stalled", list(range(512)))  # 32 MiB: more than loopback buffers take at once
-    grant = prefill.grant(params, list(range(512)))
-    sock, answer = connect(prefill, grant, slow=True)
-    try:
+    sock, answer = stalled_reader(prefill, "stalled")
+    with contextlib.closing(sock):
         assert answer == tcp_stream.ACCEPTED
         data = prefill.tcp.data
         assert wait_until(lambda: data.pool.in_use > 0)  # its sender runs, blocked on our window
-        assert data.pool.in_use <= 2 * 4 * BLOCK_BYTES
+        assert data.pool.in_use == 2 * 4 * BLOCK_BYTES  # two 4-block chunks, of a 512-block transfer
         assert data.in_flight == 1
         reply, _ = side_channel.call("127.0.0.1", prefill.port, "describe", {}, 5, AUTH, ENGINE)
         assert reply == {"ok": True}  # the side channel is not the sender
+        assert prefill.sent < 512 * BLOCK_BYTES
+
+
+def test_a_reader_that_stops_draining_loses_its_stream_and_then_holds_nothing(big_prefill, monkeypatch):
+    """Once a chunk is not taken within SEND_TIMEOUT_S the stream ends: the pin is released
+    (a read is the release) and every buffer and count is back, the reader's socket still open."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 4 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 0.5)
+    prefill = big_prefill
+    sock, answer = stalled_reader(prefill, "stalled")
+    with contextlib.closing(sock):
+        assert answer == tcp_stream.ACCEPTED
+        data = prefill.tcp.data
         assert data.wait_idle(15)
         assert data.in_flight == 0 and data.pool.in_use == 0
         assert [rid for rid, _, _ in prefill.pins.collect()] == ["stalled"]
         assert prefill.sent < 512 * BLOCK_BYTES
-    finally:
-        sock.close()
 
 
 def test_a_reader_that_hangs_up_mid_transfer_frees_everything(big_prefill, small_chunks, monkeypatch):
