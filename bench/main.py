@@ -9,6 +9,7 @@ import sys
 BENCHMARKS = {
     "kernels": "pdserve.bench.kernels",
     "kv-transfer": "pdserve.bench.kv_transfer",
+    "tcp-kv": "pdserve.bench.tcp_kv",
     "router": "pdserve.bench.router",
     "engine": "pdserve.bench.engine",
     "tp": "pdserve.bench.tp",

@@ -13,7 +13,8 @@ the answer came from a holder of the secret and belongs to its own request.
 
 What this does not give: confidentiality. Bodies and KV bytes cross the network in clear;
 the deployment isolates KV ports (NetworkPolicy) or runs on a trusted fabric. Bulk reply
-frames (TCP block bytes) are not MACed: hashing every KV byte would cost more than the copy.
+frames and the block bytes of TCP data connections are not MACed: hashing every KV byte would
+cost more than the copy.
 
 With no secret configured, requests are unsigned and the server accepts them; a worker warns
 at startup, and what such a channel still protects (transfer tokens, prompt binding, NIXL
@@ -65,6 +66,14 @@ class SideChannelAuth:
     def verify_reply(self, nonce: str, status: bytes, payload: bytes, mac: bytes) -> None:
         if self._key and not hmac.compare_digest(mac, self._mac(b"rep", nonce.encode(), status, payload)):
             raise AuthError("the KV peer's reply is not signed with our --kv-secret")
+
+    def sign_data(self, ticket: bytes, stream: int) -> bytes:
+        """The MAC that opens stream `stream` of a TCP data transfer (tcp_stream.py): the ticket
+        came in a signed reply, and only a holder of the secret can turn it into a connection."""
+        return self._mac(b"data", ticket, str(stream).encode()) if self._key else bytes(32)
+
+    def verify_data(self, ticket: bytes, stream: int, mac: bytes) -> bool:
+        return not self._key or hmac.compare_digest(mac, self.sign_data(ticket, stream))
 
     # -- server ---------------------------------------------------------------------------------
 

@@ -126,7 +126,8 @@ class KVConnector:
     # -- prefill side -------------------------------------------------------------------------
 
     def start_server(self) -> None:
-        tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n))
+        tcp = self._tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n),
+                                    self.bind_host, self.auth)
         handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read,
                     "progress": self._progress}
         self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,
@@ -452,6 +453,7 @@ class KVConnector:
             self.nixl.close()  # deregister and free its staging buffers
         if self.server:
             self.server.stop()
+            self._tcp.close()
 
 
 def as_params(params: KVTransferParams | dict) -> KVTransferParams:

@@ -5,9 +5,10 @@ Wire format (after ZMQ's routing frames):
                                                   `to`: the worker it is meant for
   reply    [b"", b"ok", json, mac, *block frames] or [b"", b"err", message, mac]
 Ops: describe (layout only), lease (authenticate a transfer token and hold its blocks for a
-one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: the
-block bytes themselves, a copy, and the pin is released at once), release (the decode side
-is done), progress (a streamed pin: how many blocks are ready, and the first token once the
+one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: a
+ticket for the prefill worker's data connections, which carry the bytes off this thread
+(tcp_stream.py); from a decode worker of an earlier release, the block bytes themselves in the
+reply, a copy, and the pin is released at once), release (the decode side is done), progress (a streamed pin: how many blocks are ready, and the first token once the
 prefill ended).
 
 Deferred replies: a handler that has nothing to answer yet (a progress with nothing new, a
@@ -30,8 +31,8 @@ One thread serves everyone, so nothing on it may wait for a peer:
   error reply, or is dropped when it cannot even be answered), and the loop itself is
   guarded: the thread ends only on `stop()`; `healthy` reports that, for /health;
 - requests are capped at MAX_REQUEST_BYTES (libzmq drops the connection beyond it);
-- block bytes are copied out of the KV cache before they are queued, so a pin never waits
-  on a slow reader, and sends never block: a ROUTER drops a message to a peer whose queue
+- inline block bytes (the earlier read) are copied out of the KV cache before they are
+  queued, so a pin never waits on a slow reader, and sends never block: a ROUTER drops a message to a peer whose queue
   (SNDHWM) is full, and a peer address with MAX_UNSENT_PER_PEER replies still unsent gets
   "busy" instead of more bytes. ZMQ fair-queues incoming messages across connections.
 """

@@ -1,10 +1,16 @@
-"""TCP transport (pyzmq): the prefill side streams block bytes over its side channel.
+"""TCP transport: the side channel authorizes a read, data connections carry the bytes.
 
-One round trip per request: the decode side asks to read (and thereby release) the pinned
-blocks; the reply carries one frame per contiguous run of blocks. The prefill side copies
-the blocks out of its cache before queueing them, so the pin is released at once and a
-reader that never drains its socket holds only its own copy (bounded by the side channel's
-per-peer limits), never KV blocks that other requests need.
+A decode worker's `read` (on the side channel, signed, naming a live transfer token and its
+prompt's digest) leases the blocks and gets a one-time ticket, the port of the prefill worker's
+data listener and the transfer's plan; the bytes then move over that many plain TCP
+connections, chunked and pipelined through page-locked buffers (tcp_stream.py). The side
+channel's thread never copies or sends a block. A read is also the release of the pin (one
+reader, once) unless it says `keep` (tensor-parallel and streamed readers: the pin stays until
+the decode worker's explicit release); the release happens when the transfer ends.
+
+A read without `data` (a decode worker of an earlier release) is answered inline as before:
+one reply frame per run of blocks, a copy made on the side channel's thread, the pin released
+at once. `tcp_pull(..., data_path=False)` still asks that way (the bench compares the two).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import time
 
 import torch
 
-from pdserve.worker.kv import side_channel
+from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import merge_runs
 from pdserve.worker.kv.pins import LEASE_S, PinTable
@@ -23,19 +29,46 @@ if TYPE_CHECKING:
     from pdserve.protocol.kv_transfer import KVTransferParams
 
 BUSY_RETRY_S = 0.01
+STREAMS = 4  # data connections a pull asks for (the prefill side may grant fewer)
 
 
 class TcpServer:
     """Prefill side: the `read` op."""
 
-    def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent):
+    def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent, bind_host: str = "127.0.0.1",
+                 auth: SideChannelAuth | None = None):
         self.blocks = blocks  # [num_blocks, block_bytes] uint8 view of the KV cache
         self.pins = pins
         self.on_sent = on_sent  # (num_bytes) -> None, for metrics
+        self.bind_host, self.auth = bind_host, auth or SideChannelAuth(None)
+        self.data: tcp_stream.DataServer | None = None  # started by the first read that asks for it
 
     def handle_read(self, body: dict):
-        rid, token = body.get("request_id"), body.get("token")
+        if not body.get("data"):
+            return self._read_inline(body)
+        rid, token, digest, keep = body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("keep")
         indices = body.get("indices")  # a streamed pin defers the read until these are computed
+        pinned = self.pins.lease(rid, token, LEASE_S, digest, indices if isinstance(indices, list) else None)
+        try:
+            ids = [pinned[i] for i in check_indices(indices, len(pinned))]
+            if self.data is None:
+                self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent)
+            offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"))
+        except side_channel.Busy:
+            raise  # the reader retries: its pin stays
+        except BaseException:
+            if not keep:  # a read is the release, even one that fails
+                self.pins.release(rid, token)
+            raise
+        return {"prompt_digest": digest, **offer}, []
+
+    def close(self) -> None:
+        if self.data is not None:
+            self.data.close()
+
+    def _read_inline(self, body: dict):
+        rid, token = body.get("request_id"), body.get("token")
+        indices = body.get("indices")
         pinned = self.pins.lease(rid, token, LEASE_S, body.get("prompt_digest"),
                                  indices if isinstance(indices, list) else None)
         try:
@@ -63,13 +96,17 @@ def check_indices(indices, num_pinned: int) -> list[int]:
 
 
 def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
-             blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False) -> int:
+             blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False,
+             data_path: bool = True) -> int:
     """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes.
-    `keep`: leave the pin for an explicit release (tensor-parallel readers)."""
+    `keep`: leave the pin for an explicit release (tensor-parallel readers). `data_path`: over
+    data connections (else inline in the side channel's reply, as earlier releases did)."""
     body = {"request_id": params.remote_request_id, "token": params.transfer_token, "indices": indices,
             "prompt_digest": digest}
     if keep:
         body["keep"] = True
+    if data_path:
+        body["data"], body["streams"] = True, STREAMS
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -82,6 +119,9 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
             time.sleep(BUSY_RETRY_S)
     if reply.get("prompt_digest") != digest:  # a peer that skipped the check must not fill our cache
         raise side_channel.SideChannelError("KV peer did not confirm the prompt digest")
+    if "ticket" in reply:  # a prefill worker of an earlier release answers inline (below)
+        ticket, plan = _plan(reply, host, port, len(dst_blocks), blocks.shape[1])
+        return tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth)
     runs = reply.get("runs")
     if (not isinstance(runs, list) or len(frames) != len(runs) or sum(runs) != len(dst_blocks)
             or any(len(f.buffer) != c * blocks.shape[1] for f, c in zip(frames, runs))):
@@ -95,3 +135,20 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
         pos += count
         nbytes += data.numel()
     return nbytes
+
+
+def _plan(reply: dict, host: str, port: int, nblocks: int, block_bytes: int) -> tuple[bytes, tcp_stream.Plan]:
+    """The ticket and plan of a granted read, checked: a peer's numbers decide what we allocate.
+    The data port is the peer's own (from its signed reply); we connect to the host we asked."""
+    try:
+        ticket = bytes.fromhex(reply["ticket"])
+        fields = [reply[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams", "data_port")]
+    except (KeyError, TypeError, ValueError):
+        raise side_channel.SideChannelError(f"KV peer {host}:{port} sent a malformed read grant") from None
+    if (len(ticket) != 16 or not all(type(f) is int for f in fields) or fields[0] != nblocks
+            or fields[1] != block_bytes or not 1 <= fields[3] <= tcp_stream.MAX_STREAMS_PER_TRANSFER
+            or not 1 <= fields[2] or 2 * fields[3] * fields[2] * block_bytes > tcp_stream.MAX_RECV_BYTES
+            or not 0 < fields[4] < 65536):
+        raise side_channel.SideChannelError(f"KV peer {host}:{port} sent a read grant that does not fit this pull "
+                                            f"({nblocks} blocks of {block_bytes} bytes)")
+    return ticket, tcp_stream.Plan(*fields[:4])

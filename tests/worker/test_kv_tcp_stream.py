@@ -1,0 +1,337 @@
+"""The TCP transport's data connections (worker/kv/tcp_stream.py), in process on real sockets:
+a real side channel (ZMQ, HMAC under a secret), the real pin table and TcpServer, the real
+decode-side tcp_pull. CPU caches (the device copies are plain copies here; the GPU path is
+the same code with page-locked buffers and events, measured by bench/tcp_kv_gpu.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.protocol.kv_transfer import KVTransferParams
+from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
+from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.nixl_transport import nixl_available
+from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.prompt_binding import prompt_digest
+from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
+from tests.net import free_port
+
+SECRET = "tcp-stream-test-secret"
+AUTH = SideChannelAuth(SECRET)
+DIGEST = prompt_digest([1, 2, 3, 4, 5])
+BLOCK_BYTES = 64 << 10
+ENGINE = "prefill-engine"
+
+
+class Prefill:
+    """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
+
+    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH):
+        self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
+        self.pins = PinTable(ttl=300)
+        self.sent = 0
+        self.port = free_port()
+        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth)
+        self.channel = side_channel.SideChannelServer(
+            "127.0.0.1", self.port, {"read": self.tcp.handle_read, "describe": lambda b: ({"ok": True}, [])}, auth,
+            identity=side_channel.destination(ENGINE, "127.0.0.1", self.port))
+        self.pins.on_change = self.channel.wake
+        self.channel.start()
+
+    def _on_sent(self, n: int) -> None:
+        self.sent += n
+
+    def pin(self, rid: str, ids: list[int]) -> dict:
+        token, _ = self.pins.add(rid, ids, DIGEST)
+        return {"remote_request_id": rid, "transfer_token": token, "remote_engine_id": ENGINE,
+                "remote_block_ids": ids}
+
+    def grant(self, params: dict, indices: list[int], streams: int = 1) -> dict:
+        """A signed data read, as tcp_pull sends it: the grant (ticket, port, plan)."""
+        reply, _ = side_channel.call("127.0.0.1", self.port, "read",
+                                     {"request_id": params["remote_request_id"], "token": params["transfer_token"],
+                                      "indices": indices, "prompt_digest": DIGEST, "data": True, "streams": streams},
+                                     5, AUTH, ENGINE)
+        return reply
+
+    def close(self) -> None:
+        self.channel.stop()
+        self.tcp.close()
+
+
+@pytest.fixture
+def prefill():
+    p = Prefill()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def big_prefill():
+    p = Prefill(num_blocks=512)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 3 blocks, 3 streams: a 20-block pull is 7 chunks over every stream."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 3 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_transport, "STREAMS", 3)
+
+
+def as_params(d: dict) -> KVTransferParams:
+    """The parsed params a decode worker carries; tcp_pull reads the request id, token and engine."""
+    return KVTransferParams(**{"remote_host": "127.0.0.1", "remote_port": 0, "remote_block_ids": (),
+                               "num_prompt_tokens": 1, "first_token_id": 0, "kv_layout": "x:1", "transport": "tcp",
+                               **{k: v for k, v in d.items() if k in KVTransferParams.__dataclass_fields__},
+                               "remote_block_ids": tuple(d.get("remote_block_ids", ()))})
+
+
+def pull(p: Prefill, params: dict, indices: list[int], dst: list[int], cache: torch.Tensor, **kw) -> int:
+    return tcp_pull("127.0.0.1", p.port, as_params(params), indices, dst, cache, 10, AUTH, DIGEST, **kw)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    """A condition polled with a bound (for counters that have no condition variable)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.01)
+    return True
+
+
+def connect(p: Prefill, grant: dict, index: int = 0, auth: SideChannelAuth = AUTH, ticket: bytes | None = None,
+            slow: bool = False):
+    """A raw data connection that presents the grant's ticket: (socket, the server's answer
+    byte). `slow`: a 4 KiB receive window (set before connecting, so it is what the sender sees)."""
+    ticket = ticket if ticket is not None else bytes.fromhex(grant["ticket"])
+    sock = socket.socket()
+    sock.settimeout(10)
+    if slow:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", grant["data_port"]))
+    sock.sendall(tcp_stream.HELLO.pack(tcp_stream.MAGIC, ticket, index, grant["streams"],
+                                       auth.sign_data(ticket, index)))
+    return sock, sock.recv(1)
+
+
+def test_a_multi_chunk_pull_equals_the_single_shot_bytes(prefill, small_chunks):
+    src = [5, 6, 7, 30, 31, 2, 40, 41, 42, 43, 44, 60, 11, 12, 13, 14, 70, 71, 90, 3]  # runs and strays
+    dst = [1, 2, 3, 4, 9, 10, 11, 12, 20, 21, 22, 23, 24, 25, 50, 51, 52, 80, 81, 82]
+    chunked, inline = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8), torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    n = pull(prefill, prefill.pin("a", src), list(range(len(src))), dst, chunked)
+    pull(prefill, prefill.pin("b", src), list(range(len(src))), dst, inline, data_path=False)
+    assert n == len(src) * BLOCK_BYTES
+    assert torch.equal(chunked, inline)
+    assert torch.equal(chunked[dst], prefill.cache[src])
+    untouched = [i for i in range(96) if i not in dst]
+    assert not chunked[untouched].any()
+    # A read is the release: both pins are gone (the data path's once its transfer ended).
+    assert prefill.tcp.data.wait_idle(10)
+    assert sorted(rid for rid, _, expired in prefill.pins.collect() if not expired) == ["a", "b"]
+    assert prefill.sent == 2 * n
+
+
+def test_a_kept_pin_serves_several_chunked_reads_of_a_subset(prefill, small_chunks):
+    """Tensor-parallel and streamed readers read parts of a pin with `keep`; the pin stays."""
+    src = list(range(40, 60))
+    params = prefill.pin("kept", src)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    pull(prefill, params, list(range(0, 8)), list(range(0, 8)), cache, keep=True)
+    pull(prefill, params, list(range(8, 20)), list(range(8, 20)), cache, keep=True)
+    assert torch.equal(cache[:20], prefill.cache[40:60])
+    assert prefill.tcp.data.wait_idle(10)
+    assert prefill.pins.collect() == []  # still pinned: the reader releases it explicitly
+    assert prefill.pins.release("kept", params["transfer_token"])
+
+
+def test_a_read_of_blocks_not_yet_computed_waits_for_them(prefill, small_chunks):
+    """The streamed hand-off: a read of a chunk the prefill has not computed is deferred by the
+    side channel and granted once `advance` makes it readable."""
+    token = prefill.pins.add_streamed("s", list(range(10, 30)), DIGEST, ready=4)
+    params = {"remote_request_id": "s", "transfer_token": token, "remote_engine_id": ENGINE}
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    result = {}
+    reader = threading.Thread(target=lambda: result.setdefault(
+        "n", pull(prefill, params, list(range(4, 12)), list(range(4, 12)), cache, keep=True)))
+    reader.start()
+    prefill.pins.advance("s", 12)
+    reader.join(15)
+    assert result.get("n") == 8 * BLOCK_BYTES
+    assert torch.equal(cache[4:12], prefill.cache[14:22])
+
+
+def test_the_reader_holds_only_bounded_buffers_whatever_the_pull_size(prefill, monkeypatch):
+    """Decode side: a 90-block pull over 2 streams of 2-block chunks takes 2 buffers per
+    stream from its pool while it runs, and gives all of them back."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 2 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_transport, "STREAMS", 2)
+    pool = tcp_stream.receive_pool(False)
+    peak = []
+    take = pool.take
+
+    def watched(size, count, timeout_s):
+        bufs = take(size, count, timeout_s)
+        peak.append(pool.in_use)
+        return bufs
+
+    monkeypatch.setattr(pool, "take", watched)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    pull(prefill, prefill.pin("big", list(range(90))), list(range(90)), list(range(90)), cache)
+    assert torch.equal(cache[:90], prefill.cache[:90])
+    assert peak == [2 * 2 * 2 * BLOCK_BYTES]  # 2 streams x 2 buffers x a 2-block chunk, not 90 blocks
+    assert pool.in_use == 0
+
+
+def stalled_reader(prefill: Prefill, rid: str):
+    """A pin of 512 blocks (32 MiB: more than loopback buffers take), granted, its one stream
+    claimed by a reader with a 4 KiB window that never reads: (socket, the server's answer)."""
+    grant = prefill.grant(prefill.pin(rid, list(range(512))), list(range(512)))
+    return connect(prefill, grant, slow=True)
+
+
+def test_a_reader_that_stops_draining_holds_only_its_bounded_buffers(big_prefill, monkeypatch):
+    """Prefill side: a reader that claims a stream and never reads ties up that stream's two
+    chunk buffers, not a copy of the transfer, and the side channel serves others meanwhile."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 4 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 60.0)  # the stall outlasts this test's checks
+    prefill = big_prefill
+    sock, answer = stalled_reader(prefill, "stalled")
+    with contextlib.closing(sock):
+        assert answer == tcp_stream.ACCEPTED
+        data = prefill.tcp.data
+        assert wait_until(lambda: data.pool.in_use > 0)  # its sender runs, blocked on our window
+        assert data.pool.in_use == 2 * 4 * BLOCK_BYTES  # two 4-block chunks, of a 512-block transfer
+        assert data.in_flight == 1
+        reply, _ = side_channel.call("127.0.0.1", prefill.port, "describe", {}, 5, AUTH, ENGINE)
+        assert reply == {"ok": True}  # the side channel is not the sender
+        assert prefill.sent < 512 * BLOCK_BYTES
+
+
+def test_a_reader_that_stops_draining_loses_its_stream_and_then_holds_nothing(big_prefill, monkeypatch):
+    """Once a chunk is not taken within SEND_TIMEOUT_S the stream ends: the pin is released
+    (a read is the release) and every buffer and count is back, the reader's socket still open."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 4 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 0.5)
+    prefill = big_prefill
+    sock, answer = stalled_reader(prefill, "stalled")
+    with contextlib.closing(sock):
+        assert answer == tcp_stream.ACCEPTED
+        data = prefill.tcp.data
+        assert data.wait_idle(15)
+        assert data.in_flight == 0 and data.pool.in_use == 0
+        assert [rid for rid, _, _ in prefill.pins.collect()] == ["stalled"]
+        assert prefill.sent < 512 * BLOCK_BYTES
+
+
+def test_a_reader_that_hangs_up_mid_transfer_frees_everything(big_prefill, small_chunks, monkeypatch):
+    monkeypatch.setattr(tcp_stream, "CLAIM_S", 2.0)
+    prefill = big_prefill
+    params = prefill.pin("gone", list(range(512)))
+    grant = prefill.grant(params, list(range(512)), streams=3)
+    socks = [connect(prefill, grant, i, slow=True) for i in range(2)]  # the third stream never connects
+    assert all(answer == tcp_stream.ACCEPTED for _, answer in socks)
+    first = bytearray(BLOCK_BYTES)
+    tcp_stream._recv_exact(socks[0][0], memoryview(first))
+    assert bytes(first) == prefill.cache[0].numpy().tobytes()
+    for sock, _ in socks:
+        sock.close()
+    data = prefill.tcp.data
+    assert data.wait_idle(15)  # the unclaimed stream ends with its ticket
+    assert data.in_flight == 0 and data.pool.in_use == 0
+    assert prefill.sent < 512 * BLOCK_BYTES
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["gone"]
+    assert len(prefill.pins) == 0
+
+
+def test_a_prefill_that_hangs_up_fails_the_pull_and_frees_the_readers_buffers(monkeypatch):
+    """Decode side: the data connection closes mid-chunk (the prefill worker died): the pull
+    raises a side-channel error, its threads are joined and its buffers are back."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    plan = {"nblocks": 12, "block_bytes": BLOCK_BYTES, "chunk_blocks": 2, "streams": 2}
+
+    def grant(body):
+        return {"prompt_digest": body["prompt_digest"], "ticket": "ab" * 16, "data_port": listener.getsockname()[1],
+                **plan}, []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(tcp_stream.HELLO.size)
+            conn.sendall(tcp_stream.ACCEPTED + b"x" * (BLOCK_BYTES // 2))
+            conn.close()
+
+    port = free_port()
+    channel = side_channel.SideChannelServer("127.0.0.1", port, {"read": grant}, AUTH,
+                                             identity=side_channel.destination(ENGINE, "127.0.0.1", port))
+    channel.start()
+    dying = threading.Thread(target=serve, daemon=True)
+    dying.start()
+    try:
+        params = {"remote_request_id": "r", "transfer_token": "t", "remote_engine_id": ENGINE}
+        cache = torch.zeros(16, BLOCK_BYTES, dtype=torch.uint8)
+        with pytest.raises(side_channel.SideChannelError, match="closed the data connection"):
+            tcp_pull("127.0.0.1", port, as_params(params), list(range(12)), list(range(12)), cache, 10, AUTH, DIGEST)
+        assert tcp_stream.receive_pool(False).in_use == 0
+        dying.join(10)
+    finally:
+        channel.stop()
+        listener.close()
+
+
+def test_a_data_connection_needs_a_live_ticket_and_the_secret(prefill):
+    params = prefill.pin("t", list(range(8)))
+    grant = prefill.grant(params, list(range(8)))
+    ticket = bytes.fromhex(grant["ticket"])
+    for kw in ({"auth": SideChannelAuth("another secret")}, {"auth": SideChannelAuth(None)},
+               {"ticket": bytes(16)}, {"index": 1}):
+        sock, answer = connect(prefill, grant, **kw)
+        sock.close()
+        assert answer == tcp_stream.REFUSED, kw
+    sock, answer = connect(prefill, grant)  # the genuine one, still unclaimed
+    with contextlib.closing(sock):
+        assert answer == tcp_stream.ACCEPTED
+        data = bytearray(8 * BLOCK_BYTES)
+        tcp_stream._recv_exact(sock, memoryview(data))
+        assert bytes(data) == prefill.cache[:8].numpy().tobytes()
+    again, answer = connect(prefill, grant, ticket=ticket)  # a ticket opens its stream once
+    again.close()
+    assert answer in (tcp_stream.REFUSED, b"")
+    # No ticket without an authenticated read: a wrong transfer token gets an error, not a grant.
+    with pytest.raises(side_channel.SideChannelError, match="transfer token"):
+        prefill.grant({**prefill.pin("u", [1]), "transfer_token": "forged"}, [0])
+    assert prefill.tcp.data.wait_idle(10)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs nixl")
+def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
+    """A decode worker without RDMA (`--kv-transfer tcp`) pulls from a NIXL prefill worker: the
+    real KVConnector serves the read over its data connections whatever its own transport."""
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.kv.connector import KVConnector
+
+    port = free_port()
+    cache = torch.randint(0, 256, (64, 1, 2, 1, 1, BLOCK_BYTES // 2), dtype=torch.uint8).view(torch.bfloat16)
+    config = EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port, kv_secret=SECRET)
+    c = KVConnector(config, cache, "nixl-prefill", f"1x1x{BLOCK_BYTES // 4}:bfloat16:1")
+    c.start_server()
+    try:
+        src = [3, 4, 5, 20, 21, 40, 41, 42, 43, 9]
+        params = c.pin("r", src, len(src), 0, DIGEST)
+        assert params["transport"] == "nixl"
+        mine = torch.zeros(64, BLOCK_BYTES, dtype=torch.uint8)
+        n = tcp_pull("127.0.0.1", port, KVTransferParams.from_dict(params), list(range(len(src))), list(range(10)), mine,
+                     10, AUTH, DIGEST)
+        assert n == len(src) * BLOCK_BYTES and torch.equal(mine[:10], c.blocks[src])
+        assert c._tcp.data.wait_idle(10)
+        assert [rid for rid, _, _ in c.pins.collect()] == ["r"]  # the read released the pin
+    finally:
+        c.shutdown()

@@ -1,0 +1,471 @@
+"""The TCP transport's data connections: KV block bytes at the link's rate, off the side channel.
+
+The side channel only authorizes a transfer (tcp_transport.py): a `read` inside an
+authenticated lease gets a one-time ticket, the data port and the transfer's `Plan`. The bytes
+then move over `Plan.streams` plain TCP connections to that port, each opened with the ticket
+and an HMAC of it under --kv-secret (only a holder of the secret can use a ticket it saw on
+the wire), each claimable once. Nothing here runs on the side channel's thread.
+
+A transfer is cut into chunks of whole blocks (about CHUNK_BYTES); chunk j travels on stream
+j mod streams, in order, so both sides know every chunk's place without headers. Per stream:
+
+  prefill  copy chunk k+1 device -> page-locked host buffer (async, its own CUDA stream)
+           while chunk k is on the wire (sent from that buffer: no Python copy)
+  decode   recv_into a page-locked buffer, then host -> device into the destination blocks
+           (async) while the next chunk lands in the other buffer
+
+Several streams are several kernel sockets and threads (the GIL is released in send, recv and
+the copies), because one TCP stream rarely fills a fast link on its own.
+
+Bounds and hang-ups:
+- each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
+  prefill worker grants at most MAX_SEND_STREAMS streams at once (beyond: "busy", retried), a
+  decode worker's pulls share MAX_RECV_BYTES of buffers. A reader that stops draining holds its
+  two buffers per stream and, for at most SEND_TIMEOUT_S per chunk, the pin's lease; then the
+  prefill side drops the connection, gives the buffers back and ends the transfer.
+- before each chunk's copy the prefill side renews the lease with the transfer token: a pin
+  released or cancelled meanwhile (the prefill was aborted) ends the transfer there.
+- a transfer ends when each of its streams ended (sent, failed, hung up, or never claimed
+  within CLAIM_S); then a plain read's pin is released (a read is the release, as before), and
+  every count and buffer is back (`DataServer.wait_idle`).
+- the decode side joins every stream's thread and waits for its device copies before it
+  returns or raises: no byte lands in a block after the pull ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.host_buffers import HostBufferPool
+from pdserve.worker.kv.pins import LEASE_S, PinError, PinTable
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20  # a chunk: whole blocks, about this many bytes (at least one block)
+MAX_STREAMS_PER_TRANSFER = 8
+MAX_SEND_STREAMS = 16  # streams a prefill worker serves at once (2 buffers of a chunk each)
+MAX_RECV_BYTES = 512 << 20  # host buffers all pulls of a decode worker share
+MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefill worker keeps open
+HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
+SEND_TIMEOUT_S = 10.0  # a chunk the reader does not take within this ends the transfer
+CLAIM_S = 10.0  # a ticket's streams must be claimed within this after the read was granted
+REAP_S = 0.5  # how often unclaimed tickets are looked at
+
+MAGIC = b"pdkv-tcp"
+HELLO = struct.Struct("!8s16sHH32s")  # magic, ticket, stream index, streams, HMAC(ticket, index)
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One transfer as both sides see it: `nblocks` blocks of `block_bytes`, in chunks of
+    `chunk_blocks`, chunk j on stream j mod `streams`."""
+
+    nblocks: int
+    block_bytes: int
+    chunk_blocks: int
+    streams: int
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.nblocks // self.chunk_blocks)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_blocks * self.block_bytes
+
+    def chunks(self, stream: int) -> list[tuple[int, int]]:
+        """(first block position, block count) of each chunk stream `stream` carries, in order."""
+        return [(j * self.chunk_blocks, min(self.chunk_blocks, self.nblocks - j * self.chunk_blocks))
+                for j in range(stream, self.num_chunks, self.streams)]
+
+    def buffers(self, stream: int) -> int:
+        return min(2, len(self.chunks(stream)))
+
+
+def chunk_blocks_for(block_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // block_bytes)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, count) of each run of consecutive ids."""
+    runs: list[list[int]] = []
+    for pos, i in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == i:
+            runs[-1][2] += 1
+        else:
+            runs.append([pos, i, 1])
+    return [tuple(r) for r in runs]
+
+
+def _blocking(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking mode with the kernel's own timeouts: a send or a MSG_WAITALL receive then moves a
+    whole chunk in one system call, so a stream thread takes the GIL back once per chunk rather
+    than once per few hundred KiB. (Under a busy engine thread each take waits up to Python's
+    switch interval, 5 ms: per-packet receives made a 64 MiB read under decode load 100+ ms.)"""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("the KV peer closed the data connection")
+        got += n
+        if got < len(view) and deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("the KV data transfer ran out of time")
+
+
+def _send_all(sock: socket.socket, view: memoryview, timeout_s: float) -> None:
+    """Blocking sends (SO_SNDTIMEO each), at most `timeout_s` for the whole view: a reader that
+    takes a byte now and then does not keep the stream alive."""
+    deadline, sent = time.monotonic() + timeout_s, 0
+    while sent < len(view):
+        sent += sock.send(view[sent:])
+        if sent < len(view) and time.monotonic() > deadline:
+            raise TimeoutError("the KV reader did not take a chunk in time")
+
+
+def _stream_ctx(stream):
+    return torch.cuda.stream(stream) if stream is not None else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- prefill side ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class Transfer:
+    ticket: bytes
+    request_id: str
+    token: str
+    digest: str
+    ids: list[int]  # source blocks, in the reader's order
+    keep: bool  # leave the pin for an explicit release (tensor-parallel and streamed readers)
+    plan: Plan
+    claim_by: float  # monotonic
+    claimed: set[int] = dataclasses.field(default_factory=set)
+    open: int = 0  # streams not ended yet (running, or not claimed while the ticket is valid)
+    expired: bool = False
+    sent: int = 0
+
+
+class DataServer:
+    """Prefill side: the listener of data connections and their sender threads."""
+
+    def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent):
+        self.blocks, self.pins, self.auth, self.on_sent = blocks, pins, auth, on_sent
+        self.block_bytes = blocks.shape[1]
+        self.plan_chunk = chunk_blocks_for(self.block_bytes)
+        self.pool = HostBufferPool(MAX_SEND_STREAMS * 2 * self.plan_chunk * self.block_bytes,
+                                   pinned=blocks.device.type == "cuda")
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self.listener = socket.create_server((bind_host, 0), family=family, backlog=MAX_CONNECTIONS)
+        self.port = self.listener.getsockname()[1]
+        self._cond = threading.Condition()
+        self._transfers: dict[bytes, Transfer] = {}
+        self._streams = 0  # streams granted and not ended, all transfers
+        self._connections = 0
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="kv-tcp-accept", daemon=True)
+        self._thread.start()
+
+    # -- the side channel's half: grant a transfer (no waiting, no bytes) ----------------------------
+
+    def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams) -> dict:
+        """A ticket for reading `ids` (the caller holds a lease on them). Raises side_channel.Busy
+        when every stream is taken."""
+        want = streams if type(streams) is int and 1 <= streams <= MAX_STREAMS_PER_TRANSFER else 1
+        ticket = secrets.token_bytes(16)
+        with self._cond:
+            granted = min(want, max(1, -(-len(ids) // self.plan_chunk)), MAX_SEND_STREAMS - self._streams)
+            if granted < 1:
+                raise side_channel.Busy(f"busy: all {MAX_SEND_STREAMS} KV data streams are in use; retry")
+            plan = Plan(len(ids), self.block_bytes, self.plan_chunk, granted)
+            self._transfers[ticket] = Transfer(ticket, request_id, token, digest, list(ids), keep, plan,
+                                               time.monotonic() + CLAIM_S, open=granted)
+            self._streams += granted
+        return {"data_port": self.port, "ticket": ticket.hex(), "nblocks": plan.nblocks,
+                "block_bytes": plan.block_bytes, "chunk_blocks": plan.chunk_blocks, "streams": plan.streams}
+
+    # -- state, for /debug, tests and shutdown -----------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers granted and not ended."""
+        with self._cond:
+            return len(self._transfers)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no transfer, stream or connection is left and every buffer is back."""
+        with self._cond:
+            done = self._cond.wait_for(lambda: not self._transfers and not self._streams and not self._connections,
+                                       timeout_s)
+        return done and self.pool.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        self.listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- threads -----------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self.listener, self._wake_r], [], [], REAP_S)
+                self._reap()
+                if self.listener not in ready:
+                    continue
+                conn, _ = self.listener.accept()
+                with self._cond:
+                    if self._connections >= MAX_CONNECTIONS:
+                        conn.close()
+                        continue
+                    self._connections += 1
+                threading.Thread(target=self._connection, args=(conn,), name="kv-tcp-send", daemon=True).start()
+            except Exception:  # a bug must not end the listener: log and go on
+                if not self._stop.is_set():
+                    log.exception("KV data listener error")
+                    self._stop.wait(REAP_S)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for t in list(self._transfers.values()):
+                if not t.expired and t.claim_by <= now:
+                    t.expired = True
+                    unclaimed = t.plan.streams - len(t.claimed)
+                    if unclaimed:
+                        log.warning("KV data ticket of %s: %d of %d streams never connected", t.request_id,
+                                    unclaimed, t.plan.streams)
+                    for _ in range(unclaimed):
+                        self._stream_ended(t)
+
+    def _claim(self, hello: bytes) -> tuple[Transfer, int] | None:
+        magic, ticket, index, streams, mac = HELLO.unpack(hello)
+        with self._cond:
+            t = self._transfers.get(ticket)
+            if (magic != MAGIC or t is None or t.expired or index >= t.plan.streams or streams != t.plan.streams
+                    or index in t.claimed or not self.auth.verify_data(ticket, index, mac)):
+                return None
+            t.claimed.add(index)
+        return t, index
+
+    def _connection(self, conn: socket.socket) -> None:
+        claimed = None
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            hello = bytearray(HELLO.size)
+            _recv_exact(conn, memoryview(hello))
+            claimed = self._claim(bytes(hello))
+            if claimed is None:
+                conn.sendall(REFUSED)
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _blocking(conn, SEND_TIMEOUT_S)
+            conn.sendall(ACCEPTED)
+            self._send(*claimed, conn)
+        except Exception as e:  # the reader hung up or stalled, or the pin went: this stream ends
+            log.debug("KV data stream ended early: %s", e)
+        finally:
+            conn.close()
+            with self._cond:
+                self._connections -= 1
+                if claimed is not None:
+                    self._stream_ended(claimed[0])
+                self._cond.notify_all()
+
+    def _send(self, t: Transfer, index: int, conn: socket.socket) -> None:
+        chunks, bb = t.plan.chunks(index), self.block_bytes
+        if not chunks:
+            return
+        # Granted at offer(): the pool has room for every granted stream's buffers.
+        bufs = self.pool.take(t.plan.chunk_bytes, t.plan.buffers(index), SEND_TIMEOUT_S)
+        stream = torch.cuda.Stream(self.blocks.device) if self.blocks.device.type == "cuda" else None
+        try:
+            pending = None  # (buffer, event, bytes): copied out, not yet sent
+            for k, (first, count) in enumerate(chunks):
+                # Still ours? A released or cancelled pin ends the transfer before its blocks are read.
+                self.pins.lease(t.request_id, t.token, LEASE_S, t.digest)
+                buf = bufs[k % len(bufs)]
+                with _stream_ctx(stream):
+                    for pos, src, n in _runs(t.ids[first:first + count]):
+                        buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(self.blocks[src:src + n], non_blocking=True)
+                    event = torch.cuda.Event() if stream is not None else None
+                    if event is not None:
+                        event.record(stream)
+                if pending is not None:
+                    self._put(t, conn, *pending)
+                pending = (buf, event, count * bb)
+            self._put(t, conn, *pending)
+        finally:
+            if stream is not None:
+                stream.synchronize()  # no copy may still write a buffer that goes back
+            self.pool.give_back(bufs)
+
+    def _put(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, nbytes: int) -> None:
+        if event is not None:
+            event.synchronize()
+        _send_all(conn, memoryview(buf.numpy())[:nbytes], SEND_TIMEOUT_S)
+        with self._cond:
+            t.sent += nbytes
+
+    def _stream_ended(self, t: Transfer) -> None:
+        """Under the lock: one of `t`'s streams is over; the last one ends the transfer."""
+        t.open -= 1
+        self._streams -= 1
+        if t.open > 0:
+            return
+        self._transfers.pop(t.ticket, None)
+        if not t.keep:  # a plain read is the release (of a pin this reader alone holds)
+            self.pins.release(t.request_id, t.token)
+        self.on_sent(t.sent)
+        self._cond.notify_all()
+
+
+# -- decode side ---------------------------------------------------------------------------------------
+
+_pools: dict[bool, HostBufferPool] = {}
+_pools_lock = threading.Lock()
+
+
+def receive_pool(pinned: bool) -> HostBufferPool:
+    with _pools_lock:
+        pool = _pools.get(pinned)
+        if pool is None:
+            pool = _pools[pinned] = HostBufferPool(MAX_RECV_BYTES, pinned)
+        return pool
+
+
+def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[int], blocks: torch.Tensor,
+            deadline: float, auth: SideChannelAuth) -> int:
+    """Read a granted transfer into `blocks[dst_blocks]` over its streams. Returns bytes. Every
+    stream's thread has ended and every device copy is done when this returns or raises."""
+    if len(dst_blocks) != plan.nblocks or blocks.shape[1] != plan.block_bytes:
+        raise side_channel.SideChannelError("the KV data plan does not match the pull")
+    pool = receive_pool(blocks.device.type == "cuda")
+    counts = [plan.buffers(s) for s in range(plan.streams)]
+    bufs = pool.take(plan.chunk_bytes, sum(counts), max(0.0, deadline - time.monotonic()))
+    socks: list[socket.socket | None] = [None] * plan.streams
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    nbytes = [0]
+
+    def abort() -> None:  # wake every stream blocked in recv: the pull has failed
+        with lock:
+            for s in socks:
+                if s is not None:
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    def run(index: int, mine: list[torch.Tensor]) -> None:
+        try:
+            sock = socket.create_connection((host, port), timeout=_left(deadline))
+            with lock:
+                socks[index] = sock
+                if errors:  # another stream failed while this one connected
+                    raise ConnectionAbortedError("the pull failed on another stream")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _blocking(sock, _left(deadline))
+            sock.sendall(HELLO.pack(MAGIC, ticket, index, plan.streams, auth.sign_data(ticket, index)))
+            ack = bytearray(1)
+            _recv_exact(sock, memoryview(ack))
+            if bytes(ack) != ACCEPTED:
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} refused the data connection (ticket "
+                                                    f"unknown, expired or already used)")
+            got = _receive_stream(sock, plan, index, mine, dst_blocks, blocks, deadline)
+            with lock:
+                nbytes[0] += got
+        except BaseException as e:
+            with lock:
+                errors.append(e)
+            abort()
+
+    threads, start = [], 0
+    for s in range(1, plan.streams):
+        start += counts[s - 1]
+        threads.append(threading.Thread(target=run, args=(s, bufs[start:start + counts[s]]), name="kv-tcp-recv",
+                                         daemon=True))
+    try:
+        for t in threads:
+            t.start()
+        run(0, bufs[:counts[0]])
+    finally:
+        for t in threads:
+            t.join()
+        for s in socks:
+            if s is not None:
+                s.close()
+        pool.give_back(bufs)
+    if errors:
+        first = errors[0]  # the cause; the others are the abort it triggered
+        if isinstance(first, (socket.timeout, TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO
+            raise side_channel.PeerTimeout(f"KV peer {host}:{port}: the data transfer did not finish in time")
+        if isinstance(first, side_channel.SideChannelError):
+            raise first
+        raise side_channel.SideChannelError(f"KV peer {host}:{port}: data transfer failed ({first})") from first
+    return nbytes[0]
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the KV pull ran out of time")
+    return left
+
+
+def _receive_stream(sock: socket.socket, plan: Plan, index: int, bufs: list[torch.Tensor], dst_blocks: list[int],
+                    blocks: torch.Tensor, deadline: float) -> int:
+    bb, nbytes = plan.block_bytes, 0
+    stream = torch.cuda.Stream(blocks.device) if blocks.device.type == "cuda" else None
+    events: list = [None] * len(bufs)
+    try:
+        for k, (first, count) in enumerate(plan.chunks(index)):
+            b = k % len(bufs)
+            if events[b] is not None:
+                events[b].synchronize()  # its previous chunk's copy to the device has read it
+            view = memoryview(bufs[b].numpy())[:count * bb]
+            _left(deadline)
+            _recv_exact(sock, view, deadline)
+            with _stream_ctx(stream):
+                for pos, dst, n in _runs(dst_blocks[first:first + count]):
+                    blocks[dst:dst + n].copy_(bufs[b][pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
+                if stream is not None:
+                    events[b] = torch.cuda.Event()
+                    events[b].record(stream)
+            nbytes += count * bb
+    finally:
+        if stream is not None:
+            stream.synchronize()
+    return nbytes
