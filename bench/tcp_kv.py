@@ -86,7 +86,7 @@ def _prefill(transport, port, device, num_blocks, block_kib, env, conn):
             break
         if msg[0] == "pin":
             n += 1
-            conn.send(c.pin(f"r{n}", msg[1], len(msg[1]) * BLOCK, 0, DIGEST))
+            conn.send(c.pin(f"r{n}", msg[1], len(msg[1]) * int(layout.rsplit(":", 1)[1]), 0, DIGEST))
         elif msg[0] == "raw":  # nbytes, streams: send them from page-locked memory on that many sockets
             nbytes, streams = msg[1], msg[2]
             if bufs.get(nbytes // streams) is None:
