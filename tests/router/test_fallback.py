@@ -94,6 +94,7 @@ class Load(threading.Thread):
     def wait_for(self, n: int, timeout_s: float = 120.0) -> None:
         target = self.done + n
         eventually(lambda: self.done >= target or bool(self.failures), timeout_s)
+        assert not self.failures, self.failures
 
     def stop(self) -> None:
         self.stopping.set()
