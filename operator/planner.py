@@ -158,7 +158,9 @@ def learn_capacity(config: PlannerConfig, role: str, known: float | None, sample
     per_worker = sample.token_rate / sample.ready
     target = config.target(role)
     if sample.latency_s > target:  # it cannot do this much within the SLO
-        return per_worker if known is None else min(known, per_worker)
+        # Down at most 10% a decision: a miss may also be a backlog left by a burst or a cold
+        # start, which says little about what a worker can do.
+        return per_worker if known is None else min(known, max(per_worker, 0.9 * known))
     if sample.latency_s <= config.comfortable * target and known is not None and per_worker > known:
         return per_worker  # it did more than we thought, inside the SLO
     return known
@@ -236,9 +238,20 @@ def decide(config: PlannerConfig, state: PlannerState, snap: Snapshot) -> tuple[
             else:
                 want = max(stable, now - config.max_scale_down_step)
                 why[r] = f"down: {why[r]}"
-        if want != now:
-            last_change[r] = snap.t
         out[r] = want
+    # The budget binds what is asked now, too: a role held up by its scale-down window leaves
+    # only the rest to a role scaling up.
+    if config.gpu_budget is not None:
+        for r in ROLES:
+            now, g = snap.role(r).replicas, config.bounds(r).gpus_per_replica
+            over = sum(out[x] * config.bounds(x).gpus_per_replica for x in ROLES) - config.gpu_budget
+            if over > 0 and out[r] > now and g:
+                cut = min(out[r] - now, math.ceil(over / g))
+                out[r] -= cut
+                why[r] += f"; {cut} fewer: the GPU budget ({config.gpu_budget}) is held by the other role"
+    for r in ROLES:
+        if out[r] != snap.role(r).replicas:
+            last_change[r] = snap.t
     decision = Decision(out[ROLE_PREFILL], out[ROLE_DECODE], why, capacity)
     return decision, replace(state, capacity=capacity, last_change=last_change, needs=window, last_active=last_active,
                               started=started)
