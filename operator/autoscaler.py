@@ -157,9 +157,9 @@ def tick(kube: Kube, body: Mapping[str, Any], memory: Memory, now: float, stamp:
     for role, (before, after) in decision.changed(snapshot).items():
         if after < before:
             _mark_idlest(kube, ms, by_role.get(role, []), per_pod_load)
-        kube.resource("apps/v1", "Deployment").subresources["scale"].patch(
-            body={"spec": {"replicas": after}}, name=naming.child_name(ms, role), namespace=ms.namespace,
-            content_type="application/merge-patch+json")
+        kube.resource("apps/v1", "Deployment").scale.patch(
+            body={"metadata": {"name": naming.child_name(ms, role)}, "spec": {"replicas": after}},
+            namespace=ms.namespace, content_type="application/merge-patch+json")
         events.append(("Normal", "PlannerScaledUp" if after > before else "PlannerScaledDown",
                        f"{role} {before} -> {after}: {decision.reasons[role]}"))
     kube.patch_status({"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": body["metadata"]},

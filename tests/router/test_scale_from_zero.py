@@ -33,8 +33,13 @@ def test_a_held_request_times_out_with_retry_after(launch):
 def test_past_the_queue_bound_a_request_is_refused_at_once(launch):
     nobody = f"http://127.0.0.1:{free_port()}"
     router = launch.router("--decode", nobody, "--hold-timeout", "60", "--hold-queue", "1")
-    first = threading.Thread(target=lambda: httpx.post(router.url + "/v1/completions", json=BODY, timeout=90))
-    first.daemon = True
+    def held() -> None:
+        try:
+            httpx.post(router.url + "/v1/completions", json=BODY, timeout=90)
+        except httpx.HTTPError:
+            pass  # still held when the test ends and the router stops
+
+    first = threading.Thread(target=held, daemon=True)
     first.start()
     eventually(lambda: metric(router, "pdserve_router_requests_waiting_for_workers") == 1)
     r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
