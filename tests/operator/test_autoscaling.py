@@ -167,3 +167,32 @@ def test_a_planner_round_scales_prefill_through_its_scale_subresource(k8s_cluste
     # The next reconcile leaves the planner's count alone.
     reconcile(kube, kube.get("pdserve.io/v1alpha1", "ModelServing", namespace, "pl"), "2026-11-27T00:00:30Z")
     assert apps.read_namespaced_deployment_scale("pl-prefill", namespace).spec.replicas == 2
+
+
+@pytest.mark.k8s
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_the_operator_runs_the_planner_on_its_timer(k8s_cluster, operator_kubeconfig, namespace):
+    """The registered operator (KopfRunner, its own RBAC): a ModelServing with spec.slo gets no
+    HPA and a status.planner from the timer; one without spec.slo gets neither."""
+    from tests.k8s_cluster import Kubelet, wait_for
+    from tests.operator.test_k8s_operator import SPEC as BASE
+    from tests.operator.test_k8s_operator import Api, operator
+
+    api = Api(k8s_cluster, namespace)
+    kube = Kube(k8s_cluster.api_client)
+    kubelet = Kubelet(k8s_cluster, namespace)
+    spec = {**BASE, "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+            "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3}}, "slo": SLO}
+    with operator(operator_kubeconfig, namespace):
+        api.create("tp", spec)
+        api.create("plain", BASE)
+
+        def planned():
+            kubelet.make_ready("pdserve.io/modelserving=tp")
+            return (api.get("tp").get("status") or {}).get("planner")
+
+        planner = wait_for(planned, timeout=60, what="status.planner from the planner's timer")
+        assert planner["prefillReplicas"] == 1 and planner["decodeReplicas"] == 1
+        assert "TTFT p90 n/a (target 1000 ms)" in planner["prefillReason"]
+        assert not kube.list("autoscaling/v2beta2", "HorizontalPodAutoscaler", namespace, "pdserve.io/modelserving=tp")
+        assert "planner" not in (api.get("plain").get("status") or {})
