@@ -1,4 +1,4 @@
-"""`python -m pdserve.bench.planner_sim [--out DIR]`: the planner's own code (operator/planner.py)
+"""`pdserve bench planner-sim [--out DIR]`: the planner's own code (operator/planner.py)
 driving a simulated cluster of up to 128 GPUs through a day, against fixed P:D ratios and one
 HPA per role. Prints one table (SLO attainment, GPU-hours) and, with --out, writes PNG figures
 and the table as JSON. No GPU needed; the cluster model is bench/cluster_model.py.
