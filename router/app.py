@@ -73,9 +73,11 @@ def build_app(config: RouterConfig) -> FastAPI:
             upstream = Upstream(session, workers, metrics)
             selector = Selector(config, ctx, workers)
             app.state.orchestrator = Orchestrator(config, upstream, selector)
+            # A worker counts once probed serving the model: discovery may list a new pod a
+            # moment before the prober has read its /v1/models.
             app.state.admission = AdmissionQueue(
                 config.hold_timeout_s, config.hold_queue,
-                lambda m: bool(selector.pool(ROLE_DECODE, m) or selector.pool(ROLE_PREFILL, m)),
+                lambda m: any(m in w.models for role in (ROLE_DECODE, ROLE_PREFILL) for w in selector.pool(role, m)),
                 workers.models, metrics)
             app.state.forwarder = Forwarder(config, upstream, selector)
             prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
