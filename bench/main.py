@@ -20,6 +20,7 @@ BENCHMARKS = {
     "disagg": "pdserve.bench.disagg",
     "handoff": "pdserve.bench.handoff",
     "structured": "pdserve.bench.structured",
+    "planner-sim": "pdserve.bench.planner_sim",
 }
 
 

@@ -43,7 +43,8 @@ def build_children(ms: ModelServing, versions: ApiVersions, replicas_now: Mappin
         out.append(networking.build_worker_network_policy(ms))
     if versions.hpa:
         for role in ("prefill", "decode"):
-            if ms.spec.role(role).autoscaling is not None:
+            # With spec.slo the planner (operator/autoscaler.py) owns the count instead.
+            if ms.spec.role(role).autoscaling is not None and ms.spec.slo is None:
                 out.append(optional.build_hpa(ms, role, versions.hpa, autoscaler_bounds(ms, role, replicas_now)))
     if versions.pdb:
         out += [optional.build_pdb(ms, role, versions.pdb) for role in ("prefill", "decode", "router")]

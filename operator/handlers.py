@@ -15,7 +15,7 @@ import kopf
 from kubernetes.client import ApiClient
 from kubernetes.client.rest import ApiException
 
-from pdserve.operator import naming, status
+from pdserve.operator import autoscaler, naming, status
 from pdserve.operator.config import OperatorConfig, load_client_configuration
 from pdserve.operator.kube import Kube
 from pdserve.operator.reconcile import reconcile
@@ -25,6 +25,8 @@ RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
 # API errors caused by what the spec asks for (a child the server rejects): retrying the same
 # spec cannot help, a new spec will.
 _SPEC_CAUSED = (400, 422)
+# How often the planner's timer looks; each ModelServing decides at its spec.slo.intervalSeconds.
+PLANNER_TICK_S = 5.0
 
 
 def _now() -> str:
@@ -80,6 +82,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
         # Events are posted deliberately (_report), not for every log line.
         settings.posting.level = logging.WARNING
         memo.locks = {}  # ModelServing uid -> lock serialising its reconciles
+        memo.planner = {}  # ModelServing uid -> autoscaler.Memory
         memo.kube = Kube(ApiClient(load_client_configuration(config.kubeconfig)), config.discovery_ttl_s)
 
     @kopf.on.login(registry=registry)
@@ -107,10 +110,32 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         _run(body, memo, logger, "resync")
 
+    # The spec.slo planner: ticks often, decides every spec.slo.intervalSeconds (autoscaler.py).
+    @kopf.timer(*RESOURCE, interval=PLANNER_TICK_S, initial_delay=PLANNER_TICK_S, registry=registry,
+                when=lambda spec, **_: bool(spec.get("slo")))
+    def plan(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        uid = body["metadata"]["uid"]
+        with memo.locks.setdefault(uid, threading.Lock()):
+            fresh = memo.kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, body["metadata"]["namespace"],
+                                  body["metadata"]["name"])
+            if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != uid:
+                return
+            memory = memo.planner.setdefault(uid, autoscaler.Memory())
+            try:
+                out = autoscaler.tick(memo.kube, fresh, memory, autoscaler.monotonic(), _now())
+            except SpecError:
+                return  # reconcile reports it
+            except ApiException as e:
+                raise kopf.TemporaryError(f"planner: API server answered {e.status} {e.reason}", delay=10) from e
+            if out is not None:
+                for type_, reason, message in out[1]:
+                    kopf.event(fresh, type=type_, reason=reason, message=message)
+
     # optional: no finalizer is added for it; a missed deletion only leaves one idle lock
     @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
     def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         memo.locks.pop(body["metadata"]["uid"], None)
+        memo.planner.pop(body["metadata"]["uid"], None)
 
     return registry
 

@@ -65,6 +65,10 @@ def build_operator_cluster_role(name: str = "pdserve-operator") -> dict[str, Any
             # blockOwnerDeletion on children needs update on the owner's finalizers
             {"apiGroups": [naming.GROUP], "resources": [f"{naming.PLURAL}/finalizers"], "verbs": ["update"]},
             {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": _WRITE},
+            # the spec.slo planner (operator/autoscaler.py): sizes the worker Deployments through
+            # their scale subresource, and marks the idlest pods to go first on a scale-down
+            {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
             {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": _WRITE},
             {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": _WRITE},
             {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": _WRITE},

@@ -64,6 +64,25 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """spec.slo: the latency targets the planner (operator/planner.py) sizes both roles for.
+    Per-role bounds come from spec.<role>.autoscaling; a role without it keeps its replicas."""
+
+    ttft_ms: float
+    itl_ms: float
+    percentile: float = 90.0
+    gpu_budget: int | None = None
+    target_utilization: float = 0.8
+    prefill_tokens_per_second: float | None = None  # capacity seed per prefill worker at the SLO
+    decode_tokens_per_second: float | None = None  # capacity seed per decode worker at the SLO
+    interval_s: int = 15
+    scale_up_cooldown_s: int = 30
+    scale_down_window_s: int = 300
+    max_scale_down_step: int = 1
+    scale_to_zero_after_s: int = 600
+
+
+@dataclass(frozen=True)
 class Rollout:
     """RollingUpdate bounds; None means the role's default (see workloads.rollout_strategy)."""
 
@@ -180,8 +199,13 @@ class ModelServingSpec:
     service_monitor: bool = False
     ratio_min: float | None = None
     ratio_max: float | None = None
+    slo: Slo | None = None  # the planner owns the autoscaled roles' replicas when set
 
     def __post_init__(self) -> None:
+        for rs in (self.prefill, self.decode):
+            if rs.autoscaling is not None and rs.autoscaling.min_replicas == 0 and self.slo is None:
+                raise SpecError(f"spec.{rs.role}.autoscaling.minReplicas 0 needs spec.slo (the planner scales to "
+                                "zero; a HorizontalPodAutoscaler cannot)")
         if self.ratio_min is not None and self.ratio_max is not None and self.ratio_min > self.ratio_max:
             raise SpecError(
                 f"spec.prefillDecodeRatio.min ({self.ratio_min}) exceeds spec.prefillDecodeRatio.max ({self.ratio_max})"
@@ -289,6 +313,7 @@ class ModelServingSpec:
             service_monitor=bool((spec.get("monitoring") or {}).get("serviceMonitor", False)),
             ratio_min=ratio.get("min"),
             ratio_max=ratio.get("max"),
+            slo=_slo(spec.get("slo")),
         )
 
 
@@ -348,6 +373,21 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
         shm_size=None if d.get("shmSize") is None else str(d["shmSize"]),
         kv=_kv(d.get("kvTransfer") or {}),
     )
+
+
+def _slo(d: Mapping[str, Any] | None) -> Slo | None:
+    if d is None:
+        return None
+    if "ttftMilliseconds" not in d or "itlMilliseconds" not in d:
+        raise SpecError("spec.slo needs ttftMilliseconds and itlMilliseconds")
+    return Slo(ttft_ms=d["ttftMilliseconds"], itl_ms=d["itlMilliseconds"], percentile=d.get("percentile", 90.0),
+               gpu_budget=d.get("gpuBudget"), target_utilization=d.get("targetUtilization", 0.8),
+               prefill_tokens_per_second=d.get("prefillTokensPerSecond"),
+               decode_tokens_per_second=d.get("decodeTokensPerSecond"), interval_s=d.get("intervalSeconds", 15),
+               scale_up_cooldown_s=d.get("scaleUpCooldownSeconds", 30),
+               scale_down_window_s=d.get("scaleDownWindowSeconds", 300),
+               max_scale_down_step=d.get("maxScaleDownStep", 1),
+               scale_to_zero_after_s=d.get("scaleToZeroAfterSeconds", 600))
 
 
 def _rollout(d: Mapping[str, Any] | None) -> Rollout:

@@ -118,6 +118,25 @@ def degraded_reason(deployments: Mapping[str, Mapping[str, Any] | None],
     return None
 
 
+def fallback_reason(roles: Mapping[str, Mapping[str, Any]],
+                    old_conditions: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """A worker role that should run has no ready pod while the other has some: the router
+    serves whole requests on the other role (router/fallback.py), so the model is up but not
+    disaggregated. Reported once the service has been Ready (or is already reported so): a role
+    that is merely slower to load at creation is Progressing, not Degraded."""
+    before = {c.get("type"): c for c in old_conditions or ()}
+    was_up = (before.get("Ready") or {}).get("status") == "True" or \
+        (before.get("Degraded") or {}).get("reason") in ("PrefillUnavailable", "DecodeUnavailable")
+    if not was_up:
+        return None
+    for role, other in (("decode", "prefill"), ("prefill", "decode")):
+        if roles[role]["desiredReplicas"] >= 1 and roles[role]["readyReplicas"] == 0 \
+                and roles[other]["readyReplicas"] >= 1:
+            return (f"{role.capitalize()}Unavailable",
+                    f"no ready {role} worker: the {other} workers serve whole requests (aggregated fallback)")
+    return None
+
+
 def waiting_for_capacity(pods: Iterable[Mapping[str, Any]]) -> list[str]:
     return [p["metadata"]["name"] for p in pods
             if any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
@@ -168,7 +187,7 @@ def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] |
         prog_c = condition("Progressing", False, "RolloutComplete",
                            f"revision {naming.revision(ms)} rolled out", ms.generation)
 
-    problem = degraded_reason(deployments, pods, now)
+    problem = degraded_reason(deployments, pods, now) or fallback_reason(roles, old_conditions)
     deg_c = (condition("Degraded", True, problem[0], problem[1], ms.generation) if problem
              else condition("Degraded", False, "AsExpected", "no failing pods", ms.generation))
 

@@ -229,7 +229,20 @@ def router_args(ms: ModelServing) -> list[str]:
             args += [flag, str(value)]
     if r.prefix_aware:
         args += ["--tokenizer", pods.tokenizer_argument(ms)]
+    if scales_to_zero(ms):
+        # The first request after a quiet spell waits for the planner's first worker (a cold
+        # start: pull, load, warm up) instead of a 503 (router/admission_queue.py).
+        args += ["--hold-timeout", str(HOLD_FOR_COLD_START_S)]
     return args + list(r.args)
+
+
+# Long enough for a model load from a warm node cache; a client still gets 503 + Retry-After past it.
+HOLD_FOR_COLD_START_S = 300
+
+
+def scales_to_zero(ms: ModelServing) -> bool:
+    return ms.spec.slo is not None and any(
+        rs.autoscaling is not None and rs.autoscaling.min_replicas == 0 for rs in (ms.spec.prefill, ms.spec.decode))
 
 
 def build_router_deployment(ms: ModelServing) -> dict[str, Any]:

@@ -27,13 +27,14 @@ from starlette.responses import JSONResponse, Response
 from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, validate
-from pdserve.protocol.contract import HEADER_REQUEST_ID, HEADER_SESSION_ID
+from pdserve.protocol.contract import HEADER_REQUEST_ID, HEADER_SESSION_ID, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
+from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
 from pdserve.router.forward import Forwarder
@@ -72,6 +73,12 @@ def build_app(config: RouterConfig) -> FastAPI:
             upstream = Upstream(session, workers, metrics)
             selector = Selector(config, ctx, workers)
             app.state.orchestrator = Orchestrator(config, upstream, selector)
+            # A worker counts once probed serving the model: discovery may list a new pod a
+            # moment before the prober has read its /v1/models.
+            app.state.admission = AdmissionQueue(
+                config.hold_timeout_s, config.hold_queue,
+                lambda m: any(m in w.models for role in (ROLE_DECODE, ROLE_PREFILL) for w in selector.pool(role, m)),
+                workers.models, metrics)
             app.state.forwarder = Forwarder(config, upstream, selector)
             prober = Prober(workers, session, config.probe_interval_s, config.connect_timeout_s)
             discovery = make_discovery(config)
@@ -132,6 +139,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         # The worker's own models: what it would refuse as malformed is refused here, before
         # any worker is called (its semantic checks, such as context length, stay with it).
         validate(ChatCompletionRequest if route == "chat" else CompletionRequest, body)
+        await app.state.admission.admit(model)  # scale from zero: wait (bounded) for a worker
         served_model(model)
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
@@ -233,14 +241,24 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        n = len(workers.pool("decode"))
-        if n == 0:
-            return APIError(503, "no healthy decode worker", code="no_workers").response()
-        return JSONResponse({"status": "ready", "decode_workers": n, "prefill_workers": len(workers.pool("prefill"))})
+        """Ready with a routable worker of either role (fallback.py: one role serves whole
+        requests), or with none while requests are held for one (--hold-timeout: scale from zero,
+        so the Service keeps sending the router the requests that wake the model up)."""
+        n, n_prefill = len(workers.pool("decode")), len(workers.pool("prefill"))
+        body = {"status": "ready", "decode_workers": n, "prefill_workers": n_prefill}
+        degraded = {m: r for m, r in app.state.orchestrator.fallback.refresh().items() if r}
+        if degraded:
+            body["status"], body["missing_role"] = "degraded", degraded
+        if n == 0 and n_prefill == 0:
+            if not app.state.admission.enabled:
+                return APIError(503, "no healthy decode worker", code="no_workers").response()
+            body["status"] = "holding"
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         authorize(request, api_keys)
+        app.state.orchestrator.fallback.refresh()  # the degraded gauge is current without traffic
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/workers", include_in_schema=False)

@@ -101,6 +101,10 @@ class RouterConfig:
     body_timeout_s: float = flag(60.0, "a client's request body must arrive within this (408 otherwise)")
     keep_alive_s: float = flag(30.0, "idle keep-alive client connections close after this")
     max_client_connections: int = flag(4096, "open client connections past which new requests get 503")
+    hold_timeout_s: float | None = flag(None, "with no routable worker of the model (scale from zero), hold a request "
+                                              "this long for one, then 503 with Retry-After",
+                                        unset="off: 503 at once")
+    hold_queue: int = flag(256, "most requests held at once (--hold-timeout); past it, 503 with Retry-After")
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -109,8 +113,8 @@ class RouterConfig:
         if self.discovery not in ("static", "kubernetes"):
             raise ConfigError("--discovery", f"must be static or kubernetes, not {self.discovery!r}")
         if self.discovery == "static":
-            if not self.decode_urls:
-                raise ConfigError("--decode", "at least one decode worker URL is required (or --discovery kubernetes)")
+            if not self.decode_urls and not self.prefill_urls:
+                raise ConfigError("--decode", "at least one worker URL is required (or --discovery kubernetes)")
             object.__setattr__(self, "prefill_urls", tuple(_check_url(u, "--prefill") for u in self.prefill_urls))
             object.__setattr__(self, "decode_urls", tuple(_check_url(u, "--decode") for u in self.decode_urls))
         elif not self.selector:
@@ -129,7 +133,8 @@ class RouterConfig:
                                     ("--eject-after-failures", self.eject_after_failures, 1),
                                     ("--max-body-bytes", self.max_body_bytes, 1024),
                                     ("--max-connections", self.max_connections, 1),
-                                    ("--max-client-connections", self.max_client_connections, 1)):
+                                    ("--max-client-connections", self.max_client_connections, 1),
+                                    ("--hold-queue", self.hold_queue, 1)):
             if value < least:
                 raise ConfigError(flag_, f"must be >= {least}, not {value}")
         for f in fields(self):  # every duration (a field in seconds) must be positive

@@ -189,6 +189,9 @@ class StreamedHandoff:
                 final.cancel()
                 prefill.abort()
                 o.up.release_kv(prefill.worker, prefill.params)
+                if (elsewhere := o._whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
+                    leg.close()
+                    return await o._direct(call, elsewhere[1], elsewhere[0])
                 raise refusal
             answer = await final
         except PrefillFailed as e:
@@ -217,6 +220,10 @@ class StreamedHandoff:
                     leg.close()
                     return await o._after_prefill(call, prefill.worker, answer)
                 o.up.release_kv(prefill.worker, prefill.params)
+                if (elsewhere := o._whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
+                    leg.close()
+                    call.disaggregated = False
+                    return await o._direct(call, elsewhere[1], elsewhere[0])
                 raise refusal
             content = await o._answer(leg.up, response)
         finally:

@@ -36,6 +36,20 @@ class RouterMetrics:
         self.inflight = Gauge("pdserve_router_inflight", "Requests open on each worker.", ["worker"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Worker calls retried on another worker.", ["phase"],
                                registry=r)
+        # Aggregated fallback (fallback.py) and scale from zero (admission_queue.py): what a
+        # planner and the operator's Degraded condition read.
+        self.degraded = Gauge("pdserve_router_degraded",
+                              "1 while this role has no routable worker for the model and the other role serves "
+                              "whole requests (aggregated fallback).", ["model", "missing_role"], registry=r)
+        self.fallback_requests = Counter("pdserve_router_fallback_requests",
+                                         "Requests served whole by the other role because this one had no worker "
+                                         "that took them.", ["missing_role"], registry=r)
+        self.held = Gauge("pdserve_router_requests_waiting_for_workers",
+                          "Requests held because no worker of their model is routable (scale from zero).",
+                          registry=r)
+        self.held_outcomes = Counter("pdserve_router_held_requests",
+                                     "Held requests by outcome: admitted (a worker came), timeout, queue_full.",
+                                     ["outcome"], registry=r)
 
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "KV blocks each worker reported cached (prefix-aware's index).", ["worker"],

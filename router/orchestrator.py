@@ -34,6 +34,7 @@ from pdserve.protocol.kv_transfer import NDJSON, prefill_request, single_sequenc
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.config import RouterConfig
+from pdserve.router.fallback import RoleFallback
 from pdserve.router.handoff import DecodeLeg, StreamedHandoff, StreamedPrefill
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.selection import Selector
@@ -62,6 +63,7 @@ class Call:
     routing: RoutingRequest
     started: float
     disaggregated: bool = False
+    moved: bool = False  # served whole by the other role after its own pool took nothing (fallback.py)
 
     @property
     def stream(self) -> bool:
@@ -96,6 +98,7 @@ class Orchestrator:
         self.prefill_limits = timeout(c.request_timeout_s, c.connect_timeout_s)
         self.stream_limits = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s, c.first_byte_timeout_s)
         self.streamed = StreamedHandoff(self, HANDOFF_GRACE_S)
+        self.fallback = RoleFallback(selector, self.metrics)
 
     def _unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -110,9 +113,14 @@ class Orchestrator:
 
     async def handle(self, call: Call) -> Response:
         model = call.body["model"]
-        decode_pool = self.selector.pool(ROLE_DECODE, model)
+        pools = self.fallback.availability(model)
+        decode_pool = pools.decode
         if not decode_pool:
-            raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
+            if not pools.prefill:
+                raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
+            # No decode worker: the prefill workers serve whole requests (router/fallback.py).
+            self.fallback.served_whole(pools.missing)
+            return await self._direct(call, pools.prefill, ROLE_PREFILL)
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
@@ -120,6 +128,8 @@ class Orchestrator:
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
                 prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))
+            else:
+                self.fallback.served_whole(pools.missing)
         if prefill is None:
             return await self._direct(call, decode_pool)
         if isinstance(prefill, StreamedPrefill):
@@ -281,12 +291,17 @@ class Orchestrator:
         up.succeeded()
         return content
 
-    async def _direct(self, call: Call, pool: list[Worker]) -> Response:
+    async def _direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response:
+        """The whole request on one worker of `pool` (decode workers; prefill ones in fallback).
+        When no worker of the pool takes it, the other role's workers may (`_whole_elsewhere`)."""
         if call.stream:
-            up = self._call("decode", ROLE_DECODE, call, pool)
+            up = self._call("decode", role, call, pool)
             try:
                 response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits)
                 if response is None:
+                    if (elsewhere := self._whole_elsewhere(call, role, up)) is not None:
+                        up.close()
+                        return await self._direct(call, elsewhere[1], elsewhere[0])
                     raise self._no_decode(up)
                 if response.status != 200:
                     raise UpstreamError(response.status, await read_and_close(response))
@@ -295,10 +310,22 @@ class Orchestrator:
                 raise
             # The stream owns the call from here: closed however the stream ends.
             return self._stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
-        async with self._call("decode", ROLE_DECODE, call, pool) as up:
-            content = await self._unary(up, call, call.raw)
+        async with self._call("decode", role, call, pool) as up:
+            response = await self._open(up, call, call.raw, self._unary_limits(call), False)
+            if response is None and (elsewhere := self._whole_elsewhere(call, role, up)) is not None:
+                up.close()
+                return await self._direct(call, elsewhere[1], elsewhere[0])
+            content = await self._answer(up, response)
         self._observe_ttft(call)
         return self._done(call, Response(content, media_type="application/json"))
+
+    def _whole_elsewhere(self, call: Call, role: str, up: UpstreamCall) -> tuple[str, list[Worker]] | None:
+        """No worker of `role` took the call (router/fallback.py): the other role's pool, once
+        per request (a call already moved there does not move back)."""
+        if call.moved or not self.fallback.unreachable(up):
+            return None
+        call.moved = True
+        return self.fallback.whole_elsewhere(call.body["model"], role)
 
     def _abandon(self, handoff: Handoff) -> None:
         if not handoff.sent:
@@ -309,9 +336,15 @@ class Orchestrator:
         t0 = time.monotonic()
         async with self._call("decode", ROLE_DECODE, call, pool) as up:
             handoff.sent = True
+            payload = self._decode_payload(call, prefill.kv_transfer_params)
+            response = await self._open(up, call, payload, self._unary_limits(call), True)
+            if response is None and (elsewhere := self._whole_elsewhere(call, ROLE_DECODE, up)) is not None:
+                handoff.sent = False  # no decode worker took the params: the pin is ours to release
+                up.close()
+                call.disaggregated = False
+                return await self._direct(call, elsewhere[1], elsewhere[0])
             try:
-                payload = self._decode_payload(call, prefill.kv_transfer_params)
-                content = await self._unary(up, call, payload, handoff=True)
+                content = await self._answer(up, response)
             except APIError:
                 handoff.sent = up.attempts > 0  # no decode worker was even tried: nobody has the params
                 raise
