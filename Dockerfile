@@ -5,12 +5,20 @@
 #   docker build -t <registry>/pdserve:0.1.0 .
 #   helm install pdserve charts/pdserve --set image.repository=<registry>/pdserve
 #
-# CUDA 13 runtime, because the nixl extra is nixl-cu13; torch comes from PyTorch's cu130 index.
-ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
-FROM ${CUDA_IMAGE}
+# The defaults are the GPU image: CUDA 13 runtime (the nixl extra is nixl-cu13) and torch from
+# PyTorch's cu130 index. Both are build arguments so that CI builds this same file on a machine
+# without GPUs or PyTorch's index: a Debian base made by mmdebstrap and the CPU torch wheel
+# mounted in (.ci/build_image.sh).
+ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+# pip's arguments that say where torch comes from; CI: "--find-links /wheels" (and 2.13.0+cpu).
+ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu130"
+ARG EXTRAS=nixl,triton
+# A CA bundle for pip behind a TLS-intercepting proxy (CI mounts its machine's): no default, so
+# unset unless passed, and as an ARG it is never part of the image's environment.
+ARG PIP_CERT
 ARG APP_UID=1000
 
 # /cache is the model cache: Hugging Face downloads (hf:// sources) and pdserve's own cache.
@@ -19,22 +27,34 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/pdserve \
     PATH=/opt/pdserve/bin:$PATH \
     HF_HOME=/cache/huggingface \
     XDG_CACHE_HOME=/cache \
     TRITON_CACHE_DIR=/cache/triton
 
-# apt versions are whatever the CUDA base's Ubuntu release ships (the base tag pins them).
-# hadolint ignore=DL3008
+# apt versions are whatever the base's release ships (the base tag pins them).
+# TORCH_PIP_ARGS is several pip arguments: word splitting is wanted. torch's pin is a variable.
+# hadolint ignore=DL3008,DL3013,SC2086
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/pdserve \
- && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+ && pip install "torch==${TORCH_VERSION}" ${TORCH_PIP_ARGS}
 
+# The dependencies before the source, read from pyproject.toml alone: a source change then
+# reuses this layer (hundreds of MB), and only a pyproject.toml change downloads them again.
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# hadolint ignore=DL3013
+RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+extras = [d for e in sys.argv[1].split(",") if e for d in p["optional-dependencies"][e]]; \
+print("\n".join(p["dependencies"] + extras))' "${EXTRAS}" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
+
+COPY README.md ./
 COPY worker worker
 COPY router router
 COPY operator operator
@@ -42,13 +62,13 @@ COPY kernels kernels
 COPY bench bench
 COPY protocol protocol
 COPY cli cli
-# The project itself, from the copied source; pyproject.toml bounds its dependencies.
+# The project itself; its dependencies are the layer above.
 # hadolint ignore=DL3013
-RUN pip install ".[nixl,triton]" \
+RUN pip install --no-deps . \
  && pdserve --help > /dev/null
 
 # Non-root: the chart's and operator's securityContext runs UID 1000 (Ubuntu's own "ubuntu"
-# user holds that UID in this base, so it is renamed rather than duplicated).
+# user holds that UID in the CUDA base, so it is renamed rather than duplicated).
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && groupadd --gid "${APP_UID}" pdserve \
  && useradd --uid "${APP_UID}" --gid "${APP_UID}" --create-home --home-dir /home/pdserve --shell /usr/sbin/nologin pdserve \
