@@ -10,16 +10,19 @@
 # without GPUs or PyTorch's index: a Debian base made by mmdebstrap and the CPU torch wheel
 # mounted in (.ci/build_image.sh).
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
-FROM ${BASE_IMAGE}
-
 ARG TORCH_VERSION=2.13.0
 # pip's arguments that say where torch comes from; CI: "--find-links /wheels" (and 2.13.0+cpu).
 ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu130"
 ARG EXTRAS=nixl,triton
+ARG APP_UID=1000
 # A CA bundle for pip behind a TLS-intercepting proxy (CI mounts its machine's): no default, so
 # unset unless passed, and as an ARG it is never part of the image's environment.
 ARG PIP_CERT
-ARG APP_UID=1000
+
+FROM ${BASE_IMAGE} AS python
+ARG TORCH_VERSION
+ARG TORCH_PIP_ARGS
+ARG PIP_CERT
 
 # /cache is the model cache: Hugging Face downloads (hf:// sources) and pdserve's own cache.
 # Mount a volume there to keep weights across pod restarts; the image works without one.
@@ -43,17 +46,26 @@ RUN apt-get update \
  && python3 -m venv /opt/pdserve \
  && pip install "torch==${TORCH_VERSION}" ${TORCH_PIP_ARGS}
 
-# The dependencies before the source, read from pyproject.toml alone: a source change then
-# reuses this layer (hundreds of MB), and only a pyproject.toml change downloads them again.
-WORKDIR /src
-COPY pyproject.toml ./
-# hadolint ignore=DL3013
-RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+# The dependencies before the source, as a list read from pyproject.toml in a stage of its own:
+# the layer that installs them (hundreds of MB) is keyed by that list alone, so neither a
+# source change nor another pyproject.toml edit (a test tool, a package folder) rebuilds it.
+FROM python AS requirements
+ARG EXTRAS
+COPY pyproject.toml /src/
+RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; \
 extras = [d for e in sys.argv[1].split(",") if e for d in p["optional-dependencies"][e]]; \
-print("\n".join(p["dependencies"] + extras))' "${EXTRAS}" > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
+print("\n".join(p["dependencies"] + extras))' "${EXTRAS}" > /requirements.txt
+
+FROM python
+ARG APP_UID
+ARG PIP_CERT
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+# hadolint ignore=DL3013
+RUN pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
+WORKDIR /src
+COPY pyproject.toml ./
 COPY README.md ./
 COPY worker worker
 COPY router router
