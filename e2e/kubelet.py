@@ -18,9 +18,19 @@ command/args/env, on its own loopback address (127.0.0.2, 127.0.0.3, ...):
   pod is removed for good (grace 0), as a kubelet confirms a deletion;
 - preStop hooks (exec, httpGet) run before the SIGTERM, inside the grace period.
 
-Not emulated: liveness/startup probes, volumes (processes see this machine's filesystem; the
-model is a local path), resource limits, securityContext (processes run as the test's user),
-init and sidecar containers (the first container only).
+- liveness probes (httpGet): failureThreshold failures in a row restart the container
+  (after initialDelaySeconds), restartCount counting.
+
+Two runtimes. Processes (the default): command[0] on the local PATH, the image ignored; no
+volumes (processes see this machine's filesystem; the model is a local path), no resource
+limits, no securityContext (processes run as the test's user). Containers (`runtime=` a
+e2e.containers.PodmanRuntime): each pod's container runs from its image with podman and runc,
+with its volumes, securityContext and memory/cpu limits, in-cluster ServiceAccount credentials,
+and a container the kernel OOM-kills reports lastState.terminated.reason OOMKilled, exit 137
+(see e2e/containers.py for what is and is not emulated there).
+
+Not emulated either way: startup probes, init and sidecar containers (the first container only),
+the pod network namespace (pods share the host's; e2e/podnet narrows wildcard binds).
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ class PodProcess:
     next_start: float = 0.0
     stopping: bool = False
     probe: dict[str, Any] | None = None
+    liveness: dict[str, Any] | None = None
+    container: str | None = None  # container mode: the running container's name
     probe_port: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -79,7 +91,7 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 class Kubelet:
     def __init__(self, api_client, server: str, ca_file: Path, work_dir: Path, namespaces: list[str],
-                 first_ip: int = 2, poll_s: float = 0.3):
+                 first_ip: int = 2, poll_s: float = 0.3, runtime=None):
         from kubernetes import client
 
         self.core = client.CoreV1Api(api_client)
@@ -96,6 +108,7 @@ class Kubelet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=1.0)
+        self.runtime = runtime  # None: pods as local processes; else e2e.containers.PodmanRuntime
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -111,6 +124,8 @@ class Kubelet:
             self._thread.join(10)
         for p in list(self.pods.values()):
             self._kill(p, grace_s=5)
+            if p.container is not None:
+                self.runtime.remove(p.container)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -153,20 +168,35 @@ class Kubelet:
     def _run(self, p: PodProcess, pod) -> None:
         if p.proc is not None and p.proc.poll() is not None:
             code = p.proc.returncode
+            reason = "Error" if code else "Completed"
+            if p.container is not None:
+                if self.runtime.oom_killed(p.container):
+                    reason, code = "OOMKilled", 137
+                self.runtime.remove(p.container)
+                p.container = None
             p.restarts += 1
             p.next_start = time.monotonic() + min(RESTART_BACKOFF_MAX_S, 2.0 ** p.restarts)
-            self._note(f"{p.namespace}/{p.name} exited {code}; restart {p.restarts}")
+            self._note(f"{p.namespace}/{p.name} exited {code} ({reason}); restart {p.restarts}")
             p.proc = None
-            self._patch(p, pod, ready=False, waiting=f"exit code {code}")
+            p.extra["last_terminated"] = {"exitCode": code, "reason": reason, "finishedAt": _now()}
+            self._patch(p, pod, ready=False, waiting=(
+                f"back-off {min(RESTART_BACKOFF_MAX_S, 2.0 ** p.restarts):.0f}s restarting failed "
+                f"container={pod.spec.containers[0].name} pod={p.name}"))
             return
         if p.proc is None:
             if time.monotonic() < p.next_start:
                 return
-            p.proc = self._spawn(p)
+            p.proc = self._spawn(p, pod)
+            p.extra["started"] = time.monotonic()
+            p.extra["live_failures"] = 0
             self._patch(p, pod, ready=False)
             if p.probe is None:
                 self._patch(p, pod, ready=True)
             return
+        if p.liveness is not None and not self._alive(p):
+            self._note(f"{p.namespace}/{p.name} liveness probe failed {p.liveness['failures']} times: restarting")
+            self._kill(p, grace_s=pod.spec.termination_grace_period_seconds or 30)
+            return  # the next pass sees the exit and restarts it
         if p.probe is not None:
             ready = self._probe(p)
             if ready != p.ready:
@@ -181,6 +211,12 @@ class Kubelet:
         env = self._env(pod, c, ip)
         self._next_ip += 1
         argv = [expand(a, env) for a in [*(c.command or ()), *(c.args or ())]]
+        if self.runtime is not None:
+            p = PodProcess(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, ip,
+                           self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", argv, env)
+            p.extra["command"] = [expand(a, env) for a in c.command or ()]
+            p.extra["args"] = [expand(a, env) for a in c.args or ()]
+            return self._probes(p, c, f"{c.image} {' '.join(argv) or '(image entrypoint)'}")
         if not argv:
             raise RuntimeError(f"pod {pod.metadata.name}: no command (the image's entrypoint is not emulated)")
         venv_bin = str(ROOT / ".venv" / "bin")
@@ -190,27 +226,42 @@ class Kubelet:
         argv[0] = exe
         p = PodProcess(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, ip,
                        self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", argv, env)
+        return self._probes(p, c, ' '.join([Path(argv[0]).name, *argv[1:]]))
+
+    def _probes(self, p: PodProcess, c, what: str) -> PodProcess:
         p.extra["ports"] = {cp.name: cp.container_port for cp in (c.ports or ()) if cp.name}
         probe = c.readiness_probe
         if probe is not None and probe.http_get is not None:
             p.probe = {"path": probe.http_get.path or "/", "period": probe.period_seconds or 10}
-            port = probe.http_get.port
-            p.probe_port = p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
+            p.probe_port = self._port(p, probe.http_get.port)
             p.extra["last_probe"] = 0.0
-        self._note(f"{p.namespace}/{p.name} -> {ip}: {' '.join([Path(argv[0]).name, *argv[1:]])}")
+        live = c.liveness_probe
+        if live is not None and live.http_get is not None:
+            p.liveness = {"path": live.http_get.path or "/", "port": self._port(p, live.http_get.port),
+                          "period": live.period_seconds or 10, "delay": live.initial_delay_seconds or 0,
+                          "threshold": live.failure_threshold or 3, "timeout": live.timeout_seconds or 1,
+                          "failures": 0, "last": 0.0}
+        self._note(f"{p.namespace}/{p.name} -> {p.ip}: {what}")
         return p
+
+    @staticmethod
+    def _port(p: PodProcess, port) -> int:
+        return p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
 
     def _env(self, pod, c, ip: str) -> dict[str, str]:
         pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
         pod_dir.mkdir(parents=True, exist_ok=True)
-        env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-               "HOSTNAME": pod.metadata.name, "PYTHONPATH": str(PODNET), "PDSERVE_KUBELET_POD_IP": ip,
-               "PYTHONUNBUFFERED": "1"}
-        for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG"):  # the test user's caches (no downloads)
-            if k in os.environ:
-                env[k] = os.environ[k]
-        if self._automount(pod):
-            env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, pod_dir))
+        if self.runtime is not None:  # the image's ENV, then the pod's (e2e/containers.py adds the rest)
+            env = {}
+        else:
+            env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+                   "HOME": os.environ.get("HOME", "/root"), "HOSTNAME": pod.metadata.name,
+                   "PYTHONPATH": str(PODNET), "PDSERVE_KUBELET_POD_IP": ip, "PYTHONUNBUFFERED": "1"}
+            for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG"):  # the test user's caches (no downloads)
+                if k in os.environ:
+                    env[k] = os.environ[k]
+            if self._automount(pod):
+                env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, pod_dir))
         fields = {"status.podIP": ip, "status.hostIP": "127.0.0.1", "metadata.name": pod.metadata.name,
                   "metadata.namespace": pod.metadata.namespace, "metadata.uid": pod.metadata.uid,
                   "spec.nodeName": NODE, "spec.serviceAccountName": pod.spec.service_account_name or "default"}
@@ -237,14 +288,18 @@ class Kubelet:
         sa = self.core.read_namespaced_service_account(pod.spec.service_account_name or "default", pod.metadata.namespace)
         return sa.automount_service_account_token is not False
 
-    def _service_account_kubeconfig(self, pod, pod_dir: Path) -> Path:
+    def _token(self, pod) -> str:
         """The pod's identity: a bound token for its ServiceAccount (TokenRequest API)."""
         sa = pod.spec.service_account_name or "default"
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                 "spec": {"expirationSeconds": 3600 * 24,
                          "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name,
                                             "uid": pod.metadata.uid}}}
-        token = self.core.create_namespaced_service_account_token(sa, pod.metadata.namespace, body).status.token
+        return self.core.create_namespaced_service_account_token(sa, pod.metadata.namespace, body).status.token
+
+    def _service_account_kubeconfig(self, pod, pod_dir: Path) -> Path:
+        sa = pod.spec.service_account_name or "default"
+        token = self._token(pod)
         cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
                "clusters": [{"name": "cluster", "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}],
                "users": [{"name": sa, "user": {"token": token}}],
@@ -254,10 +309,35 @@ class Kubelet:
         path.write_text(yaml.safe_dump(cfg))
         return path
 
-    def _spawn(self, p: PodProcess) -> subprocess.Popen:
+    def _spawn(self, p: PodProcess, pod) -> subprocess.Popen:
+        if self.runtime is not None:
+            from e2e.containers import container_name
+
+            p.container = container_name(pod, p.restarts)
+            self.runtime.remove(p.container)  # a leftover of an interrupted run
+            pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
+            token = self._token(pod) if self._automount(pod) else None
+            argv = self.runtime.run_argv(p.container, pod, pod.spec.containers[0], p.extra["command"],
+                                         p.extra["args"], p.env, p.ip, pod_dir, token, self.ca_file, self.core)
+            with open(p.log_path, "ab") as out:
+                return subprocess.Popen(argv, env=self.runtime.env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         with open(p.log_path, "ab") as out:
             return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _alive(self, p: PodProcess) -> bool:
+        """False once the liveness probe failed failureThreshold times in a row."""
+        live, now = p.liveness, time.monotonic()
+        if now - p.extra["started"] < live["delay"] or now - live["last"] < live["period"]:
+            return True
+        live["last"] = now
+        try:
+            ok = httpx.get(f"http://{p.ip}:{live['port']}{live['path']}", timeout=live["timeout"]).status_code < 400
+        except httpx.HTTPError:
+            ok = False
+        live["failures"] = 0 if ok else live["failures"] + 1
+        return live["failures"] < live["threshold"]
 
     def _probe(self, p: PodProcess) -> bool:
         now = time.monotonic()
@@ -281,7 +361,9 @@ class Kubelet:
             "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
                            (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
             "containerStatuses": [{"name": c.name, "image": c.image, "imageID": "", "ready": ready,
-                                   "restartCount": p.restarts, "started": waiting is None, "state": state}],
+                                   "restartCount": p.restarts, "started": waiting is None, "state": state,
+                                   "lastState": ({"terminated": p.extra["last_terminated"]}
+                                                 if "last_terminated" in p.extra else {})}],
         }
         try:
             self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})
@@ -296,6 +378,8 @@ class Kubelet:
         deadline = time.monotonic() + grace_s
         self._pre_stop(p, pod, grace_s)
         self._kill(p, max(1.0, deadline - time.monotonic()))
+        if p.container is not None:
+            self.runtime.remove(p.container)
         self._confirm_deletion(pod)
         self.pods.pop(p.uid, None)
 
@@ -307,12 +391,14 @@ class Kubelet:
         try:
             if hook._exec is not None and hook._exec.command:
                 self._note(f"{p.namespace}/{p.name} preStop: {' '.join(hook._exec.command)}")
-                subprocess.run(hook._exec.command, env=p.env, timeout=grace_s, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                if p.container is not None:  # inside the container, as a kubelet runs it
+                    self.runtime.exec(p.container, list(hook._exec.command), timeout=grace_s)
+                else:
+                    subprocess.run(hook._exec.command, env=p.env, timeout=grace_s, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
             elif hook.http_get is not None:
                 self._note(f"{p.namespace}/{p.name} preStop: GET {hook.http_get.path}")
-                port = hook.http_get.port
-                port = p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
+                port = self._port(p, hook.http_get.port)
                 httpx.get(f"http://{p.ip}:{port}{hook.http_get.path or '/'}", timeout=grace_s)
         except Exception as e:  # a failing hook does not stop the termination
             log.info("preStop of %s failed: %r", p.name, e)
@@ -320,6 +406,15 @@ class Kubelet:
     def _kill(self, p: PodProcess, grace_s: float) -> None:
         proc = p.proc
         if proc is None or proc.poll() is not None:
+            return
+        if p.container is not None:  # SIGTERM to the container's process, SIGKILL after the grace
+            self._note(f"{p.namespace}/{p.name} podman stop --time {grace_s:.0f}")
+            self.runtime.stop(p.container, grace_s)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             return
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -14,7 +14,6 @@ Skips, with the reason, only where podman cannot run: podman, runc or mmdebstrap
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from e2e.containers import build_image, podman_unusable
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,18 +31,7 @@ ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(CO
 AS_A_POD = ["--user", "1000:1000", "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
 
 
-def _podman_unusable() -> str | None:
-    missing = [t for t in ("podman", "runc", "mmdebstrap") if shutil.which(t) is None]
-    if missing:
-        return (f"{', '.join(missing)} not installed: the image build needs podman with runc and mmdebstrap "
-                "(.ci/run installs them with apt, best effort; Debian: apt-get install podman runc mmdebstrap)")
-    out = subprocess.run(["podman", "info"], capture_output=True, text=True, env=ENV, timeout=120)
-    if out.returncode != 0:
-        return f"podman cannot run here: `podman info` failed: {out.stderr.strip()[-500:]}"
-    return None
-
-
-REASON = _podman_unusable()
+REASON = podman_unusable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
 
 
@@ -57,9 +46,7 @@ def podman(*args: str, timeout: float = 300, check: bool = True) -> subprocess.C
 def image() -> str:
     """Builds the image (podman's layer cache makes a rebuild of unchanged layers instant)."""
     t0 = time.monotonic()
-    out = subprocess.run([str(ROOT / ".ci" / "build_image.sh")], capture_output=True, text=True, env=ENV, timeout=1800)
-    assert out.returncode == 0, f"image build failed:\n{out.stderr[-6000:]}"
-    name = out.stdout.strip().splitlines()[-1]
+    name = build_image()
     print(f"\nbuilt {name} in {time.monotonic() - t0:.0f}s")
     print(podman("images", "--filter", "reference=localhost/pdserve*").stdout)
     print(podman("history", "--format", "{{.Size}}\t{{.CreatedBy}}", name).stdout)
