@@ -128,6 +128,6 @@ def test_worker_answers_a_chat_request(worker_container):
     assert reply.choices[0].message.content, reply
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens >= 1
-    # The process that answered is the container's, as UID 1000.
-    top = podman("top", name, "user", "args").stdout
-    assert "pdserve worker" in top and "1000" in top, top
+    # The process that answered is the container's, as UID 1000 (the image's user "pdserve").
+    top = podman("top", name, "user", "args").stdout.splitlines()
+    assert any(line.split()[0] == "pdserve" and "pdserve worker" in line for line in top[1:]), top
