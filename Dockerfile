@@ -74,9 +74,10 @@ COPY kernels kernels
 COPY bench bench
 COPY protocol protocol
 COPY cli cli
-# The project itself; its dependencies are the layer above.
+# The project itself; its dependencies are the layer above, and setuptools (torch's dependency)
+# is already in the venv: no isolated build environment to download on every source change.
 # hadolint ignore=DL3013
-RUN pip install --no-deps . \
+RUN pip install --no-deps --no-build-isolation . \
  && pdserve --help > /dev/null
 
 # Non-root: the chart's and operator's securityContext runs UID 1000 (Ubuntu's own "ubuntu"
