@@ -161,7 +161,7 @@ class PodmanRuntime:
             v = by_name.get(m.name)
             if v is None:
                 raise PodSpecError(f"volumeMount {m.name!r}: no such volume")
-            ro = ",ro" if m.read_only else ""
+            mode = "ro" if m.read_only else "rw"
             if v.empty_dir is not None:
                 size = v.empty_dir.size_limit
                 if v.empty_dir.medium == "Memory":
@@ -178,10 +178,11 @@ class PodmanRuntime:
                     host.chmod(0o2775)
                 else:
                     host.chmod(0o777)
-                out += ["--volume", f"{host}:{m.mount_path}{ro or ',rw'}"]
+                out += ["--volume", f"{host}:{m.mount_path}:{mode}"]
             elif v.persistent_volume_claim is not None:
-                out += ["--volume", f"{self._claim_path(pod, v.persistent_volume_claim.claim_name, core)}:{m.mount_path}"
-                                    f"{',ro' if (m.read_only or v.persistent_volume_claim.read_only) else ',rw'}"]
+                claim = v.persistent_volume_claim
+                mode = "ro" if m.read_only or claim.read_only else "rw"
+                out += ["--volume", f"{self._claim_path(pod, claim.claim_name, core)}:{m.mount_path}:{mode}"]
             elif v.secret is not None or v.config_map is not None:
                 host = pod_dir / "volumes" / v.name
                 host.mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ class PodmanRuntime:
         return out.stdout.strip() == "true"
 
     def remove(self, name: str) -> None:
-        self.podman("rm", "--force", "--time", "0", name)
+        self.podman("rm", "--force", "--volumes", "--time", "0", name)  # and the image's anonymous /cache
 
 
 def podman_unusable() -> str | None:

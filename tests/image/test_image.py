@@ -113,7 +113,7 @@ def worker_container(image, tiny_checkpoint):
         yield url, name
     finally:
         podman("stop", "--time", "10", name, check=False)
-        podman("rm", "--force", name, check=False)
+        podman("rm", "--force", "--volumes", name, check=False)  # and the image's anonymous /cache
 
 
 @pytest.mark.timeout(600)
