@@ -18,8 +18,9 @@ command/args/env, on its own loopback address (127.0.0.2, 127.0.0.3, ...):
   pod is removed for good (grace 0), as a kubelet confirms a deletion;
 - preStop hooks (exec, httpGet) run before the SIGTERM, inside the grace period.
 
-- liveness probes (httpGet): failureThreshold failures in a row restart the container
-  (after initialDelaySeconds), restartCount counting.
+- startup and liveness probes (httpGet): failureThreshold failures in a row restart the
+  container (after initialDelaySeconds), restartCount counting; liveness starts once the
+  startup probe (if any) has succeeded, as in Kubernetes.
 
 Two runtimes. Processes (the default): command[0] on the local PATH, the image ignored; no
 volumes (processes see this machine's filesystem; the model is a local path), no resource
@@ -29,7 +30,7 @@ with its volumes, securityContext and memory/cpu limits, in-cluster ServiceAccou
 and a container the kernel OOM-kills reports lastState.terminated.reason OOMKilled, exit 137
 (see e2e/containers.py for what is and is not emulated there).
 
-Not emulated either way: startup probes, init and sidecar containers (the first container only),
+Not emulated either way: exec probes, init and sidecar containers (the first container only),
 the pod network namespace (pods share the host's; e2e/podnet narrows wildcard binds).
 """
 
@@ -188,15 +189,32 @@ class Kubelet:
                 return
             p.proc = self._spawn(p, pod)
             p.extra["started"] = time.monotonic()
-            p.extra["live_failures"] = 0
+            p.extra["started_ok"] = "startup" not in p.extra  # liveness waits for the startup probe
+            for probe in (p.liveness, p.extra.get("startup")):
+                if probe is not None:
+                    probe.update(failures=0, last=0.0)
             self._patch(p, pod, ready=False)
             if p.probe is None:
                 self._patch(p, pod, ready=True)
             return
-        if p.liveness is not None and not self._alive(p):
-            self._note(f"{p.namespace}/{p.name} liveness probe failed {p.liveness['failures']} times: restarting")
-            self._kill(p, grace_s=pod.spec.termination_grace_period_seconds or 30)
-            return  # the next pass sees the exit and restarts it
+        if p.extra.get("killing") is p.proc:
+            return  # a failed probe's restart is under way
+        failed = None
+        if not p.extra["started_ok"]:
+            ok = self._check(p, p.extra["startup"])
+            p.extra["started_ok"] = ok is True
+            failed = "startup" if ok is False else None
+        elif p.liveness is not None and self._check(p, p.liveness) is False:
+            failed = "liveness"
+        if failed:
+            # SIGTERM, SIGKILL after the grace period, off the sync loop (other pods keep syncing);
+            # the next pass after the exit restarts it.
+            self._note(f"{p.namespace}/{p.name} {failed} probe failed {p.extra.get(failed, p.liveness)['failures']} "
+                       "times: restarting")
+            p.extra["killing"] = p.proc
+            threading.Thread(target=self._kill, args=(p, pod.spec.termination_grace_period_seconds or 30),
+                             daemon=True).start()
+            return
         if p.probe is not None:
             ready = self._probe(p)
             if ready != p.ready:
@@ -235,14 +253,19 @@ class Kubelet:
             p.probe = {"path": probe.http_get.path or "/", "period": probe.period_seconds or 10}
             p.probe_port = self._port(p, probe.http_get.port)
             p.extra["last_probe"] = 0.0
-        live = c.liveness_probe
+        live, startup = c.liveness_probe, c.startup_probe
         if live is not None and live.http_get is not None:
-            p.liveness = {"path": live.http_get.path or "/", "port": self._port(p, live.http_get.port),
-                          "period": live.period_seconds or 10, "delay": live.initial_delay_seconds or 0,
-                          "threshold": live.failure_threshold or 3, "timeout": live.timeout_seconds or 1,
-                          "failures": 0, "last": 0.0}
+            p.liveness = self._http_probe(p, live)
+        if startup is not None and startup.http_get is not None:
+            p.extra["startup"] = self._http_probe(p, startup)
         self._note(f"{p.namespace}/{p.name} -> {p.ip}: {what}")
         return p
+
+    def _http_probe(self, p: PodProcess, probe) -> dict[str, Any]:
+        return {"path": probe.http_get.path or "/", "port": self._port(p, probe.http_get.port),
+                "period": probe.period_seconds or 10, "delay": probe.initial_delay_seconds or 0,
+                "threshold": probe.failure_threshold or 3, "timeout": probe.timeout_seconds or 1,
+                "failures": 0, "last": 0.0}
 
     @staticmethod
     def _port(p: PodProcess, port) -> int:
@@ -326,18 +349,19 @@ class Kubelet:
             return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _alive(self, p: PodProcess) -> bool:
-        """False once the liveness probe failed failureThreshold times in a row."""
-        live, now = p.liveness, time.monotonic()
-        if now - p.extra["started"] < live["delay"] or now - live["last"] < live["period"]:
-            return True
-        live["last"] = now
+    def _check(self, p: PodProcess, probe: dict[str, Any]) -> bool | None:
+        """A liveness or startup probe when due: True on success, False once it failed
+        failureThreshold times in a row, None when not due or still under the threshold."""
+        now = time.monotonic()
+        if now - p.extra["started"] < probe["delay"] or now - probe["last"] < probe["period"]:
+            return None
+        probe["last"] = now
         try:
-            ok = httpx.get(f"http://{p.ip}:{live['port']}{live['path']}", timeout=live["timeout"]).status_code < 400
+            ok = httpx.get(f"http://{p.ip}:{probe['port']}{probe['path']}", timeout=probe["timeout"]).status_code < 400
         except httpx.HTTPError:
             ok = False
-        live["failures"] = 0 if ok else live["failures"] + 1
-        return live["failures"] < live["threshold"]
+        probe["failures"] = 0 if ok else probe["failures"] + 1
+        return True if ok else (False if probe["failures"] >= probe["threshold"] else None)
 
     def _probe(self, p: PodProcess) -> bool:
         now = time.monotonic()
