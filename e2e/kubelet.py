@@ -90,6 +90,21 @@ def expand(value: str, env: dict[str, str]) -> str:
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
 
 
+def listening_ips() -> set[str]:
+    """IPv4 addresses with a listening TCP socket on this machine (/proc/net/tcp)."""
+    out = set()
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A":  # LISTEN
+            addr = int(fields[1].split(":")[0], 16)  # little-endian hex
+            out.add(".".join(str((addr >> s) & 0xFF) for s in (0, 8, 16, 24)))
+    return out
+
+
 class Kubelet:
     def __init__(self, api_client, server: str, ca_file: Path, work_dir: Path, namespaces: list[str],
                  first_ip: int = 2, poll_s: float = 0.3, runtime=None):
@@ -224,10 +239,8 @@ class Kubelet:
 
     def _create(self, pod) -> PodProcess:
         c = pod.spec.containers[0]
-        n = self._next_ip  # 127.0.0.2 .. 127.0.0.254, then 127.0.1.2 ...: all loopback
-        ip = f"127.0.{n // 253}.{n % 253 + 2}" if n >= 255 else f"127.0.0.{n}"
+        ip = self._allocate_ip()
         env = self._env(pod, c, ip)
-        self._next_ip += 1
         argv = [expand(a, env) for a in [*(c.command or ()), *(c.args or ())]]
         if self.runtime is not None:
             p = PodProcess(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, ip,
@@ -270,6 +283,18 @@ class Kubelet:
     @staticmethod
     def _port(p: PodProcess, port) -> int:
         return p.extra["ports"][port] if isinstance(port, str) and not port.isdigit() else int(port)
+
+    def _allocate_ip(self) -> str:
+        """The next loopback address (127.0.0.2 .. 127.0.0.254, then 127.0.1.2 ...) that nothing
+        listens on: another test session on this machine may be playing a kubelet too, and a pod
+        given an address already serving would answer with someone else's server."""
+        busy = listening_ips()
+        while True:
+            n = self._next_ip
+            self._next_ip += 1
+            ip = f"127.0.{n // 253}.{n % 253 + 2}" if n >= 255 else f"127.0.0.{n}"
+            if ip not in busy:
+                return ip
 
     def _env(self, pod, c, ip: str) -> dict[str, str]:
         pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
