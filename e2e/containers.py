@@ -222,8 +222,18 @@ class PodmanRuntime:
         return self.podman("exec", name, *command, timeout=timeout).returncode
 
     def oom_killed(self, name: str) -> bool:
-        out = self.podman("inspect", "--format", "{{.State.OOMKilled}}", name)
-        return out.stdout.strip() == "true"
+        """Whether the kernel's OOM killer ended the container, by its memory cgroup's limit.
+        podman's own flag (conmon's eventfd) stays false on this cgroup v1 host, so the kernel
+        log is read as well, as a kubelet's OOM watcher (cAdvisor) does: the kill line names the
+        container's cgroup."""
+        out = self.podman("inspect", "--format", "{{.State.OOMKilled}} {{.Id}}", name).stdout.split()
+        if not out:
+            return False
+        if out[0] == "true":
+            return True
+        log = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+        return any("oom-kill:" in line and "oom_memcg=" in line and f"libpod-{out[1]}" in line
+                   for line in log.splitlines())
 
     def remove(self, name: str) -> None:
         self.podman("rm", "--force", "--volumes", "--time", "0", name)  # and the image's anonymous /cache
