@@ -1,37 +1,36 @@
 """A kubelet stand-in for node-0 of the loopback control plane (../shared/k8s has no kubelet).
 
-Every pod the scheduler binds to node-0 runs as a local process of its container's
-command/args/env, on its own loopback address (127.0.0.2, 127.0.0.3, ...):
+Every pod the scheduler binds to node-0 runs, on its own loopback address (127.0.0.2,
+127.0.0.3, ..., skipping addresses something already listens on), with one of two runtimes:
 
-- command[0] is looked up on PATH with the project's .venv/bin first: the image's entrypoint
-  `pdserve` is the local console script, so the image itself does not matter;
+- processes (the default): command[0] is looked up on PATH with the project's .venv/bin first
+  (the image's entrypoint `pdserve` is the local console script, so the image does not
+  matter); no volumes (the model is a local path), no resource limits, no securityContext
+  (processes run as the test's user); the ServiceAccount token is handed over as a kubeconfig
+  in KUBECONFIG;
+- containers (`runtime=` an e2e.containers.PodmanRuntime): the pod's container runs from its
+  image with podman and runc, with its volumes, securityContext, memory/cpu limits and the
+  token projected for in-cluster credentials; a container the kernel OOM-kills reports
+  lastState.terminated.reason OOMKilled, exit code 137 (see e2e/containers.py).
+
+Both:
 - env: `value`, and `valueFrom` fieldRef (status.podIP, metadata.name, ...), secretKeyRef and
   configMapKeyRef read through the API; $(VAR) references expand as Kubernetes does;
-- the pod's ServiceAccount identity: a token minted by the TokenRequest API for
-  spec.serviceAccountName, handed over as a kubeconfig in KUBECONFIG (a real kubelet projects
-  it into /var/run/secrets/..., a path shared by every process here);
+- the pod's identity: a token minted by the TokenRequest API for spec.serviceAccountName;
 - the pod's network namespace: e2e/podnet/sitecustomize.py narrows wildcard binds to the pod IP;
 - status through the status subresource: Running with podIP once started, Ready when the
   readiness probe (httpGet) answers 2xx (at once without a probe), not Ready while it fails;
-  a container that exits is restarted with back-off, restartCount counting;
-- deletion: SIGTERM to the process group, SIGKILL after terminationGracePeriodSeconds, then the
-  pod is removed for good (grace 0), as a kubelet confirms a deletion;
-- preStop hooks (exec, httpGet) run before the SIGTERM, inside the grace period.
-
+  a container that exits is restarted with back-off (waiting CrashLoopBackOff meanwhile, its
+  exit in lastState.terminated), restartCount counting;
 - startup and liveness probes (httpGet): failureThreshold failures in a row restart the
-  container (after initialDelaySeconds), restartCount counting; liveness starts once the
-  startup probe (if any) has succeeded, as in Kubernetes.
+  container (after initialDelaySeconds); liveness starts once the startup probe (if any) has
+  succeeded, as in Kubernetes;
+- deletion: preStop hooks (exec, inside the container in container mode; httpGet) run first,
+  then SIGTERM, SIGKILL after terminationGracePeriodSeconds, then the pod is removed for good
+  (grace 0), as a kubelet confirms a deletion.
 
-Two runtimes. Processes (the default): command[0] on the local PATH, the image ignored; no
-volumes (processes see this machine's filesystem; the model is a local path), no resource
-limits, no securityContext (processes run as the test's user). Containers (`runtime=` a
-e2e.containers.PodmanRuntime): each pod's container runs from its image with podman and runc,
-with its volumes, securityContext and memory/cpu limits, in-cluster ServiceAccount credentials,
-and a container the kernel OOM-kills reports lastState.terminated.reason OOMKilled, exit 137
-(see e2e/containers.py for what is and is not emulated there).
-
-Not emulated either way: exec probes, init and sidecar containers (the first container only),
-the pod network namespace (pods share the host's; e2e/podnet narrows wildcard binds).
+Not emulated: exec probes, init and sidecar containers (the first container only), the pod's
+own network namespace (pods share the host's network), image pulls.
 """
 
 from __future__ import annotations
