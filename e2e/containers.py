@@ -223,8 +223,8 @@ class PodmanRuntime:
 
     def oom_killed(self, name: str) -> bool:
         """Whether the kernel's OOM killer ended the container, by its memory cgroup's limit.
-        podman's own flag (conmon's eventfd) stays false on this cgroup v1 host, so the kernel
-        log is read as well, as a kubelet's OOM watcher (cAdvisor) does: the kill line names the
+        podman's own flag stays false on this cgroup v1 host (conmon writes its "oom" marker into
+        its working directory instead of where podman looks), so the kernel log is read as well, as a kubelet's OOM watcher (cAdvisor) does: the kill line names the
         container's cgroup."""
         out = self.podman("inspect", "--format", "{{.State.OOMKilled}} {{.Id}}", name).stdout.split()
         if not out:

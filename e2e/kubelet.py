@@ -366,9 +366,10 @@ class Kubelet:
             token = self._token(pod) if self._automount(pod) else None
             argv = self.runtime.run_argv(p.container, pod, pod.spec.containers[0], p.extra["command"],
                                          p.extra["args"], p.env, p.ip, pod_dir, token, self.ca_file, self.core)
+            # cwd: conmon (podman 4.3, cgroup v1) drops its "oom" marker in its working directory
             with open(p.log_path, "ab") as out:
                 return subprocess.Popen(argv, env=self.runtime.env, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True, cwd=pod_dir)
         with open(p.log_path, "ab") as out:
             return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
