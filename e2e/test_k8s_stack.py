@@ -4,8 +4,11 @@ Real: etcd, kube-apiserver, controller-manager (Deployments, ReplicaSets, Endpoi
 collection), scheduler, `helm install` of charts/pdserve, `kubectl`, the operator run from the
 chart's own Deployment (command, args, env) under its ServiceAccount's token, the worker and
 router processes the operator's Deployments describe, NIXL/TCP KV transfer between them, and
-the `openai` client. Stand-in: e2e/kubelet.py plays node-0's kubelet (no container runtime
-here), running each pod as a local process on its own 127.0.0.x address.
+the `openai` client. Stand-in: e2e/kubelet.py plays node-0's kubelet, twice: each pod as a
+local process on its own 127.0.0.x address, and each pod as a podman/runc container of the image
+the repository's Dockerfile builds (.ci/build_image.sh), with the pod's securityContext,
+volumes (the model from a PersistentVolumeClaim bound to a hostPath PersistentVolume), probes
+and limits (see e2e/containers.py). The container run skips, saying why, where podman cannot run.
 
 One test, in stages, because each stage needs the previous one's state; the transcript (what
 the closing note quotes) is written to $PDSERVE_E2E_TRANSCRIPT or the test's tmp dir.
@@ -24,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from e2e.containers import PodmanRuntime, build_image, podman_unusable
 from e2e.kubelet import Kubelet
 from tests.k8s_cluster import SHARED_K8S, k8s_cluster, wait_for  # noqa: F401  (session fixture)
 
@@ -35,6 +39,7 @@ CHART = ROOT / "charts" / "pdserve"
 MS = "tiny"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
+CHART_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"
 
 
 class Transcript:
@@ -52,6 +57,22 @@ def tools() -> dict[str, str]:
     out = subprocess.run([str(SHARED_K8S / "get-tools.sh")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return {**os.environ, "PATH": f"{out.stdout.strip()}:{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+
+
+@pytest.fixture(scope="module", params=["process", "container"])
+def runtime(request, k8s_cluster):  # noqa: F811
+    """None: pods as processes; else the runtime that runs them as containers of the built image."""
+    if request.param == "process":
+        return None
+    reason = podman_unusable()
+    if reason:
+        pytest.skip(reason)
+    rt = PodmanRuntime(api_host="127.0.0.1", api_port=k8s_cluster.port)
+    built = build_image()
+    # The name the chart and the operator write (appVersion), from the node's own image store,
+    # as `kind load docker-image` does: nothing is pulled.
+    rt.podman("tag", built, CHART_IMAGE, check=True)
+    return rt
 
 
 def sh(env: dict, *argv: str, check: bool = True, timeout: float = 300) -> str:
@@ -138,8 +159,46 @@ def stream(base_url: str, served: str, prompt: str = PROMPT) -> str:
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
+def model_claim(core, ns: str, model: Path) -> str:
+    """A hostPath PersistentVolume holding the checkpoint and a claim the controller-manager binds
+    to it; the kubelet stand-in mounts the bound volume's path. Readable by the pods' UID 1000."""
+    model.chmod(0o755)
+    for f in model.iterdir():
+        f.chmod(0o644)
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-models"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "hostPath": {"path": str(model), "type": "Directory"},
+                 "claimRef": {"namespace": ns, "name": "models"}}})
+    core.create_namespaced_persistent_volume_claim(ns, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{ns}-models",
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    wait_for(lambda: core.read_namespaced_persistent_volume_claim("models", ns).status.phase == "Bound",
+             timeout=60, what="model claim Bound")
+    return "models"
+
+
+def pod_identity(proc, tmp_path: Path, cluster) -> str:
+    """A kubeconfig with the credentials the pod itself holds: the process's KUBECONFIG, or the
+    container's projected ServiceAccount token."""
+    if "KUBECONFIG" in proc.env:
+        return proc.env["KUBECONFIG"]
+    import yaml
+
+    sa = tmp_path / f"{proc.namespace}_{proc.name}" / "serviceaccount"
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
+           "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{cluster.port}",
+                                                  "certificate-authority": str(sa / "ca.crt")}}],
+           "users": [{"name": "pod", "user": {"tokenFile": str(sa / "token")}}],
+           "contexts": [{"name": "pod", "context": {"cluster": "c", "user": "pod"}}]}
+    path = tmp_path / f"{proc.name}.kubeconfig"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
 @pytest.mark.timeout(1500)  # ~3-5 min alone; more on a busy 2-core machine
-def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny_checkpoint, tmp_path):  # noqa: F811
+def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny_checkpoint, tmp_path, runtime):  # noqa: F811
     from kubernetes import client
 
     core, custom = k8s_cluster.core(), client.CustomObjectsApi(k8s_cluster.api_client)
@@ -151,10 +210,13 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
     # cluster-scoped names (ClusterRole, ClusterRoleBinding) follow the release: unique per run
     release = system_ns.replace("-system", "")
     model = tiny_checkpoint("llama")
+    source = str(model)
+    if runtime is not None:  # a container sees the model only through a volume: a hostPath PV's claim
+        source = f"pvc://{model_claim(core, ns, model)}"
 
     kubelet = Kubelet(k8s_cluster.api_client, f"https://127.0.0.1:{k8s_cluster.port}",
                       k8s_cluster.run_dir / "pki" / "apiserver.crt", tmp_path,
-                      namespaces=[system_ns, ns]).start()
+                      namespaces=[system_ns, ns], runtime=runtime).start()
     try:
         # -- 1. helm install: CRD, RBAC, the operator (its pod runs under the kubelet stand-in)
         out = sh(env, "helm", "install", release, str(CHART), "-n", system_ns,
@@ -163,11 +225,12 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
         op = core.list_namespaced_pod(system_ns, label_selector="app.kubernetes.io/component=operator").items[0]
         proc = next(p for p in kubelet.pods.values() if p.name == op.metadata.name)
         assert proc.argv[1:3] == ["operator", f"--namespace={ns}"], proc.argv  # the chart's own command/args
-        who = sh({**env, "KUBECONFIG": proc.env["KUBECONFIG"]}, "kubectl", "auth", "can-i", "create", "deployments",
+        identity = pod_identity(proc, tmp_path, k8s_cluster)
+        who = sh({**env, "KUBECONFIG": identity}, "kubectl", "auth", "can-i", "create", "deployments",
                  "-n", ns, check=False)
         assert who.strip().startswith("yes")  # the operator's identity is its ServiceAccount's
         for verb, resource, where in (("delete", "secrets", ns), ("create", "deployments", "default")):
-            answer = sh({**env, "KUBECONFIG": proc.env["KUBECONFIG"]}, "kubectl", "auth", "can-i", verb, resource,
+            answer = sh({**env, "KUBECONFIG": identity}, "kubectl", "auth", "can-i", verb, resource,
                         "-n", where, check=False)
             assert answer.strip().startswith("no"), (verb, resource, where)  # least privilege, watched namespace only
 
@@ -178,7 +241,7 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
 kind: ModelServing
 metadata: {{name: {MS}}}
 spec:
-  model: {{source: {model}, servedName: {MS}}}
+  model: {{source: {source}, servedName: {MS}}}
   device: cpu
   prefill: {{replicas: 1}}
   decode: {{replicas: 1}}
@@ -192,6 +255,9 @@ spec:
         deploy = apps.read_namespaced_deployment(f"{MS}-decode", ns)
         assert deploy.spec.template.spec.containers[0].image == "ghcr.io/pdserve/pdserve:0.1.0"  # chart appVersion
         transcript.add(f"kubectl -n {ns} get ms,pods -o wide", sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))
+        if runtime is not None:
+            transcript.add("podman ps (node-0's containers)", runtime.podman(
+                "ps", "--format", "{{.Names}}\t{{.Image}}\t{{.Status}}", check=True).stdout)
 
         # -- 3. the workers are keyed (the operator's generated Secret): without the key a
         #       worker answers only /health; the router holds the key, so P/D goes through
@@ -287,6 +353,29 @@ spec:
         assert counts["requests"] > 0
         assert counts["failures"] == 0, errors[:5]
 
+        # -- 5b. containers only: a decode pod over its memory limit is OOM-killed (the kernel, by
+        #        the container's cgroup limit) and the ModelServing's status says so
+        if runtime is not None:
+            sh(env, "kubectl", "-n", ns, "patch", "ms", MS, "--type", "merge", "-p",
+               '{"spec":{"decode":{"resources":{"limits":{"memory":"150Mi"}}}}}')
+
+            def oom_status() -> dict | None:
+                obj = custom.get_namespaced_custom_object("pdserve.io", "v1alpha1", ns, "modelservings", MS)
+                cond = next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == "Degraded"), {})
+                return cond if cond.get("status") == "True" and "OOMKilled" in cond.get("message", "") else None
+
+            degraded = wait_for(oom_status, timeout=300, interval=1, what="Degraded: OOMKilled")
+            oom_pod = next(p for p in core.list_namespaced_pod(ns).items
+                           if any(((cs.last_state and cs.last_state.terminated) or None) is not None
+                                  and cs.last_state.terminated.reason == "OOMKilled"
+                                  for cs in p.status.container_statuses or ()))
+            assert oom_pod.spec.containers[0].resources.limits["memory"] == "150Mi"
+            transcript.add("decode memory limit 150Mi: OOM-killed",
+                           f"kubectl -n {ns} patch ms {MS} --type merge -p "
+                           "'{\"spec\":{\"decode\":{\"resources\":{\"limits\":{\"memory\":\"150Mi\"}}}}}'\n"
+                           f"status.conditions[Degraded]: {degraded['reason']}: {degraded['message']}\n"
+                           + sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))
+
         # -- 6. delete: everything goes (garbage collection, the kubelet stops the processes)
         transcript.add(f"kubectl -n {ns} delete ms {MS}", sh(env, "kubectl", "-n", ns, "delete", "ms", MS, "--wait=false"))
         wait_for(lambda: not core.list_namespaced_pod(ns).items and not apps.list_namespaced_deployment(ns).items
@@ -303,6 +392,8 @@ spec:
         raise
     finally:
         kubelet.stop()
+        if runtime is not None:
+            k8s_cluster.core().delete_persistent_volume(f"{ns}-models")
         sh(env, "helm", "uninstall", release, "-n", system_ns, check=False)
         k8s_cluster.delete_namespace(ns)
         k8s_cluster.delete_namespace(system_ns)

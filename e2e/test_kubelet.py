@@ -46,3 +46,16 @@ def test_wildcard_binds_land_on_the_pod_ip():
         for p in pods:
             p.kill()
             p.wait()
+
+
+def test_pod_addresses_skip_ones_already_serving():
+    """Another session's kubelet stand-in may hold 127.0.0.x: a pod never gets a busy address."""
+    from e2e.kubelet import Kubelet, listening_ips
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.3", 0))
+        s.listen()
+        assert "127.0.0.3" in listening_ips()
+        k = Kubelet.__new__(Kubelet)
+        k._next_ip = 3
+        assert k._allocate_ip() != "127.0.0.3"

@@ -99,6 +99,9 @@ def degraded_reason(deployments: Mapping[str, Mapping[str, Any] | None],
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in BAD_WAITING:
                 detail = waiting.get("message") or f"restarted {cs.get('restartCount', 0)} times"
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                if last.get("reason"):  # why it died: OOMKilled says "raise the memory limit"
+                    detail += f"; last terminated: {last['reason']} (exit code {last.get('exitCode')})"
                 return waiting["reason"], f"pod {name} container {cs.get('name')}: {detail}"
         for cond in st.get("conditions") or ():
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \

@@ -85,6 +85,10 @@ def test_operator_deployment(helm):
     assert {"name": "PDSERVE_OPERATOR_DEFAULT_IMAGE", "value": c["image"]} in c["env"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    # ...so /tmp is a volume: the Kubernetes client's discovery cache writes there (without it the
+    # operator crashed at start in its container, found by the containerized e2e)
+    tmp = next(m for m in c["volumeMounts"] if m["mountPath"] == "/tmp")
+    assert next(v for v in pod["volumes"] if v["name"] == tmp["name"])["emptyDir"] == {}
 
 
 def test_image_and_namespaces_from_values(helm):

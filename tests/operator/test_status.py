@@ -67,8 +67,10 @@ def test_rollout_message_says_what_is_true(deployment, text):
     assert prog["status"] == "True" and prog["message"].endswith(text), prog["message"]
 
 
-def pod(name, waiting=None, unschedulable=False, role="decode", since=T0, deleting=False):
+def pod(name, waiting=None, unschedulable=False, role="decode", since=T0, deleting=False, last=None):
     st = {"containerStatuses": [{"name": "worker", "restartCount": 7, "state": {"waiting": {"reason": waiting}}}]} if waiting else {}
+    if last:
+        st["containerStatuses"][0]["lastState"] = {"terminated": last}
     if unschedulable:
         st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": since,
                              "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]
@@ -84,6 +86,8 @@ SHORT = {**all_ready(), "decode": dep("decode", 1, 0)}
 @pytest.mark.parametrize("pods, deployments, reason, text", [
     ([pod("p1", waiting="CrashLoopBackOff")], all_ready(), "CrashLoopBackOff", "pod p1 container worker: restarted 7 times"),
     ([pod("p2", waiting="ImagePullBackOff")], all_ready(), "ImagePullBackOff", "pod p2"),
+    ([pod("p5", waiting="CrashLoopBackOff", last={"reason": "OOMKilled", "exitCode": 137})], all_ready(),
+     "CrashLoopBackOff", "pod p5 container worker: restarted 7 times; last terminated: OOMKilled (exit code 137)"),
     # the role is short of pods and this one has waited past the grace period: a real problem
     ([pod("p3", unschedulable=True)], SHORT, "Unschedulable", "Insufficient nvidia.com/gpu"),
     # a surge pod (the role still has all its pods available) waits for capacity: expected
