@@ -4,8 +4,8 @@
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_tp.sh")
 #
 # 1. bench tp: Llama-3.1-8B with random bf16 weights at TP=1, 2 (and 4 where 4 GPUs are visible;
-#    CUDA graphs), each TP>1 size once per all-reduce method ($ALL_REDUCE: "auto", the worker's
-#    default, symmetric memory for small messages; with QUICK=1 "nccl auto", NCCL alone then
+#    CUDA graphs), each TP>1 size once per all-reduce method ($ALL_REDUCE: "nccl", the worker's
+#    default; "auto" is symmetric memory for small messages; with QUICK=1 "nccl auto", NCCL alone then
 #    auto, same run, same cards): bs=1 decode ms/step, the step's 2L+1 all-reduces alone (one CUDA graph) and
 #    per all-reduce, bf16 greedy/top-5 agreement with TP=1 (TP=1 is the reference, within this
 #    call only), offline 1024/128 tok/s and the fp32 transformers check.
@@ -30,7 +30,7 @@ cd /tmp
 if [ -n "${QUICK:-}" ]; then
   TP_ARGS="--num-prompts 0 --no-fp32-check --decode-steps 64" LIMIT=420 ALL_REDUCE=${ALL_REDUCE:-nccl auto}
 else  # one engine per TP size: the offline runs and tp-pd must fit the same 10-minute call
-  TP_ARGS="--num-prompts 128" LIMIT=400 ALL_REDUCE=${ALL_REDUCE:-auto}
+  TP_ARGS="--num-prompts 128" LIMIT=400 ALL_REDUCE=${ALL_REDUCE:-nccl}
 fi
 [ -n "${ONLY_TP_PD:-}" ] || timeout --kill-after=10 $LIMIT $PY -m pdserve.bench.tp --tp 1 2 4 $TP_ARGS \
   --all-reduce $ALL_REDUCE --checkpoint /tmp/l8b --timeout $((LIMIT - 10)) --env PDSERVE_TP_COLLECTIVE_TIMEOUT_S=120 \

@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes (1 first: the reference)")
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     ap.add_argument("--num-prompts", type=int, default=256, help="offline 1024/128 prompts (0: no offline run)")
-    ap.add_argument("--all-reduce", nargs="+", default=["auto"], choices=["auto", "nccl", "one_shot", "two_shot"],
+    ap.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=["auto", "nccl", "one_shot", "two_shot"],
                     help="the TP all-reduce (PDSERVE_TP_ALL_REDUCE) of each TP>1 engine and micro-benchmark; "
                          "several: one engine per method, compared in the same run")
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the transformers fp32 reference")

@@ -26,7 +26,7 @@ from pdserve.worker.parallel.layers import (
 from pdserve.worker.parallel.shard import TPShard
 
 BF16, F32 = torch.bfloat16, torch.float32
-AUTO = AllReduceConfig()
+AUTO = AllReduceConfig(method="auto")
 
 
 def _cfg(heads=4, kv=2, hidden=32, inter=48, vocab=101) -> ModelConfig:
