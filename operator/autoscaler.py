@@ -32,7 +32,7 @@ from pdserve.operator.kube import Kube, owned_by
 from pdserve.operator.planner import ROLES, Decision, PlannerConfig, PlannerState, RoleBounds, Snapshot, decide
 from pdserve.operator.planner_metrics import Scrape, held, role_sample
 from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec
-from pdserve.protocol.contract import HTTP_PORT
+from pdserve.protocol.contract import HTTP_PORT, HTTP_PORT_NAME
 
 log = logging.getLogger("pdserve.operator")
 
@@ -77,7 +77,7 @@ def _pod_url(pod: Mapping[str, Any]) -> str | None:
     port = HTTP_PORT
     for c in (pod.get("spec") or {}).get("containers") or ():
         for p in c.get("ports") or ():
-            if p.get("name") == "http":
+            if p.get("name") == HTTP_PORT_NAME:
                 port = p["containerPort"]
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}"

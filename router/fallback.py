@@ -92,8 +92,9 @@ class RoleFallback:
     @staticmethod
     def unreachable(up: UpstreamCall) -> bool:
         """No worker of the call's pool took it, and not because they were busy: the role is
-        (for now) gone, so the other role may serve the request whole."""
-        return up.response is None and up.attempts > 0 and up.last_status != 429
+        (for now) gone, so the other role may serve the request whole. No attempt at all counts:
+        the pool's last worker left it (discovery, ejection) between selection and the pick."""
+        return up.response is None and up.last_status != 429
 
     def whole_elsewhere(self, model: str, failed_role: str) -> tuple[str, list[Worker]] | None:
         """After `failed_role`'s pool took nothing: the other role's pool, if it has workers."""

@@ -119,7 +119,9 @@ def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster,
                 namespace, label_selector="pdserve.io/modelserving=zero,pdserve.io/role in (prefill,decode)").items],
                 timeout=120, what="zero's workers gone")
             assert "no traffic" in api.get("zero")["status"]["planner"]["decodeReason"]
-            assert httpx.get(f"{zbase}/ready", timeout=5).json()["status"] == "holding"
+            # The router's discovery and probes drop the gone workers on their own clock: wait for it.
+            wait_for(lambda: httpx.get(f"{zbase}/ready", timeout=5).json()["status"] == "holding", timeout=60,
+                     what="zero's router holding (no worker left in its pools)")
 
             # -- and back: the first request is held, wakes the planner, and is answered
             answers: list[httpx.Response] = []
