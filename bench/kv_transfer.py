@@ -41,13 +41,14 @@ MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
 
 
-def _config(transport: str, port: int, role: str):
+def _config(transport: str, port: int, role: str, pull_timeout: float = 120):
+    """A bench connector's config (also bench/tcp_kv.py's): `pull_timeout` is the decode side's."""
     from pdserve.worker.config import EngineConfig
 
     if role == "prefill":
         return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port,
                             kv_pin_ttl=3600, kv_pull_timeout=120)
-    return EngineConfig(role="decode", kv_transfer=transport, kv_port=port, kv_pull_timeout=120,
+    return EngineConfig(role="decode", kv_transfer=transport, kv_port=port, kv_pull_timeout=pull_timeout,
                         kv_peer_allow=("127.0.0.1",))
 
 

@@ -53,13 +53,9 @@ def _cache(num_blocks: int, block_kib: int, device: str) -> tuple[torch.Tensor, 
 
 
 def _config(transport: str, port: int, role: str):
-    from pdserve.worker.config import EngineConfig
+    from pdserve.bench.kv_transfer import _config as bench_config
 
-    if role == "prefill":
-        return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port,
-                            kv_pin_ttl=3600, kv_pull_timeout=120)
-    return EngineConfig(role="decode", kv_transfer=transport, kv_port=port, kv_pull_timeout=30,
-                        kv_peer_allow=("127.0.0.1",))
+    return bench_config(transport, port, role, pull_timeout=30)
 
 
 def _sync(device) -> None:
