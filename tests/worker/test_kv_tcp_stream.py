@@ -32,9 +32,9 @@ ENGINE = "prefill-engine"
 class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
-    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH):
+    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300):
         self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
-        self.pins = PinTable(ttl=300)
+        self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
         self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth)
@@ -52,12 +52,12 @@ class Prefill:
         return {"remote_request_id": rid, "transfer_token": token, "remote_engine_id": ENGINE,
                 "remote_block_ids": ids}
 
-    def grant(self, params: dict, indices: list[int], streams: int = 1) -> dict:
+    def grant(self, params: dict, indices: list[int], streams: int = 1, keep: bool = False) -> dict:
         """A signed data read, as tcp_pull sends it: the grant (ticket, port, plan)."""
         reply, _ = side_channel.call("127.0.0.1", self.port, "read",
                                      {"request_id": params["remote_request_id"], "token": params["transfer_token"],
-                                      "indices": indices, "prompt_digest": DIGEST, "data": True, "streams": streams},
-                                     5, AUTH, ENGINE)
+                                      "indices": indices, "prompt_digest": DIGEST, "data": True, "streams": streams,
+                                      "keep": keep}, 5, AUTH, ENGINE)
         return reply
 
     def close(self) -> None:
@@ -250,6 +250,30 @@ def test_a_reader_that_hangs_up_mid_transfer_frees_everything(big_prefill, small
     assert prefill.sent < 512 * BLOCK_BYTES
     assert [rid for rid, _, _ in prefill.pins.collect()] == ["gone"]
     assert len(prefill.pins) == 0
+
+
+def test_a_kept_read_whose_reader_dies_holds_the_pin_only_while_it_runs(small_chunks):
+    """A read that keeps its pin (a streamed hand-off's chunk, a tensor-parallel rank's shard)
+    whose reader is killed mid-transfer: the pin outlives its TTL while the transfer runs (its
+    blocks are being copied), and once the transfer ended it is freed at its TTL, not held by a
+    lease on the dead reader's behalf (a 60 s lease left pins behind in the load-with-faults test)."""
+    prefill = Prefill(num_blocks=512, ttl=0.5)
+    try:
+        params = prefill.pin("killed", list(range(512)))
+        grant = prefill.grant(params, list(range(512)), keep=True)
+        sock, answer = connect(prefill, grant, slow=True)
+        assert answer == tcp_stream.ACCEPTED
+        first = bytearray(BLOCK_BYTES)
+        tcp_stream._recv_exact(sock, memoryview(first))
+        threading.Event().wait(0.6)  # past the TTL, the transfer still running (the window is full)
+        assert prefill.tcp.data.in_flight == 1
+        assert prefill.pins.collect() == []  # its blocks are on the wire
+        sock.close()
+        assert prefill.tcp.data.wait_idle(15)
+        freed = prefill.pins.collect()  # the TTL has passed and nothing holds the pin now
+        assert freed == [("killed", list(range(512)), True)]
+    finally:
+        prefill.close()
 
 
 def test_a_prefill_that_hangs_up_fails_the_pull_and_frees_the_readers_buffers(monkeypatch):

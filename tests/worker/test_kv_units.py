@@ -123,6 +123,26 @@ def test_pin_lease_release_and_expiry(monkeypatch):
         pins.lease("r1", token, 5, DIGEST)  # gone
 
 
+def test_a_read_in_progress_holds_its_pin_through_ttl_and_release(monkeypatch):
+    from pdserve.worker.kv import pins as pins_module
+
+    clock = Clock()
+    monkeypatch.setattr(pins_module, "time", clock)
+    pins = PinTable(ttl=0.2)
+    token, _ = pins.add("r1", [3, 4], DIGEST)
+    assert pins.open_read("r1", token, DIGEST) == [3, 4]
+    clock.now += 1.0
+    assert pins.collect() == []  # expired, but its bytes are being sent
+    assert pins.release("r1", token)
+    assert pins.collect() == []  # released by its reader meanwhile: still being sent
+    with pytest.raises(PinError):
+        pins.check("r1", token, DIGEST)  # the sender stops at its next chunk
+    pins.close_read("r1", "forged")
+    assert pins.collect() == []
+    pins.close_read("r1", token)
+    assert pins.collect() == [("r1", [3, 4], False)]
+
+
 def test_released_pin_is_collected_once():
     pins = PinTable(ttl=30)
     token, _ = pins.add("r1", [1], DIGEST)

@@ -1,8 +1,11 @@
 """Blocks a prefill worker holds for a remote decode worker, until released or expired.
 
-Shared between the engine's step thread (adds, frees) and the side-channel thread (leases
-for reads, releases), hence the lock. A pin under lease (a read in progress) is never freed
-by TTL: its blocks could be reallocated while their bytes are on the wire.
+Shared between the engine's step thread (adds, frees) and the side-channel and TCP sender
+threads (reads, releases), hence the lock. A pin with a read in progress is never freed, by
+TTL or by a release: its blocks could be reallocated while their bytes are on the wire. A read
+this worker serves itself (TCP) holds the pin from `open_read` to `close_read`, exactly as long
+as it runs; a remote read (NIXL: the reader moves the bytes, and only its release says it is
+over) holds a lease for LEASE_S, so a reader that dies mid-read costs that long.
 
 A pin is bound to the digest of the prompt its blocks were computed from: a reader must
 present the digest of *its* prompt, so valid params replayed with another prompt of the same
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pdserve.worker.kv.prompt_binding import bind_token
 
 
-# How long a reader may hold a pin past its TTL while its bytes are on the wire.
+# How long a remote (NIXL) reader may hold a pin past its TTL while its bytes are on the wire.
 LEASE_S = 60.0
 
 
@@ -41,6 +44,7 @@ class Pin:
     prompt_digest: str  # prompt_binding.prompt_digest of the prompt these blocks hold
     expires_at: float  # monotonic
     leased_until: float = 0.0
+    readers: int = 0  # reads this worker is serving now (open_read .. close_read)
     released: bool = False
     ready: int = 0  # leading blocks whose KV is computed (all of them once DONE)
     state: str = DONE
@@ -145,6 +149,28 @@ class PinTable:
             pin.leased_until = now + seconds
             return list(pin.block_ids)
 
+    def open_read(self, request_id: str, token: str, prompt_digest: str,
+                  indices: list[int] | None = None) -> list[int]:
+        """Authenticate a read this worker serves and hold the pin until `close_read` (which the
+        caller must reach, however the read ends). NotReady as `lease`."""
+        with self._lock:
+            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
+            if indices and pin.state == RUNNING and any(type(i) is int and i >= pin.ready for i in indices):
+                raise NotReady()
+            pin.readers += 1
+            return list(pin.block_ids)
+
+    def close_read(self, request_id: str, token: str) -> None:
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is not None and pin.token == token and pin.readers > 0:
+                pin.readers -= 1
+
+    def check(self, request_id: str, token: str, prompt_digest: str) -> None:
+        """PinError unless the pin is still the reader's: released or cancelled ends a read."""
+        with self._lock:
+            self._authenticate(request_id, token, prompt_digest, time.monotonic())
+
     def progress(self, request_id: str, token: str, prompt_digest: str, have) -> dict:
         """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
         there is more, or the prefill ended. Only the holder of the token may ask."""
@@ -180,7 +206,7 @@ class PinTable:
         out = []
         with self._lock:
             for rid, pin in list(self._pins.items()):
-                if pin.leased_until > now:
+                if pin.leased_until > now or pin.readers:
                     continue
                 if pin.released or pin.expires_at <= now:
                     out.append((rid, pin.block_ids, not pin.released))

@@ -21,13 +21,15 @@ Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
   prefill worker grants at most MAX_SEND_STREAMS streams at once (beyond: "busy", retried), a
   decode worker's pulls share MAX_RECV_BYTES of buffers. A reader that stops draining holds its
-  two buffers per stream and, for at most SEND_TIMEOUT_S per chunk, the pin's lease; then the
-  prefill side drops the connection, gives the buffers back and ends the transfer.
-- before each chunk's copy the prefill side renews the lease with the transfer token: a pin
-  released or cancelled meanwhile (the prefill was aborted) ends the transfer there.
+  two buffers per stream and, for at most SEND_TIMEOUT_S per chunk, the pin; then the prefill
+  side drops the connection, gives the buffers back and ends the transfer.
+- the read that granted the transfer holds the pin (pins.open_read) until the transfer ends, and
+  not a moment longer: a reader that dies mid-read leaves it to its TTL. Before each chunk's copy
+  the prefill side checks the transfer token: a pin released or cancelled meanwhile (the prefill
+  was aborted) ends the transfer there.
 - a transfer ends when each of its streams ended (sent, failed, hung up, or never claimed
-  within CLAIM_S); then a plain read's pin is released (a read is the release, as before), and
-  every count and buffer is back (`DataServer.wait_idle`).
+  within CLAIM_S); then the pin's read is closed, a plain read's pin is released (a read is the
+  release, as before), and every count and buffer is back (`DataServer.wait_idle`).
 - the decode side joins every stream's thread and waits for its device copies before it
   returns or raises: no byte lands in a block after the pull ended.
 """
@@ -48,7 +50,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
-from pdserve.worker.kv.pins import LEASE_S, PinError, PinTable
+from pdserve.worker.kv.pins import PinError, PinTable
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +317,7 @@ class DataServer:
             pending = None  # (buffer, event, bytes): copied out, not yet sent
             for k, (first, count) in enumerate(chunks):
                 # Still ours? A released or cancelled pin ends the transfer before its blocks are read.
-                self.pins.lease(t.request_id, t.token, LEASE_S, t.digest)
+                self.pins.check(t.request_id, t.token, t.digest)
                 buf = bufs[k % len(bufs)]
                 with _stream_ctx(stream):
                     for pos, src, n in _runs(t.ids[first:first + count]):
@@ -346,6 +348,7 @@ class DataServer:
         if t.open > 0:
             return
         self._transfers.pop(t.ticket, None)
+        self.pins.close_read(t.request_id, t.token)  # opened by the read that granted this transfer
         if not t.keep:  # a plain read is the release (of a pin this reader alone holds)
             self.pins.release(t.request_id, t.token)
         self.on_sent(t.sent)

@@ -22,7 +22,7 @@ import torch
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import merge_runs
-from pdserve.worker.kv.pins import LEASE_S, PinTable
+from pdserve.worker.kv.pins import PinTable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,15 +48,18 @@ class TcpServer:
             return self._read_inline(body)
         rid, token, digest, keep = body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("keep")
         indices = body.get("indices")  # a streamed pin defers the read until these are computed
-        pinned = self.pins.lease(rid, token, LEASE_S, digest, indices if isinstance(indices, list) else None)
+        # Held from here until the transfer's last stream ends (tcp_stream.DataServer closes the read).
+        pinned = self.pins.open_read(rid, token, digest, indices if isinstance(indices, list) else None)
         try:
             ids = [pinned[i] for i in check_indices(indices, len(pinned))]
             if self.data is None:
                 self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent)
             offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"))
         except side_channel.Busy:
+            self.pins.close_read(rid, token)
             raise  # the reader retries: its pin stays
         except BaseException:
+            self.pins.close_read(rid, token)
             if not keep:  # a read is the release, even one that fails
                 self.pins.release(rid, token)
             raise
@@ -69,8 +72,8 @@ class TcpServer:
     def _read_inline(self, body: dict):
         rid, token = body.get("request_id"), body.get("token")
         indices = body.get("indices")
-        pinned = self.pins.lease(rid, token, LEASE_S, body.get("prompt_digest"),
-                                 indices if isinstance(indices, list) else None)
+        pinned = self.pins.open_read(rid, token, body.get("prompt_digest"),
+                                     indices if isinstance(indices, list) else None)
         try:
             ids = [pinned[i] for i in check_indices(body.get("indices"), len(pinned))]
             frames, runs, nbytes = [], [], 0
@@ -81,10 +84,11 @@ class TcpServer:
                 runs.append(count)
                 nbytes += chunk.numel()
         finally:
+            self.pins.close_read(rid, token)
             if not body.get("keep"):  # a read is also the release: one reader, once
                 self.pins.release(rid, token)
             # "keep": tensor-parallel readers (several decode ranks may read this rank's shard);
-            # the lease holds the pin until the decode worker's rank 0 releases it (kv/tp_transfer.py).
+            # the pin stays until the decode worker's rank 0 releases it (kv/tp_transfer.py).
         self.on_sent(nbytes)
         return {"runs": runs, "prompt_digest": body["prompt_digest"]}, frames
 
