@@ -266,3 +266,29 @@ def test_a_prefill_client_that_leaves_after_the_announcement_frees_everything(pd
     # finished and then released by nobody) and ends the request or prefills as the pin says.
     out = httpx.post(f"{d.url}/v1/completions", json={**body, "kv_transfer_params": early}, timeout=60)
     assert out.status_code == 200
+
+
+def test_sigterm_keeps_pinned_kv_until_the_decode_worker_reads_it(tiny_checkpoint):
+    """A scale-down (SIGTERM) of a prefill worker that holds KV for a decode worker: it stops
+    taking requests but stays up, its side channel serving, until the decode worker has pulled
+    (the answer is one worker's, with no local prefill), and then exits 0 at once."""
+    import signal
+
+    args = (*ARGS, "--shutdown-grace", "120")
+    with start_pd_pair(tiny_checkpoint("llama"), "tcp", args, ENV, pin_ttl=120, pull_timeout=10) as (p, d):
+        body = {**BASE, "prompt": "Scaled down while its KV waits: " + PROMPT}
+        plain = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        first = prefill(p, body)
+        assert kv_state(p)["num_pinned_blocks"] > 0
+        p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while "waiting for decode workers to read" not in p.output():
+            assert p.proc.poll() is None and time.monotonic() < deadline, p.output()
+            time.sleep(0.05)
+        assert p.proc.poll() is None  # the grace (120 s) and the pin's TTL (120 s) are far off
+        rest = httpx.post(f"{d.url}/v1/completions", timeout=60,
+                          json={**body, "kv_transfer_params": first["kv_transfer_params"]}).json()
+        assert first["choices"][0]["text"] + rest["choices"][0]["text"] == plain
+        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == 0
+        assert p.proc.wait(60) == 0, p.output()
+        assert "unread at the end of the grace period" not in p.output()

@@ -51,6 +51,7 @@ class WorkerState:
         self.engine = None  # set once loaded and started
         self.max_prompt_chars = 0  # serving.max_prompt_chars, set with the engine
         self.draining = False
+        self._drained: asyncio.Event | None = None  # set when drain() is done (None: no drain began)
         self.inflight: set[str] = set()
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
 
@@ -95,16 +96,42 @@ class WorkerState:
         log.info("engine ready in %.1fs: serving %s (max_model_len=%d)", time.perf_counter() - t0,
                  self.served_model_name, engine.max_model_len)
 
+    def begin_drain(self, grace_s: float) -> None:
+        """On the loop's thread, from the signal handler: `drained` waits for this drain from
+        now on, whichever of it and the server's shutdown runs first."""
+        self._drained = asyncio.Event()
+        asyncio.get_running_loop().create_task(self.drain(grace_s))
+
     async def drain(self, grace_s: float) -> None:
-        """SIGTERM: refuse new requests, let in-flight ones run `grace_s`, then abort the rest."""
+        """SIGTERM: refuse new requests, let in-flight ones run `grace_s`, then abort the rest.
+        Within the same grace, a prefill worker then keeps the KV it pinned for decode workers
+        until they have read it (or its TTL ends): a scale-down must not turn the hand-offs in
+        flight into local prefills. The engine, its side channel and data listener stay up until
+        this returns (the lifespan's shutdown awaits `drained`)."""
         self.draining = True
-        log.info("draining: %d engine request(s) in flight, grace %.1fs", len(self.inflight), grace_s)
-        deadline = time.monotonic() + grace_s
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for rid in list(self.inflight):
-            log.warning("aborting %s at the end of the shutdown grace period", rid)
-            self.engine.abort(rid)
+        self._drained = self._drained or asyncio.Event()
+        try:
+            log.info("draining: %d engine request(s) in flight, grace %.1fs", len(self.inflight), grace_s)
+            deadline = time.monotonic() + grace_s
+            while self.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for rid in list(self.inflight):
+                log.warning("aborting %s at the end of the shutdown grace period", rid)
+                self.engine.abort(rid)
+            if (pinned := self.engine.stats().num_pinned_blocks) and time.monotonic() < deadline:
+                log.info("draining: waiting for decode workers to read %d pinned KV block(s)", pinned)
+                while self.engine.stats().num_pinned_blocks and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            if pinned := self.engine.stats().num_pinned_blocks:
+                log.warning("draining: %d pinned KV block(s) unread at the end of the grace period; "
+                            "their decode workers prefill locally", pinned)
+        finally:
+            self._drained.set()
+
+    async def drained(self) -> None:
+        """Until a drain that began has ended (at once if none began)."""
+        if self._drained is not None:
+            await self._drained.wait()
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -124,6 +151,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             if not loader.done():
                 loader.cancel()  # the loading thread itself cannot be stopped; we just stop waiting
             await asyncio.gather(loader, return_exceptions=True)
+            await state.drained()  # uvicorn gets here once no connection is open: pins may still be unread
             await state.close()
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan, **utility_routes.DOCS)

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             if not self.should_exit and state.engine is not None:
                 # A signal handler runs on the loop's thread, between two callbacks.
                 loop = asyncio.get_running_loop()
-                loop.call_soon_threadsafe(lambda: loop.create_task(state.drain(server_config.shutdown_grace_s)))
+                loop.call_soon_threadsafe(state.begin_drain, server_config.shutdown_grace_s)
             super().handle_exit(sig, frame)
 
     server = Server(uv_config)
