@@ -181,7 +181,8 @@ def fused_moe_ref(
     ids = torch.where(ids < 0, E, ids)  # not held here: sorted last, never computed
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=E + 1).tolist()  # one host read: this is the CPU path
-    weights = topk_weights.reshape(-1, 1).float()
+    acc = torch.promote_types(x.dtype, torch.float32)  # the weight is applied in fp32 (or better)
+    weights = topk_weights.reshape(-1, 1).to(acc)
     out = x.new_zeros(T * k, H)
     start = 0
     for e in range(E):
@@ -190,19 +191,20 @@ def fused_moe_ref(
         if rows.numel() == 0:
             continue
         h = silu_and_mul_ref(x[rows // k] @ w13[e].t())
-        out[rows] = ((h @ w2[e].t()).float() * weights[rows]).to(x.dtype)
+        out[rows] = ((h @ w2[e].t()).to(acc) * weights[rows]).to(x.dtype)
     return out.view(T, k, H).sum(dim=1)
 
 
 def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """The same function written the obvious way (transformers' structure): for each expert, find
     the tokens that chose it and add their weighted outputs. The oracle of fused_moe_ref."""
-    out = torch.zeros_like(x, dtype=torch.float32)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros_like(x, dtype=acc)
     for e in range(w13.shape[0]):
         token, slot = torch.where(topk_ids == e)
         if token.numel() == 0:
             continue
         gate, up = (x[token] @ w13[e].t()).chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ w2[e].t()
-        out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+        out.index_add_(0, token, y.to(acc) * topk_weights[token, slot, None].to(acc))
     return out.to(x.dtype)
