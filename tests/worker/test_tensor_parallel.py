@@ -4,6 +4,7 @@ worker with a clear log line; no rank outlives the worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -64,6 +65,25 @@ def test_tp2_greedy_equals_tp1(checkpoint, arch, kv_heads, static_decode):
     ckpt = checkpoint(arch, kv_heads)
     ref = generate(ckpt, 1)
     assert generate(ckpt, 2, static_decode) == ref
+
+
+@pytest.mark.parametrize("arch,ep", [
+    ("qwen3-moe", False),  # every expert's I columns split, as a dense MLP (one layer dense)
+    ("qwen3-moe", True),  # 4 whole experts per rank, the all-reduce combines
+    ("qwen2-moe", True),  # experts whole per rank, the shared expert split: one all-reduce for both
+])
+def test_moe_tp2_with_and_without_expert_parallel_equals_tp1(checkpoint, arch, ep):
+    ckpt = checkpoint(arch, 2)
+    assert generate(ckpt, 2, enable_expert_parallel=ep) == generate(ckpt, 1)
+
+
+def test_expert_parallel_needs_experts_divisible_by_ranks():
+    cfg = dataclasses.replace(_cfg(), architecture="Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2,
+                              moe_intermediate_size=256, moe_layers=(0, 1))
+    assert list(TPShard(1, 2, cfg, expert_parallel=True).local_experts) == [3, 4, 5]
+    assert TPShard(1, 2, cfg).expert_intermediate_size == 128
+    with pytest.raises(ConfigError, match="--enable-expert-parallel.*6 experts"):
+        TPShard(0, 4, cfg, expert_parallel=True)
 
 
 def test_tp2_seeded_sampling_and_logprobs_equal_tp1(checkpoint):
