@@ -1,11 +1,14 @@
 """Fused mixture-of-experts: the T*k (token, expert) assignments sorted by expert, then two grouped
 GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same function in torch.
 
-1. `moe_align` (torch ops on the device, no host sync, so CUDA graphs can capture it): every
+1. `moe_align` (on the device, no host sync, so CUDA graphs can capture it): every
    assignment gets a row in a buffer where each expert's assignments are contiguous and padded to
    a multiple of BLOCK_M; `expert_ids[b]` names the expert of row block b. Its size is a static
    bound (M + min(M, E) * (BLOCK_M - 1)), the real length lives on the device (`num_padded`):
    blocks past it exit at once, so one grid serves every routing of the same batch size.
+   Decode sizes run it as one Triton program (`_moe_align_kernel`); the torch version's dozen
+   small kernels per layer would cost more than the layer's GEMMs at batch 1. Large batches
+   (prefill, where those launches are noise) use the torch version (`moe_align_torch`).
 2. gate|up GEMM with SiLU-and-mul in its epilogue: a program computes BLOCK_N columns of both
    halves for BLOCK_M rows of one expert, and writes silu(gate) * up, rounded once, to the
    assignment's row of the intermediate [M, I].
@@ -24,9 +27,71 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
 
 
+# One program holds an [M, E] one-hot tile: up to this many elements the single-program align
+# runs (M = T*k <= 512 at 128 experts: decode batches up to 64 sequences at k = 8).
+ALIGN_KERNEL_MAX_ELEMENTS = 1 << 16
+
+
+def _align_capacity(m: int, num_experts: int, block_m: int) -> int:
+    """Rows the padded buffer can need: each held expert's run rounds up by < block_m rows."""
+    return -(-(m + min(m, num_experts) * (block_m - 1)) // block_m) * block_m
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] (local expert ids, -1 = not here) -> (sorted_ids [P] int32: assignment index
-    t*k+j per row, M = padding; expert_ids [P / block_m] int32, -1 past the end; num_padded [1])."""
+    t*k+j per row, M = padding; expert_ids [P / block_m] int32, -1 past the end; num_padded [1]).
+    Within an expert, assignments keep their order (t*k+j ascending)."""
+    m = topk_ids.numel()
+    tile = triton.next_power_of_2(m) * triton.next_power_of_2(num_experts)
+    if m == 0 or tile > ALIGN_KERNEL_MAX_ELEMENTS:
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    cap = _align_capacity(m, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    _moe_align_kernel[(1,)](
+        ids, sorted_ids, expert_ids, num_padded, m, num_experts, cap, cap // block_m,
+        BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
+        B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)),
+        num_warps=4 if tile <= 1 << 13 else 8,
+    )
+    return sorted_ids, expert_ids, num_padded
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, cap, num_blocks,
+                      BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                      FILL: tl.constexpr):
+    # The torch version's arithmetic in one program: one-hot [M, E], its running count down
+    # the assignments gives each one's rank within its expert; padded counts' prefix sums give
+    # each expert's first row.
+    for start in range(0, cap, FILL):  # padding rows say "no assignment" (m)
+        offs = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + offs, tl.full((FILL,), 0, tl.int32) + m, mask=offs < cap)
+    i = tl.arange(0, M_TILE)
+    ids = tl.load(ids_ptr + i, mask=i < m, other=-1).to(tl.int32)
+    held = (ids >= 0) & (ids < num_experts) & (i < m)  # not held: a row of zeros in the one-hot
+    e = tl.arange(0, E_TILE)
+    onehot = ((ids[:, None] == e[None, :]) & held[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    counts = tl.sum(onehot, axis=0)
+    padded = tl.where(e < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    dest = tl.sum(onehot * starts[None, :], axis=1) + rank
+    tl.debug_barrier()  # the fill above lands before the scatter below
+    tl.store(sorted_ids_ptr + dest, i, mask=held)
+    b = tl.arange(0, B_TILE)
+    # Block b belongs to the expert whose rows contain b * BLOCK_M: the count of experts that end at or before it.
+    owner = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (e < num_experts)[None, :]).to(tl.int32), axis=1)
+    tl.store(expert_ids_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align in torch ops (large batches; the single-program kernel's oracle)."""
     m = topk_ids.numel()
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).long()
@@ -40,7 +105,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
-    cap = -(-(m + min(m, num_experts) * (block_m - 1)) // block_m) * block_m
+    cap = _align_capacity(m, num_experts, block_m)
     held = ids < num_experts
     dest = torch.where(held, starts[ids.clamp(max=num_experts - 1)] + rank, cap)  # cap: a discarded slot
     sorted_ids = torch.full((cap + 1,), m, dtype=torch.int32, device=dev)

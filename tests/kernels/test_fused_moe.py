@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.fused_moe import fused_moe, moe_align
+from pdserve.kernels.fused_moe import fused_moe, moe_align, moe_align_torch
 from pdserve.kernels.reference import fused_moe_loop_ref, fused_moe_ref
 from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
 
@@ -38,11 +38,12 @@ def test_grouped_reference_equals_per_expert_loop(t, e, k, drop):
         assert (out[none_here] == 0).all()
 
 
+@pytest.mark.parametrize("align", [moe_align, moe_align_torch], ids=["kernel", "torch"])
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (30, 8, 2, 0.0), (9, 64, 4, 0.5)])
-def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop, block_m):
+@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (30, 8, 2, 0.0), (9, 64, 4, 0.5), (3, 128, 8, 0.0)])
+def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop, block_m, align):
     _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
-    sorted_ids, expert_ids, num_padded = moe_align(ids, e, block_m)
+    sorted_ids, expert_ids, num_padded = align(ids, e, block_m)
     n, m, flat = int(num_padded), t * k, ids.reshape(-1).cpu()
     assert sorted_ids.numel() % block_m == 0 and n <= sorted_ids.numel() and expert_ids.numel() * block_m == sorted_ids.numel()
     rows = sorted_ids[:n].cpu()
@@ -55,6 +56,14 @@ def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop
     assert n == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
+def test_align_kernel_equals_torch_align():
+    # Same rows, same order within each expert, same padding: the kernel is the torch version.
+    for t, e, k, drop, block_m in [(7, 8, 2, 0.0, 16), (16, 128, 8, 0.0, 16), (11, 16, 4, 0.3, 32)]:
+        _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
+        for a, b in zip(moe_align(ids, e, block_m), moe_align_torch(ids, e, block_m)):
+            assert torch.equal(a.cpu(), b.cpu().to(a.dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (21, 8, 2, 0.0), (6, 4, 2, 0.4)])
 def test_kernel_matches_reference(poison_empty, dtype, t, e, k, drop):
@@ -65,6 +74,14 @@ def test_kernel_matches_reference(poison_empty, dtype, t, e, k, drop):
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
     assert out.shape == x.shape and out.dtype == dtype
     assert rel_error(out, ref) < TOL[dtype] * (5 if dtype == torch.bfloat16 else 10)
+
+
+def test_kernel_with_the_torch_align_of_large_batches(poison_empty, monkeypatch):
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_ELEMENTS", 0)  # as a prefill batch: moe_align_torch
+    x, w13, w2, w, ids = moe_inputs(9, 64, 32, 8, 2, drop=0.2)
+    assert rel_error(fused_moe(x, w13, w2, w, ids), fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
 
 
 def test_kernel_default_config_and_int32_ids(poison_empty):
