@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     k.add_argument("--out")
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
-    c.add_argument("--layers", type=int, default=16)
+    c.add_argument("--layers", type=int, default=12)
     e = sub.add_parser("engine")
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--layers", type=int, required=True, help="the checkpoint's layers (for the roofline)")

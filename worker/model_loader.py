@@ -76,6 +76,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     t = _stage("config + tokenizer", t)
 
     shard = None
+    if expert_parallel and not cfg.is_moe:
+        log.warning("--enable-expert-parallel has no effect: %s has no experts", cfg.architecture)
     if tp[1] > 1:
         from pdserve.worker.parallel.shard import TPShard
 
