@@ -55,8 +55,8 @@ def _cfg_name(c: dict) -> str:
 def kernel(args) -> int:
     from pdserve.bench.kernels import copy_bandwidth
     from pdserve.kernels.fused_moe import fused_moe, moe_block_config
-    from pdserve.kernels.reference import fused_moe_loop_ref
-    from pdserve.worker.models.moe import route
+    from pdserve.kernels.moe_route import moe_route
+    from pdserve.kernels.reference import fused_moe_loop_ref, moe_route_ref
 
     h, inter, e, k = SHAPE["hidden"], SHAPE["inter"], SHAPE["experts"], SHAPE["top_k"]
     torch.manual_seed(0)
@@ -70,11 +70,13 @@ def kernel(args) -> int:
              f"same-run copy bandwidth {bw / 1e9:.0f} GB/s (read + write). Times: triton do_bench medians.", "",
              "| tokens | experts hit | fused, default tiles (us) | fused, best tiles (us) | best tiles | "
              "per-expert loop (us) | loop / fused best | fused in a CUDA graph (us) | expert bytes / best time "
-             "(GB/s, % of copy) | rel err vs loop |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
+             "(GB/s, % of copy) | rel err vs loop | routing: torch / Triton (us) |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
     for t in args.tokens:
         x = torch.randn(t, h, device=dev, dtype=dt)
-        weights, ids = route(torch.randn(t, e, device=dev), k, True)
+        logits = torch.randn(t, e, device=dev, dtype=dt)
+        weights, ids = moe_route_ref(logits, k, True)
+        route_us = (_bench_us(lambda: moe_route_ref(logits, k, True)), _bench_us(lambda: moe_route(logits, k, True)))
         hit = int(torch.unique(ids).numel())
         ref = fused_moe_loop_ref(x, w13, w2, weights, ids)
         out = fused_moe(x, w13, w2, weights, ids)
@@ -107,7 +109,8 @@ def kernel(args) -> int:
             graph_us = f"{_bench_us(g.replay):.1f}" + ("" if same else " (differs from eager!)")
         gbs = hit * expert_bytes / (best[0] * 1e-6) / 1e9
         lines.append(f"| {t} | {hit} | {t_default:.1f} | {best[0]:.1f} | {_cfg_name(best[1])} | {t_loop:.1f} | "
-                     f"{t_loop / best[0]:.1f}x | {graph_us} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {err:.1e} |")
+                     f"{t_loop / best[0]:.1f}x | {graph_us} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {err:.1e} | "
+                     f"{route_us[0]:.1f} / {route_us[1]:.1f} |")
         print(lines[-1], flush=True)
     _write(args.out, lines)
     return 0

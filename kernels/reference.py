@@ -208,3 +208,18 @@ def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         y = (F.silu(gate) * up) @ w2[e].t()
         out.index_add_(0, token, y.to(acc) * topk_weights[token, slot, None].to(acc))
     return out.to(x.dtype)
+
+
+def moe_route_ref(
+    router_logits: torch.Tensor,  # [T, E], the router linear's output (model dtype)
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, expert ids [T, k] int64
+    """Top-k routing as transformers computes it for Qwen2/3-MoE and Mixtral: softmax over all E
+    in fp32, the k largest probabilities, divided by their sum when `renormalize`
+    (Mixtral always; Qwen's norm_topk_prob)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

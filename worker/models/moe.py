@@ -1,7 +1,8 @@
 """The sparse mixture-of-experts block: a router picks k of E expert MLPs per token, the experts
 run as one fused op, and (Qwen2-MoE) a shared expert behind a sigmoid gate is added.
 
-Routing is computed exactly as transformers does, in fp32: softmax over all E router logits,
+Routing is computed exactly as transformers does, in fp32 (kernels/reference.py: moe_route_ref; the
+Triton path: kernels/moe_route.py): softmax over all E router logits,
 top-k of the probabilities, and with `norm_topk_prob` (Qwen3-MoE, Qwen2-MoE when set, Mixtral
 always) the k probabilities divided by their sum. (Mixtral's "softmax over the top-k logits" is the
 same number: softmax then renormalise over the k equals a softmax over the k logits.)
@@ -25,30 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import fused_moe_ref
+from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
 from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 
 
-def moe_op(backend: AttentionBackend) -> Callable:
-    """The experts' op, following the attention backend as the pointwise ops do (models/llama.py):
-    the Triton kernel on CUDA (and under the interpreter in the twin tests), the reference on CPU."""
+def moe_ops(backend: AttentionBackend) -> tuple[Callable, Callable]:
+    """(routing, experts) ops, following the attention backend as the pointwise ops do
+    (models/llama.py): the Triton kernels on CUDA (and under the interpreter in the twin tests),
+    the references on CPU."""
     if backend.name == "triton":
         from pdserve.kernels.fused_moe import fused_moe
+        from pdserve.kernels.moe_route import moe_route
 
-        return fused_moe
-    return fused_moe_ref
+        return moe_route, fused_moe
+    return moe_route_ref, fused_moe_ref
 
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights [T, k] fp32, expert ids [T, k] int64), transformers' arithmetic."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class FusedExperts(nn.Module):
@@ -101,14 +96,15 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize, self.shard = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated: [E, H] is small
-        self.experts = FusedExperts(cfg, shard, moe_op(backend))
+        self.route, experts_op = moe_ops(backend)
+        self.experts = FusedExperts(cfg, shard, experts_op)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, shard, pointwise_ops(backend), inter=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        weights, ids = self.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             s = self.shared_expert
