@@ -35,7 +35,8 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
             q = tl.where(e == tl.min(tl.where(q == best, e, E_TILE), axis=0), -1.0, q)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, e, E_TILE), axis=0)
+        # min(.., E - 1): NaN logits match no lane; an id past the experts would be read out of bounds.
+        idx = tl.minimum(tl.min(tl.where(p == best, e, E_TILE), axis=0), num_experts - 1)
         tl.store(weights_ptr + t * TOP_K + j, best / total)
         tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64))
         p = tl.where(e == idx, -1.0, p)
