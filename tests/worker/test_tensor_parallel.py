@@ -184,6 +184,13 @@ def test_engine_refuses_before_starting_ranks(checkpoint):
         LLMEngine(EngineConfig(model=str(checkpoint("llama", 2)), device="cpu", tensor_parallel_size=3))
 
 
+def test_engine_refuses_expert_parallel_that_does_not_divide_the_experts(checkpoint):
+    # Rank 0 checks before any process starts, naming the flag (the experts are checked first).
+    ckpt = checkpoint("mixtral", 2)  # 4 experts
+    with pytest.raises(ConfigError, match="--enable-expert-parallel: 3 ranks cannot share the model's 4 experts"):
+        LLMEngine(EngineConfig(model=str(ckpt), device="cpu", tensor_parallel_size=3, enable_expert_parallel=True))
+
+
 @pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp", "kv_peer_allow": ("127.0.0.1",)}])
 def test_tp_with_kv_transfer_is_accepted(kw):
     # P/D between tensor-parallel workers: tests/worker/test_tp_pd.py.
