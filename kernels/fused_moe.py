@@ -37,14 +37,16 @@ def _align_capacity(m: int, num_experts: int, block_m: int) -> int:
     return -(-(m + min(m, num_experts) * (block_m - 1)) // block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] (local expert ids, -1 = not here) -> (sorted_ids [P] int32: assignment index
-    t*k+j per row, M = padding; expert_ids [P / block_m] int32, -1 past the end; num_padded [1]).
-    Within an expert, assignments keep their order (t*k+j ascending)."""
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [P] int32: assignment index t*k+j per row, M = padding;
+    expert_ids [P / block_m] int32 local expert ids, -1 past the end; num_padded [1]). Experts
+    [expert_offset, expert_offset + num_experts) are held here (expert parallelism); assignments
+    to others (or -1) get no row. Within an expert, assignments keep their order (t*k+j ascending)."""
     m = topk_ids.numel()
     tile = triton.next_power_of_2(m) * triton.next_power_of_2(num_experts)
     if m == 0 or tile > ALIGN_KERNEL_MAX_ELEMENTS:
-        return moe_align_torch(topk_ids, num_experts, block_m)
+        return moe_align_torch(topk_ids, num_experts, block_m, expert_offset)
     cap = _align_capacity(m, num_experts, block_m)
     dev = topk_ids.device
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
@@ -52,7 +54,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     _moe_align_kernel[(1,)](
-        ids, sorted_ids, expert_ids, num_padded, m, num_experts, cap, cap // block_m,
+        ids, sorted_ids, expert_ids, num_padded, m, num_experts, expert_offset, cap, cap // block_m,
         BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
         B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)),
         num_warps=4 if tile <= 1 << 13 else 8,
@@ -61,7 +63,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, cap, num_blocks,
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                      num_blocks,
                       BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
                       FILL: tl.constexpr):
     # The torch version's arithmetic in one program: one-hot [M, E], its running count down
@@ -71,7 +74,7 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m
         offs = start + tl.arange(0, FILL)
         tl.store(sorted_ids_ptr + offs, tl.full((FILL,), 0, tl.int32) + m, mask=offs < cap)
     i = tl.arange(0, M_TILE)
-    ids = tl.load(ids_ptr + i, mask=i < m, other=-1).to(tl.int32)
+    ids = tl.load(ids_ptr + i, mask=i < m, other=-1).to(tl.int32) - expert_offset
     held = (ids >= 0) & (ids < num_experts) & (i < m)  # not held: a row of zeros in the one-hot
     e = tl.arange(0, E_TILE)
     onehot = ((ids[:, None] == e[None, :]) & held[:, None]).to(tl.int32)
@@ -90,12 +93,13 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
 
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_align in torch ops (large batches; the single-program kernel's oracle)."""
     m = topk_ids.numel()
     dev = topk_ids.device
-    ids = topk_ids.reshape(-1).long()
-    ids = torch.where(ids < 0, num_experts, ids)  # a sentinel expert, never given a block
+    ids = topk_ids.reshape(-1).long() - expert_offset
+    ids = torch.where((ids < 0) | (ids >= num_experts), num_experts, ids)  # a sentinel expert, never given a block
     # Rank of each assignment within its expert, in assignment order: a running count per expert
     # ([M, E+1] compare + cumsum: no sort, no host read, deterministic).
     hits = ids[:, None] == torch.arange(num_experts + 1, device=dev)[None, :]
@@ -194,9 +198,10 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0) -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights [T, k] float, topk_ids [T, k] int (-1 = not held) -> [T, H] in x's dtype.
+    topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
+    expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
     `config`: tile sizes (default moe_block_config's)."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
@@ -215,7 +220,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.empty_like(x)
     m = t * top_k
     cfg = config or moe_block_config(m, e)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"])
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     weights = topk_weights.reshape(-1).contiguous()
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)

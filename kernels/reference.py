@@ -170,15 +170,16 @@ def fused_moe_ref(
     w13: torch.Tensor,  # [E, 2I, H]: expert e's gate rows then its up rows
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] fp32, the router's weights
-    topk_ids: torch.Tensor,  # [T, k] int, local expert ids; -1 = an expert this rank does not hold
+    topk_ids: torch.Tensor,  # [T, k] int expert ids; -1 or outside the held range: not computed here
+    expert_offset: int = 0,  # w13[i] / w2[i] are expert expert_offset + i (expert parallelism)
 ) -> torch.Tensor:  # [T, H]: sum over k of weight * down(silu(gate x) * up x); 0 where no expert is held
     """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
     expert, one GEMM per expert over its contiguous run of rows (gate|up, SiLU-and-mul, down, the
     router weight), results written back to their assignment's row and summed over k."""
     T, H = x.shape
     k, E = topk_ids.shape[1], w13.shape[0]
-    ids = topk_ids.reshape(-1).long()
-    ids = torch.where(ids < 0, E, ids)  # not held here: sorted last, never computed
+    ids = topk_ids.reshape(-1).long() - expert_offset
+    ids = torch.where((ids < 0) | (ids >= E), E, ids)  # not held here: sorted last, never computed
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=E + 1).tolist()  # one host read: this is the CPU path
     acc = torch.promote_types(x.dtype, torch.float32)  # the weight is applied in fp32 (or better)
@@ -195,13 +196,13 @@ def fused_moe_ref(
     return out.view(T, k, H).sum(dim=1)
 
 
-def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids, expert_offset: int = 0) -> torch.Tensor:
     """The same function written the obvious way (transformers' structure): for each expert, find
     the tokens that chose it and add their weighted outputs. The oracle of fused_moe_ref."""
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros_like(x, dtype=acc)
     for e in range(w13.shape[0]):
-        token, slot = torch.where(topk_ids == e)
+        token, slot = torch.where(topk_ids == e + expert_offset)
         if token.numel() == 0:
             continue
         gate, up = (x[token] @ w13[e].t()).chunk(2, dim=-1)

@@ -58,9 +58,11 @@ def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop
 
 def test_align_kernel_equals_torch_align():
     # Same rows, same order within each expert, same padding: the kernel is the torch version.
-    for t, e, k, drop, block_m in [(7, 8, 2, 0.0, 16), (16, 128, 8, 0.0, 16), (11, 16, 4, 0.3, 32)]:
+    for t, e, k, drop, block_m, offset in [(7, 8, 2, 0.0, 16, 0), (16, 128, 8, 0.0, 16, 0), (11, 16, 4, 0.3, 32, 0),
+                                           (13, 16, 4, 0.1, 16, 8)]:  # the last: experts 8..15 held (EP)
         _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
-        for a, b in zip(moe_align(ids, e, block_m), moe_align_torch(ids, e, block_m)):
+        held = e - offset
+        for a, b in zip(moe_align(ids, held, block_m, offset), moe_align_torch(ids, held, block_m, offset)):
             assert torch.equal(a.cpu(), b.cpu().to(a.dtype))
 
 
@@ -76,12 +78,31 @@ def test_kernel_matches_reference(poison_empty, dtype, t, e, k, drop):
     assert rel_error(out, ref) < TOL[dtype] * (5 if dtype == torch.bfloat16 else 10)
 
 
+@pytest.mark.parametrize("offset", [0, 4])
+def test_expert_offset_holds_a_range_of_experts(poison_empty, offset):
+    # Expert parallelism: global ids, this op holding experts [offset, offset + 4) of 8; the two
+    # halves sum to the whole layer.
+    x, w13, w2, w, ids = moe_inputs(7, 64, 32, 8, 2)
+    whole = fused_moe_loop_ref(x.double(), w13.double(), w2.double(), w, ids)
+    part = slice(offset, offset + 4)
+    ref = fused_moe_ref(x.double(), w13[part].double(), w2[part].double(), w, ids, expert_offset=offset)
+    assert rel_error(ref, fused_moe_loop_ref(x.double(), w13[part].double(), w2[part].double(), w, ids,
+                                             expert_offset=offset)) < 1e-12
+    out = fused_moe(x, w13[part].contiguous(), w2[part].contiguous(), w, ids, expert_offset=offset)
+    assert rel_error(out, ref) < 1e-4
+    other = slice(4 - offset, 8 - offset)
+    rest = fused_moe_ref(x.double(), w13[other].double(), w2[other].double(), w, ids, expert_offset=4 - offset)
+    assert rel_error(ref + rest, whole) < 1e-12
+
+
 def test_kernel_with_the_torch_align_of_large_batches(poison_empty, monkeypatch):
     import pdserve.kernels.fused_moe as fm
 
     monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_ELEMENTS", 0)  # as a prefill batch: moe_align_torch
     x, w13, w2, w, ids = moe_inputs(9, 64, 32, 8, 2, drop=0.2)
     assert rel_error(fused_moe(x, w13, w2, w, ids), fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
+    half = fused_moe(x, w13[4:].contiguous(), w2[4:].contiguous(), w, ids, expert_offset=4)
+    assert rel_error(half, fused_moe_ref(x.double(), w13[4:].double(), w2[4:].double(), w, ids, expert_offset=4)) < 1e-4
 
 
 def test_kernel_default_config_and_int32_ids(poison_empty):

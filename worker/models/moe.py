@@ -78,12 +78,9 @@ class FusedExperts(nn.Module):
             param.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], the router's (weights, global ids) [T, k] -> this rank's partial output [T, H]."""
-        if self.shard.expert_parallel and self.shard.size > 1:
-            # Global -> local ids; experts held elsewhere become -1 (skipped, contributing zeros).
-            ids = ids - self.local.start
-            ids = torch.where((ids >= 0) & (ids < len(self.local)), ids, -1)
-        return self.op(x, self.w13, self.w2, weights, ids)
+        """x [T, H], the router's (weights, global ids) [T, k] -> this rank's partial output [T, H].
+        Under expert parallelism the op skips assignments to experts outside its range (zeros)."""
+        return self.op(x, self.w13, self.w2, weights, ids, expert_offset=self.local.start)
 
 
 class SparseMoeBlock(nn.Module):
