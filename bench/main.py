@@ -14,6 +14,7 @@ BENCHMARKS = {
     "engine": "pdserve.bench.engine",
     "tp": "pdserve.bench.tp",
     "tp-pd": "pdserve.bench.tp_pd",
+    "moe": "pdserve.bench.moe",
     "serve": "pdserve.bench.serve",
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",

@@ -163,3 +163,64 @@ def paged_decode_attention_rotary_ref(
     """A decode layer's attention from the projection's output: epilogue, then paged attention."""
     q = rotary_kv_write_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, bias)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: expert e's gate rows then its up rows
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32, the router's weights
+    topk_ids: torch.Tensor,  # [T, k] int expert ids; -1 or outside the held range: not computed here
+    expert_offset: int = 0,  # w13[i] / w2[i] are expert expert_offset + i (expert parallelism)
+) -> torch.Tensor:  # [T, H]: sum over k of weight * down(silu(gate x) * up x); 0 where no expert is held
+    """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
+    expert, one GEMM per expert over its contiguous run of rows (gate|up, SiLU-and-mul, down, the
+    router weight), results written back to their assignment's row and summed over k."""
+    T, H = x.shape
+    k, E = topk_ids.shape[1], w13.shape[0]
+    ids = topk_ids.reshape(-1).long() - expert_offset
+    ids = torch.where((ids < 0) | (ids >= E), E, ids)  # not held here: sorted last, never computed
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=E + 1).tolist()  # one host read: this is the CPU path
+    acc = torch.promote_types(x.dtype, torch.float32)  # the weight is applied in fp32 (or better)
+    weights = topk_weights.reshape(-1, 1).to(acc)
+    out = x.new_zeros(T * k, H)
+    start = 0
+    for e in range(E):
+        rows = order[start:start + counts[e]]
+        start += counts[e]
+        if rows.numel() == 0:
+            continue
+        h = silu_and_mul_ref(x[rows // k] @ w13[e].t())
+        out[rows] = ((h @ w2[e].t()).to(acc) * weights[rows]).to(x.dtype)
+    return out.view(T, k, H).sum(dim=1)
+
+
+def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids, expert_offset: int = 0) -> torch.Tensor:
+    """The same function written the obvious way (transformers' structure): for each expert, find
+    the tokens that chose it and add their weighted outputs. The oracle of fused_moe_ref."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros_like(x, dtype=acc)
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == e + expert_offset)
+        if token.numel() == 0:
+            continue
+        gate, up = (x[token] @ w13[e].t()).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[e].t()
+        out.index_add_(0, token, y.to(acc) * topk_weights[token, slot, None].to(acc))
+    return out.to(x.dtype)
+
+
+def moe_route_ref(
+    router_logits: torch.Tensor,  # [T, E], the router linear's output (model dtype)
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, expert ids [T, k] int64
+    """Top-k routing as transformers computes it for Qwen2/3-MoE and Mixtral: softmax over all E
+    in fp32, the k largest probabilities, divided by their sum when `renormalize`
+    (Mixtral always; Qwen's norm_topk_prob)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3-moe", "mixtral", "qwen2-moe")
 
 
 def _config(arch: str, vocab_size: int, **overrides):
@@ -44,6 +45,21 @@ def _config(arch: str, vocab_size: int, **overrides):
         cfg = Qwen2Config(**common, tie_word_embeddings=True)
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    elif arch == "qwen3-moe":  # 8 experts, top-2 renormalised; layer 1 dense (mlp_only_layers)
+        from transformers import Qwen3MoeConfig
+
+        cfg = Qwen3MoeConfig(**common, head_dim=16, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+    elif arch == "mixtral":  # 4 experts of intermediate_size, top-2 (softmax over the chosen two)
+        from transformers import MixtralConfig
+
+        cfg = MixtralConfig(**{**common, "intermediate_size": 64}, tie_word_embeddings=False, num_local_experts=4,
+                            num_experts_per_tok=2)
+    elif arch == "qwen2-moe":  # 8 experts, top-2 not renormalised, a shared expert behind its sigmoid gate
+        from transformers import Qwen2MoeConfig
+
+        cfg = Qwen2MoeConfig(**common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

@@ -37,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, "disable CUDA graphs")
     tensor_parallel_size: int = flag(1, "shard the model over this many GPUs (processes on CPU), one process per rank")
+    enable_expert_parallel: bool = flag(False, "MoE models: each tensor-parallel rank holds experts/N whole experts "
+                                               "(all-reduce combine) instead of a 1/N slice of every expert")
     seed: int = flag(0, "seed of the sampling of requests that set none (reproducible per start)")
     role: str = flag("both", "what this worker does in prefill/decode disaggregation", choices=ROLES)
     kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers", choices=("nixl", "tcp"),

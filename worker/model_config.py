@@ -1,4 +1,5 @@
-"""The model's shape, read from a Hugging Face config.json, for the Llama family."""
+"""The model's shape, read from a Hugging Face config.json: the Llama family, dense and
+mixture-of-experts (Qwen3-MoE, Mixtral, Qwen2-MoE: Llama-style attention, a sparse MLP block)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
+}
+
+# Architectures people will try that pdserve cannot run, with why and what to use instead: the
+# start-up error names both, rather than a generic "unsupported".
+UNSUPPORTED_HINTS: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA) and grouped top-k routing are not implemented; "
+                             "the nearest supported architecture is Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not implemented; the nearest supported "
+                             "architecture is Qwen2MoeForCausalLM (shared experts)",
+    "GptOssForCausalLM": "MXFP4 expert weights, attention sinks and alternating sliding-window attention are not "
+                         "implemented; the nearest supported architecture is Qwen3MoeForCausalLM",
 }
 
 
@@ -37,12 +52,28 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: tuple[tuple[str, Any], ...]  # sorted items of the rope parameters (hashable)
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (0 experts: a dense model). `moe_layers` are the layers whose MLP is the
+    # sparse block (Qwen's mlp_only_layers / decoder_sparse_step resolved); the others keep the
+    # dense MLP of `intermediate_size`. The expert MLP is `moe_intermediate_size` wide.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, hf: Any, generation_eos: Any = None) -> "ModelConfig":
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
+            for a in archs:
+                if a in UNSUPPORTED_HINTS:
+                    raise UnsupportedModelError(f"unsupported architecture {a}: {UNSUPPORTED_HINTS[a]}")
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
                 f"pdserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -76,10 +107,37 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=bool(getattr(hf, "attention_bias", default_bias)) or default_bias,
+            # Qwen2-MoE names it qkv_bias (and may turn it off); the others attention_bias.
+            qkv_bias=(bool(hf.qkv_bias) if hasattr(hf, "qkv_bias") else
+                      bool(getattr(hf, "attention_bias", default_bias)) or default_bias),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=qk_norm,
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
+            **moe_fields(arch, hf),
         )
+
+
+def moe_fields(arch: str, hf: Any) -> dict[str, Any]:
+    """The MoE fields of ModelConfig from a Hugging Face config ({} for dense architectures)."""
+    if arch == "MixtralForCausalLM":
+        # Mixtral: every layer sparse, experts as wide as `intermediate_size`, top-k always
+        # renormalised (transformers: softmax over all experts, top-k, divide by their sum).
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True,
+                    moe_layers=tuple(range(hf.num_hidden_layers)))
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    if getattr(hf, "use_sliding_window", False):
+        raise UnsupportedModelError(f"{arch} with use_sliding_window=true: sliding-window attention is not "
+                                    f"implemented (every layer attends to the whole context)")
+    only_dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    layers = tuple(i for i in range(hf.num_hidden_layers)
+                   if i not in only_dense and hf.num_experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=hf.num_experts if layers else 0, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size,
+                shared_expert_intermediate_size=(getattr(hf, "shared_expert_intermediate_size", 0) or 0
+                                                 if arch == "Qwen2MoeForCausalLM" else 0),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)), moe_layers=layers)

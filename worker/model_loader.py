@@ -59,13 +59,14 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None,
-               tp: tuple[int, int] = (0, 1)) -> LoadedModel:
+               tp: tuple[int, int] = (0, 1), expert_parallel: bool = False) -> LoadedModel:
     """tp = (rank, size): with size > 1 the model holds rank's shard (parallel/shard.py) and
-    `model.cfg` is the shard's config; `model_config` stays the full model's."""
+    `model.cfg` is the shard's config; `model_config` stays the full model's. `expert_parallel`:
+    an MoE model's experts are divided whole among the ranks (models/moe.py)."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from pdserve.worker.models.llama import LlamaForCausalLM
+    from pdserve.worker.models.registry import model_class
 
     t = time.perf_counter()
     path = resolve_model_path(model)
@@ -75,14 +76,16 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     t = _stage("config + tokenizer", t)
 
     shard = None
+    if expert_parallel and not cfg.is_moe:
+        log.warning("--enable-expert-parallel has no effect: %s has no experts", cfg.architecture)
     if tp[1] > 1:
         from pdserve.worker.parallel.shard import TPShard
 
-        shard = TPShard(tp[0], tp[1], cfg)
+        shard = TPShard(tp[0], tp[1], cfg, expert_parallel=expert_parallel and cfg.is_moe)
     positions = max_positions or cfg.max_position_embeddings
     # Build on the meta device and materialise on the target: no random init, no CPU copy.
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, backend, positions, shard)
+        net = model_class(cfg.architecture)(cfg, backend, positions, shard)
     net = net.to(dtype=dtype).to_empty(device=device)
     net.init_rope(positions)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))

@@ -12,6 +12,7 @@ The regression tests pin the issue-14 bugs; the hypothesis test draws random req
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -38,8 +39,19 @@ TEXTS = ["The capital of France is Paris.", "Hello", "One two three four five si
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def stack(request, tiny_checkpoint):
-    ckpt = tiny_checkpoint("llama")
-    t = request.param
+    with pd_stack(tiny_checkpoint("llama"), request.param) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def moe_stack(request, tiny_checkpoint):
+    """The same stack serving a mixture-of-experts model (Qwen3-MoE): P/D moves only attention KV."""
+    with pd_stack(tiny_checkpoint("qwen3-moe"), request.param) as urls:
+        yield urls
+
+
+@contextlib.contextmanager
+def pd_stack(ckpt, t: str):
     p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
     d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
     launcher = Launcher()
@@ -345,3 +357,18 @@ def test_any_request_equals_single_worker(stack, case):
     assert_same(stack, route, body)
     # What the router did with it (--hypothesis-show-statistics): one sequence should be P/D.
     event("P/D" if disaggregated(stack[0]) > before else "one worker")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=requests())
+def test_moe_model_any_request_equals_single_worker(moe_stack, case):
+    route, body = case
+    assert_same(moe_stack, route, body)
+
+
+def test_moe_model_greedy_through_prefill_and_decode(moe_stack):
+    before = disaggregated(moe_stack[0])
+    assert_same(moe_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 12, "temperature": 0,
+                                           "ignore_eos": True, "logprobs": 2})
+    assert disaggregated(moe_stack[0]) > before  # the KV really moved from prefill to decode

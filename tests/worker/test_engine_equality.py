@@ -79,6 +79,35 @@ def test_preemption_by_recompute_matches_hf(tiny_checkpoint):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+# Mixture of experts: Qwen3-MoE (top-2 renormalised, one dense layer), Mixtral (top-2 of 4),
+# Qwen2-MoE (not renormalised, shared expert) against transformers' own MoE code; one engine
+# feature per architecture keeps the CI time small (each checkpoint is a fresh model load).
+@pytest.mark.parametrize("arch,kw", [
+    ("qwen3-moe", dict(max_num_batched_tokens=5)),  # chunked prefill mixed with decodes
+    ("mixtral", {}),
+    ("qwen2-moe", {}),
+])
+def test_moe_greedy_matches_hf(tiny_checkpoint, arch, kw):
+    ckpt = tiny_checkpoint(arch)
+    engine = make_engine(ckpt, **kw)
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+def test_moe_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint):
+    ckpt = tiny_checkpoint("mixtral")
+    ref = hf_reference(str(ckpt))
+    engine = make_engine(ckpt)
+    assert engine.generate(PROMPTS, GREEDY) == ref
+    hits_before = engine.stats().prefix_cache_hits
+    assert engine.generate(PROMPTS, GREEDY) == ref
+    assert engine.stats().prefix_cache_hits > hits_before
+    small = make_engine(ckpt, kv_cache_memory=16 * engine.kv_cache.block_bytes, enable_prefix_caching=False,
+                        max_model_len=64)
+    assert small.generate(PROMPTS, GREEDY) == ref
+    assert small.stats().num_preemptions > 0
+
+
 def test_max_model_len_must_fit_the_kv_cache(tiny_checkpoint):
     from pdserve.worker.config import ConfigError
 
@@ -102,3 +131,21 @@ def test_unsupported_architecture_is_named(tmp_path):
 
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize("arch,model_type,names", [
+    ("DeepseekV3ForCausalLM", "deepseek_v3", ["MLA", "Qwen3MoeForCausalLM"]),
+    ("DeepseekV2ForCausalLM", "deepseek_v2", ["MLA", "Qwen2MoeForCausalLM"]),
+    ("GptOssForCausalLM", "gpt_oss", ["MXFP4", "Qwen3MoeForCausalLM"]),
+])
+def test_unsupported_moe_architectures_name_the_nearest_supported(tmp_path, arch, model_type, names):
+    import json
+
+    from transformers import AutoConfig
+
+    from pdserve.worker.model_config import ModelConfig, UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
+    with pytest.raises(UnsupportedModelError, match=arch) as err:
+        ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    assert all(n in str(err.value) for n in names), str(err.value)

@@ -4,6 +4,8 @@ worker with a clear log line; no rank outlives the worker."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 import signal
@@ -64,6 +66,30 @@ def test_tp2_greedy_equals_tp1(checkpoint, arch, kv_heads, static_decode):
     ckpt = checkpoint(arch, kv_heads)
     ref = generate(ckpt, 1)
     assert generate(ckpt, 2, static_decode) == ref
+
+
+@pytest.mark.parametrize("arch,ep", [
+    ("qwen3-moe", False),  # every expert's I columns split, as a dense MLP (one layer dense)
+    ("qwen3-moe", True),  # 4 whole experts per rank, the all-reduce combines
+    ("qwen2-moe", True),  # experts whole per rank, the shared expert split: one all-reduce for both
+])
+def test_moe_tp2_with_and_without_expert_parallel_equals_tp1(checkpoint, arch, ep):
+    ckpt = checkpoint(arch, 2)
+    assert generate(ckpt, 2, enable_expert_parallel=ep) == _tp1_tokens(str(ckpt))
+
+
+@functools.cache
+def _tp1_tokens(ckpt: str) -> list[list[int]]:
+    return generate(ckpt, 1)
+
+
+def test_expert_parallel_needs_experts_divisible_by_ranks():
+    cfg = dataclasses.replace(_cfg(), architecture="Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2,
+                              moe_intermediate_size=256, moe_layers=(0, 1))
+    assert list(TPShard(1, 2, cfg, expert_parallel=True).local_experts) == [3, 4, 5]
+    assert TPShard(1, 2, cfg).expert_intermediate_size == 128
+    with pytest.raises(ConfigError, match="--enable-expert-parallel.*6 experts"):
+        TPShard(0, 4, cfg, expert_parallel=True)
 
 
 def test_tp2_seeded_sampling_and_logprobs_equal_tp1(checkpoint):
@@ -156,6 +182,13 @@ def test_engine_refuses_before_starting_ranks(checkpoint):
     # The tiny model has 4 heads: TP=3 fails in rank 0 with the flag named, no process started.
     with pytest.raises(ConfigError, match="--tensor-parallel-size: 3 does not divide"):
         LLMEngine(EngineConfig(model=str(checkpoint("llama", 2)), device="cpu", tensor_parallel_size=3))
+
+
+def test_engine_refuses_expert_parallel_that_does_not_divide_the_experts(checkpoint):
+    # Rank 0 checks before any process starts, naming the flag (the experts are checked first).
+    ckpt = checkpoint("mixtral", 2)  # 4 experts
+    with pytest.raises(ConfigError, match="--enable-expert-parallel: 3 ranks cannot share the model's 4 experts"):
+        LLMEngine(EngineConfig(model=str(ckpt), device="cpu", tensor_parallel_size=3, enable_expert_parallel=True))
 
 
 @pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp", "kv_peer_allow": ("127.0.0.1",)}])

@@ -141,10 +141,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, ops: PointwiseOps = TORCH_OPS):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, ops: PointwiseOps = TORCH_OPS, inter: int | None = None):
+        """`inter`: the MLP's width (default the model's intermediate_size; MoE shared experts differ)."""
         super().__init__()
         self.silu_and_mul = ops.silu_and_mul
-        inter = cfg.intermediate_size
+        inter = inter or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, shard)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, shard)
 
@@ -153,11 +154,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard,
+                 mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (default the dense MLP; MoE models pass their sparse block)."""
         super().__init__()
         ops = pointwise_ops(backend)
         self.self_attn = Attention(cfg, layer_idx, backend, shard)
-        self.mlp = MLP(cfg, shard, ops)
+        self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -180,10 +183,15 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard = shard or TPShard(0, 1, cfg)
         self.cfg = shard_config(shard)  # what this rank holds (the full config at TP = 1)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, self.make_mlp(cfg, i, backend, shard))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pointwise_ops(backend))
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard)
         self.init_rope(max_positions)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward block; None = the dense MLP (MoE models override this)."""
+        return None
 
     def init_rope(self, max_positions: int) -> None:
         """cos | sin per position, fp32 [max_positions, head_dim]. Re-run after to_empty()."""
@@ -213,6 +221,16 @@ class LlamaForCausalLM(nn.Module):
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """A checkpoint tensor's name (without "model.") -> (our parameter's name, the part's id for
+        its weight loader). MoE models extend this for their expert tensors."""
+        parts = name.split(".")
+        shard = None
+        if len(parts) >= 2 and parts[-2] in self.STACKED:
+            fused, shard = self.STACKED[parts[-2]]
+            parts[-2] = fused
+        return ".".join(parts), shard
+
     def load_weights(self, weights) -> None:
         """weights: iterable of (checkpoint name, tensor or safetensors slice). Each parameter's
         weight loader takes its rank's part. Fails loudly on missing/unknown names."""
@@ -225,12 +243,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied embeddings: some checkpoints still carry a copy
-            parts = name.split(".")
-            shard = None
-            if len(parts) >= 2 and parts[-2] in self.STACKED:
-                fused, shard = self.STACKED[parts[-2]]
-                parts[-2] = fused
-            target_name = ".".join(parts)
+            target_name, shard = self.checkpoint_target(name)
             if target_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
             p = params[target_name]
@@ -241,7 +254,10 @@ class LlamaForCausalLM(nn.Module):
         expected = set()
         for n in params:
             leaf = n.split(".")[-2] if n.count(".") else ""
-            if leaf in ("qkv_proj",):
+            shard_ids = getattr(self.get_submodule(n.rpartition(".")[0]), "shard_ids", None)
+            if shard_ids is not None:  # a parameter loaded in parts of its own kind (MoE experts)
+                expected |= {f"{n}#{i}" for i in shard_ids(n)}
+            elif leaf in ("qkv_proj",):
                 expected |= {f"{n}#{i}" for i in "qkv"}
             elif leaf == "gate_up_proj":
                 expected |= {f"{n}#{i}" for i in range(2)}

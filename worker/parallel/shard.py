@@ -7,6 +7,8 @@ Rank r of N holds, per layer:
 - o_proj (row-parallel): the input columns of its heads; partial sums are all-reduced.
 - gate_up_proj (column-parallel) / down_proj (row-parallel): I/N intermediate columns / rows.
 - norms (and Qwen3's per-head q/k norms): replicated.
+- MoE experts (models/moe.py): without expert parallelism every rank holds every expert's I/N
+  columns, as a dense MLP; with it (`expert_parallel`), E/N whole experts (`local_experts`).
 - embed_tokens / lm_head (vocab-parallel): ceil(V/N) vocabulary rows, the last shard padded with
   zero rows. A lookup is masked to the rank's range and all-reduced; logits are gathered to rank
   0, which alone samples.
@@ -51,9 +53,19 @@ class TPShard:
     rank: int
     size: int
     full: ModelConfig
+    expert_parallel: bool = False  # --enable-expert-parallel: whole experts per rank (MoE models only)
 
     def __post_init__(self):
         c, n = self.full, self.size
+        if c.is_moe and self.expert_parallel and c.num_experts % n:
+            raise ConfigError("--enable-expert-parallel", f"{n} ranks cannot share the model's {c.num_experts} experts "
+                                                          f"evenly; use a tensor-parallel size that divides it")
+        if c.is_moe and not self.expert_parallel and c.moe_intermediate_size % n:
+            raise ConfigError("--tensor-parallel-size", f"{n} does not divide the expert MLP size "
+                                                        f"{c.moe_intermediate_size} (try --enable-expert-parallel)")
+        if c.shared_expert_intermediate_size % n:
+            raise ConfigError("--tensor-parallel-size", f"{n} does not divide the shared expert's MLP size "
+                                                        f"{c.shared_expert_intermediate_size}")
         if c.num_heads % n:
             raise ConfigError("--tensor-parallel-size", f"{n} does not divide the model's {c.num_heads} attention heads")
         if not check_kv_heads(c.num_kv_heads, n):
@@ -77,6 +89,20 @@ class TPShard:
     @property
     def intermediate_size(self) -> int:
         return self.full.intermediate_size // self.size
+
+    @property
+    def local_experts(self) -> range:
+        """The experts (global ids) whose weights this rank holds."""
+        if not self.expert_parallel:
+            return range(self.full.num_experts)
+        n = self.full.num_experts // self.size
+        return range(self.rank * n, self.rank * n + n)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Columns of each local expert's MLP: all of them under expert parallelism, else I/N."""
+        i = self.full.moe_intermediate_size
+        return i if self.expert_parallel else i // self.size
 
     @property
     def vocab_per_rank(self) -> int:

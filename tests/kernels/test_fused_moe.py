@@ -1,0 +1,121 @@
+"""fused_moe: the grouped reference equals the per-expert loop, the Triton kernel (interpreter on
+CPU) equals the reference, and the device-side sort puts every assignment in its expert's block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.fused_moe import fused_moe, moe_align, moe_align_torch
+from pdserve.kernels.reference import fused_moe_loop_ref, fused_moe_ref
+from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
+
+
+def moe_inputs(t, h, inter, e, k, dtype=torch.float32, seed=0, drop=0.0):
+    """Weights and a routing as the router makes them: k distinct experts per token, fp32 weights.
+    `drop`: the share of assignments set to -1 (experts another rank holds)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k).long()
+    if drop:
+        ids = torch.where(torch.rand(ids.shape, generator=g) < drop, -1, ids)
+    weights = torch.rand(t, k, generator=g).softmax(-1)
+    to = dict(device=DEVICE)
+    return (x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to), weights.to(**to),
+            ids.to(**to))
+
+
+@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (13, 8, 2, 0.0), (40, 4, 2, 0.0), (17, 8, 3, 0.3)])
+def test_grouped_reference_equals_per_expert_loop(t, e, k, drop):
+    x, w13, w2, w, ids = moe_inputs(t, 64, 32, e, k, drop=drop)
+    out = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    loop = fused_moe_loop_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert rel_error(out, loop) < 1e-12
+    if drop:  # a token whose k experts are all elsewhere gets exactly zero
+        none_here = (ids < 0).all(dim=1)
+        assert (out[none_here] == 0).all()
+
+
+@pytest.mark.parametrize("align", [moe_align, moe_align_torch], ids=["kernel", "torch"])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (30, 8, 2, 0.0), (9, 64, 4, 0.5), (3, 128, 8, 0.0)])
+def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop, block_m, align):
+    _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
+    sorted_ids, expert_ids, num_padded = align(ids, e, block_m)
+    n, m, flat = int(num_padded), t * k, ids.reshape(-1).cpu()
+    assert sorted_ids.numel() % block_m == 0 and n <= sorted_ids.numel() and expert_ids.numel() * block_m == sorted_ids.numel()
+    rows = sorted_ids[:n].cpu()
+    real = rows[rows < m]
+    assert sorted(real.tolist()) == [i for i in range(m) if flat[i] >= 0]  # each held assignment once
+    block_expert = expert_ids.cpu().repeat_interleave(block_m)[:n]
+    assert (block_expert[rows < m] == flat[real]).all()  # in a block of its own expert
+    assert (expert_ids.cpu()[n // block_m:] == -1).all()
+    counts = torch.bincount(flat[flat >= 0], minlength=e)
+    assert n == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_align_kernel_equals_torch_align():
+    # Same rows, same order within each expert, same padding: the kernel is the torch version.
+    for t, e, k, drop, block_m, offset in [(7, 8, 2, 0.0, 16, 0), (16, 128, 8, 0.0, 16, 0), (11, 16, 4, 0.3, 32, 0),
+                                           (13, 16, 4, 0.1, 16, 8)]:  # the last: experts 8..15 held (EP)
+        _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
+        held = e - offset
+        for a, b in zip(moe_align(ids, held, block_m, offset), moe_align_torch(ids, held, block_m, offset)):
+            assert torch.equal(a.cpu(), b.cpu().to(a.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (21, 8, 2, 0.0), (6, 4, 2, 0.4)])
+def test_kernel_matches_reference(poison_empty, dtype, t, e, k, drop):
+    # inter 48: the last column tile is partial; h 64 spans two K tiles at BLOCK_K 32.
+    x, w13, w2, w, ids = moe_inputs(t, 64, 48, e, k, dtype=dtype, drop=drop)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    out = fused_moe(x, w13, w2, w, ids, config=cfg)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_error(out, ref) < TOL[dtype] * (5 if dtype == torch.bfloat16 else 10)
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_expert_offset_holds_a_range_of_experts(poison_empty, offset):
+    # Expert parallelism: global ids, this op holding experts [offset, offset + 4) of 8; the two
+    # halves sum to the whole layer.
+    x, w13, w2, w, ids = moe_inputs(7, 64, 32, 8, 2)
+    whole = fused_moe_loop_ref(x.double(), w13.double(), w2.double(), w, ids)
+    part = slice(offset, offset + 4)
+    ref = fused_moe_ref(x.double(), w13[part].double(), w2[part].double(), w, ids, expert_offset=offset)
+    assert rel_error(ref, fused_moe_loop_ref(x.double(), w13[part].double(), w2[part].double(), w, ids,
+                                             expert_offset=offset)) < 1e-12
+    out = fused_moe(x, w13[part].contiguous(), w2[part].contiguous(), w, ids, expert_offset=offset)
+    assert rel_error(out, ref) < 1e-4
+    other = slice(4 - offset, 8 - offset)
+    rest = fused_moe_ref(x.double(), w13[other].double(), w2[other].double(), w, ids, expert_offset=4 - offset)
+    assert rel_error(ref + rest, whole) < 1e-12
+
+
+def test_kernel_with_the_torch_align_of_large_batches(poison_empty, monkeypatch):
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_ELEMENTS", 0)  # as a prefill batch: moe_align_torch
+    x, w13, w2, w, ids = moe_inputs(9, 64, 32, 8, 2, drop=0.2)
+    assert rel_error(fused_moe(x, w13, w2, w, ids), fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
+    half = fused_moe(x, w13[4:].contiguous(), w2[4:].contiguous(), w, ids, expert_offset=4)
+    assert rel_error(half, fused_moe_ref(x.double(), w13[4:].double(), w2[4:].double(), w, ids, expert_offset=4)) < 1e-4
+
+
+def test_kernel_default_config_and_int32_ids(poison_empty):
+    x, w13, w2, w, ids = moe_inputs(5, 64, 32, 4, 2)
+    assert rel_error(fused_moe(x, w13, w2, w, ids.int()), fused_moe_ref(x, w13, w2, w, ids)) < 1e-4
+    assert fused_moe(x[:0], w13, w2, w[:0], ids[:0]).shape == (0, 64)
+
+
+def test_rejects_bad_arguments():
+    x, w13, w2, w, ids = moe_inputs(3, 64, 32, 4, 2)
+    with pytest.raises(ValueError, match="w2 has shape"):
+        fused_moe(x, w13, w2[:, :, :16], w, ids)
+    with pytest.raises(TypeError, match="topk_ids has dtype float32"):
+        fused_moe(x, w13, w2, w, ids.float())
+    with pytest.raises(ValueError, match="topk_weights has shape"):
+        fused_moe(x, w13, w2, w[:, :1], ids)

@@ -1,0 +1,111 @@
+"""The sparse mixture-of-experts block: a router picks k of E expert MLPs per token, the experts
+run as one fused op, and (Qwen2-MoE) a shared expert behind a sigmoid gate is added.
+
+Routing is computed exactly as transformers does, in fp32 (kernels/reference.py: moe_route_ref; the
+Triton path: kernels/moe_route.py): softmax over all E router logits,
+top-k of the probabilities, and with `norm_topk_prob` (Qwen3-MoE, Qwen2-MoE when set, Mixtral
+always) the k probabilities divided by their sum. (Mixtral's "softmax over the top-k logits" is the
+same number: softmax then renormalise over the k equals a softmax over the k logits.)
+
+Parallelism (parallel/shard.py's TPShard): every rank has every token (attention's output is
+all-reduced), so every rank routes every token identically (replicated gate, same input).
+- Without expert parallelism each expert's gate|up rows and down columns are split as a dense
+  MLP's: a rank computes I/N columns of every chosen expert, and the partial outputs are summed.
+- With it (`--enable-expert-parallel`) a rank holds E/N whole experts and computes only the
+  assignments routed to them; the others contribute zeros, and the same all-reduce combines.
+  This is the simple all-reduce expert parallelism: no all-to-all token dispatch, so every rank
+  still moves a [T, H] partial per layer, and a rank whose experts are popular does more work.
+One all-reduce per layer either way: the shared expert's partial sum joins the experts' before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
+from pdserve.worker.attention import AttentionBackend
+from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.parallel.communicator import all_reduce
+from pdserve.worker.parallel.shard import TPShard
+
+
+def moe_ops(backend: AttentionBackend) -> tuple[Callable, Callable]:
+    """(routing, experts) ops, following the attention backend as the pointwise ops do
+    (models/llama.py): the Triton kernels on CUDA (and under the interpreter in the twin tests),
+    the references on CPU."""
+    if backend.name == "triton":
+        from pdserve.kernels.fused_moe import fused_moe
+        from pdserve.kernels.moe_route import moe_route
+
+        return moe_route, fused_moe
+    return moe_route_ref, fused_moe_ref
+
+
+
+class FusedExperts(nn.Module):
+    """The rank's experts stacked: w13 [E_local, 2 I_local, H] (gate rows, then up rows) and
+    w2 [E_local, H, I_local], filled from the checkpoint's per-expert tensors at load."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable):
+        super().__init__()
+        self.shard, self.op = shard, op
+        self.local = shard.local_experts
+        self.inter = shard.expert_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(len(self.local), 2 * self.inter, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(len(self.local), cfg.hidden_size, self.inter))
+
+    def shard_ids(self, param_name: str) -> list:
+        """The parts of a parameter the checkpoint must supply (what load_weights checks)."""
+        if param_name.endswith("w13"):
+            return [(e, part) for e in self.local for part in (0, 1)]
+        return [(e, None) for e in self.local]
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id) -> None:
+        """`shard_id` = (global expert id, 0 gate | 1 up | None down). An expert another rank holds
+        is skipped without reading it (a safetensors slice is read only when indexed)."""
+        expert, part = shard_id
+        if expert not in self.local:
+            return
+        e, n = expert - self.local.start, self.inter
+        col = 0 if self.shard.expert_parallel else self.shard.rank * n  # this rank's I columns
+        if part is None:
+            param.data[e].copy_(loaded[:, col:col + n])
+        else:
+            param.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the router's (weights, global ids) [T, k] -> this rank's partial output [T, H].
+        Under expert parallelism the op skips assignments to experts outside its range (zeros)."""
+        return self.op(x, self.w13, self.w2, weights, ids, expert_offset=self.local.start)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ the shared expert); checkpoint names `mlp.gate`, `mlp.experts.N.*`,
+    `mlp.shared_expert.*`, `mlp.shared_expert_gate` (Mixtral's are renamed to these at load)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: TPShard):
+        from pdserve.worker.models.llama import MLP, pointwise_ops
+
+        super().__init__()
+        self.top_k, self.renormalize, self.shard = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated: [E, H] is small
+        self.route, experts_op = moe_ops(backend)
+        self.experts = FusedExperts(cfg, shard, experts_op)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, shard, pointwise_ops(backend), inter=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            s = self.shared_expert
+            # The down projection without its all-reduce: this rank's partial joins the experts'.
+            shared = F.linear(s.silu_and_mul(s.gate_up_proj(x)), s.down_proj.weight)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return all_reduce(out) if self.shard.size > 1 else out

@@ -1,0 +1,40 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Mixtral, Qwen2-MoE.
+
+All three are the Llama decoder (models/llama.py: attention with Qwen3's q/k norms or Qwen2's
+q/k/v bias as the config says, pre-norm residual layers) with the MLP of the layers in
+`cfg.moe_layers` replaced by the sparse block (models/moe.py); the other layers keep the dense
+MLP (Qwen's mlp_only_layers / decoder_sparse_step). What differs between the three is data:
+the router's normalisation (`norm_topk_prob`), Qwen2-MoE's shared expert, and Mixtral's
+checkpoint names, mapped here at load.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from pdserve.worker.attention import AttentionBackend
+from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.models.llama import LlamaForCausalLM
+from pdserve.worker.models.moe import SparseMoeBlock
+from pdserve.worker.parallel.shard import TPShard
+
+# layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Qwen) | ...{w1,w3,w2}.weight (Mixtral)
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+         "down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
+        return SparseMoeBlock(cfg, backend, shard) if layer_idx in cfg.moe_layers else None
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        # Mixtral keeps its sparse block under `block_sparse_moe`; ours is `mlp` for every family.
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        m = _EXPERT.match(name)
+        if m is None:
+            return super().checkpoint_target(name)
+        param, part = _PART[m.group(3)]
+        return f"{m.group(1)}.{param}", (int(m.group(2)), part)
