@@ -37,9 +37,14 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: tuple[tuple[str, Any], ...]  # sorted items of the rope parameters (hashable)
     eos_token_ids: tuple[int, ...]
+    # FP8 weights (worker/quantization/config.py): from the checkpoint's quantization_config or
+    # --quantization; None = the checkpoint's dtype, cast to the compute dtype.
+    quantization: Any = None
 
     @classmethod
-    def from_hf(cls, hf: Any, generation_eos: Any = None) -> "ModelConfig":
+    def from_hf(cls, hf: Any, generation_eos: Any = None, quantization: str | None = None) -> "ModelConfig":
+        from pdserve.worker.quantization.config import parse_quantization
+
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -82,4 +87,5 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
+            quantization=parse_quantization(getattr(hf, "quantization_config", None), quantization),
         )
