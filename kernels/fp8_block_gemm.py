@@ -56,7 +56,7 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by M: decode-sized M takes narrow N tiles so
     enough programs stream the weight; prefill-sized M takes square tiles for reuse."""
     if m <= 16:
-        return 16, 64, 4, 4
+        return 16, 32, 4, 4
     if m <= 64:
         return 64, 64, 4, 4
     return 128, 128, 8, 3

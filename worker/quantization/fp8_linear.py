@@ -91,7 +91,10 @@ class Fp8LinearMethod:
         else:  # per-channel [out, 1] or [out]
             param.data[dst:dst + n].copy_(t.reshape(-1)[src:src + n])
 
-    def process_weights_after_loading(self, layer: nn.Module, compute_dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, compute_dtype: torch.dtype,
+                                      kernels: bool | None = None) -> None:
+        """`kernels`: keep the weight FP8 and run the FP8 GEMMs (None: where the device has FP8
+        tensor cores; True in the CPU tests of this path, under Triton's interpreter)."""
         cfg = self.cfg
         if cfg.source == "online":
             w8, scale = quantize_fp8_rows_ref(layer.weight.data)
@@ -102,7 +105,13 @@ class Fp8LinearMethod:
         if cfg.activation == "static":
             static = layer.input_scale.data.max().reshape(1)
             del layer.input_scale
-        if not cuda_fp8_supported(w8.device):
+        if kernels is None:
+            kernels = cuda_fp8_supported(w8.device)
+            if kernels and cfg.block is None and (w8.shape[0] % 16 or w8.shape[1] % 16):
+                log.warning("FP8 weight %s: _scaled_mm needs both sizes multiples of 16; dequantized to %s",
+                            list(w8.shape), compute_dtype)
+                kernels = False
+        if not kernels:
             # The dequantizing path: the same FP8 weight values, a plain GEMM in the compute dtype.
             if w8.device.type == "cuda":
                 log.warning("no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
@@ -137,7 +146,10 @@ class Fp8LinearMethod:
             out = fp8_block_gemm(xq, xs, layer.weight, layer.w_scale, layer.scale_rows, x.dtype)
         else:
             xq, xs = quantize_fp8(x2, group_size=None, static_scale=layer.input_scale_static)
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale, out_dtype=x.dtype)
+            # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale, out_dtype=torch.bfloat16)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
         if bias is not None:
             out = out + bias
         return out.view(*shape[:-1], out.shape[-1])
