@@ -208,7 +208,8 @@ def dequantize_fp8_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 def fp8_scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: (xq * x_scale[M, 1]) @ (w8 * w_scale[N])^T."""
-    return ((xq.float() @ w8.float().t()) * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
+    out = (xq.float() @ w8.float().t()) * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    return out.to(out_dtype)
 
 
 def fp8_block_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -219,3 +220,14 @@ def fp8_block_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor
     xs = x_scale.float().repeat_interleave(block_k, dim=1)[:, :k]
     ws = w_scale.float().repeat_interleave(scale_rows, dim=0)[:w8.shape[0]].repeat_interleave(block_k, dim=1)[:, :k]
     return ((xq.float() * xs) @ (w8.float() * ws).t()).to(out_dtype)
+
+
+def quantize_fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): one scale per
+    block (edge blocks partial), as DeepSeek-V3 / Qwen3-FP8 checkpoints store `weight_scale_inv`."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    scale = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3)).div(FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

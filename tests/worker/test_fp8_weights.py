@@ -168,7 +168,8 @@ def test_ignore_lists_are_honored_and_partial_fusions_refused():
     with pytest.raises(QuantizationError, match=r"quantization_config.ignore: ignores \['q_proj'\] but not"):
         cfg.quantizes("model.layers.0.self_attn", ["q_proj", "k_proj", "v_proj"])
     fp8 = parse_quantization({"quant_method": "fp8", "modules_to_not_convert": ["layers.0.mlp"]}, None)
-    assert not fp8.quantizes("model.layers.0.mlp", ["down_proj"]) and fp8.quantizes("model.layers.10.mlp", ["down_proj"])
+    assert not fp8.quantizes("model.layers.0.mlp", ["down_proj"])
+    assert fp8.quantizes("model.layers.10.mlp", ["down_proj"])  # whole dotted names: layers.0 is not layers.10
 
 
 def test_engine_start_refuses_an_unrunnable_checkpoint(tmp_path, tiny_checkpoint):
@@ -186,5 +187,6 @@ def test_block_scales_straddling_tensor_parallel_ranks_are_refused():
     method = Fp8LinearMethod(Fp8Config("fp8", "block", "group", "weight_scale_inv"))
     with torch.device("meta"):
         RowParallelLinear(14336, 4096, False, TPShard(0, 8, cfg), method)  # 1792 = 14 blocks per rank
-        with pytest.raises(QuantizationError, match="14400 input columns split over --tensor-parallel-size 2 give 7200 per rank"):
+        with pytest.raises(QuantizationError,
+                           match="14400 input columns split over --tensor-parallel-size 2 give 7200 per rank"):
             RowParallelLinear(14336 + 64, 4096, False, TPShard(0, 2, cfg), method)
