@@ -64,7 +64,7 @@ CT_CONFIG = {
                     "type": "float"}}},
     "format": "float-quantized",
     "global_compression_ratio": 1.2,
-    "ignore": ["lm_head"],
+    "ignore": ["lm_head", "re:.*layers\\.1\\.mlp\\..*"],  # layer 1's MLP stays unquantized
     "kv_cache_scheme": None,
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
@@ -94,7 +94,7 @@ def write_fp8_pair(base: Path, out: Path, fmt: str) -> tuple[Path, Path]:
     weights = load_file(str(next(base.glob("*.safetensors"))))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
-        if not _is_linear(name):
+        if not _is_linear(name) or (fmt == "ct-channel" and ".layers.1.mlp." in name):
             quantized[name] = dequantized[name] = w
             continue
         stem = name[:-len(".weight")]

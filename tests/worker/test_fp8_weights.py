@@ -11,6 +11,9 @@ kernels are tested against their references in tests/kernels/test_fp8_*.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -23,7 +26,8 @@ from pdserve.worker.quantization.config import Fp8Config, QuantizationError, par
 from pdserve.worker.quantization.fp8_linear import Fp8LinearMethod
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
-from tests.fp8_checkpoints import CT_CONFIG, write_fp8_pair, with_quantization_config
+from tests.fp8_checkpoints import CT_CONFIG, with_quantization_config, write_fp8_pair
+from tests.net import free_port
 
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 121)), [3, 4]]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
@@ -79,7 +83,6 @@ def assert_same_generation(got, ref):
     ("fp8-block", "llama"),  # weight_block_size [128, 128], weight_scale_inv
     ("fp8-block", "qwen3"),
     ("ct-channel", "llama"),  # compressed-tensors float-quantized, weight_scale [out, 1]
-    ("ct-channel", "qwen3"),
     ("online", "llama"),  # --quantization fp8 on an fp32 checkpoint
 ])
 def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
@@ -190,3 +193,13 @@ def test_block_scales_straddling_tensor_parallel_ranks_are_refused():
         with pytest.raises(QuantizationError,
                            match="14400 input columns split over --tensor-parallel-size 2 give 7200 per rank"):
             RowParallelLinear(14336 + 64, 4096, False, TPShard(0, 2, cfg), method)
+
+
+def test_worker_refuses_an_unrunnable_checkpoint_in_one_line(tmp_path, tiny_checkpoint):
+    # `pdserve worker` on an int4 compressed-tensors checkpoint: exits 1 with the key and value
+    # in its log, and no traceback (the format is the operator's mistake, not a crash).
+    ckpt = with_quantization_config(tiny_checkpoint("llama"), tmp_path / "int4", _ct(format="pack-quantized"))
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--device", "cpu",
+                        "--host", "127.0.0.1", "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "quantization_config.format = 'pack-quantized'" in r.stderr and "Traceback" not in r.stderr, r.stderr

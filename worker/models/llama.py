@@ -224,7 +224,8 @@ class LlamaForCausalLM(nn.Module):
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+    # FP8 checkpoints' KV-cache scales (k_proj/v_proj.output_scale: AutoFP8's older names).
+    KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale", "_proj.output_scale")
 
     def load_weights(self, weights) -> None:
         """weights: iterable of (checkpoint name, tensor or safetensors slice). Each parameter's
