@@ -103,6 +103,10 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
 
     net.load_weights(tensors())
     process_quantized(net, dtype)
+    if cfg.quantization is not None and device.type == "cuda":
+        # The bf16 weights quantized at load (--quantization fp8) leave freed blocks in torch's
+        # cache; KV sizing counts reserved memory as this process's, so hand them back first.
+        torch.cuda.empty_cache()
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
