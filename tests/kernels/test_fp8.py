@@ -18,7 +18,7 @@ from pdserve.kernels.reference import (
     fp8_scaled_mm_ref,
     quantize_fp8_groups_ref,
 )
-from tests.kernels.kernel_inputs import DEVICE, rel_error
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU, rel_error
 
 FP8 = torch.float8_e4m3fn
 
@@ -72,7 +72,9 @@ def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
     b_s = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) + 0.01
     out = fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.float32)
     ref = fp8_block_gemm_ref(a, a_s, b, b_s, scale_rows, torch.float64)
-    assert out.shape == (m, n) and rel_error(out, ref) < 1e-5
+    # Hopper's FP8 tensor cores add a group's products in reduced precision (DeepSeek-V3's
+    # report: about 14 bits) before the fp32 accumulation: a looser bound on the GPU.
+    assert out.shape == (m, n) and rel_error(out, ref) < (1e-3 if ON_GPU else 1e-5)
     assert rel_error(fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.bfloat16), ref) < 1e-2
 
 
