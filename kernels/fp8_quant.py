@@ -3,7 +3,7 @@
 One program per (row, group): a pass for the group's absolute maximum, a pass that writes
 x / scale rounded to e4m3, and the scale (amax / 448) for the GEMM's epilogue. One launch per
 linear layer, no host sync, outputs only allocated: CUDA-graph capturable.
-Reference: reference.quantize_fp8_groups_ref.
+Reference: reference.quantize_fp8_ref.
 """
 
 from __future__ import annotations

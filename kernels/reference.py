@@ -172,7 +172,7 @@ FP8_MAX = 448.0
 FP8_MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets this scale, not 0 (no division by zero)
 
 
-def quantize_fp8_groups_ref(x: torch.Tensor, group_size: int | None = None,
+def quantize_fp8_ref(x: torch.Tensor, group_size: int | None = None,
                             static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, G]): one scale per row and `group_size` columns
     (None: the whole row, G = 1; the last group may be partial), or the static per-tensor scale
@@ -194,7 +194,7 @@ def quantize_fp8_groups_ref(x: torch.Tensor, group_size: int | None = None,
 
 def quantize_fp8_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per output channel) quantization of a weight [N, K] -> (e4m3 [N, K], fp32 [N])."""
-    q, s = quantize_fp8_groups_ref(w)
+    q, s = quantize_fp8_ref(w)
     return q, s.reshape(-1)
 
 

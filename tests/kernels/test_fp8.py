@@ -16,7 +16,7 @@ from pdserve.kernels.reference import (
     dequantize_fp8_ref,
     fp8_block_gemm_ref,
     fp8_scaled_mm_ref,
-    quantize_fp8_groups_ref,
+    quantize_fp8_ref,
 )
 from tests.kernels.kernel_inputs import DEVICE, ON_GPU, rel_error
 
@@ -30,7 +30,7 @@ def test_quantize_matches_reference(poison_empty, dtype, m, k, group):
     if m > 1:
         x[-1] = 0  # an all-zero row gets the minimum scale, not a division by zero
     q, s = quantize_fp8(x, group_size=group)
-    q_ref, s_ref = quantize_fp8_groups_ref(x, group)
+    q_ref, s_ref = quantize_fp8_ref(x, group)
     assert q.dtype == FP8 and s.shape == s_ref.shape == (m, 1 if group is None else -(-k // group))
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     # Equal e4m3 codes, up to one code where x / scale lands within float rounding of a tie.
@@ -47,7 +47,7 @@ def test_quantize_wide_rows_loop_over_tiles(poison_empty, monkeypatch, static):
     x = torch.randn(3, 200, device=DEVICE) * 10
     scale = torch.tensor([0.04], device=DEVICE) if static else None
     q, s = quantize_fp8(x, static_scale=scale)
-    q_ref, s_ref = quantize_fp8_groups_ref(x, static_scale=scale)
+    q_ref, s_ref = quantize_fp8_ref(x, static_scale=scale)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     assert rel_error(q.float(), q_ref.float()) < 1e-2
 
@@ -56,7 +56,7 @@ def test_quantize_static_scale_writes_it_per_row(poison_empty):
     x = torch.randn(6, 96, device=DEVICE) * 100  # some values saturate at +-448
     scale = torch.tensor([0.05], device=DEVICE)
     q, s = quantize_fp8(x, static_scale=scale)
-    q_ref, s_ref = quantize_fp8_groups_ref(x, static_scale=scale)
+    q_ref, s_ref = quantize_fp8_ref(x, static_scale=scale)
     assert torch.equal(s, s_ref) and s.shape == (6, 1)
     assert q.float().abs().max() == 448 and rel_error(q.float(), q_ref.float()) < 1e-2
 
@@ -67,7 +67,7 @@ def test_quantize_static_scale_writes_it_per_row(poison_empty):
     (70, 96, 200, 1),  # per-row scales (fused parts off the 128-row grid)
 ])
 def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
-    a, a_s = quantize_fp8_groups_ref(torch.randn(m, k, device=DEVICE), 128)
+    a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
     b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
     b_s = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) + 0.01
     out = fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.float32)
@@ -79,7 +79,7 @@ def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
 
 
 def test_block_gemm_rejects_bad_arguments():
-    a, a_s = quantize_fp8_groups_ref(torch.randn(2, 256, device=DEVICE), 128)
+    a, a_s = quantize_fp8_ref(torch.randn(2, 256, device=DEVICE), 128)
     b = torch.zeros(64, 256, device=DEVICE).to(FP8)
     with pytest.raises(ValueError, match=r"b_scale has shape \[1, 1\], expected \[1, 2\]"):
         fp8_block_gemm(a, a_s, b, torch.ones(1, 1, device=DEVICE), 128, torch.bfloat16)
@@ -130,11 +130,11 @@ def test_fp8_linear_kernel_path_matches_reference(weight, activation):
     out = layer(x)
     w = torch.cat([dense["q"], dense["k"], dense["v"]])
     if weight == "block":
-        xq, xs = quantize_fp8_groups_ref(x, 128)
+        xq, xs = quantize_fp8_ref(x, 128)
         ref = fp8_block_gemm_ref(xq, xs, layer.weight, layer.w_scale, 128, torch.float64)
     else:
         static = torch.tensor([0.03], device=DEVICE) if activation == "static" else None  # the parts' max
-        xq, xs = quantize_fp8_groups_ref(x, static_scale=static)
+        xq, xs = quantize_fp8_ref(x, static_scale=static)
         ref = fp8_scaled_mm_ref(xq, xs, layer.weight, layer.w_scale, torch.float64)
     assert out.shape == (5, 512) and out.dtype == torch.bfloat16
     assert rel_error(out, ref) < 1e-2
