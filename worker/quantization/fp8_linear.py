@@ -36,6 +36,14 @@ from pdserve.worker.quantization.config import Fp8Config
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    """One line per cause and process, not one per layer."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
 
 
 def _param(shape, dtype) -> nn.Parameter:
@@ -108,14 +116,14 @@ class Fp8LinearMethod:
         if kernels is None:
             kernels = cuda_fp8_supported(w8.device)
             if kernels and cfg.block is None and (w8.shape[0] % 16 or w8.shape[1] % 16):
-                log.warning("FP8 weight %s: _scaled_mm needs both sizes multiples of 16; dequantized to %s",
-                            list(w8.shape), compute_dtype)
+                _warn_once("align", "an FP8 weight of shape %s: _scaled_mm needs both sizes multiples of 16; "
+                                    "such weights are dequantized to %s", list(w8.shape), compute_dtype)
                 kernels = False
         if not kernels:
             # The dequantizing path: the same FP8 weight values, a plain GEMM in the compute dtype.
-            if w8.device.type == "cuda":
-                log.warning("no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
-                            w8.device, compute_dtype)
+            if w8.device.type == "cuda" and not cuda_fp8_supported(w8.device):
+                _warn_once("sm90", "no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
+                           w8.device, compute_dtype)
             layer.weight = nn.Parameter(dequantize_fp8_ref(w8, scale, cfg.block).to(compute_dtype),
                                         requires_grad=False)
             layer.quant = None
