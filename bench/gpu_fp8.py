@@ -12,6 +12,10 @@ engines, one after another, each alone on the card:
 Each: bs=1 decode ms/step at input 128 (CUDA graphs; median of 128 steps) with the weight bytes a
 step reads over the same-run copy bandwidth, and offline 1024-in/128-out output tok/s.
 
+First, each linear of a Llama-3.1-8B layer alone at M = 1, 16, 1024, 8192 (bf16 cuBLAS against
+the FP8 paths with their activation quantization): where the step's time goes if a target is
+missed.
+
 Accuracy on a reduced model (the same widths, 2 layers: an fp32 reference of 32 layers would
 not fit beside the engines): the first generated token's top-5 logprobs of each engine against
 transformers in fp32 on the weights that engine multiplies (the bf16 weights for bf16, the FP8
@@ -243,6 +247,46 @@ def fp32_references(path: str, prompts, device: str) -> dict[str, list[torch.Ten
     return refs
 
 
+GEMM_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+               "down_proj": (4096, 14336)}  # Llama-3.1-8B's linears at TP=1: (N, K)
+
+
+def gemm_rows(device: str, ms: tuple[int, ...]) -> list[tuple[str, int, float, float, float]]:
+    """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
+    the engine runs (activation quantization included): (shape, M, bf16 us, per-channel us,
+    block-128 us). do_bench's median; the weights are too large for L2, so M = 1 reads HBM."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_quant import quantize_fp8
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    rows = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        w_ch, s_ch = quantize_fp8_rows_ref(w)
+        s_ch = s_ch.reshape(1, -1).contiguous()
+        w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+            def channel():
+                xq, xs = quantize_fp8(x)
+                return torch._scaled_mm(xq, w_ch.t(), scale_a=xs, scale_b=s_ch, out_dtype=torch.bfloat16)
+
+            def block():
+                xq, xs = quantize_fp8(x, 128)
+                return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
+
+            t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
+                 for f in (lambda: F.linear(x, w), channel, block)]
+            rows.append((f"{name} {n}x{k}", m, *t))
+        del w, w_ch, w_bl
+        free(device)
+    return rows
+
+
 def error(tops: list[dict[int, float]], ref: list[torch.Tensor]) -> tuple[float, int]:
     """max |logprob - fp32| over each prompt's top-5, and how often the top-1 is fp32's argmax."""
     err = max(abs(lp - ref[i][t].item()) for i, top in enumerate(tops) for t, lp in top.items())
@@ -256,7 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir, removed)")
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
-    ap.add_argument("--only", nargs="*", choices=("speed", "accuracy"), default=["speed", "accuracy"])
+    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy"), default=["gemm", "speed", "accuracy"])
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -276,7 +320,7 @@ def main(argv=None) -> int:
     header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
               f"measured copy bandwidth {bw / 1e9:.0f} GB/s")
     print(header, flush=True)
-    notes, speed_rows, acc_rows = [], [], []
+    notes, speed_rows, acc_rows, gemms = [], [], [], []
 
     def report() -> str:
         lines = [header, ""]
@@ -303,6 +347,13 @@ def main(argv=None) -> int:
                       "| --- | ---: | ---: | ---: | ---: |"]
             lines += [f"| {v} | {e1:.4f} | {s1}/{CHECK_PROMPTS} | {e2:.4f} | {s2}/{CHECK_PROMPTS} |"
                       for v, e1, s1, e2, s2 in acc_rows]
+        if gemms:
+            lines += ["", "Each linear of a Llama-3.1-8B layer alone (activation quantization included in FP8; "
+                          "triton.testing.do_bench median, us):", "",
+                      "| linear (N x K) | M | bf16 | FP8 per-channel | vs bf16 | FP8 block-128 | vs bf16 |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {name} | {m} | {b:.1f} | {c:.1f} | {b / c:.2f}x | {k:.1f} | {b / k:.2f}x |"
+                      for name, m, b, c, k in gemms]
         lines += [""] + [f"- {n}" for n in notes]
         text = "\n".join(lines)
         if args.out:
@@ -311,6 +362,15 @@ def main(argv=None) -> int:
         return text
 
     try:
+        if "gemm" in args.only and args.device == "cuda":
+            try:
+                gemms.extend(gemm_rows(args.device, (1, 16, 1024, 8192)))
+            except Exception as e:  # the engines' rows still come
+                import traceback
+
+                traceback.print_exc()
+                notes.append(f"GEMM table: FAILED: {type(e).__name__}: {e}")
+            print(report(), flush=True)
         if "speed" in args.only:
             t0 = time.perf_counter()
             bf16 = write_bf16(hf, hf["num_hidden_layers"], args.device, os.path.join(work, "bf16"))

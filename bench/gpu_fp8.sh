@@ -6,7 +6,8 @@
 #
 # 1. The FP8 kernel tests compiled on the GPU (quantization, block GEMM, the linear method's
 #    _scaled_mm and block paths against their torch references)                          90 s
-# 2. bench/gpu_fp8.py: Llama-3.1-8B-shaped random weights, bf16 vs FP8 per-channel (--quantization
+# 2. bench/gpu_fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
+#    Llama-3.1-8B-shaped random weights, bf16 vs FP8 per-channel (--quantization
 #    fp8) vs FP8 block-128 (a weight_scale_inv checkpoint made from the same weights), one engine
 #    after another on cuda:0: bs=1 decode ms/step, offline 1024/128 tok/s, and the first token's
 #    top-5 logprob error against transformers fp32 on a 2-layer model of the same widths  420 s
