@@ -175,6 +175,17 @@ def test_ignore_lists_are_honored_and_partial_fusions_refused():
     assert fp8.quantizes("model.layers.10.mlp", ["down_proj"])  # whole dotted names: layers.0 is not layers.10
 
 
+def test_dynamic_scheme_skips_calibrated_input_scales(fp8_pair, tmp_path):
+    # Some per-tensor fp8 checkpoints carry input_scale tensors yet say activation_scheme
+    # dynamic: the scales are not used, the checkpoint loads and runs as the static one's weights.
+    fp8_ckpt, ref_ckpt = fp8_pair("fp8-tensor", "llama")
+    dynamic = with_quantization_config(fp8_ckpt, tmp_path / "dynamic", {"quant_method": "fp8",
+                                                                          "activation_scheme": "dynamic"})
+    got, engine = run(dynamic)
+    assert engine.model_config.quantization.activation == "token"
+    assert_same_generation(got, run(ref_ckpt)[0])
+
+
 def test_engine_start_refuses_an_unrunnable_checkpoint(tmp_path, tiny_checkpoint):
     ckpt = with_quantization_config(tiny_checkpoint("llama"), tmp_path / "awq", {"quant_method": "awq", "bits": 4})
     with pytest.raises(QuantizationError, match="quantization_config.quant_method = 'awq'"):

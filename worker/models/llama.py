@@ -247,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard = self.STACKED[parts[-2]]
                 parts[-2] = fused
             target_name = ".".join(parts)
+            if target_name not in params and name.endswith(".input_scale") and self.cfg.quantization is not None:
+                continue  # a calibrated activation scale of a dynamic scheme: activations are scaled per call
             if target_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
             p = params[target_name]
