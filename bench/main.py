@@ -22,6 +22,7 @@ BENCHMARKS = {
     "handoff": "pdserve.bench.handoff",
     "structured": "pdserve.bench.structured",
     "planner-sim": "pdserve.bench.planner_sim",
+    "fp8": "pdserve.bench.gpu_fp8",
 }
 
 

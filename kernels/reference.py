@@ -224,3 +224,71 @@ def moe_route_ref(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+# --- FP8 (e4m3) quantization and scaled GEMMs: worker/quantization/fp8_linear.py --------------
+# Scales multiply: value = fp8 * scale. A row's (or group's) scale is its absolute maximum over
+# 448, the largest finite e4m3 value, so the quantized row fills the e4m3 range.
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets this scale, not 0 (no division by zero)
+
+
+def quantize_fp8_ref(x: torch.Tensor, group_size: int | None = None,
+                            static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, G]): one scale per row and `group_size` columns
+    (None: the whole row, G = 1; the last group may be partial), or the static per-tensor scale
+    [1] written for every row (G = 1)."""
+    m, k = x.shape
+    xf = x.float()
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(m, 1)
+        full = scale
+    else:
+        g = k if group_size is None else group_size
+        ng = -(-k // g)
+        padded = F.pad(xf.abs(), (0, ng * g - k)).view(m, ng, g)
+        scale = padded.amax(dim=-1).div(FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        full = scale.repeat_interleave(g, dim=1)[:, :k]
+    q = (xf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def quantize_fp8_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per output channel) quantization of a weight [N, K] -> (e4m3 [N, K], fp32 [N])."""
+    q, s = quantize_fp8_ref(w)
+    return q, s.reshape(-1)
+
+
+def dequantize_fp8_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """e4m3 [N, K] with per-row scales [N] or per-row block scales [N, ceil(K / block_k)] -> fp32."""
+    if block is None:
+        return w8.float() * scale.float().reshape(-1, 1)
+    return w8.float() * scale.float().repeat_interleave(block[1], dim=1)[:, :w8.shape[1]]
+
+
+def fp8_scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: (xq * x_scale[M, 1]) @ (w8 * w_scale[N])^T."""
+    out = (xq.float() @ w8.float().t()) * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    return out.to(out_dtype)
+
+
+def fp8_block_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       scale_rows: int, out_dtype: torch.dtype, block_k: int = 128) -> torch.Tensor:
+    """Block-scaled GEMM: xq [M, K] e4m3 with scales [M, ceil(K/block_k)] (per token and
+    column group), w8 [N, K] e4m3 with scales [ceil(N/scale_rows), ceil(K/block_k)]."""
+    k = xq.shape[1]
+    xs = x_scale.float().repeat_interleave(block_k, dim=1)[:, :k]
+    ws = w_scale.float().repeat_interleave(scale_rows, dim=0)[:w8.shape[0]].repeat_interleave(block_k, dim=1)[:, :k]
+    return ((xq.float() * xs) @ (w8.float() * ws).t()).to(out_dtype)
+
+
+def quantize_fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): one scale per
+    block (edge blocks partial), as DeepSeek-V3 / Qwen3-FP8 checkpoints store `weight_scale_inv`."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    scale = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3)).div(FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

@@ -26,6 +26,10 @@ class EngineConfig:
     served_model_name: str | None = flag(None, "the model name clients send", unset="the --model value")
     device: str = flag("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = flag("auto", "auto = bfloat16 on GPU, float32 on CPU", choices=DTYPES)
+    quantization: str | None = flag(None, "quantize an unquantized checkpoint's linear layers at load (fp8: "
+                                          "per-channel e4m3 weights, dynamic per-token activations; FP8 "
+                                          "checkpoints need no flag: docs/quantization.md)", choices=("fp8",),
+                                    unset="the checkpoint's own format")
     max_model_len: int | None = flag(None, "longest prompt plus completion, in tokens",
                                      unset="the model's max_position_embeddings")
     max_num_seqs: int = flag(64, "most sequences in one batch")
@@ -103,6 +107,8 @@ class EngineConfig:
             raise ConfigError("--gpu-memory-utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:
             raise ConfigError("--dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError("--quantization", f"must be fp8, got {self.quantization!r}")
         if self.role not in ROLES:
             raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_transfer not in (None, "nixl", "tcp"):

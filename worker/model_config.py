@@ -61,13 +61,25 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # FP8 weights (worker/quantization/config.py): from the checkpoint's quantization_config or
+    # --quantization; None = the checkpoint's dtype, cast to the compute dtype.
+    quantization: Any = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def __post_init__(self) -> None:
+        if self.is_moe and self.quantization is not None:
+            # The fused MoE kernel and the experts' loaders take bf16/fp16/fp32 weights only.
+            raise UnsupportedModelError(
+                f"{self.architecture} with FP8 weights ({getattr(self.quantization, 'key', self.quantization)}): "
+                f"FP8 experts are not supported yet; serve the model's bf16 checkpoint")
+
     @classmethod
-    def from_hf(cls, hf: Any, generation_eos: Any = None) -> "ModelConfig":
+    def from_hf(cls, hf: Any, generation_eos: Any = None, quantization: str | None = None) -> "ModelConfig":
+        from pdserve.worker.quantization.config import parse_quantization
+
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -116,6 +128,7 @@ class ModelConfig:
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
             **moe_fields(arch, hf),
+            quantization=parse_quantization(getattr(hf, "quantization_config", None), quantization),
         )
 
 

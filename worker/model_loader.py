@@ -47,7 +47,7 @@ def _stage(name: str, t0: float) -> float:
     return t
 
 
-def read_model_config(path: str) -> ModelConfig:
+def read_model_config(path: str, quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(path)
@@ -55,23 +55,26 @@ def read_model_config(path: str) -> ModelConfig:
         gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
         gen_eos = None
-    return ModelConfig.from_hf(hf_config, gen_eos)
+    return ModelConfig.from_hf(hf_config, gen_eos, quantization)
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None,
-               tp: tuple[int, int] = (0, 1), expert_parallel: bool = False) -> LoadedModel:
+               tp: tuple[int, int] = (0, 1), expert_parallel: bool = False,
+               quantization: str | None = None) -> LoadedModel:
     """tp = (rank, size): with size > 1 the model holds rank's shard (parallel/shard.py) and
     `model.cfg` is the shard's config; `model_config` stays the full model's. `expert_parallel`:
-    an MoE model's experts are divided whole among the ranks (models/moe.py)."""
+    an MoE model's experts are divided whole among the ranks (models/moe.py). `quantization`:
+    --quantization (fp8: quantize an unquantized checkpoint at load; worker/quantization)."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
     from pdserve.worker.models.registry import model_class
+    from pdserve.worker.quantization.fp8_linear import keep_quantized_dtypes, process_quantized
 
     t = time.perf_counter()
     path = resolve_model_path(model)
     t = _stage(f"resolve {os.path.basename(path.rstrip('/'))}", t)
-    cfg = read_model_config(path)
+    cfg = read_model_config(path, quantization)
     tokenizer = AutoTokenizer.from_pretrained(path)
     t = _stage("config + tokenizer", t)
 
@@ -86,7 +89,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     # Build on the meta device and materialise on the target: no random init, no CPU copy.
     with torch.device("meta"):
         net = model_class(cfg.architecture)(cfg, backend, positions, shard)
-    net = net.to(dtype=dtype).to_empty(device=device)
+    net = keep_quantized_dtypes(net.to(dtype=dtype)).to_empty(device=device)
     net.init_rope(positions)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -98,11 +101,20 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
         for f in files:
             with safe_open(f, framework="pt", device=str(device)) as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name) if shard is None else sf.get_slice(name)
+                    # Quantization scales are small and may be 0-d: read whole.
+                    whole = shard is None or name.endswith(("_scale", "_scale_inv"))
+                    yield name, sf.get_tensor(name) if whole else sf.get_slice(name)
 
     net.load_weights(tensors())
+    process_quantized(net, dtype)
+    if cfg.quantization is not None and device.type == "cuda":
+        # The bf16 weights quantized at load (--quantization fp8) leave freed blocks in torch's
+        # cache; KV sizing counts reserved memory as this process's, so hand them back first.
+        torch.cuda.empty_cache()
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
+    if cfg.quantization is not None:
+        what += f", {cfg.quantization.describe}"
     _stage(f"{what} ({nbytes / 2**20:.0f} MiB, {len(files)} files) -> {device}", t)
     return LoadedModel(path, net, cfg, tokenizer)

@@ -43,3 +43,13 @@ def test_dense_models_have_no_experts_and_sliding_window_moe_is_refused():
     hf = Qwen3MoeConfig(**SMALL, use_sliding_window=True, architectures=["Qwen3MoeForCausalLM"])
     with pytest.raises(UnsupportedModelError, match="sliding-window attention is not implemented"):
         ModelConfig.from_hf(hf)
+
+
+def test_fp8_moe_is_refused_naming_the_format():
+    hf = Qwen3MoeConfig(**SMALL, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        architectures=["Qwen3MoeForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="Qwen3MoeForCausalLM with FP8 weights.*not supported yet"):
+        ModelConfig.from_hf(hf, quantization="fp8")
+    hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    with pytest.raises(UnsupportedModelError, match="FP8 experts are not supported"):
+        ModelConfig.from_hf(hf)

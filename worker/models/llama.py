@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
@@ -34,6 +33,7 @@ from pdserve.worker.parallel.layers import (
     weight_loader_of,
 )
 from pdserve.worker.parallel.shard import TPShard, shard_config
+from pdserve.worker.quantization.fp8_linear import linear_method
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.qkv_bias, shard)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, shard)
+        prefix, q = f"model.layers.{layer_idx}.self_attn", cfg.quantization
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.qkv_bias, shard,
+                                          linear_method(q, prefix, ["q_proj", "k_proj", "v_proj"]))
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, shard,
+                                        linear_method(q, prefix, ["o_proj"]))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -122,7 +125,7 @@ class Attention(nn.Module):
     def forward(self, positions, x, cos_sin, meta: AttentionMetadata):
         T = x.shape[0]
         if self.bias_in_epilogue:
-            qkv, bias = F.linear(x, self.qkv_proj.weight), self.qkv_proj.bias
+            qkv, bias = self.qkv_proj.linear(x, None), self.qkv_proj.bias
         else:
             qkv, bias = self.qkv_proj(x), None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -141,13 +144,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, ops: PointwiseOps = TORCH_OPS, inter: int | None = None):
-        """`inter`: the MLP's width (default the model's intermediate_size; MoE shared experts differ)."""
+    def __init__(self, cfg: ModelConfig, shard: TPShard, ops: PointwiseOps = TORCH_OPS, prefix: str = "",
+                 inter: int | None = None):
+        """`prefix`: its checkpoint name (a quantization config may leave it unquantized); `inter`:
+        its width (default the model's intermediate_size; MoE shared experts differ)."""
         super().__init__()
         self.silu_and_mul = ops.silu_and_mul
-        inter = inter or cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, shard)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, shard)
+        inter, q = inter or cfg.intermediate_size, cfg.quantization
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, shard,
+                                                       linear_method(q, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, shard,
+                                           linear_method(q, prefix, ["down_proj"]))
 
     def forward(self, x):
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
@@ -160,7 +167,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         ops = pointwise_ops(backend)
         self.self_attn = Attention(cfg, layer_idx, backend, shard)
-        self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops)
+        self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -187,6 +194,12 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pointwise_ops(backend))
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard)
+        if cfg.quantization is not None and cfg.quantization.source == "compressed-tensors" \
+                and self.lm_head is not None and not cfg.quantization.ignored("lm_head"):
+            from pdserve.worker.quantization.config import QuantizationError
+
+            raise QuantizationError(f"{cfg.quantization.key}: does not list lm_head, so the checkpoint's lm_head "
+                                    f"is FP8; pdserve keeps the lm_head in the compute dtype")
         self.init_rope(max_positions)
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
@@ -231,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
             parts[-2] = fused
         return ".".join(parts), shard
 
+    # FP8 checkpoints' KV-cache scales (k_proj/v_proj.output_scale: AutoFP8's older names).
+    KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale", "_proj.output_scale")
+
     def load_weights(self, weights) -> None:
         """weights: iterable of (checkpoint name, tensor or safetensors slice). Each parameter's
         weight loader takes its rank's part. Fails loudly on missing/unknown names."""
@@ -241,9 +257,13 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.endswith(self.KV_CACHE_SCALES):
+                continue  # FP8 KV-cache scales of FP8 checkpoints: not read by the weights (FP8 KV is its own feature)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied embeddings: some checkpoints still carry a copy
             target_name, shard = self.checkpoint_target(name)
+            if target_name not in params and name.endswith(".input_scale") and self.cfg.quantization is not None:
+                continue  # a calibrated activation scale of a dynamic scheme: activations are scaled per call
             if target_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
             p = params[target_name]

@@ -16,6 +16,8 @@ parameter ("q" | "k" | "v" for qkv_proj, 0 | 1 for gate_up_proj), None for the r
   outnumber KV heads: shard.py).
 - RowParallelLinear: input columns split; partial products all-reduced. The bias is held by
   rank 0 only (zeros elsewhere) so the sum adds it once.
+- Any of these four may be FP8 (`quant`, worker/quantization/fp8_linear.py): its scales are
+  sharded with the rows or columns they scale.
 - VocabParallelEmbedding: ceil(V/N) rows, the last rank's padded with zeros; ids outside the
   rank's range give zeros, then an all-reduce.
 - ParallelLMHead: the same rows as logits columns; `logits` gathers them to rank 0.
@@ -45,73 +47,138 @@ def weight_loader_of(module: nn.Module):
     return getattr(module, "weight_loader", replicated_weight_loader)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ParallelLinear(nn.Linear):
+    """What the parallel linears share: an optional quantized method (worker/quantization) that
+    owns the weight's dtype, its scales and the GEMM; `quant` None is the plain F.linear.
+
+    A subclass says where a checkpoint tensor's rows (and, row-parallel, columns) land
+    (`rows_of`, `cols_of`); the weight loader copies the weight and bias by those, and hands
+    quantization scales to the method with the same coordinates, so a scale is sharded exactly
+    like the rows or columns it scales."""
+
+    quant = None
+    part_ids: tuple = (None,)  # shard_id of each fused part, in order
+
+    def _init_quant(self, quant) -> None:
+        self.quant = quant
+        if quant is not None:
+            quant.create_weights(self, len(self.part_ids))
+
+    def rows_of(self, shard_id) -> tuple[int, int, int]:
+        """(first row in this layer, first row in the checkpoint tensor, count) of a part."""
+        return 0, 0, self.weight.shape[0]
+
+    def cols_of(self) -> tuple[int, int] | None:
+        """(first checkpoint column, count) where input columns are split; None: all of them."""
+        return None
+
+    def load_quant_param(self, param: nn.Parameter, loaded, shard_id) -> bool:
+        """A quantization scale: loaded by the method; False for the weight and bias."""
+        if self.quant is None or param is self.weight or param is self.bias:
+            return False
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        self.quant.load_scale(self, name, param, loaded, self.rows_of(shard_id), self.cols_of(),
+                              self.part_ids.index(shard_id))
+        return True
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant.apply(self, x, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.bias)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y_shard = x @ W[rows of this rank]^T (+ b[rows]). Rows of the output are split."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard: TPShard):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: TPShard, quant=None):
         assert out_features % shard.size == 0, (out_features, shard.size)
         super().__init__(in_features, out_features // shard.size, bias=bias)
         self.shard = shard
+        self._init_quant(quant)
+
+    def rows_of(self, shard_id) -> tuple[int, int, int]:
+        n = self.weight.shape[0]
+        return 0, self.shard.rank * n, n
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        n = param.shape[0]
-        param.data.copy_(loaded[self.shard.rank * n:(self.shard.rank + 1) * n])
+        if self.load_quant_param(param, loaded, shard_id):
+            return
+        dst, src, n = self.rows_of(shard_id)
+        param.data[dst:dst + n].copy_(loaded[src:src + n])
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs (gate, up) in one GEMM: [part 0 of this rank | part 1 ...]."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, shard: TPShard):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, shard: TPShard, quant=None):
         self.out_sizes = list(out_sizes)
-        super().__init__(in_features, sum(out_sizes), bias, shard)
+        self.part_ids = tuple(range(len(out_sizes)))
+        super().__init__(in_features, sum(out_sizes), bias, shard, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+    def rows_of(self, shard_id) -> tuple[int, int, int]:
         r, n = self.shard.rank, self.shard.size
         local = [s // n for s in self.out_sizes]
-        start = sum(local[:shard_id])
-        param.data[start:start + local[shard_id]].copy_(loaded[r * local[shard_id]:(r + 1) * local[shard_id]])
+        return sum(local[:shard_id]), r * local[shard_id], local[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q | k | v of this rank's heads in one GEMM. KV heads follow shard.py's head ranges (a KV
     head is replicated on several ranks when there are fewer KV heads than ranks)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, bias: bool, shard: TPShard):
+    part_ids = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, bias: bool, shard: TPShard, quant=None):
         self.head_dim = head_dim
         self.q_size, self.kv_size = shard.num_heads * head_dim, shard.num_kv_heads * head_dim
         nn.Linear.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.shard = shard
+        self._init_quant(quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        s, d = self.shard, self.head_dim
+    def rows_of(self, shard_id) -> tuple[int, int, int]:
+        s = self.shard
         if shard_id == "q":
-            dst, src = param.data[:self.q_size], loaded[s.rank * self.q_size:(s.rank + 1) * self.q_size]
-        else:
-            off = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            first = s.first_kv_head * d
-            dst, src = param.data[off:off + self.kv_size], loaded[first:first + self.kv_size]
-        dst.copy_(src)
+            return 0, s.rank * self.q_size, self.q_size
+        off = self.q_size + (0 if shard_id == "k" else self.kv_size)
+        return off, s.first_kv_head * self.head_dim, self.kv_size
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(ParallelLinear):
     """y = all_reduce(x_shard @ W[:, columns of this rank]^T) (+ bias, from rank 0 only)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard: TPShard):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: TPShard, quant=None):
         assert in_features % shard.size == 0, (in_features, shard.size)
         super().__init__(in_features // shard.size, out_features, bias=bias)
         self.shard = shard
+        block = quant.cfg.block if quant is not None else None
+        if block and shard.size > 1 and self.in_features % block[1]:
+            from pdserve.worker.quantization.config import QuantizationError
+
+            raise QuantizationError(
+                f"weight_block_size {list(block)}: {in_features} input columns split over --tensor-parallel-size "
+                f"{shard.size} give {self.in_features} per rank, not a multiple of {block[1]} (a scale block "
+                f"would straddle two ranks)")
+        self._init_quant(quant)
+
+    def cols_of(self) -> tuple[int, int] | None:
+        n = self.in_features
+        return self.shard.rank * n, n
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if self.load_quant_param(param, loaded, shard_id):
+            return
         if param.dim() == 2:  # the weight: this rank's input columns
-            n, r = param.shape[1], self.shard.rank
-            param.data.copy_(loaded[:, r * n:(r + 1) * n])
+            c, n = self.cols_of()
+            param.data.copy_(loaded[:, c:c + n])
         elif self.shard.rank == 0:  # the bias
             param.data.copy_(loaded[:])
         else:
             param.data.zero_()  # added once, by rank 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.linear(x, self.bias)
         return all_reduce(out) if self.shard.size > 1 else out
 
 

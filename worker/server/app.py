@@ -28,6 +28,7 @@ from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferPara
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
+from pdserve.worker.model_config import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
@@ -86,7 +87,10 @@ class WorkerState:
             await engine.start()
             self.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, engine.tokenizer, engine.max_model_len)
         except Exception as e:
-            log.exception("engine failed to load")
+            if isinstance(e, UnsupportedModelError):  # a model or format we cannot run: the message says which
+                log.error("engine failed to load: %s", e)
+            else:
+                log.exception("engine failed to load")
             if self._on_fatal is not None:
                 self._on_fatal(e)
             return

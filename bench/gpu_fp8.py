@@ -1,0 +1,416 @@
+"""FP8 weights on one GPU (not a test): bf16 vs FP8 per-channel vs FP8 block-128, same run, same card.
+
+    python -m pdserve.bench.gpu_fp8 [--out fp8.md] [--smoke]      (bench/gpu_fp8.sh on the device)
+
+Llama-3.1-8B-shaped random weights (transformers' initialisation, bf16), saved once; then three
+engines, one after another, each alone on the card:
+- bf16: the checkpoint as saved (the baseline);
+- FP8 per-channel: the same checkpoint with --quantization fp8 (e4m3 weights with one scale per
+  output row, dynamic per-token activations: torch._scaled_mm with row-wise scales);
+- FP8 block-128: a checkpoint in the DeepSeek-V3 / Qwen3-FP8 format (`weight_block_size`
+  [128, 128], `weight_scale_inv`) quantized here from the same weights (the Triton block GEMM).
+Each: bs=1 decode ms/step at input 128 (CUDA graphs; median of 128 steps) with the weight bytes a
+step reads over the same-run copy bandwidth, and offline 1024-in/128-out output tok/s.
+
+First, each linear of a Llama-3.1-8B layer alone at M = 1, 16, 1024, 8192 (bf16 cuBLAS against
+the FP8 paths with their activation quantization): where the step's time goes if a target is
+missed.
+
+Accuracy on a reduced model (the same widths, 2 layers: an fp32 reference of 32 layers would
+not fit beside the engines): the first generated token's top-5 logprobs of each engine against
+transformers in fp32 on the weights that engine multiplies (the bf16 weights for bf16, the FP8
+weights dequantized for FP8), and against fp32 on the bf16 weights (what quantizing cost).
+`--smoke` runs a tiny model on CPU (FP8 dequantized there) to check the script; it times nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                tie_word_embeddings=False, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VARIANTS = ("bf16", "FP8 per-channel", "FP8 block-128")
+BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+TOPK, CHECK_PROMPTS = 5, 16
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy_ of 1 GiB (read + write counted once each)."""
+    if device != "cuda":
+        return 1e10
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * a.numel() * a.element_size() * 10 / (time.perf_counter() - t0)
+
+
+def write_bf16(hf: dict, layers: int, device: str, path: str) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pdserve.bench.engine import save_tokenizer
+
+    cfg = LlamaConfig(**{**hf, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    save_tokenizer(path, min(hf["vocab_size"], 1024))
+    del model
+    free(device)
+    return path
+
+
+def is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return parts[-1] == "weight" and len(parts) > 1 and parts[-2] in LINEARS
+
+
+def write_block_fp8(src: str, dst: str, device: str) -> str:
+    """src's linear weights quantized to e4m3 with one scale per 128x128 block, the rest as is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    index = {}
+    for f in sorted(os.listdir(src)):
+        if not f.endswith(".safetensors"):
+            continue
+        out = {}
+        with safe_open(os.path.join(src, f), framework="pt", device=device) as sf:
+            for name in sf.keys():
+                w = sf.get_tensor(name)
+                if is_linear(name):
+                    q, s = quantize_fp8_blocks_ref(w)
+                    out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q.cpu(), s.cpu()
+                else:
+                    out[name] = w.cpu()
+        save_file(out, os.path.join(dst, f), metadata={"format": "pt"})
+        index.update({n: f for n in out})
+        del out
+        free(device)
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": index}, fh)
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = BLOCK_CONFIG
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    return dst
+
+
+def start_engine(path: str, quantization: str | None, device: str, max_num_seqs: int):
+    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                                  quantization=quantization, max_model_len=2048, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=16384, enable_prefix_caching=False,
+                                  kv_cache_memory=None if device == "cuda" else 1 << 26))
+
+
+def step_bytes(engine) -> int:
+    """Bytes of weights one decode step reads: every parameter but the (untied) embedding table."""
+    m = engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    total += sum(t.numel() * t.element_size() for mod in m.modules() for t in (getattr(mod, "w_scale", None),)
+                 if isinstance(t, torch.Tensor))
+    if m.lm_head is not None:
+        total -= m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
+    return total
+
+
+def speed(variant: str, path: str, quantization: str | None, args, bw: float) -> dict:
+    from pdserve.bench.engine import decode_step_seconds
+    from pdserve.worker.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
+    res = {"variant": variant, "start_s": time.perf_counter() - t0, "graphs": engine.runner.graphs is not None}
+    print(f"{variant}: engine started in {res['start_s']:.0f}s", flush=True)
+    try:
+        rng = random.Random(7)
+        vocab = engine.model_config.vocab_size
+        prompt = [rng.randrange(3, vocab) for _ in range(args.decode_input)]
+        decode_step_seconds(engine, prompt, 8)  # warm-up
+        res["decode_ms"] = 1e3 * statistics.median(decode_step_seconds(engine, prompt, args.decode_steps))
+        res["bytes"] = step_bytes(engine)
+        res["roof_ms"] = 1e3 * res["bytes"] / bw
+        print(f"{variant}: bs=1 decode {res['decode_ms']:.3f} ms/step", flush=True)
+        if args.num_prompts:
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.offline_input)] for _ in range(args.num_prompts)]
+            params = SamplingParams(max_tokens=args.offline_output, temperature=0.0, ignore_eos=True)
+            engine.generate(prompts, params)  # warm-up: the same batch mix compiles the same kernels
+            sync(args.device)
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+            print(f"{variant}: offline {res['offline_tok_s']:.0f} tok/s", flush=True)
+    finally:
+        engine.shutdown()
+        del engine
+        free(args.device)
+    return res
+
+
+def first_token_top(path: str, quantization: str | None, prompts, device: str) -> list[dict[int, float]]:
+    from pdserve.worker.sampling_params import SamplingParams
+
+    engine = start_engine(path, quantization, device, 16)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOPK)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        tops: dict[str, dict[int, float]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                if o.logprobs:
+                    tops.setdefault(o.request_id, dict(o.logprobs[0].top))
+        return [tops[str(i)] for i in range(len(prompts))]
+    finally:
+        engine.shutdown()
+        del engine
+        free(device)
+
+
+def fp32_references(path: str, prompts, device: str) -> dict[str, list[torch.Tensor]]:
+    """transformers in fp32: next-token logprobs on the bf16 weights, and on each FP8 variant's
+    dequantized weights (quantized here exactly as pdserve and write_block_fp8 quantize them)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if is_linear(n)}
+
+    def logprobs():
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                logits = model(torch.tensor([p], device=device)).logits[0, -1].float()
+                out.append(torch.log_softmax(logits, -1).cpu())
+        return out
+
+    def dequant_ch(w):
+        return dequantize_fp8_ref(*quantize_fp8_rows_ref(w.bfloat16()))
+
+    def dequant_block(w):
+        q, s = quantize_fp8_blocks_ref(w.bfloat16())
+        return q.float() * s.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+
+    refs = {"bf16": logprobs()}
+    params = dict(model.named_parameters())
+    for variant, fn in (("FP8 per-channel", dequant_ch), ("FP8 block-128", dequant_block)):
+        with torch.no_grad():
+            for n, w in originals.items():
+                params[n].copy_(fn(w))
+        refs[variant] = logprobs()
+    del model, originals, params
+    free(device)
+    return refs
+
+
+GEMM_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+               "down_proj": (4096, 14336)}  # Llama-3.1-8B's linears at TP=1: (N, K)
+
+
+def gemm_rows(device: str, ms: tuple[int, ...]) -> list[tuple[str, int, float, float, float]]:
+    """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
+    the engine runs (activation quantization included): (shape, M, bf16 us, per-channel us,
+    block-128 us). do_bench's median; the weights are too large for L2, so M = 1 reads HBM."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_quant import quantize_fp8
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    rows = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        w_ch, s_ch = quantize_fp8_rows_ref(w)
+        s_ch = s_ch.reshape(1, -1).contiguous()
+        w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+            def channel():
+                xq, xs = quantize_fp8(x)
+                return torch._scaled_mm(xq, w_ch.t(), scale_a=xs, scale_b=s_ch, out_dtype=torch.bfloat16)
+
+            def block():
+                xq, xs = quantize_fp8(x, 128)
+                return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
+
+            t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
+                 for f in (lambda: F.linear(x, w), channel, block)]
+            rows.append((f"{name} {n}x{k}", m, *t))
+        del w, w_ch, w_bl
+        free(device)
+    return rows
+
+
+def error(tops: list[dict[int, float]], ref: list[torch.Tensor]) -> tuple[float, int]:
+    """max |logprob - fp32| over each prompt's top-5, and how often the top-1 is fp32's argmax."""
+    err = max(abs(lp - ref[i][t].item()) for i, top in enumerate(tops) for t, lp in top.items())
+    same = sum(max(top, key=top.get) == int(ref[i].argmax()) for i, top in enumerate(tops))
+    return err, same
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench gpu_fp8", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
+    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir, removed)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
+    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy"), default=["gemm", "speed", "accuracy"])
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pdserve bench gpu_fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
+        return 2
+    hf = TINY if args.smoke else LLAMA_8B
+    args.decode_input, args.decode_steps = (16, 8) if args.smoke else (128, 128)
+    args.offline_input, args.offline_output = (64, 8) if args.smoke else (1024, 128)
+    if args.smoke:
+        args.num_prompts = min(args.num_prompts, 4)
+    work = args.workdir or tempfile.mkdtemp(prefix="pdserve-bench-fp8-")
+    os.makedirs(work, exist_ok=True)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
+    import triton
+
+    bw = copy_bandwidth(args.device)
+    header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
+              f"measured copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(header, flush=True)
+    notes, speed_rows, acc_rows, gemms = [], [], [], []
+
+    def report() -> str:
+        lines = [header, ""]
+        if speed_rows:
+            base = speed_rows[0]
+            lines += [f"Llama-3.1-8B shape ({hf['num_hidden_layers']} layers), random weights; bs=1 decode at input "
+                      f"{args.decode_input} (CUDA graphs, median of {args.decode_steps} steps); offline "
+                      f"{args.num_prompts} prompts x {args.offline_input} in / {args.offline_output} out.", "",
+                      "| weights | GB read / step | bs=1 ms/step | % of copy BW | vs bf16 | offline tok/s | vs bf16 |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for r in speed_rows:
+                off, base_off = r.get("offline_tok_s"), base.get("offline_tok_s")
+                off_s = "" if off is None else f"{off:.0f}"
+                off_x = "" if off is None or not base_off else f"{off / base_off:.2f}x"
+                lines.append(
+                    f"| {r['variant']} | {r['bytes'] / 1e9:.2f} | {r['decode_ms']:.3f} | "
+                    f"{100 * r['roof_ms'] / r['decode_ms']:.0f}% | {base['decode_ms'] / r['decode_ms']:.2f}x | "
+                    f"{off_s} | {off_x} |")
+        if acc_rows:
+            lines += ["", f"First generated token, top-{TOPK} logprobs, {CHECK_PROMPTS} prompts, reduced model "
+                          f"(2 layers, same widths): max |logprob - fp32|", "",
+                      "| weights | vs fp32 of the same (dequantized) weights | top-1 = its argmax | "
+                      "vs fp32 of the bf16 weights | top-1 = its argmax |",
+                      "| --- | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {v} | {e1:.4f} | {s1}/{CHECK_PROMPTS} | {e2:.4f} | {s2}/{CHECK_PROMPTS} |"
+                      for v, e1, s1, e2, s2 in acc_rows]
+        if gemms:
+            lines += ["", "Each linear of a Llama-3.1-8B layer alone (activation quantization included in FP8; "
+                          "triton.testing.do_bench median, us):", "",
+                      "| linear (N x K) | M | bf16 | FP8 per-channel | vs bf16 | FP8 block-128 | vs bf16 |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [f"| {name} | {m} | {b:.1f} | {c:.1f} | {b / c:.2f}x | {k:.1f} | {b / k:.2f}x |"
+                      for name, m, b, c, k in gemms]
+        lines += [""] + [f"- {n}" for n in notes]
+        text = "\n".join(lines)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    try:
+        if "gemm" in args.only and args.device == "cuda":
+            try:
+                gemms.extend(gemm_rows(args.device, (1, 16, 1024, 8192)))
+            except Exception as e:  # the engines' rows still come
+                import traceback
+
+                traceback.print_exc()
+                notes.append(f"GEMM table: FAILED: {type(e).__name__}: {e}")
+            print(report(), flush=True)
+        if "speed" in args.only:
+            t0 = time.perf_counter()
+            bf16 = write_bf16(hf, hf["num_hidden_layers"], args.device, os.path.join(work, "bf16"))
+            t1 = time.perf_counter()
+            block = write_block_fp8(bf16, os.path.join(work, "block"), args.device)
+            notes.append(f"checkpoints: bf16 written in {t1 - t0:.0f}s, block-128 FP8 quantized and written in "
+                         f"{time.perf_counter() - t1:.0f}s")
+            for variant, path, quant in (("bf16", bf16, None), ("FP8 per-channel", bf16, "fp8"),
+                                         ("FP8 block-128", block, None)):
+                try:
+                    r = speed(variant, path, quant, args, bw)
+                    speed_rows.append(r)
+                    notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']})")
+                except Exception as e:  # one variant failing must not hide the others' numbers
+                    import traceback
+
+                    traceback.print_exc()
+                    notes.append(f"{variant}: FAILED: {type(e).__name__}: {e}")
+                print(report(), flush=True)
+            shutil.rmtree(os.path.join(work, "bf16"), ignore_errors=True)
+            shutil.rmtree(os.path.join(work, "block"), ignore_errors=True)
+        if "accuracy" in args.only:
+            small = write_bf16(hf, 2, args.device, os.path.join(work, "bf16-2l"))
+            small_block = write_block_fp8(small, os.path.join(work, "block-2l"), args.device)
+            rng = random.Random(11)
+            prompts = [[rng.randrange(3, hf["vocab_size"]) for _ in range(24 + 8 * i)] for i in range(CHECK_PROMPTS)]
+            tops = {v: first_token_top(p, q, prompts, args.device)
+                    for v, p, q in (("bf16", small, None), ("FP8 per-channel", small, "fp8"),
+                                    ("FP8 block-128", small_block, None))}
+            refs = fp32_references(small, prompts, args.device)
+            for v in VARIANTS:
+                e1, s1 = error(tops[v], refs[v])
+                e2, s2 = error(tops[v], refs["bf16"])
+                acc_rows.append((v, e1, s1, e2, s2))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

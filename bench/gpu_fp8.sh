@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# FP8 weights' GPU numbers (issue 26, items 1-2) in one device call on one H100 (~6 minutes). From the repo root:
+#
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_fp8.sh")
+#   (writes into $OUT, the device tool's folder; else ./gpu_fp8_out)
+#
+# 1. The FP8 kernel tests compiled on the GPU (quantization, block GEMM, the linear method's
+#    _scaled_mm and block paths against their torch references)                          90 s
+# 2. bench/gpu_fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
+#    Llama-3.1-8B-shaped random weights, bf16 vs FP8 per-channel (--quantization
+#    fp8) vs FP8 block-128 (a weight_scale_inv checkpoint made from the same weights), one engine
+#    after another on cuda:0: bs=1 decode ms/step, offline 1024/128 tok/s, and the first token's
+#    top-5 logprob error against transformers fp32 on a 2-layer model of the same widths  420 s
+# Files in $OUT: env.txt, fp8.md (the tables), fp8_log.txt, tests.txt.
+set -u
+OUT=${OUT:-$PWD/gpu_fp8_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+# The engine imports protocol/ (pydantic) and the KV connector's modules: carry .whl
+# (bench/gpu_env.sh says how it is read).
+source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
+  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
+  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+gpu_env_report > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one card, whatever the machine has
+
+t0=$(date +%s)
+timeout --kill-after=10 90 $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+echo "fp8 kernel tests: rc=$? in $(( $(date +%s) - t0 ))s"
+tail -n 3 "$OUT/tests.txt"
+
+cd /tmp
+t0=$(date +%s)
+timeout --kill-after=10 420 $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" \
+  > "$OUT/fp8_log.txt" 2>&1
+echo "bench gpu_fp8: rc=$? in $(( $(date +%s) - t0 ))s"
+rm -rf /tmp/pdserve-fp8
+grep -v " INFO \|it/s\]" "$OUT/fp8_log.txt" | tail -n 40

@@ -1,0 +1,95 @@
+"""Dynamic FP8 (e4m3) activation quantization: per token, or per token and 128-column group.
+
+One program per (row, group): a pass for the group's absolute maximum, a pass that writes
+x / scale rounded to e4m3, and the scale (amax / 448) for the GEMM's epilogue. One launch per
+linear layer, no host sync, outputs only allocated: CUDA-graph capturable.
+Reference: reference.quantize_fp8_ref.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, interpreting
+from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, stride_qm, stride_sm,
+                         FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
+                         BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * GROUP
+    x_row = x_ptr + row * stride_xm
+    if SINGLE:
+        # The group fits one tile (every group up to 16k columns): one read, kept in registers.
+        cols = start + tl.arange(0, BLOCK)
+        mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
+        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX_C, MIN_SCALE)
+        tl.store(s_ptr + row * stride_sm + g, scale)
+        y = tl.minimum(tl.maximum(v / scale, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for off in range(0, GROUP, BLOCK):
+                cols = start + off + tl.arange(0, BLOCK)
+                mask = (cols < K) & (off + tl.arange(0, BLOCK) < GROUP)
+                v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE)
+        tl.store(s_ptr + row * stride_sm + g, scale)
+        for off in range(0, GROUP, BLOCK):
+            cols = start + off + tl.arange(0, BLOCK)
+            mask = (cols < K) & (off + tl.arange(0, BLOCK) < GROUP)
+            v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(v / scale, -FP8_MAX_C), FP8_MAX_C)
+            tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# Largest group read in one tile; wider rows (none in today's models) loop over tiles.
+MAX_TILE = 16384
+
+
+def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
+                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, G]); G = ceil(K / group_size), or 1 per row
+    (group_size None), or the static per-tensor scale [1] repeated per row."""
+    fn = "quantize_fp8"
+    check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
+    if static_scale is not None:
+        check_tensor(fn, "static_scale", static_scale, (1,), (torch.float32,))
+        check_devices(fn, x=x, static_scale=static_scale)
+        group_size = None
+    else:
+        check_devices(fn, x=x)
+    if x.stride(-1) != 1:
+        raise ValueError(f"{fn}: x must be contiguous in its last dimension, got strides {x.stride()}")
+    m, k = x.shape
+    group = k if group_size is None else group_size
+    groups = max(1, triton.cdiv(k, group)) if k else 1
+    # Triton 3.9's interpreter rounds fp32 -> e4m3 wrongly (4.0 becomes 8.0): under it the kernel
+    # writes the clamped fp32 values and torch does the final round-to-nearest-even, as the GPU's
+    # cvt.rn.satfinite does.
+    emulate = interpreting()
+    q = torch.empty((m, k), dtype=torch.float32 if emulate else torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m and k:
+        # A decode step quantizes one row per linear: that row is one program's, so its whole
+        # group is read in one wide tile (16 warps for 16k columns) rather than in a serial loop.
+        block = min(triton.next_power_of_2(group), MAX_TILE)
+        _quantize_fp8_kernel[(m, groups)](
+            x, q, scales, static_scale if static_scale is not None else scales, k, group,
+            x.stride(0), q.stride(0), scales.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+            STATIC=static_scale is not None, BLOCK=block, SINGLE=block >= group,
+            num_warps=max(1, min(16, block // 1024)))
+    return (q.to(torch.float8_e4m3fn) if emulate else q), scales

@@ -1,0 +1,142 @@
+"""FP8 kernels against their references: activation quantization (fp8_quant.py), the 128x128
+block-scaled GEMM (fp8_block_gemm.py), and the FP8 linear method's GPU path end to end (the
+quantization kernel, then torch._scaled_mm or the block GEMM) on a fused q/k/v layer.
+
+Under the interpreter torch._scaled_mm runs on CPU (torch >= 2.10 has a CPU implementation of
+row-wise scaling), so the whole kernel path of a layer is exercised here, not only on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+from pdserve.kernels.fp8_quant import quantize_fp8
+from pdserve.kernels.reference import (
+    dequantize_fp8_ref,
+    fp8_block_gemm_ref,
+    fp8_scaled_mm_ref,
+    quantize_fp8_ref,
+)
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU, rel_error
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,group", [(3, 200, None), (5, 300, 128), (1, 128, 128), (4, 64, None)])
+def test_quantize_matches_reference(poison_empty, dtype, m, k, group):
+    x = (torch.randn(m, k, device=DEVICE) * torch.logspace(-2, 2, k, device=DEVICE)).to(dtype)
+    if m > 1:
+        x[-1] = 0  # an all-zero row gets the minimum scale, not a division by zero
+    q, s = quantize_fp8(x, group_size=group)
+    q_ref, s_ref = quantize_fp8_ref(x, group)
+    assert q.dtype == FP8 and s.shape == s_ref.shape == (m, 1 if group is None else -(-k // group))
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    # Equal e4m3 codes, up to one code where x / scale lands within float rounding of a tie.
+    assert (q.float() != q_ref.float()).float().mean() < 0.01
+    assert rel_error(q.float(), q_ref.float()) < 1e-2
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_wide_rows_loop_over_tiles(poison_empty, monkeypatch, static):
+    # Rows wider than one tile (none in today's models) take the two-pass loop.
+    import pdserve.kernels.fp8_quant as fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "MAX_TILE", 64)
+    x = torch.randn(3, 200, device=DEVICE) * 10
+    scale = torch.tensor([0.04], device=DEVICE) if static else None
+    q, s = quantize_fp8(x, static_scale=scale)
+    q_ref, s_ref = quantize_fp8_ref(x, static_scale=scale)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert rel_error(q.float(), q_ref.float()) < 1e-2
+
+
+def test_quantize_static_scale_writes_it_per_row(poison_empty):
+    x = torch.randn(6, 96, device=DEVICE) * 100  # some values saturate at +-448
+    scale = torch.tensor([0.05], device=DEVICE)
+    q, s = quantize_fp8(x, static_scale=scale)
+    q_ref, s_ref = quantize_fp8_ref(x, static_scale=scale)
+    assert torch.equal(s, s_ref) and s.shape == (6, 1)
+    assert q.float().abs().max() == 448 and rel_error(q.float(), q_ref.float()) < 1e-2
+
+
+@pytest.mark.parametrize("m,n,k,scale_rows", [
+    (1, 192, 256, 128),  # decode-sized M, two scale groups
+    (20, 130, 300, 128),  # partial N, K and M tiles
+    (70, 96, 200, 1),  # per-row scales (fused parts off the 128-row grid)
+])
+def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
+    a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
+    b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
+    b_s = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) + 0.01
+    out = fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.float32)
+    ref = fp8_block_gemm_ref(a, a_s, b, b_s, scale_rows, torch.float64)
+    # Hopper's FP8 tensor cores add a group's products in reduced precision (DeepSeek-V3's
+    # report: about 14 bits) before the fp32 accumulation: a looser bound on the GPU.
+    assert out.shape == (m, n) and rel_error(out, ref) < (1e-3 if ON_GPU else 1e-5)
+    assert rel_error(fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.bfloat16), ref) < 1e-2
+
+
+def test_block_gemm_rejects_bad_arguments():
+    a, a_s = quantize_fp8_ref(torch.randn(2, 256, device=DEVICE), 128)
+    b = torch.zeros(64, 256, device=DEVICE).to(FP8)
+    with pytest.raises(ValueError, match=r"b_scale has shape \[1, 1\], expected \[1, 2\]"):
+        fp8_block_gemm(a, a_s, b, torch.ones(1, 1, device=DEVICE), 128, torch.bfloat16)
+    with pytest.raises(TypeError, match="b has dtype bfloat16"):
+        fp8_block_gemm(a, a_s, b.bfloat16(), torch.ones(1, 2, device=DEVICE), 128, torch.bfloat16)
+
+
+# -- the FP8 linear method's GPU path on one fused layer ------------------------------------------
+
+def _qkv_layer(weight: str, activation: str):
+    from pdserve.worker.model_config import ModelConfig
+    from pdserve.worker.parallel.layers import QKVParallelLinear
+    from pdserve.worker.parallel.shard import TPShard
+    from pdserve.worker.quantization.config import Fp8Config
+    from pdserve.worker.quantization.fp8_linear import Fp8LinearMethod
+
+    cfg = ModelConfig("LlamaForCausalLM", 100, 256, 512, 1, 4, 2, 64, 1e-5, 128, False, False, False, False,
+                      1e4, (), ())
+    fp8 = Fp8Config("fp8", weight, activation, "weight_scale_inv" if weight == "block" else "weight_scale")
+    with torch.device("meta"):
+        layer = QKVParallelLinear(256, 64, False, TPShard(0, 1, cfg), Fp8LinearMethod(fp8))
+    return layer.to_empty(device=DEVICE), fp8
+
+
+@pytest.mark.parametrize("weight,activation", [("channel", "token"), ("channel", "static"), ("block", "group")])
+def test_fp8_linear_kernel_path_matches_reference(weight, activation):
+    layer, fp8 = _qkv_layer(weight, activation)
+    torch.manual_seed(0)
+    dense = {}
+    for part, rows in (("q", 256), ("k", 128), ("v", 128)):
+        w = torch.randn(rows, 256, device=DEVICE)
+        if weight == "block":
+            s = torch.rand(rows // 128, 2, device=DEVICE) * 0.01 + 1e-3
+            w8 = (w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(FP8)
+        else:
+            s = torch.rand((), device=DEVICE) * 0.01 + 1e-3  # per-tensor, written into each row
+            w8 = (w / s).to(FP8)
+        layer.weight_loader(layer.weight, w8, part)
+        layer.weight_loader(getattr(layer, fp8.scale_name), s, part)
+        if activation == "static":
+            layer.weight_loader(layer.input_scale, torch.tensor({"q": 0.02, "k": 0.03, "v": 0.025}[part]), part)
+        dense[part] = dequantize_fp8_ref(w8, s.reshape(-1).expand(rows) if weight != "block"
+                                         else s.repeat_interleave(128, 0), fp8.block)
+    layer.quant.process_weights_after_loading(layer, torch.bfloat16, kernels=True)
+    assert layer.weight.dtype == FP8
+    assert getattr(layer, "scale_rows", 128) == 128  # the q/k/v parts sit on the 128-row grid
+    x = torch.randn(5, 256, device=DEVICE).bfloat16()
+    out = layer(x)
+    w = torch.cat([dense["q"], dense["k"], dense["v"]])
+    if weight == "block":
+        xq, xs = quantize_fp8_ref(x, 128)
+        ref = fp8_block_gemm_ref(xq, xs, layer.weight, layer.w_scale, 128, torch.float64)
+    else:
+        static = torch.tensor([0.03], device=DEVICE) if activation == "static" else None  # the parts' max
+        xq, xs = quantize_fp8_ref(x, static_scale=static)
+        ref = fp8_scaled_mm_ref(xq, xs, layer.weight, layer.w_scale, torch.float64)
+    assert out.shape == (5, 512) and out.dtype == torch.bfloat16
+    assert rel_error(out, ref) < 1e-2
+    # And near the unquantized-activation product: FP8 activations cost a few percent at most.
+    assert rel_error(out, x.double() @ w.double().t()) < 0.08

@@ -1,0 +1,187 @@
+"""FP8 linear method: the weights, scales and GEMM of one parallel linear layer (parallel/layers.py).
+
+A layer built with `quant=Fp8LinearMethod(cfg)` holds, while loading:
+- `weight`: e4m3 [out, in] of this rank (the compute dtype for --quantization fp8, quantized
+  after loading);
+- the weight scales, fp32, under the checkpoint's name (`weight_scale` or `weight_scale_inv`),
+  always stored per output row: [out] (per-channel; a per-tensor scale is written into every row
+  of its tensor, so fused q/k/v or gate/up keep each part's own scale exactly, no requantizing
+  to a common maximum) or [out, ceil(in / 128)] (block; each row gets its 128-row block's
+  scales). Row-wise storage makes tensor-parallel sharding and fused parts independent of the
+  128-row block grid: a rank's or a part's rows just copy their blocks' rows;
+- `input_scale` [parts] fp32 for a static activation scheme (the GEMM uses their max: all parts
+  read the same activations).
+
+After loading (`process_weights_after_loading`):
+- on CUDA (sm90+): the weight stays e4m3 and each call quantizes the activations
+  (kernels/fp8_quant.py) and runs `torch._scaled_mm` with row-wise scales (per-channel) or the
+  Triton block-scaled GEMM (kernels/fp8_block_gemm.py; row scales compressed back to one per
+  128-row block when every block's rows agree). Both are CUDA-graph capturable: no host sync,
+  only the outputs are allocated;
+- on CPU (and GPUs without FP8 tensor cores): the weight is dequantized once to the compute
+  dtype and the layer becomes a plain linear, so CI runs the same model code on the same FP8
+  weight values (activations stay unquantized there).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_rows_ref
+from pdserve.worker.quantization.config import Fp8Config
+
+log = logging.getLogger(__name__)
+FP8 = torch.float8_e4m3fn
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    """One line per cause and process, not one per layer."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _param(shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def cuda_fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores with row-wise scaled GEMMs: Hopper (sm90) and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class Fp8LinearMethod:
+    def __init__(self, cfg: Fp8Config):
+        self.cfg = cfg
+
+    # -- building ------------------------------------------------------------------------------
+    def create_weights(self, layer: nn.Module, num_parts: int) -> None:
+        """Replace the layer's weight by the FP8 one and add the scales (on the meta device at
+        build time). `param_dtypes` survives load_model's cast to the compute dtype."""
+        out, inp = layer.weight.shape
+        cfg, layer.param_dtypes = self.cfg, {}
+        if cfg.source != "online":
+            layer.weight = _param((out, inp), FP8)
+            layer.param_dtypes["weight"] = FP8
+            shape = (out, -(-inp // cfg.block[1])) if cfg.block else (out,)
+            setattr(layer, cfg.scale_name, _param(shape, torch.float32))
+            layer.param_dtypes[cfg.scale_name] = torch.float32
+            if cfg.activation == "static":
+                layer.input_scale = _param((num_parts,), torch.float32)
+                layer.param_dtypes["input_scale"] = torch.float32
+
+    # -- loading -------------------------------------------------------------------------------
+    def load_scale(self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor,
+                   rows: tuple[int, int, int], cols: tuple[int, int] | None, part: int) -> None:
+        """Copy this rank's part of a checkpoint scale. rows = (first row in the layer, first
+        row in the checkpoint tensor, count); cols = (first checkpoint column, count) for a
+        row-parallel layer's input split, None for all columns."""
+        t = (loaded if isinstance(loaded, torch.Tensor) else loaded[:]).to(torch.float32)
+        if name == "input_scale":
+            param.data[part].copy_(t.reshape(()))
+            return
+        dst, src, n = rows
+        if self.cfg.block:
+            bn, bk = self.cfg.block
+            first = src // bn
+            blocks = t[first:(src + n - 1) // bn + 1]
+            expanded = blocks.repeat_interleave(bn, dim=0)[src - first * bn:src - first * bn + n]
+            if cols is not None:
+                expanded = expanded[:, cols[0] // bk:cols[0] // bk + param.shape[1]]
+            param.data[dst:dst + n].copy_(expanded)
+        elif t.numel() == 1:  # per-tensor: every row of this part
+            param.data[dst:dst + n].fill_(t.reshape(()).item())
+        else:  # per-channel [out, 1] or [out]
+            param.data[dst:dst + n].copy_(t.reshape(-1)[src:src + n])
+
+    def process_weights_after_loading(self, layer: nn.Module, compute_dtype: torch.dtype,
+                                      kernels: bool | None = None) -> None:
+        """`kernels`: keep the weight FP8 and run the FP8 GEMMs (None: where the device has FP8
+        tensor cores; True in the CPU tests of this path, under Triton's interpreter)."""
+        cfg = self.cfg
+        if cfg.source == "online":
+            w8, scale = quantize_fp8_rows_ref(layer.weight.data)
+        else:
+            w8, scale = layer.weight.data, getattr(layer, cfg.scale_name).data
+            delattr(layer, cfg.scale_name)
+        static = None
+        if cfg.activation == "static":
+            static = layer.input_scale.data.max().reshape(1)
+            del layer.input_scale
+        if kernels is None:
+            kernels = cuda_fp8_supported(w8.device)
+            if kernels and cfg.block is None and (w8.shape[0] % 16 or w8.shape[1] % 16):
+                _warn_once("align", "an FP8 weight of shape %s: _scaled_mm needs both sizes multiples of 16; "
+                                    "such weights are dequantized to %s", list(w8.shape), compute_dtype)
+                kernels = False
+        if not kernels:
+            # The dequantizing path: the same FP8 weight values, a plain GEMM in the compute dtype.
+            if w8.device.type == "cuda" and not cuda_fp8_supported(w8.device):
+                _warn_once("sm90", "no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
+                           w8.device, compute_dtype)
+            layer.weight = nn.Parameter(dequantize_fp8_ref(w8, scale, cfg.block).to(compute_dtype),
+                                        requires_grad=False)
+            layer.quant = None
+            return
+        layer.weight = nn.Parameter(w8, requires_grad=False)
+        layer.input_scale_static = static
+        if cfg.block:
+            bn = cfg.block[0]
+            compact = scale[::bn].contiguous()
+            if torch.equal(compact.repeat_interleave(bn, dim=0)[:scale.shape[0]], scale):
+                scale, layer.scale_rows = compact, bn  # one scale row per 128-row block, as published
+            else:
+                layer.scale_rows = 1  # blocks straddle fused parts (small models): keep one per row
+            layer.w_scale = scale.contiguous()
+        else:
+            layer.w_scale = scale.reshape(1, -1).contiguous()  # [1, out]: _scaled_mm's row-wise scale_b
+
+    # -- running (CUDA) ------------------------------------------------------------------------
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pdserve.kernels.fp8_quant import quantize_fp8
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.cfg.block:
+            from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+
+            xq, xs = quantize_fp8(x2, group_size=self.cfg.block[1])
+            out = fp8_block_gemm(xq, xs, layer.weight, layer.w_scale, layer.scale_rows, x.dtype)
+        else:
+            xq, xs = quantize_fp8(x2, group_size=None, static_scale=layer.input_scale_static)
+            # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale, out_dtype=torch.bfloat16)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*shape[:-1], out.shape[-1])
+
+
+def linear_method(cfg: Fp8Config | None, prefix: str, parts: list[str]) -> Fp8LinearMethod | None:
+    """The method of the linear fusing checkpoint modules prefix.part (None: unquantized)."""
+    if cfg is None or not cfg.quantizes(prefix, parts):
+        return None
+    return Fp8LinearMethod(cfg)
+
+
+def keep_quantized_dtypes(net: nn.Module) -> nn.Module:
+    """After `net.to(dtype)` (on the meta device): give FP8 weights and fp32 scales their dtypes back."""
+    for m in net.modules():
+        for name, dtype in getattr(m, "param_dtypes", {}).items():
+            p = getattr(m, name)
+            if p.dtype != dtype:
+                setattr(m, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False))
+    return net
+
+
+def process_quantized(net: nn.Module, compute_dtype: torch.dtype) -> None:
+    """After the checkpoint is loaded: each FP8 layer's post-processing (see the module doc)."""
+    for m in net.modules():
+        if getattr(m, "quant", None) is not None:
+            m.quant.process_weights_after_loading(m, compute_dtype)
