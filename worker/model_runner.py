@@ -145,7 +145,10 @@ class ModelRunner:
                         num_blocks * bs, max_len, num_blocks * bs)
             max_len = self.max_model_len = num_blocks * bs
         # Per-tensor scales are the same on every TP rank (a rank holds some heads of each layer).
-        self.kv_scales = load_kv_scales(self.model_path, mc.num_layers) if config.kv_cache_fp8 else None
+        try:
+            self.kv_scales = load_kv_scales(self.model_path, mc.num_layers) if config.kv_cache_fp8 else None
+        except ValueError as e:
+            raise ConfigError("--kv-cache-dtype", f"fp8 needs usable KV scales: {e}") from None
         self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.kv_dtype, self.device, self.kv_scales)
         from pdserve.worker.kv.tp_transfer import TPRank
 
