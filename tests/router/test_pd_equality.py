@@ -38,10 +38,24 @@ TEXTS = ["The capital of France is Paris.", "Hello", "One two three four five si
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def stack(request, tiny_checkpoint):
-    ckpt = tiny_checkpoint("llama")
-    t = request.param
-    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
-    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
+    yield from _stack(tiny_checkpoint("llama"), request.param)
+
+
+# The KV cache dtype is one more dimension: an fp8 cache (--kv-cache-dtype fp8) on both workers,
+# both transports. The single-worker reference is again the decode worker, fp8 too.
+FP8 = ("--kv-cache-dtype", "fp8")
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def fp8_stack(request, tiny_checkpoint):
+    yield from _stack(tiny_checkpoint("llama"), request.param, FP8, FP8)
+
+
+def _stack(ckpt, t: str, prefill_args=(), decode_args=()):
+    p = WorkerProcess(ckpt, *ARGS, *prefill_args, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      env=ENV)
+    d = WorkerProcess(ckpt, *ARGS, *decode_args, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      env=ENV)
     launcher = Launcher()
     try:
         p.start(), d.start()
@@ -345,3 +359,50 @@ def test_any_request_equals_single_worker(stack, case):
     assert_same(stack, route, body)
     # What the router did with it (--hypothesis-show-statistics): one sequence should be P/D.
     event("P/D" if disaggregated(stack[0]) > before else "one worker")
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=requests())
+def test_fp8_kv_any_request_equals_single_worker(fp8_stack, case):
+    """P/D with an fp8 KV cache == one worker with an fp8 KV cache (fewer examples: the
+    dimensions above are the same code path; what differs is the bytes moved)."""
+    route, body = case
+    assert_same(fp8_stack, route, body)
+
+
+def test_fp8_kv_stack_moves_fp8_blocks(fp8_stack):
+    router, worker = fp8_stack
+    before = disaggregated(router), _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = _metric(worker, "pdserve_kv_transfer_bytes_total")
+    for stream in (False, True):
+        assert_same(fp8_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 4, "temperature": 0,
+                                               "stream": stream})
+    assert disaggregated(router) == before[0] + 2
+    assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
+    assert _metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
+
+
+@pytest.mark.parametrize("kv_dtypes", [((), FP8), (FP8, ())], ids=["auto-to-fp8", "fp8-to-auto"])
+def test_mismatched_kv_dtypes_fall_back_to_local_prefill(tiny_checkpoint, kv_dtypes):
+    """A prefill worker whose KV dtype differs from the decode worker's: the decode worker
+    refuses its KV at the hand-off (the layouts differ) and prefills locally, so the answer is
+    still exactly the decode worker's own, streamed or not, and never an error or garbage."""
+    stack = _stack(tiny_checkpoint("llama"), "tcp", *kv_dtypes)
+    pair = next(stack)
+    try:
+        router, worker = pair
+        for route, stream in (("completions", False), ("chat", True), ("completions", True)):
+            key = {"prompt": TEXTS[3]} if route == "completions" else {"messages": chat(TEXTS[2])}
+            before = _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+            assert_same(pair, route, {**key, "max_tokens": 6, "temperature": 0, "stream": stream})
+            assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before + 1
+    finally:
+        stack.close()
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a counter's series on a worker's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
