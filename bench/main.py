@@ -20,6 +20,7 @@ BENCHMARKS = {
     "serve-ceiling": "pdserve.bench.serve_ceiling",
     "disagg": "pdserve.bench.disagg",
     "handoff": "pdserve.bench.handoff",
+    "fp8-kv": "pdserve.bench.gpu_fp8_kv",
     "structured": "pdserve.bench.structured",
     "planner-sim": "pdserve.bench.planner_sim",
     "fp8": "pdserve.bench.gpu_fp8",

@@ -14,6 +14,11 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may hold: the model's float types, or float8 e4m3 with per-layer scales
+# (kernels/reference.py's quantize_kv / dequantize_kv say how).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+KV_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -66,6 +71,26 @@ def check_same_layout(fn: str, a_name: str, a: torch.Tensor, b_name: str, b: tor
             f"{fn}: {a_name} and {b_name} must have the same shape, strides and dtype, got "
             f"{list(a.shape)}/{a.stride()}/{a.dtype} and {list(b.shape)}/{b.stride()}/{b.dtype}"
         )
+
+
+def kv_scales(fn: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k_scale, v_scale, fp8) for a launch: an fp8 cache's [1] fp32 scales (None = 1.0, made
+    here: callers that capture CUDA graphs pass their own), or any pointer where the cache is
+    not fp8 (the kernels never read it then)."""
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{fn}: k_scale/v_scale are for an fp8 KV cache; this one is {k_cache.dtype}")
+        return k_cache, k_cache, False
+    scales = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            s = torch.ones(1, dtype=torch.float32, device=k_cache.device)
+        check_tensor(fn, name, s, (1,), (torch.float32,))
+        check_devices(fn, k_cache=k_cache, **{name: s})
+        scales.append(s)
+    return scales[0], scales[1], True
 
 
 def dot_in_f32(dtype: torch.dtype) -> bool:

@@ -28,15 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.kv_cache_write import kv_store_value
 from pdserve.kernels.launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_DTYPES,
     check_devices,
     check_same_layout,
     check_tensor,
     dot_in_f32,
     dot_precision,
     interpreting,
+    kv_scales,
     num_sms,
 )
 
@@ -64,7 +67,7 @@ def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, d, partner, cos, sin_sig
             do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr", "pos_ptr", "slot_ptr"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sem_ptr,
-    pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr,
+    pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
@@ -72,7 +75,7 @@ def _decode_split_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -112,17 +115,25 @@ def _decode_split_kernel(
             kv_mask = first[:, None] & (d[None, :] < HEAD_DIM)
             k_new = _rotated(k_new_ptr + b * stride_knb + kvh * stride_knh, rows, 0, first,
                              bias_ptr + (hq_total + kvh) * HEAD_DIM, d, partner, cos, sin, HEAD_DIM, HAS_BIAS, True)
-            tl.store(k_ptr + dst, k_new.to(k_ptr.dtype.element_ty), mask=kv_mask)
+            if KV_FP8:  # quantized from k's dtype, as the reference's rotary output is
+                k_new = k_new.to(k_new_ptr.dtype.element_ty)
+            tl.store(k_ptr + dst, kv_store_value(k_new, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
             v_new = _rotated(v_new_ptr + b * stride_vnb + kvh * stride_vnh, rows, 0, first,
                              bias_ptr + (hq_total + tl.num_programs(1) + kvh) * HEAD_DIM, d, partner, cos, sin,
                              HEAD_DIM, HAS_BIAS, False)
-            tl.store(v_ptr + dst, v_new.to(v_ptr.dtype.element_ty), mask=kv_mask)
+            if KV_FP8:
+                v_new = v_new.to(v_new_ptr.dtype.element_ty)
+            tl.store(v_ptr + dst, kv_store_value(v_new, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
         tl.debug_barrier()  # every thread's cache stores before any thread's tile loads
     else:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask,
                     other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    if KV_FP8:
+        # fp8 tiles are widened to q's type for the dot (exact: e4m3 fits in bf16/fp16/fp32);
+        # the per-tensor scales multiply the scores (K) and the output (V), not every element.
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 units
     l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
@@ -137,9 +148,9 @@ def _decode_split_kernel(
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        if DOT_F32 or KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
@@ -152,6 +163,8 @@ def _decode_split_kernel(
     # An empty split (short context) has l == 0 and acc == 0: store zeros, lse = -inf.
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if SPLIT:
         part = (b * tl.num_programs(1) * GROUP + heads) * num_splits + s  # [B, Hq, S] row index
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=q_mask)
@@ -242,11 +255,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of reference.paged_decode_attention_ref.
+
+    The caches hold q's dtype, or float8 e4m3 with per-tensor `k_scale` / `v_scale` ([1] fp32
+    tensors, None = 1.0): the values are x / scale, dequantized in the kernel.
 
     Contract not checked on the host (it would need a sync): 1 <= context_lens[i] <=
     block_tables.shape[1] * block_size, and every used block id is < num_blocks.
@@ -256,7 +274,7 @@ def paged_decode_attention(
     a buffer must be ordered (one stream), as a model's layers are.
     """
     return _launch("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens, scale,
-                   num_splits, semaphores, None)
+                   num_splits, semaphores, None, k_scale, v_scale)
 
 
 def paged_decode_attention_rotary(
@@ -272,6 +290,8 @@ def paged_decode_attention_rotary(
     cos_sin_cache: torch.Tensor,
     scale: float,
     bias: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     semaphores: torch.Tensor | None = None,
@@ -293,7 +313,7 @@ def paged_decode_attention_rotary(
     check_tensor(fn, "positions", positions, (batch,), INDEX_DTYPES)
     check_tensor(fn, "slot_mapping", slot_mapping, (batch,), INDEX_DTYPES)
     check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
-    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), (q.dtype,))
+    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), _cache_dtypes(q.dtype))
     tensors = dict(q=q, k=k, v=v, positions=positions, slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)
     if bias is not None:
         check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
@@ -303,14 +323,21 @@ def paged_decode_attention_rotary(
         if t.dim() > 1 and t.stride(-1) != 1 or name == "bias" and not t.is_contiguous():
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
     rotary = (positions.contiguous(), slot_mapping.contiguous(), k, v, bias, cos_sin_cache)
-    return _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary)
+    return _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
+                   k_scale, v_scale)
 
 
-def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary):
+def _cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    return (q_dtype, KV_DTYPES[-1])  # q's own, or fp8
+
+
+def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
+            k_scale=None, v_scale=None):
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     batch, hq, d = q.shape
-    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype,))
+    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), _cache_dtypes(q.dtype))
     check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    k_scale, v_scale, fp8 = kv_scales(fn, k_cache, k_scale, v_scale)
     _, block_size, hkv, _ = k_cache.shape
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
@@ -355,12 +382,12 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
         rotary_args, rotary_strides = (context_lens, context_lens, q, q, q, q), (0, 0, 0, 0, 0)
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        semaphores if fused else context_lens, *rotary_args,
+        semaphores if fused else context_lens, *rotary_args, k_scale, v_scale,
         scale * math.log2(math.e), num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1), *rotary_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
-        ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None,
+        ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None, KV_FP8=fp8,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )

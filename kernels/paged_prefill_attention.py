@@ -19,12 +19,14 @@ import triton.language as tl
 
 from pdserve.kernels.launch import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     check_devices,
     check_same_layout,
     check_tensor,
     dot_in_f32,
     dot_precision,
     interpreting,
+    kv_scales,
 )
 
 
@@ -33,7 +35,7 @@ def _attend_tile(
     q, m, l, acc, n0, k_ptr, v_ptr, bt_row_ptr, kvh, q_pos, ctx, scale_log2,
     stride_cb, stride_ct, stride_ch, stride_cd, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One online-softmax step over keys [n0, n0 + BLOCK_N); CAUSAL masks by position and length.
     toks = n0 + tl.arange(0, BLOCK_N)
@@ -43,9 +45,9 @@ def _attend_tile(
     kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + off[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    if DOT_F32 or KV_FP8:  # fp8 tiles widen exactly to q's type; the caller folded in the K scale
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         visible = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -63,13 +65,14 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "stride_btb"],
             do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "ctx_ptr"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,6 +101,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_off[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd, mask=io_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    if KV_FP8:  # per-tensor scales: K's multiplies the scores, V's the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -110,12 +115,14 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):  # keys before every query of the tile
         m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
                                  stride_cb, stride_ct, stride_ch, stride_cd, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION, KV_FP8)
     for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
         m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
                                  stride_cb, stride_ct, stride_ch, stride_cd, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION, KV_FP8)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     tl.store(out_ptr + q_off[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=io_mask)
 
@@ -137,8 +144,11 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of reference.paged_prefill_attention_ref.
+    """Triton version of reference.paged_prefill_attention_ref. The caches hold q's dtype, or
+    float8 e4m3 values x / scale with per-tensor `k_scale` / `v_scale` ([1] fp32, None = 1.0).
 
     Contract not checked on the host (it would need a sync): cu_seqlens_q is non-decreasing
     from 0 to T, n_i <= context_lens[i] <= block_tables.shape[1] * block_size, block ids valid.
@@ -146,8 +156,9 @@ def paged_prefill_attention(
     fn = "paged_prefill_attention"
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     total, hq, d = q.shape
-    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype,))
+    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype, FP8_KV_DTYPE))
     check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    k_scale, v_scale, fp8 = kv_scales(fn, k_cache, k_scale, v_scale)
     _, block_size, hkv, _ = k_cache.shape
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
@@ -168,10 +179,10 @@ def paged_prefill_attention(
     block_m, block_n, warps, stages = _tile_config(q.dtype)
     _prefill_kernel[(total // block_m + batch, hq)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
-        scale * math.log2(math.e), batch,
+        k_scale, v_scale, scale * math.log2(math.e), batch,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        KV_FP8=fp8, num_warps=warps, num_stages=stages,
     )
     return out

@@ -14,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_same_layout, check_tensor
+from pdserve.kernels.kv_cache_write import kv_store_value
+from pdserve.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    KV_DTYPES,
+    check_devices,
+    check_same_layout,
+    check_tensor,
+    kv_scales,
+)
 
 
 @triton.jit
@@ -36,11 +45,12 @@ def _rotate_heads(src_ptr, stride_h, bias_ptr, cos, sin,
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rotary_kv_write_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, bias_ptr, cs_ptr, qo_ptr, k_cache_ptr, v_cache_ptr,
+    k_scale_ptr, v_scale_ptr,
     block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_qot, stride_qoh,
     stride_cb, stride_ct, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One program per token; cos/sin are read once for all of its q and k heads.
     t = tl.program_id(0).to(tl.int64)
@@ -65,13 +75,19 @@ def _rotary_kv_write_kernel(
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + hk * stride_ch + i
     k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, bias_ptr + HQ * 2 * HALF, cos, sin,
                            HKV, HKV_PAD, HALF, HALF_PAD, HAS_BIAS)
-    tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    if KV_FP8:  # quantized from k's dtype, as the reference (rotary in k's dtype, then the write) does
+        k1, k2 = k1.to(k_ptr.dtype.element_ty), k2.to(k_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + dst, kv_store_value(k1, k_scale_ptr, k_cache_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
+    tl.store(k_cache_ptr + dst + HALF, kv_store_value(k2, k_scale_ptr, k_cache_ptr.dtype.element_ty, KV_FP8),
+             mask=kv_mask)
     # v is not rotated: cos = 1, sin = 0 passes both halves through (plus their bias).
     v1, v2 = _rotate_heads(v_ptr + t * stride_vt, stride_vh, bias_ptr + (HQ + HKV) * 2 * HALF, 1.0, 0.0,
                            HKV, HKV_PAD, HALF, HALF_PAD, HAS_BIAS)
-    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    if KV_FP8:
+        v1, v2 = v1.to(v_ptr.dtype.element_ty), v2.to(v_ptr.dtype.element_ty)
+    tl.store(v_cache_ptr + dst, kv_store_value(v1, v_scale_ptr, v_cache_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
+    tl.store(v_cache_ptr + dst + HALF, kv_store_value(v2, v_scale_ptr, v_cache_ptr.dtype.element_ty, KV_FP8),
+             mask=kv_mask)
 
 
 def rotary_kv_write(
@@ -84,10 +100,13 @@ def rotary_kv_write(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     bias: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of reference.rotary_kv_write_ref: returns the rotated q (a new tensor) and
     writes the rotated k and v into the cache. Positions must be < cos_sin_cache rows; slots must
-    lie in the cache or be negative (skip)."""
+    lie in the cache or be negative (skip). An fp8 cache stores k / k_scale, v / v_scale ([1]
+    fp32 tensors, None = 1.0)."""
     fn = "rotary_kv_write"
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     t, hq, d = q.shape
@@ -99,7 +118,7 @@ def rotary_kv_write(
     check_tensor(fn, "positions", positions, (t,), INDEX_DTYPES)
     check_tensor(fn, "slot_mapping", slot_mapping, (t,), INDEX_DTYPES)
     check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
-    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), FLOAT_DTYPES)
+    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), KV_DTYPES)
     check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
     tensors = dict(positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
                    v_cache=v_cache, slot_mapping=slot_mapping)
@@ -111,16 +130,17 @@ def rotary_kv_write(
         if name in tensors and tensors[name].stride(-1) != 1:
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
                              f"got strides {tensors[name].stride()}")
+    k_scale, v_scale, fp8 = kv_scales(fn, k_cache, k_scale, v_scale)
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
     _rotary_kv_write_kernel[(t,)](
         positions.contiguous(), slot_mapping.contiguous(), q, k, v, bias if bias is not None else q,
-        cos_sin_cache, q_out, k_cache, v_cache,
+        cos_sin_cache, q_out, k_cache, v_cache, k_scale, v_scale,
         k_cache.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
-        HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None,
+        HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None, KV_FP8=fp8,
     )
     return q_out

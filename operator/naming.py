@@ -97,8 +97,8 @@ def revision(ms: ModelServing) -> str:
     """Hash of everything that decides whether a prefill and a decode worker can exchange KV.
 
     Both roles carry the same revision: the router pairs only workers of one revision, so a
-    rollout never hands KV blocks across incompatible layouts (model, dtype, context length,
-    image, transfer backend and secret, TP degrees, extra engine args). The secret counts by its
+    rollout never hands KV blocks across incompatible layouts (model, dtype, quantization, KV
+    cache dtype, context length, image, transfer backend and secret, TP degrees, extra engine args). The secret counts by its
     Secret's name and key, plus the generated Secret's uid (a re-created Secret holds a new
     value). Replica counts, resources, env and scheduling fields roll pods out without changing it.
     """
@@ -115,5 +115,10 @@ def revision(ms: ModelServing) -> str:
         # extra args may set anything the engine reads (block size, quantization, ...)
         "args": [list(s.prefill.args), list(s.decode.args)],
     }
+    # Set only when not the default, so adding them left every existing revision as it was.
+    if s.kv_cache_dtype != "auto":
+        relevant["kvCacheDtype"] = s.kv_cache_dtype
+    if s.quantization != "none":
+        relevant["quantization"] = s.quantization
     digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
     return digest[:10]

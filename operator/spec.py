@@ -170,6 +170,8 @@ class ModelServingSpec:
     image: str
     served_name: str | None = None
     dtype: str = "auto"
+    quantization: str = "none"  # fp8: the workers quantize the weights at load (--quantization fp8)
+    kv_cache_dtype: str = "auto"  # fp8: both roles' KV caches hold float8 e4m3 (--kv-cache-dtype fp8)
     max_model_len: int | None = None
     hf_token_secret: SecretKeyRef | None = None
     cache_claim: str | None = None  # a PVC for the Hugging Face cache, else an emptyDir
@@ -272,6 +274,8 @@ class ModelServingSpec:
             image=spec.get("image") or default_image(),
             served_name=model.get("servedName"),
             dtype=model.get("dtype", "auto"),
+            quantization=model.get("quantization", "none"),
+            kv_cache_dtype=spec.get("kvCacheDtype", "auto"),
             max_model_len=model.get("maxModelLen"),
             hf_token_secret=_secret_ref(model.get("hfTokenSecret"), "token"),
             cache_claim=cache.get("claimName"),

@@ -58,6 +58,11 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
             "--shutdown-grace", str(s.drain_timeout_s)]
     if s.max_model_len is not None:
         args += ["--max-model-len", str(s.max_model_len)]
+    if s.quantization != "none":
+        args += ["--quantization", s.quantization]
+    if s.kv_cache_dtype != "auto":
+        # Both roles alike: a prefill and a decode worker whose KV dtypes differ cannot exchange KV.
+        args += ["--kv-cache-dtype", s.kv_cache_dtype]
     if rs.max_num_seqs is not None:
         args += ["--max-num-seqs", str(rs.max_num_seqs)]
     if s.router.prefix_aware:

@@ -133,7 +133,7 @@ class KVTransferParams:
     # params (the prefill has not run yet): the decode side learns it from the side channel.
     first_token_id: int | None
     transfer_token: str  # proves the puller was handed these params; the pin table checks it
-    kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}:{block size}"; must match exactly
+    kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}[@fp8 scales]:{block size}"; must match exactly
     transport: str = "tcp"  # "nixl" or "tcp": how the prefill side serves the bytes
     expires_at: float | None = None  # wall clock; after it the prefill frees the blocks itself
     # The prefill worker's tensor-parallel size: rank r serves its KV heads on remote_port + r

@@ -54,15 +54,18 @@ class _PagedBackend:
 
     def forward(self, layer, q, k, v, meta, scale):
         k_cache, v_cache = self.kv_cache.layer(layer)
-        type(self).write(k, v, k_cache, v_cache, meta.slot_mapping)
+        # An fp8 cache's per-layer scales (None otherwise): K/V are quantized on the write and
+        # dequantized inside attention, so nothing else sees the cache's element type.
+        ks, vs = self.kv_cache.layer_scales(layer)
+        type(self).write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         nd = meta.num_decode_tokens
         out = torch.empty_like(q)
         if nd:
             out[:nd] = type(self).decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_context_lens, scale)
+                                         meta.decode_context_lens, scale, ks, vs)
         if q.shape[0] > nd:
             out[nd:] = type(self).prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                          meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+                                          meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs)
         return out
 
 

@@ -67,7 +67,8 @@ class LLMEngine:
 
             # Under TP every rank gets a connector over its shard; the layout named is the whole model's.
             self.kv_connector = KVConnector(config, self.kv_cache.tensor, self.engine_id,
-                                            kv_layout(self.model_config, self.dtype, config.block_size),
+                                            kv_layout(self.model_config, r.kv_dtype, config.block_size,
+                                                      self.kv_cache.scales if self.kv_cache.quantized else None),
                                             tp=r.kv_tp_rank, link=r.kv_tp_link)
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()
@@ -101,9 +102,10 @@ class LLMEngine:
         # runs (the async engine delivers them to the waiting HTTP request); None: with the step's outputs.
         self.on_announce = None
         mc = self.model_config
-        log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d, attention=%s",
+        log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB, %s), max_model_len %d, attention=%s",
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
-                 r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, self.dtype) / 2**20, self.max_model_len,
+                 r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, r.kv_dtype) / 2**20,
+                 self.kv_cache.layout.split(":")[1], self.max_model_len,
                  self.attention_backend)
 
     # -- public API ---------------------------------------------------------------------------

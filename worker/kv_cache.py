@@ -5,34 +5,83 @@ Block-major on purpose: every byte of a block, for all layers, is one contiguous
 run of consecutive block ids is one larger span. KV transfer then moves a request's blocks
 with a handful of large descriptors instead of one per layer per block (per-descriptor
 overhead dominates small transfers). Attention sees each layer as a strided view.
+
+The element type is the model's dtype, or float8 e4m3 (--kv-cache-dtype fp8): one byte per
+value, so the same memory holds twice the blocks of a bf16 cache and a hand-off moves half the
+bytes. An fp8 cache stores x / scale with one K and one V scale per layer (`scales`, fp32
+[num_layers, 2]); the write kernels divide by it, the attention kernels multiply it back in.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
+from pdserve.kernels.reference import FP8_KV_DTYPE
 from pdserve.worker.model_config import ModelConfig
 
 
-def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """"<layers>x<kv heads>x<head dim>:<dtype>:<block size>" (P/D peers compare it before a pull)."""
-    return f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:{str(dtype).removeprefix('torch.')}:{block_size}"
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype's element type: auto = the model's dtype; fp8 / fp8_e4m3 = float8 e4m3."""
+    return FP8_KV_DTYPE if name in ("fp8", "fp8_e4m3") else model_dtype
+
+
+def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: torch.Tensor | None = None) -> str:
+    """"<layers>x<kv heads>x<head dim>:<dtype>:<block size>" (P/D peers compare it before a pull).
+
+    An fp8 cache's dtype part also names its scales ("float8_e4m3fn@1" when all are 1, else
+    "@" and a digest of them): blocks written with other scales would dequantize to other
+    values, so a pair whose scales differ must not exchange KV any more than one whose dtype does."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype == FP8_KV_DTYPE:
+        name += "@" + scales_tag(scales)
+    return f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:{name}:{block_size}"
+
+
+def scales_tag(scales: torch.Tensor | None) -> str:
+    """"1" for unit scales (no calibration), else the first 12 hex digits of their fp32 bytes' sha256."""
+    if scales is None:
+        return "1"
+    s = scales.detach().to("cpu", torch.float32).contiguous()
+    if bool((s == 1.0).all()):
+        return "1"
+    return hashlib.sha256(s.numpy().tobytes()).hexdigest()[:12]
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 scales: torch.Tensor | None = None):
+        """`dtype`: the element type (the model's, or FP8_KV_DTYPE); `scales`: an fp8 cache's
+        per-layer (k, v) scales, [num_layers, 2] (None: all 1, as vLLM without calibrated scales)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers = cfg.num_layers
+        self.dtype = dtype
+        self.quantized = dtype == FP8_KV_DTYPE
+        if scales is None:
+            scales = torch.ones(cfg.num_layers, 2)
+        if tuple(scales.shape) != (cfg.num_layers, 2) or not bool((scales > 0).all()) or \
+                not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"KV cache scales must be [{cfg.num_layers}, 2] positive finite numbers, "
+                             f"got shape {list(scales.shape)}")
+        self.scales = scales.to(device=device, dtype=torch.float32).contiguous()
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
-        self.layout = kv_layout(cfg, dtype, block_size)
+        self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None)
         self.tensor = torch.zeros(
             num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
         # Pre-built views: indexing per layer on every forward would allocate view objects.
         self._layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(cfg.num_layers)]
+        # [1]-element views the kernels load (a device pointer: CUDA graphs read the current value).
+        self._scales = [(self.scales[i, 0:1], self.scales[i, 1:2]) if self.quantized else (None, None)
+                        for i in range(cfg.num_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[i]
+
+    def layer_scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer i's (k_scale, v_scale), [1] fp32 each; (None, None) for an unquantized cache."""
+        return self._scales[i]
 
     @property
     def block_bytes(self) -> int:

@@ -27,7 +27,8 @@ import torch
 from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
-from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.kv_cache import KVCache, resolve_kv_dtype
+from pdserve.worker.kv_scales import load_kv_scales
 from pdserve.worker.model_loader import load_model
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
@@ -102,6 +103,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV cache's element type: fp8 halves a block's bytes, so the same memory holds twice the blocks.
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         self.followers = followers  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
         if self.tp_size > 1:
@@ -142,7 +145,12 @@ class ModelRunner:
             log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
                         num_blocks * bs, max_len, num_blocks * bs)
             max_len = self.max_model_len = num_blocks * bs
-        self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.dtype, self.device)
+        # Per-tensor scales are the same on every TP rank (a rank holds some heads of each layer).
+        try:
+            self.kv_scales = load_kv_scales(self.model_path, mc.num_layers) if config.kv_cache_fp8 else None
+        except ValueError as e:
+            raise ConfigError("--kv-cache-dtype", f"fp8 needs usable KV scales: {e}") from None
+        self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.kv_dtype, self.device, self.kv_scales)
         from pdserve.worker.kv.tp_transfer import TPRank
 
         # The KV connector of this rank (kv/tp_link.py): which heads it holds; rank 0's pipes to the others.
@@ -184,7 +192,7 @@ class ModelRunner:
             shutdown_tensor_parallel()
 
     def _num_kv_blocks(self, backend) -> int:
-        per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             peak = self._profile_activation_bytes(backend)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -223,7 +231,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        scratch = KVCache(self.shard_config, sum(blocks), bs, self.dtype, self.device)
+        scratch = KVCache(self.shard_config, sum(blocks), bs, self.kv_dtype, self.device)
         backend.bind(scratch)
         first = [sum(blocks[:i]) for i in range(len(lens))]
         table = [[f + j for j in range(max(blocks))] for f in first]  # columns past a row's blocks unread

@@ -132,3 +132,41 @@ def test_rotary_kv_write(dtype, shape, bias):
     assert torch.equal(cache.isnan(), ref.isnan())
     written = ~ref.isnan()
     assert rel_error(cache[written], ref[written]) < GPU_TOL[dtype]
+
+
+@pytest.mark.parametrize("shape", ATTN)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_fp8_kv_cache_attention(poison_empty, shape, batch):
+    """--kv-cache-dtype fp8 at model sizes: the write quantizes bit for bit as the reference,
+    decode and prefill attention over the fp8 cache match float64 attention over its dequantized
+    values (calibrated-looking scales), bf16 queries."""
+    from pdserve.kernels.reference import FP8_KV_DTYPE, kv_cache_write_ref
+
+    hq, hkv, d, bs = shape
+    ctx = torch.randint(1, 8192, (batch,)).tolist()
+    ctx[0] = 8191
+    num_blocks = sum(-(-c // bs) for c in ctx) + 4
+    cache = torch.zeros(num_blocks, 2, 2, bs, hkv, d, dtype=FP8_KV_DTYPE, device="cuda")
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    ks, vs = torch.tensor([0.02], device="cuda"), torch.tensor([0.013], device="cuda")
+    rows = num_blocks * bs
+    k = torch.randn(rows, hkv, d, dtype=torch.bfloat16, device="cuda") * 4
+    v = torch.randn(rows, hkv, d, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(rows, device="cuda")
+    expected = cache.clone()
+    kv_cache_write_ref(k, v, expected[:, 1, 0], expected[:, 1, 1], slots, ks, vs)
+    kv_cache_write(k, v, k_cache, v_cache, slots, ks, vs)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    kd, vd = k_cache.double() * ks.double(), v_cache.double() * vs.double()  # what the cache means
+    bt = block_tables_for(ctx, bs, num_blocks, extra=3)
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
+    sem = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
+    out = paged_decode_attention(q, k_cache, v_cache, bt, lens, d**-0.5, ks, vs, semaphores=sem)
+    cu = torch.arange(batch + 1, device="cuda")
+    assert rel_error(out, attention_f64(q, kd, vd, bt, cu, lens, d**-0.5)) < GPU_TOL[torch.bfloat16]
+    n = [min(c, 300) for c in ctx]  # prefill chunks: the last n tokens of each context
+    cu = torch.tensor([0] + n, device="cuda").cumsum(0).int()
+    qp = torch.randn(int(cu[-1]), hq, d, dtype=torch.bfloat16, device="cuda")
+    out = paged_prefill_attention(qp, k_cache, v_cache, bt, cu, lens, d**-0.5, ks, vs)
+    assert rel_error(out, attention_f64(qp, kd, vd, bt, cu, lens, d**-0.5)) < GPU_TOL[torch.bfloat16]

@@ -43,6 +43,13 @@ def flag(args, name):
     ({}, "decode", {"--kv-events-port": None}),
     ({"router": {"policy": "prefix-aware"}}, "decode", {"--kv-events-port": "5557"}),
     ({"router": {"prefillPolicy": "prefix-aware"}}, "prefill", {"--kv-events-port": "5557"}),
+    # FP8: weights quantized at load, and the KV cache dtype (both roles alike); defaults pass nothing
+    ({}, "prefill", {"--quantization": None, "--kv-cache-dtype": None}),
+    ({"model": {**BASE["model"], "quantization": "none"}, "kvCacheDtype": "auto"}, "decode",
+     {"--quantization": None, "--kv-cache-dtype": None}),
+    ({"model": {**BASE["model"], "quantization": "fp8"}, "kvCacheDtype": "fp8"}, "prefill",
+     {"--quantization": "fp8", "--kv-cache-dtype": "fp8"}),
+    ({"kvCacheDtype": "fp8"}, "decode", {"--quantization": None, "--kv-cache-dtype": "fp8"}),
 ])
 def test_worker_args(spec, role, expect):
     c = container(build_worker_deployment(ms(**spec), role))
@@ -109,6 +116,10 @@ def test_labels_owner_and_immutable_selector():
     ({"router": {"policy": "least-loaded"}}, True),
     ({"image": "reg/pdserve:2"}, False),
     ({"model": {**BASE["model"], "dtype": "float16"}}, False),
+    ({"kvCacheDtype": "fp8"}, False),  # fp8 and bf16 KV workers must never be paired
+    ({"kvCacheDtype": "auto"}, True),  # the default, spelled out: existing revisions unchanged
+    ({"model": {**BASE["model"], "quantization": "fp8"}}, False),
+    ({"model": {**BASE["model"], "quantization": "none"}}, True),
     ({"decode": {"tensorParallelSize": 2}}, False),
     ({"kvTransfer": {"backend": "tcp"}}, False),
     ({"prefill": {"args": ["--block-size", "32"]}}, False),

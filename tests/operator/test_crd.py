@@ -92,6 +92,15 @@ def test_policy_enum_is_the_routers_registry():
     assert sorted(POLICIES) == available()
 
 
+def test_kv_cache_dtype_enum_is_the_workers():
+    """Every kvCacheDtype the API server admits is a --kv-cache-dtype the worker takes."""
+    from pdserve.worker.config import KV_CACHE_DTYPES
+
+    spec = schema()["properties"]["spec"]["properties"]
+    assert set(spec["kvCacheDtype"]["enum"]) <= set(KV_CACHE_DTYPES) and spec["kvCacheDtype"]["default"] == "auto"
+    assert spec["model"]["properties"]["quantization"]["enum"] == ["none", "fp8"]
+
+
 def test_operator_defaults_match_schema_defaults():
     spec_schema = schema()["properties"]["spec"]
     apis = ApiVersions("autoscaling/v2beta2", "policy/v1beta1", "monitoring.coreos.com/v1")

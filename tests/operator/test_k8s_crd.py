@@ -37,7 +37,8 @@ def test_minimal_spec_is_accepted_and_defaulted(k8s_cluster, crd, namespace):
 def test_full_spec_round_trips(k8s_cluster, crd, namespace):
     spec = {**GOOD,
             "model": {"source": "pvc://models/llama", "servedName": "llama", "dtype": "bfloat16", "maxModelLen": 8192,
-                      "hfTokenSecret": {"name": "hf"}},
+                      "hfTokenSecret": {"name": "hf"}, "quantization": "fp8"},
+            "kvCacheDtype": "fp8",
             "imagePullSecrets": [{"name": "regcred"}],
             "prefill": {"replicas": 2, "tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "80Gi"}},
                         "args": ["--block-size", "32"], "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
@@ -80,6 +81,8 @@ def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
     ({**GOOD, "decode": {"probes": {"readiness": {"timeoutSeconds": 0}}}},
      ["spec.decode.probes.readiness.timeoutSeconds", "greater than or equal to 1"]),
     ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
+    ({**GOOD, "model": {**GOOD["model"], "quantization": "int4"}}, ["spec.model.quantization", "Unsupported value", "fp8"]),
+    ({**GOOD, "kvCacheDtype": "fp8_e5m2"}, ["spec.kvCacheDtype", "Unsupported value", "fp8"]),
     ({**GOOD, "prefill": {"replicas": -1}}, ["spec.prefill.replicas", "greater than or equal to 0"]),
     ({**GOOD, "decode": {"tensorParallelSize": 0}}, ["spec.decode.tensorParallelSize", "greater than or equal to 1"]),
     ({**GOOD, "kvTransfer": {"backend": "rdma"}}, ["spec.kvTransfer.backend", "Unsupported value", "nixl"]),

@@ -50,10 +50,23 @@ def moe_stack(request, tiny_checkpoint):
         yield urls
 
 
+# The KV cache dtype is one more dimension: an fp8 cache (--kv-cache-dtype fp8) on both workers,
+# both transports. The single-worker reference is again the decode worker, fp8 too.
+FP8 = ("--kv-cache-dtype", "fp8")
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def fp8_stack(request, tiny_checkpoint):
+    with pd_stack(tiny_checkpoint("llama"), request.param, FP8, FP8) as urls:
+        yield urls
+
+
 @contextlib.contextmanager
-def pd_stack(ckpt, t: str):
-    p = WorkerProcess(ckpt, *ARGS, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
-    d = WorkerProcess(ckpt, *ARGS, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV)
+def pd_stack(ckpt, t: str, prefill_args=(), decode_args=()):
+    p = WorkerProcess(ckpt, *ARGS, *prefill_args, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      env=ENV)
+    d = WorkerProcess(ckpt, *ARGS, *decode_args, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
+                      env=ENV)
     launcher = Launcher()
     try:
         p.start(), d.start()
@@ -372,3 +385,47 @@ def test_moe_model_greedy_through_prefill_and_decode(moe_stack):
     assert_same(moe_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 12, "temperature": 0,
                                            "ignore_eos": True, "logprobs": 2})
     assert disaggregated(moe_stack[0]) > before  # the KV really moved from prefill to decode
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=requests())
+def test_fp8_kv_any_request_equals_single_worker(fp8_stack, case):
+    """P/D with an fp8 KV cache == one worker with an fp8 KV cache (fewer examples: the
+    dimensions above are the same code path; what differs is the bytes moved)."""
+    route, body = case
+    assert_same(fp8_stack, route, body)
+
+
+def test_fp8_kv_stack_moves_fp8_blocks(fp8_stack):
+    router, worker = fp8_stack
+    before = disaggregated(router), _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = _metric(worker, "pdserve_kv_transfer_bytes_total")
+    for stream in (False, True):
+        assert_same(fp8_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 4, "temperature": 0,
+                                               "stream": stream})
+    assert disaggregated(router) == before[0] + 2
+    assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
+    assert _metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
+
+
+def test_mismatched_kv_dtypes_fall_back_to_local_prefill(tiny_checkpoint):
+    """A prefill worker whose KV dtype differs from the decode worker's (bf16 -> fp8 here; the
+    other way round is the same string comparison, test_scheduler_kv.py): the decode worker
+    refuses its KV at the hand-off (the layouts differ) and prefills locally, so the answer is
+    still exactly the decode worker's own, streamed or not, and never an error or garbage. One
+    transport: the refusal comes before any transfer."""
+    with pd_stack(tiny_checkpoint("llama"), "tcp", (), FP8) as pair:
+        router, worker = pair
+        for route, stream in (("completions", False), ("chat", True), ("completions", True)):
+            key = {"prompt": TEXTS[3]} if route == "completions" else {"messages": chat(TEXTS[2])}
+            before = _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+            assert_same(pair, route, {**key, "max_tokens": 6, "temperature": 0, "stream": stream})
+            assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before + 1
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a counter's series on a worker's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 
+from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv.connector import KVConnector
@@ -237,3 +238,35 @@ def test_a_failed_pull_has_no_landing(prefill, decode):
     sched.schedule()
     assert r.status is RequestStatus.RUNNING and r.kv_landed_time is None
     assert r.admitted_time <= r.first_scheduled_time
+
+
+def test_a_foreign_kv_layout_is_refused_and_prefilled_locally(prefill, decode):
+    # A prefill worker of another KV dtype (or fp8 scales, or block size): its bytes would decode
+    # as garbage here. Not the client's fault: no error, no pull; the prompt is prefilled here
+    # (same answer), the prefill worker's pin released at once, the fallback counted.
+    from pdserve.worker.request import RequestError
+
+    prompt = list(range(600, 610))
+    params = {**remote_params(prefill, prompt), "kv_layout": f"1x1x4:float8_e4m3fn@1:{BS}"}
+    sched, bm, transfer = decode
+    sched.connector.check_params(parse(params), prompt)  # accepted: a fallback, not a 400
+    r = decode_request("d", prompt, params)
+    assert sched.add(r) and r.output_token_ids == [7]
+    batch = sched.schedule()
+    assert [(q.request_id, n) for q, n in batch.items] == [("d", 11)]  # prompt and first token, here
+    meta = batch.kv_connector_metadata
+    assert not meta.loads and [p.to_dict() for p in meta.releases] == [params]
+    assert transfer.metrics.local_prefill_fallbacks._value.get() == 1
+    # A streamed hand-off (first token still to come) cannot be served so: the router is told
+    # in the code it knows (STREAM_UNSUPPORTED) and hands over the final params instead.
+    streamed = {**params, "stream_kv": True, "first_token_id": None}
+    with pytest.raises(RequestError, match="describe KV layout '1x1x4:float8_e4m3fn@1:4' but this worker's is "
+                                           "'1x1x4:float32:4'") as e:
+        sched.connector.check_params(parse(streamed), prompt)
+    assert e.value.code == STREAM_UNSUPPORTED
+
+
+def parse(params: dict):
+    from pdserve.protocol.kv_transfer import parse_kv_transfer_params
+
+    return parse_kv_transfer_params(params)

@@ -204,10 +204,12 @@ def test_one_rank_failing_falls_back_on_all_ranks(workers, no_leaks, ptp, dtp):
 
 # -- the head mapping byte for byte, in process (two "ranks" are two connectors on port, port + 1) --
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_staged_pulls_put_every_head_where_it_belongs(transport):
+def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
     """Prefill TP=2 -> decode TP=1 interleaves both ranks' heads; prefill TP=1 -> decode TP=2 keeps
-    each rank's slice: the decode caches must equal the prefill caches' heads exactly."""
+    each rank's slice: the decode caches must equal the prefill caches' heads exactly (byte for
+    byte; an fp8 KV cache (--kv-cache-dtype fp8) moves as it is, one byte a value)."""
     if transport == "nixl" and not nixl_available():
         pytest.skip("needs the nixl extra (pip install 'pdserve[nixl]')")
     import torch
@@ -227,7 +229,7 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport):
 
     def cache(heads, seed):
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(blocks, layers, 2, bs, heads, dim, generator=g)
+        return torch.randn(blocks, layers, 2, bs, heads, dim, generator=g).to(getattr(torch, kv_dtype))
 
     def serve(size):
         """A prefill worker of TP `size`: one connector per rank, rank r on port + r, one pin."""
@@ -252,18 +254,18 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport):
         if transport == "nixl":  # it really read over NIXL, into its registered staging buffer
             assert c.nixl.staging.registrations == 1
         c.shutdown()
-        return c.cache[dst_ids]
+        return c.cache[dst_ids].view(torch.uint8)
 
     prefill, params = serve(2)  # TP=2 -> TP=1: head h comes from rank h
     try:
-        want = torch.cat([r.cache[src_ids] for r in prefill], dim=4)
+        want = torch.cat([r.cache[src_ids].view(torch.uint8) for r in prefill], dim=4)
         assert torch.equal(pull(1, 0, params), want)
     finally:
         for r in prefill:
             r.shutdown()
     prefill, params = serve(1)  # TP=1 -> TP=2: rank r keeps head r
     try:
-        full = prefill[0].cache[src_ids]
+        full = prefill[0].cache[src_ids].view(torch.uint8)
         for rank in (0, 1):
             assert torch.equal(pull(2, rank, params), full[:, :, :, :, rank:rank + 1])
     finally:

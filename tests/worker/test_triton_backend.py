@@ -121,6 +121,21 @@ def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint):
     assert engine.runner.graphs.num_replays > 0
 
 
+@pytest.mark.parametrize("static_decode,budget", [(True, None), (False, 8)])
+def test_fp8_kv_cache_matches_torch_backend(checkpoint, static_decode, budget):
+    # --kv-cache-dtype fp8 with calibrated-looking scales: the Triton writes (the fused decode
+    # launch, the prefill epilogue) quantize as the reference does and the kernels dequantize
+    # alike, in decode-only graph steps and in mixed chunked steps.
+    ckpt = checkpoint("qwen2")
+    kw = dict(kv_cache_dtype="fp8", max_num_batched_tokens=budget)
+    engine = make_engine(ckpt, "triton", static_decode=static_decode, **kw)
+    reference = make_engine(ckpt, "torch", static_decode=False, gpu_memory_utilization=0.6, **kw)
+    layers = engine.kv_cache.num_layers
+    for e in (engine, reference):
+        e.kv_cache.scales.copy_(torch.linspace(0.05, 0.8, 2 * layers).reshape(layers, 2))
+    assert engine.generate(PROMPTS, GREEDY) == reference.generate(PROMPTS, GREEDY)
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(3) == [1, 2, 3]

@@ -91,10 +91,14 @@ class KVConnectorScheduler:
                                STREAM_UNSUPPORTED)
         if ep is None:
             return  # prefilled locally: the remote layout does not matter
-        if kv.kv_layout != ep.layout:
-            raise RequestError(PARAM, f"{PARAM} describe KV layout {kv.kv_layout!r} but this worker's is "
-                                      f"{ep.layout!r} (layers x kv heads x head dim : dtype : block "
-                                      f"size must match between prefill and decode)")
+        if kv.kv_layout != ep.layout and kv.stream_kv:
+            # A streamed hand-off's first token comes with the pull, which cannot happen: the
+            # router then hands over the final params instead, which prefill locally (below).
+            raise RequestError(PARAM, f"{PARAM} of a streamed hand-off describe KV layout {kv.kv_layout!r} but "
+                                      f"this worker's is {ep.layout!r}: it cannot read that KV",
+                               STREAM_UNSUPPORTED)
+        # Another layout (dtype, fp8 scales, shape, block size) is a deployment mismatch, never
+        # the client's fault: new_request prefills such a request here instead of pulling.
         # The pin's own check (on pull) is what holds against forgery; this one answers 400 early.
         if token_digest(kv.transfer_token) != prompt_digest(prompt_token_ids):
             raise RequestError(PARAM, f"{PARAM} were issued for a different prompt")
@@ -125,6 +129,19 @@ class KVConnectorScheduler:
             req.token_ids.append(p.first_token_id)
             req.num_emitted_tokens = 1
             if self._endpoint is None:
+                return
+            if p.kv_layout != self._endpoint.layout:
+                # Bytes of another layout would decode as garbage: refuse the hand-off, prefill
+                # here (same answer, slower) and let the prefill worker free its pin now.
+                self._endpoint.metrics.local_prefill_fallbacks.inc()
+                self._meta.releases.append(p)
+                now = time.monotonic()
+                if now >= self._next_log:
+                    self._next_log = now + 60.0
+                    log.error("KV hand-off refused: the prefill worker's KV layout is %r, this worker's %r (layers x "
+                              "kv heads x head dim : dtype[@fp8 scales] : block size; --kv-cache-dtype and "
+                              "--block-size must match between prefill and decode): prefilling locally",
+                              p.kv_layout, self._endpoint.layout)
                 return
             if self._endpoint.policy.empty:  # a `both` worker started without peers (it logged an error)
                 self._endpoint.metrics.local_prefill_fallbacks.inc()

@@ -142,12 +142,15 @@ def _pull_staged(conn, host: str, params: KVTransferParams, indices: list[int], 
         stream = slot.stream if slot is not None else None
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                shape = cache.shape[1:4]
-                new = torch.empty((n, *shape, cache.shape[4], cache.shape[5]), dtype=cache.dtype, device=cache.device)
+                # As bytes: [.., heads, head_dim * element size]. Heads move whole whatever the
+                # element type, and torch has no index_copy_ for float8 (an fp8 KV cache).
+                raw = cache.view(torch.uint8)
+                shape = raw.shape[1:4]
+                new = torch.empty((n, *shape, raw.shape[4], raw.shape[5]), dtype=torch.uint8, device=raw.device)
                 for s, region in zip(staged, regions):
-                    remote = region.view(cache.dtype).view(n, *shape, s.remote_num_heads, cache.shape[5])
+                    remote = region.view(n, *shape, s.remote_num_heads, raw.shape[5])
                     new[:, :, :, :, s.local_heads] = remote[:, :, :, :, s.remote_heads]
-                cache.index_copy_(0, torch.tensor(dst_blocks, device=cache.device), new)
+                raw.index_copy_(0, torch.tensor(dst_blocks, device=raw.device), new)
         finally:
             if stream is not None:
                 stream.synchronize()
