@@ -84,6 +84,11 @@ def still_serves(client, served_name, n: int = 2) -> None:
     assert answers == [Outcome("completed", ANSWER)] * n
 
 
+# Streams long enough to be still decoding when the test looks for a busy worker: with 24 tokens
+# a starved test process (CI under load) once found every stream already finished.
+LONG_STREAM = 128
+
+
 def busy(stack, role: str) -> str:
     """The first worker of `role` that is decoding something right now."""
     def find():
@@ -117,7 +122,7 @@ def test_kill_prefill_worker_with_requests_in_flight(stack, client, served_name,
 
 def test_kill_decode_worker_mid_stream(stack, client, served_name, results):
     with ThreadPoolExecutor(8) as pool:
-        streaming, futures = start_streams(client, served_name, 8, pool)
+        streaming, futures = start_streams(client, served_name, 8, pool, max_tokens=LONG_STREAM)
         for e in streaming:
             assert e.wait(60)
         victim = busy(stack, "decode")
@@ -162,7 +167,7 @@ def test_bulk_client_disconnects(stack, client, served_name, results):
 
 def test_sigstopped_decode_worker(stack, client, served_name, results):
     with ThreadPoolExecutor(10) as pool:
-        streaming, futures = start_streams(client, served_name, 6, pool)
+        streaming, futures = start_streams(client, served_name, 6, pool, max_tokens=LONG_STREAM)
         for e in streaming:
             assert e.wait(60)
         victim = busy(stack, "decode")

@@ -197,11 +197,15 @@ def test_params_naming_an_allowed_host_on_another_port_are_refused(pair, tiny_ch
     transport, p, _ = pair
     if transport != "tcp":
         pytest.skip("the allowlist is the same code for both transports")
-    genuine = prefill(p, A)["kv_transfer_params"]
-    host, port = where(genuine)
+    first = prefill(p, A)["kv_transfer_params"]
+    host, port = where(first)
+    release(first)  # only its address was wanted: the pin is made again once the decode worker is up
     with Listener() as attacker, WorkerProcess(
             tiny_checkpoint("llama"), *ARGS, "--role", "decode", "--kv-transfer", transport, "--kv-port",
             str(free_port()), "--kv-peer-allow", f"127.0.0.1:{port}", env={"PDSERVE_KV_SECRET": SECRET}) as d:
+        # Pinned now, not before the worker started: on a loaded machine its start once outlasted
+        # the pin's TTL, and the genuine pull below fell back to a local prefill.
+        genuine = prefill(p, A)["kv_transfer_params"]
         for forged in ({**genuine, "remote_port": attacker.port}, {**genuine, "kv_tp_size": 2}):
             r = post(d, {"prompt": A, **GREEDY, "kv_transfer_params": forged})
             assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
