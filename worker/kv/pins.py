@@ -137,15 +137,20 @@ class PinTable:
             raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
         return pin
 
+    def _readable(self, request_id, token, prompt_digest, now: float, indices) -> Pin:
+        """Under the lock: the reader's pin, NotReady while any of `indices` is not computed yet."""
+        pin = self._authenticate(request_id, token, prompt_digest, now)
+        if indices and pin.state == RUNNING and any(type(i) is int and i >= pin.ready for i in indices):
+            raise NotReady()
+        return pin
+
     def lease(self, request_id: str, token: str, seconds: float, prompt_digest: str,
               indices: list[int] | None = None) -> list[int]:
         """Authenticate a reader and hold the pin for `seconds`; returns the pinned block ids.
         NotReady while any of `indices` (positions in the pin) is not computed yet."""
         now = time.monotonic()
         with self._lock:
-            pin = self._authenticate(request_id, token, prompt_digest, now)
-            if indices and pin.state == RUNNING and any(type(i) is int and i >= pin.ready for i in indices):
-                raise NotReady()
+            pin = self._readable(request_id, token, prompt_digest, now, indices)
             pin.leased_until = now + seconds
             return list(pin.block_ids)
 
@@ -154,9 +159,7 @@ class PinTable:
         """Authenticate a read this worker serves and hold the pin until `close_read` (which the
         caller must reach, however the read ends). NotReady as `lease`."""
         with self._lock:
-            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
-            if indices and pin.state == RUNNING and any(type(i) is int and i >= pin.ready for i in indices):
-                raise NotReady()
+            pin = self._readable(request_id, token, prompt_digest, time.monotonic(), indices)
             pin.readers += 1
             return list(pin.block_ids)
 
