@@ -46,7 +46,7 @@ if [ ${#GPU_ENV_WHEELS[@]} -gt 0 ]; then
     | grep -v "^WARNING" || true
 fi
 echo "gpu_env: installed from carried wheels: ${GPU_ENV_WHEELS[*]:-none}" >&2
-PD=/tmp/pdserve-path
+PD=${PDSERVE_PATH:-/tmp/pdserve-path}  # one per script when several run at once
 rm -rf "$PD" && mkdir -p "$PD/pdserve"
 for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$PD/pdserve/$d"; done
 export PYTHONPATH="$PD:$PDSERVE_DEPS${PYTHONPATH:+:$PYTHONPATH}"

@@ -27,9 +27,11 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
 
 
-# One program holds an [M, E] one-hot tile: up to this many elements the single-program align
-# runs (M = T*k <= 512 at 128 experts: decode batches up to 64 sequences at k = 8).
-ALIGN_KERNEL_MAX_ELEMENTS = 1 << 16
+# One program holds an [M, E] one-hot tile, and its running count takes 4 bytes of shared memory
+# per element: 2^16 elements (256 KiB) failed to launch on an H200 (227 KiB per block), 2^15 fits
+# Hopper and Ampere. M = T*k <= 256 at 128 experts: decode batches up to 32 sequences at k = 8
+# (more experts per rank under expert parallelism: fewer); past it the torch version runs.
+ALIGN_KERNEL_MAX_ELEMENTS = 1 << 15
 
 
 def _align_capacity(m: int, num_experts: int, block_m: int) -> int:
