@@ -251,14 +251,30 @@ GEMM_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj":
                "down_proj": (4096, 14336)}  # Llama-3.1-8B's linears at TP=1: (N, K)
 
 
-def gemm_rows(device: str, ms: tuple[int, ...]) -> list[tuple[str, int, float, float, float]]:
+GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+              for bn, bk, w, st in ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3),
+                                    (16, 256, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3))]
+BLOCK_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+               for bm, bn, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3),
+                                     (128, 256, 8, 3), (64, 64, 4, 4))]
+
+
+def _cfg_name(c: dict) -> str:
+    return " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')[:1].lower()}{v}" for k, v in c.items())
+
+
+def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> list[tuple[str, int, float, float, float]]:
     """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
-    the engine runs (activation quantization included): (shape, M, bf16 us, per-channel us,
-    block-128 us). do_bench's median; the weights are too large for L2, so M = 1 reads HBM."""
+    the engine runs: (shape, M, bf16 us, per-channel us, block-128 us). M <= 16: fp8_gemv (FP8
+    weights, unquantized activations); larger M: activation quantization included, then
+    torch._scaled_mm (per-channel) or fp8_block_gemm. do_bench's median; the weights are too
+    large for L2, so M = 1 reads HBM. `sweep`: also time other tiles, (shape, M, tiles, us) rows."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_gemv import MAX_M as FP8_GEMV_MAX_M
+    from pdserve.kernels.fp8_gemv import fp8_gemv
     from pdserve.kernels.fp8_quant import quantize_fp8
     from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
 
@@ -272,16 +288,37 @@ def gemm_rows(device: str, ms: tuple[int, ...]) -> list[tuple[str, int, float, f
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
 
             def channel():
+                if m <= FP8_GEMV_MAX_M:
+                    return fp8_gemv(x, w_ch, s_ch)
                 xq, xs = quantize_fp8(x)
                 return torch._scaled_mm(xq, w_ch.t(), scale_a=xs, scale_b=s_ch, out_dtype=torch.bfloat16)
 
             def block():
+                if m <= FP8_GEMV_MAX_M:
+                    return fp8_gemv(x, w_bl, s_bl, 128)
                 xq, xs = quantize_fp8(x, 128)
                 return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
 
             t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
                  for f in (lambda: F.linear(x, w), channel, block)]
             rows.append((f"{name} {n}x{k}", m, *t))
+            if sweep is not None:  # the tiles the engine's choice is measured against
+                if m <= FP8_GEMV_MAX_M:
+                    cands = [("gemv " + _cfg_name(c), lambda c=c: fp8_gemv(x, w_bl, s_bl, 128, config=c))
+                             for c in GEMV_SWEEP if c["BLOCK_K"] <= 128]
+                    cands += [("gemv/ch " + _cfg_name(c), lambda c=c: fp8_gemv(x, w_ch, s_ch, config=c))
+                              for c in GEMV_SWEEP]
+                else:
+                    xq, xs = quantize_fp8(x, 128)
+                    cands = [("block " + _cfg_name(c), lambda c=c: fp8_block_gemm(xq, xs, w_bl, s_bl, 128,
+                                                                                   torch.bfloat16, tiles=c))
+                             for c in BLOCK_SWEEP]
+                for label, f in cands:
+                    try:
+                        sweep.append((f"{name} {n}x{k}", m, label, 1e3 * do_bench(f, warmup=5, rep=25,
+                                                                                  return_mode="median")))
+                    except Exception as e:  # a tile the card cannot run: said, skipped
+                        sweep.append((f"{name} {n}x{k}", m, f"{label} FAILED {type(e).__name__}", float("nan")))
         del w, w_ch, w_bl
         free(device)
     return rows
@@ -320,7 +357,7 @@ def main(argv=None) -> int:
     header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
               f"measured copy bandwidth {bw / 1e9:.0f} GB/s")
     print(header, flush=True)
-    notes, speed_rows, acc_rows, gemms = [], [], [], []
+    notes, speed_rows, acc_rows, gemms, sweep = [], [], [], [], []
 
     def report() -> str:
         lines = [header, ""]
@@ -348,12 +385,16 @@ def main(argv=None) -> int:
             lines += [f"| {v} | {e1:.4f} | {s1}/{CHECK_PROMPTS} | {e2:.4f} | {s2}/{CHECK_PROMPTS} |"
                       for v, e1, s1, e2, s2 in acc_rows]
         if gemms:
-            lines += ["", "Each linear of a Llama-3.1-8B layer alone (activation quantization included in FP8; "
-                          "triton.testing.do_bench median, us):", "",
+            lines += ["", "Each linear of a Llama-3.1-8B layer alone (FP8 at M <= 16: fp8_gemv, activations "
+                          "unquantized; larger M: activation quantization included; do_bench median, us):", "",
                       "| linear (N x K) | M | bf16 | FP8 per-channel | vs bf16 | FP8 block-128 | vs bf16 |",
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             lines += [f"| {name} | {m} | {b:.1f} | {c:.1f} | {b / c:.2f}x | {k:.1f} | {b / k:.2f}x |"
                       for name, m, b, c, k in gemms]
+        if sweep:
+            lines += ["", "Tile sweep (us; the engine's choice is the row above's):", "",
+                      "| linear | M | tiles | us |", "| --- | ---: | --- | ---: |"]
+            lines += [f"| {name} | {m} | {label} | {us:.1f} |" for name, m, label, us in sweep]
         lines += [""] + [f"- {n}" for n in notes]
         text = "\n".join(lines)
         if args.out:
@@ -364,7 +405,7 @@ def main(argv=None) -> int:
     try:
         if "gemm" in args.only and args.device == "cuda":
             try:
-                gemms.extend(gemm_rows(args.device, (1, 16, 1024, 8192)))
+                gemms.extend(gemm_rows(args.device, (1, 16, 1024, 8192), sweep))
             except Exception as e:  # the engines' rows still come
                 import traceback
 

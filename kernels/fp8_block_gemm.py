@@ -63,8 +63,9 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 
 
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                   scale_rows: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """[M, K] e4m3 x [N, K] e4m3 -> [M, N] out_dtype, with 128-column group scales (module doc)."""
+                   scale_rows: int, out_dtype: torch.dtype, tiles: dict | None = None) -> torch.Tensor:
+    """[M, K] e4m3 x [N, K] e4m3 -> [M, N] out_dtype, with 128-column group scales (module doc).
+    `tiles`: BLOCK_M, BLOCK_N, num_warps, num_stages (default: _tiles by M; benchmarks sweep it)."""
     fn = "fp8_block_gemm"
     check_tensor(fn, "a", a, (None, None), (FP8,))
     m, k = a.shape
@@ -82,7 +83,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    bm, bn, warps, stages = _tiles(m)
+    bm, bn, warps, stages = (_tiles(m) if tiles is None else
+                             (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["num_warps"], tiles["num_stages"]))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_block_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k, a.stride(0), a_scale.stride(0),
                                  b.stride(0), b_scale.stride(0), out.stride(0), SCALE_ROWS=scale_rows,

@@ -315,6 +315,19 @@ def fp8_block_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor
     return ((xq.float() * xs) @ (w8.float() * ws).t()).to(out_dtype)
 
 
+def fp8_gemv_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_rows: int | None = None,
+                 block_k: int = 128) -> torch.Tensor:
+    """fp8_gemv.py: x (unquantized) @ (w8 * scales)^T in fp32, in x's dtype. Scales per output
+    channel ([N] / [1, N]) when scale_rows is None, else [ceil(N/scale_rows), ceil(K/block_k)]."""
+    n, k = w8.shape
+    if scale_rows is None:
+        w = w8.float() * w_scale.float().reshape(-1, 1)
+    else:
+        ws = w_scale.float().repeat_interleave(scale_rows, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+        w = w8.float() * ws
+    return (x.float() @ w.t()).to(x.dtype)
+
+
 def quantize_fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): one scale per
     block (edge blocks partial), as DeepSeek-V3 / Qwen3-FP8 checkpoints store `weight_scale_inv`."""
