@@ -13,11 +13,12 @@ A layer built with `quant=Fp8LinearMethod(cfg)` holds, while loading:
   read the same activations).
 
 After loading (`process_weights_after_loading`):
-- on CUDA (sm90+): the weight stays e4m3 and each call quantizes the activations
-  (kernels/fp8_quant.py) and runs `torch._scaled_mm` with row-wise scales (per-channel) or the
-  Triton block-scaled GEMM (kernels/fp8_block_gemm.py; row scales compressed back to one per
-  128-row block when every block's rows agree). Both are CUDA-graph capturable: no host sync,
-  only the outputs are allocated;
+- on CUDA (sm90+): the weight stays e4m3. Decode-sized calls (M <= 16 rows) run
+  kernels/fp8_gemv.py: the FP8 weight times the activations as they are (W8A16; half bf16's
+  bytes, no quantize launch). Larger calls quantize the activations (kernels/fp8_quant.py) and
+  run `torch._scaled_mm` with row-wise scales (per-channel) or the Triton block-scaled GEMM
+  (kernels/fp8_block_gemm.py; row scales compressed back to one per 128-row block when every
+  block's rows agree). All are CUDA-graph capturable: no host sync, only the outputs allocated;
 - on CPU (and GPUs without FP8 tensor cores): the weight is dequantized once to the compute
   dtype and the layer becomes a plain linear, so CI runs the same model code on the same FP8
   weight values (activations stay unquantized there).
