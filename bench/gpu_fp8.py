@@ -251,9 +251,6 @@ GEMM_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj":
                "down_proj": (4096, 14336)}  # Llama-3.1-8B's linears at TP=1: (N, K)
 
 
-GEMV_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-              for bn, bk, w, st in ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3),
-                                    (16, 256, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3))]
 BLOCK_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                for bm, bn, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3),
                                      (128, 256, 8, 3), (64, 64, 4, 4))]
@@ -302,17 +299,11 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
             t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
                  for f in (lambda: F.linear(x, w), channel, block)]
             rows.append((f"{name} {n}x{k}", m, *t))
-            if sweep is not None:  # the tiles the engine's choice is measured against
-                if m <= FP8_GEMV_MAX_M:
-                    cands = [("gemv " + _cfg_name(c), lambda c=c: fp8_gemv(x, w_bl, s_bl, 128, config=c))
-                             for c in GEMV_SWEEP if c["BLOCK_K"] <= 128]
-                    cands += [("gemv/ch " + _cfg_name(c), lambda c=c: fp8_gemv(x, w_ch, s_ch, config=c))
-                              for c in GEMV_SWEEP]
-                else:
-                    xq, xs = quantize_fp8(x, 128)
-                    cands = [("block " + _cfg_name(c), lambda c=c: fp8_block_gemm(xq, xs, w_bl, s_bl, 128,
-                                                                                   torch.bfloat16, tiles=c))
-                             for c in BLOCK_SWEEP]
+            if sweep is not None and m > FP8_GEMV_MAX_M:  # block-GEMM tiles (fp8_gemv_tune sweeps the GEMV's)
+                xq, xs = quantize_fp8(x, 128)
+                cands = [("block " + _cfg_name(c),
+                          lambda c=c: fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16, tiles=c))
+                         for c in BLOCK_SWEEP]
                 for label, f in cands:
                     try:
                         sweep.append((f"{name} {n}x{k}", m, label, 1e3 * do_bench(f, warmup=5, rep=25,
@@ -337,12 +328,19 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir, removed)")
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
+    ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
+                    "default: kernels/fp8_gemv_configs.py")
     ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy"), default=["gemm", "speed", "accuracy"])
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench gpu_fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
+    if args.gemv_configs:
+        from pdserve.kernels.fp8_gemv import use_configs
+
+        with open(args.gemv_configs) as f:
+            use_configs(json.load(f))
     hf = TINY if args.smoke else LLAMA_8B
     args.decode_input, args.decode_steps = (16, 8) if args.smoke else (128, 128)
     args.offline_input, args.offline_output = (64, 8) if args.smoke else (1024, 128)

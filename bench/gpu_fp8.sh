@@ -6,12 +6,14 @@
 #
 # 1. The FP8 kernel tests compiled on the GPU (quantization, block GEMM, the linear method's
 #    _scaled_mm and block paths against their torch references)                          90 s
-# 2. bench/gpu_fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
+# 2. bench/fp8_gemv_tune.py: fp8_gemv's tiles per Llama-3.1-8B shape (TP=1, 2), M = 1 and 8   150 s
+#    (its JSON is the table kernels/fp8_gemv_configs.py holds; step 3 runs with it)
+# 3. bench/gpu_fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
 #    Llama-3.1-8B-shaped random weights, bf16 vs FP8 per-channel (--quantization
 #    fp8) vs FP8 block-128 (a weight_scale_inv checkpoint made from the same weights), one engine
 #    after another on cuda:0: bs=1 decode ms/step, offline 1024/128 tok/s, and the first token's
 #    top-5 logprob error against transformers fp32 on a 2-layer model of the same widths  420 s
-# Files in $OUT: env.txt, fp8.md (the tables), fp8_log.txt, tests.txt.
+# Files in $OUT: env.txt, fp8.md (the tables), fp8_log.txt, tests.txt, gemv_tune.md/.json/_log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_fp8_out}
 mkdir -p "$OUT"
@@ -32,7 +34,12 @@ tail -n 3 "$OUT/tests.txt"
 
 cd /tmp
 t0=$(date +%s)
-timeout --kill-after=10 420 $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" \
+timeout --kill-after=10 150 $PY -m pdserve.bench.fp8_gemv_tune --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json" \
+  > "$OUT/gemv_tune_log.txt" 2>&1
+echo "fp8_gemv tile sweep: rc=$? in $(( $(date +%s) - t0 ))s"
+TUNED=(); [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$OUT/gemv_tune.json")
+t0=$(date +%s)
+timeout --kill-after=10 420 $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" "${TUNED[@]}" \
   > "$OUT/fp8_log.txt" 2>&1
 echo "bench gpu_fp8: rc=$? in $(( $(date +%s) - t0 ))s"
 rm -rf /tmp/pdserve-fp8

@@ -55,11 +55,15 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
 def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by M: decode-sized M takes narrow N tiles so
     enough programs stream the weight; prefill-sized M takes square tiles for reuse."""
+    # M > 64: the fastest of a sweep on an H200 at Llama-3.1-8B shapes (M = 1024 and 8192;
+    # 128x128 w8 s3 was 5-70% slower; docs/fp8-gpu-results.md). M <= 16 runs fp8_gemv in the engine.
     if m <= 16:
         return 16, 32, 4, 4
     if m <= 64:
         return 64, 64, 4, 4
-    return 128, 128, 8, 3
+    if m <= 2048:
+        return 64, 128, 4, 3
+    return 64, 256, 8, 3
 
 
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -9,12 +9,16 @@ the weight is read once, converted to the activation dtype in registers, and mul
 the activations as they are (no activation quantization: closer to the fp32 reference than W8A8,
 and the same values the CPU's dequantizing path computes).
 
-Grid: one program per BLOCK_N output columns (N / BLOCK_N programs stream disjoint rows of W).
-Each walks K in BLOCK_K steps: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core dot with M
-padded to 16 (compute is free at these sizes; the loads are what count), times the weight's
-scale. Scales: per output channel ([N] or [1, N]: applied once at the end), or 128-column groups
-([ceil(N / scale_rows), ceil(K / 128)]: applied per K step, BLOCK_K dividing 128).
-CUDA-graph capturable: no host sync, only the output allocated. Reference: reference.fp8_gemv_ref.
+Grid (cdiv(N, BLOCK_N), SPLIT_K): a program streams BLOCK_N rows of W over one K range. With
+few rows (N = 4096 at 32 rows is 128 programs on a 132-SM card) one pass per row block leaves
+the memory system idle between loads, so K is split and the fp32 partial sums are added by a
+second small kernel in a fixed order (no atomics: the same bits on every run). M = 1 multiplies
+and sums in registers; M > 1 pads M to 16 for a tensor-core dot (compute is free here; the
+loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
+128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128).
+Tiles per shape: a measured table (fp8_gemv_configs.py, written by bench/fp8_gemv_tune.py) where it
+has the card and shape, else the rule in `default_config`. CUDA-graph capturable: no host sync,
+only outputs allocated. Reference: reference.fp8_gemv_ref.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 16  # past this the W8A8 GEMMs win (they reuse each weight tile across many rows)
@@ -31,50 +35,117 @@ GROUP_K = 128
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_os,
+                     stride_om,
                      BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
-                     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    mask_n = offs_n < N
+    k_begin = pid_s * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: k is contiguous
+    if ONE_ROW:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + offs_k
-        mask_k = k < K
-        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        w = w.to(x.dtype)
-        if DOT_F32:  # the interpreter's bf16 dot is wrong (launch.dot_in_f32)
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        part = tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32)
+        mask_k = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if ONE_ROW:
+            x = tl.load(x_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
+            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & mask_k[None, :],
+                        other=0.0)
+            wt = tl.trans(w.to(x.dtype))
+            if DOT_F32:  # the interpreter's bf16 dot is wrong (launch.dot_in_f32)
+                x, wt = x.to(tl.float32), wt.to(tl.float32)
+            part = tl.dot(x, wt, input_precision=PRECISION, out_dtype=tl.float32)
         if BLOCKED:
             s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
-            acc += part * s[None, :]
+            if ONE_ROW:
+                acc += part * s
+            else:
+                acc += part * s[None, :]
         else:
             acc += part
     if not BLOCKED:
-        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+        if ONE_ROW:
+            acc *= s
+        else:
+            acc *= s[None, :]
+    out = out_ptr + pid_s * stride_os
+    if ONE_ROW:
+        tl.store(out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
-def gemv_config(n: int, k: int, blocked: bool) -> dict:
-    """Tiles by shape. Narrow N tiles give enough programs to stream the weight (an H100/H200 has
-    132 SMs: N = 4096 at 32 columns is 128 programs); BLOCK_K 128 keeps a block-scaled step inside
-    one scale group."""
-    bn = 16 if n <= 4096 else 32 if n <= 16384 else 64
-    return dict(BLOCK_N=bn, BLOCK_K=128 if blocked or k < 256 else 256, num_warps=4, num_stages=4)
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    # out = sum over the splits, in split order, of the fp32 partials [SPLITS, SIZE].
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + s * SIZE + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_config(n: int, k: int, blocked: bool, m: int, sms: int = 132) -> dict:
+    """Tiles by rule when the table has no measurement: 32-row blocks (best of 16/32/64/128 rows
+    on an H200, Llama-3.1-8B shapes), 256 columns a step (128 for group scales), and K split
+    until about two programs per SM."""
+    bn, bk = 32, 128 if blocked else 256
+    split = 1
+    while triton.cdiv(n, bn) * split < 2 * sms and k // (split * 2) >= 4 * bk:
+        split *= 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+_TABLE: dict = {}
+
+
+def use_configs(table: dict) -> None:
+    """Measured tiles, {card name: {"N,K,blocked,one_row": config}} (bench/fp8_gemv_tune.py writes
+    it; fp8_gemv_configs.py holds the ones committed). Replaces what was loaded before."""
+    _TABLE.clear()
+    _TABLE.update(table)
+
+
+def _load_committed() -> None:
+    from pdserve.kernels.fp8_gemv_configs import CONFIGS
+
+    use_configs(CONFIGS)
+
+
+def config_key(n: int, k: int, blocked: bool, m: int) -> str:
+    return f"{n},{k},{int(blocked)},{int(m == 1)}"
+
+
+def choose_config(x: torch.Tensor, n: int, k: int, blocked: bool) -> dict:
+    if not _TABLE:
+        _load_committed()
+    m = x.shape[0]
+    card = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else "cpu"
+    found = _TABLE.get(card, {}).get(config_key(n, k, blocked, m))
+    return dict(found) if found else default_config(n, k, blocked, m, num_sms(x.device))
 
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_rows: int | None = None,
              config: dict | None = None) -> torch.Tensor:
     """x [M <= 16, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
     w_scale: per output channel ([N] or [1, N]) when scale_rows is None; else 128-column group
-    scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1)."""
+    scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1).
+    `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages (default: choose_config)."""
     fn = "fp8_gemv"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     m, k = x.shape
@@ -97,12 +168,20 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = dict(config or gemv_config(n, k, blocked))
-    if blocked and GROUP_K % cfg["BLOCK_K"]:
-        raise ValueError(f"{fn}: BLOCK_K must divide {GROUP_K} for group scales, got {cfg['BLOCK_K']}")
-    bn = cfg.pop("BLOCK_N")
-    _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w8, w_scale, out, m, n, k, x.stride(0), w8.stride(0), w_scale.stride(0) if blocked else 0, out.stride(0),
+    cfg = dict(config or choose_config(x, n, k, blocked))
+    bn, bk, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K", 1)
+    if blocked and GROUP_K % bk:
+        raise ValueError(f"{fn}: BLOCK_K must divide {GROUP_K} for group scales, got {bk}")
+    # Each split covers a whole number of BLOCK_K steps, so a step never straddles a scale group.
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
+        x, w8, w_scale, dst, m, n, k, k_split, x.stride(0), w8.stride(0), w_scale.stride(0) if blocked else 0,
+        dst.stride(0) if split > 1 else 0, dst.stride(-2),
         BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K, DOT_F32=dot_in_f32(x.dtype),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=16, BLOCK_N=bn, **cfg)
+        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    if split > 1:
+        size = m * n
+        _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024)
     return out

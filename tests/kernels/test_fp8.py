@@ -163,9 +163,32 @@ def test_fp8_gemv_matches_reference(poison_empty, dtype, m, n, k, scale_rows):
         scale = torch.rand(1, n, device=DEVICE) * 0.01 + 1e-3
     else:
         scale = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) * 0.01 + 1e-3
+    ref = fp8_gemv_ref(x.double(), w8, scale, scale_rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     out = fp8_gemv(x, w8, scale, scale_rows)
     assert out.shape == (m, n) and out.dtype == dtype
-    assert rel_error(out, fp8_gemv_ref(x.double(), w8, scale, scale_rows)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_error(out, ref) < tol
+    # K split in 2 and 3 (fp32 partials summed by the second kernel), narrow row blocks.
+    for split, bk in ((2, 64), (3, 128)):
+        cfg = dict(BLOCK_N=16, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=2)
+        assert rel_error(fp8_gemv(x, w8, scale, scale_rows, config=cfg), ref) < tol
+
+
+def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():
+    from pdserve.kernels import fp8_gemv as g
+
+    assert g.default_config(4096, 14336, False, 1)["SPLIT_K"] > 1  # 128 row blocks: K split
+    assert g.default_config(28672, 4096, False, 1)["SPLIT_K"] == 1  # 896 row blocks already
+    assert g.default_config(4096, 4096, True, 4)["BLOCK_K"] == 128  # group scales: one group a step
+    x = torch.zeros(1, 256, device=DEVICE)
+    card = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    measured = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
+    try:
+        g.use_configs({card: {g.config_key(512, 256, False, 1): measured}})
+        assert g.choose_config(x, 512, 256, False) == measured
+        assert g.choose_config(x, 512, 256, True) == g.default_config(512, 256, True, 1, g.num_sms(x.device))
+    finally:
+        g.use_configs({})
 
 
 def test_fp8_gemv_refuses_what_it_cannot_run():

@@ -1,0 +1,102 @@
+"""Measure kernels/fp8_gemv.py's tiles per shape on this card: the table fp8_gemv_configs.py holds.
+
+    python -m pdserve.bench.fp8_gemv_tune --out tune.md --json tune.json [--shapes llama-3.1-8b]
+
+For each linear shape (Llama-3.1-8B at TP=1 and TP=2 by default), both scale formats
+(per-channel, 128-column groups) and M = 1 and M = 8: every tile of a sweep (row block, K step,
+K split) is timed with triton.testing.do_bench (median); the fastest goes to the JSON, beside
+bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
+microsecond against this run's copy bandwidth. Paste the JSON's card entry into
+kernels/fp8_gemv_configs.py (or pass it to bench/gpu_fp8.py --gemv-configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+
+import torch
+
+SHAPES = {  # name -> {linear: (N, K)}
+    "llama-3.1-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+                     "down_proj": (4096, 14336)},
+    "llama-3.1-8b-tp2": {"qkv_proj": (3072, 4096), "o_proj": (4096, 2048), "gate_up_proj": (14336, 4096),
+                         "down_proj": (4096, 7168)},
+}
+
+
+def sweep(blocked: bool) -> list[dict]:
+    steps = (64, 128) if blocked else (128, 256, 512)
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3)
+            for bn, bk, s in itertools.product((16, 32, 64), steps, (1, 2, 4, 8))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench fp8_gemv_tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", help="the markdown table")
+    ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_gemv_tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import torch.nn.functional as F
+    import triton
+    from triton.testing import do_bench
+
+    from pdserve.bench.kernels import copy_bandwidth
+    from pdserve.kernels import fp8_gemv as g
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    def us(f) -> float:
+        return 1e3 * do_bench(f, warmup=5, rep=30, return_mode="median")
+
+    card, bw = torch.cuda.get_device_name(), copy_bandwidth()
+    g.use_configs({})  # the rule's default, not an earlier table, is the baseline here
+    lines = [f"fp8_gemv tiles, {card}, triton {triton.__version__}, {datetime.date.today()}, copy bandwidth "
+             f"{bw / 1e9:.0f} GB/s. us: do_bench medians; GB/s: the FP8 weight's bytes / time.", "",
+             "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |"]
+    table: dict[str, dict] = {}
+    for shape in args.shapes:
+        for name, (n, k) in SHAPES[shape].items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            formats = {"channel": (*quantize_fp8_rows_ref(w), None), "block": (*quantize_fp8_blocks_ref(w), 128)}
+            for (fmt, (w8, s, rows)), m in itertools.product(formats.items(), (1, 8)):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                blocked = rows is not None
+                s = s if blocked else s.reshape(1, -1).contiguous()
+                t_bf16 = us(lambda: F.linear(x, w))
+                t_default = us(lambda: g.fp8_gemv(x, w8, s, rows))
+                best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
+                for cfg in sweep(blocked):
+                    try:
+                        t = us(lambda c=cfg: g.fp8_gemv(x, w8, s, rows, config=c))
+                    except Exception as e:  # a tile this card cannot run: said, skipped
+                        print(f"{name} {fmt} M={m} {cfg}: {type(e).__name__}: {e}"[:200], flush=True)
+                        continue
+                    best = min(best, (t, cfg), key=lambda b: b[0])
+                table[g.config_key(n, k, blocked, m)] = best[1]
+                gbs = n * k / (best[0] * 1e-6) / 1e9
+                tiles = " ".join(f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items())
+                lines.append(f"| {shape} | {name} {n}x{k} | {fmt} | {m} | {t_bf16:.1f} | {t_default:.1f} | {tiles} | "
+                             f"{best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) |")
+                print(lines[-1], flush=True)
+            del w, formats
+            torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({card: table}, f, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
