@@ -304,3 +304,28 @@ def test_a_wake_is_drained_so_the_side_channel_thread_sleeps_in_poll():
             time.sleep(0.01)
     finally:
         server.stop()
+
+
+def test_rank_aggregator_reports_a_pull_or_pin_once_every_rank_is_done():
+    """Rank 0 of a TP=3 worker: a pull is done only when both followers reported it, failed if
+    either failed; a pin's blocks are free only when rank 0's and both followers' pins are gone."""
+    from pdserve.worker.kv.rank_aggregator import RankAggregator
+
+    agg = RankAggregator(followers=2)
+    agg.pull_started("a")
+    agg.pull_started("b")
+    agg.report(("pulled", 1, "a", None))
+    assert agg.followers_pulling("a")
+    agg.report(("pulled", 2, "a", None))
+    assert not agg.followers_pulling("a") and agg.finish_pull("a") is None
+    agg.report(("pulled", 2, "b", "connection reset"))
+    agg.report(("pulled", 1, "b", "timed out"))
+    assert not agg.followers_pulling("b")
+    assert agg.finish_pull("b") == "rank 2: connection reset"  # the first failure is the one said
+    assert agg.finish_pull("b") is None  # forgotten once finished
+
+    agg.report(("unpinned", 1, "p"))
+    agg.pin_gone_here("p")
+    assert agg.sent() == []  # rank 2 still holds its shard's pin
+    agg.report(("unpinned", 2, "p"))
+    assert agg.sent() == ["p"] and agg.sent() == []  # reported once

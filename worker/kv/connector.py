@@ -47,6 +47,7 @@ from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
+from pdserve.worker.kv.rank_aggregator import RankAggregator
 from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
 from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
 
@@ -114,12 +115,11 @@ class KVConnector:
         self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
         self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
         self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
-        # Rank 0 of a TP worker (step thread only): what the other ranks have yet to report.
-        self._tp_waiting: dict[str, set[int]] = {}  # pull -> ranks still pulling
-        self._tp_failed: dict[str, str] = {}  # pull -> why a rank's part failed
-        self._tp_releases: dict[str, KVTransferParams] = {}  # pull -> params whose pins rank 0 releases after it
-        self._tp_unpinned: dict[str, int] = {}  # pin -> ranks whose mirror is gone
-        self._tp_sent: set[str] = set()  # rank 0's own pin gone, the other ranks' not yet
+        # Rank 0 of a TP worker (step thread only): the followers' parts of pulls and pins.
+        self.ranks = RankAggregator(self.tp.size - 1) if link is not None else None
+        # Pulls over several remote shards (either side tensor-parallel): reads keep the remote
+        # pins, released here once the whole pull is over.
+        self._release_after: dict[str, KVTransferParams] = {}
         if link is not None:
             link.send(("init", engine_id, layout))
 
@@ -212,11 +212,11 @@ class KVConnector:
             # Releases of remote pins reach every remote rank from here. New pins are acknowledged.
             self.link.send(("orders", replace(meta, releases=[])), ack=bool(meta.pins))
             for load in meta.loads:
-                self._tp_waiting[load.request_id] = set(range(1, self.tp.size))
+                self.ranks.pull_started(load.request_id)
         self._apply_pin_orders(meta)
         for load in meta.loads:
             if self._tp_pull(load.params):
-                self._tp_releases[load.request_id] = load.params
+                self._release_after[load.request_id] = load.params
             self._loading[load.request_id] = self.pool.submit(
                 _peer(load.params), self._pull, load.params, load.indices, load.dst_blocks, load.prompt_digest,
                 load.request_id)
@@ -251,45 +251,32 @@ class KVConnector:
             if expired:
                 log.warning("KV pin of %s expired after %.0fs without a release; freeing %d blocks",
                             rid, self.pins.ttl, len(block_ids))
-            if self.link is None:
+            if self.ranks is None:
                 out.finished_sending.append(rid)
             else:
-                self._tp_sent.add(rid)
-        if self.link is not None:
-            self._apply_rank_reports(out)
+                self.ranks.pin_gone_here(rid)
+        if self.ranks is not None:
+            for msg in self.link.reports():
+                self.ranks.report(msg)
+            out.finished_sending.extend(self.ranks.sent())
         for rid, fut in list(self._loading.items()):
-            if not fut.done() or self._tp_waiting.get(rid):
+            if not fut.done() or (self.ranks is not None and self.ranks.followers_pulling(rid)):
                 continue
             del self._loading[rid]
-            self._tp_waiting.pop(rid, None)
+            follower_error = self.ranks.finish_pull(rid) if self.ranks is not None else None
             self._stopping.discard(rid)
             if rid in self._first_tokens:
                 out.first_tokens[rid] = self._first_tokens.pop(rid)
-            error = fut.exception() or self._tp_failed.pop(rid, None)
+            error = fut.exception() or follower_error
             if error is None:
                 out.finished_recving.append(rid)
             else:
                 log.warning("KV pull for %s failed: %s", rid, error)
                 out.failed_recving.append(rid)
-            params = self._tp_releases.pop(rid, None)
+            params = self._release_after.pop(rid, None)
             if params is not None:  # every rank has read (or given up): free every prefill rank's pin
                 self.pool.submit(_peer(params), self._release_quietly, params)
         return out
-
-    def _apply_rank_reports(self, out: KVConnectorOutput) -> None:
-        """Rank 0: fold in what ranks 1..N-1 finished; a pull or pin is done when all ranks' are."""
-        for msg in self.link.reports():
-            if msg[0] == "pulled":
-                _, rank, rid, error = msg
-                self._tp_waiting.get(rid, set()).discard(rank)
-                if error is not None:
-                    self._tp_failed.setdefault(rid, f"rank {rank}: {error}")
-            elif msg[0] == "unpinned":
-                self._tp_unpinned[msg[2]] = self._tp_unpinned.get(msg[2], 0) + 1
-        for rid in [r for r in self._tp_sent if self._tp_unpinned.get(r, 0) >= self.tp.size - 1]:
-            self._tp_sent.discard(rid)
-            self._tp_unpinned.pop(rid, None)
-            out.finished_sending.append(rid)
 
     def start_follower_loads(self, loads: list) -> None:
         """Rank >= 1: rank 0's pulls of this step, for this rank's heads; each reports when done."""

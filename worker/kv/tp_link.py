@@ -25,7 +25,8 @@ rank r -> rank 0
 
 Rank 0 reports a pull to the scheduler only when every rank has (failed if any rank failed,
 so all ranks fall back to local prefill together), and frees a pinned request's blocks only
-when every rank's pin is gone (a decode rank may still be reading rank r's shard).
+when every rank's pin is gone (a decode rank may still be reading rank r's shard): the
+follower reports are folded by rank_aggregator.RankAggregator.
 """
 
 from __future__ import annotations
