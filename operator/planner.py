@@ -10,6 +10,13 @@ role is sized from its own token rate and its own latency target:
 
     need(role) = ceil(token rate / (capacity per worker at the SLO × target utilization))
 
+The token rate is the demand: for prefill, the prompt tokens arriving at the router
+(`pdserve_router_arrived_prompt_tokens`) when the routers report them, else the prompt tokens
+the prefill workers did; for decode, the tokens the decode workers generated. Work done stops
+growing when a role saturates (it plateaus at the role's capacity while the queue grows), so a
+saturated prefill role is sized from what arrives, in one step, rather than one replica per
+miss. Capacity is learned from what the workers did, never from what arrived.
+
 *Capacity* (tokens/s one worker sustains while meeting the SLO) is predicted, not guessed from a
 threshold: seeded from `spec.slo` (e.g. the GPU measurements in docs/) and corrected from what
 the cluster shows. A role that misses its target at r tokens/s per worker cannot do r: the
@@ -108,6 +115,16 @@ class RoleSample:
     latency_s: float | None = None  # TTFT (prefill) / ITL (decode) at the SLO percentile; None: no samples
     waiting: float = 0.0  # requests queued in this role's engines
     terminating: int = 0  # pods still draining after an earlier scale-down
+    # Tokens/s arriving for this role, where known (prefill: the router's count of arriving prompt
+    # tokens). What the workers did plateaus at their capacity once they saturate; what arrives
+    # does not, so a saturated role is sized from this in one step.
+    arrival_rate: float | None = None
+
+    @property
+    def demand(self) -> float:
+        """Tokens/s to size for: what arrives, or what was done when that is more (a backlog
+        left by a burst being worked off, or an arrival count that is only an estimate)."""
+        return max(self.token_rate, self.arrival_rate or 0.0)
 
 
 @dataclass(frozen=True)
@@ -122,7 +139,7 @@ class Snapshot:
 
     @property
     def active(self) -> bool:
-        return self.held > 0 or self.prefill.token_rate > 0 or self.decode.token_rate > 0 \
+        return self.held > 0 or self.prefill.demand > 0 or self.decode.demand > 0 \
             or self.prefill.waiting > 0 or self.decode.waiting > 0
 
 
@@ -172,8 +189,9 @@ def _raw_need(config: PlannerConfig, role: str, capacity: float | None, sample: 
     seen = f"{signal} p{round(config.percentile * 100)} " + (
         f"{sample.latency_s * 1000:.0f} ms" if sample.latency_s is not None else "n/a") + f" (target {target * 1000:.0f} ms)"
     if capacity:
-        need = math.ceil(sample.token_rate / (capacity * config.target_utilization) - 1e-9)
-        why = f"{sample.token_rate:.0f} tok/s at {capacity:.0f} tok/s per worker x {config.target_utilization:g}; {seen}"
+        need = math.ceil(sample.demand / (capacity * config.target_utilization) - 1e-9)
+        rate = f"{sample.demand:.0f} tok/s" + (" arriving" if sample.demand > sample.token_rate else "")
+        why = f"{rate} at {capacity:.0f} tok/s per worker x {config.target_utilization:g}; {seen}"
         if violating and need <= sample.ready:
             need, why = sample.ready + 1, f"{seen} missed with the predicted count: one more"
         return need, why
@@ -306,7 +324,7 @@ def _budget(config: PlannerConfig, capacity: dict[str, float | None], snap: Snap
             left = need[r] - 1
             if left <= 0:
                 return math.inf
-            return snap.role(r).token_rate / (left * (capacity[r] or 1.0))
+            return snap.role(r).demand / (left * (capacity[r] or 1.0))
 
         r = min(candidates, key=load_after)
         need[r] -= 1

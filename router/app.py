@@ -44,6 +44,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Call, Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
+from pdserve.router.prompt import count_prompt_tokens
 from pdserve.router.selection import Selector
 from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
@@ -143,6 +144,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         served_model(model)
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
+        metrics.arrived_requests.labels(model).inc()
+        metrics.arrived_prompt_tokens.labels(model).inc(count_prompt_tokens(body, routing.token_ids()))
         return Call(route, body, raw, request_id, routing, started=time.monotonic())
 
     async def serve(request: Request, route: str) -> Response:
