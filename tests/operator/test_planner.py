@@ -94,6 +94,22 @@ def test_arrivals_under_work_done_size_for_work_done():
     assert d.reasons["prefill"].startswith("4000 tok/s at 1000 tok/s per worker")
 
 
+def test_an_arrival_count_in_other_units_is_scaled_by_what_the_role_did_while_keeping_up():
+    """A router without a tokenizer estimates prompt tokens, here half of what the workers count;
+    selective P/D would do the same (short prompts skip prefill). While prefill keeps up, the
+    planner learns the ratio (2); saturated, it sizes from arrivals times that ratio."""
+    cfg = config(prefill_capacity_tps=None, decode_capacity_tps=None)
+    state = PlannerState()
+    calm = RoleSample(2, 2, 12000.0, 0.4, arrival_rate=6000.0)
+    for t in (0, 15):
+        d, state = decide(cfg, state, snap(t, p=calm))
+    assert state.arrival_scale["prefill"] == pytest.approx(2.0) and d.prefill == 2
+    saturated = RoleSample(2, 2, 18000.0, 3.1, waiting=40, arrival_rate=18000.0)  # 36000 in the workers' tokens
+    d, state = decide(cfg, state, snap(30, p=saturated))
+    assert state.arrival_scale["prefill"] == pytest.approx(2.0)  # not learned while behind
+    assert d.prefill == 5 and d.reasons["prefill"].startswith("36000 tok/s arriving")
+
+
 def test_arrivals_alone_count_as_traffic():
     """Requests arriving at the router with nothing done yet (all queued) keep a model awake."""
     cfg = config(prefill=RoleBounds(0, 4), decode=RoleBounds(0, 4), scale_to_zero_after_s=60,
@@ -244,10 +260,10 @@ def test_prefill_demand_is_read_from_the_routers_arrival_counter():
     s = role_sample("prefill", before, after, routers_before, routers_after, 10, 0.9, replicas=2, ready=2)
     assert s.token_rate == pytest.approx(200)  # done by the workers
     assert s.arrival_rate == pytest.approx(600)  # arrived at the two routers together
-    assert s.demand == pytest.approx(600)
+    assert s.demand() == pytest.approx(600)
     # A router that does not export it (an older one): no arrival rate, sized from work done.
     s = role_sample("prefill", before, after, Scrape().add(ROUTER), Scrape().add(ROUTER), 10, 0.9, replicas=2, ready=2)
-    assert s.arrival_rate is None and s.demand == pytest.approx(200)
+    assert s.arrival_rate is None and s.demand() == pytest.approx(200)
     # Decode is sized from the tokens it generates; arrivals are prefill's.
     assert role_sample("decode", before, after, routers_before, routers_after, 10, 0.9, 1, 1).arrival_rate is None
 
