@@ -58,7 +58,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     wants_index = needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
     kv_index = KVIndex() if wants_index else None
     tokenizer = None
-    if wants_index:
+    # Prefix-aware needs token ids; without it, a given tokenizer still makes the arrival
+    # counter exact (metrics.arrived_prompt_tokens), at one tokenization per request.
+    if wants_index or config.tokenizer:
         from pdserve.router.prompt import PromptTokenizer
 
         tokenizer = PromptTokenizer(config.tokenizer)
