@@ -15,6 +15,7 @@ its own 127.0.0.x address), tiny checkpoint, CPU.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import threading
@@ -24,6 +25,7 @@ import pytest
 from kubernetes import client
 
 from e2e.kubelet import Kubelet
+from pdserve.operator.naming import WORKER_API_KEY_KEY
 from tests.k8s_cluster import wait_for
 from tests.operator.test_k8s_operator import Api, operator
 
@@ -193,10 +195,12 @@ class Load:
             return [r for r in self.results if r != 200]
 
 
-def counter(url: str, name: str) -> float:
-    """Sum of a counter's samples on one /metrics page (unauthenticated, as on the workers)."""
+def counter(url: str, name: str, key: str | None = None) -> float:
+    """Sum of a counter's samples on one /metrics page (a worker's takes the worker API key)."""
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    r = httpx.get(f"{url}/metrics", timeout=5, headers={"Authorization": f"Bearer {key}"} if key else {})
+    r.raise_for_status()
+    for line in r.text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -262,8 +266,18 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
                                         if p.metadata.name != first.metadata.name], timeout=300, interval=1,
                                what="the new prefill worker ready")
                 new_url = f"http://{new[0].status.pod_ip}:8000"
-                wait_for(lambda: counter(new_url, "vllm:prompt_tokens_total") > 0, timeout=120, interval=1,
-                         what="the router sends prefill work to the new worker")
+                secret = core.read_namespaced_secret("step-worker-api-key", namespace)
+                key = base64.b64decode(secret.data[WORKER_API_KEY_KEY]).decode()
+                try:
+                    wait_for(lambda: counter(new_url, "vllm:prompt_tokens_total", key) > 0, timeout=120, interval=1,
+                             what="the router sends prefill work to the new worker")
+                except AssertionError as e:
+                    first_url = f"http://{first.status.pod_ip}:8000"
+                    raise AssertionError(
+                        f"{e}; router workers {httpx.get(base + '/debug/workers', timeout=5).text}; "
+                        f"prompt tokens first {counter(first_url, 'vllm:prompt_tokens_total', key)} new "
+                        f"{counter(new_url, 'vllm:prompt_tokens_total', key)} ({new_url}); disaggregated {disaggregated(base)}; "
+                        f"load {len(load.results)} answers, failed {load.failed()[:3]}") from None
                 assert replicas("decode") == 1  # decode has no autoscaling block: not the planner's
                 assert counter(base, "pdserve_router_arrived_prompt_tokens_total") > 0
             assert load.results and not load.failed(), load.failed()[:5]
