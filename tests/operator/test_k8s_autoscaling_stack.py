@@ -260,8 +260,10 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
             with Load(base, clients=3) as load:
                 wait_for(lambda: replicas("prefill") == 2, timeout=120, interval=1,
                          what="the planner adds a prefill replica")
-                ups = [m for m in events("PlannerScaledUp") if m.startswith("prefill 1 -> 2:")]
-                assert ups and "(target 1 ms)" in ups[0] and "TTFT p90" in ups[0], events("PlannerScaledUp")
+                # The Event is written after the scale: wait for it too.
+                ups = wait_for(lambda: [m for m in events("PlannerScaledUp") if m.startswith("prefill 1 -> 2:")],
+                               timeout=30, what="the PlannerScaledUp event")
+                assert "(target 1 ms)" in ups[0] and "TTFT p90" in ups[0], ups
                 new = wait_for(lambda: [p for p in ready_pods(core, namespace, "step", "prefill")
                                         if p.metadata.name != first.metadata.name], timeout=300, interval=1,
                                what="the new prefill worker ready")
@@ -285,8 +287,8 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
             # -- load removed: the planner takes the replica back; nothing fails
             wait_for(lambda: replicas("prefill") == 1, timeout=120, interval=1,
                      what="the planner takes the prefill replica back")
-            assert any(m.startswith("prefill 2 -> 1: down:") for m in events("PlannerScaledDown")), \
-                events("PlannerScaledDown")
+            wait_for(lambda: any(m.startswith("prefill 2 -> 1: down:") for m in events("PlannerScaledDown")),
+                     timeout=30, what="the PlannerScaledDown event")
             wait_for(lambda: len(prefill_pods()) == 1, timeout=120, interval=1, what="the removed prefill pod gone")
             r = complete(base)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
