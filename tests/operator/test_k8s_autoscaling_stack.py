@@ -188,7 +188,8 @@ class Load:
         self.stop_event.set()
         for t in self.threads:
             t.join(150)
-        assert not any(t.is_alive() for t in self.threads), "a load client is stuck"
+        if exc[0] is None:  # never hide the failure that ended the block
+            assert not any(t.is_alive() for t in self.threads), "a load client is stuck"
 
     def failed(self) -> list:
         with self.lock:
@@ -218,9 +219,12 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
     (tests/operator/test_planner.py, test_a_saturated_prefill_role_is_sized_from_arrivals_in_one_step),
     and here: the load breaks the target; the planner adds a prefill replica (its reason names
     the TTFT it read); the new worker becomes ready and takes prefill work from the router; the
-    load removed, the planner takes the replica back (one step, after the draining pod is gone),
-    and not one request of the load, nor one after it, failed. Nothing is timed: every step is a
-    condition waited for with a bound.
+    load removed, the planner takes the replica back (after its 20 s window) and the removed pod
+    goes; not one request of the load (over 1000 here, across the new worker joining), nor one
+    after the scale-down, failed. The load stops before the scale-down, so no request is in
+    flight on the pod that goes (a drain under traffic: tests/router/test_fallback.py and the
+    worker's SIGTERM drain tests). Nothing is timed: every step is a condition waited for with a
+    bound; it takes about 2 minutes here.
     """
     model = str(tiny_checkpoint("llama"))
     api = Api(k8s_cluster, namespace)
