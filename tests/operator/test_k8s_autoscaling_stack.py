@@ -220,7 +220,7 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
     and here: the load breaks the target; the planner adds a prefill replica (its reason names
     the TTFT it read); the new worker becomes ready and takes prefill work from the router; the
     load removed, the planner takes the replica back (after its 20 s window) and the removed pod
-    goes; not one request of the load (over 1000 here, across the new worker joining), nor one
+    goes; not one request of the load (across the new worker joining), nor one
     after the scale-down, failed. The load stops before the scale-down, so no request is in
     flight on the pod that goes (a drain under traffic: tests/router/test_fallback.py and the
     worker's SIGTERM drain tests). Nothing is timed: every step is a condition waited for with a
