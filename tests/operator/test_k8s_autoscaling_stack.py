@@ -222,8 +222,9 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
     load removed, the planner takes the replica back (after its 20 s window) and the removed pod
     goes; not one request of the load (across the new worker joining), nor one
     after the scale-down, failed. The load stops before the scale-down, so no request is in
-    flight on the pod that goes (a drain under traffic: tests/router/test_fallback.py and the
-    worker's SIGTERM drain tests). Nothing is timed: every step is a condition waited for with a
+    flight on the pod that goes (a prefill worker's SIGTERM drain with KV pinned:
+    tests/worker/test_kv_transfer.py; role changes under a request stream:
+    tests/router/test_fallback.py). Nothing is timed: every step is a condition waited for with a
     bound; it takes about 2 minutes here.
     """
     model = str(tiny_checkpoint("llama"))
