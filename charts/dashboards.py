@@ -116,6 +116,10 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("Router time to first token", quantiles("pdserve_router_time_to_first_token_seconds"), "s"),
         Panel("First-to-second token gap", quantiles("pdserve_router_first_token_gap_seconds", by="disaggregated"), "s",
               description="Between the first and second token events sent to the client, by P/D."),
+        Panel("Arriving demand", (per_second("pdserve_router_arrived_prompt_tokens_total", legend="prompt tokens/s"),
+                                  per_second("pdserve_router_arrived_requests_total", legend="requests/s")), "short",
+              description="What arrives at the routers, before any worker takes it (the spec.slo planner sizes "
+                          "prefill from it; prompt tokens are estimated unless the router has a tokenizer)."),
     ]),
 }
 

@@ -10,6 +10,15 @@ role is sized from its own token rate and its own latency target:
 
     need(role) = ceil(token rate / (capacity per worker at the SLO × target utilization))
 
+The token rate is the demand: for prefill, the prompt tokens arriving at the router
+(`pdserve_router_arrived_prompt_tokens`) when the routers report them, else the prompt tokens
+the prefill workers did; for decode, the tokens the decode workers generated. Work done stops
+growing when a role saturates (it plateaus at the role's capacity while the queue grows), so a
+saturated prefill role is sized from what arrives, in one step, rather than one replica per
+miss. Capacity is learned from what the workers did, never from what arrived; and what
+arrives is scaled by the share of it the role was seen to do while it kept up (an estimated
+count, short prompts that skip prefill), so both are in the workers' units.
+
 *Capacity* (tokens/s one worker sustains while meeting the SLO) is predicted, not guessed from a
 threshold: seeded from `spec.slo` (e.g. the GPU measurements in docs/) and corrected from what
 the cluster shows. A role that misses its target at r tokens/s per worker cannot do r: the
@@ -108,6 +117,15 @@ class RoleSample:
     latency_s: float | None = None  # TTFT (prefill) / ITL (decode) at the SLO percentile; None: no samples
     waiting: float = 0.0  # requests queued in this role's engines
     terminating: int = 0  # pods still draining after an earlier scale-down
+    # Tokens/s arriving for this role, where known (prefill: the router's count of arriving prompt
+    # tokens). What the workers did plateaus at their capacity once they saturate; what arrives
+    # does not, so a saturated role is sized from this in one step.
+    arrival_rate: float | None = None
+
+    def demand(self, arrival_scale: float = 1.0) -> float:
+        """Tokens/s to size for: what arrives (times the learned share of it this role does), or
+        what was done when that is more (a burst's backlog being worked off)."""
+        return max(self.token_rate, (self.arrival_rate or 0.0) * arrival_scale)
 
 
 @dataclass(frozen=True)
@@ -122,7 +140,7 @@ class Snapshot:
 
     @property
     def active(self) -> bool:
-        return self.held > 0 or self.prefill.token_rate > 0 or self.decode.token_rate > 0 \
+        return self.held > 0 or self.prefill.demand() > 0 or self.decode.demand() > 0 \
             or self.prefill.waiting > 0 or self.decode.waiting > 0
 
 
@@ -133,6 +151,11 @@ class PlannerState:
     needs: tuple[tuple[float, int, int], ...] = ()  # (t, prefill need, decode need) within the down window
     last_active: float | None = None
     started: float | None = None  # first snapshot: no scale-down or scale-to-zero before a full window
+    # role -> tokens its workers do per token counted arriving, learned while the role keeps up
+    # (target met, nothing queued). It absorbs what an arrival count cannot know: an estimated
+    # count (a router without a tokenizer), requests that skip the role (selective P/D sends
+    # short prompts straight to decode).
+    arrival_scale: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -166,14 +189,28 @@ def learn_capacity(config: PlannerConfig, role: str, known: float | None, sample
     return known
 
 
-def _raw_need(config: PlannerConfig, role: str, capacity: float | None, sample: RoleSample) -> tuple[int, str]:
+def learn_arrival_scale(config: PlannerConfig, role: str, known: float | None, sample: RoleSample) -> float | None:
+    """Work done per unit of arrivals, from an interval where the role kept up with what arrived
+    (so the two describe the same requests); kept as is while the role is behind."""
+    if not sample.arrival_rate or sample.token_rate <= 0 or sample.latency_s is None:
+        return known
+    if sample.latency_s > config.target(role) or sample.waiting > 0:
+        return known
+    seen = min(4.0, max(0.25, sample.token_rate / sample.arrival_rate))  # one odd interval moves it boundedly
+    return seen if known is None else 0.5 * known + 0.5 * seen
+
+
+def _raw_need(config: PlannerConfig, role: str, capacity: float | None, sample: RoleSample,
+              arrival_scale: float = 1.0) -> tuple[int, str]:
     target, signal = config.target(role), SIGNAL[role]
     violating = sample.latency_s is not None and sample.latency_s > target
     seen = f"{signal} p{round(config.percentile * 100)} " + (
         f"{sample.latency_s * 1000:.0f} ms" if sample.latency_s is not None else "n/a") + f" (target {target * 1000:.0f} ms)"
     if capacity:
-        need = math.ceil(sample.token_rate / (capacity * config.target_utilization) - 1e-9)
-        why = f"{sample.token_rate:.0f} tok/s at {capacity:.0f} tok/s per worker x {config.target_utilization:g}; {seen}"
+        demand = sample.demand(arrival_scale)
+        need = math.ceil(demand / (capacity * config.target_utilization) - 1e-9)
+        rate = f"{demand:.0f} tok/s" + (" arriving" if demand > sample.token_rate else "")
+        why = f"{rate} at {capacity:.0f} tok/s per worker x {config.target_utilization:g}; {seen}"
         if violating and need <= sample.ready:
             need, why = sample.ready + 1, f"{seen} missed with the predicted count: one more"
         return need, why
@@ -184,12 +221,14 @@ def _raw_need(config: PlannerConfig, role: str, capacity: float | None, sample: 
 
 def decide(config: PlannerConfig, state: PlannerState, snap: Snapshot) -> tuple[Decision, PlannerState]:
     capacity = {r: learn_capacity(config, r, state.capacity.get(r, config.seed(r)), snap.role(r)) for r in ROLES}
+    scales = {r: learn_arrival_scale(config, r, state.arrival_scale.get(r), snap.role(r)) for r in ROLES}
+    arrival_scale = {r: scales[r] or 1.0 for r in ROLES}
     started = snap.t if state.started is None else state.started
     last_active = snap.t if snap.active else state.last_active
     need: dict[str, int] = {}
     why: dict[str, str] = {}
     for r in ROLES:
-        need[r], why[r] = _raw_need(config, r, capacity[r], snap.role(r))
+        need[r], why[r] = _raw_need(config, r, capacity[r], snap.role(r), arrival_scale[r])
 
     # Zero: wake on a held request; sleep after a quiet spell.
     if snap.held > 0 and snap.prefill.replicas == 0 and snap.decode.replicas == 0:
@@ -210,7 +249,7 @@ def decide(config: PlannerConfig, state: PlannerState, snap: Snapshot) -> tuple[
             why[r] += f"; kept within {b.min_replicas}..{b.max_replicas}"
         need[r] = clamped
     _ratio(config, need, why)
-    _budget(config, capacity, snap, need, why)
+    _budget(config, capacity, arrival_scale, snap, need, why)
 
     # Time: cooldown up, stabilised and stepped down, drains first.
     window = tuple(x for x in state.needs if snap.t - x[0] < config.scale_down_window_s) + (
@@ -254,7 +293,7 @@ def decide(config: PlannerConfig, state: PlannerState, snap: Snapshot) -> tuple[
             last_change[r] = snap.t
     decision = Decision(out[ROLE_PREFILL], out[ROLE_DECODE], why, capacity)
     return decision, replace(state, capacity=capacity, last_change=last_change, needs=window, last_active=last_active,
-                              started=started)
+                              started=started, arrival_scale={r: v for r, v in scales.items() if v is not None})
 
 
 def _ratio(config: PlannerConfig, need: dict[str, int], why: dict[str, str]) -> None:
@@ -282,8 +321,8 @@ def _ratio_ok(config: PlannerConfig, p: int, d: int) -> bool:
         (config.ratio_max is None or p <= config.ratio_max * d + 1e-9)
 
 
-def _budget(config: PlannerConfig, capacity: dict[str, float | None], snap: Snapshot,
-            need: dict[str, int], why: dict[str, str]) -> None:
+def _budget(config: PlannerConfig, capacity: dict[str, float | None], arrival_scale: dict[str, float],
+            snap: Snapshot, need: dict[str, int], why: dict[str, str]) -> None:
     """Over the GPU budget: take replicas from the role that would run least loaded without
     them (its token rate over what it keeps), one at a time, never below a role's minimum."""
     if config.gpu_budget is None:
@@ -306,7 +345,7 @@ def _budget(config: PlannerConfig, capacity: dict[str, float | None], snap: Snap
             left = need[r] - 1
             if left <= 0:
                 return math.inf
-            return snap.role(r).token_rate / (left * (capacity[r] or 1.0))
+            return snap.role(r).demand(arrival_scale[r]) / (left * (capacity[r] or 1.0))
 
         r = min(candidates, key=load_after)
         need[r] -= 1

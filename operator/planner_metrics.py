@@ -6,6 +6,8 @@ histogram_quantile() would (linear inside a bucket). Counters that went backward
 pod) count from zero.
 
     prefill token rate  Δ vllm:prompt_tokens        on the prefill pods / Δt
+    prefill arrivals    Δ pdserve_router_arrived_prompt_tokens on the routers / Δt (None when
+                        no router exports it: an older router); the demand prefill is sized from
     decode token rate   Δ vllm:generation_tokens    on the decode pods / Δt
     prefill latency     Δ pdserve_router_time_to_first_token_seconds (what clients see)
                         quantile at the SLO percentile; else the prefill pods' TTFT
@@ -30,6 +32,7 @@ ITL = "vllm:inter_token_latency_seconds"
 WAITING = "vllm:num_requests_waiting"
 ROUTER_TTFT = "pdserve_router_time_to_first_token_seconds"
 HELD = "pdserve_router_requests_waiting_for_workers"
+ARRIVED_PROMPT_TOKENS = "pdserve_router_arrived_prompt_tokens"
 
 
 @dataclass
@@ -91,14 +94,16 @@ def role_sample(role: str, prev: Scrape | None, cur: Scrape, router_prev: Scrape
                 dt: float, percentile: float, replicas: int, ready: int, terminating: int = 0) -> RoleSample:
     if role == "prefill":
         rate = counter_rate(prev, cur, PROMPT_TOKENS, dt)
+        arrival = counter_rate(router_prev, router, ARRIVED_PROMPT_TOKENS, dt) \
+            if ARRIVED_PROMPT_TOKENS in router.counters else None
         latency = quantile(router_prev, router, ROUTER_TTFT, percentile)
         if latency is None:
             latency = quantile(prev, cur, WORKER_TTFT, percentile)
     else:
-        rate = counter_rate(prev, cur, GENERATION_TOKENS, dt)
+        rate, arrival = counter_rate(prev, cur, GENERATION_TOKENS, dt), None
         latency = quantile(prev, cur, ITL, percentile)
     return RoleSample(replicas=replicas, ready=ready, token_rate=rate, latency_s=latency,
-                      waiting=cur.gauges.get(WAITING, 0.0), terminating=terminating)
+                      waiting=cur.gauges.get(WAITING, 0.0), terminating=terminating, arrival_rate=arrival)
 
 
 def held(router: Scrape) -> int:

@@ -44,6 +44,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Call, Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
+from pdserve.router.prompt import count_prompt_tokens
 from pdserve.router.selection import Selector
 from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
@@ -57,7 +58,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     wants_index = needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
     kv_index = KVIndex() if wants_index else None
     tokenizer = None
-    if wants_index:
+    # Prefix-aware needs token ids; without it, a given tokenizer still makes the arrival
+    # counter exact (metrics.arrived_prompt_tokens), at one tokenization per request.
+    if wants_index or config.tokenizer:
         from pdserve.router.prompt import PromptTokenizer
 
         tokenizer = PromptTokenizer(config.tokenizer)
@@ -143,6 +146,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         served_model(model)
         routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
+        metrics.arrived_requests.labels(model).inc()
+        metrics.arrived_prompt_tokens.labels(model).inc(count_prompt_tokens(body, routing.token_ids()))
         return Call(route, body, raw, request_id, routing, started=time.monotonic())
 
     async def serve(request: Request, route: str) -> Response:

@@ -93,8 +93,9 @@ class RouterConfig:
     # KV events (prefix-aware policy): every worker publishes on these ports of its own host.
     kv_events_port: int = flag(KV_EVENTS_PORT, "workers' KV event port (prefix-aware)")
     kv_events_replay_port: int = flag(KV_EVENTS_REPLAY_PORT, "workers' KV event replay port (prefix-aware)")
-    # Block hashes need token ids, so only prefix-aware needs a tokenizer.
-    tokenizer: str | None = flag(None, "Hugging Face tokenizer directory (needed by prefix-aware)", unset="none")
+    # Block hashes need token ids, so prefix-aware needs a tokenizer; others may use one for exact counts.
+    tokenizer: str | None = flag(None, "Hugging Face tokenizer directory (needed by prefix-aware; "
+                                       "also makes the arrived-prompt-tokens count exact)", unset="none")
     max_connections: int = flag(1024, "most connections open to workers at once")
     # Slow or numerous clients (protocol/http_limits.py).
     header_timeout_s: float = flag(10.0, "a client's request headers must be complete within this (slowloris)")

@@ -51,6 +51,18 @@ class RouterMetrics:
                                      "Held requests by outcome: admitted (a worker came), timeout, queue_full.",
                                      ["outcome"], registry=r)
 
+        # Demand as it arrives (the planner sizes prefill from it: what workers finish plateaus
+        # when they saturate, what arrives does not). Counted once a request is parsed, valid and
+        # of a served model (so a client cannot mint label values); a held request counts when a
+        # worker takes it. Prompt tokens are exact when the router tokenizes (--tokenizer), else
+        # its estimate (prompt.py).
+        self.arrived_requests = Counter("pdserve_router_arrived_requests",
+                                        "Requests that arrived for a served model, before any worker took them.",
+                                        ["model"], registry=r)
+        self.arrived_prompt_tokens = Counter("pdserve_router_arrived_prompt_tokens",
+                                             "Prompt tokens of the arrived requests (exact with --tokenizer, "
+                                             "else estimated from the text).", ["model"], registry=r)
+
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "KV blocks each worker reported cached (prefix-aware's index).", ["worker"],
                                      registry=r)

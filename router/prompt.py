@@ -1,6 +1,7 @@
 """What the router knows about a prompt without running the model.
 
-`estimate_tokens` is a cheap guess (no tokenizer) for selective disaggregation. `PromptTokenizer`
+`estimate_tokens` is a cheap guess (no tokenizer) for selective disaggregation and, without a
+tokenizer, for the arrival counter (`count_prompt_tokens`). `PromptTokenizer`
 gives exact token ids, only for prefix-aware routing; it must tokenize as the worker does
 (vLLM's convention: completions add special tokens; chat applies the chat template with the
 generation prompt and adds nothing more).
@@ -35,6 +36,17 @@ def estimate_tokens(body: dict) -> int:
         first = prompt[0]  # a batch: the first prompt stands for the rest
         return len(first) if isinstance(first, list) else _text_len(first) // CHARS_PER_TOKEN
     return 0
+
+
+def count_prompt_tokens(body: dict, token_ids: list[int] | None) -> int:
+    """Prompt tokens of a request, for the arrival counter: exact from the router's token ids
+    when it has them, else the estimate (summed over a batch of prompts)."""
+    if token_ids is not None:
+        return len(token_ids)
+    prompt = body.get("prompt")
+    if "messages" not in body and isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        return sum(estimate_tokens({"prompt": p}) for p in prompt)
+    return estimate_tokens(body)
 
 
 class PromptTokenizer:

@@ -21,6 +21,8 @@ def config(**kw) -> PlannerConfig:
 
 
 def snap(t, p=(1, 1, 0.0, None), d=(1, 1, 0.0, None), held=0, terminating=(0, 0)) -> Snapshot:
+    if isinstance(p, RoleSample):
+        return Snapshot(t, p, RoleSample(*d), held)
     return Snapshot(t, RoleSample(*p, terminating=terminating[0]), RoleSample(*d, terminating=terminating[1]), held)
 
 
@@ -56,6 +58,66 @@ def test_a_load_step_that_breaks_ttft_adds_prefill_and_not_decode():
     assert decisions[3].prefill == 3  # the third worker is still loading: 3 is still the need
     assert [x.prefill for x in decisions[4:7]] == [4, 5, 5]
     assert decisions[-1].prefill == 5 and decisions[-1].decode == 2
+
+
+def test_a_saturated_prefill_role_is_sized_from_arrivals_in_one_step():
+    """Recorded with the router's arrival counter: the rate triples at t=30; the two saturated
+    prefill workers still do 18000 tok/s (their plateau) while 36000 arrive. The planner learns
+    9000 per worker from what they did and sizes for what arrives: 5 workers at once, and once
+    they are ready TTFT is met again and the count holds."""
+    cfg = config(prefill_capacity_tps=None, decode_capacity_tps=None, ttft_s=1.0, itl_s=0.03)
+    trace = TRACES["load_step_arrivals"]
+    decisions = run(cfg, trace)
+    assert [d.prefill for d in decisions] == [2, 2, 5, 5, 5, 5, 5]
+    assert all(d.decode == 2 for d in decisions)
+    d = decisions[2]
+    assert d.capacity["prefill"] == pytest.approx(9000)  # learned from work done, not from arrivals
+    assert d.reasons["prefill"].startswith("36000 tok/s arriving at 9000 tok/s per worker x 0.8")
+    assert "TTFT p90 3100 ms" in d.reasons["prefill"]
+    # Met again with 5 ready: no more replicas, and the reason says the target holds.
+    assert "TTFT p90 500 ms (target 1000 ms)" in decisions[-1].reasons["prefill"]
+    assert "missed" not in decisions[-1].reasons["prefill"]
+
+    # The same load without the arrival counter (an older router): sized from the plateau, one
+    # step short, and left to the breach rule to climb.
+    blind = [{**row, "prefill": {k: v for k, v in row["prefill"].items() if k != "arrival_rate"}} for row in trace]
+    assert run(cfg, blind)[2].prefill == 3
+
+
+def test_arrivals_under_work_done_size_for_work_done():
+    """A burst's backlog being worked off (or an estimated arrival count that undercounts):
+    fewer tokens arrive than the workers do; the planner sizes for the larger."""
+    cfg = config(prefill_capacity_tps=1000)
+    s = snap(0, p=RoleSample(2, 2, 4000.0, 0.9, arrival_rate=1000.0))
+    d, _ = decide(cfg, PlannerState(), s)
+    assert d.prefill == 5  # ceil(4000 / 800)
+    assert d.reasons["prefill"].startswith("4000 tok/s at 1000 tok/s per worker")
+
+
+def test_an_arrival_count_in_other_units_is_scaled_by_what_the_role_did_while_keeping_up():
+    """A router without a tokenizer estimates prompt tokens, here half of what the workers count;
+    selective P/D would do the same (short prompts skip prefill). While prefill keeps up, the
+    planner learns the ratio (2); saturated, it sizes from arrivals times that ratio."""
+    cfg = config(prefill_capacity_tps=None, decode_capacity_tps=None)
+    state = PlannerState()
+    calm = RoleSample(2, 2, 12000.0, 0.4, arrival_rate=6000.0)
+    for t in (0, 15):
+        d, state = decide(cfg, state, snap(t, p=calm))
+    assert state.arrival_scale["prefill"] == pytest.approx(2.0) and d.prefill == 2
+    saturated = RoleSample(2, 2, 18000.0, 3.1, waiting=40, arrival_rate=18000.0)  # 36000 in the workers' tokens
+    d, state = decide(cfg, state, snap(30, p=saturated))
+    assert state.arrival_scale["prefill"] == pytest.approx(2.0)  # not learned while behind
+    assert d.prefill == 5 and d.reasons["prefill"].startswith("36000 tok/s arriving")
+
+
+def test_arrivals_alone_count_as_traffic():
+    """Requests arriving at the router with nothing done yet (all queued) keep a model awake."""
+    cfg = config(prefill=RoleBounds(0, 4), decode=RoleBounds(0, 4), scale_to_zero_after_s=60,
+                 prefill_capacity_tps=1000)
+    s = Snapshot(100, RoleSample(1, 1, 0.0, None, arrival_rate=500.0), RoleSample(1, 1, 0.0, None))
+    assert s.active
+    d, _ = decide(cfg, PlannerState(last_active=0, started=0), s)
+    assert d.prefill == 1 and "no traffic" not in d.reasons["prefill"]
 
 
 def test_load_removed_scales_down_one_step_at_a_time_after_the_window():
@@ -180,7 +242,46 @@ def test_rates_and_quantiles_between_two_scrapes():
     assert held(Scrape().add(ROUTER)) == 2
 
 
+# As the router renders them (prometheus_client: a `_total` counter and its `_created` gauge).
+ARRIVALS = """# TYPE pdserve_router_arrived_requests_total counter
+pdserve_router_arrived_requests_total{{model="m"}} {requests}
+# TYPE pdserve_router_arrived_prompt_tokens_total counter
+pdserve_router_arrived_prompt_tokens_total{{model="m"}} {tokens}
+# TYPE pdserve_router_arrived_prompt_tokens_created gauge
+pdserve_router_arrived_prompt_tokens_created{{model="m"}} 1.7e9
+"""
+
+
+def test_prefill_demand_is_read_from_the_routers_arrival_counter():
+    before = Scrape().add(page(1000)).add(page(0))
+    after = Scrape().add(page(3000)).add(page(0))
+    routers_before = Scrape().add(ARRIVALS.format(tokens=1000, requests=1)).add(ARRIVALS.format(tokens=0, requests=0))
+    routers_after = Scrape().add(ARRIVALS.format(tokens=4000, requests=4)).add(ARRIVALS.format(tokens=3000, requests=3))
+    s = role_sample("prefill", before, after, routers_before, routers_after, 10, 0.9, replicas=2, ready=2)
+    assert s.token_rate == pytest.approx(200)  # done by the workers
+    assert s.arrival_rate == pytest.approx(600)  # arrived at the two routers together
+    assert s.demand() == pytest.approx(600)
+    # A router that does not export it (an older one): no arrival rate, sized from work done.
+    s = role_sample("prefill", before, after, Scrape().add(ROUTER), Scrape().add(ROUTER), 10, 0.9, replicas=2, ready=2)
+    assert s.arrival_rate is None and s.demand() == pytest.approx(200)
+    # Decode is sized from the tokens it generates; arrivals are prefill's.
+    assert role_sample("decode", before, after, routers_before, routers_after, 10, 0.9, 1, 1).arrival_rate is None
+
+
 def test_a_restarted_pod_counts_from_zero():
     before = Scrape().add(page(5000))
     after = Scrape().add(page(300))
     assert counter_rate(before, after, "vllm:prompt_tokens", 1) == pytest.approx(300)
+
+
+def test_the_reader_and_the_router_agree_on_the_arrival_series():
+    """The name the planner reads is the one the router exports (its own rendering, no copy)."""
+    from pdserve.router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    m.arrived_prompt_tokens.labels("tiny").inc(120)
+    before = Scrape().add(m.render().decode())
+    m.arrived_prompt_tokens.labels("tiny").inc(300)
+    after = Scrape().add(m.render().decode())
+    s = role_sample("prefill", None, Scrape(), before, after, 3, 0.9, replicas=1, ready=1)
+    assert s.arrival_rate == pytest.approx(100)
