@@ -265,11 +265,13 @@ class LLMEngine:
 
     def _finish(self, step: LaunchedStep) -> list[RequestOutput]:
         sampled, logprobs = self.runner.collect(step)
+        # A token of a request that finished since its step was launched (an earlier token
+        # stopped it, or it was aborted) is dropped: no state change, no output.
+        dropped = {r.request_id for r in step.samplers if r.status.finished}
+        self.num_dropped_tokens += len(dropped)
         finished = self.scheduler.update(step.batch, sampled, advanced=step.advanced)
         self._publish_kv_events()
-        # A token dropped because its request had already finished is no output.
-        live = {rid: t for rid, t in sampled.items() if rid in self.requests}
-        self.num_dropped_tokens += len(sampled) - len(live)
+        live = {rid: t for rid, t in sampled.items() if rid not in dropped}
         out = self._step_outputs(step.batch, live, logprobs, finished)
         if self._in_flight is step:
             self._in_flight = None
