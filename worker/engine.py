@@ -110,6 +110,8 @@ class LLMEngine:
                                  and config.tensor_parallel_size == 1)
         if config.async_scheduling and not self.async_scheduling:
             log.warning("--async-scheduling ignored: not yet supported with KV transfer or tensor parallelism")
+        elif self.async_scheduling:
+            log.info("async scheduling on: the next step is launched before this one's tokens are read")
         self._in_flight: LaunchedStep | None = None
         # Steps launched while the one before was still in flight, and tokens dropped because
         # their request had finished (tests and benchmarks read these).
