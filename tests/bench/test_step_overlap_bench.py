@@ -13,6 +13,7 @@ def test_smoke_run_writes_a_row_per_mode(tmp_path):
     for r in rows:
         wall, device = (float(v) for v in r.split(" | ")[3:5])
         assert wall > 0 and device > 0
+    assert rows[1].rstrip(" |").split(" | ")[7] == "yes"
 
 
 def test_bad_arguments_are_named(capsys):
