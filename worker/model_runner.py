@@ -5,9 +5,13 @@ Construction order matters (nano-vllm's): the model first, then the largest step
 to see what activations need, the KV cache takes what is left, and graphs are captured last,
 over the real cache.
 
-Host round-trips per step: none before sampling (inputs go host->device, nothing is read back);
-the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
-they were captured (`graphs`); prefill and mixed steps run eagerly.
+Host round-trips per step: none before sampling (inputs go host->device, nothing is read back).
+A step is `launch` (inputs, forward, sampling, and an asynchronous copy of the sampled token ids
+into a pinned host buffer) then `collect` (wait for that copy); `run` is both at once. With
+async scheduling the engine launches the next step between the two, and that step's decodes
+take the in-flight token ids from the device (`StepPlan.from_previous`). A step of only
+decodes replays a CUDA graph when they were captured (`graphs`); prefill and mixed steps run
+eagerly.
 
 Tensor parallelism (--tensor-parallel-size N > 1): the engine starts ranks 1..N-1
 (parallel/ranks.py), each a ModelRunner of its own shard (parallel/shard.py, parallel/layers.py),
