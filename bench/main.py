@@ -24,6 +24,7 @@ BENCHMARKS = {
     "structured": "pdserve.bench.structured",
     "planner-sim": "pdserve.bench.planner_sim",
     "fp8": "pdserve.bench.gpu_fp8",
+    "step-overlap": "pdserve.bench.step_overlap",
 }
 
 

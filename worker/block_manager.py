@@ -167,11 +167,13 @@ class BlockManager:
         req.num_hashed_blocks = 0
         req.num_computed_tokens = 0
 
-    def register_computed(self, req: Request) -> None:
-        """Publish `req`'s newly completed full blocks in the prefix cache."""
+    def register_computed(self, req: Request, num_tokens: int | None = None) -> None:
+        """Publish `req`'s newly completed full blocks in the prefix cache (those within its
+        first `num_tokens` tokens: async scheduling's step in flight has not made the rest known)."""
         if not self.enable_prefix_caching:
             return
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        computed = req.num_computed_tokens if num_tokens is None else min(num_tokens, req.num_computed_tokens)
+        full = min(computed // self.block_size, len(req.block_ids))
         if full <= req.num_hashed_blocks:
             return
         if len(req.block_hashes) < full:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.worker.attention import AttentionMetadata
+from pdserve.worker.host_staging import HostStaging
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -55,8 +56,11 @@ class DecodeGraphs:
         # Rows: token ids, positions, KV slots, context lengths. One buffer, so a step's scalars
         # travel in one host->device copy; the int32 context lengths are cast inside the graph.
         self._inputs = torch.tensor([[0], [0], [-1], [1]], dtype=torch.int64, device=device).repeat(1, n)
+        self._padding = np.array([[0], [0], [-1], [1]], dtype=np.int64).repeat(n, axis=1)  # rows n..b-1
         self._context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros(n, config.max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Host side of each step's two input copies, allocated once (host_staging.py).
+        self._staging = HostStaging([((4, n), torch.int64), ((n, config.max_blocks_per_seq), torch.int32)], device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -104,19 +108,24 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H]."""
+            block_tables: list[list[int]], from_previous=None) -> torch.Tensor:
+        """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H].
+        `from_previous(ids)`: called on the token-id row once the host's values are queued, to put
+        token ids that are still on the device in place (async scheduling, model_runner.py)."""
         n = len(input_ids)
         b = self.bucket(n)
-        pad = b - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-                             context_lens + [1] * pad], dtype=torch.int64)
-        self._inputs[:, :b].copy_(host, non_blocking=True)
-        # Row by row into numpy: ~3x faster than padding Python lists for torch.tensor() at 256 rows.
-        tables = np.zeros((n, max(len(t) for t in block_tables)), dtype=np.int32)
+        slot, (host, host_tables), (rows, tables) = self._staging.acquire()
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slots, context_lens
+        rows[:, n:b] = self._padding[:, :b - n]
+        # Columns past a row's length keep an older step's ids: never read, and every one is a valid block.
+        width = max(len(t) for t in block_tables)
         for i, t in enumerate(block_tables):
             tables[i, :len(t)] = t
-        self._block_tables[:n, :tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        self._block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
+        self._staging.record(slot)
+        if from_previous is not None:
+            from_previous(self._inputs[0, :n])
         self.num_replays += 1
         if not self.config.capture:
             return self._forward(b)[:n]

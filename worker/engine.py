@@ -6,6 +6,15 @@ run the model; advance the requests. The scheduler owns every request and block;
 runner owns the model, the KV cache and the CUDA graphs; the connector's worker side moves
 bytes between workers.
 
+Async scheduling (--async-scheduling): `step()` keeps one step in flight. It schedules and
+launches step n+1 while step n's work is still queued on the device, then reads step n's
+tokens and builds its outputs (stop checks, finished requests) while step n+1 runs; step n+1's
+decodes take step n's token ids from the device. A request that step n finished was scheduled
+once too often: its step n+1 token is dropped. Where the next step needs the host to know step
+n's tokens first (grammar masks, penalties, prompt logprobs) step n is finished before step
+n+1 is scheduled: that step runs synchronously. P/D KV transfer and tensor parallelism keep
+the synchronous engine (see docs/async-scheduling.md).
+
 Thread model: `step()` runs on one thread (the async wrapper's executor); `add_request` and
 `abort` may be called from any thread. They only enqueue under a lock; the step thread
 applies them at the start of the next step, so scheduler state has a single writer.
@@ -25,7 +34,8 @@ from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferPar
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
-from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.model_runner import LaunchedStep, ModelRunner
+from pdserve.worker.prompt_logprobs import scores_prompt
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.sampling_params import SamplingParams
@@ -94,6 +104,19 @@ class LLMEngine:
 
             self._kv_event_publisher = KVEventPublisher(
                 self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
+        # Async scheduling: only where nothing outside this process must see a step's results
+        # before the next is planned (no KV connector, no tensor-parallel ranks).
+        self.async_scheduling = (config.async_scheduling and self.kv_connector is None
+                                 and config.tensor_parallel_size == 1)
+        if config.async_scheduling and not self.async_scheduling:
+            log.warning("--async-scheduling ignored: not yet supported with KV transfer or tensor parallelism")
+        elif self.async_scheduling:
+            log.info("async scheduling on: the next step is launched before this one's tokens are read")
+        self._in_flight: LaunchedStep | None = None
+        # Steps launched while the one before was still in flight, and tokens dropped because
+        # their request had finished (tests and benchmarks read these).
+        self.num_overlapped_steps = 0
+        self.num_dropped_tokens = 0
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -157,7 +180,8 @@ class LLMEngine:
             self._unpins.append((request_id, str(kv_transfer_params.get("transfer_token", ""))))
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._unpins)
+        return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._unpins
+                    or self._in_flight is not None)
 
     @property
     def has_pins(self) -> bool:
@@ -165,6 +189,8 @@ class LLMEngine:
         return bool(self.scheduler.sending)
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         outputs = self._apply_inbox()
         if self.kv_connector is not None:
             with self._lock:
@@ -195,6 +221,10 @@ class LLMEngine:
             # of this step leaves: a pin exists before its params can reach a reader.
             self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
+        return outputs + self._step_outputs(batch, sampled, logprobs, finished)
+
+    def _step_outputs(self, batch, sampled, logprobs, finished) -> list[RequestOutput]:
+        outputs = []
         finished_ids = {r.request_id for r in finished}
         for req, _ in batch.items:
             new = req.token_ids[req.num_prompt_tokens + req.num_emitted_tokens:] if req.request_id in sampled else []
@@ -204,6 +234,50 @@ class LLMEngine:
         for req in finished:
             self.requests.pop(req.request_id, None)
         return outputs
+
+    # -- async scheduling ---------------------------------------------------------------------
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the one in flight (module docstring)."""
+        outputs = self._apply_inbox()
+        previous = self._in_flight
+        if previous is not None and not self._can_overlap():
+            outputs += self._finish(previous)
+            previous = None
+        batch = self.scheduler.schedule()
+        self._publish_kv_events()  # evictions made while scheduling
+        launched = None
+        if batch:
+            launched = self.runner.launch(batch, previous)
+            self.num_overlapped_steps += previous is not None
+            launched.advanced = self.scheduler.advance(batch, set(launched.rows))
+        self._in_flight = launched
+        if previous is not None:
+            outputs += self._finish(previous)  # while `launched` runs on the device
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be planned before the host knows the step in flight's
+        tokens: no running request's sampling or inputs need them on the host."""
+        for req in self.scheduler.running:
+            p = req.params
+            if req.grammar is not None or p.has_penalties or scores_prompt(req) or p.prompt_logprobs is not None:
+                return False
+        return True
+
+    def _finish(self, step: LaunchedStep) -> list[RequestOutput]:
+        sampled, logprobs = self.runner.collect(step)
+        # A token of a request that finished since its step was launched (an earlier token
+        # stopped it, or it was aborted) is dropped: no state change, no output.
+        dropped = {r.request_id for r in step.samplers if r.status.finished}
+        self.num_dropped_tokens += len(dropped)
+        finished = self.scheduler.update(step.batch, sampled, advanced=step.advanced)
+        self._publish_kv_events()
+        live = {rid: t for rid, t in sampled.items() if rid not in dropped}
+        out = self._step_outputs(step.batch, live, logprobs, finished)
+        if self._in_flight is step:
+            self._in_flight = None
+        return out
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

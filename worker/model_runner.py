@@ -5,9 +5,13 @@ Construction order matters (nano-vllm's): the model first, then the largest step
 to see what activations need, the KV cache takes what is left, and graphs are captured last,
 over the real cache.
 
-Host round-trips per step: none before sampling (inputs go host->device, nothing is read back);
-the sampler reads back the sampled token ids. A step of only decodes replays a CUDA graph when
-they were captured (`graphs`); prefill and mixed steps run eagerly.
+Host round-trips per step: none before sampling (inputs go host->device, nothing is read back).
+A step is `launch` (inputs, forward, sampling, and an asynchronous copy of the sampled token ids
+into a pinned host buffer) then `collect` (wait for that copy); `run` is both at once. With
+async scheduling the engine launches the next step between the two, and that step's decodes
+take the in-flight token ids from the device (`StepPlan.from_previous`). A step of only
+decodes replays a CUDA graph when they were captured (`graphs`); prefill and mixed steps run
+eagerly.
 
 Tensor parallelism (--tensor-parallel-size N > 1): the engine starts ranks 1..N-1
 (parallel/ranks.py), each a ModelRunner of its own shard (parallel/shard.py, parallel/layers.py),
@@ -27,6 +31,7 @@ import torch
 from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.worker.host_staging import HostStaging
 from pdserve.worker.kv_cache import KVCache, resolve_kv_dtype
 from pdserve.worker.kv_scales import load_kv_scales
 from pdserve.worker.model_loader import load_model
@@ -53,6 +58,25 @@ class StepPlan:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top_k: int = 0
+    # Async scheduling: (input row, row of the previous step's sampled tokens) for token ids the
+    # host does not know yet; their host value is a 0 overwritten on the device. Never set under
+    # tensor parallelism (the other ranks could not see rank 0's tokens).
+    from_previous: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued: its sampled token ids are still on the device (`tokens`,
+    one per sampling request, in `samplers` order) while a copy brings them to `host_tokens`."""
+
+    batch: ScheduledBatch
+    samplers: list[Request]
+    rows: dict[str, int]  # request id -> its row in `tokens`
+    tokens: torch.Tensor | None  # [S] int64 on the device; None when nothing sampled
+    host_tokens: torch.Tensor | None  # the pinned buffer the tokens are copied into
+    copied: torch.cuda.Event | None  # passed when host_tokens holds them (None: CPU, already there)
+    logprobs: list[TokenLogprob | None] | None  # host values when any sampler asked (read back at launch)
+    advanced: list[int] | None = None  # async scheduling: computed counts after it (Scheduler.advance)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
@@ -159,6 +183,8 @@ class ModelRunner:
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
+        # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
+        self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
         self.prompt_logprobs = PromptLogprobsCollector()  # rank 0: echo requests' prompt logprobs
         self.prompt_scores = None  # rank 0: the last execute()'s prompt scores (score_rows)
 
@@ -284,8 +310,9 @@ class ModelRunner:
         # Built on the CPU and copied once: one host->device transfer per input per step.
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _plan_eager(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Request]]:
+    def _plan_eager(self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None) -> tuple[StepPlan, list[Request]]:
         bs = self.block_size
+        from_previous = []
         input_ids, positions, slots = [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         logits_idx, samplers = [], []
@@ -297,7 +324,11 @@ class ModelRunner:
         for req, n in batch.items:
             start = req.num_computed_tokens
             end = start + n
-            input_ids += req.token_ids[start:end]
+            known = req.token_ids[start:end]
+            input_ids += known
+            if len(known) < n:  # the last token is in flight (async scheduling): taken on the device
+                from_previous.append((len(input_ids), prev_rows[req.request_id]))
+                input_ids.append(0)
             positions += range(start, end)
             slots += [req.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             table = req.block_ids + [0] * (max_blocks - len(req.block_ids))
@@ -310,13 +341,14 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             if scores_prompt(req):
                 plan_rows(req, start, end, len(input_ids) - n, prompt_rows, prompt_targets, book)
-            if end == req.num_tokens:  # reached the end of what is known: sample the next token
+            if end == req.num_scheduled_tokens:  # reached the end of what is known: sample the next token
                 logits_idx.append(len(input_ids) - 1)
                 samplers.append(req)
         inputs = (input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu)
         top_k = max((r.params.prompt_logprobs for r in book.requests), default=0)
         self._prompt_book = book
-        return StepPlan(False, inputs, logits_idx, prompt_rows, prompt_targets, top_k), samplers
+        return StepPlan(False, inputs, logits_idx, prompt_rows, prompt_targets, top_k,
+                        from_previous=from_previous), samplers
 
     def _eager_inputs(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu = inputs
@@ -336,21 +368,27 @@ class ModelRunner:
         plan, samplers = self._plan_eager(batch)
         return (*self._eager_inputs(plan.inputs), plan.logits_idx, samplers)
 
-    def _plan_graph(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Request]]:
+    def _plan_graph(self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None) -> tuple[StepPlan, list[Request]]:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
+        from_previous = []
         for i, (req, _) in enumerate(batch.items):
             p = req.num_computed_tokens
-            ids.append(req.token_ids[p])
+            if p < len(req.token_ids):
+                ids.append(req.token_ids[p])
+            else:  # in flight (async scheduling): taken on the device
+                from_previous.append((i, prev_rows[req.request_id]))
+                ids.append(0)
             positions.append(p)
             slots.append(req.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
             tables.append(req.block_ids)
-            if p + 1 == req.num_tokens:
+            if p + 1 == req.num_scheduled_tokens:
                 logits_idx.append(i)
                 samplers.append(req)
-        return StepPlan(True, (ids, positions, slots, lens, tables), logits_idx), samplers
+        return StepPlan(True, (ids, positions, slots, lens, tables), logits_idx,
+                        from_previous=from_previous), samplers
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.items) <= self.graphs.config.max_batch
@@ -358,13 +396,19 @@ class ModelRunner:
                 and not any(scores_prompt(r) for r, _ in batch.items))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, previous: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
-        row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples)."""
+        row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples).
+        `previous`: the last step's sampled token ids on the device, for plan.from_previous."""
+        fill = None
+        if plan.from_previous:
+            fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
         if plan.graph:
-            hidden = self.graphs.run(*plan.inputs)
+            hidden = self.graphs.run(*plan.inputs, from_previous=fill)
         else:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
+            if fill is not None:
+                fill(input_ids)
             hidden = self.model(input_ids, positions, meta)
         self.prompt_scores = None
         if plan.prompt_rows:
@@ -379,30 +423,67 @@ class ModelRunner:
             rows = hidden[logits_idx]
         return self._project(rows)
 
+    def _fill_from_previous(self, ids: torch.Tensor, pairs: list[tuple[int, int]], previous: torch.Tensor) -> None:
+        """ids[dst] = previous[src] on the device, without the host reading either. The usual
+        shape (the same decodes, in the same order, first in both steps) is one slice copy."""
+        k = len(pairs)
+        if pairs[0] == (0, 0) and pairs[-1] == (k - 1, k - 1) and all(d == r for d, r in pairs):
+            ids[:k].copy_(previous[:k])
+            return
+        dst = torch.tensor([d for d, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.tensor([r for _, r in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        ids.index_copy_(0, dst, previous.index_select(0, src))
+
     def _project(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Hidden rows -> full-vocabulary fp32 logits (gathered to rank 0 under TP; None elsewhere)."""
         return self.model.compute_logits(rows)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """One step, start to finish: the synchronous engine's call."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step's work (forward, sampling, the copy of its token ids to the host) and
+        return without waiting for it, except where sampling needs the host (seeded rows, logprobs,
+        grammar masks). `previous`: the step still in flight, whose tokens some of this step's
+        inputs are (async scheduling; the scheduler planned this batch with them in flight)."""
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             # The server steps on its own thread, and the current device is per thread: without
             # this, Triton launches would target cuda:0 whatever card this rank was given.
             torch.cuda.set_device(self.device)
-        plan, samplers = self._plan_graph(batch) if self._use_graph(batch) else self._plan_eager(batch)
+        prev_rows = previous.rows if previous is not None else None
+        plan, samplers = (self._plan_graph(batch, prev_rows) if self._use_graph(batch)
+                          else self._plan_eager(batch, prev_rows))
         if self.followers is not None:
+            if plan.from_previous:
+                raise RuntimeError("async scheduling cannot feed device token ids to tensor-parallel ranks")
             self.followers.send(plan)
-        logits = self.execute(plan)
+        logits = self.execute(plan, previous.tokens if previous is not None else None)
         if self.prompt_scores is not None:
             self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
+        rows = {r.request_id: i for i, r in enumerate(samplers)}
         if not samplers:
-            return {}, {}
-        if all(r.params.greedy and r.params.logprobs is None and r.num_output_tokens >= r.params.min_tokens
+            return LaunchedStep(batch, samplers, rows, None, None, None, None)
+        logprobs = None
+        if all(r.params.greedy and r.params.logprobs is None and r.next_output_index >= r.params.min_tokens
                and not r.params.modifies_logits for r in samplers):
-            # Plain greedy: argmax and one read-back, without the sampler's per-row work
-            # (stop-token suppression, logprobs).
-            return {r.request_id: t for r, t in zip(samplers, logits.argmax(dim=-1).tolist())}, {}
-        tokens, logprobs = self.sampler(logits, samplers)
-        sampled = {r.request_id: t for r, t in zip(samplers, tokens)}
-        lps = {r.request_id: lp for r, lp in zip(samplers, logprobs) if lp is not None}
+            # Plain greedy: argmax, without the sampler's per-row work (stop-token suppression, logprobs).
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens, logprobs = self.sampler.sample(logits, samplers)
+        slot, (host,), _ = self._readback.acquire()
+        host = host[:len(samplers)]
+        host.copy_(tokens, non_blocking=True)
+        return LaunchedStep(batch, samplers, rows, tokens, host, self._readback.record(slot), logprobs)
+
+    def collect(self, step: LaunchedStep) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Wait for a launched step's token ids on the host: {request id: token}, {request id: logprob}."""
+        if not step.samplers:
+            return {}, {}
+        if step.copied is not None:
+            step.copied.synchronize()
+        sampled = dict(zip(step.rows, step.host_tokens.tolist()))
+        lps = {} if step.logprobs is None else {
+            r.request_id: lp for r, lp in zip(step.samplers, step.logprobs) if lp is not None}
         return sampled, lps

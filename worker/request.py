@@ -37,7 +37,10 @@ class Request:
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or is being written by a step in flight)
+        # Async scheduling: tokens sampled by steps still in flight, not yet read back to the host.
+        # They come after `token_ids`; the next step reads the newest from the device (model_runner.py).
+        self.num_in_flight = 0
         self.block_ids: list[int] = []
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []
@@ -67,6 +70,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus those in flight: what the scheduler plans the next step from."""
+        return len(self.token_ids) + self.num_in_flight
+
+    @property
+    def next_output_index(self) -> int:
+        """Index in the output of the token the next sampling draws (seeded streams, min_tokens)."""
+        return self.num_output_tokens + self.num_in_flight
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -32,6 +32,13 @@ def position_generator(seed: int, index: int) -> torch.Generator:
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [S, V] fp32, one row per request that samples this step."""
+        tokens, logprobs = self.sample(logits, reqs)
+        return tokens.tolist(), logprobs if logprobs is not None else [None] * len(reqs)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+        """The token ids as a device tensor [S], read by the host only where a row needs it (a
+        seeded row samples on a CPU generator; logprobs are built on the host): async scheduling
+        feeds the tensor to the next step. Logprobs: None when no request asked."""
         logits = logits.float()
         apply_grammar_masks(logits, reqs)  # response_format / guided_*: -inf outside the grammar
         self._suppress_early_stop(logits, reqs)
@@ -41,13 +48,14 @@ class Sampler:
             for i, r in enumerate(reqs):
                 if not r.params.greedy:
                     tokens[i] = self._sample_row(logits[i], r)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, token_list, reqs)
+        if all(r.params.logprobs is None for r in reqs):
+            return tokens, None
+        return tokens, self._logprobs(logits, tokens.tolist(), reqs)
 
     @staticmethod
     def _suppress_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
+            if r.next_output_index < r.params.min_tokens:
                 stops = list(r.eos_token_ids) + list(r.params.stop_token_ids)
                 if stops and r.grammar is not None:
                     # A complete grammar allows only its end: that wins over min_tokens (a row of
@@ -60,7 +68,7 @@ class Sampler:
                     logits[i, stops] = float("-inf")
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, r: Request) -> int:
+    def _sample_row(row: torch.Tensor, r: Request) -> int | torch.Tensor:
         p = r.params
         row = row / p.temperature
         if p.top_k > 0 and p.top_k < row.shape[-1]:
@@ -74,9 +82,10 @@ class Sampler:
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         # Seeded: sampled on a CPU generator, so reproducible on any device.
+        # The index counts tokens still in flight (async scheduling): the same stream either way.
         if p.seed is not None:
-            return int(torch.multinomial(probs.cpu(), 1, generator=position_generator(p.seed, r.num_output_tokens)))
-        return int(torch.multinomial(probs, 1))
+            return int(torch.multinomial(probs.cpu(), 1, generator=position_generator(p.seed, r.next_output_index)))
+        return torch.multinomial(probs, 1)[0]  # stays on the device
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:

@@ -22,6 +22,14 @@ States (each change goes through `Request.set_status`):
        │  └──preempt─────┘
        └──remote KV──▶ WAITING_FOR_REMOTE_KVS ──pull landed or failed──▶ WAITING (front)
     any ──abort──▶ FINISHED_ABORTED (blocks mid-pull are freed when the pull reports)
+
+Async scheduling (engine.py): step n+1 is scheduled before step n's tokens reach the host.
+`advance()` applies a launched step's computed counts at once and counts each sampled token as
+in flight (`Request.num_in_flight`), so the next `schedule()` plans a decode of that token;
+`update(..., advanced=True)` later appends the real tokens and checks stops. A request whose
+in-flight token ends it by length is not scheduled again; one that turns out to have stopped
+was scheduled one step too many, and that step's token is dropped. A request preempted with a
+token in flight is not readmitted until the token has arrived (its recompute needs it).
 """
 
 from __future__ import annotations
@@ -90,13 +98,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         # Decodes first, so long prompts arriving never stall streams already producing tokens.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: r.num_scheduled_tokens - r.num_computed_tokens > 1)
         for req in order:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_in_flight and self._ends_by_length(req):
+                continue  # its token in flight is its last: nothing more to compute
+            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
             if self.connector is not None:
                 n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
             while not self.bm.can_allocate(req, req.num_computed_tokens + n):
@@ -115,6 +125,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_in_flight:
+                break  # preempted while its last token was in flight: recomputed once it arrived
             if self.connector is not None and not self.connector.can_admit(req):
                 break  # its blocks would be pinned past the cap: wait for remote readers to release
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
@@ -169,16 +181,50 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens; return requests that finished."""
-        finished = []
+    def _ends_by_length(self, req: Request) -> bool:
+        """Its tokens in flight reach max_tokens or the context limit (the last one ends it)."""
+        return (req.next_output_index >= req.params.max_tokens
+                or req.num_scheduled_tokens >= self.max_model_len)
+
+    def advance(self, batch: ScheduledBatch, samples: set[str]) -> list[int]:
+        """Async scheduling, at launch: the step's tokens count as computed and each request in
+        `samples` has one more token in flight. Returns each item's computed count after the
+        step, for `update(..., advanced=...)`."""
+        after = []
         for req, n in batch.items:
             req.num_computed_tokens += n
-            self.bm.register_computed(req)
+            after.append(req.num_computed_tokens)
+            if req.request_id in samples:
+                req.num_in_flight += 1
+        return after
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
+               advanced: list[int] | None = None) -> list[Request]:
+        """Advance computed counts, append sampled tokens; return requests that finished.
+        `advanced`: the step went through `advance()` at launch (these are its computed counts);
+        a request that finished since then drops its token here."""
+        finished, stopped_waiting = [], []
+        for i, (req, n) in enumerate(batch.items):
             token = sampled.get(req.request_id)
+            if advanced is None:
+                req.num_computed_tokens += n
+                self.bm.register_computed(req)
+            else:
+                if token is not None:
+                    req.num_in_flight -= 1
+                if req.status.finished:  # stopped by an earlier step's token, or aborted: drop this one
+                    continue
+                # Blocks known to hold this step's tokens; a later step in flight has not made its own known.
+                self.bm.register_computed(req, advanced[i])
             if token is None:  # a prefill chunk that did not reach the end of the sequence
                 continue
             req.token_ids.append(token)
+            if req.status is RequestStatus.WAITING:  # preempted while in flight: recomputed with it
+                if req.check_stop(self.max_model_len):  # unless it ends the request
+                    self.waiting.remove(req)
+                    self._free(req)
+                    stopped_waiting.append(req)
+                continue
             if req.check_stop(self.max_model_len):
                 finished.append(req)
         if self.connector is not None:
@@ -186,7 +232,7 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
             self._free(req)
-        return finished
+        return finished + stopped_waiting
 
     def update_from_kv_xfer(self, out: KVConnectorOutput) -> list[Request]:
         """Apply what the connector's worker side reports: reads released, pulls landed or failed.

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Host time per decode step, synchronous engine vs --async-scheduling, in one device call
+# (<= 5 minutes; NOT yet run: helpers had no device time when it was written). From the repo root:
+#
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_step_overlap.sh")
+#   (writes into $OUT, the device tool's folder; else ./gpu_step_overlap_out)
+#
+# Files in $OUT: env.txt, step_overlap.md (Qwen2.5-0.5B and Llama-3.1-8B, batch 1 and 8, both
+# engines in the same run on the same card, and whether their greedy tokens agree), log.txt.
+set -u
+OUT=${OUT:-$PWD/gpu_step_overlap_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance prometheus_client:prometheus_client \
+  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
+  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+{
+  date -u
+  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $PY -c "import sys, torch, triton; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__)"
+} > "$OUT/env.txt" 2>&1
+main() {
+  cd /tmp
+  timeout --kill-after=10 240 $PY -m pdserve.bench.step_overlap --models qwen2.5-0.5b llama-3.1-8b --batch 1 8 \
+    --steps 200 --out "$OUT/step_overlap.md" 2>&1 | grep -v " INFO "
+}
+main > "$OUT/log.txt" 2>&1
+cat "$OUT/log.txt" | tail -n 30
