@@ -1,0 +1,105 @@
+"""The model's small-batch GEMV path (kernels/fused_gemv.py wired in models/llama.py) against the
+same engine without it: same greedy tokens, same logprobs up to fp32 rounding.
+
+On CPU (CI) the Triton backend and the GEMV run under TRITON_INTERPRET=1 (tests/conftest.py sets
+it) on CPU tensors; the path is forced on through the backend's `fused_gemv` switch (off by
+default until measured on a card). Steps of <= 8 tokens (every decode step here, and the short
+prompts' prefills) take it; the 37-token prompt's prefill shows the fallback in the same run. A
+spy on the launcher proves the path ran: without it, equal tokens would prove nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pdserve.kernels import fused_gemv as gemv_module
+from pdserve.worker.config import EngineConfig
+from pdserve.worker.engine import LLMEngine
+from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.triton_attention import TritonAttentionBackend
+from tests.checkpoints import write_checkpoint, write_word_tokenizer
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = write_word_tokenizer(tmp_path_factory.mktemp("tok"))
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tok)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Counts launches of the GEMV by prologue (the real kernel still runs)."""
+    calls: dict[str, int] = {}
+    real = gemv_module.fused_gemv
+
+    def spy(x, weight, prologue="none", **kw):
+        calls[prologue] = calls.get(prologue, 0) + 1
+        return real(x, weight, prologue, **kw)
+
+    monkeypatch.setattr(gemv_module, "fused_gemv", spy)
+    return calls
+
+
+def make_engine(ckpt, monkeypatch, fused: bool, static_decode: bool) -> LLMEngine:
+    gc.collect()
+    monkeypatch.setattr(TritonAttentionBackend, "fused_gemv", fused)  # read at model build
+    cfg = EngineConfig(model=str(ckpt), device=DEVICE, dtype="float32", block_size=4, max_model_len=128,
+                       kv_cache_memory=1 << 22, gpu_memory_utilization=0.25, max_num_seqs=4)
+    return LLMEngine(cfg, attention_backend="triton", static_decode=static_decode)
+
+
+def run(engine: LLMEngine, params: SamplingParams):
+    """Greedy tokens and the chosen tokens' logprobs per prompt."""
+    ids = [f"r{i}" for i in range(len(PROMPTS))]
+    for rid, prompt in zip(ids, PROMPTS):
+        engine.add_request(rid, prompt, params)
+    tokens = {rid: [] for rid in ids}
+    logprobs = {rid: [] for rid in ids}
+    pending = set(ids)
+    while pending:
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            logprobs[o.request_id] += [lp.logprob for lp in o.logprobs or []]
+            if o.finished:
+                pending.discard(o.request_id)
+    return [tokens[r] for r in ids], [logprobs[r] for r in ids]
+
+
+# llama: plain; qwen2: q/k/v bias (added by the attention epilogue) and tied embeddings; qwen3:
+# per-head q/k norms (the projection's output is normed before rotary).
+@pytest.mark.parametrize("arch,static_decode", [("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_gemv_path_matches_unfused_path(checkpoint, monkeypatch, gemv_calls, arch, static_decode):
+    ckpt = checkpoint(arch)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    plain = make_engine(ckpt, monkeypatch, False, static_decode)
+    assert not any(layer.gemv_qkv or layer.gemv_mlp for layer in plain.runner.model.layers)
+    want_tokens, want_lp = run(plain, params)
+    assert all(len(lp) == 6 for lp in want_lp)
+    del plain
+    assert gemv_calls == {}  # the switch off: never launched
+    fused = make_engine(ckpt, monkeypatch, True, static_decode)
+    layers = fused.runner.model.layers
+    assert all(layer.gemv_qkv and layer.gemv_mlp and layer.self_attn.gemv_o for layer in layers)
+    got_tokens, got_lp = run(fused, params)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_lp, want_lp):
+        assert got == pytest.approx(want, abs=1e-4)
+    # Every layer: qkv and gate/up with the norm (rms_norm), down with SiLU·mul, o_proj plain,
+    # in each decode step (and the short prompts' prefills).
+    n = len(layers)
+    assert gemv_calls["rms_norm"] == 2 * gemv_calls["silu_mul"] == 2 * gemv_calls["none"]
+    assert gemv_calls["silu_mul"] >= n * 5  # at least the 5 decode steps after the prefill
