@@ -54,14 +54,20 @@ class GemvConfig:
     num_stages: int = 3
 
 
-# Measured best configs, keyed (prologue, N, K, M bucket 1|2|4|8). Empty until bench/gemv.py has
-# run on a card; its "table" output is a drop-in for this dict. A key absent here gets the
-# heuristic below.
-MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {}
+# Measured per shape, keyed (prologue, N, K, M bucket 1|2|4|8): the best config, or None where
+# the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster. Empty until bench/gemv.py
+# has run on a card; the dict it prints is a drop-in for this one. Absent keys: the heuristic.
+MEASURED: dict[tuple[str, int, int, int], GemvConfig | None] = {}
 
 
 def _m_bucket(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+
+
+def gemv_preferred(prologue: str, m: int, n: int, k: int) -> bool:
+    """Whether the model should launch this kernel for the shape (False: MEASURED says the
+    unfused path won there). Host-side dict lookup: no sync, safe inside graph capture."""
+    return m <= MAX_ROWS and MEASURED.get((prologue, n, k, _m_bucket(m)), True) is not None
 
 
 def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig:

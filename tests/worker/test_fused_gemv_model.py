@@ -103,3 +103,17 @@ def test_gemv_path_matches_unfused_path(checkpoint, monkeypatch, gemv_calls, arc
     n = len(layers)
     assert gemv_calls["rms_norm"] == 2 * gemv_calls["silu_mul"] == 2 * gemv_calls["none"]
     assert gemv_calls["silu_mul"] >= n * 5  # at least the 5 decode steps after the prefill
+
+
+def test_measured_table_hands_a_shape_back_to_cublas(checkpoint, monkeypatch, gemv_calls):
+    # MEASURED None for down_proj's shape (tiny checkpoint: hidden 64, intermediate 128): that
+    # stage runs unfused (silu_and_mul, then down_proj), the other GEMVs still fused.
+    ckpt = checkpoint("llama")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    monkeypatch.setitem(gemv_module.MEASURED, ("rms_norm", 64 + 2 * 32, 64, 1), gemv_module.GemvConfig(16, 32, 2))
+    for bucket in (1, 2, 4, 8):
+        monkeypatch.setitem(gemv_module.MEASURED, ("silu_mul", 64, 128, bucket), None)
+    want, _ = run(make_engine(ckpt, monkeypatch, False, False), params)
+    got, _ = run(make_engine(ckpt, monkeypatch, True, False), params)
+    assert got == want
+    assert "silu_mul" not in gemv_calls and gemv_calls["rms_norm"] > 0 and gemv_calls["none"] > 0

@@ -83,10 +83,13 @@ def _fused_gemv():
     return _gemv_kernel().fused_gemv
 
 
-def gemv_rows_ok(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """A step the GEMV takes: at most MAX_ROWS tokens (shapes only: no sync, so a graph captures
-    the same branch it replays), all operands of one dtype (the kernel's contract)."""
-    return 0 < x.shape[0] <= _gemv_kernel().MAX_ROWS and all(t.dtype == x.dtype for t in tensors)
+def gemv_rows_ok(x: torch.Tensor, prologue: str, weight: torch.Tensor, *others: torch.Tensor) -> bool:
+    """A step the GEMV takes: at most MAX_ROWS tokens, a shape the kernel's measured table does
+    not hand back to cuBLAS (fused_gemv.gemv_preferred), all operands of one dtype (the kernel's
+    contract). Shapes and dtypes only: no sync, so a graph captures the branch it replays."""
+    n, k = weight.shape
+    return (x.shape[0] > 0 and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k)
+            and all(t.dtype == x.dtype for t in (weight, *others)))
 
 
 def pointwise_ops(backend: AttentionBackend) -> PointwiseOps:
@@ -185,7 +188,7 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k, cos_sin)
             o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
         o = o.reshape(T, self.q_size)
-        if self.gemv_o and gemv_rows_ok(o, self.o_proj.weight):
+        if self.gemv_o and gemv_rows_ok(o, "none", self.o_proj.weight):
             out, _ = _fused_gemv()(o, self.o_proj.weight, bias=self.o_proj.bias)
             return self.o_proj.reduce(out)
         return self.o_proj(o)
@@ -208,13 +211,20 @@ class MLP(nn.Module):
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
     def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor):
-        """norm(x + residual) -> gate_up -> SiLU·mul -> down as two small-M GEMV launches (the
-        norm fused into the first, SiLU·mul into the second); returns (out, x + residual)."""
-        fused_gemv = _fused_gemv()
-        gu, residual = fused_gemv(x, self.gate_up_proj.weight, "rms_norm", bias=self.gate_up_proj.bias,
-                                  norm_weight=norm.weight, eps=norm.eps, residual=residual)
-        out, _ = fused_gemv(gu, self.down_proj.weight, "silu_mul", bias=self.down_proj.bias)
-        return self.down_proj.reduce(out), residual
+        """norm(x + residual) -> gate_up -> SiLU·mul -> down with the norm fused into the gate/up
+        GEMV and SiLU·mul into the down one, each stage where gemv_rows_ok takes it (else that
+        stage runs unfused); returns (out, x + residual)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if gemv_rows_ok(x, "rms_norm", gate_up.weight, norm.weight):
+            gu, residual = _fused_gemv()(x, gate_up.weight, "rms_norm", bias=gate_up.bias, norm_weight=norm.weight,
+                                         eps=norm.eps, residual=residual)
+        else:
+            h, residual = norm(x, residual)
+            gu = gate_up(h)
+        if gemv_rows_ok(gu, "silu_mul", down.weight):
+            out, _ = _fused_gemv()(gu, down.weight, "silu_mul", bias=down.bias)
+            return down.reduce(out), residual
+        return down(self.silu_and_mul(gu)), residual
 
 
 class DecoderLayer(nn.Module):
@@ -236,11 +246,11 @@ class DecoderLayer(nn.Module):
             and gemv_fits(self.mlp.down_proj)
 
     def forward(self, positions, h, residual, cos_sin, meta):
-        if self.gemv_qkv and gemv_rows_ok(h, self.self_attn.qkv_proj.weight, self.input_layernorm.weight):
+        if self.gemv_qkv and gemv_rows_ok(h, "rms_norm", self.self_attn.qkv_proj.weight, self.input_layernorm.weight):
             h, residual = self._attention_gemv(positions, h, residual, cos_sin, meta)
         else:
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
-        if self.gemv_mlp and gemv_rows_ok(h, self.mlp.gate_up_proj.weight, self.post_attention_layernorm.weight):
+        if self.gemv_mlp:
             return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
