@@ -2,6 +2,7 @@
 (kernels/fused_gemv.py), per Llama-3.1-8B and Qwen2.5-0.5B projection shape (CUDA; not a test).
 
     python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b] [--rows 1 2 4 8] [--out gemv.md]
+    python -m pdserve.bench.gemv --step [--models ...] [--out gemv_step.md]
 
 Per shape and M, each variant runs as the engine runs it: inside a CUDA graph (no launch gaps),
 `calls` launches per replay on rotating copies of the weight (together >= 128 MB, so L2 never
@@ -18,6 +19,11 @@ over its time, as a share of the same run's device-to-device copy bandwidth. "ch
 faster of unfused and fused best; the closing dict is those choices in the form of
 kernels/fused_gemv.MEASURED (paste it there to make the engine use them).
 Each shape is printed as soon as it is measured: a timed-out run keeps the rows it has.
+
+--step: the whole bs=1 decode step instead (bench/profile_decode.py's model: random bf16 weights
+in the real configuration, context 128, forward + lm_head + argmax captured as one CUDA graph),
+with the GEMV path off and on, against the step's roofline (weights + KV bytes over the same-run
+copy bandwidth).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 
 DT = torch.bfloat16
 EPS = 1e-5
+DEVICE = "cuda"  # the CPU smoke test (tests/kernels/test_gemv_bench.py) runs it interpreted on "cpu"
 L2_DEFEAT_BYTES = 128 << 20
 
 
@@ -69,6 +76,16 @@ def sweep_configs(quick: bool):
     return [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid]
 
 
+def graph_ms(fn) -> float:
+    """ms per replay of `fn` captured as one CUDA graph (profile_decode's capture)."""
+    from triton.testing import do_bench
+
+    from pdserve.bench.profile_decode import capture
+
+    graph = capture(fn)
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+
+
 def graph_time_us(make_call, calls: int) -> float:
     """µs per call of `calls` launches captured in one CUDA graph (compiled and warmed first)."""
     from triton.testing import do_bench
@@ -93,12 +110,12 @@ class ShapeBench:
         wbytes = s.n * s.k * DT.itemsize
         self.copies = max(1, min(64, -(-L2_DEFEAT_BYTES // wbytes)))
         self.calls = max(self.copies, 8)
-        self.w = [torch.randn(s.n, s.k, device="cuda", dtype=DT) / s.k**0.5 for _ in range(self.copies)]
+        self.w = [torch.randn(s.n, s.k, device=DEVICE, dtype=DT) / s.k**0.5 for _ in range(self.copies)]
         xk = 2 * s.k if s.prologue == "silu_mul" else s.k
-        self.x = torch.randn(m, xk, device="cuda", dtype=DT)
-        self.res = torch.randn(m, s.k, device="cuda", dtype=DT)
-        self.g = torch.ones(s.k, device="cuda", dtype=DT)
-        self.h = torch.randn(m, s.k, device="cuda", dtype=DT)  # the ready activation for cuBLAS alone
+        self.x = torch.randn(m, xk, device=DEVICE, dtype=DT)
+        self.res = torch.randn(m, s.k, device=DEVICE, dtype=DT)
+        self.g = torch.ones(s.k, device=DEVICE, dtype=DT)
+        self.h = torch.randn(m, s.k, device=DEVICE, dtype=DT)  # the ready activation for cuBLAS alone
 
     def weight(self, i: int) -> torch.Tensor:
         return self.w[i % self.copies]
@@ -157,7 +174,7 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     pct = lambda us, full: f"{100 * b.bytes_moved(full) / (us * 1e-6) / bw:.0f}%"  # noqa: E731
     unfused = graph_time_us(b.unfused, b.calls)
     cublas = graph_time_us(b.cublas, b.calls)
-    default_cfg = choose_config(s.prologue, m, s.n, s.k, torch.device("cuda"))
+    default_cfg = choose_config(s.prologue, m, s.n, s.k, torch.device(DEVICE))
     default = graph_time_us(b.fused(default_cfg), b.calls)
     best, best_cfg = default, default_cfg
     for cfg in configs:
@@ -180,6 +197,48 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     return row, (key, best_cfg) if best < unfused else (key, None)
 
 
+def set_gemv(model, on: bool) -> None:
+    """The GEMV path on or off on a built model (the flags models/llama.py sets from the backend)."""
+    for layer in model.layers:
+        layer.gemv_qkv = layer.gemv_mlp = layer.self_attn.gemv_o = on
+
+
+def bench_step(models: list[str], bw: float, tiny: bool = False) -> list[str]:
+    """bs=1 decode step ms, GEMV path off / on, per model (one row each, printed as measured).
+    `tiny`: the models' structure at test sizes (the CPU smoke test)."""
+    from pdserve.bench.engine import MODELS
+    from pdserve.bench.profile_decode import BLOCK, build, decode_inputs, model_config, step_fn
+
+    rows = []
+    for name in models:
+        try:
+            spec = MODELS[name]
+            cfg = model_config(spec, tiny=tiny)
+            model, backend, kv = build(cfg, torch.device(DEVICE), DT)
+            ids, positions, meta = decode_inputs(128, torch.device(DEVICE))
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            if model.lm_head is not None:
+                weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+            roof_ms = 1e3 * (weights + kv.block_bytes // BLOCK * 128) / bw
+            ms, logits = {}, {}
+            with torch.inference_mode():
+                for on in (False, True):
+                    set_gemv(model, on)
+                    logits[on] = model.compute_logits(model(ids, positions, meta)).double()
+                    ms[on] = graph_ms(step_fn(model, ids, positions, meta))
+            diff = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+            row = (f"| {spec.name} | {ms[False]:.3f} ({100 * roof_ms / ms[False]:.0f}%) | "
+                   f"{ms[True]:.3f} ({100 * roof_ms / ms[True]:.0f}%) | {ms[False] / ms[True]:.2f}× | {roof_ms:.3f} | "
+                   f"{diff:.1e} |")
+            del model, backend, kv
+            torch.cuda.empty_cache()
+        except Exception as e:  # one model failing must not lose the other
+            row = f"| {name} | failed: {type(e).__name__}: {str(e)[:150]} | | | | |"
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def copy_bandwidth() -> float:
     from pdserve.bench.kernels import copy_bandwidth as bw
 
@@ -191,6 +250,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen2.5-0.5b"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--full-sweep", action="store_true", help="48 configs per shape instead of 8 (slow: compiles)")
+    ap.add_argument("--step", action="store_true", help="time the whole bs=1 decode step, GEMV path off / on")
     ap.add_argument("--out", help="also write the markdown here (rewritten after every shape)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -198,6 +258,17 @@ def main() -> None:
     import triton
 
     bw = copy_bandwidth()
+    if args.step:
+        head = [f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton {triton.__version__} · "
+                f"{datetime.date.today().isoformat()} · bf16 random weights · bs=1 decode at context 128, one CUDA "
+                f"graph per step · same-run copy bandwidth {bw / 1e9:.0f} GB/s", "",
+                "| model | GEMV path off: ms (% of roofline) | on: ms (% of roofline) | speed-up | roofline ms | "
+                "logits rel. diff on vs off |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        from pdserve.bench.report import publish
+
+        publish("\n".join(head + bench_step(args.models, bw)), args.out)
+        return
     configs = sweep_configs(not args.full_sweep)
     lines = [
         f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton {triton.__version__} · "

@@ -1,0 +1,40 @@
+"""bench/gemv.py's plumbing on CPU (interpreted kernels, no timing): one shape row per prologue
+and the bs=1 step rows at tiny sizes, so the device run (which the bench is for) does not die on a
+Python error. Timings are stand-ins (1 µs / 1 ms) and nothing asserts on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.bench import gemv
+from tests.kernels.kernel_inputs import ON_GPU
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU plumbing check; on a GPU run the bench itself")
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    monkeypatch.setattr(gemv, "DEVICE", "cpu")
+    monkeypatch.setattr(gemv, "DT", torch.float32)
+    monkeypatch.setattr(gemv, "L2_DEFEAT_BYTES", 1)  # one weight copy
+    monkeypatch.setattr(gemv, "graph_time_us", lambda make_call, calls: [make_call(i)() for i in range(2)] and 1.0)
+    monkeypatch.setattr(gemv, "graph_ms", lambda fn: (fn(), 1.0)[1])
+
+
+@pytest.mark.parametrize("layer,prologue", [("qkv_proj", "rms_norm"), ("o_proj", "none"), ("down_proj", "silu_mul")])
+def test_shape_row(cpu_bench, layer, prologue):
+    from pdserve.kernels.fused_gemv import GemvConfig
+
+    s = gemv.Shape("tiny", layer, prologue, 48, 80)
+    row, (key, cfg) = gemv.bench_shape(s, 3, [GemvConfig(16, 32, 2)], bw=1e12)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["tiny", layer, "48×80", "3"] and len(cells) == 12
+    assert key == (prologue, 48, 80, 3)
+    assert float(cells[-1]) < 1e-5  # fp32: fused equals unfused up to rounding
+
+
+def test_step_rows(cpu_bench):
+    rows = gemv.bench_step(["qwen2.5-0.5b"], bw=1e12, tiny=True)
+    assert len(rows) == 1 and "failed" not in rows[0], rows
+    assert float(rows[0].strip("|").split("|")[-1]) < 1e-5  # logits, GEMV path on vs off
