@@ -13,7 +13,8 @@ Variants:
   for o_proj;
 - cuBLAS alone: F.linear on the ready activation (the matrix product's own share);
 - fused default: fused_gemv with choose_config's pick (what the engine would launch today);
-- fused best: the fastest of a small config sweep (BLOCK_N x BLOCK_K x SPLIT_K).
+- fused best: the fastest of a small config sweep (BLOCK_N x BLOCK_K x SPLIT_K, and the norm's
+  two-pass variant).
 "% bw" is the fewest bytes the variant's op must move (weight once, activations in, output out)
 over its time, as a share of the same run's device-to-device copy bandwidth. "chosen" is the
 faster of unfused and fused best; the closing dict is those choices in the form of
@@ -73,7 +74,9 @@ def sweep_configs(quick: bool):
                 (64, 256, 4), (16, 512, 1)]
     else:
         grid = [(bn, bk, s) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for s in (1, 2, 4, 8)]
-    return [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid]
+    configs = [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid]
+    # The norm's two-pass variant (read x once more for rstd first; only "rms_norm" shapes try it).
+    return configs + [GemvConfig(32, 256, 1, one_pass_norm=False), GemvConfig(32, 256, 4, one_pass_norm=False)]
 
 
 def graph_ms(fn) -> float:
@@ -178,7 +181,7 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     default = graph_time_us(b.fused(default_cfg), b.calls)
     best, best_cfg = default, default_cfg
     for cfg in configs:
-        if cfg == default_cfg:
+        if cfg == default_cfg or (not cfg.one_pass_norm and s.prologue != "rms_norm"):
             continue
         try:
             us = graph_time_us(b.fused(cfg), b.calls)
@@ -188,7 +191,7 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
         if us < best:
             best, best_cfg = us, cfg
     err = check_fused(b)
-    cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}"
+    cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + ("" if best_cfg.one_pass_norm else " two-pass")
     chosen = f"fused {cfg_s}" if best < unfused else "unfused"
     row = (f"| {s.model} | {s.layer} | {s.n}×{s.k} | {m} | {unfused:.1f} ({pct(unfused, True)}) | "
            f"{cublas:.1f} ({pct(cublas, False)}) | {default:.1f} ({pct(default, True)}) | "
@@ -249,7 +252,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen2.5-0.5b"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
-    ap.add_argument("--full-sweep", action="store_true", help="48 configs per shape instead of 8 (slow: compiles)")
+    ap.add_argument("--full-sweep", action="store_true", help="50 configs per shape instead of 10 (slow: compiles)")
     ap.add_argument("--step", action="store_true", help="time the whole bs=1 decode step, GEMV path off / on")
     ap.add_argument("--out", help="also write the markdown here (rewritten after every shape)")
     args = ap.parse_args()
@@ -284,11 +287,13 @@ def main() -> None:
     def flush(final: bool = False) -> None:
         text = "\n".join(lines)
         if final:
-            table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k})"
+            table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}"
+                               f"{'' if c.one_pass_norm else ', one_pass_norm=False'})"
                                for (p, n, k, m), c in measured.items() if c is not None)
-            unfused = [f"{p} {n}×{k} M={m}" for (p, n, k, m), c in measured.items() if c is None]
-            text += ("\n\nMEASURED for kernels/fused_gemv.py (shapes where the fused GEMV won):\n\n```python\n"
-                     f"MEASURED = {{\n{table}\n}}\n```\n\nunfused faster: {', '.join(unfused) or 'none'}")
+            lost = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): None" for (p, n, k, m), c in measured.items() if c is None)
+            text += ("\n\nMEASURED for kernels/fused_gemv.py (a config where the fused GEMV won; None where the "
+                     "unfused path did):\n\n```python\n"
+                     f"MEASURED = {{\n{table}{',' if table and lost else ''}\n{lost}\n}}\n```")
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")

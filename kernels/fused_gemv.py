@@ -6,13 +6,17 @@ leave part of that bandwidth unused (issue 25: Llama-3.1-8B's matrix products re
 bandwidth at bs=1, Qwen2.5-0.5B's far less). This kernel streams W [N, K] once, each program a
 BLOCK_N-row strip of it, and builds the activation tile from the layer's input on the fly:
 
-- prologue "rms_norm": y = RMSNorm(x (+ residual)) @ W^T. Every program first reads its rows'
-  whole x (M * K elements, an L2 hit after the first program) for the sum of squares, then
-  normalises each K-tile exactly as reference.rms_norm_ref does (h * rstd rounded to x's dtype,
-  times the norm weight, rounded again) before the dot, so the separate norm kernel and its
-  [M, K] round trip through memory disappear. With a residual, x + residual is what gets
-  normalised and program (0, 0) writes that sum out for the next layer (the fused add of
-  kernels/rms_norm.py).
+- prologue "rms_norm": y = RMSNorm(x (+ residual)) @ W^T, so the separate norm kernel and its
+  [M, K] round trip through memory disappear. The row scale rstd is one number per row, so it
+  can wait: by default (one pass) the K loop multiplies (x * norm weight) tiles into the product
+  and sums x^2 alongside, and rstd scales the fp32 result at the end (after the split-K sum,
+  which then adds the slices' sums of squares too). Two-pass (`GemvConfig.one_pass_norm=False`;
+  always for fp16, where x * weight before the scale could overflow) first reads the rows'
+  whole x (M * K elements, from L2 after the first program) for rstd, then normalises each
+  K-tile exactly as reference.rms_norm_ref rounds (h * rstd to x's dtype, times the weight,
+  rounded again): an extra read of x per program, bit-closer to the unfused path. With a
+  residual, x + residual is what gets normalised and the programs of the first strip write that
+  sum out for the next layer (the fused add of kernels/rms_norm.py).
 - prologue "silu_mul": y = (silu(gate) * up) @ W^T with x = [gate | up] ([M, 2K]), for the down
   projection after the fused gate/up one.
 - prologue "none": y = x @ W^T (o_proj, or any plain small-M linear).
@@ -52,6 +56,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    one_pass_norm: bool = True  # "rms_norm": scale by rstd after the product (see the docstring)
 
 
 # Measured per shape, keyed (prologue, N, K, M bucket 1|2|4|8): the best config, or None where
@@ -81,16 +86,16 @@ def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -
     # Split while the grid is under two programs per SM and each slice keeps >= 4 K-tiles.
     while strips * split < 2 * num_sms(device) and k // (2 * split) >= 4 * cfg.block_k:
         split *= 2
-    return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.one_pass_norm)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, part_ptr,
+    x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, part_ptr, ss_ptr,
     M, N, K, eps, K_PER_SPLIT,
     stride_xm, stride_rm, stride_wn, stride_om, stride_nm,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid (cdiv(N, BLOCK_N), SPLIT): program (n, s) owns output columns [n*BLOCK_N, +BLOCK_N)
@@ -102,9 +107,9 @@ def _gemv_kernel(
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    if PROLOGUE == 1:
-        # Pass 1 (rms_norm): the rows' sum of squares over all of K; with a residual, the sum
-        # x + residual rounded to x's dtype (as the reference adds), written once by (0, 0).
+    if PROLOGUE == 1 and TWO_PASS:
+        # Pass 1 (two-pass rms_norm): the rows' sum of squares over all of K; with a residual,
+        # the sum x + residual rounded to x's dtype (as the reference adds), written once by (0, 0).
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -118,6 +123,8 @@ def _gemv_kernel(
             h = x.to(tl.float32)
             ss += tl.sum(h * h, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # one pass: summed in the K loop below
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_PER_SPLIT
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
@@ -136,9 +143,17 @@ def _gemv_kernel(
                 if HAS_RESIDUAL:
                     r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
                     a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
-                g = tl.load(g_ptr + ks, mask=k_ok, other=0.0)
-                normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)  # the reference's h.to(x.dtype)
-                a = (normed.to(tl.float32) * g.to(tl.float32)[None, :]).to(a.dtype)
+                    if not TWO_PASS:
+                        if pid_n == 0:  # each K slice's first-strip program writes its part
+                            tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], a, mask=mask)
+                g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                if TWO_PASS:
+                    normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)  # the reference's h.to(x.dtype)
+                    a = (normed.to(tl.float32) * g).to(a.dtype)
+                else:
+                    h = a.to(tl.float32)
+                    ss += tl.sum(h * h, axis=1)
+                    a = (h * g).to(a.dtype)
         w = tl.load(w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_F32:
@@ -147,24 +162,36 @@ def _gemv_kernel(
             acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
     out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
+        if PROLOGUE == 1 and not TWO_PASS:
+            acc *= (1.0 / tl.sqrt(ss / K + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part = part_ptr + (pid_k * M + rows[:, None]).to(tl.int64) * N + ns[None, :]
         tl.store(part, acc, mask=out_mask)
+        if PROLOGUE == 1 and not TWO_PASS:
+            if pid_n == 0:  # this slice's sums of squares, for the reduce's rstd
+                tl.store(ss_ptr + pid_k * M + rows, ss, mask=row_ok)
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om,
-                           SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    # Grid (M, cdiv(N, BLOCK)): the slices' partials summed in slice order, so runs agree bit for bit.
+def _split_k_reduce_kernel(part_ptr, ss_ptr, b_ptr, out_ptr, M, N, K, eps, stride_om,
+                           SPLIT: tl.constexpr, NORM_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # Grid (M, cdiv(N, BLOCK)): the slices' partials summed in slice order, so runs agree bit for
+    # bit; NORM_SCALE (one-pass rms_norm): times rstd from the slices' sums of squares.
     m = tl.program_id(0)
     ns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = ns < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ss = tl.zeros([1], dtype=tl.float32)
     for s in range(SPLIT):
         acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + ns, mask=ok, other=0.0)
+        if NORM_SCALE:
+            ss += tl.load(ss_ptr + s * M + m + tl.arange(0, 1))
+    if NORM_SCALE:
+        acc *= 1.0 / tl.sqrt(ss / K + eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + ns, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + ns, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -228,15 +255,19 @@ def fused_gemv(
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slice
     part = torch.empty((split, m, n), dtype=torch.float32, device=device) if split > 1 else out
+    # fp16: x * norm weight could overflow before the scale, so fp16 always normalises first.
+    two_pass = prologue == "rms_norm" and (not cfg.one_pass_norm or dt == torch.float16)
+    norm_scale = prologue == "rms_norm" and not two_pass and split > 1
+    ss = torch.empty((split, m), dtype=torch.float32, device=device) if norm_scale else part
     grid = (triton.cdiv(n, cfg.block_n), split)
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, out, new_res if new_res is not None else out, part,
+        bias if bias is not None else weight, out, new_res if new_res is not None else out, part, ss,
         m, n, k, eps, k_per_split,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         new_res.stride(0) if new_res is not None else 0,
         PROLOGUE=_PROLOGUE_ID[prologue], HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, SPLIT=split,
+        HAS_BIAS=bias is not None, SPLIT=split, TWO_PASS=two_pass,
         # The interpreter multiplies bf16 dot operands wrongly (launch.dot_in_f32): fp32 there.
         DOT_F32=interpreting() and dt != torch.float16, PRECISION=dot_precision(dt),
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
@@ -245,6 +276,6 @@ def fused_gemv(
     if split > 1:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, bias if bias is not None else weight, out, m, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block)
+            part, ss, bias if bias is not None else weight, out, m, n, k, eps, out.stride(0),
+            SPLIT=split, NORM_SCALE=norm_scale, HAS_BIAS=bias is not None, BLOCK=block)
     return out, new_res
