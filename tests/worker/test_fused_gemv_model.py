@@ -117,3 +117,67 @@ def test_measured_table_hands_a_shape_back_to_cublas(checkpoint, monkeypatch, ge
     got, _ = run(make_engine(ckpt, monkeypatch, True, False), params)
     assert got == want
     assert "silu_mul" not in gemv_calls and gemv_calls["rms_norm"] > 0 and gemv_calls["none"] > 0
+
+
+def _tp_rank_main(rank: int, port, results) -> None:
+    """One rank of a 2-process gloo group: the dense MLP's GEMV path on the rank's shards
+    (column-parallel gate/up rows, row-parallel down columns, then the all-reduce) against the
+    unsharded unfused MLP."""
+    import traceback
+
+    import torch.nn.functional as F
+
+    try:
+        from pdserve.kernels.reference import rms_norm_ref, silu_and_mul_ref
+        from pdserve.worker.model_config import ModelConfig
+        from pdserve.worker.models.llama import MLP, RMSNorm
+        from pdserve.worker.parallel.group import create_store, init_tensor_parallel, shutdown_tensor_parallel
+        from pdserve.worker.parallel.shard import TPShard
+
+        torch.set_num_threads(1)
+        store = create_store(2) if rank == 0 else None
+        if store is not None:
+            results.put(("port", store.port))
+        else:
+            port = port.get(timeout=60)
+        init_tensor_parallel(rank, 2, torch.device("cpu"), port, store)
+        torch.manual_seed(0)  # the same full weights on both ranks
+        cfg = ModelConfig("LlamaForCausalLM", 101, 32, 48, 1, 4, 2, 8, 1e-5, 128, False, True, False, False, 1e4,
+                          (), ())
+        wg, wu, wd = torch.randn(48, 32), torch.randn(48, 32), torch.randn(32, 48)
+        nw, x, res = 1 + 0.1 * torch.randn(32), torch.randn(3, 32), torch.randn(3, 32)
+        mlp = MLP(cfg, TPShard(rank, 2, cfg))
+        mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, wg, 0)
+        mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, wu, 1)
+        mlp.down_proj.weight_loader(mlp.down_proj.weight, wd)
+        norm = RMSNorm(32, 1e-5)
+        norm.weight.data.copy_(nw)
+        with torch.no_grad():
+            got, got_res = mlp.forward_gemv(x, norm, res)
+        h, want_res = rms_norm_ref(x, nw, 1e-5, res)
+        want = F.linear(silu_and_mul_ref(torch.cat([F.linear(h, wg), F.linear(h, wu)], -1)), wd)
+        out = {"mlp": ((got - want).norm() / want.norm()).item(), "residual": torch.equal(got_res, want_res)}
+        shutdown_tensor_parallel()
+        results.put((rank, out))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_gemv_mlp_over_tp2_shards_equals_the_full_mlp():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # children inherit TRITON_INTERPRET=1 (tests/conftest.py)
+    results, port_box = ctx.Queue(), ctx.Queue()
+    p0 = ctx.Process(target=_tp_rank_main, args=(0, None, results), daemon=True)
+    p0.start()
+    kind, port = results.get(timeout=120)
+    assert kind == "port", port
+    port_box.put(port)
+    p1 = ctx.Process(target=_tp_rank_main, args=(1, port_box, results), daemon=True)
+    p1.start()
+    got = dict(results.get(timeout=120) for _ in range(2))
+    for p in (p0, p1):
+        p.join(30)
+    for rank in (0, 1):
+        assert isinstance(got[rank], dict), got[rank]
+        assert got[rank]["mlp"] < 1e-5 and got[rank]["residual"]  # fp32 relative: the sums differ in order only
