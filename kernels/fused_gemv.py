@@ -55,7 +55,7 @@ class GemvConfig:
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
     one_pass_norm: bool = True  # "rms_norm": scale by rstd after the product (see the docstring)
 
 
@@ -76,17 +76,19 @@ def gemv_preferred(prologue: str, m: int, n: int, k: int) -> bool:
 
 
 def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """The table's config for this shape, else enough (strip, split) programs for ~2 waves."""
+    """The table's config for this shape, else a heuristic: BLOCK_N by N as kernels/fp8_gemv.py
+    picks it (narrow strips give N = 4096 enough programs to stream the weight), then split K
+    while the grid has under two programs per SM and each slice keeps >= 4 K-tiles."""
     hit = MEASURED.get((prologue, n, k, _m_bucket(m)))
     if hit is not None:
         return hit
-    cfg = GemvConfig()
-    strips = triton.cdiv(n, cfg.block_n)
+    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
+    block_k = GemvConfig.block_k
+    strips = triton.cdiv(n, block_n)
     split = 1
-    # Split while the grid is under two programs per SM and each slice keeps >= 4 K-tiles.
-    while strips * split < 2 * num_sms(device) and k // (2 * split) >= 4 * cfg.block_k:
+    while strips * split < 2 * num_sms(device) and k // (2 * split) >= 4 * block_k:
         split *= 2
-    return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.one_pass_norm)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
 @triton.jit
