@@ -18,6 +18,8 @@ set -u
 OUT=${OUT:-$PWD/gpu_gemv_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+# Own link farm and deps folder, so this can run beside another GPU script (bench/gpu_env.sh).
+export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps-gemv}
 # The model test starts an engine: protocol/ (pydantic), the KV side channel (zmq), structured
 # outputs (llguidance), metrics; the same set as bench/gpu_perf.sh.
 source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
