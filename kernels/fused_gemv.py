@@ -120,8 +120,10 @@ def _gemv_kernel(
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                if (pid_n == 0) & (pid_k == 0):
-                    tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], x, mask=mask)
+                # A row limit of 0 off program (0, 0), not a branch: no control flow in the loop.
+                writer_rows = tl.where((pid_n == 0) & (pid_k == 0), M, 0)
+                tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], x,
+                         mask=(rows[:, None] < writer_rows) & (ks < K)[None, :])
             h = x.to(tl.float32)
             ss += tl.sum(h * h, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -145,9 +147,10 @@ def _gemv_kernel(
                 if HAS_RESIDUAL:
                     r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
                     a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
-                    if not TWO_PASS:
-                        if pid_n == 0:  # each K slice's first-strip program writes its part
-                            tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], a, mask=mask)
+                    if not TWO_PASS:  # each K slice's first-strip program writes its part
+                        writer_rows = tl.where(pid_n == 0, M, 0)
+                        tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], a,
+                                 mask=(rows[:, None] < writer_rows) & k_ok[None, :])
                 g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
                 if TWO_PASS:
                     normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)  # the reference's h.to(x.dtype)
