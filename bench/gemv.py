@@ -19,7 +19,8 @@ Variants:
 over its time, as a share of the same run's device-to-device copy bandwidth. "chosen" is the
 faster of unfused and fused best; the closing dict is those choices in the form of
 kernels/fused_gemv.MEASURED (paste it there to make the engine use them).
-Each shape is printed as soon as it is measured: a timed-out run keeps the rows it has.
+Each row is printed (and the file rewritten) as soon as it is measured, M = 1 for every shape
+first: a timed-out run keeps the rows it has.
 
 --step: the whole bs=1 decode step instead (bench/profile_decode.py's model: random bf16 weights
 in the real configuration, context 128, forward + lm_head + argmax captured as one CUDA graph),
@@ -101,7 +102,7 @@ def graph_time_us(make_call, calls: int) -> float:
     with torch.cuda.graph(g):
         for f in fns:
             f()
-    ms = do_bench(g.replay, warmup=10, rep=40, return_mode="median")
+    ms = do_bench(g.replay, warmup=5, rep=30, return_mode="median")
     return ms * 1e3 / calls
 
 
@@ -300,9 +301,10 @@ def main() -> None:
         if final:
             print(text)
 
-    for model in args.models:
-        for s in model_shapes(model):
-            for m in args.rows:
+    # M outermost: a run cut short by its time limit loses the largest batches, not a model.
+    for m in args.rows:
+        for model in args.models:
+            for s in model_shapes(model):
                 try:
                     row, (key, cfg) = bench_shape(s, m, configs, bw)
                 except Exception as e:  # one shape failing must not lose the others

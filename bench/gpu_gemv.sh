@@ -9,10 +9,10 @@
 # the next, and the bench rewrites its file after every row, so a cut-off step keeps its rows):
 #   shapes: per Llama-3.1-8B / Qwen2.5-0.5B projection at M = 1, 2, 4, 8: unfused (norm or
 #           SiLU·mul, then cuBLAS) vs the fused GEMV, µs and % of same-run copy bandwidth, the
-#           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py)      110
-#   step:   the bs=1 decode step of both models, GEMV path off vs on, against its roofline     50
-#   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        40
-#   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 40
+#           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py)      120
+#   step:   the bs=1 decode step of both models, GEMV path off vs on, against its roofline     60
+#   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
+#   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
 # Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_gemv_out}
@@ -40,12 +40,12 @@ cat "$OUT/env.txt"
 main() {
   local repo=$PWD
   cd /tmp
-  step "gemv shapes" 110 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
-  step "gemv step" 50 $PY -m pdserve.bench.gemv --step --out "$OUT/gemv_step.md"
+  step "gemv shapes" 120 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
+  step "gemv step" 60 $PY -m pdserve.bench.gemv --step --out "$OUT/gemv_step.md"
   cd "$repo"
   local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
-  step "kernel tests" 40 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
-  step "model test" 40 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
+  step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+  step "model test" 25 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
   ls -la "$OUT"
 }
