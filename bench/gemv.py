@@ -286,8 +286,9 @@ def main() -> None:
     measured: dict = {}
 
     def flush(final: bool = False) -> None:
+        # The MEASURED dict goes into the file after every row too: a timed-out run keeps it.
         text = "\n".join(lines)
-        if final:
+        if measured:
             table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}"
                                f"{'' if c.one_pass_norm else ', one_pass_norm=False'})"
                                for (p, n, k, m), c in measured.items() if c is not None)
