@@ -28,8 +28,8 @@ a fixed order: deterministic, no atomics, nothing to zero first. Both launches r
 on the host and allocate only the output and the workspace, so they can be captured in a CUDA
 graph.
 
-The activation tile is padded to 16 rows (tl.dot's minimum); rows >= M are masked, never read
-or written. Accumulation is fp32; the output has W's dtype. Configs (BLOCK_N, BLOCK_K, SPLIT_K)
+M = 1 multiplies and sums in registers; M = 2..8 pads the activation tile to 16 rows for a
+tensor-core dot (tl.dot's minimum; rows >= M are masked, never read or written). Accumulation is fp32; the output has W's dtype. Configs (BLOCK_N, BLOCK_K, SPLIT_K)
 come from `choose_config`: a measured table (bench/gemv.py prints its rows) or a heuristic.
 References: reference.rms_norm_gemv_ref, reference.silu_mul_gemv_ref.
 """
@@ -55,7 +55,7 @@ class GemvConfig:
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     one_pass_norm: bool = True  # "rms_norm": scale by rstd after the product (see the docstring)
 
 
@@ -76,14 +76,13 @@ def gemv_preferred(prologue: str, m: int, n: int, k: int) -> bool:
 
 
 def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig:
-    """The table's config for this shape, else a heuristic: BLOCK_N by N as kernels/fp8_gemv.py
-    picks it (narrow strips give N = 4096 enough programs to stream the weight), then split K
-    while the grid has under two programs per SM and each slice keeps >= 4 K-tiles."""
+    """The table's config for this shape, else kernels/fp8_gemv.py's rule (32-row strips, the
+    best of 16/32/64/128 for its FP8 GEMV on an H200 at Llama-3.1-8B shapes): split K while the
+    grid has under two programs per SM and each slice keeps >= 4 K-tiles."""
     hit = MEASURED.get((prologue, n, k, _m_bucket(m)))
     if hit is not None:
         return hit
-    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
-    block_k = GemvConfig.block_k
+    block_n, block_k = GemvConfig.block_n, GemvConfig.block_k
     strips = triton.cdiv(n, block_n)
     split = 1
     while strips * split < 2 * num_sms(device) and k // (2 * split) >= 4 * block_k:
@@ -161,7 +160,10 @@ def _gemv_kernel(
                     a = (h * g).to(a.dtype)
         w = tl.load(w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
+        if BLOCK_M == 1:
+            # One row: multiply and sum in registers (no 16-row padding; as kernels/fp8_gemv.py).
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+        elif DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
         else:
             acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
@@ -275,7 +277,7 @@ def fused_gemv(
         HAS_BIAS=bias is not None, SPLIT=split, TWO_PASS=two_pass,
         # The interpreter multiplies bf16 dot operands wrongly (launch.dot_in_f32): fp32 there.
         DOT_F32=interpreting() and dt != torch.float16, PRECISION=dot_precision(dt),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
