@@ -18,7 +18,7 @@ Variants:
 "% bw" is the fewest bytes the variant's op must move (weight once, activations in, output out)
 over its time, as a share of the same run's device-to-device copy bandwidth. "chosen" is the
 faster of unfused and fused best; the closing dict is those choices in the form of
-kernels/fused_gemv.MEASURED (paste it there to make the engine use them).
+kernels/fused_gemv.MEASURED's entry for this card (paste it there to make the engine use them).
 Each row is printed (and the file rewritten) as soon as it is measured, M = 1 for every shape
 first: a timed-out run keeps the rows it has.
 
@@ -284,6 +284,9 @@ def main() -> None:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     measured: dict = {}
+    from pdserve.kernels.fused_gemv import card_name
+
+    card = card_name(torch.device(DEVICE))
 
     def flush(final: bool = False) -> None:
         # The MEASURED dict goes into the file after every row too: a timed-out run keeps it.
@@ -295,7 +298,7 @@ def main() -> None:
             lost = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): None" for (p, n, k, m), c in measured.items() if c is None)
             text += ("\n\nMEASURED for kernels/fused_gemv.py (a config where the fused GEMV won; None where the "
                      "unfused path did):\n\n```python\n"
-                     f"MEASURED = {{\n{table}{',' if table and lost else ''}\n{lost}\n}}\n```")
+                     f"MEASURED[{card!r}] = {{\n{table}{',' if table and lost else ''}\n{lost}\n}}\n```")
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")

@@ -36,6 +36,7 @@ References: reference.rms_norm_gemv_ref, reference.silu_mul_gemv_ref.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,28 +60,39 @@ class GemvConfig:
     one_pass_norm: bool = True  # "rms_norm": scale by rstd after the product (see the docstring)
 
 
-# Measured per shape, keyed (prologue, N, K, M bucket 1|2|4|8): the best config, or None where
-# the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster. Empty until bench/gemv.py
-# has run on a card; the dict it prints is a drop-in for this one. Absent keys: the heuristic.
-MEASURED: dict[tuple[str, int, int, int], GemvConfig | None] = {}
+# Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
+# best config, or None where the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster.
+# Empty until bench/gemv.py has run on a card; the entry it prints is a drop-in here. A card or
+# shape missing: the heuristic. A table, not a run-time autotuner: every start picks the same.
+MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {}
 
 
 def _m_bucket(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
 
-def gemv_preferred(prologue: str, m: int, n: int, k: int) -> bool:
+@functools.cache
+def card_name(device: torch.device) -> str:
+    """MEASURED's first key: the CUDA card's name ("cpu" under the interpreter)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _measured(prologue: str, m: int, n: int, k: int, device: torch.device):
+    return MEASURED.get(card_name(device), {}).get((prologue, n, k, _m_bucket(m)), "absent")
+
+
+def gemv_preferred(prologue: str, m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether the model should launch this kernel for the shape (False: MEASURED says the
-    unfused path won there). Host-side dict lookup: no sync, safe inside graph capture."""
-    return m <= MAX_ROWS and MEASURED.get((prologue, n, k, _m_bucket(m)), True) is not None
+    unfused path won there on this card). Host-side lookups: no sync, safe inside graph capture."""
+    return m <= MAX_ROWS and _measured(prologue, m, n, k, device) is not None
 
 
 def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig:
     """The table's config for this shape, else kernels/fp8_gemv.py's rule (32-row strips, the
     best of 16/32/64/128 for its FP8 GEMV on an H200 at Llama-3.1-8B shapes): split K while the
     grid has under two programs per SM and each slice keeps >= 4 K-tiles."""
-    hit = MEASURED.get((prologue, n, k, _m_bucket(m)))
-    if hit is not None:
+    hit = _measured(prologue, m, n, k, device)
+    if isinstance(hit, GemvConfig):
         return hit
     block_n, block_k = GemvConfig.block_n, GemvConfig.block_k
     strips = triton.cdiv(n, block_n)

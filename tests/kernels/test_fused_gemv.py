@@ -140,11 +140,13 @@ def test_measured_table_picks_config_or_cublas(monkeypatch):
 
     dev = torch.device(DEVICE)
     cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
-    monkeypatch.setitem(mod.MEASURED, ("rms_norm", 6144, 4096, 2), cfg)
-    monkeypatch.setitem(mod.MEASURED, ("silu_mul", 4096, 14336, 8), None)
+    table = {("rms_norm", 6144, 4096, 2): cfg, ("silu_mul", 4096, 14336, 8): None}
+    monkeypatch.setitem(mod.MEASURED, mod.card_name(dev), table)
+    monkeypatch.setitem(mod.MEASURED, "another card", {("rms_norm", 6144, 4096, 4): None})
     assert choose_config("rms_norm", 2, 6144, 4096, dev) == cfg
     assert choose_config("rms_norm", 3, 6144, 4096, dev) != cfg  # M=3 is bucket 4: heuristic
-    assert mod.gemv_preferred("rms_norm", 2, 6144, 4096)
-    assert not mod.gemv_preferred("silu_mul", 5, 4096, 14336)  # bucket 8: cuBLAS measured faster
-    assert mod.gemv_preferred("silu_mul", 1, 4096, 14336)
-    assert not mod.gemv_preferred("none", 9, 64, 64)  # past MAX_ROWS
+    assert mod.gemv_preferred("rms_norm", 2, 6144, 4096, dev)
+    assert mod.gemv_preferred("rms_norm", 4, 6144, 4096, dev)  # another card's entry does not apply
+    assert not mod.gemv_preferred("silu_mul", 5, 4096, 14336, dev)  # bucket 8: cuBLAS measured faster
+    assert mod.gemv_preferred("silu_mul", 1, 4096, 14336, dev)
+    assert not mod.gemv_preferred("none", 9, 64, 64, dev)  # past MAX_ROWS

@@ -64,8 +64,9 @@ def test_measured_dict_is_valid_python(cpu_bench, tmp_path, monkeypatch):
     gemv.main()
     text = out.read_text()
     code = text.split("```python\n")[1].split("```")[0]
-    ns = {"GemvConfig": GemvConfig}
+    ns = {"GemvConfig": GemvConfig, "MEASURED": {}}
     exec(code, ns)
-    assert set(ns["MEASURED"]) == {("rms_norm", 48, 80, 2), ("silu_mul", 32, 48, 2)}
-    assert ns["MEASURED"][("silu_mul", 32, 48, 2)] is None
-    assert isinstance(ns["MEASURED"][("rms_norm", 48, 80, 2)], GemvConfig)
+    table = ns["MEASURED"]["cpu"]  # keyed by the card's name
+    assert set(table) == {("rms_norm", 48, 80, 2), ("silu_mul", 32, 48, 2)}
+    assert table[("silu_mul", 32, 48, 2)] is None
+    assert isinstance(table[("rms_norm", 48, 80, 2)], GemvConfig)

@@ -110,9 +110,9 @@ def test_measured_table_hands_a_shape_back_to_cublas(checkpoint, monkeypatch, ge
     # stage runs unfused (silu_and_mul, then down_proj), the other GEMVs still fused.
     ckpt = checkpoint("llama")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    monkeypatch.setitem(gemv_module.MEASURED, ("rms_norm", 64 + 2 * 32, 64, 1), gemv_module.GemvConfig(16, 32, 2))
-    for bucket in (1, 2, 4, 8):
-        monkeypatch.setitem(gemv_module.MEASURED, ("silu_mul", 64, 128, bucket), None)
+    table = {("rms_norm", 64 + 2 * 32, 64, 1): gemv_module.GemvConfig(16, 32, 2)}
+    table |= {("silu_mul", 64, 128, bucket): None for bucket in (1, 2, 4, 8)}
+    monkeypatch.setitem(gemv_module.MEASURED, gemv_module.card_name(torch.device(DEVICE)), table)
     want, _ = run(make_engine(ckpt, monkeypatch, False, False), params)
     got, _ = run(make_engine(ckpt, monkeypatch, True, False), params)
     assert got == want

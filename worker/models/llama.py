@@ -88,7 +88,7 @@ def gemv_rows_ok(x: torch.Tensor, prologue: str, weight: torch.Tensor, *others: 
     not hand back to cuBLAS (fused_gemv.gemv_preferred), all operands of one dtype (the kernel's
     contract). Shapes and dtypes only: no sync, so a graph captures the branch it replays."""
     n, k = weight.shape
-    return (x.shape[0] > 0 and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k)
+    return (x.shape[0] > 0 and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k, x.device)
             and all(t.dtype == x.dtype for t in (weight, *others)))
 
 
