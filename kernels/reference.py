@@ -337,3 +337,25 @@ def quantize_fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128)
     scale = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3)).div(FP8_MAX).clamp(min=FP8_MIN_SCALE)
     full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def rms_norm_gemv_ref(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, K]; if given, x + residual is normalised
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fused_gemv(prologue="rms_norm"): RMSNorm then the linear; (out [M, N], new residual)."""
+    h, residual = rms_norm_ref(x, norm_weight, eps, residual)
+    return F.linear(h, weight, bias), residual
+
+
+def silu_mul_gemv_ref(
+    x: torch.Tensor,  # [M, 2K]: [gate | up]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """fused_gemv(prologue="silu_mul"): SwiGLU then the linear (the down projection)."""
+    return F.linear(silu_and_mul_ref(x), weight, bias)

@@ -32,6 +32,11 @@ class TritonAttentionBackend(_PagedBackend):
     # kept for same-run before/after benchmarks (bench/profile_decode.py).
     fuse_decode_merge = True
     fuse_decode_rotary = True
+    # The small-batch GEMV path of models/llama.py (kernels/fused_gemv.py: steps of <= 8 tokens
+    # run their RMSNorm inside the qkv and gate/up GEMVs and SiLU·mul inside down_proj's). Read
+    # when the model is built. Off until bench/gpu_gemv.sh has measured it against cuBLAS on a
+    # card (docs/gpu-perf-results.md); tests switch it on per engine.
+    fused_gemv = False
 
     def __init__(self):
         super().__init__()

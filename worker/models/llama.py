@@ -13,6 +13,7 @@ MLP columns and vocabulary rows: parallel/shard.py), from which the KV cache is 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,39 @@ def triton_ops() -> PointwiseOps:
     from pdserve.kernels.silu_and_mul import silu_and_mul
 
     return PointwiseOps(rms_norm, rotary, silu_and_mul)
+
+
+def gemv_wanted(backend: AttentionBackend) -> bool:
+    """The engine's choice of the small-batch GEMV path (kernels/fused_gemv.py): the Triton
+    backend's `fused_gemv` switch (CUDA; under the interpreter in the CPU twin test)."""
+    return backend.name == "triton" and getattr(backend, "fused_gemv", False)
+
+
+def gemv_fits(linear: nn.Module) -> bool:
+    """A linear the GEMV can stand in for: unquantized (its weight is the plain [N, K] matrix);
+    column- and row-parallel shards qualify as they are (a rank's rows or columns)."""
+    return getattr(linear, "quant", None) is None
+
+
+@functools.cache
+def _gemv_kernel():
+    # Imported on use: Triton exists only where the Triton backend was chosen.
+    from pdserve.kernels import fused_gemv
+
+    return fused_gemv
+
+
+def _fused_gemv():
+    return _gemv_kernel().fused_gemv
+
+
+def gemv_rows_ok(x: torch.Tensor, prologue: str, weight: torch.Tensor, *others: torch.Tensor) -> bool:
+    """A step the GEMV takes: at most MAX_ROWS tokens, a shape the kernel's measured table does
+    not hand back to cuBLAS (fused_gemv.gemv_preferred), all operands of one dtype (the kernel's
+    contract). Shapes and dtypes only: no sync, so a graph captures the branch it replays."""
+    n, k = weight.shape
+    return (x.shape[0] > 0 and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k, x.device)
+            and all(t.dtype == x.dtype for t in (weight, *others)))
 
 
 def pointwise_ops(backend: AttentionBackend) -> PointwiseOps:
@@ -121,13 +155,26 @@ class Attention(nn.Module):
         # its own. The torch path keeps Hugging Face's op order, so fp32 stays bit-identical.
         self.fused_epilogue = backend.name == "triton"
         self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and not cfg.qk_norm
+        # Steps of <= 8 tokens: o_proj as the small-M GEMV (the qkv one, with the norm before it,
+        # is DecoderLayer's). Plain attributes, so a benchmark can flip them on a built model.
+        self.gemv_o = gemv_wanted(backend) and gemv_fits(self.o_proj)
 
     def forward(self, positions, x, cos_sin, meta: AttentionMetadata):
-        T = x.shape[0]
         if self.bias_in_epilogue:
             qkv, bias = self.qkv_proj.linear(x, None), self.qkv_proj.bias
         else:
             qkv, bias = self.qkv_proj(x), None
+        return self.attend(positions, qkv, bias, cos_sin, meta)
+
+    def qkv_bias_split(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(bias the projection adds, bias the attention epilogue adds): one of them None."""
+        if self.bias_in_epilogue:
+            return None, self.qkv_proj.bias
+        return self.qkv_proj.bias, None
+
+    def attend(self, positions, qkv, bias, cos_sin, meta: AttentionMetadata):
+        """Everything after the qkv projection; `bias`: the part the epilogue adds (or None)."""
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -140,7 +187,11 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
             o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = o.reshape(T, self.q_size)
+        if self.gemv_o and gemv_rows_ok(o, "none", self.o_proj.weight):
+            out, _ = _fused_gemv()(o, self.o_proj.weight, bias=self.o_proj.bias)
+            return self.o_proj.reduce(out)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -159,6 +210,22 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
+    def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor):
+        """norm(x + residual) -> gate_up -> SiLU·mul -> down with the norm fused into the gate/up
+        GEMV and SiLU·mul into the down one, each stage where gemv_rows_ok takes it (else that
+        stage runs unfused); returns (out, x + residual)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if gemv_rows_ok(x, "rms_norm", gate_up.weight, norm.weight):
+            gu, residual = _fused_gemv()(x, gate_up.weight, "rms_norm", bias=gate_up.bias, norm_weight=norm.weight,
+                                         eps=norm.eps, residual=residual)
+        else:
+            h, residual = norm(x, residual)
+            gu = gate_up(h)
+        if gemv_rows_ok(gu, "silu_mul", down.weight):
+            out, _ = _fused_gemv()(gu, down.weight, "silu_mul", bias=down.bias)
+            return down.reduce(out), residual
+        return down(self.silu_and_mul(gu)), residual
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard,
@@ -170,17 +237,40 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        # Steps of <= 8 tokens on the GEMV path (the engine's choice, gemv_wanted): each norm runs
+        # inside the projection after it. Per projection, only where its weight is a plain matrix;
+        # MoE blocks keep their own path (only the dense MLP has forward_gemv).
+        wanted = gemv_wanted(backend)
+        self.gemv_qkv = wanted and gemv_fits(self.self_attn.qkv_proj)
+        self.gemv_mlp = wanted and isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
+            and gemv_fits(self.mlp.down_proj)
 
     def forward(self, positions, h, residual, cos_sin, meta):
+        if self.gemv_qkv and gemv_rows_ok(h, "rms_norm", self.self_attn.qkv_proj.weight, self.input_layernorm.weight):
+            h, residual = self._attention_gemv(positions, h, residual, cos_sin, meta)
+        else:
+            h, residual = self._attention(positions, h, residual, cos_sin, meta)
+        if self.gemv_mlp:
+            return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def _attention_gemv(self, positions, h, residual, cos_sin, meta):
+        """input_layernorm(h (+ residual)) fused into the qkv projection; then attention."""
+        attn, norm = self.self_attn, self.input_layernorm
+        proj_bias, epilogue_bias = attn.qkv_bias_split()
+        qkv, new_res = _fused_gemv()(h, attn.qkv_proj.weight, "rms_norm", bias=proj_bias, norm_weight=norm.weight,
+                                     eps=norm.eps, residual=residual)
+        return attn.attend(positions, qkv, epilogue_bias, cos_sin, meta), h if residual is None else new_res
+
+    def _attention(self, positions, h, residual, cos_sin, meta):
         # Residual adds are fused into the norms: norm(x + residual) also returns the sum.
         if residual is None:
             residual = h
             h, _ = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, cos_sin, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.self_attn(positions, h, cos_sin, meta), residual
 
 
 class LlamaForCausalLM(nn.Module):

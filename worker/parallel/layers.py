@@ -178,7 +178,11 @@ class RowParallelLinear(ParallelLinear):
             param.data.zero_()  # added once, by rank 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x, self.bias)
+        return self.reduce(self.linear(x, self.bias))
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The partial products summed over ranks (a product made elsewhere, e.g. the small-M
+        GEMV of models/llama.py, from this layer's weight)."""
         return all_reduce(out) if self.shard.size > 1 else out
 
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 25 item 3 (the small-batch GEMV) in one device call on one GPU (<= 4 minutes). From the
+# repo root:
+#
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_gemv.sh")
+#   (writes into $OUT, the device tool's folder; else ./gpu_gemv_out)
+#
+# One step after another (seconds are each step's limit; a failed or timed-out step never stops
+# the next, and the bench rewrites its file after every row, so a cut-off step keeps its rows):
+#   shapes: per Llama-3.1-8B / Qwen2.5-0.5B projection at M = 1, 2, 4, 8: unfused (norm or
+#           SiLU·mul, then cuBLAS) vs the fused GEMV, µs and % of same-run copy bandwidth, the
+#           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py)      120
+#   step:   the bs=1 decode step of both models, GEMV path off vs on, against its roofline     60
+#   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
+#   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
+# Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt.
+set -u
+OUT=${OUT:-$PWD/gpu_gemv_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+# Own link farm and deps folder, so this can run beside another GPU script (bench/gpu_env.sh).
+export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps-gemv}
+# The model test starts an engine: protocol/ (pydantic), the KV side channel (zmq), structured
+# outputs (llguidance), metrics; the same set as bench/gpu_perf.sh.
+source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
+  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
+  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || echo "gpu_env: some modules missing; going on"
+
+step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=5 "$limit" "$@"
+  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
+}
+
+gpu_env_report > "$OUT/env.txt" 2>&1
+$PY -c "import triton; print('triton', triton.__version__)" >> "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+main() {
+  local repo=$PWD
+  cd /tmp
+  step "gemv shapes" 120 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
+  step "gemv step" 60 $PY -m pdserve.bench.gemv --step --out "$OUT/gemv_step.md"
+  cd "$repo"
+  local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
+  step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+  step "model test" 25 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
+  tail -n 5 "$OUT/tests.txt"
+  ls -la "$OUT"
+}
+main > "$OUT/log.txt" 2>&1
+grep -v "^|" "$OUT/log.txt" | tail -n 30
+cat "$OUT/gemv.md" "$OUT/gemv_step.md" 2>/dev/null

@@ -1,0 +1,152 @@
+"""fused_gemv: the small-M GEMV with its RMSNorm / SiLU·mul prologue against the references.
+
+Tolerances are kernel_inputs.TOL. The oracle is the reference run in the input dtype, i.e. the
+unfused model path itself (x + residual and the normalised activations rounded to that dtype, as
+the kernel rounds them; a float64 reference would not round them and sits a dtype-rounding away
+from both). The matrix products of the oracle are float64 for fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.fused_gemv import GemvConfig, choose_config, fused_gemv
+from pdserve.kernels.reference import rms_norm_gemv_ref, silu_mul_gemv_ref
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU, TOL, rel_error
+
+# Triton's interpreter casts fp32 -> bf16 by truncation (toward zero; the GPU rounds to nearest),
+# and the bf16 path rounds three times before the product (x + residual, the normalised value,
+# times the norm weight): a systematic ~1% shrink on CPU only. fp16 and fp32 keep TOL.
+TOL = {**TOL, torch.bfloat16: TOL[torch.bfloat16] if ON_GPU else 2.5e-2}
+
+# (N, K): non-powers of two on both sides, a partial last strip and a partial last K-tile.
+SHAPES = [(40, 72), (200, 300)]
+SPLIT2 = GemvConfig(block_n=32, block_k=64, split_k=2)  # two K slices + the reduce launch
+SPLIT3 = GemvConfig(block_n=16, block_k=32, split_k=3)  # 300 = 128 + 128 + 44: a short last slice
+# The norm's two-pass variant (rstd first, the reference's roundings), unsplit and split.
+TWO_PASS = GemvConfig(block_n=32, block_k=64, one_pass_norm=False)
+TWO_PASS_SPLIT3 = GemvConfig(block_n=16, block_k=32, split_k=3, one_pass_norm=False)
+
+
+def _inputs(m, n, k, dtype, seed=0, x_cols=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, x_cols or k, generator=g) * 3
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE), g
+
+
+def _f64(*ts):
+    return [None if t is None else t.double() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("config", [None, SPLIT2, TWO_PASS_SPLIT3], ids=["heuristic", "split2", "two-pass-split3"])
+def test_rms_norm_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
+    x, w, g = _inputs(m, n, k, dtype)
+    res = (torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    x0, res0 = x.clone(), res.clone()
+    out, new_res = fused_gemv(x, w, "rms_norm", norm_weight=nw, eps=1e-6, residual=res, config=config)
+    ref, ref_res = rms_norm_gemv_ref(x, nw, 1e-6, w, residual=res)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_error(out, ref) < TOL[dtype]
+    assert rel_error(new_res, ref_res) < TOL[dtype]
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+
+
+@pytest.mark.parametrize("m", [2, 5])
+@pytest.mark.parametrize("config", [None, SPLIT3, TWO_PASS], ids=["heuristic", "split3", "two-pass"])
+def test_rms_norm_gemv_without_residual_with_bias(poison_empty, m, config):
+    n, k = 200, 300
+    x, w, g = _inputs(m, n, k, torch.float32, seed=1)
+    nw, bias = torch.randn(k, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    for b in (None, bias):
+        out, new_res = fused_gemv(x, w, "rms_norm", norm_weight=nw, eps=1e-5, bias=b, config=config)
+        ref, _ = rms_norm_gemv_ref(*_f64(x, nw), 1e-5, *_f64(w, b))  # fp32: float64 throughout
+        assert new_res is None
+        assert rel_error(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4, 7])  # 4: with bias
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("config", [None, SPLIT3], ids=["heuristic", "split3"])
+def test_silu_mul_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
+    x, w, g = _inputs(m, n, k, dtype, seed=2, x_cols=2 * k)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if m == 4 else None
+    out, none = fused_gemv(x, w, "silu_mul", bias=bias, config=config)
+    assert none is None and out.shape == (m, n)
+    assert rel_error(out, silu_mul_gemv_ref(x, w, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_plain_gemv_and_row_strided_input(poison_empty, m):
+    n, k = 200, 300
+    big, w, _ = _inputs(m, n, k, torch.float32, seed=3, x_cols=k + 20)
+    x = big[:, :k]  # rows strided, last dimension contiguous
+    out, _ = fused_gemv(x, w, config=SPLIT2)
+    assert rel_error(out, x.double() @ w.double().t()) < TOL[torch.float32]
+
+
+def test_split_k_is_deterministic_and_matches_unsplit():
+    x, w, g = _inputs(3, 200, 300, torch.float32, seed=4)
+    nw = torch.randn(300, generator=g).to(DEVICE)
+    a, _ = fused_gemv(x, w, "rms_norm", norm_weight=nw, config=SPLIT3)
+    b, _ = fused_gemv(x, w, "rms_norm", norm_weight=nw, config=SPLIT3)
+    c, _ = fused_gemv(x, w, "rms_norm", norm_weight=nw, config=GemvConfig(split_k=1))
+    assert torch.equal(a, b)
+    assert rel_error(a, c.double()) < TOL[torch.float32]
+
+
+def test_heuristic_splits_narrow_layers_only():
+    dev = torch.device(DEVICE)
+    # Few output strips (N = 64: 2 strips) and a long K: split; a wide N: no split.
+    assert choose_config("silu_mul", 1, 64, 4096, dev).split_k > 1
+    assert choose_config("rms_norm", 1, 1 << 16, 4096, dev).split_k == 1
+    # Never more slices than keep 4 K-tiles each.
+    cfg = choose_config("none", 1, 16, 512, dev)
+    assert cfg.split_k == 1
+
+
+def test_empty_batch():
+    x, w, _ = _inputs(0, 40, 72, torch.float32)
+    out, _ = fused_gemv(x, w)
+    assert out.shape == (0, 40)
+
+
+def test_rejects_bad_arguments():
+    x, w, _ = _inputs(2, 40, 72, torch.float32)
+    with pytest.raises(ValueError, match="at most 8"):
+        fused_gemv(torch.randn(9, 72, device=DEVICE), w)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        fused_gemv(x, w, "gelu")
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        fused_gemv(x, w, "rms_norm")
+    with pytest.raises(ValueError, match=r"x has shape \[2, 72\], expected \[\*, 144\]"):
+        fused_gemv(x, w, "silu_mul")
+    with pytest.raises(TypeError, match="x has dtype bfloat16"):
+        fused_gemv(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="for prologue 'rms_norm'"):
+        fused_gemv(x, w, residual=x)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        fused_gemv(torch.randn(72, 2, device=DEVICE).t(), w)
+
+
+def test_measured_table_picks_config_or_cublas(monkeypatch):
+    from pdserve.kernels import fused_gemv as mod
+
+    dev = torch.device(DEVICE)
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=4)
+    table = {("rms_norm", 6144, 4096, 2): cfg, ("silu_mul", 4096, 14336, 8): None}
+    monkeypatch.setitem(mod.MEASURED, mod.card_name(dev), table)
+    monkeypatch.setitem(mod.MEASURED, "another card", {("rms_norm", 6144, 4096, 4): None})
+    assert choose_config("rms_norm", 2, 6144, 4096, dev) == cfg
+    assert choose_config("rms_norm", 3, 6144, 4096, dev) != cfg  # M=3 is bucket 4: heuristic
+    assert mod.gemv_preferred("rms_norm", 2, 6144, 4096, dev)
+    assert mod.gemv_preferred("rms_norm", 4, 6144, 4096, dev)  # another card's entry does not apply
+    assert not mod.gemv_preferred("silu_mul", 5, 4096, 14336, dev)  # bucket 8: cuBLAS measured faster
+    assert mod.gemv_preferred("silu_mul", 1, 4096, 14336, dev)
+    assert not mod.gemv_preferred("none", 9, 64, 64, dev)  # past MAX_ROWS
