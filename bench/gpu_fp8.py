@@ -264,11 +264,12 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
     """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
     the engine runs: (shape, M, bf16 us, per-channel us, block-128 us). M <= 16: fp8_gemv (FP8
     weights, unquantized activations); larger M: activation quantization included, then
-    torch._scaled_mm (per-channel) or fp8_block_gemm. do_bench's median; the weights are too
-    large for L2, so M = 1 reads HBM. `sweep`: also time other tiles, (shape, M, tiles, us) rows."""
+    torch._scaled_mm (per-channel) or fp8_block_gemm. M <= 16: GPU time in a CUDA graph over
+    copies of the weight past L2 (as a decode step); larger M: do_bench's median, eager. `sweep`: also time other tiles, (shape, M, tiles, us) rows."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 
+    from pdserve.bench.fp8_gemv_tune import graph_us
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
     from pdserve.kernels.fp8_gemv import MAX_M as FP8_GEMV_MAX_M
     from pdserve.kernels.fp8_gemv import fp8_gemv
@@ -281,6 +282,11 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
         w_ch, s_ch = quantize_fp8_rows_ref(w)
         s_ch = s_ch.reshape(1, -1).contiguous()
         w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        copies = [(w, w_ch, s_ch, w_bl, s_bl)]
+        while len(copies) * n * k < 256 * 2**20:  # enough distinct weights that L2 cannot hold them
+            wc = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            qc, sc = quantize_fp8_rows_ref(wc)
+            copies.append((wc, qc, sc.reshape(1, -1).contiguous(), *quantize_fp8_blocks_ref(wc)))
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
 
@@ -296,8 +302,14 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
                 xq, xs = quantize_fp8(x, 128)
                 return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
 
-            t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
-                 for f in (lambda: F.linear(x, w), channel, block)]
+            if m <= FP8_GEMV_MAX_M:  # decode sizes: GPU time in a CUDA graph, weights past L2 (eager is host-bound)
+                t = [graph_us(make, len(copies)) for make in (
+                    lambda i: lambda: F.linear(x, copies[i][0]),
+                    lambda i: lambda: fp8_gemv(x, copies[i][1], copies[i][2]),
+                    lambda i: lambda: fp8_gemv(x, copies[i][3], copies[i][4], 128))]
+            else:
+                t = [1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
+                     for f in (lambda: F.linear(x, w), channel, block)]
             rows.append((f"{name} {n}x{k}", m, *t))
             if sweep is not None and m > FP8_GEMV_MAX_M:  # block-GEMM tiles (fp8_gemv_tune sweeps the GEMV's)
                 xq, xs = quantize_fp8(x, 128)
@@ -310,7 +322,7 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
                                                                                   return_mode="median")))
                     except Exception as e:  # a tile the card cannot run: said, skipped
                         sweep.append((f"{name} {n}x{k}", m, f"{label} FAILED {type(e).__name__}", float("nan")))
-        del w, w_ch, w_bl
+        del w, w_ch, w_bl, copies
         free(device)
     return rows
 
@@ -383,8 +395,9 @@ def main(argv=None) -> int:
             lines += [f"| {v} | {e1:.4f} | {s1}/{CHECK_PROMPTS} | {e2:.4f} | {s2}/{CHECK_PROMPTS} |"
                       for v, e1, s1, e2, s2 in acc_rows]
         if gemms:
-            lines += ["", "Each linear of a Llama-3.1-8B layer alone (FP8 at M <= 16: fp8_gemv, activations "
-                          "unquantized; larger M: activation quantization included; do_bench median, us):", "",
+            lines += ["", "Each linear of a Llama-3.1-8B layer alone (M <= 16: GPU time in a CUDA graph, weights "
+                          "rotated past L2, FP8 = fp8_gemv with activations unquantized; larger M: eager, FP8 "
+                          "activation quantization included; do_bench medians, us):", "",
                       "| linear (N x K) | M | bf16 | FP8 per-channel | vs bf16 | FP8 block-128 | vs bf16 |",
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             lines += [f"| {name} | {m} | {b:.1f} | {c:.1f} | {b / c:.2f}x | {k:.1f} | {b / k:.2f}x |"
