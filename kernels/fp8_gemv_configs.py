@@ -1,9 +1,48 @@
 """Measured tiles for kernels/fp8_gemv.py: {card name: {"N,K,blocked,one_row": config}}.
 
 Written by `python -m pdserve.bench.fp8_gemv_tune` on the card itself (each shape's fastest of a
-sweep, triton.testing.do_bench medians); a card or shape missing here takes fp8_gemv.default_config.
+sweep, timed in CUDA graphs with the weights rotated past L2); a card or shape missing here takes
+fp8_gemv.default_config (within ~15% of the best at Llama-3.1-8B shapes on an H200).
 Measured tiles are a table, not a run-time autotuner, so a worker picks the same tiles (and
 computes the same bits) on every start.
+
+NVIDIA H200: 2026-11-27, triton 3.6, Llama-3.1-8B linears at TP=1 and TP=2 shards, M = 1 and 8
+(docs/fp8-gpu-results.md).
 """
 
-CONFIGS: dict[str, dict[str, dict]] = {}
+CONFIGS: dict[str, dict[str, dict]] = {
+    "NVIDIA H200": {
+        "3072,4096,0,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "3072,4096,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "3072,4096,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "3072,4096,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "4096,2048,0,0": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=2, num_stages=3, num_warps=4),
+        "4096,2048,0,1": dict(BLOCK_K=256, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,2048,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,2048,1,1": dict(BLOCK_K=128, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,4096,0,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,4096,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,4096,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,4096,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "4096,7168,0,0": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,7168,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,7168,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,7168,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "4096,14336,0,0": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,14336,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "4096,14336,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=8, num_stages=3, num_warps=4),
+        "4096,14336,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "6144,4096,0,0": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "6144,4096,0,1": dict(BLOCK_K=256, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
+        "6144,4096,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
+        "6144,4096,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "14336,4096,0,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "14336,4096,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=1, num_stages=3, num_warps=4),
+        "14336,4096,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
+        "14336,4096,1,1": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
+        "28672,4096,0,0": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=1, num_stages=3, num_warps=4),
+        "28672,4096,0,1": dict(BLOCK_K=256, BLOCK_N=32, SPLIT_K=1, num_stages=3, num_warps=4),
+        "28672,4096,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
+        "28672,4096,1,1": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=2, num_stages=3, num_warps=4),
+    },
+}

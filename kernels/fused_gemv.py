@@ -62,9 +62,48 @@ class GemvConfig:
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
 # best config, or None where the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster.
-# Empty until bench/gemv.py has run on a card; the entry it prints is a drop-in here. A card or
+# A card gets an entry once bench/gemv.py has run on it; the entry it prints is a drop-in here. A card or
 # shape missing: the heuristic. A table, not a run-time autotuner: every start picks the same.
-MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {}
+# NVIDIA H200, 2026-11-27 (bench/gpu_gemv.sh; docs/gpu-perf-results.md): the fused GEMV won only
+# o_proj, Llama's M = 1 down_proj and Qwen2.5-0.5B's M = 1 norm GEMVs; cuBLAS (97% of copy
+# bandwidth at gate_up, M = 1) won the rest. The engine's switch stays off: the bs=1 step was
+# 0.93x with it on (before this table existed).
+MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {
+    "NVIDIA H200": {
+        ('none', 4096, 4096, 1): GemvConfig(32, 256, 4),
+        ('silu_mul', 4096, 14336, 1): GemvConfig(32, 256, 4),
+        ('rms_norm', 1152, 896, 1): GemvConfig(16, 512, 1),
+        ('none', 896, 896, 1): GemvConfig(16, 512, 1),
+        ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1),
+        ('none', 4096, 4096, 2): GemvConfig(32, 256, 2),
+        ('none', 896, 896, 2): GemvConfig(16, 256, 1),
+        ('none', 4096, 4096, 4): GemvConfig(32, 256, 2),
+        ('none', 896, 896, 4): GemvConfig(16, 256, 1),
+        ('none', 4096, 4096, 8): GemvConfig(32, 256, 2),
+        ('none', 896, 896, 8): GemvConfig(16, 256, 1),
+        ('rms_norm', 6144, 4096, 1): None,
+        ('rms_norm', 28672, 4096, 1): None,
+        ('silu_mul', 896, 4864, 1): None,
+        ('rms_norm', 6144, 4096, 2): None,
+        ('rms_norm', 28672, 4096, 2): None,
+        ('silu_mul', 4096, 14336, 2): None,
+        ('rms_norm', 1152, 896, 2): None,
+        ('rms_norm', 9728, 896, 2): None,
+        ('silu_mul', 896, 4864, 2): None,
+        ('rms_norm', 6144, 4096, 4): None,
+        ('rms_norm', 28672, 4096, 4): None,
+        ('silu_mul', 4096, 14336, 4): None,
+        ('rms_norm', 1152, 896, 4): None,
+        ('rms_norm', 9728, 896, 4): None,
+        ('silu_mul', 896, 4864, 4): None,
+        ('rms_norm', 6144, 4096, 8): None,
+        ('rms_norm', 28672, 4096, 8): None,
+        ('silu_mul', 4096, 14336, 8): None,
+        ('rms_norm', 1152, 896, 8): None,
+        ('rms_norm', 9728, 896, 8): None,
+        ('silu_mul', 896, 4864, 8): None,
+    },
+}
 
 
 def _m_bucket(m: int) -> int:
