@@ -1,6 +1,6 @@
 """Measure kernels/fp8_gemv.py's tiles per shape on this card: the table fp8_gemv_configs.py holds.
 
-    python -m pdserve.bench.fp8_gemv_tune --out tune.md --json tune.json [--shapes llama-3.1-8b]
+    pdserve bench fp8-gemv-tune --out tune.md --json tune.json [--shapes llama-3.1-8b]
 
 For each linear shape (Llama-3.1-8B at TP=1 and TP=2 by default), both scale formats
 (per-channel, 128-column groups) and M = 1 and M = 8: every tile of a sweep (row block, K step,

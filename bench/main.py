@@ -24,6 +24,8 @@ BENCHMARKS = {
     "structured": "pdserve.bench.structured",
     "planner-sim": "pdserve.bench.planner_sim",
     "fp8": "pdserve.bench.gpu_fp8",
+    "fp8-gemv-tune": "pdserve.bench.fp8_gemv_tune",
+    "gemv": "pdserve.bench.gemv",
     "step-overlap": "pdserve.bench.step_overlap",
 }
 
