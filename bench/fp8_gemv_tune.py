@@ -57,7 +57,7 @@ def graph_us(make, copies: int, reps: int = 4) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve bench fp8_gemv_tune", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdserve bench fp8-gemv-tune", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
