@@ -24,7 +24,6 @@ import datetime
 import gc
 import shutil
 import sys
-import tempfile
 import time
 
 import torch
@@ -35,19 +34,10 @@ WARMUP_STEPS = 8
 
 
 def make_checkpoint(spec, device: str) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """Random weights in the spec's real configuration, in a temporary folder (bench/tp.py's)."""
+    from pdserve.bench.tp import write_checkpoint
 
-    from pdserve.bench.engine import save_tokenizer
-
-    cfg = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
-    tmp = tempfile.mkdtemp(prefix="pdserve-overlap-")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model.save_pretrained(tmp)
-    save_tokenizer(tmp)
-    del model
-    return tmp
+    return write_checkpoint(spec, device)
 
 
 class DeviceTimer:

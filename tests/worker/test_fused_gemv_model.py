@@ -20,6 +20,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.triton_attention import TritonAttentionBackend
+from tests.worker.gloo_pair import run_gloo_pair
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 
 ON_GPU = torch.cuda.is_available()
@@ -165,20 +166,7 @@ def _tp_rank_main(rank: int, port, results) -> None:
 
 @pytest.mark.skipif(ON_GPU, reason="CPU gloo ranks with interpreted kernels; the GPU runs TP in bench/gpu_tp.sh")
 def test_gemv_mlp_over_tp2_shards_equals_the_full_mlp():
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")  # children inherit TRITON_INTERPRET=1 (tests/conftest.py)
-    results, port_box = ctx.Queue(), ctx.Queue()
-    p0 = ctx.Process(target=_tp_rank_main, args=(0, None, results), daemon=True)
-    p0.start()
-    kind, port = results.get(timeout=120)
-    assert kind == "port", port
-    port_box.put(port)
-    p1 = ctx.Process(target=_tp_rank_main, args=(1, port_box, results), daemon=True)
-    p1.start()
-    got = dict(results.get(timeout=120) for _ in range(2))
-    for p in (p0, p1):
-        p.join(30)
+    got = run_gloo_pair(_tp_rank_main)
     for rank in (0, 1):
         assert isinstance(got[rank], dict), got[rank]
         assert got[rank]["mlp"] < 1e-5 and got[rank]["residual"]  # fp32 relative: the sums differ in order only

@@ -7,7 +7,6 @@ tested as a pure function, the kernels on the GPU (bench/gpu_tp.sh, docs/tp-gpu-
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
@@ -24,6 +23,7 @@ from pdserve.worker.parallel.layers import (
     logits,
 )
 from pdserve.worker.parallel.shard import TPShard
+from tests.worker.gloo_pair import run_gloo_pair
 
 BF16, F32 = torch.bfloat16, torch.float32
 AUTO = AllReduceConfig(method="auto")
@@ -144,18 +144,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 
 def test_parallel_layers_over_gloo_equal_the_full_layers():
-    ctx = mp.get_context("spawn")
-    results, port_box = ctx.Queue(), ctx.Queue()
-    p0 = ctx.Process(target=_rank_main, args=(0, None, results), daemon=True)
-    p0.start()
-    kind, port = results.get(timeout=120)
-    assert kind == "port", port
-    port_box.put(port)
-    p1 = ctx.Process(target=_rank_main, args=(1, port_box, results), daemon=True)
-    p1.start()
-    got = dict(results.get(timeout=120) for _ in range(2))
-    for p in (p0, p1):
-        p.join(30)
+    got = run_gloo_pair(_rank_main)
     for rank in (0, 1):
         assert isinstance(got[rank], dict), got[rank]
         assert got[rank]["method"] == "gloo"
