@@ -45,6 +45,16 @@ def workers(module_launch, tiny_checkpoint):
     return ckpt, module_launch.real_pd_workers(ckpt)
 
 
+def wait_for_arrivals(url: str, expected: dict) -> None:
+    """The router's arrival counters reach `expected` (bounded; the failure says the last read)."""
+    seen: list = []
+    try:
+        wait_for(lambda: seen.append(arrivals(url)) or seen[-1] == expected, timeout=10, interval=0.2,
+                 what=f"arrival counters {expected}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last read {seen[-1:]}") from None
+
+
 def test_arrival_counters_count_exact_prompt_tokens_with_a_tokenizer(module_launch, workers):
     ckpt, (prefill, decode) = workers
     router = module_launch.router("--prefill", prefill.url, "--decode", decode.url, "--tokenizer", str(ckpt))
@@ -68,12 +78,7 @@ def test_arrival_counters_count_exact_prompt_tokens_with_a_tokenizer(module_laun
                 ("pdserve_router_arrived_prompt_tokens", "tiny"): float(prompt_tokens)}
     # Counted when the request is parsed, before its answer: by now it is there; the bounded
     # wait only keeps a failure message readable.
-    seen: list = []
-    try:
-        wait_for(lambda: seen.append(arrivals(router.url)) or seen[-1] == expected, timeout=10, interval=0.2,
-                 what=f"arrival counters {expected}")
-    except AssertionError as e:
-        raise AssertionError(f"{e}; last read {seen[-1:]}") from None
+    wait_for_arrivals(router.url, expected)
 
 
 def test_arrival_counters_estimate_prompt_tokens_without_a_tokenizer(module_launch, workers):
@@ -86,9 +91,4 @@ def test_arrival_counters_estimate_prompt_tokens_without_a_tokenizer(module_laun
 
     expected = {("pdserve_router_arrived_requests", "tiny"): 2.0,
                 ("pdserve_router_arrived_prompt_tokens", "tiny"): 2.0 * estimate_tokens({"prompt": PROMPT})}
-    seen: list = []
-    try:
-        wait_for(lambda: seen.append(arrivals(router.url)) or seen[-1] == expected, timeout=10, interval=0.2,
-                 what=f"arrival counters {expected}")
-    except AssertionError as e:
-        raise AssertionError(f"{e}; last read {seen[-1:]}") from None
+    wait_for_arrivals(router.url, expected)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import torch
+
 
 def run_gloo_pair(target, timeout: float = 120) -> dict:
     ctx = mp.get_context("spawn")  # children inherit TRITON_INTERPRET=1 (tests/conftest.py)
@@ -23,3 +25,17 @@ def run_gloo_pair(target, timeout: float = 120) -> dict:
     for p in (p0, p1):
         p.join(30)
     return got
+
+
+def join_gloo_group(rank: int, port_box, results) -> None:
+    """In a child: join the 2-rank gloo group (rank 0 makes the store and reports its port)."""
+    from pdserve.worker.parallel.group import create_store, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    store = create_store(2) if rank == 0 else None
+    if store is not None:
+        results.put(("port", store.port))
+        port = store.port
+    else:
+        port = port_box.get(timeout=60)  # rank 0's store port, through the test process
+    init_tensor_parallel(rank, 2, torch.device("cpu"), port, store)

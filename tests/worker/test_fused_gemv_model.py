@@ -20,7 +20,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.triton_attention import TritonAttentionBackend
-from tests.worker.gloo_pair import run_gloo_pair
+from tests.worker.gloo_pair import join_gloo_group, run_gloo_pair
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 
 ON_GPU = torch.cuda.is_available()
@@ -132,16 +132,10 @@ def _tp_rank_main(rank: int, port, results) -> None:
         from pdserve.kernels.reference import rms_norm_ref, silu_and_mul_ref
         from pdserve.worker.model_config import ModelConfig
         from pdserve.worker.models.llama import MLP, RMSNorm
-        from pdserve.worker.parallel.group import create_store, init_tensor_parallel, shutdown_tensor_parallel
+        from pdserve.worker.parallel.group import shutdown_tensor_parallel
         from pdserve.worker.parallel.shard import TPShard
 
-        torch.set_num_threads(1)
-        store = create_store(2) if rank == 0 else None
-        if store is not None:
-            results.put(("port", store.port))
-        else:
-            port = port.get(timeout=60)
-        init_tensor_parallel(rank, 2, torch.device("cpu"), port, store)
+        join_gloo_group(rank, port, results)
         torch.manual_seed(0)  # the same full weights on both ranks
         cfg = ModelConfig("LlamaForCausalLM", 101, 32, 48, 1, 4, 2, 8, 1e-5, 128, False, True, False, False, 1e4,
                           (), ())

@@ -23,7 +23,7 @@ from pdserve.worker.parallel.layers import (
     logits,
 )
 from pdserve.worker.parallel.shard import TPShard
-from tests.worker.gloo_pair import run_gloo_pair
+from tests.worker.gloo_pair import join_gloo_group, run_gloo_pair
 
 BF16, F32 = torch.bfloat16, torch.float32
 AUTO = AllReduceConfig(method="auto")
@@ -107,15 +107,9 @@ def _rank_main(rank: int, port: int, results) -> None:
     """One rank of a 2-process gloo group: the parallel layers against the full ones."""
     try:
         from pdserve.worker.parallel import communicator
-        from pdserve.worker.parallel.group import create_store, init_tensor_parallel, shutdown_tensor_parallel
+        from pdserve.worker.parallel.group import shutdown_tensor_parallel
 
-        torch.set_num_threads(1)
-        store = create_store(2) if rank == 0 else None
-        if store is not None:
-            results.put(("port", store.port))
-        else:
-            port = port.get(timeout=60)  # rank 0's store port, through the test process
-        init_tensor_parallel(rank, 2, torch.device("cpu"), port, store)
+        join_gloo_group(rank, port, results)
         comm = communicator._current
         out = {"method": comm.method(torch.zeros(4096, dtype=BF16))}
         # The communicator's gloo path is a plain sum.
