@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import random
 import shutil
 import statistics
@@ -45,6 +46,30 @@ def decode_step_seconds(engine, prompt: list[int], steps: int) -> list[float]:
         engine.step()
         times.append(time.perf_counter() - t0)
     return times[1:]  # the first step is the prefill
+
+
+def profile_decode(engine, prompt: list[int], path: str, steps: int = 16, title: str = "bs=1 decode") -> float:
+    """torch.profiler over `steps` decode steps of one request (this process's kernels: rank 0's
+    under TP): the kernels by GPU time per step, as a markdown table written to `path`. Returns the
+    GPU busy time per step (ms), so wall - GPU = the host's gap."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = decode_step_seconds(engine, prompt, steps)
+    kernels = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    lines = [f"{title}, {steps} steps under torch.profiler: wall {1e3 * statistics.median(wall):.3f} ms/step "
+             f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step", "", "| kernel | calls/step | us/step | us/call | share |",
+             "|---|---:|---:|---:|---:|"]
+    for e in kernels[:30]:
+        lines.append(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} | "
+                     f"{e.self_device_time_total / max(e.count, 1):.2f} | {100 * e.self_device_time_total / steps / gpu_us:.0f}% |")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return gpu_us / 1e3
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,33 @@ LEFT=$(( 590 - ($(date +%s) - T0) ))
 BUDGET=$(( LEFT - 40 ))
 [ -n "${HANDOFF_BUDGET_S:-}" ] && [ "$HANDOFF_BUDGET_S" -lt "$BUDGET" ] && BUDGET=$HANDOFF_BUDGET_S
 echo "harness budget: ${BUDGET}s (hard limit $(( BUDGET + 30 ))s)"
-timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT" --budget-s "$BUDGET" "$@" \
-  > "$OUT/log.txt" 2>&1
-echo "bench handoff: rc=$? in $(( $(date +%s) - T0 ))s (setup included)"
-grep "^\[handoff" "$OUT/log.txt" | tail -n 40
-cat "$OUT/results.md" 2>/dev/null || tail -n 60 "$OUT/log.txt"
-ls -la "$OUT"
+if [ -z "${HANDOFF_CHUNKS:-}" ]; then
+  timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT" --budget-s "$BUDGET" "$@" \
+    > "$OUT/log.txt" 2>&1
+  echo "bench handoff: rc=$? in $(( $(date +%s) - T0 ))s (setup included)"
+  grep "^\[handoff" "$OUT/log.txt" | tail -n 40
+  cat "$OUT/results.md" 2>/dev/null || tail -n 60 "$OUT/log.txt"
+  ls -la "$OUT"
+  exit 0
+fi
+# HANDOFF_CHUNKS="512 256 128": the aggregated baseline and overlap on with the first size, then
+# overlap on again with each other size (one checkpoint, written once; the budget split evenly,
+# the first run's share doubled for its aggregated stack). Each size's report in $OUT/chunk<N>/.
+set -- $HANDOFF_CHUNKS
+N=$#
+CKPT=/tmp/handoff_ckpt
+$PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" > "$OUT/checkpoint.log" 2>&1 \
+  || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
+first=1
+for c in "$@"; do
+  LEFT=$(( 590 - ($(date +%s) - T0) - 30 ))
+  SHARE=$(( LEFT / N )); [ "$first" = 1 ] && SHARE=$(( 2 * LEFT / (N + 1) ))
+  STACKS=nixl-on; [ "$first" = 1 ] && STACKS=${HANDOFF_FIRST_STACKS:-agg,nixl-on}
+  mkdir -p "$OUT/chunk$c"
+  timeout --kill-after=8 "$(( SHARE + 20 ))" $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
+    --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" > "$OUT/chunk$c/log.txt" 2>&1
+  echo "bench handoff chunk $c ($STACKS): rc=$? at $(( $(date +%s) - T0 ))s"
+  grep "^\[handoff" "$OUT/chunk$c/log.txt" | tail -n 12
+  first=0; N=$(( N - 1 ))
+done
+for c in $HANDOFF_CHUNKS; do sed -n '/^## 3000 in/,/^## Stall/p' "$OUT/chunk$c/results.md" 2>/dev/null; done

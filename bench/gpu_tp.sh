@@ -11,7 +11,8 @@
 #    call only), offline 1024/128 tok/s and the fp32 transformers check.
 # 2. bench tp-pd: P/D between TP workers (2->2, 2->1, 1->2, 1->1) over TCP and NIXL, real worker
 #    processes, bf16 greedy against the decode worker alone.
-# QUICK=1: step 1 without the offline run and the fp32 check, and no step 2 (about 6 minutes:
+# TP_SIZES="1 2" limits the sizes; TP_EXTRA adds arguments (e.g. "--profile DIR": rank 0's kernels
+# per step, one table per engine). QUICK=1: step 1 without the offline run and the fp32 check, and no step 2 (about 6 minutes:
 # issue 25's all-reduce comparison). ONLY_TP_PD=1 skips step 1. Writes $OUT/env.txt, $OUT/tp.md,
 # $OUT/tp_pd.md and their logs. NCCL's destroy_process_group hangs on this image when ranks reach
 # it at different times; the worker bounds it (worker/parallel/group.py).
@@ -32,7 +33,7 @@ if [ -n "${QUICK:-}" ]; then
 else  # one engine per TP size: the offline runs and tp-pd must fit the same 10-minute call
   TP_ARGS="--num-prompts 128" LIMIT=400 ALL_REDUCE=${ALL_REDUCE:-nccl}
 fi
-[ -n "${ONLY_TP_PD:-}" ] || timeout --kill-after=10 $LIMIT $PY -m pdserve.bench.tp --tp 1 2 4 $TP_ARGS \
+[ -n "${ONLY_TP_PD:-}" ] || timeout --kill-after=10 $LIMIT $PY -m pdserve.bench.tp --tp ${TP_SIZES:-1 2 4} $TP_ARGS ${TP_EXTRA:-} \
   --all-reduce $ALL_REDUCE --checkpoint /tmp/l8b --timeout $((LIMIT - 10)) --env PDSERVE_TP_COLLECTIVE_TIMEOUT_S=120 \
   --out "$OUT/tp.md" > "$OUT/tp_log.txt" 2>&1
 echo "bench tp: rc=$?"

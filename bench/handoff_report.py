@@ -17,7 +17,7 @@ import math
 import statistics
 from pathlib import Path
 
-from pdserve.bench import disagg_report
+from pdserve.bench import disagg_report, server_metrics
 
 LINKS_GBPS = (2, 10, 25, 50)
 FLAT_MS = 5.0  # "flat": first gap spread over prompt lengths, and the TCP slack of issue 24
@@ -51,6 +51,10 @@ def row(run: dict) -> dict:
         d = disagg_report.point({**run, "setup": "pd", "workload": ""})
         r.update({k: d[k] for k in ("p_ttft_ms", "router_prefill_ms", "handoff_ms", "kv_pulls", "kv_mb_per_req",
                                     "kv_ms", "kv_gbps", "kv_failures")})
+    elif run.get("server_metrics"):  # aggregated: the workers' own TTFT, so the router's share shows
+        workers = [u for u, n in run.get("roles", {}).items() if not n.startswith("router")]
+        ttft = server_metrics.mean(run["server_metrics"], "vllm:time_to_first_token_seconds", workers)
+        r["p_ttft_ms"] = ttft * 1e3 if ttft is not None else None
     return r
 
 
@@ -217,7 +221,7 @@ def markdown(summary: dict) -> str:
         L += [f"## {cfg['input_len']} in / {cfg['output_len']} out, Poisson arrivals, {cfg['seconds']:g} s of sending "
               "per point", "",
               "| rate | setup | first gap p50 / p99 ms | steady ITL p50 ms | ITL p99 ms | TTFT p50 / p99 ms | good / sent "
-              "| failed | KV pull ms (GB/s) | prefill-worker TTFT ms |",
+              "| failed | KV pull ms (GB/s) | worker TTFT ms (P/D: the prefill worker) |",
               "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |"]
         for r in sorted(load, key=lambda r: (r["rate"], r["transport"] or "", r["overlap"] or False)):
             kv = f"{_f(r.get('kv_ms'))} ({_g(r.get('kv_gbps'))})" if r["transport"] else "–"

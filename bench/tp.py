@@ -216,6 +216,13 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
         decode_ms(engine, prompt, 8)  # warm-up
         print(f"TP={n}: first steps done (decode warm-up)", flush=True)
         res["decode_ms"] = decode_ms(engine, prompt, args.decode_steps)
+        if args.profile:
+            from pdserve.bench.engine import profile_decode
+
+            name = f"tp{n}-{os.environ.get('PDSERVE_TP_ALL_REDUCE', 'nccl') if n > 1 else 'single'}.md"
+            res["profile_gpu_ms"] = profile_decode(engine, prompt, os.path.join(args.profile, name), 32,
+                                                   f"TP={n} bs=1 decode (rank 0)")
+            print(f"TP={n}: profile {name}: GPU {res['profile_gpu_ms']:.3f} ms/step", flush=True)
         if args.num_prompts:
             prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
             params = SamplingParams(max_tokens=OUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -332,6 +339,8 @@ def main(argv=None) -> int:
                                          "(one TP size per command fits a short per-command time limit)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no decode CUDA graphs (if capturing the all-reduces fails on this machine)")
+    ap.add_argument("--profile", metavar="DIR", help="also profile 32 bs=1 decode steps per engine (rank 0's "
+                                                  "kernels): one markdown table per TP size and all-reduce in DIR")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo: checks the script only")
     ap.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="give up after S seconds: print every rank's stacks and exit 3 (a hang then ends "
