@@ -111,8 +111,11 @@ class Conn:
         return first - t0, time.perf_counter() - t0
 
 
+PROMPT_WORDS = [8]  # --prompt-words: set once in main (the bodies are built in several places)
+
+
 def _body(stream: bool, **extra) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": "hello world " * 8, "max_tokens": 16, "stream": stream,
+    return json.dumps({"model": MODEL, "prompt": "hello world " * (PROMPT_WORDS[0] // 2), "max_tokens": 16, "stream": stream,
                        **extra}).encode()
 
 
@@ -200,9 +203,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--saturation-requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--profile", default=None, metavar="FILE", help="cProfile the router during saturation")
+    p.add_argument("--prompt-words", type=int, default=16, help="words in each request's prompt (e.g. 3000: "
+                                                                   "what the router's prompt handling costs)")
 
 
 def run(args: argparse.Namespace) -> int:
+    PROMPT_WORDS[0] = args.prompt_words
     ctx = multiprocessing.get_context("spawn")
     ports = {name: free_port() for name in ("prefill", "decode", "fast_prefill", "fast_decode")}
     delays = {"prefill": args.delay_ms / 1e3, "decode": args.delay_ms / 1e3, "fast_prefill": 0.0, "fast_decode": 0.0}
