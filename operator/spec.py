@@ -145,6 +145,7 @@ class RouterSpec:
     prefill_policy: str | None = None
     decode_policy: str | None = None
     pd_min_prompt_tokens: int | None = None
+    pd_min_uncached_tokens: int | None = None
     api_key_secret: SecretKeyRef | None = None
     service_type: str = "ClusterIP"
     service_port: int = 80
@@ -157,6 +158,12 @@ class RouterSpec:
     rollout: Rollout = Rollout()
     probes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     pod_template: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The router refuses the flag otherwise (router/config.py): say so here, not in a crash loop.
+        if self.pd_min_uncached_tokens and (self.decode_policy or self.policy) != "prefix-aware":
+            raise SpecError("spec.router.pdMinUncachedTokens needs decodePolicy (or policy) prefix-aware: the router "
+                            "reads the decode workers' cached prefixes from their KV events")
 
     @property
     def prefix_aware(self) -> bool:
@@ -291,6 +298,7 @@ class ModelServingSpec:
                 prefill_policy=router.get("prefillPolicy"),
                 decode_policy=router.get("decodePolicy"),
                 pd_min_prompt_tokens=router.get("pdMinPromptTokens"),
+                pd_min_uncached_tokens=router.get("pdMinUncachedTokens"),
                 api_key_secret=_secret_ref(router.get("apiKeySecret"), "api-keys"),
                 service_type=service.get("type", "ClusterIP"),
                 service_port=service.get("port", 80),

@@ -229,7 +229,8 @@ def router_args(ms: ModelServing) -> list[str]:
     args = ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--discovery", "kubernetes",
             "--namespace", ms.namespace, "--selector", f"{naming.LABEL_MODELSERVING}={ms.name}"]
     for flag, value in (("--policy", r.policy), ("--prefill-policy", r.prefill_policy),
-                        ("--decode-policy", r.decode_policy), ("--pd-min-prompt-tokens", r.pd_min_prompt_tokens)):
+                        ("--decode-policy", r.decode_policy), ("--pd-min-prompt-tokens", r.pd_min_prompt_tokens),
+                        ("--pd-min-uncached-tokens", r.pd_min_uncached_tokens)):
         if value is not None:
             args += [flag, str(value)]
     if r.prefix_aware:

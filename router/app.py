@@ -64,7 +64,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         from pdserve.router.prompt import PromptTokenizer
 
         tokenizer = PromptTokenizer(config.tokenizer)
-    ctx = PolicyContext(kv_index=kv_index, pd_min_prompt_tokens=config.pd_min_prompt_tokens)
+    ctx = PolicyContext(kv_index=kv_index, pd_min_prompt_tokens=config.pd_min_prompt_tokens,
+                        pd_min_uncached_tokens=config.pd_min_uncached_tokens)
     api_keys = tuple(k.encode() for k in config.api_keys)
 
     @contextlib.asynccontextmanager

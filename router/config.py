@@ -69,6 +69,11 @@ class RouterConfig:
     allowed_headers: tuple[str, ...] = cors.allowed("headers", "Authorization")
     allow_credentials: bool = cors.allow_credentials()
     pd_min_prompt_tokens: int = flag(0, "shorter prompts (estimated) skip the prefill worker")
+    # llm-d's prefix-based decider: a follow-up turn whose conversation the decode worker already
+    # caches would pay a whole remote prefill and KV hand-off to compute a few new tokens.
+    pd_min_uncached_tokens: int = flag(0, "with --decode-policy prefix-aware: a request whose best decode worker "
+                                          "caches all but fewer than this many of its prompt tokens is served there "
+                                          "whole, skipping the prefill worker (0: never)")
     # streamed: the decode call opens as soon as the prefill worker has admitted the request
     # (the first of its two NDJSON lines), so the KV moves while the prefill computes it and the
     # second token does not wait for a whole transfer; a prefill worker that answers plain JSON
@@ -109,7 +114,7 @@ class RouterConfig:
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        from pdserve.router.policies import available
+        from pdserve.router.policies import available, needs_kv_index
 
         if self.discovery not in ("static", "kubernetes"):
             raise ConfigError("--discovery", f"must be static or kubernetes, not {self.discovery!r}")
@@ -130,6 +135,7 @@ class RouterConfig:
         if not 0 < self.port < 65536:
             raise ConfigError("--port", f"must be 1..65535, not {self.port}")
         for flag_, value, least in (("--pd-min-prompt-tokens", self.pd_min_prompt_tokens, 0),
+                                    ("--pd-min-uncached-tokens", self.pd_min_uncached_tokens, 0),
                                     ("--max-retries", self.max_retries, 0),
                                     ("--eject-after-failures", self.eject_after_failures, 1),
                                     ("--max-body-bytes", self.max_body_bytes, 1024),
@@ -138,6 +144,9 @@ class RouterConfig:
                                     ("--hold-queue", self.hold_queue, 1)):
             if value < least:
                 raise ConfigError(flag_, f"must be >= {least}, not {value}")
+        if self.pd_min_uncached_tokens and not needs_kv_index(self.decode_policy):
+            raise ConfigError("--pd-min-uncached-tokens", "needs --decode-policy prefix-aware (or --policy prefix-aware): "
+                                                          "it reads the decode workers' cached prefixes from their KV events")
         for f in fields(self):  # every duration (a field in seconds) must be positive
             value = getattr(self, f.name)
             if f.name.endswith("_s") and value is not None and value <= 0:

@@ -52,6 +52,10 @@ class KVIndex:
         blocks = self._workers.get(worker)
         return len(blocks.by_hash) if blocks else 0
 
+    def cached_tokens(self, token_ids: list[int], workers: list[str]) -> dict[str, int]:
+        """Per worker, how many leading tokens of `token_ids` its cached blocks cover."""
+        return {name: n * self._workers[name].block_size for name, n in self.match(token_ids, workers).items()}
+
     def match(self, token_ids: list[int], workers: list[str]) -> dict[str, int]:
         """Per worker, how many leading full blocks of `token_ids` it has cached."""
         out: dict[str, int] = {}

@@ -63,6 +63,10 @@ class RouterMetrics:
                                              "Prompt tokens of the arrived requests (exact with --tokenizer, "
                                              "else estimated from the text).", ["model"], registry=r)
 
+        self.decode_prefix_hits = Counter("pdserve_router_decode_prefix_hits",
+                                          "Requests the P/D decider served whole on a decode worker that already "
+                                          "cached all but fewer than --pd-min-uncached-tokens of the prompt.",
+                                          registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "KV blocks each worker reported cached (prefix-aware's index).", ["worker"],
                                      registry=r)

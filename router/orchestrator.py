@@ -125,6 +125,9 @@ class Orchestrator:
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
         if single_sequence(call.body) and self.selector.disaggregate(call.body):
+            if self.selector.decode_covers(call.routing, decode_pool):
+                self.metrics.decode_prefix_hits.inc()
+                return await self._direct(call, decode_pool)
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
                 prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))

@@ -8,6 +8,7 @@ from typing import Sequence
 from pdserve.protocol.contract import ROLE_DECODE, ROLE_PREFILL
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PolicyContext, PoolQuery, RoutingRequest, create, plugin
+from pdserve.router.policies.decider import DecodePrefix
 from pdserve.router.workers import Worker, WorkerSet
 
 POOL_FILTERS = ("role", "health", "model", "revision")
@@ -19,6 +20,7 @@ class Selector:
         self.workers = workers
         self.pool_filters = [plugin("pool-filter", name, ctx) for name in POOL_FILTERS]
         self.decider = plugin("decider", DECIDER, ctx)
+        self.decode_prefix = DecodePrefix(ctx)
         self.profiles = {ROLE_PREFILL: create(config.prefill_policy, ctx),
                          ROLE_DECODE: create(config.decode_policy, ctx)}
 
@@ -32,6 +34,13 @@ class Selector:
 
     def disaggregate(self, body: dict) -> bool:
         return self.decider.disaggregate(body)
+
+    def decode_covers(self, request: RoutingRequest, decode_pool: Sequence[Worker]) -> bool:
+        """Whether the decode worker the decode policy picks caches nearly all of the prompt
+        (`--pd-min-uncached-tokens`): then it serves the request whole, no prefill worker."""
+        if not self.decode_prefix.min_uncached or not decode_pool:
+            return False
+        return self.decode_prefix.covers(request, self.choose(ROLE_DECODE, decode_pool, request))
 
     def choose(self, role: str, candidates: Sequence[Worker], request: RoutingRequest) -> Worker:
         return self.profiles[role].choose(candidates, request)

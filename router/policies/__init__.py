@@ -92,6 +92,7 @@ class PolicyContext:
 
     kv_index: KVIndex | None = None
     pd_min_prompt_tokens: int = 0
+    pd_min_uncached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from pdserve.router.policies import PolicyContext
+from typing import TYPE_CHECKING
+
+from pdserve.router.policies import PolicyContext, RoutingRequest
 from pdserve.router.prompt import estimate_tokens
+
+if TYPE_CHECKING:
+    from pdserve.router.workers import Worker
 
 
 class PromptLength:
@@ -22,3 +27,26 @@ class PromptLength:
         if body.get("echo"):
             return False  # the prompt's logprobs come from its prefill: one worker runs it and decodes
         return estimate_tokens(body) >= self.min_tokens
+
+
+class DecodePrefix:
+    """The second question of llm-d's prefix-based decider: would the decode worker this request
+    goes to compute almost nothing itself? A follow-up turn whose conversation that worker already
+    caches (its KV pulled for the earlier turn, plus the tokens it generated) has only its new
+    tokens uncached; a remote prefill would recompute the whole prompt and move all of its KV to
+    add those. Such a request is served whole there when fewer than `--pd-min-uncached-tokens` of
+    its prompt tokens are uncached. Needs token ids (the router's tokenizer) and the KV event
+    index (prefix-aware decode routing); without them, or at 0, it never skips."""
+
+    def __init__(self, ctx: PolicyContext):
+        self.min_uncached = ctx.pd_min_uncached_tokens
+        self._index = ctx.kv_index
+
+    def covers(self, request: RoutingRequest, worker: Worker) -> bool:
+        if not self.min_uncached or self._index is None:
+            return False
+        tokens = request.token_ids()
+        if not tokens:
+            return False
+        cached = self._index.cached_tokens(tokens, [worker.url]).get(worker.url, 0)
+        return cached > 0 and len(tokens) - cached < self.min_uncached

@@ -147,6 +147,16 @@ def test_router_deployment():
     assert "nvidia.com/gpu" not in str(dep)
 
 
+def test_router_decode_prefix_decider():
+    dep = build_router_deployment(ms(router={"decodePolicy": "prefix-aware", "pdMinUncachedTokens": 256}))
+    args = container(dep)["args"]
+    assert flag(args, "--decode-policy") == "prefix-aware" and flag(args, "--pd-min-uncached-tokens") == "256"
+    assert flag(args, "--tokenizer")  # prefix-aware hashes token ids
+    # Without prefix-aware decode routing the router would refuse the flag: the spec says so first.
+    with pytest.raises(SpecError, match="pdMinUncachedTokens needs decodePolicy"):
+        ms(router={"policy": "least-loaded", "pdMinUncachedTokens": 256})
+
+
 @pytest.mark.parametrize("apis, spec, kinds", [
     (ApiVersions(), {}, set()),
     (ALL_APIS, {}, {"PodDisruptionBudget"}),

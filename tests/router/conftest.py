@@ -93,17 +93,19 @@ class Launcher:
         wait_http(fresh.url + "/health", fresh.popen, log=fresh.log)
         return fresh
 
-    def real_pd_workers(self, ckpt, *extra: str, env: dict | None = None) -> tuple[Proc, Proc]:
+    def real_pd_workers(self, ckpt, *extra: str, env: dict | None = None, hosts: tuple[str, str] = ("127.0.0.1",) * 2,
+                        decode_extra: tuple[str, ...] = ()) -> tuple[Proc, Proc]:
         """A real `pdserve worker` prefill and decode pair (served name "tiny", TCP KV transfer on
-        loopback, each allowing its loopback peer), both healthy on return."""
+        loopback, each allowing its loopback peer), both healthy on return. `hosts`: their HTTP
+        addresses (the KV side channel stays on 127.0.0.1); `decode_extra`: the decode worker's own flags."""
         workers = []
-        for role in ("prefill", "decode"):
-            port, kv_port = free_port(), free_port()
+        for role, host in zip(("prefill", "decode"), hosts):
+            port, kv_port = free_port(host), free_port()
             cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name",
-                   "tiny", "--host", "127.0.0.1", "--port", str(port), "--role", role, "--kv-transfer", "tcp",
+                   "tiny", "--host", host, "--port", str(port), "--role", role, "--kv-transfer", "tcp",
                    "--kv-host", "127.0.0.1", "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1",
-                   "--log-level", "warning", *extra]
-            workers.append(self._spawn(f"http://127.0.0.1:{port}", cmd, env))
+                   "--log-level", "warning", *extra, *(decode_extra if role == "decode" else ())]
+            workers.append(self._spawn(f"http://{host}:{port}", cmd, env))
         for w in workers:
             wait_http(w.url + "/health", w.popen, timeout_s=180, log=w.log)
         return workers[0], workers[1]
