@@ -76,7 +76,8 @@ for c in "$@"; do
   STACKS=nixl-on; [ "$first" = 1 ] && STACKS=${HANDOFF_FIRST_STACKS:-agg,nixl-on}
   mkdir -p "$OUT/chunk$c"
   timeout --kill-after=8 "$(( SHARE + 20 ))" $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
-    --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" > "$OUT/chunk$c/log.txt" 2>&1
+    --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" ${HANDOFF_WORKER_ARGS:+--worker-args="$HANDOFF_WORKER_ARGS"} \
+    > "$OUT/chunk$c/log.txt" 2>&1
   echo "bench handoff chunk $c ($STACKS): rc=$? at $(( $(date +%s) - T0 ))s"
   grep "^\[handoff" "$OUT/chunk$c/log.txt" | tail -n 12
   first=0; N=$(( N - 1 ))

@@ -171,7 +171,7 @@ class Runner:
 
     def run_stack(self, spec: StackSpec, todo: list[Point], share_end: float) -> None:
         worker, router = stack_flags(spec, self.args.chunk_tokens, self.support)
-        extra = f"--max-num-batched-tokens {self.sizes.max_num_batched_tokens} {worker}".strip()
+        extra = f"--max-num-batched-tokens {self.sizes.max_num_batched_tokens} {worker} {self.args.worker_args}".strip()
         stack = UpStack(self.ckpt, spec.prefill, spec.decode, self.work / "logs" / spec.name, self.args.smoke,
                         transport=spec.transport, max_model_len=self.sizes.max_model_len, worker_args=extra,
                         router_args=router)
@@ -290,6 +290,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="skip what would end past this (default 520, smoke 400)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="--kv-stream-chunk-tokens of overlap on "
                    "(default 512, smoke 32)")
+    p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
+                                                     "included (e.g. --async-scheduling)")
     p.add_argument("--stacks", default=None, help="comma-separated subset of agg,nixl-off,nixl-on,tcp-off,tcp-on")
     p.add_argument("--no-overlap-flags", action="store_true", help="pass neither flag (a checkout without them)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, TCP only (checks the script)")
