@@ -17,7 +17,7 @@ from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, stride_qm, stride_sm,
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, stride_qm, stride_sm, stride_sg,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
                          BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -33,7 +33,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, s
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX_C, MIN_SCALE)
-        tl.store(s_ptr + row * stride_sm + g, scale)
+        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
         y = tl.minimum(tl.maximum(v / scale, -FP8_MAX_C), FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -47,7 +47,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, s
                 v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
             scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE)
-        tl.store(s_ptr + row * stride_sm + g, scale)
+        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
         for off in range(0, GROUP, BLOCK):
             cols = start + off + tl.arange(0, BLOCK)
             mask = (cols < K) & (off + tl.arange(0, BLOCK) < GROUP)
@@ -61,9 +61,15 @@ MAX_TILE = 16384
 
 
 def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
-                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 static_scale: torch.Tensor | None = None,
+                 mn_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, G]); G = ceil(K / group_size), or 1 per row
-    (group_size None), or the static per-tensor scale [1] repeated per row."""
+    (group_size None), or the static per-tensor scale [1] repeated per row.
+
+    `mn_major_scales`: the scales [M, G] are laid out token-major, strides (1, M) (each group's
+    column of M scales contiguous), the layout cuBLASLt's 1x128 block scaling reads
+    (torch's scaled_mm with BlockWise1x128: kernels/fp8_scaled_mm.py); default row-major (1 per
+    row's groups contiguous), the layout of the Triton block GEMM."""
     fn = "quantize_fp8"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     if static_scale is not None:
@@ -82,14 +88,17 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
     # cvt.rn.satfinite does.
     emulate = interpreting()
     q = torch.empty((m, k), dtype=torch.float32 if emulate else torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if mn_major_scales:
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m and k:
         # A decode step quantizes one row per linear: that row is one program's, so its whole
         # group is read in one wide tile (16 warps for 16k columns) rather than in a serial loop.
         block = min(triton.next_power_of_2(group), MAX_TILE)
         _quantize_fp8_kernel[(m, groups)](
             x, q, scales, static_scale if static_scale is not None else scales, k, group,
-            x.stride(0), q.stride(0), scales.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+            x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             STATIC=static_scale is not None, BLOCK=block, SINGLE=block >= group,
             num_warps=max(1, min(16, block // 1024)))
     return (q.to(torch.float8_e4m3fn) if emulate else q), scales
