@@ -1,8 +1,11 @@
 """Dynamic FP8 (e4m3) activation quantization: per token, or per token and 128-column group.
 
-One program per (row, group): a pass for the group's absolute maximum, a pass that writes
-x / scale rounded to e4m3, and the scale (amax / 448) for the GEMM's epilogue. One launch per
-linear layer, no host sync, outputs only allocated: CUDA-graph capturable.
+Per token: one program per row, a pass for the row's absolute maximum, a pass that writes
+x / scale rounded to e4m3, and the scale (amax / 448) for the GEMM's epilogue. Per 128-column
+group: one program per row and run of up to GROUP_TILE / group_size groups, read as one
+[groups, group] tile (a program per group of 128 values was 4 warps' worth of launch for
+0.25 KiB of data at prefill sizes). One launch per linear layer, no host sync, outputs only
+allocated: CUDA-graph capturable.
 Reference: reference.quantize_fp8_ref.
 """
 
@@ -56,8 +59,26 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, s
             tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_fp8_groups_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
+                                FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
+                                GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # this program's groups
+    c = tl.arange(0, GROUP)
+    cols = g[:, None] * GROUP + c[None, :]
+    mask = (g[:, None] < G) & (cols < K)
+    v = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX_C, MIN_SCALE)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g < G)
+    y = tl.minimum(tl.maximum(v / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
 # Largest group read in one tile; wider rows (none in today's models) loop over tiles.
 MAX_TILE = 16384
+# Values one program of the grouped kernel reads (power-of-2 groups up to this size take it).
+GROUP_TILE = 4096
 
 
 def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -92,7 +113,13 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
         scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     else:
         scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m and k:
+    if m and k and group_size is not None and group == triton.next_power_of_2(group) and group <= GROUP_TILE:
+        per = min(triton.next_power_of_2(groups), GROUP_TILE // group)
+        _quantize_fp8_groups_kernel[(m, triton.cdiv(groups, per))](
+            x, q, scales, k, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, GROUP=group, GROUPS=per,
+            num_warps=max(1, min(8, per * group // 512)))
+    elif m and k:
         # A decode step quantizes one row per linear: that row is one program's, so its whole
         # group is read in one wide tile (16 warps for 16k columns) rather than in a serial loop.
         block = min(triton.next_power_of_2(group), MAX_TILE)

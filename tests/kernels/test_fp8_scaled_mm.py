@@ -43,6 +43,21 @@ def test_quantize_writes_token_major_scales(poison_empty, m, k):
             check_activation_scales(quantize_fp8(x, 128)[1], m, k)
 
 
+@pytest.mark.parametrize("group,tile,mn_major", [(128, 256, True), (128, 256, False), (96, 4096, True), (64, 4096, False)])
+def test_grouped_quantize_over_several_programs_per_row(poison_empty, monkeypatch, group, tile, mn_major):
+    # GROUP_TILE 256: two 128-groups per program, five programs per row with a partial last group
+    # and a partial last run; group 96 (not a power of 2) takes the one-program-per-group kernel.
+    import pdserve.kernels.fp8_quant as fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "GROUP_TILE", tile)
+    x = torch.randn(6, 1100, device=DEVICE) * torch.logspace(-3, 3, 1100, device=DEVICE)
+    q, s = quantize_fp8(x, group, mn_major_scales=mn_major)
+    q_ref, s_ref = quantize_fp8_ref(x, group)
+    assert s.shape == s_ref.shape == (6, -(-1100 // group))
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() != q_ref.float()).float().mean() < 0.01
+
+
 def test_weight_scale_operand_is_the_transposed_block_grid():
     ws = torch.rand(3, 8) + 0.1  # N = 384, K = 1024
     sb = weight_scale_operand(ws)
