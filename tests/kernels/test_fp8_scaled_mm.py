@@ -43,7 +43,8 @@ def test_quantize_writes_token_major_scales(poison_empty, m, k):
             check_activation_scales(quantize_fp8(x, 128)[1], m, k)
 
 
-@pytest.mark.parametrize("group,tile,mn_major", [(128, 256, True), (128, 256, False), (96, 4096, True), (64, 4096, False)])
+@pytest.mark.parametrize("group,tile,mn_major",
+                         [(128, 256, True), (128, 256, False), (96, 4096, True), (64, 4096, False)])
 def test_grouped_quantize_over_several_programs_per_row(poison_empty, monkeypatch, group, tile, mn_major):
     # GROUP_TILE 256: two 128-groups per program, five programs per row with a partial last group
     # and a partial last run; group 96 (not a power of 2) takes the one-program-per-group kernel.
