@@ -350,7 +350,8 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
 
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
-    from pdserve.kernels.fp8_scaled_mm import probe_blockwise, scaled_mm_blockwise, weight_scale_operand
+    from pdserve.kernels.fp8_scaled_mm import PAD_M, block_linear, probe_blockwise, scaled_mm_blockwise, \
+        weight_scale_operand
     from pdserve.kernels.reference import fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_rows_ref
 
     ok, detail = probe_blockwise(torch.device(device), torch.bfloat16)
@@ -379,14 +380,13 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
                 xq, xs = quantize_fp8(x, 128)
                 return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
 
-            def sm_total():
-                xq, xs = quantize_fp8(x, 128, mn_major_scales=True)
-                return scaled_mm_blockwise(xq, xs, w_bl, weight_scale_operand(s_bl), torch.bfloat16)
+            def sm_total():  # what the engine's block layers run from SCALED_MM_BLOCK_MIN_M rows
+                return block_linear(x, w_bl, s_bl, torch.bfloat16)
 
             fns = [lambda: F.linear(x, w), ch_total, lambda: quantize_fp8(x),
                    lambda: torch._scaled_mm(xq_ch, w_ch.t(), scale_a=xs_ch, scale_b=s_ch, out_dtype=torch.bfloat16),
                    triton_total]
-            fns += [sm_total, lambda: quantize_fp8(x, 128, mn_major_scales=True),
+            fns += [sm_total, lambda: quantize_fp8(x, 128, mn_major_scales=True, pad_rows_to=PAD_M),
                     lambda: scaled_mm_blockwise(xq_bl, xs_bl, w_bl, weight_scale_operand(s_bl), torch.bfloat16)] \
                 if ok else []
             t = [1e3 * do_bench(f, warmup=10, rep=40, return_mode="median") for f in fns]
@@ -395,6 +395,7 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
             if ok and m == ms[0]:  # the same product as the Triton GEMM's reference, on this card
                 ref = fp8_block_gemm_ref(xq_tr, xs_tr, w_bl, s_bl, 128, torch.float64)
                 out = sm_total().double()
+                assert out.shape == ref.shape
                 err = ((out - ref).norm() / ref.norm()).item()
             rows.append((f"{name} {n}x{k}", m, *t, err))
         del w, w_ch, w_bl

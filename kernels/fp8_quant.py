@@ -60,15 +60,16 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, s
 
 
 @triton.jit
-def _quantize_fp8_groups_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
+def _quantize_fp8_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
                                 FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
                                 GROUPS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # rows past M (padding) read as zeros
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # this program's groups
     c = tl.arange(0, GROUP)
     cols = g[:, None] * GROUP + c[None, :]
     mask = (g[:, None] < G) & (cols < K)
-    v = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    k_row = (row < M).to(tl.int32) * K  # a padding row reads no column
+    v = tl.load(x_ptr + row * stride_xm + cols, mask=(g[:, None] < G) & (cols < k_row), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX_C, MIN_SCALE)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g < G)
     y = tl.minimum(tl.maximum(v / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
@@ -83,14 +84,16 @@ GROUP_TILE = 4096
 
 def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
                  static_scale: torch.Tensor | None = None,
-                 mn_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 mn_major_scales: bool = False, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 scales [M, G]); G = ceil(K / group_size), or 1 per row
     (group_size None), or the static per-tensor scale [1] repeated per row.
 
     `mn_major_scales`: the scales [M, G] are laid out token-major, strides (1, M) (each group's
     column of M scales contiguous), the layout cuBLASLt's 1x128 block scaling reads
     (torch's scaled_mm with BlockWise1x128: kernels/fp8_scaled_mm.py); default row-major (1 per
-    row's groups contiguous), the layout of the Triton block GEMM."""
+    row's groups contiguous), the layout of the Triton block GEMM. `pad_rows_to`: both outputs get
+    M rounded up to a multiple of it, the extra rows zeros with the minimum scale (cuBLASLt's
+    token-major scales want an aligned column stride); power-of-2 groups only."""
     fn = "quantize_fp8"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     if static_scale is not None:
@@ -101,9 +104,13 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
         check_devices(fn, x=x)
     if x.stride(-1) != 1:
         raise ValueError(f"{fn}: x must be contiguous in its last dimension, got strides {x.stride()}")
-    m, k = x.shape
+    m_real, k = x.shape
+    m = -(-m_real // pad_rows_to) * pad_rows_to
     group = k if group_size is None else group_size
     groups = max(1, triton.cdiv(k, group)) if k else 1
+    grouped = group_size is not None and group == triton.next_power_of_2(group) and group <= GROUP_TILE
+    if m != m_real and not grouped:
+        raise ValueError(f"{fn}: pad_rows_to needs a power-of-2 group_size up to {GROUP_TILE}, got {group_size}")
     # Triton 3.9's interpreter rounds fp32 -> e4m3 wrongly (4.0 becomes 8.0): under it the kernel
     # writes the clamped fp32 values and torch does the final round-to-nearest-even, as the GPU's
     # cvt.rn.satfinite does.
@@ -113,10 +120,10 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
         scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
     else:
         scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m and k and group_size is not None and group == triton.next_power_of_2(group) and group <= GROUP_TILE:
+    if m and k and grouped:
         per = min(triton.next_power_of_2(groups), GROUP_TILE // group)
         _quantize_fp8_groups_kernel[(m, triton.cdiv(groups, per))](
-            x, q, scales, k, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            x, q, scales, m_real, k, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
             FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, GROUP=group, GROUPS=per,
             num_warps=max(1, min(8, per * group // 512)))
     elif m and k:

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.kernels.fp8_quant import quantize_fp8
 from pdserve.kernels.fp8_scaled_mm import (
+    block_linear,
     check_activation_scales,
     probe_blockwise,
     scaled_mm_blockwise,
@@ -20,7 +21,7 @@ from pdserve.kernels.fp8_scaled_mm import (
     weight_ineligible,
     weight_scale_operand,
 )
-from pdserve.kernels.reference import fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
+from pdserve.kernels.reference import FP8_MIN_SCALE, fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_ref
 from pdserve.worker.quantization.fp8_linear import SCALED_MM_BLOCK_MIN_M, fp8_gemm_path
 from tests.kernels.kernel_inputs import DEVICE, ON_GPU, rel_error
 
@@ -57,6 +58,39 @@ def test_grouped_quantize_over_several_programs_per_row(poison_empty, monkeypatc
     assert s.shape == s_ref.shape == (6, -(-1100 // group))
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     assert (q.float() != q_ref.float()).float().mean() < 0.01
+
+
+def test_quantize_pads_rows_with_zeros(poison_empty):
+    x = torch.randn(5, 300, device=DEVICE)
+    q, s = quantize_fp8(x, 128, mn_major_scales=True, pad_rows_to=4)
+    assert q.shape == (8, 300) and s.shape == (8, 3) and s.stride() == (1, 8)
+    q_ref, s_ref = quantize_fp8_ref(x, 128)
+    torch.testing.assert_close(s[:5], s_ref, rtol=1e-6, atol=0)
+    assert (q[:5].float() != q_ref.float()).float().mean() < 0.01
+    assert torch.all(q[5:].float() == 0) and torch.all(s[5:] == FP8_MIN_SCALE)
+    with pytest.raises(ValueError, match="pad_rows_to needs a power-of-2 group_size"):
+        quantize_fp8(x, None, pad_rows_to=4)
+
+
+@pytest.mark.parametrize("m", [130, 128])
+def test_block_linear_pads_and_slices(poison_empty, monkeypatch, m):
+    # The whole path an FP8 block layer runs from 128 rows, with cuBLASLt's call replaced by its
+    # reference (which reads the scales from memory as cuBLASLt does).
+    import pdserve.kernels.fp8_scaled_mm as fp8_scaled_mm
+
+    seen = []
+
+    def fake(xq, xs, w8, scale_b, out_dtype):
+        seen.append(xq.shape[0])
+        return scaled_mm_blockwise_ref(xq, xs, w8, scale_b, out_dtype)
+
+    monkeypatch.setattr(fp8_scaled_mm, "scaled_mm_blockwise", fake)
+    x = torch.randn(m, 512, device=DEVICE)
+    w8, ws = quantize_fp8_blocks_ref(torch.randn(256, 512, device=DEVICE) * 0.05)
+    out = block_linear(x, w8, ws, torch.float32)
+    xq, xs = quantize_fp8_ref(x, 128)
+    assert seen == [-(-m // 4) * 4] and out.shape == (m, 256) and out.is_contiguous()
+    assert rel_error(out, fp8_block_gemm_ref(xq, xs, w8, ws, 128, torch.float64)) < 1e-2
 
 
 def test_weight_scale_operand_is_the_transposed_block_grid():
@@ -128,3 +162,5 @@ def test_scaled_mm_blockwise_on_sm90(m, n, k):
     out = scaled_mm_blockwise(xq, xs, w8, weight_scale_operand(ws.contiguous()), torch.bfloat16)
     ref = fp8_block_gemm_ref(xq, xs.contiguous(), w8, ws, 128, torch.float64)
     assert out.dtype == torch.bfloat16 and rel_error(out, ref) < 1e-2
+    out = block_linear(x[:m - 3], w8, ws.contiguous(), torch.bfloat16)  # padded to a multiple of 4 rows
+    assert out.shape == (m - 3, n) and rel_error(out, ref[:m - 3]) < 1e-2

@@ -208,10 +208,9 @@ class Fp8LinearMethod:
             out = fp8_gemv(x2.contiguous(), layer.weight, layer.w_scale,
                            layer.scale_rows if self.cfg.block else None)
         elif path == "scaled_mm_block":
-            from pdserve.kernels.fp8_scaled_mm import scaled_mm_blockwise
+            from pdserve.kernels.fp8_scaled_mm import block_linear
 
-            xq, xs = quantize_fp8(x2, group_size=128, mn_major_scales=True)
-            out = scaled_mm_blockwise(xq, xs, layer.weight, layer.w_scale.t(), x.dtype)
+            out = block_linear(x2, layer.weight, layer.w_scale, x.dtype)
         elif path == "triton_block":
             from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
 
