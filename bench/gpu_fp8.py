@@ -350,8 +350,8 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
 
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
-    from pdserve.kernels.fp8_scaled_mm import PAD_M, block_linear, probe_blockwise, scaled_mm_blockwise, \
-        weight_scale_operand
+    from pdserve.kernels import fp8_scaled_mm
+    from pdserve.kernels.fp8_scaled_mm import block_linear, probe_blockwise, scaled_mm_blockwise, weight_scale_operand
     from pdserve.kernels.reference import fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_rows_ref
 
     ok, detail = probe_blockwise(torch.device(device), torch.bfloat16)
@@ -386,7 +386,7 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
             fns = [lambda: F.linear(x, w), ch_total, lambda: quantize_fp8(x),
                    lambda: torch._scaled_mm(xq_ch, w_ch.t(), scale_a=xs_ch, scale_b=s_ch, out_dtype=torch.bfloat16),
                    triton_total]
-            fns += [sm_total, lambda: quantize_fp8(x, 128, mn_major_scales=True, pad_rows_to=PAD_M),
+            fns += [sm_total, lambda: quantize_fp8(x, 128, mn_major_scales=True, pad_rows_to=fp8_scaled_mm.PAD_M),
                     lambda: scaled_mm_blockwise(xq_bl, xs_bl, w_bl, weight_scale_operand(s_bl), torch.bfloat16)] \
                 if ok else []
             t = [1e3 * do_bench(f, warmup=10, rep=40, return_mode="median") for f in fns]

@@ -89,7 +89,8 @@ def test_block_linear_pads_and_slices(poison_empty, monkeypatch, m):
     w8, ws = quantize_fp8_blocks_ref(torch.randn(256, 512, device=DEVICE) * 0.05)
     out = block_linear(x, w8, ws, torch.float32)
     xq, xs = quantize_fp8_ref(x, 128)
-    assert seen == [-(-m // 4) * 4] and out.shape == (m, 256) and out.is_contiguous()
+    pad = fp8_scaled_mm.PAD_M
+    assert seen == [-(-m // pad) * pad] and out.shape == (m, 256) and out.is_contiguous()
     assert rel_error(out, fp8_block_gemm_ref(xq, xs, w8, ws, 128, torch.float64)) < 1e-2
 
 
@@ -164,3 +165,25 @@ def test_scaled_mm_blockwise_on_sm90(m, n, k):
     assert out.dtype == torch.bfloat16 and rel_error(out, ref) < 1e-2
     out = block_linear(x[:m - 3], w8, ws.contiguous(), torch.bfloat16)  # padded to a multiple of 4 rows
     assert out.shape == (m - 3, n) and rel_error(out, ref[:m - 3]) < 1e-2
+
+
+@pytest.mark.skipif(ON_GPU, reason="the probe's decisions, with cuBLASLt's call replaced")
+def test_probe_widens_the_row_padding_or_refuses(monkeypatch):
+    import pdserve.kernels.fp8_scaled_mm as fp8_scaled_mm
+
+    monkeypatch.setattr(fp8_scaled_mm, "PAD_M", fp8_scaled_mm.PAD_M)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def wants_16_rows(xq, xs, w8, scale_b, out_dtype):
+        if xq.shape[0] % 16:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return scaled_mm_blockwise_ref(xq, xs, w8, scale_b, out_dtype)
+
+    monkeypatch.setattr(fp8_scaled_mm, "scaled_mm_blockwise", wants_16_rows)
+    ok, detail = fp8_scaled_mm._run_probe(torch.device("cpu"), torch.float32)
+    assert ok and "padded to a multiple of 16" in detail and fp8_scaled_mm.PAD_M == 16
+
+    monkeypatch.setattr(fp8_scaled_mm, "scaled_mm_blockwise",
+                        lambda xq, xs, w8, sb, dt: torch.zeros(xq.shape[0], w8.shape[0], dtype=dt))
+    ok, detail = fp8_scaled_mm._run_probe(torch.device("cpu"), torch.float32)
+    assert not ok and "wrong result at M=150" in detail and fp8_scaled_mm.PAD_M == 4
