@@ -30,9 +30,16 @@ BLOCK = 128
 
 
 def blockwise_recipes() -> tuple[object, object] | None:
-    """(the 1x128 ScalingType, the 128x128 one) of this torch's scaled_mm, None without it."""
-    st = getattr(torch.nn.functional, "ScalingType", None)
-    if st is None or not hasattr(torch.nn.functional, "scaled_mm"):
+    """(the 1x128 ScalingType, the 128x128 one) of this torch's scaled_mm, None without it. The
+    enum lives beside scaled_mm: torch.nn.functional, or the module defining it in early versions."""
+    import sys
+
+    fn = getattr(torch.nn.functional, "scaled_mm", None)
+    if fn is None:
+        return None
+    st = getattr(torch.nn.functional, "ScalingType", None) or getattr(
+        sys.modules.get(getattr(fn, "__module__", "") or ""), "ScalingType", None)
+    if st is None:
         return None
     for a, b in (("BlockWise1x128", "BlockWise128x128"), ("Blockwise_1x128", "Blockwise_128x128")):
         if hasattr(st, a) and hasattr(st, b):

@@ -14,6 +14,7 @@ import torch
 from pdserve.kernels.fp8_quant import quantize_fp8
 from pdserve.kernels.fp8_scaled_mm import (
     block_linear,
+    blockwise_recipes,
     check_activation_scales,
     probe_blockwise,
     scaled_mm_blockwise,
@@ -92,6 +93,13 @@ def test_block_linear_pads_and_slices(poison_empty, monkeypatch, m):
     pad = fp8_scaled_mm.PAD_M
     assert seen == [-(-m // pad) * pad] and out.shape == (m, 256) and out.is_contiguous()
     assert rel_error(out, fp8_block_gemm_ref(xq, xs, w8, ws, 128, torch.float64)) < 1e-2
+
+
+def test_this_torch_names_the_deepseek_recipe():
+    # torch >= 2.10 (the CI's 2.13, the GPU image's 2.11): scaled_mm with the two block recipes,
+    # whose values are the ATen ScalingType codes 4 (1x128) and 5 (128x128).
+    a, b = blockwise_recipes()
+    assert (a.value, b.value) == (4, 5)
 
 
 def test_weight_scale_operand_is_the_transposed_block_grid():
