@@ -157,13 +157,21 @@ def step_bytes(engine) -> int:
     return total
 
 
-def speed(variant: str, path: str, quantization: str | None, args, bw: float) -> dict:
+def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True) -> dict:
+    """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
+    same-run baseline of cuBLASLt's block scaling)."""
     from pdserve.bench.engine import decode_step_seconds
+    from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
-    res = {"variant": variant, "start_s": time.perf_counter() - t0, "graphs": engine.runner.graphs is not None}
+    fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
+    try:
+        engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
+    finally:
+        fp8_linear.SCALED_MM_BLOCK = True
+    res = {"variant": variant, "start_s": time.perf_counter() - t0, "graphs": engine.runner.graphs is not None,
+           "scaled_mm_layers": sum(bool(getattr(m, "scaled_mm_block", False)) for m in engine.runner.model.modules())}
     print(f"{variant}: engine started in {res['start_s']:.0f}s", flush=True)
     try:
         rng = random.Random(7)
@@ -327,6 +335,95 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
     return rows
 
 
+BLOCKWISE_MS = (64, 128, 256, 1024, 4096)
+BLOCKWISE_COLS = ("bf16", "ch total", "ch quant", "ch GEMM", "triton total", "sm total", "sm quant", "sm GEMM")
+
+
+def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[list, list[str]]:
+    """Each Llama-3.1-8B linear alone at prefill sizes (eager, do_bench medians, us): bf16
+    F.linear (cuBLAS); per-channel (per-token quantization + _scaled_mm row-wise, and each part
+    alone); block-128 on the Triton GEMM (quantization included); block-128 on torch's scaled_mm
+    block scaling (cuBLASLt 1x128 x 128x128: total, quantization alone, GEMM alone). Block
+    columns are NaN when the probe says the card cannot run it. Returns (rows, notes)."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_quant import quantize_fp8
+    from pdserve.kernels import fp8_scaled_mm
+    from pdserve.kernels.fp8_scaled_mm import block_linear, probe_blockwise, scaled_mm_blockwise, weight_scale_operand
+    from pdserve.kernels.reference import fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    ok, detail = probe_blockwise(torch.device(device), torch.bfloat16)
+    notes = [f"torch scaled_mm block scaling (BlockWise1x128 x BlockWise128x128) on this card: "
+             f"{'supported' if ok else 'UNSUPPORTED'} ({detail})"]
+    print(notes[0], flush=True)
+    nan = float("nan")
+    rows = []
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        w_ch, s_ch = quantize_fp8_rows_ref(w)
+        s_ch = s_ch.reshape(1, -1).contiguous()
+        w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        s_bl = s_bl.contiguous()
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            xq_ch, xs_ch = quantize_fp8(x)
+            xq_bl, xs_bl = quantize_fp8(x, 128, mn_major_scales=True)
+            xq_tr, xs_tr = quantize_fp8(x, 128)
+
+            def ch_total():
+                xq, xs = quantize_fp8(x)
+                return torch._scaled_mm(xq, w_ch.t(), scale_a=xs, scale_b=s_ch, out_dtype=torch.bfloat16)
+
+            def triton_total():
+                xq, xs = quantize_fp8(x, 128)
+                return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
+
+            def sm_total():  # what the engine's block layers run from SCALED_MM_BLOCK_MIN_M rows
+                return block_linear(x, w_bl, s_bl, torch.bfloat16)
+
+            fns = [lambda: F.linear(x, w), ch_total, lambda: quantize_fp8(x),
+                   lambda: torch._scaled_mm(xq_ch, w_ch.t(), scale_a=xs_ch, scale_b=s_ch, out_dtype=torch.bfloat16),
+                   triton_total]
+            fns += [sm_total, lambda: quantize_fp8(x, 128, mn_major_scales=True, pad_rows_to=fp8_scaled_mm.PAD_M),
+                    lambda: scaled_mm_blockwise(xq_bl, xs_bl, w_bl, weight_scale_operand(s_bl), torch.bfloat16)] \
+                if ok else []
+            t = [1e3 * do_bench(f, warmup=10, rep=40, return_mode="median") for f in fns]
+            t += [nan] * (len(BLOCKWISE_COLS) - len(t))
+            err = nan
+            if ok and m == ms[0]:  # the same product as the Triton GEMM's reference, on this card
+                ref = fp8_block_gemm_ref(xq_tr, xs_tr, w_bl, s_bl, 128, torch.float64)
+                out = sm_total().double()
+                assert out.shape == ref.shape
+                err = ((out - ref).norm() / ref.norm()).item()
+            rows.append((f"{name} {n}x{k}", m, *t, err))
+        del w, w_ch, w_bl
+        free(device)
+    return rows, notes
+
+
+def blockwise_table(rows: list) -> list[str]:
+    lines = ["Each Llama-3.1-8B linear alone at prefill sizes (eager, do_bench medians, us). ch = FP8 per-channel "
+             "(per-token quantization + `_scaled_mm` row-wise); triton = FP8 block-128 on the Triton block GEMM "
+             "(1x128 quantization included); sm = FP8 block-128 on torch `scaled_mm` BlockWise1x128 x "
+             "BlockWise128x128 (cuBLASLt). x = bf16 time / that time.", "",
+             "| linear (N x K) | M | bf16 | ch total | x | ch quant | ch GEMM | triton total | x | sm total | x "
+             "| sm quant | sm GEMM | sm rel. err |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def us(v: float) -> str:
+        return "n/a" if v != v else f"{v:.1f}"
+
+    def x(b: float, v: float) -> str:
+        return "n/a" if v != v else f"{b / v:.2f}x"
+
+    for name, m, b, cht, chq, chg, tr, smt, smq, smg, err in rows:
+        lines.append(f"| {name} | {m} | {us(b)} | {us(cht)} | {x(b, cht)} | {us(chq)} | {us(chg)} | {us(tr)} | "
+                     f"{x(b, tr)} | {us(smt)} | {x(b, smt)} | {us(smq)} | {us(smg)} | "
+                     f"{'' if err != err else f'{err:.1e}'} |")
+    return lines
+
+
 def error(tops: list[dict[int, float]], ref: list[torch.Tensor]) -> tuple[float, int]:
     """max |logprob - fp32| over each prompt's top-5, and how often the top-1 is fp32's argmax."""
     err = max(abs(lp - ref[i][t].item()) for i, top in enumerate(tops) for t, lp in top.items())
@@ -342,7 +439,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
     ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
                     "default: kernels/fp8_gemv_configs.py")
-    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy"), default=["gemm", "speed", "accuracy"])
+    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise"),
+                    default=["gemm", "speed", "accuracy"],
+                    help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
+                         "per-channel and the Triton block GEMM; with speed it also adds an engine row for "
+                         "block-128 on the Triton GEMM alone (bench/gpu_fp8.sh blockwise runs both)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -367,7 +468,7 @@ def main(argv=None) -> int:
     header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
               f"measured copy bandwidth {bw / 1e9:.0f} GB/s")
     print(header, flush=True)
-    notes, speed_rows, acc_rows, gemms, sweep = [], [], [], [], []
+    notes, speed_rows, acc_rows, gemms, sweep, blockwise = [], [], [], [], [], []
 
     def report() -> str:
         lines = [header, ""]
@@ -402,6 +503,8 @@ def main(argv=None) -> int:
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             lines += [f"| {name} | {m} | {b:.1f} | {c:.1f} | {b / c:.2f}x | {k:.1f} | {b / k:.2f}x |"
                       for name, m, b, c, k in gemms]
+        if blockwise:
+            lines += [""] + blockwise_table(blockwise)
         if sweep:
             lines += ["", "Tile sweep (us; the engine's choice is the row above's):", "",
                       "| linear | M | tiles | us |", "| --- | ---: | --- | ---: |"]
@@ -423,6 +526,17 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 notes.append(f"GEMM table: FAILED: {type(e).__name__}: {e}")
             print(report(), flush=True)
+        if "blockwise" in args.only and args.device == "cuda":
+            try:
+                rows, bw_notes = blockwise_rows(args.device)
+                blockwise.extend(rows)
+                notes.extend(bw_notes)
+            except Exception as e:  # the engines' rows still come
+                import traceback
+
+                traceback.print_exc()
+                notes.append(f"blockwise GEMM table: FAILED: {type(e).__name__}: {e}")
+            print(report(), flush=True)
         if "speed" in args.only:
             t0 = time.perf_counter()
             bf16 = write_bf16(hf, hf["num_hidden_layers"], args.device, os.path.join(work, "bf16"))
@@ -430,12 +544,17 @@ def main(argv=None) -> int:
             block = write_block_fp8(bf16, os.path.join(work, "block"), args.device)
             notes.append(f"checkpoints: bf16 written in {t1 - t0:.0f}s, block-128 FP8 quantized and written in "
                          f"{time.perf_counter() - t1:.0f}s")
-            for variant, path, quant in (("bf16", bf16, None), ("FP8 per-channel", bf16, "fp8"),
-                                         ("FP8 block-128", block, None)):
+            variants = [("bf16", bf16, None, True), ("FP8 per-channel", bf16, "fp8", True),
+                        ("FP8 block-128", block, None, True)]
+            if "blockwise" in args.only:  # the same checkpoint with the Triton GEMM at every M: same-run baseline
+                variants = [variants[0], variants[2], ("FP8 block-128 (Triton GEMM only)", block, None, False),
+                            variants[1]]
+            for variant, path, quant, block_sm in variants:
                 try:
-                    r = speed(variant, path, quant, args, bw)
+                    r = speed(variant, path, quant, args, bw, block_sm)
                     speed_rows.append(r)
-                    notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']})")
+                    notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
+                                 f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")
                 except Exception as e:  # one variant failing must not hide the others' numbers
                     import traceback
 

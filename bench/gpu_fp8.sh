@@ -14,7 +14,21 @@
 #    after another on cuda:0: bs=1 decode ms/step, offline 1024/128 tok/s, and the first token's
 #    top-5 logprob error against transformers fp32 on a 2-layer model of the same widths  420 s
 # Files in $OUT: env.txt, fp8.md (the tables), fp8_log.txt, tests.txt, gemv_tune.md/.json/_log.txt.
+#
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_fp8.sh blockwise")   (~6 minutes)
+#
+# Block-128 on torch's scaled_mm (cuBLASLt 1x128 x 128x128 block scaling) against the rest, one card:
+# 1. tests/kernels/test_fp8_scaled_mm.py and test_fp8.py but its GEMV tests, compiled (the grouped
+#    quantization kernel, token-major scales, the block GEMM and the linear's W8A8 paths; on sm90
+#    the probe and the real cuBLASLt call against the reference)                           75 s
+# 2. bench/gpu_fp8.py --only blockwise speed: each Llama-3.1-8B linear at M = 64..4096: bf16 cuBLAS,
+#    per-channel _scaled_mm (quantization and GEMM apart), Triton block GEMM, scaled_mm block
+#    (quantization and GEMM apart; "UNSUPPORTED" and n/a if the card cannot); then engines one after
+#    another: bf16, block-128 (scaled_mm from 128 rows), block-128 (Triton GEMM only), per-channel:
+#    bs=1 decode ms/step and offline 64 x 1024/128 tok/s                                       265 s
+# Files in $OUT: env.txt, fp8_blockwise.md (the tables), fp8_blockwise_log.txt, tests_blockwise.txt.
 set -u
+MODE=${1:-all}
 OUT=${OUT:-$PWD/gpu_fp8_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -26,6 +40,23 @@ source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prom
 gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one card, whatever the machine has
+
+if [ "$MODE" = blockwise ]; then
+  t0=$(date +%s)
+  timeout --kill-after=10 75 $PY -m pytest tests/kernels/test_fp8_scaled_mm.py tests/kernels/test_fp8.py -q \
+    -k "not gemv" -p no:cacheprovider > "$OUT/tests_blockwise.txt" 2>&1
+  echo "fp8 scaled_mm tests: rc=$? in $(( $(date +%s) - t0 ))s"
+  tail -n 3 "$OUT/tests_blockwise.txt"
+  cd /tmp
+  t0=$(date +%s)
+  timeout --kill-after=10 265 $PY -m pdserve.bench.gpu_fp8 --only blockwise speed --workdir /tmp/pdserve-fp8 \
+    --out "$OUT/fp8_blockwise.md" > "$OUT/fp8_blockwise_log.txt" 2>&1
+  echo "bench gpu_fp8 blockwise: rc=$? in $(( $(date +%s) - t0 ))s"
+  rm -rf /tmp/pdserve-fp8
+  grep -v " INFO \|it/s\]" "$OUT/fp8_blockwise_log.txt" | grep -i "scaled_mm\|error\|Traceback" | head -n 5
+  cat "$OUT/fp8_blockwise.md" 2>/dev/null
+  exit 0
+fi
 
 t0=$(date +%s)
 timeout --kill-after=10 90 $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1

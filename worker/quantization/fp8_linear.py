@@ -16,9 +16,12 @@ After loading (`process_weights_after_loading`):
 - on CUDA (sm90+): the weight stays e4m3. Decode-sized calls (M <= 16 rows) run
   kernels/fp8_gemv.py: the FP8 weight times the activations as they are (W8A16; half bf16's
   bytes, no quantize launch). Larger calls quantize the activations (kernels/fp8_quant.py) and
-  run `torch._scaled_mm` with row-wise scales (per-channel) or the Triton block-scaled GEMM
-  (kernels/fp8_block_gemm.py; row scales compressed back to one per 128-row block when every
-  block's rows agree). All are CUDA-graph capturable: no host sync, only the outputs allocated;
+  run `torch._scaled_mm` with row-wise scales (per-channel) or, for 128x128 blocks (row scales
+  compressed back to one per 128-row block when every block's rows agree), cuBLASLt's block
+  scaling through torch's scaled_mm (kernels/fp8_scaled_mm.py) from SCALED_MM_BLOCK_MIN_M rows
+  where a one-time probe at load says it runs and is right on this device, else the Triton
+  block-scaled GEMM (kernels/fp8_block_gemm.py). `fp8_gemm_path` is the whole choice.
+  All are CUDA-graph capturable: no host sync, only the outputs allocated;
 - on CPU (and GPUs without FP8 tensor cores): the weight is dequantized once to the compute
   dtype and the layer becomes a plain linear, so CI runs the same model code on the same FP8
   weight values (activations stay unquantized there).
@@ -37,17 +40,38 @@ from pdserve.worker.quantization.config import Fp8Config
 
 # Batches up to this many rows take kernels/fp8_gemv.py (its MAX_M) on the GPU; larger ones W8A8.
 FP8_GEMV_MAX_M = 16
+# Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
+# Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
+# Triton GEMM at M = 16-64 and ahead from M = 1024. bench/gpu_fp8.py --only blockwise prints the
+# crossover on the card.
+SCALED_MM_BLOCK_MIN_M = 128
+# False keeps every block-scaled layer on the Triton GEMM (the bench compares both in one run).
+SCALED_MM_BLOCK = True
+
+
+def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool) -> str:
+    """Which GEMM an FP8 layer runs for M rows on the GPU: "gemv" (decode sizes, activations
+    unquantized), "rowwise" (per-tensor/per-channel: _scaled_mm), "scaled_mm_block" (block
+    scales on cuBLASLt; `scaled_mm_block`: the layer is eligible and the probe passed) or
+    "triton_block"."""
+    if m <= FP8_GEMV_MAX_M:
+        return "gemv"
+    if not block:
+        return "rowwise"
+    if scaled_mm_block and m >= SCALED_MM_BLOCK_MIN_M:
+        return "scaled_mm_block"
+    return "triton_block"
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, msg: str, *args) -> None:
+def _warn_once(key: str, msg: str, *args, level: int = logging.WARNING) -> None:
     """One line per cause and process, not one per layer."""
     if key not in _warned:
         _warned.add(key)
-        log.warning(msg, *args)
+        log.log(level, msg, *args)
 
 
 def _param(shape, dtype) -> nn.Parameter:
@@ -142,8 +166,32 @@ class Fp8LinearMethod:
             else:
                 layer.scale_rows = 1  # blocks straddle fused parts (small models): keep one per row
             layer.w_scale = scale.contiguous()
+            layer.scaled_mm_block = self._scaled_mm_block_ok(layer, compute_dtype)
         else:
             layer.w_scale = scale.reshape(1, -1).contiguous()  # [1, out]: _scaled_mm's row-wise scale_b
+
+    def _scaled_mm_block_ok(self, layer: nn.Module, compute_dtype: torch.dtype) -> bool:
+        """Whether this block-scaled layer may take cuBLASLt's block scaling: 128x128 blocks, a
+        shape it takes (fp8_scaled_mm.weight_ineligible), and the device's probe passed (once per
+        process; a failure is logged once and the layer keeps the Triton GEMM)."""
+        from pdserve.kernels.fp8_scaled_mm import probe_blockwise, weight_ineligible, weight_scale_operand
+
+        w8 = layer.weight
+        if not SCALED_MM_BLOCK or w8.device.type != "cuda" or tuple(self.cfg.block) != (128, 128):
+            return False
+        why = weight_ineligible(w8.shape[0], w8.shape[1], layer.scale_rows)
+        if why is not None:
+            _warn_once("sm-shape-" + why, "FP8 block weight %s runs the Triton block GEMM: %s", list(w8.shape), why)
+            return False
+        weight_scale_operand(layer.w_scale)  # the layout the call reads: a view, checked once here
+        ok, detail = probe_blockwise(w8.device, compute_dtype)
+        if not ok:
+            _warn_once("sm-probe", "torch scaled_mm block scaling (cuBLASLt) unavailable on %s for %s output (%s): "
+                                   "FP8 block weights run the Triton block GEMM", w8.device, compute_dtype, detail)
+        else:
+            _warn_once("sm-probe-ok", "FP8 block weights: cuBLASLt block scaling from %d rows (probe: %s)",
+                       SCALED_MM_BLOCK_MIN_M, detail, level=logging.INFO)
+        return ok
 
     # -- running (CUDA) ------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -151,14 +199,19 @@ class Fp8LinearMethod:
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= FP8_GEMV_MAX_M:
+        path = fp8_gemm_path(x2.shape[0], self.cfg.block is not None, getattr(layer, "scaled_mm_block", False))
+        if path == "gemv":
             # Decode-sized batches: the FP8 weight times unquantized activations (fp8_gemv.py: W8A8
             # measured slower than bf16 here; this reads half bf16's bytes, and no quantize launch).
             from pdserve.kernels.fp8_gemv import fp8_gemv
 
             out = fp8_gemv(x2.contiguous(), layer.weight, layer.w_scale,
                            layer.scale_rows if self.cfg.block else None)
-        elif self.cfg.block:
+        elif path == "scaled_mm_block":
+            from pdserve.kernels.fp8_scaled_mm import block_linear
+
+            out = block_linear(x2, layer.weight, layer.w_scale, x.dtype)
+        elif path == "triton_block":
             from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
 
             xq, xs = quantize_fp8(x2, group_size=self.cfg.block[1])
