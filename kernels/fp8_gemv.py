@@ -1,4 +1,4 @@
-"""FP8 weights times unquantized activations for decode-sized M (<= 64 rows): out = x @ (W8 * S)^T.
+"""FP8 weights times unquantized activations for decode-sized M (<= 16 rows): out = x @ (W8 * S)^T.
 
 Why a second FP8 GEMM: at M = 1..16 a linear layer is a pass over its weight, and the FP8
 weight is half the bytes of bf16. But the W8A8 paths (dynamic activation quantization, then
@@ -13,11 +13,8 @@ Grid (cdiv(N, BLOCK_N), SPLIT_K): a program streams BLOCK_N rows of W over one K
 few rows (N = 4096 at 32 rows is 128 programs on a 132-SM card) one pass per row block leaves
 the memory system idle between loads, so K is split and the fp32 partial sums are added by a
 second small kernel in a fixed order (no atomics: the same bits on every run). M = 1 multiplies
-and sums in registers; M > 1 pads M to 16 (to 32 or 64 past 16 rows) for a tensor-core dot
-(compute is nearly free here; the loads are what count). Up to 64 rows a program holds every row,
-so each weight tile is read once per step: an offline batch of 64 decoding sequences reads half
-the bytes of bf16 and skips the activation-quantization pass that the W8A8 GEMMs need (which
-lost to bf16 at M = 64-256 on an H200: docs/fp8-gpu-results.md). Scales: per output channel ([N] or [1, N]: applied once at the end), or
+and sums in registers; M > 1 pads M to 16 for a tensor-core dot (compute is free here; the
+loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
 128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128).
 Tiles per shape: a measured table (fp8_gemv_configs.py, written by bench/fp8_gemv_tune.py) where it
 has the card and shape, else the rule in `default_config`. CUDA-graph capturable: no host sync,
@@ -33,8 +30,7 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 
 FP8 = torch.float8_e4m3fn
-MAX_M = 64  # past this the W8A8 GEMMs take over (each weight tile reused across many more rows)
-TABLE_MAX_M = 16  # the measured table's tiles are for up to this many rows; more take the rule
+MAX_M = 16  # past this the W8A8 GEMMs win (they reuse each weight tile across many rows)
 GROUP_K = 128
 
 
@@ -108,7 +104,7 @@ def default_config(n: int, k: int, blocked: bool, m: int, sms: int = 132) -> dic
     """Tiles by rule when the table has no measurement: 32-row blocks (best of 16/32/64/128 rows
     on an H200, Llama-3.1-8B shapes), 256 columns a step (128 for group scales), and K split
     until about two programs per SM."""
-    bn, bk = 32, 128 if blocked else 256  # bk 256 at 64 rows: 3 stages of x and w are 120 KB of shared memory
+    bn, bk = 32, 128 if blocked else 256
     split = 1
     while triton.cdiv(n, bn) * split < 2 * sms and k // (split * 2) >= 4 * bk:
         split *= 2
@@ -140,13 +136,13 @@ def choose_config(x: torch.Tensor, n: int, k: int, blocked: bool) -> dict:
         _load_committed()
     m = x.shape[0]
     card = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else "cpu"
-    found = _TABLE.get(card, {}).get(config_key(n, k, blocked, m)) if m <= TABLE_MAX_M else None
+    found = _TABLE.get(card, {}).get(config_key(n, k, blocked, m))
     return dict(found) if found else default_config(n, k, blocked, m, num_sms(x.device))
 
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_rows: int | None = None,
              config: dict | None = None) -> torch.Tensor:
-    """x [M <= 64, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
+    """x [M <= 16, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
     w_scale: per output channel ([N] or [1, N]) when scale_rows is None; else 128-column group
     scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1).
     `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages (default: choose_config)."""
@@ -184,8 +180,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         x, w8, w_scale, dst, m, n, k, k_split, x.stride(0), w8.stride(0), w_scale.stride(0) if blocked else 0,
         dst.stride(0) if split > 1 else 0, dst.stride(-2),
         BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K, DOT_F32=dot_in_f32(x.dtype),
-        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn,
-        BLOCK_K=bk, **cfg)
+        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, **cfg)
     if split > 1:
         size = m * n
         _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024)

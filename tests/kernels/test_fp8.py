@@ -127,13 +127,13 @@ def test_fp8_linear_kernel_path_matches_reference(weight, activation):
     layer.quant.process_weights_after_loading(layer, torch.bfloat16, kernels=True)
     assert layer.weight.dtype == FP8
     assert getattr(layer, "scale_rows", 128) == 128  # the q/k/v parts sit on the 128-row grid
-    # 5 rows: the decode path (fp8_gemv, activations unquantized); 80 rows: W8A8.
+    # 5 rows: the decode path (fp8_gemv, activations unquantized); 40 rows: W8A8.
     x = torch.randn(5, 256, device=DEVICE).bfloat16()
     out = layer(x)
     assert out.shape == (5, 512) and out.dtype == torch.bfloat16
     scale_rows = (layer.scale_rows if weight == "block" else None)
     assert rel_error(out, fp8_gemv_ref(x.double(), layer.weight, layer.w_scale, scale_rows)) < 1e-2
-    x = torch.randn(80, 256, device=DEVICE).bfloat16()
+    x = torch.randn(40, 256, device=DEVICE).bfloat16()
     out = layer(x)
     if weight == "block":
         xq, xs = quantize_fp8_ref(x, 128)
@@ -142,7 +142,7 @@ def test_fp8_linear_kernel_path_matches_reference(weight, activation):
         static = torch.tensor([0.03], device=DEVICE) if activation == "static" else None  # the parts' max
         xq, xs = quantize_fp8_ref(x, static_scale=static)
         ref = fp8_scaled_mm_ref(xq, xs, layer.weight, layer.w_scale, torch.float64)
-    assert out.shape == (80, 512) and out.dtype == torch.bfloat16
+    assert out.shape == (40, 512) and out.dtype == torch.bfloat16
     assert rel_error(out, ref) < 1e-2
     # And near the unquantized-activation product: FP8 activations cost a few percent at most.
     w = torch.cat([dense["q"], dense["k"], dense["v"]])
@@ -151,8 +151,7 @@ def test_fp8_linear_kernel_path_matches_reference(weight, activation):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,scale_rows", [(1, 40, 200, None), (5, 64, 256, None), (16, 33, 300, None),
-                                              (1, 256, 384, 128), (7, 100, 200, 1), (16, 130, 128, 128),
-                                              (33, 40, 256, None), (64, 70, 256, 128)])
+                                              (1, 256, 384, 128), (7, 100, 200, 1), (16, 130, 128, 128)])
 def test_fp8_gemv_matches_reference(poison_empty, dtype, m, n, k, scale_rows):
     from pdserve.kernels.fp8_gemv import fp8_gemv
     from pdserve.kernels.reference import fp8_gemv_ref
@@ -196,7 +195,7 @@ def test_fp8_gemv_refuses_what_it_cannot_run():
     from pdserve.kernels.fp8_gemv import fp8_gemv
 
     w8 = torch.zeros(32, 64, device=DEVICE).to(FP8)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        fp8_gemv(torch.zeros(65, 64, device=DEVICE), w8, torch.ones(32, device=DEVICE))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fp8_gemv(torch.zeros(17, 64, device=DEVICE), w8, torch.ones(32, device=DEVICE))
     with pytest.raises(ValueError, match="per-channel scales"):
         fp8_gemv(torch.zeros(2, 64, device=DEVICE), w8, torch.ones(31, device=DEVICE))

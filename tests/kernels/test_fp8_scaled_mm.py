@@ -140,8 +140,8 @@ def test_scale_layouts_give_the_block_gemm_product():
 
 
 @pytest.mark.parametrize("m,block,ok,path", [
-    (1, True, True, "gemv"), (64, False, False, "gemv"), (65, False, False, "rowwise"), (4096, False, True, "rowwise"),
-    (65, True, True, "triton_block"), (SCALED_MM_BLOCK_MIN_M - 1, True, True, "triton_block"),
+    (1, True, True, "gemv"), (16, False, False, "gemv"), (17, False, False, "rowwise"), (4096, False, True, "rowwise"),
+    (17, True, True, "triton_block"), (SCALED_MM_BLOCK_MIN_M - 1, True, True, "triton_block"),
     (SCALED_MM_BLOCK_MIN_M, True, True, "scaled_mm_block"), (4096, True, False, "triton_block"),
 ])
 def test_fp8_gemm_path(m, block, ok, path):

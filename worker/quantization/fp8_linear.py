@@ -13,7 +13,7 @@ A layer built with `quant=Fp8LinearMethod(cfg)` holds, while loading:
   read the same activations).
 
 After loading (`process_weights_after_loading`):
-- on CUDA (sm90+): the weight stays e4m3. Decode-sized calls (M <= 64 rows) run
+- on CUDA (sm90+): the weight stays e4m3. Decode-sized calls (M <= 16 rows) run
   kernels/fp8_gemv.py: the FP8 weight times the activations as they are (W8A16; half bf16's
   bytes, no quantize launch). Larger calls quantize the activations (kernels/fp8_quant.py) and
   run `torch._scaled_mm` with row-wise scales (per-channel) or, for 128x128 blocks (row scales
@@ -39,7 +39,7 @@ from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_rows_ref
 from pdserve.worker.quantization.config import Fp8Config
 
 # Batches up to this many rows take kernels/fp8_gemv.py (its MAX_M) on the GPU; larger ones W8A8.
-FP8_GEMV_MAX_M = 64
+FP8_GEMV_MAX_M = 16
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
 # Triton GEMM at M = 16-64 and ahead from M = 1024. bench/gpu_fp8.py --only blockwise prints the
