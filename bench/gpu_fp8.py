@@ -268,6 +268,16 @@ def _cfg_name(c: dict) -> str:
     return " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')[:1].lower()}{v}" for k, v in c.items())
 
 
+
+def _linear_weights(n: int, k: int, device: str):
+    """A random bf16 linear [n, k] and its FP8 per-channel and block-128 forms (reference quantizers)."""
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    w_ch, s_ch = quantize_fp8_rows_ref(w)
+    w_bl, s_bl = quantize_fp8_blocks_ref(w)
+    return w, w_ch, s_ch.reshape(1, -1).contiguous(), w_bl, s_bl
+
 def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> list[tuple[str, int, float, float, float]]:
     """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
     the engine runs: (shape, M, bf16 us, per-channel us, block-128 us). M <= 16: fp8_gemv (FP8
@@ -286,10 +296,7 @@ def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> li
 
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w_ch, s_ch = quantize_fp8_rows_ref(w)
-        s_ch = s_ch.reshape(1, -1).contiguous()
-        w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        w, w_ch, s_ch, w_bl, s_bl = _linear_weights(n, k, device)
         copies = [(w, w_ch, s_ch, w_bl, s_bl)]
         while len(copies) * n * k < 256 * 2**20:  # enough distinct weights that L2 cannot hold them
             wc = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -352,7 +359,7 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
     from pdserve.kernels.fp8_quant import quantize_fp8
     from pdserve.kernels import fp8_scaled_mm
     from pdserve.kernels.fp8_scaled_mm import block_linear, probe_blockwise, scaled_mm_blockwise, weight_scale_operand
-    from pdserve.kernels.reference import fp8_block_gemm_ref, quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+    from pdserve.kernels.reference import fp8_block_gemm_ref
 
     ok, detail = probe_blockwise(torch.device(device), torch.bfloat16)
     notes = [f"torch scaled_mm block scaling (BlockWise1x128 x BlockWise128x128) on this card: "
@@ -361,10 +368,7 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
     nan = float("nan")
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w_ch, s_ch = quantize_fp8_rows_ref(w)
-        s_ch = s_ch.reshape(1, -1).contiguous()
-        w_bl, s_bl = quantize_fp8_blocks_ref(w)
+        w, w_ch, s_ch, w_bl, s_bl = _linear_weights(n, k, device)
         s_bl = s_bl.contiguous()
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
