@@ -199,12 +199,132 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
     )
 
 
+# --- Decode sizes (T <= DECODE_MAX_TOKENS): no sort, no [T*k, H] buffer, no separate sum -------
+# At one token the sorted path is five launches around 75 MB of weights (align, memset, gate|up,
+# down, the sum over k), and its 16-row tiles give the 8 experts' gate|up only 8 x 12 programs:
+# fewer than the SMs (bench/moe.py's profile: ~32 us a layer for ~18 us of bytes). Here:
+# 1. gate|up, one program per (assignment, BLOCK_N strip of I): a register GEMV of x's row
+#    against the strip's gate and up rows (no 16-row padding: one real row per expert at T = 1),
+#    epilogue silu(gate) * up times the router weight, rounded once, to the assignment's row.
+#    The weight moves here from the down epilogue so that the down pass below is a plain sum.
+#    Assignments of the same strip are neighbours in launch order, so two tokens that chose one
+#    expert read its strip from DRAM once and from L2 the second time.
+# 2. down, one program per (token, BLOCK_N strip of H): the token's k experts' [BLOCK_N, BLOCK_K]
+#    tiles loaded as one [k, BLOCK_N, BLOCK_K] block per step (k times the bytes in flight of a
+#    one-expert GEMV: these loads are not pipelined through shared memory, so this is what keeps
+#    HBM busy), products summed over K, then over the k experts in registers: the top-k sum
+#    happens inside the GEMM, in a fixed order, with no atomics, so results are bit-stable.
+# Two launches, both sized by shapes alone (CUDA-graph capturable), nothing to zero first.
+
+# Past this many tokens the sorted path runs: a first guess (at 8 tokens the sorted path already
+# streams at ~75% of copy bandwidth on an H200, and the per-assignment GEMV reads an expert chosen
+# by several tokens once per token, from L2 at best); bench/moe.py's decode table measures both.
+DECODE_MAX_TOKENS = 4
+MOE_PATHS = ("auto", "sorted", "decode")
+
+
+def moe_decode_config(top_k: int) -> dict:
+    """Decode tiles: gate|up strips of 16 rows (x 2 halves) and 256 K, 8 times the programs of the
+    sorted path's 64-wide tiles at T = 1; down blocks of ~64 weight rows ([k, BLOCK_N]) x 128 K,
+    32 KB of bf16 per step. First guesses from the H200's measured GEMVs (kernels/fused_gemv.py:
+    16-32 row strips and 256-wide K were its best at M = 1); bench/moe.py sweeps alternatives."""
+    k_tile = triton.next_power_of_2(top_k)
+    return dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4,
+                DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=128, DOWN_WARPS=8)
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N, K, num_experts, expert_offset,
+                               stride_xm, stride_we, stride_wn, stride_im,
+                               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
+    if (e < 0) | (e >= num_experts):  # held by another rank (or -1): the down pass skips the row
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
+    gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = col_ok[:, None] & k_ok[None, :]
+        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(g * xk, axis=1)
+        acc_up += tl.sum(u * xk, axis=1)
+        gate_ptrs += BLOCK_K
+    w = tl.load(weight_ptr + a).to(tl.float32)
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up * w
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_experts, expert_offset,
+                            stride_im, stride_we, stride_wn, stride_om,
+                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK_N)): token t's output columns [n*BLOCK_N, +BLOCK_N), all k experts.
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    js = tl.arange(0, K_TILE)
+    e = tl.load(ids_ptr + t * TOP_K + js, mask=js < TOP_K, other=-1).to(tl.int64) - expert_offset
+    held = (js < TOP_K) & (e >= 0) & (e < num_experts)  # not held: its row was never written, never read
+    e = tl.where(held, e, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + (t * TOP_K + js)[:, None] * stride_im + ks[None, :]
+    w_ptrs = w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
+    acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=held[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers
+    tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg) -> torch.Tensor:
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)
+    # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
+    inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+        x, w13, inter_out, ids, weights, inter, h, e, expert_offset,
+        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], num_warps=cfg["GU_WARPS"],
+    )
+    out = torch.empty_like(x)
+    _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
+        inter_out, w2, out, ids, h, inter, e, expert_offset,
+        inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
+        BLOCK_K=cfg["DOWN_BLOCK_K"], num_warps=cfg["DOWN_WARPS"],
+    )
+    return out
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0,
+              path: str = "auto") -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
-    `config`: tile sizes (default moe_block_config's)."""
+    `path`: "sorted" (align + grouped GEMMs + sum), "decode" (two GEMV launches, the sum inside
+    the down pass), "auto" = decode up to DECODE_MAX_TOKENS tokens (a shape test: a CUDA graph
+    replays the path it captured). `config`: tile sizes of the path that runs (default
+    moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, h = x.shape
@@ -218,12 +338,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     top_k = topk_ids.shape[1]
     check_tensor(fn, "topk_weights", topk_weights, (t, top_k), FLOAT_DTYPES)
     check_devices(fn, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if path not in MOE_PATHS:
+        raise ValueError(f"{fn}: path must be one of {', '.join(MOE_PATHS)}, got {path!r}")
     if t == 0:
         return torch.empty_like(x)
-    m = t * top_k
-    cfg = config or moe_block_config(m, e)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     weights = topk_weights.reshape(-1).contiguous()
+    # The decode kernels index the last dimension with unit stride (model parameters always are).
+    unit = all(v.stride(-1) == 1 for v in (x, w13, w2))
+    if path == "decode" and not unit:
+        raise ValueError(f"{fn}: the decode path needs x, w13 and w2 contiguous in their last dimension")
+    sorted_cfg = config is not None and "BLOCK_M" in config
+    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
+        cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k)
+        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg)
+    m = t * top_k
+    cfg = config if sorted_cfg else moe_block_config(m, e)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)
     out = torch.zeros((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held stay zero

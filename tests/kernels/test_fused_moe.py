@@ -119,3 +119,73 @@ def test_rejects_bad_arguments():
         fused_moe(x, w13, w2, w, ids.float())
     with pytest.raises(ValueError, match="topk_weights has shape"):
         fused_moe(x, w13, w2, w[:, :1], ids)
+
+
+# --- The decode path (T <= DECODE_MAX_TOKENS): two GEMV launches, the top-k sum in the down pass.
+SMALL_DECODE_TILES = dict(GU_BLOCK_N=16, GU_BLOCK_K=32, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=32, DOWN_WARPS=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (1, 16, 8, 0.0), (3, 8, 3, 0.0), (4, 8, 2, 0.4), (6, 4, 2, 0.0)])
+def test_decode_path_matches_reference(poison_empty, dtype, t, e, k, drop):
+    # h 80 / inter 40: the last K tile and the last column strip of both passes are partial;
+    # k = 3: the [k, BLOCK_N, BLOCK_K] down block has a masked fourth expert.
+    x, w13, w2, w, ids = moe_inputs(t, 80, 40, e, k, dtype=dtype, drop=drop)
+    out = fused_moe(x, w13, w2, w, ids, config=SMALL_DECODE_TILES, path="decode")
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    # bf16: the interpreter truncates fp32 -> bf16 (tests/kernels/test_fused_gemv.py's 2.5e-2).
+    assert rel_error(out, ref) < (2.5e-2 if dtype == torch.bfloat16 and DEVICE == "cpu" else TOL[dtype] * 10)
+    if drop:  # a token whose k experts are all elsewhere gets exactly zero
+        assert (out[(ids < 0).all(dim=1)] == 0).all()
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_decode_path_expert_offset(poison_empty, offset):
+    # Expert parallelism on the decode path: this op holds experts [offset, offset + 4) of 8.
+    x, w13, w2, w, ids = moe_inputs(3, 64, 32, 8, 2)
+    part = slice(offset, offset + 4)
+    out = fused_moe(x, w13[part].contiguous(), w2[part].contiguous(), w, ids, expert_offset=offset,
+                    config=SMALL_DECODE_TILES, path="decode")
+    ref = fused_moe_loop_ref(x.double(), w13[part].double(), w2[part].double(), w, ids, expert_offset=offset)
+    assert rel_error(out, ref) < 1e-4
+
+
+def test_auto_path_picks_decode_by_batch_size(poison_empty, monkeypatch):
+    # "auto" is a shape test: decode up to DECODE_MAX_TOKENS tokens, sorted above (spied launches).
+    import pdserve.kernels.fused_moe as fm
+
+    calls = []
+    real_decode, real_align = fm._fused_moe_decode, fm.moe_align
+    monkeypatch.setattr(fm, "_fused_moe_decode", lambda *a: calls.append("decode") or real_decode(*a))
+    monkeypatch.setattr(fm, "moe_align", lambda *a: calls.append("sorted") or real_align(*a))
+    monkeypatch.setattr(fm, "DECODE_MAX_TOKENS", 2)
+    monkeypatch.setattr(fm, "moe_decode_config", lambda k: SMALL_DECODE_TILES)
+    for t in (1, 2, 3):
+        x, w13, w2, w, ids = moe_inputs(t, 64, 32, 8, 2)
+        out = fused_moe(x, w13, w2, w, ids)
+        assert rel_error(out, fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
+    assert calls == ["decode", "decode", "sorted"]
+    calls.clear()
+    fused_moe(x[:1], w13, w2, w[:1], ids[:1], path="sorted")  # the old path on request
+    fused_moe(x[:1], w13, w2, w[:1], ids[:1], config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4,
+                                                           num_stages=2))  # a sorted config: sorted
+    assert calls == ["sorted", "sorted"]
+
+
+def test_decode_path_is_bit_stable_and_agrees_with_sorted(poison_empty):
+    # No atomics: two runs give the same bits; the two paths compute the same function.
+    x, w13, w2, w, ids = moe_inputs(4, 64, 48, 8, 4, drop=0.2)
+    a = fused_moe(x, w13, w2, w, ids, config=SMALL_DECODE_TILES, path="decode")
+    b = fused_moe(x, w13, w2, w, ids, config=SMALL_DECODE_TILES, path="decode")
+    assert torch.equal(a, b)
+    assert rel_error(a, fused_moe(x, w13, w2, w, ids, path="sorted")) < 1e-4
+    assert rel_error(fused_moe(x, w13, w2, w, ids, path="decode"), a) < 1e-5  # moe_decode_config's tiles
+
+
+def test_decode_path_rejects_strided_weights():
+    x, w13, w2, w, ids = moe_inputs(2, 64, 32, 4, 2)
+    with pytest.raises(ValueError, match="path must be one of"):
+        fused_moe(x, w13, w2, w, ids, path="fast")
+    with pytest.raises(ValueError, match="decode path needs"):
+        fused_moe(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), w, ids, path="decode")
