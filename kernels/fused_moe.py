@@ -16,6 +16,10 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    k gives the layer's output. Assignments to experts this rank does not hold (id -1: expert
    parallelism) are sorted into no block and their rows stay zero.
 Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulation throughout.
+
+Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
+the router weight applied in the gate|up epilogue and the top-k sum done inside the down pass
+(section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
 """
 
 from __future__ import annotations
@@ -223,14 +227,16 @@ DECODE_MAX_TOKENS = 4
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
-def moe_decode_config(top_k: int) -> dict:
-    """Decode tiles: gate|up strips of 16 rows (x 2 halves) and 256 K, 8 times the programs of the
-    sorted path's 64-wide tiles at T = 1; down blocks of ~64 weight rows ([k, BLOCK_N]) x 128 K,
-    32 KB of bf16 per step. First guesses from the H200's measured GEMVs (kernels/fused_gemv.py:
-    16-32 row strips and 256-wide K were its best at M = 1); bench/moe.py sweeps alternatives."""
+def moe_decode_config(top_k: int, inter: int) -> dict:
+    """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
+    sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
+    down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
+    256: no half-masked last step), 32 KB of bf16 per step, 256 programs. First guesses from the
+    H200's measured GEMVs (kernels/fused_gemv.py: 16-32 row strips and 256-wide K were its best
+    at M = 1), not measured on this kernel: `pdserve bench moe decode` sweeps alternatives."""
     k_tile = triton.next_power_of_2(top_k)
     return dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4,
-                DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=128, DOWN_WARPS=8)
+                DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256 if inter % 256 == 0 else 128, DOWN_WARPS=8)
 
 
 @triton.jit
@@ -349,7 +355,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"{fn}: the decode path needs x, w13 and w2 contiguous in their last dimension")
     sorted_cfg = config is not None and "BLOCK_M" in config
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
-        cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k)
+        cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k, inter)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg)
     m = t * top_k
     cfg = config if sorted_cfg else moe_block_config(m, e)

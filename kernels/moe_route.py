@@ -2,7 +2,8 @@
 
 The torch version (reference.moe_route_ref) is four launches per MoE layer (softmax, topk, sum,
 divide); at decode batch sizes each costs about what the layer's router GEMV does, so the
-Triton path does it in one program per token. Ties pick the lowest expert id (torch.topk's order
+Triton path does it in one program per token: one pass of k arg-max rounds, one warp for up to
+256 experts. Ties pick the lowest expert id (torch.topk's order
 on ties is unspecified; routing ties between distinct logits do not happen in practice).
 """
 
@@ -15,31 +16,41 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
 
+# One warp up to this many experts: the 2k reductions of a token's logits are then register
+# shuffles, with no shared-memory round trip and barrier each (4 warps at E = 128 took ~5 us a
+# layer in the H200 profile). bench/moe.py sets it to 64 (the earlier rule) for its "before" rows.
+ONE_WARP_MAX_EXPERTS = 256
+
+
 @triton.jit
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                      TOP_K: tl.constexpr, E_TILE: tl.constexpr, RENORMALIZE: tl.constexpr):
+                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, RENORMALIZE: tl.constexpr):
     # Grid (T,): one token's E logits in registers; k rounds of arg-max, each masking its winner.
+    # One pass: the winners collect in a [K_TILE] vector and are divided by their sum at the end
+    # (an earlier version ran the k rounds twice, once for the sum). The sum adds the winners in
+    # the same order, so the weights are the same bits.
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_TILE)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < num_experts, p, -1.0)
-    total = 1.0
-    if RENORMALIZE:  # a first pass for the sum of the k winners (a division, as transformers does)
-        q = p
-        total = 0.0
-        for j in tl.static_range(TOP_K):
-            best = tl.max(q, axis=0)
-            total += best
-            q = tl.where(e == tl.min(tl.where(q == best, e, E_TILE), axis=0), -1.0, q)
+    slot = tl.arange(0, K_TILE)
+    best_w = tl.zeros([K_TILE], dtype=tl.float32)
+    best_id = tl.zeros([K_TILE], dtype=tl.int64)
+    total = 0.0
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
+        total += best
         # min(.., E - 1): NaN logits match no lane; an id past the experts would be read out of bounds.
         idx = tl.minimum(tl.min(tl.where(p == best, e, E_TILE), axis=0), num_experts - 1)
-        tl.store(weights_ptr + t * TOP_K + j, best / total)
-        tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64))
+        best_w = tl.where(slot == j, best, best_w)
+        best_id = tl.where(slot == j, idx.to(tl.int64), best_id)
         p = tl.where(e == idx, -1.0, p)
+    if RENORMALIZE:  # a division, as transformers does
+        best_w = best_w / total
+    tl.store(weights_ptr + t * TOP_K + slot, best_w, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,5 +67,6 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
     if t:
         _moe_route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), TOP_K=top_k,
-                                E_TILE=triton.next_power_of_2(e), RENORMALIZE=renormalize, num_warps=1 if e <= 64 else 4)
+                                K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
+                                RENORMALIZE=renormalize, num_warps=1 if e <= ONE_WARP_MAX_EXPERTS else 4)
     return weights, ids
