@@ -21,8 +21,8 @@ Three subcommands (bench/gpu_moe.sh runs them in one device call):
               roofline (bytes of the weights one decode step reads: attention, router, the k experts
               chosen, lm_head; per rank: divided by the TP size), offline 1024/128 tok/s. Appends a
               JSON line to --rows; `report` turns the lines into a table. --moe-path sorted runs
-              the engine as before the decode path (sorted path at every size, routing with 4
-              warps): the same-run baseline of the bs=1 row.
+              the engine as before the decode path (sorted path at every size with its memset +
+              torch sum, routing with 4 warps): the same-run baseline of the bs=1 row.
 """
 
 from __future__ import annotations
@@ -75,10 +75,13 @@ def graph_time_us(make_call, calls: int) -> float:
 
 
 def _old_routing(old: bool) -> None:
-    """The routing kernel's warps as before this change (4 above 64 experts) or as now."""
+    """The routing kernel's warps (4 above 64 experts) and the sorted path's sum over k (memset +
+    torch sum) as before the decode-path change, or as now."""
+    import pdserve.kernels.fused_moe as fm
     import pdserve.kernels.moe_route as mr
 
     mr.ONE_WARP_MAX_EXPERTS = 64 if old else 256
+    fm.SUM_IN_TORCH = old
 
 
 def decode(args) -> int:
@@ -97,15 +100,15 @@ def decode(args) -> int:
     lines = [f"MoE at decode batch sizes, before/after in one run: E={e}, k={k}, H={h}, I={inter}, {DT}, {card}, "
              f"same-run copy bandwidth {bw / 1e9:.0f} GB/s. Every time is us per layer inside a CUDA graph of "
              f"{GRAPH_LAYERS} layers with their own weights (triton do_bench median). sorted = align + grouped "
-             f"GEMMs + sum over k (the path before); decode = two GEMV launches, the sum in the down pass "
+             f"GEMMs + sum over k (before: memset + torch sum; now: one sum launch); decode = two GEMV launches, the sum in the down pass "
              f"(default tiles: gate|up {default['GU_BLOCK_N']}x{default['GU_BLOCK_K']} w{default['GU_WARPS']}, down "
              f"{default['DOWN_BLOCK_N']}x{default['DOWN_BLOCK_K']} w{default['DOWN_WARPS']}). Layer = routing + experts "
              f"from the router's logits (before: routing with 4 warps + sorted; after: 1 warp + the path fused_moe "
              f"picks). GB/s: bytes of the distinct experts hit / decode best.", "",
-             "| tokens | experts hit | sorted (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "
+             "| tokens | experts hit | sorted, before (us) | sorted, one-launch sum (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "
              "| sorted / decode best | GB/s (% of copy) | rel err vs loop: sorted / decode | decode bit-stable "
              "| routing 4 warps / 1 warp (us) | MoE layer before / after (us) |",
-             "|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
+             "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
     for t in args.tokens:
         x = torch.randn(t, h, device=DEVICE, dtype=DT)
         logits = [torch.randn(t, e, device=DEVICE, dtype=DT) for _ in range(GRAPH_LAYERS)]
@@ -123,7 +126,10 @@ def decode(args) -> int:
         got = {p: fused_moe(x, w13, w2, w, ids, path=p) for p in ("sorted", "decode")}
         errs = [((got[p].float() - ref.float()).norm() / ref.float().norm()).item() for p in ("sorted", "decode")]
         stable = torch.equal(got["decode"], fused_moe(x, w13, w2, w, ids, path="decode"))
+        _old_routing(True)  # "sorted" = the path before: its memset + torch sum
         t_sorted = experts("sorted")
+        _old_routing(False)
+        t_sorted_now = experts("sorted")  # with the one-launch sum (what batches above the limit run now)
         t_default = experts("decode")
         best_gu, best_down = default, default
         for name, sweep in (("GU", DECODE_SWEEP_GU), ("DOWN", DECODE_SWEEP_DOWN)):
@@ -163,7 +169,7 @@ def decode(args) -> int:
             layer_us.append(graph_time_us(make_layer, GRAPH_LAYERS))
         _old_routing(False)
         gbs = hit * expert_bytes / (t_best * 1e-6) / 1e9
-        lines.append(f"| {t} | {hit:.1f} | {t_sorted:.1f} | {t_default:.1f} | {t_best:.1f} | {tiles} | "
+        lines.append(f"| {t} | {hit:.1f} | {t_sorted:.1f} | {t_sorted_now:.1f} | {t_default:.1f} | {t_best:.1f} | {tiles} | "
                      f"{t_sorted / t_best:.2f}x | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {errs[0]:.1e} / {errs[1]:.1e} | "
                      f"{'yes' if stable else 'NO'} | {route_us[0]:.1f} / {route_us[1]:.1f} | "
                      f"{layer_us[0]:.1f} / {layer_us[1]:.1f} |")
@@ -190,7 +196,7 @@ def _cfg_name(c: dict) -> str:
 
 def kernel(args) -> int:
     from pdserve.bench.kernels import copy_bandwidth
-    from pdserve.kernels.fused_moe import fused_moe, moe_block_config
+    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS, fused_moe, moe_block_config
     from pdserve.kernels.moe_route import moe_route
     from pdserve.kernels.reference import fused_moe_loop_ref, moe_route_ref
 
@@ -219,14 +225,15 @@ def kernel(args) -> int:
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         default = moe_block_config(t * k, e)
         t_default = _bench_us(lambda: fused_moe(x, w13, w2, weights, ids))
-        best = (t_default, default)
+        # Up to DECODE_MAX_TOKENS the default is the decode path (its own table: `decode`); the sweep is the sorted path's.
+        best = (t_default, "decode path" if t <= DECODE_MAX_TOKENS else _cfg_name(default))
         for cfg in SWEEP:
             try:
                 us = _bench_us(lambda c=cfg: fused_moe(x, w13, w2, weights, ids, config=c))
             except Exception as ex:  # a tile config the card cannot run (shared memory): skipped, said
                 print(f"tokens {t}: {_cfg_name(cfg)} failed: {type(ex).__name__}: {ex}"[:300], flush=True)
                 continue
-            best = min(best, (us, cfg), key=lambda b: b[0])
+            best = min(best, (us, _cfg_name(cfg)), key=lambda b: b[0])
         t_loop = _bench_us(lambda: fused_moe_loop_ref(x, w13, w2, weights, ids))
         graph_us = "-"
         if t <= 64:  # decode sizes: the kernel and its device-side sort must be capturable
@@ -244,7 +251,7 @@ def kernel(args) -> int:
             same = torch.equal(static, out)
             graph_us = f"{_bench_us(g.replay):.1f}" + ("" if same else " (differs from eager!)")
         gbs = hit * expert_bytes / (best[0] * 1e-6) / 1e9
-        lines.append(f"| {t} | {hit} | {t_default:.1f} | {best[0]:.1f} | {_cfg_name(best[1])} | {t_loop:.1f} | "
+        lines.append(f"| {t} | {hit} | {t_default:.1f} | {best[0]:.1f} | {best[1]} | {t_loop:.1f} | "
                      f"{t_loop / best[0]:.1f}x | {graph_us} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {err:.1e} | "
                      f"{route_us[0]:.1f} / {route_us[1]:.1f} |")
         print(lines[-1], flush=True)
@@ -327,7 +334,7 @@ def engine(args) -> int:
         import pdserve.kernels.fused_moe as fm
 
         fm.DECODE_MAX_TOKENS = 0
-        _old_routing(True)
+        _old_routing(True)  # and the sorted path's memset + torch sum
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,

@@ -13,8 +13,9 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    halves for BLOCK_M rows of one expert, and writes silu(gate) * up, rounded once, to the
    assignment's row of the intermediate [M, I].
 3. down GEMM, each row scaled by its router weight, to the assignment's row of [M, H]; a sum over
-   k gives the layer's output. Assignments to experts this rank does not hold (id -1: expert
-   parallelism) are sorted into no block and their rows stay zero.
+   k gives the layer's output (`_moe_sum_kernel`: fp32, slot order). Assignments to experts this
+   rank does not hold (id -1: expert parallelism) are sorted into no block, their rows are never
+   written, and the sum skips them (no memset of [M, H] first).
 Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulation throughout.
 
 Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
@@ -224,6 +225,9 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
 # streams at ~75% of copy bandwidth on an H200, and the per-assignment GEMV reads an expert chosen
 # by several tokens once per token, from L2 at best); bench/moe.py's decode table measures both.
 DECODE_MAX_TOKENS = 4
+# The sorted path's sum over k: False = _moe_sum_kernel (one launch), True = a memset of [T*k, H]
+# first and torch's sum after (what ran before; bench/moe.py sets it for its "before" rows).
+SUM_IN_TORCH = False
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
@@ -362,6 +366,39 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)
-    out = torch.zeros((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held stay zero
+    if SUM_IN_TORCH:  # as before _moe_sum_kernel (bench/moe.py's "before" rows)
+        out = torch.zeros((m, h), dtype=x.dtype, device=x.device)
+        _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
+        return out.view(t, top_k, h).sum(dim=1)
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held: never written, never read
     _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
-    return out.view(t, top_k, h).sum(dim=1)
+    return _sum_over_k(out, topk_ids, e, expert_offset)
+
+
+@triton.jit
+def _moe_sum_kernel(rows_ptr, ids_ptr, out_ptr, N, num_experts, expert_offset, stride_rm, stride_om,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK)): token t's k rows summed in fp32 in slot order (the same bits every
+    # run), rounded once; rows of experts not held here are skipped, so nothing has to zero them.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+        limit = tl.where((e >= 0) & (e < num_experts), N, 0)  # not held: a column limit of 0
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * stride_rm + cols, mask=cols < limit, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, expert_offset: int) -> torch.Tensor:
+    """[T*k, H] weighted expert outputs -> [T, H]: one launch where torch needed two (the memset of
+    the rows of experts not held, then the sum)."""
+    t, top_k = topk_ids.shape
+    h = rows.shape[1]
+    out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](rows, topk_ids.reshape(-1), out, h, num_experts, expert_offset,
+                                                rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+                                                num_warps=4)
+    return out

@@ -189,3 +189,19 @@ def test_decode_path_rejects_strided_weights():
         fused_moe(x, w13, w2, w, ids, path="fast")
     with pytest.raises(ValueError, match="decode path needs"):
         fused_moe(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), w, ids, path="decode")
+
+
+@pytest.mark.parametrize("sum_in_torch", [False, True])
+def test_sorted_path_sum_skips_rows_of_experts_held_elsewhere(poison_empty, monkeypatch, sum_in_torch):
+    # The one-launch sum never reads the (NaN-poisoned, unwritten) rows of assignments held
+    # elsewhere; the old memset + torch sum (the bench's "before") gives the same result.
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "SUM_IN_TORCH", sum_in_torch)
+    x, w13, w2, w, ids = moe_inputs(9, 64, 32, 8, 3, drop=0.5)
+    ids[0] = -1  # a token with no expert held here
+    out = fused_moe(x, w13[2:6].contiguous(), w2[2:6].contiguous(), w, ids, expert_offset=2, path="sorted")
+    ref = fused_moe_loop_ref(x.double(), w13[2:6].double(), w2[2:6].double(), w, ids, expert_offset=2)
+    assert rel_error(out, ref) < 1e-4 and (out[0] == 0).all()
+    assert torch.equal(out, fused_moe(x, w13[2:6].contiguous(), w2[2:6].contiguous(), w, ids, expert_offset=2,
+                                      path="sorted"))

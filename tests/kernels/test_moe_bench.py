@@ -23,7 +23,10 @@ def test_decode_table(monkeypatch, tmp_path):
     monkeypatch.setattr(moe, "GRAPH_LAYERS", 2)
     monkeypatch.setattr(moe, "DECODE_SWEEP_GU", moe.DECODE_SWEEP_GU[:2])
     monkeypatch.setattr(moe, "DECODE_SWEEP_DOWN", moe.DECODE_SWEEP_DOWN[:2])
+    import pdserve.kernels.fused_moe as fm
+
     monkeypatch.setattr(mr, "ONE_WARP_MAX_EXPERTS", mr.ONE_WARP_MAX_EXPERTS)  # restored after the test
+    monkeypatch.setattr(fm, "SUM_IN_TORCH", fm.SUM_IN_TORCH)
     warps_seen = []
 
     def fake_time(make_call, calls):
@@ -40,11 +43,12 @@ def test_decode_table(monkeypatch, tmp_path):
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 12
-        sorted_err, decode_err = (float(v) for v in cells[8].split(" / "))
+        assert len(cells) == 13
+        sorted_err, decode_err = (float(v) for v in cells[9].split(" / "))
         assert sorted_err < 1e-5 and decode_err < 1e-5  # fp32: both paths equal the per-expert loop
-        assert cells[9] == "yes"
+        assert cells[10] == "yes"
     assert 64 in warps_seen and mr.ONE_WARP_MAX_EXPERTS == 256  # the "before" routing ran, then was put back
+    assert fm.SUM_IN_TORCH is False
 
 
 def test_engine_report_names_the_moe_path(tmp_path):
