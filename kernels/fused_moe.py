@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
+from pdserve.kernels.moe_route import _route_rows
 
 
 # One program holds an [M, E] one-hot tile, and its running count takes 4 bytes of shared memory
@@ -62,18 +63,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ids = topk_ids.reshape(-1)
     _moe_align_kernel[(1,)](
         ids, sorted_ids, expert_ids, num_padded, m, num_experts, expert_offset, cap, cap // block_m,
-        BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
-        B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)),
-        num_warps=4 if tile <= 1 << 13 else 8,
+        **_align_tiles(m, num_experts, block_m), num_warps=4 if tile <= 1 << 13 else 8,
     )
     return sorted_ids, expert_ids, num_padded
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
-                      num_blocks,
-                      BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
-                      FILL: tl.constexpr):
+def _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                num_blocks,
+                BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                FILL: tl.constexpr):
     # The torch version's arithmetic in one program: one-hot [M, E], its running count down
     # the assignments gives each one's rank within its expert; padded counts' prefix sums give
     # each expert's first row.
@@ -98,6 +97,77 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m
     owner = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (e < num_experts)[None, :]).to(tl.int32), axis=1)
     tl.store(expert_ids_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                      num_blocks,
+                      BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                      FILL: tl.constexpr):
+    _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
+
+
+@triton.jit
+def _moe_route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                            num_tokens, router_experts, stride_t, num_experts, expert_offset, cap, num_blocks,
+                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            T_TILE: tl.constexpr, R_TILE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                            FILL: tl.constexpr):
+    # One program: every token's routing (moe_route's arithmetic, rows at once), then the sort of
+    # the ids it just wrote (read back after a block barrier: the same program's global writes).
+    _route_rows(logits_ptr, weights_ptr, ids_ptr, num_tokens, router_experts, stride_t,
+                TOP_K, K_TILE, RENORMALIZE, T_TILE, R_TILE)
+    tl.debug_barrier()
+    _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_tokens * TOP_K, num_experts,
+                expert_offset, cap, num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
+
+
+def _align_tiles(m: int, num_experts: int, block_m: int) -> dict:
+    cap = _align_capacity(m, num_experts, block_m)
+    return dict(BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
+                B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)))
+
+
+def route_align_fits(num_tokens: int, top_k: int, router_experts: int, num_experts: int) -> bool:
+    """Whether moe_route_align runs as its one program (else it is moe_route + moe_align)."""
+    m = num_tokens * top_k
+    return (0 < m and triton.next_power_of_2(m) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX_ELEMENTS
+            and triton.next_power_of_2(num_tokens) * triton.next_power_of_2(router_experts) <= ALIGN_KERNEL_MAX_ELEMENTS)
+
+
+def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
+                    expert_offset: int = 0):
+    """moe_route then moe_align in one launch (decode batch sizes; larger ones: the two calls):
+    router_logits [T, E_router] -> (weights [T, k] fp32, ids [T, k] int64, sorted_ids,
+    expert_ids, num_padded) with moe_route's and moe_align's meanings and the same values."""
+    from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS, check_route_args
+
+    t, router_experts = check_route_args("moe_route_align", router_logits, top_k)
+    if not route_align_fits(t, top_k, router_experts, num_experts):
+        from pdserve.kernels.moe_route import moe_route
+
+        weights, ids = moe_route(router_logits, top_k, renormalize)
+        return (weights, ids, *moe_align(ids, num_experts, block_m, expert_offset))
+    dev = router_logits.device
+    m = t * top_k
+    tiles = _align_tiles(m, num_experts, block_m)
+    cap = _align_capacity(m, num_experts, block_m)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    onehot = tiles["M_TILE"] * tiles["E_TILE"]
+    _moe_route_align_kernel[(1,)](
+        router_logits, weights, ids, sorted_ids, expert_ids, num_padded, t, router_experts, router_logits.stride(0),
+        num_experts, expert_offset, cap, cap // block_m,
+        TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        T_TILE=triton.next_power_of_2(t), R_TILE=triton.next_power_of_2(router_experts), **tiles,
+        num_warps=4 if onehot <= 1 << 13 else 8,
+    )
+    return weights, ids, sorted_ids, expert_ids, num_padded
 
 
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -327,14 +397,16 @@ def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg) -> torc
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0,
-              path: str = "auto") -> torch.Tensor:
+              path: str = "auto", align: tuple | None = None) -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
     `path`: "sorted" (align + grouped GEMMs + sum), "decode" (two GEMV launches, the sum inside
     the down pass), "auto" = decode up to DECODE_MAX_TOKENS tokens (a shape test: a CUDA graph
     replays the path it captured). `config`: tile sizes of the path that runs (default
-    moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted."""
+    moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted.
+    `align`: moe_align's (sorted_ids, expert_ids, num_padded) for these ids at the config's BLOCK_M,
+    already made (moe_route_align: routing and sort in one launch); implies the sorted path."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, h = x.shape
@@ -358,12 +430,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if path == "decode" and not unit:
         raise ValueError(f"{fn}: the decode path needs x, w13 and w2 contiguous in their last dimension")
     sorted_cfg = config is not None and "BLOCK_M" in config
+    if align is not None:
+        if path == "decode" or not sorted_cfg:
+            raise ValueError(f"{fn}: align is for the sorted path, with the config (BLOCK_M) it was made for")
+        cap = _align_capacity(t * top_k, e, config["BLOCK_M"])
+        if len(align) != 3 or align[0].shape != (cap,) or align[1].shape != (cap // config["BLOCK_M"],):
+            raise ValueError(f"{fn}: align does not match {t * top_k} assignments, {e} experts and BLOCK_M "
+                             f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
+        path = "sorted"
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k, inter)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg)
     m = t * top_k
     cfg = config if sorted_cfg else moe_block_config(m, e)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
+    sorted_ids, expert_ids, num_padded = align or moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)
     if SUM_IN_TORCH:  # as before _moe_sum_kernel (bench/moe.py's "before" rows)
@@ -402,3 +482,21 @@ def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ex
                                                 rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
                                                 num_warps=4)
     return out
+
+
+def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                     renormalize: bool, expert_offset: int = 0) -> torch.Tensor:
+    """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
+    with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
+    decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
+    routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
+    routing kernel and the torch sort."""
+    from pdserve.kernels.moe_route import moe_route
+
+    t, e = x.shape[0], w13.shape[0]
+    if t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
+        cfg = moe_block_config(t * top_k, e)
+        weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
+        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align))
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset)

@@ -53,9 +53,43 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
     tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of reference.moe_route_ref: [T, E] -> (weights [T, k] fp32, ids [T, k] int64)."""
-    fn = "moe_route"
+@triton.jit
+def _route_rows(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
+                TOP_K: tl.constexpr, K_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                T_TILE: tl.constexpr, E_TILE: tl.constexpr):
+    # _moe_route_kernel's arithmetic for all T tokens in one program ([T, E] at once): the routing
+    # half of kernels/fused_moe.py's moe_route_align.
+    t = tl.arange(0, T_TILE)
+    e = tl.arange(0, E_TILE)
+    t_ok = t < num_tokens
+    e_ok = e < num_experts
+    x = tl.load(logits_ptr + t[:, None].to(tl.int64) * stride_t + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.where(e_ok[None, :], x, float("-inf"))  # rows past T stay finite (never stored)
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(e_ok[None, :], p, -1.0)
+    slot = tl.arange(0, K_TILE)
+    best_w = tl.zeros([T_TILE, K_TILE], dtype=tl.float32)
+    best_id = tl.zeros([T_TILE, K_TILE], dtype=tl.int64)
+    total = tl.zeros([T_TILE], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        total += best
+        idx = tl.minimum(tl.min(tl.where(p == best[:, None], e[None, :], E_TILE), axis=1), num_experts - 1)
+        best_w = tl.where(slot[None, :] == j, best[:, None], best_w)
+        best_id = tl.where(slot[None, :] == j, idx[:, None].to(tl.int64), best_id)
+        p = tl.where(e[None, :] == idx[:, None], -1.0, p)
+    if RENORMALIZE:
+        best_w = best_w / total[:, None]
+    out = t[:, None].to(tl.int64) * TOP_K + slot[None, :]
+    mask = t_ok[:, None] & (slot < TOP_K)[None, :]
+    tl.store(weights_ptr + out, best_w, mask=mask)
+    tl.store(ids_ptr + out, best_id, mask=mask)
+
+
+def check_route_args(fn: str, router_logits: torch.Tensor, top_k: int) -> tuple[int, int]:
+    """moe_route's argument checks (shared with fused_moe.moe_route_align) -> (T, E)."""
     check_tensor(fn, "router_logits", router_logits, (None, None), FLOAT_DTYPES)
     check_devices(fn, router_logits=router_logits)
     t, e = router_logits.shape
@@ -63,6 +97,12 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
         raise ValueError(f"{fn}: top_k must be in [1, {e}], got {top_k}")
     if router_logits.stride(-1) != 1:
         raise ValueError(f"{fn}: router_logits must be contiguous in its last dimension")
+    return t, e
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of reference.moe_route_ref: [T, E] -> (weights [T, k] fp32, ids [T, k] int64)."""
+    t, e = check_route_args("moe_route", router_logits, top_k)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
     if t:

@@ -205,3 +205,71 @@ def test_sorted_path_sum_skips_rows_of_experts_held_elsewhere(poison_empty, monk
     assert rel_error(out, ref) < 1e-4 and (out[0] == 0).all()
     assert torch.equal(out, fused_moe(x, w13[2:6].contiguous(), w2[2:6].contiguous(), w, ids, expert_offset=2,
                                       path="sorted"))
+
+
+# --- Routing and sort in one launch (moe_route_align), and the layer op from the router's logits.
+@pytest.mark.parametrize("t,router_e,local_e,offset,k,renorm,block_m",
+                         [(5, 8, 8, 0, 2, True, 16), (7, 16, 8, 8, 3, False, 16), (12, 128, 128, 0, 8, True, 16),
+                          (3, 60, 30, 30, 4, False, 32)])
+def test_route_align_equals_route_then_align(t, router_e, local_e, offset, k, renorm, block_m):
+    from pdserve.kernels.fused_moe import moe_route_align
+    from pdserve.kernels.moe_route import moe_route
+
+    logits = (torch.randn(t, router_e, generator=torch.Generator().manual_seed(t)) * 3).to(DEVICE)
+    got = moe_route_align(logits, k, renorm, local_e, block_m, offset)
+    w, ids = moe_route(logits, k, renorm)
+    assert torch.equal(got[1].cpu(), ids.cpu())
+    torch.testing.assert_close(got[0].cpu(), w.cpu(), rtol=1e-6, atol=1e-7)  # the same math, rows at once
+    for a, b in zip(got[2:], moe_align(ids, local_e, block_m, offset)):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_route_align_past_the_one_program_limit_is_two_calls(monkeypatch):
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_ELEMENTS", 0)
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = fm.moe_route_align(logits, 2, True, 8, 16)
+    assert not fm.route_align_fits(6, 2, 8, 8)
+    for a, b in zip(got[2:], moe_align_torch(got[1], 8, 16)):
+        assert torch.equal(a.cpu(), b.cpu().to(a.dtype))
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_routed_layer_op_matches_reference_at_every_batch_size(poison_empty, monkeypatch, offset):
+    # fused_moe_routed: decode path (T <= 2 here), routing + sort in one launch (T 3..), and past
+    # the one-program limit the two calls; all equal reference.fused_moe_routed_ref.
+    import pdserve.kernels.fused_moe as fm
+    from pdserve.kernels.reference import fused_moe_routed_ref
+
+    monkeypatch.setattr(fm, "DECODE_MAX_TOKENS", 2)
+    fused_calls = []
+    real = fm.moe_route_align
+    monkeypatch.setattr(fm, "moe_route_align", lambda *a: fused_calls.append(a[0].shape[0]) or real(*a))
+    part = slice(offset, offset + 4)
+    for t in (1, 2, 3, 9):
+        x, w13, w2, _, _ = moe_inputs(t, 64, 32, 8, 2, seed=t)
+        logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t)).to(DEVICE) * 2
+        w13p, w2p = w13[part].contiguous(), w2[part].contiguous()
+        out = fm.fused_moe_routed(x, w13p, w2p, logits, 2, True, expert_offset=offset)
+        ref = fused_moe_routed_ref(x.double(), w13p.double(), w2p.double(), logits, 2, True, expert_offset=offset)
+        # A token whose 2 experts are both held elsewhere gets exact zeros (no relative error then).
+        assert (out.cpu().double() - ref.cpu()).norm() <= 1e-4 * ref.norm() and not out.isnan().any(), t
+    assert fused_calls == [3, 9]
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_ELEMENTS", 0)  # a prefill-sized batch: moe_route + the torch sort
+    out = fm.fused_moe_routed(x, w13p, w2p, logits, 2, True, expert_offset=offset)
+    assert rel_error(out, fused_moe_routed_ref(x.double(), w13p.double(), w2p.double(), logits, 2, True,
+                                               expert_offset=offset)) < 1e-4
+    assert fused_calls == [3, 9]
+
+
+def test_align_argument_is_checked():
+    x, w13, w2, w, ids = moe_inputs(3, 64, 32, 4, 2)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    align = moe_align(ids, 4, 16)
+    with pytest.raises(ValueError, match="align is for the sorted path"):
+        fused_moe(x, w13, w2, w, ids, align=align)
+    with pytest.raises(ValueError, match="align does not match"):
+        fused_moe(x, w13, w2, w, ids, config=dict(cfg, BLOCK_M=32), align=align)
+    assert rel_error(fused_moe(x, w13, w2, w, ids, config=cfg, align=align),
+                     fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
