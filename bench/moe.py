@@ -21,8 +21,8 @@ Three subcommands (bench/gpu_moe.sh runs them in one device call):
               roofline (bytes of the weights one decode step reads: attention, router, the k experts
               chosen, lm_head; per rank: divided by the TP size), offline 1024/128 tok/s. Appends a
               JSON line to --rows; `report` turns the lines into a table. --moe-path sorted runs
-              the engine as before the decode path (sorted path at every size with its memset +
-              torch sum, routing with 4 warps): the same-run baseline of the bs=1 row.
+              the engine as before this change (sorted path at every size with its memset + torch
+              sum, routing with 4 warps and sorting as a second launch): the same-run baseline.
 """
 
 from __future__ import annotations
@@ -75,17 +75,18 @@ def graph_time_us(make_call, calls: int) -> float:
 
 
 def _old_routing(old: bool) -> None:
-    """The routing kernel's warps (4 above 64 experts) and the sorted path's sum over k (memset +
-    torch sum) as before the decode-path change, or as now."""
+    """The routing kernel's warps (4 above 64 experts), routing and sort as two launches, and the
+    sorted path's sum over k (memset + torch sum) as before the decode-path change, or as now."""
     import pdserve.kernels.fused_moe as fm
     import pdserve.kernels.moe_route as mr
 
     mr.ONE_WARP_MAX_EXPERTS = 64 if old else 256
     fm.SUM_IN_TORCH = old
+    fm.FUSE_ROUTE_ALIGN = not old
 
 
 def decode(args) -> int:
-    from pdserve.kernels.fused_moe import fused_moe, moe_decode_config
+    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS, fused_moe, fused_moe_routed, moe_decode_config
     from pdserve.kernels.moe_route import moe_route
     from pdserve.kernels.reference import fused_moe_loop_ref, moe_route_ref
 
@@ -103,8 +104,9 @@ def decode(args) -> int:
              f"GEMMs + sum over k (before: memset + torch sum; now: one sum launch); decode = two GEMV launches, the sum in the down pass "
              f"(default tiles: gate|up {default['GU_BLOCK_N']}x{default['GU_BLOCK_K']} w{default['GU_WARPS']}, down "
              f"{default['DOWN_BLOCK_N']}x{default['DOWN_BLOCK_K']} w{default['DOWN_WARPS']}). Layer = routing + experts "
-             f"from the router's logits (before: routing with 4 warps + sorted; after: 1 warp + the path fused_moe "
-             f"picks). GB/s: bytes of the distinct experts hit / decode best.", "",
+             f"from the router's logits (before: routing with 4 warps, then the sorted path; after: the model's op, "
+             f"fused_moe_routed: 1-warp routing + decode path up to {DECODE_MAX_TOKENS} tokens, routing and sort in one "
+             f"launch above). GB/s: bytes of the distinct experts hit / decode best.", "",
              "| tokens | experts hit | sorted, before (us) | sorted, one-launch sum (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "
              "| sorted / decode best | GB/s (% of copy) | rel err vs loop: sorted / decode | decode bit-stable "
              "| routing 4 warps / 1 warp (us) | MoE layer before / after (us) |",
@@ -162,10 +164,10 @@ def decode(args) -> int:
             def make_layer(i, old=old):
                 (w13, w2), lg = layers[i % GRAPH_LAYERS], logits[i % GRAPH_LAYERS]
 
-                def layer():
+                def before():
                     w, ids = moe_route(lg, k, True)
-                    return fused_moe(x, w13, w2, w, ids, path="sorted" if old else "auto")
-                return layer
+                    return fused_moe(x, w13, w2, w, ids, path="sorted")
+                return before if old else (lambda: fused_moe_routed(x, w13, w2, lg, k, True))  # the model's op
             layer_us.append(graph_time_us(make_layer, GRAPH_LAYERS))
         _old_routing(False)
         gbs = hit * expert_bytes / (t_best * 1e-6) / 1e9
@@ -334,7 +336,7 @@ def engine(args) -> int:
         import pdserve.kernels.fused_moe as fm
 
         fm.DECODE_MAX_TOKENS = 0
-        _old_routing(True)  # and the sorted path's memset + torch sum
+        _old_routing(True)  # and routing + sort as two launches, the sorted path's memset + torch sum
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,

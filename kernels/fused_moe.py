@@ -298,6 +298,9 @@ DECODE_MAX_TOKENS = 4
 # The sorted path's sum over k: False = _moe_sum_kernel (one launch), True = a memset of [T*k, H]
 # first and torch's sum after (what ran before; bench/moe.py sets it for its "before" rows).
 SUM_IN_TORCH = False
+# fused_moe_routed: route and sort in one launch where it fits (False: moe_route, then the sort
+# inside fused_moe, as before; bench/moe.py's "before" rows).
+FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
@@ -494,7 +497,7 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route
     from pdserve.kernels.moe_route import moe_route
 
     t, e = x.shape[0], w13.shape[0]
-    if t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
+    if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
         cfg = moe_block_config(t * top_k, e)
         weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
         return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align))

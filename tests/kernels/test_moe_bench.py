@@ -27,6 +27,7 @@ def test_decode_table(monkeypatch, tmp_path):
 
     monkeypatch.setattr(mr, "ONE_WARP_MAX_EXPERTS", mr.ONE_WARP_MAX_EXPERTS)  # restored after the test
     monkeypatch.setattr(fm, "SUM_IN_TORCH", fm.SUM_IN_TORCH)
+    monkeypatch.setattr(fm, "FUSE_ROUTE_ALIGN", fm.FUSE_ROUTE_ALIGN)
     warps_seen = []
 
     def fake_time(make_call, calls):
@@ -37,9 +38,9 @@ def test_decode_table(monkeypatch, tmp_path):
 
     monkeypatch.setattr(moe, "graph_time_us", fake_time)
     out = tmp_path / "decode.md"
-    args = argparse.Namespace(tokens=[1, 3], hidden=64, inter=32, experts=8, top_k=2, copy_gbs=1000.0, out=str(out))
+    args = argparse.Namespace(tokens=[1, 6], hidden=64, inter=32, experts=8, top_k=2, copy_gbs=1000.0, out=str(out))
     assert moe.decode(args) == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 ") or line.startswith("| 6 ")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -48,7 +49,7 @@ def test_decode_table(monkeypatch, tmp_path):
         assert sorted_err < 1e-5 and decode_err < 1e-5  # fp32: both paths equal the per-expert loop
         assert cells[10] == "yes"
     assert 64 in warps_seen and mr.ONE_WARP_MAX_EXPERTS == 256  # the "before" routing ran, then was put back
-    assert fm.SUM_IN_TORCH is False
+    assert fm.SUM_IN_TORCH is False and fm.FUSE_ROUTE_ALIGN is True
 
 
 def test_engine_report_names_the_moe_path(tmp_path):
