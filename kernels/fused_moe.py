@@ -335,7 +335,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
-        xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        # x loaded as a [1, BLOCK_K] tile, in the weight tile's layout (no conversion per step).
+        xk = tl.load(x_row + k0 + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
         mask = col_ok[:, None] & k_ok[None, :]
         g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
@@ -361,15 +362,16 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_exper
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + (t * TOP_K + js)[:, None] * stride_im + ks[None, :]
+    # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
+    a_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im + ks[None, None, :]
     w_ptrs = w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
     acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=held[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[:, None, :], axis=2)
+        acc += tl.sum(w * a, axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers

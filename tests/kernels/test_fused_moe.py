@@ -273,3 +273,22 @@ def test_align_argument_is_checked():
         fused_moe(x, w13, w2, w, ids, config=dict(cfg, BLOCK_M=32), align=align)
     assert rel_error(fused_moe(x, w13, w2, w, ids, config=cfg, align=align),
                      fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (bench/gpu_moe.sh runs this file there)")
+@pytest.mark.parametrize("t", [1, 4, 16, 40])
+def test_qwen3_30b_a3b_layer_on_the_gpu(t):
+    # The default tiles at Qwen3-30B-A3B's layer shape (E=128, k=8, H=2048, I=768), bf16, through
+    # the model's op: decode path (1, 4), routing + sort in one launch (16), two launches (40).
+    from pdserve.kernels.fused_moe import fused_moe_routed
+    from pdserve.kernels.reference import fused_moe_routed_ref
+
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+    x = torch.randn(t, 2048, device=DEVICE, generator=g).bfloat16()
+    w13 = (torch.randn(128, 1536, 2048, device=DEVICE, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(128, 2048, 768, device=DEVICE, generator=g) * 0.02).bfloat16()
+    logits = torch.randn(t, 128, device=DEVICE, generator=g).bfloat16()
+    out = fused_moe_routed(x, w13, w2, logits, 8, True)
+    ref = fused_moe_routed_ref(x.float(), w13.float(), w2.float(), logits, 8, True)
+    assert rel_error(out, ref) < TOL[torch.bfloat16]
+    assert torch.equal(out, fused_moe_routed(x, w13, w2, logits, 8, True))  # bit-stable
