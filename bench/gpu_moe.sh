@@ -6,7 +6,7 @@
 #
 # Steps, one after another (seconds are each step's limit):
 #   tests compiled on the GPU: the fused MoE kernel (both paths) and routing vs their references,
-#     and an MoE engine on Triton with real CUDA-graph capture vs the torch engine (fp32)         90
+#     and an MoE engine on Triton with real CUDA-graph capture vs the torch engine (fp32)        120
 #   decode: before/after at 1/2/4/8/16 tokens inside CUDA graphs: the sorted path vs the decode
 #     path (default tiles, best of a sweep), routing with 4 warps vs 1, the MoE layer old vs new   120
 #   kernel: fused MoE vs a per-expert loop of cuBLAS matmuls at 1/8/64/512 tokens, Qwen3-30B-A3B's
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
 }
 
 main() {
-  step "tests on the GPU" 90 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+  step "tests on the GPU" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
     tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
   cd /tmp
