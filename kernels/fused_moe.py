@@ -108,7 +108,9 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m
                 num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
 
 
-@triton.jit
+# num_tokens unspecialized: Triton would otherwise key a variant on T == 1 / T % 16 == 0 on top
+# of the power-of-two tiles (tests/kernels/test_specialization.py: no compiles mid-traffic).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _moe_route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                             num_tokens, router_experts, stride_t, num_experts, expert_offset, cap, num_blocks,
                             TOP_K: tl.constexpr, K_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
