@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# Issue 27's GPU numbers (mixture of experts) in one device call, ~6 minutes on 4 GPUs. From the repo root:
+# Issue 27's GPU numbers (mixture of experts) in one device call: ~5 minutes on one GPU
+# (CUDA_VISIBLE_DEVICES=<one card>: the TP=1 rows only), ~7 on 4. From the repo root:
 #
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_moe.sh")
 #
 # Steps, one after another (seconds are each step's limit):
-#   tests compiled on the GPU: the fused MoE kernel vs its reference, and an MoE engine on Triton
-#     with real CUDA-graph capture vs the torch engine (fp32)                                     90
+#   tests compiled on the GPU: the fused MoE kernel (both paths) and routing vs their references,
+#     and an MoE engine on Triton with real CUDA-graph capture vs the torch engine (fp32)        120
+#   decode: before/after at 1/2/4/8/16 tokens inside CUDA graphs: the sorted path vs the decode
+#     path (default tiles, best of a sweep), routing with 4 warps vs 1, the MoE layer old vs new   120
 #   kernel: fused MoE vs a per-expert loop of cuBLAS matmuls at 1/8/64/512 tokens, Qwen3-30B-A3B's
 #     layer shape (E=128, k=8, H=2048, I=768), default tiles and the best of a sweep, the kernel in
 #     a CUDA graph, bytes of the experts hit per second vs copy bandwidth                          90
 #   checkpoint: Qwen3-30B-A3B shapes with $LAYERS (default 12) of its 48 layers, random bf16
 #     (~15 GB written to /tmp: fewer layers keep the call under 10 minutes)                      120
-#   engine, one process tree per row, most wanted first: TP=1; TP=2 with expert parallelism;
-#     TP=4 with it (where 4 GPUs are visible); TP=2 without it: bs=1 decode ms/step vs the
-#     active-parameter roofline, offline 1024/128 tok/s ($PROMPTS prompts, default 64)     90 each
+#   engine, one process tree per row, most wanted first: TP=1 (+ its bs=1 kernels under the
+#     profiler: profile.md); TP=1 with --moe-path sorted (the kernels as before the decode path,
+#     bs=1 only: the same-run baseline); TP=2 with expert parallelism; TP=4 with it (where 4 GPUs
+#     are visible); TP=2 without it: bs=1 decode ms/step vs the active-parameter roofline,
+#     offline 1024/128 tok/s ($PROMPTS prompts, default 64)                                90 each
 #     (engine.md is rewritten after each row: a call cut short still has the rows done)
-# Files in $OUT: env.txt, tests.txt, kernel.md, engine.md (+ engine_rows.jsonl), log.txt.
+# Files in $OUT: env.txt, tests.txt, decode.md, kernel.md, engine.md (+ engine_rows.jsonl),
+# profile.md, log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_moe_out}
 mkdir -p "$OUT"
@@ -37,25 +43,27 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
 }
 
 main() {
-  step "tests on the GPU" 90 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-    "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
+  step "tests on the GPU" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+    tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
   cd /tmp
+  step "decode" 120 $PY -m pdserve.bench.moe decode --out "$OUT/decode.md"
   step "kernel" 90 $PY -m pdserve.bench.moe kernel --out "$OUT/kernel.md"
   CKPT=/tmp/qwen3-30b-a3b-l$LAYERS
   step "checkpoint" 120 $PY -m pdserve.bench.moe checkpoint --checkpoint $CKPT --layers $LAYERS
   ROWS="$OUT/engine_rows.jsonl"
   rm -f "$ROWS"
   NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-  for spec in "1" "2 --ep" "4 --ep" "2"; do
+  # A spec's own --num-prompts (after the default) wins: the "before" row is bs=1 only.
+  for spec in "1 --profile $OUT/profile.md" "1 --moe-path sorted --num-prompts 0" "2 --ep" "4 --ep" "2"; do
     set -- $spec
     [ "$1" -le "$NGPU" ] || continue
-    step "engine TP=$spec" 90 $PY -m pdserve.bench.moe engine --checkpoint $CKPT --layers $LAYERS --tp $spec \
-      --num-prompts $PROMPTS --rows "$ROWS" 2>&1 | grep -v " INFO "
+    step "engine TP=$spec" 90 $PY -m pdserve.bench.moe engine --checkpoint $CKPT --layers $LAYERS \
+      --num-prompts $PROMPTS --rows "$ROWS" --tp $spec 2>&1 | grep -v " INFO "
     $PY -m pdserve.bench.moe report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
   done
-  cat "$OUT/engine.md"
+  cat "$OUT/decode.md" "$OUT/engine.md" "$OUT/profile.md"
   uptime
 }
 main > "$OUT/log.txt" 2>&1
-grep -v " INFO " "$OUT/log.txt" | tail -n 60
+grep -v " INFO " "$OUT/log.txt" | tail -n 100

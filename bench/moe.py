@@ -7,13 +7,22 @@ Three subcommands (bench/gpu_moe.sh runs them in one device call):
               and 512 tokens, one layer's experts (E=128, k=8, H=2048, I=768); the default tile
               config and the best of a small sweep; the kernel captured in a CUDA graph at decode
               sizes; bytes of the experts actually hit / time against the same-run copy bandwidth.
+  decode      decode batch sizes (1-16 tokens) inside CUDA graphs, before/after in one run: the
+              sorted path (align + grouped GEMMs + sum over k; what ran before the decode path)
+              against the decode path (two GEMV launches, the sum inside the down pass) with its
+              default tiles and the best of a small sweep; the routing kernel with 4 warps (the
+              old rule) and 1; a whole MoE layer after the router GEMV (routing + experts) old vs
+              new. Each graph holds 4 layers with their own weights (4 x 1.2 GB: the experts hit
+              are read from DRAM, not L2); times are per layer.
   checkpoint  writes the checkpoint: Qwen3-30B-A3B's shapes (config.json as the public model's)
               with --layers decoder layers (48 in the real model; fewer keep the call short: the
               tables say how many), random bf16 weights, per-expert tensors as on the hub.
   engine      one engine (--tp, --ep): bs=1 decode ms/step (CUDA graphs) against the active-parameter
               roofline (bytes of the weights one decode step reads: attention, router, the k experts
               chosen, lm_head; per rank: divided by the TP size), offline 1024/128 tok/s. Appends a
-              JSON line to --rows; `report` turns the lines into a table.
+              JSON line to --rows; `report` turns the lines into a table. --moe-path sorted runs
+              the engine as before this change (sorted path at every size with its memset + torch
+              sum, routing with 4 warps and sorting as a second launch): the same-run baseline.
 """
 
 from __future__ import annotations
@@ -30,16 +39,149 @@ import torch
 
 SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936,
              layers=48, dense_inter=6144)
-SWEEP = [  # tile configs tried per token count (kernel); the first row per regime is the default's kind
+SWEEP = [  # sorted-path tile configs tried per token count (kernel): the default's kind and the earlier winners
+    # (H200, docs/moe-gpu-results.md: 16x32x128 at 8 tokens, 64x64x64 at 64 and 512); four more were
+    # dropped to keep bench/gpu_moe.sh within 5 minutes on one card
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
-    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
 ]
+
+
+DEVICE, DT = "cuda", torch.bfloat16  # the CPU plumbing test (tests/kernels/test_moe_bench.py) swaps these
+GRAPH_LAYERS = 4  # layers per CUDA graph in `decode`, each with its own weights
+# Decode tiles tried, one kernel at a time (the other at its default): gate|up (BLOCK_N, BLOCK_K,
+# warps), down (BLOCK_N, BLOCK_K, warps); the first of each is moe_decode_config's at Qwen3's shape.
+DECODE_SWEEP_GU = [(16, 256, 4), (32, 256, 4), (8, 256, 4), (16, 512, 4), (16, 128, 4), (32, 256, 8)]
+DECODE_SWEEP_DOWN = [(8, 256, 8), (16, 128, 8), (8, 128, 4), (4, 256, 4), (16, 256, 8)]
+
+
+def graph_time_us(make_call, calls: int) -> float:
+    """us per call of `calls` launches captured in one CUDA graph (compiled and warmed first)."""
+    from triton.testing import do_bench
+
+    fns = [make_call(i) for i in range(calls)]
+    for f in fns:  # compile + allocator warm-up outside capture
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    return do_bench(g.replay, warmup=5, rep=40, return_mode="median") * 1e3 / calls
+
+
+def _old_routing(old: bool) -> None:
+    """The routing kernel's warps (4 above 64 experts), routing and sort as two launches, and the
+    sorted path's sum over k (memset + torch sum) as before the decode-path change, or as now."""
+    import pdserve.kernels.fused_moe as fm
+    import pdserve.kernels.moe_route as mr
+
+    mr.ONE_WARP_MAX_EXPERTS = 64 if old else 256
+    fm.SUM_IN_TORCH = old
+    fm.FUSE_ROUTE_ALIGN = not old
+
+
+def decode(args) -> int:
+    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS, fused_moe, fused_moe_routed, moe_decode_config
+    from pdserve.kernels.moe_route import moe_route
+    from pdserve.kernels.reference import fused_moe_loop_ref, moe_route_ref
+
+    h, inter, e, k = args.hidden, args.inter, args.experts, args.top_k
+    torch.manual_seed(0)
+    layers = [(torch.randn(e, 2 * inter, h, device=DEVICE, dtype=DT) * 0.02,
+               torch.randn(e, h, inter, device=DEVICE, dtype=DT) * 0.02) for _ in range(GRAPH_LAYERS)]
+    bw = args.copy_gbs * 1e9 if args.copy_gbs else _copy_bandwidth()
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    expert_bytes = 3 * inter * h * DT.itemsize
+    default = moe_decode_config(k, inter)
+    lines = [f"MoE at decode batch sizes, before/after in one run: E={e}, k={k}, H={h}, I={inter}, {DT}, {card}, "
+             f"same-run copy bandwidth {bw / 1e9:.0f} GB/s. Every time is us per layer inside a CUDA graph of "
+             f"{GRAPH_LAYERS} layers with their own weights (triton do_bench median). sorted = align + grouped "
+             f"GEMMs + sum over k (before: memset + torch sum; now: one sum launch); decode = two GEMV launches, the sum in the down pass "
+             f"(default tiles: gate|up {default['GU_BLOCK_N']}x{default['GU_BLOCK_K']} w{default['GU_WARPS']}, down "
+             f"{default['DOWN_BLOCK_N']}x{default['DOWN_BLOCK_K']} w{default['DOWN_WARPS']}). Layer = routing + experts "
+             f"from the router's logits (before: routing with 4 warps, then the sorted path; after: the model's op, "
+             f"fused_moe_routed: 1-warp routing + decode path up to {DECODE_MAX_TOKENS} tokens, routing and sort in one "
+             f"launch above). GB/s: bytes of the distinct experts hit / decode best.", "",
+             "| tokens | experts hit | sorted, before (us) | sorted, one-launch sum (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "
+             "| sorted / decode best | GB/s (% of copy) | rel err vs loop: sorted / decode | decode bit-stable "
+             "| routing 4 warps / 1 warp (us) | MoE layer before / after (us) |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
+    for t in args.tokens:
+        x = torch.randn(t, h, device=DEVICE, dtype=DT)
+        logits = [torch.randn(t, e, device=DEVICE, dtype=DT) for _ in range(GRAPH_LAYERS)]
+        routes = [moe_route_ref(lg, k, True) for lg in logits]
+        hit = sum(int(torch.unique(ids).numel()) for _, ids in routes) / GRAPH_LAYERS
+
+        def experts(path, cfg=None):
+            def make(i):
+                (w13, w2), (w, ids) = layers[i % GRAPH_LAYERS], routes[i % GRAPH_LAYERS]
+                return lambda: fused_moe(x, w13, w2, w, ids, config=cfg, path=path)
+            return graph_time_us(make, GRAPH_LAYERS)
+
+        (w13, w2), (w, ids) = layers[0], routes[0]
+        ref = fused_moe_loop_ref(x, w13, w2, w, ids)
+        got = {p: fused_moe(x, w13, w2, w, ids, path=p) for p in ("sorted", "decode")}
+        errs = [((got[p].float() - ref.float()).norm() / ref.float().norm()).item() for p in ("sorted", "decode")]
+        stable = torch.equal(got["decode"], fused_moe(x, w13, w2, w, ids, path="decode"))
+        _old_routing(True)  # "sorted" = the path before: its memset + torch sum
+        t_sorted = experts("sorted")
+        _old_routing(False)
+        t_sorted_now = experts("sorted")  # with the one-launch sum (what batches above the limit run now)
+        t_default = experts("decode")
+        best_gu, best_down = default, default
+        for name, sweep in (("GU", DECODE_SWEEP_GU), ("DOWN", DECODE_SWEEP_DOWN)):
+            best = None
+            for bn, bk, warps in sweep:
+                cfg = dict(best_gu if name == "DOWN" else default,
+                           **{f"{name}_BLOCK_N": bn, f"{name}_BLOCK_K": bk, f"{name}_WARPS": warps})
+                try:
+                    us = experts("decode", cfg)
+                except Exception as ex:  # a tile the card cannot run: skipped, said
+                    print(f"tokens {t}: decode {name} {bn}x{bk} w{warps} failed: {type(ex).__name__}: {ex}"[:300],
+                          flush=True)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best is not None and name == "GU":
+                best_gu = best[1]
+            elif best is not None:
+                best_down = best[1]
+        t_best = min(t_default, experts("decode", best_down))
+        best_cfg = best_down if t_best < t_default else default
+        tiles = (f"{best_cfg['GU_BLOCK_N']}x{best_cfg['GU_BLOCK_K']} w{best_cfg['GU_WARPS']}; "
+                 f"{best_cfg['DOWN_BLOCK_N']}x{best_cfg['DOWN_BLOCK_K']} w{best_cfg['DOWN_WARPS']}")
+        route_us = []
+        layer_us = []
+        for old in (True, False):
+            _old_routing(old)
+            route_us.append(graph_time_us(lambda i: lambda: moe_route(logits[i % GRAPH_LAYERS], k, True), GRAPH_LAYERS))
+
+            def make_layer(i, old=old):
+                (w13, w2), lg = layers[i % GRAPH_LAYERS], logits[i % GRAPH_LAYERS]
+
+                def before():
+                    w, ids = moe_route(lg, k, True)
+                    return fused_moe(x, w13, w2, w, ids, path="sorted")
+                return before if old else (lambda: fused_moe_routed(x, w13, w2, lg, k, True))  # the model's op
+            layer_us.append(graph_time_us(make_layer, GRAPH_LAYERS))
+        _old_routing(False)
+        gbs = hit * expert_bytes / (t_best * 1e-6) / 1e9
+        lines.append(f"| {t} | {hit:.1f} | {t_sorted:.1f} | {t_sorted_now:.1f} | {t_default:.1f} | {t_best:.1f} | {tiles} | "
+                     f"{t_sorted / t_best:.2f}x | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {errs[0]:.1e} / {errs[1]:.1e} | "
+                     f"{'yes' if stable else 'NO'} | {route_us[0]:.1f} / {route_us[1]:.1f} | "
+                     f"{layer_us[0]:.1f} / {layer_us[1]:.1f} |")
+        print(lines[-1], flush=True)
+        _write(args.out, lines)  # a call cut short keeps the rows done
+    return 0
+
+
+def _copy_bandwidth() -> float:
+    from pdserve.bench.kernels import copy_bandwidth
+
+    return copy_bandwidth()
 
 
 def _bench_us(fn) -> float:
@@ -54,7 +196,7 @@ def _cfg_name(c: dict) -> str:
 
 def kernel(args) -> int:
     from pdserve.bench.kernels import copy_bandwidth
-    from pdserve.kernels.fused_moe import fused_moe, moe_block_config
+    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS, fused_moe, moe_block_config
     from pdserve.kernels.moe_route import moe_route
     from pdserve.kernels.reference import fused_moe_loop_ref, moe_route_ref
 
@@ -83,14 +225,15 @@ def kernel(args) -> int:
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         default = moe_block_config(t * k, e)
         t_default = _bench_us(lambda: fused_moe(x, w13, w2, weights, ids))
-        best = (t_default, default)
+        # Up to DECODE_MAX_TOKENS the default is the decode path (its own table: `decode`); the sweep is the sorted path's.
+        best = (t_default, "decode path" if t <= DECODE_MAX_TOKENS else _cfg_name(default))
         for cfg in SWEEP:
             try:
                 us = _bench_us(lambda c=cfg: fused_moe(x, w13, w2, weights, ids, config=c))
             except Exception as ex:  # a tile config the card cannot run (shared memory): skipped, said
                 print(f"tokens {t}: {_cfg_name(cfg)} failed: {type(ex).__name__}: {ex}"[:300], flush=True)
                 continue
-            best = min(best, (us, cfg), key=lambda b: b[0])
+            best = min(best, (us, _cfg_name(cfg)), key=lambda b: b[0])
         t_loop = _bench_us(lambda: fused_moe_loop_ref(x, w13, w2, weights, ids))
         graph_us = "-"
         if t <= 64:  # decode sizes: the kernel and its device-side sort must be capturable
@@ -108,7 +251,7 @@ def kernel(args) -> int:
             same = torch.equal(static, out)
             graph_us = f"{_bench_us(g.replay):.1f}" + ("" if same else " (differs from eager!)")
         gbs = hit * expert_bytes / (best[0] * 1e-6) / 1e9
-        lines.append(f"| {t} | {hit} | {t_default:.1f} | {best[0]:.1f} | {_cfg_name(best[1])} | {t_loop:.1f} | "
+        lines.append(f"| {t} | {hit} | {t_default:.1f} | {best[0]:.1f} | {best[1]} | {t_loop:.1f} | "
                      f"{t_loop / best[0]:.1f}x | {graph_us} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {err:.1e} | "
                      f"{route_us[0]:.1f} / {route_us[1]:.1f} |")
         print(lines[-1], flush=True)
@@ -187,13 +330,18 @@ def engine(args) -> int:
     from pdserve.worker.engine import LLMEngine
     from pdserve.worker.sampling_params import SamplingParams
 
+    if args.moe_path == "sorted":  # as before the decode path: sorted at every size, routing with 4 warps
+        import pdserve.kernels.fused_moe as fm
+
+        fm.DECODE_MAX_TOKENS = 0
+        _old_routing(True)  # and routing + sort as two launches, the sorted path's memset + torch sum
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
                                  max_num_seqs=max(8, args.num_prompts), max_num_batched_tokens=8192,
                                  enable_prefix_caching=False, tensor_parallel_size=args.tp,
                                  enable_expert_parallel=args.ep))
-    row = {"tp": args.tp, "ep": args.ep, "layers": args.layers, "start_s": time.perf_counter() - t0,
+    row = {"tp": args.tp, "ep": args.ep, "moe_path": args.moe_path, "layers": args.layers, "start_s": time.perf_counter() - t0,
            "copy_gbs": bw / 1e9, "card": torch.cuda.get_device_name(), "graphs": eng.runner.graphs is not None}
     print(f"TP={args.tp} EP={args.ep}: started in {row['start_s']:.0f}s", flush=True)
     try:
@@ -256,11 +404,14 @@ def report(args) -> int:
              f"CUDA graphs, prefix caching off. Roofline: the weight bytes a bs=1 step reads per rank "
              f"(attention, router, k=8 experts per layer, lm_head; TP-divided) / the same run's copy bandwidth. "
              f"Offline: prompts of 1024 random tokens, 128 generated each, output tok/s.", "",
-             "| TP | expert parallel | bs=1 ms/step | roofline ms | % of roofline | offline 1024/128 tok/s | start s |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| TP | expert parallel | MoE path | bs=1 ms/step | roofline ms | % of roofline | offline 1024/128 tok/s "
+             "| start s |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         off = f"{r['offline_tok_s']:.0f} ({r['num_prompts']} prompts)" if "offline_tok_s" in r else "-"
-        lines.append(f"| {r['tp']} | {'yes' if r['ep'] else 'no'} | {r['decode_ms']:.2f} | {r['roofline_ms']:.2f} | "
+        path = r.get("moe_path", "auto")
+        path = "decode <= 4 tokens (new)" if path == "auto" else "sorted, 4-warp routing (before)"
+        lines.append(f"| {r['tp']} | {'yes' if r['ep'] else 'no'} | {path} | {r['decode_ms']:.2f} | {r['roofline_ms']:.2f} | "
                      f"{100 * r['roofline_ms'] / r['decode_ms']:.0f}% | {off} | {r['start_s']:.0f} |")
     _write(args.out, lines)
     return 0
@@ -280,6 +431,14 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernel")
     k.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     k.add_argument("--out")
+    d = sub.add_parser("decode")
+    d.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    d.add_argument("--hidden", type=int, default=SHAPE["hidden"])
+    d.add_argument("--inter", type=int, default=SHAPE["inter"])
+    d.add_argument("--experts", type=int, default=SHAPE["experts"])
+    d.add_argument("--top-k", type=int, default=SHAPE["top_k"])
+    d.add_argument("--copy-gbs", type=float, help="skip the copy-bandwidth measurement, use this")
+    d.add_argument("--out")
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--layers", type=int, default=12)
@@ -291,6 +450,8 @@ def main(argv=None) -> int:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=64, help="offline batch (0: none)")
     e.add_argument("--rows", required=True)
+    e.add_argument("--moe-path", choices=("auto", "sorted"), default="auto",
+                   help="sorted: the MoE kernels as before the decode path (the same-run baseline)")
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     r = sub.add_parser("report")
     r.add_argument("--rows", required=True)
@@ -299,7 +460,7 @@ def main(argv=None) -> int:
     if args.cmd != "checkpoint" and not torch.cuda.is_available():
         print("bench moe needs a CUDA GPU", file=sys.stderr)
         return 2
-    return {"kernel": kernel, "checkpoint": checkpoint, "engine": engine, "report": report}[args.cmd](args)
+    return {"kernel": kernel, "decode": decode, "checkpoint": checkpoint, "engine": engine, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

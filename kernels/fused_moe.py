@@ -13,9 +13,14 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    halves for BLOCK_M rows of one expert, and writes silu(gate) * up, rounded once, to the
    assignment's row of the intermediate [M, I].
 3. down GEMM, each row scaled by its router weight, to the assignment's row of [M, H]; a sum over
-   k gives the layer's output. Assignments to experts this rank does not hold (id -1: expert
-   parallelism) are sorted into no block and their rows stay zero.
+   k gives the layer's output (`_moe_sum_kernel`: fp32, slot order). Assignments to experts this
+   rank does not hold (id -1: expert parallelism) are sorted into no block, their rows are never
+   written, and the sum skips them (no memset of [M, H] first).
 Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulation throughout.
+
+Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
+the router weight applied in the gate|up epilogue and the top-k sum done inside the down pass
+(section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
+from pdserve.kernels.moe_route import _route_rows
 
 
 # One program holds an [M, E] one-hot tile, and its running count takes 4 bytes of shared memory
@@ -57,18 +63,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ids = topk_ids.reshape(-1)
     _moe_align_kernel[(1,)](
         ids, sorted_ids, expert_ids, num_padded, m, num_experts, expert_offset, cap, cap // block_m,
-        BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
-        B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)),
-        num_warps=4 if tile <= 1 << 13 else 8,
+        **_align_tiles(m, num_experts, block_m), num_warps=4 if tile <= 1 << 13 else 8,
     )
     return sorted_ids, expert_ids, num_padded
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
-                      num_blocks,
-                      BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
-                      FILL: tl.constexpr):
+def _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                num_blocks,
+                BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                FILL: tl.constexpr):
     # The torch version's arithmetic in one program: one-hot [M, E], its running count down
     # the assignments gives each one's rank within its expert; padded counts' prefix sums give
     # each expert's first row.
@@ -93,6 +97,79 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m
     owner = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (e < num_experts)[None, :]).to(tl.int32), axis=1)
     tl.store(expert_ids_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                      num_blocks,
+                      BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                      FILL: tl.constexpr):
+    _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
+                num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
+
+
+# num_tokens unspecialized: Triton would otherwise key a variant on T == 1 / T % 16 == 0 on top
+# of the power-of-two tiles (tests/kernels/test_specialization.py: no compiles mid-traffic).
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                            num_tokens, router_experts, stride_t, num_experts, expert_offset, cap, num_blocks,
+                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            T_TILE: tl.constexpr, R_TILE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                            FILL: tl.constexpr):
+    # One program: every token's routing (moe_route's arithmetic, rows at once), then the sort of
+    # the ids it just wrote (read back after a block barrier: the same program's global writes).
+    _route_rows(logits_ptr, weights_ptr, ids_ptr, num_tokens, router_experts, stride_t,
+                TOP_K, K_TILE, RENORMALIZE, T_TILE, R_TILE)
+    tl.debug_barrier()
+    _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_tokens * TOP_K, num_experts,
+                expert_offset, cap, num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
+
+
+def _align_tiles(m: int, num_experts: int, block_m: int) -> dict:
+    cap = _align_capacity(m, num_experts, block_m)
+    return dict(BLOCK_M=block_m, M_TILE=triton.next_power_of_2(m), E_TILE=triton.next_power_of_2(num_experts),
+                B_TILE=triton.next_power_of_2(cap // block_m), FILL=min(1024, triton.next_power_of_2(cap)))
+
+
+def route_align_fits(num_tokens: int, top_k: int, router_experts: int, num_experts: int) -> bool:
+    """Whether moe_route_align runs as its one program (else it is moe_route + moe_align)."""
+    m = num_tokens * top_k
+    return (0 < m and triton.next_power_of_2(m) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX_ELEMENTS
+            and triton.next_power_of_2(num_tokens) * triton.next_power_of_2(router_experts) <= ALIGN_KERNEL_MAX_ELEMENTS)
+
+
+def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
+                    expert_offset: int = 0):
+    """moe_route then moe_align in one launch (decode batch sizes; larger ones: the two calls):
+    router_logits [T, E_router] -> (weights [T, k] fp32, ids [T, k] int64, sorted_ids,
+    expert_ids, num_padded) with moe_route's and moe_align's meanings and the same values."""
+    from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS, check_route_args
+
+    t, router_experts = check_route_args("moe_route_align", router_logits, top_k)
+    if not route_align_fits(t, top_k, router_experts, num_experts):
+        from pdserve.kernels.moe_route import moe_route
+
+        weights, ids = moe_route(router_logits, top_k, renormalize)
+        return (weights, ids, *moe_align(ids, num_experts, block_m, expert_offset))
+    dev = router_logits.device
+    m = t * top_k
+    tiles = _align_tiles(m, num_experts, block_m)
+    cap = _align_capacity(m, num_experts, block_m)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    onehot = tiles["M_TILE"] * tiles["E_TILE"]
+    _moe_route_align_kernel[(1,)](
+        router_logits, weights, ids, sorted_ids, expert_ids, num_padded, t, router_experts, router_logits.stride(0),
+        num_experts, expert_offset, cap, cap // block_m,
+        TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        T_TILE=triton.next_power_of_2(t), R_TILE=triton.next_power_of_2(router_experts), **tiles,
+        num_warps=4 if onehot <= 1 << 13 else 8,
+    )
+    return weights, ids, sorted_ids, expert_ids, num_padded
 
 
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -199,12 +276,144 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
     )
 
 
+# --- Decode sizes (T <= DECODE_MAX_TOKENS): no sort, no [T*k, H] buffer, no separate sum -------
+# At one token the sorted path is five launches around 75 MB of weights (align, memset, gate|up,
+# down, the sum over k), and its 16-row tiles give the 8 experts' gate|up only 8 x 12 programs:
+# fewer than the SMs (bench/moe.py's profile: ~32 us a layer for ~18 us of bytes). Here:
+# 1. gate|up, one program per (assignment, BLOCK_N strip of I): a register GEMV of x's row
+#    against the strip's gate and up rows (no 16-row padding: one real row per expert at T = 1),
+#    epilogue silu(gate) * up times the router weight, rounded once, to the assignment's row.
+#    The weight moves here from the down epilogue so that the down pass below is a plain sum.
+#    Assignments of the same strip are neighbours in launch order, so two tokens that chose one
+#    expert read its strip from DRAM once and from L2 the second time.
+# 2. down, one program per (token, BLOCK_N strip of H): the token's k experts' [BLOCK_N, BLOCK_K]
+#    tiles loaded as one [k, BLOCK_N, BLOCK_K] block per step (k times the bytes in flight of a
+#    one-expert GEMV: these loads are not pipelined through shared memory, so this is what keeps
+#    HBM busy), products summed over K, then over the k experts in registers: the top-k sum
+#    happens inside the GEMM, in a fixed order, with no atomics, so results are bit-stable.
+# Two launches, both sized by shapes alone (CUDA-graph capturable), nothing to zero first.
+
+# Past this many tokens the sorted path runs: a first guess (at 8 tokens the sorted path already
+# streams at ~75% of copy bandwidth on an H200, and the per-assignment GEMV reads an expert chosen
+# by several tokens once per token, from L2 at best); bench/moe.py's decode table measures both.
+DECODE_MAX_TOKENS = 4
+# The sorted path's sum over k: False = _moe_sum_kernel (one launch), True = a memset of [T*k, H]
+# first and torch's sum after (what ran before; bench/moe.py sets it for its "before" rows).
+SUM_IN_TORCH = False
+# fused_moe_routed: route and sort in one launch where it fits (False: moe_route, then the sort
+# inside fused_moe, as before; bench/moe.py's "before" rows).
+FUSE_ROUTE_ALIGN = True
+MOE_PATHS = ("auto", "sorted", "decode")
+
+
+def moe_decode_config(top_k: int, inter: int) -> dict:
+    """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
+    sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
+    down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
+    256: no half-masked last step), 32 KB of bf16 per step, 256 programs. First guesses from the
+    H200's measured GEMVs (kernels/fused_gemv.py: 16-32 row strips and 256-wide K were its best
+    at M = 1), not measured on this kernel: `pdserve bench moe decode` sweeps alternatives."""
+    k_tile = triton.next_power_of_2(top_k)
+    return dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4,
+                DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256 if inter % 256 == 0 else 128, DOWN_WARPS=8)
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N, K, num_experts, expert_offset,
+                               stride_xm, stride_we, stride_wn, stride_im,
+                               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+    a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
+    if (e < 0) | (e >= num_experts):  # held by another rank (or -1): the down pass skips the row
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
+    gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        # x loaded as a [1, BLOCK_K] tile, in the weight tile's layout (no conversion per step).
+        xk = tl.load(x_row + k0 + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+        mask = col_ok[:, None] & k_ok[None, :]
+        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(g * xk, axis=1)
+        acc_up += tl.sum(u * xk, axis=1)
+        gate_ptrs += BLOCK_K
+    w = tl.load(weight_ptr + a).to(tl.float32)
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up * w
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_experts, expert_offset,
+                            stride_im, stride_we, stride_wn, stride_om,
+                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK_N)): token t's output columns [n*BLOCK_N, +BLOCK_N), all k experts.
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    js = tl.arange(0, K_TILE)
+    e = tl.load(ids_ptr + t * TOP_K + js, mask=js < TOP_K, other=-1).to(tl.int64) - expert_offset
+    held = (js < TOP_K) & (e >= 0) & (e < num_experts)  # not held: its row was never written, never read
+    e = tl.where(held, e, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
+    a_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im + ks[None, None, :]
+    w_ptrs = w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
+    acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a, axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers
+    tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg) -> torch.Tensor:
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)
+    # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
+    inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+        x, w13, inter_out, ids, weights, inter, h, e, expert_offset,
+        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], num_warps=cfg["GU_WARPS"],
+    )
+    out = torch.empty_like(x)
+    _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
+        inter_out, w2, out, ids, h, inter, e, expert_offset,
+        inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
+        BLOCK_K=cfg["DOWN_BLOCK_K"], num_warps=cfg["DOWN_WARPS"],
+    )
+    return out
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0,
+              path: str = "auto", align: tuple | None = None) -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
-    `config`: tile sizes (default moe_block_config's)."""
+    `path`: "sorted" (align + grouped GEMMs + sum), "decode" (two GEMV launches, the sum inside
+    the down pass), "auto" = decode up to DECODE_MAX_TOKENS tokens (a shape test: a CUDA graph
+    replays the path it captured). `config`: tile sizes of the path that runs (default
+    moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted.
+    `align`: moe_align's (sorted_ids, expert_ids, num_padded) for these ids at the config's BLOCK_M,
+    already made (moe_route_align: routing and sort in one launch); implies the sorted path."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, h = x.shape
@@ -218,14 +427,83 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     top_k = topk_ids.shape[1]
     check_tensor(fn, "topk_weights", topk_weights, (t, top_k), FLOAT_DTYPES)
     check_devices(fn, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if path not in MOE_PATHS:
+        raise ValueError(f"{fn}: path must be one of {', '.join(MOE_PATHS)}, got {path!r}")
     if t == 0:
         return torch.empty_like(x)
-    m = t * top_k
-    cfg = config or moe_block_config(m, e)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     weights = topk_weights.reshape(-1).contiguous()
+    # The decode kernels index the last dimension with unit stride (model parameters always are).
+    unit = all(v.stride(-1) == 1 for v in (x, w13, w2))
+    if path == "decode" and not unit:
+        raise ValueError(f"{fn}: the decode path needs x, w13 and w2 contiguous in their last dimension")
+    sorted_cfg = config is not None and "BLOCK_M" in config
+    if align is not None:
+        if path == "decode" or not sorted_cfg:
+            raise ValueError(f"{fn}: align is for the sorted path, with the config (BLOCK_M) it was made for")
+        cap = _align_capacity(t * top_k, e, config["BLOCK_M"])
+        if len(align) != 3 or align[0].shape != (cap,) or align[1].shape != (cap // config["BLOCK_M"],):
+            raise ValueError(f"{fn}: align does not match {t * top_k} assignments, {e} experts and BLOCK_M "
+                             f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
+        path = "sorted"
+    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
+        cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k, inter)
+        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg)
+    m = t * top_k
+    cfg = config if sorted_cfg else moe_block_config(m, e)
+    sorted_ids, expert_ids, num_padded = align or moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)
-    out = torch.zeros((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held stay zero
+    if SUM_IN_TORCH:  # as before _moe_sum_kernel (bench/moe.py's "before" rows)
+        out = torch.zeros((m, h), dtype=x.dtype, device=x.device)
+        _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
+        return out.view(t, top_k, h).sum(dim=1)
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held: never written, never read
     _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
-    return out.view(t, top_k, h).sum(dim=1)
+    return _sum_over_k(out, topk_ids, e, expert_offset)
+
+
+@triton.jit
+def _moe_sum_kernel(rows_ptr, ids_ptr, out_ptr, N, num_experts, expert_offset, stride_rm, stride_om,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK)): token t's k rows summed in fp32 in slot order (the same bits every
+    # run), rounded once; rows of experts not held here are skipped, so nothing has to zero them.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+        limit = tl.where((e >= 0) & (e < num_experts), N, 0)  # not held: a column limit of 0
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * stride_rm + cols, mask=cols < limit, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, expert_offset: int) -> torch.Tensor:
+    """[T*k, H] weighted expert outputs -> [T, H]: one launch where torch needed two (the memset of
+    the rows of experts not held, then the sum)."""
+    t, top_k = topk_ids.shape
+    h = rows.shape[1]
+    out = torch.empty((t, h), dtype=rows.dtype, device=rows.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](rows, topk_ids.reshape(-1), out, h, num_experts, expert_offset,
+                                                rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+                                                num_warps=4)
+    return out
+
+
+def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                     renormalize: bool, expert_offset: int = 0) -> torch.Tensor:
+    """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
+    with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
+    decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
+    routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
+    routing kernel and the torch sort."""
+    from pdserve.kernels.moe_route import moe_route
+
+    t, e = x.shape[0], w13.shape[0]
+    if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
+        cfg = moe_block_config(t * top_k, e)
+        weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
+        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align))
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset)

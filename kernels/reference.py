@@ -243,6 +243,14 @@ def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids, expert_offset: int = 
     return out.to(x.dtype)
 
 
+def fused_moe_routed_ref(x, w13, w2, router_logits, top_k: int, renormalize: bool,
+                         expert_offset: int = 0) -> torch.Tensor:
+    """The MoE layer from the router's logits: moe_route_ref then fused_moe_ref (the CPU twin of
+    kernels/fused_moe.py's fused_moe_routed, which may route and sort in one launch)."""
+    weights, ids = moe_route_ref(router_logits, top_k, renormalize)
+    return fused_moe_ref(x, w13, w2, weights, ids, expert_offset=expert_offset)
+
+
 def moe_route_ref(
     router_logits: torch.Tensor,  # [T, E], the router linear's output (model dtype)
     top_k: int,

@@ -2,7 +2,8 @@
 run as one fused op, and (Qwen2-MoE) a shared expert behind a sigmoid gate is added.
 
 Routing is computed exactly as transformers does, in fp32 (kernels/reference.py: moe_route_ref; the
-Triton path: kernels/moe_route.py): softmax over all E router logits,
+Triton path: kernels/moe_route.py, or with the sort in one launch, fused_moe.moe_route_align):
+softmax over all E router logits,
 top-k of the probabilities, and with `norm_topk_prob` (Qwen3-MoE, Qwen2-MoE when set, Mixtral
 always) the k probabilities divided by their sum. (Mixtral's "softmax over the top-k logits" is the
 same number: softmax then renormalise over the k equals a softmax over the k logits.)
@@ -26,23 +27,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
+from pdserve.kernels.reference import fused_moe_routed_ref
 from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 
 
-def moe_ops(backend: AttentionBackend) -> tuple[Callable, Callable]:
-    """(routing, experts) ops, following the attention backend as the pointwise ops do
-    (models/llama.py): the Triton kernels on CUDA (and under the interpreter in the twin tests),
-    the references on CPU."""
+def moe_op(backend: AttentionBackend) -> Callable:
+    """The routing + experts op (router logits in, the layer's output out), following the attention
+    backend as the pointwise ops do (models/llama.py): the Triton kernels on CUDA (and under the
+    interpreter in the twin tests; they pick the fewest launches per batch size), the references
+    on CPU. One op rather than two, so that decode batches can route and sort in one launch."""
     if backend.name == "triton":
-        from pdserve.kernels.fused_moe import fused_moe
-        from pdserve.kernels.moe_route import moe_route
+        from pdserve.kernels.fused_moe import fused_moe_routed
 
-        return moe_route, fused_moe
-    return moe_route_ref, fused_moe_ref
+        return fused_moe_routed
+    return fused_moe_routed_ref
 
 
 
@@ -77,10 +78,11 @@ class FusedExperts(nn.Module):
         else:
             param.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], the router's (weights, global ids) [T, k] -> this rank's partial output [T, H].
-        Under expert parallelism the op skips assignments to experts outside its range (zeros)."""
-        return self.op(x, self.w13, self.w2, weights, ids, expert_offset=self.local.start)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """x [T, H], the router's logits [T, E] -> this rank's partial output [T, H]. Every rank
+        routes over all E experts (global ids); under expert parallelism the op skips
+        assignments to experts outside its range (zeros)."""
+        return self.op(x, self.w13, self.w2, router_logits, top_k, renormalize, expert_offset=self.local.start)
 
 
 class SparseMoeBlock(nn.Module):
@@ -93,16 +95,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize, self.shard = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated: [E, H] is small
-        self.route, experts_op = moe_ops(backend)
-        self.experts = FusedExperts(cfg, shard, experts_op)
+        self.experts = FusedExperts(cfg, shard, moe_op(backend))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, shard, pointwise_ops(backend), inter=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             s = self.shared_expert
             # The down projection without its all-reduce: this rank's partial joins the experts'.

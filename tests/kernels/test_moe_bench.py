@@ -1,0 +1,65 @@
+"""bench/moe.py's `decode` plumbing on CPU (interpreted kernels, no CUDA graphs, no timing), so the
+device run the bench is for does not die on a Python error. Timings are a 1 us stand-in and
+nothing asserts on them; the correctness cells (errors vs the loop, bit-stability) are real."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pdserve.bench import moe
+from tests.kernels.kernel_inputs import ON_GPU
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU plumbing check; on a GPU run the bench itself")
+
+
+def test_decode_table(monkeypatch, tmp_path):
+    import pdserve.kernels.moe_route as mr
+
+    monkeypatch.setattr(moe, "DEVICE", "cpu")
+    monkeypatch.setattr(moe, "DT", torch.float32)
+    monkeypatch.setattr(moe, "GRAPH_LAYERS", 2)
+    monkeypatch.setattr(moe, "DECODE_SWEEP_GU", moe.DECODE_SWEEP_GU[:2])
+    monkeypatch.setattr(moe, "DECODE_SWEEP_DOWN", moe.DECODE_SWEEP_DOWN[:2])
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(mr, "ONE_WARP_MAX_EXPERTS", mr.ONE_WARP_MAX_EXPERTS)  # restored after the test
+    monkeypatch.setattr(fm, "SUM_IN_TORCH", fm.SUM_IN_TORCH)
+    monkeypatch.setattr(fm, "FUSE_ROUTE_ALIGN", fm.FUSE_ROUTE_ALIGN)
+    warps_seen = []
+
+    def fake_time(make_call, calls):
+        for i in range(calls):
+            make_call(i)()
+        warps_seen.append(mr.ONE_WARP_MAX_EXPERTS)
+        return 1.0
+
+    monkeypatch.setattr(moe, "graph_time_us", fake_time)
+    out = tmp_path / "decode.md"
+    args = argparse.Namespace(tokens=[1, 6], hidden=64, inter=32, experts=8, top_k=2, copy_gbs=1000.0, out=str(out))
+    assert moe.decode(args) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 ") or line.startswith("| 6 ")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 13
+        sorted_err, decode_err = (float(v) for v in cells[9].split(" / "))
+        assert sorted_err < 1e-5 and decode_err < 1e-5  # fp32: both paths equal the per-expert loop
+        assert cells[10] == "yes"
+    assert 64 in warps_seen and mr.ONE_WARP_MAX_EXPERTS == 256  # the "before" routing ran, then was put back
+    assert fm.SUM_IN_TORCH is False and fm.FUSE_ROUTE_ALIGN is True
+
+
+def test_engine_report_names_the_moe_path(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    common = dict(tp=1, ep=False, layers=12, decode_ms=1.0, roofline_ms=0.5, start_s=20, card="x")
+    import json
+
+    rows.write_text(json.dumps(dict(common, moe_path="auto")) + "\n" + json.dumps(dict(common, moe_path="sorted")) + "\n"
+                    + json.dumps(common) + "\n")  # a row from before the flag existed
+    out = tmp_path / "engine.md"
+    assert moe.report(argparse.Namespace(rows=str(rows), out=str(out))) == 0
+    text = out.read_text()
+    assert text.count("(new)") == 2 and text.count("(before)") == 1 and "50%" in text
