@@ -353,7 +353,9 @@ def engine(args) -> int:
         row["roofline_ms"] = 1e3 * step_bytes(args.layers, args.tp) / bw
         print(f"TP={args.tp} EP={args.ep}: bs=1 {row['decode_ms']:.2f} ms/step", flush=True)
         if args.profile:
-            row["gpu_ms"] = _profile_decode(eng, prompt, args.profile)
+            from pdserve.bench.engine import profile_decode
+
+            row["gpu_ms"] = profile_decode(eng, prompt, args.profile)
         if args.num_prompts:
             params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
             prompts = [[rng.randrange(3, vocab) for _ in range(1024)] for _ in range(args.num_prompts)]
@@ -368,30 +370,6 @@ def engine(args) -> int:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
     return 0
-
-
-def _profile_decode(eng, prompt: list[int], path: str, steps: int = 16) -> float:
-    """torch.profiler over `steps` bs=1 decode steps (rank 0's kernels): the kernels by GPU time
-    per step, written to `path`; returns the GPU busy time per step (ms), so wall - GPU = host gap."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from pdserve.bench.engine import decode_step_seconds
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = decode_step_seconds(eng, prompt, steps)
-    events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
-                     key=lambda e: -e.self_device_time_total)
-    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
-    lines = [f"bs=1 decode, {steps} steps under torch.profiler: wall {1e3 * statistics.median(wall):.3f} ms/step "
-             f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step", "", "| kernel | calls/step | us/step | share |",
-             "|---|---:|---:|---:|"]
-    for e in kernels[:25]:
-        lines.append(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} | "
-                     f"{100 * e.self_device_time_total / steps / gpu_us:.0f}% |")
-    _write(path, lines)
-    return gpu_us / 1e3
 
 
 def report(args) -> int:
