@@ -205,6 +205,7 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
                                     max_model_len=2048, max_num_seqs=256 if args.num_prompts else 8,
                                     max_num_batched_tokens=16384,
                                     enable_prefix_caching=False, tensor_parallel_size=n, enforce_eager=args.enforce_eager,
+                                    async_scheduling=args.async_scheduling,
                                     kv_cache_memory=None if args.device == "cuda" else 1 << 26))
     start_s = time.perf_counter() - t0
     print(f"TP={n}: engine started in {start_s:.0f}s", flush=True)
@@ -339,6 +340,8 @@ def main(argv=None) -> int:
                                          "(one TP size per command fits a short per-command time limit)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no decode CUDA graphs (if capturing the all-reduces fails on this machine)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="every engine with --async-scheduling (under TP rank 0 broadcasts the sampled ids)")
     ap.add_argument("--profile", metavar="DIR", help="also profile 32 bs=1 decode steps per engine (rank 0's "
                                                   "kernels): one markdown table per TP size and all-reduce in DIR")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU over gloo: checks the script only")
@@ -417,7 +420,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run, gloo)"
     lines = [f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
              f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
-             f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}", "",
+             f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}"
+             f"{' · async scheduling' if args.async_scheduling else ''}", "",
              "| TP | all-reduce | bs=1 decode in=128 ms/step (x TP=1) | all-reduces of that step alone (2L+1 at bs=1) ms "
              "| per all-reduce us | offline 1024/128 tok/s "
              f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 | first token's top-5 "

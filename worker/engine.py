@@ -105,11 +105,13 @@ class LLMEngine:
             self._kv_event_publisher = KVEventPublisher(
                 self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
         # Async scheduling: only where nothing outside this process must see a step's results
-        # before the next is planned (no KV connector, no tensor-parallel ranks).
-        self.async_scheduling = (config.async_scheduling and self.kv_connector is None
-                                 and config.tensor_parallel_size == 1)
+        # before the next is planned (no KV connector). Tensor-parallel ranks get each step's
+        # sampled ids from rank 0 on the device (StepPlan.share_tokens).
+        self.async_scheduling = config.async_scheduling and self.kv_connector is None
+        if self.async_scheduling and config.tensor_parallel_size > 1:
+            self.runner.share_sampled = True
         if config.async_scheduling and not self.async_scheduling:
-            log.warning("--async-scheduling ignored: not yet supported with KV transfer or tensor parallelism")
+            log.warning("--async-scheduling ignored: not yet supported with KV transfer")
         elif self.async_scheduling:
             log.info("async scheduling on: the next step is launched before this one's tokens are read")
         self._in_flight: LaunchedStep | None = None

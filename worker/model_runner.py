@@ -36,6 +36,7 @@ from pdserve.worker.kv_cache import KVCache, resolve_kv_dtype
 from pdserve.worker.kv_scales import load_kv_scales
 from pdserve.worker.model_loader import load_model
 from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.parallel.communicator import share_from_rank0
 from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
@@ -59,9 +60,13 @@ class StepPlan:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top_k: int = 0
     # Async scheduling: (input row, row of the previous step's sampled tokens) for token ids the
-    # host does not know yet; their host value is a 0 overwritten on the device. Never set under
-    # tensor parallelism (the other ranks could not see rank 0's tokens).
+    # host does not know yet; their host value is a 0 overwritten on the device. Under tensor
+    # parallelism the other ranks take them from `share_tokens`' broadcast of the step before.
     from_previous: list[tuple[int, int]] = field(default_factory=list)
+    # Async scheduling under tensor parallelism: rank 0 broadcasts this step's sampled token ids
+    # (this many) on the device once sampled, so that every rank holds what the next step's
+    # `from_previous` rows read; 0: nothing is sent.
+    share_tokens: int = 0
 
 
 @dataclass
@@ -131,6 +136,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         self.followers = followers  # rank 0 of a tensor-parallel worker: the other ranks (TPFollowers)
+        # Async scheduling under TP: broadcast each step's sampled ids to the other ranks (the engine sets it).
+        self.share_sampled = False
         if self.tp_size > 1:
             if tp_rank == 0 and (tp_store is None or followers is None):
                 raise ValueError("rank 0 of a tensor-parallel worker needs the store and the followers "
@@ -423,6 +430,10 @@ class ModelRunner:
             rows = hidden[logits_idx]
         return self._project(rows)
 
+    def receive_sampled(self, n: int) -> torch.Tensor:
+        """Ranks >= 1: rank 0's `n` sampled token ids of the step just run (StepPlan.share_tokens)."""
+        return share_from_rank0(torch.empty(n, dtype=torch.int64, device=self.device))
+
     def _fill_from_previous(self, ids: torch.Tensor, pairs: list[tuple[int, int]], previous: torch.Tensor) -> None:
         """ids[dst] = previous[src] on the device, without the host reading either. The usual
         shape (the same decodes, in the same order, first in both steps) is one slice copy."""
@@ -456,8 +467,9 @@ class ModelRunner:
         plan, samplers = (self._plan_graph(batch, prev_rows) if self._use_graph(batch)
                           else self._plan_eager(batch, prev_rows))
         if self.followers is not None:
-            if plan.from_previous:
-                raise RuntimeError("async scheduling cannot feed device token ids to tensor-parallel ranks")
+            if plan.from_previous and not self.share_sampled:
+                raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")
+            plan.share_tokens = len(samplers) if self.share_sampled else 0
             self.followers.send(plan)
         logits = self.execute(plan, previous.tokens if previous is not None else None)
         if self.prompt_scores is not None:
@@ -472,6 +484,8 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1)
         else:
             tokens, logprobs = self.sampler.sample(logits, samplers)
+        if plan.share_tokens:
+            share_from_rank0(tokens)  # the other ranks' next step reads them (StepPlan.share_tokens)
         slot, (host,), _ = self._readback.acquire()
         host = host[:len(samplers)]
         host.copy_(tokens, non_blocking=True)

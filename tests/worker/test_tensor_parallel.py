@@ -68,6 +68,30 @@ def test_tp2_greedy_equals_tp1(checkpoint, arch, kv_heads, static_decode):
     assert generate(ckpt, 2, static_decode) == ref
 
 
+@pytest.mark.parametrize("static_decode", [None, True], ids=["eager", "graph-plan"])
+def test_tp2_with_async_scheduling_equals_tp1(checkpoint, static_decode):
+    # Rank 0 broadcasts each step's sampled ids on the device; the other ranks' next step reads
+    # them, as rank 0's does, without any host knowing them (StepPlan.share_tokens).
+    ckpt = checkpoint("llama", 2)
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                    kv_cache_memory=1 << 22, tensor_parallel_size=2, async_scheduling=True),
+                       static_decode=static_decode)
+    try:
+        assert engine.async_scheduling and engine.runner.share_sampled
+        seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+        got = engine.generate(PROMPTS, GREEDY) + engine.generate(PROMPTS[:2], seeded)
+        assert engine.num_overlapped_steps > 0  # steps were launched with tokens still on the device
+    finally:
+        engine.shutdown()
+    ref_engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
+                                        kv_cache_memory=1 << 22))
+    try:
+        ref = ref_engine.generate(PROMPTS, GREEDY) + ref_engine.generate(PROMPTS[:2], seeded)
+    finally:
+        ref_engine.shutdown()
+    assert got == ref
+
+
 @pytest.mark.parametrize("arch,ep", [
     ("qwen3-moe", False),  # every expert's I columns split, as a dense MLP (one layer dense)
     ("qwen3-moe", True),  # 4 whole experts per rank, the all-reduce combines

@@ -190,3 +190,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
     return _current.all_reduce(x)
+
+
+def share_from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `t` on every rank of the tensor-parallel group, in place (the others pass a buffer
+    of the same shape and dtype): async scheduling's sampled token ids, which only rank 0 samples.
+    Queued on the current stream like the layers' collectives, so no host waits for it."""
+    dist.broadcast(t, src=0)
+    return t

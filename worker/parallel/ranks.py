@@ -162,6 +162,7 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
                               TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
         log.info("tensor-parallel rank %d ready: waiting for step plans", rank)
         steps = 0
+        previous = None  # async scheduling: the last step's sampled ids, broadcast by rank 0
         while True:
             try:
                 data = conn.recv_bytes()
@@ -176,7 +177,8 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
             if steps == 0:
                 log.info("tensor-parallel rank %d: first step plan received (%s)", rank,
                          "graph" if plan.graph else "eager")
-            runner.execute(plan)
+            runner.execute(plan, previous)
+            previous = runner.receive_sampled(plan.share_tokens) if plan.share_tokens else None
             if steps == 0:
                 log.info("tensor-parallel rank %d: first step issued (its GPU work queued)", rank)
             steps += 1
