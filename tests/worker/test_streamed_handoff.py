@@ -267,3 +267,50 @@ def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt, 
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transport, monkeypatch):
+    """Decode side under async scheduling: a request admitted for a pull while a step is in
+    flight gets blocks that step may still write (freed since it was launched: a request it
+    decodes finished or was preempted); its pull starts once that step was collected, and the
+    request is not scheduled before the pull lands. The answer is one worker's."""
+    p = engine(ckpt, "prefill", transport, async_scheduling=True)
+    d = engine(ckpt, "decode", transport, async_scheduling=True)
+    try:
+        fresh = [t + 1350 for t in PROMPT]
+        p.add_request("p5", fresh, GREEDY, {"do_remote_decode": True})  # a plain (after-prefill) hand-off
+        outs = []
+        deadline = time.monotonic() + 30
+        while not any(o.request_id == "p5" and o.finished for o in outs):
+            assert time.monotonic() < deadline, "the prefill did not finish"
+            outs += p.step()
+        params = next(o for o in outs if o.request_id == "p5" and o.finished).kv_transfer_params
+        d.add_request("busy", PROMPT[:9], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        until(lambda: d._in_flight is not None and d.requests["busy"].num_output_tokens > 0,
+              "a decode step in flight", [d])
+        events = []
+        collect, apply, launch = d.runner.collect, d.kv_connector.apply, d.runner.launch
+        monkeypatch.setattr(d.runner, "collect", lambda step: (events.append("collect"), collect(step))[1])
+        monkeypatch.setattr(d.kv_connector, "apply",
+                            lambda meta: (events.extend(["pull"] * len(meta.loads)), apply(meta))[1])
+        monkeypatch.setattr(d.runner, "launch", lambda batch, *a, **kw: (
+            events.append("launch with d5" if any(r.request_id == "d5" for r, _ in batch.items) else "launch"),
+            launch(batch, *a, **kw))[1])
+        d.add_request("d5", fresh, GREEDY, params)
+        tokens, done = [params["first_token_id"]], False
+        deadline = time.monotonic() + 60
+        while not done:
+            assert time.monotonic() < deadline
+            for o in d.step():
+                if o.request_id == "d5":
+                    tokens += o.new_token_ids
+                    done = o.finished
+        assert events[:3] == ["launch", "collect", "pull"], events  # admitted; pulled after the collect
+        assert events.index("launch with d5") > events.index("pull")
+        assert tokens == engine_answer(ckpt, fresh)
+        until(lambda: "busy" not in d.requests, "the other request to finish", [d])
+        until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+    finally:
+        p.shutdown()
+        d.shutdown()
