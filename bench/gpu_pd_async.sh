@@ -8,8 +8,9 @@
 # bench/pd_async.py (its docstring has the plan): Llama-3.1-8B-shaped random bf16 weights, 3000 in /
 # 64 out, the streamed hand-off in 512-token chunks, the tail split (two prefill steps) and then
 # the even split (six), prefill on cuda:0 and decode on cuda:1 over NIXL; the aggregated engine
-# synchronous and async is the same-run baseline. Extra arguments go to the first run (e.g.
-# --model qwen2.5-0.5b). Files in $OUT: env.txt, pd_async_tail.md, pd_async_even.md, log.txt.
+# synchronous and async is the same-run baseline. Extra arguments go to both runs (e.g.
+# --model qwen2.5-0.5b: the 8B checkpoint's writing and two-engine starts may not leave the even
+# split time). Each row is printed as soon as its mode ends. Files in $OUT: env.txt, pd_async_tail.md, pd_async_even.md, log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_pd_async_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -29,7 +30,7 @@ grep -q "imports: ok" "$OUT/env.txt" || { echo "an import failed (env.txt above)
 main() {
   cd /tmp
   # The tail split first (the default, issue 24's numbers); the even split if time is left.
-  timeout --kill-after=10 330 $PY -m pdserve.bench.pd_async --split tail --checkpoint /tmp/pd_async_ckpt \
+  timeout --kill-after=10 420 $PY -m pdserve.bench.pd_async --split tail --checkpoint /tmp/pd_async_ckpt \
     --out "$OUT/pd_async_tail.md" "$@" 2>&1 \
     | grep -v " INFO "
   LEFT=$(( 580 - ($(date +%s) - T0) ))
