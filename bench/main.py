@@ -27,6 +27,7 @@ BENCHMARKS = {
     "fp8-gemv-tune": "pdserve.bench.fp8_gemv_tune",
     "gemv": "pdserve.bench.gemv",
     "step-overlap": "pdserve.bench.step_overlap",
+    "pd-async": "pdserve.bench.pd_async",
 }
 
 

@@ -12,8 +12,10 @@ tokens and builds its outputs (stop checks, finished requests) while step n+1 ru
 decodes take step n's token ids from the device. A request that step n finished was scheduled
 once too often: its step n+1 token is dropped. Where the next step needs the host to know step
 n's tokens first (grammar masks, penalties, prompt logprobs) step n is finished before step
-n+1 is scheduled: that step runs synchronously. P/D KV transfer and tensor parallelism keep
-the synchronous engine (see docs/async-scheduling.md).
+n+1 is scheduled: that step runs synchronously. With P/D KV transfer the connector's orders
+keep the synchronous engine's order per step (`_step_async`): a streamed chunk becomes readable
+when its step is collected, while the next chunk runs. A P/D worker under tensor parallelism
+keeps the synchronous engine (see docs/async-scheduling.md).
 
 Thread model: `step()` runs on one thread (the async wrapper's executor); `add_request` and
 `abort` may be called from any thread. They only enqueue under a lock; the step thread
@@ -26,11 +28,13 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.config import EngineConfig
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
                                           is_remote_decode, parse_kv_transfer_params)
+from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
@@ -104,14 +108,15 @@ class LLMEngine:
 
             self._kv_event_publisher = KVEventPublisher(
                 self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
-        # Async scheduling: only where nothing outside this process must see a step's results
-        # before the next is planned (no KV connector). Tensor-parallel ranks get each step's
-        # sampled ids from rank 0 on the device (StepPlan.share_tokens).
-        self.async_scheduling = config.async_scheduling and self.kv_connector is None
-        if self.async_scheduling and config.tensor_parallel_size > 1:
+        # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
+        # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
+        # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
+        tp = config.tensor_parallel_size > 1
+        self.async_scheduling = config.async_scheduling and not (tp and self.kv_connector is not None)
+        if self.async_scheduling and tp:
             self.runner.share_sampled = True
         if config.async_scheduling and not self.async_scheduling:
-            log.warning("--async-scheduling ignored: not yet supported with KV transfer")
+            log.warning("--async-scheduling ignored: not yet supported with KV transfer under tensor parallelism")
         elif self.async_scheduling:
             log.info("async scheduling on: the next step is launched before this one's tokens are read")
         self._in_flight: LaunchedStep | None = None
@@ -195,15 +200,7 @@ class LLMEngine:
             return self._step_async()
         outputs = self._apply_inbox()
         if self.kv_connector is not None:
-            with self._lock:
-                unpins, self._unpins = self._unpins, []
-            for rid, token in unpins:
-                self.scheduler.connector.unpin(rid, token)
-            for req in self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished()):
-                # A streamed hand-off's first token came with its pull (or it ended without one).
-                outputs.append(self._output(req, [], None, handed_over=req.output_token_ids[:1]))
-                if req.status.finished:
-                    self.requests.pop(req.request_id, None)
+            outputs += self._kv_finished()
         batch = self.scheduler.schedule()
         if self.kv_connector is not None:
             # Orders since the last step's (aborts, unpins) and admission's (pulls, streamed pins).
@@ -225,6 +222,21 @@ class LLMEngine:
         self._publish_kv_events()
         return outputs + self._step_outputs(batch, sampled, logprobs, finished)
 
+    def _kv_finished(self) -> list[RequestOutput]:
+        """Unpins first (so get_finished reports them), then what the connector's worker side
+        finished: pins freed, pulls landed or failed."""
+        with self._lock:
+            unpins, self._unpins = self._unpins, []
+        for rid, token in unpins:
+            self.scheduler.connector.unpin(rid, token)
+        outputs = []
+        for req in self.scheduler.update_from_kv_xfer(self.kv_connector.get_finished()):
+            # A streamed hand-off's first token came with its pull (or it ended without one).
+            outputs.append(self._output(req, [], None, handed_over=req.output_token_ids[:1]))
+            if req.status.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
     def _step_outputs(self, batch, sampled, logprobs, finished) -> list[RequestOutput]:
         outputs = []
         finished_ids = {r.request_id for r in finished}
@@ -240,22 +252,49 @@ class LLMEngine:
     # -- async scheduling ---------------------------------------------------------------------
 
     def _step_async(self) -> list[RequestOutput]:
-        """Launch the next step, then finish the one in flight (module docstring)."""
+        """Launch the next step, then finish the one in flight (module docstring).
+
+        With a KV connector each step keeps the synchronous step's order of orders: unpins,
+        then what the worker side finished; the admissions' orders (pulls, streamed pins) right
+        after `schedule()`, before the launch; a step's results' orders (finished prefills'
+        pins, streamed progress) when it is collected, after the device wrote its KV and
+        before any of its outputs leave. What changes is only that step n+1 is launched
+        between step n's launch and its collection: a streamed prefill's chunk k+1 runs on the
+        device while chunk k is made readable."""
         outputs = self._apply_inbox()
+        if self.kv_connector is not None:
+            outputs += self._kv_finished()
         previous = self._in_flight
         if previous is not None and not self._can_overlap():
             outputs += self._finish(previous)
             previous = None
         batch = self.scheduler.schedule()
+        later_loads = None
+        if self.kv_connector is not None:
+            meta = batch.kv_connector_metadata
+            if previous is not None and meta.loads:
+                # A pull's destination blocks may have been freed while `previous` was queued
+                # (a request it decodes finished or was preempted since): `previous` may still
+                # write that request's KV into one of them, and a pull writes from another
+                # stream (or a NIC), unordered with ours. Pulls start once `previous` is done.
+                meta, later_loads = replace(meta, loads=[]), meta.loads
+            self.kv_connector.apply(meta)
+            outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         launched = None
         if batch:
-            launched = self.runner.launch(batch, previous)
+            # Under P/D a step is always waited for when collected (`done`): a streamed chunk is
+            # made readable then, and pulls into freed blocks start after it.
+            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector is not None)
             self.num_overlapped_steps += previous is not None
             launched.advanced = self.scheduler.advance(batch, set(launched.rows))
         self._in_flight = launched
         if previous is not None:
             outputs += self._finish(previous)  # while `launched` runs on the device
+        if later_loads:
+            self.kv_connector.apply(KVConnectorMetadata(loads=later_loads))
+        if launched is None and previous is None and self.kv_connector is not None:
+            self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -274,6 +313,11 @@ class LLMEngine:
         dropped = {r.request_id for r in step.samplers if r.status.finished}
         self.num_dropped_tokens += len(dropped)
         finished = self.scheduler.update(step.batch, sampled, advanced=step.advanced)
+        if self.kv_connector is not None:
+            # The results' orders (finished prefills' pins, streamed progress up to this step's
+            # own computed counts), before any output of this step leaves: `collect` waited for
+            # the step's KV, so what they make readable is written.
+            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         live = {rid: t for rid, t in sampled.items() if rid not in dropped}
         out = self._step_outputs(step.batch, live, logprobs, finished)

@@ -82,6 +82,9 @@ class LaunchedStep:
     copied: torch.cuda.Event | None  # passed when host_tokens holds them (None: CPU, already there)
     logprobs: list[TokenLogprob | None] | None  # host values when any sampler asked (read back at launch)
     advanced: list[int] | None = None  # async scheduling: computed counts after it (Scheduler.advance)
+    # Passed when all of the step's device work is done, where `copied` does not say it (no
+    # sampler) and the caller asked (launch's mark_done); None: nothing to wait for at collect.
+    done: torch.cuda.Event | None = None
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).
@@ -454,11 +457,14 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
+               mark_done: bool = False) -> LaunchedStep:
         """Queue one step's work (forward, sampling, the copy of its token ids to the host) and
         return without waiting for it, except where sampling needs the host (seeded rows, logprobs,
         grammar masks). `previous`: the step still in flight, whose tokens some of this step's
-        inputs are (async scheduling; the scheduler planned this batch with them in flight)."""
+        inputs are (async scheduling; the scheduler planned this batch with them in flight).
+        `mark_done`: `collect` also waits for a step that samples nothing (a prefill chunk), so
+        that its KV is written when it returns (P/D: a streamed chunk is then made readable)."""
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             # The server steps on its own thread, and the current device is per thread: without
             # this, Triton launches would target cuda:0 whatever card this rank was given.
@@ -476,7 +482,11 @@ class ModelRunner:
             self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
         rows = {r.request_id: i for i, r in enumerate(samplers)}
         if not samplers:
-            return LaunchedStep(batch, samplers, rows, None, None, None, None)
+            done = None
+            if mark_done and self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+            return LaunchedStep(batch, samplers, rows, None, None, None, None, done=done)
         logprobs = None
         if all(r.params.greedy and r.params.logprobs is None and r.next_output_index >= r.params.min_tokens
                and not r.params.modifies_logits for r in samplers):
@@ -492,8 +502,11 @@ class ModelRunner:
         return LaunchedStep(batch, samplers, rows, tokens, host, self._readback.record(slot), logprobs)
 
     def collect(self, step: LaunchedStep) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """Wait for a launched step's token ids on the host: {request id: token}, {request id: logprob}."""
+        """Wait for a launched step's token ids on the host: {request id: token}, {request id: logprob}.
+        The copy of the token ids is queued after the step's forward: once they are here, so is its KV."""
         if not step.samplers:
+            if step.done is not None:
+                step.done.synchronize()
             return {}, {}
         if step.copied is not None:
             step.copied.synchronize()

@@ -228,7 +228,9 @@ class Scheduler:
             if req.check_stop(self.max_model_len):
                 finished.append(req)
         if self.connector is not None:
-            self.connector.after_step(batch.items)  # streamed prefills: this step's blocks are readable
+            # Streamed prefills: this step's blocks are readable (its own computed counts: under
+            # async scheduling a later step in flight has advanced the requests already).
+            self.connector.after_step(batch.items, advanced)
         for req in finished:
             self.running.remove(req)
             self._free(req)

@@ -1,7 +1,9 @@
 """The router in front of real `pdserve worker` processes (tiny checkpoint, CPU, TCP KV transfer),
 called with the real `openai` client: P/D output equals one worker's greedy output, streamed and
 not; a client disconnect frees KV blocks on both workers; a killed prefill worker falls back
-to local prefill on the decode worker."""
+to local prefill on the decode worker. Every test runs against workers stepping synchronously
+and against workers with --async-scheduling (their streamed hand-offs cut into 8-token chunks,
+each launched before the one before is readable)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 CHAT = [{"role": "user", "content": "Tell me about foxes and dogs."}]
 
 
-@pytest.fixture(scope="module")
-def stack(module_launch, tiny_checkpoint):
+ASYNC = ("--async-scheduling", "--kv-stream-chunk-tokens", "8", "--kv-stream-split", "even")
+
+
+@pytest.fixture(scope="module", params=[(), ASYNC], ids=["sync", "async"])
+def stack(request, module_launch, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    prefill, decode = module_launch.real_pd_workers(ckpt)
+    prefill, decode = module_launch.real_pd_workers(ckpt, *request.param)
     router = module_launch.router("--prefill", prefill.url, "--decode", decode.url)
     return prefill, decode, router
 

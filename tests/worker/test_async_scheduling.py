@@ -206,9 +206,19 @@ def test_decode_graph_path_takes_tokens_from_the_device(tiny_checkpoint):
     assert engines[1].runner.graphs.num_replays > 0 and engines[1].num_overlapped_steps > 0
 
 
-def test_flag_is_ignored_with_kv_transfer(tiny_checkpoint):
-    engine = make_engine(tiny_checkpoint("llama"), True, kv_transfer="tcp", kv_port=free_port())
+def test_kv_transfer_engine_overlaps_and_matches(tiny_checkpoint):
+    # A worker with --kv-transfer (a KV connector, its side channel) serves plain requests with
+    # async scheduling as one without (P/D hand-offs: test_streamed_handoff.py, tests/router/test_pd_async.py).
+    ckpt = tiny_checkpoint("llama")
+    arrivals = [(0, "a", PROMPTS[1], greedy(9, ignore_eos=True)),
+                (1, "b", PROMPTS[0], SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True)),
+                (3, "c", PROMPTS[3], greedy(5))]
+    engines = [make_engine(ckpt, a, kv_transfer="tcp", kv_port=free_port(), kv_peer_allow=("127.0.0.1",))
+               for a in (False, True)]
     try:
-        assert not engine.async_scheduling  # P/D steps stay synchronous (docs/async-scheduling.md)
+        assert not engines[0].async_scheduling and engines[1].async_scheduling
+        ref, got = (drive(e, arrivals) for e in engines)
+        assert got == ref and engines[1].num_overlapped_steps > 0
     finally:
-        engine.shutdown()
+        for e in engines:
+            e.shutdown()

@@ -4,7 +4,8 @@ CI (CPU): CPU memory moved by NIXL's UCX backend. A GPU machine (tier 4): VRAM -
 card (Triton, CUDA graphs, cuda_ipc READs). The decode engine runs without prefix caching, so
 its own greedy run leaves nothing that would let the P/D run skip a pull: every prompt block
 crosses over. The P/D tokens (first token from the prefill process, the rest from decode)
-must equal the decode engine's own greedy tokens.
+must equal the decode engine's own greedy tokens. Both engines run synchronously, then both
+with --async-scheduling.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (pip install 'pdserve[nixl]')")
 
 
-def make_engine(ckpt, role, port, util, prefix_caching=True) -> LLMEngine:
+def make_engine(ckpt, role, port, util, prefix_caching=True, async_scheduling=False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device=DEVICE, role=role, kv_transfer="nixl", kv_port=port,
                                   gpu_memory_utilization=util, kv_cache_memory=64 << 20, max_model_len=512,
                                   max_num_seqs=8, enable_prefix_caching=prefix_caching,
+                                  async_scheduling=async_scheduling,
                                   kv_peer_allow=("127.0.0.1",), kv_secret="engine-test-shared-secret"))
 
 
-def prefill_process(ckpt, port, conn) -> None:
-    engine = make_engine(ckpt, "prefill", port, 0.3)
+def prefill_process(ckpt, port, conn, async_scheduling) -> None:
+    engine = make_engine(ckpt, "prefill", port, 0.3, async_scheduling=async_scheduling)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"p{i}", prompt, GREEDY, {"do_remote_decode": True})
     params = {}
@@ -53,19 +55,21 @@ def prefill_process(ckpt, port, conn) -> None:
         engine.step()
 
 
-def test_pd_between_engine_processes_over_nixl(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
     ckpt = write_checkpoint(tmp_path / "m", "llama", write_word_tokenizer(tmp_path / "tok"),
                             hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there), daemon=True)
+    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling), daemon=True)
     proc.start()
     try:
         # The prefill engine sizes its KV cache before this one takes the rest of the card.
         while not here.poll(0.5):
             assert proc.is_alive(), f"the prefill process exited with {proc.exitcode}"
         params = here.recv()
-        decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False)
+        decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False, async_scheduling=async_scheduling)
+        assert decode.async_scheduling == async_scheduling
         expected = decode.generate(PROMPTS, GREEDY)
         out = {}
         for i, (prompt, kv) in enumerate(zip(PROMPTS, params)):

@@ -270,3 +270,34 @@ def parse(params: dict):
     from pdserve.protocol.kv_transfer import parse_kv_transfer_params
 
     return parse_kv_transfer_params(params)
+
+
+def test_async_streamed_progress_is_each_steps_own(prefill):
+    """Async scheduling: chunk k+1 is launched (`advance`) before chunk k is collected (`update`
+    with the counts `advance` returned for it). The pin advances to chunk k's blocks only, never
+    to the chunk still in flight, and the finished prefill pins every block with its first token."""
+    sched, bm, transfer = prefill
+    sched.connector.stream_chunk_tokens, sched.connector.stream_split = 8, "even"
+    r = Request("s", list(range(20)), SamplingParams(max_tokens=16), (), {"do_remote_decode": True, "stream_kv": True})
+    assert sched.add(r)
+    steps, readable = [], []
+    while True:
+        batch = sched.schedule()
+        transfer.apply(batch.kv_connector_metadata)  # the streamed pin, at admission
+        if batch:
+            steps.append((batch, sched.advance(batch, {x.request_id for x, n in batch.items
+                                                       if x.num_computed_tokens + n == x.num_tokens})))
+        if len(steps) >= 2 or (steps and not batch):
+            done, advanced = steps.pop(0)
+            sampled = {x.request_id: 7 for (x, _), c in zip(done.items, advanced) if c == x.num_tokens}
+            finished = sched.update(done, sampled, advanced=advanced)
+            meta = sched.connector.build_connector_meta()
+            readable += [ready for rid, ready in meta.advances if rid == "s"]
+            assert all(ready * BS <= advanced[0] for ready in readable[-1:])  # chunk k only
+            transfer.apply(meta)
+            if finished:
+                assert meta.finishes == [("s", 7)]
+                break
+        assert len(readable) < 10
+    assert readable == [2, 4]  # 8 and 16 of 20 tokens: never the chunk in flight
+    assert transfer.pins.state("s") == {"ready": 5, "state": "done", "first_token_id": 7}

@@ -5,6 +5,11 @@ The prefill engine is stepped by the test, one chunk at a time, and then *held*:
 side must have chunk k's blocks (byte-equal to the prefill's) before chunk k+1 is computed. A
 decode side that read only after the prefill ended would never get them while the prefill is
 held, and the bounded wait fails. Nothing here depends on timing: every wait is for a condition.
+
+Every test runs with both engines synchronous and with both under --async-scheduling. There a
+step launches chunk k+1 before it collects chunk k, and chunk k's blocks become readable at that
+collection: the timeline test checks that order of events (launch, collect, pin advance), and
+that no block is ever readable before the step that wrote it was collected.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ BLOCK, CHUNK = 4, 8  # two blocks per chunk
 PROMPT = list(range(100, 100 + 37))  # 10 blocks, the last one partial; 5 chunks
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
+PAIRS = [pytest.param(("tcp", False), id="tcp-sync"), pytest.param(("tcp", True), id="tcp-async"),
+         pytest.param(("nixl", False), id="nixl-sync", marks=TRANSPORTS[1].marks),
+         pytest.param(("nixl", True), id="nixl-async", marks=TRANSPORTS[1].marks)]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +50,12 @@ def engine(ckpt, role: str, transport: str, split: str = "even", **kw) -> LLMEng
                                   kv_secret="streamed-handoff-test-secret", kv_pull_timeout=10, **kw))
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=PAIRS)
 def pair(request, ckpt):
-    p, d = engine(ckpt, "prefill", request.param), engine(ckpt, "decode", request.param)
+    transport, asyn = request.param
+    p = engine(ckpt, "prefill", transport, async_scheduling=asyn)
+    d = engine(ckpt, "decode", transport, async_scheduling=asyn)
+    assert p.async_scheduling == d.async_scheduling == asyn
     yield p, d
     p.shutdown()
     d.shutdown()
@@ -128,15 +139,64 @@ def test_a_first_token_that_ends_the_request_cancels_the_hand_off(ckpt, pair):
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
-def test_overlap_timeline_and_one_answer(ckpt, pair):
+def record_timeline(monkeypatch, p: LLMEngine, rid: str) -> list[tuple]:
+    """What happens to `rid` on the prefill engine, in order: ("launch", start, end) when a step
+    computing its tokens start..end is launched, ("collect", end) when that step is collected
+    (its KV written), ("advance", ready) when its pin is told `ready` leading blocks are readable."""
+    events, ends = [], {}
+    launch, collect, apply = p.runner.launch, p.runner.collect, p.kv_connector.apply
+
+    def on_launch(batch, *a, **kw):
+        mine = [(r.num_computed_tokens, r.num_computed_tokens + n) for r, n in batch.items if r.request_id == rid]
+        step = launch(batch, *a, **kw)
+        for start, end in mine:
+            events.append(("launch", start, end))
+            ends[id(step)] = end
+        return step
+
+    def on_collect(step):
+        out = collect(step)
+        if id(step) in ends:
+            events.append(("collect", ends.pop(id(step))))
+        return out
+
+    def on_apply(meta):
+        events.extend(("advance", ready) for r, ready in meta.advances if r == rid)
+        return apply(meta)
+
+    monkeypatch.setattr(p.runner, "launch", on_launch)
+    monkeypatch.setattr(p.runner, "collect", on_collect)
+    monkeypatch.setattr(p.kv_connector, "apply", on_apply)
+    return events
+
+
+def check_timeline(events: list[tuple], overlapped: bool) -> None:
+    """No block is readable before the step that wrote it was collected; under async scheduling
+    chunk k+1 is launched before chunk k's blocks are readable, synchronously only after."""
+    assert sum(e[0] == "launch" for e in events) >= 3, events
+    collected = 0
+    for e in events:
+        if e[0] == "collect":
+            collected = max(collected, e[1])
+        elif e[0] == "advance":
+            assert e[1] * BLOCK <= collected, f"blocks readable before their step was collected: {events}"
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    for k, k_next in zip(launches, launches[1:]):
+        end = events[k][2]
+        readable = next(i for i, e in enumerate(events) if e[0] == "advance" and e[1] >= end // BLOCK)
+        assert (k_next < readable) == overlapped, events
+
+
+def test_overlap_timeline_and_one_answer(ckpt, pair, monkeypatch):
     p, d = pair
     fresh = [t + 300 for t in PROMPT]  # not in either prefix cache
     expected = engine_answer(ckpt, fresh)
+    events = record_timeline(monkeypatch, p, "p1")
     params = announce(p, "p1", fresh)
     d.add_request("d1", fresh, GREEDY, params)
     n_blocks = -(-len(fresh) // BLOCK)
     outs, first = [], None
-    done_blocks = 0
+    done_blocks, in_flight = 0, False
     while first is None:
         step = p.step()  # one chunk (CHUNK tokens = 2 blocks) per step
         outs += step
@@ -144,11 +204,15 @@ def test_overlap_timeline_and_one_answer(ckpt, pair):
         if fin:
             first = fin[0].new_token_ids[0]
             break
-        done_blocks = p.requests["p1"].num_computed_tokens // BLOCK
-        # Held here: the decode side must have every computed block before the next chunk runs.
+        # What the decode side may read now (async scheduling: not the chunk just launched).
+        done_blocks = p.kv_connector.pins.state("p1")["ready"]
+        in_flight |= p.requests["p1"].num_computed_tokens // BLOCK > done_blocks
+        # Held here: the decode side must have every readable block before the next step.
         until(lambda: blocks_equal(p, "p1", d, "d1", done_blocks), f"blocks 0..{done_blocks} on the decode side",
               [d])
     assert 0 < done_blocks < n_blocks - 1, "the prefill ran in one step: no chunk to overlap"
+    assert in_flight == p.async_scheduling  # the decode side read chunk k while chunk k+1 was launched
+    check_timeline(events, p.async_scheduling)
     tokens = [first]
     deadline = time.monotonic() + 60
     while "d1" in d.requests:
@@ -171,16 +235,25 @@ def engine_answer(ckpt, prompt) -> list[int]:
         e.shutdown()
 
 
-def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt):
+@pytest.mark.parametrize("asyn", [False, True], ids=["sync", "async"])
+def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt, asyn):
     """--kv-stream-split tail: everything but the last CHUNK tokens in one step (the budget allows
-    it), readable by the decode side before the tail is computed; the tail, then the first token."""
-    p, d = engine(ckpt, "prefill", "tcp", split="tail"), engine(ckpt, "decode", "tcp")
+    it), readable by the decode side before the tail is computed; the tail, then the first token.
+    Async scheduling: the head is readable once the tail is launched (the tail runs while the
+    head is read)."""
+    p = engine(ckpt, "prefill", "tcp", split="tail", async_scheduling=asyn)
+    d = engine(ckpt, "decode", "tcp", async_scheduling=asyn)
     try:
         fresh = [t + 1200 for t in PROMPT]
-        params = announce(p, "p4", fresh)  # admitted, and its first step run: all but the tail
+        params = announce(p, "p4", fresh)  # admitted, and its first step run (or launched): all but the tail
         assert p.requests["p4"].num_computed_tokens == len(fresh) - CHUNK
         d.add_request("d4", fresh, GREEDY, params)
         head = (len(fresh) - CHUNK) // BLOCK
+        if asyn:
+            assert p.kv_connector.pins.state("p4")["ready"] == 0  # the head is launched, not yet collected
+            assert not [o for o in p.step() if o.request_id == "p4"]  # the tail launched, the head collected
+            assert p.requests["p4"].num_computed_tokens == len(fresh)
+            assert p.kv_connector.pins.state("p4")["ready"] == head
         until(lambda: blocks_equal(p, "p4", d, "d4", head), "the head's blocks on the decode side", [d])
         fin = [o for o in p.step() if o.request_id == "p4" and o.finished]
         assert fin and fin[0].new_token_ids, "the tail and the first token take exactly one more step"
@@ -191,6 +264,53 @@ def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt):
             tokens += [t for o in d.step() if o.request_id == "d4" for t in o.new_token_ids]
             p.step()
         assert tokens == engine_answer(ckpt, fresh)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transport, monkeypatch):
+    """Decode side under async scheduling: a request admitted for a pull while a step is in
+    flight gets blocks that step may still write (freed since it was launched: a request it
+    decodes finished or was preempted); its pull starts once that step was collected, and the
+    request is not scheduled before the pull lands. The answer is one worker's."""
+    p = engine(ckpt, "prefill", transport, async_scheduling=True)
+    d = engine(ckpt, "decode", transport, async_scheduling=True)
+    try:
+        fresh = [t + 1350 for t in PROMPT]
+        p.add_request("p5", fresh, GREEDY, {"do_remote_decode": True})  # a plain (after-prefill) hand-off
+        outs = []
+        deadline = time.monotonic() + 30
+        while not any(o.request_id == "p5" and o.finished for o in outs):
+            assert time.monotonic() < deadline, "the prefill did not finish"
+            outs += p.step()
+        params = next(o for o in outs if o.request_id == "p5" and o.finished).kv_transfer_params
+        d.add_request("busy", PROMPT[:9], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        until(lambda: d._in_flight is not None and d.requests["busy"].num_output_tokens > 0,
+              "a decode step in flight", [d])
+        events = []
+        collect, apply, launch = d.runner.collect, d.kv_connector.apply, d.runner.launch
+        monkeypatch.setattr(d.runner, "collect", lambda step: (events.append("collect"), collect(step))[1])
+        monkeypatch.setattr(d.kv_connector, "apply",
+                            lambda meta: (events.extend(["pull"] * len(meta.loads)), apply(meta))[1])
+        monkeypatch.setattr(d.runner, "launch", lambda batch, *a, **kw: (
+            events.append("launch with d5" if any(r.request_id == "d5" for r, _ in batch.items) else "launch"),
+            launch(batch, *a, **kw))[1])
+        d.add_request("d5", fresh, GREEDY, params)
+        tokens, done = [params["first_token_id"]], False
+        deadline = time.monotonic() + 60
+        while not done:
+            assert time.monotonic() < deadline
+            for o in d.step():
+                if o.request_id == "d5":
+                    tokens += o.new_token_ids
+                    done = o.finished
+        assert events[:3] == ["launch", "collect", "pull"], events  # admitted; pulled after the collect
+        assert events.index("launch with d5") > events.index("pull")
+        assert tokens == engine_answer(ckpt, fresh)
+        until(lambda: "busy" not in d.requests, "the other request to finish", [d])
+        until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
     finally:
         p.shutdown()
         d.shutdown()

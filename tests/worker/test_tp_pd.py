@@ -78,12 +78,17 @@ def workers(request, tmp_path_factory, default_model_dir):
     ws = {}
     for role in ("prefill", "decode"):
         for tp in (1, 2):
+            # --async-scheduling everywhere: the TP=1 workers overlap their steps, a P/D worker under
+            # TP ignores the flag (docs/async-scheduling.md), and hand-offs between the two work.
             ws[role, tp] = WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport,
                                          "--tensor-parallel-size", str(tp), "--kv-port", str(free_kv_ports()),
-                                         env=ENV).start()
+                                         "--async-scheduling", env=ENV).start()
     try:
         for w in ws.values():
             w.wait_ready()
+        for (role, tp), w in ws.items():
+            assert ("async scheduling on" in w.output()) == (tp == 1), (role, tp)
+            assert ("--async-scheduling ignored" in w.output()) == (tp == 2), (role, tp)
         yield transport, ws, kv
     finally:
         for w in ws.values():

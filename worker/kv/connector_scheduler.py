@@ -191,11 +191,14 @@ class KVConnectorScheduler:
         device before the chunk is made readable)."""
         return bool(self._streaming) and any(r.request_id in self._streaming for r, _ in items)
 
-    def after_step(self, items) -> None:
-        """Prefill side, after a step's KV is on the device: its full blocks are readable."""
-        for req, _ in items:
+    def after_step(self, items, computed: list[int] | None = None) -> None:
+        """Prefill side, after a step's KV is on the device: its full blocks are readable.
+        `computed`: each item's computed count after that step (async scheduling, where the
+        request's own count already includes a later step, still in flight); None: the request's."""
+        for i, (req, _) in enumerate(items):
             if req.request_id in self._streaming and not req.status.finished:
-                self._meta.advances.append((req.request_id, req.num_computed_tokens // self.block_size))
+                n = req.num_computed_tokens if computed is None else computed[i]
+                self._meta.advances.append((req.request_id, n // self.block_size))
 
     def awaits_first_token(self, req: Request) -> bool:
         return req.request_id in self._awaiting_first
