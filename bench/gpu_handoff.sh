@@ -66,12 +66,13 @@ fi
 # the first run's share doubled for its aggregated stack). Each size's report in $OUT/chunk<N>/.
 set -- $HANDOFF_CHUNKS
 N=$#
-CKPT=/tmp/handoff_ckpt
-$PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" > "$OUT/checkpoint.log" 2>&1 \
-  || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
+CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reuses it
+[ -f "$CKPT/tokenizer.json" ] || $PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" \
+  > "$OUT/checkpoint.log" 2>&1 || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
 first=1
 for c in "$@"; do
   LEFT=$(( 590 - ($(date +%s) - T0) - 30 ))
+  [ -n "${HANDOFF_BUDGET_S:-}" ] && LEFT=$(( HANDOFF_BUDGET_S - ($(date +%s) - T0) ))
   SHARE=$(( LEFT / N )); [ "$first" = 1 ] && SHARE=$(( 2 * LEFT / (N + 1) ))
   STACKS=nixl-on; [ "$first" = 1 ] && STACKS=${HANDOFF_FIRST_STACKS:-agg,nixl-on}
   mkdir -p "$OUT/chunk$c"
