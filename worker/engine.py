@@ -111,6 +111,7 @@ class LLMEngine:
         # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
         # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
+        self._pulls_kv = self.kv_connector is not None and config.role != "prefill"
         tp = config.tensor_parallel_size > 1
         self.async_scheduling = config.async_scheduling and not (tp and self.kv_connector is not None)
         if self.async_scheduling and tp:
@@ -211,7 +212,11 @@ class LLMEngine:
             if self.kv_connector is not None:
                 self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
             return outputs
-        sampled, logprobs = self.runner.run(batch)
+        # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
+        # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
+        # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
+        launched = self.runner.launch(batch, mark_done=self._pulls_kv)
+        sampled, logprobs = self.runner.collect(launched)
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
