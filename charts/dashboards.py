@@ -120,6 +120,12 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                   per_second("pdserve_router_arrived_requests_total", legend="requests/s")), "short",
               description="What arrives at the routers, before any worker takes it (the spec.slo planner sizes "
                           "prefill from it; prompt tokens are estimated unless the router has a tokenizer)."),
+        Panel("P/D or served whole by a decode worker that cached the prompt",
+              (per_second("pdserve_router_requests_total", extra='disaggregated="yes"', legend="disaggregated/s"),
+               per_second("pdserve_router_decode_prefix_hits_total", legend="whole on a caching decode worker/s")),
+              "reqps", description="Requests the prefix-based decider (--pd-min-uncached-tokens) sent whole to a decode "
+                                   "worker that already cached all but a few of their prompt tokens, against those "
+                                   "disaggregated."),
     ]),
 }
 
