@@ -112,9 +112,13 @@ def test_decode_failure_before_first_byte_moves_to_another(launch, stream):
 
 
 def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
-    prefill, decode = launch.fake_worker(), launch.fake_worker()
-    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
-    decode.control(mode="die_mid_stream", after=2)
+    # Two decode workers, each dying after two tokens: the second request meets a live one however
+    # soon the prober notices the first is gone (with one, a noticed death would send the second
+    # request whole to the prefill worker, router/fallback.py, and it would succeed).
+    prefill, decode, other = launch.fake_worker(), launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url)
+    for worker in (decode, other):
+        worker.control(mode="die_mid_stream", after=2)
     events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
     assert events[-1] == b"data: [DONE]"
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
