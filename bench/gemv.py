@@ -90,7 +90,7 @@ def graph_ms(fn) -> float:
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
-def graph_time_us(make_call, calls: int) -> float:
+def graph_time_us(make_call, calls: int, rep: int = 30) -> float:
     """µs per call of `calls` launches captured in one CUDA graph (compiled and warmed first)."""
     from triton.testing import do_bench
 
@@ -102,7 +102,7 @@ def graph_time_us(make_call, calls: int) -> float:
     with torch.cuda.graph(g):
         for f in fns:
             f()
-    ms = do_bench(g.replay, warmup=5, rep=30, return_mode="median")
+    ms = do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
     return ms * 1e3 / calls
 
 

@@ -58,19 +58,10 @@ DECODE_SWEEP_DOWN = [(8, 256, 8), (16, 128, 8), (8, 128, 4), (4, 256, 4), (16, 2
 
 
 def graph_time_us(make_call, calls: int) -> float:
-    """us per call of `calls` launches captured in one CUDA graph (compiled and warmed first)."""
-    from triton.testing import do_bench
+    """us per call of `calls` launches captured in one CUDA graph (bench/gemv.py's timer, 40 ms)."""
+    from pdserve.bench.gemv import graph_time_us as timed
 
-    fns = [make_call(i) for i in range(calls)]
-    for f in fns:  # compile + allocator warm-up outside capture
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    return do_bench(g.replay, warmup=5, rep=40, return_mode="median") * 1e3 / calls
-
+    return timed(make_call, calls, rep=40)
 
 def _old_routing(old: bool) -> None:
     """The routing kernel's warps (4 above 64 experts), routing and sort as two launches, and the
