@@ -62,6 +62,19 @@ def stack(default_model_dir, served_name, tmp_path_factory):
         s.stop_all()
 
 
+@pytest.fixture(autouse=True)
+def whole_stack(stack):
+    """Each scenario starts from the whole stack: a worker an earlier (failed) scenario left dead
+    is restarted, so one failure does not cascade into the next scenarios."""
+    dead = [n for n in stack.workers if not stack.alive(n)]
+    for name in dead:
+        stack.restart(name)
+    if dead:
+        roles = [c.role for c in stack.children.values()]
+        stack.wait_router_sees(prefill=roles.count("prefill"), decode=roles.count("decode"))
+    yield
+
+
 @pytest.fixture
 def client(stack):
     return openai.OpenAI(base_url=stack.url("router") + "/v1", api_key="none", max_retries=0, timeout=60)

@@ -247,9 +247,13 @@ class LLMEngine:
         finished_ids = {r.request_id for r in finished}
         for req, _ in batch.items:
             new = req.token_ids[req.num_prompt_tokens + req.num_emitted_tokens:] if req.request_id in sampled else []
-            if not new and req.request_id not in finished_ids:
+            handed_over = None
+            if req.hands_over_first and req.output_token_ids:
+                req.hands_over_first = False
+                handed_over = req.output_token_ids[:1]
+            elif not new and req.request_id not in finished_ids:
                 continue
-            outputs.append(self._output(req, new, logprobs.get(req.request_id)))
+            outputs.append(self._output(req, new, None if handed_over and not new else logprobs.get(req.request_id), handed_over))
         for req in finished:
             self.requests.pop(req.request_id, None)
         return outputs

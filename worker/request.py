@@ -60,6 +60,9 @@ class Request:
         self.kv_landed_time: float | None = None  # the scheduler learnt that its remote KV pull landed
         self.waits_reported = False  # the engine reported them (with its first output with tokens, or final one)
         self.num_emitted_tokens = 0  # outputs already reported to the caller
+        # A streamed hand-off prefilled here after its pull failed: its first sampled token is the
+        # prefill worker's (the caller has it), reported as handed over, not emitted (scheduler).
+        self.hands_over_first = False
         # structured_output.GrammarMatcher when params.structured is set (the engine makes it).
         self.grammar = None
 

@@ -255,9 +255,19 @@ class Scheduler:
                 self.bm.free_request(req)
                 continue
             if self.connector.awaits_first_token(req):
-                reported.append(req)
-                if not self._take_first_token(req, out.first_tokens.get(rid)):
-                    continue
+                token = out.first_tokens.get(rid)
+                if token is None and not ok and rid not in out.stopped_recving:
+                    # The pull failed before the prefill's first token came (a timeout, a lost
+                    # peer), but the prefill may still finish and the router then streams that
+                    # token. Prefill here: the first token sampled equals it (same model, same
+                    # seed) and is handed over when sampled, not emitted twice.
+                    self.connector.first_token_arrived(req)
+                    req.num_emitted_tokens = 1
+                    req.hands_over_first = True
+                else:
+                    reported.append(req)
+                    if not self._take_first_token(req, token):
+                        continue
             if ok:
                 req.num_computed_tokens = req.num_prompt_tokens
                 req.kv_landed_time = time.monotonic()

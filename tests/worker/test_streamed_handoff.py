@@ -43,11 +43,11 @@ def ckpt(tmp_path_factory):
                             intermediate_size=128, num_hidden_layers=2)
 
 
-def engine(ckpt, role: str, transport: str, split: str = "even", **kw) -> LLMEngine:
+def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout: float = 10, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device="cpu", role=role, kv_transfer=transport,
                                   kv_port=free_port(), block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
                                   kv_stream_chunk_tokens=CHUNK, kv_stream_split=split, kv_peer_allow=("127.0.0.1",),
-                                  kv_secret="streamed-handoff-test-secret", kv_pull_timeout=10, **kw))
+                                  kv_secret="streamed-handoff-test-secret", kv_pull_timeout=kv_pull_timeout, **kw))
 
 
 @pytest.fixture(scope="module", params=PAIRS)
@@ -137,6 +137,33 @@ def test_a_first_token_that_ends_the_request_cancels_the_hand_off(ckpt, pair):
     outs = until(lambda: "d3" not in d.requests, "the decode request to end", [p, d])
     assert not [t for o in outs if o.request_id == "d3" for t in o.new_token_ids]
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
+def test_a_pull_that_times_out_before_the_first_token_prefills_locally(ckpt, pair):
+    """The prefill is held (a busy prefill worker): the decode side's pull gives up after its
+    timeout. The prefill may still finish and the router then streams its first token, so the
+    decode side must not end the request: it prefills locally and reports the first token it
+    samples as handed over (equal to the prefill's), then decodes the rest, the same answer."""
+    p, _ = pair
+    transport, asyn = p.config.kv_transfer, p.async_scheduling
+    fresh = [t + 1200 for t in PROMPT]
+    want = engine_answer(ckpt, fresh)
+    d = engine(ckpt, "decode", transport, kv_pull_timeout=0.5, async_scheduling=asyn)
+    try:
+        params = announce(p, "p4", fresh)  # P is not stepped again until the decode side is done
+        d.add_request("d4", fresh, GREEDY, params)
+        mine, deadline = [], time.monotonic() + 30
+        while not (mine and mine[-1].finished):
+            assert time.monotonic() < deadline, "timed out waiting for the decode request to end"
+            mine += [o for o in d.step() if o.request_id == "d4"]
+        assert [o.handed_over_token_ids for o in mine if o.handed_over_token_ids] == [want[:1]]
+        assert [t for o in mine for t in o.new_token_ids] == want[1:]
+        assert mine[-1].finish_reason == "length"
+        assert d.kv_connector.metrics.local_prefill_fallbacks._value.get() == 1
+        p.abort("p4")
+        until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+    finally:
+        d.shutdown()
 
 
 def record_timeline(monkeypatch, p: LLMEngine, rid: str) -> list[tuple]:

@@ -273,6 +273,8 @@ class KVConnector:
             else:
                 log.warning("KV pull for %s failed: %s", rid, error)
                 out.failed_recving.append(rid)
+                if isinstance(error, PullStopped):
+                    out.stopped_recving.append(rid)
             params = self._release_after.pop(rid, None)
             if params is not None:  # every rank has read (or given up): free every prefill rank's pin
                 self.pool.submit(_peer(params), self._release_quietly, params)
@@ -316,11 +318,13 @@ class KVConnector:
                 nbytes = self._stream_pull(rid, host, params, indices, dst_blocks, digest, transport)
             else:
                 nbytes = self._pull_blocks(host, params, indices, dst_blocks, digest, transport, last=True)
-        except Exception as e:
+        except Exception:
             self.metrics.failures.labels("recv", transport).inc()
-            quiet = isinstance(e, (side_channel.PeerTimeout, TimeoutError, PeerNotAllowed))
-            if not quiet and not self._tp_pull(params):  # under TP rank 0 releases once all ranks are done
-                self._release_quietly(params)  # let the prefill side free its blocks now rather than at TTL
+            # Let the prefill side free its blocks now rather than at TTL (a slow peer's pin, a
+            # NIXL lease, would hold them): off this failure's path, so a dead peer delays nothing.
+            # Under TP rank 0 releases once all ranks are done.
+            if not self._tp_pull(params):
+                self.pool.submit(_peer(params), self._release_quietly, params)
             raise
         self.metrics.observe_pull(transport, nbytes, time.perf_counter() - t0)
         return nbytes

@@ -67,5 +67,8 @@ class KVConnectorOutput:
     finished_sending: list[str] = field(default_factory=list)  # pinned requests whose blocks may be freed
     finished_recving: list[str] = field(default_factory=list)  # pulls that landed
     failed_recving: list[str] = field(default_factory=list)  # pulls that failed: prefill the rest locally
+    # Of those, streamed pulls stopped because the prefill was cancelled (or the request aborted
+    # here): no first token will ever come. Any other failure may still see the prefill finish.
+    stopped_recving: list[str] = field(default_factory=list)
     # Streamed hand-offs (landed or failed): the first token the prefill side sampled, once known.
     first_tokens: dict[str, int] = field(default_factory=dict)

@@ -121,13 +121,15 @@ class PinTable:
         if self.on_change is not None:
             self.on_change()
 
-    def _authenticate(self, request_id, token, prompt_digest, now: float) -> Pin:
+    def _authenticate(self, request_id, token, prompt_digest, now: float, cancelled_ok: bool = False) -> Pin:
         if not (isinstance(request_id, str) and isinstance(token, str) and isinstance(prompt_digest, str)):
             raise PinError("request_id, token and prompt_digest must be strings")
         pin = self._pins.get(request_id)
         if pin is None or not secrets.compare_digest(pin.token.encode(), token.encode()):
             raise PinError("unknown, released or expired transfer, or a wrong transfer token")
         if pin.state == CANCELLED:
+            if cancelled_ok and secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
+                return pin
             raise PinError("the prefill was cancelled: its KV will not be computed")
         if pin.released:
             raise PinError("unknown, released or expired transfer, or a wrong transfer token")
@@ -178,7 +180,8 @@ class PinTable:
         """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
         there is more, or the prefill ended. Only the holder of the token may ask."""
         with self._lock:
-            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
+            # Cancelled is an answer here, not a refusal: the reader stops (no first token will come).
+            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic(), cancelled_ok=True)
             if pin.state == RUNNING and type(have) is int and pin.ready <= have:
                 raise NotReady()
             return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
