@@ -39,10 +39,14 @@ def gguf_path() -> Path:
     return path
 
 
+def _complete(out: Path) -> bool:
+    return (out / "config.json").is_file() and any(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+
+
 def ensure_default_model() -> Path:
     """Return the converted checkpoint directory, converting on first use (~25 s on 2 cores)."""
     out = cache_dir()
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file():
+    if _complete(out):
         return out
     src = gguf_path()
     log.info("converting %s to safetensors in %s (once)", src.name, out)
@@ -61,7 +65,15 @@ def ensure_default_model() -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    if _complete(out):  # another process (a second worker on this node) finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # lost the race between the check and the rename: the winner's copy stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(out):
+            raise
     log.info("converted the default model in %.1fs", time.perf_counter() - t0)
     return out
