@@ -10,6 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# NIXL's progress thread busy-polls a core per worker; CI has 2 cores and runs a dozen workers
+# at times: niced, it yields to them (worker/kv/nixl_transport.py). Children inherit it.
+os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
+
 import pytest
 
 from tests.checkpoints import write_checkpoint

@@ -53,6 +53,8 @@ from pdserve.worker.kv.staging import StagingPool, slot_cap
 
 log = logging.getLogger(__name__)
 
+# A nice value (e.g. "19") for the threads NIXL starts (its busy-polling progress thread).
+PROGRESS_NICE_ENV = "PDSERVE_NIXL_PROGRESS_NICE"
 # Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
 SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
 
@@ -67,6 +69,21 @@ def import_nixl():
     except ImportError:
         from nixl._api import nixl_agent, nixl_agent_config  # other nixl wheels
     return nixl_agent, nixl_agent_config
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: nothing to renice
+        return set()
+
+
+def _renice(tids: set[int], nice: int) -> None:
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as e:
+            log.warning("could not renice NIXL thread %d: %s", tid, e)
 
 
 def nixl_available() -> bool:
@@ -89,7 +106,14 @@ class NixlTransport:
         nixl_agent, nixl_agent_config = import_nixl()
         # No NIXL listener thread: metadata leaves this process only through our authenticated side channel.
         telemetry = {"capture_telemetry": True} if capture_telemetry else {}  # older wheels lack the flag
+        threads = _thread_ids()
         self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"], **telemetry))
+        if os.environ.get(PROGRESS_NICE_ENV):
+            # NIXL's progress thread busy-polls UCX: a whole core per worker even when idle. A
+            # peer reading over UCX's TCP or shared-memory transports needs it (the target's
+            # progress), so it stays; on a small shared machine (CI: 2 cores, a dozen workers)
+            # it is niced so it yields to the work it would otherwise slow down.
+            _renice(_thread_ids() - threads, int(os.environ[PROGRESS_NICE_ENV]))
         self.name = name
         self.cache = cache
         self.block_bytes = block_bytes
