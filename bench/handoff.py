@@ -194,7 +194,7 @@ class Runner:
                     continue
                 t = time.monotonic()
                 try:
-                    self.runs.append(self.measure(stack, spec, p, warmup=4 if i == 0 else 0))
+                    self.runs.append(self.measure(stack, spec, p, warmup=self.args.warmup if i == 0 else 0))
                     self.ratios[p.kind].append((time.monotonic() - t) / estimate(p, spec, self.sizes, self.args.seconds))
                 except Exception as e:  # noqa: BLE001 - a failed point is reported; the rest still runs
                     self.skipped.append(f"{what} (failed: {type(e).__name__}: {e})")
@@ -292,6 +292,7 @@ def main(argv=None) -> int:
                    "(default 512, smoke 32)")
     p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
                                                      "included (e.g. --async-scheduling)")
+    p.add_argument("--warmup", type=int, default=4, help="requests sent (all at once) before a stack's first point")
     p.add_argument("--stacks", default=None, help="comma-separated subset of agg,nixl-off,nixl-on,tcp-off,tcp-on")
     p.add_argument("--no-overlap-flags", action="store_true", help="pass neither flag (a checkout without them)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, TCP only (checks the script)")
