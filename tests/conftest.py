@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
     """Modules with tests on the real control plane run last, together: the cluster (etcd,
     apiserver, controllers: a tenth of a core or more even when idle) then lives only while they
     run, not for the whole session. Whole modules move, so module fixtures are set up once."""
-    k8s_modules = {i.module for i in items if i.get_closest_marker("k8s") or "k8s_cluster" in getattr(i, "fixturenames", ())}
+    k8s_modules = {i.module for i in items
+                   if i.get_closest_marker("k8s") or "k8s_cluster" in getattr(i, "fixturenames", ())}
     if k8s_modules:
         items[:] = [i for i in items if i.module not in k8s_modules] + [i for i in items if i.module in k8s_modules]

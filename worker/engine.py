@@ -253,7 +253,8 @@ class LLMEngine:
                 handed_over = req.output_token_ids[:1]
             elif not new and req.request_id not in finished_ids:
                 continue
-            outputs.append(self._output(req, new, None if handed_over and not new else logprobs.get(req.request_id), handed_over))
+            logprob = None if handed_over and not new else logprobs.get(req.request_id)  # not token 0's: P sent it
+            outputs.append(self._output(req, new, logprob, handed_over))
         for req in finished:
             self.requests.pop(req.request_id, None)
         return outputs

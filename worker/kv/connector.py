@@ -43,7 +43,7 @@ from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOut
 from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
-from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
+from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
