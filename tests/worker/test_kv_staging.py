@@ -120,7 +120,7 @@ def nixl_world():
         g = torch.Generator().manual_seed(seed)
         cache = torch.randn(BLOCKS, LAYERS, 2, BS, KV // size, DIM, generator=g)
         config = EngineConfig(device="cpu", kv_transfer="nixl", kv_port=free_kv_ports(), kv_peer_allow=("127.0.0.1",),
-                              kv_secret=SECRET, kv_pull_timeout=10)
+                              kv_secret=SECRET, kv_pull_timeout=60)  # generous: a loaded CI machine
         c = KVConnector(config, cache, name, "layout", tp=TPRank(rank, size, KV))
         made.append(c)
         return c
@@ -201,7 +201,7 @@ def test_concurrent_heterogeneous_pulls_use_their_own_staging_buffers(nixl_world
     pull(d1, warm, digest, [30, 31])  # one buffer exists and is free before the race
     assert d1.nixl.staging.registrations == 1
 
-    barrier = threading.Barrier(2, timeout=20)
+    barrier = threading.Barrier(2, timeout=60)
     post = d1.nixl.post_read_into
 
     def post_together(*args):
