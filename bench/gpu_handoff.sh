@@ -64,6 +64,7 @@ fi
 # HANDOFF_CHUNKS="512 256 128": the aggregated baseline and overlap on with the first size, then
 # overlap on again with each other size (one checkpoint, written once; the budget split evenly,
 # the first run's share doubled for its aggregated stack). Each size's report in $OUT/chunk<N>/.
+EXTRA=("$@")  # bench/handoff.py's own flags (e.g. --warmup 24), for every size's run
 set -- $HANDOFF_CHUNKS
 N=$#
 CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reuses it
@@ -78,7 +79,7 @@ for c in "$@"; do
   mkdir -p "$OUT/chunk$c"
   timeout --kill-after=8 "$(( SHARE + 20 ))" $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
     --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" ${HANDOFF_WORKER_ARGS:+--worker-args="$HANDOFF_WORKER_ARGS"} \
-    > "$OUT/chunk$c/log.txt" 2>&1
+    "${EXTRA[@]}" > "$OUT/chunk$c/log.txt" 2>&1
   echo "bench handoff chunk $c ($STACKS): rc=$? at $(( $(date +%s) - T0 ))s"
   grep "^\[handoff" "$OUT/chunk$c/log.txt" | tail -n 12
   first=0; N=$(( N - 1 ))

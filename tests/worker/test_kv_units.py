@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from pdserve.worker.kv.block_runs import merge_runs
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
-from pdserve.worker.kv.pins import PinError, PinTable
+from pdserve.worker.kv.pins import NotReady, PinError, PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
 
 DIGEST = prompt_digest([1, 2, 3])
@@ -121,6 +121,43 @@ def test_pin_lease_release_and_expiry(monkeypatch):
     assert pins.collect() == [("r1", [3, 4], True)]
     with pytest.raises(PinError):
         pins.lease("r1", token, 5, DIGEST)  # gone
+
+
+def test_a_progress_reply_can_lease_a_streamed_pin(monkeypatch):
+    """The streamed NIXL hand-off READs the chunk a progress reply announces without a lease
+    round trip: that reply must hold the pin as a lease would (cancelled: no lease)."""
+    from pdserve.worker.kv import pins as pins_module
+
+    clock = Clock()
+    monkeypatch.setattr(pins_module, "time", clock)
+    pins = PinTable(ttl=0.2)
+    token = pins.add_streamed("r1", [3, 4, 5], DIGEST, ready=1)
+    assert "block_ids" not in pins.progress("r1", token, DIGEST, 0)  # no lease asked: none given
+    with pytest.raises(NotReady):
+        pins.progress("r1", token, DIGEST, 1, lease_s=1.5)
+    pins.finish("r1", 42)
+    state = pins.progress("r1", token, DIGEST, 1, lease_s=1.5)
+    assert state == {"ready": 3, "state": "done", "first_token_id": 42, "block_ids": [3, 4, 5]}
+    clock.now += 0.3
+    assert pins.collect() == []  # past its TTL but leased: a READ may be moving its bytes
+    clock.now += 1.5
+    assert pins.collect() == [("r1", [3, 4, 5], True)]
+    token = pins.add_streamed("r2", [6], DIGEST, ready=0)
+    pins.cancel("r2")
+    assert pins.progress("r2", token, DIGEST, 0, lease_s=60) == {"ready": 0, "state": "cancelled",
+                                                                 "first_token_id": None}
+    assert pins.collect() == [("r2", [6], False)]  # a cancelled pin is never leased
+    # Freed, it still answers its reader "cancelled" for a TTL (a read it broke off then ends the
+    # request instead of prefilling locally), to the token's holder only.
+    assert pins.progress("r2", token, DIGEST, -1)["state"] == "cancelled"
+    with pytest.raises(PinError):
+        pins.progress("r2", "forged", DIGEST, -1)
+    with pytest.raises(PinError):
+        pins.lease("r2", token, 5, DIGEST)
+    clock.now += 0.3
+    pins.collect()
+    with pytest.raises(PinError):
+        pins.progress("r2", token, DIGEST, -1)
 
 
 def test_a_read_in_progress_holds_its_pin_through_ttl_and_release(monkeypatch):

@@ -15,6 +15,7 @@ that no block is ever readable before the step that wrote it was collected.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -166,6 +167,18 @@ def test_a_pull_that_times_out_before_the_first_token_prefills_locally(ckpt, pai
         d.shutdown()
 
 
+def count_ops(monkeypatch, p: LLMEngine) -> Counter:
+    """Side-channel requests the prefill engine serves from now on, by op (deferred ones each time
+    their handler runs)."""
+    ops = Counter()
+    for op, handler in list(p.kv_connector.server.handlers.items()):
+        def counted(body, op=op, handler=handler):
+            ops[op] += 1
+            return handler(body)
+        monkeypatch.setitem(p.kv_connector.server.handlers, op, counted)
+    return ops
+
+
 def record_timeline(monkeypatch, p: LLMEngine, rid: str) -> list[tuple]:
     """What happens to `rid` on the prefill engine, in order: ("launch", start, end) when a step
     computing its tokens start..end is launched, ("collect", end) when that step is collected
@@ -219,6 +232,7 @@ def test_overlap_timeline_and_one_answer(ckpt, pair, monkeypatch):
     fresh = [t + 300 for t in PROMPT]  # not in either prefix cache
     expected = engine_answer(ckpt, fresh)
     events = record_timeline(monkeypatch, p, "p1")
+    ops = count_ops(monkeypatch, p)
     params = announce(p, "p1", fresh)
     d.add_request("d1", fresh, GREEDY, params)
     n_blocks = -(-len(fresh) // BLOCK)
@@ -240,6 +254,8 @@ def test_overlap_timeline_and_one_answer(ckpt, pair, monkeypatch):
     assert 0 < done_blocks < n_blocks - 1, "the prefill ran in one step: no chunk to overlap"
     assert in_flight == p.async_scheduling  # the decode side read chunk k while chunk k+1 was launched
     check_timeline(events, p.async_scheduling)
+    if p.config.kv_transfer == "nixl":  # every progress reply leased its chunk: no lease round trips
+        assert ops["lease"] == 0 and ops["progress"] >= 3, ops
     tokens = [first]
     deadline = time.monotonic() + 60
     while "d1" in d.requests:

@@ -180,8 +180,14 @@ class KVConnector:
         """A streamed pin's progress (pins.NotReady defers the reply until it changes)."""
         rid, digest = body.get("request_id"), body.get("prompt_digest")
         have = -1 if body.get("deadline") else body.get("have")  # past the deadline: what there is
-        state = self.pins.progress(rid, body.get("token"), digest, have)
-        return {"engine_id": self.engine_id, "prompt_digest": digest, **state}, []
+        lease = bool(body.get("lease"))
+        if lease and self.nixl is None:
+            raise ValueError("this worker serves KV over TCP: use read")
+        state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0)
+        reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
+        if lease and body.get("want_metadata"):
+            reply["nixl"] = self.nixl.describe()
+        return reply, []
 
     def _release(self, body):
         return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
@@ -350,11 +356,17 @@ class KVConnector:
         want = dict(zip(indices, dst_blocks))  # remote positions we lack -> our blocks
         port, n = params.remote_port, len(params.remote_block_ids)
         have, nbytes = 0, 0
+        # Over NIXL (one rank each side) every progress reply is also the lease of the pin: the
+        # chunk it announces is READ at once, one round trip per chunk instead of two (the last
+        # chunk's is on the first token's gap).
+        leased = transport == "nixl" and not self._tp_pull(params)
         stalled_since = time.monotonic()
         while True:
             if rid in self._stopping:
                 raise PullStopped("the request was aborted")
-            p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth)
+            unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
+            p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
+                                      lease=leased, want_metadata=unknown)
             if p["state"] == "cancelled":
                 raise PullStopped("the prefill worker cancelled the prefill")
             ready = min(p["ready"], n)
@@ -370,15 +382,42 @@ class KVConnector:
                     raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
                 self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
             chunk = [i for i in range(have, ready) if i in want]
-            if chunk:
-                nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
-                                            last=False)
+            try:
+                if chunk and leased:
+                    nbytes += self._read_leased(params, p, chunk, [want[i] for i in chunk])
+                elif chunk:
+                    nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
+                                                last=False)
+            except Exception:
+                # A read the prefill side broke off because it cancelled the prefill (its first
+                # token ended the request, or it was aborted) ends the request here too.
+                if self._cancelled(host, params, digest):
+                    raise PullStopped("the prefill worker cancelled the prefill") from None
+                raise
             have = max(have, ready)
             if p["state"] == "done":
                 break
         if not self._tp_pull(params):
             self.pool.submit(_peer(params), self._release_quietly, params)  # off this pull's path
         return nbytes
+
+    def _cancelled(self, host: str, params: KVTransferParams, digest: str) -> bool:
+        """Whether the prefill side says this streamed pin was cancelled (False: it cannot say)."""
+        try:
+            p = side_channel.progress(host, params.remote_port, params, digest, -1, min(5.0, self.timeout), self.auth)
+        except Exception:
+            return False
+        return p["state"] == "cancelled"
+
+    def _read_leased(self, params: KVTransferParams, reply: dict, indices: list[int], dst_blocks: list[int]) -> int:
+        """READ blocks a progress reply has leased (and said are computed); the pin is kept."""
+        if reply["block_ids"] != list(params.remote_block_ids):
+            raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than the "
+                                                "params name")
+        engine_id = params.remote_engine_id
+        peer = self.nixl.known_peer(engine_id) or self.nixl.add_peer(engine_id, reply["nixl"])
+        src = [params.remote_block_ids[i] for i in indices]
+        return self.nixl.finish_read(self.nixl.post_read(peer, src, dst_blocks, None), self.timeout)
 
     def _nixl_pull(self, host, port, params, indices, dst_blocks, digest, release: bool = True) -> int:
         """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params

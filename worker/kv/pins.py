@@ -63,6 +63,10 @@ class PinTable:
     def __init__(self, ttl: float):
         self.ttl = ttl
         self._pins: dict[str, Pin] = {}
+        # Cancelled pins already freed, for a TTL: a reader whose read broke off learns from
+        # `progress` that the prefill was cancelled (its request ends), not that the pin expired
+        # (it would prefill locally and answer a request the prefill side has ended).
+        self._cancelled: dict[str, Pin] = {}
         self._lock = threading.Lock()
         self.on_change = None  # () -> None: a streamed pin changed (the side channel retries its waiters)
 
@@ -125,6 +129,8 @@ class PinTable:
         if not (isinstance(request_id, str) and isinstance(token, str) and isinstance(prompt_digest, str)):
             raise PinError("request_id, token and prompt_digest must be strings")
         pin = self._pins.get(request_id)
+        if pin is None and cancelled_ok:
+            pin = self._cancelled.get(request_id)
         if pin is None or not secrets.compare_digest(pin.token.encode(), token.encode()):
             raise PinError("unknown, released or expired transfer, or a wrong transfer token")
         if pin.state == CANCELLED:
@@ -176,15 +182,22 @@ class PinTable:
         with self._lock:
             self._authenticate(request_id, token, prompt_digest, time.monotonic())
 
-    def progress(self, request_id: str, token: str, prompt_digest: str, have) -> dict:
+    def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0) -> dict:
         """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
-        there is more, or the prefill ended. Only the holder of the token may ask."""
+        there is more, or the prefill ended. Only the holder of the token may ask. `lease_s`: the
+        answer is also a lease (as `lease`) on the pin, whose block ids it then carries: a NIXL
+        reader READs the ready blocks at once, without a lease round trip per chunk."""
+        now = time.monotonic()
         with self._lock:
             # Cancelled is an answer here, not a refusal: the reader stops (no first token will come).
-            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic(), cancelled_ok=True)
+            pin = self._authenticate(request_id, token, prompt_digest, now, cancelled_ok=True)
             if pin.state == RUNNING and type(have) is int and pin.ready <= have:
                 raise NotReady()
-            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
+            state = {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
+            if lease_s > 0 and pin.state != CANCELLED:
+                pin.leased_until = now + lease_s
+                state["block_ids"] = list(pin.block_ids)
+            return state
 
     def state(self, request_id: str) -> dict | None:
         """A pin's progress for a deferred reply past its deadline (None: gone)."""
@@ -217,6 +230,12 @@ class PinTable:
                 if pin.released or pin.expires_at <= now:
                     out.append((rid, pin.block_ids, not pin.released))
                     del self._pins[rid]
+                    if pin.state == CANCELLED:
+                        self._cancelled[rid] = Pin([], pin.token, pin.prompt_digest, now + self.ttl, released=True,
+                                                   state=CANCELLED)
+            for rid, pin in list(self._cancelled.items()):
+                if pin.expires_at <= now:
+                    del self._cancelled[rid]
         return out
 
     def num_blocks(self) -> int:

@@ -347,17 +347,26 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
 
 
 def progress(host: str, port: int, params: KVTransferParams, digest: str, have: int, timeout_s: float,
-             auth: SideChannelAuth) -> dict:
+             auth: SideChannelAuth, lease: bool = False, want_metadata: bool = False) -> dict:
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
-    (or after the server's DEFER_S with what there is): {ready, state, first_token_id}."""
+    (or after the server's DEFER_S with what there is): {ready, state, first_token_id}. `lease`
+    (NIXL): the reply also leases the pin and names its block ids (and, `want_metadata`, carries
+    the peer's NIXL metadata), so the ready blocks can be READ without a lease round trip."""
     engine_id = params.remote_engine_id
-    reply, _ = call(host, port, "progress", {"request_id": params.remote_request_id,
-                                             "token": params.transfer_token, "prompt_digest": digest,
-                                             "have": have}, timeout_s, auth, engine_id)
+    body = {"request_id": params.remote_request_id, "token": params.transfer_token, "prompt_digest": digest,
+            "have": have}
+    if lease:
+        body.update(lease=True, want_metadata=want_metadata)
+    reply, _ = call(host, port, "progress", body, timeout_s, auth, engine_id)
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
         raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
     if type(reply.get("ready")) is not int or reply.get("state") not in ("running", "done", "cancelled"):
         raise SideChannelError(f"KV peer {host}:{port} sent a malformed progress reply")
+    if lease and reply["state"] != "cancelled":
+        if not isinstance(reply.get("block_ids"), list):
+            raise SideChannelError(f"KV peer {host}:{port} did not lease the streamed pin")
+        if want_metadata and not isinstance(reply.get("nixl"), dict):
+            raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
     return reply
 
 
