@@ -278,6 +278,13 @@ class LLMEngine:
         if previous is not None and not self._can_overlap():
             outputs += self._finish(previous)
             previous = None
+        elif previous is not None and self.kv_connector is not None and self.kv_connector.pull_landing():
+            # A hand-off's KV lands about now (P/D's first gap): planned behind `previous`, its
+            # request would wait a whole extra step. One step without overlap instead: collect
+            # `previous`, take what landed meanwhile, and plan the next step with it.
+            outputs += self._finish(previous)
+            previous = None
+            outputs += self._kv_finished()
         batch = self.scheduler.schedule()
         later_loads = None
         if self.kv_connector is not None:

@@ -14,8 +14,10 @@ that no block is ever readable before the step that wrote it was collected.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -165,6 +167,60 @@ def test_a_pull_that_times_out_before_the_first_token_prefills_locally(ckpt, pai
         until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
     finally:
         d.shutdown()
+
+
+def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monkeypatch):
+    """The decode worker is busy (another request decodes) when a hand-off's last read lands,
+    during a step: the request must be in the very next step, under async scheduling too (there
+    the next step is normally launched before the one in flight is collected; it would then wait
+    a whole extra step: P/D's first gap). The landing is pinned to the collection of the step in
+    flight: the pull's end waits for it, and the collection waits for the pull."""
+    p, d = pair
+    conn = d.kv_connector
+    busy = [t + 1100 for t in PROMPT]
+    d.add_request("a5", busy, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), None)
+    until(lambda: "a5" in d.requests and d.requests["a5"].num_computed_tokens > len(busy), "a5 decoding", [d])
+    fresh = [t + 1300 for t in PROMPT]
+    want = engine_answer(ckpt, fresh)
+    landed = threading.Event()
+    stream_pull, collect = conn._stream_pull, d.runner.collect
+    calls = {"n": 0, "landed": None}
+
+    def gated_stream_pull(rid, *a, **kw):
+        n = stream_pull(rid, *a, **kw)
+        if rid == "d5":
+            assert landed.wait(30), "no step was collected while the pull landed"
+        return n
+
+    def collect_while_landing(step):
+        if not landed.is_set() and "d5" in conn._landing:
+            calls["landed"] = calls["n"]
+            landed.set()
+            wait([conn._loading["d5"]], timeout=30)
+        return collect(step)
+
+    monkeypatch.setattr(conn, "_stream_pull", gated_stream_pull)
+    monkeypatch.setattr(d.runner, "collect", collect_while_landing)
+    params = announce(p, "p5", fresh)
+    d.add_request("d5", fresh, GREEDY, params)
+    until(lambda: "d5" in conn._loading, "the pull to start", [d])
+    until(lambda: "p5" not in p.requests, "the prefill to finish", [p])  # d not stepped meanwhile
+    deadline = time.monotonic() + 30
+    while "d5" not in conn._landing:  # the prefill's end reached the pull: its last read runs
+        assert time.monotonic() < deadline, "the pull never learnt that the prefill ended"
+        time.sleep(0.01)
+    tokens, first_at = [want[0]], None
+    while "d5" in d.requests:
+        assert time.monotonic() < deadline + 30, "timed out waiting for d5"
+        calls["n"] += 1
+        for o in d.step():
+            if o.request_id == "d5" and o.new_token_ids:
+                first_at = first_at or calls["n"]
+                tokens += o.new_token_ids
+    assert calls["landed"] is not None and first_at == calls["landed"] + 1, calls
+    assert tokens == want
+    d.abort("a5")
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
 def count_ops(monkeypatch, p: LLMEngine) -> Counter:

@@ -114,6 +114,7 @@ class KVConnector:
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
         self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
         self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
+        self._landing: set[str] = set()  # streamed pulls past the prefill's end: their last read runs
         self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
         # Rank 0 of a TP worker (step thread only): the followers' parts of pulls and pins.
         self.ranks = RankAggregator(self.tp.size - 1) if link is not None else None
@@ -298,6 +299,13 @@ class KVConnector:
         self._stopping.discard(rid)
         self._report(("pulled", self.tp.rank, rid, None if fut.exception() is None else str(fut.exception())))
 
+    def pull_landing(self) -> bool:
+        """Whether a pull is about to land or has landed unreported: a streamed pull's prefill
+        ended and its last read runs, or a pull is over. An async-scheduling engine then collects
+        the step in flight before planning the next, so that request joins the very next step
+        (else it would wait for the step already launched behind the one in flight)."""
+        return bool(self._landing) or any(f.done() for f in list(self._loading.values()))
+
     def wait_for_loads(self, timeout: float) -> None:
         if self._loading:
             if self.link is None or not any(f.done() for f in self._loading.values()):
@@ -321,7 +329,10 @@ class KVConnector:
         try:
             host = self.allowed_peer(params)
             if params.stream_kv:
-                nbytes = self._stream_pull(rid, host, params, indices, dst_blocks, digest, transport)
+                try:
+                    nbytes = self._stream_pull(rid, host, params, indices, dst_blocks, digest, transport)
+                finally:
+                    self._landing.discard(rid)
             else:
                 nbytes = self._pull_blocks(host, params, indices, dst_blocks, digest, transport, last=True)
         except Exception:
@@ -381,6 +392,7 @@ class KVConnector:
                 if type(token) is not int:
                     raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
                 self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
+                self._landing.add(rid)  # only the last chunk's read is left: see pull_landing
             chunk = [i for i in range(have, ready) if i in want]
             try:
                 if chunk and leased:
