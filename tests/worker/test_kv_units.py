@@ -137,7 +137,7 @@ def test_a_progress_reply_can_lease_a_streamed_pin(monkeypatch):
         pins.progress("r1", token, DIGEST, 1, lease_s=1.5)
     pins.finish("r1", 42)
     state = pins.progress("r1", token, DIGEST, 1, lease_s=1.5)
-    assert state == {"ready": 3, "state": "done", "first_token_id": 42, "block_ids": [3, 4, 5]}
+    assert state == {"ready": 3, "state": "done", "first_token_id": 42, "last": False, "block_ids": [3, 4, 5]}
     clock.now += 0.3
     assert pins.collect() == []  # past its TTL but leased: a READ may be moving its bytes
     clock.now += 1.5
@@ -145,7 +145,7 @@ def test_a_progress_reply_can_lease_a_streamed_pin(monkeypatch):
     token = pins.add_streamed("r2", [6], DIGEST, ready=0)
     pins.cancel("r2")
     assert pins.progress("r2", token, DIGEST, 0, lease_s=60) == {"ready": 0, "state": "cancelled",
-                                                                 "first_token_id": None}
+                                                                 "first_token_id": None, "last": False}
     assert pins.collect() == [("r2", [6], False)]  # a cancelled pin is never leased
     # Freed, it still answers its reader "cancelled" for a TTL (a read it broke off then ends the
     # request instead of prefilling locally), to the token's holder only.
@@ -158,6 +158,28 @@ def test_a_progress_reply_can_lease_a_streamed_pin(monkeypatch):
     pins.collect()
     with pytest.raises(PinError):
         pins.progress("r2", token, DIGEST, -1)
+
+
+def test_a_reader_hears_when_the_prefill_starts_its_last_step():
+    """A reader that has not seen it is answered as soon as the last prefill step begins (its
+    engine stops overlapping steps so the request joins the step after the landing); a reader
+    that has seen it waits for blocks, as before."""
+    pins = PinTable(ttl=5)
+    token = pins.add_streamed("r1", [3, 4, 5], DIGEST, ready=1)
+    with pytest.raises(NotReady):
+        pins.progress("r1", token, DIGEST, 1, last_seen=False)
+    changes = []
+    pins.on_change = lambda: changes.append(1)
+    pins.last_step("r1")
+    assert changes == [1]  # deferred readers are retried
+    assert pins.progress("r1", token, DIGEST, 1, last_seen=False) == {"ready": 1, "state": "running",
+                                                                      "first_token_id": None, "last": True}
+    with pytest.raises(NotReady):
+        pins.progress("r1", token, DIGEST, 1, last_seen=True)
+    pins.finish("r1", 7)
+    pins.last_step("r1")  # too late: nothing changes
+    assert changes == [1, 1]
+    assert pins.progress("r1", token, DIGEST, 1)["state"] == "done"
 
 
 def test_a_read_in_progress_holds_its_pin_through_ttl_and_release(monkeypatch):

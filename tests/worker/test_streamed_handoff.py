@@ -72,6 +72,8 @@ def until(cond, what: str, engines=(), timeout: float = 30.0):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         for e in engines:
             outs += e.step()
+        if not engines:
+            time.sleep(0.001)  # another thread (a pull, a side channel) makes the change
     return outs
 
 
@@ -167,6 +169,33 @@ def test_a_pull_that_times_out_before_the_first_token_prefills_locally(ckpt, pai
         until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
     finally:
         d.shutdown()
+
+
+def test_the_decode_side_hears_of_the_last_prefill_step_before_it_ends(ckpt, pair):
+    """Once the prefill's remaining tokens fit one step, the decode side's pull knows its KV
+    lands within about a step (pull_landing: an async engine stops overlapping steps so the
+    request joins the step after the landing), while the last chunk is still not computed."""
+    p, d = pair
+    fresh = [t + 500 for t in PROMPT]
+    want = engine_answer(ckpt, fresh)
+    n_blocks = -(-len(fresh) // BLOCK)
+    params = announce(p, "p6", fresh)
+    d.add_request("d6", fresh, GREEDY, params)
+    until(lambda: "d6" in d.kv_connector._loading, "the pull to start", [d])
+    assert not d.kv_connector.pull_landing()
+    while not p.kv_connector.pins.state("p6")["last"]:
+        fin = [o for o in p.step() if o.request_id == "p6" and o.finished]
+        assert not fin, "the prefill ended before its last step was announced"
+    state = p.kv_connector.pins.state("p6")
+    assert state["state"] == "running" and n_blocks - state["ready"] <= CHUNK // BLOCK + 1, state
+    until(lambda: d.kv_connector.pull_landing(), "the decode side to hear of the last step")  # p held
+    outs = until(lambda: "p6" not in p.requests, "the prefill to finish", [p])
+    first = next(o for o in outs if o.request_id == "p6" and o.finished).new_token_ids[0]
+    tokens = [first]
+    outs = until(lambda: "d6" not in d.requests, "the decode request to end", [p, d])
+    tokens += [t for o in outs if o.request_id == "d6" for t in o.new_token_ids]
+    assert tokens == want
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
 def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monkeypatch):

@@ -114,7 +114,7 @@ class KVConnector:
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
         self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
         self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
-        self._landing: set[str] = set()  # streamed pulls past the prefill's end: their last read runs
+        self._landing: set[str] = set()  # streamed pulls whose prefill runs its last step (or ended)
         self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
         # Rank 0 of a TP worker (step thread only): the followers' parts of pulls and pins.
         self.ranks = RankAggregator(self.tp.size - 1) if link is not None else None
@@ -184,7 +184,8 @@ class KVConnector:
         lease = bool(body.get("lease"))
         if lease and self.nixl is None:
             raise ValueError("this worker serves KV over TCP: use read")
-        state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0)
+        state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
+                                   last_seen=body.get("last_seen", True))
         reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
         if lease and body.get("want_metadata"):
             reply["nixl"] = self.nixl.describe()
@@ -245,6 +246,8 @@ class KVConnector:
                 self.pins.add_streamed(p.request_id, p.block_ids, p.prompt_digest, p.ready, token=p.token)
         for rid, ready in meta.advances:  # a step ended with this many leading blocks written
             self.pins.advance(rid, ready)
+        for rid in meta.last_steps:
+            self.pins.last_step(rid)
         for rid, first_token_id in meta.finishes:
             self.pins.finish(rid, first_token_id)  # a pin released meanwhile stays released
         for rid in meta.cancelled_pins:
@@ -301,9 +304,10 @@ class KVConnector:
 
     def pull_landing(self) -> bool:
         """Whether a pull is about to land or has landed unreported: a streamed pull's prefill
-        ended and its last read runs, or a pull is over. An async-scheduling engine then collects
-        the step in flight before planning the next, so that request joins the very next step
-        (else it would wait for the step already launched behind the one in flight)."""
+        runs its last step (or ended, and the last read runs), or a pull is over. An
+        async-scheduling engine then collects the step in flight before it plans the next (no
+        overlap for those few steps), so that request joins the step right after its landing,
+        not the one after that (launched, with overlap, before the landing was known)."""
         return bool(self._landing) or any(f.done() for f in list(self._loading.values()))
 
     def wait_for_loads(self, timeout: float) -> None:
@@ -377,7 +381,9 @@ class KVConnector:
                 raise PullStopped("the request was aborted")
             unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
             p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
-                                      lease=leased, want_metadata=unknown)
+                                      lease=leased, want_metadata=unknown, last_seen=rid in self._landing)
+            if p.get("last") is True:
+                self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
             if p["state"] == "cancelled":
                 raise PullStopped("the prefill worker cancelled the prefill")
             ready = min(p["ready"], n)

@@ -53,13 +53,16 @@ class KVConnectorMetadata:
     # Prefill side: this worker's pin table (mirrored on every tensor-parallel rank)
     pins: list[KVPin] = field(default_factory=list)
     advances: list[tuple[str, int]] = field(default_factory=list)  # (request, leading blocks now computed)
+    # Streamed prefills whose step now running (or next) computes the rest of the prompt: their
+    # readers learn that the hand-off lands within about one prefill step (connector.pull_landing).
+    last_steps: list[str] = field(default_factory=list)
     finishes: list[tuple[str, int]] = field(default_factory=list)  # (streamed request, its first token)
     cancelled_pins: list[str] = field(default_factory=list)  # streamed prefills that will not finish for a reader
     unpins: list[tuple[str, str]] = field(default_factory=list)  # (request, token): pins nobody will read
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.releases or self.cancels or self.pins or self.advances or self.finishes
-                    or self.cancelled_pins or self.unpins)
+        return bool(self.loads or self.releases or self.cancels or self.pins or self.advances or self.last_steps
+                    or self.finishes or self.cancelled_pins or self.unpins)
 
 
 @dataclass

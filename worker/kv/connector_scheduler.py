@@ -199,6 +199,12 @@ class KVConnectorScheduler:
             if req.request_id in self._streaming and not req.status.finished:
                 n = req.num_computed_tokens if computed is None else computed[i]
                 self._meta.advances.append((req.request_id, n // self.block_size))
+                if self._last_step_next(req, n):
+                    self._meta.last_steps.append(req.request_id)
+
+    def _last_step_next(self, req: Request, computed: int) -> bool:
+        """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap)."""
+        return 0 < req.num_prompt_tokens - computed <= self.stream_chunk_tokens
 
     def awaits_first_token(self, req: Request) -> bool:
         return req.request_id in self._awaiting_first
@@ -242,6 +248,8 @@ class KVConnectorScheduler:
         """Prefill side, at admission: pin every prompt block now (the prefix-cache hits are
         readable already) and hand the params out before the first chunk is computed."""
         req.kv_transfer_params_out = self._pin(req, ready=req.num_computed_tokens // self.block_size)
+        if self._last_step_next(req, req.num_computed_tokens):  # the prompt runs in one step
+            self._meta.last_steps.append(req.request_id)
         self.announced.append(req)
 
     def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> dict:

@@ -49,6 +49,7 @@ class Pin:
     ready: int = 0  # leading blocks whose KV is computed (all of them once DONE)
     state: str = DONE
     first_token_id: int | None = None  # known once DONE (streamed pins)
+    last: bool = False  # the prefill step now running computes the rest (streamed pins)
 
 
 class PinError(PermissionError):
@@ -95,6 +96,15 @@ class PinTable:
             if pin is None or pin.state != RUNNING or ready <= pin.ready:
                 return
             pin.ready = min(ready, len(pin.block_ids))
+        self._changed()
+
+    def last_step(self, request_id: str) -> None:
+        """Step thread: the prefill's step now running (or next) computes the rest of the prompt."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None or pin.state != RUNNING or pin.last:
+                return
+            pin.last = True
         self._changed()
 
     def finish(self, request_id: str, first_token_id: int) -> tuple[str, float] | None:
@@ -182,18 +192,21 @@ class PinTable:
         with self._lock:
             self._authenticate(request_id, token, prompt_digest, time.monotonic())
 
-    def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0) -> dict:
+    def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0,
+                 last_seen: bool = True) -> dict:
         """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
-        there is more, or the prefill ended. Only the holder of the token may ask. `lease_s`: the
+        there is more, the prefill ended, or (a reader that has not seen it, `last_seen` False)
+        its last step began. Only the holder of the token may ask. `lease_s`: the
         answer is also a lease (as `lease`) on the pin, whose block ids it then carries: a NIXL
         reader READs the ready blocks at once, without a lease round trip per chunk."""
         now = time.monotonic()
         with self._lock:
             # Cancelled is an answer here, not a refusal: the reader stops (no first token will come).
             pin = self._authenticate(request_id, token, prompt_digest, now, cancelled_ok=True)
-            if pin.state == RUNNING and type(have) is int and pin.ready <= have:
+            nothing_new = pin.state == RUNNING and type(have) is int and pin.ready <= have
+            if nothing_new and not (pin.last and last_seen is not True):
                 raise NotReady()
-            state = {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
+            state = {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id, "last": pin.last}
             if lease_s > 0 and pin.state != CANCELLED:
                 pin.leased_until = now + lease_s
                 state["block_ids"] = list(pin.block_ids)
@@ -205,7 +218,7 @@ class PinTable:
             pin = self._pins.get(request_id)
             if pin is None:
                 return None
-            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id}
+            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id, "last": pin.last}
 
     def release(self, request_id: str, token: str) -> bool:
         if not (isinstance(request_id, str) and isinstance(token, str)):

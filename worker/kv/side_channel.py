@@ -347,14 +347,15 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
 
 
 def progress(host: str, port: int, params: KVTransferParams, digest: str, have: int, timeout_s: float,
-             auth: SideChannelAuth, lease: bool = False, want_metadata: bool = False) -> dict:
+             auth: SideChannelAuth, lease: bool = False, want_metadata: bool = False, last_seen: bool = True) -> dict:
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
     (or after the server's DEFER_S with what there is): {ready, state, first_token_id}. `lease`
     (NIXL): the reply also leases the pin and names its block ids (and, `want_metadata`, carries
-    the peer's NIXL metadata), so the ready blocks can be READ without a lease round trip."""
+    the peer's NIXL metadata), so the ready blocks can be READ without a lease round trip.
+    `last_seen` False: also answer as soon as the prefill's last step begins ({last: true})."""
     engine_id = params.remote_engine_id
     body = {"request_id": params.remote_request_id, "token": params.transfer_token, "prompt_digest": digest,
-            "have": have}
+            "have": have, "last_seen": last_seen}
     if lease:
         body.update(lease=True, want_metadata=want_metadata)
     reply, _ = call(host, port, "progress", body, timeout_s, auth, engine_id)
