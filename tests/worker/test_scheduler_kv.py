@@ -300,4 +300,4 @@ def test_async_streamed_progress_is_each_steps_own(prefill):
                 break
         assert len(readable) < 10
     assert readable == [2, 4]  # 8 and 16 of 20 tokens: never the chunk in flight
-    assert transfer.pins.state("s") == {"ready": 5, "state": "done", "first_token_id": 7}
+    assert transfer.pins.state("s") == {"ready": 5, "state": "done", "first_token_id": 7, "last": True}
