@@ -2,8 +2,10 @@
 # Issue 24's hand-off measurement in one device call on a 2-GPU machine (<= 10 minutes). From the
 # repo root, with .whl/ rebuilt (the wheels below; git-ignored, so carried):
 #
-#   run(command="bash bench/gpu_handoff.sh", kind="nvidia-h100-x2", carry=[".whl"], timeout_s=600)
+#   run(command="GIT_COMMIT=<sha> bash bench/gpu_handoff.sh", kind="nvidia-h100-x2", carry=[".whl"], timeout_s=600)
 #
+# (GIT_COMMIT: name the tree in the reports; a device machine's copy of .git has been seen older than
+# the tree it runs.)
 # Runs bench/handoff.py (its docstring has the plan): aggregated vs P/D 1+1 over NIXL and TCP,
 # overlap off and on, 3000/200 at 1 and 6 req/s, the 1k-16k prompt-length sweep, the stall model.
 # Extra arguments go to bench/handoff.py (e.g. --chunk-tokens 256, --stacks agg,nixl-off,nixl-on).
@@ -24,7 +26,7 @@ DEPS=("${SERVER_DEPS[@]}")
 source bench/gpu_env.sh "${DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
 {
   date -u
-  echo "commit: $(git describe --always --dirty 2>/dev/null || echo unknown)"
+  echo "commit: ${GIT_COMMIT:-$(git describe --always --dirty 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv
   nvidia-smi topo -m 2>/dev/null | head -n 4
   echo "cores: $(nproc)"

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -257,10 +258,12 @@ def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dic
     cfg_path = Path(ckpt) / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     per_token = handoff_report.kv_bytes_per_token(config) if config else 0
+    # GIT_COMMIT: the caller's word (a device machine's copy of .git may be older than its tree).
+    commit = os.environ.get("GIT_COMMIT", "")
     try:
         repo = Path(__file__).resolve().parents[1]  # through gpu_env.sh's link farm too
-        commit = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+        commit = commit or subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
+                                          capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
     missing = [f for f, ok in support.items() if not ok]
