@@ -18,6 +18,9 @@ Overlap off = router `--pd-handoff after-prefill` + workers `--kv-stream-chunk-t
 or worker lacks a flag gets none of it (said in the report); the on stacks are then skipped on a
 GPU (they would measure the off path twice) and run anyway in --smoke (to check the script).
 
+Workers run the engine's default scheduling (async with a GPU since 2026-11-28; synchronous:
+`--worker-args=--no-async-scheduling`).
+
 Load points: 3000 in / 200 out, Poisson arrivals, --seconds of sending (4 warm-up requests first
 on each stack). Length sweep: 1k, 3k, 8k, 16k prompts, 5 sequential requests each after 1
 warm-up, 32 out. bench/handoff_report.py turns the runs into results.md (tables, the stall

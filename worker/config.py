@@ -45,9 +45,10 @@ class EngineConfig:
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this worker may use")
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, "disable CUDA graphs")
-    async_scheduling: bool = flag(False, "schedule and prepare the next step while the GPU runs this one (vLLM's "
-                                         "async scheduling); ignored by a P/D worker under tensor parallelism "
-                                         "(docs/async-scheduling.md)")
+    async_scheduling: bool | None = flag(None, "schedule and prepare the next step while the GPU runs this one "
+                                                "(vLLM's async scheduling); not for a P/D worker under tensor "
+                                                "parallelism (docs/async-scheduling.md)",
+                                         unset="on with a GPU, off on CPU (nothing to overlap there)")
     tensor_parallel_size: int = flag(1, "shard the model over this many GPUs (processes on CPU), one process per rank")
     enable_expert_parallel: bool = flag(False, "MoE models: each tensor-parallel rank holds experts/N whole experts "
                                                "(all-reduce combine) instead of a 1/N slice of every expert")

@@ -49,6 +49,14 @@ from pdserve.worker.structured_output import StructuredOutputs
 log = logging.getLogger(__name__)
 
 
+
+def wants_async_scheduling(asked: bool | None, device_type: str, tensor_parallel: bool, kv_transfer: bool) -> bool:
+    """--async-scheduling as given, else on with a GPU (measured better for aggregated and P/D
+    workers: docs/async-scheduling.md) and off on CPU, where the host runs the step itself and
+    there is nothing to overlap. Never for KV transfer under tensor parallelism (not tested yet)."""
+    want = device_type == "cuda" if asked is None else asked
+    return want and not (tensor_parallel and kv_transfer)
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None, structured_outputs_backend: str | None = None):
@@ -113,7 +121,8 @@ class LLMEngine:
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
         self._pulls_kv = self.kv_connector is not None and config.role != "prefill"
         tp = config.tensor_parallel_size > 1
-        self.async_scheduling = config.async_scheduling and not (tp and self.kv_connector is not None)
+        self.async_scheduling = wants_async_scheduling(config.async_scheduling, self.device.type, tp,
+                                                       self.kv_connector is not None)
         if self.async_scheduling and tp:
             self.runner.share_sampled = True
         if config.async_scheduling and not self.async_scheduling:

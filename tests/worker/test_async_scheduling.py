@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
+from pdserve.worker.engine import LLMEngine, wants_async_scheduling
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.structured_output import StructuredOutputSpec
 from tests.net import free_port
@@ -84,6 +84,23 @@ def both(ckpt, arrivals, **kw):
 
 def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def test_the_default_is_on_with_a_gpu_and_off_on_cpu(tiny_checkpoint):
+    """Unset, async scheduling follows the device (a GPU engine is not built here: the rule is
+    checked as the function the engine calls, and a CPU engine's outcome for real)."""
+    assert wants_async_scheduling(None, "cuda", False, False)
+    assert wants_async_scheduling(None, "cuda", False, True)  # P/D on one GPU
+    assert not wants_async_scheduling(None, "cuda", True, True)  # P/D under TP: not tested yet
+    assert wants_async_scheduling(None, "cuda", True, False)
+    assert not wants_async_scheduling(None, "cpu", False, False)
+    assert wants_async_scheduling(True, "cpu", False, False) and not wants_async_scheduling(False, "cuda", False, False)
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint()), device="cpu", block_size=4, max_model_len=128,
+                                    kv_cache_memory=1 << 22))
+    try:
+        assert engine.config.async_scheduling is None and not engine.async_scheduling
+    finally:
+        engine.shutdown()
 
 
 def test_greedy_and_seeded_mix_with_staggered_arrivals(tiny_checkpoint):
