@@ -49,13 +49,13 @@ from pdserve.worker.structured_output import StructuredOutputs
 log = logging.getLogger(__name__)
 
 
-
 def wants_async_scheduling(asked: bool | None, device_type: str, tensor_parallel: bool, kv_transfer: bool) -> bool:
     """--async-scheduling as given, else on with a GPU (measured better for aggregated and P/D
     workers: docs/async-scheduling.md) and off on CPU, where the host runs the step itself and
     there is nothing to overlap. Never for KV transfer under tensor parallelism (not tested yet)."""
     want = device_type == "cuda" if asked is None else asked
     return want and not (tensor_parallel and kv_transfer)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,

@@ -187,7 +187,7 @@ class KVConnector:
         state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
                                    last_seen=body.get("last_seen", True))
         reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
-        if lease and body.get("want_metadata"):
+        if "block_ids" in state and body.get("want_metadata"):  # leased: as `lease` gives it
             reply["nixl"] = self.nixl.describe()
         return reply, []
 
