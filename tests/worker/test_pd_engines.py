@@ -10,6 +10,7 @@ with --async-scheduling.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import time
 
@@ -63,6 +64,7 @@ def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
     here, there = ctx.Pipe()
     proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling), daemon=True)
     proc.start()
+    decode = None
     try:
         # The prefill engine sizes its KV cache before this one takes the rest of the card.
         while not here.poll(0.5):
@@ -105,3 +107,11 @@ def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+        if decode is not None:
+            # Its KV cache is half the card: the next case's engines size theirs from what is free
+            # (on an H100 the [async] case failed to start when this one's was still held).
+            decode.shutdown()
+            del decode
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
