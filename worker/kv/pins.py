@@ -51,6 +51,10 @@ class Pin:
     first_token_id: int | None = None  # known once DONE (streamed pins)
     last: bool = False  # the prefill step now running computes the rest (streamed pins)
 
+    def progress(self) -> dict:
+        """What a streamed pin's reader is told (`PinTable.progress`, `PinTable.state`)."""
+        return {"ready": self.ready, "state": self.state, "first_token_id": self.first_token_id, "last": self.last}
+
 
 class PinError(PermissionError):
     pass
@@ -206,7 +210,7 @@ class PinTable:
             nothing_new = pin.state == RUNNING and type(have) is int and pin.ready <= have
             if nothing_new and not (pin.last and last_seen is not True):
                 raise NotReady()
-            state = {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id, "last": pin.last}
+            state = pin.progress()
             if lease_s > 0 and pin.state != CANCELLED:
                 pin.leased_until = now + lease_s
                 state["block_ids"] = list(pin.block_ids)
@@ -218,7 +222,7 @@ class PinTable:
             pin = self._pins.get(request_id)
             if pin is None:
                 return None
-            return {"ready": pin.ready, "state": pin.state, "first_token_id": pin.first_token_id, "last": pin.last}
+            return pin.progress()
 
     def release(self, request_id: str, token: str) -> bool:
         if not (isinstance(request_id, str) and isinstance(token, str)):
