@@ -134,6 +134,7 @@ class LLMEngine:
         # their request had finished (tests and benchmarks read these).
         self.num_overlapped_steps = 0
         self.num_dropped_tokens = 0
+        self.num_late_joins = 0  # async: a pull landed while the step in flight ran (_step_async)
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -288,11 +289,16 @@ class LLMEngine:
             outputs += self._finish(previous)
             previous = None
         elif previous is not None and self.kv_connector is not None and self.kv_connector.pull_landing():
-            # A hand-off's KV lands about now (P/D's first gap): planned behind `previous`, its
-            # request would wait a whole extra step. One step without overlap instead: collect
-            # `previous`, take what landed meanwhile, and plan the next step with it.
-            outputs += self._finish(previous)
-            previous = None
+            # A hand-off's KV lands about now (P/D's first gap): planned now, behind `previous`,
+            # its request would wait a whole extra step. Plan only once it landed or `previous`
+            # is done, whichever comes first. Landed while `previous` still runs: a late join,
+            # the request is in the step launched behind it (overlap kept). Else one step
+            # without overlap: collect `previous`, take what landed meanwhile, plan with it.
+            step = previous
+            if not self.kv_connector.wait_for_landing(lambda: self.runner.is_done(step)):
+                outputs += self._finish(previous)
+                previous = None
+            self.num_late_joins += previous is not None
             outputs += self._kv_finished()
         batch = self.scheduler.schedule()
         later_loads = None

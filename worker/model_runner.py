@@ -501,6 +501,12 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         return LaunchedStep(batch, samplers, rows, tokens, host, self._readback.record(slot), logprobs)
 
+    def is_done(self, step: LaunchedStep) -> bool:
+        """Whether `collect` would return at once: the step's token ids (or, with `done`, all of
+        its work) are on the host. Never blocks (an event query)."""
+        event = step.copied if step.samplers else step.done
+        return event is None or event.query()
+
     def collect(self, step: LaunchedStep) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         """Wait for a launched step's token ids on the host: {request id: token}, {request id: logprob}.
         The copy of the token ids is queued after the step's forward: once they are here, so is its KV."""

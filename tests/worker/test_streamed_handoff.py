@@ -252,6 +252,65 @@ def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monk
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
+def test_a_hand_off_that_lands_while_a_step_runs_joins_the_step_behind_it(ckpt, pair, monkeypatch):
+    """Async scheduling: the decode worker is busy and the hand-off's last read lands while the
+    device still runs the step in flight. The request must join the step planned then and
+    launched behind that one (a late join), without collecting it first: overlap kept, no host
+    gap on P/D's first gap. The device is stood in for (CPU steps run at launch): the step in
+    flight reads as running until the pull has landed, and the pull's end waits until the engine
+    waits on it (deterministic, no timing)."""
+    p, d = pair
+    if not d.async_scheduling:
+        pytest.skip("a late join needs a step in flight (async scheduling)")
+    conn = d.kv_connector
+    busy = [t + 700 for t in PROMPT]
+    d.add_request("a6", busy, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), None)
+    until(lambda: "a6" in d.requests and d.requests["a6"].num_computed_tokens > len(busy), "a6 decoding", [d])
+    fresh = [t + 800 for t in PROMPT]
+    want = engine_answer(ckpt, fresh)
+    waiting = threading.Event()
+    stream_pull, launch, is_done = conn._stream_pull, d.runner.launch, d.runner.is_done
+    launches = []  # (request ids in the batch, launched behind a step in flight)
+
+    def gated_stream_pull(rid, *a, **kw):
+        n = stream_pull(rid, *a, **kw)
+        if rid == "d6":
+            assert waiting.wait(30), "the engine never waited for the landing"
+        return n
+
+    def running_until_landed(step):
+        waiting.set()
+        return is_done(step) and "d6" not in conn._loading
+
+    def recorded_launch(batch, previous=None, **kw):
+        launches.append(({r.request_id for r, _ in batch.items}, previous is not None))
+        return launch(batch, previous, **kw)
+
+    monkeypatch.setattr(conn, "_stream_pull", gated_stream_pull)
+    monkeypatch.setattr(d.runner, "is_done", running_until_landed)
+    monkeypatch.setattr(d.runner, "launch", recorded_launch)
+    late_joins = d.num_late_joins
+    params = announce(p, "p6", fresh)
+    d.add_request("d6", fresh, GREEDY, params)
+    until(lambda: "d6" in conn._loading, "the pull to start", [d])
+    until(lambda: "p6" not in p.requests, "the prefill to finish", [p])  # d not stepped meanwhile
+    deadline = time.monotonic() + 30
+    while "d6" not in conn._landing:  # the prefill's end reached the pull: its last read runs
+        assert time.monotonic() < deadline, "the pull never learnt that the prefill ended"
+        time.sleep(0.01)
+    tokens = [want[0]]
+    while "d6" in d.requests:
+        assert time.monotonic() < deadline + 30, "timed out waiting for d6"
+        tokens += [t for o in d.step() if o.request_id == "d6" for t in o.new_token_ids]
+    assert d.num_late_joins == late_joins + 1
+    joined = next(i for i, (ids, _) in enumerate(launches) if "d6" in ids)
+    assert launches[joined][1], "the landed request's first step was not launched behind the one in flight"
+    assert "a6" in launches[joined - 1][0] and "d6" not in launches[joined - 1][0]
+    assert tokens == want
+    d.abort("a6")
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
 def count_ops(monkeypatch, p: LLMEngine) -> Counter:
     """Side-channel requests the prefill engine serves from now on, by op (deferred ones each time
     their handler runs)."""

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 
@@ -305,10 +306,26 @@ class KVConnector:
     def pull_landing(self) -> bool:
         """Whether a pull is about to land or has landed unreported: a streamed pull's prefill
         runs its last step (or ended, and the last read runs), or a pull is over. An
-        async-scheduling engine then collects the step in flight before it plans the next (no
-        overlap for those few steps), so that request joins the step right after its landing,
-        not the one after that (launched, with overlap, before the landing was known)."""
+        async-scheduling engine then plans its next step only once the pull landed or the step
+        in flight is done (`wait_for_landing`), so that request joins the step right after its
+        landing, not the one after that (launched, with overlap, before the landing was known)."""
         return bool(self._landing) or any(f.done() for f in list(self._loading.values()))
+
+    def wait_for_landing(self, until: Callable[[], bool], poll_s: float = 100e-6) -> bool:
+        """While `pull_landing`: wait until a pull is over (True; get_finished reports it) or
+        `until()` (False), whichever comes first. An async-scheduling engine calls it with "the
+        step in flight is done": a pull that lands while the device still runs that step joins
+        the step planned now, launched behind it (a late join: the overlap is kept, no host gap
+        on the first gap). `until` is polled every `poll_s` (a CUDA event query)."""
+        if self.ranks is not None:  # TP: the followers' parts land on their own; not overlapped
+            return False
+        while True:
+            loading = list(self._loading.values())
+            if any(f.done() for f in loading):
+                return True
+            if until() or not loading:
+                return False
+            wait(loading, timeout=poll_s, return_when=FIRST_COMPLETED)
 
     def wait_for_loads(self, timeout: float) -> None:
         if self._loading:
