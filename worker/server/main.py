@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 
 from pdserve.protocol.contract import ENV_API_KEYS
 from pdserve.protocol.flags import add_flags
@@ -24,26 +23,6 @@ log = logging.getLogger("pdserve.worker.server")
 
 # After the grace period, streams end within a few steps; this bounds uvicorn's own wait.
 _UVICORN_SLACK_S = 5.0
-
-
-# Python's GIL switch interval for the worker process, in ms (unset: Python's 5 ms). A thread that
-# wants the GIL waits up to that long for the thread that holds it to let go: a KV stream thread
-# that has read a chunk from its socket waits so behind the engine thread planning a step.
-SWITCH_INTERVAL_ENV = "PDSERVE_SWITCH_INTERVAL_MS"
-
-
-def set_switch_interval(environ=os.environ) -> float:
-    """Apply $PDSERVE_SWITCH_INTERVAL_MS (if set); the interval in force, in seconds."""
-    raw = environ.get(SWITCH_INTERVAL_ENV)
-    if raw:
-        try:
-            ms = float(raw)
-        except ValueError:
-            ms = -1.0
-        if not 0.01 <= ms <= 100:
-            raise SystemExit(f"${SWITCH_INTERVAL_ENV}: a number of milliseconds in [0.01, 100], got {raw!r}")
-        sys.setswitchinterval(ms / 1000)
-    return sys.getswitchinterval()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,16 +50,12 @@ def configs_from_args(args: argparse.Namespace, environ=os.environ) -> tuple[Eng
 def run(args: argparse.Namespace) -> int:
     # A ConfigError (a bad flag) reaches pdserve.cli.main, which names the flag and exits 2.
     engine_config, server_config = configs_from_args(args)
-    switch_s = set_switch_interval()
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not server_config.api_keys and not is_loopback(server_config.host):
         log.warning("listening on %s without --api-key (or $%s): anyone who reaches this port may send "
                     "requests, kv_transfer_params included, and read /metrics and /debug/kv", server_config.host,
                     ENV_API_KEYS)
-
-    if os.environ.get(SWITCH_INTERVAL_ENV):
-        log.info("GIL switch interval %.3g ms ($%s)", switch_s * 1000, SWITCH_INTERVAL_ENV)
 
     import uvicorn
 
