@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pdserve.worker.kv.block_runs import merge_runs
+from pdserve.worker.kv.connector_scheduler import taper_chunk
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import NotReady, PinError, PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -388,3 +389,34 @@ def test_rank_aggregator_reports_a_pull_or_pin_once_every_rank_is_done():
     assert agg.sent() == []  # rank 2 still holds its shard's pin
     agg.report(("unpinned", 2, "p"))
     assert agg.sent() == ["p"] and agg.sent() == []  # reported once
+
+
+def test_the_taper_split_on_known_prompts():
+    def cut(left, tail):
+        chunks = []
+        while left:
+            chunks.append(taper_chunk(left, tail))
+            left -= chunks[-1]
+        return chunks
+    assert cut(3000, 512) == [1464, 1024, 512]
+    assert cut(16384, 512) == [8704, 4096, 2048, 1024, 512]
+    assert cut(512, 512) == [512] and cut(300, 512) == [300] and cut(513, 512) == [1, 512]
+
+
+@given(st.integers(1, 1 << 17), st.integers(1, 4096))
+@settings(max_examples=300, deadline=None)
+def test_taper_chunks_halve_towards_the_tail(left, tail):
+    """Whatever is left: the chunks cover it exactly, end with the tail (or all of a prompt no
+    longer than it), each but the first twice the next, the first never smaller than the second
+    (but under two tails, where the head is what the tail leaves, as --kv-stream-split tail
+    cuts it), in about log2(left / tail) steps."""
+    chunks = []
+    while left - sum(chunks):
+        chunks.append(taper_chunk(left - sum(chunks), tail))
+        assert chunks[-1] > 0
+    assert sum(chunks) == left
+    assert chunks[-1] == min(left, tail)
+    assert len(chunks) < 3 or chunks[0] >= chunks[1]
+    assert left < 2 * tail or chunks[0] >= chunks[1]
+    assert all(a == 2 * b for a, b in zip(chunks[1:], chunks[2:]))
+    assert len(chunks) <= max(1, (left // tail).bit_length() + 1)

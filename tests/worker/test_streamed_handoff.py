@@ -456,6 +456,35 @@ def test_the_tail_split_runs_the_prompt_in_two_steps_the_last_chunk_alone(ckpt, 
         d.shutdown()
 
 
+def test_the_taper_split_halves_the_chunks_towards_the_tail(ckpt):
+    """--kv-stream-split taper: 60 tokens, chunk 8 -> steps of 36, 16 and 8 tokens, each
+    readable by the decode side once computed; the answer is one worker's."""
+    p = engine(ckpt, "prefill", "tcp", split="taper")
+    d = engine(ckpt, "decode", "tcp")
+    try:
+        fresh = list(range(1400, 1460))
+        params = announce(p, "p7", fresh)  # admitted, and its first chunk computed in that step
+        computed = [p.requests["p7"].num_computed_tokens]
+        d.add_request("d7", fresh, GREEDY, params)
+        until(lambda: blocks_equal(p, "p7", d, "d7", computed[0] // BLOCK), "the first chunk on the decode side", [d])
+        tokens = []
+        while "p7" in p.requests:
+            for o in p.step():
+                if o.request_id == "p7" and o.finished:
+                    tokens = o.new_token_ids[:1]
+            if "p7" in p.requests:
+                computed.append(p.requests["p7"].num_computed_tokens)
+        assert computed == [36, 52], computed  # then the last 8 with the first token
+        deadline = time.monotonic() + 60
+        while "d7" in d.requests:
+            assert time.monotonic() < deadline
+            tokens += [t for o in d.step() if o.request_id == "d7" for t in o.new_token_ids]
+        assert tokens == engine_answer(ckpt, fresh)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transport, monkeypatch):
     """Decode side under async scheduling: a request admitted for a pull while a step is in

@@ -172,13 +172,17 @@ class KVConnectorScheduler:
         `stream_chunk_tokens` of the prompt run alone, so when the prefill ends only their bytes
         are left to move, at the cost of one step (on H200, cutting a 3000-token prompt into six
         512-token steps cost 35 ms of TTFT: every chunk re-reads the context through the paged
-        attention path). "even": every chunk that long, for links slower than the prefill."""
+        attention path). "even": every chunk that long, for links slower than the prefill.
+        "taper": chunks that halve towards the tail (taper_chunk), for links about as fast as
+        the prefill computes KV."""
         c = self.stream_chunk_tokens
         if not c or req.request_id not in self._streaming:
             return n
         if self.stream_split == "even":
             return min(n, c)
         left = req.num_prompt_tokens - computed
+        if self.stream_split == "taper":
+            return min(n, taper_chunk(left, c))
         return min(n, left - c) if left > c else min(n, left)
 
     def preemptible(self, req: Request) -> bool:
@@ -324,3 +328,19 @@ class KVConnectorScheduler:
         # for no lease to hold them before they are freed (get_finished reports it).
         self._meta.cancelled_pins.append(req.request_id)
         return True, None
+
+
+def taper_chunk(left: int, tail: int) -> int:
+    """The next chunk of a prompt with `left` tokens to compute, cut so the chunks halve towards
+    the tail: ..., 4·tail, 2·tail, tail, with the first chunk taking the rest and never smaller
+    than the one after it (3000 tokens, tail 512: 1464, 1024, 512). Each chunk's bytes then move
+    while the next, half as large, is computed: on a link about as fast as the prefill makes KV
+    (TCP) that hides most of the transfer, in log2(prompt / tail) extra steps, where "tail" leaves
+    the whole head's bytes for the last step and "even" costs a step per tail-sized chunk.
+    Stateless: the same answer for whatever is left, so a step the budget cut short is fine."""
+    if left <= tail:
+        return left
+    k = 1  # the last k chunks: tail * (2**k - 1) tokens; grow while the head stays the largest
+    while left - tail * (2 ** (k + 1) - 1) >= tail * 2 ** k:
+        k += 1
+    return left - tail * (2 ** k - 1)
