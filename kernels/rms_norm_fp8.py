@@ -67,12 +67,13 @@ def rms_norm_fp8(
     group_size: int | None = None,
     mn_major_scales: bool = False,
     pad_rows_to: int = 1,
-    keep_output: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """rms_norm(x, weight, eps, residual) quantized as quantize_fp8(out, group_size,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rms_norm(x, weight, eps, residual) quantized as quantize_fp8(normed, group_size,
     mn_major_scales=..., pad_rows_to=...) would: (e4m3 [M', H], fp32 scales [M', G], new residual
-    (x + residual, None without a residual), the unquantized output if `keep_output` else None).
-    `group_size`: None (one scale per row) or a power of 2 (128: the block-scaled GEMMs)."""
+    (x + residual; None without a residual)). `group_size`: None (one scale per row) or a power
+    of 2 (128: the block-scaled GEMMs). `out` [M, H] (optional, rms_norm's output dtype): also
+    receives the unquantized output (the tests compare it with rms_norm's)."""
     fn = "rms_norm_fp8"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, hidden = x.shape
@@ -92,7 +93,11 @@ def rms_norm_fp8(
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     q, scales, emulate = fp8_outputs(t, hidden, group_size, mn_major_scales, pad_rows_to, x.device)
     m, groups = scales.shape
-    out = torch.empty((t, hidden), dtype=out_dtype, device=x.device) if keep_output else None
+    if out is not None:
+        check_tensor(fn, "out", out, (t, hidden), (out_dtype,))
+        check_devices(fn, x=x, out=out)
+        if out.stride(-1) != 1:
+            raise ValueError(f"{fn}: out must be contiguous in its last dimension, got strides {out.stride()}")
     new_res = torch.empty_like(x) if residual is not None else None
     if m and hidden:
         block = triton.next_power_of_2(hidden)
@@ -109,4 +114,4 @@ def rms_norm_fp8(
             HAS_RESIDUAL=residual is not None, WRITE_OUT=out is not None, FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(max(triton.next_power_of_2(hidden) // 1024, 1), 16),
         )
-    return fp8_result(q, emulate), scales, new_res, out
+    return fp8_result(q, emulate), scales, new_res

@@ -78,7 +78,8 @@ def test_rms_norm_fp8_equals_norm_then_quantize(poison_empty, layout, dtype, wit
     residual = (torch.randn(t, hidden, generator=g) * 2).to(DEVICE, dtype) if with_residual else None
     x_before = x.clone()
 
-    q, s, new_res, out = rms_norm_fp8(x, weight, 1e-5, residual, group, mn_major, pad, keep_output=True)
+    out = torch.empty(t, hidden, dtype=dtype, device=DEVICE)
+    q, s, new_res = rms_norm_fp8(x, weight, 1e-5, residual, group, mn_major, pad, out=out)
     ref_out, ref_res = rms_norm(x, weight, 1e-5, residual)
     q_sep, s_sep = quantize_fp8(ref_out, group, mn_major_scales=mn_major, pad_rows_to=pad)
 
@@ -112,9 +113,8 @@ def test_rms_norm_fp8_without_kept_output_writes_the_same(poison_empty):
     x = torch.randn(9, 384, device=DEVICE).bfloat16()
     w = torch.rand(384, device=DEVICE).bfloat16()
     res = torch.randn(9, 384, device=DEVICE).bfloat16()
-    q, s, new_res, out = rms_norm_fp8(x, w, 1e-6, res, 128)
-    assert out is None
-    q2, s2, new_res2, _ = rms_norm_fp8(x, w, 1e-6, res, 128, keep_output=True)
+    q, s, new_res = rms_norm_fp8(x, w, 1e-6, res, 128)
+    q2, s2, new_res2 = rms_norm_fp8(x, w, 1e-6, res, 128, out=torch.empty_like(x))
     assert _same(q, q2) and _same(s, s2) and _same(new_res, new_res2)
 
 
@@ -148,7 +148,7 @@ def test_silu_and_mul_fp8_equals_silu_then_quantize(poison_empty, layout, dtype,
 
 def test_fused_quant_kernels_handle_zero_rows_and_reject_bad_arguments():
     x = torch.zeros(0, 256, device=DEVICE).bfloat16()
-    q, s, _, _ = rms_norm_fp8(x, torch.ones(256, device=DEVICE).bfloat16(), 1e-6)
+    q, s, _ = rms_norm_fp8(x, torch.ones(256, device=DEVICE).bfloat16(), 1e-6)
     assert q.shape == (0, 256) and s.shape == (0, 1)
     q, s = silu_and_mul_fp8(torch.zeros(0, 512, device=DEVICE).bfloat16(), 128)
     assert q.shape == (0, 256) and s.shape == (0, 2)
@@ -170,3 +170,73 @@ def test_rms_norm_fp8_reference_is_norm_then_quantize_reference():
     h, res2 = rms_norm_ref(x, w, 1e-6, r)
     q2, s2 = quantize_fp8_layout_ref(h, 128, True, 4)
     assert _same(q, q2) and torch.equal(s, s2) and s.stride() == (1, 8) and torch.equal(res, res2)
+
+
+# -- the FP8 linear given its input quantized by the norm before it ---------------------------------
+
+def _loaded_qkv_layer(weight: str, activation: str):
+    """A fused q/k/v FP8 layer (K=256, N=512) with random e4m3 weights, on the kernel path."""
+    from tests.kernels.test_fp8 import _qkv_layer
+
+    layer, fp8 = _qkv_layer(weight, activation)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for part, rows in (("q", 256), ("k", 128), ("v", 128)):
+        w8 = (torch.randn(rows, 256, generator=g) * 50).clamp(-448, 448).to(FP8).to(DEVICE)
+        s = (torch.rand(rows // 128, 2, generator=g) if weight == "block" else torch.rand(()) * 0.01 + 1e-3)
+        layer.weight_loader(layer.weight, w8, part)
+        layer.weight_loader(getattr(layer, fp8.scale_name), s.to(DEVICE), part)
+        if activation == "static":
+            layer.weight_loader(layer.input_scale, torch.tensor(0.02), part)
+    layer.quant.process_weights_after_loading(layer, torch.bfloat16, kernels=True)
+    return layer
+
+
+@pytest.mark.parametrize("weight,activation", [("channel", "token"), ("block", "group")])
+@pytest.mark.parametrize("m", [17, 40] + ([130] if ON_GPU else []))  # 130: cuBLASLt's block scaling on sm90
+def test_linear_given_norm_quantized_input_equals_linear_quantizing_itself(weight, activation, m):
+    from pdserve.worker.quantization.fp8_activations import Fp8Activations
+    from pdserve.worker.quantization.fp8_linear import activation_format, fp8_input_format
+
+    layer = _loaded_qkv_layer(weight, activation)
+    g = torch.Generator(device="cpu").manual_seed(m)
+    x = (torch.randn(m, 256, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    res = torch.randn(m, 256, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.rand(256, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    fmt = fp8_input_format(layer, m)
+    path = layer.quant._path(layer, m)
+    assert path != "gemv" and fmt == activation_format(path, 128 if weight == "block" else None)
+    q, s, new_res = rms_norm_fp8(x, w, 1e-5, res, **fmt.kwargs())
+    fused = layer(Fp8Activations(q, s, m, fmt, torch.bfloat16))
+    h, ref_res = rms_norm(x, w, 1e-5, res)
+    separate = layer(h)  # the linear quantizes h itself
+    assert fused.shape == separate.shape == (m, 512) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, separate) and torch.equal(new_res, ref_res)
+    # The same for SiLU·mul's output into this layer (K = 256: a down_proj-like input).
+    gu = (torch.randn(m, 512, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    q, s = silu_and_mul_fp8(gu, **fmt.kwargs())
+    assert torch.equal(layer(Fp8Activations(q, s, m, fmt, torch.bfloat16)), layer(silu_and_mul(gu)))
+
+
+def test_which_rows_and_layers_get_quantized_input(monkeypatch):
+    # Decided from shapes and load-time facts only (no sync: CUDA graphs capture the branch).
+    from pdserve.kernels import fp8_scaled_mm
+    from pdserve.worker.quantization import fp8_linear
+    from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activations
+
+    channel, block = _loaded_qkv_layer("channel", "token"), _loaded_qkv_layer("block", "group")
+    fmt = fp8_linear.fp8_input_format
+    assert fmt(channel, fp8_linear.FP8_GEMV_MAX_M) is None  # decode sizes: the GEMV reads bf16
+    assert fmt(channel, fp8_linear.FP8_GEMV_MAX_M + 1) == Fp8ActFormat(None, False, 1)
+    assert fmt(block, 17) == Fp8ActFormat(128, False, 1)  # the Triton block GEMM
+    monkeypatch.setattr(block, "scaled_mm_block", True)  # as if the sm90 probe passed
+    m = fp8_linear.SCALED_MM_BLOCK_MIN_M
+    assert fmt(block, m - 1) == Fp8ActFormat(128, False, 1)
+    assert fmt(block, m) == Fp8ActFormat(128, True, fp8_scaled_mm.PAD_M)  # cuBLASLt: token-major, padded
+    assert fmt(_loaded_qkv_layer("channel", "static"), 100) is None  # a static scale: quantized in the linear
+    assert fmt(torch.nn.Linear(4, 4), 100) is None  # not quantized
+    monkeypatch.setattr(fp8_linear, "FUSED_ACT_QUANT", False)  # PDSERVE_FP8_FUSED_QUANT=0
+    assert fmt(channel, 100) is None and fmt(block, 100) is None
+    # Input quantized for another path is refused, not misread.
+    q, s = silu_and_mul_fp8(torch.randn(40, 512, device=DEVICE), 128)
+    with pytest.raises(ValueError, match="activations quantized as"):
+        channel(Fp8Activations(q, s, 40, Fp8ActFormat(128, False, 1), torch.bfloat16))
