@@ -4,11 +4,12 @@ An FP8 linear taking the W8A8 path (worker/quantization/fp8_linear.py: more than
 GPU with FP8 tensor cores) reads e4m3 activations and fp32 scales. Written by the norm before
 it, they cost no separate quantization pass (kernels/fp8_quant.py: one more read and write of
 the activations and a launch per linear). Bit for bit the same numbers as rms_norm.py then
-quantize_fp8: the norm's steps are rms_norm.py's (one program per row, same tile, same warps,
-so the same sum order), its output is rounded to the output dtype first (what quantize_fp8
-would read), and the scales and codes follow fp8_quant.py's formula (amax / 448, at least
-FP8_MIN_SCALE; x / scale clamped to +-448). The outputs are laid out by fp8_quant.fp8_outputs,
-as quantize_fp8 lays them out for the same GEMM. No host sync: CUDA-graph capturable.
+quantize_fp8: the norm's steps are rms_norm.py's (one program per row, its sum of squares over
+the same tile with the same warps, so in the same order), its output is rounded to the output
+dtype first (what quantize_fp8 would read), and the scales and codes follow fp8_quant.py's
+formula (amax / 448, at least FP8_MIN_SCALE; x / scale clamped to +-448). The outputs are laid
+out by fp8_quant.fp8_outputs, as quantize_fp8 lays them out for the same GEMM. No host sync:
+CUDA-graph capturable.
 Reference: reference.rms_norm_fp8_ref.
 """
 
@@ -34,8 +35,11 @@ def _rms_norm_fp8_kernel(
     # One program per row (rows past M: padding for the GEMM's scale layout, read as zeros and
     # written only as zero codes with the minimum scale, as quantize_fp8 pads).
     t = tl.program_id(0).to(tl.int64)
+    limit = (t < M).to(tl.int32) * HIDDEN  # a padding row reads no column
+    # The sum of squares over rms_norm.py's 1-D tile, and nothing else from that tile: its layout,
+    # and so the order of the sum, stay rms_norm's (bit-equal rstd), whatever the 2-D part does.
     cols = tl.arange(0, BLOCK)
-    mask = cols < (t < M).to(tl.int32) * HIDDEN  # a padding row reads no column
+    mask = cols < limit
     x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t * stride_rt + cols, mask=mask, other=0.0)
@@ -43,20 +47,26 @@ def _rms_norm_fp8_kernel(
         tl.store(new_res_ptr + t * stride_nt + cols, x, mask=mask)
     h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0)
-    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    # The row again (from cache) as [groups, GROUP] (GROUP = BLOCK for one scale per row):
+    # normalised element by element as rms_norm does, then fp8_quant.py's steps per group.
+    g = tl.arange(0, BLOCK // GROUP)
+    cols2 = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask2 = cols2 < limit
+    x2 = tl.load(x_ptr + t * stride_xt + cols2, mask=mask2, other=0.0)
+    if HAS_RESIDUAL:
+        r2 = tl.load(res_ptr + t * stride_rt + cols2, mask=mask2, other=0.0)
+        x2 = (x2.to(tl.float32) + r2.to(tl.float32)).to(x2.dtype)
+    w = tl.load(w_ptr + cols2, mask=cols2 < HIDDEN, other=0.0)
+    normed = (x2.to(tl.float32) * rstd).to(x2.dtype).to(tl.float32)
     # Rounded to the output dtype before quantizing: the values quantize_fp8 would have read.
     y = (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if WRITE_OUT:
-        tl.store(out_ptr + t * stride_ot + cols, y, mask=mask)
-    # [groups, GROUP] (GROUP = BLOCK for one scale per row): fp8_quant.py's steps per group.
-    v = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
-    g = tl.arange(0, BLOCK // GROUP)
+        tl.store(out_ptr + t * stride_ot + cols2, y, mask=mask2)
+    v = y.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX_C, MIN_SCALE)
     tl.store(s_ptr + t * stride_sm + g * stride_sg, scale, mask=g < G)
     q = tl.minimum(tl.maximum(v / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
-    qcols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    tl.store(q_ptr + t * stride_qm + qcols, q.to(q_ptr.dtype.element_ty), mask=qcols < HIDDEN)
+    tl.store(q_ptr + t * stride_qm + cols2, q.to(q_ptr.dtype.element_ty), mask=cols2 < HIDDEN)
 
 
 def rms_norm_fp8(

@@ -65,10 +65,14 @@ def _assert_near_reference(q, s, q_ref, s_ref) -> None:
         assert _same(s.contiguous(), s_ref.contiguous()) and _same(q, q_ref)
 
 
+# bf16 (the engine's dtype) at several widths, 320 / 96 / 1000 not powers of 2; fp32 at one.
+SHAPES = [(7, 256, torch.bfloat16), (5, 320, torch.bfloat16), (3, 96, torch.bfloat16), (18, 1000, torch.bfloat16),
+          (5, 320, torch.float32)]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("t,hidden", [(7, 256), (5, 320), (3, 96), (18, 1000)])  # 320/96/1000: not powers of 2
+@pytest.mark.parametrize("t,hidden,dtype", SHAPES)
 def test_rms_norm_fp8_equals_norm_then_quantize(poison_empty, layout, dtype, with_residual, t, hidden):
     group, mn_major, pad = layout
     g = torch.Generator(device="cpu").manual_seed(hidden + t)
@@ -119,8 +123,7 @@ def test_rms_norm_fp8_without_kept_output_writes_the_same(poison_empty):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("t,inter", [(6, 256), (5, 320), (3, 200), (17, 1000)])
+@pytest.mark.parametrize("t,inter,dtype", SHAPES)
 def test_silu_and_mul_fp8_equals_silu_then_quantize(poison_empty, layout, dtype, t, inter):
     group, mn_major, pad = layout
     g = torch.Generator(device="cpu").manual_seed(inter + t)
@@ -192,7 +195,7 @@ def _loaded_qkv_layer(weight: str, activation: str):
 
 
 @pytest.mark.parametrize("weight,activation", [("channel", "token"), ("block", "group")])
-@pytest.mark.parametrize("m", [17, 40] + ([130] if ON_GPU else []))  # 130: cuBLASLt's block scaling on sm90
+@pytest.mark.parametrize("m", [17, 40] + ([130] if ON_GPU else []))
 def test_linear_given_norm_quantized_input_equals_linear_quantizing_itself(weight, activation, m):
     from pdserve.worker.quantization.fp8_activations import Fp8Activations
     from pdserve.worker.quantization.fp8_linear import activation_format, fp8_input_format
@@ -240,3 +243,31 @@ def test_which_rows_and_layers_get_quantized_input(monkeypatch):
     q, s = silu_and_mul_fp8(torch.randn(40, 512, device=DEVICE), 128)
     with pytest.raises(ValueError, match="activations quantized as"):
         channel(Fp8Activations(q, s, 40, Fp8ActFormat(128, False, 1), torch.bfloat16))
+
+
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.get_device_capability()[0] == 9), reason="cuBLASLt block scaling: sm90 only")
+@pytest.mark.parametrize("m", [128, 130])  # 130: rows padded to PAD_M
+def test_cublaslt_block_gemm_given_fused_quantized_input_equals_block_linear(m):
+    # What an FP8 block layer of K/128 a multiple of 4 runs from SCALED_MM_BLOCK_MIN_M rows
+    # (fp8_scaled_mm.block_linear, quantizing itself) against the same GEMM on the norm's and the
+    # SiLU·mul's token-major, padded output.
+    from pdserve.kernels import fp8_scaled_mm
+    from pdserve.kernels.reference import quantize_fp8_blocks_ref
+
+    ok, why = fp8_scaled_mm.probe_blockwise(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(f"cuBLASLt block scaling unavailable: {why}")
+    g = torch.Generator(device="cpu").manual_seed(m)
+    w8, ws = quantize_fp8_blocks_ref(torch.randn(256, 512, generator=g).to(DEVICE))
+    ws = ws.contiguous()
+    x = torch.randn(m, 512, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(m, 512, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.rand(512, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    q, s, _ = rms_norm_fp8(x, w, 1e-5, res, 128, True, fp8_scaled_mm.PAD_M)
+    h, _ = rms_norm(x, w, 1e-5, res)
+    fused = fp8_scaled_mm.block_linear_quantized(q, s, m, w8, ws, torch.bfloat16)
+    assert fused.shape == (m, 256) and torch.equal(fused, fp8_scaled_mm.block_linear(h, w8, ws, torch.bfloat16))
+    gu = (torch.randn(m, 1024, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    q, s = silu_and_mul_fp8(gu, 128, True, fp8_scaled_mm.PAD_M)
+    assert torch.equal(fp8_scaled_mm.block_linear_quantized(q, s, m, w8, ws, torch.bfloat16),
+                       fp8_scaled_mm.block_linear(silu_and_mul(gu), w8, ws, torch.bfloat16))
