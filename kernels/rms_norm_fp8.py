@@ -113,8 +113,10 @@ def rms_norm_fp8(
         block = triton.next_power_of_2(hidden)
         # The tile and warps of rms_norm.py (its sum order); wide enough for one whole group.
         block = max(block, group_size or 1)
-        # Where the output is not kept, a one-element stand-in gives the kernel its dtype.
-        out_arg = out if out is not None else torch.empty(1, dtype=out_dtype, device=x.device)
+        # Where the output is not kept (never written then), a tensor of its dtype gives the kernel
+        # the dtype to round to: x itself in the usual case, no allocation.
+        out_arg = out if out is not None else x if x.dtype == out_dtype else torch.empty(1, dtype=out_dtype,
+                                                                                        device=x.device)
         _rms_norm_fp8_kernel[(m,)](
             x, residual if residual is not None else x, weight, out_arg, new_res if new_res is not None else x,
             q, scales, t, groups, eps,

@@ -122,6 +122,18 @@ def test_rms_norm_fp8_without_kept_output_writes_the_same(poison_empty):
     assert _same(q, q2) and _same(s, s2) and _same(new_res, new_res2)
 
 
+def test_rms_norm_fp8_fp32_weight_quantizes_the_promoted_output(poison_empty):
+    # HF keeps some norm weights in fp32: bf16 x * fp32 weight -> an fp32 output, which is what
+    # the separate pass would quantize (not a bf16 rounding of it).
+    x, res = torch.randn(6, 200, device=DEVICE).bfloat16(), torch.randn(6, 200, device=DEVICE).bfloat16()
+    w = torch.rand(200, device=DEVICE) + 0.5
+    q, s, new_res = rms_norm_fp8(x, w, 1e-6, res)
+    out, ref_res = rms_norm(x, w, 1e-6, res)
+    assert out.dtype == torch.float32 and new_res.dtype == torch.bfloat16 and _same(new_res, ref_res)
+    q_sep, s_sep = quantize_fp8(out)
+    assert _same(q, q_sep) and _same(s, s_sep)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("t,inter,dtype", SHAPES)
 def test_silu_and_mul_fp8_equals_silu_then_quantize(poison_empty, layout, dtype, t, inter):

@@ -53,8 +53,8 @@ SCALED_MM_BLOCK_MIN_M = 128
 SCALED_MM_BLOCK = True
 # The ops feeding FP8 linears (RMSNorm, SiLU·mul) quantize for their W8A8 GEMMs, so the linears
 # run no quantization pass (fp8_activations.py). PDSERVE_FP8_FUSED_QUANT=0: off, each linear
-# quantizes its own input as before (same numbers either way). Read on every call, so the bench
-# flips it between engines of one process.
+# quantizes its own input as before (same numbers either way). Read on every forward (the bench
+# flips it between engines of one process); captured decode graphs keep the choice of their capture.
 FUSED_ACT_QUANT = os.environ.get("PDSERVE_FP8_FUSED_QUANT", "1") != "0"
 
 
