@@ -21,6 +21,8 @@ not fit beside the engines): the first generated token's top-5 logprobs of each 
 transformers in fp32 on the weights that engine multiplies (the bf16 weights for bf16, the FP8
 weights dequantized for FP8), and against fp32 on the bf16 weights (what quantizing cost).
 `--smoke` runs a tiny model on CPU (FP8 dequantized there) to check the script; it times nothing.
+`--only fused`: the engines alone, each FP8 format twice, its activation quantization fused
+into the RMSNorm / SiLU·mul before each linear off (PDSERVE_FP8_FUSED_QUANT=0) and on.
 """
 
 from __future__ import annotations
@@ -157,17 +159,24 @@ def step_bytes(engine) -> int:
     return total
 
 
-def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True) -> dict:
+def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
+          fused_quant: bool = True) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
-    same-run baseline of cuBLASLt's block scaling)."""
+    same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
+    their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
+    fused_before = fp8_linear.FUSED_ACT_QUANT
+    fp8_linear.FUSED_ACT_QUANT = fused_quant  # read on every call: held for this engine's life
     try:
         engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
+    except BaseException:
+        fp8_linear.FUSED_ACT_QUANT = fused_before
+        raise
     finally:
         fp8_linear.SCALED_MM_BLOCK = True
     res = {"variant": variant, "start_s": time.perf_counter() - t0, "graphs": engine.runner.graphs is not None,
@@ -192,6 +201,7 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
             res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
             print(f"{variant}: offline {res['offline_tok_s']:.0f} tok/s", flush=True)
     finally:
+        fp8_linear.FUSED_ACT_QUANT = fused_before
         engine.shutdown()
         del engine
         free(args.device)
@@ -443,11 +453,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
     ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
                     "default: kernels/fp8_gemv_configs.py")
-    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise"),
+    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
                          "per-channel and the Triton block GEMM; with speed it also adds an engine row for "
-                         "block-128 on the Triton GEMM alone (bench/gpu_fp8.sh blockwise runs both)")
+                         "block-128 on the Triton GEMM alone (bench/gpu_fp8.sh blockwise runs both). "
+                         "fused: the engines only, each FP8 format with the activation quantization fused "
+                         "into the norm / SiLU·mul off, then on (bench/gpu_fp8.sh fused)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -491,6 +503,18 @@ def main(argv=None) -> int:
                     f"| {r['variant']} | {r['bytes'] / 1e9:.2f} | {r['decode_ms']:.3f} | "
                     f"{100 * r['roof_ms'] / r['decode_ms']:.0f}% | {base['decode_ms'] / r['decode_ms']:.2f}x | "
                     f"{off_s} | {off_x} |")
+            by_name = {r["variant"]: r for r in speed_rows}
+            pairs = [(name.removesuffix(", fused quant on"), by_name[name.replace(" on", " off")], r)
+                     for name, r in by_name.items()
+                     if name.endswith(", fused quant on") and name.replace(" on", " off") in by_name]
+            if pairs:
+                lines += ["", "Activation quantization fused into the norm / SiLU·mul: speed-up of on over off "
+                              "(same weights, same run; > 1: fused faster):", "",
+                          "| weights | bs=1 decode | offline tok/s |", "| --- | ---: | ---: |"]
+                for name, off, on in pairs:
+                    ratio = (f"{on['offline_tok_s'] / off['offline_tok_s']:.3f}x"
+                             if on.get("offline_tok_s") and off.get("offline_tok_s") else "")
+                    lines.append(f"| {name} | {off['decode_ms'] / on['decode_ms']:.3f}x | {ratio} |")
         if acc_rows:
             lines += ["", f"First generated token, top-{TOPK} logprobs, {CHECK_PROMPTS} prompts, reduced model "
                           f"(2 layers, same widths): max |logprob - fp32|", "",
@@ -541,21 +565,24 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 notes.append(f"blockwise GEMM table: FAILED: {type(e).__name__}: {e}")
             print(report(), flush=True)
-        if "speed" in args.only:
+        if "speed" in args.only or "fused" in args.only:
             t0 = time.perf_counter()
             bf16 = write_bf16(hf, hf["num_hidden_layers"], args.device, os.path.join(work, "bf16"))
             t1 = time.perf_counter()
             block = write_block_fp8(bf16, os.path.join(work, "block"), args.device)
             notes.append(f"checkpoints: bf16 written in {t1 - t0:.0f}s, block-128 FP8 quantized and written in "
                          f"{time.perf_counter() - t1:.0f}s")
-            variants = [("bf16", bf16, None, True), ("FP8 per-channel", bf16, "fp8", True),
-                        ("FP8 block-128", block, None, True)]
+            variants = [("bf16", bf16, None, True, True), ("FP8 per-channel", bf16, "fp8", True, True),
+                        ("FP8 block-128", block, None, True, True)]
             if "blockwise" in args.only:  # the same checkpoint with the Triton GEMM at every M: same-run baseline
-                variants = [variants[0], variants[2], ("FP8 block-128 (Triton GEMM only)", block, None, False),
+                variants = [variants[0], variants[2], ("FP8 block-128 (Triton GEMM only)", block, None, False, True),
                             variants[1]]
-            for variant, path, quant, block_sm in variants:
+            if "fused" in args.only:  # each FP8 format with the fused activation quantization off, then on
+                variants = [variants[0]] + [(f"{name}, fused quant {'on' if on else 'off'}", p, q, sm, on)
+                                            for name, p, q, sm, _ in variants[1:] for on in (False, True)]
+            for variant, path, quant, block_sm, fused_quant in variants:
                 try:
-                    r = speed(variant, path, quant, args, bw, block_sm)
+                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant)
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -27,6 +27,16 @@
 #    another: bf16, block-128 (scaled_mm from 128 rows), block-128 (Triton GEMM only), per-channel:
 #    bs=1 decode ms/step and offline 64 x 1024/128 tok/s                                       265 s
 # Files in $OUT: env.txt, fp8_blockwise.md (the tables), fp8_blockwise_log.txt, tests_blockwise.txt.
+#
+#   run(carry=[".whl"], command="bash bench/gpu_fp8.sh fused")   (~6 minutes; one card, H100 or H200)
+#
+# Activation quantization fused into the RMSNorm / SiLU·mul before each FP8 linear (W8A8 path, M > 16):
+# 1. tests/kernels/test_fp8_fused_quant.py compiled (the fused kernels bit for bit against the separate
+#    norm / SiLU·mul + quantize_fp8, the linear given their output against the linear quantizing
+#    itself, cuBLASLt's block path included on sm90; ~100 kernel compiles)               120 s
+# 2. bench/gpu_fp8.py --only fused: engines one after another on cuda:0: bf16, per-channel fused off,
+#    on, block-128 fused off, on: bs=1 decode ms/step and offline 64 x 1024/128 tok/s          300 s
+# Files in $OUT: env.txt, fp8_fused.md (the tables), fp8_fused_log.txt, tests_fused.txt.
 set -u
 MODE=${1:-all}
 OUT=${OUT:-$PWD/gpu_fp8_out}
@@ -40,6 +50,23 @@ source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prom
 gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one card, whatever the machine has
+
+if [ "$MODE" = fused ]; then
+  t0=$(date +%s)
+  timeout --kill-after=10 120 $PY -m pytest tests/kernels/test_fp8_fused_quant.py -q -p no:cacheprovider \
+    > "$OUT/tests_fused.txt" 2>&1
+  echo "fp8 fused-quantization tests: rc=$? in $(( $(date +%s) - t0 ))s"
+  tail -n 3 "$OUT/tests_fused.txt"
+  cd /tmp
+  t0=$(date +%s)
+  timeout --kill-after=10 300 $PY -m pdserve.bench.gpu_fp8 --only fused --workdir /tmp/pdserve-fp8 \
+    --out "$OUT/fp8_fused.md" > "$OUT/fp8_fused_log.txt" 2>&1
+  echo "bench gpu_fp8 fused: rc=$? in $(( $(date +%s) - t0 ))s"
+  rm -rf /tmp/pdserve-fp8
+  grep -v " INFO \|it/s\]" "$OUT/fp8_fused_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
+  cat "$OUT/fp8_fused.md" 2>/dev/null
+  exit 0
+fi
 
 if [ "$MODE" = blockwise ]; then
   t0=$(date +%s)

@@ -82,6 +82,30 @@ MAX_TILE = 16384
 GROUP_TILE = 4096
 
 
+def fp8_outputs(m: int, k: int, group_size: int | None, mn_major_scales: bool, pad_rows_to: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The outputs every FP8 activation quantizer writes (this one, and the norm / SiLU-mul
+    kernels that quantize for the linear after them: rms_norm_fp8.py, silu_and_mul_fp8.py), so
+    all lay them out alike: (q [M', K], scales [M', G], emulate) with M' = M rounded up to
+    `pad_rows_to` and the scales row-major or token-major (quantize_fp8's doc). `emulate`: under
+    the interpreter q is fp32, for fp8_result to round (Triton's interpreter rounds fp32 -> e4m3
+    wrongly: 4.0 becomes 8.0; torch rounds to nearest even, as the GPU's cvt.rn.satfinite does)."""
+    m = -(-m // pad_rows_to) * pad_rows_to
+    groups = max(1, -(-k // (k if group_size is None else group_size))) if k else 1
+    emulate = interpreting()
+    q = torch.empty((m, k), dtype=torch.float32 if emulate else torch.float8_e4m3fn, device=device)
+    if mn_major_scales:
+        scales = torch.empty((groups, m), dtype=torch.float32, device=device).t()
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=device)
+    return q, scales, emulate
+
+
+def fp8_result(q: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """q as e4m3 (the interpreter's fp32 values rounded by torch: fp8_outputs)."""
+    return q.to(torch.float8_e4m3fn) if emulate else q
+
+
 def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
                  static_scale: torch.Tensor | None = None,
                  mn_major_scales: bool = False, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,21 +129,12 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
     if x.stride(-1) != 1:
         raise ValueError(f"{fn}: x must be contiguous in its last dimension, got strides {x.stride()}")
     m_real, k = x.shape
-    m = -(-m_real // pad_rows_to) * pad_rows_to
     group = k if group_size is None else group_size
-    groups = max(1, triton.cdiv(k, group)) if k else 1
     grouped = group_size is not None and group == triton.next_power_of_2(group) and group <= GROUP_TILE
+    q, scales, emulate = fp8_outputs(m_real, k, group_size, mn_major_scales, pad_rows_to, x.device)
+    m, groups = scales.shape
     if m != m_real and not grouped:
         raise ValueError(f"{fn}: pad_rows_to needs a power-of-2 group_size up to {GROUP_TILE}, got {group_size}")
-    # Triton 3.9's interpreter rounds fp32 -> e4m3 wrongly (4.0 becomes 8.0): under it the kernel
-    # writes the clamped fp32 values and torch does the final round-to-nearest-even, as the GPU's
-    # cvt.rn.satfinite does.
-    emulate = interpreting()
-    q = torch.empty((m, k), dtype=torch.float32 if emulate else torch.float8_e4m3fn, device=x.device)
-    if mn_major_scales:
-        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m and k and grouped:
         per = min(triton.next_power_of_2(groups), GROUP_TILE // group)
         _quantize_fp8_groups_kernel[(m, triton.cdiv(groups, per))](
@@ -135,4 +150,4 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
             x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             STATIC=static_scale is not None, BLOCK=block, SINGLE=block >= group,
             num_warps=max(1, min(16, block // 1024)))
-    return (q.to(torch.float8_e4m3fn) if emulate else q), scales
+    return fp8_result(q, emulate), scales

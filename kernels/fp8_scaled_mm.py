@@ -102,10 +102,17 @@ def block_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_d
     """What an FP8 block layer runs from SCALED_MM_BLOCK_MIN_M rows: x [M, K] (unquantized)
     quantized per token and 128 columns into token-major scales (M padded to PAD_M with zero
     rows), times w8 [N, K] with its [N/128, K/128] block scales on cuBLASLt -> [M, N]."""
-    m = x.shape[0]
     from pdserve.kernels.fp8_quant import quantize_fp8
 
     xq, xs = quantize_fp8(x, BLOCK, mn_major_scales=True, pad_rows_to=PAD_M)
+    return block_linear_quantized(xq, xs, x.shape[0], w8, w_scale, out_dtype)
+
+
+def block_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, m: int, w8: torch.Tensor, w_scale: torch.Tensor,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    """block_linear after its quantization: xq [M', K] e4m3 with token-major 1x128 scales xs,
+    M' = the m real rows padded to PAD_M (quantize_fp8's, or a norm's that quantized for this
+    GEMM: kernels/rms_norm_fp8.py) -> [m, N]."""
     out = scaled_mm_blockwise(xq, xs, w8, w_scale.t(), out_dtype)
     return out if out.shape[0] == m else out[:m]
 

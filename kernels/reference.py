@@ -293,6 +293,33 @@ def quantize_fp8_ref(x: torch.Tensor, group_size: int | None = None,
     return q, scale.contiguous()
 
 
+
+def quantize_fp8_layout_ref(x: torch.Tensor, group_size: int | None = None, mn_major_scales: bool = False,
+                            pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_ref in the layout kernels/fp8_quant.quantize_fp8 writes for a GEMM: rows
+    padded with zeros to a multiple of `pad_rows_to` (their scale the minimum), scales [M', G]
+    token-major (strides (1, M')) when `mn_major_scales`."""
+    m = x.shape[0]
+    padded = -(-m // pad_rows_to) * pad_rows_to
+    q, s = quantize_fp8_ref(F.pad(x, (0, 0, 0, padded - m)) if padded != m else x, group_size)
+    return q, (s.t().contiguous().t() if mn_major_scales else s)
+
+
+def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                     group_size: int | None = None, mn_major_scales: bool = False, pad_rows_to: int = 1,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rms_norm_fp8.py: RMSNorm (rms_norm_ref, in x's dtype) then its output quantized for an
+    FP8 GEMM (quantize_fp8_layout_ref); (e4m3, scales, new residual)."""
+    h, residual = rms_norm_ref(x, weight, eps, residual)
+    q, s = quantize_fp8_layout_ref(h, group_size, mn_major_scales, pad_rows_to)
+    return q, s, residual
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor, group_size: int | None = None, mn_major_scales: bool = False,
+                         pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul_fp8.py: SiLU·mul (silu_and_mul_ref) then quantized for an FP8 GEMM."""
+    return quantize_fp8_layout_ref(silu_and_mul_ref(x), group_size, mn_major_scales, pad_rows_to)
+
 def quantize_fp8_rows_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per output channel) quantization of a weight [N, K] -> (e4m3 [N, K], fp32 [N])."""
     q, s = quantize_fp8_ref(w)

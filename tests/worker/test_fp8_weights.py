@@ -248,3 +248,47 @@ def test_fp8_kernel_path_runs_the_engine(fp8_pair, monkeypatch):
         top = dict(got.top)
         assert seq[0][0] in top  # the reference's greedy token is in the top 2 (near-ties may swap)
         assert top[seq[0][0]] == pytest.approx(seq[0][1], abs=0.3)
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "fp8-block"])
+def test_fp8_fused_activation_quantization_changes_nothing(fp8_pair, monkeypatch, fmt):
+    # The W8A8 path with its input quantized by the norm / SiLU·mul before each linear (the
+    # Triton kernels of the Triton backend, interpreted here) against the same engine with the
+    # fusion off (each linear quantizes its own input): the same tokens and the same logprobs,
+    # bit for bit. The prefill step (30 tokens) takes W8A8; decode steps take the GEMV.
+    import pdserve.worker.quantization.fp8_linear as fp8_linear
+    from pdserve.worker.quantization.fp8_activations import Fp8Activations
+
+    fp8_ckpt, _ = fp8_pair(fmt, "llama")
+    monkeypatch.setattr(fp8_linear, "cuda_fp8_supported", lambda device: True)
+    quantized_inputs = []
+    real_apply = fp8_linear.Fp8LinearMethod.apply
+
+    def apply(self, layer, x, bias):
+        quantized_inputs.append(isinstance(x, Fp8Activations))
+        return real_apply(self, layer, x, bias)
+
+    monkeypatch.setattr(fp8_linear.Fp8LinearMethod, "apply", apply)
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fp8_linear, "FUSED_ACT_QUANT", fused)
+        quantized_inputs.clear()
+        engine = LLMEngine(EngineConfig(model=str(fp8_ckpt), device="cpu", block_size=4, max_model_len=64,
+                                        kv_cache_memory=1 << 22), attention_backend="triton", static_decode=True)
+        try:
+            assert engine.runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+            outs = engine.generate(PROMPTS, params)
+            steps = {}
+            for i, p in enumerate(PROMPTS):
+                engine.add_request(str(i), p, params)
+            while engine.has_work():
+                for o in engine.step():
+                    steps.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs)
+        finally:
+            engine.shutdown()
+        # Fused: the three linears after a norm or SiLU·mul of each FP8 layer got quantized input in
+        # the prefill; off: none did.
+        assert any(quantized_inputs) == fused
+        results.append((outs, steps))
+    assert results[0] == results[1]

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
+from pdserve.kernels.reference import (
+    rms_norm_fp8_ref,
+    rms_norm_ref,
+    rotary_ref,
+    silu_and_mul_fp8_ref,
+    silu_and_mul_ref,
+)
 from pdserve.worker.attention import AttentionBackend, AttentionMetadata
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.layers import (
@@ -34,29 +40,35 @@ from pdserve.worker.parallel.layers import (
     weight_loader_of,
 )
 from pdserve.worker.parallel.shard import TPShard, shard_config
-from pdserve.worker.quantization.fp8_linear import linear_method
+from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activations
+from pdserve.worker.quantization.fp8_linear import fp8_input_format, linear_method
 
 
 @dataclass(frozen=True)
 class PointwiseOps:
-    """The element-wise stages, all of one kind: torch references or Triton launchers."""
+    """The element-wise stages, all of one kind: torch references or Triton launchers. The
+    `_fp8` ones also quantize their output for the FP8 linear after them (fp8_activations.py)."""
 
     rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
+    rms_norm_fp8: Callable
+    silu_and_mul_fp8: Callable
 
 
-TORCH_OPS = PointwiseOps(rms_norm_ref, rotary_ref, silu_and_mul_ref)
+TORCH_OPS = PointwiseOps(rms_norm_ref, rotary_ref, silu_and_mul_ref, rms_norm_fp8_ref, silu_and_mul_fp8_ref)
 
 
 def triton_ops() -> PointwiseOps:
     # Imported here, not at module level: Triton is needed only once the Triton backend is
     # chosen, and the CPU path (`pdserve up` as README installs it) has no Triton at all.
     from pdserve.kernels.rms_norm import rms_norm
+    from pdserve.kernels.rms_norm_fp8 import rms_norm_fp8
     from pdserve.kernels.rotary import rotary
     from pdserve.kernels.silu_and_mul import silu_and_mul
+    from pdserve.kernels.silu_and_mul_fp8 import silu_and_mul_fp8
 
-    return PointwiseOps(rms_norm, rotary, silu_and_mul)
+    return PointwiseOps(rms_norm, rotary, silu_and_mul, rms_norm_fp8, silu_and_mul_fp8)
 
 
 def gemv_wanted(backend: AttentionBackend) -> bool:
@@ -104,8 +116,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.fn = ops.rms_norm
+        self.fn_fp8 = ops.rms_norm_fp8
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: Fp8ActFormat | None = None):
+        """(normed, x + residual or None). `fp8`: normed comes quantized in that format, for the
+        FP8 linear after this norm (fp8_input_format); the residual sum stays in x's dtype."""
+        if fp8 is not None:
+            q, scale, residual = self.fn_fp8(x, self.weight, self.eps, residual, **fp8.kwargs())
+            return Fp8Activations(q, scale, x.shape[0], fp8, torch.promote_types(self.weight.dtype, x.dtype)), residual
         if x.dim() == 2 or self.fn is rms_norm_ref:
             return self.fn(x, self.weight, self.eps, residual)
         # Per-head norm (Qwen3 q/k, [T, H, D]): the launcher takes rows, so flatten the heads.
@@ -200,7 +218,7 @@ class MLP(nn.Module):
         """`prefix`: its checkpoint name (a quantization config may leave it unquantized); `inter`:
         its width (default the model's intermediate_size; MoE shared experts differ)."""
         super().__init__()
-        self.silu_and_mul = ops.silu_and_mul
+        self.silu_and_mul, self.silu_and_mul_fp8 = ops.silu_and_mul, ops.silu_and_mul_fp8
         inter, q = inter or cfg.intermediate_size, cfg.quantization
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, shard,
                                                        linear_method(q, prefix, ["gate_proj", "up_proj"]))
@@ -208,7 +226,14 @@ class MLP(nn.Module):
                                            linear_method(q, prefix, ["down_proj"]))
 
     def forward(self, x):
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        """x: the activations, or Fp8Activations quantized for gate_up_proj (its norm's)."""
+        gu = self.gate_up_proj(x)
+        fp8 = fp8_input_format(self.down_proj, gu.shape[0])
+        if fp8 is None:
+            return self.down_proj(self.silu_and_mul(gu))
+        # FP8 down_proj on its W8A8 path: SiLU·mul writes the quantized input (no separate pass).
+        q, scale = self.silu_and_mul_fp8(gu, **fp8.kwargs())
+        return self.down_proj(Fp8Activations(q, scale, gu.shape[0], fp8, gu.dtype))
 
     def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor):
         """norm(x + residual) -> gate_up -> SiLU·mul -> down with the norm fused into the gate/up
@@ -252,7 +277,9 @@ class DecoderLayer(nn.Module):
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
         if self.gemv_mlp:
             return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual)
-        h, residual = self.post_attention_layernorm(h, residual)
+        # An FP8 gate_up_proj on its W8A8 path gets its input quantized by the norm.
+        fp8 = fp8_input_format(self.mlp.gate_up_proj, h.shape[0]) if isinstance(self.mlp, MLP) else None
+        h, residual = self.post_attention_layernorm(h, residual, fp8=fp8)
         return self.mlp(h), residual
 
     def _attention_gemv(self, positions, h, residual, cos_sin, meta):
@@ -264,12 +291,14 @@ class DecoderLayer(nn.Module):
         return attn.attend(positions, qkv, epilogue_bias, cos_sin, meta), h if residual is None else new_res
 
     def _attention(self, positions, h, residual, cos_sin, meta):
-        # Residual adds are fused into the norms: norm(x + residual) also returns the sum.
+        # Residual adds are fused into the norms: norm(x + residual) also returns the sum. An FP8
+        # qkv_proj on its W8A8 path gets its input quantized by the norm (fp8_input_format).
+        fp8 = fp8_input_format(self.self_attn.qkv_proj, h.shape[0])
         if residual is None:
             residual = h
-            h, _ = self.input_layernorm(h)
+            h, _ = self.input_layernorm(h, fp8=fp8)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, fp8=fp8)
         return self.self_attn(positions, h, cos_sin, meta), residual
 
 

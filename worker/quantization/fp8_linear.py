@@ -21,6 +21,9 @@ After loading (`process_weights_after_loading`):
   scaling through torch's scaled_mm (kernels/fp8_scaled_mm.py) from SCALED_MM_BLOCK_MIN_M rows
   where a one-time probe at load says it runs and is right on this device, else the Triton
   block-scaled GEMM (kernels/fp8_block_gemm.py). `fp8_gemm_path` is the whole choice.
+  The W8A8 paths take their input already quantized where the op before the linear can write
+  it (fp8_activations.py: the RMSNorm before qkv/gate_up, the SiLU·mul before down, when
+  `fp8_input_format` says so; PDSERVE_FP8_FUSED_QUANT=0 turns that off), else quantize it here.
   All are CUDA-graph capturable: no host sync, only the outputs allocated;
 - on CPU (and GPUs without FP8 tensor cores): the weight is dequantized once to the compute
   dtype and the layer becomes a plain linear, so CI runs the same model code on the same FP8
@@ -30,13 +33,14 @@ After loading (`process_weights_after_loading`):
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_rows_ref
 from pdserve.worker.quantization.config import Fp8Config
+from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activations
 
 # Batches up to this many rows take kernels/fp8_gemv.py (its MAX_M) on the GPU; larger ones W8A8.
 FP8_GEMV_MAX_M = 16
@@ -47,6 +51,11 @@ FP8_GEMV_MAX_M = 16
 SCALED_MM_BLOCK_MIN_M = 128
 # False keeps every block-scaled layer on the Triton GEMM (the bench compares both in one run).
 SCALED_MM_BLOCK = True
+# The ops feeding FP8 linears (RMSNorm, SiLU·mul) quantize for their W8A8 GEMMs, so the linears
+# run no quantization pass (fp8_activations.py). PDSERVE_FP8_FUSED_QUANT=0: off, each linear
+# quantizes its own input as before (same numbers either way). Read on every forward (the bench
+# flips it between engines of one process); captured decode graphs keep the choice of their capture.
+FUSED_ACT_QUANT = os.environ.get("PDSERVE_FP8_FUSED_QUANT", "1") != "0"
 
 
 def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool) -> str:
@@ -61,6 +70,29 @@ def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool) -> str:
     if scaled_mm_block and m >= SCALED_MM_BLOCK_MIN_M:
         return "scaled_mm_block"
     return "triton_block"
+
+
+def activation_format(path: str, block_k: int | None) -> Fp8ActFormat | None:
+    """The quantized activations a GEMM path reads (None: "gemv" reads them unquantized):
+    per token for _scaled_mm; per token and block_k columns for the block GEMMs, the scales
+    token-major with rows padded to PAD_M for cuBLASLt (kernels/fp8_scaled_mm.py)."""
+    if path == "gemv":
+        return None
+    if path == "rowwise":
+        return Fp8ActFormat(None, False, 1)
+    if path == "triton_block":
+        return Fp8ActFormat(block_k, False, 1)
+    from pdserve.kernels import fp8_scaled_mm  # torch only; PAD_M is settled by the load-time probe
+
+    return Fp8ActFormat(block_k, True, fp8_scaled_mm.PAD_M)
+
+
+def fp8_input_format(linear: nn.Module, m: int) -> Fp8ActFormat | None:
+    """What the op before `linear` should hand it for m rows: activations quantized in this
+    format (the linear then runs no quantization pass), or None: the activations as they are
+    (an unquantized or dequantized linear, a decode-sized batch, a static scale, the switch off)."""
+    quant = getattr(linear, "quant", None)
+    return None if quant is None else quant.input_format(linear, m)
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -194,12 +226,31 @@ class Fp8LinearMethod:
         return ok
 
     # -- running (CUDA) ------------------------------------------------------------------------
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _path(self, layer: nn.Module, m: int) -> str:
+        return fp8_gemm_path(m, self.cfg.block is not None, getattr(layer, "scaled_mm_block", False))
+
+    def input_format(self, layer: nn.Module, m: int) -> Fp8ActFormat | None:
+        """fp8_input_format for this layer (after loading, on the kernel path). A static
+        activation scale keeps its own quantization here (the fused ops compute dynamic scales)."""
+        if not FUSED_ACT_QUANT or getattr(layer, "input_scale_static", None) is not None:
+            return None
+        return activation_format(self._path(layer, m), self.cfg.block[1] if self.cfg.block else None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: the activations [..., K], or Fp8Activations [M, K] quantized by the op before this
+        layer in the format `input_format` gave for M rows."""
         from pdserve.kernels.fp8_quant import quantize_fp8
 
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        path = fp8_gemm_path(x2.shape[0], self.cfg.block is not None, getattr(layer, "scaled_mm_block", False))
+        if isinstance(x, Fp8Activations):
+            pre, lead, dtype, m = x, (x.rows,), x.dtype, x.rows
+        else:
+            pre, lead, dtype = None, x.shape[:-1], x.dtype
+            x2 = x.reshape(-1, x.shape[-1])
+            m = x2.shape[0]
+        path = self._path(layer, m)
+        fmt = activation_format(path, self.cfg.block[1] if self.cfg.block else None)
+        if pre is not None and pre.fmt != fmt:
+            raise ValueError(f"FP8 linear: activations quantized as {pre.fmt}, its {path} GEMM at M={m} reads {fmt}")
         if path == "gemv":
             # Decode-sized batches: the FP8 weight times unquantized activations (fp8_gemv.py: W8A8
             # measured slower than bf16 here; this reads half bf16's bytes, and no quantize launch).
@@ -207,24 +258,29 @@ class Fp8LinearMethod:
 
             out = fp8_gemv(x2.contiguous(), layer.weight, layer.w_scale,
                            layer.scale_rows if self.cfg.block else None)
-        elif path == "scaled_mm_block":
-            from pdserve.kernels.fp8_scaled_mm import block_linear
-
-            out = block_linear(x2, layer.weight, layer.w_scale, x.dtype)
-        elif path == "triton_block":
-            from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
-
-            xq, xs = quantize_fp8(x2, group_size=self.cfg.block[1])
-            out = fp8_block_gemm(xq, xs, layer.weight, layer.w_scale, layer.scale_rows, x.dtype)
         else:
-            xq, xs = quantize_fp8(x2, group_size=None, static_scale=layer.input_scale_static)
-            # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale, out_dtype=torch.bfloat16)
-            if out.dtype != x.dtype:
-                out = out.to(x.dtype)
+            if pre is not None:  # quantized by the op before (kernels/rms_norm_fp8.py, silu_and_mul_fp8.py)
+                xq, xs = pre.q, pre.scale
+            else:
+                static = layer.input_scale_static if path == "rowwise" else None
+                xq, xs = quantize_fp8(x2, static_scale=static, **fmt.kwargs())
+            if path == "scaled_mm_block":
+                from pdserve.kernels.fp8_scaled_mm import block_linear_quantized
+
+                out = block_linear_quantized(xq, xs, m, layer.weight, layer.w_scale, dtype)
+            elif path == "triton_block":
+                from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+
+                out = fp8_block_gemm(xq, xs, layer.weight, layer.w_scale, layer.scale_rows, dtype)
+            else:
+                # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
+                out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale,
+                                       out_dtype=torch.bfloat16)
+                if out.dtype != dtype:
+                    out = out.to(dtype)
         if bias is not None:
             out = out + bias
-        return out.view(*shape[:-1], out.shape[-1])
+        return out.view(*lead, out.shape[-1])
 
 
 def linear_method(cfg: Fp8Config | None, prefix: str, parts: list[str]) -> Fp8LinearMethod | None:
