@@ -46,6 +46,7 @@ GPUS=$(sed -n 's/^imports: ok · GPUs //p' "$OUT/env.txt")
 [ "${GPUS:-0}" -ge "${HANDOFF_MIN_GPUS:-2}" ] || { echo "needs 2 GPUs, sees ${GPUS:-0}: stopping"; exit 1; }
 echo "setup: $(( $(date +%s) - T0 ))s"
 set -o pipefail
+REPO=$PWD
 cd /tmp
 # The call may run 600 s: what the setup left, less the last stack's stop and the report (~25 s)
 # and a margin; HANDOFF_BUDGET_S lowers it. SIGTERM at the hard limit: the harness stops its
@@ -72,6 +73,18 @@ N=$#
 CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reuses it
 [ -f "$CKPT/tokenizer.json" ] || $PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" \
   > "$OUT/checkpoint.log" 2>&1 || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
+# HANDOFF_PROFILE=1 (with .whl/py_spy-*.whl carried): every process of each stack (router, workers,
+# load generator) sampled by py-spy (--subprocesses: they are its descendants, so no ptrace rights
+# beyond the image's are needed), idle threads included, as collapsed stacks (one line per
+# process;thread;frames and its sample count) in chunk<N>/profile.txt. Sampling slows the stack:
+# read its timings only against a run without it.
+PROF=()
+if [ "${HANDOFF_PROFILE:-0}" = 1 ]; then
+  $PY -m pip install -q --no-deps --target /tmp/pyspy "$REPO"/.whl/py_spy-*.whl > /dev/null 2>&1 \
+    && /tmp/pyspy/bin/py-spy record --nonblocking --duration 1 -o /tmp/pyspy_probe.txt --format raw -- sleep 2 \
+    > /dev/null 2>&1 && PROF=(/tmp/pyspy/bin/py-spy record --subprocesses --idle --threads --nonblocking --rate 100 --format raw -o)
+  [ ${#PROF[@]} -gt 0 ] && echo "profiling with py-spy" || echo "HANDOFF_PROFILE: py-spy did not install or cannot sample here: not profiling"
+fi
 first=1
 for c in "$@"; do
   LEFT=$(( 590 - ($(date +%s) - T0) - 30 ))
@@ -79,7 +92,7 @@ for c in "$@"; do
   SHARE=$(( LEFT / N )); [ "$first" = 1 ] && SHARE=$(( 2 * LEFT / (N + 1) ))
   STACKS=nixl-on; [ "$first" = 1 ] && STACKS=${HANDOFF_FIRST_STACKS:-agg,nixl-on}
   mkdir -p "$OUT/chunk$c"
-  timeout --kill-after=8 "$(( SHARE + 20 ))" $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
+  timeout --kill-after=8 "$(( SHARE + 20 ))" ${PROF[@]:+"${PROF[@]}" "$OUT/chunk$c/profile.txt" --} $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
     --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" ${HANDOFF_WORKER_ARGS:+--worker-args="$HANDOFF_WORKER_ARGS"} \
     "${EXTRA[@]}" > "$OUT/chunk$c/log.txt" 2>&1
   echo "bench handoff chunk $c ($STACKS): rc=$? at $(( $(date +%s) - T0 ))s"
