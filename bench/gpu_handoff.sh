@@ -81,7 +81,7 @@ CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reu
 PROF=()
 if [ "${HANDOFF_PROFILE:-0}" = 1 ]; then
   $PY -m pip install -q --no-deps --target /tmp/pyspy "$REPO"/.whl/py_spy-*.whl > /dev/null 2>&1 \
-    && /tmp/pyspy/bin/py-spy record --nonblocking --duration 1 -o /tmp/pyspy_probe.txt --format raw -- sleep 2 \
+    && /tmp/pyspy/bin/py-spy record --nonblocking --duration 1 -o /tmp/pyspy_probe.txt --format raw -- $PY -c "import time; time.sleep(1.5)" \
     > /dev/null 2>&1 && PROF=(/tmp/pyspy/bin/py-spy record --subprocesses --idle --threads --nonblocking --rate 100 --format raw -o)
   [ ${#PROF[@]} -gt 0 ] && echo "profiling with py-spy" || echo "HANDOFF_PROFILE: py-spy did not install or cannot sample here: not profiling"
 fi
