@@ -397,8 +397,11 @@ class KVConnector:
             if rid in self._stopping:
                 raise PullStopped("the request was aborted")
             unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
+            asked = time.monotonic()
             p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
                                       lease=leased, want_metadata=unknown, last_seen=rid in self._landing)
+            log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
+                      p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
             if p.get("last") is True:
                 self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
             if p["state"] == "cancelled":

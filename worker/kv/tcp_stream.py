@@ -295,7 +295,12 @@ class DataServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _blocking(conn, SEND_TIMEOUT_S)
             conn.sendall(ACCEPTED)
+            t0 = time.monotonic()
             self._send(*claimed, conn)
+            t = claimed[0]
+            log.debug("KV data stream %d/%d of %s: claimed %.2f ms after the offer, sent in %.2f ms",
+                      claimed[1], t.plan.streams, t.request_id, (t0 - (t.claim_by - CLAIM_S)) * 1e3,
+                      (time.monotonic() - t0) * 1e3)
         except Exception as e:  # the reader hung up or stalled, or the pin went: this stream ends
             log.debug("KV data stream ended early: %s", e)
         finally:
@@ -394,6 +399,7 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
 
     def run(index: int, mine: list[torch.Tensor]) -> None:
         try:
+            t0 = time.monotonic()
             sock = socket.create_connection((host, port), timeout=_left(deadline))
             with lock:
                 socks[index] = sock
@@ -407,7 +413,10 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
             if bytes(ack) != ACCEPTED:
                 raise side_channel.SideChannelError(f"KV peer {host}:{port} refused the data connection (ticket "
                                                     f"unknown, expired or already used)")
+            accepted = time.monotonic()
             got = _receive_stream(sock, plan, index, mine, dst_blocks, blocks, deadline)
+            log.debug("KV data stream %d/%d: accepted in %.2f ms, %d bytes in %.2f ms", index, plan.streams,
+                      (accepted - t0) * 1e3, got, (time.monotonic() - accepted) * 1e3)
             with lock:
                 nbytes[0] += got
         except BaseException as e:

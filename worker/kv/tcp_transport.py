@@ -15,6 +15,7 @@ at once. `tcp_pull(..., data_path=False)` still asks that way (the bench compare
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.protocol.kv_transfer import KVTransferParams
+
+log = logging.getLogger(__name__)
 
 BUSY_RETRY_S = 0.01
 STREAMS = 4  # data connections a pull asks for (the prefill side may grant fewer)
@@ -111,7 +114,8 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
         body["keep"] = True
     if data_path:
         body["data"], body["streams"] = True, STREAMS
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     while True:
         try:
             reply, frames = side_channel.call(host, port, "read", body, max(0.1, deadline - time.monotonic()), auth,
@@ -125,7 +129,14 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
         raise side_channel.SideChannelError("KV peer did not confirm the prompt digest")
     if "ticket" in reply:  # a prefill worker of an earlier release answers inline (below)
         ticket, plan = _plan(reply, host, port, len(dst_blocks), blocks.shape[1])
-        return tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth)
+        granted = time.monotonic()
+        n = tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth)
+        if log.isEnabledFor(logging.DEBUG):  # the hand-off's latency chain, read by read (docs/tcp-kv-gpu-results.md)
+            done = time.monotonic()
+            log.debug("KV read of %s: %d blocks (%.1f MB) over %d streams: granted in %.2f ms, bytes in %.2f ms "
+                      "(%.2f GB/s)", params.remote_request_id, len(dst_blocks), n / 1e6, plan.streams,
+                      (granted - t0) * 1e3, (done - granted) * 1e3, n / max(done - granted, 1e-9) / 1e9)
+        return n
     runs = reply.get("runs")
     if (not isinstance(runs, list) or len(frames) != len(runs) or sum(runs) != len(dst_blocks)
             or any(len(f.buffer) != c * blocks.shape[1] for f, c in zip(frames, runs))):
