@@ -75,9 +75,10 @@ class EngineConfig:
     kv_stream_split: str = flag("tail", "how a streamed hand-off's prefill is cut: tail = as few steps as the budget "
                                         "allows, the last --kv-stream-chunk-tokens alone (one extra step; the bytes "
                                         "left after the prefill are that tail's); even = every chunk that long (hides "
-                                        "more of a slow link, costs a step per chunk); taper = chunks halving towards that tail (3000 "
-                                        "tokens, 512: 1464, 1024, 512), for a link about as fast as the prefill "
-                                        "makes KV (TCP)", choices=("tail", "even", "taper"))
+                                        "more of a slow link, costs a step per chunk); taper = chunks halving "
+                                        "towards that tail (3000 tokens, 512: 1464, 1024, 512), for long prompts "
+                                        "over a link about as fast as the prefill makes KV (TCP)",
+                                choices=("tail", "even", "taper"))
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,

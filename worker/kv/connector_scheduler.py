@@ -333,7 +333,8 @@ class KVConnectorScheduler:
 def taper_chunk(left: int, tail: int) -> int:
     """The next chunk of a prompt with `left` tokens to compute, cut so the chunks halve towards
     the tail: ..., 4·tail, 2·tail, tail, with the first chunk taking the rest and never smaller
-    than the one after it (3000 tokens, tail 512: 1464, 1024, 512). Each chunk's bytes then move
+    than the one after it (3000 tokens, tail 512: 1464, 1024, 512), but under two tails, where
+    the head is what the tail leaves, as "tail" cuts it (513: 1, 512). Each chunk's bytes then move
     while the next, half as large, is computed: on a link about as fast as the prefill makes KV
     (TCP) that hides most of the transfer, in log2(prompt / tail) extra steps, where "tail" leaves
     the whole head's bytes for the last step and "even" costs a step per tail-sized chunk.
