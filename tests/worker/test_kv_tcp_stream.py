@@ -169,6 +169,112 @@ def test_a_read_of_blocks_not_yet_computed_waits_for_them(prefill, small_chunks)
     assert torch.equal(cache[4:12], prefill.cache[14:22])
 
 
+def streamed_pin(prefill: Prefill, rid: str, ids: list[int], ready: int) -> dict:
+    token = prefill.pins.add_streamed(rid, ids, DIGEST, ready=ready)
+    return {"remote_request_id": rid, "transfer_token": token, "remote_engine_id": ENGINE}
+
+
+def start_stream_read(prefill: Prefill, params: dict, indices: list[int], dst: list[int], cache: torch.Tensor,
+                      stall_s: float = 10) -> tcp_transport.StreamedRead:
+    return tcp_transport.StreamedRead("127.0.0.1", prefill.port, as_params(params), indices, dst, cache, stall_s, AUTH,
+                                      DIGEST)
+
+
+def test_a_stream_read_lands_each_block_once_computed_and_never_before(prefill, small_chunks):
+    """One read for the whole streamed pin, granted with the first blocks computed: every block
+    the prefill computes reaches the reader with no further request, and no block moves before
+    it is computed (the cache holds other bytes there until then: they would show)."""
+    src = list(range(40, 60))
+    params = streamed_pin(prefill, "s", src, ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    dst = list(range(20))
+    read = start_stream_read(prefill, params, list(range(20)), dst, cache)
+    for ready in (2, 7, 8, 16):  # pieces cut across the 3-block chunks
+        prefill.pins.advance("s", ready)
+        assert wait_until(lambda: torch.equal(cache[:ready], prefill.cache[40:40 + ready])), f"blocks 0..{ready}"
+        assert not cache[ready:].any(), f"a block past {ready} moved before it was computed"
+        read.raise_if_failed()
+    prefill.pins.finish("s", first_token_id=7)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], prefill.cache[40:60])
+    assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
+    assert prefill.pins.collect() == []  # kept: the streamed pull releases it after its last read
+    assert prefill.pins.release("s", params["transfer_token"])
+
+
+def test_a_stream_read_of_a_cancelled_prefill_fails_and_frees_both_sides(prefill, small_chunks):
+    params = streamed_pin(prefill, "c", list(range(10, 30)), ready=4)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    assert wait_until(lambda: torch.equal(cache[:4], prefill.cache[10:14]))
+    prefill.pins.cancel("c")  # the prefill was aborted: its other blocks will never be computed
+    with pytest.raises(side_channel.SideChannelError, match="without 16 of its 20 blocks|data transfer failed"):
+        read.result()
+    read.stop()
+    assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["c"]  # no read holds it: freed
+
+
+def test_a_stopped_stream_read_ends_on_both_sides_while_the_prefill_runs(prefill, small_chunks):
+    """The decode request was aborted mid hand-off: stop() returns once its streams ended, and
+    the prefill side's senders, waiting for the next chunk, see the hang-up and let the pin go."""
+    params = streamed_pin(prefill, "a", list(range(10, 30)), ready=3)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    assert wait_until(lambda: torch.equal(cache[:3], prefill.cache[10:13]))
+    read.stop()
+    with pytest.raises(side_channel.SideChannelError):
+        read.result()
+    assert tcp_stream.receive_pool(False).in_use == 0
+    assert prefill.tcp.data.wait_idle(10)  # the pin still runs: the senders left on the hang-up
+    assert prefill.pins.release("a", params["transfer_token"])
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["a"]
+
+
+def test_a_stream_read_of_a_prefill_that_stops_computing_times_out(prefill, small_chunks):
+    """The reader's bound is per piece (its stall timeout), so a prefill that stops computing
+    fails the read; both sides then hold nothing."""
+    params = streamed_pin(prefill, "t", list(range(10, 30)), ready=3)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache, stall_s=0.5)
+    with pytest.raises(side_channel.PeerTimeout):
+        read.result()
+    read.stop()
+    assert torch.equal(cache[:3], prefill.cache[10:13])
+    assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
+    assert prefill.pins.release("t", params["transfer_token"])
+
+
+def test_a_stream_read_from_a_prefill_worker_without_them_waits_and_reads_plainly(prefill, small_chunks,
+                                                                                  monkeypatch):
+    """A prefill worker of an earlier release ignores `stream`: the read is deferred until every
+    block is computed and then served unframed, which the reader follows (the same bytes)."""
+    handle = prefill.tcp.handle_read
+    monkeypatch.setattr(prefill.tcp, "handle_read", lambda body: handle({k: v for k, v in body.items() if k != "stream"}))
+    prefill.channel.handlers["read"] = prefill.tcp.handle_read
+    params = streamed_pin(prefill, "old", list(range(10, 30)), ready=3)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    prefill.pins.advance("old", 12)
+    prefill.pins.finish("old", first_token_id=1)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], prefill.cache[10:30])
+    prefill.pins.release("old", params["transfer_token"])
+
+
+def test_a_stream_read_must_ask_for_ascending_blocks(prefill):
+    params = streamed_pin(prefill, "o", list(range(10, 30)), ready=20)
+    with pytest.raises(side_channel.SideChannelError, match="ascending"):
+        side_channel.call("127.0.0.1", prefill.port, "read",
+                          {"request_id": "o", "token": params["transfer_token"], "indices": [3, 2],
+                           "prompt_digest": DIGEST, "data": True, "streams": 1, "stream": True, "keep": True}, 5, AUTH,
+                          ENGINE)
+    assert prefill.pins.collect() == []  # refused before any transfer: the pin is still there
+    assert prefill.pins.release("o", params["transfer_token"])
+
+
 def test_the_reader_holds_only_bounded_buffers_whatever_the_pull_size(prefill, monkeypatch):
     """Decode side: a 90-block pull over 2 streams of 2-block chunks takes 2 buffers per
     stream from its pool while it runs, and gives all of them back."""

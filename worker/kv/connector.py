@@ -49,7 +49,7 @@ from pdserve.worker.kv.pins import LEASE_S, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.rank_aggregator import RankAggregator
-from pdserve.worker.kv.tcp_transport import TcpServer, check_indices, tcp_pull
+from pdserve.worker.kv.tcp_transport import StreamedRead, TcpServer, check_indices, tcp_pull
 from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
 
 PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
@@ -392,49 +392,67 @@ class KVConnector:
         # chunk it announces is READ at once, one round trip per chunk instead of two (the last
         # chunk's is on the first token's gap).
         leased = transport == "nixl" and not self._tp_pull(params)
+        # Over TCP (one rank each side) the blocks move as one stream read, granted with the
+        # first chunk, whose senders follow the prefill (tcp_stream.py): no round trip, connection
+        # or pipeline refill per chunk. This loop then follows the pin only (last step, first
+        # token, cancel), and waits for the read's bytes once the prefill is done.
+        streamed = transport == "tcp" and not self._tp_pull(params)
+        reader: StreamedRead | None = None
         stalled_since = time.monotonic()
-        while True:
-            if rid in self._stopping:
-                raise PullStopped("the request was aborted")
-            unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
-            asked = time.monotonic()
-            p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
-                                      lease=leased, want_metadata=unknown, last_seen=rid in self._landing)
-            log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
-                      p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
-            if p.get("last") is True:
-                self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
-            if p["state"] == "cancelled":
-                raise PullStopped("the prefill worker cancelled the prefill")
-            ready = min(p["ready"], n)
-            # A peer that answers but never computes another chunk costs what a silent one does.
-            if ready > have or p["state"] == "done":
-                stalled_since = time.monotonic()
-            elif time.monotonic() - stalled_since > self.timeout:
-                raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
-                                               f"{self.timeout:.0f}s")
-            if p["state"] == "done":
-                token = p.get("first_token_id")
-                if type(token) is not int:
-                    raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
-                self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
-                self._landing.add(rid)  # only the last chunk's read is left: see pull_landing
-            chunk = [i for i in range(have, ready) if i in want]
-            try:
-                if chunk and leased:
-                    nbytes += self._read_leased(params, p, chunk, [want[i] for i in chunk])
-                elif chunk:
-                    nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
-                                                last=False)
-            except Exception:
-                # A read the prefill side broke off because it cancelled the prefill (its first
-                # token ended the request, or it was aborted) ends the request here too.
-                if self._cancelled(host, params, digest):
-                    raise PullStopped("the prefill worker cancelled the prefill") from None
-                raise
-            have = max(have, ready)
-            if p["state"] == "done":
-                break
+        try:
+            while True:
+                if rid in self._stopping:
+                    raise PullStopped("the request was aborted")
+                unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
+                asked = time.monotonic()
+                p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
+                                          lease=leased, want_metadata=unknown, last_seen=rid in self._landing)
+                log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
+                          p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
+                if p.get("last") is True:
+                    self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
+                if p["state"] == "cancelled":
+                    raise PullStopped("the prefill worker cancelled the prefill")
+                ready = min(p["ready"], n)
+                # A peer that answers but never computes another chunk costs what a silent one does.
+                if ready > have or p["state"] == "done":
+                    stalled_since = time.monotonic()
+                elif time.monotonic() - stalled_since > self.timeout:
+                    raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
+                                                   f"{self.timeout:.0f}s")
+                if p["state"] == "done":
+                    token = p.get("first_token_id")
+                    if type(token) is not int:
+                        raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
+                    self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
+                    self._landing.add(rid)  # only the last chunk's read is left: see pull_landing
+                chunk = [i for i in range(have, ready) if i in want]
+                try:
+                    if reader is not None:
+                        reader.raise_if_failed()
+                    elif chunk and streamed:
+                        rest = sorted(i for i in want if i >= have)
+                        reader = StreamedRead(host, port, params, rest, [want[i] for i in rest], self.blocks,
+                                              self.timeout, self.auth, digest)
+                    elif chunk and leased:
+                        nbytes += self._read_leased(params, p, chunk, [want[i] for i in chunk])
+                    elif chunk:
+                        nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
+                                                    last=False)
+                    if reader is not None and p["state"] == "done":
+                        nbytes += reader.result()  # the prefill is done: only the last chunk's bytes are left
+                except Exception:
+                    # A read the prefill side broke off because it cancelled the prefill (its first
+                    # token ended the request, or it was aborted) ends the request here too.
+                    if self._cancelled(host, params, digest):
+                        raise PullStopped("the prefill worker cancelled the prefill") from None
+                    raise
+                have = max(have, ready)
+                if p["state"] == "done":
+                    break
+        finally:
+            if reader is not None:
+                reader.stop()  # a read still running ends here: no byte lands after the pull ended
         if not self._tp_pull(params):
             self.pool.submit(_peer(params), self._release_quietly, params)  # off this pull's path
         return nbytes

@@ -17,7 +17,10 @@ prefill step (`advance`); `finish` records the first token and makes every block
 `cancel` ends it (the prefill was aborted or its first token ended the request). A reader
 asking for blocks not ready yet, or for progress with nothing new, gets `NotReady` and the
 side channel answers later (a deferred reply). A running pin never expires: its request is
-alive on this worker, and its end (finish or cancel) starts the TTL.
+alive on this worker, and its end (finish or cancel) starts the TTL. A streamed TCP read is
+opened once, before its blocks are computed (`open_read(..., streamed=True)`), and its sender
+threads wait for each chunk (`wait_ready`), so the bytes follow the prefill without a round trip
+per chunk.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.worker.kv.prompt_binding import bind_token
 
 
 # How long a remote (NIXL) reader may hold a pin past its TTL while its bytes are on the wire.
 LEASE_S = 60.0
+HANG_UP_POLL_S = 0.25  # how often a waiting streamed read looks whether its reader left
 
 
 RUNNING, DONE, CANCELLED = "running", "done", "cancelled"
@@ -73,6 +78,7 @@ class PinTable:
         # (it would prefill locally and answer a request the prefill side has ended).
         self._cancelled: dict[str, Pin] = {}
         self._lock = threading.Lock()
+        self._changes = threading.Condition(self._lock)  # wait_ready's waiters
         self.on_change = None  # () -> None: a streamed pin changed (the side channel retries its waiters)
 
     def add(self, request_id: str, block_ids: list[int], prompt_digest: str,
@@ -136,6 +142,8 @@ class PinTable:
         return True
 
     def _changed(self) -> None:
+        with self._lock:
+            self._changes.notify_all()
         if self.on_change is not None:
             self.on_change()
 
@@ -177,11 +185,12 @@ class PinTable:
             return list(pin.block_ids)
 
     def open_read(self, request_id: str, token: str, prompt_digest: str,
-                  indices: list[int] | None = None) -> list[int]:
+                  indices: list[int] | None = None, streamed: bool = False) -> list[int]:
         """Authenticate a read this worker serves and hold the pin until `close_read` (which the
-        caller must reach, however the read ends). NotReady as `lease`."""
+        caller must reach, however the read ends). NotReady as `lease`, unless `streamed`: the
+        read then waits for each of its blocks itself (`wait_ready`)."""
         with self._lock:
-            pin = self._readable(request_id, token, prompt_digest, time.monotonic(), indices)
+            pin = self._readable(request_id, token, prompt_digest, time.monotonic(), None if streamed else indices)
             pin.readers += 1
             return list(pin.block_ids)
 
@@ -195,6 +204,29 @@ class PinTable:
         """PinError unless the pin is still the reader's: released or cancelled ends a read."""
         with self._lock:
             self._authenticate(request_id, token, prompt_digest, time.monotonic())
+
+    def ready_count(self, request_id: str, token: str, prompt_digest: str) -> int:
+        """How many leading blocks of the reader's pin are computed; PinError as `check`."""
+        with self._lock:
+            return self._authenticate(request_id, token, prompt_digest, time.monotonic()).ready
+
+    def wait_ready(self, request_id: str, token: str, prompt_digest: str, upto: int, timeout_s: float,
+                   hung_up: Callable[[], bool] | None = None) -> bool:
+        """Wait until the pin's first `upto` blocks are computed (True), at most `timeout_s`
+        (False). PinError once the pin is released or cancelled (the prefill was aborted: its
+        blocks will never be computed); ConnectionError once `hung_up()` says the reader left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
+                if pin.state != RUNNING or pin.ready >= upto:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changes.wait(min(left, HANG_UP_POLL_S))
+            if hung_up is not None and hung_up():
+                raise ConnectionError("the reader hung up")
 
     def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0,
                  last_seen: bool = True) -> dict:

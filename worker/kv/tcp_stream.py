@@ -17,6 +17,18 @@ j mod streams, in order, so both sides know every chunk's place without headers.
 Several streams are several kernel sockets and threads (the GIL is released in send, recv and
 the copies), because one TCP stream rarely fills a fast link on its own.
 
+A streamed hand-off reads its whole prompt as one *stream read* (`Transfer.positions`), granted
+when the prefill's first chunk is computed: its senders send blocks the moment the prefill has
+computed them, so the bytes follow the prefill with no side-channel round trip, connection
+set-up or pipeline refill per chunk, and only the last chunk's bytes are left when the prefill
+ends. Which blocks are ready is known only as the prefill runs, so a stream read is framed: each
+stream takes the next run of computed blocks (up to a chunk) from a cursor the transfer's
+streams share, sends a PIECE header (its first position in the read, its block count) and the
+bytes, and ends with a zero-count header; with nothing computed it first sends what it has
+copied out, then waits on the pin (`PinTable.wait_ready`). The reader places each piece by its
+header, refuses a block sent twice or never, and bounds its wait per piece by its stall timeout
+rather than a deadline for the whole read (a long prefill is not a slow link).
+
 Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
   prefill worker grants at most MAX_SEND_STREAMS streams at once (beyond: "busy", retried), a
@@ -36,7 +48,9 @@ Bounds and hang-ups:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import secrets
 import select
@@ -62,9 +76,11 @@ MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefi
 HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
 SEND_TIMEOUT_S = 10.0  # a chunk the reader does not take within this ends the transfer
 CLAIM_S = 10.0  # a ticket's streams must be claimed within this after the read was granted
+READY_WAIT_S = 300.0  # a streamed transfer's sender waits at most this for its prefill's next chunk
 REAP_S = 0.5  # how often unclaimed tickets are looked at
 
 MAGIC = b"pdkv-tcp"
+PIECE = struct.Struct("!II")  # a stream read's piece: first position in the read, block count (0: the end)
 HELLO = struct.Struct("!8s16sHH32s")  # magic, ticket, stream index, streams, HMAC(ticket, index)
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 
@@ -167,6 +183,9 @@ class Transfer:
     keep: bool  # leave the pin for an explicit release (tensor-parallel and streamed readers)
     plan: Plan
     claim_by: float  # monotonic
+    positions: list[int] | None = None  # a stream read: the ids' positions in the pin, sent as computed
+    cursor: int = 0  # a stream read: ids before this are taken by a stream
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     claimed: set[int] = dataclasses.field(default_factory=set)
     open: int = 0  # streams not ended yet (running, or not claimed while the ticket is valid)
     expired: bool = False
@@ -196,9 +215,11 @@ class DataServer:
 
     # -- the side channel's half: grant a transfer (no waiting, no bytes) ----------------------------
 
-    def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams) -> dict:
-        """A ticket for reading `ids` (the caller holds a lease on them). Raises side_channel.Busy
-        when every stream is taken."""
+    def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams,
+              positions: list[int] | None = None) -> dict:
+        """A ticket for reading `ids` (the caller holds a lease on them; `positions`: a stream
+        read, each chunk sent once the pin has computed it). Raises side_channel.Busy when every
+        stream is taken."""
         want = streams if type(streams) is int and 1 <= streams <= MAX_STREAMS_PER_TRANSFER else 1
         ticket = secrets.token_bytes(16)
         with self._cond:
@@ -207,7 +228,7 @@ class DataServer:
                 raise side_channel.Busy(f"busy: all {MAX_SEND_STREAMS} KV data streams are in use; retry")
             plan = Plan(len(ids), self.block_bytes, self.plan_chunk, granted)
             self._transfers[ticket] = Transfer(ticket, request_id, token, digest, list(ids), keep, plan,
-                                               time.monotonic() + CLAIM_S, open=granted)
+                                               time.monotonic() + CLAIM_S, positions, open=granted)
             self._streams += granted
         return {"data_port": self.port, "ticket": ticket.hex(), "nblocks": plan.nblocks,
                 "block_bytes": plan.block_bytes, "chunk_blocks": plan.chunk_blocks, "streams": plan.streams}
@@ -296,7 +317,10 @@ class DataServer:
             _blocking(conn, SEND_TIMEOUT_S)
             conn.sendall(ACCEPTED)
             t0 = time.monotonic()
-            self._send(*claimed, conn)
+            if claimed[0].positions is not None:
+                self._send_stream(claimed[0], conn)
+            else:
+                self._send(*claimed, conn)
             t = claimed[0]
             log.debug("KV data stream %d/%d of %s: claimed %.2f ms after the offer, sent in %.2f ms",
                       claimed[1], t.plan.streams, t.request_id, (t0 - (t.claim_by - CLAIM_S)) * 1e3,
@@ -339,6 +363,62 @@ class DataServer:
                 stream.synchronize()  # no copy may still write a buffer that goes back
             self.pool.give_back(bufs)
 
+    def _send_stream(self, t: Transfer, conn: socket.socket) -> None:
+        """A stream read's stream: pieces of computed blocks, taken from the shared cursor, each
+        copied out while the one before is on the wire; then the end. A released or cancelled
+        pin ends it (PinError), as a hung-up reader does."""
+        bb = self.block_bytes
+        bufs = self.pool.take(t.plan.chunk_bytes, 2, SEND_TIMEOUT_S)
+        stream = torch.cuda.Stream(self.blocks.device) if self.blocks.device.type == "cuda" else None
+        try:
+            pending, k = None, 0  # (buffer, event, first, count): copied out, not yet sent
+            while True:
+                piece = self._take_piece(t)
+                if piece is None:
+                    break
+                first, count = piece
+                if count == 0:  # nothing computed past the cursor yet: send what we hold, then wait
+                    if pending is not None:
+                        self._put_piece(t, conn, *pending)
+                        pending = None
+                    if not self.pins.wait_ready(t.request_id, t.token, t.digest, t.positions[first] + 1, READY_WAIT_S,
+                                                lambda: _hung_up(conn)):
+                        raise TimeoutError(f"the prefill computed no block of {t.request_id} in {READY_WAIT_S:.0f}s")
+                    continue
+                buf = bufs[k % 2]
+                with _stream_ctx(stream):
+                    for pos, src, n in _runs(t.ids[first:first + count]):
+                        buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(self.blocks[src:src + n], non_blocking=True)
+                    event = torch.cuda.Event() if stream is not None else None
+                    if event is not None:
+                        event.record(stream)
+                if pending is not None:
+                    self._put_piece(t, conn, *pending)
+                pending, k = (buf, event, first, count), k + 1
+            if pending is not None:
+                self._put_piece(t, conn, *pending)
+            conn.sendall(PIECE.pack(0, 0))
+        finally:
+            if stream is not None:
+                stream.synchronize()  # no copy may still write a buffer that goes back
+            self.pool.give_back(bufs)
+
+    def _take_piece(self, t: Transfer) -> tuple[int, int] | None:
+        """The next run of computed blocks from the cursor, at most a chunk: (first, count), with
+        count 0 when the block at the cursor is not computed yet; None when every block is taken."""
+        with t.lock:
+            first, n = t.cursor, len(t.ids)
+            if first >= n:
+                return None
+            ready = self.pins.ready_count(t.request_id, t.token, t.digest)  # PinError: released or cancelled
+            count = bisect.bisect_left(t.positions, ready, first, min(n, first + t.plan.chunk_blocks)) - first
+            t.cursor += count
+            return first, count
+
+    def _put_piece(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, first: int, count: int) -> None:
+        conn.sendall(PIECE.pack(first, count))
+        self._put(t, conn, buf, event, count * self.block_bytes)
+
     def _put(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, nbytes: int) -> None:
         if event is not None:
             event.synchronize()
@@ -360,7 +440,40 @@ class DataServer:
         self._cond.notify_all()
 
 
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the reader closed its end (it never sends after its hello: readable means EOF)."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 # -- decode side ---------------------------------------------------------------------------------------
+
+class Cancel:
+    """Ends a read from another thread: `receive` registers how to stop its streams."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stops: list = []
+        self.cancelled = False
+
+    def on_cancel(self, stop) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._stops.append(stop)
+                return
+        stop()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled, stops = True, list(self._stops)
+        for stop in stops:
+            stop()
+
 
 _pools: dict[bool, HostBufferPool] = {}
 _pools_lock = threading.Lock()
@@ -375,13 +488,18 @@ def receive_pool(pinned: bool) -> HostBufferPool:
 
 
 def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[int], blocks: torch.Tensor,
-            deadline: float, auth: SideChannelAuth) -> int:
+            deadline: float, auth: SideChannelAuth, stall_s: float | None = None, cancel: Cancel | None = None,
+            framed: bool = False) -> int:
     """Read a granted transfer into `blocks[dst_blocks]` over its streams. Returns bytes. Every
-    stream's thread has ended and every device copy is done when this returns or raises."""
+    stream's thread has ended and every device copy is done when this returns or raises.
+    `stall_s` (a stream read): each chunk within this of the one before, however long the whole
+    read takes; `deadline` then bounds the connections' set-up only. `framed`: the prefill side
+    granted a stream read (pieces with headers, any stream any block)."""
     if len(dst_blocks) != plan.nblocks or blocks.shape[1] != plan.block_bytes:
         raise side_channel.SideChannelError("the KV data plan does not match the pull")
     pool = receive_pool(blocks.device.type == "cuda")
-    counts = [plan.buffers(s) for s in range(plan.streams)]
+    counts = [2 if framed else plan.buffers(s) for s in range(plan.streams)]
+    landed = bytearray(plan.nblocks)  # framed: each block once
     bufs = pool.take(plan.chunk_bytes, sum(counts), max(0.0, deadline - time.monotonic()))
     socks: list[socket.socket | None] = [None] * plan.streams
     errors: list[BaseException] = []
@@ -390,6 +508,8 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
 
     def abort() -> None:  # wake every stream blocked in recv: the pull has failed
         with lock:
+            if cancel is not None and cancel.cancelled and not errors:
+                errors.append(ConnectionAbortedError("the pull was cancelled"))
             for s in socks:
                 if s is not None:
                     try:
@@ -403,10 +523,10 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
             sock = socket.create_connection((host, port), timeout=_left(deadline))
             with lock:
                 socks[index] = sock
-                if errors:  # another stream failed while this one connected
-                    raise ConnectionAbortedError("the pull failed on another stream")
+                if errors or (cancel is not None and cancel.cancelled):  # failed or cancelled meanwhile
+                    raise ConnectionAbortedError("the pull failed on another stream or was cancelled")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _blocking(sock, _left(deadline))
+            _blocking(sock, stall_s if stall_s is not None else _left(deadline))
             sock.sendall(HELLO.pack(MAGIC, ticket, index, plan.streams, auth.sign_data(ticket, index)))
             ack = bytearray(1)
             _recv_exact(sock, memoryview(ack))
@@ -414,7 +534,10 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
                 raise side_channel.SideChannelError(f"KV peer {host}:{port} refused the data connection (ticket "
                                                     f"unknown, expired or already used)")
             accepted = time.monotonic()
-            got = _receive_stream(sock, plan, index, mine, dst_blocks, blocks, deadline)
+            if framed:
+                got = _receive_pieces(sock, plan, mine, dst_blocks, blocks, stall_s or _left(deadline), landed, lock)
+            else:
+                got = _receive_stream(sock, plan, index, mine, dst_blocks, blocks, deadline)
             log.debug("KV data stream %d/%d: accepted in %.2f ms, %d bytes in %.2f ms", index, plan.streams,
                       (accepted - t0) * 1e3, got, (time.monotonic() - accepted) * 1e3)
             with lock:
@@ -424,6 +547,8 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
                 errors.append(e)
             abort()
 
+    if cancel is not None:
+        cancel.on_cancel(abort)
     threads, start = [], 0
     for s in range(1, plan.streams):
         start += counts[s - 1]
@@ -447,6 +572,9 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
         if isinstance(first, side_channel.SideChannelError):
             raise first
         raise side_channel.SideChannelError(f"KV peer {host}:{port}: data transfer failed ({first})") from first
+    if framed and not all(landed):
+        raise side_channel.SideChannelError(f"KV peer {host}:{port} ended a stream read without "
+                                            f"{plan.nblocks - sum(landed)} of its {plan.nblocks} blocks")
     return nbytes[0]
 
 
@@ -481,3 +609,38 @@ def _receive_stream(sock: socket.socket, plan: Plan, index: int, bufs: list[torc
         if stream is not None:
             stream.synchronize()
     return nbytes
+
+
+def _receive_pieces(sock: socket.socket, plan: Plan, bufs: list[torch.Tensor], dst_blocks: list[int],
+                    blocks: torch.Tensor, stall_s: float, landed: bytearray, lock: threading.Lock) -> int:
+    """A stream read's stream: pieces (header, bytes) until the zero-count header, each within
+    `stall_s` of the one before; each placed by its header into `dst_blocks`, each block once."""
+    bb, nbytes, header = plan.block_bytes, 0, bytearray(PIECE.size)
+    stream = torch.cuda.Stream(blocks.device) if blocks.device.type == "cuda" else None
+    events: list = [None] * len(bufs)
+    try:
+        for k in itertools.count():
+            deadline = time.monotonic() + stall_s  # the prefill's next step may be what this waits for
+            _recv_exact(sock, memoryview(header), deadline)
+            first, count = PIECE.unpack(header)
+            if count == 0:
+                return nbytes
+            with lock:
+                if count > plan.chunk_blocks or first + count > plan.nblocks or any(landed[first:first + count]):
+                    raise side_channel.SideChannelError(f"the KV peer sent a piece ({first}, {count}) outside its "
+                                                        f"read of {plan.nblocks} blocks, or twice")
+                landed[first:first + count] = b"\x01" * count
+            b = k % len(bufs)
+            if events[b] is not None:
+                events[b].synchronize()  # its previous piece's copy to the device has read it
+            _recv_exact(sock, memoryview(bufs[b].numpy())[:count * bb], deadline)
+            with _stream_ctx(stream):
+                for pos, dst, n in _runs(dst_blocks[first:first + count]):
+                    blocks[dst:dst + n].copy_(bufs[b][pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
+                if stream is not None:
+                    events[b] = torch.cuda.Event()
+                    events[b].record(stream)
+            nbytes += count * bb
+    finally:
+        if stream is not None:
+            stream.synchronize()

@@ -16,7 +16,9 @@ at once. `tcp_pull(..., data_path=False)` still asks that way (the bench compare
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -50,14 +52,20 @@ class TcpServer:
         if not body.get("data"):
             return self._read_inline(body)
         rid, token, digest, keep = body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("keep")
-        indices = body.get("indices")  # a streamed pin defers the read until these are computed
+        # A streamed pin defers a plain read until its blocks are computed; a `stream` read is
+        # granted at once and its senders follow the prefill, chunk by chunk (tcp_stream.py).
+        indices, streamed = body.get("indices"), body.get("stream") is True
         # Held from here until the transfer's last stream ends (tcp_stream.DataServer closes the read).
-        pinned = self.pins.open_read(rid, token, digest, indices if isinstance(indices, list) else None)
+        pinned = self.pins.open_read(rid, token, digest, indices if isinstance(indices, list) else None, streamed)
         try:
-            ids = [pinned[i] for i in check_indices(indices, len(pinned))]
+            positions = check_indices(indices, len(pinned))
+            if streamed and any(a >= b for a, b in zip(positions, positions[1:])):
+                raise ValueError("a stream read's indices must be ascending")
+            ids = [pinned[i] for i in positions]
             if self.data is None:
                 self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent)
-            offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"))
+            offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"),
+                                    positions if streamed else None)
         except side_channel.Busy:
             self.pins.close_read(rid, token)
             raise  # the reader retries: its pin stays
@@ -66,7 +74,7 @@ class TcpServer:
             if not keep:  # a read is the release, even one that fails
                 self.pins.release(rid, token)
             raise
-        return {"prompt_digest": digest, **offer}, []
+        return {"prompt_digest": digest, **offer, **({"stream": True} if streamed else {})}, []
 
     def close(self) -> None:
         if self.data is not None:
@@ -104,16 +112,21 @@ def check_indices(indices, num_pinned: int) -> list[int]:
 
 def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
              blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False,
-             data_path: bool = True) -> int:
+             data_path: bool = True, stream: bool = False, cancel: tcp_stream.Cancel | None = None) -> int:
     """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes.
     `keep`: leave the pin for an explicit release (tensor-parallel readers). `data_path`: over
-    data connections (else inline in the side channel's reply, as earlier releases did)."""
+    data connections (else inline in the side channel's reply, as earlier releases did).
+    `stream`: the blocks of a streamed pin, granted at once and sent as the prefill computes
+    them; `timeout_s` then bounds each chunk's wait (as the streamed pull's stall timeout), not
+    the whole read. `cancel`: ends the read from another thread (its streams are shut)."""
     body = {"request_id": params.remote_request_id, "token": params.transfer_token, "indices": indices,
             "prompt_digest": digest}
     if keep:
         body["keep"] = True
     if data_path:
         body["data"], body["streams"] = True, STREAMS
+        if stream:
+            body["stream"] = True  # a prefill worker of an earlier release defers it until all are computed
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     while True:
@@ -122,7 +135,7 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
                                               params.remote_engine_id)
             break
         except side_channel.PeerBusy:
-            if time.monotonic() + BUSY_RETRY_S >= deadline:
+            if time.monotonic() + BUSY_RETRY_S >= deadline or (cancel is not None and cancel.cancelled):
                 raise
             time.sleep(BUSY_RETRY_S)
     if reply.get("prompt_digest") != digest:  # a peer that skipped the check must not fill our cache
@@ -130,7 +143,9 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
     if "ticket" in reply:  # a prefill worker of an earlier release answers inline (below)
         ticket, plan = _plan(reply, host, port, len(dst_blocks), blocks.shape[1])
         granted = time.monotonic()
-        n = tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth)
+        n = tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth,
+                               stall_s=timeout_s if stream else None, cancel=cancel,
+                               framed=reply.get("stream") is True)
         if log.isEnabledFor(logging.DEBUG):  # the hand-off's latency chain, read by read (docs/tcp-kv-gpu-results.md)
             done = time.monotonic()
             log.debug("KV read of %s: %d blocks (%.1f MB) over %d streams: granted in %.2f ms, bytes in %.2f ms "
@@ -150,6 +165,40 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
         pos += count
         nbytes += data.numel()
     return nbytes
+
+
+class StreamedRead:
+    """A stream read (`tcp_pull(..., stream=True)`) on its own thread: started when the prefill's
+    first chunk is computed, it lands each later chunk as the prefill computes it while the
+    streamed pull follows the pin's progress (connector.py)."""
+
+    def __init__(self, host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
+                 blocks: torch.Tensor, stall_s: float, auth: SideChannelAuth, digest: str):
+        self.cancel = tcp_stream.Cancel()
+        self._done = Future()
+        args = (host, port, params, indices, dst_blocks, blocks, stall_s, auth, digest)
+        self._thread = threading.Thread(target=self._run, args=args, name="kv-tcp-stream-read", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            self._done.set_result(tcp_pull(*args, keep=True, stream=True, cancel=self.cancel))
+        except BaseException as e:
+            self._done.set_exception(e)
+
+    def raise_if_failed(self) -> None:
+        if self._done.done() and self._done.exception() is not None:
+            raise self._done.exception()
+
+    def result(self) -> int:
+        """Its bytes, once every chunk landed (each chunk's wait is bounded by `stall_s`)."""
+        return self._done.result()
+
+    def stop(self) -> None:
+        """End it if it still runs, and wait until its threads have (no byte lands after this)."""
+        if not self._done.done():
+            self.cancel.cancel()
+        self._thread.join()
 
 
 def _plan(reply: dict, host: str, port: int, nblocks: int, block_bytes: int) -> tuple[bytes, tcp_stream.Plan]:
