@@ -72,13 +72,14 @@ class EngineConfig:
                                             "tokens in a step of their own (--kv-stream-split tail) or every chunk "
                                             "at most this long (even); each chunk is readable by the decode worker "
                                             "as soon as it is computed (0: chunks as the step budget allows)")
-    kv_stream_split: str = flag("tail", "how a streamed hand-off's prefill is cut: tail = as few steps as the budget "
+    kv_stream_split: str = flag("auto", "how a streamed hand-off's prefill is cut: tail = as few steps as the budget "
                                         "allows, the last --kv-stream-chunk-tokens alone (one extra step; the bytes "
                                         "left after the prefill are that tail's); even = every chunk that long (hides "
                                         "more of a slow link, costs a step per chunk); taper = chunks halving "
-                                        "towards that tail (3000 tokens, 512: 1464, 1024, 512), for long prompts "
-                                        "over a link about as fast as the prefill makes KV (TCP)",
-                                choices=("tail", "even", "taper"))
+                                        "towards that tail (3000 tokens, 512: 1464, 1024, 512), for a link about as "
+                                        "fast as the prefill makes KV (TCP); auto = taper when this worker's KV "
+                                        "transport is tcp, tail with nixl",
+                                choices=("auto", "tail", "even", "taper"))
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,

@@ -35,7 +35,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
                                           is_remote_decode, parse_kv_transfer_params)
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
-from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
+from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import LaunchedStep, ModelRunner
@@ -99,7 +99,8 @@ class LLMEngine:
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
                                             self.kv_connector.endpoint() if self.kv_connector else None,
                                             config.kv_stream_chunk_tokens,
-                                            config.kv_stream_split)
+                                            resolve_split(config.kv_stream_split,
+                                                          self.kv_connector and self.kv_connector.transport))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}

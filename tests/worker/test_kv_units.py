@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pdserve.worker.kv.block_runs import merge_runs
-from pdserve.worker.kv.connector_scheduler import taper_chunk
+from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import NotReady, PinError, PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -401,6 +401,12 @@ def test_the_taper_split_on_known_prompts():
     assert cut(3000, 512) == [1464, 1024, 512]
     assert cut(16384, 512) == [8704, 4096, 2048, 1024, 512]
     assert cut(512, 512) == [512] and cut(300, 512) == [300] and cut(513, 512) == [1, 512]
+
+
+def test_the_auto_split_tapers_over_tcp_and_keeps_the_tail_over_nixl():
+    assert resolve_split("auto", "tcp") == "taper"
+    assert resolve_split("auto", "nixl") == "tail" and resolve_split("auto", None) == "tail"
+    assert [resolve_split(s, "tcp") for s in ("tail", "even", "taper")] == ["tail", "even", "taper"]
 
 
 @given(st.integers(1, 1 << 17), st.integers(1, 4096))

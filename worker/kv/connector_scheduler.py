@@ -330,6 +330,15 @@ class KVConnectorScheduler:
         return True, None
 
 
+def resolve_split(split: str, transport: str | None) -> str:
+    """--kv-stream-split auto: taper over TCP (a link about as fast as the prefill makes KV: each
+    chunk's bytes move while the next, half as large, is computed), tail over NIXL (fast enough
+    that one extra step suffices). Measured: docs/tcp-kv-gpu-results.md, docs/handoff-gpu-results.md."""
+    if split != "auto":
+        return split
+    return "taper" if transport == "tcp" else "tail"
+
+
 def taper_chunk(left: int, tail: int) -> int:
     """The next chunk of a prompt with `left` tokens to compute, cut so the chunks halve towards
     the tail: ..., 4·tail, 2·tail, tail, with the first chunk taking the rest and never smaller
