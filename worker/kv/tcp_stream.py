@@ -70,7 +70,10 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # a chunk: whole blocks, about this many bytes (at least one block)
 MAX_STREAMS_PER_TRANSFER = 8
-MAX_SEND_STREAMS = 16  # streams a prefill worker serves at once (2 buffers of a chunk each)
+# Streams a prefill worker serves at once (2 buffers of a chunk each, allocated as used). A stream
+# read holds its streams for its prefill's whole length (mostly waiting), so this covers two
+# decode workers at --kv-max-pulls-per-peer 4 and 4 streams each before a reader hears "busy".
+MAX_SEND_STREAMS = 32
 MAX_RECV_BYTES = 512 << 20  # host buffers all pulls of a decode worker share
 MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefill worker keeps open
 HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
