@@ -59,7 +59,7 @@ SLO = ("ttft:2000", "itl:25")
 class Sizes:
     input_len: int
     output_len: int
-    rates: tuple[float, float]  # (low, high): every stack runs low, agg and nixl also high
+    rates: tuple[float, float]  # (low, high): every stack runs low, agg and nixl also high (tcp: --tcp-high-rate)
     lengths: tuple[int, ...]
     sweep_output_len: int
     sweep_requests: int
@@ -117,8 +117,8 @@ class Point:
     prompt_len: int | None = None
 
 
-def points(spec: StackSpec, sizes: Sizes) -> list[Point]:
-    rates = sizes.rates if spec.transport in (None, "nixl") else sizes.rates[:1]
+def points(spec: StackSpec, sizes: Sizes, tcp_high: bool = False) -> list[Point]:
+    rates = sizes.rates if spec.transport in (None, "nixl") or tcp_high else sizes.rates[:1]
     sweep = [Point("sweep", prompt_len=L) for L in sizes.lengths] if spec.transport else []
     return [Point("load", rate=r) for r in rates] + sweep
 
@@ -158,13 +158,13 @@ class Runner:
 
     def stack_cost(self, spec: StackSpec) -> float:
         start = max(self.start_costs) if self.start_costs else self.sizes.start_s
-        return start + 5 + sum(self.estimate(p, spec) for p in points(spec, self.sizes))
+        return start + 5 + sum(self.estimate(p, spec) for p in points(spec, self.sizes, self.args.tcp_high_rate))
 
     def run_all(self, stacks: list[StackSpec], after_each) -> None:
         for k, spec in enumerate(stacks):
             left = self.deadline - time.monotonic()
             share_end = time.monotonic() + left * self.stack_cost(spec) / sum(map(self.stack_cost, stacks[k:]))
-            todo = points(spec, self.sizes)
+            todo = points(spec, self.sizes, self.args.tcp_high_rate)
             first = self.estimate(todo[0], spec)
             if left < self.stack_cost(spec) - sum(self.estimate(p, spec) for p in todo) + first:
                 self.skipped.append(f"{spec.name} (whole stack: {left:.0f}s left)")
@@ -299,6 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
                                                      "included (e.g. --async-scheduling)")
     p.add_argument("--warmup", type=int, default=4, help="requests sent (all at once) before a stack's first point")
+    p.add_argument("--tcp-high-rate", action="store_true", help="TCP stacks run the high load point too")
     p.add_argument("--stacks", default=None, help="comma-separated subset of agg,nixl-off,nixl-on,tcp-off,tcp-on")
     p.add_argument("--no-overlap-flags", action="store_true", help="pass neither flag (a checkout without them)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, TCP only (checks the script)")
