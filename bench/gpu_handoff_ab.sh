@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A/B of the hand-off over TCP in one device call: an earlier tree against this one, one `tcp-on`
+# stack per (tree, split), each a run of bench/gpu_handoff.sh. Before the call, here:
+#
+#   mkdir -p .whl/base && git archive <base-sha> | tar -x -C .whl/base
+#   run(command="B1=220 B2=135 bash bench/gpu_handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
+#
+# Runs (in the order given): base-tail, base-taper (the earlier tree), new-tail, new-taper,
+# new-taper256, new-auto (this tree). B1: the first run's budget in seconds (it also writes the
+# checkpoint), B2: each later run's; AB_EXTRA: more bench/handoff.py flags (--tcp-high-rate);
+# HANDOFF_MIN_GPUS=1 runs both workers on one GPU. Each run's report lands in /tmp/ab/<run>/, all
+# of them in $OUT/ab.tar.gz (rewritten after each run: a call cut short keeps what ran).
+set -u
+OUT=${OUT:-$PWD/gpu_handoff_ab_out}
+mkdir -p "$OUT" /tmp/ab
+run() {  # name dir worker-args [chunk tokens]
+  local name=$1 dir=$2 args=$3 chunk=${4:-512}
+  (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=tcp-on \
+     HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash bench/gpu_handoff.sh --warmup 24 ${AB_EXTRA:-} \
+     > /tmp/ab/$name.out 2>&1)
+  echo "== $name: $(grep -h '^\[handoff' /tmp/ab/$name/chunk$chunk/log.txt | grep 'first gap' \
+     | sed 's/^\[handoff *[0-9]*s\] //' | tr '\n' ';')"
+}
+[ -d .whl/base ] && (cd .whl/base && ln -sfn .. .whl)  # the earlier tree installs the same carried wheels
+B=${B1:-220}
+for what in "$@"; do
+  case $what in
+    base-tail) run base-tail .whl/base "--kv-stream-split tail" ;;
+    base-taper) run base-taper .whl/base "--kv-stream-split taper" ;;
+    new-tail) run new-tail . "--kv-stream-split tail" ;;
+    new-taper) run new-taper . "--kv-stream-split taper" ;;
+    new-taper256) run new-taper256 . "--kv-stream-split taper" 256 ;;
+    new-auto) run new-auto . "" ;;
+    *) echo "unknown run: $what"; exit 2 ;;
+  esac
+  B=${B2:-135}
+  (cd /tmp/ab && tar czf "$OUT/ab.tar.gz" --exclude='*.png' .)
+done
+ls -la "$OUT"
