@@ -51,17 +51,24 @@ gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one card, whatever the machine has
 
-if [ "$MODE" = fused ]; then
+# Every step of every mode: its output into a file under a time limit, one line printed saying
+# how it ended and how long it took (what the device call's reply shows of it).
+run_step() {  # run_step LABEL SECONDS FILE COMMAND...
+  local label=$1 limit=$2 file=$3 t0 rc
+  shift 3
   t0=$(date +%s)
-  timeout --kill-after=10 120 $PY -m pytest tests/kernels/test_fp8_fused_quant.py -q -p no:cacheprovider \
-    > "$OUT/tests_fused.txt" 2>&1
-  echo "fp8 fused-quantization tests: rc=$? in $(( $(date +%s) - t0 ))s"
+  timeout --kill-after=10 "$limit" "$@" > "$file" 2>&1
+  rc=$?
+  echo "$label: rc=$rc in $(( $(date +%s) - t0 ))s"
+}
+
+if [ "$MODE" = fused ]; then
+  run_step "fp8 fused-quantization tests" 120 "$OUT/tests_fused.txt" \
+    $PY -m pytest tests/kernels/test_fp8_fused_quant.py -q -p no:cacheprovider
   tail -n 3 "$OUT/tests_fused.txt"
   cd /tmp
-  t0=$(date +%s)
-  timeout --kill-after=10 300 $PY -m pdserve.bench.gpu_fp8 --only fused --workdir /tmp/pdserve-fp8 \
-    --out "$OUT/fp8_fused.md" > "$OUT/fp8_fused_log.txt" 2>&1
-  echo "bench gpu_fp8 fused: rc=$? in $(( $(date +%s) - t0 ))s"
+  run_step "bench gpu_fp8 fused" 300 "$OUT/fp8_fused_log.txt" \
+    $PY -m pdserve.bench.gpu_fp8 --only fused --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_fused.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_fused_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_fused.md" 2>/dev/null
@@ -69,36 +76,26 @@ if [ "$MODE" = fused ]; then
 fi
 
 if [ "$MODE" = blockwise ]; then
-  t0=$(date +%s)
-  timeout --kill-after=10 75 $PY -m pytest tests/kernels/test_fp8_scaled_mm.py tests/kernels/test_fp8.py -q \
-    -k "not gemv" -p no:cacheprovider > "$OUT/tests_blockwise.txt" 2>&1
-  echo "fp8 scaled_mm tests: rc=$? in $(( $(date +%s) - t0 ))s"
+  run_step "fp8 scaled_mm tests" 75 "$OUT/tests_blockwise.txt" \
+    $PY -m pytest tests/kernels/test_fp8_scaled_mm.py tests/kernels/test_fp8.py -q -k "not gemv" -p no:cacheprovider
   tail -n 3 "$OUT/tests_blockwise.txt"
   cd /tmp
-  t0=$(date +%s)
-  timeout --kill-after=10 265 $PY -m pdserve.bench.gpu_fp8 --only blockwise speed --workdir /tmp/pdserve-fp8 \
-    --out "$OUT/fp8_blockwise.md" > "$OUT/fp8_blockwise_log.txt" 2>&1
-  echo "bench gpu_fp8 blockwise: rc=$? in $(( $(date +%s) - t0 ))s"
+  run_step "bench gpu_fp8 blockwise" 265 "$OUT/fp8_blockwise_log.txt" \
+    $PY -m pdserve.bench.gpu_fp8 --only blockwise speed --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_blockwise.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_blockwise_log.txt" | grep -i "scaled_mm\|error\|Traceback" | head -n 5
   cat "$OUT/fp8_blockwise.md" 2>/dev/null
   exit 0
 fi
 
-t0=$(date +%s)
-timeout --kill-after=10 90 $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1
-echo "fp8 kernel tests: rc=$? in $(( $(date +%s) - t0 ))s"
+run_step "fp8 kernel tests" 90 "$OUT/tests.txt" $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider
 tail -n 3 "$OUT/tests.txt"
 
 cd /tmp
-t0=$(date +%s)
-timeout --kill-after=10 150 $PY -m pdserve.bench.fp8_gemv_tune --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json" \
-  > "$OUT/gemv_tune_log.txt" 2>&1
-echo "fp8_gemv tile sweep: rc=$? in $(( $(date +%s) - t0 ))s"
+run_step "fp8_gemv tile sweep" 150 "$OUT/gemv_tune_log.txt" \
+  $PY -m pdserve.bench.fp8_gemv_tune --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json"
 TUNED=(); [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$OUT/gemv_tune.json")
-t0=$(date +%s)
-timeout --kill-after=10 420 $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" "${TUNED[@]}" \
-  > "$OUT/fp8_log.txt" 2>&1
-echo "bench gpu_fp8: rc=$? in $(( $(date +%s) - t0 ))s"
+run_step "bench gpu_fp8" 420 "$OUT/fp8_log.txt" \
+  $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" "${TUNED[@]}"
 rm -rf /tmp/pdserve-fp8
 grep -v " INFO \|it/s\]" "$OUT/fp8_log.txt" | tail -n 40

@@ -33,14 +33,18 @@ def _rms_norm_kernel(
     tl.store(out_ptr + t * stride_ot + cols, (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(
+def check_rms_norm_args(
+    fn: str,
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton version of reference.rms_norm_ref; returns new tensors, inputs are not modified."""
-    fn = "rms_norm"
+    residual: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Checks the norm's arguments for launcher `fn` (named in the errors); returns (tokens, hidden).
+
+    rms_norm and rms_norm_fp8 (the same norm, its output quantized) take the same x, weight,
+    eps and residual: one set of checks, so that both reject the same inputs.
+    """
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, hidden = x.shape
     check_tensor(fn, "weight", weight, (hidden,), FLOAT_DTYPES)
@@ -54,6 +58,17 @@ def rms_norm(
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {v.stride()}")
     if not eps > 0:
         raise ValueError(f"{fn}: eps must be > 0, got {eps}")
+    return t, hidden
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton version of reference.rms_norm_ref; returns new tensors, inputs are not modified."""
+    t, hidden = check_rms_norm_args("rms_norm", x, weight, eps, residual)
     out = torch.empty((t, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     new_res = torch.empty_like(x) if residual is not None else None
     if t == 0:

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fp8_quant import fp8_outputs, fp8_result
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.launch import check_devices, check_tensor
 from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
+from pdserve.kernels.rms_norm import check_rms_norm_args
 
 
 @triton.jit
@@ -85,19 +86,7 @@ def rms_norm_fp8(
     of 2 (128: the block-scaled GEMMs). `out` [M, H] (optional, rms_norm's output dtype): also
     receives the unquantized output (the tests compare it with rms_norm's)."""
     fn = "rms_norm_fp8"
-    check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
-    t, hidden = x.shape
-    check_tensor(fn, "weight", weight, (hidden,), FLOAT_DTYPES)
-    tensors = {"x": x, "weight": weight}
-    if residual is not None:
-        check_tensor(fn, "residual", residual, (t, hidden), (x.dtype,))
-        tensors["residual"] = residual
-    check_devices(fn, **tensors)
-    for name, v in tensors.items():
-        if v.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {v.stride()}")
-    if not eps > 0:
-        raise ValueError(f"{fn}: eps must be > 0, got {eps}")
+    t, hidden = check_rms_norm_args(fn, x, weight, eps, residual)
     if group_size is not None and (group_size <= 0 or group_size & (group_size - 1)):
         raise ValueError(f"{fn}: group_size must be a power of 2 or None, got {group_size}")
     out_dtype = torch.promote_types(weight.dtype, x.dtype)

@@ -21,9 +21,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.
     tl.store(out_ptr + t * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of reference.silu_and_mul_ref (computed in fp32, rounded once)."""
-    fn = "silu_and_mul"
+def check_silu_and_mul_input(fn: str, x: torch.Tensor) -> tuple[int, int]:
+    """Checks the fused [gate | up] input for launcher `fn` (named in the errors); returns
+    (tokens, intermediate size).
+
+    silu_and_mul and silu_and_mul_fp8 (the same activation, its output quantized) read the same
+    x: one set of checks, so that both reject the same inputs.
+    """
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, two_i = x.shape
     if two_i % 2:
@@ -31,7 +35,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_devices(fn, x=x)
     if x.stride(-1) != 1:
         raise ValueError(f"{fn}: x must be contiguous in its last dimension, got strides {x.stride()}")
-    inter = two_i // 2
+    return t, two_i // 2
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of reference.silu_and_mul_ref (computed in fp32, rounded once)."""
+    t, inter = check_silu_and_mul_input("silu_and_mul", x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t == 0 or inter == 0:
         return out

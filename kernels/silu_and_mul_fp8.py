@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fp8_quant import GROUP_TILE, fp8_outputs, fp8_result
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
+from pdserve.kernels.silu_and_mul import check_silu_and_mul_input
 
 
 @triton.jit
@@ -49,16 +49,9 @@ def silu_and_mul_fp8(x: torch.Tensor, group_size: int | None = None, mn_major_sc
     pad_rows_to=...) would: (e4m3 [M', I], fp32 scales [M', G]). `group_size`: None (one scale
     per row) or a power of 2 up to fp8_quant.GROUP_TILE (128: the block-scaled GEMMs)."""
     fn = "silu_and_mul_fp8"
-    check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
-    t, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"{fn}: x's last dimension must be even ([gate | up]), got {two_i}")
-    check_devices(fn, x=x)
-    if x.stride(-1) != 1:
-        raise ValueError(f"{fn}: x must be contiguous in its last dimension, got strides {x.stride()}")
+    t, inter = check_silu_and_mul_input(fn, x)
     if group_size is not None and (group_size <= 0 or group_size & (group_size - 1) or group_size > GROUP_TILE):
         raise ValueError(f"{fn}: group_size must be a power of 2 up to {GROUP_TILE} or None, got {group_size}")
-    inter = two_i // 2
     q, scales, emulate = fp8_outputs(t, inter, group_size, mn_major_scales, pad_rows_to, x.device)
     m, groups = scales.shape
     if m and inter:

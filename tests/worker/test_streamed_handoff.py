@@ -198,6 +198,27 @@ def test_the_decode_side_hears_of_the_last_prefill_step_before_it_ends(ckpt, pai
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
+def hand_off_and_decode(p: LLMEngine, d: LLMEngine, prid: str, drid: str, prompt,
+                        before_step=lambda: None) -> list[list[int]]:
+    """Hands `prompt` off from `p` (`prid`) to `d` (`drid`), which the test keeps busy, and drives
+    both engines to the end: `d` is stepped until the pull starts, then held while the prefill
+    runs to its end, so that the pull's last read lands while `d` steps again (the test's hooks
+    on `d` pin down when); then `d` is stepped until `drid` ends. Returns `drid`'s new tokens,
+    one list per step of those last ones (empty where it had none), without the prefill's first
+    token. `before_step` runs before each of those steps."""
+    conn = d.kv_connector
+    d.add_request(drid, prompt, GREEDY, announce(p, prid, prompt))
+    until(lambda: drid in conn._loading, "the pull to start", [d])
+    until(lambda: prid not in p.requests, "the prefill to finish", [p])  # d not stepped meanwhile
+    until(lambda: drid in conn._landing, "the pull to learn that the prefill ended")  # its last read runs
+    steps, deadline = [], time.monotonic() + 30
+    while drid in d.requests:
+        assert time.monotonic() < deadline, f"timed out waiting for {drid}"
+        before_step()
+        steps.append([t for o in d.step() if o.request_id == drid for t in o.new_token_ids])
+    return steps
+
+
 def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monkeypatch):
     """The decode worker is busy (another request decodes) when a hand-off's last read lands,
     during a step: the request must be in the very next step, under async scheduling too (there
@@ -230,24 +251,10 @@ def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monk
 
     monkeypatch.setattr(conn, "_stream_pull", gated_stream_pull)
     monkeypatch.setattr(d.runner, "collect", collect_while_landing)
-    params = announce(p, "p5", fresh)
-    d.add_request("d5", fresh, GREEDY, params)
-    until(lambda: "d5" in conn._loading, "the pull to start", [d])
-    until(lambda: "p5" not in p.requests, "the prefill to finish", [p])  # d not stepped meanwhile
-    deadline = time.monotonic() + 30
-    while "d5" not in conn._landing:  # the prefill's end reached the pull: its last read runs
-        assert time.monotonic() < deadline, "the pull never learnt that the prefill ended"
-        time.sleep(0.01)
-    tokens, first_at = [want[0]], None
-    while "d5" in d.requests:
-        assert time.monotonic() < deadline + 30, "timed out waiting for d5"
-        calls["n"] += 1
-        for o in d.step():
-            if o.request_id == "d5" and o.new_token_ids:
-                first_at = first_at or calls["n"]
-                tokens += o.new_token_ids
+    steps = hand_off_and_decode(p, d, "p5", "d5", fresh, before_step=lambda: calls.update(n=calls["n"] + 1))
+    first_at = next((n for n, new in enumerate(steps, 1) if new), None)
     assert calls["landed"] is not None and first_at == calls["landed"] + 1, calls
-    assert tokens == want
+    assert [want[0]] + [t for new in steps for t in new] == want
     d.abort("a5")
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
@@ -290,18 +297,7 @@ def test_a_hand_off_that_lands_while_a_step_runs_joins_the_step_behind_it(ckpt, 
     monkeypatch.setattr(d.runner, "is_done", running_until_landed)
     monkeypatch.setattr(d.runner, "launch", recorded_launch)
     late_joins = d.num_late_joins
-    params = announce(p, "p6", fresh)
-    d.add_request("d6", fresh, GREEDY, params)
-    until(lambda: "d6" in conn._loading, "the pull to start", [d])
-    until(lambda: "p6" not in p.requests, "the prefill to finish", [p])  # d not stepped meanwhile
-    deadline = time.monotonic() + 30
-    while "d6" not in conn._landing:  # the prefill's end reached the pull: its last read runs
-        assert time.monotonic() < deadline, "the pull never learnt that the prefill ended"
-        time.sleep(0.01)
-    tokens = [want[0]]
-    while "d6" in d.requests:
-        assert time.monotonic() < deadline + 30, "timed out waiting for d6"
-        tokens += [t for o in d.step() if o.request_id == "d6" for t in o.new_token_ids]
+    tokens = [want[0]] + [t for new in hand_off_and_decode(p, d, "p6", "d6", fresh) for t in new]
     assert d.num_late_joins == late_joins + 1
     joined = next(i for i, (ids, _) in enumerate(launches) if "d6" in ids)
     assert launches[joined][1], "the landed request's first step was not launched behind the one in flight"
