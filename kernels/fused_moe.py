@@ -144,7 +144,7 @@ def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     """moe_route then moe_align in one launch (decode batch sizes; larger ones: the two calls):
     router_logits [T, E_router] -> (weights [T, k] fp32, ids [T, k] int64, sorted_ids,
     expert_ids, num_padded) with moe_route's and moe_align's meanings and the same values."""
-    from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS, check_route_args
+    from pdserve.kernels.moe_route import check_route_args
 
     t, router_experts = check_route_args("moe_route_align", router_logits, top_k)
     if not route_align_fits(t, top_k, router_experts, num_experts):

@@ -88,7 +88,7 @@ def small_chunks(monkeypatch):
 
 def as_params(d: dict) -> KVTransferParams:
     """The parsed params a decode worker carries; tcp_pull reads the request id, token and engine."""
-    return KVTransferParams(**{"remote_host": "127.0.0.1", "remote_port": 0, "remote_block_ids": (),
+    return KVTransferParams(**{"remote_host": "127.0.0.1", "remote_port": 0,
                                "num_prompt_tokens": 1, "first_token_id": 0, "kv_layout": "x:1", "transport": "tcp",
                                **{k: v for k, v in d.items() if k in KVTransferParams.__dataclass_fields__},
                                "remote_block_ids": tuple(d.get("remote_block_ids", ()))})

@@ -64,7 +64,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
-from pdserve.worker.kv.pins import PinError, PinTable
+from pdserve.worker.kv.pins import PinTable
 
 log = logging.getLogger(__name__)
 
