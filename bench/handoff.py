@@ -38,6 +38,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -88,6 +89,12 @@ STACKS = (StackSpec("agg", 0, 2, None, None), StackSpec("nixl-off", 1, 1, "nixl"
           StackSpec("nixl-on", 1, 1, "nixl", True), StackSpec("tcp-off", 1, 1, "tcp", False),
           StackSpec("tcp-on", 1, 1, "tcp", True))
 SMOKE_STACKS = tuple(s for s in STACKS if s.transport != "nixl")
+
+
+def stream_split(worker_args: str) -> str:
+    """The workers' --kv-stream-split: the one --worker-args names, else the default (auto)."""
+    m = re.search(r"--kv-stream-split[ =](\w+)", worker_args or "")
+    return m.group(1) if m else "auto"
 
 
 def flag_support() -> dict[str, bool]:
@@ -283,6 +290,7 @@ def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dic
                        "lengths": sorted(sizes.lengths), "sweep_requests": sizes.sweep_requests,
                        "sweep_output_len": sizes.sweep_output_len, "max_model_len": sizes.max_model_len,
                        "max_num_batched_tokens": sizes.max_num_batched_tokens, "budget_s": args.budget_s,
+                       "stream_split": stream_split(args.worker_args),
                        "kv_bytes_per_token": per_token},
             "flags": support, "flags_note": note, "rows": rows,
             "stages": runner.stages if runner else [], "skipped": runner.skipped if runner else []}

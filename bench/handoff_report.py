@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 from pdserve.bench import disagg_report, server_metrics
+from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
 
 LINKS_GBPS = (2, 10, 25, 50)
 FLAT_MS = 5.0  # "flat": first gap spread over prompt lengths, and the TCP slack of issue 24
@@ -74,12 +75,34 @@ def stall_off_ms(nbytes: float, gbps: float, fixed_ms: float) -> float:
     return nbytes / (gbps * 1e6) + fixed_ms
 
 
-def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, n_chunks: int, fixed_ms: float) -> float:
-    """Streamed hand-off, chunk k sent once computed (equal chunk times, one link): the last byte
-    lands at max over k of (k*P/n + (n-k+1)*B/(n*bw)), linear in k, so the stall after the prefill
-    ends is max(last chunk alone, B/bw - P*(n-1)/n)."""
+def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, chunks: int | list[int], fixed_ms: float) -> float:
+    """Streamed hand-off, chunk k sent once computed, one link, the prefill's time split over its
+    chunks by their tokens. `chunks`: n equal chunks, where the last byte lands at max over k of
+    (k*P/n + (n-k+1)*B/(n*bw)), linear in k, so the stall after the prefill ends is max(last chunk
+    alone, B/bw - P*(n-1)/n); or the chunks' token counts (the tail and taper splits), simulated."""
     link = nbytes / (gbps * 1e6)
-    return max(link / n_chunks, link - prefill_ms * (n_chunks - 1) / n_chunks) + fixed_ms
+    if isinstance(chunks, int):
+        return max(link / chunks, link - prefill_ms * (chunks - 1) / chunks) + fixed_ms
+    total, done, link_free = sum(chunks), 0, 0.0
+    for c in chunks:
+        done += c
+        link_free = max(link_free, prefill_ms * done / total) + link * c / total
+    return link_free - prefill_ms + fixed_ms
+
+
+def prompt_chunks(tokens: int, chunk: int, split: str, budget: int | None) -> int | list[int]:
+    """How a streamed prefill of `tokens` is cut into steps (the scheduler's own cut: chunk_cap
+    under a step budget of `budget` tokens): token counts, or a count of equal chunks for "even"
+    (the model's closed form; an earlier report's runs, which name no split, were even)."""
+    if split == "even" or not chunk:
+        return max(1, math.ceil(tokens / chunk)) if chunk else 1
+    out, left = [], tokens
+    while left:
+        n = min(left, budget or left)
+        n = min(n, taper_chunk(left, chunk)) if split == "taper" else (min(n, left - chunk) if left > chunk else n)
+        out.append(n)
+        left -= n
+    return out
 
 
 def _sweep(rows: list[dict], stack: str) -> dict[int, dict]:
@@ -87,22 +110,28 @@ def _sweep(rows: list[dict], stack: str) -> dict[int, dict]:
             and r["failed"] < r["sent"]}
 
 
-def prediction(rows: list[dict], per_token: int, chunk: int) -> dict:
+def prediction(rows: list[dict], per_token: int, chunk: int, split: str = "even", budget: int | None = None) -> dict:
     """Fits the two fixed costs on the NIXL sweep (TCP if NIXL is missing) and predicts the stall
-    per prompt length and link; also checks the model at each stack's own measured link."""
+    per prompt length and link; also checks the model at each stack's own measured link. `split`:
+    the workers' --kv-stream-split (auto: each transport's own), `budget`: their step budget."""
     off = _sweep(rows, "nixl-off") or _sweep(rows, "tcp-off")
     on_name = "nixl-on" if _sweep(rows, "nixl-on") else "tcp-on"
     on = _sweep(rows, on_name)
     if not off:
         return {}
-    n_chunks = lambda L: max(1, math.ceil(L / chunk)) if chunk else 1
+
+    def cut(L: int, stack: str = on_name) -> int | list[int]:
+        return prompt_chunks(L, chunk, resolve_split(split, stack.split("-")[0]), budget)
+
+    n_chunks = cut
     prefill = {L: r["p_ttft_ms"] for L, r in off.items()}
     fixed_off = statistics.median(r["first_gap_p50_ms"] - r["kv_ms"] for r in off.values())
     off_bw = {L: r["kv_gbps"] for L, r in off.items()}
     fixed_on = statistics.median(
         r["first_gap_p50_ms"] - stall_on_ms(L * per_token, off_bw[L], prefill[L], n_chunks(L), 0.0)
         for L, r in on.items() if L in off and off_bw[L] > 0) if on else fixed_off
-    table = [{"prompt_len": L, "kv_mb": L * per_token / 1e6, "prefill_ms": prefill[L], "chunks": n_chunks(L),
+    table = [{"prompt_len": L, "kv_mb": L * per_token / 1e6, "prefill_ms": prefill[L],
+              "chunks": c if isinstance(c := n_chunks(L), int) else len(c),
               "off_ms": {str(g): stall_off_ms(L * per_token, g, fixed_off) for g in LINKS_GBPS},
               "on_ms": {str(g): stall_on_ms(L * per_token, g, prefill[L], n_chunks(L), fixed_on) for g in LINKS_GBPS}}
              for L in sorted(off)]
@@ -113,12 +142,13 @@ def prediction(rows: list[dict], per_token: int, chunk: int) -> dict:
             if L not in twin or not twin[L]["kv_gbps"] or L not in prefill:
                 continue
             bw = twin[L]["kv_gbps"]
-            pred = (stall_on_ms(L * per_token, bw, prefill[L], n_chunks(L), fixed_on) if stack.endswith("-on")
+            pred = (stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), fixed_on) if stack.endswith("-on")
                     else stall_off_ms(L * per_token, bw, fixed_off))
             checks.append({"stack": stack, "prompt_len": L, "gbps": bw, "predicted_ms": pred,
                            "measured_ms": r["first_gap_p50_ms"], "stall_ms": r["first_gap_p50_ms"] - r["steady_itl_p50_ms"],
-                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], n_chunks(L), 0.0)})
-    return {"per_token_bytes": per_token, "chunk_tokens": chunk, "fixed_off_ms": fixed_off, "fixed_on_ms": fixed_on,
+                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), 0.0)})
+    return {"per_token_bytes": per_token, "chunk_tokens": chunk, "split": resolve_split(split, on_name.split("-")[0]),
+            "fixed_off_ms": fixed_off, "fixed_on_ms": fixed_on,
             "fixed_on_from": on_name if on else "nixl-off (no overlap-on sweep)", "table": table, "checks": checks}
 
 
@@ -202,6 +232,13 @@ def _g(v: float | None) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
 
 
+def _split_text(pred: dict) -> str:
+    split, chunk = pred.get("split", "even"), pred["chunk_tokens"]
+    if split == "even":
+        return f"chunks of {chunk} tokens, n = ceil(tokens / chunk); in closed form max(bytes / (n bw), bytes / bw - P (n-1)/n)"
+    return f"the `{split}` split of the {chunk}-token tail, as the scheduler cuts it"
+
+
 def _setup(r: dict) -> str:
     return "aggregated" if not r["transport"] else f"P/D {r['transport']}, overlap {'on' if r['overlap'] else 'off'}"
 
@@ -245,9 +282,9 @@ def markdown(summary: dict) -> str:
         g = " | ".join(f"{b} GB/s off / on" for b in LINKS_GBPS)
         L += ["## Predicted stall after the first token, by link (ms)", "",
               f"KV bytes = layers x 2 x KV heads x head dim x element bytes x tokens = {pred['per_token_bytes']} B/token. "
-              f"Without overlap: stall = bytes / bw + c_off. With overlap (chunks of {pred['chunk_tokens']} tokens, "
-              "n = ceil(tokens / chunk), chunk k sent as soon as computed, P = the measured prefill): stall = "
-              "max(bytes / (n bw), bytes / bw - P (n-1)/n) + c_on. c_off = "
+              f"Without overlap: stall = bytes / bw + c_off. With overlap ({_split_text(pred)}, chunk k sent as soon "
+              "as computed over one link, P = the measured prefill, shared by the chunks by their tokens): stall = "
+              "when the last chunk's bytes land - P + c_on. c_off = "
               f"{pred['fixed_off_ms']:.1f} ms (median of first gap - KV pull over the off sweep: admission, first decode "
               f"step, relay), c_on = {pred['fixed_on_ms']:.1f} ms (median of first gap - the model's transfer term over "
               f"the {pred['fixed_on_from']} sweep). P = the prefill worker's TTFT at low load, overlap off.", "",
@@ -317,7 +354,8 @@ def render(summary: dict, out: Path) -> list[Path]:
     """results.md, summary.json and the figure; the figure's absence is said in results.md. The
     prediction and the targets are derived here from the rows, so `--replot` applies this code."""
     cfg = summary["config"]
-    pred = prediction(summary["rows"], cfg["kv_bytes_per_token"], cfg["chunk_tokens"]) if cfg["kv_bytes_per_token"] else {}
+    pred = (prediction(summary["rows"], cfg["kv_bytes_per_token"], cfg["chunk_tokens"], cfg.get("stream_split", "even"),
+                       cfg.get("max_num_batched_tokens")) if cfg["kv_bytes_per_token"] else {})
     summary = {**summary, "prediction": pred, "targets": targets(summary["rows"], pred, tuple(cfg["rates"]))}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

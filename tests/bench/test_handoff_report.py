@@ -100,6 +100,49 @@ def test_prediction_fits_the_fixed_costs_and_checks_the_model():
     assert hr.prediction([], per_token, 512) == {}
 
 
+def simulated_split_stall(nbytes: float, gbps: float, prefill_ms: float, chunks: list[int]) -> float:
+    """Chunk by chunk, each ready when its share of the prefill's time (by tokens) has passed."""
+    total, done, link_free = sum(chunks), 0, 0.0
+    for c in chunks:
+        done += c
+        link_free = max(link_free, done / total * prefill_ms) + nbytes * c / total / (gbps * 1e6)
+    return link_free - prefill_ms
+
+
+def test_the_model_of_unequal_chunks_agrees_with_its_closed_form_and_a_simulation():
+    rng = random.Random(1)
+    for _ in range(300):
+        nbytes, gbps, prefill, n = rng.uniform(1e6, 3e9), rng.choice((1, 2, 10, 25, 50)), rng.uniform(1, 900), rng.randint(1, 30)
+        assert hr.stall_on_ms(nbytes, gbps, prefill, [7] * n, 0.0) == pytest.approx(hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0))
+        chunks = [rng.randint(1, 9000) for _ in range(rng.randint(1, 6))]
+        assert hr.stall_on_ms(nbytes, gbps, prefill, chunks, 2.0) == pytest.approx(
+            simulated_split_stall(nbytes, gbps, prefill, chunks) + 2.0)
+
+
+@pytest.mark.parametrize("tokens,split,expected", [
+    (3000, "tail", [2488, 512]), (16384, "tail", [8704, 7168, 512]), (300, "tail", [300]),
+    (3000, "taper", [1464, 1024, 512]), (16384, "taper", [8704, 4096, 2048, 1024, 512]),
+    (3000, "even", 6),
+])
+def test_prompt_chunks_are_the_schedulers_cut(tokens, split, expected):
+    assert hr.prompt_chunks(tokens, 512, split, 8704) == expected
+
+
+def test_prediction_checks_each_stack_with_its_own_split():
+    """--kv-stream-split auto: the NIXL stack is modelled with tail, the TCP one with taper (a
+    TCP target read against equal chunks would be wrong for both)."""
+    per_token = hr.kv_bytes_per_token(LLAMA_8B)
+    kv_nixl, kv_tcp = (lambda L: L * per_token / 25e6), (lambda L: L * per_token / 2e6)
+    rows = sweep_rows("nixl-off", lambda L: kv_nixl(L) + 20, kv_nixl) + sweep_rows("nixl-on", lambda L: 8.0, kv_nixl)
+    rows += sweep_rows("tcp-off", lambda L: kv_tcp(L) + 20, kv_tcp) + sweep_rows("tcp-on", lambda L: 30.0, kv_tcp)
+    pred = hr.prediction(rows, per_token, 512, "auto", 8704)
+    assert pred["split"] == "tail"
+    t3000 = next(t for t in pred["table"] if t["prompt_len"] == 3000)
+    assert t3000["chunks"] == 2
+    check = next(c for c in pred["checks"] if c["stack"] == "tcp-on" and c["prompt_len"] == 3000)
+    assert check["unhidden_ms"] == pytest.approx(hr.stall_on_ms(3000 * per_token, 2, 3000 * 27e-3, [1464, 1024, 512], 0))
+
+
 def targets_for(rows):
     return {t["target"].split(" at ")[0].split(" (")[0]: (t["off"][1], t["on"][1])
             for t in hr.targets(rows, hr.prediction(rows, hr.kv_bytes_per_token(LLAMA_8B), 512), (1, 6))}
