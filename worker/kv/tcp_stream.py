@@ -351,12 +351,7 @@ class DataServer:
                 # Still ours? A released or cancelled pin ends the transfer before its blocks are read.
                 self.pins.check(t.request_id, t.token, t.digest)
                 buf = bufs[k % len(bufs)]
-                with _stream_ctx(stream):
-                    for pos, src, n in _runs(t.ids[first:first + count]):
-                        buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(self.blocks[src:src + n], non_blocking=True)
-                    event = torch.cuda.Event() if stream is not None else None
-                    if event is not None:
-                        event.record(stream)
+                event = _gather(buf, self.blocks, t.ids[first:first + count], stream)
                 if pending is not None:
                     self._put(t, conn, *pending)
                 pending = (buf, event, count * bb)
@@ -370,7 +365,6 @@ class DataServer:
         """A stream read's stream: pieces of computed blocks, taken from the shared cursor, each
         copied out while the one before is on the wire; then the end. A released or cancelled
         pin ends it (PinError), as a hung-up reader does."""
-        bb = self.block_bytes
         bufs = self.pool.take(t.plan.chunk_bytes, 2, SEND_TIMEOUT_S)
         stream = torch.cuda.Stream(self.blocks.device) if self.blocks.device.type == "cuda" else None
         try:
@@ -389,12 +383,7 @@ class DataServer:
                         raise TimeoutError(f"the prefill computed no block of {t.request_id} in {READY_WAIT_S:.0f}s")
                     continue
                 buf = bufs[k % 2]
-                with _stream_ctx(stream):
-                    for pos, src, n in _runs(t.ids[first:first + count]):
-                        buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(self.blocks[src:src + n], non_blocking=True)
-                    event = torch.cuda.Event() if stream is not None else None
-                    if event is not None:
-                        event.record(stream)
+                event = _gather(buf, self.blocks, t.ids[first:first + count], stream)
                 if pending is not None:
                     self._put_piece(t, conn, *pending)
                 pending, k = (buf, event, first, count), k + 1
@@ -441,6 +430,34 @@ class DataServer:
             self.pins.release(t.request_id, t.token)
         self.on_sent(t.sent)
         self._cond.notify_all()
+
+
+def _gather(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream) -> "torch.cuda.Event | None":
+    """Device -> host: blocks `ids`, in order, into `buf`, asynchronously on `stream` (one copy per
+    run of consecutive ids). Returns the event after which `buf` holds them (None: on the CPU, done)."""
+    bb = blocks.shape[1]
+    with _stream_ctx(stream):
+        for pos, src, n in _runs(ids):
+            buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(blocks[src:src + n], non_blocking=True)
+        return _recorded(stream)
+
+
+def _scatter(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream) -> "torch.cuda.Event | None":
+    """Host -> device: `buf`'s blocks, in order, into blocks `ids` (the reverse of _gather). Returns
+    the event after which `buf` may be reused (None: on the CPU, done)."""
+    bb = blocks.shape[1]
+    with _stream_ctx(stream):
+        for pos, dst, n in _runs(ids):
+            blocks[dst:dst + n].copy_(buf[pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
+        return _recorded(stream)
+
+
+def _recorded(stream) -> "torch.cuda.Event | None":
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _hung_up(conn: socket.socket) -> bool:
@@ -601,12 +618,7 @@ def _receive_stream(sock: socket.socket, plan: Plan, index: int, bufs: list[torc
             view = memoryview(bufs[b].numpy())[:count * bb]
             _left(deadline)
             _recv_exact(sock, view, deadline)
-            with _stream_ctx(stream):
-                for pos, dst, n in _runs(dst_blocks[first:first + count]):
-                    blocks[dst:dst + n].copy_(bufs[b][pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
-                if stream is not None:
-                    events[b] = torch.cuda.Event()
-                    events[b].record(stream)
+            events[b] = _scatter(bufs[b], blocks, dst_blocks[first:first + count], stream)
             nbytes += count * bb
     finally:
         if stream is not None:
@@ -637,12 +649,7 @@ def _receive_pieces(sock: socket.socket, plan: Plan, bufs: list[torch.Tensor], d
             if events[b] is not None:
                 events[b].synchronize()  # its previous piece's copy to the device has read it
             _recv_exact(sock, memoryview(bufs[b].numpy())[:count * bb], deadline)
-            with _stream_ctx(stream):
-                for pos, dst, n in _runs(dst_blocks[first:first + count]):
-                    blocks[dst:dst + n].copy_(bufs[b][pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
-                if stream is not None:
-                    events[b] = torch.cuda.Event()
-                    events[b].record(stream)
+            events[b] = _scatter(bufs[b], blocks, dst_blocks[first:first + count], stream)
             nbytes += count * bb
     finally:
         if stream is not None:
