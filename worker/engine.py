@@ -36,6 +36,7 @@ from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferPar
                                           is_remote_decode, parse_kv_transfer_params)
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
+from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import LaunchedStep, ModelRunner
@@ -226,7 +227,7 @@ class LLMEngine:
         # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
         # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
-        launched = self.runner.launch(batch, mark_done=self._pulls_kv)
+        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch))
         sampled, logprobs = self.runner.collect(launched)
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
@@ -318,7 +319,8 @@ class LLMEngine:
         if batch:
             # Under P/D a step is always waited for when collected (`done`): a streamed chunk is
             # made readable then, and pulls into freed blocks start after it.
-            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector is not None)
+            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector is not None,
+                                          layer_clock=self._layer_clock(batch))
             self.num_overlapped_steps += previous is not None
             launched.advanced = self.scheduler.advance(batch, set(launched.rows))
         self._in_flight = launched
@@ -329,6 +331,16 @@ class LLMEngine:
         if launched is None and previous is None and self.kv_connector is not None:
             self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
+
+    def _layer_clock(self, batch) -> LayerClock | None:
+        """A step that computes streamed prefills (prefill side, one rank): the blocks it completes
+        go into the pin table with a clock its forward ticks per layer, so a layered stream read
+        sends their layers as they are written (kv/layer_clock.py), not after the step."""
+        if self.kv_connector is None or self.followers is not None or not self.scheduler.connector.streams(batch.items):
+            return None
+        clock = LayerClock(self.model_config.num_layers, self.device)
+        self.kv_connector.computing(self.scheduler.connector.computing(batch.items), clock)
+        return clock
 
     def _can_overlap(self) -> bool:
         """Whether the next step can be planned before the host knows the step in flight's

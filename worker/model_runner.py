@@ -32,6 +32,7 @@ from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, m
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.host_staging import HostStaging
+from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv_cache import KVCache, resolve_kv_dtype
 from pdserve.worker.kv_scales import load_kv_scales
 from pdserve.worker.model_loader import load_model
@@ -406,10 +407,13 @@ class ModelRunner:
                 and not any(scores_prompt(r) for r, _ in batch.items))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, previous: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, previous: torch.Tensor | None = None,
+                layer_clock: LayerClock | None = None) -> torch.Tensor | None:
         """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
         row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples).
-        `previous`: the last step's sampled token ids on the device, for plan.from_previous."""
+        `previous`: the last step's sampled token ids on the device, for plan.from_previous.
+        `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
+        such a step is never a decode graph's)."""
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
@@ -419,7 +423,11 @@ class ModelRunner:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
             if fill is not None:
                 fill(input_ids)
-            hidden = self.model(input_ids, positions, meta)
+            self.model.after_layer = layer_clock.after_layer if layer_clock is not None else None
+            try:
+                hidden = self.model(input_ids, positions, meta)
+            finally:
+                self.model.after_layer = None
         self.prompt_scores = None
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
@@ -458,13 +466,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
-               mark_done: bool = False) -> LaunchedStep:
+               mark_done: bool = False, layer_clock: LayerClock | None = None) -> LaunchedStep:
         """Queue one step's work (forward, sampling, the copy of its token ids to the host) and
         return without waiting for it, except where sampling needs the host (seeded rows, logprobs,
         grammar masks). `previous`: the step still in flight, whose tokens some of this step's
         inputs are (async scheduling; the scheduler planned this batch with them in flight).
         `mark_done`: `collect` also waits for a step that samples nothing (a prefill chunk), so
-        that its KV is written when it returns (P/D: a streamed chunk is then made readable)."""
+        that its KV is written when it returns (P/D: a streamed chunk is then made readable).
+        `layer_clock`: see `execute`."""
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             # The server steps on its own thread, and the current device is per thread: without
             # this, Triton launches would target cuda:0 whatever card this rank was given.
@@ -477,7 +486,7 @@ class ModelRunner:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")
             plan.share_tokens = len(samplers) if self.share_sampled else 0
             self.followers.send(plan)
-        logits = self.execute(plan, previous.tokens if previous is not None else None)
+        logits = self.execute(plan, previous.tokens if previous is not None else None, layer_clock)
         if self.prompt_scores is not None:
             self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
         rows = {r.request_id: i for i, r in enumerate(samplers)}

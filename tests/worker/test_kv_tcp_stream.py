@@ -16,6 +16,7 @@ import torch
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest
@@ -27,17 +28,18 @@ AUTH = SideChannelAuth(SECRET)
 DIGEST = prompt_digest([1, 2, 3, 4, 5])
 BLOCK_BYTES = 64 << 10
 ENGINE = "prefill-engine"
+LAYERS = 4
 
 
 class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
-    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300):
+    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1):
         self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
         self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
-        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth)
+        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers)
         self.channel = side_channel.SideChannelServer(
             "127.0.0.1", self.port, {"read": self.tcp.handle_read, "describe": lambda b: ({"ok": True}, [])}, auth,
             identity=side_channel.destination(ENGINE, "127.0.0.1", self.port))
@@ -68,6 +70,14 @@ class Prefill:
 @pytest.fixture
 def prefill():
     p = Prefill()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def layered_prefill():
+    """Blocks of LAYERS layers (a block is that many equal slices, as in the KV cache's layout)."""
+    p = Prefill(num_layers=LAYERS)
     yield p
     p.close()
 
@@ -201,6 +211,71 @@ def test_a_stream_read_lands_each_block_once_computed_and_never_before(prefill, 
     assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
     assert prefill.pins.collect() == []  # kept: the streamed pull releases it after its last read
     assert prefill.pins.release("s", params["transfer_token"])
+
+
+def layer_slices(cache: torch.Tensor, blocks, lo: int, hi: int) -> torch.Tensor:
+    """Layers lo..hi-1 of `blocks` (each block LAYERS equal slices)."""
+    return cache[list(blocks)].view(len(blocks), LAYERS, -1)[:, lo:hi]
+
+
+def test_a_layered_stream_read_sends_each_layer_of_a_running_step_once_written_and_never_before(
+        layered_prefill, small_chunks):
+    """Two launched steps compute the pin's blocks 2..11 and 12..19 (async scheduling: the second
+    is queued behind the first), each announced with its layer clock: every layer the clocks pass
+    reaches the reader while the steps still run (no advance), and no layer moves before its
+    clock passed it (the reader's cache holds zeros there until then: they would show)."""
+    p = layered_prefill
+    src = list(range(40, 60))
+    params = streamed_pin(p, "l", src, ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(p, params, list(range(20)), list(range(20)), cache)
+    first, second = LayerClock(LAYERS, torch.device("cpu")), LayerClock(LAYERS, torch.device("cpu"))
+    p.pins.computing("l", 12, first)
+    p.pins.computing("l", 20, second)
+    assert wait_until(lambda: torch.equal(cache[:2], p.cache[40:42]))
+    for layer in range(LAYERS):
+        first.after_layer(layer)  # the first step's forward wrote this layer of blocks 2..11
+        assert wait_until(lambda: torch.equal(layer_slices(cache, range(2, 12), 0, layer + 1),
+                                              layer_slices(p.cache, range(42, 52), 0, layer + 1))), f"layer {layer}"
+        assert not layer_slices(cache, range(2, 12), layer + 1, LAYERS).any(), f"a layer past {layer} moved"
+        assert not cache[12:20].any(), "the second step's blocks moved before it wrote a layer"
+        read.raise_if_failed()
+    p.pins.advance("l", 12)  # the first step was collected
+    second.after_layer(0)
+    assert wait_until(lambda: torch.equal(layer_slices(cache, range(12, 20), 0, 1),
+                                          layer_slices(p.cache, range(52, 60), 0, 1)))
+    assert not layer_slices(cache, range(12, 20), 1, LAYERS).any()
+    p.pins.finish("l", first_token_id=7)  # the prefill ended: everything is written (the clock need not finish)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], p.cache[40:60])
+    assert p.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
+    assert p.pins.release("l", params["transfer_token"])
+
+
+def test_a_reader_without_layer_pieces_gets_whole_blocks_once_their_step_ends(layered_prefill, small_chunks,
+                                                                             monkeypatch):
+    """A decode worker of an earlier release does not ask for layer pieces: a block whose step is
+    still running reaches it only once the step was collected, whole, however many layers are written."""
+    p = layered_prefill
+    handle = p.tcp.handle_read
+    monkeypatch.setattr(p.tcp, "handle_read", lambda body: handle({k: v for k, v in body.items() if k != "layers"}))
+    p.channel.handlers["read"] = p.tcp.handle_read
+    params = streamed_pin(p, "w", list(range(40, 60)), ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(p, params, list(range(20)), list(range(20)), cache)
+    clock = LayerClock(LAYERS, torch.device("cpu"))
+    p.pins.computing("w", 20, clock)
+    for layer in range(LAYERS - 1):
+        clock.after_layer(layer)
+    p.pins.advance("w", 5)  # an earlier step's blocks, collected meanwhile
+    assert wait_until(lambda: torch.equal(cache[:5], p.cache[40:45]))
+    assert not cache[5:20].any(), "a block of the running step moved before its step was collected"
+    p.pins.finish("w", first_token_id=7)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], p.cache[40:60])
+    assert p.pins.release("w", params["transfer_token"])
 
 
 def test_a_stream_read_of_a_cancelled_prefill_fails_and_frees_both_sides(prefill, small_chunks):

@@ -129,7 +129,7 @@ class KVConnector:
 
     def start_server(self) -> None:
         tcp = self._tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n),
-                                    self.bind_host, self.auth)
+                                    self.bind_host, self.auth, num_layers=self.cache.shape[1])
         handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read,
                     "progress": self._progress}
         self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,
@@ -255,6 +255,14 @@ class KVConnector:
             self.pins.cancel(rid)
         for rid, token in meta.unpins:  # freed, as a reader's release would free it, by get_finished
             self.pins.release(rid, token)
+
+    def computing(self, orders: list[tuple[str, int]], clock) -> None:
+        """Step thread, before launching a step that computes streamed prefills: (request, blocks
+        it completes) each, written layer by layer as `clock` tells (a layered TCP stream read
+        sends them so). Not under tensor parallelism: its pulls read whole blocks per rank."""
+        if self.link is None and self.tp.size == 1:
+            for rid, upto in orders:
+                self.pins.computing(rid, upto, clock)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()

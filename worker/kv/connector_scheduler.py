@@ -206,6 +206,19 @@ class KVConnectorScheduler:
                 if self._last_step_next(req, n):
                     self._meta.last_steps.append(req.request_id)
 
+    def computing(self, items) -> list[tuple[str, int]]:
+        """Prefill side, before a step is launched: (request, leading blocks computed once it ends)
+        of each streamed prefill it computes a chunk of. Their layers are readable as the step
+        writes them (pins.PinTable.computing); the step's collection makes them whole (after_step)."""
+        out = []
+        for req, n in items:
+            if req.request_id in self._streaming and not req.status.finished:
+                done = req.num_computed_tokens + n
+                last = done >= req.num_prompt_tokens  # the prompt's last block is whole: no more of it is computed
+                out.append((req.request_id, -(-req.num_prompt_tokens // self.block_size) if last
+                            else done // self.block_size))
+        return out
+
     def _last_step_next(self, req: Request, computed: int) -> bool:
         """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap)."""
         return 0 < req.num_prompt_tokens - computed <= self.stream_chunk_tokens

@@ -20,11 +20,14 @@ side channel answers later (a deferred reply). A running pin never expires: its 
 alive on this worker, and its end (finish or cancel) starts the TTL. A streamed TCP read is
 opened once, before its blocks are computed (`open_read(..., streamed=True)`), and its sender
 threads wait for each chunk (`wait_ready`), so the bytes follow the prefill without a round trip
-per chunk.
+per chunk. A launched step that computes a chunk is announced too (`computing`: the blocks it
+completes and its layer_clock.LayerClock), so those blocks' layers can leave one by one while
+the step runs (`readiness`); the step's collection (`advance`) makes them whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 import time
@@ -55,6 +58,9 @@ class Pin:
     state: str = DONE
     first_token_id: int | None = None  # known once DONE (streamed pins)
     last: bool = False  # the prefill step now running computes the rest (streamed pins)
+    # Streamed pins: (blocks ready once it ends, its clock) of each launched step not yet
+    # collected that computes this prompt, in launch order (`computing`).
+    computing: list = dataclasses.field(default_factory=list)
 
     def progress(self) -> dict:
         """What a streamed pin's reader is told (`PinTable.progress`, `PinTable.state`)."""
@@ -106,6 +112,17 @@ class PinTable:
             if pin is None or pin.state != RUNNING or ready <= pin.ready:
                 return
             pin.ready = min(ready, len(pin.block_ids))
+            pin.computing = [(upto, clock) for upto, clock in pin.computing if upto > pin.ready]
+        self._changed()
+
+    def computing(self, request_id: str, upto: int, clock) -> None:
+        """Step thread, before a step is launched: it completes the pin's blocks up to `upto`,
+        layer by layer as `clock` (a layer_clock.LayerClock) tells."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None or pin.state != RUNNING or upto <= pin.ready:
+                return
+            pin.computing.append((min(upto, len(pin.block_ids)), clock))
         self._changed()
 
     def last_step(self, request_id: str) -> None:
@@ -125,6 +142,7 @@ class PinTable:
             if pin is None or pin.released:
                 return None
             pin.state, pin.ready, pin.first_token_id = DONE, len(pin.block_ids), first_token_id
+            pin.computing = []
             pin.expires_at = time.monotonic() + self.ttl
             token = pin.token
         self._changed()
@@ -137,7 +155,7 @@ class PinTable:
             pin = self._pins.get(request_id)
             if pin is None:
                 return False
-            pin.state, pin.released = CANCELLED, True
+            pin.state, pin.released, pin.computing = CANCELLED, True, []
         self._changed()
         return True
 
@@ -205,21 +223,26 @@ class PinTable:
         with self._lock:
             self._authenticate(request_id, token, prompt_digest, time.monotonic())
 
-    def ready_count(self, request_id: str, token: str, prompt_digest: str) -> int:
-        """How many leading blocks of the reader's pin are computed; PinError as `check`."""
+    def readiness(self, request_id: str, token: str, prompt_digest: str) -> tuple[int, list]:
+        """(leading blocks computed, [(upto, clock)] of the launched steps computing the next
+        ones: see `computing`); PinError as `check`."""
         with self._lock:
-            return self._authenticate(request_id, token, prompt_digest, time.monotonic()).ready
+            pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
+            if pin.state != RUNNING:  # a finished prefill's (or a plain pin's) blocks are all computed
+                return len(pin.block_ids), []
+            return pin.ready, list(pin.computing)
 
     def wait_ready(self, request_id: str, token: str, prompt_digest: str, upto: int, timeout_s: float,
-                   hung_up: Callable[[], bool] | None = None) -> bool:
-        """Wait until the pin's first `upto` blocks are computed (True), at most `timeout_s`
-        (False). PinError once the pin is released or cancelled (the prefill was aborted: its
-        blocks will never be computed); ConnectionError once `hung_up()` says the reader left."""
+                   hung_up: Callable[[], bool] | None = None, computing_ok: bool = False) -> bool:
+        """Wait until the pin's first `upto` blocks are computed (or, `computing_ok`, a launched
+        step is computing them) (True), at most `timeout_s` (False). PinError once the pin is
+        released or cancelled (the prefill was aborted: its blocks will never be computed);
+        ConnectionError once `hung_up()` says the reader left."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
-                if pin.state != RUNNING or pin.ready >= upto:
+                if pin.state != RUNNING or pin.ready >= upto or (computing_ok and any(u >= upto for u, _ in pin.computing)):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -29,6 +29,12 @@ copied out, then waits on the pin (`PinTable.wait_ready`). The reader places eac
 header, refuses a block sent twice or never, and bounds its wait per piece by its stall timeout
 rather than a deadline for the whole read (a long prefill is not a slow link).
 
+A stream read may also ask for *layer pieces* (`layered`): a block the launched prefill step
+is still computing then leaves layer by layer as the step's layer_clock.LayerClock passes each
+layer (pins.PinTable.computing), so the step that ends the prompt has sent most of its own KV
+by the time it ends. Such a read's headers are LAYER_PIECE (position, block count, first layer,
+end layer); a block's layers may come in several pieces, each layer once.
+
 Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
   prefill worker grants at most MAX_SEND_STREAMS streams at once (beyond: "busy", retried), a
@@ -64,7 +70,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
-from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,7 @@ REAP_S = 0.5  # how often unclaimed tickets are looked at
 
 MAGIC = b"pdkv-tcp"
 PIECE = struct.Struct("!II")  # a stream read's piece: first position in the read, block count (0: the end)
+LAYER_PIECE = struct.Struct("!IIHH")  # a layered stream read's: also the layers [lo, hi) of those blocks
 HELLO = struct.Struct("!8s16sHH32s")  # magic, ticket, stream index, streams, HMAC(ticket, index)
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 
@@ -187,7 +194,9 @@ class Transfer:
     plan: Plan
     claim_by: float  # monotonic
     positions: list[int] | None = None  # a stream read: the ids' positions in the pin, sent as computed
-    cursor: int = 0  # a stream read: ids before this are taken by a stream
+    cursor: int = 0  # a stream read: ids before this are taken by a stream (all their layers, or their first)
+    layers: int = 0  # a layered stream read: layers per block (0: whole blocks, PIECE headers)
+    open_runs: list = dataclasses.field(default_factory=list)  # [first, count, layers taken] not yet whole
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     claimed: set[int] = dataclasses.field(default_factory=set)
     open: int = 0  # streams not ended yet (running, or not claimed while the ticket is valid)
@@ -198,9 +207,11 @@ class Transfer:
 class DataServer:
     """Prefill side: the listener of data connections and their sender threads."""
 
-    def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent):
+    def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent,
+                 num_layers: int = 1):
         self.blocks, self.pins, self.auth, self.on_sent = blocks, pins, auth, on_sent
         self.block_bytes = blocks.shape[1]
+        self.num_layers = num_layers  # a block is num_layers equal slices, one per layer (kv_cache.py)
         self.plan_chunk = chunk_blocks_for(self.block_bytes)
         self.pool = HostBufferPool(MAX_SEND_STREAMS * 2 * self.plan_chunk * self.block_bytes,
                                    pinned=blocks.device.type == "cuda")
@@ -219,10 +230,10 @@ class DataServer:
     # -- the side channel's half: grant a transfer (no waiting, no bytes) ----------------------------
 
     def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams,
-              positions: list[int] | None = None) -> dict:
+              positions: list[int] | None = None, layered: bool = False) -> dict:
         """A ticket for reading `ids` (the caller holds a lease on them; `positions`: a stream
-        read, each chunk sent once the pin has computed it). Raises side_channel.Busy when every
-        stream is taken."""
+        read, each chunk sent once the pin has computed it; `layered`: and each layer of a block
+        the prefill is computing, once written). Raises side_channel.Busy when every stream is taken."""
         want = streams if type(streams) is int and 1 <= streams <= MAX_STREAMS_PER_TRANSFER else 1
         ticket = secrets.token_bytes(16)
         with self._cond:
@@ -230,11 +241,13 @@ class DataServer:
             if granted < 1:
                 raise side_channel.Busy(f"busy: all {MAX_SEND_STREAMS} KV data streams are in use; retry")
             plan = Plan(len(ids), self.block_bytes, self.plan_chunk, granted)
+            layers = self.num_layers if layered and positions is not None else 0
             self._transfers[ticket] = Transfer(ticket, request_id, token, digest, list(ids), keep, plan,
-                                               time.monotonic() + CLAIM_S, positions, open=granted)
+                                               time.monotonic() + CLAIM_S, positions, layers=layers, open=granted)
             self._streams += granted
         return {"data_port": self.port, "ticket": ticket.hex(), "nblocks": plan.nblocks,
-                "block_bytes": plan.block_bytes, "chunk_blocks": plan.chunk_blocks, "streams": plan.streams}
+                "block_bytes": plan.block_bytes, "chunk_blocks": plan.chunk_blocks, "streams": plan.streams,
+                **({"layers": layers} if layers else {})}
 
     # -- state, for /debug, tests and shutdown -----------------------------------------------------------
 
@@ -362,54 +375,103 @@ class DataServer:
             self.pool.give_back(bufs)
 
     def _send_stream(self, t: Transfer, conn: socket.socket) -> None:
-        """A stream read's stream: pieces of computed blocks, taken from the shared cursor, each
-        copied out while the one before is on the wire; then the end. A released or cancelled
-        pin ends it (PinError), as a hung-up reader does."""
+        """A stream read's stream: pieces of computed blocks (or layers), taken from the shared
+        cursor, each copied out while the one before is on the wire; then the end. A released or
+        cancelled pin ends it (PinError), as a hung-up reader does."""
         bufs = self.pool.take(t.plan.chunk_bytes, 2, SEND_TIMEOUT_S)
         stream = torch.cuda.Stream(self.blocks.device) if self.blocks.device.type == "cuda" else None
         try:
-            pending, k = None, 0  # (buffer, event, first, count): copied out, not yet sent
+            pending, k = None, 0  # (buffer, event, (first, count, lo, hi)): copied out, not yet sent
             while True:
                 piece = self._take_piece(t)
                 if piece is None:
                     break
-                first, count = piece
-                if count == 0:  # nothing computed past the cursor yet: send what we hold, then wait
+                if isinstance(piece, _Wait):  # nothing more is written yet: send what we hold, then wait
                     if pending is not None:
                         self._put_piece(t, conn, *pending)
                         pending = None
-                    if not self.pins.wait_ready(t.request_id, t.token, t.digest, t.positions[first] + 1, READY_WAIT_S,
-                                                lambda: _hung_up(conn)):
-                        raise TimeoutError(f"the prefill computed no block of {t.request_id} in {READY_WAIT_S:.0f}s")
+                    self._wait(t, conn, piece)
                     continue
+                first, count, lo, hi = piece
                 buf = bufs[k % 2]
-                event = _gather(buf, self.blocks, t.ids[first:first + count], stream)
+                span = (lo, hi, t.layers) if t.layers else None
+                event = _gather(buf, self.blocks, t.ids[first:first + count], stream, span)
                 if pending is not None:
                     self._put_piece(t, conn, *pending)
-                pending, k = (buf, event, first, count), k + 1
+                pending, k = (buf, event, piece), k + 1
             if pending is not None:
                 self._put_piece(t, conn, *pending)
-            conn.sendall(PIECE.pack(0, 0))
+            conn.sendall(LAYER_PIECE.pack(0, 0, 0, 0) if t.layers else PIECE.pack(0, 0))
         finally:
             if stream is not None:
                 stream.synchronize()  # no copy may still write a buffer that goes back
             self.pool.give_back(bufs)
 
-    def _take_piece(self, t: Transfer) -> tuple[int, int] | None:
-        """The next run of computed blocks from the cursor, at most a chunk: (first, count), with
-        count 0 when the block at the cursor is not computed yet; None when every block is taken."""
+    def _take_piece(self, t: Transfer) -> "tuple[int, int, int, int] | _Wait | None":
+        """The next piece to send, at most a chunk: (first, count, lo, hi), the read's blocks
+        first.. first + count - 1, their layers lo.. hi - 1 (0.. layers: whole blocks). First the
+        next layers of blocks whose first layers went, then computed blocks from the cursor, then
+        (layered) the first layers of blocks a launched step is computing. A _Wait when nothing
+        more is written; None when everything is taken."""
+        whole = t.layers or 1
         with t.lock:
+            ready, computing = self.pins.readiness(t.request_id, t.token, t.digest)  # PinError: released, cancelled
+            wait = None
+            for run in t.open_runs:
+                first, count, taken = run
+                written, clock = _written(t.positions[first + count - 1], ready, computing, whole)
+                if written > taken:
+                    run[2] = written
+                    if written >= whole:
+                        t.open_runs.remove(run)
+                    return first, count, taken, written
+                wait = wait or _Wait(t.positions[first + count - 1] + 1, clock, taken + 1)
             first, n = t.cursor, len(t.ids)
             if first >= n:
-                return None
-            ready = self.pins.ready_count(t.request_id, t.token, t.digest)  # PinError: released or cancelled
-            count = bisect.bisect_left(t.positions, ready, first, min(n, first + t.plan.chunk_blocks)) - first
-            t.cursor += count
-            return first, count
+                return wait if t.open_runs else None
+            end = min(n, first + t.plan.chunk_blocks)
+            count = bisect.bisect_left(t.positions, ready, first, end) - first
+            if count:
+                t.cursor += count
+                return first, count, 0, whole
+            if t.layers:
+                for upto, clock in computing:
+                    if t.positions[first] < upto:
+                        written = clock.done()
+                        if not written:
+                            return wait or _Wait(t.positions[first] + 1, clock, 1)
+                        count = bisect.bisect_left(t.positions, upto, first, end) - first
+                        t.cursor += count
+                        if written < whole:
+                            t.open_runs.append([first, count, written])
+                        return first, count, 0, written
+            return wait or _Wait(t.positions[first] + 1, None, 0)
 
-    def _put_piece(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, first: int, count: int) -> None:
-        conn.sendall(PIECE.pack(first, count))
-        self._put(t, conn, buf, event, count * self.block_bytes)
+    def _wait(self, t: Transfer, conn: socket.socket, wait: "_Wait") -> None:
+        """Until more of what `wait` names is written: a layer of a launched step (its clock, or a
+        poll's time), or (no step computes it yet) the pin's block (TimeoutError after
+        READY_WAIT_S). PinError when the pin goes; ConnectionError when the reader hangs up."""
+        if wait.clock is None:
+            if not self.pins.wait_ready(t.request_id, t.token, t.digest, wait.upto, READY_WAIT_S,
+                                        lambda: _hung_up(conn), computing_ok=bool(t.layers)):
+                raise TimeoutError(f"the prefill computed no block of {t.request_id} in {READY_WAIT_S:.0f}s")
+            return
+        # A step's forward passes its layers within the step's time; meanwhile the pin may have
+        # moved on (collected, finished): look again after a short wait either way. A step that
+        # never ends is the reader's stall timeout, which hangs up.
+        if not wait.clock.wait(wait.layers, HANG_UP_POLL_S):
+            self.pins.check(t.request_id, t.token, t.digest)
+            if _hung_up(conn):
+                raise ConnectionError("the reader hung up")
+
+    def _put_piece(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, piece) -> None:
+        first, count, lo, hi = piece
+        if t.layers:
+            conn.sendall(LAYER_PIECE.pack(first, count, lo, hi))
+            self._put(t, conn, buf, event, count * (hi - lo) * (self.block_bytes // t.layers))
+        else:
+            conn.sendall(PIECE.pack(first, count))
+            self._put(t, conn, buf, event, count * self.block_bytes)
 
     def _put(self, t: Transfer, conn: socket.socket, buf: torch.Tensor, event, nbytes: int) -> None:
         if event is not None:
@@ -432,23 +494,58 @@ class DataServer:
         self._cond.notify_all()
 
 
-def _gather(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream) -> "torch.cuda.Event | None":
-    """Device -> host: blocks `ids`, in order, into `buf`, asynchronously on `stream` (one copy per
-    run of consecutive ids). Returns the event after which `buf` holds them (None: on the CPU, done)."""
-    bb = blocks.shape[1]
+@dataclasses.dataclass(frozen=True)
+class _Wait:
+    """What a stream read's sender waits for: `clock` passing `layers` layers, or (no clock)
+    the pin's first `upto` blocks computed or being computed."""
+
+    upto: int
+    clock: object | None
+    layers: int
+
+
+def _written(position: int, ready: int, computing: list, whole: int) -> tuple[int, object | None]:
+    """(layers of the pin's block at `position` written now, the clock of the step computing it)."""
+    if position < ready:
+        return whole, None
+    for upto, clock in computing:
+        if position < upto:
+            return clock.done(), clock
+    return 0, None
+
+
+def _by_layer(blocks: torch.Tensor, span: tuple[int, int, int] | None):
+    """(the blocks as [blocks, span's layers, layer bytes] or as [blocks, bytes], bytes per
+    block in the span). `span`: (lo, hi, layers) of a layer piece; None: whole blocks."""
+    if span is None or span[1] - span[0] == span[2]:
+        return blocks, blocks.shape[1]
+    lo, hi, layers = span
+    lb = blocks.shape[1] // layers
+    return blocks.view(blocks.shape[0], layers, lb)[:, lo:hi], (hi - lo) * lb
+
+
+def _gather(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream,
+            span: tuple[int, int, int] | None = None) -> "torch.cuda.Event | None":
+    """Device -> host: blocks `ids` (their layers in `span`), in order, into `buf`, asynchronously
+    on `stream` (one copy per run of consecutive ids). Returns the event after which `buf` holds
+    them (None: on the CPU, done)."""
+    src_view, w = _by_layer(blocks, span)
     with _stream_ctx(stream):
         for pos, src, n in _runs(ids):
-            buf[pos * bb:(pos + n) * bb].view(n, bb).copy_(blocks[src:src + n], non_blocking=True)
+            part = src_view[src:src + n]
+            buf[pos * w:(pos + n) * w].view(part.shape).copy_(part, non_blocking=True)
         return _recorded(stream)
 
 
-def _scatter(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream) -> "torch.cuda.Event | None":
-    """Host -> device: `buf`'s blocks, in order, into blocks `ids` (the reverse of _gather). Returns
-    the event after which `buf` may be reused (None: on the CPU, done)."""
-    bb = blocks.shape[1]
+def _scatter(buf: torch.Tensor, blocks: torch.Tensor, ids: list[int], stream,
+             span: tuple[int, int, int] | None = None) -> "torch.cuda.Event | None":
+    """Host -> device: `buf`'s blocks (their layers in `span`), in order, into blocks `ids` (the
+    reverse of _gather). Returns the event after which `buf` may be reused (None: on the CPU, done)."""
+    dst_view, w = _by_layer(blocks, span)
     with _stream_ctx(stream):
         for pos, dst, n in _runs(ids):
-            blocks[dst:dst + n].copy_(buf[pos * bb:(pos + n) * bb].view(n, bb), non_blocking=True)
+            part = dst_view[dst:dst + n]
+            part.copy_(buf[pos * w:(pos + n) * w].view(part.shape), non_blocking=True)
         return _recorded(stream)
 
 
@@ -509,17 +606,18 @@ def receive_pool(pinned: bool) -> HostBufferPool:
 
 def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[int], blocks: torch.Tensor,
             deadline: float, auth: SideChannelAuth, stall_s: float | None = None, cancel: Cancel | None = None,
-            framed: bool = False) -> int:
+            framed: bool = False, layers: int = 0) -> int:
     """Read a granted transfer into `blocks[dst_blocks]` over its streams. Returns bytes. Every
     stream's thread has ended and every device copy is done when this returns or raises.
     `stall_s` (a stream read): each chunk within this of the one before, however long the whole
     read takes; `deadline` then bounds the connections' set-up only. `framed`: the prefill side
-    granted a stream read (pieces with headers, any stream any block)."""
+    granted a stream read (pieces with headers, any stream any block); `layers`: a layered one
+    (LAYER_PIECE headers, each of a block's `layers` layers once)."""
     if len(dst_blocks) != plan.nblocks or blocks.shape[1] != plan.block_bytes:
         raise side_channel.SideChannelError("the KV data plan does not match the pull")
     pool = receive_pool(blocks.device.type == "cuda")
     counts = [2 if framed else plan.buffers(s) for s in range(plan.streams)]
-    landed = bytearray(plan.nblocks)  # framed: each block once
+    landed = bytearray(plan.nblocks * max(1, layers))  # framed: each block (each layer of it) once
     bufs = pool.take(plan.chunk_bytes, sum(counts), max(0.0, deadline - time.monotonic()))
     socks: list[socket.socket | None] = [None] * plan.streams
     errors: list[BaseException] = []
@@ -555,7 +653,8 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
                                                     f"unknown, expired or already used)")
             accepted = time.monotonic()
             if framed:
-                got = _receive_pieces(sock, plan, mine, dst_blocks, blocks, stall_s or _left(deadline), landed, lock)
+                got = _receive_pieces(sock, plan, mine, dst_blocks, blocks, stall_s or _left(deadline), landed, lock,
+                                      layers)
             else:
                 got = _receive_stream(sock, plan, index, mine, dst_blocks, blocks, deadline)
             log.debug("KV data stream %d/%d: accepted in %.2f ms, %d bytes in %.2f ms", index, plan.streams,
@@ -593,8 +692,9 @@ def receive(host: str, port: int, ticket: bytes, plan: Plan, dst_blocks: list[in
             raise first
         raise side_channel.SideChannelError(f"KV peer {host}:{port}: data transfer failed ({first})") from first
     if framed and not all(landed):
+        missing = sum(not all(landed[b * max(1, layers):(b + 1) * max(1, layers)]) for b in range(plan.nblocks))
         raise side_channel.SideChannelError(f"KV peer {host}:{port} ended a stream read without "
-                                            f"{plan.nblocks - sum(landed)} of its {plan.nblocks} blocks")
+                                            f"{missing} of its {plan.nblocks} blocks")
     return nbytes[0]
 
 
@@ -627,30 +727,37 @@ def _receive_stream(sock: socket.socket, plan: Plan, index: int, bufs: list[torc
 
 
 def _receive_pieces(sock: socket.socket, plan: Plan, bufs: list[torch.Tensor], dst_blocks: list[int],
-                    blocks: torch.Tensor, stall_s: float, landed: bytearray, lock: threading.Lock) -> int:
+                    blocks: torch.Tensor, stall_s: float, landed: bytearray, lock: threading.Lock,
+                    layers: int = 0) -> int:
     """A stream read's stream: pieces (header, bytes) until the zero-count header, each within
-    `stall_s` of the one before; each placed by its header into `dst_blocks`, each block once."""
-    bb, nbytes, header = plan.block_bytes, 0, bytearray(PIECE.size)
+    `stall_s` of the one before; each placed by its header into `dst_blocks`, each block (each
+    layer of a block, `layers`) once."""
+    fmt, whole = (LAYER_PIECE, layers) if layers else (PIECE, 1)
+    nbytes, header, lb = 0, bytearray(fmt.size), plan.block_bytes // whole
     stream = torch.cuda.Stream(blocks.device) if blocks.device.type == "cuda" else None
     events: list = [None] * len(bufs)
     try:
         for k in itertools.count():
             deadline = time.monotonic() + stall_s  # the prefill's next step may be what this waits for
             _recv_exact(sock, memoryview(header), deadline)
-            first, count = PIECE.unpack(header)
+            first, count, lo, hi = fmt.unpack(header) + ((0, 1) if not layers else ())
             if count == 0:
                 return nbytes
             with lock:
-                if count > plan.chunk_blocks or first + count > plan.nblocks or any(landed[first:first + count]):
-                    raise side_channel.SideChannelError(f"the KV peer sent a piece ({first}, {count}) outside its "
-                                                        f"read of {plan.nblocks} blocks, or twice")
-                landed[first:first + count] = b"\x01" * count
-            b = k % len(bufs)
+                marks = [(first + j) * whole + layer for j in range(count) for layer in range(lo, hi)] \
+                    if count <= plan.chunk_blocks and first + count <= plan.nblocks and 0 <= lo < hi <= whole else None
+                if marks is None or any(landed[m] for m in marks):
+                    raise side_channel.SideChannelError(f"the KV peer sent a piece ({first}, {count}, layers {lo}-{hi}) "
+                                                        f"outside its read of {plan.nblocks} blocks, or twice")
+                for m in marks:
+                    landed[m] = 1
+            b, size = k % len(bufs), count * (hi - lo) * lb
             if events[b] is not None:
                 events[b].synchronize()  # its previous piece's copy to the device has read it
-            _recv_exact(sock, memoryview(bufs[b].numpy())[:count * bb], deadline)
-            events[b] = _scatter(bufs[b], blocks, dst_blocks[first:first + count], stream)
-            nbytes += count * bb
+            _recv_exact(sock, memoryview(bufs[b].numpy())[:size], deadline)
+            events[b] = _scatter(bufs[b], blocks, dst_blocks[first:first + count], stream,
+                                 (lo, hi, whole) if layers else None)
+            nbytes += size
     finally:
         if stream is not None:
             stream.synchronize()

@@ -41,8 +41,9 @@ class TcpServer:
     """Prefill side: the `read` op."""
 
     def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent, bind_host: str = "127.0.0.1",
-                 auth: SideChannelAuth | None = None):
+                 auth: SideChannelAuth | None = None, num_layers: int = 1):
         self.blocks = blocks  # [num_blocks, block_bytes] uint8 view of the KV cache
+        self.num_layers = num_layers  # each block: num_layers equal slices (a layered stream read sends them)
         self.pins = pins
         self.on_sent = on_sent  # (num_bytes) -> None, for metrics
         self.bind_host, self.auth = bind_host, auth or SideChannelAuth(None)
@@ -63,9 +64,10 @@ class TcpServer:
                 raise ValueError("a stream read's indices must be ascending")
             ids = [pinned[i] for i in positions]
             if self.data is None:
-                self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent)
+                self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
+                                                  self.num_layers)
             offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"),
-                                    positions if streamed else None)
+                                    positions if streamed else None, layered=streamed and body.get("layers") is True)
         except side_channel.Busy:
             self.pins.close_read(rid, token)
             raise  # the reader retries: its pin stays
@@ -126,7 +128,9 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
     if data_path:
         body["data"], body["streams"] = True, STREAMS
         if stream:
-            body["stream"] = True  # a prefill worker of an earlier release defers it until all are computed
+            # A prefill worker of an earlier release defers it until all are computed (or, for
+            # `layers`, sends whole blocks only); its reply then says which it did.
+            body["stream"], body["layers"] = True, True
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     while True:
@@ -142,10 +146,11 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
         raise side_channel.SideChannelError("KV peer did not confirm the prompt digest")
     if "ticket" in reply:  # a prefill worker of an earlier release answers inline (below)
         ticket, plan = _plan(reply, host, port, len(dst_blocks), blocks.shape[1])
+        framed = reply.get("stream") is True
+        layers = _layers(reply, host, port, blocks.shape[1]) if framed else 0
         granted = time.monotonic()
         n = tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth,
-                               stall_s=timeout_s if stream else None, cancel=cancel,
-                               framed=reply.get("stream") is True)
+                               stall_s=timeout_s if stream else None, cancel=cancel, framed=framed, layers=layers)
         if log.isEnabledFor(logging.DEBUG):  # the hand-off's latency chain, read by read (docs/tcp-kv-gpu-results.md)
             done = time.monotonic()
             log.debug("KV read of %s: %d blocks (%.1f MB) over %d streams: granted in %.2f ms, bytes in %.2f ms "
@@ -199,6 +204,15 @@ class StreamedRead:
         if not self._done.done():
             self.cancel.cancel()
         self._thread.join()
+
+
+def _layers(reply: dict, host: str, port: int, block_bytes: int) -> int:
+    """A stream read's layer count (0: whole-block pieces, as an earlier release sends), checked."""
+    layers = reply.get("layers", 0)
+    if type(layers) is not int or not 0 <= layers <= 65535 or (layers and block_bytes % layers):
+        raise side_channel.SideChannelError(f"KV peer {host}:{port} granted a stream read of {layers!r} layers "
+                                            f"per {block_bytes}-byte block")
+    return layers
 
 
 def _plan(reply: dict, host: str, port: int, nblocks: int, block_bytes: int) -> tuple[bytes, tcp_stream.Plan]:

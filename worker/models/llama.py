@@ -320,6 +320,9 @@ class LlamaForCausalLM(nn.Module):
             raise QuantizationError(f"{cfg.quantization.key}: does not list lm_head, so the checkpoint's lm_head "
                                     f"is FP8; pdserve keeps the lm_head in the compute dtype")
         self.init_rope(max_positions)
+        # Called with each decoder layer's index once it has run (queued, on a GPU), while a
+        # step that computes a streamed hand-off's prompt runs (kv/layer_clock.py); else None.
+        self.after_layer = None
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
         """Layer `layer_idx`'s feed-forward block; None = the dense MLP (MoE models override this)."""
@@ -338,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden] (final norm applied)."""
         h = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h, residual = layer(positions, h, residual, self.cos_sin, meta)
+            if self.after_layer is not None:
+                self.after_layer(i)
         h, _ = self.norm(h, residual)
         return h
 
