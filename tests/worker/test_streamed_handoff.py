@@ -198,6 +198,47 @@ def test_the_decode_side_hears_of_the_last_prefill_step_before_it_ends(ckpt, pai
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
 
 
+def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, monkeypatch):
+    """Over TCP the step that ends the prompt sends its blocks layer by layer: with its forward
+    held before layer 1, layer 0 of the prompt's last blocks (computed by that step alone) is
+    on the decode side, while the step has not ended; once it runs on, the answer is one worker's."""
+    p, d = pair
+    if p.config.kv_transfer != "tcp":
+        pytest.skip("layer pieces are the TCP stream read's (a NIXL pull reads whole blocks)")
+    fresh = [t + 1200 for t in PROMPT]
+    expected = engine_answer(ckpt, fresh)
+    layer = p.runner.model.layers[1]
+    forward, held, go = layer.forward, threading.Event(), threading.Event()
+
+    def holding_forward(positions, *args, **kw):  # the prompt's last token is computed in this step
+        if int(positions.max()) == len(fresh) - 1 and not go.is_set():
+            held.set()
+            assert go.wait(60)
+        return forward(positions, *args, **kw)
+
+    monkeypatch.setattr(layer, "forward", holding_forward)
+    d.add_request("d9", fresh, GREEDY, announce(p, "p9", fresh))
+    outs: list = []
+    prefill = threading.Thread(target=lambda: outs.extend(until(lambda: "p9" not in p.requests, "the prefill", [p])))
+    prefill.start()
+    try:
+        until(held.is_set, "the prefill's last step to reach layer 1", [d])
+        last = list(range(len(PROMPT) // CHUNK * CHUNK // BLOCK, -(-len(fresh) // BLOCK)))  # its blocks alone
+        src, dst = [p.requests["p9"].block_ids[i] for i in last], [d.requests["d9"].block_ids[i] for i in last]
+        until(lambda: torch.equal(p.kv_cache.tensor[src, 0], d.kv_cache.tensor[dst, 0]),
+              "layer 0 of the last step's blocks on the decode side", [d])
+        assert p.kv_connector.pins.state("p9")["state"] == "running" and "p9" in p.requests
+    finally:
+        go.set()
+        prefill.join(60)
+    first = next(o for o in outs if o.request_id == "p9" and o.finished).new_token_ids[0]
+    tokens = [first]
+    outs = until(lambda: "d9" not in d.requests, "the decode request to end", [d])
+    tokens += [t for o in outs if o.request_id == "d9" for t in o.new_token_ids]
+    assert tokens == expected
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
 def hand_off_and_decode(p: LLMEngine, d: LLMEngine, prid: str, drid: str, prompt,
                         before_step=lambda: None) -> list[list[int]]:
     """Hands `prompt` off from `p` (`prid`) to `d` (`drid`), which the test keeps busy, and drives
