@@ -5,8 +5,9 @@
 #   mkdir -p .whl/base && git archive <base-sha> | tar -x -C .whl/base
 #   run(command="B1=220 B2=135 bash bench/gpu_handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
 #
-# Runs (in the order given): base-tail, base-taper (the earlier tree), new-tail, new-taper,
-# new-taper256, new-auto (this tree). B1: the first run's budget in seconds (it also writes the
+# Runs (in the order given): base-tail, base-taper, base-auto (the earlier tree), new-tail,
+# new-taper, new-taper256, new-auto, new-none (this tree; none: no streamed split, the step
+# budget's chunks only). B1: the first run's budget in seconds (it also writes the
 # checkpoint), B2: each later run's; AB_EXTRA: more bench/handoff.py flags (--tcp-high-rate);
 # HANDOFF_MIN_GPUS=1 runs both workers on one GPU. Each run's report lands in /tmp/ab/<run>/, all
 # of them in $OUT/ab.tar.gz (rewritten after each run: a call cut short keeps what ran).
@@ -27,10 +28,12 @@ for what in "$@"; do
   case $what in
     base-tail) run base-tail .whl/base "--kv-stream-split tail" ;;
     base-taper) run base-taper .whl/base "--kv-stream-split taper" ;;
+    base-auto) run base-auto .whl/base "" ;;
     new-tail) run new-tail . "--kv-stream-split tail" ;;
     new-taper) run new-taper . "--kv-stream-split taper" ;;
     new-taper256) run new-taper256 . "--kv-stream-split taper" 256 ;;
     new-auto) run new-auto . "" ;;
+    new-none) run new-none . "" 0 ;;
     *) echo "unknown run: $what"; exit 2 ;;
   esac
   B=${B2:-135}

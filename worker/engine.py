@@ -101,7 +101,8 @@ class LLMEngine:
                                             self.kv_connector.endpoint() if self.kv_connector else None,
                                             config.kv_stream_chunk_tokens,
                                             resolve_split(config.kv_stream_split,
-                                                          self.kv_connector and self.kv_connector.transport))
+                                                          self.kv_connector and self.kv_connector.transport),
+                                            step_budget=r.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
         self.requests: dict[str, Request] = {}

@@ -56,16 +56,18 @@ MAX_PINNED_FRACTION = 0.5
 
 class KVConnectorScheduler:
     def __init__(self, block_size: int, vocab_size: int, max_model_len: int, endpoint: KVEndpoint | None = None,
-                 stream_chunk_tokens: int = 0, stream_split: str = "tail"):
+                 stream_chunk_tokens: int = 0, stream_split: str = "tail", step_budget: int = 0):
         """`endpoint`: this worker's transfer side (`KVConnector.endpoint()`), or None where no
         transport runs (then remote decodes prefill locally and prefills for a remote decode are
-        served plainly)."""
+        served plainly). `step_budget`: tokens a step may compute (a prefill with at most this
+        many left, and no streamed split, ends in its next step)."""
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self._endpoint = endpoint
         self._can_send = endpoint is not None and endpoint.serves
         self._pinned: dict[str, int] = {}  # prefill side: pins ordered and not reported gone -> their blocks
         self._num_pinned = 0
         self.stream_chunk_tokens, self.stream_split = stream_chunk_tokens, stream_split
+        self.step_budget = step_budget
         self._unpulled: set[str] = set()  # remote decodes whose prefill worker still pins their prompt
         self._streaming: set[str] = set()  # prefill side: streamed hand-offs not finished yet
         self.announced: list[Request] = []  # prefill side: pinned at admission; their params go out now
@@ -220,8 +222,9 @@ class KVConnectorScheduler:
         return out
 
     def _last_step_next(self, req: Request, computed: int) -> bool:
-        """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap)."""
-        return 0 < req.num_prompt_tokens - computed <= self.stream_chunk_tokens
+        """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap;
+        without a split, the step budget: other requests' tokens may still push it a step later)."""
+        return 0 < req.num_prompt_tokens - computed <= (self.stream_chunk_tokens or self.step_budget)
 
     def awaits_first_token(self, req: Request) -> bool:
         return req.request_id in self._awaiting_first
