@@ -218,39 +218,64 @@ def layer_slices(cache: torch.Tensor, blocks, lo: int, hi: int) -> torch.Tensor:
     return cache[list(blocks)].view(len(blocks), LAYERS, -1)[:, lo:hi]
 
 
-def test_a_layered_stream_read_sends_each_layer_of_a_running_step_once_written_and_never_before(
+def test_a_layered_stream_read_sends_the_last_steps_layers_once_written_and_never_before(
         layered_prefill, small_chunks):
-    """Two launched steps compute the pin's blocks 2..11 and 12..19 (async scheduling: the second
-    is queued behind the first), each announced with its layer clock: every layer the clocks pass
-    reaches the reader while the steps still run (no advance), and no layer moves before its
-    clock passed it (the reader's cache holds zeros there until then: they would show)."""
+    """Two launched steps compute the pin's blocks 2..11 and 12..19 (async scheduling: the last
+    one, which ends the prompt, is queued behind the first), each announced with its layer clock.
+    The first step's blocks leave whole once its forward is through, before it is collected (no
+    advance); the last step's leave layer by layer as its clock passes each, while it runs; no
+    byte moves before its clock passed it (the reader's cache holds zeros there until then)."""
     p = layered_prefill
     src = list(range(40, 60))
     params = streamed_pin(p, "l", src, ready=2)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
     read = start_stream_read(p, params, list(range(20)), list(range(20)), cache)
-    first, second = LayerClock(LAYERS, torch.device("cpu")), LayerClock(LAYERS, torch.device("cpu"))
+    first, last = LayerClock(LAYERS, torch.device("cpu")), LayerClock(LAYERS, torch.device("cpu"))
     p.pins.computing("l", 12, first)
-    p.pins.computing("l", 20, second)
+    p.pins.computing("l", 20, last)
     assert wait_until(lambda: torch.equal(cache[:2], p.cache[40:42]))
+    for layer in range(LAYERS - 1):
+        first.after_layer(layer)
+    assert not cache[2:20].any(), "a block of a step still running moved (only the last step sends layers)"
+    first.after_layer(LAYERS - 1)  # through: its blocks are whole (it is collected later)
+    assert wait_until(lambda: torch.equal(cache[2:12], p.cache[42:52])), "the first step's blocks"
+    assert not cache[12:20].any(), "the last step's blocks moved before it wrote a layer"
     for layer in range(LAYERS):
-        first.after_layer(layer)  # the first step's forward wrote this layer of blocks 2..11
-        assert wait_until(lambda: torch.equal(layer_slices(cache, range(2, 12), 0, layer + 1),
-                                              layer_slices(p.cache, range(42, 52), 0, layer + 1))), f"layer {layer}"
-        assert not layer_slices(cache, range(2, 12), layer + 1, LAYERS).any(), f"a layer past {layer} moved"
-        assert not cache[12:20].any(), "the second step's blocks moved before it wrote a layer"
+        last.after_layer(layer)  # the last step's forward wrote this layer of blocks 12..19
+        assert wait_until(lambda: torch.equal(layer_slices(cache, range(12, 20), 0, layer + 1),
+                                              layer_slices(p.cache, range(52, 60), 0, layer + 1))), f"layer {layer}"
+        assert not layer_slices(cache, range(12, 20), layer + 1, LAYERS).any(), f"a layer past {layer} moved"
         read.raise_if_failed()
-    p.pins.advance("l", 12)  # the first step was collected
-    second.after_layer(0)
-    assert wait_until(lambda: torch.equal(layer_slices(cache, range(12, 20), 0, 1),
-                                          layer_slices(p.cache, range(52, 60), 0, 1)))
-    assert not layer_slices(cache, range(12, 20), 1, LAYERS).any()
-    p.pins.finish("l", first_token_id=7)  # the prefill ended: everything is written (the clock need not finish)
+    p.pins.advance("l", 12)  # the steps are collected; the prefill ends
+    p.pins.finish("l", first_token_id=7)
     assert read.result() == 20 * BLOCK_BYTES
     read.stop()
     assert torch.equal(cache[:20], p.cache[40:60])
     assert p.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
     assert p.pins.release("l", params["transfer_token"])
+
+
+def test_layer_pieces_carry_a_group_of_layers(layered_prefill, small_chunks, monkeypatch):
+    """With LAYER_GROUPS 2 a piece of the last step carries two of the four layers: one layer
+    written sends nothing, two send both."""
+    monkeypatch.setattr(tcp_stream, "LAYER_GROUPS", 2)
+    p = layered_prefill
+    params = streamed_pin(p, "g", list(range(40, 50)), ready=0)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(p, params, list(range(10)), list(range(10)), cache)
+    clock = LayerClock(LAYERS, torch.device("cpu"))
+    p.pins.computing("g", 10, clock)
+    clock.after_layer(0)
+    clock.after_layer(1)
+    assert wait_until(lambda: torch.equal(layer_slices(cache, range(10), 0, 2), layer_slices(p.cache, range(40, 50), 0, 2)))
+    clock.after_layer(2)
+    assert not layer_slices(cache, range(10), 2, LAYERS).any(), "a piece of one layer, under a group of two"
+    clock.after_layer(3)
+    p.pins.finish("g", first_token_id=1)
+    assert read.result() == 10 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:10], p.cache[40:50])
+    assert p.pins.release("g", params["transfer_token"])
 
 
 def test_a_reader_without_layer_pieces_gets_whole_blocks_once_their_step_ends(layered_prefill, small_chunks,

@@ -223,14 +223,14 @@ class PinTable:
         with self._lock:
             self._authenticate(request_id, token, prompt_digest, time.monotonic())
 
-    def readiness(self, request_id: str, token: str, prompt_digest: str) -> tuple[int, list]:
+    def readiness(self, request_id: str, token: str, prompt_digest: str) -> tuple[int, list, int]:
         """(leading blocks computed, [(upto, clock)] of the launched steps computing the next
-        ones: see `computing`); PinError as `check`."""
+        ones (see `computing`), the pin's blocks); PinError as `check`."""
         with self._lock:
             pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
             if pin.state != RUNNING:  # a finished prefill's (or a plain pin's) blocks are all computed
-                return len(pin.block_ids), []
-            return pin.ready, list(pin.computing)
+                return len(pin.block_ids), [], len(pin.block_ids)
+            return pin.ready, list(pin.computing), len(pin.block_ids)
 
     def wait_ready(self, request_id: str, token: str, prompt_digest: str, upto: int, timeout_s: float,
                    hung_up: Callable[[], bool] | None = None, computing_ok: bool = False) -> bool:

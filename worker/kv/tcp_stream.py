@@ -29,11 +29,15 @@ copied out, then waits on the pin (`PinTable.wait_ready`). The reader places eac
 header, refuses a block sent twice or never, and bounds its wait per piece by its stall timeout
 rather than a deadline for the whole read (a long prefill is not a slow link).
 
-A stream read may also ask for *layer pieces* (`layered`): a block the launched prefill step
-is still computing then leaves layer by layer as the step's layer_clock.LayerClock passes each
-layer (pins.PinTable.computing), so the step that ends the prompt has sent most of its own KV
-by the time it ends. Such a read's headers are LAYER_PIECE (position, block count, first layer,
-end layer); a block's layers may come in several pieces, each layer once.
+A stream read may also ask for *layer pieces* (`layered`): a block the launched step that ends
+the prompt is computing then leaves in groups of layers as the step's layer_clock.LayerClock
+passes them (pins.PinTable.computing), so that step has sent most of its own KV by the time it
+ends. Such a read's headers are LAYER_PIECE (position, block count, first layer, end layer); a
+block's layers may come in several pieces, each layer once. Only that step's blocks: an earlier
+chunk's bytes move while the next chunk is computed anyway, and every piece costs the senders
+Python time (the GIL the engine's step thread needs): on an H200 pair, layer pieces for every
+chunk made a 3000-token prefill 30 ms slower. For the same reason a piece carries at least
+1/LAYER_GROUPS of the layers.
 
 Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
@@ -91,6 +95,7 @@ REAP_S = 0.5  # how often unclaimed tickets are looked at
 MAGIC = b"pdkv-tcp"
 PIECE = struct.Struct("!II")  # a stream read's piece: first position in the read, block count (0: the end)
 LAYER_PIECE = struct.Struct("!IIHH")  # a layered stream read's: also the layers [lo, hi) of those blocks
+LAYER_GROUPS = 8  # a layer piece carries at least 1/8 of a block's layers (or the rest)
 HELLO = struct.Struct("!8s16sHH32s")  # magic, ticket, stream index, streams, HMAC(ticket, index)
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 
@@ -411,21 +416,24 @@ class DataServer:
         """The next piece to send, at most a chunk: (first, count, lo, hi), the read's blocks
         first.. first + count - 1, their layers lo.. hi - 1 (0.. layers: whole blocks). First the
         next layers of blocks whose first layers went, then computed blocks from the cursor, then
-        (layered) the first layers of blocks a launched step is computing. A _Wait when nothing
+        (layered) blocks a launched step is computing: the first layers of those of the step that
+        ends the prompt, whole ones of an earlier step once it is through. A _Wait when nothing
         more is written; None when everything is taken."""
         whole = t.layers or 1
+        group = -(-whole // LAYER_GROUPS)
         with t.lock:
-            ready, computing = self.pins.readiness(t.request_id, t.token, t.digest)  # PinError: released, cancelled
+            # PinError: released or cancelled
+            ready, computing, total = self.pins.readiness(t.request_id, t.token, t.digest)
             wait = None
             for run in t.open_runs:
                 first, count, taken = run
                 written, clock = _written(t.positions[first + count - 1], ready, computing, whole)
-                if written > taken:
+                if written >= min(whole, taken + group):
                     run[2] = written
                     if written >= whole:
                         t.open_runs.remove(run)
                     return first, count, taken, written
-                wait = wait or _Wait(t.positions[first + count - 1] + 1, clock, taken + 1)
+                wait = wait or _Wait(t.positions[first + count - 1] + 1, clock, min(whole, taken + group))
             first, n = t.cursor, len(t.ids)
             if first >= n:
                 return wait if t.open_runs else None
@@ -437,9 +445,12 @@ class DataServer:
             if t.layers:
                 for upto, clock in computing:
                     if t.positions[first] < upto:
+                        # The step that ends the prompt: a group of layers at a time; an earlier
+                        # one: its blocks whole, once its forward is through (before it is collected).
+                        need = min(whole, group) if upto >= total else whole
                         written = clock.done()
-                        if not written:
-                            return wait or _Wait(t.positions[first] + 1, clock, 1)
+                        if written < need:
+                            return wait or _Wait(t.positions[first] + 1, clock, need)
                         count = bisect.bisect_left(t.positions, upto, first, end) - first
                         t.cursor += count
                         if written < whole:
