@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdserve.bench import disagg_report, server_metrics
 from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
+from pdserve.worker.kv.tcp_stream import LAYER_GROUPS
 
 LINKS_GBPS = (2, 10, 25, 50)
 FLAT_MS = 5.0  # "flat": first gap spread over prompt lengths, and the TCP slack of issue 24
@@ -75,14 +76,21 @@ def stall_off_ms(nbytes: float, gbps: float, fixed_ms: float) -> float:
     return nbytes / (gbps * 1e6) + fixed_ms
 
 
-def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, chunks: int | list[int], fixed_ms: float) -> float:
+def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, chunks: int | list[int], fixed_ms: float,
+                groups: int = 1) -> float:
     """Streamed hand-off, chunk k sent once computed, one link, the prefill's time split over its
     chunks by their tokens. `chunks`: n equal chunks, where the last byte lands at max over k of
     (k*P/n + (n-k+1)*B/(n*bw)), linear in k, so the stall after the prefill ends is max(last chunk
-    alone, B/bw - P*(n-1)/n); or the chunks' token counts (the tail and taper splits), simulated."""
+    alone, B/bw - P*(n-1)/n); or the chunks' token counts (the tail and taper splits), simulated.
+    `groups`: the last chunk leaves in that many groups of layers, each once its step wrote it
+    (a TCP stream read's layer pieces, worker/kv/tcp_stream.py), simulated as that many chunks."""
     link = nbytes / (gbps * 1e6)
+    if isinstance(chunks, int) and groups > 1:
+        chunks = [1] * chunks
     if isinstance(chunks, int):
         return max(link / chunks, link - prefill_ms * (chunks - 1) / chunks) + fixed_ms
+    if groups > 1:
+        chunks = list(chunks[:-1]) + [chunks[-1] / groups] * groups
     total, done, link_free = sum(chunks), 0, 0.0
     for c in chunks:
         done += c
@@ -123,17 +131,21 @@ def prediction(rows: list[dict], per_token: int, chunk: int, split: str = "even"
     def cut(L: int, stack: str = on_name) -> int | list[int]:
         return prompt_chunks(L, chunk, resolve_split(split, stack.split("-")[0]), budget)
 
+    def groups(stack: str = on_name) -> int:  # a TCP stream read sends the last step's layers as written
+        return LAYER_GROUPS if stack.startswith("tcp") else 1
+
     n_chunks = cut
     prefill = {L: r["p_ttft_ms"] for L, r in off.items()}
     fixed_off = statistics.median(r["first_gap_p50_ms"] - r["kv_ms"] for r in off.values())
     off_bw = {L: r["kv_gbps"] for L, r in off.items()}
     fixed_on = statistics.median(
-        r["first_gap_p50_ms"] - stall_on_ms(L * per_token, off_bw[L], prefill[L], n_chunks(L), 0.0)
+        r["first_gap_p50_ms"] - stall_on_ms(L * per_token, off_bw[L], prefill[L], n_chunks(L), 0.0, groups())
         for L, r in on.items() if L in off and off_bw[L] > 0) if on else fixed_off
     table = [{"prompt_len": L, "kv_mb": L * per_token / 1e6, "prefill_ms": prefill[L],
               "chunks": c if isinstance(c := n_chunks(L), int) else len(c),
               "off_ms": {str(g): stall_off_ms(L * per_token, g, fixed_off) for g in LINKS_GBPS},
-              "on_ms": {str(g): stall_on_ms(L * per_token, g, prefill[L], n_chunks(L), fixed_on) for g in LINKS_GBPS}}
+              "on_ms": {str(g): stall_on_ms(L * per_token, g, prefill[L], n_chunks(L), fixed_on, groups())
+                        for g in LINKS_GBPS}}
              for L in sorted(off)]
     checks = []
     for stack in ("nixl-off", "nixl-on", "tcp-off", "tcp-on"):
@@ -142,11 +154,12 @@ def prediction(rows: list[dict], per_token: int, chunk: int, split: str = "even"
             if L not in twin or not twin[L]["kv_gbps"] or L not in prefill:
                 continue
             bw = twin[L]["kv_gbps"]
-            pred = (stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), fixed_on) if stack.endswith("-on")
+            pred = (stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), fixed_on, groups(stack))
+                    if stack.endswith("-on")
                     else stall_off_ms(L * per_token, bw, fixed_off))
             checks.append({"stack": stack, "prompt_len": L, "gbps": bw, "predicted_ms": pred,
                            "measured_ms": r["first_gap_p50_ms"], "stall_ms": r["first_gap_p50_ms"] - r["steady_itl_p50_ms"],
-                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), 0.0)})
+                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), 0.0, groups(stack))})
     return {"per_token_bytes": per_token, "chunk_tokens": chunk, "split": resolve_split(split, on_name.split("-")[0]),
             "fixed_off_ms": fixed_off, "fixed_on_ms": fixed_on,
             "fixed_on_from": on_name if on else "nixl-off (no overlap-on sweep)", "table": table, "checks": checks}

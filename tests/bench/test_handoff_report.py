@@ -140,7 +140,19 @@ def test_prediction_checks_each_stack_with_its_own_split():
     t3000 = next(t for t in pred["table"] if t["prompt_len"] == 3000)
     assert t3000["chunks"] == 2
     check = next(c for c in pred["checks"] if c["stack"] == "tcp-on" and c["prompt_len"] == 3000)
-    assert check["unhidden_ms"] == pytest.approx(hr.stall_on_ms(3000 * per_token, 2, 3000 * 27e-3, [1464, 1024, 512], 0))
+    assert check["unhidden_ms"] == pytest.approx(hr.stall_on_ms(3000 * per_token, 2, 3000 * 27e-3, [1464, 1024, 512], 0,
+                                                                hr.LAYER_GROUPS))
+
+
+def test_a_layered_last_chunk_leaves_only_its_last_group_after_the_prefill():
+    """A link exactly as fast as the prefill makes KV: whole chunks leave the last chunk's bytes
+    (a chunk's time) after the prefill; layer groups leave only the last group's."""
+    nbytes, gbps = 400e6, 4.0
+    link_ms = nbytes / (gbps * 1e6)
+    assert hr.stall_on_ms(nbytes, gbps, link_ms, 1, 0.0) == pytest.approx(link_ms)
+    assert hr.stall_on_ms(nbytes, gbps, link_ms, 1, 0.0, groups=8) == pytest.approx(link_ms / 8)
+    assert hr.stall_on_ms(nbytes, gbps, 2 * link_ms, 4, 0.0, groups=8) == pytest.approx(link_ms / 32)  # link idle
+    assert hr.stall_on_ms(nbytes, gbps, link_ms, 4, 0.0, groups=8) == pytest.approx(link_ms / 4)  # link busy: no help
 
 
 def targets_for(rows):
