@@ -29,10 +29,12 @@ copied out, then waits on the pin (`PinTable.wait_ready`). The reader places eac
 header, refuses a block sent twice or never, and bounds its wait per piece by its stall timeout
 rather than a deadline for the whole read (a long prefill is not a slow link).
 
-A stream read may also ask for *layer pieces* (`layered`): a block the launched step that ends
-the prompt is computing then leaves in groups of layers as the step's layer_clock.LayerClock
-passes them (pins.PinTable.computing), so that step has sent most of its own KV by the time it
-ends. Such a read's headers are LAYER_PIECE (position, block count, first layer, end layer); a
+A stream read may also ask for *layer pieces* (`layered`). Its senders then follow the launched
+steps themselves (pins.PinTable.computing: the blocks each step completes and the
+layer_clock.LayerClock its forward ticks): a step's blocks leave whole once its forward is
+through, not when the engine gets to collect it (on an H200 pair that wait was most of the first
+gap over TCP), and the blocks of the step that ends the prompt leave in groups of layers as
+the clock passes them, so that step has sent most of its own KV by the time it ends. Such a read's headers are LAYER_PIECE (position, block count, first layer, end layer); a
 block's layers may come in several pieces, each layer once. Only that step's blocks: an earlier
 chunk's bytes move while the next chunk is computed anyway, and every piece costs the senders
 Python time (the GIL the engine's step thread needs): on an H200 pair, layer pieces for every
