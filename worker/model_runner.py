@@ -261,7 +261,7 @@ class ModelRunner:
     def _profile_activation_bytes(self, backend) -> int:
         """Peak memory of the largest step (a full token budget of prefill, then sampling rows
         for max_num_seqs), measured by running it over a throwaway KV cache just large enough."""
-        bs, mc = self.config.block_size, self.model_config
+        bs = self.config.block_size
         n, seq = self.max_num_batched_tokens, min(self.max_num_batched_tokens, self.max_model_len)
         lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
         blocks = [-(-L // bs) for L in lens]

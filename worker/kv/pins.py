@@ -21,8 +21,9 @@ alive on this worker, and its end (finish or cancel) starts the TTL. A streamed 
 opened once, before its blocks are computed (`open_read(..., streamed=True)`), and its sender
 threads wait for each chunk (`wait_ready`), so the bytes follow the prefill without a round trip
 per chunk. A launched step that computes a chunk is announced too (`computing`: the blocks it
-completes and its layer_clock.LayerClock), so those blocks' layers can leave one by one while
-the step runs (`readiness`); the step's collection (`advance`) makes them whole.
+completes and its layer_clock.LayerClock), so a layered read can send those blocks, or their
+first layers, while the step runs (`readiness`); the step's collection (`advance`) makes them
+ready for every reader.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ class PinTable:
         while True:
             with self._lock:
                 pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
-                if pin.state != RUNNING or pin.ready >= upto or (computing_ok and any(u >= upto for u, _ in pin.computing)):
+                computing = computing_ok and any(u >= upto for u, _ in pin.computing)
+                if pin.state != RUNNING or pin.ready >= upto or computing:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:

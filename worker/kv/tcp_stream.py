@@ -33,13 +33,13 @@ A stream read may also ask for *layer pieces* (`layered`). Its senders then foll
 steps themselves (pins.PinTable.computing: the blocks each step completes and the
 layer_clock.LayerClock its forward ticks): a step's blocks leave whole once its forward is
 through, not when the engine gets to collect it (on an H200 pair that wait was most of the first
-gap over TCP), and the blocks of the step that ends the prompt leave in groups of layers as
-the clock passes them, so that step has sent most of its own KV by the time it ends. Such a read's headers are LAYER_PIECE (position, block count, first layer, end layer); a
-block's layers may come in several pieces, each layer once. Only that step's blocks: an earlier
-chunk's bytes move while the next chunk is computed anyway, and every piece costs the senders
-Python time (the GIL the engine's step thread needs): on an H200 pair, layer pieces for every
-chunk made a 3000-token prefill 30 ms slower. For the same reason a piece carries at least
-1/LAYER_GROUPS of the layers.
+gap over TCP), and the blocks of the step that ends the prompt leave in groups of layers as the
+clock passes them, so that step has sent most of its own KV by the time it ends. Such a read's
+headers are LAYER_PIECE (position, block count, first layer, end layer); a block's layers may
+come in several pieces, each layer once. Only the last step's blocks go in layer pieces (an
+earlier chunk's bytes move while the next chunk is computed anyway), and each carries at least
+1/LAYER_GROUPS of the layers: every piece costs the senders Python time, the GIL the engine's
+step thread needs (layer pieces for every chunk made a 3000-token prefill 30 ms slower there).
 
 Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
