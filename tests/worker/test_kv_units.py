@@ -426,3 +426,43 @@ def test_taper_chunks_halve_towards_the_tail(left, tail):
     assert left < 2 * tail or chunks[0] >= chunks[1]
     assert all(a == 2 * b for a, b in zip(chunks[1:], chunks[2:]))
     assert len(chunks) <= max(1, (left // tail).bit_length() + 1)
+
+
+def test_a_cpu_layer_clock_counts_the_layers_its_forward_passed():
+    """On the CPU the forward's mark is the fact: done() follows it, wait() returns once the layer
+    is passed and gives up (False) at its timeout when the forward does not get there."""
+    import threading
+
+    import torch
+
+    from pdserve.worker.kv.layer_clock import LayerClock
+
+    clock = LayerClock(4, torch.device("cpu"))
+    assert clock.done() == 0 and not clock.wait(1, 0.01)
+    clock.after_layer(0)
+    clock.after_layer(1)
+    assert clock.done() == 2 and clock.wait(2, 0)
+    waiter = threading.Thread(target=lambda: clock.after_layer(2))
+    waiter.start()
+    assert clock.wait(3, 10)  # woken by the mark, not by a timeout
+    waiter.join()
+    assert clock.done() == 3 and not clock.wait(4, 0.01)
+
+
+def test_a_pin_holds_each_launched_steps_blocks_until_its_collection():
+    """`computing` adds (blocks the step completes, its clock) in launch order; an advance drops
+    the steps it covers, finish and cancel drop all; a step computing nothing new is not added."""
+    pins = PinTable(ttl=30)
+    digest = prompt_digest([1, 2, 3])
+    token = pins.add_streamed("r", list(range(10)), digest, ready=2)
+    first, second = object(), object()
+    pins.computing("r", 2, object())  # nothing past what is ready
+    pins.computing("r", 6, first)
+    pins.computing("r", 99, second)  # capped at the pin's blocks
+    assert pins.readiness("r", token, digest) == (2, [(6, first), (10, second)], 10)
+    assert pins.wait_ready("r", token, digest, 8, 0, computing_ok=True)  # a launched step computes block 7
+    assert not pins.wait_ready("r", token, digest, 8, 0)
+    pins.advance("r", 6)
+    assert pins.readiness("r", token, digest) == (6, [(10, second)], 10)
+    pins.finish("r", first_token_id=5)
+    assert pins.readiness("r", token, digest) == (10, [], 10)
