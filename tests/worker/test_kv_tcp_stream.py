@@ -303,6 +303,26 @@ def test_a_reader_without_layer_pieces_gets_whole_blocks_once_their_step_ends(la
     assert p.pins.release("w", params["transfer_token"])
 
 
+@pytest.mark.parametrize("layers", [3, 2048, "4", -1])
+def test_a_grant_of_layers_that_do_not_fit_the_block_is_refused(layered_prefill, monkeypatch, layers):
+    """A peer's layer count decides how the reader cuts every piece and what it allocates: one that
+    does not divide the block, is too large or is not a count fails the pull, and it ends on both sides."""
+    p = layered_prefill
+    monkeypatch.setattr(tcp_stream, "CLAIM_S", 1.0)  # the ticket the reader does not use expires soon
+    handle = p.tcp.handle_read
+    monkeypatch.setattr(p.tcp, "handle_read", lambda body: ({**handle(body)[0], "layers": layers}, []))
+    p.channel.handlers["read"] = p.tcp.handle_read
+    params = streamed_pin(p, "bad", list(range(40, 44)), ready=4)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(p, params, list(range(4)), list(range(4)), cache, stall_s=2)
+    with pytest.raises(side_channel.SideChannelError, match="layers per"):
+        read.result()
+    read.stop()
+    assert not cache.any()
+    assert p.tcp.data.wait_idle(10)  # its streams were never claimed: the ticket expires
+    assert p.pins.release("bad", params["transfer_token"])
+
+
 def test_a_stream_read_of_a_cancelled_prefill_fails_and_frees_both_sides(prefill, small_chunks):
     params = streamed_pin(prefill, "c", list(range(10, 30)), ready=4)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 BUSY_RETRY_S = 0.01
 STREAMS = 4  # data connections a pull asks for (the prefill side may grant fewer)
+MAX_LAYERS = 1024  # a peer's layer count we accept (the reader keeps a flag per block and layer)
 
 
 class TcpServer:
@@ -209,7 +210,7 @@ class StreamedRead:
 def _layers(reply: dict, host: str, port: int, block_bytes: int) -> int:
     """A stream read's layer count (0: whole-block pieces, as an earlier release sends), checked."""
     layers = reply.get("layers", 0)
-    if type(layers) is not int or not 0 <= layers <= 65535 or (layers and block_bytes % layers):
+    if type(layers) is not int or not 0 <= layers <= MAX_LAYERS or (layers and block_bytes % layers):
         raise side_channel.SideChannelError(f"KV peer {host}:{port} granted a stream read of {layers!r} layers "
                                             f"per {block_bytes}-byte block")
     return layers
