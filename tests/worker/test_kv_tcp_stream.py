@@ -62,6 +62,12 @@ class Prefill:
                                       "keep": keep}, 5, AUTH, ENGINE)
         return reply
 
+    def wrap_reads(self, monkeypatch, wrap) -> None:
+        """Serve `read` as wrap(the real handler, body): a worker of another release, a bad peer."""
+        handle = self.tcp.handle_read
+        monkeypatch.setattr(self.tcp, "handle_read", lambda body: wrap(handle, body))
+        self.channel.handlers["read"] = self.tcp.handle_read
+
     def close(self) -> None:
         self.channel.stop()
         self.tcp.close()
@@ -283,9 +289,7 @@ def test_a_reader_without_layer_pieces_gets_whole_blocks_once_their_step_ends(la
     """A decode worker of an earlier release does not ask for layer pieces: a block whose step is
     still running reaches it only once the step was collected, whole, however many layers are written."""
     p = layered_prefill
-    handle = p.tcp.handle_read
-    monkeypatch.setattr(p.tcp, "handle_read", lambda body: handle({k: v for k, v in body.items() if k != "layers"}))
-    p.channel.handlers["read"] = p.tcp.handle_read
+    p.wrap_reads(monkeypatch, lambda handle, body: handle({k: v for k, v in body.items() if k != "layers"}))
     params = streamed_pin(p, "w", list(range(40, 60)), ready=2)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
     read = start_stream_read(p, params, list(range(20)), list(range(20)), cache)
@@ -309,9 +313,7 @@ def test_a_grant_of_layers_that_do_not_fit_the_block_is_refused(layered_prefill,
     does not divide the block, is too large or is not a count fails the pull, and it ends on both sides."""
     p = layered_prefill
     monkeypatch.setattr(tcp_stream, "CLAIM_S", 1.0)  # the ticket the reader does not use expires soon
-    handle = p.tcp.handle_read
-    monkeypatch.setattr(p.tcp, "handle_read", lambda body: ({**handle(body)[0], "layers": layers}, []))
-    p.channel.handlers["read"] = p.tcp.handle_read
+    p.wrap_reads(monkeypatch, lambda handle, body: ({**handle(body)[0], "layers": layers}, []))
     params = streamed_pin(p, "bad", list(range(40, 44)), ready=4)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
     read = start_stream_read(p, params, list(range(4)), list(range(4)), cache, stall_s=2)
@@ -370,9 +372,7 @@ def test_a_stream_read_from_a_prefill_worker_without_them_waits_and_reads_plainl
                                                                                   monkeypatch):
     """A prefill worker of an earlier release ignores `stream`: the read is deferred until every
     block is computed and then served unframed, which the reader follows (the same bytes)."""
-    handle = prefill.tcp.handle_read
-    monkeypatch.setattr(prefill.tcp, "handle_read", lambda body: handle({k: v for k, v in body.items() if k != "stream"}))
-    prefill.channel.handlers["read"] = prefill.tcp.handle_read
+    prefill.wrap_reads(monkeypatch, lambda handle, body: handle({k: v for k, v in body.items() if k != "stream"}))
     params = streamed_pin(prefill, "old", list(range(10, 30)), ready=3)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
     read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
