@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A/B of the hand-off over TCP in one device call: an earlier tree against this one, one `tcp-on`
-# stack per (tree, split), each a run of bench/gpu_handoff.sh. Before the call, here:
+# A/B of the hand-off in one device call: an earlier tree against this one, one `tcp-on` stack
+# (AB_STACKS: another, e.g. nixl-on) per (tree, split), each a run of bench/gpu_handoff.sh;
+# AB_FIRST_STACKS: the first run's stacks instead (e.g. agg,nixl-on: the aggregated baseline
+# once). Before the call, here:
 #
 #   mkdir -p .whl/base && git archive <base-sha> | tar -x -C .whl/base
 #   run(command="B1=220 B2=135 bash bench/gpu_handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
@@ -16,7 +18,7 @@ OUT=${OUT:-$PWD/gpu_handoff_ab_out}
 mkdir -p "$OUT" /tmp/ab
 run() {  # name dir worker-args [chunk tokens]
   local name=$1 dir=$2 args=$3 chunk=${4:-512}
-  (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=tcp-on \
+  (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=$STACKS \
      HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash bench/gpu_handoff.sh --warmup 24 ${AB_EXTRA:-} \
      > /tmp/ab/$name.out 2>&1)
   echo "== $name: $(grep -h '^\[handoff' /tmp/ab/$name/chunk$chunk/log.txt | grep 'first gap' \
@@ -24,6 +26,7 @@ run() {  # name dir worker-args [chunk tokens]
 }
 [ -d .whl/base ] && (cd .whl/base && ln -sfn .. .whl)  # the earlier tree installs the same carried wheels
 B=${B1:-220}
+STACKS=${AB_FIRST_STACKS:-${AB_STACKS:-tcp-on}}
 for what in "$@"; do
   case $what in
     base-tail) run base-tail .whl/base "--kv-stream-split tail" ;;
@@ -37,6 +40,7 @@ for what in "$@"; do
     *) echo "unknown run: $what"; exit 2 ;;
   esac
   B=${B2:-135}
+  STACKS=${AB_STACKS:-tcp-on}
   (cd /tmp/ab && tar czf "$OUT/ab.tar.gz" --exclude='*.png' .)
 done
 ls -la "$OUT"

@@ -466,3 +466,76 @@ def test_a_pin_holds_each_launched_steps_blocks_until_its_collection():
     assert pins.readiness("r", token, digest) == (6, [(10, second)], 10)
     pins.finish("r", first_token_id=5)
     assert pins.readiness("r", token, digest) == (10, [], 10)
+
+
+def test_a_layered_reader_hears_of_each_layer_a_running_step_writes():
+    """A layered progress (NIXL) counts a launched step's blocks as ready once its forward passed
+    every layer, names the step writing the next blocks with its layers written (`partial`),
+    and defers with that step's clock and the next layer to wait for; a reader without
+    `layers` gets whole collected blocks only, as before."""
+    import torch
+
+    from pdserve.worker.kv.layer_clock import LayerClock
+
+    pins = PinTable(ttl=30)
+    token = pins.add_streamed("r", list(range(10)), DIGEST, ready=2)
+    first, second = LayerClock(4, torch.device("cpu")), LayerClock(4, torch.device("cpu"))
+    pins.computing("r", 6, first)
+    pins.computing("r", 10, second)
+    with pytest.raises(NotReady) as e:  # launched, no layer written yet
+        pins.progress("r", token, DIGEST, 2, layers=0)
+    assert e.value.clock is first and e.value.layer == 1
+    first.after_layer(0)
+    first.after_layer(1)
+    assert pins.progress("r", token, DIGEST, 2, layers=0) == {
+        "ready": 2, "state": "running", "first_token_id": None, "last": False, "partial": [6, 2, 4]}
+    with pytest.raises(NotReady) as e:
+        pins.progress("r", token, DIGEST, 2, layers=2)
+    assert e.value.clock is first and e.value.layer == 3
+    with pytest.raises(NotReady) as e:  # the old reader's question: nothing new, no clock to wait on
+        pins.progress("r", token, DIGEST, 2)
+    assert e.value.clock is None
+    for i in (2, 3):
+        first.after_layer(i)
+    second.after_layer(0)
+    state = pins.progress("r", token, DIGEST, 2, layers=2)  # the first step is through, not collected
+    assert state["ready"] == 6 and state["partial"] == [10, 1, 4]
+    with pytest.raises(NotReady):
+        pins.progress("r", token, DIGEST, 2)  # collected blocks only
+    pins.advance("r", 6)
+    assert pins.progress("r", token, DIGEST, 2)["ready"] == 6 and "partial" not in pins.progress("r", token, DIGEST, 2)
+    pins.finish("r", 9)
+    assert pins.progress("r", token, DIGEST, 6, layers=1) == {"ready": 10, "state": "done", "first_token_id": 9,
+                                                              "last": False}
+
+
+def test_a_clock_watch_wakes_once_the_layer_is_written_and_gives_up_on_one_never_reached():
+    """The side channel's deferred layered readers are retried when the layer they wait for is
+    written (not on a timer); a wait the forward never reaches is dropped after give_up_s."""
+    import threading
+
+    import torch
+
+    from pdserve.worker.kv.layer_clock import ClockWatch, LayerClock
+
+    woken = threading.Event()
+    watch = ClockWatch(woken.set, give_up_s=0.2)
+    try:
+        clock = LayerClock(4, torch.device("cpu"))
+        watch.watch(clock, 2)
+        clock.after_layer(0)
+        assert not woken.wait(0.1)  # layer 1 not written: no wake-up
+        clock.after_layer(1)
+        assert woken.wait(10)
+        deadline = time.monotonic() + 10
+        while watch._want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch._want
+        woken.clear()
+        stale = LayerClock(4, torch.device("cpu"))
+        watch.watch(stale, 1)  # its step never runs
+        while watch._want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch._want and not woken.is_set()
+    finally:
+        watch.stop()

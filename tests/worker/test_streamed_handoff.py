@@ -199,12 +199,12 @@ def test_the_decode_side_hears_of_the_last_prefill_step_before_it_ends(ckpt, pai
 
 
 def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, monkeypatch):
-    """Over TCP the step that ends the prompt sends its blocks layer by layer: with its forward
-    held before layer 1, layer 0 of the prompt's last blocks (computed by that step alone) is
-    on the decode side, while the step has not ended; once it runs on, the answer is one worker's."""
+    """The step that ends the prompt moves its blocks layer by layer (TCP: the stream read's
+    senders send them; NIXL: the decode side READs the layers a progress reply says are
+    written): with its forward held before layer 1, layer 0 of the prompt's last blocks
+    (computed by that step alone) is on the decode side while the step has not ended; once it
+    runs on, the answer is one worker's."""
     p, d = pair
-    if p.config.kv_transfer != "tcp":
-        pytest.skip("layer pieces are the TCP stream read's (a NIXL pull reads whole blocks)")
     fresh = [t + 1200 for t in PROMPT]
     expected = engine_answer(ckpt, fresh)
     layer = p.runner.model.layers[1]

@@ -45,7 +45,8 @@ from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
-from pdserve.worker.kv.pins import LEASE_S, PinTable
+from pdserve.worker.kv.layer_clock import ClockWatch
+from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.rank_aggregator import RankAggregator
@@ -136,6 +137,7 @@ class KVConnector:
                                                      identity=side_channel.destination(self.engine_id, self.host,
                                                                                        self.port))
         self.pins.on_change = self.server.wake  # a reader waiting for a chunk hears of it at once
+        self._clock_watch = ClockWatch(self.server.wake)  # ... or for a layer of a running step
         self.server.start()
         log.info("KV side channel on %s:%d (advertised as %s), transport %s, %s", self.bind_host, self.port,
                  self.host, self.transport, "authenticated" if self.auth.enabled else "UNAUTHENTICATED")
@@ -185,8 +187,13 @@ class KVConnector:
         lease = bool(body.get("lease"))
         if lease and self.nixl is None:
             raise ValueError("this worker serves KV over TCP: use read")
-        state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
-                                   last_seen=body.get("last_seen", True))
+        try:
+            state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
+                                       last_seen=body.get("last_seen", True), layers=body.get("layers"))
+        except NotReady as e:
+            if e.clock is not None:  # waits for a running step's next layer, not for a pin change
+                self._clock_watch.watch(e.clock, e.layer)
+            raise
         reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
         if "block_ids" in state and body.get("want_metadata"):  # leased: as `lease` gives it
             reply["nixl"] = self.nixl.describe()
@@ -405,6 +412,11 @@ class KVConnector:
         # or pipeline refill per chunk. This loop then follows the pin only (last step, first
         # token, cancel), and waits for the read's bytes once the prefill is done.
         streamed = transport == "tcp" and not self._tp_pull(params)
+        # Over NIXL a reader also asks for the layers of the step that is writing the next blocks
+        # (pins.PinTable.progress `partial`), so the prefill's last step leaves layer by layer
+        # while it runs: when its forward ends, only its last layers are left to READ.
+        layered = leased and self.block_bytes % self.cache.shape[1] == 0
+        held = [0, 0]  # layered: [layers held, up to which block] of the blocks after `have`
         reader: StreamedRead | None = None
         stalled_since = time.monotonic()
         try:
@@ -414,7 +426,8 @@ class KVConnector:
                 unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
                 asked = time.monotonic()
                 p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
-                                          lease=leased, want_metadata=unknown, last_seen=rid in self._landing)
+                                          lease=leased, want_metadata=unknown, last_seen=rid in self._landing,
+                                          layers=held[0] if layered else None)
                 log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
                           p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
                 if p.get("last") is True:
@@ -423,7 +436,8 @@ class KVConnector:
                     raise PullStopped("the prefill worker cancelled the prefill")
                 ready = min(p["ready"], n)
                 # A peer that answers but never computes another chunk costs what a silent one does.
-                if ready > have or p["state"] == "done":
+                part = p.get("partial") if layered else None
+                if ready > have or p["state"] == "done" or (part is not None and part[1] > held[0]):
                     stalled_since = time.monotonic()
                 elif time.monotonic() - stalled_since > self.timeout:
                     raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
@@ -442,6 +456,8 @@ class KVConnector:
                         rest = sorted(i for i in want if i >= have)
                         reader = StreamedRead(host, port, params, rest, [want[i] for i in rest], self.blocks,
                                               self.timeout, self.auth, digest)
+                    elif layered:
+                        nbytes += self._read_layered(params, p, have, ready, held, want)
                     elif chunk and leased:
                         nbytes += self._read_leased(params, p, chunk, [want[i] for i in chunk])
                     elif chunk:
@@ -482,6 +498,56 @@ class KVConnector:
         peer = self.nixl.known_peer(engine_id) or self.nixl.add_peer(engine_id, reply["nixl"])
         src = [params.remote_block_ids[i] for i in indices]
         return self.nixl.finish_read(self.nixl.post_read(peer, src, dst_blocks, None), self.timeout)
+
+    def _read_layered(self, params: KVTransferParams, reply: dict, have: int, ready: int, held: list[int],
+                      want: dict[int, int]) -> int:
+        """READ what a layered progress reply announces beyond what this reader holds (`held`:
+        [layers, up to which block] of the blocks from `have`, updated here): the rest of those
+        blocks' layers once their step is through (or the layers it has written since), whole
+        blocks up to `ready`, then the layers written so far of the step after them. Only the
+        positions in `want` (the blocks we lack) are read; the READs run side by side."""
+        num_layers = self.cache.shape[1]
+        part = reply.get("partial")
+        if part is not None and part[2] != num_layers:  # not our model's layers: whole blocks only
+            part = None
+        layers, upto = held
+        reads, start = [], have  # (positions, first layer, end layer)
+        if layers and ready >= upto:  # that step's forward is through: the rest of its layers
+            reads.append((range(have, upto), layers, num_layers))
+            start, layers = upto, 0
+        elif layers and part is not None and part[0] == upto and part[1] > layers:  # more of them
+            reads.append((range(have, upto), layers, part[1]))
+            layers = part[1]
+        if ready > start:
+            reads.append((range(start, ready), 0, num_layers))
+        if not layers and part is not None:  # the next step's first layers
+            reads.append((range(ready, part[0]), 0, part[1]))
+            layers, upto = part[1], part[0]
+        reads = [([i for i in pos if i in want], lo, hi) for pos, lo, hi in reads]
+        reads = [r for r in reads if r[0]]
+        if reads:
+            if reply["block_ids"] != list(params.remote_block_ids):
+                raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than "
+                                                    "the params name")
+            engine_id = params.remote_engine_id
+            peer = self.nixl.known_peer(engine_id) or self.nixl.add_peer(engine_id, reply["nixl"])
+            src = params.remote_block_ids
+            posted, landed, nbytes = [], 0, 0
+            try:
+                for pos, lo, hi in reads:
+                    posted.append(self.nixl.post_read_layers(peer, [src[i] for i in pos], [want[i] for i in pos],
+                                                             lo, hi, num_layers))
+                for xfer in posted:
+                    landed += 1  # finish_read releases its handle however it ends
+                    nbytes += self.nixl.finish_read(xfer, self.timeout)
+            except BaseException:
+                for xfer in posted[landed:]:
+                    self.nixl.abort_read(xfer, self.timeout)
+                raise
+        else:
+            nbytes = 0
+        held[:] = [layers, upto] if layers else [0, 0]
+        return nbytes
 
     def _nixl_pull(self, host, port, params, indices, dst_blocks, digest, release: bool = True) -> int:
         """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params
@@ -548,6 +614,7 @@ class KVConnector:
         if self.server:
             self.server.stop()
             self._tcp.close()
+            self._clock_watch.stop()
 
 
 def as_params(params: KVTransferParams | dict) -> KVTransferParams:

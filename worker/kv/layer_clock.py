@@ -20,6 +20,7 @@ next to the blocks that step completes (`PinTable.computing`), until the step is
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -66,3 +67,60 @@ class LayerClock:
         with self._cond:
             self._done = max(self._done, n)
         return True
+
+
+class ClockWatch:
+    """Wakes the side channel when a launched step's forward passes a layer someone waits for.
+
+    The side channel retries its deferred requests when a pin changes (`PinTable` calls its
+    `wake`); a layered reader's progress waits for the next layer of a step that is running,
+    which changes no pin. One thread sleeps on that layer's clock (a blocking CUDA event: no
+    spinning core, no GIL held) and wakes the channel, whose retry answers with every layer
+    written by then. A wait the forward never reaches (its step ended otherwise) is given up
+    after `give_up_s`: the deferred request is answered at its deadline or by the pin's next change.
+    """
+
+    POLL_S = 0.05  # one clock's wait at a time: look at the others this often
+
+    def __init__(self, wake, give_up_s: float = 1.0):
+        self._wake = wake
+        self.give_up_s = give_up_s
+        self._want: dict[LayerClock, tuple[int, float]] = {}  # clock -> (layer to pass, since)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def watch(self, clock: LayerClock, layer: int) -> None:
+        """Any thread: wake the channel once `clock` has passed `layer` layers."""
+        now = time.monotonic()
+        with self._cond:
+            if self._stopped:
+                return
+            have = self._want.get(clock)
+            self._want[clock] = (min(layer, have[0]), have[1]) if have else (layer, now)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-clock-watch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._want and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                clock, (layer, _) = next(iter(self._want.items()))  # the oldest first
+            passed = clock.wait(layer, self.POLL_S)
+            with self._cond:
+                want = self._want.pop(clock, None)
+                if want is not None and not (passed and want[0] <= layer) \
+                        and time.monotonic() - want[1] <= self.give_up_s:
+                    self._want[clock] = want  # not there yet: behind the others
+            if passed:
+                self._wake()

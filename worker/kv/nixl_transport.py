@@ -198,6 +198,28 @@ class NixlTransport:
         return PostedRead(handle, state, peer["agent"], b"" if attached else msg, len(src) * self.block_bytes,
                           (src, dst))
 
+    def post_read_layers(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], lo: int, hi: int,
+                         num_layers: int) -> "PostedRead":
+        """Start a READ of layers [lo, hi) of remote `src_blocks` into the same layers of local
+        `dst_blocks` (no notification): a block holds its layers one after another (kv_cache.py),
+        so each block's part is one descriptor. A layered streamed hand-off reads the layers a
+        running prefill step has written (connector._stream_pull)."""
+        if lo == 0 and hi == num_layers:
+            return self.post_read(peer, src_blocks, dst_blocks, None)
+        if len(src_blocks) != len(dst_blocks) or not 0 <= lo < hi <= num_layers or self.block_bytes % num_layers:
+            raise ValueError(f"bad layer read: {len(src_blocks)} -> {len(dst_blocks)} blocks, layers [{lo}, {hi}) "
+                             f"of {num_layers}")
+        layer_bytes = self.block_bytes // num_layers
+        src, dst = as_indices(src_blocks), as_indices(dst_blocks)
+        nbytes = np.full(len(src), (hi - lo) * layer_bytes, dtype=np.uint64)
+        remote = _span_descs(peer["base"] + lo * layer_bytes, src, nbytes, self.block_bytes, peer["device_id"])
+        local = _span_descs(self.base + lo * layer_bytes, dst, nbytes, self.block_bytes, self.device_id)
+        with self._lock:
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
+                                                self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], b"")
+            state = self.agent.transfer(handle)
+        return PostedRead(handle, state, peer["agent"], b"", int(nbytes.sum()), (src, dst))
+
     def finish_read(self, xfer: "PostedRead", timeout_s: float, timings: dict | None = None) -> int:
         """Wait for a posted READ, release its handle, then send its notification (the bytes
         have landed here: the peer may free its blocks). Returns bytes."""

@@ -73,7 +73,13 @@ class PinError(PermissionError):
 
 
 class NotReady(Exception):
-    """Nothing to answer yet: the side channel replies when the pin changes (or at its deadline)."""
+    """Nothing to answer yet: the side channel replies when the pin changes (or at its deadline).
+    `clock`, `layer`: what would change the answer without changing the pin, a launched step's
+    forward passing that layer (a layered reader's progress; see ClockWatch)."""
+
+    def __init__(self, clock=None, layer: int = 0):
+        super().__init__()
+        self.clock, self.layer = clock, layer
 
 
 class PinTable:
@@ -254,20 +260,37 @@ class PinTable:
                 raise ConnectionError("the reader hung up")
 
     def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0,
-                 last_seen: bool = True) -> dict:
+                 last_seen: bool = True, layers=None) -> dict:
         """A streamed pin's state for a reader that has seen `have` ready blocks: NotReady until
         there is more, the prefill ended, or (a reader that has not seen it, `last_seen` False)
         its last step began. Only the holder of the token may ask. `lease_s`: the
         answer is also a lease (as `lease`) on the pin, whose block ids it then carries: a NIXL
-        reader READs the ready blocks at once, without a lease round trip per chunk."""
+        reader READs the ready blocks at once, without a lease round trip per chunk.
+
+        `layers` (an int: a layered reader, which holds that many leading layers of the blocks a
+        launched step is writing): `ready` then also counts the blocks of launched steps whose
+        forward has passed every layer (not yet collected), and `partial` [upto, layers written,
+        model layers] names the step writing the next blocks, up to `upto`, once it has passed a
+        layer; there is more for the reader when either moved past what it holds."""
         now = time.monotonic()
         with self._lock:
             # Cancelled is an answer here, not a refusal: the reader stops (no first token will come).
             pin = self._authenticate(request_id, token, prompt_digest, now, cancelled_ok=True)
-            nothing_new = pin.state == RUNNING and type(have) is int and pin.ready <= have
+            ready, part = pin.ready, None
+            if type(layers) is int and pin.state == RUNNING:
+                ready, part = _frontier(pin)
+            nothing_new = pin.state == RUNNING and type(have) is int and ready <= have
+            if part is not None and type(layers) is int:
+                nothing_new = nothing_new and part[1] <= layers
             if nothing_new and not (pin.last and last_seen is not True):
+                if part is not None:  # the next layer of that step is news
+                    raise NotReady(part[2], max(part[1], layers) + 1)
                 raise NotReady()
             state = pin.progress()
+            if type(layers) is int and pin.state == RUNNING:
+                state["ready"] = ready
+                if part is not None and part[1] > 0:
+                    state["partial"] = [part[0], part[1], part[2].num_layers]
             if lease_s > 0 and pin.state != CANCELLED:
                 pin.leased_until = now + lease_s
                 state["block_ids"] = list(pin.block_ids)
@@ -319,3 +342,18 @@ class PinTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._pins)
+
+
+def _frontier(pin: Pin) -> tuple[int, tuple | None]:
+    """Under the lock, a running pin: (leading blocks with every layer written, (upto, layers
+    written, clock) of the launched step writing the blocks after them, or None). A step's
+    blocks count as written once its forward passed the last layer, before its collection."""
+    ready = pin.ready
+    for upto, clock in pin.computing:
+        if upto <= ready:
+            continue
+        done = clock.done()
+        if done < clock.num_layers:
+            return ready, (upto, done, clock)
+        ready = upto
+    return ready, None
