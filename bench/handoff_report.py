@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.bench import disagg_report, server_metrics
 from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
-from pdserve.worker.kv.tcp_stream import LAYER_GROUPS
+from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 
 LINKS_GBPS = (2, 10, 25, 50)
 FLAT_MS = 5.0  # "flat": first gap spread over prompt lengths, and the TCP slack of issue 24
@@ -83,7 +83,7 @@ def stall_on_ms(nbytes: float, gbps: float, prefill_ms: float, chunks: int | lis
     (k*P/n + (n-k+1)*B/(n*bw)), linear in k, so the stall after the prefill ends is max(last chunk
     alone, B/bw - P*(n-1)/n); or the chunks' token counts (the tail and taper splits), simulated.
     `groups`: the last chunk leaves in that many groups of layers, each once its step wrote it
-    (a TCP stream read's layer pieces, worker/kv/tcp_stream.py), simulated as that many chunks."""
+    (TCP layer pieces, NIXL layer READs: worker/kv/layer_clock.py), simulated as that many chunks."""
     link = nbytes / (gbps * 1e6)
     if isinstance(chunks, int) and groups > 1:
         chunks = [1] * chunks
@@ -131,8 +131,8 @@ def prediction(rows: list[dict], per_token: int, chunk: int, split: str = "even"
     def cut(L: int, stack: str = on_name) -> int | list[int]:
         return prompt_chunks(L, chunk, resolve_split(split, stack.split("-")[0]), budget)
 
-    def groups(stack: str = on_name) -> int:  # a TCP stream read sends the last step's layers as written
-        return LAYER_GROUPS if stack.startswith("tcp") else 1
+    def groups(stack: str = on_name) -> int:  # both transports move the last step's layers as written
+        return LAYER_GROUPS
 
     n_chunks = cut
     prefill = {L: r["p_ttft_ms"] for L, r in off.items()}

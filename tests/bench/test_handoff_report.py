@@ -89,13 +89,15 @@ def test_prediction_fits_the_fixed_costs_and_checks_the_model():
     per_token = hr.kv_bytes_per_token(LLAMA_8B)
     kv_ms = lambda L: L * per_token / 25e6  # a 25 GB/s link
     rows = sweep_rows("nixl-off", lambda L: kv_ms(L) + 20, kv_ms)
-    rows += sweep_rows("nixl-on", lambda L: hr.stall_on_ms(L * per_token, 25, L * 27e-3, -(-L // 512), 7.0), kv_ms)
+    rows += sweep_rows("nixl-on", lambda L: hr.stall_on_ms(L * per_token, 25, L * 27e-3, -(-L // 512), 7.0,
+                                                           hr.LAYER_GROUPS), kv_ms)
     pred = hr.prediction(rows, per_token, 512)
     assert pred["fixed_off_ms"] == pytest.approx(20) and pred["fixed_on_ms"] == pytest.approx(7)
     t3000 = next(t for t in pred["table"] if t["prompt_len"] == 3000)
     assert t3000["chunks"] == 6 and t3000["kv_mb"] == pytest.approx(3000 * per_token / 1e6)
     assert t3000["off_ms"]["2"] == pytest.approx(3000 * per_token / 2e6 + 20)
-    assert t3000["on_ms"]["50"] == pytest.approx(3000 * per_token / 50e6 / 6 + 7)
+    # A 50 GB/s link is idle between chunks: only the last chunk's last layer group is left.
+    assert t3000["on_ms"]["50"] == pytest.approx(3000 * per_token / 50e6 / 6 / hr.LAYER_GROUPS + 7)
     assert all(c["predicted_ms"] == pytest.approx(c["measured_ms"]) for c in pred["checks"])
     assert hr.prediction([], per_token, 512) == {}
 

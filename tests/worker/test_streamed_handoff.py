@@ -46,10 +46,11 @@ def ckpt(tmp_path_factory):
                             intermediate_size=128, num_hidden_layers=2)
 
 
-def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout: float = 10, **kw) -> LLMEngine:
+def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout: float = 10, chunk: int = CHUNK,
+           **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device="cpu", role=role, kv_transfer=transport,
                                   kv_port=free_port(), block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
-                                  kv_stream_chunk_tokens=CHUNK, kv_stream_split=split, kv_peer_allow=("127.0.0.1",),
+                                  kv_stream_chunk_tokens=chunk, kv_stream_split=split, kv_peer_allow=("127.0.0.1",),
                                   kv_secret="streamed-handoff-test-secret", kv_pull_timeout=kv_pull_timeout, **kw))
 
 
@@ -237,6 +238,63 @@ def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, m
     tokens += [t for o in outs if o.request_id == "d9" for t in o.new_token_ids]
     assert tokens == expected
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transport, monkeypatch):
+    """Without a streamed split (--kv-stream-chunk-tokens 0) the prompt is computed in one step;
+    the decode side starts reading once that step has written a layer (TCP: its stream read
+    opens then, not once the step's blocks are collected; NIXL: it READs the written layers).
+    With the forward held before layer 1, layer 0 of every block is on the decode side while
+    the one step runs; then the answer is one worker's."""
+    p = engine(ckpt, "prefill", transport, chunk=0)
+    d = engine(ckpt, "decode", transport)
+    try:
+        fresh = [t + 1300 for t in PROMPT]
+        expected = engine_answer(ckpt, fresh)
+        layer = p.runner.model.layers[1]
+        forward, held, go = layer.forward, threading.Event(), threading.Event()
+
+        def holding_forward(positions, *args, **kw):
+            if int(positions.max()) == len(fresh) - 1 and not go.is_set():
+                held.set()
+                assert go.wait(60)
+            return forward(positions, *args, **kw)
+
+        monkeypatch.setattr(layer, "forward", holding_forward)
+        announced: list = []
+        p.on_announce = announced.extend  # the params leave before the step runs, as the server sends them
+        p.add_request("p1", fresh, GREEDY, {"do_remote_decode": True, "stream_kv": True})
+        outs: list = []
+        ended = lambda: any(o.request_id == "p1" and o.finished for o in outs)  # noqa: E731
+        prefill = threading.Thread(target=lambda: until(lambda: outs.extend(p.step()) or ended(), "the prefill"))
+        prefill.start()
+        try:
+            until(held.is_set, "the prompt's one step to reach layer 1")
+            params = next(o.kv_transfer_params for o in announced if o.request_id == "p1")
+            assert p.kv_connector.pins.state("p1")["ready"] == 0  # nothing collected: the step runs
+            d.add_request("d1", fresh, GREEDY, params)
+            n = -(-len(fresh) // BLOCK)
+
+            def layer0_landed() -> bool:
+                dst = d.requests["d1"].block_ids[:n] if "d1" in d.requests else []
+                return len(dst) == n and torch.equal(p.kv_cache.tensor[p.requests["p1"].block_ids[:n], 0],
+                                                     d.kv_cache.tensor[dst, 0])
+
+            until(layer0_landed, "layer 0 of every block on the decode side", [d])
+            assert p.kv_connector.pins.state("p1")["state"] == "running" and "p1" in p.requests
+        finally:
+            go.set()
+            prefill.join(60)
+        first = next(o for o in outs if o.request_id == "p1" and o.finished).new_token_ids[0]
+        tokens = [first]
+        outs = until(lambda: "d1" not in d.requests, "the decode request to end", [d])
+        tokens += [t for o in outs if o.request_id == "d1" for t in o.new_token_ids]
+        assert tokens == expected
+        until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+    finally:
+        p.shutdown()
+        d.shutdown()
 
 
 def hand_off_and_decode(p: LLMEngine, d: LLMEngine, prid: str, drid: str, prompt,

@@ -407,10 +407,14 @@ class KVConnector:
         # chunk it announces is READ at once, one round trip per chunk instead of two (the last
         # chunk's is on the first token's gap).
         leased = transport == "nixl" and not self._tp_pull(params)
-        # Over TCP (one rank each side) the blocks move as one stream read, granted with the
-        # first chunk, whose senders follow the prefill (tcp_stream.py): no round trip, connection
-        # or pipeline refill per chunk. This loop then follows the pin only (last step, first
-        # token, cancel), and waits for the read's bytes once the prefill is done.
+        # Over TCP (one rank each side) the blocks move as one stream read, whose senders follow
+        # the prefill (tcp_stream.py): no round trip, connection or pipeline refill per chunk. It
+        # starts once the prefill's first step has written a layer (a progress with `layers` 0
+        # hears of it; a prefill of an earlier release answers at its first chunk), not at
+        # admission: a prefill still queued would hold send streams for nothing. So a prompt
+        # computed in one step moves layer by layer while it runs too. This loop then follows
+        # the pin only (last step, first token, cancel), and waits for the read's bytes once the
+        # prefill is done.
         streamed = transport == "tcp" and not self._tp_pull(params)
         # Over NIXL a reader also asks for the layers of the step that is writing the next blocks
         # (pins.PinTable.progress `partial`), so the prefill's last step leaves layer by layer
@@ -427,7 +431,7 @@ class KVConnector:
                 asked = time.monotonic()
                 p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
                                           lease=leased, want_metadata=unknown, last_seen=rid in self._landing,
-                                          layers=held[0] if layered else None)
+                                          layers=held[0] if layered else 0 if streamed and reader is None else None)
                 log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
                           p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
                 if p.get("last") is True:
@@ -436,7 +440,7 @@ class KVConnector:
                     raise PullStopped("the prefill worker cancelled the prefill")
                 ready = min(p["ready"], n)
                 # A peer that answers but never computes another chunk costs what a silent one does.
-                part = p.get("partial") if layered else None
+                part = p.get("partial")  # only a reader that asked with `layers` gets one
                 if ready > have or p["state"] == "done" or (part is not None and part[1] > held[0]):
                     stalled_since = time.monotonic()
                 elif time.monotonic() - stalled_since > self.timeout:
@@ -452,7 +456,7 @@ class KVConnector:
                 try:
                     if reader is not None:
                         reader.raise_if_failed()
-                    elif chunk and streamed:
+                    elif streamed and (chunk or p.get("partial")):  # the prefill's first step is running
                         rest = sorted(i for i in want if i >= have)
                         reader = StreamedRead(host, port, params, rest, [want[i] for i in rest], self.blocks,
                                               self.timeout, self.auth, digest)

@@ -24,6 +24,11 @@ import time
 
 import torch
 
+# A running step's layers move in groups of at least 1/LAYER_GROUPS of them (or the rest): each
+# piece (TCP) or READ (NIXL) costs Python time on the prefill side, where the step thread needs
+# the GIL, and per-block descriptors on the reader's (a layer range of a block is one).
+LAYER_GROUPS = 8
+
 
 class LayerClock:
     def __init__(self, num_layers: int, device: torch.device):

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 from pdserve.worker.kv.prompt_binding import bind_token
 
 
@@ -283,8 +284,8 @@ class PinTable:
             if part is not None and type(layers) is int:
                 nothing_new = nothing_new and part[1] <= layers
             if nothing_new and not (pin.last and last_seen is not True):
-                if part is not None:  # the next layer of that step is news
-                    raise NotReady(part[2], max(part[1], layers) + 1)
+                if part is not None:  # that step's next group of layers is news
+                    raise NotReady(part[2], _next_group(max(part[1], layers), part[2].num_layers))
                 raise NotReady()
             state = pin.progress()
             if type(layers) is int and pin.state == RUNNING:
@@ -357,3 +358,9 @@ def _frontier(pin: Pin) -> tuple[int, tuple | None]:
             return ready, (upto, done, clock)
         ready = upto
     return ready, None
+
+
+def _next_group(layers: int, num_layers: int) -> int:
+    """The layer count a reader holding `layers` waits for: the end of the next LAYER_GROUPS group."""
+    group = -(-num_layers // LAYER_GROUPS)
+    return min(num_layers, (layers // group + 1) * group)

@@ -76,6 +76,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
+from pdserve.worker.kv.layer_clock import LAYER_GROUPS  # noqa: F401 (tests set it here)
 from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,6 @@ REAP_S = 0.5  # how often unclaimed tickets are looked at
 MAGIC = b"pdkv-tcp"
 PIECE = struct.Struct("!II")  # a stream read's piece: first position in the read, block count (0: the end)
 LAYER_PIECE = struct.Struct("!IIHH")  # a layered stream read's: also the layers [lo, hi) of those blocks
-LAYER_GROUPS = 8  # a layer piece carries at least 1/8 of a block's layers (or the rest)
 HELLO = struct.Struct("!8s16sHH32s")  # magic, ticket, stream index, streams, HMAC(ticket, index)
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 
