@@ -11,14 +11,15 @@
 # new-taper, new-taper256, new-auto, new-none (this tree; none: no streamed split, the step
 # budget's chunks only). B1: the first run's budget in seconds (it also writes the
 # checkpoint), B2: each later run's; AB_EXTRA: more bench/handoff.py flags (--tcp-high-rate);
-# HANDOFF_MIN_GPUS=1 runs both workers on one GPU. Each run's report lands in /tmp/ab/<run>/, all
+# HANDOFF_MIN_GPUS=1 runs both workers on one GPU; AB_PROFILE=<run name> samples that run with py-spy. Each run's report lands in /tmp/ab/<run>/, all
 # of them in $OUT/ab.tar.gz (rewritten after each run: a call cut short keeps what ran).
 set -u
 OUT=${OUT:-$PWD/gpu_handoff_ab_out}
 mkdir -p "$OUT" /tmp/ab
 run() {  # name dir worker-args [chunk tokens]
-  local name=$1 dir=$2 args=$3 chunk=${4:-512}
-  (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=$STACKS \
+  local name=$1$SUFFIX dir=$2 args=$3 chunk=${4:-512}
+  local profile=0; [ "$name" = "${AB_PROFILE:-}" ] && profile=1  # AB_PROFILE=<run>: that run under py-spy
+  (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=$STACKS HANDOFF_PROFILE=$profile \
      HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash bench/gpu_handoff.sh --warmup 24 ${AB_EXTRA:-} \
      > /tmp/ab/$name.out 2>&1)
   echo "== $name: $(grep -h '^\[handoff' /tmp/ab/$name/chunk$chunk/log.txt | grep 'first gap' \
@@ -27,7 +28,9 @@ run() {  # name dir worker-args [chunk tokens]
 [ -d .whl/base ] && (cd .whl/base && ln -sfn .. .whl)  # the earlier tree installs the same carried wheels
 B=${B1:-220}
 STACKS=${AB_FIRST_STACKS:-${AB_STACKS:-tcp-on}}
-for what in "$@"; do
+for spec in "$@"; do
+  what=${spec%%:*}  # new-auto:nixl-on runs new-auto on that stack (its report in /tmp/ab/new-auto-nixl-on)
+  if [ "$what" != "$spec" ]; then STACKS=${spec#*:}; SUFFIX=-$STACKS; else SUFFIX=; fi
   case $what in
     base-tail) run base-tail .whl/base "--kv-stream-split tail" ;;
     base-taper) run base-taper .whl/base "--kv-stream-split taper" ;;
