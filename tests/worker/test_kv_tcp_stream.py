@@ -585,3 +585,31 @@ def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
         assert [rid for rid, _, _ in c.pins.collect()] == ["r"]  # the read released the pin
     finally:
         c.shutdown()
+
+
+def test_a_layered_progress_reply_is_checked_before_any_layer_is_read():
+    """A progress reply's `partial` (the running step's blocks and layers written) decides which
+    bytes a layered reader READs: a peer's malformed one is refused as the reply, never read
+    from; a well-formed one comes through."""
+    replies = iter([[4, 2, 8], [4, 8, 8], [4, 0, 8], [1, 2, 8], "4,2,8", [4, 2]])
+
+    def progress(body):
+        assert body["layers"] == 3  # the reader said what it holds
+        return {"engine_id": ENGINE, "prompt_digest": body["prompt_digest"], "ready": 2, "state": "running",
+                "first_token_id": None, "last": False, "partial": next(replies)}, []
+
+    port = free_port()
+    channel = side_channel.SideChannelServer("127.0.0.1", port, {"progress": progress}, AUTH,
+                                             identity=side_channel.destination(ENGINE, "127.0.0.1", port))
+    channel.start()
+    try:
+        params = KVTransferParams(remote_engine_id=ENGINE, remote_host="127.0.0.1", remote_port=port,
+                                  remote_request_id="r", remote_block_ids=tuple(range(8)), num_prompt_tokens=32,
+                                  first_token_id=None, transfer_token="t", kv_layout="8x1x8:bf16:4")
+        ask = lambda: side_channel.progress("127.0.0.1", port, params, DIGEST, 2, 10, AUTH, layers=3)  # noqa: E731
+        assert ask()["partial"] == [4, 2, 8]
+        for _ in range(5):  # every layer written, none, a step ending before the ready blocks, not a list, short
+            with pytest.raises(side_channel.SideChannelError, match="malformed partial"):
+                ask()
+    finally:
+        channel.stop()
