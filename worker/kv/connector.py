@@ -409,8 +409,8 @@ class KVConnector:
         leased = transport == "nixl" and not self._tp_pull(params)
         # Over TCP (one rank each side) the blocks move as one stream read, whose senders follow
         # the prefill (tcp_stream.py): no round trip, connection or pipeline refill per chunk. It
-        # starts once the prefill's first step has written a layer (a progress with `layers` 0
-        # hears of it; a prefill of an earlier release answers at its first chunk), not at
+        # starts once the prefill's first step has written its first group of layers (a progress
+        # with `layers` 0 hears of it; a prefill of an earlier release answers at its first chunk), not at
         # admission: a prefill still queued would hold send streams for nothing. So a prompt
         # computed in one step moves layer by layer while it runs too. This loop then follows
         # the pin only (last step, first token, cancel), and waits for the read's bytes once the
