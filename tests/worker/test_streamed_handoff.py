@@ -220,7 +220,8 @@ def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, m
     monkeypatch.setattr(layer, "forward", holding_forward)
     d.add_request("d9", fresh, GREEDY, announce(p, "p9", fresh))
     outs: list = []
-    prefill = threading.Thread(target=lambda: outs.extend(until(lambda: "p9" not in p.requests, "the prefill", [p])))
+    prefill = threading.Thread(target=lambda: outs.extend(until(lambda: "p9" not in p.requests, "the prefill", [p],
+                                                                timeout=300)))  # it outlasts the held forward
     prefill.start()
     try:
         until(held.is_set, "the prefill's last step to reach layer 1", [d])
@@ -267,7 +268,8 @@ def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transpor
         p.add_request("p1", fresh, GREEDY, {"do_remote_decode": True, "stream_kv": True})
         outs: list = []
         ended = lambda: any(o.request_id == "p1" and o.finished for o in outs)  # noqa: E731
-        prefill = threading.Thread(target=lambda: until(lambda: outs.extend(p.step()) or ended(), "the prefill"))
+        prefill = threading.Thread(target=lambda: until(lambda: outs.extend(p.step()) or ended(), "the prefill",
+                                                        timeout=300))  # it outlasts the held forward
         prefill.start()
         try:
             until(held.is_set, "the prompt's one step to reach layer 1")
