@@ -208,16 +208,7 @@ def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, m
     p, d = pair
     fresh = [t + 1200 for t in PROMPT]
     expected = engine_answer(ckpt, fresh)
-    layer = p.runner.model.layers[1]
-    forward, held, go = layer.forward, threading.Event(), threading.Event()
-
-    def holding_forward(positions, *args, **kw):  # the prompt's last token is computed in this step
-        if int(positions.max()) == len(fresh) - 1 and not go.is_set():
-            held.set()
-            assert go.wait(60)
-        return forward(positions, *args, **kw)
-
-    monkeypatch.setattr(layer, "forward", holding_forward)
+    held, go = hold_the_last_step(monkeypatch, p, len(fresh))
     d.add_request("d9", fresh, GREEDY, announce(p, "p9", fresh))
     outs: list = []
     prefill = threading.Thread(target=lambda: outs.extend(until(lambda: "p9" not in p.requests, "the prefill", [p],
@@ -234,11 +225,32 @@ def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, m
         go.set()
         prefill.join(60)
     first = next(o for o in outs if o.request_id == "p9" and o.finished).new_token_ids[0]
-    tokens = [first]
-    outs = until(lambda: "d9" not in d.requests, "the decode request to end", [d])
-    tokens += [t for o in outs if o.request_id == "d9" for t in o.new_token_ids]
-    assert tokens == expected
+    assert decode_to_the_end(p, d, "d9", first) == expected
+
+
+def hold_the_last_step(monkeypatch, p: LLMEngine, prompt_len: int) -> tuple[threading.Event, threading.Event]:
+    """Hold `p`'s forward before layer 1 in the step that computes the prompt's last token:
+    (held, go) — `held` is set once it waits there, `go` lets it run on."""
+    layer = p.runner.model.layers[1]
+    forward, held, go = layer.forward, threading.Event(), threading.Event()
+
+    def holding_forward(positions, *args, **kw):
+        if int(positions.max()) == prompt_len - 1 and not go.is_set():
+            held.set()
+            assert go.wait(60)
+        return forward(positions, *args, **kw)
+
+    monkeypatch.setattr(layer, "forward", holding_forward)
+    return held, go
+
+
+def decode_to_the_end(p: LLMEngine, d: LLMEngine, drid: str, first: int) -> list[int]:
+    """Step `d` until `drid` ends; its tokens after the prefill's `first`, once every block of
+    both engines is free and unpinned."""
+    outs = until(lambda: drid not in d.requests, "the decode request to end", [d])
+    tokens = [first] + [t for o in outs if o.request_id == drid for t in o.new_token_ids]
     until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+    return tokens
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -253,16 +265,7 @@ def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transpor
     try:
         fresh = [t + 1300 for t in PROMPT]
         expected = engine_answer(ckpt, fresh)
-        layer = p.runner.model.layers[1]
-        forward, held, go = layer.forward, threading.Event(), threading.Event()
-
-        def holding_forward(positions, *args, **kw):
-            if int(positions.max()) == len(fresh) - 1 and not go.is_set():
-                held.set()
-                assert go.wait(60)
-            return forward(positions, *args, **kw)
-
-        monkeypatch.setattr(layer, "forward", holding_forward)
+        held, go = hold_the_last_step(monkeypatch, p, len(fresh))
         announced: list = []
         p.on_announce = announced.extend  # the params leave before the step runs, as the server sends them
         p.add_request("p1", fresh, GREEDY, {"do_remote_decode": True, "stream_kv": True})
@@ -289,11 +292,7 @@ def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transpor
             go.set()
             prefill.join(60)
         first = next(o for o in outs if o.request_id == "p1" and o.finished).new_token_ids[0]
-        tokens = [first]
-        outs = until(lambda: "d1" not in d.requests, "the decode request to end", [d])
-        tokens += [t for o in outs if o.request_id == "d1" for t in o.new_token_ids]
-        assert tokens == expected
-        until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+        assert decode_to_the_end(p, d, "d1", first) == expected
     finally:
         p.shutdown()
         d.shutdown()
