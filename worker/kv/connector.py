@@ -416,11 +416,10 @@ class KVConnector:
         # the pin only (last step, first token, cancel), and waits for the read's bytes once the
         # prefill is done.
         streamed = transport == "tcp" and not self._tp_pull(params)
-        # Over NIXL a reader also asks for the layers of the step that is writing the next blocks
+        # A NIXL reader also asks for the layers of the step that is writing the next blocks
         # (pins.PinTable.progress `partial`), so the prefill's last step leaves layer by layer
         # while it runs: when its forward ends, only its last layers are left to READ.
-        layered = leased and self.block_bytes % self.cache.shape[1] == 0
-        held = [0, 0]  # layered: [layers held, up to which block] of the blocks after `have`
+        held = [0, 0]  # NIXL: [layers held, up to which block] of the blocks after `have`
         reader: StreamedRead | None = None
         stalled_since = time.monotonic()
         try:
@@ -431,7 +430,7 @@ class KVConnector:
                 asked = time.monotonic()
                 p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
                                           lease=leased, want_metadata=unknown, last_seen=rid in self._landing,
-                                          layers=held[0] if layered else 0 if streamed and reader is None else None)
+                                          layers=held[0] if leased else 0 if streamed and reader is None else None)
                 log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
                           p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
                 if p.get("last") is True:
@@ -456,14 +455,12 @@ class KVConnector:
                 try:
                     if reader is not None:
                         reader.raise_if_failed()
-                    elif streamed and (chunk or p.get("partial")):  # the prefill's first step is running
+                    elif streamed and (chunk or part):  # the prefill's first step is running
                         rest = sorted(i for i in want if i >= have)
                         reader = StreamedRead(host, port, params, rest, [want[i] for i in rest], self.blocks,
                                               self.timeout, self.auth, digest)
-                    elif layered:
+                    elif leased:
                         nbytes += self._read_layered(params, p, have, ready, held, want)
-                    elif chunk and leased:
-                        nbytes += self._read_leased(params, p, chunk, [want[i] for i in chunk])
                     elif chunk:
                         nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
                                                     last=False)
@@ -492,16 +489,6 @@ class KVConnector:
         except Exception:
             return False
         return p["state"] == "cancelled"
-
-    def _read_leased(self, params: KVTransferParams, reply: dict, indices: list[int], dst_blocks: list[int]) -> int:
-        """READ blocks a progress reply has leased (and said are computed); the pin is kept."""
-        if reply["block_ids"] != list(params.remote_block_ids):
-            raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than the "
-                                                "params name")
-        engine_id = params.remote_engine_id
-        peer = self.nixl.known_peer(engine_id) or self.nixl.add_peer(engine_id, reply["nixl"])
-        src = [params.remote_block_ids[i] for i in indices]
-        return self.nixl.finish_read(self.nixl.post_read(peer, src, dst_blocks, None), self.timeout)
 
     def _read_layered(self, params: KVTransferParams, reply: dict, have: int, ready: int, held: list[int],
                       want: dict[int, int]) -> int:

@@ -76,7 +76,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
-from pdserve.worker.kv.layer_clock import LAYER_GROUPS  # noqa: F401 (tests set it here)
+from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
 
 log = logging.getLogger(__name__)
