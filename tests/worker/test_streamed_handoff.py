@@ -626,3 +626,46 @@ def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transpor
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("asyn", [False, True], ids=["sync", "async"])
+def test_the_engine_holds_its_tcp_senders_while_it_launches_a_step(ckpt, asyn, monkeypatch):
+    """The launch gate (kv/layer_clock.LaunchGate; closed only on a GPU, forced on here): the
+    prefill engine closes it around every launch and opens it after, so a streamed TCP hand-off
+    over several chunks still lands whole and gives one worker's answer. A gate left closed
+    would hold the senders for the gate's minute: the hand-off would not land within `until`'s."""
+    p = engine(ckpt, "prefill", "tcp", split="taper", async_scheduling=asyn)
+    d = engine(ckpt, "decode", "tcp", async_scheduling=asyn)
+    try:
+        gate = p.kv_connector.launch_gate
+        gate.enabled, gate.wait_s = True, 60
+        states = []
+        launch = p.runner.launch
+
+        def watched(*a, **k):
+            states.append(gate._launching)
+            return launch(*a, **k)
+
+        monkeypatch.setattr(p.runner, "launch", watched)
+        fresh = list(range(1300, 1360))
+        params = announce(p, "g1", fresh)
+        d.add_request("dg1", fresh, GREEDY, params)
+        tokens = []
+        while "g1" in p.requests:
+            assert not gate._launching  # open between steps
+            for o in p.step():
+                if o.request_id == "g1" and o.finished:
+                    tokens = o.new_token_ids[:1]
+        assert len(states) >= 3 and all(states), states  # taper: 36 + 16 + 8 tokens, each launched behind it
+        assert not gate._launching
+        deadline, finished = time.monotonic() + 60, False
+        while not finished:
+            assert time.monotonic() < deadline, "the hand-off did not land: senders held at the gate?"
+            for o in d.step():
+                if o.request_id == "dg1":
+                    tokens += o.new_token_ids
+                    finished = o.finished
+        assert tokens == engine_answer(ckpt, fresh)
+    finally:
+        p.shutdown()
+        d.shutdown()
