@@ -11,11 +11,17 @@ launches (eager steps: Python per layer), or the TCP senders' threads taking the
 needs. This bench separates them on one engine, no server, no transfer:
 
 - per split: the prefill's wall time (add_request .. the first token on the host), the GPU
-  kernels' busy time under torch.profiler (and its attention share), and the host time of each
-  step() call;
+  kernels' busy time under torch.profiler, and the host time of each step's launch;
 - the same with `--pressure` threads that do what a TCP sender does between its socket sends
   (slice the cache, queue device-to-host copies of a few runs on a side stream, wait for them;
-  a 1 ms sleep stands for the GIL-free send).
+  a 1 ms sleep stands for the GIL-free send); `N:gate`: they wait while a step launches;
+  `N:big`: 8x the runs per piece and 8x the send time.
+
+Measured (H200, docs/tcp-kv-gpu-results.md "Session 17"): without sender threads a split costs
+the prefill little (3000 tokens: 74.5 / 77.7 / 77.7 ms one step / tail / taper); four of them
+make each eager launch (~17 ms) 2.5-3.5x as long, and a launch-bound step (512 tokens) is then
+that much slower. Holding the threads while the launch runs removes it here, but in the server
+it starved the real senders (the first gap over TCP went from 8 to 55 ms): not built.
 
 One engine, Llama-3.1-8B shaped random bf16 weights (bench/tp.py's writer), async scheduling as
 the server runs it, the step budget set per step to the split's next chunk.
@@ -147,8 +153,8 @@ def prefill_once(engine, prompt: list[int], chunks: list[int]) -> tuple[float, l
     return wall, calls
 
 
-def gpu_busy(engine, prompt: list[int], chunks: list[int]) -> tuple[float, float, list[tuple[str, float]]]:
-    """One prefill under torch.profiler: (GPU kernel ms, attention kernel ms, top kernels)."""
+def gpu_busy(engine, prompt: list[int], chunks: list[int]) -> tuple[float, list[tuple[str, float]]]:
+    """One prefill under torch.profiler: (GPU kernel ms, top kernels)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -157,9 +163,8 @@ def gpu_busy(engine, prompt: list[int], chunks: list[int]) -> tuple[float, float
         torch.cuda.synchronize()
     ks = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in ks) / 1e3
-    attn = sum(e.self_device_time_total for e in ks if "attention" in e.key or "attn" in e.key) / 1e3
     top = sorted(((e.key[:70], e.self_device_time_total / 1e3) for e in ks), key=lambda x: -x[1])[:8]
-    return total, attn, top
+    return total, top
 
 
 class LaunchTimer:
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
     lines = [f"# Split prefill, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU (smoke)'}, "
              f"{spec.name} random bf16, {time.strftime('%Y-%m-%d')}", "",
              "| prompt | split (chunks) | sender-like threads | wall ms p50 (min) | launch ms per step p50 | "
-             "GPU kernels ms | attention ms |", "|---|---|---:|---:|---:|---:|---:|"]
+             "GPU kernels ms |", "|---|---|---:|---:|---:|---:|"]
     gate = Gate()
     timer = LaunchTimer(engine.runner, gate)
     tops = []
@@ -244,7 +249,7 @@ def main(argv=None) -> int:
             prompt = lambda: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
             for _ in range(2):  # warm-up: Triton autotune and compiles for these shapes
                 prefill_once(engine, prompt(), chunks)
-            busy, attn, top = (gpu_busy(engine, prompt(), chunks) if device == "cuda" else (0.0, 0.0, []))
+            busy, top = gpu_busy(engine, prompt(), chunks) if device == "cuda" else (0.0, [])
             tops.append((n, name, top))
             for spec in args.pressure:
                 p, _, how = spec.partition(":")
@@ -259,7 +264,7 @@ def main(argv=None) -> int:
                         walls.append(1e3 * w)
                 hosts = [1e3 * x for x in timer.seconds]
                 row = (f"| {n} | {name} ({'+'.join(map(str, chunks))}) | {spec} | {statistics.median(walls):.1f} "
-                       f"({min(walls):.1f}) | {statistics.median(hosts):.1f} | {busy:.1f} | {attn:.1f} |")
+                       f"({min(walls):.1f}) | {statistics.median(hosts):.1f} | {busy:.1f} |")
                 lines.append(row)
                 print(row, flush=True)
                 if args.out:

@@ -228,7 +228,7 @@ class LLMEngine:
         # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
         # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
-        launched = self._launch(batch, None, self._pulls_kv)
+        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch))
         sampled, logprobs = self.runner.collect(launched)
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
@@ -320,7 +320,8 @@ class LLMEngine:
         if batch:
             # Under P/D a step is always waited for when collected (`done`): a streamed chunk is
             # made readable then, and pulls into freed blocks start after it.
-            launched = self._launch(batch, previous, self.kv_connector is not None)
+            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector is not None,
+                                          layer_clock=self._layer_clock(batch))
             self.num_overlapped_steps += previous is not None
             launched.advanced = self.scheduler.advance(batch, set(launched.rows))
         self._in_flight = launched
@@ -331,18 +332,6 @@ class LLMEngine:
         if launched is None and previous is None and self.kv_connector is not None:
             self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
-
-    def _launch(self, batch, previous: LaunchedStep | None, mark_done: bool) -> LaunchedStep:
-        clock = self._layer_clock(batch)
-        if self.kv_connector is None:
-            return self.runner.launch(batch, previous, mark_done=mark_done, layer_clock=clock)
-        # The KV senders' Python waits while this thread launches (kv/layer_clock.LaunchGate).
-        gate = self.kv_connector.launch_gate
-        gate.close()
-        try:
-            return self.runner.launch(batch, previous, mark_done=mark_done, layer_clock=clock)
-        finally:
-            gate.open()
 
     def _layer_clock(self, batch) -> LayerClock | None:
         """A step that computes streamed prefills (prefill side, one rank): the blocks it completes

@@ -16,7 +16,7 @@ import torch
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.auth import SideChannelAuth
-from pdserve.worker.kv.layer_clock import LaunchGate, LayerClock
+from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest
@@ -34,13 +34,12 @@ LAYERS = 4
 class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
-    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1,
-                 gate: LaunchGate | None = None):
+    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1):
         self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
         self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
-        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers, gate=gate)
+        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers)
         self.channel = side_channel.SideChannelServer(
             "127.0.0.1", self.port, {"read": self.tcp.handle_read, "describe": lambda b: ({"ok": True}, [])}, auth,
             identity=side_channel.destination(ENGINE, "127.0.0.1", self.port))
@@ -218,42 +217,6 @@ def test_a_stream_read_lands_each_block_once_computed_and_never_before(prefill, 
     assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
     assert prefill.pins.collect() == []  # kept: the streamed pull releases it after its last read
     assert prefill.pins.release("s", params["transfer_token"])
-
-
-@pytest.mark.parametrize("how", ["plain", "stream"])
-def test_senders_wait_while_the_engine_launches_a_step(small_chunks, how):
-    """On a GPU the engine closes the launch gate while it launches a step (the senders' Python
-    would slow the launch: layer_clock.LaunchGate). A read granted meanwhile sends nothing until
-    the gate opens, then everything; the gate is forced on here (on a CPU it never closes)."""
-    gate = LaunchGate(enabled=True, wait_s=60)  # longer than any test waits: held until opened
-    p = Prefill(gate=gate)
-    try:
-        src, dst = list(range(40, 60)), list(range(20))
-        cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
-        gate.close()
-        if how == "stream":
-            params = streamed_pin(p, "g", src, ready=20)
-            read = start_stream_read(p, params, list(range(20)), dst, cache)
-        else:
-            result = {}
-            reader = threading.Thread(target=lambda: result.setdefault(
-                "n", pull(p, p.pin("g", src), list(range(20)), dst, cache)))
-            reader.start()
-        assert wait_until(lambda: gate.waiting >= 1), "no sender reached the closed gate"
-        assert p.sent == 0 and not cache.any(), "a sender sent while the engine was launching"
-        gate.open()
-        if how == "stream":
-            p.pins.finish("g", first_token_id=7)
-            assert read.result() == 20 * BLOCK_BYTES
-            read.stop()
-            assert p.pins.release("g", params["transfer_token"])
-        else:
-            reader.join(15)
-            assert result.get("n") == 20 * BLOCK_BYTES
-        assert torch.equal(cache[:20], p.cache[40:60])
-        assert p.tcp.data.wait_idle(10) and gate.waiting == 0
-    finally:
-        p.close()
 
 
 def layer_slices(cache: torch.Tensor, blocks, lo: int, hi: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
-from pdserve.worker.kv.layer_clock import ClockWatch, LaunchGate
+from pdserve.worker.kv.layer_clock import ClockWatch
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 class KVConnector:
     def __init__(self, config: EngineConfig, cache: torch.Tensor, engine_id: str, layout: str,
-                 tp: TPRank | None = None, link=None, report=None, launch_gate: LaunchGate | None = None):
+                 tp: TPRank | None = None, link=None, report=None):
         """Tensor parallelism (tp_link.py): every rank has a connector over its cache shard. `tp`:
         this rank; `link`: rank 0's pipes to the other ranks; `report`: rank >= 1's way back."""
         self.engine_id = engine_id
@@ -79,9 +79,6 @@ class KVConnector:
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
         self.pins = PinTable(config.kv_pin_ttl)
-        # Closed by the engine while it launches a step: the TCP senders' Python waits (layer_clock.py).
-        # (A TP follower's is its rank process's: parallel/ranks.py closes it around each step.)
-        self.launch_gate = launch_gate or LaunchGate(enabled=cache.device.type == "cuda")
         self.metrics = KVMetrics()
         self.policy = PeerPolicy(config.kv_peer_allow)
         if config.role != "prefill" and self.tp.rank == 0:  # this worker may act as decode (said once)
@@ -133,7 +130,7 @@ class KVConnector:
 
     def start_server(self) -> None:
         tcp = self._tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n),
-                                    self.bind_host, self.auth, num_layers=self.cache.shape[1], gate=self.launch_gate)
+                                    self.bind_host, self.auth, num_layers=self.cache.shape[1])
         handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read,
                     "progress": self._progress}
         self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,

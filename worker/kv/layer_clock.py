@@ -74,53 +74,6 @@ class LayerClock:
         return True
 
 
-class LaunchGate:
-    """The engine's step thread is launching a step: KV senders hold their Python until it is done.
-
-    A prefill step is launched eagerly, a few hundred kernel launches whose Python holds the
-    GIL between them (~17 ms for Llama-3.1-8B on an H200 host). TCP sender threads in the same
-    process do Python between their socket sends (slicing the cache, queuing copies), and every
-    torch call on either side hands the GIL over: measured with four sender-like threads, a
-    512-token step's launch took 2.5-3.5x as long and a 3000-token taper prefill 130 ms instead
-    of 78 (bench/prefill_split.py). Senders that wait here while a launch runs cost the launch
-    nothing; they send what the step writes once it is queued, while the GPU computes it.
-
-    On the CPU the launch is the computation (each layer is written as it is called), so the
-    gate never closes there: a layered read sends layer 0 while later layers run."""
-
-    def __init__(self, enabled: bool, wait_s: float = 0.25):
-        """`wait_s`: at most this per wait. A launch takes milliseconds, but one that compiles a
-        kernel for a new shape takes seconds: earlier chunks keep moving, a piece per wait."""
-        self.enabled, self.wait_s = enabled, wait_s
-        self._launching = False
-        self._cond = threading.Condition()
-        self.waiting = 0  # threads held at the gate now (tests observe a sender arriving)
-
-    def close(self) -> None:
-        """Step thread: a launch starts."""
-        if self.enabled:
-            with self._cond:
-                self._launching = True
-
-    def open(self) -> None:
-        """Step thread: the launch is queued (or failed)."""
-        if self.enabled:
-            with self._cond:
-                self._launching = False
-                self._cond.notify_all()
-
-    def wait(self) -> None:
-        """Sender threads, before their Python work: while a launch runs, sleep (GIL released)."""
-        if not self._launching:  # a racy read: at worst one piece's Python runs beside a launch
-            return
-        with self._cond:
-            self.waiting += 1
-            try:
-                self._cond.wait_for(lambda: not self._launching, self.wait_s)
-            finally:
-                self.waiting -= 1
-
-
 class ClockWatch:
     """Wakes the side channel when a launched step's forward passes a layer someone waits for.
 

@@ -40,8 +40,6 @@ come in several pieces, each layer once. Only the last step's blocks go in layer
 earlier chunk's bytes move while the next chunk is computed anyway), and each carries at least
 1/LAYER_GROUPS of the layers: every piece costs the senders Python time, the GIL the engine's
 step thread needs (layer pieces for every chunk made a 3000-token prefill 30 ms slower there).
-On a GPU each piece's Python also waits while the engine launches a step (layer_clock.LaunchGate):
-beside sender threads an eager launch ran 2.5-3.5x as long, as the GIL went back and forth.
 
 Bounds and hang-ups:
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
@@ -78,7 +76,7 @@ import torch
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.host_buffers import HostBufferPool
-from pdserve.worker.kv.layer_clock import LAYER_GROUPS, LaunchGate
+from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
 
 log = logging.getLogger(__name__)
@@ -217,10 +215,8 @@ class DataServer:
     """Prefill side: the listener of data connections and their sender threads."""
 
     def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent,
-                 num_layers: int = 1, gate: LaunchGate | None = None):
+                 num_layers: int = 1):
         self.blocks, self.pins, self.auth, self.on_sent = blocks, pins, auth, on_sent
-        # Each piece's Python waits while the engine launches a step (layer_clock.LaunchGate).
-        self.gate = gate or LaunchGate(enabled=False)
         self.block_bytes = blocks.shape[1]
         self.num_layers = num_layers  # a block is num_layers equal slices, one per layer (kv_cache.py)
         self.plan_chunk = chunk_blocks_for(self.block_bytes)
@@ -372,7 +368,6 @@ class DataServer:
         try:
             pending = None  # (buffer, event, bytes): copied out, not yet sent
             for k, (first, count) in enumerate(chunks):
-                self.gate.wait()
                 # Still ours? A released or cancelled pin ends the transfer before its blocks are read.
                 self.pins.check(t.request_id, t.token, t.digest)
                 buf = bufs[k % len(bufs)]
@@ -395,7 +390,6 @@ class DataServer:
         try:
             pending, k = None, 0  # (buffer, event, (first, count, lo, hi)): copied out, not yet sent
             while True:
-                self.gate.wait()
                 piece = self._take_piece(t)
                 if piece is None:
                     break

@@ -25,7 +25,6 @@ import torch
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import merge_runs
-from pdserve.worker.kv.layer_clock import LaunchGate
 from pdserve.worker.kv.pins import PinTable
 from typing import TYPE_CHECKING
 
@@ -43,9 +42,8 @@ class TcpServer:
     """Prefill side: the `read` op."""
 
     def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent, bind_host: str = "127.0.0.1",
-                 auth: SideChannelAuth | None = None, num_layers: int = 1, gate: LaunchGate | None = None):
+                 auth: SideChannelAuth | None = None, num_layers: int = 1):
         self.blocks = blocks  # [num_blocks, block_bytes] uint8 view of the KV cache
-        self.gate = gate  # the senders wait at it while the engine launches a step
         self.num_layers = num_layers  # each block: num_layers equal slices (a layered stream read sends them)
         self.pins = pins
         self.on_sent = on_sent  # (num_bytes) -> None, for metrics
@@ -68,7 +66,7 @@ class TcpServer:
             ids = [pinned[i] for i in positions]
             if self.data is None:
                 self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
-                                                  self.num_layers, self.gate)
+                                                  self.num_layers)
             offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"),
                                     positions if streamed else None, layered=streamed and body.get("layers") is True)
         except side_channel.Busy:

@@ -39,7 +39,6 @@ import threading
 import time
 
 from pdserve.worker.config import EngineConfig
-from pdserve.worker.kv.layer_clock import LaunchGate
 from pdserve.worker.kv.tp_transfer import TPRank
 
 log = logging.getLogger(__name__)
@@ -104,16 +103,13 @@ class TPLeaderLink:
             multiprocessing.connection.wait(self.conns, timeout)
 
 
-def start_follower_kv(conn, config: EngineConfig, cache, tp: TPRank) -> LaunchGate:
-    """Rank >= 1: serve rank 0's KV messages on a thread of their own. Returns the gate this
-    rank's TCP senders wait at while the rank launches a step (layer_clock.LaunchGate)."""
-    gate = LaunchGate(enabled=cache.device.type == "cuda")
-    threading.Thread(target=_follower_loop, args=(conn, config, cache, tp, gate), name=f"tp-kv-rank{tp.rank}",
+def start_follower_kv(conn, config: EngineConfig, cache, tp: TPRank) -> None:
+    """Rank >= 1: serve rank 0's KV messages on a thread of their own."""
+    threading.Thread(target=_follower_loop, args=(conn, config, cache, tp), name=f"tp-kv-rank{tp.rank}",
                      daemon=True).start()
-    return gate
 
 
-def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank, gate: LaunchGate) -> None:
+def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank) -> None:
     from pdserve.worker.kv.connector import KVConnector
 
     lock = threading.Lock()  # reports come from pull threads and the side-channel thread
@@ -131,7 +127,7 @@ def _follower_loop(conn, config: EngineConfig, cache, tp: TPRank, gate: LaunchGa
             return  # rank 0 is gone; the step pipe's watch ends this process
         try:
             if msg[0] == "init":
-                connector = KVConnector(config, cache, msg[1], msg[2], tp=tp, report=report, launch_gate=gate)
+                connector = KVConnector(config, cache, msg[1], msg[2], tp=tp, report=report)
                 if config.role in ("prefill", "both"):
                     connector.start_server()
             elif msg[0] == "orders":

@@ -158,10 +158,8 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
             from pdserve.worker.kv.tp_link import start_follower_kv
             from pdserve.worker.kv.tp_transfer import TPRank
 
-            gate = start_follower_kv(kv_conn, config, runner.kv_cache.tensor,
-                                     TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
-        else:
-            gate = None
+            start_follower_kv(kv_conn, config, runner.kv_cache.tensor,
+                              TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
         log.info("tensor-parallel rank %d ready: waiting for step plans", rank)
         steps = 0
         previous = None  # async scheduling: the last step's sampled ids, broadcast by rank 0
@@ -179,13 +177,7 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
             if steps == 0:
                 log.info("tensor-parallel rank %d: first step plan received (%s)", rank,
                          "graph" if plan.graph else "eager")
-            if gate is not None:
-                gate.close()  # this rank's KV senders wait while it launches (kv/layer_clock.LaunchGate)
-            try:
-                runner.execute(plan, previous)
-            finally:
-                if gate is not None:
-                    gate.open()
+            runner.execute(plan, previous)
             previous = runner.receive_sampled(plan.share_tokens) if plan.share_tokens else None
             if steps == 0:
                 log.info("tensor-parallel rank %d: first step issued (its GPU work queued)", rank)
