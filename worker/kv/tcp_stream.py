@@ -81,13 +81,19 @@ from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20  # a chunk: whole blocks, about this many bytes (at least one block)
+# A chunk: whole blocks, about this many bytes (at least one block). Each piece costs the senders
+# a few GIL takes, each of which the engine's step thread (launching a prefill, ~1000 GIL
+# releases a step) then waits out: 32 MiB rather than 8 gave a 3000-token prefill back 25-64 ms
+# of TTFT on an H200 pair, the first gap within 1.5 ms (docs/tcp-kv-gpu-results.md, session 17).
+# Page-locked buffers, allocated as used and kept: a prefill worker's senders up to
+# MAX_SEND_STREAMS * 2 chunks (2 GiB), a decode worker's pulls MAX_RECV_BYTES.
+CHUNK_BYTES = 32 << 20
 MAX_STREAMS_PER_TRANSFER = 8
 # Streams a prefill worker serves at once (2 buffers of a chunk each, allocated as used). A stream
 # read holds its streams for its prefill's whole length (mostly waiting), so this covers two
 # decode workers at --kv-max-pulls-per-peer 4 and 4 streams each before a reader hears "busy".
 MAX_SEND_STREAMS = 32
-MAX_RECV_BYTES = 512 << 20  # host buffers all pulls of a decode worker share
+MAX_RECV_BYTES = 1 << 30  # host buffers all pulls of a decode worker share (4 streams of 2 chunks: 4 pulls)
 MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefill worker keeps open
 HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
 SEND_TIMEOUT_S = 10.0  # a chunk the reader does not take within this ends the transfer
