@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral names its experts' matrices w1 (gate), w3 (up), w2 (down); every MoE router (`gate`)
+# stays unquantized, as the published FP8 MoE checkpoints leave it.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 FORMATS = ("fp8-tensor", "fp8-block", "ct-channel", "online")
 
 
@@ -94,7 +96,9 @@ def write_fp8_pair(base: Path, out: Path, fmt: str) -> tuple[Path, Path]:
     weights = load_file(str(next(base.glob("*.safetensors"))))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
-        if not _is_linear(name) or (fmt == "ct-channel" and ".layers.1.mlp." in name):
+        # --quantization fp8 leaves MoE experts in the compute dtype (they have no FP8 kernel yet).
+        if not _is_linear(name) or (fmt == "ct-channel" and ".layers.1.mlp." in name) \
+                or (fmt == "online" and ".experts." in name):
             quantized[name] = dequantized[name] = w
             continue
         stem = name[:-len(".weight")]

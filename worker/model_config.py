@@ -69,13 +69,6 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def __post_init__(self) -> None:
-        if self.is_moe and self.quantization is not None:
-            # The fused MoE kernel and the experts' loaders take bf16/fp16/fp32 weights only.
-            raise UnsupportedModelError(
-                f"{self.architecture} with FP8 weights ({getattr(self.quantization, 'key', self.quantization)}): "
-                f"FP8 experts are not supported yet; serve the model's bf16 checkpoint")
-
     @classmethod
     def from_hf(cls, hf: Any, generation_eos: Any = None, quantization: str | None = None) -> "ModelConfig":
         from pdserve.worker.quantization.config import parse_quantization

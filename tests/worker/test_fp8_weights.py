@@ -42,10 +42,10 @@ def fp8_pair(tmp_path_factory, default_model_dir):
 
     def make(fmt: str, arch: str):
         if (fmt, arch) not in made:
-            if arch == "llama-256":  # 128-row blocks that TP=2 splits: q/o 256 wide, MLP 512, a small vocabulary
+            if arch in ("llama-256", "qwen3-moe-256"):  # 128-row blocks that TP=2 splits: q/o 256 wide, MLP 512
                 tok = write_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"))
-                base = write_checkpoint(tmp_path_factory.mktemp(f"base-{arch}"), "llama", tok, hidden_size=256,
-                                        intermediate_size=512, head_dim=64)
+                base = write_checkpoint(tmp_path_factory.mktemp(f"base-{arch}"), arch.removesuffix("-256"), tok,
+                                        hidden_size=256, intermediate_size=512, head_dim=64)
             else:
                 base = write_checkpoint(tmp_path_factory.mktemp(f"base-{arch}"), arch, default_model_dir,
                                         intermediate_size=320)
@@ -84,6 +84,12 @@ def assert_same_generation(got, ref):
     ("fp8-block", "qwen3"),
     ("ct-channel", "llama"),  # compressed-tensors float-quantized, weight_scale [out, 1]
     ("online", "llama"),  # --quantization fp8 on an fp32 checkpoint
+    # Mixture of experts: each expert's FP8 matrix and scale (block, per-tensor with static input
+    # scales, per-channel) dequantized at load (models/moe.py); Qwen2-MoE's shared expert FP8 too.
+    ("fp8-block", "qwen3-moe"),
+    ("fp8-tensor", "mixtral"),
+    ("ct-channel", "qwen2-moe"),
+    ("online", "qwen3-moe"),  # attention and the dense layer quantized; the experts stay fp32
 ])
 def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     fp8_ckpt, ref_ckpt = fp8_pair(fmt, arch)
@@ -107,15 +113,47 @@ def test_fp8_differs_from_the_unquantized_model(fp8_pair, tmp_path):
     ("ct-channel", "llama"),  # per-channel scales split with the rows
     # Block scales split by 128-row blocks; rank 1's k/v rows start mid-block (KV head 1 of 2).
     ("fp8-block", "llama-256"),
+    # Experts dequantized whole, then split: columns of each expert, or whole experts per rank.
+    ("fp8-block", "qwen3-moe-256"),
+    ("fp8-block", "qwen3-moe-256-ep"),
+    ("ct-channel", "qwen2-moe"),
 ])
 def test_fp8_tp2_equals_tp1(fp8_pair, fmt, arch):
-    fp8_ckpt, _ = fp8_pair(fmt, arch)
+    ep = arch.endswith("-ep")
+    fp8_ckpt, _ = fp8_pair(fmt, arch.removesuffix("-ep"))
     tp1, _ = run(fp8_ckpt)
-    tp2, _ = run(fp8_ckpt, tensor_parallel_size=2)
+    tp2, _ = run(fp8_ckpt, tensor_parallel_size=2, **({"enable_expert_parallel": True} if ep else {}))
     assert [[t for t, _ in s] for s in tp2] == [[t for t, _ in s] for s in tp1]
     for s1, s2 in zip(tp1, tp2):
         for a, b in zip(s1, s2):
             assert a[1] == pytest.approx(b[1], abs=1e-4)  # the all-reduce's summation order
+
+
+def test_an_fp8_expert_without_its_scale_is_refused_naming_it(fp8_pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fp8_ckpt, _ = fp8_pair("fp8-block", "qwen3-moe")
+    broken = tmp_path / "broken"
+    import shutil
+
+    shutil.copytree(fp8_ckpt, broken)
+    f = next(broken.glob("*.safetensors"))
+    weights = load_file(str(f))
+    del weights["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"]
+    save_file(weights, str(f))
+    with pytest.raises(ValueError, match=r"expert 3 \(up\) has its FP8 weight but not its scale"):
+        run(broken)
+
+
+def test_expert_scales_of_the_wrong_shape_are_refused_naming_the_expert():
+    from pdserve.worker.models.moe import dequantize_expert
+
+    w8 = torch.zeros(64, 300, dtype=torch.float8_e4m3fn)
+    assert dequantize_expert(w8, torch.ones(1, 3), (128, 128), "expert 1 gate").shape == (64, 300)
+    with pytest.raises(ValueError, match=r"expert 1 gate's block scales are \[2, 3\], expected \[1, 3\]"):
+        dequantize_expert(w8, torch.ones(2, 3), (128, 128), "expert 1 gate")
+    with pytest.raises(ValueError, match="expert 2 down's scale has shape"):
+        dequantize_expert(w8, torch.ones(7), None, "expert 2 down")
 
 
 # -- refused formats ------------------------------------------------------------------------------

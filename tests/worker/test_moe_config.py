@@ -45,11 +45,12 @@ def test_dense_models_have_no_experts_and_sliding_window_moe_is_refused():
         ModelConfig.from_hf(hf)
 
 
-def test_fp8_moe_is_refused_naming_the_format():
+def test_fp8_moe_configs_are_read():
+    """FP8 MoE checkpoints and --quantization fp8 on an MoE model load (tests/worker/test_fp8_weights.py
+    runs them); the config carries the format."""
     hf = Qwen3MoeConfig(**SMALL, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(UnsupportedModelError, match="Qwen3MoeForCausalLM with FP8 weights.*not supported yet"):
-        ModelConfig.from_hf(hf, quantization="fp8")
+    assert ModelConfig.from_hf(hf, quantization="fp8").quantization.source == "online"
     hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-    with pytest.raises(UnsupportedModelError, match="FP8 experts are not supported"):
-        ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.is_moe and cfg.quantization.block == (128, 128)

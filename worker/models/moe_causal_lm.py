@@ -20,15 +20,18 @@ from pdserve.worker.models.llama import LlamaForCausalLM
 from pdserve.worker.models.moe import SparseMoeBlock
 from pdserve.worker.parallel.shard import TPShard
 
-# layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Qwen) | ...{w1,w3,w2}.weight (Mixtral)
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# layers.N.mlp.experts.E.{gate,up,down}_proj.weight (Qwen) | ...{w1,w3,w2}.weight (Mixtral); FP8
+# checkpoints add each matrix's weight_scale (per-tensor / per-channel) or weight_scale_inv (blocks)
+# and, for static activation schemes, an input_scale (unused: the experts run in the compute dtype).
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                     r"\.(weight|weight_scale|weight_scale_inv|input_scale)$")
 _PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
          "down_proj": ("w2", None), "w2": ("w2", None)}
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
-        return SparseMoeBlock(cfg, backend, shard) if layer_idx in cfg.moe_layers else None
+        return SparseMoeBlock(cfg, backend, shard, layer_idx) if layer_idx in cfg.moe_layers else None
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         # Mixtral keeps its sparse block under `block_sparse_moe`; ours is `mlp` for every family.
@@ -37,4 +40,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         if m is None:
             return super().checkpoint_target(name)
         param, part = _PART[m.group(3)]
-        return f"{m.group(1)}.{param}", (int(m.group(2)), part)
+        kind = m.group(4)
+        if kind == "input_scale":
+            return f"{m.group(1)}.input_scale", None  # no such parameter: load_weights skips it
+        return f"{m.group(1)}.{param}", (int(m.group(2)), part) + (("scale",) if kind != "weight" else ())
