@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from pdserve.bench import disagg_report, server_metrics
-from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
+from pdserve.worker.kv.connector_scheduler import resolve_split, stream_chunk
 from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 
 LINKS_GBPS = (2, 10, 25, 50)
@@ -106,8 +106,7 @@ def prompt_chunks(tokens: int, chunk: int, split: str, budget: int | None) -> in
         return max(1, math.ceil(tokens / chunk)) if chunk else 1
     out, left = [], tokens
     while left:
-        n = min(left, budget or left)
-        n = min(n, taper_chunk(left, chunk)) if split == "taper" else (min(n, left - chunk) if left > chunk else n)
+        n = stream_chunk(split, min(left, budget or left), left, chunk)
         out.append(n)
         left -= n
     return out

@@ -35,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -42,21 +43,15 @@ SPLITS = {"one step": None, "tail 512": "tail", "taper 512": "taper", "even 512"
 
 
 def chunks_of(split: str | None, prompt: int, tail: int = 512) -> list[int]:
-    """The chunk lengths the connector's chunk_cap makes of a `prompt`-token prefill."""
-    from pdserve.worker.kv.connector_scheduler import taper_chunk
+    """The chunk lengths the connector's chunk_cap makes of a `prompt`-token prefill (no budget)."""
+    from pdserve.worker.kv.connector_scheduler import stream_chunk
 
     if split is None:
         return [prompt]
     out, left = [], prompt
     while left:
-        if split == "even":
-            n = min(left, tail)
-        elif split == "taper":
-            n = taper_chunk(left, tail)
-        else:
-            n = left - tail if left > tail else left
-        out.append(n)
-        left -= n
+        out.append(stream_chunk(split, left, left, tail))
+        left -= out[-1]
     return out
 
 
@@ -91,7 +86,6 @@ class Pressure:
     def __init__(self, n: int, cache: torch.Tensor, layers: int, gate: Gate, send_s: float = 0.001, runs: int = 3):
         self.stop = threading.Event()
         self.cache, self.layers, self.gate, self.send_s, self.runs = cache, layers, gate, send_s, runs
-        self.pieces = 0
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
 
     def __enter__(self):
@@ -123,12 +117,11 @@ class Pressure:
                 event = torch.cuda.Event()
                 event.record(stream)
             event.synchronize()
-            self.pieces += 1
             time.sleep(self.send_s)  # the socket send: no GIL
 
 
-def prefill_once(engine, prompt: list[int], chunks: list[int]) -> tuple[float, list[float]]:
-    """(seconds from add_request to the first token on the host, host seconds of each step() call)."""
+def prefill_once(engine, prompt: list[int], chunks: list[int]) -> float:
+    """Seconds from add_request to the first token on the host."""
     from pdserve.worker.sampling_params import SamplingParams
 
     sched = engine.scheduler
@@ -136,21 +129,18 @@ def prefill_once(engine, prompt: list[int], chunks: list[int]) -> tuple[float, l
     rid = f"p{random.random()}"
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    calls, k, done = [], 0, False
+    k, done = 0, False
     try:
         while not done:
             sched.max_num_batched_tokens = chunks[min(k, len(chunks) - 1)]
             k += 1
-            c0 = time.perf_counter()
-            outs = engine.step()
-            calls.append(time.perf_counter() - c0)
-            done = any(o.request_id == rid and o.new_token_ids for o in outs)
+            done = any(o.request_id == rid and o.new_token_ids for o in engine.step())
     finally:
         sched.max_num_batched_tokens = budget
     wall = time.perf_counter() - t0
     while engine.has_work():
         engine.step()
-    return wall, calls
+    return wall
 
 
 def gpu_busy(engine, prompt: list[int], chunks: list[int]) -> tuple[float, list[tuple[str, float]]]:
@@ -171,7 +161,7 @@ class LaunchTimer:
     """Wraps the runner's launch: the host seconds each step's launch took (Python, eager)."""
 
     def __init__(self, runner, gate: Gate):
-        self.runner, self.inner, self.seconds, self.gate = runner, runner.launch, [], gate
+        self.inner, self.seconds, self.gate = runner.launch, [], gate
         runner.launch = self
 
     def __call__(self, *a, **k):
@@ -251,19 +241,16 @@ def main(argv=None) -> int:
                 prefill_once(engine, prompt(), chunks)
             busy, top = gpu_busy(engine, prompt(), chunks) if device == "cuda" else (0.0, [])
             tops.append((n, name, top))
-            for spec in args.pressure:
-                p, _, how = spec.partition(":")
+            for pressure in args.pressure:
+                p, _, how = pressure.partition(":")
                 p = int(p)
-                walls = []
                 timer.seconds.clear()
                 gate.on = how == "gate"
                 big = how == "big"
-                with (Pressure(p, cache, layers, gate, 0.008 if big else 0.001, 24 if big else 3) if p else _nothing()):
-                    for _ in range(args.repeat):
-                        w, calls = prefill_once(engine, prompt(), chunks)
-                        walls.append(1e3 * w)
+                with (Pressure(p, cache, layers, gate, 0.008 if big else 0.001, 24 if big else 3) if p else nullcontext()):
+                    walls = [1e3 * prefill_once(engine, prompt(), chunks) for _ in range(args.repeat)]
                 hosts = [1e3 * x for x in timer.seconds]
-                row = (f"| {n} | {name} ({'+'.join(map(str, chunks))}) | {spec} | {statistics.median(walls):.1f} "
+                row = (f"| {n} | {name} ({'+'.join(map(str, chunks))}) | {pressure} | {statistics.median(walls):.1f} "
                        f"({min(walls):.1f}) | {statistics.median(hosts):.1f} | {busy:.1f} |")
                 lines.append(row)
                 print(row, flush=True)
@@ -272,16 +259,11 @@ def main(argv=None) -> int:
     if args.cprofile:
         n = 3000 if 3000 in args.prompt else args.prompt[0]
         cprofile(engine, [rng.randrange(3, vocab) for _ in range(n)], chunks_of("even", n), args.cprofile)
-    _write(args.out, lines, tops) if args.out else print("\n".join(lines))
+    if args.out:
+        _write(args.out, lines, tops)
+    else:
+        print("\n".join(lines))
     return 0
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _write(path: str, lines: list[str], tops) -> None:
