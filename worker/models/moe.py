@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import fused_moe_routed_ref
+from pdserve.kernels.reference import dequantize_fp8_ref, fused_moe_routed_ref
 from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
@@ -123,17 +123,17 @@ def dequantize_expert(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     rows, cols = w8.shape
     s = scale.float()
     if s.numel() == 1:
-        return w8.float() * s.reshape(())
+        return dequantize_fp8_ref(w8, s.reshape(1).expand(rows))
     if block is not None and s.dim() == 2 and s.shape != (rows, 1):
         bn, bk = block
         if tuple(s.shape) != (-(-rows // bn), -(-cols // bk)):
             raise ValueError(f"checkpoint: {what}'s block scales are {list(s.shape)}, expected "
                              f"[{-(-rows // bn)}, {-(-cols // bk)}] for a [{rows}, {cols}] matrix in {bn}x{bk} blocks")
-        return w8.float() * s.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+        return dequantize_fp8_ref(w8, s.repeat_interleave(bn, 0)[:rows], block)  # the reference takes a row each
     if s.numel() != rows:
         raise ValueError(f"checkpoint: {what}'s scale has shape {list(s.shape)}: not one per tensor, per row "
                          f"({rows}) or per {block or (128, 128)} block of a [{rows}, {cols}] matrix")
-    return w8.float() * s.reshape(rows, 1)
+    return dequantize_fp8_ref(w8, s.reshape(rows))
 
 
 class SparseMoeBlock(nn.Module):
