@@ -540,3 +540,34 @@ def test_a_clock_watch_wakes_once_the_layer_is_written_and_gives_up_on_one_never
         assert not watch._want and not woken.is_set()
     finally:
         watch.stop()
+
+
+def test_a_layer_clock_wakes_each_waiter_at_its_own_layer_only():
+    """A TCP sender waits for a group of layers (or a step's last one); a mark wakes only the
+    waiters it brings to their layer: waking every sender at every layer took the GIL ~128 times
+    a step from the launch it interleaves with. A waiter that times out leaves nothing behind."""
+    import threading
+
+    import torch
+
+    from pdserve.worker.kv.layer_clock import LayerClock
+
+    clock = LayerClock(8, torch.device("cpu"))
+    got = {n: threading.Event() for n in (2, 8)}
+    threads = [threading.Thread(target=lambda n=n: clock.wait(n, 60) and got[n].set()) for n in got]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(clock._waiters) < 2 and time.monotonic() < deadline:  # both registered
+        time.sleep(0.005)
+    clock.after_layer(0)
+    assert [n for n, _ in clock._waiters] == [2, 8]  # layer 0 reaches neither
+    clock.after_layer(1)
+    assert got[2].wait(30)
+    assert [n for n, _ in clock._waiters] == [8] and not got[8].is_set()
+    for i in range(2, 8):
+        clock.after_layer(i)
+    assert got[8].wait(30)
+    for t in threads:
+        t.join()
+    assert not clock.wait(9, 0.01) and clock._waiters == []

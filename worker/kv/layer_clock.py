@@ -36,24 +36,33 @@ class LayerClock:
         self._cuda = device.type == "cuda"
         self._events: list = []  # CUDA: one per layer passed at launch, in order
         self._done = 0  # leading layers known written
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # (layers, woken) of each waiting thread: a mark wakes only those it brings to their layer.
+        # A condition's notify_all per mark woke every sender on every layer: 4 streams x 32 layers
+        # a step, each a GIL take in the middle of the launch the engine's step thread is running.
+        self._waiters: list[tuple[int, threading.Event]] = []
 
     def after_layer(self, i: int) -> None:
         """The forward has queued (GPU) or run (CPU) decoder layer `i`, KV write included."""
         if self._cuda:
             event = torch.cuda.Event(blocking=True)  # a waiting sender sleeps rather than spins a core
             event.record()
-            with self._cond:
+        with self._lock:
+            if self._cuda:
                 self._events.append(event)
-                self._cond.notify_all()
-            return
-        with self._cond:
-            self._done = max(self._done, i + 1)
-            self._cond.notify_all()
+                passed = len(self._events)
+            else:
+                self._done = passed = max(self._done, i + 1)
+            if not self._waiters:
+                return
+            due = [w for w in self._waiters if w[0] <= passed]
+            self._waiters = [w for w in self._waiters if w[0] > passed]
+        for _, woken in due:
+            woken.set()
 
     def done(self) -> int:
         """How many leading layers are written now (never blocks: CUDA event queries)."""
-        with self._cond:
+        with self._lock:
             while self._cuda and self._done < len(self._events) and self._events[self._done].query():
                 self._done += 1
             return self._done
@@ -62,14 +71,23 @@ class LayerClock:
         """Wait until the first `n` layers are written (True), at most about `timeout_s` for the
         forward to reach them (a launched layer's event is then waited for without a bound: the
         device completes what it was given)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: (len(self._events) if self._cuda else self._done) >= n, timeout_s):
-                return False
-            if not self._cuda:
-                return True
+        with self._lock:
+            passed = len(self._events) if self._cuda else self._done
+            woken = None
+            if passed < n:
+                woken = threading.Event()
+                self._waiters.append((n, woken))
+        if woken is not None and not woken.wait(timeout_s):
+            with self._lock:
+                if (n, woken) in self._waiters:  # not reached: no longer waiting (else a mark just took it)
+                    self._waiters.remove((n, woken))
+                    return False
+        if not self._cuda:
+            return True
+        with self._lock:
             event = self._events[n - 1]
         event.synchronize()  # releases the GIL
-        with self._cond:
+        with self._lock:
             self._done = max(self._done, n)
         return True
 
