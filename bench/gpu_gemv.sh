@@ -22,9 +22,8 @@ PY=${PYTHON:-python3}
 export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps-gemv}
 # The model test starts an engine: protocol/ (pydantic), the KV side channel (zmq), structured
 # outputs (llguidance), metrics; the same set as bench/gpu_perf.sh.
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || echo "gpu_env: some modules missing; going on"
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || echo "gpu_env: some modules missing; going on"
 
 step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
   local name=$1 limit=$2; shift 2

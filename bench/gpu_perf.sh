@@ -23,9 +23,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 # The engine imports protocol/ (kv_transfer_params: pydantic) and the KV bench the server's
 # modules: without them a fresh device machine failed at the first import (issue 25).
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
 
 step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
   local name=$1 limit=$2; shift 2

@@ -8,9 +8,8 @@ set -u
 OUT=${OUT:-$PWD/gpu_prefill_split_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance prometheus_client:prometheus_client \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
 gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 cd /tmp && timeout 540 $PY -m pdserve.bench.prefill_split --prompt ${PROMPTS:-1024 3000 8192} \

@@ -11,9 +11,8 @@ set -u
 OUT=${OUT:-$PWD/gpu_step_overlap_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance prometheus_client:prometheus_client \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
 {
   date -u
   echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

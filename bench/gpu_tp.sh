@@ -22,9 +22,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 # The engine imports protocol/ (pydantic); the server (tp-pd) needs the rest the image lacks:
 # carry .whl (bench/gpu_env.sh says how it is read).
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 fastapi:fastapi starlette:starlette \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  uvicorn:uvicorn httptools:httptools opentelemetry:opentelemetry_api annotated_doc:annotated_doc || exit 1
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
 gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 cd /tmp

@@ -38,8 +38,9 @@ class LayerClock:
         self._done = 0  # leading layers known written
         self._lock = threading.Lock()
         # (layers, woken) of each waiting thread: a mark wakes only those it brings to their layer.
-        # A condition's notify_all per mark woke every sender on every layer: 4 streams x 32 layers
-        # a step, each a GIL take in the middle of the launch the engine's step thread is running.
+        # A condition's notify_all per mark woke every sender at every layer (4 streams x 32 layers
+        # a step), each wake a GIL take inside the launch the step thread is running. Fewer wakes
+        # did not measurably move the TCP TTFT on an H200 (docs/tcp-kv-gpu-results.md, session 18).
         self._waiters: list[tuple[int, threading.Event]] = []
 
     def after_layer(self, i: int) -> None:
