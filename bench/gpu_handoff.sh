@@ -77,12 +77,15 @@ CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reu
 # load generator) sampled by py-spy (--subprocesses: they are its descendants, so no ptrace rights
 # beyond the image's are needed), idle threads included, as collapsed stacks (one line per
 # process;thread;frames and its sample count) in chunk<N>/profile.txt. Sampling slows the stack:
-# read its timings only against a run without it.
+# read its timings only against a run without it. HANDOFF_PROFILE=gil: only the thread holding each
+# process's GIL is sampled (py-spy --gil, 250 Hz): who takes the GIL the engine's step thread needs.
 PROF=()
-if [ "${HANDOFF_PROFILE:-0}" = 1 ]; then
+if [ "${HANDOFF_PROFILE:-0}" != 0 ]; then
   $PY -m pip install -q --no-deps --target /tmp/pyspy "$REPO"/.whl/py_spy-*.whl > /dev/null 2>&1 \
     && /tmp/pyspy/bin/py-spy record --nonblocking --duration 1 -o /tmp/pyspy_probe.txt --format raw -- $PY -c "import time; time.sleep(1.5)" \
     > /dev/null 2>&1 && PROF=(/tmp/pyspy/bin/py-spy record --subprocesses --idle --threads --nonblocking --rate 100 --format raw -o)
+  [ "$HANDOFF_PROFILE" = gil ] && [ ${#PROF[@]} -gt 0 ] \
+    && PROF=(/tmp/pyspy/bin/py-spy record --subprocesses --gil --threads --nonblocking --rate 250 --format raw -o)
   [ ${#PROF[@]} -gt 0 ] && echo "profiling with py-spy" || echo "HANDOFF_PROFILE: py-spy did not install or cannot sample here: not profiling"
 fi
 first=1

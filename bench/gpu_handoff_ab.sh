@@ -18,7 +18,7 @@ OUT=${OUT:-$PWD/gpu_handoff_ab_out}
 mkdir -p "$OUT" /tmp/ab
 run() {  # name dir worker-args [chunk tokens]
   local name=$1$SUFFIX dir=$2 args=$3 chunk=${4:-512}
-  local profile=0; [ "$name" = "${AB_PROFILE:-}" ] && profile=1  # AB_PROFILE=<run>: that run under py-spy
+  local profile=0; [ "$name" = "${AB_PROFILE:-}" ] && profile=${AB_PROFILE_MODE:-1}  # AB_PROFILE=<run>: that run under py-spy (AB_PROFILE_MODE=gil: GIL holders only)
   (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=$STACKS HANDOFF_PROFILE=$profile \
      HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash bench/gpu_handoff.sh --warmup 24 ${AB_EXTRA:-} \
      > /tmp/ab/$name.out 2>&1)
