@@ -31,7 +31,6 @@ import triton.language as tl
 from pdserve.kernels.kv_cache_write import kv_store_value
 from pdserve.kernels.launch import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
     KV_DTYPES,
     check_devices,
     check_same_layout,
@@ -42,6 +41,7 @@ from pdserve.kernels.launch import (
     kv_scales,
     num_sms,
 )
+from pdserve.kernels.rotary_kv_write import check_rotary_inputs
 
 MAX_SPLITS = 64
 
@@ -303,21 +303,8 @@ def paged_decode_attention_rotary(
     Same contract, plus: positions[i] < cos_sin_cache rows, and the new token is the last of
     its context (positions[i] == context_lens[i] - 1, as for every decode token)."""
     fn = "paged_decode_attention_rotary"
-    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
-    batch, hq, d = q.shape
-    if d % 2:
-        raise ValueError(f"{fn}: head_dim must be even, got {d}")
-    check_tensor(fn, "k", k, (batch, None, d), (q.dtype,))
-    hkv = k.shape[1]
-    check_tensor(fn, "v", v, (batch, hkv, d), (q.dtype,))
-    check_tensor(fn, "positions", positions, (batch,), INDEX_DTYPES)
-    check_tensor(fn, "slot_mapping", slot_mapping, (batch,), INDEX_DTYPES)
-    check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
-    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), _cache_dtypes(q.dtype))
-    tensors = dict(q=q, k=k, v=v, positions=positions, slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)
-    if bias is not None:
-        check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
-        tensors["bias"] = bias
+    tensors = check_rotary_inputs(fn, q, k, v, positions, slot_mapping, cos_sin_cache, bias, k_cache,
+                                  _cache_dtypes(q.dtype))
     check_devices(fn, **tensors)
     for name, t in tensors.items():
         if t.dim() > 1 and t.stride(-1) != 1 or name == "bias" and not t.is_contiguous():

@@ -90,6 +90,30 @@ def _rotary_kv_write_kernel(
              mask=kv_mask)
 
 
+def check_rotary_inputs(fn: str, q, k, v, positions, slot_mapping, cos_sin_cache, bias, k_cache,
+                        cache_dtypes) -> dict:
+    """The checks every kernel that rotates q/k and writes k/v makes of its inputs (this one and
+    the decode attention that fuses it): q [T, Hq, D] (D even), k/v [T, Hkv, D] of q's dtype, one
+    position and slot a token, cos_sin_cache [rows, D], k_cache [.., .., Hkv, D] of `cache_dtypes`,
+    the optional bias [(Hq + 2 Hkv) D]. Returns the named tensors (bias only if given)."""
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    t, hq, d = q.shape
+    if d % 2:
+        raise ValueError(f"{fn}: head_dim must be even, got {d}")
+    check_tensor(fn, "k", k, (t, None, d), (q.dtype,))
+    hkv = k.shape[1]
+    check_tensor(fn, "v", v, (t, hkv, d), (q.dtype,))
+    check_tensor(fn, "positions", positions, (t,), INDEX_DTYPES)
+    check_tensor(fn, "slot_mapping", slot_mapping, (t,), INDEX_DTYPES)
+    check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
+    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), cache_dtypes)
+    tensors = dict(positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, slot_mapping=slot_mapping)
+    if bias is not None:
+        check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
+        tensors["bias"] = bias
+    return tensors
+
+
 def rotary_kv_write(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -108,23 +132,11 @@ def rotary_kv_write(
     lie in the cache or be negative (skip). An fp8 cache stores k / k_scale, v / v_scale ([1]
     fp32 tensors, None = 1.0)."""
     fn = "rotary_kv_write"
-    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    tensors = check_rotary_inputs(fn, q, k, v, positions, slot_mapping, cos_sin_cache, bias, k_cache, KV_DTYPES)
     t, hq, d = q.shape
-    if d % 2:
-        raise ValueError(f"{fn}: head_dim must be even, got {d}")
-    check_tensor(fn, "k", k, (t, None, d), (q.dtype,))
     hkv = k.shape[1]
-    check_tensor(fn, "v", v, (t, hkv, d), (q.dtype,))
-    check_tensor(fn, "positions", positions, (t,), INDEX_DTYPES)
-    check_tensor(fn, "slot_mapping", slot_mapping, (t,), INDEX_DTYPES)
-    check_tensor(fn, "cos_sin_cache", cos_sin_cache, (None, d), FLOAT_DTYPES)
-    check_tensor(fn, "k_cache", k_cache, (None, None, hkv, d), KV_DTYPES)
     check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
-    tensors = dict(positions=positions, q=q, k=k, v=v, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
-                   v_cache=v_cache, slot_mapping=slot_mapping)
-    if bias is not None:
-        check_tensor(fn, "bias", bias, ((hq + 2 * hkv) * d,), FLOAT_DTYPES)
-        tensors["bias"] = bias
+    tensors.update(k_cache=k_cache, v_cache=v_cache)
     check_devices(fn, **tensors)
     for name in ("q", "k", "v", "cos_sin_cache", "k_cache", "bias"):
         if name in tensors and tensors[name].stride(-1) != 1:
