@@ -354,6 +354,26 @@ def dequantize_moe_fp8_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[i
     return dequantize_fp8_ref(w8, rows, block)
 
 
+def quantize_moe_fp8_ref(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None = None):
+    """Stacked experts w13 [E, 2I, H], w2 [E, H, I] -> (e4m3 w13, e4m3 w2, w13_scale, w2_scale) in
+    fused_moe's layout: one scale per row (block None: per-channel), or per block with gate and up
+    each quantized alone, as a checkpoint stores them (bench/moe.py's FP8 weights)."""
+    if block is None:
+        q13, s13 = quantize_fp8_rows_ref(w13.reshape(-1, w13.shape[-1]))
+        q2, s2 = quantize_fp8_rows_ref(w2.reshape(-1, w2.shape[-1]))
+        return q13.view(w13.shape), q2.view(w2.shape), s13.view(*w13.shape[:2], 1), s2.view(*w2.shape[:2], 1)
+    inter = w13.shape[1] // 2
+    q13, s13, q2, s2 = [], [], [], []
+    for gate_up, down in zip(w13, w2):
+        (gq, gs), (uq, us) = (quantize_fp8_blocks_ref(gate_up[p * inter:(p + 1) * inter], block) for p in (0, 1))
+        dq, ds = quantize_fp8_blocks_ref(down, block)
+        q13.append(torch.cat([gq, uq]))
+        s13.append(torch.cat([gs, us]))
+        q2.append(dq)
+        s2.append(ds)
+    return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
+
+
 def fp8_scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: (xq * x_scale[M, 1]) @ (w8 * w_scale[N])^T."""

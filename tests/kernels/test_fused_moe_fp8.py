@@ -14,7 +14,7 @@ import torch
 
 from pdserve.kernels.fused_moe import fused_moe, fused_moe_routed
 from pdserve.kernels.reference import (FP8_MAX, dequantize_moe_fp8_ref, fused_moe_ref, fused_moe_routed_ref,
-                                       quantize_fp8_blocks_ref, quantize_fp8_rows_ref)
+                                       quantize_moe_fp8_ref)
 from tests.kernels.kernel_inputs import DEVICE, rel_error
 from tests.kernels.test_fused_moe import moe_inputs
 
@@ -24,16 +24,13 @@ DECODE_TILES = dict(GU_BLOCK_N=16, GU_BLOCK_K=32, GU_WARPS=4, DOWN_BLOCK_N=16, D
 
 
 def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str):
-    """Stacked experts -> (e4m3 w13, e4m3 w2, w13_scale, w2_scale, block) in fused_moe's layout:
-    each of gate, up and down quantized alone, as a checkpoint stores them."""
+    """Stacked experts -> (e4m3 w13, e4m3 w2, w13_scale, w2_scale, block) in fused_moe's layout."""
+    if fmt != "tensor":
+        block = BLOCK if fmt == "block" else None
+        return (*quantize_moe_fp8_ref(w13, w2, block), block)
 
-    def one(w):  # [N, K] -> (e4m3, scales [groups, K groups] or [N, 1])
-        if fmt == "block":
-            return quantize_fp8_blocks_ref(w, BLOCK)
-        if fmt == "channel":
-            q, s = quantize_fp8_rows_ref(w)
-            return q, s[:, None]
-        s = (w.abs().amax() / FP8_MAX).float()  # per tensor: its scale in every row
+    def one(w):  # per tensor: its one scale in every row, as models/moe.py stores it
+        s = (w.abs().amax() / FP8_MAX).float()
         return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s.expand(w.shape[0], 1)
 
     inter = w13.shape[1] // 2
@@ -44,8 +41,7 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str):
         s13.append(torch.cat([parts[0][1], parts[1][1]]))
         q2.append(parts[2][0])
         s2.append(parts[2][1])
-    return (torch.stack(q13), torch.stack(q2), torch.stack(s13).contiguous(), torch.stack(s2).contiguous(),
-            BLOCK if fmt == "block" else None)
+    return torch.stack(q13), torch.stack(q2), torch.stack(s13).contiguous(), torch.stack(s2).contiguous(), None
 
 
 def dequantized(q13, q2, s13, s2, block):
@@ -83,18 +79,8 @@ def test_fp8_routed_op_and_default_tiles(poison_empty):
     for t in (2, 6):
         x, w13, w2, _, _ = moe_inputs(t, 256, 64, 4, 2, seed=t)
         logits = torch.randn(t, 4, generator=torch.Generator().manual_seed(t)).to(DEVICE)
-        q13, q2 = [], []
-        s13, s2 = [], []
-        for e in range(4):
-            g, gs = quantize_fp8_blocks_ref(w13[e, :64])
-            u, us = quantize_fp8_blocks_ref(w13[e, 64:])
-            d, ds = quantize_fp8_blocks_ref(w2[e])
-            q13.append(torch.cat([g, u]))
-            s13.append(torch.cat([gs, us]))
-            q2.append(d)
-            s2.append(ds)
-        fp8 = dict(w13_scale=torch.stack(s13), w2_scale=torch.stack(s2), block=(128, 128))
-        q13, q2 = torch.stack(q13), torch.stack(q2)
+        q13, q2, s13, s2 = quantize_moe_fp8_ref(w13, w2, (128, 128))
+        fp8 = dict(w13_scale=s13, w2_scale=s2, block=(128, 128))
         out = fused_moe_routed(x.bfloat16(), q13, q2, logits, 2, True, **fp8)
         ref = fused_moe_routed_ref(x.double(), q13, q2, logits, 2, True, **fp8)
         assert rel_error(out, ref) < 2.5e-2
