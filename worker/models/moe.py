@@ -21,7 +21,6 @@ One all-reduce per layer either way: the shared expert's partial sum joins the e
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -33,8 +32,8 @@ from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
+from pdserve.worker.quantization.fp8_linear import _warn_once, cuda_fp8_supported  # _warn_once: a line per cause
 
-log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 
 
@@ -75,13 +74,14 @@ class FusedExperts(nn.Module):
         self.local = shard.local_experts
         self.inter = n = shard.expert_intermediate_size
         e, h = len(self.local), cfg.hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * n, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, n))
         quant = cfg.quantization
         self.block = quant.block if quant is not None else None
         self._fp8: dict[tuple, dict] = {}  # (expert, part) -> {"weight"|"scale": tensor} until both arrived
         self.keep_fp8 = fp8_kernel and quant is not None and quant.source != "online" and self._block_aligned()
-        if self.keep_fp8:
+        if not self.keep_fp8:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * n, h))
+            self.w2 = nn.Parameter(torch.empty(e, h, n))
+        else:
             bn, bk = self.block or (1, None)
             self.w13 = _param((e, 2 * n, h), FP8)
             self.w2 = _param((e, h, n), FP8)
@@ -93,9 +93,9 @@ class FusedExperts(nn.Module):
     def _block_aligned(self) -> bool:
         if self.block is None or self.shard.expert_parallel or self.shard.size == 1 or self.inter % self.block[0] == 0:
             return True
-        log.warning("FP8 experts dequantized at load: %d of each expert's %d columns per rank (tensor parallel "
-                    "%d) start mid-way through its %dx%d scale blocks (--enable-expert-parallel keeps them FP8)",
-                    self.inter, self.shard.full.moe_intermediate_size, self.shard.size, *self.block)
+        _warn_once("moe-fp8-blocks", "FP8 experts dequantized at load: %d of each expert's %d columns per rank "
+                   "(tensor parallel %d) start mid-way through its %dx%d scale blocks (--enable-expert-parallel "
+                   "keeps them FP8)", self.inter, self.shard.full.moe_intermediate_size, self.shard.size, *self.block)
         return False
 
     def shard_ids(self, param_name: str) -> list:
@@ -178,13 +178,11 @@ class FusedExperts(nn.Module):
     def finish_loading(self, compute_dtype: torch.dtype) -> None:
         """After the checkpoint: every FP8 matrix met its scale; FP8 experts on a GPU that cannot
         run the kernel's e4m3 conversions (before sm90) are dequantized to the compute dtype."""
-        from pdserve.worker.quantization.fp8_linear import cuda_fp8_supported
-
         self.check_loaded()
         dev = self.w13.device
         if not self.keep_fp8 or dev.type != "cuda" or cuda_fp8_supported(dev):
             return  # on CPU the Triton op runs only under the interpreter (tests), which converts e4m3
-        log.warning("no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
+        _warn_once("moe-fp8-sm90", "no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
         self.w13 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block, parts=2).to(compute_dtype)
                                              for w, s in zip(self.w13, self.w13_scale)]), requires_grad=False)
         self.w2 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block).to(compute_dtype)
