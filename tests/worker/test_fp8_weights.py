@@ -90,7 +90,7 @@ def assert_same_generation(got, ref):
     ("fp8-block", "qwen3-moe"),
     ("fp8-tensor", "mixtral"),
     ("ct-channel", "qwen2-moe"),
-    ("online", "qwen3-moe"),  # attention and the dense layer quantized; the experts stay fp32
+    ("online", "qwen3-moe"),  # attention, the dense layer and the experts quantized per channel
 ])
 def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     fp8_ckpt, ref_ckpt = fp8_pair(fmt, arch)
@@ -153,6 +153,34 @@ def test_fp8_experts_shard_with_their_scales(fmt):
     if fmt == "fp8-block":  # 96 columns per rank start mid-block: dequantized at load instead
         odd = dataclasses.replace(cfg, moe_intermediate_size=192)
         assert not FusedExperts(odd, TPShard(1, 2, odd), op=None, fp8_kernel=True).keep_fp8
+
+
+def test_online_quantization_keeps_experts_fp8_per_channel():
+    # --quantization fp8: each expert's rows quantized per channel after loading; kept e4m3 where
+    # the Triton op runs, dequantized back where the reference runs: the same values either way.
+    from pdserve.kernels.reference import dequantize_moe_fp8_ref
+    from pdserve.worker.models.moe import FusedExperts
+    from tests.fp8_checkpoints import quantize_channel
+
+    cfg = ModelConfig("Qwen3MoeForCausalLM", 100, 96, 64, 1, 4, 4, 24, 1e-6, 64, False, False, False, True, 1e4, (),
+                      (), num_experts=3, num_experts_per_tok=2, moe_intermediate_size=40, moe_layers=(0,),
+                      quantization=Fp8Config("online", "channel", "token"))
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(3, 80, 96, generator=g), torch.randn(3, 96, 40, generator=g)
+    made = {}
+    for kernel in (True, False):
+        fe = FusedExperts(cfg, TPShard(0, 1, cfg), op=None, fp8_kernel=kernel)
+        fe.w13.data.copy_(w13)
+        fe.w2.data.copy_(w2)
+        fe.finish_loading(torch.float32)
+        assert fe.keep_fp8 == kernel and (fe.w13.dtype == torch.float8_e4m3fn) == kernel
+        made[kernel] = fe
+    kept, plain = made[True], made[False]
+    for i in range(3):
+        assert torch.equal(dequantize_moe_fp8_ref(kept.w13[i], kept.w13_scale[i], None, parts=2), plain.w13[i])
+        assert torch.equal(dequantize_moe_fp8_ref(kept.w2[i], kept.w2_scale[i], None), plain.w2[i])
+        q, s = quantize_channel(w2[i])  # the test's own per-channel quantization
+        assert torch.equal(plain.w2[i], q.float() * s)
 
 
 def test_fp8_differs_from_the_unquantized_model(fp8_pair, tmp_path):

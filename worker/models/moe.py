@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_routed_ref
+from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_routed_ref,
+                                       quantize_fp8_rows_ref)
 from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
@@ -66,6 +67,9 @@ class FusedExperts(nn.Module):
       `finish_loading`), the experts are dequantized, with a log line.
     - Otherwise (the torch reference on CPU) each matrix is dequantized to the compute dtype once
       both tensors are here, and stored like a bf16 checkpoint's.
+    `--quantization fp8` (an unquantized checkpoint): loaded in the compute dtype, then each
+    expert's rows quantized per channel (`finish_loading`), as the dense linears are: kept e4m3
+    where the Triton op runs, dequantized back elsewhere (the same values on every path).
     Attention and dense or shared-expert MLPs take their own FP8 path (quantization/fp8_linear.py)."""
 
     def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, fp8_kernel: bool = False):
@@ -77,7 +81,9 @@ class FusedExperts(nn.Module):
         quant = cfg.quantization
         self.block = quant.block if quant is not None else None
         self._fp8: dict[tuple, dict] = {}  # (expert, part) -> {"weight"|"scale": tensor} until both arrived
-        self.keep_fp8 = fp8_kernel and quant is not None and quant.source != "online" and self._block_aligned()
+        self.online = quant is not None and quant.source == "online"
+        self.fp8_kernel = fp8_kernel
+        self.keep_fp8 = fp8_kernel and quant is not None and not self.online and self._block_aligned()
         if not self.keep_fp8:
             self.w13 = nn.Parameter(torch.empty(e, 2 * n, h))
             self.w2 = nn.Parameter(torch.empty(e, h, n))
@@ -177,11 +183,17 @@ class FusedExperts(nn.Module):
 
     def finish_loading(self, compute_dtype: torch.dtype) -> None:
         """After the checkpoint: every FP8 matrix met its scale; FP8 experts on a GPU that cannot
-        run the kernel's e4m3 conversions (before sm90) are dequantized to the compute dtype."""
+        run the kernel's e4m3 conversions (before sm90) are dequantized to the compute dtype;
+        --quantization fp8 quantizes the experts here."""
         self.check_loaded()
         dev = self.w13.device
-        if not self.keep_fp8 or dev.type != "cuda" or cuda_fp8_supported(dev):
-            return  # on CPU the Triton op runs only under the interpreter (tests), which converts e4m3
+        # On CPU the Triton op runs only under the interpreter (tests), which converts e4m3.
+        kernel_ok = dev.type != "cuda" or cuda_fp8_supported(dev)
+        if self.online:
+            self._quantize_online(self.fp8_kernel and kernel_ok)
+            return
+        if not self.keep_fp8 or kernel_ok:
+            return
         _warn_once("moe-fp8-sm90", "no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
         self.w13 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block, parts=2).to(compute_dtype)
                                              for w, s in zip(self.w13, self.w13_scale)]), requires_grad=False)
@@ -189,6 +201,24 @@ class FusedExperts(nn.Module):
                                             for w, s in zip(self.w2, self.w2_scale)]), requires_grad=False)
         del self.w13_scale, self.w2_scale
         self.keep_fp8 = False
+
+    def _quantize_online(self, keep: bool) -> None:
+        """Each expert's gate, up and down rows quantized per channel, one expert at a time (no
+        fp32 copy of a whole layer): kept e4m3 with one scale per row, or dequantized in place."""
+        e, rows13, h = self.w13.shape
+        if not keep:
+            for w in (*self.w13.data, *self.w2.data):
+                w.copy_(dequantize_fp8_ref(*quantize_fp8_rows_ref(w)))
+            return
+        dev = self.w13.device
+        q13, q2 = torch.empty(self.w13.shape, dtype=FP8, device=dev), torch.empty(self.w2.shape, dtype=FP8, device=dev)
+        s13, s2 = torch.empty(e, rows13, 1, device=dev), torch.empty(e, h, 1, device=dev)
+        for i in range(e):
+            q13[i], s13[i, :, 0] = quantize_fp8_rows_ref(self.w13.data[i])
+            q2[i], s2[i, :, 0] = quantize_fp8_rows_ref(self.w2.data[i])
+        self.w13, self.w2 = nn.Parameter(q13, requires_grad=False), nn.Parameter(q2, requires_grad=False)
+        self.w13_scale, self.w2_scale = nn.Parameter(s13, requires_grad=False), nn.Parameter(s2, requires_grad=False)
+        self.keep_fp8 = True
 
     def check_loaded(self) -> None:
         """After the checkpoint: an FP8 matrix whose scale never came (or the reverse) is an error."""
