@@ -23,9 +23,10 @@ the router weight applied in the gate|up epilogue and the top-k sum done inside 
 (section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
 
 FP8 weights (W8A16: FP8 MoE checkpoints, docs/quantization.md): w13 / w2 in e4m3 with fp32 scales,
-activations in the compute dtype. Every kernel above dequantizes the weight tile it just loaded,
-fp8 -> fp32 * scale -> compute dtype, and multiplies as for bf16 weights (fp32 accumulation): the
-same bf16 weight values the dequantize-at-load path computed, from half the bytes. Scales, one
+activations in the compute dtype. Every kernel above dequantizes the weight tile it just loaded
+and multiplies as for bf16 weights (fp32 accumulation), from half the bytes: the grouped GEMM's
+tiles go fp8 -> fp32 * scale -> compute dtype for the dot (the same bf16 weight values the
+dequantize-at-load path computes), the decode GEMVs' stay fp32 as their bf16 tiles do. Scales, one
 layout for the three checkpoint formats, per expert [E, rows, groups]:
 - `block` (bn, bk) = (128, 128): one scale per bn rows x bk columns, as published; w13's gate and
   up halves each start a new block row (gate's ceil(I / bn) rows, then up's), so I need not be a
