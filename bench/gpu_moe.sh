@@ -12,6 +12,8 @@
 #   kernel: fused MoE vs a per-expert loop of cuBLAS matmuls at 1/8/64/512 tokens, Qwen3-30B-A3B's
 #     layer shape (E=128, k=8, H=2048, I=768), default tiles and the best of a sweep, the kernel in
 #     a CUDA graph, bytes of the experts hit per second vs copy bandwidth                          90
+#   fp8: the model's MoE op with FP8 expert weights (128x128 block, per-channel) vs bf16 at
+#     1/8/64/512 tokens, the same layer shape                                                       90
 #   checkpoint: Qwen3-30B-A3B shapes with $LAYERS (default 12) of its 48 layers, random bf16
 #     (~15 GB written to /tmp: fewer layers keep the call under 10 minutes)                      120
 #   engine, one process tree per row, most wanted first: TP=1 (+ its bs=1 kernels under the
@@ -20,7 +22,7 @@
 #     are visible); TP=2 without it: bs=1 decode ms/step vs the active-parameter roofline,
 #     offline 1024/128 tok/s ($PROMPTS prompts, default 64)                                90 each
 #     (engine.md is rewritten after each row: a call cut short still has the rows done)
-# Files in $OUT: env.txt, tests.txt, decode.md, kernel.md, engine.md (+ engine_rows.jsonl),
+# Files in $OUT: env.txt, tests.txt, decode.md, kernel.md, fp8.md, engine.md (+ engine_rows.jsonl),
 # profile.md, log.txt.
 set -u
 OUT=${OUT:-$PWD/gpu_moe_out}
@@ -44,11 +46,12 @@ step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never 
 
 main() {
   step "tests on the GPU" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-    tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
+    tests/kernels/test_fused_moe_fp8.py tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
   cd /tmp
   step "decode" 120 $PY -m pdserve.bench.moe decode --out "$OUT/decode.md"
   step "kernel" 90 $PY -m pdserve.bench.moe kernel --out "$OUT/kernel.md"
+  step "fp8" 90 $PY -m pdserve.bench.moe fp8 --out "$OUT/fp8.md"
   CKPT=/tmp/qwen3-30b-a3b-l$LAYERS
   step "checkpoint" 120 $PY -m pdserve.bench.moe checkpoint --checkpoint $CKPT --layers $LAYERS
   ROWS="$OUT/engine_rows.jsonl"
@@ -62,7 +65,7 @@ main() {
       --num-prompts $PROMPTS --rows "$ROWS" --tp $spec 2>&1 | grep -v " INFO "
     $PY -m pdserve.bench.moe report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
   done
-  cat "$OUT/decode.md" "$OUT/engine.md" "$OUT/profile.md"
+  cat "$OUT/decode.md" "$OUT/fp8.md" "$OUT/engine.md" "$OUT/profile.md"
   uptime
 }
 main > "$OUT/log.txt" 2>&1

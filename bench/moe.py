@@ -14,6 +14,10 @@ Three subcommands (bench/gpu_moe.sh runs them in one device call):
               old rule) and 1; a whole MoE layer after the router GEMV (routing + experts) old vs
               new. Each graph holds 4 layers with their own weights (4 x 1.2 GB: the experts hit
               are read from DRAM, not L2); times are per layer.
+  fp8         FP8 expert weights (W8A16, kernels/fused_moe.py's FP8 path) against bf16 ones: the
+              model's op on one layer's experts at 1, 8, 64 and 512 tokens (decode path up to
+              DECODE_MAX_TOKENS, sorted above), default tiles, 128x128 block scales and per-channel
+              scales; error of each against the loop on the dequantized weights; expert bytes hit / time.
   checkpoint  writes the checkpoint: Qwen3-30B-A3B's shapes (config.json as the public model's)
               with --layers decoder layers (48 in the real model; fewer keep the call short: the
               tables say how many), random bf16 weights, per-expert tensors as on the hub.
@@ -164,6 +168,52 @@ def decode(args) -> int:
                      f"{t_sorted / t_best:.2f}x | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {errs[0]:.1e} / {errs[1]:.1e} | "
                      f"{'yes' if stable else 'NO'} | {route_us[0]:.1f} / {route_us[1]:.1f} | "
                      f"{layer_us[0]:.1f} / {layer_us[1]:.1f} |")
+        print(lines[-1], flush=True)
+        _write(args.out, lines)  # a call cut short keeps the rows done
+    return 0
+
+
+def fp8(args) -> int:
+    from pdserve.kernels.fused_moe import fused_moe
+    from pdserve.kernels.reference import dequantize_moe_fp8_ref, fused_moe_loop_ref, moe_route_ref, quantize_moe_fp8_ref
+
+    h, inter, e, k = args.hidden, args.inter, args.experts, args.top_k
+    torch.manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, h, device=DEVICE, dtype=DT) * 0.02
+    w2 = torch.randn(e, h, inter, device=DEVICE, dtype=DT) * 0.02
+    formats = {"bf16": None}
+    for name, block in (("block-128", (128, 128)), ("per-channel", None)):
+        q13, q2, s13, s2 = quantize_moe_fp8_ref(w13, w2, block)
+        deq = (torch.stack([dequantize_moe_fp8_ref(a, b, block, parts=2) for a, b in zip(q13, s13)]).to(DT),
+               torch.stack([dequantize_moe_fp8_ref(a, b, block) for a, b in zip(q2, s2)]).to(DT))
+        formats[name] = (q13, q2, dict(w13_scale=s13, w2_scale=s2, block=block), deq)
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    lines = [f"fused MoE with FP8 expert weights (e4m3 + fp32 scales, activations {DT}) vs {DT} weights, one layer: "
+             f"E={e}, k={k}, H={h}, I={inter}, {card}. The model's op on routed ids (decode path up to 4 tokens, "
+             f"sorted above), default tiles; triton do_bench medians (L2 flushed between calls). GB/s: bytes of the "
+             f"distinct experts hit (bf16 2 B, fp8 1 B per weight; scales not counted) / time. Error: relative to "
+             f"the per-expert loop on the same weights (FP8: dequantized to {DT}).", "",
+             "| tokens | experts hit | bf16 (us) | fp8 block-128 (us) | fp8 per-channel (us) | bf16 / block | "
+             "bf16 / channel | GB/s bf16 / block / channel | rel err bf16 / block / channel |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for t in args.tokens:
+        x = torch.randn(t, h, device=DEVICE, dtype=DT)
+        weights, ids = moe_route_ref(torch.randn(t, e, device=DEVICE, dtype=DT), k, True)
+        hit = int(torch.unique(ids).numel())
+        us, gbs, errs = [], [], []
+        for name, fmt in formats.items():
+            if fmt is None:
+                a, b, extra, (d13, d2) = w13, w2, {}, (w13, w2)
+            else:
+                a, b, extra, (d13, d2) = fmt
+            ref = fused_moe_loop_ref(x, d13, d2, weights, ids).float()
+            out = fused_moe(x, a, b, weights, ids, **extra)
+            errs.append(((out.float() - ref).norm() / ref.norm()).item())
+            us.append(_bench_us(lambda: fused_moe(x, a, b, weights, ids, **extra)))
+            gbs.append(hit * 3 * inter * h * a.element_size() / (us[-1] * 1e-6) / 1e9)
+        lines.append(f"| {t} | {hit} | {us[0]:.1f} | {us[1]:.1f} | {us[2]:.1f} | {us[0] / us[1]:.2f}x | "
+                     f"{us[0] / us[2]:.2f}x | {' / '.join(f'{g:.0f}' for g in gbs)} | "
+                     f"{' / '.join(f'{v:.1e}' for v in errs)} |")
         print(lines[-1], flush=True)
         _write(args.out, lines)  # a call cut short keeps the rows done
     return 0
@@ -408,6 +458,13 @@ def main(argv=None) -> int:
     d.add_argument("--top-k", type=int, default=SHAPE["top_k"])
     d.add_argument("--copy-gbs", type=float, help="skip the copy-bandwidth measurement, use this")
     d.add_argument("--out")
+    f = sub.add_parser("fp8")
+    f.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    f.add_argument("--hidden", type=int, default=SHAPE["hidden"])
+    f.add_argument("--inter", type=int, default=SHAPE["inter"])
+    f.add_argument("--experts", type=int, default=SHAPE["experts"])
+    f.add_argument("--top-k", type=int, default=SHAPE["top_k"])
+    f.add_argument("--out")
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--layers", type=int, default=12)
@@ -429,7 +486,8 @@ def main(argv=None) -> int:
     if args.cmd != "checkpoint" and not torch.cuda.is_available():
         print("bench moe needs a CUDA GPU", file=sys.stderr)
         return 2
-    return {"kernel": kernel, "decode": decode, "checkpoint": checkpoint, "engine": engine, "report": report}[args.cmd](args)
+    return {"kernel": kernel, "decode": decode, "fp8": fp8, "checkpoint": checkpoint, "engine": engine,
+            "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

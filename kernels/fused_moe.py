@@ -21,6 +21,21 @@ Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulat
 Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
 the router weight applied in the gate|up epilogue and the top-k sum done inside the down pass
 (section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
+
+FP8 weights (W8A16: FP8 MoE checkpoints, docs/quantization.md): w13 / w2 in e4m3 with fp32 scales,
+activations in the compute dtype. Every kernel above dequantizes the weight tile it just loaded
+and multiplies as for bf16 weights (fp32 accumulation), from half the bytes: the grouped GEMM's
+tiles go fp8 -> fp32 * scale -> compute dtype for the dot (the same bf16 weight values the
+dequantize-at-load path computes), the decode GEMVs' stay fp32 as their bf16 tiles do. Scales, one
+layout for the three checkpoint formats, per expert [E, rows, groups]:
+- `block` (bn, bk) = (128, 128): one scale per bn rows x bk columns, as published; w13's gate and
+  up halves each start a new block row (gate's ceil(I / bn) rows, then up's), so I need not be a
+  multiple of bn. A K step must not straddle a column group: BLOCK_K divides bk.
+- `block` None: one scale per row, [E, rows, 1] (per-channel; per-tensor written into every row of
+  its tensor, exact: gate, up and down keep their own scales), read at every K step (stride 0
+  along K: the same cached [BLOCK_N] vector; one code path rather than an epilogue variant).
+Scaling the tile before the dot, rather than the partial products after it, keeps one accumulator
+and the bf16 dot; a constexpr `FP8` switch leaves bf16 weights' code exactly as it was.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from pdserve.kernels.moe_route import _route_rows
 # Hopper and Ampere. M = T*k <= 256 at 128 experts: decode batches up to 32 sequences at k = 8
 # (more experts per rank under expert parallelism: fewer); past it the torch version runs.
 ALIGN_KERNEL_MAX_ELEMENTS = 1 << 15
+FP8 = torch.float8_e4m3fn
 
 
 def _align_capacity(m: int, num_experts: int, block_m: int) -> int:
@@ -201,12 +217,15 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, s_ptr,
     num_rows, N, K,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_se, stride_sn, stride_sk, up_scale_rows,
     A_ROW_DIV: tl.constexpr,  # assignment -> A row: its token (t = i // k) for gate|up, itself for down
     GATED: tl.constexpr,  # B holds [gate; up] (2N rows): C = silu(A Bg^T) * (A Bu^T)
     APPLY_WEIGHT: tl.constexpr,  # C rows scaled by the assignment's router weight
+    FP8: tl.constexpr,  # B is e4m3 with scales at s_ptr ("FP8 weights" above); else s_ptr is never read
+    SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -224,18 +243,26 @@ def _moe_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+    s_ptrs = s_ptr + expert * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=col_ok, other=0.0)
+            b = (b.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8:
+                s_up = tl.load(s_ptrs + up_scale_rows * stride_sn + (k0 // GROUP_K) * stride_sk, mask=col_ok,
+                               other=0.0)
+                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a_ptr.dtype.element_ty)
             if DOT_F32:
                 b_up = b_up.to(tl.float32)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
@@ -248,6 +275,19 @@ def _moe_gemm_kernel(
         acc = acc * w[:, None]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config) -> None:
+    if block is None:
+        check_tensor(fn, "w13_scale", w13_scale, (e, 2 * inter, 1), (torch.float32,))
+        check_tensor(fn, "w2_scale", w2_scale, (e, h, 1), (torch.float32,))
+        return
+    bn, bk = block
+    check_tensor(fn, "w13_scale", w13_scale, (e, 2 * triton.cdiv(inter, bn), triton.cdiv(h, bk)), (torch.float32,))
+    check_tensor(fn, "w2_scale", w2_scale, (e, triton.cdiv(h, bn), triton.cdiv(inter, bk)), (torch.float32,))
+    steps = [v for key, v in (config or {}).items() if key.endswith("BLOCK_K")]
+    if any(bk % v for v in steps):
+        raise ValueError(f"{fn}: K tiles {steps} must divide the scales' {bk} columns (a step within one group)")
 
 
 def moe_block_config(num_rows: int, num_experts: int) -> dict:
@@ -263,13 +303,15 @@ def moe_block_config(num_rows: int, num_experts: int) -> dict:
 
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, a_row_div, gated, apply_weight,
-          cfg) -> None:
+          cfg, scale=None, block=None) -> None:
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k,
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if scale is None else scale, num_rows, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=apply_weight,
+        *_scale_args(scale, block),
+        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=apply_weight, FP8=scale is not None,
+        SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
         DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -306,22 +348,26 @@ FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
-def moe_decode_config(top_k: int, inter: int) -> dict:
+def moe_decode_config(top_k: int, inter: int, group_k: int | None = None) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
     sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
     down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
     256: no half-masked last step), 32 KB of bf16 per step, 256 programs. First guesses from the
     H200's measured GEMVs (kernels/fused_gemv.py: 16-32 row strips and 256-wide K were its best
-    at M = 1), not measured on this kernel: `pdserve bench moe decode` sweeps alternatives."""
+    at M = 1), not measured on this kernel: `pdserve bench moe decode` sweeps alternatives.
+    `group_k`: FP8 block scales' columns (128): K steps within one group, so at most 128 wide."""
     k_tile = triton.next_power_of_2(top_k)
-    return dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4,
-                DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256 if inter % 256 == 0 else 128, DOWN_WARPS=8)
+    cap = group_k or 256
+    return dict(GU_BLOCK_N=16, GU_BLOCK_K=min(256, cap), GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
+                DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
 
 
 @triton.jit
-def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N, K, num_experts, expert_offset,
-                               stride_xm, stride_we, stride_wn, stride_im,
-                               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s_ptr, N, K, num_experts,
+                               expert_offset, stride_xm, stride_we, stride_wn, stride_im,
+                               stride_se, stride_sn, stride_sk, up_scale_rows,
+                               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
     # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -333,6 +379,7 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N
     ks = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
     gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -342,6 +389,10 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N
         mask = col_ok[:, None] & k_ok[None, :]
         g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            s_k = s_ptrs + (k0 // GROUP_K) * stride_sk
+            g *= tl.load(s_k, mask=col_ok, other=0.0)[:, None]
+            u *= tl.load(s_k + up_scale_rows * stride_sn, mask=col_ok, other=0.0)[:, None]
         acc_gate += tl.sum(g * xk, axis=1)
         acc_up += tl.sum(u * xk, axis=1)
         gate_ptrs += BLOCK_K
@@ -351,9 +402,10 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, N
 
 
 @triton.jit
-def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_experts, expert_offset,
-                            stride_im, stride_we, stride_wn, stride_om,
-                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, s_ptr, N, K, num_experts, expert_offset,
+                            stride_im, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
+                            TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
     # Grid (T, cdiv(H, BLOCK_N)): token t's output columns [n*BLOCK_N, +BLOCK_N), all k experts.
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -367,12 +419,16 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_exper
     # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
     a_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im + ks[None, None, :]
     w_ptrs = w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
+    s_ptrs = s_ptr + e[:, None] * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn  # [k, BLOCK_N]; FP8 only
     acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
                     other=0.0).to(tl.float32)
+        if FP8:
+            s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=held[:, None] & col_ok[None, :], other=0.0)
+            w *= s[:, :, None]
         acc += tl.sum(w * a, axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -380,31 +436,42 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, N, K, num_exper
     tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg) -> torch.Tensor:
+def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """(expert, row, K-group strides, up half's first scale row) of an FP8 weight's scales; zeros
+    for bf16 weights (never read). Per-row scales: K stride 0, the one column at every step."""
+    if scale is None:
+        return 0, 0, 0, 0
+    return scale.stride(0), scale.stride(1), scale.stride(2) if block else 0, scale.shape[1] // 2
+
+
+def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
+                      block=None) -> torch.Tensor:
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
     ids = topk_ids.reshape(-1)
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
     inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    fp8 = dict(FP8=w13_scale is not None, SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
-        x, w13, inter_out, ids, weights, inter, h, e, expert_offset,
-        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], num_warps=cfg["GU_WARPS"],
+        x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale, inter, h, e, expert_offset,
+        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0), *_scale_args(w13_scale, block),
+        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], **fp8, num_warps=cfg["GU_WARPS"],
     )
     out = torch.empty_like(x)
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
-        inter_out, w2, out, ids, h, inter, e, expert_offset,
-        inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        inter_out, w2, out, ids, w2 if w2_scale is None else w2_scale, h, inter, e, expert_offset,
+        inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_scale_args(w2_scale, block)[:3],
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
-        BLOCK_K=cfg["DOWN_BLOCK_K"], num_warps=cfg["DOWN_WARPS"],
+        BLOCK_K=cfg["DOWN_BLOCK_K"], **fp8, num_warps=cfg["DOWN_WARPS"],
     )
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0,
-              path: str = "auto", align: tuple | None = None) -> torch.Tensor:
+              path: str = "auto", align: tuple | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
@@ -413,16 +480,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     replays the path it captured). `config`: tile sizes of the path that runs (default
     moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted.
     `align`: moe_align's (sorted_ids, expert_ids, num_padded) for these ids at the config's BLOCK_M,
-    already made (moe_route_align: routing and sort in one launch); implies the sorted path."""
+    already made (moe_route_align: routing and sort in one launch); implies the sorted path.
+    FP8 weights: w13 / w2 in e4m3 with fp32 `w13_scale` [E, 2 ceil(I / bn), ceil(H / bk)] and
+    `w2_scale` [E, ceil(H / bn), ceil(K / bk)] for `block` (bn, bk), or one per row ([E, 2I, 1],
+    [E, H, 1]) for `block` None (the module doc's "FP8 weights")."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, h = x.shape
-    check_tensor(fn, "w13", w13, (None, None, h), (x.dtype,))
+    fp8 = w13.dtype == FP8
+    check_tensor(fn, "w13", w13, (None, None, h), (FP8,) if fp8 else (x.dtype,))
     e, two_i, _ = w13.shape
     if two_i % 2:
         raise ValueError(f"{fn}: w13's rows must be [gate; up] (even), got {two_i}")
     inter = two_i // 2
-    check_tensor(fn, "w2", w2, (e, h, inter), (x.dtype,))
+    check_tensor(fn, "w2", w2, (e, h, inter), (w13.dtype,))
+    if fp8 != (w13_scale is not None) or fp8 != (w2_scale is not None):
+        raise ValueError(f"{fn}: e4m3 weights take w13_scale and w2_scale, {w13.dtype} weights neither")
+    if fp8:
+        _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config)
     check_tensor(fn, "topk_ids", topk_ids, (t, None), INDEX_DTYPES)
     top_k = topk_ids.shape[1]
     check_tensor(fn, "topk_weights", topk_weights, (t, top_k), FLOAT_DTYPES)
@@ -446,19 +521,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                              f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
         path = "sorted"
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
-        cfg = config if config is not None and not sorted_cfg else moe_decode_config(top_k, inter)
-        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg)
+        cfg = config if config is not None and not sorted_cfg else moe_decode_config(
+            top_k, inter, block[1] if fp8 and block else None)
+        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block)
     m = t * top_k
     cfg = config if sorted_cfg else moe_block_config(m, e)
     sorted_ids, expert_ids, num_padded = align or moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
-    _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg)
+    _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg,
+          w13_scale, block)
     if SUM_IN_TORCH:  # as before _moe_sum_kernel (bench/moe.py's "before" rows)
         out = torch.zeros((m, h), dtype=x.dtype, device=x.device)
-        _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
+        _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg,
+              w2_scale, block)
         return out.view(t, top_k, h).sum(dim=1)
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held: never written, never read
-    _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg)
+    _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg,
+          w2_scale, block)
     return _sum_over_k(out, topk_ids, e, expert_offset)
 
 
@@ -492,18 +571,18 @@ def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ex
 
 
 def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                     renormalize: bool, expert_offset: int = 0) -> torch.Tensor:
+                     renormalize: bool, expert_offset: int = 0, **fp8) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
     with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
     decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
     routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
-    routing kernel and the torch sort."""
+    routing kernel and the torch sort. `fp8`: fused_moe's w13_scale, w2_scale, block (FP8 weights)."""
     from pdserve.kernels.moe_route import moe_route
 
     t, e = x.shape[0], w13.shape[0]
     if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
         cfg = moe_block_config(t * top_k, e)
         weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
-        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align))
+        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align), **fp8)
     weights, ids = moe_route(router_logits, top_k, renormalize)
-    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset)
+    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset, **fp8)

@@ -204,10 +204,14 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,  # [T, k] fp32, the router's weights
     topk_ids: torch.Tensor,  # [T, k] int expert ids; -1 or outside the held range: not computed here
     expert_offset: int = 0,  # w13[i] / w2[i] are expert expert_offset + i (expert parallelism)
+    w13_scale: torch.Tensor | None = None,  # e4m3 w13 / w2: their scales (fused_moe's layout)
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # [T, H]: sum over k of weight * down(silu(gate x) * up x); 0 where no expert is held
     """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
     expert, one GEMM per expert over its contiguous run of rows (gate|up, SiLU-and-mul, down, the
-    router weight), results written back to their assignment's row and summed over k."""
+    router weight), results written back to their assignment's row and summed over k. FP8 weights:
+    each expert used is dequantized (dequantize_moe_fp8_ref) to x's dtype, as the kernel's tiles are."""
     T, H = x.shape
     k, E = topk_ids.shape[1], w13.shape[0]
     ids = topk_ids.reshape(-1).long() - expert_offset
@@ -223,8 +227,12 @@ def fused_moe_ref(
         start += counts[e]
         if rows.numel() == 0:
             continue
-        h = silu_and_mul_ref(x[rows // k] @ w13[e].t())
-        out[rows] = ((h @ w2[e].t()).to(acc) * weights[rows]).to(x.dtype)
+        w13_e, w2_e = w13[e], w2[e]
+        if w13_scale is not None:
+            w13_e = dequantize_moe_fp8_ref(w13_e, w13_scale[e], block, parts=2).to(x.dtype)
+            w2_e = dequantize_moe_fp8_ref(w2_e, w2_scale[e], block).to(x.dtype)
+        h = silu_and_mul_ref(x[rows // k] @ w13_e.t())
+        out[rows] = ((h @ w2_e.t()).to(acc) * weights[rows]).to(x.dtype)
     return out.view(T, k, H).sum(dim=1)
 
 
@@ -244,11 +252,12 @@ def fused_moe_loop_ref(x, w13, w2, topk_weights, topk_ids, expert_offset: int = 
 
 
 def fused_moe_routed_ref(x, w13, w2, router_logits, top_k: int, renormalize: bool,
-                         expert_offset: int = 0) -> torch.Tensor:
+                         expert_offset: int = 0, **fp8) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route_ref then fused_moe_ref (the CPU twin of
-    kernels/fused_moe.py's fused_moe_routed, which may route and sort in one launch)."""
+    kernels/fused_moe.py's fused_moe_routed, which may route and sort in one launch). `fp8`:
+    fused_moe_ref's w13_scale, w2_scale, block."""
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
-    return fused_moe_ref(x, w13, w2, weights, ids, expert_offset=expert_offset)
+    return fused_moe_ref(x, w13, w2, weights, ids, expert_offset=expert_offset, **fp8)
 
 
 def moe_route_ref(
@@ -331,6 +340,38 @@ def dequantize_fp8_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     if block is None:
         return w8.float() * scale.float().reshape(-1, 1)
     return w8.float() * scale.float().repeat_interleave(block[1], dim=1)[:, :w8.shape[1]]
+
+
+def dequantize_moe_fp8_ref(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                           parts: int = 1) -> torch.Tensor:
+    """One expert's e4m3 matrix [parts * N, K] (w13: gate rows then up rows, parts = 2) and its
+    scales in fused_moe's layout -> fp32: [parts * N, 1] one per row (block None), or for block
+    (bn, bk) [parts * ceil(N / bn), ceil(K / bk)], each part's blocks starting at its first row."""
+    n = w8.shape[0] // parts
+    if block is None:
+        return dequantize_fp8_ref(w8, scale.reshape(-1))
+    rows = torch.cat([s.repeat_interleave(block[0], dim=0)[:n] for s in scale.chunk(parts)])
+    return dequantize_fp8_ref(w8, rows, block)
+
+
+def quantize_moe_fp8_ref(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None = None):
+    """Stacked experts w13 [E, 2I, H], w2 [E, H, I] -> (e4m3 w13, e4m3 w2, w13_scale, w2_scale) in
+    fused_moe's layout: one scale per row (block None: per-channel), or per block with gate and up
+    each quantized alone, as a checkpoint stores them (bench/moe.py's FP8 weights)."""
+    if block is None:
+        q13, s13 = quantize_fp8_rows_ref(w13.reshape(-1, w13.shape[-1]))
+        q2, s2 = quantize_fp8_rows_ref(w2.reshape(-1, w2.shape[-1]))
+        return q13.view(w13.shape), q2.view(w2.shape), s13.view(*w13.shape[:2], 1), s2.view(*w2.shape[:2], 1)
+    inter = w13.shape[1] // 2
+    q13, s13, q2, s2 = [], [], [], []
+    for gate_up, down in zip(w13, w2):
+        (gq, gs), (uq, us) = (quantize_fp8_blocks_ref(gate_up[p * inter:(p + 1) * inter], block) for p in (0, 1))
+        dq, ds = quantize_fp8_blocks_ref(down, block)
+        q13.append(torch.cat([gq, uq]))
+        s13.append(torch.cat([gs, us]))
+        q2.append(dq)
+        s2.append(ds)
+    return torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2)
 
 
 def fp8_scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,

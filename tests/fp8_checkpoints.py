@@ -96,9 +96,7 @@ def write_fp8_pair(base: Path, out: Path, fmt: str) -> tuple[Path, Path]:
     weights = load_file(str(next(base.glob("*.safetensors"))))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
-        # --quantization fp8 leaves MoE experts in the compute dtype (they have no FP8 kernel yet).
-        if not _is_linear(name) or (fmt == "ct-channel" and ".layers.1.mlp." in name) \
-                or (fmt == "online" and ".experts." in name):
+        if not _is_linear(name) or (fmt == "ct-channel" and ".layers.1.mlp." in name):
             quantized[name] = dequantized[name] = w
             continue
         stem = name[:-len(".weight")]

@@ -52,6 +52,23 @@ def test_decode_table(monkeypatch, tmp_path):
     assert fm.SUM_IN_TORCH is False and fm.FUSE_ROUTE_ALIGN is True
 
 
+def test_fp8_table(monkeypatch, tmp_path):
+    # `bench moe fp8` at a tiny shape: bf16 (fp32 here) vs FP8 block-128 and per-channel experts,
+    # decode path (1 token) and sorted path (6); each equals the loop on its own (dequantized) weights.
+    monkeypatch.setattr(moe, "DEVICE", "cpu")
+    monkeypatch.setattr(moe, "DT", torch.float32)
+    monkeypatch.setattr(moe, "_bench_us", lambda fn: fn() is None or 1.0)
+    out = tmp_path / "fp8.md"
+    args = argparse.Namespace(tokens=[1, 6], hidden=64, inter=32, experts=8, top_k=2, out=str(out))
+    assert moe.fp8(args) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith(("| 1 ", "| 6 "))]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 9
+        assert all(float(v) < 1e-5 for v in cells[8].split(" / "))
+
+
 def test_engine_report_names_the_moe_path(tmp_path):
     rows = tmp_path / "rows.jsonl"
     common = dict(tp=1, ep=False, layers=12, decode_ms=1.0, roofline_ms=0.5, start_s=20, card="x")

@@ -11,6 +11,7 @@ kernels are tested against their references in tests/kernels/test_fp8_*.py.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -55,9 +56,9 @@ def fp8_pair(tmp_path_factory, default_model_dir):
     return make
 
 
-def run(ckpt, **kw):
+def run(ckpt, attention_backend=None, **kw):
     engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=64,
-                                    kv_cache_memory=1 << 22, **kw))
+                                    kv_cache_memory=1 << 22, **kw), attention_backend=attention_backend)
     try:
         for i, p in enumerate(PROMPTS):
             engine.add_request(str(i), p, PARAMS)
@@ -89,7 +90,7 @@ def assert_same_generation(got, ref):
     ("fp8-block", "qwen3-moe"),
     ("fp8-tensor", "mixtral"),
     ("ct-channel", "qwen2-moe"),
-    ("online", "qwen3-moe"),  # attention and the dense layer quantized; the experts stay fp32
+    ("online", "qwen3-moe"),  # attention, the dense layer and the experts quantized per channel
 ])
 def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     fp8_ckpt, ref_ckpt = fp8_pair(fmt, arch)
@@ -98,6 +99,88 @@ def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     assert_same_generation(got, ref)
     assert engine.model_config.quantization is not None
     assert engine.model_config.quantization.weight == ("block" if fmt == "fp8-block" else "channel")
+
+
+def test_fp8_experts_stay_fp8_on_the_triton_moe_path(fp8_pair):
+    # The Triton backend (kernels interpreted here) keeps the experts e4m3 with their scales and runs
+    # the fused MoE kernel's FP8 path (prefill: sorted GEMMs; decode: the GEMV path); it generates what
+    # the same backend generates from the dequantized fp32 checkpoint (the kernel dequantizes each tile
+    # to fp32: the same weight values).
+    fp8_ckpt, ref_ckpt = fp8_pair("fp8-block", "qwen3-moe")  # the other formats: the kernel and shard tests
+    got, engine = run(fp8_ckpt, attention_backend="triton")
+    experts = next(m.mlp.experts for m in engine.runner.model.layers if hasattr(m.mlp, "experts"))
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn and experts.keep_fp8
+    assert experts.w13_scale.shape[1:] == (2, 1)  # I = 32, H = 64: one 128x128 block per part
+    ref, _ = run(ref_ckpt, attention_backend="triton")
+    assert_same_generation(got, ref)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel", "fp8-tensor"])
+def test_fp8_experts_shard_with_their_scales(fmt):
+    # What each rank keeps of an expert's e4m3 matrices and scales (TP=1, TP=2 splitting I, TP=2
+    # with whole experts per rank), dequantized, is that rank's part of the dequantized checkpoint.
+    from pdserve.kernels.reference import dequantize_moe_fp8_ref
+    from pdserve.worker.models.moe import FusedExperts
+    from tests.fp8_checkpoints import dequant_block, quantize_block, quantize_channel, quantize_tensor
+
+    quantize = {"fp8-block": quantize_block, "ct-channel": quantize_channel, "fp8-tensor": quantize_tensor}[fmt]
+    quant = {"fp8-block": Fp8Config("fp8", "block", "group", "weight_scale_inv"),
+             "ct-channel": Fp8Config("compressed-tensors", "channel", "token"),
+             "fp8-tensor": Fp8Config("fp8", "channel", "static")}[fmt]
+    h, inter, experts = 200, 256, 4  # TP=2: 128 columns per rank, whole scale blocks; H's last block partial
+    cfg = ModelConfig("Qwen3MoeForCausalLM", 100, h, 64, 1, 4, 4, 64, 1e-6, 64, False, False, False, True, 1e4, (),
+                      (), num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=inter, moe_layers=(0,),
+                      quantization=quant)
+    g = torch.Generator().manual_seed(0)
+    ckpt = {(e, part): quantize(torch.randn(*((h, inter) if part is None else (inter, h)), generator=g))
+            for e in range(experts) for part in (0, 1, None)}
+    full = {k: dequant_block(q, s) if fmt == "fp8-block" else q.float() * s for k, (q, s) in ckpt.items()}
+    for size, ep in ((1, False), (2, False), (2, True)):
+        for rank in range(size):
+            fe = FusedExperts(cfg, TPShard(rank, size, cfg, expert_parallel=ep), op=None, fp8_kernel=True)
+            assert fe.keep_fp8
+            for (e, part), (q, s) in ckpt.items():
+                fe.weight_loader(fe.w13 if part is not None else fe.w2, s, (e, part, "scale"))
+                fe.weight_loader(fe.w13 if part is not None else fe.w2, q, (e, part))
+            fe.check_loaded()
+            n = fe.inter
+            col = 0 if ep else rank * n
+            for i, e in enumerate(fe.local):
+                w13 = dequantize_moe_fp8_ref(fe.w13[i], fe.w13_scale[i], fe.block, parts=2)
+                assert torch.equal(w13, torch.cat([full[e, 0][col:col + n], full[e, 1][col:col + n]]))
+                assert torch.equal(dequantize_moe_fp8_ref(fe.w2[i], fe.w2_scale[i], fe.block),
+                                   full[e, None][:, col:col + n])
+    if fmt == "fp8-block":  # 96 columns per rank start mid-block: dequantized at load instead
+        odd = dataclasses.replace(cfg, moe_intermediate_size=192)
+        assert not FusedExperts(odd, TPShard(1, 2, odd), op=None, fp8_kernel=True).keep_fp8
+
+
+def test_online_quantization_keeps_experts_fp8_per_channel():
+    # --quantization fp8: each expert's rows quantized per channel after loading; kept e4m3 where
+    # the Triton op runs, dequantized back where the reference runs: the same values either way.
+    from pdserve.kernels.reference import dequantize_moe_fp8_ref
+    from pdserve.worker.models.moe import FusedExperts
+    from tests.fp8_checkpoints import quantize_channel
+
+    cfg = ModelConfig("Qwen3MoeForCausalLM", 100, 96, 64, 1, 4, 4, 24, 1e-6, 64, False, False, False, True, 1e4, (),
+                      (), num_experts=3, num_experts_per_tok=2, moe_intermediate_size=40, moe_layers=(0,),
+                      quantization=Fp8Config("online", "channel", "token"))
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(3, 80, 96, generator=g), torch.randn(3, 96, 40, generator=g)
+    made = {}
+    for kernel in (True, False):
+        fe = FusedExperts(cfg, TPShard(0, 1, cfg), op=None, fp8_kernel=kernel)
+        fe.w13.data.copy_(w13)
+        fe.w2.data.copy_(w2)
+        fe.finish_loading(torch.float32)
+        assert fe.keep_fp8 == kernel and (fe.w13.dtype == torch.float8_e4m3fn) == kernel
+        made[kernel] = fe
+    kept, plain = made[True], made[False]
+    for i in range(3):
+        assert torch.equal(dequantize_moe_fp8_ref(kept.w13[i], kept.w13_scale[i], None, parts=2), plain.w13[i])
+        assert torch.equal(dequantize_moe_fp8_ref(kept.w2[i], kept.w2_scale[i], None), plain.w2[i])
+        q, s = quantize_channel(w2[i])  # the test's own per-channel quantization
+        assert torch.equal(plain.w2[i], q.float() * s)
 
 
 def test_fp8_differs_from_the_unquantized_model(fp8_pair, tmp_path):

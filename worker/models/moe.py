@@ -27,11 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import dequantize_fp8_ref, fused_moe_routed_ref
+from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_routed_ref,
+                                       quantize_fp8_rows_ref)
 from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
+from pdserve.worker.quantization.fp8_linear import _warn_once, cuda_fp8_supported  # _warn_once: a line per cause
+
+FP8 = torch.float8_e4m3fn
 
 
 def moe_op(backend: AttentionBackend) -> Callable:
@@ -53,24 +57,57 @@ class FusedExperts(nn.Module):
 
     FP8 checkpoints (Qwen3-30B-A3B-FP8 and the like): an expert's e4m3 matrix and its scale
     (per-tensor, per-channel or 128x128 blocks, `weight_scale` / `weight_scale_inv`) arrive as
-    two tensors in either order; once both are here the matrix is dequantized to the compute
-    dtype and stored like a bf16 checkpoint's. The fused MoE kernel has no FP8 path yet, so the
-    experts take the compute dtype's memory and bandwidth (docs/moe.md); attention and dense or
-    shared-expert MLPs keep their FP8 path."""
+    two tensors in either order.
+    - Where the Triton MoE op runs (`fp8_kernel`), the experts stay e4m3 (half bf16's memory and
+      bytes per token): w13 / w2 hold this rank's e4m3 rows and columns, `w13_scale` / `w2_scale`
+      their scales in kernels/fused_moe.py's layout (128x128 blocks as published, gate's and up's
+      block rows each from their own first row; else one scale per row). Without expert
+      parallelism a rank's I columns must start on a block boundary for block scales to split
+      with them (I / N a multiple of 128); otherwise, and on GPUs without FP8 (before sm90:
+      `finish_loading`), the experts are dequantized, with a log line.
+    - Otherwise (the torch reference on CPU) each matrix is dequantized to the compute dtype once
+      both tensors are here, and stored like a bf16 checkpoint's.
+    `--quantization fp8` (an unquantized checkpoint): loaded in the compute dtype, then each
+    expert's rows quantized per channel (`finish_loading`), as the dense linears are: kept e4m3
+    where the Triton op runs, dequantized back elsewhere (the same values on every path).
+    Attention and dense or shared-expert MLPs take their own FP8 path (quantization/fp8_linear.py)."""
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, fp8_kernel: bool = False):
         super().__init__()
         self.shard, self.op = shard, op
         self.local = shard.local_experts
-        self.inter = shard.expert_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(len(self.local), 2 * self.inter, cfg.hidden_size))
-        self.w2 = nn.Parameter(torch.empty(len(self.local), cfg.hidden_size, self.inter))
+        self.inter = n = shard.expert_intermediate_size
+        e, h = len(self.local), cfg.hidden_size
         quant = cfg.quantization
         self.block = quant.block if quant is not None else None
         self._fp8: dict[tuple, dict] = {}  # (expert, part) -> {"weight"|"scale": tensor} until both arrived
+        self.online = quant is not None and quant.source == "online"
+        self.fp8_kernel = fp8_kernel
+        self.keep_fp8 = fp8_kernel and quant is not None and not self.online and self._block_aligned()
+        if not self.keep_fp8:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * n, h))
+            self.w2 = nn.Parameter(torch.empty(e, h, n))
+        else:
+            bn, bk = self.block or (1, None)
+            self.w13 = _param((e, 2 * n, h), FP8)
+            self.w2 = _param((e, h, n), FP8)
+            self.w13_scale = _param((e, 2 * -(-n // bn), -(-h // bk) if bk else 1), torch.float32)
+            self.w2_scale = _param((e, -(-h // bn), -(-n // bk) if bk else 1), torch.float32)
+            # load_model casts parameters to the compute dtype; these keep theirs (fp8_linear.keep_quantized_dtypes).
+            self.param_dtypes = {"w13": FP8, "w2": FP8, "w13_scale": torch.float32, "w2_scale": torch.float32}
+
+    def _block_aligned(self) -> bool:
+        if self.block is None or self.shard.expert_parallel or self.shard.size == 1 or self.inter % self.block[0] == 0:
+            return True
+        _warn_once("moe-fp8-blocks", "FP8 experts dequantized at load: %d of each expert's %d columns per rank "
+                   "(tensor parallel %d) start mid-way through its %dx%d scale blocks (--enable-expert-parallel "
+                   "keeps them FP8)", self.inter, self.shard.full.moe_intermediate_size, self.shard.size, *self.block)
+        return False
 
     def shard_ids(self, param_name: str) -> list:
         """The parts of a parameter the checkpoint must supply (what load_weights checks)."""
+        if param_name.endswith("_scale"):
+            return []  # arrive with their matrices (loaded through w13 / w2): check_loaded pairs them
         if param_name.endswith("w13"):
             return [(e, part) for e in self.local for part in (0, 1)]
         return [(e, None) for e in self.local]
@@ -80,6 +117,9 @@ class FusedExperts(nn.Module):
         rank holds is skipped without reading it (a safetensors slice is read only when indexed)."""
         expert, part, *scale = shard_id
         if expert not in self.local:
+            return
+        if self.keep_fp8:
+            self._load_fp8(loaded, expert, part, bool(scale))
             return
         if scale or _is_fp8(loaded):
             held = self._fp8.setdefault((expert, part), {})
@@ -96,6 +136,90 @@ class FusedExperts(nn.Module):
         else:
             param.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
 
+    def _load_fp8(self, loaded, expert: int, part: int | None, is_scale: bool) -> None:
+        """This rank's rows (gate/up) or columns (down) of an e4m3 matrix, or of its scale, copied
+        as they are; the pair is tracked for check_loaded."""
+        what = f"expert {expert} {('gate', 'up')[part] if part is not None else 'down'}"
+        held = self._fp8.setdefault((expert, part), {})
+        held["scale" if is_scale else "weight"] = True
+        if len(held) == 2:
+            del self._fp8[expert, part]
+        e, n = expert - self.local.start, self.inter
+        col = 0 if self.shard.expert_parallel else self.shard.rank * n  # this rank's I columns
+        if not is_scale:
+            if not _is_fp8(loaded):
+                raise ValueError(f"checkpoint: {what} is {getattr(loaded, 'dtype', 'not e4m3')} in an FP8 "
+                                 f"checkpoint; its experts run FP8 and must all be e4m3")
+            if part is None:
+                self.w2.data[e].copy_(loaded[:, col:col + n])
+            else:
+                self.w13.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
+            return
+        s = (loaded if isinstance(loaded, torch.Tensor) else loaded[:]).float()
+        full_i, h = self.shard.full.moe_intermediate_size, self.w2.shape[1]
+        rows, cols = (h, full_i) if part is None else (full_i, h)
+        if self.block is not None:
+            bn, bk = self.block
+            want = (-(-rows // bn), -(-cols // bk))
+            if s.numel() == 1:  # a per-tensor scale: every block of the tensor
+                s = s.reshape(1, 1).expand(want)
+            if tuple(s.shape) != want:
+                raise ValueError(f"checkpoint: {what}'s block scales are {list(s.shape)}, expected {list(want)} "
+                                 f"for a [{rows}, {cols}] matrix in {bn}x{bk} blocks")
+            if part is None:
+                self.w2_scale.data[e].copy_(s[:, col // bk:col // bk + self.w2_scale.shape[2]])
+            else:
+                nb = self.w13_scale.shape[1] // 2
+                self.w13_scale.data[e, part * nb:(part + 1) * nb].copy_(s[col // bn:col // bn + nb])
+            return
+        if s.numel() not in (1, rows):
+            raise ValueError(f"checkpoint: {what}'s scale has shape {list(s.shape)}: not one per tensor or per row "
+                             f"({rows}) of a [{rows}, {cols}] matrix")
+        per_row = s.reshape(-1).expand(rows)
+        if part is None:
+            self.w2_scale.data[e, :, 0].copy_(per_row)
+        else:
+            self.w13_scale.data[e, part * n:(part + 1) * n, 0].copy_(per_row[col:col + n])
+
+    def finish_loading(self, compute_dtype: torch.dtype) -> None:
+        """After the checkpoint: every FP8 matrix met its scale; FP8 experts on a GPU that cannot
+        run the kernel's e4m3 conversions (before sm90) are dequantized to the compute dtype;
+        --quantization fp8 quantizes the experts here."""
+        self.check_loaded()
+        dev = self.w13.device
+        # On CPU the Triton op runs only under the interpreter (tests), which converts e4m3.
+        kernel_ok = dev.type != "cuda" or cuda_fp8_supported(dev)
+        if self.online:
+            self._quantize_online(self.fp8_kernel and kernel_ok)
+            return
+        if not self.keep_fp8 or kernel_ok:
+            return
+        _warn_once("moe-fp8-sm90", "no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
+        self.w13 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block, parts=2).to(compute_dtype)
+                                             for w, s in zip(self.w13, self.w13_scale)]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block).to(compute_dtype)
+                                            for w, s in zip(self.w2, self.w2_scale)]), requires_grad=False)
+        del self.w13_scale, self.w2_scale
+        self.keep_fp8 = False
+
+    def _quantize_online(self, keep: bool) -> None:
+        """Each expert's gate, up and down rows quantized per channel, one expert at a time (no
+        fp32 copy of a whole layer): kept e4m3 with one scale per row, or dequantized in place."""
+        e, rows13, h = self.w13.shape
+        if not keep:
+            for w in (*self.w13.data, *self.w2.data):
+                w.copy_(dequantize_fp8_ref(*quantize_fp8_rows_ref(w)))
+            return
+        dev = self.w13.device
+        q13, q2 = torch.empty(self.w13.shape, dtype=FP8, device=dev), torch.empty(self.w2.shape, dtype=FP8, device=dev)
+        s13, s2 = torch.empty(e, rows13, 1, device=dev), torch.empty(e, h, 1, device=dev)
+        for i in range(e):
+            q13[i], s13[i, :, 0] = quantize_fp8_rows_ref(self.w13.data[i])
+            q2[i], s2[i, :, 0] = quantize_fp8_rows_ref(self.w2.data[i])
+        self.w13, self.w2 = nn.Parameter(q13, requires_grad=False), nn.Parameter(q2, requires_grad=False)
+        self.w13_scale, self.w2_scale = nn.Parameter(s13, requires_grad=False), nn.Parameter(s2, requires_grad=False)
+        self.keep_fp8 = True
+
     def check_loaded(self) -> None:
         """After the checkpoint: an FP8 matrix whose scale never came (or the reverse) is an error."""
         if self._fp8:
@@ -108,7 +232,12 @@ class FusedExperts(nn.Module):
         """x [T, H], the router's logits [T, E] -> this rank's partial output [T, H]. Every rank
         routes over all E experts (global ids); under expert parallelism the op skips
         assignments to experts outside its range (zeros)."""
-        return self.op(x, self.w13, self.w2, router_logits, top_k, renormalize, expert_offset=self.local.start)
+        fp8 = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block) if self.keep_fp8 else {}
+        return self.op(x, self.w13, self.w2, router_logits, top_k, renormalize, expert_offset=self.local.start, **fp8)
+
+
+def _param(shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 def _is_fp8(loaded) -> bool:
@@ -146,7 +275,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize, self.shard = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated: [E, H] is small
-        self.experts = FusedExperts(cfg, shard, moe_op(backend))
+        self.experts = FusedExperts(cfg, shard, moe_op(backend), fp8_kernel=backend.name == "triton")
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             # Its checkpoint name, for an FP8 checkpoint's ignore list (its linears follow the dense path).

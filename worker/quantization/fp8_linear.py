@@ -305,5 +305,5 @@ def process_quantized(net: nn.Module, compute_dtype: torch.dtype) -> None:
     for m in net.modules():
         if getattr(m, "quant", None) is not None:
             m.quant.process_weights_after_loading(m, compute_dtype)
-        if hasattr(m, "check_loaded"):  # MoE experts: every FP8 matrix met its scale (models/moe.py)
-            m.check_loaded()
+        if hasattr(m, "finish_loading"):  # MoE experts: every FP8 matrix met its scale (models/moe.py)
+            m.finish_loading(compute_dtype)
