@@ -30,9 +30,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-12}
 PROMPTS=${PROMPTS:-64}
-source bench/gpu_env.sh zmq:pyzmq llguidance:llguidance nixl_cu13:nixl_cu13 prometheus_client:prometheus_client \
-  pydantic:pydantic pydantic_core:pydantic_core annotated_types:annotated_types typing_inspection:typing_inspection \
-  fastapi:fastapi starlette:starlette annotated_doc:annotated_doc || exit 1
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
 gpu_env_report > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
