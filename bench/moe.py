@@ -381,8 +381,8 @@ def engine(args) -> int:
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
                                  max_num_seqs=max(8, args.num_prompts), max_num_batched_tokens=8192,
                                  enable_prefix_caching=False, tensor_parallel_size=args.tp,
-                                 enable_expert_parallel=args.ep))
-    row = {"tp": args.tp, "ep": args.ep, "moe_path": args.moe_path, "layers": args.layers, "start_s": time.perf_counter() - t0,
+                                 enable_expert_parallel=args.ep, quantization=args.quantization))
+    row = {"tp": args.tp, "ep": args.ep, "moe_path": args.moe_path, "quantization": args.quantization, "layers": args.layers, "start_s": time.perf_counter() - t0,
            "copy_gbs": bw / 1e9, "card": torch.cuda.get_device_name(), "graphs": eng.runner.graphs is not None}
     print(f"TP={args.tp} EP={args.ep}: started in {row['start_s']:.0f}s", flush=True)
     try:
@@ -430,8 +430,13 @@ def report(args) -> int:
         off = f"{r['offline_tok_s']:.0f} ({r['num_prompts']} prompts)" if "offline_tok_s" in r else "-"
         path = r.get("moe_path", "auto")
         path = "decode <= 4 tokens (new)" if path == "auto" else "sorted, 4-warp routing (before)"
-        lines.append(f"| {r['tp']} | {'yes' if r['ep'] else 'no'} | {path} | {r['decode_ms']:.2f} | {r['roofline_ms']:.2f} | "
-                     f"{100 * r['roofline_ms'] / r['decode_ms']:.0f}% | {off} | {r['start_s']:.0f} |")
+        if r.get("quantization"):  # the roofline counts bf16 weight bytes: not this row's
+            path += f", --quantization {r['quantization']}"
+            roof = "- | -"
+        else:
+            roof = f"{r['roofline_ms']:.2f} | {100 * r['roofline_ms'] / r['decode_ms']:.0f}%"
+        lines.append(f"| {r['tp']} | {'yes' if r['ep'] else 'no'} | {path} | {r['decode_ms']:.2f} | {roof} | {off} | "
+                     f"{r['start_s']:.0f} |")
     _write(args.out, lines)
     return 0
 
@@ -473,6 +478,8 @@ def main(argv=None) -> int:
     e.add_argument("--layers", type=int, required=True, help="the checkpoint's layers (for the roofline)")
     e.add_argument("--tp", type=int, default=1)
     e.add_argument("--ep", action="store_true")
+    e.add_argument("--quantization", choices=("fp8",), help="quantize the bf16 checkpoint at load (FP8 experts, "
+                   "per channel, and FP8 attention linears)")
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=64, help="offline batch (0: none)")
     e.add_argument("--rows", required=True)

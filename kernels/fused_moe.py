@@ -389,12 +389,13 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         mask = col_ok[:, None] & k_ok[None, :]
         g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
-        if FP8:
+        if FP8:  # a step lies in one scale group: scale its [BLOCK_N] partial sums, not the tile
             s_k = s_ptrs + (k0 // GROUP_K) * stride_sk
-            g *= tl.load(s_k, mask=col_ok, other=0.0)[:, None]
-            u *= tl.load(s_k + up_scale_rows * stride_sn, mask=col_ok, other=0.0)[:, None]
-        acc_gate += tl.sum(g * xk, axis=1)
-        acc_up += tl.sum(u * xk, axis=1)
+            acc_gate += tl.sum(g * xk, axis=1) * tl.load(s_k, mask=col_ok, other=0.0)
+            acc_up += tl.sum(u * xk, axis=1) * tl.load(s_k + up_scale_rows * stride_sn, mask=col_ok, other=0.0)
+        else:
+            acc_gate += tl.sum(g * xk, axis=1)
+            acc_up += tl.sum(u * xk, axis=1)
         gate_ptrs += BLOCK_K
     w = tl.load(weight_ptr + a).to(tl.float32)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up * w
@@ -426,10 +427,11 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, s_ptr, N, K, nu
         a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
                     other=0.0).to(tl.float32)
-        if FP8:
+        if FP8:  # one scale group a step: scale the [k, BLOCK_N] partial sums
             s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=held[:, None] & col_ok[None, :], other=0.0)
-            w *= s[:, :, None]
-        acc += tl.sum(w * a, axis=2)
+            acc += tl.sum(w * a, axis=2) * s
+        else:
+            acc += tl.sum(w * a, axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers

@@ -75,8 +75,11 @@ def test_engine_report_names_the_moe_path(tmp_path):
     import json
 
     rows.write_text(json.dumps(dict(common, moe_path="auto")) + "\n" + json.dumps(dict(common, moe_path="sorted")) + "\n"
-                    + json.dumps(common) + "\n")  # a row from before the flag existed
+                    + json.dumps(common) + "\n"  # a row from before the flag existed
+                    + json.dumps(dict(common, moe_path="auto", quantization="fp8", decode_ms=0.25)) + "\n")
     out = tmp_path / "engine.md"
     assert moe.report(argparse.Namespace(rows=str(rows), out=str(out))) == 0
     text = out.read_text()
-    assert text.count("(new)") == 2 and text.count("(before)") == 1 and "50%" in text
+    assert text.count("(new)") == 3 and text.count("(before)") == 1 and "50%" in text
+    fp8_row = next(line for line in text.splitlines() if "--quantization fp8" in line)
+    assert "0.25 | - | -" in fp8_row and "200%" not in text  # no bf16 roofline for FP8 weights
