@@ -348,17 +348,24 @@ FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
-def moe_decode_config(top_k: int, inter: int, group_k: int | None = None) -> dict:
+def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
     sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
     down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
     256: no half-masked last step), 32 KB of bf16 per step, 256 programs. First guesses from the
     H200's measured GEMVs (kernels/fused_gemv.py: 16-32 row strips and 256-wide K were its best
     at M = 1), not measured on this kernel: `pdserve bench moe decode` sweeps alternatives.
-    `group_k`: FP8 block scales' columns (128): K steps within one group, so at most 128 wide."""
+    `group_k`: FP8 block scales' columns (128): K steps within one group, so at most 128 wide.
+    `fp8` with per-row scales: gate|up steps of 512 (the bytes of bf16's 256): 15.2 -> 13.0 us at
+    1 token for Qwen3-30B-A3B's layer in a CUDA graph on an H200 (bf16: 28.3; at 4 tokens the best
+    tiles also stepped 512: 40.1 vs 43.2). The rest of that sweep (row strips 8-32, down K 128-512,
+    4 or 8 warps; block scales' tiles) moved the time by about 1 us: left as they are. One layer
+    replayed ten times a graph: its 38 MB of FP8 experts may sit partly in L2, so read the ranking,
+    not the bandwidth."""
     k_tile = triton.next_power_of_2(top_k)
     cap = group_k or 256
-    return dict(GU_BLOCK_N=16, GU_BLOCK_K=min(256, cap), GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
+    gu_k = 512 if fp8 and group_k is None else min(256, cap)
+    return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
                 DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
 
 
@@ -524,7 +531,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         path = "sorted"
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
-            top_k, inter, block[1] if fp8 and block else None)
+            top_k, inter, block[1] if fp8 and block else None, fp8=fp8)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block)
     m = t * top_k
     cfg = config if sorted_cfg else moe_block_config(m, e)
