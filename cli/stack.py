@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.protocol.contract import HTTP_PORT
 from pdserve.protocol.flags import ConfigError, flag
-from pdserve.protocol.contract import ENV_KV_SECRET
+from pdserve.protocol.contract import ENV_KV_SECRET, ENV_NIXL_PROGRESS_NICE
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -153,6 +153,11 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     for i, role in enumerate(roles):
         port, kv_port = ports[2 * i], ports[2 * i + 1]
         env, device = {ENV_KV_SECRET: kv_secret}, ["--device", "cpu"]
+        if ENV_NIXL_PROGRESS_NICE not in os.environ:
+            # The stack's workers share this host's cores, and NIXL's progress thread can spin one
+            # per worker even when idle (on the 2-core CI machine its poll never sleeps): niced, it
+            # yields to the engines. The default stack there: ITL 285 -> 95 ms, TTFT 1.3 -> 0.2 s.
+            env[ENV_NIXL_PROGRESS_NICE] = "19"
         if gpus:
             gpu = gpus[i % len(gpus)]
             env["CUDA_VISIBLE_DEVICES"] = gpu

@@ -31,6 +31,9 @@ ENV_API_KEYS = "PDSERVE_API_KEYS"
 ENV_WORKER_API_KEY = "PDSERVE_WORKER_API_KEY"
 # The KV side channel's shared secret, the same on every prefill and decode worker.
 ENV_KV_SECRET = "PDSERVE_KV_SECRET"
+# A nice value (e.g. "19") for the threads NIXL starts in a worker (its progress thread, which
+# spins a core even when idle); `pdserve up` sets 19 unless the environment says otherwise.
+ENV_NIXL_PROGRESS_NICE = "PDSERVE_NIXL_PROGRESS_NICE"
 
 # Request headers: one id for a request across router, prefill and decode; a session key for
 # the session-affinity policy.

@@ -57,3 +57,18 @@ def test_up_turns_on_tool_calls_for_the_default_model_only():
     mine = StackConfig(kv_transfer="tcp", worker_args=("--tool-call-parser", "llama3_json"))
     for server in worker_configs(mine, True):
         assert (server.tool_call_parser, server.enable_auto_tool_choice) == ("llama3_json", False)
+
+
+def test_the_stack_nices_nixl_progress_threads_unless_told(monkeypatch):
+    """`pdserve up`'s workers share the host's cores with NIXL's spinning progress threads: each
+    worker gets ENV_NIXL_PROGRESS_NICE=19, unless the environment already names a value (which
+    the launcher then passes on as it is)."""
+    from pdserve.cli.stack import StackConfig, plan
+    from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
+
+    monkeypatch.delenv(ENV_NIXL_PROGRESS_NICE, raising=False)
+    children = plan(StackConfig(), "/m", "m", gpus=[])
+    workers = [c for c in children if c.role != "router"]
+    assert len(workers) == 2 and all(c.env[ENV_NIXL_PROGRESS_NICE] == "19" for c in workers)
+    monkeypatch.setenv(ENV_NIXL_PROGRESS_NICE, "5")
+    assert all(ENV_NIXL_PROGRESS_NICE not in c.env for c in plan(StackConfig(), "/m", "m", gpus=[]))

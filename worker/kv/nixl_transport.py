@@ -48,13 +48,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
 from pdserve.worker.kv.block_runs import as_indices, merge_runs, run_starts
 from pdserve.worker.kv.staging import StagingPool, slot_cap
 
 log = logging.getLogger(__name__)
 
-# A nice value (e.g. "19") for the threads NIXL starts (its busy-polling progress thread).
-PROGRESS_NICE_ENV = "PDSERVE_NIXL_PROGRESS_NICE"
+PROGRESS_NICE_ENV = ENV_NIXL_PROGRESS_NICE  # a nice value for the threads NIXL starts
 # Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
 SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
 
