@@ -449,27 +449,26 @@ def _write(path: str | None, lines: list[str]) -> None:
             f.write(text)
 
 
+def _layer_args(p: argparse.ArgumentParser, tokens: list[int]) -> argparse.ArgumentParser:
+    """One MoE layer's shape (Qwen3-30B-A3B's by default), the token counts and --out."""
+    p.add_argument("--tokens", type=int, nargs="+", default=tokens)
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden"])
+    p.add_argument("--inter", type=int, default=SHAPE["inter"])
+    p.add_argument("--experts", type=int, default=SHAPE["experts"])
+    p.add_argument("--top-k", type=int, default=SHAPE["top_k"])
+    p.add_argument("--out")
+    return p
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench moe", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("kernel")
     k.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     k.add_argument("--out")
-    d = sub.add_parser("decode")
-    d.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    d.add_argument("--hidden", type=int, default=SHAPE["hidden"])
-    d.add_argument("--inter", type=int, default=SHAPE["inter"])
-    d.add_argument("--experts", type=int, default=SHAPE["experts"])
-    d.add_argument("--top-k", type=int, default=SHAPE["top_k"])
+    d = _layer_args(sub.add_parser("decode"), [1, 2, 4, 8, 16])
     d.add_argument("--copy-gbs", type=float, help="skip the copy-bandwidth measurement, use this")
-    d.add_argument("--out")
-    f = sub.add_parser("fp8")
-    f.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
-    f.add_argument("--hidden", type=int, default=SHAPE["hidden"])
-    f.add_argument("--inter", type=int, default=SHAPE["inter"])
-    f.add_argument("--experts", type=int, default=SHAPE["experts"])
-    f.add_argument("--top-k", type=int, default=SHAPE["top_k"])
-    f.add_argument("--out")
+    _layer_args(sub.add_parser("fp8"), [1, 8, 64, 512])
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--layers", type=int, default=12)

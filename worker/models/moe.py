@@ -33,7 +33,7 @@ from pdserve.worker.attention import AttentionBackend
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
-from pdserve.worker.quantization.fp8_linear import _warn_once, cuda_fp8_supported  # _warn_once: a line per cause
+from pdserve.worker.quantization.fp8_linear import warn_once, cuda_fp8_supported
 
 FP8 = torch.float8_e4m3fn
 
@@ -99,7 +99,7 @@ class FusedExperts(nn.Module):
     def _block_aligned(self) -> bool:
         if self.block is None or self.shard.expert_parallel or self.shard.size == 1 or self.inter % self.block[0] == 0:
             return True
-        _warn_once("moe-fp8-blocks", "FP8 experts dequantized at load: %d of each expert's %d columns per rank "
+        warn_once("moe-fp8-blocks", "FP8 experts dequantized at load: %d of each expert's %d columns per rank "
                    "(tensor parallel %d) start mid-way through its %dx%d scale blocks (--enable-expert-parallel "
                    "keeps them FP8)", self.inter, self.shard.full.moe_intermediate_size, self.shard.size, *self.block)
         return False
@@ -194,7 +194,7 @@ class FusedExperts(nn.Module):
             return
         if not self.keep_fp8 or kernel_ok:
             return
-        _warn_once("moe-fp8-sm90", "no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
+        warn_once("moe-fp8-sm90", "no FP8 (sm90+) on %s: FP8 experts dequantized to %s", dev, compute_dtype)
         self.w13 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block, parts=2).to(compute_dtype)
                                              for w, s in zip(self.w13, self.w13_scale)]), requires_grad=False)
         self.w2 = nn.Parameter(torch.stack([dequantize_moe_fp8_ref(w, s, self.block).to(compute_dtype)

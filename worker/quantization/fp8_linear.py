@@ -99,7 +99,7 @@ FP8 = torch.float8_e4m3fn
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, msg: str, *args, level: int = logging.WARNING) -> None:
+def warn_once(key: str, msg: str, *args, level: int = logging.WARNING) -> None:
     """One line per cause and process, not one per layer."""
     if key not in _warned:
         _warned.add(key)
@@ -176,13 +176,13 @@ class Fp8LinearMethod:
         if kernels is None:
             kernels = cuda_fp8_supported(w8.device)
             if kernels and cfg.block is None and (w8.shape[0] % 16 or w8.shape[1] % 16):
-                _warn_once("align", "an FP8 weight of shape %s: _scaled_mm needs both sizes multiples of 16; "
+                warn_once("align", "an FP8 weight of shape %s: _scaled_mm needs both sizes multiples of 16; "
                                     "such weights are dequantized to %s", list(w8.shape), compute_dtype)
                 kernels = False
         if not kernels:
             # The dequantizing path: the same FP8 weight values, a plain GEMM in the compute dtype.
             if w8.device.type == "cuda" and not cuda_fp8_supported(w8.device):
-                _warn_once("sm90", "no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
+                warn_once("sm90", "no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
                            w8.device, compute_dtype)
             layer.weight = nn.Parameter(dequantize_fp8_ref(w8, scale, cfg.block).to(compute_dtype),
                                         requires_grad=False)
@@ -213,15 +213,15 @@ class Fp8LinearMethod:
             return False
         why = weight_ineligible(w8.shape[0], w8.shape[1], layer.scale_rows)
         if why is not None:
-            _warn_once("sm-shape-" + why, "FP8 block weight %s runs the Triton block GEMM: %s", list(w8.shape), why)
+            warn_once("sm-shape-" + why, "FP8 block weight %s runs the Triton block GEMM: %s", list(w8.shape), why)
             return False
         weight_scale_operand(layer.w_scale)  # the layout the call reads: a view, checked once here
         ok, detail = probe_blockwise(w8.device, compute_dtype)
         if not ok:
-            _warn_once("sm-probe", "torch scaled_mm block scaling (cuBLASLt) unavailable on %s for %s output (%s): "
+            warn_once("sm-probe", "torch scaled_mm block scaling (cuBLASLt) unavailable on %s for %s output (%s): "
                                    "FP8 block weights run the Triton block GEMM", w8.device, compute_dtype, detail)
         else:
-            _warn_once("sm-probe-ok", "FP8 block weights: cuBLASLt block scaling from %d rows (probe: %s)",
+            warn_once("sm-probe-ok", "FP8 block weights: cuBLASLt block scaling from %d rows (probe: %s)",
                        SCALED_MM_BLOCK_MIN_M, detail, level=logging.INFO)
         return ok
 
