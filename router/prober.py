@@ -55,26 +55,35 @@ class Prober:
             return r.status, await r.read()
 
     async def probe(self, worker: Worker) -> bool:
+        """/health decides; /metrics and /v1/models only refresh what the router knows of it (a
+        slow scrape of a worker whose /health answered 200 does not take it out of the pools)."""
+        timed_out = False
         try:
             status, _ = await self._get(worker.url + "/health")
             ok = status == 200
-            if ok:
-                status, body = await self._get(worker.url + "/metrics")
-                if status == 200:
-                    for attr, value in parse_load(body.decode(errors="replace")).items():
-                        setattr(worker, attr, value)
-                status, body = await self._get(worker.url + "/v1/models")
-                if status == 200:
-                    cards = json.loads(body).get("data", [])
-                    worker.models = frozenset(str(d.get("id")) for d in cards)
-                    lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
-                    worker.max_model_len = min(lens) if lens else None
-                    worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.debug("probe of %s failed: %r", worker.url, e)
-            ok = False
-        self._workers.probe_result(worker, ok)
+            ok, timed_out = False, isinstance(e, asyncio.TimeoutError)
+        if ok:
+            try:
+                await self._scrape(worker)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, TypeError) as e:
+                log.debug("scraping %s failed: %r", worker.url, e)
+        self._workers.probe_result(worker, ok, timed_out)
         return ok
+
+    async def _scrape(self, worker: Worker) -> None:
+        status, body = await self._get(worker.url + "/metrics")
+        if status == 200:
+            for attr, value in parse_load(body.decode(errors="replace")).items():
+                setattr(worker, attr, value)
+        status, body = await self._get(worker.url + "/v1/models")
+        if status == 200:
+            cards = json.loads(body).get("data", [])
+            worker.models = frozenset(str(d.get("id")) for d in cards)
+            lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
+            worker.max_model_len = min(lens) if lens else None
+            worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self._workers.all()))

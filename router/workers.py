@@ -64,6 +64,12 @@ class WorkerSpec:
 # seconds: stopped, wedged, or partitioned away. A busy worker still answers /health (its HTTP
 # loop is not the engine's thread), and cutting a slow but live worker's streams costs answers.
 LOST_AFTER_FAILED_PROBES = 3
+# A probe that timed out (the worker did not answer /health within the connect timeout) is not a
+# verdict on its own: on a loaded host (a neighbour importing torch, a prefill burst) one slow
+# answer is common and taking every worker out of the pools for a probe interval answered 503 to
+# every request in between. Two timeouts in a row do take it out; a refused connection or a non-200
+# /health does at once (the worker is really gone, restarting or draining).
+UNROUTABLE_AFTER_SLOW_PROBES = 2
 
 
 class WorkerSet:
@@ -118,16 +124,19 @@ class WorkerSet:
         worker.backoff_s = min(self._backoff_max_s, worker.backoff_s * 2 or self._backoff_s)
         worker.ejected_until = time.monotonic() + worker.backoff_s
 
-    def probe_result(self, worker: Worker, ok: bool) -> None:
+    def probe_result(self, worker: Worker, ok: bool, timed_out: bool = False) -> None:
         """A health probe's verdict. An ejected worker comes back when its backoff ran out, or
         at once when its health went bad and is good again (it was restarted): waiting out a
         backoff grown while it was down would answer 503 for seconds with a healthy worker.
-        A worker ejected for failing requests while its health stayed good waits the backoff."""
+        A worker ejected for failing requests while its health stayed good waits the backoff.
+        A probe that `timed_out` changes nothing until UNROUTABLE_AFTER_SLOW_PROBES in a row."""
         now = time.monotonic()
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
         if worker.failed_probes == LOST_AFTER_FAILED_PROBES:
             for callback in self.on_lost:
                 callback(worker)
+        if timed_out and worker.failed_probes < UNROUTABLE_AFTER_SLOW_PROBES:
+            return
         if now < worker.ejected_until:
             if not ok:
                 worker.healthy = False

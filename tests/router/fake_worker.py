@@ -10,6 +10,8 @@ can be compared with a single worker's.
 
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
+{"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
+(a worker too busy to answer its probe in time); GET /debug/health counts the answers.
 GET /debug/requests (bodies and headers received).
 
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
@@ -94,6 +96,7 @@ class State:
         for gate in self.gates.values():
             gate.set()
         self.handoff = "ok"
+        self.slow_health, self.health_delay, self.health_answered, self.slow_answered = 0, 0.0, 0, 0
         self.delay, self.header_delay = args.delay, args.header_delay  # /control may change them
         self.client = httpx.AsyncClient()
         self.publisher = None
@@ -356,6 +359,8 @@ def build(args) -> Starlette:
         st.handoff = body.get("handoff", st.handoff)
         st.delay = body.get("delay", st.delay)
         st.header_delay = body.get("header_delay", st.header_delay)
+        st.slow_health = body.get("slow_health", st.slow_health)
+        st.health_delay = body.get("health_delay", st.health_delay)
         if body.get("hold"):
             st.gates[body["hold"]].clear()
         if body.get("release"):
@@ -364,7 +369,15 @@ def build(args) -> Starlette:
         return JSONResponse({})
 
     async def health(request: Request) -> Response:
+        if st.slow_health > 0:
+            st.slow_health -= 1
+            await asyncio.sleep(st.health_delay)
+            st.slow_answered += 1
+        st.health_answered += 1
         return Response(status_code=503 if st.mode == "unhealthy" else 200)
+
+    async def debug_health(request: Request) -> Response:
+        return JSONResponse({"answered": st.health_answered, "slow_answered": st.slow_answered})
 
     async def metrics(request: Request) -> Response:
         lbl = f'{{model_name="{args.model}"}}'
@@ -395,7 +408,8 @@ def build(args) -> Starlette:
         Route("/kv/release", release, methods=["POST"]),
         Route("/kv/progress", progress, methods=["POST"]),
         Route("/control", control, methods=["POST"]),
-        Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/health", health), Route("/debug/health", debug_health), Route("/metrics", metrics),
+        Route("/v1/models", models),
         Route("/debug/kv", debug_kv), Route("/debug/requests", debug_requests), Route("/debug/events", debug_events),
     ])
 

@@ -166,6 +166,50 @@ def test_dead_decode_worker_is_reprobed_and_readmitted(launch):
     assert complete(router)
 
 
+def test_one_slow_probe_is_not_a_down_worker():
+    """A timed-out probe changes nothing until the next one times out too; a refused connection or
+    a non-200 /health (ok=False without timed_out) takes the worker out at once."""
+    from pdserve.router.workers import UNROUTABLE_AFTER_SLOW_PROBES, WorkerSet, WorkerSpec
+
+    ws = WorkerSet(3, 1.0, 30.0)
+    ws.update([WorkerSpec("http://d:1", "decode")])
+    (w,) = ws.all()
+    ws.probe_result(w, True)
+    for _ in range(2):  # a good probe in between starts the count again
+        for _ in range(UNROUTABLE_AFTER_SLOW_PROBES - 1):
+            ws.probe_result(w, False, timed_out=True)
+            assert w.routable()
+        ws.probe_result(w, True)
+    for _ in range(UNROUTABLE_AFTER_SLOW_PROBES):
+        ws.probe_result(w, False, timed_out=True)
+    assert not w.routable()
+    ws.probe_result(w, True)
+    assert w.routable()
+    ws.probe_result(w, False)
+    assert not w.routable()
+
+
+def test_a_worker_slow_to_answer_one_probe_keeps_serving(launch):
+    """In full CI runs a loaded machine made one probe of every worker time out at once, and the
+    router answered 503 to every request until the next probe. One slow /health now keeps the
+    worker routable (watched throughout, and a request served meanwhile); a worker whose /health
+    keeps timing out still leaves the pool."""
+    decode = launch.fake_worker()
+    router = launch.router("--decode", decode.url, "--connect-timeout", "0.3")
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    httpx.post(decode.url + "/control", json={"slow_health": 1, "health_delay": 1.5}).raise_for_status()
+    routable: list[bool] = []
+    deadline = time.monotonic() + 30
+    while httpx.get(decode.url + "/debug/health").json()["slow_answered"] < 1:  # the slow probe is over
+        assert time.monotonic() < deadline, "the slow /health was never asked for"
+        routable += [w["routable"] for w in httpx.get(router.url + "/debug/workers").json()]
+        time.sleep(0.01)
+    assert routable and all(routable)
+    assert complete(router)
+    httpx.post(decode.url + "/control", json={"slow_health": 10**6}).raise_for_status()  # every probe slow
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 503)
+
+
 def test_client_disconnect_frees_blocks_on_both_workers(launch):
     prefill = launch.fake_worker("--pin-ttl", "600")  # only a release can free its blocks in time
     decode = launch.fake_worker("--delay", "0.2")
