@@ -221,11 +221,17 @@ class PodmanRuntime:
     def exec(self, name: str, command: list[str], timeout: float) -> int:
         return self.podman("exec", name, *command, timeout=timeout).returncode
 
-    def oom_killed(self, name: str) -> bool:
+    def oom_killed(self, name: str, workdir: Path | None = None) -> bool:
         """Whether the kernel's OOM killer ended the container, by its memory cgroup's limit.
-        podman's own flag stays false on this cgroup v1 host (conmon writes its "oom" marker into
-        its working directory instead of where podman looks), so the kernel log is read as well, as a kubelet's OOM watcher (cAdvisor) does: the kill line names the
-        container's cgroup."""
+        podman's own flag stays false on this cgroup v1 host: conmon (podman 4.3) writes its "oom"
+        marker into its working directory (`workdir`, where `podman run` was started) instead of
+        where podman looks. That marker comes from the cgroup's own OOM notification; the kernel
+        log is read as well, as a kubelet's OOM watcher (cAdvisor) does (its kill line names the
+        container's cgroup), though the kernel rate-limits that line (10 in 5 s)."""
+        marker = workdir / "oom" if workdir is not None else None
+        if marker is not None and marker.exists():
+            marker.unlink()  # the next run of this pod starts without it
+            return True
         out = self.podman("inspect", "--format", "{{.State.OOMKilled}} {{.Id}}", name).stdout.split()
         if not out:
             return False

@@ -185,7 +185,7 @@ class Kubelet:
             code = p.proc.returncode
             reason = "Error" if code else "Completed"
             if p.container is not None:
-                if self.runtime.oom_killed(p.container):
+                if self.runtime.oom_killed(p.container, self._pod_dir(pod)):
                     reason, code = "OOMKilled", 137
                 self.runtime.remove(p.container)
                 p.container = None
@@ -296,7 +296,7 @@ class Kubelet:
                 return ip
 
     def _env(self, pod, c, ip: str) -> dict[str, str]:
-        pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
+        pod_dir = self._pod_dir(pod)
         pod_dir.mkdir(parents=True, exist_ok=True)
         if self.runtime is not None:  # the image's ENV, then the pod's (e2e/containers.py adds the rest)
             env = {}
@@ -362,7 +362,8 @@ class Kubelet:
 
             p.container = container_name(pod, p.restarts)
             self.runtime.remove(p.container)  # a leftover of an interrupted run
-            pod_dir = self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
+            pod_dir = self._pod_dir(pod)
+            (pod_dir / "oom").unlink(missing_ok=True)  # conmon's marker is this run's alone
             token = self._token(pod) if self._automount(pod) else None
             argv = self.runtime.run_argv(p.container, pod, pod.spec.containers[0], p.extra["command"],
                                          p.extra["args"], p.env, p.ip, pod_dir, token, self.ca_file, self.core)
@@ -373,6 +374,9 @@ class Kubelet:
         with open(p.log_path, "ab") as out:
             return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _pod_dir(self, pod) -> Path:
+        return self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
 
     def _check(self, p: PodProcess, probe: dict[str, Any]) -> bool | None:
         """A liveness or startup probe when due: True on success, False once it failed

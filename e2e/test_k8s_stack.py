@@ -364,7 +364,14 @@ spec:
                 cond = next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == "Degraded"), {})
                 return cond if cond.get("status") == "True" and "OOMKilled" in cond.get("message", "") else None
 
-            degraded = wait_for(oom_status, timeout=300, interval=1, what="Degraded: OOMKilled")
+            try:
+                degraded = wait_for(oom_status, timeout=300, interval=1, what="Degraded: OOMKilled")
+            except AssertionError as e:  # say what the status, the pods and the kubelet did instead
+                obj = custom.get_namespaced_custom_object("pdserve.io", "v1alpha1", ns, "modelservings", MS)
+                raise AssertionError(
+                    f"{e}; conditions {(obj.get('status') or {}).get('conditions')}; pods "
+                    f"{sh(env, 'kubectl', '-n', ns, 'get', 'pods', '-o', 'wide', check=False)}; kubelet "
+                    f"{kubelet.events[-20:]}") from None
             oom_pod = next(p for p in core.list_namespaced_pod(ns).items
                            if any(((cs.last_state and cs.last_state.terminated) or None) is not None
                                   and cs.last_state.terminated.reason == "OOMKilled"
