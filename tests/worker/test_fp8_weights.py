@@ -239,6 +239,23 @@ def test_expert_scales_of_the_wrong_shape_are_refused_naming_the_expert():
         dequantize_expert(w8, torch.ones(7), None, "expert 2 down")
 
 
+def test_one_reading_of_an_expert_scale_for_both_loading_paths():
+    """models/moe.expert_scale: what a kept-FP8 expert and a dequantized one both read a scale as."""
+    from pdserve.worker.models.moe import expert_scale
+
+    block = (128, 128)
+    assert expert_scale(torch.tensor(2.0), 64, 300, block, "e")[0] == "tensor"
+    for per_row in (torch.ones(64), torch.ones(64, 1)):
+        kind, s = expert_scale(per_row, 64, 300, block, "e")
+        assert kind == "row" and s.shape == (64, 1)
+    kind, s = expert_scale(torch.ones(1, 3), 64, 300, block, "e")
+    assert kind == "block" and s.shape == (1, 3)
+    with pytest.raises(ValueError, match=r"e's block scales are \[64, 3\], expected \[1, 3\]"):
+        expert_scale(torch.ones(64, 3), 64, 300, block, "e")
+    with pytest.raises(ValueError, match="not one per tensor or per row"):
+        expert_scale(torch.ones(1, 3), 64, 300, None, "e")
+
+
 # -- refused formats ------------------------------------------------------------------------------
 
 def _ct(**changes):

@@ -155,26 +155,22 @@ class FusedExperts(nn.Module):
             else:
                 self.w13.data[e, part * n:(part + 1) * n].copy_(loaded[col:col + n])
             return
-        s = (loaded if isinstance(loaded, torch.Tensor) else loaded[:]).float()
         full_i, h = self.shard.full.moe_intermediate_size, self.w2.shape[1]
         rows, cols = (h, full_i) if part is None else (full_i, h)
+        kind, s = expert_scale(loaded if isinstance(loaded, torch.Tensor) else loaded[:], rows, cols, self.block, what)
         if self.block is not None:
             bn, bk = self.block
-            want = (-(-rows // bn), -(-cols // bk))
-            if s.numel() == 1:  # a per-tensor scale: every block of the tensor
-                s = s.reshape(1, 1).expand(want)
-            if tuple(s.shape) != want:
-                raise ValueError(f"checkpoint: {what}'s block scales are {list(s.shape)}, expected {list(want)} "
-                                 f"for a [{rows}, {cols}] matrix in {bn}x{bk} blocks")
+            if kind == "tensor":  # every block of the tensor
+                s = s.expand(-(-rows // bn), -(-cols // bk))
+            elif kind == "row":  # the kernel's layout here is one scale per block
+                raise ValueError(f"checkpoint: {what} has one scale per row in a {bn}x{bk} block-scaled checkpoint; "
+                                 f"its experts run FP8 with block scales only")
             if part is None:
                 self.w2_scale.data[e].copy_(s[:, col // bk:col // bk + self.w2_scale.shape[2]])
             else:
                 nb = self.w13_scale.shape[1] // 2
                 self.w13_scale.data[e, part * nb:(part + 1) * nb].copy_(s[col // bn:col // bn + nb])
             return
-        if s.numel() not in (1, rows):
-            raise ValueError(f"checkpoint: {what}'s scale has shape {list(s.shape)}: not one per tensor or per row "
-                             f"({rows}) of a [{rows}, {cols}] matrix")
         per_row = s.reshape(-1).expand(rows)
         if part is None:
             self.w2_scale.data[e, :, 0].copy_(per_row)
@@ -246,23 +242,35 @@ def _is_fp8(loaded) -> bool:
     return loaded.get_dtype() == "F8_E4M3"  # a safetensors slice (read under tensor parallelism)
 
 
-def dequantize_expert(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, what: str) -> torch.Tensor:
-    """An expert's e4m3 matrix [rows, cols] and its scale -> fp32: one scale (per-tensor), one per
-    row ([rows] or [rows, 1]: per-channel), or one per block ([ceil(rows / 128), ceil(cols / 128)])."""
-    rows, cols = w8.shape
+def expert_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None,
+                 what: str) -> tuple[str, torch.Tensor]:
+    """An expert matrix's scale as published, in fp32, and its kind: "tensor" (one, as [1, 1]),
+    "row" ([rows] or [rows, 1]: per channel; as [rows, 1]) or, in a block-scaled checkpoint,
+    "block" ([ceil(rows / bn), ceil(cols / bk)]). Anything else is refused naming the matrix.
+    The one reading of a scale's shape for both loading paths (kept FP8, or dequantized)."""
     s = scale.float()
     if s.numel() == 1:
-        return dequantize_fp8_ref(w8, s.reshape(1).expand(rows))
-    if block is not None and s.dim() == 2 and s.shape != (rows, 1):
+        return "tensor", s.reshape(1, 1)
+    if s.numel() == rows and (s.dim() == 1 or tuple(s.shape) == (rows, 1)):
+        return "row", s.reshape(rows, 1)
+    if block is not None:
         bn, bk = block
-        if tuple(s.shape) != (-(-rows // bn), -(-cols // bk)):
-            raise ValueError(f"checkpoint: {what}'s block scales are {list(s.shape)}, expected "
-                             f"[{-(-rows // bn)}, {-(-cols // bk)}] for a [{rows}, {cols}] matrix in {bn}x{bk} blocks")
-        return dequantize_fp8_ref(w8, s.repeat_interleave(bn, 0)[:rows], block)  # the reference takes a row each
-    if s.numel() != rows:
-        raise ValueError(f"checkpoint: {what}'s scale has shape {list(s.shape)}: not one per tensor, per row "
-                         f"({rows}) or per {block or (128, 128)} block of a [{rows}, {cols}] matrix")
-    return dequantize_fp8_ref(w8, s.reshape(rows))
+        want = (-(-rows // bn), -(-cols // bk))
+        if tuple(s.shape) != want:
+            raise ValueError(f"checkpoint: {what}'s block scales are {list(s.shape)}, expected {list(want)} "
+                             f"for a [{rows}, {cols}] matrix in {bn}x{bk} blocks")
+        return "block", s
+    raise ValueError(f"checkpoint: {what}'s scale has shape {list(s.shape)}: not one per tensor or per row "
+                     f"({rows}) of a [{rows}, {cols}] matrix")
+
+
+def dequantize_expert(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, what: str) -> torch.Tensor:
+    """An expert's e4m3 matrix [rows, cols] and its scale (any kind `expert_scale` reads) -> fp32."""
+    rows, cols = w8.shape
+    kind, s = expert_scale(scale, rows, cols, block, what)
+    if kind == "block":
+        return dequantize_fp8_ref(w8, s.repeat_interleave(block[0], 0)[:rows], block)  # the reference takes a row each
+    return dequantize_fp8_ref(w8, s.reshape(-1).expand(rows))
 
 
 class SparseMoeBlock(nn.Module):
