@@ -16,7 +16,6 @@ the closing note quotes) is written to $PDSERVE_E2E_TRANSCRIPT or the test's tmp
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
