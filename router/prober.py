@@ -12,7 +12,7 @@ import logging
 
 import aiohttp
 
-from pdserve.router.workers import Worker, WorkerSet
+from pdserve.router.workers import UNROUTABLE_AFTER_SLOW_PROBES, Worker, WorkerSet
 
 log = logging.getLogger("pdserve.router")
 
@@ -57,19 +57,27 @@ class Prober:
     async def probe(self, worker: Worker) -> bool:
         """/health decides; /metrics and /v1/models only refresh what the router knows of it (a
         slow scrape of a worker whose /health answered 200 does not take it out of the pools)."""
-        timed_out = False
+        timed_out, why = False, ""
         try:
             status, _ = await self._get(worker.url + "/health")
-            ok = status == 200
+            ok, why = status == 200, f"/health answered {status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.debug("probe of %s failed: %r", worker.url, e)
             ok, timed_out = False, isinstance(e, asyncio.TimeoutError)
+            why = (f"/health timed out {UNROUTABLE_AFTER_SLOW_PROBES} times in a row" if timed_out
+                   else f"/health failed: {e!r}")
         if ok:
             try:
                 await self._scrape(worker)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, TypeError) as e:
                 log.debug("scraping %s failed: %r", worker.url, e)
+        was = worker.healthy
         self._workers.probe_result(worker, ok, timed_out)
+        # Pool changes are rare and explain 503s and fallbacks: logged, with their cause.
+        if was and not worker.healthy:
+            log.warning("%s worker %s out of its pools: %s", worker.role, worker.url, why)
+        elif worker.healthy and not was:
+            log.info("%s worker %s back in its pools", worker.role, worker.url)
         return ok
 
     async def _scrape(self, worker: Worker) -> None:

@@ -189,6 +189,49 @@ def test_one_slow_probe_is_not_a_down_worker():
     assert not w.routable()
 
 
+def test_a_worker_leaving_and_rejoining_its_pool_is_logged_with_the_cause(caplog):
+    """The prober, in process, against a real HTTP server whose /health turns 503 and back."""
+    import asyncio
+    import logging
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdserve.router.prober import Prober
+    from pdserve.router.workers import WorkerSet, WorkerSpec
+
+    async def main() -> None:
+        state = {"status": 200}
+
+        async def health(request):
+            return web.Response(status=state["status"])
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        ws = WorkerSet(3, 1.0, 30.0)
+        ws.update([WorkerSpec(f"http://127.0.0.1:{port}", "decode")])
+        (w,) = ws.all()
+        try:
+            async with aiohttp.ClientSession() as session:
+                prober = Prober(ws, session, 0.1, 5.0)
+                for status in (200, 503, 200):
+                    state["status"] = status
+                    assert await prober.probe(w) == (status == 200)
+                    assert w.routable() == (status == 200)
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        asyncio.run(main())
+    assert "decode worker http://127.0.0.1:" in caplog.text
+    assert "out of its pools: /health answered 503" in caplog.text and "back in its pools" in caplog.text
+
+
 def test_a_worker_slow_to_answer_one_probe_keeps_serving(launch):
     """In full CI runs a loaded machine made one probe of every worker time out at once, and the
     router answered 503 to every request until the next probe. One slow /health now keeps the
