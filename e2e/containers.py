@@ -228,9 +228,7 @@ class PodmanRuntime:
         where podman looks. That marker comes from the cgroup's own OOM notification; the kernel
         log is read as well, as a kubelet's OOM watcher (cAdvisor) does (its kill line names the
         container's cgroup), though the kernel rate-limits that line (10 in 5 s)."""
-        marker = workdir / "oom" if workdir is not None else None
-        if marker is not None and marker.exists():
-            marker.unlink()  # the next run of this pod starts without it
+        if workdir is not None and (workdir / "oom").exists():  # the kubelet removes it before each run
             return True
         out = self.podman("inspect", "--format", "{{.State.OOMKilled}} {{.Id}}", name).stdout.split()
         if not out:

@@ -11,7 +11,7 @@ can be compared with a single worker's.
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
-(a worker too busy to answer its probe in time); GET /debug/health counts the answers.
+(a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered.
 GET /debug/requests (bodies and headers received).
 
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
@@ -96,7 +96,7 @@ class State:
         for gate in self.gates.values():
             gate.set()
         self.handoff = "ok"
-        self.slow_health, self.health_delay, self.health_answered, self.slow_answered = 0, 0.0, 0, 0
+        self.slow_health, self.health_delay, self.slow_answered = 0, 0.0, 0
         self.delay, self.header_delay = args.delay, args.header_delay  # /control may change them
         self.client = httpx.AsyncClient()
         self.publisher = None
@@ -373,11 +373,10 @@ def build(args) -> Starlette:
             st.slow_health -= 1
             await asyncio.sleep(st.health_delay)
             st.slow_answered += 1
-        st.health_answered += 1
         return Response(status_code=503 if st.mode == "unhealthy" else 200)
 
     async def debug_health(request: Request) -> Response:
-        return JSONResponse({"answered": st.health_answered, "slow_answered": st.slow_answered})
+        return JSONResponse({"slow_answered": st.slow_answered})
 
     async def metrics(request: Request) -> Response:
         lbl = f'{{model_name="{args.model}"}}'

@@ -177,13 +177,13 @@ class Fp8LinearMethod:
             kernels = cuda_fp8_supported(w8.device)
             if kernels and cfg.block is None and (w8.shape[0] % 16 or w8.shape[1] % 16):
                 warn_once("align", "an FP8 weight of shape %s: _scaled_mm needs both sizes multiples of 16; "
-                                    "such weights are dequantized to %s", list(w8.shape), compute_dtype)
+                                   "such weights are dequantized to %s", list(w8.shape), compute_dtype)
                 kernels = False
         if not kernels:
             # The dequantizing path: the same FP8 weight values, a plain GEMM in the compute dtype.
             if w8.device.type == "cuda" and not cuda_fp8_supported(w8.device):
                 warn_once("sm90", "no FP8 tensor cores (sm90+) on %s: FP8 weights are dequantized to %s at load",
-                           w8.device, compute_dtype)
+                          w8.device, compute_dtype)
             layer.weight = nn.Parameter(dequantize_fp8_ref(w8, scale, cfg.block).to(compute_dtype),
                                         requires_grad=False)
             layer.quant = None
@@ -219,10 +219,10 @@ class Fp8LinearMethod:
         ok, detail = probe_blockwise(w8.device, compute_dtype)
         if not ok:
             warn_once("sm-probe", "torch scaled_mm block scaling (cuBLASLt) unavailable on %s for %s output (%s): "
-                                   "FP8 block weights run the Triton block GEMM", w8.device, compute_dtype, detail)
+                                  "FP8 block weights run the Triton block GEMM", w8.device, compute_dtype, detail)
         else:
             warn_once("sm-probe-ok", "FP8 block weights: cuBLASLt block scaling from %d rows (probe: %s)",
-                       SCALED_MM_BLOCK_MIN_M, detail, level=logging.INFO)
+                      SCALED_MM_BLOCK_MIN_M, detail, level=logging.INFO)
         return ok
 
     # -- running (CUDA) ------------------------------------------------------------------------
