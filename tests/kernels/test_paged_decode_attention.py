@@ -159,3 +159,24 @@ def test_rotary_variant_padding_rows_write_nothing():
         paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones, ones, cs, 0.25, torch.zeros(3))
     with pytest.raises(ValueError, match=r"k_cache has shape \[8, 4, 2, 16\], expected \[\*, \*, 1, 16\]"):
         paged_decode_attention_rotary(q, k[:, :1], v[:, :1], k_cache, v_cache, bt, ones, ones, ones, cs, 0.25)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_equals_attention_per_sequence_and_head(case):
+    # The reference is every kernel's oracle, so it gets one of its own: each sequence's
+    # contiguous K/V gathered by hand, each query head against its KV head (h // group) through
+    # torch's scaled_dot_product_attention in float64. Several sequences of different lengths in
+    # one call (the reference pads and masks them together) and GQA groups 1/3/4.
+    hq, hkv, d, bs, lens = CASES[case]
+    torch.manual_seed(case)
+    _, k_cache, v_cache = paged_kv(32, 2, bs, hkv, d, torch.float32)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
+    tables = block_tables_for(lens, bs, 32).cpu()
+    q = torch.randn(len(lens), hq, d)
+    got = paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.3)
+    for b, n in enumerate(lens):
+        rows = torch.cat([k_cache[int(i)] for i in tables[b]])[:n], torch.cat([v_cache[int(i)] for i in tables[b]])[:n]
+        for h in range(hq):
+            k, v = (r[:, h // (hq // hkv)].double() for r in rows)
+            want = torch.nn.functional.scaled_dot_product_attention(q[b, h].double()[None], k, v, scale=0.3)[0]
+            torch.testing.assert_close(got[b, h].double(), want, rtol=1e-5, atol=1e-6)
