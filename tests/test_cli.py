@@ -72,3 +72,39 @@ def test_the_stack_nices_nixl_progress_threads_unless_told(monkeypatch):
     assert len(workers) == 2 and all(c.env[ENV_NIXL_PROGRESS_NICE] == "19" for c in workers)
     monkeypatch.setenv(ENV_NIXL_PROGRESS_NICE, "5")
     assert all(ENV_NIXL_PROGRESS_NICE not in c.env for c in plan(StackConfig(), "/m", "m", gpus=[]))
+
+
+def test_up_serves_the_default_model_in_bf16_where_the_cpu_computes_it(monkeypatch, tmp_path):
+    """On a CPU with native bf16 the default model's workers run in bfloat16 (half the bytes
+    per step); a CPU without it, a model of the user's, a --dtype in --worker-args, or GPU
+    workers keep what the worker would pick. Each worker command line still parses."""
+    from pdserve.cli import stack
+    from pdserve.cli.stack import StackConfig, plan
+    from pdserve.worker.server.main import add_arguments, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def dtypes(config, default_model, gpus=()):
+        out = set()
+        for child in plan(config, "/m", "m", gpus=list(gpus), default_model=default_model):
+            if child.role != "router":
+                argv = list(child.argv)
+                out.add(configs_from_args(parser.parse_args(argv[argv.index("worker") + 1:]), environ={})[0].dtype)
+        return out
+
+    detect = stack.cpu_has_native_bf16
+    monkeypatch.setattr(stack, "cpu_has_native_bf16", lambda: True)
+    assert dtypes(StackConfig(kv_transfer="tcp"), True) == {"bfloat16"}
+    assert dtypes(StackConfig(kv_transfer="tcp"), False) == {"auto"}
+    assert dtypes(StackConfig(kv_transfer="tcp", worker_args=("--dtype", "float32")), True) == {"float32"}
+    assert dtypes(StackConfig(kv_transfer="tcp"), True, gpus=["0"]) == {"auto"}
+    monkeypatch.setattr(stack, "cpu_has_native_bf16", lambda: False)
+    assert dtypes(StackConfig(kv_transfer="tcp"), True) == {"auto"}
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    assert not detect(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert detect(str(info))
+    assert not detect(str(tmp_path / "missing"))
