@@ -250,7 +250,10 @@ def build_app(config: RouterConfig) -> FastAPI:
         """Ready with a routable worker of either role (fallback.py: one role serves whole
         requests), or with none while requests are held for one (--hold-timeout: scale from zero,
         so the Service keeps sending the router the requests that wake the model up)."""
-        n, n_prefill = len(workers.pool("decode")), len(workers.pool("prefill"))
+        # A worker counts once the router knows what it serves (its /v1/models scraped): before
+        # that every request would get 503 "no worker is ready yet", so neither the Service nor
+        # `pdserve up` should send any (a new worker is in its pool from discovery on).
+        n, n_prefill = (sum(1 for w in workers.pool(role) if w.models) for role in ("decode", "prefill"))
         body = {"status": "ready", "decode_workers": n, "prefill_workers": n_prefill}
         degraded = {m: r for m, r in app.state.orchestrator.fallback.refresh().items() if r}
         if degraded:

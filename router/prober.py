@@ -81,10 +81,7 @@ class Prober:
         return ok
 
     async def _scrape(self, worker: Worker) -> None:
-        status, body = await self._get(worker.url + "/metrics")
-        if status == 200:
-            for attr, value in parse_load(body.decode(errors="replace")).items():
-                setattr(worker, attr, value)
+        # The models first: requests need them (a slow /metrics must not keep them unknown).
         status, body = await self._get(worker.url + "/v1/models")
         if status == 200:
             cards = json.loads(body).get("data", [])
@@ -92,6 +89,10 @@ class Prober:
             lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
             worker.max_model_len = min(lens) if lens else None
             worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
+        status, body = await self._get(worker.url + "/metrics")
+        if status == 200:
+            for attr, value in parse_load(body.decode(errors="replace")).items():
+                setattr(worker, attr, value)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self._workers.all()))

@@ -11,7 +11,10 @@ can be compared with a single worker's.
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
-(a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered.
+(a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered
+and the /v1/models requests.
+{"models_status": code}: what /v1/models answers (--models-status at start; a worker whose
+model list the router cannot read yet).
 GET /debug/requests (bodies and headers received).
 
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
@@ -97,6 +100,7 @@ class State:
             gate.set()
         self.handoff = "ok"
         self.slow_health, self.health_delay, self.slow_answered = 0, 0.0, 0
+        self.models_status, self.models_asked = args.models_status, 0
         self.delay, self.header_delay = args.delay, args.header_delay  # /control may change them
         self.client = httpx.AsyncClient()
         self.publisher = None
@@ -361,6 +365,7 @@ def build(args) -> Starlette:
         st.header_delay = body.get("header_delay", st.header_delay)
         st.slow_health = body.get("slow_health", st.slow_health)
         st.health_delay = body.get("health_delay", st.health_delay)
+        st.models_status = body.get("models_status", st.models_status)
         if body.get("hold"):
             st.gates[body["hold"]].clear()
         if body.get("release"):
@@ -376,7 +381,7 @@ def build(args) -> Starlette:
         return Response(status_code=503 if st.mode == "unhealthy" else 200)
 
     async def debug_health(request: Request) -> Response:
-        return JSONResponse({"slow_answered": st.slow_answered})
+        return JSONResponse({"slow_answered": st.slow_answered, "models_asked": st.models_asked})
 
     async def metrics(request: Request) -> Response:
         lbl = f'{{model_name="{args.model}"}}'
@@ -384,6 +389,9 @@ def build(args) -> Starlette:
                         f"vllm:kv_cache_usage_perc{lbl} {st.used / TOTAL_BLOCKS}\n")
 
     async def models(request: Request) -> Response:
+        st.models_asked += 1
+        if st.models_status != 200:
+            return JSONResponse({"error": {"message": "not yet"}}, status_code=st.models_status)
         card = {"id": args.model, "object": "model"}
         if args.root:
             card["root"] = args.root
@@ -420,6 +428,7 @@ if __name__ == "__main__":
     p.add_argument("--model", default="tiny")
     p.add_argument("--root", default=None, help="the /v1/models card's root (what vLLM loaded the model from)")
     p.add_argument("--delay", type=float, default=0.005)
+    p.add_argument("--models-status", type=int, default=200, help="what /v1/models answers until told otherwise")
     p.add_argument("--prefill-delay", type=float, default=0.0)
     p.add_argument("--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)")
     p.add_argument("--pin-ttl", type=float, default=30.0)

@@ -255,6 +255,25 @@ def test_a_worker_slow_to_answer_one_probe_keeps_serving(launch):
     eventually(lambda: httpx.get(router.url + "/ready").status_code == 503, timeout_s=30)
 
 
+def test_the_router_is_not_ready_until_it_knows_what_its_workers_serve(launch):
+    """A worker is in its pool from discovery (or the command line) on, but until the router has
+    read its /v1/models every request gets 503 "no worker is ready yet". /ready said "ready"
+    meanwhile, so a full CI run's first request after /ready got that 503. /ready now waits for
+    the models too."""
+    decode = launch.fake_worker("--models-status", "503")
+    router = launch.router("--decode", decode.url)
+    # Probed (healthy, routable) and its models asked for twice: known to be unknown.
+    eventually(lambda: httpx.get(decode.url + "/debug/health").json()["models_asked"] >= 2)
+    assert all(w["routable"] for w in httpx.get(router.url + "/debug/workers").json())
+    r = httpx.get(router.url + "/ready")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 503
+    httpx.post(decode.url + "/control", json={"models_status": 200}).raise_for_status()
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
 def test_client_disconnect_frees_blocks_on_both_workers(launch):
     prefill = launch.fake_worker("--pin-ttl", "600")  # only a release can free its blocks in time
     decode = launch.fake_worker("--delay", "0.2")
