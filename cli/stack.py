@@ -165,8 +165,8 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
     kv_secret = secrets.token_hex(16)
     given = " ".join(config.worker_args)
     tool_args = DEFAULT_MODEL_TOOL_ARGS if default_model and "--tool-call-parser" not in given else ()
-    cpu_dtype = (DEFAULT_MODEL_CPU_DTYPE_ARGS if default_model and "--dtype" not in given and cpu_has_native_bf16()
-                 else ())
+    cpu_dtype = (DEFAULT_MODEL_CPU_DTYPE_ARGS
+                 if default_model and not gpus and "--dtype" not in given and cpu_has_native_bf16() else ())
     children: list[Child] = []
     ports = free_ports(2 * len(roles))
     tp = tensor_parallel_size(config.worker_args)
