@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     port = 21000 + os.getpid() % 20000
     for k, (name, env) in enumerate(configs):
         if name == "nixl":
+            env = with_cuda_copy(env)
             modes = [(f"NIXL, UCX_TLS={env['UCX_TLS']}", "nixl", 0)]
             transport = "nixl"
         elif name == "raw":
@@ -278,6 +279,17 @@ def main(argv=None) -> int:
             Path(args.out).write_text(render(dict(rows), args, sizes, block_bytes, notes) + "\n")
     publish(render(rows, args, sizes, block_bytes, notes), args.out)
     return 0
+
+
+def with_cuda_copy(env: dict) -> dict:
+    """NIXL's UCX backend refuses a UCX_TLS without a CUDA transport on a machine with GPUs, even
+    for host memory: there, `cuda_copy` is added (and named in the row)."""
+    import torch
+
+    tls = env["UCX_TLS"].split(",")
+    if torch.cuda.is_available() and not any(t.startswith("cuda") for t in tls):
+        return {**env, "UCX_TLS": ",".join([*tls, "cuda_copy"])}
+    return env
 
 
 def _parse_configs(text: str) -> list[tuple[str, dict]]:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU test suite (testing tier 4) in one device call; CI never runs it (CI has no GPU).
+# Every test that behaves differently on CUDA: the kernels compiled (and at model sizes), the
+# Triton attention backend and CUDA graphs in the engine, the fused GEMV model path, P/D between
+# engine processes over NIXL (VRAM to VRAM), the TCP KV bench. From the repo root:
+#
+#   run(carry=[".whl"], command="bash .ci/gpu_tests.sh")
+#
+# .whl holds the wheels of bench/gpu_server_deps.sh's ENGINE_DEPS (the nixl wheel may be slimmed
+# to fit the device tool's 64 MiB: nixl_ep_cu13/ is not used). Writes $OUT/gpu-tests.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_tests_out}
+mkdir -p "$OUT"
+source bench/gpu_server_deps.sh
+source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-tests.txt"
+echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"
+# Kernels in parallel; then the engines one at a time (each sizes its KV cache from the card's
+# free memory, so two at once starve each other).
+T=${GPU_TESTS_LIMIT_S:-540}
+t0=$(date +%s)
+timeout --kill-after=10 "$T" python3 -m pytest -p no:cacheprovider -q -n "${GPU_TESTS_WORKERS:-6}" --timeout 300 \
+  tests/kernels "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
+timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q --timeout 300 \
+  tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py \
+  tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
