@@ -416,9 +416,9 @@ def data_port(p: WorkerProcess) -> int:
     names it): a signed read of a pin of our own, its one stream drained (the read is the release)."""
     params = prefill(p, A)["kv_transfer_params"]
     host, port = where(params)
-    grant, _ = side_channel.call(host, port, "read", {"request_id": params["remote_request_id"], "indices": [0],
-                                                      "token": params["transfer_token"], "prompt_digest": prompt_digest(A),
-                                                      "data": True, "streams": 1}, 5, AUTH, params["remote_engine_id"])
+    read = {"request_id": params["remote_request_id"], "token": params["transfer_token"], "indices": [0],
+            "prompt_digest": prompt_digest(A), "data": True, "streams": 1}
+    grant, _ = side_channel.call(host, port, "read", read, 5, AUTH, params["remote_engine_id"])
     plan = tcp_stream.Plan(*(grant[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams")))
     tcp_stream.receive(host, grant["data_port"], bytes.fromhex(grant["ticket"]), plan, [0],
                        torch.zeros(1, plan.block_bytes, dtype=torch.uint8), time.monotonic() + 10, AUTH)

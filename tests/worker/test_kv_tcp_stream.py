@@ -566,6 +566,24 @@ def test_a_data_connection_needs_a_live_ticket_and_the_secret(prefill):
     assert prefill.tcp.data.wait_idle(10)
 
 
+def test_a_hello_in_pieces_is_accepted_once_whole_within_its_deadline(prefill):
+    """The listener keeps what each read brings: a genuine hello split over several sends (a
+    slow link, a small window) claims its stream once whole."""
+    grant = prefill.grant(prefill.pin("pieces", list(range(4))), list(range(4)))
+    ticket = bytes.fromhex(grant["ticket"])
+    hello = tcp_stream.HELLO.pack(tcp_stream.MAGIC, ticket, 0, grant["streams"], AUTH.sign_data(ticket, 0))
+    with socket.create_connection(("127.0.0.1", grant["data_port"]), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for part in (hello[:1], hello[1:30], hello[30:]):
+            sock.sendall(part)
+            threading.Event().wait(0.1)  # separate segments, each read on its own
+        assert sock.recv(1) == tcp_stream.ACCEPTED
+        data = bytearray(4 * BLOCK_BYTES)
+        tcp_stream._recv_exact(sock, memoryview(data))
+        assert bytes(data) == prefill.cache[:4].numpy().tobytes()
+    assert prefill.tcp.data.wait_idle(10)
+
+
 def opened_data_port(p: Prefill) -> int:
     """The data port opens with a prefill worker's first data read: one genuine pull opens it."""
     pull(p, p.pin("first", [0, 1]), [0, 1], [0, 1], torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8))

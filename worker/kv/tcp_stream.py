@@ -220,7 +220,8 @@ class Transfer:
 
 
 class DataServer:
-    """Prefill side: the listener of data connections and their sender threads."""
+    """Prefill side: the granted transfers, their data connections' sender threads, and the
+    listener (data_listener.py) that hands over a connection once its hello claims a stream."""
 
     def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent,
                  num_layers: int = 1, listener: DataListenerConfig = DataListenerConfig()):
@@ -268,7 +269,8 @@ class DataServer:
             return len(self._transfers)
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """True once no transfer, stream or connection is left and every buffer is back."""
+        """True once no transfer, stream or claimed connection is left and every buffer is back
+        (connections still saying hello are the listener's: `listener.handshakes`)."""
         with self._cond:
             done = self._cond.wait_for(lambda: not self._transfers and not self._streams and not self._connections,
                                        timeout_s)
