@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.5  # `tick` runs at least this often (tcp_stream reaps unclaimed tickets there)
 ACCEPT_BURST = 64  # accepts per turn of the loop, then the hellos already waiting are read
+ACCEPT_BACKOFF_S = 0.05  # after a failed accept (no file descriptor left): the next try
 LOG_EVERY_S = 10.0  # a flood of dropped connections is one warning per this, with counts
 
 
@@ -99,7 +100,7 @@ class DataListener:
         self._lock = threading.Lock()  # _open: the callers' threads close their connections
         self._open: Counter[str] = Counter()
         self.num_dropped = 0  # handshakes closed: late, displaced, over a cap, or hung up
-        self._logged_dropped, self._next_log = 0, 0.0
+        self._logged_dropped, self._next_log, self._next_accept_log = 0, 0.0, 0.0
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.sock, selectors.EVENT_READ)
@@ -169,14 +170,18 @@ class DataListener:
                 conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # out of file descriptors, say: the next turn tries again
-                log.warning("KV data listener cannot accept: %s", e)
+            except OSError as e:  # out of file descriptors, say: the listener stays readable, so do not spin
+                now = time.monotonic()
+                if now >= self._next_accept_log:
+                    log.warning("KV data listener cannot accept: %s", e)
+                    self._next_accept_log = now + LOG_EVERY_S
+                self._stop.wait(ACCEPT_BACKOFF_S)
                 return
             self._admit(conn, addr[0])
 
     def _admit(self, conn: socket.socket, peer: str) -> None:
         cfg = self.config
-        mine = [h for h in self._handshakes.values() if h.peer == peer]  # oldest first; at most 64 to look at
+        mine = [h for h in self._handshakes.values() if h.peer == peer]  # oldest first; max_handshakes at most
         with self._lock:
             at_bound = self._open[peer] >= cfg.max_connections_per_peer
         if at_bound and not mine:  # every connection of this address is a stream: no room for another
