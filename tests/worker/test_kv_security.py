@@ -17,11 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 import zmq
 
-from pdserve.worker.kv import side_channel
+from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import bind_token, prompt_digest
+from tests.worker.data_port_flood import Flood
 from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, pd_pair, wait_clean
 from tests.worker.test_server_harness import WorkerProcess, free_port
 
@@ -407,6 +409,40 @@ def test_slow_readers_do_not_stall_other_peers(pair, clean):
     finally:
         slow.close()
         stalled.close()
+
+
+def data_port(p: WorkerProcess) -> int:
+    """The prefill worker's TCP data port (it opens with the first data read, and only a grant
+    names it): a signed read of a pin of our own, its one stream drained (the read is the release)."""
+    params = prefill(p, A)["kv_transfer_params"]
+    host, port = where(params)
+    read = {"request_id": params["remote_request_id"], "token": params["transfer_token"], "indices": [0],
+            "prompt_digest": prompt_digest(A), "data": True, "streams": 1}
+    grant, _ = side_channel.call(host, port, "read", read, 5, AUTH, params["remote_engine_id"])
+    plan = tcp_stream.Plan(*(grant[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams")))
+    tcp_stream.receive(host, grant["data_port"], bytes.fromhex(grant["ticket"]), plan, [0],
+                       torch.zeros(1, plan.block_bytes, dtype=torch.uint8), time.monotonic() + 10, AUTH)
+    return grant["data_port"]
+
+
+def test_connections_trickling_to_the_data_port_do_not_keep_pulls_out(pair, clean):
+    """Issue 44: 80 connections from 10 addresses, no credentials, each trickling a hello to the
+    prefill worker's TCP data port a byte every 0.5 s (whole in 30 s). They hold only handshake
+    slots (64; 16 displaced at once), never the streams pulls need: a genuine P/D request pulls
+    meanwhile (bytes moved, no local prefill), and each trickler is closed by its whole-hello
+    deadline (5 s). Before, they held all 64 connection slots for 30 s and every pull fell back."""
+    transport, p, d = pair
+    if transport != "tcp":
+        pytest.skip("the data port carries TCP pulls (a NIXL decode worker READs over UCX)")
+    with Flood("127.0.0.1", data_port(p), addresses=10, per_address=8, trickle_s=0.5) as flood:
+        assert flood.wait_closed(16)
+        fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
+        pulled = metric(d, "pdserve_kv_transfer_bytes_total")
+        _, rest = pd(p, d, B)
+        assert rest.status_code == 200
+        assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled
+        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
+        assert flood.wait_closed(80, timeout=20)
 
 
 def test_keyed_decode_worker_refuses_remote_params_without_the_key(pair, clean):

@@ -16,12 +16,14 @@ import torch
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest
 from pdserve.worker.kv.tcp_transport import TcpServer, tcp_pull
 from tests.net import free_port
+from tests.worker.data_port_flood import Flood, is_closed, source
 
 SECRET = "tcp-stream-test-secret"
 AUTH = SideChannelAuth(SECRET)
@@ -34,12 +36,14 @@ LAYERS = 4
 class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
-    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1):
+    def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1,
+                 data_listener: DataListenerConfig = DataListenerConfig()):
         self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
         self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
-        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers)
+        self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers,
+                             data_listener=data_listener)
         self.channel = side_channel.SideChannelServer(
             "127.0.0.1", self.port, {"read": self.tcp.handle_read, "describe": lambda b: ({"ok": True}, [])}, auth,
             identity=side_channel.destination(ENGINE, "127.0.0.1", self.port))
@@ -125,12 +129,13 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 
 
 def connect(p: Prefill, grant: dict, index: int = 0, auth: SideChannelAuth = AUTH, ticket: bytes | None = None,
-            slow: bool = False):
+            slow: bool = False, source_address: str = "127.0.0.1"):
     """A raw data connection that presents the grant's ticket: (socket, the server's answer
     byte). `slow`: a 4 KiB receive window (set before connecting, so it is what the sender sees)."""
     ticket = ticket if ticket is not None else bytes.fromhex(grant["ticket"])
     sock = socket.socket()
     sock.settimeout(10)
+    sock.bind((source_address, 0))
     if slow:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", grant["data_port"]))
@@ -559,6 +564,90 @@ def test_a_data_connection_needs_a_live_ticket_and_the_secret(prefill):
     with pytest.raises(side_channel.SideChannelError, match="transfer token"):
         prefill.grant({**prefill.pin("u", [1]), "transfer_token": "forged"}, [0])
     assert prefill.tcp.data.wait_idle(10)
+
+
+def test_a_hello_in_pieces_is_accepted_once_whole_within_its_deadline(prefill):
+    """The listener keeps what each read brings: a genuine hello split over several sends (a
+    slow link, a small window) claims its stream once whole."""
+    grant = prefill.grant(prefill.pin("pieces", list(range(4))), list(range(4)))
+    ticket = bytes.fromhex(grant["ticket"])
+    hello = tcp_stream.HELLO.pack(tcp_stream.MAGIC, ticket, 0, grant["streams"], AUTH.sign_data(ticket, 0))
+    with socket.create_connection(("127.0.0.1", grant["data_port"]), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for part in (hello[:1], hello[1:30], hello[30:]):
+            sock.sendall(part)
+            threading.Event().wait(0.1)  # separate segments, each read on its own
+        assert sock.recv(1) == tcp_stream.ACCEPTED
+        data = bytearray(4 * BLOCK_BYTES)
+        tcp_stream._recv_exact(sock, memoryview(data))
+        assert bytes(data) == prefill.cache[:4].numpy().tobytes()
+    assert prefill.tcp.data.wait_idle(10)
+
+
+def opened_data_port(p: Prefill) -> int:
+    """The data port opens with a prefill worker's first data read: one genuine pull opens it."""
+    pull(p, p.pin("first", [0, 1]), [0, 1], [0, 1], torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8))
+    return p.tcp.data.port
+
+
+def test_connections_trickling_a_hello_cannot_keep_a_reader_out_and_end_at_their_deadline():
+    """80 connections from 10 addresses, each sending its hello a byte every 0.5 s (the whole
+    would take 30 s): 64 fill the handshake table, 16 are displaced at once; a genuine pull lands
+    meanwhile (its connection displaces a trickler and authenticates), and every trickler is
+    closed once its whole-hello deadline passed. Before, each of 64 slots went at accept and a
+    byte within 5 s of the last kept it: every pull was refused for 30 s (minutes, at 4 s a byte)."""
+    config = DataListenerConfig(hello_timeout_s=4.0)
+    p = Prefill(data_listener=config)
+    try:
+        with Flood("127.0.0.1", opened_data_port(p), addresses=10, per_address=8, trickle_s=0.5) as flood:
+            assert flood.wait_closed(80 - config.max_handshakes)
+            assert len(flood.open_ones()) == config.max_handshakes  # the table is full
+            cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+            src = list(range(20, 40))
+            assert pull(p, p.pin("genuine", src), list(range(20)), list(range(20)), cache) == 20 * BLOCK_BYTES
+            assert torch.equal(cache[:20], p.cache[20:40])
+            assert flood.wait_closed(80, timeout=config.hello_timeout_s + 10)
+        assert wait_until(lambda: p.tcp.data.listener.handshakes == 0)
+        assert p.tcp.data.wait_idle(10)
+    finally:
+        p.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_data_port(monkeypatch):
+    """Per source address, long before any deadline: of 20 silent connections from one address
+    the last 4 (its handshake share) stay and the 16 before them are closed at once; an address
+    whose 4 connections (its bound) are claimed streams, their reader not draining, gets a new
+    connection closed at once. A genuine pull from another address lands meanwhile."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 4 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_stream, "SEND_TIMEOUT_S", 60.0)  # the stalled streams outlast this test
+    config = DataListenerConfig(hello_timeout_s=60.0, max_handshakes_per_peer=4, max_connections_per_peer=4)
+    p = Prefill(num_blocks=512, data_listener=config)
+    stalled = []
+    try:
+        port = opened_data_port(p)
+        listener = p.tcp.data.listener
+        with Flood("127.0.0.1", port, addresses=1, per_address=20, trickle_s=None) as silent:
+            assert silent.wait_closed(16)
+            assert silent.open_ones() == [16, 17, 18, 19] and listener.connections(source(0)) == 4
+            grant = p.grant(p.pin("stalled", list(range(512))), list(range(512)), streams=4)
+            assert grant["streams"] == 4
+            stalled = [connect(p, grant, i, slow=True, source_address=source(1)) for i in range(4)]
+            assert [answer for _, answer in stalled] == [tcp_stream.ACCEPTED] * 4
+            with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source(1), 0)) as extra:
+                assert wait_until(lambda: is_closed(extra))
+            cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+            assert pull(p, p.pin("genuine", list(range(40, 60))), list(range(20)), list(range(20)), cache) \
+                == 20 * BLOCK_BYTES
+            assert torch.equal(cache[:20], p.cache[40:60])
+            assert silent.open_ones() == [16, 17, 18, 19]  # still within their deadline
+        for sock, _ in stalled:
+            sock.close()
+        assert p.tcp.data.wait_idle(15)
+        assert wait_until(lambda: listener.handshakes == 0 and listener.connections(source(1)) == 0)
+    finally:
+        for sock, _ in stalled:
+            sock.close()
+        p.close()
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs nixl")

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from pdserve.worker.kv.block_runs import merge_runs
 from pdserve.worker.kv.connector_scheduler import resolve_split, taper_chunk
+from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
 from pdserve.worker.kv.pins import NotReady, PinError, PinTable
 from pdserve.worker.kv.prompt_binding import prompt_digest, token_digest
@@ -29,6 +30,16 @@ def test_merge_runs(src, dst, runs):
 def test_merge_runs_rejects_unequal_lists():
     with pytest.raises(ValueError, match="2 source blocks for 1"):
         merge_runs([1, 2], [3])
+
+
+@pytest.mark.parametrize("bad", [
+    {"hello_timeout_s": 0}, {"hello_timeout_s": float("nan")}, {"hello_timeout_s": float("inf")},
+    {"max_handshakes": 0}, {"max_handshakes_per_peer": 0}, {"max_handshakes_per_peer": 65},
+    {"max_connections_per_peer": 7},  # below the address's own handshake share
+])
+def test_data_listener_config_refuses_bounds_that_admit_nothing_or_never_end(bad):
+    with pytest.raises(ValueError):
+        DataListenerConfig(**bad)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "10.244.1.7", "localhost", "8.8.8.8", "169.254.169.254"])

@@ -42,6 +42,10 @@ earlier chunk's bytes move while the next chunk is computed anyway), and each ca
 step thread needs (layer pieces for every chunk made a 3000-token prefill 30 ms slower there).
 
 Bounds and hang-ups:
+- a connection is only a socket in the listener's selector until its whole hello arrived (within
+  a deadline) and verified; only then does it take a granted stream and a sender thread. Slow,
+  silent or unauthenticated connections are bounded there, in all and per address
+  (data_listener.py).
 - each stream holds two buffers of one chunk from a pool capped in bytes (host_buffers.py); a
   prefill worker grants at most MAX_SEND_STREAMS streams at once (beyond: "busy", retried), a
   decode worker's pulls share MAX_RECV_BYTES of buffers. A reader that stops draining holds its
@@ -75,6 +79,7 @@ import torch
 
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.data_listener import DataListener, DataListenerConfig
 from pdserve.worker.kv.host_buffers import HostBufferPool
 from pdserve.worker.kv.layer_clock import LAYER_GROUPS
 from pdserve.worker.kv.pins import HANG_UP_POLL_S, PinTable
@@ -94,12 +99,9 @@ MAX_STREAMS_PER_TRANSFER = 8
 # decode workers at --kv-max-pulls-per-peer 4 and 4 streams each before a reader hears "busy".
 MAX_SEND_STREAMS = 32
 MAX_RECV_BYTES = 1 << 30  # host buffers all pulls of a decode worker share (4 streams of 2 chunks: 4 pulls)
-MAX_CONNECTIONS = 64  # data connections (claimed or still saying hello) a prefill worker keeps open
-HELLO_TIMEOUT_S = 5.0  # a connection that does not present its ticket within this is dropped
 SEND_TIMEOUT_S = 10.0  # a chunk the reader does not take within this ends the transfer
 CLAIM_S = 10.0  # a ticket's streams must be claimed within this after the read was granted
 READY_WAIT_S = 300.0  # a streamed transfer's sender waits at most this for its prefill's next chunk
-REAP_S = 0.5  # how often unclaimed tickets are looked at
 
 MAGIC = b"pdkv-tcp"
 PIECE = struct.Struct("!II")  # a stream read's piece: first position in the read, block count (0: the end)
@@ -218,27 +220,23 @@ class Transfer:
 
 
 class DataServer:
-    """Prefill side: the listener of data connections and their sender threads."""
+    """Prefill side: the granted transfers, their data connections' sender threads, and the
+    listener (data_listener.py) that hands over a connection once its hello claims a stream."""
 
     def __init__(self, bind_host: str, blocks: torch.Tensor, pins: PinTable, auth: SideChannelAuth, on_sent,
-                 num_layers: int = 1):
+                 num_layers: int = 1, listener: DataListenerConfig = DataListenerConfig()):
         self.blocks, self.pins, self.auth, self.on_sent = blocks, pins, auth, on_sent
         self.block_bytes = blocks.shape[1]
         self.num_layers = num_layers  # a block is num_layers equal slices, one per layer (kv_cache.py)
         self.plan_chunk = chunk_blocks_for(self.block_bytes)
         self.pool = HostBufferPool(MAX_SEND_STREAMS * 2 * self.plan_chunk * self.block_bytes,
                                    pinned=blocks.device.type == "cuda")
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self.listener = socket.create_server((bind_host, 0), family=family, backlog=MAX_CONNECTIONS)
-        self.port = self.listener.getsockname()[1]
         self._cond = threading.Condition()
         self._transfers: dict[bytes, Transfer] = {}
         self._streams = 0  # streams granted and not ended, all transfers
-        self._connections = 0
-        self._stop = threading.Event()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._serve, name="kv-tcp-accept", daemon=True)
-        self._thread.start()
+        self._connections = 0  # claimed connections (their sender threads), not those still saying hello
+        self.listener = DataListener(bind_host, HELLO.size, REFUSED, self._on_hello, self._reap, listener)
+        self.port = self.listener.port
 
     # -- the side channel's half: grant a transfer (no waiting, no bytes) ----------------------------
 
@@ -271,43 +269,29 @@ class DataServer:
             return len(self._transfers)
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """True once no transfer, stream or connection is left and every buffer is back."""
+        """True once no transfer, stream or claimed connection is left and every buffer is back
+        (connections still saying hello are the listener's: `listener.handshakes`)."""
         with self._cond:
             done = self._cond.wait_for(lambda: not self._transfers and not self._streams and not self._connections,
                                        timeout_s)
         return done and self.pool.wait_idle(timeout_s)
 
     def close(self) -> None:
-        self._stop.set()
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass
-        self._thread.join(timeout=5)
         self.listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
 
     # -- threads -----------------------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self.listener, self._wake_r], [], [], REAP_S)
-                self._reap()
-                if self.listener not in ready:
-                    continue
-                conn, _ = self.listener.accept()
-                with self._cond:
-                    if self._connections >= MAX_CONNECTIONS:
-                        conn.close()
-                        continue
-                    self._connections += 1
-                threading.Thread(target=self._connection, args=(conn,), name="kv-tcp-send", daemon=True).start()
-            except Exception:  # a bug must not end the listener: log and go on
-                if not self._stop.is_set():
-                    log.exception("KV data listener error")
-                    self._stop.wait(REAP_S)
+    def _on_hello(self, conn: socket.socket, peer: str, hello: bytes) -> bool:
+        """On the listener's thread, a whole hello: a connection that claims a granted stream gets
+        its sender thread (True); any other is refused by the listener (False)."""
+        claimed = self._claim(hello)
+        if claimed is None:
+            return False
+        with self._cond:
+            self._connections += 1
+        threading.Thread(target=self._connection, args=(conn, peer, *claimed), name="kv-tcp-send",
+                         daemon=True).start()
+        return True
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -332,36 +316,30 @@ class DataServer:
             t.claimed.add(index)
         return t, index
 
-    def _connection(self, conn: socket.socket) -> None:
-        claimed = None
+    def _connection(self, conn: socket.socket, peer: str, t: Transfer, index: int) -> None:
+        """A claimed stream's sender thread: it owns `conn` until the stream ends."""
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            hello = bytearray(HELLO.size)
-            _recv_exact(conn, memoryview(hello))
-            claimed = self._claim(bytes(hello))
-            if claimed is None:
-                conn.sendall(REFUSED)
-                return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _blocking(conn, SEND_TIMEOUT_S)
+            _blocking(conn, SEND_TIMEOUT_S)  # the listener left it non-blocking
             conn.sendall(ACCEPTED)
             t0 = time.monotonic()
-            if claimed[0].positions is not None:
-                self._send_stream(claimed[0], conn)
+            if t.positions is not None:
+                self._send_stream(t, conn)
             else:
-                self._send(*claimed, conn)
-            t = claimed[0]
+                self._send(t, index, conn)
             log.debug("KV data stream %d/%d of %s: claimed %.2f ms after the offer, sent in %.2f ms",
-                      claimed[1], t.plan.streams, t.request_id, (t0 - (t.claim_by - CLAIM_S)) * 1e3,
+                      index, t.plan.streams, t.request_id, (t0 - (t.claim_by - CLAIM_S)) * 1e3,
                       (time.monotonic() - t0) * 1e3)
         except Exception as e:  # the reader hung up or stalled, or the pin went: this stream ends
             log.debug("KV data stream ended early: %s", e)
         finally:
             conn.close()
+            # Before the stream is given back: a new grant's connection from this address must
+            # not find it still counted against the address's bound.
+            self.listener.closed(peer)
             with self._cond:
                 self._connections -= 1
-                if claimed is not None:
-                    self._stream_ended(claimed[0])
+                self._stream_ended(t)
                 self._cond.notify_all()
 
     def _send(self, t: Transfer, index: int, conn: socket.socket) -> None:

@@ -25,6 +25,7 @@ import torch
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import merge_runs
+from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.pins import PinTable
 from typing import TYPE_CHECKING
 
@@ -42,12 +43,14 @@ class TcpServer:
     """Prefill side: the `read` op."""
 
     def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent, bind_host: str = "127.0.0.1",
-                 auth: SideChannelAuth | None = None, num_layers: int = 1):
+                 auth: SideChannelAuth | None = None, num_layers: int = 1,
+                 data_listener: DataListenerConfig = DataListenerConfig()):
         self.blocks = blocks  # [num_blocks, block_bytes] uint8 view of the KV cache
         self.num_layers = num_layers  # each block: num_layers equal slices (a layered stream read sends them)
         self.pins = pins
         self.on_sent = on_sent  # (num_bytes) -> None, for metrics
         self.bind_host, self.auth = bind_host, auth or SideChannelAuth(None)
+        self.data_listener = data_listener  # bounds on the data port's connections before they authenticate
         self.data: tcp_stream.DataServer | None = None  # started by the first read that asks for it
 
     def handle_read(self, body: dict):
@@ -66,7 +69,7 @@ class TcpServer:
             ids = [pinned[i] for i in positions]
             if self.data is None:
                 self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
-                                                  self.num_layers)
+                                                  self.num_layers, self.data_listener)
             offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"),
                                     positions if streamed else None, layered=streamed and body.get("layers") is True)
         except side_channel.Busy:
