@@ -58,6 +58,9 @@ def paged_decode_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's K scale (None = 1)
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,  # [Hq]: one extra logit per head in the softmax's denominator
+    window: int = 0,  # > 0: only the last `window` positions (the query's included) are attended
 ) -> torch.Tensor:  # [B, Hq, D]
     # Batched over sequences: gather every sequence's blocks, pad to the longest context and
     # mask. Padding costs memory, not Python loops, which is what matters on CPU. The query heads
@@ -73,8 +76,24 @@ def paged_decode_attention_ref(
     qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale  # [B, Hkv, group, L]
     pos = torch.arange(max_len, device=q.device)
-    scores.masked_fill_(pos >= context_lens[:, None, None, None].long(), float("-inf"))
-    return torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v).reshape(B, Hq, D).to(q.dtype)
+    ctx = context_lens[:, None, None, None].long()
+    scores.masked_fill_(pos >= ctx, float("-inf"))
+    if window > 0:  # the query sits at ctx - 1; transformers keeps keys at positions > query - window
+        scores.masked_fill_(pos < ctx - window, float("-inf"))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.reshape(Hkv, Hq // Hkv, 1))
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(B, Hq, D).to(q.dtype)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; `sinks` (broadcast to scores[..., :1]) joins each row's
+    denominator as one more logit whose value row is zero (gpt-oss), as transformers computes it:
+    the sink concatenated to the scores, the softmax, the sink's column dropped."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    return combined.softmax(dim=-1)[..., :-1]
 
 
 def paged_prefill_attention_ref(
@@ -87,6 +106,9 @@ def paged_prefill_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's K scale (None = 1)
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,  # [Hq], as paged_decode_attention_ref's
+    window: int = 0,  # > 0: each query attends to the positions > its own - window
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(q)
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -99,16 +121,21 @@ def paged_prefill_attention_ref(
             continue
         nblk = (ctx + block_size - 1) // block_size
         bt = block_tables[i, :nblk].long()
-        k = k_cache[bt].reshape(-1, Hkv, k_cache.shape[3])[:ctx]
-        v = v_cache[bt].reshape(-1, Hkv, v_cache.shape[3])[:ctx]
-        k = dequantize_kv(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)  # [Hq, ctx, D]
+        lo = max(ctx - n - window + 1, 0) if window > 0 else 0  # the first key any query sees
+        k = k_cache[bt].reshape(-1, Hkv, k_cache.shape[3])[lo:ctx]
+        v = v_cache[bt].reshape(-1, Hkv, v_cache.shape[3])[lo:ctx]
+        k = dequantize_kv(k.repeat_interleave(group, dim=1).transpose(0, 1), k_scale)  # [Hq, ctx - lo, D]
         v = dequantize_kv(v.repeat_interleave(group, dim=1).transpose(0, 1), v_scale)
         qi = q[s:e].transpose(0, 1).float()  # [Hq, n, D]
-        scores = (qi @ k.transpose(1, 2)) * scale  # [Hq, n, ctx]
+        scores = (qi @ k.transpose(1, 2)) * scale  # [Hq, n, ctx - lo]
         q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.reshape(-1, 1, 1))
+        out[s:e] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
 
 
@@ -152,6 +179,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return F.silu(gate) * up
 
 
+def clamped_swiglu_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """gpt-oss's expert activation on [gate | up] halves, as transformers' GptOssExperts computes it
+    (there on interleaved columns, which the loader separates): gate clamped above at `limit`, up
+    to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def rotary_kv_write_ref(
     positions: torch.Tensor,  # [T] int
     q: torch.Tensor,  # [T, Hq, D]
@@ -190,10 +227,14 @@ def paged_decode_attention_rotary_ref(
     bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D]
     k_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's scales (None = 1)
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,  # [Hq], as paged_decode_attention_ref's
+    window: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D]
     """A decode layer's attention from the projection's output: epilogue, then paged attention."""
     q = rotary_kv_write_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, bias, k_scale, v_scale)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                                      sinks=sinks, window=window)
 
 
 def fused_moe_ref(
@@ -206,6 +247,10 @@ def fused_moe_ref(
     w13_scale: torch.Tensor | None = None,  # e4m3 w13 / w2: their scales (fused_moe's layout)
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] (gate | up) and [E, H]: biased experts (gpt-oss)
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = 0.0,  # swiglu_limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu_ref)
+    swiglu_limit: float = 0.0,  #   instead of SiLU-and-mul
 ) -> torch.Tensor:  # [T, H]: sum over k of weight * down(silu(gate x) * up x); 0 where no expert is held
     """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
     expert, one GEMM per expert over its contiguous run of rows (gate|up, SiLU-and-mul, down, the
@@ -230,8 +275,14 @@ def fused_moe_ref(
         if w13_scale is not None:
             w13_e = dequantize_moe_fp8_ref(w13_e, w13_scale[e], block, parts=2).to(x.dtype)
             w2_e = dequantize_moe_fp8_ref(w2_e, w2_scale[e], block).to(x.dtype)
-        h = silu_and_mul_ref(x[rows // k] @ w13_e.t())
-        out[rows] = ((h @ w2_e.t()).to(acc) * weights[rows]).to(x.dtype)
+        gate_up = x[rows // k] @ w13_e.t()
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e]
+        h = clamped_swiglu_ref(gate_up, swiglu_alpha, swiglu_limit) if swiglu_limit > 0 else silu_and_mul_ref(gate_up)
+        y = h @ w2_e.t()
+        if w2_bias is not None:
+            y = y + w2_bias[e]
+        out[rows] = (y.to(acc) * weights[rows]).to(x.dtype)
     return out.view(T, k, H).sum(dim=1)
 
 
@@ -254,7 +305,7 @@ def fused_moe_routed_ref(x, w13, w2, router_logits, top_k: int, renormalize: boo
                          expert_offset: int = 0, **fp8) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route_ref then fused_moe_ref (the CPU twin of
     kernels/fused_moe.py's fused_moe_routed, which may route and sort in one launch). `fp8`:
-    fused_moe_ref's w13_scale, w2_scale, block."""
+    fused_moe_ref's w13_scale, w2_scale, block (and its bias / clamped-SwiGLU arguments: gpt-oss)."""
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     return fused_moe_ref(x, w13, w2, weights, ids, expert_offset=expert_offset, **fp8)
 

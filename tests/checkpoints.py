@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
-MOE_ARCHS = ("qwen3-moe", "mixtral", "qwen2-moe")
+MOE_ARCHS = ("qwen3-moe", "mixtral", "qwen2-moe", "gpt-oss")
+# gpt-oss's tiny config: layers alternate sliding (window 8) / full attention, so prompts of a few
+# blocks already slide; YaRN rope (its attention factor scales cos/sin); a small swiglu_limit so
+# the clamp bites at this scale. transformers inits the expert and attention biases to zero and the
+# sinks small: write_checkpoint draws them (non-zero, sinks of order 1) so every term is exercised.
+GPT_OSS_WINDOW = 8
 
 
 def _config(arch: str, vocab_size: int, **overrides):
@@ -60,6 +65,15 @@ def _config(arch: str, vocab_size: int, **overrides):
 
         cfg = Qwen2MoeConfig(**common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False)
+    elif arch == "gpt-oss":
+        from transformers import GptOssConfig
+
+        cfg = GptOssConfig(**{**common, "intermediate_size": 32}, head_dim=16, tie_word_embeddings=False,
+                           num_local_experts=4, num_experts_per_tok=2, sliding_window=GPT_OSS_WINDOW,
+                           layer_types=["sliding_attention", "full_attention"], swiglu_limit=2.0,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                            "original_max_position_embeddings": 512})
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
@@ -74,9 +88,22 @@ def write_checkpoint(out: Path, arch: str, tokenizer_dir: Path, seed: int = 0, *
     cfg = _config(arch, len(tok), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    if arch == "gpt-oss":
+        _draw_gpt_oss_extras(model)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def _draw_gpt_oss_extras(model) -> None:
+    """Non-zero biases (attention q/k/v/o, experts, router) and sinks of order 1 (some strongly
+    positive: a sink that takes much of the softmax mass), drawn from the seeded generator."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn_like(p) * 1.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.2)
 
 
 def write_word_tokenizer(out: Path, vocab_size: int = 1536) -> Path:

@@ -37,7 +37,8 @@ class AttentionBackend(Protocol):
     def bind(self, kv_cache: KVCache) -> None: ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor: ...
 
 
 class _PagedBackend:
@@ -52,7 +53,9 @@ class _PagedBackend:
     def bind(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
 
-    def forward(self, layer, q, k, v, meta, scale):
+    def forward(self, layer, q, k, v, meta, scale, sinks=None, window=0):
+        """`sinks` [Hq]: a learned logit per head in each softmax's denominator (gpt-oss); `window`
+        > 0: the layer attends to the last `window` positions only (sliding-window layers)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
         # An fp8 cache's per-layer scales (None otherwise): K/V are quantized on the write and
         # dequantized inside attention, so nothing else sees the cache's element type.
@@ -62,10 +65,11 @@ class _PagedBackend:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = type(self).decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_context_lens, scale, ks, vs)
+                                         meta.decode_context_lens, scale, ks, vs, sinks=sinks, window=window)
         if q.shape[0] > nd:
             out[nd:] = type(self).prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                          meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs)
+                                          meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs,
+                                          sinks=sinks, window=window)
         return out
 
 

@@ -1,5 +1,7 @@
 """The model's shape, read from a Hugging Face config.json: the Llama family, dense and
-mixture-of-experts (Qwen3-MoE, Mixtral, Qwen2-MoE: Llama-style attention, a sparse MLP block)."""
+mixture-of-experts (Qwen3-MoE, Mixtral, Qwen2-MoE: Llama-style attention, a sparse MLP block),
+and gpt-oss (the same decoder with attention sinks, alternating sliding-window layers, biases
+everywhere and its own expert MLP)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MixtralForCausalLM": (False, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
+    "GptOssForCausalLM": (False, False),  # its config's attention_bias (true by default) names q/k/v/o biases
 }
 
 # Architectures people will try that pdserve cannot run, with why and what to use instead: the
@@ -24,8 +27,6 @@ UNSUPPORTED_HINTS: dict[str, str] = {
                              "the nearest supported architecture is Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not implemented; the nearest supported "
                              "architecture is Qwen2MoeForCausalLM (shared experts)",
-    "GptOssForCausalLM": "MXFP4 expert weights, attention sinks and alternating sliding-window attention are not "
-                         "implemented; the nearest supported architecture is Qwen3MoeForCausalLM",
 }
 
 
@@ -61,6 +62,18 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # gpt-oss (GptOssForCausalLM). Attention: o_proj has a bias; one learned sink logit per query
+    # head joins each softmax's denominator; the layers in `sliding_layers` attend to the last
+    # `sliding_window` positions only (the query's included), the others to the whole context.
+    # Experts: router with bias, softmax over the top-k logits; biased experts whose gate|up is
+    # interleaved in the checkpoint, activation (up + 1) * g * sigmoid(alpha g) with g clamped
+    # above at `swiglu_limit` and up to +-limit (`swiglu_limit` 0: the plain SiLU-and-mul).
+    o_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # FP8 weights (worker/quantization/config.py): from the checkpoint's quantization_config or
     # --quantization; None = the checkpoint's dtype, cast to the compute dtype.
     quantization: Any = None
@@ -68,6 +81,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s attention window in positions (0: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     @classmethod
     def from_hf(cls, hf: Any, generation_eos: Any = None, quantization: str | None = None) -> "ModelConfig":
@@ -93,8 +110,8 @@ class ModelConfig:
             rope = dict(getattr(hf, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope type {rope_type!r} (supported: default, llama3)")
+        if rope_type not in ("default", "llama3", "yarn"):
+            raise UnsupportedModelError(f"unsupported rope type {rope_type!r} (supported: default, llama3, yarn)")
         eos = generation_eos if generation_eos is not None else getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
@@ -121,8 +138,40 @@ class ModelConfig:
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
             **moe_fields(arch, hf),
+            **gpt_oss_fields(arch, hf),
             quantization=parse_quantization(getattr(hf, "quantization_config", None), quantization),
         )
+
+
+def gpt_oss_fields(arch: str, hf: Any) -> dict[str, Any]:
+    """gpt-oss's attention and expert fields of ModelConfig ({} for the other architectures).
+    Its experts are `intermediate_size` wide and every layer is sparse, as Mixtral's; routing is a
+    softmax over the k largest logits (= the renormalised top-k of a softmax over all E)."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    if getattr(hf, "quantization_config", None) is not None:
+        qc = hf.quantization_config
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if method != "mxfp4":  # mxfp4 has its own refusal (quantization/config.py)
+            raise UnsupportedModelError(f"{arch}: quantization_config.quant_method = {method!r}: gpt-oss runs "
+                                        f"unquantized (bf16/fp32) checkpoints only")
+    n = hf.num_hidden_layers
+    types = list(getattr(hf, "layer_types", None) or [])
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"{arch}: layer_types must name sliding_attention or full_attention for each of "
+                                    f"the {n} layers, got {types}")
+    window = getattr(hf, "sliding_window", None) or 0
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and window <= 0:
+        raise UnsupportedModelError(f"{arch}: sliding_window = {window!r} with sliding_attention layers {list(sliding)}")
+    limit = float(getattr(hf, "swiglu_limit", 7.0))
+    if not limit > 0:
+        raise UnsupportedModelError(f"{arch}: swiglu_limit must be > 0, got {limit}")
+    bias = bool(getattr(hf, "attention_bias", True))
+    return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True, moe_layers=tuple(range(n)),
+                o_bias=bias, attention_sinks=True, sliding_window=int(window) if sliding else 0,
+                sliding_layers=sliding, swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)), swiglu_limit=limit)
 
 
 def moe_fields(arch: str, hf: Any) -> dict[str, Any]:

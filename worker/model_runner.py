@@ -306,6 +306,9 @@ class ModelRunner:
         if static_decode is None:
             # The torch reference reads context lengths on the host, which a graph cannot capture.
             static_decode = self.device.type == "cuda" and not config.enforce_eager and backend_name == "triton"
+            if static_decode and not getattr(self.model, "cuda_graphs", True):  # e.g. gpt-oss's torch experts
+                log.info("decode CUDA graphs: off, %s has a step a graph cannot capture", type(self.model).__name__)
+                static_decode = False
         if not static_decode:
             return None
         max_blocks = -(-self.max_model_len // self.block_size)

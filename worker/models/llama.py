@@ -147,7 +147,46 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif params.get("rope_type") == "yarn":
+        inv, _ = _yarn(cfg)
     return inv
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention scaling; 1 for the other types)."""
+    return _yarn(cfg)[1] if dict(cfg.rope_scaling).get("rope_type") == "yarn" else 1.0
+
+
+def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor, as transformers' _compute_yarn_parameters
+    computes them (fp32, the same op order)."""
+    p, dim, base = dict(cfg.rope_scaling), cfg.head_dim, cfg.rope_theta
+    old_len = p["original_max_position_embeddings"]
+    factor = p.get("factor") or cfg.max_position_embeddings / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the dimension keeps its frequency (extrapolates)
+    return interpolation * (1 - keep) + extrapolation * keep, attention
 
 
 class Attention(nn.Module):
@@ -161,8 +200,12 @@ class Attention(nn.Module):
         prefix, q = f"model.layers.{layer_idx}.self_attn", cfg.quantization
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.qkv_bias, shard,
                                           linear_method(q, prefix, ["q_proj", "k_proj", "v_proj"]))
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, shard,
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, shard,
                                         linear_method(q, prefix, ["o_proj"]))
+        # gpt-oss: a learned sink logit per query head (this rank's heads), and the layer's window.
+        self.shard = shard
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        self.window = cfg.layer_window(layer_idx)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -176,6 +219,18 @@ class Attention(nn.Module):
         # Steps of <= 8 tokens: o_proj as the small-M GEMV (the qkv one, with the norm before it,
         # is DecoderLayer's). Plain attributes, so a benchmark can flip them on a built model.
         self.gemv_o = gemv_wanted(backend) and gemv_fits(self.o_proj)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """The parameters Attention holds itself (the sinks): this rank's query heads."""
+        start = self.shard.rank * self.num_heads
+        param.data.copy_(loaded[start:start + self.num_heads])
+
+    def extras(self) -> dict:
+        """The backend's keyword arguments for this layer: sinks and window where the model has them
+        (none for the Llama family, whose calls stay exactly as they were)."""
+        if self.sinks is None and not self.window:
+            return {}
+        return dict(sinks=self.sinks, window=self.window)
 
     def forward(self, positions, x, cos_sin, meta: AttentionMetadata):
         if self.bias_in_epilogue:
@@ -201,10 +256,11 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         if self.fused_epilogue:
-            o = self.backend.forward_rotary(self.layer_idx, positions, q, k, v, cos_sin, bias, meta, self.scale)
+            o = self.backend.forward_rotary(self.layer_idx, positions, q, k, v, cos_sin, bias, meta, self.scale,
+                                            **self.extras())
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
-            o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale)
+            o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, **self.extras())
         o = o.reshape(T, self.q_size)
         if self.gemv_o and gemv_rows_ok(o, "none", self.o_proj.weight):
             out, _ = _fused_gemv()(o, self.o_proj.weight, bias=self.o_proj.bias)
@@ -335,7 +391,11 @@ class LlamaForCausalLM(nn.Module):
             self.cos_sin = torch.empty(max_positions, self.cfg.head_dim, device=device)
             return
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(self.cfg)[None, :]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        factor = rope_attention_factor(self.cfg)
+        if factor != 1.0:  # YaRN: transformers scales cos and sin, in fp32
+            cos, sin = cos * factor, sin * factor
+        self.cos_sin = torch.cat([cos, sin], dim=-1).to(device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (final norm applied)."""

@@ -11,6 +11,10 @@ def model_class(architecture: str) -> type[nn.Module]:
         from pdserve.worker.models.moe_causal_lm import MoeForCausalLM
 
         return MoeForCausalLM
+    if architecture == "GptOssForCausalLM":
+        from pdserve.worker.models.gpt_oss import GptOssForCausalLM
+
+        return GptOssForCausalLM
     from pdserve.worker.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

@@ -105,6 +105,10 @@ def parse_quantization(quantization_config: Any, flag: str | None) -> Fp8Config 
             raise QuantizationError("--quantization fp8: the checkpoint is already quantized "
                                     "(quantization_config.quant_method = 'compressed-tensors'); omit the flag")
         return _compressed_tensors(qc)
+    if method == "mxfp4":  # gpt-oss as published: its experts' *_blocks / *_scales tensors
+        raise _refuse("quant_method", method, "MXFP4 expert weights (the experts' gate_up_proj_blocks / _scales and "
+                                              "down_proj_blocks / _scales) are not implemented yet; an unquantized "
+                                              "(bf16) checkpoint of the same model runs")
     raise _refuse("quant_method", method, "pdserve runs fp8 and compressed-tensors (float-quantized) checkpoints; "
                                           "int8, awq, gptq, bitsandbytes and other methods are not supported")
 
