@@ -114,3 +114,15 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_sinks_window(fn: str, sinks: torch.Tensor | None, window: int, heads: int, device: torch.device) -> None:
+    """The optional gpt-oss arguments of the attention launchers: sinks [heads], window >= 0."""
+    if sinks is not None:
+        check_tensor(fn, "sinks", sinks, (heads,), FLOAT_DTYPES)
+        if sinks.device != device:
+            raise ValueError(f"{fn}: sinks is on {sinks.device} but q is on {device}")
+        if not sinks.is_contiguous():
+            raise ValueError(f"{fn}: sinks must be contiguous")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{fn}: window must be an int >= 0 (0: no sliding window), got {window!r}")

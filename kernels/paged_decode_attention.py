@@ -18,6 +18,15 @@ divisible by 16, pointer alignment, constexprs). Everything that varies per step
 count, the block-table width and stride, the table/length pointers) is kept out of the key, so
 the variants are exactly {split, unsplit} x {fused reduce or not}: a live server compiles them
 at start-up, never mid-traffic (tests/kernels/test_specialization.py).
+
+Sinks and sliding windows (gpt-oss), both optional and off by default; constexpr switches, so
+models without them compile exactly the code they did before:
+- `sinks` [Hq]: one learned logit per query head joins the softmax's denominator with a zero
+  value row. Unsplit, it seeds the running max and sum (m = sink, l = 1); split, the partials
+  leave it out and the merge adds it as one more partial with lse = sink and output zero.
+- `window` > 0: the query (position ctx - 1) attends to positions >= ctx - window only, as
+  transformers masks them (keys > query - window). The splits divide [max(ctx - window, 0), ctx)
+  instead of [0, ctx), so a long context costs a window's worth of tiles.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pdserve.kernels.launch import (
     KV_DTYPES,
     check_devices,
     check_same_layout,
+    check_sinks_window,
     check_tensor,
     dot_in_f32,
     dot_precision,
@@ -44,6 +54,10 @@ from pdserve.kernels.launch import (
 from pdserve.kernels.rotary_kv_write import check_rotary_inputs
 
 MAX_SPLITS = 64
+
+# Attention sinks are natural-log logits; the kernels work in log2 units. A constexpr: a jitted
+# function may read no other kind of global.
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -63,12 +77,12 @@ def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, d, partner, cos, sin_sig
     return x
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_btb"],
-            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr", "pos_ptr", "slot_ptr"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb", "window"],
+            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr", "sem_ptr", "pos_ptr", "slot_ptr", "sinks_ptr"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sem_ptr,
-    pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr, k_scale_ptr, v_scale_ptr,
-    scale_log2, num_splits,
+    pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    scale_log2, num_splits, window,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ob, stride_oh,
@@ -76,14 +90,20 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = s * split_len
+    if SLIDING:  # the splits share the window's positions [ctx - span, ctx)
+        span = tl.minimum(ctx, window)
+        split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        start = ctx - span + s * split_len
+    else:
+        span = ctx
+        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        start = s * split_len
     end = tl.minimum(start + split_len, ctx)
 
     # Query rows are the GROUP heads sharing this KV head, padded to >= 16 rows for tl.dot.
@@ -137,6 +157,10 @@ def _decode_split_kernel(
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 units
     l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
+    if HAS_SINKS:
+        if not SPLIT:  # the sink as a first key with a zero value row (split: the merge adds it)
+            m = tl.load(sinks_ptr + heads, mask=rows < GROUP, other=0.0).to(tl.float32) * _LOG2E
+            l = l + 1.0
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
@@ -178,8 +202,8 @@ def _decode_split_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
-                              tl.cdiv(ctx, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
-                              GROUP_PAD, HEAD_DIM, D_PAD)
+                              tl.cdiv(span, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
+                              sinks_ptr, heads, GROUP_PAD, HEAD_DIM, D_PAD, HAS_SINKS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -188,7 +212,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, out_off, out_mask, row_mask,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                  sinks_ptr, heads, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse), over ROWS heads whose
     # partials start at rows `first_row` of [B * Hq * S]; one pass with a running max.
     # Only the first `num_used` splits hold tokens: the split count is sized for the longest
@@ -196,9 +221,13 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, out_
     # iteration is a dependent global load (~0.5 us): merging 2 of 16 splits, not all 16, took
     # the bs=1 decode attention launch from ~9 to ~3 us at context 128 (docs/performance.md).
     # Loads bypass L1 (.cg): other programs wrote these partials during this launch.
+    # Sinks: one more partial with lse = sink and output zero, merged first (m = sink, w_sum = 1).
     d = tl.arange(0, D_PAD)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     w_sum = tl.zeros([ROWS], tl.float32)
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * _LOG2E
+        w_sum = w_sum + 1.0
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     for s in range(0, num_used):
         lse = tl.load(part_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
@@ -215,23 +244,28 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first_row, num_used, out_
     tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["ctx_ptr"])
+@triton.jit(do_not_specialize=["num_splits", "window"], do_not_specialize_on_alignment=["ctx_ptr", "sinks_ptr"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, ctx_ptr, num_splits, stride_ob, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, ctx_ptr, sinks_ptr, num_splits, window, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Grid (B, Hkv): the same merge the fused path runs in its last-arriving program.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N  # as the split kernel's
+    if SLIDING:
+        span = tl.minimum(ctx, window)
+    else:
+        span = ctx
+    split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N  # as the split kernel's
     rows = tl.arange(0, GROUP_PAD)
     heads = kvh * GROUP + rows
     d = tl.arange(0, D_PAD)
     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
-                  tl.cdiv(ctx, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                  (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM), rows < GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
+                  tl.cdiv(span, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                  (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM), rows < GROUP, sinks_ptr, heads,
+                  GROUP_PAD, HEAD_DIM, D_PAD, HAS_SINKS)
 
 
 def _tile_config() -> tuple[int, int, int]:
@@ -260,6 +294,8 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     semaphores: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton version of reference.paged_decode_attention_ref.
 
@@ -272,9 +308,10 @@ def paged_decode_attention(
     `semaphores`: int32 zeros, >= B * Hkv elements, lent to fuse the split merge into the one
     launch (see the module docstring); the kernel leaves them zero again. Launches that share
     a buffer must be ordered (one stream), as a model's layers are.
+    `sinks` [Hq] (any float type, contiguous) and `window` (> 0: sliding): see the module docstring.
     """
     return _launch("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens, scale,
-                   num_splits, semaphores, None, k_scale, v_scale)
+                   num_splits, semaphores, None, k_scale, v_scale, sinks, window)
 
 
 def paged_decode_attention_rotary(
@@ -295,6 +332,8 @@ def paged_decode_attention_rotary(
     *,
     num_splits: int | None = None,
     semaphores: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton version of reference.paged_decode_attention_rotary_ref: a decode layer's whole
     attention in one launch. q [B, Hq, D], k/v [B, Hkv, D] straight from the qkv projection
@@ -311,7 +350,7 @@ def paged_decode_attention_rotary(
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
     rotary = (positions.contiguous(), slot_mapping.contiguous(), k, v, bias, cos_sin_cache)
     return _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
-                   k_scale, v_scale)
+                   k_scale, v_scale, sinks, window)
 
 
 def _cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -319,7 +358,7 @@ def _cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 
 
 def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, sinks=None, window=0):
     check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
     batch, hq, d = q.shape
     check_tensor(fn, "k_cache", k_cache, (None, None, None, d), _cache_dtypes(q.dtype))
@@ -344,13 +383,15 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
         if semaphores.numel() < batch * hkv or not semaphores.is_contiguous():
             raise ValueError(f"{fn}: semaphores must be contiguous with >= batch * kv_heads = {batch * hkv} "
                              f"elements, got {semaphores.numel()}")
+    check_sinks_window(fn, sinks, window, hq, device)
     out = torch.empty((batch, hq, d), dtype=q.dtype, device=device)
     if batch == 0:
         return out
 
     block_n, warps, stages = _tile_config()
     if num_splits is None:
-        num_splits = _choose_splits(batch, hkv, block_tables.shape[1] * block_size, block_n, device)
+        capacity = block_tables.shape[1] * block_size
+        num_splits = _choose_splits(batch, hkv, min(capacity, window) if window else capacity, block_n, device)
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
     if num_splits > 1:
@@ -370,17 +411,20 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         semaphores if fused else context_lens, *rotary_args, k_scale, v_scale,
-        scale * math.log2(math.e), num_splits,
+        sinks if sinks is not None else q, scale * math.log2(math.e), num_splits, window,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1), *rotary_strides,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
         ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None, KV_FP8=fp8,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
+        SLIDING=window > 0, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages,
     )
     if split and not fused:
         _decode_reduce_kernel[(batch, hkv)](
-            part_out, part_lse, out, context_lens, num_splits, out.stride(0), out.stride(1),
+            part_out, part_lse, out, context_lens, sinks if sinks is not None else q, num_splits, window,
+            out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n,
+            SLIDING=window > 0, HAS_SINKS=sinks is not None,
         )
     return out

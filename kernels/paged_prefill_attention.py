@@ -7,6 +7,13 @@ The Triton path runs one program per (query tile, query head). Sequence i's tile
 from cu_seqlens_q[i] // BLOCK_M + i, so the grid (T // BLOCK_M + B tiles) needs only shapes,
 and a program finds its sequence by binary search over that monotone start index. Keys wholly
 before the tile's first query need no causal mask; only the diagonal tiles are masked.
+
+Sinks and sliding windows (gpt-oss; constexpr switches, off by default: other models compile the
+code they did before). `sinks` [Hq] seeds each row's running max and sum (m = sink, l = 1: one
+more logit with a zero value row). With `window` > 0 a query at position p sees keys in
+(p - window, p]: the tile's loop starts at the block holding its first query's first key, and
+every tile of it is masked by position (a later row's window may start tiles later, so a row may
+see nothing of a tile: its running max is then guarded against -inf - -inf).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pdserve.kernels.launch import (
     FP8_KV_DTYPE,
     check_devices,
     check_same_layout,
+    check_sinks_window,
     check_tensor,
     dot_in_f32,
     dot_precision,
@@ -29,13 +37,18 @@ from pdserve.kernels.launch import (
     kv_scales,
 )
 
+# Attention sinks are natural-log logits; the kernels work in log2 units. A constexpr: a jitted
+# function may read no other kind of global.
+_LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _attend_tile(
     q, m, l, acc, n0, k_ptr, v_ptr, bt_row_ptr, kvh, q_pos, ctx, scale_log2,
-    stride_cb, stride_ct, stride_ch, stride_cd, d,
+    stride_cb, stride_ct, stride_ch, stride_cd, d, window,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # One online-softmax step over keys [n0, n0 + BLOCK_N); CAUSAL masks by position and length.
     toks = n0 + tl.arange(0, BLOCK_N)
@@ -51,10 +64,17 @@ def _attend_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         visible = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        if SLIDING:
+            visible = visible & (toks[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if SLIDING:  # a row that has seen no key yet keeps m = -inf: exponents from 0, not NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
+    else:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
@@ -62,17 +82,17 @@ def _attend_tile(
 
 # num_seqs and the table stride change every step; table/length pointers may be views at any
 # offset: none of them may enter the specialization key (a new compile mid-traffic).
-@triton.jit(do_not_specialize=["num_seqs", "stride_btb"],
-            do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "ctx_ptr"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb", "window"],
+            do_not_specialize_on_alignment=["bt_ptr", "cu_q_ptr", "ctx_ptr", "sinks_ptr"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
-    scale_log2, num_seqs,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,20 +126,30 @@ def _prefill_kernel(
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the head's sink as a first key with a zero value row
+        m = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E
+        l = l + 1.0
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # A tile past the sequence's queries (the grid over-covers) does no work and stores nothing.
     first_q = ctx - n + m0
     kv_end = tl.where(m0 < n, tl.minimum(ctx, first_q + BLOCK_M), 0)
-    full_end = tl.where(m0 < n, (first_q // BLOCK_N) * BLOCK_N, 0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-    for n0 in range(0, full_end, BLOCK_N):  # keys before every query of the tile
-        m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
-                                 stride_cb, stride_ct, stride_ch, stride_cd, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION, KV_FP8)
-    for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
-        m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
-                                 stride_cb, stride_ct, stride_ch, stride_cd, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION, KV_FP8)
+    if SLIDING:  # from the block holding the first query's first key, every tile masked
+        win_start = tl.where(m0 < n, (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+        for n0 in range(win_start, kv_end, BLOCK_N):
+            m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
+                                     stride_cb, stride_ct, stride_ch, stride_cd, d, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION, KV_FP8, True)
+    else:
+        full_end = tl.where(m0 < n, (first_q // BLOCK_N) * BLOCK_N, 0)
+        for n0 in range(0, full_end, BLOCK_N):  # keys before every query of the tile
+            m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
+                                     stride_cb, stride_ct, stride_ch, stride_cd, d, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION, KV_FP8, False)
+        for n0 in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask
+            m, l, acc = _attend_tile(q, m, l, acc, n0, k_ptr, v_ptr, bt_row, kvh, q_pos, ctx, scale_log2,
+                                     stride_cb, stride_ct, stride_ch, stride_cd, d, window,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION, KV_FP8, False)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if KV_FP8:
         o = o * tl.load(v_scale_ptr)
@@ -146,9 +176,13 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton version of reference.paged_prefill_attention_ref. The caches hold q's dtype, or
     float8 e4m3 values x / scale with per-tensor `k_scale` / `v_scale` ([1] fp32, None = 1.0).
+    `sinks` [Hq] and `window` (> 0: sliding): see the module docstring.
 
     Contract not checked on the host (it would need a sync): cu_seqlens_q is non-decreasing
     from 0 to T, n_i <= context_lens[i] <= block_tables.shape[1] * block_size, block ids valid.
@@ -172,6 +206,7 @@ def paged_prefill_attention(
         raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
     if not math.isfinite(scale):
         raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    check_sinks_window(fn, sinks, window, hq, device)
     out = torch.empty((total, hq, d), dtype=q.dtype, device=device)
     if total == 0 or batch == 0:
         return out
@@ -179,10 +214,10 @@ def paged_prefill_attention(
     block_m, block_n, warps, stages = _tile_config(q.dtype)
     _prefill_kernel[(total // block_m + batch, hq)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q.contiguous(), context_lens.contiguous(), out,
-        k_scale, v_scale, scale * math.log2(math.e), batch,
+        k_scale, v_scale, sinks if sinks is not None else q, scale * math.log2(math.e), batch, window,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
-        KV_FP8=fp8, num_warps=warps, num_stages=stages,
+        KV_FP8=fp8, SLIDING=window > 0, HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
     )
     return out

@@ -56,54 +56,60 @@ class TritonAttentionBackend(_PagedBackend):
         return self._semaphores
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [T, Hq, D] (rotated); k, v: [T, Hkv, D] -> [T, Hq, D].
+                meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
+        # q: [T, Hq, D] (rotated); k, v: [T, Hkv, D] -> [T, Hq, D]. sinks / window: as the torch
+        # backend's (gpt-oss); the kernels take them as constexpr-switched options.
         k_cache, v_cache = self.kv_cache.layer(layer)
         ks, vs = self.kv_cache.layer_scales(layer)  # an fp8 cache's scales; None otherwise
         kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        return self._attend(q, k_cache, v_cache, meta, scale, ks, vs)
+        return self._attend(q, k_cache, v_cache, meta, scale, ks, vs, sinks=sinks, window=window)
 
     def forward_rotary(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, cos_sin: torch.Tensor, bias: torch.Tensor | None,
-                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                       meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                       window: int = 0) -> torch.Tensor:
         """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
         ks, vs = self.kv_cache.layer_scales(layer)
         nd, total = meta.num_decode_tokens, q.shape[0]
+        extra = dict(sinks=sinks, window=window)
         if nd == 0 or not self.fuse_decode_rotary:
             q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias, ks, vs)
-            return self._attend(q, k_cache, v_cache, meta, scale, ks, vs)
+            return self._attend(q, k_cache, v_cache, meta, scale, ks, vs, **extra)
         # Decode rows: epilogue and attention in one launch, in mixed steps too (so a mixed step
         # meets the same kernel variants as the graphs: nothing to compile mid-traffic).
         sem = self.semaphores(nd * k_cache.shape[2], q.device) if self.fuse_decode_merge else None
         dec = paged_decode_attention_rotary(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, positions[:nd], meta.slot_mapping[:nd],
-                                            cos_sin, scale, bias, ks, vs, semaphores=sem)
+                                            cos_sin, scale, bias, ks, vs, semaphores=sem, **extra)
         if nd == total:
             return dec
         qp = rotary_kv_write(positions[nd:], q[nd:], k[nd:], v[nd:], cos_sin, k_cache, v_cache,
                              meta.slot_mapping[nd:], bias, ks, vs)
         pre = paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                      meta.prefill_context_lens, scale, ks, vs)
+                                      meta.prefill_context_lens, scale, ks, vs, **extra)
         return torch.cat([dec, pre])
 
-    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None) -> torch.Tensor:
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None,
+                **extra) -> torch.Tensor:
         # Unlike the shared dispatch, a step that is all decode or all prefill returns the
         # kernel's output as is: copying it into a separate `out` would add a write and a read
         # of [T, Hq, D] per layer.
         nd, total = meta.num_decode_tokens, q.shape[0]
         if nd == total:
-            return self._decode(q, k_cache, v_cache, meta, scale, ks, vs)
+            return self._decode(q, k_cache, v_cache, meta, scale, ks, vs, **extra)
         if nd == 0:
             return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs)
+                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs, **extra)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, ks, vs)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, ks, vs, **extra)
         out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs)
+                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs, **extra)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None,
+                **extra) -> torch.Tensor:
         sem = self.semaphores(q.shape[0] * k_cache.shape[2], q.device) if self.fuse_decode_merge else None
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                      scale, ks, vs, semaphores=sem)
+                                      scale, ks, vs, semaphores=sem, **extra)
