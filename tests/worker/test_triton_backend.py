@@ -121,6 +121,17 @@ def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint):
     assert engine.runner.graphs.num_replays > 0
 
 
+def test_gpt_oss_triton_backend_matches_torch(checkpoint):
+    # Sinks and sliding windows (8 positions, the 37-token prompt slides) in the Triton decode
+    # kernel (fused rotary epilogue, split merge) and the prefill kernel over cached chunks (an
+    # 8-token budget: mixed steps). Its experts run the torch path, whose host read a graph cannot
+    # capture: decode graphs stay off even where they would be on (CUDA), and it decodes eagerly.
+    ckpt = checkpoint("gpt-oss")
+    engine = make_engine(ckpt, "triton", max_num_batched_tokens=8)
+    assert engine.runner.graphs is None
+    assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
+
+
 @pytest.mark.parametrize("static_decode,budget", [(True, None), (False, 8)])
 def test_fp8_kv_cache_matches_torch_backend(checkpoint, static_decode, budget):
     # --kv-cache-dtype fp8 with calibrated-looking scales: the Triton writes (the fused decode
