@@ -96,6 +96,11 @@ def test_tp2_with_async_scheduling_equals_tp1(checkpoint, static_decode):
     ("qwen3-moe", False),  # every expert's I columns split, as a dense MLP (one layer dense)
     ("qwen3-moe", True),  # 4 whole experts per rank, the all-reduce combines
     ("qwen2-moe", True),  # experts whole per rank, the shared expert split: one all-reduce for both
+    # gpt-oss: the sinks split with the heads, o_proj's bias and the experts' down bias added once
+    # (rank 0) when I is split, by each expert's rank when experts are whole; interleaved gate|up
+    # sliced per rank from the checkpoint
+    ("gpt-oss", False),
+    ("gpt-oss", True),
 ])
 def test_moe_tp2_with_and_without_expert_parallel_equals_tp1(checkpoint, arch, ep):
     ckpt = checkpoint(arch, 2)
