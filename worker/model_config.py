@@ -163,7 +163,8 @@ def gpt_oss_fields(arch: str, hf: Any) -> dict[str, Any]:
     window = getattr(hf, "sliding_window", None) or 0
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if sliding and window <= 0:
-        raise UnsupportedModelError(f"{arch}: sliding_window = {window!r} with sliding_attention layers {list(sliding)}")
+        raise UnsupportedModelError(f"{arch}: sliding_window = {window!r} with sliding_attention layers "
+                                    f"{list(sliding)}")
     limit = float(getattr(hf, "swiglu_limit", 7.0))
     if not limit > 0:
         raise UnsupportedModelError(f"{arch}: swiglu_limit must be > 0, got {limit}")

@@ -98,9 +98,11 @@ def test_gpt_oss_config_is_read(tmp_path):
 def test_gpt_oss_mxfp4_and_bad_layer_types_are_refused(tmp_path):
     from pdserve.worker.quantization.config import QuantizationError
 
-    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                  "model.embed_tokens", "lm_head"]}
-    with pytest.raises(QuantizationError, match=r"quantization_config.quant_method = 'mxfp4': MXFP4 expert weights") as e:
+    mxfp4 = {"quant_method": "mxfp4",
+             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                        "lm_head"]}
+    want = r"quantization_config.quant_method = 'mxfp4': MXFP4 expert weights"
+    with pytest.raises(QuantizationError, match=want) as e:
         _gpt_oss(tmp_path, quantization_config=mxfp4)
     assert "gate_up_proj_blocks" in str(e.value) and "bf16" in str(e.value)
     with pytest.raises(UnsupportedModelError, match="layer_types"):
