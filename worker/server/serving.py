@@ -238,7 +238,10 @@ async def collect(request: Request, first: tuple[int, RequestOutput], events: Ev
             async for i, out in events:
                 choices[i].add(out)
 
-    await unless_disconnected(request, rest())
+    try:
+        await unless_disconnected(request, rest())
+    except RequestFailed as e:  # after its first output: still a JSON error, the answer had not begun
+        raise failed(e) from None
     return choices
 
 
@@ -264,8 +267,6 @@ def handoff_response(request: Request, first: tuple[int, RequestOutput], events:
             return  # the generation was aborted on the way out: the pin is cancelled with it
         except APIError as e:
             yield json.dumps(e.body()).encode() + b"\n"
-        except RequestFailed as e:
-            yield json.dumps(failed(e).body()).encode() + b"\n"
         except Exception as e:
             log.exception("prefill failed after its hand-off was announced")
             yield json.dumps(error_body(500, f"engine error: {type(e).__name__}: {e}")).encode() + b"\n"
