@@ -92,8 +92,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
         if r.params.allowed_token_ids is not None:
             with isolated(r, "allowed_token_ids"):
-                ids = columns(r.params.allowed_token_ids, logits.shape[-1], "allowed_token_ids")
-                idx = torch.tensor(ids, dtype=torch.int64).to(logits.device, non_blocking=True)
+                idx = r.allowed_token_index
+                if idx is None:  # once per request: the list can be as long as the vocabulary
+                    ids = columns(r.params.allowed_token_ids, logits.shape[-1], "allowed_token_ids")
+                    idx = r.allowed_token_index = torch.tensor(ids, dtype=torch.int64).to(logits.device)
                 kept = logits[i].index_select(0, idx)
                 logits[i] = float("-inf")
                 logits[i].index_copy_(0, idx, kept)

@@ -73,6 +73,8 @@ class Request:
         self.hands_over_first = False
         # structured_output.GrammarMatcher when params.structured is set (the engine makes it).
         self.grammar = None
+        # params.allowed_token_ids on the logits' device, made at its first step (logits_processors.py).
+        self.allowed_token_index = None
         # Why this request's own work in a step raised (request_isolation.py): set once, on the
         # step thread; the scheduler then ends it as FINISHED_ERROR without that step's token.
         self.failure: str | None = None
