@@ -19,7 +19,7 @@ class RequestError(ValueError):
 
 
 class RequestFailed(Exception):
-    """The engine could not process this request (its own sampling raised: request_isolation.py);
+    """The engine could not process this request (its own work in a step raised: request_isolation.py);
     the engine and every other request carry on. The server answers 500 `request_failed`."""
 
 

@@ -1,10 +1,11 @@
 """Per-request sampling parameters: one frozen, validated value object.
 
-Every value a client can send is bounded here as vLLM bounds it (SamplingParams._verify_args),
-so that no request's numbers can break the sampler's arithmetic: non-finite values are refused,
-a temperature below vLLM's epsilon samples greedily (dividing logits by 1e-40 overflows to inf,
-and softmax then gives NaN), seeds are 64-bit signed integers as in vLLM's OpenAI server. Token
-ids are checked against the vocabulary by `check_vocabulary`, once the model is known.
+Every value a client can send is bounded here, with vLLM's bounds where it has them
+(SamplingParams._verify_args), so that no request's numbers can break the sampler's arithmetic:
+non-finite values are refused, a temperature below vLLM's epsilon samples greedily (dividing
+logits by 1e-40 overflows to inf, and softmax then gives NaN), seeds are 64-bit signed integers
+as in vLLM's OpenAI server. Token ids are checked against the vocabulary by `check_vocabulary`,
+once the model is known.
 """
 
 from __future__ import annotations
