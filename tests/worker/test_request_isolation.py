@@ -192,6 +192,15 @@ def test_hostile_sampling_values(worker, row):
     still_serving(worker)
 
 
+def test_temperature_below_epsilon_is_greedy(worker):
+    """vLLM's rule: below 1e-5 a temperature samples greedily (1e-40 used to overflow logits/T)."""
+    texts = [httpx.post(f"{worker.url}/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8,
+                                                               "temperature": t, "ignore_eos": True},
+                        timeout=60).json()["choices"][0]["text"] for t in (0.0, 1e-40, 9e-6)]
+    assert texts[0] == texts[1] == texts[2]
+    still_serving(worker)
+
+
 @pytest.mark.parametrize("raw,param", [(b'"temperature": NaN', "temperature"),
                                        (b'"repetition_penalty": Infinity', "repetition_penalty"),
                                        (b'"logit_bias": {"5": -Infinity}', "logit_bias")])
