@@ -44,6 +44,7 @@ class CommonRequest(StructuredOutputFields):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only these tokens
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None

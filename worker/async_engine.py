@@ -19,7 +19,7 @@ from pdserve.worker.grammar_pool import GrammarPool
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParamsError, is_remote_decode, is_streamed,
                                           parse_kv_transfer_params)
 from pdserve.worker.outputs import EngineStats, RequestOutput
-from pdserve.worker.request import RequestError
+from pdserve.worker.request import RequestError, RequestFailed
 from pdserve.worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class AsyncEngine:
             raise RequestError(PARAM, str(e)) from None
         streamed = is_streamed(kv_transfer_params)
         emitted = [kv_transfer_params.first_token_id] if is_remote_decode(kv_transfer_params) and not streamed else []
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, emitted_token_ids=emitted)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         done = False
@@ -150,8 +150,11 @@ class AsyncEngine:
                 out = await q.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine failed: {out}") from out
+                if out.error is not None:  # this request alone failed in a step; the engine carries on
+                    done = True
+                    raise RequestFailed(out.error)
                 if out.handed_over_token_ids:
-                    detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                    detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
                                                    emitted_token_ids=out.handed_over_token_ids)
                     out.handed_over_text = detok.output_text[:detok.num_emitted_chars]
                     if not out.finished:

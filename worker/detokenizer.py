@@ -7,7 +7,9 @@ character, never text that a later token could turn into a stop string. Two hold
    window is decoded as a whole and a trailing U+FFFD (the decoder's mark for an incomplete
    character) keeps those tokens pending until the character completes.
 2. The longest tail of the text that is a prefix of some stop string stays held until it
-   either becomes the stop string (text cut before it, finish) or cannot any more.
+   either becomes the stop string (text cut before it, finish) or cannot any more. Only that
+   tail plus the new text is searched (stop_strings.py): a step's stop check costs the same
+   at the output's first token and its ten-thousandth.
 
 Decoding uses a sliding window (`_prefix_offset`, `_read_offset`) a few tokens back into
 already-decoded ids, as TGI and vLLM do: SentencePiece decoders drop a word's leading space when
@@ -26,6 +28,8 @@ tokens is found, and a character split over them is emitted whole.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from pdserve.worker.stop_strings import StopStrings
 
 # Tokens of context decoded before the new ones (enough for SentencePiece's space handling).
 _CONTEXT_TOKENS = 5
@@ -47,14 +51,13 @@ class IncrementalDetokenizer:
         self,
         tokenizer,
         prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         skip_special_tokens: bool = True,
         emitted_token_ids: Sequence[int] = (),
     ):
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
+        # Compiled once per request (or passed in, shared by a request's detokenizers).
+        self._stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids)
         self._read_offset = len(self._ids)
@@ -110,16 +113,17 @@ class IncrementalDetokenizer:
         """Hand out what is final: cut at the earliest stop string, hold a possible stop prefix."""
         out = self.output_text
         if self._stop:
-            hits = [(i, s) for s in self._stop if (i := out.find(s, self._stop_from)) != -1]
-            if hits:
-                at, stop = min(hits)
+            # Only the window from the tail held last time can hold a new stop (stop_strings.py).
+            window = out[self._stop_from:]
+            hit = self._stop.first_match(window)
+            if hit is not None:
+                at, stop = self._stop_from + hit[0], hit[1]
                 self.stopped = stop
                 self.output_text = out[:at]
                 delta = out[self._emitted : at] if at > self._emitted else ""
                 self._emitted = max(self._emitted, at)
                 return delta, stop
-            held = self._stop_prefix_len(out)
-            upto = len(out) - held
+            upto = len(out) - self._stop.held_len(window)
             self._stop_from = upto
         else:
             upto = len(out)
@@ -128,16 +132,6 @@ class IncrementalDetokenizer:
         delta = out[self._emitted : upto]
         self._emitted = upto
         return delta, None
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
     def flush(self) -> str:
         """Everything still held back (the request ended without a stop string)."""

@@ -38,12 +38,11 @@ from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
 from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv_cache import KVCache, kv_layout
-from pdserve.worker.logits_processors import check_logit_bias
 from pdserve.worker.model_runner import LaunchedStep, ModelRunner
 from pdserve.worker.prompt_logprobs import scores_prompt
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.worker.scheduler import Scheduler
 from pdserve.worker.structured_output import StructuredOutputs
 
@@ -169,7 +168,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
-        check_logit_bias(params, vocab)
+        try:
+            params.check_vocabulary(vocab)  # ids the sampler indexes the logits with (width: vocab)
+        except SamplingParamsError as e:
+            raise RequestError(e.param, str(e)) from None
         try:
             kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         except KVTransferParamsError as e:
@@ -450,6 +452,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
+            error=req.failure if req.status is RequestStatus.FINISHED_ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(0, req.num_cached_tokens),
             num_output_tokens=req.num_output_tokens,

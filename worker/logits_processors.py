@@ -1,7 +1,8 @@
-"""Penalties and logit bias, applied to a batch's logits on the device before sampling.
+"""Allowed tokens, penalties and logit bias, applied to a batch's logits on the device before sampling.
 
 Definitions (vLLM's, which follow OpenAI's and Hugging Face's):
-  logit_bias          logits[t] += bias[t]                                  (applied first)
+  allowed_token_ids   logits[t] = -inf for every t not in the list          (applied first)
+  logit_bias          logits[t] += bias[t]
   repetition_penalty  over prompt + generated tokens t: logits[t] / r if logits[t] > 0, else * r
                       (Hugging Face's RepetitionPenaltyLogitsProcessor)
   frequency_penalty   logits[t] -= f * count of t among the generated tokens
@@ -10,6 +11,8 @@ Definitions (vLLM's, which follow OpenAI's and Hugging Face's):
 Everything is batched: token histories become one padded index tensor, counted with one
 scatter_add into [rows, V]; no Python loop runs over the vocabulary. Only rows of requests
 that ask for a penalty or a bias are touched, and a batch without any costs one Python check.
+A request's token ids are checked on the host before they index (request_isolation.py): one
+outside the logits fails that request alone.
 
 "Generated tokens" are `Request.output_token_ids`: on a decode worker of a P/D pair they
 include the first token the prefill worker sampled (it is appended at admission), so the
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.worker.request import Request, RequestError
+from pdserve.worker.request import Request
+from pdserve.worker.request_isolation import columns, isolated
 
 
 def token_counts(histories: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -38,10 +42,12 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
     """In place: logits[i, t] += bias for every (t, bias) of request i."""
     rows, cols, vals = [], [], []
     for i, r in enumerate(reqs):
-        for t, b in r.params.logit_bias:
-            rows.append(i)
-            cols.append(t)
-            vals.append(b)
+        if r.params.logit_bias:
+            with isolated(r, "logit_bias"):
+                ids = columns((t for t, _ in r.params.logit_bias), logits.shape[-1], "logit_bias")
+                rows += [i] * len(ids)
+                cols += ids
+                vals += [b for _, b in r.params.logit_bias]
     if not rows:
         return
     dev = logits.device
@@ -79,17 +85,26 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     logits[rows] = x
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """In place: -inf in row i outside request i's allowed_token_ids (rows without a list untouched)."""
+    if all(r.params.allowed_token_ids is None for r in reqs):
+        return
+    for i, r in enumerate(reqs):
+        if r.params.allowed_token_ids is not None:
+            with isolated(r, "allowed_token_ids"):
+                idx = r.allowed_token_index
+                if idx is None:  # once per request: the list can be as long as the vocabulary
+                    ids = columns(r.params.allowed_token_ids, logits.shape[-1], "allowed_token_ids")
+                    idx = r.allowed_token_index = torch.tensor(ids, dtype=torch.int64).to(logits.device)
+                kept = logits[i].index_select(0, idx)
+                logits[i] = float("-inf")
+                logits[i].index_copy_(0, idx, kept)
+
+
 def apply_logits_processors(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """In place on [S, V] fp32 logits, one row per request: bias, then penalties (vLLM's order)."""
+    """In place on [S, V] fp32 logits, one row per request: bias, then penalties (vLLM's order;
+    the sampler applies allowed_token_ids before them, with the grammar's mask)."""
     if not any(r.params.modifies_logits for r in reqs):
         return
     apply_logit_bias(logits, reqs)
     apply_penalties(logits, reqs)
-
-
-def check_logit_bias(params, vocab_size: int) -> None:
-    """Token ids of logit_bias must exist in the vocabulary (raises RequestError)."""
-    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError("logit_bias", f"logit_bias token id {bad} is out of range for this model's "
-                                         f"vocabulary (0..{vocab_size - 1})")

@@ -18,7 +18,8 @@ class RequestOutput:
 
     `new_token_ids` holds only the tokens produced since the previous output of this request.
     `finish_reason` is None while running, else "stop" (EOS, stop token or stop string),
-    "length" (max_tokens or max_model_len) or "abort".
+    "length" (max_tokens or max_model_len), "abort", or "error" (this request's own processing
+    failed; `error` says how: request_isolation.py).
     """
 
     request_id: str
@@ -26,6 +27,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # with finish_reason "error": what failed
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or pulled remotely)
     num_output_tokens: int = 0  # total so far

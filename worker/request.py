@@ -6,6 +6,7 @@ import enum
 import time
 
 from pdserve.protocol.kv_transfer import parse_kv_transfer_params
+from pdserve.worker.request_isolation import isolated
 from pdserve.worker.sampling_params import SamplingParams
 
 
@@ -17,6 +18,11 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+class RequestFailed(Exception):
+    """The engine could not process this request (its own work in a step raised: request_isolation.py);
+    the engine and every other request carry on. The server answers 500 `request_failed`."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)admission: new, preempted (to be recomputed), or its remote KV arrived
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # owns blocks that a pull from a prefill worker is filling
@@ -24,10 +30,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its own processing failed (Request.failure says why); the engine lives on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -65,6 +73,11 @@ class Request:
         self.hands_over_first = False
         # structured_output.GrammarMatcher when params.structured is set (the engine makes it).
         self.grammar = None
+        # params.allowed_token_ids on the logits' device, made at its first step (logits_processors.py).
+        self.allowed_token_index = None
+        # Why this request's own work in a step raised (request_isolation.py): set once, on the
+        # step thread; the scheduler then ends it as FINISHED_ERROR without that step's token.
+        self.failure: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,13 +111,20 @@ class Request:
             self.first_scheduled_time = time.monotonic()
 
     def check_stop(self, max_model_len: int) -> bool:
-        """After appending a token: decide whether the request is done (token-level rules)."""
+        """After appending a token (none if the request failed): decide whether it is done."""
+        if self.failure is not None:
+            self.set_status(RequestStatus.FINISHED_ERROR)
+            return True
         last = self.token_ids[-1]
         n = self.num_output_tokens
         if self.grammar is not None:
             # The grammar is complete (its EOS consumed), or a token outside it arrived: stop,
             # as vLLM does. Advancing here also consumes a handed-over first token (P/D).
-            self.grammar.advance(self.output_token_ids)
+            with isolated(self, "structured output"):
+                self.grammar.advance(self.output_token_ids)
+            if self.failure is not None:
+                self.set_status(RequestStatus.FINISHED_ERROR)
+                return True
             if self.grammar.terminated or self.grammar.failed:
                 self.set_status(RequestStatus.FINISHED_STOPPED)
                 return True

@@ -5,15 +5,20 @@ token in the output): the tokens do not depend on what the request is batched wi
 preemption, or on which worker samples which position. The last is what makes P/D exact: the
 prefill worker samples output 0 and the decode worker outputs 1.., from the same streams a
 single worker would use.
+
+A row's own work (its stop ids, its sampling, its logprobs; its grammar and bias in the modules
+that apply them) runs isolated (request_isolation.py): if it raises, that request fails and the
+batch's other rows are sampled as if it were not there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.worker.logits_processors import apply_logits_processors
+from pdserve.worker.logits_processors import apply_allowed_token_ids, apply_logits_processors
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.request import Request
+from pdserve.worker.request_isolation import columns, isolated
 from pdserve.worker.structured_output import apply_grammar_masks
 
 
@@ -41,13 +46,15 @@ class Sampler:
         feeds the tensor to the next step. Logprobs: None when no request asked."""
         logits = logits.float()
         apply_grammar_masks(logits, reqs)  # response_format / guided_*: -inf outside the grammar
+        apply_allowed_token_ids(logits, reqs)  # masks first: min_tokens looks at what they leave
         self._suppress_early_stop(logits, reqs)
         apply_logits_processors(logits, reqs)  # bias and penalties (logprobs below include them)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in reqs):  # a Python check: no device sync on the hot path
             for i, r in enumerate(reqs):
                 if not r.params.greedy:
-                    tokens[i] = self._sample_row(logits[i], r)
+                    with isolated(r, "sampling"):  # a failed row keeps its argmax: dropped with the request
+                        tokens[i] = self._sample_row(logits[i], r)
         if all(r.params.logprobs is None for r in reqs):
             return tokens, None
         return tokens, self._logprobs(logits, tokens.tolist(), reqs)
@@ -56,21 +63,31 @@ class Sampler:
     def _suppress_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):
             if r.next_output_index < r.params.min_tokens:
-                stops = list(r.eos_token_ids) + list(r.params.stop_token_ids)
-                if stops and r.grammar is not None:
-                    # A complete grammar allows only its end: that wins over min_tokens (a row of
-                    # -inf has nothing to sample). Rare (min_tokens + a grammar), so the sync is fine.
-                    rest = logits[i].clone()
-                    rest[stops] = float("-inf")
-                    if not bool(torch.isfinite(rest).any()):
-                        continue
-                if stops:
-                    logits[i, stops] = float("-inf")
+                with isolated(r, "min_tokens"):
+                    Sampler._suppress_row(logits, i, r)
+
+    @staticmethod
+    def _suppress_row(logits: torch.Tensor, i: int, r: Request) -> None:
+        stops = columns([*r.eos_token_ids, *r.params.stop_token_ids], logits.shape[-1], "stop")
+        if stops and (r.grammar is not None or r.params.allowed_token_ids is not None):
+            # A complete grammar allows only its end (allowed_token_ids only stop tokens): that wins
+            # over min_tokens (a row of -inf has nothing to sample). Rare, so the sync is fine.
+            rest = logits[i].clone()
+            rest[stops] = float("-inf")
+            if not bool(torch.isfinite(rest).any()):
+                return
+        if stops:
+            logits[i, stops] = float("-inf")
 
     @staticmethod
     def _sample_row(row: torch.Tensor, r: Request) -> int | torch.Tensor:
         p = r.params
-        row = row / p.temperature
+        # Finite values only: torch.multinomial raises on inf or NaN probabilities (on a GPU it is
+        # a device-side assert, fatal to every request). A repetition penalty near 0 divides a
+        # logit to inf, and inf * 0 is NaN. Clamped, +inf is a huge logit, NaN and -inf a tiny
+        # one (probability 0, as -inf has), and a row with every token masked is uniform, not NaN.
+        big = torch.finfo(row.dtype).max
+        row = torch.nan_to_num(row / p.temperature, nan=-big, posinf=big, neginf=-big)
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -95,12 +112,13 @@ class Sampler:
         lp = logits.log_softmax(-1)
         for i, r in enumerate(reqs):
             k = r.params.logprobs
+            out.append(None)
             if k is None:
-                out.append(None)
                 continue
-            top = []
-            if k > 0:
-                vals, ids = lp[i].topk(k)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            out.append(TokenLogprob(tokens[i], float(lp[i, tokens[i]]), top))
+            with isolated(r, "logprobs"):
+                top = []
+                if k > 0:
+                    vals, ids = lp[i].topk(min(k, lp.shape[-1]))
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                out[-1] = TokenLogprob(tokens[i], float(lp[i, tokens[i]]), top)
         return out

@@ -1,10 +1,24 @@
-"""Per-request sampling parameters: one frozen, validated value object."""
+"""Per-request sampling parameters: one frozen, validated value object.
+
+Every value a client can send is bounded here, with vLLM's bounds where it has them
+(SamplingParams._verify_args), so that no request's numbers can break the sampler's arithmetic:
+non-finite values are refused, a temperature below vLLM's epsilon samples greedily (dividing
+logits by 1e-40 overflows to inf, and softmax then gives NaN), seeds are 64-bit signed integers
+as in vLLM's OpenAI server. Token ids are checked against the vocabulary by `check_vocabulary`,
+once the model is known.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
+from pdserve.worker.stop_strings import StopStrings
 from pdserve.worker.structured_output import StructuredOutputSpec
+
+# vLLM's _SAMPLING_EPS: a temperature below it means greedy sampling.
+SAMPLING_EPS = 1e-5
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # torch.long's range, vLLM's bound on `seed`
 
 
 class SamplingParamsError(ValueError):
@@ -38,11 +52,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # response_format / guided_*: the output is masked to this grammar (structured_output.py).
     structured: StructuredOutputSpec | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # `stop` compiled for the detokenizer (stop_strings.py), derived here. A copy made with
+    # dataclasses.replace (the n choices of a seeded request) shares it: one compile per request.
+    stop_strings: StopStrings | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 2.0:
+        if not 0.0 <= self.temperature <= 2.0:  # NaN fails every comparison: refused too
             raise SamplingParamsError("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -55,9 +74,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0.0:
-            raise SamplingParamsError("repetition_penalty",
-                                      f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be a finite number greater "
+                                                            f"than 0, got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} "
@@ -66,6 +85,24 @@ class SamplingParams:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise SamplingParamsError("seed", f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")
+        if self.stop_strings is None or self.stop_strings.stops is not self.stop:
+            object.__setattr__(self, "stop_strings", StopStrings(self.stop))
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids the sampler indexes the logits with must be columns of them: `vocab_size`
+        is the logits' width (the model's vocab_size, which may exceed the tokenizer's length:
+        padded rows are real, samplable columns). Raises SamplingParamsError naming the field."""
+        fields = (("stop_token_ids", self.stop_token_ids), ("logit_bias", (t for t, _ in self.logit_bias)),
+                  ("allowed_token_ids", self.allowed_token_ids or ()))
+        for name, ids in fields:
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise SamplingParamsError(name, f"{name} holds token id {bad}, out of range for this model's "
+                                                f"vocabulary (0..{vocab_size - 1})")
 
     @property
     def has_penalties(self) -> bool:
@@ -74,8 +111,9 @@ class SamplingParams:
     @property
     def modifies_logits(self) -> bool:
         """Penalties, bias or a grammar change this request's logits before sampling (even greedy)."""
-        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
+        return (self.has_penalties or bool(self.logit_bias) or self.structured is not None
+                or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

@@ -218,7 +218,8 @@ class Scheduler:
                 self.bm.register_computed(req, advanced[i])
             if token is None:  # a prefill chunk that did not reach the end of the sequence
                 continue
-            req.token_ids.append(token)
+            if req.failure is None:  # a request whose sampling failed ends without its token (check_stop)
+                req.token_ids.append(token)
             if req.status is RequestStatus.WAITING:  # preempted while in flight: recomputed with it
                 if req.check_stop(self.max_model_len):  # unless it ends the request
                     self.waiting.remove(req)

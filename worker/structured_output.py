@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.worker.request_isolation import is_device_fault, isolated
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("llguidance", "xgrammar")
@@ -289,6 +291,7 @@ class StructuredOutputs:
 
 
 _BIT = torch.arange(8, dtype=torch.uint8)
+STAGE = "structured output"  # where a request failed, as its error says
 
 
 def fill_bitmask(reqs) -> torch.Tensor | None:
@@ -299,18 +302,29 @@ def fill_bitmask(reqs) -> torch.Tensor | None:
         return None
     bitmask = torch.full((len(reqs), (rows[0][1].vocab_size + 31) // 32), -1, dtype=torch.int32)
     pooled = []
+    # A matcher that raises fails its request alone (request_isolation.py); its row is then
+    # whatever the fill left, sampled and dropped with the request.
     for i, m in rows:
-        m.advance(reqs[i].output_token_ids)  # a token appended since the last step (the P/D hand-off's)
-        if m.executor is not None and not (m.terminated or m.failed):
-            pooled.append((m, i))
-        else:
-            m.fill(bitmask, i)
-    if len(pooled) == 1:
-        pooled[0][0].fill(bitmask, pooled[0][1])
-    elif pooled:
+        with isolated(reqs[i], STAGE):
+            m.advance(reqs[i].output_token_ids)  # a token appended since the last step (the P/D hand-off's)
+            if m.executor is not None and not (m.terminated or m.failed):
+                pooled.append((m, i))
+            else:
+                m.fill(bitmask, i)
+    if len(pooled) > 1:
         import llguidance.torch
 
-        llguidance.torch.fill_next_token_bitmask_par(pooled[0][0].executor, [(m._m, i) for m, i in pooled], bitmask)
+        try:
+            llguidance.torch.fill_next_token_bitmask_par(pooled[0][0].executor, [(m._m, i) for m, i in pooled],
+                                                         bitmask)
+            return bitmask
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            # One matcher failed the batch's call: row by row, so the failure is its request's alone.
+    for m, i in pooled:
+        with isolated(reqs[i], STAGE):
+            m.fill(bitmask, i)
     return bitmask
 
 

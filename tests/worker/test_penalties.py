@@ -94,6 +94,22 @@ def test_no_penalty_batch_is_untouched():
     assert torch.equal(logits, before)
 
 
+def test_allowed_token_ids_restrict_sampling_and_greedy():
+    """vLLM's allowed_token_ids: only those tokens, whether sampled (many seeds) or greedy (the
+    best of them), and rows without a list untouched."""
+    from pdserve.worker.sampler import Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    allowed = (4, 40, 90)
+    sampled = {Sampler()(logits.clone(), [_request([1], [], temperature=1.0, seed=s, allowed_token_ids=allowed),
+                                          _request([1], [])])[0][0] for s in range(200)}
+    assert sampled == set(allowed)  # each of them, nothing else
+    greedy, free = Sampler()(logits.clone(), [_request([1], [], temperature=0.0, allowed_token_ids=allowed),
+                                              _request([1], [], temperature=0.0)])[0]
+    assert greedy == max(allowed, key=lambda t: logits[0, t]) and free == int(logits[1].argmax())
+
+
 # -- the engine against a Hugging Face greedy loop over the same checkpoint ---------------------------
 
 # A 32-token vocabulary: 24 greedy tokens must repeat some, so every penalty has work to do.

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from pdserve.worker.outputs import RequestOutput
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.server.metrics import ServerMetrics
 
 _END = object()
@@ -36,8 +36,10 @@ class Generation:
             for s in range(n):
                 params_i = params
                 if params.seed is not None and n > 1:
-                    # Same seed for every sample would make the n choices identical.
-                    params_i = dataclasses.replace(params, seed=params.seed + s)
+                    # Same seed for every sample would make the n choices identical. Wrapped
+                    # within int64, the seeds' range, so the largest seed still has n choices.
+                    seed = (params.seed + s - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+                    params_i = dataclasses.replace(params, seed=seed)
                 self.jobs.append((f"{request_id}-{p * n + s}", prompt, params_i))
         self.kv_transfer_params = kv_transfer_params
 

@@ -48,6 +48,7 @@ def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, 
             logit_bias=logit_bias(body),
             prompt_logprobs=prompt_logprobs,
             structured=structured_output(body),
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         )
     except SamplingParamsError as e:
         if e.param != "logprobs":

@@ -35,6 +35,7 @@ from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.outputs import RequestOutput, TokenLogprob
+from pdserve.worker.request import RequestFailed
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.server.generation import Generation
 
@@ -81,7 +82,7 @@ def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
     token (what its detokenizer released, detokenizer.py); "" for any other request."""
     if not is_remote_decode(kv_params) or kv_params.first_token_id is None:
         return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
-    return IncrementalDetokenizer(tokenizer, prompt, params.stop).update([kv_params.first_token_id])[0]
+    return IncrementalDetokenizer(tokenizer, prompt, params.stop_strings).update([kv_params.first_token_id])[0]
 
 
 async def off_loop(fn, *args, **kwargs):
@@ -177,6 +178,8 @@ async def start(request: Request, gen: Generation) -> tuple[tuple[int, RequestOu
 
     try:
         return await unless_disconnected(request, first()), events
+    except RequestFailed as e:  # this request alone failed in an engine step; the engine serves on
+        raise failed(e) from None
     except ValueError as e:  # the engine refused the request's content (RequestError, SamplingParamsError)
         raise bad_request(str(e), getattr(e, "param", None), getattr(e, "code", None)) from None
     except RuntimeError as e:  # EngineDeadError: the step loop is gone; the pod must restart
@@ -235,7 +238,10 @@ async def collect(request: Request, first: tuple[int, RequestOutput], events: Ev
             async for i, out in events:
                 choices[i].add(out)
 
-    await unless_disconnected(request, rest())
+    try:
+        await unless_disconnected(request, rest())
+    except RequestFailed as e:  # after its first output: still a JSON error, the answer had not begun
+        raise failed(e) from None
     return choices
 
 
@@ -268,7 +274,15 @@ def handoff_response(request: Request, first: tuple[int, RequestOutput], events:
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
+def failed(e: RequestFailed) -> APIError:
+    """A request the engine failed alone (its own step work raised; logged there): a 500, since
+    input that gets this far is a gap in validation, with a code that says the worker is fine."""
+    return APIError(500, f"the engine could not process this request: {e}", code="request_failed")
+
+
 def stream_error(e: BaseException) -> bytes:
     """The error event of a stream that failed after its 200 (the caller sends [DONE] after it)."""
+    if isinstance(e, RequestFailed):
+        return event(failed(e).body())
     log.exception("request failed mid-stream", exc_info=e)
     return event(error_body(500, f"engine error: {type(e).__name__}: {e}"))
