@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pdserve.protocol.contract import HEADER_REQUEST_ID
+from pdserve.protocol.contract import HEADER_REQUEST_ID, request_id_from
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
