@@ -10,6 +10,8 @@ can be compared with a single worker's.
 
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
+{"refuse": code}: every completion is refused with that status (a client error of any class,
+in OpenAI's shape); 0 serves them again;
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
 (a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered
 and the /v1/models requests.
@@ -88,6 +90,7 @@ class State:
     def __init__(self, args):
         self.args = args
         self.mode = "ok"
+        self.refuse = 0  # a status every completion is refused with (0: none)
         self.after = 0
         self.waiting = 0.0
         self.used = 0  # blocks held by running requests
@@ -144,6 +147,9 @@ def build(args) -> Starlette:
         if st.mode == "500":
             return JSONResponse({"error": {"message": "injected", "type": "internal_server_error",
                                            "param": None, "code": None}}, status_code=500)
+        if st.refuse:
+            return JSONResponse({"error": {"message": f"refused with {st.refuse}", "type": "invalid_request_error",
+                                           "param": "messages", "code": "injected"}}, status_code=st.refuse)
         if st.mode == "exit_now":
             os._exit(1)
         if body.get("model") != args.model:
@@ -358,6 +364,7 @@ def build(args) -> Starlette:
     async def control(request: Request) -> Response:
         body = await request.json()
         st.mode = body.get("mode", st.mode)
+        st.refuse = body.get("refuse", st.refuse)
         st.after = body.get("after", st.after)
         st.waiting = body.get("waiting", st.waiting)
         st.handoff = body.get("handoff", st.handoff)

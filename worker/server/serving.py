@@ -49,8 +49,9 @@ def new_id(prefix: str) -> str:
 
 def response_id(request: Request, prefix: str, fallback: str) -> str:
     """OpenAI's id shape (`cmpl-…`, `chatcmpl-…`); with an X-Request-Id (a router sends one to
-    prefill and decode) it is `{prefix}-{that id}`, as vLLM names it, so both legs agree."""
-    header = request.headers.get(HEADER_REQUEST_ID)
+    prefill and decode) it is `{prefix}-{that id}`, as vLLM names it, so both legs agree (the
+    id cut to MAX_REQUEST_ID_CHARS, as the router cuts it)."""
+    header = request_id_from(request.headers.get(HEADER_REQUEST_ID))
     return f"{prefix}-{header}" if header else fallback
 
 
