@@ -150,12 +150,13 @@ def test_a_trusted_client_template_is_rendered(worker):
 
 
 def test_pathological_templates_are_bounded_400s(worker):
+    """Sent as the issue sent them, in chat_template_kwargs (where transformers took a template)."""
     with Liveness({"worker": worker.url}, {"worker": worker.proc.pid}) as live:
         for name, template in PATHOLOGICAL_TEMPLATES.items():
-            r = chat(worker, {"messages": [USER], "chat_template": template})
+            r = chat(worker, {"messages": [USER], "chat_template_kwargs": {"chat_template": template}})
             assert r.status_code == 400, (name, r.text)
             error = r.json()["error"]
-            assert error["param"] == "chat_template" and error["code"] in BOUNDED, (name, error)
+            assert error["param"] == "chat_template_kwargs.chat_template" and error["code"] in BOUNDED, (name, error)
     live.assert_ok(rss_growth_mib=100)
     assert_serves(worker)
 
