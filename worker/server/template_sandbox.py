@@ -310,6 +310,14 @@ def _bounded_filter(name: str, fn):
             args = (*args[:skip], items, *rest)
         elif name == "format" and isinstance(value, str):
             _check_percent(value, (*rest, *kwargs.values()))
+        elif name == "list":
+            b.check_size(_length(value), "a list")
+        elif name == "sum":
+            # Summing lists or strings (a `start` of [] or "") copies the sum so far at every step,
+            # all inside one C call: only numbers are summed in a chat template.
+            start = rest[1] if len(rest) > 1 else kwargs.get("start", 0)
+            if not isinstance(start, (int, float)):
+                raise SecurityError("sum() adds numbers only in chat templates")
         return _check_value(fn(*args, **kwargs), f"the result of '{name}'")
 
     return bounded
