@@ -90,7 +90,7 @@ class HistoryFunction(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     name: str = Field(min_length=1)
-    arguments: Any = None  # JSON text or an object; an object once validated
+    arguments: Any = Field(default_factory=dict)  # JSON text or an object; an object once validated
 
     @field_validator("arguments")
     @classmethod
