@@ -22,8 +22,9 @@ GET /debug/requests (bodies and headers received).
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
 `stream_kv` gets two NDJSON lines (unless --json-prefill: an old worker's one JSON answer), line
 1 the early params (pinned at admission), line 2 the ordinary answer. POST /control
-{"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"break"}
-makes line 2 an error, or breaks the connection instead; "ok" again restores it ("delay" and
+{"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"refuse"|"break"}
+makes line 2 an error (a server's, or a refusal of the request's content), or breaks the connection
+instead; "ok" again restores it ("delay" and
 "header_delay" set those flags' values). As a decode
 worker, a request with streamed params asks the prefill's side channel (POST /kv/progress) for
 the prefill's state on arrival (recorded in /debug/requests as `prefill_state_at_arrival`), then
@@ -259,13 +260,13 @@ def build(args) -> Starlette:
                 if st.handoff == "break":
                     st.log("break", rid)
                     raise RuntimeError("injected: the prefill's connection breaks after line 1")
-                if st.handoff == "error":
-                    st.log("error", rid)
+                if st.handoff in ("error", "refuse"):
+                    st.log(st.handoff, rid)
                     answered = True
                     st.pinned.pop(rid, None)
                     prefill.end("cancelled")
-                    yield json.dumps({"error": {"message": "injected", "type": "internal_server_error",
-                                                "code": None}}).encode() + b"\n"
+                    kind = "internal_server_error" if st.handoff == "error" else "invalid_request_error"
+                    yield json.dumps({"error": {"message": "injected", "type": kind, "code": None}}).encode() + b"\n"
                     return
                 text = tokens_for(prompt, 1)[0]
                 if stop_first:  # nothing to decode: the pin goes with the answer
