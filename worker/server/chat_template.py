@@ -40,6 +40,8 @@ COMPILED_CACHE = 16
 
 
 class ChatTemplates:
+    """One worker's chat templating: the model's template, the trust rule for a client's, the bounds."""
+
     def __init__(self, tokenizer, max_model_len: int, max_chars: int, timeout_s: float, trust_requests: bool):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -84,9 +86,10 @@ class ChatTemplates:
         except RenderBoundError as e:
             raise self._over_bounds(e, client_param) from None
         except jinja2.TemplateSyntaxError as e:
-            raise bad_request(f"the chat template does not compile: {e}", param) from None
+            raise bad_request(f"the chat template does not compile: {_said(e)}", param) from None
         except Exception as e:  # raise_exception(), wrong roles order, bad variables: the request's
-            raise bad_request(f"the chat template rejected the messages: {type(e).__name__}: {e}", param) from None
+            raise bad_request(f"the chat template rejected the messages: {type(e).__name__}: {_said(e)}",
+                              param) from None
         if continue_final_message:
             text = _cut_at_tag(text, final)
         return text
@@ -104,6 +107,12 @@ class ChatTemplates:
             f"This model's maximum context length is {self.max_model_len} tokens (--max-model-len), but the "
             f"messages make a prompt longer than that many tokens can hold ({e}); reduce the messages.",
             "messages", "context_length_exceeded")
+
+
+def _said(e: Exception) -> str:
+    """An error's text for a 400, cut short (it may quote a template line or the data)."""
+    text = str(e)
+    return text if len(text) <= 500 else text[:500] + "..."
 
 
 def _alias_reasoning(message: dict) -> dict:
