@@ -39,12 +39,22 @@ ENV_NIXL_PROGRESS_NICE = "PDSERVE_NIXL_PROGRESS_NICE"
 # the session-affinity policy.
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_SESSION_ID = "x-session-id"
+# A client's X-Request-Id names the request in every chunk's `id` (`chatcmpl-{id}`), a response
+# header, both upstream legs and the logs: a longer one is cut to this, by the router and the
+# worker alike (`request_id_from`), so one of 64 KiB is not repeated into every chunk. (vLLM
+# takes the header as it comes; 128 holds any UUID, trace or span id with room to spare.)
+MAX_REQUEST_ID_CHARS = 128
 
 # The OpenAI routes both the router and the worker serve, by short name.
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # On a prefill worker: the router frees a hand-off's pin that no decode worker was sent
 # (the client left first), with the kv_transfer_params the prefill answered as the body.
 PATH_KV_RELEASE = "/kv/release"
+
+
+def request_id_from(header: str | None) -> str | None:
+    """The request id an X-Request-Id header gives (None when there is none)."""
+    return header[:MAX_REQUEST_ID_CHARS] if header else None
 
 
 def api_keys_from(raw: str | None) -> tuple[str, ...]:

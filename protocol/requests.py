@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from pdserve.protocol import chat_templates
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.kv_transfer import KVTransferField
 from pdserve.protocol.structured import StructuredOutputFields
-from pdserve.protocol.tools import Tool, ToolChoice, check_tool_request
+from pdserve.protocol.tools import HistoryToolCall, Tool, ToolChoice, check_tool_request
 
 MAX_N = 128
 
@@ -98,6 +99,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # Typed, so a malformed one is a 400 here and never reaches the template step.
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
         """`index`: this message's place in `messages`, for the `param` of a 400."""
@@ -128,9 +133,15 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: refused unless the worker trusts request templates
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" when tools are given (OpenAI's default)
     parallel_tool_calls: bool = True
+
+    @field_validator("chat_template_kwargs", "chat_template")
+    @classmethod
+    def _bounded(cls, value: Any, info) -> Any:
+        return chat_templates.validated(value, info.field_name)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

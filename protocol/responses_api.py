@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.sse import SSEResponse
+from pdserve.protocol.tools import parse_arguments
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # Responses fields with no chat counterpart that cost nothing to accept.
@@ -79,8 +80,12 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
         if kind == "function_call":  # a call the model made: an assistant turn's tool_calls
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")) or not item["name"]:
                 raise bad_request("a function_call item needs call_id, name and arguments (strings)", f"input.{i}")
+            try:  # checked here too, so the 400 names the Responses item, not the chat message it becomes
+                parse_arguments(item["arguments"])
+            except ValueError as e:
+                raise bad_request(f"input.{i}.arguments: {e}", f"input.{i}.arguments") from None
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = msgs[-1] if msgs else None

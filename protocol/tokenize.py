@@ -3,7 +3,8 @@ forwards to a worker of the model) and the worker (which runs the model's tokeni
 
     POST /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                    or {model?, messages, add_generation_prompt=true, continue_final_message=false,
-                       add_special_tokens=false, chat_template_kwargs?, tools?, return_token_strs=false}
+                       add_special_tokens=false, chat_template_kwargs?, chat_template?, tools?,
+                       return_token_strs=false}
                    -> {count, max_model_len, tokens, token_strs}   (token_strs null unless asked)
     POST /detokenize  {model?, tokens} -> {prompt}
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.protocol import chat_templates
 from pdserve.protocol.body import validate
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.requests import ChatCompletionRequest, ChatMessage
@@ -46,13 +48,20 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as a chat completion's (protocol/chat_templates.py)
     tools: list[Tool] | None = None
+
+    @field_validator("chat_template_kwargs", "chat_template")
+    @classmethod
+    def _bounded(cls, value: Any, info) -> Any:
+        return chat_templates.validated(value, info.field_name)
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion whose prompt this is."""
         return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
-                                     chat_template_kwargs=self.chat_template_kwargs, tools=self.tools)
+                                     chat_template_kwargs=self.chat_template_kwargs, chat_template=self.chat_template,
+                                     tools=self.tools)
 
 
 class DetokenizeRequest(_Strict):

@@ -12,7 +12,8 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.protocol.errors import bad_request
 
@@ -62,6 +63,55 @@ def check_tool_request(tools: list[Tool] | None, choice: ToolChoice | None) -> N
 
 def _show(choice: ToolChoice) -> str:
     return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
+
+
+# ---- past calls, in a request's history ------------------------------------------------------
+
+def parse_arguments(arguments: Any) -> dict:
+    """A past call's arguments as the object chat templates expect: OpenAI sends JSON text, some
+    clients the object itself; none or "" is no arguments (vLLM's reading). Anything else is the
+    client's error (ValueError saying why), never a crash in the template step: JSON text that
+    does not parse, or that is not an object, or nests past the parser's recursion limit."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"the arguments are not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"the arguments must be a JSON object, got {type(arguments).__name__}")
+    return arguments
+
+
+class HistoryFunction(BaseModel):
+    """The function of a call the assistant made earlier, as a client sends it back."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    arguments: Any = Field(default_factory=dict)  # JSON text or an object; an object once validated
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, value: Any) -> dict:
+        try:
+            return parse_arguments(value)
+        except ValueError as e:
+            # A custom error keeps the message whole, without pydantic's "Value error, " prefix.
+            raise PydanticCustomError("tool_call_arguments", "{message}", {"message": str(e)}) from None
+
+
+class HistoryToolCall(BaseModel):
+    """One entry of a past assistant message's `tool_calls`. Validated with the request, by the
+    router and the worker alike: a malformed entry (`[1]`, `"abc"`, no function, arguments that
+    are not a JSON object) is a 400 naming it (`messages.2.tool_calls.0...`), not a worker error."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: HistoryFunction
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from starlette.responses import JSONResponse, Response
 from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, validate
-from pdserve.protocol.contract import HEADER_REQUEST_ID, HEADER_SESSION_ID, ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.contract import (HEADER_REQUEST_ID, HEADER_SESSION_ID, ROLE_DECODE, ROLE_PREFILL,
+                                       request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
@@ -154,7 +155,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()
         # One id for the client, both upstream legs and the logs; echoed as a response header.
-        request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
+        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID)) or uuid.uuid4().hex
         try:
             call = await parse(request, route, request_id)
             response = await unless_disconnected(request, app.state.orchestrator.handle(call))
@@ -190,7 +191,7 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route, answered by one worker."""
-        request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
+        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID)) or uuid.uuid4().hex
         try:
             body = parse_object(await read_json(request))
         except ClientGone:

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
-from pdserve.protocol.errors import APIError, UpstreamError
+from pdserve.protocol.errors import TYPES, APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.protocol.responses import RESPONSES
@@ -55,7 +55,26 @@ _MAX_FIRST_LINE = 4 * 1024 * 1024
 
 
 class PrefillFailed(Exception):
-    """The prefill failed after its first line: an error line, a malformed answer, a broken connection."""
+    """The prefill failed after its first line: an error line, a malformed answer, a broken
+    connection. `clients_fault`: the error line is one of a client error's types (the worker
+    refused what the request carries), which is never counted against the worker."""
+
+    def __init__(self, reason: str, clients_fault: bool = False):
+        super().__init__(reason)
+        self.clients_fault = clients_fault
+
+
+# The OpenAI error types of 4xx answers (protocol/errors.py): what an error line names when the
+# request, not the worker, is at fault (it has no status of its own).
+_CLIENT_ERROR_TYPES = frozenset(t for status, t in TYPES.items() if status < 500)
+
+
+def _clients_fault(content: bytes) -> bool:
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") in _CLIENT_ERROR_TYPES
 
 
 class StreamedPrefill:
@@ -100,7 +119,7 @@ class StreamedPrefill:
             answer = RESPONSES[route].model_validate_json(content)
             answer.choices[0]
         except (ValidationError, IndexError):
-            raise PrefillFailed(f"line 2: {content[:300].decode(errors='replace')}") from None
+            raise PrefillFailed(f"line 2: {content[:300].decode(errors='replace')}", _clients_fault(content)) from None
         self.up.succeeded()
         self.up.close()  # read to its end: the connection goes back to the pool, nothing is aborted
         self._metrics.prefill.observe(time.monotonic() - self._started)
@@ -196,7 +215,10 @@ class StreamedHandoff:
             answer = await final
         except PrefillFailed as e:
             leg.drop()
-            prefill.failed(str(e))
+            if e.clients_fault:  # the decode worker, prefilling itself, gives the request its answer
+                prefill.abort()
+            else:
+                prefill.failed(str(e))
             o.metrics.retries.labels("prefill-local").inc()
             log.warning("the prefill failed after its first line (%s); prefilling on the decode worker", e)
             return await o._direct(call, o.selector.pool(ROLE_DECODE, model))

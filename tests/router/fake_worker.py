@@ -10,6 +10,8 @@ can be compared with a single worker's.
 
 Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
+{"refuse": code}: every completion is refused with that status (a client error of any class,
+in OpenAI's shape); 0 serves them again;
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
 (a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered
 and the /v1/models requests.
@@ -20,8 +22,9 @@ GET /debug/requests (bodies and headers received).
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
 `stream_kv` gets two NDJSON lines (unless --json-prefill: an old worker's one JSON answer), line
 1 the early params (pinned at admission), line 2 the ordinary answer. POST /control
-{"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"break"}
-makes line 2 an error, or breaks the connection instead; "ok" again restores it ("delay" and
+{"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"refuse"|"break"}
+makes line 2 an error (a server's, or a refusal of the request's content), or breaks the connection
+instead; "ok" again restores it ("delay" and
 "header_delay" set those flags' values). As a decode
 worker, a request with streamed params asks the prefill's side channel (POST /kv/progress) for
 the prefill's state on arrival (recorded in /debug/requests as `prefill_state_at_arrival`), then
@@ -88,6 +91,7 @@ class State:
     def __init__(self, args):
         self.args = args
         self.mode = "ok"
+        self.refuse = 0  # a status every completion is refused with (0: none)
         self.after = 0
         self.waiting = 0.0
         self.used = 0  # blocks held by running requests
@@ -144,6 +148,9 @@ def build(args) -> Starlette:
         if st.mode == "500":
             return JSONResponse({"error": {"message": "injected", "type": "internal_server_error",
                                            "param": None, "code": None}}, status_code=500)
+        if st.refuse:
+            return JSONResponse({"error": {"message": f"refused with {st.refuse}", "type": "invalid_request_error",
+                                           "param": "messages", "code": "injected"}}, status_code=st.refuse)
         if st.mode == "exit_now":
             os._exit(1)
         if body.get("model") != args.model:
@@ -253,13 +260,13 @@ def build(args) -> Starlette:
                 if st.handoff == "break":
                     st.log("break", rid)
                     raise RuntimeError("injected: the prefill's connection breaks after line 1")
-                if st.handoff == "error":
-                    st.log("error", rid)
+                if st.handoff in ("error", "refuse"):
+                    st.log(st.handoff, rid)
                     answered = True
                     st.pinned.pop(rid, None)
                     prefill.end("cancelled")
-                    yield json.dumps({"error": {"message": "injected", "type": "internal_server_error",
-                                                "code": None}}).encode() + b"\n"
+                    kind = "internal_server_error" if st.handoff == "error" else "invalid_request_error"
+                    yield json.dumps({"error": {"message": "injected", "type": kind, "code": None}}).encode() + b"\n"
                     return
                 text = tokens_for(prompt, 1)[0]
                 if stop_first:  # nothing to decode: the pin goes with the answer
@@ -358,6 +365,7 @@ def build(args) -> Starlette:
     async def control(request: Request) -> Response:
         body = await request.json()
         st.mode = body.get("mode", st.mode)
+        st.refuse = body.get("refuse", st.refuse)
         st.after = body.get("after", st.after)
         st.waiting = body.get("waiting", st.waiting)
         st.handoff = body.get("handoff", st.handoff)

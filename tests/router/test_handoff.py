@@ -196,6 +196,28 @@ def test_prefill_failing_after_line_1_falls_back_to_local_prefill(stack, toleran
     eventually(lambda: settled(streamed, prefill))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_prefill_refusing_the_request_after_line_1_is_not_a_worker_failure(stack, stream):
+    """Line 2 an error of a client error's type (issue 44): the decode worker answers the request
+    itself, and the prefill worker is not counted as failing (three such in a row would eject it)."""
+    prefill, decode, single, streamed, _ = stack
+    path, payload = body(True, stream)
+    send(streamed, path, payload, uuid.uuid4().hex)  # a success: the prefill worker's count is 0
+    for _ in range(3):
+        prefill.control(handoff="refuse", hold="line2")
+        rid = uuid.uuid4().hex
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(send, streamed, path, payload, rid)
+            eventually(lambda: request_of(decode, rid) is not None)
+            prefill.control(release=True)
+            got = answer.result(timeout=30)
+        assert text_of(got, stream) == text_of(send(single, path, payload, uuid.uuid4().hex), stream)
+        assert "refuse" in events_of(prefill, rid)
+    (p,) = [w for w in httpx.get(streamed.url + "/debug/workers", timeout=5).json() if w["url"] == prefill.url]
+    assert p["consecutive_failures"] == 0 and p["routable"]
+    eventually(lambda: settled(streamed, prefill))
+
+
 def test_a_prefill_that_answers_json_takes_the_after_prefill_path(launch):
     prefill, decode, single = launch.fake_worker("--json-prefill"), launch.fake_worker(), launch.fake_worker()
     router = launch.router("--prefill", prefill.url, "--decode", decode.url)

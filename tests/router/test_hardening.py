@@ -91,6 +91,28 @@ def test_worker_4xx_passes_through_and_is_not_a_worker_failure(keyed):
     assert post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 3}').status_code == 200
 
 
+@pytest.mark.parametrize("status", [400, 404, 413, 422, 429])
+def test_every_client_error_class_passes_through_uncounted(keyed, status):
+    """A worker's refusal of the request's content is the client's answer (429: after the other
+    workers refused too), never a failure of the worker: with ejection after ONE failure, a
+    counted one would empty the pools."""
+    prefill, decode, router = keyed
+    for w in (prefill, decode):
+        w.control(refuse=status)
+    try:
+        for stream in (False, True):
+            r = post(router, "/v1/chat/completions", json.dumps({
+                "model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "stream": stream}).encode())
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["type"]
+    finally:
+        for w in (prefill, decode):
+            w.control(refuse=0)
+    assert all(w["routable"] and w["consecutive_failures"] == 0 for w in workers_view(router, KEY))
+    assert metric_keyed(router, "pdserve_router_upstream_errors_total") == 0
+    assert post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 3}').status_code == 200
+
+
 def metric_keyed(router, name: str) -> float:
     text = httpx.get(router.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

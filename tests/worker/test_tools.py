@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.worker.server.chat import render_prompt
+from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.tool_parsers import PARSERS, get_parser
 from pdserve.worker.server.tool_parsers.base import loads_lenient
 from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, plan_tools,
@@ -205,14 +206,15 @@ def test_tools_and_history_rendered_for_smollm2s_template(default_model_dir):
     """SmolLM2's template ignores `tools`: the parser's format is rendered instead."""
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     assert "tools" not in tok.chat_template
+    templates = ChatTemplates(tok, 2048, 1 << 20, 10.0, trust_requests=False)
     body = _request(messages=HISTORY, tools=[WEATHER])
-    text = tok.decode(render_prompt(tok, body, plan_tools(body, "hermes", True), "hermes"))
+    text = tok.decode(render_prompt(templates, body, plan_tools(body, "hermes", True), "hermes"))
     assert "<tools>" in text and '"get_weather"' in text  # the offered tool, in a system turn
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
     forced = _request(messages=ASK, tools=[WEATHER], tool_choice=NAMED)
-    text = tok.decode(render_prompt(tok, forced, plan_tools(forced, "hermes", True), "hermes"))
+    text = tok.decode(render_prompt(templates, forced, plan_tools(forced, "hermes", True), "hermes"))
     assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
 
 

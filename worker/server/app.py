@@ -30,6 +30,7 @@ from pdserve.protocol.responses_api import from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
 from pdserve.worker.model_config import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
+from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -51,6 +52,7 @@ class WorkerState:
         self._on_fatal = on_fatal
         self.engine = None  # set once loaded and started
         self.max_prompt_chars = 0  # serving.max_prompt_chars, set with the engine
+        self.chat_templates: ChatTemplates | None = None  # set with the engine
         self.draining = False
         self._drained: asyncio.Event | None = None  # set when drain() is done (None: no drain began)
         self.inflight: set[str] = set()
@@ -86,6 +88,9 @@ class WorkerState:
             engine = await asyncio.to_thread(self._factory)
             await engine.start()
             self.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, engine.tokenizer, engine.max_model_len)
+            self.chat_templates = ChatTemplates(engine.tokenizer, engine.max_model_len, self.max_prompt_chars,
+                                                self.config.chat_template_timeout_s,
+                                                self.config.trust_request_chat_template)
         except Exception as e:
             if isinstance(e, UnsupportedModelError):  # a model or format we cannot run: the message says which
                 log.error("engine failed to load: %s", e)

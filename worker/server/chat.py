@@ -15,6 +15,7 @@ from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkC
 from pdserve.protocol.sse import DONE, SSEResponse, event
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.server import serving
+from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
 from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, finish_reason,
@@ -38,31 +39,23 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
     return {"content": content}
 
 
-def render_prompt(tokenizer, body: ChatCompletionRequest, tools: ToolPlan = ToolPlan(),
-                  parser_name: str | None = None, limit: tuple[int, int] | None = None) -> list[int]:
-    """The prompt's token ids (any thread: the server runs it off its event loop). With `limit`
-    (max_prompt_chars, max_model_len), a rendered text too long for it is refused before it is
-    tokenized."""
-    if tokenizer.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+def render_prompt(templates: ChatTemplates, body: ChatCompletionRequest, tools: ToolPlan = ToolPlan(),
+                  parser_name: str | None = None) -> list[int]:
+    """The prompt's token ids (any thread: the server runs it off its event loop). A rendered
+    text too long for --max-model-len whatever its tokens is refused before it is tokenized."""
+    source, client_param = templates.source(body, tools.tools)
     messages, tool_kwargs = template_input([m.for_template(i) for i, m in enumerate(body.messages)], tools,
-                                           tokenizer.chat_template, get_parser(parser_name) if parser_name else None)
+                                           source, get_parser(parser_name) if parser_name else None)
     if body.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            **tool_kwargs, **(body.chat_template_kwargs or {}))
-    except Exception as e:  # jinja raise_exception(), wrong roles order, bad kwargs
-        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+    text = templates.render(source, client_param, messages, tools=tool_kwargs.get("tools"),
+                            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                            continue_final_message=body.continue_final_message, variables=body.chat_template_kwargs)
     # A forced tool call starts the reply; its grammar does the rest (tool_parsers/plan.py).
     text += tools.forced_prefix
-    if limit is not None:
-        serving.check_text_length(text, *limit, "messages")
+    serving.check_text_length(text, templates.max_chars, templates.max_model_len, "messages")
     # The template writes the special tokens itself (BOS, role markers): add none on top.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return templates.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
@@ -70,8 +63,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     serving.check_model(body.model, state.served_model_name)
     cfg = state.config
     tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
-    prompt = await serving.off_loop(render_prompt, state.tokenizer, body, tools, cfg.tool_call_parser,
-                                    (state.max_prompt_chars, state.max_model_len))
+    prompt = await serving.off_loop(render_prompt, state.chat_templates, body, tools, cfg.tool_call_parser)
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     serving.check_decode_budget(body.kv_transfer_params, [prompt], state.max_model_len, "messages")

@@ -37,6 +37,12 @@ class ServerConfig:
     tool_call_parser: str | None = flag(None, "tool-call format of the model's output: hermes (Qwen2.5/3, Hermes, "
                                               "SmolLM2) or llama3_json (Llama 3.1/3.2)", unset="no tool calls parsed")
     enable_auto_tool_choice: bool = flag(False, 'let the model decide when to call tools (tool_choice "auto")')
+    # Chat templates (worker/server/chat_template.py). A template sent with a request is code the
+    # worker runs: vLLM refuses it unless told (its CVE-2025-61620), and so does pdserve.
+    trust_request_chat_template: bool = flag(False, "render a chat template sent with a request (chat_template, "
+                                                    "chat_template_kwargs.chat_template) instead of refusing it")
+    chat_template_timeout_s: float = flag(10.0, "seconds a chat template may take to render a request's prompt "
+                                                "(400 after)")
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -51,6 +57,8 @@ class ServerConfig:
         for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
             if value <= 0:
                 raise ConfigError(flag, f"must be > 0 seconds, got {value}")
+        if self.chat_template_timeout_s <= 0:
+            raise ConfigError("--chat-template-timeout", f"must be > 0 seconds, got {self.chat_template_timeout_s}")
         if self.max_connections < 1:
             raise ConfigError("--max-connections", f"must be >= 1, got {self.max_connections}")
         if self.shutdown_grace_s < 0:

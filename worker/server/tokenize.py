@@ -22,7 +22,7 @@ def tokenize(state, body: dict) -> dict:
     if isinstance(req, TokenizeChatRequest):
         chat = req.as_chat()
         tools = ToolPlan(tools=[t.model_dump(exclude_none=True) for t in chat.tools]) if chat.tools else ToolPlan()
-        ids = render_prompt(tok, chat, tools, state.config.tool_call_parser)
+        ids = render_prompt(state.chat_templates, chat, tools, state.config.tool_call_parser)
         if req.add_special_tokens:
             ids = tok.build_inputs_with_special_tokens(ids)
     else:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 
 from pdserve.protocol.errors import APIError, bad_request
-from pdserve.protocol.tools import NamedToolChoice
+from pdserve.protocol.tools import NamedToolChoice, parse_arguments
 from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
 from pdserve.worker.structured_output import StructuredOutputSpec
 
@@ -126,21 +126,18 @@ def template_input(messages: list[dict], plan: ToolPlan, chat_template: str | No
 
 
 def _arguments_as_objects(msg: dict) -> dict:
-    """OpenAI sends a past call's arguments as JSON text; templates expect an object."""
+    """OpenAI sends a past call's arguments as JSON text; templates expect an object. (A request's
+    messages arrive parsed already, protocol/tools.py's HistoryToolCall; this takes plain dicts too.)"""
     calls = msg.get("tool_calls")
     if not calls:
         return msg
     fixed = []
     for i, c in enumerate(calls):
-        fn = dict((c or {}).get("function") or {})
-        if not isinstance(fn.get("name"), str):
-            raise bad_request("an assistant tool call needs function.name", f"messages.tool_calls.{i}")
-        if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"] or "{}")
-            except ValueError:
-                raise bad_request(f"tool call {fn['name']!r} has arguments that are not JSON",
-                                  f"messages.tool_calls.{i}") from None
+        fn = dict(c["function"])
+        try:
+            fn["arguments"] = parse_arguments(fn.get("arguments"))
+        except ValueError as e:
+            raise bad_request(f"tool call {fn.get('name')!r}: {e}", f"tool_calls.{i}.function.arguments") from None
         fixed.append({**c, "function": fn})
     return {**msg, "tool_calls": fixed}
 
