@@ -39,6 +39,12 @@ ENV_NIXL_PROGRESS_NICE = "PDSERVE_NIXL_PROGRESS_NICE"
 # the session-affinity policy.
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_SESSION_ID = "x-session-id"
+# Response header of a worker's 500 that failed one request alone (its own step work raised: a
+# gap in validation, not a sick worker; the engine serves on). The router passes that answer to
+# the client and neither retries it elsewhere nor counts it against the worker: otherwise a
+# request that slips past validation could eject every worker, three times each.
+HEADER_REQUEST_FAILED = "x-pdserve-request-failed"
+CODE_REQUEST_FAILED = "request_failed"  # its error code (also on a streamed prefill's error line)
 # A client's X-Request-Id names the request in every chunk's `id` (`chatcmpl-{id}`), a response
 # header, both upstream legs and the logs: a longer one is cut to this, by the router and the
 # worker alike (`request_id_from`), so one of 64 KiB is not repeated into every chunk. (vLLM

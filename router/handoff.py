@@ -34,7 +34,7 @@ import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from pdserve.protocol.contract import PATHS, ROLE_DECODE
+from pdserve.protocol.contract import CODE_REQUEST_FAILED, PATHS, ROLE_DECODE
 from pdserve.protocol.errors import TYPES, APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
@@ -74,7 +74,9 @@ def _clients_fault(content: bytes) -> bool:
         error = json.loads(content).get("error")
     except (ValueError, AttributeError):
         return False
-    return isinstance(error, dict) and error.get("type") in _CLIENT_ERROR_TYPES
+    # A request the prefill's engine failed alone is no fault of the worker's either.
+    return isinstance(error, dict) and (error.get("type") in _CLIENT_ERROR_TYPES
+                                        or error.get("code") == CODE_REQUEST_FAILED)
 
 
 class StreamedPrefill:

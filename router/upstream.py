@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from pdserve.protocol.contract import PATH_KV_RELEASE
+from pdserve.protocol.contract import HEADER_REQUEST_FAILED, PATH_KV_RELEASE
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Worker, WorkerSet
 
@@ -153,7 +153,8 @@ class Upstream:
     async def post(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
                    limits: "Limits", phase: str) -> Attempt:
         """POST and wait for the status line. 5xx and transport errors are retryable failures;
-        429 is retryable without blaming the worker; other statuses are final answers."""
+        429 is retryable without blaming the worker; other statuses are final answers, and so is
+        a 500 that failed the request alone (HEADER_REQUEST_FAILED)."""
         task = asyncio.current_task()
         self._waiting.setdefault(worker, set()).add(task)
         try:
@@ -175,6 +176,8 @@ class Upstream:
             waiting = self._waiting.get(worker)
             if waiting is not None:
                 waiting.discard(task)
+        if response.status >= 500 and response.headers.get(HEADER_REQUEST_FAILED):
+            return Attempt(worker, response=response)  # this request's failure, final: the worker is fine
         if response.status >= 500 or response.status == 429:
             content = await read_and_close(response)
             reason = f"{response.status}: {content[:200].decode(errors='replace')}"

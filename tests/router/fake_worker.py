@@ -8,8 +8,9 @@ can be compared with a single worker's.
     python tests/router/fake_worker.py --port P [--model NAME] [--delay S] [--prefill-delay S] [--kv-events HOST]
         [--json-prefill]
 
-Test hooks: POST /control {"mode": ok|500|die_mid_stream|hang|exit_now|unhealthy, "after": n,
-"waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself);
+Test hooks: POST /control {"mode": ok|500|request_failed|die_mid_stream|hang|exit_now|unhealthy, "after": n,
+"waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself;
+request_failed is the 500 of a request the engine failed alone, which the router must not count);
 {"refuse": code}: every completion is refused with that status (a client error of any class,
 in OpenAI's shape); 0 serves them again;
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
@@ -49,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pdserve.protocol.contract import CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED
 from pdserve.protocol.disconnect import wait_for_disconnect
 from pdserve.protocol.sse import SSEResponse
 
@@ -148,6 +150,10 @@ def build(args) -> Starlette:
         if st.mode == "500":
             return JSONResponse({"error": {"message": "injected", "type": "internal_server_error",
                                            "param": None, "code": None}}, status_code=500)
+        if st.mode == "request_failed":  # the engine failed this request alone; the worker is fine
+            return JSONResponse({"error": {"message": "injected", "type": "internal_server_error", "param": None,
+                                           "code": CODE_REQUEST_FAILED}},
+                                status_code=500, headers={HEADER_REQUEST_FAILED: "1"})
         if st.refuse:
             return JSONResponse({"error": {"message": f"refused with {st.refuse}", "type": "invalid_request_error",
                                            "param": "messages", "code": "injected"}}, status_code=st.refuse)

@@ -113,6 +113,26 @@ def test_every_client_error_class_passes_through_uncounted(keyed, status):
     assert post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 3}').status_code == 200
 
 
+def test_a_request_the_engine_failed_alone_is_final_and_not_a_worker_failure(keyed):
+    """A worker's 500 `request_failed` (its engine failed that request alone and serves on): the
+    client gets it as it is, once, and no worker is blamed; with ejection after ONE failure, a
+    counted one would empty the pools."""
+    prefill, decode, router = keyed
+    for w in (prefill, decode):
+        w.control(mode="request_failed")
+    try:
+        for stream in (False, True):
+            r = post(router, "/v1/chat/completions", json.dumps({
+                "model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "stream": stream}).encode())
+            assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+    finally:
+        for w in (prefill, decode):
+            w.control(mode="ok")
+    assert all(w["routable"] and w["consecutive_failures"] == 0 for w in workers_view(router, KEY))
+    assert metric_keyed(router, "pdserve_router_upstream_errors_total") == 0
+    assert post(router, "/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 3}').status_code == 200
+
+
 def metric_keyed(router, name: str) -> float:
     text = httpx.get(router.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.contract import HEADER_REQUEST_FAILED
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
@@ -123,6 +124,7 @@ def test_failure_reaches_the_client_as_an_error_never_a_hang(tiny_checkpoint, mo
             time.sleep(0.05)
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 500, r.text
+        assert r.headers.get(HEADER_REQUEST_FAILED) == "1"  # the router reads it: final, not the worker's fault
         err = r.json()["error"]
         assert err["code"] == "request_failed" and "structured output" in err["message"]
         assert c.get("/health").status_code == 200

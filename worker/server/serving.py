@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pdserve.protocol.contract import HEADER_REQUEST_ID, request_id_from
+from pdserve.protocol.contract import CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID, request_id_from
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
@@ -278,7 +278,8 @@ def handoff_response(request: Request, first: tuple[int, RequestOutput], events:
 def failed(e: RequestFailed) -> APIError:
     """A request the engine failed alone (its own step work raised; logged there): a 500, since
     input that gets this far is a gap in validation, with a code that says the worker is fine."""
-    return APIError(500, f"the engine could not process this request: {e}", code="request_failed")
+    return APIError(500, f"the engine could not process this request: {e}", code=CODE_REQUEST_FAILED,
+                    headers={HEADER_REQUEST_FAILED: "1"})
 
 
 def stream_error(e: BaseException) -> bytes:
