@@ -78,8 +78,10 @@ def _structure(raw: bytes) -> bytes:
     of one long string)."""
     text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
     quote = text == ord('"')
-    inside = np.bitwise_xor.accumulate(quote)  # from an opening quote to just before its closing one
-    return text[~(inside | quote)].tobytes()
+    keep = np.bitwise_xor.accumulate(quote)  # from an opening quote to just before its closing one
+    keep |= quote
+    np.logical_not(keep, out=keep)  # (in place: two masks of scratch in all)
+    return text[keep].tobytes()
 
 
 def _values(structure: bytes) -> int:

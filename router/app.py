@@ -44,7 +44,6 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Call, Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
-from pdserve.router.prompt import count_prompt_tokens
 from pdserve.router.selection import Selector
 from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
@@ -138,9 +137,10 @@ def build_app(config: RouterConfig) -> FastAPI:
         served_model(taken.model)
         routing = RoutingRequest(taken.body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
-        # Counted as an arrival once a worker accepts it (Orchestrator: its first 2xx), not here.
+        # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
+        ids = routing.token_ids()
         return Call(taken.route, taken.body, taken.raw, request_id, routing, started=time.monotonic(),
-                    prompt_tokens=count_prompt_tokens(taken.body, routing.token_ids()))
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
 
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()

@@ -24,6 +24,7 @@ from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import echoed, to_chat
+from pdserve.router.prompt import count_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Intake:
     body: dict  # the validated request: every worker call is built from it
     raw: bytes  # `body` as JSON, sent as-is to a worker that serves the request whole
     responses: dict | None  # a Responses request's fields its answer repeats (responses_api.echoed)
+    estimated_tokens: int  # its prompt tokens as router/prompt.py estimates them (no tokenizer)
 
 
 def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
@@ -53,4 +55,4 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
     limits.check(req)
     body = req.model_dump(exclude_unset=True)
-    return Intake(route, model, body, json.dumps(body).encode(), responses)
+    return Intake(route, model, body, json.dumps(body).encode(), responses, count_prompt_tokens(body, None))
