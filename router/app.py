@@ -180,7 +180,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         return await serve(request, "responses")
 
     async def forward(request: Request, path: str, check) -> Response:
-        """/tokenize, /detokenize: validated here like any route, answered by one worker."""
+        """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
+        model, on a thread), answered by one worker."""
         request_id = request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex
         try:
             raw = await read_json(request)
@@ -201,15 +202,18 @@ def build_app(config: RouterConfig) -> FastAPI:
         response.headers[HEADER_REQUEST_ID] = request_id
         return response
 
-    @app.post(PATH_TOKENIZE)
-    async def tokenize(request: Request) -> Response:
-        return await forward(request, PATH_TOKENIZE,
-                             lambda raw: tokenize_request(parse_object(raw, limits.body_values)))
+    def tokenize_body(raw: bytes):
+        # A text's tokens are the worker's to count: it bounds the text as a completion's prompt.
+        return tokenize_request(parse_object(raw, limits.body_values))
 
     def detokenize_body(raw: bytes):
         req = detokenize_request(parse_object(raw, limits.body_values))
         limits.check_prompt_tokens(len(req.tokens), "tokens")
         return req
+
+    @app.post(PATH_TOKENIZE)
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, PATH_TOKENIZE, tokenize_body)
 
     @app.post(PATH_DETOKENIZE)
     async def detokenize(request: Request) -> Response:

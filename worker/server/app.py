@@ -229,7 +229,8 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             # Encoded here too: FastAPI would encode a returned dict on the loop, and a million
             # token ids (with their strings) took seconds of it.
             out = handler(st, parse_object(raw, limits.body_values))
-            return Response(json.dumps(out).encode(), media_type="application/json")
+            return Response(json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode(),
+                            media_type="application/json")
 
         async def route(request: Request, st: WorkerState = Depends(ready)):
             try:
