@@ -115,8 +115,9 @@ def single_sequence(body: dict) -> bool:
     prompt = body.get("prompt")
     if "messages" in body or isinstance(prompt, str):
         return True
-    # A completions prompt list is one prompt only as token ids, or a list of one prompt.
-    return isinstance(prompt, list) and (all(isinstance(t, int) for t in prompt) or len(prompt) == 1)
+    # A completions prompt list is one prompt only as token ids, or a list of one prompt. (The
+    # body is a validated one: a list is of one form, so its first element tells which.)
+    return isinstance(prompt, list) and (len(prompt) == 1 or bool(prompt) and isinstance(prompt[0], int))
 
 
 @dataclass(frozen=True)

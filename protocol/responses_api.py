@@ -181,6 +181,17 @@ def to_chat(body: dict) -> dict:
 
 # ---- answers ---------------------------------------------------------------------------------
 
+# What an answer repeats of its request (`_response`). Kept instead of the whole body, which may
+# hold thousands of input items, for as long as the answer takes (a stream: minutes).
+_ECHOED = ("model", "instructions", "max_output_tokens", "parallel_tool_calls", "temperature", "top_p",
+           "tool_choice", "tools", "text")
+
+
+def echoed(body: dict) -> dict:
+    """The fields of a Responses request that `from_chat` puts in its answer."""
+    return {k: body[k] for k in _ECHOED if k in body}
+
+
 def _response(rid: str, body: dict, status: str, output: list, usage: dict | None, finish: str | None) -> dict:
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status,
@@ -227,7 +238,8 @@ def _copy_headers(src: Response, dst: Response) -> Response:
 
 
 def from_chat(response: Response, body: dict) -> Response:
-    """Map a 200 chat answer (JSON or SSE) back to the Responses shape."""
+    """Map a 200 chat answer (JSON or SSE) back to the Responses shape; `body` is the request, or
+    its `echoed` fields."""
     rid = f"resp_{uuid.uuid4().hex}"
     if isinstance(response, SSEResponse):
         out = SSEResponse(_events(response.body_iterator, body, rid), on_close=response.on_close)

@@ -26,26 +26,25 @@ from starlette.responses import JSONResponse, Response
 
 from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
-from pdserve.protocol.body import parse_object, read_body, validate
+from pdserve.protocol.body import parse_object, read_body
 from pdserve.protocol.contract import (HEADER_REQUEST_ID, HEADER_SESSION_ID, ROLE_DECODE, ROLE_PREFILL,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
-from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
-from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
-from pdserve.protocol.responses_api import from_chat, to_chat
+from pdserve.protocol.request_limits import RequestLimits
+from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
 from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
 from pdserve.router.forward import Forwarder
+from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Call, Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
-from pdserve.router.prompt import count_prompt_tokens
 from pdserve.router.selection import Selector
 from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
@@ -68,6 +67,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     ctx = PolicyContext(kv_index=kv_index, pd_min_prompt_tokens=config.pd_min_prompt_tokens,
                         pd_min_uncached_tokens=config.pd_min_uncached_tokens)
     api_keys = tuple(k.encode() for k in config.api_keys)
+    limits = RequestLimits.of(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -129,28 +129,19 @@ def build_app(config: RouterConfig) -> FastAPI:
                            param="model", code="model_not_found")
 
     async def parse(request: Request, route: str, request_id: str) -> Call:
-        raw = await read_json(request)
-        body = parse_object(raw)
-        if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
-            request.state.responses_body = body
-            body, route = to_chat(body), "chat"
-            raw = json.dumps(body).encode()
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise APIError(400, "'model' is required and must be a string", param="model")
-        if KV_TRANSFER_PARAMS in body:  # only the router may steer KV transfer: a client's are dropped
-            del body[KV_TRANSFER_PARAMS]
-            raw = json.dumps(body).encode()
-        # The worker's own models: what it would refuse as malformed is refused here, before
-        # any worker is called (its semantic checks, such as context length, stay with it).
-        validate(ChatCompletionRequest if route == "chat" else CompletionRequest, body)
-        await app.state.admission.admit(model)  # scale from zero: wait (bounded) for a worker
-        served_model(model)
-        routing = RoutingRequest(body, request.headers.get(HEADER_SESSION_ID), tokenizer)
+        # Parsed, validated and re-serialised on a thread (router/intake.py): CPU in proportion
+        # to the body, which must not stall /health and every other request.
+        taken = await asyncio.to_thread(intake, await read_json(request), route, limits)
+        if taken.responses is not None:
+            request.state.responses_body = taken.responses
+        await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
+        served_model(taken.model)
+        routing = RoutingRequest(taken.body, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
-        metrics.arrived_requests.labels(model).inc()
-        metrics.arrived_prompt_tokens.labels(model).inc(count_prompt_tokens(body, routing.token_ids()))
-        return Call(route, body, raw, request_id, routing, started=time.monotonic())
+        # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
+        ids = routing.token_ids()
+        return Call(taken.route, taken.body, taken.raw, request_id, routing, started=time.monotonic(),
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
 
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()
@@ -190,30 +181,44 @@ def build_app(config: RouterConfig) -> FastAPI:
         return await serve(request, "responses")
 
     async def forward(request: Request, path: str, check) -> Response:
-        """/tokenize, /detokenize: validated here like any route, answered by one worker."""
+        """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
+        model, on a thread), answered by one worker."""
         request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID)) or uuid.uuid4().hex
         try:
-            body = parse_object(await read_json(request))
+            raw = await read_json(request)
         except ClientGone:
             return Response(status_code=499)
-        model = check(body).model
+        req = await asyncio.to_thread(check, raw)
+        model = req.model
         if model is None:  # optional, as on vLLM: the one model served, if there is one
             served = sorted(workers.models())
             if len(served) > 1:
                 raise APIError(400, f"'model' is required: this router serves {', '.join(served)}", param="model")
             model = served[0] if served else ""
         served_model(model)
-        response = await app.state.forwarder.forward(path, body, model, request_id)
+        # What was validated, never a client's unknown fields (as for the OpenAI routes).
+        payload = await asyncio.to_thread(lambda: req.model_copy(update={"model": model}).model_dump_json(
+            exclude_unset=True).encode())
+        response = await app.state.forwarder.forward(path, payload, model, request_id)
         response.headers[HEADER_REQUEST_ID] = request_id
         return response
 
+    def tokenize_body(raw: bytes):
+        # A text's tokens are the worker's to count: it bounds the text as a completion's prompt.
+        return tokenize_request(parse_object(raw, limits.body_values))
+
+    def detokenize_body(raw: bytes):
+        req = detokenize_request(parse_object(raw, limits.body_values))
+        limits.check_prompt_tokens(len(req.tokens), "tokens")
+        return req
+
     @app.post(PATH_TOKENIZE)
     async def tokenize(request: Request) -> Response:
-        return await forward(request, PATH_TOKENIZE, tokenize_request)
+        return await forward(request, PATH_TOKENIZE, tokenize_body)
 
     @app.post(PATH_DETOKENIZE)
     async def detokenize(request: Request) -> Response:
-        return await forward(request, PATH_DETOKENIZE, detokenize_request)
+        return await forward(request, PATH_DETOKENIZE, detokenize_body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

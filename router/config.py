@@ -15,6 +15,7 @@ from pdserve.protocol import cors
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, KV_EVENTS_PORT,
                                        KV_EVENTS_REPLAY_PORT, api_keys_from)
 from pdserve.protocol.flags import ConfigError, flag, flag_name
+from pdserve.protocol.request_limits import RequestLimits, limit_flag
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PD_HANDOFFS = ("streamed", "after-prefill")
@@ -81,6 +82,13 @@ class RouterConfig:
     pd_handoff: str = flag("streamed", "when the decode call opens: streamed (as soon as the prefill worker admits "
                                        "the request) or after-prefill (once it has answered)", choices=PD_HANDOFFS)
     max_body_bytes: int = flag(8 * 1024 * 1024, "larger request bodies get 413")
+    # What one request may ask for, as the workers bound it (protocol/request_limits.py): a request
+    # over a bound is refused here, before any worker is called.
+    max_request_prompt_tokens: int = limit_flag("max_request_prompt_tokens")
+    max_request_sequences: int = limit_flag("max_request_sequences")
+    max_stop_strings: int = limit_flag("max_stop_strings")
+    max_stop_chars: int = limit_flag("max_stop_chars")
+    max_input_items: int = limit_flag("max_input_items")
     connect_timeout_s: float = flag(2.0, "seconds to open a connection to a worker")
     request_timeout_s: float = flag(600.0, "seconds a prefill call, or a whole non-streaming request, may take")
     # A worker answers only once its first token exists, so this covers its queueing and (local)
@@ -154,6 +162,7 @@ class RouterConfig:
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key", "must not be empty")
         cors.check(self)
+        RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.eject_backoff_max_s is None:

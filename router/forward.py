@@ -7,8 +7,6 @@ upstream call's, as on the request path; the worker key rides on the shared sess
 
 from __future__ import annotations
 
-import json
-
 from starlette.responses import Response
 
 from pdserve.protocol.contract import HEADER_REQUEST_ID, ROLE_DECODE, ROLE_PREFILL
@@ -28,11 +26,11 @@ class Forwarder:
         self.max_retries = config.max_retries
         self.limits = timeout(config.request_timeout_s, config.connect_timeout_s)
 
-    async def forward(self, path: str, body: dict, model: str, request_id: str) -> Response:
+    async def forward(self, path: str, payload: bytes, model: str, request_id: str) -> Response:
+        """`payload`: the validated body, as JSON, naming `model`."""
         pool = self.selector.pool(ROLE_DECODE, model) or self.selector.pool(ROLE_PREFILL, model)
         if not pool:
             raise APIError(503, f"no healthy worker serves model {model!r}", code="no_workers")
-        payload = json.dumps({**body, "model": model}).encode()
         headers = {"content-type": "application/json", HEADER_REQUEST_ID: request_id}
         async with UpstreamCall(self.up, PHASE, pool, lambda ws: min(ws, key=lambda w: w.load),
                                 self.max_retries) as call:

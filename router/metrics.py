@@ -52,12 +52,14 @@ class RouterMetrics:
                                      ["outcome"], registry=r)
 
         # Demand as it arrives (the planner sizes prefill from it: what workers finish plateaus
-        # when they saturate, what arrives does not). Counted once a request is parsed, valid and
-        # of a served model (so a client cannot mint label values); a held request counts when a
+        # when they saturate, what arrives does not). Counted once per request, when a worker
+        # accepts it (its first 2xx: Orchestrator._answered), so what the router or a worker
+        # refuses (an unknown model, a malformed or oversized body, a prompt over the context)
+        # never inflates it, and a client cannot mint label values; a held request counts when a
         # worker takes it. Prompt tokens are exact when the router tokenizes (--tokenizer), else
         # its estimate (prompt.py).
         self.arrived_requests = Counter("pdserve_router_arrived_requests",
-                                        "Requests that arrived for a served model, before any worker took them.",
+                                        "Requests for a served model, counted once a worker accepted them.",
                                         ["model"], registry=r)
         self.arrived_prompt_tokens = Counter("pdserve_router_arrived_prompt_tokens",
                                              "Prompt tokens of the arrived requests (exact with --tokenizer, "

@@ -57,13 +57,15 @@ class Call:
     """One client request on its way through."""
 
     route: str  # "chat" or "completions"
-    body: dict
-    raw: bytes  # the client's bytes, forwarded as-is when nothing was changed
+    body: dict  # the validated request (router/intake.py): its fields the client set, nothing else
+    raw: bytes  # `body` as JSON: a JSON object (forwarded as-is to a worker serving it whole)
     request_id: str
     routing: RoutingRequest
     started: float
+    prompt_tokens: int = 0  # counted with the arrival (exact with --tokenizer, else estimated)
     disaggregated: bool = False
     moved: bool = False  # served whole by the other role after its own pool took nothing (fallback.py)
+    accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
 
     @property
     def stream(self) -> bool:
@@ -107,7 +109,19 @@ class Orchestrator:
 
     def _call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
         return UpstreamCall(self.up, phase, pool, lambda ws: self.selector.choose(role, ws, call.routing),
-                            self.config.max_retries)
+                            self.config.max_retries, lambda status: self._answered(call, status))
+
+    def _answered(self, call: Call, status: int) -> None:
+        """A worker answered a call of this request. Its first 2xx (prefill or whole request,
+        streamed or not) is when the request counts as an arrival, once: demand the planner sizes
+        prefill from (operator/planner.py). What the router or a worker refuses (400, 404, 413, a
+        worker's 4xx) never counts, so oversized or malformed requests cannot inflate it."""
+        if call.accepted or not 200 <= status < 300:
+            return
+        call.accepted = True
+        model = call.body["model"]
+        self.metrics.arrived_requests.labels(model).inc()
+        self.metrics.arrived_prompt_tokens.labels(model).inc(call.prompt_tokens)
 
     # ---- entry ---------------------------------------------------------------------------
 
@@ -194,7 +208,8 @@ class Orchestrator:
         """The prefill answer, or None when every prefill worker failed (local prefill follows).
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
-        payload = json.dumps(prefill_request(call.body, stream_kv)).encode()
+        # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
+        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(call.body, stream_kv)).encode())
         t0 = time.monotonic()
         up = self._call("prefill", ROLE_PREFILL, call, pool)
         streamed = None
@@ -256,7 +271,9 @@ class Orchestrator:
 
     @staticmethod
     def _decode_payload(call: Call, kv_transfer_params: dict) -> bytes:
-        return json.dumps({**call.body, KV_TRANSFER_PARAMS: kv_transfer_params}).encode()
+        """The client's request (as validated: `call.raw`, which carries no kv_transfer_params)
+        with the prefill's params added: spliced into its JSON, not the body serialised again."""
+        return call.raw[:-1] + f',"{KV_TRANSFER_PARAMS}":'.encode() + json.dumps(kv_transfer_params).encode() + b"}"
 
     async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits, handoff: bool) -> \
             aiohttp.ClientResponse | None:

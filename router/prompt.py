@@ -1,7 +1,8 @@
 """What the router knows about a prompt without running the model.
 
 `estimate_tokens` is a cheap guess (no tokenizer) for selective disaggregation and, without a
-tokenizer, for the arrival counter (`count_prompt_tokens`). `PromptTokenizer`
+tokenizer, for the arrival counter (`count_prompt_tokens`): lengths only, never a walk over a
+prompt's elements (bodies are validated first, so a prompt list holds one form). `PromptTokenizer`
 gives exact token ids, only for prefix-aware routing; it must tokenize as the worker does
 (vLLM's convention: completions add special tokens; chat applies the chat template with the
 generation prompt and adds nothing more).
@@ -31,7 +32,7 @@ def estimate_tokens(body: dict) -> int:
     if isinstance(prompt, str):
         return len(prompt) // CHARS_PER_TOKEN
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt[0], int):  # token ids (validated: a list holds one form)
             return len(prompt)
         first = prompt[0]  # a batch: the first prompt stands for the rest
         return len(first) if isinstance(first, list) else _text_len(first) // CHARS_PER_TOKEN
@@ -63,7 +64,7 @@ class PromptTokenizer:
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 return self._tok(prompt)["input_ids"]
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return prompt
         except Exception:  # a prompt the template rejects is the worker's to report, not ours
             return None

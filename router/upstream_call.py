@@ -28,8 +28,11 @@ log = logging.getLogger("pdserve.router")
 
 class UpstreamCall:
     def __init__(self, upstream: Upstream, phase: str, pool: Sequence[Worker],
-                 choose: Callable[[Sequence[Worker]], Worker], max_retries: int):
+                 choose: Callable[[Sequence[Worker]], Worker], max_retries: int,
+                 on_answer: Callable[[int], None] | None = None):
+        """`on_answer(status)`: called with each final status a worker answers (not 5xx, not 429)."""
         self.up = upstream
+        self._on_answer = on_answer
         self.phase = phase
         self._pool = pool
         self._choose = choose
@@ -67,6 +70,8 @@ class UpstreamCall:
             if not attempt.retryable:
                 self.response = attempt.response
                 self.up.reading(worker, self.response)
+                if self._on_answer is not None:
+                    self._on_answer(self.response.status)
                 return self.response
             self.last_status = attempt.response.status if attempt.response is not None else None
             self.last_reason = attempt.reason

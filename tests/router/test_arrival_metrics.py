@@ -5,10 +5,10 @@ real `pdserve worker` processes (tiny checkpoint, CPU, P/D over TCP), sent by th
 client.
 
 With `--tokenizer` the router counts exactly the prompt tokens the workers see (the `usage` each
-answer reports); without it, its text estimate. A request the router refuses before it reaches a worker
-(unknown model, malformed) is not demand and is not counted (one a worker refuses, such as a
-prompt over its context, did arrive and is), and a client-chosen model name
-never becomes a label value.
+answer reports); without it, its text estimate. A request counts once a worker accepts it (its
+first 2xx): one the router refuses before it reaches a worker (unknown model, malformed) or a
+worker refuses (a prompt over its context: tests/router/test_input_bounds.py) is not counted,
+and a client-chosen model name never becomes a label value.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def test_arrival_counters_count_exact_prompt_tokens_with_a_tokenizer(module_laun
 
     expected = {("pdserve_router_arrived_requests", "tiny"): 3.0,
                 ("pdserve_router_arrived_prompt_tokens", "tiny"): float(prompt_tokens)}
-    # Counted when the request is parsed, before its answer: by now it is there; the bounded
-    # wait only keeps a failure message readable.
+    # Counted when a worker accepted the request, before its answer: by now it is there; the
+    # bounded wait only keeps a failure message readable.
     wait_for_arrivals(router.url, expected)
 
 

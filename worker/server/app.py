@@ -9,6 +9,7 @@ process exits non-zero and the pod restarts, rather than serving 503 forever.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -26,7 +27,8 @@ from pdserve.protocol.contract import PATH_KV_RELEASE
 from pdserve.protocol.errors import APIError, bad_request, install_handlers
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
-from pdserve.protocol.responses_api import from_chat, to_chat
+from pdserve.protocol.request_limits import RequestLimits
+from pdserve.protocol.responses_api import echoed, from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
 from pdserve.worker.model_config import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
@@ -53,6 +55,7 @@ class WorkerState:
         self.engine = None  # set once loaded and started
         self.max_prompt_chars = 0  # serving.max_prompt_chars, set with the engine
         self.chat_templates: ChatTemplates | None = None  # set with the engine
+        self.limits = RequestLimits.of(config)
         self.draining = False
         self._drained: asyncio.Event | None = None  # set when drain() is done (None: no drain began)
         self.inflight: set[str] = set()
@@ -185,10 +188,18 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
     def gone() -> Response:
         return Response(status_code=499)  # nobody reads it: the client left
 
+    # Bodies are parsed, validated and bounded (protocol/request_limits.py) on a thread: CPU in
+    # proportion to what a client sent must not stall /health (protocol/body.py).
+    limits = state.limits
+
+    async def read(request: Request) -> bytes:
+        return await read_body(request, config.max_request_bytes, config.body_timeout_s)
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
         try:
-            body = await read_model(request, CompletionRequest, config.max_request_bytes, config.body_timeout_s)
+            body = await read_model(request, CompletionRequest, config.max_request_bytes, config.body_timeout_s,
+                                    limits.body_values, limits.check)
             return await completions.create_completion(st, request, body)
         except ClientGone:
             return gone()
@@ -196,27 +207,39 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def v1_chat_completions(request: Request, st: WorkerState = Depends(ready)):
         try:
-            body = await read_model(request, ChatCompletionRequest, config.max_request_bytes, config.body_timeout_s)
+            body = await read_model(request, ChatCompletionRequest, config.max_request_bytes, config.body_timeout_s,
+                                    limits.body_values, limits.check)
             return await chat.create_chat_completion(st, request, body)
         except ClientGone:
             return gone()
+
+    def responses_request(raw: bytes) -> tuple[ChatCompletionRequest, dict]:
+        obj = parse_object(raw, limits.body_values)
+        limits.check_input_items(obj)
+        body = validate(ChatCompletionRequest, to_chat(obj))
+        limits.check(body)
+        return body, echoed(obj)
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def v1_responses(request: Request, st: WorkerState = Depends(ready)):
         """The Responses API, mapped onto chat (protocol/responses_api.py)."""
         try:
-            raw = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
-            body = validate(ChatCompletionRequest, to_chat(raw))
-            return from_chat(await chat.create_chat_completion(st, request, body), raw)
+            body, answer_fields = await off_loop(responses_request, await read(request))
+            return from_chat(await chat.create_chat_completion(st, request, body), answer_fields)
         except ClientGone:
             return gone()
 
     def token_route(path: str, handler) -> None:
+        def answer(st: WorkerState, raw: bytes) -> Response:
+            # Encoded here too: FastAPI would encode a returned dict on the loop, and a million
+            # token ids (with their strings) took seconds of it.
+            out = handler(st, parse_object(raw, limits.body_values))
+            return Response(json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode(),
+                            media_type="application/json")
+
         async def route(request: Request, st: WorkerState = Depends(ready)):
             try:
-                body = parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s))
-                # Off the loop, as generation's tokenizing is: a large body must not stall /health.
-                return await off_loop(handler, st, body)
+                return await off_loop(answer, st, await read(request))
             except ClientGone:
                 return gone()
 
@@ -231,8 +254,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         free the pinned blocks now, not at the TTL. Only a holder of the params can (the pin
         table checks their transfer token, as for the side channel's release)."""
         try:
-            params = KVTransferParams.from_dict(
-                parse_object(await read_body(request, config.max_request_bytes, config.body_timeout_s)))
+            params = KVTransferParams.from_dict(await off_loop(parse_object, await read(request), limits.body_values))
         except KVTransferParamsError as e:
             raise bad_request(str(e), PARAM) from None
         except ClientGone:

@@ -30,12 +30,15 @@ def format_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
 
 def _tokenize(state, prompts: list) -> list[list[int]]:
     """Each prompt's token ids (on a thread: an 8 MB prompt takes the tokenizer seconds); a text
-    too long for any tokenization to fit is refused before any is tokenized."""
+    too long for any tokenization to fit is refused before any is tokenized, and text prompts'
+    tokens count against --max-request-prompt-tokens as token ids do (protocol/request_limits.py)."""
     for p in prompts:
         if isinstance(p, str):
             serving.check_text_length(p, state.max_prompt_chars, state.max_model_len, "prompt")
-    return [state.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
-            else serving.check_token_ids(p, state.vocab_size, "prompt") for p in prompts]
+    out = [state.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
+           else serving.check_token_ids(p, state.vocab_size, "prompt") for p in prompts]
+    state.limits.check_prompt_tokens(sum(len(p) for p in out), "prompt")
+    return out
 
 
 async def create_completion(state, request: Request, body: CompletionRequest):

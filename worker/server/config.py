@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pdserve.protocol import cors
 from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, api_keys_from
 from pdserve.protocol.flags import ConfigError, flag, from_flags
+from pdserve.protocol.request_limits import RequestLimits, limit_flag
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -29,6 +30,12 @@ class ServerConfig:
     allow_credentials: bool = cors.allow_credentials()
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
     max_request_bytes: int = flag(16 * 1024 * 1024, "larger request bodies get 413 before being read")
+    # What one request may ask for (protocol/request_limits.py; the router takes the same flags).
+    max_request_prompt_tokens: int = limit_flag("max_request_prompt_tokens")
+    max_request_sequences: int = limit_flag("max_request_sequences")
+    max_stop_strings: int = limit_flag("max_stop_strings")
+    max_stop_chars: int = limit_flag("max_stop_chars")
+    max_input_items: int = limit_flag("max_input_items")
     shutdown_grace_s: float = flag(30.0, "seconds in-flight requests may run after SIGTERM before they are aborted")
     # Slow or numerous clients (pdserve.protocol.http_limits).
     header_timeout_s: float = flag(10.0, "seconds a client may take to send a request's headers (slowloris)")
@@ -52,6 +59,7 @@ class ServerConfig:
         cors.check(self)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes", f"must be at least 1024, got {self.max_request_bytes}")
         for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):

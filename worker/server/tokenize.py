@@ -8,7 +8,6 @@ generated, so no parser has to read a reply.
 
 from __future__ import annotations
 
-from pdserve.protocol.errors import bad_request
 from pdserve.protocol.tokenize import TokenizeChatRequest, detokenize_request, tokenize_request
 from pdserve.worker.server import serving
 from pdserve.worker.server.chat import render_prompt
@@ -16,6 +15,10 @@ from pdserve.worker.server.tool_parsers.plan import ToolPlan
 
 
 def tokenize(state, body: dict) -> dict:
+    """Bounded as a completion's prompt is: a text no tokenization could fit into
+    --max-model-len is refused before it is tokenized, and a result over
+    --max-request-prompt-tokens is not sent. A count over --max-model-len is still answered, as
+    vLLM answers it: a client learns how much to cut."""
     req = tokenize_request(body)
     serving.check_model(req.model, state.served_model_name)
     tok = state.tokenizer
@@ -25,8 +28,12 @@ def tokenize(state, body: dict) -> dict:
         ids = render_prompt(state.chat_templates, chat, tools, state.config.tool_call_parser)
         if req.add_special_tokens:
             ids = tok.build_inputs_with_special_tokens(ids)
+        param = "messages"
     else:
+        serving.check_text_length(req.prompt, state.max_prompt_chars, state.max_model_len, "prompt")
         ids = tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        param = "prompt"
+    state.limits.check_prompt_tokens(len(ids), param)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
             "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -34,7 +41,6 @@ def tokenize(state, body: dict) -> dict:
 def detokenize(state, body: dict) -> dict:
     req = detokenize_request(body)
     serving.check_model(req.model, state.served_model_name)
-    bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
-    if bad:
-        raise bad_request(f"token ids out of the vocabulary (0..{state.vocab_size - 1}): {bad[:5]}", "tokens")
+    state.limits.check_prompt_tokens(len(req.tokens), "tokens")
+    serving.check_token_ids(req.tokens, state.vocab_size, "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}

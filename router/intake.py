@@ -1,0 +1,58 @@
+"""One client request, from its bytes to what the router sends workers: parsed, mapped, validated,
+bounded, and re-serialised once (issue 44).
+
+    raw bytes ─▶ shape counted (protocol/body.py) ─▶ json.loads ─▶ Responses: items bounded,
+             mapped onto chat ─▶ client kv_transfer_params dropped ─▶ the worker's own model
+             validates it ─▶ request limits (protocol/request_limits.py) ─▶ body = the model's
+             fields the client set (`exclude_unset`) ─▶ raw = that body as JSON
+
+So a worker is sent what was validated, never a client's unknown fields (a field of 2.6 M empty
+lists is not carried on to every hop), with every field it understands as the client gave it
+(exclude_unset keeps explicit nulls, and leaves defaults to the worker). All of it is CPU in
+proportion to the body: `intake` runs on a thread (router/app.py), so the event loop, /health
+and every other request go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve.protocol.body import parse_object, validate
+from pdserve.protocol.errors import APIError
+from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
+from pdserve.protocol.request_limits import RequestLimits
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.responses_api import echoed, to_chat
+from pdserve.router.prompt import count_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Intake:
+    route: str  # "chat" or "completions" (a Responses request is a chat one from here on)
+    model: str
+    body: dict  # the validated request: every worker call is built from it
+    raw: bytes  # `body` as JSON, sent as-is to a worker that serves the request whole
+    responses: dict | None  # a Responses request's fields its answer repeats (responses_api.echoed)
+    estimated_tokens: int  # its prompt tokens as router/prompt.py estimates them (no tokenizer)
+
+
+def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
+    """The request a client sent to `route` ("chat", "completions", "responses"), or a 400 saying
+    what is wrong with it, before any worker is called."""
+    obj = parse_object(raw, limits.body_values)
+    responses = None
+    if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
+        limits.check_input_items(obj)
+        responses = echoed(obj)
+        obj, route = to_chat(obj), "chat"
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required and must be a string", param="model")
+    obj.pop(KV_TRANSFER_PARAMS, None)  # only the router may steer KV transfer: a client's are dropped
+    # The worker's own models: what it would refuse as malformed is refused here, before any
+    # worker is called (its semantic checks, such as context length, stay with it).
+    req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
+    limits.check(req)
+    body = req.model_dump(exclude_unset=True)
+    return Intake(route, model, body, json.dumps(body).encode(), responses, count_prompt_tokens(body, None))
