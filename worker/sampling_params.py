@@ -89,6 +89,11 @@ class SamplingParams:
             raise SamplingParamsError("seed", f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")
+        # Repeats dropped (order kept): what the step scans per token is then bounded by the
+        # vocabulary, not by how many times a client wrote an id.
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids)))
         if self.stop_strings is None or self.stop_strings.stops is not self.stop:
             object.__setattr__(self, "stop_strings", StopStrings(self.stop))
 

@@ -143,7 +143,10 @@ def test_failure_reaches_the_client_as_an_error_never_a_hang(tiny_checkpoint, mo
 
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoint):
+    # Stop-string caps raised past the issue's request (26,000 x 300 chars), so the matcher itself
+    # is what the stop-string test exercises: a deployment that raises them is not stalled either.
     with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", NAME, "--max-model-len", "256",
+                       "--max-stop-strings", "30000", "--max-stop-chars", "10000000",
                        "--log-level", "warning") as w:
         yield w
 
@@ -218,17 +221,15 @@ def test_non_finite_numbers(worker, raw, param):
 def test_many_long_stop_strings_never_stall_health(worker):
     """26,000 stop strings of 300 characters, n=4: the old check cost ~1 s of event loop per token
     step here (every prefix of the output against every stop, per choice); now each step looks at
-    the held tail and the new text only. A 400 would also do (an entry cap on stop strings)."""
+    the held tail and the new text only. (With the default caps this request is a 400 naming
+    `stop`: test_sampling_fuzz.py.)"""
     rng = random.Random(44)
     stops = ["".join(rng.choices(string.ascii_letters + string.digits, k=300)) for _ in range(26_000)]
     body = {"model": NAME, "prompt": "hello", "max_tokens": 24, "n": 4, "stop": stops, "ignore_eos": True,
             "temperature": 1.0, "seed": 11}
     with Liveness({"worker": worker.url}, {"worker": worker.proc.pid}) as live:
         r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=300)
-    assert r.status_code in (200, 400), r.text
-    if r.status_code == 200:
-        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
-    else:
-        assert r.json()["error"]["param"] == "stop"
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
     live.assert_ok(rss_growth_mib=300)
     still_serving(worker)

@@ -132,3 +132,12 @@ def test_extreme_and_malformed_fields_never_kill_or_stall_the_worker(worker):
     assert seen.get(200) and seen.get(400), seen
     ok = httpx.post(worker.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("stop", [["x"] * 33, ["y" * 2049, "z" * 2048]], ids=["33 strings", "4097 chars"])
+def test_stop_strings_past_the_default_caps_are_400s(worker, stop):
+    """--max-stop-strings (32) and --max-stop-chars (4,096): the issue's 26,000 x 300 characters
+    never reach the matcher of a worker left at its defaults."""
+    r = httpx.post(worker.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2,
+                                                          "stop": stop})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
