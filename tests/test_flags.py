@@ -203,6 +203,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("argv,message", [
     (["worker", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
     (["worker", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["worker", "--load-format", "safetensors"], "argument --load-format: invalid choice: 'safetensors'"),
     (["worker", "--kv-pin-ttl", "0"], "--kv-pin-ttl: must be positive seconds"),
     (["worker", "--chat-template-timeout", "0"], "--chat-template-timeout: must be > 0 seconds"),
     (["router", "--decode", "http://d:1", "--keep-alive", "0"], "--keep-alive: must be > 0 seconds"),

@@ -18,6 +18,9 @@ ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache element types: auto = the model's --dtype; fp8 = float8 e4m3 (fp8_e4m3 is vLLM's alias).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's --load-format values that pdserve implements: auto = the checkpoint's safetensors;
+# dummy = random weights of the checkpoint's shapes and formats (model_loader.init_dummy_weights).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class EngineConfig:
                                           "per-channel e4m3 weights, dynamic per-token activations; FP8 "
                                           "checkpoints need no flag: docs/quantization.md)", choices=("fp8",),
                                     unset="the checkpoint's own format")
+    load_format: str = flag("auto", "auto = the checkpoint's *.safetensors; dummy = random weights of the checkpoint's "
+                                    "shapes and formats, made on the device: only config.json and the tokenizer are "
+                                    "read (benchmarks of a model the disk cannot hold; the output is noise)",
+                            choices=LOAD_FORMATS)
     max_model_len: int | None = flag(None, "longest prompt plus completion, in tokens",
                                      unset="the model's max_position_embeddings")
     max_num_seqs: int = flag(64, "most sequences in one batch")
@@ -122,6 +129,8 @@ class EngineConfig:
             raise ConfigError("--dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ConfigError("--quantization", f"must be fp8, got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError("--load-format", f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                                   f"got {self.kv_cache_dtype!r}")

@@ -23,8 +23,9 @@ class LoadedModel:
     tokenizer: object
 
 
-def resolve_model_path(model: str | None) -> str:
-    """A local directory as is; None -> the default model; anything else -> a hub snapshot."""
+def resolve_model_path(model: str | None, weights: bool = True) -> str:
+    """A local directory as is; None -> the default model; anything else -> a hub snapshot
+    (without its *.safetensors when `weights` is False: --load-format dummy)."""
     if model is None:
         from pdserve.worker.default_model import ensure_default_model
 
@@ -37,8 +38,9 @@ def resolve_model_path(model: str | None) -> str:
         raise FileNotFoundError(f"--model {model!r}: no such directory")
     from huggingface_hub import snapshot_download
 
-    log.info("downloading %s from the hub (safetensors, config, tokenizer)", model)
-    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
+    patterns = ["*.json", "*.model", "*.jinja", "*.txt"] + (["*.safetensors"] if weights else [])
+    log.info("downloading %s from the hub (%sconfig, tokenizer)", model, "safetensors, " if weights else "")
+    return snapshot_download(model, allow_patterns=patterns)
 
 
 def _stage(name: str, t0: float) -> float:
@@ -60,11 +62,13 @@ def read_model_config(path: str, quantization: str | None = None) -> ModelConfig
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, backend, max_positions: int | None = None,
                tp: tuple[int, int] = (0, 1), expert_parallel: bool = False,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, load_format: str = "auto") -> LoadedModel:
     """tp = (rank, size): with size > 1 the model holds rank's shard (parallel/shard.py) and
     `model.cfg` is the shard's config; `model_config` stays the full model's. `expert_parallel`:
     an MoE model's experts are divided whole among the ranks (models/moe.py). `quantization`:
-    --quantization (fp8: quantize an unquantized checkpoint at load; worker/quantization)."""
+    --quantization (fp8: quantize an unquantized checkpoint at load; worker/quantization).
+    `load_format`: --load-format; "dummy" fills the parameters with random values
+    (init_dummy_weights) instead of reading the checkpoint's *.safetensors."""
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
@@ -72,7 +76,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     from pdserve.worker.quantization.fp8_linear import keep_quantized_dtypes, process_quantized
 
     t = time.perf_counter()
-    path = resolve_model_path(model)
+    dummy = load_format == "dummy"
+    path = resolve_model_path(model, weights=not dummy)
     t = _stage(f"resolve {os.path.basename(path.rstrip('/'))}", t)
     cfg = read_model_config(path, quantization)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -91,9 +96,9 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
         net = model_class(cfg.architecture)(cfg, backend, positions, shard)
     net = keep_quantized_dtypes(net.to(dtype=dtype)).to_empty(device=device)
     net.init_rope(positions)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    files = [] if dummy else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files and not dummy:
+        raise FileNotFoundError(f"no *.safetensors in {path} (--load-format dummy runs random weights without them)")
 
     def tensors():
         # Whole tensors at TP = 1; under TP, slices: each parameter's weight loader
@@ -105,7 +110,12 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
                     whole = shard is None or name.endswith(("_scale", "_scale_inv"))
                     yield name, sf.get_tensor(name) if whole else sf.get_slice(name)
 
-    net.load_weights(tensors())
+    if dummy:
+        init_dummy_weights(net)
+        log.info("load: --load-format dummy: random weights (uniform +-%g, seed %d) of %s's shapes and formats, "
+                 "made on %s; no weight file read", DUMMY_RANGE, DUMMY_SEED, cfg.architecture, device)
+    else:
+        net.load_weights(tensors())
     process_quantized(net, dtype)
     if cfg.quantization is not None and device.type == "cuda":
         # The bf16 weights quantized at load (--quantization fp8) leave freed blocks in torch's
@@ -116,5 +126,46 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
     if cfg.quantization is not None:
         what += f", {cfg.quantization.describe}"
-    _stage(f"{what} ({nbytes / 2**20:.0f} MiB, {len(files)} files) -> {device}", t)
+    source = "dummy" if dummy else f"{len(files)} files"
+    _stage(f"{what} ({nbytes / 2**20:.0f} MiB, {source}) -> {device}", t)
     return LoadedModel(path, net, cfg, tokenizer)
+
+
+# vLLM's dummy weights: small uniform values (every product and sum stays far from overflow, so
+# the model runs without inf/NaN), from a fixed seed (the same weights each start).
+DUMMY_RANGE = 1e-3
+DUMMY_SEED = 1234
+_FP8_PIECE = 1 << 26  # elements drawn at once for an e4m3 tensor (a 128 MiB fp16 temporary at most)
+
+
+def init_dummy_weights(net: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
+    """Fill every parameter in place on its device: floating point ones uniform in
+    +-DUMMY_RANGE; FP8 (e4m3) weights uniform in +-1, their fp32 scales (names ending in
+    `scale` / `scale_inv`) DUMMY_RANGE, so a dequantized weight is again of order DUMMY_RANGE.
+    One generator in parameter order: deterministic for a given model, device and dtype."""
+    params = list(net.named_parameters())
+    if not params:
+        return
+    gen = torch.Generator(device=params[0][1].device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params:
+            if not p.is_floating_point():
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith(("scale", "scale_inv")) and p.dtype == torch.float32 and _quantized_owner(net, name):
+                p.fill_(DUMMY_RANGE)
+            elif p.element_size() == 1:  # e4m3: drawn in fp16 (uniform_ has no fp8 kernel), in bounded pieces
+                flat = p.data.view(-1)
+                for i in range(0, flat.numel(), _FP8_PIECE):
+                    piece = flat[i:i + _FP8_PIECE]
+                    piece.copy_(torch.empty(piece.shape, dtype=torch.float16, device=p.device).uniform_(
+                        -1, 1, generator=gen))
+            else:
+                p.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+
+
+def _quantized_owner(net: torch.nn.Module, name: str) -> bool:
+    """The parameter belongs to an FP8 layer (one whose build recorded the dtypes to keep)."""
+    owner = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+    return bool(getattr(owner, "param_dtypes", None))

@@ -157,7 +157,7 @@ class ModelRunner:
         max_len = config.max_model_len
         loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len,
                             tp=(tp_rank, self.tp_size), expert_parallel=config.enable_expert_parallel,
-                            quantization=config.quantization)
+                            quantization=config.quantization, load_format=config.load_format)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, loaded.tokenizer
         # What this rank holds (its heads and KV heads): the full model's shape at TP = 1.
         self.shard_config = self.model.cfg

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.checkpoints import GPT_OSS_WINDOW
 from tests.router.conftest import Launcher
 from tests.worker.test_server_harness import WorkerProcess, free_port
 
@@ -47,6 +48,16 @@ def stack(request, tiny_checkpoint):
 def moe_stack(request, tiny_checkpoint):
     """The same stack serving a mixture-of-experts model (Qwen3-MoE): P/D moves only attention KV."""
     with pd_stack(tiny_checkpoint("qwen3-moe"), request.param) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def gpt_oss_stack(request, tiny_checkpoint):
+    """gpt-oss (tests/checkpoints.py): attention sinks, layers alternating sliding (window
+    GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Every sliding
+    layer's KV crosses the hand-off as the full layers' does; the chat prompts and TEXTS[3]
+    are longer than the window, so the decode worker's first steps already slide over pulled KV."""
+    with pd_stack(tiny_checkpoint("gpt-oss"), request.param) as urls:
         yield urls
 
 
@@ -385,6 +396,38 @@ def test_moe_model_greedy_through_prefill_and_decode(moe_stack):
     assert_same(moe_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 12, "temperature": 0,
                                            "ignore_eos": True, "logprobs": 2})
     assert disaggregated(moe_stack[0]) > before  # the KV really moved from prefill to decode
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=requests())
+def test_gpt_oss_any_request_equals_single_worker(gpt_oss_stack, case):
+    """P/D == one worker for gpt-oss (fewer examples: the request handling is the dense
+    model's; what differs is the model's layers and the KV they hand off)."""
+    route, body = case
+    assert_same(gpt_oss_stack, route, body)
+
+
+# Prompts of 3 to 11 windows (block size 4: 6 to 22 blocks), so the first decode steps attend
+# through a window that lies wholly in pulled KV, and a full-attention layer reads all of it.
+LONG = [" ".join(TEXTS), " ".join(TEXTS[2:] * 3)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream):
+    router, worker = gpt_oss_stack
+    for prompt in LONG:
+        n = len(httpx.post(worker + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30).json()["tokens"])
+        assert n > 3 * GPT_OSS_WINDOW, n
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "top_k": 50}):
+            before = disaggregated(router), _metric(worker, "pdserve_kv_transfer_bytes_total")
+            out = assert_same(gpt_oss_stack, "completions", {"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                                                            "logprobs": 1, "stream": stream, **sampling,
+                                                            "stream_options": {"include_usage": True} if stream
+                                                            else None})
+            assert out["usage"]["completion_tokens"] == 12
+            assert disaggregated(router) == before[0] + 1  # the KV moved from prefill to decode
+            assert _metric(worker, "pdserve_kv_transfer_bytes_total") > before[1]
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, database=None,

@@ -135,7 +135,7 @@ def start_followers(config: EngineConfig, build_runner, attention_backend: str |
     from pdserve.worker.model_loader import read_model_config, resolve_model_path
     from pdserve.worker.parallel.shard import TPShard
 
-    cfg = read_model_config(resolve_model_path(config.model))
+    cfg = read_model_config(resolve_model_path(config.model, weights=config.load_format != "dummy"))
     TPShard(0, config.tensor_parallel_size, cfg, expert_parallel=config.enable_expert_parallel and cfg.is_moe)
     store = create_store(config.tensor_parallel_size)
     return store, TPFollowers(config, build_runner, store.port, attention_backend, static_decode)
