@@ -380,3 +380,41 @@ def test_an_unknown_reasoning_parser_is_refused():
 
     with pytest.raises(ConfigError, match="--reasoning-parser"):
         ServerConfig(reasoning_parser="deepseek_r1")
+
+
+# ---- a real worker: tiny gpt-oss, harmony tokenizer, a forced call ----------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_oss_worker(tmp_path_factory, harmony_tokenizer_dir, harmony_tokenizer):
+    from tests.checkpoints import write_checkpoint
+    from tests.worker.test_server_harness import WorkerProcess
+
+    eos = [harmony_tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("gpt-oss-harmony"), "gpt-oss", harmony_tokenizer_dir,
+                            eos_token_id=eos)
+    with WorkerProcess(ckpt, "--served-model-name", "gpt-oss", "--max-model-len", "512", "--tool-call-parser",
+                       "openai", "--reasoning-parser", "openai_gptoss", "--enable-auto-tool-choice",
+                       "--log-level", "warning") as w:
+        yield w
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_through_a_real_gpt_oss_worker(gpt_oss_worker, stream):
+    """The prompt ends in the forced header (special tokens tokenized as such), the grammar
+    writes the arguments, the detokenizer keeps the markers, the parser makes the call."""
+    client = openai.OpenAI(base_url=f"{gpt_oss_worker.url}/v1", api_key="x", max_retries=0, timeout=120)
+    # Random weights would write a string forever: an enum makes the grammar end the call.
+    weather = json.loads(json.dumps(WEATHER))
+    weather["function"]["parameters"]["properties"]["city"]["enum"] = ["Paris", "Oslo"]
+    kw = dict(model="gpt-oss", messages=ASK, tools=[weather, TIME], temperature=0, max_tokens=40,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        _, content, calls, finish, _ = _stream(client, **{k: v for k, v in kw.items() if k not in ("model", "messages")})
+        name, arguments = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
+    else:
+        r = client.chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        name, arguments, content, finish = call.function.name, call.function.arguments, r.choices[0].message.content, [
+            r.choices[0].finish_reason]
+    assert name == "get_weather" and json.loads(arguments)["city"] in ("Paris", "Oslo")
+    assert finish == ["tool_calls"] and not content
