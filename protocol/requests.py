@@ -155,6 +155,15 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" when tools are given (OpenAI's default)
     parallel_tool_calls: bool = True
+    # OpenAI's reasoning models' knob; a template variable (gpt-oss's renders "Reasoning: high").
+    # chat_template_kwargs.reasoning_effort, vLLM's other way to send it, wins when both are given.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    @property
+    def template_variables(self) -> dict[str, Any] | None:
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("chat_template_kwargs", "chat_template")
     @classmethod

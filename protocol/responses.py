@@ -77,6 +77,8 @@ class CompletionChunk(CompletionResponse):
 class AssistantMessage(_Wire):
     role: str = "assistant"
     content: str | None = ""
+    # vLLM's field for a reasoning model's chain of thought (--reasoning-parser); absent otherwise.
+    reasoning_content: str | None = omitted()
 
 
 class ChatChoice(_Wire):
@@ -98,6 +100,7 @@ class Delta(_Wire):
 
     role: str | None = omitted()
     content: str | None = omitted()
+    reasoning_content: str | None = omitted()
 
 
 class ChatChunkChoice(_Wire):

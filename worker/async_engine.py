@@ -136,7 +136,8 @@ class AsyncEngine:
             raise RequestError(PARAM, str(e)) from None
         streamed = is_streamed(kv_transfer_params)
         emitted = [kv_transfer_params.first_token_id] if is_remote_decode(kv_transfer_params) and not streamed else []
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings, emitted_token_ids=emitted)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                                       skip_special_tokens=params.skip_special_tokens, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         done = False
@@ -155,6 +156,7 @@ class AsyncEngine:
                     raise RequestFailed(out.error)
                 if out.handed_over_token_ids:
                     detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                                                   skip_special_tokens=params.skip_special_tokens,
                                                    emitted_token_ids=out.handed_over_token_ids)
                     out.handed_over_text = detok.output_text[:detok.num_emitted_chars]
                     if not out.finished:

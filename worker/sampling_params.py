@@ -54,6 +54,9 @@ class SamplingParams:
     structured: StructuredOutputSpec | None = None
     # vLLM's allowed_token_ids: only these tokens may be sampled (None: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's skip_special_tokens: False keeps special tokens in the text (harmony's channel
+    # markers, which its output parsers read: worker/server/tool_parsers/harmony.py).
+    skip_special_tokens: bool = True
     # `stop` compiled for the detokenizer (stop_strings.py), derived here. A copy made with
     # dataclasses.replace (the n choices of a seeded request) shares it: one compile per request.
     stop_strings: StopStrings | None = field(default=None, compare=False, repr=False)

@@ -109,7 +109,8 @@ def test_forced_prefix_is_parsed_as_the_start_of_the_call():
     for name in PARSERS:
         parser = get_parser(name)
         plan = ToolPlan(parser, parser.forced_prefix("get_weather"), True, "get_weather", [WEATHER])
-        tail = '{"city": "Oslo"}}' + ("\n</tool_call>" if name == "hermes" else "")
+        tail = {"hermes": '{"city": "Oslo"}}\n</tool_call>', "openai": '{"city": "Oslo"}<|call|>'}.get(
+            name, '{"city": "Oslo"}}')
         content, calls = complete_message(plan, tail)
         assert calls[0]["function"]["name"] == "get_weather"
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
@@ -169,6 +170,8 @@ def test_forced_choices_carry_the_grammar_of_the_call():
         assert (named.grammar.kind, named.grammar.param) == ("json", "tool_choice")
         assert json.loads(named.grammar.value) == WEATHER["function"]["parameters"]
         assert complete_message(named, '{"city": "Oslo"}')[1][0]["function"]["name"] == "get_weather"
+        if not parser.forces_any_tool:  # harmony names the tool in its header: named only (test_harmony.py)
+            continue
         required = plan_tools(_request(tools=[WEATHER, TIME], tool_choice="required"), name, False)
         options = json.loads(required.grammar.value)["anyOf"]
         assert [o["properties"]["name"] for o in options] == [{"const": "get_weather"}, {"const": "get_time"}]

@@ -18,7 +18,8 @@ from pdserve.worker.server import serving
 from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
-from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, finish_reason,
+from pdserve.worker.server.tool_parsers.harmony import HarmonyParser
+from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_reply, finish_reason,
                                                      plan_tools, template_input)
 
 
@@ -50,7 +51,7 @@ def render_prompt(templates: ChatTemplates, body: ChatCompletionRequest, tools: 
         raise bad_request("continue_final_message needs a final assistant message", "messages")
     text = templates.render(source, client_param, messages, tools=tool_kwargs.get("tools"),
                             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                            continue_final_message=body.continue_final_message, variables=body.chat_template_kwargs)
+                            continue_final_message=body.continue_final_message, variables=body.template_variables)
     # A forced tool call starts the reply; its grammar does the rest (tool_parsers/plan.py).
     text += tools.forced_prefix
     serving.check_text_length(text, templates.max_chars, templates.max_model_len, "messages")
@@ -63,6 +64,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     serving.check_model(body.model, state.served_model_name)
     cfg = state.config
     tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
+    harmony = cfg.harmony_flag is not None
+    if harmony and tools.parser is None:  # no tools: the reply is still read by channel (reasoning, final)
+        tools = dataclasses.replace(tools, parser=HarmonyParser(), calls=False)
     prompt = await serving.off_loop(render_prompt, state.chat_templates, body, tools, cfg.tool_call_parser)
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
@@ -70,6 +74,8 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
     if tools.grammar is not None:  # a forced tool call (response_format with it is refused already)
         params = dataclasses.replace(params, structured=tools.grammar)
+    if harmony:  # the channel markers are special tokens: kept in the text for the parser
+        params = dataclasses.replace(params, skip_special_tokens=False)
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
     rid = serving.new_id("chatcmpl")
     gen = state.new_generation(rid, [prompt], params, body.n, kv_params)
@@ -81,13 +87,14 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
         return SSEResponse(_stream(state, body, prompt, base, first, events, tools))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
-        messages = [complete_message(tools, "".join(c.text)) for c in choices]
+        messages = [complete_reply(tools, "".join(c.text)) for c in choices]
         return ChatCompletionResponse(**base, choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=content, **({"tool_calls": calls} if calls else {})),
+            ChatChoice(index=i, message=AssistantMessage(content=content, reasoning_content=reasoning,
+                                                         **({"tool_calls": calls} if calls else {})),
                        logprobs=format_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
                        finish_reason=finish_reason(c.final.finish_reason, bool(calls)) if c.final else "abort",
                        stop_reason=c.final.stop_reason if c.final else None)
-            for i, (c, (content, calls)) in enumerate(zip(choices, messages))
+            for i, (c, (content, calls, reasoning)) in enumerate(zip(choices, messages))
         ], usage=serving.usage([prompt], body.n, choices),
             kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
 
@@ -115,6 +122,8 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
         except APIError as e:  # a forced tool call that did not come: said once, in OpenAI's shape
             yield event(e.body())
             return
+        if calls[i].reasoning:
+            yield chunk(i, Delta(reasoning_content=calls[i].reasoning))
         if text or lps:
             yield chunk(i, Delta(content=text), lps)
         for d in tool_deltas:

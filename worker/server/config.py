@@ -42,7 +42,11 @@ class ServerConfig:
     body_timeout_s: float = flag(60.0, "seconds a client may take to send a request's body (408 after)")
     max_connections: int = flag(2048, "open connections past which new requests get 503")
     tool_call_parser: str | None = flag(None, "tool-call format of the model's output: hermes (Qwen2.5/3, Hermes, "
-                                              "SmolLM2) or llama3_json (Llama 3.1/3.2)", unset="no tool calls parsed")
+                                              "SmolLM2), llama3_json (Llama 3.1/3.2) or openai (gpt-oss's harmony)",
+                                        unset="no tool calls parsed")
+    reasoning_parser: str | None = flag(None, "reasoning format of the model's output: openai_gptoss (gpt-oss's "
+                                              "harmony: the analysis channel becomes reasoning_content)",
+                                        unset="no reasoning parsed")
     enable_auto_tool_choice: bool = flag(False, 'let the model decide when to call tools (tool_choice "auto")')
     # Chat templates (worker/server/chat_template.py). A template sent with a request is code the
     # worker runs: vLLM refuses it unless told (its CVE-2025-61620), and so does pdserve.
@@ -76,8 +80,22 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ConfigError("--tool-call-parser", f"must be one of {', '.join(sorted(PARSERS))}, "
                                                     f"got {self.tool_call_parser!r}")
+        from pdserve.worker.server.tool_parsers import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError("--reasoning-parser", f"must be one of {', '.join(REASONING_PARSERS)}, "
+                                                     f"got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice", "needs --tool-call-parser")
+
+    @property
+    def harmony_flag(self) -> str | None:
+        """The flag that makes chat answers harmony (its special tokens kept and parsed), or None."""
+        if self.reasoning_parser == "openai_gptoss":
+            return "--reasoning-parser"
+        if self.tool_call_parser == "openai":
+            return "--tool-call-parser"
+        return None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, env_api_keys: str | None = None) -> "ServerConfig":

@@ -14,7 +14,7 @@ import os
 import signal
 
 from pdserve.protocol.contract import ENV_API_KEYS
-from pdserve.protocol.flags import add_flags
+from pdserve.protocol.flags import ConfigError, add_flags
 from pdserve.protocol.http_limits import ClientLimits
 from pdserve.worker.config import EngineConfig, is_loopback
 from pdserve.worker.server.config import ServerConfig
@@ -47,11 +47,31 @@ def configs_from_args(args: argparse.Namespace, environ=os.environ) -> tuple[Eng
     return EngineConfig.from_cli_args(args, environ, bind_host=server_config.host), server_config
 
 
+def check_harmony_tokenizer(server_config: ServerConfig, model: str | None) -> None:
+    """--reasoning-parser openai_gptoss / --tool-call-parser openai read harmony's special tokens:
+    a model whose tokenizer has none is refused before its weights load (ConfigError: exit 2)."""
+    flag = server_config.harmony_flag
+    if flag is None:
+        return
+    from transformers import AutoTokenizer
+
+    from pdserve.worker.model_loader import resolve_model_path
+    from pdserve.worker.server.tool_parsers.harmony import missing_tokens
+
+    path = resolve_model_path(model)
+    if missing := missing_tokens(AutoTokenizer.from_pretrained(path)):
+        value = server_config.reasoning_parser if flag == "--reasoning-parser" else server_config.tool_call_parser
+        raise ConfigError(flag, f"{value} reads gpt-oss's harmony format, but the tokenizer of {model or path} "
+                                f"lacks its special tokens ({', '.join(missing)}); serve a gpt-oss model or "
+                                "drop the flag")
+
+
 def run(args: argparse.Namespace) -> int:
     # A ConfigError (a bad flag) reaches pdserve.cli.main, which names the flag and exits 2.
     engine_config, server_config = configs_from_args(args)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_harmony_tokenizer(server_config, engine_config.model)
     if not server_config.api_keys and not is_loopback(server_config.host):
         log.warning("listening on %s without --api-key (or $%s): anyone who reaches this port may send "
                     "requests, kv_transfer_params included, and read /metrics and /debug/kv", server_config.host,

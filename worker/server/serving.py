@@ -83,7 +83,8 @@ def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
     token (what its detokenizer released, detokenizer.py); "" for any other request."""
     if not is_remote_decode(kv_params) or kv_params.first_token_id is None:
         return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
-    return IncrementalDetokenizer(tokenizer, prompt, params.stop_strings).update([kv_params.first_token_id])[0]
+    return IncrementalDetokenizer(tokenizer, prompt, params.stop_strings,
+                                  skip_special_tokens=params.skip_special_tokens).update([kv_params.first_token_id])[0]
 
 
 async def off_loop(fn, *args, **kwargs):

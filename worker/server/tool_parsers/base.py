@@ -28,14 +28,17 @@ class ToolCallParseError(ValueError):
 
 @dataclass
 class Parsed:
-    """What one feed/finish produced, in order: content text first, then complete calls."""
+    """What one feed/finish produced, in order: content text first, then complete calls.
+    `reasoning`: a reasoning channel's text (harmony's analysis), for `reasoning_content`."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
     def __iadd__(self, other: "Parsed") -> "Parsed":
         self.content += other.content
         self.calls.extend(other.calls)
+        self.reasoning += other.reasoning
         return self
 
 
@@ -68,6 +71,8 @@ class ToolParser:
     """A model family's tool-call format (one module each, registered by name)."""
 
     name: str = ""
+    harmony = False  # reads harmony's special tokens: the detokenizer keeps them (chat.py)
+    forces_any_tool = True  # tool_choice "required" over several tools can be forced (plan.py)
 
     def stream(self) -> ToolCallStream:
         raise NotImplementedError

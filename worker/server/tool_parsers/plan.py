@@ -38,11 +38,12 @@ class ToolPlan:
     tools: list[dict] | None = None  # for the template
     parallel: bool = True  # parallel_tool_calls=false: only the first call of a reply is kept
     grammar: StructuredOutputSpec | None = None  # a forced call: what follows forced_prefix
+    calls: bool = True  # False: a harmony reply parsed for its channels, no tools offered (calls are content)
 
     def stream(self):
         if self.parser is None:
             return None
-        s = self.parser.stream()
+        s = self.parser.stream(self.calls) if self.parser.harmony else self.parser.stream()
         if self.forced_prefix:
             s.feed(self.forced_prefix)  # inside a call block: nothing comes out
         return s
@@ -78,6 +79,11 @@ def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
         raise bad_request("tool_choice required or named supports n=1 only", "n")
     parser = get_parser(parser_name)
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if name is None and not parser.forces_any_tool:
+        if len(tools) != 1:
+            raise bad_request(f'tool_choice "required" with --tool-call-parser {parser_name} needs exactly one tool '
+                              "(or a named tool_choice)", "tool_choice")
+        name = tools[0]["function"]["name"]  # required over one tool is that tool's named call
     if name is not None:
         tools = [t for t in tools if t["function"]["name"] == name]
         schema = _arguments_schema(tools[0])
@@ -149,16 +155,22 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 
 def complete_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None]:
     """A whole reply's content and tool_calls (OpenAI shape), or APIError for a forced miss."""
+    return complete_reply(plan, text)[:2]
+
+
+def complete_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None, str | None]:
+    """complete_message, and the reply's reasoning (harmony's analysis channel) or None."""
     if plan.parser is None:
-        return text, None
+        return text, None, None
     s = plan.stream()
     parsed = s.feed(text)
     parsed += s.finish()
     plan.check(parsed)
-    if not parsed.calls:
-        return text, None
+    reasoning = parsed.reasoning or None
+    if not parsed.calls:  # a harmony reply's content is its final channel; other formats' the text as is
+        return (parsed.content if plan.parser.harmony else text), None, reasoning
     calls = parsed.calls if plan.parallel else parsed.calls[:1]
-    return parsed.content.strip() or None, [c.model_dump() for c in calls]
+    return parsed.content.strip() or None, [c.model_dump() for c in calls], reasoning
 
 
 class StreamedCalls:
@@ -168,13 +180,16 @@ class StreamedCalls:
         self.plan = plan
         self.stream = plan.stream()
         self.num_calls = 0
+        self.reasoning = ""  # the last feed's reasoning text (harmony's analysis channel)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         if self.stream is None:
             return text, []
         parsed = self.stream.feed(text)
+        self.reasoning = parsed.reasoning
         if finished:
             parsed += self.stream.finish()
+            self.reasoning = parsed.reasoning
             if self.num_calls == 0:
                 self.plan.check(parsed)
         deltas = []
