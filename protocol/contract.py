@@ -47,7 +47,7 @@ HEADER_REQUEST_FAILED = "x-pdserve-request-failed"
 CODE_REQUEST_FAILED = "request_failed"  # its error code (also on a streamed prefill's error line)
 # A client's X-Request-Id names the request in every chunk's `id` (`chatcmpl-{id}`), a response
 # header, both upstream legs and the logs: a longer one is cut to this, by the router and the
-# worker alike (`request_id_from`), so one of 64 KiB is not repeated into every chunk. (vLLM
+# worker alike (`request_id_from`, `--max-request-id-chars`), so one of 64 KiB is not repeated into every chunk. (vLLM
 # takes the header as it comes; 128 holds any UUID, trace or span id with room to spare.)
 MAX_REQUEST_ID_CHARS = 128
 
@@ -58,9 +58,10 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 PATH_KV_RELEASE = "/kv/release"
 
 
-def request_id_from(header: str | None) -> str | None:
-    """The request id an X-Request-Id header gives (None when there is none)."""
-    return header[:MAX_REQUEST_ID_CHARS] if header else None
+def request_id_from(header: str | None, max_chars: int = MAX_REQUEST_ID_CHARS) -> str | None:
+    """The request id an X-Request-Id header gives (None when there is none), cut to `max_chars`
+    (--max-request-id-chars)."""
+    return header[:max_chars] if header else None
 
 
 def api_keys_from(raw: str | None) -> tuple[str, ...]:

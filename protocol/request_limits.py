@@ -11,6 +11,8 @@ worker because it may be called directly. Every refusal is a 400 naming the fiel
     --max-stop-strings           32         `stop` strings of one request
     --max-stop-chars             4096       their characters, all together
     --max-input-items            10,000     items of a Responses request's `input`
+    --max-request-id-chars       128        X-Request-Id cut to this (never refused: it names every
+                                            chunk and log line; vLLM takes it as sent)
 
 Why these defaults. vLLM bounds `n` (VLLM_MAX_N_SEQUENCES, 16384) and, in recent releases, the
 number of prompts (VLLM_MAX_COMPLETION_PROMPTS, 1024) and of stop strings (VLLM_MAX_STOP_STRINGS,
@@ -37,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pdserve.protocol.contract import MAX_REQUEST_ID_CHARS
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.flags import ConfigError, flag
 from pdserve.protocol.requests import CommonRequest, CompletionRequest
@@ -48,13 +51,14 @@ OTHER_VALUES = 1 << 16
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The five bounds, as the router's and the worker's configs carry them (same field names)."""
+    """The bounds, as the router's and the worker's configs carry them (same field names)."""
 
     max_request_prompt_tokens: int = 1 << 20
     max_request_sequences: int = 256
     max_stop_strings: int = 32
     max_stop_chars: int = 4096
     max_input_items: int = 10_000
+    max_request_id_chars: int = MAX_REQUEST_ID_CHARS  # not a refusal: a longer id is cut (request_id_from)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -118,10 +122,12 @@ _HELP = {
     "max_stop_strings": "most stop strings in one request",
     "max_stop_chars": "most characters of one request's stop strings, all together",
     "max_input_items": "most items in the input of one Responses API request",
+    "max_request_id_chars": "a client's X-Request-Id is cut to this many characters (it names every chunk)",
 }
 
 
 def limit_flag(name: str) -> Any:
-    """The config field of one limit (RouterConfig and ServerConfig declare all five); its default
+    """The config field of one limit (RouterConfig and ServerConfig declare them all); its default
     is RequestLimits'."""
-    return flag(getattr(RequestLimits, name), _HELP[name] + " (400 past it)")
+    refused = name != "max_request_id_chars"  # a longer request id is cut, not refused
+    return flag(getattr(RequestLimits, name), _HELP[name] + (" (400 past it)" if refused else ""))

@@ -146,7 +146,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()
         # One id for the client, both upstream legs and the logs; echoed as a response header.
-        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID)) or uuid.uuid4().hex
+        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
+                      or uuid.uuid4().hex)
         try:
             call = await parse(request, route, request_id)
             response = await unless_disconnected(request, app.state.orchestrator.handle(call))
@@ -183,7 +184,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
-        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID)) or uuid.uuid4().hex
+        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
+                      or uuid.uuid4().hex)
         try:
             raw = await read_json(request)
         except ClientGone:

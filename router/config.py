@@ -89,6 +89,7 @@ class RouterConfig:
     max_stop_strings: int = limit_flag("max_stop_strings")
     max_stop_chars: int = limit_flag("max_stop_chars")
     max_input_items: int = limit_flag("max_input_items")
+    max_request_id_chars: int = limit_flag("max_request_id_chars")
     connect_timeout_s: float = flag(2.0, "seconds to open a connection to a worker")
     request_timeout_s: float = flag(600.0, "seconds a prefill call, or a whole non-streaming request, may take")
     # A worker answers only once its first token exists, so this covers its queueing and (local)

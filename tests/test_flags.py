@@ -215,6 +215,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (["up", "--kv-transfer", "rdma"], "argument --kv-transfer: invalid choice: 'rdma'"),
     (["router", "--decode", "http://d:1", "--max-request-sequences", "0"], "--max-request-sequences: must be an integer >= 1"),
     (["worker", "--max-stop-chars", "0"], "--max-stop-chars: must be an integer >= 1"),
+    (["router", "--decode", "http://d:1", "--max-request-id-chars", "0"],
+     "--max-request-id-chars: must be an integer >= 1"),
 ])
 def test_bad_value_exits_2_naming_the_flag(argv, message):
     r = _cli(*argv)

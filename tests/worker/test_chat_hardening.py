@@ -82,13 +82,15 @@ PATHOLOGICAL_TEMPLATES = {
 # What each may answer: over its time bound, or over the size any prompt of this model could have.
 BOUNDED = ("chat_template_timeout", "chat_template_too_large")
 TIMEOUT_S = 2.0
+ID_CHARS = MAX_REQUEST_ID_CHARS - 28  # --max-request-id-chars, not the default: the flag is what cuts
 
 
 @pytest.fixture(scope="module")
 def worker(tiny_checkpoint):
     with WorkerProcess(tiny_checkpoint("llama"), "--served-model-name", "tiny", "--max-model-len", "256",
                        "--kv-cache-memory", str(8 << 20), "--trust-request-chat-template",
-                       "--chat-template-timeout", str(TIMEOUT_S), "--log-level", "warning") as w:
+                       "--chat-template-timeout", str(TIMEOUT_S), "--max-request-id-chars", str(ID_CHARS),
+                       "--log-level", "warning") as w:
         yield w
 
 
@@ -172,11 +174,12 @@ def test_template_variables_are_bounded(worker):
 
 
 def test_a_64_kib_request_id_is_cut_in_every_chunk(worker):
+    """Cut to --max-request-id-chars (this worker's: the router's test checks the default)."""
     rid = "r" * (64 * 1024)
-    bound = len("chatcmpl-") + MAX_REQUEST_ID_CHARS
+    bound = len("chatcmpl-") + ID_CHARS
     r = chat(worker, {"messages": [USER]}, headers={"x-request-id": rid})
     assert r.status_code == 200 and len(r.json()["id"]) <= bound
-    assert r.json()["id"] == "chatcmpl-" + rid[:MAX_REQUEST_ID_CHARS]  # the id's start still correlates
+    assert r.json()["id"] == "chatcmpl-" + rid[:ID_CHARS]  # the id's start still correlates
     with httpx.stream("POST", worker.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=60,
                       json={"model": "tiny", "max_tokens": 4, "stream": True, "messages": [USER]}) as r:
         assert r.status_code == 200

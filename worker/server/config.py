@@ -36,6 +36,7 @@ class ServerConfig:
     max_stop_strings: int = limit_flag("max_stop_strings")
     max_stop_chars: int = limit_flag("max_stop_chars")
     max_input_items: int = limit_flag("max_input_items")
+    max_request_id_chars: int = limit_flag("max_request_id_chars")
     shutdown_grace_s: float = flag(30.0, "seconds in-flight requests may run after SIGTERM before they are aborted")
     # Slow or numerous clients (pdserve.protocol.http_limits).
     header_timeout_s: float = flag(10.0, "seconds a client may take to send a request's headers (slowloris)")

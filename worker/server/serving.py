@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pdserve.protocol.contract import CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID, request_id_from
+from pdserve.protocol.contract import (CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
+                                       request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
@@ -51,8 +52,9 @@ def new_id(prefix: str) -> str:
 def response_id(request: Request, prefix: str, fallback: str) -> str:
     """OpenAI's id shape (`cmpl-…`, `chatcmpl-…`); with an X-Request-Id (a router sends one to
     prefill and decode) it is `{prefix}-{that id}`, as vLLM names it, so both legs agree (the
-    id cut to MAX_REQUEST_ID_CHARS, as the router cuts it)."""
-    header = request_id_from(request.headers.get(HEADER_REQUEST_ID))
+    id cut to --max-request-id-chars, as the router cuts it)."""
+    limit = request.app.state.worker.limits.max_request_id_chars
+    header = request_id_from(request.headers.get(HEADER_REQUEST_ID), limit)
     return f"{prefix}-{header}" if header else fallback
 
 
