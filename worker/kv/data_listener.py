@@ -2,10 +2,9 @@
 
 A data connection opens with a fixed-size hello (tcp_stream.HELLO: a ticket the side channel
 granted and its HMAC under --kv-secret). Until that hello has arrived and verified, the
-connection is anybody's: no credentials, any rate, one byte a minute if it likes. Before this
-listener, each connection got a thread and one of 64 slots at accept and a 5 s timeout per
-`recv`, so 64 clients trickling a byte every few seconds held every slot for minutes and every
-genuine pull was refused (issue 44). Here:
+connection is anybody's: no credentials, any rate, one byte a minute if it likes. Were it given
+a thread and a slot at accept, with a timeout per `recv`, 64 clients trickling a byte every few
+seconds would hold every slot for minutes and every genuine pull would be refused. Here:
 
 - One thread and one selector. A connection saying hello is a non-blocking socket in the
   selector, never a thread, and the loop only ever reads what is already there: it never waits
