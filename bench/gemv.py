@@ -210,7 +210,7 @@ def set_gemv(model, on: bool) -> None:
 def bench_step(models: list[str], bw: float, tiny: bool = False) -> list[str]:
     """bs=1 decode step ms, GEMV path off / on, per model (one row each, printed as measured).
     `tiny`: the models' structure at test sizes (the CPU smoke test)."""
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
     from pdserve.bench.profile_decode import BLOCK, build, decode_inputs, model_config, step_fn
 
     rows = []

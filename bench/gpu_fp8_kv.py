@@ -55,10 +55,11 @@ SECRET = "bench-fp8-kv-shared-secret-0123"
 
 
 def write_checkpoint(path: str, smoke: bool, device: str) -> dict:
-    """Random weights of the real shape (bench/engine.py's MODELS), bf16, saved with a word tokenizer."""
+    """Random weights of the real shape (bench/model_shapes.py's MODELS), bf16, saved with a word tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pdserve.bench.engine import MODELS, save_tokenizer
+    from pdserve.bench.engine import save_tokenizer
+    from pdserve.bench.model_shapes import MODELS
 
     spec = MODELS["tiny-llama" if smoke else "llama-3.1-8b"]
     cfg = LlamaConfig(**spec.hf, bos_token_id=1, eos_token_id=2)

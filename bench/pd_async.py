@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     if args.one:
         print("RESULT " + json.dumps(run_mode(args, args.ckpt, args.one)), flush=True)
         return 0
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
     from pdserve.bench.tp import write_checkpoint
 
     modes = args.modes.split(",")

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
     args = ap.parse_args(argv)
 
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
     from pdserve.bench.tp import write_checkpoint
     from pdserve.worker.config import EngineConfig
     from pdserve.worker.engine import LLMEngine

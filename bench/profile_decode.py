@@ -229,7 +229,7 @@ def main(argv=None) -> int:
             print("profile-decode --count: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
 
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
     ap.add_argument("--out", help="also write the markdown table to this file")
     args = ap.parse_args(argv)
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
 
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:

@@ -324,7 +324,7 @@ def arm_timeout(seconds: float) -> None:
 def main(argv=None) -> int:
     import logging
 
-    from pdserve.bench.engine import MODELS
+    from pdserve.bench.model_shapes import MODELS
 
     ap = argparse.ArgumentParser(prog="pdserve bench tp", description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes (1 first: the reference)")
