@@ -6,14 +6,14 @@
 #
 #   run(carry=[".whl"], command="bash .ci/gpu_tests.sh")
 #
-# .whl holds the wheels of bench/gpu_server_deps.sh's ENGINE_DEPS (the nixl wheel may be slimmed
+# .whl holds the wheels of tools/gpu/lib.sh's ENGINE_DEPS (the nixl wheel may be slimmed
 # to fit the device tool's 64 MiB: nixl_ep_cu13/ is not used). Writes $OUT/gpu-tests.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_tests_out}
 mkdir -p "$OUT"
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
+source tools/gpu/lib.sh
+gpu_deps "${ENGINE_DEPS[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-tests.txt"
 echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"
 # Kernels in parallel; then the engines one at a time (each sizes its KV cache from the card's

@@ -11,7 +11,7 @@ measured bandwidth), offline throughput at 1024-in/128-out and at input lengths 
 min_new_tokens); pdserve runs each offline scenario once untimed first, HF a small batch;
 CUDA-graph capture time is reported separately. `--smoke` runs tiny models on CPU to check the script, not to time it.
 A device run short of time picks less (`BenchPlan`): `--decode-inputs 128 --offline 1024 --no-hf
---no-eager` keeps what issue 17's table needs (bench/gpu_perf.sh runs exactly that).
+--no-eager` keeps what issue 17's table needs (tools/gpu/perf.sh runs exactly that).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ K split) is timed as the engine runs it, in a CUDA graph with the weight's copie
 (triton.testing.do_bench median of the replays); the fastest goes to the JSON, beside
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
 microsecond against this run's copy bandwidth. Paste the JSON's card entry into
-kernels/fp8_gemv_configs.py (or pass it to bench/gpu_fp8.py --gemv-configs).
+kernels/fp8_gemv_configs.py (or pass it to bench/fp8.py --gemv-configs).
 """
 
 from __future__ import annotations

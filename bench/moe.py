@@ -1,6 +1,6 @@
 """Mixture of experts on the GPU: Qwen3-30B-A3B-shaped random bf16 weights (issue 27).
 
-Three subcommands (bench/gpu_moe.sh runs them in one device call):
+Three subcommands (tools/gpu/moe.sh runs them in one device call):
 
   kernel      the fused MoE kernel (kernels/fused_moe.py) against a per-expert loop of torch
               matmuls (cuBLAS; transformers' structure, reference.fused_moe_loop_ref) at 1, 8, 64
@@ -45,7 +45,7 @@ SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, heads=32, kv_heads=4,
              layers=48, dense_inter=6144)
 SWEEP = [  # sorted-path tile configs tried per token count (kernel): the default's kind and the earlier winners
     # (H200, docs/moe-gpu-results.md: 16x32x128 at 8 tokens, 64x64x64 at 64 and 512); four more were
-    # dropped to keep bench/gpu_moe.sh within 5 minutes on one card
+    # dropped to keep tools/gpu/moe.sh within 5 minutes on one card
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),

@@ -1,11 +1,11 @@
-"""bench/prefill_split.py: the cuts it times are the connector's, and the CPU smoke run writes a
+"""tools/gpu/prefill_split.py: the cuts it times are the connector's, and the CPU smoke run writes a
 row per split with the prefill really cut that way (each chunk one step)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.bench import prefill_split
+from tools.gpu import prefill_split
 
 
 @pytest.mark.parametrize("split, chunks", [

@@ -275,7 +275,7 @@ def test_align_argument_is_checked():
                      fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)) < 1e-4
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (bench/gpu_moe.sh runs this file there)")
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/moe.sh runs this file there)")
 @pytest.mark.parametrize("t", [1, 4, 16, 40])
 def test_qwen3_30b_a3b_layer_on_the_gpu(t):
     # The default tiles at Qwen3-30B-A3B's layer shape (E=128, k=8, H=2048, I=768), bf16, through

@@ -158,7 +158,7 @@ def _tp_rank_main(rank: int, port, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.skipif(ON_GPU, reason="CPU gloo ranks with interpreted kernels; the GPU runs TP in bench/gpu_tp.sh")
+@pytest.mark.skipif(ON_GPU, reason="CPU gloo ranks with interpreted kernels; the GPU runs TP in tools/gpu/tp.sh")
 def test_gemv_mlp_over_tp2_shards_equals_the_full_mlp():
     got = run_gloo_pair(_tp_rank_main)
     for rank in (0, 1):

@@ -1,7 +1,7 @@
 """The TCP transport's data connections (worker/kv/tcp_stream.py), in process on real sockets:
 a real side channel (ZMQ, HMAC under a secret), the real pin table and TcpServer, the real
 decode-side tcp_pull. CPU caches (the device copies are plain copies here; the GPU path is
-the same code with page-locked buffers and events, measured by bench/tcp_kv_gpu.sh)."""
+the same code with page-locked buffers and events, measured by tools/gpu/tcp_kv.sh)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ a real 2-process gloo group, computes what the unsharded layer computes; the all
 communicator's dispatch (symmetric memory / NCCL / gloo by message) and its gloo path.
 
 The CUDA methods (symmetric-memory one-shot / two-shot, NCCL) cannot run here: their dispatch is
-tested as a pure function, the kernels on the GPU (bench/gpu_tp.sh, docs/tp-gpu-results.md)."""
+tested as a pure function, the kernels on the GPU (tools/gpu/tp.sh, docs/tp-gpu-results.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17's whole table in one device call on a 2-GPU machine (<= 10 minutes). From the repo root:
 #
-#   run(kind="nvidia-h100-x2", carry=[".whl"], command="bash bench/gpu_perf.sh")
+#   run(kind="nvidia-h100-x2", carry=[".whl"], command="bash tools/gpu/perf.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_perf_out)
 #
 # One step after another, each alone on the machine (seconds are each step's limit; ~5 min in all):
@@ -18,31 +18,10 @@
 # Files in $OUT: env.txt, engine.md, kv_transfer_1gpu.md, kv_transfer_2gpu.md, profile_decode.md,
 # tests.txt, log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_perf_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+source tools/gpu/lib.sh
 # The engine imports protocol/ (kv_transfer_params: pydantic) and the KV bench the server's
-# modules: without them a fresh device machine failed at the first import (issue 25).
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
-
-step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@"
-  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
-}
-
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  nvidia-smi topo -m 2>/dev/null | head -n 4
-  nproc
-  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__, '· transformers', transformers.__version__)"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+# modules: without them a fresh device machine fails at the first import.
+gpu_begin gpu_perf engine || exit 1
 TLS=cuda_ipc,cuda_copy,tcp
 main() {
   cd /tmp

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KV-transfer bench on a GPU machine (issue 17), from the repo root, in about 3 minutes:
 #
-#   bash bench/kv_transfer_gpu.sh      # writes into $OUT (the device tool's folder), else ./kv_transfer_out
+#   bash tools/gpu/kv_transfer.sh      # writes into $OUT (the device tool's folder), else ./kv_transfer_out
 #
 # 1. one GPU, VRAM -> VRAM on the same card (P and D sharing it), NIXL and TCP    kv_transfer_1gpu.md
 # 2. if a second GPU is visible: cuda:0 -> cuda:1, NIXL                            kv_transfer_2gpu.md
@@ -13,17 +13,9 @@
 # image lacks is taken from .whl/ (git-ignored; carry it): a wheel .whl/<name>-*.whl, installed
 # with --no-deps into a temporary folder, or a plain package folder .whl/site/<module>.
 set -u
-OUT=${OUT:-$PWD/kv_transfer_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-
+source tools/gpu/lib.sh
 # The connector imports protocol/ (pydantic, fastapi): the server stack's wheels.
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
-
-gpu_env_report > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+gpu_begin kv_transfer server || exit 1
 
 TLS=cuda_ipc,cuda_copy,tcp
 echo "=== one GPU (same card)"

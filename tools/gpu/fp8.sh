@@ -1,73 +1,56 @@
 #!/usr/bin/env bash
 # FP8 weights' GPU numbers (issue 26, items 1-2) in one device call on one H100 (~6 minutes). From the repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_fp8.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/fp8.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_fp8_out)
 #
 # 1. The FP8 kernel tests compiled on the GPU (quantization, block GEMM, the linear method's
 #    _scaled_mm and block paths against their torch references)                          90 s
 # 2. bench/fp8_gemv_tune.py: fp8_gemv's tiles per Llama-3.1-8B shape (TP=1, 2), M = 1 and 8   150 s
 #    (its JSON is the table kernels/fp8_gemv_configs.py holds; step 3 runs with it)
-# 3. bench/gpu_fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
+# 3. bench/fp8.py: each Llama-3.1-8B linear alone (bf16 vs the two FP8 paths, M = 1..8192), then
 #    Llama-3.1-8B-shaped random weights, bf16 vs FP8 per-channel (--quantization
 #    fp8) vs FP8 block-128 (a weight_scale_inv checkpoint made from the same weights), one engine
 #    after another on cuda:0: bs=1 decode ms/step, offline 1024/128 tok/s, and the first token's
 #    top-5 logprob error against transformers fp32 on a 2-layer model of the same widths  420 s
 # Files in $OUT: env.txt, fp8.md (the tables), fp8_log.txt, tests.txt, gemv_tune.md/.json/_log.txt.
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_fp8.sh blockwise")   (~6 minutes)
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/fp8.sh blockwise")   (~6 minutes)
 #
 # Block-128 on torch's scaled_mm (cuBLASLt 1x128 x 128x128 block scaling) against the rest, one card:
 # 1. tests/kernels/test_fp8_scaled_mm.py and test_fp8.py but its GEMV tests, compiled (the grouped
 #    quantization kernel, token-major scales, the block GEMM and the linear's W8A8 paths; on sm90
 #    the probe and the real cuBLASLt call against the reference)                           75 s
-# 2. bench/gpu_fp8.py --only blockwise speed: each Llama-3.1-8B linear at M = 64..4096: bf16 cuBLAS,
+# 2. bench/fp8.py --only blockwise speed: each Llama-3.1-8B linear at M = 64..4096: bf16 cuBLAS,
 #    per-channel _scaled_mm (quantization and GEMM apart), Triton block GEMM, scaled_mm block
 #    (quantization and GEMM apart; "UNSUPPORTED" and n/a if the card cannot); then engines one after
 #    another: bf16, block-128 (scaled_mm from 128 rows), block-128 (Triton GEMM only), per-channel:
 #    bs=1 decode ms/step and offline 64 x 1024/128 tok/s                                       265 s
 # Files in $OUT: env.txt, fp8_blockwise.md (the tables), fp8_blockwise_log.txt, tests_blockwise.txt.
 #
-#   run(carry=[".whl"], command="bash bench/gpu_fp8.sh fused")   (~6 minutes; one card, H100 or H200)
+#   run(carry=[".whl"], command="bash tools/gpu/fp8.sh fused")   (~6 minutes; one card, H100 or H200)
 #
 # Activation quantization fused into the RMSNorm / SiLU·mul before each FP8 linear (W8A8 path, M > 16):
 # 1. tests/kernels/test_fp8_fused_quant.py compiled (the fused kernels bit for bit against the separate
 #    norm / SiLU·mul + quantize_fp8, the linear given their output against the linear quantizing
 #    itself, cuBLASLt's block path included on sm90; ~100 kernel compiles)               120 s
-# 2. bench/gpu_fp8.py --only fused: engines one after another on cuda:0: bf16, per-channel fused off,
+# 2. bench/fp8.py --only fused: engines one after another on cuda:0: bf16, per-channel fused off,
 #    on, block-128 fused off, on: bs=1 decode ms/step and offline 64 x 1024/128 tok/s          300 s
 # Files in $OUT: env.txt, fp8_fused.md (the tables), fp8_fused_log.txt, tests_fused.txt.
 set -u
 MODE=${1:-all}
-OUT=${OUT:-$PWD/gpu_fp8_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# The engine imports protocol/ (pydantic) and the KV connector's modules: carry .whl
-# (bench/gpu_env.sh says how it is read).
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
-gpu_env_report > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source tools/gpu/lib.sh
+# The engine imports protocol/ (pydantic) and the KV connector's modules: carry .whl.
+gpu_begin gpu_fp8 engine || exit 1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one card, whatever the machine has
 
-# Every step of every mode: its output into a file under a time limit, one line printed saying
-# how it ended and how long it took (what the device call's reply shows of it).
-run_step() {  # run_step LABEL SECONDS FILE COMMAND...
-  local label=$1 limit=$2 file=$3 t0 rc
-  shift 3
-  t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" > "$file" 2>&1
-  rc=$?
-  echo "$label: rc=$rc in $(( $(date +%s) - t0 ))s"
-}
-
 if [ "$MODE" = fused ]; then
-  run_step "fp8 fused-quantization tests" 120 "$OUT/tests_fused.txt" \
+  step_into "$OUT/tests_fused.txt" "fp8 fused-quantization tests" 120 \
     $PY -m pytest tests/kernels/test_fp8_fused_quant.py -q -p no:cacheprovider
   tail -n 3 "$OUT/tests_fused.txt"
   cd /tmp
-  run_step "bench gpu_fp8 fused" 300 "$OUT/fp8_fused_log.txt" \
-    $PY -m pdserve.bench.gpu_fp8 --only fused --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_fused.md"
+  step_into "$OUT/fp8_fused_log.txt" "bench fp8 fused" 300 \
+    $PY -m pdserve.bench.fp8 --only fused --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_fused.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_fused_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_fused.md" 2>/dev/null
@@ -75,26 +58,26 @@ if [ "$MODE" = fused ]; then
 fi
 
 if [ "$MODE" = blockwise ]; then
-  run_step "fp8 scaled_mm tests" 75 "$OUT/tests_blockwise.txt" \
+  step_into "$OUT/tests_blockwise.txt" "fp8 scaled_mm tests" 75 \
     $PY -m pytest tests/kernels/test_fp8_scaled_mm.py tests/kernels/test_fp8.py -q -k "not gemv" -p no:cacheprovider
   tail -n 3 "$OUT/tests_blockwise.txt"
   cd /tmp
-  run_step "bench gpu_fp8 blockwise" 265 "$OUT/fp8_blockwise_log.txt" \
-    $PY -m pdserve.bench.gpu_fp8 --only blockwise speed --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_blockwise.md"
+  step_into "$OUT/fp8_blockwise_log.txt" "bench fp8 blockwise" 265 \
+    $PY -m pdserve.bench.fp8 --only blockwise speed --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_blockwise.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_blockwise_log.txt" | grep -i "scaled_mm\|error\|Traceback" | head -n 5
   cat "$OUT/fp8_blockwise.md" 2>/dev/null
   exit 0
 fi
 
-run_step "fp8 kernel tests" 90 "$OUT/tests.txt" $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider
+step_into "$OUT/tests.txt" "fp8 kernel tests" 90 $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider
 tail -n 3 "$OUT/tests.txt"
 
 cd /tmp
-run_step "fp8_gemv tile sweep" 150 "$OUT/gemv_tune_log.txt" \
+step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep" 150 \
   $PY -m pdserve.bench.fp8_gemv_tune --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json"
 TUNED=(); [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$OUT/gemv_tune.json")
-run_step "bench gpu_fp8" 420 "$OUT/fp8_log.txt" \
-  $PY -m pdserve.bench.gpu_fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" "${TUNED[@]}"
+step_into "$OUT/fp8_log.txt" "bench fp8" 420 \
+  $PY -m pdserve.bench.fp8 --workdir /tmp/pdserve-fp8 --out "$OUT/fp8.md" "${TUNED[@]}"
 rm -rf /tmp/pdserve-fp8
 grep -v " INFO \|it/s\]" "$OUT/fp8_log.txt" | tail -n 40

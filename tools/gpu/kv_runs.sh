@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 24 item 3 (NIXL on the real block layout) on a GPU machine, from the repo root, in about
-# 2-3 minutes (bench/gpu_perf.sh has the same real-layout rows among all of issue 17's):
+# 2-3 minutes (tools/gpu/perf.sh has the same real-layout rows among all of issue 17's):
 #
-#   run(kind="nvidia-h100-x2", carry=[".whl"], command="bash bench/kv_runs_gpu.sh")
+#   run(kind="nvidia-h100-x2", carry=[".whl"], command="bash tools/gpu/kv_runs.sh")
 #   (writes into $OUT, the device tool's folder; else ./kv_runs_out)
 #
 # 1. block runs after churn by eviction slack, CPU only (bench/block_churn.py)      block_churn.md
@@ -11,15 +11,10 @@
 #    and with eviction_slack 1                                  kv_runs_1gpu_slack0.md, ..._slack1.md
 # 3. if a second GPU is visible: the same cuda:0 -> cuda:1      kv_runs_2gpu_slack0.md, ..._slack1.md
 set -u
-OUT=${OUT:-$PWD/kv_runs_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+source tools/gpu/lib.sh
 # The connector imports protocol/ (pydantic, fastapi): the server stack's wheels.
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
+gpu_begin kv_runs server || exit 1
 SLACKS=${KV_RUNS_SLACKS:-0 1}  # eviction slacks to measure (KV_RUNS_SLACKS=0: strict LRU only)
-gpu_env_report > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
 
 TLS=cuda_ipc,cuda_copy,tcp
 KV=(--device cuda --ucx-tls "$TLS" --transports nixl --nixl-modes prepped dlist --layouts contiguous real

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30 in one device call on 2 GPUs of one host (<= 10 minutes), from the repo root:
 #
-#   run(command="bash bench/tcp_kv_gpu.sh", kind="nvidia-h100-x4", carry=[".whl"], timeout_s=600)
+#   run(command="bash tools/gpu/tcp_kv.sh", kind="nvidia-h100-x4", carry=[".whl"], timeout_s=600)
 #
 # 1. bench/tcp_kv.py, cuda:0 -> cuda:1: the KV pull of 64 MiB, 375 MiB and 1 GiB on the real
 #    Llama-3.1-8B block layout over the TCP data path (and its stream counts), the inline TCP
@@ -12,15 +12,8 @@
 #    token 1 without and with the streamed hand-off                        handoff/results.md
 # Extra arguments go to bench/tcp_kv.py. Files in $OUT (else ./tcp_kv_out); env.txt, log.txt.
 set -u
-OUT=${OUT:-$PWD/tcp_kv_out}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${SERVER_DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
-gpu_env_report >> "$OUT/env.txt" 2>&1
-echo "cores: $(nproc)" >> "$OUT/env.txt"
-cat "$OUT/env.txt"
+source tools/gpu/lib.sh
+gpu_begin tcp_kv server || exit 1
 cd /tmp  # not the repo root: its operator/ folder would shadow the standard library's
 echo "=== KV pull over TCP (setup $(( $(date +%s) - T0 ))s)"
 timeout --kill-after=10 "${TCP_KV_PULL_S:-240}" $PY -m pdserve.bench.tcp_kv --server-device cuda:0 \

@@ -1,8 +1,8 @@
 """FP8 KV cache against the model-dtype (bf16) cache, same run, same card(s): what the halved
 bytes buy (issue 26, item 3).
 
-    python -m pdserve.bench.gpu_fp8_kv --out results.md           # a CUDA machine (bench/gpu_fp8_kv.sh)
-    python -m pdserve.bench.gpu_fp8_kv --smoke                     # the same code path on CPU, tiny model
+    python -m pdserve.bench.fp8_kv --out results.md           # a CUDA machine (tools/gpu/fp8_kv.sh)
+    python -m pdserve.bench.fp8_kv --smoke                     # the same code path on CPU, tiny model
 
 One Llama-3.1-8B-shaped checkpoint of random bf16 weights is written once. Then, for each KV
 cache dtype (auto = bf16, then fp8), a pair of real engines:
@@ -199,7 +199,7 @@ def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     devices = (device, device) if gpus < 2 else ("cuda:0", "cuda:1")
-    if device == "cuda":  # GPU memory over NVLink (two cards) or within one card, as bench/gpu_perf.sh
+    if device == "cuda":  # GPU memory over NVLink (two cards) or within one card, as tools/gpu/perf.sh
         os.environ.setdefault("UCX_TLS", "cuda_ipc,cuda_copy,tcp")
     rng = random.Random(0)
     out: dict = {"devices": devices, "ucx_tls": os.environ.get("UCX_TLS", "UCX's default"),

@@ -1,6 +1,6 @@
 """FP8 weights on one GPU (not a test): bf16 vs FP8 per-channel vs FP8 block-128, same run, same card.
 
-    python -m pdserve.bench.gpu_fp8 [--out fp8.md] [--smoke]      (bench/gpu_fp8.sh on the device)
+    python -m pdserve.bench.fp8 [--out fp8.md] [--smoke]      (tools/gpu/fp8.sh on the device)
 
 Llama-3.1-8B-shaped random weights (transformers' initialisation, bf16), saved once; then three
 engines, one after another, each alone on the card:
@@ -446,7 +446,7 @@ def error(tops: list[dict[int, float]], ref: list[torch.Tensor]) -> tuple[float,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pdserve bench gpu_fp8", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdserve bench fp8", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the markdown table here")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir, removed)")
@@ -457,13 +457,13 @@ def main(argv=None) -> int:
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
                          "per-channel and the Triton block GEMM; with speed it also adds an engine row for "
-                         "block-128 on the Triton GEMM alone (bench/gpu_fp8.sh blockwise runs both). "
+                         "block-128 on the Triton GEMM alone (tools/gpu/fp8.sh blockwise runs both). "
                          "fused: the engines only, each FP8 format with the activation quantization fused "
-                         "into the norm / SiLU·mul off, then on (bench/gpu_fp8.sh fused)")
+                         "into the norm / SiLU·mul off, then on (tools/gpu/fp8.sh fused)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("pdserve bench gpu_fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
+        print("pdserve bench fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
     if args.gemv_configs:
         from pdserve.kernels.fp8_gemv import use_configs

@@ -2,7 +2,7 @@
 # Issue 25 item 3 (the small-batch GEMV) in one device call on one GPU (<= 4 minutes). From the
 # repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_gemv.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/gemv.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_gemv_out)
 #
 # One step after another (seconds are each step's limit; a failed or timed-out step never stops
@@ -15,27 +15,12 @@
 #   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
 # Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_gemv_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# Own link farm and deps folder, so this can run beside another GPU script (bench/gpu_env.sh).
+# Own link farm and deps folder, so this can run beside another GPU script (tools/gpu/lib.sh).
 export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps-gemv}
 # The model test starts an engine: protocol/ (pydantic), the KV side channel (zmq), structured
-# outputs (llguidance), metrics; the same set as bench/gpu_perf.sh.
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || echo "gpu_env: some modules missing; going on"
-
-step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=5 "$limit" "$@"
-  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
-}
-
-gpu_env_report > "$OUT/env.txt" 2>&1
-$PY -c "import triton; print('triton', triton.__version__)" >> "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+# outputs (llguidance), metrics; the same set as tools/gpu/perf.sh.
+source tools/gpu/lib.sh
+gpu_begin gpu_gemv engine || echo "gpu_deps: some modules missing; going on"
 main() {
   local repo=$PWD
   cd /tmp

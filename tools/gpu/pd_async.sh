@@ -2,7 +2,7 @@
 # P/D with --async-scheduling against synchronous P/D and an aggregated engine, in one device call
 # (<= 10 minutes; NOT yet run: helpers had no device time when it was written). From the repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_pd_async.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/pd_async.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_pd_async_out)
 #
 # bench/pd_async.py (its docstring has the plan): Llama-3.1-8B-shaped random bf16 weights, 3000 in /
@@ -12,21 +12,8 @@
 # --model qwen2.5-0.5b: the 8B checkpoint's writing and two-engine starts may not leave the even
 # split time). Each row is printed as soon as its mode ends. Files in $OUT: env.txt, pd_async_tail.md, pd_async_even.md, log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_pd_async_out}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${SERVER_DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
-  cd /tmp
-  $PY -c "import sys, torch, triton, nixl_cu13, pdserve.worker.engine; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__, '· GPUs', torch.cuda.device_count(), '· imports: ok')"
-} >> "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-grep -q "imports: ok" "$OUT/env.txt" || { echo "an import failed (env.txt above): stopping before any model load"; exit 1; }
+source tools/gpu/lib.sh
+gpu_begin gpu_pd_async server triton nixl_cu13 pdserve.worker.engine || exit 1
 main() {
   cd /tmp
   # The tail split first (the default, issue 24's numbers); the even split if time is left.

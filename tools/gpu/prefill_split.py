@@ -1,6 +1,6 @@
 """Where a split prefill's time goes (a CUDA machine; not a test).
 
-    python -m pdserve.bench.prefill_split [--checkpoint DIR] [--prompt 3000] [--out split.md]
+    python tools/gpu/prefill_split.py [--checkpoint DIR] [--prompt 3000] [--out split.md]
 
 A streamed P/D hand-off cuts a prompt's prefill into chunks (worker/kv/connector_scheduler.py:
 "tail" 2488 + 512, "taper" 1464 + 1024 + 512 for 3000 tokens) so the KV moves while the next

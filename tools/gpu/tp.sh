@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallelism's GPU numbers in one device call on a 2- or 4-GPU machine. From the repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_tp.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/tp.sh")
 #
 # 1. bench tp: Llama-3.1-8B with random bf16 weights at TP=1, 2 (and 4 where 4 GPUs are visible;
 #    CUDA graphs), each TP>1 size once per all-reduce method ($ALL_REDUCE: "nccl", the worker's
@@ -17,15 +17,9 @@
 # $OUT/tp_pd.md and their logs. NCCL's destroy_process_group hangs on this image when ranks reach
 # it at different times; the worker bounds it (worker/parallel/group.py).
 set -u
-OUT=${OUT:-$PWD/gpu_tp_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# The engine imports protocol/ (pydantic); the server (tp-pd) needs the rest the image lacks:
-# carry .whl (bench/gpu_env.sh says how it is read).
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${SERVER_DEPS[@]}" || exit 1
-gpu_env_report > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source tools/gpu/lib.sh
+# The engine imports protocol/ (pydantic); the server (tp-pd) needs the rest the image lacks.
+gpu_begin gpu_tp server || exit 1
 cd /tmp
 if [ -n "${QUICK:-}" ]; then
   TP_ARGS="--num-prompts 0 --no-fp32-check --decode-steps 64" LIMIT=420 ALL_REDUCE=${ALL_REDUCE:-nccl auto}

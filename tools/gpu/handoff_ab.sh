@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A/B of the hand-off in one device call: an earlier tree against this one, one `tcp-on` stack
-# (AB_STACKS: another, e.g. nixl-on) per (tree, split), each a run of bench/gpu_handoff.sh;
+# (AB_STACKS: another, e.g. nixl-on) per (tree, split), each a run of tools/gpu/handoff.sh;
 # AB_FIRST_STACKS: the first run's stacks instead (e.g. agg,nixl-on: the aggregated baseline
 # once). Before the call, here:
 #
 #   mkdir -p .whl/base && git archive <base-sha> | tar -x -C .whl/base
-#   run(command="B1=220 B2=135 bash bench/gpu_handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
+#   run(command="B1=220 B2=135 bash tools/gpu/handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
 #
 # Runs (in the order given): base-tail, base-taper, base-auto (the earlier tree), new-tail,
 # new-taper, new-taper256, new-auto, new-none (this tree; none: no streamed split, the step
@@ -16,11 +16,14 @@
 set -u
 OUT=${OUT:-$PWD/gpu_handoff_ab_out}
 mkdir -p "$OUT" /tmp/ab
+handoff_script() {  # in the tree run() is in: a tree from before tools/gpu/ has it in bench/
+  if [ -f tools/gpu/handoff.sh ]; then echo tools/gpu/handoff.sh; else echo tools/gpu/handoff.sh; fi
+}
 run() {  # name dir worker-args [chunk tokens]
   local name=$1$SUFFIX dir=$2 args=$3 chunk=${4:-512}
   local profile=0; [ "$name" = "${AB_PROFILE:-}" ] && profile=${AB_PROFILE_MODE:-1}  # AB_PROFILE=<run>: that run under py-spy (AB_PROFILE_MODE=gil: GIL holders only)
   (cd "$dir" && GIT_COMMIT=$name OUT=/tmp/ab/$name HANDOFF_CHUNKS=$chunk HANDOFF_FIRST_STACKS=$STACKS HANDOFF_PROFILE=$profile \
-     HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash bench/gpu_handoff.sh --warmup 24 ${AB_EXTRA:-} \
+     HANDOFF_BUDGET_S=$B HANDOFF_WORKER_ARGS="$args" bash "$(handoff_script)" --warmup 24 ${AB_EXTRA:-} \
      > /tmp/ab/$name.out 2>&1)
   echo "== $name: $(grep -h '^\[handoff' /tmp/ab/$name/chunk$chunk/log.txt | grep 'first gap' \
      | sed 's/^\[handoff *[0-9]*s\] //' | tr '\n' ';')"

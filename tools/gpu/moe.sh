@@ -2,7 +2,7 @@
 # Issue 27's GPU numbers (mixture of experts) in one device call: ~5 minutes on one GPU
 # (CUDA_VISIBLE_DEVICES=<one card>: the TP=1 rows only), ~7 on 4. From the repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_moe.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/moe.sh")
 #
 # Steps, one after another (seconds are each step's limit):
 #   tests compiled on the GPU: the fused MoE kernel (both paths) and routing vs their references,
@@ -25,23 +25,10 @@
 # Files in $OUT: env.txt, tests.txt, decode.md, kernel.md, fp8.md, engine.md (+ engine_rows.jsonl),
 # profile.md, log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_moe_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 LAYERS=${LAYERS:-12}
 PROMPTS=${PROMPTS:-64}
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
-gpu_env_report > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-
-step() {  # step NAME SECONDS COMMAND...: runs, reports rc and wall time, never aborts the script
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@"
-  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s"
-}
+source tools/gpu/lib.sh
+gpu_begin gpu_moe engine || exit 1
 
 main() {
   step "tests on the GPU" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \

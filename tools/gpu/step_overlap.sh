@@ -2,23 +2,14 @@
 # Host time per decode step, synchronous engine vs --async-scheduling, in one device call
 # (<= 5 minutes; NOT yet run: helpers had no device time when it was written). From the repo root:
 #
-#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash bench/gpu_step_overlap.sh")
+#   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/step_overlap.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_step_overlap_out)
 #
 # Files in $OUT: env.txt, step_overlap.md (Qwen2.5-0.5B and Llama-3.1-8B, batch 1 and 8, both
 # engines in the same run on the same card, and whether their greedy tokens agree), log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_step_overlap_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-source bench/gpu_server_deps.sh
-source bench/gpu_env.sh "${ENGINE_DEPS[@]}" || exit 1
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  $PY -c "import sys, torch, triton; print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__)"
-} > "$OUT/env.txt" 2>&1
+source tools/gpu/lib.sh
+gpu_begin gpu_step_overlap engine || exit 1
 main() {
   cd /tmp
   timeout --kill-after=10 240 $PY -m pdserve.bench.step_overlap --models qwen2.5-0.5b llama-3.1-8b --batch 1 8 \

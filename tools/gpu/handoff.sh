@@ -2,7 +2,7 @@
 # Issue 24's hand-off measurement in one device call on a 2-GPU machine (<= 10 minutes). From the
 # repo root, with .whl/ rebuilt (the wheels below; git-ignored, so carried):
 #
-#   run(command="GIT_COMMIT=<sha> bash bench/gpu_handoff.sh", kind="nvidia-h100-x2", carry=[".whl"], timeout_s=600)
+#   run(command="GIT_COMMIT=<sha> bash tools/gpu/handoff.sh", kind="nvidia-h100-x2", carry=[".whl"], timeout_s=600)
 #
 # (GIT_COMMIT: name the tree in the reports; a device machine's copy of .git has been seen older than
 # the tree it runs.)
@@ -15,38 +15,15 @@
 # the image has matplotlib; else `python -m pdserve.bench.handoff --replot DIR` here draws it),
 # runs.tar.gz (every run's JSON with per-request gaps, every stack's logs), env.txt, log.txt.
 set -u
-OUT=${OUT:-$PWD/gpu_handoff_out}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the harness runs from /tmp
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-# What the worker, the router and the load generator import that the image may lack (a module
-# the image has is kept unless the carried wheel is newer: bench/gpu_env.sh).
-source bench/gpu_server_deps.sh
-DEPS=("${SERVER_DEPS[@]}")
-source bench/gpu_env.sh "${DEPS[@]}" > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
-{
-  date -u
-  echo "commit: ${GIT_COMMIT:-$(git describe --always --dirty 2>/dev/null || echo unknown)}"
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv
-  nvidia-smi topo -m 2>/dev/null | head -n 4
-  echo "cores: $(nproc)"
-  cd /tmp  # python from the repo root would find its operator/ folder before the standard library's
-  # The import chains the stack needs, before any model is loaded: a missing wheel fails here in seconds.
-  $PY -c "import sys, importlib.util as u, torch, triton, transformers, nixl_cu13, pdserve.router.app, pdserve.bench.serve
-import pdserve.worker.server.app
-print('python', sys.version.split()[0], '· torch', torch.__version__, '· triton', triton.__version__,
-      '· transformers', transformers.__version__, '· matplotlib', 'yes' if u.find_spec('matplotlib') else 'no')
-print('imports: ok · GPUs', torch.cuda.device_count())"
-  cd "$OLDPWD"
-} >> "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-grep -q "imports: ok" "$OUT/env.txt" || { echo "an import failed (env.txt above): stopping before any model load"; exit 1; }
+source tools/gpu/lib.sh
+# What the worker, the router and the load generator import that the image may lack.
+gpu_begin gpu_handoff server triton transformers nixl_cu13 pdserve.router.app pdserve.bench.serve \
+  pdserve.worker.server.app || exit 1
 GPUS=$(sed -n 's/^imports: ok · GPUs //p' "$OUT/env.txt")
 # (HANDOFF_MIN_GPUS=0 ... --smoke runs this script end to end on a CPU machine.)
 [ "${GPUS:-0}" -ge "${HANDOFF_MIN_GPUS:-2}" ] || { echo "needs 2 GPUs, sees ${GPUS:-0}: stopping"; exit 1; }
 echo "setup: $(( $(date +%s) - T0 ))s"
 set -o pipefail
-REPO=$PWD
 cd /tmp
 # The call may run 600 s: what the setup left, less the last stack's stop and the report (~25 s)
 # and a margin; HANDOFF_BUDGET_S lowers it. SIGTERM at the hard limit: the harness stops its
