@@ -56,14 +56,11 @@ RUN python3 -c 'import sys, tomllib; p = tomllib.load(open("/src/pyproject.toml"
 extras = [d for e in sys.argv[1].split(",") if e for d in p["optional-dependencies"][e]]; \
 print("\n".join(p["dependencies"] + extras))' "${EXTRAS}" > /requirements.txt
 
-FROM python
-ARG APP_UID
-ARG PIP_CERT
-COPY --from=requirements /requirements.txt /tmp/requirements.txt
-# hadolint ignore=DL3013
-RUN pip install -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt
-
+# The project as a wheel, in a stage of its own: the final image installs that wheel from a bind
+# mount, so it holds one copy of the code (site-packages), never the source tree beside it.
+# setuptools (torch's dependency) is already in the venv: no isolated build environment to
+# download on every source change.
+FROM python AS wheel
 WORKDIR /src
 COPY pyproject.toml ./
 COPY README.md ./
@@ -74,10 +71,21 @@ COPY kernels kernels
 COPY bench bench
 COPY protocol protocol
 COPY cli cli
-# The project itself; its dependencies are the layer above, and setuptools (torch's dependency)
-# is already in the venv: no isolated build environment to download on every source change.
 # hadolint ignore=DL3013
-RUN pip install --no-deps --no-build-isolation . \
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
+
+FROM python
+ARG APP_UID
+ARG PIP_CERT
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+# hadolint ignore=DL3013
+RUN pip install -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
+
+# The project itself; its dependencies are the layer above.
+# hadolint ignore=DL3013
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/pdserve-*.whl \
  && pdserve --help > /dev/null
 
 # Non-root: the chart's and operator's securityContext runs UID 1000 (Ubuntu's own "ubuntu"
