@@ -72,7 +72,7 @@ COPY bench bench
 COPY protocol protocol
 COPY cli cli
 # hadolint ignore=DL3013
-RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /dist .
 
 FROM python
 ARG APP_UID
@@ -84,8 +84,8 @@ RUN pip install -r /tmp/requirements.txt \
 
 # The project itself; its dependencies are the layer above.
 # hadolint ignore=DL3013
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-deps /wheels/pdserve-*.whl \
+RUN --mount=type=bind,from=wheel,source=/dist,target=/dist \
+    pip install --no-deps /dist/pdserve-*.whl \
  && pdserve --help > /dev/null
 
 # Non-root: the chart's and operator's securityContext runs UID 1000 (Ubuntu's own "ubuntu"

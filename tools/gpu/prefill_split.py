@@ -5,7 +5,7 @@
 A streamed P/D hand-off cuts a prompt's prefill into chunks (worker/kv/connector_scheduler.py:
 "tail" 2488 + 512, "taper" 1464 + 1024 + 512 for 3000 tokens) so the KV moves while the next
 chunk is computed; over TCP the prefill worker's TTFT then grew by 35-75 ms at 3000 tokens on an
-H200 (docs/tcp-kv-gpu-results.md, session 16), and a profile could not tell what made it: the
+H200 (docs/tcp-kv-gpu-results.md), and a profile could not tell what made it: the
 chunks' own GPU work (smaller matrix products, attention that re-reads the context), their
 launches (eager steps: Python per layer), or the TCP senders' threads taking the GIL the launch
 needs. This bench separates them on one engine, no server, no transfer:
@@ -17,7 +17,7 @@ needs. This bench separates them on one engine, no server, no transfer:
   a 1 ms sleep stands for the GIL-free send); `N:gate`: they wait while a step launches;
   `N:big`: 8x the runs per piece and 8x the send time.
 
-Measured (H200, docs/tcp-kv-gpu-results.md "Session 17"): without sender threads a split costs
+Measured (H200, docs/tcp-kv-gpu-results.md, "the TTFT cost is the GIL"): without sender threads a split costs
 the prefill little (3000 tokens: 74.5 / 77.7 / 77.7 ms one step / tail / taper); four of them
 make each eager launch (~17 ms) 2.5-3.5x as long, and a launch-bound step (512 tokens) is then
 that much slower. Holding the threads while the launch runs removes it here, but in the server
