@@ -31,14 +31,11 @@ import time
 from pathlib import Path
 
 from pdserve.bench import disagg_report
+from pdserve.bench.model_shapes import MODELS
 from pdserve.cli.stack import free_port
 
 SLO_MS = {"ttft": 2000.0, "itl": 25.0}
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                tie_word_embeddings=False, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
+LLAMA_8B = MODELS["llama-3.1-8b"].hf
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
 # (input, output, rates): chosen around the rough first measurement (6 req/s at 3000/200 was near
@@ -206,8 +203,14 @@ def main(argv=None) -> int:
     finally:
         disagg_report.write(runs, out, SLO_MS, args.smoke, plots=True)
         pack_runs(work, out)
+    return finish(out, "disagg", t0)
+
+
+def finish(out: Path, tag: str, t0: float) -> int:
+    """A harness's last words: its results.md on stdout (what a device call's reply shows), the
+    total time."""
     print((out / "results.md").read_text())
-    print(f"[disagg] total {time.monotonic() - t0:.0f}s", flush=True)
+    print(f"[{tag}] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0
 
 

@@ -41,11 +41,9 @@ import time
 
 import torch
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                tie_word_embeddings=False, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192})
+from pdserve.bench.model_shapes import MODELS
+
+LLAMA_8B = MODELS["llama-3.1-8b"].hf
 TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -51,7 +51,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
-from pdserve.bench.disagg import UpStack, pack_runs
+from pdserve.bench.disagg import UpStack, finish, pack_runs
 
 SLO = ("ttft:2000", "itl:25")
 
@@ -362,9 +362,7 @@ def main(argv=None) -> int:
         summary = summarize(runner, args, sizes, ckpt, support)
         handoff_report.render(summary, out)
         pack_runs(work, out)
-    print((out / "results.md").read_text())
-    print(f"[handoff] total {time.monotonic() - t0:.0f}s", flush=True)
-    return 0
+    return finish(out, "handoff", t0)
 
 
 if __name__ == "__main__":

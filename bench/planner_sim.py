@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pdserve.bench.cluster_model import (DECODE_PER_SEQ_S, DECODE_STEP_S, KV_TOKENS, PREFILL_TPS, Cluster, Pool,
                                           bursts, mix_at)
+from pdserve.bench.report import markdown_table
 from pdserve.operator.planner import PlannerConfig, PlannerState, RoleBounds, RoleSample, Snapshot, decide
 
 DAY_S = 86400.0
@@ -154,12 +155,11 @@ def policies() -> list:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| policy | SLO attainment | GPU-hours | peak GPUs | TTFT over target (min) | ITL over target (min) |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        out.append(f"| {r['policy']} | {100 * r['slo_attainment']:.1f}% | {r['gpu_hours']:.0f} | {r['peak_gpus']} | "
-                   f"{r['ttft_over_target_minutes']:.0f} | {r['itl_over_target_minutes']:.0f} |")
-    return "\n".join(out)
+    return markdown_table(
+        ["policy", "SLO attainment", "GPU-hours", "peak GPUs", "TTFT over target (min)", "ITL over target (min)"],
+        [[r["policy"], f"{100 * r['slo_attainment']:.1f}%", f"{r['gpu_hours']:.0f}", f"{r['peak_gpus']}",
+          f"{r['ttft_over_target_minutes']:.0f}", f"{r['itl_over_target_minutes']:.0f}"] for r in rows],
+        right={1, 2, 3, 4, 5})
 
 
 def plot(traces: dict[str, Trace], rows: list[dict], out: Path) -> None:

@@ -12,3 +12,9 @@ def publish(text: str, out: str | os.PathLike | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    """A markdown table: `header` and `rows` of cells, the columns numbered in `right` right-aligned."""
+    rule = ["---:" if i in right else "---" for i in range(len(header))]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, rule, *rows])

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.report import markdown_table
 from pdserve.worker.structured_output import BACKENDS, StructuredOutputs, StructuredOutputSpec
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
@@ -196,12 +197,11 @@ def mask_table(rows: list[dict]) -> str:
 
 
 def e2e_table(rows: list[dict]) -> str:
-    lines = ["| model | engine | spec | batch | output tokens | ms/token without | ms/token with | overhead ms/token |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['engine']} | {r['spec']} | {r['batch']} | {r['tokens']} | "
-                     f"{r['without_ms_tok']:.3f} | {r['with_ms_tok']:.3f} | {r['overhead_ms_tok']:+.3f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["model", "engine", "spec", "batch", "output tokens", "ms/token without", "ms/token with", "overhead ms/token"],
+        [[r["model"], r["engine"], r["spec"], f"{r['batch']}", f"{r['tokens']}", f"{r['without_ms_tok']:.3f}",
+          f"{r['with_ms_tok']:.3f}", f"{r['overhead_ms_tok']:+.3f}"] for r in rows],
+        right={3, 4, 5, 6, 7})
 
 
 def default_tokenizer_dir() -> Path:
