@@ -174,9 +174,7 @@ def main(argv=None) -> int:
     deadline = t0 + args.budget_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None
-    work = Path(tempfile.mkdtemp(prefix="pdserve-disagg-", dir=base))
+    work = scratch_dir("pdserve-disagg-")
     ckpt = args.checkpoint or str(work / "ckpt")
     if not args.checkpoint:
         # In a child process, so this process never holds a CUDA context the workers' memory sizing sees.
@@ -204,6 +202,14 @@ def main(argv=None) -> int:
         disagg_report.write(runs, out, SLO_MS, args.smoke, plots=True)
         pack_runs(work, out)
     return finish(out, "disagg", t0)
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A fresh folder for the checkpoint and the stacks' logs: in /dev/shm where it has room (an
+    8B checkpoint is written and loaded from memory), else the default temp folder."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def finish(out: Path, tag: str, t0: float) -> int:

@@ -39,19 +39,17 @@ import datetime
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
-from pdserve.bench.disagg import UpStack, finish, pack_runs
+from pdserve.bench.disagg import UpStack, finish, pack_runs, scratch_dir
 
 SLO = ("ttft:2000", "itl:25")
 
@@ -340,9 +338,7 @@ def main(argv=None) -> int:
         print("[handoff] overlap-on stacks skipped: this checkout's router/worker lack the flags", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40e9 else None
-    work = Path(tempfile.mkdtemp(prefix="pdserve-handoff-", dir=base))
+    work = scratch_dir("pdserve-handoff-")
     ckpt = args.checkpoint or str(work / "ckpt")
     runner = None
     try:
