@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # P/D with --async-scheduling against synchronous P/D and an aggregated engine, in one device call
-# (<= 10 minutes; NOT yet run: helpers had no device time when it was written). From the repo root:
+# (<= 10 minutes). From the repo root:
 #
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/pd_async.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_pd_async_out)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Host time per decode step, synchronous engine vs --async-scheduling, in one device call
-# (<= 5 minutes; NOT yet run: helpers had no device time when it was written). From the repo root:
+# (<= 5 minutes). From the repo root:
 #
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/step_overlap.sh")
 #   (writes into $OUT, the device tool's folder; else ./gpu_step_overlap_out)
