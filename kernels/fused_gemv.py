@@ -64,7 +64,7 @@ class GemvConfig:
 # best config, or None where the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster.
 # A card gets an entry once bench/gemv.py has run on it; the entry it prints is a drop-in here. A card or
 # shape missing: the heuristic. A table, not a run-time autotuner: every start picks the same.
-# NVIDIA H200, 2026-11-27 (bench/gpu_gemv.sh; docs/gpu-perf-results.md): the fused GEMV won only
+# NVIDIA H200, 2026-11-27 (tools/gpu/gemv.sh; docs/gpu-perf-results.md): the fused GEMV won only
 # o_proj, Llama's M = 1 down_proj and Qwen2.5-0.5B's M = 1 norm GEMVs; cuBLAS (97% of copy
 # bandwidth at gate_up, M = 1) won the rest. The engine's switch stays off: the bs=1 step was
 # 0.93x with it on (before this table existed).

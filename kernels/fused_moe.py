@@ -294,7 +294,7 @@ def _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config) -> None:
 def moe_block_config(num_rows: int, num_experts: int) -> dict:
     """Tile sizes by the mean rows per expert: small tiles where each expert sees a token or two
     (decode; the weights' bytes dominate), larger ones where GEMMs are real. A first guess from
-    the shapes, to be tuned on the card (bench/gpu_moe.py sweeps the alternatives)."""
+    the shapes, to be tuned on the card (bench/moe.py sweeps the alternatives)."""
     per_expert = num_rows / max(1, num_experts)
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)

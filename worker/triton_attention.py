@@ -34,7 +34,7 @@ class TritonAttentionBackend(_PagedBackend):
     fuse_decode_rotary = True
     # The small-batch GEMV path of models/llama.py (kernels/fused_gemv.py: steps of <= 8 tokens
     # run their RMSNorm inside the qkv and gate/up GEMVs and SiLU·mul inside down_proj's). Read
-    # when the model is built. Off until bench/gpu_gemv.sh has measured it against cuBLAS on a
+    # when the model is built. Off until tools/gpu/gemv.sh has measured it against cuBLAS on a
     # card (docs/gpu-perf-results.md); tests switch it on per engine.
     fused_gemv = False
 

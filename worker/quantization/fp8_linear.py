@@ -46,7 +46,7 @@ from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activat
 FP8_GEMV_MAX_M = 16
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
-# Triton GEMM at M = 16-64 and ahead from M = 1024. bench/gpu_fp8.py --only blockwise prints the
+# Triton GEMM at M = 16-64 and ahead from M = 1024. bench/fp8.py --only blockwise prints the
 # crossover on the card.
 SCALED_MM_BLOCK_MIN_M = 128
 # False keeps every block-scaled layer on the Triton GEMM (the bench compares both in one run).
