@@ -97,6 +97,17 @@ def missing_control_plane() -> str | None:
     return None
 
 
+def _stop_when_gone(pid: int, run_dir: Path) -> None:
+    """start-cluster.sh runs the control plane in sessions of its own: a pytest process killed
+    before its cleanup (Ctrl-C under xdist, a timeout) would leave it running for good, a tenth
+    of a core or more. A detached watcher stops it once that process is gone (and exits once
+    stop-cluster.sh has removed RUN_DIR)."""
+    watch = 'while kill -0 "$1" 2>/dev/null && [ -d "$2" ]; do sleep 5; done; [ -d "$2" ] && exec "$3" "$2"'
+    subprocess.Popen(["bash", "-c", watch, "k8s-watch", str(pid), str(run_dir), str(SHARED_K8S / "stop-cluster.sh")],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+
+
 def start_cluster() -> Cluster:
     """Start a control plane from the built binaries; the caller must call .stop()."""
     reason = missing_control_plane()
@@ -112,6 +123,7 @@ def start_cluster() -> Cluster:
         logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in run_dir.glob("*.log"))
         cluster.stop()
         raise RuntimeError(f"start-cluster.sh failed: {started.stderr[-2000:]}{logs}")
+    _stop_when_gone(os.getpid(), run_dir)
     from kubernetes import client, config
 
     cfg = client.Configuration()
