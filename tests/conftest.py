@@ -17,6 +17,8 @@ os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 import pytest
 
 from tests.checkpoints import write_checkpoint
+from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
+    IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +42,27 @@ def tiny_checkpoint(tmp_path_factory, default_model_dir):
     return make
 
 
+def _k8s_modules(items) -> set[str]:
+    """Modules with a test on the real control plane."""
+    return {module_of(i.nodeid) for i in items
+            if i.get_closest_marker("k8s") or "k8s_cluster" in getattr(i, "fixturenames", ())}
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Modules with tests on the real control plane run last, together: the cluster (etcd,
-    apiserver, controllers: a tenth of a core or more even when idle) then lives only while they
-    run, not for the whole session. Whole modules move, so module fixtures are set up once."""
-    k8s_modules = {i.module for i in items
-                   if i.get_closest_marker("k8s") or "k8s_cluster" in getattr(i, "fixturenames", ())}
-    if k8s_modules:
-        items[:] = [i for i in items if i.module not in k8s_modules] + [i for i in items if i.module in k8s_modules]
+    """Modules with tests on the real control plane run together. In one process they run last:
+    the cluster (etcd, apiserver, controllers: a tenth of a core or more even when idle) then
+    lives only while they run. Under xdist they are one unit of work (tests/xdist_scopes.py),
+    handed out first: mostly waiting on controllers, it runs beside the CPU-bound modules on the
+    other worker instead of ending the run alone; then come the modules with slow tests, so that
+    none of them starts last. Whole modules move, so module fixtures are set up once."""
+    k8s = _k8s_modules(items)
+    if not hasattr(config, "workerinput"):  # one process, no xdist worker
+        items[:] = [i for i in items if module_of(i.nodeid) not in k8s] + [i for i in items if module_of(i.nodeid) in k8s]
+        return
+    if k8s:
+        k8s |= set(IMAGE_MODULES)
+    slow = {module_of(i.nodeid) for i in items if i.get_closest_marker("slow")}
+    rank = {module: (0 if module in k8s else 1 if module in slow else 2) for module in map(module_of, (i.nodeid for i in items))}
+    items.sort(key=lambda i: rank[module_of(i.nodeid)])  # stable: a module's own order stays
+    record_units(config, items, k8s)
