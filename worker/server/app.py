@@ -30,7 +30,7 @@ from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import echoed, from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
-from pdserve.worker.model_config import UnsupportedModelError
+from pdserve.worker.unsupported_model import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
