@@ -42,7 +42,7 @@ from pdserve.worker.parallel.communicator import share_from_rank0
 from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
-from pdserve.worker.scheduler import ScheduledBatch
+from pdserve.worker.scheduled_batch import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
