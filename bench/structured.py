@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.report import markdown_table
-from pdserve.worker.structured_output import BACKENDS, StructuredOutputs, StructuredOutputSpec
+from pdserve.worker.sampling_params import StructuredOutputSpec
+from pdserve.worker.structured_output import BACKENDS, StructuredOutputs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string", "maxLength": 24},

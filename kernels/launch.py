@@ -9,6 +9,7 @@ CUDA-graph capture.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -91,6 +92,35 @@ def kv_scales(fn: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
         check_devices(fn, k_cache=k_cache, **{name: s})
         scales.append(s)
     return scales[0], scales[1], True
+
+
+def cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """What a paged KV cache read with queries of `q_dtype` may hold: q's own dtype, or fp8."""
+    return (q_dtype, FP8_KV_DTYPE)
+
+
+def check_paged_kv(fn: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The paged attention launchers' checks of q [T, Hq, D] against the caches
+    [blocks, block_size, Hkv, D] (Hq a multiple of Hkv); returns kv_scales' (k_scale, v_scale, fp8)."""
+    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    hq, d = q.shape[1], q.shape[2]
+    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), cache_dtypes(q.dtype))
+    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
+    scales = kv_scales(fn, k_cache, k_scale, v_scale)
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    return scales
+
+
+def check_block_tables_and_scale(fn: str, block_tables: torch.Tensor, scale: float) -> None:
+    """The kernels step along a block-table row by one element; the softmax scale must be finite."""
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
 
 
 def dot_in_f32(dtype: torch.dtype) -> bool:

@@ -39,16 +39,15 @@ import triton.language as tl
 
 from pdserve.kernels.kv_cache_write import kv_store_value
 from pdserve.kernels.launch import (
-    FLOAT_DTYPES,
-    KV_DTYPES,
+    cache_dtypes,
+    check_block_tables_and_scale,
     check_devices,
-    check_same_layout,
+    check_paged_kv,
     check_sinks_window,
     check_tensor,
     dot_in_f32,
     dot_precision,
     interpreting,
-    kv_scales,
     num_sms,
 )
 from pdserve.kernels.rotary_kv_write import check_rotary_inputs
@@ -343,7 +342,7 @@ def paged_decode_attention_rotary(
     its context (positions[i] == context_lens[i] - 1, as for every decode token)."""
     fn = "paged_decode_attention_rotary"
     tensors = check_rotary_inputs(fn, q, k, v, positions, slot_mapping, cos_sin_cache, bias, k_cache,
-                                  _cache_dtypes(q.dtype))
+                                  cache_dtypes(q.dtype))
     check_devices(fn, **tensors)
     for name, t in tensors.items():
         if t.dim() > 1 and t.stride(-1) != 1 or name == "bias" and not t.is_contiguous():
@@ -353,28 +352,16 @@ def paged_decode_attention_rotary(
                    k_scale, v_scale, sinks, window)
 
 
-def _cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    return (q_dtype, KV_DTYPES[-1])  # q's own, or fp8
-
-
 def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
             k_scale=None, v_scale=None, sinks=None, window=0):
-    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    k_scale, v_scale, fp8 = check_paged_kv(fn, q, k_cache, v_cache, k_scale, v_scale)
     batch, hq, d = q.shape
-    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), _cache_dtypes(q.dtype))
-    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
-    k_scale, v_scale, fp8 = kv_scales(fn, k_cache, k_scale, v_scale)
     _, block_size, hkv, _ = k_cache.shape
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
     check_tensor(fn, "block_tables", block_tables, (batch, None), (torch.int32,))
     check_tensor(fn, "context_lens", context_lens, (batch,), (torch.int32,))
     device = check_devices(fn, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                            context_lens=context_lens)
-    if block_tables.stride(1) != 1:
-        raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
-    if not math.isfinite(scale):
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    check_block_tables_and_scale(fn, block_tables, scale)
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{fn}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if semaphores is not None:

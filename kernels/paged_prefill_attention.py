@@ -25,16 +25,14 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import (
-    FLOAT_DTYPES,
-    FP8_KV_DTYPE,
+    check_block_tables_and_scale,
     check_devices,
-    check_same_layout,
+    check_paged_kv,
     check_sinks_window,
     check_tensor,
     dot_in_f32,
     dot_precision,
     interpreting,
-    kv_scales,
 )
 
 # Attention sinks are natural-log logits; the kernels work in log2 units. A constexpr: a jitted
@@ -188,24 +186,16 @@ def paged_prefill_attention(
     from 0 to T, n_i <= context_lens[i] <= block_tables.shape[1] * block_size, block ids valid.
     """
     fn = "paged_prefill_attention"
-    check_tensor(fn, "q", q, (None, None, None), FLOAT_DTYPES)
+    k_scale, v_scale, fp8 = check_paged_kv(fn, q, k_cache, v_cache, k_scale, v_scale)
     total, hq, d = q.shape
-    check_tensor(fn, "k_cache", k_cache, (None, None, None, d), (q.dtype, FP8_KV_DTYPE))
-    check_same_layout(fn, "k_cache", k_cache, "v_cache", v_cache)
-    k_scale, v_scale, fp8 = kv_scales(fn, k_cache, k_scale, v_scale)
     _, block_size, hkv, _ = k_cache.shape
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{fn}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
     check_tensor(fn, "context_lens", context_lens, (None,), (torch.int32,))
     batch = context_lens.shape[0]
     check_tensor(fn, "cu_seqlens_q", cu_seqlens_q, (batch + 1,), (torch.int32,))
     check_tensor(fn, "block_tables", block_tables, (batch, None), (torch.int32,))
     device = check_devices(fn, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                            cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
-    if block_tables.stride(1) != 1:
-        raise ValueError(f"{fn}: block_tables must be contiguous in its last dimension")
-    if not math.isfinite(scale):
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    check_block_tables_and_scale(fn, block_tables, scale)
     check_sinks_window(fn, sinks, window, hq, device)
     out = torch.empty((total, hq, d), dtype=q.dtype, device=device)
     if total == 0 or batch == 0:

@@ -8,7 +8,6 @@ cache first, then attends over the cache, so cached prefixes and new tokens are 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,8 +15,6 @@ import torch
 
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.worker.kv_cache import KVCache
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,7 +38,7 @@ class AttentionBackend(Protocol):
                 window: int = 0) -> torch.Tensor: ...
 
 
-class _PagedBackend:
+class PagedBackend:
     """Shared dispatch; subclasses pick the write / decode / prefill functions."""
 
     name = "base"
@@ -73,24 +70,10 @@ class _PagedBackend:
         return out
 
 
-class TorchAttentionBackend(_PagedBackend):
+class TorchAttentionBackend(PagedBackend):
     """Plain torch: runs anywhere, the reference the Triton backend is tested against."""
 
     name = "torch"
     write = staticmethod(kv_cache_write_ref)
     decode = staticmethod(paged_decode_attention_ref)
     prefill = staticmethod(paged_prefill_attention_ref)
-
-
-def make_backend(device: torch.device) -> AttentionBackend:
-    if device.type == "cuda":
-        try:
-            from pdserve.worker.triton_attention import TritonAttentionBackend
-        except ImportError as e:
-            # CUDA builds of torch bring Triton along; without it the GPU would run the slow
-            # references, so say so loudly rather than serve at a fraction of the speed.
-            logger.warning("Triton is not importable (%s): CUDA runs the torch reference attention; "
-                           "install pdserve[triton] for the GPU kernels", e)
-            return TorchAttentionBackend()
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()

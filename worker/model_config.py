@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.worker.quantization.config import parse_quantization
+from pdserve.worker.unsupported_model import UnsupportedModelError
+
 # architecture -> (has q/k/v bias by default, has per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -28,10 +31,6 @@ UNSUPPORTED_HINTS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not implemented; the nearest supported "
                              "architecture is Qwen2MoeForCausalLM (shared experts)",
 }
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -88,8 +87,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any, generation_eos: Any = None, quantization: str | None = None) -> "ModelConfig":
-        from pdserve.worker.quantization.config import parse_quantization
-
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

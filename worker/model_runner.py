@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.worker.attention import AttentionMetadata, TorchAttentionBackend, make_backend
+from pdserve.worker.attention import AttentionMetadata
+from pdserve.worker.attention_selector import make_backend
 from pdserve.worker.config import ConfigError, EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.host_staging import HostStaging
@@ -41,7 +42,7 @@ from pdserve.worker.parallel.communicator import share_from_rank0
 from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
 from pdserve.worker.request import Request
 from pdserve.worker.sampler import Sampler
-from pdserve.worker.scheduler import ScheduledBatch
+from pdserve.worker.scheduled_batch import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +112,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _attention_backend(name: str | None, device: torch.device):
-    if name is None:
-        return make_backend(device)
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from pdserve.worker.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None,
@@ -152,7 +141,7 @@ class ModelRunner:
             # current device, so `--device cuda:1` must make it current (TP ranks do it on joining).
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
-        backend = _attention_backend(attention_backend, self.device)
+        backend = make_backend(self.device, attention_backend)
         self.attention_backend = backend.name
         max_len = config.max_model_len
         loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len,

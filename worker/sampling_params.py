@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.worker.stop_strings import StopStrings
-from pdserve.worker.structured_output import StructuredOutputSpec
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # StructuredOutputSpec.kind
 
 # vLLM's _SAMPLING_EPS: a temperature below it means greedy sampling.
 SAMPLING_EPS = 1e-5
@@ -27,6 +28,38 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match. `value`: a JSON schema as canonical JSON text (json), a regex,
+    the choices (choice), or a GBNF grammar with a `root` rule (grammar). `param` is the request
+    field it came from, for errors; it is not part of the cache key."""
+
+    kind: str
+    value: str | tuple[str, ...]
+    param: str = "response_format"
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}")
+
+    @property
+    def key(self) -> tuple:
+        return self.kind, self.value
+
+    @property
+    def num_bytes(self) -> int:
+        values = self.value if isinstance(self.value, tuple) else (self.value,)
+        return sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
+
+    @staticmethod
+    def choice_regex(choices: tuple[str, ...]) -> str:
+        """vLLM's guided_choice: exactly one of the strings (regex metacharacters escaped)."""
+        import re
+
+        # Only the metacharacters: re.escape also escapes spaces, which xgrammar warns about.
+        return "(" + "|".join(re.sub(r"([\\^$.|?*+()\[\]{}/-])", r"\\\1", c) for c in choices) + ")"
 
 
 @dataclass(frozen=True)

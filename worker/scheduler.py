@@ -36,26 +36,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledBatch:
-    # (request, number of new tokens to compute this step), decode-like (1 token) ones first.
-    items: list[tuple[Request, int]] = field(default_factory=list)
-    kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+from pdserve.worker.scheduled_batch import ScheduledBatch
 
 
 class Scheduler:

@@ -1,7 +1,7 @@
 """Structured outputs: grammars compiled once per spec, one matcher per request, a token mask.
 
 A request's `response_format` / `guided_*` becomes a `StructuredOutputSpec` (a hashable value in
-its SamplingParams). The engine compiles it when the request arrives (an invalid schema or regex
+its SamplingParams, defined with them in sampling_params.py). The engine compiles it when the request arrives (an invalid schema or regex
 is the caller's 400 there, before anything runs) through `StructuredOutputs`, which caches the
 compiled grammar per spec and builds the grammar engine's tokenizer view once. Each request owns
 a `GrammarMatcher`:
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.worker.request_isolation import is_device_fault, isolated
+from pdserve.worker.sampling_params import StructuredOutputSpec
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"  # measured: bench/structured.py, docs/structured-outputs.md
-KINDS = ("json", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept per worker (a compiled JSON schema is kilobytes)
 # ... and at most this much spec text behind them: a compiled grammar weighs ~80x its spec (a
 # 250 KB schema of patterns: 20 MiB for llguidance), so 256 large ones would be gigabytes.
@@ -75,38 +75,6 @@ def engine_error(e: object) -> str:
         text = text[:m.start()]
     text = " ".join(_LOG_PREFIX.sub("", text.strip()).split()) or type(e).__name__
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
-
-
-@dataclass(frozen=True)
-class StructuredOutputSpec:
-    """What the output must match. `value`: a JSON schema as canonical JSON text (json), a regex,
-    the choices (choice), or a GBNF grammar with a `root` rule (grammar). `param` is the request
-    field it came from, for errors; it is not part of the cache key."""
-
-    kind: str
-    value: str | tuple[str, ...]
-    param: str = "response_format"
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown structured output kind {self.kind!r}")
-
-    @property
-    def key(self) -> tuple:
-        return self.kind, self.value
-
-    @property
-    def num_bytes(self) -> int:
-        values = self.value if isinstance(self.value, tuple) else (self.value,)
-        return sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
-
-    @staticmethod
-    def choice_regex(choices: tuple[str, ...]) -> str:
-        """vLLM's guided_choice: exactly one of the strings (regex metacharacters escaped)."""
-        import re
-
-        # Only the metacharacters: re.escape also escapes spaces, which xgrammar warns about.
-        return "(" + "|".join(re.sub(r"([\\^$.|?*+()\[\]{}/-])", r"\\\1", c) for c in choices) + ")"
 
 
 class GrammarMatcher:

@@ -1,6 +1,6 @@
 """The GPU attention backend: the same paged dispatch as the torch reference, on Triton kernels.
 
-Selected automatically on CUDA (`make_backend`); on CPU it runs under TRITON_INTERPRET=1 in the
+Selected automatically on CUDA (worker/attention_selector.py); on CPU it runs under TRITON_INTERPRET=1 in the
 tests, which check it produces the torch backend's greedy tokens. Every launcher reads only
 shapes on the host, never index values, so a decode step through this backend can be captured
 in a CUDA graph (worker/cuda_graphs.py).
@@ -19,10 +19,10 @@ from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from pdserve.worker.attention import AttentionMetadata, _PagedBackend
+from pdserve.worker.attention import AttentionMetadata, PagedBackend
 
 
-class TritonAttentionBackend(_PagedBackend):
+class TritonAttentionBackend(PagedBackend):
     name = "triton"
     write = staticmethod(kv_cache_write)
     decode = staticmethod(paged_decode_attention)

@@ -16,8 +16,7 @@ import pytest
 
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine, wants_async_scheduling
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.structured_output import StructuredOutputSpec
+from pdserve.worker.sampling_params import SamplingParams, StructuredOutputSpec
 from tests.net import free_port
 
 PROMPTS = [

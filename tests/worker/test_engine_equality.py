@@ -157,7 +157,8 @@ def test_unsupported_architecture_is_named(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    from pdserve.worker.model_config import ModelConfig, UnsupportedModelError
+    from pdserve.worker.model_config import ModelConfig
+    from pdserve.worker.unsupported_model import UnsupportedModelError
     from transformers import AutoConfig
 
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
@@ -173,7 +174,9 @@ def test_unsupported_moe_architectures_name_the_nearest_supported(tmp_path, arch
 
     from transformers import AutoConfig
 
-    from pdserve.worker.model_config import ModelConfig, UnsupportedModelError
+    from pdserve.worker.model_config import ModelConfig
+
+    from pdserve.worker.unsupported_model import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
     with pytest.raises(UnsupportedModelError, match=arch) as err:

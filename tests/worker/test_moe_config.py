@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from pdserve.worker.model_config import ModelConfig, UnsupportedModelError
+from pdserve.worker.model_config import ModelConfig
+
+from pdserve.worker.unsupported_model import UnsupportedModelError
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 

@@ -25,7 +25,8 @@ import httpx
 import pytest
 
 from pdserve.protocol.errors import APIError
-from pdserve.worker.structured_output import GrammarError, StructuredOutputs, StructuredOutputSpec
+from pdserve.worker.sampling_params import StructuredOutputSpec
+from pdserve.worker.structured_output import GrammarError, StructuredOutputs
 from tests.worker.test_server_harness import WorkerProcess
 
 HEALTH_TIMEOUT_S = 5.0  # a poll answers in milliseconds; a blocked loop held it for seconds per schema

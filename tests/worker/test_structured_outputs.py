@@ -26,8 +26,8 @@ from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.structured_output import BACKENDS, GrammarError, StructuredOutputSpec, apply_grammar_masks
+from pdserve.worker.sampling_params import SamplingParams, StructuredOutputSpec
+from pdserve.worker.structured_output import BACKENDS, GrammarError, apply_grammar_masks
 from tests.checkpoints import _config as checkpoint_config
 from tests.worker.test_server_harness import WorkerProcess
 

@@ -30,7 +30,7 @@ from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import echoed, from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
-from pdserve.worker.model_config import UnsupportedModelError
+from pdserve.worker.unsupported_model import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.chat_template import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
@@ -195,23 +195,22 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
     async def read(request: Request) -> bytes:
         return await read_body(request, config.max_request_bytes, config.body_timeout_s)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
+    async def serve(request: Request, st: WorkerState, model, create):
+        """Read and validate the body as `model`, then answer it with `create(st, request, body)`."""
         try:
-            body = await read_model(request, CompletionRequest, config.max_request_bytes, config.body_timeout_s,
+            body = await read_model(request, model, config.max_request_bytes, config.body_timeout_s,
                                     limits.body_values, limits.check)
-            return await completions.create_completion(st, request, body)
+            return await create(st, request, body)
         except ClientGone:
             return gone()
 
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def v1_completions(request: Request, st: WorkerState = Depends(ready)):
+        return await serve(request, st, CompletionRequest, completions.create_completion)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def v1_chat_completions(request: Request, st: WorkerState = Depends(ready)):
-        try:
-            body = await read_model(request, ChatCompletionRequest, config.max_request_bytes, config.body_timeout_s,
-                                    limits.body_values, limits.check)
-            return await chat.create_chat_completion(st, request, body)
-        except ClientGone:
-            return gone()
+        return await serve(request, st, ChatCompletionRequest, chat.create_chat_completion)
 
     def responses_request(raw: bytes) -> tuple[ChatCompletionRequest, dict]:
         obj = parse_object(raw, limits.body_values)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pdserve.protocol.errors import APIError, bad_request
 from pdserve.protocol.tools import NamedToolChoice, parse_arguments
 from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
-from pdserve.worker.structured_output import StructuredOutputSpec
+from pdserve.worker.sampling_params import StructuredOutputSpec
 
 
 @dataclass(frozen=True)
