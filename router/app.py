@@ -42,7 +42,8 @@ from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.orchestrator import Call, Orchestrator
+from pdserve.router.call import Call
+from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
 from pdserve.router.selection import Selector

@@ -306,7 +306,7 @@ def test_the_gap_is_observed_before_the_second_token_goes_to_the_transport():
     async def receive():
         await asyncio.Event().wait()  # the client stays
 
-    response = o._stream_response(call(), events([role, chunk("a"), chunk("b"), chunk("c", "length") + DONE]))
+    response = o.stream_response(call(), events([role, chunk("a"), chunk("b"), chunk("c", "length") + DONE]))
     asyncio.run(response({"type": "http", "method": "POST", "path": "/", "headers": []}, receive, send))
     assert gaps == [0, 0, 1, 1]  # the role chunk and the first token: no gap yet; then once
     assert gap_count(o) == 1
