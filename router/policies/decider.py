@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.router.policies import PolicyContext, RoutingRequest
+from pdserve.router.policies.interfaces import PolicyContext, RoutingRequest
 from pdserve.router.prompt import estimate_tokens
 
 if TYPE_CHECKING:
