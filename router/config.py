@@ -78,7 +78,7 @@ class RouterConfig:
     # streamed: the decode call opens as soon as the prefill worker has admitted the request
     # (the first of its two NDJSON lines), so the KV moves while the prefill computes it and the
     # second token does not wait for a whole transfer; a prefill worker that answers plain JSON
-    # gets the after-prefill path. router/handoff.py.
+    # gets the after-prefill path. router/handoff/.
     pd_handoff: str = flag("streamed", "when the decode call opens: streamed (as soon as the prefill worker admits "
                                        "the request) or after-prefill (once it has answered)", choices=PD_HANDOFFS)
     max_body_bytes: int = flag(8 * 1024 * 1024, "larger request bodies get 413")

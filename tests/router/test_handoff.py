@@ -1,4 +1,4 @@
-"""The streamed hand-off (issue 24, router/handoff.py) through a real router process.
+"""The streamed hand-off (issue 24, router/handoff/streamed.py) through a real router process.
 
 The prefill and decode workers are tests/router/fake_worker.py processes speaking the contract
 of the streamed hand-off (two NDJSON lines; a side channel the decode waits on), with hooks to
