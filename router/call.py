@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
+from pdserve.protocol.requests import CompletionRequest, GenerationRequest
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.upstream import Upstream
 from pdserve.router.workers import Worker
@@ -18,8 +19,8 @@ class Call:
     """One client request on its way through."""
 
     route: str  # "chat" or "completions"
-    body: dict  # the validated request (router/intake.py): its fields the client set, nothing else
-    raw: bytes  # `body` as JSON: a JSON object (forwarded as-is to a worker serving it whole)
+    request: GenerationRequest  # as validated (router/intake.py), its model set
+    raw: bytes  # its fields the client set, as a JSON object (forwarded as-is to a worker serving it whole)
     request_id: str
     routing: RoutingRequest
     started: float
@@ -29,12 +30,34 @@ class Call:
     accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
 
     @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
     def stream(self) -> bool:
-        return bool(self.body.get("stream"))
+        return self.request.stream
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.body.get("stream_options") or {}).get("include_usage"))
+        options = self.request.stream_options
+        return bool(options and options.include_usage)
+
+    @property
+    def single_sequence(self) -> bool:
+        """Whether the request generates exactly one sequence, the only shape a hand-off
+        describes: one prompt's KV and one first token. A list of prompts or n > 1 (best_of) is
+        served whole by one worker instead; so is `echo` (both legs would echo the prompt, and
+        its prompt logprobs come from the prefill pass, which is the whole of the work)."""
+        r = self.request
+        if r.n != 1:
+            return False
+        if not isinstance(r, CompletionRequest):
+            return True
+        if (r.best_of or 1) != 1 or r.echo:
+            return False
+        # A prompt list is one prompt only as token ids, or a list of one prompt. (Validated, a
+        # list is of one form, so its first element tells which.)
+        return isinstance(r.prompt, str) or len(r.prompt) == 1 or bool(r.prompt) and isinstance(r.prompt[0], int)
 
     def headers(self) -> dict[str, str]:
         return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id}

@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
-from pdserve.protocol.kv_transfer import NDJSON, prefill_request, single_sequence
+from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.call import Call, PinnedKV
@@ -38,6 +38,7 @@ from pdserve.router.fallback import RoleFallback
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
+from pdserve.router.prompt import decodes_one_token
 from pdserve.router.selection import Selector
 from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
 from pdserve.router.sse import EventFramer, drop_role_chunk, split_first_event, token_events
@@ -78,14 +79,14 @@ class Orchestrator:
         if call.accepted or not 200 <= status < 300:
             return
         call.accepted = True
-        model = call.body["model"]
+        model = call.model
         self.metrics.arrived_requests.labels(model).inc()
         self.metrics.arrived_prompt_tokens.labels(model).inc(call.prompt_tokens)
 
     # ---- entry ---------------------------------------------------------------------------
 
     async def handle(self, call: Call) -> Response:
-        model = call.body["model"]
+        model = call.model
         pools = self.fallback.availability(model)
         decode_pool = pools.decode
         if not decode_pool:
@@ -97,7 +98,7 @@ class Orchestrator:
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
-        if single_sequence(call.body) and self.selector.disaggregate(call.body):
+        if call.single_sequence and self.selector.disaggregate(call.request):
             if self.selector.decode_covers(call.routing, decode_pool):
                 self.metrics.decode_prefix_hits.inc()
                 return await self.direct(call, decode_pool)
@@ -117,9 +118,7 @@ class Orchestrator:
     def _streams_kv(self, call: Call) -> bool:
         """Ask for the streamed hand-off? Not for a request that cannot go past its first token:
         no decode call would follow (the decider disaggregates none, but a plugin might)."""
-        body = call.body
-        return self.config.pd_handoff == "streamed" and 1 not in (body.get("max_tokens"),
-                                                                  body.get("max_completion_tokens"))
+        return self.config.pd_handoff == "streamed" and not decodes_one_token(call.request)
 
     async def _prefill(self, call: Call, pool: list[Worker], stream_kv: bool = False) -> \
             Prefilled | StreamedPrefill | None:
@@ -154,7 +153,8 @@ class Orchestrator:
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
         # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(call.body, stream_kv)).encode())
+        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(
+            call.request.model_dump(exclude_unset=True), stream_kv)).encode())
         t0 = time.monotonic()
         up = self.upstream_call("prefill", ROLE_PREFILL, call, pool)
         streamed = None
@@ -263,7 +263,7 @@ class Orchestrator:
         if call.moved or not self.fallback.unreachable(up):
             return None
         call.moved = True
-        return self.fallback.whole_elsewhere(call.body["model"], role)
+        return self.fallback.whole_elsewhere(call.model, role)
 
     def merged(self, call: Call, prefill: Answer, content: bytes) -> Response:
         """A non-streaming hand-off's answer: the prefill's first token + the decode's (`content`)."""

@@ -10,6 +10,8 @@ generation prompt and adds nothing more).
 
 from __future__ import annotations
 
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
 # English BPE averages about four characters per token; good enough for a length threshold.
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4  # role markers and separators of a chat template
@@ -23,31 +25,42 @@ def _text_len(content) -> int:
     return 0
 
 
-def estimate_tokens(body: dict) -> int:
-    if "messages" in body:
-        messages = body["messages"] if isinstance(body["messages"], list) else []
-        chars = sum(_text_len(m.get("content")) for m in messages if isinstance(m, dict))
-        return chars // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(messages)
-    prompt = body.get("prompt")
+def _prompt_tokens(prompt) -> int:
+    """A completions prompt's estimate; of a batch, its first prompt stands for the rest."""
     if isinstance(prompt, str):
         return len(prompt) // CHARS_PER_TOKEN
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], int):  # token ids (validated: a list holds one form)
             return len(prompt)
-        first = prompt[0]  # a batch: the first prompt stands for the rest
+        first = prompt[0]
         return len(first) if isinstance(first, list) else _text_len(first) // CHARS_PER_TOKEN
     return 0
 
 
-def count_prompt_tokens(body: dict, token_ids: list[int] | None) -> int:
+def estimate_tokens(request: GenerationRequest) -> int:
+    if isinstance(request, ChatCompletionRequest):
+        chars = sum(_text_len(m.content) for m in request.messages)
+        return chars // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(request.messages)
+    return _prompt_tokens(request.prompt)
+
+
+def count_prompt_tokens(request: GenerationRequest, token_ids: list[int] | None) -> int:
     """Prompt tokens of a request, for the arrival counter: exact from the router's token ids
     when it has them, else the estimate (summed over a batch of prompts)."""
     if token_ids is not None:
         return len(token_ids)
-    prompt = body.get("prompt")
-    if "messages" not in body and isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-        return sum(estimate_tokens({"prompt": p}) for p in prompt)
-    return estimate_tokens(body)
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            return sum(_prompt_tokens(p) for p in prompt)
+    return estimate_tokens(request)
+
+
+def decodes_one_token(request: GenerationRequest) -> bool:
+    """The client's budget is one token: the prefill's first token is the whole answer."""
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens == 1:
+        return True
+    return request.max_tokens == 1
 
 
 class PromptTokenizer:
@@ -56,12 +69,13 @@ class PromptTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(path)
 
-    def __call__(self, body: dict) -> list[int] | None:
+    def __call__(self, request: GenerationRequest) -> list[int] | None:
         try:
-            if "messages" in body:
-                out = self._tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            if isinstance(request, ChatCompletionRequest):
+                messages = [m.model_dump(exclude_unset=True) for m in request.messages]
+                out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                 return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-            prompt = body.get("prompt")
+            prompt = request.prompt
             if isinstance(prompt, str):
                 return self._tok(prompt)["input_ids"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

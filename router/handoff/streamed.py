@@ -193,7 +193,7 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
 
     async def run(self, call: Call, prefill: StreamedPrefill) -> Response:
         o = self.o
-        model = call.body["model"]
+        model = call.model
         leg = DecodeLeg(o.upstream_call("decode", ROLE_DECODE, call, o.selector.pool(ROLE_DECODE, model,
                                                                                     partners=[prefill.worker])),
                         self.grace_s)
@@ -280,7 +280,7 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                 if _stream_unsupported(refusal):  # the first token is out: the final params, the rest
                     leg.close()
                     pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
-                    pool = o.selector.pool(ROLE_DECODE, call.body["model"], partners=[prefill.worker])
+                    pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker])
                     try:
                         async for chunk in self.after_prefill.stream(call, pool, answer, pin, first_sent=True):
                             yield chunk

@@ -7,6 +7,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+from pdserve.protocol.requests import GenerationRequest
+
 if TYPE_CHECKING:
     from pdserve.router.kv_index import KVIndex
     from pdserve.router.workers import Worker
@@ -16,9 +18,9 @@ if TYPE_CHECKING:
 class RoutingRequest:
     """What a plugin may look at. Token ids are computed only if a plugin asks for them."""
 
-    body: dict
+    request: GenerationRequest  # as validated
     session_id: str | None = None
-    tokenize: Callable[[dict], list[int] | None] | None = None
+    tokenize: Callable[[GenerationRequest], list[int] | None] | None = None
     _tokens: list[int] | None = field(default=None, repr=False)
     _tokenized: bool = field(default=False, repr=False)
 
@@ -26,12 +28,12 @@ class RoutingRequest:
         """Compute the token ids on a thread now: the policies ask for them synchronously, and an
         8 MB prompt tokenized on the event loop would stall every other request and /health."""
         if self.tokenize and not self._tokenized:
-            self._tokens = await asyncio.to_thread(self.tokenize, self.body)
+            self._tokens = await asyncio.to_thread(self.tokenize, self.request)
             self._tokenized = True
 
     def token_ids(self) -> list[int] | None:
         if not self._tokenized:
-            self._tokens = self.tokenize(self.body) if self.tokenize else None
+            self._tokens = self.tokenize(self.request) if self.tokenize else None
             self._tokenized = True
         return self._tokens
 
@@ -59,7 +61,7 @@ class PoolFilter(Protocol):
 
 
 class Decider(Protocol):
-    def disaggregate(self, body: dict) -> bool:
+    def disaggregate(self, request: GenerationRequest) -> bool:
         """Whether this request is worth a prefill worker (else the decode worker prefills)."""
         ...
 

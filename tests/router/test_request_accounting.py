@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import DONE
 from pdserve.router.config import RouterConfig
@@ -37,7 +38,8 @@ def orchestrator() -> Orchestrator:
 
 def call(route: str = "completions") -> Call:
     body = {"model": "tiny", "prompt": "hi", "stream": True}
-    return Call(route, body, json.dumps(body).encode(), "rid", RoutingRequest(body, None, None), time.monotonic())
+    request = CompletionRequest.model_validate(body)
+    return Call(route, request, json.dumps(body).encode(), "rid", RoutingRequest(request, None, None), time.monotonic())
 
 
 def counts(o: Orchestrator, route: str = "completions") -> tuple[float, float]:
