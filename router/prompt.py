@@ -4,8 +4,8 @@
 tokenizer, for the arrival counter (`count_prompt_tokens`): lengths only, never a walk over a
 prompt's elements (bodies are validated first, so a prompt list holds one form). `PromptTokenizer`
 gives exact token ids, only for prefix-aware routing; it must tokenize as the worker does
-(vLLM's convention: completions add special tokens; chat applies the chat template with the
-generation prompt and adds nothing more).
+(vLLM's convention: completions add special tokens; chat renders the template with the worker's
+renderer and adds nothing more).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, 
 # English BPE averages about four characters per token; good enough for a length threshold.
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4  # role markers and separators of a chat template
+# A chat render's bounds (protocol/chat_render.py): the router knows no worker's --max-model-len,
+# so the most characters a render may build are those of a long context's prompt; the time is a
+# worker's default --chat-template-timeout.
+RENDER_MAX_TOKENS = 1 << 20
+RENDER_MAX_CHARS = 16 * RENDER_MAX_TOKENS
+RENDER_TIMEOUT_S = 10.0
 
 
 def _text_len(content) -> int:
@@ -64,17 +70,30 @@ def decodes_one_token(request: GenerationRequest) -> bool:
 
 
 class PromptTokenizer:
+    """A request's prompt token ids as the worker computes them: a chat rendered by the worker's
+    own renderer (protocol/chat_render.py: tools, chat_template_kwargs and the generation-prompt
+    fields included), so the router's prefix hashes are the worker's."""
+
     def __init__(self, path: str):
         from transformers import AutoTokenizer  # only prefix-aware routers pay for this import
 
+        from pdserve.protocol.chat_render import ChatTemplates
+
         self._tok = AutoTokenizer.from_pretrained(path)
+        # The router runs no client template (the worker decides whether to trust one) and
+        # bounds a render as a worker does by default; a render past its bounds is the worker's
+        # to refuse, and the request is routed without token ids.
+        self._templates = ChatTemplates(self._tok, RENDER_MAX_TOKENS, RENDER_MAX_CHARS, RENDER_TIMEOUT_S,
+                                        trust_requests=False)
 
     def __call__(self, request: GenerationRequest) -> list[int] | None:
+        from pdserve.protocol.chat_render import offered_tools, render_chat
+
         try:
             if isinstance(request, ChatCompletionRequest):
-                messages = [m.model_dump(exclude_unset=True) for m in request.messages]
-                out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+                text = render_chat(self._templates, request, offered_tools(request))
+                # The template writes the special tokens itself: add none on top (as the worker).
+                return self._tok(text, add_special_tokens=False)["input_ids"]
             prompt = request.prompt
             if isinstance(prompt, str):
                 return self._tok(prompt)["input_ids"]

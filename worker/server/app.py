@@ -32,7 +32,7 @@ from pdserve.protocol.responses_api import echoed, from_chat, to_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
 from pdserve.worker.model_config import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
-from pdserve.worker.server.chat_template import ChatTemplates
+from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics

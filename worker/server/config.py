@@ -49,7 +49,7 @@ class ServerConfig:
                                               "harmony: the analysis channel becomes reasoning_content)",
                                         unset="no reasoning parsed")
     enable_auto_tool_choice: bool = flag(False, 'let the model decide when to call tools (tool_choice "auto")')
-    # Chat templates (worker/server/chat_template.py). A template sent with a request is code the
+    # Chat templates (protocol/chat_render.py). A template sent with a request is code the
     # worker runs: vLLM refuses it unless told (its CVE-2025-61620), and so does pdserve.
     trust_request_chat_template: bool = flag(False, "render a chat template sent with a request (chat_template, "
                                                     "chat_template_kwargs.chat_template) instead of refusing it")
