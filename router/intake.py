@@ -24,7 +24,7 @@ from pdserve.protocol.errors import APIError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from pdserve.protocol.responses_api import echoed, to_chat
+from pdserve.protocol.responses_api import as_chat
 from pdserve.router.prompt import count_prompt_tokens
 
 
@@ -47,9 +47,7 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     obj = parse_object(raw, limits.body_values)
     responses = None
     if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
-        limits.check_input_items(obj)
-        responses = echoed(obj)
-        obj, route = to_chat(obj), "chat"
+        (obj, responses), route = as_chat(obj, limits), "chat"
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required and must be a string", param="model")
