@@ -105,21 +105,6 @@ def prefill_request(body: dict, stream_kv: bool = False) -> dict:
     return out
 
 
-def single_sequence(body: dict) -> bool:
-    """Whether a request generates exactly one sequence, the only shape a hand-off describes:
-    one prompt's KV and one first token. A list of prompts or n > 1 (best_of) is served whole
-    by one worker instead; so is `echo` (both legs would echo the prompt, and its prompt
-    logprobs come from the prefill pass, which is the whole of the work)."""
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1 or body.get("echo"):
-        return False
-    prompt = body.get("prompt")
-    if "messages" in body or isinstance(prompt, str):
-        return True
-    # A completions prompt list is one prompt only as token ids, or a list of one prompt. (The
-    # body is a validated one: a list is of one form, so its first element tells which.)
-    return isinstance(prompt, list) and (len(prompt) == 1 or bool(prompt) and isinstance(prompt[0], int))
-
-
 @dataclass(frozen=True)
 class KVTransferParams:
     """Where a finished prefill's KV blocks wait, and what the decode worker needs to pull them."""

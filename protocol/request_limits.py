@@ -50,15 +50,25 @@ OTHER_VALUES = 1 << 16
 
 
 @dataclass(frozen=True)
-class RequestLimits:
-    """The bounds, as the router's and the worker's configs carry them (same field names)."""
+class RequestLimitFlags:
+    """The bounds as flags, declared once: the router's and the worker's configs (RouterConfig,
+    ServerConfig) inherit them, so both take the same flags with the same defaults."""
 
-    max_request_prompt_tokens: int = 1 << 20
-    max_request_sequences: int = 256
-    max_stop_strings: int = 32
-    max_stop_chars: int = 4096
-    max_input_items: int = 10_000
-    max_request_id_chars: int = MAX_REQUEST_ID_CHARS  # not a refusal: a longer id is cut (request_id_from)
+    max_request_prompt_tokens: int = flag(1 << 20, "most prompt token ids in one request, all its prompts together "
+                                                   "(400 past it)")
+    max_request_sequences: int = flag(256, "most sequences one request may ask for: its number of prompts times n "
+                                           "(400 past it)")
+    max_stop_strings: int = flag(32, "most stop strings in one request (400 past it)")
+    max_stop_chars: int = flag(4096, "most characters of one request's stop strings, all together (400 past it)")
+    max_input_items: int = flag(10_000, "most items in the input of one Responses API request (400 past it)")
+    # Not a refusal: a longer id is cut (request_id_from).
+    max_request_id_chars: int = flag(MAX_REQUEST_ID_CHARS, "a client's X-Request-Id is cut to this many characters "
+                                                           "(it names every chunk)")
+
+
+@dataclass(frozen=True)
+class RequestLimits(RequestLimitFlags):
+    """The bounds a server enforces, read from its config's flags (`of`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -68,7 +78,7 @@ class RequestLimits:
 
     @classmethod
     def of(cls, config: Any) -> "RequestLimits":
-        """From a config with these fields (RouterConfig, ServerConfig); raises ConfigError."""
+        """From a config with these flags (RouterConfig, ServerConfig); raises ConfigError."""
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     @property
@@ -114,20 +124,3 @@ class RequestLimits:
         if isinstance(items, list) and len(items) > self.max_input_items:
             raise bad_request(f"input holds {len(items)} items; at most {self.max_input_items} are accepted "
                               "(--max-input-items)", "input")
-
-
-_HELP = {
-    "max_request_prompt_tokens": "most prompt token ids in one request, all its prompts together",
-    "max_request_sequences": "most sequences one request may ask for: its number of prompts times n",
-    "max_stop_strings": "most stop strings in one request",
-    "max_stop_chars": "most characters of one request's stop strings, all together",
-    "max_input_items": "most items in the input of one Responses API request",
-    "max_request_id_chars": "a client's X-Request-Id is cut to this many characters (it names every chunk)",
-}
-
-
-def limit_flag(name: str) -> Any:
-    """The config field of one limit (RouterConfig and ServerConfig declare them all); its default
-    is RequestLimits'."""
-    refused = name != "max_request_id_chars"  # a longer request id is cut, not refused
-    return flag(getattr(RequestLimits, name), _HELP[name] + (" (400 past it)" if refused else ""))

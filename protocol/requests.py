@@ -191,3 +191,7 @@ class ChatCompletionRequest(CommonRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# A generation request of either endpoint, as validated (a Responses request is a chat one by then).
+GenerationRequest = ChatCompletionRequest | CompletionRequest

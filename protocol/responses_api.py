@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool
 from starlette.responses import Response
 
 from pdserve.protocol.errors import bad_request
+from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.sse import SSEResponse
 from pdserve.protocol.tools import parse_arguments
 
@@ -177,6 +178,14 @@ def to_chat(body: dict) -> dict:
     if req.stream:
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def as_chat(body: dict, limits: RequestLimits) -> tuple[dict, dict]:
+    """A Responses request (parsed, not yet validated) as the router and the worker take it: its
+    input items bounded (--max-input-items), the chat request it means, and the fields its answer
+    repeats (`echoed`). The chat request is then validated and bounded like any other."""
+    limits.check_input_items(body)
+    return to_chat(body), echoed(body)
 
 
 # ---- answers ---------------------------------------------------------------------------------

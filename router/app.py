@@ -42,7 +42,8 @@ from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.orchestrator import Call, Orchestrator
+from pdserve.router.call import Call
+from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
 from pdserve.router.selection import Selector
@@ -136,11 +137,11 @@ def build_app(config: RouterConfig) -> FastAPI:
             request.state.responses_body = taken.responses
         await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
-        routing = RoutingRequest(taken.body, request.headers.get(HEADER_SESSION_ID), tokenizer)
+        routing = RoutingRequest(taken.request, request.headers.get(HEADER_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
-        return Call(taken.route, taken.body, taken.raw, request_id, routing, started=time.monotonic(),
+        return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
                     prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
 
     async def serve(request: Request, route: str) -> Response:

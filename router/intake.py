@@ -3,8 +3,9 @@ bounded, and re-serialised once (issue 44).
 
     raw bytes ─▶ shape counted (protocol/body.py) ─▶ json.loads ─▶ Responses: items bounded,
              mapped onto chat ─▶ client kv_transfer_params dropped ─▶ the worker's own model
-             validates it ─▶ request limits (protocol/request_limits.py) ─▶ body = the model's
-             fields the client set (`exclude_unset`) ─▶ raw = that body as JSON
+             validates it ─▶ request limits (protocol/request_limits.py) ─▶ the request, as that
+             model, goes on through the router; raw = its fields the client set (`exclude_unset`)
+             as JSON, what workers are sent
 
 So a worker is sent what was validated, never a client's unknown fields (a field of 2.6 M empty
 lists is not carried on to every hop), with every field it understands as the client gave it
@@ -22,19 +23,22 @@ from pdserve.protocol.body import parse_object, validate
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.request_limits import RequestLimits
-from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
-from pdserve.protocol.responses_api import echoed, to_chat
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from pdserve.protocol.responses_api import as_chat
 from pdserve.router.prompt import count_prompt_tokens
 
 
 @dataclass(frozen=True)
 class Intake:
     route: str  # "chat" or "completions" (a Responses request is a chat one from here on)
-    model: str
-    body: dict  # the validated request: every worker call is built from it
-    raw: bytes  # `body` as JSON, sent as-is to a worker that serves the request whole
+    request: GenerationRequest  # validated, its model set: every worker call is built from it
+    raw: bytes  # its fields the client set, as JSON: sent as-is to a worker that serves the request whole
     responses: dict | None  # a Responses request's fields its answer repeats (responses_api.echoed)
     estimated_tokens: int  # its prompt tokens as router/prompt.py estimates them (no tokenizer)
+
+    @property
+    def model(self) -> str:
+        return self.request.model
 
 
 def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
@@ -43,9 +47,7 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     obj = parse_object(raw, limits.body_values)
     responses = None
     if route == "responses":  # mapped onto chat here, so it takes the chat path, P/D included
-        limits.check_input_items(obj)
-        responses = echoed(obj)
-        obj, route = to_chat(obj), "chat"
+        (obj, responses), route = as_chat(obj, limits), "chat"
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required and must be a string", param="model")
@@ -54,5 +56,5 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     # worker is called (its semantic checks, such as context length, stay with it).
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
     limits.check(req)
-    body = req.model_dump(exclude_unset=True)
-    return Intake(route, model, body, json.dumps(body).encode(), responses, count_prompt_tokens(body, None))
+    raw = json.dumps(req.model_dump(exclude_unset=True)).encode()
+    return Intake(route, req, raw, responses, count_prompt_tokens(req, None))

@@ -2,7 +2,7 @@
 
     handle() ── P/D? ──▶ prefill (max_tokens=1, kv_transfer_params{do_remote_decode[, stream_kv]})
                  │          retry other prefill workers; all failed → local prefill on decode
-                 │          streamed answer (NDJSON) → handoff.py: decode opens at its first line
+                 │          streamed answer (NDJSON) → handoff/streamed.py: decode opens at its first line
                  ▼
                decode (original request + the prefill's kv_transfer_params)
                  stream: first token sent as soon as prefill answers, then the decode stream
@@ -11,7 +11,8 @@
 Everything before the response status is decided happens here, so bad input and upstream 4xx
 reach the client as proper errors; after a stream's 200, failures become one SSE error event.
 Which workers are tried is the selector's business (selection.py); holding, releasing, retrying
-and accounting for them is the upstream call's (upstream_call.py).
+and accounting for them is the upstream call's (upstream_call.py); what follows a prefill's
+answer is a hand-off's (handoff/), which uses this class through its public methods only.
 """
 
 from __future__ import annotations
@@ -20,74 +21,32 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from pdserve.protocol.contract import HEADER_REQUEST_ID, PATHS, ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
-from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
-from pdserve.protocol.kv_transfer import NDJSON, prefill_request, single_sequence
+from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
+from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
-from pdserve.router.handoff import DecodeLeg, StreamedHandoff, StreamedPrefill
-from pdserve.router.policies import RoutingRequest
+from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
+from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
+from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
+from pdserve.router.prompt import decodes_one_token
 from pdserve.router.selection import Selector
-from pdserve.router.splice import Answer, closing_events, first_token_ended, first_token_events, merge_unary
+from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
 from pdserve.router.sse import EventFramer, drop_role_chunk, split_first_event, token_events
 from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, Upstream, chunks, read_and_close, timeout
 from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
 
 log = logging.getLogger("pdserve.router")
-
-# How long a hand-off's decode call outlives a client that left (Orchestrator._open): a worker
-# reads a request within milliseconds unless its event loop is stalled; the pin's TTL is the
-# backstop past that.
-HANDOFF_GRACE_S = 2.0
-
-
-@dataclass
-class Call:
-    """One client request on its way through."""
-
-    route: str  # "chat" or "completions"
-    body: dict  # the validated request (router/intake.py): its fields the client set, nothing else
-    raw: bytes  # `body` as JSON: a JSON object (forwarded as-is to a worker serving it whole)
-    request_id: str
-    routing: RoutingRequest
-    started: float
-    prompt_tokens: int = 0  # counted with the arrival (exact with --tokenizer, else estimated)
-    disaggregated: bool = False
-    moved: bool = False  # served whole by the other role after its own pool took nothing (fallback.py)
-    accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.body.get("stream_options") or {}).get("include_usage"))
-
-    def headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id}
-
-
-@dataclass
-class Handoff:
-    """A prefill's KV waiting for its decode worker. Once a decode worker may hold the params
-    (`sent`), that worker reads or releases the pin; until then, giving up is the router's to
-    report, or the blocks stay pinned until the TTL."""
-
-    worker: Worker  # the prefill worker
-    params: dict
-    sent: bool = False
 
 
 class Orchestrator:
@@ -99,15 +58,16 @@ class Orchestrator:
         c = config
         self.prefill_limits = timeout(c.request_timeout_s, c.connect_timeout_s)
         self.stream_limits = timeout(None, c.connect_timeout_s, c.stream_idle_timeout_s, c.first_byte_timeout_s)
-        self.streamed = StreamedHandoff(self, HANDOFF_GRACE_S)
+        self.after_prefill = AfterPrefill(self)
+        self.streamed = StreamedHandoff(self, self.after_prefill, HANDOFF_GRACE_S)
         self.fallback = RoleFallback(selector, self.metrics)
 
-    def _unary_limits(self, call: Call) -> Limits:
+    def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
         left = self.config.request_timeout_s - (time.monotonic() - call.started)
         return timeout(max(left, self.config.connect_timeout_s), self.config.connect_timeout_s)
 
-    def _call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
+    def upstream_call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
         return UpstreamCall(self.up, phase, pool, lambda ws: self.selector.choose(role, ws, call.routing),
                             self.config.max_retries, lambda status: self._answered(call, status))
 
@@ -119,14 +79,14 @@ class Orchestrator:
         if call.accepted or not 200 <= status < 300:
             return
         call.accepted = True
-        model = call.body["model"]
+        model = call.model
         self.metrics.arrived_requests.labels(model).inc()
         self.metrics.arrived_prompt_tokens.labels(model).inc(call.prompt_tokens)
 
     # ---- entry ---------------------------------------------------------------------------
 
     async def handle(self, call: Call) -> Response:
-        model = call.body["model"]
+        model = call.model
         pools = self.fallback.availability(model)
         decode_pool = pools.decode
         if not decode_pool:
@@ -134,50 +94,34 @@ class Orchestrator:
                 raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
             # No decode worker: the prefill workers serve whole requests (router/fallback.py).
             self.fallback.served_whole(pools.missing)
-            return await self._direct(call, pools.prefill, ROLE_PREFILL)
+            return await self.direct(call, pools.prefill, ROLE_PREFILL)
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
-        if single_sequence(call.body) and self.selector.disaggregate(call.body):
+        if call.single_sequence and self.selector.disaggregate(call.request):
             if self.selector.decode_covers(call.routing, decode_pool):
                 self.metrics.decode_prefix_hits.inc()
-                return await self._direct(call, decode_pool)
+                return await self.direct(call, decode_pool)
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
                 prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))
             else:
                 self.fallback.served_whole(pools.missing)
         if prefill is None:
-            return await self._direct(call, decode_pool)
+            return await self.direct(call, decode_pool)
         if isinstance(prefill, StreamedPrefill):
             return await self.streamed.run(call, prefill)
-        return await self._after_prefill(call, *prefill)
-
-    async def _after_prefill(self, call: Call, worker: Worker, answer: Answer) -> Response:
-        """The hand-off once the prefill has answered: the decode call gets its final params."""
-        if first_token_ended(answer):
-            return self._finished_by_prefill(call, answer)
-        call.disaggregated = True
-        decode_pool = self.selector.pool(ROLE_DECODE, call.body["model"], partners=[worker])
-        handoff = Handoff(worker, answer.kv_transfer_params)
-        if call.stream:
-            return self._stream_response(call, self._pd_stream(call, decode_pool, answer, handoff), handoff=handoff)
-        try:
-            return await self._pd_unary(call, decode_pool, answer, handoff)
-        finally:
-            self._abandon(handoff)
+        return await self.after_prefill.run(call, prefill)
 
     # ---- prefill -------------------------------------------------------------------------
 
     def _streams_kv(self, call: Call) -> bool:
         """Ask for the streamed hand-off? Not for a request that cannot go past its first token:
         no decode call would follow (the decider disaggregates none, but a plugin might)."""
-        body = call.body
-        return self.config.pd_handoff == "streamed" and 1 not in (body.get("max_tokens"),
-                                                                  body.get("max_completion_tokens"))
+        return self.config.pd_handoff == "streamed" and not decodes_one_token(call.request)
 
     async def _prefill(self, call: Call, pool: list[Worker], stream_kv: bool = False) -> \
-            tuple[Worker, Answer] | StreamedPrefill | None:
+            Prefilled | StreamedPrefill | None:
         """`_prefill_call`. A client that leaves meanwhile does not cut the call off at once: a
         prefill that finishes just then pins its KV while its answer, the only record of that
         pin, is lost with the connection. The call goes on for up to HANDOFF_GRACE_S; an answer
@@ -199,19 +143,20 @@ class Orchestrator:
         if isinstance(task.result(), StreamedPrefill):
             task.result().abort()
             return
-        worker, answer = task.result()
-        if answer.kv_transfer_params:
-            self.up.release_kv(worker, answer.kv_transfer_params)
+        prefilled = task.result()
+        if prefilled.answer.kv_transfer_params:
+            self.up.release_kv(prefilled.worker, prefilled.answer.kv_transfer_params)
 
     async def _prefill_call(self, call: Call, pool: list[Worker], stream_kv: bool) -> \
-            tuple[Worker, Answer] | StreamedPrefill | None:
+            Prefilled | StreamedPrefill | None:
         """The prefill answer, or None when every prefill worker failed (local prefill follows).
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
         # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(call.body, stream_kv)).encode())
+        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(
+            call.request.model_dump(exclude_unset=True), stream_kv)).encode())
         t0 = time.monotonic()
-        up = self._call("prefill", ROLE_PREFILL, call, pool)
+        up = self.upstream_call("prefill", ROLE_PREFILL, call, pool)
         streamed = None
         try:
             while (response := await up.open(PATHS[call.route], payload, call.headers(),
@@ -238,7 +183,7 @@ class Orchestrator:
                     continue
                 up.succeeded()
                 self.metrics.prefill.observe(time.monotonic() - t0)
-                return up.worker, answer
+                return Prefilled(up.worker, answer)
         finally:
             if streamed is None:
                 up.close()
@@ -246,10 +191,10 @@ class Orchestrator:
         log.warning("every prefill attempt failed; prefilling on the decode worker")
         return None
 
-    def _finished_by_prefill(self, call: Call, answer: Answer) -> Response:
+    def finished_by_prefill(self, call: Call, answer: Answer) -> Response:
         """The first token ended the request (EOS or a stop): the prefill answer is the whole answer."""
         answer.kv_transfer_params = None
-        self._observe_ttft(call)
+        self.observe_ttft(call)
         if not call.stream:
             return self._done(call, Response(answer.model_dump_json(), media_type="application/json"))
 
@@ -257,50 +202,23 @@ class Orchestrator:
             yield first_token_events(answer, finished=True)
             yield closing_events(answer, call.include_usage)
 
-        return self._stream_response(call, events())
+        return self.stream_response(call, events())
 
     # ---- decode --------------------------------------------------------------------------
 
     @staticmethod
-    def _no_decode(up: UpstreamCall) -> APIError:
+    def no_decode(up: UpstreamCall) -> APIError:
+        """The error a decode call that no worker took gives the client."""
         if up.attempts == 0:
             return APIError(503, "no healthy decode worker", code="no_workers")
         if up.last_status == 429:
             return APIError(429, "every decode worker is overloaded", code="overloaded")
         return APIError(502, f"decode failed on every worker tried (last: {up.last_reason})", code="upstream_failed")
 
-    @staticmethod
-    def _decode_payload(call: Call, kv_transfer_params: dict) -> bytes:
-        """The client's request (as validated: `call.raw`, which carries no kv_transfer_params)
-        with the prefill's params added: spliced into its JSON, not the body serialised again."""
-        return call.raw[:-1] + f',"{KV_TRANSFER_PARAMS}":'.encode() + json.dumps(kv_transfer_params).encode() + b"}"
-
-    async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits, handoff: bool) -> \
-            aiohttp.ClientResponse | None:
-        """`up.open`. For a hand-off the call is not cut off the moment the client leaves: a
-        connection closed before the decode worker has read the request loses it there, and
-        then nobody releases the prefill's pin before its TTL. The call goes on in the
-        background for HANDOFF_GRACE_S (or until it answers), so the decode worker has taken the
-        request in when it is cut off: it aborts it and releases the pin, as for any client that
-        leaves. (A release from here could race that worker's read of the blocks instead.)"""
-        opening = up.open(PATHS[call.route], payload, call.headers(), limits)
-        if not handoff:
-            return await opening
-        task = asyncio.ensure_future(opening)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            up.close_when_done(task, HANDOFF_GRACE_S)
-            raise
-
-    async def _unary(self, up: UpstreamCall, call: Call, payload: bytes, handoff: bool = False) -> bytes:
-        """Open a non-streaming decode call and read its whole (200) answer."""
-        return await self._answer(up, await self._open(up, call, payload, self._unary_limits(call), handoff))
-
-    async def _answer(self, up: UpstreamCall, response: aiohttp.ClientResponse | None) -> bytes:
+    async def read_answer(self, up: UpstreamCall, response: aiohttp.ClientResponse | None) -> bytes:
         """A non-streaming decode call's whole answer, once its status is known; errors raised."""
         if response is None:
-            raise self._no_decode(up)
+            raise self.no_decode(up)
         try:
             content = await response.read()
         except UPSTREAM_ERRORS as e:
@@ -311,104 +229,58 @@ class Orchestrator:
         up.succeeded()
         return content
 
-    async def _direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response:
+    async def direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response:
         """The whole request on one worker of `pool` (decode workers; prefill ones in fallback).
-        When no worker of the pool takes it, the other role's workers may (`_whole_elsewhere`)."""
+        When no worker of the pool takes it, the other role's workers may (`whole_elsewhere`)."""
         if call.stream:
-            up = self._call("decode", role, call, pool)
+            up = self.upstream_call("decode", role, call, pool)
             try:
                 response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits)
                 if response is None:
-                    if (elsewhere := self._whole_elsewhere(call, role, up)) is not None:
+                    if (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                         up.close()
-                        return await self._direct(call, elsewhere[1], elsewhere[0])
-                    raise self._no_decode(up)
+                        return await self.direct(call, elsewhere[1], elsewhere[0])
+                    raise self.no_decode(up)
                 if response.status != 200:
                     raise UpstreamError(response.status, await read_and_close(response))
             except BaseException:
                 up.close()
                 raise
             # The stream owns the call from here: closed however the stream ends.
-            return self._stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
-        async with self._call("decode", role, call, pool) as up:
-            response = await self._open(up, call, call.raw, self._unary_limits(call), False)
-            if response is None and (elsewhere := self._whole_elsewhere(call, role, up)) is not None:
+            return self.stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
+        async with self.upstream_call("decode", role, call, pool) as up:
+            response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call))
+            if response is None and (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                 up.close()
-                return await self._direct(call, elsewhere[1], elsewhere[0])
-            content = await self._answer(up, response)
-        self._observe_ttft(call)
+                return await self.direct(call, elsewhere[1], elsewhere[0])
+            content = await self.read_answer(up, response)
+        self.observe_ttft(call)
         return self._done(call, Response(content, media_type="application/json"))
 
-    def _whole_elsewhere(self, call: Call, role: str, up: UpstreamCall) -> tuple[str, list[Worker]] | None:
+    def whole_elsewhere(self, call: Call, role: str, up: UpstreamCall) -> tuple[str, list[Worker]] | None:
         """No worker of `role` took the call (router/fallback.py): the other role's pool, once
         per request (a call already moved there does not move back)."""
         if call.moved or not self.fallback.unreachable(up):
             return None
         call.moved = True
-        return self.fallback.whole_elsewhere(call.body["model"], role)
+        return self.fallback.whole_elsewhere(call.model, role)
 
-    def _abandon(self, handoff: Handoff) -> None:
-        if not handoff.sent:
-            self.up.release_kv(handoff.worker, handoff.params)
-            handoff.sent = True
-
-    async def _pd_unary(self, call: Call, pool: list[Worker], prefill: Answer, handoff: Handoff) -> Response:
-        t0 = time.monotonic()
-        async with self._call("decode", ROLE_DECODE, call, pool) as up:
-            handoff.sent = True
-            payload = self._decode_payload(call, prefill.kv_transfer_params)
-            response = await self._open(up, call, payload, self._unary_limits(call), True)
-            if response is None and (elsewhere := self._whole_elsewhere(call, ROLE_DECODE, up)) is not None:
-                handoff.sent = False  # no decode worker took the params: the pin is ours to release
-                up.close()
-                call.disaggregated = False
-                return await self._direct(call, elsewhere[1], elsewhere[0])
-            try:
-                content = await self._answer(up, response)
-            except APIError:
-                handoff.sent = up.attempts > 0  # no decode worker was even tried: nobody has the params
-                raise
-        self.metrics.handoff.observe(time.monotonic() - t0)
-        return self._merged(call, prefill, content)
-
-    def _merged(self, call: Call, prefill: Answer, content: bytes) -> Response:
+    def merged(self, call: Call, prefill: Answer, content: bytes) -> Response:
+        """A non-streaming hand-off's answer: the prefill's first token + the decode's (`content`)."""
         try:
             decode = RESPONSES[call.route].model_validate_json(content)
             decode.choices[0]
         except (ValidationError, IndexError):
             raise APIError(502, "the decode worker's answer is malformed", code="upstream_failed") from None
-        self._observe_ttft(call)
+        self.observe_ttft(call)
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
-    async def _pd_stream(self, call: Call, pool: list[Worker], prefill: Answer,
-                         handoff: Handoff, first_sent: bool = False) -> AsyncIterator[bytes]:
-        # A client that hangs up from here until the decode call is opened leaves the pin to
-        # the router (handoff; _stream_response releases it), and after that to the decode worker.
-        if not first_sent:
-            if first := first_token_events(prefill):
-                yield first
-            self._observe_ttft(call)
-        t0 = time.monotonic()
-        # Held from here: a client that hangs up while the decode worker pulls the KV closes
-        # this iterator (SSEResponse), which closes the call and releases the worker.
-        up = self._call("decode", ROLE_DECODE, call, pool)
-        try:
-            handoff.sent = True
-            payload = self._decode_payload(call, prefill.kv_transfer_params)
-            response = await self._open(up, call, payload, self.stream_limits, True)
-            if response is None:
-                handoff.sent = up.attempts > 0
-            async for chunk in self._decode_events(call, up, response, t0):
-                yield chunk
-        finally:
-            up.close()
-
-    async def _decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
-                             since: float) -> AsyncIterator[bytes]:
+    async def decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
+                            since: float) -> AsyncIterator[bytes]:
         """A hand-off's decode stream after the first token, once its status is known: one error
         event (and [DONE]) when no worker took it, else its events relayed."""
         if response is None:
-            yield self._no_decode(up).sse_event()
+            yield self.no_decode(up).sse_event()
             return
         if response.status != 200:
             content = await read_and_close(response)
@@ -434,7 +306,7 @@ class Orchestrator:
                         head, rest = split_first_event(out)
                         out = drop_role_chunk(head) + rest
                     if ttft:
-                        self._observe_ttft(call)
+                        self.observe_ttft(call)
                 if out:
                     yield out
             if not framer.done:
@@ -448,7 +320,7 @@ class Orchestrator:
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
-    def _observe_ttft(self, call: Call) -> None:
+    def observe_ttft(self, call: Call) -> None:
         self.metrics.ttft.observe(time.monotonic() - call.started)
 
     def _done(self, call: Call, response: Response) -> Response:
@@ -456,8 +328,8 @@ class Orchestrator:
         self.metrics.requests.labels(call.route, str(response.status_code), _yes(call.disaggregated)).inc()
         return response
 
-    def _stream_response(self, call: Call, events: AsyncIterator[bytes], held: UpstreamCall | DecodeLeg | None = None,
-                         handoff: Handoff | None = None) -> SSEResponse:
+    def stream_response(self, call: Call, events: AsyncIterator[bytes], held: Closable | None = None,
+                        pin: PinnedKV | None = None) -> SSEResponse:
         """A stream is counted once: just before its `[DONE]` goes to the transport, so a scrape
         made by a client that has seen the end always includes it (on_close runs only after the
         last byte is out, by then the client may have scraped already); or, for a stream that
@@ -494,8 +366,8 @@ class Orchestrator:
         def closed() -> None:
             if held is not None:
                 held.close()
-            if handoff is not None:
-                self._abandon(handoff)
+            if pin is not None:
+                pin.abandon(self.up)
             count()
 
         return SSEResponse(counting(), on_close=closed)

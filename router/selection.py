@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pdserve.protocol.contract import ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.requests import GenerationRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PolicyContext, PoolQuery, RoutingRequest, create, plugin
 from pdserve.router.policies.decider import DecodePrefix
@@ -32,8 +33,8 @@ class Selector:
             candidates = f.filter(candidates, query)
         return candidates
 
-    def disaggregate(self, body: dict) -> bool:
-        return self.decider.disaggregate(body)
+    def disaggregate(self, request: GenerationRequest) -> bool:
+        return self.decider.disaggregate(request)
 
     def decode_covers(self, request: RoutingRequest, decode_pool: Sequence[Worker]) -> bool:
         """Whether the decode worker the decode policy picks caches nearly all of the prompt

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.router.policies import PolicyContext, RoutingRequest
-from pdserve.router.prompt import estimate_tokens
+from pdserve.protocol.requests import ChatCompletionRequest, GenerationRequest
+from pdserve.router.policies.interfaces import PolicyContext, RoutingRequest
+from pdserve.router.prompt import decodes_one_token, estimate_tokens
 
 if TYPE_CHECKING:
     from pdserve.router.workers import Worker
@@ -19,14 +20,15 @@ class PromptLength:
     def __init__(self, ctx: PolicyContext):
         self.min_tokens = ctx.pd_min_prompt_tokens
 
-    def disaggregate(self, body: dict) -> bool:
-        if body.get("n", 1) != 1 or body.get("max_tokens") == 1 or body.get("max_completion_tokens") == 1:
+    def disaggregate(self, request: GenerationRequest) -> bool:
+        if request.n != 1 or decodes_one_token(request):
             return False
-        if body.get("tools") and body.get("tool_choice") != "none":
-            return False  # tool calls are parsed from the whole reply, so one worker makes it all
-        if body.get("echo"):
+        if isinstance(request, ChatCompletionRequest):
+            if request.tools and request.tool_choice != "none":
+                return False  # tool calls are parsed from the whole reply, so one worker makes it all
+        elif request.echo:
             return False  # the prompt's logprobs come from its prefill: one worker runs it and decodes
-        return estimate_tokens(body) >= self.min_tokens
+        return estimate_tokens(request) >= self.min_tokens
 
 
 class DecodePrefix:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, RoutingRequest
+from pdserve.router.policies.interfaces import PolicyContext, RoutingRequest
 from pdserve.router.workers import Worker
 
 # Extra load (requests) a worker may carry over the idlest one and still be considered. It keeps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext
+from pdserve.router.policies.interfaces import PolicyContext
 from pdserve.router.workers import Worker
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, PoolQuery
+from pdserve.router.policies.interfaces import PolicyContext, PoolQuery
 from pdserve.router.workers import Worker
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdserve.router.policies import Filter, Picker, RoutingRequest, Scorer
+from pdserve.router.policies.interfaces import Filter, Picker, RoutingRequest, Scorer
 from pdserve.router.workers import Worker
 
 

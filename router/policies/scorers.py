@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from pdserve.router.policies import PolicyContext, RoutingRequest
+from pdserve.router.policies.interfaces import PolicyContext, RoutingRequest
 from pdserve.router.workers import Worker
 
 

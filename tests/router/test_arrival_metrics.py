@@ -18,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.prompt import estimate_tokens
 from tests.k8s_cluster import wait_for
 
@@ -90,5 +91,5 @@ def test_arrival_counters_estimate_prompt_tokens_without_a_tokenizer(module_laun
     assert "".join(c.choices[0].text for c in stream if c.choices)
 
     expected = {("pdserve_router_arrived_requests", "tiny"): 2.0,
-                ("pdserve_router_arrived_prompt_tokens", "tiny"): 2.0 * estimate_tokens({"prompt": PROMPT})}
+                ("pdserve_router_arrived_prompt_tokens", "tiny"): 2.0 * estimate_tokens(CompletionRequest(prompt=PROMPT))}
     wait_for_arrivals(router.url, expected)

@@ -12,6 +12,7 @@ import pytest
 from pdserve.protocol.flags import ConfigError
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_index import KVIndex
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.policies import PolicyContext, RoutingRequest
 from pdserve.router.policies.decider import DecodePrefix
 from pdserve.protocol.kv_events import block_stored
@@ -29,7 +30,7 @@ class _W:
 
 def _covers(index: KVIndex, tokens: list[int], min_uncached: int) -> bool:
     ctx = PolicyContext(kv_index=index, pd_min_uncached_tokens=min_uncached)
-    return DecodePrefix(ctx).covers(RoutingRequest({}, tokenize=lambda body: tokens), _W("d"))
+    return DecodePrefix(ctx).covers(RoutingRequest(CompletionRequest(prompt="x"), tokenize=lambda body: tokens), _W("d"))
 
 
 def test_the_rule_counts_uncached_tokens_against_the_threshold():

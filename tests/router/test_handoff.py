@@ -1,4 +1,4 @@
-"""The streamed hand-off (issue 24, router/handoff.py) through a real router process.
+"""The streamed hand-off (issue 24, router/handoff/streamed.py) through a real router process.
 
 The prefill and decode workers are tests/router/fake_worker.py processes speaking the contract
 of the streamed hand-off (two NDJSON lines; a side channel the decode waits on), with hooks to
@@ -306,7 +306,7 @@ def test_the_gap_is_observed_before_the_second_token_goes_to_the_transport():
     async def receive():
         await asyncio.Event().wait()  # the client stays
 
-    response = o._stream_response(call(), events([role, chunk("a"), chunk("b"), chunk("c", "length") + DONE]))
+    response = o.stream_response(call(), events([role, chunk("a"), chunk("b"), chunk("c", "length") + DONE]))
     asyncio.run(response({"type": "http", "method": "POST", "path": "/", "headers": []}, receive, send))
     assert gaps == [0, 0, 1, 1]  # the role chunk and the first token: no gap yet; then once
     assert gap_count(o) == 1

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.prompt import estimate_tokens
 from tests.k8s_cluster import wait_for
 from tests.liveness import Liveness
@@ -199,4 +200,4 @@ def test_only_accepted_requests_count_as_arrivals(stack):
         r = post(router.url, "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
                                                             "stream": stream}).encode())
         assert r.status_code == 200, r.text
-    assert arrived() == (2.0, 2.0 * estimate_tokens({"prompt": PROMPT}))
+    assert arrived() == (2.0, 2.0 * estimate_tokens(CompletionRequest(prompt=PROMPT)))

@@ -6,9 +6,12 @@ import pytest
 
 from pdserve.router import policies
 from pdserve.protocol.kv_events import block_stored
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.policies import PolicyContext, RoutingRequest
 from pdserve.router.workers import Worker
+
+ANY = CompletionRequest(model="m", prompt="x")  # what the policies below do not look at
 
 
 def pool(*states: dict) -> list[Worker]:
@@ -23,7 +26,7 @@ def pool(*states: dict) -> list[Worker]:
 
 def pick(name: str, workers, request=None, ctx=PolicyContext()) -> int:
     policy = policies.create(name, ctx)
-    return workers.index(policy.choose(workers, request or RoutingRequest({})))
+    return workers.index(policy.choose(workers, request or RoutingRequest(ANY)))
 
 
 def test_registry_lists_builtins_and_rejects_unknown():
@@ -35,9 +38,9 @@ def test_registry_lists_builtins_and_rejects_unknown():
 def test_round_robin_cycles_in_url_order():
     workers = pool({}, {}, {})
     policy = policies.create("round-robin", PolicyContext())
-    picks = [workers.index(policy.choose(workers, RoutingRequest({}))) for _ in range(6)]
+    picks = [workers.index(policy.choose(workers, RoutingRequest(ANY))) for _ in range(6)]
     assert picks == [0, 1, 2, 0, 1, 2]
-    assert workers.index(policy.choose(list(reversed(workers)), RoutingRequest({}))) == 0  # order-independent
+    assert workers.index(policy.choose(list(reversed(workers)), RoutingRequest(ANY))) == 0  # order-independent
 
 
 @pytest.mark.parametrize("states,expected", [
@@ -56,19 +59,19 @@ def test_least_loaded(states, expected):
     ("", [{"inflight": 2}, {"inflight": 0}], 1),
 ])
 def test_session_affinity_without_header(session, states, expected):
-    assert pick("session-affinity", pool(*states), RoutingRequest({}, session_id=session)) == expected
+    assert pick("session-affinity", pool(*states), RoutingRequest(ANY, session_id=session)) == expected
 
 
 def test_session_affinity_is_sticky_and_moves_only_lost_sessions():
     workers = pool({}, {}, {}, {})
     policy = policies.create("session-affinity", PolicyContext())
     sessions = [f"user-{i}" for i in range(200)]
-    first = {s: policy.choose(workers, RoutingRequest({}, session_id=s)) for s in sessions}
+    first = {s: policy.choose(workers, RoutingRequest(ANY, session_id=s)) for s in sessions}
     assert len(set(map(id, first.values()))) == 4  # spreads over every worker
     workers[0].inflight = 50  # load does not break affinity
-    assert all(policy.choose(workers, RoutingRequest({}, session_id=s)) is first[s] for s in sessions)
+    assert all(policy.choose(workers, RoutingRequest(ANY, session_id=s)) is first[s] for s in sessions)
     survivors = workers[1:]
-    moved = [s for s in sessions if policy.choose(survivors, RoutingRequest({}, session_id=s)) is not first[s]]
+    moved = [s for s in sessions if policy.choose(survivors, RoutingRequest(ANY, session_id=s)) is not first[s]]
     assert moved and all(first[s] is workers[0] for s in moved)  # only the lost worker's sessions move
 
 
@@ -96,7 +99,7 @@ def index_with(cached: dict[int, int]) -> KVIndex:
 ])
 def test_prefix_aware(cached, states, tokens, expected):
     ctx = PolicyContext(kv_index=index_with(cached))
-    request = RoutingRequest({}, tokenize=lambda body: tokens)
+    request = RoutingRequest(ANY, tokenize=lambda body: tokens)
     assert pick("prefix-aware", pool(*states), request, ctx) == expected
 
 
@@ -147,7 +150,8 @@ def test_pool_filters(name, workers, query, kept):
 ])
 def test_prompt_length_decider(body, min_tokens, expected):
     decider = plugin("decider", "prompt-length", PolicyContext(pd_min_prompt_tokens=min_tokens))
-    assert decider.disaggregate(body) is expected
+    request = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+    assert decider.disaggregate(request) is expected
 
 
 @pytest.mark.parametrize("loads,kept", [
@@ -158,7 +162,7 @@ def test_prompt_length_decider(body, min_tokens, expected):
 def test_load_headroom_filter(loads, kept):
     workers = [worker(f"http://w:{i}", inflight=n) for i, n in enumerate(loads)]
     f = plugin("filter", "load-headroom", PolicyContext())
-    assert [workers.index(w) for w in f.filter(workers, RoutingRequest({}))] == kept
+    assert [workers.index(w) for w in f.filter(workers, RoutingRequest(ANY))] == kept
 
 
 def test_round_robin_picker_rotates_among_the_best_scored_only():
@@ -209,7 +213,7 @@ def test_prefix_aware_token_ids_are_computed_once_and_off_the_event_loop():
         return [1, 2, 3]
 
     async def main():
-        routing = RoutingRequest({"prompt": "x"}, None, tokenize)
+        routing = RoutingRequest(CompletionRequest(prompt="x"), None, tokenize)
         await routing.tokenize_off_loop()
         return threading.get_ident(), routing
 

@@ -16,11 +16,13 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import DONE
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.orchestrator import Call, Orchestrator
+from pdserve.router.call import Call
+from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.upstream import Upstream
 from pdserve.router.workers import WorkerSet
@@ -36,7 +38,8 @@ def orchestrator() -> Orchestrator:
 
 def call(route: str = "completions") -> Call:
     body = {"model": "tiny", "prompt": "hi", "stream": True}
-    return Call(route, body, json.dumps(body).encode(), "rid", RoutingRequest(body, None, None), time.monotonic())
+    request = CompletionRequest.model_validate(body)
+    return Call(route, request, json.dumps(body).encode(), "rid", RoutingRequest(request, None, None), time.monotonic())
 
 
 def counts(o: Orchestrator, route: str = "completions") -> tuple[float, float]:
@@ -79,7 +82,7 @@ async def serve(response, o: Orchestrator, route: str = "completions", leave_aft
 
 def test_a_stream_is_counted_before_its_done_is_handed_to_the_transport():
     o = orchestrator()
-    response = o._stream_response(call(), events([chunk("a"), chunk("b", "length") + DONE]))
+    response = o.stream_response(call(), events([chunk("a"), chunk("b", "length") + DONE]))
     sent = asyncio.run(serve(response, o))
     bodies = [b for b, _ in sent if b]
     assert bodies[-1].endswith(DONE)
@@ -94,7 +97,7 @@ def test_a_responses_stream_is_counted_before_its_last_event():
     o = orchestrator()
     body = {"model": "tiny", "input": "hi", "stream": True}
     chat = [b'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "length"}]}\n\n', DONE]
-    response = from_chat(o._stream_response(call("chat"), events(chat)), body)
+    response = from_chat(o.stream_response(call("chat"), events(chat)), body)
     sent = asyncio.run(serve(response, o, route="chat"))
     last = [(b, c) for b, c in sent if b][-1]
     assert b"response.incomplete" in last[0] and last[1] == (1, 1)
@@ -104,7 +107,7 @@ def test_a_responses_stream_is_counted_before_its_last_event():
 def test_a_client_that_leaves_mid_stream_is_counted_once():
     o = orchestrator()
     quiet = asyncio.Event()  # never set: the stream would wait forever without the hang-up
-    response = o._stream_response(call(), events([chunk("a")], then_wait=quiet))
+    response = o.stream_response(call(), events([chunk("a")], then_wait=quiet))
     sent = asyncio.run(asyncio.wait_for(serve(response, o, leave_after=1), 30))
     assert sent[0][1] == (0, 0)
     assert counts(o) == (1, 1)  # counted at close, as the 200 it was sent

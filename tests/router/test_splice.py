@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from pdserve.protocol.kv_transfer import prefill_request, single_sequence
+from pdserve.protocol.kv_transfer import prefill_request
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses import ChatCompletionResponse, CompletionResponse
+from pdserve.router.call import Call
+from pdserve.router.policies import RoutingRequest
 from pdserve.router.splice import closing_events, first_token_events, merge_unary
 
 
@@ -26,7 +29,9 @@ from pdserve.router.splice import closing_events, first_token_events, merge_unar
     ({"prompt": "hi", "echo": True}, False),
 ])
 def test_single_sequence(body, one):
-    assert single_sequence(body) is one
+    request = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(body)
+    call = Call("completions", request, b"", "rid", RoutingRequest(request), 0.0)
+    assert call.single_sequence is one
 
 
 def test_prefill_request_keeps_min_tokens_for_the_first_token():

@@ -135,12 +135,15 @@ def test_non_streaming_decode_gets_what_is_left_of_the_request_budget():
     import time
 
     from pdserve.router.config import RouterConfig
-    from pdserve.router.orchestrator import Call, Orchestrator
+    from pdserve.router.call import Call
+    from pdserve.router.orchestrator import Orchestrator
+    from pdserve.protocol.requests import CompletionRequest
     from pdserve.router.policies import RoutingRequest
 
     config = RouterConfig(decode_urls=("http://d:1",), request_timeout_s=10.0)
     orch = Orchestrator(config, ScriptedUpstream({}), selector=None)
-    call = Call("completions", {}, b"", "id", RoutingRequest({}), started=time.monotonic() - 4.0)
+    request = CompletionRequest(model="m", prompt="x")
+    call = Call("completions", request, b"", "id", RoutingRequest(request), started=time.monotonic() - 4.0)
     assert orch.prefill_limits.total == 10.0
-    assert 5.0 < orch._unary_limits(call).total <= 6.0  # 10 s for the whole request, 4 already spent
+    assert 5.0 < orch.unary_limits(call).total <= 6.0  # 10 s for the whole request, 4 already spent
     assert orch.stream_limits.total is None  # streams: first-byte and idle bounds instead

@@ -201,7 +201,7 @@ def test_detokenizer_keeps_special_tokens_when_asked(harmony_tokenizer):
 
 def test_harmony_template_renders_developer_tools_and_reasoning_effort(harmony_tokenizer):
     from pdserve.worker.server.chat import render_prompt
-    from pdserve.worker.server.chat_template import ChatTemplates
+    from pdserve.protocol.chat_render import ChatTemplates
 
     templates = ChatTemplates(harmony_tokenizer, 2048, 1 << 20, 10.0, trust_requests=False)
     messages = [{"role": "developer", "content": "Answer briefly."}, *ASK]

@@ -1,4 +1,4 @@
-"""The bounded chat-template sandbox (worker/server/template_sandbox.py) as a unit: templates
+"""The bounded chat-template sandbox (protocol/template_sandbox.py) as a unit: templates
 render as transformers renders them; every kind of runaway work ends as a RenderBoundError
 within its bounds (a template that could not escape Jinja's sandbox still cannot escape it)."""
 
@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest
-from pdserve.worker.server.chat_template import ChatTemplates
-from pdserve.worker.server.template_sandbox import BoundedEnvironment, RenderBoundError
+from pdserve.protocol.chat_render import ChatTemplates
+from pdserve.protocol.template_sandbox import BoundedEnvironment, RenderBoundError
 
 MAX_CHARS = 100_000
 TIMEOUT_S = 0.5

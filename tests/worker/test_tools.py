@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.worker.server.chat import render_prompt
-from pdserve.worker.server.chat_template import ChatTemplates
+from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.worker.server.tool_parsers import PARSERS, get_parser
 from pdserve.worker.server.tool_parsers.base import loads_lenient
 from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_message, plan_tools,

@@ -28,11 +28,11 @@ from pdserve.protocol.errors import APIError, bad_request, install_handlers
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.request_limits import RequestLimits
-from pdserve.protocol.responses_api import echoed, from_chat, to_chat
+from pdserve.protocol.responses_api import as_chat, from_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
 from pdserve.worker.unsupported_model import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
-from pdserve.worker.server.chat_template import ChatTemplates
+from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -213,11 +213,10 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         return await serve(request, st, ChatCompletionRequest, chat.create_chat_completion)
 
     def responses_request(raw: bytes) -> tuple[ChatCompletionRequest, dict]:
-        obj = parse_object(raw, limits.body_values)
-        limits.check_input_items(obj)
-        body = validate(ChatCompletionRequest, to_chat(obj))
+        chat, answer_fields = as_chat(parse_object(raw, limits.body_values), limits)
+        body = validate(ChatCompletionRequest, chat)
         limits.check(body)
-        return body, echoed(obj)
+        return body, answer_fields
 
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def v1_responses(request: Request, st: WorkerState = Depends(ready)):

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from pdserve.protocol.errors import APIError, bad_request
+from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                         ChatCompletionResponse, Delta)
 from pdserve.protocol.sse import DONE, SSEResponse, event
 from pdserve.worker.outputs import TokenLogprob
 from pdserve.worker.server import serving
-from pdserve.worker.server.chat_template import ChatTemplates
+from pdserve.protocol.chat_render import ChatTemplates, render_chat
 from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
 from pdserve.worker.server.tool_parsers.harmony import HarmonyParser
@@ -44,14 +44,8 @@ def render_prompt(templates: ChatTemplates, body: ChatCompletionRequest, tools: 
                   parser_name: str | None = None) -> list[int]:
     """The prompt's token ids (any thread: the server runs it off its event loop). A rendered
     text too long for --max-model-len whatever its tokens is refused before it is tokenized."""
-    source, client_param = templates.source(body, tools.tools)
-    messages, tool_kwargs = template_input([m.for_template(i) for i, m in enumerate(body.messages)], tools,
-                                           source, get_parser(parser_name) if parser_name else None)
-    if body.continue_final_message and messages[-1]["role"] != "assistant":
-        raise bad_request("continue_final_message needs a final assistant message", "messages")
-    text = templates.render(source, client_param, messages, tools=tool_kwargs.get("tools"),
-                            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                            continue_final_message=body.continue_final_message, variables=body.template_variables)
+    fallback = get_parser(parser_name) if parser_name else None
+    text = render_chat(templates, body, tools.tools, lambda msgs, source: template_input(msgs, tools, source, fallback))
     # A forced tool call starts the reply; its grammar does the rest (tool_parsers/plan.py).
     text += tools.forced_prefix
     serving.check_text_length(text, templates.max_chars, templates.max_model_len, "messages")

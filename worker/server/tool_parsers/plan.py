@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pdserve.protocol.chat_render import knows_tools, offered_tools, with_tools
 from pdserve.protocol.errors import APIError, bad_request
 from pdserve.protocol.tools import NamedToolChoice, parse_arguments
 from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
@@ -66,7 +67,7 @@ def plan_tools(body, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
     choice = body.tool_choice
     if not body.tools or choice == "none":
         return ToolPlan()
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    tools = offered_tools(body)
     if choice is None or choice == "auto":
         if not (auto_enabled and parser_name):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
@@ -108,12 +109,10 @@ def _show(choice) -> str:
 def template_input(messages: list[dict], plan: ToolPlan, chat_template: str | None,
                    fallback_parser: ToolParser | None) -> tuple[list[dict], dict]:
     """The messages and extra apply_chat_template kwargs for this request."""
-    msgs = [_arguments_as_objects(m) for m in messages]
-    if "tools" in (chat_template or ""):
-        return msgs, ({"tools": plan.tools} if plan.tools else {})
+    msgs, kwargs = with_tools(plan.tools)(messages, chat_template)
     parser = plan.parser or fallback_parser
-    if parser is None:
-        return msgs, {}
+    if knows_tools(chat_template) or parser is None:
+        return msgs, kwargs
     out = []
     for m in msgs:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -129,23 +128,6 @@ def template_input(messages: list[dict], plan: ToolPlan, chat_template: str | No
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
-
-
-def _arguments_as_objects(msg: dict) -> dict:
-    """OpenAI sends a past call's arguments as JSON text; templates expect an object. (A request's
-    messages arrive parsed already, protocol/tools.py's HistoryToolCall; this takes plain dicts too.)"""
-    calls = msg.get("tool_calls")
-    if not calls:
-        return msg
-    fixed = []
-    for i, c in enumerate(calls):
-        fn = dict(c["function"])
-        try:
-            fn["arguments"] = parse_arguments(fn.get("arguments"))
-        except ValueError as e:
-            raise bad_request(f"tool call {fn.get('name')!r}: {e}", f"tool_calls.{i}.function.arguments") from None
-        fixed.append({**c, "function": fn})
-    return {**msg, "tool_calls": fixed}
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:

@@ -1,13 +1,19 @@
 """A chat's prompt text: the model's chat template (or, where the operator allows it, the
 client's) rendered over the request's messages in the bounded sandbox (template_sandbox.py).
 
+One renderer for the worker and the router (`render_chat`): the worker renders the prompt it
+runs; the router, with `--tokenizer`, renders the same text for its prefix hashes (KV-aware
+routing), so both see the request's tools, `chat_template_kwargs` and generation-prompt fields
+alike. What only the worker knows (its `--tool-call-parser`: how a template that does not know
+tools gets them, and the opening of a forced call) comes in through `render_chat`'s `prepare`.
+
 What a render sees is what transformers' `apply_chat_template` passes (the tokenizer's special
 tokens, `messages`, `tools`, `documents`, `add_generation_prompt`, the request's
 `chat_template_kwargs`), so a model's Hub template renders the prompt it was trained on; the
 sandbox differs only in refusing work past its bounds. `max_chars` is the worker's
-max_prompt_chars (serving.py): no value a template builds, and not the prompt, may be longer
-than the longest prompt that could fit --max-model-len. A render runs on a thread (the caller's
-`off_loop`) and ends at `timeout_s` (--chat-template-timeout).
+max_prompt_chars (worker/server/serving.py): no value a template builds, and not the prompt, may
+be longer than the longest prompt that could fit --max-model-len. A render runs on a thread (the
+caller's `off_loop`) and ends at `timeout_s` (--chat-template-timeout).
 
 Failures are the request's, so 400s: a client template refused without
 --trust-request-chat-template (`untrusted_chat_template`), one that does not compile, a template
@@ -21,12 +27,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable
 
 import jinja2
 
 from pdserve.protocol import chat_templates
 from pdserve.protocol.errors import APIError, bad_request
-from pdserve.worker.server.template_sandbox import BoundedEnvironment, RenderBoundError
+from pdserve.protocol.requests import ChatCompletionRequest
+from pdserve.protocol.template_sandbox import BoundedEnvironment, RenderBoundError
+from pdserve.protocol.tools import parse_arguments
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +116,65 @@ class ChatTemplates:
             f"This model's maximum context length is {self.max_model_len} tokens (--max-model-len), but the "
             f"messages make a prompt longer than that many tokens can hold ({e}); reduce the messages.",
             "messages", "context_length_exceeded")
+
+
+# (messages as ChatMessage.for_template gives them, the template's source) -> the messages and
+# the extra template kwargs (`tools`) the template gets.
+Prepare = Callable[[list[dict], str], tuple[list[dict], dict]]
+
+
+def offered_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools a request offers the model (none when `tool_choice` is "none"), as a template
+    reads them. A forced choice may narrow them further (the worker's tool plan)."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def arguments_as_objects(msg: dict) -> dict:
+    """OpenAI sends a past call's arguments as JSON text; templates expect an object. (A request's
+    messages arrive parsed already, protocol/tools.py's HistoryToolCall; this takes plain dicts too.)"""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
+    fixed = []
+    for i, c in enumerate(calls):
+        fn = dict(c["function"])
+        try:
+            fn["arguments"] = parse_arguments(fn.get("arguments"))
+        except ValueError as e:
+            raise bad_request(f"tool call {fn.get('name')!r}: {e}", f"tool_calls.{i}.function.arguments") from None
+        fixed.append({**c, "function": fn})
+    return {**msg, "tool_calls": fixed}
+
+
+def knows_tools(source: str | None) -> bool:
+    """A template that mentions `tools` renders them itself (given as `tools=`)."""
+    return "tools" in (source or "")
+
+
+def with_tools(tools: list[dict] | None) -> Prepare:
+    """The messages as transformers' convention has them, and `tools` for a template that
+    knows them (one that does not drops them: only a tool parser can render them for it)."""
+    def prepare(messages: list[dict], source: str) -> tuple[list[dict], dict]:
+        msgs = [arguments_as_objects(m) for m in messages]
+        return msgs, ({"tools": tools} if tools and knows_tools(source) else {})
+
+    return prepare
+
+
+def render_chat(templates: ChatTemplates, body: ChatCompletionRequest, tools: list[dict] | None,
+                prepare: Prepare | None = None) -> str:
+    """A chat request's prompt text (any thread). `tools`: those offered to the template (and
+    to the choice of a tokenizer's tool-use template); `prepare`: the template's input from the
+    messages, `with_tools(tools)` unless given."""
+    source, client_param = templates.source(body, tools)
+    messages, extra = (prepare or with_tools(tools))([m.for_template(i) for i, m in enumerate(body.messages)], source)
+    if body.continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message", "messages")
+    return templates.render(source, client_param, messages, tools=extra.get("tools"),
+                            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                            continue_final_message=body.continue_final_message, variables=body.template_variables)
 
 
 def _said(e: Exception) -> str:

@@ -14,7 +14,7 @@ protocol/kv_transfer.py, docs/router.md).
     otherwise ──▶ as after-prefill: the first token from line 2, then D's events / merged answer
 
 A prefill worker that answers plain application/json did not stream the hand-off: the
-orchestrator's after-prefill path takes that answer.
+after-prefill hand-off (after_prefill.py) takes that answer.
 
 Hang-ups: until line 2, closing P's call makes P abort the prefill and cancel its own pin (D's
 pull stops and D ends the request aborted), so P's call is closed at once. D's call, while its
@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 import aiohttp
 from pydantic import ValidationError
@@ -39,14 +39,14 @@ from pdserve.protocol.errors import TYPES, APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.protocol.responses import RESPONSES
+from pdserve.router.call import Call, PinnedKV
+from pdserve.router.handoff import Handoff, Orchestration
+from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.splice import Answer, first_token_ended, first_token_events
 from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, read_and_close
 from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
-
-if TYPE_CHECKING:
-    from pdserve.router.orchestrator import Call, Orchestrator
 
 log = logging.getLogger("pdserve.router")
 
@@ -183,19 +183,22 @@ class DecodeLeg:
             self.up.close_when_done(self.opening, self._grace_s)
 
 
-class StreamedHandoff:
-    def __init__(self, orchestrator: "Orchestrator", grace_s: float):
-        self.o = orchestrator
+class StreamedHandoff(Handoff[StreamedPrefill]):
+    """`after_prefill` takes over where a decode worker cannot take streamed params."""
+
+    def __init__(self, orchestration: Orchestration, after_prefill: AfterPrefill, grace_s: float):
+        super().__init__(orchestration)
+        self.after_prefill = after_prefill
         self.grace_s = grace_s
 
-    async def run(self, call: "Call", prefill: StreamedPrefill) -> Response:
+    async def run(self, call: Call, prefill: StreamedPrefill) -> Response:
         o = self.o
-        model = call.body["model"]
-        leg = DecodeLeg(o._call("decode", ROLE_DECODE, call, o.selector.pool(ROLE_DECODE, model,
-                                                                            partners=[prefill.worker])),
+        model = call.model
+        leg = DecodeLeg(o.upstream_call("decode", ROLE_DECODE, call, o.selector.pool(ROLE_DECODE, model,
+                                                                                    partners=[prefill.worker])),
                         self.grace_s)
-        limits = o.stream_limits if call.stream else o._unary_limits(call)
-        leg.open(PATHS[call.route], o._decode_payload(call, prefill.params), call.headers(), limits)
+        limits = o.stream_limits if call.stream else o.unary_limits(call)
+        leg.open(PATHS[call.route], call.decode_payload(prefill.params), call.headers(), limits)
         final = asyncio.ensure_future(prefill.final(call.route))
         final.add_done_callback(_retrieved)
         try:
@@ -205,14 +208,14 @@ class StreamedHandoff:
                 if _stream_unsupported(refusal):
                     # That decode worker pulls from no one: hand over the final params instead.
                     leg.close()
-                    return await o._after_prefill(call, prefill.worker, await final)
+                    return await self.after_prefill.run(call, Prefilled(prefill.worker, await final))
                 # No decode worker will read this KV: stop computing it and free the pin.
                 final.cancel()
                 prefill.abort()
                 o.up.release_kv(prefill.worker, prefill.params)
-                if (elsewhere := o._whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
+                if (elsewhere := o.whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
                     leg.close()
-                    return await o._direct(call, elsewhere[1], elsewhere[0])
+                    return await o.direct(call, elsewhere[1], elsewhere[0])
                 raise refusal
             answer = await final
         except PrefillFailed as e:
@@ -223,7 +226,7 @@ class StreamedHandoff:
                 prefill.failed(str(e))
             o.metrics.retries.labels("prefill-local").inc()
             log.warning("the prefill failed after its first line (%s); prefilling on the decode worker", e)
-            return await o._direct(call, o.selector.pool(ROLE_DECODE, model))
+            return await o.direct(call, o.selector.pool(ROLE_DECODE, model))
         except BaseException:  # the client left, or the decode error above
             final.cancel()
             prefill.abort()
@@ -231,60 +234,58 @@ class StreamedHandoff:
             raise
         if first_token_ended(answer):
             leg.drop()
-            return o._finished_by_prefill(call, answer)
+            return o.finished_by_prefill(call, answer)
         call.disaggregated = True
         since = time.monotonic()
         if call.stream:
-            return o._stream_response(call, self._stream(call, prefill, answer, leg, since), held=leg)
+            return o.stream_response(call, self._stream(call, prefill, answer, leg, since), held=leg)
         try:
             response = await leg.response()
             if leg.refused():
                 refusal = await self._refusal(leg)
                 if _stream_unsupported(refusal):
                     leg.close()
-                    return await o._after_prefill(call, prefill.worker, answer)
+                    return await self.after_prefill.run(call, Prefilled(prefill.worker, answer))
                 o.up.release_kv(prefill.worker, prefill.params)
-                if (elsewhere := o._whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
+                if (elsewhere := o.whole_elsewhere(call, ROLE_DECODE, leg.up)) is not None:  # fallback.py
                     leg.close()
                     call.disaggregated = False
-                    return await o._direct(call, elsewhere[1], elsewhere[0])
+                    return await o.direct(call, elsewhere[1], elsewhere[0])
                 raise refusal
-            content = await o._answer(leg.up, response)
+            content = await o.read_answer(leg.up, response)
         finally:
             leg.close()
         o.metrics.handoff.observe(time.monotonic() - since)
-        return o._merged(call, answer, content)
+        return o.merged(call, answer, content)
 
     async def _refusal(self, leg: DecodeLeg) -> APIError:
         """The error a refused decode call gives the client, as after-prefill (read once)."""
         if leg.refusal is None:
             response = leg.opening.result() if leg.opening.exception() is None else None
-            leg.refusal = self.o._no_decode(leg.up) if response is None else \
+            leg.refusal = self.o.no_decode(leg.up) if response is None else \
                 UpstreamError(response.status, await read_and_close(response))
         return leg.refusal
 
-    async def _stream(self, call: "Call", prefill: StreamedPrefill, answer: Answer, leg: DecodeLeg,
+    async def _stream(self, call: Call, prefill: StreamedPrefill, answer: Answer, leg: DecodeLeg,
                       since: float) -> AsyncIterator[bytes]:
         o = self.o
         try:
             # The first token goes out first, whatever the decode worker has sent meanwhile.
             if first := first_token_events(answer):
                 yield first
-            o._observe_ttft(call)
+            o.observe_ttft(call)
             response = await leg.response()
             if leg.refused():
                 refusal = await self._refusal(leg)
                 if _stream_unsupported(refusal):  # the first token is out: the final params, the rest
                     leg.close()
-                    from pdserve.router.orchestrator import Handoff  # (a cycle at import time)
-
-                    handoff = Handoff(prefill.worker, answer.kv_transfer_params)
-                    pool = o.selector.pool(ROLE_DECODE, call.body["model"], partners=[prefill.worker])
+                    pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
+                    pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker])
                     try:
-                        async for chunk in o._pd_stream(call, pool, answer, handoff, first_sent=True):
+                        async for chunk in self.after_prefill.stream(call, pool, answer, pin, first_sent=True):
                             yield chunk
                     finally:
-                        o._abandon(handoff)
+                        pin.abandon(o.up)
                     return
                 o.up.release_kv(prefill.worker, prefill.params)
                 if isinstance(refusal, UpstreamError):  # as _decode_events words a refusal
@@ -292,7 +293,7 @@ class StreamedHandoff:
                                                        f"{refusal.content[:300].decode(errors='replace')}")
                 yield refusal.sse_event()
                 return
-            async for chunk in o._decode_events(call, leg.up, response, since):
+            async for chunk in o.decode_events(call, leg.up, response, since):
                 yield chunk
         finally:
             leg.close()

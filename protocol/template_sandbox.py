@@ -37,7 +37,7 @@ from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-from pdserve.worker.server.template_bounds import (BoundedFormatter, OutputBuffer, RenderBoundError, bounded,
+from pdserve.protocol.template_bounds import (BoundedFormatter, OutputBuffer, RenderBoundError, bounded,
                                                    bounded_concat, bounded_filter, bounded_iter, bounds,
                                                    check_binop, check_str_method, check_value, tojson)
 
