@@ -30,8 +30,8 @@ PULL_SERIES = ("pdserve_kv_transfer_seconds_count", "pdserve_kv_transfer_request
                "pdserve_kv_transfer_bandwidth_bytes_per_second_count")
 
 
-def wait_counts(w: WorkerProcess, expected: dict, timeout: float = 30) -> dict:
-    """Poll until every (name, labels) count in `expected` reaches its value; the last snapshot."""
+def wait_counts(w: WorkerProcess, expected: dict, timeout: float = 30) -> str:
+    """Poll until every (name, labels) count in `expected` reaches its value; the last /metrics page."""
     deadline = time.monotonic() + timeout
     while True:
         snap = scrape(w.url, w.headers)
