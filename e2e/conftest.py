@@ -1,12 +1,11 @@
 """Fixtures for the end-to-end tests: the same session fixtures as tests/ (the default model,
-converted once into the user cache; tiny random-weight checkpoints), plus a free-port helper."""
+converted once into the user cache; tiny random-weight checkpoints)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import default_model_dir, tiny_checkpoint  # noqa: F401  (re-exported fixtures)
-from tests.net import free_port  # noqa: F401  (re-exported)
 
 
 @pytest.fixture(scope="session")

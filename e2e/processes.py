@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.cli.stack import StackConfig, plan
+from tests.helpers.processes import send, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,13 +38,6 @@ def eventually(check, timeout_s: float = 30.0, what: str = "condition"):
             last = e
         time.sleep(0.2)
     raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
-
-
-def kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -100,7 +94,7 @@ class UpProcess:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                kill_group(self.proc, signal.SIGKILL)
+                send(self.proc, signal.SIGKILL, group=True)
                 self.proc.wait()
         return self.proc.returncode
 
@@ -139,14 +133,7 @@ class Stack:
                                                 start_new_session=True)
 
     def wait_healthy(self, name: str, timeout_s: float = 300.0) -> None:
-        proc = self.procs[name]
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
-            return httpx.get(self.url(name) + "/health", timeout=2).status_code == 200
-
-        eventually(healthy, timeout_s, f"{name} healthy")
+        wait_healthy(self.url(name), self.procs[name], timeout_s, lambda: self.log(name)[-3000:])
         if self.children[name].role != "router":
             self.baseline[name] = self.kv(name)["num_free_blocks"]
 
@@ -173,7 +160,7 @@ class Stack:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def signal(self, name: str, sig: int) -> None:
-        kill_group(self.procs[name], sig)
+        send(self.procs[name], sig, group=True)
         if sig == signal.SIGKILL:
             self.procs[name].wait(30)
 
@@ -204,11 +191,11 @@ class Stack:
     def stop_all(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is None:
-                kill_group(proc, signal.SIGCONT)  # a SIGSTOPped child cannot handle SIGTERM
-                kill_group(proc, signal.SIGTERM)
+                send(proc, signal.SIGCONT, group=True)  # a SIGSTOPped child cannot handle SIGTERM
+                send(proc, signal.SIGTERM, group=True)
         for proc in self.procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
-                kill_group(proc, signal.SIGKILL)
+                send(proc, signal.SIGKILL, group=True)
                 proc.wait()

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.conftest import free_port
+from tests.net import free_port
 from e2e.outcomes import Outcome, stream_request, unary_request
 from e2e.processes import Stack, eventually
 from pdserve.cli.stack import StackConfig
@@ -133,13 +133,20 @@ def test_kill_prefill_worker_with_requests_in_flight(stack, client, served_name,
     stack.wait_router_sees(prefill=1, decode=2)
 
 
+def signal_a_busy_decoder(stack, client, served_name, pool, n: int, sig: int):
+    """`n` long streams on `pool`; once every one streams, `sig` to a decode worker serving some.
+    -> (that worker, the streams' futures)."""
+    streaming, futures = start_streams(client, served_name, n, pool, max_tokens=LONG_STREAM)
+    for e in streaming:
+        assert e.wait(60)
+    victim = busy(stack, "decode")
+    stack.signal(victim, sig)
+    return victim, futures
+
+
 def test_kill_decode_worker_mid_stream(stack, client, served_name, results):
     with ThreadPoolExecutor(8) as pool:
-        streaming, futures = start_streams(client, served_name, 8, pool, max_tokens=LONG_STREAM)
-        for e in streaming:
-            assert e.wait(60)
-        victim = busy(stack, "decode")
-        stack.signal(victim, signal.SIGKILL)
+        victim, futures = signal_a_busy_decoder(stack, client, served_name, pool, 8, signal.SIGKILL)
         outcomes = [f.result() for f in futures]
     errors = [o for o in outcomes if o.kind == "error"]
     assert errors, f"{victim} was decoding, its streams must end in error events: {outcomes}"
@@ -180,11 +187,7 @@ def test_bulk_client_disconnects(stack, client, served_name, results):
 
 def test_sigstopped_decode_worker(stack, client, served_name, results):
     with ThreadPoolExecutor(10) as pool:
-        streaming, futures = start_streams(client, served_name, 6, pool, max_tokens=LONG_STREAM)
-        for e in streaming:
-            assert e.wait(60)
-        victim = busy(stack, "decode")
-        stack.signal(victim, signal.SIGSTOP)
+        victim, futures = signal_a_busy_decoder(stack, client, served_name, pool, 6, signal.SIGSTOP)
         try:
             # While it hangs, new requests still complete (retried elsewhere after a timeout, or
             # sent elsewhere once the prober ejects it).

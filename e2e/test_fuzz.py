@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from e2e.conftest import free_port
+from tests.net import free_port
 from e2e.processes import Stack, eventually
 from e2e.schema_strategies import JSON_VALUES, from_schema
 from pdserve.cli.stack import StackConfig

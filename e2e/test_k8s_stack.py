@@ -17,7 +17,6 @@ the closing note quotes) is written to $PDSERVE_E2E_TRANSCRIPT or the test's tmp
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ import pytest
 
 from e2e.containers import PodmanRuntime, build_image, podman_unusable
 from e2e.kubelet import Kubelet
+from tests.helpers.metrics import metric as read_metric
 from tests.k8s_cluster import SHARED_K8S, k8s_cluster, wait_for  # noqa: F401  (session fixture)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow,
@@ -126,9 +126,7 @@ def worker_key(core, ns: str) -> str:
 
 def metric(pod_ip: str, key: str, name: str) -> float:
     """A worker's counter summed over its labels; /metrics is keyed."""
-    r = httpx.get(f"http://{pod_ip}:8000/metrics", timeout=5, headers={"Authorization": f"Bearer {key}"})
-    r.raise_for_status()
-    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", r.text, re.M))
+    return read_metric(f"http://{pod_ip}:8000", name, headers={"Authorization": f"Bearer {key}"})
 
 
 def finished(pod_ip: str, key: str) -> float:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from e2e.conftest import free_port
+from tests.net import free_port
 from e2e.processes import UpProcess, eventually, pid_alive
 from pdserve.cli.stack import StackConfig, plan, visible_gpus
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.conftest import free_port
+from tests.net import free_port
 from e2e.processes import Stack, eventually
 from pdserve.cli.stack import StackConfig
 

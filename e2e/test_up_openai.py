@@ -18,8 +18,9 @@ import httpx
 import openai
 import pytest
 
-from e2e.conftest import free_port
+from tests.net import free_port
 from e2e.processes import UpProcess, eventually, pid_alive
+from tests.helpers.metrics import metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -89,19 +90,14 @@ def test_chat_french_capital(client, served_name, stream):
     assert text == ANSWER
 
 
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 def test_the_stack_really_disaggregates(up):
     # The chat answers above are right even if every pull failed (decode falls back to local
     # prefill), so check the decode worker pulled KV and never fell back: the stack's secret and
     # loopback allowlist must let its own workers through.
     metrics = httpx.get(up.children["decode-0"][1] + "/metrics").text
-    assert _metric(metrics, "pdserve_kv_transfer_bytes_total") > 0, metrics
-    assert _metric(metrics, "pdserve_kv_transfer_failures_total") == 0
-    assert _metric(metrics, "pdserve_kv_local_prefill_fallbacks_total") == 0
+    assert metric_value(metrics, "pdserve_kv_transfer_bytes_total") > 0, metrics
+    assert metric_value(metrics, "pdserve_kv_transfer_failures_total") == 0
+    assert metric_value(metrics, "pdserve_kv_local_prefill_fallbacks_total") == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])

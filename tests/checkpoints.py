@@ -118,3 +118,17 @@ def write_word_tokenizer(out: Path, vocab_size: int = 1536) -> Path:
                                   unk_token="t0", bos_token="t1", eos_token="t2")
     tok.save_pretrained(out)
     return out
+
+
+def checkpoint_factory(tmp_path_factory, tokenizer_dir: Path):
+    """For a fixture: make(arch, **overrides) -> a checkpoint of that architecture over
+    `tokenizer_dir`, each written once."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, *sorted(overrides.items()))
+        if key not in made:
+            made[key] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tokenizer_dir, **overrides)
+        return made[key]
+
+    return make

@@ -33,6 +33,37 @@ def block_tables_for(context_lens: list[int], block_size: int, num_blocks: int, 
     return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
 
 
+def bad_argument_inputs(num_queries: int):
+    """Small valid inputs that an argument check test spoils one at a time: (k_cache, v_cache, q,
+    block_tables, context_lens) for 2 sequences (contexts 3 and 5), 4 query heads on 2 KV heads
+    of dim 16, block size 4, `num_queries` query tokens."""
+    _, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
+    q = torch.randn(num_queries, 4, 16, device=DEVICE)
+    block_tables = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, q, block_tables, context_lens
+
+
+def cos_sin_cache(max_pos: int, d: int) -> torch.Tensor:
+    """The rotary table the engine builds (base 10000): [max_pos, d] = cos | sin, computed in float64."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], -1).float().to(DEVICE)
+
+
+def fused_qkv(t: int, hq: int, hkv: int, d: int, dtype):
+    """q, k, v as the engine has them: views into one [T, (Hq + 2 Hkv) * D] projection output."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slot of each sequence's token at `positions` (one per row of `block_tables`)."""
+    return torch.stack([block_tables[i, p // block_size].long() * block_size + p % block_size
+                        for i, p in enumerate(positions.tolist())])
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref||, in float64; NaN anywhere in out fails outright."""
     assert out.shape == ref.shape, (out.shape, ref.shape)
@@ -40,6 +71,3 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     o, r = out.double().cpu(), ref.double().cpu()
     return ((o - r).norm() / r.norm()).item()
 
-
-# Tolerances against a reference computed in fp32 or better from the same (rounded) inputs.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

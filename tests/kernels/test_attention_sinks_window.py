@@ -15,7 +15,7 @@ from pdserve.kernels.reference import (
     paged_decode_attention_rotary_ref,
     paged_prefill_attention_ref,
 )
-from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, paged_kv, rel_error
+from tests.kernels.kernel_inputs import DEVICE, TOL, bad_argument_inputs, block_tables_for, paged_kv, rel_error
 
 
 def _sinks(hq: int, on: bool) -> torch.Tensor | None:
@@ -168,10 +168,7 @@ def test_prefill_sinks_only_bf16(poison_empty):
 
 
 def test_bad_sinks_and_windows_are_refused():
-    _, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
-    q = torch.randn(2, 4, 16, device=DEVICE)
-    bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, q, bt, lens = bad_argument_inputs(2)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"paged_decode_attention: sinks has shape \[2\], expected \[4\]"):
         paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.25, sinks=torch.zeros(2, device=DEVICE))

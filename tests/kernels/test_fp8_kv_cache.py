@@ -23,7 +23,7 @@ from pdserve.kernels.reference import (
     rotary_kv_write_ref,
 )
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, rel_error
+from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, cos_sin_cache, rel_error, slots_of
 
 # (k_scale, v_scale): unit (no calibration), a power of two, and ones that are not.
 SCALES = [(None, None), (0.5, 2.0), (0.37, 1.7)]
@@ -80,9 +80,7 @@ def test_write_quantizes_bit_for_bit_like_the_reference(src_dtype, scales):
 def test_rotary_write_quantizes_like_the_reference(dtype, scales):
     ks, vs = (_scale(s) for s in scales)
     hq, hkv, d, block_size, t = 6, 2, 32, 4, 9
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEVICE)
+    cs = cos_sin_cache(64, d)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE).to(dtype) * 4
     q, k, v = (x.reshape(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
     bias = torch.randn((hq + 2 * hkv) * d, device=DEVICE).to(dtype)
@@ -137,11 +135,8 @@ def test_decode_rotary_variant_writes_fp8_and_attends(poison_empty, dtype, num_s
     q, k, v = (x.reshape(b, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
     bias = torch.randn((hq + 2 * hkv) * d, device=DEVICE).to(dtype)
     positions = context_lens.long() - 1
-    slots = torch.stack([block_tables[i, p // block_size].long() * block_size + p % block_size
-                         for i, p in enumerate(positions.tolist())])
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEVICE)
+    slots = slots_of(block_tables, positions, block_size)
+    cs = cos_sin_cache(64, d)
     expected = cache.clone()
     ref = paged_decode_attention_rotary_ref(q, k, v, expected[:, 1, 0], expected[:, 1, 1], block_tables,
                                             context_lens, positions, slots, cs, d**-0.5, bias, ks, vs)

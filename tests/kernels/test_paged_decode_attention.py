@@ -7,7 +7,8 @@ import torch
 
 from pdserve.kernels.reference import paged_decode_attention_ref
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
-from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, paged_kv, rel_error
+from tests.kernels.kernel_inputs import (DEVICE, TOL, bad_argument_inputs, block_tables_for, cos_sin_cache, fused_qkv,
+                                        paged_kv, rel_error, slots_of)
 
 CASES = [
     # (Hq, Hkv, D, block_size, context_lens): GQA groups 1/3/4, odd sizes, 1-token and
@@ -76,10 +77,7 @@ def test_strided_query_and_large_scale(poison_empty):
 
 
 def test_rejects_bad_arguments():
-    _, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
-    q = torch.randn(2, 4, 16, device=DEVICE)
-    bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, q, bt, lens = bad_argument_inputs(2)
     fn = paged_decode_attention
     with pytest.raises(ValueError, match="query heads \\(3\\) must be a multiple of KV heads \\(2\\)"):
         fn(q[:, :3], k_cache, v_cache, bt, lens, 0.25)
@@ -117,15 +115,11 @@ def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dty
     block_tables = block_tables_for(ctx, block_size, 40, extra=1)
     context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     b = len(ctx)
-    qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
-    q, k, v = (x.view(b, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    q, k, v = fused_qkv(b, hq, hkv, d, dtype)
     bias = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device=DEVICE) if with_bias else None
     positions = context_lens.long() - 1
-    slots = torch.stack([block_tables[i, p // block_size].long() * block_size + p % block_size
-                         for i, p in enumerate(positions.tolist())])
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(128, dtype=torch.float64)[:, None] * inv[None, :]
-    cs = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEVICE)
+    slots = slots_of(block_tables, positions, block_size)
+    cs = cos_sin_cache(128, d)
     ref_cache = cache.double()
     ref = paged_decode_attention_rotary_ref(q.double(), k.double(), v.double(), ref_cache[:, 1, 0],
                                             ref_cache[:, 1, 1], block_tables, context_lens, positions, slots,

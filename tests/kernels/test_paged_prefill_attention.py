@@ -7,7 +7,7 @@ import torch
 
 from pdserve.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
-from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, paged_kv, rel_error
+from tests.kernels.kernel_inputs import DEVICE, TOL, bad_argument_inputs, block_tables_for, paged_kv, rel_error
 
 CASES = [
     # (Hq, Hkv, D, block_size, context_lens, new query counts): fresh prompts, cached prefixes
@@ -49,11 +49,8 @@ def test_single_query_equals_decode(poison_empty):
 
 
 def test_rejects_bad_arguments():
-    _, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
-    q = torch.randn(5, 4, 16, device=DEVICE)
-    bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, q, bt, lens = bad_argument_inputs(5)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([3, 5], dtype=torch.int32, device=DEVICE)
     fn = paged_prefill_attention
     with pytest.raises(ValueError, match=r"cu_seqlens_q has shape \[2\], expected \[3\]"):
         fn(q, k_cache, v_cache, bt, cu[:2], lens, 0.25)

@@ -7,20 +7,14 @@ import torch
 
 from pdserve.kernels.reference import rotary_ref
 from pdserve.kernels.rotary import rotary
-from tests.kernels.kernel_inputs import DEVICE, TOL, rel_error
-
-
-def _cos_sin_cache(max_pos: int, d: int) -> torch.Tensor:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], -1).float().to(DEVICE)
+from tests.kernels.kernel_inputs import DEVICE, TOL, cos_sin_cache, rel_error
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 40), (3, 1, 96)])
 def test_matches_reference(poison_empty, dtype, hq, hkv, d):
     t = 9
-    cache = _cos_sin_cache(300, d)
+    cache = cos_sin_cache(300, d)
     positions = torch.randint(0, 300, (t,), device=DEVICE)
     q = torch.randn(t, hq, d, dtype=dtype, device=DEVICE)
     k = torch.randn(t, hkv, d, dtype=dtype, device=DEVICE)
@@ -32,12 +26,12 @@ def test_matches_reference(poison_empty, dtype, hq, hkv, d):
     assert rel_error(k_out, k_ref) < TOL[dtype]
 
 
-def test_strided_views_of_fused_qkv(poison_empty):
+def test_strided_views_offused_qkv(poison_empty):
     # The engine slices q and k out of one qkv projection: row strides exceed heads * D.
     qkv = torch.randn(5, 4 + 2 + 2, 32, device=DEVICE)
     q, k = qkv[:, :4], qkv[:, 4:6]
     positions = torch.tensor([0, 1, 2, 100, 7], dtype=torch.int32, device=DEVICE)
-    cache = _cos_sin_cache(128, 32)
+    cache = cos_sin_cache(128, 32)
     q_out, k_out = rotary(positions, q, k, cache)
     q_ref, k_ref = rotary_ref(positions, q, k, cache)
     assert rel_error(q_out, q_ref) < TOL[torch.float32]
@@ -49,7 +43,7 @@ def test_rejects_bad_arguments():
     q = torch.randn(3, 4, 32, device=DEVICE)
     k = torch.randn(3, 2, 32, device=DEVICE)
     pos = torch.arange(3, device=DEVICE)
-    cache = _cos_sin_cache(16, 32)
+    cache = cos_sin_cache(16, 32)
     with pytest.raises(ValueError, match="head_dim must be even, got 31"):
         rotary(pos, q[..., :31], k[..., :31], cache[:, :31])
     with pytest.raises(ValueError, match=r"cos_sin_cache has shape \[16, 16\], expected \[\*, 32\]"):

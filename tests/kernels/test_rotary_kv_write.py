@@ -7,20 +7,7 @@ import torch
 
 from pdserve.kernels.reference import rotary_kv_write_ref
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from tests.kernels.kernel_inputs import DEVICE, TOL, paged_kv, rel_error
-
-
-def _cos_sin_cache(max_pos: int, d: int) -> torch.Tensor:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], -1).float().to(DEVICE)
-
-
-def _fused_qkv(t: int, hq: int, hkv: int, d: int, dtype):
-    """q, k, v as the engine has them: views into one [T, (Hq + 2 Hkv) * D] projection output."""
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+from tests.kernels.kernel_inputs import DEVICE, TOL, cos_sin_cache, fused_qkv, paged_kv, rel_error
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,9 +18,9 @@ def _fused_qkv(t: int, hq: int, hkv: int, d: int, dtype):
 ])
 def test_matches_reference(poison_empty, dtype, hq, hkv, d, block_size, with_bias):
     t, num_blocks = 11, 7
-    cs = _cos_sin_cache(300, d)
+    cs = cos_sin_cache(300, d)
     positions = torch.randint(0, 300, (t,), device=DEVICE)
-    q, k, v = _fused_qkv(t, hq, hkv, d, dtype)
+    q, k, v = fused_qkv(t, hq, hkv, d, dtype)
     bias = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device=DEVICE) if with_bias else None
     cache, k_cache, v_cache = paged_kv(num_blocks, 3, block_size, hkv, d, dtype)
     cache.fill_(float("nan"))  # every slot not written must stay NaN, in every layer
@@ -62,10 +49,10 @@ def test_matches_reference(poison_empty, dtype, hq, hkv, d, block_size, with_bia
 def test_v_passes_through_unrotated_and_position_zero_is_identity():
     # fp32, no bias: v must be written bit for bit; q and k at position 0 are unchanged.
     t, hq, hkv, d = 3, 2, 1, 16
-    q, k, v = _fused_qkv(t, hq, hkv, d, torch.float32)
+    q, k, v = fused_qkv(t, hq, hkv, d, torch.float32)
     cache, k_cache, v_cache = paged_kv(2, 1, 4, hkv, d, torch.float32, layer=0)
     slots = torch.tensor([0, 5, 2], device=DEVICE)
-    q_out = rotary_kv_write(torch.zeros(t, dtype=torch.int64, device=DEVICE), q, k, v, _cos_sin_cache(4, d),
+    q_out = rotary_kv_write(torch.zeros(t, dtype=torch.int64, device=DEVICE), q, k, v, cos_sin_cache(4, d),
                             k_cache, v_cache, slots)
     assert torch.equal(q_out, q)
     assert torch.equal(v_cache.reshape(-1, hkv, d)[slots], v)
@@ -73,9 +60,9 @@ def test_v_passes_through_unrotated_and_position_zero_is_identity():
 
 
 def test_empty_batch_and_bad_arguments():
-    q, k, v = _fused_qkv(3, 4, 2, 32, torch.float32)
+    q, k, v = fused_qkv(3, 4, 2, 32, torch.float32)
     cache, k_cache, v_cache = paged_kv(4, 2, 4, 2, 32, torch.float32)
-    cs, pos, slots = _cos_sin_cache(16, 32), torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE)
+    cs, pos, slots = cos_sin_cache(16, 32), torch.arange(3, device=DEVICE), torch.arange(3, device=DEVICE)
     before = cache.clone()
     out = rotary_kv_write(pos[:0], q[:0], k[:0], v[:0], cs, k_cache, v_cache, slots[:0])
     assert out.shape == (0, 4, 32) and torch.equal(cache, before)

@@ -100,20 +100,18 @@ def compiled_variants(kernels: dict[str, object]) -> dict[str, int]:
 
 
 def _engine(tmp_path_factory, arch: str):
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
     from tests.checkpoints import write_checkpoint, write_word_tokenizer
+    from tests.helpers.engines import device_engine
 
     tok = write_word_tokenizer(tmp_path_factory.mktemp("tok"))
     # One layer: the interpreter costs ~0.3 s a launch, and every layer launches the same kernels.
     ckpt = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tok, num_hidden_layers=1,
                             **({"layer_types": ["full_attention"]} if arch.startswith("qwen") else {}))
-    cfg = EngineConfig(model=str(ckpt), device="cuda" if ON_GPU else "cpu", dtype="float32", block_size=4,
-                       max_model_len=160, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET, kv_cache_memory=1 << 22,
-                       gpu_memory_utilization=0.2, enable_prefix_caching=False)
     # static_decode: decode-only steps go through the CUDA-graph buffers (captured on the GPU,
     # run directly on CPU), everything else eagerly: both paths, as in production.
-    return LLMEngine(cfg, attention_backend="triton", static_decode=True)
+    return device_engine(ckpt, attention_backend="triton", static_decode=True, max_model_len=160,
+                         max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.2,
+                         enable_prefix_caching=False)
 
 
 def _serve(engine, rng: random.Random, requests: list[tuple[int, int]]) -> None:

@@ -26,6 +26,7 @@ from kubernetes import client
 
 from e2e.kubelet import Kubelet
 from pdserve.operator.naming import WORKER_API_KEY_KEY
+from tests.helpers.metrics import metric
 from tests.k8s_cluster import wait_for
 from tests.operator.test_k8s_operator import Api, operator
 
@@ -55,17 +56,22 @@ def router(core, ns: str, ms: str) -> str:
     return f"http://{pod.status.pod_ip}:8000"
 
 
+def ready_router(api, core, ns: str, ms: str) -> str:
+    """Once ModelServing `ms` is Ready and its router sees both roles: the router's base URL."""
+    wait_for(lambda: api.condition(ms, "Ready").get("status") == "True", timeout=600, interval=1, what=f"{ms} Ready")
+    base = wait_for(lambda: router(core, ns, ms), timeout=60, what=f"{ms}'s router")
+    wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).json().get("status") == "ready", timeout=60,
+             what=f"{ms}'s router sees both roles")
+    return base
+
+
 def complete(base: str, timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{base}/v1/completions", timeout=timeout,
                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
 
 
 def disaggregated(base: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
-        if line.startswith("pdserve_router_requests_total{") and 'disaggregated="yes"' in line and 'status="200"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(base, "pdserve_router_requests_total", disaggregated="yes", status="200")
 
 
 def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster, operator_kubeconfig, namespace,
@@ -85,11 +91,7 @@ def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster,
                                          "scaleToZeroAfterSeconds": 60}))
 
             # -- fallback: decode stops answering; the prefill worker serves whole requests
-            wait_for(lambda: api.condition("fb", "Ready").get("status") == "True", timeout=600, interval=1,
-                     what="fb Ready")
-            base = wait_for(lambda: router(core, namespace, "fb"), timeout=60, what="fb's router")
-            wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).json().get("status") == "ready", timeout=60,
-                     what="fb's router sees both roles")
+            base = ready_router(api, core, namespace, "fb")
             # In full CI runs (never alone) the first request right after /ready said "ready" got a
             # 503 once and was served whole (not disaggregated) once; the cause is not found yet
             # (docs/status.md). Wait, bounded, until a request is disaggregated, keeping what came
@@ -200,13 +202,7 @@ class Load:
 
 def counter(url: str, name: str, key: str | None = None) -> float:
     """Sum of a counter's samples on one /metrics page (a worker's takes the worker API key)."""
-    total = 0.0
-    r = httpx.get(f"{url}/metrics", timeout=5, headers={"Authorization": f"Bearer {key}"} if key else {})
-    r.raise_for_status()
-    for line in r.text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(url, name, headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, operator_kubeconfig, namespace,
@@ -255,11 +251,7 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
                                          # a window, so one quiet interval in the load (a stalled
                                          # machine) does not take the new replica back mid-test
                                          "scaleDownWindowSeconds": 20}))
-            wait_for(lambda: api.condition("step", "Ready").get("status") == "True", timeout=600, interval=1,
-                     what="step Ready")
-            base = wait_for(lambda: router(core, namespace, "step"), timeout=60, what="step's router")
-            wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).json().get("status") == "ready", timeout=60,
-                     what="step's router sees both roles")
+            base = ready_router(api, core, namespace, "step")
             (first,) = ready_pods(core, namespace, "step", "prefill")
             assert replicas("prefill") == 1 and not events("PlannerScaledUp")  # no traffic, no change
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers.processes import stop, wait_healthy
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,18 +21,8 @@ FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0, log: Path | None = None) -> None:
     # Generous: a fake worker that loads a tokenizer imports transformers, slow on a busy machine.
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {tail}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up in {timeout_s}s")
+    wait_healthy(url, proc, timeout_s, output=lambda: log.read_text(errors="replace")[-2000:] if log else "",
+                 ready=lambda r: r.status_code < 500, poll_s=0.05, path="")
 
 
 @dataclass
@@ -43,13 +33,7 @@ class Proc:
     log: Path | None = None  # its stderr
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop(self.popen, timeout_s=10)
 
     def control(self, **kw) -> None:
         httpx.post(self.url + "/control", json=kw, timeout=5).raise_for_status()

@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.metrics import metric
+
 PROMPT = "a prompt long enough to be worth disaggregating"
 
 
@@ -26,14 +28,6 @@ def complete(router, stream=False, **kw) -> str:
     if stream:
         return "".join(c.choices[0].text for c in client(router).completions.create(stream=True, **kw) if c.choices)
     return client(router).completions.create(**kw).choices[0].text
-
-
-def metric(router, name: str, **labels) -> float:
-    total = 0.0
-    for line in httpx.get(router.url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def eventually(check, timeout_s=15.0):

@@ -14,21 +14,12 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.metrics import metric
 from tests.k8s_cluster import k8s_cluster  # noqa: F401  (the session fixture)
 from tests.router.test_failures import eventually
 from tests.router.test_real_workers import text_of
 
 pytestmark = pytest.mark.slow
-
-
-def metric(router, name: str, **labels) -> float:
-    """The sum of the router's /metrics samples of `name` carrying `labels` (0 when absent)."""
-    total = 0.0
-    for line in httpx.get(router.url + "/metrics", timeout=5).text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def disaggregated(router) -> float:

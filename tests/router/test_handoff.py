@@ -158,11 +158,7 @@ def test_first_token_that_ends_the_request_closes_the_decode_call(stack, stream)
     prefill.control(hold="line2")  # until the decode worker has the request
     rid = uuid.uuid4().hex
     path, payload = "/v1/completions", {"model": "tiny", "prompt": "STOP1 now", "max_tokens": 5, "stream": stream}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(send, streamed, path, payload, rid)
-        eventually(lambda: request_of(decode, rid) is not None)
-        prefill.control(release=True)
-        got = answer.result(timeout=30)
+    got = send_released_at_the_decode(streamed, prefill, decode, path, payload, rid)
     want = send(single, path, payload, uuid.uuid4().hex)
     assert text_of(got, stream) == text_of(want, stream)
     finish = (got.json()["choices"][0]["finish_reason"] if not stream else
@@ -170,6 +166,16 @@ def test_first_token_that_ends_the_request_closes_the_decode_call(stack, stream)
     assert finish == "stop"
     eventually(lambda: "d_abort" in events_of(decode, rid))  # closed: the decode worker aborted
     eventually(lambda: settled(streamed, prefill))
+
+
+def send_released_at_the_decode(router, prefill, decode, path: str, payload: dict, rid: str) -> httpx.Response:
+    """`send` through `router` while `prefill` holds the hand-off's line 2 (hold="line2"), which
+    it lets go once `decode` has the request. -> the answer."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send, router, path, payload, rid)
+        eventually(lambda: request_of(decode, rid) is not None)
+        prefill.control(release=True)
+        return answer.result(timeout=30)
 
 
 @pytest.mark.parametrize("failure", ["error", "break"])
@@ -181,11 +187,7 @@ def test_prefill_failing_after_line_1_falls_back_to_local_prefill(stack, toleran
     local = metric(streamed, "pdserve_router_retries_total", phase="prefill-local")
     rid = uuid.uuid4().hex
     path, payload = body(False, stream)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(send, streamed, path, payload, rid)
-        eventually(lambda: request_of(decode, rid) is not None)
-        prefill.control(release=True)
-        got = answer.result(timeout=30)
+    got = send_released_at_the_decode(streamed, prefill, decode, path, payload, rid)
     assert text_of(got, stream) == text_of(send(single, path, payload, uuid.uuid4().hex), stream)
     assert failure in events_of(prefill, rid)
     handed, fallback = [r for r in decode.requests() if r["headers"].get("x-request-id") == rid]
@@ -206,11 +208,7 @@ def test_a_prefill_refusing_the_request_after_line_1_is_not_a_worker_failure(sta
     for _ in range(3):
         prefill.control(handoff="refuse", hold="line2")
         rid = uuid.uuid4().hex
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(send, streamed, path, payload, rid)
-            eventually(lambda: request_of(decode, rid) is not None)
-            prefill.control(release=True)
-            got = answer.result(timeout=30)
+        got = send_released_at_the_decode(streamed, prefill, decode, path, payload, rid)
         assert text_of(got, stream) == text_of(send(single, path, payload, uuid.uuid4().hex), stream)
         assert "refuse" in events_of(prefill, rid)
     (p,) = [w for w in httpx.get(streamed.url + "/debug/workers", timeout=5).json() if w["url"] == prefill.url]

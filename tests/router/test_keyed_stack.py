@@ -12,12 +12,14 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.metrics import metric
 from tests.router.test_failures import eventually
 
 pytestmark = pytest.mark.slow
 
 CLIENT_KEY = "sk-client-of-the-router"
 WORKER_KEY = "sk-router-to-workers"
+CLIENT_AUTH, WORKER_AUTH = ({"authorization": f"Bearer {key}"} for key in (CLIENT_KEY, WORKER_KEY))
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
 
@@ -33,14 +35,9 @@ def stack(module_launch, tiny_checkpoint):
     return prefill, decode, router
 
 
-def metric(url: str, name: str, key: str) -> float:
-    text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {key}"}, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_pd_works_with_keyed_workers_behind_a_keyed_router(stack):
     prefill, decode, router = stack
-    moved = metric(decode.url, "pdserve_kv_transfer_bytes_total", WORKER_KEY)
+    moved = metric(decode.url, "pdserve_kv_transfer_bytes_total", headers=WORKER_AUTH)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=CLIENT_KEY, max_retries=0)
     for stream in (False, True):
         kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -51,9 +48,9 @@ def test_pd_works_with_keyed_workers_behind_a_keyed_router(stack):
         assert text
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
     assert chat.choices[0].message.content is not None
-    assert metric(router.url, 'pdserve_router_requests_total{disaggregated="yes"', CLIENT_KEY) >= 3
-    assert metric(decode.url, "pdserve_kv_transfer_bytes_total", WORKER_KEY) > moved  # pulled, not recomputed
-    assert metric(decode.url, "pdserve_kv_local_prefill_fallbacks_total", WORKER_KEY) == 0
+    assert metric(router.url, "pdserve_router_requests_total", headers=CLIENT_AUTH, disaggregated="yes") >= 3
+    assert metric(decode.url, "pdserve_kv_transfer_bytes_total", headers=WORKER_AUTH) > moved  # pulled, not recomputed
+    assert metric(decode.url, "pdserve_kv_local_prefill_fallbacks_total", headers=WORKER_AUTH) == 0
     for w in (prefill, decode):
         eventually(lambda: httpx.get(w.url + "/debug/kv", headers={"authorization": f"Bearer {WORKER_KEY}"})
                    .json()["num_pinned_blocks"] == 0)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
+from tests.helpers.properties import live_settings
 from tests.router.conftest import Launcher
 from tests.router.test_pd_equality import ARGS, ENV, TEXTS, assert_same, chat, disaggregated, requests
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +85,7 @@ def test_named_request_equals_one_synchronous_worker(stack, name):
         assert disaggregated(stack[0]) > before
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@live_settings(25)
 @given(case=requests())
 def test_any_request_equals_one_synchronous_worker(stack, case):
     route, body = case

@@ -20,12 +20,15 @@ import re
 import httpx
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from tests.checkpoints import GPT_OSS_WINDOW
+from tests.helpers.metrics import metric
+from tests.helpers.properties import live_settings
 from tests.router.conftest import Launcher
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -367,13 +370,10 @@ def requests(draw) -> tuple[str, dict]:
 
 
 def disaggregated(router: str) -> float:
-    text = httpx.get(router + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_router_requests_total{") and 'disaggregated="yes"' in line)
+    return metric(router, "pdserve_router_requests_total", disaggregated="yes")
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@live_settings(40)
 @given(case=requests())
 def test_any_request_equals_single_worker(stack, case):
     route, body = case
@@ -383,8 +383,7 @@ def test_any_request_equals_single_worker(stack, case):
     event("P/D" if disaggregated(stack[0]) > before else "one worker")
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@live_settings(12)
 @given(case=requests())
 def test_moe_model_any_request_equals_single_worker(moe_stack, case):
     route, body = case
@@ -398,8 +397,7 @@ def test_moe_model_greedy_through_prefill_and_decode(moe_stack):
     assert disaggregated(moe_stack[0]) > before  # the KV really moved from prefill to decode
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@live_settings(8)
 @given(case=requests())
 def test_gpt_oss_any_request_equals_single_worker(gpt_oss_stack, case):
     """P/D == one worker for gpt-oss (fewer examples: the request handling is the dense
@@ -420,18 +418,17 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
         n = len(httpx.post(worker + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30).json()["tokens"])
         assert n > 3 * GPT_OSS_WINDOW, n
         for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "top_k": 50}):
-            before = disaggregated(router), _metric(worker, "pdserve_kv_transfer_bytes_total")
+            before = disaggregated(router), metric(worker, "pdserve_kv_transfer_bytes_total")
             out = assert_same(gpt_oss_stack, "completions", {"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
                                                             "logprobs": 1, "stream": stream, **sampling,
                                                             "stream_options": {"include_usage": True} if stream
                                                             else None})
             assert out["usage"]["completion_tokens"] == 12
             assert disaggregated(router) == before[0] + 1  # the KV moved from prefill to decode
-            assert _metric(worker, "pdserve_kv_transfer_bytes_total") > before[1]
+            assert metric(worker, "pdserve_kv_transfer_bytes_total") > before[1]
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@live_settings(10)
 @given(case=requests())
 def test_fp8_kv_any_request_equals_single_worker(fp8_stack, case):
     """P/D with an fp8 KV cache == one worker with an fp8 KV cache (fewer examples: the
@@ -442,14 +439,14 @@ def test_fp8_kv_any_request_equals_single_worker(fp8_stack, case):
 
 def test_fp8_kv_stack_moves_fp8_blocks(fp8_stack):
     router, worker = fp8_stack
-    before = disaggregated(router), _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
-    pulled = _metric(worker, "pdserve_kv_transfer_bytes_total")
+    before = disaggregated(router), metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = metric(worker, "pdserve_kv_transfer_bytes_total")
     for stream in (False, True):
         assert_same(fp8_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 4, "temperature": 0,
                                                "stream": stream})
     assert disaggregated(router) == before[0] + 2
-    assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
-    assert _metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
+    assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
+    assert metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
 
 
 def test_mismatched_kv_dtypes_fall_back_to_local_prefill(tiny_checkpoint):
@@ -462,13 +459,8 @@ def test_mismatched_kv_dtypes_fall_back_to_local_prefill(tiny_checkpoint):
         router, worker = pair
         for route, stream in (("completions", False), ("chat", True), ("completions", True)):
             key = {"prompt": TEXTS[3]} if route == "completions" else {"messages": chat(TEXTS[2])}
-            before = _metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+            before = metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
             assert_same(pair, route, {**key, "max_tokens": 6, "temperature": 0, "stream": stream})
-            assert _metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before + 1
+            assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before + 1
 
 
-def _metric(url: str, name: str) -> float:
-    """The sum of a counter's series on a worker's /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.metrics import metric
 from tests.net import free_port
 from tests.router.conftest import ROOT, Proc, wait_http
 
@@ -27,11 +28,6 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 SECRET = {"PDSERVE_KV_SECRET": "pd-without-peers-kv-secret-0123"}
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def worker(launch, ckpt, log: Path, *args: str) -> Proc:
@@ -60,7 +56,7 @@ def test_a_worker_that_pulls_from_no_one_prefills_locally_and_says_so(launch, ti
     r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == alone
-    assert metric(router.url, 'pdserve_router_requests_total{disaggregated="yes"') >= 1  # it went P then D
+    assert metric(router.url, "pdserve_router_requests_total", disaggregated="yes") >= 1  # it went P then D
     assert metric(both.url, "pdserve_kv_local_prefill_fallbacks_total") == 1
     assert metric(both.url, "pdserve_kv_transfer_bytes_total") == 0  # and contacted no peer
     # Streamed too: the router's streamed hand-off is refused with kv_stream_unsupported by a

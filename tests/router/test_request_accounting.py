@@ -26,6 +26,7 @@ from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.upstream import Upstream
 from pdserve.router.workers import WorkerSet
+from tests.helpers.metrics import metric_value
 
 COUNTER = "pdserve_router_requests_total"
 
@@ -124,11 +125,7 @@ def stack(module_launch):
 
 
 def _router_count(text: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(COUNTER + "{") and 'status="200"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_value(text, COUNTER, status="200")
 
 
 def test_a_scrape_right_after_done_counts_every_stream(stack):

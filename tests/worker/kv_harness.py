@@ -7,16 +7,13 @@ import time
 
 import httpx
 
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.helpers.metrics import metric  # noqa: F401 (the P/D tests import it from here)
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 
 def kv_state(w: WorkerProcess) -> dict:
     return httpx.get(f"{w.url}/debug/kv", timeout=10, headers=w.headers).json()
-
-
-def metric(w: WorkerProcess, name: str) -> float:
-    text = httpx.get(f"{w.url}/metrics", timeout=10, headers=w.headers).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:

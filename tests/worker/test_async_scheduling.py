@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine, wants_async_scheduling
 from pdserve.worker.sampling_params import SamplingParams, StructuredOutputSpec
+from tests.helpers.engines import make_engine
 from tests.net import free_port
 
 PROMPTS = [
@@ -26,13 +26,6 @@ PROMPTS = [
     [900 + 7 * i for i in range(19)],
     [11] * 9,
 ]
-
-
-def make_engine(ckpt, async_scheduling: bool, **kw) -> LLMEngine:
-    cfg = dict(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22,
-               async_scheduling=async_scheduling)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
 
 
 def drive(engine: LLMEngine, arrivals, abort_after: dict[str, int] | None = None, max_steps: int = 2000):
@@ -74,7 +67,7 @@ def drive(engine: LLMEngine, arrivals, abort_after: dict[str, int] | None = None
 
 
 def both(ckpt, arrivals, **kw):
-    sync, asyn = make_engine(ckpt, False, **kw), make_engine(ckpt, True, **kw)
+    sync, asyn = make_engine(ckpt, async_scheduling=False, **kw), make_engine(ckpt, async_scheduling=True, **kw)
     assert not sync.async_scheduling and asyn.async_scheduling
     a, b = drive(sync, arrivals), drive(asyn, arrivals)
     assert sync.num_overlapped_steps == 0
@@ -94,8 +87,7 @@ def test_the_default_is_on_with_a_gpu_and_off_on_cpu(tiny_checkpoint):
     assert wants_async_scheduling(None, "cuda", True, False)
     assert not wants_async_scheduling(None, "cpu", False, False)
     assert wants_async_scheduling(True, "cpu", False, False) and not wants_async_scheduling(False, "cuda", False, False)
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint()), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22))
+    engine = make_engine(tiny_checkpoint())
     try:
         assert engine.config.async_scheduling is None and not engine.async_scheduling
     finally:
@@ -121,7 +113,7 @@ def test_greedy_and_seeded_mix_with_staggered_arrivals(tiny_checkpoint):
 
 def test_stop_tokens_drop_the_token_computed_after_the_stop(tiny_checkpoint):
     ckpt = tiny_checkpoint("qwen2")
-    free = make_engine(ckpt, False).generate(PROMPTS[:2], greedy(16, ignore_eos=True))
+    free = make_engine(ckpt, async_scheduling=False).generate(PROMPTS[:2], greedy(16, ignore_eos=True))
     # Stop on each request's 5th token: both stop mid-stream while their next step is in flight.
     stops = [next(t for t in f[4:] if t not in f[:4]) for f in free]
     arrivals = [(0, f"s{i}", p, greedy(16, ignore_eos=True, stop_token_ids=(s,))) for i, (p, s) in
@@ -165,14 +157,14 @@ def test_host_dependent_sampling_falls_back_and_matches(tiny_checkpoint):
 
 def test_preemption_under_a_tiny_kv_cache(tiny_checkpoint):
     ckpt = tiny_checkpoint("qwen3")
-    per_block = make_engine(ckpt, False).kv_cache.block_bytes
+    per_block = make_engine(ckpt, async_scheduling=False).kv_cache.block_bytes
     # 16 blocks x 4 tokens cannot hold all the sequences at once: requests are preempted and
     # recomputed, some while a token of theirs is in flight.
     kw = dict(kv_cache_memory=16 * per_block, enable_prefix_caching=False, max_model_len=64)
     arrivals = [(i // 2, f"r{i}", p, greedy(12, ignore_eos=True) if i % 2 else
                  SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True))
                 for i, p in enumerate(PROMPTS)]
-    sync, asyn = make_engine(ckpt, False, **kw), make_engine(ckpt, True, **kw)
+    sync, asyn = make_engine(ckpt, async_scheduling=False, **kw), make_engine(ckpt, async_scheduling=True, **kw)
     ref, got = drive(sync, arrivals), drive(asyn, arrivals)
     assert got == ref
     assert sync.stats().num_preemptions > 0 and asyn.stats().num_preemptions > 0
@@ -198,9 +190,9 @@ def test_max_model_len_ends_requests_without_overrunning(tiny_checkpoint):
 
 def test_abort_mid_stream(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    full = make_engine(ckpt, False).generate(PROMPTS[:3], greedy(20, ignore_eos=True))
+    full = make_engine(ckpt, async_scheduling=False).generate(PROMPTS[:3], greedy(20, ignore_eos=True))
     for async_scheduling in (False, True):
-        engine = make_engine(ckpt, async_scheduling)
+        engine = make_engine(ckpt, async_scheduling=async_scheduling)
         arrivals = [(0, f"r{i}", p, greedy(20, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
         got = drive(engine, arrivals, abort_after={"r0": 3, "r2": 1})
         for i in (0, 2):
@@ -214,9 +206,8 @@ def test_decode_graph_path_takes_tokens_from_the_device(tiny_checkpoint):
     # step's token row is filled from the previous step's tokens after the host copy.
     ckpt = tiny_checkpoint("llama")
     params = [greedy(m, ignore_eos=True) for m in (7, 4, 2)]
-    engines = [LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=64,
-                                      kv_cache_memory=1 << 22, max_num_seqs=4, async_scheduling=a),
-                         attention_backend="triton", static_decode=True) for a in (False, True)]
+    engines = [make_engine(ckpt, attention_backend="triton", static_decode=True, max_model_len=64, max_num_seqs=4,
+                           async_scheduling=a) for a in (False, True)]
     ref, got = (e.generate(PROMPTS[:3], params) for e in engines)
     assert got == ref and [len(t) for t in got] == [7, 4, 2]
     assert engines[1].runner.graphs.num_replays > 0 and engines[1].num_overlapped_steps > 0
@@ -229,8 +220,8 @@ def test_kv_transfer_engine_overlaps_and_matches(tiny_checkpoint):
     arrivals = [(0, "a", PROMPTS[1], greedy(9, ignore_eos=True)),
                 (1, "b", PROMPTS[0], SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True)),
                 (3, "c", PROMPTS[3], greedy(5))]
-    engines = [make_engine(ckpt, a, kv_transfer="tcp", kv_port=free_port(), kv_peer_allow=("127.0.0.1",))
-               for a in (False, True)]
+    engines = [make_engine(ckpt, async_scheduling=a, kv_transfer="tcp", kv_port=free_port(),
+                           kv_peer_allow=("127.0.0.1",)) for a in (False, True)]
     try:
         assert not engines[0].async_scheduling and engines[1].async_scheduling
         ref, got = (drive(e, arrivals) for e in engines)

@@ -7,9 +7,8 @@ import functools
 import pytest
 import torch
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 1000, 77],
@@ -33,13 +32,11 @@ def hf_reference(ckpt: str) -> list[list[int]]:
     return outs
 
 
-def make_engine(ckpt, **kw) -> LLMEngine:
-    cfg = dict(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
+# gpt-oss: sinks, q/k/v/o biases, layers alternating sliding (window 8: every prompt but [3, 4]
+# outgrows it, as do the 12 generated tokens) and full attention, YaRN rope, the biased experts'
+# clamped SwiGLU; with 5-token chunks, a chunk's queries see keys of earlier chunks through the
+# window, mixed with decodes of other sequences.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope", "gpt-oss"])
 def test_batched_greedy_matches_hf(tiny_checkpoint, arch):
     ckpt = tiny_checkpoint(arch)
     engine = make_engine(ckpt)
@@ -47,8 +44,9 @@ def test_batched_greedy_matches_hf(tiny_checkpoint, arch):
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_chunked_prefill_matches_hf(tiny_checkpoint):
-    ckpt = tiny_checkpoint("llama")
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_chunked_prefill_matches_hf(tiny_checkpoint, arch):
+    ckpt = tiny_checkpoint(arch)
     # A 5-token budget splits every prompt over several steps and mixes chunks with decodes.
     engine = make_engine(ckpt, max_num_batched_tokens=5)
     assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
@@ -94,39 +92,9 @@ def test_moe_greedy_matches_hf(tiny_checkpoint, arch, kw):
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-def test_moe_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint):
-    ckpt = tiny_checkpoint("mixtral")
-    ref = hf_reference(str(ckpt))
-    engine = make_engine(ckpt)
-    assert engine.generate(PROMPTS, GREEDY) == ref
-    hits_before = engine.stats().prefix_cache_hits
-    assert engine.generate(PROMPTS, GREEDY) == ref
-    assert engine.stats().prefix_cache_hits > hits_before
-    small = make_engine(ckpt, kv_cache_memory=16 * engine.kv_cache.block_bytes, enable_prefix_caching=False,
-                        max_model_len=64)
-    assert small.generate(PROMPTS, GREEDY) == ref
-    assert small.stats().num_preemptions > 0
-
-
-# gpt-oss: sinks, q/k/v/o biases, layers alternating sliding (window 8: every prompt but [3, 4]
-# outgrows it, as do the 12 generated tokens) and full attention, YaRN rope, the biased experts'
-# clamped SwiGLU. One engine feature per test, each against transformers' generate.
-def test_gpt_oss_greedy_matches_hf(tiny_checkpoint):
-    ckpt = tiny_checkpoint("gpt-oss")
-    engine = make_engine(ckpt)
-    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
-    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
-
-
-def test_gpt_oss_chunked_prefill_matches_hf(tiny_checkpoint):
-    # 5-token chunks: a chunk's queries see keys of earlier chunks through the window, mixed
-    # with decodes of other sequences.
-    ckpt = tiny_checkpoint("gpt-oss")
-    assert make_engine(ckpt, max_num_batched_tokens=5).generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
-
-
-def test_gpt_oss_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint):
-    ckpt = tiny_checkpoint("gpt-oss")
+@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])
+def test_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint, arch):
+    ckpt = tiny_checkpoint(arch)
     ref = hf_reference(str(ckpt))
     engine = make_engine(ckpt)
     assert engine.generate(PROMPTS, GREEDY) == ref

@@ -17,10 +17,10 @@ import torch
 
 from pdserve.kernels.reference import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.kv_scales import load_kv_scales
 from pdserve.worker.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 1000, 77],
@@ -31,11 +31,7 @@ MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(ckpt, **kw) -> LLMEngine:
-    cfg = dict(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22,
-               kv_cache_dtype="fp8")
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+fp8_engine = functools.partial(make_engine, kv_cache_dtype="fp8")
 
 
 def _fp8_attention(scales: torch.Tensor | None):
@@ -79,7 +75,7 @@ def hf_plain(ckpt: str) -> list[list[int]]:
 def test_fp8_kv_greedy_equals_hf_with_quantized_kv(tiny_checkpoint, arch):
     ckpt = str(tiny_checkpoint(arch))
     # A chunked prefill budget mixes cached prefixes, chunks and decodes in one step.
-    engine = make_engine(ckpt, max_num_batched_tokens=8)
+    engine = fp8_engine(ckpt, max_num_batched_tokens=8)
     assert engine.kv_cache.tensor.dtype == FP8_KV_DTYPE
     got = engine.generate(PROMPTS, GREEDY)
     assert got == hf_fp8_reference(ckpt)
@@ -90,7 +86,7 @@ def test_calibrated_scales_reach_every_layer(tiny_checkpoint):
     # Per-layer scales, set on the cache as a checkpoint's k_scale/v_scale would set them: the
     # engine divides and multiplies by each layer's own pair (the reference does per layer too).
     ckpt = str(tiny_checkpoint("llama"))
-    engine = make_engine(ckpt)
+    engine = fp8_engine(ckpt)
     layers = engine.kv_cache.num_layers
     scales = torch.linspace(0.02, 0.6, 2 * layers).reshape(layers, 2)
     engine.kv_cache.scales.copy_(scales)  # the kernels read these [1] views on every step
@@ -100,14 +96,14 @@ def test_calibrated_scales_reach_every_layer(tiny_checkpoint):
 
 def test_same_memory_holds_twice_the_bf16_blocks(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    bf16 = make_engine(ckpt, dtype="bfloat16", kv_cache_dtype="auto")
-    fp8 = make_engine(ckpt, dtype="bfloat16")
-    alias = make_engine(ckpt, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    bf16 = fp8_engine(ckpt, dtype="bfloat16", kv_cache_dtype="auto")
+    fp8 = fp8_engine(ckpt, dtype="bfloat16")
+    alias = fp8_engine(ckpt, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     assert bf16.kv_cache.tensor.dtype == torch.bfloat16
     assert fp8.kv_cache.block_bytes * 2 == bf16.kv_cache.block_bytes
     assert fp8.runner.num_blocks == alias.runner.num_blocks == 2 * bf16.runner.num_blocks
-    fp32 = make_engine(ckpt, kv_cache_dtype="auto")  # CPU's default dtype: four times
-    assert make_engine(ckpt).runner.num_blocks == 4 * fp32.runner.num_blocks
+    fp32 = fp8_engine(ckpt, kv_cache_dtype="auto")  # CPU's default dtype: four times
+    assert fp8_engine(ckpt).runner.num_blocks == 4 * fp32.runner.num_blocks
     # Tokens, not just bytes: the quantized cache still answers like the model (peaked logits).
     assert fp8.generate(PROMPTS[:1], GREEDY)[0][:3] == hf_plain(str(ckpt))[0][:3]
 

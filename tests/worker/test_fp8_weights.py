@@ -28,6 +28,7 @@ from pdserve.worker.quantization.fp8_linear import Fp8LinearMethod
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.fp8_checkpoints import CT_CONFIG, with_quantization_config, write_fp8_pair
+from tests.helpers.engines import make_engine
 from tests.net import free_port
 
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 121)), [3, 4]]
@@ -57,8 +58,7 @@ def fp8_pair(tmp_path_factory, default_model_dir):
 
 
 def run(ckpt, attention_backend=None, **kw):
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=64,
-                                    kv_cache_memory=1 << 22, **kw), attention_backend=attention_backend)
+    engine = make_engine(ckpt, attention_backend=attention_backend, max_model_len=64, **kw)
     try:
         for i, p in enumerate(PROMPTS):
             engine.add_request(str(i), p, PARAMS)
@@ -366,8 +366,7 @@ def test_fp8_kernel_path_runs_the_engine(fp8_pair, monkeypatch):
     fp8_ckpt, ref_ckpt = fp8_pair("ct-channel", "llama")
     ref, _ = run(ref_ckpt)
     monkeypatch.setattr(fp8_linear, "cuda_fp8_supported", lambda device: True)
-    engine = LLMEngine(EngineConfig(model=str(fp8_ckpt), device="cpu", block_size=4, max_model_len=64,
-                                    kv_cache_memory=1 << 22), static_decode=True)
+    engine = make_engine(fp8_ckpt, static_decode=True, max_model_len=64)
     try:
         layers = engine.runner.model.layers
         assert layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
@@ -412,8 +411,7 @@ def test_fp8_fused_activation_quantization_changes_nothing(fp8_pair, monkeypatch
     for fused in (True, False):
         monkeypatch.setattr(fp8_linear, "FUSED_ACT_QUANT", fused)
         quantized_inputs.clear()
-        engine = LLMEngine(EngineConfig(model=str(fp8_ckpt), device="cpu", block_size=4, max_model_len=64,
-                                        kv_cache_memory=1 << 22), attention_backend="triton", static_decode=True)
+        engine = make_engine(fp8_ckpt, attention_backend="triton", static_decode=True, max_model_len=64)
         try:
             assert engine.runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
             outs = engine.generate(PROMPTS, params)

@@ -10,35 +10,24 @@ spy on the launcher proves the path ran: without it, equal tokens would prove no
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 
 from pdserve.kernels import fused_gemv as gemv_module
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.triton_attention import TritonAttentionBackend
 from tests.worker.gloo_pair import join_gloo_group, run_gloo_pair
-from tests.checkpoints import write_checkpoint, write_word_tokenizer
+from tests.checkpoints import checkpoint_factory, write_word_tokenizer
+from tests.helpers.engines import DEVICE, ON_GPU, device_engine
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4]]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    tok = write_word_tokenizer(tmp_path_factory.mktemp("tok"))
-    made = {}
-
-    def make(arch: str):
-        if arch not in made:
-            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tok)
-        return made[arch]
-
-    return make
+    return checkpoint_factory(tmp_path_factory, write_word_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture
@@ -56,11 +45,8 @@ def gemv_calls(monkeypatch):
 
 
 def make_engine(ckpt, monkeypatch, fused: bool, static_decode: bool) -> LLMEngine:
-    gc.collect()
     monkeypatch.setattr(TritonAttentionBackend, "fused_gemv", fused)  # read at model build
-    cfg = EngineConfig(model=str(ckpt), device=DEVICE, dtype="float32", block_size=4, max_model_len=128,
-                       kv_cache_memory=1 << 22, gpu_memory_utilization=0.25, max_num_seqs=4)
-    return LLMEngine(cfg, attention_backend="triton", static_decode=static_decode)
+    return device_engine(ckpt, attention_backend="triton", static_decode=static_decode, max_num_seqs=4)
 
 
 def run(engine: LLMEngine, params: SamplingParams):

@@ -15,8 +15,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.metrics import metric_value, scrape
 from tests.worker.kv_harness import leaves_no_kv, pd_pair
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -30,24 +30,12 @@ PULL_SERIES = ("pdserve_kv_transfer_seconds_count", "pdserve_kv_transfer_request
                "pdserve_kv_transfer_bandwidth_bytes_per_second_count")
 
 
-def samples(w: WorkerProcess) -> dict[tuple[str, frozenset], float]:
-    text = httpx.get(f"{w.url}/metrics", timeout=10, headers=w.headers).text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(snapshot: dict, name: str, **labels) -> float:
-    """The sum over series of `name` whose labels include `labels` (0 when none exists yet)."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in snapshot.items() if n == name and want <= ls)
-
-
-def wait_counts(w: WorkerProcess, expected: dict, timeout: float = 30) -> dict:
-    """Poll until every (name, labels) count in `expected` reaches its value; the last snapshot."""
+def wait_counts(w: WorkerProcess, expected: dict, timeout: float = 30) -> str:
+    """Poll until every (name, labels) count in `expected` reaches its value; the last /metrics page."""
     deadline = time.monotonic() + timeout
     while True:
-        snap = samples(w)
-        got = {key: value(snap, key[0], **dict(key[1])) for key in expected}
+        snap = scrape(w.url, w.headers)
+        got = {key: metric_value(snap, key[0], **dict(key[1])) for key in expected}
         if all(got[k] >= v for k, v in expected.items()) or time.monotonic() > deadline:
             assert got == expected, f"counts on {w.url}/metrics"
             return snap
@@ -66,14 +54,14 @@ def pair(request, tiny_checkpoint):
 
 def test_a_plain_request_is_one_queue_time_observation(pair):
     _, _, d = pair
-    before = samples(d)
-    counts = {n: value(before, n) for n in (QUEUE, ADMISSION, FIRST_STEP)}
+    before = scrape(d.url, d.headers)
+    counts = {n: metric_value(before, n) for n in (QUEUE, ADMISSION, FIRST_STEP)}
     r = httpx.post(f"{d.url}/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 200, r.text
     snap = wait_counts(d, {key(QUEUE): counts[QUEUE] + 1})
     # The hand-off waits are observed before the queue time (the engine's first output, then
     # the server): a plain request added none.
-    assert value(snap, ADMISSION) == counts[ADMISSION] and value(snap, FIRST_STEP) == counts[FIRST_STEP]
+    assert metric_value(snap, ADMISSION) == counts[ADMISSION] and metric_value(snap, FIRST_STEP) == counts[FIRST_STEP]
 
 
 def prefill_then_decode(p: WorkerProcess, d: WorkerProcess, body: dict, streamed: bool) -> str:
@@ -107,19 +95,20 @@ def test_a_pd_request_shows_its_hand_off_on_the_decode_worker(pair, streamed):
     body = {**BODY, "prompt": f"A prompt only the {transport} pair has seen ({streamed}): " + BODY["prompt"]}
     recv = {"direction": "recv", "transport": transport}
     with leaves_no_kv([p, d]):
-        p_before, d_before = samples(p), samples(d)
+        p_before, d_before = scrape(p.url, p.headers), scrape(d.url, d.headers)
         assert prefill_then_decode(p, d, body, streamed) == transport
-        expected = {key(QUEUE): value(d_before, QUEUE) + 1,
-                    key(ADMISSION): value(d_before, ADMISSION) + 1,
-                    key(FIRST_STEP): value(d_before, FIRST_STEP) + 1}
-        expected |= {key(n, **recv): value(d_before, n, **recv) + 1 for n in PULL_SERIES}
+        expected = {key(QUEUE): metric_value(d_before, QUEUE) + 1,
+                    key(ADMISSION): metric_value(d_before, ADMISSION) + 1,
+                    key(FIRST_STEP): metric_value(d_before, FIRST_STEP) + 1}
+        expected |= {key(n, **recv): metric_value(d_before, n, **recv) + 1 for n in PULL_SERIES}
         snap = wait_counts(d, expected)
-        pulled = (value(snap, "pdserve_kv_transfer_bytes_total", **recv)
-                  - value(d_before, "pdserve_kv_transfer_bytes_total", **recv))
-        request_bytes = (value(snap, "pdserve_kv_transfer_request_bytes_sum", **recv)
-                         - value(d_before, "pdserve_kv_transfer_request_bytes_sum", **recv))
+        pulled = (metric_value(snap, "pdserve_kv_transfer_bytes_total", **recv)
+                  - metric_value(d_before, "pdserve_kv_transfer_bytes_total", **recv))
+        request_bytes = (metric_value(snap, "pdserve_kv_transfer_request_bytes_sum", **recv)
+                         - metric_value(d_before, "pdserve_kv_transfer_request_bytes_sum", **recv))
         assert pulled > 0 and request_bytes == pulled  # the one pull's bytes (all its chunks), counted once
-        assert value(snap, "pdserve_kv_local_prefill_fallbacks_total") == value(d_before, "pdserve_kv_local_prefill_fallbacks_total")
+        fallbacks = "pdserve_kv_local_prefill_fallbacks_total"
+        assert metric_value(snap, fallbacks) == metric_value(d_before, fallbacks)
         # The prefill worker's own request queued too (its hand-off waits are the decode side's).
-        p_snap = wait_counts(p, {key(QUEUE): value(p_before, QUEUE) + 1})
-        assert value(p_snap, ADMISSION) == value(p_before, ADMISSION)
+        p_snap = wait_counts(p, {key(QUEUE): metric_value(p_before, QUEUE) + 1})
+        assert metric_value(p_snap, ADMISSION) == metric_value(p_before, ADMISSION)

@@ -25,7 +25,8 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import bind_token, prompt_digest
 from tests.worker.data_port_flood import Flood
 from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, pd_pair, wait_clean
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 SECRET = "the-deployment's-kv-secret-0123456789"
 AUTH, WRONG, NONE = SideChannelAuth(SECRET), SideChannelAuth("a-different-secret-0123456789"), SideChannelAuth(None)
@@ -66,6 +67,16 @@ def pd(p, d, prompt) -> tuple[str, httpx.Response]:
     first = prefill(p, prompt)
     rest = post(d, {"prompt": prompt, **GREEDY, "kv_transfer_params": first["kv_transfer_params"]})
     return first["choices"][0]["text"], rest
+
+
+def assert_pd_pulls(p, d, prompt) -> None:
+    """A genuine P/D request for `prompt` answers 200 by pulling: bytes moved, no local prefill."""
+    fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = metric(d, "pdserve_kv_transfer_bytes_total")
+    _, rest = pd(p, d, prompt)
+    assert rest.status_code == 200
+    assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled
+    assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
 
 
 def release(params: dict) -> None:
@@ -396,12 +407,7 @@ def test_slow_readers_do_not_stall_other_peers(pair, clean):
         for _ in range(3000):
             raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
             slow.send_multipart([b"", b"describe", raw, mac])
-        fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
-        pulled = metric(d, "pdserve_kv_transfer_bytes_total")
-        _, rest = pd(p, d, B)
-        assert rest.status_code == 200
-        assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled
-        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
+        assert_pd_pulls(p, d, B)
         for params in pins:  # reads refused as "busy" (two replies to this address unsent) kept theirs
             release(params)
         # Nothing stays leased for the unread replies: they are copies, so every pin frees now, not at TTL.
@@ -436,12 +442,7 @@ def test_connections_trickling_to_the_data_port_do_not_keep_pulls_out(pair, clea
         pytest.skip("the data port carries TCP pulls (a NIXL decode worker READs over UCX)")
     with Flood("127.0.0.1", data_port(p), addresses=10, per_address=8, trickle_s=0.5) as flood:
         assert flood.wait_closed(16)
-        fallbacks = metric(d, "pdserve_kv_local_prefill_fallbacks_total")
-        pulled = metric(d, "pdserve_kv_transfer_bytes_total")
-        _, rest = pd(p, d, B)
-        assert rest.status_code == 200
-        assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled
-        assert metric(d, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
+        assert_pd_pulls(p, d, B)
         assert flood.wait_closed(80, timeout=20)
 
 

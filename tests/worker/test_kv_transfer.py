@@ -16,7 +16,8 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import token_digest
 from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, wait_clean
 from tests.worker.kv_harness import pd_pair as start_pd_pair
-from tests.worker.test_server_harness import WorkerProcess, free_port
+from tests.net import free_port
+from tests.worker.test_server_harness import WorkerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
 BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}

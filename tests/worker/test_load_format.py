@@ -5,6 +5,7 @@ a dense model, an MoE one, gpt-oss, and an FP8 checkpoint's config (quantization
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import uuid
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
 
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 12, 31, 8, 64, 3]  # longer than gpt-oss's window of 8
 
@@ -31,9 +32,7 @@ def config_only(src: Path, dst: Path) -> Path:
     return dst
 
 
-def engine(model: Path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), device="cpu", block_size=4, max_model_len=64,
-                                  kv_cache_memory=1 << 20, **kw))
+engine = functools.partial(make_engine, max_model_len=64, kv_cache_memory=1 << 20)
 
 
 def generate(eng: LLMEngine, n: int = 6) -> tuple[list[int], list[float]]:

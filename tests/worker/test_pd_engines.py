@@ -22,7 +22,7 @@ from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
-from tests.worker.test_server_harness import free_port
+from tests.net import free_port
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [list(range(100, 100 + n)) for n in (37, 130, 17, 300)]

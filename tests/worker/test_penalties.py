@@ -13,11 +13,10 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
 from pdserve.worker.logits_processors import apply_logits_processors
 from pdserve.worker.request import Request
 from pdserve.worker.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -151,8 +150,7 @@ def hf_greedy(ckpt: str, prompt: list[int], params: SamplingParams) -> list[int]
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_greedy_equals_hf_loop(small_vocab_checkpoint, case):
     ckpt = small_vocab_checkpoint
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22))
+    engine = make_engine(ckpt)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **CASES[case])
     plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     # Penalized and plain requests in one batch: each row gets only its own processing.
@@ -167,8 +165,7 @@ def test_engine_greedy_equals_hf_loop(small_vocab_checkpoint, case):
 def test_engine_refuses_bias_outside_vocabulary(small_vocab_checkpoint):
     from pdserve.worker.request import RequestError
 
-    engine = LLMEngine(EngineConfig(model=str(small_vocab_checkpoint), device="cpu", block_size=4,
-                                    max_model_len=128, kv_cache_memory=1 << 22))
+    engine = make_engine(small_vocab_checkpoint)
     with pytest.raises(RequestError) as e:
         engine.add_request("x", [1, 2], SamplingParams(logit_bias=((10**7, 1.0),)))
     assert e.value.param == "logit_bias"

@@ -11,9 +11,9 @@ import openai
 import pytest
 import torch
 
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
+from tests.helpers.engines import make_engine
 from tests.worker.test_server_harness import WorkerProcess
 
 TOL = 1e-4
@@ -77,10 +77,9 @@ def run_engine(engine: LLMEngine, prompts, params_list) -> dict[int, tuple[list[
 @pytest.mark.parametrize("budget", [None, 5])  # 5: every prompt is prefilled in chunks
 def test_engine_prompt_logprobs_equal_hf(tiny_checkpoint, budget):
     ckpt = tiny_checkpoint("llama")
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22, max_num_batched_tokens=budget,
-                                    # Whole prefills: 3 logit rows per LM-head slice, so long prompts take many.
-                                    max_num_seqs=3 if budget is None else 64))
+    engine = make_engine(ckpt, max_num_batched_tokens=budget,
+                         # Whole prefills: 3 logit rows per LM-head slice, so long prompts take many.
+                         max_num_seqs=3 if budget is None else 64)
     echo = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
     plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     # Warm the prefix cache with the same prompts first: echo requests must not take cached blocks.
@@ -98,8 +97,7 @@ def test_engine_prompt_logprobs_equal_hf(tiny_checkpoint, budget):
 
 def test_engine_prompt_logprobs_zero_top_and_abort(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22, max_num_batched_tokens=5))
+    engine = make_engine(ckpt, max_num_batched_tokens=5)
     p = PROMPTS[1]
     out = run_engine(engine, [p], [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)])
     entries = out[0][1]
@@ -208,8 +206,7 @@ def test_http_max_tokens_zero_needs_echo(client):
 def test_tensor_parallel_prompt_logprobs_equal_hf(tiny_checkpoint):
     """TP=2 (two CPU processes over gloo): the follower rank joins each slice's logits gather."""
     ckpt = tiny_checkpoint("llama")
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22, max_num_batched_tokens=16, tensor_parallel_size=2))
+    engine = make_engine(ckpt, max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
         echo = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
         out = run_engine(engine, PROMPTS, [echo] * len(PROMPTS))

@@ -26,16 +26,13 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.structured_output import GrammarMatcher
+from tests.helpers.engines import make_engine
 from tests.liveness import Liveness
 from tests.worker.test_server_harness import WorkerProcess
 
 NAME = "tiny"
 PROMPT = [5, 17, 300, 42, 9]
 MAX_STEPS = 200  # bound on the engine loops below: a request that never finishes fails the test
-
-
-def engine_config(ckpt) -> EngineConfig:
-    return EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22)
 
 
 def run(engine: LLMEngine, requests: dict[str, SamplingParams], grammars: dict | None = None) -> dict:
@@ -74,7 +71,7 @@ GOOD = SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=3, ignore_
 
 @pytest.mark.parametrize("case", ["stop id outside the logits", "grammar engine throws"])
 def test_a_failing_request_fails_alone(tiny_checkpoint, monkeypatch, case):
-    engine = LLMEngine(engine_config(tiny_checkpoint("llama")))
+    engine = make_engine(tiny_checkpoint("llama"))
     vocab = engine.model_config.vocab_size
     alone = run(engine, {"good-alone": GOOD})["good-alone"][0]
     grammars = {}

@@ -23,7 +23,7 @@ from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.request import Request, RequestStatus
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.scheduler import Scheduler
-from tests.worker.test_server_harness import free_port
+from tests.net import free_port
 
 BS, BLOCKS, VOCAB = 4, 16, 1000
 LAYOUT = f"1x1x4:float32:{BS}"
@@ -135,6 +135,9 @@ def test_failed_pull_prefills_the_rest_locally(prefill, decode):
     assert transfer.metrics.local_prefill_fallbacks._value.get() == 1
     batch = sched.schedule()
     assert [(q.request_id, n) for q, n in batch.items] == [("d", 11)]  # prompt and first token, here
+    # Nothing landed, so no landing stamp; admitted before its first scheduling as any request.
+    assert r.status is RequestStatus.RUNNING and r.kv_landed_time is None
+    assert r.admitted_time <= r.first_scheduled_time
     compute(sched, batch)
     assert r.output_token_ids == [7, 7]
 
@@ -225,19 +228,6 @@ def test_latency_stamps_of_a_remote_decode(prefill, decode):
     sched._preempt(r)
     sched.schedule()  # readmitted: its first admission and scheduling stay as they were
     assert r.status is RequestStatus.RUNNING and (r.admitted_time, r.first_scheduled_time) == (admitted, first)
-
-
-def test_a_failed_pull_has_no_landing(prefill, decode):
-    prompt = list(range(400, 410))
-    params = remote_params(prefill, prompt)
-    sched, _, _ = decode
-    r = decode_request("d", prompt, params)
-    sched.add(r)
-    sched.schedule()
-    sched.update_from_kv_xfer(KVConnectorOutput(failed_recving=["d"]))
-    sched.schedule()
-    assert r.status is RequestStatus.RUNNING and r.kv_landed_time is None
-    assert r.admitted_time <= r.first_scheduled_time
 
 
 def test_a_foreign_kv_layout_is_refused_and_prefilled_locally(prefill, decode):

@@ -8,12 +8,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from tests.net import free_port  # noqa: F401 (imported from here by other worker tests)
+from tests.helpers.processes import stop, wait_healthy
+from tests.net import free_port
 
 
 class WorkerProcess:
@@ -39,30 +37,14 @@ class WorkerProcess:
         return self
 
     def wait_ready(self) -> "WorkerProcess":
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"worker not ready after {self.ready_timeout}s:\n{self.output()}")
+        wait_healthy(self.url, self.proc, self.ready_timeout, self.output)
+        return self
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop(self.proc, sig, timeout)
 
     def __enter__(self) -> "WorkerProcess":
         return self.start().wait_ready()

@@ -5,7 +5,6 @@ start-up input exits with a message."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.metrics import metric
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -35,9 +35,7 @@ def _wait(cond, what: str, timeout: float = 60):
 
 
 def _aborts(url: str) -> float:
-    m = re.search(r'^vllm:request_success_total\{finished_reason="abort",[^}]*\} (\S+)$',
-                  httpx.get(f"{url}/metrics").text, re.M)
-    return float(m.group(1))
+    return metric(url, "vllm:request_success_total", finished_reason="abort")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ that no block is ever readable before the step that wrote it was collected.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -23,11 +24,11 @@ import pytest
 import torch
 
 from pdserve.protocol.kv_transfer import is_streamed
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
+from tests.helpers.engines import make_engine
 from tests.net import free_port
 
 BLOCK, CHUNK = 4, 8  # two blocks per chunk
@@ -48,10 +49,10 @@ def ckpt(tmp_path_factory):
 
 def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout: float = 10, chunk: int = CHUNK,
            **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(ckpt), device="cpu", role=role, kv_transfer=transport,
-                                  kv_port=free_port(), block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256,
-                                  kv_stream_chunk_tokens=chunk, kv_stream_split=split, kv_peer_allow=("127.0.0.1",),
-                                  kv_secret="streamed-handoff-test-secret", kv_pull_timeout=kv_pull_timeout, **kw))
+    return make_engine(ckpt, role=role, kv_transfer=transport, kv_port=free_port(), block_size=BLOCK,
+                       kv_cache_memory=8 << 20, max_model_len=256, kv_stream_chunk_tokens=chunk, kv_stream_split=split,
+                       kv_peer_allow=("127.0.0.1",), kv_secret="streamed-handoff-test-secret",
+                       kv_pull_timeout=kv_pull_timeout, **kw)
 
 
 @pytest.fixture(scope="module", params=PAIRS)
@@ -210,22 +211,32 @@ def test_the_last_steps_layers_reach_the_decode_side_while_it_runs(ckpt, pair, m
     expected = engine_answer(ckpt, fresh)
     held, go = hold_the_last_step(monkeypatch, p, len(fresh))
     d.add_request("d9", fresh, GREEDY, announce(p, "p9", fresh))
-    outs: list = []
-    prefill = threading.Thread(target=lambda: outs.extend(until(lambda: "p9" not in p.requests, "the prefill", [p],
-                                                                timeout=300)))  # it outlasts the held forward
-    prefill.start()
-    try:
+    with prefill_on_a_thread(p, "p9", go) as outs:
         until(held.is_set, "the prefill's last step to reach layer 1", [d])
         last = list(range(len(PROMPT) // CHUNK * CHUNK // BLOCK, -(-len(fresh) // BLOCK)))  # its blocks alone
         src, dst = [p.requests["p9"].block_ids[i] for i in last], [d.requests["d9"].block_ids[i] for i in last]
         until(lambda: torch.equal(p.kv_cache.tensor[src, 0], d.kv_cache.tensor[dst, 0]),
               "layer 0 of the last step's blocks on the decode side", [d])
         assert p.kv_connector.pins.state("p9")["state"] == "running" and "p9" in p.requests
+    first = next(o for o in outs if o.request_id == "p9" and o.finished).new_token_ids[0]
+    assert decode_to_the_end(p, d, "d9", first) == expected
+
+
+@contextlib.contextmanager
+def prefill_on_a_thread(p: LLMEngine, prid: str, go: threading.Event):
+    """Step `p` on a thread until request `prid` has finished (bounded generously: it outlasts a
+    held forward), yielding the outputs as they come; on exit, `go` lets a held forward run on,
+    and the thread is joined."""
+    outs: list = []
+    ended = lambda: any(o.request_id == prid and o.finished for o in outs)  # noqa: E731
+    prefill = threading.Thread(target=lambda: until(lambda: outs.extend(p.step()) or ended(), "the prefill",
+                                                    timeout=300))
+    prefill.start()
+    try:
+        yield outs
     finally:
         go.set()
         prefill.join(60)
-    first = next(o for o in outs if o.request_id == "p9" and o.finished).new_token_ids[0]
-    assert decode_to_the_end(p, d, "d9", first) == expected
 
 
 def hold_the_last_step(monkeypatch, p: LLMEngine, prompt_len: int) -> tuple[threading.Event, threading.Event]:
@@ -269,12 +280,7 @@ def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transpor
         announced: list = []
         p.on_announce = announced.extend  # the params leave before the step runs, as the server sends them
         p.add_request("p1", fresh, GREEDY, {"do_remote_decode": True, "stream_kv": True})
-        outs: list = []
-        ended = lambda: any(o.request_id == "p1" and o.finished for o in outs)  # noqa: E731
-        prefill = threading.Thread(target=lambda: until(lambda: outs.extend(p.step()) or ended(), "the prefill",
-                                                        timeout=300))  # it outlasts the held forward
-        prefill.start()
-        try:
+        with prefill_on_a_thread(p, "p1", go) as outs:
             until(held.is_set, "the prompt's one step to reach layer 1")
             params = next(o.kv_transfer_params for o in announced if o.request_id == "p1")
             assert p.kv_connector.pins.state("p1")["ready"] == 0  # nothing collected: the step runs
@@ -288,9 +294,6 @@ def test_a_prompt_computed_in_one_step_moves_while_that_step_runs(ckpt, transpor
 
             until(layer0_landed, "layer 0 of every block on the decode side", [d])
             assert p.kv_connector.pins.state("p1")["state"] == "running" and "p1" in p.requests
-        finally:
-            go.set()
-            prefill.join(60)
         first = next(o for o in outs if o.request_id == "p1" and o.finished).new_token_ids[0]
         assert decode_to_the_end(p, d, "d1", first) == expected
     finally:
@@ -319,6 +322,26 @@ def hand_off_and_decode(p: LLMEngine, d: LLMEngine, prid: str, drid: str, prompt
     return steps
 
 
+def keep_busy(d: LLMEngine, rid: str, offset: int) -> None:
+    """`d` decodes request `rid` (200 tokens, its prompt PROMPT shifted by `offset`) from now on."""
+    busy = [t + offset for t in PROMPT]
+    d.add_request(rid, busy, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), None)
+    until(lambda: rid in d.requests and d.requests[rid].num_computed_tokens > len(busy), f"{rid} decoding", [d])
+
+
+def pull_ending_on(conn, rid: str, event: threading.Event, what: str):
+    """`conn`'s streamed pull, whose end for request `rid` waits for `event` (`what` if it never comes)."""
+    stream_pull = conn._stream_pull
+
+    def gated_stream_pull(r, *a, **kw):
+        n = stream_pull(r, *a, **kw)
+        if r == rid:
+            assert event.wait(30), what
+        return n
+
+    return gated_stream_pull
+
+
 def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monkeypatch):
     """The decode worker is busy (another request decodes) when a hand-off's last read lands,
     during a step: the request must be in the very next step, under async scheduling too (there
@@ -327,20 +350,12 @@ def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monk
     flight: the pull's end waits for it, and the collection waits for the pull."""
     p, d = pair
     conn = d.kv_connector
-    busy = [t + 1100 for t in PROMPT]
-    d.add_request("a5", busy, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), None)
-    until(lambda: "a5" in d.requests and d.requests["a5"].num_computed_tokens > len(busy), "a5 decoding", [d])
+    keep_busy(d, "a5", 1100)
     fresh = [t + 1300 for t in PROMPT]
     want = engine_answer(ckpt, fresh)
     landed = threading.Event()
-    stream_pull, collect = conn._stream_pull, d.runner.collect
+    collect = d.runner.collect
     calls = {"n": 0, "landed": None}
-
-    def gated_stream_pull(rid, *a, **kw):
-        n = stream_pull(rid, *a, **kw)
-        if rid == "d5":
-            assert landed.wait(30), "no step was collected while the pull landed"
-        return n
 
     def collect_while_landing(step):
         if not landed.is_set() and "d5" in conn._landing:
@@ -349,7 +364,8 @@ def test_a_hand_off_that_lands_during_a_step_joins_the_next_one(ckpt, pair, monk
             wait([conn._loading["d5"]], timeout=30)
         return collect(step)
 
-    monkeypatch.setattr(conn, "_stream_pull", gated_stream_pull)
+    monkeypatch.setattr(conn, "_stream_pull",
+                        pull_ending_on(conn, "d5", landed, "no step was collected while the pull landed"))
     monkeypatch.setattr(d.runner, "collect", collect_while_landing)
     steps = hand_off_and_decode(p, d, "p5", "d5", fresh, before_step=lambda: calls.update(n=calls["n"] + 1))
     first_at = next((n for n, new in enumerate(steps, 1) if new), None)
@@ -370,20 +386,12 @@ def test_a_hand_off_that_lands_while_a_step_runs_joins_the_step_behind_it(ckpt, 
     if not d.async_scheduling:
         pytest.skip("a late join needs a step in flight (async scheduling)")
     conn = d.kv_connector
-    busy = [t + 700 for t in PROMPT]
-    d.add_request("a6", busy, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), None)
-    until(lambda: "a6" in d.requests and d.requests["a6"].num_computed_tokens > len(busy), "a6 decoding", [d])
+    keep_busy(d, "a6", 700)
     fresh = [t + 800 for t in PROMPT]
     want = engine_answer(ckpt, fresh)
     waiting = threading.Event()
-    stream_pull, launch, is_done = conn._stream_pull, d.runner.launch, d.runner.is_done
+    launch, is_done = d.runner.launch, d.runner.is_done
     launches = []  # (request ids in the batch, launched behind a step in flight)
-
-    def gated_stream_pull(rid, *a, **kw):
-        n = stream_pull(rid, *a, **kw)
-        if rid == "d6":
-            assert waiting.wait(30), "the engine never waited for the landing"
-        return n
 
     def running_until_landed(step):
         waiting.set()
@@ -393,7 +401,8 @@ def test_a_hand_off_that_lands_while_a_step_runs_joins_the_step_behind_it(ckpt, 
         launches.append(({r.request_id for r, _ in batch.items}, previous is not None))
         return launch(batch, previous, **kw)
 
-    monkeypatch.setattr(conn, "_stream_pull", gated_stream_pull)
+    monkeypatch.setattr(conn, "_stream_pull",
+                        pull_ending_on(conn, "d6", waiting, "the engine never waited for the landing"))
     monkeypatch.setattr(d.runner, "is_done", running_until_landed)
     monkeypatch.setattr(d.runner, "launch", recorded_launch)
     late_joins = d.num_late_joins
@@ -510,8 +519,7 @@ def test_overlap_timeline_and_one_answer(ckpt, pair, monkeypatch):
 
 
 def engine_answer(ckpt, prompt) -> list[int]:
-    e = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=BLOCK, kv_cache_memory=8 << 20,
-                               max_model_len=256))
+    e = make_engine(ckpt, block_size=BLOCK, kv_cache_memory=8 << 20, max_model_len=256)
     try:
         return e.generate([prompt], GREEDY)[0]
     finally:

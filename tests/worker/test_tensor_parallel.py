@@ -21,6 +21,7 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.parallel.shard import TPShard
 from pdserve.worker.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint
+from tests.helpers.engines import make_engine
 from tests.worker.test_server_harness import WorkerProcess
 
 PROMPTS = [
@@ -48,9 +49,7 @@ def checkpoint(tmp_path_factory, default_model_dir):
 
 
 def generate(ckpt, tp: int, static_decode: bool | None = None, **kw) -> list[list[int]]:
-    cfg = dict(model=str(ckpt), device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22,
-               tensor_parallel_size=tp)
-    engine = LLMEngine(EngineConfig(**{**cfg, **kw}), static_decode=static_decode)
+    engine = make_engine(ckpt, static_decode=static_decode, **{"tensor_parallel_size": tp, **kw})
     try:
         return engine.generate(PROMPTS, GREEDY)
     finally:
@@ -73,9 +72,7 @@ def test_tp2_with_async_scheduling_equals_tp1(checkpoint, static_decode):
     # Rank 0 broadcasts each step's sampled ids on the device; the other ranks' next step reads
     # them, as rank 0's does, without any host knowing them (StepPlan.share_tokens).
     ckpt = checkpoint("llama", 2)
-    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                    kv_cache_memory=1 << 22, tensor_parallel_size=2, async_scheduling=True),
-                       static_decode=static_decode)
+    engine = make_engine(ckpt, static_decode=static_decode, tensor_parallel_size=2, async_scheduling=True)
     try:
         assert engine.async_scheduling and engine.runner.share_sampled
         seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
@@ -83,8 +80,7 @@ def test_tp2_with_async_scheduling_equals_tp1(checkpoint, static_decode):
         assert engine.num_overlapped_steps > 0  # steps were launched with tokens still on the device
     finally:
         engine.shutdown()
-    ref_engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                        kv_cache_memory=1 << 22))
+    ref_engine = make_engine(ckpt)
     try:
         ref = ref_engine.generate(PROMPTS, GREEDY) + ref_engine.generate(PROMPTS[:2], seeded)
     finally:
@@ -128,8 +124,7 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(checkpoint):
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=123, logprobs=3, ignore_eos=True)
     runs = []
     for tp in (1, 2):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=4, max_model_len=128,
-                                        kv_cache_memory=1 << 22, tensor_parallel_size=tp))
+        engine = make_engine(ckpt, tensor_parallel_size=tp)
         try:
             engine.add_request("r", PROMPTS[0], params)
             outs = []
@@ -152,9 +147,8 @@ def test_tp2_triton_backend_equals_tp1(checkpoint):
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = []
     for tp in (1, 2):
-        engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", block_size=16, max_model_len=64,
-                                        kv_cache_memory=1 << 22, tensor_parallel_size=tp),
-                           attention_backend="triton", static_decode=True)
+        engine = make_engine(ckpt, attention_backend="triton", static_decode=True, block_size=16, max_model_len=64,
+                             tensor_parallel_size=tp)
         try:
             outs.append(engine.generate(prompts, params))
         finally:

@@ -10,7 +10,6 @@ peaked logits (tests/checkpoints.py) leave greedy decoding no near-ties to flip.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -19,10 +18,9 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.cuda_graphs import DecodeGraphConfig, batch_buckets
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.sampling_params import SamplingParams
-from tests.checkpoints import write_checkpoint, write_word_tokenizer
+from tests.checkpoints import checkpoint_factory, write_word_tokenizer
+from tests.helpers.engines import ON_GPU, device_engine
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (tier 4)")
 
 PROMPTS = [
@@ -41,33 +39,13 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer_dir):
-    made = {}
-
-    def make(arch: str):
-        if arch not in made:
-            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tokenizer_dir)
-        return made[arch]
-
-    return make
-
-
-def free_gpu_memory():
-    # Engines hold reference cycles (bound-method callbacks); collect unreachable ones so the
-    # next engine's KV sizing sees their memory free again.
-    gc.collect()
-    if ON_GPU:
-        torch.cuda.empty_cache()
+    return checkpoint_factory(tmp_path_factory, tokenizer_dir)
 
 
 def make_engine(ckpt, backend: str | None, **kw) -> LLMEngine:
-    # On the GPU the KV cache is sized by --gpu-memory-utilization, a share of the whole card
-    # counting engines still alive: a second live engine needs a larger share than the first.
-    free_gpu_memory()
-    static = kw.pop("static_decode", None)
-    cfg = dict(model=str(ckpt), device=DEVICE, dtype="float32", block_size=4, max_model_len=128,
-               kv_cache_memory=1 << 22, gpu_memory_utilization=0.25, max_num_seqs=8)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), attention_backend=backend, static_decode=static)
+    # A second live engine on the GPU needs a larger --gpu-memory-utilization than the first
+    # (device_engine): the references below ask for more.
+    return device_engine(ckpt, attention_backend=backend, **{"max_num_seqs": 8, **kw})
 
 
 def reference_tokens(ckpt, prompts, params):
