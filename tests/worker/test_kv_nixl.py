@@ -181,8 +181,8 @@ def test_pulls_from_a_known_peer_overlap_the_lease_and_land_the_bytes(connectors
 
     p, d = connectors
     events = []
-    post_read, call = d.nixl.post_read, side_channel.call
-    monkeypatch.setattr(d.nixl, "post_read", lambda *a, **k: events.append("read") or post_read(*a, **k))
+    post_read, call = d.kv.post_read, side_channel.call
+    monkeypatch.setattr(d.kv, "post_read", lambda *a, **k: events.append("read") or post_read(*a, **k))
     monkeypatch.setattr(connector.side_channel, "call", lambda *a, **k: events.append(a[2]) or call(*a, **k))
     for i, (src, dst) in enumerate([([3, 4, 5], [10, 11, 12]), ([7, 20], [0, 30])]):
         params = p.pin(f"ok{i}", src, len(src), 0, DIGEST)

@@ -670,7 +670,7 @@ def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
         n = tcp_pull("127.0.0.1", port, KVTransferParams.from_dict(params), list(range(len(src))), list(range(10)), mine,
                      10, AUTH, DIGEST)
         assert n == len(src) * BLOCK_BYTES and torch.equal(mine[:10], c.blocks[src])
-        assert c._tcp.data.wait_idle(10)
+        assert c.base.server.data.wait_idle(10)
         assert [rid for rid, _, _ in c.pins.collect()] == ["r"]  # the read released the pin
     finally:
         c.shutdown()

@@ -257,7 +257,7 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
         c.cache.zero_()
         c._pull(params, list(range(len(src_ids))), dst_ids, digest)
         if transport == "nixl":  # it really read over NIXL, into its registered staging buffer
-            assert c.nixl.staging.registrations == 1
+            assert c.kv.staging.registrations == 1
         c.shutdown()
         return c.cache[dst_ids].view(torch.uint8)
 

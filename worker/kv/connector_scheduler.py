@@ -42,6 +42,7 @@ from dataclasses import replace
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
                                           KVTransferParamsError, is_remote_decode, is_streamed, wants_remote_decode,
                                           wants_stream_kv)
+from pdserve.worker.kv import registry
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
@@ -342,12 +343,11 @@ class KVConnectorScheduler:
 
 
 def resolve_split(split: str, transport: str | None) -> str:
-    """--kv-stream-split auto: taper over TCP (a link about as fast as the prefill makes KV: each
-    chunk's bytes move while the next, half as large, is computed), tail over NIXL (fast enough
-    that one extra step suffices). Measured: docs/tcp-kv-gpu-results.md, docs/handoff-gpu-results.md."""
+    """--kv-stream-split auto: what the transport named says suits it (KVTransport.stream_split:
+    taper over TCP, tail over NIXL); tail without one (e.g. a bench's aggregated stack)."""
     if split != "auto":
         return split
-    return "taper" if transport == "tcp" else "tail"
+    return registry.transport_class(transport).stream_split if transport in registry.names() else "tail"
 
 
 def stream_chunk(split: str, n: int, left: int, tail: int) -> int:

@@ -22,7 +22,7 @@ class KVEndpoint:
     host: str  # advertised: where decode workers reach rank 0's side channel (rank r: port + r)
     port: int
     layout: str  # of the whole model (all ranks' heads): see kv_cache.kv_layout
-    transport: str  # "nixl" or "tcp"
+    transport: str  # this worker's transport (registry.py)
     tp_size: int
     num_blocks: int  # of this worker's KV cache
     pin_ttl: float  # seconds a finished prefill's pin waits for a reader

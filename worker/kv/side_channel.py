@@ -351,8 +351,8 @@ def progress(host: str, port: int, params: KVTransferParams, digest: str, have: 
              layers: int | None = None) -> dict:
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
     (or after the server's DEFER_S with what there is): {ready, state, first_token_id}. `lease`
-    (NIXL): the reply also leases the pin and names its block ids (and, `want_metadata`, carries
-    the peer's NIXL metadata), so the ready blocks can be READ without a lease round trip.
+    (a leasing transport, e.g. NIXL): the reply also leases the pin and names its block ids (and,
+    `want_metadata`, carries the peer's transport metadata under the transport's name), so the ready blocks can be READ without a lease round trip.
     `last_seen` False: also answer as soon as the prefill's last step begins ({last: true}).
     `layers` (a layered reader: it holds that many layers of the blocks being written): also
     answer when a running step has written more layers (`partial`: pins.PinTable.progress); a
@@ -376,8 +376,8 @@ def progress(host: str, port: int, params: KVTransferParams, digest: str, have: 
     if lease and reply["state"] != "cancelled":
         if not isinstance(reply.get("block_ids"), list):
             raise SideChannelError(f"KV peer {host}:{port} did not lease the streamed pin")
-        if want_metadata and not isinstance(reply.get("nixl"), dict):
-            raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
+        if want_metadata and not isinstance(reply.get(params.transport), dict):
+            raise SideChannelError(f"KV peer {host}:{port} sent no {params.transport.upper()} metadata")
     return reply
 
 
@@ -392,6 +392,6 @@ def lease(host: str, port: int, params: KVTransferParams, indices: list[int], di
                          timeout_s, auth, engine_id)
     if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
         raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
-    if want_metadata and not isinstance(reply.get("nixl"), dict):
-        raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
+    if want_metadata and not isinstance(reply.get(params.transport), dict):
+        raise SideChannelError(f"KV peer {host}:{port} sent no {params.transport.upper()} metadata")
     return reply, frames

@@ -22,11 +22,13 @@ from concurrent.futures import Future
 
 import torch
 
+from pdserve.protocol.kv_transfer import BASE_TRANSPORT
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
-from pdserve.worker.kv.block_runs import merge_runs
+from pdserve.worker.kv.block_runs import check_indices, merge_runs
 from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.transport import KVTransport
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,6 +39,46 @@ log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.01
 STREAMS = 4  # data connections a pull asks for (the prefill side may grant fewer)
 MAX_LAYERS = 1024  # a peer's layer count we accept (the reader keeps a flag per block and layer)
+
+
+class TcpTransport(KVTransport):
+    """The base transport: every prefill worker serves `read` (TcpServer), whatever its own
+    transport, so any decode worker can pull from it."""
+
+    name = BASE_TRANSPORT
+    streams = True
+    # A link about as fast as the prefill makes KV: each chunk's bytes move while the next,
+    # half as large, is computed (measured: docs/tcp-kv-gpu-results.md, docs/handoff-gpu-results.md).
+    stream_split = "taper"
+
+    def __init__(self):
+        self.server: TcpServer | None = None
+
+    def serve(self, conn) -> dict:
+        self.server = TcpServer(conn.blocks, conn.pins, lambda n: conn.metrics.bytes.labels("send", self.name).inc(n),
+                                conn.bind_host, conn.auth, num_layers=conn.cache.shape[1])
+        return {"read": self.server.handle_read}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def pull(self, conn, host, port, params, indices, dst_blocks, digest, release) -> int:
+        return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                        keep=not release)
+
+    def open_stream(self, conn, host, port, params, indices, dst_blocks, digest) -> "StreamedRead":
+        return StreamedRead(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest)
+
+    def pull_shard(self, conn, host, port, remote_rank, params, indices, dst_blocks, digest) -> int:
+        return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                        keep=True)
+
+    def pull_staged(self, conn, slot, host, params, indices, digest, staged, regions) -> int:
+        # Frames land with index_copy_, so a fresh tensor (torch's caching allocator on CUDA)
+        # needs no registration: the default staging area.
+        return sum(tcp_pull(host, params.remote_port + s.remote_rank, params, indices, list(range(len(region))),
+                            region, conn.timeout, conn.auth, digest, keep=True) for s, region in zip(staged, regions))
 
 
 class TcpServer:
@@ -108,12 +150,6 @@ class TcpServer:
             # the pin stays until the decode worker's rank 0 releases it (kv/tp_transfer.py).
         self.on_sent(nbytes)
         return {"runs": runs, "prompt_digest": body["prompt_digest"]}, frames
-
-
-def check_indices(indices, num_pinned: int) -> list[int]:
-    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < num_pinned for i in indices):
-        raise ValueError(f"indices must be a list of block positions in [0, {num_pinned})")
-    return indices
 
 
 def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
