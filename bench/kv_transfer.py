@@ -188,13 +188,13 @@ def _breakdown(c, side_channel, params, iters, client_dev) -> dict[str, float]:
     samples: dict[str, list[float]] = {}
     for _ in range(iters):
         p = next(params)
-        peer = c.kv.known_peer(p["remote_engine_id"])
+        peer = c.kv.known_peer(p.remote_engine_id)
         t0 = time.perf_counter()
-        reply, _ = side_channel.call(p["remote_host"], p["remote_port"], "lease", {
-            "request_id": p["remote_request_id"], "token": p["transfer_token"], "indices": [0],
-            "prompt_digest": BENCH_DIGEST, "want_metadata": False}, c.timeout, c.auth, p["remote_engine_id"])
+        reply, _ = side_channel.call(p.remote_host, p.remote_port, "lease", {
+            "request_id": p.remote_request_id, "token": p.transfer_token, "indices": [0],
+            "prompt_digest": BENCH_DIGEST, "want_metadata": False}, c.timeout, c.auth, p.remote_engine_id)
         t = {"lease": time.perf_counter() - t0}
-        notif = {"op": "release", "request_id": p["remote_request_id"], "token": p["transfer_token"],
+        notif = {"op": "release", "request_id": p.remote_request_id, "token": p.transfer_token,
                  "bytes": c.block_bytes}
         c.kv.read(peer, reply["block_ids"], [0], notif, c.timeout, t)
         _sync(client_dev)

@@ -196,11 +196,11 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
-    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:  # the params this worker emitted
+    def unpin(self, request_id: str, kv_transfer_params: KVTransferParams) -> None:  # the params this worker emitted
         """Any thread: a finished prefill's pin will not be read (its answer ended on a stop
         string, which only the detokenizer sees): free its blocks at the next step, not at TTL."""
         with self._lock:
-            self._unpins.append((request_id, str(kv_transfer_params.get("transfer_token", ""))))
+            self._unpins.append((request_id, kv_transfer_params.transfer_token))
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._unpins

@@ -8,6 +8,7 @@ agents; the multi-process path (side channel, leases) is tests/worker/test_kv_tr
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import time
 
 import pytest
@@ -200,7 +201,7 @@ def test_forged_block_ids_read_early_are_abandoned(connectors):
 
     p, d = connectors
     d._pull(p.pin("warm", [0], 1, 0, DIGEST), [0], [0], DIGEST)  # the peer is known: the early READ path
-    forged = dict(p.pin("victim", [1, 2], 2, 0, DIGEST), remote_block_ids=[8, 9])
+    forged = replace(p.pin("victim", [1, 2], 2, 0, DIGEST), remote_block_ids=(8, 9))
     with pytest.raises(SideChannelError, match="leased other blocks"):
         d._pull(forged, [0, 1], [14, 15], DIGEST)
     assert _released(p, "victim")  # the failed pull told the prefill side it will not read

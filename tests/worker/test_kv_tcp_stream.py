@@ -665,9 +665,9 @@ def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
     try:
         src = [3, 4, 5, 20, 21, 40, 41, 42, 43, 9]
         params = c.pin("r", src, len(src), 0, DIGEST)
-        assert params["transport"] == "nixl"
+        assert params.transport == "nixl"
         mine = torch.zeros(64, BLOCK_BYTES, dtype=torch.uint8)
-        n = tcp_pull("127.0.0.1", port, KVTransferParams.from_dict(params), list(range(len(src))), list(range(10)), mine,
+        n = tcp_pull("127.0.0.1", port, params, list(range(len(src))), list(range(10)), mine,
                      10, AUTH, DIGEST)
         assert n == len(src) * BLOCK_BYTES and torch.equal(mine[:10], c.blocks[src])
         assert c.base.server.data.wait_idle(10)

@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 
 from pdserve.protocol.flags import ConfigError
-from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv import registry
@@ -63,7 +62,7 @@ def test_a_registered_transport_carries_the_handoff(tmp_path, same_host):
         out = []
         while not out:
             out = [o for o in p.step() if o.finished]
-        params = KVTransferParams.from_dict(out[0].kv_transfer_params)
+        params = out[0].kv_transfer_params
         assert params.transport == same_host  # the prefill side names its transport in the params
         d.add_request("d0", PROMPT, GREEDY, params)
         tokens, deadline = [params.first_token_id], time.monotonic() + 60

@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_params
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv import registry
@@ -151,7 +151,7 @@ class KVConnector:
                           self.num_blocks, self.pins.ttl, self.server is not None, self.policy, self.metrics)
 
     def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
-            prompt_digest: str) -> dict:
+            prompt_digest: str) -> KVTransferParams:
         """Pin blocks without a scheduler (benchmarks, tests): what a finished prefill's pin order does."""
         token = bind_token(secrets.token_urlsafe(24), prompt_digest)
         self.apply(KVConnectorMetadata(pins=[KVPin(request_id, list(block_ids), token, prompt_digest)]))
@@ -345,12 +345,11 @@ class KVConnector:
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
-    def _pull(self, params: KVTransferParams | dict, indices: list[int], dst_blocks: list[int], digest: str,
+    def _pull(self, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
               rid: str = "") -> int:
         """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`, for
         our request `rid`."""
         t0 = time.perf_counter()
-        params = as_params(params)
         transport = self.kv if params.transport == self.transport else self.base
         try:
             host = self.allowed_peer(params)
@@ -478,7 +477,7 @@ class KVConnector:
 
     def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to pull these params' blocks from, or PeerNotAllowed (endpoint.allowed_peer)."""
-        return allowed_peer(self.policy, as_params(params))
+        return allowed_peer(self.policy, params)
 
     def _tp_pull(self, params: KVTransferParams) -> bool:
         """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""
@@ -490,7 +489,6 @@ class KVConnector:
     def _release_quietly(self, params: KVTransferParams) -> None:
         """Best effort: tell the prefill worker we will not read (more of) its pin (every rank's,
         when it is tensor-parallel). Its TTL is the backstop."""
-        params = as_params(params)
         try:
             host = self.allowed_peer(params)  # never contact a peer we would not pull from
             ranks = remote_tp_size(params)
@@ -515,11 +513,6 @@ class KVConnector:
             transport.close()
 
 
-def as_params(params: KVTransferParams | dict) -> KVTransferParams:
-    """The parsed params (the request carries them so); a dict (the params a test's pin returned) is parsed."""
-    return params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
-
-
 class PullStopped(RuntimeError):
     """A streamed pull ended early: its request was aborted here, or the prefill was cancelled."""
 
@@ -530,8 +523,7 @@ def _indices(body: dict) -> list | None:
     return indices if isinstance(indices, list) else None
 
 
-def _peer(params: KVTransferParams | dict) -> tuple[str, int]:
-    params = as_params(params)
+def _peer(params: KVTransferParams) -> tuple[str, int]:
     return params.remote_host, params.remote_port
 
 

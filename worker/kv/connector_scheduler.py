@@ -268,7 +268,7 @@ class KVConnectorScheduler:
             self._meta.last_steps.append(req.request_id)
         self.announced.append(req)
 
-    def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> dict:
+    def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> KVTransferParams:
         """Order a pin of `req`'s prompt blocks and return the params that describe it. Only
         prompt blocks are offered: the first token's KV is never computed on the prefill side."""
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
@@ -302,7 +302,7 @@ class KVConnectorScheduler:
 
     # -- finish -----------------------------------------------------------------------------------
 
-    def request_finished(self, req: Request) -> tuple[bool, dict | None]:
+    def request_finished(self, req: Request) -> tuple[bool, KVTransferParams | None]:
         """(keep the blocks until the worker half reports this request finished sending, params)."""
         self._awaiting_first.discard(req.request_id)
         if req.request_id in self._streaming:
@@ -319,7 +319,7 @@ class KVConnectorScheduler:
             return False, None
         return True, self._pin(req, first_token_id=req.output_token_ids[0])
 
-    def _streamed_finished(self, req: Request) -> tuple[bool, dict | None]:
+    def _streamed_finished(self, req: Request) -> tuple[bool, KVTransferParams | None]:
         self._streaming.discard(req.request_id)
         early = req.kv_transfer_params_out
         if early is None:  # ended before admission: nothing was pinned
@@ -332,10 +332,8 @@ class KVConnectorScheduler:
             # Every block readable, the TTL starts. The final params are a plain hand-off's, good
             # for a decode worker that pulls after the prefill (the router's fallback).
             self._meta.finishes.append((req.request_id, req.output_token_ids[0]))
-            final = {**early, "first_token_id": req.output_token_ids[0],
-                     "expires_at": time.time() + self._endpoint.pin_ttl}
-            del final["stream_kv"]
-            return True, final
+            return True, replace(early, first_token_id=req.output_token_ids[0],
+                                 expires_at=time.time() + self._endpoint.pin_ttl, stream_kv=False)
         # Aborted, or the first token ended the request: readers are told, and the blocks wait
         # for no lease to hold them before they are freed (get_finished reports it).
         self._meta.cancelled_pins.append(req.request_id)
