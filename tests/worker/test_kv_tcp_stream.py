@@ -696,7 +696,7 @@ def test_a_layered_progress_reply_is_checked_before_any_layer_is_read():
                                   remote_request_id="r", remote_block_ids=tuple(range(8)), num_prompt_tokens=32,
                                   first_token_id=None, transfer_token="t", kv_layout="8x1x8:bf16:4")
         ask = lambda: side_channel.progress("127.0.0.1", port, params, DIGEST, 2, 10, AUTH, layers=3)  # noqa: E731
-        assert ask()["partial"] == [4, 2, 8]
+        assert ask().partial == [4, 2, 8]
         for _ in range(5):  # every layer written, none, a step ending before the ready blocks, not a list, short
             with pytest.raises(side_channel.SideChannelError, match="malformed partial"):
                 ask()

@@ -44,6 +44,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import check_indices
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
+from pdserve.worker.kv.messages import LeaseRequest, ProgressRequest, ReleaseRequest
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.layer_clock import ClockWatch
@@ -139,6 +140,15 @@ class KVConnector:
                         "blocks with a transfer token; set --kv-secret (or PDSERVE_KV_SECRET) on every worker",
                         self.bind_host, self.port)
 
+    active = True  # KV moves: see null_connector.NullKVConnector
+
+    def collectors(self) -> list:
+        """Prometheus collectors of KV transfer, for the process's registry."""
+        return [self.metrics]
+
+    def observe_decode_waits(self, admitted_s: float | None, landed_s: float | None) -> None:
+        self.metrics.observe_decode_waits(admitted_s, landed_s)
+
     def health(self) -> str | None:
         """None while the side channel serves; else why not (the worker's /health turns 503)."""
         if self.server is not None and not self.server.healthy:
@@ -165,35 +175,36 @@ class KVConnector:
     def _lease(self, body):
         if not self.kv.leases:
             self.kv.metadata()  # refuses: this worker's readers use `read`
-        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"),
-                              _indices(body))
-        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"], "tp_rank": self.tp.rank,
-                 "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
-        if body.get("want_metadata"):
+        req = LeaseRequest.from_body(body)
+        ids = self.pins.lease(req.request_id, req.token, LEASE_S, req.prompt_digest, req.waits_for)
+        reply = {"engine_id": self.engine_id, "prompt_digest": req.prompt_digest, "tp_rank": self.tp.rank,
+                 "block_ids": [ids[i] for i in check_indices(req.indices, len(ids))]}
+        if req.want_metadata:
             reply[self.transport] = self.kv.metadata()
         return reply, []
 
     def _progress(self, body):
         """A streamed pin's progress (pins.NotReady defers the reply until it changes)."""
-        rid, digest = body.get("request_id"), body.get("prompt_digest")
-        have = -1 if body.get("deadline") else body.get("have")  # past the deadline: what there is
-        lease = bool(body.get("lease"))
-        if lease and not self.kv.leases:
+        req = ProgressRequest.from_body(body)
+        rid, digest = req.request_id, req.prompt_digest
+        have = -1 if req.deadline else req.have  # past the deadline: what there is
+        if req.lease and not self.kv.leases:
             self.kv.metadata()  # refuses: this worker's readers use `read`
         try:
-            state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
-                                       last_seen=body.get("last_seen", True), layers=body.get("layers"))
+            state = self.pins.progress(rid, req.token, digest, have, LEASE_S if req.lease else 0.0,
+                                       last_seen=req.last_seen, layers=req.layers)
         except NotReady as e:
             if e.clock is not None:  # waits for a running step's next layer, not for a pin change
                 self._clock_watch.watch(e.clock, e.layer)
             raise
         reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
-        if "block_ids" in state and body.get("want_metadata"):  # leased: as `lease` gives it
+        if "block_ids" in state and req.want_metadata:  # leased: as `lease` gives it
             reply[self.transport] = self.kv.metadata()
         return reply, []
 
     def _release(self, body):
-        return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
+        req = ReleaseRequest.from_body(body)
+        return {"released": self.pins.release(req.request_id, req.token)}, []
 
     def _tick(self) -> None:
         """Side-channel thread, every poll: the transport's own releases; on rank >= 1, pins that are gone."""
@@ -417,22 +428,22 @@ class KVConnector:
                 p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
                                           lease=leased, want_metadata=unknown, last_seen=rid in self._landing,
                                           layers=held[0] if leased else 0 if streamed and reader is None else None)
-                log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
-                          p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
-                if p.get("last") is True:
+                log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p.ready, n), n,
+                          p.state, " (last step)" if p.last else "", (time.monotonic() - asked) * 1e3)
+                if p.last:
                     self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
-                if p["state"] == "cancelled":
+                if p.state == "cancelled":
                     raise PullStopped("the prefill worker cancelled the prefill")
-                ready = min(p["ready"], n)
+                ready = min(p.ready, n)
                 # A peer that answers but never computes another chunk costs what a silent one does.
-                part = p.get("partial")  # only a reader that asked with `layers` gets one
-                if ready > have or p["state"] == "done" or (part is not None and part[1] > held[0]):
+                part = p.partial  # only a reader that asked with `layers` gets one
+                if ready > have or p.state == "done" or (part is not None and part[1] > held[0]):
                     stalled_since = time.monotonic()
                 elif time.monotonic() - stalled_since > self.timeout:
                     raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
                                                    f"{self.timeout:.0f}s")
-                if p["state"] == "done":
-                    token = p.get("first_token_id")
+                if p.state == "done":
+                    token = p.first_token_id
                     if type(token) is not int:
                         raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
                     self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
@@ -449,7 +460,7 @@ class KVConnector:
                     elif chunk:
                         nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
                                                     last=False)
-                    if reader is not None and p["state"] == "done":
+                    if reader is not None and p.state == "done":
                         nbytes += reader.result()  # the prefill is done: only the last chunk's bytes are left
                 except Exception:
                     # A read the prefill side broke off because it cancelled the prefill (its first
@@ -458,7 +469,7 @@ class KVConnector:
                         raise PullStopped("the prefill worker cancelled the prefill") from None
                     raise
                 have = max(have, ready)
-                if p["state"] == "done":
+                if p.state == "done":
                     break
         finally:
             if reader is not None:
@@ -473,7 +484,7 @@ class KVConnector:
             p = side_channel.progress(host, params.remote_port, params, digest, -1, min(5.0, self.timeout), self.auth)
         except Exception:
             return False
-        return p["state"] == "cancelled"
+        return p.state == "cancelled"
 
     def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to pull these params' blocks from, or PeerNotAllowed (endpoint.allowed_peer)."""
@@ -498,7 +509,7 @@ class KVConnector:
         for rank in range(ranks):
             try:
                 side_channel.call(host, params.remote_port + rank, "release",
-                                  {"request_id": params.remote_request_id, "token": params.transfer_token},
+                                  ReleaseRequest(params.remote_request_id, params.transfer_token).to_body(),
                                   min(5.0, self.timeout), self.auth, params.remote_engine_id)
             except Exception as e:
                 log.debug("KV release of %s (rank %d) failed: %s", params.remote_request_id, rank, e)
@@ -515,12 +526,6 @@ class KVConnector:
 
 class PullStopped(RuntimeError):
     """A streamed pull ended early: its request was aborted here, or the prefill was cancelled."""
-
-
-def _indices(body: dict) -> list | None:
-    """The blocks a lease or read waits for (a streamed pin defers it until they are computed)."""
-    indices = body.get("indices")
-    return indices if isinstance(indices, list) else None
 
 
 def _peer(params: KVTransferParams) -> tuple[str, int]:

@@ -52,6 +52,7 @@ import torch
 from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.messages import ReleaseNotice
 from pdserve.worker.kv.block_runs import as_indices, check_indices, merge_runs, run_starts
 from pdserve.worker.kv.staging import StagingPool, slot_cap
 from pdserve.worker.kv.transport import KVTransport
@@ -336,8 +337,9 @@ class NixlTransport(KVTransport):
 
     def tick(self, released) -> None:
         for msg in self.notifications():
-            if msg.get("op") == "release":
-                released(msg.get("request_id", ""), msg.get("token", ""), msg.get("bytes", 0))
+            notice = ReleaseNotice.parse(msg)
+            if notice is not None:
+                released(notice.request_id, notice.token, notice.nbytes)
 
     def knows_peer(self, engine_id: str) -> bool:
         return self.known_peer(engine_id) is not None
@@ -351,8 +353,7 @@ class NixlTransport(KVTransport):
         engine_id = params.remote_engine_id
         peer = self.known_peer(engine_id)
         rid, token = params.remote_request_id, params.transfer_token
-        notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * conn.block_bytes} \
-            if release else None
+        notif = ReleaseNotice(rid, token, len(dst_blocks) * conn.block_bytes).to_body() if release else None
         src = [params.remote_block_ids[i] for i in check_indices(indices, len(params.remote_block_ids))]
         early = None
         # Not with the release riding on the READ: it would end the pin before the lease. Not
@@ -360,10 +361,10 @@ class NixlTransport(KVTransport):
         if peer is not None and self.overlap_lease and release and self.notify_after_read:
             early = self.post_read(peer, src, dst_blocks, notif)
         try:
-            reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
+            reply = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
             if peer is None:
-                peer = self.add_peer(engine_id, reply[self.name])
-            if reply.get("block_ids") != src:
+                peer = self.add_peer(engine_id, reply.metadata)
+            if reply.block_ids != src:
                 raise side_channel.SideChannelError(f"KV peer {host}:{port} leased other blocks than the params name")
         except BaseException:
             if early is not None:
@@ -378,7 +379,7 @@ class NixlTransport(KVTransport):
         blocks up to `ready`, then the layers written so far of the step after them. Only the
         positions in `want` (the blocks we lack) are read; the READs run side by side."""
         num_layers = conn.cache.shape[1]
-        part = reply.get("partial")
+        part = reply.partial
         if part is not None and part[2] != num_layers:  # not our model's layers: whole blocks only
             part = None
         layers, upto = held
@@ -398,11 +399,11 @@ class NixlTransport(KVTransport):
         reads = [r for r in reads if r[0]]
         nbytes = 0
         if reads:
-            if reply["block_ids"] != list(params.remote_block_ids):
+            if reply.block_ids != list(params.remote_block_ids):
                 raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than "
                                                     "the params name")
             engine_id = params.remote_engine_id
-            peer = self.known_peer(engine_id) or self.add_peer(engine_id, reply[self.name])
+            peer = self.known_peer(engine_id) or self.add_peer(engine_id, reply.metadata)
             src = params.remote_block_ids
             posted, landed = [], 0
             try:
@@ -463,16 +464,16 @@ class NixlTransport(KVTransport):
         No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
         key = f"{params.remote_engine_id}#{remote_rank}"
         peer = self.known_peer(key)
-        reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
-        if reply.get("tp_rank", 0) != remote_rank:
+        reply = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
+        if reply.tp_rank != remote_rank:
             raise side_channel.SideChannelError(f"KV peer {host}:{port} is tensor-parallel rank "
-                                                f"{reply.get('tp_rank')}, not rank {remote_rank}: its heads are "
+                                                f"{reply.tp_rank}, not rank {remote_rank}: its heads are "
                                                 "not the ones expected")
         if peer is None:
-            peer = self.add_peer(key, reply[self.name])
-        if len(reply.get("block_ids", ())) != len(indices):
+            peer = self.add_peer(key, reply.metadata)
+        if not isinstance(reply.block_ids, list) or len(reply.block_ids) != len(indices):
             raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
-        return peer, reply["block_ids"]
+        return peer, reply.block_ids
 
     def notifications(self) -> list[dict]:
         with self._lock:
