@@ -23,6 +23,8 @@ from typing import Annotated
 from pydantic import PlainValidator
 from pydantic_core import PydanticCustomError
 
+from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
+
 PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
 # The transport every prefill worker serves (worker/kv/registry.py names the others); params
 # from a prefill worker that predates the `transport` field mean it.
@@ -60,9 +62,7 @@ def decode_budget(body: dict) -> dict:
     without max_tokens gets that field's default, 16; chat's default fits the context)."""
     out = {k: body[k] for k in ("max_completion_tokens", "max_tokens", "min_tokens") if body.get(k) is not None}
     if "prompt" in body and "max_tokens" not in body:
-        from pdserve.protocol.requests import CompletionRequest  # it imports this module
-
-        out["max_tokens"] = CompletionRequest.model_fields["max_tokens"].default
+        out["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     return out
 
 

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.protocol.kv_transfer import KVTransferParams
-    from pdserve.worker.kv.tp_transfer import Source
 
 
 class KVTransport(ABC):
@@ -102,5 +101,6 @@ class KVTransport(ABC):
 
     @abstractmethod
     def pull_staged(self, conn, slot, host: str, params: "KVTransferParams", indices: list[int], digest: str,
-                    staged: "list[Source]", regions: "list[torch.Tensor]") -> int:
-        """Whole remote blocks of each staged source into its region of the staging area."""
+                    staged: list, regions: "list[torch.Tensor]") -> int:
+        """Whole remote blocks of each staged source (tp_transfer.Source) into its region of the
+        staging area."""
