@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.staging import StagingBusy, StagingPool
 
@@ -146,7 +147,7 @@ def nixl_world():
                   # the rest of a decode request's params: a pull reads only the fields above
                   "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
                   "kv_layout": "layout:16"}
-        return params, digest
+        return KVTransferParams.from_dict(params), digest
 
     def pull(dec, params, digest, dst_ids):
         dec._pull(params, list(range(len(dst_ids))), dst_ids, digest)
