@@ -160,8 +160,9 @@ class Pair:
         from pdserve.worker.sampling_params import SamplingParams
 
         self.conn.send((rid, prompt))
-        params = dict(self.conn.recv())
-        params["transport"] = transport  # the same pin, read over NIXL or TCP
+        from dataclasses import replace
+
+        params = replace(self.conn.recv(), transport=transport)  # the same pin, read over NIXL or TCP
         before = len(self.pulls)
         t0 = time.perf_counter()
         self.engine.add_request(rid, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), params)

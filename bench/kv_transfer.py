@@ -149,14 +149,14 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
         cache, layout = kv_cache(num_blocks, block_bytes, client_dev)
         c = KVConnector(_config(transport, port + 1, "decode"), cache, f"bench-client-{transport}", layout)
         c._pull(next(params), [0], [0], BENCH_DIGEST)
-        if c.nixl is not None:
-            c.nixl.notify_after_read = notify_after_read
+        if c.kv.leases:
+            c.kv.notify_after_read = notify_after_read
         rows = {}
         for kind, i, src, dst in cases:
             for mode in modes:
-                if c.nixl is not None:
-                    c.nixl.use_prepped = mode != "dlist"
-                    c.overlap_lease = mode != "serial"
+                if c.kv.leases:
+                    c.kv.use_prepped = mode != "dlist"
+                    c.kv.overlap_lease = mode != "serial"
                 times = []
                 for _ in range(iters):
                     _sync(client_dev)
@@ -169,7 +169,7 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
         if nixl_breakdown:
             for mode in [m for m in modes if m != "serial"]:  # the breakdown times its steps one after another
                 for after in (True, False):
-                    c.nixl.use_prepped, c.nixl.notify_after_read, c.overlap_lease = mode == "prepped", after, True
+                    c.kv.use_prepped, c.kv.notify_after_read, c.kv.overlap_lease = mode == "prepped", after, True
                     label = f"nixl {mode}, release notification {'after the READ' if after else 'on the READ'}"
                     parts[label] = _breakdown(c, side_channel, params, breakdown_iters, client_dev)
         c.shutdown()
@@ -182,21 +182,21 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
 
 
 def _breakdown(c, side_channel, params, iters, client_dev) -> dict[str, float]:
-    """A 1-block NIXL pull's steps timed one by one, as KVConnector._nixl_pull runs them: the
+    """A 1-block NIXL pull's steps timed one by one, as NixlTransport.pull runs them: the
     lease round trip on the side channel, then NIXL's prepare / post / wait for DONE / release
     the handle / send the release notification (when it is not attached to the READ)."""
     samples: dict[str, list[float]] = {}
     for _ in range(iters):
         p = next(params)
-        peer = c.nixl.known_peer(p["remote_engine_id"])
+        peer = c.kv.known_peer(p.remote_engine_id)
         t0 = time.perf_counter()
-        reply, _ = side_channel.call(p["remote_host"], p["remote_port"], "lease", {
-            "request_id": p["remote_request_id"], "token": p["transfer_token"], "indices": [0],
-            "prompt_digest": BENCH_DIGEST, "want_metadata": False}, c.timeout, c.auth, p["remote_engine_id"])
+        reply, _ = side_channel.call(p.remote_host, p.remote_port, "lease", {
+            "request_id": p.remote_request_id, "token": p.transfer_token, "indices": [0],
+            "prompt_digest": BENCH_DIGEST, "want_metadata": False}, c.timeout, c.auth, p.remote_engine_id)
         t = {"lease": time.perf_counter() - t0}
-        notif = {"op": "release", "request_id": p["remote_request_id"], "token": p["transfer_token"],
+        notif = {"op": "release", "request_id": p.remote_request_id, "token": p.transfer_token,
                  "bytes": c.block_bytes}
-        c.nixl.read(peer, reply["block_ids"], [0], notif, c.timeout, t)
+        c.kv.read(peer, reply["block_ids"], [0], notif, c.timeout, t)
         _sync(client_dev)
         t["total"] = time.perf_counter() - t0
         q = next(params)  # the same pull through the connector, interleaved: what the main table measures

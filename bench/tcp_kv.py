@@ -123,7 +123,6 @@ def _copy_rate(cache: torch.Tensor, nbytes: int, to_host: bool) -> float:
 def _decode(transport, port, device, num_blocks, block_kib, env, cases, plan, conn_out):
     """Pull every case; send back {label: [(bytes, seconds)...]} or an error string."""
     os.environ.update(env)
-    from pdserve.protocol.kv_transfer import KVTransferParams
     from pdserve.worker.kv import tcp_transport
     from pdserve.worker.kv.connector import KVConnector
 
@@ -162,7 +161,7 @@ def _decode(transport, port, device, num_blocks, block_kib, env, cases, plan, co
                     if mode == "nixl":
                         c._pull(params, list(range(len(src))), dst, DIGEST)
                     else:
-                        tcp_transport.tcp_pull("127.0.0.1", params["remote_port"], KVTransferParams.from_dict(params),
+                        tcp_transport.tcp_pull("127.0.0.1", params.remote_port, params,
                                                list(range(len(src))),
                                                dst, c.blocks, 30, c.auth, DIGEST, data_path=mode == "tcp")
                     _sync(device)

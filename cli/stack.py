@@ -7,7 +7,6 @@ commands one by one and kill them individually; `cli/launcher.py` starts and wat
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import secrets
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from pdserve.protocol.contract import HTTP_PORT
 from pdserve.protocol.flags import ConfigError, flag
+from pdserve.worker.kv import registry as kv_transports
 from pdserve.protocol.contract import ENV_KV_SECRET, ENV_NIXL_PROGRESS_NICE
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -45,8 +45,8 @@ class StackConfig:
     host: str = flag("0.0.0.0", "the router's bind address (workers listen on loopback only)")
     port: int = flag(HTTP_PORT, "the router's port: the OpenAI base URL's")
     device: str = flag("auto", "auto | cpu | cuda (GPUs go round-robin to the workers)")
-    kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers", choices=("nixl", "tcp"),
-                                   unset="nixl if installed, else tcp")
+    kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers",
+                                   choices=kv_transports.names(), unset="nixl if installed, else tcp")
     worker_args: tuple[str, ...] = flag((), "extra flags for every worker, one quoted string, e.g. "
                                             "--worker-args='--max-model-len 2048'", metavar="'ARGS'",
                                         parse=split_flags)
@@ -66,10 +66,7 @@ class StackConfig:
             raise ConfigError("--port", f"must be in 1..65535, got {self.port}")
         if self.device not in DEVICES:
             raise ConfigError("--device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.kv_transfer not in (None, "nixl", "tcp"):
-            raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
-        if self.kv_transfer == "nixl" and not nixl_installed():
-            raise ConfigError("--kv-transfer", "nixl is not installed (pip install 'pdserve[nixl]'), use tcp")
+        kv_transports.check(self.kv_transfer)
         if self.device == "cuda" and not visible_gpus():
             raise ConfigError("--device", "cuda was asked for but no GPU is visible")
         if self.model is not None and not self.model:
@@ -81,12 +78,7 @@ class StackConfig:
 
     @property
     def transport(self) -> str:
-        return self.kv_transfer or ("nixl" if nixl_installed() else "tcp")
-
-
-def nixl_installed() -> bool:
-    # find_spec, not import: importing nixl pulls in torch and UCX, seconds the launcher never needs.
-    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl"))
+        return self.kv_transfer or kv_transports.default()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ LABEL_REVISION = "pdserve.io/revision"
 # Worker roles as labelled and as discovered; a "both" worker serves in either pool.
 ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH = "prefill", "decode", "both"
 
+# A completions request's max_tokens when it names none (OpenAI's default): the router's
+# prefill request carries it to the prefill worker as the client's decode budget.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 # The OpenAI HTTP port of workers and routers, and its name in a pod's container ports.
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"

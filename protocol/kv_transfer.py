@@ -23,7 +23,12 @@ from typing import Annotated
 from pydantic import PlainValidator
 from pydantic_core import PydanticCustomError
 
+from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
+
 PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
+# The transport every prefill worker serves (worker/kv/registry.py names the others); params
+# from a prefill worker that predates the `transport` field mean it.
+BASE_TRANSPORT = "tcp"
 PREFILL_MAX_TOKENS = 1  # a prefill runs the prompt and samples exactly the first token
 
 
@@ -57,9 +62,7 @@ def decode_budget(body: dict) -> dict:
     without max_tokens gets that field's default, 16; chat's default fits the context)."""
     out = {k: body[k] for k in ("max_completion_tokens", "max_tokens", "min_tokens") if body.get(k) is not None}
     if "prompt" in body and "max_tokens" not in body:
-        from pdserve.protocol.requests import CompletionRequest  # it imports this module
-
-        out["max_tokens"] = CompletionRequest.model_fields["max_tokens"].default
+        out["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     return out
 
 
@@ -120,7 +123,7 @@ class KVTransferParams:
     first_token_id: int | None
     transfer_token: str  # proves the puller was handed these params; the pin table checks it
     kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}[@fp8 scales]:{block size}"; must match exactly
-    transport: str = "tcp"  # "nixl" or "tcp": how the prefill side serves the bytes
+    transport: str = BASE_TRANSPORT  # a registered transport's name (worker/kv/registry.py)
     expires_at: float | None = None  # wall clock; after it the prefill frees the blocks itself
     # The prefill worker's tensor-parallel size: rank r serves its KV heads on remote_port + r
     # (worker/kv/tp_transfer.py maps them onto the decode worker's ranks).
@@ -162,7 +165,7 @@ class KVTransferParams:
             raise KVTransferParamsError(f"{PARAM}.kv_layout {values['kv_layout']!r} does not end in a block size")
         if block_size < 1 or values["num_prompt_tokens"] < 1 or len(ids) != -(-values["num_prompt_tokens"] // block_size):
             raise KVTransferParamsError(f"{PARAM}: remote_block_ids do not cover num_prompt_tokens")
-        transport = params.get("transport", "tcp")
+        transport = params.get("transport", BASE_TRANSPORT)
         expires_at = params.get("expires_at")
         tp_size = params.get("kv_tp_size", 1)
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= 64:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
 
 from pdserve.protocol import chat_templates
+from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.kv_transfer import KVTransferField
 from pdserve.protocol.structured import StructuredOutputFields
@@ -86,7 +87,7 @@ class CommonRequest(StructuredOutputFields):
 
 class CompletionRequest(CommonRequest):
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

@@ -16,7 +16,7 @@ from pdserve.worker.config import EngineConfig
 from pdserve.worker.detokenizer import IncrementalDetokenizer
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.grammar_pool import GrammarPool
-from pdserve.protocol.kv_transfer import (PARAM, KVTransferParamsError, is_remote_decode, is_streamed,
+from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode, is_streamed,
                                           parse_kv_transfer_params)
 from pdserve.worker.outputs import EngineStats, RequestOutput
 from pdserve.worker.request import RequestError, RequestFailed
@@ -87,7 +87,7 @@ class AsyncEngine:
         self.engine.abort(request_id)
         self._kick()
 
-    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:
+    def unpin(self, request_id: str, kv_transfer_params: KVTransferParams) -> None:
         """A finished prefill's pin that no decode worker will read: freed at the next step."""
         self.engine.unpin(request_id, kv_transfer_params)
         self._kick()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
 from pdserve.protocol.kv_peers import parse_peer
+from pdserve.worker.kv import registry as kv_transports
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,8 +62,8 @@ class EngineConfig:
                                                "(all-reduce combine) instead of a 1/N slice of every expert")
     seed: int = flag(0, "seed of the sampling of requests that set none (reproducible per start)")
     role: str = flag("both", "what this worker does in prefill/decode disaggregation", choices=ROLES)
-    kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers", choices=("nixl", "tcp"),
-                                   unset="nixl if installed, else tcp")
+    kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers",
+                                   choices=kv_transports.names(), unset="nixl if installed, else tcp")
     kv_host: str | None = flag(None, "address the KV side channel listens on and advertises",
                                unset="listen where HTTP listens, advertise $POD_IP or that address")
     kv_bind_host: str | None = no_flag(None, "the server's --host: without --kv-host the side channel listens "
@@ -136,8 +137,9 @@ class EngineConfig:
                                                   f"got {self.kv_cache_dtype!r}")
         if self.role not in ROLES:
             raise ConfigError("--role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.kv_transfer not in (None, "nixl", "tcp"):
-            raise ConfigError("--kv-transfer", f"must be nixl or tcp, got {self.kv_transfer!r}")
+        if self.kv_transfer is not None and self.kv_transfer not in kv_transports.names():
+            raise ConfigError("--kv-transfer", f"must be {' or '.join(kv_transports.names())}, "
+                                               f"got {self.kv_transfer!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.tensor_parallel_size < 1:

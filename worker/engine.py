@@ -37,6 +37,7 @@ from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferPar
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
 from pdserve.worker.kv.layer_clock import LayerClock
+from pdserve.worker.kv.null_connector import NullKVConnector
 from pdserve.worker.kv_cache import KVCache, kv_layout
 from pdserve.worker.model_runner import LaunchedStep, ModelRunner
 from pdserve.worker.prompt_logprobs import scores_prompt
@@ -68,9 +69,11 @@ class LLMEngine:
         # then rank 0's runner joins them (parallel/ranks.py).
         self.followers, store = None, None
         if config.tensor_parallel_size > 1:
+            from pdserve.worker.kv.tp_link import FollowerKV, needs_kv_connector
             from pdserve.worker.parallel.ranks import start_followers
 
-            store, self.followers = start_followers(config, ModelRunner, attention_backend, static_decode)
+            store, self.followers = start_followers(config, ModelRunner, attention_backend, static_decode,
+                                                    FollowerKV if needs_kv_connector(config) else None)
         try:
             self.runner = ModelRunner(config, attention_backend=attention_backend, static_decode=static_decode,
                                       tp_store=store, followers=self.followers)
@@ -82,8 +85,9 @@ class LLMEngine:
         self.model_config, self.tokenizer, self.model_path = r.model_config, r.tokenizer, r.model_path
         self.device, self.dtype, self.attention_backend = r.device, r.dtype, r.attention_backend
         self.max_model_len, self.kv_cache = r.max_model_len, r.kv_cache
-        # The connector's worker-side half; a plain worker (role both, no --kv-transfer) opens no port.
-        self.kv_connector = None
+        # The connector's worker-side half; a plain worker (role both, no --kv-transfer) moves no
+        # KV and opens no port: its connector is the null one.
+        self.kv_connector: KVConnector | NullKVConnector = NullKVConnector()
         if config.role != "both" or config.kv_transfer is not None:
             from pdserve.worker.kv.connector import KVConnector
 
@@ -97,10 +101,8 @@ class LLMEngine:
         self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
                                           on_event=self._on_kv_event)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
-                                            self.kv_connector.endpoint() if self.kv_connector else None,
-                                            config.kv_stream_chunk_tokens,
-                                            resolve_split(config.kv_stream_split,
-                                                          self.kv_connector and self.kv_connector.transport),
+                                            self.kv_connector.endpoint(), config.kv_stream_chunk_tokens,
+                                            resolve_split(config.kv_stream_split, self.kv_connector.transport),
                                             step_budget=r.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
                                    self.max_model_len, kv_scheduler)
@@ -121,10 +123,10 @@ class LLMEngine:
         # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
         # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
-        self._pulls_kv = self.kv_connector is not None and config.role != "prefill"
+        self._pulls_kv = self.kv_connector.active and config.role != "prefill"
         tp = config.tensor_parallel_size > 1
         self.async_scheduling = wants_async_scheduling(config.async_scheduling, self.device.type, tp,
-                                                       self.kv_connector is not None)
+                                                       self.kv_connector.active)
         if self.async_scheduling and tp:
             self.runner.share_sampled = True
         if config.async_scheduling and not self.async_scheduling:
@@ -196,11 +198,11 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
-    def unpin(self, request_id: str, kv_transfer_params: dict) -> None:  # the params this worker emitted
+    def unpin(self, request_id: str, kv_transfer_params: KVTransferParams) -> None:  # the params this worker emitted
         """Any thread: a finished prefill's pin will not be read (its answer ended on a stop
         string, which only the detokenizer sees): free its blocks at the next step, not at TTL."""
         with self._lock:
-            self._unpins.append((request_id, str(kv_transfer_params.get("transfer_token", ""))))
+            self._unpins.append((request_id, kv_transfer_params.transfer_token))
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_work() or self._inbox or self._aborts or self._unpins
@@ -215,17 +217,14 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         outputs = self._apply_inbox()
-        if self.kv_connector is not None:
-            outputs += self._kv_finished()
+        outputs += self._kv_finished()
         batch = self.scheduler.schedule()
-        if self.kv_connector is not None:
-            # Orders since the last step's (aborts, unpins) and admission's (pulls, streamed pins).
-            self.kv_connector.apply(batch.kv_connector_metadata)
-            outputs += self._announce()
+        # Orders since the last step's (aborts, unpins) and admission's (pulls, streamed pins).
+        self.kv_connector.apply(batch.kv_connector_metadata)
+        outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
-            if self.kv_connector is not None:
-                self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
+            self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
             return outputs
         # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
@@ -235,10 +234,9 @@ class LLMEngine:
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
-        if self.kv_connector is not None:
-            # The results' orders (finished prefills' pins, streamed progress), before any output
-            # of this step leaves: a pin exists before its params can reach a reader.
-            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
+        # The results' orders (finished prefills' pins, streamed progress), before any output
+        # of this step leaves: a pin exists before its params can reach a reader.
+        self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         return outputs + self._step_outputs(batch, sampled, logprobs, finished)
 
@@ -287,13 +285,12 @@ class LLMEngine:
         between step n's launch and its collection: a streamed prefill's chunk k+1 runs on the
         device while chunk k is made readable."""
         outputs = self._apply_inbox()
-        if self.kv_connector is not None:
-            outputs += self._kv_finished()
+        outputs += self._kv_finished()
         previous = self._in_flight
         if previous is not None and not self._can_overlap():
             outputs += self._finish(previous)
             previous = None
-        elif previous is not None and self.kv_connector is not None and self.kv_connector.pull_landing():
+        elif previous is not None and self.kv_connector.pull_landing():
             # A hand-off's KV lands about now (P/D's first gap): planned now, behind `previous`,
             # its request would wait a whole extra step. Plan only once it landed or `previous`
             # is done, whichever comes first. Landed while `previous` still runs: a late join,
@@ -307,22 +304,21 @@ class LLMEngine:
             outputs += self._kv_finished()
         batch = self.scheduler.schedule()
         later_loads = None
-        if self.kv_connector is not None:
-            meta = batch.kv_connector_metadata
-            if previous is not None and meta.loads:
-                # A pull's destination blocks may have been freed while `previous` was queued
-                # (a request it decodes finished or was preempted since): `previous` may still
-                # write that request's KV into one of them, and a pull writes from another
-                # stream (or a NIC), unordered with ours. Pulls start once `previous` is done.
-                meta, later_loads = replace(meta, loads=[]), meta.loads
-            self.kv_connector.apply(meta)
-            outputs += self._announce()
+        meta = batch.kv_connector_metadata
+        if previous is not None and meta.loads:
+            # A pull's destination blocks may have been freed while `previous` was queued
+            # (a request it decodes finished or was preempted since): `previous` may still
+            # write that request's KV into one of them, and a pull writes from another
+            # stream (or a NIC), unordered with ours. Pulls start once `previous` is done.
+            meta, later_loads = replace(meta, loads=[]), meta.loads
+        self.kv_connector.apply(meta)
+        outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         launched = None
         if batch:
             # Under P/D a step is always waited for when collected (`done`): a streamed chunk is
             # made readable then, and pulls into freed blocks start after it.
-            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector is not None,
+            launched = self.runner.launch(batch, previous, mark_done=self.kv_connector.active,
                                           layer_clock=self._layer_clock(batch))
             self.num_overlapped_steps += previous is not None
             launched.advanced = self.scheduler.advance(batch, set(launched.rows))
@@ -331,7 +327,7 @@ class LLMEngine:
             outputs += self._finish(previous)  # while `launched` runs on the device
         if later_loads:
             self.kv_connector.apply(KVConnectorMetadata(loads=later_loads))
-        if launched is None and previous is None and self.kv_connector is not None:
+        if launched is None and previous is None:
             self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
 
@@ -339,7 +335,7 @@ class LLMEngine:
         """A step that computes streamed prefills (prefill side, one rank): the blocks it completes
         go into the pin table with a clock its forward ticks per layer, so a layered stream read
         sends their layers as they are written (kv/layer_clock.py), not after the step."""
-        if self.kv_connector is None or self.followers is not None or not self.scheduler.connector.streams(batch.items):
+        if self.followers is not None or not self.scheduler.connector.streams(batch.items):
             return None
         clock = LayerClock(self.model_config.num_layers, self.device)
         self.kv_connector.computing(self.scheduler.connector.computing(batch.items), clock)
@@ -361,11 +357,10 @@ class LLMEngine:
         dropped = {r.request_id for r in step.samplers if r.status.finished}
         self.num_dropped_tokens += len(dropped)
         finished = self.scheduler.update(step.batch, sampled, advanced=step.advanced)
-        if self.kv_connector is not None:
-            # The results' orders (finished prefills' pins, streamed progress up to this step's
-            # own computed counts), before any output of this step leaves: `collect` waited for
-            # the step's KV, so what they make readable is written.
-            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
+        # The results' orders (finished prefills' pins, streamed progress up to this step's
+        # own computed counts), before any output of this step leaves: `collect` waited for
+        # the step's KV, so what they make readable is written.
+        self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         live = {rid: t for rid, t in sampled.items() if rid not in dropped}
         out = self._step_outputs(step.batch, live, logprobs, finished)
@@ -388,19 +383,18 @@ class LLMEngine:
 
     def kv_health(self) -> str | None:
         """None while P/D transfer can work; else why not (the server's /health answers 503)."""
-        return self.kv_connector.health() if self.kv_connector is not None else None
+        return self.kv_connector.health()
 
     def metrics_collectors(self) -> list:
         """Prometheus collectors beyond `stats()` (KV-transfer series), for the process's registry."""
-        return [self.kv_connector.metrics] if self.kv_connector is not None else []
+        return self.kv_connector.collectors()
 
     def shutdown(self) -> None:
         if self.followers is not None:  # a tensor-parallel worker's other ranks, then the group
             self.followers.shutdown()
             self.followers = None
         self.runner.shutdown()
-        if self.kv_connector is not None:
-            self.kv_connector.shutdown()
+        self.kv_connector.shutdown()
         if self._kv_event_publisher is not None:
             self._kv_event_publisher.close()
 
@@ -470,9 +464,9 @@ class LLMEngine:
         decode step, when it had both) and return its queue time, which the server observes."""
         now = time.monotonic()
         req.waits_reported = True
-        if self.kv_connector is not None and is_remote_decode(req.kv_transfer_params):
+        if is_remote_decode(req.kv_transfer_params):
             admitted, landed = req.admitted_time, req.kv_landed_time
-            self.kv_connector.metrics.observe_decode_waits(
+            self.kv_connector.observe_decode_waits(
                 None if admitted is None else admitted - req.arrival_time,
                 None if landed is None or not new else now - landed)
         return None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time

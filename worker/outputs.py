@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.protocol.kv_transfer import KVTransferParams
 
 
 @dataclass
@@ -37,7 +41,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Set on the final output of a remote-decode prefill, and on a streamed one's first output
     # (its pin, made at admission; no tokens yet).
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # A streamed hand-off on the decode side: the prefill's first token, arrived with the KV pull
     # (already sent to the client by the router; not a new token).
     handed_over_token_ids: list[int] | None = None

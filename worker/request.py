@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.protocol.kv_transfer import parse_kv_transfer_params
+from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_params
 from pdserve.worker.request_isolation import isolated
 from pdserve.worker.sampling_params import SamplingParams
 
@@ -60,7 +60,7 @@ class Request:
         # a decode worker, RemoteDecodeRequest on a prefill worker, or None.
         self.kv_transfer_params = parse_kv_transfer_params(kv_transfer_params)
         # Set when it finishes as the prefill of a remote decode: where a decode worker pulls its KV.
-        self.kv_transfer_params_out: dict | None = None
+        self.kv_transfer_params_out: KVTransferParams | None = None
         self.arrival_time = time.monotonic()
         # Latency stamps (time.monotonic()), each set once; the engine reports them with the first output.
         self.admitted_time: float | None = None  # first given its blocks: RUNNING or WAITING_FOR_REMOTE_KVS

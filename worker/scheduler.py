@@ -47,11 +47,13 @@ from pdserve.worker.scheduled_batch import ScheduledBatch
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, connector: KVConnectorScheduler | None = None):
+        """`connector`: the KV connector's scheduler half; by default one without an endpoint (no
+        transport: nothing pinned or pulled, a remote prefill's params prefilled here)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.connector = connector
+        self.connector = connector or KVConnectorScheduler(block_manager.block_size, 0, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # own blocks a pull is filling
@@ -60,8 +62,7 @@ class Scheduler:
 
     def add(self, req: Request) -> bool:
         """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
-        if self.connector is not None:
-            self.connector.new_request(req)
+        self.connector.new_request(req)
         if req.num_output_tokens and req.check_stop(self.max_model_len):
             self._free(req)
             return False
@@ -93,8 +94,7 @@ class Scheduler:
             if req.num_in_flight and self._ends_by_length(req):
                 continue  # its token in flight is its last: nothing more to compute
             n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
-            if self.connector is not None:
-                n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
+            n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
             while not self.bm.can_allocate(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is req:
@@ -113,20 +113,19 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_in_flight:
                 break  # preempted while its last token was in flight: recomputed once it arrived
-            if self.connector is not None and not self.connector.can_admit(req):
+            if not self.connector.can_admit(req):
                 break  # its blocks would be pinned past the cap: wait for remote readers to release
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
             # Prompt logprobs need every prompt position's logits: no cached blocks for those.
             cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
             start = len(cached) * self.bm.block_size if fresh else req.num_computed_tokens
             num_remote, load_async = 0, False
-            if fresh and self.connector is not None:
+            if fresh:
                 num_remote, load_async = self.connector.get_num_new_matched_tokens(req, start)
             n = min(req.num_tokens - start, budget)
             whole = load_async
-            if self.connector is not None:
-                n = self.connector.chunk_cap(req, n, start)
-                whole = whole or self.connector.allocates_prompt(req)
+            n = self.connector.chunk_cap(req, n, start)
+            whole = whole or self.connector.allocates_prompt(req)
             # A pull writes every prompt block at once, so a request waiting for one gets them all
             # now; so does a streamed prefill (its blocks are pinned at admission).
             need = req.num_tokens if whole else start + n
@@ -139,7 +138,7 @@ class Scheduler:
             if fresh:
                 self.bm.take_cached(req, cached)
             self.bm.allocate(req, need)
-            if fresh and self.connector is not None:
+            if fresh:
                 self.connector.update_state_after_alloc(req, num_remote)
             if load_async:
                 req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
@@ -150,13 +149,13 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         scheduled.sort(key=lambda item: item[1] > 1)
-        meta = self.connector.build_connector_meta() if self.connector is not None else KVConnectorMetadata()
+        meta = self.connector.build_connector_meta()
         return ScheduledBatch(scheduled, meta)
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
         for req in reversed(self.running):
-            if id(req) not in taken and (self.connector is None or self.connector.preemptible(req)):
+            if id(req) not in taken and self.connector.preemptible(req):
                 return req
         return None
 
@@ -214,10 +213,9 @@ class Scheduler:
                 continue
             if req.check_stop(self.max_model_len):
                 finished.append(req)
-        if self.connector is not None:
-            # Streamed prefills: this step's blocks are readable (its own computed counts: under
-            # async scheduling a later step in flight has advanced the requests already).
-            self.connector.after_step(batch.items, advanced)
+        # Streamed prefills: this step's blocks are readable (its own computed counts: under
+        # async scheduling a later step in flight has advanced the requests already).
+        self.connector.after_step(batch.items, advanced)
         for req in finished:
             self.running.remove(req)
             self._free(req)
@@ -227,8 +225,7 @@ class Scheduler:
         """Apply what the connector's worker side reports: reads released, pulls landed or failed.
         Returns the streamed hand-offs that got their first token now (finished ones included:
         the caller reports them), and those that never will (finished, aborted)."""
-        if self.connector is not None:
-            self.connector.pins_freed(out.finished_sending)
+        self.connector.pins_freed(out.finished_sending)
         for rid in out.finished_sending:
             req = self.sending.pop(rid, None)
             if req is not None:
@@ -290,11 +287,11 @@ class Scheduler:
         req.set_status(status)
         if req.request_id not in self.waiting_for_remote_kvs:  # else freed when its pull reports
             self._free(req)
-        elif self.connector is not None:
+        else:
             self.connector.cancel_load(req)  # a streamed pull stops between chunks
 
     def _free(self, req: Request) -> None:
-        keep, params = self.connector.request_finished(req) if self.connector is not None else (False, None)
+        keep, params = self.connector.request_finished(req)
         req.kv_transfer_params_out = params
         if keep:
             self.sending[req.request_id] = req

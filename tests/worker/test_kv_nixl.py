@@ -8,6 +8,7 @@ agents; the multi-process path (side channel, leases) is tests/worker/test_kv_tr
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import time
 
 import pytest
@@ -181,8 +182,8 @@ def test_pulls_from_a_known_peer_overlap_the_lease_and_land_the_bytes(connectors
 
     p, d = connectors
     events = []
-    post_read, call = d.nixl.post_read, side_channel.call
-    monkeypatch.setattr(d.nixl, "post_read", lambda *a, **k: events.append("read") or post_read(*a, **k))
+    post_read, call = d.kv.post_read, side_channel.call
+    monkeypatch.setattr(d.kv, "post_read", lambda *a, **k: events.append("read") or post_read(*a, **k))
     monkeypatch.setattr(connector.side_channel, "call", lambda *a, **k: events.append(a[2]) or call(*a, **k))
     for i, (src, dst) in enumerate([([3, 4, 5], [10, 11, 12]), ([7, 20], [0, 30])]):
         params = p.pin(f"ok{i}", src, len(src), 0, DIGEST)
@@ -200,7 +201,7 @@ def test_forged_block_ids_read_early_are_abandoned(connectors):
 
     p, d = connectors
     d._pull(p.pin("warm", [0], 1, 0, DIGEST), [0], [0], DIGEST)  # the peer is known: the early READ path
-    forged = dict(p.pin("victim", [1, 2], 2, 0, DIGEST), remote_block_ids=[8, 9])
+    forged = replace(p.pin("victim", [1, 2], 2, 0, DIGEST), remote_block_ids=(8, 9))
     with pytest.raises(SideChannelError, match="leased other blocks"):
         d._pull(forged, [0, 1], [14, 15], DIGEST)
     assert _released(p, "victim")  # the failed pull told the prefill side it will not read

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.staging import StagingBusy, StagingPool
 
@@ -146,7 +147,7 @@ def nixl_world():
                   # the rest of a decode request's params: a pull reads only the fields above
                   "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
                   "kv_layout": "layout:16"}
-        return params, digest
+        return KVTransferParams.from_dict(params), digest
 
     def pull(dec, params, digest, dst_ids):
         dec._pull(params, list(range(len(dst_ids))), dst_ids, digest)
@@ -169,25 +170,25 @@ def test_heterogeneous_pulls_register_the_staging_buffer_once(nixl_world):
     d1 = connector("d1", 1, 0, 99)  # reads both TP=2 ranks and interleaves their heads
     d2 = connector("d2", 2, 1, 98)  # reads the TP=1 full-head blocks and keeps head 1
     for d in (d1, d2):
-        d.nixl.staging.cap = d.nixl.staging.floor = 64 * KIB  # one slot holds every pull below
+        d.kv.staging.cap = d.kv.staging.floor = 64 * KIB  # one slot holds every pull below
     for i, (src, dst) in enumerate([([3, 4, 9], [7, 1, 2]), ([0], [5]), ([10, 11, 12, 13, 20], [8, 9, 10, 11, 3])]):
         for prefill_ranks, d in ((p2, d1), (p1, d2)):
             params, digest = pin(prefill_ranks, f"req{i}", src)
             pull(d, params, digest, dst)
             assert torch.equal(d.cache[dst], expected(prefill_ranks, src, d)), f"pull {i} landed wrong bytes"
-    assert d1.nixl.staging.registrations == 1 and d2.nixl.staging.registrations == 1
+    assert d1.kv.staging.registrations == 1 and d2.kv.staging.registrations == 1
 
     # A pull longer than a slot's cap goes in chunks (a lease each) through the same buffer.
-    d1.nixl.staging.cap = 2 * BLOCK
+    d1.kv.staging.cap = 2 * BLOCK
     src, dst = list(range(14, 24)), list(range(12, 22))
     params, digest = pin(p2, "long", src)
     pull(d1, params, digest, dst)
     assert torch.equal(d1.cache[dst], expected(p2, src, d1))
-    assert d1.nixl.staging.registrations == 1
+    assert d1.kv.staging.registrations == 1
 
     for d in (d1, d2):
         d.shutdown()
-        assert d.nixl.staging.registered == 0
+        assert d.kv.staging.registered == 0
 
 
 def test_concurrent_heterogeneous_pulls_use_their_own_staging_buffers(nixl_world):
@@ -196,19 +197,19 @@ def test_concurrent_heterogeneous_pulls_use_their_own_staging_buffers(nixl_world
     connector, prefill, pin, pull = nixl_world
     p2 = prefill("p2", 2)
     d1 = connector("d1", 1, 0, 97)
-    d1.nixl.staging.cap = d1.nixl.staging.floor = 64 * KIB
+    d1.kv.staging.cap = d1.kv.staging.floor = 64 * KIB
     warm, digest = pin(p2, "warm", [1, 2])
     pull(d1, warm, digest, [30, 31])  # one buffer exists and is free before the race
-    assert d1.nixl.staging.registrations == 1
+    assert d1.kv.staging.registrations == 1
 
     barrier = threading.Barrier(2, timeout=60)
-    post = d1.nixl.post_read_into
+    post = d1.kv.post_read_into
 
     def post_together(*args):
         barrier.wait()
         return post(*args)
 
-    d1.nixl.post_read_into = post_together
+    d1.kv.post_read_into = post_together
     jobs = [("a", [3, 4, 5, 6], [0, 1, 2, 3]), ("b", [7, 8, 9, 10, 11, 12], [4, 5, 6, 7, 8, 9])]
     futures = []
     for rid, src, dst in jobs:
@@ -218,4 +219,4 @@ def test_concurrent_heterogeneous_pulls_use_their_own_staging_buffers(nixl_world
         f.result(timeout=60)
     for rid, src, dst in jobs:
         assert torch.equal(d1.cache[dst], expected(p2, src, d1)), f"pull {rid} landed wrong bytes"
-    assert d1.nixl.staging.registrations == 2  # the second concurrent pull made (and registered) its own
+    assert d1.kv.staging.registrations == 2  # the second concurrent pull made (and registered) its own

@@ -665,12 +665,12 @@ def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
     try:
         src = [3, 4, 5, 20, 21, 40, 41, 42, 43, 9]
         params = c.pin("r", src, len(src), 0, DIGEST)
-        assert params["transport"] == "nixl"
+        assert params.transport == "nixl"
         mine = torch.zeros(64, BLOCK_BYTES, dtype=torch.uint8)
-        n = tcp_pull("127.0.0.1", port, KVTransferParams.from_dict(params), list(range(len(src))), list(range(10)), mine,
+        n = tcp_pull("127.0.0.1", port, params, list(range(len(src))), list(range(10)), mine,
                      10, AUTH, DIGEST)
         assert n == len(src) * BLOCK_BYTES and torch.equal(mine[:10], c.blocks[src])
-        assert c._tcp.data.wait_idle(10)
+        assert c.base.server.data.wait_idle(10)
         assert [rid for rid, _, _ in c.pins.collect()] == ["r"]  # the read released the pin
     finally:
         c.shutdown()
@@ -696,7 +696,7 @@ def test_a_layered_progress_reply_is_checked_before_any_layer_is_read():
                                   remote_request_id="r", remote_block_ids=tuple(range(8)), num_prompt_tokens=32,
                                   first_token_id=None, transfer_token="t", kv_layout="8x1x8:bf16:4")
         ask = lambda: side_channel.progress("127.0.0.1", port, params, DIGEST, 2, 10, AUTH, layers=3)  # noqa: E731
-        assert ask()["partial"] == [4, 2, 8]
+        assert ask().partial == [4, 2, 8]
         for _ in range(5):  # every layer written, none, a step ending before the ready blocks, not a list, short
             with pytest.raises(side_channel.SideChannelError, match="malformed partial"):
                 ask()

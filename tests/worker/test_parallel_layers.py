@@ -148,14 +148,15 @@ def test_parallel_layers_over_gloo_equal_the_full_layers():
 
 
 def test_tensor_parallel_imports_go_one_way():
-    """parallel/ imports neither the runner, the engine nor the model (the engine hands the
-    runner class to the rank processes); the runner never imports the rank processes; kv/ takes
-    the head ranges from parallel/shard.py, not from the model. Lazy imports included."""
+    """parallel/ imports neither the runner, the engine, the model nor kv/ (the engine hands the
+    runner class and the KV side of the ranks to the rank processes); the runner never imports
+    the rank processes; kv/ takes the head ranges from parallel/shard.py, not from the model.
+    Lazy imports included."""
     from tests.test_layering import imported_modules
 
     parallel = imported_modules("worker/parallel")
     assert set(parallel) >= {f"worker/parallel/{f}.py" for f in ("shard", "layers", "communicator", "group", "ranks")}
-    upward = ("pdserve.worker.model_runner", "pdserve.worker.engine", "pdserve.worker.models")
+    upward = ("pdserve.worker.model_runner", "pdserve.worker.engine", "pdserve.worker.models", "pdserve.worker.kv")
     assert not {f: sorted(m for m in mods if m.startswith(upward)) for f, mods in parallel.items()
                 if any(m.startswith(upward) for m in mods)}
     runner = imported_modules("worker")["worker/model_runner.py"]

@@ -76,7 +76,7 @@ def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
         out = {}
         for i, (prompt, kv) in enumerate(zip(PROMPTS, params)):
             decode.add_request(f"d{i}", prompt, GREEDY, kv)
-            out[f"d{i}"] = [kv["first_token_id"]]
+            out[f"d{i}"] = [kv.first_token_id]
         deadline = time.monotonic() + 120
         while any(len(v) < GREEDY.max_tokens for v in out.values()):
             assert time.monotonic() < deadline, "decode did not finish"

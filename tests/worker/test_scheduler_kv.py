@@ -67,13 +67,13 @@ def decode():
 
 
 def remote_params(prefill, prompt) -> dict:
-    """What a prefill worker hands back: run the prompt there for one token."""
+    """What a prefill worker hands back (as the wire has it): run the prompt there for one token."""
     sched, _, _ = prefill
     r = Request(f"p-{len(prompt)}-{prompt[0]}", prompt, SamplingParams(max_tokens=16), (),
                 {"do_remote_decode": True})
     assert sched.add(r)
     (done,) = compute(sched, sched.schedule())
-    return done.kv_transfer_params_out
+    return done.kv_transfer_params_out.to_dict()
 
 
 def decode_request(rid, prompt, params, max_tokens=4):
@@ -86,12 +86,12 @@ def test_finished_prefill_keeps_prompt_blocks_until_the_read_is_released(prefill
     assert sched.add(r) and r.params.max_tokens == 1  # a prefill for a remote decode runs one token
     (done,) = compute(sched, sched.schedule())
     params = done.kv_transfer_params_out
-    assert done.status is RequestStatus.FINISHED_LENGTH and params["first_token_id"] == 7
-    assert params["remote_block_ids"] == r.block_ids == [0, 1, 2] and params["kv_layout"] == LAYOUT
+    assert done.status is RequestStatus.FINISHED_LENGTH and params.first_token_id == 7
+    assert list(params.remote_block_ids) == r.block_ids == [0, 1, 2] and params.kv_layout == LAYOUT
     assert sched.sending == {"p": r} and sched.num_sending_blocks == 3 and bm.num_free_blocks == BLOCKS - 3
     assert not sched.has_work()
     assert sched.update_from_kv_xfer(transfer.get_finished()) == [] and bm.num_free_blocks == BLOCKS - 3
-    assert transfer.pins.release("p", params["transfer_token"])
+    assert transfer.pins.release("p", params.transfer_token)
     sched.update_from_kv_xfer(transfer.get_finished())
     assert bm.num_free_blocks == BLOCKS and not sched.sending
 
@@ -197,12 +197,12 @@ def test_pins_are_capped_at_half_the_cache(prefill):
         outs.append(done.kv_transfer_params_out)
     sched.add(reqs[2])
     assert not sched.schedule() and reqs[2].status is RequestStatus.WAITING and not reqs[2].block_ids
-    assert transfer.pins.release("p0", outs[0]["transfer_token"])
+    assert transfer.pins.release("p0", outs[0].transfer_token)
     sched.update_from_kv_xfer(transfer.get_finished())
     (done,) = compute(sched, sched.schedule())  # admitted now that 3 pinned + 3 <= 8
     assert done is reqs[2] and done.kv_transfer_params_out
     for p in (outs[1], done.kv_transfer_params_out):
-        assert transfer.pins.release(p["remote_request_id"], p["transfer_token"])
+        assert transfer.pins.release(p.remote_request_id, p.transfer_token)
     sched.update_from_kv_xfer(transfer.get_finished())
     assert bm.num_free_blocks == BLOCKS and not sched.sending
 

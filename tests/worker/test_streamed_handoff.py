@@ -23,7 +23,8 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from pdserve.protocol.kv_transfer import is_streamed
+from pdserve.protocol.kv_transfer import KVTransferParams, is_streamed
+from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.sampling_params import SamplingParams
@@ -79,7 +80,7 @@ def until(cond, what: str, engines=(), timeout: float = 30.0):
     return outs
 
 
-def announce(p: LLMEngine, rid: str, prompt=PROMPT, params=GREEDY) -> dict:
+def announce(p: LLMEngine, rid: str, prompt=PROMPT, params=GREEDY) -> KVTransferParams:
     """Admit a streamed prefill: its params come out before any chunk is computed."""
     p.add_request(rid, prompt, params, {"do_remote_decode": True, "stream_kv": True})
     outs = []
@@ -87,7 +88,7 @@ def announce(p: LLMEngine, rid: str, prompt=PROMPT, params=GREEDY) -> dict:
         outs += p.step()
     early = next(o for o in outs if o.request_id == rid and o.kv_transfer_params)
     assert not early.finished and not early.new_token_ids and is_streamed(early.kv_transfer_params)
-    assert early.kv_transfer_params["first_token_id"] is None
+    assert early.kv_transfer_params.first_token_id is None
     return early.kv_transfer_params
 
 
@@ -618,7 +619,7 @@ def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transpor
             events.append("launch with d5" if any(r.request_id == "d5" for r, _ in batch.items) else "launch"),
             launch(batch, *a, **kw))[1])
         d.add_request("d5", fresh, GREEDY, params)
-        tokens, done = [params["first_token_id"]], False
+        tokens, done = [params.first_token_id], False
         deadline = time.monotonic() + 60
         while not done:
             assert time.monotonic() < deadline

@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.nixl_transport import nixl_available
@@ -250,14 +251,14 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
                   "transport": transport,  # absent, a pull goes over TCP
                   "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
                   "kv_layout": "layout:16"}
-        return ranks, params
+        return ranks, KVTransferParams.from_dict(params)
 
     def pull(size, rank, params):
         c = KVConnector(config(free_kv_ports()), cache(kv // size, 99), "dec", "layout", tp=TPRank(rank, size, kv))
         c.cache.zero_()
         c._pull(params, list(range(len(src_ids))), dst_ids, digest)
         if transport == "nixl":  # it really read over NIXL, into its registered staging buffer
-            assert c.nixl.staging.registrations == 1
+            assert c.kv.staging.registrations == 1
         c.shutdown()
         return c.cache[dst_ids].view(torch.uint8)
 

@@ -35,3 +35,10 @@ def run_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
     return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+
+
+def check_indices(indices, num_pinned: int) -> list[int]:
+    """A peer's block positions in a pin of `num_pinned` blocks, checked (ValueError otherwise)."""
+    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < num_pinned for i in indices):
+        raise ValueError(f"indices must be a list of block positions in [0, {num_pinned})")
+    return indices

@@ -36,21 +36,23 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_params
+from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config import EngineConfig
 from pdserve.worker.kv import side_channel
+from pdserve.worker.kv import registry
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.block_runs import check_indices
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
+from pdserve.worker.kv.messages import LeaseRequest, ProgressRequest, ReleaseRequest
 from pdserve.worker.kv.metrics import KVMetrics
-from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.layer_clock import ClockWatch
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.rank_aggregator import RankAggregator
-from pdserve.worker.kv.tcp_transport import StreamedRead, TcpServer, check_indices, tcp_pull
+from pdserve.worker.kv.transport import KVTransport
 from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
 
 PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
@@ -70,11 +72,8 @@ class KVConnector:
         self.tp = tp or TPRank(0, 1, cache.shape[4])
         self.link, self._report = link, report
         self.cache = cache  # [num_blocks, layers, 2, block_size, this rank's kv heads, head_dim]
-        self.transport = config.kv_transfer or ("nixl" if nixl_available() else "tcp")
-        if self.transport == "nixl" and not nixl_available():
-            from pdserve.worker.config import ConfigError
-
-            raise ConfigError("--kv-transfer", "nixl needs the nixl extra: pip install 'pdserve[nixl]'")
+        self.transport = config.kv_transfer or registry.default()  # its name (registry.py)
+        registry.check(self.transport)
         self.num_blocks = cache.shape[0]
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
@@ -101,23 +100,18 @@ class KVConnector:
         if advertised is None:
             advertised = "127.0.0.1" if _is_wildcard(self.bind_host) else self.bind_host
         self.host = advertised
-        self.nixl = None
-        if self.transport == "nixl":
-            try:
-                name = f"pdserve-{engine_id}" + (f"-r{self.tp.rank}" if self.tp.size > 1 else "")
-                self.nixl = NixlTransport(name, cache, self.block_bytes)
-            except Exception as e:  # e.g. UCX_TLS names transports this host cannot connect with
-                from pdserve.worker.config import ConfigError
-
-                raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
-                                                   f"or use --kv-transfer tcp") from e
+        # This worker's transport, and the base one every prefill worker serves besides its own
+        # (the decode side reads with it params of a transport it lacks).
+        agent = f"pdserve-{engine_id}" + (f"-r{self.tp.rank}" if self.tp.size > 1 else "")
+        self.kv: KVTransport = registry.transport_class(self.transport).start(agent, cache, self.block_bytes)
+        self.base: KVTransport = self.kv if self.transport == registry.BASE else \
+            registry.transport_class(registry.BASE).start(agent, cache, self.block_bytes)
         self.server: side_channel.SideChannelServer | None = None
         self.pool = PullPool(PULL_THREADS, config.kv_max_pulls_per_peer, cooldown_s=min(10.0, self.timeout))
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
         self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
         self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
         self._landing: set[str] = set()  # streamed pulls whose prefill runs its last step (or ended)
-        self.overlap_lease = True  # NIXL, known peer: READ while the lease round trip runs (_nixl_pull)
         # Rank 0 of a TP worker (step thread only): the followers' parts of pulls and pins.
         self.ranks = RankAggregator(self.tp.size - 1) if link is not None else None
         # Pulls over several remote shards (either side tensor-parallel): reads keep the remote
@@ -129,10 +123,10 @@ class KVConnector:
     # -- prefill side -------------------------------------------------------------------------
 
     def start_server(self) -> None:
-        tcp = self._tcp = TcpServer(self.blocks, self.pins, lambda n: self.metrics.bytes.labels("send", "tcp").inc(n),
-                                    self.bind_host, self.auth, num_layers=self.cache.shape[1])
-        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release, "read": tcp.handle_read,
+        handlers = {"describe": self._describe, "lease": self._lease, "release": self._release,
                     "progress": self._progress}
+        for transport in {id(t): t for t in (self.base, self.kv)}.values():
+            handlers.update(transport.serve(self))
         self.server = side_channel.SideChannelServer(self.bind_host, self.port, handlers, self.auth, tick=self._tick,
                                                      identity=side_channel.destination(self.engine_id, self.host,
                                                                                        self.port))
@@ -146,6 +140,15 @@ class KVConnector:
                         "blocks with a transfer token; set --kv-secret (or PDSERVE_KV_SECRET) on every worker",
                         self.bind_host, self.port)
 
+    active = True  # KV moves: see null_connector.NullKVConnector
+
+    def collectors(self) -> list:
+        """Prometheus collectors of KV transfer, for the process's registry."""
+        return [self.metrics]
+
+    def observe_decode_waits(self, admitted_s: float | None, landed_s: float | None) -> None:
+        self.metrics.observe_decode_waits(admitted_s, landed_s)
+
     def health(self) -> str | None:
         """None while the side channel serves; else why not (the worker's /health turns 503)."""
         if self.server is not None and not self.server.healthy:
@@ -158,62 +161,62 @@ class KVConnector:
                           self.num_blocks, self.pins.ttl, self.server is not None, self.policy, self.metrics)
 
     def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
-            prompt_digest: str) -> dict:
+            prompt_digest: str) -> KVTransferParams:
         """Pin blocks without a scheduler (benchmarks, tests): what a finished prefill's pin order does."""
         token = bind_token(secrets.token_urlsafe(24), prompt_digest)
         self.apply(KVConnectorMetadata(pins=[KVPin(request_id, list(block_ids), token, prompt_digest)]))
         return self.endpoint().params(request_id, block_ids, num_prompt_tokens, token, first_token_id)
 
     def _describe(self, body):
-        # Layout only: NIXL metadata would let the asker READ/WRITE the whole cache (see _lease).
+        # Layout only: a transport's metadata would let the asker READ/WRITE the whole cache (see _lease).
         return {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes,
                 "transport": self.transport}, []
 
     def _lease(self, body):
-        if self.nixl is None:
-            raise ValueError("this worker serves KV over TCP: use read")
-        ids = self.pins.lease(body.get("request_id"), body.get("token"), LEASE_S, body.get("prompt_digest"),
-                              _indices(body))
-        reply = {"engine_id": self.engine_id, "prompt_digest": body["prompt_digest"], "tp_rank": self.tp.rank,
-                 "block_ids": [ids[i] for i in check_indices(body.get("indices"), len(ids))]}
-        if body.get("want_metadata"):
-            reply["nixl"] = self.nixl.describe()
+        if not self.kv.leases:
+            self.kv.metadata()  # refuses: this worker's readers use `read`
+        req = LeaseRequest.from_body(body)
+        ids = self.pins.lease(req.request_id, req.token, LEASE_S, req.prompt_digest, req.waits_for)
+        reply = {"engine_id": self.engine_id, "prompt_digest": req.prompt_digest, "tp_rank": self.tp.rank,
+                 "block_ids": [ids[i] for i in check_indices(req.indices, len(ids))]}
+        if req.want_metadata:
+            reply[self.transport] = self.kv.metadata()
         return reply, []
 
     def _progress(self, body):
         """A streamed pin's progress (pins.NotReady defers the reply until it changes)."""
-        rid, digest = body.get("request_id"), body.get("prompt_digest")
-        have = -1 if body.get("deadline") else body.get("have")  # past the deadline: what there is
-        lease = bool(body.get("lease"))
-        if lease and self.nixl is None:
-            raise ValueError("this worker serves KV over TCP: use read")
+        req = ProgressRequest.from_body(body)
+        rid, digest = req.request_id, req.prompt_digest
+        have = -1 if req.deadline else req.have  # past the deadline: what there is
+        if req.lease and not self.kv.leases:
+            self.kv.metadata()  # refuses: this worker's readers use `read`
         try:
-            state = self.pins.progress(rid, body.get("token"), digest, have, LEASE_S if lease else 0.0,
-                                       last_seen=body.get("last_seen", True), layers=body.get("layers"))
+            state = self.pins.progress(rid, req.token, digest, have, LEASE_S if req.lease else 0.0,
+                                       last_seen=req.last_seen, layers=req.layers)
         except NotReady as e:
             if e.clock is not None:  # waits for a running step's next layer, not for a pin change
                 self._clock_watch.watch(e.clock, e.layer)
             raise
         reply = {"engine_id": self.engine_id, "prompt_digest": digest, "tp_rank": self.tp.rank, **state}
-        if "block_ids" in state and body.get("want_metadata"):  # leased: as `lease` gives it
-            reply["nixl"] = self.nixl.describe()
+        if "block_ids" in state and req.want_metadata:  # leased: as `lease` gives it
+            reply[self.transport] = self.kv.metadata()
         return reply, []
 
     def _release(self, body):
-        return {"released": self.pins.release(body.get("request_id"), body.get("token"))}, []
+        req = ReleaseRequest.from_body(body)
+        return {"released": self.pins.release(req.request_id, req.token)}, []
 
     def _tick(self) -> None:
-        """Side-channel thread, every poll: NIXL notifications; on rank >= 1, pins that are gone."""
-        if self.nixl is not None:
-            self._nixl_tick()
+        """Side-channel thread, every poll: the transport's own releases; on rank >= 1, pins that are gone."""
+        self.kv.tick(self._released)
         if self._report is not None:
             for rid, _, _ in self.pins.collect():
                 self._report(("unpinned", self.tp.rank, rid))
 
-    def _nixl_tick(self) -> None:
-        for msg in self.nixl.notifications():
-            if msg.get("op") == "release" and self.pins.release(msg.get("request_id", ""), msg.get("token", "")):
-                self.metrics.bytes.labels("send", "nixl").inc(msg.get("bytes", 0))
+    def _released(self, request_id: str, token: str, nbytes: int) -> None:
+        """A release the transport carried (a reader's notification once its READ landed)."""
+        if self.pins.release(request_id, token):
+            self.metrics.bytes.labels("send", self.transport).inc(nbytes)
 
     # -- decode side: the step's orders and what came of them (step thread) ---------------------
 
@@ -353,15 +356,12 @@ class KVConnector:
 
     # -- decode side: moving bytes (pull threads) -------------------------------------------------
 
-    def _pull(self, params: KVTransferParams | dict, indices: list[int], dst_blocks: list[int], digest: str,
+    def _pull(self, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
               rid: str = "") -> int:
         """Pull remote blocks at `indices` (positions in remote_block_ids) into `dst_blocks`, for
         our request `rid`."""
         t0 = time.perf_counter()
-        params = as_params(params)
-        transport = params.transport
-        if transport != "nixl" or self.nixl is None:
-            transport = "tcp"
+        transport = self.kv if params.transport == self.transport else self.base
         try:
             host = self.allowed_peer(params)
             if params.stream_kv:
@@ -372,30 +372,27 @@ class KVConnector:
             else:
                 nbytes = self._pull_blocks(host, params, indices, dst_blocks, digest, transport, last=True)
         except Exception:
-            self.metrics.failures.labels("recv", transport).inc()
+            self.metrics.failures.labels("recv", transport.name).inc()
             # Let the prefill side free its blocks now rather than at TTL (a slow peer's pin, a
             # NIXL lease, would hold them): off this failure's path, so a dead peer delays nothing.
             # Under TP rank 0 releases once all ranks are done.
             if not self._tp_pull(params):
                 self.pool.submit(_peer(params), self._release_quietly, params)
             raise
-        self.metrics.observe_pull(transport, nbytes, time.perf_counter() - t0)
+        self.metrics.observe_pull(transport.name, nbytes, time.perf_counter() - t0)
         return nbytes
 
     def _pull_blocks(self, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
-                     transport: str, last: bool) -> int:
+                     transport: KVTransport, last: bool) -> int:
         """One read of blocks the prefill side has computed; `last`: the read also releases the
         pin (a tensor-parallel pull never does: rank 0 releases once every rank has read)."""
         port = params.remote_port
         if self._tp_pull(params):
             return pull_shards(self, host, params, indices, dst_blocks, digest, transport)
-        if transport == "nixl":
-            return self._nixl_pull(host, port, params, indices, dst_blocks, digest, release=last)
-        return tcp_pull(host, port, params, indices, dst_blocks, self.blocks, self.timeout, self.auth, digest,
-                        keep=not last)
+        return transport.pull(self, host, port, params, indices, dst_blocks, digest, release=last)
 
     def _stream_pull(self, rid: str, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
-                     digest: str, transport: str) -> int:
+                     digest: str, transport: KVTransport) -> int:
         """A streamed hand-off: read each chunk of the blocks we lack as soon as the prefill has
         computed it (the side channel answers `progress` when more blocks are ready), until
         the prefill ends with its first token. Every read keeps the pin; it is released after the
@@ -406,7 +403,7 @@ class KVConnector:
         # Over NIXL (one rank each side) every progress reply is also the lease of the pin: the
         # chunk it announces is READ at once, one round trip per chunk instead of two (the last
         # chunk's is on the first token's gap).
-        leased = transport == "nixl" and not self._tp_pull(params)
+        leased = transport.leases and not self._tp_pull(params)
         # Over TCP (one rank each side) the blocks move as one stream read, whose senders follow
         # the prefill (tcp_stream.py): no round trip, connection or pipeline refill per chunk. It
         # starts once the prefill's first step has written its first group of layers (a progress
@@ -415,38 +412,38 @@ class KVConnector:
         # computed in one step moves layer by layer while it runs too. This loop then follows
         # the pin only (last step, first token, cancel), and waits for the read's bytes once the
         # prefill is done.
-        streamed = transport == "tcp" and not self._tp_pull(params)
+        streamed = transport.streams and not self._tp_pull(params)
         # A NIXL reader also asks for the layers of the step that is writing the next blocks
         # (pins.PinTable.progress `partial`), so the prefill's last step leaves layer by layer
         # while it runs: when its forward ends, only its last layers are left to READ.
         held = [0, 0]  # NIXL: [layers held, up to which block] of the blocks after `have`
-        reader: StreamedRead | None = None
+        reader = None  # transport.open_stream's
         stalled_since = time.monotonic()
         try:
             while True:
                 if rid in self._stopping:
                     raise PullStopped("the request was aborted")
-                unknown = leased and self.nixl.known_peer(params.remote_engine_id) is None
+                unknown = leased and not transport.knows_peer(params.remote_engine_id)
                 asked = time.monotonic()
                 p = side_channel.progress(host, port, params, digest, have, self.timeout, self.auth,
                                           lease=leased, want_metadata=unknown, last_seen=rid in self._landing,
                                           layers=held[0] if leased else 0 if streamed and reader is None else None)
-                log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p["ready"], n), n,
-                          p["state"], " (last step)" if p.get("last") is True else "", (time.monotonic() - asked) * 1e3)
-                if p.get("last") is True:
+                log.debug("KV progress of %s: %d/%d blocks ready, %s%s, after %.2f ms", rid, min(p.ready, n), n,
+                          p.state, " (last step)" if p.last else "", (time.monotonic() - asked) * 1e3)
+                if p.last:
                     self._landing.add(rid)  # the prefill's last step runs: the KV lands within about one step
-                if p["state"] == "cancelled":
+                if p.state == "cancelled":
                     raise PullStopped("the prefill worker cancelled the prefill")
-                ready = min(p["ready"], n)
+                ready = min(p.ready, n)
                 # A peer that answers but never computes another chunk costs what a silent one does.
-                part = p.get("partial")  # only a reader that asked with `layers` gets one
-                if ready > have or p["state"] == "done" or (part is not None and part[1] > held[0]):
+                part = p.partial  # only a reader that asked with `layers` gets one
+                if ready > have or p.state == "done" or (part is not None and part[1] > held[0]):
                     stalled_since = time.monotonic()
                 elif time.monotonic() - stalled_since > self.timeout:
                     raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
                                                    f"{self.timeout:.0f}s")
-                if p["state"] == "done":
-                    token = p.get("first_token_id")
+                if p.state == "done":
+                    token = p.first_token_id
                     if type(token) is not int:
                         raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
                     self._first_tokens[rid] = token  # known even if a read below fails: local prefill then
@@ -457,14 +454,13 @@ class KVConnector:
                         reader.raise_if_failed()
                     elif streamed and (chunk or part):  # the prefill's first step is running
                         rest = sorted(i for i in want if i >= have)
-                        reader = StreamedRead(host, port, params, rest, [want[i] for i in rest], self.blocks,
-                                              self.timeout, self.auth, digest)
+                        reader = transport.open_stream(self, host, port, params, rest, [want[i] for i in rest], digest)
                     elif leased:
-                        nbytes += self._read_layered(params, p, have, ready, held, want)
+                        nbytes += transport.read_layered(self, params, p, have, ready, held, want)
                     elif chunk:
                         nbytes += self._pull_blocks(host, params, chunk, [want[i] for i in chunk], digest, transport,
                                                     last=False)
-                    if reader is not None and p["state"] == "done":
+                    if reader is not None and p.state == "done":
                         nbytes += reader.result()  # the prefill is done: only the last chunk's bytes are left
                 except Exception:
                     # A read the prefill side broke off because it cancelled the prefill (its first
@@ -473,7 +469,7 @@ class KVConnector:
                         raise PullStopped("the prefill worker cancelled the prefill") from None
                     raise
                 have = max(have, ready)
-                if p["state"] == "done":
+                if p.state == "done":
                     break
         finally:
             if reader is not None:
@@ -488,90 +484,11 @@ class KVConnector:
             p = side_channel.progress(host, params.remote_port, params, digest, -1, min(5.0, self.timeout), self.auth)
         except Exception:
             return False
-        return p["state"] == "cancelled"
-
-    def _read_layered(self, params: KVTransferParams, reply: dict, have: int, ready: int, held: list[int],
-                      want: dict[int, int]) -> int:
-        """READ what a layered progress reply announces beyond what this reader holds (`held`:
-        [layers, up to which block] of the blocks from `have`, updated here): the rest of those
-        blocks' layers once their step is through (or the layers it has written since), whole
-        blocks up to `ready`, then the layers written so far of the step after them. Only the
-        positions in `want` (the blocks we lack) are read; the READs run side by side."""
-        num_layers = self.cache.shape[1]
-        part = reply.get("partial")
-        if part is not None and part[2] != num_layers:  # not our model's layers: whole blocks only
-            part = None
-        layers, upto = held
-        reads, start = [], have  # (positions, first layer, end layer)
-        if layers and ready >= upto:  # that step's forward is through: the rest of its layers
-            reads.append((range(have, upto), layers, num_layers))
-            start, layers = upto, 0
-        elif layers and part is not None and part[0] == upto and part[1] > layers:  # more of them
-            reads.append((range(have, upto), layers, part[1]))
-            layers = part[1]
-        if ready > start:
-            reads.append((range(start, ready), 0, num_layers))
-        if not layers and part is not None:  # the next step's first layers
-            reads.append((range(ready, part[0]), 0, part[1]))
-            layers, upto = part[1], part[0]
-        reads = [([i for i in pos if i in want], lo, hi) for pos, lo, hi in reads]
-        reads = [r for r in reads if r[0]]
-        if reads:
-            if reply["block_ids"] != list(params.remote_block_ids):
-                raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than "
-                                                    "the params name")
-            engine_id = params.remote_engine_id
-            peer = self.nixl.known_peer(engine_id) or self.nixl.add_peer(engine_id, reply["nixl"])
-            src = params.remote_block_ids
-            posted, landed, nbytes = [], 0, 0
-            try:
-                for pos, lo, hi in reads:
-                    posted.append(self.nixl.post_read_layers(peer, [src[i] for i in pos], [want[i] for i in pos],
-                                                             lo, hi, num_layers))
-                for xfer in posted:
-                    landed += 1  # finish_read releases its handle however it ends
-                    nbytes += self.nixl.finish_read(xfer, self.timeout)
-            except BaseException:
-                for xfer in posted[landed:]:
-                    self.nixl.abort_read(xfer, self.timeout)
-                raise
-        else:
-            nbytes = 0
-        held[:] = [layers, upto] if layers else [0, 0]
-        return nbytes
-
-    def _nixl_pull(self, host, port, params, indices, dst_blocks, digest, release: bool = True) -> int:
-        """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params
-        name starts first and the lease round trip runs while the bytes move. Those bytes count
-        only if the lease then confirms the same blocks for this prompt: a pin is never re-made
-        under a token, so blocks read before a successful lease were read while the pin held
-        them. Otherwise the READ is abandoned and the scheduler prefills locally over them."""
-        engine_id = params.remote_engine_id
-        peer = self.nixl.known_peer(engine_id)
-        rid, token = params.remote_request_id, params.transfer_token
-        notif = {"op": "release", "request_id": rid, "token": token, "bytes": len(dst_blocks) * self.block_bytes} \
-            if release else None
-        src = [params.remote_block_ids[i] for i in check_indices(indices, len(params.remote_block_ids))]
-        early = None
-        # Not with the release riding on the READ: it would end the pin before the lease. Not
-        # for a streamed chunk either: the lease is what says its blocks are computed.
-        if peer is not None and self.overlap_lease and release and self.nixl.notify_after_read:
-            early = self.nixl.post_read(peer, src, dst_blocks, notif)
-        try:
-            reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, self.timeout, self.auth)
-            if peer is None:
-                peer = self.nixl.add_peer(engine_id, reply["nixl"])
-            if reply.get("block_ids") != src:
-                raise side_channel.SideChannelError(f"KV peer {host}:{port} leased other blocks than the params name")
-        except BaseException:
-            if early is not None:
-                self.nixl.abort_read(early, self.timeout)
-            raise
-        return self.nixl.finish_read(early or self.nixl.post_read(peer, src, dst_blocks, notif), self.timeout)
+        return p.state == "cancelled"
 
     def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to pull these params' blocks from, or PeerNotAllowed (endpoint.allowed_peer)."""
-        return allowed_peer(self.policy, as_params(params))
+        return allowed_peer(self.policy, params)
 
     def _tp_pull(self, params: KVTransferParams) -> bool:
         """Either side is tensor-parallel: heads map across ranks, reads keep the pin, rank 0 releases."""
@@ -583,7 +500,6 @@ class KVConnector:
     def _release_quietly(self, params: KVTransferParams) -> None:
         """Best effort: tell the prefill worker we will not read (more of) its pin (every rank's,
         when it is tensor-parallel). Its TTL is the backstop."""
-        params = as_params(params)
         try:
             host = self.allowed_peer(params)  # never contact a peer we would not pull from
             ranks = remote_tp_size(params)
@@ -593,38 +509,26 @@ class KVConnector:
         for rank in range(ranks):
             try:
                 side_channel.call(host, params.remote_port + rank, "release",
-                                  {"request_id": params.remote_request_id, "token": params.transfer_token},
+                                  ReleaseRequest(params.remote_request_id, params.transfer_token).to_body(),
                                   min(5.0, self.timeout), self.auth, params.remote_engine_id)
             except Exception as e:
                 log.debug("KV release of %s (rank %d) failed: %s", params.remote_request_id, rank, e)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
-        if self.nixl is not None:
-            self.nixl.close()  # deregister and free its staging buffers
         if self.server:
             self.server.stop()
-            self._tcp.close()
             self._clock_watch.stop()
-
-
-def as_params(params: KVTransferParams | dict) -> KVTransferParams:
-    """The parsed params (the request carries them so); a dict (the params a test's pin returned) is parsed."""
-    return params if isinstance(params, KVTransferParams) else parse_kv_transfer_params(params)
+        # e.g. NIXL deregisters and frees its staging buffers, TCP stops its data listener
+        for transport in {id(t): t for t in (self.base, self.kv)}.values():
+            transport.close()
 
 
 class PullStopped(RuntimeError):
     """A streamed pull ended early: its request was aborted here, or the prefill was cancelled."""
 
 
-def _indices(body: dict) -> list | None:
-    """The blocks a lease or read waits for (a streamed pin defers it until they are computed)."""
-    indices = body.get("indices")
-    return indices if isinstance(indices, list) else None
-
-
-def _peer(params: KVTransferParams | dict) -> tuple[str, int]:
-    params = as_params(params)
+def _peer(params: KVTransferParams) -> tuple[str, int]:
     return params.remote_host, params.remote_port
 
 

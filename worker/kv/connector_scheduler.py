@@ -42,6 +42,7 @@ from dataclasses import replace
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
                                           KVTransferParamsError, is_remote_decode, is_streamed, wants_remote_decode,
                                           wants_stream_kv)
+from pdserve.worker.kv import registry
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
@@ -267,7 +268,7 @@ class KVConnectorScheduler:
             self._meta.last_steps.append(req.request_id)
         self.announced.append(req)
 
-    def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> dict:
+    def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> KVTransferParams:
         """Order a pin of `req`'s prompt blocks and return the params that describe it. Only
         prompt blocks are offered: the first token's KV is never computed on the prefill side."""
         n_blocks = -(-req.num_prompt_tokens // self.block_size)
@@ -301,7 +302,7 @@ class KVConnectorScheduler:
 
     # -- finish -----------------------------------------------------------------------------------
 
-    def request_finished(self, req: Request) -> tuple[bool, dict | None]:
+    def request_finished(self, req: Request) -> tuple[bool, KVTransferParams | None]:
         """(keep the blocks until the worker half reports this request finished sending, params)."""
         self._awaiting_first.discard(req.request_id)
         if req.request_id in self._streaming:
@@ -318,7 +319,7 @@ class KVConnectorScheduler:
             return False, None
         return True, self._pin(req, first_token_id=req.output_token_ids[0])
 
-    def _streamed_finished(self, req: Request) -> tuple[bool, dict | None]:
+    def _streamed_finished(self, req: Request) -> tuple[bool, KVTransferParams | None]:
         self._streaming.discard(req.request_id)
         early = req.kv_transfer_params_out
         if early is None:  # ended before admission: nothing was pinned
@@ -331,10 +332,8 @@ class KVConnectorScheduler:
             # Every block readable, the TTL starts. The final params are a plain hand-off's, good
             # for a decode worker that pulls after the prefill (the router's fallback).
             self._meta.finishes.append((req.request_id, req.output_token_ids[0]))
-            final = {**early, "first_token_id": req.output_token_ids[0],
-                     "expires_at": time.time() + self._endpoint.pin_ttl}
-            del final["stream_kv"]
-            return True, final
+            return True, replace(early, first_token_id=req.output_token_ids[0],
+                                 expires_at=time.time() + self._endpoint.pin_ttl, stream_kv=False)
         # Aborted, or the first token ended the request: readers are told, and the blocks wait
         # for no lease to hold them before they are freed (get_finished reports it).
         self._meta.cancelled_pins.append(req.request_id)
@@ -342,12 +341,11 @@ class KVConnectorScheduler:
 
 
 def resolve_split(split: str, transport: str | None) -> str:
-    """--kv-stream-split auto: taper over TCP (a link about as fast as the prefill makes KV: each
-    chunk's bytes move while the next, half as large, is computed), tail over NIXL (fast enough
-    that one extra step suffices). Measured: docs/tcp-kv-gpu-results.md, docs/handoff-gpu-results.md."""
+    """--kv-stream-split auto: what the transport named says suits it (KVTransport.stream_split:
+    taper over TCP, tail over NIXL); tail without one (e.g. a bench's aggregated stack)."""
     if split != "auto":
         return split
-    return "taper" if transport == "tcp" else "tail"
+    return registry.transport_class(transport).stream_split if transport in registry.names() else "tail"
 
 
 def stream_chunk(split: str, n: int, left: int, tail: int) -> int:

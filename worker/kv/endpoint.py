@@ -22,7 +22,7 @@ class KVEndpoint:
     host: str  # advertised: where decode workers reach rank 0's side channel (rank r: port + r)
     port: int
     layout: str  # of the whole model (all ranks' heads): see kv_cache.kv_layout
-    transport: str  # "nixl" or "tcp"
+    transport: str  # this worker's transport (registry.py)
     tp_size: int
     num_blocks: int  # of this worker's KV cache
     pin_ttl: float  # seconds a finished prefill's pin waits for a reader
@@ -31,7 +31,7 @@ class KVEndpoint:
     metrics: KVMetrics
 
     def params(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, token: str,
-               first_token_id: int | None = None, stream_kv: bool = False) -> dict:
+               first_token_id: int | None = None, stream_kv: bool = False) -> KVTransferParams:
         """The kv_transfer_params of a pin made under `token`. A streamed pin (no first token yet)
         never expires while its prefill runs; a finished one's expiry starts now."""
         return KVTransferParams(
@@ -39,7 +39,7 @@ class KVEndpoint:
             remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
             first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
             expires_at=None if stream_kv else time.time() + self.pin_ttl, kv_tp_size=self.tp_size,
-            stream_kv=stream_kv).to_dict()
+            stream_kv=stream_kv)
 
     def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to connect to for these params, if --kv-peer-allow admits their host and

@@ -38,6 +38,7 @@ the registration is the whole cache (see docs/security.md for why not per lease)
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -49,8 +50,12 @@ import numpy as np
 import torch
 
 from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
-from pdserve.worker.kv.block_runs import as_indices, merge_runs, run_starts
+from pdserve.protocol.flags import ConfigError
+from pdserve.worker.kv import side_channel
+from pdserve.worker.kv.messages import ReleaseNotice
+from pdserve.worker.kv.block_runs import as_indices, check_indices, merge_runs, run_starts
 from pdserve.worker.kv.staging import StagingPool, slot_cap
+from pdserve.worker.kv.transport import KVTransport
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +99,14 @@ def nixl_available() -> bool:
         return False
 
 
-class NixlTransport:
+class NixlTransport(KVTransport):
+    """NIXL (UCX underneath): a reader leases blocks on the side channel, then READs them from
+    the peer's registered cache itself (one-sided: the prefill side's CPU moves no byte)."""
+
+    name = "nixl"
+    leases = True
+    stream_split = "tail"  # fast enough that one extra step of a streamed prefill suffices
+
     def __init__(self, name: str, cache: torch.Tensor, block_bytes: int, capture_telemetry: bool = False):
         """capture_telemetry: NIXL keeps per-transfer telemetry (descriptors posted, bytes, times),
         read with self.agent.get_xfer_telemetry(handle) until the handle is released (tests)."""
@@ -114,7 +126,7 @@ class NixlTransport:
             # progress), so it stays; on a small shared machine (CI: 2 cores, a dozen workers)
             # it is niced so it yields to the work it would otherwise slow down.
             _renice(_thread_ids() - threads, int(os.environ[PROGRESS_NICE_ENV]))
-        self.name = name
+        self.agent_name = name
         self.cache = cache
         self.block_bytes = block_bytes
         self.reg = self.agent.register_memory(cache)
@@ -126,6 +138,8 @@ class NixlTransport:
         # False: the release notification rides on the READ (NIXL completes the READ only after a
         # flush round trip to the peer); True: sent with send_notif once the READ is DONE.
         self.notify_after_read = True
+        # A known peer: READ while the lease round trip runs (pull); False: lease, then READ.
+        self.overlap_lease = True
         self._local_prep = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _block_descs(self.base, self.num_blocks, block_bytes, self.device_id), self.mem_type)
         self._remote: dict[str, dict] = {}  # engine id -> described peer
@@ -135,11 +149,23 @@ class NixlTransport:
         # Where a tensor-parallel peer's blocks (other heads than ours) land: registered once, reused.
         self.staging = StagingPool(cache.device, slot_cap(cache), self._register, self._deregister)
 
+    @classmethod
+    def start(cls, agent_name: str, cache: torch.Tensor, block_bytes: int) -> "NixlTransport":
+        try:
+            import_nixl()
+        except ImportError:
+            raise ConfigError("--kv-transfer", "nixl needs the nixl extra: pip install 'pdserve[nixl]'") from None
+        try:
+            return cls(agent_name, cache, block_bytes)
+        except Exception as e:  # e.g. UCX_TLS names transports this host cannot connect with
+            raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
+                                               f"or use --kv-transfer tcp") from e
+
     def describe(self) -> dict:
         """Everything a peer needs to READ (or WRITE) this cache: give it only to a leaseholder."""
         if self._described is None:
             metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
-            self._described = {"agent": self.name, "metadata": metadata, "base": self.base,
+            self._described = {"agent": self.agent_name, "metadata": metadata, "base": self.base,
                                "device_id": self.device_id, "mem_type": self.mem_type,
                                "num_blocks": self.num_blocks, "block_bytes": self.block_bytes}
         return self._described
@@ -303,6 +329,151 @@ class NixlTransport:
     def close(self) -> None:
         """Deregister and free the staging buffers (the connector shuts down)."""
         self.staging.close()
+
+    # -- KVTransport --------------------------------------------------------------------------
+
+    def metadata(self) -> dict:
+        return self.describe()
+
+    def tick(self, released) -> None:
+        for msg in self.notifications():
+            notice = ReleaseNotice.parse(msg)
+            if notice is not None:
+                released(notice.request_id, notice.token, notice.nbytes)
+
+    def knows_peer(self, engine_id: str) -> bool:
+        return self.known_peer(engine_id) is not None
+
+    def pull(self, conn, host, port, params, indices, dst_blocks, digest, release) -> int:
+        """Lease, then READ; from a peer whose metadata we hold, the READ of the blocks the params
+        name starts first and the lease round trip runs while the bytes move. Those bytes count
+        only if the lease then confirms the same blocks for this prompt: a pin is never re-made
+        under a token, so blocks read before a successful lease were read while the pin held
+        them. Otherwise the READ is abandoned and the scheduler prefills locally over them."""
+        engine_id = params.remote_engine_id
+        peer = self.known_peer(engine_id)
+        rid, token = params.remote_request_id, params.transfer_token
+        notif = ReleaseNotice(rid, token, len(dst_blocks) * conn.block_bytes).to_body() if release else None
+        src = [params.remote_block_ids[i] for i in check_indices(indices, len(params.remote_block_ids))]
+        early = None
+        # Not with the release riding on the READ: it would end the pin before the lease. Not
+        # for a streamed chunk either: the lease is what says its blocks are computed.
+        if peer is not None and self.overlap_lease and release and self.notify_after_read:
+            early = self.post_read(peer, src, dst_blocks, notif)
+        try:
+            reply = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
+            if peer is None:
+                peer = self.add_peer(engine_id, reply.metadata)
+            if reply.block_ids != src:
+                raise side_channel.SideChannelError(f"KV peer {host}:{port} leased other blocks than the params name")
+        except BaseException:
+            if early is not None:
+                self.abort_read(early, conn.timeout)
+            raise
+        return self.finish_read(early or self.post_read(peer, src, dst_blocks, notif), conn.timeout)
+
+    def read_layered(self, conn, params, reply, have, ready, held, want) -> int:
+        """READ what a layered progress reply announces beyond what this reader holds (`held`:
+        [layers, up to which block] of the blocks from `have`, updated here): the rest of those
+        blocks' layers once their step is through (or the layers it has written since), whole
+        blocks up to `ready`, then the layers written so far of the step after them. Only the
+        positions in `want` (the blocks we lack) are read; the READs run side by side."""
+        num_layers = conn.cache.shape[1]
+        part = reply.partial
+        if part is not None and part[2] != num_layers:  # not our model's layers: whole blocks only
+            part = None
+        layers, upto = held
+        reads, start = [], have  # (positions, first layer, end layer)
+        if layers and ready >= upto:  # that step's forward is through: the rest of its layers
+            reads.append((range(have, upto), layers, num_layers))
+            start, layers = upto, 0
+        elif layers and part is not None and part[0] == upto and part[1] > layers:  # more of them
+            reads.append((range(have, upto), layers, part[1]))
+            layers = part[1]
+        if ready > start:
+            reads.append((range(start, ready), 0, num_layers))
+        if not layers and part is not None:  # the next step's first layers
+            reads.append((range(ready, part[0]), 0, part[1]))
+            layers, upto = part[1], part[0]
+        reads = [([i for i in pos if i in want], lo, hi) for pos, lo, hi in reads]
+        reads = [r for r in reads if r[0]]
+        nbytes = 0
+        if reads:
+            if reply.block_ids != list(params.remote_block_ids):
+                raise side_channel.SideChannelError(f"KV peer {params.remote_engine_id} leased other blocks than "
+                                                    "the params name")
+            engine_id = params.remote_engine_id
+            peer = self.known_peer(engine_id) or self.add_peer(engine_id, reply.metadata)
+            src = params.remote_block_ids
+            posted, landed = [], 0
+            try:
+                for pos, lo, hi in reads:
+                    posted.append(self.post_read_layers(peer, [src[i] for i in pos], [want[i] for i in pos],
+                                                        lo, hi, num_layers))
+                for xfer in posted:
+                    landed += 1  # finish_read releases its handle however it ends
+                    nbytes += self.finish_read(xfer, conn.timeout)
+            except BaseException:
+                for xfer in posted[landed:]:
+                    self.abort_read(xfer, conn.timeout)
+                raise
+        held[:] = [layers, upto] if layers else [0, 0]
+        return nbytes
+
+    def pull_shard(self, conn, host, port, remote_rank, params, indices, dst_blocks, digest) -> int:
+        peer, src = self._lease_rank(conn, host, port, remote_rank, params, indices, digest)
+        return self.read(peer, src, dst_blocks, None, conn.timeout)
+
+    def staged_blocks(self, conn, per_block: int, num_blocks: int) -> int:
+        # A registered staging slot holds at most its cap; a longer pull goes in chunks (a lease each).
+        return self.staging.blocks_per_chunk(per_block)
+
+    @contextlib.contextmanager
+    def staging_area(self, conn, nbytes: int):
+        with self.staging.take(nbytes, conn.timeout) as slot:
+            yield slot.data[:nbytes], slot
+
+    def pull_staged(self, conn, slot, host, params, indices, digest, staged, regions) -> int:
+        """Lease and post a READ per source, then wait for all: source k's bytes move while source
+        k + 1's lease runs. Every READ has ended before this returns or raises; one that may not
+        have (a timeout) retires the slot, which is then never reused (staging.py)."""
+        base_port, pending, nbytes = params.remote_port, [], 0
+        try:
+            for s, region in zip(staged, regions):
+                peer, src = self._lease_rank(conn, host, base_port + s.remote_rank, s.remote_rank, params, indices,
+                                             digest)
+                pending.append(self.post_read_into(peer, src, region))
+            while pending:
+                xfer = pending.pop(0)
+                try:
+                    nbytes += self.finish_read(xfer, conn.timeout)
+                except ReadFailed:
+                    raise  # it ended
+                except BaseException:
+                    slot.retire = True
+                    raise
+        finally:
+            for xfer in pending:  # a lease or an earlier READ failed: these bytes will not be used
+                if not self.abort_read(xfer, conn.timeout):
+                    slot.retire = True
+        return nbytes
+
+    def _lease_rank(self, conn, host: str, port: int, remote_rank: int, params, indices: list[int],
+                    digest: str) -> tuple[dict, list[int]]:
+        """Lease the blocks at `indices` from prefill rank `remote_rank`: (its NIXL peer, their block ids).
+        No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
+        key = f"{params.remote_engine_id}#{remote_rank}"
+        peer = self.known_peer(key)
+        reply = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
+        if reply.tp_rank != remote_rank:
+            raise side_channel.SideChannelError(f"KV peer {host}:{port} is tensor-parallel rank "
+                                                f"{reply.tp_rank}, not rank {remote_rank}: its heads are "
+                                                "not the ones expected")
+        if peer is None:
+            peer = self.add_peer(key, reply.metadata)
+        if not isinstance(reply.block_ids, list) or len(reply.block_ids) != len(indices):
+            raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
+        return peer, reply.block_ids
 
     def notifications(self) -> list[dict]:
         with self._lock:

@@ -51,6 +51,7 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.worker.kv.auth import SideChannelAuth
+from pdserve.worker.kv.messages import LeaseReply, LeaseRequest, MalformedReply, ProgressReply, ProgressRequest
 from pdserve.worker.kv.pins import NotReady
 from typing import TYPE_CHECKING
 
@@ -348,50 +349,34 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
 
 def progress(host: str, port: int, params: KVTransferParams, digest: str, have: int, timeout_s: float,
              auth: SideChannelAuth, lease: bool = False, want_metadata: bool = False, last_seen: bool = True,
-             layers: int | None = None) -> dict:
+             layers: int | None = None) -> ProgressReply:
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
     (or after the server's DEFER_S with what there is): {ready, state, first_token_id}. `lease`
-    (NIXL): the reply also leases the pin and names its block ids (and, `want_metadata`, carries
-    the peer's NIXL metadata), so the ready blocks can be READ without a lease round trip.
+    (a leasing transport, e.g. NIXL): the reply also leases the pin and names its block ids (and,
+    `want_metadata`, carries the peer's transport metadata under the transport's name), so the ready blocks can be READ without a lease round trip.
     `last_seen` False: also answer as soon as the prefill's last step begins ({last: true}).
     `layers` (a layered reader: it holds that many layers of the blocks being written): also
     answer when a running step has written more layers (`partial`: pins.PinTable.progress); a
     peer of an earlier release ignores it and answers for whole blocks only."""
     engine_id = params.remote_engine_id
-    body = {"request_id": params.remote_request_id, "token": params.transfer_token, "prompt_digest": digest,
-            "have": have, "last_seen": last_seen}
-    if layers is not None:
-        body["layers"] = layers
-    if lease:
-        body.update(lease=True, want_metadata=want_metadata)
+    body = ProgressRequest(params.remote_request_id, params.transfer_token, digest, have, last_seen, layers, lease,
+                           want_metadata).to_body()
     reply, _ = call(host, port, "progress", body, timeout_s, auth, engine_id)
-    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
-        raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
-    if type(reply.get("ready")) is not int or reply.get("state") not in ("running", "done", "cancelled"):
-        raise SideChannelError(f"KV peer {host}:{port} sent a malformed progress reply")
-    part = reply.get("partial")
-    if part is not None and not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
-                                 and reply["ready"] < part[0] and 0 < part[1] < part[2]):
-        raise SideChannelError(f"KV peer {host}:{port} sent a malformed partial step {part!r}")
-    if lease and reply["state"] != "cancelled":
-        if not isinstance(reply.get("block_ids"), list):
-            raise SideChannelError(f"KV peer {host}:{port} did not lease the streamed pin")
-        if want_metadata and not isinstance(reply.get("nixl"), dict):
-            raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
-    return reply
+    try:
+        return ProgressReply.parse(reply, f"KV peer {host}:{port}", engine_id, digest, params.transport, lease,
+                                   want_metadata)
+    except MalformedReply as e:
+        raise SideChannelError(str(e)) from None
 
 
 def lease(host: str, port: int, params: KVTransferParams, indices: list[int], digest: str, want_metadata: bool,
-          timeout_s: float, auth: SideChannelAuth) -> tuple[dict, list]:
+          timeout_s: float, auth: SideChannelAuth) -> LeaseReply:
     """Lease `indices` of the blocks `params` name, and check the reply is from the engine the params
     name, for this prompt. The caller checks the blocks it got (one rank or the whole cache)."""
     engine_id = params.remote_engine_id
-    reply, frames = call(host, port, "lease", {"request_id": params.remote_request_id,
-                                               "token": params.transfer_token, "indices": indices,
-                                               "prompt_digest": digest, "want_metadata": want_metadata},
-                         timeout_s, auth, engine_id)
-    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
-        raise SideChannelError(f"KV peer {host}:{port} is not engine {engine_id} or did not confirm the prompt digest")
-    if want_metadata and not isinstance(reply.get("nixl"), dict):
-        raise SideChannelError(f"KV peer {host}:{port} sent no NIXL metadata")
-    return reply, frames
+    body = LeaseRequest(params.remote_request_id, params.transfer_token, digest, indices, want_metadata).to_body()
+    reply, _ = call(host, port, "lease", body, timeout_s, auth, engine_id)
+    try:
+        return LeaseReply.parse(reply, f"KV peer {host}:{port}", engine_id, digest, params.transport, want_metadata)
+    except MalformedReply as e:
+        raise SideChannelError(str(e)) from None

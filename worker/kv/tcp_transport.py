@@ -22,11 +22,14 @@ from concurrent.futures import Future
 
 import torch
 
+from pdserve.protocol.kv_transfer import BASE_TRANSPORT
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
-from pdserve.worker.kv.block_runs import merge_runs
+from pdserve.worker.kv.block_runs import check_indices, merge_runs
 from pdserve.worker.kv.data_listener import DataListenerConfig
+from pdserve.worker.kv.messages import ReadRequest
 from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.transport import KVTransport
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,6 +40,46 @@ log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.01
 STREAMS = 4  # data connections a pull asks for (the prefill side may grant fewer)
 MAX_LAYERS = 1024  # a peer's layer count we accept (the reader keeps a flag per block and layer)
+
+
+class TcpTransport(KVTransport):
+    """The base transport: every prefill worker serves `read` (TcpServer), whatever its own
+    transport, so any decode worker can pull from it."""
+
+    name = BASE_TRANSPORT
+    streams = True
+    # A link about as fast as the prefill makes KV: each chunk's bytes move while the next,
+    # half as large, is computed (measured: docs/tcp-kv-gpu-results.md, docs/handoff-gpu-results.md).
+    stream_split = "taper"
+
+    def __init__(self):
+        self.server: TcpServer | None = None
+
+    def serve(self, conn) -> dict:
+        self.server = TcpServer(conn.blocks, conn.pins, lambda n: conn.metrics.bytes.labels("send", self.name).inc(n),
+                                conn.bind_host, conn.auth, num_layers=conn.cache.shape[1])
+        return {"read": self.server.handle_read}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def pull(self, conn, host, port, params, indices, dst_blocks, digest, release) -> int:
+        return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                        keep=not release)
+
+    def open_stream(self, conn, host, port, params, indices, dst_blocks, digest) -> "StreamedRead":
+        return StreamedRead(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest)
+
+    def pull_shard(self, conn, host, port, remote_rank, params, indices, dst_blocks, digest) -> int:
+        return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                        keep=True)
+
+    def pull_staged(self, conn, slot, host, params, indices, digest, staged, regions) -> int:
+        # Frames land with index_copy_, so a fresh tensor (torch's caching allocator on CUDA)
+        # needs no registration: the default staging area.
+        return sum(tcp_pull(host, params.remote_port + s.remote_rank, params, indices, list(range(len(region))),
+                            region, conn.timeout, conn.auth, digest, keep=True) for s, region in zip(staged, regions))
 
 
 class TcpServer:
@@ -54,24 +97,25 @@ class TcpServer:
         self.data: tcp_stream.DataServer | None = None  # started by the first read that asks for it
 
     def handle_read(self, body: dict):
-        if not body.get("data"):
-            return self._read_inline(body)
-        rid, token, digest, keep = body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("keep")
+        req = ReadRequest.from_body(body)
+        if not req.data:
+            return self._read_inline(req)
+        rid, token, digest, keep = req.request_id, req.token, req.prompt_digest, req.keep
         # A streamed pin defers a plain read until its blocks are computed; a `stream` read is
         # granted at once and its senders follow the prefill, chunk by chunk (tcp_stream.py).
-        indices, streamed = body.get("indices"), body.get("stream") is True
+        streamed = req.stream
         # Held from here until the transfer's last stream ends (tcp_stream.DataServer closes the read).
-        pinned = self.pins.open_read(rid, token, digest, indices if isinstance(indices, list) else None, streamed)
+        pinned = self.pins.open_read(rid, token, digest, req.waits_for, streamed)
         try:
-            positions = check_indices(indices, len(pinned))
+            positions = check_indices(req.indices, len(pinned))
             if streamed and any(a >= b for a, b in zip(positions, positions[1:])):
                 raise ValueError("a stream read's indices must be ascending")
             ids = [pinned[i] for i in positions]
             if self.data is None:
                 self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
                                                   self.num_layers, self.data_listener)
-            offer = self.data.offer(rid, token, digest, ids, bool(keep), body.get("streams"),
-                                    positions if streamed else None, layered=streamed and body.get("layers") is True)
+            offer = self.data.offer(rid, token, digest, ids, keep, req.streams, positions if streamed else None,
+                                    layered=streamed and req.layers)
         except side_channel.Busy:
             self.pins.close_read(rid, token)
             raise  # the reader retries: its pin stays
@@ -86,13 +130,11 @@ class TcpServer:
         if self.data is not None:
             self.data.close()
 
-    def _read_inline(self, body: dict):
-        rid, token = body.get("request_id"), body.get("token")
-        indices = body.get("indices")
-        pinned = self.pins.open_read(rid, token, body.get("prompt_digest"),
-                                     indices if isinstance(indices, list) else None)
+    def _read_inline(self, req: ReadRequest):
+        rid, token = req.request_id, req.token
+        pinned = self.pins.open_read(rid, token, req.prompt_digest, req.waits_for)
         try:
-            ids = [pinned[i] for i in check_indices(body.get("indices"), len(pinned))]
+            ids = [pinned[i] for i in check_indices(req.indices, len(pinned))]
             frames, runs, nbytes = [], [], 0
             for src, _, count in merge_runs(ids, ids):
                 chunk = self.blocks[src:src + count]
@@ -102,18 +144,12 @@ class TcpServer:
                 nbytes += chunk.numel()
         finally:
             self.pins.close_read(rid, token)
-            if not body.get("keep"):  # a read is also the release: one reader, once
+            if not req.keep:  # a read is also the release: one reader, once
                 self.pins.release(rid, token)
             # "keep": tensor-parallel readers (several decode ranks may read this rank's shard);
             # the pin stays until the decode worker's rank 0 releases it (kv/tp_transfer.py).
         self.on_sent(nbytes)
-        return {"runs": runs, "prompt_digest": body["prompt_digest"]}, frames
-
-
-def check_indices(indices, num_pinned: int) -> list[int]:
-    if not isinstance(indices, list) or not all(type(i) is int and 0 <= i < num_pinned for i in indices):
-        raise ValueError(f"indices must be a list of block positions in [0, {num_pinned})")
-    return indices
+        return {"runs": runs, "prompt_digest": req.prompt_digest}, frames
 
 
 def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
@@ -125,16 +161,10 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
     `stream`: the blocks of a streamed pin, granted at once and sent as the prefill computes
     them; `timeout_s` then bounds each chunk's wait (as the streamed pull's stall timeout), not
     the whole read. `cancel`: ends the read from another thread (its streams are shut)."""
-    body = {"request_id": params.remote_request_id, "token": params.transfer_token, "indices": indices,
-            "prompt_digest": digest}
-    if keep:
-        body["keep"] = True
-    if data_path:
-        body["data"], body["streams"] = True, STREAMS
-        if stream:
-            # A prefill worker of an earlier release defers it until all are computed (or, for
-            # `layers`, sends whole blocks only); its reply then says which it did.
-            body["stream"], body["layers"] = True, True
+    # A prefill worker of an earlier release defers a `stream` read until all are computed (or,
+    # for `layers`, sends whole blocks only); its reply then says which it did.
+    body = ReadRequest(params.remote_request_id, params.transfer_token, digest, indices, keep, data_path, STREAMS,
+                       stream, stream).to_body()
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     while True:

@@ -103,6 +103,21 @@ class TPLeaderLink:
             multiprocessing.connection.wait(self.conns, timeout)
 
 
+class FollowerKV:
+    """The KV side of tensor-parallel ranks, handed by the engine to parallel/ranks.py (which
+    starts the ranks and knows nothing of KV): rank 0's link to the ranks' pipes, and each
+    follower's connector. Passed as the class (pickled by reference into a rank's process)."""
+
+    @staticmethod
+    def leader(conns: list) -> "TPLeaderLink":
+        return TPLeaderLink(conns)
+
+    @staticmethod
+    def start(conn, config: EngineConfig, runner, rank: int) -> None:
+        start_follower_kv(conn, config, runner.kv_cache.tensor,
+                          TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
+
+
 def start_follower_kv(conn, config: EngineConfig, cache, tp: TPRank) -> None:
     """Rank >= 1: serve rank 0's KV messages on a thread of their own."""
     threading.Thread(target=_follower_loop, args=(conn, config, cache, tp), name=f"tp-kv-rank{tp.rank}",

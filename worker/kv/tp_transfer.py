@@ -12,9 +12,10 @@ A decode rank needs exactly its own heads. `kv_sources` says where each lives:
   are read into a staging area (a region per source) and the heads we hold are scattered into
   our blocks with one indexed copy: decode TP=1 from prefill TP=2 reads both prefill ranks and
   interleaves their heads; decode TP=2 from prefill TP=1 reads the full-head block and keeps its
-  slice. On NIXL the area is a slot of the transport's StagingPool (staging.py: registered once,
-  reused, one pull at a time, a pull longer than a slot's cap in chunks), and every source's
-  READ is posted before the first is waited for; on TCP it is a plain tensor per pull.
+  slice. The transport provides the area (KVTransport.staging_area): NIXL a slot of its
+  StagingPool (staging.py: registered once, reused, one pull at a time, a pull longer than a
+  slot's cap in chunks), every source's READ posted before the first is waited for; TCP a plain
+  tensor per pull.
 
 When either side has TP > 1 a read does not release the prefill pin: several decode ranks may
 read one prefill rank. Decode rank 0 releases every prefill rank's pin once all decode ranks
@@ -28,15 +29,12 @@ import dataclasses
 
 import torch
 
-from pdserve.worker.kv import side_channel
-from pdserve.worker.kv.nixl_transport import ReadFailed
-from pdserve.worker.kv.tcp_transport import tcp_pull
 from pdserve.worker.parallel.shard import check_kv_heads, kv_head_range
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.protocol.kv_transfer import KVTransferParams
-
+    from pdserve.worker.kv.transport import KVTransport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,27 +90,20 @@ def kv_sources(num_kv_heads: int, remote_size: int, local: TPRank) -> list[Sourc
 
 
 def pull_shards(conn, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
-                transport: str) -> int:
+                transport: KVTransport) -> int:
     """Decode rank: pull our heads of the remote blocks at `indices` into `dst_blocks`. Returns
-    bytes moved. `conn` is this rank's KVConnector (its cache, auth, timeout, NIXL agent)."""
+    bytes moved. `conn` is this rank's KVConnector (its cache, auth, timeout)."""
     sources = kv_sources(conn.tp.num_kv_heads, remote_tp_size(params), conn.tp)
     head_bytes = conn.block_bytes // conn.cache.shape[4]
-    base_port = params.remote_port
     nbytes = 0
     for s in (s for s in sources if s.direct):
-        port = base_port + s.remote_rank
-        if transport == "tcp":
-            nbytes += tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
-                               keep=True)
-        else:
-            peer, src = _lease(conn, host, port, s.remote_rank, params, indices, digest)
-            nbytes += conn.nixl.read(peer, src, dst_blocks, None, conn.timeout)
+        nbytes += transport.pull_shard(conn, host, params.remote_port + s.remote_rank, s.remote_rank, params, indices,
+                                       dst_blocks, digest)
     staged = [s for s in sources if not s.direct]
     if not staged:
         return nbytes
     per_block = sum(head_bytes * s.remote_num_heads for s in staged)  # staged bytes per block, all sources
-    # NIXL: a registered staging slot holds at most its cap; a longer pull goes in chunks (a lease each).
-    chunk = max(1, len(dst_blocks)) if transport == "tcp" else conn.nixl.staging.blocks_per_chunk(per_block)
+    chunk = transport.staged_blocks(conn, per_block, len(dst_blocks))
     for i in range(0, len(dst_blocks), chunk):
         nbytes += _pull_staged(conn, host, params, indices[i:i + chunk], dst_blocks[i:i + chunk], digest, transport,
                                staged, head_bytes)
@@ -120,23 +111,18 @@ def pull_shards(conn, host: str, params: KVTransferParams, indices: list[int], d
 
 
 def _pull_staged(conn, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,
-                 transport: str, staged: list[Source], head_bytes: int) -> int:
+                 transport: KVTransport, staged: list[Source], head_bytes: int) -> int:
     """Whole remote blocks of every staged source into one staging area (a region each), then
     one indexed copy of the heads we keep into our blocks."""
     cache = conn.cache  # [num_blocks, layers, 2, block_size, heads, dim]
-    n, nbytes = len(dst_blocks), 0
+    n = len(dst_blocks)
     sizes = [n * head_bytes * s.remote_num_heads for s in staged]
-    with _staging(conn, transport, sum(sizes)) as (area, slot):
+    with transport.staging_area(conn, sum(sizes)) as (area, slot):
         regions, off = [], 0
         for s, size in zip(staged, sizes):
             regions.append(area[off:off + size].view(n, size // n))
             off += size
-        if transport == "tcp":
-            for s, region in zip(staged, regions):
-                nbytes += tcp_pull(host, params.remote_port + s.remote_rank, params, indices, list(range(n)),
-                                   region, conn.timeout, conn.auth, digest, keep=True)
-        else:
-            nbytes += _nixl_reads(conn, slot, host, params, indices, digest, staged, regions)
+        nbytes = transport.pull_staged(conn, slot, host, params, indices, digest, staged, regions)
         # Every source landed: build the blocks' new contents, then one indexed copy into the cache.
         # A slot's scatter runs on the slot's stream and ends before the slot goes back (staging.py).
         stream = slot.stream if slot is not None else None
@@ -155,57 +141,3 @@ def _pull_staged(conn, host: str, params: KVTransferParams, indices: list[int], 
             if stream is not None:
                 stream.synchronize()
     return nbytes
-
-
-@contextlib.contextmanager
-def _staging(conn, transport: str, nbytes: int):
-    """(a uint8 area of `nbytes`, its NIXL staging slot or None). TCP copies frames in with
-    index_copy_, so a fresh tensor (torch's caching allocator on CUDA) needs no registration."""
-    if transport == "tcp":
-        yield torch.empty(nbytes, dtype=torch.uint8, device=conn.cache.device), None
-        return
-    with conn.nixl.staging.take(nbytes, conn.timeout) as slot:
-        yield slot.data[:nbytes], slot
-
-
-def _nixl_reads(conn, slot, host: str, params: KVTransferParams, indices: list[int], digest: str, staged: list[Source],
-                regions: list[torch.Tensor]) -> int:
-    """Lease and post a READ per source, then wait for all: source k's bytes move while source
-    k + 1's lease runs. Every READ has ended before this returns or raises; one that may not
-    have (a timeout) retires the slot, which is then never reused (staging.py)."""
-    base_port, pending, nbytes = params.remote_port, [], 0
-    try:
-        for s, region in zip(staged, regions):
-            peer, src = _lease(conn, host, base_port + s.remote_rank, s.remote_rank, params, indices, digest)
-            pending.append(conn.nixl.post_read_into(peer, src, region))
-        while pending:
-            xfer = pending.pop(0)
-            try:
-                nbytes += conn.nixl.finish_read(xfer, conn.timeout)
-            except ReadFailed:
-                raise  # it ended
-            except BaseException:
-                slot.retire = True
-                raise
-    finally:
-        for xfer in pending:  # a lease or an earlier READ failed: these bytes will not be used
-            if not conn.nixl.abort_read(xfer, conn.timeout):
-                slot.retire = True
-    return nbytes
-
-
-def _lease(conn, host: str, port: int, remote_rank: int, params: KVTransferParams, indices: list[int],
-           digest: str) -> tuple[dict, list[int]]:
-    """Lease the blocks at `indices` from prefill rank `remote_rank`: (its NIXL peer, their block ids).
-    No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
-    key = f"{params.remote_engine_id}#{remote_rank}"
-    peer = conn.nixl.known_peer(key)
-    reply, _ = side_channel.lease(host, port, params, indices, digest, peer is None, conn.timeout, conn.auth)
-    if reply.get("tp_rank", 0) != remote_rank:
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} is tensor-parallel rank {reply.get('tp_rank')}, "
-                                            f"not rank {remote_rank}: its heads are not the ones expected")
-    if peer is None:
-        peer = conn.nixl.add_peer(key, reply["nixl"])
-    if len(reply.get("block_ids", ())) != len(indices):
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} leased the wrong number of blocks")
-    return peer, reply["block_ids"]

@@ -49,11 +49,11 @@ class TPFollowers:
     """Rank 0's handle on ranks 1..N-1: start them, send each step's plan, stop or watch them."""
 
     def __init__(self, config: EngineConfig, build_runner, store_port: int, attention_backend: str | None,
-                 static_decode: bool | None):
+                 static_decode: bool | None, kv=None):
         """`build_runner(config, attention_backend=, static_decode=, tp_rank=, tp_store_port=)`
-        makes a rank's runner in its process (ModelRunner; pickled by reference)."""
-        from pdserve.worker.kv.tp_link import TPLeaderLink, needs_kv_connector
-
+        makes a rank's runner in its process (ModelRunner; pickled by reference). `kv`: a P/D
+        worker's KV side of the ranks (kv/tp_link.FollowerKV: `leader(pipes)`, `start(pipe,
+        config, runner, rank)`), or None."""
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         self._procs: list[mp.Process] = []
         self._conns = []
@@ -62,10 +62,10 @@ class TPFollowers:
         for rank in range(1, config.tensor_parallel_size):
             recv, send = ctx.Pipe(duplex=False)
             # P/D: the KV connector's messages both ways (kv/tp_link.py), apart from the step plans.
-            kv_ours, kv_theirs = ctx.Pipe(duplex=True) if needs_kv_connector(config) else (None, None)
+            kv_ours, kv_theirs = ctx.Pipe(duplex=True) if kv is not None else (None, None)
             p = ctx.Process(target=follower_main, name=f"pdserve-tp-rank{rank}", daemon=True,
                             args=(config, build_runner, rank, store_port, recv, attention_backend, static_decode,
-                                  os.getpid(), kv_theirs))
+                                  os.getpid(), kv_theirs, kv))
             p.start()
             recv.close()  # the follower's end; ours would keep the pipe open after it dies
             if kv_theirs is not None:
@@ -73,7 +73,7 @@ class TPFollowers:
                 kv_conns.append(kv_ours)
             self._procs.append(p)
             self._conns.append(send)
-        self.kv_link = TPLeaderLink(kv_conns) if kv_conns else None
+        self.kv_link = kv.leader(kv_conns) if kv_conns else None
         log.info("tensor parallel: started ranks 1..%d (pids %s)", len(self._procs),
                  ", ".join(str(p.pid) for p in self._procs))
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -129,7 +129,7 @@ def _watch_parent(parent_pid: int, rank: int) -> None:
 
 
 def start_followers(config: EngineConfig, build_runner, attention_backend: str | None = None,
-                    static_decode: bool | None = None):
+                    static_decode: bool | None = None, kv=None):
     """Rank 0, before its own runner: check that the model shards (a ConfigError now, before any
     process starts), create the rendezvous store, start ranks 1..N-1. -> (store, TPFollowers)."""
     from pdserve.worker.model_loader import read_model_config, resolve_model_path
@@ -138,12 +138,12 @@ def start_followers(config: EngineConfig, build_runner, attention_backend: str |
     cfg = read_model_config(resolve_model_path(config.model, weights=config.load_format != "dummy"))
     TPShard(0, config.tensor_parallel_size, cfg, expert_parallel=config.enable_expert_parallel and cfg.is_moe)
     store = create_store(config.tensor_parallel_size)
-    return store, TPFollowers(config, build_runner, store.port, attention_backend, static_decode)
+    return store, TPFollowers(config, build_runner, store.port, attention_backend, static_decode, kv)
 
 
 def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int, conn,
                   attention_backend: str | None, static_decode: bool | None, parent_pid: int,
-                  kv_conn=None) -> None:
+                  kv_conn=None, kv=None) -> None:
     """Entry point of rank >= 1: build the shard, then run every plan rank 0 sends until told to stop."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
@@ -155,11 +155,7 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
         runner = build_runner(config, attention_backend=attention_backend, static_decode=static_decode,
                               tp_rank=rank, tp_store_port=store_port)
         if kv_conn is not None:  # P/D: this rank's KV connector, driven by rank 0 (kv/tp_link.py)
-            from pdserve.worker.kv.tp_link import start_follower_kv
-            from pdserve.worker.kv.tp_transfer import TPRank
-
-            start_follower_kv(kv_conn, config, runner.kv_cache.tensor,
-                              TPRank(rank, config.tensor_parallel_size, runner.model_config.num_kv_heads))
+            kv.start(kv_conn, config, runner, rank)
         log.info("tensor-parallel rank %d ready: waiting for step plans", rank)
         steps = 0
         previous = None  # async scheduling: the last step's sampled ids, broadcast by rank 0

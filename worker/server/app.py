@@ -257,7 +257,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             raise bad_request(str(e), PARAM) from None
         except ClientGone:
             return gone()
-        st.engine.unpin(params.remote_request_id, params.to_dict())
+        st.engine.unpin(params.remote_request_id, params)
         return Response(status_code=202)
 
     def model_card() -> dict:

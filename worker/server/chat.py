@@ -90,7 +90,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
                        stop_reason=c.final.stop_reason if c.final else None)
             for i, (c, (content, calls, reasoning)) in enumerate(zip(choices, messages))
         ], usage=serving.usage([prompt], body.n, choices),
-            kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+            kv_transfer_params=serving.handed_params(choices))
 
     if serving.announced(first):  # a streamed prefill: its params now, the answer when it ends
         return serving.handoff_response(request, first, events, body.n, answer)

@@ -72,7 +72,7 @@ async def create_completion(state, request: Request, body: CompletionRequest):
                              stop_reason=c.final.stop_reason if c.final else None)
             for i, c in enumerate(choices)
         ], usage=serving.usage(prompts, body.n, choices),
-            kv_transfer_params=choices[0].final.kv_transfer_params if choices[0].final else None)
+            kv_transfer_params=serving.handed_params(choices))
         if echoer is not None:
             for i, c in enumerate(choices):
                 echoer.prompt_lps[i] = c.prompt_logprobs

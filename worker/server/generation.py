@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from pdserve.protocol.kv_transfer import KVTransferParams, RemoteDecodeRequest
 from pdserve.worker.outputs import RequestOutput
 from pdserve.worker.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.server.metrics import ServerMetrics
@@ -25,7 +26,7 @@ _END = object()
 class Generation:
     def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
                  prompts: list[list[int]], params: SamplingParams, n: int,
-                 kv_transfer_params: dict | None = None):
+                 kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None):
         self.engine = engine
         self.metrics = metrics
         self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort

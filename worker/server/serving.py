@@ -251,6 +251,12 @@ async def collect(request: Request, first: tuple[int, RequestOutput], events: Ev
     return choices
 
 
+def handed_params(choices) -> dict | None:
+    """The response's `kv_transfer_params`: a finished prefill's params, as the wire has them."""
+    final = choices[0].final
+    return final.kv_transfer_params.to_dict() if final is not None and final.kv_transfer_params else None
+
+
 def announced(first: tuple[int, RequestOutput]) -> bool:
     """Whether the engine's first output is a streamed prefill's announcement (its pin's params,
     before any token): the answer is then the two-line hand-off (`handoff_response`)."""
@@ -265,7 +271,7 @@ def handoff_response(request: Request, first: tuple[int, RequestOutput], events:
     ordinary answer (`answer(choices)`, a response model) or an OpenAI error object."""
 
     async def lines() -> AsyncIterator[bytes]:
-        yield json.dumps({PARAM: first[1].kv_transfer_params}).encode() + b"\n"
+        yield json.dumps({PARAM: first[1].kv_transfer_params.to_dict()}).encode() + b"\n"
         try:
             choices = await collect(request, first, events, num_choices)
             yield answer(choices).model_dump_json().encode() + b"\n"

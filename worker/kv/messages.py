@@ -1,0 +1,205 @@
+"""The side channel's messages between workers, typed: each is read from its JSON body here,
+once, on arrival, and nowhere else by key (the wire format is unchanged: the same keys, sent as
+they always were).
+
+Requests (decode side -> prefill side) are taken as sent: their fields are checked where they
+are used (the pin table refuses a wrong token, digest or index), as before, so a malformed one
+is refused with the same error. Replies (prefill side -> decode side) are checked here, before
+anything is read from them: a peer's numbers decide what a reader allocates and READs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+STATES = ("running", "done", "cancelled")  # of a streamed pin, in a progress reply
+
+
+class MalformedReply(ValueError):
+    """A peer's reply that does not say what it must (side_channel raises it as SideChannelError)."""
+
+
+# -- requests, as the prefill side reads them ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    request_id: Any
+    token: Any
+    prompt_digest: Any
+    indices: Any  # positions in the pin; checked against it (block_runs.check_indices)
+    want_metadata: bool  # the reader lacks the transport's metadata: send it with the lease
+
+    @classmethod
+    def from_body(cls, body: dict) -> "LeaseRequest":
+        return cls(body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("indices"),
+                   bool(body.get("want_metadata")))
+
+    def to_body(self) -> dict:
+        return {"request_id": self.request_id, "token": self.token, "indices": self.indices,
+                "prompt_digest": self.prompt_digest, "want_metadata": self.want_metadata}
+
+    @property
+    def waits_for(self) -> list | None:
+        """The blocks a streamed pin defers the lease until computed (None: not a list; refused later)."""
+        return self.indices if isinstance(self.indices, list) else None
+
+
+@dataclass(frozen=True)
+class ProgressRequest:
+    request_id: Any
+    token: Any
+    prompt_digest: Any
+    have: Any  # ready blocks the reader has seen: answer once there are more
+    last_seen: Any = True  # False: also answer as soon as the prefill's last step begins
+    layers: Any = None  # a layered reader holds this many layers of the blocks being written
+    lease: bool = False  # the reply also leases the pin (a leasing transport)
+    want_metadata: bool = False
+    deadline: bool = False  # set by the side channel: the deferral ran out, answer with what there is
+
+    @classmethod
+    def from_body(cls, body: dict) -> "ProgressRequest":
+        return cls(body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("have"),
+                   body.get("last_seen", True), body.get("layers"), bool(body.get("lease")),
+                   bool(body.get("want_metadata")), bool(body.get("deadline")))
+
+    def to_body(self) -> dict:
+        body = {"request_id": self.request_id, "token": self.token, "prompt_digest": self.prompt_digest,
+                "have": self.have, "last_seen": self.last_seen}
+        if self.layers is not None:
+            body["layers"] = self.layers
+        if self.lease:
+            body.update(lease=True, want_metadata=self.want_metadata)
+        return body
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    request_id: Any
+    token: Any
+
+    @classmethod
+    def from_body(cls, body: dict) -> "ReleaseRequest":
+        return cls(body.get("request_id"), body.get("token"))
+
+    def to_body(self) -> dict:
+        return {"request_id": self.request_id, "token": self.token}
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """TCP's `read`: the blocks at `indices`, inline in the reply or (`data`) over data connections."""
+
+    request_id: Any
+    token: Any
+    prompt_digest: Any
+    indices: Any
+    keep: bool = False  # leave the pin for an explicit release (else the read is the release)
+    data: bool = False
+    streams: Any = None  # data connections asked for
+    stream: bool = False  # granted at once, sent as the prefill computes the blocks
+    layers: bool = False  # a stream read's pieces may be layers of a block being written
+
+    @classmethod
+    def from_body(cls, body: dict) -> "ReadRequest":
+        return cls(body.get("request_id"), body.get("token"), body.get("prompt_digest"), body.get("indices"),
+                   bool(body.get("keep")), bool(body.get("data")), body.get("streams"), body.get("stream") is True,
+                   body.get("layers") is True)
+
+    def to_body(self) -> dict:
+        body = {"request_id": self.request_id, "token": self.token, "indices": self.indices,
+                "prompt_digest": self.prompt_digest}
+        if self.keep:
+            body["keep"] = True
+        if self.data:
+            body["data"], body["streams"] = True, self.streams
+            if self.stream:
+                body["stream"], body["layers"] = True, self.layers
+        return body
+
+    @property
+    def waits_for(self) -> list | None:
+        return self.indices if isinstance(self.indices, list) else None
+
+
+@dataclass(frozen=True)
+class ReleaseNotice:
+    """A NIXL notification a reader sends once its READ landed: it also releases the pin."""
+
+    request_id: str
+    token: str
+    nbytes: int
+
+    @classmethod
+    def parse(cls, msg) -> "ReleaseNotice | None":
+        """None: not a release (ignored, as any other notification)."""
+        if not isinstance(msg, dict) or msg.get("op") != "release":
+            return None
+        return cls(msg.get("request_id", ""), msg.get("token", ""), msg.get("bytes", 0))
+
+    def to_body(self) -> dict:
+        return {"op": "release", "request_id": self.request_id, "token": self.token, "bytes": self.nbytes}
+
+
+# -- replies, as the decode side reads them ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    engine_id: Any
+    prompt_digest: Any
+    tp_rank: Any
+    block_ids: Any  # the caller compares them with the blocks it asked for
+    metadata: dict | None  # the transport's, under its name (only when asked for)
+
+    @classmethod
+    def parse(cls, reply: dict, where: str, engine_id: str, digest: str, transport: str,
+              want_metadata: bool) -> "LeaseReply":
+        _check_peer(reply, where, engine_id, digest)
+        metadata = reply.get(transport)
+        if want_metadata and not isinstance(metadata, dict):
+            raise MalformedReply(f"{where} sent no {transport.upper()} metadata")
+        return cls(reply.get("engine_id"), reply.get("prompt_digest"), reply.get("tp_rank", 0),
+                   reply.get("block_ids"), metadata)
+
+
+@dataclass(frozen=True)
+class ProgressReply:
+    """A streamed pin's progress: `ready` leading blocks computed; `state` running, done or
+    cancelled; `first_token_id` once done; `last` while its prefill runs the last step;
+    `partial` (a layered reader only): [blocks, layers written, layers of the model] of the
+    step running; a leasing reply also names the pin's `block_ids` (and the metadata)."""
+
+    ready: int
+    state: str
+    first_token_id: Any = None
+    last: bool = False
+    partial: list[int] | None = None
+    block_ids: list | None = None
+    metadata: dict | None = None
+
+    @classmethod
+    def parse(cls, reply: dict, where: str, engine_id: str, digest: str, transport: str, lease: bool,
+              want_metadata: bool) -> "ProgressReply":
+        _check_peer(reply, where, engine_id, digest)
+        ready, state = reply.get("ready"), reply.get("state")
+        if type(ready) is not int or state not in STATES:
+            raise MalformedReply(f"{where} sent a malformed progress reply")
+        part = reply.get("partial")
+        if part is not None and not (isinstance(part, list) and len(part) == 3 and all(type(x) is int for x in part)
+                                     and ready < part[0] and 0 < part[1] < part[2]):
+            raise MalformedReply(f"{where} sent a malformed partial step {part!r}")
+        block_ids, metadata = reply.get("block_ids"), reply.get(transport)
+        if lease and state != "cancelled":
+            if not isinstance(block_ids, list):
+                raise MalformedReply(f"{where} did not lease the streamed pin")
+            if want_metadata and not isinstance(metadata, dict):
+                raise MalformedReply(f"{where} sent no {transport.upper()} metadata")
+        return cls(ready, state, reply.get("first_token_id"), reply.get("last") is True,
+                   part, block_ids, metadata)
+
+
+def _check_peer(reply: dict, where: str, engine_id: str, digest: str) -> None:
+    if reply.get("engine_id") != engine_id or reply.get("prompt_digest") != digest:
+        raise MalformedReply(f"{where} is not engine {engine_id} or did not confirm the prompt digest")
