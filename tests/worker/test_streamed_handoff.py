@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from pdserve.protocol.kv_transfer import KVTransferParams, is_streamed
-from pdserve.worker.config import EngineConfig
 from pdserve.worker.engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.sampling_params import SamplingParams
