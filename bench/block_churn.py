@@ -31,9 +31,9 @@ def churned_blocks(num_blocks: int, n: int, seed: int, eviction_slack: float = 0
                    timings: list[float] | None = None) -> list[int]:
     """The block ids a new n-block request gets after the churn workload (module docstring).
     `timings` (if given) gets the seconds of every allocate call, per block allocated."""
-    from pdserve.worker.block_manager import BlockManager
-    from pdserve.worker.request import Request
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.engine.block_manager import BlockManager
+    from pdserve.worker.request.request import Request
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     bs = CHURN_BLOCK_SIZE
@@ -105,9 +105,9 @@ def measure(num_blocks: int, n: int, slack: float, seeds: int, block_bytes: int)
 def fragmented_allocate_us(num_blocks: int, n: int) -> float:
     """Microseconds per block to allocate n blocks where every other block of the cache is free
     and empty (the worst case for a scan: num_blocks / 2 runs of one block)."""
-    from pdserve.worker.block_manager import BlockManager
-    from pdserve.worker.request import Request
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.engine.block_manager import BlockManager
+    from pdserve.worker.request.request import Request
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     bs, params = CHURN_BLOCK_SIZE, SamplingParams(max_tokens=1)
     bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)

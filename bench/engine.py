@@ -38,7 +38,7 @@ HF_BATCH = 64  # HF generate pads a static batch: one batch of 64 prompts of eac
 
 def decode_step_seconds(engine, prompt: list[int], steps: int) -> list[float]:
     """Wall seconds of each decode step of one greedy request (every step ends on the sampled ids)."""
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     engine.add_request(f"b{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
                                                                       ignore_eos=True))
@@ -241,9 +241,9 @@ class Bench:
         return decode_step_seconds(engine, prompt, steps)
 
     def run_pdserve(self, spec: ModelSpec, path: str, hf_tput: dict[str, float]) -> None:
-        from pdserve.worker.config import EngineConfig
-        from pdserve.worker.engine import LLMEngine
-        from pdserve.worker.sampling_params import SamplingParams
+        from pdserve.worker.config.engine import EngineConfig
+        from pdserve.worker.engine.llm_engine import LLMEngine
+        from pdserve.worker.request.sampling_params import SamplingParams
 
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
@@ -256,7 +256,7 @@ class Bench:
                           f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
                           f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
                           f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}")
-        m = engine.runner.model  # the runner owns the model (worker/model_runner.py)
+        m = engine.runner.model  # the runner owns the model (worker/executor/model_runner.py)
         weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
             weight_bytes -= m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()
@@ -333,7 +333,7 @@ class Bench:
         from triton.testing import do_bench
 
         from pdserve.bench.profile_decode import kernel_table, set_path, short
-        from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+        from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 
         runner = engine.runner
         model, full = runner.model, runner.graphs

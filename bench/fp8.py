@@ -137,8 +137,8 @@ def write_block_fp8(src: str, dst: str, device: str) -> str:
 
 
 def start_engine(path: str, quantization: str | None, device: str, max_num_seqs: int):
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16" if device == "cuda" else "float32",
                                   quantization=quantization, max_model_len=2048, max_num_seqs=max_num_seqs,
@@ -164,7 +164,7 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.worker.quantization import fp8_linear
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
@@ -207,7 +207,7 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
 
 
 def first_token_top(path: str, quantization: str | None, prompts, device: str) -> list[dict[int, float]]:
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     engine = start_engine(path, quantization, device, 16)
     try:
@@ -363,9 +363,9 @@ def blockwise_rows(device: str, ms: tuple[int, ...] = BLOCKWISE_MS) -> tuple[lis
     import torch.nn.functional as F
     from triton.testing import do_bench
 
+    from pdserve.kernels import fp8_scaled_mm
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
-    from pdserve.kernels import fp8_scaled_mm
     from pdserve.kernels.fp8_scaled_mm import block_linear, probe_blockwise, scaled_mm_blockwise, weight_scale_operand
     from pdserve.kernels.reference import fp8_block_gemm_ref
 

@@ -75,7 +75,7 @@ def write_checkpoint(path: str, smoke: bool, device: str) -> dict:
 
 def engine_config(ckpt: str, role: str, device: str, kv_dtype: str, port: int, util: float, max_len: int,
                   batch: int, smoke: bool):
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
 
     return EngineConfig(model=ckpt, device=device, dtype="bfloat16", role=role, kv_transfer="nixl", kv_port=port,
                         kv_cache_dtype=kv_dtype, gpu_memory_utilization=util,
@@ -88,8 +88,8 @@ def engine_config(ckpt: str, role: str, device: str, kv_dtype: str, port: int, u
 def prefill_process(cfg_kw: dict, conn) -> None:
     """The prefill engine: prefill each prompt sent for one token, answer its params; step in
     between so pins are served and released. "stop" ends it."""
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(**cfg_kw))
     conn.send("ready")
@@ -114,7 +114,7 @@ class Pair:
     """A prefill engine (child process) and a decode engine (here) with one KV cache dtype."""
 
     def __init__(self, ckpt: str, kv_dtype: str, args, devices: tuple[str, str]):
-        from pdserve.worker.engine import LLMEngine
+        from pdserve.worker.engine.llm_engine import LLMEngine
 
         self.kv_dtype = kv_dtype
         port = 23000 + os.getpid() % 5000 + (0 if kv_dtype == "auto" else 50)
@@ -157,7 +157,7 @@ class Pair:
                 "tokens": cache.num_blocks * cache.block_size, "layout": cache.layout}
 
     def handoff(self, prompt: list[int], transport: str, rid: str) -> dict:
-        from pdserve.worker.sampling_params import SamplingParams
+        from pdserve.worker.request.sampling_params import SamplingParams
 
         self.conn.send((rid, prompt))
         from dataclasses import replace
@@ -177,7 +177,7 @@ class Pair:
 
     def decode_rate(self, prompts: list[list[int]], steps: int) -> dict:
         """Median decode-step seconds once every sequence decodes, and tokens/s."""
-        from pdserve.worker.sampling_params import SamplingParams
+        from pdserve.worker.request.sampling_params import SamplingParams
 
         e = self.engine
         for i, p in enumerate(prompts):

@@ -43,7 +43,7 @@ BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins h
 
 def _config(transport: str, port: int, role: str, pull_timeout: float = 120):
     """A bench connector's config (also bench/tcp_kv.py's): `pull_timeout` is the decode side's."""
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
 
     if role == "prefill":
         return EngineConfig(role="prefill", kv_transfer=transport, kv_host="127.0.0.1", kv_port=port,

@@ -367,9 +367,9 @@ def step_bytes(layers: int, tp: int) -> float:
 def engine(args) -> int:
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.bench.kernels import copy_bandwidth
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     if args.moe_path == "sorted":  # as before the decode path: sorted at every size, routing with 4 warps
         import pdserve.kernels.fused_moe as fm

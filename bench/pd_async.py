@@ -87,7 +87,7 @@ class Stepper:
 
 
 def _config(args, ckpt: str, device: str, role: str, asyn: bool, share: float):
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
 
     kw = dict(model=ckpt, device=device, role=role, async_scheduling=asyn,
               max_model_len=args.prompt + args.output + 64, max_num_batched_tokens=args.budget)
@@ -117,8 +117,8 @@ def _tokens_until_done(stepper: Stepper, rid: str, times: list[float], tokens: l
 
 
 def run_mode(args, ckpt: str, mode: str) -> dict:
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     device = "cpu" if args.smoke else "cuda"
     asyn = mode.endswith("async")

@@ -35,7 +35,7 @@ MAX_MODEL_LEN = 2048  # the engine bench's: sets the decode block-table width (a
 
 
 def model_config(spec, tiny: bool):
-    from pdserve.worker.model_config import ModelConfig
+    from pdserve.worker.config.model import ModelConfig
 
     fields = dict(spec.hf)
     if tiny:  # the structure (bias, tied head, GQA, rope) at sizes the interpreter runs in seconds
@@ -47,9 +47,9 @@ def model_config(spec, tiny: bool):
 
 def build(cfg, device: torch.device, dtype: torch.dtype):
     """Model with random weights over a Triton backend and a KV cache of one max-length sequence."""
-    from pdserve.worker.kv_cache import KVCache
+    from pdserve.worker.attention.kv_cache import KVCache
+    from pdserve.worker.attention.triton_backend import TritonAttentionBackend
     from pdserve.worker.models.llama import LlamaForCausalLM
-    from pdserve.worker.triton_attention import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     with torch.device("meta"):
@@ -67,7 +67,7 @@ def build(cfg, device: torch.device, dtype: torch.dtype):
 
 def decode_inputs(context: int, device: torch.device):
     """A decode step of one sequence whose `context`-th token is new, as DecodeGraphs lays it out."""
-    from pdserve.worker.attention import AttentionMetadata
+    from pdserve.worker.attention.backend import AttentionMetadata
 
     width = MAX_MODEL_LEN // BLOCK
     table = torch.arange(width, dtype=torch.int32, device=device)[None, :]

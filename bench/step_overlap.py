@@ -82,9 +82,9 @@ class DeviceTimer:
 
 
 def measure(ckpt: str, device: str, batch: int, steps: int, async_scheduling: bool) -> dict:
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=ckpt, device=device, max_model_len=1024, max_num_seqs=max(8, batch),
                                     gpu_memory_utilization=0.5, async_scheduling=async_scheduling))

@@ -5,7 +5,7 @@
 
 Two tables, for json_schema / regex / choice and each installed engine (llguidance, xgrammar):
 
-  mask   the grammar machinery alone, as the server runs it (worker/structured_output.py):
+  mask   the grammar machinery alone, as the server runs it (worker/structured/structured_output.py):
          compile ms (cold; a cached spec costs nothing), host ms per row-token to fill the
          bitmask, device ms per step to unpack it and mask a [batch, vocab] logits tensor, and
          ms per row-token to advance the matcher. Logits are random; the sampled token is the
@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.report import markdown_table
-from pdserve.worker.sampling_params import StructuredOutputSpec
-from pdserve.worker.structured_output import BACKENDS, StructuredOutputs
+from pdserve.worker.request.sampling_params import StructuredOutputSpec
+from pdserve.worker.structured.structured_output import BACKENDS, StructuredOutputs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -80,7 +80,7 @@ def installed_backends(wanted: list[str]) -> list[str]:
 
 def bench_mask(tokenizer, vocab: int, eos: tuple[int, ...], backend: str, name: str, spec: StructuredOutputSpec,
                batch: int, device: str, max_steps: int = 96) -> dict:
-    from pdserve.worker.structured_output import apply_bitmask, fill_bitmask
+    from pdserve.worker.structured.structured_output import apply_bitmask, fill_bitmask
 
     so = StructuredOutputs(tokenizer, vocab, eos, backend)
     so.compile(StructuredOutputSpec("regex", "warm"))  # the tokenizer view is built once per worker: not counted
@@ -137,9 +137,9 @@ def make_checkpoint(out: Path, tokenizer_dir: Path, which: str, device: str) -> 
 
 def bench_e2e(model_dir: Path, model_name: str, backends: list[str], batches: list[int], device: str,
               repeats: int, max_tokens: int) -> list[dict]:
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=str(model_dir), device=device, max_model_len=1024, max_num_seqs=max(batches),
                        **({"kv_cache_memory": 256 << 20} if device == "cpu" else {"gpu_memory_utilization": 0.3}))
@@ -206,7 +206,7 @@ def e2e_table(rows: list[dict]) -> str:
 
 
 def default_tokenizer_dir() -> Path:
-    from pdserve.worker.default_model import ensure_default_model
+    from pdserve.worker.models.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -179,7 +179,7 @@ def decode_ms(engine, prompt: list[int], steps: int) -> float:
 
 def greedy_with_logprobs(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict[int, float]]]:
     """Greedy tokens per prompt and the top-k logprobs of each prompt's first generated token."""
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True, logprobs=CHECK_TOPK)
     tokens, firsts = {}, {}
@@ -195,9 +195,9 @@ def greedy_with_logprobs(engine, prompts: list[list[int]]) -> tuple[list[list[in
 
 
 def run_tp(n: int, path: str, args, vocab: int) -> dict:
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",

@@ -98,7 +98,7 @@ class Launcher:
     def _model(self) -> tuple[str, str]:
         if self.config.model is not None:
             return self.config.model, self.config.served_model_name or self.config.model
-        from pdserve.worker.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from pdserve.worker.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         self.say(f"stage 1/3 model: default {DEFAULT_MODEL_NAME} (converted once into the cache)")
         t = time.monotonic()

@@ -10,6 +10,6 @@ from tests.conftest import default_model_dir, tiny_checkpoint  # noqa: F401  (re
 
 @pytest.fixture(scope="session")
 def served_name() -> str:
-    from pdserve.worker.default_model import DEFAULT_MODEL_NAME
+    from pdserve.worker.models.default_model import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME

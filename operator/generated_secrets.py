@@ -27,7 +27,7 @@ from pdserve.operator import naming
 from pdserve.operator.kube import Kube, owned_by
 from pdserve.operator.spec import ModelServing, SecretKeyRef, SpecError
 
-# The worker refuses shorter KV secrets (worker/config.py); token_urlsafe(32) gives 43 characters.
+# The worker refuses shorter KV secrets (worker/config/engine.py); token_urlsafe(32) gives 43 characters.
 MIN_LENGTH = 16
 
 

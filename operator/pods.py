@@ -19,7 +19,7 @@ HF_HOME = f"{CACHE_MOUNT}/huggingface"
 TOKENIZER_DIR = f"{CACHE_MOUNT}/tokenizer"
 # The image's non-root user; fsGroup makes a fresh PVC cache writable by it.
 RUN_AS = 1000
-# What the worker fetches from the Hub (worker/model_loader.py) and what a tokenizer needs.
+# What the worker fetches from the Hub (worker/models/loader.py) and what a tokenizer needs.
 MODEL_FILES = "*.json,*.safetensors,*.model,*.jinja,*.txt"
 TOKENIZER_FILES = "*.json,*.model,*.jinja,*.txt,*.tiktoken"
 # Download once, then start from local files: huggingface_hub skips files already present.

@@ -24,7 +24,7 @@ from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from th
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), converted once into the user cache."""
-    from pdserve.worker.default_model import ensure_default_model
+    from pdserve.worker.models.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -19,7 +19,7 @@ from pdserve.cli.stack import StackConfig
 from pdserve.protocol.flags import ConfigError, add_flags, flag, flag_name, from_flags, given, no_flag, spec_of
 from pdserve.router import main as router_main
 from pdserve.router.config import RouterConfig
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.server import main as worker_main
 from pdserve.worker.server.config import ServerConfig
 

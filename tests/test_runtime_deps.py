@@ -64,13 +64,13 @@ def test_cpu_path_runs_without_test_only_packages(tiny_checkpoint):
         for name in {blocked!r}:
             sys.modules[name] = None  # `import name` now raises ImportError, as if not installed
 
-        import pdserve.worker.server.app, pdserve.worker.server.main  # noqa: F401
-        import pdserve.router.app, pdserve.router.main  # noqa: F401
         import pdserve.operator.handlers  # noqa: F401
+        import pdserve.router.app, pdserve.router.main  # noqa: F401
+        import pdserve.worker.server.app, pdserve.worker.server.main  # noqa: F401
         from pdserve.cli.main import main  # noqa: F401
-        from pdserve.worker.config import EngineConfig
-        from pdserve.worker.engine import LLMEngine
-        from pdserve.worker.sampling_params import SamplingParams
+        from pdserve.worker.config.engine import EngineConfig
+        from pdserve.worker.engine.llm_engine import LLMEngine
+        from pdserve.worker.request.sampling_params import SamplingParams
 
         engine = LLMEngine(EngineConfig(model={str(tiny_checkpoint("llama"))!r}, device="cpu", block_size=4,
                                         max_model_len=64, kv_cache_memory=1 << 20))

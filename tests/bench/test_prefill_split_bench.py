@@ -17,7 +17,7 @@ def test_the_cuts_are_the_streamed_splits(split, chunks):
 
 
 def test_smoke_run_writes_a_row_per_split_and_steps_each_chunk(tmp_path, monkeypatch):
-    from pdserve.worker.model_runner import ModelRunner
+    from pdserve.worker.executor.model_runner import ModelRunner
 
     steps = []
     launch = ModelRunner.launch

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
 
 SMALL = dict(device="cpu", block_size=4, max_model_len=128, kv_cache_memory=1 << 22)
 

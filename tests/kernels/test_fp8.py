@@ -91,10 +91,10 @@ def test_block_gemm_rejects_bad_arguments():
 # -- the FP8 linear method's GPU path on one fused layer ------------------------------------------
 
 def _qkv_layer(weight: str, activation: str):
-    from pdserve.worker.model_config import ModelConfig
+    from pdserve.worker.config.model import ModelConfig
+    from pdserve.worker.config.quantization import Fp8Config
     from pdserve.worker.parallel.layers import QKVParallelLinear
     from pdserve.worker.parallel.shard import TPShard
-    from pdserve.worker.quantization.config import Fp8Config
     from pdserve.worker.quantization.fp8_linear import Fp8LinearMethod
 
     cfg = ModelConfig("LlamaForCausalLM", 100, 256, 512, 1, 4, 2, 64, 1e-5, 128, False, False, False, False,

@@ -116,7 +116,7 @@ def _engine(tmp_path_factory, arch: str):
 
 def _serve(engine, rng: random.Random, requests: list[tuple[int, int]]) -> None:
     """Requests (prompt length, output length) arrive a few per step at random; runs to completion."""
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     pending = list(requests)
     n = 0

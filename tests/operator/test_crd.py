@@ -94,7 +94,7 @@ def test_policy_enum_is_the_routers_registry():
 
 def test_kv_cache_dtype_enum_is_the_workers():
     """Every kvCacheDtype the API server admits is a --kv-cache-dtype the worker takes."""
-    from pdserve.worker.config import KV_CACHE_DTYPES
+    from pdserve.worker.config.engine import KV_CACHE_DTYPES
 
     spec = schema()["properties"]["spec"]["properties"]
     assert set(spec["kvCacheDtype"]["enum"]) <= set(KV_CACHE_DTYPES) and spec["kvCacheDtype"]["default"] == "auto"

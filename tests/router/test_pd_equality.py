@@ -257,7 +257,7 @@ def test_models_header_ids_and_stream_serialisation(stack):
 
 
 # Structured outputs: the prefill's first token obeys the grammar, the decode worker's matcher
-# consumes it before masking the second (worker/structured_output.py).
+# consumes it before masking the second (worker/structured/structured_output.py).
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
           "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 999}}}

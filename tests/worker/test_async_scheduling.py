@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.worker.engine import LLMEngine, wants_async_scheduling
-from pdserve.worker.sampling_params import SamplingParams, StructuredOutputSpec
+from pdserve.worker.engine.llm_engine import LLMEngine, wants_async_scheduling
+from pdserve.worker.request.sampling_params import SamplingParams, StructuredOutputSpec
 from tests.helpers.engines import make_engine
 from tests.net import free_port
 

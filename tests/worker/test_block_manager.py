@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from pdserve.worker.block_manager import BlockManager, hash_prefix_blocks
-from pdserve.worker.request import Request, RequestStatus
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.scheduler import Scheduler
+from pdserve.worker.engine.block_manager import BlockManager, hash_prefix_blocks
+from pdserve.worker.engine.scheduler import Scheduler
+from pdserve.worker.request.request import Request, RequestStatus
+from pdserve.worker.request.sampling_params import SamplingParams
 
 BS = 4
 
@@ -110,7 +110,7 @@ def test_preemption_frees_and_requeues_then_abort_restores_blocks():
     (dict(top_k=-5), "top_k"), (dict(logprobs=21), "logprobs"), (dict(stop=("",)), "stop"),
 ])
 def test_sampling_params_name_the_bad_field(kw, param):
-    from pdserve.worker.sampling_params import SamplingParamsError
+    from pdserve.worker.request.sampling_params import SamplingParamsError
 
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kw)
@@ -222,7 +222,7 @@ def test_allocation_never_hands_out_a_used_block_and_keeps_lru_and_runs(ops, cac
 
 # -- free runs: the empty pool as maximal runs (issue 24: long runs without a scan) -------------
 
-from pdserve.worker.free_runs import FreeRuns  # noqa: E402
+from pdserve.worker.engine.free_runs import FreeRuns  # noqa: E402
 
 
 def fewest_runs(lengths: list[int], n: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.worker.detokenizer import IncrementalDetokenizer
+from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Héllo 世界! 🎉 The capital of France is Paris.\n\nDone ✓ 👍🏽 end"
 

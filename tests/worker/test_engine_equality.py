@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
 PROMPTS = [
@@ -108,7 +108,7 @@ def test_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint, arch):
 
 
 def test_max_model_len_must_fit_the_kv_cache(tiny_checkpoint):
-    from pdserve.worker.config import ConfigError
+    from pdserve.worker.config.engine import ConfigError
 
     ckpt = tiny_checkpoint("llama")
     per_block = make_engine(ckpt).kv_cache.block_bytes
@@ -125,8 +125,8 @@ def test_unsupported_architecture_is_named(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    from pdserve.worker.model_config import ModelConfig
-    from pdserve.worker.unsupported_model import UnsupportedModelError
+    from pdserve.worker.config.model import ModelConfig
+    from pdserve.worker.config.unsupported_model import UnsupportedModelError
     from transformers import AutoConfig
 
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
@@ -142,9 +142,9 @@ def test_unsupported_moe_architectures_name_the_nearest_supported(tmp_path, arch
 
     from transformers import AutoConfig
 
-    from pdserve.worker.model_config import ModelConfig
+    from pdserve.worker.config.model import ModelConfig
 
-    from pdserve.worker.unsupported_model import UnsupportedModelError
+    from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
     with pytest.raises(UnsupportedModelError, match=arch) as err:

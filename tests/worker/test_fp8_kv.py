@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from pdserve.kernels.reference import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.kv_cache import KVCache, kv_layout
-from pdserve.worker.kv_scales import load_kv_scales
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.attention.kv_cache import KVCache, kv_layout
+from pdserve.worker.attention.kv_scales import load_kv_scales
+from pdserve.worker.config.engine import ConfigError, EngineConfig
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
 PROMPTS = [
@@ -115,7 +115,7 @@ def test_flag_is_validated_and_named():
 
 
 def test_layout_names_dtype_and_scales(tiny_checkpoint):
-    from pdserve.worker.model_loader import read_model_config
+    from pdserve.worker.models.loader import read_model_config
 
     cfg = read_model_config(str(tiny_checkpoint("llama")))
     shape = f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}"

@@ -18,14 +18,14 @@ import sys
 import pytest
 import torch
 
-from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.engine import ConfigError, EngineConfig
+from pdserve.worker.config.model import ModelConfig
+from pdserve.worker.config.quantization import Fp8Config, QuantizationError, parse_quantization
+from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.parallel.layers import RowParallelLinear
 from pdserve.worker.parallel.shard import TPShard
-from pdserve.worker.quantization.config import Fp8Config, QuantizationError, parse_quantization
 from pdserve.worker.quantization.fp8_linear import Fp8LinearMethod
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.fp8_checkpoints import CT_CONFIG, with_quantization_config, write_fp8_pair
 from tests.helpers.engines import make_engine

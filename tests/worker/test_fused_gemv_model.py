@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pdserve.kernels import fused_gemv as gemv_module
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.triton_attention import TritonAttentionBackend
+from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.worker.gloo_pair import join_gloo_group, run_gloo_pair
 from tests.checkpoints import checkpoint_factory, write_word_tokenizer
 from tests.helpers.engines import DEVICE, ON_GPU, device_engine
@@ -116,7 +116,7 @@ def _tp_rank_main(rank: int, port, results) -> None:
 
     try:
         from pdserve.kernels.reference import rms_norm_ref, silu_and_mul_ref
-        from pdserve.worker.model_config import ModelConfig
+        from pdserve.worker.config.model import ModelConfig
         from pdserve.worker.models.llama import MLP, RMSNorm
         from pdserve.worker.parallel.group import shutdown_tensor_parallel
         from pdserve.worker.parallel.shard import TPShard

@@ -188,7 +188,7 @@ def harmony_tokenizer(harmony_tokenizer_dir):
 
 
 def test_detokenizer_keeps_special_tokens_when_asked(harmony_tokenizer):
-    from pdserve.worker.detokenizer import IncrementalDetokenizer
+    from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
 
     text = ANALYSIS + FINAL
     ids = harmony_tokenizer.encode(text, add_special_tokens=False)
@@ -200,8 +200,8 @@ def test_detokenizer_keeps_special_tokens_when_asked(harmony_tokenizer):
 
 
 def test_harmony_template_renders_developer_tools_and_reasoning_effort(harmony_tokenizer):
-    from pdserve.worker.server.chat import render_prompt
     from pdserve.protocol.chat_render import ChatTemplates
+    from pdserve.worker.server.chat import render_prompt
 
     templates = ChatTemplates(harmony_tokenizer, 2048, 1 << 20, 10.0, trust_requests=False)
     messages = [{"role": "developer", "content": "Answer briefly."}, *ASK]
@@ -253,8 +253,8 @@ class ScriptedEngine:
         pass
 
     async def generate(self, rid, prompt, params, kv_transfer_params=None):
-        from pdserve.worker.detokenizer import IncrementalDetokenizer
-        from pdserve.worker.outputs import RequestOutput
+        from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
+        from pdserve.worker.request.outputs import RequestOutput
 
         self.seen_params.append(params)
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)

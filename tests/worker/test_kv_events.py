@@ -8,7 +8,7 @@ import httpx
 import zmq
 
 from pdserve.protocol.kv_events import decode_seq, encode_seq
-from pdserve.worker.block_manager import hash_prefix_blocks
+from pdserve.worker.engine.block_manager import hash_prefix_blocks
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 

@@ -151,7 +151,7 @@ DIGEST = "d" * 32
 def connectors():
     """A prefill and a decode KVConnector in this process, talking over a real side channel
     (ZMQ on loopback) and NIXL."""
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
     from pdserve.worker.kv.connector import KVConnector
     from tests.net import free_port
 

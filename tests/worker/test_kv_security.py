@@ -463,8 +463,8 @@ def test_health_is_503_once_the_side_channel_thread_is_gone(tiny_checkpoint):
     worker's /health, which the router polls and Kubernetes probes, then answers 503."""
     import uvicorn
 
-    from pdserve.worker.async_engine import AsyncEngine
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.async_engine import AsyncEngine
     from pdserve.worker.server.app import build_app
     from pdserve.worker.server.config import ServerConfig
 

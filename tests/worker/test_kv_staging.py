@@ -109,7 +109,7 @@ BLOCK = LAYERS * 2 * BS * KV * DIM * 4  # a full-head fp32 block: 1 KiB
 def nixl_world():
     if not nixl_available():
         pytest.skip("needs the nixl extra (pip install 'pdserve[nixl]')")
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
     from pdserve.worker.kv.connector import KVConnector
     from pdserve.worker.kv.prompt_binding import prompt_digest
     from pdserve.worker.kv.tp_transfer import TPRank

@@ -654,7 +654,7 @@ def test_one_address_holds_at_most_its_share_of_the_data_port(monkeypatch):
 def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
     """A decode worker without RDMA (`--kv-transfer tcp`) pulls from a NIXL prefill worker: the
     real KVConnector serves the read over its data connections whatever its own transport."""
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
     from pdserve.worker.kv.connector import KVConnector
 
     port = free_port()

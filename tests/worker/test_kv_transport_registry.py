@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 
 from pdserve.protocol.flags import ConfigError
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.kv import registry
 from pdserve.worker.kv.tcp_transport import TcpTransport
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.net import free_port
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 12, 31, 8, 64, 3]  # longer than gpt-oss's window of 8
@@ -52,7 +52,7 @@ def generate(eng: LLMEngine, n: int = 6) -> tuple[list[int], list[float]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe", "gpt-oss"])
 def test_dummy_weights_from_config_and_tokenizer_only(arch, tiny_checkpoint, tmp_path, caplog):
     src = tiny_checkpoint(arch)
-    with caplog.at_level("INFO", logger="pdserve.worker.model_loader"):
+    with caplog.at_level("INFO", logger="pdserve.worker.models.loader"):
         eng = engine(config_only(src, tmp_path / "cfg"), load_format="dummy")
     assert "--load-format dummy" in caplog.text
     net = eng.runner.model
@@ -85,7 +85,7 @@ def test_dummy_fp8_checkpoint_keeps_its_formats(arch, block, tiny_checkpoint, tm
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                   **({"weight_block_size": block} if block else {})}
     (src / "config.json").write_text(json.dumps(cfg))
-    with caplog.at_level("INFO", logger="pdserve.worker.model_loader"):
+    with caplog.at_level("INFO", logger="pdserve.worker.models.loader"):
         eng = engine(src, load_format="dummy")
     assert "--load-format dummy" in caplog.text and "fp8" in caplog.text.lower()
     named = dict(eng.runner.model.named_parameters())
@@ -102,7 +102,7 @@ def test_dummy_fp8_experts_stay_e4m3_with_their_scales(tiny_checkpoint, tmp_path
     block scales: the dummy fill gives those tensors e4m3 values in +-1 and scales of 1e-3."""
     import json
 
-    from pdserve.worker.model_loader import init_dummy_weights, read_model_config
+    from pdserve.worker.models.loader import init_dummy_weights, read_model_config
     from pdserve.worker.models.moe import FusedExperts
     from pdserve.worker.parallel.shard import TPShard
     from pdserve.worker.quantization.fp8_linear import keep_quantized_dtypes

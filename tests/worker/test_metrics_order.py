@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from pdserve.worker.outputs import RequestOutput
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.outputs import RequestOutput
+from pdserve.worker.request.sampling_params import SamplingParams
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import ServerMetrics
 

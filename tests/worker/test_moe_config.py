@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.model import ModelConfig
 
-from pdserve.worker.unsupported_model import UnsupportedModelError
+from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
@@ -98,7 +98,7 @@ def test_gpt_oss_config_is_read(tmp_path):
 
 
 def test_gpt_oss_mxfp4_and_bad_layer_types_are_refused(tmp_path):
-    from pdserve.worker.quantization.config import QuantizationError
+    from pdserve.worker.config.quantization import QuantizationError
 
     mxfp4 = {"quant_method": "mxfp4",
              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",

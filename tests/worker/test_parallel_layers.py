@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.parallel.communicator import AllReduceConfig, choose
 from pdserve.worker.parallel.layers import (
     MergedColumnParallelLinear,
@@ -155,12 +155,16 @@ def test_tensor_parallel_imports_go_one_way():
     from tests.test_layering import imported_modules
 
     parallel = imported_modules("worker/parallel")
-    assert set(parallel) >= {f"worker/parallel/{f}.py" for f in ("shard", "layers", "communicator", "group", "ranks")}
-    upward = ("pdserve.worker.model_runner", "pdserve.worker.engine", "pdserve.worker.models", "pdserve.worker.kv")
+    assert set(parallel) >= {f"worker/parallel/{f}.py" for f in ("shard", "layers", "communicator", "group")}
+    upward = ("pdserve.worker.executor.model_runner", "pdserve.worker.engine", "pdserve.worker.models",
+              "pdserve.worker.kv")
     assert not {f: sorted(m for m in mods if m.startswith(upward)) for f, mods in parallel.items()
                 if any(m.startswith(upward) for m in mods)}
-    runner = imported_modules("worker")["worker/model_runner.py"]
-    assert "pdserve.worker.parallel.ranks" not in runner
+    runner = imported_modules("worker")["worker/executor/model_runner.py"]
+    assert "pdserve.worker.executor.tp_ranks" not in runner
+    ranks = imported_modules("worker")["worker/executor/tp_ranks.py"]
+    runner_or_engine = ("pdserve.worker.executor.model_runner", "pdserve.worker.engine")
+    assert not {m for m in ranks if m.startswith(runner_or_engine)}
     kv = imported_modules("worker/kv")
     assert not {f for f, mods in kv.items() if any(m.startswith("pdserve.worker.models") for m in mods)}
     assert "pdserve.worker.parallel.shard" in kv["worker/kv/tp_transfer.py"]

@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.net import free_port
 

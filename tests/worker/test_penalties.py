@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from pdserve.worker.logits_processors import apply_logits_processors
-from pdserve.worker.request import Request
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.request import Request
+from pdserve.worker.request.sampling_params import SamplingParams
+from pdserve.worker.sample.logits_processors import apply_logits_processors
 from tests.helpers.engines import make_engine
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
@@ -96,7 +96,7 @@ def test_no_penalty_batch_is_untouched():
 def test_allowed_token_ids_restrict_sampling_and_greedy():
     """vLLM's allowed_token_ids: only those tokens, whether sampled (many seeds) or greedy (the
     best of them), and rows without a list untouched."""
-    from pdserve.worker.sampler import Sampler
+    from pdserve.worker.sample.sampler import Sampler
 
     torch.manual_seed(0)
     logits = torch.randn(2, V)
@@ -163,7 +163,7 @@ def test_engine_greedy_equals_hf_loop(small_vocab_checkpoint, case):
 
 
 def test_engine_refuses_bias_outside_vocabulary(small_vocab_checkpoint):
-    from pdserve.worker.request import RequestError
+    from pdserve.worker.request.request import RequestError
 
     engine = make_engine(small_vocab_checkpoint)
     with pytest.raises(RequestError) as e:

@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 from tests.worker.test_server_harness import WorkerProcess
 

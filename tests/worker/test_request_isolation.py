@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from pdserve.protocol.contract import HEADER_REQUEST_FAILED
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.structured_output import GrammarMatcher
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.sampling_params import SamplingParams
+from pdserve.worker.structured.structured_output import GrammarMatcher
 from tests.helpers.engines import make_engine
 from tests.liveness import Liveness
 from tests.worker.test_server_harness import WorkerProcess
@@ -99,7 +99,7 @@ def test_failure_reaches_the_client_as_an_error_never_a_hang(tiny_checkpoint, mo
     [DONE]. A plain request right after: 200, and /health 200 throughout."""
     from fastapi.testclient import TestClient
 
-    from pdserve.worker.async_engine import AsyncEngine
+    from pdserve.worker.engine.async_engine import AsyncEngine
     from pdserve.worker.server.app import build_app
     from pdserve.worker.server.config import ServerConfig
 

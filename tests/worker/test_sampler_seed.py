@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.worker.request import Request
-from pdserve.worker.sampler import Sampler
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.request import Request
+from pdserve.worker.request.sampling_params import SamplingParams
+from pdserve.worker.sample.sampler import Sampler
 
 V = 64
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
-from pdserve.worker.block_manager import BlockManager
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.engine.scheduler import Scheduler
 from pdserve.worker.kv.connector import KVConnector
 from pdserve.worker.kv.connector_meta import KVConnectorOutput
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
-from pdserve.worker.request import Request, RequestStatus
-from pdserve.worker.sampling_params import SamplingParams
-from pdserve.worker.scheduler import Scheduler
+from pdserve.worker.request.request import Request, RequestStatus
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.net import free_port
 
 BS, BLOCKS, VOCAB = 4, 16, 1000
@@ -234,7 +234,7 @@ def test_a_foreign_kv_layout_is_refused_and_prefilled_locally(prefill, decode):
     # A prefill worker of another KV dtype (or fp8 scales, or block size): its bytes would decode
     # as garbage here. Not the client's fault: no error, no pull; the prompt is prefilled here
     # (same answer), the prefill worker's pin released at once, the fallback counted.
-    from pdserve.worker.request import RequestError
+    from pdserve.worker.request.request import RequestError
 
     prompt = list(range(600, 610))
     params = {**remote_params(prefill, prompt), "kv_layout": f"1x1x4:float8_e4m3fn@1:{BS}"}

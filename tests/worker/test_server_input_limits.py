@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from pdserve.protocol.errors import APIError
-from pdserve.worker.sampling_params import StructuredOutputSpec
-from pdserve.worker.structured_output import GrammarError, StructuredOutputs
+from pdserve.worker.request.sampling_params import StructuredOutputSpec
+from pdserve.worker.structured.structured_output import GrammarError, StructuredOutputs
 from tests.worker.test_server_harness import WorkerProcess
 
 HEALTH_TIMEOUT_S = 5.0  # a poll answers in milliseconds; a blocked loop held it for seconds per schema
@@ -138,7 +138,7 @@ class GatedCompiler:
 
 def test_the_compile_pool_is_bounded_and_shares_compiles():
     async def scenario():
-        from pdserve.worker.grammar_pool import GrammarPool
+        from pdserve.worker.structured.grammar_pool import GrammarPool
 
         so = GatedCompiler()
         pool = GrammarPool(so, workers=1, max_waiting=1)  # two compiles at most: one running, one queued
@@ -212,7 +212,7 @@ def test_a_panicking_grammar_engine_is_a_one_line_400(monkeypatch, default_model
 
 
 def test_engine_errors_keep_their_detail_on_one_line():
-    from pdserve.worker.structured_output import engine_error
+    from pdserve.worker.structured.structured_output import engine_error
 
     regex = 'regex parse error:\n    a(b\n     ^\nerror: unclosed group'  # llguidance's, caret lines included
     assert engine_error(regex) == "regex parse error: a(b ^ error: unclosed group"
@@ -225,7 +225,7 @@ def test_the_cache_is_bounded_by_spec_bytes(monkeypatch, default_model_dir):
     """A compiled grammar weighs ~80x its spec: the cache keeps at most CACHE_SPEC_BYTES of them."""
     from transformers import AutoTokenizer
 
-    from pdserve.worker import structured_output
+    from pdserve.worker.structured import structured_output
 
     monkeypatch.setattr(structured_output, "CACHE_SPEC_BYTES", 250)
     tok = AutoTokenizer.from_pretrained(default_model_dir)

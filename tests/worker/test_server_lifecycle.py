@@ -112,8 +112,8 @@ def test_not_ready_until_engine_loaded(tiny_checkpoint):
     """In process, on a real socket: the engine's load is held back by a gate."""
     import uvicorn
 
-    from pdserve.worker.async_engine import AsyncEngine
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.async_engine import AsyncEngine
     from pdserve.worker.server.app import build_app
     from pdserve.worker.server.config import ServerConfig
 

@@ -1,4 +1,4 @@
-"""Stop strings matched on only the held tail plus the new text (worker/stop_strings.py) give what
+"""Stop strings matched on only the held tail plus the new text (worker/request/stop_strings.py) give what
 matching the whole output gives: random texts, stop lists and tokenizations (stops spanning token
 boundaries, overlapping each other, prefixes of one another), through the detokenizer's
 streaming hold-back (issue 44: the old check re-sliced every prefix of the output for every stop
@@ -9,8 +9,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.worker.detokenizer import IncrementalDetokenizer
-from pdserve.worker.stop_strings import StopStrings
+from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
+from pdserve.worker.request.stop_strings import StopStrings
 
 # A small alphabet, so stops occur, overlap and share prefixes often; "界" is one character of
 # several UTF-8 bytes, "\n" the usual stop.

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from pdserve.protocol.kv_transfer import KVTransferParams, is_streamed
-from pdserve.worker.engine import LLMEngine
+from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.kv.nixl_transport import nixl_available
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.helpers.engines import make_engine
 from tests.net import free_port

@@ -24,10 +24,10 @@ import torch
 
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams, StructuredOutputSpec
-from pdserve.worker.structured_output import BACKENDS, GrammarError, apply_grammar_masks
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.sampling_params import SamplingParams, StructuredOutputSpec
+from pdserve.worker.structured.structured_output import BACKENDS, GrammarError, apply_grammar_masks
 from tests.checkpoints import _config as checkpoint_config
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -214,7 +214,7 @@ def _undeclared(value, schema) -> list[str]:
 
 
 def test_close_schema():
-    from pdserve.worker.closed_schema import close_schema
+    from pdserve.worker.structured.closed_schema import close_schema
 
     assert close_schema({"type": "object"}) == {"type": "object"}  # any object stays any object
     closed = close_schema(ARGS)
@@ -245,7 +245,7 @@ def test_undeclared_keys_are_never_written(engine, schema):
 
 def test_additional_properties_are_a_worker_switch(engine):
     """--structured-outputs-allow-additional-properties restores JSON Schema's open reading."""
-    from pdserve.worker.structured_output import StructuredOutputs
+    from pdserve.worker.structured.structured_output import StructuredOutputs
 
     tok, eos = engine.tokenizer, engine.model_config.eos_token_ids
     spec = _spec("json", ARGS)
@@ -269,7 +269,7 @@ def test_additional_properties_are_a_worker_switch(engine):
 
 def test_a_missing_engine_fails_at_start_naming_the_flag(monkeypatch, engine):
     from pdserve.protocol.flags import ConfigError
-    from pdserve.worker.structured_output import StructuredOutputs
+    from pdserve.worker.structured.structured_output import StructuredOutputs
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # what an environment without the wheel imports
     with pytest.raises(ConfigError) as e:

@@ -15,11 +15,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.engine import ConfigError, EngineConfig
+from pdserve.worker.config.model import ModelConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.parallel.shard import TPShard
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import write_checkpoint
 from tests.helpers.engines import make_engine
 from tests.worker.test_server_harness import WorkerProcess

@@ -220,7 +220,7 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
         pytest.skip("needs the nixl extra (pip install 'pdserve[nixl]')")
     import torch
 
-    from pdserve.worker.config import EngineConfig
+    from pdserve.worker.config.engine import EngineConfig
     from pdserve.worker.kv.connector import KVConnector
     from pdserve.worker.kv.prompt_binding import prompt_digest
 

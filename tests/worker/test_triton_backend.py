@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.cuda_graphs import DecodeGraphConfig, batch_buckets
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, batch_buckets
+from pdserve.worker.request.sampling_params import SamplingParams
 from tests.checkpoints import checkpoint_factory, write_word_tokenizer
 from tests.helpers.engines import ON_GPU, device_engine
 

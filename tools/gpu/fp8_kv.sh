@@ -13,7 +13,7 @@
 # Files in $OUT (else ./gpu_fp8_kv_out): results.md, results.json, env.txt, log.txt.
 set -u
 source tools/gpu/lib.sh
-gpu_begin gpu_fp8_kv server triton transformers nixl_cu13 zmq pdserve.worker.engine pdserve.bench.fp8_kv || exit 1
+gpu_begin gpu_fp8_kv server triton transformers nixl_cu13 zmq pdserve.worker.engine.llm_engine pdserve.bench.fp8_kv || exit 1
 echo "setup: $(( $(date +%s) - T0 ))s"
 set -o pipefail
 cd /tmp

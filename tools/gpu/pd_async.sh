@@ -13,7 +13,7 @@
 # split time). Each row is printed as soon as its mode ends. Files in $OUT: env.txt, pd_async_tail.md, pd_async_even.md, log.txt.
 set -u
 source tools/gpu/lib.sh
-gpu_begin gpu_pd_async server triton nixl_cu13 pdserve.worker.engine || exit 1
+gpu_begin gpu_pd_async server triton nixl_cu13 pdserve.worker.engine.llm_engine || exit 1
 main() {
   cd /tmp
   # The tail split first (the default, issue 24's numbers); the even split if time is left.

@@ -122,7 +122,7 @@ class Pressure:
 
 def prefill_once(engine, prompt: list[int], chunks: list[int]) -> float:
     """Seconds from add_request to the first token on the host."""
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.worker.request.sampling_params import SamplingParams
 
     sched = engine.scheduler
     budget = sched.max_num_batched_tokens
@@ -207,8 +207,8 @@ def main(argv=None) -> int:
 
     from pdserve.bench.model_shapes import MODELS
     from pdserve.bench.tp import write_checkpoint
-    from pdserve.worker.config import EngineConfig
-    from pdserve.worker.engine import LLMEngine
+    from pdserve.worker.config.engine import EngineConfig
+    from pdserve.worker.engine.llm_engine import LLMEngine
 
     device = "cpu" if args.smoke else "cuda"
     spec = MODELS["tiny-llama" if args.smoke else "llama-3.1-8b"]

@@ -37,23 +37,23 @@ from dataclasses import replace
 import torch
 
 from pdserve.protocol.kv_transfer import KVTransferParams
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv import registry
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import check_indices
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
+from pdserve.worker.kv.layer_clock import ClockWatch
 from pdserve.worker.kv.messages import LeaseRequest, ProgressRequest, ReleaseRequest
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.peer_policy import PeerPolicy
-from pdserve.worker.kv.layer_clock import ClockWatch
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
 from pdserve.worker.kv.rank_aggregator import RankAggregator
-from pdserve.worker.kv.transport import KVTransport
 from pdserve.worker.kv.tp_transfer import TPRank, pull_shards, remote_tp_size
+from pdserve.worker.kv.transport import KVTransport
 
 PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
 

@@ -47,7 +47,7 @@ from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint
 from pdserve.worker.kv.peer_policy import PeerNotAllowed
 from pdserve.worker.kv.prompt_binding import bind_token, prompt_digest, token_digest
-from pdserve.worker.request import Request, RequestError, RequestStatus
+from pdserve.worker.request.request import Request, RequestError, RequestStatus
 
 log = logging.getLogger(__name__)
 

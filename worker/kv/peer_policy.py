@@ -2,7 +2,7 @@
 
 kv_transfer_params come from a request body: without a check, a forged body could make a
 worker connect anywhere (SSRF) or tie up its pulls on hosts that never answer. Default:
-nobody (a decode worker refuses to start without entries: worker/config.py). A deployment
+nobody (a decode worker refuses to start without entries: worker/config/engine.py). A deployment
 declares its prefill workers: the local stack passes loopback and each prefill worker's KV
 port, the operator the prefill pods' CIDRs and the KV ports of their tensor-parallel ranks.
 Entries are CIDRs (an address is a /32 or /128) or exact host names, optionally with ports

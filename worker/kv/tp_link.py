@@ -2,7 +2,7 @@
 
 The scheduler half lives on rank 0 only (it owns requests and blocks); the worker half
 (connector.KVConnector) runs on every rank over that rank's cache shard. They talk over one
-duplex pipe per follower (made by parallel/ranks.TPFollowers beside its step pipe), read on the
+duplex pipe per follower (made by executor/tp_ranks.TPFollowers beside its step pipe), read on the
 follower by a thread of its own, so a pin is mirrored at once even while the rank runs a step.
 
 rank 0 -> rank r
@@ -38,7 +38,7 @@ import pickle
 import threading
 import time
 
-from pdserve.worker.config import EngineConfig
+from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.kv.tp_transfer import TPRank
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class TPLeaderLink:
 
 
 class FollowerKV:
-    """The KV side of tensor-parallel ranks, handed by the engine to parallel/ranks.py (which
+    """The KV side of tensor-parallel ranks, handed by the engine to executor/tp_ranks.py (which
     starts the ranks and knows nothing of KV): rank 0's link to the ranks' pipes, and each
     follower's connector. Passed as the class (pickled by reference into a rank's process)."""
 

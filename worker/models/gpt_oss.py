@@ -18,7 +18,7 @@ The experts run on the torch reference (fused_moe_ref with biases and the clampe
 every backend: the Triton fused MoE kernel has neither yet. That path reads expert counts on the
 host, so a CUDA graph cannot capture it: `cuda_graphs` is False and the runner decodes eagerly.
 MXFP4 checkpoints (quantization_config.quant_method mxfp4) are refused at start
-(quantization/config.py), as are FP8 ones.
+(config/quantization.py), as are FP8 ones.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.reference import fused_moe_routed_ref
-from pdserve.worker.attention import AttentionBackend
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.attention.backend import AttentionBackend
+from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.models.llama import LlamaForCausalLM
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
@@ -107,7 +107,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):
         if cfg.quantization is not None:
-            from pdserve.worker.quantization.config import QuantizationError
+            from pdserve.worker.config.quantization import QuantizationError
 
             raise QuantizationError(f"{cfg.architecture}: FP8 ({cfg.quantization.describe}) is not implemented for "
                                     f"gpt-oss; run the unquantized checkpoint without --quantization")

@@ -28,8 +28,8 @@ from pdserve.kernels.reference import (
     silu_and_mul_fp8_ref,
     silu_and_mul_ref,
 )
-from pdserve.worker.attention import AttentionBackend, AttentionMetadata
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard)
         if cfg.quantization is not None and cfg.quantization.source == "compressed-tensors" \
                 and self.lm_head is not None and not cfg.quantization.ignored("lm_head"):
-            from pdserve.worker.quantization.config import QuantizationError
+            from pdserve.worker.config.quantization import QuantizationError
 
             raise QuantizationError(f"{cfg.quantization.key}: does not list lm_head, so the checkpoint's lm_head "
                                     f"is FP8; pdserve keeps the lm_head in the compute dtype")

@@ -29,8 +29,8 @@ from torch import nn
 
 from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_routed_ref,
                                        quantize_fp8_rows_ref)
-from pdserve.worker.attention import AttentionBackend
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.attention.backend import AttentionBackend
+from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 from pdserve.worker.quantization.fp8_linear import warn_once, cuda_fp8_supported

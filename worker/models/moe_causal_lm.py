@@ -14,8 +14,8 @@ import re
 
 from torch import nn
 
-from pdserve.worker.attention import AttentionBackend
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.attention.backend import AttentionBackend
+from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.models.llama import LlamaForCausalLM
 from pdserve.worker.models.moe import SparseMoeBlock
 from pdserve.worker.parallel.shard import TPShard

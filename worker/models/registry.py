@@ -1,4 +1,4 @@
-"""Which model class runs which Hugging Face architecture (model_config.py's SUPPORTED_ARCHITECTURES)."""
+"""Which model class runs which Hugging Face architecture (config/model.py's SUPPORTED_ARCHITECTURES)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
 """Tensor parallelism inside one worker: which slice each rank holds (shard.py), the parallel
-layers that hold it (layers.py), their all-reduce (communicator.py), the process group
-(group.py) and the rank processes (ranks.py). docs/tensor-parallel.md tells the whole story."""
+layers that hold it (layers.py), their all-reduce (communicator.py) and the process group
+(group.py). The rank processes that run them are the executor's (worker/executor/tp_ranks.py).
+docs/tensor-parallel.md tells the whole story."""

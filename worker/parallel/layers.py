@@ -154,7 +154,7 @@ class RowParallelLinear(ParallelLinear):
         self.shard = shard
         block = quant.cfg.block if quant is not None else None
         if block and shard.size > 1 and self.in_features % block[1]:
-            from pdserve.worker.quantization.config import QuantizationError
+            from pdserve.worker.config.quantization import QuantizationError
 
             raise QuantizationError(
                 f"weight_block_size {list(block)}: {in_features} input columns split over --tensor-parallel-size "

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.worker.config import ConfigError
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.engine import ConfigError
+from pdserve.worker.config.model import ModelConfig
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> range:

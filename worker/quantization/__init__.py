@@ -1,1 +1,2 @@
-"""Quantized weights: FP8 checkpoint formats (config.py) and the FP8 linear method (fp8_linear.py)."""
+"""Quantized weights: the FP8 linear method (fp8_linear.py) and its activations (fp8_activations.py).
+Which FP8 format a checkpoint is in is read with the model's config (worker/config/quantization.py)."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_rows_ref
-from pdserve.worker.quantization.config import Fp8Config
+from pdserve.worker.config.quantization import Fp8Config
 from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activations
 
 # Batches up to this many rows take kernels/fp8_gemv.py (its MAX_M) on the GPU; larger ones W8A8.

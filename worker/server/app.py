@@ -22,17 +22,17 @@ from fastapi.responses import Response
 from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, read_model, validate
-from pdserve.protocol.disconnect import ClientGone
+from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.protocol.contract import PATH_KV_RELEASE
+from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, install_handlers
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
-from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.request_limits import RequestLimits
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import as_chat, from_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
-from pdserve.worker.unsupported_model import UnsupportedModelError
+from pdserve.worker.config.unsupported_model import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
-from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.worker.server.config import ServerConfig
 from pdserve.worker.server.generation import Generation
 from pdserve.worker.server.metrics import CONTENT_TYPE, ServerMetrics

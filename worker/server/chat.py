@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
+from pdserve.protocol.chat_render import ChatTemplates, render_chat
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest
 from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                         ChatCompletionResponse, Delta)
 from pdserve.protocol.sse import DONE, SSEResponse, event
-from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.request.outputs import TokenLogprob
 from pdserve.worker.server import serving
-from pdserve.protocol.chat_render import ChatTemplates, render_chat
 from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
 from pdserve.worker.server.tool_parsers.harmony import HarmonyParser

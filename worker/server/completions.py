@@ -10,7 +10,7 @@ from starlette.requests import Request
 from pdserve.protocol.requests import CompletionRequest
 from pdserve.protocol.responses import CompletionChoice, CompletionChunk, CompletionResponse
 from pdserve.protocol.sse import DONE, SSEResponse
-from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.request.outputs import TokenLogprob
 from pdserve.worker.server import echo, serving
 from pdserve.worker.server.sampling import sampling_params
 

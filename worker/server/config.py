@@ -1,4 +1,4 @@
-"""The HTTP server's own configuration (the engine's lives in pdserve.worker.config)."""
+"""The HTTP server's own configuration (the engine's lives in pdserve.worker.config.engine)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.requests import CompletionRequest
-from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.request.outputs import TokenLogprob
 
 
 def echo_only(body: CompletionRequest) -> bool:

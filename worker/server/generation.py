@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from pdserve.protocol.kv_transfer import KVTransferParams, RemoteDecodeRequest
-from pdserve.worker.outputs import RequestOutput
-from pdserve.worker.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from pdserve.worker.request.outputs import RequestOutput
+from pdserve.worker.request.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pdserve.worker.server.metrics import ServerMetrics
 
 _END = object()

@@ -16,7 +16,7 @@ import signal
 from pdserve.protocol.contract import ENV_API_KEYS
 from pdserve.protocol.flags import ConfigError, add_flags
 from pdserve.protocol.http_limits import ClientLimits
-from pdserve.worker.config import EngineConfig, is_loopback
+from pdserve.worker.config.engine import EngineConfig, is_loopback
 from pdserve.worker.server.config import ServerConfig
 
 log = logging.getLogger("pdserve.worker.server")
@@ -35,7 +35,7 @@ def served_model_name(config: EngineConfig) -> str:
         return config.served_model_name
     if config.model:
         return config.model
-    from pdserve.worker.default_model import DEFAULT_MODEL_NAME
+    from pdserve.worker.models.default_model import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME
 
@@ -55,7 +55,7 @@ def check_harmony_tokenizer(server_config: ServerConfig, model: str | None) -> N
         return
     from transformers import AutoTokenizer
 
-    from pdserve.worker.model_loader import resolve_model_path
+    from pdserve.worker.models.loader import resolve_model_path
     from pdserve.worker.server.tool_parsers.harmony import missing_tokens
 
     path = resolve_model_path(model)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from pdserve.worker.async_engine import AsyncEngine
+    from pdserve.worker.engine.async_engine import AsyncEngine
     from pdserve.worker.server.app import build_app
 
     fatal: list[BaseException] = []

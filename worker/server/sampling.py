@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.requests import CommonRequest
-from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputSpec
+from pdserve.worker.request.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputSpec
 
 
 def logit_bias(body: CommonRequest) -> tuple[tuple[int, float], ...]:

@@ -34,10 +34,10 @@ from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParam
                                           is_remote_decode, wants_remote_decode)
 from pdserve.protocol.responses import Usage
 from pdserve.protocol.sse import event
-from pdserve.worker.detokenizer import IncrementalDetokenizer
-from pdserve.worker.outputs import RequestOutput, TokenLogprob
-from pdserve.worker.request import RequestFailed
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
+from pdserve.worker.request.outputs import RequestOutput, TokenLogprob
+from pdserve.worker.request.request import RequestFailed
+from pdserve.worker.request.sampling_params import SamplingParams
 from pdserve.worker.server.generation import Generation
 
 log = logging.getLogger(__name__)

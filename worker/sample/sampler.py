@@ -7,7 +7,7 @@ prefill worker samples output 0 and the decode worker outputs 1.., from the same
 single worker would use.
 
 A row's own work (its stop ids, its sampling, its logprobs; its grammar and bias in the modules
-that apply them) runs isolated (request_isolation.py): if it raises, that request fails and the
+that apply them) runs isolated (request/isolation.py): if it raises, that request fails and the
 batch's other rows are sampled as if it were not there.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.worker.logits_processors import apply_allowed_token_ids, apply_logits_processors
-from pdserve.worker.outputs import TokenLogprob
-from pdserve.worker.request import Request
-from pdserve.worker.request_isolation import columns, isolated
-from pdserve.worker.structured_output import apply_grammar_masks
+from pdserve.worker.request.isolation import columns, isolated
+from pdserve.worker.request.outputs import TokenLogprob
+from pdserve.worker.request.request import Request
+from pdserve.worker.sample.logits_processors import apply_allowed_token_ids, apply_logits_processors
+from pdserve.worker.structured.structured_output import apply_grammar_masks
 
 
 _MASK64 = (1 << 64) - 1

@@ -1,9 +1,9 @@
 """The GPU attention backend: the same paged dispatch as the torch reference, on Triton kernels.
 
-Selected automatically on CUDA (worker/attention_selector.py); on CPU it runs under TRITON_INTERPRET=1 in the
+Selected automatically on CUDA (worker/attention/selector.py); on CPU it runs under TRITON_INTERPRET=1 in the
 tests, which check it produces the torch backend's greedy tokens. Every launcher reads only
 shapes on the host, never index values, so a decode step through this backend can be captured
-in a CUDA graph (worker/cuda_graphs.py).
+in a CUDA graph (worker/executor/cuda_graphs.py).
 
 `forward_rotary` takes q/k/v straight from the qkv projection. A decode token's whole attention
 is then one launch: the decode kernel adds the bias, rotates q and k, writes k and v into the
@@ -19,7 +19,7 @@ from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from pdserve.worker.attention import AttentionMetadata, PagedBackend
+from pdserve.worker.attention.backend import AttentionMetadata, PagedBackend
 
 
 class TritonAttentionBackend(PagedBackend):

@@ -23,7 +23,7 @@ class RequestOutput:
     `new_token_ids` holds only the tokens produced since the previous output of this request.
     `finish_reason` is None while running, else "stop" (EOS, stop token or stop string),
     "length" (max_tokens or max_model_len), "abort", or "error" (this request's own processing
-    failed; `error` says how: request_isolation.py).
+    failed; `error` says how: request/isolation.py).
     """
 
     request_id: str

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.worker.attention import AttentionMetadata
-from pdserve.worker.host_staging import HostStaging
+from pdserve.worker.attention.backend import AttentionMetadata
+from pdserve.worker.executor.host_staging import HostStaging
 
 
 def batch_buckets(max_batch: int) -> list[int]:

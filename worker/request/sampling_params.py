@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pdserve.worker.stop_strings import StopStrings
+from pdserve.worker.request.stop_strings import StopStrings
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # StructuredOutputSpec.kind
 

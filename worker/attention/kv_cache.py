@@ -19,7 +19,7 @@ import hashlib
 import torch
 
 from pdserve.kernels.reference import FP8_KV_DTYPE
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.model import ModelConfig
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

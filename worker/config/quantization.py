@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.worker.unsupported_model import UnsupportedModelError
+from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = (128, 128)  # the one block shape the block GEMM is written for (DeepSeek-V3, Qwen3-FP8)

@@ -1,6 +1,6 @@
 """Which attention backend a worker runs: Triton's kernels on CUDA, the torch reference elsewhere.
 
-A module of its own so that the interface (attention.py) stays below the backends built on it:
+A module of its own so that the interface (attention/backend.py) stays below the backends built on it:
 the Triton backend imports the interface, and only this choice imports the Triton backend.
 """
 
@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from pdserve.worker.attention import AttentionBackend, TorchAttentionBackend
+from pdserve.worker.attention.backend import AttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +20,14 @@ def make_backend(device: torch.device, name: str | None = None) -> AttentionBack
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from pdserve.worker.triton_attention import TritonAttentionBackend
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name is not None:
         raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
     if device.type == "cuda":
         try:
-            from pdserve.worker.triton_attention import TritonAttentionBackend
+            from pdserve.worker.attention.triton_backend import TritonAttentionBackend
         except ImportError as e:
             # CUDA builds of torch bring Triton along; without it the GPU would run the slow
             # references, so say so loudly rather than serve at a fraction of the speed.

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
-from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.attention.kv_cache import KVCache
 
 
 @dataclass

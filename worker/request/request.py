@@ -6,8 +6,8 @@ import enum
 import time
 
 from pdserve.protocol.kv_transfer import KVTransferParams, parse_kv_transfer_params
-from pdserve.worker.request_isolation import isolated
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.request.isolation import isolated
+from pdserve.worker.request.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
@@ -19,7 +19,7 @@ class RequestError(ValueError):
 
 
 class RequestFailed(Exception):
-    """The engine could not process this request (its own work in a step raised: request_isolation.py);
+    """The engine could not process this request (its own work in a step raised: request/isolation.py);
     the engine and every other request carry on. The server answers 500 `request_failed`."""
 
 
@@ -75,7 +75,7 @@ class Request:
         self.grammar = None
         # params.allowed_token_ids on the logits' device, made at its first step (logits_processors.py).
         self.allowed_token_index = None
-        # Why this request's own work in a step raised (request_isolation.py): set once, on the
+        # Why this request's own work in a step raised (request/isolation.py): set once, on the
         # step thread; the scheduler then ends it as FINISHED_ERROR without that step's token.
         self.failure: str | None = None
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.worker.quantization.config import parse_quantization
-from pdserve.worker.unsupported_model import UnsupportedModelError
+from pdserve.worker.config.quantization import parse_quantization
+from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
 # architecture -> (has q/k/v bias by default, has per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -73,7 +73,7 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
-    # FP8 weights (worker/quantization/config.py): from the checkpoint's quantization_config or
+    # FP8 weights (worker/config/quantization.py): from the checkpoint's quantization_config or
     # --quantization; None = the checkpoint's dtype, cast to the compute dtype.
     quantization: Any = None
 
@@ -149,7 +149,7 @@ def gpt_oss_fields(arch: str, hf: Any) -> dict[str, Any]:
     if getattr(hf, "quantization_config", None) is not None:
         qc = hf.quantization_config
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        if method != "mxfp4":  # mxfp4 has its own refusal (quantization/config.py)
+        if method != "mxfp4":  # mxfp4 has its own refusal (config/quantization.py)
             raise UnsupportedModelError(f"{arch}: quantization_config.quant_method = {method!r}: gpt-oss runs "
                                         f"unquantized (bf16/fp32) checkpoints only")
     n = hf.num_hidden_layers

@@ -29,8 +29,8 @@ from array import array
 from collections import OrderedDict
 from itertools import islice
 
-from pdserve.worker.free_runs import FreeRuns
-from pdserve.worker.request import Request
+from pdserve.worker.engine.free_runs import FreeRuns
+from pdserve.worker.request.request import Request
 
 NONE_HASH = 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
-from pdserve.worker.request import Request
+from pdserve.worker.request.request import Request
 
 
 @dataclass

@@ -12,15 +12,15 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.worker.config import EngineConfig
-from pdserve.worker.detokenizer import IncrementalDetokenizer
-from pdserve.worker.engine import LLMEngine
-from pdserve.worker.grammar_pool import GrammarPool
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, is_remote_decode, is_streamed,
                                           parse_kv_transfer_params)
-from pdserve.worker.outputs import EngineStats, RequestOutput
-from pdserve.worker.request import RequestError, RequestFailed
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.detokenizer import IncrementalDetokenizer
+from pdserve.worker.engine.llm_engine import LLMEngine
+from pdserve.worker.request.outputs import EngineStats, RequestOutput
+from pdserve.worker.request.request import RequestError, RequestFailed
+from pdserve.worker.request.sampling_params import SamplingParams
+from pdserve.worker.structured.grammar_pool import GrammarPool
 
 log = logging.getLogger(__name__)
 

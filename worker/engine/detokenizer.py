@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.worker.stop_strings import StopStrings
+from pdserve.worker.request.stop_strings import StopStrings
 
 # Tokens of context decoded before the new ones (enough for SentencePiece's space handling).
 _CONTEXT_TOKENS = 5

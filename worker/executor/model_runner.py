@@ -14,7 +14,7 @@ decodes replays a CUDA graph when they were captured (`graphs`); prefill and mix
 eagerly.
 
 Tensor parallelism (--tensor-parallel-size N > 1): the engine starts ranks 1..N-1
-(parallel/ranks.py), each a ModelRunner of its own shard (parallel/shard.py, parallel/layers.py),
+(executor/tp_ranks.py), each a ModelRunner of its own shard (parallel/shard.py, parallel/layers.py),
 and hands rank 0's runner their handle (`followers`); every step this runner sends them the
 step's plan (`StepPlan`) before running it itself; logits are gathered to rank 0, which alone
 samples. At N = 1 none of this exists: no processes, no collectives, no plan sent.
@@ -28,21 +28,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.worker.attention import AttentionMetadata
-from pdserve.worker.attention_selector import make_backend
-from pdserve.worker.config import ConfigError, EngineConfig
-from pdserve.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphs
-from pdserve.worker.host_staging import HostStaging
+from pdserve.worker.attention.backend import AttentionMetadata
+from pdserve.worker.attention.kv_cache import KVCache, resolve_kv_dtype
+from pdserve.worker.attention.kv_scales import load_kv_scales
+from pdserve.worker.attention.selector import make_backend
+from pdserve.worker.config.engine import ConfigError, EngineConfig
+from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from pdserve.worker.executor.host_staging import HostStaging
+from pdserve.worker.executor.scheduled_batch import ScheduledBatch
 from pdserve.worker.kv.layer_clock import LayerClock
-from pdserve.worker.kv_cache import KVCache, resolve_kv_dtype
-from pdserve.worker.kv_scales import load_kv_scales
-from pdserve.worker.model_loader import load_model
-from pdserve.worker.outputs import TokenLogprob
+from pdserve.worker.models.loader import load_model
 from pdserve.worker.parallel.communicator import share_from_rank0
-from pdserve.worker.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
-from pdserve.worker.request import Request
-from pdserve.worker.sampler import Sampler
-from pdserve.worker.scheduled_batch import ScheduledBatch
+from pdserve.worker.request.outputs import TokenLogprob
+from pdserve.worker.request.request import Request
+from pdserve.worker.sample.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
+from pdserve.worker.sample.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class ModelRunner:
         tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
         --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
         static-buffer path without capturing. Tensor parallelism: rank 0 gets the rendezvous
-        store and the other ranks' handle (`tp_store`, `followers`: parallel/ranks.py's
+        store and the other ranks' handle (`tp_store`, `followers`: executor/tp_ranks.py's
         start_followers); ranks >= 1 their rank and the store's port."""
         self.config = config
         self.device = resolve_device(config.device)
@@ -134,7 +134,7 @@ class ModelRunner:
         if self.tp_size > 1:
             if tp_rank == 0 and (tp_store is None or followers is None):
                 raise ValueError("rank 0 of a tensor-parallel worker needs the store and the followers "
-                                 "(parallel/ranks.py start_followers; LLMEngine does this)")
+                                 "(executor/tp_ranks.py start_followers; LLMEngine does this)")
             self.device = self._join_tensor_parallel(tp_store_port, tp_store)
         elif self.device.type == "cuda":
             # Loading, KV sizing and graph capture run on this thread: Triton launches on the

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.config.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def resolve_model_path(model: str | None, weights: bool = True) -> str:
     """A local directory as is; None -> the default model; anything else -> a hub snapshot
     (without its *.safetensors when `weights` is False: --load-format dummy)."""
     if model is None:
-        from pdserve.worker.default_model import ensure_default_model
+        from pdserve.worker.models.default_model import ensure_default_model
 
         return str(ensure_default_model())
     if os.path.isdir(model):

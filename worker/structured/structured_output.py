@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.worker.request_isolation import is_device_fault, isolated
-from pdserve.worker.sampling_params import StructuredOutputSpec
+from pdserve.worker.request.isolation import is_device_fault, isolated
+from pdserve.worker.request.sampling_params import StructuredOutputSpec
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class StructuredOutputs:
         import llguidance
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
-        from pdserve.worker.closed_schema import close_schema
+        from pdserve.worker.structured.closed_schema import close_schema
 
         M = llguidance.LLMatcher
         if spec.kind == "json":
@@ -270,7 +270,7 @@ def fill_bitmask(reqs) -> torch.Tensor | None:
         return None
     bitmask = torch.full((len(reqs), (rows[0][1].vocab_size + 31) // 32), -1, dtype=torch.int32)
     pooled = []
-    # A matcher that raises fails its request alone (request_isolation.py); its row is then
+    # A matcher that raises fails its request alone (request/isolation.py); its row is then
     # whatever the fill left, sampled and dropped with the request.
     for i, m in rows:
         with isolated(reqs[i], STAGE):

@@ -17,8 +17,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.protocol.errors import APIError
-from pdserve.worker.sampling_params import StructuredOutputSpec
-from pdserve.worker.structured_output import GrammarMatcher, StructuredOutputs
+from pdserve.worker.request.sampling_params import StructuredOutputSpec
+from pdserve.worker.structured.structured_output import GrammarMatcher, StructuredOutputs
 
 
 class GrammarPool:

@@ -37,11 +37,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.executor.scheduled_batch import ScheduledBatch
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
-from pdserve.worker.request import Request, RequestStatus
-from pdserve.worker.scheduled_batch import ScheduledBatch
+from pdserve.worker.request.request import Request, RequestStatus
 
 
 class Scheduler:

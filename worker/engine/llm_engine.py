@@ -30,22 +30,22 @@ import time
 import uuid
 from dataclasses import replace
 
-from pdserve.worker.block_manager import BlockManager
-from pdserve.worker.config import EngineConfig
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
                                           is_remote_decode, parse_kv_transfer_params)
+from pdserve.worker.attention.kv_cache import KVCache, kv_layout
+from pdserve.worker.config.engine import EngineConfig
+from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.engine.scheduler import Scheduler
+from pdserve.worker.executor.model_runner import LaunchedStep, ModelRunner
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
 from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.null_connector import NullKVConnector
-from pdserve.worker.kv_cache import KVCache, kv_layout
-from pdserve.worker.model_runner import LaunchedStep, ModelRunner
-from pdserve.worker.prompt_logprobs import scores_prompt
-from pdserve.worker.outputs import EngineStats, RequestOutput
-from pdserve.worker.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
-from pdserve.worker.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.worker.scheduler import Scheduler
-from pdserve.worker.structured_output import StructuredOutputs
+from pdserve.worker.request.outputs import EngineStats, RequestOutput
+from pdserve.worker.request.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
+from pdserve.worker.request.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.worker.sample.prompt_logprobs import scores_prompt
+from pdserve.worker.structured.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ class LLMEngine:
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
         # Tensor parallelism: the other ranks start first (each builds its own ModelRunner shard),
-        # then rank 0's runner joins them (parallel/ranks.py).
+        # then rank 0's runner joins them (executor/tp_ranks.py).
         self.followers, store = None, None
         if config.tensor_parallel_size > 1:
+            from pdserve.worker.executor.tp_ranks import start_followers
             from pdserve.worker.kv.tp_link import FollowerKV, needs_kv_connector
-            from pdserve.worker.parallel.ranks import start_followers
 
             store, self.followers = start_followers(config, ModelRunner, attention_backend, static_decode,
                                                     FollowerKV if needs_kv_connector(config) else None)

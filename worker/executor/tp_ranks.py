@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from pdserve.worker.config import ConfigError, EngineConfig
+from pdserve.worker.config.engine import ConfigError, EngineConfig
 from pdserve.worker.parallel.group import create_store, shutdown_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def start_followers(config: EngineConfig, build_runner, attention_backend: str |
                     static_decode: bool | None = None, kv=None):
     """Rank 0, before its own runner: check that the model shards (a ConfigError now, before any
     process starts), create the rendezvous store, start ranks 1..N-1. -> (store, TPFollowers)."""
-    from pdserve.worker.model_loader import read_model_config, resolve_model_path
+    from pdserve.worker.models.loader import read_model_config, resolve_model_path
     from pdserve.worker.parallel.shard import TPShard
 
     cfg = read_model_config(resolve_model_path(config.model, weights=config.load_format != "dummy"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
 from pdserve.protocol.kv_peers import parse_peer
-from pdserve.worker.kv import registry as kv_transports
+import pdserve.worker.kv.registry as kv_transports
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.worker.outputs import TokenLogprob
-from pdserve.worker.request import Request
+from pdserve.worker.request.outputs import TokenLogprob
+from pdserve.worker.request.request import Request
 
 
 def scores_prompt(req: Request) -> bool:

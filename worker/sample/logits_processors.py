@@ -11,7 +11,7 @@ Definitions (vLLM's, which follow OpenAI's and Hugging Face's):
 Everything is batched: token histories become one padded index tensor, counted with one
 scatter_add into [rows, V]; no Python loop runs over the vocabulary. Only rows of requests
 that ask for a penalty or a bias are touched, and a batch without any costs one Python check.
-A request's token ids are checked on the host before they index (request_isolation.py): one
+A request's token ids are checked on the host before they index (request/isolation.py): one
 outside the logits fails that request alone.
 
 "Generated tokens" are `Request.output_token_ids`: on a decode worker of a P/D pair they
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.worker.request import Request
-from pdserve.worker.request_isolation import columns, isolated
+from pdserve.worker.request.isolation import columns, isolated
+from pdserve.worker.request.request import Request
 
 
 def token_counts(histories: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
