@@ -66,7 +66,9 @@ def make_checkpoint(path: str, smoke: bool) -> None:
     vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), cfg.vocab_size)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        path
+    )
 
 
 class UpStack:

@@ -64,7 +64,9 @@ def _goodput(rows: list[dict]) -> float:
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
-    by = lambda setup, w: sorted((r for r in rows if r["setup"] == setup and r["workload"] == w), key=lambda r: r["rate"])
+    by = lambda setup, w: sorted(
+        (r for r in rows if r["setup"] == setup and r["workload"] == w), key=lambda r: r["rate"]
+    )
     agg, pd = by("agg", "3000-200"), by("pd", "3000-200")
     out = []
     ga, gp = _goodput(agg), _goodput(pd)
@@ -75,9 +77,13 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
     if held and (twin := next((r for r in pd if r["rate"] == held[-1]["rate"]), None)):
         a = held[-1]
         tput, itl = twin["out_tok_s"] / a["out_tok_s"], twin["itl_p99_ms"] / a["itl_p99_ms"]
-        out.append((f"at (a)'s highest kept-up rate ({a['rate']:g} req/s): (b) >= 95% of its throughput, ITL p99 <= 0.5x",
-                    f"throughput {tput:.0%}, ITL p99 {twin['itl_p99_ms']:.1f} vs {a['itl_p99_ms']:.1f} ms ({itl:.2f}x)",
-                    "met" if tput >= 0.95 and itl <= 0.5 else "missed"))
+        out.append(
+            (
+                f"at (a)'s highest kept-up rate ({a['rate']:g} req/s): (b) >= 95% of its throughput, ITL p99 <= 0.5x",
+                f"throughput {tput:.0%}, ITL p99 {twin['itl_p99_ms']:.1f} vs {a['itl_p99_ms']:.1f} ms ({itl:.2f}x)",
+                "met" if tput >= 0.95 and itl <= 0.5 else "missed",
+            )
+        )
     else:
         out.append(("(b) >= 95% of (a)'s throughput at (a)'s highest kept-up rate, ITL p99 <= 0.5x",
                     "(a) kept up at no swept rate", "not measured"))
@@ -112,16 +118,22 @@ def write(runs: list[dict], out: Path, slo: dict, smoke: bool, plots: bool = Fal
              f"SLO: TTFT p99 <= {slo['ttft']:g} ms and ITL p99 <= {slo['itl']:g} ms. Per-request goodput: "
              f"requests with TTFT <= {slo['ttft']:g} ms and every gap <= {slo['itl']:g} ms, per second.", ""]
     for w in dict.fromkeys(r["workload"] for r in rows):
-        lines += [f"### {w.replace('-', ' in / ')} out", "",
-                  "| setup | rate | sent | failed | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-                  "per-request goodput | SLO met |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |"]
+        lines += [
+            f"### {w.replace('-', ' in / ')} out",
+            "",
+            "| setup | rate | sent | failed | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+            "per-request goodput | SLO met |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
+        ]
         for r in sorted((r for r in rows if r["workload"] == w), key=lambda r: (r["setup"] != "agg", r["rate"])):
             lines.append(f"| {r['setup']} | {r['rate']:g} | {r['sent']} | {r['failed']} | {r['req_s']:.2f} | "
                          f"{r['out_tok_s']:.0f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                          f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['request_goodput']:.2f} | "
                          f"{'yes' if r['meets_slo'] else 'no'} |")
         for setup in ("agg", "pd"):
-            lines.append(f"\ngoodput ({setup}): {_goodput([r for r in rows if r['workload'] == w and r['setup'] == setup]):g} req/s")
+            lines.append(
+                f"\ngoodput ({setup}): {_goodput([r for r in rows if r['workload'] == w and r['setup'] == setup]):g} req/s"  # noqa: E501
+            )
         pd = sorted((r for r in rows if r["workload"] == w and r["setup"] == "pd"), key=lambda r: r["rate"])
         if pd:
             low = pd[0]["p_ttft_ms"]
@@ -131,9 +143,11 @@ def write(runs: list[dict], out: Path, slo: dict, smoke: bool, plots: bool = Fal
                       "KV MB/req | KV pull ms | KV GB/s | handoff | client first gap |",
                       "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for r in pd:
-                lines.append(f"| {r['rate']:g} | {r['ttft_mean_ms']:.1f} | {r['router_prefill_ms']:.1f} | "
-                             f"{r['p_ttft_ms']:.1f} | {r['p_ttft_ms'] - low:.1f} | {r['kv_mb_per_req']:.1f} | "
-                             f"{r['kv_ms']:.2f} | {r['kv_gbps']:.1f} | {r['handoff_ms']:.2f} | {r['first_gap_ms']:.2f} |")
+                lines.append(
+                    f"| {r['rate']:g} | {r['ttft_mean_ms']:.1f} | {r['router_prefill_ms']:.1f} | "
+                    f"{r['p_ttft_ms']:.1f} | {r['p_ttft_ms'] - low:.1f} | {r['kv_mb_per_req']:.1f} | "
+                    f"{r['kv_ms']:.2f} | {r['kv_gbps']:.1f} | {r['handoff_ms']:.2f} | {r['first_gap_ms']:.2f} |"
+                )
         lines.append("")
     lines += ["### Targets (3000 in / 200 out)", "", "| target | reached | verdict |", "| --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in targets(rows)]

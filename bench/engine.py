@@ -59,15 +59,23 @@ def profile_decode(engine, prompt: list[int], path: str, steps: int = 16, title:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = decode_step_seconds(engine, prompt, steps)
-    kernels = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
-                     key=lambda e: -e.self_device_time_total)
+    kernels = sorted(
+        (e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
+        key=lambda e: -e.self_device_time_total,
+    )
     gpu_us = sum(e.self_device_time_total for e in kernels) / steps
-    lines = [f"{title}, {steps} steps under torch.profiler: wall {1e3 * statistics.median(wall):.3f} ms/step "
-             f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step", "", "| kernel | calls/step | us/step | us/call | share |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"{title}, {steps} steps under torch.profiler: wall {1e3 * statistics.median(wall):.3f} ms/step "
+        f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step",
+        "",
+        "| kernel | calls/step | us/step | us/call | share |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for e in kernels[:30]:
-        lines.append(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} | "
-                     f"{e.self_device_time_total / max(e.count, 1):.2f} | {100 * e.self_device_time_total / steps / gpu_us:.0f}% |")
+        lines.append(
+            f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} | "
+            f"{e.self_device_time_total / max(e.count, 1):.2f} | {100 * e.self_device_time_total / steps / gpu_us:.0f}% |"  # noqa: E501
+        )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -252,10 +260,12 @@ class Bench:
         graphs = engine.runner.graphs
         cap = graphs.capture_seconds if graphs else 0.0
         kv_gib = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size() / 2**30
-        self.notes.append(f"{spec.name}: engine start {time.perf_counter() - t0:.1f}s, of which CUDA-graph capture "
-                          f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
-                          f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
-                          f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}")
+        self.notes.append(
+            f"{spec.name}: engine start {time.perf_counter() - t0:.1f}s, of which CUDA-graph capture "
+            f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
+            f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
+            f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}"
+        )
         m = engine.runner.model  # the runner owns the model (worker/executor/model_runner.py)
         weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         if m.lm_head is not None:  # untied: decode reads one embedding row, not the table
@@ -355,9 +365,13 @@ class Bench:
                 self.add(Row(spec.name, scen, f"engine bs=1 graph, {path}: forward replay", ms_step=fwd,
                              ratio=f"{sum(r[1] for r in rows):.0f} kernels, {per_layer}/layer, "
                                    f"GPU busy {total_us / 1e3:.3f} ms"))
-                self.sections += [f"### {spec.name}: the engine's bs=1 decode graph, {path}: forward replay {fwd:.3f} ms, "
-                                  f"kernels busy {total_us / 1e3:.3f} ms, step {ms:.3f} ms", "",
-                                  "| kernel | calls/step | µs/step | µs/call |", "| --- | ---: | ---: | ---: |"]
+                self.sections += [
+                    f"### {spec.name}: the engine's bs=1 decode graph, {path}: forward replay {fwd:.3f} ms, "
+                    f"kernels busy {total_us / 1e3:.3f} ms, step {ms:.3f} ms",
+                    "",
+                    "| kernel | calls/step | µs/step | µs/call |",
+                    "| --- | ---: | ---: | ---: |",
+                ]
                 self.sections += [f"| `{short(k)}` | {c:.0f} | {us:.1f} | {us / c:.2f} |" for k, c, us in rows]
                 self.sections.append("")
                 del one
@@ -461,8 +475,10 @@ def main(argv=None) -> int:
     import triton
 
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
-    header = (f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
-              f"bf16 · measured copy bandwidth {bench.bw / 1e9:.0f} GB/s · bf16 matmul {bench.flops / 1e12:.0f} TFLOP/s")
+    header = (
+        f"{name} · torch {torch.__version__} · triton {triton.__version__} · {datetime.date.today()} · "
+        f"bf16 · measured copy bandwidth {bench.bw / 1e9:.0f} GB/s · bf16 matmul {bench.flops / 1e12:.0f} TFLOP/s"
+    )
     print(header, flush=True)
     for key in models:
         bench.run_model(MODELS[key])

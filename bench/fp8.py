@@ -286,12 +286,15 @@ def _linear_weights(n: int, k: int, device: str):
     w_bl, s_bl = quantize_fp8_blocks_ref(w)
     return w, w_ch, s_ch.reshape(1, -1).contiguous(), w_bl, s_bl
 
-def gemm_rows(device: str, ms: tuple[int, ...], sweep: list | None = None) -> list[tuple[str, int, float, float, float]]:
+def gemm_rows(
+    device: str, ms: tuple[int, ...], sweep: list | None = None
+) -> list[tuple[str, int, float, float, float]]:
     """Each linear of a Llama-3.1-8B layer alone: bf16 F.linear (cuBLAS) against the FP8 paths
     the engine runs: (shape, M, bf16 us, per-channel us, block-128 us). M <= 16: fp8_gemv (FP8
     weights, unquantized activations); larger M: activation quantization included, then
     torch._scaled_mm (per-channel) or fp8_block_gemm. M <= 16: GPU time in a CUDA graph over
-    copies of the weight past L2 (as a decode step); larger M: do_bench's median, eager. `sweep`: also time other tiles, (shape, M, tiles, us) rows."""
+    copies of the weight past L2 (as a decode step); larger M: do_bench's median, eager. `sweep`: also time
+    other tiles, (shape, M, tiles, us) rows."""
     import torch.nn.functional as F
     from triton.testing import do_bench
 

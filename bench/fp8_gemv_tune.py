@@ -76,10 +76,13 @@ def main(argv=None) -> int:
 
     card, bw = torch.cuda.get_device_name(), copy_bandwidth()
     g.use_configs({})  # the rule's default, not an earlier table, is the baseline here
-    lines = [f"fp8_gemv tiles, {card}, triton {triton.__version__}, {datetime.date.today()}, copy bandwidth "
-             f"{bw / 1e9:.0f} GB/s. us: GPU time per call in a CUDA graph, weights rotated past L2 (do_bench medians); GB/s: the FP8 weight's bytes / time.", "",
-             "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |"]
+    lines = [
+        f"fp8_gemv tiles, {card}, triton {triton.__version__}, {datetime.date.today()}, copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s. us: GPU time per call in a CUDA graph, weights rotated past L2 (do_bench medians); GB/s: the FP8 weight's bytes / time.",  # noqa: E501
+        "",
+        "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
+    ]
     table: dict[str, dict] = {}
     for shape in args.shapes:
         for name, (n, k) in SHAPES[shape].items():
@@ -106,7 +109,9 @@ def main(argv=None) -> int:
                     best = min(best, (t, cfg), key=lambda b: b[0])
                 table[g.config_key(n, k, blocked, m)] = best[1]
                 gbs = n * k / (best[0] * 1e-6) / 1e9
-                tiles = " ".join(f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items())
+                tiles = " ".join(
+                    f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items()
+                )
                 lines.append(f"| {shape} | {name} {n}x{k} | {fmt} | {m} | {t_bf16:.1f} | {t_default:.1f} | {tiles} | "
                              f"{best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) |")
                 print(lines[-1], flush=True)

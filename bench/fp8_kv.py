@@ -252,12 +252,15 @@ def table(res: dict, smoke: bool) -> str:
     rows = res["rows"]
     base, fp8 = rows.get("auto"), rows.get("fp8")
     where = f"{res['card']} · prefill on {res['devices'][1]}, decode on {res['devices'][0]} · UCX_TLS={res['ucx_tls']}"
-    lines = [f"FP8 KV cache vs bf16 KV ({res['checkpoint']['model']}, random bf16 weights{', SMOKE: CPU, tiny' if smoke else ''})",
-             f"{where} · {time.strftime('%Y-%m-%d', time.gmtime())}", "",
-             "| KV cache | layout | KV bytes/token | tokens in the decode cache | "
-             f"hand-off {PROMPT_HANDOFF if not smoke else 200} tok: NIXL pull ms | NIXL → 2nd token ms | "
-             "TCP pull ms | TCP → 2nd token ms | MB moved |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"FP8 KV cache vs bf16 KV ({res['checkpoint']['model']}, random bf16 weights{', SMOKE: CPU, tiny' if smoke else ''})",  # noqa: E501
+        f"{where} · {time.strftime('%Y-%m-%d', time.gmtime())}",
+        "",
+        "| KV cache | layout | KV bytes/token | tokens in the decode cache | "
+        f"hand-off {PROMPT_HANDOFF if not smoke else 200} tok: NIXL pull ms | NIXL → 2nd token ms | "
+        "TCP pull ms | TCP → 2nd token ms | MB moved |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, r in rows.items():
         lines.append(f"| {name} | `{r['layout']}` | {r['kv_bytes_per_token']} | {r['tokens']} | "
                      f"{r['nixl']['pull_ms']:.1f} | {r['nixl']['to_second_token_ms']:.1f} | "

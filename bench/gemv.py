@@ -192,7 +192,9 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
         if us < best:
             best, best_cfg = us, cfg
     err = check_fused(b)
-    cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + ("" if best_cfg.one_pass_norm else " two-pass")
+    cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + (
+        "" if best_cfg.one_pass_norm else " two-pass"
+    )
     chosen = f"fused {cfg_s}" if best < unfused else "unfused"
     row = (f"| {s.model} | {s.layer} | {s.n}×{s.k} | {m} | {unfused:.1f} ({pct(unfused, True)}) | "
            f"{cublas:.1f} ({pct(cublas, False)}) | {default:.1f} ({pct(default, True)}) | "

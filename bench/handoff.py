@@ -204,7 +204,9 @@ class Runner:
                 t = time.monotonic()
                 try:
                     self.runs.append(self.measure(stack, spec, p, warmup=self.args.warmup if i == 0 else 0))
-                    self.ratios[p.kind].append((time.monotonic() - t) / estimate(p, spec, self.sizes, self.args.seconds))
+                    self.ratios[p.kind].append(
+                        (time.monotonic() - t) / estimate(p, spec, self.sizes, self.args.seconds)
+                    )
                 except Exception as e:  # noqa: BLE001 - a failed point is reported; the rest still runs
                     self.skipped.append(f"{what} (failed: {type(e).__name__}: {e})")
                     self.say(f"{what}: failed: {e!r}")
@@ -224,12 +226,19 @@ class Runner:
             cfg = serve.LoadConfig(base, "llama", request_rate=p.rate, duration_s=seconds, request_timeout_s=120,
                                    seed=seed, progress=False)
         else:  # sequential: a closed loop of one; one warm-up per length (kernels specialise on it)
-            label, in_len, out_len, n = f"{spec.name}-len{p.prompt_len}", p.prompt_len, s.sweep_output_len, s.sweep_requests
+            label, in_len, out_len, n = (
+                f"{spec.name}-len{p.prompt_len}",
+                p.prompt_len,
+                s.sweep_output_len,
+                s.sweep_requests,
+            )
             cfg = serve.LoadConfig(base, "llama", concurrency=1, request_timeout_s=120, seed=seed, progress=False)
             warmup = 1
         if warmup:
             warm = dataset.random_requests(self.tokenizer, warmup, in_len, out_len, seed=seed + 1)
-            run_async(serve.run_load(serve.LoadConfig(base, "llama", concurrency=cfg.concurrency, progress=False), warm))
+            run_async(
+                serve.run_load(serve.LoadConfig(base, "llama", concurrency=cfg.concurrency, progress=False), warm)
+            )
         specs = dataset.random_requests(self.tokenizer, serve.prompts_needed(cfg, n), in_len, out_len, seed=seed)
         urls = list(stack.children.values())
         before = server_metrics.scrape_all(urls)
@@ -299,7 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", metavar="DIR", help="results.md, summary.json, the figure, runs.tar.gz")
     p.add_argument("--replot", metavar="DIR", help="only redraw DIR's results.md and figure from its summary.json")
     p.add_argument("--seconds", type=float, default=None, help="sending time per load point (default 20, smoke 4)")
-    p.add_argument("--budget-s", type=float, default=None, help="skip what would end past this (default 520, smoke 400)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="skip what would end past this (default 520, smoke 400)"
+    )
     p.add_argument("--chunk-tokens", type=int, default=None, help="--kv-stream-chunk-tokens of overlap on "
                    "(default 512, smoke 32)")
     p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
@@ -331,7 +342,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     # timeout(1) sends SIGTERM: unwind, so the stack is stopped and the report written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    support = {f: False for f in ("--pd-handoff", "--kv-stream-chunk-tokens")} if args.no_overlap_flags else flag_support()
+    support = (
+        {f: False for f in ("--pd-handoff", "--kv-stream-chunk-tokens")} if args.no_overlap_flags else flag_support()
+    )
     print(f"[handoff] flags in this checkout: {support}", flush=True)
     if not all(support.values()) and not args.smoke:
         stacks = [s for s in stacks if not s.overlap]

@@ -156,9 +156,17 @@ def prediction(rows: list[dict], per_token: int, chunk: int, split: str = "even"
             pred = (stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), fixed_on, groups(stack))
                     if stack.endswith("-on")
                     else stall_off_ms(L * per_token, bw, fixed_off))
-            checks.append({"stack": stack, "prompt_len": L, "gbps": bw, "predicted_ms": pred,
-                           "measured_ms": r["first_gap_p50_ms"], "stall_ms": r["first_gap_p50_ms"] - r["steady_itl_p50_ms"],
-                           "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), 0.0, groups(stack))})
+            checks.append(
+                {
+                    "stack": stack,
+                    "prompt_len": L,
+                    "gbps": bw,
+                    "predicted_ms": pred,
+                    "measured_ms": r["first_gap_p50_ms"],
+                    "stall_ms": r["first_gap_p50_ms"] - r["steady_itl_p50_ms"],
+                    "unhidden_ms": stall_on_ms(L * per_token, bw, prefill[L], cut(L, stack), 0.0, groups(stack)),
+                }
+            )
     return {"per_token_bytes": per_token, "chunk_tokens": chunk, "split": resolve_split(split, on_name.split("-")[0]),
             "fixed_off_ms": fixed_off, "fixed_on_ms": fixed_on,
             "fixed_on_from": on_name if on else "nixl-off (no overlap-on sweep)", "table": table, "checks": checks}
@@ -247,7 +255,7 @@ def _g(v: float | None) -> str:
 def _split_text(pred: dict) -> str:
     split, chunk = pred.get("split", "even"), pred["chunk_tokens"]
     if split == "even":
-        return f"chunks of {chunk} tokens, n = ceil(tokens / chunk); in closed form max(bytes / (n bw), bytes / bw - P (n-1)/n)"
+        return f"chunks of {chunk} tokens, n = ceil(tokens / chunk); in closed form max(bytes / (n bw), bytes / bw - P (n-1)/n)"  # noqa: E501
     return f"the `{split}` split of the {chunk}-token tail, as the scheduler cuts it"
 
 
@@ -267,11 +275,14 @@ def markdown(summary: dict) -> str:
          "chunks), so its GB/s is not the link's.", ""]
     load = [r for r in rows if r["kind"] == "load"]
     if load:
-        L += [f"## {cfg['input_len']} in / {cfg['output_len']} out, Poisson arrivals, {cfg['seconds']:g} s of sending "
-              "per point", "",
-              "| rate | setup | first gap p50 / p99 ms | steady ITL p50 ms | ITL p99 ms | TTFT p50 / p99 ms | good / sent "
-              "| failed | KV pull ms (GB/s) | worker TTFT ms (P/D: the prefill worker) |",
-              "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |"]
+        L += [
+            f"## {cfg['input_len']} in / {cfg['output_len']} out, Poisson arrivals, {cfg['seconds']:g} s of sending "
+            "per point",
+            "",
+            "| rate | setup | first gap p50 / p99 ms | steady ITL p50 ms | ITL p99 ms | TTFT p50 / p99 ms | good / sent "  # noqa: E501
+            "| failed | KV pull ms (GB/s) | worker TTFT ms (P/D: the prefill worker) |",
+            "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |",
+        ]
         for r in sorted(load, key=lambda r: (r["rate"], r["transport"] or "", r["overlap"] or False)):
             kv = f"{_f(r.get('kv_ms'))} ({_g(r.get('kv_gbps'))})" if r["transport"] else "–"
             L.append(f"| {r['rate']:g} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_p99_ms'])} | "
@@ -281,10 +292,16 @@ def markdown(summary: dict) -> str:
         L.append("")
     sweep = [r for r in rows if r["kind"] == "sweep"]
     if sweep:
-        L += [f"## Stall after the first token against prompt length ({cfg['sweep_requests']} sequential requests "
-              f"per point after 1 warm-up, {cfg['sweep_output_len']} out)", "", "![first gap](first_gap_vs_prompt.png)", "",
-              "| prompt | setup | first gap p50 / max ms | steady ITL p50 ms | TTFT p50 ms | prefill-worker TTFT ms "
-              "| KV MB/req | KV pull ms | KV GB/s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        L += [
+            f"## Stall after the first token against prompt length ({cfg['sweep_requests']} sequential requests "
+            f"per point after 1 warm-up, {cfg['sweep_output_len']} out)",
+            "",
+            "![first gap](first_gap_vs_prompt.png)",
+            "",
+            "| prompt | setup | first gap p50 / max ms | steady ITL p50 ms | TTFT p50 ms | prefill-worker TTFT ms "
+            "| KV MB/req | KV pull ms | KV GB/s |",
+            "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in sorted(sweep, key=lambda r: (r["prompt_len"], r["transport"], r["overlap"])):
             L.append(f"| {r['prompt_len']} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_max_ms'])} | "
                      f"{_f(r['steady_itl_p50_ms'])} | {_f(r['ttft_p50_ms'])} | {_f(r.get('p_ttft_ms'))} | "
@@ -292,27 +309,42 @@ def markdown(summary: dict) -> str:
         L.append("")
     if pred:
         g = " | ".join(f"{b} GB/s off / on" for b in LINKS_GBPS)
-        L += ["## Predicted stall after the first token, by link (ms)", "",
-              f"KV bytes = layers x 2 x KV heads x head dim x element bytes x tokens = {pred['per_token_bytes']} B/token. "
-              f"Without overlap: stall = bytes / bw + c_off. With overlap ({_split_text(pred)}, chunk k sent as soon "
-              "as computed over one link, P = the measured prefill, shared by the chunks by their tokens): stall = "
-              "when the last chunk's bytes land - P + c_on. c_off = "
-              f"{pred['fixed_off_ms']:.1f} ms (median of first gap - KV pull over the off sweep: admission, first decode "
-              f"step, relay), c_on = {pred['fixed_on_ms']:.1f} ms (median of first gap - the model's transfer term over "
-              f"the {pred['fixed_on_from']} sweep). P = the prefill worker's TTFT at low load, overlap off.", "",
-              f"| prompt | KV MB | prefill ms | chunks | {g} |", "| ---: | ---: | ---: | ---: |" + " --- |" * len(LINKS_GBPS)]
+        L += [
+            "## Predicted stall after the first token, by link (ms)",
+            "",
+            f"KV bytes = layers x 2 x KV heads x head dim x element bytes x tokens = {pred['per_token_bytes']} B/token. "  # noqa: E501
+            f"Without overlap: stall = bytes / bw + c_off. With overlap ({_split_text(pred)}, chunk k sent as soon "
+            "as computed over one link, P = the measured prefill, shared by the chunks by their tokens): stall = "
+            "when the last chunk's bytes land - P + c_on. c_off = "
+            f"{pred['fixed_off_ms']:.1f} ms (median of first gap - KV pull over the off sweep: admission, first decode "
+            f"step, relay), c_on = {pred['fixed_on_ms']:.1f} ms (median of first gap - the model's transfer term over "
+            f"the {pred['fixed_on_from']} sweep). P = the prefill worker's TTFT at low load, overlap off.",
+            "",
+            f"| prompt | KV MB | prefill ms | chunks | {g} |",
+            "| ---: | ---: | ---: | ---: |" + " --- |" * len(LINKS_GBPS),
+        ]
         for t in pred["table"]:
             cells = " | ".join(f"{t['off_ms'][str(b)]:.0f} / {t['on_ms'][str(b)]:.0f}" for b in LINKS_GBPS)
             L.append(f"| {t['prompt_len']} | {t['kv_mb']:.0f} | {t['prefill_ms']:.1f} | {t['chunks']} | {cells} |")
         if pred["checks"]:
-            L += ["", "The model at each run's own link (bw = the off run's measured pull rate; NIXL fits c, TCP tests it):",
-                  "", "| setup | prompt | link GB/s | predicted first gap ms | measured first gap p50 ms | of it over a steady gap "
-                  "| transfer the prefill cannot hide ms |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            L += [
+                "",
+                "The model at each run's own link (bw = the off run's measured pull rate; NIXL fits c, TCP tests it):",
+                "",
+                "| setup | prompt | link GB/s | predicted first gap ms | measured first gap p50 ms | of it over a steady gap "  # noqa: E501
+                "| transfer the prefill cannot hide ms |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
             for c in pred["checks"]:
                 L.append(f"| {c['stack']} | {c['prompt_len']} | {_g(c['gbps'])} | {c['predicted_ms']:.1f} | "
                          f"{c['measured_ms']:.1f} | {c['stall_ms']:.1f} | {c['unhidden_ms']:.1f} |")
         L.append("")
-    L += ["## Issue 24's targets (NIXL unless named)", "", "| target | overlap off | overlap on |", "| --- | --- | --- |"]
+    L += [
+        "## Issue 24's targets (NIXL unless named)",
+        "",
+        "| target | overlap off | overlap on |",
+        "| --- | --- | --- |",
+    ]
     for t in summary["targets"]:
         L.append(f"| {t['target']} | {t['off'][0]}: **{t['off'][1]}** | {t['on'][0]}: **{t['on'][1]}** |")
     L += ["", "## Stages", "", "| stage | seconds |", "| --- | ---: |"]

@@ -92,7 +92,15 @@ def bench_decode(batch: int, ctx_len: int) -> list[Row]:
     cyc = itertools.cycle(kvs)
     nbytes = kv_bytes + 2 * q.numel() * DT.itemsize
     shape = f"B={batch} ctx={ctx_len}"
-    rows = [Row("decode attn", shape, "triton", _time(lambda: paged_decode_attention(q, *next(cyc), bt, lens, D**-0.5)), nbytes)]
+    rows = [
+        Row(
+            "decode attn",
+            shape,
+            "triton",
+            _time(lambda: paged_decode_attention(q, *next(cyc), bt, lens, D**-0.5)),
+            nbytes,
+        )
+    ]
     sem = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
     rows.append(Row("decode attn", shape, "triton, merge fused", _time(
         lambda: paged_decode_attention(q, *next(cyc), bt, lens, D**-0.5, semaphores=sem)), nbytes))
@@ -107,9 +115,23 @@ def bench_decode(batch: int, ctx_len: int) -> list[Row]:
     rows.append(Row("decode attn", shape, "torch ref, + rotary + KV write", _time(
         lambda: paged_decode_attention_rotary_ref(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5)),
         nbytes))
-    rows.append(Row("decode attn", shape, "torch ref", _time(lambda: paged_decode_attention_ref(q, *next(cyc), bt, lens, D**-0.5)), nbytes))
+    rows.append(
+        Row(
+            "decode attn",
+            shape,
+            "torch ref",
+            _time(lambda: paged_decode_attention_ref(q, *next(cyc), bt, lens, D**-0.5)),
+            nbytes,
+        )
+    )
     # SDPA over the same K/V already gathered into contiguous [B, Hkv, L, D] (no paging at all).
-    dense = [(k[bt.long()].flatten(1, 2).transpose(1, 2).contiguous(), v[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()) for k, v in kvs[:layers]]
+    dense = [
+        (
+            k[bt.long()].flatten(1, 2).transpose(1, 2).contiguous(),
+            v[bt.long()].flatten(1, 2).transpose(1, 2).contiguous(),
+        )
+        for k, v in kvs[:layers]
+    ]
     dcyc = itertools.cycle(dense)
     q4 = q[:, :, None, :]
 
@@ -130,8 +152,26 @@ def bench_prefill(batch: int, n: int) -> list[Row]:
     flops = batch * 4 * HQ * D * n * (n + 1) // 2  # causal QK^T and PV
     nbytes = 2 * q.numel() * DT.itemsize + 2 * batch * n * HKV * D * DT.itemsize
     shape = f"B={batch} n={n} causal"
-    rows = [Row("prefill attn", shape, "triton", _time(lambda: paged_prefill_attention(q, k, v, bt, cu, lens, D**-0.5)), nbytes, flops)]
-    rows.append(Row("prefill attn", shape, "torch ref", _time(lambda: paged_prefill_attention_ref(q, k, v, bt, cu, lens, D**-0.5)), nbytes, flops))
+    rows = [
+        Row(
+            "prefill attn",
+            shape,
+            "triton",
+            _time(lambda: paged_prefill_attention(q, k, v, bt, cu, lens, D**-0.5)),
+            nbytes,
+            flops,
+        )
+    ]
+    rows.append(
+        Row(
+            "prefill attn",
+            shape,
+            "torch ref",
+            _time(lambda: paged_prefill_attention_ref(q, k, v, bt, cu, lens, D**-0.5)),
+            nbytes,
+            flops,
+        )
+    )
     q4 = q.view(batch, n, HQ, D).transpose(1, 2)
     kd = k[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
     vd = v[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
@@ -182,7 +222,9 @@ def table(rows: list[Row], bw: float) -> str:
     for r in rows:
         gbs = r.nbytes / (r.us * 1e-6) / 1e9
         tf = f"{r.flops / (r.us * 1e-6) / 1e12:.0f}" if r.flops else ""
-        lines.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.us:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {tf} |")
+        lines.append(
+            f"| {r.kernel} | {r.shape} | {r.impl} | {r.us:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {tf} |"
+        )
     return "\n".join(lines)
 
 

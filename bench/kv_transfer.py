@@ -305,11 +305,14 @@ def main(argv=None) -> int:
             src, dst = layout(kind, n, num_blocks, args.seed + 1000 * i, args.eviction_slack)
             cases.append((kind, i, src, dst))
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    lines = [f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
-             f"median of {args.iters}, torch {torch.__version__}, nixl {_nixl_version()}, "
-             f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
-             f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
-             f"{time.strftime('%Y-%m-%d %H:%M')}", ""]
+    lines = [
+        f"# KV transfer: {server_dev} -> {client_dev} ({card}), block {args.block_kib} KiB, "
+        f"median of {args.iters}, torch {torch.__version__}, nixl {_nixl_version()}, "
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
+        f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+    ]
     results, parts = {}, {}
     for transport in args.transports:
         modes = args.nixl_modes if transport == "nixl" else ["-"]
@@ -343,10 +346,16 @@ def main(argv=None) -> int:
         names = ["lease", "prepare", "post", "wait", "release", "notify", "total", "pull"]
         lines += ["", f"1-block NIXL pull taken apart (median of {args.breakdown_iters}, ms):", "",
                   "| step | " + " | ".join(parts) + " |", "|---" * (1 + len(parts)) + "|"]
-        labels = {"lease": "lease (side-channel round trip)", "prepare": "prepare (make_prepped_xfer / initialize_xfer)",
-                  "post": "post (transfer)", "wait": "wait for DONE", "release": "release_xfer_handle",
-                  "notify": "send_notif (release), after DONE", "total": "total",
-                  "pull": "KVConnector._pull end to end (READ during the lease where the release comes after)"}
+        labels = {
+            "lease": "lease (side-channel round trip)",
+            "prepare": "prepare (make_prepped_xfer / initialize_xfer)",
+            "post": "post (transfer)",
+            "wait": "wait for DONE",
+            "release": "release_xfer_handle",
+            "notify": "send_notif (release), after DONE",
+            "total": "total",
+            "pull": "KVConnector._pull end to end (READ during the lease where the release comes after)",
+        }
         for k in names:
             lines.append(f"| {labels[k]} | " + " | ".join(f"{parts[m][k] * 1e3:.3f}" for m in parts) + " |")
     if "nixl" in args.transports and args.lease_registration_blocks > 0:

@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 
-_CHUNK = b'data: {"id":"cmpl-m","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t","logprobs":null,"finish_reason":null}]}\n\n'
+_CHUNK = b'data: {"id":"cmpl-m","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t","logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
 _DONE = b"data: [DONE]\n\n"
 _429 = json.dumps({"error": {"message": "mock overload", "type": "rate_limit_exceeded", "param": None,
                              "code": "rate_limit_exceeded"}}).encode()

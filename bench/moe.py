@@ -91,19 +91,22 @@ def decode(args) -> int:
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     expert_bytes = 3 * inter * h * DT.itemsize
     default = moe_decode_config(k, inter)
-    lines = [f"MoE at decode batch sizes, before/after in one run: E={e}, k={k}, H={h}, I={inter}, {DT}, {card}, "
-             f"same-run copy bandwidth {bw / 1e9:.0f} GB/s. Every time is us per layer inside a CUDA graph of "
-             f"{GRAPH_LAYERS} layers with their own weights (triton do_bench median). sorted = align + grouped "
-             f"GEMMs + sum over k (before: memset + torch sum; now: one sum launch); decode = two GEMV launches, the sum in the down pass "
-             f"(default tiles: gate|up {default['GU_BLOCK_N']}x{default['GU_BLOCK_K']} w{default['GU_WARPS']}, down "
-             f"{default['DOWN_BLOCK_N']}x{default['DOWN_BLOCK_K']} w{default['DOWN_WARPS']}). Layer = routing + experts "
-             f"from the router's logits (before: routing with 4 warps, then the sorted path; after: the model's op, "
-             f"fused_moe_routed: 1-warp routing + decode path up to {DECODE_MAX_TOKENS} tokens, routing and sort in one "
-             f"launch above). GB/s: bytes of the distinct experts hit / decode best.", "",
-             "| tokens | experts hit | sorted, before (us) | sorted, one-launch sum (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "
-             "| sorted / decode best | GB/s (% of copy) | rel err vs loop: sorted / decode | decode bit-stable "
-             "| routing 4 warps / 1 warp (us) | MoE layer before / after (us) |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
+    lines = [
+        f"MoE at decode batch sizes, before/after in one run: E={e}, k={k}, H={h}, I={inter}, {DT}, {card}, "
+        f"same-run copy bandwidth {bw / 1e9:.0f} GB/s. Every time is us per layer inside a CUDA graph of "
+        f"{GRAPH_LAYERS} layers with their own weights (triton do_bench median). sorted = align + grouped "
+        f"GEMMs + sum over k (before: memset + torch sum; now: one sum launch); decode = two GEMV launches, the sum in the down pass "  # noqa: E501
+        f"(default tiles: gate|up {default['GU_BLOCK_N']}x{default['GU_BLOCK_K']} w{default['GU_WARPS']}, down "
+        f"{default['DOWN_BLOCK_N']}x{default['DOWN_BLOCK_K']} w{default['DOWN_WARPS']}). Layer = routing + experts "
+        f"from the router's logits (before: routing with 4 warps, then the sorted path; after: the model's op, "
+        f"fused_moe_routed: 1-warp routing + decode path up to {DECODE_MAX_TOKENS} tokens, routing and sort in one "
+        f"launch above). GB/s: bytes of the distinct experts hit / decode best.",
+        "",
+        "| tokens | experts hit | sorted, before (us) | sorted, one-launch sum (us) | decode, default (us) | decode, best (us) | best tiles (gate-up; down) "  # noqa: E501
+        "| sorted / decode best | GB/s (% of copy) | rel err vs loop: sorted / decode | decode bit-stable "
+        "| routing 4 warps / 1 warp (us) | MoE layer before / after (us) |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|",
+    ]
     for t in args.tokens:
         x = torch.randn(t, h, device=DEVICE, dtype=DT)
         logits = [torch.randn(t, e, device=DEVICE, dtype=DT) for _ in range(GRAPH_LAYERS)]
@@ -164,10 +167,12 @@ def decode(args) -> int:
             layer_us.append(graph_time_us(make_layer, GRAPH_LAYERS))
         _old_routing(False)
         gbs = hit * expert_bytes / (t_best * 1e-6) / 1e9
-        lines.append(f"| {t} | {hit:.1f} | {t_sorted:.1f} | {t_sorted_now:.1f} | {t_default:.1f} | {t_best:.1f} | {tiles} | "
-                     f"{t_sorted / t_best:.2f}x | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {errs[0]:.1e} / {errs[1]:.1e} | "
-                     f"{'yes' if stable else 'NO'} | {route_us[0]:.1f} / {route_us[1]:.1f} | "
-                     f"{layer_us[0]:.1f} / {layer_us[1]:.1f} |")
+        lines.append(
+            f"| {t} | {hit:.1f} | {t_sorted:.1f} | {t_sorted_now:.1f} | {t_default:.1f} | {t_best:.1f} | {tiles} | "
+            f"{t_sorted / t_best:.2f}x | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {errs[0]:.1e} / {errs[1]:.1e} | "
+            f"{'yes' if stable else 'NO'} | {route_us[0]:.1f} / {route_us[1]:.1f} | "
+            f"{layer_us[0]:.1f} / {layer_us[1]:.1f} |"
+        )
         print(lines[-1], flush=True)
         _write(args.out, lines)  # a call cut short keeps the rows done
     return 0
@@ -175,7 +180,12 @@ def decode(args) -> int:
 
 def fp8(args) -> int:
     from pdserve.kernels.fused_moe import fused_moe
-    from pdserve.kernels.reference import dequantize_moe_fp8_ref, fused_moe_loop_ref, moe_route_ref, quantize_moe_fp8_ref
+    from pdserve.kernels.reference import (
+        dequantize_moe_fp8_ref,
+        fused_moe_loop_ref,
+        moe_route_ref,
+        quantize_moe_fp8_ref,
+    )
 
     h, inter, e, k = args.hidden, args.inter, args.experts, args.top_k
     torch.manual_seed(0)
@@ -248,13 +258,16 @@ def kernel(args) -> int:
     w2 = torch.randn(e, h, inter, device=dev, dtype=dt) * 0.02
     bw = copy_bandwidth()
     expert_bytes = 3 * inter * h * 2
-    lines = [f"fused MoE kernel vs a per-expert loop of torch matmuls (cuBLAS), one layer: E={e}, k={k}, H={h}, "
-             f"I={inter}, bf16, router = softmax top-k renormalised over random logits. {torch.cuda.get_device_name()}, "
-             f"same-run copy bandwidth {bw / 1e9:.0f} GB/s (read + write). Times: triton do_bench medians.", "",
-             "| tokens | experts hit | fused, default tiles (us) | fused, best tiles (us) | best tiles | "
-             "per-expert loop (us) | loop / fused best | fused in a CUDA graph (us) | expert bytes / best time "
-             "(GB/s, % of copy) | rel err vs loop | routing: torch / Triton (us) |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|"]
+    lines = [
+        f"fused MoE kernel vs a per-expert loop of torch matmuls (cuBLAS), one layer: E={e}, k={k}, H={h}, "
+        f"I={inter}, bf16, router = softmax top-k renormalised over random logits. {torch.cuda.get_device_name()}, "
+        f"same-run copy bandwidth {bw / 1e9:.0f} GB/s (read + write). Times: triton do_bench medians.",
+        "",
+        "| tokens | experts hit | fused, default tiles (us) | fused, best tiles (us) | best tiles | "
+        "per-expert loop (us) | loop / fused best | fused in a CUDA graph (us) | expert bytes / best time "
+        "(GB/s, % of copy) | rel err vs loop | routing: torch / Triton (us) |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|",
+    ]
     for t in args.tokens:
         x = torch.randn(t, h, device=dev, dtype=dt)
         logits = torch.randn(t, e, device=dev, dtype=dt)
@@ -266,7 +279,8 @@ def kernel(args) -> int:
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         default = moe_block_config(t * k, e)
         t_default = _bench_us(lambda: fused_moe(x, w13, w2, weights, ids))
-        # Up to DECODE_MAX_TOKENS the default is the decode path (its own table: `decode`); the sweep is the sorted path's.
+        # Up to DECODE_MAX_TOKENS the default is the decode path (its own table: `decode`); the sweep is the
+        # sorted path's.
         best = (t_default, "decode path" if t <= DECODE_MAX_TOKENS else _cfg_name(default))
         for cfg in SWEEP:
             try:
@@ -304,13 +318,28 @@ def _hf_config(layers: int):
     from transformers import Qwen3MoeConfig
 
     # Qwen3-30B-A3B's public config.json, with fewer layers when asked.
-    return Qwen3MoeConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["dense_inter"],
-                          moe_intermediate_size=SHAPE["inter"], num_hidden_layers=layers,
-                          num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"],
-                          head_dim=SHAPE["head_dim"], num_experts=SHAPE["experts"], num_experts_per_tok=SHAPE["top_k"],
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
-                          max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False,
-                          bos_token_id=1, eos_token_id=2, architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(
+        vocab_size=SHAPE["vocab"],
+        hidden_size=SHAPE["hidden"],
+        intermediate_size=SHAPE["dense_inter"],
+        moe_intermediate_size=SHAPE["inter"],
+        num_hidden_layers=layers,
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv_heads"],
+        head_dim=SHAPE["head_dim"],
+        num_experts=SHAPE["experts"],
+        num_experts_per_tok=SHAPE["top_k"],
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
 
 
 def checkpoint(args) -> int:
@@ -382,8 +411,17 @@ def engine(args) -> int:
                                  max_num_seqs=max(8, args.num_prompts), max_num_batched_tokens=8192,
                                  enable_prefix_caching=False, tensor_parallel_size=args.tp,
                                  enable_expert_parallel=args.ep, quantization=args.quantization))
-    row = {"tp": args.tp, "ep": args.ep, "moe_path": args.moe_path, "quantization": args.quantization, "layers": args.layers, "start_s": time.perf_counter() - t0,
-           "copy_gbs": bw / 1e9, "card": torch.cuda.get_device_name(), "graphs": eng.runner.graphs is not None}
+    row = {
+        "tp": args.tp,
+        "ep": args.ep,
+        "moe_path": args.moe_path,
+        "quantization": args.quantization,
+        "layers": args.layers,
+        "start_s": time.perf_counter() - t0,
+        "copy_gbs": bw / 1e9,
+        "card": torch.cuda.get_device_name(),
+        "graphs": eng.runner.graphs is not None,
+    }
     print(f"TP={args.tp} EP={args.ep}: started in {row['start_s']:.0f}s", flush=True)
     try:
         rng = random.Random(7)

@@ -63,9 +63,19 @@ class PlannerPolicy:
 
     def __init__(self) -> None:
         self.config = PlannerConfig(
-            ttft_s=TTFT_S, itl_s=ITL_S, percentile=0.9, prefill=RoleBounds(1, BUDGET), decode=RoleBounds(1, BUDGET),
-            gpu_budget=BUDGET, prefill_capacity_tps=PREFILL_TPS * 0.9, decode_capacity_tps=decode_capacity_at_slo(3000, 200),
-            scale_up_cooldown_s=30, scale_down_window_s=300, max_scale_down_step=4, target_utilization=0.8)
+            ttft_s=TTFT_S,
+            itl_s=ITL_S,
+            percentile=0.9,
+            prefill=RoleBounds(1, BUDGET),
+            decode=RoleBounds(1, BUDGET),
+            gpu_budget=BUDGET,
+            prefill_capacity_tps=PREFILL_TPS * 0.9,
+            decode_capacity_tps=decode_capacity_at_slo(3000, 200),
+            scale_up_cooldown_s=30,
+            scale_down_window_s=300,
+            max_scale_down_step=4,
+            target_utilization=0.8,
+        )
         self.state = PlannerState()
 
     def __call__(self, now: float, p: Pool, d: Pool, last) -> tuple[int, int]:

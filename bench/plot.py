@@ -156,7 +156,9 @@ def load_runs(paths: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pdserve bench plot", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="RUN.json|DIR", help="run files of `pdserve bench serve --out`, or folders of them")
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN.json|DIR", help="run files of `pdserve bench serve --out`, or folders of them"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="where the PNGs go")
     p.add_argument("--title", default="")
     args = p.parse_args(argv)

@@ -125,7 +125,10 @@ def count_launches(spec) -> list[tuple[str, float, float]]:
         for fused in (False, True):
             set_path(model, backend, fused)
             launches.clear()
-            with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with (
+                torch.inference_mode(),
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+            ):
                 step_fn(model, ids, positions, meta)()
             mm = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
             # Outside the layers: the final norm (Triton) and lm_head (one matrix product).
@@ -203,10 +206,14 @@ def profile_model(spec, context: int, bw: float) -> tuple[list[str], list[str]]:
             launches = sum(r[1] for r in rows)
             summary.append(f"| {spec.name} | {path} | {ms:.3f} | {100 * roof_ms / ms:.0f}% | {launches:.0f} | "
                            f"{per_layer} | {total_us / 1e3:.3f} |")
-            lines += [f"### {spec.name}, bs=1 decode at context {context}, {path}: graph replay {ms:.3f} ms "
-                      f"(roofline {roof_ms:.3f} ms = {100 * roof_ms / ms:.0f}%), {launches:.0f} kernels per step, "
-                      f"{per_layer} per layer", "",
-                      "| kernel | calls/step | µs/step | % of GPU time | µs/call |", "| --- | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"### {spec.name}, bs=1 decode at context {context}, {path}: graph replay {ms:.3f} ms "
+                f"(roofline {roof_ms:.3f} ms = {100 * roof_ms / ms:.0f}%), {launches:.0f} kernels per step, "
+                f"{per_layer} per layer",
+                "",
+                "| kernel | calls/step | µs/step | % of GPU time | µs/call |",
+                "| --- | ---: | ---: | ---: | ---: |",
+            ]
             lines += [f"| `{short(k)}` | {c:.0f} | {us:.1f} | {100 * us / total_us:.1f}% | {us / c:.2f} |"
                       for k, c, us in rows]
             lines.append("")
@@ -239,8 +246,10 @@ def main(argv=None) -> int:
         print(f"profile-decode: --context must be in [1, {MAX_MODEL_LEN}]", file=sys.stderr)
         return 2
     if args.count:
-        lines = ["| model | path | Triton launches / layer | matrix products / layer | Triton launches per step, by kernel |",
-                 "| --- | --- | ---: | ---: | --- |"]
+        lines = [
+            "| model | path | Triton launches / layer | matrix products / layer | Triton launches per step, by kernel |",  # noqa: E501
+            "| --- | --- | ---: | ---: | --- |",
+        ]
         for key in args.models:
             for path, t, mm, by in count_launches(MODELS[key]):
                 lines.append(f"| {MODELS[key].name} | {path} | {t:g} | {mm:g} | "

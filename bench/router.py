@@ -23,10 +23,8 @@ import json
 import multiprocessing
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from pdserve.bench.mock_sse_server import chunked, read_request, serve_forever
@@ -39,7 +37,10 @@ MODEL = "mock"
 
 def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
     def chunk(i: int) -> bytes:
-        return chunked(b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n' % i)
+        return chunked(
+            b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
+            % i
+        )
 
     chunks = [chunk(i) for i in range(tokens)]
     done = b"data: [DONE]\n\n"
@@ -63,7 +64,9 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
                 if b"do_remote_decode" in body:
                     writer.write(plain(prefill))
                     continue
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 for c in chunks:
                     if delay_s:
                         await asyncio.sleep(delay_s)
@@ -91,8 +94,10 @@ class Conn:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         t0 = time.perf_counter()
-        self.writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                          % (path.encode(), len(body), body))
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (path.encode(), len(body), body)
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(head.decode(errors="replace"))
@@ -115,8 +120,9 @@ PROMPT_WORDS = [8]  # --prompt-words: set once in main (the bodies are built in 
 
 
 def _body(stream: bool, **extra) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": "hello world " * (PROMPT_WORDS[0] // 2), "max_tokens": 16, "stream": stream,
-                       **extra}).encode()
+    return json.dumps(
+        {"model": MODEL, "prompt": "hello world " * (PROMPT_WORDS[0] // 2), "max_tokens": 16, "stream": stream, **extra}
+    ).encode()
 
 
 async def _sequential(port: int, n: int, two_hop_direct: tuple[int, int] | None = None) -> list[tuple[float, float]]:
@@ -234,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
                 rows.append((name, metric, _pct(dd, .5), _pct(rr, .5), _pct(rr, .5) - _pct(dd, .5),
                              _pct(dd, .99), _pct(rr, .99), _pct(rr, .99) - _pct(dd, .99)))
         print(f"\nconcurrency 1, streaming, {args.tokens} tokens x {args.delay_ms} ms, {args.requests} requests (ms)")
-        print(f"{'flow':14} {'metric':10} {'p50 dir':>8} {'p50 rtr':>8} {'added':>7} {'p99 dir':>8} {'p99 rtr':>8} {'added':>7}")
+        print(
+            f"{'flow':14} {'metric':10} {'p50 dir':>8} {'p50 rtr':>8} {'added':>7} {'p99 dir':>8} {'p99 rtr':>8} {'added':>7}"  # noqa: E501
+        )
         for row in rows:
             print(f"{row[0]:14} {row[1]:10} " + " ".join(f"{v:8.2f}" if j % 3 != 2 else f"{v:7.2f}"
                                                          for j, v in enumerate(row[2:])))

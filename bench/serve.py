@@ -147,17 +147,37 @@ def prompts_needed(cfg: LoadConfig, num_requests: int | None) -> int:
 
 def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult], deltas: dict) -> dict:
     return {
-        "label": args.label, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "base_url": cfg.base_url, "model": cfg.model, "endpoint": cfg.endpoint,
+        "label": args.label,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base_url": cfg.base_url,
+        "model": cfg.model,
+        "endpoint": cfg.endpoint,
         "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
-        "burstiness": cfg.burstiness, "concurrency": cfg.concurrency, "duration_limit_s": cfg.duration_s,
-        "input_len": None if args.dataset else args.input_len, "output_len": args.output_len,
-        "range_ratio": args.range_ratio, "dataset": args.dataset, "seed": cfg.seed,
-        "summary": summary, "server_metrics": deltas,
-        "requests": [{"start": round(r.start - results[0].start, 6), "prompt_len": r.prompt_len, "output_len": r.output_len,
-                      "server_prompt_tokens": r.server_prompt_tokens, "output_tokens": r.output_tokens,
-                      "send_lag": round(r.send_lag, 6), "ttft": round(r.ttft, 6), "e2e": round(r.e2e, 6), "itls": [round(g, 6) for g in r.itls],
-                      "error": r.error} for r in results],
+        "burstiness": cfg.burstiness,
+        "concurrency": cfg.concurrency,
+        "duration_limit_s": cfg.duration_s,
+        "input_len": None if args.dataset else args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "dataset": args.dataset,
+        "seed": cfg.seed,
+        "summary": summary,
+        "server_metrics": deltas,
+        "requests": [
+            {
+                "start": round(r.start - results[0].start, 6),
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "server_prompt_tokens": r.server_prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "send_lag": round(r.send_lag, 6),
+                "ttft": round(r.ttft, 6),
+                "e2e": round(r.e2e, 6),
+                "itls": [round(g, 6) for g in r.itls],
+                "error": r.error,
+            }
+            for r in results
+        ],
     }
 
 
@@ -167,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--model", required=True, help="model name sent in each request")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or hub id (default: the root of the model's /v1/models card, else --model)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory or hub id (default: the root of the model's /v1/models card, else --model)",
+    )
     p.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens of random prompts (default 1024)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (sent as max_tokens with ignore_eos)")
@@ -181,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    p.add_argument("--sweep-rates", default=None, metavar="R1,R2,...", help="one run per rate (overrides --request-rate)")
+    p.add_argument(
+        "--sweep-rates", default=None, metavar="R1,R2,...", help="one run per rate (overrides --request-rate)"
+    )
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="per-request SLOs: ttft, tpot, itl (largest gap), e2e; e.g. ttft:2000 itl:25")
     p.add_argument("--seed", type=int, default=0)
@@ -236,7 +261,9 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
                        args.duration, args.request_timeout, True, args.seed + i, not args.no_progress)
             for i, rate in enumerate(_rates(args))]
     if args.duration and math.isinf(cfgs[0].request_rate) and not args.concurrency:
-        raise ValueError("--duration: needs --request-rate, --sweep-rates or --concurrency (else nothing bounds the load)")
+        raise ValueError(
+            "--duration: needs --request-rate, --sweep-rates or --concurrency (else nothing bounds the load)"
+        )
     return cfgs, slos
 
 
@@ -288,8 +315,9 @@ def main(argv=None) -> int:
     records = []
     for cfg in cfgs:
         try:
-            specs = make_specs(args, tokenizer, prompts_needed(cfg, args.num_requests or (None if args.duration else 200)),
-                               cfg.seed)
+            specs = make_specs(
+                args, tokenizer, prompts_needed(cfg, args.num_requests or (None if args.duration else 200)), cfg.seed
+            )
         except ValueError as e:
             parser.error(f"--{'dataset' if args.dataset else 'input-len'}: {e}")
         before = server_metrics.scrape_all(args.metrics_url)

@@ -85,12 +85,14 @@ def main(argv=None) -> int:
                 verdict[q] = (s["failed"] == 0 and s["request_throughput"] >= 0.95 * rate * duration_share(s, args)
                               and ttft_err <= tol and itl_err <= tol and s["send_lag_s"][q] <= tol)
                 ceiling[q] = rate if verdict[q] else ceiling[q]
-            rows.append(f"| {rate:g} | {s['request_throughput']:.1f} | {s['completed'] * args.output_len / duration:.0f} | "
-                        f"{s['ttft_s']['p50'] * 1000:.2f} / {s['ttft_s']['p99'] * 1000:.2f} | "
-                        f"{s['itl_s']['p50'] * 1000:.2f} / {s['itl_s']['p99'] * 1000:.2f} | "
-                        f"{s['send_lag_s']['p50'] * 1000:.2f} / {s['send_lag_s']['p99'] * 1000:.2f} | "
-                        f"{cpu * 100:.0f}% | {s['failed']} | {'yes' if verdict['p50'] else 'no'} | "
-                        f"{'yes' if verdict['p99'] else 'no'} |")
+            rows.append(
+                f"| {rate:g} | {s['request_throughput']:.1f} | {s['completed'] * args.output_len / duration:.0f} | "
+                f"{s['ttft_s']['p50'] * 1000:.2f} / {s['ttft_s']['p99'] * 1000:.2f} | "
+                f"{s['itl_s']['p50'] * 1000:.2f} / {s['itl_s']['p99'] * 1000:.2f} | "
+                f"{s['send_lag_s']['p50'] * 1000:.2f} / {s['send_lag_s']['p99'] * 1000:.2f} | "
+                f"{cpu * 100:.0f}% | {s['failed']} | {'yes' if verdict['p50'] else 'no'} | "
+                f"{'yes' if verdict['p99'] else 'no'} |"
+            )
             print(rows[-1], flush=True)
     finally:
         mock.terminate()
@@ -103,7 +105,10 @@ def main(argv=None) -> int:
     print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- |")
     print("\n".join(rows))
     for q in ("p99", "p50"):
-        print(f"ceiling ({q} timings right): " + (f"{ceiling[q]:g} req/s" if ceiling[q] else "below the lowest rate tried"))
+        print(
+            f"ceiling ({q} timings right): "
+            + (f"{ceiling[q]:g} req/s" if ceiling[q] else "below the lowest rate tried")
+        )
     return 0
 
 

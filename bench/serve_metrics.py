@@ -124,7 +124,7 @@ def format_summary(s: dict, title: str) -> str:
     row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
     if s["request_goodput"] is not None:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["goodput_slos_ms"].items())
-        row(f"Request goodput (req/s):", f"{s['request_goodput']:.2f}")
+        row("Request goodput (req/s):", f"{s['request_goodput']:.2f}")
         lines.append(f"  (SLO per request: {slo})")
     row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
     row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")

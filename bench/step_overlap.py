@@ -7,7 +7,8 @@ For each model (random bf16 weights in the real configuration, saved once to a t
 batch size, each mode builds an engine, starts `batch` greedy requests, lets them reach steady
 decode, then measures `--steps` consecutive `engine.step()` calls twice: once for wall time,
 once under the profiler for device time (the sum of the step's kernel and copy times on the
-GPU; on CPU one window, timing the forward and sampling inside it). Host time per step = wall − device: what the GPU waits for the host. Synchronous, the
+GPU; on CPU one window, timing the forward and sampling inside it). Host time per step = wall − device: what
+the GPU waits for the host. Synchronous, the
 host schedules, prepares, launches, waits, reads the tokens back and builds outputs one after
 the other; with async scheduling it does all but the launch while the GPU runs the previous
 step, so wall time should approach device time. Each engine then generates greedy tokens for four
@@ -165,8 +166,11 @@ def main(argv=None) -> int:
     header = (f"{card} · torch {torch.__version__} · {datetime.date.today()} · "
               f"{'bf16' if device == 'cuda' else 'fp32'} · greedy decode at context 128+, {args.steps} steps per row")
     print(header, flush=True)
-    lines = ["| model | batch | engine | wall ms/step | device ms/step | host ms/step (wall − device) | "
-             "vs sync host time | same greedy tokens as sync |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| model | batch | engine | wall ms/step | device ms/step | host ms/step (wall − device) | "
+        "vs sync host time | same greedy tokens as sync |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for key in models:
         spec = MODELS[key]
         ckpt = make_checkpoint(spec, device)

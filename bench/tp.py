@@ -16,7 +16,8 @@ safetensors in a temp dir, as bench/engine.py does). Per TP size, one engine
 - each size's bf16 error against transformers in fp32 on the same weights (the first generated
   token's top-5 logprobs, and whether it is fp32's argmax): TP=1's error is the bf16 yardstick.
 Random weights give flat logits (near-ties), so a greedy divergence is bf16 reduction order when
-TP=N's fp32 error matches TP=1's, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert exact equality.
+TP=N's fp32 error matches TP=1's, not a bug; the CPU fp32 tests (tests/worker/test_tensor_parallel.py) assert
+exact equality.
 
 Each TP size is one engine start (load, KV sizing, graph capture): with a per-command time
 limit, run one size per command with `--checkpoint DIR` (written once, reused) and `--out`.
@@ -200,13 +201,22 @@ def run_tp(n: int, path: str, args, vocab: int) -> dict:
     from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-                                    # No offline run: a small batch limit captures fewer decode graphs (a faster start).
-                                    max_model_len=2048, max_num_seqs=256 if args.num_prompts else 8,
-                                    max_num_batched_tokens=16384,
-                                    enable_prefix_caching=False, tensor_parallel_size=n, enforce_eager=args.enforce_eager,
-                                    async_scheduling=args.async_scheduling,
-                                    kv_cache_memory=None if args.device == "cuda" else 1 << 26))
+    engine = LLMEngine(
+        EngineConfig(
+            model=path,
+            device=args.device,
+            dtype="bfloat16" if args.device == "cuda" else "float32",
+            # No offline run: a small batch limit captures fewer decode graphs (a faster start).
+            max_model_len=2048,
+            max_num_seqs=256 if args.num_prompts else 8,
+            max_num_batched_tokens=16384,
+            enable_prefix_caching=False,
+            tensor_parallel_size=n,
+            enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
+            kv_cache_memory=None if args.device == "cuda" else 1 << 26,
+        )
+    )
     start_s = time.perf_counter() - t0
     print(f"TP={n}: engine started in {start_s:.0f}s", flush=True)
     rng = random.Random(7)
@@ -411,22 +421,27 @@ def main(argv=None) -> int:
 
         saved = os.path.join(args.checkpoint, "bench_tp_results.json")
         old = json.load(open(saved)) if os.path.exists(saved) else []
-        results = sorted([r for r in old if r["tp"] not in sizes] + results, key=lambda r: (r["tp"], r.get("all_reduce", "-")))
+        results = sorted(
+            [r for r in old if r["tp"] not in sizes] + results, key=lambda r: (r["tp"], r.get("all_reduce", "-"))
+        )
         with open(saved, "w") as f:
             json.dump(results, f)
         for r in results:
             r["top"] = [{int(t): lp for t, lp in top.items()} for top in r["top"]]  # json keys are strings
         sizes = [r["tp"] for r in results]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run, gloo)"
-    lines = [f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
-             f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
-             f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}"
-             f"{' · async scheduling' if args.async_scheduling else ''}", "",
-             "| TP | all-reduce | bs=1 decode in=128 ms/step (x TP=1) | all-reduces of that step alone (2L+1 at bs=1) ms "
-             "| per all-reduce us | offline 1024/128 tok/s "
-             f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 | first token's top-5 "
-             "logprobs vs fp32 transformers: max abs error |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [
+        f"{spec.name} (random weights) · {name} x {max(sizes)} · torch {torch.__version__} · "
+        f"{datetime.date.today()} · {'bf16' if args.device == 'cuda' else 'fp32'} · "
+        f"{'eager' if args.enforce_eager else 'decode CUDA graphs'}"
+        f"{' · async scheduling' if args.async_scheduling else ''}",
+        "",
+        "| TP | all-reduce | bs=1 decode in=128 ms/step (x TP=1) | all-reduces of that step alone (2L+1 at bs=1) ms "
+        "| per all-reduce us | offline 1024/128 tok/s "
+        f"({args.num_prompts} prompts) | KV blocks per rank | greedy vs TP=1 | first token's top-5 "
+        "logprobs vs fp32 transformers: max abs error |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
     ref = results[0] if results and results[0]["tp"] == 1 else None
     steps = 2 * spec.hf["num_hidden_layers"] + 1
     for r in results:
@@ -440,19 +455,26 @@ def main(argv=None) -> int:
     swept = [r for r in results if "allreduce_sweep" in r]
     if swept:
         hidden = spec.hf["hidden_size"]
-        lines += ["", f"All-reduce alone, us per all-reduce of [rows, {hidden}] "
-                      f"({'bf16' if args.device == 'cuda' else 'fp32'}; {steps} in one CUDA graph, replayed; "
-                      "the method each message took):", "",
-                  "| TP | all-reduce | " + " | ".join(f"{m} rows ({m * hidden * (2 if args.device == 'cuda' else 4) // 1024} KB)"
-                                                     for m in ALLREDUCE_ROWS) + " |",
-                  "| ---: | --- |" + " ---: |" * len(ALLREDUCE_ROWS)]
+        lines += [
+            "",
+            f"All-reduce alone, us per all-reduce of [rows, {hidden}] "
+            f"({'bf16' if args.device == 'cuda' else 'fp32'}; {steps} in one CUDA graph, replayed; "
+            "the method each message took):",
+            "",
+            "| TP | all-reduce | "
+            + " | ".join(
+                f"{m} rows ({m * hidden * (2 if args.device == 'cuda' else 4) // 1024} KB)" for m in ALLREDUCE_ROWS
+            )
+            + " |",
+            "| ---: | --- |" + " ---: |" * len(ALLREDUCE_ROWS),
+        ]
         for r in swept:
             cells = []
             for m in ALLREDUCE_ROWS:
                 ms, how = r["allreduce_sweep"][str(m)]
                 cells.append(f"{1e3 * ms / steps:.1f} ({how.split(',')[0]})")
             lines.append(f"| {r['tp']} | {r['all_reduce']} | " + " | ".join(cells) + " |")
-    lines += ["", f"- engine start (load, KV sizing, graph capture): "
+    lines += ["", "- engine start (load, KV sizing, graph capture): "
                   + ", ".join(f"TP={r['tp']} {r['start_s']:.0f}s" for r in results)]
     text = "\n".join(lines)
     publish(text, args.out)

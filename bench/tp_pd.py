@@ -219,14 +219,17 @@ def main(argv=None) -> int:
             print(f"{t}: failed: {e}", file=sys.stderr, flush=True)
             rows.append({"transport": t, "error": str(e).splitlines()[0][:200]})
     card = torch.cuda.get_device_name() if not args.smoke else "CPU (smoke run, gloo)"
-    lines = [f"P/D between TP workers · Llama-shaped random weights "
-             f"({'smoke' if args.smoke else '16 layers, 8 KV heads, head dim 64'}) · {card} x 2 · "
-             f"torch {torch.__version__} · {datetime.date.today()} · {'fp32' if args.smoke else 'bf16'} · "
-             f"greedy, {MAX_TOKENS} tokens, prompts of {', '.join(map(str, PROMPT_LENS))} tokens", "",
-             "| transport | prefill TP -> decode TP | P/D = decode worker alone | first differing token "
-             "(per prompt) | KV pulled by decode rank 0 | pulls | mean pull ms | the pair's first pull (200 tokens), ms | "
-             "local-prefill fallbacks |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"P/D between TP workers · Llama-shaped random weights "
+        f"({'smoke' if args.smoke else '16 layers, 8 KV heads, head dim 64'}) · {card} x 2 · "
+        f"torch {torch.__version__} · {datetime.date.today()} · {'fp32' if args.smoke else 'bf16'} · "
+        f"greedy, {MAX_TOKENS} tokens, prompts of {', '.join(map(str, PROMPT_LENS))} tokens",
+        "",
+        "| transport | prefill TP -> decode TP | P/D = decode worker alone | first differing token "
+        "(per prompt) | KV pulled by decode rank 0 | pulls | mean pull ms | the pair's first pull (200 tokens), ms | "
+        "local-prefill fallbacks |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['transport']} | failed: {r['error']} | | | | | | | |")

@@ -3,7 +3,8 @@
     .venv/bin/python charts/sync.py           # rewrite the copies
     .venv/bin/python charts/sync.py --check   # exit 1 naming each stale copy (tests/charts run it)
 
-Copies: the Grafana dashboards (charts/dashboards.py renders them), the CRD (crds/ is the source of truth; Helm installs charts/pdserve/crds/ before any
+Copies: the Grafana dashboards (charts/dashboards.py renders them), the CRD (crds/ is the source of truth; Helm
+installs charts/pdserve/crds/ before any
 template) and the operator's ClusterRole rules (pdserve.operator.rbac.build_operator_cluster_role,
 the same builder the real-server tests run the operator under).
 """

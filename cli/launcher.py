@@ -150,7 +150,9 @@ class Launcher:
                 return False
             body = resp.json()
             # The router probes on its own clock: wait until it counts every worker we started.
-            return body.get("decode_workers") == self.config.decode and body.get("prefill_workers") == self.config.prefill
+            return (
+                body.get("decode_workers") == self.config.decode and body.get("prefill_workers") == self.config.prefill
+            )
         except (httpx.HTTPError, ValueError):
             return False
 

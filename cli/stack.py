@@ -59,7 +59,9 @@ class StackConfig:
 
     def __post_init__(self):
         if self.prefill < 0:
-            raise ConfigError("--prefill", f"must be >= 0 (0 = every request prefills on its decode worker), got {self.prefill}")
+            raise ConfigError(
+                "--prefill", f"must be >= 0 (0 = every request prefills on its decode worker), got {self.prefill}"
+            )
         if self.decode < 1:
             raise ConfigError("--decode", f"must be at least 1, got {self.decode}")
         if not 1 <= self.port <= 65535:

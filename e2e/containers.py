@@ -187,11 +187,19 @@ class PodmanRuntime:
                 host = pod_dir / "volumes" / v.name
                 host.mkdir(parents=True, exist_ok=True)
                 if v.secret is not None:
-                    data = {k: base64.b64decode(b) for k, b in
-                            (core.read_namespaced_secret(v.secret.secret_name, pod.metadata.namespace).data or {}).items()}
+                    data = {
+                        k: base64.b64decode(b)
+                        for k, b in (
+                            core.read_namespaced_secret(v.secret.secret_name, pod.metadata.namespace).data or {}
+                        ).items()
+                    }
                 else:
-                    data = {k: s.encode() for k, s in
-                            (core.read_namespaced_config_map(v.config_map.name, pod.metadata.namespace).data or {}).items()}
+                    data = {
+                        k: s.encode()
+                        for k, s in (
+                            core.read_namespaced_config_map(v.config_map.name, pod.metadata.namespace).data or {}
+                        ).items()
+                    }
                 for k, b in data.items():
                     (host / k).write_bytes(b)
                     (host / k).chmod(0o644)

@@ -325,14 +325,18 @@ class Kubelet:
                 env[e.name] = base64.b64decode(data[ref.key]).decode()
             elif e.value_from.config_map_key_ref is not None:
                 ref = e.value_from.config_map_key_ref
-                env[e.name] = (self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {})[ref.key]
+                env[e.name] = (self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {})[
+                    ref.key
+                ]
         return env
 
     def _automount(self, pod) -> bool:
         """The pod's automountServiceAccountToken, else its ServiceAccount's, else true."""
         if pod.spec.automount_service_account_token is not None:
             return pod.spec.automount_service_account_token
-        sa = self.core.read_namespaced_service_account(pod.spec.service_account_name or "default", pod.metadata.namespace)
+        sa = self.core.read_namespaced_service_account(
+            pod.spec.service_account_name or "default", pod.metadata.namespace
+        )
         return sa.automount_service_account_token is not False
 
     def _token(self, pod) -> str:
@@ -347,11 +351,18 @@ class Kubelet:
     def _service_account_kubeconfig(self, pod, pod_dir: Path) -> Path:
         sa = pod.spec.service_account_name or "default"
         token = self._token(pod)
-        cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
-               "clusters": [{"name": "cluster", "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}],
-               "users": [{"name": sa, "user": {"token": token}}],
-               "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": sa,
-                                                        "namespace": pod.metadata.namespace}}]}
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "pod",
+            "clusters": [
+                {"name": "cluster", "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}
+            ],
+            "users": [{"name": sa, "user": {"token": token}}],
+            "contexts": [
+                {"name": "pod", "context": {"cluster": "cluster", "user": sa, "namespace": pod.metadata.namespace}}
+            ],
+        }
         path = pod_dir / "kubeconfig"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -409,14 +420,32 @@ class Kubelet:
         state = ({"waiting": {"reason": "CrashLoopBackOff", "message": waiting}} if waiting
                  else {"running": {"startedAt": now}})
         status = {
-            "phase": "Running", "podIP": p.ip, "podIPs": [{"ip": p.ip}], "hostIP": "127.0.0.1",
+            "phase": "Running",
+            "podIP": p.ip,
+            "podIPs": [{"ip": p.ip}],
+            "hostIP": "127.0.0.1",
             "startTime": (pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ") if pod.status.start_time else now),
-            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
-                           (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
-            "containerStatuses": [{"name": c.name, "image": c.image, "imageID": "", "ready": ready,
-                                   "restartCount": p.restarts, "started": waiting is None, "state": state,
-                                   "lastState": ({"terminated": p.extra["last_terminated"]}
-                                                 if "last_terminated" in p.extra else {})}],
+            "conditions": [
+                {"type": t, "status": s, "lastTransitionTime": now}
+                for t, s in (
+                    ("PodScheduled", "True"),
+                    ("Initialized", "True"),
+                    ("ContainersReady", flag),
+                    ("Ready", flag),
+                )
+            ],
+            "containerStatuses": [
+                {
+                    "name": c.name,
+                    "image": c.image,
+                    "imageID": "",
+                    "ready": ready,
+                    "restartCount": p.restarts,
+                    "started": waiting is None,
+                    "state": state,
+                    "lastState": ({"terminated": p.extra["last_terminated"]} if "last_terminated" in p.extra else {}),
+                }
+            ],
         }
         try:
             self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})

@@ -34,13 +34,19 @@ def worker_pod(**container) -> client.V1Pod:
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name="p", namespace="ns", uid="0123456789"),
         spec=client.V1PodSpec(
-            security_context=client.V1PodSecurityContext(run_as_user=1000, run_as_group=1000, fs_group=1000,
-                                                         run_as_non_root=True),
-            volumes=[client.V1Volume(name="tmp", empty_dir=client.V1EmptyDirVolumeSource()),
-                     client.V1Volume(name="shm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory", size_limit="1Gi")),
-                     client.V1Volume(name="scratch", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory",
-                                                                                             size_limit="64Mi"))],
-            containers=[client.V1Container(**c)]))
+            security_context=client.V1PodSecurityContext(
+                run_as_user=1000, run_as_group=1000, fs_group=1000, run_as_non_root=True
+            ),
+            volumes=[
+                client.V1Volume(name="tmp", empty_dir=client.V1EmptyDirVolumeSource()),
+                client.V1Volume(name="shm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory", size_limit="1Gi")),
+                client.V1Volume(
+                    name="scratch", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory", size_limit="64Mi")
+                ),
+            ],
+            containers=[client.V1Container(**c)],
+        ),
+    )
 
 
 def argv_of(pod: client.V1Pod, tmp_path: Path, command=(), args=None) -> list[str]:

@@ -163,7 +163,11 @@ def test_bulk_client_disconnects(stack, client, served_name, results):
 
     def leave_early(i: int) -> Outcome:
         url = stack.url("router") + ("/v1/chat/completions" if i % 2 else "/v1/completions")
-        req = dict(body, messages=[{"role": "user", "content": f"story {i}"}]) if i % 2 else dict(body, prompt=f"story {i}")
+        req = (
+            dict(body, messages=[{"role": "user", "content": f"story {i}"}])
+            if i % 2
+            else dict(body, prompt=f"story {i}")
+        )
         if i % 8 == 7:  # a non-streamed request the client abandons before the answer
             req["stream"] = False
             try:
@@ -200,5 +204,7 @@ def test_sigstopped_decode_worker(stack, client, served_name, results):
     assert errors, f"{victim} hung while decoding: its streams must end in error events: {outcomes}"
     assert all(o.detail == "upstream_failed" for o in errors), errors
     stack.wait_router_sees(prefill=1, decode=2)  # back in the pool once it answers probes again
-    record(results, stack, f"SIGSTOP {victim} mid-stream, then SIGCONT", "1 SIGSTOP", outcomes + [Outcome("completed")] * 4)
+    record(
+        results, stack, f"SIGSTOP {victim} mid-stream, then SIGCONT", "1 SIGSTOP", outcomes + [Outcome("completed")] * 4
+    )
     still_serves(client, served_name, 4)

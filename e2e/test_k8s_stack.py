@@ -218,7 +218,9 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
         # -- 1. helm install: CRD, RBAC, the operator (its pod runs under the kubelet stand-in)
         out = sh(env, "helm", "install", release, str(CHART), "-n", system_ns,
                  "--set", f"operator.watchNamespaces={{{ns}}}", "--wait", "--timeout", "5m", timeout=400)
-        transcript.add(f"helm install {release} charts/pdserve -n {system_ns} --set operator.watchNamespaces={{{ns}}} --wait", out)
+        transcript.add(
+            f"helm install {release} charts/pdserve -n {system_ns} --set operator.watchNamespaces={{{ns}}} --wait", out
+        )
         op = core.list_namespaced_pod(system_ns, label_selector="app.kubernetes.io/component=operator").items[0]
         proc = next(p for p in kubelet.pods.values() if p.name == op.metadata.name)
         assert proc.argv[1:3] == ["operator", f"--namespace={ns}"], proc.argv  # the chart's own command/args
@@ -245,13 +247,17 @@ spec:
   kvTransfer: {{peerAllow: [127.0.0.0/8]}}  # this cluster's pod network is loopback, not a private range
 """)
         transcript.add(f"cat {manifest.name}", manifest.read_text())
-        transcript.add(f"kubectl -n {ns} apply -f {manifest.name}", sh(env, "kubectl", "-n", ns, "apply", "-f", str(manifest)))
+        transcript.add(
+            f"kubectl -n {ns} apply -f {manifest.name}", sh(env, "kubectl", "-n", ns, "apply", "-f", str(manifest))
+        )
         obj = wait_for(lambda: ms_ready(custom, ns), timeout=300, interval=1, what="ModelServing Ready")
         assert obj["spec"].get("image") is None
         assert "Forbidden" not in proc.log_path.read_text(errors="replace")  # its role is enough
         deploy = apps.read_namespaced_deployment(f"{MS}-decode", ns)
         assert deploy.spec.template.spec.containers[0].image == "ghcr.io/pdserve/pdserve:0.1.0"  # chart appVersion
-        transcript.add(f"kubectl -n {ns} get ms,pods -o wide", sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))
+        transcript.add(
+            f"kubectl -n {ns} get ms,pods -o wide", sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide")
+        )
         if runtime is not None:
             transcript.add("podman ps (node-0's containers)", runtime.podman(
                 "ps", "--format", "{{.Names}}\t{{.Image}}\t{{.Status}}", check=True).stdout)
@@ -267,7 +273,9 @@ spec:
         for ip in (prefill_ip, decode_ip):
             assert httpx.get(f"http://{ip}:8000/health", timeout=5).status_code == 200
             for method, path in (("POST", "/v1/completions"), ("GET", "/metrics"), ("GET", "/v1/models")):
-                r = httpx.request(method, f"http://{ip}:8000{path}", json=body if method == "POST" else None, timeout=30)
+                r = httpx.request(
+                    method, f"http://{ip}:8000{path}", json=body if method == "POST" else None, timeout=30
+                )
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (ip, path, r.text)
         p0, moved0 = finished(prefill_ip, key), metric(decode_ip, key, "pdserve_kv_transfer_bytes_total")
         fallbacks0 = metric(decode_ip, key, "pdserve_kv_local_prefill_fallbacks_total")
@@ -324,7 +332,19 @@ spec:
         loops = [threading.Thread(target=client_loop, args=(i,)) for i in range(2)]
         for t in loops:
             t.start()
-        sh(env, "kubectl", "-n", ns, "patch", "ms", MS, "--type", "merge", "-p", '{"spec":{"model":{"maxModelLen":1024}}}')
+        sh(
+            env,
+            "kubectl",
+            "-n",
+            ns,
+            "patch",
+            "ms",
+            MS,
+            "--type",
+            "merge",
+            "-p",
+            '{"spec":{"model":{"maxModelLen":1024}}}',
+        )
 
         def rolled() -> bool:
             o = ms_ready(custom, ns)
@@ -358,7 +378,9 @@ spec:
 
             def oom_status() -> dict | None:
                 obj = custom.get_namespaced_custom_object("pdserve.io", "v1alpha1", ns, "modelservings", MS)
-                cond = next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == "Degraded"), {})
+                cond = next(
+                    (c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == "Degraded"), {}
+                )
                 return cond if cond.get("status") == "True" and "OOMKilled" in cond.get("message", "") else None
 
             try:
@@ -381,17 +403,26 @@ spec:
                            + sh(env, "kubectl", "-n", ns, "get", "ms,pods", "-o", "wide"))
 
         # -- 6. delete: everything goes (garbage collection, the kubelet stops the processes)
-        transcript.add(f"kubectl -n {ns} delete ms {MS}", sh(env, "kubectl", "-n", ns, "delete", "ms", MS, "--wait=false"))
+        transcript.add(
+            f"kubectl -n {ns} delete ms {MS}", sh(env, "kubectl", "-n", ns, "delete", "ms", MS, "--wait=false")
+        )
         wait_for(lambda: not core.list_namespaced_pod(ns).items and not apps.list_namespaced_deployment(ns).items
                  and not core.list_namespaced_service(ns).items, timeout=180, interval=1, what="children gone")
         wait_for(lambda: not [p for p in kubelet.running() if p.namespace == ns], timeout=60, what="processes gone")
-        transcript.add(f"helm uninstall {release} -n {system_ns}", sh(env, "helm", "uninstall", release, "-n", system_ns))
+        transcript.add(
+            f"helm uninstall {release} -n {system_ns}", sh(env, "helm", "uninstall", release, "-n", system_ns)
+        )
         wait_for(lambda: not kubelet.running(), timeout=60, what="operator process gone")
-        transcript.add(f"kubectl -n {ns} get all; ps", sh(env, "kubectl", "-n", ns, "get", "all") or "No resources found\n"
-                       + f"pod processes still running: {len(kubelet.running())}")
+        transcript.add(
+            f"kubectl -n {ns} get all; ps",
+            sh(env, "kubectl", "-n", ns, "get", "all")
+            or "No resources found\n" + f"pod processes still running: {len(kubelet.running())}",
+        )
         transcript.add("kubelet stand-in log", "\n".join(kubelet.events))
     except BaseException:
-        logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+        logs = "".join(
+            f"\n--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
+        )
         transcript.add("kubelet stand-in log", "\n".join(kubelet.events) + logs)
         raise
     finally:

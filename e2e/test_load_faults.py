@@ -178,8 +178,14 @@ def test_load_with_faults_leaks_nothing(stack):
     rows += [("router 500s", int(router_500)), ("leaked blocks", leaks),
              ("pinned blocks", {n: k["num_pinned_blocks"] for n, k in kv.items()}),
              ("router in-flight", inflight)]
-    rows += [(f"RSS {n} (MiB) before → after", f"{rss_before[n] / 1024:.0f} → {rss_after[n] / 1024:.0f} "
-                                                  f"({(rss_after[n] / rss_before[n] - 1) * 100:+.1f}%)") for n in steady]
+    rows += [
+        (
+            f"RSS {n} (MiB) before → after",
+            f"{rss_before[n] / 1024:.0f} → {rss_after[n] / 1024:.0f} "
+            f"({(rss_after[n] / rss_before[n] - 1) * 100:+.1f}%)",
+        )
+        for n in steady
+    ]
     print("\nload with faults (" + time.strftime("%Y-%m-%d") + "):\n" + "\n".join(f"| {a} | {b} |" for a, b in rows))
 
     assert not any(leaks.values()), (leaks, kv)

@@ -29,7 +29,8 @@ on the host and allocate only the output and the workspace, so they can be captu
 graph.
 
 M = 1 multiplies and sums in registers; M = 2..8 pads the activation tile to 16 rows for a
-tensor-core dot (tl.dot's minimum; rows >= M are masked, never read or written). Accumulation is fp32; the output has W's dtype. Configs (BLOCK_N, BLOCK_K, SPLIT_K)
+tensor-core dot (tl.dot's minimum; rows >= M are masked, never read or written). Accumulation is fp32; the
+output has W's dtype. Configs (BLOCK_N, BLOCK_K, SPLIT_K)
 come from `choose_config`: a measured table (bench/gemv.py prints its rows) or a heuristic.
 References: reference.rms_norm_gemv_ref, reference.silu_mul_gemv_ref.
 """

@@ -152,8 +152,11 @@ def _align_tiles(m: int, num_experts: int, block_m: int) -> dict:
 def route_align_fits(num_tokens: int, top_k: int, router_experts: int, num_experts: int) -> bool:
     """Whether moe_route_align runs as its one program (else it is moe_route + moe_align)."""
     m = num_tokens * top_k
-    return (0 < m and triton.next_power_of_2(m) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX_ELEMENTS
-            and triton.next_power_of_2(num_tokens) * triton.next_power_of_2(router_experts) <= ALIGN_KERNEL_MAX_ELEMENTS)
+    return (
+        0 < m
+        and triton.next_power_of_2(m) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX_ELEMENTS
+        and triton.next_power_of_2(num_tokens) * triton.next_power_of_2(router_experts) <= ALIGN_KERNEL_MAX_ELEMENTS
+    )
 
 
 def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,

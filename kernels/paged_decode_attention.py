@@ -200,9 +200,22 @@ def _decode_split_kernel(
             counter = sem_ptr + b * tl.num_programs(1) + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits,
-                              tl.cdiv(span, split_len), b * stride_ob + heads[:, None] * stride_oh + d[None, :], q_mask, rows < GROUP,
-                              sinks_ptr, heads, GROUP_PAD, HEAD_DIM, D_PAD, HAS_SINKS)
+                _merge_splits(
+                    part_out_ptr,
+                    part_lse_ptr,
+                    out_ptr,
+                    (b * tl.num_programs(1) * GROUP + heads) * num_splits,
+                    tl.cdiv(span, split_len),
+                    b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                    q_mask,
+                    rows < GROUP,
+                    sinks_ptr,
+                    heads,
+                    GROUP_PAD,
+                    HEAD_DIM,
+                    D_PAD,
+                    HAS_SINKS,
+                )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]

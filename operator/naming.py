@@ -98,7 +98,8 @@ def revision(ms: ModelServing) -> str:
 
     Both roles carry the same revision: the router pairs only workers of one revision, so a
     rollout never hands KV blocks across incompatible layouts (model, dtype, quantization, KV
-    cache dtype, context length, image, transfer backend and secret, TP degrees, extra engine args). The secret counts by its
+    cache dtype, context length, image, transfer backend and secret, TP degrees, extra engine args). The secret
+    counts by its
     Secret's name and key, plus the generated Secret's uid (a re-created Secret holds a new
     value). Replica counts, resources, env and scheduling fields roll pods out without changing it.
     """

@@ -7,12 +7,21 @@ from typing import Any
 
 from pdserve.operator import naming
 from pdserve.operator.spec import ModelServing
-from pdserve.protocol.contract import HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.contract import (
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+)
 
 NETWORK_POLICY_VERSION = "networking.k8s.io/v1"
 # Who scrapes /metrics when a ServiceMonitor is made and networkPolicy.metricsFrom is unset:
 # Prometheus pods (the Prometheus operator labels them so) in any namespace.
-DEFAULT_SCRAPERS = ({"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
+DEFAULT_SCRAPERS = (
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+)
 
 
 def endpoint(ms: ModelServing) -> str:
@@ -29,7 +38,9 @@ def build_router_service(ms: ModelServing) -> dict[str, Any]:
         "spec": {
             "type": r.service_type,
             "selector": naming.selector_labels(ms, "router"),
-            "ports": [{"name": HTTP_PORT_NAME, "port": r.service_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}],
+            "ports": [
+                {"name": HTTP_PORT_NAME, "port": r.service_port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}
+            ],
         },
     }
 
@@ -63,7 +74,8 @@ def build_worker_network_policy(ms: ModelServing) -> dict[str, Any]:
 
     - Workers of this ModelServing: every TCP port. The KV side channel has known ports (one per
       prefill rank: naming.kv_ports), but NIXL's UCX TCP transport listens on ephemeral ports it
-      picks at start-up, which cannot be listed here. (RDMA traffic bypasses the kernel's network stack, so no NetworkPolicy sees it.)
+      picks at start-up, which cannot be listed here. (RDMA traffic bypasses the kernel's network stack, so no
+      NetworkPolicy sees it.)
     - Routers of this ModelServing: the HTTP port, plus the KV-event ports when a prefix-aware
       policy subscribes to them.
     - Metric scrapers (networkPolicy.metricsFrom): the HTTP port, where /metrics is served; a
@@ -78,7 +90,10 @@ def build_worker_network_policy(ms: ModelServing) -> dict[str, Any]:
     http = [{"protocol": "TCP", "port": HTTP_PORT}]
     router_ports = list(http)
     if ms.spec.router.prefix_aware:
-        router_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_EVENTS_REPLAY_PORT}]
+        router_ports += [
+            {"protocol": "TCP", "port": KV_EVENTS_PORT},
+            {"protocol": "TCP", "port": KV_EVENTS_REPLAY_PORT},
+        ]
     ingress = [
         {"from": [workers], "ports": [{"protocol": "TCP"}]},  # no port: every TCP port
         {"from": [{"podSelector": {"matchLabels": naming.selector_labels(ms, "router")}}], "ports": router_ports},

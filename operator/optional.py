@@ -77,8 +77,15 @@ def build_hpa(ms: ModelServing, role: str, api_version: str, bounds: tuple[int, 
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": naming.child_name(ms, role)},
             "minReplicas": bounds[0],
             "maxReplicas": bounds[1],
-            "metrics": [{"type": "Pods", "pods": {"metric": {"name": a.metric},
-                                                  "target": {"type": "AverageValue", "averageValue": a.target_average_value}}}],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": a.metric},
+                        "target": {"type": "AverageValue", "averageValue": a.target_average_value},
+                    },
+                }
+            ],
         },
     }
 

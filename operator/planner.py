@@ -204,8 +204,11 @@ def _raw_need(config: PlannerConfig, role: str, capacity: float | None, sample: 
               arrival_scale: float = 1.0) -> tuple[int, str]:
     target, signal = config.target(role), SIGNAL[role]
     violating = sample.latency_s is not None and sample.latency_s > target
-    seen = f"{signal} p{round(config.percentile * 100)} " + (
-        f"{sample.latency_s * 1000:.0f} ms" if sample.latency_s is not None else "n/a") + f" (target {target * 1000:.0f} ms)"
+    seen = (
+        f"{signal} p{round(config.percentile * 100)} "
+        + (f"{sample.latency_s * 1000:.0f} ms" if sample.latency_s is not None else "n/a")
+        + f" (target {target * 1000:.0f} ms)"
+    )
     if capacity:
         demand = sample.demand(arrival_scale)
         need = math.ceil(demand / (capacity * config.target_utilization) - 1e-9)
@@ -310,7 +313,9 @@ def _ratio(config: PlannerConfig, need: dict[str, int], why: dict[str, str]) -> 
             need[ROLE_DECODE] = more
             why[ROLE_DECODE] += f"; raised to keep P:D <= {config.ratio_max:g}"
         if need[ROLE_PREFILL] > config.ratio_max * need[ROLE_DECODE] + 1e-9:
-            need[ROLE_PREFILL] = max(config.prefill.min_replicas, math.floor(config.ratio_max * need[ROLE_DECODE] + 1e-9))
+            need[ROLE_PREFILL] = max(
+                config.prefill.min_replicas, math.floor(config.ratio_max * need[ROLE_DECODE] + 1e-9)
+            )
             why[ROLE_PREFILL] += f"; lowered to keep P:D <= {config.ratio_max:g}"
 
 

@@ -60,8 +60,16 @@ def build_operator_cluster_role(name: str = "pdserve-operator") -> dict[str, Any
         "kind": "ClusterRole",
         "metadata": {"name": name},
         "rules": [
-            {"apiGroups": [naming.GROUP], "resources": [naming.PLURAL], "verbs": ["get", "list", "watch", "patch", "update"]},
-            {"apiGroups": [naming.GROUP], "resources": [f"{naming.PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+            {
+                "apiGroups": [naming.GROUP],
+                "resources": [naming.PLURAL],
+                "verbs": ["get", "list", "watch", "patch", "update"],
+            },
+            {
+                "apiGroups": [naming.GROUP],
+                "resources": [f"{naming.PLURAL}/status"],
+                "verbs": ["get", "patch", "update"],
+            },
             # blockOwnerDeletion on children needs update on the owner's finalizers
             {"apiGroups": [naming.GROUP], "resources": [f"{naming.PLURAL}/finalizers"], "verbs": ["update"]},
             {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": _WRITE},
@@ -75,8 +83,11 @@ def build_operator_cluster_role(name: str = "pdserve-operator") -> dict[str, Any
             {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _WRITE},
             {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"], "verbs": _WRITE},
             # the workers' NetworkPolicy: applied, listed and deleted (pruned) when turned off
-            {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-             "verbs": ["get", "list", "create", "patch", "delete"]},
+            {
+                "apiGroups": ["networking.k8s.io"],
+                "resources": ["networkpolicies"],
+                "verbs": ["get", "list", "create", "patch", "delete"],
+            },
             # the generated KV Secret: created once and read back, never updated, listed or
             # deleted (the garbage collector deletes it with its ModelServing)
             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
@@ -84,6 +95,10 @@ def build_operator_cluster_role(name: str = "pdserve-operator") -> dict[str, Any
             {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
             # kopf lists namespaces in --all-namespaces mode and CRDs to resolve resources
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": ["apiextensions.k8s.io"],
+                "resources": ["customresourcedefinitions"],
+                "verbs": ["get", "list", "watch"],
+            },
         ],
     }

@@ -135,7 +135,9 @@ class RoleSpec:
                 f"spec.{self.role}.autoscaling.minReplicas ({a.min_replicas}) exceeds maxReplicas ({a.max_replicas})"
             )
         if self.rollout.max_surge in (0, "0%") and self.rollout.max_unavailable in (0, "0%"):
-            raise SpecError(f"spec.{self.role}.rollout: maxSurge and maxUnavailable cannot both be 0 (nothing could move)")
+            raise SpecError(
+                f"spec.{self.role}.rollout: maxSurge and maxUnavailable cannot both be 0 (nothing could move)"
+            )
 
 
 @dataclass(frozen=True)
@@ -423,4 +425,6 @@ def _gpu_count(role: str, resources: Mapping[str, Any], kind: str) -> int | None
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise SpecError(f"spec.{role}.resources.{kind}[{GPU_RESOURCE}] must be a whole number of GPUs, got {value!r}") from None
+        raise SpecError(
+            f"spec.{role}.resources.{kind}[{GPU_RESOURCE}] must be a whole number of GPUs, got {value!r}"
+        ) from None

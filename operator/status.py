@@ -162,8 +162,13 @@ def merge_conditions(old: Iterable[Mapping[str, Any]], new: list[dict[str, Any]]
     return out
 
 
-def build_status(ms: ModelServing, deployments: Mapping[str, Mapping[str, Any] | None],
-                 pods: list[Mapping[str, Any]], old_conditions: Iterable[Mapping[str, Any]], now: str) -> dict[str, Any]:
+def build_status(
+    ms: ModelServing,
+    deployments: Mapping[str, Mapping[str, Any] | None],
+    pods: list[Mapping[str, Any]],
+    old_conditions: Iterable[Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
     s = ms.spec
     desired = {"prefill": s.prefill.replicas, "decode": s.decode.replicas, "router": s.router.replicas}
     roles = {r: role_status(ms, r, deployments.get(r), desired[r]) for r in ROLES}

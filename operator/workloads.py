@@ -212,7 +212,10 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),
         "lifecycle": pods.pre_stop(ms),
-        **{f"{kind}Probe": pods.probe("/health", defaults, rs.probes.get(kind)) for kind, defaults in worker_probes(ms).items()},
+        **{
+            f"{kind}Probe": pods.probe("/health", defaults, rs.probes.get(kind))
+            for kind, defaults in worker_probes(ms).items()
+        },
     }
     pod_spec = _pod_spec(ms, naming.child_name(ms, "worker"), [container], volumes, rs)
     # Workers never call the API server: no token in their pods.

@@ -54,7 +54,11 @@ def remote_decode_request(budget: dict | None = None, stream_kv: bool = False) -
     worker refuses at once what the decode worker would refuse for it (prompt + max_tokens over
     the context, min_tokens over max_tokens): otherwise the decode leg fails after the prefill,
     and the pinned KV waits for nobody until its TTL."""
-    return {"do_remote_decode": True, **({BUDGET: budget} if budget else {}), **({STREAM_KV: True} if stream_kv else {})}
+    return {
+        "do_remote_decode": True,
+        **({BUDGET: budget} if budget else {}),
+        **({STREAM_KV: True} if stream_kv else {}),
+    }
 
 
 def decode_budget(body: dict) -> dict:
@@ -99,7 +103,12 @@ def prefill_request(body: dict, stream_kv: bool = False) -> dict:
     The one place the prefill's token budget is set (`max_completion_tokens` too when given).
     `min_tokens` is cut to what applies to the first token (EOS and stop tokens are barred from
     it when min_tokens >= 1); the decode worker gets the client's value and applies the rest."""
-    out = dict(body, stream=False, max_tokens=PREFILL_MAX_TOKENS, **{PARAM: remote_decode_request(decode_budget(body), stream_kv)})
+    out = dict(
+        body,
+        stream=False,
+        max_tokens=PREFILL_MAX_TOKENS,
+        **{PARAM: remote_decode_request(decode_budget(body), stream_kv)},
+    )
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = PREFILL_MAX_TOKENS
     if out.get("min_tokens"):
@@ -163,7 +172,11 @@ class KVTransferParams:
             block_size = int(values["kv_layout"].rsplit(":", 1)[-1])
         except ValueError:
             raise KVTransferParamsError(f"{PARAM}.kv_layout {values['kv_layout']!r} does not end in a block size")
-        if block_size < 1 or values["num_prompt_tokens"] < 1 or len(ids) != -(-values["num_prompt_tokens"] // block_size):
+        if (
+            block_size < 1
+            or values["num_prompt_tokens"] < 1
+            or len(ids) != -(-values["num_prompt_tokens"] // block_size)
+        ):
             raise KVTransferParamsError(f"{PARAM}: remote_block_ids do not cover num_prompt_tokens")
         transport = params.get("transport", BASE_TRANSPORT)
         expires_at = params.get("expires_at")

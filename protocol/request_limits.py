@@ -96,9 +96,12 @@ class RequestLimits(RequestLimitFlags):
             prompts = req.prompts()
             self.check_prompt_tokens(sum(len(p) for p in prompts if isinstance(p, list)), "prompt")
             if len(prompts) * n > self.max_request_sequences:
-                raise bad_request(f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts × n={n}); "
-                                  f"at most {self.max_request_sequences} are served per request "
-                                  "(--max-request-sequences)", "n" if n > 1 else "prompt")
+                raise bad_request(
+                    f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts × n={n}); "
+                    f"at most {self.max_request_sequences} are served per request "
+                    "(--max-request-sequences)",
+                    "n" if n > 1 else "prompt",
+                )
         elif n > self.max_request_sequences:
             raise bad_request(f"n={n} asks for more sequences than the {self.max_request_sequences} served per "
                               "request (--max-request-sequences)", "n")

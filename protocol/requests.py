@@ -5,7 +5,8 @@ worker validates it again (it may be called directly) and refuses, with a 400 na
 field it would otherwise silently ignore (`suffix`, `best_of` other than n: `check_unsupported`).
 Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read into
 one (kind, value, param) triple by `structured_output()`; whether a schema or regex compiles
-is the worker's grammar engine's call (worker/structured/structured_output.py). Unknown fields are ignored, as OpenAI-compatible servers do, so newer
+is the worker's grammar engine's call (worker/structured/structured_output.py). Unknown fields are ignored, as
+OpenAI-compatible servers do, so newer
 clients keep working.
 """
 

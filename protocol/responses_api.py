@@ -61,7 +61,11 @@ def _text(content: Any, param: str) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in TEXT_PARTS
+                or not isinstance(part.get("text"), str)
+            ):
                 raise bad_request(f"only text content parts are supported (got {_type_of(part)!r})", f"{param}.{j}")
             texts.append(part["text"])
         return "\n".join(texts)
@@ -267,7 +271,11 @@ def from_chat(response: Response, body: dict) -> Response:
 
 
 def _sse(kind: str, seq: int, data: dict) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, "sequence_number": seq, **data}).encode() + b"\n\n"
+    return (
+        f"event: {kind}\ndata: ".encode()
+        + json.dumps({"type": kind, "sequence_number": seq, **data}).encode()
+        + b"\n\n"
+    )
 
 
 class _Items:

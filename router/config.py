@@ -148,8 +148,11 @@ class RouterConfig(RequestLimitFlags):
             if value < least:
                 raise ConfigError(flag_, f"must be >= {least}, not {value}")
         if self.pd_min_uncached_tokens and not needs_kv_index(self.decode_policy):
-            raise ConfigError("--pd-min-uncached-tokens", "needs --decode-policy prefix-aware (or --policy prefix-aware): "
-                                                          "it reads the decode workers' cached prefixes from their KV events")
+            raise ConfigError(
+                "--pd-min-uncached-tokens",
+                "needs --decode-policy prefix-aware (or --policy prefix-aware): "
+                "it reads the decode workers' cached prefixes from their KV events",
+            )
         for f in fields(self):  # every duration (a field in seconds) must be positive
             value = getattr(self, f.name)
             if f.name.endswith("_s") and value is not None and value <= 0:

@@ -20,10 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> RouterConfig:
     # --policy fills each pool whose own flag is absent; a bad value there names --policy.
-    pools = {name: args.policy for name in ("prefill_policy", "decode_policy") if args.policy and name not in vars(args)}
+    pools = {
+        name: args.policy for name in ("prefill_policy", "decode_policy") if args.policy and name not in vars(args)
+    }
     try:
-        return from_flags(RouterConfig, args, **pools, api_keys=tuple(getattr(args, "api_keys", ())) + keys_from_env(environ),
-                          worker_api_key=getattr(args, "worker_api_key", None) or worker_key_from_env(environ))
+        return from_flags(
+            RouterConfig,
+            args,
+            **pools,
+            api_keys=tuple(getattr(args, "api_keys", ())) + keys_from_env(environ),
+            worker_api_key=getattr(args, "worker_api_key", None) or worker_key_from_env(environ),
+        )
     except ConfigError as e:
         if e.flag.removeprefix("--").replace("-", "_") in pools:
             raise ConfigError("--policy", e.message) from None

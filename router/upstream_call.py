@@ -51,7 +51,9 @@ class UpstreamCall:
     async def __aexit__(self, *exc) -> None:
         self.close()
 
-    async def open(self, path: str, body: bytes, headers: dict[str, str], limits: Limits) -> aiohttp.ClientResponse | None:
+    async def open(
+        self, path: str, body: bytes, headers: dict[str, str], limits: Limits
+    ) -> aiohttp.ClientResponse | None:
         """A response with a final status (not 5xx, not 429) from the next worker that gives
         one, its body unread; None when no candidate or attempt is left."""
         self._drop()

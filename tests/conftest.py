@@ -58,11 +58,16 @@ def pytest_collection_modifyitems(config, items):
     none of them starts last. Whole modules move, so module fixtures are set up once."""
     k8s = _k8s_modules(items)
     if not hasattr(config, "workerinput"):  # one process, no xdist worker
-        items[:] = [i for i in items if module_of(i.nodeid) not in k8s] + [i for i in items if module_of(i.nodeid) in k8s]
+        items[:] = [i for i in items if module_of(i.nodeid) not in k8s] + [
+            i for i in items if module_of(i.nodeid) in k8s
+        ]
         return
     if k8s:
         k8s |= set(IMAGE_MODULES)
     slow = {module_of(i.nodeid) for i in items if i.get_closest_marker("slow")}
-    rank = {module: (0 if module in k8s else 1 if module in slow else 2) for module in map(module_of, (i.nodeid for i in items))}
+    rank = {
+        module: (0 if module in k8s else 1 if module in slow else 2)
+        for module in map(module_of, (i.nodeid for i in items))
+    }
     items.sort(key=lambda i: rank[module_of(i.nodeid)])  # stable: a module's own order stays
     record_units(config, items, k8s)

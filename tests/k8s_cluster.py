@@ -163,7 +163,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60, interval: float 
         except Exception as e:  # an object not created yet reads as 404
             last_error = e
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 def _now() -> str:
@@ -194,19 +196,40 @@ class Kubelet:
         flag = "True" if ready else "False"
         containers = [{"name": c.name, "image": c.image, "imageID": "", "ready": ready, "restartCount": 0,
                        "started": True, "state": {"running": {"startedAt": now}}} for c in pod.spec.containers]
-        body = {"status": {
-            "phase": "Running", "podIP": (pod.status.pod_ip or self._ip()), "hostIP": "127.0.0.1", "startTime": now,
-            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
-                           (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
-            "containerStatuses": containers}}
+        body = {
+            "status": {
+                "phase": "Running",
+                "podIP": (pod.status.pod_ip or self._ip()),
+                "hostIP": "127.0.0.1",
+                "startTime": now,
+                "conditions": [
+                    {"type": t, "status": s, "lastTransitionTime": now}
+                    for t, s in (
+                        ("PodScheduled", "True"),
+                        ("Initialized", "True"),
+                        ("ContainersReady", flag),
+                        ("Ready", flag),
+                    )
+                ],
+                "containerStatuses": containers,
+            }
+        }
         self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, body)
 
     def crash_loop(self, pod, message: str = "exit code 1") -> None:
         now = _now()
-        containers = [{"name": c.name, "image": c.image, "imageID": "", "ready": False, "restartCount": 5,
-                       "state": {"waiting": {"reason": "CrashLoopBackOff", "message": message}},
-                       "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": now, "finishedAt": now}}}
-                      for c in pod.spec.containers]
+        containers = [
+            {
+                "name": c.name,
+                "image": c.image,
+                "imageID": "",
+                "ready": False,
+                "restartCount": 5,
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": message}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "startedAt": now, "finishedAt": now}},
+            }
+            for c in pod.spec.containers
+        ]
         body = {"status": {"phase": "Running", "podIP": pod.status.pod_ip or self._ip(), "hostIP": "127.0.0.1",
                            "startTime": now,
                            "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],

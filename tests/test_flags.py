@@ -107,7 +107,9 @@ def test_worker_flags_round_trip():
         "--model", "/m", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
         "--enforce-eager", "--role", "decode", "--kv-transfer", "tcp", "--kv-peer-allow", "10.0.0.0/8", "peer",
         "--kv-pin-ttl", "5", "--host", "127.0.0.2", "--api-key", "a", "--api-key", "b", "--shutdown-grace", "3"])
-    engine, server = worker_main.configs_from_args(args, environ={"PDSERVE_API_KEYS": "c", "PDSERVE_KV_SECRET": "s" * 16})
+    engine, server = worker_main.configs_from_args(
+        args, environ={"PDSERVE_API_KEYS": "c", "PDSERVE_KV_SECRET": "s" * 16}
+    )
     assert engine == EngineConfig(model="/m", max_num_seqs=8, gpu_memory_utilization=0.5, enable_prefix_caching=False,
                                   enforce_eager=True, role="decode", kv_transfer="tcp", kv_pin_ttl=5.0,
                                   kv_peer_allow=("10.0.0.0/8", "peer"), kv_bind_host="127.0.0.2", kv_secret="s" * 16)
@@ -200,24 +202,38 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["worker", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
-    (["worker", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
-    (["worker", "--load-format", "safetensors"], "argument --load-format: invalid choice: 'safetensors'"),
-    (["worker", "--kv-pin-ttl", "0"], "--kv-pin-ttl: must be positive seconds"),
-    (["worker", "--chat-template-timeout", "0"], "--chat-template-timeout: must be > 0 seconds"),
-    (["router", "--decode", "http://d:1", "--keep-alive", "0"], "--keep-alive: must be > 0 seconds"),
-    (["router", "--decode", "http://d:1", "--eject-backoff", "5", "--eject-backoff-max", "1"], "--eject-backoff-max:"),
-    (["router", "--decode", "http://d:1", "--max-retries", "-1"], "--max-retries: must be >= 0"),
-    (["up", "--shutdown-timeout", "0"], "--shutdown-timeout: must be > 0 seconds"),
-    (["router", "--decode", "http://d:1", "--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list"),
-    (["worker", "--allowed-headers", '{"a": 1}'], "argument --allowed-headers: expected a JSON list"),
-    (["up", "--kv-transfer", "rdma"], "argument --kv-transfer: invalid choice: 'rdma'"),
-    (["router", "--decode", "http://d:1", "--max-request-sequences", "0"], "--max-request-sequences: must be an integer >= 1"),
-    (["worker", "--max-stop-chars", "0"], "--max-stop-chars: must be an integer >= 1"),
-    (["router", "--decode", "http://d:1", "--max-request-id-chars", "0"],
-     "--max-request-id-chars: must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["worker", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+        (["worker", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+        (["worker", "--load-format", "safetensors"], "argument --load-format: invalid choice: 'safetensors'"),
+        (["worker", "--kv-pin-ttl", "0"], "--kv-pin-ttl: must be positive seconds"),
+        (["worker", "--chat-template-timeout", "0"], "--chat-template-timeout: must be > 0 seconds"),
+        (["router", "--decode", "http://d:1", "--keep-alive", "0"], "--keep-alive: must be > 0 seconds"),
+        (
+            ["router", "--decode", "http://d:1", "--eject-backoff", "5", "--eject-backoff-max", "1"],
+            "--eject-backoff-max:",
+        ),
+        (["router", "--decode", "http://d:1", "--max-retries", "-1"], "--max-retries: must be >= 0"),
+        (["up", "--shutdown-timeout", "0"], "--shutdown-timeout: must be > 0 seconds"),
+        (
+            ["router", "--decode", "http://d:1", "--allowed-origins", "*"],
+            "argument --allowed-origins: expected a JSON list",
+        ),
+        (["worker", "--allowed-headers", '{"a": 1}'], "argument --allowed-headers: expected a JSON list"),
+        (["up", "--kv-transfer", "rdma"], "argument --kv-transfer: invalid choice: 'rdma'"),
+        (
+            ["router", "--decode", "http://d:1", "--max-request-sequences", "0"],
+            "--max-request-sequences: must be an integer >= 1",
+        ),
+        (["worker", "--max-stop-chars", "0"], "--max-stop-chars: must be an integer >= 1"),
+        (
+            ["router", "--decode", "http://d:1", "--max-request-id-chars", "0"],
+            "--max-request-id-chars: must be an integer >= 1",
+        ),
+    ],
+)
 def test_bad_value_exits_2_naming_the_flag(argv, message):
     r = _cli(*argv)
     assert r.returncode == 2, r.stderr

@@ -44,7 +44,10 @@ def runtime_closure() -> set[str]:
 
 def dev_only_packages() -> list[str]:
     """Import names of what only the `dev` extra brings: its distributions not in the runtime closure."""
-    dev = {_name(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]}
+    dev = {
+        _name(d)
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    }
     only_dev = dev - runtime_closure()
     modules = {mod for mod, dists in metadata.packages_distributions().items()
                if any(_name(d) in only_dev for d in dists) and mod.isidentifier()}

@@ -35,7 +35,8 @@ class DecodePrefix:
     """The second question of llm-d's prefix-based decider: would the decode worker this request
     goes to compute almost nothing itself? A follow-up turn over a context that worker already
     caches (the KV it pulled or computed for an earlier turn) has only its new tokens uncached; a
-    remote prefill would recompute the whole prompt and move all of its KV to add those. Such a request is served whole there when fewer than `--pd-min-uncached-tokens` of
+    remote prefill would recompute the whole prompt and move all of its KV to add those. Such a request is
+    served whole there when fewer than `--pd-min-uncached-tokens` of
     its prompt tokens are uncached. Needs token ids (the router's tokenizer) and the KV event
     index (prefix-aware decode routing); without them, or at 0, it never skips."""
 

@@ -34,7 +34,12 @@ def simulated_stall(nbytes: float, gbps: float, prefill_ms: float, n: int) -> fl
 def test_overlap_model_matches_a_chunk_by_chunk_simulation():
     rng = random.Random(0)
     for _ in range(500):
-        nbytes, gbps, prefill, n = rng.uniform(1e6, 3e9), rng.choice((1, 2, 10, 25, 50, 200)), rng.uniform(1, 900), rng.randint(1, 40)
+        nbytes, gbps, prefill, n = (
+            rng.uniform(1e6, 3e9),
+            rng.choice((1, 2, 10, 25, 50, 200)),
+            rng.uniform(1, 900),
+            rng.randint(1, 40),
+        )
         assert hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0) == pytest.approx(simulated_stall(nbytes, gbps, prefill, n))
 
 
@@ -54,19 +59,43 @@ def record(stack, kind, *, rate=None, prompt_len=3000, gaps=(0.030, 0.006, 0.006
     metrics, roles = {}, {"http://r": "router", "http://d": "decode-0"}
     if transport:
         roles["http://p"] = "prefill-0"
-        metrics = {"http://p": {"vllm:time_to_first_token_seconds_sum": n * p_ttft_s,
-                                "vllm:time_to_first_token_seconds_count": n},
-                   "http://d": {f'pdserve_kv_transfer_bytes_total{{direction="recv",transport="{transport}"}}': n * kv_bytes,
-                                f'pdserve_kv_transfer_seconds_sum{{direction="recv",transport="{transport}"}}': n * kv_s,
-                                f'pdserve_kv_transfer_seconds_count{{direction="recv",transport="{transport}"}}': n}}
+        metrics = {
+            "http://p": {
+                "vllm:time_to_first_token_seconds_sum": n * p_ttft_s,
+                "vllm:time_to_first_token_seconds_count": n,
+            },
+            "http://d": {
+                f'pdserve_kv_transfer_bytes_total{{direction="recv",transport="{transport}"}}': n * kv_bytes,
+                f'pdserve_kv_transfer_seconds_sum{{direction="recv",transport="{transport}"}}': n * kv_s,
+                f'pdserve_kv_transfer_seconds_count{{direction="recv",transport="{transport}"}}': n,
+            },
+        }
     stats = {"mean": 0.0, "std": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    return {"stack": stack, "transport": transport, "overlap": None if stack == "agg" else stack.endswith("-on"),
-            "kind": kind, "request_rate": rate, "input_len": prompt_len, "output_len": 200, "roles": roles,
-            "server_metrics": metrics,
-            "requests": [{"error": None, "ttft": ttft, "itls": list(gaps)}] * n,
-            "summary": {"num_requests": n, "completed": n, "failed": 0, "errors": {}, "request_throughput": 1.0,
-                        "output_throughput": 200.0, "request_goodput": 1.0, "good_requests": n if good is None else good,
-                        "ttft_s": stats, "itl_s": stats, "send_lag_s": stats}}
+    return {
+        "stack": stack,
+        "transport": transport,
+        "overlap": None if stack == "agg" else stack.endswith("-on"),
+        "kind": kind,
+        "request_rate": rate,
+        "input_len": prompt_len,
+        "output_len": 200,
+        "roles": roles,
+        "server_metrics": metrics,
+        "requests": [{"error": None, "ttft": ttft, "itls": list(gaps)}] * n,
+        "summary": {
+            "num_requests": n,
+            "completed": n,
+            "failed": 0,
+            "errors": {},
+            "request_throughput": 1.0,
+            "output_throughput": 200.0,
+            "request_goodput": 1.0,
+            "good_requests": n if good is None else good,
+            "ttft_s": stats,
+            "itl_s": stats,
+            "send_lag_s": stats,
+        },
+    }
 
 
 def test_row_splits_the_first_gap_from_the_steady_gaps():
@@ -114,8 +143,15 @@ def simulated_split_stall(nbytes: float, gbps: float, prefill_ms: float, chunks:
 def test_the_model_of_unequal_chunks_agrees_with_its_closed_form_and_a_simulation():
     rng = random.Random(1)
     for _ in range(300):
-        nbytes, gbps, prefill, n = rng.uniform(1e6, 3e9), rng.choice((1, 2, 10, 25, 50)), rng.uniform(1, 900), rng.randint(1, 30)
-        assert hr.stall_on_ms(nbytes, gbps, prefill, [7] * n, 0.0) == pytest.approx(hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0))
+        nbytes, gbps, prefill, n = (
+            rng.uniform(1e6, 3e9),
+            rng.choice((1, 2, 10, 25, 50)),
+            rng.uniform(1, 900),
+            rng.randint(1, 30),
+        )
+        assert hr.stall_on_ms(nbytes, gbps, prefill, [7] * n, 0.0) == pytest.approx(
+            hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0)
+        )
         chunks = [rng.randint(1, 9000) for _ in range(rng.randint(1, 6))]
         assert hr.stall_on_ms(nbytes, gbps, prefill, chunks, 2.0) == pytest.approx(
             simulated_split_stall(nbytes, gbps, prefill, chunks) + 2.0)
@@ -193,10 +229,25 @@ def test_render_writes_the_report_and_the_figure(tmp_path):
     kv = lambda L: L * per_token / 25e6
     rows = [hr.row(record("agg", "load", rate=1)), hr.row(record("nixl-off", "load", rate=1))]
     rows += sweep_rows("nixl-off", lambda L: kv(L) + 20, kv) + sweep_rows("nixl-on", lambda L: 8.0, kv)
-    summary = {"environment": "test", "commit": "abc", "flags_note": "", "rows": rows, "stages": [["agg start", 20.0]],
-               "skipped": ["tcp-on (budget)"],
-               "config": {"model": "m", "chunk_tokens": 512, "seconds": 20, "input_len": 3000, "output_len": 200,
-                          "rates": [1, 6], "sweep_requests": 5, "sweep_output_len": 32, "kv_bytes_per_token": per_token}}
+    summary = {
+        "environment": "test",
+        "commit": "abc",
+        "flags_note": "",
+        "rows": rows,
+        "stages": [["agg start", 20.0]],
+        "skipped": ["tcp-on (budget)"],
+        "config": {
+            "model": "m",
+            "chunk_tokens": 512,
+            "seconds": 20,
+            "input_len": 3000,
+            "output_len": 200,
+            "rates": [1, 6],
+            "sweep_requests": 5,
+            "sweep_output_len": 32,
+            "kv_bytes_per_token": per_token,
+        },
+    }
     paths = hr.render(summary, tmp_path)
     text = (tmp_path / "results.md").read_text()
     for part in ("| 1 | aggregated |", "| 16384 | P/D nixl, overlap on |", "Predicted stall", "| 2 GB/s off / on",

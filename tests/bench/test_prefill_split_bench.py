@@ -28,7 +28,9 @@ def test_smoke_run_writes_a_row_per_split_and_steps_each_chunk(tmp_path, monkeyp
 
     monkeypatch.setattr(ModelRunner, "launch", counted)
     out = tmp_path / "split.md"
-    assert prefill_split.main(["--smoke", "--prompt", "600", "--repeat", "1", "--pressure", "0", "--out", str(out)]) == 0
+    assert (
+        prefill_split.main(["--smoke", "--prompt", "600", "--repeat", "1", "--pressure", "0", "--out", str(out)]) == 0
+    )
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 600 |")]
     assert [r.split(" | ")[1] for r in rows] == ["one step (600)", "tail 512 (88+512)", "taper 512 (88+512)",
                                                  "even 512 (512+88)"]

@@ -68,10 +68,39 @@ def mock():
 def test_sweep_against_local_stack_accounts_for_every_request(stack, tiny_checkpoint, tmp_path):
     router, prefill, decode = stack.url("router"), stack.url("prefill-0"), stack.url("decode-0")
     # No --tokenizer: the router's /v1/models names the checkpoint the workers loaded (its root).
-    r = bench("serve", "--base-url", router + "/v1", "--model", "tiny", "--input-len", "48", "--range-ratio", "0.25", "--output-len", "12", "--num-requests", "16",
-              "--sweep-rates", "8,inf", "--concurrency", "4", "--goodput", "ttft:600000", "e2e:600000",
-              "--metrics-url", router, "--metrics-url", prefill, "--metrics-url", decode,
-              "--out", str(tmp_path), "--label", "pd", "--no-progress")
+    r = bench(
+        "serve",
+        "--base-url",
+        router + "/v1",
+        "--model",
+        "tiny",
+        "--input-len",
+        "48",
+        "--range-ratio",
+        "0.25",
+        "--output-len",
+        "12",
+        "--num-requests",
+        "16",
+        "--sweep-rates",
+        "8,inf",
+        "--concurrency",
+        "4",
+        "--goodput",
+        "ttft:600000",
+        "e2e:600000",
+        "--metrics-url",
+        router,
+        "--metrics-url",
+        prefill,
+        "--metrics-url",
+        decode,
+        "--out",
+        str(tmp_path),
+        "--label",
+        "pd",
+        "--no-progress",
+    )
     assert r.stdout.count("Successful requests:") == 2 and "P99 ITL (ms):" in r.stdout
     assert f"tokenizer: {tiny_checkpoint('llama')} (the served model's root" in r.stderr
     for rate in ("8", "inf"):

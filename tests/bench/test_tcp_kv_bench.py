@@ -22,8 +22,14 @@ def test_tiny_run_writes_every_row(tmp_path):
     assert tcp_kv.main(["--sizes-mib", "1", "2", "--block-kib", "256", "--iters", "1", "--streams-sweep", "1",
                         "--configs", "raw,tcp,tcp-inline,nixl:tcp", "--out", str(out)]) == 0
     report = out.read_text()
-    for row in ("| raw socket, 1 stream |", "| raw sockets, 4 streams |", f"| TCP data path, 4 streams, {tcp_stream.CHUNK_BYTES >> 20} MiB chunks |",
-                "| TCP data path, 1 stream |", "| TCP inline", "| NIXL, UCX_TLS=tcp"):  # (,cuda_copy where a GPU is)
+    for row in (
+        "| raw socket, 1 stream |",
+        "| raw sockets, 4 streams |",
+        f"| TCP data path, 4 streams, {tcp_stream.CHUNK_BYTES >> 20} MiB chunks |",
+        "| TCP data path, 1 stream |",
+        "| TCP inline",
+        "| NIXL, UCX_TLS=tcp",
+    ):  # (,cuda_copy where a GPU is)
         line = next((x for x in report.splitlines() if x.startswith(row)), None)
         assert line is not None and line.count("|") == 4, (row, report)  # a cell per size: no path failed
     assert "failed" not in report

@@ -167,7 +167,10 @@ def test_monitors_send_the_worker_api_key_when_named(helm):
     assert "bearerTokenSecret" not in one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
     assert "bearerTokenSecret" not in one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
     docs = render(helm, *on, "monitoring.workerApiKeySecret.name=scrape-key", api_versions=api)
-    for endpoint in (one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0], one(docs, "ServiceMonitor")["spec"]["endpoints"][0]):
+    for endpoint in (
+        one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0],
+        one(docs, "ServiceMonitor")["spec"]["endpoints"][0],
+    ):
         assert endpoint["bearerTokenSecret"] == {"name": "scrape-key", "key": "api-key"}
         assert endpoint["relabelings"]  # still there after the token
 

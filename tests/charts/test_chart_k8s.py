@@ -38,9 +38,14 @@ def test_the_api_server_accepts_every_manifest(k8s_cluster, env):  # noqa: F811
     try:
         out = server_dry_run(env, ns, "modelServing.enabled=true", f"operator.watchNamespaces={{{ns}}}")
         assert out.returncode == 0, out.stderr
-        for obj in ("deployment.apps/rel-operator", "serviceaccount/rel-operator", "clusterrole.rbac.authorization.k8s.io/rel-operator",
-                    "rolebinding.rbac.authorization.k8s.io/rel-operator", "configmap/rel-dashboard-workers",
-                    "modelserving.pdserve.io/rel"):
+        for obj in (
+            "deployment.apps/rel-operator",
+            "serviceaccount/rel-operator",
+            "clusterrole.rbac.authorization.k8s.io/rel-operator",
+            "rolebinding.rbac.authorization.k8s.io/rel-operator",
+            "configmap/rel-dashboard-workers",
+            "modelserving.pdserve.io/rel",
+        ):
             assert f"{obj} created (server dry run)" in out.stdout, out.stdout
     finally:
         k8s_cluster.delete_namespace(ns)

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -53,9 +52,14 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_metric_names_parser():
-    assert metric_names('histogram_quantile(0.9, sum by (le, role) (rate(vllm:x_bucket{a="b", c=~"$d"}[$__rate_interval])))') \
-        == {"vllm:x_bucket"}
-    assert metric_names('sum(rate(a_total{s!~"2.."}[1m])) / sum without (pod) (b) and on (x) c offset 5m') == {"a_total", "b", "c"}
+    assert metric_names(
+        'histogram_quantile(0.9, sum by (le, role) (rate(vllm:x_bucket{a="b", c=~"$d"}[$__rate_interval])))'
+    ) == {"vllm:x_bucket"}
+    assert metric_names('sum(rate(a_total{s!~"2.."}[1m])) / sum without (pod) (b) and on (x) c offset 5m') == {
+        "a_total",
+        "b",
+        "c",
+    }
     assert metric_names("count by (role) (up)") == {"up"}  # a name the code does not export is still found
 
 
@@ -145,7 +149,9 @@ def test_every_dashboard_query_evaluates_on_real_prometheus(stack, tmp_path):
                     break
             except (httpx.HTTPError, ValueError, KeyError):  # not up yet, or still starting ("Service Unavailable")
                 pass
-            assert prom.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            assert prom.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[
+                -2000:
+            ]
             time.sleep(0.5)
         traffic(stack, n=3)
         # Until a scrape after the traffic is in (every second, later on a busy machine): the

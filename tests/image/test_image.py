@@ -38,7 +38,9 @@ pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytes
 def podman(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     out = subprocess.run(["podman", *args], capture_output=True, text=True, env=ENV, timeout=timeout)
     if check and out.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise AssertionError(
+            f"podman {' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return out
 
 
@@ -69,8 +71,10 @@ def test_image_user_and_root_filesystem(image):
     """The image's own USER is the chart's UID; the root really is read-only; no build leftovers."""
     cfg = podman("image", "inspect", "--format", "{{.Config.User}} {{.Config.Entrypoint}}", image).stdout.strip()
     assert cfg.startswith("1000:1000") and "pdserve" in cfg, cfg
-    probe = ("import os; print(os.getuid(), os.getgid(), os.access('/opt/pdserve', os.W_OK), os.access('/cache', os.W_OK));"
-             "open('/opt/pdserve/x', 'w')")
+    probe = (
+        "import os; print(os.getuid(), os.getgid(), os.access('/opt/pdserve', os.W_OK), os.access('/cache', os.W_OK));"
+        "open('/opt/pdserve/x', 'w')"
+    )
     out = podman("run", "--rm", *AS_A_POD, "--entrypoint", "python3", image, "-c", probe, check=False)
     # uid gid | the venv not writable, /cache (its VOLUME) writable | and the root is read-only
     assert out.stdout.split() == ["1000", "1000", "False", "True"], out.stdout + out.stderr

@@ -31,8 +31,13 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for folder in set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_wheel({str(out)!r})"],
-                           cwd=src, capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_wheel({str(out)!r})"],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     (path,) = out.glob("pdserve-*.whl")
     with zipfile.ZipFile(path) as zf:

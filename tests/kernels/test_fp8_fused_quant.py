@@ -257,7 +257,9 @@ def test_which_rows_and_layers_get_quantized_input(monkeypatch):
         channel(Fp8Activations(q, s, 40, Fp8ActFormat(128, False, 1), torch.bfloat16))
 
 
-@pytest.mark.skipif(not (ON_GPU and torch.cuda.get_device_capability()[0] == 9), reason="cuBLASLt block scaling: sm90 only")
+@pytest.mark.skipif(
+    not (ON_GPU and torch.cuda.get_device_capability()[0] == 9), reason="cuBLASLt block scaling: sm90 only"
+)
 @pytest.mark.parametrize("m", [128, 130])  # 130: rows padded to PAD_M
 def test_cublaslt_block_gemm_given_fused_quantized_input_equals_block_linear(m):
     # What an FP8 block layer of K/128 a multiple of 4 runs from SCALED_MM_BLOCK_MIN_M rows

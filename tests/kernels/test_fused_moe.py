@@ -45,7 +45,11 @@ def test_align_gives_each_assignment_one_row_in_its_experts_blocks(t, e, k, drop
     _, _, _, _, ids = moe_inputs(t, 8, 8, e, k, drop=drop)
     sorted_ids, expert_ids, num_padded = align(ids, e, block_m)
     n, m, flat = int(num_padded), t * k, ids.reshape(-1).cpu()
-    assert sorted_ids.numel() % block_m == 0 and n <= sorted_ids.numel() and expert_ids.numel() * block_m == sorted_ids.numel()
+    assert (
+        sorted_ids.numel() % block_m == 0
+        and n <= sorted_ids.numel()
+        and expert_ids.numel() * block_m == sorted_ids.numel()
+    )
     rows = sorted_ids[:n].cpu()
     real = rows[rows < m]
     assert sorted(real.tolist()) == [i for i in range(m) if flat[i] >= 0]  # each held assignment once
@@ -126,7 +130,9 @@ SMALL_DECODE_TILES = dict(GU_BLOCK_N=16, GU_BLOCK_K=32, GU_WARPS=4, DOWN_BLOCK_N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,drop", [(1, 8, 2, 0.0), (1, 16, 8, 0.0), (3, 8, 3, 0.0), (4, 8, 2, 0.4), (6, 4, 2, 0.0)])
+@pytest.mark.parametrize(
+    "t,e,k,drop", [(1, 8, 2, 0.0), (1, 16, 8, 0.0), (3, 8, 3, 0.0), (4, 8, 2, 0.4), (6, 4, 2, 0.0)]
+)
 def test_decode_path_matches_reference(poison_empty, dtype, t, e, k, drop):
     # h 80 / inter 40: the last K tile and the last column strip of both passes are partial;
     # k = 3: the [k, BLOCK_N, BLOCK_K] down block has a masked fourth expert.

@@ -74,9 +74,16 @@ def test_engine_report_names_the_moe_path(tmp_path):
     common = dict(tp=1, ep=False, layers=12, decode_ms=1.0, roofline_ms=0.5, start_s=20, card="x")
     import json
 
-    rows.write_text(json.dumps(dict(common, moe_path="auto")) + "\n" + json.dumps(dict(common, moe_path="sorted")) + "\n"
-                    + json.dumps(common) + "\n"  # a row from before the flag existed
-                    + json.dumps(dict(common, moe_path="auto", quantization="fp8", decode_ms=0.25)) + "\n")
+    rows.write_text(
+        json.dumps(dict(common, moe_path="auto"))
+        + "\n"
+        + json.dumps(dict(common, moe_path="sorted"))
+        + "\n"
+        + json.dumps(common)
+        + "\n"  # a row from before the flag existed
+        + json.dumps(dict(common, moe_path="auto", quantization="fp8", decode_ms=0.25))
+        + "\n"
+    )
     out = tmp_path / "engine.md"
     assert moe.report(argparse.Namespace(rows=str(rows), out=str(out))) == 0
     text = out.read_text()

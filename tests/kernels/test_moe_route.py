@@ -11,8 +11,10 @@ from tests.kernels.kernel_inputs import DEVICE
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("t,e,k,dtype", [(1, 8, 2, torch.float32), (5, 60, 4, torch.float32), (3, 128, 8, torch.bfloat16),
-                                         (4, 16, 6, torch.float32)])
+@pytest.mark.parametrize(
+    "t,e,k,dtype",
+    [(1, 8, 2, torch.float32), (5, 60, 4, torch.float32), (3, 128, 8, torch.bfloat16), (4, 16, 6, torch.float32)],
+)
 def test_matches_reference(t, e, k, dtype, renormalize):
     # Distinct eighths, exact in bf16 too: random bf16 logits have ties, and a tie may put either
     # expert first (the kernel and torch.topk on the GPU differ), so these inputs have none.

@@ -143,7 +143,11 @@ def test_rotary_variant_padding_rows_write_nothing():
 
     cache, k_cache, v_cache = paged_kv(8, 1, 4, 2, 16, torch.float32, layer=0)
     before = cache.clone()
-    q, k, v = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
+    q, k, v = (
+        torch.randn(2, 4, 16, device=DEVICE),
+        torch.randn(2, 2, 16, device=DEVICE),
+        torch.randn(2, 2, 16, device=DEVICE),
+    )
     ones = torch.ones(2, dtype=torch.int32, device=DEVICE)
     bt = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
     cs = torch.randn(8, 16, device=DEVICE)

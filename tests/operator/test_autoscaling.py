@@ -53,7 +53,9 @@ def test_a_router_that_may_find_no_worker_holds_requests():
     assert args[args.index("--hold-timeout") + 1] == "300"
     fixed = {**SPEC, "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 6}},
              "decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}}
-    assert "--hold-timeout" not in build_router_deployment(ms(fixed))["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        "--hold-timeout" not in build_router_deployment(ms(fixed))["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
 
 
 def test_planner_config_from_the_spec():
@@ -84,9 +86,13 @@ def test_degraded_while_one_role_serves_whole_requests():
     assert conds(lost)["Degraded"] == ("True", "DecodeUnavailable")
     assert "prefill workers serve whole requests" in next(c["message"] for c in lost["conditions"]
                                                           if c["type"] == "Degraded")
-    still = build_status(m, {"prefill": dep(1, 1), "decode": dep(1, 0), "router": dep(1, 1)}, [], lost["conditions"], "T2")
+    still = build_status(
+        m, {"prefill": dep(1, 1), "decode": dep(1, 0), "router": dep(1, 1)}, [], lost["conditions"], "T2"
+    )
     assert conds(still)["Degraded"] == ("True", "DecodeUnavailable")  # stays reported while not Ready
-    back = build_status(m, {"prefill": dep(1, 1), "decode": dep(1, 1), "router": dep(1, 1)}, [], still["conditions"], "T3")
+    back = build_status(
+        m, {"prefill": dep(1, 1), "decode": dep(1, 1), "router": dep(1, 1)}, [], still["conditions"], "T3"
+    )
     assert conds(back)["Degraded"] == ("False", "AsExpected")
     # At creation a role slower to load is not Degraded.
     fresh = build_status(m, {"prefill": dep(1, 0), "decode": dep(1, 1), "router": dep(1, 1)}, [], [], "T0")

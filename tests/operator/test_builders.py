@@ -58,19 +58,28 @@ def test_worker_args(spec, role, expect):
         assert flag(c["args"], name) == value, name
 
 
-@pytest.mark.parametrize("spec, role, gpus", [
-    ({}, "prefill", "1"),
-    ({"prefill": {"tensorParallelSize": 4}}, "prefill", "4"),
-    ({"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}}}, "decode", "8"),
-    ({"device": "cpu", "prefill": {"tensorParallelSize": 2}}, "prefill", None),
-])
+@pytest.mark.parametrize(
+    "spec, role, gpus",
+    [
+        ({}, "prefill", "1"),
+        ({"prefill": {"tensorParallelSize": 4}}, "prefill", "4"),
+        (
+            {"decode": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}}},
+            "decode",
+            "8",
+        ),
+        ({"device": "cpu", "prefill": {"tensorParallelSize": 2}}, "prefill", None),
+    ],
+)
 def test_gpu_resources(spec, role, gpus):
     res = container(build_worker_deployment(ms(**spec), role)).get("resources", {})
     assert res.get("limits", {}).get("nvidia.com/gpu") == gpus
 
 
 def test_too_few_gpus_for_tp_is_a_spec_error():
-    with pytest.raises(SpecError, match=r"spec.decode.resources.limits\[nvidia.com/gpu\] is 1 but tensorParallelSize is 2"):
+    with pytest.raises(
+        SpecError, match=r"spec.decode.resources.limits\[nvidia.com/gpu\] is 1 but tensorParallelSize is 2"
+    ):
         ms(decode={"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}})
 
 
@@ -157,16 +166,30 @@ def test_router_decode_prefix_decider():
         ms(router={"policy": "least-loaded", "pdMinUncachedTokens": 256})
 
 
-@pytest.mark.parametrize("apis, spec, kinds", [
-    (ApiVersions(), {}, set()),
-    (ALL_APIS, {}, {"PodDisruptionBudget"}),
-    (ALL_APIS, {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget", "ServiceMonitor"}),
-    (ApiVersions(pdb="policy/v1beta1"), {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget"}),
-    (ApiVersions(hpa="autoscaling/v2beta2"), {"decode": {"autoscaling": {"maxReplicas": 4}}}, {"HorizontalPodAutoscaler"}),
-])
+@pytest.mark.parametrize(
+    "apis, spec, kinds",
+    [
+        (ApiVersions(), {}, set()),
+        (ALL_APIS, {}, {"PodDisruptionBudget"}),
+        (ALL_APIS, {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget", "ServiceMonitor"}),
+        (ApiVersions(pdb="policy/v1beta1"), {"monitoring": {"serviceMonitor": True}}, {"PodDisruptionBudget"}),
+        (
+            ApiVersions(hpa="autoscaling/v2beta2"),
+            {"decode": {"autoscaling": {"maxReplicas": 4}}},
+            {"HorizontalPodAutoscaler"},
+        ),
+    ],
+)
 def test_optional_children_follow_served_apis(apis, spec, kinds):
     children = build_children(ms(**spec), apis, {})
-    core = {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment", "NetworkPolicy"}  # NetworkPolicy: always served
+    core = {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Deployment",
+        "NetworkPolicy",
+    }  # NetworkPolicy: always served
     assert {c["kind"] for c in children} - core == kinds
     for c in children:
         if c["kind"] in ("HorizontalPodAutoscaler", "PodDisruptionBudget"):
@@ -193,7 +216,9 @@ def test_hpa_ratio_bounds(a, other, lo, hi, expect):
 
 
 def test_decode_hpa_follows_prefill_when_only_decode_autoscales():
-    m = ms(prefill={"replicas": 2}, decode={"autoscaling": {"maxReplicas": 20}}, prefillDecodeRatio={"min": 0.25, "max": 1})
+    m = ms(
+        prefill={"replicas": 2}, decode={"autoscaling": {"maxReplicas": 20}}, prefillDecodeRatio={"min": 0.25, "max": 1}
+    )
     # decode per prefill must lie in [1/1, 1/0.25] * 2 prefill = [2, 8]
     assert autoscaler_bounds(m, "decode", {"prefill": 2}) == (2, 8)
 

@@ -70,13 +70,23 @@ def test_printer_columns_and_subresource():
 
 SPECS = [
     {"model": {"source": "hf://m/x"}, "image": "img"},
-    {"model": {"source": "pvc://c/p", "hfTokenSecret": {"name": "hf"}}, "image": "img", "device": "cpu",
-     "prefill": {"autoscaling": {"maxReplicas": 3}}, "decode": {"tensorParallelSize": 2},
-     "router": {"apiKeySecret": {"name": "k"}, "service": {"type": "NodePort"}},
-     "workerApiKeySecret": {"name": "wk"}, "monitoring": {"serviceMonitor": True}},
-    {"model": {"source": "hf://m/x@v1.0", "cache": {"sizeLimit": "50Gi"}}, "kvTransfer": {"rdma": {"resource": "rdma/ib"}},
-     "decode": {"kvTransfer": {"rdma": {"resource": "rdma/hca"}}, "rollout": {"maxSurge": 1}},
-     "router": {"policy": "prefix-aware"}, "drain": {"timeoutSeconds": 60}},
+    {
+        "model": {"source": "pvc://c/p", "hfTokenSecret": {"name": "hf"}},
+        "image": "img",
+        "device": "cpu",
+        "prefill": {"autoscaling": {"maxReplicas": 3}},
+        "decode": {"tensorParallelSize": 2},
+        "router": {"apiKeySecret": {"name": "k"}, "service": {"type": "NodePort"}},
+        "workerApiKeySecret": {"name": "wk"},
+        "monitoring": {"serviceMonitor": True},
+    },
+    {
+        "model": {"source": "hf://m/x@v1.0", "cache": {"sizeLimit": "50Gi"}},
+        "kvTransfer": {"rdma": {"resource": "rdma/ib"}},
+        "decode": {"kvTransfer": {"rdma": {"resource": "rdma/hca"}}, "rollout": {"maxSurge": 1}},
+        "router": {"policy": "prefix-aware"},
+        "drain": {"timeoutSeconds": 60},
+    },
 ]
 
 

@@ -79,8 +79,14 @@ def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster,
     model = str(tiny_checkpoint("llama"))
     api = Api(k8s_cluster, namespace)
     core, apps = api.core, client.AppsV1Api(k8s_cluster.api_client)
-    kubelet = Kubelet(k8s_cluster.api_client, f"https://127.0.0.1:{k8s_cluster.port}",
-                      k8s_cluster.run_dir / "pki" / "apiserver.crt", tmp_path, namespaces=[namespace], first_ip=150).start()
+    kubelet = Kubelet(
+        k8s_cluster.api_client,
+        f"https://127.0.0.1:{k8s_cluster.port}",
+        k8s_cluster.run_dir / "pki" / "apiserver.crt",
+        tmp_path,
+        namespaces=[namespace],
+        first_ip=150,
+    ).start()
     try:
         with operator(operator_kubeconfig, namespace):
             api.create("fb", spec(model, prefill={"replicas": 1}, decode={"replicas": 1}))
@@ -228,14 +234,22 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
     model = str(tiny_checkpoint("llama"))
     api = Api(k8s_cluster, namespace)
     core, apps = api.core, client.AppsV1Api(k8s_cluster.api_client)
-    kubelet = Kubelet(k8s_cluster.api_client, f"https://127.0.0.1:{k8s_cluster.port}",
-                      k8s_cluster.run_dir / "pki" / "apiserver.crt", tmp_path, namespaces=[namespace], first_ip=170).start()
+    kubelet = Kubelet(
+        k8s_cluster.api_client,
+        f"https://127.0.0.1:{k8s_cluster.port}",
+        k8s_cluster.run_dir / "pki" / "apiserver.crt",
+        tmp_path,
+        namespaces=[namespace],
+        first_ip=170,
+    ).start()
 
     def replicas(role: str) -> int:
         return apps.read_namespaced_deployment_scale(f"step-{role}", namespace).spec.replicas or 0
 
     def prefill_pods() -> list:
-        return core.list_namespaced_pod(namespace, label_selector="pdserve.io/modelserving=step,pdserve.io/role=prefill").items
+        return core.list_namespaced_pod(
+            namespace, label_selector="pdserve.io/modelserving=step,pdserve.io/role=prefill"
+        ).items
 
     def events(reason: str) -> list[str]:
         return [e.message for e in core.list_namespaced_event(
@@ -277,8 +291,9 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
                     raise AssertionError(
                         f"{e}; router workers {httpx.get(base + '/debug/workers', timeout=5).text}; "
                         f"prompt tokens first {counter(first_url, 'vllm:prompt_tokens_total', key)} new "
-                        f"{counter(new_url, 'vllm:prompt_tokens_total', key)} ({new_url}); disaggregated {disaggregated(base)}; "
-                        f"load {len(load.results)} answers, failed {load.failed()[:3]}") from None
+                        f"{counter(new_url, 'vllm:prompt_tokens_total', key)} ({new_url}); disaggregated {disaggregated(base)}; "  # noqa: E501
+                        f"load {len(load.results)} answers, failed {load.failed()[:3]}"
+                    ) from None
                 assert replicas("decode") == 1  # decode has no autoscaling block: not the planner's
                 assert counter(base, "pdserve_router_arrived_prompt_tokens_total") > 0
             assert load.results and not load.failed(), load.failed()[:5]

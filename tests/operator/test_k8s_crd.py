@@ -35,24 +35,49 @@ def test_minimal_spec_is_accepted_and_defaulted(k8s_cluster, crd, namespace):
 
 
 def test_full_spec_round_trips(k8s_cluster, crd, namespace):
-    spec = {**GOOD,
-            "model": {"source": "pvc://models/llama", "servedName": "llama", "dtype": "bfloat16", "maxModelLen": 8192,
-                      "hfTokenSecret": {"name": "hf"}, "quantization": "fp8"},
-            "kvCacheDtype": "fp8",
-            "imagePullSecrets": [{"name": "regcred"}],
-            "prefill": {"replicas": 2, "tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "80Gi"}},
-                        "args": ["--block-size", "32"], "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                        "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                        "affinity": {"podAntiAffinity": {}}, "autoscaling": {"maxReplicas": 4}},
-            "router": {"policy": "prefix-aware", "apiKeySecret": {"name": "keys"}, "pdMinPromptTokens": 32,
-                       "rollout": {"maxSurge": "25%"}, "probes": {"readiness": {"timeoutSeconds": 3}}},
-            "decode": {"rollout": {"maxSurge": 0, "maxUnavailable": 1}, "shmSize": "16Gi",
-                       "kvTransfer": {"ucxNetDevices": "mlx5_0:1", "rdma": {"resource": "rdma/hca"}},
-                       "podTemplate": {"metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}},
-                                       "spec": {"containers": [{"name": "sidecar", "image": "busybox"}]}}},
-            "kvTransfer": {"ucxTls": "rc,cuda_copy"},
-            "drain": {"timeoutSeconds": 60, "preStopSeconds": 3},
-            "prefillDecodeRatio": {"min": 0.5, "max": 2}}
+    spec = {
+        **GOOD,
+        "model": {
+            "source": "pvc://models/llama",
+            "servedName": "llama",
+            "dtype": "bfloat16",
+            "maxModelLen": 8192,
+            "hfTokenSecret": {"name": "hf"},
+            "quantization": "fp8",
+        },
+        "kvCacheDtype": "fp8",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "prefill": {
+            "replicas": 2,
+            "tensorParallelSize": 2,
+            "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "80Gi"}},
+            "args": ["--block-size", "32"],
+            "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"podAntiAffinity": {}},
+            "autoscaling": {"maxReplicas": 4},
+        },
+        "router": {
+            "policy": "prefix-aware",
+            "apiKeySecret": {"name": "keys"},
+            "pdMinPromptTokens": 32,
+            "rollout": {"maxSurge": "25%"},
+            "probes": {"readiness": {"timeoutSeconds": 3}},
+        },
+        "decode": {
+            "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+            "shmSize": "16Gi",
+            "kvTransfer": {"ucxNetDevices": "mlx5_0:1", "rdma": {"resource": "rdma/hca"}},
+            "podTemplate": {
+                "metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}},
+                "spec": {"containers": [{"name": "sidecar", "image": "busybox"}]},
+            },
+        },
+        "kvTransfer": {"ucxTls": "rc,cuda_copy"},
+        "drain": {"timeoutSeconds": 60, "preStopSeconds": 3},
+        "prefillDecodeRatio": {"min": 0.5, "max": 2},
+    }
     obj = create(k8s_cluster, namespace, spec)
     assert obj["spec"]["prefill"]["env"] == spec["prefill"]["env"]  # preserved, not pruned
     assert obj["spec"]["prefill"]["autoscaling"] == {"maxReplicas": 4, "minReplicas": 1,
@@ -70,27 +95,41 @@ def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
     assert create(k8s_cluster, namespace, spec)["spec"]["model"]["source"] == source
 
 
-@pytest.mark.parametrize("spec, expect", [
-    ({"image": "x"}, ["spec.model", "Required value"]),
-    ({**GOOD, "model": {"source": "s3://bucket/model"}}, ["spec.model.source", "should match"]),
-    ({**GOOD, "model": {"source": "hf://org/model@"}}, ["spec.model.source", "should match"]),
-    # a policy the router does not have never reaches a router pod
-    ({**GOOD, "router": {"policy": "kv-aware"}}, ["spec.router.policy", "Unsupported value", "prefix-aware"]),
-    ({**GOOD, "router": {"decodePolicy": "random"}}, ["spec.router.decodePolicy", "Unsupported value"]),
-    ({**GOOD, "drain": {"timeoutSeconds": -1}}, ["spec.drain.timeoutSeconds", "greater than or equal to 0"]),
-    ({**GOOD, "decode": {"probes": {"readiness": {"timeoutSeconds": 0}}}},
-     ["spec.decode.probes.readiness.timeoutSeconds", "greater than or equal to 1"]),
-    ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
-    ({**GOOD, "model": {**GOOD["model"], "quantization": "int4"}}, ["spec.model.quantization", "Unsupported value", "fp8"]),
-    ({**GOOD, "kvCacheDtype": "fp8_e5m2"}, ["spec.kvCacheDtype", "Unsupported value", "fp8"]),
-    ({**GOOD, "prefill": {"replicas": -1}}, ["spec.prefill.replicas", "greater than or equal to 0"]),
-    ({**GOOD, "decode": {"tensorParallelSize": 0}}, ["spec.decode.tensorParallelSize", "greater than or equal to 1"]),
-    ({**GOOD, "kvTransfer": {"backend": "rdma"}}, ["spec.kvTransfer.backend", "Unsupported value", "nixl"]),
-    ({**GOOD, "router": {"service": {"port": 70000}}}, ["spec.router.service.port", "less than or equal to 65535"]),
-    ({**GOOD, "router": {"service": {"type": "ExternalName"}}}, ["spec.router.service.type", "Unsupported value"]),
-    ({**GOOD, "prefill": {"autoscaling": {"minReplicas": 2}}}, ["spec.prefill.autoscaling.maxReplicas", "Required value"]),
-    ({**GOOD, "decode": {"replicas": "two"}}, ["spec.decode.replicas", "integer"]),
-])
+@pytest.mark.parametrize(
+    "spec, expect",
+    [
+        ({"image": "x"}, ["spec.model", "Required value"]),
+        ({**GOOD, "model": {"source": "s3://bucket/model"}}, ["spec.model.source", "should match"]),
+        ({**GOOD, "model": {"source": "hf://org/model@"}}, ["spec.model.source", "should match"]),
+        # a policy the router does not have never reaches a router pod
+        ({**GOOD, "router": {"policy": "kv-aware"}}, ["spec.router.policy", "Unsupported value", "prefix-aware"]),
+        ({**GOOD, "router": {"decodePolicy": "random"}}, ["spec.router.decodePolicy", "Unsupported value"]),
+        ({**GOOD, "drain": {"timeoutSeconds": -1}}, ["spec.drain.timeoutSeconds", "greater than or equal to 0"]),
+        (
+            {**GOOD, "decode": {"probes": {"readiness": {"timeoutSeconds": 0}}}},
+            ["spec.decode.probes.readiness.timeoutSeconds", "greater than or equal to 1"],
+        ),
+        ({**GOOD, "model": {**GOOD["model"], "dtype": "int4"}}, ["spec.model.dtype", "Unsupported value", "bfloat16"]),
+        (
+            {**GOOD, "model": {**GOOD["model"], "quantization": "int4"}},
+            ["spec.model.quantization", "Unsupported value", "fp8"],
+        ),
+        ({**GOOD, "kvCacheDtype": "fp8_e5m2"}, ["spec.kvCacheDtype", "Unsupported value", "fp8"]),
+        ({**GOOD, "prefill": {"replicas": -1}}, ["spec.prefill.replicas", "greater than or equal to 0"]),
+        (
+            {**GOOD, "decode": {"tensorParallelSize": 0}},
+            ["spec.decode.tensorParallelSize", "greater than or equal to 1"],
+        ),
+        ({**GOOD, "kvTransfer": {"backend": "rdma"}}, ["spec.kvTransfer.backend", "Unsupported value", "nixl"]),
+        ({**GOOD, "router": {"service": {"port": 70000}}}, ["spec.router.service.port", "less than or equal to 65535"]),
+        ({**GOOD, "router": {"service": {"type": "ExternalName"}}}, ["spec.router.service.type", "Unsupported value"]),
+        (
+            {**GOOD, "prefill": {"autoscaling": {"minReplicas": 2}}},
+            ["spec.prefill.autoscaling.maxReplicas", "Required value"],
+        ),
+        ({**GOOD, "decode": {"replicas": "two"}}, ["spec.decode.replicas", "integer"]),
+    ],
+)
 def test_invalid_specs_are_rejected_by_the_server(k8s_cluster, crd, namespace, spec, expect):
     with pytest.raises(ApiException) as e:
         create(k8s_cluster, namespace, spec)

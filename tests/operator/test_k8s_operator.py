@@ -51,7 +51,9 @@ class Api:
         return self.co.get_namespaced_custom_object("pdserve.io", "v1alpha1", self.ns, "modelservings", name)
 
     def patch(self, name, spec):
-        return self.co.patch_namespaced_custom_object("pdserve.io", "v1alpha1", self.ns, "modelservings", name, {"spec": spec})
+        return self.co.patch_namespaced_custom_object(
+            "pdserve.io", "v1alpha1", self.ns, "modelservings", name, {"spec": spec}
+        )
 
     def delete(self, name):
         self.co.delete_namespaced_custom_object("pdserve.io", "v1alpha1", self.ns, "modelservings", name)
@@ -167,7 +169,9 @@ def print_table(k8s_cluster, namespace, capsys):
     """What `kubectl get modelservings` prints: the server's Table for the CRD's columns."""
     table = server_table(k8s_cluster, namespace)
     rows = [[c["name"].upper() for c in table["columnDefinitions"] if c["priority"] == 0]]
-    rows += [[str(v) for v, c in zip(r["cells"], table["columnDefinitions"]) if c["priority"] == 0] for r in table["rows"]]
+    rows += [
+        [str(v) for v, c in zip(r["cells"], table["columnDefinitions"]) if c["priority"] == 0] for r in table["rows"]
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     with capsys.disabled():
         print("\n" + "\n".join("   ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows))
@@ -220,12 +224,28 @@ def test_spec_the_schema_allows_but_operator_refuses(k8s_cluster, operator_kubec
 
 
 SERVICE_MONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
-    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-             "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor", "listKind": "ServiceMonitorList"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "ServiceMonitor",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+            "listKind": "ServiceMonitorList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
+    },
+}
 
 
 def test_optional_apis_hpa_and_service_monitor(k8s_cluster, operator_kubeconfig, namespace):
@@ -233,7 +253,9 @@ def test_optional_apis_hpa_and_service_monitor(k8s_cluster, operator_kubeconfig,
     co, ext = api.co, client.ApiextensionsV1Api(k8s_cluster.api_client)
     kube = Kube(k8s_cluster.api_client)
     hpas = lambda: kube.list("autoscaling/v2beta2", "HorizontalPodAutoscaler", namespace, "pdserve.io/modelserving=opt")  # noqa: E731
-    monitors = lambda: co.list_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, "servicemonitors")["items"]  # noqa: E731
+    monitors = lambda: co.list_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, "servicemonitors")[
+        "items"
+    ]  # noqa: E731
     spec = {**SPEC, "monitoring": {"serviceMonitor": True},
             "prefill": {"autoscaling": {"minReplicas": 1, "maxReplicas": 8}},
             "decode": {"replicas": 2}, "prefillDecodeRatio": {"min": 1, "max": 2}}

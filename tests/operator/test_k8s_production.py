@@ -57,8 +57,13 @@ def test_rollouts_complete_with_every_gpu_in_use(k8s_cluster, operator_kubeconfi
         # 1. a user-chosen surge cannot fit: the surge pod waits, and that is progress, not damage
         api.patch("full", {"decode": {"rollout": {"maxSurge": 1, "maxUnavailable": 0},
                                       "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}})
-        waiting_since = wait_for(lambda: "waiting for capacity" in api.condition("full", "Progressing").get("message", "")
-                                 and time.monotonic(), timeout=60, what="a surge pod waiting for capacity")
+        waiting_since = wait_for(
+            lambda: (
+                "waiting for capacity" in api.condition("full", "Progressing").get("message", "") and time.monotonic()
+            ),
+            timeout=60,
+            what="a surge pod waiting for capacity",
+        )
         while time.monotonic() - waiting_since < UNSCHEDULABLE_GRACE_S + 5:
             kubelet.make_ready("pdserve.io/modelserving=full")
             assert api.condition("full", "Degraded")["status"] == "False", api.condition("full", "Degraded")
@@ -67,9 +72,17 @@ def test_rollouts_complete_with_every_gpu_in_use(k8s_cluster, operator_kubeconfi
 
         # ... and going back to the default (replace, then start) lets the same rollout finish
         api.patch("full", {"decode": {"rollout": None}})
-        steps = watch_rollout(api, kubelet, lambda: api.condition("full", "Progressing").get("reason") == "RolloutComplete"
-                              and all(any(e.name == "NCCL_DEBUG" for e in p.spec.containers[0].env or ())
-                                      for p in kubelet.bound_pods("pdserve.io/role=decode")))
+        steps = watch_rollout(
+            api,
+            kubelet,
+            lambda: (
+                api.condition("full", "Progressing").get("reason") == "RolloutComplete"
+                and all(
+                    any(e.name == "NCCL_DEBUG" for e in p.spec.containers[0].env or ())
+                    for p in kubelet.bound_pods("pdserve.io/role=decode")
+                )
+            ),
+        )
         assert not [s for s in steps if s["conditions"]["Degraded"]["status"] == "True"]
 
         # 2. a new revision (image) on the full node: both roles roll one pod at a time
@@ -79,14 +92,19 @@ def test_rollouts_complete_with_every_gpu_in_use(k8s_cluster, operator_kubeconfi
         new_revision = api.get("full")["status"]["revision"]
         first = api.condition("full", "Progressing")["message"]
         assert "4/4 updated" not in first.split("rolling out:")[1], first  # never claims done as it starts
-        steps = watch_rollout(api, kubelet, lambda: api.condition("full", "Progressing").get("reason") == "RolloutComplete")
+        steps = watch_rollout(
+            api, kubelet, lambda: api.condition("full", "Progressing").get("reason") == "RolloutComplete"
+        )
         assert not [s for s in steps if s["conditions"]["Degraded"]["status"] == "True"]
         # pairing: both revisions served side by side while part of each role was updated, and
         # the revision label always told the two KV layouts apart (the router pairs by it)
         mixed = [s for s in steps if {r for r, _ in s["pods"]} == {old_revision, new_revision}]
         assert mixed, "the rollout was expected to pass through a mixed state"
         for s in steps:
-            assert {(r, img) for r, img in s["pods"]} <= {(old_revision, "reg/pdserve:1"), (new_revision, "reg/pdserve:2")}
+            assert {(r, img) for r, img in s["pods"]} <= {
+                (old_revision, "reg/pdserve:1"),
+                (new_revision, "reg/pdserve:2"),
+            }
             assert len(s["pods"]) >= 6  # at most one pod per role down at a time
         pods = kubelet.bound_pods(WORKERS)
         assert {p.metadata.labels["pdserve.io/revision"] for p in pods} == {new_revision} and len(pods) == 8
@@ -102,7 +120,10 @@ def test_scale_subresource_sizes_decode(k8s_cluster, operator_kubeconfig, namesp
         api.create("sc", SPEC)
         became(api, kubelet, "sc", "Ready", "True")
         scale = co.get_namespaced_custom_object_scale("pdserve.io", "v1alpha1", namespace, "modelservings", "sc")
-        assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"] == "pdserve.io/modelserving=sc,pdserve.io/role=decode"
+        assert (
+            scale["spec"]["replicas"] == 1
+            and scale["status"]["selector"] == "pdserve.io/modelserving=sc,pdserve.io/role=decode"
+        )
         co.patch_namespaced_custom_object_scale("pdserve.io", "v1alpha1", namespace, "modelservings", "sc",
                                                 {"spec": {"replicas": 3}})
         assert api.get("sc")["spec"]["decode"]["replicas"] == 3
@@ -119,16 +140,32 @@ def test_production_pod_shape_is_accepted_and_runs(k8s_cluster, operator_kubecon
     (A cache sizeLimit also requests ephemeral-storage, which node-0 does not advertise: the
     pure builder test covers it.)"""
     api, kubelet = Api(k8s_cluster, namespace), Kubelet(k8s_cluster, namespace)
-    spec = {**SPEC, "model": {"source": "hf://org/model@0123abcd"},
-            "router": {"policy": "prefix-aware"}, "drain": {"timeoutSeconds": 90},
-            "kvTransfer": {"ucxTls": "tcp"},
-            "decode": {"probes": {"readiness": {"timeoutSeconds": 7}}, "shmSize": "2Gi", "podTemplate": {
+    spec = {
+        **SPEC,
+        "model": {"source": "hf://org/model@0123abcd"},
+        "router": {"policy": "prefix-aware"},
+        "drain": {"timeoutSeconds": 90},
+        "kvTransfer": {"ucxTls": "tcp"},
+        "decode": {
+            "probes": {"readiness": {"timeoutSeconds": 7}},
+            "shmSize": "2Gi",
+            "podTemplate": {
                 "metadata": {"annotations": {"example.com/network": "fast"}},
-                "spec": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                                        "whenUnsatisfiable": "ScheduleAnyway",
-                                                        "labelSelector": {"matchLabels": {"pdserve.io/role": "decode"}}}],
-                         "volumes": [{"name": "extra", "emptyDir": {}}],
-                         "containers": [{"name": "sidecar", "image": "busybox", "command": ["sleep", "infinity"]}]}}}}
+                "spec": {
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": {"pdserve.io/role": "decode"}},
+                        }
+                    ],
+                    "volumes": [{"name": "extra", "emptyDir": {}}],
+                    "containers": [{"name": "sidecar", "image": "busybox", "command": ["sleep", "infinity"]}],
+                },
+            },
+        },
+    }
     with operator(operator_kubeconfig, namespace):
         api.create("prod", spec)
         became(api, kubelet, "prod", "Ready", "True")
@@ -140,8 +177,13 @@ def test_production_pod_shape_is_accepted_and_runs(k8s_cluster, operator_kubecon
         key_uid = api.core.read_namespaced_secret("prod-worker-api-key", namespace).metadata.uid
         assert decode.metadata.annotations == {"example.com/network": "fast", "pdserve.io/worker-api-key-uid": key_uid}
         assert decode.spec.init_containers[0].name == "fetch-model"
-        assert decode.spec.security_context.run_as_non_root and decode.spec.security_context.seccomp_profile.type == "RuntimeDefault"
-        assert worker.security_context.read_only_root_filesystem and worker.security_context.capabilities.drop == ["ALL"]
+        assert (
+            decode.spec.security_context.run_as_non_root
+            and decode.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+        )
+        assert worker.security_context.read_only_root_filesystem and worker.security_context.capabilities.drop == [
+            "ALL"
+        ]
         assert decode.spec.termination_grace_period_seconds == 5 + 90 + 10
         assert worker.lifecycle.pre_stop._exec.command == ["sleep", "5"]
         assert worker.readiness_probe.timeout_seconds == 7
@@ -149,15 +191,21 @@ def test_production_pod_shape_is_accepted_and_runs(k8s_cluster, operator_kubecon
         assert {p.name for p in worker.ports} == {"http", "kv", "kv-events", "kv-replay"}
         vols = {v.name: v for v in decode.spec.volumes}
         assert vols["shm"].empty_dir.size_limit == "2Gi" and {"cache", "tmp", "extra"} <= set(vols)
-        assert decode.spec.service_account_name == "prod-worker" and decode.spec.automount_service_account_token is False
-        assert api.core.read_namespaced_service_account("prod-worker", namespace).automount_service_account_token is False
+        assert (
+            decode.spec.service_account_name == "prod-worker" and decode.spec.automount_service_account_token is False
+        )
+        assert (
+            api.core.read_namespaced_service_account("prod-worker", namespace).automount_service_account_token is False
+        )
         r = router.spec.containers[0]
         assert r.readiness_probe.http_get.path == "/ready" and r.resources.requests == {"cpu": "1", "memory": "1Gi"}
         assert r.args[r.args.index("--tokenizer") + 1] == "/cache/tokenizer"
         assert router.spec.init_containers[0].name == "fetch-tokenizer"
 
 
-def test_prefix_aware_router_starts_as_built_and_is_unready_without_workers(k8s_cluster, namespace, tiny_checkpoint, tmp_path):
+def test_prefix_aware_router_starts_as_built_and_is_unready_without_workers(
+    k8s_cluster, namespace, tiny_checkpoint, tmp_path
+):
     """The router container exactly as the operator builds it (command and args, a tokenizer
     from the model source), run as a process against the real API server: it starts with the
     prefix-aware policy, /health says alive, and /ready (the readinessProbe) says 503 while no
@@ -179,7 +227,11 @@ def test_prefix_aware_router_starts_as_built_and_is_unready_without_workers(k8s_
     port = free_port()
     args = list(c["args"])
     args[args.index("--host") + 1], args[args.index("--port") + 1] = "127.0.0.1", str(port)
-    env = {**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     log = (tmp_path / "router.log").open("w")
     proc = subprocess.Popen([*c["command"], *args], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -61,7 +61,9 @@ def test_kv_secret_is_generated_once_and_survives_reconciles_restarts_and_rollou
         assert key.type == "Opaque" and len(key.data["api-key"]) >= 40
         assert [(r.kind, r.uid) for r in key.metadata.owner_references] == [("ModelServing", uid)]
         assert worker_secret_refs(kubelet, "sec", "PDSERVE_API_KEYS") == {("sec-worker-api-key", "api-key")}
-        assert worker_secret_refs(kubelet, "sec", "PDSERVE_WORKER_API_KEY", "router") == {("sec-worker-api-key", "api-key")}
+        assert worker_secret_refs(kubelet, "sec", "PDSERVE_WORKER_API_KEY", "router") == {
+            ("sec-worker-api-key", "api-key")
+        }
         assert key_uids(kubelet, "sec") == {r: {key.metadata.uid} for r in ("prefill", "decode", "router")}
 
         # many timer reconciles and a spec edit that rolls the pods: the Secret is untouched
@@ -142,9 +144,12 @@ def test_a_foreign_secret_of_that_name_is_refused_and_a_secret_ref_is_used_as_gi
 
         def switched():
             kubelet.make_ready("pdserve.io/modelserving=mine")
-            return (worker_secret_refs(kubelet, "mine", "PDSERVE_API_KEYS") == {("mine-keys", "api-key")}
-                    and worker_secret_refs(kubelet, "mine", "PDSERVE_WORKER_API_KEY", "router") == {("mine-keys", "api-key")}
-                    and key_uids(kubelet, "mine") == {r: {None} for r in ("prefill", "decode", "router")})
+            return (
+                worker_secret_refs(kubelet, "mine", "PDSERVE_API_KEYS") == {("mine-keys", "api-key")}
+                and worker_secret_refs(kubelet, "mine", "PDSERVE_WORKER_API_KEY", "router")
+                == {("mine-keys", "api-key")}
+                and key_uids(kubelet, "mine") == {r: {None} for r in ("prefill", "decode", "router")}
+            )
 
         wait_for(switched, timeout=90, what="workers and router on the user's key Secret")
         assert secret(api, "mine-keys").metadata.owner_references is None  # theirs, never adopted
@@ -176,7 +181,10 @@ def test_network_policy_is_accepted_selects_this_modelserving_and_follows_the_sp
         workers, router = p.spec.ingress
         assert workers._from[0].pod_selector == p.spec.pod_selector
         assert [(x.protocol, x.port) for x in workers.ports] == [("TCP", None)]
-        assert router._from[0].pod_selector.match_labels == {"pdserve.io/modelserving": "np", "pdserve.io/role": "router"}
+        assert router._from[0].pod_selector.match_labels == {
+            "pdserve.io/modelserving": "np",
+            "pdserve.io/role": "router",
+        }
         assert [x.port for x in router.ports] == [8000, 5557, 5558]
 
         # scrapers as configured
@@ -195,7 +203,11 @@ def test_tensor_parallel_workers_request_a_gpu_per_rank_and_fill_node_0(k8s_clus
     """2 prefill workers of TP=2 and 1 decode worker of TP=4: exactly node-0's 8 GPUs, a KV port
     per prefill rank; one more TP=2 worker cannot be placed and waits for capacity."""
     api, kubelet = Api(k8s_cluster, namespace), Kubelet(k8s_cluster, namespace)
-    spec = {**SPEC, "prefill": {"replicas": 2, "tensorParallelSize": 2}, "decode": {"replicas": 1, "tensorParallelSize": 4}}
+    spec = {
+        **SPEC,
+        "prefill": {"replicas": 2, "tensorParallelSize": 2},
+        "decode": {"replicas": 1, "tensorParallelSize": 4},
+    }
     with operator(operator_kubeconfig, namespace):
         api.create("tp", spec)
         became(api, kubelet, "tp", "Ready", "True", timeout=90)

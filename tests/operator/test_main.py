@@ -17,12 +17,19 @@ def test_help_lists_flags(capsys):
     assert "--namespace" in out and "--all-namespaces" in out
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["--namespace", "a", "--all-namespaces"], {}, "argument --all-namespaces/-A: not allowed with argument --namespace/-n"),
-    (["--resync-seconds", "0"], {}, "resync interval must be > 0 seconds"),
-    (["--resync-seconds", "soon"], {}, "argument --resync-seconds: invalid float value: 'soon'"),
-    ([], {"PDSERVE_OPERATOR_RESYNC_SECONDS": "fast"}, "PDSERVE_OPERATOR_RESYNC_SECONDS must be a number"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (
+            ["--namespace", "a", "--all-namespaces"],
+            {},
+            "argument --all-namespaces/-A: not allowed with argument --namespace/-n",
+        ),
+        (["--resync-seconds", "0"], {}, "resync interval must be > 0 seconds"),
+        (["--resync-seconds", "soon"], {}, "argument --resync-seconds: invalid float value: 'soon'"),
+        ([], {"PDSERVE_OPERATOR_RESYNC_SECONDS": "fast"}, "PDSERVE_OPERATOR_RESYNC_SECONDS must be a number"),
+    ],
+)
 def test_bad_configuration_is_a_clear_error(argv, env, message, capsys, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -95,7 +95,12 @@ def test_router_without_prefix_aware_needs_no_tokenizer():
 def test_kv_event_ports_declared_only_when_consumed():
     ports = lambda m: {p["name"]: p["containerPort"] for p in container(build_worker_deployment(m, "decode"))["ports"]}  # noqa: E731
     assert ports(ms()) == {"http": 8000, "kv": 5600}
-    assert ports(ms(router={"decodePolicy": "prefix-aware"})) == {"http": 8000, "kv": 5600, "kv-events": 5557, "kv-replay": 5558}
+    assert ports(ms(router={"decodePolicy": "prefix-aware"})) == {
+        "http": 8000,
+        "kv": 5600,
+        "kv-events": 5557,
+        "kv-replay": 5558,
+    }
 
 
 # 3. router readiness and resources ----------------------------------------------------------
@@ -117,7 +122,11 @@ def test_router_ready_only_with_workers_behind_it_and_not_best_effort():
 ])
 def test_grace_period_covers_pre_stop_and_drain(drain, grace, sleep, shutdown):
     m = ms(drain=drain)
-    for dep in (build_worker_deployment(m, "prefill"), build_worker_deployment(m, "decode"), build_router_deployment(m)):
+    for dep in (
+        build_worker_deployment(m, "prefill"),
+        build_worker_deployment(m, "decode"),
+        build_router_deployment(m),
+    ):
         assert pod(dep)["terminationGracePeriodSeconds"] == grace
         assert container(dep)["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", sleep]}}}
     assert flag(container(build_worker_deployment(m, "decode"))["args"], "--shutdown-grace") == shutdown
@@ -168,26 +177,42 @@ def test_secure_defaults():
     m = ms()
     for dep in (build_worker_deployment(m, "decode"), build_router_deployment(m)):
         p, c = pod(dep), container(dep)
-        assert p["securityContext"]["runAsNonRoot"] is True and p["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert p["securityContext"]["runAsNonRoot"] is True and p["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"
+        }
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"]}}
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"] and env(c)["HOME"] == "/tmp"
     worker = pod(build_worker_deployment(m, "prefill"))
     assert worker["serviceAccountName"] == "llama-worker" and worker["automountServiceAccountToken"] is False
-    (sa,) = [c for c in build_children(m, ApiVersions(), {}) if c["kind"] == "ServiceAccount" and c["metadata"]["name"] == "llama-worker"]
+    (sa,) = [
+        c
+        for c in build_children(m, ApiVersions(), {})
+        if c["kind"] == "ServiceAccount" and c["metadata"]["name"] == "llama-worker"
+    ]
     assert sa["automountServiceAccountToken"] is False
 
 
 def test_pod_template_is_merged_strategically():
     template = {
-        "metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"},
-                     "labels": {"team": "ml", "pdserve.io/role": "hijack"}},
-        "spec": {"priorityClassName": "inference",
-                 "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
-                 "volumes": [{"name": "extra", "configMap": {"name": "cfg"}}],
-                 "containers": [{"name": "worker", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
-                                 "volumeMounts": [{"name": "extra", "mountPath": "/etc/extra"}]},
-                                {"name": "sidecar", "image": "busybox"}]}}
+        "metadata": {
+            "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"},
+            "labels": {"team": "ml", "pdserve.io/role": "hijack"},
+        },
+        "spec": {
+            "priorityClassName": "inference",
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}],
+            "volumes": [{"name": "extra", "configMap": {"name": "cfg"}}],
+            "containers": [
+                {
+                    "name": "worker",
+                    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                    "volumeMounts": [{"name": "extra", "mountPath": "/etc/extra"}],
+                },
+                {"name": "sidecar", "image": "busybox"},
+            ],
+        },
+    }
     dep = build_worker_deployment(ms(decode={"podTemplate": template}), "decode")
     meta, p, c = dep["spec"]["template"]["metadata"], pod(dep), container(dep, "worker")
     assert meta["annotations"] == {"k8s.v1.cni.cncf.io/networks": "rdma-net"} and meta["labels"]["team"] == "ml"
@@ -209,20 +234,34 @@ def test_pod_template_can_relax_a_default():
     assert container(dep)["securityContext"]["readOnlyRootFilesystem"] is False
 
 
-@pytest.mark.parametrize("base, patch, field, expect", [
-    ({"a": 1, "b": {"c": 2}}, {"b": {"d": 3}, "a": None}, None, {"b": {"c": 2, "d": 3}}),
-    ([{"name": "x", "v": 1}, {"name": "y"}], [{"name": "x", "v": 2}, {"name": "z"}], "env",
-     [{"name": "x", "v": 2}, {"name": "y"}, {"name": "z"}]),
-    ([{"name": "x"}, {"name": "y"}], [{"name": "x", "$patch": "delete"}], "volumes", [{"name": "y"}]),
-    (["--a"], ["--b"], "args", ["--b"]),  # lists without a merge key are replaced
-    ([{"containerPort": 1, "name": "a"}], [{"containerPort": 2}], "ports", [{"containerPort": 1, "name": "a"}, {"containerPort": 2}]),
-])
+@pytest.mark.parametrize(
+    "base, patch, field, expect",
+    [
+        ({"a": 1, "b": {"c": 2}}, {"b": {"d": 3}, "a": None}, None, {"b": {"c": 2, "d": 3}}),
+        (
+            [{"name": "x", "v": 1}, {"name": "y"}],
+            [{"name": "x", "v": 2}, {"name": "z"}],
+            "env",
+            [{"name": "x", "v": 2}, {"name": "y"}, {"name": "z"}],
+        ),
+        ([{"name": "x"}, {"name": "y"}], [{"name": "x", "$patch": "delete"}], "volumes", [{"name": "y"}]),
+        (["--a"], ["--b"], "args", ["--b"]),  # lists without a merge key are replaced
+        (
+            [{"containerPort": 1, "name": "a"}],
+            [{"containerPort": 2}],
+            "ports",
+            [{"containerPort": 1, "name": "a"}, {"containerPort": 2}],
+        ),
+    ],
+)
 def test_strategic_merge(base, patch, field, expect):
     assert strategic_merge(base, patch, field) == expect
 
 
 def test_pod_template_item_without_merge_key_is_a_spec_error():
-    with pytest.raises(SpecError, match=r"spec.prefill.podTemplate: every item of containers needs its merge key 'name'"):
+    with pytest.raises(
+        SpecError, match=r"spec.prefill.podTemplate: every item of containers needs its merge key 'name'"
+    ):
         build_worker_deployment(ms(prefill={"podTemplate": {"spec": {"containers": [{"image": "x"}]}}}), "prefill")
 
 
@@ -240,13 +279,21 @@ def test_ucx_and_rdma_per_role_over_spec_wide():
 
 
 def test_user_env_wins_by_name_without_duplicates():
-    c = container(build_worker_deployment(ms(kvTransfer={"ucxTls": "tcp"}, decode={"env": [{"name": "UCX_TLS", "value": "rc"}]}), "decode"))
+    c = container(
+        build_worker_deployment(
+            ms(kvTransfer={"ucxTls": "tcp"}, decode={"env": [{"name": "UCX_TLS", "value": "rc"}]}), "decode"
+        )
+    )
     names = [e["name"] for e in c["env"]]
     assert len(names) == len(set(names)) and env(c)["UCX_TLS"] == "rc"
 
 
 def test_probe_timings():
-    c = container(build_worker_deployment(ms(decode={"probes": {"readiness": {"timeoutSeconds": 10, "periodSeconds": 2}}}), "decode"))
+    c = container(
+        build_worker_deployment(
+            ms(decode={"probes": {"readiness": {"timeoutSeconds": 10, "periodSeconds": 2}}}), "decode"
+        )
+    )
     assert c["readinessProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
                                    "timeoutSeconds": 10, "failureThreshold": 3}
     for kind in ("startupProbe", "livenessProbe"):

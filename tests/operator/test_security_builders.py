@@ -144,14 +144,27 @@ def test_prefix_aware_routers_also_reach_the_kv_event_ports():
     assert [x["port"] for x in p["spec"]["ingress"][1]["ports"]] == [8000, 5557, 5558]
 
 
-@pytest.mark.parametrize("spec, scrapers", [
-    ({"monitoring": {"serviceMonitor": True}},
-     [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]),
-    ({"monitoring": {"serviceMonitor": True}, "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]}},
-     [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]),
-    ({"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}}, [{"ipBlock": {"cidr": "10.1.0.0/16"}}]),
-    ({"monitoring": {"serviceMonitor": True}, "networkPolicy": {"metricsFrom": []}}, None),
-])
+@pytest.mark.parametrize(
+    "spec, scrapers",
+    [
+        (
+            {"monitoring": {"serviceMonitor": True}},
+            [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+        ),
+        (
+            {
+                "monitoring": {"serviceMonitor": True},
+                "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]},
+            },
+            [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}],
+        ),
+        (
+            {"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}},
+            [{"ipBlock": {"cidr": "10.1.0.0/16"}}],
+        ),
+        ({"monitoring": {"serviceMonitor": True}, "networkPolicy": {"metricsFrom": []}}, None),
+    ],
+)
 def test_metric_scrapers_reach_the_http_port_only(spec, scrapers):
     ingress = build_worker_network_policy(ms(**spec))["spec"]["ingress"]
     if scrapers is None:

@@ -86,7 +86,9 @@ OPERATOR = Path(__file__).resolve().parents[2] / "operator"
 
 
 def test_the_contract_names_what_the_operator_renders():
-    assert {"LABEL_ROLE", "ENV_API_KEYS", "ENV_WORKER_API_KEY", "ENV_KV_SECRET", "HTTP_PORT", "HTTP_PORT_NAME"} <= set(SHARED)
+    assert {"LABEL_ROLE", "ENV_API_KEYS", "ENV_WORKER_API_KEY", "ENV_KV_SECRET", "HTTP_PORT", "HTTP_PORT_NAME"} <= set(
+        SHARED
+    )
     assert naming.LABEL_ROLE is contract.LABEL_ROLE
 
 

@@ -17,7 +17,9 @@ GOOD = {"remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 5600
 def test_round_trip():
     p = KVTransferParams.from_dict(GOOD)
     assert p.to_dict() == GOOD and p.block_size == 4 and p.remote_block_ids == (3, 4, 5)
-    older = KVTransferParams.from_dict({k: v for k, v in GOOD.items() if k not in ("transport", "expires_at", "kv_tp_size")})
+    older = KVTransferParams.from_dict(
+        {k: v for k, v in GOOD.items() if k not in ("transport", "expires_at", "kv_tp_size")}
+    )
     assert older.transport == "tcp" and older.kv_tp_size == 1  # a sender that predates a field gets its default
 
 
@@ -63,7 +65,10 @@ def test_one_parse_into_the_object_the_engine_carries(raw, expected):
     parsed = parse_kv_transfer_params(raw)
     assert parsed == expected and parse_kv_transfer_params(parsed) is parsed  # parsed objects pass through
     if parsed is not None:  # the predicates read the object as they read the dict
-        assert (is_remote_decode(parsed), wants_remote_decode(parsed)) == (is_remote_decode(raw), wants_remote_decode(raw))
+        assert (is_remote_decode(parsed), wants_remote_decode(parsed)) == (
+            is_remote_decode(raw),
+            wants_remote_decode(raw),
+        )
         assert (is_streamed(parsed), wants_stream_kv(parsed)) == (is_streamed(raw), wants_stream_kv(raw))
     if isinstance(parsed, RemoteDecodeRequest) and raw.get("stream_kv") != "yes":
         assert parsed.to_dict() == raw  # the wire form is unchanged
@@ -87,18 +92,47 @@ def test_predicates(params, remote_decode, wants):
     assert is_remote_decode(params) is remote_decode and wants_remote_decode(params) is wants
 
 
-@pytest.mark.parametrize("body,expected", [
-    ({"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}},
-     {"prompt": "x", "max_tokens": 1, "stream": False,
-      "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 50}}}),
-    ({"messages": [], "max_completion_tokens": 50, "min_tokens": 3},
-     {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "min_tokens": 1, "stream": False,
-      "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_completion_tokens": 50, "min_tokens": 3}}}),
-    # The decode worker's defaults: completions 16, chat whatever fits (no budget to check).
-    ({"prompt": "x"}, {"prompt": "x", "max_tokens": 1, "stream": False,
-                       "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 16}}}),
-    ({"messages": [], "max_tokens": None},
-     {"messages": [], "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}),
-])
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        (
+            {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}},
+            {
+                "prompt": "x",
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 50}},
+            },
+        ),
+        (
+            {"messages": [], "max_completion_tokens": 50, "min_tokens": 3},
+            {
+                "messages": [],
+                "max_completion_tokens": 1,
+                "max_tokens": 1,
+                "min_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {
+                    "do_remote_decode": True,
+                    "decode_budget": {"max_completion_tokens": 50, "min_tokens": 3},
+                },
+            },
+        ),
+        # The decode worker's defaults: completions 16, chat whatever fits (no budget to check).
+        (
+            {"prompt": "x"},
+            {
+                "prompt": "x",
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "decode_budget": {"max_tokens": 16}},
+            },
+        ),
+        (
+            {"messages": [], "max_tokens": None},
+            {"messages": [], "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}},
+        ),
+    ],
+)
 def test_prefill_request(body, expected):
     assert prefill_request(body) == expected

@@ -212,7 +212,11 @@ def build(args) -> Starlette:
             # A real worker answers only once its first token exists (queueing + prefill, or a KV pull).
             await asyncio.sleep(st.header_delay)
         if not body.get("stream"):
-            return JSONResponse(completion(route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None))
+            return JSONResponse(
+                completion(
+                    route, rid, "".join(words), finish_reason, n_prompt, max_tokens if not stop_first else 1, None
+                )
+            )
 
         async def events():
             st.used += blocks(n_prompt)
@@ -444,7 +448,9 @@ if __name__ == "__main__":
     p.add_argument("--delay", type=float, default=0.005)
     p.add_argument("--models-status", type=int, default=200, help="what /v1/models answers until told otherwise")
     p.add_argument("--prefill-delay", type=float, default=0.0)
-    p.add_argument("--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)")
+    p.add_argument(
+        "--header-delay", type=float, default=0.0, help="seconds before the answer's headers (decode requests)"
+    )
     p.add_argument("--pin-ttl", type=float, default=30.0)
     p.add_argument("--json-prefill", action="store_true", help="answer a streamed hand-off's prefill in one JSON "
                                                                   "answer, as a worker before issue 24")

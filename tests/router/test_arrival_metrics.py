@@ -90,6 +90,8 @@ def test_arrival_counters_estimate_prompt_tokens_without_a_tokenizer(module_laun
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices)
 
-    expected = {("pdserve_router_arrived_requests", "tiny"): 2.0,
-                ("pdserve_router_arrived_prompt_tokens", "tiny"): 2.0 * estimate_tokens(CompletionRequest(prompt=PROMPT))}
+    expected = {
+        ("pdserve_router_arrived_requests", "tiny"): 2.0,
+        ("pdserve_router_arrived_prompt_tokens", "tiny"): 2.0 * estimate_tokens(CompletionRequest(prompt=PROMPT)),
+    }
     wait_for_arrivals(router.url, expected)

@@ -30,7 +30,9 @@ class _W:
 
 def _covers(index: KVIndex, tokens: list[int], min_uncached: int) -> bool:
     ctx = PolicyContext(kv_index=index, pd_min_uncached_tokens=min_uncached)
-    return DecodePrefix(ctx).covers(RoutingRequest(CompletionRequest(prompt="x"), tokenize=lambda body: tokens), _W("d"))
+    return DecodePrefix(ctx).covers(
+        RoutingRequest(CompletionRequest(prompt="x"), tokenize=lambda body: tokens), _W("d")
+    )
 
 
 def test_the_rule_counts_uncached_tokens_against_the_threshold():

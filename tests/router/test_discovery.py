@@ -81,8 +81,16 @@ def test_router_discovers_workers_and_pairs_revisions(k8s_cluster, launch):
             "conditions": [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}})
     # Decode pods sit behind a Service (the EndpointSlice controller lists them; core Endpoints
     # would refuse these loopback pod IPs); prefill pods have none: their Ready condition counts.
-    core.create_namespaced_service(ns, {"metadata": {"name": "m1-decode", "labels": labels}, "spec": {
-        "selector": {**labels, "pdserve.io/role": "decode"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}})
+    core.create_namespaced_service(
+        ns,
+        {
+            "metadata": {"name": "m1-decode", "labels": labels},
+            "spec": {
+                "selector": {**labels, "pdserve.io/role": "decode"},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+            },
+        },
+    )
     env = dict(os.environ, KUBECONFIG=str(k8s_cluster.kubeconfig))
     router = launch.router("--discovery", "kubernetes", "--namespace", ns, "--selector", "pdserve.io/modelserving=m1",
                            "--discovery-interval", "0.3", env=env)

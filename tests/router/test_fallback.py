@@ -109,9 +109,21 @@ def test_role_transitions_fail_no_request(k8s_cluster, launch, tiny_checkpoint):
     # No Service selects them: each pod's own Ready condition decides (router/discovery.py).
 
     def set_ready(name: str, ready: bool) -> None:
-        core.patch_namespaced_pod_status(name, ns, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": str(ready)}, {"type": "ContainersReady", "status": str(ready)}]}})
+        core.patch_namespaced_pod_status(
+            name,
+            ns,
+            {
+                "status": {
+                    "phase": "Running",
+                    "podIP": "127.0.0.1",
+                    "hostIP": "127.0.0.1",
+                    "conditions": [
+                        {"type": "Ready", "status": str(ready)},
+                        {"type": "ContainersReady", "status": str(ready)},
+                    ],
+                }
+            },
+        )
 
     set_ready("fb-prefill", True)
     set_ready("fb-decode", True)

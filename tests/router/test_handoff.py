@@ -161,8 +161,13 @@ def test_first_token_that_ends_the_request_closes_the_decode_call(stack, stream)
     got = send_released_at_the_decode(streamed, prefill, decode, path, payload, rid)
     want = send(single, path, payload, uuid.uuid4().hex)
     assert text_of(got, stream) == text_of(want, stream)
-    finish = (got.json()["choices"][0]["finish_reason"] if not stream else
-              [json.loads(e[6:])["choices"][0]["finish_reason"] for e in got.text.splitlines() if e.startswith("data: {")][-1])
+    finish = (
+        got.json()["choices"][0]["finish_reason"]
+        if not stream
+        else [
+            json.loads(e[6:])["choices"][0]["finish_reason"] for e in got.text.splitlines() if e.startswith("data: {")
+        ][-1]
+    )
     assert finish == "stop"
     eventually(lambda: "d_abort" in events_of(decode, rid))  # closed: the decode worker aborted
     eventually(lambda: settled(streamed, prefill))
@@ -333,7 +338,9 @@ def test_pd_handoff_flag():
     add_arguments(parser)
     base = ["--decode", "http://d:8000"]
     assert config_from_args(parser.parse_args(base), {}).pd_handoff == "streamed"
-    assert config_from_args(parser.parse_args(base + ["--pd-handoff", "after-prefill"]), {}).pd_handoff == "after-prefill"
+    assert (
+        config_from_args(parser.parse_args(base + ["--pd-handoff", "after-prefill"]), {}).pd_handoff == "after-prefill"
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(base + ["--pd-handoff", "eventually"])
     with pytest.raises(ConfigError, match="--pd-handoff"):

@@ -179,7 +179,9 @@ def test_worker_ejected_for_errors_while_healthy_keeps_its_backoff(launch):
                            "--eject-backoff", "60", "--decode-policy", "round-robin")
     decode.control(mode="500")
     for _ in range(4):  # retried on the spare: every answer is good
-        r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10)
+        r = httpx.post(
+            router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=10
+        )
         assert r.status_code == 200
     view = {w["url"]: w for w in workers_view(router)}
     assert not view[decode.url]["routable"] and view[decode.url]["healthy"]

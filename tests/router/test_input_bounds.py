@@ -167,8 +167,11 @@ def test_responses_input_items_are_bounded(stack):
     live.assert_ok(rss_growth_mib=RSS_MIB)
     for (r,) in answers.values():
         assert "--max-input-items" in refused(r, param="input")["message"]
-    r = post(stack["router"].url, "/v1/responses", json.dumps({"model": "tiny", "input": "Hello", "max_output_tokens": 3,
-                                                                "unknown": [[]] * 1000}).encode())
+    r = post(
+        stack["router"].url,
+        "/v1/responses",
+        json.dumps({"model": "tiny", "input": "Hello", "max_output_tokens": 3, "unknown": [[]] * 1000}).encode(),
+    )
     assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
     still_serving(stack)
 

@@ -77,8 +77,9 @@ def fp8_stack(request, tiny_checkpoint):
 
 @contextlib.contextmanager
 def pd_stack(ckpt, t: str, prefill_args=(), decode_args=()):
-    p = WorkerProcess(ckpt, *ARGS, *prefill_args, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()),
-                      env=ENV)
+    p = WorkerProcess(
+        ckpt, *ARGS, *prefill_args, "--role", "prefill", "--kv-transfer", t, "--kv-port", str(free_port()), env=ENV
+    )
     d = WorkerProcess(ckpt, *ARGS, *decode_args, "--role", "decode", "--kv-transfer", t, "--kv-port", str(free_port()),
                       env=ENV)
     launcher = Launcher()

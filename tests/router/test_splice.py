@@ -49,7 +49,9 @@ def test_first_token_events_send_nothing_for_held_text():
     held = CompletionResponse(id="cmpl-x", choices=[{"text": "", "finish_reason": "length"}])
     assert first_token_events(held) == b""
     chat = ChatCompletionResponse(id="chatcmpl-x", choices=[{"message": {"content": ""}, "finish_reason": "length"}])
-    assert [e["choices"][0]["delta"] for e in _events(first_token_events(chat))] == [{"role": "assistant", "content": ""}]
+    assert [e["choices"][0]["delta"] for e in _events(first_token_events(chat))] == [
+        {"role": "assistant", "content": ""}
+    ]
 
 
 def test_a_first_token_that_ends_the_request_is_one_chunk_with_its_stop_reason():

@@ -21,7 +21,9 @@ def wait_clean(w: WorkerProcess, start: dict, timeout: float = 15) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = kv_state(w)
-        if (s["num_free_blocks"] == start["num_free_blocks"] and s["num_pinned_blocks"] == 0) or time.monotonic() > deadline:
+        if (
+            s["num_free_blocks"] == start["num_free_blocks"] and s["num_pinned_blocks"] == 0
+        ) or time.monotonic() > deadline:
             return s
 
 

@@ -12,7 +12,6 @@ be equal, and no KV block may leak.
 
 from __future__ import annotations
 
-import pytest
 
 from pdserve.worker.engine.llm_engine import LLMEngine, wants_async_scheduling
 from pdserve.worker.request.sampling_params import SamplingParams, StructuredOutputSpec
@@ -182,7 +181,10 @@ def test_chunked_prefill_mixed_with_decodes(tiny_checkpoint):
 def test_max_model_len_ends_requests_without_overrunning(tiny_checkpoint):
     # The step that would run past the context limit is never scheduled ahead.
     ckpt = tiny_checkpoint("llama")
-    arrivals = [(0, "long", PROMPTS[1], greedy(100, ignore_eos=True)), (0, "short", PROMPTS[2], greedy(100, ignore_eos=True))]
+    arrivals = [
+        (0, "long", PROMPTS[1], greedy(100, ignore_eos=True)),
+        (0, "short", PROMPTS[2], greedy(100, ignore_eos=True)),
+    ]
     ref, got, _ = both(ckpt, arrivals, max_model_len=48)
     assert got == ref
     assert ref["long"][1] == "length" and len(PROMPTS[1]) + len(ref["long"][0]) == 48

@@ -57,8 +57,14 @@ BAD_CHAT_SHAPES = {
 }
 # The Responses API's history: a function_call item becomes a chat tool call.
 BAD_RESPONSES_ITEMS = {
-    "arguments not JSON": ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}, "input.1.arguments"),
-    "arguments a list": ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}, "input.1.arguments"),
+    "arguments not JSON": (
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"},
+        "input.1.arguments",
+    ),
+    "arguments a list": (
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"},
+        "input.1.arguments",
+    ),
     "arguments an object": ({"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}, "input.1"),
     "no name": ({"type": "function_call", "call_id": "c", "arguments": "{}"}, "input.1"),
 }

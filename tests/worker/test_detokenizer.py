@@ -19,7 +19,9 @@ def tok(default_model_dir):
 
 @pytest.fixture(scope="module")
 def prompt(tok):
-    return tok.apply_chat_template([{"role": "user", "content": "Say something."}], add_generation_prompt=True)["input_ids"]
+    return tok.apply_chat_template([{"role": "user", "content": "Say something."}], add_generation_prompt=True)[
+        "input_ids"
+    ]
 
 
 def _ids(tok, text):

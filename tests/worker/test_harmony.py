@@ -409,7 +409,9 @@ def test_a_forced_call_through_a_real_gpt_oss_worker(gpt_oss_worker, stream):
     kw = dict(model="gpt-oss", messages=ASK, tools=[weather, TIME], temperature=0, max_tokens=40,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     if stream:
-        _, content, calls, finish, _ = _stream(client, **{k: v for k, v in kw.items() if k not in ("model", "messages")})
+        _, content, calls, finish, _ = _stream(
+            client, **{k: v for k, v in kw.items() if k not in ("model", "messages")}
+        )
         name, arguments = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
     else:
         r = client.chat.completions.create(**kw)

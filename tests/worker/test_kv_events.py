@@ -19,7 +19,9 @@ def test_worker_publishes_block_stored_and_replays(tiny_checkpoint):
     with WorkerProcess(ckpt, "--max-model-len", "256", "--block-size", "4", "--kv-events-port", str(port)) as w:
         ctx = zmq.Context.instance()
         prompt = list(range(300, 318))  # 18 tokens: 4 full blocks
-        r = httpx.post(f"{w.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"{w.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=60
+        )
         assert r.status_code == 200
         # Replay from seq 0 returns everything published so far (no race with a late SUB).
         req = ctx.socket(zmq.REQ)

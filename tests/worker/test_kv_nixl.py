@@ -161,8 +161,12 @@ def connectors():
     p = KVConnector(EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port),
                     torch.randint(0, 255, shape, dtype=torch.uint8), "overlap-p", layout)
     p.start_server()
-    d = KVConnector(EngineConfig(role="decode", kv_transfer="nixl", kv_port=free_port(),
-                                 kv_peer_allow=("127.0.0.1",)), torch.zeros(shape, dtype=torch.uint8), "overlap-d", layout)
+    d = KVConnector(
+        EngineConfig(role="decode", kv_transfer="nixl", kv_port=free_port(), kv_peer_allow=("127.0.0.1",)),
+        torch.zeros(shape, dtype=torch.uint8),
+        "overlap-d",
+        layout,
+    )
     yield p, d
     d.shutdown()
     p.shutdown()

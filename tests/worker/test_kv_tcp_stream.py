@@ -278,7 +278,9 @@ def test_layer_pieces_carry_a_group_of_layers(layered_prefill, small_chunks, mon
     p.pins.computing("g", 10, clock)
     clock.after_layer(0)
     clock.after_layer(1)
-    assert wait_until(lambda: torch.equal(layer_slices(cache, range(10), 0, 2), layer_slices(p.cache, range(40, 50), 0, 2)))
+    assert wait_until(
+        lambda: torch.equal(layer_slices(cache, range(10), 0, 2), layer_slices(p.cache, range(40, 50), 0, 2))
+    )
     clock.after_layer(2)
     assert not layer_slices(cache, range(10), 2, LAYERS).any(), "a piece of one layer, under a group of two"
     clock.after_layer(3)

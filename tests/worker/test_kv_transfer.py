@@ -21,7 +21,16 @@ from tests.worker.test_server_harness import WorkerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
 BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(1 << 22), "--kv-peer-allow", "127.0.0.1")
+ARGS = (
+    "--max-model-len",
+    "256",
+    "--block-size",
+    "4",
+    "--kv-cache-memory",
+    str(1 << 22),
+    "--kv-peer-allow",
+    "127.0.0.1",
+)
 SECRET = "kv-transfer-tests-shared-secret"
 ENV = {"PDSERVE_KV_SECRET": SECRET}  # as a Kubernetes Secret would pass it
 AUTH = SideChannelAuth(SECRET)

@@ -19,7 +19,11 @@ DOCS = [
     {"question": "The capital of France is", "choices": [" Paris", " Madrid", " a large city in Europe"], "answer": 0},
     {"question": "Two plus two equals", "choices": [" four", " five", " 22"], "answer": 0},
     {"question": "Water boils at", "choices": [" 100 degrees", " room temperature"], "answer": 0},
-    {"question": "Q: What colour is the sky?\nA:", "choices": [" blue", " green", " the colour of the sea"], "answer": 0},
+    {
+        "question": "Q: What colour is the sky?\nA:",
+        "choices": [" blue", " green", " the colour of the sea"],
+        "answer": 0,
+    },
 ]
 
 

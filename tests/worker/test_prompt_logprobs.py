@@ -5,7 +5,6 @@ others) and through the HTTP server with the real `openai` client."""
 from __future__ import annotations
 
 import functools
-import math
 
 import openai
 import pytest
@@ -24,7 +23,6 @@ TOP = 3
 @functools.lru_cache(maxsize=None)
 def hf_logprobs(ckpt: str, prompt: tuple[int, ...]) -> torch.Tensor:
     """[P-1, V]: log_softmax of HF's logits at positions 0..P-2 (each scores the next token)."""
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(ckpt)
     with torch.no_grad():

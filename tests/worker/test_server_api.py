@@ -75,7 +75,9 @@ def test_chat_non_stream_and_stream_agree(client):
 
 def test_chat_stream_wire_format(worker):
     body = {"model": NAME, "messages": _messages(), "max_tokens": 4, "stream": True, "temperature": 0}
-    r = httpx.post(f"{worker.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    r = httpx.post(
+        f"{worker.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [e for e in r.text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -153,8 +155,13 @@ def test_prefill_then_decode_handshake(client, worker):
     assert dec.usage.completion_tokens == 8 and dec.usage.prompt_tokens == plain.usage.prompt_tokens
     chunks = list(client.chat.completions.create(model=NAME, messages=_messages(), max_tokens=6, stream=True, **GREEDY))
     chat_plain = "".join(c.choices[0].delta.content or "" for c in chunks)
-    pre = client.chat.completions.create(model=NAME, messages=_messages(), max_tokens=1, temperature=0,
-                                         extra_body={"ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}})
+    pre = client.chat.completions.create(
+        model=NAME,
+        messages=_messages(),
+        max_tokens=1,
+        temperature=0,
+        extra_body={"ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     chunks = list(client.chat.completions.create(
         model=NAME, messages=_messages(), max_tokens=6, stream=True, temperature=0,
         extra_body={"ignore_eos": True, "kv_transfer_params": pre.model_extra["kv_transfer_params"]}))

@@ -96,7 +96,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param,code,says", CASES, ids=[f"{c[0]}:{sorted(c[1])}-{c[3]}" for c in CASES])
+@pytest.mark.parametrize(
+    "path,body,status,param,code,says", CASES, ids=[f"{c[0]}:{sorted(c[1])}-{c[3]}" for c in CASES]
+)
 def test_bad_request_values(http, path, body, status, param, code, says):
     _check(http.post(path, json=body, headers=AUTH), status, param, code, says)
 

@@ -78,8 +78,13 @@ def test_health_answers_while_large_schemas_and_prompts_arrive(worker):
 
     attacks = [lambda s=s: schema_request(pattern_schema(200_000, s)) for s in ("a", "b", "c")]
     attacks.append(lambda: schema_request(pattern_schema(1_000_000, "d")))  # over --max-structured-spec-bytes
-    attacks.append(lambda: httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello world " * 700_000,
-                                                                      "max_tokens": 2}, timeout=600))  # 8.4 MB
+    attacks.append(
+        lambda: httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "hello world " * 700_000, "max_tokens": 2},
+            timeout=600,
+        )
+    )  # 8.4 MB
     attacks.append(lambda: httpx.post(chat, json={"model": "tiny", "max_tokens": 2, "messages": [
         {"role": "user", "content": "hello world " * 700_000}]}, timeout=600))  # the same, templated
     poller = threading.Thread(target=poll_health)

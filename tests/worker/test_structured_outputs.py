@@ -107,7 +107,9 @@ def padded_checkpoint(tmp_path_factory, default_model_dir):
     out = tmp_path_factory.mktemp("ckpt-padded")
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(checkpoint_config("llama", len(tok) + 64), dtype=torch.float32).save_pretrained(out)
+    AutoModelForCausalLM.from_config(checkpoint_config("llama", len(tok) + 64), dtype=torch.float32).save_pretrained(
+        out
+    )
     tok.save_pretrained(out)
     return out
 
@@ -316,7 +318,6 @@ def test_openai_json_schema_streamed_equals_whole(client):
 
 
 def test_openai_beta_parse(client):
-    from typing import Literal
 
     from pydantic import BaseModel, Field
 
@@ -386,7 +387,6 @@ def test_bad_specs_are_openai_400s(worker, client, extra, param):
 
 
 def test_langchain_with_structured_output(worker):
-    from typing import Literal
 
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field

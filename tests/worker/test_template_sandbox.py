@@ -19,17 +19,17 @@ TIMEOUT_S = 0.5
 # Features Hub templates use (transformers' additions included), rendered like transformers does.
 TEMPLATES = {
     "roles and tojson": "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{% if m.tool_calls %}"
-                        "{{ m.tool_calls | tojson(indent=2) }}{% endif %}</{{ m.role }}>\n{% endfor %}"
-                        "{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    "{{ m.tool_calls | tojson(indent=2) }}{% endif %}</{{ m.role }}>\n{% endfor %}"
+    "{% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}",
     "namespace and loop controls": "{% set ns = namespace(sys='') %}{% for m in messages %}{% if m.role == 'system' %}"
-                                   "{% set ns.sys = m.content %}{% continue %}{% endif %}{{ loop.index }}:{{ m.content }}"
-                                   "{% if loop.last %}{% break %}{% endif %}{% endfor %}[{{ ns.sys }}]{{ bos_token }}",
+    "{% set ns.sys = m.content %}{% continue %}{% endif %}{{ loop.index }}:{{ m.content }}"
+    "{% if loop.last %}{% break %}{% endif %}{% endfor %}[{{ ns.sys }}]{{ bos_token }}",
     "macros, blocks, generation": "{% macro turn(m) %}[{{ m.role | upper }}] {{ m.content }}{% endmacro %}"
-                                  "{% set head %}{{ eos_token }}{% endset %}{{ head }}{% for m in messages %}"
-                                  "{% generation %}{{ turn(m) }}{% endgeneration %}{% endfor %}{{ flavour | default('plain') }}",
+    "{% set head %}{{ eos_token }}{% endset %}{{ head }}{% for m in messages %}"
+    "{% generation %}{{ turn(m) }}{% endgeneration %}{% endfor %}{{ flavour | default('plain') }}",
     "format, join, replace": "{{ messages | map(attribute='content') | join(' | ') }}{{ '%s/%d' % ('a', 2) }}"
-                             "{{ '{}-{}'.format('x', 'y') }}{{ (messages | last).content.replace('?', '!') }}"
-                             "{{ messages[0].content ~ '!' }}{{ dict(a=1) | tojson }}",
+    "{{ '{}-{}'.format('x', 'y') }}{{ (messages | last).content.replace('?', '!') }}"
+    "{{ messages[0].content ~ '!' }}{{ dict(a=1) | tojson }}",
 }
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -41,14 +41,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 RUNAWAY = {
     "repeat": ("{{ 'x' * 10**9 }}", "size"),
     "huge integer": ("{{ 10 ** (10 ** 8) }}", "size"),
-    "squaring": ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}", "size"),
+    "squaring": (
+        "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+        "size",
+    ),
     "range": ("{% for i in range(10**9) %}{% endfor %}", "size"),
     "nested loops": ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "time"),
     "loops over data": ("{% set s = 'ab' * 40000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "time"),
-    "doubling with ~": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-                        "size"),
-    "doubling with +": ("{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-                        "size"),
+    "doubling with ~": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "size",
+    ),
+    "doubling with +": (
+        "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "size",
+    ),
     "ljust": ("{{ 'x'.ljust(10**9) }}", "size"),
     "center filter": ("{{ 'x' | center(1000000000) }}", "size"),
     "percent width": ("{{ '%1000000000s' % 'x' }}", "size"),
@@ -61,8 +68,11 @@ RUNAWAY = {
     "expandtabs": ("{{ ('\t' * 10000).expandtabs(1000) }}", "size"),
     "indent": ("{{ ('a\n' * 5000) | indent(100) }}", "size"),
     "output": ("{% for i in range(99999) %}{{ 'abcdefgh' * 100 }}{% endfor %}", "size"),
-    "macro buffers": ("{% macro m() %}{% for i in range(99999) %}{{ 'a' * 1000 }}{% endfor %}{% endmacro %}"
-                      "{% for i in range(99999) %}{% set x = m() %}{% endfor %}", "size"),
+    "macro buffers": (
+        "{% macro m() %}{% for i in range(99999) %}{{ 'a' * 1000 }}{% endfor %}{% endmacro %}"
+        "{% for i in range(99999) %}{% set x = m() %}{% endfor %}",
+        "size",
+    ),
     "set block buffers": ("{% for i in range(99999) %}{% set x %}{{ 'a' * 99999 }}{% endset %}{% endfor %}", "size"),
 }
 # Refused outright: not available in chat templates, or Python's internals.

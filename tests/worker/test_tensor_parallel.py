@@ -214,7 +214,9 @@ def test_engine_refuses_expert_parallel_that_does_not_divide_the_experts(checkpo
         LLMEngine(EngineConfig(model=str(ckpt), device="cpu", tensor_parallel_size=3, enable_expert_parallel=True))
 
 
-@pytest.mark.parametrize("kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp", "kv_peer_allow": ("127.0.0.1",)}])
+@pytest.mark.parametrize(
+    "kw", [{"role": "prefill"}, {"role": "decode", "kv_transfer": "tcp", "kv_peer_allow": ("127.0.0.1",)}]
+)
 def test_tp_with_kv_transfer_is_accepted(kw):
     # P/D between tensor-parallel workers: tests/worker/test_tp_pd.py.
     assert EngineConfig(tensor_parallel_size=2, **kw).tensor_parallel_size == 2

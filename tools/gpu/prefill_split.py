@@ -247,7 +247,9 @@ def main(argv=None) -> int:
                 timer.seconds.clear()
                 gate.on = how == "gate"
                 big = how == "big"
-                with (Pressure(p, cache, layers, gate, 0.008 if big else 0.001, 24 if big else 3) if p else nullcontext()):
+                with (
+                    Pressure(p, cache, layers, gate, 0.008 if big else 0.001, 24 if big else 3) if p else nullcontext()
+                ):
                     walls = [1e3 * prefill_once(engine, prompt(), chunks) for _ in range(args.repeat)]
                 hosts = [1e3 * x for x in timer.seconds]
                 row = (f"| {n} | {name} ({'+'.join(map(str, chunks))}) | {pressure} | {statistics.median(walls):.1f} "

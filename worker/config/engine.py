@@ -111,7 +111,9 @@ class EngineConfig:
         if self.max_structured_spec_bytes < 1:
             raise ConfigError("--max-structured-spec-bytes", f"must be positive, got {self.max_structured_spec_bytes}")
         if self.structured_compile_workers < 1:
-            raise ConfigError("--structured-compile-workers", f"must be at least 1, got {self.structured_compile_workers}")
+            raise ConfigError(
+                "--structured-compile-workers", f"must be at least 1, got {self.structured_compile_workers}"
+            )
         if self.structured_compile_queue < 0:
             raise ConfigError("--structured-compile-queue", f"must be >= 0, got {self.structured_compile_queue}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -187,7 +189,9 @@ class EngineConfig:
         return self.kv_host or self.kv_bind_host or "127.0.0.1"
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, environ=os.environ, bind_host: str | None = None) -> "EngineConfig":
+    def from_cli_args(
+        cls, args: argparse.Namespace, environ=os.environ, bind_host: str | None = None
+    ) -> "EngineConfig":
         """From `add_flags(parser, EngineConfig)`'s namespace; `bind_host` is the server's --host."""
         return from_flags(cls, args, kv_bind_host=bind_host,
                           kv_secret=getattr(args, "kv_secret", None) or environ.get(ENV_KV_SECRET) or None)

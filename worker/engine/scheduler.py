@@ -39,7 +39,7 @@ from collections import deque
 
 from pdserve.worker.engine.block_manager import BlockManager
 from pdserve.worker.executor.scheduled_batch import ScheduledBatch
-from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVConnectorOutput
+from pdserve.worker.kv.connector_meta import KVConnectorOutput
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler
 from pdserve.worker.request.request import Request, RequestStatus
 

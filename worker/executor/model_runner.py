@@ -41,7 +41,13 @@ from pdserve.worker.models.loader import load_model
 from pdserve.worker.parallel.communicator import share_from_rank0
 from pdserve.worker.request.outputs import TokenLogprob
 from pdserve.worker.request.request import Request
-from pdserve.worker.sample.prompt_logprobs import PromptLogprobsCollector, PromptRows, plan_rows, score_rows, scores_prompt
+from pdserve.worker.sample.prompt_logprobs import (
+    PromptLogprobsCollector,
+    PromptRows,
+    plan_rows,
+    score_rows,
+    scores_prompt,
+)
 from pdserve.worker.sample.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -285,7 +291,9 @@ class ModelRunner:
             logits.log_softmax(-1).argmax(-1).tolist()
         torch.cuda.synchronize(self.device)
         del logits
-        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
+        peak = (
+            torch.cuda.max_memory_allocated(self.device) - base - scratch.tensor.numel() * scratch.tensor.element_size()
+        )
         del scratch, meta, hidden, rows
         torch.cuda.empty_cache()
         return peak
@@ -313,7 +321,9 @@ class ModelRunner:
         # Built on the CPU and copied once: one host->device transfer per input per step.
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _plan_eager(self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None) -> tuple[StepPlan, list[Request]]:
+    def _plan_eager(
+        self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
+    ) -> tuple[StepPlan, list[Request]]:
         bs = self.block_size
         from_previous = []
         input_ids, positions, slots = [], [], []
@@ -367,11 +377,15 @@ class ModelRunner:
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         plan, samplers = self._plan_eager(batch)
         return (*self._eager_inputs(plan.inputs), plan.logits_idx, samplers)
 
-    def _plan_graph(self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None) -> tuple[StepPlan, list[Request]]:
+    def _plan_graph(
+        self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
+    ) -> tuple[StepPlan, list[Request]]:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []

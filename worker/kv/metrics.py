@@ -14,7 +14,7 @@ from prometheus_client import Counter, Histogram
 LABELS = ("direction", "transport")
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _WAIT_SECONDS = _SECONDS + (30, 60)
-_REQUEST_BYTES = tuple(float(4 ** k) for k in range(6, 18))  # 4 KiB .. 16 GiB: a tiny prompt .. a long one of a big model
+_REQUEST_BYTES = tuple(float(4**k) for k in range(6, 18))  # 4 KiB .. 16 GiB: a tiny prompt .. a long one of a big model
 # 1 MB/s .. 100 GB/s: P and D pods on different nodes see 1-50 GB/s links (docs/architecture.md).
 _BANDWIDTH = (1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e11)
 
@@ -29,8 +29,12 @@ class KVMetrics:
         self.bandwidth = Histogram("pdserve_kv_transfer_bandwidth_bytes_per_second",
                                    "One request's KV transfer: its bytes over its duration.", LABELS, registry=None,
                                    buckets=_BANDWIDTH)
-        self.failures = Counter("pdserve_kv_transfer_failures", "KV transfers that failed (decode fell back to local prefill).",
-                                LABELS, registry=None)
+        self.failures = Counter(
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed (decode fell back to local prefill).",
+            LABELS,
+            registry=None,
+        )
         self.local_prefill_fallbacks = Counter("pdserve_kv_local_prefill_fallbacks",
                                                "Remote-prefilled requests recomputed locally after a failed pull.",
                                                registry=None)

@@ -8,7 +8,8 @@ Ops: describe (layout only), lease (authenticate a transfer token and hold its b
 one-sided NIXL read; the NIXL agent metadata travels only in a lease's reply), read (TCP: a
 ticket for the prefill worker's data connections, which carry the bytes off this thread
 (tcp_stream.py); from a decode worker of an earlier release, the block bytes themselves in the
-reply, a copy, and the pin is released at once), release (the decode side is done), progress (a streamed pin: how many blocks are ready, and the first token once the
+reply, a copy, and the pin is released at once), release (the decode side is done), progress (a streamed pin:
+how many blocks are ready, and the first token once the
 prefill ended).
 
 Deferred replies: a handler that has nothing to answer yet (a progress with nothing new, a
@@ -353,7 +354,8 @@ def progress(host: str, port: int, params: KVTransferParams, digest: str, have: 
     """A streamed pin's progress once it has more than `have` ready blocks or its prefill ended
     (or after the server's DEFER_S with what there is): {ready, state, first_token_id}. `lease`
     (a leasing transport, e.g. NIXL): the reply also leases the pin and names its block ids (and,
-    `want_metadata`, carries the peer's transport metadata under the transport's name), so the ready blocks can be READ without a lease round trip.
+    `want_metadata`, carries the peer's transport metadata under the transport's name), so the ready blocks can
+    be READ without a lease round trip.
     `last_seen` False: also answer as soon as the prefill's last step begins ({last: true}).
     `layers` (a layered reader: it holds that many layers of the blocks being written): also
     answer when a running step has written more layers (`partial`: pins.PinTable.progress); a

@@ -744,8 +744,10 @@ def _receive_pieces(sock: socket.socket, plan: Plan, bufs: list[torch.Tensor], d
                 marks = [(first + j) * whole + layer for j in range(count) for layer in range(lo, hi)] \
                     if count <= plan.chunk_blocks and first + count <= plan.nblocks and 0 <= lo < hi <= whole else None
                 if marks is None or any(landed[m] for m in marks):
-                    raise side_channel.SideChannelError(f"the KV peer sent a piece ({first}, {count}, layers {lo}-{hi}) "
-                                                        f"outside its read of {plan.nblocks} blocks, or twice")
+                    raise side_channel.SideChannelError(
+                        f"the KV peer sent a piece ({first}, {count}, layers {lo}-{hi}) "
+                        f"outside its read of {plan.nblocks} blocks, or twice"
+                    )
                 for m in marks:
                     landed[m] = 1
             b, size = k % len(bufs), count * (hi - lo) * lb

@@ -67,7 +67,9 @@ class TPShard:
             raise ConfigError("--tensor-parallel-size", f"{n} does not divide the shared expert's MLP size "
                                                         f"{c.shared_expert_intermediate_size}")
         if c.num_heads % n:
-            raise ConfigError("--tensor-parallel-size", f"{n} does not divide the model's {c.num_heads} attention heads")
+            raise ConfigError(
+                "--tensor-parallel-size", f"{n} does not divide the model's {c.num_heads} attention heads"
+            )
         if not check_kv_heads(c.num_kv_heads, n):
             raise ConfigError("--tensor-parallel-size", f"{n} and the model's {c.num_kv_heads} KV heads: one must "
                                                         f"divide the other")

@@ -4,7 +4,8 @@ gives each prompt token after the tokens before it, plus the top-N alternatives 
 They come from the prefill's own hidden states: position p's logits score prompt token p+1.
 Only requests that ask for them project their prompt rows to logits, and those rows go
 through the LM head in slices of `slice_rows` (the runner passes --max-num-seqs: the number of
-logit rows its memory profile measured), so a long prompt never holds [P, V] fp32 logits at once. A prefill split into chunks scores each chunk's rows when the chunk runs; the first
+logit rows its memory profile measured), so a long prompt never holds [P, V] fp32 logits at once. A prefill
+split into chunks scores each chunk's rows when the chunk runs; the first
 prompt token has nothing before it and gets None (as OpenAI and vLLM return).
 
 Such a request skips the prefix cache lookup (a cached block's positions have no hidden states

@@ -40,7 +40,9 @@ class Sampler:
         tokens, logprobs = self.sample(logits, reqs)
         return tokens.tolist(), logprobs if logprobs is not None else [None] * len(reqs)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
         """The token ids as a device tensor [S], read by the host only where a row needs it (a
         seeded row samples on a CPU generator; logprobs are built on the host): async scheduling
         feeds the tensor to the next step. Logprobs: None when no request asked."""

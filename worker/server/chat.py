@@ -76,7 +76,11 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
-    base = {"id": serving.response_id(request, "chatcmpl", rid), "created": serving.now(), "model": state.served_model_name}
+    base = {
+        "id": serving.response_id(request, "chatcmpl", rid),
+        "created": serving.now(),
+        "model": state.served_model_name,
+    }
     if body.stream:
         return SSEResponse(_stream(state, body, prompt, base, first, events, tools))
 

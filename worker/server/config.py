@@ -62,9 +62,9 @@ class ServerConfig(RequestLimitFlags):
         RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes", f"must be at least 1024, got {self.max_request_bytes}")
-        for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
+        for name, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
             if value <= 0:
-                raise ConfigError(flag, f"must be > 0 seconds, got {value}")
+                raise ConfigError(name, f"must be > 0 seconds, got {value}")
         if self.chat_template_timeout_s <= 0:
             raise ConfigError("--chat-template-timeout", f"must be > 0 seconds, got {self.chat_template_timeout_s}")
         if self.max_connections < 1:

@@ -54,7 +54,9 @@ class _EngineCollector:
         yield gauge("pdserve_kv_free_blocks", "Free KV cache blocks.", s.num_free_blocks)
         yield gauge("pdserve_kv_total_blocks", "KV cache blocks in all.", s.num_total_blocks)
         yield gauge("pdserve_kv_pinned_blocks", "KV blocks held for remote decode workers.", s.num_pinned_blocks)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
+        )
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
 

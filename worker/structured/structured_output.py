@@ -1,7 +1,8 @@
 """Structured outputs: grammars compiled once per spec, one matcher per request, a token mask.
 
 A request's `response_format` / `guided_*` becomes a `StructuredOutputSpec` (a hashable value in
-its SamplingParams, defined with them in sampling_params.py). The engine compiles it when the request arrives (an invalid schema or regex
+its SamplingParams, defined with them in sampling_params.py). The engine compiles it when the request arrives
+(an invalid schema or regex
 is the caller's 400 there, before anything runs) through `StructuredOutputs`, which caches the
 compiled grammar per spec and builds the grammar engine's tokenizer view once. Each request owns
 a `GrammarMatcher`:
@@ -35,7 +36,6 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -142,8 +142,11 @@ class StructuredOutputs:
         except ImportError as e:
             from pdserve.protocol.flags import ConfigError
 
-            raise ConfigError("--structured-outputs-backend", f"{backend} is not installed ({e}); "
-                                                              f"pip install {'llguidance' if backend == 'llguidance' else 'pdserve[xgrammar]'}") from None
+            raise ConfigError(
+                "--structured-outputs-backend",
+                f"{backend} is not installed ({e}); "
+                f"pip install {'llguidance' if backend == 'llguidance' else 'pdserve[xgrammar]'}",
+            ) from None
 
     def matcher(self, spec: StructuredOutputSpec, compiled=None) -> GrammarMatcher:
         """A fresh matcher for `spec` (raises GrammarError if the spec does not compile);

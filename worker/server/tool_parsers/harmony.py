@@ -5,7 +5,7 @@ A harmony reply is a run of messages; the prompt ends with `<|start|>assistant`,
 opens inside the first one's header:
 
     <|channel|>analysis<|message|>chain of thought<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
     <|start|>assistant<|channel|>final<|message|>The answer.<|return|>
 
 A header is the text up to `<|message|>`: the role (after `<|start|>`), `<|channel|>NAME`, a
@@ -156,7 +156,9 @@ class HarmonyParser(ToolParser):
             fn = t["function"]
             if fn.get("description"):
                 lines.append(f"// {fn['description']}")
-            lines.append(f"type {fn['name']} = (_: {json.dumps(fn.get('parameters') or {}, ensure_ascii=False)}) => any;")
+            lines.append(
+                f"type {fn['name']} = (_: {json.dumps(fn.get('parameters') or {}, ensure_ascii=False)}) => any;"
+            )
             lines.append("")
         lines.append("} // namespace functions")
         return "\n".join(lines)

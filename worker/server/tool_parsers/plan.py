@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pdserve.protocol.chat_render import knows_tools, offered_tools, with_tools
 from pdserve.protocol.errors import APIError, bad_request
-from pdserve.protocol.tools import NamedToolChoice, parse_arguments
+from pdserve.protocol.tools import NamedToolChoice
 from pdserve.worker.request.sampling_params import StructuredOutputSpec
 from pdserve.worker.server.tool_parsers import Parsed, ToolParser, get_parser
 
