@@ -420,32 +420,14 @@ class Kubelet:
         state = ({"waiting": {"reason": "CrashLoopBackOff", "message": waiting}} if waiting
                  else {"running": {"startedAt": now}})
         status = {
-            "phase": "Running",
-            "podIP": p.ip,
-            "podIPs": [{"ip": p.ip}],
-            "hostIP": "127.0.0.1",
+            "phase": "Running", "podIP": p.ip, "podIPs": [{"ip": p.ip}], "hostIP": "127.0.0.1",
             "startTime": (pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ") if pod.status.start_time else now),
-            "conditions": [
-                {"type": t, "status": s, "lastTransitionTime": now}
-                for t, s in (
-                    ("PodScheduled", "True"),
-                    ("Initialized", "True"),
-                    ("ContainersReady", flag),
-                    ("Ready", flag),
-                )
-            ],
-            "containerStatuses": [
-                {
-                    "name": c.name,
-                    "image": c.image,
-                    "imageID": "",
-                    "ready": ready,
-                    "restartCount": p.restarts,
-                    "started": waiting is None,
-                    "state": state,
-                    "lastState": ({"terminated": p.extra["last_terminated"]} if "last_terminated" in p.extra else {}),
-                }
-            ],
+            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in (
+                ("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+            "containerStatuses": [{"name": c.name, "image": c.image, "imageID": "", "ready": ready,
+                                   "restartCount": p.restarts, "started": waiting is None, "state": state,
+                                   "lastState": ({"terminated": p.extra["last_terminated"]}
+                                                 if "last_terminated" in p.extra else {})}],
         }
         try:
             self.core.patch_namespaced_pod_status(p.name, p.namespace, {"status": status})

@@ -196,24 +196,11 @@ class Kubelet:
         flag = "True" if ready else "False"
         containers = [{"name": c.name, "image": c.image, "imageID": "", "ready": ready, "restartCount": 0,
                        "started": True, "state": {"running": {"startedAt": now}}} for c in pod.spec.containers]
-        body = {
-            "status": {
-                "phase": "Running",
-                "podIP": (pod.status.pod_ip or self._ip()),
-                "hostIP": "127.0.0.1",
-                "startTime": now,
-                "conditions": [
-                    {"type": t, "status": s, "lastTransitionTime": now}
-                    for t, s in (
-                        ("PodScheduled", "True"),
-                        ("Initialized", "True"),
-                        ("ContainersReady", flag),
-                        ("Ready", flag),
-                    )
-                ],
-                "containerStatuses": containers,
-            }
-        }
+        body = {"status": {
+            "phase": "Running", "podIP": (pod.status.pod_ip or self._ip()), "hostIP": "127.0.0.1", "startTime": now,
+            "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in (
+                ("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+            "containerStatuses": containers}}
         self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, body)
 
     def crash_loop(self, pod, message: str = "exit code 1") -> None:

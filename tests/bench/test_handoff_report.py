@@ -34,12 +34,8 @@ def simulated_stall(nbytes: float, gbps: float, prefill_ms: float, n: int) -> fl
 def test_overlap_model_matches_a_chunk_by_chunk_simulation():
     rng = random.Random(0)
     for _ in range(500):
-        nbytes, gbps, prefill, n = (
-            rng.uniform(1e6, 3e9),
-            rng.choice((1, 2, 10, 25, 50, 200)),
-            rng.uniform(1, 900),
-            rng.randint(1, 40),
-        )
+        nbytes, gbps, prefill, n = (rng.uniform(1e6, 3e9), rng.choice((1, 2, 10, 25, 50, 200)), rng.uniform(1, 900),
+                                    rng.randint(1, 40))
         assert hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0) == pytest.approx(simulated_stall(nbytes, gbps, prefill, n))
 
 
@@ -143,12 +139,8 @@ def simulated_split_stall(nbytes: float, gbps: float, prefill_ms: float, chunks:
 def test_the_model_of_unequal_chunks_agrees_with_its_closed_form_and_a_simulation():
     rng = random.Random(1)
     for _ in range(300):
-        nbytes, gbps, prefill, n = (
-            rng.uniform(1e6, 3e9),
-            rng.choice((1, 2, 10, 25, 50)),
-            rng.uniform(1, 900),
-            rng.randint(1, 30),
-        )
+        nbytes, gbps, prefill, n = (rng.uniform(1e6, 3e9), rng.choice((1, 2, 10, 25, 50)), rng.uniform(1, 900),
+                                    rng.randint(1, 30))
         assert hr.stall_on_ms(nbytes, gbps, prefill, [7] * n, 0.0) == pytest.approx(
             hr.stall_on_ms(nbytes, gbps, prefill, n, 0.0)
         )

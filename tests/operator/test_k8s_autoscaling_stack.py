@@ -79,14 +79,9 @@ def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster,
     model = str(tiny_checkpoint("llama"))
     api = Api(k8s_cluster, namespace)
     core, apps = api.core, client.AppsV1Api(k8s_cluster.api_client)
-    kubelet = Kubelet(
-        k8s_cluster.api_client,
-        f"https://127.0.0.1:{k8s_cluster.port}",
-        k8s_cluster.run_dir / "pki" / "apiserver.crt",
-        tmp_path,
-        namespaces=[namespace],
-        first_ip=150,
-    ).start()
+    kubelet = Kubelet(k8s_cluster.api_client, f"https://127.0.0.1:{k8s_cluster.port}",
+                      k8s_cluster.run_dir / "pki" / "apiserver.crt", tmp_path, namespaces=[namespace],
+                      first_ip=150).start()
     try:
         with operator(operator_kubeconfig, namespace):
             api.create("fb", spec(model, prefill={"replicas": 1}, decode={"replicas": 1}))
@@ -234,14 +229,9 @@ def test_a_ttft_breach_adds_prefill_and_load_removed_takes_it_back(k8s_cluster, 
     model = str(tiny_checkpoint("llama"))
     api = Api(k8s_cluster, namespace)
     core, apps = api.core, client.AppsV1Api(k8s_cluster.api_client)
-    kubelet = Kubelet(
-        k8s_cluster.api_client,
-        f"https://127.0.0.1:{k8s_cluster.port}",
-        k8s_cluster.run_dir / "pki" / "apiserver.crt",
-        tmp_path,
-        namespaces=[namespace],
-        first_ip=170,
-    ).start()
+    kubelet = Kubelet(k8s_cluster.api_client, f"https://127.0.0.1:{k8s_cluster.port}",
+                      k8s_cluster.run_dir / "pki" / "apiserver.crt", tmp_path, namespaces=[namespace],
+                      first_ip=170).start()
 
     def replicas(role: str) -> int:
         return apps.read_namespaced_deployment_scale(f"step-{role}", namespace).spec.replicas or 0

@@ -11,6 +11,10 @@ from tests.helpers.metrics import metric  # noqa: F401 (the P/D tests import it 
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
+# A small worker for P/D tests: short context, tiny blocks, a few MiB of KV, loopback peers only.
+PD_ARGS = ("--max-model-len", "256", "--block-size", "4", "--kv-cache-memory", str(1 << 22),
+           "--kv-peer-allow", "127.0.0.1")
+
 
 def kv_state(w: WorkerProcess) -> dict:
     return httpx.get(f"{w.url}/debug/kv", timeout=10, headers=w.headers).json()

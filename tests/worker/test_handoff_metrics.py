@@ -17,19 +17,10 @@ import httpx
 import pytest
 
 from tests.helpers.metrics import metric_value, scrape
-from tests.worker.kv_harness import leaves_no_kv, pd_pair
+from tests.worker.kv_harness import PD_ARGS, leaves_no_kv, pd_pair
 from tests.worker.test_server_harness import WorkerProcess
 
-ARGS = (
-    "--max-model-len",
-    "256",
-    "--block-size",
-    "4",
-    "--kv-cache-memory",
-    str(1 << 22),
-    "--kv-peer-allow",
-    "127.0.0.1",
-)
+ARGS = PD_ARGS
 BODY = {"prompt": "Metrics of a hand-off: the prefill worker ran this prompt, the decode worker", "max_tokens": 6,
         "temperature": 0, "ignore_eos": True}
 QUEUE = "vllm:request_queue_time_seconds_count"

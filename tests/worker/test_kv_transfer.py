@@ -14,23 +14,14 @@ import pytest
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.prompt_binding import token_digest
-from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, wait_clean
+from tests.worker.kv_harness import PD_ARGS, kv_state, leaves_no_kv, metric, wait_clean
 from tests.worker.kv_harness import pd_pair as start_pd_pair
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest to find"
 BASE = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-ARGS = (
-    "--max-model-len",
-    "256",
-    "--block-size",
-    "4",
-    "--kv-cache-memory",
-    str(1 << 22),
-    "--kv-peer-allow",
-    "127.0.0.1",
-)
+ARGS = PD_ARGS
 SECRET = "kv-transfer-tests-shared-secret"
 ENV = {"PDSERVE_KV_SECRET": SECRET}  # as a Kubernetes Secret would pass it
 AUTH = SideChannelAuth(SECRET)
