@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
 
 PROMPT_HANDOFF = 3000
@@ -117,7 +118,7 @@ class Pair:
         from pdserve.worker.engine.llm_engine import LLMEngine
 
         self.kv_dtype = kv_dtype
-        port = 23000 + os.getpid() % 5000 + (0 if kv_dtype == "auto" else 50)
+        port, decode_port = free_ports(), free_ports()
         common = dict(ckpt=ckpt, kv_dtype=kv_dtype, max_len=PROMPT_DECODE + 256 if not args.smoke else 1024,
                       batch=args.batch, smoke=args.smoke)
         share = devices[0] == devices[1]
@@ -130,7 +131,7 @@ class Pair:
             if not self.proc.is_alive():
                 raise RuntimeError(f"the prefill process exited with {self.proc.exitcode}")
         assert self.conn.recv() == "ready"
-        self.engine = LLMEngine(engine_config(**common, role="decode", device=devices[0], port=port + 10,
+        self.engine = LLMEngine(engine_config(**common, role="decode", device=devices[0], port=decode_port,
                                               util=0.45 if share else 0.85))
         self.pulls: list[tuple[float, int]] = []
         conn = self.engine.kv_connector

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
 
 MiB = 1 << 20
@@ -136,7 +137,7 @@ def bench_transport(transport, cases, modes, num_blocks, block_bytes, iters, bre
     nixl_breakdown = transport == "nixl" and breakdown_iters > 0
     if nixl_breakdown:
         pins += [[0]] * (2 * 2 * breakdown_iters * len(modes))  # notification after / on the READ; 2 per step
-    port = 20000 + os.getpid() % 20000
+    port = free_ports(2)  # the prefill side's, and the decode side's + 1
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_server, args=(transport, port, server_dev, num_blocks, block_bytes, pins, child))

@@ -29,7 +29,6 @@ import json
 import queue
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,15 +37,11 @@ import time
 
 import torch
 
+from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
 
 MODES = ("agg-sync", "pd-sync", "pd-async", "agg-async")  # the reference first; what matters most next
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stepper:
@@ -98,7 +93,7 @@ def _config(args, ckpt: str, device: str, role: str, asyn: bool, share: float):
     if role != "both":
         from pdserve.worker.kv.nixl_transport import nixl_available
 
-        kw.update(kv_transfer="nixl" if nixl_available() and device != "cpu" else "tcp", kv_port=_free_port(),
+        kw.update(kv_transfer="nixl" if nixl_available() and device != "cpu" else "tcp", kv_port=free_ports(),
                   kv_peer_allow=("127.0.0.1",), kv_secret="bench-pd-async-secret",
                   kv_stream_chunk_tokens=args.chunk, kv_stream_split=args.split)
     return EngineConfig(**kw)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
 
 MiB = 1 << 20
@@ -234,7 +235,6 @@ def main(argv=None) -> int:
     cases = [(churned_blocks(num_blocks, n, 1), churned_blocks(num_blocks, n, 2)) for n in sizes]
     configs = _parse_configs(args.configs)
     rows, notes = {}, []
-    port = 21000 + os.getpid() % 20000
     for k, (name, env) in enumerate(configs):
         if name == "nixl":
             env = with_cuda_copy(env)
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         a, b = ctx.Pipe()
         plan = {"server_device": args.server_device, "modes": modes, "iters": args.iters}
         t0 = time.monotonic()
-        proc = ctx.Process(target=_decode, args=(transport, port + 10 * k, args.client_device, num_blocks,
+        proc = ctx.Process(target=_decode, args=(transport, free_ports(2), args.client_device, num_blocks,
                                                  args.block_kib, env, cases, plan, b))
         proc.start()
         out = a.recv() if a.poll(args.config_timeout_s) else {"_error": f"no result within {args.config_timeout_s}s"}

@@ -28,7 +28,6 @@ import datetime
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pdserve.bench.ports import free_ports
 
 SECRET = "bench-tp-pd-secret"
 PAIRS = [(2, 2), (2, 1), (1, 2), (1, 1)]  # (prefill TP, decode TP)
@@ -48,19 +49,6 @@ GPU_MODEL = dict(vocab_size=32768, hidden_size=2048, intermediate_size=8192, num
                  tie_word_embeddings=False, rope_theta=500000.0)
 SMOKE_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free (a TP=n prefill worker serves rank r's shard on --kv-port + r)."""
-    while True:
-        p = random.randrange(20000, 32000)
-        try:
-            for port in range(p, p + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return p
 
 
 class Worker:
