@@ -16,7 +16,8 @@ _rng = random.SystemRandom()
 _handed_out: set[int] = set()
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' source ports)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
@@ -24,10 +25,10 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
@@ -36,11 +37,11 @@ def _bindable(port: int) -> bool:
 def free_ports(n: int = 1) -> int:
     """The first of n consecutive loopback ports that nothing listens on now (a TP=n prefill
     worker serves rank r on --kv-port + r; a bench's decode side listens on the prefill's + 1)."""
-    high = max(_FLOOR + 2 * n, _ephemeral_low() - n)
+    high = max(_FLOOR + 2 * n, ephemeral_low() - n)
     for _ in range(2000):
         p = _rng.randrange(_FLOOR, high)
         ports = range(p, p + n)
-        if not any(q in _handed_out for q in ports) and all(_bindable(q) for q in ports):
+        if not any(q in _handed_out for q in ports) and all(bindable(q) for q in ports):
             _handed_out.update(ports)
             return p
     raise RuntimeError(f"no {n} consecutive free loopback ports")

@@ -5,26 +5,11 @@ from __future__ import annotations
 import random
 import socket
 
+from pdserve.bench.ports import bindable, ephemeral_low
+
 _FLOOR = 10000  # below: well-known and registered services
 _rng = random.SystemRandom()  # not the `random` module's state, which a test may seed (same ports in two processes)
 _handed_out: set[int] = set()  # this process's ports so far: never the same one twice
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
@@ -37,10 +22,10 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     ports from the same (ephemeral) range, so one could hold it when the child binds. Ports come
     from below that range, and are never repeated. What is left: another process on the machine
     taking the same port in that window."""
-    low = _ephemeral_low()
+    low = ephemeral_low()
     def take(port: int) -> bool:
         ports = range(port, port + span)
-        if port + span > 65536 or any(q in _handed_out for q in ports) or not all(_bindable(host, q) for q in ports):
+        if port + span > 65536 or any(q in _handed_out for q in ports) or not all(bindable(q, host) for q in ports):
             return False
         _handed_out.update(ports)
         return True
