@@ -10,7 +10,7 @@ anything is read from them: a peer's numbers decide what a reader allocates and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 STATES = ("running", "done", "cancelled")  # of a streamed pin, in a progress reply
@@ -198,6 +198,67 @@ class ProgressReply:
                 raise MalformedReply(f"{where} sent no {transport.upper()} metadata")
         return cls(ready, state, reply.get("first_token_id"), reply.get("last") is True,
                    part, block_ids, metadata)
+
+
+@dataclass(frozen=True)
+class ReadGrant:
+    """TCP's grant of a `read` with `data`: a one-time `ticket` for `streams` connections to the
+    peer's `data_port`, carrying `nblocks` blocks of `block_bytes` in chunks of `chunk_blocks`;
+    `stream`: a stream read (pieces with headers, sent as the prefill computes them) of `layers`
+    pieces per block (0: whole blocks)."""
+
+    ticket: bytes = field(repr=False)  # proves the data connections' claim: kept out of logs
+    data_port: int
+    nblocks: int
+    block_bytes: int
+    chunk_blocks: int
+    streams: int
+    stream: bool = False
+    layers: int = 0
+
+
+@dataclass(frozen=True)
+class ReadReply:
+    """TCP's reply to a `read`: a `grant` (the bytes follow over data connections) or, from a
+    peer of an earlier release or to a read without `data`, the blocks inline: one frame per run
+    of `runs[i]` blocks."""
+
+    grant: ReadGrant | None = None
+    runs: list[int] | None = None
+
+    @classmethod
+    def parse(cls, reply: dict, frame_bytes: list[int], where: str, digest: str, nblocks: int, block_bytes: int,
+              max_streams: int, max_recv_bytes: int, max_layers: int) -> "ReadReply":
+        """`frame_bytes`: the sizes of the frames that came with it. The grant must fit this pull
+        (`nblocks` of our `block_bytes`) and the reader's bounds: a peer's numbers decide what we
+        allocate. The data port is the peer's own (from its signed reply); the reader connects to
+        the host it asked."""
+        if reply.get("prompt_digest") != digest:  # a peer that skipped the check must not fill our cache
+            raise MalformedReply("KV peer did not confirm the prompt digest")
+        if "ticket" not in reply:
+            runs = reply.get("runs")
+            if (not isinstance(runs, list) or len(frame_bytes) != len(runs) or sum(runs) != nblocks
+                    or any(n != c * block_bytes for n, c in zip(frame_bytes, runs))):
+                raise MalformedReply(f"KV peer sent a malformed read reply ({len(frame_bytes)} frames for runs "
+                                     f"{runs}, {nblocks} blocks of {block_bytes} bytes expected)")
+            return cls(runs=runs)
+        try:
+            ticket = bytes.fromhex(reply["ticket"])
+            fields = [reply[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams", "data_port")]
+        except (KeyError, TypeError, ValueError):
+            raise MalformedReply(f"{where} sent a malformed read grant") from None
+        if (len(ticket) != 16 or not all(type(f) is int for f in fields) or fields[0] != nblocks
+                or fields[1] != block_bytes or not 1 <= fields[3] <= max_streams
+                or not 1 <= fields[2] or 2 * fields[3] * fields[2] * block_bytes > max_recv_bytes
+                or not 0 < fields[4] < 65536):
+            raise MalformedReply(f"{where} sent a read grant that does not fit this pull "
+                                 f"({nblocks} blocks of {block_bytes} bytes)")
+        stream = reply.get("stream") is True
+        layers = reply.get("layers", 0) if stream else 0
+        if type(layers) is not int or not 0 <= layers <= max_layers or (layers and block_bytes % layers):
+            raise MalformedReply(f"{where} granted a stream read of {layers!r} layers per {block_bytes}-byte block")
+        n, bb, chunk, streams, port = fields
+        return cls(grant=ReadGrant(ticket, port, n, bb, chunk, streams, stream, layers))
 
 
 def _check_peer(reply: dict, where: str, engine_id: str, digest: str) -> None:
