@@ -40,7 +40,7 @@ def wait_notifications(t: NixlTransport, n: int) -> list[dict]:
 def pair():
     owner, reader = transport(fill=True), transport(fill=False)
     peer = reader.add_peer("owner", owner.describe())
-    assert peer["agent"] in reader._remote_prep  # the owner's cache prepared once, one descriptor per block
+    assert peer.agent in reader._remote_prep  # the owner's cache prepared once, one descriptor per block
     return owner, reader, peer
 
 

@@ -10,6 +10,7 @@ anything is read from them: a peer's numbers decide what a reader allocates and 
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,6 +260,43 @@ class ReadReply:
             raise MalformedReply(f"{where} granted a stream read of {layers!r} layers per {block_bytes}-byte block")
         n, bb, chunk, streams, port = fields
         return cls(grant=ReadGrant(ticket, port, n, bb, chunk, streams, stream, layers))
+
+
+@dataclass(frozen=True)
+class NixlPeer:
+    """A NIXL peer's registered cache, as its lease or progress reply describes it (the NIXL
+    transport's metadata): its agent's name and metadata, the cache's address, device and memory
+    type; its block count and size, unless it is of an earlier release (None: its blocks are
+    READ with descriptors built per pull; a block size other than ours: read into staging)."""
+
+    agent: str
+    # What NIXL's add_remote_agent takes (base64 on the wire): it grants READs of the whole
+    # cache, so it stays out of logs.
+    agent_metadata: bytes = field(repr=False)
+    base: int
+    device_id: int
+    mem_type: str  # "VRAM" or "DRAM"
+    num_blocks: int | None = None
+    block_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, desc, where: str) -> "NixlPeer":
+        try:
+            agent, base, device_id, mem_type = desc["agent"], desc["base"], desc["device_id"], desc["mem_type"]
+            agent_metadata = base64.b64decode(desc["metadata"])
+        except (KeyError, TypeError, ValueError):
+            raise MalformedReply(f"{where} sent malformed NIXL metadata") from None
+        num_blocks, block_bytes = desc.get("num_blocks"), desc.get("block_bytes")
+        if (not isinstance(agent, str) or not isinstance(mem_type, str) or type(base) is not int
+                or type(device_id) is not int or not (block_bytes is None or type(block_bytes) is int)):
+            raise MalformedReply(f"{where} sent malformed NIXL metadata")
+        return cls(agent, agent_metadata, base, device_id, mem_type,
+                   num_blocks if type(num_blocks) is int and num_blocks > 0 else None, block_bytes)
+
+    def to_body(self) -> dict:
+        return {"agent": self.agent, "metadata": base64.b64encode(self.agent_metadata).decode(), "base": self.base,
+                "device_id": self.device_id, "mem_type": self.mem_type, "num_blocks": self.num_blocks,
+                "block_bytes": self.block_bytes}
 
 
 def _check_peer(reply: dict, where: str, engine_id: str, digest: str) -> None:
