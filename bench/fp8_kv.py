@@ -155,7 +155,7 @@ class Pair:
     def cache_facts(self) -> dict:
         cache = self.engine.kv_cache
         return {"kv_bytes_per_token": cache.block_bytes // cache.block_size, "blocks": cache.num_blocks,
-                "tokens": cache.num_blocks * cache.block_size, "layout": cache.layout}
+                "tokens": cache.num_blocks * cache.block_size, "layout": str(cache.layout)}
 
     def handoff(self, prompt: list[int], transport: str, rid: str) -> dict:
         from pdserve.worker.request.sampling_params import SamplingParams

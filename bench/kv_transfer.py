@@ -37,6 +37,7 @@ import torch
 
 from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
+from pdserve.protocol.kv_layout import KVLayout
 
 MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
@@ -82,13 +83,13 @@ def num_runs(src: list[int], dst: list[int]) -> int:
 
 # -- the prefill process --------------------------------------------------------------------------
 
-def kv_cache(num_blocks: int, block_bytes: int, device, fill: bool = False) -> tuple[torch.Tensor, str]:
+def kv_cache(num_blocks: int, block_bytes: int, device, fill: bool = False) -> tuple[torch.Tensor, KVLayout]:
     """A cache shaped as the worker's [blocks, layers, 2, block size, kv heads, head dim] (one
-    layer, one token, one head: only each block's bytes matter here), and its layout string."""
+    layer, one token, one head: only each block's bytes matter here), and its layout."""
     shape = (num_blocks, 1, 2, 1, 1, block_bytes // 2)
     cache = (torch.randint(0, 255, shape, dtype=torch.uint8, device=device) if fill
              else torch.zeros(shape, dtype=torch.uint8, device=device))
-    return cache, f"1x1x{block_bytes // 2}:uint8:1"
+    return cache, KVLayout(1, 1, block_bytes // 2, "uint8", 1)
 
 
 def _server(transport, port, device, num_blocks, block_bytes, pins, conn):

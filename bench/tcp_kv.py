@@ -37,17 +37,18 @@ import torch
 
 from pdserve.bench.ports import free_ports
 from pdserve.bench.report import publish
+from pdserve.protocol.kv_layout import KVLayout
 
 MiB = 1 << 20
 DIGEST = "0" * 32
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B: 2 MiB per block in bf16
 
 
-def _cache(num_blocks: int, block_kib: int, device: str) -> tuple[torch.Tensor, str]:
+def _cache(num_blocks: int, block_kib: int, device: str) -> tuple[torch.Tensor, KVLayout]:
     if block_kib == 2048:
-        shape, layout = (num_blocks, LAYERS, 2, BLOCK, HEADS, DIM), f"{LAYERS}x{HEADS}x{DIM}:bfloat16:{BLOCK}"
+        shape, layout = (num_blocks, LAYERS, 2, BLOCK, HEADS, DIM), KVLayout(LAYERS, HEADS, DIM, "bfloat16", BLOCK)
     else:  # small blocks for a CPU smoke run: one layer, one token, one head
-        shape, layout = (num_blocks, 1, 2, 1, 1, block_kib * 256), f"1x1x{block_kib * 256}:bfloat16:1"
+        shape, layout = (num_blocks, 1, 2, 1, 1, block_kib * 256), KVLayout(1, 1, block_kib * 256, "bfloat16", 1)
     cache = torch.empty(shape, dtype=torch.bfloat16, device=device)
     cache.view(torch.int16).random_(-30000, 30000)
     return cache, layout
@@ -83,7 +84,7 @@ def _prefill(transport, port, device, num_blocks, block_kib, env, conn):
             break
         if msg[0] == "pin":
             n += 1
-            conn.send(c.pin(f"r{n}", msg[1], len(msg[1]) * int(layout.rsplit(":", 1)[1]), 0, DIGEST))
+            conn.send(c.pin(f"r{n}", msg[1], len(msg[1]) * layout.block_size, 0, DIGEST))
         elif msg[0] == "raw":  # nbytes, streams: send them from page-locked memory on that many sockets
             nbytes, streams = msg[1], msg[2]
             if bufs.get(nbytes // streams) is None:

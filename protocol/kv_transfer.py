@@ -24,6 +24,7 @@ from pydantic import PlainValidator
 from pydantic_core import PydanticCustomError
 
 from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
+from pdserve.protocol.kv_layout import KVLayout
 
 PARAM = "kv_transfer_params"  # the request/response field, and the `param` of its errors
 # The transport every prefill worker serves (worker/kv/registry.py names the others); params
@@ -131,7 +132,7 @@ class KVTransferParams:
     # params (the prefill has not run yet): the decode side learns it from the side channel.
     first_token_id: int | None
     transfer_token: str  # proves the puller was handed these params; the pin table checks it
-    kv_layout: str  # "{layers}x{kv heads}x{head dim}:{dtype}[@fp8 scales]:{block size}"; must match exactly
+    kv_layout: KVLayout  # of the prefill worker's cache; the decode worker's must equal it
     transport: str = BASE_TRANSPORT  # a registered transport's name (worker/kv/registry.py)
     expires_at: float | None = None  # wall clock; after it the prefill frees the blocks itself
     # The prefill worker's tensor-parallel size: rank r serves its KV heads on remote_port + r
@@ -141,11 +142,12 @@ class KVTransferParams:
 
     @property
     def block_size(self) -> int:
-        return int(self.kv_layout.rsplit(":", 1)[-1])
+        return self.kv_layout.block_size
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["remote_block_ids"] = list(self.remote_block_ids)
+        d["kv_layout"] = str(self.kv_layout)  # its wire form, as it always was
         if not self.stream_kv:
             del d[STREAM_KV]  # a plain hand-off's params stay as they always were
         return d
@@ -169,9 +171,10 @@ class KVTransferParams:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise KVTransferParamsError(f"{PARAM}.remote_block_ids must be a list of integers")
         try:
-            block_size = int(values["kv_layout"].rsplit(":", 1)[-1])
-        except ValueError:
-            raise KVTransferParamsError(f"{PARAM}.kv_layout {values['kv_layout']!r} does not end in a block size")
+            layout = KVLayout.parse(values["kv_layout"])
+        except ValueError as e:
+            raise KVTransferParamsError(f"{PARAM}.kv_layout {values['kv_layout']!r} {e}") from None
+        block_size = layout.block_size
         if (
             block_size < 1
             or values["num_prompt_tokens"] < 1
@@ -185,8 +188,8 @@ class KVTransferParams:
             raise KVTransferParamsError(f"{PARAM}.kv_tp_size must be an integer in [1, 64]")
         if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
-        return cls(**{**values, "remote_block_ids": tuple(ids), "transport": transport, "expires_at": expires_at,
-                      "kv_tp_size": tp_size, "stream_kv": stream_kv})
+        return cls(**{**values, "kv_layout": layout, "remote_block_ids": tuple(ids), "transport": transport,
+                      "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""

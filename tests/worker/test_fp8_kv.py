@@ -119,14 +119,14 @@ def test_layout_names_dtype_and_scales(tiny_checkpoint):
 
     cfg = read_model_config(str(tiny_checkpoint("llama")))
     shape = f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}"
-    assert kv_layout(cfg, torch.bfloat16, 16) == f"{shape}:bfloat16:16"
-    assert kv_layout(cfg, FP8_KV_DTYPE, 16) == f"{shape}:float8_e4m3fn@1:16"
+    assert str(kv_layout(cfg, torch.bfloat16, 16)) == f"{shape}:bfloat16:16"  # the wire form
+    assert str(kv_layout(cfg, FP8_KV_DTYPE, 16)) == f"{shape}:float8_e4m3fn@1:16"
     ones = torch.ones(cfg.num_layers, 2)
-    assert kv_layout(cfg, FP8_KV_DTYPE, 16, ones) == f"{shape}:float8_e4m3fn@1:16"
+    assert str(kv_layout(cfg, FP8_KV_DTYPE, 16, ones)) == f"{shape}:float8_e4m3fn@1:16"
     other = ones.clone()
     other[-1, 1] = 0.5
     calibrated = kv_layout(cfg, FP8_KV_DTYPE, 16, other)
-    assert calibrated.startswith(f"{shape}:float8_e4m3fn@") and calibrated != kv_layout(cfg, FP8_KV_DTYPE, 16)
+    assert str(calibrated).startswith(f"{shape}:float8_e4m3fn@") and calibrated != kv_layout(cfg, FP8_KV_DTYPE, 16)
     assert calibrated == kv_layout(cfg, FP8_KV_DTYPE, 16, other.clone())  # a digest of the values
     assert KVCache(cfg, 2, 16, FP8_KV_DTYPE, torch.device("cpu"), other).layout == calibrated
     with pytest.raises(ValueError, match=r"KV cache scales must be \[\d+, 2\] positive finite numbers"):

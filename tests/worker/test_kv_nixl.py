@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
@@ -40,7 +41,7 @@ def wait_notifications(t: NixlTransport, n: int) -> list[dict]:
 def pair():
     owner, reader = transport(fill=True), transport(fill=False)
     peer = reader.add_peer("owner", owner.describe())
-    assert peer["agent"] in reader._remote_prep  # the owner's cache prepared once, one descriptor per block
+    assert peer.agent in reader._remote_prep  # the owner's cache prepared once, one descriptor per block
     return owner, reader, peer
 
 
@@ -157,7 +158,7 @@ def connectors():
 
     port = free_port()
     shape = (BLOCKS, 1, 2, 1, 1, BLOCK_BYTES // 2)
-    layout = f"1x1x{BLOCK_BYTES // 2}:uint8:1"
+    layout = KVLayout(1, 1, BLOCK_BYTES // 2, "uint8", 1)
     p = KVConnector(EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port),
                     torch.randint(0, 255, shape, dtype=torch.uint8), "overlap-p", layout)
     p.start_server()

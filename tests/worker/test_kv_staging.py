@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.staging import StagingBusy, StagingPool
@@ -103,6 +104,7 @@ def test_a_retired_slot_is_never_handed_out_again_and_freed_at_close():
 SECRET = "kv-staging-tests-secret"
 LAYERS, BS, KV, DIM, BLOCKS = 2, 4, 2, 8, 32
 BLOCK = LAYERS * 2 * BS * KV * DIM * 4  # a full-head fp32 block: 1 KiB
+LAYOUT = KVLayout(1, 1, 1, "float32", 16)  # what the params name (16 tokens a block); a pull compares none
 
 
 @pytest.fixture
@@ -122,7 +124,7 @@ def nixl_world():
         cache = torch.randn(BLOCKS, LAYERS, 2, BS, KV // size, DIM, generator=g)
         config = EngineConfig(device="cpu", kv_transfer="nixl", kv_port=free_kv_ports(), kv_peer_allow=("127.0.0.1",),
                               kv_secret=SECRET, kv_pull_timeout=60)  # generous: a loaded CI machine
-        c = KVConnector(config, cache, name, "layout", tp=TPRank(rank, size, KV))
+        c = KVConnector(config, cache, name, LAYOUT, tp=TPRank(rank, size, KV))
         made.append(c)
         return c
 
@@ -146,7 +148,7 @@ def nixl_world():
                   "remote_request_id": rid, "transfer_token": token, "kv_tp_size": len(ranks), "transport": "nixl",
                   # the rest of a decode request's params: a pull reads only the fields above
                   "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
-                  "kv_layout": "layout:16"}
+                  "kv_layout": str(LAYOUT)}
         return KVTransferParams.from_dict(params), digest
 
     def pull(dec, params, digest, dst_ids):

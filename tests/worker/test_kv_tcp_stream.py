@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.auth import SideChannelAuth
@@ -109,7 +110,8 @@ def small_chunks(monkeypatch):
 def as_params(d: dict) -> KVTransferParams:
     """The parsed params a decode worker carries; tcp_pull reads the request id, token and engine."""
     return KVTransferParams(**{"remote_host": "127.0.0.1", "remote_port": 0,
-                               "num_prompt_tokens": 1, "first_token_id": 0, "kv_layout": "x:1", "transport": "tcp",
+                               "num_prompt_tokens": 1, "first_token_id": 0, "transport": "tcp",
+                               "kv_layout": KVLayout(1, 1, 1, "uint8", 1),
                                **{k: v for k, v in d.items() if k in KVTransferParams.__dataclass_fields__},
                                "remote_block_ids": tuple(d.get("remote_block_ids", ()))})
 
@@ -662,7 +664,7 @@ def test_a_nixl_prefill_worker_serves_tcp_reads(small_chunks):
     port = free_port()
     cache = torch.randint(0, 256, (64, 1, 2, 1, 1, BLOCK_BYTES // 2), dtype=torch.uint8).view(torch.bfloat16)
     config = EngineConfig(role="prefill", kv_transfer="nixl", kv_host="127.0.0.1", kv_port=port, kv_secret=SECRET)
-    c = KVConnector(config, cache, "nixl-prefill", f"1x1x{BLOCK_BYTES // 4}:bfloat16:1")
+    c = KVConnector(config, cache, "nixl-prefill", KVLayout(1, 1, BLOCK_BYTES // 4, "bfloat16", 1))
     c.start_server()
     try:
         src = [3, 4, 5, 20, 21, 40, 41, 42, 43, 9]
@@ -696,7 +698,7 @@ def test_a_layered_progress_reply_is_checked_before_any_layer_is_read():
     try:
         params = KVTransferParams(remote_engine_id=ENGINE, remote_host="127.0.0.1", remote_port=port,
                                   remote_request_id="r", remote_block_ids=tuple(range(8)), num_prompt_tokens=32,
-                                  first_token_id=None, transfer_token="t", kv_layout="8x1x8:bf16:4")
+                                  first_token_id=None, transfer_token="t", kv_layout=KVLayout(8, 1, 8, "bf16", 4))
         ask = lambda: side_channel.progress("127.0.0.1", port, params, DIGEST, 2, 10, AUTH, layers=3)  # noqa: E731
         assert ask().partial == [4, 2, 8]
         for _ in range(5):  # every layer written, none, a step ending before the ready blocks, not a list, short

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.engine.block_manager import BlockManager
@@ -26,7 +27,7 @@ from pdserve.worker.request.sampling_params import SamplingParams
 from tests.net import free_port
 
 BS, BLOCKS, VOCAB = 4, 16, 1000
-LAYOUT = f"1x1x4:float32:{BS}"
+LAYOUT = KVLayout(1, 1, 4, "float32", BS)
 
 
 # Each scheduler's worker half: `compute` hands it the step's orders, as the engine does.

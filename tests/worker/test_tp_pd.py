@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.auth import SideChannelAuth
@@ -34,6 +35,7 @@ ARGS = ("--served-model-name", "x", "--max-model-len", "128", "--block-size", "4
         "--kv-peer-allow", "127.0.0.1", "--kv-pull-timeout", "5", "--kv-pin-ttl", "20",
         "--kv-stream-chunk-tokens", "8")  # a streamed hand-off's 23-token prompt in 3 chunks
 MAX_TOKENS = 8
+LAYOUT = KVLayout(1, 1, 1, "float32", 16)  # what the params name (16 tokens a block); a pull compares none
 
 
 # -- which prefill rank holds each decode rank's heads ---------------------------------------------
@@ -240,7 +242,7 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
     def serve(size):
         """A prefill worker of TP `size`: one connector per rank, rank r on port + r, one pin."""
         port = free_kv_ports()
-        ranks = [KVConnector(config(port), cache(kv // size, r), "eng", "layout", tp=TPRank(r, size, kv))
+        ranks = [KVConnector(config(port), cache(kv // size, r), "eng", LAYOUT, tp=TPRank(r, size, kv))
                  for r in range(size)]
         token = None
         for c in ranks:
@@ -250,11 +252,11 @@ def test_staged_pulls_put_every_head_where_it_belongs(transport, kv_dtype):
                   "remote_request_id": "req", "transfer_token": token, "kv_tp_size": size,
                   "transport": transport,  # absent, a pull goes over TCP
                   "remote_block_ids": list(src_ids), "num_prompt_tokens": 16 * len(src_ids), "first_token_id": 0,
-                  "kv_layout": "layout:16"}
+                  "kv_layout": str(LAYOUT)}
         return ranks, KVTransferParams.from_dict(params)
 
     def pull(size, rank, params):
-        c = KVConnector(config(free_kv_ports()), cache(kv // size, 99), "dec", "layout", tp=TPRank(rank, size, kv))
+        c = KVConnector(config(free_kv_ports()), cache(kv // size, 99), "dec", LAYOUT, tp=TPRank(rank, size, kv))
         c.cache.zero_()
         c._pull(params, list(range(len(src_ids))), dst_ids, digest)
         if transport == "nixl":  # it really read over NIXL, into its registered staging buffer

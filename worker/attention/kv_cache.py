@@ -19,6 +19,7 @@ import hashlib
 import torch
 
 from pdserve.kernels.reference import FP8_KV_DTYPE
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.worker.config.model import ModelConfig
 
 
@@ -27,16 +28,14 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_KV_DTYPE if name in ("fp8", "fp8_e4m3") else model_dtype
 
 
-def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: torch.Tensor | None = None) -> str:
-    """"<layers>x<kv heads>x<head dim>:<dtype>:<block size>" (P/D peers compare it before a pull).
+def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: torch.Tensor | None = None) -> KVLayout:
+    """What P/D peers compare before a pull (str() of it: "<layers>x<kv heads>x<head dim>:<dtype>:<block size>").
 
-    An fp8 cache's dtype part also names its scales ("float8_e4m3fn@1" when all are 1, else
-    "@" and a digest of them): blocks written with other scales would dequantize to other
-    values, so a pair whose scales differ must not exchange KV any more than one whose dtype does."""
-    name = str(dtype).removeprefix("torch.")
-    if dtype == FP8_KV_DTYPE:
-        name += "@" + scales_tag(scales)
-    return f"{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}:{name}:{block_size}"
+    An fp8 cache's layout also names its scales ("float8_e4m3fn@1" when all are 1, else "@" and a
+    digest of them): blocks written with other scales would dequantize to other values, so a pair
+    whose scales differ must not exchange KV any more than one whose dtype does."""
+    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."), block_size,
+                    scales_tag(scales) if dtype == FP8_KV_DTYPE else None)
 
 
 def scales_tag(scales: torch.Tensor | None) -> str:

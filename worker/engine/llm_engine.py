@@ -150,7 +150,7 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB, %s), max_model_len %d, attention=%s",
                  mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
                  r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, r.kv_dtype) / 2**20,
-                 self.kv_cache.layout.split(":")[1], self.max_model_len,
+                 self.kv_cache.layout.element, self.max_model_len,
                  self.attention_backend)
 
     # -- public API ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.kv import side_channel
@@ -61,13 +62,13 @@ log = logging.getLogger(__name__)
 
 
 class KVConnector:
-    def __init__(self, config: EngineConfig, cache: torch.Tensor, engine_id: str, layout: str,
+    def __init__(self, config: EngineConfig, cache: torch.Tensor, engine_id: str, layout: KVLayout,
                  tp: TPRank | None = None, link=None, report=None):
         """Tensor parallelism (tp_link.py): every rank has a connector over its cache shard. `tp`:
         this rank; `link`: rank 0's pipes to the other ranks; `report`: rank >= 1's way back."""
         self.engine_id = engine_id
-        # "<layers>x<kv heads>x<head dim>:<dtype>:<block size>", of the whole model (all ranks'
-        # heads): peers of different TP sizes compare equal and map heads (tp_transfer.py).
+        # Of the whole model (all ranks' heads): peers of different TP sizes compare equal and
+        # map heads (tp_transfer.py).
         self.layout = layout
         self.tp = tp or TPRank(0, 1, cache.shape[4])
         self.link, self._report = link, report
@@ -169,7 +170,7 @@ class KVConnector:
 
     def _describe(self, body):
         # Layout only: a transport's metadata would let the asker READ/WRITE the whole cache (see _lease).
-        return {"engine_id": self.engine_id, "kv_layout": self.layout, "block_bytes": self.block_bytes,
+        return {"engine_id": self.engine_id, "kv_layout": str(self.layout), "block_bytes": self.block_bytes,
                 "transport": self.transport}, []
 
     def _lease(self, body):

@@ -97,8 +97,8 @@ class KVConnectorScheduler:
         if kv.kv_layout != ep.layout and kv.stream_kv:
             # A streamed hand-off's first token comes with the pull, which cannot happen: the
             # router then hands over the final params instead, which prefill locally (below).
-            raise RequestError(PARAM, f"{PARAM} of a streamed hand-off describe KV layout {kv.kv_layout!r} but "
-                                      f"this worker's is {ep.layout!r}: it cannot read that KV",
+            raise RequestError(PARAM, f"{PARAM} of a streamed hand-off describe KV layout {str(kv.kv_layout)!r} but "
+                                      f"this worker's is {str(ep.layout)!r}: it cannot read that KV",
                                STREAM_UNSUPPORTED)
         # Another layout (dtype, fp8 scales, shape, block size) is a deployment mismatch, never
         # the client's fault: new_request prefills such a request here instead of pulling.
@@ -144,7 +144,7 @@ class KVConnectorScheduler:
                     log.error("KV hand-off refused: the prefill worker's KV layout is %r, this worker's %r (layers x "
                               "kv heads x head dim : dtype[@fp8 scales] : block size; --kv-cache-dtype and "
                               "--block-size must match between prefill and decode): prefilling locally",
-                              p.kv_layout, self._endpoint.layout)
+                              str(p.kv_layout), str(self._endpoint.layout))
                 return
             if self._endpoint.policy.empty:  # a `both` worker started without peers (it logged an error)
                 self._endpoint.metrics.local_prefill_fallbacks.inc()

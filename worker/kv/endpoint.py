@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.peer_policy import PeerNotAllowed, PeerPolicy
@@ -21,7 +22,7 @@ class KVEndpoint:
     engine_id: str
     host: str  # advertised: where decode workers reach rank 0's side channel (rank r: port + r)
     port: int
-    layout: str  # of the whole model (all ranks' heads): see kv_cache.kv_layout
+    layout: KVLayout  # of the whole model (all ranks' heads): see kv_cache.kv_layout
     transport: str  # this worker's transport (registry.py)
     tp_size: int
     num_blocks: int  # of this worker's KV cache

@@ -10,7 +10,8 @@ anything is read from them: a peer's numbers decide what a reader allocates and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+from dataclasses import dataclass, field
 from typing import Any
 
 STATES = ("running", "done", "cancelled")  # of a streamed pin, in a progress reply
@@ -198,6 +199,104 @@ class ProgressReply:
                 raise MalformedReply(f"{where} sent no {transport.upper()} metadata")
         return cls(ready, state, reply.get("first_token_id"), reply.get("last") is True,
                    part, block_ids, metadata)
+
+
+@dataclass(frozen=True)
+class ReadGrant:
+    """TCP's grant of a `read` with `data`: a one-time `ticket` for `streams` connections to the
+    peer's `data_port`, carrying `nblocks` blocks of `block_bytes` in chunks of `chunk_blocks`;
+    `stream`: a stream read (pieces with headers, sent as the prefill computes them) of `layers`
+    pieces per block (0: whole blocks)."""
+
+    ticket: bytes = field(repr=False)  # proves the data connections' claim: kept out of logs
+    data_port: int
+    nblocks: int
+    block_bytes: int
+    chunk_blocks: int
+    streams: int
+    stream: bool = False
+    layers: int = 0
+
+
+@dataclass(frozen=True)
+class ReadReply:
+    """TCP's reply to a `read`: a `grant` (the bytes follow over data connections) or, from a
+    peer of an earlier release or to a read without `data`, the blocks inline: one frame per run
+    of `runs[i]` blocks."""
+
+    grant: ReadGrant | None = None
+    runs: list[int] | None = None
+
+    @classmethod
+    def parse(cls, reply: dict, frame_bytes: list[int], where: str, digest: str, nblocks: int, block_bytes: int,
+              max_streams: int, max_recv_bytes: int, max_layers: int) -> "ReadReply":
+        """`frame_bytes`: the sizes of the frames that came with it. The grant must fit this pull
+        (`nblocks` of our `block_bytes`) and the reader's bounds: a peer's numbers decide what we
+        allocate. The data port is the peer's own (from its signed reply); the reader connects to
+        the host it asked."""
+        if reply.get("prompt_digest") != digest:  # a peer that skipped the check must not fill our cache
+            raise MalformedReply("KV peer did not confirm the prompt digest")
+        if "ticket" not in reply:
+            runs = reply.get("runs")
+            if (not isinstance(runs, list) or len(frame_bytes) != len(runs) or sum(runs) != nblocks
+                    or any(n != c * block_bytes for n, c in zip(frame_bytes, runs))):
+                raise MalformedReply(f"KV peer sent a malformed read reply ({len(frame_bytes)} frames for runs "
+                                     f"{runs}, {nblocks} blocks of {block_bytes} bytes expected)")
+            return cls(runs=runs)
+        try:
+            ticket = bytes.fromhex(reply["ticket"])
+            fields = [reply[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams", "data_port")]
+        except (KeyError, TypeError, ValueError):
+            raise MalformedReply(f"{where} sent a malformed read grant") from None
+        if (len(ticket) != 16 or not all(type(f) is int for f in fields) or fields[0] != nblocks
+                or fields[1] != block_bytes or not 1 <= fields[3] <= max_streams
+                or not 1 <= fields[2] or 2 * fields[3] * fields[2] * block_bytes > max_recv_bytes
+                or not 0 < fields[4] < 65536):
+            raise MalformedReply(f"{where} sent a read grant that does not fit this pull "
+                                 f"({nblocks} blocks of {block_bytes} bytes)")
+        stream = reply.get("stream") is True
+        layers = reply.get("layers", 0) if stream else 0
+        if type(layers) is not int or not 0 <= layers <= max_layers or (layers and block_bytes % layers):
+            raise MalformedReply(f"{where} granted a stream read of {layers!r} layers per {block_bytes}-byte block")
+        n, bb, chunk, streams, port = fields
+        return cls(grant=ReadGrant(ticket, port, n, bb, chunk, streams, stream, layers))
+
+
+@dataclass(frozen=True)
+class NixlPeer:
+    """A NIXL peer's registered cache, as its lease or progress reply describes it (the NIXL
+    transport's metadata): its agent's name and metadata, the cache's address, device and memory
+    type; its block count and size, unless it is of an earlier release (None: its blocks are
+    READ with descriptors built per pull; a block size other than ours: read into staging)."""
+
+    agent: str
+    # What NIXL's add_remote_agent takes (base64 on the wire): it grants READs of the whole
+    # cache, so it stays out of logs.
+    agent_metadata: bytes = field(repr=False)
+    base: int
+    device_id: int
+    mem_type: str  # "VRAM" or "DRAM"
+    num_blocks: int | None = None
+    block_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, desc, where: str) -> "NixlPeer":
+        try:
+            agent, base, device_id, mem_type = desc["agent"], desc["base"], desc["device_id"], desc["mem_type"]
+            agent_metadata = base64.b64decode(desc["metadata"])
+        except (KeyError, TypeError, ValueError):
+            raise MalformedReply(f"{where} sent malformed NIXL metadata") from None
+        num_blocks, block_bytes = desc.get("num_blocks"), desc.get("block_bytes")
+        if (not isinstance(agent, str) or not isinstance(mem_type, str) or type(base) is not int
+                or type(device_id) is not int or not (block_bytes is None or type(block_bytes) is int)):
+            raise MalformedReply(f"{where} sent malformed NIXL metadata")
+        return cls(agent, agent_metadata, base, device_id, mem_type,
+                   num_blocks if type(num_blocks) is int and num_blocks > 0 else None, block_bytes)
+
+    def to_body(self) -> dict:
+        return {"agent": self.agent, "metadata": base64.b64encode(self.agent_metadata).decode(), "base": self.base,
+                "device_id": self.device_id, "mem_type": self.mem_type, "num_blocks": self.num_blocks,
+                "block_bytes": self.block_bytes}
 
 
 def _check_peer(reply: dict, where: str, engine_id: str, digest: str) -> None:

@@ -37,7 +37,6 @@ the registration is the whole cache (see docs/security.md for why not per lease)
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
@@ -52,7 +51,7 @@ import torch
 from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.kv import side_channel
-from pdserve.worker.kv.messages import ReleaseNotice
+from pdserve.worker.kv.messages import MalformedReply, NixlPeer, ReleaseNotice
 from pdserve.worker.kv.block_runs import as_indices, check_indices, merge_runs, run_starts
 from pdserve.worker.kv.staging import StagingPool, slot_cap
 from pdserve.worker.kv.transport import KVTransport
@@ -142,7 +141,7 @@ class NixlTransport(KVTransport):
         self.overlap_lease = True
         self._local_prep = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _block_descs(self.base, self.num_blocks, block_bytes, self.device_id), self.mem_type)
-        self._remote: dict[str, dict] = {}  # engine id -> described peer
+        self._remote: dict[str, NixlPeer] = {}  # engine id -> described peer
         self._remote_prep: dict[str, object] = {}  # agent name -> its cache prepared, one descriptor per block
         self._described: dict | None = None
         self._lock = threading.Lock()  # agent calls from pull threads and the side-channel thread
@@ -164,37 +163,40 @@ class NixlTransport(KVTransport):
     def describe(self) -> dict:
         """Everything a peer needs to READ (or WRITE) this cache: give it only to a leaseholder."""
         if self._described is None:
-            metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
-            self._described = {"agent": self.agent_name, "metadata": metadata, "base": self.base,
-                               "device_id": self.device_id, "mem_type": self.mem_type,
-                               "num_blocks": self.num_blocks, "block_bytes": self.block_bytes}
+            self._described = NixlPeer(self.agent_name, self.agent.get_agent_metadata(), self.base, self.device_id,
+                                       self.mem_type, self.num_blocks, self.block_bytes).to_body()
         return self._described
 
-    def add_peer(self, engine_id: str, desc: dict) -> dict:
+    def add_peer(self, engine_id: str, desc: dict) -> NixlPeer:
+        """The peer `engine_id` as its reply's NIXL metadata `desc` describes it (parsed and added
+        once; later calls return the peer added first)."""
         with self._lock:
             if engine_id not in self._remote:
-                self.agent.add_remote_agent(base64.b64decode(desc["metadata"]))
+                try:
+                    peer = NixlPeer.parse(desc, f"KV peer {engine_id}")
+                except MalformedReply as e:
+                    raise side_channel.SideChannelError(str(e)) from None
+                self.agent.add_remote_agent(peer.agent_metadata)
                 # A tensor-parallel peer of another TP size has other block bytes: its blocks are
                 # read whole into a staging buffer (read_into), never paired with ours one to one.
-                same_blocks = desc.get("block_bytes", self.block_bytes) == self.block_bytes
-                if same_blocks and isinstance(desc.get("num_blocks"), int) and desc["num_blocks"] > 0:
-                    self._remote_prep[desc["agent"]] = self.agent.prep_xfer_dlist(
-                        desc["agent"], _block_descs(desc["base"], desc["num_blocks"], self.block_bytes,
-                                                    desc["device_id"]), desc["mem_type"])
-                self._remote[engine_id] = desc
+                if peer.block_bytes in (None, self.block_bytes) and peer.num_blocks is not None:
+                    self._remote_prep[peer.agent] = self.agent.prep_xfer_dlist(
+                        peer.agent, _block_descs(peer.base, peer.num_blocks, self.block_bytes, peer.device_id),
+                        peer.mem_type)
+                self._remote[engine_id] = peer
             return self._remote[engine_id]
 
-    def known_peer(self, engine_id: str) -> dict | None:
+    def known_peer(self, engine_id: str) -> NixlPeer | None:
         return self._remote.get(engine_id)
 
-    def read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict | None, timeout_s: float,
+    def read(self, peer: NixlPeer, src_blocks: list[int], dst_blocks: list[int], notif: dict | None, timeout_s: float,
              timings: dict | None = None) -> int:
         """READ remote `src_blocks` into local `dst_blocks`; returns bytes. `timings` (if given)
         gets the seconds spent preparing the request, posting it, waiting for it, releasing it
         and sending the notification."""
         return self.finish_read(self.post_read(peer, src_blocks, dst_blocks, notif, timings), timeout_s, timings)
 
-    def post_read(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], notif: dict | None,
+    def post_read(self, peer: NixlPeer, src_blocks: list[int], dst_blocks: list[int], notif: dict | None,
                   timings: dict | None = None) -> "PostedRead":
         """Start a READ; finish_read (or abort_read) must follow. In between, the caller may do
         other work while the bytes move (the connector runs the lease round trip)."""
@@ -205,26 +207,26 @@ class NixlTransport(KVTransport):
         t0 = time.perf_counter()
         src, dst = as_indices(src_blocks), as_indices(dst_blocks)
         with self._lock:
-            prepped = self._remote_prep.get(peer["agent"]) if self.use_prepped else None
+            prepped = self._remote_prep.get(peer.agent) if self.use_prepped else None
             if prepped is not None:
                 handle = self.agent.make_prepped_xfer("READ", self._local_prep, dst, prepped, src, attached)
             else:
                 bb = self.block_bytes
                 starts = run_starts(src, dst)  # one descriptor per run
                 counts = np.diff(np.append(starts, len(src))).astype(np.uint64) * bb
-                remote = _span_descs(peer["base"], src[starts], counts, bb, peer["device_id"])
+                remote = _span_descs(peer.base, src[starts], counts, bb, peer.device_id)
                 local = _span_descs(self.base, dst[starts], counts, bb, self.device_id)
                 handle = self.agent.initialize_xfer(
                     "READ", self.agent.get_xfer_descs(local, self.mem_type),
-                    self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], attached)
+                    self.agent.get_xfer_descs(remote, peer.mem_type), peer.agent, attached)
             t1 = time.perf_counter()
             state = self.agent.transfer(handle)
         if timings is not None:
             timings.update(prepare=t1 - t0, post=time.perf_counter() - t1)
-        return PostedRead(handle, state, peer["agent"], b"" if attached else msg, len(src) * self.block_bytes,
+        return PostedRead(handle, state, peer.agent, b"" if attached else msg, len(src) * self.block_bytes,
                           (src, dst))
 
-    def post_read_layers(self, peer: dict, src_blocks: list[int], dst_blocks: list[int], lo: int, hi: int,
+    def post_read_layers(self, peer: NixlPeer, src_blocks: list[int], dst_blocks: list[int], lo: int, hi: int,
                          num_layers: int) -> "PostedRead":
         """Start a READ of layers [lo, hi) of remote `src_blocks` into the same layers of local
         `dst_blocks` (no notification): a block holds its layers one after another (kv_cache.py),
@@ -238,13 +240,13 @@ class NixlTransport(KVTransport):
         layer_bytes = self.block_bytes // num_layers
         src, dst = as_indices(src_blocks), as_indices(dst_blocks)
         nbytes = np.full(len(src), (hi - lo) * layer_bytes, dtype=np.uint64)
-        remote = _span_descs(peer["base"] + lo * layer_bytes, src, nbytes, self.block_bytes, peer["device_id"])
+        remote = _span_descs(peer.base + lo * layer_bytes, src, nbytes, self.block_bytes, peer.device_id)
         local = _span_descs(self.base + lo * layer_bytes, dst, nbytes, self.block_bytes, self.device_id)
         with self._lock:
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
-                                                self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], b"")
+                                                self.agent.get_xfer_descs(remote, peer.mem_type), peer.agent, b"")
             state = self.agent.transfer(handle)
-        return PostedRead(handle, state, peer["agent"], b"", int(nbytes.sum()), (src, dst))
+        return PostedRead(handle, state, peer.agent, b"", int(nbytes.sum()), (src, dst))
 
     def finish_read(self, xfer: "PostedRead", timeout_s: float, timings: dict | None = None) -> int:
         """Wait for a posted READ, release its handle, then send its notification (the bytes
@@ -302,20 +304,20 @@ class NixlTransport(KVTransport):
         if state != "DONE":
             raise ReadFailed(f"NIXL READ from {agent} failed ({state})")
 
-    def post_read_into(self, peer: dict, src_blocks: list[int], dst: torch.Tensor) -> "PostedRead":
+    def post_read_into(self, peer: NixlPeer, src_blocks: list[int], dst: torch.Tensor) -> "PostedRead":
         """Start a READ of remote blocks src_blocks[i] into row i of `dst` [rows, remote block
         bytes], a view inside a buffer of self.staging (registered): a tensor-parallel peer's
         blocks hold other heads than ours, so they land there and the caller scatters the heads
         it keeps (tp_transfer.py). No notification: tensor-parallel reads keep the pin."""
         bb = dst.shape[1]
         runs = merge_runs(src_blocks, list(range(len(src_blocks))))
-        remote = [(peer["base"] + s * bb, c * bb, peer["device_id"]) for s, _, c in runs]
+        remote = [(peer.base + s * bb, c * bb, peer.device_id) for s, _, c in runs]
         local = [(dst.data_ptr() + d * bb, c * bb, self.device_id) for _, d, c in runs]
         with self._lock:
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
-                                                self.agent.get_xfer_descs(remote, peer["mem_type"]), peer["agent"], b"")
+                                                self.agent.get_xfer_descs(remote, peer.mem_type), peer.agent, b"")
             state = self.agent.transfer(handle)
-        return PostedRead(handle, state, peer["agent"], b"", len(src_blocks) * bb,
+        return PostedRead(handle, state, peer.agent, b"", len(src_blocks) * bb,
                           (as_indices(src_blocks), np.arange(len(src_blocks), dtype=np.int32)))
 
     def _register(self, buf: torch.Tensor):
@@ -459,7 +461,7 @@ class NixlTransport(KVTransport):
         return nbytes
 
     def _lease_rank(self, conn, host: str, port: int, remote_rank: int, params, indices: list[int],
-                    digest: str) -> tuple[dict, list[int]]:
+                    digest: str) -> tuple[NixlPeer, list[int]]:
         """Lease the blocks at `indices` from prefill rank `remote_rank`: (its NIXL peer, their block ids).
         No release on read: decode rank 0 releases every prefill rank's pin once all ranks read."""
         key = f"{params.remote_engine_id}#{remote_rank}"

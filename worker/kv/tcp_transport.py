@@ -27,7 +27,7 @@ from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.block_runs import check_indices, merge_runs
 from pdserve.worker.kv.data_listener import DataListenerConfig
-from pdserve.worker.kv.messages import ReadRequest
+from pdserve.worker.kv.messages import MalformedReply, ReadReply, ReadRequest
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.transport import KVTransport
 from typing import TYPE_CHECKING
@@ -176,28 +176,27 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
             if time.monotonic() + BUSY_RETRY_S >= deadline or (cancel is not None and cancel.cancelled):
                 raise
             time.sleep(BUSY_RETRY_S)
-    if reply.get("prompt_digest") != digest:  # a peer that skipped the check must not fill our cache
-        raise side_channel.SideChannelError("KV peer did not confirm the prompt digest")
-    if "ticket" in reply:  # a prefill worker of an earlier release answers inline (below)
-        ticket, plan = _plan(reply, host, port, len(dst_blocks), blocks.shape[1])
-        framed = reply.get("stream") is True
-        layers = _layers(reply, host, port, blocks.shape[1]) if framed else 0
+    try:
+        read = ReadReply.parse(reply, [len(f.buffer) for f in frames], f"KV peer {host}:{port}", digest,
+                               len(dst_blocks), blocks.shape[1], tcp_stream.MAX_STREAMS_PER_TRANSFER,
+                               tcp_stream.MAX_RECV_BYTES, MAX_LAYERS)
+    except MalformedReply as e:
+        raise side_channel.SideChannelError(str(e)) from None
+    grant = read.grant
+    if grant is not None:  # a prefill worker of an earlier release answers inline (below)
+        plan = tcp_stream.Plan(grant.nblocks, grant.block_bytes, grant.chunk_blocks, grant.streams)
         granted = time.monotonic()
-        n = tcp_stream.receive(host, reply["data_port"], ticket, plan, dst_blocks, blocks, deadline, auth,
-                               stall_s=timeout_s if stream else None, cancel=cancel, framed=framed, layers=layers)
+        n = tcp_stream.receive(host, grant.data_port, grant.ticket, plan, dst_blocks, blocks, deadline, auth,
+                               stall_s=timeout_s if stream else None, cancel=cancel, framed=grant.stream,
+                               layers=grant.layers)
         if log.isEnabledFor(logging.DEBUG):  # the hand-off's latency chain, read by read (docs/tcp-kv-gpu-results.md)
             done = time.monotonic()
             log.debug("KV read of %s: %d blocks (%.1f MB) over %d streams: granted in %.2f ms, bytes in %.2f ms "
                       "(%.2f GB/s)", params.remote_request_id, len(dst_blocks), n / 1e6, plan.streams,
                       (granted - t0) * 1e3, (done - granted) * 1e3, n / max(done - granted, 1e-9) / 1e9)
         return n
-    runs = reply.get("runs")
-    if (not isinstance(runs, list) or len(frames) != len(runs) or sum(runs) != len(dst_blocks)
-            or any(len(f.buffer) != c * blocks.shape[1] for f, c in zip(frames, runs))):
-        raise side_channel.SideChannelError(f"KV peer sent a malformed read reply ({len(frames)} frames for runs "
-                                            f"{runs}, {len(dst_blocks)} blocks of {blocks.shape[1]} bytes expected)")
     pos, nbytes = 0, 0
-    for frame, count in zip(frames, runs):
+    for frame, count in zip(frames, read.runs):
         data = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(count, blocks.shape[1])
         idx = torch.tensor(dst_blocks[pos:pos + count], device=blocks.device)
         blocks.index_copy_(0, idx, data.to(blocks.device, non_blocking=False))
@@ -238,29 +237,3 @@ class StreamedRead:
         if not self._done.done():
             self.cancel.cancel()
         self._thread.join()
-
-
-def _layers(reply: dict, host: str, port: int, block_bytes: int) -> int:
-    """A stream read's layer count (0: whole-block pieces, as an earlier release sends), checked."""
-    layers = reply.get("layers", 0)
-    if type(layers) is not int or not 0 <= layers <= MAX_LAYERS or (layers and block_bytes % layers):
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} granted a stream read of {layers!r} layers "
-                                            f"per {block_bytes}-byte block")
-    return layers
-
-
-def _plan(reply: dict, host: str, port: int, nblocks: int, block_bytes: int) -> tuple[bytes, tcp_stream.Plan]:
-    """The ticket and plan of a granted read, checked: a peer's numbers decide what we allocate.
-    The data port is the peer's own (from its signed reply); we connect to the host we asked."""
-    try:
-        ticket = bytes.fromhex(reply["ticket"])
-        fields = [reply[k] for k in ("nblocks", "block_bytes", "chunk_blocks", "streams", "data_port")]
-    except (KeyError, TypeError, ValueError):
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} sent a malformed read grant") from None
-    if (len(ticket) != 16 or not all(type(f) is int for f in fields) or fields[0] != nblocks
-            or fields[1] != block_bytes or not 1 <= fields[3] <= tcp_stream.MAX_STREAMS_PER_TRANSFER
-            or not 1 <= fields[2] or 2 * fields[3] * fields[2] * block_bytes > tcp_stream.MAX_RECV_BYTES
-            or not 0 < fields[4] < 65536):
-        raise side_channel.SideChannelError(f"KV peer {host}:{port} sent a read grant that does not fit this pull "
-                                            f"({nblocks} blocks of {block_bytes} bytes)")
-    return ticket, tcp_stream.Plan(*fields[:4])

@@ -1,0 +1,37 @@
+"""KVLayout: the wire string reads back to the same value and is written back byte for byte; a
+string no worker writes is refused, saying why; layouts compare as values (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.protocol.kv_layout import KVLayout
+
+
+@pytest.mark.parametrize("text,layout", [
+    ("2x4x16:float32:4", KVLayout(2, 4, 16, "float32", 4)),
+    ("32x8x128:bfloat16:16", KVLayout(32, 8, 128, "bfloat16", 16)),
+    ("28x2x64:float8_e4m3fn@1:16", KVLayout(28, 2, 64, "float8_e4m3fn", 16, "1")),
+    ("28x2x64:float8_e4m3fn@0a1b2c3d4e5f:16", KVLayout(28, 2, 64, "float8_e4m3fn", 16, "0a1b2c3d4e5f")),
+])
+def test_the_wire_form_reads_back_to_the_same_value(text, layout):
+    assert KVLayout.parse(text) == layout and str(layout) == text
+
+
+def test_layouts_compare_as_values():
+    fp8 = KVLayout.parse("28x2x64:float8_e4m3fn@1:16")
+    assert fp8.element == "float8_e4m3fn@1" and fp8.block_size == 16
+    assert fp8 != KVLayout.parse("28x2x64:float8_e4m3fn@0a1b2c3d4e5f:16")  # other scales: other values
+    assert fp8 != KVLayout.parse("28x2x64:bfloat16:16") and fp8 != KVLayout.parse("28x2x64:float8_e4m3fn@1:32")
+
+
+@pytest.mark.parametrize("text,says", [
+    ("2x4x16:float32:four", "does not end in a block size"),
+    ("2x4x16:float32", "does not end in a block size"),
+    ("layout:16", "is not <layers>x<kv heads>x<head dim>"),
+    ("2x4:float32:16", "is not <layers>x<kv heads>x<head dim>"),
+    ("02x4x16:float32:16", "is not <layers>x<kv heads>x<head dim>"),  # another spelling of a layout
+])
+def test_a_string_no_worker_writes_is_refused(text, says):
+    with pytest.raises(ValueError, match=says):
+        KVLayout.parse(text)
