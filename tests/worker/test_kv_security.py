@@ -110,7 +110,7 @@ def test_side_channel_refuses_peers_without_the_secret(pair, clean):
         lease, _ = side_channel.call(host, port, "lease", {**read, "want_metadata": True}, 5, AUTH, engine)
         assert {"agent", "metadata", "base"} <= set(lease["nixl"])  # the one way to get it: secret + live token
     # A captured, correctly signed message cannot be replayed.
-    raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
+    raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port).to_body()})
     with zmq.Context.instance().socket(zmq.DEALER) as s:
         s.setsockopt(zmq.RCVTIMEO, 5000)
         s.connect(f"tcp://{host}:{port}")
@@ -192,7 +192,7 @@ def test_a_message_the_decode_worker_signed_for_another_peer_is_refused(pair, cl
             "prompt_digest": prompt_digest(A)}
     for to in (side_channel.destination(engine, "127.0.0.2", port), side_channel.destination(engine, host, port + 1),
                side_channel.destination("another-engine", host, port), None):
-        raw, mac, _ = AUTH.sign_request("read", {**body, **({"to": to} if to else {})})
+        raw, mac, _ = AUTH.sign_request("read", {**body, **({"to": to.to_body()} if to else {})})
         status, payload = relay(host, port, [b"read", raw, mac])
         assert status == b"err" and b"refused" in payload, payload
     # Nothing above touched the pin: addressed to this worker, the release finds it.
@@ -402,10 +402,10 @@ def test_slow_readers_do_not_stall_other_peers(pair, clean):
                                                      "token": params["transfer_token"],
                                                      "prompt_digest": prompt_digest(A),
                                                      "to": side_channel.destination(params["remote_engine_id"], host,
-                                                                                    port)})
+                                                                                    port).to_body()})
             slow.send_multipart([b"", b"read", raw, mac])
         for _ in range(3000):
-            raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port)})
+            raw, mac, _ = AUTH.sign_request("describe", {"to": side_channel.destination(None, host, port).to_body()})
             slow.send_multipart([b"", b"describe", raw, mac])
         assert_pd_pulls(p, d, B)
         for params in pins:  # reads refused as "busy" (two replies to this address unsent) kept theirs

@@ -11,6 +11,7 @@ anything is read from them: a peer's numbers decide what a reader allocates and 
 from __future__ import annotations
 
 import base64
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +22,65 @@ class MalformedReply(ValueError):
     """A peer's reply that does not say what it must (side_channel raises it as SideChannelError)."""
 
 
-# -- requests, as the prefill side reads them ---------------------------------------------------
+# -- the envelope: who a request is meant for ---------------------------------------------------
+
+
+def _same_host(a, b) -> bool:
+    """Addresses compare as addresses (::1 == 0:0::1), names case-insensitively."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
 
 
 @dataclass(frozen=True)
-class LeaseRequest:
+class Destination:
+    """The worker a request is meant for (`to` in the signed body), or this worker's own identity.
+    A request's fields are kept as sent (any JSON) and compared, never trusted."""
+
+    engine_id: Any
+    host: Any
+    port: Any
+
+    @classmethod
+    def of_request(cls, body: dict) -> "Destination":
+        to = body.get("to")
+        if not isinstance(to, dict):
+            raise PermissionError("the request names no destination (`to`): refused")
+        return cls(to.get("engine_id"), to.get("host"), to.get("port"))
+
+    def to_body(self) -> dict:
+        return {"engine_id": self.engine_id, "host": self.host, "port": self.port}
+
+    def names(self, me: "Destination", describe: bool) -> bool:
+        """Is `me` the worker this names? Only a describe (layout only) may leave the engine out."""
+        engine_ok = self.engine_id == me.engine_id or (describe and self.engine_id is None)
+        # type() is int: a bool equals 0 or 1, and a float port names no port.
+        port_ok = type(self.port) is int and self.port == me.port
+        return engine_ok and port_ok and _same_host(self.host, me.host)
+
+    def __str__(self) -> str:
+        return f"engine {str(self.engine_id)[:40]} at {str(self.host)[:80]}:{str(self.port)[:8]}"
+
+
+# -- requests, as the prefill side reads them ---------------------------------------------------
+
+
+class _Indexed:
+    """A request for blocks of a pin by their positions (`indices`)."""
+
+    indices: Any
+
+    @property
+    def waits_for(self) -> list | None:
+        """The blocks a streamed pin defers the request until computed (None: not a list; refused later)."""
+        return self.indices if isinstance(self.indices, list) else None
+
+
+@dataclass(frozen=True)
+class LeaseRequest(_Indexed):
     request_id: Any
     token: Any
     prompt_digest: Any
@@ -41,10 +96,6 @@ class LeaseRequest:
         return {"request_id": self.request_id, "token": self.token, "indices": self.indices,
                 "prompt_digest": self.prompt_digest, "want_metadata": self.want_metadata}
 
-    @property
-    def waits_for(self) -> list | None:
-        """The blocks a streamed pin defers the lease until computed (None: not a list; refused later)."""
-        return self.indices if isinstance(self.indices, list) else None
 
 
 @dataclass(frozen=True)
@@ -89,7 +140,7 @@ class ReleaseRequest:
 
 
 @dataclass(frozen=True)
-class ReadRequest:
+class ReadRequest(_Indexed):
     """TCP's `read`: the blocks at `indices`, inline in the reply or (`data`) over data connections."""
 
     request_id: Any
@@ -119,9 +170,6 @@ class ReadRequest:
                 body["stream"], body["layers"] = True, self.layers
         return body
 
-    @property
-    def waits_for(self) -> list | None:
-        return self.indices if isinstance(self.indices, list) else None
 
 
 @dataclass(frozen=True)

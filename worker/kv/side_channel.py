@@ -40,7 +40,6 @@ One thread serves everyone, so nothing on it may wait for a peer:
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import socket
@@ -52,7 +51,8 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.worker.kv.auth import SideChannelAuth
-from pdserve.worker.kv.messages import LeaseReply, LeaseRequest, MalformedReply, ProgressReply, ProgressRequest
+from pdserve.worker.kv.messages import (Destination, LeaseReply, LeaseRequest, MalformedReply, ProgressReply,
+                                        ProgressRequest)
 from pdserve.worker.kv.pins import NotReady
 from typing import TYPE_CHECKING
 
@@ -76,24 +76,14 @@ class Busy(RuntimeError):
     pass
 
 
-def destination(engine_id: str | None, host: str, port: int) -> dict:
+def destination(engine_id: str | None, host: str, port: int) -> Destination:
     """What a request names as its recipient (signed with the rest of the body)."""
-    return {"engine_id": engine_id, "host": host, "port": port}
-
-
-def _same_host(a, b) -> bool:
-    """Addresses compare as addresses (::1 == 0:0::1), names case-insensitively."""
-    if not isinstance(a, str) or not isinstance(b, str):
-        return False
-    try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
-    except ValueError:
-        return a.lower() == b.lower()
+    return Destination(engine_id, host, port)
 
 
 class SideChannelServer:
     def __init__(self, bind_host: str, port: int, handlers: dict[str, Handler], auth: SideChannelAuth,
-                 tick: Callable[[], None] | None = None, identity: dict | None = None):
+                 tick: Callable[[], None] | None = None, identity: Destination | None = None):
         """`identity`: `destination(engine id, advertised host, port)` of this worker; a request
         whose `to` differs is refused (None: only in tests of the channel itself)."""
         self.handlers = handlers
@@ -242,16 +232,9 @@ class SideChannelServer:
     def _check_destination(self, op: bytes, body: dict) -> None:
         if self.identity is None:
             return
-        to, me = body.get("to"), self.identity
-        if not isinstance(to, dict):
-            raise PermissionError("the request names no destination (`to`): refused")
-        engine_ok = to.get("engine_id") == me["engine_id"] or (op == b"describe" and to.get("engine_id") is None)
-        # type() is int: a bool equals 0 or 1, and a float port names no port.
-        port_ok = type(to.get("port")) is int and to["port"] == me["port"]
-        if not (engine_ok and port_ok and _same_host(to.get("host"), me["host"])):
-            raise PermissionError(f"this request is meant for engine {str(to.get('engine_id'))[:40]} at "
-                                  f"{str(to.get('host'))[:80]}:{str(to.get('port'))[:8]}, not for this worker "
-                                  f"(engine {me['engine_id']} at {me['host']}:{me['port']}): refused")
+        to = Destination.of_request(body)
+        if not to.names(self.identity, describe=op == b"describe"):
+            raise PermissionError(f"this request is meant for {to}, not for this worker ({self.identity}): refused")
 
     def _refuse(self, ident: bytes, nonce: str, message: str, peer: str) -> None:
         self.num_refused += 1
@@ -325,7 +308,7 @@ def call(host: str, port: int, op: str, body: dict, timeout_s: float, auth: Side
     it, signed: the message is good for that worker only). Raises SideChannelError on refusal
     or timeout."""
     sock = _socket(host, port, timeout_s)
-    raw, mac, nonce = auth.sign_request(op, {**body, "to": destination(engine_id, host, port)})
+    raw, mac, nonce = auth.sign_request(op, {**body, "to": destination(engine_id, host, port).to_body()})
     try:
         sock.send_multipart([b"", op.encode(), raw, mac])
         parts = sock.recv_multipart(copy=False)
