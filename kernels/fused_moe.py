@@ -46,7 +46,9 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
+from pdserve.kernels.moe_activation import SILU_AND_MUL, MoeActivation, SwigluOAI, check_activation
 from pdserve.kernels.moe_route import _route_rows
+from pdserve.kernels.mxfp4 import BLOCK as MXFP4_GROUP
 
 
 # One program holds an [M, E] one-hot tile, and its running count takes 4 bytes of shared memory
@@ -55,6 +57,7 @@ from pdserve.kernels.moe_route import _route_rows
 # (more experts per rank under expert parallelism: fewer); past it the torch version runs.
 ALIGN_KERNEL_MAX_ELEMENTS = 1 << 15
 FP8 = torch.float8_e4m3fn
+MXFP4 = torch.uint8  # two e2m1 values a byte (kernels/mxfp4.py)
 
 
 def _align_capacity(m: int, num_experts: int, block_m: int) -> int:
@@ -220,15 +223,70 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 @triton.jit
+def _e2m1_pair(q):
+    # Packed bytes (int32) -> the e2m1 values of their low and high nibbles, fp32 (MXFP4 above).
+    return _e2m1(q & 15), _e2m1(q >> 4)
+
+
+@triton.jit
+def _e2m1(code):
+    # Sign bit 3, exponent bits 2-1, mantissa bit 0: 0, 0.5, 1, 1.5, 2, 3, 4, 6 as quarters of
+    # 2m (exponent 0: the subnormal m * 0.5) or (2 + m) << e, exact in integers, no table.
+    e = (code >> 1) & 3
+    m = code & 1
+    quarters = tl.where(e == 0, m * 2, (m + 2) << e)
+    mag = quarters.to(tl.float32) * 0.25
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(s):
+    # An E8M0 exponent byte (int32) -> 2^(s - 127) as fp32: s is the float's exponent field.
+    return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _activate(gate, up, SWIGLU: tl.constexpr, alpha, limit):
+    # The expert activation on fp32 gate / up (kernels/moe_activation.py): SiLU-and-mul, or
+    # gpt-oss's clamped SwiGLU.
+    if SWIGLU:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        h = gate / (1.0 + tl.exp(-gate)) * up
+    return h
+
+
+@triton.jit
+def _mxfp4_dot(acc, a_ptrs, stride_ak, a_mask, q_ptrs, s_ptrs, b_mask, DOT_F32: tl.constexpr,
+               PRECISION: tl.constexpr):
+    # acc + A [BLOCK_M, BLOCK_K] @ the MXFP4 tile [BLOCK_K, BLOCK_N]: the packed bytes' low
+    # nibbles are the tile's even rows, the high ones its odd rows, so A's even and odd columns
+    # (a_ptrs: the even ones) meet them in two dots of BLOCK_K / 2, with no interleave.
+    a_lo = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    a_hi = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
+    q = tl.load(q_ptrs, mask=b_mask, other=0).to(tl.int32)
+    scale = _e8m0(tl.load(s_ptrs, mask=b_mask, other=127).to(tl.int32))
+    b_lo, b_hi = _e2m1_pair(q)
+    dot_ty = tl.float32 if DOT_F32 else a_ptrs.dtype.element_ty
+    acc = tl.dot(a_lo.to(dot_ty), (b_lo * scale).to(dot_ty), acc, input_precision=PRECISION)
+    return tl.dot(a_hi.to(dot_ty), (b_hi * scale).to(dot_ty), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, s_ptr,
+    a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, s_ptr, bias_ptr,
     num_rows, N, K,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_se, stride_sn, stride_sk, up_scale_rows,
+    stride_se, stride_sn, stride_sk, up_scale_rows, stride_bias_e, alpha, limit,
     A_ROW_DIV: tl.constexpr,  # assignment -> A row: its token (t = i // k) for gate|up, itself for down
-    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): C = silu(A Bg^T) * (A Bu^T)
+    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): C = act(A Bg^T, A Bu^T)
     APPLY_WEIGHT: tl.constexpr,  # C rows scaled by the assignment's router weight
     FP8: tl.constexpr,  # B is e4m3 with scales at s_ptr ("FP8 weights" above); else s_ptr is never read
+    MXFP4: tl.constexpr,  # B is packed e2m1 [E, N, K / 2] with E8M0 exponents at s_ptr ("MXFP4 weights")
+    HAS_BIAS: tl.constexpr,  # bias_ptr [E, N] (GATED: [E, 2N]) added before the activation / the weight
+    SWIGLU: tl.constexpr,  # GATED: gpt-oss's clamped SwiGLU (alpha, limit), else SiLU-and-mul
     SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -244,36 +302,60 @@ def _moe_gemm_kernel(
     a_rows = (rows // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
-    s_ptrs = s_ptr + expert * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8:
-            s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=col_ok, other=0.0)
-            b = (b.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    if MXFP4:
+        # Byte j of a step holds inputs k0 + 2j and k0 + 2j + 1, both in exponent group
+        # (k0 + 2j) // 32 = k0 // 32 + j // 16 (BLOCK_K is a multiple of 32).
+        kp = tl.arange(0, BLOCK_K // 2)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (2 * kp)[None, :] * stride_ak
+        q_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + kp[:, None] * stride_bk
+        s_ptrs = s_ptr + expert * stride_se + cols[None, :].to(tl.int64) * stride_sn + (kp // 16)[:, None] * stride_sk
+        for k0 in range(0, K, BLOCK_K):
+            kp_ok = kp < (K - k0) // 2
+            a_mask = row_ok[:, None] & kp_ok[None, :]
+            b_mask = kp_ok[:, None] & col_ok[None, :]
+            acc = _mxfp4_dot(acc, a_ptrs, stride_ak, a_mask, q_ptrs, s_ptrs, b_mask, DOT_F32, PRECISION)
+            if GATED:
+                acc_up = _mxfp4_dot(acc_up, a_ptrs, stride_ak, a_mask, q_ptrs + N * stride_bn,
+                                    s_ptrs + N * stride_sn, b_mask, DOT_F32, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            q_ptrs += (BLOCK_K // 2) * stride_bk
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None] * stride_bk
+        s_ptrs = s_ptr + expert * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if FP8:
-                s_up = tl.load(s_ptrs + up_scale_rows * stride_sn + (k0 // GROUP_K) * stride_sk, mask=col_ok,
-                               other=0.0)
-                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a_ptr.dtype.element_ty)
+                s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=col_ok, other=0.0)
+                b = (b.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
             if DOT_F32:
-                b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if FP8:
+                    s_up = tl.load(s_ptrs + up_scale_rows * stride_sn + (k0 // GROUP_K) * stride_sk, mask=col_ok,
+                                   other=0.0)
+                    b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a_ptr.dtype.element_ty)
+                if DOT_F32:
+                    b_up = b_up.to(tl.float32)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = _activate(acc, acc_up, SWIGLU, alpha, limit)
     if APPLY_WEIGHT:
         w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -307,19 +389,28 @@ def moe_block_config(num_rows: int, num_experts: int) -> dict:
 
 
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, a_row_div, gated, apply_weight,
-          cfg, scale=None, block=None) -> None:
+          cfg, scale=None, block=None, bias=None, activation: MoeActivation = SILU_AND_MUL) -> None:
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, bn))
+    mxfp4 = b.dtype == MXFP4
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if scale is None else scale, num_rows, n, k,
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if scale is None else scale,
+        b if bias is None else bias, num_rows, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        *_scale_args(scale, block),
-        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=apply_weight, FP8=scale is not None,
+        *_scale_args(scale, block, mxfp4), *_epilogue_args(bias, activation),
+        A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=apply_weight, FP8=scale is not None and not mxfp4,
+        MXFP4=mxfp4, HAS_BIAS=bias is not None, SWIGLU=isinstance(activation, SwigluOAI),
         SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
         DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _epilogue_args(bias: torch.Tensor | None, activation: MoeActivation) -> tuple[int, float, float]:
+    """(bias expert stride, alpha, limit) for a launch; zeros where unused (never read)."""
+    alpha, limit = (activation.alpha, activation.limit) if isinstance(activation, SwigluOAI) else (0.0, 0.0)
+    return (0 if bias is None else bias.stride(0)), float(alpha), float(limit)
 
 
 # --- Decode sizes (T <= DECODE_MAX_TOKENS): no sort, no [T*k, H] buffer, no separate sum -------
@@ -352,7 +443,8 @@ FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
-def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False) -> dict:
+def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False,
+                      mxfp4: bool = False) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
     sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
     down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
@@ -365,8 +457,13 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     tiles also stepped 512: 40.1 vs 43.2). The rest of that sweep (row strips 8-32, down K 128-512,
     4 or 8 warps; block scales' tiles) moved the time by about 1 us: left as they are. One layer
     replayed ten times a graph: its 38 MB of FP8 experts may sit partly in L2, so read the ranking,
-    not the bandwidth."""
+    not the bandwidth.
+    `mxfp4`: UNTUNED (no GPU measured them yet): steps of 512 inputs both passes (256 bytes a weight
+    row, half the bytes of bf16's 256-wide step), the row strips of bf16."""
     k_tile = triton.next_power_of_2(top_k)
+    if mxfp4:
+        return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=512,
+                    DOWN_WARPS=8)
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
     return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
@@ -374,11 +471,12 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
 
 
 @triton.jit
-def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s_ptr, N, K, num_experts,
+def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
                                expert_offset, stride_xm, stride_we, stride_wn, stride_im,
-                               stride_se, stride_sn, stride_sk, up_scale_rows,
+                               stride_se, stride_sn, stride_sk, up_scale_rows, stride_bias_e, alpha, limit,
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
+                               FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
     # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -387,37 +485,63 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
-    gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    s_ptrs = s_ptr + e * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        # x loaded as a [1, BLOCK_K] tile, in the weight tile's layout (no conversion per step).
-        xk = tl.load(x_row + k0 + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
-        if FP8:  # a step lies in one scale group: scale its [BLOCK_N] partial sums, not the tile
-            s_k = s_ptrs + (k0 // GROUP_K) * stride_sk
-            acc_gate += tl.sum(g * xk, axis=1) * tl.load(s_k, mask=col_ok, other=0.0)
-            acc_up += tl.sum(u * xk, axis=1) * tl.load(s_k + up_scale_rows * stride_sn, mask=col_ok, other=0.0)
-        else:
-            acc_gate += tl.sum(g * xk, axis=1)
-            acc_up += tl.sum(u * xk, axis=1)
-        gate_ptrs += BLOCK_K
+    if MXFP4:
+        # Byte j: inputs 2j (low nibble) and 2j + 1 (high), one exponent for both; x's even and
+        # odd inputs are loaded as two [1, BLOCK_K / 2] tiles (no interleave of the weights).
+        kp = tl.arange(0, BLOCK_K // 2)
+        q_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kp[None, :]
+        s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + (kp // 16)[None, :] * stride_sk
+        for k0 in range(0, K, BLOCK_K):
+            kp_ok = kp < (K - k0) // 2
+            x_lo = tl.load(x_row + k0 + 2 * kp[None, :], mask=kp_ok[None, :], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + k0 + 2 * kp[None, :] + 1, mask=kp_ok[None, :], other=0.0).to(tl.float32)
+            mask = col_ok[:, None] & kp_ok[None, :]
+            g_lo, g_hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
+            g_s = _e8m0(tl.load(s_ptrs, mask=mask, other=127).to(tl.int32))
+            acc_gate += tl.sum((g_lo * x_lo + g_hi * x_hi) * g_s, axis=1)
+            u_lo, u_hi = _e2m1_pair(tl.load(q_ptrs + N * stride_wn, mask=mask, other=0).to(tl.int32))
+            u_s = _e8m0(tl.load(s_ptrs + N * stride_sn, mask=mask, other=127).to(tl.int32))
+            acc_up += tl.sum((u_lo * x_lo + u_hi * x_hi) * u_s, axis=1)
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        s_ptrs = s_ptr + e * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            # x loaded as a [1, BLOCK_K] tile, in the weight tile's layout (no conversion per step).
+            xk = tl.load(x_row + k0 + ks[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            mask = col_ok[:, None] & k_ok[None, :]
+            g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gate_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+            if FP8:  # a step lies in one scale group: scale its [BLOCK_N] partial sums, not the tile
+                s_k = s_ptrs + (k0 // GROUP_K) * stride_sk
+                acc_gate += tl.sum(g * xk, axis=1) * tl.load(s_k, mask=col_ok, other=0.0)
+                acc_up += tl.sum(u * xk, axis=1) * tl.load(s_k + up_scale_rows * stride_sn, mask=col_ok, other=0.0)
+            else:
+                acc_gate += tl.sum(g * xk, axis=1)
+                acc_up += tl.sum(u * xk, axis=1)
+            gate_ptrs += BLOCK_K
+    if HAS_BIAS:
+        bias_row = bias_ptr + e * stride_bias_e
+        acc_gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + a).to(tl.float32)
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up * w
+    h = _activate(acc_gate, acc_up, SWIGLU, alpha, limit) * w
     tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, s_ptr, N, K, num_experts, expert_offset,
-                            stride_im, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
+def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
+                            expert_offset, stride_im, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
+                            stride_bias_e,
                             TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
+                            FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
     # Grid (T, cdiv(H, BLOCK_N)): token t's output columns [n*BLOCK_N, +BLOCK_N), all k experts.
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -427,56 +551,95 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, s_ptr, N, K, nu
     e = tl.where(held, e, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
-    a_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im + ks[None, None, :]
-    w_ptrs = w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn + ks[None, None, :]
-    s_ptrs = s_ptr + e[:, None] * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn  # [k, BLOCK_N]; FP8 only
     acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
+    row_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im
+    if MXFP4:
+        # [k, BLOCK_N, BLOCK_K / 2] bytes a step; the intermediate's even and odd columns meet the
+        # low and high nibbles (as in the gate|up kernel above).
+        kp = tl.arange(0, BLOCK_K // 2)
+        a_ptrs = row_ptrs + 2 * kp[None, None, :]
+        q_ptrs = (w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
+                  + kp[None, None, :])
+        s_ptrs = (s_ptr + e[:, None, None] * stride_se + cols[None, :, None].to(tl.int64) * stride_sn
+                  + (kp // 16)[None, None, :] * stride_sk)
+        for k0 in range(0, K, BLOCK_K):
+            kp_ok = kp < (K - k0) // 2
+            a_mask = held[:, None, None] & kp_ok[None, None, :]
+            a_lo = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            a_hi = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(tl.float32)
+            mask = a_mask & col_ok[None, :, None]
+            w_lo, w_hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
+            scale = _e8m0(tl.load(s_ptrs, mask=mask, other=127).to(tl.int32))
+            acc += tl.sum((w_lo * a_lo + w_hi * a_hi) * scale, axis=2)
+            a_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
+        a_ptrs = row_ptrs + ks[None, None, :]
+        w_ptrs = (w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
+                  + ks[None, None, :])
+        s_ptrs = s_ptr + e[:, None] * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn  # [k, BLOCK_N]; FP8 only
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=held[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :],
+                        other=0.0).to(tl.float32)
+            if FP8:  # one scale group a step: scale the [k, BLOCK_N] partial sums
+                s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=held[:, None] & col_ok[None, :], other=0.0)
+                acc += tl.sum(w * a, axis=2) * s
+            else:
+                acc += tl.sum(w * a, axis=2)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if HAS_BIAS:  # weight * (down + bias): the intermediate row already carries the weight, the bias does not
+        wj = tl.load(weight_ptr + t * TOP_K + js, mask=held, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + e[:, None] * stride_bias_e + cols[None, :], mask=held[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
-        if FP8:  # one scale group a step: scale the [k, BLOCK_N] partial sums
-            s = tl.load(s_ptrs + (k0 // GROUP_K) * stride_sk, mask=held[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.sum(w * a, axis=2) * s
-        else:
-            acc += tl.sum(w * a, axis=2)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        acc += b * wj[:, None]
     out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers
     tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> tuple[int, int, int, int]:
-    """(expert, row, K-group strides, up half's first scale row) of an FP8 weight's scales; zeros
-    for bf16 weights (never read). Per-row scales: K stride 0, the one column at every step."""
+def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
+                mxfp4: bool = False) -> tuple[int, int, int, int]:
+    """(expert, row, K-group strides, up half's first scale row) of a quantized weight's scales;
+    zeros for bf16 weights (never read). FP8 per-row scales: K stride 0, the one column at every
+    step. MXFP4: one exponent per row and 32 inputs, [E, rows, K / 32]."""
     if scale is None:
         return 0, 0, 0, 0
-    return scale.stride(0), scale.stride(1), scale.stride(2) if block else 0, scale.shape[1] // 2
+    return scale.stride(0), scale.stride(1), scale.stride(2) if block or mxfp4 else 0, scale.shape[1] // 2
 
 
 def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
-                      block=None) -> torch.Tensor:
+                      block=None, w13_bias=None, w2_bias=None,
+                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     t, h = x.shape
-    e, two_i, _ = w13.shape
+    e, two_i = w13.shape[:2]
     inter, top_k = two_i // 2, topk_ids.shape[1]
     ids = topk_ids.reshape(-1)
+    mxfp4 = w13.dtype == MXFP4
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
     inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    fp8 = dict(FP8=w13_scale is not None, SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1)
+    quant = dict(FP8=w13_scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
+                 GROUP_K=block[1] if block else 1)
+    bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
-        x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale, inter, h, e, expert_offset,
-        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0), *_scale_args(w13_scale, block),
-        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], **fp8, num_warps=cfg["GU_WARPS"],
+        x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale,
+        w13 if w13_bias is None else w13_bias, inter, h, e, expert_offset,
+        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0), *_scale_args(w13_scale, block, mxfp4),
+        bias_stride, alpha, limit,
+        TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
+        SWIGLU=isinstance(activation, SwigluOAI), **quant, num_warps=cfg["GU_WARPS"],
     )
     out = torch.empty_like(x)
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
-        inter_out, w2, out, ids, w2 if w2_scale is None else w2_scale, h, inter, e, expert_offset,
-        inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_scale_args(w2_scale, block)[:3],
+        inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
+        h, inter, e, expert_offset, inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        *_scale_args(w2_scale, block, mxfp4)[:3], _epilogue_args(w2_bias, activation)[0],
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
-        BLOCK_K=cfg["DOWN_BLOCK_K"], **fp8, num_warps=cfg["DOWN_WARPS"],
+        BLOCK_K=cfg["DOWN_BLOCK_K"], HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"],
     )
     return out
 
@@ -484,7 +647,9 @@ def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_sca
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, expert_offset: int = 0,
               path: str = "auto", align: tuple | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     """Triton version of reference.fused_moe_ref: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
@@ -496,25 +661,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     already made (moe_route_align: routing and sort in one launch); implies the sorted path.
     FP8 weights: w13 / w2 in e4m3 with fp32 `w13_scale` [E, 2 ceil(I / bn), ceil(H / bk)] and
     `w2_scale` [E, ceil(H / bn), ceil(K / bk)] for `block` (bn, bk), or one per row ([E, 2I, 1],
-    [E, H, 1]) for `block` None (the module doc's "FP8 weights")."""
+    [E, H, 1]) for `block` None (the module doc's "FP8 weights").
+    MXFP4 weights: w13 / w2 uint8 [E, 2I, H / 2], [E, H, I / 2] with uint8 exponents `w13_scale`
+    [E, 2I, H / 32], `w2_scale` [E, H, I / 32] (kernels/mxfp4.py's layout; H, I multiples of 32).
+    `w13_bias` [E, 2I] (gate | up), `w2_bias` [E, H]: added to the expert's gate|up before the
+    activation and to its down output before the router weight multiplies. `activation`:
+    SiluAndMul() or gpt-oss's SwigluOAI(alpha, limit) (kernels/moe_activation.py)."""
     fn = "fused_moe"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     t, h = x.shape
-    fp8 = w13.dtype == FP8
-    check_tensor(fn, "w13", w13, (None, None, h), (FP8,) if fp8 else (x.dtype,))
-    e, two_i, _ = w13.shape
-    if two_i % 2:
-        raise ValueError(f"{fn}: w13's rows must be [gate; up] (even), got {two_i}")
-    inter = two_i // 2
-    check_tensor(fn, "w2", w2, (e, h, inter), (w13.dtype,))
-    if fp8 != (w13_scale is not None) or fp8 != (w2_scale is not None):
-        raise ValueError(f"{fn}: e4m3 weights take w13_scale and w2_scale, {w13.dtype} weights neither")
-    if fp8:
-        _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config)
+    fp8, mxfp4 = w13.dtype == FP8, w13.dtype == MXFP4
+    e, inter = _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config)
+    check_activation(fn, activation)
+    if w13_bias is not None:
+        check_tensor(fn, "w13_bias", w13_bias, (e, 2 * inter), FLOAT_DTYPES)
+    if w2_bias is not None:
+        check_tensor(fn, "w2_bias", w2_bias, (e, h), FLOAT_DTYPES)
     check_tensor(fn, "topk_ids", topk_ids, (t, None), INDEX_DTYPES)
     top_k = topk_ids.shape[1]
     check_tensor(fn, "topk_weights", topk_weights, (t, top_k), FLOAT_DTYPES)
-    check_devices(fn, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    biases = {name: v for name, v in (("w13_bias", w13_bias), ("w2_bias", w2_bias)) if v is not None}
+    check_devices(fn, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, **biases)
+    if any(v.stride(-1) != 1 for v in biases.values()):
+        raise ValueError(f"{fn}: w13_bias and w2_bias must be contiguous in their last dimension")
     if path not in MOE_PATHS:
         raise ValueError(f"{fn}: path must be one of {', '.join(MOE_PATHS)}, got {path!r}")
     if t == 0:
@@ -533,25 +702,63 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             raise ValueError(f"{fn}: align does not match {t * top_k} assignments, {e} experts and BLOCK_M "
                              f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
         path = "sorted"
+    epilogue = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
-            top_k, inter, block[1] if fp8 and block else None, fp8=fp8)
-        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block)
+            top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4)
+        return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block,
+                                 **epilogue)
     m = t * top_k
     cfg = config if sorted_cfg else moe_block_config(m, e)
     sorted_ids, expert_ids, num_padded = align or moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg,
-          w13_scale, block)
+          w13_scale, block, w13_bias, activation)
     if SUM_IN_TORCH:  # as before _moe_sum_kernel (bench/moe.py's "before" rows)
         out = torch.zeros((m, h), dtype=x.dtype, device=x.device)
         _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg,
-              w2_scale, block)
+              w2_scale, block, w2_bias)
         return out.view(t, top_k, h).sum(dim=1)
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)  # rows of experts not held: never written, never read
     _gemm(inter_out, w2, out, weights, sorted_ids, expert_ids, num_padded, m, h, inter, 1, False, True, cfg,
-          w2_scale, block)
+          w2_scale, block, w2_bias)
     return _sum_over_k(out, topk_ids, e, expert_offset)
+
+
+def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[int, int]:
+    """The experts' weights and scales against x: (E, I). bf16-like weights in x's dtype, e4m3
+    with fp32 scales, or MXFP4 (uint8) with uint8 exponents; the format is w13's dtype."""
+    h = x.shape[1]
+    fp8, mxfp4 = w13.dtype == FP8, w13.dtype == MXFP4
+    if mxfp4 and h % MXFP4_GROUP:
+        raise ValueError(f"{fn}: MXFP4 weights need H a multiple of {MXFP4_GROUP}, got {h}")
+    k13 = h // 2 if mxfp4 else h
+    check_tensor(fn, "w13", w13, (None, None, k13), (w13.dtype,) if fp8 or mxfp4 else (x.dtype,))
+    e, two_i, _ = w13.shape
+    if two_i % 2:
+        raise ValueError(f"{fn}: w13's rows must be [gate; up] (even), got {two_i}")
+    inter = two_i // 2
+    if mxfp4 and inter % MXFP4_GROUP:
+        raise ValueError(f"{fn}: MXFP4 weights need I a multiple of {MXFP4_GROUP}, got {inter}")
+    check_tensor(fn, "w2", w2, (e, h, inter // 2 if mxfp4 else inter), (w13.dtype,))
+    quantized = fp8 or mxfp4
+    if quantized != (w13_scale is not None) or quantized != (w2_scale is not None):
+        raise ValueError(f"{fn}: e4m3 weights take w13_scale and w2_scale (as uint8 MXFP4 weights do), other "
+                         f"weights neither; got {w13.dtype} weights")
+    if fp8:
+        _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config)
+    if mxfp4:
+        if block is not None:
+            raise ValueError(f"{fn}: MXFP4 weights have one exponent per 32 inputs; block is for FP8, got {block}")
+        check_tensor(fn, "w13_scale", w13_scale, (e, two_i, h // MXFP4_GROUP), (torch.uint8,))
+        check_tensor(fn, "w2_scale", w2_scale, (e, h, inter // MXFP4_GROUP), (torch.uint8,))
+        steps = [v for key, v in (config or {}).items() if key.endswith("BLOCK_K")]
+        if any(v % MXFP4_GROUP for v in steps):
+            raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
+                             f"(a step covers whole exponent groups)")
+    if quantized:
+        check_devices(fn, x=x, w13_scale=w13_scale, w2_scale=w2_scale)
+    return e, inter
 
 
 @triton.jit
@@ -584,18 +791,24 @@ def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ex
 
 
 def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                     renormalize: bool, expert_offset: int = 0, **fp8) -> torch.Tensor:
+                     renormalize: bool, expert_offset: int = 0, *, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                     activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
     with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
     decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
     routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
-    routing kernel and the torch sort. `fp8`: fused_moe's w13_scale, w2_scale, block (FP8 weights)."""
+    routing kernel and the torch sort. The keywords are fused_moe's (FP8 / MXFP4 weights, biases,
+    the activation)."""
     from pdserve.kernels.moe_route import moe_route
 
+    kw = dict(w13_scale=w13_scale, w2_scale=w2_scale, block=block, w13_bias=w13_bias, w2_bias=w2_bias,
+              activation=activation)
     t, e = x.shape[0], w13.shape[0]
     if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
         cfg = moe_block_config(t * top_k, e)
         weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
-        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align), **fp8)
+        return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align), **kw)
     weights, ids = moe_route(router_logits, top_k, renormalize)
-    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset, **fp8)
+    return fused_moe(x, w13, w2, weights, ids, expert_offset=expert_offset, **kw)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.launch import FP8_E4M3_MAX, FP8_KV_DTYPE  # torch only, no Triton
+from pdserve.kernels.moe_activation import SILU_AND_MUL, MoeActivation, SwigluOAI, check_activation
+from pdserve.kernels.mxfp4 import dequantize_mxfp4
 
 # An fp8 KV cache holds float8 e4m3 ("fn": finite, no inf) values x / scale, one scale per layer
 # for K and one for V (per-tensor, as vLLM's k_scale / v_scale). Values past e4m3's largest
@@ -237,25 +239,38 @@ def paged_decode_attention_rotary_ref(
                                       sinks=sinks, window=window)
 
 
+def moe_activation_ref(gate_up: torch.Tensor, activation: MoeActivation) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    if isinstance(activation, SwigluOAI):
+        return clamped_swiglu_ref(gate_up, activation.alpha, activation.limit)
+    return silu_and_mul_ref(gate_up)
+
+
 def fused_moe_ref(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]: expert e's gate rows then its up rows
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor,  # [E, 2I, H]: expert e's gate rows then its up rows (uint8 [E, 2I, H/2]: MXFP4)
+    w2: torch.Tensor,  # [E, H, I] (uint8 [E, H, I/2]: MXFP4)
     topk_weights: torch.Tensor,  # [T, k] fp32, the router's weights
     topk_ids: torch.Tensor,  # [T, k] int expert ids; -1 or outside the held range: not computed here
     expert_offset: int = 0,  # w13[i] / w2[i] are expert expert_offset + i (expert parallelism)
-    w13_scale: torch.Tensor | None = None,  # e4m3 w13 / w2: their scales (fused_moe's layout)
-    w2_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,  # e4m3 w13 / w2: fp32 scales (fused_moe's layout); uint8
+    w2_scale: torch.Tensor | None = None,  #   w13 / w2: MXFP4 exponents [E, 2I, H/32], [E, H, I/32]
     block: tuple[int, int] | None = None,
     w13_bias: torch.Tensor | None = None,  # [E, 2I] (gate | up) and [E, H]: biased experts (gpt-oss)
     w2_bias: torch.Tensor | None = None,
-    swiglu_alpha: float = 0.0,  # swiglu_limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu_ref)
-    swiglu_limit: float = 0.0,  #   instead of SiLU-and-mul
-) -> torch.Tensor:  # [T, H]: sum over k of weight * down(silu(gate x) * up x); 0 where no expert is held
+    activation: MoeActivation = SILU_AND_MUL,  # kernels/moe_activation.py
+    swiglu_alpha: float = 0.0,  # swiglu_limit > 0: activation SwigluOAI(swiglu_alpha, swiglu_limit)
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:  # [T, H]: sum over k of weight * (down(act(gate_up x + b13)) + b2); 0 where no expert is held
     """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
-    expert, one GEMM per expert over its contiguous run of rows (gate|up, SiLU-and-mul, down, the
-    router weight), results written back to their assignment's row and summed over k. FP8 weights:
-    each expert used is dequantized (dequantize_moe_fp8_ref) to x's dtype, as the kernel's tiles are."""
+    expert, one GEMM per expert over its contiguous run of rows (gate|up, its bias, the activation,
+    down, its bias, then the router weight), results written back to their assignment's row and
+    summed over k. Quantized weights: each expert used is dequantized to x's dtype, as the
+    kernel's tiles are: FP8 (e4m3) by dequantize_moe_fp8_ref, MXFP4 (uint8) by dequantize_mxfp4."""
+    if swiglu_limit > 0:
+        if activation != SILU_AND_MUL:
+            raise ValueError("fused_moe_ref: give the activation or swiglu_alpha / swiglu_limit, not both")
+        activation = SwigluOAI(swiglu_alpha, swiglu_limit)
+    check_activation("fused_moe_ref", activation)
     T, H = x.shape
     k, E = topk_ids.shape[1], w13.shape[0]
     ids = topk_ids.reshape(-1).long() - expert_offset
@@ -272,14 +287,16 @@ def fused_moe_ref(
         if rows.numel() == 0:
             continue
         w13_e, w2_e = w13[e], w2[e]
-        if w13_scale is not None:
+        if w13.dtype == torch.uint8:
+            w13_e = dequantize_mxfp4(w13_e, w13_scale[e], x.dtype)
+            w2_e = dequantize_mxfp4(w2_e, w2_scale[e], x.dtype)
+        elif w13_scale is not None:
             w13_e = dequantize_moe_fp8_ref(w13_e, w13_scale[e], block, parts=2).to(x.dtype)
             w2_e = dequantize_moe_fp8_ref(w2_e, w2_scale[e], block).to(x.dtype)
         gate_up = x[rows // k] @ w13_e.t()
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[e]
-        h = clamped_swiglu_ref(gate_up, swiglu_alpha, swiglu_limit) if swiglu_limit > 0 else silu_and_mul_ref(gate_up)
-        y = h @ w2_e.t()
+        y = moe_activation_ref(gate_up, activation) @ w2_e.t()
         if w2_bias is not None:
             y = y + w2_bias[e]
         out[rows] = (y.to(acc) * weights[rows]).to(x.dtype)
@@ -305,7 +322,8 @@ def fused_moe_routed_ref(x, w13, w2, router_logits, top_k: int, renormalize: boo
                          expert_offset: int = 0, **fp8) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route_ref then fused_moe_ref (the CPU twin of
     kernels/fused_moe.py's fused_moe_routed, which may route and sort in one launch). `fp8`:
-    fused_moe_ref's w13_scale, w2_scale, block (and its bias / clamped-SwiGLU arguments: gpt-oss)."""
+    fused_moe_ref's keywords: w13_scale, w2_scale, block (FP8 or MXFP4 weights), w13_bias,
+    w2_bias, activation (gpt-oss)."""
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     return fused_moe_ref(x, w13, w2, weights, ids, expert_offset=expert_offset, **fp8)
 

@@ -163,10 +163,10 @@ def test_auto_path_picks_decode_by_batch_size(poison_empty, monkeypatch):
 
     calls = []
     real_decode, real_align = fm._fused_moe_decode, fm.moe_align
-    monkeypatch.setattr(fm, "_fused_moe_decode", lambda *a: calls.append("decode") or real_decode(*a))
+    monkeypatch.setattr(fm, "_fused_moe_decode", lambda *a, **kw: calls.append("decode") or real_decode(*a, **kw))
     monkeypatch.setattr(fm, "moe_align", lambda *a: calls.append("sorted") or real_align(*a))
     monkeypatch.setattr(fm, "DECODE_MAX_TOKENS", 2)
-    monkeypatch.setattr(fm, "moe_decode_config", lambda k, i, group_k=None, fp8=False: SMALL_DECODE_TILES)
+    monkeypatch.setattr(fm, "moe_decode_config", lambda k, i, *a, **kw: SMALL_DECODE_TILES)
     for t in (1, 2, 3):
         x, w13, w2, w, ids = moe_inputs(t, 64, 32, 8, 2)
         out = fused_moe(x, w13, w2, w, ids)
