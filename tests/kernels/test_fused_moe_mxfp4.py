@@ -1,0 +1,161 @@
+"""fused_moe with gpt-oss's expert math: biases, the clamped SwiGLU and MXFP4 weights (W4A16), on
+both paths (decode GEMVs, sorted grouped GEMM), under expert parallelism, against fused_moe_ref on
+the dequantized weights; fused_moe_ref on the packed weights is that same function.
+
+MXFP4 weights are random bytes and exponents (every e2m1 code, scales 2^-9 .. 2^-3), not a
+quantized Gaussian, so each code and both nibbles of a byte matter. H = 96 is three exponent
+groups: the 64-wide K tiles end on a half-masked step (as gpt-oss's 2880 = 90 groups do).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.fused_moe import fused_moe, fused_moe_routed
+from pdserve.kernels.moe_activation import SILU_AND_MUL, SwigluOAI
+from pdserve.kernels.mxfp4 import dequantize_mxfp4
+from pdserve.kernels.reference import fused_moe_ref, fused_moe_routed_ref
+from tests.kernels.kernel_inputs import DEVICE, rel_error
+from tests.kernels.test_fused_moe import moe_inputs
+
+H, INTER, E_ROUTED, E_HELD, TOP_K = 96, 64, 8, 4, 2
+SORTED_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+DECODE_TILES = dict(GU_BLOCK_N=16, GU_BLOCK_K=64, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=64, DOWN_WARPS=4)
+SWIGLU = SwigluOAI(alpha=1.702, limit=1.0)  # a small limit: the clamps cut a good share of gate and up
+
+
+def mxfp4_experts(seed: int = 0):
+    """Random MXFP4 w13 [E, 2I, H/2] / w2 [E, H, I/2] with their exponents, and the dequantized twins (fp32)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(n, k):
+        packed = torch.randint(0, 256, (E_HELD, n, k // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 125, (E_HELD, n, k // 32), dtype=torch.uint8, generator=g)
+        return packed.to(DEVICE), scales.to(DEVICE)
+
+    (q13, s13), (q2, s2) = one(2 * INTER, H), one(H, INTER)
+    return q13, s13, q2, s2, dequantize_mxfp4(q13, s13), dequantize_mxfp4(q2, s2)
+
+
+def biases(dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(E_HELD, 2 * INTER, generator=g) * 0.5).to(DEVICE, dtype),
+            (torch.randn(E_HELD, H, generator=g) * 0.5).to(DEVICE, dtype))
+
+
+def routed_inputs(t: int, dtype, drop: float, offset: int = 0):
+    """x [T, H] and a routing over 8 experts (some ids -1: held nowhere); the first token's two
+    experts are held by the op that holds [offset, offset + 4), so the result is never all zero."""
+    x, _, _, w, ids = moe_inputs(t, H, 8, E_ROUTED, TOP_K, dtype=dtype, seed=t, drop=drop)
+    ids[0] = torch.tensor([offset + 2, offset + 1])
+    return x, w, ids
+
+
+# bf16 activations: the interpreter truncates fp32 -> bf16 (test_fused_moe.py's 2.5e-2); fp32: exact
+# weights and fp32 accumulation leave ~1e-6.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.5e-2}
+
+
+@pytest.mark.parametrize("weights", ["mxfp4", "plain"])
+@pytest.mark.parametrize("gpt_oss", [True, False], ids=["bias-swiglu", "silu"])
+@pytest.mark.parametrize("path,t,offset,drop,dtype", [
+    ("decode", 1, 0, 0.0, torch.float32), ("decode", 5, 4, 0.3, torch.bfloat16),
+    ("sorted", 5, 0, 0.0, torch.bfloat16), ("sorted", 33, 4, 0.3, torch.float32),
+])
+def test_kernel_matches_reference(poison_empty, weights, gpt_oss, path, t, offset, drop, dtype):
+    # This op holds experts [offset, offset + 4) of the 8 routed: ids of the other four (and -1)
+    # contribute nothing.
+    x, w, ids = routed_inputs(t, dtype, drop, offset)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(dtype) if gpt_oss else (None, None)
+    act = SWIGLU if gpt_oss else SILU_AND_MUL
+    if weights == "mxfp4":
+        a, b, scales = q13, q2, dict(w13_scale=s13, w2_scale=s2)
+    else:
+        a, b, scales = d13.to(dtype), d2.to(dtype), {}
+    out = fused_moe(x, a, b, w, ids, config=SORTED_TILES if path == "sorted" else DECODE_TILES, path=path,
+                    expert_offset=offset, w13_bias=b13, w2_bias=b2, activation=act, **scales)
+    double = {k: v.double() for k, v in (("w13_bias", b13), ("w2_bias", b2)) if v is not None}
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=offset, activation=act, **double)
+    assert out.shape == x.shape and out.dtype == dtype and not out.isnan().any()
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+    none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
+    assert (out[none_held] == 0).all()  # a token with none of its experts here gets exact zeros
+
+
+def test_reference_on_packed_weights_is_the_dequantized_reference():
+    x, w, ids = routed_inputs(7, torch.float32, 0.2, offset=4)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(torch.float32)
+    kw = dict(expert_offset=4, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    assert torch.equal(fused_moe_ref(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, **kw),
+                       fused_moe_ref(x, d13, d2, w, ids, **kw))
+    # the model's keywords (worker/models/gpt_oss.py) name the same activation
+    legacy = dict(kw, activation=SILU_AND_MUL, swiglu_alpha=SWIGLU.alpha, swiglu_limit=SWIGLU.limit)
+    assert torch.equal(fused_moe_ref(x, d13, d2, w, ids, **legacy), fused_moe_ref(x, d13, d2, w, ids, **kw))
+    with pytest.raises(ValueError, match="not both"):
+        fused_moe_ref(x, d13, d2, w, ids, **dict(legacy, activation=SWIGLU))
+
+
+@pytest.mark.parametrize("path,t", [("decode", 2), ("sorted", 5)])
+def test_a_wrong_decoding_of_the_bytes_fails_the_tolerance(path, t):
+    # The check above can fail: swapped nibbles, or exponents read one off, move the result far
+    # outside the tolerance, while the right decoding is within it.
+    x, w, ids = routed_inputs(t, torch.float32, 0.0)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    cfg = SORTED_TILES if path == "sorted" else DECODE_TILES
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=0, activation=SWIGLU)
+
+    def err(a13, a2, e13, e2):
+        out = fused_moe(x, a13, a2, w, ids, config=cfg, path=path, w13_scale=e13, w2_scale=e2, activation=SWIGLU)
+        return rel_error(out, ref)
+
+    assert err(q13, q2, s13, s2) < TOLERANCE[torch.float32]
+    swap = (q13 >> 4) | (q13 << 4), (q2 >> 4) | (q2 << 4)
+    assert err(*swap, s13, s2) > 100 * TOLERANCE[torch.float32]
+    assert err(q13, q2, s13 + 1, s2) > 100 * TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_routed_layer_op_with_gpt_oss_experts(poison_empty, t):
+    # The model's call: fused_moe_routed from the router's logits with packed weights, biases and
+    # the clamped SwiGLU, default tiles (decode path at 1 token, routing + sort in one launch
+    # above), against fused_moe_routed_ref given the very same arguments.
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, H, generator=g).to(DEVICE, torch.bfloat16)
+    logits = (torch.randn(t, E_ROUTED, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    b13, b2 = biases(torch.bfloat16)
+    kw = dict(expert_offset=4, w13_bias=b13, w2_bias=b2, activation=SWIGLU, w13_scale=s13, w2_scale=s2)
+    out = fused_moe_routed(x, q13, q2, logits, TOP_K, True, **kw)
+    ref = fused_moe_routed_ref(x.double(), q13, q2, logits, TOP_K, True, **dict(kw, w13_bias=b13.double(),
+                                                                                w2_bias=b2.double()))
+    assert (out.cpu().double() - ref.cpu()).norm() <= TOLERANCE[torch.bfloat16] * ref.norm()
+    assert not out.isnan().any()
+
+
+def test_mxfp4_arguments_are_checked():
+    x, w, ids = routed_inputs(3, torch.bfloat16, 0.0)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    ok = dict(w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match="e4m3 weights take w13_scale and w2_scale"):
+        fused_moe(x, q13, q2, w, ids)
+    with pytest.raises(ValueError, match="w13_scale has shape"):
+        fused_moe(x, q13, q2, w, ids, w13_scale=s13[:, :, :2], w2_scale=s2)
+    with pytest.raises(TypeError, match="w2_scale has dtype float32"):
+        fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2.float())
+    with pytest.raises(ValueError, match="w2 has shape"):
+        fused_moe(x, q13, q2[:, :, :16], w, ids, **ok)
+    with pytest.raises(ValueError, match="H a multiple of 32"):
+        fused_moe(x[:, :80], q13[:, :, :40], q2[:, :80], w, ids, w13_scale=s13[:, :, :2], w2_scale=s2[:, :80])
+    with pytest.raises(ValueError, match="block is for FP8"):
+        fused_moe(x, q13, q2, w, ids, block=(128, 128), **ok)
+    with pytest.raises(ValueError, match="multiples of 32 for MXFP4"):
+        fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, BLOCK_K=16), **ok)
+    with pytest.raises(ValueError, match="w13_bias has shape"):
+        fused_moe(x, q13, q2, w, ids, w13_bias=torch.zeros(E_HELD, INTER, device=DEVICE), **ok)
+    with pytest.raises(TypeError, match="activation must be"):
+        fused_moe(x, q13, q2, w, ids, activation="swiglu", **ok)
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        SwigluOAI(1.702, 0.0)
