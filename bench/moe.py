@@ -1,4 +1,4 @@
-"""Mixture of experts on the GPU: Qwen3-30B-A3B-shaped random bf16 weights (issue 27).
+"""Mixture of experts on the GPU: Qwen3-30B-A3B-shaped random bf16 weights (issue 27), gpt-oss's MXFP4 experts.
 
 Three subcommands (tools/gpu/moe.sh runs them in one device call):
 
@@ -18,6 +18,13 @@ Three subcommands (tools/gpu/moe.sh runs them in one device call):
               model's op on one layer's experts at 1, 8, 64 and 512 tokens (decode path up to
               DECODE_MAX_TOKENS, sorted above), default tiles, 128x128 block scales and per-channel
               scales; error of each against the loop on the dequantized weights; expert bytes hit / time.
+  mxfp4       gpt-oss's experts (biases + clamped SwiGLU) with MXFP4 weights (W4A16, the kernels decode
+              the nibbles) against the same experts in bf16, at gpt-oss-120b's layer (E=128, k=4,
+              H=I=2880) and gpt-oss-20b's (E=32): the model's op on routed ids at 1, 8, 64 and 512
+              tokens (decode path up to DECODE_MAX_TOKENS, sorted above), default tiles (MXFP4's
+              untuned); ms, effective GB/s of the weight bytes of the distinct experts hit (packed
+              values + exponents + biases), error against the reference on the dequantized weights,
+              and at decode sizes whether a CUDA graph replay equals the eager call.
   checkpoint  writes the checkpoint: Qwen3-30B-A3B's shapes (config.json as the public model's)
               with --layers decoder layers (48 in the real model; fewer keep the call short: the
               tables say how many), random bf16 weights, per-expert tensors as on the hub.
@@ -227,6 +234,107 @@ def fp8(args) -> int:
         print(lines[-1], flush=True)
         _write(args.out, lines)  # a call cut short keeps the rows done
     return 0
+
+
+# gpt-oss's expert layers (config.json of the published models): E, k, H, I.
+GPT_OSS = {"gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, inter=2880),
+           "gpt-oss-20b": dict(experts=32, top_k=4, hidden=2880, inter=2880)}
+
+
+def _gpt_oss_experts(e: int, h: int, inter: int):
+    """Random MXFP4 experts as published (bytes of every code, exponents around 2^-6, so values
+    near a trained layer's scale), their bf16 twins (dequantized one expert at a time: no fp32
+    copy of the whole layer) and biases."""
+    from pdserve.kernels.mxfp4 import dequantize_mxfp4
+
+    def one(n, k):
+        return (torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=DEVICE),
+                torch.randint(119, 124, (e, n, k // 32), dtype=torch.uint8, device=DEVICE))
+
+    (q13, s13), (q2, s2) = one(2 * inter, h), one(h, inter)
+    d13 = torch.stack([dequantize_mxfp4(q, sc, DT) for q, sc in zip(q13, s13)])
+    d2 = torch.stack([dequantize_mxfp4(q, sc, DT) for q, sc in zip(q2, s2)])
+    b13 = torch.randn(e, 2 * inter, device=DEVICE, dtype=DT) * 0.1
+    b2 = torch.randn(e, h, device=DEVICE, dtype=DT) * 0.1
+    return (q13, s13, q2, s2), (d13, d2), (b13, b2)
+
+
+def _graph_equals_eager(fn, eager: torch.Tensor) -> str:
+    """Whether `fn` captured in a CUDA graph and replayed gives eager's bits (no host sync inside)."""
+    if DEVICE != "cuda":
+        return "-"
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return "yes" if torch.equal(static, eager) else "NO"
+
+
+def mxfp4(args) -> int:
+    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS
+    from pdserve.kernels.moe_activation import SwigluOAI
+
+    act = SwigluOAI(alpha=1.702, limit=7.0)  # gpt-oss's
+    bw = args.copy_gbs * 1e9 if args.copy_gbs else _copy_bandwidth()
+    card = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    lines = [f"gpt-oss's MoE experts, MXFP4 weights (uint8 e2m1 pairs + E8M0 exponents per 32 inputs, decoded in "
+             f"the kernels; activations {DT}) vs the same experts in {DT}, biases and the clamped SwiGLU "
+             f"(alpha 1.702, limit 7) in both, {card}, same-run copy bandwidth {bw / 1e9:.0f} GB/s. fused_moe on "
+             f"routed ids (decode path up to {DECODE_MAX_TOKENS} tokens, sorted above), default tiles (MXFP4's "
+             f"untuned); triton do_bench medians, L2 flushed between calls. GB/s: weight bytes of the distinct experts "
+             f"hit (bf16: 2 B a weight; MXFP4: 0.5 B + one exponent byte per 32; biases in both) / time. Error: "
+             f"relative to fused_moe_ref on the dequantized weights (fp32). Graph: a CUDA graph replay equals the "
+             f"eager call (decode sizes).", "",
+             "| model | E | k | tokens | experts hit | bf16 (ms) | MXFP4 (ms) | bf16 / MXFP4 | GB/s bf16 / MXFP4 "
+             "(% of copy) | rel err bf16 / MXFP4 | MXFP4 graph == eager |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for name in args.models:  # one model's weights at a time (freed when _mxfp4_rows returns)
+        for row in _mxfp4_rows(name, args.tokens, act, bw):
+            lines.append(row)
+            print(row, flush=True)
+            _write(args.out, lines)  # a call cut short keeps the rows done
+    return 0
+
+
+def _mxfp4_rows(name: str, tokens: list[int], act, bw: float):
+    from pdserve.kernels.fused_moe import fused_moe
+    from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
+
+    shape = GPT_OSS[name]
+    e, k, h, inter = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
+    torch.manual_seed(0)
+    (q13, s13, q2, s2), (d13, d2), (b13, b2) = _gpt_oss_experts(e, h, inter)
+    bias_bytes = (2 * inter + h) * b13.element_size()
+    per_expert = {"bf16": 3 * h * inter * DT.itemsize + bias_bytes,
+                  "mxfp4": 3 * h * inter // 2 + 3 * h * inter // 32 + bias_bytes}
+    epilogue = dict(w13_bias=b13, w2_bias=b2, activation=act)
+    calls = {"bf16": lambda x, w, ids: fused_moe(x, d13, d2, w, ids, **epilogue),
+             "mxfp4": lambda x, w, ids: fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, **epilogue)}
+    for t in tokens:
+        x = torch.randn(t, h, device=DEVICE, dtype=DT)
+        weights, ids = moe_route_ref(torch.randn(t, e, device=DEVICE, dtype=DT), k, True)
+        hit = int(torch.unique(ids).numel())
+        ref = fused_moe_ref(x.float(), q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, w13_bias=b13.float(),
+                            w2_bias=b2.float(), activation=act)
+        ms, gbs, errs = {}, {}, {}
+        for fmt, call in calls.items():
+            out = call(x, weights, ids)
+            errs[fmt] = ((out.float() - ref).norm() / ref.norm()).item()
+            ms[fmt] = _bench_us(lambda call=call: call(x, weights, ids)) / 1e3
+            gbs[fmt] = hit * per_expert[fmt] / (ms[fmt] * 1e-3) / 1e9
+        graph = "-"
+        if t <= 64:
+            graph = _graph_equals_eager(lambda: calls["mxfp4"](x, weights, ids), calls["mxfp4"](x, weights, ids))
+        pct = {fmt: 100 * v * 1e9 / bw for fmt, v in gbs.items()}
+        yield (f"| {name} | {e} | {k} | {t} | {hit} | {ms['bf16']:.3f} | {ms['mxfp4']:.3f} | "
+               f"{ms['bf16'] / ms['mxfp4']:.2f}x | {gbs['bf16']:.0f} ({pct['bf16']:.0f}%) / "
+               f"{gbs['mxfp4']:.0f} ({pct['mxfp4']:.0f}%) | {errs['bf16']:.1e} / {errs['mxfp4']:.1e} | {graph} |")
 
 
 def _copy_bandwidth() -> float:
@@ -507,6 +615,11 @@ def main(argv=None) -> int:
     d = _layer_args(sub.add_parser("decode"), [1, 2, 4, 8, 16])
     d.add_argument("--copy-gbs", type=float, help="skip the copy-bandwidth measurement, use this")
     _layer_args(sub.add_parser("fp8"), [1, 8, 64, 512])
+    m = sub.add_parser("mxfp4")
+    m.add_argument("--models", nargs="+", choices=tuple(GPT_OSS), default=list(GPT_OSS))
+    m.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    m.add_argument("--copy-gbs", type=float, help="skip the copy-bandwidth measurement, use this")
+    m.add_argument("--out")
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--layers", type=int, default=12)
@@ -530,8 +643,8 @@ def main(argv=None) -> int:
     if args.cmd != "checkpoint" and not torch.cuda.is_available():
         print("bench moe needs a CUDA GPU", file=sys.stderr)
         return 2
-    return {"kernel": kernel, "decode": decode, "fp8": fp8, "checkpoint": checkpoint, "engine": engine,
-            "report": report}[args.cmd](args)
+    return {"kernel": kernel, "decode": decode, "fp8": fp8, "mxfp4": mxfp4, "checkpoint": checkpoint,
+            "engine": engine, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

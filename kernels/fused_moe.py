@@ -9,7 +9,7 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    Decode sizes run it as one Triton program (`_moe_align_kernel`); the torch version's dozen
    small kernels per layer would cost more than the layer's GEMMs at batch 1. Large batches
    (prefill, where those launches are noise) use the torch version (`moe_align_torch`).
-2. gate|up GEMM with SiLU-and-mul in its epilogue: a program computes BLOCK_N columns of both
+2. gate|up GEMM with the activation (SiLU-and-mul) in its epilogue: a program computes BLOCK_N columns of both
    halves for BLOCK_M rows of one expert, and writes silu(gate) * up, rounded once, to the
    assignment's row of the intermediate [M, I].
 3. down GEMM, each row scaled by its router weight, to the assignment's row of [M, H]; a sum over
@@ -37,6 +37,23 @@ layout for the three checkpoint formats, per expert [E, rows, groups]:
   along K: the same cached [BLOCK_N] vector; one code path rather than an epilogue variant).
 In the GEMM, scaling the tile before the dot rather than the partial products after it keeps one
 accumulator and the bf16 dot; a constexpr `FP8` switch leaves bf16 weights' code exactly as it was.
+
+MXFP4 weights (W4A16: gpt-oss as published, kernels/mxfp4.py's layout): w13 / w2 uint8, two e2m1
+values a byte (even input in the low nibble), one E8M0 exponent byte per row and 32 inputs. The
+kernels load the packed bytes and decode in registers (e2m1 by integer arithmetic, 2^(s - 127) by
+writing s into an fp32 exponent field; s = 0 reads as 0, not 2^-127): a quarter of bf16's weight
+bytes. A byte's two values meet the activations' even and odd inputs, loaded as two strided
+tiles, so nothing is interleaved: the GEMM does two dots of BLOCK_K / 2 per step (the decoded
+tile, scaled, in the activations' dtype: e2m1 times a power of two is exact in bf16), the GEMVs
+one fp32 product per byte scaled once. K steps are multiples of 32 (whole exponent groups); the
+last step is masked (gpt-oss's H = I = 2880 is 90 groups). The tiles (moe_decode_config's
+`mxfp4`, moe_block_config's) are UNTUNED first guesses, no GPU has measured them: pass `config`
+to override, `python -m pdserve.bench.moe mxfp4` measures.
+
+gpt-oss's experts also add biases (w13_bias to gate|up before the activation, w2_bias to the down
+output before the router weight, as reference.fused_moe_ref) and use its clamped SwiGLU
+(kernels/moe_activation.py's SwigluOAI) in the gate|up epilogue; the decode path, whose
+intermediate rows already carry the router weight, adds weight * w2_bias in the down pass.
 """
 
 from __future__ import annotations
@@ -458,11 +475,13 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     4 or 8 warps; block scales' tiles) moved the time by about 1 us: left as they are. One layer
     replayed ten times a graph: its 38 MB of FP8 experts may sit partly in L2, so read the ranking,
     not the bandwidth.
-    `mxfp4`: UNTUNED (no GPU measured them yet): steps of 512 inputs both passes (256 bytes a weight
-    row, half the bytes of bf16's 256-wide step), the row strips of bf16."""
+    `mxfp4`: UNTUNED (no GPU has measured them): bf16's row strips; gate|up steps of 512 inputs
+    (256 bytes a weight row, half of bf16's 256-wide step), down steps of 256 (a [k, BLOCK_N,
+    128]-byte block: each byte decodes to two fp32 values plus its exponent in registers, so the
+    bf16 block's size would spill)."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
-        return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=512,
+        return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
                     DOWN_WARPS=8)
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)

@@ -32,12 +32,13 @@ gpu_begin gpu_moe engine || exit 1
 
 main() {
   step "tests on the GPU" 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-    tests/kernels/test_fused_moe_fp8.py tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
+    tests/kernels/test_fused_moe_fp8.py tests/kernels/test_fused_moe_mxfp4.py tests/kernels/test_moe_route.py "tests/worker/test_triton_backend.py::test_moe_triton_backend_with_decode_graphs_matches_torch" > "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
   cd /tmp
   step "decode" 120 $PY -m pdserve.bench.moe decode --out "$OUT/decode.md"
   step "kernel" 90 $PY -m pdserve.bench.moe kernel --out "$OUT/kernel.md"
   step "fp8" 90 $PY -m pdserve.bench.moe fp8 --out "$OUT/fp8.md"
+  step "mxfp4" 150 $PY -m pdserve.bench.moe mxfp4 --out "$OUT/mxfp4.md"
   CKPT=/tmp/qwen3-30b-a3b-l$LAYERS
   step "checkpoint" 120 $PY -m pdserve.bench.moe checkpoint --checkpoint $CKPT --layers $LAYERS
   ROWS="$OUT/engine_rows.jsonl"
