@@ -263,6 +263,15 @@ def _e8m0(s):
 
 
 @triton.jit
+def _mxfp4_gemv_step(q_ptrs, s_ptrs, mask, s_mask, x_lo, x_hi):
+    # [rows, groups, 16] packed bytes against x's even / odd inputs ([1, groups, 16]) -> [rows]
+    # partial sums, each group of 32 inputs scaled once by its exponent ([rows, groups]).
+    lo, hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
+    part = tl.sum(lo * x_lo + hi * x_hi, axis=2)
+    return tl.sum(part * _e8m0(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)), axis=1)
+
+
+@triton.jit
 def _activate(gate, up, SWIGLU: tl.constexpr, alpha, limit):
     # The expert activation on fp32 gate / up (kernels/moe_activation.py): SiLU-and-mul, or
     # gpt-oss's clamped SwiGLU.
@@ -508,22 +517,20 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
-        # Byte j: inputs 2j (low nibble) and 2j + 1 (high), one exponent for both; x's even and
-        # odd inputs are loaded as two [1, BLOCK_K / 2] tiles (no interleave of the weights).
-        kp = tl.arange(0, BLOCK_K // 2)
-        q_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + kp[None, :]
-        s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + (kp // 16)[None, :] * stride_sk
+        # A step's bytes as a [BLOCK_N, groups, 16] tile: byte j holds inputs 2j (low nibble) and
+        # 2j + 1 (high), and each 16 bytes share one exponent, applied once to their partial sum.
+        gs = tl.arange(0, BLOCK_K // 32)
+        byte = gs[:, None] * 16 + tl.arange(0, 16)[None, :]
+        q_ptrs = w13_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :]
+        s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
+        x_ptrs = x_row + 2 * byte[None, :, :]
         for k0 in range(0, K, BLOCK_K):
-            kp_ok = kp < (K - k0) // 2
-            x_lo = tl.load(x_row + k0 + 2 * kp[None, :], mask=kp_ok[None, :], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + k0 + 2 * kp[None, :] + 1, mask=kp_ok[None, :], other=0.0).to(tl.float32)
-            mask = col_ok[:, None] & kp_ok[None, :]
-            g_lo, g_hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
-            g_s = _e8m0(tl.load(s_ptrs, mask=mask, other=127).to(tl.int32))
-            acc_gate += tl.sum((g_lo * x_lo + g_hi * x_hi) * g_s, axis=1)
-            u_lo, u_hi = _e2m1_pair(tl.load(q_ptrs + N * stride_wn, mask=mask, other=0).to(tl.int32))
-            u_s = _e8m0(tl.load(s_ptrs + N * stride_sn, mask=mask, other=127).to(tl.int32))
-            acc_up += tl.sum((u_lo * x_lo + u_hi * x_hi) * u_s, axis=1)
+            g_ok = gs < (K - k0) // 32
+            x_lo = tl.load(x_ptrs + k0, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptrs + k0 + 1, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+            mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
+            acc_gate += _mxfp4_gemv_step(q_ptrs, s_ptrs, mask, s_mask, x_lo, x_hi)
+            acc_up += _mxfp4_gemv_step(q_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, x_lo, x_hi)
             q_ptrs += BLOCK_K // 2
             s_ptrs += (BLOCK_K // 32) * stride_sk
     else:
@@ -570,36 +577,36 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
     e = tl.where(held, e, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
-    row_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im
     if MXFP4:
-        # [k, BLOCK_N, BLOCK_K / 2] bytes a step; the intermediate's even and odd columns meet the
-        # low and high nibbles (as in the gate|up kernel above).
-        kp = tl.arange(0, BLOCK_K // 2)
-        a_ptrs = row_ptrs + 2 * kp[None, None, :]
-        q_ptrs = (w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
-                  + kp[None, None, :])
-        s_ptrs = (s_ptr + e[:, None, None] * stride_se + cols[None, :, None].to(tl.int64) * stride_sn
-                  + (kp // 16)[None, None, :] * stride_sk)
+        # The gate|up kernel's [BLOCK_N, groups, 16] tiles, one per expert of the token (unrolled:
+        # the k experts' loads are independent, so k tiles are in flight a step), summed into one
+        # accumulator in slot order: the top-k sum inside the GEMV, as below.
+        gs = tl.arange(0, BLOCK_K // 32)
+        byte = gs[:, None] * 16 + tl.arange(0, 16)[None, :]
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kp_ok = kp < (K - k0) // 2
-            a_mask = held[:, None, None] & kp_ok[None, None, :]
-            a_lo = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-            a_hi = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(tl.float32)
-            mask = a_mask & col_ok[None, :, None]
-            w_lo, w_hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
-            scale = _e8m0(tl.load(s_ptrs, mask=mask, other=127).to(tl.int32))
-            acc += tl.sum((w_lo * a_lo + w_hi * a_hi) * scale, axis=2)
-            a_ptrs += BLOCK_K
-            q_ptrs += BLOCK_K // 2
-            s_ptrs += (BLOCK_K // 32) * stride_sk
+            for j in tl.static_range(TOP_K):
+                e_j = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+                held_j = (e_j >= 0) & (e_j < num_experts)
+                e_j = tl.where(held_j, e_j, 0)
+                g_ok = gs < tl.where(held_j, (K - k0) // 32, 0)  # not held: no group of it is read
+                a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + k0 + 2 * byte[None, :, :]
+                a_lo = tl.load(a_ptrs, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+                a_hi = tl.load(a_ptrs + 1, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+                q_ptrs = (w2_ptr + e_j * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + k0 // 2
+                          + byte[None, :, :])
+                s_ptrs = (s_ptr + e_j * stride_se + cols[:, None].to(tl.int64) * stride_sn
+                          + (k0 // 32 + gs[None, :]) * stride_sk)
+                out += _mxfp4_gemv_step(q_ptrs, s_ptrs, col_ok[:, None, None] & g_ok[None, :, None],
+                                        col_ok[:, None] & g_ok[None, :], a_lo, a_hi)
     else:
         ks = tl.arange(0, BLOCK_K)
         # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
-        a_ptrs = row_ptrs + ks[None, None, :]
+        a_ptrs = inter_ptr + (t * TOP_K + js)[:, None, None] * stride_im + ks[None, None, :]
         w_ptrs = (w2_ptr + e[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
                   + ks[None, None, :])
         s_ptrs = s_ptr + e[:, None] * stride_se + (cols // SCALE_ROWS)[None, :] * stride_sn  # [k, BLOCK_N]; FP8 only
+        acc = tl.zeros([K_TILE, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=held[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
@@ -612,12 +619,12 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                 acc += tl.sum(w * a, axis=2)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers
     if HAS_BIAS:  # weight * (down + bias): the intermediate row already carries the weight, the bias does not
         wj = tl.load(weight_ptr + t * TOP_K + js, mask=held, other=0.0).to(tl.float32)
         b = tl.load(bias_ptr + e[:, None] * stride_bias_e + cols[None, :], mask=held[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
-        acc += b * wj[:, None]
-    out = tl.sum(acc, axis=0)  # the top-k sum: over the k experts, in registers
+        out += tl.sum(b * wj[:, None], axis=0)
     tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
