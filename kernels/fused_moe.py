@@ -44,9 +44,11 @@ kernels load the packed bytes and decode in registers (e2m1 by integer arithmeti
 writing s into an fp32 exponent field; s = 0 reads as 0, not 2^-127): a quarter of bf16's weight
 bytes. A byte's two values meet the activations' even and odd inputs, loaded as two strided
 tiles, so nothing is interleaved: the GEMM does two dots of BLOCK_K / 2 per step (the decoded
-tile, scaled, in the activations' dtype: e2m1 times a power of two is exact in bf16), the GEMVs
-one fp32 product per byte scaled once. K steps are multiples of 32 (whole exponent groups); the
-last step is masked (gpt-oss's H = I = 2880 is 90 groups). The tiles (moe_decode_config's
+tile times its exponents, gathered per byte, in the activations' dtype: e2m1 times a power of two
+is exact in bf16); the GEMVs load [rows, groups, 16] byte tiles and scale each 32-input group's
+fp32 partial sum once. K steps are multiples of 32 (whole exponent groups); the last step is
+masked (gpt-oss's H = I = 2880 is 90 groups, checked at that shape with the default tiles under
+the interpreter). The tiles (moe_decode_config's
 `mxfp4`, moe_block_config's) are UNTUNED first guesses, no GPU has measured them: pass `config`
 to override, `python -m pdserve.bench.moe mxfp4` measures.
 
