@@ -249,13 +249,15 @@ def _e2m1_pair(q):
 
 @triton.jit
 def _e2m1(code):
-    # Sign bit 3, exponent bits 2-1, mantissa bit 0: 0, 0.5, 1, 1.5, 2, 3, 4, 6 as quarters of
-    # 2m (exponent 0: the subnormal m * 0.5) or (2 + m) << e, exact in integers, no table.
-    e = (code >> 1) & 3
-    m = code & 1
-    quarters = tl.where(e == 0, m * 2, (m + 2) << e)
-    mag = quarters.to(tl.float32) * 0.25
-    return tl.where((code & 8) != 0, -mag, mag)
+    # Sign bit 3, exponent bits 2-1, mantissa bit 0, written straight into fp32's bit fields
+    # (integer ops only, no table, no conversion): magnitude codes 2-7 are 2^(e - 1) (1 + m / 2),
+    # their e and m shifted into the exponent's low bits and the mantissa's top bit on top of
+    # 0.5's pattern (0x3F000000: exponent 126); codes 0 and 1 (zero, the subnormal 0.5) are that
+    # pattern times the code.
+    v = code & 7
+    half = 0x3F000000
+    bits = tl.where(v < 2, v * half, (v << 22) + half) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from pdserve.kernels.fused_moe import fused_moe, fused_moe_routed
+from pdserve.kernels.fused_moe import _e2m1_pair, _e8m0, fused_moe, fused_moe_routed
 from pdserve.kernels.moe_activation import SILU_AND_MUL, SwigluOAI
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_ref, fused_moe_routed_ref
@@ -82,6 +84,27 @@ def test_kernel_matches_reference(poison_empty, weights, gpt_oss, path, t, offse
     assert rel_error(out, ref) < TOLERANCE[dtype]
     none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
     assert (out[none_held] == 0).all()  # a token with none of its experts here gets exact zeros
+
+
+@triton.jit
+def _decode_kernel(q_ptr, s_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    lo, hi = _e2m1_pair(tl.load(q_ptr + i).to(tl.int32))
+    scale = _e8m0(tl.load(s_ptr + i).to(tl.int32))
+    tl.store(out_ptr + 2 * i, lo * scale)
+    tl.store(out_ptr + 2 * i + 1, hi * scale)
+
+
+def test_in_kernel_decoding_of_every_byte_and_exponent_is_exact():
+    # The kernels' decoders (fused_moe._e2m1_pair, _e8m0) on all 256 bytes under exponents from 2^-126
+    # to 2^123 equal the reference codec bit for bit.
+    exps = torch.tensor([1, 100, 126, 127, 128, 140, 200, 250], dtype=torch.uint8)
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(len(exps)).to(DEVICE)
+    scales = exps.repeat_interleave(256).to(DEVICE)
+    out = torch.empty(2 * packed.numel(), device=DEVICE)
+    _decode_kernel[(1,)](packed, scales, out, N=packed.numel())
+    ref = dequantize_mxfp4(packed.view(-1, 16), exps.repeat_interleave(256 // 16).view(-1, 1).to(DEVICE))
+    assert torch.equal(out.view(-1, 32), ref)
 
 
 def test_reference_on_packed_weights_is_the_dequantized_reference():
