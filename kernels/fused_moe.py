@@ -299,9 +299,16 @@ def _mxfp4_dot(acc, a_ptrs, stride_ak, a_mask, q_ptrs, s_ptrs, b_mask, DOT_F32: 
     q = tl.load(q_ptrs, mask=b_mask, other=0).to(tl.int32)
     scale = _e8m0(tl.load(s_ptrs, mask=b_mask, other=127).to(tl.int32))
     b_lo, b_hi = _e2m1_pair(q)
-    dot_ty = tl.float32 if DOT_F32 else a_ptrs.dtype.element_ty
-    acc = tl.dot(a_lo.to(dot_ty), (b_lo * scale).to(dot_ty), acc, input_precision=PRECISION)
-    return tl.dot(a_hi.to(dot_ty), (b_hi * scale).to(dot_ty), acc, input_precision=PRECISION)
+    b_lo *= scale
+    b_hi *= scale
+    if DOT_F32:
+        a_lo = a_lo.to(tl.float32)
+        a_hi = a_hi.to(tl.float32)
+    else:  # the decoded tile in the activations' dtype (exact in bf16: e2m1 times a power of two)
+        b_lo = b_lo.to(a_lo.dtype)
+        b_hi = b_hi.to(a_hi.dtype)
+    acc = tl.dot(a_lo, b_lo, acc, input_precision=PRECISION)
+    return tl.dot(a_hi, b_hi, acc, input_precision=PRECISION)
 
 
 @triton.jit
