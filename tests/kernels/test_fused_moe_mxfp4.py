@@ -182,3 +182,41 @@ def test_mxfp4_arguments_are_checked():
         fused_moe(x, q13, q2, w, ids, activation="swiglu", **ok)
     with pytest.raises(ValueError, match="limit must be > 0"):
         SwigluOAI(1.702, 0.0)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/moe.sh runs this file there)")
+@pytest.mark.parametrize("t", [1, 4, 16, 64])
+def test_gpt_oss_20b_layer_on_the_gpu(t):
+    # gpt-oss-20b's expert layer (E=32, k=4, H=I=2880: 90 exponent groups, default tiles' last K
+    # steps masked) through the model's op: decode path (1, 4), routing + sort in one launch (16, 64);
+    # bit-stable, and a CUDA graph replays it to the same bits.
+    e, h, inter = 32, 2880, 2880
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+
+    def rand_mx(n, k):
+        return (torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=DEVICE, generator=g),
+                torch.randint(119, 124, (e, n, k // 32), dtype=torch.uint8, device=DEVICE, generator=g))
+
+    (q13, s13), (q2, s2) = rand_mx(2 * inter, h), rand_mx(h, inter)
+    b13 = torch.randn(e, 2 * inter, device=DEVICE, generator=g).bfloat16() * 0.1
+    b2 = torch.randn(e, h, device=DEVICE, generator=g).bfloat16() * 0.1
+    x = torch.randn(t, h, device=DEVICE, generator=g).bfloat16()
+    logits = torch.randn(t, e, device=DEVICE, generator=g).bfloat16()
+    act = SwigluOAI(1.702, 7.0)
+    kw = dict(w13_bias=b13, w2_bias=b2, activation=act, w13_scale=s13, w2_scale=s2)
+    out = fused_moe_routed(x, q13, q2, logits, 4, True, **kw)
+    ref = fused_moe_routed_ref(x.float(), q13, q2, logits, 4, True, **dict(kw, w13_bias=b13.float(),
+                                                                          w2_bias=b2.float()))
+    assert rel_error(out, ref) < 1e-2
+    assert torch.equal(out, fused_moe_routed(x, q13, q2, logits, 4, True, **kw))  # bit-stable
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe_routed(x, q13, q2, logits, 4, True, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused_moe_routed(x, q13, q2, logits, 4, True, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
