@@ -13,7 +13,8 @@ The blocks are made by kernels/mxfp4.quantize_mxfp4, whose decoding tests/kernel
 checks against transformers' own. `corrupt` writes a deliberately wrong checkpoint (tests show
 that the comparison catches each mistake): "nibbles" swaps each byte's two values, "interleave"
 stores gate_up's rows as [gate; up] instead of interleaved, "orientation" stores down_proj's
-blocks from the [I, H] matrix (the same shape when H == I).
+blocks from the [I, H] matrix (the same shape when H == I). `packed_reference`: an experts op that
+takes the packed tensors, as the fused Triton op does, for running the packed path on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.kernels.mxfp4 import checkpoint_view, dequantize_mxfp4, quantize_mxfp4
+from pdserve.kernels.reference import fused_moe_routed_ref
 
 # gpt-oss-20b's and -120b's quantization_config.
 PUBLISHED = {"quant_method": "mxfp4",
@@ -70,3 +72,10 @@ def write_mxfp4_pair(src: Path, out: Path, corrupt: str | None = None,
     cfg["quantization_config"] = quantization_config or PUBLISHED
     (mxfp4_dir / "config.json").write_text(json.dumps(cfg))
     return mxfp4_dir, twin_dir
+
+
+def packed_reference(x, w13, w2, router_logits, top_k, renormalize, w13_scale, w2_scale, **kw):
+    """An experts op that takes the packed tensors (as the fused Triton op does): dequantized here,
+    then the torch reference."""
+    return fused_moe_routed_ref(x, dequantize_mxfp4(w13, w13_scale, x.dtype), dequantize_mxfp4(w2, w2_scale, x.dtype),
+                                router_logits, top_k, renormalize, **kw)

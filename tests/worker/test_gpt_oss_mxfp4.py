@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
-from pdserve.kernels.reference import fused_moe_routed_ref
 from pdserve.worker.config.engine import ConfigError
 from pdserve.worker.config.quantization import QuantizationError
 from pdserve.worker.models import gpt_oss
@@ -24,7 +23,7 @@ from pdserve.worker.models.loader import read_model_config
 from pdserve.worker.parallel.shard import TPShard
 from tests.checkpoints import write_checkpoint
 from tests.helpers.engines import make_engine
-from tests.mxfp4_checkpoints import CORRUPTIONS, PUBLISHED, write_mxfp4_pair
+from tests.mxfp4_checkpoints import CORRUPTIONS, PUBLISHED, packed_reference, write_mxfp4_pair
 from tests.worker.test_engine_equality import GREEDY, PROMPTS, hf_reference
 
 EXPERTS = "model.layers.0.mlp.experts"
@@ -49,13 +48,6 @@ def tokens(ckpt: str, tp: int = 1, **kw) -> list[list[int]]:
         return engine.generate(PROMPTS, GREEDY)
     finally:
         engine.shutdown()
-
-
-def packed_reference(x, w13, w2, router_logits, top_k, renormalize, w13_scale, w2_scale, **kw):
-    """An experts op that takes the packed tensors (as the fused Triton op does): dequantized here,
-    then the torch reference."""
-    return fused_moe_routed_ref(x, dequantize_mxfp4(w13, w13_scale, x.dtype), dequantize_mxfp4(w2, w2_scale, x.dtype),
-                                router_logits, top_k, renormalize, **kw)
 
 
 def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_twin(pair):
