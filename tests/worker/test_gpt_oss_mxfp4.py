@@ -79,6 +79,21 @@ def test_packed_experts_match_hf(pair, monkeypatch):
     assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(twin))
 
 
+@pytest.mark.skipif(not gpt_oss.FUSED_MOE_RUNS_GPT_OSS, reason="the fused MoE op does not run gpt-oss's experts yet")
+def test_packed_experts_on_the_fused_triton_op_match_hf(pair, monkeypatch):
+    """The packed experts through kernels/fused_moe.fused_moe_routed (Triton's interpreter on CPU;
+    attention on the torch backend, to keep it cheap): the op gets the uint8 tensors, their
+    exponents, the biases and the clamped SwiGLU, and the tokens are transformers'."""
+    from pdserve.kernels.fused_moe import fused_moe_routed
+
+    mxfp4, twin = pair
+    monkeypatch.setattr(gpt_oss, "experts_op", lambda backend: fused_moe_routed)
+    engine = make_engine(mxfp4)
+    assert engine.runner.model.layers[0].mlp.experts.packed
+    # One prompt past the window: its prefill takes the sorted path, its decodes the decode path.
+    assert engine.generate(PROMPTS[1:2], GREEDY) == hf_reference(str(twin))[1:2]
+
+
 @pytest.mark.parametrize("rank,size,ep", [(0, 1, False), (1, 2, False), (1, 2, True)], ids=["tp1", "tp2", "ep2"])
 def test_packed_tensors_load_exactly_per_rank(pair, rank, size, ep):
     """A rank's packed gate|up rows and down column blocks decode to exactly its slice of the twin's
