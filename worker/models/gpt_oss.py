@@ -23,9 +23,10 @@ with gate and up interleaved, `down_proj_bias` [E, H]):
   blocks of w2's I columns under tensor parallelism: I/N must be a multiple of 32, TPShard).
   Where the fused Triton MoE op runs them (`experts_op`), they stay packed: the model's GPU copy of
   the experts is the checkpoint's 4.25 bits per weight, never bf16; elsewhere (CPU, the torch
-  attention backend) they are dequantized to the compute dtype once loaded (`finish_loading`).
-  `--load-format dummy` fills the packed tensors (loader.init_dummy_weights), so a gpt-oss-120b is
-  built from its config.json in its 65 GB.
+  attention backend, or while FUSED_MOE_RUNS_GPT_OSS is unset) they are dequantized to the compute
+  dtype once loaded (`finish_loading`). `--load-format dummy` fills the packed tensors in place
+  (loader.init_dummy_weights): with the fused op, gpt-oss-120b is built from its config.json in
+  its 65 GB.
 
 `experts_op` is the one choice of the experts' op: kernels/fused_moe.fused_moe_routed on the Triton
 backend once that op takes biases, the clamped SwiGLU and MXFP4 weights (FUSED_MOE_RUNS_GPT_OSS),
