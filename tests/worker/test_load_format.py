@@ -120,3 +120,37 @@ def test_dummy_fp8_experts_stay_e4m3_with_their_scales(tiny_checkpoint, tmp_path
     for w, s in ((experts.w13, experts.w13_scale), (experts.w2, experts.w2_scale)):
         assert w.dtype == torch.float8_e4m3fn and 0.5 < w.float().abs().max() <= 1
         assert s.dtype == torch.float32 and bool((s == 1e-3).all())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dequantized", "packed"])
+def test_dummy_mxfp4_experts(packed, tiny_checkpoint, tmp_path, monkeypatch):
+    """gpt-oss's published config (quantization_config mxfp4): the experts are drawn as MXFP4
+    straight into their packed tensors (random bytes, exponents DUMMY_MXFP4_SCALE: decoded within
+    DUMMY_RANGE). Where the fused op runs them they stay packed and nothing decodes them (no bf16
+    copy, which gpt-oss-120b's 65 GB rely on); elsewhere they are dequantized as a real
+    checkpoint's. Either way the model generates finite logprobs."""
+    import json
+
+    from pdserve.kernels.mxfp4 import FP4_VALUES
+    from pdserve.worker.models import gpt_oss
+    from pdserve.worker.models.loader import DUMMY_MXFP4_SCALE, DUMMY_RANGE
+    from tests.mxfp4_checkpoints import PUBLISHED, packed_reference
+
+    src = config_only(tiny_checkpoint("gpt-oss"), tmp_path / "mxfp4")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": PUBLISHED}))
+    if packed:
+        monkeypatch.setattr(gpt_oss, "experts_op", lambda backend: packed_reference)
+        monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", None)  # the model never decodes its experts
+    eng = engine(src, load_format="dummy")
+    experts = [layer.mlp.experts for layer in eng.runner.model.layers]
+    for ex in experts:
+        if packed:
+            assert ex.w13.dtype == ex.w2.dtype == torch.uint8 and len(torch.unique(ex.w13)) > 200  # random bytes
+            assert bool((ex.w13_scale == DUMMY_MXFP4_SCALE).all()) and bool((ex.w2_scale == DUMMY_MXFP4_SCALE).all())
+        else:
+            w = torch.cat([ex.w13.flatten(), ex.w2.flatten()])
+            assert w.dtype == torch.float32 and 0 < w.abs().max() <= DUMMY_RANGE
+            assert bool(torch.isin(w * 2.0 ** (127 - DUMMY_MXFP4_SCALE), torch.tensor(FP4_VALUES)).all())
+    ids, lps = generate(eng)
+    assert len(ids) == 6 and lps and all(math.isfinite(x) for x in lps)

@@ -97,15 +97,16 @@ def test_gpt_oss_config_is_read(tmp_path):
     assert rope_attention_factor(c) == pytest.approx(0.1 * __import__("math").log(32.0) + 1.0)
 
 
-def test_gpt_oss_mxfp4_and_bad_layer_types_are_refused(tmp_path):
-    from pdserve.worker.config.quantization import QuantizationError
-
+def test_gpt_oss_mxfp4_is_read_and_bad_layer_types_are_refused(tmp_path):
     mxfp4 = {"quant_method": "mxfp4",
              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                         "lm_head"]}
-    want = r"quantization_config.quant_method = 'mxfp4': MXFP4 expert weights"
-    with pytest.raises(QuantizationError, match=want) as e:
-        _gpt_oss(tmp_path, quantization_config=mxfp4)
-    assert "gate_up_proj_blocks" in str(e.value) and "bf16" in str(e.value)
+    c = _gpt_oss(tmp_path, quantization_config=mxfp4)
+    assert c.quantization is None and c.mxfp4.ignore == tuple(mxfp4["modules_to_not_convert"])
+    # transformers' rule: the experts are converted, what the list names is not.
+    assert c.mxfp4.converts("model.layers.23.mlp.experts")
+    assert not c.mxfp4.converts("model.layers.11.self_attn") and not c.mxfp4.converts("lm_head")
+    with pytest.raises(UnsupportedModelError, match=r"quant_method = 'awq'.*unquantized.*MXFP4"):
+        _gpt_oss(tmp_path, quantization_config={"quant_method": "awq"})
     with pytest.raises(UnsupportedModelError, match="layer_types"):
         _gpt_oss(tmp_path, layer_types=["sliding_attention", "chunked_attention"] * 12)

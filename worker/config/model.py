@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.worker.config.quantization import parse_quantization
+from pdserve.worker.config.quantization import Mxfp4Config, parse_quantization
 from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
 # architecture -> (has q/k/v bias by default, has per-head q/k RMSNorm)
@@ -76,6 +76,8 @@ class ModelConfig:
     # FP8 weights (worker/config/quantization.py): from the checkpoint's quantization_config or
     # --quantization; None = the checkpoint's dtype, cast to the compute dtype.
     quantization: Any = None
+    # gpt-oss's experts in MXFP4 as published (Mxfp4Config; models/gpt_oss.py); None: not.
+    mxfp4: Any = None
 
     @property
     def is_moe(self) -> bool:
@@ -114,6 +116,8 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
         rope["rope_type"] = rope_type
         rope.pop("type", None)
+        fields = {**moe_fields(arch, hf), **gpt_oss_fields(arch, hf)}
+        quant = parse_quantization(getattr(hf, "quantization_config", None), quantization, arch)
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -134,9 +138,9 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
-            **moe_fields(arch, hf),
-            **gpt_oss_fields(arch, hf),
-            quantization=parse_quantization(getattr(hf, "quantization_config", None), quantization),
+            **fields,
+            quantization=None if isinstance(quant, Mxfp4Config) else quant,
+            mxfp4=quant if isinstance(quant, Mxfp4Config) else None,
         )
 
 
@@ -149,9 +153,9 @@ def gpt_oss_fields(arch: str, hf: Any) -> dict[str, Any]:
     if getattr(hf, "quantization_config", None) is not None:
         qc = hf.quantization_config
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        if method != "mxfp4":  # mxfp4 has its own refusal (config/quantization.py)
+        if method != "mxfp4":  # read by config/quantization.py
             raise UnsupportedModelError(f"{arch}: quantization_config.quant_method = {method!r}: gpt-oss runs "
-                                        f"unquantized (bf16/fp32) checkpoints only")
+                                        f"unquantized (bf16/fp32) and MXFP4 (quant_method mxfp4) checkpoints only")
     n = hf.num_hidden_layers
     types = list(getattr(hf, "layer_types", None) or [])
     if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:

@@ -1,4 +1,5 @@
-"""Which FP8 format a checkpoint is in: `quantization_config` (or --quantization fp8) -> Fp8Config.
+"""Which quantized format a checkpoint is in: `quantization_config` (or --quantization fp8) ->
+Fp8Config, or Mxfp4Config for gpt-oss's MXFP4 experts.
 
 Every format pdserve runs reduces to one shape: an e4m3 weight [out, in] with fp32 scales that
 multiply it (per output row, or per 128 x 128 block), and activations quantized to e4m3 just
@@ -15,6 +16,10 @@ per-tensor scale). Formats:
   block; activations dynamic per token or static per tensor.
 - `--quantization fp8` on an unquantized checkpoint: per-channel weights computed at load,
   dynamic per-token activations.
+
+MXFP4 (`quant_method: mxfp4`, gpt-oss as published) is a format of gpt-oss's experts only: their
+`*_blocks` / `*_scales` tensors (kernels/mxfp4.py); attention, router, embeddings and lm_head are
+bf16 (the config's `modules_to_not_convert`; transformers converts nothing but the experts).
 
 Anything else is refused when the model is read, with the config key and value that we cannot
 run, never a traceback half-way through loading.
@@ -81,6 +86,26 @@ class Fp8Config:
         return not next(iter(flags.values()))
 
 
+@dataclass(frozen=True)
+class Mxfp4Config:
+    """gpt-oss's experts in MXFP4 (models/gpt_oss.py); every other weight in the checkpoint's dtype."""
+
+    ignore: tuple[str, ...] = ()  # modules_to_not_convert: transformers' patterns
+
+    @property
+    def describe(self) -> str:
+        return "mxfp4 experts"
+
+    def converts(self, module: str) -> bool:
+        """Whether `module` (e.g. model.layers.3.mlp.experts) is MXFP4 in the checkpoint, by
+        transformers' rule (quantizers_utils.should_convert_module): a pattern skips a module it
+        matches from the start up to a dot boundary (as a regex), or as a suffix."""
+        return not any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p) for p in self.ignore)
+
+
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
+
+
 def _dict(qc: Any) -> dict:
     return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
 
@@ -89,9 +114,11 @@ def _refuse(key: str, value: Any, why: str) -> QuantizationError:
     return QuantizationError(f"quantization_config.{key} = {value!r}: {why}")
 
 
-def parse_quantization(quantization_config: Any, flag: str | None) -> Fp8Config | None:
+def parse_quantization(quantization_config: Any, flag: str | None,
+                       architecture: str | None = None) -> Fp8Config | Mxfp4Config | None:
     """The checkpoint's quantization_config (None if absent) and the --quantization flag -> the
-    format to run, or None for an unquantized model."""
+    format to run, or None for an unquantized model. `architecture`: the model's (MXFP4 is
+    gpt-oss's only)."""
     if flag not in (None, "fp8"):
         raise QuantizationError(f"--quantization: must be fp8, got {flag!r}")
     if quantization_config is None:
@@ -106,11 +133,16 @@ def parse_quantization(quantization_config: Any, flag: str | None) -> Fp8Config 
                                     "(quantization_config.quant_method = 'compressed-tensors'); omit the flag")
         return _compressed_tensors(qc)
     if method == "mxfp4":  # gpt-oss as published: its experts' *_blocks / *_scales tensors
-        raise _refuse("quant_method", method, "MXFP4 expert weights (the experts' gate_up_proj_blocks / _scales and "
-                                              "down_proj_blocks / _scales) are not implemented yet; an unquantized "
-                                              "(bf16) checkpoint of the same model runs")
-    raise _refuse("quant_method", method, "pdserve runs fp8 and compressed-tensors (float-quantized) checkpoints; "
-                                          "int8, awq, gptq, bitsandbytes and other methods are not supported")
+        if architecture not in MXFP4_ARCHITECTURES:
+            raise _refuse("quant_method", method, f"MXFP4 weights run as gpt-oss's experts only "
+                                                  f"({', '.join(MXFP4_ARCHITECTURES)}), not {architecture}")
+        if flag is not None:
+            raise QuantizationError(f"--quantization {flag}: the checkpoint is already quantized "
+                                    f"(quantization_config.quant_method = 'mxfp4'); omit the flag")
+        return Mxfp4Config(tuple(qc.get("modules_to_not_convert") or ()))
+    raise _refuse("quant_method", method, "pdserve runs fp8 and compressed-tensors (float-quantized) checkpoints, "
+                                          "and gpt-oss's mxfp4 ones; int8, awq, gptq, bitsandbytes and other "
+                                          "methods are not supported")
 
 
 def _fp8(qc: dict) -> Fp8Config:

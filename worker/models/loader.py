@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.mxfp4 import FP4_MAX, SCALE_BIAS
 from pdserve.worker.config.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -117,15 +119,17 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
     else:
         net.load_weights(tensors())
     process_quantized(net, dtype)
-    if cfg.quantization is not None and device.type == "cuda":
-        # The bf16 weights quantized at load (--quantization fp8) leave freed blocks in torch's
-        # cache; KV sizing counts reserved memory as this process's, so hand them back first.
+    quant = cfg.quantization or cfg.mxfp4
+    if quant is not None and device.type == "cuda":
+        # The bf16 weights quantized at load (--quantization fp8), or MXFP4 ones dequantized, leave
+        # freed blocks in torch's cache; KV sizing counts reserved memory as this process's, so
+        # hand them back first.
         torch.cuda.empty_cache()
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
-    if cfg.quantization is not None:
-        what += f", {cfg.quantization.describe}"
+    if quant is not None:
+        what += f", {quant.describe}"
     source = "dummy" if dummy else f"{len(files)} files"
     _stage(f"{what} ({nbytes / 2**20:.0f} MiB, {source}) -> {device}", t)
     return LoadedModel(path, net, cfg, tokenizer)
@@ -136,12 +140,16 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
 DUMMY_RANGE = 1e-3
 DUMMY_SEED = 1234
 _FP8_PIECE = 1 << 26  # elements drawn at once for an e4m3 tensor (a 128 MiB fp16 temporary at most)
+# MXFP4's E8M0 exponent for dummy weights: e2m1 values (|v| <= 6) times 2^-13, within DUMMY_RANGE.
+DUMMY_MXFP4_SCALE = SCALE_BIAS + math.floor(math.log2(DUMMY_RANGE / FP4_MAX))
 
 
 def init_dummy_weights(net: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
     """Fill every parameter in place on its device: floating point ones uniform in
     +-DUMMY_RANGE; FP8 (e4m3) weights uniform in +-1, their fp32 scales (names ending in
-    `scale` / `scale_inv`) DUMMY_RANGE, so a dequantized weight is again of order DUMMY_RANGE.
+    `scale` / `scale_inv`) DUMMY_RANGE, so a dequantized weight is again of order DUMMY_RANGE;
+    MXFP4 (uint8) weights random bytes (every byte is two valid e2m1 codes), their uint8
+    exponents DUMMY_MXFP4_SCALE, likewise within DUMMY_RANGE once decoded.
     One generator in parameter order: deterministic for a given model, device and dtype."""
     params = list(net.named_parameters())
     if not params:
@@ -150,9 +158,15 @@ def init_dummy_weights(net: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
     gen.manual_seed(seed)
     with torch.no_grad():
         for name, p in params:
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dtype == torch.uint8 and _quantized_owner(net, name):  # MXFP4 (models/gpt_oss.py), in place
+                if leaf.endswith("scale"):
+                    p.fill_(DUMMY_MXFP4_SCALE)
+                else:
+                    p.random_(0, 256, generator=gen)
+                continue
             if not p.is_floating_point():
                 continue
-            leaf = name.rsplit(".", 1)[-1]
             if leaf.endswith(("scale", "scale_inv")) and p.dtype == torch.float32 and _quantized_owner(net, name):
                 p.fill_(DUMMY_RANGE)
             elif p.element_size() == 1:  # e4m3: drawn in fp16 (uniform_ has no fp8 kernel), in bounded pieces

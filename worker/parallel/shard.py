@@ -63,6 +63,12 @@ class TPShard:
         if c.is_moe and not self.expert_parallel and c.moe_intermediate_size % n:
             raise ConfigError("--tensor-parallel-size", f"{n} does not divide the expert MLP size "
                                                         f"{c.moe_intermediate_size} (try --enable-expert-parallel)")
+        if c.mxfp4 is not None and not self.expert_parallel and (c.moe_intermediate_size // n) % 32:
+            raise ConfigError("--tensor-parallel-size", f"{n} ranks would split the MXFP4 experts' "
+                                                        f"{c.moe_intermediate_size} columns mid-way through their "
+                                                        f"32-column scale blocks; use --enable-expert-parallel "
+                                                        f"(whole experts per rank) or a size giving each rank a "
+                                                        f"multiple of 32")
         if c.shared_expert_intermediate_size % n:
             raise ConfigError("--tensor-parallel-size", f"{n} does not divide the shared expert's MLP size "
                                                         f"{c.shared_expert_intermediate_size}")
