@@ -79,7 +79,6 @@ def test_packed_experts_match_hf(pair, monkeypatch):
     assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(twin))
 
 
-@pytest.mark.skipif(not gpt_oss.FUSED_MOE_RUNS_GPT_OSS, reason="the fused MoE op does not run gpt-oss's experts yet")
 def test_packed_experts_on_the_fused_triton_op_match_hf(pair, monkeypatch):
     """The packed experts through kernels/fused_moe.fused_moe_routed (Triton's interpreter on CPU;
     attention on the torch backend, to keep it cheap): the op gets the uint8 tensors, their

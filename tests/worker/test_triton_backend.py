@@ -102,16 +102,11 @@ def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint):
 def test_gpt_oss_triton_backend_matches_torch(checkpoint):
     # Sinks and sliding windows (8 positions, the 37-token prompt slides) in the Triton decode
     # kernel (fused rotary epilogue, split merge) and the prefill kernel over cached chunks (an
-    # 8-token budget: mixed steps). Its experts run the fused Triton op once that op runs them
-    # (FUSED_MOE_RUNS_GPT_OSS), else the torch path, whose host read a graph cannot capture: decode
-    # graphs then stay off even where they would be on (CUDA), and it decodes eagerly.
-    from pdserve.worker.models.gpt_oss import FUSED_MOE_RUNS_GPT_OSS
-
+    # 8-token budget: mixed steps). Its experts run the fused Triton op (biases, clamped SwiGLU),
+    # which a CUDA graph can capture, so the model allows decode graphs.
     ckpt = checkpoint("gpt-oss")
     engine = make_engine(ckpt, "triton", max_num_batched_tokens=8)
-    assert engine.runner.model.cuda_graphs == FUSED_MOE_RUNS_GPT_OSS
-    if not FUSED_MOE_RUNS_GPT_OSS:
-        assert engine.runner.graphs is None
+    assert engine.runner.model.cuda_graphs
     assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
 
 

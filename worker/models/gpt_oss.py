@@ -23,14 +23,13 @@ with gate and up interleaved, `down_proj_bias` [E, H]):
   blocks of w2's I columns under tensor parallelism: I/N must be a multiple of 32, TPShard).
   Where the fused Triton MoE op runs them (`experts_op`), they stay packed: the model's GPU copy of
   the experts is the checkpoint's 4.25 bits per weight, never bf16; elsewhere (CPU, the torch
-  attention backend, or while FUSED_MOE_RUNS_GPT_OSS is unset) they are dequantized to the compute
-  dtype once loaded (`finish_loading`). `--load-format dummy` fills the packed tensors in place
-  (loader.init_dummy_weights): with the fused op, gpt-oss-120b is built from its config.json in
-  its 65 GB.
+  attention backend) they are dequantized to the compute dtype once loaded (`finish_loading`).
+  `--load-format dummy` fills the packed tensors in place (loader.init_dummy_weights): with the
+  fused op, gpt-oss-120b is built from its config.json in its 65 GB.
 
-`experts_op` is the one choice of the experts' op: kernels/fused_moe.fused_moe_routed on the Triton
-backend once that op takes biases, the clamped SwiGLU and MXFP4 weights (FUSED_MOE_RUNS_GPT_OSS),
-the torch reference (fused_moe_routed_ref) otherwise. The reference reads expert counts on the
+`experts_op` is the one choice of the experts' op: kernels/fused_moe.fused_moe_routed (biases, the
+clamped SwiGLU, bf16 or MXFP4 weights) on the Triton backend, the torch reference
+(fused_moe_routed_ref, which takes the same arguments) otherwise. The reference reads expert counts on the
 host, which a CUDA graph cannot capture: the model's `cuda_graphs` is True only with the fused op.
 FP8 (quant_method fp8 or --quantization fp8) is refused for gpt-oss.
 """
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.moe_activation import SwigluOAI
 from pdserve.kernels.mxfp4 import BLOCK, dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_routed_ref
 from pdserve.worker.attention.backend import AttentionBackend
@@ -53,11 +53,6 @@ from pdserve.worker.models.moe import moe_op
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 
-# kernels/fused_moe.fused_moe_routed takes the experts' biases, the clamped SwiGLU and MXFP4
-# (uint8) weights. Until it does, gpt-oss's experts run the torch reference on every backend and
-# MXFP4 ones are dequantized at load; set when the fused op has them.
-FUSED_MOE_RUNS_GPT_OSS = False
-
 # Checkpoint name of each expert tensor (under layers.N.mlp.experts.) -> our parameter, per format.
 _DENSE_TENSORS = {"gate_up_proj": "w13", "gate_up_proj_bias": "w13_bias", "down_proj": "w2",
                   "down_proj_bias": "w2_bias"}
@@ -67,8 +62,8 @@ _MXFP4_TENSORS = {"gate_up_proj_blocks": "w13", "gate_up_proj_scales": "w13_scal
 
 def experts_op(backend: AttentionBackend) -> Callable:
     """The experts' op: models/moe.py's choice for the backend (the fused Triton op on the Triton
-    backend) once that op runs gpt-oss's experts, the torch reference until then."""
-    return moe_op(backend) if FUSED_MOE_RUNS_GPT_OSS else fused_moe_routed_ref
+    backend, the torch reference elsewhere)."""
+    return moe_op(backend)
 
 
 def _uint8(*shape: int) -> nn.Parameter:
@@ -179,7 +174,7 @@ class GptOssExperts(nn.Module):
         mxfp4 = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.packed else {}
         return self.op(x, self.w13, self.w2, router_logits, self.top_k, True,
                        expert_offset=self.local.start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
-                       swiglu_alpha=self.alpha, swiglu_limit=self.limit, **mxfp4)
+                       activation=SwigluOAI(self.alpha, self.limit), **mxfp4)
 
 
 class GptOssMoeBlock(nn.Module):
