@@ -155,6 +155,24 @@ def complete_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | 
     return parsed.content.strip() or None, [c.model_dump() for c in calls], reasoning
 
 
+def _reasoning_feed(stream, text: str):
+    """`stream.feed(text)`, and whether the piece counts as reasoning: it released reasoning
+    text or left the parser inside a reasoning body. Counted per piece of the engine's output
+    (a token, or a few), as vLLM counts gpt-oss's by the harmony parser's channel per token:
+    the analysis header's `<|message|>` counts, its `<|end|>` and the next header do not."""
+    parsed = stream.feed(text)
+    return parsed, bool(parsed.reasoning) or stream.in_reasoning
+
+
+def reasoning_tokens(plan: ToolPlan, pieces: list[str], num_tokens: list[int]) -> int:
+    """How many of a whole reply's tokens are reasoning (usage's reasoning_tokens); `pieces` the
+    reply's text as the engine released it, `num_tokens` each piece's tokens."""
+    s = plan.stream()
+    if s is None:
+        return 0
+    return sum(n for text, n in zip(pieces, num_tokens) if _reasoning_feed(s, text)[1])
+
+
 class StreamedCalls:
     """One streamed choice: text in, content and OpenAI tool-call increments out."""
 
@@ -163,11 +181,13 @@ class StreamedCalls:
         self.stream = plan.stream()
         self.num_calls = 0
         self.reasoning = ""  # the last feed's reasoning text (harmony's analysis channel)
+        self.reasoning_tokens = 0  # so far (usage's completion_tokens_details)
 
-    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+    def feed(self, text: str, finished: bool, num_tokens: int = 0) -> tuple[str, list[dict]]:
         if self.stream is None:
             return text, []
-        parsed = self.stream.feed(text)
+        parsed, thinking = _reasoning_feed(self.stream, text)
+        self.reasoning_tokens += num_tokens if thinking else 0
         self.reasoning = parsed.reasoning
         if finished:
             parsed += self.stream.finish()
