@@ -49,10 +49,7 @@ SETUPS = (("pd", 1, 1), ("agg", 0, 2))
 def make_checkpoint(path: str, smoke: bool) -> None:
     """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id."""
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     spec = TINY if smoke else LLAMA_8B
     cfg = LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)
@@ -60,10 +57,21 @@ def make_checkpoint(path: str, smoke: bool) -> None:
     with torch.device("cpu" if smoke else "cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
     model.save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A word tokenizer covering every id below `vocab_size` ("w<id>" words): random prompts of
+    exact lengths (bench/serve.py), for a checkpoint or a config-only folder (--load-format dummy)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
     # Special tokens must not be prefixes of words: added tokens match inside words, so a BOS
     # named "w1" would split "w1000" into two tokens and random prompts would miss their length.
     special = ["<unk>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), cfg.vocab_size)}
+    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), vocab_size)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
