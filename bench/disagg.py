@@ -46,13 +46,18 @@ SMOKE_WORKLOADS = {"3000-200": (60, 8, (2, 4)), "8192-256": (120, 8, (1,))}
 SETUPS = (("pd", 1, 1), ("agg", 0, 2))
 
 
-def make_checkpoint(path: str, smoke: bool) -> None:
-    """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id."""
+def make_checkpoint(path: str, smoke: bool, config_only: bool = False) -> None:
+    """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id;
+    `config_only`: no weights, for workers started with --load-format dummy (nothing written)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     spec = TINY if smoke else LLAMA_8B
     cfg = LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)
+    if config_only:
+        cfg.save_pretrained(path)
+        save_word_tokenizer(path, cfg.vocab_size)
+        return
     torch.manual_seed(0)
     with torch.device("cpu" if smoke else "cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
@@ -176,9 +181,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
     p.add_argument("--checkpoint", metavar="DIR", help="reuse this checkpoint (made by --make-checkpoint DIR)")
     p.add_argument("--make-checkpoint", metavar="DIR", help="only write the random checkpoint to DIR")
+    p.add_argument("--config-only", action="store_true", help="with --make-checkpoint: config and tokenizer, no "
+                   "weights (the workers then need --load-format dummy)")
     args = p.parse_args(argv)
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.smoke)
+        make_checkpoint(args.make_checkpoint, args.smoke, args.config_only)
         return 0
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
