@@ -9,6 +9,8 @@ replays a harmony answer through the real detokenizer), directly and through a `
   and Responses (output_tokens_details), streamed or not.
 - An answer cut mid-channel by max_output_tokens returns what was generated, status incomplete.
 - A reasoning item sent back as input becomes the assistant turn's reasoning_content.
+- P/D: the decode worker parses its reply after the prefill's first token, so prefill + decode
+  answers == one worker's, whole and streamed (the parser as a unit, every case of test_harmony).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import json
 import pytest
 
 from pdserve.protocol.responses_api import to_chat
-from tests.worker.test_harmony import (ANALYSIS, ASK, CALL, FINAL, WEATHER, harmony_tokenizer,  # noqa: F401
-                                       harmony_tokenizer_dir, scripted)
+from pdserve.worker.server.tool_parsers import get_parser
+from pdserve.worker.server.tool_parsers.plan import StreamedCalls, ToolPlan, complete_reply
+from tests.worker.test_harmony import (ANALYSIS, ASK, CALL, CASES, FINAL, WEATHER, _tokens,  # noqa: F401
+                                       harmony_tokenizer, harmony_tokenizer_dir, scripted)
 
 REASONING = "User asks weather. Need tool."
 ANSWER = "It is 18 C and sunny in Paris."
@@ -166,3 +170,27 @@ def test_a_reasoning_item_sent_back_is_the_turns_reasoning_content():
     assert msgs[3] == {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}
     lone = to_chat({"input": [ASK[0], reasoning]})["messages"][1]  # reasoning that led to nothing
     assert lone == {"role": "assistant", "content": "", "reasoning_content": REASONING}
+
+
+# ---- P/D: the decode worker's parser reads the prefill's first token first ------------------------
+
+@pytest.mark.parametrize("text", [c[0] for c in CASES])
+def test_a_pd_split_reply_parses_as_one_workers(text):
+    """The prefill's answer (its first token, parsed alone) + the decode worker's (the rest, parsed
+    after that token's text) == one worker's reply, whole and streamed: a harmony header the first
+    token begins is read whole, and nothing the prefill returned comes twice."""
+    plan = ToolPlan(get_parser("openai"), calls=False)  # no tools: what a router disaggregates
+    first, *rest = _tokens(text)
+    content, _, reasoning = complete_reply(plan, text)
+    head, _, head_reasoning = complete_reply(plan, first)
+    assert head_reasoning is None  # a reply opens in a header: the first token is never reasoning
+    tail, _, tail_reasoning = complete_reply(plan, "".join(rest), handed=first)
+    assert (head + tail, tail_reasoning) == (content, reasoning)
+    told_later = StreamedCalls(plan)  # a streamed hand-off: the engine tells the first token's text
+    told_later.prime(first)
+    for streamed in (StreamedCalls(plan, first), told_later):
+        got, thought = [], []
+        for k, tok in enumerate(rest or [""]):
+            got.append(streamed.feed(tok, k == max(len(rest), 1) - 1)[0])
+            thought.append(streamed.reasoning)
+        assert (head + "".join(got), "".join(thought) or None) == (content, reasoning)

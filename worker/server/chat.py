@@ -81,12 +81,16 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
         "created": serving.now(),
         "model": state.served_model_name,
     }
+    # A decode worker's reply continues after the prefill's first token: the parser reads that
+    # token's text first (known now, or told by the engine for a streamed hand-off).
+    handed = serving.handed_over_text(state.tokenizer, prompt, params, kv_params) if tools.parser else ""
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, harmony))
+        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, harmony, handed))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
-        messages = [complete_reply(tools, "".join(c.text)) for c in choices]
-        thought = sum(reasoning_tokens(tools, c.text, c.piece_tokens) for c in choices) if harmony else None
+        messages = [complete_reply(tools, "".join(c.text), handed or c.handed_over_text) for c in choices]
+        thought = sum(reasoning_tokens(tools, c.text, c.piece_tokens, handed or c.handed_over_text)
+                      for c in choices) if harmony else None
         return ChatCompletionResponse(**base, choices=[
             ChatChoice(index=i, message=AssistantMessage(content=content, reasoning_content=reasoning,
                                                          **({"tool_calls": calls} if calls else {})),
@@ -104,9 +108,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,
-                  tools: ToolPlan = ToolPlan(), harmony: bool = False) -> AsyncIterator[bytes]:
+                  tools: ToolPlan = ToolPlan(), harmony: bool = False, handed: str = "") -> AsyncIterator[bytes]:
     choices = [serving.ChoiceState() for _ in range(body.n)]
-    calls = [StreamedCalls(tools) for _ in range(body.n)]
+    calls = [StreamedCalls(tools, handed) for _ in range(body.n)]
 
     def chunk(i: int, delta: Delta, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
         c = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
@@ -115,6 +119,8 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
 
     def chunks(i: int, out):
         choices[i].add(out)
+        if out.handed_over_text is not None:  # a streamed hand-off: the first token is known now
+            calls[i].prime(out.handed_over_text)
         lps = format_logprobs(state.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
         try:
             text, tool_deltas = calls[i].feed(out.text, out.finished, len(out.new_token_ids))

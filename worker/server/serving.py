@@ -210,10 +210,13 @@ class ChoiceState:
     num_tokens: int = 0
     final: RequestOutput | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
+    handed_over_text: str = ""  # a streamed hand-off's first token's text, as the prefill released it
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.handed_over_text is not None:
+            self.handed_over_text = out.handed_over_text
         self.text.append(out.text)
         self.piece_tokens.append(len(out.new_token_ids))
         self.num_tokens += len(out.new_token_ids)
