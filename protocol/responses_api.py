@@ -333,13 +333,19 @@ class _Items:
     def _loc(self, **more) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.done), **more}
 
+    def _add(self, item: dict) -> list[bytes]:
+        """Close the open item, open `item` (its content empty until it is done)."""
+        out = self.close()
+        self.open, self.parts = item, []
+        if "content" in item:
+            item["content"] = []
+        out.append(self.ev("response.output_item.added", output_index=len(self.done), item=item))
+        return out
+
     def text(self, delta: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "message":
-            out += self.close()
-            self.open, self.parts = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), []
-            self.open["content"] = []
-            out.append(self.ev("response.output_item.added", output_index=len(self.done), item=self.open))
+            out += self._add(_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
             out.append(self.ev("response.content_part.added", **self._loc(content_index=0),
                                part={"type": "output_text", "text": "", "annotations": []}))
         if delta:
@@ -350,10 +356,7 @@ class _Items:
     def reasoning(self, delta: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "reasoning":
-            out += self.close()
-            self.open, self.parts = _reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"), []
-            self.open["content"] = []
-            out.append(self.ev("response.output_item.added", output_index=len(self.done), item=self.open))
+            out += self._add(_reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
         self.parts.append(delta)
         out.append(self.ev("response.reasoning_text.delta", **self._loc(content_index=0), delta=delta))
         return out
@@ -362,10 +365,8 @@ class _Items:
         out = []
         fn = tc.get("function") or {}
         if tc.get("index") not in self.by_index:
-            out += self.close()
-            self.open, self.parts = _function_call(tc.get("id"), fn.get("name"), "", "in_progress"), []
+            out += self._add(_function_call(tc.get("id"), fn.get("name"), "", "in_progress"))
             self.by_index[tc.get("index")] = self.open
-            out.append(self.ev("response.output_item.added", output_index=len(self.done), item=self.open))
         if fn.get("arguments") and self.open is self.by_index[tc.get("index")]:
             self.parts.append(fn["arguments"])
             out.append(self.ev("response.function_call_arguments.delta", **self._loc(), delta=fn["arguments"]))

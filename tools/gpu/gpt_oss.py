@@ -331,6 +331,13 @@ def _f(v, fmt: str = ".2f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
+def _table(rows: list[dict], header: str, align: str, cells) -> list[str]:
+    """A markdown table of `rows` (none: no table), each row's cells then its error's note."""
+    if not rows:
+        return []
+    return [header, align] + ["| " + " | ".join([*cells(r), _note(r)]) + " |" for r in rows] + [""]
+
+
 def cmd_report(args) -> int:
     rows = [json.loads(line) for line in open(args.rows)] if os.path.exists(args.rows) else []
     steps = [json.loads(line) for line in open(args.steps)] if args.steps and os.path.exists(args.steps) else []
@@ -339,39 +346,29 @@ def cmd_report(args) -> int:
              "Random weights of the published configs' shapes and formats (`--load-format dummy`); "
              "roofline = bytes of every layer's attention, router and top-4 experts plus lm_head "
              "(MXFP4 experts: 4.25 bits a weight) / the same run's device copy bandwidth.", ""]
-    eng = [r for r in rows if r["kind"] == "engine"]
-    if eng:
-        lines += ["| model | format | experts held as | bs=1 ms/step | roofline ms | % of roofline "
-                  "| offline output tok/s | start s | copy GB/s | note |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
-        for r in eng:
-            off = f"{r['offline_tok_s']:.0f} ({r['offline']})" if "offline_tok_s" in r else "-"
-            lines.append(f"| {r['name']} | {r.get('format', '-')} | {r.get('expert_format', '-')} | "
-                         f"{_f(r.get('decode_ms'))} | {_f(r.get('roofline_ms'))} | "
-                         f"{_f(r.get('roofline_pct'), '.0f')} | {off} | "
-                         f"{_f(r.get('start_s'), '.0f')} | {_f(r.get('copy_gbs'), '.0f')} | {_note(r)} |")
-        lines.append("")
-    pd = [r for r in rows if r["kind"] == "pd"]
-    if pd:
-        lines += ["| model | stack | load | TTFT p50 / p99 ms | ITL p50 / p99 ms | first gap p50 / p99 ms | requests "
-                  "| note |", "|---|---|---|---:|---:|---:|---:|---|"]
-        for r in pd:
-            lines.append(f"| {r['name']} | {r['stack']} | {r['rate']:g} req/s, {r['input_len']}/{r['output_len']} | "
-                         f"{_f(r.get('ttft_p50_ms'), '.0f')} / {_f(r.get('ttft_p99_ms'), '.0f')} | "
-                         f"{_f(r.get('itl_p50_ms'), '.1f')} / {_f(r.get('itl_p99_ms'), '.1f')} | "
-                         f"{_f(r.get('first_gap_p50_ms'), '.1f')} / {_f(r.get('first_gap_p99_ms'), '.1f')} | "
-                         f"{r.get('sent', '-')} ({r.get('failed', '-')} failed) | {_note(r)} |")
-        lines.append("")
-    cap = [r for r in rows if r["kind"] == "capacity"]
-    if cap:
-        lines += ["| model | KV mode | prompt | KV memory | blocks | requests resident at once | KV tokens each "
-                  "| preemptions | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-        for r in cap:
-            lines.append(f"| {r['name']} | {r['mode']} | {r['prompt_len']} | {r['kv_gib']:g} GiB | "
-                         f"{r.get('total_blocks', '-')} | {r.get('resident_peak', '-')} | "
-                         f"{_f(r.get('tokens_per_request'), '.0f')} | {r.get('preemptions', '-')} | "
-                         f"{_note(r)} |")
-        lines.append("")
+    lines += _table(
+        [r for r in rows if r["kind"] == "engine"],
+        "| model | format | experts held as | bs=1 ms/step | roofline ms | % of roofline | offline output tok/s "
+        "| start s | copy GB/s | note |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        lambda r: [r["name"], r.get("format", "-"), r.get("expert_format", "-"), _f(r.get("decode_ms")),
+                   _f(r.get("roofline_ms")), _f(r.get("roofline_pct"), ".0f"),
+                   f"{r['offline_tok_s']:.0f} ({r['offline']})" if "offline_tok_s" in r else "-",
+                   _f(r.get("start_s"), ".0f"), _f(r.get("copy_gbs"), ".0f")])
+    lines += _table(
+        [r for r in rows if r["kind"] == "pd"],
+        "| model | stack | load | TTFT p50 / p99 ms | ITL p50 / p99 ms | first gap p50 / p99 ms | requests | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+        lambda r: [r["name"], r["stack"], f"{r['rate']:g} req/s, {r['input_len']}/{r['output_len']}",
+                   *(f"{_f(r.get(k + '_p50_ms'), fmt)} / {_f(r.get(k + '_p99_ms'), fmt)}"
+                     for k, fmt in (("ttft", ".0f"), ("itl", ".1f"), ("first_gap", ".1f"))),
+                   f"{r.get('sent', '-')} ({r.get('failed', '-')} failed)"])
+    lines += _table(
+        [r for r in rows if r["kind"] == "capacity"],
+        "| model | KV mode | prompt | KV memory | blocks | requests resident at once | KV tokens each | preemptions "
+        "| note |", "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        lambda r: [r["name"], r["mode"], str(r["prompt_len"]), f"{r['kv_gib']:g} GiB", str(r.get("total_blocks", "-")),
+                   str(r.get("resident_peak", "-")), _f(r.get("tokens_per_request"), ".0f"),
+                   str(r.get("preemptions", "-"))])
     if steps:
         lines += ["| step | rc | seconds |", "|---|---:|---:|"] + [f"| {s['step']} | {s['rc']} | {s['seconds']} |"
                                                                for s in steps]
