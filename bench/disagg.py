@@ -54,7 +54,8 @@ def make_checkpoint(path: str, smoke: bool, config_only: bool = False) -> None:
 
     spec = TINY if smoke else LLAMA_8B
     cfg = LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)
-    if config_only:
+    if config_only:  # a model's save_pretrained names the architecture; the config alone must too
+        cfg.architectures = ["LlamaForCausalLM"]
         cfg.save_pretrained(path)
         save_word_tokenizer(path, cfg.vocab_size)
         return
