@@ -18,6 +18,14 @@ def test_configs_are_the_published_shapes(tmp_path):
     twenty = gpt_oss.make_config("20b", "bf16", tiny=False)
     assert (twenty["num_hidden_layers"], twenty["num_local_experts"]) == (24, 32)
     assert "quantization_config" not in twenty
+    # The engine reads the published shapes as gpt-oss (the bf16 form: this test runs on any tree).
+    from pdserve.worker.models.loader import read_model_config
+
+    assert gpt_oss.main(["config", "--size", "120b", "--format", "bf16", "--out", str(tmp_path / "bf16")]) == 0
+    mc = read_model_config(str(tmp_path / "bf16"))
+    assert (mc.architecture, mc.num_layers, mc.num_experts, mc.num_experts_per_tok) == ("GptOssForCausalLM", 36,
+                                                                                       128, 4)
+    assert (mc.sliding_window, len(mc.sliding_layers), mc.swiglu_limit) == (128, 18, 7.0)
 
 
 def test_roofline_bytes_of_a_bs1_step():
