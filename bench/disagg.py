@@ -46,24 +46,38 @@ SMOKE_WORKLOADS = {"3000-200": (60, 8, (2, 4)), "8192-256": (120, 8, (1,))}
 SETUPS = (("pd", 1, 1), ("agg", 0, 2))
 
 
-def make_checkpoint(path: str, smoke: bool) -> None:
-    """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id."""
+def make_checkpoint(path: str, smoke: bool, config_only: bool = False) -> None:
+    """Random weights (the GPU makes them in seconds) and a word tokenizer covering every id;
+    `config_only`: no weights, for workers started with --load-format dummy (nothing written)."""
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     spec = TINY if smoke else LLAMA_8B
     cfg = LlamaConfig(**spec, bos_token_id=1, eos_token_id=2)
+    if config_only:  # a model's save_pretrained names the architecture; the config alone must too
+        cfg.architectures = ["LlamaForCausalLM"]
+        cfg.save_pretrained(path)
+        save_word_tokenizer(path, cfg.vocab_size)
+        return
     torch.manual_seed(0)
     with torch.device("cpu" if smoke else "cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if smoke else torch.bfloat16)
     model.save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A word tokenizer covering every id below `vocab_size` ("w<id>" words): random prompts of
+    exact lengths (bench/serve.py), for a checkpoint or a config-only folder (--load-format dummy)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
     # Special tokens must not be prefixes of words: added tokens match inside words, so a BOS
     # named "w1" would split "w1000" into two tokens and random prompts would miss their length.
     special = ["<unk>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), cfg.vocab_size)}
+    vocab = {w: i for i, w in enumerate(special)} | {f"w{i}": i for i in range(len(special), vocab_size)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
@@ -168,9 +182,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
     p.add_argument("--checkpoint", metavar="DIR", help="reuse this checkpoint (made by --make-checkpoint DIR)")
     p.add_argument("--make-checkpoint", metavar="DIR", help="only write the random checkpoint to DIR")
+    p.add_argument("--config-only", action="store_true", help="with --make-checkpoint: config and tokenizer, no "
+                   "weights (the workers then need --load-format dummy)")
     args = p.parse_args(argv)
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.smoke)
+        make_checkpoint(args.make_checkpoint, args.smoke, args.config_only)
         return 0
     t0 = time.monotonic()
     deadline = t0 + args.budget_s

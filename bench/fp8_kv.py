@@ -4,7 +4,8 @@ bytes buy (issue 26, item 3).
     python -m pdserve.bench.fp8_kv --out results.md           # a CUDA machine (tools/gpu/fp8_kv.sh)
     python -m pdserve.bench.fp8_kv --smoke                     # the same code path on CPU, tiny model
 
-One Llama-3.1-8B-shaped checkpoint of random bf16 weights is written once. Then, for each KV
+Llama-3.1-8B-shaped random bf16 weights, made by each engine on its device (--load-format dummy:
+only config.json and a tokenizer are written). Then, for each KV
 cache dtype (auto = bf16, then fp8), a pair of real engines:
 
   prefill  a child process, role prefill, --kv-transfer nixl (it also serves TCP reads); on the
@@ -56,21 +57,18 @@ SECRET = "bench-fp8-kv-shared-secret-0123"
 
 
 def write_checkpoint(path: str, smoke: bool, device: str) -> dict:
-    """Random weights of the real shape (bench/model_shapes.py's MODELS), bf16, saved with a word tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """The real shape's config (bench/model_shapes.py's MODELS) and a word tokenizer, no weights:
+    every engine makes the same random bf16 weights on its device (--load-format dummy, one seed),
+    so nothing is written (`device` is unused: the weights are made where each engine runs)."""
+    from transformers import LlamaConfig
 
     from pdserve.bench.engine import save_tokenizer
     from pdserve.bench.model_shapes import MODELS
 
     spec = MODELS["tiny-llama" if smoke else "llama-3.1-8b"]
-    cfg = LlamaConfig(**spec.hf, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    cfg = LlamaConfig(**spec.hf, bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(path)
     save_tokenizer(path)
-    del model
-    gc.collect()
     return {"model": spec.name, "vocab": cfg.vocab_size}
 
 
@@ -78,7 +76,8 @@ def engine_config(ckpt: str, role: str, device: str, kv_dtype: str, port: int, u
                   batch: int, smoke: bool):
     from pdserve.worker.config.engine import EngineConfig
 
-    return EngineConfig(model=ckpt, device=device, dtype="bfloat16", role=role, kv_transfer="nixl", kv_port=port,
+    return EngineConfig(model=ckpt, device=device, dtype="bfloat16", load_format="dummy", role=role,
+                        kv_transfer="nixl", kv_port=port,
                         kv_cache_dtype=kv_dtype, gpu_memory_utilization=util,
                         kv_cache_memory=(256 << 20) if smoke else None, max_model_len=max_len,
                         max_num_seqs=max(batch, 2), max_num_batched_tokens=8192, kv_pin_ttl=600,

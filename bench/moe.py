@@ -461,6 +461,11 @@ def checkpoint(args) -> int:
         print(f"checkpoint {path} exists")
         return 0
     os.makedirs(path, exist_ok=True)
+    if args.config_only:  # engine --load-format dummy makes the weights on the GPU: nothing to write
+        _hf_config(args.layers).save_pretrained(path)
+        save_tokenizer(path)
+        print(f"checkpoint: config of {args.layers} layers (no weights) in {path}", flush=True)
+        return 0
     t0 = time.perf_counter()
     torch.manual_seed(0)
     h, inter, hd = SHAPE["hidden"], SHAPE["inter"], SHAPE["head_dim"]
@@ -518,13 +523,15 @@ def engine(args) -> int:
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
                                  max_num_seqs=max(8, args.num_prompts), max_num_batched_tokens=8192,
                                  enable_prefix_caching=False, tensor_parallel_size=args.tp,
-                                 enable_expert_parallel=args.ep, quantization=args.quantization))
+                                 enable_expert_parallel=args.ep, quantization=args.quantization,
+                                 load_format=args.load_format))
     row = {
         "tp": args.tp,
         "ep": args.ep,
         "moe_path": args.moe_path,
         "quantization": args.quantization,
         "layers": args.layers,
+        "load_format": args.load_format,
         "start_s": time.perf_counter() - t0,
         "copy_gbs": bw / 1e9,
         "card": torch.cuda.get_device_name(),
@@ -565,7 +572,9 @@ def report(args) -> int:
         print("no engine rows")
         return 1
     r0 = rows[0]
-    lines = [f"Qwen3-30B-A3B shapes with {r0['layers']} of 48 decoder layers, random bf16 weights, {r0['card']}, "
+    weights = "random bf16 weights made on the GPU (--load-format dummy)" if r0.get("load_format") == "dummy" \
+        else "random bf16 weights"
+    lines = [f"Qwen3-30B-A3B shapes with {r0['layers']} of 48 decoder layers, {weights}, {r0['card']}, "
              f"CUDA graphs, prefix caching off. Roofline: the weight bytes a bs=1 step reads per rank "
              f"(attention, router, k=8 experts per layer, lm_head; TP-divided) / the same run's copy bandwidth. "
              f"Offline: prompts of 1024 random tokens, 128 generated each, output tok/s.", "",
@@ -623,6 +632,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("checkpoint")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--layers", type=int, default=12)
+    c.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights (for "
+                   "engine --load-format dummy: all 48 layers without the disk)")
     e = sub.add_parser("engine")
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--layers", type=int, required=True, help="the checkpoint's layers (for the roofline)")
@@ -630,6 +641,8 @@ def main(argv=None) -> int:
     e.add_argument("--ep", action="store_true")
     e.add_argument("--quantization", choices=("fp8",), help="quantize the bf16 checkpoint at load (FP8 experts, "
                    "per channel, and FP8 attention linears)")
+    e.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on the GPU (a --config-only checkpoint)")
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=64, help="offline batch (0: none)")
     e.add_argument("--rows", required=True)

@@ -35,6 +35,7 @@ class Usage(_Wire):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: dict[str, Any] | None = omitted()  # reasoning_tokens (--reasoning-parser)
     prompt_tokens_details: dict[str, Any] | None = omitted()
 
 

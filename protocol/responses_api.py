@@ -15,6 +15,14 @@ so the worker's tool-call parser finds the calls; they come back as `function_ca
 items), and chat's extras (`seed`, `top_k`, ...) passed through. Not supported, each a 400
 naming the field: built-in tools (web search, file search, ...), images and files,
 `previous_response_id` (nothing is stored).
+
+A reasoning model's chain of thought (chat's `reasoning_content`, --reasoning-parser) is a
+`reasoning` output item before the message, its text one `reasoning_text` content part (as
+OpenAI's types and vLLM's gpt-oss answers have it), streamed as `response.reasoning_text.delta`
+events; usage's `output_tokens_details.reasoning_tokens` is chat's `completion_tokens_details`.
+A reasoning item sent back as input (a conversation replayed from `response.output`) is the
+next assistant turn's `reasoning_content`: the chat template decides what it keeps of it
+(gpt-oss's renders it before a tool call of the last turn, and drops it elsewhere).
 """
 
 from __future__ import annotations
@@ -99,6 +107,10 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call], "_open": True})
             continue
+        if kind == "reasoning":  # a past turn's chain of thought: the assistant turn that follows it
+            msgs.append({"role": "assistant", "content": None, "reasoning_content": _reasoning_text(item, i),
+                         "_open": True})
+            continue
         if kind == "function_call_output":  # the caller's result of that call: a tool message
             if not isinstance(item.get("call_id"), str) or "output" not in item:
                 raise bad_request("a function_call_output item needs call_id and output", f"input.{i}")
@@ -106,18 +118,32 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                          "content": _text(item["output"], f"input.{i}.output")})
             continue
         if kind != "message":
-            raise bad_request(f"input items of type {kind!r} are not supported (messages, function_call and "
-                              "function_call_output)", f"input.{i}")
+            raise bad_request(f"input items of type {kind!r} are not supported (messages, reasoning, function_call "
+                              "and function_call_output)", f"input.{i}")
         if item.get("role") not in ("user", "assistant", "system", "developer") or "content" not in item:
             raise bad_request("an input message needs a role (user, assistant, system, developer) and text content",
                               f"input.{i}")
-        msgs.append({"role": item["role"], "content": _text(item["content"], f"input.{i}.content"),
-                     **({"_open": True} if item["role"] == "assistant" else {})})
+        text = _text(item["content"], f"input.{i}.content")
+        last = msgs[-1] if msgs else None
+        if (item["role"] == "assistant" and last is not None and last.get("_open") and last["content"] is None
+                and not last.get("tool_calls")):
+            last["content"] = text  # the answer its reasoning item led to: one turn
+            continue
+        msgs.append({"role": item["role"], "content": text, **({"_open": True} if item["role"] == "assistant" else {})})
     if not msgs:
         raise bad_request("input must not be empty", "input")
     for m in msgs:
-        m.pop("_open", None)
+        if m.pop("_open", None) and m["content"] is None and not m.get("tool_calls"):
+            m["content"] = ""  # reasoning that led to nothing sent back: an empty turn
     return msgs
+
+
+def _reasoning_text(item: dict, index: int) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary (what OpenAI returns)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise bad_request("a reasoning item's content and summary are lists of text parts", f"input.{index}")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _response_format(text: dict | None) -> dict | None:
@@ -227,6 +253,13 @@ def _message(mid: str, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning(rid: str, text: str, status: str) -> dict:
+    """A chain of thought as a Responses output item: no summary (nothing writes one), the text
+    as one reasoning_text part."""
+    return {"type": "reasoning", "id": rid, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
 def _function_call(call_id: str | None, name: str | None, arguments: str, status: str) -> dict:
     """A chat tool call as a Responses output item: `call_id` is chat's call id, which a
     function_call_output item of the next request names."""
@@ -238,8 +271,9 @@ def _usage(chat_usage: dict | None) -> dict | None:
     if not chat_usage:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    thought = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": chat_usage["total_tokens"]}
 
 
@@ -263,8 +297,12 @@ def from_chat(response: Response, body: dict) -> Response:
     finish = choice.get("finish_reason")
     message = choice["message"]
     text, calls = message.get("content") or "", message.get("tool_calls") or []
-    # A reply that only calls tools has no message item (as OpenAI answers); any other has one.
-    output = [_message(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not calls else []
+    reasoning = message.get("reasoning_content")
+    output = [_reasoning(f"rs_{uuid.uuid4().hex}", reasoning, "completed")] if reasoning else []
+    # A reply that only calls tools or only reasons (cut by max_output_tokens) has no message
+    # item (as OpenAI answers); any other has one.
+    if text or not (calls or reasoning):
+        output.append(_message(f"msg_{uuid.uuid4().hex}", text, "completed"))
     output += [_function_call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
     answer = _response(rid, body, _status(finish), output, _usage(chat.get("usage")), finish)
     return _copy_headers(response, Response(json.dumps(answer), media_type="application/json"))
@@ -281,7 +319,8 @@ def _sse(kind: str, seq: int, data: dict) -> bytes:
 class _Items:
     """The output items of a streamed response, in order, as events: a message opens at its
     first text and closes when a tool call starts (or at the end); each chat tool call (by its
-    `index`) is one function_call item whose arguments arrive as deltas. Items are never
+    `index`) is one function_call item whose arguments arrive as deltas; a reasoning item opens
+    at the first reasoning text and closes when anything else starts. Items are never
     interleaved: one is closed before the next is added, as OpenAI streams them."""
 
     def __init__(self, ev):
@@ -294,13 +333,19 @@ class _Items:
     def _loc(self, **more) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.done), **more}
 
+    def _add(self, item: dict) -> list[bytes]:
+        """Close the open item, open `item` (its content empty until it is done)."""
+        out = self.close()
+        self.open, self.parts = item, []
+        if "content" in item:
+            item["content"] = []
+        out.append(self.ev("response.output_item.added", output_index=len(self.done), item=item))
+        return out
+
     def text(self, delta: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "message":
-            out += self.close()
-            self.open, self.parts = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), []
-            self.open["content"] = []
-            out.append(self.ev("response.output_item.added", output_index=len(self.done), item=self.open))
+            out += self._add(_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
             out.append(self.ev("response.content_part.added", **self._loc(content_index=0),
                                part={"type": "output_text", "text": "", "annotations": []}))
         if delta:
@@ -308,14 +353,20 @@ class _Items:
             out.append(self.ev("response.output_text.delta", **self._loc(content_index=0), delta=delta, logprobs=[]))
         return out
 
+    def reasoning(self, delta: str) -> list[bytes]:
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._add(_reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
+        self.parts.append(delta)
+        out.append(self.ev("response.reasoning_text.delta", **self._loc(content_index=0), delta=delta))
+        return out
+
     def call(self, tc: dict) -> list[bytes]:
         out = []
         fn = tc.get("function") or {}
         if tc.get("index") not in self.by_index:
-            out += self.close()
-            self.open, self.parts = _function_call(tc.get("id"), fn.get("name"), "", "in_progress"), []
+            out += self._add(_function_call(tc.get("id"), fn.get("name"), "", "in_progress"))
             self.by_index[tc.get("index")] = self.open
-            out.append(self.ev("response.output_item.added", output_index=len(self.done), item=self.open))
         if fn.get("arguments") and self.open is self.by_index[tc.get("index")]:
             self.parts.append(fn["arguments"])
             out.append(self.ev("response.function_call_arguments.delta", **self._loc(), delta=fn["arguments"]))
@@ -330,6 +381,9 @@ class _Items:
                    self.ev("response.content_part.done", **self._loc(content_index=0),
                            part={"type": "output_text", "text": whole, "annotations": []})]
             item = _message(item["id"], whole, status)
+        elif item["type"] == "reasoning":
+            out = [self.ev("response.reasoning_text.done", **self._loc(content_index=0), text=whole)]
+            item = _reasoning(item["id"], whole, status)
         else:
             out = [self.ev("response.function_call_arguments.done", **self._loc(), name=item["name"],
                            arguments=whole)]
@@ -343,8 +397,9 @@ class _Items:
         """What exists so far (a broken stream's `response.failed`), the open item incomplete."""
         if self.open is None:
             return list(self.done)
-        whole = "".join(self.parts)
-        last = (_message(self.open["id"], whole, "incomplete") if self.open["type"] == "message"
+        whole, kind = "".join(self.parts), self.open["type"]
+        last = (_message(self.open["id"], whole, "incomplete") if kind == "message"
+                else _reasoning(self.open["id"], whole, "incomplete") if kind == "reasoning"
                 else {**self.open, "arguments": whole, "status": "incomplete"})
         return self.done + [last]
 
@@ -378,6 +433,9 @@ async def _events(chat: AsyncIterator[bytes], body: dict, rid: str) -> AsyncIter
                 usage = chunk.get("usage") or usage
                 for c in chunk.get("choices") or []:
                     delta = c.get("delta") or {}
+                    if delta.get("reasoning_content"):  # before content: a chunk's reasoning came first
+                        for b in items.reasoning(delta["reasoning_content"]):
+                            yield b
                     if delta.get("content"):
                         for b in items.text(delta["content"]):
                             yield b

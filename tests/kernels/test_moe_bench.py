@@ -108,3 +108,18 @@ def test_engine_report_names_the_moe_path(tmp_path):
     assert text.count("(new)") == 3 and text.count("(before)") == 1 and "50%" in text
     fp8_row = next(line for line in text.splitlines() if "--quantization fp8" in line)
     assert "0.25 | - | -" in fp8_row and "200%" not in text  # no bf16 roofline for FP8 weights
+
+
+
+def test_config_only_checkpoint_writes_no_weights(tmp_path):
+    """`checkpoint --config-only` (tools/gpu/moe.sh: engines with --load-format dummy, whose
+    start on a config-only folder tests/worker/test_load_format.py covers): config and
+    tokenizer, every layer asked for, no weight file."""
+    import json
+
+    path = tmp_path / "cfg"
+    assert moe.main(["checkpoint", "--checkpoint", str(path), "--layers", "48", "--config-only"]) == 0
+    assert not list(path.glob("*.safetensors")) and (path / "tokenizer.json").exists()
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_experts_per_tok"]) == (48, 8)
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]

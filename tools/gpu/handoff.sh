@@ -10,7 +10,8 @@
 # overlap off and on, 3000/200 at 1 and 6 req/s, the 1k-16k prompt-length sweep, the stall model.
 # Extra arguments go to bench/handoff.py (e.g. --chunk-tokens 256, --stacks agg,nixl-off,nixl-on).
 # The harness gets what the 600 s call has left after the setup here (~20 s), less 50 s for the last
-# stack's stop, the report and a margin (~530 s, its checkpoint included; HANDOFF_BUDGET_S=N caps it).
+# stack's stop, the report and a margin (~530 s; HANDOFF_BUDGET_S=N caps it). The workers run random
+# weights made on their GPUs (--load-format dummy): no checkpoint is written.
 # Files in $OUT (else ./gpu_handoff_out): results.md, summary.json, first_gap_vs_prompt.png (where
 # the image has matplotlib; else `python -m pdserve.bench.handoff --replot DIR` here draws it),
 # runs.tar.gz (every run's JSON with per-request gaps, every stack's logs), env.txt, log.txt.
@@ -32,9 +33,17 @@ LEFT=$(( 590 - ($(date +%s) - T0) ))
 BUDGET=$(( LEFT - 40 ))
 [ -n "${HANDOFF_BUDGET_S:-}" ] && [ "$HANDOFF_BUDGET_S" -lt "$BUDGET" ] && BUDGET=$HANDOFF_BUDGET_S
 echo "harness budget: ${BUDGET}s (hard limit $(( BUDGET + 30 ))s)"
+# The checkpoint is config.json and the tokenizer only: every worker makes its random weights on
+# its GPU (--load-format dummy; equal on every worker: one seed), so no 16 GB is written. Kept: a
+# second run of this script in the same call reuses it. More worker flags: HANDOFF_WORKER_ARGS
+# (a --worker-args among the arguments would replace --load-format dummy).
+CKPT=/tmp/handoff_cfg
+WORKER_ARGS="--load-format dummy ${HANDOFF_WORKER_ARGS:-}"
+[ -f "$CKPT/tokenizer.json" ] || $PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" \
+  --config-only > "$OUT/checkpoint.log" 2>&1 || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
 if [ -z "${HANDOFF_CHUNKS:-}" ]; then
-  timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT" --budget-s "$BUDGET" "$@" \
-    > "$OUT/log.txt" 2>&1
+  timeout --kill-after=8 "$(( BUDGET + 30 ))" $PY -m pdserve.bench.handoff --out "$OUT" --budget-s "$BUDGET" \
+    --checkpoint "$CKPT" --worker-args="$WORKER_ARGS" "$@" > "$OUT/log.txt" 2>&1
   echo "bench handoff: rc=$? in $(( $(date +%s) - T0 ))s (setup included)"
   grep "^\[handoff" "$OUT/log.txt" | tail -n 40
   cat "$OUT/results.md" 2>/dev/null || tail -n 60 "$OUT/log.txt"
@@ -42,14 +51,11 @@ if [ -z "${HANDOFF_CHUNKS:-}" ]; then
   exit 0
 fi
 # HANDOFF_CHUNKS="512 256 128": the aggregated baseline and overlap on with the first size, then
-# overlap on again with each other size (one checkpoint, written once; the budget split evenly,
+# overlap on again with each other size (one config-only checkpoint; the budget split evenly,
 # the first run's share doubled for its aggregated stack). Each size's report in $OUT/chunk<N>/.
 EXTRA=("$@")  # bench/handoff.py's own flags (e.g. --warmup 24), for every size's run
 set -- $HANDOFF_CHUNKS
 N=$#
-CKPT=/tmp/handoff_ckpt  # kept: a second run of this script in the same call reuses it
-[ -f "$CKPT/tokenizer.json" ] || $PY -m pdserve.bench.disagg --out /tmp/handoff_ck_out --make-checkpoint "$CKPT" \
-  > "$OUT/checkpoint.log" 2>&1 || { tail -n 30 "$OUT/checkpoint.log"; exit 1; }
 # HANDOFF_PROFILE=1 (with .whl/py_spy-*.whl carried): every process of each stack (router, workers,
 # load generator) sampled by py-spy (--subprocesses: they are its descendants, so no ptrace rights
 # beyond the image's are needed), idle threads included, as collapsed stacks (one line per
@@ -73,7 +79,7 @@ for c in "$@"; do
   STACKS=nixl-on; [ "$first" = 1 ] && STACKS=${HANDOFF_FIRST_STACKS:-agg,nixl-on}
   mkdir -p "$OUT/chunk$c"
   timeout --kill-after=8 "$(( SHARE + 20 ))" ${PROF[@]:+"${PROF[@]}" "$OUT/chunk$c/profile.txt" --} $PY -m pdserve.bench.handoff --out "$OUT/chunk$c" --budget-s "$SHARE" \
-    --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" ${HANDOFF_WORKER_ARGS:+--worker-args="$HANDOFF_WORKER_ARGS"} \
+    --chunk-tokens "$c" --stacks "$STACKS" --checkpoint "$CKPT" --worker-args="$WORKER_ARGS" \
     "${EXTRA[@]}" > "$OUT/chunk$c/log.txt" 2>&1
   echo "bench handoff chunk $c ($STACKS): rc=$? at $(( $(date +%s) - T0 ))s"
   grep "^\[handoff" "$OUT/chunk$c/log.txt" | tail -n 12

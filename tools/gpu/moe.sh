@@ -14,8 +14,9 @@
 #     a CUDA graph, bytes of the experts hit per second vs copy bandwidth                          90
 #   fp8: the model's MoE op with FP8 expert weights (128x128 block, per-channel) vs bf16 at
 #     1/8/64/512 tokens, the same layer shape                                                       90
-#   checkpoint: Qwen3-30B-A3B shapes with $LAYERS (default 12) of its 48 layers, random bf16
-#     (~15 GB written to /tmp: fewer layers keep the call under 10 minutes)                      120
+#   checkpoint: Qwen3-30B-A3B's config.json with $LAYERS (default all 48) layers and a tokenizer,
+#     no weights: the engines make random bf16 weights on the GPU (--load-format dummy), so
+#     nothing is written to disk (LAYERS=12 for the 12-layer rows of earlier runs)                 20
 #   engine, one process tree per row, most wanted first: TP=1 (+ its bs=1 kernels under the
 #     profiler: profile.md); TP=1 with --moe-path sorted (the kernels as before the decode path,
 #     bs=1 only: the same-run baseline); TP=2 with expert parallelism; TP=4 with it (where 4 GPUs
@@ -25,7 +26,7 @@
 # Files in $OUT: env.txt, tests.txt, decode.md, kernel.md, fp8.md, engine.md (+ engine_rows.jsonl),
 # profile.md, log.txt.
 set -u
-LAYERS=${LAYERS:-12}
+LAYERS=${LAYERS:-48}
 PROMPTS=${PROMPTS:-64}
 source tools/gpu/lib.sh
 gpu_begin gpu_moe engine || exit 1
@@ -40,7 +41,7 @@ main() {
   step "fp8" 90 $PY -m pdserve.bench.moe fp8 --out "$OUT/fp8.md"
   step "mxfp4" 150 $PY -m pdserve.bench.moe mxfp4 --out "$OUT/mxfp4.md"
   CKPT=/tmp/qwen3-30b-a3b-l$LAYERS
-  step "checkpoint" 120 $PY -m pdserve.bench.moe checkpoint --checkpoint $CKPT --layers $LAYERS
+  step "checkpoint" 20 $PY -m pdserve.bench.moe checkpoint --checkpoint $CKPT --layers $LAYERS --config-only
   ROWS="$OUT/engine_rows.jsonl"
   rm -f "$ROWS"
   NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
@@ -49,7 +50,7 @@ main() {
     set -- $spec
     [ "$1" -le "$NGPU" ] || continue
     step "engine TP=$spec" 90 $PY -m pdserve.bench.moe engine --checkpoint $CKPT --layers $LAYERS \
-      --num-prompts $PROMPTS --rows "$ROWS" --tp $spec 2>&1 | grep -v " INFO "
+      --load-format dummy --num-prompts $PROMPTS --rows "$ROWS" --tp $spec 2>&1 | grep -v " INFO "
     $PY -m pdserve.bench.moe report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
   done
   cat "$OUT/decode.md" "$OUT/fp8.md" "$OUT/engine.md" "$OUT/profile.md"

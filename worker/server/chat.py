@@ -20,7 +20,7 @@ from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
 from pdserve.worker.server.tool_parsers.harmony import HarmonyParser
 from pdserve.worker.server.tool_parsers.plan import (StreamedCalls, ToolPlan, complete_reply, finish_reason,
-                                                     plan_tools, template_input)
+                                                     plan_tools, reasoning_tokens, template_input)
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -81,11 +81,16 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
         "created": serving.now(),
         "model": state.served_model_name,
     }
+    # A decode worker's reply continues after the prefill's first token: the parser reads that
+    # token's text first (known now, or told by the engine for a streamed hand-off).
+    handed = serving.handed_over_text(state.tokenizer, prompt, params, kv_params) if tools.parser else ""
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, base, first, events, tools))
+        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, harmony, handed))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
-        messages = [complete_reply(tools, "".join(c.text)) for c in choices]
+        messages = [complete_reply(tools, "".join(c.text), handed or c.handed_over_text) for c in choices]
+        thought = sum(reasoning_tokens(tools, c.text, c.piece_tokens, handed or c.handed_over_text)
+                      for c in choices) if harmony else None
         return ChatCompletionResponse(**base, choices=[
             ChatChoice(index=i, message=AssistantMessage(content=content, reasoning_content=reasoning,
                                                          **({"tool_calls": calls} if calls else {})),
@@ -93,7 +98,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
                        finish_reason=finish_reason(c.final.finish_reason, bool(calls)) if c.final else "abort",
                        stop_reason=c.final.stop_reason if c.final else None)
             for i, (c, (content, calls, reasoning)) in enumerate(zip(choices, messages))
-        ], usage=serving.usage([prompt], body.n, choices),
+        ], usage=serving.usage([prompt], body.n, choices, thought),
             kv_transfer_params=serving.handed_params(choices))
 
     if serving.announced(first):  # a streamed prefill: its params now, the answer when it ends
@@ -103,9 +108,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,
-                  tools: ToolPlan = ToolPlan()) -> AsyncIterator[bytes]:
+                  tools: ToolPlan = ToolPlan(), harmony: bool = False, handed: str = "") -> AsyncIterator[bytes]:
     choices = [serving.ChoiceState() for _ in range(body.n)]
-    calls = [StreamedCalls(tools) for _ in range(body.n)]
+    calls = [StreamedCalls(tools, handed) for _ in range(body.n)]
 
     def chunk(i: int, delta: Delta, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
         c = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
@@ -114,9 +119,11 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
 
     def chunks(i: int, out):
         choices[i].add(out)
+        if out.handed_over_text is not None:  # a streamed hand-off: the first token is known now
+            calls[i].prime(out.handed_over_text)
         lps = format_logprobs(state.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
         try:
-            text, tool_deltas = calls[i].feed(out.text, out.finished)
+            text, tool_deltas = calls[i].feed(out.text, out.finished, len(out.new_token_ids))
         except APIError as e:  # a forced tool call that did not come: said once, in OpenAI's shape
             yield event(e.body())
             return
@@ -139,7 +146,8 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
             for b in chunks(i, out):
                 yield b
         if body.include_usage:
-            yield ChatCompletionChunk(**base, choices=[], usage=serving.usage([prompt], body.n, choices)).sse()
+            thought = sum(c.reasoning_tokens for c in calls) if harmony else None
+            yield ChatCompletionChunk(**base, choices=[], usage=serving.usage([prompt], body.n, choices, thought)).sse()
     except Exception as e:
         yield serving.stream_error(e)
     finally:

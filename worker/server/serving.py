@@ -205,15 +205,20 @@ class ChoiceState:
     """One choice's accumulated output (non-streamed responses and usage)."""
 
     text: list[str] = field(default_factory=list)
+    piece_tokens: list[int] = field(default_factory=list)  # each text piece's tokens (reasoning_tokens)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     final: RequestOutput | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
+    handed_over_text: str = ""  # a streamed hand-off's first token's text, as the prefill released it
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.handed_over_text is not None:
+            self.handed_over_text = out.handed_over_text
         self.text.append(out.text)
+        self.piece_tokens.append(len(out.new_token_ids))
         self.num_tokens += len(out.new_token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
@@ -226,12 +231,16 @@ class ChoiceState:
         return max(self.num_tokens, self.final.num_output_tokens if self.final else 0)
 
 
-def usage(prompts: list[list[int]], n: int, choices: list[ChoiceState]) -> Usage:
+def usage(prompts: list[list[int]], n: int, choices: list[ChoiceState], reasoning_tokens: int | None = None) -> Usage:
+    """`reasoning_tokens`: a reasoning model's (--reasoning-parser), as OpenAI's
+    completion_tokens_details has it; None leaves the details out."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.final.num_cached_tokens for c in choices[::n] if c.final)
+    details = None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details={"cached_tokens": cached})
+                 total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details,
+                 prompt_tokens_details={"cached_tokens": cached})
 
 
 async def collect(request: Request, first: tuple[int, RequestOutput], events: Events,

@@ -60,6 +60,10 @@ def call_from_json(obj: Any, args_key: str) -> ToolCall:
 class ToolCallStream:
     """One choice's incremental parse. Subclasses implement `feed` and `finish`."""
 
+    # Inside a reasoning body (harmony's analysis) after the last feed: what counts a token as
+    # reasoning (usage's reasoning_tokens) even when the feed released no text yet.
+    in_reasoning = False
+
     def feed(self, text: str) -> Parsed:
         raise NotImplementedError
 

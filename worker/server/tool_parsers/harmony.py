@@ -82,6 +82,10 @@ class HarmonyStream(ToolCallStream):
             self.buf = self.buf[j + (0 if end == START else len(end)):]
             self.in_header = True
 
+    @property
+    def in_reasoning(self) -> bool:
+        return not self.in_header and self.kind == "reasoning"
+
     def _open(self, header: str) -> None:
         if START in header:  # a new message's role line: only what follows the last START counts
             header = header[header.rindex(START) + len(START):]

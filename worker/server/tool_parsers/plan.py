@@ -140,13 +140,31 @@ def complete_message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] 
     return complete_reply(plan, text)[:2]
 
 
-def complete_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None, str | None]:
-    """complete_message, and the reply's reasoning (harmony's analysis channel) or None."""
-    if plan.parser is None:
-        return text, None, None
+def _whole(plan: ToolPlan, text: str) -> Parsed:
     s = plan.stream()
     parsed = s.feed(text)
     parsed += s.finish()
+    return parsed
+
+
+def _emitted_by_prefill(plan: ToolPlan, handed: str) -> Parsed:
+    """What a prefill worker's answer already returned of the handed-over first token's text
+    (its own parse of that one token, finished): the decode worker leaves it out."""
+    return _whole(plan, handed) if handed else Parsed()
+
+
+def complete_reply(plan: ToolPlan, text: str, handed: str = "") -> tuple[str | None, list[dict] | None, str | None]:
+    """complete_message, and the reply's reasoning (harmony's analysis channel) or None.
+    `handed`: on a P/D decode worker, the first token's text (the prefill's; `text` follows it):
+    parsed as the reply's start, so a harmony header begun by the first token is read whole, and
+    what the prefill's answer returned of it is left out (the router puts the two together)."""
+    if plan.parser is None:
+        return text, None, None
+    parsed = _whole(plan, handed + text)
+    if handed:
+        before = _emitted_by_prefill(plan, handed)
+        parsed.content = parsed.content.removeprefix(before.content)
+        parsed.reasoning = parsed.reasoning.removeprefix(before.reasoning)
     plan.check(parsed)
     reasoning = parsed.reasoning or None
     if not parsed.calls:  # a harmony reply's content is its final channel; other formats' the text as is
@@ -155,23 +173,66 @@ def complete_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | 
     return parsed.content.strip() or None, [c.model_dump() for c in calls], reasoning
 
 
+def _reasoning_feed(stream, text: str):
+    """`stream.feed(text)`, and whether the piece counts as reasoning: it released reasoning
+    text or left the parser inside a reasoning body. Counted per piece of the engine's output
+    (a token, or a few), as vLLM counts gpt-oss's by the harmony parser's channel per token:
+    the analysis header's `<|message|>` counts, its `<|end|>` and the next header do not."""
+    parsed = stream.feed(text)
+    return parsed, bool(parsed.reasoning) or stream.in_reasoning
+
+
+def reasoning_tokens(plan: ToolPlan, pieces: list[str], num_tokens: list[int], handed: str = "") -> int:
+    """How many of a whole reply's tokens are reasoning (usage's reasoning_tokens); `pieces` the
+    reply's text as the engine released it, `num_tokens` each piece's tokens; `handed` as in
+    complete_reply (its token is the prefill's to count)."""
+    s = plan.stream()
+    if s is None:
+        return 0
+    s.feed(handed)
+    return sum(n for text, n in zip(pieces, num_tokens) if _reasoning_feed(s, text)[1])
+
+
 class StreamedCalls:
     """One streamed choice: text in, content and OpenAI tool-call increments out."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, handed: str = ""):
         self.plan = plan
         self.stream = plan.stream()
         self.num_calls = 0
         self.reasoning = ""  # the last feed's reasoning text (harmony's analysis channel)
+        self.reasoning_tokens = 0  # so far (usage's completion_tokens_details)
+        self.skip = Parsed()  # text the prefill's answer returned that this stream still holds back
+        self.prime(handed)
 
-    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+    def prime(self, handed: str) -> None:
+        """On a P/D decode worker: the handed-over first token's text (complete_reply's `handed`),
+        read as the reply's start and sent by no one twice: what the prefill returned of it is
+        skipped when this stream releases it."""
+        if self.stream is None or not handed:
+            return
+        now = self.stream.feed(handed)  # dropped: the prefill's answer carried it
+        before = _emitted_by_prefill(self.plan, handed)
+        self.skip = Parsed(content=before.content[len(now.content):], reasoning=before.reasoning[len(now.reasoning):])
+
+    def _unskipped(self, parsed: Parsed) -> Parsed:
+        for field in ("content", "reasoning"):
+            text, held = getattr(parsed, field), getattr(self.skip, field)
+            n = min(len(text), len(held)) if held.startswith(text) or text.startswith(held) else 0
+            setattr(parsed, field, text[n:])
+            setattr(self.skip, field, held[n:] if n else held if not text else "")  # read otherwise: not again
+        return parsed
+
+    def feed(self, text: str, finished: bool, num_tokens: int = 0) -> tuple[str, list[dict]]:
         if self.stream is None:
             return text, []
-        parsed = self.stream.feed(text)
-        self.reasoning = parsed.reasoning
+        parsed, thinking = _reasoning_feed(self.stream, text)
+        self.reasoning_tokens += num_tokens if thinking else 0
         if finished:
             parsed += self.stream.finish()
-            self.reasoning = parsed.reasoning
+        parsed = self._unskipped(parsed)
+        self.reasoning = parsed.reasoning
+        if finished:
             if self.num_calls == 0:
                 self.plan.check(parsed)
         deltas = []
