@@ -104,3 +104,14 @@ def test_prefix_hits_after_eviction_and_preemption_match_hf(tiny_checkpoint):
     assert small.generate(PROMPTS, GREEDY) == ref
     assert small.stats().num_preemptions > 0
     assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
+
+
+def test_triton_decode_graph_buffers_carry_the_sliding_tables(tiny_checkpoint):
+    # The decode graphs' static buffers (capture=False on CPU: the same buffers and padding, no
+    # capture) with the sliding group's slot row and table, on the Triton kernels (interpreted).
+    ckpt = tiny_checkpoint("gpt-oss")
+    engine = make_engine(ckpt, attention_backend="triton", static_decode=True, max_num_seqs=4,
+                         max_num_batched_tokens=16)
+    assert engine.runner.graphs.config.sliding
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+    assert engine.runner.graphs.num_replays > 0

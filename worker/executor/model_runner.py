@@ -59,8 +59,9 @@ class StepPlan:
     """One step's model inputs as host lists: all a tensor-parallel rank needs to run the step."""
 
     graph: bool  # decode only, through the CUDA graphs' static buffers
-    # graph: (ids, positions, slots, context_lens, block_tables) as DecodeGraphs.run takes them;
-    # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens)
+    # graph: (ids, positions, slots, context_lens, block_tables, sliding) as DecodeGraphs.run takes them;
+    # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens, sliding);
+    # `sliding`: the sliding group's slots and tables (KV groups, attention/kv_groups.py), else None
     inputs: tuple
     logits_idx: list[int]  # rows of the step's hidden states that are projected to logits
     # Prompt logprobs (echo): rows whose logits score the next prompt token, those tokens, and
@@ -320,16 +321,12 @@ class ModelRunner:
             if static_decode and not getattr(self.model, "cuda_graphs", True):  # e.g. gpt-oss's torch experts
                 log.info("decode CUDA graphs: off, %s has a step a graph cannot capture", type(self.model).__name__)
                 static_decode = False
-        if static_decode and self.kv_groups is not None:
-            # The graphs' static buffers hold one block table per row; the sliding group's second
-            # one is not wired into them yet: decode runs eagerly.
-            log.info("decode CUDA graphs: off, the KV cache has a sliding-window group")
-            static_decode = False
         if not static_decode:
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, max_blocks,
-                                                            capture=self.device.type == "cuda"), self.device)
+                                                            capture=self.device.type == "cuda",
+                                                            sliding=self.kv_groups is not None), self.device)
         graphs.capture()
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
         return graphs
@@ -418,6 +415,7 @@ class ModelRunner:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
+        sliding = None if self.kv_groups is None else ([], [])  # the sliding group's slots and tables
         from_previous = []
         for i, (req, _) in enumerate(batch.items):
             p = req.num_computed_tokens
@@ -430,10 +428,13 @@ class ModelRunner:
             slots.append(req.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
             tables.append(req.block_ids)
+            if sliding is not None:
+                sliding[0].append(req.sliding_block_ids[p // bs] * bs + p % bs)
+                sliding[1].append(req.sliding_block_ids)
             if p + 1 == req.num_scheduled_tokens:
                 logits_idx.append(i)
                 samplers.append(req)
-        return StepPlan(True, (ids, positions, slots, lens, tables), logits_idx,
+        return StepPlan(True, (ids, positions, slots, lens, tables, sliding), logits_idx,
                         from_previous=from_previous), samplers
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:
