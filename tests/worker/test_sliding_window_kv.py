@@ -115,3 +115,14 @@ def test_triton_decode_graph_buffers_carry_the_sliding_tables(tiny_checkpoint):
     assert engine.runner.graphs.config.sliding
     assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
     assert engine.runner.graphs.num_replays > 0
+
+
+def test_async_scheduling_releases_behind_the_step_in_flight(tiny_checkpoint):
+    # Async scheduling: a step is scheduled (and releases) while the one before is in flight,
+    # whose blocks are published in the prefix cache only when its tokens arrive.
+    ckpt = tiny_checkpoint("gpt-oss")
+    engine = make_engine(ckpt, async_scheduling=True, max_num_batched_tokens=16)
+    assert engine.async_scheduling
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
+    assert engine.generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))  # with the first run's hits
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
