@@ -125,13 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=40.0, help="without --engine: the KV cache's memory")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="high enough that memory, not this, binds")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="with --engine")
     ap.add_argument("--out", help="also write the table here")
     args = ap.parse_args(argv)
     caps = []
     for hybrid in (True, False):
         if args.engine:
             caps.append(run_engine(args.model, hybrid, args.requests, args.prompt_len, args.output_len,
-                                   block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens))
+                                   block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_num_seqs=args.max_num_seqs,
+                                   gpu_memory_utilization=args.gpu_memory_utilization))
         else:
             from transformers import AutoConfig
 
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
             cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(args.model))
             caps.append(simulate(cfg, hybrid, int(args.kv_cache_gib * GiB), args.requests, args.prompt_len,
-                                 args.output_len, args.block_size, max_num_batched_tokens=args.max_num_batched_tokens))
+                                 args.output_len, args.block_size, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens))
     publish(table(caps, args.requests, args.prompt_len, args.output_len), args.out)
 
 
