@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from pdserve.worker.attention.kv_cache import KVCache
 from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
@@ -101,8 +102,9 @@ def test_prefix_cache_hits_and_preemption_match_hf(tiny_checkpoint, arch):
     hits_before = engine.stats().prefix_cache_hits
     assert engine.generate(PROMPTS, GREEDY) == ref
     assert engine.stats().prefix_cache_hits - hits_before == sum((len(p) - 1) // 4 * 4 for p in PROMPTS)
-    small = make_engine(ckpt, kv_cache_memory=16 * engine.kv_cache.block_bytes, enable_prefix_caching=False,
-                        max_model_len=64)
+    # 16 blocks of every layer's KV (gpt-oss: 32 blocks of its hybrid cache, docs/kv-cache.md).
+    per_block = KVCache.bytes_per_block(engine.model_config, 4, engine.runner.kv_dtype)
+    small = make_engine(ckpt, kv_cache_memory=16 * per_block, enable_prefix_caching=False, max_model_len=64)
     assert small.generate(PROMPTS, GREEDY) == ref
     assert small.stats().num_preemptions > 0
 

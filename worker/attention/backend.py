@@ -26,6 +26,12 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefill + 1] int32, offsets from the first prefill token
     prefill_context_lens: torch.Tensor  # [num_prefill] int32
+    # A model whose KV cache has a sliding group (kv_groups.py): that group's slots and block
+    # tables (the same tokens and lengths), read by its layers; None: every layer reads these.
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, kv_cache: KVCache, layer: int) -> AttentionMetadata:
+        return self.sliding if self.sliding is not None and kv_cache.sliding[layer] else self
 
 
 class AttentionBackend(Protocol):
@@ -54,6 +60,7 @@ class PagedBackend:
         """`sinks` [Hq]: a learned logit per head in each softmax's denominator (gpt-oss); `window`
         > 0: the layer attends to the last `window` positions only (sliding-window layers)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
+        meta = meta.for_layer(self.kv_cache, layer)
         # An fp8 cache's per-layer scales (None otherwise): K/V are quantized on the write and
         # dequantized inside attention, so nothing else sees the cache's element type.
         ks, vs = self.kv_cache.layer_scales(layer)

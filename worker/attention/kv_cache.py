@@ -6,6 +6,10 @@ run of consecutive block ids is one larger span. KV transfer then moves a reques
 with a handful of large descriptors instead of one per layer per block (per-descriptor
 overhead dominates small transfers). Attention sees each layer as a strided view.
 
+A model with sliding-window layers (kv_groups.py) splits its layers in two groups that share
+the blocks: the tensor is then [num_blocks, groups.slots, 2, ...] and a layer's view is its
+group's slot in every block (a block serves one group at a time; the block tables say which).
+
 The element type is the model's dtype, or float8 e4m3 (--kv-cache-dtype fp8): one byte per
 value, so the same memory holds twice the blocks of a bf16 cache and a hand-off moves half the
 bytes. An fp8 cache stores x / scale with one K and one V scale per layer (`scales`, fp32
@@ -20,6 +24,7 @@ import torch
 
 from pdserve.kernels.reference import FP8_KV_DTYPE
 from pdserve.protocol.kv_layout import KVLayout
+from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.config.model import ModelConfig
 
 
@@ -50,10 +55,12 @@ def scales_tag(scales: torch.Tensor | None) -> str:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 scales: torch.Tensor | None = None):
+                 scales: torch.Tensor | None = None, groups: KVGroups | None = None):
         """`dtype`: the element type (the model's, or FP8_KV_DTYPE); `scales`: an fp8 cache's
-        per-layer (k, v) scales, [num_layers, 2] (None: all 1, as vLLM without calibrated scales)."""
+        per-layer (k, v) scales, [num_layers, 2] (None: all 1, as vLLM without calibrated scales);
+        `groups`: full and sliding layers sharing the blocks (None: a block holds every layer)."""
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.groups = groups
         self.num_layers = cfg.num_layers
         self.dtype = dtype
         self.quantized = dtype == FP8_KV_DTYPE
@@ -67,10 +74,13 @@ class KVCache:
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
         self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None)
         self.tensor = torch.zeros(
-            num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
-        )
+            num_blocks, layers_per_block(cfg, groups), 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+            device=device)
         # Pre-built views: indexing per layer on every forward would allocate view objects.
-        self._layers = [(self.tensor[:, i, 0], self.tensor[:, i, 1]) for i in range(cfg.num_layers)]
+        slot = groups.slot if groups is not None else int
+        self._layers = [(self.tensor[:, slot(i), 0], self.tensor[:, slot(i), 1]) for i in range(cfg.num_layers)]
+        # Per layer: whether it reads the sliding group's block tables (AttentionMetadata.sliding).
+        self.sliding = [groups is not None and groups.is_sliding(i) for i in range(cfg.num_layers)]
         # [1]-element views the kernels load (a device pointer: CUDA graphs read the current value).
         self._scales = [(self.scales[i, 0:1], self.scales[i, 1:2]) if self.quantized else (None, None)
                         for i in range(cfg.num_layers)]
@@ -87,6 +97,10 @@ class KVCache:
         return self.tensor[0].numel() * self.tensor.element_size()
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return layers_per_block(cfg, groups) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def layers_per_block(cfg: ModelConfig, groups: KVGroups | None) -> int:
+    return groups.slots if groups is not None else cfg.num_layers

@@ -61,6 +61,7 @@ class TritonAttentionBackend(PagedBackend):
         # q: [T, Hq, D] (rotated); k, v: [T, Hkv, D] -> [T, Hq, D]. sinks / window: as the torch
         # backend's (gpt-oss); the kernels take them as constexpr-switched options.
         k_cache, v_cache = self.kv_cache.layer(layer)
+        meta = meta.for_layer(self.kv_cache, layer)
         ks, vs = self.kv_cache.layer_scales(layer)  # an fp8 cache's scales; None otherwise
         kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         return self._attend(q, k_cache, v_cache, meta, scale, ks, vs, sinks=sinks, window=window)
@@ -71,6 +72,7 @@ class TritonAttentionBackend(PagedBackend):
                        window: int = 0) -> torch.Tensor:
         """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
+        meta = meta.for_layer(self.kv_cache, layer)
         ks, vs = self.kv_cache.layer_scales(layer)
         nd, total = meta.num_decode_tokens, q.shape[0]
         extra = dict(sinks=sinks, window=window)

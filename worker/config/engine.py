@@ -53,6 +53,10 @@ class EngineConfig:
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this worker may use")
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, "disable CUDA graphs")
+    disable_hybrid_kv_cache_manager: bool = flag(
+        False, "models with sliding-window layers (gpt-oss): keep every layer's KV for the whole sequence "
+               "instead of releasing the sliding layers' blocks behind the window (docs/kv-cache.md); "
+               "a P/D worker (--role prefill|decode, --kv-transfer) always does")
     async_scheduling: bool | None = flag(None, "schedule and prepare the next step while the GPU runs this one "
                                                 "(vLLM's async scheduling); not for a P/D worker under tensor "
                                                 "parallelism (docs/async-scheduling.md)",

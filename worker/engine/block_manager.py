@@ -50,6 +50,10 @@ def hash_prefix_blocks(token_ids: list[int], block_size: int, parent: int = NONE
 
 
 class BlockManager:
+    # Whether requests hold blocks a window lets go of (hybrid_block_manager.py); the scheduler
+    # calls release_outside_window only then.
+    windowed = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_event=None,
                  eviction_slack: float = 0.0):
         if eviction_slack < 0:
@@ -124,15 +128,19 @@ class BlockManager:
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Grow `req` to own blocks for its first `num_tokens` tokens. Caller checked can_allocate."""
         n = self.blocks_needed(num_tokens) - len(req.block_ids)
-        if n <= 0:
-            return
-        grow = self.empty_runs.take_from(req.block_ids[-1] + 1, n) if req.block_ids else range(0)
+        if n > 0:
+            req.block_ids.extend(self._new_blocks(req.block_ids[-1] + 1 if req.block_ids else None, n))
+
+    def _new_blocks(self, after: int | None, n: int) -> list[int]:
+        """n blocks, referenced once: the run starting at `after` first (a table growing past its
+        last block stays one run), then the rest in ascending ids."""
+        grow = self.empty_runs.take_from(after, n) if after is not None else range(0)
         rest = self.empty_runs.take(min(n - len(grow), self.num_empty))
         evicted = self._evict_oldest(n - len(grow) - len(rest))
         new = list(grow) + sorted(rest + evicted)
         for b in new:
             self.ref_counts[b] = 1
-        req.block_ids.extend(new)
+        return new
 
     def _evict_oldest(self, m: int) -> list[int]:
         """Take m cached free blocks out of the prefix cache: the m least recently freed, or with

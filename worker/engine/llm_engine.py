@@ -35,6 +35,7 @@ from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferPar
 from pdserve.worker.attention.kv_cache import KVCache, kv_layout
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.engine.hybrid_block_manager import HybridBlockManager
 from pdserve.worker.engine.scheduler import Scheduler
 from pdserve.worker.executor.model_runner import LaunchedStep, ModelRunner
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata
@@ -98,8 +99,12 @@ class LLMEngine:
                                             tp=r.kv_tp_rank, link=r.kv_tp_link)
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()
-        self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          on_event=self._on_kv_event)
+        if r.kv_groups is None:
+            self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
+                                              on_event=self._on_kv_event)
+        else:  # sliding-window layers: their blocks behind the window are released (docs/kv-cache.md)
+            self.block_manager = HybridBlockManager(r.num_blocks, config.block_size, r.kv_groups,
+                                                    config.enable_prefix_caching, on_event=self._on_kv_event)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
                                             self.kv_connector.endpoint(), config.kv_stream_chunk_tokens,
                                             resolve_split(config.kv_stream_split, self.kv_connector.transport),
@@ -147,11 +152,13 @@ class LLMEngine:
         # runs (the async engine delivers them to the waiting HTTP request); None: with the step's outputs.
         self.on_announce = None
         mc = self.model_config
-        log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB, %s), max_model_len %d, attention=%s",
-                 mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks, config.block_size,
-                 r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, r.kv_dtype) / 2**20,
-                 self.kv_cache.layout.element, self.max_model_len,
-                 self.attention_backend)
+        log.info("engine ready: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB, %s%s), max_model_len %d, "
+                 "attention=%s", mc.architecture, self.device, str(self.dtype).removeprefix("torch."), r.num_blocks,
+                 config.block_size, r.num_blocks * KVCache.bytes_per_block(mc, config.block_size, r.kv_dtype,
+                                                                           r.kv_groups) / 2**20,
+                 self.kv_cache.layout.element, "" if r.kv_groups is None else
+                 f", {r.kv_groups.slots} layers a block: sliding window {r.kv_groups.window} released",
+                 self.max_model_len, self.attention_backend)
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -84,6 +84,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        if self.bm.windowed:  # sliding layers' blocks behind every window: free before anyone allocates
+            for req in self.running:
+                self.bm.release_outside_window(req)
         # Decodes first, so long prompts arriving never stall streams already producing tokens.
         order = sorted(self.running, key=lambda r: r.num_scheduled_tokens - r.num_computed_tokens > 1)
         for req in order:
@@ -95,6 +98,8 @@ class Scheduler:
                 continue  # its token in flight is its last: nothing more to compute
             n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
             n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
+            if self.bm.windowed:  # a shorter chunk before any preemption
+                n = self.bm.fit_chunk(req, req.num_computed_tokens, n) or n
             while not self.bm.can_allocate(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is req:
@@ -128,6 +133,8 @@ class Scheduler:
             whole = whole or self.connector.allocates_prompt(req)
             # A pull writes every prompt block at once, so a request waiting for one gets them all
             # now; so does a streamed prefill (its blocks are pinned at admission).
+            if self.bm.windowed and not whole:
+                n = self.bm.fit_chunk(req, start, n, cached) or n
             need = req.num_tokens if whole else start + n
             if not self.bm.can_allocate(req, need, cached):
                 break  # FCFS: don't let later requests overtake the head of the queue

@@ -19,7 +19,7 @@ instead of replaying a graph: the CPU tests run this path under the Triton inter
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ class DecodeGraphConfig:
     max_batch: int  # the engine's max_num_seqs
     max_blocks_per_seq: int  # ceil(max_model_len / block_size)
     capture: bool = True  # False: same buffers and padding, forward run eagerly (CPU tests)
+    # A KV cache with a sliding group (attention/kv_groups.py): a second slot row and block table
+    # per sequence, which the sliding layers read (AttentionMetadata.sliding).
+    sliding: bool = False
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -55,12 +58,18 @@ class DecodeGraphs:
         n = config.max_batch
         # Rows: token ids, positions, KV slots, context lengths. One buffer, so a step's scalars
         # travel in one host->device copy; the int32 context lengths are cast inside the graph.
-        self._inputs = torch.tensor([[0], [0], [-1], [1]], dtype=torch.int64, device=device).repeat(1, n)
-        self._padding = np.array([[0], [0], [-1], [1]], dtype=np.int64).repeat(n, axis=1)  # rows n..b-1
+        # With a sliding group, a fifth row: its KV slots.
+        pad = [[0], [0], [-1], [1]] + ([[-1]] if config.sliding else [])
+        self._inputs = torch.tensor(pad, dtype=torch.int64, device=device).repeat(1, n)
+        self._padding = np.array(pad, dtype=np.int64).repeat(n, axis=1)  # rows n..b-1
         self._context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self._block_tables = torch.zeros(n, config.max_blocks_per_seq, dtype=torch.int32, device=device)
+        # [groups, n, max_blocks]: the full group's tables, then the sliding group's.
+        self._tables = torch.zeros(1 + config.sliding, n, config.max_blocks_per_seq, dtype=torch.int32,
+                                   device=device)
+        self._block_tables = self._tables[0]
         # Host side of each step's two input copies, allocated once (host_staging.py).
-        self._staging = HostStaging([((4, n), torch.int64), ((n, config.max_blocks_per_seq), torch.int32)], device)
+        self._staging = HostStaging([((len(pad), n), torch.int64),
+                                     ((1 + config.sliding, n, config.max_blocks_per_seq), torch.int32)], device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -79,6 +88,8 @@ class DecodeGraphs:
             prefill_cu_seqlens_q=self._context_lens[:1],  # no prefill rows: never read
             prefill_context_lens=self._context_lens[:0],
         )
+        if self.config.sliding:
+            meta.sliding = replace(meta, slot_mapping=self._inputs[4, :b], decode_block_tables=self._tables[1, :b])
         return self.model(self._inputs[0, :b], self._inputs[1, :b], meta)
 
     @torch.inference_mode()
@@ -108,21 +119,28 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_tables: list[list[int]], from_previous=None) -> torch.Tensor:
+            block_tables: list[list[int]], sliding: tuple[list[int], list[list[int]]] | None = None,
+            from_previous=None) -> torch.Tensor:
         """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H].
         `from_previous(ids)`: called on the token-id row once the host's values are queued, to put
-        token ids that are still on the device in place (async scheduling, model_runner.py)."""
+        token ids that are still on the device in place (async scheduling, model_runner.py).
+        `sliding`: the sliding group's (slots, block tables), where the config has one."""
         n = len(input_ids)
         b = self.bucket(n)
         slot, (host, host_tables), (rows, tables) = self._staging.acquire()
         rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = input_ids, positions, slots, context_lens
+        groups = [block_tables]
+        if sliding is not None:
+            rows[4, :n] = sliding[0]
+            groups.append(sliding[1])
         rows[:, n:b] = self._padding[:, :b - n]
         # Columns past a row's length keep an older step's ids: never read, and every one is a valid block.
         width = max(len(t) for t in block_tables)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = t
+        for g, group in enumerate(groups):
+            for i, t in enumerate(group):
+                tables[g, i, :len(t)] = t
         self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        self._block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
+        self._tables[:, :n, :width].copy_(host_tables[:, :n, :width], non_blocking=True)
         self._staging.record(slot)
         if from_previous is not None:
             from_previous(self._inputs[0, :n])

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from pdserve.worker.attention.backend import AttentionMetadata
 from pdserve.worker.attention.kv_cache import KVCache, resolve_kv_dtype
+from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
 from pdserve.worker.attention.selector import make_backend
 from pdserve.worker.config.engine import ConfigError, EngineConfig
@@ -58,8 +59,9 @@ class StepPlan:
     """One step's model inputs as host lists: all a tensor-parallel rank needs to run the step."""
 
     graph: bool  # decode only, through the CUDA graphs' static buffers
-    # graph: (ids, positions, slots, context_lens, block_tables) as DecodeGraphs.run takes them;
-    # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens)
+    # graph: (ids, positions, slots, context_lens, block_tables, sliding) as DecodeGraphs.run takes them;
+    # eager: (ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu_seqlens, sliding);
+    # `sliding`: the sliding group's slots and tables (KV groups, attention/kv_groups.py), else None
     inputs: tuple
     logits_idx: list[int]  # rows of the step's hidden states that are projected to logits
     # Prompt logprobs (echo): rows whose logits score the next prompt token, those tokens, and
@@ -118,6 +120,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def kv_groups(config: EngineConfig, cfg) -> KVGroups | None:
+    """The KV cache's groups (attention/kv_groups.py): a model with sliding-window layers gets a
+    sliding group unless --disable-hybrid-kv-cache-manager or the worker moves KV for P/D (the
+    hand-off sends whole blocks of every layer; vLLM's KV connectors likewise turn the hybrid
+    manager off)."""
+    if config.disable_hybrid_kv_cache_manager or config.role != "both" or config.kv_transfer is not None:
+        return None
+    return KVGroups.of(cfg)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None,
@@ -163,24 +175,27 @@ class ModelRunner:
             self.model.init_rope(max_len)
         self.max_model_len = max_len
         self.block_size = bs = config.block_size
+        self.kv_groups = kv_groups(config, self.shard_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.num_blocks = num_blocks = self._num_kv_blocks(backend)
-        if num_blocks * bs < max_len:
+        fits = num_blocks * bs if self.kv_groups is None else self.kv_groups.max_tokens(num_blocks, bs)
+        if fits < max_len:
             # A sequence longer than the whole cache could never run: it would preempt itself
             # and be recomputed forever. Refuse an explicit limit; shrink a defaulted one.
             if config.max_model_len is not None:
-                raise ConfigError("--max-model-len", f"{max_len} tokens do not fit the KV cache ({num_blocks * bs} "
+                raise ConfigError("--max-model-len", f"{max_len} tokens do not fit the KV cache ({fits} "
                                                      f"tokens); lower it or give the cache more memory "
                                                      f"(--kv-cache-memory / --gpu-memory-utilization)")
             log.warning("KV cache holds %d tokens < the model's %d positions: max_model_len set to %d",
-                        num_blocks * bs, max_len, num_blocks * bs)
-            max_len = self.max_model_len = num_blocks * bs
+                        fits, max_len, fits)
+            max_len = self.max_model_len = fits
         # Per-tensor scales are the same on every TP rank (a rank holds some heads of each layer).
         try:
             self.kv_scales = load_kv_scales(self.model_path, mc.num_layers) if config.kv_cache_fp8 else None
         except ValueError as e:
             raise ConfigError("--kv-cache-dtype", f"fp8 needs usable KV scales: {e}") from None
-        self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.kv_dtype, self.device, self.kv_scales)
+        self.kv_cache = KVCache(self.shard_config, num_blocks, bs, self.kv_dtype, self.device, self.kv_scales,
+                                self.kv_groups)
         from pdserve.worker.kv.tp_transfer import TPRank
 
         # The KV connector of this rank (kv/tp_link.py): which heads it holds; rank 0's pipes to the others.
@@ -224,7 +239,7 @@ class ModelRunner:
             shutdown_tensor_parallel()
 
     def _num_kv_blocks(self, backend) -> int:
-        per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.kv_dtype)
+        per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.kv_dtype, self.kv_groups)
         if self.device.type == "cuda":
             peak = self._profile_activation_bytes(backend)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -310,7 +325,8 @@ class ModelRunner:
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, max_blocks,
-                                                            capture=self.device.type == "cuda"), self.device)
+                                                            capture=self.device.type == "cuda",
+                                                            sliding=self.kv_groups is not None), self.device)
         graphs.capture()
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
         return graphs
@@ -334,6 +350,7 @@ class ModelRunner:
         # 16, so a width that wandered across that property would compile the attention kernels
         # again (seconds, mid-serving) for each variant.
         max_blocks = -(-max(len(r.block_ids) for r, _ in batch.items) // 16) * 16
+        sliding = None if self.kv_groups is None else ([], [], [])  # slots, decode tables, prefill tables
         for req, n in batch.items:
             start = req.num_computed_tokens
             end = start + n
@@ -352,19 +369,23 @@ class ModelRunner:
                 pre_tables.append(table)
                 pre_lens.append(end)
                 cu.append(cu[-1] + n)
+            if sliding is not None:
+                s_table = req.sliding_block_ids
+                sliding[0].extend(s_table[p // bs] * bs + p % bs for p in range(start, end))
+                sliding[1 if n == 1 else 2].append(s_table + [0] * (max_blocks - len(s_table)))
             if scores_prompt(req):
                 plan_rows(req, start, end, len(input_ids) - n, prompt_rows, prompt_targets, book)
             if end == req.num_scheduled_tokens:  # reached the end of what is known: sample the next token
                 logits_idx.append(len(input_ids) - 1)
                 samplers.append(req)
-        inputs = (input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu)
+        inputs = (input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu, sliding)
         top_k = max((r.params.prompt_logprobs for r in book.requests), default=0)
         self._prompt_book = book
         return StepPlan(False, inputs, logits_idx, prompt_rows, prompt_targets, top_k,
                         from_previous=from_previous), samplers
 
     def _eager_inputs(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu = inputs
+        input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu, sliding = inputs
         i32 = torch.int32
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
@@ -375,6 +396,11 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._tensor(cu, i32),
             prefill_context_lens=self._tensor(pre_lens, i32),
         )
+        if sliding is not None:  # the sliding group's slots and tables; the lengths are shared
+            s_slots, s_dec, s_pre = sliding
+            meta.sliding = replace(meta, slot_mapping=self._tensor(s_slots, torch.int64),
+                                   decode_block_tables=self._tensor(s_dec or [[0]], i32)[: len(dec_lens)],
+                                   prefill_block_tables=self._tensor(s_pre or [[0]], i32)[: len(pre_lens)])
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     def prepare(
@@ -389,6 +415,7 @@ class ModelRunner:
         """A decode-only step through the graphs' static buffers (the same rows as prepare())."""
         bs = self.block_size
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
+        sliding = None if self.kv_groups is None else ([], [])  # the sliding group's slots and tables
         from_previous = []
         for i, (req, _) in enumerate(batch.items):
             p = req.num_computed_tokens
@@ -401,10 +428,13 @@ class ModelRunner:
             slots.append(req.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
             tables.append(req.block_ids)
+            if sliding is not None:
+                sliding[0].append(req.sliding_block_ids[p // bs] * bs + p % bs)
+                sliding[1].append(req.sliding_block_ids)
             if p + 1 == req.num_scheduled_tokens:
                 logits_idx.append(i)
                 samplers.append(req)
-        return StepPlan(True, (ids, positions, slots, lens, tables), logits_idx,
+        return StepPlan(True, (ids, positions, slots, lens, tables, sliding), logits_idx,
                         from_previous=from_previous), samplers
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:

@@ -50,6 +50,11 @@ class Request:
         # They come after `token_ids`; the next step reads the newest from the device (model_runner.py).
         self.num_in_flight = 0
         self.block_ids: list[int] = []
+        # A model with sliding-window layers (attention/kv_groups.py): their block table, the same
+        # length as block_ids, entries outside the window released (the null block's id) up to
+        # `num_released_sliding`. Empty for every other model.
+        self.sliding_block_ids: list[int] = []
+        self.num_released_sliding = 0
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING

@@ -1,0 +1,141 @@
+"""The block manager of a model with sliding-window layers: two block tables per request over
+one pool, the sliding one released outside the window (vLLM's hybrid KV cache manager, with
+its SlidingWindowManager's rules; attention/kv_groups.py has the memory layout).
+
+Every request holds `block_ids` (the full-attention layers: every block of the sequence) and
+`sliding_block_ids` (the sliding layers), both one entry per `block_size` tokens. Before each
+schedule the sliding entries no later query can read (all positions <= computed - window) are
+released and become `null_block`, an id outside the pool the block manager hands out. Under
+async scheduling a step still in flight may read a block released this way; the step that next
+writes the block is queued after it on the same stream, so it reads what it was meant to.
+
+Prefix caching stays exact. Both groups' full blocks are published under the prompt's chained
+hashes, the sliding group's under a salted key (a block id can hold either group's layers, so
+equal hashes must not name the same block). A hit of k blocks needs the k full blocks and the
+sliding blocks a query at position k * block_size reads (the window's blocks before it); a
+released sliding block keeps its hash in the free queue and serves hits until it is evicted. When
+it was evicted, the hit is shortened to the longest prefix whose window is still held, and the
+rest is recomputed. Only the full group's blocks are reported to KV-aware routers (events).
+"""
+
+from __future__ import annotations
+
+from pdserve.worker.attention.kv_groups import KVGroups
+from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.request.request import Request
+
+# XORed into a block hash to key the sliding group's copy of that block (a bijection: distinct
+# hashes stay distinct; a full hash equal to a salted one is a 2**-64 accident).
+SLIDING_SALT = 0x5D1D_1A5A_11DE_0001
+
+
+class PrefixHit(list):
+    """The full group's hit blocks (what BlockManager.lookup_prefix returns) with the sliding
+    group's table for the same tokens (`sliding`: null_block before the window)."""
+
+    sliding: list[int]
+
+
+class HybridBlockManager(BlockManager):
+    windowed = True
+
+    def __init__(self, num_blocks: int, block_size: int, groups: KVGroups, enable_prefix_caching: bool = True,
+                 on_event=None, eviction_slack: float = 0.0):
+        """`num_blocks`: the KV cache's blocks; the last one is `null_block`, never handed out."""
+        super().__init__(num_blocks - 1, block_size, enable_prefix_caching, on_event, eviction_slack)
+        self.groups = groups
+        self.null_block = num_blocks - 1
+        self.sliding_hashed = bytearray(num_blocks - 1)  # 1: the block's hash is a sliding key
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        full = super().lookup_prefix(req)
+        k, bs = len(full), self.block_size
+        sliding: list[int] = []
+        while k > 0:
+            first = self.groups.first_needed_block(k * bs, bs)
+            sliding = [self.hash_to_block.get(h ^ SLIDING_SALT) for h in req.block_hashes[first:k]]
+            missing = [i for i, b in enumerate(sliding) if b is None]
+            if not missing:
+                sliding = [self.null_block] * first + sliding
+                break
+            # Every shorter hit whose window still covers that block fails too: below it, retry.
+            k = first + missing[-1]
+            sliding = []
+        hit = PrefixHit(full[:k])
+        hit.sliding = sliding
+        return hit
+
+    def register_computed(self, req: Request, num_tokens: int | None = None) -> None:
+        start = req.num_hashed_blocks
+        super().register_computed(req, num_tokens)
+        for i in range(start, req.num_hashed_blocks):
+            b = req.sliding_block_ids[i]
+            key = req.block_hashes[i] ^ SLIDING_SALT
+            if b != self.null_block and key not in self.hash_to_block and self.block_hash[b] is None:
+                self.hash_to_block[key] = b
+                self.block_hash[b] = key
+                self.sliding_hashed[b] = 1
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def can_allocate(self, req: Request, num_tokens: int, cached: PrefixHit | list[int] = ()) -> bool:
+        have = len(req.block_ids) + len(cached)
+        new = 2 * max(0, self.blocks_needed(num_tokens) - have)  # each group grows by as many
+        held = list(cached) + [b for b in getattr(cached, "sliding", ()) if b != self.null_block]
+        reclaimed = sum(1 for b in held if self.ref_counts[b] == 0)
+        return new + reclaimed <= self.num_free_blocks
+
+    def fit_chunk(self, req: Request, start: int, n: int, cached: PrefixHit | list[int] = ()) -> int:
+        """The longest chunk <= n from `start` that can_allocate admits (0: none). A prompt's
+        sliding blocks are all held while its chunk runs and released after, so a long prompt
+        goes through in chunks the free blocks hold rather than waiting for room for all of it."""
+        held = list(cached) + [b for b in getattr(cached, "sliding", ()) if b != self.null_block]
+        spare = self.num_free_blocks - sum(1 for b in held if self.ref_counts[b] == 0)
+        blocks = len(req.block_ids) + len(cached) + max(spare, 0) // 2
+        return max(0, min(n, blocks * self.block_size - start))
+
+    def take_cached(self, req: Request, cached: PrefixHit | list[int]) -> None:
+        sliding = getattr(cached, "sliding", [])
+        for b in sliding:
+            if b != self.null_block:
+                self._ref(b)
+        req.sliding_block_ids.extend(sliding)
+        req.num_released_sliding = sum(1 for b in sliding if b == self.null_block)
+        super().take_cached(req, cached)
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        n = self.blocks_needed(num_tokens) - len(req.block_ids)
+        if n <= 0:
+            return
+        super().allocate(req, num_tokens)
+        last = req.sliding_block_ids[-1] if req.sliding_block_ids else self.null_block
+        req.sliding_block_ids.extend(self._new_blocks(last + 1 if last != self.null_block else None, n))
+
+    def release_outside_window(self, req: Request) -> int:
+        """Release `req`'s sliding blocks that no query from its next token on reads; how many."""
+        upto = min(self.groups.first_needed_block(req.num_computed_tokens, self.block_size),
+                   len(req.sliding_block_ids))
+        table, start = req.sliding_block_ids, req.num_released_sliding
+        if upto <= start:
+            return 0
+        out = [b for b in table[start:upto] if b != self.null_block]
+        table[start:upto] = [self.null_block] * (upto - start)
+        req.num_released_sliding = upto
+        self._release(out)
+        return len(out)
+
+    def free_request(self, req: Request) -> None:
+        self._release([b for b in req.sliding_block_ids if b != self.null_block])
+        req.sliding_block_ids = []
+        req.num_released_sliding = 0
+        super().free_request(req)
+
+    def _evict(self, b: int) -> None:
+        if self.sliding_hashed[b]:  # not a block routers know of: no event
+            self.sliding_hashed[b] = 0
+            del self.hash_to_block[self.block_hash[b]]
+            self.block_hash[b] = None
+            return
+        super()._evict(b)
