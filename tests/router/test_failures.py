@@ -109,8 +109,10 @@ def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
     # Two decode workers, each dying after two tokens: the second request meets a live one however
     # soon the prober notices the first is gone (with one, a noticed death would send the second
     # request whole to the prefill worker, router/fallback.py, and it would succeed).
+    # --max-migrations 0: a stream that may not move (router/migration.py; moving: test_migration.py).
     prefill, decode, other = launch.fake_worker(), launch.fake_worker(), launch.fake_worker()
-    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url)
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url,
+                           "--max-migrations", "0")
     for worker in (decode, other):
         worker.control(mode="die_mid_stream", after=2)
     events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
@@ -123,9 +125,34 @@ def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
         complete(router, stream=True)  # the openai client surfaces the error event
 
 
+def test_a_stream_whose_move_dies_too_ends_with_the_error_event_after_max_migrations(launch):
+    prefill, decode, other = launch.fake_worker(), launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url,
+                           "--max-migrations", "1")
+    for worker in (decode, other):
+        worker.control(mode="die_mid_stream", after=2)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == "upstream_failed"
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
+
+
+def test_a_stream_with_no_decode_worker_left_moves_to_a_prefill_worker(launch):
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    decode.control(mode="die_mid_stream", after=2)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]" and b'"error"' not in b"".join(events)
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    moved = [r for r in prefill.requests() if "continuation" in r["body"]]
+    assert len(moved) == 1 and moved[0]["headers"].get("x-pdserve-token-ids") == "1", prefill.requests()
+
+
 def test_stalled_decode_stream_times_out_with_error_event(launch):
     prefill, decode = launch.fake_worker(), launch.fake_worker()
-    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--stream-idle-timeout", "1")
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--stream-idle-timeout", "1",
+                           "--max-migrations", "0")
     decode.control(mode="hang", after=1)
     events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
     assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2]

@@ -82,8 +82,9 @@ class WorkerState:
     def vocab_size(self) -> int:
         return len(self.engine.tokenizer)
 
-    def new_generation(self, request_id, prompts, params, n, kv_transfer_params) -> Generation:
-        return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params)
+    def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continued=None) -> Generation:
+        return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params,
+                          continued)
 
     async def load(self) -> None:
         t0 = time.perf_counter()

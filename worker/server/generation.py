@@ -26,13 +26,15 @@ _END = object()
 class Generation:
     def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
                  prompts: list[list[int]], params: SamplingParams, n: int,
-                 kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None):
+                 kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None,
+                 continued: list[list[int]] | None = None):
+        """`continued[i]`: choice i's output so far on a lost worker (protocol/continuation.py)."""
         self.engine = engine
         self.metrics = metrics
         self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort
         self.request_id = request_id
         self.arrival = time.monotonic()
-        self.jobs: list[tuple[str, list[int], SamplingParams]] = []
+        self.jobs: list[tuple[str, list[int], SamplingParams, list[int]]] = []
         for p, prompt in enumerate(prompts):
             for s in range(n):
                 params_i = params
@@ -41,18 +43,21 @@ class Generation:
                     # within int64, the seeds' range, so the largest seed still has n choices.
                     seed = (params.seed + s - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
                     params_i = dataclasses.replace(params, seed=seed)
-                self.jobs.append((f"{request_id}-{p * n + s}", prompt, params_i))
+                index = p * n + s
+                self.jobs.append((f"{request_id}-{index}", prompt, params_i, continued[index] if continued else []))
         self.kv_transfer_params = kv_transfer_params
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    async def _one(self, rid: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _one(self, rid: str, prompt: list[int], params: SamplingParams,
+                   continued: list[int]) -> AsyncIterator[RequestOutput]:
         self.inflight.add(rid)
         last: float | None = None
         finished = False
         try:
-            gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params)
+            gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params,
+                                       **({"continued": continued} if continued else {}))
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()

@@ -29,6 +29,8 @@ from starlette.responses import StreamingResponse
 from pdserve.protocol.contract import (CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS, token_ids_line
+from pdserve.protocol.continuation import PARAM as CONTINUATION
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
                                           is_remote_decode, wants_remote_decode)
@@ -80,13 +82,48 @@ def kv_transfer_params(params: KVTransferParams | RemoteDecodeRequest | None,
 
 
 def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
-                     kv_params: KVTransferParams | RemoteDecodeRequest | None) -> str:
+                     kv_params: KVTransferParams | RemoteDecodeRequest | None, continued: list[int] = ()) -> str:
     """On a decode worker: the text the prefill worker already returned for the handed-over first
-    token (what its detokenizer released, detokenizer.py); "" for any other request."""
-    if not is_remote_decode(kv_params) or kv_params.first_token_id is None:
+    token (what its detokenizer released, detokenizer.py); for a continuation, the text its
+    continued tokens released on the lost worker; "" for any other request."""
+    if continued:
+        ids = list(continued)
+    elif not is_remote_decode(kv_params) or kv_params.first_token_id is None:
         return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
+    else:
+        ids = [kv_params.first_token_id]
     return IncrementalDetokenizer(tokenizer, prompt, params.stop_strings,
-                                  skip_special_tokens=params.skip_special_tokens).update([kv_params.first_token_id])[0]
+                                  skip_special_tokens=params.skip_special_tokens).update(ids)[0]
+
+
+def continued(body, num_sequences: int, vocab_size: int) -> list[list[int]] | None:
+    """A continuation's token ids per choice (protocol/continuation.py), checked against the
+    request: one list per choice, ids of the vocabulary, streamed, and no other way of starting
+    from given state (a P/D hand-off, echo)."""
+    cont = body.continuation
+    if cont is None:
+        return None
+    if len(cont.token_ids) != num_sequences or num_sequences != 1:
+        raise bad_request(f"{CONTINUATION}.token_ids must hold one list for the one choice of this request "
+                          f"(it has {num_sequences})", CONTINUATION)
+    if body.kv_transfer_params or getattr(body, "echo", False) or not body.stream:
+        raise bad_request(f"{CONTINUATION} continues a stream: it cannot be combined with "
+                          f"{PARAM} or echo", CONTINUATION)
+    for ids in cont.token_ids:
+        check_token_ids(ids, vocab_size, CONTINUATION)
+    return cont.token_ids
+
+
+def reports_token_ids(request: Request) -> bool:
+    """The router asks for each choice's token ids in the stream (protocol/continuation.py)."""
+    return request.headers.get(HEADER_TOKEN_IDS) == "1"
+
+
+def with_token_ids(report: bool, index: int, out: RequestOutput, events: bytes) -> bytes:
+    """One output's SSE `events`, with its new token ids in their first event when `report`."""
+    if not report or not out.new_token_ids:
+        return events
+    return token_ids_line(index, out.new_token_ids) + (events or b"\n")
 
 
 async def off_loop(fn, *args, **kwargs):

@@ -1,0 +1,67 @@
+"""A stream continued on another worker (exact mid-stream migration, router/migration.py).
+
+Two pdserve extensions, both between the router and a worker only (the router strips a client's):
+
+1. `continuation` in a request body: the output token ids each choice already produced on a
+   worker that was lost. The worker prefills prompt + those ids and sets each choice's state as
+   if it had generated them (output count, penalties, min_tokens progress, grammar, detokenizer
+   and its held-back stop tail), then samples on from there; seeded sampling is keyed by (seed,
+   output position), so it draws what the lost worker would have. Their text is never sent
+   again: the continuation's first text continues the text already out.
+
+       {"continuation": {"token_ids": [[ids of choice 0], [ids of choice 1], ...]}}
+
+2. The header `x-pdserve-token-ids: 1` on a streamed request: the worker puts, in the same SSE
+   event as the text they released (an event is delivered whole or not at all), one comment line
+   per choice naming the new token ids since its last such line:
+
+       : token_ids 0 17,4051,11\n
+       data: {...the chunk, unchanged...}\n\n
+
+   An event of only such lines carries ids whose text is still held back. A comment is ignored
+   by any SSE client, but the router removes these lines anyway (`strip_token_ids`), so the
+   client's bytes are the worker's ordinary stream.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PARAM = "continuation"
+HEADER_TOKEN_IDS = "x-pdserve-token-ids"
+_PREFIX = b": token_ids "
+
+
+class Continuation(BaseModel):
+    """`token_ids[i]`: choice i's output so far (choice index = prompt * n + sample)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    token_ids: list[list[int]] = Field(min_length=1)
+
+
+def token_ids_line(index: int, ids: list[int]) -> bytes:
+    return _PREFIX + f"{index} {','.join(map(str, ids))}\n".encode()
+
+
+def strip_token_ids(block: bytes, into: dict[int, list[int]]) -> bytes:
+    """`block` (whole events) without its token-id lines, their ids appended to `into[choice]`.
+    Events without such lines pass through as the same bytes; an event left empty is dropped."""
+    if _PREFIX not in block:
+        return block
+    out = []
+    for ev in block.split(b"\n\n")[:-1]:
+        while ev.startswith(_PREFIX):
+            line, _, ev = ev.partition(b"\n")
+            index, _, ids = line[len(_PREFIX):].partition(b" ")
+            if ids:
+                into.setdefault(int(index), []).extend(int(t) for t in ids.split(b","))
+        if ev:
+            out.append(ev + b"\n\n")
+    return b"".join(out)
+
+
+def continuation_payload(raw: bytes, token_ids: list[list[int]]) -> bytes:
+    """The request's JSON object `raw` with the continuation spliced in (not re-serialised)."""
+    ids = ",".join("[" + ",".join(map(str, t)) + "]" for t in token_ids)
+    return raw[:-1] + f',"{PARAM}":{{"token_ids":[{ids}]}}}}'.encode()

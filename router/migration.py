@@ -1,0 +1,122 @@
+"""Exact mid-stream migration: a stream whose decode worker is lost goes on on another worker.
+
+    relay ◀── events + token-id lines (protocol/continuation.py) ── worker A
+      │ StreamProgress: the token ids whose text the client has, the lines stripped
+      ▼ A resets, ends without [DONE], or stalls past --stream-idle-timeout
+    Migration.move ── the client's request + {"continuation": {"token_ids": [...]}} ──▶ worker B
+      (another decode worker; none left: a prefill worker, which runs the whole engine)
+    relay ◀── B's events: the text after what A released, exactly
+
+B prefills prompt + those ids and replays every piece of state they decide (output count,
+penalties, min_tokens, grammar, the detokenizer's held-back tail); seeded sampling is keyed by
+(seed, output position), so B draws what A would have drawn and the client's whole answer is one
+uninterrupted worker's. At most --max-migrations moves per request; past them, or with no worker
+that takes the continuation, the stream ends with the error event it always did.
+
+What moves: streamed requests of one sequence (n = 1, one prompt), chat or completions, P/D or
+not. The router learns token ids only for them (it asks with `x-pdserve-token-ids`); other
+streams end with the error event as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.protocol.continuation import continuation_payload, strip_token_ids
+from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
+from pdserve.router.call import Call
+from pdserve.router.fallback import RoleFallback
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.upstream import Limits
+from pdserve.router.upstream_call import UpstreamCall
+from pdserve.router.workers import Worker
+
+log = logging.getLogger("pdserve.router")
+
+_FINISHED = b'"finish_reason":"'  # a chunk that ends its choice (workers serialise compactly)
+
+
+@dataclass
+class StreamProgress:
+    """What the client has of one stream: per choice, the ids of the tokens whose text it was sent."""
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    sent_any: bool = False  # an event reached the client (a chat stream's role chunk included)
+    finished: bool = False  # its choice ended (n = 1): nothing is left to move
+    last_sent: float = 0.0  # when the last event went to the client
+
+    @classmethod
+    def after(cls, first_token_id: int | None) -> "StreamProgress":
+        """A hand-off's stream: the prefill's first token is out already."""
+        if first_token_id is None:
+            return cls()
+        return cls({0: [first_token_id]}, sent_any=True, last_sent=time.monotonic())
+
+    def relay(self, block: bytes) -> bytes:
+        """Whole events from the worker as the client gets them: token-id lines out, their ids kept."""
+        block = strip_token_ids(block, self.token_ids)
+        if block:
+            self.sent_any = True
+            self.finished = self.finished or _FINISHED in block
+            self.last_sent = time.monotonic()
+        return block
+
+    def continuation(self) -> list[list[int]]:
+        return [self.token_ids.get(0, [])]
+
+
+class Migration:
+    def __init__(self, fallback: RoleFallback, metrics: RouterMetrics, max_migrations: int):
+        self.fallback = fallback
+        self.metrics = metrics
+        self.max_migrations = max_migrations
+
+    def allowed(self, call: Call) -> bool:
+        """Whether the router tracks this request's tokens (and so may move it)."""
+        return self.max_migrations > 0 and call.stream and call.single_sequence
+
+    def pool(self, call: Call, lost: Worker | None) -> tuple[str, list[Worker]]:
+        """Decode workers but the lost one; none left: the prefill workers (aggregated fallback)."""
+        pools = self.fallback.availability(call.model)
+        for role in (ROLE_DECODE, ROLE_PREFILL):
+            workers = [w for w in pools.pool(role) if w is not lost and (lost is None or w.url != lost.url)]
+            if workers:
+                return role, workers
+        return ROLE_DECODE, []
+
+    async def move(self, call: Call, progress: StreamProgress, lost: Worker | None, cause: str,
+                   open_call, limits: Limits) -> UpstreamCall | None:
+        """A call of the continuation on another worker, its 200 read; None when none took it.
+        `open_call(role, pool)` makes the UpstreamCall (the orchestrator's, with its retries)."""
+        role, pool = self.pool(call, lost)
+        ids = progress.continuation()
+        # Nothing reached the client: the request is sent again as it came.
+        payload = continuation_payload(call.raw, ids) if progress.sent_any else call.raw
+        up: UpstreamCall = open_call(role, pool)
+        response = await up.open(PATHS[call.route], payload, call.headers(), limits)
+        if response is None or response.status != 200:
+            log.warning("stream %s could not move after its worker was %s (%s)", call.request_id, cause,
+                        up.last_reason if response is None else f"answered {response.status}")
+            up.close()
+            return None
+        self.metrics.migrations.labels(cause).inc()
+        self.metrics.migration_reprefilled_tokens.inc(call.prompt_tokens + sum(len(t) for t in ids))
+        log.info("stream %s moved to %r after its worker was %s (%d tokens continued)", call.request_id,
+                 up.worker, cause, sum(len(t) for t in ids))
+        return up
+
+
+def first_token_id(params: dict | None) -> int | None:
+    """The prefill's first token, from its answer's kv_transfer_params."""
+    token = (params or {}).get("first_token_id")
+    return token if isinstance(token, int) else None
+
+
+def lost_cause(error: BaseException) -> str:
+    return "stalled" if isinstance(error, TimeoutError) else "lost"
+
+
+def gap_since(progress: StreamProgress) -> float:
+    return time.monotonic() - progress.last_sent if progress.last_sent else 0.0

@@ -1,0 +1,198 @@
+"""Exact mid-stream migration (router/migration.py, protocol/continuation.py), on real workers.
+
+1. The worker side alone: a stream cut after any of its events and continued on the same kind
+   of worker from the token ids reported so far gives, appended to what was out before the cut,
+   exactly the uninterrupted answer (text, logprobs, finish, usage): greedy, seeded, penalties,
+   min_tokens, a stop string, response_format.
+2. The router: the decode worker serving a stream is SIGKILLed once the client has k tokens;
+   the stream goes on on the other decode worker and the client's whole answer equals the
+   uninterrupted one (direct and P/D over TCP, greedy and seeded, logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS, strip_token_ids
+from tests.helpers.metrics import metric
+from tests.net import free_port
+from tests.router.test_failures import eventually
+from tests.router.test_pd_equality import _close
+from tests.worker.test_server_harness import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--served-model-name", "tiny", "--max-model-len", "512", "--block-size", "4",
+        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1", "--kv-transfer", "tcp")
+ENV = {"PDSERVE_KV_SECRET": "migration-test-shared-secret"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PROMPT = "Tell me a story about a fox and a dog who became friends in the forest."
+
+
+def worker(ckpt, role: str = "decode") -> WorkerProcess:
+    return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-port", str(free_port()), env=ENV).start()
+
+
+@pytest.fixture(scope="module")
+def one_worker(tiny_checkpoint):
+    w = worker(tiny_checkpoint("llama")).wait_ready()
+    yield w
+    w.stop()
+
+
+def events_of(url: str, route: str, body: dict, headers: dict | None = None) -> list[bytes]:
+    with httpx.stream("POST", url + PATHS[route], json={"model": "tiny", **body}, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        raw = b"".join(r.iter_raw())
+    return [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+
+
+def answer(events: list[bytes], route: str) -> dict:
+    """A stream's events as comparable data (no ids, no timestamps)."""
+    text, logprobs, finish, usage, done = "", [], None, None, False
+    for e in events:
+        assert e.startswith(b"data: "), e
+        if e == b"data: [DONE]\n\n":
+            done = True
+            continue
+        chunk = json.loads(e[6:])
+        assert "error" not in chunk, chunk
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            text += (c.get("text") if route == "completions" else c["delta"].get("content")) or ""
+            lp = c.get("logprobs")
+            if lp:
+                logprobs += lp["content"] if route == "chat" else [list(t) for t in zip(
+                    lp["tokens"], lp["token_logprobs"], lp["text_offset"])]
+            finish = c.get("finish_reason") or finish
+    usage = usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage, "done": done}
+
+
+BODIES = [
+    ("completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 2}),
+    ("completions", {"prompt": PROMPT, "max_tokens": 24, "seed": 11, "temperature": 1.0, "presence_penalty": 0.5,
+                     "frequency_penalty": 0.7, "repetition_penalty": 1.3, "min_tokens": 20}),
+    ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 20, "seed": 3, "temperature": 0.9,
+              "logprobs": True, "top_logprobs": 2}),
+    ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 30, "seed": 5,
+              "response_format": {"type": "json_object"}}),
+]
+
+
+@pytest.mark.parametrize("route,body", BODIES, ids=["greedy-logprobs", "seeded-penalties", "chat-seeded-logprobs",
+                                                    "chat-json"])
+def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worker, route, body):
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    want = answer(events_of(one_worker.url, route, body), route)
+    tagged = events_of(one_worker.url, route, body, {HEADER_TOKEN_IDS: "1"})
+    ids: dict[int, list[int]] = {}
+    plain = [strip_token_ids(e, ids) for e in tagged]
+    assert _close(answer([e for e in plain if e], route), want)  # the lines stripped, the same stream
+    assert len(ids[0]) == want["usage"]["completion_tokens"]
+    # Cut after a few events (the stop tail and partial characters held at each), continue.
+    cuts = sorted({1, 3, len(tagged) // 2, len(tagged) - 4})
+    for cut in cuts:
+        seen: dict[int, list[int]] = {}
+        before = [e for e in (strip_token_ids(e, seen) for e in tagged[:cut]) if e]
+        cont = {**body, "continuation": {"token_ids": [seen.get(0, [])]}}
+        rest = events_of(one_worker.url, route, cont)
+        got = answer(before + rest, route)
+        assert _close(got, want), f"cut after event {cut} ({len(seen.get(0, []))} tokens)\n{got}\n{want}"
+
+
+def test_a_continuation_is_checked(one_worker):
+    base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    for cont, why in (({"token_ids": [[1], [2]]}, "one list"), ({"token_ids": [[10 ** 9]]}, "vocabulary")):
+        r = httpx.post(one_worker.url + "/v1/completions", json={**base, "continuation": cont}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continuation", (why, r.text)
+    r = httpx.post(one_worker.url + "/v1/completions", json={**base, "stream": False,
+                                                              "continuation": {"token_ids": [[1]]}}, timeout=30)
+    assert r.status_code == 400
+
+
+# ---- the router: a decode worker killed mid-stream ---------------------------------------------
+
+def serving(workers: list[WorkerProcess]) -> WorkerProcess:
+    """The worker running a request now (its engine's running count)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for w in workers:
+            if httpx.get(w.url + "/debug/kv", timeout=5).json()["num_running"] > 0:
+                return w
+        time.sleep(0.01)
+    raise AssertionError("no worker is running the request")
+
+
+def stream_killing(router_url: str, route: str, body: dict, workers: list[WorkerProcess], after: int) -> list[bytes]:
+    """The router's stream; once `after` events with text are in, the worker serving it is SIGKILLed."""
+    out, texts, killed = [], 0, None
+    with httpx.stream("POST", router_url + PATHS[route], json={"model": "tiny", **body}, timeout=120) as r:
+        assert r.status_code == 200
+        buf = b""
+        for data in r.iter_raw():
+            buf += data
+            *whole, buf = buf.split(b"\n\n")
+            for e in whole:
+                out.append(e + b"\n\n")
+                texts += b'"text":"' in e or b'"content":"' in e
+            if killed is None and texts >= after:
+                killed = serving(workers)
+                killed.proc.send_signal(signal.SIGKILL)
+                killed.proc.wait()
+    assert killed is not None
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_checkpoint, module_launch):
+    """A prefill worker and two decode workers; a killed one is started again by the test."""
+    ckpt = tiny_checkpoint("llama")
+    ws = {"prefill": worker(ckpt, "prefill"), "d0": worker(ckpt), "d1": worker(ckpt)}
+    for w in ws.values():
+        w.wait_ready()
+    yield ckpt, ws, module_launch
+    for w in ws.values():
+        w.stop()
+
+
+def _idle(w: WorkerProcess) -> bool:
+    kv = httpx.get(w.url + "/debug/kv", timeout=5).json()
+    return kv["num_pinned_blocks"] == 0 and kv["num_running"] == 0 and kv["num_waiting"] == 0
+
+
+def revive(pool_, decode: list[WorkerProcess]) -> None:
+    for w in decode:
+        if w.proc.poll() is not None:
+            w.start().wait_ready()
+
+
+@pytest.mark.parametrize("pd", [False, True], ids=["direct", "pd-tcp"])
+@pytest.mark.parametrize("route,body", [
+    ("completions", {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "logprobs": 1}),
+    ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120, "seed": 9, "temperature": 1.0,
+              "ignore_eos": True, "logprobs": True, "top_logprobs": 1}),
+], ids=["greedy", "seeded"])
+def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pool, route, body, pd):
+    ckpt, ws, launch = pool
+    decode = [ws["d0"], ws["d1"]]
+    revive(pool, decode)
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    want = answer(events_of(decode[0].url, route, body), route)
+    args = ("--prefill", ws["prefill"].url) if pd else ()
+    router = launch.router(*args, "--decode", decode[0].url, "--decode", decode[1].url, "--pd-min-prompt-tokens", "1")
+    got = answer(stream_killing(router.url, route, body, decode, after=4), route)
+    assert _close(got, want), f"\n{got}\n{want}"
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    assert metric(router, "pdserve_router_migration_gap_seconds_count") == 1
+    assert metric(router, "pdserve_router_requests_total", disaggregated="yes" if pd else "no") == 1
+    # Nothing is held anywhere: the surviving workers' blocks all free again, no pin left.
+    for w in [ws["prefill"], *decode]:
+        if w.proc.poll() is None:
+            eventually(lambda: _idle(w))
+    router.stop()
