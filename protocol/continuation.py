@@ -9,7 +9,9 @@ Two pdserve extensions, both between the router and a worker only (the router st
    output position), so it draws what the lost worker would have. Their text is never sent
    again: the continuation's first text continues the text already out.
 
-       {"continuation": {"token_ids": [[ids of choice 0], [ids of choice 1], ...]}}
+       {"continuation": {"token_ids": [[ids of choice 0], [ids of choice 1], ...], "finished": [1]}}
+
+   `finished`: the choices whose finish the client has: not generated again.
 
 2. The header `x-pdserve-token-ids: 1` on a streamed request: the worker puts, in the same SSE
    event as the text they released (an event is delivered whole or not at all), one comment line
@@ -38,6 +40,7 @@ class Continuation(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     token_ids: list[list[int]] = Field(min_length=1)
+    finished: list[int] = []  # choices that ended already: not generated again (their ids count in usage)
 
 
 def token_ids_line(index: int, ids: list[int]) -> bytes:
@@ -61,7 +64,8 @@ def strip_token_ids(block: bytes, into: dict[int, list[int]]) -> bytes:
     return b"".join(out)
 
 
-def continuation_payload(raw: bytes, token_ids: list[list[int]]) -> bytes:
+def continuation_payload(raw: bytes, token_ids: list[list[int]], finished: list[int] = ()) -> bytes:
     """The request's JSON object `raw` with the continuation spliced in (not re-serialised)."""
     ids = ",".join("[" + ",".join(map(str, t)) + "]" for t in token_ids)
-    return raw[:-1] + f',"{PARAM}":{{"token_ids":[{ids}]}}}}'.encode()
+    ended = ",".join(map(str, finished))
+    return raw[:-1] + f',"{PARAM}":{{"token_ids":[{ids}],"finished":[{ended}]}}}}'.encode()

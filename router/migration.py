@@ -2,7 +2,7 @@
 
     relay ◀── events + token-id lines (protocol/continuation.py) ── worker A
       │ StreamProgress: the token ids whose text the client has, the lines stripped
-      ▼ A resets, ends without [DONE], or stalls past --stream-idle-timeout
+      ▼ A resets, ends without [DONE], stalls past --stream-idle-timeout, or ends it aborted (drained)
     Migration.move ── the client's request + {"continuation": {"token_ids": [...]}} ──▶ worker B
       (another decode worker; none left: a prefill worker, which runs the whole engine)
     relay ◀── B's events: the text after what A released, exactly
@@ -13,19 +13,21 @@ penalties, min_tokens, grammar, the detokenizer's held-back tail); seeded sampli
 uninterrupted worker's. At most --max-migrations moves per request; past them, or with no worker
 that takes the continuation, the stream ends with the error event it always did.
 
-What moves: streamed requests of one sequence (n = 1, one prompt), chat or completions, P/D or
-not. The router learns token ids only for them (it asks with `x-pdserve-token-ids`); other
-streams end with the error event as before.
+What moves: streamed chat and completions requests, P/D or not, any n and prompt list (each
+choice's ids are tracked; the ones that ended are not generated again), except completions' echo.
+The router learns token ids only for them (it asks with `x-pdserve-token-ids`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
 from pdserve.protocol.continuation import continuation_payload, strip_token_ids
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.call import Call
 from pdserve.router.fallback import RoleFallback
 from pdserve.router.metrics import RouterMetrics
@@ -36,35 +38,67 @@ from pdserve.router.workers import Worker
 log = logging.getLogger("pdserve.router")
 
 _FINISHED = b'"finish_reason":"'  # a chunk that ends its choice (workers serialise compactly)
+# A worker ends a stream aborted only when it gives up on it with the client still there: a
+# drain's grace ran out (SIGTERM) or its engine stopped. The stream moves instead.
+_ABORTED = b'"finish_reason":"abort"'
+
+
+class WorkerDrained(Exception):
+    """The worker ended the stream aborted (migration.py's `_ABORTED`)."""
 
 
 @dataclass
 class StreamProgress:
     """What the client has of one stream: per choice, the ids of the tokens whose text it was sent."""
 
+    num_choices: int = 1  # prompts x n, indexed prompt * n + sample
     token_ids: dict[int, list[int]] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)  # choices whose finish was relayed
     sent_any: bool = False  # an event reached the client (a chat stream's role chunk included)
-    finished: bool = False  # its choice ended (n = 1): nothing is left to move
+    drained: bool = False  # the worker ended it aborted: what came before is relayed, the rest moves
     last_sent: float = 0.0  # when the last event went to the client
 
     @classmethod
     def after(cls, first_token_id: int | None) -> "StreamProgress":
-        """A hand-off's stream: the prefill's first token is out already."""
+        """A hand-off's stream (one choice): the prefill's first token is out already."""
         if first_token_id is None:
             return cls()
-        return cls({0: [first_token_id]}, sent_any=True, last_sent=time.monotonic())
+        return cls(1, {0: [first_token_id]}, sent_any=True, last_sent=time.monotonic())
+
+    @property
+    def finished(self) -> bool:
+        """Every choice's finish is out: nothing is left to move."""
+        return len(self.ended) >= self.num_choices
 
     def relay(self, block: bytes) -> bytes:
         """Whole events from the worker as the client gets them: token-id lines out, their ids kept."""
+        if _ABORTED in block:  # the events before the abort go out; the abort and what follows do not
+            self.drained = True
+            cut = block.rfind(b"\n\n", 0, block.index(_ABORTED))
+            block = block[:cut + 2] if cut >= 0 else b""
         block = strip_token_ids(block, self.token_ids)
         if block:
             self.sent_any = True
-            self.finished = self.finished or _FINISHED in block
             self.last_sent = time.monotonic()
+            if _FINISHED in block:
+                self.ended.update(_finished_choices(block))
         return block
 
-    def continuation(self) -> list[list[int]]:
-        return [self.token_ids.get(0, [])]
+    def continuation(self) -> tuple[list[list[int]], list[int]]:
+        """Each choice's token ids so far, and the choices that ended."""
+        return [self.token_ids.get(i, []) for i in range(self.num_choices)], sorted(self.ended)
+
+
+def _finished_choices(block: bytes) -> list[int]:
+    """The indexes of the choices a block's events finish (parsed: once per choice per stream)."""
+    out = []
+    for ev in block.split(b"\n\n"):
+        if _FINISHED in ev and ev.startswith(b"data: {"):
+            try:
+                out += [c["index"] for c in json.loads(ev[6:]).get("choices") or () if c.get("finish_reason")]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+    return out
 
 
 class Migration:
@@ -74,8 +108,15 @@ class Migration:
         self.max_migrations = max_migrations
 
     def allowed(self, call: Call) -> bool:
-        """Whether the router tracks this request's tokens (and so may move it)."""
-        return self.max_migrations > 0 and call.stream and call.single_sequence
+        """Whether the router tracks this request's tokens (and so may move it): streams, except
+        completions' echo (the prompt is part of each choice's text)."""
+        return self.max_migrations > 0 and call.stream and not getattr(call.request, "echo", False)
+
+    @staticmethod
+    def progress(call: Call) -> StreamProgress:
+        r = call.request
+        prompts = len(r.prompts()) if isinstance(r, CompletionRequest) else 1
+        return StreamProgress(prompts * r.n)
 
     def pool(self, call: Call, lost: Worker | None) -> tuple[str, list[Worker]]:
         """Decode workers but the lost one; none left: the prefill workers (aggregated fallback)."""
@@ -91,9 +132,9 @@ class Migration:
         """A call of the continuation on another worker, its 200 read; None when none took it.
         `open_call(role, pool)` makes the UpstreamCall (the orchestrator's, with its retries)."""
         role, pool = self.pool(call, lost)
-        ids = progress.continuation()
+        ids, ended = progress.continuation()
         # Nothing reached the client: the request is sent again as it came.
-        payload = continuation_payload(call.raw, ids) if progress.sent_any else call.raw
+        payload = continuation_payload(call.raw, ids, ended) if progress.sent_any else call.raw
         up: UpstreamCall = open_call(role, pool)
         response = await up.open(PATHS[call.route], payload, call.headers(), limits)
         if response is None or response.status != 200:
@@ -115,6 +156,8 @@ def first_token_id(params: dict | None) -> int | None:
 
 
 def lost_cause(error: BaseException) -> str:
+    if isinstance(error, WorkerDrained):
+        return "drained"
     return "stalled" if isinstance(error, TimeoutError) else "lost"
 
 

@@ -35,7 +35,7 @@ from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
-from pdserve.router.migration import Migration, StreamProgress, lost_cause
+from pdserve.router.migration import Migration, StreamProgress, WorkerDrained, lost_cause
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
@@ -301,7 +301,7 @@ class Orchestrator:
         """Pass the decode worker's SSE through in whole events. A break (or a stall) moves the
         stream to another worker while migrations are left (migration.py); else it becomes one
         error event."""
-        progress = progress or StreamProgress()
+        progress = progress or self.migration.progress(call)
         first, moves, moved_at = True, 0, None
         try:
             while True:
@@ -312,6 +312,8 @@ class Orchestrator:
                         if call.tracks_tokens and out:
                             out = progress.relay(out)
                         if not out:
+                            if progress.drained:
+                                raise WorkerDrained()
                             continue
                         if first:
                             first = False
@@ -325,13 +327,16 @@ class Orchestrator:
                             moved_at = None
                         if out:
                             yield out
+                        if progress.drained:
+                            raise WorkerDrained()
                     if not framer.done:
                         raise StreamBroken("stream ended without [DONE]")
                     up.succeeded()
                     return
-                except UPSTREAM_ERRORS as e:
-                    up.failed(repr(e), "decode-stream")
+                except (*UPSTREAM_ERRORS, WorkerDrained) as e:
                     cause = lost_cause(e)
+                    if cause != "drained":  # a drained worker is going away, not failing
+                        up.failed(repr(e), "decode-stream")
                     if call.tracks_tokens and progress.finished:
                         yield DONE  # its last token and finish are out: only [DONE] was lost
                         return
@@ -347,6 +352,7 @@ class Orchestrator:
                                        code="upstream_failed").sse_event()
                         return
                     moves, up, moved_at = moves + 1, moved, failed_at
+                    progress.drained = False
                     # A continuation opens with no role chunk; a whole resend (nothing was out) with one.
                     first_event_is_role = first_event_is_role and first
         finally:

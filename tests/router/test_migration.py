@@ -35,7 +35,8 @@ PROMPT = "Tell me a story about a fox and a dog who became friends in the forest
 
 
 def worker(ckpt, role: str = "decode") -> WorkerProcess:
-    return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-port", str(free_port()), env=ENV).start()
+    return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-port", str(free_port()), "--shutdown-grace", "0",
+                         env=ENV).start()
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,9 @@ def events_of(url: str, route: str, body: dict, headers: dict | None = None) -> 
 
 
 def answer(events: list[bytes], route: str) -> dict:
-    """A stream's events as comparable data (no ids, no timestamps)."""
-    text, logprobs, finish, usage, done = "", [], None, None, False
+    """A stream's events as comparable data, per choice (no ids, no timestamps)."""
+    choices: dict[int, dict] = {}
+    usage, done = None, False
     for e in events:
         assert e.startswith(b"data: "), e
         if e == b"data: [DONE]\n\n":
@@ -64,14 +66,15 @@ def answer(events: list[bytes], route: str) -> dict:
         assert "error" not in chunk, chunk
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
-            text += (c.get("text") if route == "completions" else c["delta"].get("content")) or ""
+            slot = choices.setdefault(c["index"], {"text": "", "logprobs": [], "finish": None})
+            slot["text"] += (c.get("text") if route == "completions" else c["delta"].get("content")) or ""
             lp = c.get("logprobs")
             if lp:
-                logprobs += lp["content"] if route == "chat" else [list(t) for t in zip(
+                slot["logprobs"] += lp["content"] if route == "chat" else [list(t) for t in zip(
                     lp["tokens"], lp["token_logprobs"], lp["text_offset"])]
-            finish = c.get("finish_reason") or finish
+            slot["finish"] = c.get("finish_reason") or slot["finish"]
     usage = usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage, "done": done}
+    return {"choices": choices, "usage": usage, "done": done}
 
 
 BODIES = [
@@ -82,11 +85,14 @@ BODIES = [
               "logprobs": True, "top_logprobs": 2}),
     ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 30, "seed": 5,
               "response_format": {"type": "json_object"}}),
+    # Choices of several lengths (some end before the cut, and are not generated again).
+    ("completions", {"prompt": [PROMPT, "Hello"], "n": 2, "seed": 4, "max_tokens": 16, "logprobs": 0,
+                     "stop": [" a", "e"]}),
 ]
 
 
 @pytest.mark.parametrize("route,body", BODIES, ids=["greedy-logprobs", "seeded-penalties", "chat-seeded-logprobs",
-                                                    "chat-json"])
+                                                    "chat-json", "n2-prompts2-stops"])
 def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worker, route, body):
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     want = answer(events_of(one_worker.url, route, body), route)
@@ -94,21 +100,28 @@ def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worke
     ids: dict[int, list[int]] = {}
     plain = [strip_token_ids(e, ids) for e in tagged]
     assert _close(answer([e for e in plain if e], route), want)  # the lines stripped, the same stream
-    assert len(ids[0]) == want["usage"]["completion_tokens"]
+    assert sum(map(len, ids.values())) == want["usage"]["completion_tokens"]
+    num = len(want["choices"])
     # Cut after a few events (the stop tail and partial characters held at each), continue.
     cuts = sorted({1, 3, len(tagged) // 2, len(tagged) - 4})
+    moved_ended = []
     for cut in cuts:
         seen: dict[int, list[int]] = {}
         before = [e for e in (strip_token_ids(e, seen) for e in tagged[:cut]) if e]
-        cont = {**body, "continuation": {"token_ids": [seen.get(0, [])]}}
+        ended = answer(before, route)["choices"]
+        cont = {**body, "continuation": {"token_ids": [seen.get(i, []) for i in range(num)],
+                                         "finished": [i for i, c in ended.items() if c["finish"]]}}
+        moved_ended.append(len(cont["continuation"]["finished"]))
         rest = events_of(one_worker.url, route, cont)
         got = answer(before + rest, route)
-        assert _close(got, want), f"cut after event {cut} ({len(seen.get(0, []))} tokens)\n{got}\n{want}"
+        assert _close(got, want), f"cut after event {cut} ({seen})\n{got}\n{want}"
+    assert num == 1 or 0 < max(moved_ended) < num  # some cut moved a stream with a choice already ended
 
 
 def test_a_continuation_is_checked(one_worker):
     base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
-    for cont, why in (({"token_ids": [[1], [2]]}, "one list"), ({"token_ids": [[10 ** 9]]}, "vocabulary")):
+    for cont, why in (({"token_ids": [[1], [2]]}, "one list"), ({"token_ids": [[10 ** 9]]}, "vocabulary"),
+                      ({"token_ids": [[1]], "finished": [0]}, "nothing left")):
         r = httpx.post(one_worker.url + "/v1/completions", json={**base, "continuation": cont}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continuation", (why, r.text)
     r = httpx.post(one_worker.url + "/v1/completions", json={**base, "stream": False,
@@ -129,8 +142,10 @@ def serving(workers: list[WorkerProcess]) -> WorkerProcess:
     raise AssertionError("no worker is running the request")
 
 
-def stream_killing(router_url: str, route: str, body: dict, workers: list[WorkerProcess], after: int) -> list[bytes]:
-    """The router's stream; once `after` events with text are in, the worker serving it is SIGKILLed."""
+def stream_killing(router_url: str, route: str, body: dict, workers: list[WorkerProcess], after: int,
+                   sig: int = signal.SIGKILL) -> list[bytes]:
+    """The router's stream; once `after` events with text are in, the worker serving it gets `sig`
+    (SIGTERM: drained, its in-flight requests aborted at once: --shutdown-grace 0)."""
     out, texts, killed = [], 0, None
     with httpx.stream("POST", router_url + PATHS[route], json={"model": "tiny", **body}, timeout=120) as r:
         assert r.status_code == 200
@@ -143,9 +158,9 @@ def stream_killing(router_url: str, route: str, body: dict, workers: list[Worker
                 texts += b'"text":"' in e or b'"content":"' in e
             if killed is None and texts >= after:
                 killed = serving(workers)
-                killed.proc.send_signal(signal.SIGKILL)
-                killed.proc.wait()
+                killed.proc.send_signal(sig)
     assert killed is not None
+    killed.proc.wait(60)
     return out
 
 
@@ -172,13 +187,19 @@ def revive(pool_, decode: list[WorkerProcess]) -> None:
             w.start().wait_ready()
 
 
-@pytest.mark.parametrize("pd", [False, True], ids=["direct", "pd-tcp"])
-@pytest.mark.parametrize("route,body", [
-    ("completions", {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "logprobs": 1}),
-    ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120, "seed": 9, "temperature": 1.0,
-              "ignore_eos": True, "logprobs": True, "top_logprobs": 1}),
-], ids=["greedy", "seeded"])
-def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pool, route, body, pd):
+GREEDY = ("completions", {"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+SEEDED = ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120, "seed": 9, "temperature": 1.0,
+                   "ignore_eos": True, "logprobs": True, "top_logprobs": 1, "stop": ["zz"]})
+
+
+@pytest.mark.parametrize("route,body,pd,sig", [
+    (*GREEDY, False, signal.SIGKILL), (*GREEDY, True, signal.SIGKILL),
+    (*SEEDED, False, signal.SIGKILL), (*SEEDED, True, signal.SIGKILL),
+    (*GREEDY, False, signal.SIGTERM),
+    ("completions", {"prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 100, "seed": 2, "ignore_eos": True}, False,
+     signal.SIGKILL),
+], ids=["greedy-direct", "greedy-pd-tcp", "seeded-direct", "seeded-pd-tcp", "greedy-drained", "n2-prompts2"])
+def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pool, route, body, pd, sig):
     ckpt, ws, launch = pool
     decode = [ws["d0"], ws["d1"]]
     revive(pool, decode)
@@ -186,11 +207,12 @@ def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pool, route
     want = answer(events_of(decode[0].url, route, body), route)
     args = ("--prefill", ws["prefill"].url) if pd else ()
     router = launch.router(*args, "--decode", decode[0].url, "--decode", decode[1].url, "--pd-min-prompt-tokens", "1")
-    got = answer(stream_killing(router.url, route, body, decode, after=4), route)
+    got = answer(stream_killing(router.url, route, body, decode, after=4, sig=sig), route)
     assert _close(got, want), f"\n{got}\n{want}"
-    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    cause = "drained" if sig == signal.SIGTERM else "lost"
+    assert metric(router, "pdserve_router_migrations_total", cause=cause) == 1
     assert metric(router, "pdserve_router_migration_gap_seconds_count") == 1
-    assert metric(router, "pdserve_router_requests_total", disaggregated="yes" if pd else "no") == 1
+    assert metric(router, "pdserve_router_requests_total", status="200", disaggregated="yes" if pd else "no") == 1
     # Nothing is held anywhere: the surviving workers' blocks all free again, no pin left.
     for w in [ws["prefill"], *decode]:
         if w.proc.poll() is None:

@@ -85,9 +85,10 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     if body.stream:
         # A continuation's text so far went out from the lost worker: its tool-call parser state is
         # rebuilt from it, and no role chunk opens the rest.
-        sent = [serving.handed_over_text(state.tokenizer, prompt, params, None, ids) for ids in continued or ()]
+        sent = [serving.handed_over_text(state.tokenizer, prompt, params, None, ids)
+                for ids in (continued[0] if continued else ())]
         return SSEResponse(_stream(state, body, prompt, base, first, events, tools, sent,
-                                   serving.reports_token_ids(request)))
+                                   serving.reports_token_ids(request), continued))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
         messages = [complete_reply(tools, "".join(c.text)) for c in choices]
@@ -108,8 +109,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,
-                  tools: ToolPlan = ToolPlan(), sent: list[str] = (), report_ids: bool = False) -> AsyncIterator[bytes]:
-    choices = [serving.ChoiceState() for _ in range(body.n)]
+                  tools: ToolPlan = ToolPlan(), sent: list[str] = (), report_ids: bool = False,
+                  continued=None) -> AsyncIterator[bytes]:
+    choices = serving.continued_choices([serving.ChoiceState() for _ in range(body.n)], continued)
     calls = [StreamedCalls(tools) for _ in range(body.n)]
     for parser, text in zip(calls, sent):
         parser.feed(text, False)

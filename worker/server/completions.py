@@ -62,9 +62,13 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     base = {"id": serving.response_id(request, "cmpl", rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         # Logprob text offsets continue after the first token's text a prefill worker returned.
-        offset = serving.handed_over_text(tok, prompts[0], params, kv_params, continued[0] if continued else ())
-        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), len(offset), echoer,
-                                   serving.reports_token_ids(request)))
+        if continued:  # each choice's text on the lost worker
+            offsets = [len(serving.handed_over_text(tok, prompts[i // body.n], params, None, ids))
+                       for i, ids in enumerate(continued[0])]
+        else:
+            offsets = [len(serving.handed_over_text(tok, prompts[0], params, kv_params))] * len(gen)
+        return SSEResponse(_stream(state, body, prompts, base, first, events, offsets, echoer,
+                                   serving.reports_token_ids(request), continued))
 
     def answer(choices: list[serving.ChoiceState]) -> CompletionResponse:
         out = CompletionResponse(**base, choices=[
@@ -89,10 +93,11 @@ async def create_completion(state, request: Request, body: CompletionRequest):
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
-                  num_choices: int, text_offset: int = 0, echoer: echo.Echo | None = None,
-                  report_ids: bool = False) -> AsyncIterator[bytes]:
-    choices = [serving.ChoiceState() for _ in range(num_choices)]
-    text_len = [text_offset] * num_choices
+                  text_offsets: list[int], echoer: echo.Echo | None = None, report_ids: bool = False,
+                  continued=None) -> AsyncIterator[bytes]:
+    """`text_offsets`: per choice, the length of its text another worker sent (logprob offsets)."""
+    choices = serving.continued_choices([serving.ChoiceState() for _ in text_offsets], continued)
+    text_len = list(text_offsets)
 
     def chunk(i: int, out) -> bytes:
         return serving.with_token_ids(report_ids, i, out, text_chunk(i, out))

@@ -96,22 +96,32 @@ def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
                                   skip_special_tokens=params.skip_special_tokens).update(ids)[0]
 
 
-def continued(body, num_sequences: int, vocab_size: int) -> list[list[int]] | None:
-    """A continuation's token ids per choice (protocol/continuation.py), checked against the
-    request: one list per choice, ids of the vocabulary, streamed, and no other way of starting
-    from given state (a P/D hand-off, echo)."""
+def continued(body, num_sequences: int, vocab_size: int) -> tuple[list[list[int]], frozenset[int]] | None:
+    """A continuation's token ids per choice and the choices that ended (protocol/continuation.py),
+    checked against the request: one list per choice, ids of the vocabulary, streamed, and no
+    other way of starting from given state (a P/D hand-off, echo)."""
     cont = body.continuation
     if cont is None:
         return None
-    if len(cont.token_ids) != num_sequences or num_sequences != 1:
-        raise bad_request(f"{CONTINUATION}.token_ids must hold one list for the one choice of this request "
-                          f"(it has {num_sequences})", CONTINUATION)
+    if len(cont.token_ids) != num_sequences or not all(0 <= i < num_sequences for i in cont.finished) \
+            or len(set(cont.finished)) == num_sequences:
+        raise bad_request(f"{CONTINUATION}.token_ids must hold one list per choice of this request "
+                          f"({num_sequences}), and finished some of their indexes, not all", CONTINUATION)
     if body.kv_transfer_params or getattr(body, "echo", False) or not body.stream:
         raise bad_request(f"{CONTINUATION} continues a stream: it cannot be combined with "
                           f"{PARAM} or echo", CONTINUATION)
     for ids in cont.token_ids:
         check_token_ids(ids, vocab_size, CONTINUATION)
-    return cont.token_ids
+    return cont.token_ids, frozenset(cont.finished)
+
+
+def continued_choices(choices: list[ChoiceState], continuation) -> list[ChoiceState]:
+    """A continuation's choices that ended on the lost worker count their tokens in usage."""
+    if continuation is not None:
+        ids, finished = continuation
+        for i in finished:
+            choices[i].num_tokens = len(ids[i])
+    return choices
 
 
 def reports_token_ids(request: Request) -> bool:
