@@ -28,15 +28,15 @@ from tests.worker.test_server_harness import WorkerProcess
 pytestmark = pytest.mark.slow
 
 ARGS = ("--served-model-name", "tiny", "--max-model-len", "512", "--block-size", "4",
-        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1", "--kv-transfer", "tcp")
+        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1")
 ENV = {"PDSERVE_KV_SECRET": "migration-test-shared-secret"}
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 PROMPT = "Tell me a story about a fox and a dog who became friends in the forest."
 
 
-def worker(ckpt, role: str = "decode") -> WorkerProcess:
-    return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-port", str(free_port()), "--shutdown-grace", "0",
-                         env=ENV).start()
+def worker(ckpt, role: str = "decode", transport: str = "tcp") -> WorkerProcess:
+    return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport, "--kv-port", str(free_port()),
+                         "--shutdown-grace", "0", env=ENV).start()
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +165,23 @@ def stream_killing(router_url: str, route: str, body: dict, workers: list[Worker
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_checkpoint, module_launch):
-    """A prefill worker and two decode workers; a killed one is started again by the test."""
-    ckpt = tiny_checkpoint("llama")
-    ws = {"prefill": worker(ckpt, "prefill"), "d0": worker(ckpt), "d1": worker(ckpt)}
-    for w in ws.values():
-        w.wait_ready()
-    yield ckpt, ws, module_launch
-    for w in ws.values():
-        w.stop()
+def pools(tiny_checkpoint, module_launch):
+    """Per KV transport, a prefill worker and two decode workers, started on first use; a killed
+    one is started again by the next test."""
+    ckpt, made = tiny_checkpoint("llama"), {}
+
+    def get(transport: str) -> dict[str, WorkerProcess]:
+        if transport not in made:
+            made[transport] = {name: worker(ckpt, role, transport)
+                               for name, role in (("prefill", "prefill"), ("d0", "decode"), ("d1", "decode"))}
+            for w in made[transport].values():
+                w.wait_ready()
+        return made[transport]
+
+    yield get, module_launch
+    for ws in made.values():
+        for w in ws.values():
+            w.stop()
 
 
 def _idle(w: WorkerProcess) -> bool:
@@ -181,7 +189,7 @@ def _idle(w: WorkerProcess) -> bool:
     return kv["num_pinned_blocks"] == 0 and kv["num_running"] == 0 and kv["num_waiting"] == 0
 
 
-def revive(pool_, decode: list[WorkerProcess]) -> None:
+def revive(decode: list[WorkerProcess]) -> None:
     for w in decode:
         if w.proc.poll() is not None:
             w.start().wait_ready()
@@ -193,16 +201,19 @@ SEEDED = ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_token
 
 
 @pytest.mark.parametrize("route,body,pd,sig", [
-    (*GREEDY, False, signal.SIGKILL), (*GREEDY, True, signal.SIGKILL),
-    (*SEEDED, False, signal.SIGKILL), (*SEEDED, True, signal.SIGKILL),
-    (*GREEDY, False, signal.SIGTERM),
-    ("completions", {"prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 100, "seed": 2, "ignore_eos": True}, False,
+    (*GREEDY, None, signal.SIGKILL), (*GREEDY, "tcp", signal.SIGKILL),
+    (*SEEDED, None, signal.SIGKILL), (*SEEDED, "tcp", signal.SIGKILL), (*SEEDED, "nixl", signal.SIGKILL),
+    (*GREEDY, None, signal.SIGTERM),
+    ("completions", {"prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 100, "seed": 2, "ignore_eos": True}, None,
      signal.SIGKILL),
-], ids=["greedy-direct", "greedy-pd-tcp", "seeded-direct", "seeded-pd-tcp", "greedy-drained", "n2-prompts2"])
-def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pool, route, body, pd, sig):
-    ckpt, ws, launch = pool
+], ids=["greedy-direct", "greedy-pd-tcp", "seeded-direct", "seeded-pd-tcp", "seeded-pd-nixl", "greedy-drained",
+        "n2-prompts2"])
+def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pools, route, body, pd, sig):
+    """`pd`: the KV transport of a P/D request (None: served whole by a decode worker)."""
+    get, launch = pools
+    ws = get(pd or "tcp")
     decode = [ws["d0"], ws["d1"]]
-    revive(pool, decode)
+    revive(decode)
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     want = answer(events_of(decode[0].url, route, body), route)
     args = ("--prefill", ws["prefill"].url) if pd else ()
