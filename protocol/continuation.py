@@ -13,16 +13,19 @@ Two pdserve extensions, both between the router and a worker only (the router st
 
    `finished`: the choices whose finish the client has: not generated again.
 
-2. The header `x-pdserve-token-ids: 1` on a streamed request: the worker puts, in the same SSE
-   event as the text they released (an event is delivered whole or not at all), one comment line
-   per choice naming the new token ids since its last such line:
+2. The header `x-pdserve-token-ids: 1` on a streamed request: after the events of each engine
+   output (one write), the worker sends one comment event naming that output's new token ids
+   (none, for an output without tokens):
 
-       : token_ids 0 17,4051,11\n
-       data: {...the chunk, unchanged...}\n\n
+       data: {...a chunk, unchanged...}\n\n
+       data: {...the next chunk of the same output...}\n\n
+       : token_ids 0 17,4051,11\n\n
 
-   An event of only such lines carries ids whose text is still held back. A comment is ignored
-   by any SSE client, but the router removes these lines anyway (`strip_token_ids`), so the
-   client's bytes are the worker's ordinary stream.
+   The comment closes the group: a reader that relays events only up to the last such comment
+   (`group_end`) has relayed an output's events all or none, and knows the ids of exactly the
+   tokens whose text it relayed, even if the connection breaks between two of them. A comment is
+   ignored by any SSE client, but the router removes these events anyway (`strip_token_ids`), so
+   the client's bytes are the worker's ordinary stream.
 """
 
 from __future__ import annotations
@@ -43,13 +46,20 @@ class Continuation(BaseModel):
     finished: list[int] = []  # choices that ended already: not generated again (their ids count in usage)
 
 
-def token_ids_line(index: int, ids: list[int]) -> bytes:
-    return _PREFIX + f"{index} {','.join(map(str, ids))}\n".encode()
+def token_ids_event(index: int, ids: list[int]) -> bytes:
+    return _PREFIX + f"{index} {','.join(map(str, ids))}\n\n".encode()
+
+
+def group_end(block: bytes) -> int:
+    """Where the last complete output group of `block` (whole events) ends: 0 if none has."""
+    at = block.rfind(b"\n\n" + _PREFIX)
+    start = at + 2 if at >= 0 else (0 if block.startswith(_PREFIX) else -1)
+    return 0 if start < 0 else block.index(b"\n\n", start) + 2
 
 
 def strip_token_ids(block: bytes, into: dict[int, list[int]]) -> bytes:
-    """`block` (whole events) without its token-id lines, their ids appended to `into[choice]`.
-    Events without such lines pass through as the same bytes; an event left empty is dropped."""
+    """`block` (whole events) without its token-id events, their ids appended to `into[choice]`.
+    Other events pass through as the same bytes."""
     if _PREFIX not in block:
         return block
     out = []

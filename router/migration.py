@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pdserve.protocol.continuation import continuation_payload, strip_token_ids
+from pdserve.protocol.continuation import continuation_payload, group_end, strip_token_ids
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.call import Call
@@ -57,6 +57,7 @@ class StreamProgress:
     sent_any: bool = False  # an event reached the client (a chat stream's role chunk included)
     drained: bool = False  # the worker ended it aborted: what came before is relayed, the rest moves
     last_sent: float = 0.0  # when the last event went to the client
+    _pending: bytes = b""  # events of an output group not yet closed
 
     @classmethod
     def after(cls, first_token_id: int | None) -> "StreamProgress":
@@ -71,18 +72,34 @@ class StreamProgress:
         return len(self.ended) >= self.num_choices
 
     def relay(self, block: bytes) -> bytes:
-        """Whole events from the worker as the client gets them: token-id lines out, their ids kept."""
+        """Whole events from the worker as the client gets them: only whole output groups (each
+        closed by its token-id event, protocol/continuation.py), those events out, their ids kept.
+        The rest waits for its group's end, or for the stream's (`flush`)."""
+        self._pending += block
+        end = group_end(self._pending)
+        block, self._pending = self._pending[:end], self._pending[end:]
         if _ABORTED in block:  # the events before the abort go out; the abort and what follows do not
             self.drained = True
             cut = block.rfind(b"\n\n", 0, block.index(_ABORTED))
-            block = block[:cut + 2] if cut >= 0 else b""
-        block = strip_token_ids(block, self.token_ids)
+            block, self._pending = (block[:cut + 2] if cut >= 0 else b""), b""
+        return self._sent(strip_token_ids(block, self.token_ids))
+
+    def flush(self) -> bytes:
+        """What follows the last group of a stream that ended whole (its usage, [DONE])."""
+        rest, self._pending = self._pending, b""
+        return self._sent(rest)
+
+    def _sent(self, block: bytes) -> bytes:
         if block:
             self.sent_any = True
             self.last_sent = time.monotonic()
             if _FINISHED in block:
                 self.ended.update(_finished_choices(block))
         return block
+
+    def moved(self) -> None:
+        """A new worker's stream follows: nothing of the lost one's is pending."""
+        self._pending, self.drained = b"", False
 
     def continuation(self) -> tuple[list[list[int]], list[int]]:
         """Each choice's token ids so far, and the choices that ended."""

@@ -27,6 +27,7 @@ import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import NDJSON, prefill_request
@@ -306,10 +307,12 @@ class Orchestrator:
         try:
             while True:
                 framer = EventFramer()
+                # Only a worker that says it reports ids closes its output groups (an older one does not).
+                tracking = call.tracks_tokens and up.response.headers.get(HEADER_TOKEN_IDS) == "1"
                 try:
                     async for data in chunks(up.response, self.stream_limits.idle_s):
                         out = framer.feed(data)
-                        if call.tracks_tokens and out:
+                        if tracking and out:
                             out = progress.relay(out)
                         if not out:
                             if progress.drained:
@@ -331,17 +334,19 @@ class Orchestrator:
                             raise WorkerDrained()
                     if not framer.done:
                         raise StreamBroken("stream ended without [DONE]")
+                    if tracking and (rest := progress.flush()):
+                        yield rest
                     up.succeeded()
                     return
                 except (*UPSTREAM_ERRORS, WorkerDrained) as e:
                     cause = lost_cause(e)
                     if cause != "drained":  # a drained worker is going away, not failing
                         up.failed(repr(e), "decode-stream")
-                    if call.tracks_tokens and progress.finished:
+                    if tracking and progress.finished:
                         yield DONE  # its last token and finish are out: only [DONE] was lost
                         return
                     moved = None
-                    if call.tracks_tokens and moves < self.migration.max_migrations:
+                    if tracking and moves < self.migration.max_migrations:
                         lost, failed_at = up.worker, progress.last_sent or time.monotonic()
                         up.close()
                         moved = await self.migration.move(
@@ -352,7 +357,7 @@ class Orchestrator:
                                        code="upstream_failed").sse_event()
                         return
                     moves, up, moved_at = moves + 1, moved, failed_at
-                    progress.drained = False
+                    progress.moved()
                     # A continuation opens with no role chunk; a whole resend (nothing was out) with one.
                     first_event_is_role = first_event_is_role and first
         finally:

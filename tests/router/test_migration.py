@@ -31,6 +31,8 @@ ARGS = ("--served-model-name", "tiny", "--max-model-len", "512", "--block-size",
         "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1")
 ENV = {"PDSERVE_KV_SECRET": "migration-test-shared-secret"}
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# No arguments: the grammar closes the call within a few tokens even on random weights.
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 PROMPT = "Tell me a story about a fox and a dog who became friends in the forest."
 
 
@@ -41,7 +43,8 @@ def worker(ckpt, role: str = "decode", transport: str = "tcp") -> WorkerProcess:
 
 @pytest.fixture(scope="module")
 def one_worker(tiny_checkpoint):
-    w = worker(tiny_checkpoint("llama")).wait_ready()
+    w = WorkerProcess(tiny_checkpoint("llama"), *ARGS, "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                      env=ENV).start().wait_ready()
     yield w
     w.stop()
 
@@ -66,8 +69,10 @@ def answer(events: list[bytes], route: str) -> dict:
         assert "error" not in chunk, chunk
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
-            slot = choices.setdefault(c["index"], {"text": "", "logprobs": [], "finish": None})
+            slot = choices.setdefault(c["index"], {"text": "", "logprobs": [], "finish": None, "tools": []})
             slot["text"] += (c.get("text") if route == "completions" else c["delta"].get("content")) or ""
+            slot["tools"] += [{k: v for k, v in t.items() if k != "id"}  # a fresh id per call
+                              for t in c.get("delta", {}).get("tool_calls") or []]
             lp = c.get("logprobs")
             if lp:
                 slot["logprobs"] += lp["content"] if route == "chat" else [list(t) for t in zip(
@@ -85,6 +90,9 @@ BODIES = [
               "logprobs": True, "top_logprobs": 2}),
     ("chat", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 30, "seed": 5,
               "response_format": {"type": "json_object"}}),
+    # A forced tool call: its grammar and the hermes parser's state continue.
+    ("chat", {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 40,
+              "seed": 1, "tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
     # Choices of several lengths (some end before the cut, and are not generated again).
     ("completions", {"prompt": [PROMPT, "Hello"], "n": 2, "seed": 4, "max_tokens": 16, "logprobs": 0,
                      "stop": [" a", "e"]}),
@@ -92,7 +100,7 @@ BODIES = [
 
 
 @pytest.mark.parametrize("route,body", BODIES, ids=["greedy-logprobs", "seeded-penalties", "chat-seeded-logprobs",
-                                                    "chat-json", "n2-prompts2-stops"])
+                                                    "chat-json", "chat-forced-tool", "n2-prompts2-stops"])
 def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worker, route, body):
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     want = answer(events_of(one_worker.url, route, body), route)
@@ -102,8 +110,10 @@ def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worke
     assert _close(answer([e for e in plain if e], route), want)  # the lines stripped, the same stream
     assert sum(map(len, ids.values())) == want["usage"]["completion_tokens"]
     num = len(want["choices"])
-    # Cut after a few events (the stop tail and partial characters held at each), continue.
-    cuts = sorted({1, 3, len(tagged) // 2, len(tagged) - 4})
+    # Cut after a few outputs' groups (where a router may cut: the stop tail and partial
+    # characters held at each), continue.
+    ends = [k for k in range(1, len(tagged)) if tagged[k - 1].startswith(b": token_ids ")][:-1]  # not the last
+    cuts = sorted({ends[0], ends[min(1, len(ends) - 1)], ends[len(ends) // 2], ends[-1]})
     moved_ended = []
     for cut in cuts:
         seen: dict[int, list[int]] = {}

@@ -87,8 +87,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
         # rebuilt from it, and no role chunk opens the rest.
         sent = [serving.handed_over_text(state.tokenizer, prompt, params, None, ids)
                 for ids in (continued[0] if continued else ())]
-        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, sent,
-                                   serving.reports_token_ids(request), continued))
+        report = serving.reports_token_ids(request)
+        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, sent, report, continued),
+                           headers=serving.token_ids_headers(report))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
         messages = [complete_reply(tools, "".join(c.text)) for c in choices]

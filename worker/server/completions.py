@@ -67,8 +67,9 @@ async def create_completion(state, request: Request, body: CompletionRequest):
                        for i, ids in enumerate(continued[0])]
         else:
             offsets = [len(serving.handed_over_text(tok, prompts[0], params, kv_params))] * len(gen)
-        return SSEResponse(_stream(state, body, prompts, base, first, events, offsets, echoer,
-                                   serving.reports_token_ids(request), continued))
+        report = serving.reports_token_ids(request)
+        return SSEResponse(_stream(state, body, prompts, base, first, events, offsets, echoer, report, continued),
+                           headers=serving.token_ids_headers(report))
 
     def answer(choices: list[serving.ChoiceState]) -> CompletionResponse:
         out = CompletionResponse(**base, choices=[

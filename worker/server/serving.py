@@ -29,7 +29,7 @@ from starlette.responses import StreamingResponse
 from pdserve.protocol.contract import (CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
-from pdserve.protocol.continuation import HEADER_TOKEN_IDS, token_ids_line
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS, token_ids_event
 from pdserve.protocol.continuation import PARAM as CONTINUATION
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
@@ -129,11 +129,15 @@ def reports_token_ids(request: Request) -> bool:
     return request.headers.get(HEADER_TOKEN_IDS) == "1"
 
 
+def token_ids_headers(report: bool) -> dict[str, str] | None:
+    """A stream that reports its token ids says so: a router relays a worker's that does not
+    (an older one) as it comes, without waiting for groups that never close."""
+    return {HEADER_TOKEN_IDS: "1"} if report else None
+
+
 def with_token_ids(report: bool, index: int, out: RequestOutput, events: bytes) -> bytes:
-    """One output's SSE `events`, with its new token ids in their first event when `report`."""
-    if not report or not out.new_token_ids:
-        return events
-    return token_ids_line(index, out.new_token_ids) + (events or b"\n")
+    """One output's SSE `events`, closed by its token-id event when `report` (protocol/continuation.py)."""
+    return events + token_ids_event(index, out.new_token_ids) if report else events
 
 
 async def off_loop(fn, *args, **kwargs):
