@@ -1,7 +1,7 @@
 """Exact mid-stream migration: a stream whose decode worker is lost goes on on another worker.
 
-    relay ◀── events + token-id lines (protocol/continuation.py) ── worker A
-      │ StreamProgress: the token ids whose text the client has, the lines stripped
+    relay ◀── events, each output's closed by its token ids (protocol/continuation.py) ── worker A
+      │ StreamProgress: whole outputs relayed, the ids of their tokens kept, the id events stripped
       ▼ A resets, ends without [DONE], stalls past --stream-idle-timeout, or ends it aborted (drained)
     Migration.move ── the client's request + {"continuation": {"token_ids": [...]}} ──▶ worker B
       (another decode worker; none left: a prefill worker, which runs the whole engine)
