@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import time
@@ -238,4 +239,40 @@ def test_a_decode_worker_killed_mid_stream_is_not_seen_by_the_client(pools, rout
     for w in [ws["prefill"], *decode]:
         if w.proc.poll() is None:
             eventually(lambda: _idle(w))
+    router.stop()
+
+
+def test_every_stream_of_a_killed_worker_moves_under_load(pools):
+    """Six concurrent streams over two decode workers (seeded, each its own seed); once each has
+    a few tokens, the worker serving the most is SIGKILLed: every answer equals its twin."""
+    get, launch = pools
+    ws = get("tcp")
+    decode = [ws["d0"], ws["d1"]]
+    revive(decode)
+    bodies = [{"prompt": f"{PROMPT} ({i})", "max_tokens": 100, "seed": i, "ignore_eos": True, "logprobs": 0,
+               "stream": True} for i in range(6)]
+    wants = [answer(events_of(decode[0].url, "completions", b), "completions") for b in bodies]
+    router = launch.router("--decode", decode[0].url, "--decode", decode[1].url)
+    streams: list[list[bytes]] = [[] for _ in bodies]
+
+    def run(i: int) -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", json={"model": "tiny", **bodies[i]},
+                          timeout=120) as r:
+            for e in r.iter_raw():
+                streams[i].append(e)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool_:
+        running = [pool_.submit(run, i) for i in range(len(bodies))]
+        eventually(lambda: all(b"".join(s).count(b'"text":"') >= 3 for s in streams) or all(r.done() for r in running))
+        loads = [httpx.get(w.url + "/debug/kv", timeout=5).json()["num_running"] for w in decode]
+        victim = decode[loads.index(max(loads))]
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+        for r in running:
+            r.result()
+    for i, (raw, want) in enumerate(zip(streams, wants)):
+        got = answer([e + b"\n\n" for e in b"".join(raw).split(b"\n\n") if e], "completions")
+        assert _close(got, want), f"stream {i}\n{got}\n{want}"
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == max(loads) > 0
+    assert metric(router, "pdserve_router_requests_total", status="200") == len(bodies)
     router.stop()
