@@ -71,7 +71,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     if harmony:  # the channel markers are special tokens: kept in the text for the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
-    continued = serving.continued(body, body.n, state.vocab_size)
+    continued = serving.continued(state, body, body.n)
     rid = serving.new_id("chatcmpl")
     gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued)
     first, events = await serving.start(request, gen)

@@ -53,7 +53,7 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
     echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
-    continued = serving.continued(body, len(prompts) * body.n, state.vocab_size)
+    continued = serving.continued(state, body, len(prompts) * body.n)
     rid = serving.new_id("cmpl")
     gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued)
     first, events = await serving.start(request, gen)

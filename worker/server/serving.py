@@ -96,7 +96,7 @@ def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
                                   skip_special_tokens=params.skip_special_tokens).update(ids)[0]
 
 
-def continued(body, num_sequences: int, vocab_size: int) -> tuple[list[list[int]], frozenset[int]] | None:
+def continued(state, body, num_sequences: int) -> tuple[list[list[int]], frozenset[int]] | None:
     """A continuation's token ids per choice and the choices that ended (protocol/continuation.py),
     checked against the request: one list per choice, ids of the vocabulary, streamed, and no
     other way of starting from given state (a P/D hand-off, echo)."""
@@ -110,8 +110,10 @@ def continued(body, num_sequences: int, vocab_size: int) -> tuple[list[list[int]
     if body.kv_transfer_params or getattr(body, "echo", False) or not body.stream:
         raise bad_request(f"{CONTINUATION} continues a stream: it cannot be combined with "
                           f"{PARAM} or echo", CONTINUATION)
+    # Prefilled like a prompt: bounded like one (--max-request-prompt-tokens).
+    state.limits.check_prompt_tokens(sum(map(len, cont.token_ids)), CONTINUATION)
     for ids in cont.token_ids:
-        check_token_ids(ids, vocab_size, CONTINUATION)
+        check_token_ids(ids, state.vocab_size, CONTINUATION)
     return cont.token_ids, frozenset(cont.finished)
 
 
