@@ -136,12 +136,16 @@ class Migration:
         return StreamProgress(prompts * r.n)
 
     def pool(self, call: Call, lost: Worker | None) -> tuple[str, list[Worker]]:
-        """Decode workers but the lost one; none left: the prefill workers (aggregated fallback)."""
-        pools = self.fallback.availability(call.model)
+        """Decode workers but the lost one; none left: the prefill workers (aggregated fallback).
+        Those of the lost worker's revision first: another revision may load other weights, and
+        its tokens would not be the ones the lost worker would have drawn."""
+        selector = self.fallback.selector
         for role in (ROLE_DECODE, ROLE_PREFILL):
-            workers = [w for w in pools.pool(role) if w is not lost and (lost is None or w.url != lost.url)]
-            if workers:
-                return role, workers
+            for partners in ([lost], None) if lost is not None else (None,):
+                workers = [w for w in selector.pool(role, call.model, partners=partners)
+                           if w is not lost and (lost is None or w.url != lost.url)]
+                if workers:
+                    return role, workers
         return ROLE_DECODE, []
 
     async def move(self, call: Call, progress: StreamProgress, lost: Worker | None, cause: str,
