@@ -140,6 +140,11 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
               description="Requests the prefix-based decider (--pd-min-uncached-tokens) sent whole to a decode "
                                    "worker that already cached all but a few of their prompt tokens, against those "
                                    "disaggregated."),
+        Panel("Streams moved mid-answer/s by cause", (per_second("pdserve_router_migrations_total", "cause"),),
+              "short", description="Streams continued on another worker after theirs was lost, stalled or drained "
+                                   "(router/migration.py)."),
+        Panel("Client-visible gap at a migration", quantiles("pdserve_router_migration_gap_seconds"), "s",
+              description="From the last event relayed from the lost worker to the first from the new one."),
     ]),
 }
 

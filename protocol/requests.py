@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
 
 from pdserve.protocol import chat_templates
+from pdserve.protocol.continuation import Continuation
 from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.kv_transfer import KVTransferField
@@ -75,6 +76,8 @@ class CommonRequest(StructuredOutputFields):
     # P/D handshake (see kv_transfer.py): {"do_remote_decode": true} to a prefill worker (a
     # RemoteDecodeRequest once validated), the prefill's KVTransferParams to a decode worker.
     kv_transfer_params: KVTransferField = None
+    # A stream continued from a lost worker's output (protocol/continuation.py); router only.
+    continuation: Continuation | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -29,10 +29,11 @@ def event(obj: dict) -> bytes:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`)."""
-        super().__init__(content, headers=HEADERS)
+        super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

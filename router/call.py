@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS
 from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.requests import CompletionRequest, GenerationRequest
@@ -28,6 +29,7 @@ class Call:
     disaggregated: bool = False
     moved: bool = False  # served whole by the other role after its own pool took nothing (fallback.py)
     accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
+    tracks_tokens: bool = False  # workers report its token ids in the stream: it may migrate (migration.py)
 
     @property
     def model(self) -> str:
@@ -60,6 +62,8 @@ class Call:
         return isinstance(r.prompt, str) or len(r.prompt) == 1 or bool(r.prompt) and isinstance(r.prompt[0], int)
 
     def headers(self) -> dict[str, str]:
+        if self.tracks_tokens:
+            return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id, HEADER_TOKEN_IDS: "1"}
         return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id}
 
     def decode_payload(self, kv_transfer_params: dict) -> bytes:

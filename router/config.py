@@ -92,6 +92,8 @@ class RouterConfig(RequestLimitFlags):
                                               "included)")
     stream_idle_timeout_s: float = flag(120.0, "longest gap between chunks once a stream has started")
     max_retries: int = flag(2, "other workers tried after a failure before the first byte")
+    max_migrations: int = flag(2, "times one stream may move to another worker when its decode worker is lost "
+                                  "mid-stream (router/migration.py); 0: the stream ends with an error event")
     # A worker that fails this many times in a row is ejected, then re-probed with backoff.
     eject_after_failures: int = flag(3, "failures in a row that eject a worker")
     eject_backoff_s: float = flag(1.0, "first ejection period; doubles while the worker keeps failing")
@@ -140,6 +142,7 @@ class RouterConfig(RequestLimitFlags):
         for flag_, value, least in (("--pd-min-prompt-tokens", self.pd_min_prompt_tokens, 0),
                                     ("--pd-min-uncached-tokens", self.pd_min_uncached_tokens, 0),
                                     ("--max-retries", self.max_retries, 0),
+                                    ("--max-migrations", self.max_migrations, 0),
                                     ("--eject-after-failures", self.eject_after_failures, 1),
                                     ("--max-body-bytes", self.max_body_bytes, 1024),
                                     ("--max-connections", self.max_connections, 1),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.protocol.body import parse_object, validate
 from pdserve.protocol.errors import APIError
+from pdserve.protocol.continuation import PARAM as CONTINUATION
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -52,6 +53,7 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required and must be a string", param="model")
     obj.pop(KV_TRANSFER_PARAMS, None)  # only the router may steer KV transfer: a client's are dropped
+    obj.pop(CONTINUATION, None)  # nor continue a stream (router/migration.py)
     # The worker's own models: what it would refuse as malformed is refused here, before any
     # worker is called (its semantic checks, such as context length, stay with it).
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)

@@ -73,5 +73,19 @@ class RouterMetrics:
                                      "KV blocks each worker reported cached (prefix-aware's index).", ["worker"],
                                      registry=r)
 
+        # Exact mid-stream migration (migration.py).
+        self.migrations = Counter("pdserve_router_migrations",
+                                  "Streams continued on another worker, by why their worker was left: lost "
+                                  "(reset, or ended without [DONE]) or stalled (--stream-idle-timeout).",
+                                  ["cause"], registry=r)
+        self.migration_reprefilled_tokens = Counter("pdserve_router_migration_reprefilled_tokens",
+                                                    "Tokens the continuations prefilled again: prompt (as "
+                                                    "arrived_prompt_tokens counts it) plus the tokens generated "
+                                                    "before the move.", registry=r)
+        self.migration_gap = Histogram("pdserve_router_migration_gap_seconds",
+                                       "The stall a client sees at a migration: from the last event relayed from "
+                                       "the lost worker to the first from the new one.", buckets=_LATENCY_BUCKETS,
+                                       registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import NDJSON, prefill_request
@@ -35,6 +36,7 @@ from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
+from pdserve.router.migration import Migration, StreamProgress, WorkerDrained, lost_cause
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
@@ -61,6 +63,7 @@ class Orchestrator:
         self.after_prefill = AfterPrefill(self)
         self.streamed = StreamedHandoff(self, self.after_prefill, HANDOFF_GRACE_S)
         self.fallback = RoleFallback(selector, self.metrics)
+        self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -87,6 +90,7 @@ class Orchestrator:
 
     async def handle(self, call: Call) -> Response:
         model = call.model
+        call.tracks_tokens = self.migration.allowed(call)
         pools = self.fallback.availability(model)
         decode_pool = pools.decode
         if not decode_pool:
@@ -276,9 +280,10 @@ class Orchestrator:
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
     async def decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
-                            since: float) -> AsyncIterator[bytes]:
-        """A hand-off's decode stream after the first token, once its status is known: one error
-        event (and [DONE]) when no worker took it, else its events relayed."""
+                            since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]:
+        """A hand-off's decode stream after the first token (`first_token_id`, the prefill's), once
+        its status is known: one error event (and [DONE]) when no worker took it, else its events
+        relayed."""
         if response is None:
             yield self.no_decode(up).sse_event()
             return
@@ -288,33 +293,73 @@ class Orchestrator:
                                             f"{content[:300].decode(errors='replace')}").sse_event()
             return
         self.metrics.handoff.observe(time.monotonic() - since)
-        async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False):
+        async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
+                                       progress=StreamProgress.after(first_token_id)):
             yield chunk
 
-    async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool) -> AsyncIterator[bytes]:
-        """Pass the decode worker's SSE through in whole events; a break becomes one error event."""
-        framer = EventFramer()
-        first = True
+    async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool,
+                     progress: StreamProgress | None = None) -> AsyncIterator[bytes]:
+        """Pass the decode worker's SSE through in whole events. A break (or a stall) moves the
+        stream to another worker while migrations are left (migration.py); else it becomes one
+        error event."""
+        progress = progress or self.migration.progress(call)
+        first, moves, moved_at = True, 0, None
         try:
-            async for data in chunks(up.response, self.stream_limits.idle_s):
-                out = framer.feed(data)
-                if not out:
-                    continue
-                if first:
-                    first = False
-                    if first_event_is_role:
-                        head, rest = split_first_event(out)
-                        out = drop_role_chunk(head) + rest
-                    if ttft:
-                        self.observe_ttft(call)
-                if out:
-                    yield out
-            if not framer.done:
-                raise StreamBroken("stream ended without [DONE]")
-            up.succeeded()
-        except UPSTREAM_ERRORS as e:
-            up.failed(repr(e), "decode-stream")
-            yield APIError(502, f"decode worker failed mid-stream: {e!r}", code="upstream_failed").sse_event()
+            while True:
+                framer = EventFramer()
+                # Only a worker that says it reports ids closes its output groups (an older one does not).
+                tracking = call.tracks_tokens and up.response.headers.get(HEADER_TOKEN_IDS) == "1"
+                try:
+                    async for data in chunks(up.response, self.stream_limits.idle_s):
+                        out = framer.feed(data)
+                        if tracking and out:
+                            out = progress.relay(out)
+                        if not out:
+                            if progress.drained:
+                                raise WorkerDrained()
+                            continue
+                        if first:
+                            first = False
+                            if first_event_is_role:
+                                head, rest = split_first_event(out)
+                                out = drop_role_chunk(head) + rest
+                            if ttft:
+                                self.observe_ttft(call)
+                        if moved_at is not None:
+                            self.metrics.migration_gap.observe(time.monotonic() - moved_at)
+                            moved_at = None
+                        if out:
+                            yield out
+                        if progress.drained:
+                            raise WorkerDrained()
+                    if not framer.done:
+                        raise StreamBroken("stream ended without [DONE]")
+                    if tracking and (rest := progress.flush()):
+                        yield rest
+                    up.succeeded()
+                    return
+                except (*UPSTREAM_ERRORS, WorkerDrained) as e:
+                    cause = lost_cause(e)
+                    if cause != "drained":  # a drained worker is going away, not failing
+                        up.failed(repr(e), "decode-stream")
+                    if tracking and progress.finished:
+                        yield DONE  # its last token and finish are out: only [DONE] was lost
+                        return
+                    moved = None
+                    if tracking and moves < self.migration.max_migrations:
+                        lost, failed_at = up.worker, progress.last_sent or time.monotonic()
+                        up.close()
+                        moved = await self.migration.move(
+                            call, progress, lost, cause,
+                            lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
+                    if moved is None:
+                        yield APIError(502, f"decode worker failed mid-stream: {e!r}",
+                                       code="upstream_failed").sse_event()
+                        return
+                    moves, up, moved_at = moves + 1, moved, failed_at
+                    progress.moved()
+                    # A continuation opens with no role chunk; a whole resend (nothing was out) with one.
+                    first_event_is_role = first_event_is_role and first
         finally:
             up.close()
 

@@ -24,6 +24,7 @@ from pdserve.protocol.contract import PATHS, ROLE_DECODE
 from pdserve.protocol.errors import APIError
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import HANDOFF_GRACE_S, Handoff
+from pdserve.router.migration import first_token_id
 from pdserve.router.splice import Answer, first_token_ended, first_token_events
 from pdserve.router.upstream import Limits
 from pdserve.router.upstream_call import UpstreamCall
@@ -108,7 +109,7 @@ class AfterPrefill(Handoff[Prefilled]):
             response = await self._open(up, call, payload, o.stream_limits)
             if response is None:
                 pin.sent = up.attempts > 0
-            async for chunk in o.decode_events(call, up, response, t0):
+            async for chunk in o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params)):
                 yield chunk
         finally:
             up.close()

@@ -43,6 +43,7 @@ from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import Handoff, Orchestration
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import first_token_id
 from pdserve.router.splice import Answer, first_token_ended, first_token_events
 from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, read_and_close
 from pdserve.router.upstream_call import UpstreamCall
@@ -293,7 +294,8 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                                                        f"{refusal.content[:300].decode(errors='replace')}")
                 yield refusal.sse_event()
                 return
-            async for chunk in o.decode_events(call, leg.up, response, since):
+            async for chunk in o.decode_events(call, leg.up, response, since,
+                                               first_token_id(answer.kv_transfer_params)):
                 yield chunk
         finally:
             leg.close()

@@ -31,7 +31,8 @@ ALL_EXPRS = [(key, e) for key, d in DASHBOARDS.items() for e in exprs(d)]
 # Series that exist only once the event they count happened (labelled counters get a child on
 # first use); a healthy run without faults or prefix-aware routing leaves them absent.
 EVENT_ONLY = {"pdserve_kv_transfer_failures_total", "pdserve_router_retries_total",
-              "pdserve_router_upstream_errors_total", "pdserve_router_kv_index_blocks"}
+              "pdserve_router_upstream_errors_total", "pdserve_router_kv_index_blocks",
+              "pdserve_router_migrations_total"}
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
              "offset", "inf", "nan"}
 

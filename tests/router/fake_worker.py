@@ -233,8 +233,11 @@ def build(args) -> Starlette:
                     if st.mode == "hang" and i >= st.after:
                         await asyncio.sleep(3600)
                     await asyncio.sleep(st.delay)
-                    yield sse(chunk(route, rid, {"content": w} if route == "chat" else w, None))
-                yield sse(chunk(route, rid, {} if route == "chat" else "", finish_reason))
+                    # As a real worker asked for token ids: each output closed by its ids (its index).
+                    yield sse(chunk(route, rid, {"content": w} if route == "chat" else w, None)) + (
+                        f": token_ids 0 {i}\n\n".encode() if reports_ids else b"")
+                yield sse(chunk(route, rid, {} if route == "chat" else "", finish_reason)) + (
+                    b": token_ids 0 \n\n" if reports_ids else b"")
                 if (body.get("stream_options") or {}).get("include_usage"):
                     u = completion(route, rid, "", None, n_prompt, max_tokens, None)["usage"]
                     yield sse({"id": rid, "object": "x", "created": 0, "model": args.model, "choices": [], "usage": u})
@@ -247,9 +250,11 @@ def build(args) -> Starlette:
                     if not pulled:
                         await release_remote(kvp)
 
+        reports_ids = request.headers.get("x-pdserve-token-ids") == "1"
+        ids_header = {"x-pdserve-token-ids": "1"} if reports_ids else None
         if streamed:  # notices a caller that leaves while it waits for the prefill
-            return SSEResponse(events())
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return SSEResponse(events(), headers=ids_header)
+        return StreamingResponse(events(), media_type="text/event-stream", headers=ids_header)
 
     def streamed_prefill(route, rid, prompt, n_prompt, stop_first):
         """Two NDJSON lines: the params at admission (blocks pinned, not computed), the answer at

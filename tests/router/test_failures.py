@@ -105,17 +105,25 @@ def test_decode_failure_before_first_byte_moves_to_another(launch, stream):
     eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
 
 
-def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
-    # Two decode workers, each dying after two tokens: the second request meets a live one however
-    # soon the prober notices the first is gone (with one, a noticed death would send the second
-    # request whole to the prefill worker, router/fallback.py, and it would succeed).
+def _both_decode_workers_dying(launch, moves: int):
+    """A stream on two decode workers that each die after two tokens, `moves` migrations allowed:
+    -> (router, prefill worker, the stream's events, its error object)."""
     prefill, decode, other = launch.fake_worker(), launch.fake_worker(), launch.fake_worker()
-    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url)
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--decode", other.url,
+                           "--max-migrations", str(moves))
     for worker in (decode, other):
         worker.control(mode="die_mid_stream", after=2)
     events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
     assert events[-1] == b"data: [DONE]"
-    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    return router, prefill, events, json.loads(events[-2].removeprefix(b"data: "))["error"]
+
+
+def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
+    # Two decode workers, each dying after two tokens: the second request meets a live one however
+    # soon the prober notices the first is gone (with one, a noticed death would send the second
+    # request whole to the prefill worker, router/fallback.py, and it would succeed).
+    # --max-migrations 0: a stream that may not move (router/migration.py; moving: test_migration.py).
+    router, _, events, error = _both_decode_workers_dying(launch, 0)
     assert error["code"] == "upstream_failed" and set(error) == {"message", "type", "param", "code"}
     tokens = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]]
     assert len(tokens) == 3  # the spliced first token, then the two the worker sent before dying
@@ -123,9 +131,41 @@ def test_decode_dying_mid_stream_ends_with_one_error_event_and_done(launch):
         complete(router, stream=True)  # the openai client surfaces the error event
 
 
-def test_stalled_decode_stream_times_out_with_error_event(launch):
+def test_a_stream_whose_move_dies_too_ends_with_the_error_event_after_max_migrations(launch):
+    router, prefill, _, error = _both_decode_workers_dying(launch, 1)
+    assert error["code"] == "upstream_failed"
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    eventually(lambda: prefill.kv()["num_pinned_blocks"] == 0)
+
+
+def test_a_stalled_stream_moves_and_the_stalled_worker_frees_it(launch):
+    # One decode worker, stalling: the continuation goes to the prefill worker (aggregated fallback).
     prefill, decode = launch.fake_worker(), launch.fake_worker()
     router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--stream-idle-timeout", "1")
+    decode.control(mode="hang", after=1)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]" and b'"error"' not in b"".join(events)
+    assert metric(router, "pdserve_router_migrations_total", cause="stalled") == 1
+    assert [r for r in prefill.requests() if "continuation" in r["body"]]
+    # The stalled call was closed: the worker's stream ended, its blocks back.
+    eventually(lambda: decode.kv()["num_free_blocks"] == decode.kv()["num_total_blocks"])
+
+
+def test_a_stream_with_no_decode_worker_left_moves_to_a_prefill_worker(launch):
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url)
+    decode.control(mode="die_mid_stream", after=2)
+    events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert events[-1] == b"data: [DONE]" and b'"error"' not in b"".join(events)
+    assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+    moved = [r for r in prefill.requests() if "continuation" in r["body"]]
+    assert len(moved) == 1 and moved[0]["headers"].get("x-pdserve-token-ids") == "1", prefill.requests()
+
+
+def test_stalled_decode_stream_times_out_with_error_event(launch):
+    prefill, decode = launch.fake_worker(), launch.fake_worker()
+    router = launch.router("--prefill", prefill.url, "--decode", decode.url, "--stream-idle-timeout", "1",
+                           "--max-migrations", "0")
     decode.control(mode="hang", after=1)
     events = sse_events(router, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True})
     assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2]

@@ -353,8 +353,8 @@ def test_calls_waiting_on_a_sigstopped_worker_move_to_a_healthy_one(launch, role
 
 
 def test_a_stream_from_a_worker_that_stops_mid_answer_ends_with_an_error_event(launch):
-    """Once bytes went to the client the answer cannot move: the stream ends with one error
-    event as soon as the worker is found lost, not after the 120 s idle timeout."""
+    """Once bytes went to the client, with no other worker to move the stream to (router/migration.py),
+    it ends with one error event as soon as the worker is found lost, not after the 120 s idle timeout."""
     decode = launch.fake_worker("--delay", "0.2")
     router = launch.router("--decode", decode.url)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True}

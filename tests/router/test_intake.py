@@ -20,10 +20,10 @@ def take(body: dict, route: str = "chat", limits: RequestLimits = LIMITS):
     return intake(json.dumps(body).encode(), route, limits)
 
 
-def test_unknown_fields_and_client_kv_params_are_not_forwarded():
+def test_unknown_fields_and_client_kv_params_and_continuation_are_not_forwarded():
     got = take({"model": "tiny", "messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}],
                 "max_tokens": None, "seed": 7, "x": [[]] * 1000, "nested": {"y": 1},
-                "kv_transfer_params": {"do_remote_decode": True}})
+                "kv_transfer_params": {"do_remote_decode": True}, "continuation": {"token_ids": [[1, 2]]}})
     assert json.loads(got.raw) == got.request.model_dump(exclude_unset=True) == {
         "model": "tiny", "max_tokens": None, "seed": 7,  # as set: an explicit null stays, defaults stay unset
         "messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}]}  # a message's extras reach the template

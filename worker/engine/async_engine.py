@@ -124,8 +124,10 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params=None) -> AsyncIterator[RequestOutput]:
-        """`kv_transfer_params`: parsed (KVTransferParams | RemoteDecodeRequest), or a dict parsed here."""
+                       kv_transfer_params=None, continued: list[int] = ()) -> AsyncIterator[RequestOutput]:
+        """`kv_transfer_params`: parsed (KVTransferParams | RemoteDecodeRequest), or a dict parsed here.
+        `continued`: a migrated stream's outputs so far, replayed into the detokenizer like a
+        handed-over first token (their text is out already), never emitted."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
         # A decode worker's first token was sent by the prefill worker: replayed into the
@@ -136,6 +138,7 @@ class AsyncEngine:
             raise RequestError(PARAM, str(e)) from None
         streamed = is_streamed(kv_transfer_params)
         emitted = [kv_transfer_params.first_token_id] if is_remote_decode(kv_transfer_params) and not streamed else []
+        emitted += continued
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
                                        skip_special_tokens=params.skip_special_tokens, emitted_token_ids=emitted)
         q: asyncio.Queue = asyncio.Queue()
@@ -145,7 +148,7 @@ class AsyncEngine:
             # A new grammar compiles off the loop (seconds for a large schema); 400 or 429 from here.
             grammar = await self.grammars.matcher(params.structured) if params.structured is not None else None
             self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer_params,  # raises RequestError
-                                    grammar=grammar)
+                                    grammar=grammar, **({"continued": continued} if continued else {}))
             self._kick()
             while True:
                 out = await q.get()

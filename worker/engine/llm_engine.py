@@ -163,20 +163,25 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None, grammar=None) -> None:
-        """`kv_transfer_params`: the parsed object (the server parses the body once); a dict (a
+                    kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None, grammar=None,
+                    continued: list[int] = ()) -> None:
+        """`continued`: a migrated stream's outputs so far (request/request.py).
+        `kv_transfer_params`: the parsed object (the server parses the body once); a dict (a
         direct caller, a test) is parsed here, the same way. `grammar`: the request's
         GrammarMatcher when the caller built it (the server does, off its event loop:
         grammar_pool.py); else a spec in `params` is compiled here."""
-        n = len(prompt_token_ids)
-        if n == 0:
+        n = len(prompt_token_ids) + len(continued)
+        if not prompt_token_ids:
             raise RequestError("prompt", "the prompt is empty")
         if n >= self.max_model_len:
             raise RequestError("prompt", f"this model's maximum context length is {self.max_model_len} tokens, "
-                                         f"but the prompt has {n} tokens")
+                                         f"but the prompt and continuation have {n} tokens")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        if continued and (kv_transfer_params or min(continued) < 0 or max(continued) >= vocab):
+            raise RequestError("continuation", f"continued token ids must be in [0, {vocab}), "
+                                               "without kv_transfer_params")
         try:
             params.check_vocabulary(vocab)  # ids the sampler indexes the logits with (width: vocab)
         except SamplingParamsError as e:
@@ -190,7 +195,8 @@ class LLMEngine:
                 raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
-        req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params)
+        req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params,
+                      continued)
         if grammar is not None:
             req.grammar = grammar
         elif params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400

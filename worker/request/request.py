@@ -40,11 +40,15 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), kv_transfer_params=None):
+                 eos_token_ids: tuple[int, ...] = (), kv_transfer_params=None, continued: list[int] = ()):
+        """`continued`: output tokens another worker generated (a migrated stream,
+        protocol/continuation.py): appended as outputs the caller already has, so everything
+        keyed by the output (its count, penalties, min_tokens, the grammar, seeded positions)
+        goes on from them; the prefill computes their KV with the prompt's."""
         self.request_id = request_id
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + outputs
+        self.token_ids: list[int] = [*prompt_token_ids, *continued]  # prompt + outputs
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or is being written by a step in flight)
         # Async scheduling: tokens sampled by steps still in flight, not yet read back to the host.
         # They come after `token_ids`; the next step reads the newest from the device (model_runner.py).
@@ -72,7 +76,7 @@ class Request:
         self.first_scheduled_time: float | None = None  # first RUNNING: vLLM's queue time ends here
         self.kv_landed_time: float | None = None  # the scheduler learnt that its remote KV pull landed
         self.waits_reported = False  # the engine reported them (with its first output with tokens, or final one)
-        self.num_emitted_tokens = 0  # outputs already reported to the caller
+        self.num_emitted_tokens = len(continued)  # outputs already reported to the caller
         # A streamed hand-off prefilled here after its pull failed: its first sampled token is the
         # prefill worker's (the caller has it), reported as handed over, not emitted (scheduler).
         self.hands_over_first = False

@@ -82,8 +82,11 @@ class WorkerState:
     def vocab_size(self) -> int:
         return len(self.engine.tokenizer)
 
-    def new_generation(self, request_id, prompts, params, n, kv_transfer_params) -> Generation:
-        return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params)
+    def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continuation=None) -> Generation:
+        """`continuation`: a migrated stream's (token ids per choice, the choices that ended)."""
+        ids, finished = continuation or (None, frozenset())
+        return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params,
+                          ids, finished)
 
     async def load(self) -> None:
         t0 = time.perf_counter()

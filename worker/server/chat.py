@@ -71,8 +71,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     if harmony:  # the channel markers are special tokens: kept in the text for the parser
         params = dataclasses.replace(params, skip_special_tokens=False)
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
+    continued = serving.continued(state, body, body.n)
     rid = serving.new_id("chatcmpl")
-    gen = state.new_generation(rid, [prompt], params, body.n, kv_params)
+    gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
@@ -85,7 +86,13 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     # token's text first (known now, or told by the engine for a streamed hand-off).
     handed = serving.handed_over_text(state.tokenizer, prompt, params, kv_params) if tools.parser else ""
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, harmony, handed))
+        # A continuation's text so far went out from the lost worker: its tool-call parser state is
+        # rebuilt from it, and no role chunk opens the rest.
+        sent = [serving.handed_over_text(state.tokenizer, prompt, params, None, ids)
+                for ids in (continued[0] if continued else ())]
+        report = serving.reports_token_ids(request)
+        return SSEResponse(_stream(state, body, prompt, base, first, events, tools, harmony, handed, sent, report,
+                                   continued), headers=serving.token_ids_headers(report))
 
     def answer(choices: list[serving.ChoiceState]) -> ChatCompletionResponse:
         messages = [complete_reply(tools, "".join(c.text), handed or c.handed_over_text) for c in choices]
@@ -108,9 +115,12 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
 
 
 async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first, events,
-                  tools: ToolPlan = ToolPlan(), harmony: bool = False, handed: str = "") -> AsyncIterator[bytes]:
-    choices = [serving.ChoiceState() for _ in range(body.n)]
+                  tools: ToolPlan = ToolPlan(), harmony: bool = False, handed: str = "", sent: list[str] = (),
+                  report_ids: bool = False, continued=None) -> AsyncIterator[bytes]:
+    choices = serving.continued_choices([serving.ChoiceState() for _ in range(body.n)], continued)
     calls = [StreamedCalls(tools, handed) for _ in range(body.n)]
+    for parser, text in zip(calls, sent):
+        parser.feed(text, False)
 
     def chunk(i: int, delta: Delta, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
         c = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
@@ -137,13 +147,17 @@ async def _stream(state, body: ChatCompletionRequest, prompt, base: dict, first,
             reason = finish_reason(out.finish_reason, calls[i].num_calls > 0)
             yield chunk(i, Delta(), None, reason, out.stop_reason)
 
+    def output(i: int, out) -> bytes:
+        """One output's events in one write: with its token ids, they reach the router together."""
+        return serving.with_token_ids(report_ids, i, out, b"".join(chunks(i, out)))
+
     try:
-        for i in range(body.n):  # every choice opens with its role, as OpenAI's stream does
+        for i in range(0 if sent else body.n):  # every choice opens with its role, as OpenAI's stream does
             yield chunk(i, Delta(role="assistant", content=""))
-        for b in chunks(*first):
+        if b := output(*first):
             yield b
         async for i, out in events:
-            for b in chunks(i, out):
+            if b := output(i, out):
                 yield b
         if body.include_usage:
             thought = sum(c.reasoning_tokens for c in calls) if harmony else None

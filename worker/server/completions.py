@@ -53,16 +53,23 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
     echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
+    continued = serving.continued(state, body, len(prompts) * body.n)
     rid = serving.new_id("cmpl")
-    gen = state.new_generation(rid, prompts, params, body.n, kv_params)
+    gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
     base = {"id": serving.response_id(request, "cmpl", rid), "created": serving.now(), "model": state.served_model_name}
     if body.stream:
         # Logprob text offsets continue after the first token's text a prefill worker returned.
-        offset = serving.handed_over_text(tok, prompts[0], params, kv_params)
-        return SSEResponse(_stream(state, body, prompts, base, first, events, len(gen), len(offset), echoer))
+        if continued:  # each choice's text on the lost worker
+            offsets = [len(serving.handed_over_text(tok, prompts[i // body.n], params, None, ids))
+                       for i, ids in enumerate(continued[0])]
+        else:
+            offsets = [len(serving.handed_over_text(tok, prompts[0], params, kv_params))] * len(gen)
+        report = serving.reports_token_ids(request)
+        return SSEResponse(_stream(state, body, prompts, base, first, events, offsets, echoer, report, continued),
+                           headers=serving.token_ids_headers(report))
 
     def answer(choices: list[serving.ChoiceState]) -> CompletionResponse:
         out = CompletionResponse(**base, choices=[
@@ -87,18 +94,23 @@ async def create_completion(state, request: Request, body: CompletionRequest):
 
 
 async def _stream(state, body: CompletionRequest, prompts, base: dict, first, events,
-                  num_choices: int, text_offset: int = 0, echoer: echo.Echo | None = None) -> AsyncIterator[bytes]:
-    choices = [serving.ChoiceState() for _ in range(num_choices)]
-    text_len = [text_offset] * num_choices
+                  text_offsets: list[int], echoer: echo.Echo | None = None, report_ids: bool = False,
+                  continued=None) -> AsyncIterator[bytes]:
+    """`text_offsets`: per choice, the length of its text another worker sent (logprob offsets)."""
+    choices = serving.continued_choices([serving.ChoiceState() for _ in text_offsets], continued)
+    text_len = list(text_offsets)
 
-    def chunk(i: int, out) -> bytes | None:
+    def chunk(i: int, out) -> bytes:
+        return serving.with_token_ids(report_ids, i, out, text_chunk(i, out))
+
+    def text_chunk(i: int, out) -> bytes:
         if out.handed_over_text is not None:  # a streamed hand-off: offsets continue after the first token
             text_len[i] = len(out.handed_over_text)
         choices[i].add(out)
         if echoer is not None:
             echoer.see(i, out)
         if not (out.text or out.finished or (out.logprobs and body.logprobs is not None)):
-            return None
+            return b""
         lps = None
         if body.logprobs is not None:
             lps = format_logprobs(state.tokenizer, out.logprobs or [], text_len[i])
@@ -111,10 +123,10 @@ async def _stream(state, body: CompletionRequest, prompts, base: dict, first, ev
         return CompletionChunk(**base, choices=[c]).sse()
 
     try:
-        if (b := chunk(*first)) is not None:
+        if b := chunk(*first):
             yield b
         async for i, out in events:
-            if (b := chunk(i, out)) is not None:
+            if b := chunk(i, out):
                 yield b
         if body.include_usage:
             usage = serving.usage(prompts, body.n, choices)

@@ -26,13 +26,18 @@ _END = object()
 class Generation:
     def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
                  prompts: list[list[int]], params: SamplingParams, n: int,
-                 kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None):
+                 kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None,
+                 continued: list[list[int]] | None = None, finished: frozenset[int] = frozenset()):
+        """`continued[i]`: choice i's output so far on a lost worker (protocol/continuation.py);
+        the choices in `finished` ended there and are not generated again."""
         self.engine = engine
         self.metrics = metrics
         self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort
         self.request_id = request_id
         self.arrival = time.monotonic()
-        self.jobs: list[tuple[str, list[int], SamplingParams]] = []
+        self.num_choices = len(prompts) * n
+        self.jobs: list[tuple[str, list[int], SamplingParams, list[int]]] = []
+        self.indexes: list[int] = []  # each job's choice index
         for p, prompt in enumerate(prompts):
             for s in range(n):
                 params_i = params
@@ -41,18 +46,24 @@ class Generation:
                     # within int64, the seeds' range, so the largest seed still has n choices.
                     seed = (params.seed + s - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
                     params_i = dataclasses.replace(params, seed=seed)
-                self.jobs.append((f"{request_id}-{p * n + s}", prompt, params_i))
+                index = p * n + s
+                if index in finished:
+                    continue
+                self.indexes.append(index)
+                self.jobs.append((f"{request_id}-{index}", prompt, params_i, continued[index] if continued else []))
         self.kv_transfer_params = kv_transfer_params
 
     def __len__(self) -> int:
-        return len(self.jobs)
+        return self.num_choices
 
-    async def _one(self, rid: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _one(self, rid: str, prompt: list[int], params: SamplingParams,
+                   continued: list[int]) -> AsyncIterator[RequestOutput]:
         self.inflight.add(rid)
         last: float | None = None
         finished = False
         try:
-            gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params)
+            gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params,
+                                       **({"continued": continued} if continued else {}))
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()
@@ -90,7 +101,7 @@ class Generation:
         if len(self.jobs) == 1:
             async with aclosing(self._one(*self.jobs[0])) as gen:
                 async for out in gen:
-                    yield 0, out
+                    yield self.indexes[0], out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -103,7 +114,7 @@ class Generation:
             except Exception as e:  # surfaced to the consumer, which then cancels the others
                 queue.put_nowait((index, e))
 
-        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(self.jobs)]
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in zip(self.indexes, self.jobs)]
         try:
             remaining = len(tasks)
             while remaining:

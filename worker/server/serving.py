@@ -29,6 +29,8 @@ from starlette.responses import StreamingResponse
 from pdserve.protocol.contract import (CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
+from pdserve.protocol.continuation import HEADER_TOKEN_IDS, token_ids_event
+from pdserve.protocol.continuation import PARAM as CONTINUATION
 from pdserve.protocol.errors import APIError, bad_request, error_body
 from pdserve.protocol.kv_transfer import (BUDGET, NDJSON, PARAM, KVTransferParams, RemoteDecodeRequest,
                                           is_remote_decode, wants_remote_decode)
@@ -80,13 +82,64 @@ def kv_transfer_params(params: KVTransferParams | RemoteDecodeRequest | None,
 
 
 def handed_over_text(tokenizer, prompt: list[int], params: SamplingParams,
-                     kv_params: KVTransferParams | RemoteDecodeRequest | None) -> str:
+                     kv_params: KVTransferParams | RemoteDecodeRequest | None, continued: list[int] = ()) -> str:
     """On a decode worker: the text the prefill worker already returned for the handed-over first
-    token (what its detokenizer released, detokenizer.py); "" for any other request."""
-    if not is_remote_decode(kv_params) or kv_params.first_token_id is None:
+    token (what its detokenizer released, detokenizer.py); for a continuation, the text its
+    continued tokens released on the lost worker; "" for any other request."""
+    if continued:
+        ids = list(continued)
+    elif not is_remote_decode(kv_params) or kv_params.first_token_id is None:
         return ""  # a streamed hand-off's first token is not known yet: the async layer tells it
+    else:
+        ids = [kv_params.first_token_id]
     return IncrementalDetokenizer(tokenizer, prompt, params.stop_strings,
-                                  skip_special_tokens=params.skip_special_tokens).update([kv_params.first_token_id])[0]
+                                  skip_special_tokens=params.skip_special_tokens).update(ids)[0]
+
+
+def continued(state, body, num_sequences: int) -> tuple[list[list[int]], frozenset[int]] | None:
+    """A continuation's token ids per choice and the choices that ended (protocol/continuation.py),
+    checked against the request: one list per choice, ids of the vocabulary, streamed, and no
+    other way of starting from given state (a P/D hand-off, echo)."""
+    cont = body.continuation
+    if cont is None:
+        return None
+    if len(cont.token_ids) != num_sequences or not all(0 <= i < num_sequences for i in cont.finished) \
+            or len(set(cont.finished)) == num_sequences:
+        raise bad_request(f"{CONTINUATION}.token_ids must hold one list per choice of this request "
+                          f"({num_sequences}), and finished some of their indexes, not all", CONTINUATION)
+    if body.kv_transfer_params or getattr(body, "echo", False) or not body.stream:
+        raise bad_request(f"{CONTINUATION} continues a stream: it cannot be combined with "
+                          f"{PARAM} or echo", CONTINUATION)
+    # Prefilled like a prompt: bounded like one (--max-request-prompt-tokens).
+    state.limits.check_prompt_tokens(sum(map(len, cont.token_ids)), CONTINUATION)
+    for ids in cont.token_ids:
+        check_token_ids(ids, state.vocab_size, CONTINUATION)
+    return cont.token_ids, frozenset(cont.finished)
+
+
+def continued_choices(choices: list[ChoiceState], continuation) -> list[ChoiceState]:
+    """A continuation's choices that ended on the lost worker count their tokens in usage."""
+    if continuation is not None:
+        ids, finished = continuation
+        for i in finished:
+            choices[i].num_tokens = len(ids[i])
+    return choices
+
+
+def reports_token_ids(request: Request) -> bool:
+    """The router asks for each choice's token ids in the stream (protocol/continuation.py)."""
+    return request.headers.get(HEADER_TOKEN_IDS) == "1"
+
+
+def token_ids_headers(report: bool) -> dict[str, str] | None:
+    """A stream that reports its token ids says so: a router relays a worker's that does not
+    (an older one) as it comes, without waiting for groups that never close."""
+    return {HEADER_TOKEN_IDS: "1"} if report else None
+
+
+def with_token_ids(report: bool, index: int, out: RequestOutput, events: bytes) -> bytes:
+    """One output's SSE `events`, closed by its token-id event when `report` (protocol/continuation.py)."""
+    return events + token_ids_event(index, out.new_token_ids) if report else events
 
 
 async def off_loop(fn, *args, **kwargs):
