@@ -262,6 +262,10 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens = req.num_prompt_tokens
                 req.kv_landed_time = time.monotonic()
+                if self.bm.windowed:
+                    # The pull brought the sliding group's window only: its blocks before it were
+                    # never written and must not be published (register_computed) or read. Null.
+                    self.bm.release_outside_window(req)
             else:  # only its prefix-cache hits are computed; the rest is prefilled here
                 self.connector.load_failed(req)
             req.set_status(RequestStatus.WAITING)
@@ -301,6 +305,8 @@ class Scheduler:
         keep, params = self.connector.request_finished(req)
         req.kv_transfer_params_out = params
         if keep:
+            if self.bm.windowed:  # the pin lists the sliding group's window only: the rest goes now
+                self.bm.release_outside_window(req)
             self.sending[req.request_id] = req
         else:
             self.bm.free_request(req)
