@@ -57,9 +57,11 @@ def moe_stack(request, tiny_checkpoint):
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def gpt_oss_stack(request, tiny_checkpoint):
     """gpt-oss (tests/checkpoints.py): attention sinks, layers alternating sliding (window
-    GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Every sliding
-    layer's KV crosses the hand-off as the full layers' does; the chat prompts and TEXTS[3]
-    are longer than the window, so the decode worker's first steps already slide over pulled KV."""
+    GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Both workers keep
+    the hybrid KV cache (docs/kv-cache.md): the hand-off moves the full layers' blocks and the
+    sliding layers' window only; the chat prompts and TEXTS[3] are longer than the window, so
+    the decode worker's first steps already slide over pulled KV. The router asks for the
+    streamed hand-off (its default); a hybrid prefill worker answers with the after-prefill one."""
     with pd_stack(tiny_checkpoint("gpt-oss"), request.param) as urls:
         yield urls
 
@@ -420,6 +422,7 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
         assert n > 3 * GPT_OSS_WINDOW, n
         for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "top_k": 50}):
             before = disaggregated(router), metric(worker, "pdserve_kv_transfer_bytes_total")
+            skipped = metric(worker, "pdserve_kv_window_skipped_bytes_total")
             out = assert_same(gpt_oss_stack, "completions", {"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
                                                             "logprobs": 1, "stream": stream, **sampling,
                                                             "stream_options": {"include_usage": True} if stream
@@ -427,6 +430,8 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
             assert out["usage"]["completion_tokens"] == 12
             assert disaggregated(router) == before[0] + 1  # the KV moved from prefill to decode
             assert metric(worker, "pdserve_kv_transfer_bytes_total") > before[1]
+            # Prompts of 3+ windows: the sliding layers' blocks before the window stayed behind.
+            assert metric(worker, "pdserve_kv_window_skipped_bytes_total") > skipped
 
 
 @live_settings(10)

@@ -7,6 +7,7 @@ transports on loopback threads), tiny gpt-oss (window 8, 4-token blocks), TCP an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -27,10 +28,11 @@ PD = dict(kv_peer_allow=("127.0.0.1",), kv_secret="pd-window-test-secret", max_m
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
 
 
-def engines(ckpt, transport: str, prefill_hybrid: bool = True):
+def engines(ckpt, transport: str, prefill_hybrid: bool = True, pull_timeout: float = 30):
     p = make_engine(ckpt, role="prefill", kv_transfer=transport, kv_port=free_port(),
                     disable_hybrid_kv_cache_manager=not prefill_hybrid, **PD)
-    d = make_engine(ckpt, role="decode", kv_transfer=transport, kv_port=free_port(), enable_prefix_caching=False, **PD)
+    d = make_engine(ckpt, role="decode", kv_transfer=transport, kv_port=free_port(), enable_prefix_caching=False,
+                    kv_pull_timeout=pull_timeout, **PD)
     return p, d
 
 
@@ -45,6 +47,14 @@ def prefill_params(p) -> KVTransferParams:
 def decode(p, d, params: KVTransferParams) -> list[int]:
     d.add_request("d", PROMPT, GREEDY, params)
     out, deadline = [params.first_token_id], time.monotonic() + 60
+    outputs = d.step()  # admitted: its two tables allocated, the pull started
+    req = d.requests["d"]
+    if params.kv_layout == d.kv_cache.layout and d.kv_cache.layout.hybrid and not req.status.finished:
+        # The sliding entries before the window were never allocated (the pull does not write them).
+        start = d.kv_cache.layout.sliding_start(len(PROMPT))
+        assert req.sliding_block_ids[:start] == [d.block_manager.null_block] * start
+    for o in outputs:
+        out += o.new_token_ids
     while len(out) < GREEDY.max_tokens:
         assert time.monotonic() < deadline, "decode did not finish"
         for o in d.step():
@@ -131,6 +141,22 @@ def test_a_plain_prefill_worker_and_a_hybrid_decode_worker_fall_back_to_local_pr
         metrics = d.kv_connector.metrics
         assert metrics.local_prefill_fallbacks._value.get() == 1
         assert metrics.bytes.labels("recv", "tcp")._value.get() == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_failed_pull_prefills_locally_with_both_tables_whole(tiny_checkpoint):
+    """The pull allocated no sliding blocks before the window; when it fails, the request starts
+    afresh here (its tables whole) and its answer is the decode engine's own."""
+    p, d = engines(tiny_checkpoint("gpt-oss"), "tcp", pull_timeout=1)
+    try:
+        expected = d.generate([PROMPT], GREEDY)[0]
+        params = dataclasses.replace(prefill_params(p), remote_port=free_port())  # nobody listens there
+        assert decode(p, d, params) == expected
+        assert d.kv_connector.metrics.local_prefill_fallbacks._value.get() == 1
+        s = d.stats()
+        assert s.num_free_blocks == s.num_total_blocks
     finally:
         p.shutdown()
         d.shutdown()

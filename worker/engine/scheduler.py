@@ -136,7 +136,10 @@ class Scheduler:
             if self.bm.windowed and not whole:
                 n = self.bm.fit_chunk(req, start, n, cached) or n
             need = req.num_tokens if whole else start + n
-            if not self.bm.can_allocate(req, need, cached):
+            # A pull into a hybrid cache writes the sliding group's window only: no blocks before it.
+            skip = self.bm.groups.first_needed_block(req.num_prompt_tokens, self.bm.block_size) \
+                if load_async and self.bm.windowed else 0
+            if not self.bm.can_allocate(req, need, cached, skip):
                 break  # FCFS: don't let later requests overtake the head of the queue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the prompt once, not on every recompute
@@ -144,7 +147,7 @@ class Scheduler:
                 self.bm.record_query(req.num_prompt_tokens, start)
             if fresh:
                 self.bm.take_cached(req, cached)
-            self.bm.allocate(req, need)
+            self.bm.allocate(req, need, skip)
             if fresh:
                 self.connector.update_state_after_alloc(req, num_remote)
             if load_async:
@@ -268,6 +271,10 @@ class Scheduler:
                     self.bm.release_outside_window(req)
             else:  # only its prefix-cache hits are computed; the rest is prefilled here
                 self.connector.load_failed(req)
+                if self.bm.windowed:
+                    # Its sliding table has null entries the pull was not to write (allocate's
+                    # sliding_from), which a local prefill would: start afresh (its hits come back).
+                    self.bm.free_request(req)
             req.set_status(RequestStatus.WAITING)
             arrived.append(req)
         self.waiting.extendleft(reversed(arrived))  # they hold their blocks: run them first

@@ -74,6 +74,10 @@ class KVConnectorScheduler:
         self._endpoint = endpoint
         self._can_send = endpoint is not None and endpoint.serves
         self._hybrid = endpoint is not None and endpoint.layout.hybrid  # hand-offs list the sliding tail
+        if self._hybrid and self._can_send:
+            log.info("hybrid KV cache (sliding window %d): hand-offs move the full layers' prompt blocks and the "
+                     "sliding layers' window; streamed hand-offs are answered after the prefill",
+                     endpoint.layout.window)
         self._pinned: dict[str, int] = {}  # prefill side: pins ordered and not reported gone -> their blocks
         self._num_pinned = 0
         self.stream_chunk_tokens, self.stream_split = stream_chunk_tokens, stream_split
