@@ -81,6 +81,7 @@ def test_hand_off_moves_the_window_only_and_counts_what_it_skipped(tiny_checkpoi
         bm = p.block_manager
         assert preq.sliding_block_ids[:start] == [bm.null_block] * start
         assert bm.num_free_blocks == bm.num_blocks - len(preq.block_ids) - (n - start)
+        assert p.stats().num_pinned_blocks == n + (n - start)
         assert KVTransferParams.from_dict(params.to_dict()) == params  # the wire's block count check
 
         assert decode(p, d, params) == expected

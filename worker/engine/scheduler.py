@@ -79,7 +79,8 @@ class Scheduler:
 
     @property
     def num_sending_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.sending.values())
+        null = getattr(self.bm, "null_block", None)  # a hybrid cache's: not a held block
+        return sum(len(r.block_ids) + sum(1 for b in r.sliding_block_ids if b != null) for r in self.sending.values())
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
