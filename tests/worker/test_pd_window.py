@@ -161,3 +161,40 @@ def test_a_failed_pull_prefills_locally_with_both_tables_whole(tiny_checkpoint):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_streamed_hand_off_moves_the_window_only(tiny_checkpoint, transport):
+    """Streamed (chunks of 8 tokens): the full blocks are read as chunks complete, the sliding
+    tail once the prompt is done; the bytes and the answer as after the prefill."""
+    ckpt = tiny_checkpoint("gpt-oss")
+    p = make_engine(ckpt, role="prefill", kv_transfer=transport, kv_port=free_port(), kv_stream_chunk_tokens=8,
+                    kv_stream_split="even", **PD)
+    d = make_engine(ckpt, role="decode", kv_transfer=transport, kv_port=free_port(), enable_prefix_caching=False,
+                    **PD)
+    try:
+        expected = d.generate([PROMPT], GREEDY)[0]
+        p.add_request("p", PROMPT, GREEDY, {"do_remote_decode": True, "stream_kv": True})
+        outs = []
+        while not any(o.kv_transfer_params for o in outs):
+            outs += p.step()
+        params = next(o.kv_transfer_params for o in outs if o.kv_transfer_params)
+        assert params.stream_kv and params.first_token_id is None
+        n, start = -(-len(PROMPT) // BS), params.kv_layout.sliding_start(len(PROMPT))
+        assert len(params.remote_block_ids) == n + (n - start)
+        d.add_request("d", PROMPT, GREEDY, params)
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < GREEDY.max_tokens:
+            assert time.monotonic() < deadline, "the streamed hand-off did not finish"
+            p.step()
+            for o in d.step():
+                got += list(o.handed_over_token_ids or ()) + o.new_token_ids
+        assert got == expected
+        metrics = d.kv_connector.metrics
+        bb = d.kv_cache.block_bytes
+        assert metrics.bytes.labels("recv", transport)._value.get() == (n + n - start) * bb
+        assert metrics.window_skipped.labels("recv", transport)._value.get() == start * bb
+        assert metrics.local_prefill_fallbacks._value.get() == 0
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -30,10 +30,10 @@ is cached here, since the first token comes with the pull's end (`first_token_ar
 A hybrid KV cache (a model with sliding-window layers, docs/kv-cache.md) hands off every prompt
 block of the full group and only the sliding group's blocks from the window of the decode side's
 first query on (`_handoff`): one list, full blocks first, so the transports move "block i of a
-list" as for a plain cache. Its prefill worker does not stream the hand-off (a streamed pin's
-readiness and layered reads are per layer of a whole-model block): it answers a `stream_kv`
-request with the after-prefill hand-off, which the router takes as from any worker that does not
-stream.
+list" as for a plain cache. Streamed, the full blocks become readable as chunks complete and the
+sliding tail when the prompt is done (`_ready`); no step's blocks are offered layer by layer
+(`computing`): a one-group block's slices are its group's layers, not the model's the layer clock
+counts.
 
 A decode request that never pulls (it finished on its handed-over token, was aborted while
 queued, or its whole prompt was in our prefix cache) still releases the prefill worker's pin,
@@ -74,10 +74,6 @@ class KVConnectorScheduler:
         self._endpoint = endpoint
         self._can_send = endpoint is not None and endpoint.serves
         self._hybrid = endpoint is not None and endpoint.layout.hybrid  # hand-offs list the sliding tail
-        if self._hybrid and self._can_send:
-            log.info("hybrid KV cache (sliding window %d): hand-offs move the full layers' prompt blocks and the "
-                     "sliding layers' window; streamed hand-offs are answered after the prefill",
-                     endpoint.layout.window)
         self._pinned: dict[str, int] = {}  # prefill side: pins ordered and not reported gone -> their blocks
         self._num_pinned = 0
         self.stream_chunk_tokens, self.stream_split = stream_chunk_tokens, stream_split
@@ -107,7 +103,7 @@ class KVConnectorScheduler:
                                STREAM_UNSUPPORTED)
         if ep is None:
             return  # prefilled locally: the remote layout does not matter
-        if (kv.kv_layout != ep.layout or ep.layout.hybrid) and kv.stream_kv:
+        if kv.kv_layout != ep.layout and kv.stream_kv:
             # A streamed hand-off's first token comes with the pull, which cannot happen: the
             # router then hands over the final params instead, which prefill locally (below).
             raise RequestError(PARAM, f"{PARAM} of a streamed hand-off describe KV layout {str(kv.kv_layout)!r} but "
@@ -135,7 +131,7 @@ class KVConnectorScheduler:
             # first token when the client asked for at least one.
             req.params = replace(req.params, max_tokens=PREFILL_MAX_TOKENS,
                                  min_tokens=min(req.params.min_tokens, PREFILL_MAX_TOKENS))
-            if wants_stream_kv(p) and self._can_send and not self._hybrid:
+            if wants_stream_kv(p) and self._can_send:
                 self._streaming.add(req.request_id)
         elif is_streamed(p):  # decode side, announced early: check_params saw a transport and peers
             self._awaiting_first.add(req.request_id)
@@ -214,7 +210,7 @@ class KVConnectorScheduler:
         for i, (req, _) in enumerate(items):
             if req.request_id in self._streaming and not req.status.finished:
                 n = req.num_computed_tokens if computed is None else computed[i]
-                self._meta.advances.append((req.request_id, n // self.block_size))
+                self._meta.advances.append((req.request_id, self._ready(req, n)))
                 if self._last_step_next(req, n):
                     self._meta.last_steps.append(req.request_id)
 
@@ -223,6 +219,8 @@ class KVConnectorScheduler:
         of each streamed prefill it computes a chunk of. Their layers are readable as the step
         writes them (pins.PinTable.computing); the step's collection makes them whole (after_step)."""
         out = []
+        if self._hybrid:  # the layer clock counts model layers; a block's slices are one group's
+            return out
         for req, n in items:
             if req.request_id in self._streaming and not req.status.finished:
                 done = req.num_computed_tokens + n
@@ -230,6 +228,13 @@ class KVConnectorScheduler:
                 out.append((req.request_id, -(-req.num_prompt_tokens // self.block_size) if last
                             else done // self.block_size))
         return out
+
+    def _ready(self, req: Request, computed: int) -> int:
+        """Leading blocks of `req`'s hand-off list (`_handoff`) readable once `computed` tokens
+        are: the full prompt blocks so far; a hybrid list's sliding tail only once the prompt is."""
+        if self._hybrid and computed >= req.num_prompt_tokens:
+            return self._endpoint.layout.handoff_blocks(req.num_prompt_tokens)
+        return computed // self.block_size
 
     def _last_step_next(self, req: Request, computed: int) -> bool:
         """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap;
