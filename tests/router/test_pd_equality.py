@@ -60,8 +60,8 @@ def gpt_oss_stack(request, tiny_checkpoint):
     GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Both workers keep
     the hybrid KV cache (docs/kv-cache.md): the hand-off moves the full layers' blocks and the
     sliding layers' window only; the chat prompts and TEXTS[3] are longer than the window, so
-    the decode worker's first steps already slide over pulled KV. The router asks for the
-    streamed hand-off (its default); a hybrid prefill worker answers with the after-prefill one."""
+    the decode worker's first steps already slide over pulled KV. The router streams the
+    hand-off (its default): full blocks chunk by chunk, the sliding tail with the last one."""
     with pd_stack(tiny_checkpoint("gpt-oss"), request.param) as urls:
         yield urls
 

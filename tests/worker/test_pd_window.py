@@ -1,8 +1,9 @@
 """P/D with gpt-oss's hybrid KV cache (docs/kv-cache.md): the hand-off moves every full-attention
 block and only the sliding layers' blocks that the decode side's first query reads, counted in
 bytes; the decode side's sliding blocks before the window are the null block, never published;
-the answer is the decode engine's own. Two real engines in this process (the side channel and
-transports on loopback threads), tiny gpt-oss (window 8, 4-token blocks), TCP and NIXL.
+the answer is the decode engine's own, after the prefill and streamed. Two real engines in this
+process (the side channel and transports on loopback threads), tiny gpt-oss (window 8, 4-token
+blocks), TCP and NIXL.
 """
 
 from __future__ import annotations
