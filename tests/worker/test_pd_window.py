@@ -29,11 +29,11 @@ PD = dict(kv_peer_allow=("127.0.0.1",), kv_secret="pd-window-test-secret", max_m
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
 
 
-def engines(ckpt, transport: str, prefill_hybrid: bool = True, pull_timeout: float = 30):
+def engines(ckpt, transport: str, prefill_hybrid: bool = True, decode_hybrid: bool = True, pull_timeout: float = 30):
     p = make_engine(ckpt, role="prefill", kv_transfer=transport, kv_port=free_port(),
                     disable_hybrid_kv_cache_manager=not prefill_hybrid, **PD)
     d = make_engine(ckpt, role="decode", kv_transfer=transport, kv_port=free_port(), enable_prefix_caching=False,
-                    kv_pull_timeout=pull_timeout, **PD)
+                    disable_hybrid_kv_cache_manager=not decode_hybrid, kv_pull_timeout=pull_timeout, **PD)
     return p, d
 
 
@@ -130,15 +130,17 @@ def test_the_decode_side_never_publishes_sliding_blocks_it_did_not_pull(tiny_che
         d.shutdown()
 
 
-def test_a_plain_prefill_worker_and_a_hybrid_decode_worker_fall_back_to_local_prefill(tiny_checkpoint):
+@pytest.mark.parametrize("hybrid_side", ["decode", "prefill"])
+def test_a_plain_worker_and_a_hybrid_one_fall_back_to_local_prefill(tiny_checkpoint, hybrid_side):
     """--disable-hybrid-kv-cache-manager on one side only: the layouts differ (the group split is
     part of it), so the decode side refuses the hand-off and prefills here: same answer."""
-    p, d = engines(tiny_checkpoint("gpt-oss"), "tcp", prefill_hybrid=False)
+    p, d = engines(tiny_checkpoint("gpt-oss"), "tcp", prefill_hybrid=hybrid_side == "prefill",
+                   decode_hybrid=hybrid_side == "decode")
     try:
-        assert not p.kv_cache.layout.hybrid and d.kv_cache.layout.hybrid and p.kv_cache.layout != d.kv_cache.layout
+        assert p.kv_cache.layout.hybrid == (hybrid_side == "prefill") != d.kv_cache.layout.hybrid
         expected = d.generate([PROMPT], GREEDY)[0]
         params = prefill_params(p)
-        assert len(params.remote_block_ids) == -(-len(PROMPT) // BS)
+        assert len(params.remote_block_ids) == p.kv_cache.layout.handoff_blocks(len(PROMPT))
         assert decode(p, d, params) == expected
         metrics = d.kv_connector.metrics
         assert metrics.local_prefill_fallbacks._value.get() == 1
@@ -164,15 +166,19 @@ def test_a_failed_pull_prefills_locally_with_both_tables_whole(tiny_checkpoint):
         d.shutdown()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_streamed_hand_off_moves_the_window_only(tiny_checkpoint, transport):
+@pytest.mark.parametrize("transport,asyn", [pytest.param("tcp", False, id="tcp"),
+                                             pytest.param("tcp", True, id="tcp-async"),
+                                             pytest.param("nixl", False, id="nixl", marks=TRANSPORTS[1].marks)])
+def test_a_streamed_hand_off_moves_the_window_only(tiny_checkpoint, transport, asyn):
     """Streamed (chunks of 8 tokens): the full blocks are read as chunks complete, the sliding
-    tail once the prompt is done; the bytes and the answer as after the prefill."""
+    tail once the prompt is done; the bytes and the answer as after the prefill. Under async
+    scheduling too (a chunk's blocks readable once its step is collected, a step later)."""
     ckpt = tiny_checkpoint("gpt-oss")
     p = make_engine(ckpt, role="prefill", kv_transfer=transport, kv_port=free_port(), kv_stream_chunk_tokens=8,
-                    kv_stream_split="even", **PD)
+                    kv_stream_split="even", async_scheduling=asyn, **PD)
     d = make_engine(ckpt, role="decode", kv_transfer=transport, kv_port=free_port(), enable_prefix_caching=False,
-                    **PD)
+                    async_scheduling=asyn, **PD)
+    assert p.async_scheduling == d.async_scheduling == asyn
     try:
         expected = d.generate([PROMPT], GREEDY)[0]
         p.add_request("p", PROMPT, GREEDY, {"do_remote_decode": True, "stream_kv": True})
