@@ -7,8 +7,9 @@ decode worker's own greedy output for the same prompt, the decode worker must ha
 (bytes counted, no local-prefill fallback), and afterwards no worker holds a block it did not
 hold before. Llama with 2 KV heads maps heads across ranks (TP=2 -> TP=1 interleaves both
 prefill ranks' heads; TP=1 -> TP=2 keeps each rank's slice); Qwen2 with 1 KV head has it
-replicated on both ranks of a TP=2 worker. A pull that fails on one rank only falls back to local
-prefill on every rank, with the same output.
+replicated on both ranks of a TP=2 worker; gpt-oss hands off its hybrid KV cache (the full
+layers' blocks and the sliding layers' window, docs/kv-cache.md) across TP sizes. A pull that
+fails on one rank only falls back to local prefill on every rank, with the same output.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def free_kv_ports() -> int:
     return free_port(span=2)
 
 
-GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1)]
+# gpt-oss: the hybrid KV cache (docs/kv-cache.md), its sliding layers' window only handed off.
+GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1), ("tcp", "gpt-oss", 2)]
 
 
 @pytest.fixture(scope="module", params=GROUPS, ids=[f"{t}-{a}-kv{k}" for t, a, k in GROUPS])

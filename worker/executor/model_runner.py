@@ -123,13 +123,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def kv_groups(config: EngineConfig, cfg) -> KVGroups | None:
     """The KV cache's groups (attention/kv_groups.py): a model with sliding-window layers gets a
     sliding group unless --disable-hybrid-kv-cache-manager. A P/D worker hands off the full
-    group's blocks and the sliding group's window (docs/kv-cache.md), except under tensor
-    parallelism, where the hand-off of a split cache is not tested yet: there a block holds every
-    layer, as the plain cache's (its peers then need the plain cache too: the layouts compare)."""
+    group's blocks and the sliding group's window (docs/kv-cache.md)."""
     if config.disable_hybrid_kv_cache_manager:
-        return None
-    moves_kv = config.role != "both" or config.kv_transfer is not None
-    if moves_kv and config.tensor_parallel_size > 1:
         return None
     return KVGroups.of(cfg)
 
