@@ -179,8 +179,12 @@ def test_tp_pd_equals_single_worker_greedy(workers, no_leaks, streamed):
         p, d = ws["prefill", ptp], ws["decode", dtp]
         prompt = prompt_of(f"{transport}{ptp}{dtp}{streamed}")
         pulled = metric(d, "pdserve_kv_transfer_bytes_total")
+        skipped = metric(d, "pdserve_kv_window_skipped_bytes_total")
         results[ptp, dtp] = (prompt, (pd_streamed if streamed else pd)(p, d, prompt))
         assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled, f"TP {ptp} -> {dtp} did not pull"
+        # A hybrid cache (its engine says so at start) leaves the sliding blocks before the window behind.
+        windowed = "sliding window" in d.output()
+        assert (metric(d, "pdserve_kv_window_skipped_bytes_total") > skipped) == windowed
     for w in (ws["decode", 1], ws["decode", 2]):
         assert metric(w, "pdserve_kv_local_prefill_fallbacks_total") == 0
     # The reference: one TP=1 worker serving the whole request (after the P/D runs, so its prefix
