@@ -126,6 +126,7 @@ class KVTransferParams:
     remote_host: str
     remote_port: int
     remote_request_id: str
+    # Every prompt block; a hybrid cache's sliding tail after them (KVLayout.handoff_blocks).
     remote_block_ids: tuple[int, ...]
     num_prompt_tokens: int
     # Sampled by the prefill; the decode worker appends it, never recomputes it. None in streamed
@@ -178,7 +179,7 @@ class KVTransferParams:
         if (
             block_size < 1
             or values["num_prompt_tokens"] < 1
-            or len(ids) != -(-values["num_prompt_tokens"] // block_size)
+            or len(ids) != layout.handoff_blocks(values["num_prompt_tokens"])
         ):
             raise KVTransferParamsError(f"{PARAM}: remote_block_ids do not cover num_prompt_tokens")
         transport = params.get("transport", BASE_TRANSPORT)

@@ -13,6 +13,8 @@ from pdserve.protocol.kv_layout import KVLayout
     ("32x8x128:bfloat16:16", KVLayout(32, 8, 128, "bfloat16", 16)),
     ("28x2x64:float8_e4m3fn@1:16", KVLayout(28, 2, 64, "float8_e4m3fn", 16, "1")),
     ("28x2x64:float8_e4m3fn@0a1b2c3d4e5f:16", KVLayout(28, 2, 64, "float8_e4m3fn", 16, "0a1b2c3d4e5f")),
+    ("24x8x64:bfloat16:16:w128/555555", KVLayout(24, 8, 64, "bfloat16", 16, None, 128, tuple(range(0, 24, 2)))),
+    ("2x2x16:float8_e4m3fn@1:4:w8/1", KVLayout(2, 2, 16, "float8_e4m3fn", 4, "1", 8, (0,))),
 ])
 def test_the_wire_form_reads_back_to_the_same_value(text, layout):
     assert KVLayout.parse(text) == layout and str(layout) == text
@@ -31,7 +33,22 @@ def test_layouts_compare_as_values():
     ("layout:16", "is not <layers>x<kv heads>x<head dim>"),
     ("2x4:float32:16", "is not <layers>x<kv heads>x<head dim>"),
     ("02x4x16:float32:16", "is not <layers>x<kv heads>x<head dim>"),  # another spelling of a layout
+    ("2x2x16:float32:4:w8/0", "is not <layers>x<kv heads>x<head dim>"),  # a window without sliding layers
+    ("2x2x16:float32:4:w0/1", "is not <layers>x<kv heads>x<head dim>"),  # sliding layers without a window
+    ("2x2x16:float32:4:w8/01", "is not <layers>x<kv heads>x<head dim>"),  # another spelling of the mask
 ])
 def test_a_string_no_worker_writes_is_refused(text, says):
     with pytest.raises(ValueError, match=says):
         KVLayout.parse(text)
+
+
+def test_a_hybrid_layout_and_a_plain_one_differ_and_count_their_hand_off():
+    """A hybrid cache's hand-off: every prompt block, then the sliding group's blocks from the
+    window of the first decode query (position = prompt length) on."""
+    hybrid = KVLayout.parse("2x2x16:float32:4:w8/1")
+    plain = KVLayout.parse("2x2x16:float32:4")
+    assert hybrid != plain and hybrid.hybrid and not plain.hybrid
+    # 30 tokens: 8 blocks; the query at position 30 reads keys 23.. (block 5 on): 8 + 3 blocks.
+    assert hybrid.sliding_start(30) == 5 and hybrid.handoff_blocks(30) == 11
+    assert plain.handoff_blocks(30) == 8
+    assert hybrid.handoff_blocks(5) == 2 + 2  # within one window: every sliding block too

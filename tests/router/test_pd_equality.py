@@ -57,9 +57,11 @@ def moe_stack(request, tiny_checkpoint):
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def gpt_oss_stack(request, tiny_checkpoint):
     """gpt-oss (tests/checkpoints.py): attention sinks, layers alternating sliding (window
-    GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Every sliding
-    layer's KV crosses the hand-off as the full layers' does; the chat prompts and TEXTS[3]
-    are longer than the window, so the decode worker's first steps already slide over pulled KV."""
+    GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Both workers keep
+    the hybrid KV cache (docs/kv-cache.md): the hand-off moves the full layers' blocks and the
+    sliding layers' window only; the chat prompts and TEXTS[3] are longer than the window, so
+    the decode worker's first steps already slide over pulled KV. The router streams the
+    hand-off (its default): full blocks chunk by chunk, the sliding tail with the last one."""
     with pd_stack(tiny_checkpoint("gpt-oss"), request.param) as urls:
         yield urls
 
@@ -420,6 +422,7 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
         assert n > 3 * GPT_OSS_WINDOW, n
         for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5, "top_k": 50}):
             before = disaggregated(router), metric(worker, "pdserve_kv_transfer_bytes_total")
+            fallbacks = metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
             out = assert_same(gpt_oss_stack, "completions", {"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
                                                             "logprobs": 1, "stream": stream, **sampling,
                                                             "stream_options": {"include_usage": True} if stream
@@ -427,6 +430,10 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
             assert out["usage"]["completion_tokens"] == 12
             assert disaggregated(router) == before[0] + 1  # the KV moved from prefill to decode
             assert metric(worker, "pdserve_kv_transfer_bytes_total") > before[1]
+            # Pulled, not refused: both workers' hybrid layouts match. (The decode worker answered
+            # the same prompt first, so only the blocks its prefix cache lacks move: the window's
+            # saving is counted in tests/worker/test_pd_window.py, on a cold decode cache.)
+            assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
 
 
 @live_settings(10)

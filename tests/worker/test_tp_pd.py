@@ -7,8 +7,9 @@ decode worker's own greedy output for the same prompt, the decode worker must ha
 (bytes counted, no local-prefill fallback), and afterwards no worker holds a block it did not
 hold before. Llama with 2 KV heads maps heads across ranks (TP=2 -> TP=1 interleaves both
 prefill ranks' heads; TP=1 -> TP=2 keeps each rank's slice); Qwen2 with 1 KV head has it
-replicated on both ranks of a TP=2 worker. A pull that fails on one rank only falls back to local
-prefill on every rank, with the same output.
+replicated on both ranks of a TP=2 worker; gpt-oss hands off its hybrid KV cache (the full
+layers' blocks and the sliding layers' window, docs/kv-cache.md) across TP sizes. A pull that
+fails on one rank only falls back to local prefill on every rank, with the same output.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def free_kv_ports() -> int:
     return free_port(span=2)
 
 
-GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1)]
+# gpt-oss: the hybrid KV cache (docs/kv-cache.md), its sliding layers' window only handed off.
+GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1), ("tcp", "gpt-oss", 2)]
 
 
 @pytest.fixture(scope="module", params=GROUPS, ids=[f"{t}-{a}-kv{k}" for t, a, k in GROUPS])
@@ -177,8 +179,12 @@ def test_tp_pd_equals_single_worker_greedy(workers, no_leaks, streamed):
         p, d = ws["prefill", ptp], ws["decode", dtp]
         prompt = prompt_of(f"{transport}{ptp}{dtp}{streamed}")
         pulled = metric(d, "pdserve_kv_transfer_bytes_total")
+        skipped = metric(d, "pdserve_kv_window_skipped_bytes_total")
         results[ptp, dtp] = (prompt, (pd_streamed if streamed else pd)(p, d, prompt))
         assert metric(d, "pdserve_kv_transfer_bytes_total") > pulled, f"TP {ptp} -> {dtp} did not pull"
+        # A hybrid cache (its engine says so at start) leaves the sliding blocks before the window behind.
+        windowed = "sliding window" in d.output()
+        assert (metric(d, "pdserve_kv_window_skipped_bytes_total") > skipped) == windowed
     for w in (ws["decode", 1], ws["decode", 2]):
         assert metric(w, "pdserve_kv_local_prefill_fallbacks_total") == 0
     # The reference: one TP=1 worker serving the whole request (after the P/D runs, so its prefix

@@ -33,14 +33,17 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_KV_DTYPE if name in ("fp8", "fp8_e4m3") else model_dtype
 
 
-def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: torch.Tensor | None = None) -> KVLayout:
+def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: torch.Tensor | None = None,
+              groups: KVGroups | None = None) -> KVLayout:
     """What P/D peers compare before a pull (str() of it: "<layers>x<kv heads>x<head dim>:<dtype>:<block size>").
 
     An fp8 cache's layout also names its scales ("float8_e4m3fn@1" when all are 1, else "@" and a
     digest of them): blocks written with other scales would dequantize to other values, so a pair
-    whose scales differ must not exchange KV any more than one whose dtype does."""
+    whose scales differ must not exchange KV any more than one whose dtype does. A hybrid cache's
+    (`groups`) names its group split too: its blocks hold one group's layers."""
+    window, sliding = (groups.window, groups.sliding_layers) if groups is not None else (0, ())
     return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."), block_size,
-                    scales_tag(scales) if dtype == FP8_KV_DTYPE else None)
+                    scales_tag(scales) if dtype == FP8_KV_DTYPE else None, window, tuple(sliding))
 
 
 def scales_tag(scales: torch.Tensor | None) -> str:
@@ -72,7 +75,7 @@ class KVCache:
                              f"got shape {list(scales.shape)}")
         self.scales = scales.to(device=device, dtype=torch.float32).contiguous()
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
-        self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None)
+        self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None, groups)
         self.tensor = torch.zeros(
             num_blocks, layers_per_block(cfg, groups), 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
             device=device)

@@ -56,7 +56,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = flag(
         False, "models with sliding-window layers (gpt-oss): keep every layer's KV for the whole sequence "
                "instead of releasing the sliding layers' blocks behind the window (docs/kv-cache.md); "
-               "a P/D worker (--role prefill|decode, --kv-transfer) always does")
+               "P/D peers (--role prefill|decode, --kv-transfer) must agree on it: their KV layouts differ")
     async_scheduling: bool | None = flag(None, "schedule and prepare the next step while the GPU runs this one "
                                                 "(vLLM's async scheduling); not for a P/D worker under tensor "
                                                 "parallelism (docs/async-scheduling.md)",

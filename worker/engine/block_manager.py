@@ -111,8 +111,9 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> bool:
-        """Whether `req` can own blocks for its first `num_tokens` tokens (taking `cached` hits)."""
+    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] = (), sliding_from: int = 0) -> bool:
+        """Whether `req` can own blocks for its first `num_tokens` tokens (taking `cached` hits).
+        `sliding_from`: a hybrid cache's first sliding block to allocate (hybrid_block_manager.py)."""
         have = len(req.block_ids) + len(cached)
         new = max(0, self.blocks_needed(num_tokens) - have)
         reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)  # hits sitting in the free queue
@@ -125,7 +126,7 @@ class BlockManager:
         req.num_hashed_blocks = len(req.block_ids)
         req.num_computed_tokens = len(req.block_ids) * self.block_size
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
+    def allocate(self, req: Request, num_tokens: int, sliding_from: int = 0) -> None:
         """Grow `req` to own blocks for its first `num_tokens` tokens. Caller checked can_allocate."""
         n = self.blocks_needed(num_tokens) - len(req.block_ids)
         if n > 0:

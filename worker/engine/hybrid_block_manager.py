@@ -80,9 +80,11 @@ class HybridBlockManager(BlockManager):
 
     # -- allocation ---------------------------------------------------------------------------
 
-    def can_allocate(self, req: Request, num_tokens: int, cached: PrefixHit | list[int] = ()) -> bool:
-        have = len(req.block_ids) + len(cached)
-        new = 2 * max(0, self.blocks_needed(num_tokens) - have)  # each group grows by as many
+    def can_allocate(self, req: Request, num_tokens: int, cached: PrefixHit | list[int] = (),
+                     sliding_from: int = 0) -> bool:
+        """`sliding_from`: the sliding table's entries before it stay null (allocate)."""
+        have, need = len(req.block_ids) + len(cached), self.blocks_needed(num_tokens)
+        new = max(0, need - have) + max(0, need - max(have, sliding_from))
         held = list(cached) + [b for b in getattr(cached, "sliding", ()) if b != self.null_block]
         reclaimed = sum(1 for b in held if self.ref_counts[b] == 0)
         return new + reclaimed <= self.num_free_blocks
@@ -105,13 +107,19 @@ class HybridBlockManager(BlockManager):
         req.num_released_sliding = sum(1 for b in sliding if b == self.null_block)
         super().take_cached(req, cached)
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        n = self.blocks_needed(num_tokens) - len(req.block_ids)
-        if n <= 0:
+    def allocate(self, req: Request, num_tokens: int, sliding_from: int = 0) -> None:
+        """`sliding_from`: new sliding entries before it are null, not allocated. A P/D pull writes
+        the sliding blocks from the window of its first decode query on (KVLayout.sliding_start);
+        the earlier ones would never be written nor read."""
+        need = self.blocks_needed(num_tokens)
+        if need <= len(req.block_ids):
             return
         super().allocate(req, num_tokens)
-        last = req.sliding_block_ids[-1] if req.sliding_block_ids else self.null_block
-        req.sliding_block_ids.extend(self._new_blocks(last + 1 if last != self.null_block else None, n))
+        table = req.sliding_block_ids
+        nulls = max(0, min(sliding_from, need) - len(table))
+        table.extend([self.null_block] * nulls)
+        last = table[-1] if table else self.null_block
+        table.extend(self._new_blocks(last + 1 if last != self.null_block else None, need - len(table)))
 
     def release_outside_window(self, req: Request) -> int:
         """Release `req`'s sliding blocks that no query from its next token on reads; how many."""

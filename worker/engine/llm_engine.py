@@ -95,7 +95,8 @@ class LLMEngine:
             # Under TP every rank gets a connector over its shard; the layout named is the whole model's.
             self.kv_connector = KVConnector(config, self.kv_cache.tensor, self.engine_id,
                                             kv_layout(self.model_config, r.kv_dtype, config.block_size,
-                                                      self.kv_cache.scales if self.kv_cache.quantized else None),
+                                                      self.kv_cache.scales if self.kv_cache.quantized else None,
+                                                      r.kv_groups),
                                             tp=r.kv_tp_rank, link=r.kv_tp_link)
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()

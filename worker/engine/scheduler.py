@@ -79,7 +79,8 @@ class Scheduler:
 
     @property
     def num_sending_blocks(self) -> int:
-        return sum(len(r.block_ids) for r in self.sending.values())
+        null = getattr(self.bm, "null_block", None)  # a hybrid cache's: not a held block
+        return sum(len(r.block_ids) + sum(1 for b in r.sliding_block_ids if b != null) for r in self.sending.values())
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -136,7 +137,10 @@ class Scheduler:
             if self.bm.windowed and not whole:
                 n = self.bm.fit_chunk(req, start, n, cached) or n
             need = req.num_tokens if whole else start + n
-            if not self.bm.can_allocate(req, need, cached):
+            # A pull into a hybrid cache writes the sliding group's window only: no blocks before it.
+            skip = self.bm.groups.first_needed_block(req.num_prompt_tokens, self.bm.block_size) \
+                if load_async and self.bm.windowed else 0
+            if not self.bm.can_allocate(req, need, cached, skip):
                 break  # FCFS: don't let later requests overtake the head of the queue
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the prompt once, not on every recompute
@@ -144,7 +148,7 @@ class Scheduler:
                 self.bm.record_query(req.num_prompt_tokens, start)
             if fresh:
                 self.bm.take_cached(req, cached)
-            self.bm.allocate(req, need)
+            self.bm.allocate(req, need, skip)
             if fresh:
                 self.connector.update_state_after_alloc(req, num_remote)
             if load_async:
@@ -262,8 +266,16 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens = req.num_prompt_tokens
                 req.kv_landed_time = time.monotonic()
+                if self.bm.windowed:
+                    # The pull brought the sliding group's window only: its blocks before it were
+                    # never written and must not be published (register_computed) or read. Null.
+                    self.bm.release_outside_window(req)
             else:  # only its prefix-cache hits are computed; the rest is prefilled here
                 self.connector.load_failed(req)
+                if self.bm.windowed:
+                    # Its sliding table has null entries the pull was not to write (allocate's
+                    # sliding_from), which a local prefill would: start afresh (its hits come back).
+                    self.bm.free_request(req)
             req.set_status(RequestStatus.WAITING)
             arrived.append(req)
         self.waiting.extendleft(reversed(arrived))  # they hold their blocks: run them first
@@ -301,6 +313,8 @@ class Scheduler:
         keep, params = self.connector.request_finished(req)
         req.kv_transfer_params_out = params
         if keep:
+            if self.bm.windowed:  # the pin lists the sliding group's window only: the rest goes now
+                self.bm.release_outside_window(req)
             self.sending[req.request_id] = req
         else:
             self.bm.free_request(req)

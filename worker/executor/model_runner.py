@@ -122,10 +122,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def kv_groups(config: EngineConfig, cfg) -> KVGroups | None:
     """The KV cache's groups (attention/kv_groups.py): a model with sliding-window layers gets a
-    sliding group unless --disable-hybrid-kv-cache-manager or the worker moves KV for P/D (the
-    hand-off sends whole blocks of every layer; vLLM's KV connectors likewise turn the hybrid
-    manager off)."""
-    if config.disable_hybrid_kv_cache_manager or config.role != "both" or config.kv_transfer is not None:
+    sliding group unless --disable-hybrid-kv-cache-manager. A P/D worker hands off the full
+    group's blocks and the sliding group's window (docs/kv-cache.md)."""
+    if config.disable_hybrid_kv_cache_manager:
         return None
     return KVGroups.of(cfg)
 

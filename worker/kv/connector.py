@@ -381,6 +381,12 @@ class KVConnector:
                 self.pool.submit(_peer(params), self._release_quietly, params)
             raise
         self.metrics.observe_pull(transport.name, nbytes, time.perf_counter() - t0)
+        if params.kv_layout.hybrid:
+            # The load lists the full group's blocks it lacks, then the sliding ones it lacks within
+            # the window: each full block beyond the sliding ones is a sliding block left behind.
+            n = -(-params.num_prompt_tokens // params.block_size)
+            full = sum(1 for i in indices if i < n)
+            self.metrics.window_skipped.labels("recv", transport.name).inc((2 * full - len(indices)) * self.block_bytes)
         return nbytes
 
     def _pull_blocks(self, host: str, params: KVTransferParams, indices: list[int], dst_blocks: list[int], digest: str,

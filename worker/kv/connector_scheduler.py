@@ -27,6 +27,14 @@ params out before the first chunk runs); `chunk_cap` cuts its steps (--kv-stream
 token (or cancels the pin). Decode side: the request waits for its pull even when every block
 is cached here, since the first token comes with the pull's end (`first_token_arrived`).
 
+A hybrid KV cache (a model with sliding-window layers, docs/kv-cache.md) hands off every prompt
+block of the full group and only the sliding group's blocks from the window of the decode side's
+first query on (`_handoff`): one list, full blocks first, so the transports move "block i of a
+list" as for a plain cache. Streamed, the full blocks become readable as chunks complete and the
+sliding tail when the prompt is done (`_ready`); no step's blocks are offered layer by layer
+(`computing`): a one-group block's slices are its group's layers, not the model's the layer clock
+counts.
+
 A decode request that never pulls (it finished on its handed-over token, was aborted while
 queued, or its whole prompt was in our prefix cache) still releases the prefill worker's pin,
 so that worker frees its blocks now rather than at TTL.
@@ -65,6 +73,7 @@ class KVConnectorScheduler:
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
         self._endpoint = endpoint
         self._can_send = endpoint is not None and endpoint.serves
+        self._hybrid = endpoint is not None and endpoint.layout.hybrid  # hand-offs list the sliding tail
         self._pinned: dict[str, int] = {}  # prefill side: pins ordered and not reported gone -> their blocks
         self._num_pinned = 0
         self.stream_chunk_tokens, self.stream_split = stream_chunk_tokens, stream_split
@@ -142,8 +151,9 @@ class KVConnectorScheduler:
                 if now >= self._next_log:
                     self._next_log = now + 60.0
                     log.error("KV hand-off refused: the prefill worker's KV layout is %r, this worker's %r (layers x "
-                              "kv heads x head dim : dtype[@fp8 scales] : block size; --kv-cache-dtype and "
-                              "--block-size must match between prefill and decode): prefilling locally",
+                              "kv heads x head dim : dtype[@fp8 scales] : block size[:w<window>/<sliding layers>]; "
+                              "--kv-cache-dtype, --block-size and --disable-hybrid-kv-cache-manager must match "
+                              "between prefill and decode): prefilling locally",
                               str(p.kv_layout), str(self._endpoint.layout))
                 return
             if self._endpoint.policy.empty:  # a `both` worker started without peers (it logged an error)
@@ -200,7 +210,7 @@ class KVConnectorScheduler:
         for i, (req, _) in enumerate(items):
             if req.request_id in self._streaming and not req.status.finished:
                 n = req.num_computed_tokens if computed is None else computed[i]
-                self._meta.advances.append((req.request_id, n // self.block_size))
+                self._meta.advances.append((req.request_id, self._ready(req, n)))
                 if self._last_step_next(req, n):
                     self._meta.last_steps.append(req.request_id)
 
@@ -209,6 +219,8 @@ class KVConnectorScheduler:
         of each streamed prefill it computes a chunk of. Their layers are readable as the step
         writes them (pins.PinTable.computing); the step's collection makes them whole (after_step)."""
         out = []
+        if self._hybrid:  # the layer clock counts model layers; a block's slices are one group's
+            return out
         for req, n in items:
             if req.request_id in self._streaming and not req.status.finished:
                 done = req.num_computed_tokens + n
@@ -216,6 +228,13 @@ class KVConnectorScheduler:
                 out.append((req.request_id, -(-req.num_prompt_tokens // self.block_size) if last
                             else done // self.block_size))
         return out
+
+    def _ready(self, req: Request, computed: int) -> int:
+        """Leading blocks of `req`'s hand-off list (`_handoff`) readable once `computed` tokens
+        are: the full prompt blocks so far; a hybrid list's sliding tail only once the prompt is."""
+        if self._hybrid and computed >= req.num_prompt_tokens:
+            return self._endpoint.layout.handoff_blocks(req.num_prompt_tokens)
+        return computed // self.block_size
 
     def _last_step_next(self, req: Request, computed: int) -> bool:
         """Whether the step after the one that computed up to `computed` ends the prompt (chunk_cap;
@@ -241,7 +260,7 @@ class KVConnectorScheduler:
         p = req.kv_transfer_params
         if not (wants_remote_decode(p) and self._can_send):
             return True
-        need = -(-req.num_prompt_tokens // self.block_size)
+        need = self._endpoint.layout.handoff_blocks(req.num_prompt_tokens)
         return self._num_pinned == 0 or self._num_pinned + need <= self._endpoint.num_blocks * MAX_PINNED_FRACTION
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
@@ -257,8 +276,14 @@ class KVConnectorScheduler:
         bs = self.block_size
         first = (req.num_prompt_tokens - num_external_tokens) // bs  # cached tokens are whole blocks
         last = -(-req.num_prompt_tokens // bs)
-        self._meta.loads.append(KVLoad(req.request_id, req.kv_transfer_params, list(range(first, last)),
-                                       req.block_ids[first:last], prompt_digest(req.token_ids[:req.num_prompt_tokens])))
+        indices, dst = list(range(first, last)), req.block_ids[first:last]
+        if self._hybrid:  # the sliding tail: remote list position last + (j - start) holds sliding block j
+            start = self._endpoint.layout.sliding_start(req.num_prompt_tokens)
+            tail = range(max(first, start), last)
+            indices += [last + j - start for j in tail]
+            dst += [req.sliding_block_ids[j] for j in tail]
+        self._meta.loads.append(KVLoad(req.request_id, req.kv_transfer_params, indices, dst,
+                                       prompt_digest(req.token_ids[:req.num_prompt_tokens])))
 
     def _announce(self, req: Request) -> None:
         """Prefill side, at admission: pin every prompt block now (the prefix-cache hits are
@@ -271,8 +296,7 @@ class KVConnectorScheduler:
     def _pin(self, req: Request, ready: int | None = None, first_token_id: int | None = None) -> KVTransferParams:
         """Order a pin of `req`'s prompt blocks and return the params that describe it. Only
         prompt blocks are offered: the first token's KV is never computed on the prefill side."""
-        n_blocks = -(-req.num_prompt_tokens // self.block_size)
-        blocks = req.block_ids[:n_blocks]
+        blocks = self._handoff(req)
         digest = prompt_digest(req.token_ids[:req.num_prompt_tokens])
         token = bind_token(secrets.token_urlsafe(24), digest)
         self._meta.pins.append(KVPin(req.request_id, list(blocks), token, digest, ready))
@@ -280,6 +304,16 @@ class KVConnectorScheduler:
         self._num_pinned += len(blocks)
         return self._endpoint.params(req.request_id, blocks, req.num_prompt_tokens, token, first_token_id,
                                      stream_kv=ready is not None)
+
+    def _handoff(self, req: Request) -> list[int]:
+        """The blocks a hand-off of `req`'s prompt lists: every prompt block (the full group's, for
+        a hybrid cache), then a hybrid cache's sliding blocks that the decode side's first query
+        reads (KVLayout.handoff_blocks). Those before it are not moved: no later query reads them."""
+        n_blocks = -(-req.num_prompt_tokens // self.block_size)
+        blocks = req.block_ids[:n_blocks]
+        if self._hybrid:
+            blocks = blocks + req.sliding_block_ids[self._endpoint.layout.sliding_start(req.num_prompt_tokens):n_blocks]
+        return blocks
 
     def pins_freed(self, request_ids: list[str]) -> None:
         """The worker half reported these pins gone (released by their reader, cancelled, or expired)."""

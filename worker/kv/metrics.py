@@ -1,4 +1,5 @@
-"""KV-transfer metrics (pdserve_kv_transfer_*, pdserve_kv_local_prefill_fallbacks) and the decode
+"""KV-transfer metrics (pdserve_kv_transfer_*, pdserve_kv_window_skipped_bytes,
+pdserve_kv_local_prefill_fallbacks) and the decode
 side's hand-off waits (pdserve_kv_decode_admission_wait_seconds, pdserve_kv_first_step_wait_seconds).
 
 A collector, not a registry: the server registers it in the process's one registry once the
@@ -29,6 +30,13 @@ class KVMetrics:
         self.bandwidth = Histogram("pdserve_kv_transfer_bandwidth_bytes_per_second",
                                    "One request's KV transfer: its bytes over its duration.", LABELS, registry=None,
                                    buckets=_BANDWIDTH)
+        # A hybrid KV cache's hand-off (docs/kv-cache.md): the sliding layers' blocks before the window
+        # of the decode side's first query are not moved. Beside the bytes moved, what a hand-off of
+        # every sliding block would have moved on top: the window's saving, counted not assumed.
+        self.window_skipped = Counter("pdserve_kv_window_skipped_bytes",
+                                      "KV bytes of sliding-window layers a hand-off did not move: their blocks "
+                                      "wholly before the window of the decode side's first query.", LABELS,
+                                      registry=None)
         self.failures = Counter(
             "pdserve_kv_transfer_failures",
             "KV transfers that failed (decode fell back to local prefill).",
@@ -65,7 +73,7 @@ class KVMetrics:
 
     def collect(self):
         """The prometheus_client collector protocol (`CollectorRegistry.register(self)`)."""
-        for metric in (self.bytes, self.seconds, self.request_bytes, self.bandwidth, self.failures,
+        for metric in (self.bytes, self.window_skipped, self.seconds, self.request_bytes, self.bandwidth, self.failures,
                        self.local_prefill_fallbacks, self.admission_wait, self.first_step_wait):
             yield from metric.collect()
 
