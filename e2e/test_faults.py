@@ -148,9 +148,9 @@ def test_kill_decode_worker_mid_stream(stack, client, served_name, results):
     with ThreadPoolExecutor(8) as pool:
         victim, futures = signal_a_busy_decoder(stack, client, served_name, pool, 8, signal.SIGKILL)
         outcomes = [f.result() for f in futures]
-    errors = [o for o in outcomes if o.kind == "error"]
-    assert errors, f"{victim} was decoding, its streams must end in error events: {outcomes}"
-    assert all(o.detail == "upstream_failed" and o.chunks > 0 for o in errors), errors  # after the 200: SSE event
+    # Its streams move to the other decode worker mid-answer (router/migration.py): every one ends
+    # whole, at max_tokens, none with an error event.
+    assert all(o.kind == "completed" and o.detail == "length" for o in outcomes), (victim, outcomes)
     stack.wait_router_sees(prefill=1, decode=1)  # the router ejects the dead worker
     still_serves(client, served_name, 4)
     record(results, stack, f"kill -9 {victim} mid-stream", "1 SIGKILL", outcomes)
@@ -200,9 +200,8 @@ def test_sigstopped_decode_worker(stack, client, served_name, results):
             assert [f.result() for f in later] == [Outcome("completed", ANSWER)] * 4
         finally:
             stack.signal(victim, signal.SIGCONT)
-    errors = [o for o in outcomes if o.kind == "error"]
-    assert errors, f"{victim} hung while decoding: its streams must end in error events: {outcomes}"
-    assert all(o.detail == "upstream_failed" for o in errors), errors
+    # Stalled past --stream-idle-timeout, its streams move to the other decode worker: each ends whole.
+    assert all(o.kind == "completed" and o.detail == "length" for o in outcomes), (victim, outcomes)
     stack.wait_router_sees(prefill=1, decode=2)  # back in the pool once it answers probes again
     record(
         results, stack, f"SIGSTOP {victim} mid-stream, then SIGCONT", "1 SIGSTOP", outcomes + [Outcome("completed")] * 4

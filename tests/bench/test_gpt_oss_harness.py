@@ -52,10 +52,14 @@ def test_cpu_run_fills_the_tables(tmp_path):
                          "--device", "cpu"]) == 1  # a failed step is a row with its error, not a crash
     out, js = tmp_path / "r.md", tmp_path / "r.json"
     assert gpt_oss.main(["report", "--rows", str(rows), "--out", str(out), "--json", str(js)]) == 0
-    engine, capacity, broken = json.loads(js.read_text())["rows"]
+    engine, released, kept, broken = json.loads(js.read_text())["rows"]
     assert engine["decode_ms"] > 0 and engine["offline_tok_s"] > 0 and "error" not in engine
-    # 8 requests of 300 tokens in KV for 5 (104 blocks of 16): the rest wait
-    assert 0 < capacity["resident_peak"] < 8 and capacity["tokens_per_request"] >= 300
+    # The capacity step runs twice: with the window-aware release, then without it (every layer's
+    # blocks kept): in the same memory the release holds the sliding layers' blocks only once.
+    assert released["mode"].startswith("window-aware release on") and "off" in kept["mode"]
+    assert released["kv_tokens"] > kept["kv_tokens"]
+    for capacity in (released, kept):  # 8 requests of 300 tokens in KV for fewer: the rest wait
+        assert 0 < capacity["resident_peak"] < 8 and capacity["tokens_per_request"] >= 300
     assert "error" in broken
     text = out.read_text()
     assert "| tiny | bf16 |" in text and "| broken |" in text and "| tiny | " in text.split("KV mode")[1]

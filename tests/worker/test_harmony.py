@@ -23,6 +23,7 @@ import re
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -287,14 +288,16 @@ def scripted(harmony_tokenizer):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    # /health answers 200 only once the engine is built (the app builds it off the event loop).
     deadline = time.monotonic() + 30
     while True:
         try:
-            client.models.list()
-            break
-        except openai.APIConnectionError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the scripted worker never became healthy"
+        time.sleep(0.05)
     try:
         yield engine, client
     finally:
