@@ -40,7 +40,7 @@ class LayerClock:
         # (layers, woken) of each waiting thread: a mark wakes only those it brings to their layer.
         # A condition's notify_all per mark woke every sender at every layer (4 streams x 32 layers
         # a step), each wake a GIL take inside the launch the step thread is running. Fewer wakes
-        # did not measurably move the TCP TTFT on an H200 (docs/tcp-kv-gpu-results.md, session 18).
+        # did not measurably move the TCP TTFT on an H200 (docs/tcp-kv-gpu-results.md).
         self._waiters: list[tuple[int, threading.Event]] = []
 
     def after_layer(self, i: int) -> None:

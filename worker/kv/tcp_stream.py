@@ -89,7 +89,7 @@ log = logging.getLogger(__name__)
 # A chunk: whole blocks, about this many bytes (at least one block). Each piece costs the senders
 # a few GIL takes, each of which the engine's step thread (launching a prefill, ~1000 GIL
 # releases a step) then waits out: 32 MiB rather than 8 gave a 3000-token prefill back 25-64 ms
-# of TTFT on an H200 pair, the first gap within 1.5 ms (docs/tcp-kv-gpu-results.md, session 17).
+# of TTFT on an H200 pair, the first gap within 1.5 ms (docs/tcp-kv-gpu-results.md).
 # Page-locked buffers, allocated as used and kept: a prefill worker's senders up to
 # MAX_SEND_STREAMS * 2 chunks (2 GiB), a decode worker's pulls MAX_RECV_BYTES.
 CHUNK_BYTES = 32 << 20
