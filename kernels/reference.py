@@ -258,18 +258,12 @@ def fused_moe_ref(
     w13_bias: torch.Tensor | None = None,  # [E, 2I] (gate | up) and [E, H]: biased experts (gpt-oss)
     w2_bias: torch.Tensor | None = None,
     activation: MoeActivation = SILU_AND_MUL,  # kernels/moe_activation.py
-    swiglu_alpha: float = 0.0,  # swiglu_limit > 0: activation SwigluOAI(swiglu_alpha, swiglu_limit)
-    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:  # [T, H]: sum over k of weight * (down(act(gate_up x + b13)) + b2); 0 where no expert is held
     """The MoE layer as the fused kernel computes it: the T*k (token, expert) assignments sorted by
     expert, one GEMM per expert over its contiguous run of rows (gate|up, its bias, the activation,
     down, its bias, then the router weight), results written back to their assignment's row and
     summed over k. Quantized weights: each expert used is dequantized to x's dtype, as the
     kernel's tiles are: FP8 (e4m3) by dequantize_moe_fp8_ref, MXFP4 (uint8) by dequantize_mxfp4."""
-    if swiglu_limit > 0:
-        if activation != SILU_AND_MUL:
-            raise ValueError("fused_moe_ref: give the activation or swiglu_alpha / swiglu_limit, not both")
-        activation = SwigluOAI(swiglu_alpha, swiglu_limit)
     check_activation("fused_moe_ref", activation)
     T, H = x.shape
     k, E = topk_ids.shape[1], w13.shape[0]

@@ -114,11 +114,6 @@ def test_reference_on_packed_weights_is_the_dequantized_reference():
     kw = dict(expert_offset=4, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
     assert torch.equal(fused_moe_ref(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, **kw),
                        fused_moe_ref(x, d13, d2, w, ids, **kw))
-    # the model's keywords (worker/models/gpt_oss.py) name the same activation
-    legacy = dict(kw, activation=SILU_AND_MUL, swiglu_alpha=SWIGLU.alpha, swiglu_limit=SWIGLU.limit)
-    assert torch.equal(fused_moe_ref(x, d13, d2, w, ids, **legacy), fused_moe_ref(x, d13, d2, w, ids, **kw))
-    with pytest.raises(ValueError, match="not both"):
-        fused_moe_ref(x, d13, d2, w, ids, **dict(legacy, activation=SWIGLU))
 
 
 @pytest.mark.parametrize("path,t", [("decode", 2), ("sorted", 5)])
