@@ -98,6 +98,16 @@ class EngineConfig:
                                  unset=f"${ENV_KV_SECRET}, else unauthenticated")
     kv_events_port: int | None = flag(None, "ZMQ PUB port of the KV cache events the router's prefix-aware policy "
                                             "follows (replay on the next port)", unset="no events")
+    # LoRA adapters (vLLM's flags; worker/lora/): served under their own names, their parent the base model.
+    enable_lora: bool = flag(False, "serve LoRA adapters (PEFT checkpoints) beside the base model")
+    lora_modules: tuple[str, ...] = flag((), "adapters loaded at start: name=path (a directory or a hub id), or "
+                                             'JSON {"name": .., "path": .., "base_model_name": ..}; several after '
+                                             "one flag or the flag repeated", metavar="NAME=PATH", repeat="extend",
+                                         unset="none")
+    max_loras: int = flag(1, "adapters one step can run (GPU slots); more are swapped in from the CPU cache")
+    max_lora_rank: int = flag(16, "largest adapter rank accepted (the slots are this wide)")
+    max_cpu_loras: int | None = flag(None, "adapters kept in host memory (least recently used dropped, re-read "
+                                           "from disk when asked for again)", unset="--max-loras")
     structured_outputs_backend: str = flag("llguidance", "grammar engine of response_format / guided_* "
                                            "(docs/structured-outputs.md)", choices=("llguidance", "xgrammar"))
     structured_outputs_allow_additional_properties: bool = flag(
@@ -166,6 +176,24 @@ class EngineConfig:
                 parse_peer(item)
             except ValueError as e:
                 raise ConfigError("--kv-peer-allow", str(e)) from None
+        if self.max_loras < 1:
+            raise ConfigError("--max-loras", f"must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError("--max-lora-rank", f"must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras}), "
+                                                 f"got {self.max_cpu_loras}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules", "needs --enable-lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            # Row-parallel layers would need the shrink's partial sums all-reduced: not built yet.
+            raise ConfigError("--enable-lora", "LoRA adapters run at --tensor-parallel-size 1 only "
+                                               f"(got {self.tensor_parallel_size})")
+        if self.enable_lora and self.quantization is not None:
+            raise ConfigError("--enable-lora", "LoRA adapters need an unquantized base (no --quantization)")
+        from pdserve.worker.lora.modules import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)  # ConfigError naming the bad entry
         # A deployment mistake is refused here, loudly, rather than blamed on each request later.
         if self.role == "decode" and not self.kv_peer_allow:
             raise ConfigError("--kv-peer-allow", "a decode worker pulls KV from prefill workers: name them (CIDRs or "
@@ -176,6 +204,11 @@ class EngineConfig:
                                              f"secret: anyone who reaches that port and learns a transfer token could "
                                              f"read KV blocks. Set ${ENV_KV_SECRET} (the same random string of 16+ "
                                              f"characters on every worker of the deployment), or listen on loopback")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (--max-cpu-loras, else --max-loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def kv_cache_fp8(self) -> bool:
