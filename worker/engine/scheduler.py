@@ -46,9 +46,11 @@ from pdserve.worker.request.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, connector: KVConnectorScheduler | None = None):
+                 max_model_len: int, connector: KVConnectorScheduler | None = None, max_loras: int = 0):
         """`connector`: the KV connector's scheduler half; by default one without an endpoint (no
-        transport: nothing pinned or pulled, a remote prefill's params prefilled here)."""
+        transport: nothing pinned or pulled, a remote prefill's params prefilled here).
+        `max_loras`: LoRA adapters' GPU slots (0: no adapters served): requests holding blocks
+        never run more distinct adapters than that, so every step's adapters fit the slots."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,6 +61,7 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # own blocks a pull is filling
         self.sending: dict[str, Request] = {}  # finished; blocks kept for a remote decode worker's read
         self.num_preemptions = 0
+        self.max_loras = max_loras
 
     def add(self, req: Request) -> bool:
         """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
@@ -121,6 +124,8 @@ class Scheduler:
                 break  # preempted while its last token was in flight: recomputed once it arrived
             if not self.connector.can_admit(req):
                 break  # its blocks would be pinned past the cap: wait for remote readers to release
+            if req.lora_name is not None and not self._lora_fits(req.lora_name):
+                break  # FCFS: its adapter waits for a GPU slot (a running adapter's requests to end)
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
             # Prompt logprobs need every prompt position's logits: no cached blocks for those.
             cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
@@ -162,6 +167,12 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] > 1)
         meta = self.connector.build_connector_meta()
         return ScheduledBatch(scheduled, meta)
+
+    def _lora_fits(self, name: str) -> bool:
+        """Admitting a request of adapter `name` keeps the distinct adapters within the slots."""
+        active = {r.lora_name for r in self.running if r.lora_name}
+        active |= {r.lora_name for r in self.waiting_for_remote_kvs.values() if r.lora_name}
+        return name in active or len(active) < self.max_loras
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
