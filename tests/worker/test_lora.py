@@ -165,3 +165,98 @@ def test_flags_as_vllm_writes_them(adapters):
         engine_config(base, enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         engine_config(base, enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_the_server_serves_lists_loads_and_unloads_adapters(adapters, monkeypatch):
+    """In process: model=<adapter> runs it (its tokens are the merged model's), /v1/models lists
+    it with the base as parent, an unknown name is 404; with $VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    an adapter is loaded (bad ones 400, nothing registered) and unloaded at runtime."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from pdserve.worker.engine.async_engine import AsyncEngine
+    from pdserve.worker.server.app import build_app
+    from pdserve.worker.server.config import ServerConfig
+
+    base, paths = adapters
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    cfg = engine_config(base, enable_lora=True, lora_modules=(f"a={paths['a']}",))
+    app = build_app(ServerConfig(), "tiny", lambda: AsyncEngine.from_config(cfg))
+    prompt = PROMPTS[0]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+
+    def complete(c, model):
+        return c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
+                                               "temperature": 0, "ignore_eos": True})
+
+    def text(name) -> str:
+        return tokenizer.decode(expected(adapters, name, prompt))
+
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 120
+        while c.get("/health").status_code != 200:  # the engine loads on a thread
+            assert time.monotonic() < deadline, "the engine did not load"
+            time.sleep(0.05)
+        models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert set(models) == {"tiny", "a"} and models["a"]["parent"] == "tiny" and "parent" not in models["tiny"]
+        assert models["a"]["root"] == str(paths["a"]) and c.get("/v1/models/a").json()["parent"] == "tiny"
+        r = complete(c, "a")
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "a"
+        assert r.json()["choices"][0]["text"] == text("a") != text(None)
+        assert complete(c, "tiny").json()["choices"][0]["text"] == text(None)
+        r = complete(c, "b")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(paths["b"])})
+        assert r.status_code == 200, r.text
+        assert complete(c, "b").json()["choices"][0]["text"] == text("b")
+        assert "b" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(paths["a"] / "nowhere")})
+        assert r.status_code == 400 and "'z'" in r.json()["error"]["message"]
+        assert complete(c, "z").status_code == 404
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(paths["b"])}).status_code == 400
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        assert complete(c, "b").status_code == 404
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+    # Off by default, as vLLM: the routes do not exist.
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    plain = TestClient(build_app(ServerConfig(), "tiny", lambda: AsyncEngine.from_config(cfg)))
+    assert plain.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/x"}).status_code == 404
+
+
+def test_pd_over_tcp_under_an_adapter_equals_the_merged_model(adapters):
+    """The prefill runs adapter a and names it in the hand-off; the decode worker runs a too
+    (its tokens the merged model's); a request for another adapter (or the base) with those
+    params is refused, and so is one on a decode worker that does not serve a."""
+    base, paths = adapters
+    pd = dict(kv_peer_allow=("127.0.0.1",), kv_secret="lora-pd-test-secret", enable_lora=True)
+    p = make_engine(base, role="prefill", kv_transfer="tcp", kv_port=free_port(), **pd,
+                    lora_modules=(f"a={paths['a']}",))
+    d = make_engine(base, role="decode", kv_transfer="tcp", kv_port=free_port(), **pd,
+                    lora_modules=(f"a={paths['a']}", f"b={paths['b']}"))
+    try:
+        prompt = PROMPTS[1]
+        p.add_request("p", prompt, GREEDY, {"do_remote_decode": True}, lora_name="a")
+        params = None
+        while params is None:
+            params = next((o.kv_transfer_params for o in p.step() if o.finished), None)
+        assert params.lora_name == "a" and params.to_dict()["lora_name"] == "a"
+        for wrong in ("b", None):
+            with pytest.raises(RequestError, match="the prefill ran a"):
+                d.add_request(f"wrong-{wrong}", prompt, GREEDY, params, lora_name=wrong)
+        d.add_request("d", prompt, GREEDY, params, lora_name="a")
+        out, deadline = [params.first_token_id], time.monotonic() + 60
+        while len(out) < MAX_NEW:
+            assert time.monotonic() < deadline, "decode did not finish"
+            for o in d.step():
+                out += o.new_token_ids
+            p.step()  # frees the pin once the decode side released it
+        assert out == expected(adapters, "a", prompt)
+        assert d.kv_connector.metrics.bytes.labels("recv", "tcp")._value.get() > 0  # pulled, not recomputed
+    finally:
+        p.shutdown()
+        d.shutdown()
+    plain = make_engine(base)
+    with pytest.raises(RequestError, match="'a' is not loaded"):
+        plain.add_request("x", prompt, GREEDY, lora_name="a")
