@@ -161,8 +161,6 @@ def test_flags_as_vllm_writes_them(adapters):
         engine_config(base, lora_modules=("a=/p",))
     with pytest.raises(ConfigError, match="--lora-modules: adapter name 'a' given twice"):
         engine_config(base, enable_lora=True, lora_modules=("a=/p", "a=/q"))
-    with pytest.raises(ConfigError, match="--enable-lora: LoRA adapters run at --tensor-parallel-size 1"):
-        engine_config(base, enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         engine_config(base, enable_lora=True, max_loras=4, max_cpu_loras=2)
 
@@ -260,3 +258,20 @@ def test_pd_over_tcp_under_an_adapter_equals_the_merged_model(adapters):
     plain = make_engine(base)
     with pytest.raises(RequestError, match="'a' is not loaded"):
         plain.add_request("x", prompt, GREEDY, lora_name="a")
+
+
+def test_tensor_parallel_shards_adapters_like_their_layers(adapters):
+    """TP=2 (gloo, two processes): the adapters' matrices sharded with their base layers (the
+    row-parallel ones summed by the layer's own all-reduce); a batch of the base and two adapters
+    equals the merged models, with a swap (two adapters, one slot) carried to the other rank."""
+    base, paths = adapters
+    engine = make_engine(base, tensor_parallel_size=2, enable_lora=True, max_loras=1,
+                         lora_modules=(f"a={paths['a']}", f"b={paths['b']}"))
+    try:
+        names = [None, "a", "b", None]
+        prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+        got = engine.generate(prompts, GREEDY, names)
+        assert got == [expected(adapters, n, p) for n, p in zip(names, prompts)]
+        assert engine.lora.num_swaps == 2
+    finally:
+        engine.shutdown()

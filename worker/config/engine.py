@@ -185,10 +185,6 @@ class EngineConfig:
                                                  f"got {self.max_cpu_loras}")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules", "needs --enable-lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            # Row-parallel layers would need the shrink's partial sums all-reduced: not built yet.
-            raise ConfigError("--enable-lora", "LoRA adapters run at --tensor-parallel-size 1 only "
-                                               f"(got {self.tensor_parallel_size})")
         if self.enable_lora and self.quantization is not None:
             raise ConfigError("--enable-lora", "LoRA adapters need an unquantized base (no --quantization)")
         from pdserve.worker.lora.modules import parse_lora_modules

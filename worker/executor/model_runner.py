@@ -80,6 +80,7 @@ class StepPlan:
     # LoRA (--enable-lora): the GPU slot of each input row's adapter (-1: the base model); None
     # when the worker serves no adapters.
     lora_slots: list[int] | None = None
+    lora_swaps: list = field(default_factory=list)  # (slot, LoRAModule): adapters every rank copies in first
 
 
 @dataclass
@@ -475,6 +476,8 @@ class ModelRunner:
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
         such a step is never a decode graph's)."""
+        if plan.lora_swaps:
+            self.lora.apply(plan.lora_swaps)
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
@@ -545,9 +548,11 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         prev_rows = previous.rows if previous is not None else None
         if self.lora is not None:  # the step's adapters into GPU slots (copies queued before its forward)
-            self._step_lora = self.lora.slots_for(r.lora_name for r, _ in batch.items if r.lora_name)
+            self._step_lora, swaps = self.lora.slots_for(r.lora_name for r, _ in batch.items if r.lora_name)
         plan, samplers = (self._plan_graph(batch, prev_rows) if self._use_graph(batch)
                           else self._plan_eager(batch, prev_rows))
+        if self.lora is not None:
+            plan.lora_swaps = swaps
         if self.followers is not None:
             if plan.from_previous and not self.share_sampled:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")

@@ -8,8 +8,9 @@
 - The GPU slots: --max-loras of them, in every LoRA layer's stacked matrices (layer.py). Each
   step asks for its adapters (`slots_for`); one not in a slot takes the least recently used slot
   that no adapter of this step holds. The scheduler admits no more distinct adapters than
-  slots, so one is always free. The copy is queued on the step's stream, after the steps before
-  it: the engine never stops for a swap.
+  slots, so one is always free. The swaps decided travel in the step's plan and every rank
+  applies them (`apply`) before its forward, each copying its own shard; the copy is queued on
+  the step's stream, after the steps before it: the engine never stops for a swap.
 
 Reading an adapter (disk, checks) runs on the caller's thread (the server's, off its loop); the
 engine thread then only registers the result, or swaps in what the cache holds.
@@ -36,15 +37,13 @@ class LoRAManager:
                  backend_name: str, device: torch.device):
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.ctx = LoRAContext(max_tokens, device)
-        self.layers = attach_lora(model, max_loras, max_rank, lora_ops(backend_name), self.ctx)
+        self.layers, self.shapes = attach_lora(model, max_loras, max_rank, lora_ops(backend_name), self.ctx)
         self.dtype = model.embed_tokens.weight.dtype
-        self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
-        for layer in self.layers:
-            self.shapes.update(layer.shapes())
         self._lock = threading.Lock()
         self._served: dict[str, LoRAModule] = {}  # what requests may name
         self._known: dict[str, LoRAModule] = {}  # also unloaded names whose requests may still run
-        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
+        # name -> (what it was read from, the adapter), least recently used first
+        self._host: OrderedDict[str, tuple[LoRAModule, LoRAAdapter]] = OrderedDict()
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # in a GPU slot; least recently used first
         self._free_slots = list(range(max_loras))
         self.num_swaps = 0  # adapters copied into a slot (metrics, tests)
@@ -68,7 +67,7 @@ class LoRAManager:
             if module.name in self._slot_of or module.name in self._host:  # a former adapter of that name
                 self._forget(module.name)
             self._served[module.name] = self._known[module.name] = module
-            self._cache(adapter)
+            self._cache(module, adapter)
         log.info("LoRA adapter %s: rank %d, %d projections, from %s", module.name, adapter.rank,
                  len(adapter.weights), adapter.path)
         return adapter
@@ -86,11 +85,18 @@ class LoRAManager:
     def serves(self, name: str) -> bool:
         return name in self._served
 
-    def _cache(self, adapter: LoRAAdapter) -> None:
-        self._host[adapter.name] = adapter
-        self._host.move_to_end(adapter.name)
+    def _cache(self, module: LoRAModule, adapter: LoRAAdapter) -> None:
+        self._host[module.name] = (module, adapter)
+        self._host.move_to_end(module.name)
         while len(self._host) > self.max_cpu_loras:
             self._host.popitem(last=False)
+
+    def _adapter(self, module: LoRAModule) -> LoRAAdapter:
+        """The adapter from the host cache, else read again (the same files: they were checked)."""
+        cached = self._host.get(module.name)
+        adapter = cached[1] if cached is not None and cached[0] == module else self.read(module)
+        self._cache(module, adapter)
+        return adapter
 
     def _forget(self, name: str) -> None:
         """A name re-registered with other weights: drop the old ones everywhere (the scheduler
@@ -103,13 +109,13 @@ class LoRAManager:
 
     # -- the GPU slots (the engine's thread) ------------------------------------------------------
 
-    def slots_for(self, names: Iterable[str]) -> dict[str, int]:
-        """A GPU slot for each adapter of a step (at most max_loras distinct names), swapping in
-        those not in one."""
+    def slots_for(self, names: Iterable[str]) -> tuple[dict[str, int], list[tuple[int, LoRAModule]]]:
+        """A GPU slot for each adapter of a step (at most max_loras distinct names), and the swaps
+        that put those not in one there ((slot, adapter) pairs for `apply`, on every rank)."""
         wanted = list(dict.fromkeys(names))
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step with {len(wanted)} adapters; the scheduler admits at most {self.max_loras}")
-        out = {}
+        out, swaps = {}, []
         with self._lock:
             for name in wanted:
                 if name in self._slot_of:
@@ -123,15 +129,18 @@ class LoRAManager:
                 else:
                     victim = next(n for n in self._slot_of if n not in wanted)
                     slot = self._slot_of.pop(victim)
-                adapter = self._host.get(name)
-                if adapter is None:  # dropped from the host cache: read again
-                    adapter = self.read(self._known[name])
-                self._cache(adapter)
+                self._slot_of[name] = out[name] = slot
+                swaps.append((slot, self._known[name]))
+        return out, swaps
+
+    def apply(self, swaps: list[tuple[int, LoRAModule]]) -> None:
+        """Copy each swapped-in adapter into its slot (this rank's shard of it)."""
+        with self._lock:
+            for slot, module in swaps:
+                adapter = self._adapter(module)
                 for layer in self.layers:
                     layer.write(slot, adapter)
-                self._slot_of[name] = out[name] = slot
                 self.num_swaps += 1
-        return out
 
     def loaded_in_slots(self) -> list[str]:
         with self._lock:
