@@ -30,8 +30,6 @@ def write_adapter(out: Path, base: Path, *, seed: int, r: int = 8, alpha: int = 
 def merged_greedy(base: str, adapter: str | None, prompt: tuple[int, ...], max_new: int) -> list[int]:
     """Greedy continuation of `prompt` by transformers, with the adapter merged into the base
     weights by PEFT (merge_and_unload), in fp32."""
-    from transformers import AutoModelForCausalLM
-
     model = _merged(base, adapter)
     ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
     return ids[0, len(prompt):].tolist()

@@ -7,7 +7,6 @@ model names, /v1/models and runtime endpoints; a P/D hand-off over TCP under an 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.engine.block_manager import hash_prefix_blocks, lora_hash_root
 from pdserve.worker.lora.adapter import LoRAError
-from pdserve.worker.lora.modules import LoRAModule, parse_lora_module
+from pdserve.worker.config.lora_modules import LoRAModule, parse_lora_module
 from pdserve.worker.request.request import RequestError
 from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import engine_config, make_engine

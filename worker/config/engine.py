@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
 from pdserve.protocol.kv_peers import parse_peer
+from pdserve.worker.config.lora_modules import parse_lora_modules
 import pdserve.worker.kv.registry as kv_transports
 
 ROLES = ("both", "prefill", "decode")
@@ -187,8 +188,6 @@ class EngineConfig:
             raise ConfigError("--lora-modules", "needs --enable-lora")
         if self.enable_lora and self.quantization is not None:
             raise ConfigError("--enable-lora", "LoRA adapters need an unquantized base (no --quantization)")
-        from pdserve.worker.lora.modules import parse_lora_modules
-
         parse_lora_modules(self.lora_modules)  # ConfigError naming the bad entry
         # A deployment mistake is refused here, loudly, rather than blamed on each request later.
         if self.role == "decode" and not self.kv_peer_allow:

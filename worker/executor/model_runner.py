@@ -221,7 +221,7 @@ class ModelRunner:
         """The adapters' manager over this model, with --lora-modules read and checked (LoRAError
         naming the adapter: the worker does not start with one it could not serve)."""
         from pdserve.worker.lora.manager import LoRAManager
-        from pdserve.worker.lora.modules import parse_lora_modules
+        from pdserve.worker.config.lora_modules import parse_lora_modules
 
         c = self.config
         manager = LoRAManager(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,

@@ -27,7 +27,7 @@ import torch
 
 from pdserve.worker.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from pdserve.worker.lora.layer import LoRAContext, attach_lora, lora_ops
-from pdserve.worker.lora.modules import LoRAModule
+from pdserve.worker.config.lora_modules import LoRAModule
 
 log = logging.getLogger(__name__)
 

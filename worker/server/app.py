@@ -339,7 +339,7 @@ def install_lora_routes(app: FastAPI, state: WorkerState, authorized, ready, rea
     vLLM): load reads and checks the adapter on a thread (400 naming what is wrong, nothing
     registered); unload stops new requests at once, running ones finish with it."""
     from pdserve.worker.lora.adapter import LoRAError
-    from pdserve.worker.lora.modules import LoRAModule
+    from pdserve.worker.config.lora_modules import LoRAModule
 
     def body_field(body: dict, name: str) -> str:
         value = body.get(name)
