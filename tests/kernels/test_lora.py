@@ -8,7 +8,7 @@ import torch
 
 from pdserve.kernels.lora import lora_expand, lora_shrink
 from pdserve.kernels.reference import lora_expand_ref, lora_shrink_ref
-from tests.kernels.kernel_inputs import DEVICE
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU
 
 
 @pytest.mark.parametrize("dtype,k,r,n", [(torch.float32, 48, 8, 40), (torch.bfloat16, 160, 24, 200)])
@@ -37,3 +37,19 @@ def test_shrink_and_expand_equal_the_references(dtype, k, r, n):
         if slots[i] >= 0:
             own = x[i].float() @ a[slots[i]].float()
             torch.testing.assert_close(u[i], own, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes need a CUDA GPU (tier 4)")
+def test_llama_8b_sizes_on_the_gpu():
+    """Llama-3.1-8B's qkv_proj with three parts of rank 16 and four slots, bf16, a decode batch."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, k, r, n, s = 64, 4096, 48, 6144, 4
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    a = torch.randn(s, k, r, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(s, r, n, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    slots = torch.randint(-1, s, (t,), device="cuda", generator=g)
+    u = lora_shrink(x, a, slots)
+    torch.testing.assert_close(u, lora_shrink_ref(x, a, slots), rtol=1e-3, atol=1e-3)
+    y0 = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    torch.testing.assert_close(lora_expand(y0.clone(), u, b, slots), lora_expand_ref(y0.clone(), u, b, slots),
+                               rtol=1e-2, atol=1e-2)

@@ -19,7 +19,7 @@ from pdserve.worker.lora.adapter import LoRAError
 from pdserve.worker.config.lora_modules import LoRAModule, parse_lora_module
 from pdserve.worker.request.request import RequestError
 from pdserve.worker.request.sampling_params import SamplingParams
-from tests.helpers.engines import engine_config, make_engine
+from tests.helpers.engines import ON_GPU, device_engine, engine_config, make_engine
 from tests.lora_checkpoints import merged_greedy, write_adapter
 from tests.net import free_port
 
@@ -274,3 +274,19 @@ def test_tensor_parallel_shards_adapters_like_their_layers(adapters):
         assert engine.lora.num_swaps == 2
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="tier 4: under the interpreter this takes ~30 s of CI's CPU; the kernels "
+                                        "are held to their references in tests/kernels/test_lora.py")
+def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
+    """The Triton backend, compiled, decode steps replayed from captured CUDA graphs, runs the
+    shrink/expand kernels: the base and an adapter in one batch still equal the merged models."""
+
+    base, paths = adapters
+    engine = device_engine(base, attention_backend="triton", static_decode=True, enable_lora=True,
+                           lora_modules=(f"a={paths['a']}",), max_num_seqs=4)
+    prompts, names = [PROMPTS[2], PROMPTS[2]], [None, "a"]
+    few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = engine.generate(prompts, few, names)
+    assert got == [expected(adapters, n, p)[:4] for n, p in zip(names, prompts)]
+    assert engine.runner.graphs.num_replays > 0
