@@ -88,6 +88,11 @@ def test_the_prefix_cache_is_never_shared_across_adapters(engine):
         assert hits("a") == 20  # a's own are
         assert hits("b") == 0
         assert hits(None) == 20
+        engine.add_request("running", prompt[:9], GREEDY, lora_name="a")
+        engine.step()
+        assert engine.scheduler.lora_adapters == (["a"], [])  # what vllm:lora_requests_info reports
+        while engine.has_work():
+            engine.step()
     finally:
         bm.on_event = real
     stored = [(a, k) for a, k in events if a[0] == "BlockStored"]
@@ -216,6 +221,8 @@ def test_the_server_serves_lists_loads_and_unloads_adapters(adapters, monkeypatc
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
         assert complete(c, "b").status_code == 404
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+        info = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="1"' in info[0] and 'running_lora_adapters=""' in info[0]
     # Off by default, as vLLM: the routes do not exist.
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     plain = TestClient(build_app(ServerConfig(), "tiny", lambda: AsyncEngine.from_config(cfg)))

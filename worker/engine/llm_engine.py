@@ -411,8 +411,13 @@ class LLMEngine:
         return self.kv_connector.health()
 
     def metrics_collectors(self) -> list:
-        """Prometheus collectors beyond `stats()` (KV-transfer series), for the process's registry."""
-        return self.kv_connector.collectors()
+        """Prometheus collectors beyond `stats()` (KV-transfer series; LoRA's), for the process's registry."""
+        collectors = self.kv_connector.collectors()
+        if self.lora is not None:
+            from pdserve.worker.lora.metrics import LoRARequestsInfo
+
+            collectors.append(LoRARequestsInfo(self.config.max_loras, lambda: self.scheduler.lora_adapters))
+        return collectors
 
     def shutdown(self) -> None:
         if self.followers is not None:  # a tensor-parallel worker's other ranks, then the group

@@ -62,6 +62,9 @@ class Scheduler:
         self.sending: dict[str, Request] = {}  # finished; blocks kept for a remote decode worker's read
         self.num_preemptions = 0
         self.max_loras = max_loras
+        # LoRA: the adapters of the running and of the waiting requests at the last schedule(),
+        # each name once (vllm:lora_requests_info; read from the metrics thread, replaced whole).
+        self.lora_adapters: tuple[list[str], list[str]] = ([], [])
 
     def add(self, req: Request) -> bool:
         """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
@@ -165,6 +168,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         scheduled.sort(key=lambda item: item[1] > 1)
+        self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
         return ScheduledBatch(scheduled, meta)
 
@@ -241,7 +245,13 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
             self._free(req)
+        self._note_lora_adapters()
         return finished + stopped_waiting
+
+    def _note_lora_adapters(self) -> None:
+        if self.max_loras:
+            self.lora_adapters = (list(dict.fromkeys(r.lora_name for r in self.running if r.lora_name)),
+                                  list(dict.fromkeys(r.lora_name for r in self.waiting if r.lora_name)))
 
     def update_from_kv_xfer(self, out: KVConnectorOutput) -> list[Request]:
         """Apply what the connector's worker side reports: reads released, pulls landed or failed.
