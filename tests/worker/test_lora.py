@@ -297,3 +297,17 @@ def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
     got = engine.generate(prompts, few, names)
     assert got == [expected(adapters, n, p)[:4] for n, p in zip(names, prompts)]
     assert engine.runner.graphs.num_replays > 0
+
+
+def test_unloading_an_adapter_in_use_lets_its_running_request_finish(adapters, engine):
+    _, paths = adapters
+    prompt = PROMPTS[1]
+    engine.add_request("in-use", prompt, GREEDY, lora_name="b")
+    out = [t for o in engine.step() for t in o.new_token_ids]
+    engine.lora.remove("b")
+    with pytest.raises(RequestError, match="'b' is not loaded"):
+        engine.add_request("late", prompt, GREEDY, lora_name="b")
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert out == expected(adapters, "b", prompt)
+    engine.lora.add(LoRAModule("b", str(paths["b"])))  # the module's engine as it was

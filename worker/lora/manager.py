@@ -99,9 +99,9 @@ class LoRAManager:
         return adapter
 
     def _forget(self, name: str) -> None:
-        """A name re-registered with other weights: drop the old ones everywhere (the scheduler
-        has no request of the old adapter running when its name is served again: it was
-        unloaded, and a new request can name it only once it is loaded again)."""
+        """A name loaded again after an unload: drop the old weights everywhere. A request of the
+        old adapter still running then continues with the new ones (requests name adapters by
+        name, as vLLM's do)."""
         self._host.pop(name, None)
         slot = self._slot_of.pop(name, None)
         if slot is not None:
