@@ -165,6 +165,8 @@ def test_flags_as_vllm_writes_them(adapters):
         engine_config(base, lora_modules=("a=/p",))
     with pytest.raises(ConfigError, match="--lora-modules: adapter name 'a' given twice"):
         engine_config(base, enable_lora=True, lora_modules=("a=/p", "a=/q"))
+    with pytest.raises(ConfigError, match="adapter name 'tiny' is the base model's"):
+        engine_config(base, enable_lora=True, served_model_name="tiny", lora_modules=("tiny=/p",))
     with pytest.raises(ConfigError, match="--max-cpu-loras"):
         engine_config(base, enable_lora=True, max_loras=4, max_cpu_loras=2)
 

@@ -188,7 +188,9 @@ class EngineConfig:
             raise ConfigError("--lora-modules", "needs --enable-lora")
         if self.enable_lora and self.quantization is not None:
             raise ConfigError("--enable-lora", "LoRA adapters need an unquantized base (no --quantization)")
-        parse_lora_modules(self.lora_modules)  # ConfigError naming the bad entry
+        for module in parse_lora_modules(self.lora_modules):  # ConfigError naming a bad entry
+            if module.name in (self.served_model_name, self.model):
+                raise ConfigError("--lora-modules", f"adapter name {module.name!r} is the base model's")
         # A deployment mistake is refused here, loudly, rather than blamed on each request later.
         if self.role == "decode" and not self.kv_peer_allow:
             raise ConfigError("--kv-peer-allow", "a decode worker pulls KV from prefill workers: name them (CIDRs or "
