@@ -125,7 +125,8 @@ class RouterConfig(RequestLimitFlags):
     flow_control_queue_timeout_s: float = flag(30.0, "flow control: longest wait in the queue, then 429")
     flow_control_bands: tuple[int, ...] = flag((-1, 0, 1), "flow control: the priority values accepted (the "
                                                             "request's `priority` or the x-pdserve-priority header; "
-                                                            "lower is served sooner); others get 400")
+                                                            "lower is served sooner); others get 400",
+                                                 show=lambda bands: " ".join(map(str, bands)))
     flow_control_tenant_max_inflight: int = flag(0, "flow control: requests one tenant may have open at once "
                                                     "(0: no limit)")
     flow_control_tenant_tokens_per_minute: int = flag(0, "flow control: prompt + max_tokens one tenant may ask for "
