@@ -68,3 +68,13 @@ def test_a_preempted_request_goes_back_to_its_place_by_priority():
     s.add(req("urgent", 200, priority=0))  # waits: no block is free
     s.schedule()  # b (same priority as a, later) is preempted
     assert [r.request_id for r in s.waiting] == ["urgent", "b"]
+
+
+def test_the_request_priority_reaches_the_engine():
+    from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+    from pdserve.worker.server.sampling import sampling_params
+
+    completion = CompletionRequest(model="m", prompt="hi", priority=-2)
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert sampling_params(completion, 4, None, "logprobs").priority == -2
+    assert sampling_params(chat, 4, None, "top_logprobs").priority == 0  # vLLM's default
