@@ -40,7 +40,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
 from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowControlConfig, FlowController, Ticket,
                                          band_of, tenant_of)
-from pdserve.router.flow_control.metrics import FlowMetrics
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
 from pdserve.router.intake import intake
@@ -75,7 +74,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     api_keys = tuple(k.encode() for k in config.api_keys)
     limits = RequestLimits.of(config)
     flow_config = FlowControlConfig.of(config)
-    flow = (FlowController(flow_config, FlowMetrics(metrics.registry), saturation_check(flow_config, workers))
+    flow = (FlowController(flow_config, metrics.flow, saturation_check(flow_config, workers))
             if flow_config.enabled else None)
 
     @contextlib.asynccontextmanager
