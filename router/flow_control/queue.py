@@ -124,12 +124,11 @@ class FlowController:
     async def acquire(self, ticket: Ticket) -> Lease:
         """A slot for `ticket`, once its turn comes; 429 when refused. Cancelled (the client
         left), it leaves the queue, or gives back the slot it was just granted."""
-        tenant_label = self._metrics.tenant(ticket.tenant)
-        band_label = str(ticket.band)
         try:
             self._rate.charge(ticket.tenant, ticket.tokens)
         except APIError:
-            self._metrics.rejected.labels(band_label, tenant_label, "tenant_token_rate").inc()
+            self._metrics.rejected.labels(str(ticket.band), self._metrics.tenant(ticket.tenant),
+                                          "tenant_token_rate").inc()
             raise
         w = _Waiter(ticket, next(self._seq), self._clock())
         self._bands[ticket.band].push(w)
@@ -137,22 +136,27 @@ class FlowController:
         self._dispatch()
         if not w.granted.done() and self.queued > self.config.max_queue:
             self._make_room(w)
+        # A timer, not asyncio.wait_for: wait_for (3.11) may swallow a cancellation that races
+        # the grant, and the request would go on for a client that has left.
+        timer = asyncio.get_running_loop().call_later(self.config.queue_timeout_s, self._expire, w)
         try:
-            await asyncio.wait_for(asyncio.shield(w.granted), self.config.queue_timeout_s)
-        except asyncio.TimeoutError:
-            if w.granted.done():  # granted as the wait ran out
-                return w.granted.result()
-            self._leave(w)
-            self._metrics.rejected.labels(band_label, tenant_label, "queue_timeout").inc()
-            raise self._refusal(f"waited {self.config.queue_timeout_s:g}s in the flow-control queue without a "
-                                "free slot", "queue_timeout")
+            return await w.granted  # raises the refusal of a displaced or timed-out request
         except asyncio.CancelledError:
             if w.granted.done() and not w.granted.cancelled() and w.granted.exception() is None:
                 w.granted.result().release()  # granted just as the client left: give it back
             else:
                 self._leave(w)
             raise
-        return w.granted.result()  # raises the refusal of a displaced request
+        finally:
+            timer.cancel()
+
+    def _expire(self, w: _Waiter) -> None:
+        if w.granted.done():
+            return
+        self._leave(w)
+        self._metrics.rejected.labels(str(w.ticket.band), self._metrics.tenant(w.ticket.tenant), "queue_timeout").inc()
+        w.granted.set_exception(self._refusal(f"waited {self.config.queue_timeout_s:g}s in the flow-control queue "
+                                              "without a free slot", "queue_timeout"))
 
     def _make_room(self, newcomer: _Waiter) -> None:
         """The queue is over its bound with `newcomer` in it: refuse the newest request of the
@@ -207,6 +211,8 @@ class FlowController:
             if w is None:
                 return  # only tenants at their limit wait: their releases dispatch them
             self._count_queued(w, -1)
+            if w.granted.done():  # its task was cancelled and has not run yet to leave the queue
+                continue
             t = w.ticket
             self.inflight += 1
             self._tenant_inflight[t.tenant] = self._tenant_inflight.get(t.tenant, 0) + 1
