@@ -179,3 +179,22 @@ def test_bad_priority_or_tenant_is_a_400(stack, extra, headers, param):
     r = httpx.post(router.url + "/v1/completions", json=body("bad", **extra), headers=headers, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_stream_holds_its_slot_until_it_ends(stack):
+    worker, router = stack
+    worker.control(release=True, delay=0.05)
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body("stream-1", stream=True, max_tokens=200),
+                          timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert metric(router, "pdserve_router_flow_inflight") == 1  # mid-stream: still held
+        # The client left mid-stream: the slot comes back.
+        eventually(lambda: metric(router, "pdserve_router_flow_inflight") == 0)
+        done = httpx.post(router.url + "/v1/completions", json=body("stream-2", stream=True), timeout=30)
+        assert done.status_code == 200 and done.text.rstrip().endswith("[DONE]")
+        eventually(lambda: metric(router, "pdserve_router_flow_inflight") == 0)
+    finally:
+        worker.control(delay=0.005)
