@@ -78,3 +78,19 @@ def test_the_request_priority_reaches_the_engine():
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     assert sampling_params(completion, 4, None, "logprobs").priority == -2
     assert sampling_params(chat, 4, None, "top_logprobs").priority == 0  # vLLM's default
+
+
+@pytest.mark.parametrize("policy,first", [("fcfs", "lax"), ("priority", "urgent")])
+def test_an_engine_with_one_seat_serves_the_urgent_request_first(tiny_checkpoint, policy, first):
+    from tests.helpers.engines import make_engine
+
+    engine = make_engine(tiny_checkpoint("llama"), max_num_seqs=1, scheduling_policy=policy)
+    for rid, priority in (("lax", 3), ("urgent", -1)):
+        engine.add_request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                             priority=priority))
+    finished: list[str] = []
+    for _ in range(100):
+        finished += [o.request_id for o in engine.step() if o.finished]
+        if len(finished) == 2:
+            break
+    assert finished[0] == first and len(finished) == 2
