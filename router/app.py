@@ -152,13 +152,14 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
                     prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
 
-    def ticket(request: Request, call: Call) -> Ticket:
+    async def ticket(request: Request, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a
         priority given by header is what the workers are sent too (--scheduling-policy priority)."""
         band = band_of(call.request.priority, request.headers.get(PRIORITY_HEADER), flow_config.bands)
         if band != call.request.priority:
             call.request = call.request.model_copy(update={"priority": band})
-            call.raw = json.dumps({**json.loads(call.raw), "priority": band}).encode()
+            # On a thread, as intake serialised it: CPU in proportion to the body.
+            call.raw = await asyncio.to_thread(lambda: json.dumps({**json.loads(call.raw), "priority": band}).encode())
         tenant = tenant_of(request.headers.get(FAIRNESS_HEADER), request.headers.get("authorization"))
         budget = getattr(call.request, "requested_max_tokens", call.request.max_tokens)  # chat's, or completions'
         return Ticket(band, tenant, call.prompt_tokens + (budget or 0))
@@ -168,7 +169,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         its slot held until the answer is over (a stream's end or its client leaving)."""
         if flow is None:
             return await app.state.orchestrator.handle(call)
-        lease = await flow.acquire(ticket(request, call))
+        lease = await flow.acquire(await ticket(request, call))
         try:
             response = await app.state.orchestrator.handle(call)
         except BaseException:
