@@ -111,7 +111,7 @@ class LLMEngine:
                                             resolve_split(config.kv_stream_split, self.kv_connector.transport),
                                             step_budget=r.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
-                                   self.max_model_len, kv_scheduler)
+                                   self.max_model_len, kv_scheduler, config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,

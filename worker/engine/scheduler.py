@@ -7,6 +7,12 @@ request needs a block and none is free, the most recently admitted running reque
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (its full blocks usually come straight back from the prefix cache).
 
+With policy "priority" (vLLM's `--scheduling-policy priority`) the waiting queue is kept in
+(priority, arrival) order instead, lower priority values first, a preempted request going back
+to its place in that order; and the victim of a preemption is the least urgent running request
+(highest priority value, latest arrival). The head of the queue still blocks those behind it
+when it cannot be admitted: a more urgent request is never overtaken by a less urgent one.
+
 The scheduler is the only owner of requests and blocks. P/D transfer plugs in through the
 KV connector's scheduler-side hooks (vLLM v1's shape): at admission the connector may claim
 prompt tokens that a prefill worker holds; the request then gets all its blocks and waits in
@@ -46,7 +52,7 @@ from pdserve.worker.request.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, connector: KVConnectorScheduler | None = None):
+                 max_model_len: int, connector: KVConnectorScheduler | None = None, policy: str = "fcfs"):
         """`connector`: the KV connector's scheduler half; by default one without an endpoint (no
         transport: nothing pinned or pulled, a remote prefill's params prefilled here)."""
         self.bm = block_manager
@@ -59,6 +65,20 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # own blocks a pull is filling
         self.sending: dict[str, Request] = {}  # finished; blocks kept for a remote decode worker's read
         self.num_preemptions = 0
+        self.by_priority = policy == "priority"
+
+    def _enqueue(self, req: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: FCFS at the back (a preempted request at the front); by
+        priority at its place in (priority, arrival) order."""
+        if not self.by_priority:
+            (self.waiting.appendleft if preempted else self.waiting.append)(req)
+            return
+        key = _urgency(req)
+        for i, other in enumerate(self.waiting):
+            if key < _urgency(other):
+                self.waiting.insert(i, req)
+                return
+        self.waiting.append(req)
 
     def add(self, req: Request) -> bool:
         """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
@@ -67,7 +87,7 @@ class Scheduler:
             self._free(req)
             return False
         req.set_status(RequestStatus.WAITING)
-        self.waiting.append(req)
+        self._enqueue(req)
         return True
 
     def has_work(self) -> bool:
@@ -165,6 +185,9 @@ class Scheduler:
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
+        if self.by_priority:
+            candidates = [r for r in self.running if id(r) not in taken and self.connector.preemptible(r)]
+            return max(candidates, key=_urgency, default=None)
         for req in reversed(self.running):
             if id(req) not in taken and self.connector.preemptible(req):
                 return req
@@ -174,7 +197,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free_request(req)
         req.set_status(RequestStatus.WAITING)
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
         self.num_preemptions += 1
 
     def _ends_by_length(self, req: Request) -> bool:
@@ -318,3 +341,8 @@ class Scheduler:
             self.sending[req.request_id] = req
         else:
             self.bm.free_request(req)
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """Sort key of the priority policy: the smaller, the sooner."""
+    return req.params.priority, req.arrival_time
