@@ -17,11 +17,11 @@ gpu_deps "${ENGINE_DEPS[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-tests.txt"
 echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"
 # Kernels in parallel; then the engines one at a time (each sizes its KV cache from the card's
-# free memory, so two at once starve each other).
+# free memory, so two at once starve each other: -n 0 overrides pyproject's two xdist workers).
 T=${GPU_TESTS_LIMIT_S:-540}
 t0=$(date +%s)
 timeout --kill-after=10 "$T" python3 -m pytest -p no:cacheprovider -q -n "${GPU_TESTS_WORKERS:-6}" --timeout 300 \
   tests/kernels "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
-timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q --timeout 300 \
+timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q -n 0 --timeout 300 \
   tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py \
   tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"

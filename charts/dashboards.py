@@ -145,6 +145,23 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                    "(router/migration.py)."),
         Panel("Client-visible gap at a migration", quantiles("pdserve_router_migration_gap_seconds"), "s",
               description="From the last event relayed from the lost worker to the first from the new one."),
+        # Flow control (router/flow_control/, --flow-control-max-inflight): empty while it is off.
+        Panel("Flow control: queued and let through",
+              ((f"sum by (band) (pdserve_router_flow_queue_depth{{{SEL}}})", "queued, band {{band}}"),
+               (f"sum (pdserve_router_flow_inflight{{{SEL}}})", "in flight")), "short",
+              description="Requests waiting at the routers for a slot, by priority band (lower is served sooner), "
+                          "and those let through and not yet done."),
+        Panel("Flow control: queued by tenant",
+              ((f"topk(10, sum by (tenant) (pdserve_router_flow_queue_depth{{{SEL}}}))", "{{tenant}}"),), "short",
+              description="The ten tenants with the most requests waiting (x-gateway-inference-fairness-id, else "
+                          "a hash of the API key)."),
+        Panel("Flow control: wait in the queue", quantiles("pdserve_router_flow_queue_wait_seconds", by="band",
+                                                           qs=(0.5, 0.99)), "s"),
+        Panel("Flow control: refused (429)/s", (per_second("pdserve_router_flow_rejected_total", "reason, band"),
+                                                 per_second("pdserve_router_flow_rejected_total", "tenant",
+                                                            legend="tenant {{tenant}}")), "short",
+              description="queue_full, queue_timeout, displaced (a more urgent band took its place), "
+                          "tenant_token_rate; by tenant too."),
     ]),
 }
 

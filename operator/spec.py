@@ -141,6 +141,21 @@ class RoleSpec:
 
 
 @dataclass(frozen=True)
+class FlowControlSpec:
+    """spec.router.flowControl: the router's --flow-control-* flags (router/flow_control/);
+    unset fields leave the router's defaults."""
+
+    max_inflight: int
+    max_queue: int | None = None
+    queue_timeout_s: int | None = None
+    bands: tuple[int, ...] = ()
+    tenant_max_inflight: int | None = None
+    tenant_tokens_per_minute: int | None = None
+    worker_max_waiting: int | None = None
+    worker_max_kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     replicas: int = 1
     policy: str | None = None
@@ -148,6 +163,7 @@ class RouterSpec:
     decode_policy: str | None = None
     pd_min_prompt_tokens: int | None = None
     pd_min_uncached_tokens: int | None = None
+    flow_control: FlowControlSpec | None = None
     api_key_secret: SecretKeyRef | None = None
     service_type: str = "ClusterIP"
     service_port: int = 80
@@ -301,6 +317,7 @@ class ModelServingSpec:
                 decode_policy=router.get("decodePolicy"),
                 pd_min_prompt_tokens=router.get("pdMinPromptTokens"),
                 pd_min_uncached_tokens=router.get("pdMinUncachedTokens"),
+                flow_control=_flow_control(router.get("flowControl")),
                 api_key_secret=_secret_ref(router.get("apiKeySecret"), "api-keys"),
                 service_type=service.get("type", "ClusterIP"),
                 service_port=service.get("port", 80),
@@ -402,6 +419,18 @@ def _slo(d: Mapping[str, Any] | None) -> Slo | None:
                scale_down_window_s=d.get("scaleDownWindowSeconds", 300),
                max_scale_down_step=d.get("maxScaleDownStep", 1),
                scale_to_zero_after_s=d.get("scaleToZeroAfterSeconds", 600))
+
+
+def _flow_control(d: Mapping[str, Any] | None) -> FlowControlSpec | None:
+    if d is None:
+        return None
+    if not isinstance(d.get("maxInflight"), int) or d["maxInflight"] < 1:
+        raise SpecError("spec.router.flowControl.maxInflight is required, an integer >= 1")
+    return FlowControlSpec(max_inflight=d["maxInflight"], max_queue=d.get("maxQueue"),
+                           queue_timeout_s=d.get("queueTimeoutSeconds"), bands=tuple(d.get("bands") or ()),
+                           tenant_max_inflight=d.get("tenantMaxInflight"),
+                           tenant_tokens_per_minute=d.get("tenantTokensPerMinute"),
+                           worker_max_waiting=d.get("workerMaxWaiting"), worker_max_kv_usage=d.get("workerMaxKVUsage"))
 
 
 def _rollout(d: Mapping[str, Any] | None) -> Rollout:

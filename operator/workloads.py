@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from pdserve.operator import naming, pods
 from pdserve.operator.merge import strategic_merge
-from pdserve.operator.spec import GPU_RESOURCE, ModelServing, RoleSpec, Rollout, SpecError
+from pdserve.operator.spec import GPU_RESOURCE, FlowControlSpec, ModelServing, RoleSpec, Rollout, SpecError
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT,
                                        KV_EVENTS_REPLAY_PORT)
 from pdserve.protocol.kv_peers import with_ports
@@ -238,11 +238,30 @@ def router_args(ms: ModelServing) -> list[str]:
             args += [flag, str(value)]
     if r.prefix_aware:
         args += ["--tokenizer", pods.tokenizer_argument(ms)]
+    args += flow_control_args(r.flow_control)
     if scales_to_zero(ms):
         # The first request after a quiet spell waits for the planner's first worker (a cold
         # start: pull, load, warm up) instead of a 503 (router/admission_queue.py).
         args += ["--hold-timeout", str(HOLD_FOR_COLD_START_S)]
     return args + list(r.args)
+
+
+def flow_control_args(fc: FlowControlSpec | None) -> list[str]:
+    """spec.router.flowControl as the router's --flow-control-* flags (none: flow control off)."""
+    if fc is None:
+        return []
+    args = ["--flow-control-max-inflight", str(fc.max_inflight)]
+    for flag, value in (("--flow-control-max-queue", fc.max_queue),
+                        ("--flow-control-queue-timeout", fc.queue_timeout_s),
+                        ("--flow-control-tenant-max-inflight", fc.tenant_max_inflight),
+                        ("--flow-control-tenant-tokens-per-minute", fc.tenant_tokens_per_minute),
+                        ("--flow-control-worker-max-waiting", fc.worker_max_waiting),
+                        ("--flow-control-worker-max-kv-usage", fc.worker_max_kv_usage)):
+        if value is not None:
+            args += [flag, str(value)]
+    if fc.bands:
+        args += ["--flow-control-bands", *map(str, fc.bands)]
+    return args
 
 
 # Long enough for a model load from a warm node cache; a client still gets 503 + Retry-After past it.

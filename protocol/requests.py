@@ -73,6 +73,9 @@ class CommonRequest(StructuredOutputFields):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: lower is served sooner. Workers started with --scheduling-policy priority order
+    # their queue by it; the router's flow control (router/flow_control/) maps it onto a band.
+    priority: int = 0
     # P/D handshake (see kv_transfer.py): {"do_remote_decode": true} to a prefill worker (a
     # RemoteDecodeRequest once validated), the prefill's KVTransferParams to a decode worker.
     kv_transfer_params: KVTransferField = None

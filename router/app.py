@@ -33,10 +33,14 @@ from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
+from pdserve.protocol.sse import SSEResponse
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
 from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
+from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowControlConfig, FlowController, Ticket,
+                                         band_of, tenant_of)
+from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
@@ -69,6 +73,9 @@ def build_app(config: RouterConfig) -> FastAPI:
                         pd_min_uncached_tokens=config.pd_min_uncached_tokens)
     api_keys = tuple(k.encode() for k in config.api_keys)
     limits = RequestLimits.of(config)
+    flow_config = FlowControlConfig.of(config)
+    flow = (FlowController(flow_config, metrics.flow, saturation_check(flow_config, workers))
+            if flow_config.enabled else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,6 +117,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     app.state.workers = workers
     app.state.metrics = metrics
     app.state.kv_index = kv_index
+    app.state.flow = flow
 
     install_handlers(app)
     cors.install(app, config)
@@ -144,6 +152,42 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
                     prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
 
+    async def ticket(request: Request, call: Call) -> Ticket:
+        """The request's band and tenant (400 on a malformed header or an unknown priority); a
+        priority given by header is what the workers are sent too (--scheduling-policy priority)."""
+        band = band_of(call.request.priority, request.headers.get(PRIORITY_HEADER), flow_config.bands)
+        if band != call.request.priority:
+            call.request = call.request.model_copy(update={"priority": band})
+            # On a thread, as intake serialised it: CPU in proportion to the body.
+            call.raw = await asyncio.to_thread(lambda: json.dumps({**json.loads(call.raw), "priority": band}).encode())
+        tenant = tenant_of(request.headers.get(FAIRNESS_HEADER), request.headers.get("authorization"))
+        budget = getattr(call.request, "requested_max_tokens", call.request.max_tokens)  # chat's, or completions'
+        return Ticket(band, tenant, call.prompt_tokens + (budget or 0))
+
+    async def answer(request: Request, call: Call) -> Response:
+        """The orchestrator's answer; under flow control, once the request's turn has come, with
+        its slot held until the answer is over (a stream's end or its client leaving)."""
+        if flow is None:
+            return await app.state.orchestrator.handle(call)
+        lease = await flow.acquire(await ticket(request, call))
+        try:
+            response = await app.state.orchestrator.handle(call)
+        except BaseException:
+            lease.release()
+            raise
+        if isinstance(response, SSEResponse):
+            ended = response.on_close
+
+            def closed() -> None:
+                lease.release()
+                if ended is not None:
+                    ended()
+
+            response.on_close = closed
+        else:
+            lease.release()
+        return response
+
     async def serve(request: Request, route: str) -> Response:
         started = time.monotonic()
         # One id for the client, both upstream legs and the logs; echoed as a response header.
@@ -151,7 +195,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                       or uuid.uuid4().hex)
         try:
             call = await parse(request, route, request_id)
-            response = await unless_disconnected(request, app.state.orchestrator.handle(call))
+            response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
                 response = from_chat(response, request.state.responses_body)
             response.headers[HEADER_REQUEST_ID] = request_id

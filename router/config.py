@@ -16,6 +16,7 @@ from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PO
                                        KV_EVENTS_REPLAY_PORT, api_keys_from)
 from pdserve.protocol.flags import ConfigError, flag, flag_name
 from pdserve.protocol.request_limits import RequestLimitFlags, RequestLimits
+from pdserve.router.flow_control.config import FlowControlConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PD_HANDOFFS = ("streamed", "after-prefill")
@@ -116,6 +117,24 @@ class RouterConfig(RequestLimitFlags):
                                               "this long for one, then 503 with Retry-After",
                                         unset="off: 503 at once")
     hold_queue: int = flag(256, "most requests held at once (--hold-timeout); past it, 503 with Retry-After")
+    # Flow control (router/flow_control/): off unless --flow-control-max-inflight is set.
+    flow_control_max_inflight: int = flag(0, "requests the router has open on workers at once; more wait in a "
+                                             "queue by priority band, fairly between tenants (0: flow control off)")
+    flow_control_max_queue: int = flag(256, "flow control: most requests waiting; past it, 429 (a more urgent "
+                                            "band displaces the newest of the least urgent)")
+    flow_control_queue_timeout_s: float = flag(30.0, "flow control: longest wait in the queue, then 429")
+    flow_control_bands: tuple[int, ...] = flag((-1, 0, 1), "flow control: the priority values accepted (the "
+                                                            "request's `priority` or the x-pdserve-priority header; "
+                                                            "lower is served sooner); others get 400",
+                                                 show=lambda bands: " ".join(map(str, bands)))
+    flow_control_tenant_max_inflight: int = flag(0, "flow control: requests one tenant may have open at once "
+                                                    "(0: no limit)")
+    flow_control_tenant_tokens_per_minute: int = flag(0, "flow control: prompt + max_tokens one tenant may ask for "
+                                                         "per minute; past it, 429 (0: no limit)")
+    flow_control_worker_max_waiting: int = flag(0, "flow control: saturated (requests wait at the router) when every "
+                                                   "decode worker has this many requests queued (0: not used)")
+    flow_control_worker_max_kv_usage: float = flag(0.0, "flow control: saturated when every decode worker uses this "
+                                                        "share of its KV cache (0..1; 0: not used)")
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -164,6 +183,7 @@ class RouterConfig(RequestLimitFlags):
             raise ConfigError("--api-key", "must not be empty")
         cors.check(self)
         RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
+        FlowControlConfig.of(self)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.eject_backoff_max_s is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.router.flow_control.metrics import FlowMetrics
+
 # The stall between a stream's first two tokens: decode steps are milliseconds, a KV hand-off that
 # waits for a whole transfer can be seconds.
 _GAP_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -86,6 +88,9 @@ class RouterMetrics:
                                        "The stall a client sees at a migration: from the last event relayed from "
                                        "the lost worker to the first from the new one.", buckets=_LATENCY_BUCKETS,
                                        registry=r)
+
+        # Declared with flow control off too: dashboards find the series, empty.
+        self.flow = FlowMetrics(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -231,3 +231,24 @@ def test_decode_hpa_follows_prefill_when_only_decode_autoscales():
 def test_cross_field_errors(spec, message):
     with pytest.raises(SpecError, match=message):
         ms(**spec)
+
+
+def test_router_flow_control_becomes_its_flags_and_the_router_takes_them():
+    import argparse
+
+    from pdserve.router.main import add_arguments, config_from_args
+
+    assert "--flow-control-max-inflight" not in container(build_router_deployment(ms()))["args"]  # off by default
+    dep = build_router_deployment(ms(router={"flowControl": {
+        "maxInflight": 64, "maxQueue": 500, "queueTimeoutSeconds": 20, "bands": [-2, 0, 3],
+        "tenantMaxInflight": 8, "tenantTokensPerMinute": 100000, "workerMaxWaiting": 4, "workerMaxKVUsage": 0.9}}))
+    args = container(dep)["args"]
+    assert flag(args, "--flow-control-max-inflight") == "64" and flag(args, "--flow-control-max-queue") == "500"
+    assert flag(args, "--flow-control-tenant-tokens-per-minute") == "100000"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(args), {})
+    assert config.flow_control_bands == (-2, 0, 3) and config.flow_control_queue_timeout_s == 20
+    assert config.flow_control_tenant_max_inflight == 8 and config.flow_control_worker_max_kv_usage == 0.9
+    with pytest.raises(SpecError, match="maxInflight"):
+        ms(router={"flowControl": {"maxQueue": 4}})

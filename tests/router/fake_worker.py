@@ -23,7 +23,8 @@ GET /debug/requests (bodies and headers received).
 The streamed hand-off (issue 24), as a prefill worker: a request whose kv_transfer_params ask for
 `stream_kv` gets two NDJSON lines (unless --json-prefill: an old worker's one JSON answer), line
 1 the early params (pinned at admission), line 2 the ordinary answer. POST /control
-{"hold": "line1"|"line2"} holds that line until {"release": true}; {"handoff": "error"|"refuse"|"break"}
+{"hold": "line1"|"line2"} holds that line until {"release": true} ("answer": a request served
+whole is recorded, then held before it answers); {"handoff": "error"|"refuse"|"break"}
 makes line 2 an error (a server's, or a refusal of the request's content), or breaks the connection
 instead; "ok" again restores it ("delay" and
 "header_delay" set those flags' values). As a decode
@@ -101,7 +102,7 @@ class State:
         self.requests: list[dict] = []
         self.events: list[dict] = []
         self.prefills: dict[str, Prefill] = {}
-        self.gates = {"line1": asyncio.Event(), "line2": asyncio.Event()}
+        self.gates = {"line1": asyncio.Event(), "line2": asyncio.Event(), "answer": asyncio.Event()}
         for gate in self.gates.values():
             gate.set()
         self.handoff = "ok"
@@ -210,6 +211,7 @@ def build(args) -> Starlette:
                 return Response(status_code=499)
         else:
             # A real worker answers only once its first token exists (queueing + prefill, or a KV pull).
+            await st.gates["answer"].wait()
             await asyncio.sleep(st.header_delay)
         if not body.get("stream"):
             return JSONResponse(

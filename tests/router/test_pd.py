@@ -95,6 +95,17 @@ def test_max_completion_tokens_is_capped_too(stack):
     assert prefill.requests()[n]["body"]["max_completion_tokens"] == 1
 
 
+def test_the_priority_reaches_both_legs(stack):
+    """vLLM's `priority` goes to the prefill and the decode worker alike (their
+    --scheduling-policy priority orders by it)."""
+    prefill, decode, _, router = stack
+    n_p, n_d = len(prefill.requests()), len(decode.requests())
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4,
+                                                         "temperature": 0, "priority": -3}, timeout=30)
+    assert r.status_code == 200
+    assert prefill.requests()[n_p]["body"]["priority"] == -3 and decode.requests()[n_d]["body"]["priority"] == -3
+
+
 @pytest.mark.parametrize("kw", [{"n": 2}, {"max_tokens": 1}], ids=["n>1", "max_tokens=1"])
 def test_not_disaggregated(stack, kw):
     prefill, decode, _, _ = stack

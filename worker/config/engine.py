@@ -17,6 +17,7 @@ from pdserve.worker.config.lora_modules import parse_lora_modules
 import pdserve.worker.kv.registry as kv_transports
 
 ROLES = ("both", "prefill", "decode")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache element types: auto = the model's --dtype; fp8 = float8 e4m3 (fp8_e4m3 is vLLM's alias).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -66,6 +67,9 @@ class EngineConfig:
     enable_expert_parallel: bool = flag(False, "MoE models: each tensor-parallel rank holds experts/N whole experts "
                                                "(all-reduce combine) instead of a 1/N slice of every expert")
     seed: int = flag(0, "seed of the sampling of requests that set none (reproducible per start)")
+    scheduling_policy: str = flag("fcfs", "order of the waiting queue: fcfs (arrival) or priority (the request's "
+                                          "`priority`, lower first, then arrival; its least urgent running "
+                                          "request is the one preempted)", choices=SCHEDULING_POLICIES)
     role: str = flag("both", "what this worker does in prefill/decode disaggregation", choices=ROLES)
     kv_transfer: str | None = flag(None, "how decode workers pull KV from prefill workers",
                                    choices=kv_transports.names(), unset="nixl if installed, else tcp")
@@ -133,6 +137,9 @@ class EngineConfig:
             raise ConfigError("--structured-compile-queue", f"must be >= 0, got {self.structured_compile_queue}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("--block-size", f"must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError("--scheduling-policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                                     f"got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -111,7 +111,8 @@ class LLMEngine:
                                             resolve_split(config.kv_stream_split, self.kv_connector.transport),
                                             step_budget=r.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
-                                   self.max_model_len, kv_scheduler, max_loras=config.max_loras if r.lora else 0)
+                                   self.max_model_len, kv_scheduler, config.scheduling_policy,
+                                   max_loras=config.max_loras if r.lora else 0)
         self.lora = r.lora  # the LoRA adapters' manager (--enable-lora), else None
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputs(

@@ -7,6 +7,12 @@ request needs a block and none is free, the most recently admitted running reque
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (its full blocks usually come straight back from the prefix cache).
 
+With policy "priority" (vLLM's `--scheduling-policy priority`) the waiting queue is kept in
+(priority, arrival) order instead, lower priority values first, a preempted request going back
+to its place in that order; and the victim of a preemption is the least urgent running request
+(highest priority value, latest arrival). The head of the queue still blocks those behind it
+when it cannot be admitted: a more urgent request is never overtaken by a less urgent one.
+
 The scheduler is the only owner of requests and blocks. P/D transfer plugs in through the
 KV connector's scheduler-side hooks (vLLM v1's shape): at admission the connector may claim
 prompt tokens that a prefill worker holds; the request then gets all its blocks and waits in
@@ -46,7 +52,8 @@ from pdserve.worker.request.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, connector: KVConnectorScheduler | None = None, max_loras: int = 0):
+                 max_model_len: int, connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
+                 max_loras: int = 0):
         """`connector`: the KV connector's scheduler half; by default one without an endpoint (no
         transport: nothing pinned or pulled, a remote prefill's params prefilled here).
         `max_loras`: LoRA adapters' GPU slots (0: no adapters served): requests holding blocks
@@ -65,6 +72,20 @@ class Scheduler:
         # LoRA: the adapters of the running and of the waiting requests at the last schedule(),
         # each name once (vllm:lora_requests_info; read from the metrics thread, replaced whole).
         self.lora_adapters: tuple[list[str], list[str]] = ([], [])
+        self.by_priority = policy == "priority"
+
+    def _enqueue(self, req: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: FCFS at the back (a preempted request at the front); by
+        priority at its place in (priority, arrival) order."""
+        if not self.by_priority:
+            (self.waiting.appendleft if preempted else self.waiting.append)(req)
+            return
+        key = _urgency(req)
+        for i, other in enumerate(self.waiting):
+            if key < _urgency(other):
+                self.waiting.insert(i, req)
+                return
+        self.waiting.append(req)
 
     def add(self, req: Request) -> bool:
         """Queue a new request. False: it finished on arrival (a handed-over first token ended it)."""
@@ -73,7 +94,7 @@ class Scheduler:
             self._free(req)
             return False
         req.set_status(RequestStatus.WAITING)
-        self.waiting.append(req)
+        self._enqueue(req)
         return True
 
     def has_work(self) -> bool:
@@ -180,6 +201,9 @@ class Scheduler:
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
+        if self.by_priority:
+            candidates = [r for r in self.running if id(r) not in taken and self.connector.preemptible(r)]
+            return max(candidates, key=_urgency, default=None)
         for req in reversed(self.running):
             if id(req) not in taken and self.connector.preemptible(req):
                 return req
@@ -189,7 +213,7 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free_request(req)
         req.set_status(RequestStatus.WAITING)
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
         self.num_preemptions += 1
 
     def _ends_by_length(self, req: Request) -> bool:
@@ -339,3 +363,8 @@ class Scheduler:
             self.sending[req.request_id] = req
         else:
             self.bm.free_request(req)
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """Sort key of the priority policy: the smaller, the sooner."""
+    return req.params.priority, req.arrival_time

@@ -90,6 +90,9 @@ class SamplingParams:
     # vLLM's skip_special_tokens: False keeps special tokens in the text (harmony's channel
     # markers, which its output parsers read: worker/server/tool_parsers/harmony.py).
     skip_special_tokens: bool = True
+    # vLLM's request priority (lower is served sooner): no sampling setting, but carried with
+    # them as the request's other knobs are; the scheduler reads it under --scheduling-policy priority.
+    priority: int = 0
     # `stop` compiled for the detokenizer (stop_strings.py), derived here. A copy made with
     # dataclasses.replace (the n choices of a seeded request) shares it: one compile per request.
     stop_strings: StopStrings | None = field(default=None, compare=False, repr=False)

@@ -48,6 +48,7 @@ def sampling_params(body: CommonRequest, max_tokens: int, logprobs: int | None, 
             prompt_logprobs=prompt_logprobs,
             structured=structured_output(body),
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            priority=body.priority,
         )
     except SamplingParamsError as e:
         if e.param != "logprobs":
