@@ -497,3 +497,28 @@ def silu_mul_gemv_ref(
 ) -> torch.Tensor:
     """fused_gemv(prologue="silu_mul"): SwiGLU then the linear (the down projection)."""
     return F.linear(silu_and_mul_ref(x), weight, bias)
+
+
+# LoRA (worker/lora/): each token runs its own adapter's low-rank term, picked by its slot in
+# the stacked adapter weights (-1: none). The references compute every slot's product and keep
+# the token's own, so that no step reads the slots on the host (CUDA graphs, no syncs); that
+# costs the number of slots times the one product, which the CPU path's small models afford.
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], a [S, K, R] (slot s's A transposed), slots [T] -> x[t] @ a[slots[t]] as fp32
+    [T, R]; rows of slot -1 are zero."""
+    t, (s, k, r) = x.shape[0], a.shape
+    every = (x.float() @ a.float().permute(1, 0, 2).reshape(k, s * r)).view(t, s, r)
+    own = every.gather(1, slots.clamp(min=0).long().view(t, 1, 1).expand(t, 1, r)).squeeze(1)
+    return own * (slots >= 0).unsqueeze(1)
+
+
+def lora_expand_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """y [T, N] += u [T, R] @ b[slots[t]] (b [S, R, N]) in place, summed in fp32 and rounded once
+    into y's dtype; rows of slot -1 are left as they are. Returns y."""
+    t, (s, r, n) = y.shape[0], b.shape
+    onehot = F.one_hot(slots.clamp(min=0).long(), s).float() * (slots >= 0).unsqueeze(1)  # [T, S]
+    spread = (onehot.unsqueeze(-1) * u.float().unsqueeze(1)).reshape(t, s * r)
+    y.copy_((y.float() + spread @ b.float().reshape(s * r, n)).to(y.dtype))
+    return y

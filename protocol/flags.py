@@ -44,7 +44,9 @@ class Flag:
     unset: str | None = None  # what an empty default (None, "", ()) means; required for None
     choices: tuple | None = None
     metavar: str | None = None
-    repeat: bool = False  # tuple fields: one value per repeated flag instead of several after one
+    # tuple fields: True = one value per repeated flag instead of several after one; "extend" =
+    # both (`--x A B --x C`: vLLM's --lora-modules is written either way)
+    repeat: bool | str = False
     parse: Callable[[str], Any] | None = None  # str -> field value; raise ArgumentTypeError on bad input
     show: Callable[[Any], str] | None = None  # the default as --help prints it, when str() would not do
     not_a_flag: str | None = None  # set by no_flag(): why the command line does not set this field
@@ -118,7 +120,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = value_type
-            if many and spec.repeat:
+            if many and spec.repeat == "extend":
+                kw["action"], kw["nargs"] = "extend", "+"
+            elif many and spec.repeat:
                 kw["action"] = "append"
             elif many:
                 kw["nargs"] = "*"

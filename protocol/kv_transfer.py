@@ -140,6 +140,9 @@ class KVTransferParams:
     # (worker/kv/tp_transfer.py maps them onto the decode worker's ranks).
     kv_tp_size: int = 1
     stream_kv: bool = False  # announced at admission: blocks become readable chunk by chunk
+    # The LoRA adapter the prefill ran (None: the base model): the KV is that adapter's, and the
+    # decode worker must run the same one (it refuses these params otherwise).
+    lora_name: str | None = None
 
     @property
     def block_size(self) -> int:
@@ -151,6 +154,8 @@ class KVTransferParams:
         d["kv_layout"] = str(self.kv_layout)  # its wire form, as it always was
         if not self.stream_kv:
             del d[STREAM_KV]  # a plain hand-off's params stay as they always were
+        if self.lora_name is None:
+            del d["lora_name"]
         return d
 
     @classmethod
@@ -185,12 +190,16 @@ class KVTransferParams:
         transport = params.get("transport", BASE_TRANSPORT)
         expires_at = params.get("expires_at")
         tp_size = params.get("kv_tp_size", 1)
+        lora_name = params.get("lora_name")
+        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+            raise KVTransferParamsError(f"{PARAM}.lora_name must be a non-empty string")
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= 64:
             raise KVTransferParamsError(f"{PARAM}.kv_tp_size must be an integer in [1, 64]")
         if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
         return cls(**{**values, "kv_layout": layout, "remote_block_ids": tuple(ids), "transport": transport,
-                      "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv})
+                      "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv,
+                      "lora_name": lora_name})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""

@@ -56,6 +56,7 @@ WORKER_ROOMS = (
     "sample",        # logits -> tokens
     "parallel",      # tensor-parallel layers, shards, collectives
     "models",        # the model families and their loading
+    "lora",          # LoRA adapters: reading them, their slots, their term in the model's linears
     "kv",            # KV transfer between workers
     "executor",      # one step on the device; the tensor-parallel rank processes
     "engine",        # the loop, the scheduler, the block manager

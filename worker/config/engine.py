@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pdserve.protocol.contract import ENV_KV_SECRET  # the side channel's shared secret (a Kubernetes Secret, say)
 from pdserve.protocol.flags import ConfigError, flag, from_flags, no_flag
 from pdserve.protocol.kv_peers import parse_peer
+from pdserve.worker.config.lora_modules import parse_lora_modules
 import pdserve.worker.kv.registry as kv_transports
 
 ROLES = ("both", "prefill", "decode")
@@ -102,6 +103,16 @@ class EngineConfig:
                                  unset=f"${ENV_KV_SECRET}, else unauthenticated")
     kv_events_port: int | None = flag(None, "ZMQ PUB port of the KV cache events the router's prefix-aware policy "
                                             "follows (replay on the next port)", unset="no events")
+    # LoRA adapters (vLLM's flags; worker/lora/): served under their own names, their parent the base model.
+    enable_lora: bool = flag(False, "serve LoRA adapters (PEFT checkpoints) beside the base model")
+    lora_modules: tuple[str, ...] = flag((), "adapters loaded at start: name=path (a directory or a hub id), or "
+                                             'JSON {"name": .., "path": .., "base_model_name": ..}; several after '
+                                             "one flag or the flag repeated", metavar="NAME=PATH", repeat="extend",
+                                         unset="none")
+    max_loras: int = flag(1, "adapters one step can run (GPU slots); more are swapped in from the CPU cache")
+    max_lora_rank: int = flag(16, "largest adapter rank accepted (the slots are this wide)")
+    max_cpu_loras: int | None = flag(None, "adapters kept in host memory (least recently used dropped, re-read "
+                                           "from disk when asked for again)", unset="--max-loras")
     structured_outputs_backend: str = flag("llguidance", "grammar engine of response_format / guided_* "
                                            "(docs/structured-outputs.md)", choices=("llguidance", "xgrammar"))
     structured_outputs_allow_additional_properties: bool = flag(
@@ -173,6 +184,20 @@ class EngineConfig:
                 parse_peer(item)
             except ValueError as e:
                 raise ConfigError("--kv-peer-allow", str(e)) from None
+        if self.max_loras < 1:
+            raise ConfigError("--max-loras", f"must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError("--max-lora-rank", f"must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("--max-cpu-loras", f"must be at least --max-loras ({self.max_loras}), "
+                                                 f"got {self.max_cpu_loras}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules", "needs --enable-lora")
+        if self.enable_lora and self.quantization is not None:
+            raise ConfigError("--enable-lora", "LoRA adapters need an unquantized base (no --quantization)")
+        for module in parse_lora_modules(self.lora_modules):  # ConfigError naming a bad entry
+            if module.name in (self.served_model_name, self.model):
+                raise ConfigError("--lora-modules", f"adapter name {module.name!r} is the base model's")
         # A deployment mistake is refused here, loudly, rather than blamed on each request later.
         if self.role == "decode" and not self.kv_peer_allow:
             raise ConfigError("--kv-peer-allow", "a decode worker pulls KV from prefill workers: name them (CIDRs or "
@@ -183,6 +208,11 @@ class EngineConfig:
                                              f"secret: anyone who reaches that port and learns a transfer token could "
                                              f"read KV blocks. Set ${ENV_KV_SECRET} (the same random string of 16+ "
                                              f"characters on every worker of the deployment), or listen on loopback")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (--max-cpu-loras, else --max-loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def kv_cache_fp8(self) -> bool:

@@ -77,6 +77,11 @@ class AsyncEngine:
         self.grammars.shutdown()
         self.engine.shutdown()
 
+    @property
+    def lora(self):
+        """The LoRA adapters' manager (--enable-lora: worker/lora/manager.py), else None."""
+        return self.engine.lora
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -124,7 +129,8 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params=None, continued: list[int] = ()) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params=None, continued: list[int] = (),
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """`kv_transfer_params`: parsed (KVTransferParams | RemoteDecodeRequest), or a dict parsed here.
         `continued`: a migrated stream's outputs so far, replayed into the detokenizer like a
         handed-over first token (their text is out already), never emitted."""
@@ -148,7 +154,8 @@ class AsyncEngine:
             # A new grammar compiles off the loop (seconds for a large schema); 400 or 429 from here.
             grammar = await self.grammars.matcher(params.structured) if params.structured is not None else None
             self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer_params,  # raises RequestError
-                                    grammar=grammar, **({"continued": continued} if continued else {}))
+                                    grammar=grammar, **({"continued": continued} if continued else {}),
+                                    **({"lora_name": lora_name} if lora_name else {}))
             self._kick()
             while True:
                 out = await q.get()

@@ -41,6 +41,15 @@ def hash_block(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def lora_hash_root(lora_name: str | None) -> int:
+    """The parent hash of a sequence's first block: NONE_HASH for the base model, one of the
+    adapter's own otherwise, so that equal tokens under two adapters (or an adapter and the
+    base) never hash alike: their KV differs from the first layer's projections on."""
+    if lora_name is None:
+        return NONE_HASH
+    return int.from_bytes(hashlib.blake2b(b"lora:" + lora_name.encode(), digest_size=8).digest(), "little")
+
+
 def hash_prefix_blocks(token_ids: list[int], block_size: int, parent: int = NONE_HASH) -> list[int]:
     hashes = []
     for i in range(len(token_ids) // block_size):
@@ -68,7 +77,8 @@ class BlockManager:
         self.empty_runs = FreeRuns(num_blocks)  # free blocks that hold no hash
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
-        # on_event(kind, block_hashes, parent_hash, token_ids): KV cache events for the router.
+        # on_event(kind, block_hashes, parent_hash, token_ids[, lora_name=]): KV cache events for the
+        # router; lora_name only for blocks computed under an adapter.
         self.on_event = on_event
 
     @property
@@ -96,7 +106,7 @@ class BlockManager:
         # Never hit the whole sequence: the last token must run to produce logits.
         max_blocks = (req.num_tokens - 1) // self.block_size
         if not req.block_hashes:
-            req.block_hashes = hash_prefix_blocks(req.token_ids, self.block_size)
+            req.block_hashes = hash_prefix_blocks(req.token_ids, self.block_size, lora_hash_root(req.lora_name))
         hits = []
         for h in req.block_hashes[:max_blocks]:
             b = self.hash_to_block.get(h)
@@ -186,7 +196,7 @@ class BlockManager:
         if full <= req.num_hashed_blocks:
             return
         if len(req.block_hashes) < full:
-            parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
+            parent = req.block_hashes[-1] if req.block_hashes else lora_hash_root(req.lora_name)
             start = len(req.block_hashes)
             req.block_hashes += hash_prefix_blocks(
                 req.token_ids[start * self.block_size:full * self.block_size], self.block_size, parent)
@@ -198,9 +208,13 @@ class BlockManager:
                 self.block_hash[b] = h
                 stored.append(i)
         if stored and self.on_event:
-            parent = req.block_hashes[stored[0] - 1] if stored[0] else None
+            # A prompt's first block: no parent, or the adapter's root (lora_hash_root), so that a
+            # router keying blocks by (parent, tokens) never takes it for the base model's.
+            parent = req.block_hashes[stored[0] - 1] if stored[0] else (
+                lora_hash_root(req.lora_name) if req.lora_name else None)
             tokens = req.token_ids[stored[0] * self.block_size:(stored[-1] + 1) * self.block_size]
-            self.on_event("BlockStored", [req.block_hashes[i] for i in stored], parent, tokens)
+            lora = {"lora_name": req.lora_name} if req.lora_name else {}
+            self.on_event("BlockStored", [req.block_hashes[i] for i in stored], parent, tokens, **lora)
         req.num_hashed_blocks = full
 
     def _ref(self, b: int) -> None:

@@ -111,7 +111,9 @@ class LLMEngine:
                                             resolve_split(config.kv_stream_split, self.kv_connector.transport),
                                             step_budget=r.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, r.max_num_batched_tokens,
-                                   self.max_model_len, kv_scheduler, config.scheduling_policy)
+                                   self.max_model_len, kv_scheduler, config.scheduling_policy,
+                                   max_loras=config.max_loras if r.lora else 0)
+        self.lora = r.lora  # the LoRA adapters' manager (--enable-lora), else None
         self.requests: dict[str, Request] = {}
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
@@ -165,8 +167,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None, grammar=None,
-                    continued: list[int] = ()) -> None:
+                    continued: list[int] = (), lora_name: str | None = None) -> None:
         """`continued`: a migrated stream's outputs so far (request/request.py).
+        `lora_name`: the LoRA adapter it runs (one this worker serves), None for the base model.
         `kv_transfer_params`: the parsed object (the server parses the body once); a dict (a
         direct caller, a test) is parsed here, the same way. `grammar`: the request's
         GrammarMatcher when the caller built it (the server does, off its event loop:
@@ -196,8 +199,17 @@ class LLMEngine:
                 raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
+        if lora_name is not None and (self.lora is None or not self.lora.serves(lora_name)):
+            raise RequestError("model", f"LoRA adapter {lora_name!r} is not loaded on this worker",
+                               "model_not_found")
+        if is_remote_decode(kv_transfer_params) and kv_transfer_params.lora_name != lora_name:
+            # The pulled KV was computed under the prefill's adapter: decoding under another
+            # would continue someone else's activations.
+            raise RequestError(PARAM, f"the prefill ran {kv_transfer_params.lora_name or 'the base model'} but "
+                                      f"this request asks for {lora_name or 'the base model'}")
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params,
                       continued)
+        req.lora_name = lora_name
         if grammar is not None:
             req.grammar = grammar
         elif params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400
@@ -400,8 +412,13 @@ class LLMEngine:
         return self.kv_connector.health()
 
     def metrics_collectors(self) -> list:
-        """Prometheus collectors beyond `stats()` (KV-transfer series), for the process's registry."""
-        return self.kv_connector.collectors()
+        """Prometheus collectors beyond `stats()` (KV-transfer series; LoRA's), for the process's registry."""
+        collectors = self.kv_connector.collectors()
+        if self.lora is not None:
+            from pdserve.worker.lora.metrics import LoRARequestsInfo
+
+            collectors.append(LoRARequestsInfo(self.config.max_loras, lambda: self.scheduler.lora_adapters))
+        return collectors
 
     def shutdown(self) -> None:
         if self.followers is not None:  # a tensor-parallel worker's other ranks, then the group
@@ -485,13 +502,14 @@ class LLMEngine:
                 None if landed is None or not new else now - landed)
         return None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
 
-    def _on_kv_event(self, kind, block_hashes, parent, token_ids) -> None:
+    def _on_kv_event(self, kind, block_hashes, parent, token_ids, lora_name: str | None = None) -> None:
         if self._kv_event_publisher is None:
             return
         from pdserve.protocol.kv_events import block_removed, block_stored
 
         if kind == "BlockStored":
-            self._kv_events.append(block_stored(block_hashes, parent, token_ids, self.block_manager.block_size))
+            self._kv_events.append(block_stored(block_hashes, parent, token_ids, self.block_manager.block_size,
+                                                lora_name))
         else:
             self._kv_events.append(block_removed(block_hashes))
 
@@ -500,13 +518,15 @@ class LLMEngine:
             self._kv_event_publisher.publish(self._kv_events)
             self._kv_events = []
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Offline batch generation (tests, benchmarks): output token ids per prompt."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 lora_names: list[str | None] | None = None) -> list[list[int]]:
+        """Offline batch generation (tests, benchmarks): output token ids per prompt.
+        `lora_names`: each prompt's LoRA adapter (None: the base model)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, params_list, lora_names or [None] * len(prompts)):
+            self.add_request(rid, prompt, p, lora_name=lora)
         pending = set(ids)
         while pending:
             for o in self.step():

@@ -52,9 +52,12 @@ from pdserve.worker.request.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, connector: KVConnectorScheduler | None = None, policy: str = "fcfs"):
+                 max_model_len: int, connector: KVConnectorScheduler | None = None, policy: str = "fcfs",
+                 max_loras: int = 0):
         """`connector`: the KV connector's scheduler half; by default one without an endpoint (no
-        transport: nothing pinned or pulled, a remote prefill's params prefilled here)."""
+        transport: nothing pinned or pulled, a remote prefill's params prefilled here).
+        `max_loras`: LoRA adapters' GPU slots (0: no adapters served): requests holding blocks
+        never run more distinct adapters than that, so every step's adapters fit the slots."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,6 +68,10 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # own blocks a pull is filling
         self.sending: dict[str, Request] = {}  # finished; blocks kept for a remote decode worker's read
         self.num_preemptions = 0
+        self.max_loras = max_loras
+        # LoRA: the adapters of the running and of the waiting requests at the last schedule(),
+        # each name once (vllm:lora_requests_info; read from the metrics thread, replaced whole).
+        self.lora_adapters: tuple[list[str], list[str]] = ([], [])
         self.by_priority = policy == "priority"
 
     def _enqueue(self, req: Request, preempted: bool = False) -> None:
@@ -141,6 +148,8 @@ class Scheduler:
                 break  # preempted while its last token was in flight: recomputed once it arrived
             if not self.connector.can_admit(req):
                 break  # its blocks would be pinned past the cap: wait for remote readers to release
+            if req.lora_name is not None and not self._lora_fits(req.lora_name):
+                break  # FCFS: its adapter waits for a GPU slot (a running adapter's requests to end)
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
             # Prompt logprobs need every prompt position's logits: no cached blocks for those.
             cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
@@ -180,8 +189,15 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         scheduled.sort(key=lambda item: item[1] > 1)
+        self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
         return ScheduledBatch(scheduled, meta)
+
+    def _lora_fits(self, name: str) -> bool:
+        """Admitting a request of adapter `name` keeps the distinct adapters within the slots."""
+        active = {r.lora_name for r in self.running if r.lora_name}
+        active |= {r.lora_name for r in self.waiting_for_remote_kvs.values() if r.lora_name}
+        return name in active or len(active) < self.max_loras
 
     def _pick_victim(self, exclude) -> Request | None:
         taken = {id(r) for r, _ in exclude}
@@ -253,7 +269,13 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
             self._free(req)
+        self._note_lora_adapters()
         return finished + stopped_waiting
+
+    def _note_lora_adapters(self) -> None:
+        if self.max_loras:
+            self.lora_adapters = (list(dict.fromkeys(r.lora_name for r in self.running if r.lora_name)),
+                                  list(dict.fromkeys(r.lora_name for r in self.waiting if r.lora_name)))
 
     def update_from_kv_xfer(self, out: KVConnectorOutput) -> list[Request]:
         """Apply what the connector's worker side reports: reads released, pulls landed or failed.

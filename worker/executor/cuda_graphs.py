@@ -43,6 +43,9 @@ class DecodeGraphConfig:
     # A KV cache with a sliding group (attention/kv_groups.py): a second slot row and block table
     # per sequence, which the sliding layers read (AttentionMetadata.sliding).
     sliding: bool = False
+    # LoRA adapters served (worker/lora/): a row of each token's adapter slot (-1 pads), which
+    # the LoRA layers read through their context inside the graph.
+    lora: bool = False
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -52,14 +55,16 @@ class DecodeGraphConfig:
 
 
 class DecodeGraphs:
-    def __init__(self, model, config: DecodeGraphConfig, device: torch.device):
+    def __init__(self, model, config: DecodeGraphConfig, device: torch.device, lora_ctx=None):
         self.model, self.config, self.device = model, config, device
         self.buckets = batch_buckets(config.max_batch)
         n = config.max_batch
         # Rows: token ids, positions, KV slots, context lengths. One buffer, so a step's scalars
         # travel in one host->device copy; the int32 context lengths are cast inside the graph.
         # With a sliding group, a fifth row: its KV slots.
-        pad = [[0], [0], [-1], [1]] + ([[-1]] if config.sliding else [])
+        pad = [[0], [0], [-1], [1]] + ([[-1]] if config.sliding else []) + ([[-1]] if config.lora else [])
+        self._lora_row = len(pad) - 1 if config.lora else None
+        self.lora_ctx = lora_ctx
         self._inputs = torch.tensor(pad, dtype=torch.int64, device=device).repeat(1, n)
         self._padding = np.array(pad, dtype=np.int64).repeat(n, axis=1)  # rows n..b-1
         self._context_lens = torch.ones(n, dtype=torch.int32, device=device)
@@ -90,6 +95,12 @@ class DecodeGraphs:
         )
         if self.config.sliding:
             meta.sliding = replace(meta, slot_mapping=self._inputs[4, :b], decode_block_tables=self._tables[1, :b])
+        if self._lora_row is not None:
+            self.lora_ctx.slots = self._inputs[self._lora_row, :b]
+            try:
+                return self.model(self._inputs[0, :b], self._inputs[1, :b], meta)
+            finally:
+                self.lora_ctx.slots = self.lora_ctx.idle
         return self.model(self._inputs[0, :b], self._inputs[1, :b], meta)
 
     @torch.inference_mode()
@@ -120,11 +131,12 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
             block_tables: list[list[int]], sliding: tuple[list[int], list[list[int]]] | None = None,
-            from_previous=None) -> torch.Tensor:
+            from_previous=None, lora_slots: list[int] | None = None) -> torch.Tensor:
         """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H].
         `from_previous(ids)`: called on the token-id row once the host's values are queued, to put
         token ids that are still on the device in place (async scheduling, model_runner.py).
-        `sliding`: the sliding group's (slots, block tables), where the config has one."""
+        `sliding`: the sliding group's (slots, block tables), where the config has one.
+        `lora_slots`: each sequence's adapter slot, where the config serves adapters."""
         n = len(input_ids)
         b = self.bucket(n)
         slot, (host, host_tables), (rows, tables) = self._staging.acquire()
@@ -133,6 +145,8 @@ class DecodeGraphs:
         if sliding is not None:
             rows[4, :n] = sliding[0]
             groups.append(sliding[1])
+        if self._lora_row is not None:
+            rows[self._lora_row, :n] = lora_slots if lora_slots is not None else -1
         rows[:, n:b] = self._padding[:, :b - n]
         # Columns past a row's length keep an older step's ids: never read, and every one is a valid block.
         width = max(len(t) for t in block_tables)

@@ -77,6 +77,10 @@ class StepPlan:
     # (this many) on the device once sampled, so that every rank holds what the next step's
     # `from_previous` rows read; 0: nothing is sent.
     share_tokens: int = 0
+    # LoRA (--enable-lora): the GPU slot of each input row's adapter (-1: the base model); None
+    # when the worker serves no adapters.
+    lora_slots: list[int] | None = None
+    lora_swaps: list = field(default_factory=list)  # (slot, LoRAModule): adapters every rank copies in first
 
 
 @dataclass
@@ -176,6 +180,9 @@ class ModelRunner:
         self.block_size = bs = config.block_size
         self.kv_groups = kv_groups(config, self.shard_config)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        # LoRA adapters: their GPU slots exist before the KV cache is sized, so it leaves them room.
+        self.lora = self._start_lora(backend.name) if config.enable_lora else None
+        self._step_lora: dict[str, int] = {}  # the step being planned: adapter name -> its GPU slot
         self.num_blocks = num_blocks = self._num_kv_blocks(backend)
         fits = num_blocks * bs if self.kv_groups is None else self.kv_groups.max_tokens(num_blocks, bs)
         if fits < max_len:
@@ -209,6 +216,20 @@ class ModelRunner:
         self.prompt_scores = None  # rank 0: the last execute()'s prompt scores (score_rows)
 
     # -- construction: tensor parallelism, KV sizing and graph capture ---------------------------
+
+    def _start_lora(self, backend_name: str):
+        """The adapters' manager over this model, with --lora-modules read and checked (LoRAError
+        naming the adapter: the worker does not start with one it could not serve)."""
+        from pdserve.worker.lora.manager import LoRAManager
+        from pdserve.worker.config.lora_modules import parse_lora_modules
+
+        c = self.config
+        manager = LoRAManager(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,
+                              max_cpu_loras=c.cpu_loras, max_tokens=max(self.max_num_batched_tokens, c.max_num_seqs),
+                              backend_name=backend_name, device=self.device)
+        for module in parse_lora_modules(c.lora_modules):
+            manager.add(module)
+        return manager
 
     def _join_tensor_parallel(self, store_port, store) -> torch.device:
         """Join the process group (and make the rank's all-reduce communicator)."""
@@ -325,7 +346,9 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, DecodeGraphConfig(config.max_num_seqs, max_blocks,
                                                             capture=self.device.type == "cuda",
-                                                            sliding=self.kv_groups is not None), self.device)
+                                                            sliding=self.kv_groups is not None,
+                                                            lora=self.lora is not None), self.device,
+                              lora_ctx=self.lora.ctx if self.lora is not None else None)
         graphs.capture()
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
         return graphs
@@ -350,7 +373,10 @@ class ModelRunner:
         # again (seconds, mid-serving) for each variant.
         max_blocks = -(-max(len(r.block_ids) for r, _ in batch.items) // 16) * 16
         sliding = None if self.kv_groups is None else ([], [], [])  # slots, decode tables, prefill tables
+        lora_slots = None if self.lora is None else []
         for req, n in batch.items:
+            if lora_slots is not None:
+                lora_slots += [self._step_lora.get(req.lora_name, -1)] * n
             start = req.num_computed_tokens
             end = start + n
             known = req.token_ids[start:end]
@@ -381,7 +407,7 @@ class ModelRunner:
         top_k = max((r.params.prompt_logprobs for r in book.requests), default=0)
         self._prompt_book = book
         return StepPlan(False, inputs, logits_idx, prompt_rows, prompt_targets, top_k,
-                        from_previous=from_previous), samplers
+                        from_previous=from_previous, lora_slots=lora_slots), samplers
 
     def _eager_inputs(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, positions, slots, dec_tables, dec_lens, pre_tables, pre_lens, cu, sliding = inputs
@@ -416,6 +442,7 @@ class ModelRunner:
         ids, positions, slots, lens, tables, logits_idx, samplers = [], [], [], [], [], [], []
         sliding = None if self.kv_groups is None else ([], [])  # the sliding group's slots and tables
         from_previous = []
+        lora_slots = None if self.lora is None else [self._step_lora.get(r.lora_name, -1) for r, _ in batch.items]
         for i, (req, _) in enumerate(batch.items):
             p = req.num_computed_tokens
             if p < len(req.token_ids):
@@ -434,7 +461,7 @@ class ModelRunner:
                 logits_idx.append(i)
                 samplers.append(req)
         return StepPlan(True, (ids, positions, slots, lens, tables, sliding), logits_idx,
-                        from_previous=from_previous), samplers
+                        from_previous=from_previous, lora_slots=lora_slots), samplers
 
     def _use_graph(self, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and len(batch.items) <= self.graphs.config.max_batch
@@ -449,20 +476,26 @@ class ModelRunner:
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
         such a step is never a decode graph's)."""
+        if plan.lora_swaps:
+            self.lora.apply(plan.lora_swaps)
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
         if plan.graph:
-            hidden = self.graphs.run(*plan.inputs, from_previous=fill)
+            hidden = self.graphs.run(*plan.inputs, from_previous=fill, lora_slots=plan.lora_slots)
         else:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
             if fill is not None:
                 fill(input_ids)
             self.model.after_layer = layer_clock.after_layer if layer_clock is not None else None
+            if plan.lora_slots is not None:
+                self.lora.ctx.slots = self._tensor(plan.lora_slots, torch.int64)
             try:
                 hidden = self.model(input_ids, positions, meta)
             finally:
                 self.model.after_layer = None
+                if self.lora is not None:
+                    self.lora.ctx.slots = self.lora.ctx.idle
         self.prompt_scores = None
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
@@ -514,8 +547,12 @@ class ModelRunner:
             # this, Triton launches would target cuda:0 whatever card this rank was given.
             torch.cuda.set_device(self.device)
         prev_rows = previous.rows if previous is not None else None
+        if self.lora is not None:  # the step's adapters into GPU slots (copies queued before its forward)
+            self._step_lora, swaps = self.lora.slots_for(r.lora_name for r, _ in batch.items if r.lora_name)
         plan, samplers = (self._plan_graph(batch, prev_rows) if self._use_graph(batch)
                           else self._plan_eager(batch, prev_rows))
+        if self.lora is not None:
+            plan.lora_swaps = swaps
         if self.followers is not None:
             if plan.from_previous and not self.share_sampled:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")

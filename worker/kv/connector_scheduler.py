@@ -303,7 +303,7 @@ class KVConnectorScheduler:
         self._pinned[req.request_id] = len(blocks)
         self._num_pinned += len(blocks)
         return self._endpoint.params(req.request_id, blocks, req.num_prompt_tokens, token, first_token_id,
-                                     stream_kv=ready is not None)
+                                     stream_kv=ready is not None, lora_name=req.lora_name)
 
     def _handoff(self, req: Request) -> list[int]:
         """The blocks a hand-off of `req`'s prompt lists: every prompt block (the full group's, for

@@ -58,6 +58,7 @@ class ParallelLinear(nn.Linear):
 
     quant = None
     part_ids: tuple = (None,)  # shard_id of each fused part, in order
+    lora = None  # the adapters' term added to the output (worker/lora/layer.py LoRALinear), when served
 
     def _init_quant(self, quant) -> None:
         self.quant = quant
@@ -82,9 +83,10 @@ class ParallelLinear(nn.Linear):
         return True
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is None:
-            return F.linear(x, self.weight, bias)
-        return self.quant.apply(self, x, bias)
+        out = F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+        if self.lora is not None:
+            out = self.lora(x, out)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)

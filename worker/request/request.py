@@ -60,6 +60,9 @@ class Request:
         self.sliding_block_ids: list[int] = []
         self.num_released_sliding = 0
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        # The LoRA adapter it runs (--enable-lora; None: the base model). It seeds the block hash
+        # chain (block_manager.lora_hash_root): KV computed under one adapter is never another's.
+        self.lora_name: str | None = None
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -23,7 +23,7 @@ from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
 from pdserve.protocol.body import parse_object, read_body, read_model, validate
 from pdserve.protocol.chat_render import ChatTemplates
-from pdserve.protocol.contract import PATH_KV_RELEASE
+from pdserve.protocol.contract import ENV_RUNTIME_LORA, PATH_KV_RELEASE
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, install_handlers
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
@@ -82,11 +82,18 @@ class WorkerState:
     def vocab_size(self) -> int:
         return len(self.engine.tokenizer)
 
-    def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continuation=None) -> Generation:
-        """`continuation`: a migrated stream's (token ids per choice, the choices that ended)."""
+    @property
+    def lora(self):
+        """The engine's LoRA adapters (worker/lora/manager.py), None without --enable-lora."""
+        return getattr(self.engine, "lora", None) if self.engine is not None else None
+
+    def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continuation=None,
+                       lora_name: str | None = None) -> Generation:
+        """`continuation`: a migrated stream's (token ids per choice, the choices that ended);
+        `lora_name`: the adapter the request runs (serving.resolve_model), None for the base."""
         ids, finished = continuation or (None, frozenset())
         return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params,
-                          ids, finished)
+                          ids, finished, lora_name)
 
     async def load(self) -> None:
         t0 = time.perf_counter()
@@ -271,15 +278,29 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             card["max_model_len"] = state.engine.max_model_len
         return card
 
+    def adapter_cards() -> list[dict]:
+        """LoRA adapters as vLLM lists them: their own id, `parent` the base model."""
+        lora = state.lora
+        if lora is None:
+            return []
+        base = model_card()
+        return [{**base, "id": m.name, "root": m.path, "parent": state.served_model_name} for m in lora.served()]
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def v1_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
     async def v1_model(model_id: str):
-        if model_id != state.served_model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
-        return model_card()
+        if model_id == state.served_model_name:
+            return model_card()
+        for card in adapter_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+
+    if os.environ.get(ENV_RUNTIME_LORA, "").strip().lower() in ("1", "true"):
+        install_lora_routes(app, state, authorized, ready, read, limits)
 
     @app.get("/health")
     async def health():
@@ -311,3 +332,44 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
                 "num_waiting": s.num_waiting}
 
     return app
+
+
+def install_lora_routes(app: FastAPI, state: WorkerState, authorized, ready, read, limits) -> None:
+    """vLLM's runtime adapter endpoints (only with $VLLM_ALLOW_RUNTIME_LORA_UPDATING true, as
+    vLLM): load reads and checks the adapter on a thread (400 naming what is wrong, nothing
+    registered); unload stops new requests at once, running ones finish with it."""
+    from pdserve.worker.lora.adapter import LoRAError
+    from pdserve.worker.config.lora_modules import LoRAModule
+
+    def body_field(body: dict, name: str) -> str:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"{name} must be a non-empty string", name)
+        return value
+
+    def manager(st: WorkerState):
+        if st.lora is None:
+            raise bad_request("this worker serves no LoRA adapters (start it with --enable-lora)", "lora_name")
+        return st.lora
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorized)])
+    async def load_lora_adapter(request: Request, st: WorkerState = Depends(ready)):
+        body = parse_object(await read(request), limits.body_values)
+        name, path = body_field(body, "lora_name"), body_field(body, "lora_path")
+        if name == st.served_model_name:
+            raise bad_request(f"{name!r} is the base model's name", "lora_name")
+        try:
+            await asyncio.to_thread(manager(st).add, LoRAModule(name, path))
+        except LoRAError as e:
+            raise bad_request(str(e), "lora_path") from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorized)])
+    async def unload_lora_adapter(request: Request, st: WorkerState = Depends(ready)):
+        body = parse_object(await read(request), limits.body_values)
+        name = body_field(body, "lora_name")
+        try:
+            manager(st).remove(name)
+        except LoRAError as e:
+            raise APIError(404, str(e), "lora_name", "model_not_found") from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")

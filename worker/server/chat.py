@@ -55,7 +55,7 @@ def render_prompt(templates: ChatTemplates, body: ChatCompletionRequest, tools: 
 
 async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
     body.check_unsupported()
-    serving.check_model(body.model, state.served_model_name)
+    lora = serving.resolve_model(state, body.model)
     cfg = state.config
     tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     harmony = cfg.harmony_flag is not None
@@ -73,14 +73,14 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
     continued = serving.continued(state, body, body.n)
     rid = serving.new_id("chatcmpl")
-    gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued)
+    gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued, lora)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
     base = {
         "id": serving.response_id(request, "chatcmpl", rid),
         "created": serving.now(),
-        "model": state.served_model_name,
+        "model": lora or state.served_model_name,
     }
     # A decode worker's reply continues after the prefill's first token: the parser reads that
     # token's text first (known now, or told by the engine for a streamed hand-off).

@@ -43,7 +43,7 @@ def _tokenize(state, prompts: list) -> list[list[int]]:
 
 async def create_completion(state, request: Request, body: CompletionRequest):
     body.check_unsupported()
-    serving.check_model(body.model, state.served_model_name)
+    lora = serving.resolve_model(state, body.model)
     tok = state.tokenizer
     prompts = await serving.off_loop(_tokenize, state, body.prompts())
     only_prompt = echo.echo_only(body)
@@ -55,11 +55,12 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
     continued = serving.continued(state, body, len(prompts) * body.n)
     rid = serving.new_id("cmpl")
-    gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued)
+    gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued, lora)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.
-    base = {"id": serving.response_id(request, "cmpl", rid), "created": serving.now(), "model": state.served_model_name}
+    base = {"id": serving.response_id(request, "cmpl", rid), "created": serving.now(),
+            "model": lora or state.served_model_name}
     if body.stream:
         # Logprob text offsets continue after the first token's text a prefill worker returned.
         if continued:  # each choice's text on the lost worker

@@ -27,9 +27,11 @@ class Generation:
     def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
                  prompts: list[list[int]], params: SamplingParams, n: int,
                  kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None,
-                 continued: list[list[int]] | None = None, finished: frozenset[int] = frozenset()):
+                 continued: list[list[int]] | None = None, finished: frozenset[int] = frozenset(),
+                 lora_name: str | None = None):
         """`continued[i]`: choice i's output so far on a lost worker (protocol/continuation.py);
-        the choices in `finished` ended there and are not generated again."""
+        the choices in `finished` ended there and are not generated again. `lora_name`: the
+        LoRA adapter every choice runs (None: the base model)."""
         self.engine = engine
         self.metrics = metrics
         self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort
@@ -52,6 +54,7 @@ class Generation:
                 self.indexes.append(index)
                 self.jobs.append((f"{request_id}-{index}", prompt, params_i, continued[index] if continued else []))
         self.kv_transfer_params = kv_transfer_params
+        self.lora_name = lora_name
 
     def __len__(self) -> int:
         return self.num_choices
@@ -63,7 +66,8 @@ class Generation:
         finished = False
         try:
             gen = self.engine.generate(rid, prompt, params, kv_transfer_params=self.kv_transfer_params,
-                                       **({"continued": continued} if continued else {}))
+                                       **({"continued": continued} if continued else {}),
+                                       **({"lora_name": self.lora_name} if self.lora_name else {}))
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()

@@ -64,6 +64,18 @@ def now() -> int:
     return int(time.time())
 
 
+def resolve_model(state, requested: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names, None for the base model; any other name is
+    404 model_not_found, as vLLM answers it."""
+    if requested is None or requested == state.served_model_name:
+        return None
+    lora = state.lora
+    if lora is not None and lora.serves(requested):
+        return requested
+    check_model(requested, state.served_model_name)
+    return None
+
+
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`.",

@@ -20,7 +20,7 @@ def tokenize(state, body: dict) -> dict:
     --max-request-prompt-tokens is not sent. A count over --max-model-len is still answered, as
     vLLM answers it: a client learns how much to cut."""
     req = tokenize_request(body)
-    serving.check_model(req.model, state.served_model_name)
+    serving.resolve_model(state, req.model)
     tok = state.tokenizer
     if isinstance(req, TokenizeChatRequest):
         chat = req.as_chat()
@@ -40,7 +40,7 @@ def tokenize(state, body: dict) -> dict:
 
 def detokenize(state, body: dict) -> dict:
     req = detokenize_request(body)
-    serving.check_model(req.model, state.served_model_name)
+    serving.resolve_model(state, req.model)
     state.limits.check_prompt_tokens(len(req.tokens), "tokens")
     serving.check_token_ids(req.tokens, state.vocab_size, "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}

@@ -1,0 +1,55 @@
+"""lora_shrink / lora_expand: the Triton kernels against the references, tokens of several
+adapters and of none (slot -1) mixed in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.lora import lora_expand, lora_shrink
+from pdserve.kernels.reference import lora_expand_ref, lora_shrink_ref
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU
+
+
+@pytest.mark.parametrize("dtype,k,r,n", [(torch.float32, 48, 8, 40), (torch.bfloat16, 160, 24, 200)])
+def test_shrink_and_expand_equal_the_references(dtype, k, r, n):
+    g = torch.Generator().manual_seed(0)
+    slots_n, t = 3, 11
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    a = torch.randn(slots_n, k, r, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(slots_n, r, n, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2, -1, 1], device=DEVICE)
+
+    u = lora_shrink(x, a, slots)
+    u_ref = lora_shrink_ref(x, a, slots)
+    torch.testing.assert_close(u, u_ref, rtol=1e-4, atol=1e-3)
+    assert torch.all(u[slots < 0] == 0)
+
+    y0 = torch.randn(t, n, generator=g).to(dtype).to(DEVICE)
+    y, y_ref = y0.clone(), y0.clone()
+    lora_expand(y, u_ref, b, slots)
+    lora_expand_ref(y_ref, u_ref, b, slots)
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(y, y_ref, **tol)
+    assert torch.equal(y[slots < 0], y0[slots < 0])  # the base model's rows are untouched
+    # Each row is its own slot's product, not another's.
+    for i in range(t):
+        if slots[i] >= 0:
+            own = x[i].float() @ a[slots[i]].float()
+            torch.testing.assert_close(u[i], own, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes need a CUDA GPU (tier 4)")
+def test_llama_8b_sizes_on_the_gpu():
+    """Llama-3.1-8B's qkv_proj with three parts of rank 16 and four slots, bf16, a decode batch."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, k, r, n, s = 64, 4096, 48, 6144, 4
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    a = torch.randn(s, k, r, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(s, r, n, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    slots = torch.randint(-1, s, (t,), device="cuda", generator=g)
+    u = lora_shrink(x, a, slots)
+    torch.testing.assert_close(u, lora_shrink_ref(x, a, slots), rtol=1e-3, atol=1e-3)
+    y0 = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    torch.testing.assert_close(lora_expand(y0.clone(), u, b, slots), lora_expand_ref(y0.clone(), u, b, slots),
+                               rtol=1e-2, atol=1e-2)

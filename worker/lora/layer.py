@@ -1,0 +1,140 @@
+"""The LoRA term of one base linear, for every GPU slot at once.
+
+A fused linear (qkv_proj = q | k | v, gate_up_proj = gate | up) holds one adapter matrix pair
+per part: the parts' A matrices side by side (x is shared: one shrink gives every part's
+rank-R product) and their B matrices block-diagonal (part i's R columns of the product only
+reach part i's output rows), so a fused linear still costs one shrink and one expand:
+
+    a: [slots, in, parts * R]     b: [slots, parts * R, out]     (R = --max-lora-rank)
+
+An adapter of rank r < R fills the first r columns of its part, zeros elsewhere; a part the
+adapter does not adapt stays zero. The scale is folded into B (adapter.py).
+
+Tensor parallelism: the matrices are sharded like the base layer's weight, with its own
+coordinates (parallel/layers.py rows_of / cols_of). A column-parallel layer (qkv, gate_up)
+keeps A whole and B's columns of its rows. A row-parallel one (o_proj, down_proj) keeps A's
+rows of its input columns and B whole: each rank's shrink is a partial sum, and since the
+expand is linear the layer's own all-reduce sums the ranks' terms into the whole one, with no
+collective of LoRA's own.
+
+`LoRAContext.slots` holds the step's slot per token (-1: the base model), set by the model
+runner before each forward (a CUDA graph's static buffer in a captured decode step), so the
+layers never read anything on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pdserve.worker.lora.adapter import LoRAAdapter
+
+
+@dataclass(frozen=True)
+class LoRAOps:
+    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32
+    expand: Callable  # (y [T, N], u [T, R], b [S, R, N], slots [T]) -> y, in place
+
+
+def lora_ops(backend_name: str) -> LoRAOps:
+    """Triton's kernels with the Triton backend, the torch references otherwise (one numerics per engine)."""
+    if backend_name == "triton":
+        from pdserve.kernels.lora import lora_expand, lora_shrink
+
+        return LoRAOps(lora_shrink, lora_expand)
+    from pdserve.kernels.reference import lora_expand_ref, lora_shrink_ref
+
+    return LoRAOps(lora_shrink_ref, lora_expand_ref)
+
+
+class LoRAContext:
+    """The step's slot per token, shared by every LoRA layer of the model."""
+
+    def __init__(self, max_tokens: int, device: torch.device):
+        # No adapter anywhere: what a forward without a plan of its own reads (the memory profile).
+        self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.slots = self.idle
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    module: str  # the checkpoint's name of this part (q_proj, ...)
+    shard_id: object  # the part's id in the base layer (rows_of): "q" | "k" | "v", 0 | 1, None
+
+
+class LoRALinear:
+    """Added to a base linear's output by ParallelLinear.linear (its `lora` attribute)."""
+
+    def __init__(self, base, layer: int, parts: list[LoRAPart], max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, ops: LoRAOps, ctx: LoRAContext):
+        """`base`: the parallel linear this term is added to (its shard's coordinates)."""
+        self.layer, self.parts, self.max_rank = layer, parts, max_rank
+        self.rows = [base.rows_of(p.shard_id) for p in parts]  # (first out row here, in the checkpoint, count)
+        self.cols = base.cols_of()  # row-parallel: (first input column in the checkpoint, count)
+        width = len(parts) * max_rank
+        self.a = torch.zeros(max_loras, base.in_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device)
+        self.ops, self.ctx = ops, ctx
+
+    def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Slot `slot` := the adapter's matrices for this linear (zeros where it adapts nothing;
+        None clears the slot). Copies queued on the device's stream: ordered after the steps
+        already queued, so one still running never sees the new weights."""
+        a, b = self.a[slot], self.b[slot]
+        a.zero_()
+        b.zero_()
+        if adapter is None:
+            return
+        for i, (p, (dst, src, n)) in enumerate(zip(self.parts, self.rows)):
+            pair = adapter.weights.get((self.layer, p.module))
+            if pair is None:
+                continue
+            la, lb = pair  # [r, in], [out, r]: the whole model's
+            if self.cols is not None:
+                first, count = self.cols
+                la = la[:, first:first + count]
+            r, c = la.shape[0], i * self.max_rank
+            a[:, c:c + r].copy_(la.t(), non_blocking=True)
+            b[c:c + r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        slots = self.ctx.slots[:x.shape[0]]
+        u = self.ops.shrink(x, self.a, slots)
+        return self.ops.expand(out, u, self.b, slots)
+
+
+def attach_lora(model: nn.Module, max_loras: int, max_rank: int, ops: LoRAOps,
+                ctx: LoRAContext) -> tuple[list[LoRALinear], dict[tuple[int, str], tuple[int, int]]]:
+    """A LoRALinear on every attention and dense-MLP projection of a Llama-family model, and the
+    whole model's (in, out) of each (layer, module) an adapter may adapt (adapter.py checks
+    them). The small-batch GEMV paths (which bypass the linears' forward) are turned off."""
+    from pdserve.worker.models.llama import MLP
+
+    weight = model.embed_tokens.weight
+    dtype, device = weight.dtype, weight.device
+    full = model.shard.full  # the whole model's sizes (this rank's are a slice)
+    hidden, q, kv = full.hidden_size, full.num_heads * full.head_dim, full.num_kv_heads * full.head_dim
+    made: list[LoRALinear] = []
+    shapes: dict[tuple[int, str], tuple[int, int]] = {}
+
+    def add(linear, layer: int, parts: dict[str, tuple[object, int, int]]) -> None:
+        linear.lora = LoRALinear(linear, layer, [LoRAPart(m, sid) for m, (sid, _, _) in parts.items()],
+                                 max_loras, max_rank, dtype, device, ops, ctx)
+        made.append(linear.lora)
+        shapes.update({(layer, m): (k, n) for m, (_, k, n) in parts.items()})
+
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+        add(attn.qkv_proj, i, {"q_proj": ("q", hidden, q), "k_proj": ("k", hidden, kv), "v_proj": ("v", hidden, kv)})
+        add(attn.o_proj, i, {"o_proj": (None, q, hidden)})
+        attn.gemv_o = False
+        block.gemv_qkv = False
+        if isinstance(block.mlp, MLP):
+            inter = block.mlp.gate_up_proj.out_sizes[0]
+            add(block.mlp.gate_up_proj, i, {"gate_proj": (0, hidden, inter), "up_proj": (1, hidden, inter)})
+            add(block.mlp.down_proj, i, {"down_proj": (None, inter, hidden)})
+            block.gemv_mlp = False
+    return made, shapes
