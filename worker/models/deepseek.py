@@ -128,7 +128,8 @@ class DeepseekMoeBlock(nn.Module):
                                     topk_op=topk_experts_op(backend))
         self.shared_experts = None
         if r.n_shared_experts:
-            self.shared_experts = MLP(cfg, shard, pointwise_ops(backend), f"model.layers.{layer_idx}.mlp.shared_experts",
+            self.shared_experts = MLP(cfg, shard, pointwise_ops(backend),
+                                      f"model.layers.{layer_idx}.mlp.shared_experts",
                                       inter=cfg.shared_expert_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
