@@ -66,6 +66,14 @@ def gpt_oss_stack(request, tiny_checkpoint):
         yield urls
 
 
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def deepseek_stack(request, tiny_checkpoint):
+    """DeepSeek-V3 (tests/checkpoints.py): multi-head latent attention, so the hand-off moves one
+    latent per token and layer (layout "...:mla"), and DeepSeekMoE."""
+    with pd_stack(tiny_checkpoint("deepseek-v3"), request.param) as urls:
+        yield urls
+
+
 # The KV cache dtype is one more dimension: an fp8 cache (--kv-cache-dtype fp8) on both workers,
 # both transports. The single-worker reference is again the decode worker, fp8 too.
 FP8 = ("--kv-cache-dtype", "fp8")
@@ -407,6 +415,26 @@ def test_gpt_oss_any_request_equals_single_worker(gpt_oss_stack, case):
     model's; what differs is the model's layers and the KV they hand off)."""
     route, body = case
     assert_same(gpt_oss_stack, route, body)
+
+
+@live_settings(4)
+@given(case=requests())
+def test_deepseek_any_request_equals_single_worker(deepseek_stack, case):
+    """P/D == one worker for the MLA model (few examples: the request handling is the dense
+    model's; what differs is the latent the hand-off moves)."""
+    route, body = case
+    assert_same(deepseek_stack, route, body)
+
+
+def test_deepseek_latent_moves_from_prefill_to_decode(deepseek_stack):
+    router, worker = deepseek_stack
+    before = disaggregated(router), metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = metric(worker, "pdserve_kv_transfer_bytes_total")
+    assert_same(deepseek_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 12, "temperature": 0,
+                                                "ignore_eos": True, "logprobs": 2})
+    assert disaggregated(router) == before[0] + 1
+    assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
+    assert metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
 
 
 # Prompts of 3 to 11 windows (block size 4: 6 to 22 blocks), so the first decode steps attend
