@@ -9,9 +9,10 @@ tokens' latents [normed latent | roped key] into the cache, then:
 - decode tokens attend in the latent space: the key up-projection is absorbed into the query
   (q_nope W_UK, one R-vector per head) and the value one applied to the attended latent, so each
   cached token is read as R + P values once for all heads (multi-query attention over the latent).
-Both are the plain-torch references (kernels/reference.py: mla_prefill_ref, mla_decode_ref), used
-whatever the attention backend: the latent path has no Triton kernel yet, and the reference reads
-context lengths on the host, so a DeepSeek model runs without decode CUDA graphs.
+Prefill and the cache write are the plain-torch references (kernels/reference.py: mla_prefill_ref,
+mla_cache_write_ref) whatever the attention backend; decode is kernels/mla_decode.py's Triton kernel
+on the Triton backend and mla_decode_ref on the torch one. The references read lengths and slots
+on the host, so a DeepSeek model runs without decode CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ import torch
 
 from pdserve.kernels.reference import mla_cache_write_ref, mla_decode_ref, mla_prefill_ref
 from pdserve.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def _triton_decode() -> Callable:
+    # Imported on use: Triton exists only where the Triton backend was chosen.
+    from pdserve.kernels.mla_decode import mla_decode
+
+    return mla_decode
 
 
 def latent_attention(backend: AttentionBackend, layer: int, latent: torch.Tensor, q_nope: torch.Tensor,
@@ -37,7 +45,8 @@ def latent_attention(backend: AttentionBackend, layer: int, latent: torch.Tensor
     nd = meta.num_decode_tokens
     if nd:
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:nd], w_uk)
-        o = mla_decode_ref(q_latent, q_pe[:nd], cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        decode = _triton_decode() if backend.name == "triton" else mla_decode_ref
+        o = decode(q_latent, q_pe[:nd].contiguous(), cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         out[:nd] = torch.einsum("bhr,hvr->bhv", o, w_uv)
     if t > nd:
         out[nd:] = mla_prefill_ref(q_nope[nd:], q_pe[nd:], cache, meta.prefill_block_tables,
