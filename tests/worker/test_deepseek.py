@@ -39,14 +39,19 @@ def test_latent_cache_holds_one_vector_per_token_and_layer(tiny_checkpoint):
     assert KVCache.bytes_per_block(engine.model_config, 4, cache.dtype) == cache.block_bytes
 
 
-@pytest.mark.parametrize("key,value", [("index_topk", 2048), ("index_n_heads", 64)])
-def test_sparse_attention_configs_are_refused_by_key(tmp_path, key, value):
+# A V3 config carrying V3.2's indexer or V4's compression keys, and V3.2 / V4 themselves.
+@pytest.mark.parametrize("arch,model_type,extra,key", [
+    ("DeepseekV3ForCausalLM", "deepseek_v3", {"index_topk": 2048}, "index_topk"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3", {"compress_rope_theta": 160000.0}, "compress_rope_theta"),
+    ("DeepseekV32ForCausalLM", "deepseek_v32", {}, "index_topk"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+])
+def test_configs_it_cannot_run_are_refused_by_key(tmp_path, arch, model_type, extra, key):
     from transformers import AutoConfig
 
     from pdserve.worker.config.model import ModelConfig
     from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
-                                                      "model_type": "deepseek_v3", key: value}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, **extra}))
     with pytest.raises(UnsupportedModelError, match=key):
         ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))

@@ -28,8 +28,8 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Keys of later DeepSeek attention variants this engine does not compute: a config carrying any of
 # them (V3.2's lightning indexer for sparse attention, V4's compressed attention) is refused by name
 # rather than run as dense MLA, which would give other outputs than the model was trained for.
-UNSUPPORTED_KEYS = ("index_topk", "index_n_heads", "index_head_dim", "compress_ratio", "compress_rope_theta",
-                    "compressed_kv_lora_rank")
+UNSUPPORTED_KEYS = ("index_topk", "index_n_heads", "index_head_dim", "compress_rates", "compress_ratio",
+                    "compress_rope_theta")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,12 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 
 # Architectures people will try that pdserve cannot run, with why and what to use instead: the
 # start-up error names both, rather than a generic "unsupported".
-UNSUPPORTED_HINTS: dict[str, str] = {}
+UNSUPPORTED_HINTS: dict[str, str] = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (config key index_topk: the lightning indexer's "
+                              "top-k) is not implemented; DeepseekV3ForCausalLM (dense MLA) is",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed attention (config keys compress_rates, index_topk) is not "
+                             "implemented; DeepseekV3ForCausalLM (dense MLA) is",
+}
 
 
 @dataclass(frozen=True)
