@@ -55,3 +55,10 @@ def test_configs_it_cannot_run_are_refused_by_key(tmp_path, arch, model_type, ex
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, **extra}))
     with pytest.raises(UnsupportedModelError, match=key):
         ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_fp8_latent_cache_is_refused_naming_the_flag(tiny_checkpoint):
+    from pdserve.worker.config.engine import ConfigError
+
+    with pytest.raises(ConfigError, match="--kv-cache-dtype"):
+        make_engine(tiny_checkpoint("deepseek-v2-lite"), kv_cache_dtype="fp8")
