@@ -181,6 +181,28 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     return F.silu(gate) * up
 
 
+def rotary_interleaved_ref(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's rope over interleaved pairs (x0, x1), (x2, x3), ..., pair i turned by frequency i,
+    written as transformers' DeepSeek-V3 writes it: the pairs' first elements, then their second
+    ones. (V2's complex form keeps each pair in place: the same values permuted alike in q and k,
+    so every q.k and the model's output are the same.)"""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    return rot(q), rot(k)
+
+
 def clamped_swiglu_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """gpt-oss's expert activation on [gate | up] halves, as transformers' GptOssExperts computes it
     (there on interleaved columns, which the loader separates): gate clamped above at `limit`, up
@@ -335,6 +357,112 @@ def moe_route_ref(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def moe_grouped_route_ref(
+    router_logits: torch.Tensor,  # [T, E] fp32 (DeepSeek's router runs in fp32)
+    top_k: int,
+    scoring: str,  # "sigmoid" (DeepSeek-V3) | "softmax" (V2)
+    n_group: int = 1,  # expert groups; 1: no group limit
+    topk_group: int = 1,  # groups a token may choose from
+    group_score: str = "top2_sum",  # a group's score: its two best summed (V3) | its best (V2)
+    correction_bias: torch.Tensor | None = None,  # [E]: added to the scores for the choice only (V3)
+    renormalize: bool = False,  # the k weights divided by their sum (+ 1e-20, as transformers)
+    scaling: float = 1.0,  # routed_scaling_factor
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, expert ids [T, k] int64
+    """DeepSeekMoE's group-limited top-k as transformers computes it: scores, the `topk_group`
+    best groups kept (V3 masks the others' biased scores with -inf, V2 its scores with 0), the k
+    best kept experts, weighted by their unbiased scores."""
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        gs = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2_sum" else grouped.amax(dim=-1)
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(topk_group, dim=-1, sorted=False)[1], 1)
+        keep = keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e).bool()
+        choice = choice.masked_fill(~keep, float("-inf") if group_score == "top2_sum" else 0.0)
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+# --- Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache --------------------------
+# The cache holds, per token and layer, one vector [kv_lora_rank latent | rope key]
+# ([num_blocks, block_size, 1, R + P]: worker/attention/kv_spec.py). Prefill expands the latents
+# of the context into per-head keys and values (as transformers computes); decode attends in the
+# latent space with the key up-projection folded into the query and the value one applied to the
+# output, reading R + P values per cached token instead of H (N + P + V).
+
+
+def mla_cache_write_ref(
+    latent: torch.Tensor,  # [T, R + P]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, R + P] (strided view)
+    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+) -> None:
+    block_size = cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    cache[slots // block_size, slots % block_size, 0] = latent[keep].to(cache.dtype)
+
+
+def mla_decode_ref(
+    q_latent: torch.Tensor,  # [B, H, R]: q_nope times the key up-projection (absorbed)
+    q_pe: torch.Tensor,  # [B, H, P]: the roped query part
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, R + P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, incl. the current token
+    scale: float,
+) -> torch.Tensor:  # [B, H, R]: attention-weighted latents (times the value up-projection = output)
+    """One query token per sequence, attending over its cached latents as multi-query attention
+    with key = [latent | rope key] (R + P) and value = latent (R), shared by every head."""
+    b, h, r = q_latent.shape
+    block_size = cache.shape[1]
+    max_len = int(context_lens.max())
+    nblk = -(-max_len // block_size)
+    c = cache[block_tables[:, :nblk].long()].reshape(b, nblk * block_size, -1)[:, :max_len].float()
+    q = torch.cat([q_latent, q_pe], dim=-1).float()
+    scores = torch.einsum("bhd,bld->bhl", q, c) * scale
+    scores.masked_fill_(torch.arange(max_len, device=q.device) >= context_lens[:, None, None].long(), float("-inf"))
+    return torch.einsum("bhl,blr->bhr", scores.softmax(dim=-1), c[..., :r]).to(q_latent.dtype)
+
+
+def mla_prefill_ref(
+    q_nope: torch.Tensor,  # [T, H, N]
+    q_pe: torch.Tensor,  # [T, H, P], roped
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, R + P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32: cached tokens incl. this chunk's
+    scale: float,
+    expand,  # latents [L, R] -> (k_nope [L, H, N], v [L, H, V]): the kv_b up-projection
+    v_head_dim: int,
+) -> torch.Tensor:  # [T, H, V]
+    """Causal attention of each chunk over its whole context (cached prefix and the chunk), with
+    the context's latents expanded into per-head keys and values."""
+    t, h, _ = q_nope.shape
+    r = cache.shape[-1] - q_pe.shape[-1]
+    block_size = cache.shape[1]
+    out = q_nope.new_empty(t, h, v_head_dim)
+    cu = cu_seqlens_q.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
+        s, e = cu[i], cu[i + 1]
+        n = e - s
+        if n == 0:
+            continue
+        c = cache[block_tables[i, :-(-ctx // block_size)].long()].reshape(-1, cache.shape[-1])[:ctx]
+        c = c.to(q_nope.dtype)
+        k_nope, v = expand(c[:, :r])
+        k = torch.cat([k_nope, c[:, None, r:].expand(ctx, h, -1)], dim=-1).float()
+        q = torch.cat([q_nope[s:e], q_pe[s:e]], dim=-1).float()
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+        hidden = torch.arange(ctx, device=q.device)[None, :] > torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        scores.masked_fill_(hidden, float("-inf"))
+        out[s:e] = torch.einsum("hnl,lhv->nhv", scores.softmax(dim=-1), v.float()).to(q_nope.dtype)
+    return out
 
 
 # --- FP8 (e4m3) quantization and scaled GEMMs: worker/quantization/fp8_linear.py --------------

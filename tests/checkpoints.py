@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
-MOE_ARCHS = ("qwen3-moe", "mixtral", "qwen2-moe", "gpt-oss")
+MOE_ARCHS = ("qwen3-moe", "mixtral", "qwen2-moe", "gpt-oss", "deepseek-v3", "deepseek-v2-lite")
 # gpt-oss's tiny config: layers alternate sliding (window 8) / full attention, so prompts of a few
 # blocks already slide; YaRN rope (its attention factor scales cos/sin); a small swiglu_limit so
 # the clamp bites at this scale. transformers inits the expert and attention biases to zero and the
@@ -74,6 +74,30 @@ def _config(arch: str, vocab_size: int, **overrides):
                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                             "original_max_position_embeddings": 512})
+    elif arch == "deepseek-v3":
+        # MLA with q_lora_rank, interleaved rope, YaRN whose mscale / mscale_all_dim differ (so both
+        # the cos/sin factor and the softmax scale move); layer 0 dense, layer 1 DeepSeekMoE: 8
+        # experts in 4 groups, the best 2 groups kept, top-2, renormalised, scaled, one shared expert.
+        from transformers import DeepseekV3Config
+
+        cfg = DeepseekV3Config(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=False,
+                               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                               n_group=4, topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                               norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "original_max_position_embeddings": 512})
+    elif arch == "deepseek-v2-lite":
+        # V2-Lite's shape: no q_lora_rank (q_proj), softmax routing, not renormalised; group-limited
+        # (V2's full model's method) so that path runs too; plain rope.
+        from transformers import DeepseekV2Config
+
+        cfg = DeepseekV2Config(**{**common, "num_key_value_heads": 4}, tie_word_embeddings=False,
+                               q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                               topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                               moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
@@ -90,6 +114,11 @@ def write_checkpoint(out: Path, arch: str, tokenizer_dir: Path, seed: int = 0, *
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     if arch == "gpt-oss":
         _draw_gpt_oss_extras(model)
+    if arch == "deepseek-v3":  # transformers inits the correction bias to zero: give it weight
+        with torch.no_grad():
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    p.copy_(torch.randn_like(p) * 0.5)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

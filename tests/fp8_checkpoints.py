@@ -18,8 +18,10 @@ from safetensors.torch import load_file, save_file
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # Mixtral names its experts' matrices w1 (gate), w3 (up), w2 (down); every MoE router (`gate`)
-# stays unquantized, as the published FP8 MoE checkpoints leave it.
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+# stays unquantized, as the published FP8 MoE checkpoints leave it. DeepSeek's latent attention
+# projections are FP8 in its published checkpoints (128x128 blocks), as are its experts.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 FORMATS = ("fp8-tensor", "fp8-block", "ct-channel", "online")
 
 

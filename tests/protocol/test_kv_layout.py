@@ -52,3 +52,11 @@ def test_a_hybrid_layout_and_a_plain_one_differ_and_count_their_hand_off():
     assert hybrid.sliding_start(30) == 5 and hybrid.handoff_blocks(30) == 11
     assert plain.handoff_blocks(30) == 8
     assert hybrid.handoff_blocks(5) == 2 + 2  # within one window: every sliding block too
+
+
+def test_an_mla_latent_layout_never_equals_a_gqa_one():
+    """One 40-value latent per token and layer (MLA) and one 40-value K and V head (GQA) have the
+    same numbers; the ":mla" suffix keeps a GQA peer from reading latent blocks, and back."""
+    mla, gqa = KVLayout(2, 1, 40, "bfloat16", 16, latent=True), KVLayout(2, 1, 40, "bfloat16", 16)
+    assert str(mla) == "2x1x40:bfloat16:16:mla" and str(gqa) == "2x1x40:bfloat16:16"
+    assert KVLayout.parse(str(mla)) == mla and KVLayout.parse(str(gqa)) == gqa and mla != gqa

@@ -49,8 +49,11 @@ def stack(request, tiny_checkpoint):
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def moe_stack(request, tiny_checkpoint):
-    """The same stack serving a mixture-of-experts model (Qwen3-MoE): P/D moves only attention KV."""
-    with pd_stack(tiny_checkpoint("qwen3-moe"), request.param) as urls:
+    """The same stack serving a mixture-of-experts model with multi-head latent attention
+    (DeepSeek-V3, tests/checkpoints.py): P/D moves only attention KV, here one latent per token
+    and layer (layout "...:mla"). One model for both, so the MoE and MLA cases cost one stack per
+    transport; GQA MoE models hand off exactly the Llama stack's KV."""
+    with pd_stack(tiny_checkpoint("deepseek-v3"), request.param) as urls:
         yield urls
 
 
@@ -394,10 +397,14 @@ def test_moe_model_any_request_equals_single_worker(moe_stack, case):
 
 
 def test_moe_model_greedy_through_prefill_and_decode(moe_stack):
-    before = disaggregated(moe_stack[0])
+    router, worker = moe_stack
+    before = disaggregated(router), metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = metric(worker, "pdserve_kv_transfer_bytes_total")
     assert_same(moe_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 12, "temperature": 0,
                                            "ignore_eos": True, "logprobs": 2})
-    assert disaggregated(moe_stack[0]) > before  # the KV really moved from prefill to decode
+    assert disaggregated(router) > before[0]  # the KV really moved from prefill to decode...
+    assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # ...pulled, not refused
+    assert metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
 
 
 @live_settings(8)

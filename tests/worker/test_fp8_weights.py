@@ -91,6 +91,10 @@ def assert_same_generation(got, ref):
     ("fp8-tensor", "mixtral"),
     ("ct-channel", "qwen2-moe"),
     ("online", "qwen3-moe"),  # attention, the dense layer and the experts quantized per channel
+    # DeepSeek-V3 as published: 128x128 blocks on the latent attention's projections (kv_a's 40
+    # rows one partial block; kv_b absorbed into decode through the dequantized linear), the
+    # dense MLP, the shared and the routed experts; the router unquantized.
+    ("fp8-block", "deepseek-v3"),
 ])
 def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     fp8_ckpt, ref_ckpt = fp8_pair(fmt, arch)
@@ -99,6 +103,14 @@ def test_fp8_greedy_equals_dequantized_reference(fp8_pair, fmt, arch):
     assert_same_generation(got, ref)
     assert engine.model_config.quantization is not None
     assert engine.model_config.quantization.weight == ("block" if fmt == "fp8-block" else "channel")
+    if arch == "deepseek-v3":  # its scales found a place (else the load refuses the tensor): FP8 linears
+        from safetensors import safe_open
+
+        with safe_open(str(fp8_ckpt / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert all(f"model.layers.1.self_attn.{p}.weight_scale_inv" in names
+                   for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+        assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in names
 
 
 def test_fp8_experts_stay_fp8_on_the_triton_moe_path(fp8_pair):

@@ -97,9 +97,12 @@ def test_tp2_with_async_scheduling_equals_tp1(checkpoint, static_decode):
     # sliced per rank from the checkpoint
     ("gpt-oss", False),
     ("gpt-oss", True),
+    # DeepSeek-V3: query and kv_b up-projections split by heads, o_proj by its columns, the latent
+    # (and its cache) whole on each rank; routed experts whole per rank, shared experts split
+    ("deepseek-v3", True),
 ])
 def test_moe_tp2_with_and_without_expert_parallel_equals_tp1(checkpoint, arch, ep):
-    ckpt = checkpoint(arch, 2)
+    ckpt = checkpoint(arch, 4 if arch.startswith("deepseek") else 2)
     assert generate(ckpt, 2, enable_expert_parallel=ep) == _tp1_tokens(str(ckpt))
 
 

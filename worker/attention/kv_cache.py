@@ -1,6 +1,8 @@
 """The paged KV cache tensor and its sizing.
 
-Layout: one tensor [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim].
+Layout: one tensor [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]; a
+multi-head latent attention model's has one entry of one "head" per token instead of K and V
+([num_blocks, num_layers, 1, block_size, 1, latent_dim]: kv_spec.py).
 Block-major on purpose: every byte of a block, for all layers, is one contiguous span, and a
 run of consecutive block ids is one larger span. KV transfer then moves a request's blocks
 with a handful of large descriptors instead of one per layer per block (per-descriptor
@@ -25,6 +27,7 @@ import torch
 from pdserve.kernels.reference import FP8_KV_DTYPE
 from pdserve.protocol.kv_layout import KVLayout
 from pdserve.worker.attention.kv_groups import KVGroups
+from pdserve.worker.attention.kv_spec import kv_spec
 from pdserve.worker.config.model import ModelConfig
 
 
@@ -42,8 +45,9 @@ def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: tor
     whose scales differ must not exchange KV any more than one whose dtype does. A hybrid cache's
     (`groups`) names its group split too: its blocks hold one group's layers."""
     window, sliding = (groups.window, groups.sliding_layers) if groups is not None else (0, ())
-    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, str(dtype).removeprefix("torch."), block_size,
-                    scales_tag(scales) if dtype == FP8_KV_DTYPE else None, window, tuple(sliding))
+    spec = kv_spec(cfg)
+    return KVLayout(cfg.num_layers, spec.num_kv_heads, spec.head_dim, str(dtype).removeprefix("torch."), block_size,
+                    scales_tag(scales) if dtype == FP8_KV_DTYPE else None, window, tuple(sliding), spec.latent)
 
 
 def scales_tag(scales: torch.Tensor | None) -> str:
@@ -66,7 +70,11 @@ class KVCache:
         self.groups = groups
         self.num_layers = cfg.num_layers
         self.dtype = dtype
+        self.spec = spec = kv_spec(cfg)
         self.quantized = dtype == FP8_KV_DTYPE
+        if self.quantized and spec.latent:
+            raise ValueError("--kv-cache-dtype fp8: an FP8 cache of MLA latents is not implemented "
+                             "(use --kv-cache-dtype auto)")
         if scales is None:
             scales = torch.ones(cfg.num_layers, 2)
         if tuple(scales.shape) != (cfg.num_layers, 2) or not bool((scales > 0).all()) or \
@@ -77,11 +85,13 @@ class KVCache:
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
         self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None, groups)
         self.tensor = torch.zeros(
-            num_blocks, layers_per_block(cfg, groups), 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
-            device=device)
+            num_blocks, layers_per_block(cfg, groups), spec.entries, block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=dtype, device=device)
         # Pre-built views: indexing per layer on every forward would allocate view objects.
         slot = groups.slot if groups is not None else int
-        self._layers = [(self.tensor[:, slot(i), 0], self.tensor[:, slot(i), 1]) for i in range(cfg.num_layers)]
+        # (K, V) per layer; a latent cache's one entry as both (MLA reads K's view: attention/mla.py).
+        self._layers = [(self.tensor[:, slot(i), 0], self.tensor[:, slot(i), spec.entries - 1])
+                        for i in range(cfg.num_layers)]
         # Per layer: whether it reads the sliding group's block tables (AttentionMetadata.sliding).
         self.sliding = [groups is not None and groups.is_sliding(i) for i in range(cfg.num_layers)]
         # [1]-element views the kernels load (a device pointer: CUDA graphs read the current value).
@@ -102,7 +112,7 @@ class KVCache:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return layers_per_block(cfg, groups) * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return layers_per_block(cfg, groups) * block_size * kv_spec(cfg).token_values() * elem
 
 
 def layers_per_block(cfg: ModelConfig, groups: KVGroups | None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.worker.config.deepseek import deepseek_fields
 from pdserve.worker.config.quantization import Mxfp4Config, parse_quantization
 from pdserve.worker.config.unsupported_model import UnsupportedModelError
 
@@ -21,15 +22,17 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
     "GptOssForCausalLM": (False, False),  # its config's attention_bias (true by default) names q/k/v/o biases
+    "DeepseekV2ForCausalLM": (False, False),  # MLA + DeepSeekMoE (config/deepseek.py)
+    "DeepseekV3ForCausalLM": (False, False),
 }
 
 # Architectures people will try that pdserve cannot run, with why and what to use instead: the
 # start-up error names both, rather than a generic "unsupported".
 UNSUPPORTED_HINTS: dict[str, str] = {
-    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA) and grouped top-k routing are not implemented; "
-                             "the nearest supported architecture is Qwen3MoeForCausalLM",
-    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not implemented; the nearest supported "
-                             "architecture is Qwen2MoeForCausalLM (shared experts)",
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (config key index_topk: the lightning indexer's "
+                              "top-k) is not implemented; DeepseekV3ForCausalLM (dense MLA) is",
+    "DeepseekV4ForCausalLM": "DeepSeek-V4's compressed attention (config keys compress_rates, index_topk) is not "
+                             "implemented; DeepseekV3ForCausalLM (dense MLA) is",
 }
 
 
@@ -78,6 +81,16 @@ class ModelConfig:
     quantization: Any = None
     # gpt-oss's experts in MXFP4 as published (Mxfp4Config; models/gpt_oss.py); None: not.
     mxfp4: Any = None
+    # DeepSeek-V2/V3 (config/deepseek.py): multi-head latent attention and the DeepSeekMoE router.
+    # With `mla`, num_kv_heads is 1 (every head reads the one latent) and head_dim is a query's
+    # (nope + rope) dimension; the cache's width is mla.latent_dim (attention/kv_spec.py).
+    mla: Any = None
+    deepseek_routing: Any = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions rope rotates: MLA's rope part, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -110,13 +123,14 @@ class ModelConfig:
             rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3", "yarn"):
-            raise UnsupportedModelError(f"unsupported rope type {rope_type!r} (supported: default, llama3, yarn)")
+            raise UnsupportedModelError(f"unsupported rope type {rope_type!r} (config key rope_scaling/rope_parameters"
+                                        f".rope_type; supported: default, llama3, yarn)")
         eos = generation_eos if generation_eos is not None else getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
         rope["rope_type"] = rope_type
         rope.pop("type", None)
-        fields = {**moe_fields(arch, hf), **gpt_oss_fields(arch, hf)}
+        fields = {**moe_fields(arch, hf), **gpt_oss_fields(arch, hf), **deepseek_fields(arch, hf, rope)}
         quant = parse_quantization(getattr(hf, "quantization_config", None), quantization, arch)
         return cls(
             architecture=arch,
@@ -125,8 +139,7 @@ class ModelConfig:
             intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
+            **{"num_kv_heads": getattr(hf, "num_key_value_heads", None) or heads, "head_dim": head_dim, **fields},
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
@@ -138,7 +151,6 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
             eos_token_ids=eos_ids,
-            **fields,
             quantization=None if isinstance(quant, Mxfp4Config) else quant,
             mxfp4=quant if isinstance(quant, Mxfp4Config) else None,
         )

@@ -133,7 +133,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, computed exactly as Hugging Face does (fp32, int64 arange)."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     params = dict(cfg.rope_scaling)
     if params.get("rope_type") == "llama3":
@@ -160,7 +160,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """YaRN's inverse frequencies and attention factor, as transformers' _compute_yarn_parameters
     computes them (fp32, the same op order)."""
-    p, dim, base = dict(cfg.rope_scaling), cfg.head_dim, cfg.rope_theta
+    p, dim, base = dict(cfg.rope_scaling), cfg.rotary_dim, cfg.rope_theta
     old_len = p["original_max_position_embeddings"]
     factor = p.get("factor") or cfg.max_position_embeddings / old_len
 
@@ -310,11 +310,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard,
-                 mlp: nn.Module | None = None):
-        """`mlp`: the feed-forward block (default the dense MLP; MoE models pass their sparse block)."""
+                 mlp: nn.Module | None = None, attn: nn.Module | None = None):
+        """`mlp`: the feed-forward block (default the dense MLP; MoE models pass their sparse block);
+        `attn`: the attention block (default Attention; DeepSeek passes its latent attention)."""
         super().__init__()
         ops = pointwise_ops(backend)
-        self.self_attn = Attention(cfg, layer_idx, backend, shard)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer_idx, backend, shard)
         self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -322,7 +323,7 @@ class DecoderLayer(nn.Module):
         # inside the projection after it. Per projection, only where its weight is a plain matrix;
         # MoE blocks keep their own path (only the dense MLP has forward_gemv).
         wanted = gemv_wanted(backend)
-        self.gemv_qkv = wanted and gemv_fits(self.self_attn.qkv_proj)
+        self.gemv_qkv = wanted and isinstance(self.self_attn, Attention) and gemv_fits(self.self_attn.qkv_proj)
         self.gemv_mlp = wanted and isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
             and gemv_fits(self.mlp.down_proj)
 
@@ -349,7 +350,7 @@ class DecoderLayer(nn.Module):
     def _attention(self, positions, h, residual, cos_sin, meta):
         # Residual adds are fused into the norms: norm(x + residual) also returns the sum. An FP8
         # qkv_proj on its W8A8 path gets its input quantized by the norm (fp8_input_format).
-        fp8 = fp8_input_format(self.self_attn.qkv_proj, h.shape[0])
+        fp8 = fp8_input_format(getattr(self.self_attn, "qkv_proj", None), h.shape[0])
         if residual is None:
             residual = h
             h, _ = self.input_layernorm(h, fp8=fp8)
@@ -365,7 +366,8 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard = shard or TPShard(0, 1, cfg)
         self.cfg = shard_config(shard)  # what this rank holds (the full config at TP = 1)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, self.make_mlp(cfg, i, backend, shard))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, self.make_mlp(cfg, i, backend, shard),
+                                                 self.make_attention(cfg, i, backend, shard))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pointwise_ops(backend))
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard)
@@ -384,11 +386,16 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer_idx`'s feed-forward block; None = the dense MLP (MoE models override this)."""
         return None
 
+    def make_attention(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend,
+                       shard: TPShard) -> nn.Module | None:
+        """Layer `layer_idx`'s attention block; None = Attention (DeepSeek overrides this)."""
+        return None
+
     def init_rope(self, max_positions: int) -> None:
-        """cos | sin per position, fp32 [max_positions, head_dim]. Re-run after to_empty()."""
+        """cos | sin per position, fp32 [max_positions, rotary_dim]. Re-run after to_empty()."""
         device = self.embed_tokens.weight.device
         if device.type == "meta":
-            self.cos_sin = torch.empty(max_positions, self.cfg.head_dim, device=device)
+            self.cos_sin = torch.empty(max_positions, self.cfg.rotary_dim, device=device)
             return
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(self.cfg)[None, :]
         cos, sin = freqs.cos(), freqs.sin()

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_routed_ref,
-                                       quantize_fp8_rows_ref)
+from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_ref,
+                                       fused_moe_routed_ref, quantize_fp8_rows_ref)
 from pdserve.worker.attention.backend import AttentionBackend
 from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
@@ -49,6 +49,15 @@ def moe_op(backend: AttentionBackend) -> Callable:
         return fused_moe_routed
     return fused_moe_routed_ref
 
+
+def topk_experts_op(backend: AttentionBackend) -> Callable:
+    """The experts op from routing already made (weights, ids): for routers the fused op does not
+    compute (DeepSeek's grouped top-k, models/deepseek.py); the same backend choice as moe_op."""
+    if backend.name == "triton":
+        from pdserve.kernels.fused_moe import fused_moe
+
+        return fused_moe
+    return fused_moe_ref
 
 
 class FusedExperts(nn.Module):
@@ -72,9 +81,12 @@ class FusedExperts(nn.Module):
     where the Triton op runs, dequantized back elsewhere (the same values on every path).
     Attention and dense or shared-expert MLPs take their own FP8 path (quantization/fp8_linear.py)."""
 
-    def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, fp8_kernel: bool = False):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, fp8_kernel: bool = False,
+                 topk_op: Callable | None = None):
+        """`op`: routing + experts (moe_op); `topk_op`: experts from given weights and ids (topk_experts_op),
+        for models that route themselves (apply_topk)."""
         super().__init__()
-        self.shard, self.op = shard, op
+        self.shard, self.op, self.topk_op = shard, op, topk_op
         self.local = shard.local_experts
         self.inter = n = shard.expert_intermediate_size
         e, h = len(self.local), cfg.hidden_size
@@ -230,6 +242,13 @@ class FusedExperts(nn.Module):
         assignments to experts outside its range (zeros)."""
         fp8 = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block) if self.keep_fp8 else {}
         return self.op(x, self.w13, self.w2, router_logits, top_k, renormalize, expert_offset=self.local.start, **fp8)
+
+
+    def apply_topk(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the router's choice (weights [T, k] fp32, global expert ids [T, k]) -> this
+        rank's partial output [T, H] (zeros for experts another rank holds)."""
+        fp8 = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, block=self.block) if self.keep_fp8 else {}
+        return self.topk_op(x, self.w13, self.w2, weights, ids, expert_offset=self.local.start, **fp8)
 
 
 def _param(shape, dtype) -> nn.Parameter:

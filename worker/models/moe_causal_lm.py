@@ -29,6 +29,18 @@ _PART = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3":
          "down_proj": ("w2", None), "w2": ("w2", None)}
 
 
+def expert_checkpoint_target(name: str) -> tuple[str, object] | None:
+    """A per-expert checkpoint tensor's (our parameter, its weight loader's part id); None: not one."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    param, part = _PART[m.group(3)]
+    kind = m.group(4)
+    if kind == "input_scale":
+        return f"{m.group(1)}.input_scale", None  # no such parameter: load_weights skips it
+    return f"{m.group(1)}.{param}", (int(m.group(2)), part) + (("scale",) if kind != "weight" else ())
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, shard: TPShard) -> nn.Module | None:
         return SparseMoeBlock(cfg, backend, shard, layer_idx) if layer_idx in cfg.moe_layers else None
@@ -36,11 +48,5 @@ class MoeForCausalLM(LlamaForCausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         # Mixtral keeps its sparse block under `block_sparse_moe`; ours is `mlp` for every family.
         name = name.replace(".block_sparse_moe.", ".mlp.")
-        m = _EXPERT.match(name)
-        if m is None:
-            return super().checkpoint_target(name)
-        param, part = _PART[m.group(3)]
-        kind = m.group(4)
-        if kind == "input_scale":
-            return f"{m.group(1)}.input_scale", None  # no such parameter: load_weights skips it
-        return f"{m.group(1)}.{param}", (int(m.group(2)), part) + (("scale",) if kind != "weight" else ())
+        target = expert_checkpoint_target(name)
+        return target if target is not None else super().checkpoint_target(name)

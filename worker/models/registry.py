@@ -15,6 +15,10 @@ def model_class(architecture: str) -> type[nn.Module]:
         from pdserve.worker.models.gpt_oss import GptOssForCausalLM
 
         return GptOssForCausalLM
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        from pdserve.worker.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
     from pdserve.worker.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM
