@@ -666,8 +666,9 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                 held_j = (e_j >= 0) & (e_j < num_experts)
                 e_j = tl.where(held_j, e_j, 0)
                 g_ok = gs < tl.where(held_j, (K - k0) // 32, 0)  # not held: no group of it is read
+                # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words.
                 q_ptrs = (w2_ptr + e_j * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
-                          + k0 // 8 + word[None, :, :])
+                          + (k0 // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
                 s_ptrs = (s_ptr + e_j * stride_se + cols[:, None].to(tl.int64) * stride_sn
                           + (k0 // 32 + gs[None, :]) * stride_sk)
                 q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
