@@ -7,7 +7,7 @@ through the current ones, default tiles; triton do_bench medians (L2 flushed bet
 GB/s = weight bytes of the distinct experts hit / time (bf16: 2 B a weight; MXFP4: 0.5 B + one
 exponent byte per 32; biases in both); error relative to fused_moe_ref on the dequantized weights
 (fp32); whether a CUDA graph replay equals the eager call. --sweep: alternative MXFP4 tiles per
-token count (decode path at 1-4 tokens, sorted above, and the decode path at 8). Run by
+token count (decode path at 1 and 4 tokens, sorted at 8, 64 and 512). Run by
 tools/gpu/mxfp4_kernel.sh.
 """
 
@@ -107,12 +107,12 @@ def main() -> int:
             if not args.sweep or name != args.models[0]:
                 continue
             variants = []
-            if t <= 8:
+            if t in (1, 4):
                 for c in DECODE_SWEEP:
                     cfg = dict(zip(("GU_BLOCK_N", "GU_BLOCK_K", "GU_WARPS", "DOWN_BLOCK_N", "DOWN_BLOCK_K",
                                     "DOWN_WARPS"), c))
                     variants.append(("decode", cfg))
-            if t >= 8:
+            if t in (8, 64, 512):
                 for c in SORTED_SWEEP:
                     cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
                     variants.append(("sorted", cfg))
