@@ -18,7 +18,7 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    written, and the sum skips them (no memset of [M, H] first).
 Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulation throughout.
 
-Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
+Decode batches (T <= decode_max_tokens()) take a second path with no sort at all: two GEMV launches,
 the router weight applied in the gate|up epilogue and the top-k sum done inside the down pass
 (section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
 
@@ -40,17 +40,23 @@ accumulator and the bf16 dot; a constexpr `FP8` switch leaves bf16 weights' code
 
 MXFP4 weights (W4A16: gpt-oss as published, kernels/mxfp4.py's layout): w13 / w2 uint8, two e2m1
 values a byte (even input in the low nibble), one E8M0 exponent byte per row and 32 inputs. The
-kernels load the packed bytes and decode in registers (e2m1 by integer arithmetic, 2^(s - 127) by
-writing s into an fp32 exponent field; s = 0 reads as 0, not 2^-127): a quarter of bf16's weight
-bytes. A byte's two values meet the activations' even and odd inputs, loaded as two strided
-tiles, so nothing is interleaved: the GEMM does two dots of BLOCK_K / 2 per step (the decoded
-tile times its exponents, gathered per byte, in the activations' dtype: e2m1 times a power of two
-is exact in bf16); the GEMVs load [rows, groups, 16] byte tiles and scale each 32-input group's
-fp32 partial sum once. K steps are multiples of 32 (whole exponent groups); the last step is
-masked (gpt-oss's H = I = 2880 is 90 groups, checked at that shape with the default tiles under
-the interpreter). The tiles (moe_decode_config's
-`mxfp4`, moe_block_config's) are UNTUNED first guesses, no GPU has measured them: pass `config`
-to override, `python -m pdserve.bench.moe mxfp4` measures.
+kernels read the packed bytes as int32 words (a view: rows are 16-byte multiples, so each row's
+4 words of an exponent group are one 16-byte load) and decode in registers: nibble J of a word
+is input 8w + J, turned into an fp32 with 3 integer operations (_e2m1_word: sign and the 3
+magnitude bits moved into fp32's fields, the value times 2^-126, exact, subnormal 0.5 included)
+and 2^(s - 127) by writing s into an fp32 exponent field (s = 0 reads as 0, not 2^-127). Nothing
+is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, and
+- the GEMVs (decode path) accumulate nibble position J's products in place ([rows, groups, 4],
+  x scaled by 2^64 as loaded so that the products stay normal), then scale each 32-input
+  group's sum once by 2^62 and its exponent;
+- the grouped GEMM (sorted path) does 8 dots of K = BLOCK_K / 8 a step (a permutation of the sum
+  over K), each on the decoded tile of one nibble position times 2^126 and its group's exponent,
+  in the activations' dtype (exact in bf16). BLOCK_K is a multiple of 128 there.
+K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
+MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
+(moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
+below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
+measures, SWEEP=1 with alternative tiles).
 
 gpt-oss's experts also add biases (w13_bias to gate|up before the activation, w2_bias to the down
 output before the router weight, as reference.fused_moe_ref) and use its clamped SwiGLU
@@ -269,9 +275,9 @@ def _e8m0(s):
 # Powers of two that keep the word decoder's products in fp32's normal range (_e2m1_word): its
 # values are the e2m1 value times 2^-126, the activations are scaled by 2^64 as they are loaded
 # (exact), and each 32-input group's partial sum by 2^62, then by its exponent.
-MX_X_SCALE: tl.constexpr = 18446744073709551616.0  # 2^64
-MX_SUM_SCALE: tl.constexpr = 4611686018427387904.0  # 2^62
-MX_UNSCALE: tl.constexpr = 85070591730234615865843651857942052864.0  # 2^126
+MX_X_SCALE = tl.constexpr(18446744073709551616.0)  # 2^64
+MX_SUM_SCALE = tl.constexpr(4611686018427387904.0)  # 2^62
+MX_UNSCALE = tl.constexpr(85070591730234615865843651857942052864.0)  # 2^126
 
 
 @triton.jit
@@ -505,7 +511,7 @@ def _epilogue_args(bias: torch.Tensor | None, activation: MoeActivation) -> tupl
     return (0 if bias is None else bias.stride(0)), float(alpha), float(limit)
 
 
-# --- Decode sizes (T <= DECODE_MAX_TOKENS): no sort, no [T*k, H] buffer, no separate sum -------
+# --- Decode sizes (T <= decode_max_tokens()): no sort, no [T*k, H] buffer, no separate sum -------
 # At one token the sorted path is five launches around 75 MB of weights (align, memset, gate|up,
 # down, the sum over k), and its 16-row tiles give the 8 experts' gate|up only 8 x 12 programs:
 # fewer than the SMs (bench/moe.py's profile: ~32 us a layer for ~18 us of bytes). Here:
@@ -526,6 +532,17 @@ def _epilogue_args(bias: torch.Tensor | None, activation: MoeActivation) -> tupl
 # streams at ~75% of copy bandwidth on an H200, and the per-assignment GEMV reads an expert chosen
 # by several tokens once per token, from L2 at best); bench/moe.py's decode table measures both.
 DECODE_MAX_TOKENS = 4
+# MXFP4 weights take the decode path further: their sorted GEMM decodes every weight once per
+# 16-row block and its 8 dots a step convert each decoded tile for the tensor cores, the GEMVs
+# decode straight into FMAs (reading an expert again per token, from L2). gpt-oss-120b's layer on
+# an H200 in CUDA graphs: 0.359 vs 0.467 ms at 8 tokens, 0.695 vs 0.758 at 16
+# (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md).
+MXFP4_DECODE_MAX_TOKENS = 16
+
+
+def decode_max_tokens(mxfp4: bool) -> int:
+    """The largest batch the "auto" path runs as decode GEMVs, by weight format."""
+    return MXFP4_DECODE_MAX_TOKENS if mxfp4 else DECODE_MAX_TOKENS
 # The sorted path's sum over k: False = _moe_sum_kernel (one launch), True = a memset of [T*k, H]
 # first and torch's sum after (what ran before; bench/moe.py sets it for its "before" rows).
 SUM_IN_TORCH = False
@@ -550,10 +567,9 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     4 or 8 warps; block scales' tiles) moved the time by about 1 us: left as they are. One layer
     replayed ten times a graph: its 38 MB of FP8 experts may sit partly in L2, so read the ranking,
     not the bandwidth.
-    `mxfp4`: UNTUNED (no GPU has measured them): bf16's row strips; gate|up steps of 512 inputs
-    (256 bytes a weight row, half of bf16's 256-wide step), down steps of 256 (a [k, BLOCK_N,
-    128]-byte block: each byte decodes to two fp32 values plus its exponent in registers, so the
-    bf16 block's size would spill)."""
+    `mxfp4`: not swept on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 does): bf16's row strips;
+    gate|up steps of 512 inputs (256 bytes a weight row, half of bf16's 256-wide step), down steps
+    of 256."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
         return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
@@ -762,7 +778,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
     `path`: "sorted" (align + grouped GEMMs + sum), "decode" (two GEMV launches, the sum inside
-    the down pass), "auto" = decode up to DECODE_MAX_TOKENS tokens (a shape test: a CUDA graph
+    the down pass), "auto" = decode up to decode_max_tokens() tokens (a shape test: a CUDA graph
     replays the path it captured). `config`: tile sizes of the path that runs (default
     moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted.
     `align`: moe_align's (sorted_ids, expert_ids, num_padded) for these ids at the config's BLOCK_M,
@@ -811,7 +827,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                              f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
         path = "sorted"
     epilogue = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
-    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
+    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= decode_max_tokens(mxfp4)):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
             top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block,
@@ -905,7 +921,7 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
-    with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
+    with the fewest launches per batch size: up to decode_max_tokens() the routing kernel and the
     decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
     routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
     routing kernel and the torch sort. The keywords are fused_moe's (FP8 / MXFP4 weights, biases,
@@ -915,7 +931,8 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route
     kw = dict(w13_scale=w13_scale, w2_scale=w2_scale, block=block, w13_bias=w13_bias, w2_bias=w2_bias,
               activation=activation)
     t, e = x.shape[0], w13.shape[0]
-    if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
+    above = t > decode_max_tokens(w13.dtype == MXFP4)
+    if FUSE_ROUTE_ALIGN and above and route_align_fits(t, top_k, router_logits.shape[-1], e):
         cfg = moe_block_config(t * top_k, e, w13.dtype == MXFP4)
         weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
         return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align), **kw)

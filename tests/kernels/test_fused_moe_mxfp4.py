@@ -183,7 +183,7 @@ def test_mxfp4_arguments_are_checked():
 @pytest.mark.parametrize("t", [1, 4, 16, 64])
 def test_gpt_oss_20b_layer_on_the_gpu(t):
     # gpt-oss-20b's expert layer (E=32, k=4, H=I=2880: 90 exponent groups, default tiles' last K
-    # steps masked) through the model's op: decode path (1, 4), routing + sort in one launch (16, 64);
+    # steps masked) through the model's op: decode path (1, 4, 16), routing + sort in one launch (64);
     # bit-stable, and a CUDA graph replays it to the same bits.
     e, h, inter = 32, 2880, 2880
     g = torch.Generator(device=DEVICE).manual_seed(t)
