@@ -298,11 +298,22 @@ def _e2m1_word(words, J: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_fma(acc, q, x_ptrs, x_mask, J: tl.constexpr):
+def _mxfp4_fma(acc, q, x_ptrs, x_mask, J: tl.constexpr, X_J: tl.constexpr):
     # acc [rows, groups, 4] + nibble J of each word of q times the activations' inputs 8w + J
-    # (x_ptrs + J: [1, groups, 4], scaled by 2^64 as loaded: _e2m1_word's scale).
-    xj = tl.load(x_ptrs + J, mask=x_mask, other=0.0).to(tl.float32) * MX_X_SCALE
+    # (x_ptrs + J * X_J: [1, groups, 4], scaled by 2^64 as loaded: _e2m1_word's scale). X_J = 1:
+    # inputs in their order (a stride of 8 between words); X_J = 4: in the decode path's nibble-major
+    # order (_mxfp4_nibble_major: a group's 4 words' nibble J side by side, one 8-byte load).
+    xj = tl.load(x_ptrs + J * X_J, mask=x_mask, other=0.0).to(tl.float32) * MX_X_SCALE
     return acc + _e2m1_word(q, J) * xj
+
+
+@triton.jit
+def _mxfp4_nibble_major(cols):
+    # Input c = 32g + 8w + J of an exponent group -> its place 32g + 4J + w: where the decode path's
+    # gate|up pass writes its output for the down pass, whose [rows, groups, 4]-word tiles then
+    # read the inputs of nibble J of a group's 4 words as 4 neighbours (an 8-byte load shared by
+    # the thread's row, where input order needs 4 scalar loads: one load a weight value).
+    return (cols // 32) * 32 + (cols % 8) * 4 + (cols % 32) // 8
 
 
 @triton.jit
@@ -619,8 +630,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
             p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             for j in tl.static_range(8):
-                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j)
-                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j)
+                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 1)
+                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 1)
             acc_gate += _mxfp4_group_sums(p_gate, s_gate)
             acc_up += _mxfp4_group_sums(p_up, s_up)
             q_ptrs += BLOCK_K // 8
@@ -650,7 +661,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + a).to(tl.float32)
     h = _activate(acc_gate, acc_up, SWIGLU, alpha, limit) * w
-    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+    dest = _mxfp4_nibble_major(cols) if MXFP4 else cols  # MXFP4: the order the down pass reads
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + dest, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -689,10 +701,13 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                           + (k0 // 32 + gs[None, :]) * stride_sk)
                 q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
                 sc = tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0)
-                a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + k0 + 8 * word[None, :, :]
+                # The intermediate row in nibble-major order (the gate|up pass wrote it so): nibble
+                # n of word w of group g meets element 32g + 4n + w.
+                a_ptrs = (inter_ptr + (t * TOP_K + j) * stride_im + (k0 // BLOCK_K) * BLOCK_K
+                          + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :])
                 p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
                 for n in tl.static_range(8):
-                    p = _mxfp4_fma(p, q, a_ptrs, g_ok[None, :, None], n)
+                    p = _mxfp4_fma(p, q, a_ptrs, g_ok[None, :, None], n, 4)
                 out += _mxfp4_group_sums(p, sc)
     else:
         ks = tl.arange(0, BLOCK_K)
