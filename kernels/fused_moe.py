@@ -51,7 +51,11 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
   group's sum once by 2^62 and its exponent;
 - the grouped GEMM (sorted path) does 8 dots of K = BLOCK_K / 8 a step (a permutation of the sum
   over K), each on the decoded tile of one nibble position times 2^126 and its group's exponent,
-  in the activations' dtype (exact in bf16). BLOCK_K is a multiple of 128 there.
+  in the activations' dtype (exact in bf16). BLOCK_K is a multiple of 128 there. A sorted
+  config's `MX_ONE_DOT: True` joins the 8 tiles into one operand in input order and does one dot
+  a step on A's contiguous inputs (SASS for sm_90 at 16x64x128: 6 barriers a step instead of 34,
+  A by 16-byte cp.async instead of 2-byte loads, 178 registers instead of 128): opt-in, not
+  timed on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 compares it).
 K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
@@ -346,6 +350,25 @@ def _mxfp4_tile(q, f, J: tl.constexpr, a):
 
 
 @triton.jit
+def _mxfp4_operand(q, f, a):
+    # The 8 nibble tiles of a [W, BLOCK_N] word tile joined into one [8W, BLOCK_N] operand in input
+    # order (row 8w + J: nibble J of word w), so a K step is one dot against A's contiguous inputs
+    # (MX_ONE_DOT) rather than 8 dots, each with its own trip through shared memory.
+    d0 = _mxfp4_tile(q, f, 0, a)
+    d1 = _mxfp4_tile(q, f, 1, a)
+    d2 = _mxfp4_tile(q, f, 2, a)
+    d3 = _mxfp4_tile(q, f, 3, a)
+    d4 = _mxfp4_tile(q, f, 4, a)
+    d5 = _mxfp4_tile(q, f, 5, a)
+    d6 = _mxfp4_tile(q, f, 6, a)
+    d7 = _mxfp4_tile(q, f, 7, a)
+    # join's new last axis: J's bit 0, then bit 1, then bit 2 -> [W, N, b0, b1, b2]
+    t = tl.join(tl.join(tl.join(d0, d1), tl.join(d2, d3)), tl.join(tl.join(d4, d5), tl.join(d6, d7)))
+    t = tl.permute(t, (0, 4, 3, 2, 1))  # [W, b2, b1, b0, N]: row 8w + 4 b2 + 2 b1 + b0 = 8w + J
+    return tl.reshape(t, (8 * q.shape[0], q.shape[1]))
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, s_ptr, bias_ptr,
     num_rows, N, K,
@@ -361,6 +384,7 @@ def _moe_gemm_kernel(
     SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    MX_ONE_DOT: tl.constexpr = False,  # MXFP4: one dot a step on the joined operand (_mxfp4_operand)
 ):
     # Grid (P / BLOCK_M, cdiv(N, BLOCK_N)): one expert's BLOCK_M sorted rows x BLOCK_N columns.
     pid_m = tl.program_id(0)
@@ -384,6 +408,8 @@ def _moe_gemm_kernel(
         W: tl.constexpr = BLOCK_K // 8
         wk = tl.arange(0, W)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + (8 * wk)[None, :] * stride_ak
+        ks = tl.arange(0, BLOCK_K)
+        a_full = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # MX_ONE_DOT's A: in input order
         q_ptrs = b_ptr + expert * (stride_be * 4) + cols[None, :].to(tl.int64) * (stride_bn * 4) + wk[:, None]
         s_ptrs = s_ptr + expert * stride_se + cols[None, :].to(tl.int64) * stride_sn + (wk // 4)[:, None] * stride_sk
         for k0 in range(0, K, BLOCK_K):
@@ -395,14 +421,23 @@ def _moe_gemm_kernel(
             if GATED:
                 q_up = tl.load(q_ptrs + N * (stride_bn * 4), mask=b_mask, other=0)
                 f_up = _e8m0(tl.load(s_ptrs + N * stride_sn, mask=b_mask, other=127).to(tl.int32))
-            for j in tl.static_range(8):
-                a = tl.load(a_ptrs + j * stride_ak, mask=a_mask, other=0.0)
+            if MX_ONE_DOT:
+                a = tl.load(a_full, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
                 if DOT_F32:
                     a = a.to(tl.float32)
-                acc = tl.dot(a, _mxfp4_tile(q, f, j, a), acc, input_precision=PRECISION)
+                acc = tl.dot(a, _mxfp4_operand(q, f, a), acc, input_precision=PRECISION)
                 if GATED:
-                    acc_up = tl.dot(a, _mxfp4_tile(q_up, f_up, j, a), acc_up, input_precision=PRECISION)
+                    acc_up = tl.dot(a, _mxfp4_operand(q_up, f_up, a), acc_up, input_precision=PRECISION)
+            else:
+                for j in tl.static_range(8):
+                    a = tl.load(a_ptrs + j * stride_ak, mask=a_mask, other=0.0)
+                    if DOT_F32:
+                        a = a.to(tl.float32)
+                    acc = tl.dot(a, _mxfp4_tile(q, f, j, a), acc, input_precision=PRECISION)
+                    if GATED:
+                        acc_up = tl.dot(a, _mxfp4_tile(q_up, f_up, j, a), acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
+            a_full += BLOCK_K * stride_ak
             q_ptrs += W
             s_ptrs += (BLOCK_K // 32) * stride_sk
     else:
@@ -511,7 +546,7 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
         MXFP4=mxfp4, HAS_BIAS=bias is not None, SWIGLU=isinstance(activation, SwigluOAI),
         SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
-        DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype),
+        DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype), MX_ONE_DOT=cfg.get("MX_ONE_DOT", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -242,3 +242,16 @@ def test_word_decoder_of_every_byte_in_every_position_is_exact():
     _word_decode_kernel[(1,)](words, scales.to(DEVICE), out, WORDS=words.numel())
     ref = dequantize_mxfp4(packed.view(-1, 16), scales.view(-1, 1))
     assert torch.equal(out.view(-1, 32).cpu(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_one_dot_variant_matches_reference(poison_empty, dtype):
+    # MX_ONE_DOT: a K step's 8 nibble tiles joined into one operand in input order (one dot a step).
+    x, w, ids = routed_inputs(33, dtype, 0.3, offset=4)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(dtype)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, MX_ONE_DOT=True), path="sorted", expert_offset=4,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[dtype]

@@ -31,10 +31,11 @@ ACT = SwigluOAI(alpha=1.702, limit=7.0)
 DECODE_SWEEP = [(16, 512, 4, 16, 256, 8), (16, 256, 4, 16, 256, 4), (32, 256, 4, 32, 256, 4),
                 (32, 512, 8, 32, 512, 8), (8, 512, 4, 8, 512, 4), (64, 256, 8, 32, 256, 8),
                 (16, 1024, 4, 16, 512, 4), (32, 128, 4, 16, 128, 4)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-SORTED_SWEEP = [(16, 64, 128, 4, 3), (16, 32, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
-                (16, 64, 128, 8, 2), (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3),
-                (32, 128, 128, 4, 2)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, MX_ONE_DOT)
+SORTED_SWEEP = [(16, 64, 128, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 64, 128, 8, 3, True),
+                (16, 128, 128, 8, 3, True), (16, 32, 128, 4, 3, True), (16, 64, 256, 8, 3, True),
+                (64, 64, 128, 4, 3, False), (64, 64, 128, 8, 3, True), (64, 128, 128, 8, 3, True),
+                (16, 128, 128, 4, 3, False)]
 
 
 def load_old(path: str):
@@ -123,7 +124,7 @@ def model_rows(name: str, args, old, bw: float, lines: list[str], sweep: list[st
                 variants.append(("decode", cfg))
         if t in (8, 64, 512):
             for c in SORTED_SWEEP:
-                cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), c))
+                cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "MX_ONE_DOT"), c))
                 variants.append(("sorted", cfg))
         for path, cfg in variants:
             try:
