@@ -312,6 +312,15 @@ def _mxfp4_fma(acc, q, x_ptrs, x_mask, J: tl.constexpr, X_J: tl.constexpr):
 
 
 @triton.jit
+def _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok):
+    # One K step of a gate|up strip: gate's and up's [rows, groups, 4] words and [rows, groups]
+    # exponents (up's rows N further), masked to the step's groups.
+    mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
+    return (tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + up_q, mask=mask, other=0),
+            tl.load(s_ptrs, mask=s_mask, other=0), tl.load(s_ptrs + up_s, mask=s_mask, other=0))
+
+
+@triton.jit
 def _mxfp4_nibble_major(cols):
     # Input c = 32g + 8w + J of an exponent group -> its place 32g + 4J + w: where the decode path's
     # gate|up pass writes its output for the down pass, whose [rows, groups, 4]-word tiles then
@@ -632,8 +641,11 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                stride_se, stride_sn, stride_sk, up_scale_rows, stride_bias_e, alpha, limit,
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
+                               SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
+                               PREFETCH: tl.constexpr = False):
     # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+    # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
+    # buffering: two steps' loads in flight, where each step otherwise waits for its own).
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
@@ -655,13 +667,20 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         q_ptrs = w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
         s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
         x_ptrs = x_row + 8 * word[None, :, :]
+        up_q, up_s = N * (stride_wn * 4), N * stride_sn
+        if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
+            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, gs < K // 32)
         for k0 in range(0, K, BLOCK_K):
             g_ok = gs < (K - k0) // 32
-            mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
-            q_gate = tl.load(q_ptrs, mask=mask, other=0)
-            q_up = tl.load(q_ptrs + N * (stride_wn * 4), mask=mask, other=0)
-            s_gate = tl.load(s_ptrs, mask=s_mask, other=0)
-            s_up = tl.load(s_ptrs + N * stride_sn, mask=s_mask, other=0)
+            if PREFETCH:
+                q_ptrs += BLOCK_K // 8
+                s_ptrs += (BLOCK_K // 32) * stride_sk
+                n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
+                                                                  gs < (K - k0 - BLOCK_K) // 32)
+            else:
+                q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
+                q_ptrs += BLOCK_K // 8
+                s_ptrs += (BLOCK_K // 32) * stride_sk
             p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -669,8 +688,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                 p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 1)
             acc_gate += _mxfp4_group_sums(p_gate, s_gate)
             acc_up += _mxfp4_group_sums(p_up, s_up)
-            q_ptrs += BLOCK_K // 8
-            s_ptrs += (BLOCK_K // 32) * stride_sk
+            if PREFETCH:
+                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
     else:
         ks = tl.arange(0, BLOCK_K)
         gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -806,6 +825,7 @@ def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_sca
         bias_stride, alpha, limit,
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
         SWIGLU=isinstance(activation, SwigluOAI), **quant, num_warps=cfg["GU_WARPS"],
+        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False),
     )
     out = torch.empty_like(x)
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](

@@ -255,3 +255,16 @@ def test_sorted_one_dot_variant_matches_reference(poison_empty, dtype):
     ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
                         w13_bias=b13.double(), w2_bias=b2.double())
     assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_decode_prefetch_variant_matches_reference(poison_empty):
+    # GU_PREFETCH: the gate|up GEMV loads step k + 1's words before step k's FMAs (H = 96 with
+    # 64-wide steps: a half-masked last step, and a prefetch past the end that reads nothing).
+    x, w, ids = routed_inputs(5, torch.float32, 0.3, offset=4)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(torch.float32)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, GU_PREFETCH=True), path="decode", expert_offset=4,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
