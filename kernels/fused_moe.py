@@ -55,7 +55,10 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
   config's `MX_ONE_DOT: True` joins the 8 tiles into one operand in input order and does one dot
   a step on A's contiguous inputs (SASS for sm_90 at 16x64x128: 6 barriers a step instead of 34,
   A by 16-byte cp.async instead of 2-byte loads, 178 registers instead of 128): opt-in, not
-  timed on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 compares it).
+  timed on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 compares it). Likewise a decode config's
+  `GU_PREFETCH: True`: the gate|up GEMV loads the next K step's words before this step's FMAs
+  (register double buffering against the load latency the GEMVs are bound by; 125 registers
+  instead of 96; ptxas issues those loads late in the step, so the overlap is partial).
 K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still

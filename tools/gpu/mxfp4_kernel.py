@@ -27,10 +27,10 @@ from pdserve.kernels.moe_activation import SwigluOAI
 from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
 
 ACT = SwigluOAI(alpha=1.702, limit=7.0)
-# (GU_BLOCK_N, GU_BLOCK_K, GU_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS)
-DECODE_SWEEP = [(16, 512, 4, 16, 256, 8), (16, 256, 4, 16, 256, 4), (32, 256, 4, 32, 256, 4),
-                (32, 512, 8, 32, 512, 8), (8, 512, 4, 8, 512, 4), (64, 256, 8, 32, 256, 8),
-                (16, 1024, 4, 16, 512, 4), (32, 128, 4, 16, 128, 4)]
+# (GU_BLOCK_N, GU_BLOCK_K, GU_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, GU_PREFETCH)
+DECODE_SWEEP = [(16, 512, 4, 16, 256, 8, False), (16, 512, 4, 16, 256, 8, True), (16, 256, 4, 16, 256, 4, True),
+                (16, 256, 4, 16, 256, 4, False), (32, 256, 4, 32, 256, 4, True), (8, 512, 4, 8, 256, 4, True),
+                (32, 512, 8, 32, 512, 8, False), (16, 1024, 4, 16, 512, 4, False), (8, 256, 4, 8, 128, 4, True)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, MX_ONE_DOT)
 SORTED_SWEEP = [(16, 64, 128, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 64, 128, 8, 3, True),
                 (16, 128, 128, 8, 3, True), (16, 32, 128, 4, 3, True), (16, 64, 256, 8, 3, True),
@@ -120,7 +120,7 @@ def model_rows(name: str, args, old, bw: float, lines: list[str], sweep: list[st
         if t in (1, 4):
             for c in DECODE_SWEEP:
                 cfg = dict(zip(("GU_BLOCK_N", "GU_BLOCK_K", "GU_WARPS", "DOWN_BLOCK_N", "DOWN_BLOCK_K",
-                                "DOWN_WARPS"), c))
+                                "DOWN_WARPS", "GU_PREFETCH"), c))
                 variants.append(("decode", cfg))
         if t in (8, 64, 512):
             for c in SORTED_SWEEP:
