@@ -244,9 +244,10 @@ def test_word_decoder_of_every_byte_in_every_position_is_exact():
     assert torch.equal(out.view(-1, 32).cpu(), ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sorted_one_dot_variant_matches_reference(poison_empty, dtype):
-    # MX_ONE_DOT: a K step's 8 nibble tiles joined into one operand in input order (one dot a step).
+def test_sorted_one_dot_variant_matches_reference(poison_empty):
+    # MX_ONE_DOT: a K step's 8 nibble tiles joined into one operand in input order (one dot a step);
+    # fp32 for the tight tolerance (a misordered join is far outside it).
+    dtype = torch.float32
     x, w, ids = routed_inputs(33, dtype, 0.3, offset=4)
     q13, s13, q2, s2, d13, d2 = mxfp4_experts()
     b13, b2 = biases(dtype)
