@@ -21,9 +21,9 @@ Three subcommands (tools/gpu/moe.sh runs them in one device call):
   mxfp4       gpt-oss's experts (biases + clamped SwiGLU) with MXFP4 weights (W4A16, the kernels decode
               the nibbles) against the same experts in bf16, at gpt-oss-120b's layer (E=128, k=4,
               H=I=2880) and gpt-oss-20b's (E=32): the model's op on routed ids at 1, 8, 64 and 512
-              tokens (decode path up to DECODE_MAX_TOKENS, sorted above), default tiles (MXFP4's
-              untuned); ms, effective GB/s of the weight bytes of the distinct experts hit (packed
-              values + exponents + biases), error against the reference on the dequantized weights,
+              tokens (decode path up to MXFP4_DECODE_MAX_TOKENS, sorted above), default tiles; ms,
+              effective GB/s of the weight bytes of the distinct experts hit (packed values +
+              exponents + biases), error against the reference on the dequantized weights,
               and at decode sizes whether a CUDA graph replay equals the eager call.
   checkpoint  writes the checkpoint: Qwen3-30B-A3B's shapes (config.json as the public model's)
               with --layers decoder layers (48 in the real model; fewer keep the call short: the
@@ -277,7 +277,7 @@ def _graph_equals_eager(fn, eager: torch.Tensor) -> str:
 
 
 def mxfp4(args) -> int:
-    from pdserve.kernels.fused_moe import DECODE_MAX_TOKENS
+    from pdserve.kernels.fused_moe import decode_max_tokens
     from pdserve.kernels.moe_activation import SwigluOAI
 
     act = SwigluOAI(alpha=1.702, limit=7.0)  # gpt-oss's
@@ -286,9 +286,9 @@ def mxfp4(args) -> int:
     lines = [f"gpt-oss's MoE experts, MXFP4 weights (uint8 e2m1 pairs + E8M0 exponents per 32 inputs, decoded in "
              f"the kernels; activations {DT}) vs the same experts in {DT}, biases and the clamped SwiGLU "
              f"(alpha 1.702, limit 7) in both, {card}, same-run copy bandwidth {bw / 1e9:.0f} GB/s. fused_moe on "
-             f"routed ids (decode path up to {DECODE_MAX_TOKENS} tokens, sorted above), default tiles (MXFP4's "
-             f"untuned); triton do_bench medians, L2 flushed between calls. GB/s: weight bytes of the distinct experts "
-             f"hit (bf16: 2 B a weight; MXFP4: 0.5 B + one exponent byte per 32; biases in both) / time. Error: "
+             f"routed ids (decode path up to {decode_max_tokens(True)} tokens, sorted above), default tiles; triton "
+             f"do_bench medians, L2 flushed between calls. GB/s: weight bytes of the distinct experts hit (bf16: 2 B "
+             f"a weight; MXFP4: 0.5 B + one exponent byte per 32; biases in both) / time. Error: "
              f"relative to fused_moe_ref on the dequantized weights (fp32). Graph: a CUDA graph replay equals the "
              f"eager call (decode sizes).", "",
              "| model | E | k | tokens | experts hit | bf16 (ms) | MXFP4 (ms) | bf16 / MXFP4 | GB/s bf16 / MXFP4 "

@@ -18,7 +18,7 @@ GEMMs over the experts' stacked weights. reference.fused_moe_ref is the same fun
    written, and the sum skips them (no memset of [M, H] first).
 Both GEMMs are the one kernel below (`GATED` picks the epilogue). fp32 accumulation throughout.
 
-Decode batches (T <= DECODE_MAX_TOKENS) take a second path with no sort at all: two GEMV launches,
+Decode batches (T <= decode_max_tokens()) take a second path with no sort at all: two GEMV launches,
 the router weight applied in the gate|up epilogue and the top-k sum done inside the down pass
 (section "Decode sizes" below). `fused_moe(path=...)` picks one explicitly (the bench's before/after).
 
@@ -40,17 +40,30 @@ accumulator and the bf16 dot; a constexpr `FP8` switch leaves bf16 weights' code
 
 MXFP4 weights (W4A16: gpt-oss as published, kernels/mxfp4.py's layout): w13 / w2 uint8, two e2m1
 values a byte (even input in the low nibble), one E8M0 exponent byte per row and 32 inputs. The
-kernels load the packed bytes and decode in registers (e2m1 by integer arithmetic, 2^(s - 127) by
-writing s into an fp32 exponent field; s = 0 reads as 0, not 2^-127): a quarter of bf16's weight
-bytes. A byte's two values meet the activations' even and odd inputs, loaded as two strided
-tiles, so nothing is interleaved: the GEMM does two dots of BLOCK_K / 2 per step (the decoded
-tile times its exponents, gathered per byte, in the activations' dtype: e2m1 times a power of two
-is exact in bf16); the GEMVs load [rows, groups, 16] byte tiles and scale each 32-input group's
-fp32 partial sum once. K steps are multiples of 32 (whole exponent groups); the last step is
-masked (gpt-oss's H = I = 2880 is 90 groups, checked at that shape with the default tiles under
-the interpreter). The tiles (moe_decode_config's
-`mxfp4`, moe_block_config's) are UNTUNED first guesses, no GPU has measured them: pass `config`
-to override, `python -m pdserve.bench.moe mxfp4` measures.
+kernels read the packed bytes as int32 words (a view: rows are 16-byte multiples, so each row's
+4 words of an exponent group are one 16-byte load) and decode in registers: nibble J of a word
+is input 8w + J, turned into an fp32 with 3 integer operations (_e2m1_word: sign and the 3
+magnitude bits moved into fp32's fields, the value times 2^-126, exact, subnormal 0.5 included)
+and 2^(s - 127) by writing s into an fp32 exponent field (s = 0 reads as 0, not 2^-127). Nothing
+is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, and
+- the GEMVs (decode path) accumulate nibble position J's products in place ([rows, groups, 4],
+  x scaled by 2^64 as loaded so that the products stay normal), then scale each 32-input
+  group's sum once by 2^62 and its exponent;
+- the grouped GEMM (sorted path) does 8 dots of K = BLOCK_K / 8 a step (a permutation of the sum
+  over K), each on the decoded tile of one nibble position times 2^126 and its group's exponent,
+  in the activations' dtype (exact in bf16). BLOCK_K is a multiple of 128 there. A sorted
+  config's `MX_ONE_DOT: True` joins the 8 tiles into one operand in input order and does one dot
+  a step on A's contiguous inputs (SASS for sm_90 at 16x64x128: 6 barriers a step instead of 34,
+  A by 16-byte cp.async instead of 2-byte loads, 178 registers instead of 128): opt-in, not
+  timed on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 compares it). Likewise a decode config's
+  `GU_PREFETCH: True`: the gate|up GEMV loads the next K step's words before this step's FMAs
+  (register double buffering against the load latency the GEMVs are bound by; 125 registers
+  instead of 96; ptxas issues those loads late in the step, so the overlap is partial).
+K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
+MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
+(moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
+below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
+measures, SWEEP=1 with alternative tiles).
 
 gpt-oss's experts also add biases (w13_bias to gate|up before the activation, w2_bias to the down
 output before the router weight, as reference.fused_moe_ref) and use its clamped SwiGLU
@@ -266,13 +279,65 @@ def _e8m0(s):
     return (s << 23).to(tl.float32, bitcast=True)
 
 
+# Powers of two that keep the word decoder's products in fp32's normal range (_e2m1_word): its
+# values are the e2m1 value times 2^-126, the activations are scaled by 2^64 as they are loaded
+# (exact), and each 32-input group's partial sum by 2^62, then by its exponent.
+MX_X_SCALE = tl.constexpr(18446744073709551616.0)  # 2^64
+MX_SUM_SCALE = tl.constexpr(4611686018427387904.0)  # 2^62
+MX_UNSCALE = tl.constexpr(85070591730234615865843651857942052864.0)  # 2^126
+
+
 @triton.jit
-def _mxfp4_gemv_step(q_ptrs, s_ptrs, mask, s_mask, x_lo, x_hi):
-    # [rows, groups, 16] packed bytes against x's even / odd inputs ([1, groups, 16]) -> [rows]
-    # partial sums, each group of 32 inputs scaled once by its exponent ([rows, groups]).
-    lo, hi = _e2m1_pair(tl.load(q_ptrs, mask=mask, other=0).to(tl.int32))
-    part = tl.sum(lo * x_lo + hi * x_hi, axis=2)
-    return tl.sum(part * _e8m0(tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)), axis=1)
+def _e2m1_word(words, J: tl.constexpr):
+    # Nibble J (input 8w + J) of each int32 word w of packed bytes (little-endian: byte J // 2,
+    # low nibble for even J) as an fp32 equal to its e2m1 value times 2^-126: the sign bit moved
+    # to bit 31 and the 3 magnitude bits (2 exponent, 1 mantissa) to bits 24-22, fp32's low
+    # exponent bits and top mantissa bit. e2m1 and fp32 share IEEE's structure, so the subnormal
+    # code 0.5 lands on fp32's subnormal 2^-127 and every code is exact: 3 integer operations a
+    # value (shift, shift, and-or), no select, no table, where _e2m1 takes ~8. The GPU keeps
+    # fp32 subnormals in multiplies (Triton flushes none outside libdevice).
+    sign = (words << (28 - 4 * J)) & -2147483648
+    if 4 * J <= 22:
+        mag = (words << (22 - 4 * J)) & 0x01C00000
+    else:
+        mag = (words >> (4 * J - 22)) & 0x01C00000
+    return (sign | mag).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_fma(acc, q, x_ptrs, x_mask, J: tl.constexpr, X_J: tl.constexpr):
+    # acc [rows, groups, 4] + nibble J of each word of q times the activations' inputs 8w + J
+    # (x_ptrs + J * X_J: [1, groups, 4], scaled by 2^64 as loaded: _e2m1_word's scale). X_J = 1:
+    # inputs in their order (a stride of 8 between words); X_J = 4: in the decode path's nibble-major
+    # order (_mxfp4_nibble_major: a group's 4 words' nibble J side by side, one 8-byte load).
+    xj = tl.load(x_ptrs + J * X_J, mask=x_mask, other=0.0).to(tl.float32) * MX_X_SCALE
+    return acc + _e2m1_word(q, J) * xj
+
+
+@triton.jit
+def _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok):
+    # One K step of a gate|up strip: gate's and up's [rows, groups, 4] words and [rows, groups]
+    # exponents (up's rows N further), masked to the step's groups.
+    mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
+    return (tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + up_q, mask=mask, other=0),
+            tl.load(s_ptrs, mask=s_mask, other=0), tl.load(s_ptrs + up_s, mask=s_mask, other=0))
+
+
+@triton.jit
+def _mxfp4_nibble_major(cols):
+    # Input c = 32g + 8w + J of an exponent group -> its place 32g + 4J + w: where the decode path's
+    # gate|up pass writes its output for the down pass, whose [rows, groups, 4]-word tiles then
+    # read the inputs of nibble J of a group's 4 words as 4 neighbours (an 8-byte load shared by
+    # the thread's row, where input order needs 4 scalar loads: one load a weight value).
+    return (cols // 32) * 32 + (cols % 8) * 4 + (cols % 32) // 8
+
+
+@triton.jit
+def _mxfp4_group_sums(acc, s):
+    # [rows, groups, 4] products (_mxfp4_fma's) and [rows, groups] exponent bytes -> [rows]: each
+    # group's sum scaled once, by 2^62 (the decoder's 2^-126 against x's 2^64) and its exponent.
+    part = tl.sum(acc, axis=2) * MX_SUM_SCALE
+    return tl.sum(part * _e8m0(s.to(tl.int32)), axis=1)
 
 
 @triton.jit
@@ -289,26 +354,30 @@ def _activate(gate, up, SWIGLU: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _mxfp4_dot(acc, a_ptrs, stride_ak, a_mask, q_ptrs, s_ptrs, b_mask, DOT_F32: tl.constexpr,
-               PRECISION: tl.constexpr):
-    # acc + A [BLOCK_M, BLOCK_K] @ the MXFP4 tile [BLOCK_K, BLOCK_N]: the packed bytes' low
-    # nibbles are the tile's even rows, the high ones its odd rows, so A's even and odd columns
-    # (a_ptrs: the even ones) meet them in two dots of BLOCK_K / 2, with no interleave.
-    a_lo = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    a_hi = tl.load(a_ptrs + stride_ak, mask=a_mask, other=0.0)
-    q = tl.load(q_ptrs, mask=b_mask, other=0).to(tl.int32)
-    scale = _e8m0(tl.load(s_ptrs, mask=b_mask, other=127).to(tl.int32))
-    b_lo, b_hi = _e2m1_pair(q)
-    b_lo *= scale
-    b_hi *= scale
-    if DOT_F32:
-        a_lo = a_lo.to(tl.float32)
-        a_hi = a_hi.to(tl.float32)
-    else:  # the decoded tile in the activations' dtype (exact in bf16: e2m1 times a power of two)
-        b_lo = b_lo.to(a_lo.dtype)
-        b_hi = b_hi.to(a_hi.dtype)
-    acc = tl.dot(a_lo, b_lo, acc, input_precision=PRECISION)
-    return tl.dot(a_hi, b_hi, acc, input_precision=PRECISION)
+def _mxfp4_tile(q, f, J: tl.constexpr, a):
+    # Nibble J of each word of a [words, BLOCK_N] tile, times its group's 2^(s - 127) (f, fp32),
+    # in A's dtype (exact in bf16: an e2m1 value times a power of two): the B operand of one of
+    # the step's 8 dots (_moe_gemm_kernel).
+    return (_e2m1_word(q, J) * MX_UNSCALE * f).to(a.dtype)
+
+
+@triton.jit
+def _mxfp4_operand(q, f, a):
+    # The 8 nibble tiles of a [W, BLOCK_N] word tile joined into one [8W, BLOCK_N] operand in input
+    # order (row 8w + J: nibble J of word w), so a K step is one dot against A's contiguous inputs
+    # (MX_ONE_DOT) rather than 8 dots, each with its own trip through shared memory.
+    d0 = _mxfp4_tile(q, f, 0, a)
+    d1 = _mxfp4_tile(q, f, 1, a)
+    d2 = _mxfp4_tile(q, f, 2, a)
+    d3 = _mxfp4_tile(q, f, 3, a)
+    d4 = _mxfp4_tile(q, f, 4, a)
+    d5 = _mxfp4_tile(q, f, 5, a)
+    d6 = _mxfp4_tile(q, f, 6, a)
+    d7 = _mxfp4_tile(q, f, 7, a)
+    # join's new last axis: J's bit 0, then bit 1, then bit 2 -> [W, N, b0, b1, b2]
+    t = tl.join(tl.join(tl.join(d0, d1), tl.join(d2, d3)), tl.join(tl.join(d4, d5), tl.join(d6, d7)))
+    t = tl.permute(t, (0, 4, 3, 2, 1))  # [W, b2, b1, b0, N]: row 8w + 4 b2 + 2 b1 + b0 = 8w + J
+    return tl.reshape(t, (8 * q.shape[0], q.shape[1]))
 
 
 @triton.jit
@@ -327,6 +396,7 @@ def _moe_gemm_kernel(
     SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    MX_ONE_DOT: tl.constexpr = False,  # MXFP4: one dot a step on the joined operand (_mxfp4_operand)
 ):
     # Grid (P / BLOCK_M, cdiv(N, BLOCK_N)): one expert's BLOCK_M sorted rows x BLOCK_N columns.
     pid_m = tl.program_id(0)
@@ -342,22 +412,45 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MXFP4:
-        # Byte j of a step holds inputs k0 + 2j and k0 + 2j + 1, both in exponent group
-        # (k0 + 2j) // 32 = k0 // 32 + j // 16 (BLOCK_K is a multiple of 32).
-        kp = tl.arange(0, BLOCK_K // 2)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (2 * kp)[None, :] * stride_ak
-        q_ptrs = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + kp[:, None] * stride_bk
-        s_ptrs = s_ptr + expert * stride_se + cols[None, :].to(tl.int64) * stride_sn + (kp // 16)[:, None] * stride_sk
+        # b_ptr: the packed bytes as int32 words, stride_be / stride_bn in 16-byte units (x4 words
+        # here, so the compiler sees 16-byte aligned rows: vector loads). A step is BLOCK_K / 8
+        # words of each column's row, [words, BLOCK_N], word w holding inputs k0 + 8w .. 8w + 7.
+        # Nibble J of every word meets A's columns k0 + 8w + J: eight dots of K = BLOCK_K / 8 a
+        # step (a permutation of the sum over K), each on a decoded tile, nothing interleaved.
+        W: tl.constexpr = BLOCK_K // 8
+        wk = tl.arange(0, W)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + (8 * wk)[None, :] * stride_ak
+        ks = tl.arange(0, BLOCK_K)
+        a_full = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # MX_ONE_DOT's A: in input order
+        q_ptrs = b_ptr + expert * (stride_be * 4) + cols[None, :].to(tl.int64) * (stride_bn * 4) + wk[:, None]
+        s_ptrs = s_ptr + expert * stride_se + cols[None, :].to(tl.int64) * stride_sn + (wk // 4)[:, None] * stride_sk
         for k0 in range(0, K, BLOCK_K):
-            kp_ok = kp < (K - k0) // 2
-            a_mask = row_ok[:, None] & kp_ok[None, :]
-            b_mask = kp_ok[:, None] & col_ok[None, :]
-            acc = _mxfp4_dot(acc, a_ptrs, stride_ak, a_mask, q_ptrs, s_ptrs, b_mask, DOT_F32, PRECISION)
+            w_ok = wk < (K - k0) // 8  # K is a multiple of 32: whole groups, whole words
+            a_mask = row_ok[:, None] & w_ok[None, :]
+            b_mask = w_ok[:, None] & col_ok[None, :]
+            q = tl.load(q_ptrs, mask=b_mask, other=0)
+            f = _e8m0(tl.load(s_ptrs, mask=b_mask, other=127).to(tl.int32))
             if GATED:
-                acc_up = _mxfp4_dot(acc_up, a_ptrs, stride_ak, a_mask, q_ptrs + N * stride_bn,
-                                    s_ptrs + N * stride_sn, b_mask, DOT_F32, PRECISION)
+                q_up = tl.load(q_ptrs + N * (stride_bn * 4), mask=b_mask, other=0)
+                f_up = _e8m0(tl.load(s_ptrs + N * stride_sn, mask=b_mask, other=127).to(tl.int32))
+            if MX_ONE_DOT:
+                a = tl.load(a_full, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+                if DOT_F32:
+                    a = a.to(tl.float32)
+                acc = tl.dot(a, _mxfp4_operand(q, f, a), acc, input_precision=PRECISION)
+                if GATED:
+                    acc_up = tl.dot(a, _mxfp4_operand(q_up, f_up, a), acc_up, input_precision=PRECISION)
+            else:
+                for j in tl.static_range(8):
+                    a = tl.load(a_ptrs + j * stride_ak, mask=a_mask, other=0.0)
+                    if DOT_F32:
+                        a = a.to(tl.float32)
+                    acc = tl.dot(a, _mxfp4_tile(q, f, j, a), acc, input_precision=PRECISION)
+                    if GATED:
+                        acc_up = tl.dot(a, _mxfp4_tile(q_up, f_up, j, a), acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
-            q_ptrs += (BLOCK_K // 2) * stride_bk
+            a_full += BLOCK_K * stride_ak
+            q_ptrs += W
             s_ptrs += (BLOCK_K // 32) * stride_sk
     else:
         ks = tl.arange(0, BLOCK_K)
@@ -413,11 +506,18 @@ def _check_scales(fn, w13_scale, w2_scale, e, h, inter, block, config) -> None:
         raise ValueError(f"{fn}: K tiles {steps} must divide the scales' {bk} columns (a step within one group)")
 
 
-def moe_block_config(num_rows: int, num_experts: int) -> dict:
+def moe_block_config(num_rows: int, num_experts: int, mxfp4: bool = False) -> dict:
     """Tile sizes by the mean rows per expert: small tiles where each expert sees a token or two
     (decode; the weights' bytes dominate), larger ones where GEMMs are real. A first guess from
-    the shapes, to be tuned on the card (bench/moe.py sweeps the alternatives)."""
+    the shapes, to be tuned on the card (bench/moe.py sweeps the alternatives).
+    `mxfp4`: MXFP4 weights' own tiles: their steps are 8 dots of BLOCK_K / 8, so BLOCK_K is a
+    multiple of 128 (a dot's K of 16 at least); every weight is decoded once per BLOCK_M rows, so
+    larger batches take the larger row blocks sooner."""
     per_expert = num_rows / max(1, num_experts)
+    if mxfp4:
+        if per_expert <= 16:
+            return dict(MXFP4_TILES[0])
+        return dict(MXFP4_TILES[1])
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
@@ -425,21 +525,40 @@ def moe_block_config(num_rows: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
+# moe_block_config's MXFP4 tiles: (decode batches, larger ones).
+MXFP4_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3))
+
+
+def _mxfp4_words(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Packed MXFP4 bytes [E, N, K / 2] -> (the same memory as int32 words, expert and row strides
+    in 16-byte units): the kernels load whole words and, knowing rows start 16-byte aligned, 16
+    bytes at a time. A view, no copy: K / 2 bytes a row is a multiple of 16 (K of 32)."""
+    if q.stride(-1) != 1 or q.stride(0) % 16 or q.stride(1) % 16 or q.storage_offset() % 16:
+        raise ValueError(f"fused_moe: MXFP4 weights need rows starting at 16-byte multiples, contiguous within a "
+                         f"row; got strides {q.stride()} at offset {q.storage_offset()}")
+    return q.view(torch.int32), q.stride(0) // 16, q.stride(1) // 16
+
+
 def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, a_row_div, gated, apply_weight,
           cfg, scale=None, block=None, bias=None, activation: MoeActivation = SILU_AND_MUL) -> None:
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (sorted_ids.numel() // bm, triton.cdiv(n, bn))
     mxfp4 = b.dtype == MXFP4
+    strides = (b.stride(0), b.stride(1), b.stride(2))
+    if mxfp4:
+        b, *rows = _mxfp4_words(b)
+        strides = (*rows, 1)
     _moe_gemm_kernel[grid](
         a, b, c, weights, sorted_ids, expert_ids, num_padded, b if scale is None else scale,
         b if bias is None else bias, num_rows, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a.stride(0), a.stride(1), *strides, c.stride(0), c.stride(1),
         *_scale_args(scale, block, mxfp4), *_epilogue_args(bias, activation),
         A_ROW_DIV=a_row_div, GATED=gated, APPLY_WEIGHT=apply_weight, FP8=scale is not None and not mxfp4,
         MXFP4=mxfp4, HAS_BIAS=bias is not None, SWIGLU=isinstance(activation, SwigluOAI),
         SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
-        DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype),
+        DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype), MX_ONE_DOT=cfg.get("MX_ONE_DOT", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -450,7 +569,7 @@ def _epilogue_args(bias: torch.Tensor | None, activation: MoeActivation) -> tupl
     return (0 if bias is None else bias.stride(0)), float(alpha), float(limit)
 
 
-# --- Decode sizes (T <= DECODE_MAX_TOKENS): no sort, no [T*k, H] buffer, no separate sum -------
+# --- Decode sizes (T <= decode_max_tokens()): no sort, no [T*k, H] buffer, no separate sum -------
 # At one token the sorted path is five launches around 75 MB of weights (align, memset, gate|up,
 # down, the sum over k), and its 16-row tiles give the 8 experts' gate|up only 8 x 12 programs:
 # fewer than the SMs (bench/moe.py's profile: ~32 us a layer for ~18 us of bytes). Here:
@@ -471,6 +590,17 @@ def _epilogue_args(bias: torch.Tensor | None, activation: MoeActivation) -> tupl
 # streams at ~75% of copy bandwidth on an H200, and the per-assignment GEMV reads an expert chosen
 # by several tokens once per token, from L2 at best); bench/moe.py's decode table measures both.
 DECODE_MAX_TOKENS = 4
+# MXFP4 weights take the decode path further: their sorted GEMM decodes every weight once per
+# 16-row block and its 8 dots a step convert each decoded tile for the tensor cores, the GEMVs
+# decode straight into FMAs (reading an expert again per token, from L2). gpt-oss-120b's layer on
+# an H200 in CUDA graphs: 0.359 vs 0.467 ms at 8 tokens, 0.695 vs 0.758 at 16
+# (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md).
+MXFP4_DECODE_MAX_TOKENS = 16
+
+
+def decode_max_tokens(mxfp4: bool) -> int:
+    """The largest batch the "auto" path runs as decode GEMVs, by weight format."""
+    return MXFP4_DECODE_MAX_TOKENS if mxfp4 else DECODE_MAX_TOKENS
 # The sorted path's sum over k: False = _moe_sum_kernel (one launch), True = a memset of [T*k, H]
 # first and torch's sum after (what ran before; bench/moe.py sets it for its "before" rows).
 SUM_IN_TORCH = False
@@ -495,10 +625,9 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     4 or 8 warps; block scales' tiles) moved the time by about 1 us: left as they are. One layer
     replayed ten times a graph: its 38 MB of FP8 experts may sit partly in L2, so read the ranking,
     not the bandwidth.
-    `mxfp4`: UNTUNED (no GPU has measured them): bf16's row strips; gate|up steps of 512 inputs
-    (256 bytes a weight row, half of bf16's 256-wide step), down steps of 256 (a [k, BLOCK_N,
-    128]-byte block: each byte decodes to two fp32 values plus its exponent in registers, so the
-    bf16 block's size would spill)."""
+    `mxfp4`: not swept on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 does): bf16's row strips;
+    gate|up steps of 512 inputs (256 bytes a weight row, half of bf16's 256-wide step), down steps
+    of 256."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
         return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
@@ -515,8 +644,11 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                stride_se, stride_sn, stride_sk, up_scale_rows, stride_bias_e, alpha, limit,
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
+                               SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
+                               PREFETCH: tl.constexpr = False):
     # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+    # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
+    # buffering: two steps' loads in flight, where each step otherwise waits for its own).
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
@@ -528,22 +660,39 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
-        # A step's bytes as a [BLOCK_N, groups, 16] tile: byte j holds inputs 2j (low nibble) and
-        # 2j + 1 (high), and each 16 bytes share one exponent, applied once to their partial sum.
+        # w13_ptr: the packed bytes as int32 words, stride_we / stride_wn in 16-byte units. A
+        # step's words as a [BLOCK_N, groups, 4] tile: a row's 4 words of one exponent group are
+        # 16 contiguous bytes (one vector load), word w holding inputs 8w .. 8w + 7. Each nibble
+        # position J is a pass of FMAs against x's inputs 8w + J (shared by gate and up); each
+        # group's sum is scaled once by its exponent.
         gs = tl.arange(0, BLOCK_K // 32)
-        byte = gs[:, None] * 16 + tl.arange(0, 16)[None, :]
-        q_ptrs = w13_ptr + e * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :]
+        word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
+        q_ptrs = w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
         s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
-        x_ptrs = x_row + 2 * byte[None, :, :]
+        x_ptrs = x_row + 8 * word[None, :, :]
+        up_q, up_s = N * (stride_wn * 4), N * stride_sn
+        if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
+            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, gs < K // 32)
         for k0 in range(0, K, BLOCK_K):
             g_ok = gs < (K - k0) // 32
-            x_lo = tl.load(x_ptrs + k0, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptrs + k0 + 1, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
-            mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
-            acc_gate += _mxfp4_gemv_step(q_ptrs, s_ptrs, mask, s_mask, x_lo, x_hi)
-            acc_up += _mxfp4_gemv_step(q_ptrs + N * stride_wn, s_ptrs + N * stride_sn, mask, s_mask, x_lo, x_hi)
-            q_ptrs += BLOCK_K // 2
-            s_ptrs += (BLOCK_K // 32) * stride_sk
+            if PREFETCH:
+                q_ptrs += BLOCK_K // 8
+                s_ptrs += (BLOCK_K // 32) * stride_sk
+                n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
+                                                                  gs < (K - k0 - BLOCK_K) // 32)
+            else:
+                q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
+                q_ptrs += BLOCK_K // 8
+                s_ptrs += (BLOCK_K // 32) * stride_sk
+            p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+            p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+            for j in tl.static_range(8):
+                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 1)
+                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 1)
+            acc_gate += _mxfp4_group_sums(p_gate, s_gate)
+            acc_up += _mxfp4_group_sums(p_up, s_up)
+            if PREFETCH:
+                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
     else:
         ks = tl.arange(0, BLOCK_K)
         gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -569,7 +718,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + a).to(tl.float32)
     h = _activate(acc_gate, acc_up, SWIGLU, alpha, limit) * w
-    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+    dest = _mxfp4_nibble_major(cols) if MXFP4 else cols  # MXFP4: the order the down pass reads
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + dest, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -589,11 +739,11 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if MXFP4:
-        # The gate|up kernel's [BLOCK_N, groups, 16] tiles, one per expert of the token (unrolled:
-        # the k experts' loads are independent, so k tiles are in flight a step), summed into one
-        # accumulator in slot order: the top-k sum inside the GEMV, as below.
+        # The gate|up kernel's [BLOCK_N, groups, 4]-word tiles, one per expert of the token
+        # (unrolled: the k experts' loads are independent, so k tiles are in flight a step),
+        # summed into one accumulator in slot order: the top-k sum inside the GEMV, as below.
         gs = tl.arange(0, BLOCK_K // 32)
-        byte = gs[:, None] * 16 + tl.arange(0, 16)[None, :]
+        word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             for j in tl.static_range(TOP_K):
@@ -601,15 +751,21 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                 held_j = (e_j >= 0) & (e_j < num_experts)
                 e_j = tl.where(held_j, e_j, 0)
                 g_ok = gs < tl.where(held_j, (K - k0) // 32, 0)  # not held: no group of it is read
-                a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + k0 + 2 * byte[None, :, :]
-                a_lo = tl.load(a_ptrs, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
-                a_hi = tl.load(a_ptrs + 1, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
-                q_ptrs = (w2_ptr + e_j * stride_we + cols[:, None, None].to(tl.int64) * stride_wn + k0 // 2
-                          + byte[None, :, :])
+                # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words.
+                q_ptrs = (w2_ptr + e_j * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
+                          + (k0 // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
                 s_ptrs = (s_ptr + e_j * stride_se + cols[:, None].to(tl.int64) * stride_sn
                           + (k0 // 32 + gs[None, :]) * stride_sk)
-                out += _mxfp4_gemv_step(q_ptrs, s_ptrs, col_ok[:, None, None] & g_ok[None, :, None],
-                                        col_ok[:, None] & g_ok[None, :], a_lo, a_hi)
+                q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
+                sc = tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0)
+                # The intermediate row in nibble-major order (the gate|up pass wrote it so): nibble
+                # n of word w of group g meets element 32g + 4n + w.
+                a_ptrs = (inter_ptr + (t * TOP_K + j) * stride_im + (k0 // BLOCK_K) * BLOCK_K
+                          + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :])
+                p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+                for n in tl.static_range(8):
+                    p = _mxfp4_fma(p, q, a_ptrs, g_ok[None, :, None], n, 4)
+                out += _mxfp4_group_sums(p, sc)
     else:
         ks = tl.arange(0, BLOCK_K)
         # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
@@ -662,18 +818,22 @@ def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_sca
     quant = dict(FP8=w13_scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
                  GROUP_K=block[1] if block else 1)
     bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
+    w13_rows, w2_rows = (w13.stride(0), w13.stride(1)), (w2.stride(0), w2.stride(1))
+    if mxfp4:  # int32 words, strides in 16-byte units (_mxfp4_words)
+        (w13, *w13_rows), (w2, *w2_rows) = _mxfp4_words(w13), _mxfp4_words(w2)
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
         x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale,
         w13 if w13_bias is None else w13_bias, inter, h, e, expert_offset,
-        x.stride(0), w13.stride(0), w13.stride(1), inter_out.stride(0), *_scale_args(w13_scale, block, mxfp4),
+        x.stride(0), *w13_rows, inter_out.stride(0), *_scale_args(w13_scale, block, mxfp4),
         bias_stride, alpha, limit,
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
         SWIGLU=isinstance(activation, SwigluOAI), **quant, num_warps=cfg["GU_WARPS"],
+        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False),
     )
     out = torch.empty_like(x)
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
         inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
-        h, inter, e, expert_offset, inter_out.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        h, inter, e, expert_offset, inter_out.stride(0), *w2_rows, out.stride(0),
         *_scale_args(w2_scale, block, mxfp4)[:3], _epilogue_args(w2_bias, activation)[0],
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
         BLOCK_K=cfg["DOWN_BLOCK_K"], HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"],
@@ -691,7 +851,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_weights [T, k] float, topk_ids [T, k] int -> [T, H] in x's dtype. w13[i] / w2[i] are
     expert expert_offset + i; assignments to experts not held (or -1) contribute zero.
     `path`: "sorted" (align + grouped GEMMs + sum), "decode" (two GEMV launches, the sum inside
-    the down pass), "auto" = decode up to DECODE_MAX_TOKENS tokens (a shape test: a CUDA graph
+    the down pass), "auto" = decode up to decode_max_tokens() tokens (a shape test: a CUDA graph
     replays the path it captured). `config`: tile sizes of the path that runs (default
     moe_block_config's / moe_decode_config's); a sorted-path config (BLOCK_M) makes "auto" sorted.
     `align`: moe_align's (sorted_ids, expert_ids, num_padded) for these ids at the config's BLOCK_M,
@@ -740,13 +900,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                              f"{config['BLOCK_M']} (sorted_ids of {cap} rows expected)")
         path = "sorted"
     epilogue = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
-    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= DECODE_MAX_TOKENS):
+    if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= decode_max_tokens(mxfp4)):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
             top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block,
                                  **epilogue)
     m = t * top_k
-    cfg = config if sorted_cfg else moe_block_config(m, e)
+    cfg = config if sorted_cfg else moe_block_config(m, e, mxfp4)
     sorted_ids, expert_ids, num_padded = align or moe_align(topk_ids, e, cfg["BLOCK_M"], expert_offset)
     inter_out = torch.empty((m, inter), dtype=x.dtype, device=x.device)  # padding rows never read
     _gemm(x, w13, inter_out, weights, sorted_ids, expert_ids, num_padded, m, inter, h, top_k, True, False, cfg,
@@ -790,9 +950,10 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
         check_tensor(fn, "w13_scale", w13_scale, (e, two_i, h // MXFP4_GROUP), (torch.uint8,))
         check_tensor(fn, "w2_scale", w2_scale, (e, h, inter // MXFP4_GROUP), (torch.uint8,))
         steps = [v for key, v in (config or {}).items() if key.endswith("BLOCK_K")]
-        if any(v % MXFP4_GROUP for v in steps):
+        if any(v % MXFP4_GROUP for v in steps) or (config or {}).get("BLOCK_K", 128) % 128:
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
-                             f"(a step covers whole exponent groups)")
+                             f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 (its "
+                             f"8 dots a step have K = BLOCK_K / 8, at least 16)")
     if quantized:
         check_devices(fn, x=x, w13_scale=w13_scale, w2_scale=w2_scale)
     return e, inter
@@ -833,7 +994,7 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     """The MoE layer from the router's logits: moe_route then fused_moe (reference.fused_moe_routed_ref),
-    with the fewest launches per batch size: up to DECODE_MAX_TOKENS the routing kernel and the
+    with the fewest launches per batch size: up to decode_max_tokens() the routing kernel and the
     decode path; above it, while the one-program sort fits (decode batches up to ~32 at E = 128),
     routing and sort as one launch (moe_route_align) and the sorted path; past that the separate
     routing kernel and the torch sort. The keywords are fused_moe's (FP8 / MXFP4 weights, biases,
@@ -843,8 +1004,9 @@ def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route
     kw = dict(w13_scale=w13_scale, w2_scale=w2_scale, block=block, w13_bias=w13_bias, w2_bias=w2_bias,
               activation=activation)
     t, e = x.shape[0], w13.shape[0]
-    if FUSE_ROUTE_ALIGN and t > DECODE_MAX_TOKENS and route_align_fits(t, top_k, router_logits.shape[-1], e):
-        cfg = moe_block_config(t * top_k, e)
+    above = t > decode_max_tokens(w13.dtype == MXFP4)
+    if FUSE_ROUTE_ALIGN and above and route_align_fits(t, top_k, router_logits.shape[-1], e):
+        cfg = moe_block_config(t * top_k, e, w13.dtype == MXFP4)
         weights, ids, *align = moe_route_align(router_logits, top_k, renormalize, e, cfg["BLOCK_M"], expert_offset)
         return fused_moe(x, w13, w2, weights, ids, config=cfg, expert_offset=expert_offset, align=tuple(align), **kw)
     weights, ids = moe_route(router_logits, top_k, renormalize)

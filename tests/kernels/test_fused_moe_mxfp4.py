@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.fused_moe import _e2m1_pair, _e8m0, fused_moe, fused_moe_routed
+from pdserve.kernels.fused_moe import MX_UNSCALE, _e2m1_pair, _e2m1_word, _e8m0, fused_moe, fused_moe_routed
 from pdserve.kernels.moe_activation import SILU_AND_MUL, SwigluOAI
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_ref, fused_moe_routed_ref
@@ -22,7 +22,7 @@ from tests.kernels.kernel_inputs import DEVICE, rel_error
 from tests.kernels.test_fused_moe import moe_inputs
 
 H, INTER, E_ROUTED, E_HELD, TOP_K = 96, 64, 8, 4, 2
-SORTED_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+SORTED_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
 DECODE_TILES = dict(GU_BLOCK_N=16, GU_BLOCK_K=64, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=64, DOWN_WARPS=4)
 SWIGLU = SwigluOAI(alpha=1.702, limit=1.0)  # a small limit: the clamps cut a good share of gate and up
 
@@ -183,7 +183,7 @@ def test_mxfp4_arguments_are_checked():
 @pytest.mark.parametrize("t", [1, 4, 16, 64])
 def test_gpt_oss_20b_layer_on_the_gpu(t):
     # gpt-oss-20b's expert layer (E=32, k=4, H=I=2880: 90 exponent groups, default tiles' last K
-    # steps masked) through the model's op: decode path (1, 4), routing + sort in one launch (16, 64);
+    # steps masked) through the model's op: decode path (1, 4, 16), routing + sort in one launch (64);
     # bit-stable, and a CUDA graph replays it to the same bits.
     e, h, inter = 32, 2880, 2880
     g = torch.Generator(device=DEVICE).manual_seed(t)
@@ -215,3 +215,57 @@ def test_gpt_oss_20b_layer_on_the_gpu(t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+@triton.jit
+def _word_decode_kernel(q_ptr, s_ptr, out_ptr, WORDS: tl.constexpr):
+    # The kernels' word decoder (_e2m1_word, then 2^126 and the exponent, as the sorted GEMM's
+    # tiles) on WORDS int32 words; one exponent per 4 words (a 32-input group).
+    w = tl.arange(0, WORDS)
+    q = tl.load(q_ptr + w)
+    f = _e8m0(tl.load(s_ptr + w // 4).to(tl.int32))
+    for j in tl.static_range(8):
+        tl.store(out_ptr + 8 * w + j, _e2m1_word(q, j) * MX_UNSCALE * f)
+
+
+def test_word_decoder_of_every_byte_in_every_position_is_exact():
+    # Every byte value in each of a word's 4 byte positions, under exponents from 2^-126 to 2^1:
+    # bit for bit the reference codec (the subnormal code 0.5 included: on a GPU this checks that
+    # nothing flushes it to zero).
+    exps = torch.tensor([1, 60, 100, 118, 121, 124, 127, 128], dtype=torch.uint8)
+    byte = torch.arange(256, dtype=torch.int32)
+    packed = torch.stack([torch.roll(byte, 64 * p) for p in range(4)], dim=1).to(torch.uint8).reshape(-1)  # 1 KiB
+    packed = packed.repeat(len(exps))  # one 32-input group = 16 bytes = 4 words
+    scales = exps.repeat_interleave(1024 // 16)
+    words = packed.view(torch.int32).to(DEVICE)
+    out = torch.empty(2 * packed.numel(), device=DEVICE)
+    _word_decode_kernel[(1,)](words, scales.to(DEVICE), out, WORDS=words.numel())
+    ref = dequantize_mxfp4(packed.view(-1, 16), scales.view(-1, 1))
+    assert torch.equal(out.view(-1, 32).cpu(), ref)
+
+
+def test_sorted_one_dot_variant_matches_reference(poison_empty):
+    # MX_ONE_DOT: a K step's 8 nibble tiles joined into one operand in input order (one dot a step);
+    # fp32 for the tight tolerance (a misordered join is far outside it).
+    dtype = torch.float32
+    x, w, ids = routed_inputs(33, dtype, 0.3, offset=4)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(dtype)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, MX_ONE_DOT=True), path="sorted", expert_offset=4,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_decode_prefetch_variant_matches_reference(poison_empty):
+    # GU_PREFETCH: the gate|up GEMV loads step k + 1's words before step k's FMAs (H = 96 with
+    # 64-wide steps: a half-masked last step, and a prefetch past the end that reads nothing).
+    x, w, ids = routed_inputs(5, torch.float32, 0.3, offset=4)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(torch.float32)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, GU_PREFETCH=True), path="decode", expert_offset=4,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]

@@ -71,13 +71,14 @@ def test_fp8_table(monkeypatch, tmp_path):
 
 def test_mxfp4_table(monkeypatch, tmp_path):
     # `bench moe mxfp4` at a tiny gpt-oss-like shape: bf16 (fp32 here) vs MXFP4 experts with biases
-    # and the clamped SwiGLU, decode path (1 token) and sorted path (6); both equal the reference.
+    # and the clamped SwiGLU, decode path (1 token) and sorted path (17: above MXFP4_DECODE_MAX_TOKENS);
+    # both equal the reference.
     monkeypatch.setattr(moe, "DEVICE", "cpu")
     monkeypatch.setattr(moe, "DT", torch.float32)
     monkeypatch.setattr(moe, "_bench_us", lambda fn: fn() is None or 1.0)
     monkeypatch.setattr(moe, "GPT_OSS", {"tiny": dict(experts=8, top_k=2, hidden=64, inter=32)})
     out = tmp_path / "mxfp4.md"
-    args = argparse.Namespace(models=["tiny"], tokens=[1, 6], copy_gbs=1000.0, out=str(out))
+    args = argparse.Namespace(models=["tiny"], tokens=[1, 17], copy_gbs=1000.0, out=str(out))
     assert moe.mxfp4(args) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny ")]
     assert len(rows) == 2
