@@ -39,6 +39,7 @@ MS = "tiny"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
 CHART_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"
+RESYNC_S = 2
 
 
 class Transcript:
@@ -225,14 +226,19 @@ def test_helm_install_modelserving_scale_rollout_delete(k8s_cluster, tools, tiny
                       namespaces=[system_ns, ns], runtime=runtime).start()
     try:
         # -- 1. helm install: CRD, RBAC, the operator (its pod runs under the kubelet stand-in)
+        # The operator refreshes a ModelServing's status (Ready once its pods are, Degraded) on its
+        # resync timer: the chart's 15 s default would add up to 15 s to each stage's wait.
         out = sh(env, "helm", "install", release, str(CHART), "-n", system_ns,
-                 "--set", f"operator.watchNamespaces={{{ns}}}", "--wait", "--timeout", "5m", timeout=400)
+                 "--set", f"operator.watchNamespaces={{{ns}}}", "--set", f"operator.resyncSeconds={RESYNC_S}",
+                 "--wait", "--timeout", "5m", timeout=400)
         transcript.add(
-            f"helm install {release} charts/pdserve -n {system_ns} --set operator.watchNamespaces={{{ns}}} --wait", out
+            f"helm install {release} charts/pdserve -n {system_ns} --set operator.watchNamespaces={{{ns}}} "
+            f"--set operator.resyncSeconds={RESYNC_S} --wait", out
         )
         op = core.list_namespaced_pod(system_ns, label_selector="app.kubernetes.io/component=operator").items[0]
         proc = next(p for p in kubelet.pods.values() if p.name == op.metadata.name)
         assert proc.argv[1:3] == ["operator", f"--namespace={ns}"], proc.argv  # the chart's own command/args
+        assert f"--resync-seconds={RESYNC_S}" in proc.argv, proc.argv  # ...with the values' settings
         identity = pod_identity(proc, tmp_path, k8s_cluster)
         who = sh({**env, "KUBECONFIG": identity}, "kubectl", "auth", "can-i", "create", "deployments",
                  "-n", ns, check=False)
