@@ -56,7 +56,8 @@ Bounds and hang-ups:
   the prefill side checks the transfer token: a pin released or cancelled meanwhile (the prefill
   was aborted) ends the transfer there.
 - a transfer ends when each of its streams ended (sent, failed, hung up, or never claimed
-  within CLAIM_S); then the pin's read is closed, a plain read's pin is released (a read is the
+  within CLAIM_S, or by the time another of its streams failed: the reader has then failed the
+  whole pull); then the pin's read is closed, a plain read's pin is released (a read is the
   release, as before), and every count and buffer is back (`DataServer.wait_idle`).
 - the decode side joins every stream's thread and waits for its device copies before it
   returns or raises: no byte lands in a block after the pull ended.
