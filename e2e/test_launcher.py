@@ -15,6 +15,10 @@ from e2e.processes import UpProcess, eventually, pid_alive
 from pdserve.cli.stack import StackConfig, plan, visible_gpus
 
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py): `pdserve up` stacks, ~15 s each to start.
+pytestmark = pytest.mark.slow
+
+
 def up_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli.main", "up", *args], capture_output=True, text=True,
                           timeout=120)

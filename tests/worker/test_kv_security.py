@@ -28,6 +28,10 @@ from tests.worker.kv_harness import kv_state, leaves_no_kv, metric, pd_pair, wai
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py):
+# a prefill/decode pair of worker processes per transport.
+pytestmark = pytest.mark.slow
+
 SECRET = "the-deployment's-kv-secret-0123456789"
 AUTH, WRONG, NONE = SideChannelAuth(SECRET), SideChannelAuth("a-different-secret-0123456789"), SideChannelAuth(None)
 KEY = "worker-api-key-for-the-router"

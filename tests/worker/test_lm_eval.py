@@ -13,6 +13,10 @@ from tests.worker.test_server_harness import WorkerProcess
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (the dev extra)")
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py):
+# a worker server and lm-eval's hf backend, ~30 s a test on CI.
+pytestmark = pytest.mark.slow
+
 NAME = "tiny-lm-eval"
 TOL = 1e-4
 DOCS = [

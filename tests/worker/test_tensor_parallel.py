@@ -24,6 +24,9 @@ from tests.checkpoints import write_checkpoint
 from tests.helpers.engines import make_engine
 from tests.worker.test_server_harness import WorkerProcess
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py): TP=2 engines start gloo rank processes.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     [5, 17, 300, 42, 9, 1000, 77],
     list(range(100, 137)),  # several blocks

@@ -30,6 +30,10 @@ from tests.net import free_port
 from tests.worker.kv_harness import kv_state, metric
 from tests.worker.test_server_harness import WorkerProcess
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py):
+# four groups of four worker processes, ~40 s each to start on CI.
+pytestmark = pytest.mark.slow
+
 SECRET = "tp-pd-tests-shared-secret"
 ENV = {"PDSERVE_KV_SECRET": SECRET}
 ARGS = ("--served-model-name", "x", "--max-model-len", "128", "--block-size", "4", "--kv-cache-memory", str(1 << 21),

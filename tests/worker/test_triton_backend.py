@@ -23,6 +23,11 @@ from tests.helpers.engines import ON_GPU, device_engine
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (tier 4)")
 
+# Dispatched with the slow modules, before the quick ones (tests/conftest.py):
+# engines under Triton's interpreter on CI's CPU, 15-35 s a test.
+pytestmark = pytest.mark.slow
+
+
 PROMPTS = [
     [5, 17, 300, 42, 9, 1000, 77],
     list(range(100, 137)),  # spans several blocks

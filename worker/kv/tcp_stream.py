@@ -56,7 +56,8 @@ Bounds and hang-ups:
   the prefill side checks the transfer token: a pin released or cancelled meanwhile (the prefill
   was aborted) ends the transfer there.
 - a transfer ends when each of its streams ended (sent, failed, hung up, or never claimed
-  within CLAIM_S); then the pin's read is closed, a plain read's pin is released (a read is the
+  within CLAIM_S, or by the time another of its streams failed: the reader has then failed the
+  whole pull); then the pin's read is closed, a plain read's pin is released (a read is the
   release, as before), and every count and buffer is back (`DataServer.wait_idle`).
 - the decode side joins every stream's thread and waits for its device copies before it
   returns or raises: no byte lands in a block after the pull ended.
@@ -298,13 +299,21 @@ class DataServer:
         with self._cond:
             for t in list(self._transfers.values()):
                 if not t.expired and t.claim_by <= now:
-                    t.expired = True
-                    unclaimed = t.plan.streams - len(t.claimed)
+                    unclaimed = self._expire(t)
                     if unclaimed:
                         log.warning("KV data ticket of %s: %d of %d streams never connected", t.request_id,
                                     unclaimed, t.plan.streams)
-                    for _ in range(unclaimed):
-                        self._stream_ended(t)
+
+    def _expire(self, t: Transfer) -> int:
+        """Under the lock: `t`'s ticket claims no more streams; those never claimed end now.
+        Returns how many that was."""
+        if t.expired:
+            return 0
+        t.expired = True
+        unclaimed = t.plan.streams - len(t.claimed)
+        for _ in range(unclaimed):
+            self._stream_ended(t)
+        return unclaimed
 
     def _claim(self, hello: bytes) -> tuple[Transfer, int] | None:
         magic, ticket, index, streams, mac = HELLO.unpack(hello)
@@ -318,6 +327,7 @@ class DataServer:
 
     def _connection(self, conn: socket.socket, peer: str, t: Transfer, index: int) -> None:
         """A claimed stream's sender thread: it owns `conn` until the stream ends."""
+        failed = True
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _blocking(conn, SEND_TIMEOUT_S)  # the listener left it non-blocking
@@ -330,6 +340,7 @@ class DataServer:
             log.debug("KV data stream %d/%d of %s: claimed %.2f ms after the offer, sent in %.2f ms",
                       index, t.plan.streams, t.request_id, (t0 - (t.claim_by - CLAIM_S)) * 1e3,
                       (time.monotonic() - t0) * 1e3)
+            failed = False
         except Exception as e:  # the reader hung up or stalled, or the pin went: this stream ends
             log.debug("KV data stream ended early: %s", e)
         finally:
@@ -339,6 +350,12 @@ class DataServer:
             self.listener.closed(peer)
             with self._cond:
                 self._connections -= 1
+                if failed:
+                    # The reader fails its whole pull on any stream's failure, and a stream it had
+                    # not connected by then never will (it may have hung up before its hello, which
+                    # names no ticket): waiting out CLAIM_S for those would hold the pin's read and
+                    # MAX_SEND_STREAMS slots for a transfer that is already over.
+                    self._expire(t)
                 self._stream_ended(t)
                 self._cond.notify_all()
 
