@@ -281,6 +281,10 @@ def build_app(config: RouterConfig) -> FastAPI:
             roots = {w.roots[m] for w in workers.all() if m in w.models and m in w.roots}
             if len(roots) == 1:
                 card["root"] = roots.pop()
+            # A LoRA adapter names its base model, as vLLM lists it.
+            parents = {w.parents[m] for w in workers.all() if m in w.models and m in w.parents}
+            if len(parents) == 1:
+                card["parent"] = parents.pop()
             data.append(card)
         return JSONResponse({"object": "list", "data": data})
 
