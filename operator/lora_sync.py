@@ -38,7 +38,8 @@ class WorkerAdapters:
     def apply(self, step: lora.Load | lora.Unload) -> str | None:
         """None when done, else the worker's refusal."""
         if isinstance(step, lora.Load):
-            r = self.client.post(self.url + "/v1/load_lora_adapter", json={"lora_name": step.name, "lora_path": step.path})
+            r = self.client.post(self.url + "/v1/load_lora_adapter",
+                                 json={"lora_name": step.name, "lora_path": step.path})
         else:
             r = self.client.post(self.url + "/v1/unload_lora_adapter", json={"lora_name": step.name})
         if r.status_code == 200 or (isinstance(step, lora.Unload) and r.status_code == 404):

@@ -137,7 +137,8 @@ def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
         ({**GOOD, "decode": {"replicas": "two"}}, ["spec.decode.replicas", "integer"]),
         ({**GOOD, "lora": {"adapters": [{"name": "a", "source": "s3://b/a"}]}},
          ["spec.lora.adapters.source", "should match"]),
-        ({**GOOD, "lora": {"adapters": [{"name": "a b", "source": "/a"}]}}, ["spec.lora.adapters.name", "should match"]),
+        ({**GOOD, "lora": {"adapters": [{"name": "a b", "source": "/a"}]}},
+         ["spec.lora.adapters.name", "should match"]),
     ],
 )
 def test_invalid_specs_are_rejected_by_the_server(k8s_cluster, crd, namespace, spec, expect):
