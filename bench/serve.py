@@ -5,7 +5,7 @@
         [--endpoint completions|chat] [--input-len 1024 --output-len 128 --range-ratio 0 | --dataset FILE.jsonl]
         [--num-requests 200 | --duration S] [--concurrency C] [--request-rate R [--burstiness 1]]
         [--sweep-rates 1,2,4] [--goodput ttft:MS itl:MS e2e:MS] [--seed 0] [--out DIR --label NAME]
-        [--metrics-url URL ...]
+        [--metrics-url URL ...] [--lora-adapters A,B,C [--lora-pick round-robin|random]]
 
 Every request streams, with `ignore_eos` so outputs are exactly `--output-len` tokens. Arrivals
 are a gamma process (`--burstiness 1`: Poisson) at `--request-rate`, or all at once when the
@@ -46,6 +46,10 @@ class LoadConfig:
     ignore_eos: bool = True
     seed: int = 0
     progress: bool = True
+    # LoRA adapters whose names the requests carry as `model` instead of `model` (issue 48):
+    # spread over them round-robin or at random (seeded); empty: every request names `model`.
+    lora_adapters: tuple[str, ...] = ()
+    lora_pick: str = "round-robin"
 
     def __post_init__(self):
         from pdserve.bench.serve_client import ENDPOINTS
@@ -60,6 +64,28 @@ class LoadConfig:
             raise ValueError(f"--concurrency: must be >= 1, got {self.concurrency}")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"--duration: must be > 0 seconds, got {self.duration_s}")
+        if any(not name for name in self.lora_adapters):
+            raise ValueError(f"--lora-adapters: empty adapter name in {','.join(self.lora_adapters)!r}")
+        if self.lora_pick not in LORA_PICKS:
+            raise ValueError(f"--lora-pick: must be one of {', '.join(LORA_PICKS)}, got {self.lora_pick!r}")
+
+
+LORA_PICKS = ("round-robin", "random")
+
+
+def request_models(cfg: LoadConfig):
+    """The `model` of each request in send order (endless): `cfg.model`, or its adapters
+    round-robin or drawn at random with their own seeded generator (the arrival times stay those
+    of the same seed without adapters)."""
+    import itertools
+    import random
+
+    if not cfg.lora_adapters:
+        return itertools.repeat(cfg.model)
+    if cfg.lora_pick == "round-robin":
+        return itertools.cycle(cfg.lora_adapters)
+    rng = random.Random(f"lora-{cfg.seed}")
+    return (rng.choice(cfg.lora_adapters) for _ in itertools.count())
 
 
 def arrival_gaps(rate: float, burstiness: float, rng) -> "iter[float]":
@@ -88,14 +114,15 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     tasks: list[asyncio.Task] = []
 
-    async def one(session, spec, due: float) -> RequestResult:
+    async def one(session, spec, due: float, model: str) -> RequestResult:
         try:
             if gate is not None and not closed_loop:
                 async with gate:
-                    r = await stream_request(session, url, cfg.endpoint, cfg.model, spec, cfg.ignore_eos)
+                    r = await stream_request(session, url, cfg.endpoint, model, spec, cfg.ignore_eos)
             else:
-                r = await stream_request(session, url, cfg.endpoint, cfg.model, spec, cfg.ignore_eos)
+                r = await stream_request(session, url, cfg.endpoint, model, spec, cfg.ignore_eos)
             r.send_lag = 0.0 if closed_loop else r.start - due
+            r.model = model
             return r
         finally:
             if closed_loop:
@@ -108,6 +135,7 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
     gc.freeze()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         gaps = arrival_gaps(cfg.request_rate, cfg.burstiness, rng)
+        models = request_models(cfg)
         t0 = time.perf_counter()
         due = t0
         i = 0
@@ -126,7 +154,7 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
                 if cfg.duration_s is not None and time.perf_counter() - t0 >= cfg.duration_s:
                     gate.release()
                     break
-            tasks.append(asyncio.create_task(one(session, specs[i % len(specs)], due)))
+            tasks.append(asyncio.create_task(one(session, specs[i % len(specs)], due, next(models))))
             i += 1
         results = list(await asyncio.gather(*tasks))
     gc.unfreeze()
@@ -151,6 +179,8 @@ def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "base_url": cfg.base_url,
         "model": cfg.model,
+        "lora_adapters": list(cfg.lora_adapters),
+        "lora_pick": cfg.lora_pick if cfg.lora_adapters else None,
         "endpoint": cfg.endpoint,
         "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
         "burstiness": cfg.burstiness,
@@ -166,6 +196,7 @@ def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult
         "requests": [
             {
                 "start": round(r.start - results[0].start, 6),
+                "model": r.model,
                 "prompt_len": r.prompt_len,
                 "output_len": r.output_len,
                 "server_prompt_tokens": r.server_prompt_tokens,
@@ -210,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="per-request SLOs: ttft, tpot, itl (largest gap), e2e; e.g. ttft:2000 itl:25")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-adapters", default="", metavar="A,B,C",
+                   help="LoRA adapter names to send as each request's model (--model stays the tokenizer's base)")
+    p.add_argument("--lora-pick", default="round-robin", choices=LORA_PICKS,
+                   help="how requests spread over --lora-adapters: in turn, or at random with --seed")
     p.add_argument("--warmup-requests", type=int, default=0, help="sent (and not measured) before the first run")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
     p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
@@ -257,8 +292,10 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
         slos = parse_goodput(args.goodput)
     except ValueError as e:
         raise ValueError(f"--goodput: {e}") from None
+    adapters = tuple(a.strip() for a in args.lora_adapters.split(",")) if args.lora_adapters.strip() else ()
     cfgs = [LoadConfig(args.base_url, args.model, args.endpoint, rate, args.burstiness, args.concurrency,
-                       args.duration, args.request_timeout, True, args.seed + i, not args.no_progress)
+                       args.duration, args.request_timeout, True, args.seed + i, not args.no_progress,
+                       adapters, args.lora_pick)
             for i, rate in enumerate(_rates(args))]
     if args.duration and math.isinf(cfgs[0].request_rate) and not args.concurrency:
         raise ValueError(
@@ -311,7 +348,8 @@ def main(argv=None) -> int:
     if args.warmup_requests:
         warm = make_specs(args, tokenizer, args.warmup_requests, args.seed + 10_000)
         _run(run_load(LoadConfig(args.base_url, args.model, args.endpoint, concurrency=args.concurrency,
-                                 progress=False), warm))
+                                 progress=False, lora_adapters=cfgs[0].lora_adapters,
+                                 lora_pick=cfgs[0].lora_pick), warm))
     records = []
     for cfg in cfgs:
         try:

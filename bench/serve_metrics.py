@@ -32,6 +32,7 @@ class RequestResult:
     output_tokens: int = 0  # usage.completion_tokens (or content chunks if no usage came)
     server_prompt_tokens: int | None = None
     error: str | None = None  # the error's type; None = success
+    model: str | None = None  # what the request named (the base, or one of --lora-adapters)
 
     @property
     def ok(self) -> bool:

@@ -70,7 +70,7 @@ class Memory:
     decided_at: float | None = None
 
 
-def _pod_url(pod: Mapping[str, Any]) -> str | None:
+def pod_url(pod: Mapping[str, Any]) -> str | None:
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
@@ -83,12 +83,12 @@ def _pod_url(pod: Mapping[str, Any]) -> str | None:
     return f"http://{host}:{port}"
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def pod_ready(pod: Mapping[str, Any]) -> bool:
     conds = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or ()}
     return conds.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp")
 
 
-def _worker_key(kube: Kube, ms: ModelServing) -> str | None:
+def worker_key(kube: Kube, ms: ModelServing) -> str | None:
     ref = naming.worker_api_key_ref(ms)
     secret = kube.get("v1", "Secret", ms.namespace, ref.name)
     raw = ((secret or {}).get("data") or {}).get(ref.key)
@@ -129,9 +129,9 @@ def tick(kube: Kube, body: Mapping[str, Any], memory: Memory, now: float, stamp:
     by_role: dict[str, list[dict]] = {}
     for p in pods:
         by_role.setdefault(p["metadata"].get("labels", {}).get(naming.LABEL_ROLE, ""), []).append(p)
-    urls = {role: [u for p in by_role.get(role, []) if _ready(p) and (u := _pod_url(p))]
+    urls = {role: [u for p in by_role.get(role, []) if pod_ready(p) and (u := pod_url(p))]
             for role in (*ROLES, "router")}
-    pages = fetch([u for us in urls.values() for u in us], _worker_key(kube, ms))
+    pages = fetch([u for us in urls.values() for u in us], worker_key(kube, ms))
     scrapes = {role: Scrape() for role in urls}
     per_pod_load: dict[str, float] = {}
     for role, us in urls.items():
@@ -181,7 +181,7 @@ def _mark_idlest(kube: Kube, ms: ModelServing, pods: list[dict], load: Mapping[s
     """The Deployment removes the lowest deletion cost first: a pod's cost is its load, so the
     pods with the fewest requests in flight drain first (each still drains fully on SIGTERM)."""
     for p in pods:
-        url = _pod_url(p)
+        url = pod_url(p)
         cost = int(load.get(url, 0.0)) if url else 0
         try:
             kube.resource("v1", "Pod").patch(body={"metadata": {"annotations": {DELETION_COST: str(cost)}}},

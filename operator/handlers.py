@@ -15,7 +15,7 @@ import kopf
 from kubernetes.client import ApiClient
 from kubernetes.client.rest import ApiException
 
-from pdserve.operator import autoscaler, naming, status
+from pdserve.operator import autoscaler, lora_sync, naming, status
 from pdserve.operator.config import OperatorConfig, load_client_configuration
 from pdserve.operator.kube import Kube
 from pdserve.operator.reconcile import reconcile
@@ -27,6 +27,8 @@ RESOURCE = (naming.GROUP, naming.VERSION, naming.PLURAL)
 _SPEC_CAUSED = (400, 422)
 # How often the planner's timer looks; each ModelServing decides at its spec.slo.intervalSeconds.
 PLANNER_TICK_S = 5.0
+# How often spec.lora's adapters are brought onto the ready workers (a new pod, an edited list).
+LORA_TICK_S = 5.0
 
 
 def _now() -> str:
@@ -130,6 +132,24 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
             if out is not None:
                 for type_, reason, message in out[1]:
                     kopf.event(fresh, type=type_, reason=reason, message=message)
+
+    # spec.lora: load and unload adapters on the running workers (operator/lora_sync.py), no rollout.
+    @kopf.timer(*RESOURCE, interval=LORA_TICK_S, registry=registry, when=lambda spec, **_: bool(spec.get("lora")))
+    def lora_adapters(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        uid = body["metadata"]["uid"]
+        with memo.locks.setdefault(uid, threading.Lock()):
+            fresh = memo.kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, body["metadata"]["namespace"],
+                                  body["metadata"]["name"])
+            if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != uid:
+                return
+            try:
+                loaded = lora_sync.sync(memo.kube, fresh)
+            except SpecError:
+                return  # reconcile reports it
+            except ApiException as e:
+                raise kopf.TemporaryError(f"LoRA sync: API server answered {e.status} {e.reason}", delay=10) from e
+            if loaded is not None and loaded != (fresh.get("status") or {}).get("lora"):
+                memo.kube.patch_status(fresh, {"lora": loaded})
 
     # optional: no finalizer is added for it; a missed deletion only leaves one idle lock
     @kopf.on.delete(*RESOURCE, optional=True, registry=registry)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pdserve.operator import lora as lora_config
 from pdserve.operator.config import default_image
+from pdserve.operator.lora import LoRASpec
 from pdserve.protocol.contract import HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
 from pdserve.protocol.kv_peers import parse_peer
 
@@ -227,6 +229,7 @@ class ModelServingSpec:
     ratio_min: float | None = None
     ratio_max: float | None = None
     slo: Slo | None = None  # the planner owns the autoscaled roles' replicas when set
+    lora: LoRASpec | None = None  # LoRA adapters on every worker (operator/lora.py)
 
     def __post_init__(self) -> None:
         for rs in (self.prefill, self.decode):
@@ -345,6 +348,7 @@ class ModelServingSpec:
             ratio_min=ratio.get("min"),
             ratio_max=ratio.get("max"),
             slo=_slo(spec.get("slo")),
+            lora=_lora(spec.get("lora"), model),
         )
 
 
@@ -404,6 +408,17 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
         shm_size=None if d.get("shmSize") is None else str(d["shmSize"]),
         kv=_kv(d.get("kvTransfer") or {}),
     )
+
+
+def _lora(d: Mapping[str, Any] | None, model: Mapping[str, Any]) -> LoRASpec | None:
+    if d is None:
+        return None
+    # The base's client-facing name, as model_name computes it (an adapter may not take it).
+    base = model.get("servedName") or ModelServingSpec(source=model["source"], image="").model_name
+    try:
+        return lora_config.parse(d, base)
+    except lora_config.LoRASpecError as e:
+        raise SpecError(str(e)) from None
 
 
 def _slo(d: Mapping[str, Any] | None) -> Slo | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pdserve.operator import naming, pods
+from pdserve.operator import lora, naming, pods
 from pdserve.operator.merge import strategic_merge
 from pdserve.operator.spec import GPU_RESOURCE, FlowControlSpec, ModelServing, RoleSpec, Rollout, SpecError
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT,
@@ -75,6 +75,9 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
         # its own ports keeps them.
         last = s.kv_port + s.prefill.tensor_parallel_size - 1
         args += ["--kv-peer-allow", *(with_ports(peer, s.kv_port, last) for peer in s.kv_peer_allow)]
+    if s.lora is not None:
+        # Both roles alike: the prefill and the decode leg of a request both run its adapter.
+        args += lora.worker_args(s.lora)
     return args + list(rs.args)
 
 
@@ -185,6 +188,12 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
     volumes = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(rs)}}, tmp, cache]
     mounts = [{"name": "shm", "mountPath": "/dev/shm"}, tmp_mount, cache_mount]
     init: list[dict[str, Any]] = []
+    lora_env: list[dict[str, Any]] = []
+    if s.lora is not None:
+        lora_volumes, lora_mounts = lora.volumes(s.lora)
+        volumes += lora_volumes
+        mounts += lora_mounts
+        lora_env = lora.worker_env()
     if src.kind == "pvc":
         volume, mount = pods.model_pvc_volume(src)
         volumes.append(volume)
@@ -207,7 +216,8 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "command": ["pdserve", "worker"],
         "args": worker_args(ms, role),
         "ports": ports,
-        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv) + auth_env, rs.env),
+        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv) + auth_env + lora_env,
+                              rs.env),
         "resources": worker_resources(ms, rs),
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),

@@ -281,6 +281,10 @@ def build_app(config: RouterConfig) -> FastAPI:
             roots = {w.roots[m] for w in workers.all() if m in w.models and m in w.roots}
             if len(roots) == 1:
                 card["root"] = roots.pop()
+            # A LoRA adapter names its base model, as vLLM lists it.
+            parents = {w.parents[m] for w in workers.all() if m in w.models and m in w.parents}
+            if len(parents) == 1:
+                card["parent"] = parents.pop()
             data.append(card)
         return JSONResponse({"object": "list", "data": data})
 
@@ -325,12 +329,14 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/debug/workers", include_in_schema=False)
     async def debug_workers(request: Request) -> Response:
-        """Per worker: health, ejection and the router's own in-flight count (tests prove every
-        acquire was released by reading it back to 0)."""
+        """Per worker: health, ejection, the router's own in-flight count (tests prove every
+        acquire was released by reading it back to 0) and its scraped LoRA slots."""
         authorize(request, api_keys)
         now = time.monotonic()
         return JSONResponse([{"url": w.url, "role": w.role, "healthy": w.healthy, "routable": w.routable(now),
-                              "inflight": w.inflight, "consecutive_failures": w.consecutive_failures}
+                              "inflight": w.inflight, "consecutive_failures": w.consecutive_failures,
+                              "max_lora": w.max_lora, "lora_running": sorted(w.lora_running),
+                              "lora_waiting": sorted(w.lora_waiting)}
                              for w in workers.all()])
 
     return app

@@ -1,7 +1,9 @@
 """Background health probes and load scraping of every worker.
 
 Each round, per worker and concurrently: `GET /health` (200 means ready), then `GET /metrics`
-for the vLLM gauges least-loaded uses, and `GET /v1/models` for the served-model union.
+for the vLLM gauges least-loaded uses and the LoRA adapters in each worker's slots
+(`vllm:lora_requests_info`), and `GET /v1/models` for the served-model union (adapters included,
+with their `parent`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 import aiohttp
 
@@ -22,6 +25,39 @@ _GAUGES = {
     "vllm:num_requests_running": "num_running",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
+
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+def _labels(line: str) -> dict[str, str]:
+    """`name{a="x",b="y"} v` -> {"a": "x", "b": "y"} (the exposition's escapes undone)."""
+    inner = line[line.index("{") + 1:line.rindex("}")]
+    unescape = lambda v: re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
+    return {k: unescape(v) for k, v in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', inner)}
+
+
+def _names(labels: dict[str, str], key: str) -> frozenset[str]:
+    return frozenset(n for n in labels.get(key, "").split(",") if n)
+
+
+def parse_lora(text: str) -> dict[str, object] | None:
+    """The newest `vllm:lora_requests_info` sample (its value is when it was taken), as the
+    Worker's lora_running / lora_waiting / max_lora; None when the worker exports none."""
+    best, newest = None, float("-inf")
+    for line in text.splitlines():
+        if not line.startswith(LORA_INFO + "{"):
+            continue
+        try:
+            when = float(line.rsplit("}", 1)[1].split()[0])
+            labels = _labels(line)
+            max_lora = int(labels.get("max_lora") or 0)
+        except (ValueError, IndexError):
+            continue
+        if when >= newest:
+            best, newest = {"lora_running": _names(labels, "running_lora_adapters"),
+                            "lora_waiting": _names(labels, "waiting_lora_adapters"), "max_lora": max_lora}, when
+    return best
 
 
 def parse_load(text: str) -> dict[str, float]:
@@ -89,9 +125,14 @@ class Prober:
             lens = [d["max_model_len"] for d in cards if isinstance(d.get("max_model_len"), int)]
             worker.max_model_len = min(lens) if lens else None
             worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
+            worker.parents = {str(d.get("id")): d["parent"] for d in cards if isinstance(d.get("parent"), str)}
         status, body = await self._get(worker.url + "/metrics")
         if status == 200:
-            for attr, value in parse_load(body.decode(errors="replace")).items():
+            text = body.decode(errors="replace")
+            for attr, value in parse_load(text).items():
+                setattr(worker, attr, value)
+            lora = parse_lora(text) or {"lora_running": frozenset(), "lora_waiting": frozenset(), "max_lora": None}
+            for attr, value in lora.items():
                 setattr(worker, attr, value)
 
     async def probe_all(self) -> None:

@@ -24,6 +24,12 @@ class Worker:
     models: frozenset[str] = frozenset()
     max_model_len: int | None = None  # from its /v1/models card
     roots: dict[str, str] = field(default_factory=dict)  # model id -> its card's `root` (what it was loaded from)
+    parents: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> its card's `parent` (the base)
+    # From the scraped vllm:lora_requests_info: the adapters its running and waiting requests use,
+    # and its GPU adapter slots (None: it exports no such metric, i.e. serves no adapters).
+    lora_running: frozenset[str] = frozenset()
+    lora_waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0
@@ -38,6 +44,14 @@ class Worker:
 
     def routable(self, now: float | None = None) -> bool:
         return self.healthy and (now if now is not None else time.monotonic()) >= self.ejected_until
+
+    def lora_active(self, adapter: str) -> bool:
+        """`adapter` is in one of its GPU slots now (running or queued requests use it)."""
+        return adapter in self.lora_running or adapter in self.lora_waiting
+
+    def lora_slot_free(self) -> bool:
+        """One more adapter fits in its GPU slots without evicting one a request uses."""
+        return self.max_lora is not None and len(self.lora_running | self.lora_waiting) < self.max_lora
 
     @property
     def load(self) -> float:

@@ -21,3 +21,21 @@ class LoadHeadroom:
             return []
         floor = min(w.load for w in workers)
         return [w for w in workers if w.load - floor <= self.max_imbalance]
+
+
+class LoRAAffinity:
+    """For a request naming a LoRA adapter: the workers that have it in a GPU slot already
+    (running or queued requests use it: no swap, its matrices shared in the batch), else those
+    with a free slot (loading it evicts nobody's adapter), else all of them. Requests for the
+    base model are not narrowed. After load-headroom in the presets, so a hot adapter does not
+    pile onto one worker past the imbalance bound."""
+
+    def __init__(self, ctx: PolicyContext):
+        pass
+
+    def filter(self, workers: Sequence[Worker], request: RoutingRequest) -> list[Worker]:
+        adapter = request.request.model
+        if not any(adapter in w.parents for w in workers):
+            return list(workers)
+        return ([w for w in workers if w.lora_active(adapter)]
+                or [w for w in workers if w.lora_slot_free()] or list(workers))

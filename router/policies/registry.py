@@ -17,7 +17,7 @@ _BUILT_IN = {
     "pool-filter": ("pool_filters", {"role": "RoleFilter", "health": "HealthFilter", "model": "ModelFilter",
                                      "revision": "RevisionFilter"}),
     "decider": ("decider", {"prompt-length": "PromptLength"}),
-    "filter": ("filters", {"load-headroom": "LoadHeadroom"}),
+    "filter": ("filters", {"load-headroom": "LoadHeadroom", "lora-affinity": "LoRAAffinity"}),
     "scorer": ("scorers", {"load": "Load", "kv-usage": "KVUsage", "prefix-cache": "PrefixCache", "session": "Session"}),
     "picker": ("pickers", {"max-score": "MaxScore", "round-robin": "RoundRobin"}),
 }
@@ -37,12 +37,15 @@ class Preset:
 
 PRESETS = {
     "round-robin": Preset(picker="round-robin"),
-    # Fewest in flight + waiting, then the emptier KV cache, then list order.
-    "least-loaded": Preset(scorers=("load", "kv-usage")),
-    # Longest cached prefix among the workers not far busier than the idlest, then least-loaded.
-    "prefix-aware": Preset(filters=("load-headroom",), scorers=("prefix-cache", "load", "kv-usage")),
-    # Rendezvous hashing of x-session-id; least-loaded for requests without one.
-    "session-affinity": Preset(scorers=("session", "load", "kv-usage")),
+    # Fewest in flight + waiting, then the emptier KV cache, then list order. An adapter's
+    # requests prefer workers holding it among those not far busier than the idlest.
+    "least-loaded": Preset(filters=("load-headroom", "lora-affinity"), scorers=("load", "kv-usage")),
+    # Longest cached prefix among the workers not far busier than the idlest (holding the
+    # request's adapter, if any), then least-loaded.
+    "prefix-aware": Preset(filters=("load-headroom", "lora-affinity"), scorers=("prefix-cache", "load", "kv-usage")),
+    # Rendezvous hashing of x-session-id (among the workers holding the request's adapter, if
+    # any); least-loaded for requests without one.
+    "session-affinity": Preset(filters=("lora-affinity",), scorers=("session", "load", "kv-usage")),
 }
 
 

@@ -121,3 +121,22 @@ def test_dataset_and_input_len_are_exclusive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve.main(BASE + ["--dataset", str(f), "--input-len", "10"])
     assert "--input-len" in capsys.readouterr().err
+
+
+def test_requests_spread_over_lora_adapters():
+    from itertools import islice
+
+    def models(**kw) -> list[str]:
+        return list(islice(serve.request_models(serve.LoadConfig("http://x", "base", **kw)), 300))
+
+    assert models() == ["base"] * 300
+    assert models(lora_adapters=("a", "b", "c")) == ["a", "b", "c"] * 100
+    drawn = models(lora_adapters=("a", "b", "c"), lora_pick="random", seed=7)
+    assert drawn == models(lora_adapters=("a", "b", "c"), lora_pick="random", seed=7)  # the seed decides
+    assert drawn != models(lora_adapters=("a", "b", "c"), lora_pick="random", seed=8)
+    assert set(drawn) == {"a", "b", "c"} and drawn != ["a", "b", "c"] * 100
+    args = serve.build_parser().parse_args(BASE + ["--lora-adapters", "a, b"])
+    cfgs, _ = serve.configs_from_args(args)
+    assert cfgs[0].lora_adapters == ("a", "b") and cfgs[0].lora_pick == "round-robin"
+    with pytest.raises(ValueError, match="--lora-adapters"):
+        serve.configs_from_args(serve.build_parser().parse_args(BASE + ["--lora-adapters", "a,,b"]))

@@ -89,6 +89,13 @@ def test_full_spec_round_trips(k8s_cluster, crd, namespace):
     assert obj["spec"]["router"]["rollout"] == {"maxSurge": "25%"} and obj["spec"]["drain"] == spec["drain"]
 
 
+def test_lora_adapters_are_accepted_and_defaulted(k8s_cluster, crd, namespace):
+    adapters = [{"name": "sql", "source": "pvc://adapters/sql"}, {"name": "chat", "source": "hf://org/chat-lora"},
+                {"name": "local", "source": "/opt/adapters/x"}]
+    obj = create(k8s_cluster, namespace, {**GOOD, "lora": {"adapters": adapters}})
+    assert obj["spec"]["lora"] == {"adapters": adapters, "maxLoras": 4, "maxLoraRank": 16}
+
+
 @pytest.mark.parametrize("source", ["hf://org/model@main", "hf://org/model@0123abcd", "hf://org/model@refs/pr/1"])
 def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
     spec = {**GOOD, "model": {"source": source, "cache": {"sizeLimit": "100Gi"}}}
@@ -128,6 +135,10 @@ def test_pinned_hub_revisions_are_accepted(k8s_cluster, crd, namespace, source):
             ["spec.prefill.autoscaling.maxReplicas", "Required value"],
         ),
         ({**GOOD, "decode": {"replicas": "two"}}, ["spec.decode.replicas", "integer"]),
+        ({**GOOD, "lora": {"adapters": [{"name": "a", "source": "s3://b/a"}]}},
+         ["spec.lora.adapters.source", "should match"]),
+        ({**GOOD, "lora": {"adapters": [{"name": "a b", "source": "/a"}]}},
+         ["spec.lora.adapters.name", "should match"]),
     ],
 )
 def test_invalid_specs_are_rejected_by_the_server(k8s_cluster, crd, namespace, spec, expect):

@@ -325,3 +325,25 @@ def test_pdserve_operator_command(k8s_cluster, operator_kubeconfig, namespace, t
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def test_lora_adapters_change_without_a_rollout(k8s_cluster, operator_kubeconfig, namespace):
+    """spec.lora puts --enable-lora on both roles; editing the adapter list leaves the
+    Deployments' templates alone (their generation does not move) and the timer reports
+    status.lora (no pod is ready here, so nothing is loaded)."""
+    api = Api(k8s_cluster, namespace)
+    adapters = [{"name": "sql", "source": "pvc://adapters/sql"}]
+    with operator(operator_kubeconfig, namespace):
+        api.create("lora", {**SPEC, "lora": {"adapters": adapters}})
+        wait_for(lambda: len(api.deployments("lora")) == 3, what="children")
+        workers = {n: d for n, d in api.deployments("lora").items() if not n.endswith("-router")}
+        for d in workers.values():
+            assert "--enable-lora" in d.spec.template.spec.containers[0].args
+        generations = {n: d.metadata.generation for n, d in workers.items()}
+        added = [*adapters, {"name": "chat", "source": "hf://org/chat-lora"}]
+        api.patch("lora", {"lora": {"adapters": added}})
+        wait_for(lambda: (api.get("lora").get("status") or {}).get("observedGeneration") == 2, what="reconciled")
+        wait_for(lambda: [a["name"] for a in (api.get("lora")["status"].get("lora") or {}).get("adapters", [])]
+                 == ["sql", "chat"], what="status.lora")
+        assert api.get("lora")["status"]["lora"]["workers"] == 0
+        assert {n: d.metadata.generation for n, d in api.deployments("lora").items() if n in workers} == generations

@@ -220,3 +220,42 @@ def test_prefix_aware_token_ids_are_computed_once_and_off_the_event_loop():
     loop_thread, routing = asyncio.run(main())
     assert routing.token_ids() == [1, 2, 3]
     assert len(calls) == 1 and calls[0] != loop_thread
+
+
+LORA_REQUEST = RoutingRequest(CompletionRequest(model="sql", prompt="x"))
+
+
+@pytest.mark.parametrize("states,expected", [
+    # Already in a slot beats idler workers (within the load headroom).
+    ([{"inflight": 0, "max_lora": 2}, {"inflight": 3, "max_lora": 2, "lora_running": frozenset({"sql"})}], 1),
+    ([{"inflight": 0, "max_lora": 2}, {"inflight": 2, "max_lora": 2, "lora_waiting": frozenset({"sql"})}], 1),
+    # ... but not past it: a hot adapter does not pile onto one worker (session-affinity: no bound).
+    ([{"inflight": 0, "max_lora": 2}, {"inflight": 20, "max_lora": 2, "lora_running": frozenset({"sql"})}],
+     {"least-loaded": 0, "prefix-aware": 0, "session-affinity": 1}),
+    # Not loaded anywhere: a worker with a free slot (no eviction) beats an idler full one.
+    ([{"inflight": 0, "max_lora": 1, "lora_running": frozenset({"chat"})}, {"inflight": 1, "max_lora": 1}], 1),
+    # No free slot anywhere: least-loaded.
+    ([{"inflight": 2, "max_lora": 1, "lora_running": frozenset({"chat"})},
+      {"inflight": 1, "max_lora": 1, "lora_running": frozenset({"code"})}], 1),
+])
+def test_lora_affinity_prefers_workers_holding_the_adapter(states, expected):
+    workers = pool(*({"parents": {"sql": "m"}, **s} for s in states))
+    for name in ("least-loaded", "prefix-aware", "session-affinity"):
+        ctx = PolicyContext(kv_index=KVIndex()) if name == "prefix-aware" else PolicyContext()
+        want = expected[name] if isinstance(expected, dict) else expected
+        assert pick(name, workers, LORA_REQUEST, ctx) == want, name
+
+
+def test_lora_affinity_leaves_base_model_requests_alone():
+    workers = pool({"inflight": 1, "max_lora": 1, "lora_running": frozenset({"sql"}), "parents": {"sql": "m"}},
+                   {"inflight": 0, "max_lora": 1, "lora_running": frozenset({"chat"}), "parents": {"sql": "m"}})
+    assert pick("least-loaded", workers) == 1
+
+
+def test_lora_requests_info_is_read_as_vllm_writes_it():
+    from pdserve.router.prober import parse_lora
+    text = ('# TYPE vllm:lora_requests_info gauge\n'
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.6e9\n'
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e9\n')
+    assert parse_lora(text) == {"lora_running": frozenset({"a", "b"}), "lora_waiting": frozenset({"c"}), "max_lora": 2}
+    assert parse_lora("vllm:num_requests_waiting 0.0\n") is None
