@@ -112,10 +112,11 @@ class Tracing:
                                        attributes=_clean(attributes), start_time=start_ns,
                                        links=[trace.Link(s.get_span_context()) for s in links if s is not None])
 
-    def record(self, name: str, parent, start_ns: int, end_ns: int, attributes: dict | None = None) -> None:
+    def record(self, name: str, parent, start_ns: int, end_ns: int, attributes: dict | None = None,
+               links=()) -> None:
         """A finished span from timestamps the engine already keeps (no SDK call in its loop)."""
         if self.enabled and parent is not None and end_ns >= start_ns:
-            self.start(name, parent, attributes=attributes, start_ns=start_ns).end(end_time=end_ns)
+            self.start(name, parent, attributes=attributes, start_ns=start_ns, links=links).end(end_time=end_ns)
 
     def link_context(self, carrier: Mapping[str, str] | None):
         """A span-like handle of a remote context, for `links=`: the prefill's span on the decode side."""

@@ -237,7 +237,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             call = await parse(request, route, request_id)
             if span is not None:
-                span.set_attributes({"gen_ai.request.model": call.model, "gen_ai.usage.prompt_tokens": call.prompt_tokens})
+                span.set_attributes({"gen_ai.request.model": call.model,
+                                     "gen_ai.usage.prompt_tokens": call.prompt_tokens})
             response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
                 response = from_chat(response, request.state.responses_body)
