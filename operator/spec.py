@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from pdserve.operator.config import default_image
 from pdserve.protocol.contract import HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
 from pdserve.protocol.kv_peers import parse_peer
+from pdserve.protocol.tracing import PROTOCOLS as TRACE_PROTOCOLS
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # Where pod networks live in nearly every cluster (RFC 1918, shared address space, IPv6 ULA):
@@ -190,6 +191,23 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    """spec.tracing: every pod exports its request spans here (protocol/tracing.py)."""
+
+    endpoint: str
+    protocol: str = "grpc"
+    sampling_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise SpecError(f"spec.tracing.endpoint must be an http(s):// URL, not {self.endpoint!r}")
+        if self.protocol not in TRACE_PROTOCOLS:
+            raise SpecError(f"spec.tracing.protocol must be one of {', '.join(TRACE_PROTOCOLS)}, not {self.protocol!r}")
+        if not 0 <= self.sampling_ratio <= 1:
+            raise SpecError(f"spec.tracing.samplingRatio must be in [0, 1], not {self.sampling_ratio}")
+
+
+@dataclass(frozen=True)
 class ModelServingSpec:
     source: str
     image: str
@@ -227,6 +245,7 @@ class ModelServingSpec:
     ratio_min: float | None = None
     ratio_max: float | None = None
     slo: Slo | None = None  # the planner owns the autoscaled roles' replicas when set
+    tracing: TracingSpec | None = None
 
     def __post_init__(self) -> None:
         for rs in (self.prefill, self.decode):
@@ -345,6 +364,7 @@ class ModelServingSpec:
             ratio_min=ratio.get("min"),
             ratio_max=ratio.get("max"),
             slo=_slo(spec.get("slo")),
+            tracing=_tracing(spec.get("tracing")),
         )
 
 
@@ -404,6 +424,14 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
         shm_size=None if d.get("shmSize") is None else str(d["shmSize"]),
         kv=_kv(d.get("kvTransfer") or {}),
     )
+
+
+def _tracing(d: Mapping[str, Any] | None) -> TracingSpec | None:
+    if not d:
+        return None
+    if not d.get("endpoint"):
+        raise SpecError("spec.tracing.endpoint is required")
+    return TracingSpec(d["endpoint"], d.get("protocol", "grpc"), float(d.get("samplingRatio", 1.0)))
 
 
 def _slo(d: Mapping[str, Any] | None) -> Slo | None:
