@@ -111,6 +111,29 @@ def test_malformed_traceparent_starts_a_new_trace(stack, receiver):
     assert one(spans, name="worker decode").parent_id == one(spans, name="decode call").span_id
 
 
+def test_a_failed_prefill_and_its_fallback_are_in_the_trace(stack, module_launch, receiver):
+    """The only prefill worker fails (500 with /health still 200): its attempt is an error span,
+    and the request, prefilled on the decode worker instead, is still one trace."""
+    _, decode, _ = stack
+    failing = module_launch.fake_worker()
+    failing.control(mode="500")
+    router = module_launch.router("--prefill", failing.url, "--decode", decode.url, "--otlp-traces-endpoint",
+                                  receiver.http_url, env={**os.environ, **FAST_EXPORT})
+    trace_id = secrets.token_hex(16)
+    complete(router, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+
+    def arrived():
+        names = {s.name for s in receiver.trace(trace_id)}
+        return {"router completions", "prefill call", "decode call", "worker whole"} <= names
+    eventually(arrived)
+    spans = receiver.trace(trace_id)
+    root = one(spans, name="router completions")
+    failed = one(spans, name="prefill call")
+    assert failed.error and failed.parent_id == root.span_id and failed.attributes["pdserve.worker"] == failing.url
+    assert not any(s.name == "worker prefill" for s in spans)
+    assert one(spans, name="worker whole").parent_id == one(spans, name="decode call").span_id
+
+
 def test_an_unreachable_collector_fails_no_request(stack, module_launch):
     prefill, decode, _ = stack
     dead = f"http://127.0.0.1:{free_port()}"
