@@ -88,6 +88,25 @@ def kv_env(ms: ModelServing, kv: KVTuning) -> list[dict[str, Any]]:
     return env
 
 
+def tracing_env(ms: ModelServing, role: str) -> list[dict[str, Any]]:
+    """spec.tracing as the OpenTelemetry SDK's variables (the endpoint is a flag: tracing_args):
+    the protocol, the sampler (a client's sampled traceparent is followed; a request without
+    one is sampled at the ratio) and which ModelServing and role a span comes from."""
+    t = ms.spec.tracing
+    if t is None:
+        return []
+    return [{"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": t.protocol},
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(t.sampling_ratio)},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES",
+             "value": f"k8s.namespace.name={ms.namespace},pdserve.modelserving={ms.name},pdserve.role={role}"}]
+
+
+def tracing_args(ms: ModelServing) -> list[str]:
+    t = ms.spec.tracing
+    return [] if t is None else ["--otlp-traces-endpoint", t.endpoint]
+
+
 def secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
     """An env var from a Secret key: the pod template names the Secret, never holds its value."""
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}

@@ -16,6 +16,7 @@ from pdserve.operator.config import default_image
 from pdserve.operator.lora import LoRASpec
 from pdserve.protocol.contract import HTTP_PORT, KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT
 from pdserve.protocol.kv_peers import parse_peer
+from pdserve.protocol.tracing import PROTOCOLS as TRACE_PROTOCOLS
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # Where pod networks live in nearly every cluster (RFC 1918, shared address space, IPv6 ULA):
@@ -192,6 +193,23 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    """spec.tracing: every pod exports its request spans here (protocol/tracing.py)."""
+
+    endpoint: str
+    protocol: str = "grpc"
+    sampling_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise SpecError(f"spec.tracing.endpoint must be an http(s):// URL, not {self.endpoint!r}")
+        if self.protocol not in TRACE_PROTOCOLS:
+            raise SpecError(f"spec.tracing.protocol must be one of {', '.join(TRACE_PROTOCOLS)}, not {self.protocol!r}")
+        if not 0 <= self.sampling_ratio <= 1:
+            raise SpecError(f"spec.tracing.samplingRatio must be in [0, 1], not {self.sampling_ratio}")
+
+
+@dataclass(frozen=True)
 class ModelServingSpec:
     source: str
     image: str
@@ -230,6 +248,7 @@ class ModelServingSpec:
     ratio_max: float | None = None
     slo: Slo | None = None  # the planner owns the autoscaled roles' replicas when set
     lora: LoRASpec | None = None  # LoRA adapters on every worker (operator/lora.py)
+    tracing: TracingSpec | None = None
 
     def __post_init__(self) -> None:
         for rs in (self.prefill, self.decode):
@@ -349,6 +368,7 @@ class ModelServingSpec:
             ratio_max=ratio.get("max"),
             slo=_slo(spec.get("slo")),
             lora=_lora(spec.get("lora"), model),
+            tracing=_tracing(spec.get("tracing")),
         )
 
 
@@ -419,6 +439,14 @@ def _lora(d: Mapping[str, Any] | None, model: Mapping[str, Any]) -> LoRASpec | N
         return lora_config.parse(d, base)
     except lora_config.LoRASpecError as e:
         raise SpecError(str(e)) from None
+
+
+def _tracing(d: Mapping[str, Any] | None) -> TracingSpec | None:
+    if not d:
+        return None
+    if not d.get("endpoint"):
+        raise SpecError("spec.tracing.endpoint is required")
+    return TracingSpec(d["endpoint"], d.get("protocol", "grpc"), float(d.get("samplingRatio", 1.0)))
 
 
 def _slo(d: Mapping[str, Any] | None) -> Slo | None:

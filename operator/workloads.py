@@ -78,7 +78,7 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
     if s.lora is not None:
         # Both roles alike: the prefill and the decode leg of a request both run its adapter.
         args += lora.worker_args(s.lora)
-    return args + list(rs.args)
+    return args + pods.tracing_args(ms) + list(rs.args)
 
 
 def quantities(resources: Mapping[str, Any]) -> dict[str, dict[str, str]]:
@@ -216,8 +216,8 @@ def build_worker_deployment(ms: ModelServing, role: str) -> dict[str, Any]:
         "command": ["pdserve", "worker"],
         "args": worker_args(ms, role),
         "ports": ports,
-        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv) + auth_env + lora_env,
-                              rs.env),
+        "env": pods.merge_env(pods.downward_env() + pods.hub_env(ms) + pods.kv_env(ms, kv) + auth_env + lora_env
+                              + pods.tracing_env(ms, role), rs.env),
         "resources": worker_resources(ms, rs),
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(kv),
@@ -253,7 +253,7 @@ def router_args(ms: ModelServing) -> list[str]:
         # The first request after a quiet spell waits for the planner's first worker (a cold
         # start: pull, load, warm up) instead of a 503 (router/admission_queue.py).
         args += ["--hold-timeout", str(HOLD_FOR_COLD_START_S)]
-    return args + list(r.args)
+    return args + pods.tracing_args(ms) + list(r.args)
 
 
 def flow_control_args(fc: FlowControlSpec | None) -> list[str]:
@@ -312,7 +312,7 @@ def build_router_deployment(ms: ModelServing) -> dict[str, Any]:
         "command": ["pdserve", "router"],
         "args": router_args(ms),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": pods.merge_env(env, r.env),
+        "env": pods.merge_env(env + pods.tracing_env(ms, "router"), r.env),
         "resources": quantities(r.resources or ROUTER_RESOURCES),
         "volumeMounts": mounts,
         "securityContext": pods.container_security_context(),

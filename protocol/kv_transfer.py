@@ -143,6 +143,9 @@ class KVTransferParams:
     # The LoRA adapter the prefill ran (None: the base model): the KV is that adapter's, and the
     # decode worker must run the same one (it refuses these params otherwise).
     lora_name: str | None = None
+    # The prefill worker's span as W3C headers (traceparent[, tracestate]): the decode worker's
+    # hand-off spans link to it, and it parents them when the decode call came without one.
+    trace_context: dict[str, str] | None = None
 
     @property
     def block_size(self) -> int:
@@ -156,6 +159,8 @@ class KVTransferParams:
             del d[STREAM_KV]  # a plain hand-off's params stay as they always were
         if self.lora_name is None:
             del d["lora_name"]
+        if self.trace_context is None:
+            del d["trace_context"]
         return d
 
     @classmethod
@@ -199,7 +204,7 @@ class KVTransferParams:
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
         return cls(**{**values, "kv_layout": layout, "remote_block_ids": tuple(ids), "transport": transport,
                       "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv,
-                      "lora_name": lora_name})
+                      "lora_name": lora_name, "trace_context": _trace_context(params.get("trace_context"))})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""
@@ -240,6 +245,15 @@ def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest 
         budget = params.get(BUDGET)
         return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True)
     return KVTransferParams.from_dict(params)
+
+
+def _trace_context(value) -> dict[str, str] | None:
+    """Lenient, as a client's traceparent is: anything malformed is no context (a new trace),
+    never a refused hand-off."""
+    if not isinstance(value, dict):
+        return None
+    ctx = {k: v for k, v in value.items() if k in ("traceparent", "tracestate") and isinstance(v, str) and len(v) < 512}
+    return ctx if "traceparent" in ctx else None
 
 
 # The fields a decode worker cannot do without, and their wire types.

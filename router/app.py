@@ -35,6 +35,8 @@ from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
+from pdserve.protocol.tracing import log_trace_ids
+from pdserve.protocol.tracing import setup as setup_tracing
 from pdserve.router.admission_queue import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import make_discovery
@@ -59,6 +61,8 @@ log = logging.getLogger("pdserve.router")
 
 def build_app(config: RouterConfig) -> FastAPI:
     metrics = RouterMetrics()
+    tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-router", metrics.registry)
+    log_trace_ids(tracing)
     workers = WorkerSet(config.eject_after_failures, config.eject_backoff_s, config.eject_backoff_max_s)
     wants_index = needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
     kv_index = KVIndex() if wants_index else None
@@ -86,6 +90,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             upstream = Upstream(session, workers, metrics)
             selector = Selector(config, ctx, workers)
             app.state.orchestrator = Orchestrator(config, upstream, selector)
+            app.state.orchestrator.tracing = tracing
             # A worker counts once probed serving the model: discovery may list a new pod a
             # moment before the prober has read its /v1/models.
             app.state.admission = AdmissionQueue(
@@ -111,6 +116,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if subs is not None:
                     subs.close()
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, **utility_routes.DOCS)
     app.state.config = config
@@ -150,7 +156,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
-                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids))
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=request.state.span)
 
     async def ticket(request: Request, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a
@@ -188,17 +194,57 @@ def build_app(config: RouterConfig) -> FastAPI:
             lease.release()
         return response
 
+    def traced(request: Request, route: str, request_id: str):
+        """The request's span: under the client's `traceparent`, else a new trace's root."""
+        span = tracing.start(f"router {route}", tracing.extract(request.headers), kind="server",
+                             attributes={"gen_ai.request.id": request_id, "http.route": route})
+        tracing.make_current(span)
+        request.state.span = span
+        return span
+
+    def end_when_sent(span, response: Response) -> None:
+        """The span ends with the response: a stream's when it is over, however it ended."""
+        attributes = {"http.response.status_code": response.status_code}
+        if span is None:
+            return
+        if isinstance(response, SSEResponse):
+            ended = response.on_close
+
+            def closed() -> None:
+                tracing.end(span, attributes)
+                if ended is not None:
+                    ended()
+
+            response.on_close = closed
+        else:
+            tracing.end(span, attributes, error=None if response.status_code < 500 else "upstream failed")
+
     async def serve(request: Request, route: str) -> Response:
-        started = time.monotonic()
         # One id for the client, both upstream legs and the logs; echoed as a response header.
         request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
                       or uuid.uuid4().hex)
+        span = traced(request, route, request_id)
+        try:
+            response = await answered(request, route, request_id, span)
+        except BaseException as e:  # cancelled: the client left
+            tracing.end(span, error=type(e).__name__)
+            raise
+        end_when_sent(span, response)
+        return response
+
+    async def answered(request: Request, route: str, request_id: str, span) -> Response:
+        started = time.monotonic()
         try:
             call = await parse(request, route, request_id)
+            if span is not None:
+                span.set_attributes({"gen_ai.request.model": call.model,
+                                     "gen_ai.usage.prompt_tokens": call.prompt_tokens})
             response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
                 response = from_chat(response, request.state.responses_body)
             response.headers[HEADER_REQUEST_ID] = request_id
+            if span is not None:
+                span.set_attribute("pdserve.disaggregated", call.disaggregated)
             return response
         except APIError as e:
             metrics.requests.labels(route, str(e.status), "no").inc()

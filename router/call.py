@@ -30,6 +30,7 @@ class Call:
     moved: bool = False  # served whole by the other role after its own pool took nothing (fallback.py)
     accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
     tracks_tokens: bool = False  # workers report its token ids in the stream: it may migrate (migration.py)
+    span: object = None  # its trace span (protocol/tracing.py), None with tracing off
 
     @property
     def model(self) -> str:

@@ -16,6 +16,7 @@ from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PO
                                        KV_EVENTS_REPLAY_PORT, api_keys_from)
 from pdserve.protocol.flags import ConfigError, flag, flag_name
 from pdserve.protocol.request_limits import RequestLimitFlags, RequestLimits
+from pdserve.protocol.tracing import check_endpoint
 from pdserve.router.flow_control.config import FlowControlConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -84,6 +85,9 @@ class RouterConfig(RequestLimitFlags):
     # gets the after-prefill path. router/handoff/.
     pd_handoff: str = flag("streamed", "when the decode call opens: streamed (as soon as the prefill worker admits "
                                        "the request) or after-prefill (once it has answered)", choices=PD_HANDOFFS)
+    # vLLM's flag; the protocol is $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's (protocol/tracing.py).
+    otlp_traces_endpoint: str | None = flag(None, "OTLP collector to export request traces to (e.g. "
+                                                  "http://jaeger:4318/v1/traces)", metavar="URL", unset="no tracing")
     max_body_bytes: int = flag(8 * 1024 * 1024, "larger request bodies get 413")
     connect_timeout_s: float = flag(2.0, "seconds to open a connection to a worker")
     request_timeout_s: float = flag(600.0, "seconds a prefill call, or a whole non-streaming request, may take")
@@ -182,6 +186,7 @@ class RouterConfig(RequestLimitFlags):
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key", "must not be empty")
         cors.check(self)
+        check_endpoint(self.otlp_traces_endpoint)
         RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
         FlowControlConfig.of(self)
         if self.log_level not in LOG_LEVELS:

@@ -33,6 +33,7 @@ from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
+from pdserve.protocol.tracing import Tracing
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
@@ -64,6 +65,7 @@ class Orchestrator:
         self.streamed = StreamedHandoff(self, self.after_prefill, HANDOFF_GRACE_S)
         self.fallback = RoleFallback(selector, self.metrics)
         self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
+        self.tracing = Tracing.off()  # the app's, set by router/app.py
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -72,7 +74,8 @@ class Orchestrator:
 
     def upstream_call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
         return UpstreamCall(self.up, phase, pool, lambda ws: self.selector.choose(role, ws, call.routing),
-                            self.config.max_retries, lambda status: self._answered(call, status))
+                            self.config.max_retries, lambda status: self._answered(call, status),
+                            self.tracing, call.span)
 
     def _answered(self, call: Call, status: int) -> None:
         """A worker answered a call of this request. Its first 2xx (prefill or whole request,
@@ -98,13 +101,16 @@ class Orchestrator:
                 raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
             # No decode worker: the prefill workers serve whole requests (router/fallback.py).
             self.fallback.served_whole(pools.missing)
+            self.tracing.event(call.span, "route", {"pdserve.route": "whole on prefill (no decode worker)"})
             return await self.direct(call, pools.prefill, ROLE_PREFILL)
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
-        if call.single_sequence and self.selector.disaggregate(call.request):
+        wanted = call.single_sequence and self.selector.disaggregate(call.request)
+        if wanted:
             if self.selector.decode_covers(call.routing, decode_pool):
                 self.metrics.decode_prefix_hits.inc()
+                self.tracing.event(call.span, "route", {"pdserve.route": "whole on decode (prefix cached)"})
                 return await self.direct(call, decode_pool)
             prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
             if prefill_pool:
@@ -112,7 +118,9 @@ class Orchestrator:
             else:
                 self.fallback.served_whole(pools.missing)
         if prefill is None:
+            self.tracing.event(call.span, "route", {"pdserve.route": "local prefill" if wanted else "whole on decode"})
             return await self.direct(call, decode_pool)
+        self.tracing.event(call.span, "route", {"pdserve.route": "disaggregated"})
         if isinstance(prefill, StreamedPrefill):
             return await self.streamed.run(call, prefill)
         return await self.after_prefill.run(call, prefill)
@@ -267,6 +275,7 @@ class Orchestrator:
         if call.moved or not self.fallback.unreachable(up):
             return None
         call.moved = True
+        self.tracing.event(call.span, "fallback", {"pdserve.failed_role": role})
         return self.fallback.whole_elsewhere(call.model, role)
 
     def merged(self, call: Call, prefill: Answer, content: bytes) -> Response:

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import aiohttp
 
+from pdserve.protocol.tracing import Tracing
 from pdserve.router.upstream import Limits, Upstream, close
 from pdserve.router.workers import Worker
 
@@ -29,9 +30,15 @@ log = logging.getLogger("pdserve.router")
 class UpstreamCall:
     def __init__(self, upstream: Upstream, phase: str, pool: Sequence[Worker],
                  choose: Callable[[Sequence[Worker]], Worker], max_retries: int,
-                 on_answer: Callable[[int], None] | None = None):
-        """`on_answer(status)`: called with each final status a worker answers (not 5xx, not 429)."""
+                 on_answer: Callable[[int], None] | None = None, tracing: Tracing | None = None,
+                 parent_span=None):
+        """`on_answer(status)`: called with each final status a worker answers (not 5xx, not 429).
+        With `tracing`, each attempt is a span under `parent_span` (the request's), its context
+        sent to the worker as `traceparent`: a retry is a sibling span, its failure on it."""
         self.up = upstream
+        self._tracing = tracing or Tracing.off()
+        self._parent_span = parent_span
+        self._span = None  # the held attempt's, ended when the worker is released
         self._on_answer = on_answer
         self.phase = phase
         self._pool = pool
@@ -68,8 +75,16 @@ class UpstreamCall:
             self.attempts += 1
             self.up.acquire(worker)
             self.worker = worker
+            span = self._tracing.start(f"{self.phase} call", self._parent_span, kind="client",
+                                       attributes={"pdserve.phase": self.phase, "pdserve.worker": worker.url,
+                                                   "pdserve.attempt": self.attempts})
+            if span is not None:
+                headers = {**headers, **self._tracing.carrier(span)}
+            self._span = span
             attempt = await self.up.post(worker, path, body, headers, limits, self.phase)
             if not attempt.retryable:
+                if span is not None:
+                    span.set_attribute("http.response.status_code", attempt.response.status)
                 self.response = attempt.response
                 self.up.reading(worker, self.response)
                 if self._on_answer is not None:
@@ -78,6 +93,8 @@ class UpstreamCall:
             self.last_status = attempt.response.status if attempt.response is not None else None
             self.last_reason = attempt.reason
             log.info("%s on %r failed (%s)", self.phase, worker, attempt.reason)
+            self._tracing.end(span, {"http.response.status_code": self.last_status}, error=attempt.reason)
+            self._span = None
             self._drop()
         return None
 
@@ -88,6 +105,9 @@ class UpstreamCall:
 
     def failed(self, reason: str, phase: str | None = None) -> None:
         self.last_reason = reason
+        if self._span is not None:
+            self._tracing.end(self._span, error=reason)
+            self._span = None
         self.up.failed(self.worker, phase or self.phase, reason)
 
     def succeeded(self) -> None:
@@ -123,3 +143,6 @@ class UpstreamCall:
         if self.worker is not None:
             self.up.release(self.worker)
             self.worker = None
+        if self._span is not None:
+            self._tracing.end(self._span)
+            self._span = None

@@ -49,8 +49,10 @@ def dev_only_packages() -> list[str]:
         for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     }
     only_dev = dev - runtime_closure()
+    # A namespace package that runtime distributions share stays importable (`opentelemetry`:
+    # fastapi needs its API, only the SDK is dev's).
     modules = {mod for mod, dists in metadata.packages_distributions().items()
-               if any(_name(d) in only_dev for d in dists) and mod.isidentifier()}
+               if all(_name(d) in only_dev for d in dists) and mod.isidentifier()}
     return sorted(modules)
 
 

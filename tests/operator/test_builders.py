@@ -252,3 +252,28 @@ def test_router_flow_control_becomes_its_flags_and_the_router_takes_them():
     assert config.flow_control_tenant_max_inflight == 8 and config.flow_control_worker_max_kv_usage == 0.9
     with pytest.raises(SpecError, match="maxInflight"):
         ms(router={"flowControl": {"maxQueue": 4}})
+
+
+def test_tracing_reaches_every_pod():
+    """spec.tracing: the endpoint as each process's --otlp-traces-endpoint, the protocol and the
+    sampling ratio as the SDK's variables; without it no pod has either."""
+    traced = ms(tracing={"endpoint": "http://tempo.obs:4318/v1/traces", "protocol": "http/protobuf",
+                         "samplingRatio": 0.25})
+    for dep, role in ((build_worker_deployment(traced, "prefill"), "prefill"),
+                      (build_worker_deployment(traced, "decode"), "decode"),
+                      (build_router_deployment(traced), "router")):
+        c = container(dep)
+        assert flag(c["args"], "--otlp-traces-endpoint") == "http://tempo.obs:4318/v1/traces"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+        assert f"pdserve.role={role}" in env["OTEL_RESOURCE_ATTRIBUTES"]
+    plain = ms()
+    for dep in (build_worker_deployment(plain, "decode"), build_router_deployment(plain)):
+        c = container(dep)
+        assert "--otlp-traces-endpoint" not in c["args"]
+        assert not any(e["name"].startswith("OTEL_") for e in c["env"])
+    for bad in ({"endpoint": "jaeger:4317"}, {"endpoint": "http://j:4317", "protocol": "thrift"},
+                {"endpoint": "http://j:4317", "samplingRatio": 2}, {"protocol": "grpc"}):
+        with pytest.raises(SpecError):
+            ms(tracing=bad)

@@ -79,6 +79,7 @@ SPECS = [
         "router": {"apiKeySecret": {"name": "k"}, "service": {"type": "NodePort"}},
         "workerApiKeySecret": {"name": "wk"},
         "monitoring": {"serviceMonitor": True},
+        "tracing": {"endpoint": "http://jaeger:4317"},
     },
     {
         "model": {"source": "hf://m/x@v1.0", "cache": {"sizeLimit": "50Gi"}},
@@ -120,3 +121,10 @@ def test_operator_defaults_match_schema_defaults():
         a, b = (ModelServing("x", "ns", "u", ModelServingSpec.from_dict(s)) for s in (raw, defaulted))
         assert a == b
         assert build_children(a, apis, {}) == build_children(b, apis, {})
+
+
+def test_tracing_protocols_are_the_exporters():
+    from pdserve.protocol.tracing import PROTOCOLS
+
+    tracing = schema()["properties"]["spec"]["properties"]["tracing"]
+    assert set(tracing["properties"]["protocol"]["enum"]) == set(PROTOCOLS)

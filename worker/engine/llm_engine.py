@@ -465,7 +465,13 @@ class LLMEngine:
         return []
 
     def _output(self, req: Request, new: list[int], logprob, handed_over: list[int] | None = None) -> RequestOutput:
-        queue_time = self._report_waits(req, new) if not req.waits_reported and (new or req.status.finished) else None
+        reports = not req.waits_reported and (new or req.status.finished)
+        queue_time = self._report_waits(req, new) if reports else None
+        kv_wait = kv_bytes = None
+        if reports and req.admitted_time is not None and req.kv_landed_time is not None:
+            kv_wait = (req.admitted_time, req.kv_landed_time)
+        if reports:
+            kv_bytes = getattr(self.kv_connector, "pulled_bytes", {}).pop(req.request_id, None)
         prompt_lps = None
         if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or req.status.finished):
             prompt_lps = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
@@ -486,6 +492,8 @@ class LLMEngine:
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             handed_over_token_ids=handed_over,
             queue_time=queue_time,
+            kv_wait=kv_wait,
+            kv_bytes=kv_bytes,
         )
 
     def _report_waits(self, req: Request, new: list[int]) -> float | None:

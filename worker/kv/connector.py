@@ -58,6 +58,7 @@ from pdserve.worker.kv.transport import KVTransport
 
 PULL_THREADS = 16  # all peers together; --kv-max-pulls-per-peer bounds each one
 
+_PULLED_BYTES_KEPT = 4096
 log = logging.getLogger(__name__)
 
 
@@ -110,6 +111,9 @@ class KVConnector:
         self.server: side_channel.SideChannelServer | None = None
         self.pool = PullPool(PULL_THREADS, config.kv_max_pulls_per_peer, cooldown_s=min(10.0, self.timeout))
         self._loading: dict[str, Future] = {}  # request id -> its pull (step thread only)
+        # request id -> bytes its landed pull moved, until the engine reports it (step thread
+        # only); bounded: an aborted request's entry is never read.
+        self.pulled_bytes: dict[str, int] = {}
         self._first_tokens: dict[str, int] = {}  # streamed pulls: the prefill's first token (pull threads write)
         self._stopping: set[str] = set()  # streamed pulls whose request was aborted (stop between chunks)
         self._landing: set[str] = set()  # streamed pulls whose prefill runs its last step (or ended)
@@ -300,6 +304,10 @@ class KVConnector:
             error = fut.exception() or follower_error
             if error is None:
                 out.finished_recving.append(rid)
+                if isinstance(fut.result(), int):  # the bytes it moved, for the request's trace
+                    self.pulled_bytes[rid] = fut.result()
+                    if len(self.pulled_bytes) > _PULLED_BYTES_KEPT:
+                        del self.pulled_bytes[next(iter(self.pulled_bytes))]
             else:
                 log.warning("KV pull for %s failed: %s", rid, error)
                 out.failed_recving.append(rid)

@@ -50,6 +50,10 @@ class RequestOutput:
     # from its arrival to its first scheduling (vLLM's queue time; on a decode worker of a P/D
     # request the KV pull is inside it).
     queue_time: float | None = None
+    # With that same output, a remote-prefilled request's hand-off on the decode side, for its
+    # trace: (admitted with blocks, pull landed) as time.monotonic() stamps, and the bytes pulled.
+    kv_wait: tuple[float, float] | None = None
+    kv_bytes: int | None = None
     # Filled by the async layer's detokenizer: new text since the previous output (whole UTF-8
     # characters only; a matched stop string and anything after it removed).
     text: str = ""

@@ -31,6 +31,8 @@ from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.responses_api import as_chat, from_chat
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE
+from pdserve.protocol.tracing import log_trace_ids
+from pdserve.protocol.tracing import setup as setup_tracing
 from pdserve.worker.config.unsupported_model import UnsupportedModelError
 from pdserve.worker.server import chat, completions, tokenize
 from pdserve.worker.server.config import ServerConfig
@@ -60,6 +62,8 @@ class WorkerState:
         self._drained: asyncio.Event | None = None  # set when drain() is done (None: no drain began)
         self.inflight: set[str] = set()
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
+        self.tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-worker", self.metrics.registry)
+        log_trace_ids(self.tracing)
 
     @property
     def model_root(self) -> str | None:
@@ -88,12 +92,12 @@ class WorkerState:
         return getattr(self.engine, "lora", None) if self.engine is not None else None
 
     def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continuation=None,
-                       lora_name: str | None = None) -> Generation:
+                       lora_name: str | None = None, trace_headers=None) -> Generation:
         """`continuation`: a migrated stream's (token ids per choice, the choices that ended);
         `lora_name`: the adapter the request runs (serving.resolve_model), None for the base."""
         ids, finished = continuation or (None, frozenset())
         return Generation(self.engine, self.metrics, self.inflight, request_id, prompts, params, n, kv_transfer_params,
-                          ids, finished, lora_name)
+                          ids, finished, lora_name, self.tracing, trace_headers)
 
     async def load(self) -> None:
         t0 = time.perf_counter()
@@ -175,6 +179,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             await asyncio.gather(loader, return_exceptions=True)
             await state.drained()  # uvicorn gets here once no connection is open: pins may still be unread
             await state.close()
+            await asyncio.to_thread(state.tracing.shutdown)
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan, **utility_routes.DOCS)
     app.state.worker = state

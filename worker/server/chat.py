@@ -73,7 +73,8 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, body.n)
     continued = serving.continued(state, body, body.n)
     rid = serving.new_id("chatcmpl")
-    gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued, lora)
+    gen = state.new_generation(rid, [prompt], params, body.n, kv_params, continued, lora,
+                               trace_headers=request.headers)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.

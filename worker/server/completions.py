@@ -55,7 +55,8 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
     continued = serving.continued(state, body, len(prompts) * body.n)
     rid = serving.new_id("cmpl")
-    gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued, lora)
+    gen = state.new_generation(rid, prompts, params, body.n, kv_params, continued, lora,
+                               trace_headers=request.headers)
     first, events = await serving.start(request, gen)
     # A router sends one X-Request-Id to prefill and decode: the client sees one id. Engine
     # request ids stay unique per worker whatever the header says.

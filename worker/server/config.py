@@ -9,6 +9,7 @@ from pdserve.protocol import cors
 from pdserve.protocol.contract import ENV_API_KEYS, HTTP_PORT, api_keys_from
 from pdserve.protocol.flags import ConfigError, flag, from_flags
 from pdserve.protocol.request_limits import RequestLimitFlags, RequestLimits
+from pdserve.protocol.tracing import check_endpoint
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -37,6 +38,9 @@ class ServerConfig(RequestLimitFlags):
     header_timeout_s: float = flag(10.0, "seconds a client may take to send a request's headers (slowloris)")
     body_timeout_s: float = flag(60.0, "seconds a client may take to send a request's body (408 after)")
     max_connections: int = flag(2048, "open connections past which new requests get 503")
+    # vLLM's flag; the protocol is $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's (protocol/tracing.py).
+    otlp_traces_endpoint: str | None = flag(None, "OTLP collector to export request traces to (e.g. "
+                                                  "http://jaeger:4318/v1/traces)", metavar="URL", unset="no tracing")
     tool_call_parser: str | None = flag(None, "tool-call format of the model's output: hermes (Qwen2.5/3, Hermes, "
                                               "SmolLM2), llama3_json (Llama 3.1/3.2) or openai (gpt-oss's harmony)",
                                         unset="no tool calls parsed")
@@ -57,6 +61,7 @@ class ServerConfig(RequestLimitFlags):
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key", "must not be empty")
         cors.check(self)
+        check_endpoint(self.otlp_traces_endpoint)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         RequestLimits.of(self)  # each limit >= 1 (ConfigError naming its flag)
