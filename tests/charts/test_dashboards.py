@@ -32,7 +32,7 @@ ALL_EXPRS = [(key, e) for key, d in DASHBOARDS.items() for e in exprs(d)]
 # first use); a healthy run without faults or prefix-aware routing leaves them absent.
 EVENT_ONLY = {"pdserve_kv_transfer_failures_total", "pdserve_router_retries_total",
               "pdserve_router_upstream_errors_total", "pdserve_router_kv_index_blocks",
-              "pdserve_router_migrations_total"}
+              "pdserve_router_migrations_total", "pdserve_router_flow_rejected_total"}
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
              "offset", "inf", "nan"}
 
@@ -96,7 +96,9 @@ def stack(tiny_checkpoint, tmp_path_factory):
     from e2e.processes import Stack
     from pdserve.cli.stack import StackConfig, free_port
 
-    config = StackConfig(prefill=1, decode=1, host="127.0.0.1", port=free_port(), device="cpu", kv_transfer="tcp")
+    # Flow control on (it is off by default), so its panels see the queue and its waits.
+    config = StackConfig(prefill=1, decode=1, host="127.0.0.1", port=free_port(), device="cpu", kv_transfer="tcp",
+                         router_args=("--flow-control-max-inflight", "64"))
     s = Stack(config, tiny_checkpoint("llama"), "tiny", tmp_path_factory.mktemp("dash-stack"))
     try:
         yield s.start_all()
