@@ -10,6 +10,7 @@ from pdserve.protocol.flags import ConfigError
 from pdserve.worker.engine.block_manager import hash_prefix_blocks
 from pdserve.worker.engine.host_tier_index import HostBlock, HostTierIndex
 from pdserve.worker.request.sampling_params import SamplingParams
+from pdserve.worker.server.metrics import _EngineCollector
 from tests.helpers.engines import engine_config, make_engine
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -52,20 +53,23 @@ def per_block(tiny_checkpoint) -> int:
     return make_engine(tiny_checkpoint("llama")).kv_cache.block_bytes
 
 
-def engine_with(ckpt, per_block: int, host_blocks: int):
+def engine_with(ckpt, per_block: int, host_blocks: int, **kw):
     engine = make_engine(ckpt, kv_cache_memory=DEVICE_BLOCKS * per_block, max_model_len=64,
-                         kv_offloading_size=host_blocks * per_block / 2**30)
+                         kv_offloading_size=host_blocks * per_block / 2**30, **kw)
     engine._kv_event_publisher = Events()
     return engine
 
 
-def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_block):
+# Async scheduling: the step that restores is planned while the one before is still in flight.
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_block, async_scheduling):
     ckpt = tiny_checkpoint("llama")
     plain = make_engine(ckpt, kv_cache_memory=DEVICE_BLOCKS * per_block, max_model_len=64)
     fresh = [run(plain, p) for p in (A, B, C, A)]
     assert [cached for _, cached in fresh] == [0, 0, 0, 0]  # without the tier A is recomputed
 
-    engine = engine_with(ckpt, per_block, host_blocks=64)
+    engine = engine_with(ckpt, per_block, host_blocks=64, async_scheduling=async_scheduling)
+    assert engine.async_scheduling == async_scheduling
     events = engine._kv_event_publisher
     tiered = [run(engine, p) for p in (A, B, C, A)]
     assert [t for t, _ in tiered] == [t for t, _ in fresh]  # exact, whichever tier A's KV came from
@@ -82,6 +86,12 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_bl
               and e["block_hashes"][:7] == a]
     assert len(on_gpu) == 2 and on_gpu[1]["token_ids"][:28] == A[:28]  # computed, then restored
     assert not events.of("BlockRemoved", "CPU")  # the tier had room for everything
+
+    series = {(s.name, s.labels.get("direction")): s.value
+              for m in _EngineCollector("m", engine.stats).collect() for s in m.samples}
+    assert series["vllm:external_prefix_cache_hits_total", None] == 28
+    assert series["pdserve_kv_offload_restored_blocks_total", None] == 7
+    assert series["pdserve_kv_offload_bytes_total", "restore"] == 7 * per_block
 
 
 def test_the_host_tier_drops_its_least_recently_used_blocks(tiny_checkpoint, per_block):
@@ -117,3 +127,5 @@ def test_bad_kv_offloading_size(tiny_checkpoint):
         engine_config(ckpt, kv_offloading_size=1.0, role="prefill", kv_transfer="tcp")
     with pytest.raises(ConfigError, match="--kv-offloading-size.*more than this host can hold"):
         make_engine(ckpt, kv_offloading_size=1e6)
+    with pytest.raises(ConfigError, match="--kv-offloading-size.*hybrid KV cache"):
+        make_engine(tiny_checkpoint("gpt-oss"), kv_offloading_size=0.001)
