@@ -53,6 +53,15 @@ def per_block(tiny_checkpoint) -> int:
     return make_engine(tiny_checkpoint("llama")).kv_cache.block_bytes
 
 
+@pytest.fixture(scope="module")
+def fresh(tiny_checkpoint, per_block) -> list[tuple[list[int], int]]:
+    """A, B, C, A without the tier: A's blocks are evicted by then and it is recomputed."""
+    plain = make_engine(tiny_checkpoint("llama"), kv_cache_memory=DEVICE_BLOCKS * per_block, max_model_len=64)
+    outs = [run(plain, p) for p in (A, B, C, A)]
+    assert [cached for _, cached in outs] == [0, 0, 0, 0]
+    return outs
+
+
 def engine_with(ckpt, per_block: int, host_blocks: int, **kw):
     engine = make_engine(ckpt, kv_cache_memory=DEVICE_BLOCKS * per_block, max_model_len=64,
                          kv_offloading_size=host_blocks * per_block / 2**30, **kw)
@@ -62,12 +71,8 @@ def engine_with(ckpt, per_block: int, host_blocks: int, **kw):
 
 # Async scheduling: the step that restores is planned while the one before is still in flight.
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_block, async_scheduling):
+def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_block, fresh, async_scheduling):
     ckpt = tiny_checkpoint("llama")
-    plain = make_engine(ckpt, kv_cache_memory=DEVICE_BLOCKS * per_block, max_model_len=64)
-    fresh = [run(plain, p) for p in (A, B, C, A)]
-    assert [cached for _, cached in fresh] == [0, 0, 0, 0]  # without the tier A is recomputed
-
     engine = engine_with(ckpt, per_block, host_blocks=64, async_scheduling=async_scheduling)
     assert engine.async_scheduling == async_scheduling
     events = engine._kv_event_publisher
@@ -123,6 +128,8 @@ def test_bad_kv_offloading_size(tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
     with pytest.raises(ConfigError, match="--kv-offloading-size"):
         engine_config(ckpt, kv_offloading_size=-1.0)
+    with pytest.raises(ConfigError, match="--kv-offloading-size.*--enable-prefix-caching"):
+        engine_config(ckpt, kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="--kv-offloading-size.*P/D"):
         engine_config(ckpt, kv_offloading_size=1.0, role="prefill", kv_transfer="tcp")
     with pytest.raises(ConfigError, match="--kv-offloading-size.*more than this host can hold"):

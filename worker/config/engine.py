@@ -154,6 +154,9 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory", f"must be a positive number of bytes, got {self.kv_cache_memory}")
         if not self.kv_offloading_size >= 0:  # also refuses NaN
             raise ConfigError("--kv-offloading-size", f"must be a number of GiB >= 0, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offloading-size", "the host KV tier holds prefix-cache blocks: it needs "
+                                                      "--enable-prefix-caching")
         if self.kv_offloading_size and (self.role != "both" or self.kv_transfer is not None):
             # A pull writes blocks from the NIC at admission, before the step that orders the
             # tier's copies: not ordered with them yet.

@@ -199,6 +199,9 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] > 1)
         self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
+        # The host tier's copies: only allocations order them, and each allocation here is for a
+        # request this batch runs (the tier is refused with P/D pulls, whose blocks run no step),
+        # so they always reach a runner with the batch.
         return ScheduledBatch(scheduled, meta, self.bm.take_tier_ops())
 
     def _lora_fits(self, name: str) -> bool:
