@@ -287,6 +287,8 @@ class BlockManager:
     def _offload(self, b: int, h: int) -> None:
         """Device block `b` (hash `h`) is being evicted: order its copy into the host tier."""
         info, self.block_info[b] = self.block_info[b], None
+        if info is None:  # published other than by register_computed: nothing to name it by
+            return
         slot, dropped = self.host_tier.store(h, info)
         if slot is None:
             return
