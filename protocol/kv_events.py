@@ -6,13 +6,16 @@ Live, PUB on tcp://*:5557, one multipart message per batch:
     [b"kv", seq (8 bytes, big-endian unsigned), payload (UTF-8 JSON)]
     payload = {"seq": n, "worker": "<id>", "events": [event, ...]}
     event   = {"type": "BlockStored", "block_hashes": [int, ...], "parent_block_hash": int | null,
-               "token_ids": [int, ...], "block_size": int[, "lora_name": str]}
-            | {"type": "BlockRemoved", "block_hashes": [int, ...]}
+               "token_ids": [int, ...], "block_size": int[, "lora_name": str][, "medium": str]}
+            | {"type": "BlockRemoved", "block_hashes": [int, ...][, "medium": str]}
             | {"type": "AllBlocksCleared"}
 `seq` starts at 0 and grows by one per batch. In BlockStored, `token_ids` are the tokens of all
 the listed blocks concatenated (len == block_size * len(block_hashes)) and `parent_block_hash` is
 the hash of the block before the first one (null for a prompt's first block; for blocks computed
-under a LoRA adapter, named by `lora_name`, the adapter's root hash instead of null).
+under a LoRA adapter, named by `lora_name`, the adapter's root hash instead of null). `medium`
+(vLLM's field) says which tier the event is about: "GPU" the device cache, "CPU" the worker's
+host tier (--kv-offloading-size); a block offloaded is a BlockStored with medium CPU beside its
+BlockRemoved with medium GPU, and a hash may be held in both tiers at once. Absent: GPU.
 
 Replay, ROUTER on tcp://*:5558: a REQ client sends one frame, the first wanted seq (8 bytes,
 big-endian); the reply is one multipart message of (seq, payload) frame pairs for every buffered
@@ -50,7 +53,7 @@ def decode_seq(raw: bytes) -> int:
 
 
 def block_stored(block_hashes: list[int], parent_block_hash: int | None, token_ids: list[int],
-                 block_size: int, lora_name: str | None = None) -> dict:
+                 block_size: int, lora_name: str | None = None, medium: str | None = None) -> dict:
     """`lora_name`: the adapter the blocks were computed under (vLLM's field; absent for the
     base model). Their hashes already differ from the base's (the chain starts at the adapter's
     root), so a consumer that ignores it still never matches them to a base prompt."""
@@ -60,11 +63,16 @@ def block_stored(block_hashes: list[int], parent_block_hash: int | None, token_i
              "token_ids": token_ids, "block_size": block_size}
     if lora_name is not None:
         event["lora_name"] = lora_name
+    if medium is not None:
+        event["medium"] = medium
     return event
 
 
-def block_removed(block_hashes: list[int]) -> dict:
-    return {"type": "BlockRemoved", "block_hashes": block_hashes}
+def block_removed(block_hashes: list[int], medium: str | None = None) -> dict:
+    event = {"type": "BlockRemoved", "block_hashes": block_hashes}
+    if medium is not None:
+        event["medium"] = medium
+    return event
 
 
 def all_blocks_cleared() -> dict:

@@ -26,6 +26,8 @@ class KVIndex:
         blocks = self._workers.setdefault(worker, _WorkerBlocks())
         for ev in events:
             kind = ev.get("type")
+            if ev.get("medium", "GPU") != "GPU":
+                continue  # a worker's host tier (docs/kv-cache.md): the index scores device blocks only
             if kind == "BlockStored":
                 size = int(ev["block_size"])
                 blocks.block_size = size

@@ -76,6 +76,17 @@ def test_index_applies_stored_removed_cleared():
     assert index.match(tokens, ["w"]) == {} and index.num_blocks("w") == 0
 
 
+def test_index_scores_device_blocks_only():
+    """A worker's host tier (medium CPU) neither adds to nor takes from its device blocks' index."""
+    index = KVIndex()
+    tokens = list(range(8))
+    index.apply("w", [block_stored([11, 12], None, tokens, BS, medium="GPU")])
+    index.apply("w", [block_removed([12], medium="CPU"), block_stored([21], None, [7] * 4, BS, medium="CPU")])
+    assert index.match(tokens, ["w"]) == {"w": 2} and index.match([7] * 8, ["w"]) == {}
+    index.apply("w", [block_removed([12], medium="GPU")])
+    assert index.match(tokens, ["w"]) == {"w": 1}
+
+
 def test_subscriber_replays_history_and_gaps_and_resets_on_restart():
     async def scenario():
         pub_ep, replay_ep = endpoints()

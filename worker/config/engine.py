@@ -52,6 +52,10 @@ class EngineConfig:
                                        "K and V scale (half the bytes of bf16: twice the blocks, half the hand-off)",
                                choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | None = flag(None, "KV cache bytes on CPU", unset="1 GiB")
+    kv_offloading_size: float = flag(
+        0.0, "GiB of host memory for a second KV tier: blocks evicted from the device cache are copied there "
+             "and prefix hits on them copied back instead of recomputed (docs/kv-cache.md); under tensor "
+             "parallelism the sum over the ranks; 0 = off. Not with P/D KV transfer or a hybrid KV cache yet")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this worker may use")
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, "disable CUDA graphs")
@@ -148,6 +152,16 @@ class EngineConfig:
             raise ConfigError("--max-num-batched-tokens", f"must be positive, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory", f"must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not self.kv_offloading_size >= 0:  # also refuses NaN
+            raise ConfigError("--kv-offloading-size", f"must be a number of GiB >= 0, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("--kv-offloading-size", "the host KV tier holds prefix-cache blocks: it needs "
+                                                      "--enable-prefix-caching")
+        if self.kv_offloading_size and (self.role != "both" or self.kv_transfer is not None):
+            # A pull writes blocks from the NIC at admission, before the step that orders the
+            # tier's copies: not ordered with them yet.
+            raise ConfigError("--kv-offloading-size", "the host KV tier does not work with P/D KV transfer yet "
+                                                      "(--role prefill|decode, --kv-transfer)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("--gpu-memory-utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:

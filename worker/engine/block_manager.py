@@ -19,6 +19,13 @@ new blocks in ascending ids (the growth run first), so evicted blocks merge with
 with the empty ones. `eviction_slack` s > 0 relaxes that for longer runs after churn: the m
 blocks evicted are the longest runs among the ceil((1 + s) m) least recently freed ones (never
 a block fresher than those; bench/block_churn.py measures what it buys).
+
+With a host tier (`host_tier`, --kv-offloading-size) an evicted hashed block is not lost: its
+eviction orders a copy into a host slot under the same hash (host_tier_index.py), and a prefix
+lookup that runs out of device hits continues in the tier; the scheduler allocates device blocks
+for those host hits and `restore` orders their copies back. The copies an allocation orders are
+collected in `tier_ops`, in order (a block's copy out always before anything reuses it), and
+leave with the step (`take_tier_ops`), whose runner carries them out before its forward.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections import OrderedDict
 from itertools import islice
 
 from pdserve.worker.engine.free_runs import FreeRuns
+from pdserve.worker.engine.host_tier_index import HostBlock, HostTierIndex, TierCopy
 from pdserve.worker.request.request import Request
 
 NONE_HASH = 0
@@ -64,7 +72,7 @@ class BlockManager:
     windowed = False
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, on_event=None,
-                 eviction_slack: float = 0.0):
+                 eviction_slack: float = 0.0, host_tier: HostTierIndex | None = None):
         if eviction_slack < 0:
             raise ValueError(f"eviction_slack must be >= 0, got {eviction_slack}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -77,9 +85,16 @@ class BlockManager:
         self.empty_runs = FreeRuns(num_blocks)  # free blocks that hold no hash
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
-        # on_event(kind, block_hashes, parent_hash, token_ids[, lora_name=]): KV cache events for the
-        # router; lora_name only for blocks computed under an adapter.
+        # on_event(kind, block_hashes, parent_hash, token_ids[, lora_name=][, medium=]): KV cache
+        # events for the router; lora_name only for blocks computed under an adapter, medium "CPU"
+        # for the host tier's (absent: the device's).
         self.on_event = on_event
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.tier_ops: list[TierCopy] = []
+        self.host_queries = 0  # prompt tokens looked up in the host tier (those the device missed)
+        self.host_hits = 0  # of those, tokens found there
+        # With a host tier: what an event names about each hashed device block, kept for its store.
+        self.block_info: list[HostBlock | None] = [None] * num_blocks if self.host_tier is not None else []
 
     @property
     def empty(self) -> bytearray:
@@ -114,6 +129,36 @@ class BlockManager:
                 break
             hits.append(b)
         return hits
+
+    def lookup_host(self, req: Request, num_device_hits: int) -> list[int]:
+        """Host slots holding the blocks right after `req`'s device hits (the longest such run,
+        still leaving a token to compute); their copies back are ordered by `restore`."""
+        if self.host_tier is None or not req.block_hashes:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.host_tier.lookup(req.block_hashes[num_device_hits:max_blocks])
+
+    def record_host_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.host_queries += num_tokens
+        self.host_hits += num_hit_tokens
+
+    def restore(self, req: Request, first: int, slots: list[int]) -> None:
+        """`req` owns blocks `first`..: copy host `slots` into them (ordered with this step's
+        copies) and publish them as its computed prefix, as device hits would be."""
+        for i, slot in enumerate(slots):
+            self.tier_ops.append(TierCopy(False, req.block_ids[first + i], slot))
+        self.host_tier.restored_blocks += len(slots)
+        req.num_computed_tokens = (first + len(slots)) * self.block_size
+        self.register_computed(req)
+
+    def take_tier_ops(self) -> list[TierCopy]:
+        """The copies ordered since the last call, in order; the host slots they read are free
+        for the LRU again (a later store's copy is ordered after them)."""
+        if self.host_tier is None:
+            return []
+        self.host_tier.unlock_all()
+        ops, self.tier_ops = self.tier_ops, []
+        return ops
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -207,6 +252,10 @@ class BlockManager:
                 self.hash_to_block[h] = b
                 self.block_hash[b] = h
                 stored.append(i)
+                if self.host_tier is not None:
+                    self.block_info[b] = HostBlock(
+                        req.block_hashes[i - 1] if i else (lora_hash_root(req.lora_name) if req.lora_name else None),
+                        tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size]), req.lora_name)
         if stored and self.on_event:
             # A prompt's first block: no parent, or the adapter's root (lora_hash_root), so that a
             # router keying blocks by (parent, tokens) never takes it for the base model's.
@@ -230,8 +279,25 @@ class BlockManager:
         if h is not None:
             del self.hash_to_block[h]
             self.block_hash[b] = None
+            if self.host_tier is not None:
+                self._offload(b, h)
             if self.on_event:
                 self.on_event("BlockRemoved", [h], None, None)
+
+    def _offload(self, b: int, h: int) -> None:
+        """Device block `b` (hash `h`) is being evicted: order its copy into the host tier."""
+        info, self.block_info[b] = self.block_info[b], None
+        if info is None:  # published other than by register_computed: nothing to name it by
+            return
+        slot, dropped = self.host_tier.store(h, info)
+        if slot is None:
+            return
+        self.tier_ops.append(TierCopy(True, b, slot))
+        if self.on_event:
+            if dropped is not None:
+                self.on_event("BlockRemoved", [dropped], None, None, medium="CPU")
+            lora = {"lora_name": info.lora_name} if info.lora_name else {}
+            self.on_event("BlockStored", [h], info.parent, list(info.token_ids), medium="CPU", **lora)
 
     def _release(self, block_ids: list[int]) -> None:
         # Freed blocks join the back of the LRU queue (evicted after older free blocks), tail

@@ -35,6 +35,7 @@ from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferPar
 from pdserve.worker.attention.kv_cache import KVCache, kv_layout
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.engine.block_manager import BlockManager
+from pdserve.worker.engine.host_tier_index import HostTierIndex
 from pdserve.worker.engine.hybrid_block_manager import HybridBlockManager
 from pdserve.worker.engine.scheduler import Scheduler
 from pdserve.worker.executor.model_runner import LaunchedStep, ModelRunner
@@ -42,7 +43,7 @@ from pdserve.worker.kv.connector_meta import KVConnectorMetadata
 from pdserve.worker.kv.connector_scheduler import KVConnectorScheduler, resolve_split
 from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.null_connector import NullKVConnector
-from pdserve.worker.request.outputs import EngineStats, RequestOutput
+from pdserve.worker.request.outputs import EngineStats, HostTierStats, RequestOutput
 from pdserve.worker.request.request import Request, RequestError, RequestStatus  # noqa: F401 (RequestError re-exported)
 from pdserve.worker.request.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.worker.sample.prompt_logprobs import scores_prompt
@@ -101,8 +102,10 @@ class LLMEngine:
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()
         if r.kv_groups is None:
+            # The host tier's slots are the runners'; which hash is in which slot, the block manager's.
+            host_tier = HostTierIndex(r.host_tier_slots) if r.host_kv is not None else None
             self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
-                                              on_event=self._on_kv_event)
+                                              on_event=self._on_kv_event, host_tier=host_tier)
         else:  # sliding-window layers: their blocks behind the window are released (docs/kv-cache.md)
             self.block_manager = HybridBlockManager(r.num_blocks, config.block_size, r.kv_groups,
                                                     config.enable_prefix_caching, on_event=self._on_kv_event)
@@ -404,8 +407,19 @@ class LLMEngine:
             num_pinned_blocks=self.scheduler.num_sending_blocks,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
+            host_tier=self._host_tier_stats(),
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def _host_tier_stats(self) -> HostTierStats | None:
+        bm, store = self.block_manager, self.runner.host_kv
+        if store is None:
+            return None
+        tier = bm.host_tier
+        return HostTierStats(queries=bm.host_queries, hits=bm.host_hits, num_blocks=len(tier),
+                             num_slots=tier.num_slots, stored_blocks=tier.stored_blocks,
+                             restored_blocks=tier.restored_blocks, evicted_blocks=tier.evicted_blocks,
+                             stored_bytes=store.bytes_stored, restored_bytes=store.bytes_restored)
 
     def kv_health(self) -> str | None:
         """None while P/D transfer can work; else why not (the server's /health answers 503)."""
@@ -510,16 +524,19 @@ class LLMEngine:
                 None if landed is None or not new else now - landed)
         return None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
 
-    def _on_kv_event(self, kind, block_hashes, parent, token_ids, lora_name: str | None = None) -> None:
+    def _on_kv_event(self, kind, block_hashes, parent, token_ids, lora_name: str | None = None,
+                     medium: str = "GPU") -> None:
+        """`medium`: "GPU" for the device cache (whatever the device is, as vLLM names it), "CPU"
+        for the host tier."""
         if self._kv_event_publisher is None:
             return
         from pdserve.protocol.kv_events import block_removed, block_stored
 
         if kind == "BlockStored":
             self._kv_events.append(block_stored(block_hashes, parent, token_ids, self.block_manager.block_size,
-                                                lora_name))
+                                                lora_name, medium))
         else:
-            self._kv_events.append(block_removed(block_hashes))
+            self._kv_events.append(block_removed(block_hashes, medium))
 
     def _publish_kv_events(self) -> None:
         if self._kv_events:

@@ -153,7 +153,10 @@ class Scheduler:
             fresh = not req.block_ids  # else its KV arrived from a prefill worker (all, or the cached part)
             # Prompt logprobs need every prompt position's logits: no cached blocks for those.
             cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
-            start = len(cached) * self.bm.block_size if fresh else req.num_computed_tokens
+            # The host tier's hits after the device's: new device blocks, copied back before this
+            # step's forward, then counted as computed like the device hits.
+            restored = self.bm.lookup_host(req, len(cached)) if fresh and req.params.prompt_logprobs is None else []
+            start = (len(cached) + len(restored)) * self.bm.block_size if fresh else req.num_computed_tokens
             num_remote, load_async = 0, False
             if fresh:
                 num_remote, load_async = self.connector.get_num_new_matched_tokens(req, start)
@@ -174,10 +177,15 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # count the prompt once, not on every recompute
                 req.num_cached_tokens = start
-                self.bm.record_query(req.num_prompt_tokens, start)
+                self.bm.record_query(req.num_prompt_tokens, start - len(restored) * self.bm.block_size)
+                if self.bm.host_tier is not None:
+                    device = len(cached) * self.bm.block_size
+                    self.bm.record_host_query(req.num_prompt_tokens - device, start - device)
             if fresh:
                 self.bm.take_cached(req, cached)
             self.bm.allocate(req, need, skip)
+            if restored:
+                self.bm.restore(req, len(cached), restored)
             if fresh:
                 self.connector.update_state_after_alloc(req, num_remote)
             if load_async:
@@ -191,7 +199,10 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] > 1)
         self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
-        return ScheduledBatch(scheduled, meta)
+        # The host tier's copies: only allocations order them, and each allocation here is for a
+        # request this batch runs (the tier is refused with P/D pulls, whose blocks run no step),
+        # so they always reach a runner with the batch.
+        return ScheduledBatch(scheduled, meta, self.bm.take_tier_ops())
 
     def _lora_fits(self, name: str) -> bool:
         """Admitting a request of adapter `name` keeps the distinct adapters within the slots."""

@@ -81,6 +81,8 @@ class StepPlan:
     # when the worker serves no adapters.
     lora_slots: list[int] | None = None
     lora_swaps: list = field(default_factory=list)  # (slot, LoRAModule): adapters every rank copies in first
+    # The host KV tier's block copies (TierCopy), every rank its shard, before the forward.
+    tier_ops: list = field(default_factory=list)
 
 
 @dataclass
@@ -210,6 +212,18 @@ class ModelRunner:
         # The KV connector of this rank (kv/tp_link.py): which heads it holds; rank 0's pipes to the others.
         self.kv_tp_rank = TPRank(tp_rank, self.tp_size, self.model_config.num_kv_heads)
         self.kv_tp_link = self.followers.kv_link if self.followers is not None else None
+        # The host KV tier (--kv-offloading-size): this rank's slots; the engine's block manager
+        # decides what goes in and out (engine/host_tier_index.py), the same decisions for every rank.
+        self.host_kv, self.host_tier_slots = None, 0
+        if config.kv_offloading_size:
+            if self.kv_groups is not None:
+                raise ConfigError("--kv-offloading-size", f"{mc.architecture}'s sliding-window layers use the hybrid "
+                                                          f"KV cache, which the host tier does not support yet; add "
+                                                          f"--disable-hybrid-kv-cache-manager or drop the flag")
+            from pdserve.worker.executor.host_kv_store import HostKVStore, host_tier_slots
+
+            self.host_tier_slots = host_tier_slots(config.kv_offloading_size, self.kv_cache.block_bytes, self.tp_size)
+            self.host_kv = HostKVStore(self.kv_cache.tensor, self.host_tier_slots, config.kv_offloading_size)
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
@@ -481,6 +495,8 @@ class ModelRunner:
         such a step is never a decode graph's)."""
         if plan.lora_swaps:
             self.lora.apply(plan.lora_swaps)
+        if plan.tier_ops:
+            self.host_kv.apply(plan.tier_ops)
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
@@ -556,6 +572,7 @@ class ModelRunner:
                           else self._plan_eager(batch, prev_rows))
         if self.lora is not None:
             plan.lora_swaps = swaps
+        plan.tier_ops = batch.kv_tier_ops
         if self.followers is not None:
             if plan.from_previous and not self.share_sampled:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")

@@ -15,6 +15,9 @@ class ScheduledBatch:
     # (request, number of new tokens to compute this step), decode-like (1 token) ones first.
     items: list[tuple[Request, int]] = field(default_factory=list)
     kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+    # The host KV tier's block copies (engine/host_tier_index.py TierCopy), in the order the
+    # runner carries them out, before this step's forward.
+    kv_tier_ops: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

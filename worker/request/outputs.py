@@ -59,6 +59,21 @@ class RequestOutput:
     text: str = ""
 
 
+@dataclass(frozen=True)
+class HostTierStats:
+    """The host KV tier's counters (engine/host_tier_index.py, executor/host_kv_store.py)."""
+
+    queries: int  # prompt tokens looked up there (those the device cache missed)
+    hits: int  # of those, tokens found there (restored instead of recomputed)
+    num_blocks: int  # blocks held now
+    num_slots: int
+    stored_blocks: int
+    restored_blocks: int
+    evicted_blocks: int  # dropped by its LRU
+    stored_bytes: int
+    restored_bytes: int
+
+
 @dataclass
 class EngineStats:
     """A snapshot for /metrics and tests (free-block counts prove nothing leaked)."""
@@ -71,6 +86,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
+    host_tier: HostTierStats | None = None  # --kv-offloading-size's tier, None when off
 
     @property
     def kv_cache_usage(self) -> float:

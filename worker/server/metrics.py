@@ -59,6 +59,24 @@ class _EngineCollector:
         )
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
+        t = s.host_tier
+        if t is not None:  # --kv-offloading-size: the host tier behind the device cache
+            yield counter("vllm:external_prefix_cache_queries",
+                          "Prompt tokens looked up in the host KV tier (those the device cache missed).", t.queries)
+            yield counter("vllm:external_prefix_cache_hits", "Prompt tokens found in the host KV tier.", t.hits)
+            yield gauge("pdserve_kv_offload_blocks", "KV blocks held in the host tier.", t.num_blocks)
+            yield gauge("pdserve_kv_offload_total_blocks", "KV blocks the host tier can hold.", t.num_slots)
+            yield counter("pdserve_kv_offload_stored_blocks", "KV blocks copied into the host tier.", t.stored_blocks)
+            yield counter("pdserve_kv_offload_restored_blocks",
+                          "KV blocks copied back from the host tier (prefix hits there).", t.restored_blocks)
+            yield counter("pdserve_kv_offload_evicted_blocks", "KV blocks dropped from the host tier (LRU).",
+                          t.evicted_blocks)
+            moved = CounterMetricFamily("pdserve_kv_offload_bytes", "Bytes copied between the device cache and "
+                                        "the host tier (this rank's shard), by direction.",
+                                        labels=label + ["direction"])
+            moved.add_metric([self._model, "store"], t.stored_bytes)
+            moved.add_metric([self._model, "restore"], t.restored_bytes)
+            yield moved
 
 
 class ServerMetrics:
