@@ -259,10 +259,9 @@ def _gpt_oss_experts(e: int, h: int, inter: int):
     return (q13, s13, q2, s2), (d13, d2), (b13, b2)
 
 
-def _graph_equals_eager(fn, eager: torch.Tensor) -> str:
-    """Whether `fn` captured in a CUDA graph and replayed gives eager's bits (no host sync inside)."""
-    if DEVICE != "cuda":
-        return "-"
+def capture_graph(fn, reps: int = 1):
+    """(graph, the last call's output): `fn` warmed up on a side stream (Triton compiles outside
+    the capture), then `reps` calls captured in one CUDA graph, replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -270,9 +269,18 @@ def _graph_equals_eager(fn, eager: torch.Tensor) -> str:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static = fn()
+        for _ in range(reps):
+            static = fn()
     g.replay()
     torch.cuda.synchronize()
+    return g, static
+
+
+def _graph_equals_eager(fn, eager: torch.Tensor) -> str:
+    """Whether `fn` captured in a CUDA graph and replayed gives eager's bits (no host sync inside)."""
+    if DEVICE != "cuda":
+        return "-"
+    _, static = capture_graph(fn)
     return "yes" if torch.equal(static, eager) else "NO"
 
 

@@ -68,6 +68,16 @@ def _run(body: Any, memo: kopf.Memo, logger: logging.Logger, source: str) -> Non
     logger.debug("reconciled (%s): %s", source, outcome.status["conditions"])
 
 
+def _live(memo: kopf.Memo, body: Any) -> dict[str, Any] | None:
+    """The object as the API server has it now, or None once it is gone, being deleted or replaced
+    by one of the same name (a timer's body can be a tick old)."""
+    meta = body["metadata"]
+    fresh = memo.kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, meta["namespace"], meta["name"])
+    if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != meta["uid"]:
+        return None
+    return fresh
+
+
 def _report(kube: Kube, obj: dict[str, Any], new_status: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
     kube.patch_status(obj, new_status)
     for type_, reason, message in events:
@@ -118,9 +128,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     def plan(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         uid = body["metadata"]["uid"]
         with memo.locks.setdefault(uid, threading.Lock()):
-            fresh = memo.kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, body["metadata"]["namespace"],
-                                  body["metadata"]["name"])
-            if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != uid:
+            fresh = _live(memo, body)
+            if fresh is None:
                 return
             memory = memo.planner.setdefault(uid, autoscaler.Memory())
             try:
@@ -138,9 +147,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     def lora_adapters(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         uid = body["metadata"]["uid"]
         with memo.locks.setdefault(uid, threading.Lock()):
-            fresh = memo.kube.get(f"{naming.GROUP}/{naming.VERSION}", naming.KIND, body["metadata"]["namespace"],
-                                  body["metadata"]["name"])
-            if fresh is None or fresh["metadata"].get("deletionTimestamp") or fresh["metadata"]["uid"] != uid:
+            fresh = _live(memo, body)
+            if fresh is None:
                 return
             try:
                 loaded = lora_sync.sync(memo.kube, fresh)

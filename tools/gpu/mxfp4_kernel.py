@@ -21,7 +21,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from pdserve.bench.moe import GPT_OSS, _gpt_oss_experts, _graph_equals_eager
+from pdserve.bench.moe import GPT_OSS, _gpt_oss_experts, _graph_equals_eager, capture_graph
 from pdserve.kernels import fused_moe as new
 from pdserve.kernels.moe_activation import SwigluOAI
 from pdserve.kernels.reference import fused_moe_ref, moe_route_ref
@@ -56,17 +56,7 @@ def rel(out, ref) -> float:
 def graph_ms(fn, reps: int = 20) -> float:
     """ms a call with `reps` calls captured in one CUDA graph (no host launch cost: the engine's
     decode steps run so); one weight set, so an expert's repeats may be served by L2."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
+    g, _ = capture_graph(fn, reps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(5):
