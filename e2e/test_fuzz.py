@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.net import free_port
@@ -34,6 +34,11 @@ MAX_EXAMPLES = 200
 RUNNABLE_FIELDS = {"model", "prompt", "messages", "n", "stream", "stream_options", "max_tokens",
                    "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "min_tokens", "logprobs", "top_logprobs"}
+
+
+JSON = {"content-type": "application/json"}
+VALID = {"/v1/completions": b'{"model": "tiny", "prompt": "x", "max_tokens": 2}',
+         "/v1/chat/completions": b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}'}
 
 
 def _nest(depth: int) -> bytes:
@@ -143,6 +148,12 @@ def test_fuzz_router_and_worker_endpoints(stack):
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
               phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
     @given(requests_strategy(openapi_routes()))
+    # Valid requests on both sides, whatever the generated ones turn out to be: the run must see
+    # each generation route answer as well as refuse (the assertion below).
+    @example(("router", "POST", "/v1/completions", JSON, VALID["/v1/completions"]))
+    @example(("worker", "POST", "/v1/completions", JSON, VALID["/v1/completions"]))
+    @example(("router", "POST", "/v1/chat/completions", JSON, VALID["/v1/chat/completions"]))
+    @example(("worker", "POST", "/v1/chat/completions", JSON, VALID["/v1/chat/completions"]))
     def fuzz(request):
         target, method, path, headers, content = request
         with http.stream(method, urls[target] + path, headers=headers, content=content) as r:
