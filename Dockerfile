@@ -82,10 +82,13 @@ COPY --from=requirements /requirements.txt /tmp/requirements.txt
 RUN pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
-# The project itself; its dependencies are the layer above.
+# The project itself; its dependencies are the layer above. The wheel is copied in, not bind-
+# mounted: buildah (podman build) keys a RUN's layer cache on its command, not on what a mount
+# from another stage holds, so a mounted wheel of new source would reuse the old install.
+COPY --from=wheel /dist /tmp/dist
 # hadolint ignore=DL3013
-RUN --mount=type=bind,from=wheel,source=/dist,target=/dist \
-    pip install --no-deps /dist/pdserve-*.whl \
+RUN pip install --no-deps /tmp/dist/pdserve-*.whl \
+ && rm -rf /tmp/dist \
  && pdserve --help > /dev/null
 
 # Non-root: the chart's and operator's securityContext runs UID 1000 (Ubuntu's own "ubuntu"

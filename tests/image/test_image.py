@@ -13,6 +13,7 @@ Skips, with the reason, only where podman cannot run: podman, runc or mmdebstrap
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import time
@@ -83,6 +84,21 @@ def test_image_user_and_root_filesystem(image):
     leftovers = "import glob; print(glob.glob('/root/.cache/pip/*') + glob.glob('/var/lib/apt/lists/*_Packages*'))"
     out = podman("run", "--rm", "--user", "0", "--read-only", "--entrypoint", "python3", image, "-c", leftovers)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_image_holds_this_checkouts_source(image):
+    """Every package pyproject.toml ships imports in the image, and the image's copy of a module is
+    this checkout's (a stale layer cache once kept an older install under new source)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    probe = ("import hashlib, importlib, inspect, sys\n"
+             "for name in sys.argv[1:]: importlib.import_module(name)\n"
+             "import pdserve.router.app as m; print(hashlib.sha256(inspect.getsource(m).encode()).hexdigest())")
+    out = podman("run", "--rm", *AS_A_POD, "--entrypoint", "python3", image, "-c", probe, *packages)
+    here = hashlib.sha256((root / "router" / "app.py").read_bytes()).hexdigest()
+    assert out.stdout.strip() == here, "the image's pdserve.router.app is not this checkout's"
 
 
 @pytest.fixture
