@@ -191,16 +191,10 @@ def rotary_interleaved_ref(
     written as transformers' DeepSeek-V3 writes it: the pairs' first elements, then their second
     ones. (V2's complex form keeps each pair in place: the same values permuted alike in q and k,
     so every q.k and the model's output are the same.)"""
-    half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    def pairs_split(x: torch.Tensor) -> torch.Tensor:  # then it is rotate-half rope
+        return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
 
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        c, s = cos.to(x.dtype), sin.to(x.dtype)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
-    return rot(q), rot(k)
+    return rotary_ref(positions, pairs_split(q), pairs_split(k), cos_sin_cache)
 
 
 def clamped_swiglu_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:  # [T, 2I] -> [T, I]
