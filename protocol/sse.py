@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol.disconnect import wait_for_disconnect
@@ -53,3 +53,19 @@ class SSEResponse(StreamingResponse):
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             if not isinstance(writer.exception(), OSError):  # a write to a closed socket is a disconnect
                 raise writer.exception()
+
+
+def when_over(response: Response, fn: Callable[[], None]) -> None:
+    """Runs `fn` once `response` is over: an SSE stream's when it ends, however it ended (before
+    what its `on_close` already ran), any other response now."""
+    if not isinstance(response, SSEResponse):
+        fn()
+        return
+    ended = response.on_close
+
+    def closed() -> None:
+        fn()
+        if ended is not None:
+            ended()
+
+    response.on_close = closed

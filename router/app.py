@@ -33,7 +33,7 @@ from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
-from pdserve.protocol.sse import SSEResponse
+from pdserve.protocol.sse import SSEResponse, when_over
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
 from pdserve.protocol.tracing import log_trace_ids
 from pdserve.protocol.tracing import setup as setup_tracing
@@ -181,17 +181,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         except BaseException:
             lease.release()
             raise
-        if isinstance(response, SSEResponse):
-            ended = response.on_close
-
-            def closed() -> None:
-                lease.release()
-                if ended is not None:
-                    ended()
-
-            response.on_close = closed
-        else:
-            lease.release()
+        when_over(response, lease.release)
         return response
 
     def traced(request: Request, route: str, request_id: str):
@@ -204,20 +194,11 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     def end_when_sent(span, response: Response) -> None:
         """The span ends with the response: a stream's when it is over, however it ended."""
-        attributes = {"http.response.status_code": response.status_code}
         if span is None:
             return
-        if isinstance(response, SSEResponse):
-            ended = response.on_close
-
-            def closed() -> None:
-                tracing.end(span, attributes)
-                if ended is not None:
-                    ended()
-
-            response.on_close = closed
-        else:
-            tracing.end(span, attributes, error=None if response.status_code < 500 else "upstream failed")
+        attributes = {"http.response.status_code": response.status_code}
+        failed = not isinstance(response, SSEResponse) and response.status_code >= 500
+        when_over(response, lambda: tracing.end(span, attributes, error="upstream failed" if failed else None))
 
     async def serve(request: Request, route: str) -> Response:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
