@@ -256,7 +256,8 @@ class Bench:
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
                                         max_num_seqs=256, max_num_batched_tokens=self.token_budget,
-                                        enable_prefix_caching=False, kv_cache_memory=1 << 28))
+                                        enable_prefix_caching=False,
+                                        kv_cache_memory=None if self.device == "cuda" else 1 << 28))
         graphs = engine.runner.graphs
         cap = graphs.capture_seconds if graphs else 0.0
         kv_gib = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size() / 2**30

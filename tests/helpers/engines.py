@@ -49,4 +49,5 @@ def device_engine(ckpt: Path | str, **kw) -> LLMEngine:
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
-    return make_engine(ckpt, **{"device": DEVICE, "dtype": "float32", "gpu_memory_utilization": 0.25, **kw})
+    gpu = {"gpu_memory_utilization": 0.25, "kv_cache_memory": None} if ON_GPU else {}
+    return make_engine(ckpt, **{"device": DEVICE, "dtype": "float32", **gpu, **kw})

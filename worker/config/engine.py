@@ -51,7 +51,9 @@ class EngineConfig:
     kv_cache_dtype: str = flag("auto", "KV cache element type: auto = --dtype; fp8 = float8 e4m3 with a per-layer "
                                        "K and V scale (half the bytes of bf16: twice the blocks, half the hand-off)",
                                choices=KV_CACHE_DTYPES)
-    kv_cache_memory: int | None = flag(None, "KV cache bytes on CPU", unset="1 GiB")
+    kv_cache_memory: int | None = flag(
+        None, "KV cache bytes (on a GPU it replaces --gpu-memory-utilization's sizing, capped by the free memory)",
+        unset="1 GiB on CPU; on a GPU from --gpu-memory-utilization")
     kv_offloading_size: float = flag(
         0.0, "GiB of host memory for a second KV tier: blocks evicted from the device cache are copied there "
              "and prefix hits on them copied back instead of recomputed (docs/kv-cache.md); under tensor "

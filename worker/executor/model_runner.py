@@ -285,8 +285,11 @@ class ModelRunner:
             # activations plus the KV cache. Other processes on the card (a prefill and a decode
             # worker sharing one GPU) do not eat into it; what is actually free still caps it.
             own = torch.cuda.memory_reserved(self.device)
-            budget = min(int(total * self.config.gpu_memory_utilization) - own - peak,
-                         free - peak - GPU_HEADROOM_BYTES)
+            # --kv-cache-memory, when given, replaces the share (vLLM's --kv-cache-memory-bytes):
+            # capacity comparisons need the same KV bytes whatever else the process holds.
+            share = (self.config.kv_cache_memory if self.config.kv_cache_memory is not None
+                     else int(total * self.config.gpu_memory_utilization) - own - peak)
+            budget = min(share, free - peak - GPU_HEADROOM_BYTES)
             log.info("KV sizing: %.2f GiB total, %.2f GiB free, %.2f GiB held by this process, %.2f GiB peak "
                      "activations -> %.2f GiB for KV", total / 2**30, free / 2**30, own / 2**30, peak / 2**30,
                      max(budget, 0) / 2**30)
@@ -300,7 +303,8 @@ class ModelRunner:
 
             n = agree_min(n, self.device)
         if n < 2:
-            raise ConfigError("--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization",
+            sized_by = self.device.type == "cpu" or self.config.kv_cache_memory is not None
+            raise ConfigError("--kv-cache-memory" if sized_by else "--gpu-memory-utilization",
                               f"leaves room for {n} KV blocks of {per_block} bytes; need at least 2")
         return int(n)
 
