@@ -20,7 +20,10 @@ Four subcommands (tools/gpu/deepseek.sh runs them in one device call):
   kernel      kernels/mla_decode.py against reference.mla_decode_ref (128 heads, R 512, P 64, bf16
               queries) at 1k/8k/32k context and batch 1/8/64, bf16 and fp8 latent caches: us, bytes
               of latent read per second and their share of the same run's copy bandwidth, the
-              kernel's max relative error against the reference.
+              kernel's max relative error against the reference; and (bf16, where it fits in
+              EXPANDED_MAX_TOKENS) torch's scaled_dot_product_attention over the same context
+              expanded into per-head keys (192) and values (128), what attention without the
+              latent reads per token (80 KB instead of 1152 B).
 """
 
 from __future__ import annotations
@@ -207,6 +210,8 @@ def report(args) -> int:
 
 
 HEADS, LATENT, ROPE, BLOCK = 128, 512, 64, 16  # V3's MLA, the engine's default block size
+NOPE, V_DIM = 128, 128
+EXPANDED_MAX_TOKENS = 8 * 32768  # batch x context of the expanded baseline: 21 GB of K and V in bf16
 
 
 def _card() -> str:
@@ -220,12 +225,15 @@ def kernel(args) -> int:
     lines = [f"kernels/mla_decode.py vs reference.mla_decode_ref, {HEADS} heads, latent {LATENT} + rope {ROPE}, "
              f"bf16 queries, block size {BLOCK}, {_card()}, copy bandwidth {bw / 1e9:.0f} GB/s "
              f"(read + write of a 2 GiB copy). GB/s: latent bytes read / kernel time.", "",
-             "| cache | context | batch | kernel us | GB/s | % of copy | reference us | speed-up | max rel. error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cache | context | batch | kernel us | GB/s | % of copy | reference us | speed-up | max rel. error "
+             "| expanded K/V (SDPA) us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for dtype in (torch.bfloat16, FP8_KV_DTYPE):
         for ctx in args.contexts:
             for b in args.batches:
-                lines.append(_kernel_row(dtype, ctx, b, bw))
+                row = _kernel_row(dtype, ctx, b, bw)  # its cache freed before the expanded baseline's K/V
+                fits = dtype == torch.bfloat16 and b * ctx <= EXPANDED_MAX_TOKENS
+                lines.append(f"{row} {_expanded_us(b, ctx):.0f} |" if fits else f"{row} - |")
                 print(lines[-1], flush=True)
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
@@ -261,6 +269,17 @@ def _kernel_row(dtype: torch.dtype, ctx: int, b: int, bw: float) -> str:
     name = "bf16" if dtype == torch.bfloat16 else "fp8"
     return (f"| {name} | {ctx} | {b} | {us:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {ref_us:.0f} | "
             f"{ref_us / us:.1f}x | {err:.1e} |")
+
+
+def _expanded_us(b: int, ctx: int) -> float:
+    """One query token per sequence over keys and values expanded per head (contiguous, as a
+    non-latent cache would hand them to attention): the baseline MLA's decode saves."""
+    import torch.nn.functional as F
+
+    q = torch.randn(b, HEADS, 1, NOPE + ROPE, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(b, HEADS, ctx, NOPE + ROPE, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(b, HEADS, ctx, V_DIM, device=DEVICE, dtype=torch.bfloat16)
+    return _bench_us(lambda: F.scaled_dot_product_attention(q, k, v), 50)
 
 
 def _write(path: str | None, lines: list[str]) -> None:
