@@ -87,7 +87,9 @@ def hf_fp8_latent_reference(ckpt: str, scales: torch.Tensor | None) -> list[list
 
 # --kv-cache-dtype fp8: the latent rows stored as e4m3 (x / the layer's K scale). V3-like with
 # 5-token chunks reading earlier chunks' quantized latents, unit scales; V2-Lite-like with
-# per-layer scales (as a checkpoint's k_scale would set them), again on prefix-cache hits.
+# per-layer scales (as a checkpoint's k_scale would set them), again on prefix-cache hits. On
+# these tiny models the quantization moves most greedy tokens away from the unquantized model's
+# (checked once: every prompt diverges within a few tokens), so equality pins the quantization.
 @pytest.mark.parametrize("arch,kw,scaled", [("deepseek-v3", dict(max_num_batched_tokens=5), False),
                                             ("deepseek-v2-lite", {}, True)])
 def test_fp8_latent_cache_equals_hf_with_the_latent_quantized(tiny_checkpoint, arch, kw, scaled):
