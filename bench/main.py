@@ -15,6 +15,7 @@ BENCHMARKS = {
     "tp": "pdserve.bench.tp",
     "tp-pd": "pdserve.bench.tp_pd",
     "moe": "pdserve.bench.moe",
+    "deepseek": "pdserve.bench.deepseek",
     "serve": "pdserve.bench.serve",
     "plot": "pdserve.bench.plot",
     "serve-ceiling": "pdserve.bench.serve_ceiling",

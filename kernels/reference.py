@@ -396,11 +396,12 @@ def mla_cache_write_ref(
     latent: torch.Tensor,  # [T, R + P]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, R + P] (strided view)
     slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's scale (None = 1)
 ) -> None:
     block_size = cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    cache[slots // block_size, slots % block_size, 0] = latent[keep].to(cache.dtype)
+    cache[slots // block_size, slots % block_size, 0] = quantize_kv(latent[keep], cache.dtype, kv_scale)
 
 
 def mla_decode_ref(
@@ -410,14 +411,17 @@ def mla_decode_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, incl. the current token
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's scale (None = 1)
 ) -> torch.Tensor:  # [B, H, R]: attention-weighted latents (times the value up-projection = output)
     """One query token per sequence, attending over its cached latents as multi-query attention
-    with key = [latent | rope key] (R + P) and value = latent (R), shared by every head."""
+    with key = [latent | rope key] (R + P) and value = latent (R), shared by every head. An fp8
+    cache's rows are dequantized (times kv_scale) first: the latent is both key and value, so one
+    scale serves both."""
     b, h, r = q_latent.shape
     block_size = cache.shape[1]
     max_len = int(context_lens.max())
     nblk = -(-max_len // block_size)
-    c = cache[block_tables[:, :nblk].long()].reshape(b, nblk * block_size, -1)[:, :max_len].float()
+    c = dequantize_kv(cache[block_tables[:, :nblk].long()].reshape(b, nblk * block_size, -1)[:, :max_len], kv_scale)
     q = torch.cat([q_latent, q_pe], dim=-1).float()
     scores = torch.einsum("bhd,bld->bhl", q, c) * scale
     scores.masked_fill_(torch.arange(max_len, device=q.device) >= context_lens[:, None, None].long(), float("-inf"))
@@ -434,9 +438,10 @@ def mla_prefill_ref(
     scale: float,
     expand,  # latents [L, R] -> (k_nope [L, H, N], v [L, H, V]): the kv_b up-projection
     v_head_dim: int,
+    kv_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's scale (None = 1)
 ) -> torch.Tensor:  # [T, H, V]
     """Causal attention of each chunk over its whole context (cached prefix and the chunk), with
-    the context's latents expanded into per-head keys and values."""
+    the context's latents (dequantized, for an fp8 cache) expanded into per-head keys and values."""
     t, h, _ = q_nope.shape
     r = cache.shape[-1] - q_pe.shape[-1]
     block_size = cache.shape[1]
@@ -448,7 +453,7 @@ def mla_prefill_ref(
         if n == 0:
             continue
         c = cache[block_tables[i, :-(-ctx // block_size)].long()].reshape(-1, cache.shape[-1])[:ctx]
-        c = c.to(q_nope.dtype)
+        c = c.to(q_nope.dtype) if c.dtype != FP8_KV_DTYPE else dequantize_kv(c, kv_scale).to(q_nope.dtype)
         k_nope, v = expand(c[:, :r])
         k = torch.cat([k_nope, c[:, None, r:].expand(ctx, h, -1)], dim=-1).float()
         q = torch.cat([q_nope[s:e], q_pe[s:e]], dim=-1).float()

@@ -80,6 +80,14 @@ def fp8_stack(request, tiny_checkpoint):
         yield urls
 
 
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def fp8_mla_stack(request, tiny_checkpoint):
+    """DeepSeek-V3's latent cache as fp8 on both workers: the hand-off moves e4m3 latent rows
+    (layout "...:float8_e4m3fn@1:4:mla"), bytes as they are."""
+    with pd_stack(tiny_checkpoint("deepseek-v3"), request.param, FP8, FP8) as urls:
+        yield urls
+
+
 @contextlib.contextmanager
 def pd_stack(ckpt, t: str, prefill_args=(), decode_args=()):
     p = WorkerProcess(
@@ -460,6 +468,23 @@ def test_fp8_kv_stack_moves_fp8_blocks(fp8_stack):
         assert_same(fp8_stack, "completions", {"prompt": TEXTS[3], "max_tokens": 4, "temperature": 0,
                                                "stream": stream})
     assert disaggregated(router) == before[0] + 2
+    assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
+    assert metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
+
+
+def test_fp8_latent_pd_equals_single_worker(fp8_mla_stack):
+    """P/D with an fp8 latent cache == one worker with one, greedy and seeded, streamed or not;
+    every request's KV pulled (not refused and prefilled locally)."""
+    router, worker = fp8_mla_stack
+    before = disaggregated(router), metric(worker, "pdserve_kv_local_prefill_fallbacks_total")
+    pulled = metric(worker, "pdserve_kv_transfer_bytes_total")
+    cases = [("completions", {"prompt": TEXTS[3], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                              "logprobs": 2}),
+             ("completions", {"prompt": TEXTS[2], "max_tokens": 6, "temperature": 1.0, "seed": 3, "stream": True}),
+             ("chat", {"messages": chat(TEXTS[0]), "max_tokens": 6, "temperature": 0, "stream": True})]
+    for route, body in cases:
+        assert_same(fp8_mla_stack, route, body)
+    assert disaggregated(router) == before[0] + len(cases)
     assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == before[1]  # pulled, not refused
     assert metric(worker, "pdserve_kv_transfer_bytes_total") > pulled
 

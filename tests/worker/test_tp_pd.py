@@ -8,7 +8,10 @@ decode worker's own greedy output for the same prompt, the decode worker must ha
 hold before. Llama with 2 KV heads maps heads across ranks (TP=2 -> TP=1 interleaves both
 prefill ranks' heads; TP=1 -> TP=2 keeps each rank's slice); Qwen2 with 1 KV head has it
 replicated on both ranks of a TP=2 worker; gpt-oss hands off its hybrid KV cache (the full
-layers' blocks and the sliding layers' window, docs/kv-cache.md) across TP sizes. A pull that
+layers' blocks and the sliding layers' window, docs/kv-cache.md) across TP sizes; DeepSeek-V3's
+latent cache (multi-head latent attention: one latent per token and layer, which every rank
+computes and holds whole) takes that replicated path, so one prefill rank's blocks serve every
+decode rank. A pull that
 fails on one rank only falls back to local prefill on every rank, with the same output.
 """
 
@@ -74,7 +77,9 @@ def free_kv_ports() -> int:
 
 
 # gpt-oss: the hybrid KV cache (docs/kv-cache.md), its sliding layers' window only handed off.
-GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1), ("tcp", "gpt-oss", 2)]
+# deepseek-v3: the MLA latent, one replicated "KV head" whatever the config's num_key_value_heads.
+GROUPS = [("tcp", "llama", 2), ("nixl", "llama", 2), ("tcp", "qwen2", 1), ("tcp", "gpt-oss", 2),
+          ("tcp", "deepseek-v3", 1)]
 
 
 @pytest.fixture(scope="module", params=GROUPS, ids=[f"{t}-{a}-kv{k}" for t, a, k in GROUPS])

@@ -115,15 +115,26 @@ def test_gpt_oss_triton_backend_matches_torch(checkpoint):
     assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
 
 
-def test_deepseek_triton_backend_matches_torch(checkpoint):
-    # Multi-head latent attention: decode in the latent space through kernels/mla_decode.py over
-    # the latent cache (8-token budget: decodes mixed with chunks that expand cached latents); the
-    # experts through the fused op's top-k entry after DeepSeek's grouped routing. No decode graphs:
-    # the latent write and prefill are torch references that read the host (models/deepseek.py).
+@pytest.mark.parametrize("static_decode,budget,kv_dtype", [(True, None, "fp8"), (False, 8, "auto")])
+def test_deepseek_triton_backend_matches_torch(checkpoint, static_decode, budget, kv_dtype):
+    # Multi-head latent attention: the latent written by kernels/mla_cache_write.py and decoded in
+    # the latent space by kernels/mla_decode.py; the experts through the fused op's top-k entry
+    # after DeepSeek's grouped routing. The decode graphs' static buffers (captured on a GPU; 3
+    # sequences run bucket 4, its padding row's slot -1 skipped by the latent write) with an fp8
+    # latent cache of per-layer scales; an 8-token budget: decodes mixed with chunks that expand
+    # cached latents.
     ckpt = checkpoint("deepseek-v3")
-    engine = make_engine(ckpt, "triton", max_num_batched_tokens=8)
-    assert not engine.runner.model.cuda_graphs and engine.runner.graphs is None
-    assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
+    kw = dict(kv_cache_dtype=kv_dtype, max_num_batched_tokens=budget)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (8, 5, 3)]
+    engine = make_engine(ckpt, "triton", static_decode=static_decode, max_num_seqs=4, **kw)
+    reference = make_engine(ckpt, "torch", static_decode=False, gpu_memory_utilization=0.6, **kw)
+    assert engine.runner.model.cuda_graphs and not reference.runner.model.cuda_graphs
+    layers = engine.kv_cache.num_layers
+    if kv_dtype == "fp8":
+        for e in (engine, reference):
+            e.kv_cache.scales.copy_(torch.linspace(0.05, 0.8, 2 * layers).reshape(layers, 2))
+    assert engine.generate(PROMPTS, params) == reference.generate(PROMPTS, params)
+    assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == static_decode
 
 
 @pytest.mark.parametrize("static_decode,budget", [(True, None), (False, 8)])

@@ -15,7 +15,8 @@ group's slot in every block (a block serves one group at a time; the block table
 The element type is the model's dtype, or float8 e4m3 (--kv-cache-dtype fp8): one byte per
 value, so the same memory holds twice the blocks of a bf16 cache and a hand-off moves half the
 bytes. An fp8 cache stores x / scale with one K and one V scale per layer (`scales`, fp32
-[num_layers, 2]); the write kernels divide by it, the attention kernels multiply it back in.
+[num_layers, 2]); the write kernels divide by it, the attention kernels multiply it back in. A
+latent cache's row is key and value at once: it uses the layer's K scale.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def kv_layout(cfg: ModelConfig, dtype: torch.dtype, block_size: int, scales: tor
     (`groups`) names its group split too: its blocks hold one group's layers."""
     window, sliding = (groups.window, groups.sliding_layers) if groups is not None else (0, ())
     spec = kv_spec(cfg)
+    if spec.latent and scales is not None:
+        scales = scales[:, :1]  # a latent cache reads each layer's K scale only (attention/mla.py)
     return KVLayout(cfg.num_layers, spec.num_kv_heads, spec.head_dim, str(dtype).removeprefix("torch."), block_size,
                     scales_tag(scales) if dtype == FP8_KV_DTYPE else None, window, tuple(sliding), spec.latent)
 
@@ -72,9 +75,6 @@ class KVCache:
         self.dtype = dtype
         self.spec = spec = kv_spec(cfg)
         self.quantized = dtype == FP8_KV_DTYPE
-        if self.quantized and spec.latent:
-            raise ValueError("--kv-cache-dtype fp8: an FP8 cache of MLA latents is not implemented "
-                             "(use --kv-cache-dtype auto)")
         if scales is None:
             scales = torch.ones(cfg.num_layers, 2)
         if tuple(scales.shape) != (cfg.num_layers, 2) or not bool((scales > 0).all()) or \

@@ -175,9 +175,6 @@ class ModelRunner:
         self.shard_config = self.model.cfg
         self.model_path = loaded.path
         mc = self.model_config
-        if config.kv_cache_fp8 and mc.mla is not None:
-            raise ConfigError("--kv-cache-dtype", f"fp8: {mc.architecture}'s latent cache (multi-head latent "
-                                                  f"attention) has no FP8 form yet; use auto")
         if max_len is None:
             max_len = mc.max_position_embeddings
             self.model.init_rope(max_len)

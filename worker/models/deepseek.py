@@ -82,6 +82,10 @@ class LatentAttention(nn.Module):
         back through the linear itself (kv_b_proj applied to the identity), so an FP8 kv_b_proj
         gives the matrix its own GEMM computes with (identity rows quantize exactly)."""
         if self._absorbed is None:
+            if self.kv_b_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                # Made inside a graph, they would live in its memory pool: the warm-up step makes them.
+                raise RuntimeError("LatentAttention: absorbed weights made during CUDA-graph capture; run a "
+                                   "forward before capturing")
             m, w = self.mla, self.kv_b_proj.weight
             dtype = w.dtype if w.is_floating_point() and w.element_size() > 1 else self.kv_a_layernorm.weight.dtype
             eye = torch.eye(m.kv_lora_rank, dtype=dtype, device=w.device)
@@ -147,8 +151,14 @@ class DeepseekMoeBlock(nn.Module):
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
-    # The latent attention's torch reference reads context lengths on the host (attention/mla.py).
-    cuda_graphs = False
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):
+        super().__init__(cfg, backend, max_positions, shard)
+        # A decode step on the Triton backend reads slots, lengths and block tables on the device
+        # only (the latent write and decode kernels, attention/mla.py), routes with fixed-shape
+        # torch ops (reference.moe_grouped_route_ref: top-k, scatter, masked fill; nothing sized by
+        # values) and runs the experts through the fused op: a CUDA graph can capture it. The torch
+        # backend's references read the host (and never run under graphs).
+        self.cuda_graphs = backend.name == "triton"
 
     def make_attention(self, cfg, layer_idx, backend, shard):
         return LatentAttention(cfg, layer_idx, backend, shard)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 47's DeepSeek-V3 GPU numbers in one device call (at most ~10 minutes on one H200). From the repo
+# root, with .whl/ carried (git-ignored; tools/gpu/lib.sh's ENGINE_DEPS wheels):
+#
+#   run(kind="nvidia-h200", carry=[".whl"], command="bash tools/gpu/deepseek.sh", timeout_s=600)
+#
+# Steps, most wanted first (seconds are each step's limit, cut to what is left of BUDGET, default
+# 570 s from the start: a step with under 30 s left is skipped and says so; PARTS picks steps for
+# a second call, e.g. PARTS="kernel fp8"):
+#   tests: compiled on the GPU, kernels/mla_decode.py and kernels/mla_cache_write.py vs their
+#     references (bf16 and fp8 latent caches), the tiny DeepSeek-V3 engine on the Triton backend
+#     with real decode CUDA-graph capture (fp8 latent cache) and eager mixed steps vs the torch
+#     engine (fp32)                                                                               150
+#   graphs, eager: DeepSeek-V3's config.json with $LAYERS layers (default 4: $DENSE dense, default 1,
+#     the rest MoE) and a tokenizer, no weights; one engine process per row, random FP8
+#     128x128-block weights made on the GPU (--load-format dummy): bs=1 decode ms/step after a
+#     $CONTEXT-token prompt (default 1024) with decode CUDA graphs (+ its bs=1 kernels under the
+#     profiler: profile.md), then eager (--enforce-eager: the same-run baseline), vs the
+#     active-parameter roofline (engine.md is rewritten after each row)                       150 each
+#   kernel: the MLA decode kernel vs the torch reference at 1k/8k/32k context, batch 1/8/64, bf16
+#     and fp8 latent caches: us, latent GB/s vs the same run's copy bandwidth                       120
+#   fp8: the engine row with CUDA graphs and an fp8 latent cache                                    150
+# Files in $OUT: env.txt, tests.txt, kernel.md, engine.md (+ engine_rows.jsonl), profile.md, log.txt.
+set -u
+LAYERS=${LAYERS:-4}
+DENSE=${DENSE:-1}
+CONTEXT=${CONTEXT:-1024}
+BUDGET=${BUDGET:-570}
+PARTS=${PARTS:-tests graphs eager kernel fp8}
+source tools/gpu/lib.sh
+gpu_begin gpu_deepseek engine triton transformers zmq pdserve.worker.engine.llm_engine pdserve.bench.deepseek || exit 1
+
+limited() {  # limited NAME SECONDS COMMAND...: step with the limit cut to the budget left; skipped under 30 s
+  local name=$1 limit=$2 left
+  shift 2
+  left=$(( BUDGET - ($(date +%s) - T0) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then
+    echo "=== $name: skipped, ${left}s of the ${BUDGET}s budget left (PARTS=... in another call)"
+    return 0
+  fi
+  step "$name" "$limit" "$@"
+}
+
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
+
+main() {
+  if wanted tests; then
+    limited "tests on the GPU" 150 $PY -m pytest -q -p no:cacheprovider -n 0 tests/kernels/test_mla_decode.py \
+      tests/worker/test_triton_backend.py -k "mla or deepseek or cache_write" > "$OUT/tests.txt" 2>&1
+    tail -n 5 "$OUT/tests.txt"
+  fi
+  cd /tmp
+  CKPT=/tmp/deepseek-v3-l$LAYERS
+  $PY -m pdserve.bench.deepseek checkpoint --checkpoint $CKPT --layers $LAYERS --dense-layers $DENSE
+  ROWS="$OUT/engine_rows.jsonl"
+  for part in graphs eager kernel fp8; do
+    wanted $part || continue
+    case $part in
+      graphs) args="--profile $OUT/profile.md" ;;
+      eager) args="--eager" ;;
+      fp8) args="--kv-cache-dtype fp8" ;;
+      kernel)
+        limited "kernel" 120 $PY -m pdserve.bench.deepseek kernel --out "$OUT/kernel.md"
+        continue ;;
+    esac
+    limited "engine $part" 150 $PY -m pdserve.bench.deepseek engine --checkpoint $CKPT --context $CONTEXT \
+      --rows "$ROWS" $args 2>&1 | grep -v " INFO "
+    $PY -m pdserve.bench.deepseek report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
+  done
+  cat "$OUT/kernel.md" "$OUT/engine.md" "$OUT/profile.md" 2>/dev/null
+  uptime
+}
+main > "$OUT/log.txt" 2>&1
+grep -v " INFO " "$OUT/log.txt" | tail -n 100
