@@ -212,7 +212,8 @@ class KVTransferParams:
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
         return cls(**{**values, "kv_layout": layout, "remote_block_ids": tuple(ids), "transport": transport,
                       "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv,
-                      "lora_name": lora_name, "lora_path": lora_path, "trace_context": _trace_context(params.get("trace_context"))})
+                      "lora_name": lora_name, "lora_path": lora_path,
+                      "trace_context": _trace_context(params.get("trace_context"))})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""
