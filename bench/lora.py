@@ -1,7 +1,7 @@
 """LoRA adapters on one GPU (issue 48's table; not a test): the base model vs the same weights
 serving rank-16 adapters on every projection, same run, same card.
 
-    python -m pdserve.bench.lora [--out lora.md] [--smoke]      (tools/gpu/lora.sh on the device)
+    pdserve bench lora [--out lora.md] [--smoke]      (tools/gpu/lora.sh on the device)
 
 Llama-3.1-8B-shaped random bf16 weights (--load-format dummy: made on the card, nothing written)
 and N random PEFT adapters (rank 16, lora_alpha 32, q/k/v/o/gate/up/down of every layer) written
@@ -56,7 +56,10 @@ def write_base(path: str, smoke: bool) -> dict:
 def write_adapters(cfg, out: str, n: int, rank: int) -> list[str]:
     """N PEFT adapters of `cfg`'s model, random A and B, saved by peft. The base is built on the
     meta device (no memory, no time); each adapter's matrices are made for real before saving."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise SystemExit("pdserve bench lora writes its adapters with peft: pip install peft") from None
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -173,7 +176,7 @@ def table(rows: list[dict], args, meta: dict) -> list[str]:
     cols = [f"bs{b}_ms" for b in args.batches] + ["prefill_ms", "offline_tok_s"]
     heads = [f"bs={b} ms/step" for b in args.batches] + [f"prefill {args.prefill_tokens} ms", "offline tok/s"]
     lines = [f"# LoRA: {meta['model']}, rank {args.rank} on all 7 projections, {meta['device']}",
-             "", f"{meta['date']}; `python -m pdserve.bench.lora {' '.join(meta['argv'])}`. "
+             "", f"{meta['date']}; `pdserve bench lora {' '.join(meta['argv'])}`. "
              f"Decode: median of {args.decode_steps} steps, {args.decode_input}-token prompts; offline: "
              f"{args.num_prompts} x {args.offline_input}/{args.offline_output} tokens. Ratios: against the "
              "no-LoRA engine of the same run (step time: higher is slower; throughput: lower is slower).", "",
@@ -200,7 +203,7 @@ def table(rows: list[dict], args, meta: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.lora", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdserve bench lora", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the table (markdown) here; the rows as JSON beside it (.json)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on CPU: checks the script, times nothing real")
     ap.add_argument("--workdir", help="where the config and adapters go (default: a temporary folder, removed)")
