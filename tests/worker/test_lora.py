@@ -6,6 +6,7 @@ model names, /v1/models and runtime endpoints; a P/D hand-off over TCP under an 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -327,6 +328,29 @@ def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
             layer.ops = ops
     assert got == [expected(adapters, "a", prompt), expected(adapters, "c", prompt)]
     assert calls["shrink_sgmv"] == calls["expand_sgmv"] > 0 and calls["shrink"] == calls["expand"] > 0
+
+
+def test_on_demand_loads_share_one_read_and_fail_by_name(adapters, engine, tmp_path):
+    """What a decode worker does with a hand-off's adapter it lacks (worker/lora/on_demand.py):
+    concurrent hand-offs of one adapter read it once; a path that holds none is the adapter's
+    error, nothing registered."""
+    from pdserve.worker.lora.on_demand import OnDemandLoads
+
+    _, paths = adapters
+    loads = OnDemandLoads(engine.lora)
+
+    async def main():
+        await asyncio.gather(*(loads.ensure("a2", str(paths["a"])) for _ in range(4)))
+        with pytest.raises(LoRAError, match="'missing'"):
+            await loads.ensure("missing", str(tmp_path / "none"))
+
+    asyncio.run(main())
+    try:
+        assert loads.num_loaded == 1 and engine.lora.serves("a2") and not engine.lora.serves("missing")
+        assert engine.lora.path_of("a2") == str(paths["a"].resolve())
+        assert engine.generate([PROMPTS[0]], GREEDY, ["a2"]) == [expected(adapters, "a", PROMPTS[0])]
+    finally:
+        engine.lora.remove("a2")
 
 
 def test_unloading_an_adapter_in_use_lets_its_running_request_finish(adapters, engine):
