@@ -307,7 +307,8 @@ def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
 
 def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
     """Runs of one adapter long enough for a row tile take SGMV, decodes of alternating adapters
-    BGMV; both in one generation still equal PEFT merged (the CPU path: the torch references)."""
+    BGMV; both in one generation still equal PEFT merged (the CPU path: the torch references).
+    An eager step of base-model tokens only launches no LoRA kernel."""
     assert segments_of([0] * 10 + [-1] * 6 + [1] * 9) == ([0, 10, 16, 25], [0, -1, 1], 10)
     assert segments_of([0, 1, 0, 1]) is None and segments_of([]) is None
     ops = engine.lora.layers[0].ops
@@ -323,11 +324,17 @@ def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
     prompt = list(range(700, 723))  # in no test's prefix cache: the whole prompt is prefilled
     try:
         got = engine.generate([prompt, prompt], GREEDY, ["a", "c"])
+        assert calls["shrink_sgmv"] == calls["expand_sgmv"] > 0 and calls["shrink"] == calls["expand"] > 0
+        calls.clear()
+        engine.add_request("base-only", list(range(800, 823)), GREEDY)
+        engine.step()  # its prefill: no token runs an adapter, no LoRA kernel is launched
+        assert not calls
+        while engine.has_work():
+            engine.step()
     finally:
         for layer in engine.lora.layers:
             layer.ops = ops
     assert got == [expected(adapters, "a", prompt), expected(adapters, "c", prompt)]
-    assert calls["shrink_sgmv"] == calls["expand_sgmv"] > 0 and calls["shrink"] == calls["expand"] > 0
 
 
 def test_on_demand_loads_share_one_read_and_fail_by_name(adapters, engine, tmp_path):

@@ -514,7 +514,8 @@ class ModelRunner:
             finally:
                 self.model.after_layer = None
                 if self.lora is not None:
-                    self.lora.ctx.slots, self.lora.ctx.segments = self.lora.ctx.idle, None
+                    ctx = self.lora.ctx
+                    ctx.slots, ctx.segments, ctx.active = ctx.idle, None, True
         self.prompt_scores = None
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
@@ -534,10 +535,14 @@ class ModelRunner:
 
     def _lora_inputs(self, lora_slots: list[int]) -> None:
         """An eager step's adapter per token on the device, and its runs of one adapter where
-        they are long enough for the segmented kernels (worker/lora/layer.py)."""
+        they are long enough for the segmented kernels (worker/lora/layer.py); none at all when
+        no token runs an adapter."""
         from pdserve.worker.lora.layer import segments_of
 
         ctx = self.lora.ctx
+        ctx.active = any(s >= 0 for s in lora_slots)
+        if not ctx.active:  # the base model's tokens only: nothing to add
+            return
         ctx.slots = self._tensor(lora_slots, torch.int64)
         runs = segments_of(lora_slots)
         if runs is not None:

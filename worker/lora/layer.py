@@ -86,6 +86,9 @@ class LoRAContext:
         self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.slots = self.idle
         self.segments: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # False: no token of this eager step runs an adapter (known on the host): the layers add
+        # nothing and launch nothing. A captured step leaves it True (its slots are read on the device).
+        self.active = True
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class LoRALinear:
             b[c:c + r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.active:
+            return out
         if self.ctx.segments is not None:
             u = self.ops.shrink_sgmv(x, self.a, *self.ctx.segments)
             return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments)
