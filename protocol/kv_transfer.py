@@ -143,6 +143,9 @@ class KVTransferParams:
     # The LoRA adapter the prefill ran (None: the base model): the KV is that adapter's, and the
     # decode worker must run the same one (it refuses these params otherwise).
     lora_name: str | None = None
+    # Where the prefill worker read that adapter from (a directory, made absolute, or a hub id): a
+    # decode worker without it loads it from there when runtime loading is allowed.
+    lora_path: str | None = None
     # The prefill worker's span as W3C headers (traceparent[, tracestate]): the decode worker's
     # hand-off spans link to it, and it parents them when the decode call came without one.
     trace_context: dict[str, str] | None = None
@@ -159,6 +162,8 @@ class KVTransferParams:
             del d[STREAM_KV]  # a plain hand-off's params stay as they always were
         if self.lora_name is None:
             del d["lora_name"]
+        if self.lora_path is None:
+            del d["lora_path"]
         if self.trace_context is None:
             del d["trace_context"]
         return d
@@ -198,13 +203,17 @@ class KVTransferParams:
         lora_name = params.get("lora_name")
         if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
             raise KVTransferParamsError(f"{PARAM}.lora_name must be a non-empty string")
+        lora_path = params.get("lora_path")
+        if lora_path is not None and (not isinstance(lora_path, str) or not lora_path or lora_name is None):
+            raise KVTransferParamsError(f"{PARAM}.lora_path must be a non-empty string, with lora_name")
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= 64:
             raise KVTransferParamsError(f"{PARAM}.kv_tp_size must be an integer in [1, 64]")
         if not isinstance(transport, str) or (expires_at is not None and not isinstance(expires_at, (int, float))):
             raise KVTransferParamsError(f"{PARAM}.transport must be a string and expires_at a number")
         return cls(**{**values, "kv_layout": layout, "remote_block_ids": tuple(ids), "transport": transport,
                       "expires_at": expires_at, "kv_tp_size": tp_size, "stream_kv": stream_kv,
-                      "lora_name": lora_name, "trace_context": _trace_context(params.get("trace_context"))})
+                      "lora_name": lora_name, "lora_path": lora_path,
+                      "trace_context": _trace_context(params.get("trace_context"))})
 
     def check_compatible(self, num_prompt_tokens: int, block_size: int, vocab_size: int) -> None:
         """Decode side, against this worker and this request: the checks that need both."""

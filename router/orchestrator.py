@@ -96,6 +96,12 @@ class Orchestrator:
         call.tracks_tokens = self.migration.allowed(call)
         pools = self.fallback.availability(model)
         decode_pool = pools.decode
+        # No decode worker serves this LoRA adapter, but some load it from a hand-off's params
+        # (worker/lora/on_demand.py): only a hand-off may go there, never the whole request.
+        loading = not decode_pool and bool(pools.prefill) and call.single_sequence
+        if loading:
+            decode_pool = self.selector.pool(ROLE_DECODE, model, handoff=True)
+            loading = bool(decode_pool)
         if not decode_pool:
             if not pools.prefill:
                 raise APIError(503, f"no healthy decode worker serves model {model!r}", code="no_workers")
@@ -106,9 +112,9 @@ class Orchestrator:
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
-        wanted = call.single_sequence and self.selector.disaggregate(call.request)
+        wanted = loading or (call.single_sequence and self.selector.disaggregate(call.request))
         if wanted:
-            if self.selector.decode_covers(call.routing, decode_pool):
+            if not loading and self.selector.decode_covers(call.routing, decode_pool):
                 self.metrics.decode_prefix_hits.inc()
                 self.tracing.event(call.span, "route", {"pdserve.route": "whole on decode (prefix cached)"})
                 return await self.direct(call, decode_pool)
@@ -117,6 +123,9 @@ class Orchestrator:
                 prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))
             else:
                 self.fallback.served_whole(pools.missing)
+        if prefill is None and loading:  # no decode worker serves it whole: the prefill role does
+            self.tracing.event(call.span, "route", {"pdserve.route": "whole on prefill (adapter on no decode worker)"})
+            return await self.direct(call, pools.prefill, ROLE_PREFILL)
         if prefill is None:
             self.tracing.event(call.span, "route", {"pdserve.route": "local prefill" if wanted else "whole on decode"})
             return await self.direct(call, decode_pool)

@@ -126,6 +126,7 @@ class Prober:
             worker.max_model_len = min(lens) if lens else None
             worker.roots = {str(d.get("id")): d["root"] for d in cards if isinstance(d.get("root"), str)}
             worker.parents = {str(d.get("id")): d["parent"] for d in cards if isinstance(d.get("parent"), str)}
+            worker.lora_loading = any(d.get("runtime_lora_loading") is True for d in cards)
         status, body = await self._get(worker.url + "/metrics")
         if status == 200:
             text = body.decode(errors="replace")

@@ -25,10 +25,16 @@ class Selector:
         self.profiles = {ROLE_PREFILL: create(config.prefill_policy, ctx),
                          ROLE_DECODE: create(config.decode_policy, ctx)}
 
-    def pool(self, role: str, model: str, partners: Sequence[Worker] | None = None) -> list[Worker]:
-        """The workers that may serve `role` for `model`, paired by revision with `partners`."""
-        query = PoolQuery(role, model, partners)
+    def pool(self, role: str, model: str, partners: Sequence[Worker] | None = None,
+             handoff: bool = False) -> list[Worker]:
+        """The workers that may serve `role` for `model`, paired by revision with `partners`.
+        `handoff`: the decode leg of a P/D hand-off, whose params carry a LoRA adapter's source:
+        workers that load it on demand qualify too."""
         candidates = self.workers.all()
+        base = None
+        if handoff:  # `model` an adapter: the base its servers list it under
+            base = next((w.parents[model] for w in candidates if model in w.parents), None)
+        query = PoolQuery(role, model, partners, base)
         for f in self.pool_filters:
             candidates = f.filter(candidates, query)
         return candidates

@@ -30,6 +30,9 @@ class Worker:
     lora_running: frozenset[str] = frozenset()
     lora_waiting: frozenset[str] = frozenset()
     max_lora: int | None = None
+    # Its base model card says `runtime_lora_loading`: it loads the adapter a hand-off names
+    # when it lacks it (the worker's --enable-lora and $VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    lora_loading: bool = False
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0

@@ -45,7 +45,7 @@ class AfterPrefill(Handoff[Prefilled]):
         if first_token_ended(answer):
             return o.finished_by_prefill(call, answer)
         call.disaggregated = True
-        decode_pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker])
+        decode_pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker], handoff=True)
         pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
         if call.stream:
             return o.stream_response(call, self.stream(call, decode_pool, answer, pin), pin=pin)

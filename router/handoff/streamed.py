@@ -196,7 +196,8 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
         o = self.o
         model = call.model
         leg = DecodeLeg(o.upstream_call("decode", ROLE_DECODE, call, o.selector.pool(ROLE_DECODE, model,
-                                                                                    partners=[prefill.worker])),
+                                                                                    partners=[prefill.worker],
+                                                                                    handoff=True)),
                         self.grace_s)
         limits = o.stream_limits if call.stream else o.unary_limits(call)
         leg.open(PATHS[call.route], call.decode_payload(prefill.params), call.headers(), limits)
@@ -281,7 +282,7 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                 if _stream_unsupported(refusal):  # the first token is out: the final params, the rest
                     leg.close()
                     pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
-                    pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker])
+                    pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker], handoff=True)
                     try:
                         async for chunk in self.after_prefill.stream(call, pool, answer, pin, first_sent=True):
                             yield chunk

@@ -26,9 +26,11 @@ class LoadHeadroom:
 class LoRAAffinity:
     """For a request naming a LoRA adapter: the workers that have it in a GPU slot already
     (running or queued requests use it: no swap, its matrices shared in the batch), else those
-    with a free slot (loading it evicts nobody's adapter), else all of them. Requests for the
-    base model are not narrowed. After load-headroom in the presets, so a hot adapter does not
-    pile onto one worker past the imbalance bound."""
+    with a free slot (loading it evicts nobody's adapter), else all of them; each tier among
+    the workers that serve it, when a hand-off's pool also holds workers that would load it on
+    demand (those are picked only when no worker serving it is left). Requests for the base
+    model are not narrowed. After load-headroom in the presets, so a hot adapter does not pile
+    onto one worker past the imbalance bound."""
 
     def __init__(self, ctx: PolicyContext):
         pass
@@ -37,5 +39,6 @@ class LoRAAffinity:
         adapter = request.request.model
         if not any(adapter in w.parents for w in workers):
             return list(workers)
+        workers = [w for w in workers if adapter in w.parents or not w.models] or workers
         return ([w for w in workers if w.lora_active(adapter)]
                 or [w for w in workers if w.lora_slot_free()] or list(workers))

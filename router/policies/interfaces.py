@@ -54,6 +54,10 @@ class PoolQuery:
     role: str  # "prefill" or "decode"
     model: str
     partners: Sequence[Worker] | None = None  # the other phase's workers: revisions must match one
+    # The decode leg of a hand-off for a LoRA adapter: the adapter's base model. A worker of that
+    # base that loads adapters on demand (Worker.lora_loading) may take it: the hand-off's params
+    # say where the adapter comes from. None: only workers serving `model`.
+    loads_for: str | None = None
 
 
 class PoolFilter(Protocol):

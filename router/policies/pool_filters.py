@@ -29,13 +29,16 @@ class HealthFilter:
 
 
 class ModelFilter:
-    """Serves the requested model (a worker not probed yet for its models is not excluded)."""
+    """Serves the requested model (a worker not probed yet for its models is not excluded); for a
+    hand-off's decode leg, also loads the adapter on demand (PoolQuery.loads_for)."""
 
     def __init__(self, ctx: PolicyContext):
         pass
 
     def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
-        return [w for w in workers if not w.models or query.model in w.models]
+        base = query.loads_for
+        return [w for w in workers if not w.models or query.model in w.models
+                or (base is not None and w.lora_loading and base in w.models)]
 
 
 class RevisionFilter:

@@ -21,6 +21,8 @@ def test_round_trip():
         {k: v for k, v in GOOD.items() if k not in ("transport", "expires_at", "kv_tp_size")}
     )
     assert older.transport == "tcp" and older.kv_tp_size == 1  # a sender that predates a field gets its default
+    lora = {**GOOD, "lora_name": "sql", "lora_path": "/adapters/sql"}  # the adapter and where it comes from
+    assert KVTransferParams.from_dict(lora).to_dict() == lora
 
 
 @pytest.mark.parametrize("change,says", [
@@ -35,6 +37,8 @@ def test_round_trip():
     ({"kv_tp_size": 0}, r"kv_tp_size must be an integer in \[1, 64\]"),
     ({"kv_tp_size": "2"}, r"kv_tp_size must be an integer"),
     ({"kv_tp_size": True}, r"kv_tp_size must be an integer"),
+    ({"lora_path": "/adapters/sql"}, "lora_path must be a non-empty string, with lora_name"),
+    ({"lora_name": "sql", "lora_path": ""}, "lora_path must be a non-empty string"),
 ])
 def test_malformed_params_are_refused(change, says):
     with pytest.raises(KVTransferParamsError, match=says) as e:

@@ -126,6 +126,12 @@ def worker(url="http://w:1", role="decode", revision=None, **state) -> Worker:
     ("health", [worker(healthy=False), worker(), worker(ejected_until=float("inf"))], PoolQuery("decode", "m"), [1]),
     ("model", [worker(models=frozenset({"a"})), worker(models=frozenset({"m"})), worker()], PoolQuery("decode", "m"),
      [1, 2]),  # a worker whose models are not probed yet is not excluded
+    # A hand-off's decode leg for adapter "sql" of base "m": workers that load adapters on demand qualify.
+    ("model", [worker(models=frozenset({"m", "sql"})), worker(models=frozenset({"m"}), lora_loading=True),
+               worker(models=frozenset({"m"})), worker(models=frozenset({"x"}), lora_loading=True)],
+     PoolQuery("decode", "sql", loads_for="m"), [0, 1]),
+    ("model", [worker(models=frozenset({"m", "sql"})), worker(models=frozenset({"m"}), lora_loading=True)],
+     PoolQuery("decode", "sql"), [0]),  # not a hand-off: only the workers serving it
     ("revision", [worker(revision="r1"), worker(revision="r2"), worker()], PoolQuery("decode", "m"), [0, 1, 2]),
     ("revision", [worker(revision="r1"), worker(revision="r2"), worker()],
      PoolQuery("decode", "m", partners=[worker(role="prefill", revision="r2")]), [1, 2]),
@@ -244,6 +250,16 @@ def test_lora_affinity_prefers_workers_holding_the_adapter(states, expected):
         ctx = PolicyContext(kv_index=KVIndex()) if name == "prefix-aware" else PolicyContext()
         want = expected[name] if isinstance(expected, dict) else expected
         assert pick(name, workers, LORA_REQUEST, ctx) == want, name
+
+
+def test_lora_affinity_picks_a_worker_that_would_load_the_adapter_only_when_none_serves_it():
+    serving = {"models": frozenset({"m", "sql"}), "parents": {"sql": "m"}, "max_lora": 2}
+    loader = {"models": frozenset({"m"}), "lora_loading": True, "max_lora": 2}
+    for name in ("least-loaded", "prefix-aware", "session-affinity"):
+        ctx = PolicyContext(kv_index=KVIndex()) if name == "prefix-aware" else PolicyContext()
+        assert pick(name, pool({**loader, "inflight": 0}, {**serving, "inflight": 3}), LORA_REQUEST, ctx) == 1, name
+    # ... while the load headroom keeps a busy one out, a loader takes the hand-off (least-loaded).
+    assert pick("least-loaded", pool({**loader, "inflight": 0}, {**serving, "inflight": 20}), LORA_REQUEST) == 0
 
 
 def test_lora_affinity_leaves_base_model_requests_alone():

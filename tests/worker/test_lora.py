@@ -6,8 +6,10 @@ model names, /v1/models and runtime endpoints; a P/D hand-off over TCP under an 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.engine.block_manager import hash_prefix_blocks, lora_hash_root
 from pdserve.worker.lora.adapter import LoRAError
+from pdserve.worker.lora.layer import LoRAOps, segments_of
 from pdserve.worker.config.lora_modules import LoRAModule, parse_lora_module
 from pdserve.worker.request.request import RequestError
 from pdserve.worker.request.sampling_params import SamplingParams
@@ -289,16 +292,72 @@ def test_tensor_parallel_shards_adapters_like_their_layers(adapters):
                                         "are held to their references in tests/kernels/test_lora.py")
 def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
     """The Triton backend, compiled, decode steps replayed from captured CUDA graphs, runs the
-    shrink/expand kernels: the base and an adapter in one batch still equal the merged models."""
+    shrink/expand kernels (the prefill's 23-token runs by segment, SGMV; the decodes by token,
+    BGMV): the base and an adapter in one batch still equal the merged models."""
 
     base, paths = adapters
     engine = device_engine(base, attention_backend="triton", static_decode=True, enable_lora=True,
                            lora_modules=(f"a={paths['a']}",), max_num_seqs=4)
-    prompts, names = [PROMPTS[2], PROMPTS[2]], [None, "a"]
+    prompts, names = [PROMPTS[1], PROMPTS[1]], [None, "a"]
     few = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     got = engine.generate(prompts, few, names)
     assert got == [expected(adapters, n, p)[:4] for n, p in zip(names, prompts)]
     assert engine.runner.graphs.num_replays > 0
+
+
+def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
+    """Runs of one adapter long enough for a row tile take SGMV, decodes of alternating adapters
+    BGMV; both in one generation still equal PEFT merged (the CPU path: the torch references).
+    An eager step of base-model tokens only launches no LoRA kernel."""
+    assert segments_of([0] * 10 + [-1] * 6 + [1] * 9) == ([0, 10, 16, 25], [0, -1, 1], 10)
+    assert segments_of([0, 1, 0, 1]) is None and segments_of([]) is None
+    ops = engine.lora.layers[0].ops
+    calls = Counter()
+
+    def counted(name):
+        real = getattr(ops, name)
+        return lambda *args: (calls.update([name]), real(*args))[1]
+
+    spy = LoRAOps(*(counted(n) for n in ("shrink", "expand", "shrink_sgmv", "expand_sgmv")))
+    for layer in engine.lora.layers:
+        layer.ops = spy
+    prompt = list(range(700, 723))  # in no test's prefix cache: the whole prompt is prefilled
+    try:
+        got = engine.generate([prompt, prompt], GREEDY, ["a", "c"])
+        assert calls["shrink_sgmv"] == calls["expand_sgmv"] > 0 and calls["shrink"] == calls["expand"] > 0
+        calls.clear()
+        engine.add_request("base-only", list(range(800, 823)), GREEDY)
+        engine.step()  # its prefill: no token runs an adapter, no LoRA kernel is launched
+        assert not calls
+        while engine.has_work():
+            engine.step()
+    finally:
+        for layer in engine.lora.layers:
+            layer.ops = ops
+    assert got == [expected(adapters, "a", prompt), expected(adapters, "c", prompt)]
+
+
+def test_on_demand_loads_share_one_read_and_fail_by_name(adapters, engine, tmp_path):
+    """What a decode worker does with a hand-off's adapter it lacks (worker/lora/on_demand.py):
+    concurrent hand-offs of one adapter read it once; a path that holds none is the adapter's
+    error, nothing registered."""
+    from pdserve.worker.lora.on_demand import OnDemandLoads
+
+    _, paths = adapters
+    loads = OnDemandLoads(engine.lora)
+
+    async def main():
+        await asyncio.gather(*(loads.ensure("a2", str(paths["a"])) for _ in range(4)))
+        with pytest.raises(LoRAError, match="'missing'"):
+            await loads.ensure("missing", str(tmp_path / "none"))
+
+    asyncio.run(main())
+    try:
+        assert loads.num_loaded == 1 and engine.lora.serves("a2") and not engine.lora.serves("missing")
+        assert engine.lora.path_of("a2") == str(paths["a"].resolve())
+        assert engine.generate([PROMPTS[0]], GREEDY, ["a2"]) == [expected(adapters, "a", PROMPTS[0])]
+    finally:
+        engine.lora.remove("a2")
 
 
 def test_unloading_an_adapter_in_use_lets_its_running_request_finish(adapters, engine):

@@ -213,6 +213,8 @@ class LLMEngine:
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids, kv_transfer_params,
                       continued)
         req.lora_name = lora_name
+        if lora_name is not None:
+            req.lora_path = self.lora.path_of(lora_name)
         if grammar is not None:
             req.grammar = grammar
         elif params.structured is not None:  # compiled (or a cache hit) here: a bad schema is the caller's 400

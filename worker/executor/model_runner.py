@@ -509,13 +509,14 @@ class ModelRunner:
                 fill(input_ids)
             self.model.after_layer = layer_clock.after_layer if layer_clock is not None else None
             if plan.lora_slots is not None:
-                self.lora.ctx.slots = self._tensor(plan.lora_slots, torch.int64)
+                self._lora_inputs(plan.lora_slots)
             try:
                 hidden = self.model(input_ids, positions, meta)
             finally:
                 self.model.after_layer = None
                 if self.lora is not None:
-                    self.lora.ctx.slots = self.lora.ctx.idle
+                    ctx = self.lora.ctx
+                    ctx.slots, ctx.segments, ctx.active = ctx.idle, None, True
         self.prompt_scores = None
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
@@ -532,6 +533,22 @@ class ModelRunner:
     def receive_sampled(self, n: int) -> torch.Tensor:
         """Ranks >= 1: rank 0's `n` sampled token ids of the step just run (StepPlan.share_tokens)."""
         return share_from_rank0(torch.empty(n, dtype=torch.int64, device=self.device))
+
+    def _lora_inputs(self, lora_slots: list[int]) -> None:
+        """An eager step's adapter per token on the device, and its runs of one adapter where
+        they are long enough for the segmented kernels (worker/lora/layer.py); none at all when
+        no token runs an adapter."""
+        from pdserve.worker.lora.layer import segments_of
+
+        ctx = self.lora.ctx
+        ctx.active = any(s >= 0 for s in lora_slots)
+        if not ctx.active:  # the base model's tokens only: nothing to add
+            return
+        ctx.slots = self._tensor(lora_slots, torch.int64)
+        runs = segments_of(lora_slots)
+        if runs is not None:
+            starts, seg_slots, longest = runs
+            ctx.segments = (self._tensor(starts, torch.int32), self._tensor(seg_slots, torch.int32), longest)
 
     def _fill_from_previous(self, ids: torch.Tensor, pairs: list[tuple[int, int]], previous: torch.Tensor) -> None:
         """ids[dst] = previous[src] on the device, without the host reading either. The usual

@@ -303,7 +303,8 @@ class KVConnectorScheduler:
         self._pinned[req.request_id] = len(blocks)
         self._num_pinned += len(blocks)
         return self._endpoint.params(req.request_id, blocks, req.num_prompt_tokens, token, first_token_id,
-                                     stream_kv=ready is not None, lora_name=req.lora_name)
+                                     stream_kv=ready is not None, lora_name=req.lora_name,
+                                     lora_path=req.lora_path)
 
     def _handoff(self, req: Request) -> list[int]:
         """The blocks a hand-off of `req`'s prompt lists: every prompt block (the full group's, for

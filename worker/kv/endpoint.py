@@ -33,7 +33,7 @@ class KVEndpoint:
 
     def params(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, token: str,
                first_token_id: int | None = None, stream_kv: bool = False,
-               lora_name: str | None = None) -> KVTransferParams:
+               lora_name: str | None = None, lora_path: str | None = None) -> KVTransferParams:
         """The kv_transfer_params of a pin made under `token`. A streamed pin (no first token yet)
         never expires while its prefill runs; a finished one's expiry starts now."""
         return KVTransferParams(
@@ -41,7 +41,7 @@ class KVEndpoint:
             remote_request_id=request_id, remote_block_ids=tuple(block_ids), num_prompt_tokens=num_prompt_tokens,
             first_token_id=first_token_id, transfer_token=token, kv_layout=self.layout, transport=self.transport,
             expires_at=None if stream_kv else time.time() + self.pin_ttl, kv_tp_size=self.tp_size,
-            stream_kv=stream_kv, lora_name=lora_name)
+            stream_kv=stream_kv, lora_name=lora_name, lora_path=lora_path)
 
     def allowed_peer(self, params: KVTransferParams) -> str:
         """The address to connect to for these params, if --kv-peer-allow admits their host and

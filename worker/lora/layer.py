@@ -19,7 +19,10 @@ collective of LoRA's own.
 
 `LoRAContext.slots` holds the step's slot per token (-1: the base model), set by the model
 runner before each forward (a CUDA graph's static buffer in a captured decode step), so the
-layers never read anything on the host.
+layers never read anything on the host. An eager step whose tokens come in long runs of one
+adapter (a prefill, a mixed step's chunks) also sets `LoRAContext.segments`: the layers then run
+the segmented kernels (SGMV: each run's A and B read once per row tile) instead of the per-token
+ones (BGMV), which stay for decodes and every captured step.
 """
 
 from __future__ import annotations
@@ -37,26 +40,55 @@ from pdserve.worker.lora.adapter import LoRAAdapter
 class LoRAOps:
     shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32
     expand: Callable  # (y [T, N], u [T, R], b [S, R, N], slots [T]) -> y, in place
+    # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len)
+    shrink_sgmv: Callable
+    expand_sgmv: Callable
 
 
 def lora_ops(backend_name: str) -> LoRAOps:
     """Triton's kernels with the Triton backend, the torch references otherwise (one numerics per engine)."""
     if backend_name == "triton":
         from pdserve.kernels.lora import lora_expand, lora_shrink
+        from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv
 
-        return LoRAOps(lora_shrink, lora_expand)
-    from pdserve.kernels.reference import lora_expand_ref, lora_shrink_ref
+        return LoRAOps(lora_shrink, lora_expand, lora_shrink_sgmv, lora_expand_sgmv)
+    from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
 
-    return LoRAOps(lora_shrink_ref, lora_expand_ref)
+    return LoRAOps(lora_shrink_ref, lora_expand_ref, lora_shrink_sgmv_ref, lora_expand_sgmv_ref)
+
+
+# An eager step runs SGMV when its runs of one adapter average at least this many tokens: a row
+# tile is 16 tokens, and shorter runs (decodes of alternating adapters) would leave most of each
+# tile idle, where BGMV's one product per token wastes nothing.
+SGMV_MIN_AVG_RUN = 8
+
+
+def segments_of(slots: list[int]) -> tuple[list[int], list[int], int] | None:
+    """A step's slot per token as runs of one slot: (starts [G + 1], slots [G], longest run), or
+    None when the runs are too short for SGMV (SGMV_MIN_AVG_RUN)."""
+    starts, seg_slots = [], []
+    for i, s in enumerate(slots):
+        if not i or s != slots[i - 1]:
+            starts.append(i)
+            seg_slots.append(s)
+    starts.append(len(slots))
+    if not seg_slots or len(slots) < SGMV_MIN_AVG_RUN * len(seg_slots):
+        return None
+    return starts, seg_slots, max(e - b for b, e in zip(starts, starts[1:]))
 
 
 class LoRAContext:
-    """The step's slot per token, shared by every LoRA layer of the model."""
+    """The step's slot per token, shared by every LoRA layer of the model, and its segments when
+    the step runs SGMV: (starts [G + 1], seg_slots [G] on the device, the longest run)."""
 
     def __init__(self, max_tokens: int, device: torch.device):
         # No adapter anywhere: what a forward without a plan of its own reads (the memory profile).
         self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.slots = self.idle
+        self.segments: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # False: no token of this eager step runs an adapter (known on the host): the layers add
+        # nothing and launch nothing. A captured step leaves it True (its slots are read on the device).
+        self.active = True
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,11 @@ class LoRALinear:
             b[c:c + r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.active:
+            return out
+        if self.ctx.segments is not None:
+            u = self.ops.shrink_sgmv(x, self.a, *self.ctx.segments)
+            return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments)
         slots = self.ctx.slots[:x.shape[0]]
         u = self.ops.shrink(x, self.a, slots)
         return self.ops.expand(out, u, self.b, slots)

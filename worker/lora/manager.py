@@ -19,6 +19,7 @@ engine thread then only registers the result, or swaps in what the cache holds.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -84,6 +85,15 @@ class LoRAManager:
 
     def serves(self, name: str) -> bool:
         return name in self._served
+
+    def path_of(self, name: str) -> str | None:
+        """Where `name` was read from, as another worker can read it: a directory made absolute
+        (a relative --lora-modules path means nothing on another host's working directory), or
+        the hub id as given. A hand-off carries it (kv_transfer_params.lora_path)."""
+        module = self._known.get(name)
+        if module is None:
+            return None
+        return os.path.abspath(module.path) if os.path.isdir(module.path) else module.path
 
     def _cache(self, module: LoRAModule, adapter: LoRAAdapter) -> None:
         self._host[module.name] = (module, adapter)

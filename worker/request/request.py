@@ -63,6 +63,7 @@ class Request:
         # The LoRA adapter it runs (--enable-lora; None: the base model). It seeds the block hash
         # chain (block_manager.lora_hash_root): KV computed under one adapter is never another's.
         self.lora_name: str | None = None
+        self.lora_path: str | None = None  # where this worker read it from: a hand-off names it
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -64,6 +64,10 @@ class WorkerState:
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
         self.tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-worker", self.metrics.registry)
         log_trace_ids(self.tracing)
+        # $VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM reads it: the runtime adapter endpoints, and
+        # a hand-off's adapter loaded where this worker lacks it.
+        self.runtime_lora = os.environ.get(ENV_RUNTIME_LORA, "").strip().lower() in ("1", "true")
+        self._lora_loads = None
 
     @property
     def model_root(self) -> str | None:
@@ -90,6 +94,18 @@ class WorkerState:
     def lora(self):
         """The engine's LoRA adapters (worker/lora/manager.py), None without --enable-lora."""
         return getattr(self.engine, "lora", None) if self.engine is not None else None
+
+    @property
+    def lora_loads(self):
+        """Loads of a hand-off's adapter this worker lacks (worker/lora/on_demand.py); None
+        without --enable-lora or without runtime loading."""
+        if not self.runtime_lora or self.lora is None:
+            return None
+        if self._lora_loads is None:
+            from pdserve.worker.lora.on_demand import OnDemandLoads
+
+            self._lora_loads = OnDemandLoads(self.lora)
+        return self._lora_loads
 
     def new_generation(self, request_id, prompts, params, n, kv_transfer_params, continuation=None,
                        lora_name: str | None = None, trace_headers=None) -> Generation:
@@ -281,6 +297,8 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
             card["root"] = root
         if state.engine is not None:
             card["max_model_len"] = state.engine.max_model_len
+        if state.lora_loads is not None:  # pdserve's: a router may send it hand-offs of adapters it lacks
+            card["runtime_lora_loading"] = True
         return card
 
     def adapter_cards() -> list[dict]:
@@ -304,7 +322,7 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
                 return card
         raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
 
-    if os.environ.get(ENV_RUNTIME_LORA, "").strip().lower() in ("1", "true"):
+    if state.runtime_lora:
         install_lora_routes(app, state, authorized, ready, read, limits)
 
     @app.get("/health")

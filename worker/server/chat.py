@@ -55,7 +55,7 @@ def render_prompt(templates: ChatTemplates, body: ChatCompletionRequest, tools: 
 
 async def create_chat_completion(state, request: Request, body: ChatCompletionRequest):
     body.check_unsupported()
-    lora = serving.resolve_model(state, body.model)
+    lora = await serving.resolve_model_of(state, body.model, body.kv_transfer_params)
     cfg = state.config
     tools = plan_tools(body, cfg.tool_call_parser, cfg.enable_auto_tool_choice)
     harmony = cfg.harmony_flag is not None

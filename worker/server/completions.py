@@ -43,7 +43,7 @@ def _tokenize(state, prompts: list) -> list[list[int]]:
 
 async def create_completion(state, request: Request, body: CompletionRequest):
     body.check_unsupported()
-    lora = serving.resolve_model(state, body.model)
+    lora = await serving.resolve_model_of(state, body.model, body.kv_transfer_params)
     tok = state.tokenizer
     prompts = await serving.off_loop(_tokenize, state, body.prompts())
     only_prompt = echo.echo_only(body)

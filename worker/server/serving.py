@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pdserve.protocol.contract import (CODE_REQUEST_FAILED, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
+from pdserve.protocol.contract import (CODE_REQUEST_FAILED, ENV_RUNTIME_LORA, HEADER_REQUEST_FAILED, HEADER_REQUEST_ID,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.continuation import HEADER_TOKEN_IDS, token_ids_event
@@ -74,6 +74,25 @@ def resolve_model(state, requested: str | None) -> str | None:
         return requested
     check_model(requested, state.served_model_name)
     return None
+
+
+async def resolve_model_of(state, requested: str | None, kv_params) -> str | None:
+    """resolve_model, after loading the adapter a hand-off names where this worker lacks it
+    (worker/lora/on_demand.py): refused 404 model_not_found without runtime loading, 400 naming
+    the adapter and the reason when it cannot be loaded."""
+    if (requested and requested != state.served_model_name and isinstance(kv_params, KVTransferParams)
+            and kv_params.lora_name == requested and kv_params.lora_path and state.lora is not None
+            and not state.lora.serves(requested)):
+        if state.lora_loads is None:
+            raise APIError(404, f"LoRA adapter {requested!r} of this hand-off is not loaded on this worker, and "
+                                f"loading it needs {ENV_RUNTIME_LORA}=true", "model", "model_not_found")
+        from pdserve.worker.lora.adapter import LoRAError
+
+        try:
+            await state.lora_loads.ensure(requested, kv_params.lora_path)
+        except LoRAError as e:
+            raise bad_request(f"cannot load the hand-off's LoRA adapter: {e}", "model") from None
+    return resolve_model(state, requested)
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -1,0 +1,134 @@
+"""LoRA's two halves for a prefill or mixed step, by segment (punica's SGMV): the step's tokens
+come in runs that share one adapter (a prompt's tokens are contiguous, and neighbouring
+sequences of one adapter join the run), so each tile of a run's rows reads its adapter's A and
+B once, as a small matrix product, instead of once per token as lora.py's BGMV kernels do.
+
+  segments: starts [G + 1] (token offsets, starts[0] = 0, starts[G] = T), slots [G] (-1: base)
+  shrink:   u[t] = x[t] @ A[slot[g]]       for starts[g] <= t < starts[g + 1]; x [T, K] -> u [T, R] fp32
+  expand:   y[t] += u[t] @ B[slot[g]]      u [T, R], B [S, R, N], y [T, N] in place
+
+A base segment's rows get zeros from shrink and are left alone by expand, as in BGMV. The grid
+has a dimension of `max_len` (the longest segment) row tiles: the step's segments are built on
+the host with its inputs (model_runner), so only eager steps use these kernels; a captured
+decode step keeps BGMV, whose grid depends on shapes only. References:
+reference.lora_shrink_sgmv_ref / lora_expand_sgmv_ref.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32,
+                                    dot_precision)
+
+# Rows of a segment one program multiplies: tl.dot wants >= 16 on every side. fp32 models
+# multiply in full fp32 (launch.dot_precision), bf16/fp16 ones on the tensor cores, the fp32
+# product of expand as TF32.
+BLOCK_M = 16
+
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, u_ptr, K, R, stride_xt, stride_as, stride_ak,
+                        stride_ut, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(R, BLOCK_R)).
+    g = tl.program_id(0)
+    start = tl.load(starts_ptr + g).to(tl.int64)
+    end = tl.load(starts_ptr + g + 1).to(tl.int64)
+    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
+    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = m < end
+    k_live = tl.where(slot >= 0, K, 0)  # a base segment reads nothing and stores zeros
+    a_base = a_ptr + tl.maximum(slot, 0) * stride_as
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + m[:, None] * stride_xt + k[None, :], mask=rows[:, None] & (k[None, :] < k_live),
+                     other=0.0)
+        av = tl.load(a_base + k[:, None] * stride_ak + r[None, :], mask=(k[:, None] < k_live) & (r[None, :] < R),
+                     other=0.0)
+        if DOT_F32:
+            acc = tl.dot(xv.to(tl.float32), av.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(xv, av.to(xv.dtype), acc, input_precision=PRECISION)
+    tl.store(u_ptr + m[:, None] * stride_ut + r[None, :], acc, mask=rows[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, stride_yt, stride_ut, stride_bs,
+                        stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)).
+    g = tl.program_id(0)
+    start = tl.load(starts_ptr + g).to(tl.int64)
+    end = tl.load(starts_ptr + g + 1).to(tl.int64)
+    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
+    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = m < end
+    r_live = tl.where(slot >= 0, R, 0)
+    b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        uv = tl.load(u_ptr + m[:, None] * stride_ut + r[None, :], mask=rows[:, None] & (r[None, :] < r_live),
+                     other=0.0)
+        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
+                     other=0.0).to(tl.float32)
+        acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
+    out = y_ptr + m[:, None] * stride_yt + n[None, :]
+    keep = rows[:, None] & (n[None, :] < tl.where(slot >= 0, N, 0))  # a base segment: nothing stored
+    y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
+           inner: int) -> None:
+    check_tensor(fn, "stack", stack, (None, None, None), FLOAT_DTYPES)
+    check_tensor(fn, "seg_slots", seg_slots, (None,), INDEX_DTYPES)
+    check_tensor(fn, "starts", starts, (seg_slots.shape[0] + 1,), INDEX_DTYPES)
+    check_devices(fn, rows=rows, stack=stack, starts=starts, seg_slots=seg_slots)
+    if rows.shape[1] != inner:
+        raise ValueError(f"{fn}: the rows have {rows.shape[1]} columns, the stack's inner size is {inner}")
+    if rows.stride(-1) != 1 or not stack.is_contiguous():
+        raise ValueError(f"{fn}: rows must be contiguous in their last dimension and the stack contiguous")
+
+
+def lora_shrink_sgmv(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
+                     max_len: int) -> torch.Tensor:
+    """Triton version of reference.lora_shrink_sgmv_ref; `max_len`: the longest segment."""
+    check_tensor("lora_shrink_sgmv", "x", x, (None, None), FLOAT_DTYPES)
+    _check("lora_shrink_sgmv", x, a, starts, seg_slots, a.shape[1])
+    t, (_, k, r), g = x.shape[0], a.shape, seg_slots.shape[0]
+    u = torch.empty((t, r), dtype=torch.float32, device=x.device)
+    if t == 0 or r == 0 or g == 0 or max_len <= 0:
+        return u.zero_()
+    block_r = max(16, triton.next_power_of_2(min(r, 64)))
+    block_k = max(16, min(triton.next_power_of_2(k), 64))
+    grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(r, block_r))
+    _sgmv_shrink_kernel[grid](x, a, starts, seg_slots, u, k, r, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
+                              BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, DOT_F32=dot_in_f32(x.dtype),
+                              PRECISION=dot_precision(x.dtype))
+    return u
+
+
+def lora_expand_sgmv(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
+                     seg_slots: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Triton version of reference.lora_expand_sgmv_ref (in place on y; returns y)."""
+    check_tensor("lora_expand_sgmv", "y", y, (None, None), FLOAT_DTYPES)
+    check_tensor("lora_expand_sgmv", "u", u, (y.shape[0], b.shape[1]), (torch.float32,))
+    _check("lora_expand_sgmv", u, b, starts, seg_slots, b.shape[1])
+    if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
+        raise ValueError(f"lora_expand_sgmv: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
+    t, (_, r, n), g = y.shape[0], b.shape, seg_slots.shape[0]
+    if t == 0 or n == 0 or g == 0 or max_len <= 0:
+        return y
+    block_n = max(16, min(triton.next_power_of_2(n), 64))
+    block_r = max(16, triton.next_power_of_2(min(r, 64)))
+    grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(n, block_n))
+    _sgmv_expand_kernel[grid](y, u, b, starts, seg_slots, n, r, y.stride(0), u.stride(0), b.stride(0), b.stride(1),
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
+    return y
