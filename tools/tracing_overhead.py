@@ -1,0 +1,214 @@
+"""What tracing costs (issue 52's "Measure": <= 2 % at sampling 1.0): throughput and inter-token
+latency through the local P/D stack with tracing on against off, in one run on one machine.
+
+    python tools/tracing_overhead.py --out DIR [--model PATH] [--device cpu|cuda] [--pairs 6]
+        [--requests 48] [--concurrency 8] [--input-len 128] [--output-len 64] [--worker-args='...']
+
+Two `pdserve up` stacks (1 prefill + 1 decode worker and the router each) run side by side on
+the same checkpoint: "off" without tracing, "on" with `--otlp-traces-endpoint` on the router and
+both workers, `OTEL_TRACES_SAMPLER=parentbased_traceidratio` at 1.0 (every request traced), the
+SDK's default batching, exporting over OTLP/HTTP to a real receiver in its own process
+(tools/otlp_capture.py: every span is decoded there). The stacks take turns: pair k runs the
+same fresh prompts (seed k) through both, "off" first in even pairs and "on" first in odd ones,
+so a drift in the machine's load lands on both sides. Each run is a closed loop of --requests
+streamed completions at --concurrency (bench/serve.py's client: ignore_eos, exact prompt and
+output lengths); between runs nothing is sent. Per run: output tokens/s, ITL mean and p50, TTFT
+p50, and the CPU seconds the stack's three processes used per request (/proc, all threads).
+Per pair the ratios on/off; the report gives their median and spread.
+
+Afterwards: the spans the receiver got against the traced requests (warm-up included: did every
+request's spans arrive?) and every process's `pdserve_tracing_dropped_spans_total`.
+
+Without --model: bench/disagg.py's tiny random Llama and word tokenizer (a step takes about a
+millisecond, so the servers' own Python, where the tracing calls are, is most of the cost: the
+worst case for the ratio). --model with a real checkpoint (e.g. the default SmolLM2's folder)
+measures a model whose steps dominate. tools/gpu/tracing.sh runs this on a GPU with an
+8B-shaped --load-format dummy model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from otlp_capture import ReceiverProcess
+from pdserve.bench import dataset, serve, serve_metrics
+from pdserve.bench.disagg import UpStack, make_checkpoint, scratch_dir
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its reaped children (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / CLK_TCK  # utime stime cutime cstime
+
+
+def stack_pids(stack: UpStack) -> dict[str, int]:
+    text = stack.out.read_text(errors="replace")
+    return {name: int(pid) for name, pid in re.findall(r"started (\S+)\s+pid (\d+)", text)}
+
+
+def stack_cpu(pids: dict[str, int]) -> float:
+    return sum(cpu_seconds(p) for p in pids.values())
+
+
+def dropped_spans(stack: UpStack) -> dict[str, float]:
+    """pdserve_tracing_dropped_spans_total per process and reason (absent: 0)."""
+    out = {}
+    for name, url in stack.children.items():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        for reason, value in re.findall(r'pdserve_tracing_dropped_spans_total\{reason="([^"]+)"\} (\S+)', text):
+            out[f"{name}:{reason}"] = float(value)
+    return out
+
+
+def one_run(stack: UpStack, pids: dict[str, int], specs, args) -> dict:
+    cfg = serve.LoadConfig(base_url=stack.children["router"], model="llama", concurrency=args.concurrency,
+                           progress=False, request_timeout_s=300)
+    cpu0 = stack_cpu(pids)
+    results, duration = asyncio.run(serve.run_load(cfg, specs))
+    cpu = stack_cpu(pids) - cpu0
+    s = serve_metrics.summarize(results, duration, {})
+    return {"completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
+            "duration_s": duration, "output_tok_s": s["output_throughput"],
+            "itl_mean_ms": s["itl_s"]["mean"] * 1e3, "itl_p50_ms": s["itl_s"]["p50"] * 1e3,
+            "itl_p99_ms": s["itl_s"]["p99"] * 1e3, "ttft_p50_ms": s["ttft_s"]["p50"] * 1e3,
+            "cpu_ms_per_req": cpu / max(s["completed"], 1) * 1e3}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+
+
+def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str) -> str:
+    lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
+             f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
+             f"1 prefill + 1 decode worker + router (`pdserve up`, KV over {args.kv_transfer or 'the default'}), "
+             f"model {args.model_name}; {machine}.", "",
+             "| pair | order | off tok/s | on tok/s | off ITL mean ms | on ITL mean ms | off ITL p50 | on ITL p50 "
+             "| off TTFT p50 ms | on TTFT p50 ms | off CPU ms/req | on CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pairs:
+        off, on = p["off"], p["on"]
+        lines.append(f"| {p['pair']} | {p['order']} | {off['output_tok_s']:.1f} | {on['output_tok_s']:.1f} | "
+                     f"{off['itl_mean_ms']:.2f} | {on['itl_mean_ms']:.2f} | {off['itl_p50_ms']:.2f} | "
+                     f"{on['itl_p50_ms']:.2f} | {off['ttft_p50_ms']:.1f} | {on['ttft_p50_ms']:.1f} | "
+                     f"{off['cpu_ms_per_req']:.1f} | {on['cpu_ms_per_req']:.1f} |")
+    lines += ["", "| on / off, per pair | median | min | max | mean ± std |", "|---|---|---|---|---|"]
+    for key, label in (("output_tok_s", "throughput"), ("itl_mean_ms", "ITL mean"), ("itl_p50_ms", "ITL p50"),
+                       ("ttft_p50_ms", "TTFT p50"), ("cpu_ms_per_req", "stack CPU per request")):
+        s = spread([p["on"][key] / p["off"][key] for p in pairs])
+        lines.append(f"| {label} | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
+                     f"{s['mean']:.3f} ± {s['std']:.3f} |")
+    failed = sum(r["failed"] for r in runs)
+    lines += ["", f"Failed requests: {failed}. Spans received: {spans['received']} for {spans['traced_requests']} "
+              f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
+              f"{spans['expected']}). Dropped spans (pdserve_tracing_dropped_spans_total): "
+              f"{json.dumps(dropped) if dropped else 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
+def spans_per_request(rx: ReceiverProcess) -> int:
+    """The spans of the first complete trace the receiver holds (router + both workers)."""
+    by_trace: dict[str, int] = {}
+    for s in rx.spans():
+        by_trace[s["trace_id"]] = by_trace.get(s["trace_id"], 0) + 1
+    return max(by_trace.values(), default=0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", help="checkpoint folder (default: a tiny random Llama made here)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--requests", type=int, default=48, help="requests per run")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=8, help="requests through each stack before the first pair")
+    p.add_argument("--kv-transfer", choices=("tcp", "nixl"), help="default: tcp on CPU, pdserve up's on a GPU")
+    p.add_argument("--worker-args", default="", help="more flags for every worker (e.g. --load-format dummy)")
+    p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = scratch_dir("pdserve-tracing-")
+    if args.model is None:
+        args.model = str(work / "tiny")
+        make_checkpoint(args.model, smoke=True)
+        args.model_name = "tiny random Llama (bench/disagg.py TINY: 2 layers, hidden 64)"
+    else:
+        args.model_name = Path(args.model).name
+    args.kv_transfer = args.kv_transfer or ("tcp" if args.device == "cpu" else None)
+    smoke = args.device == "cpu"
+    tokenizer = dataset.load_tokenizer(args.model)
+    os.environ.update({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.0",
+                       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+    stacks: dict[str, UpStack] = {}
+    runs: list[dict] = []
+    pairs: list[dict] = []
+    with ReceiverProcess() as rx:
+        flags = f"--otlp-traces-endpoint {rx.http_url}"
+        try:
+            for name, tracing in (("off", ""), ("on", flags)):
+                stacks[name] = UpStack(args.model, 1, 1, work / name, smoke, transport=args.kv_transfer,
+                                       worker_args=f"{args.worker_args} {tracing}".strip(), router_args=tracing)
+                stacks[name].start()
+                print(f"[tracing] stack {name} ready: {stacks[name].children}", flush=True)
+            pids = {name: stack_pids(s) for name, s in stacks.items()}
+            warm = dataset.random_requests(tokenizer, args.warmup, args.input_len, args.output_len, seed=10_000)
+            for name, s in stacks.items():
+                one_run(s, pids[name], warm, args)
+            for k in range(args.pairs):
+                if args.budget_s and time.monotonic() - t0 > args.budget_s:
+                    print(f"[tracing] budget spent: {k} pairs", flush=True)
+                    break
+                specs = dataset.random_requests(tokenizer, args.requests, args.input_len, args.output_len, seed=k)
+                order = ("off", "on") if k % 2 == 0 else ("on", "off")
+                pair = {"pair": k, "order": " then ".join(order)}
+                for name in order:
+                    r = one_run(stacks[name], pids[name], specs, args)
+                    r.update(pair=k, stack=name)
+                    runs.append(r)
+                    pair[name] = r
+                    print(f"[tracing] pair {k} {name}: {r['output_tok_s']:.1f} tok/s, ITL mean "
+                          f"{r['itl_mean_ms']:.2f} ms, CPU {r['cpu_ms_per_req']:.1f} ms/req", flush=True)
+                pairs.append(pair)
+            # The SDK exports every 5 s by default: wait for the last batch before counting.
+            traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on")
+            per_request = spans_per_request(rx)
+            deadline = time.monotonic() + 30
+            while rx.count() < traced * per_request and time.monotonic() < deadline:
+                time.sleep(0.5)
+            spans = {"received": rx.count(), "traced_requests": traced, "per_request": per_request,
+                     "expected": traced * per_request}
+            dropped = dropped_spans(stacks["on"])
+        finally:
+            for s in stacks.values():
+                s.stop()
+    machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
+               f"({os.uname().nodename})")
+    text = report(args, runs, pairs, spans, dropped, machine)
+    (args.out / "results.md").write_text(text)
+    (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                                    "runs": runs, "spans": spans, "dropped": dropped}, indent=1,
+                                                   default=str))
+    print(text)
+    print(f"[tracing] total {time.monotonic() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
