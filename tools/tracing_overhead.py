@@ -9,8 +9,9 @@ the same checkpoint: "off" without tracing, "on" with `--otlp-traces-endpoint` o
 both workers, `OTEL_TRACES_SAMPLER=parentbased_traceidratio` at 1.0 (every request traced), the
 SDK's default batching, exporting over OTLP/HTTP to a real receiver in its own process
 (tools/otlp_capture.py: every span is decoded there). The stacks take turns: pair k runs the
-same fresh prompts (seed k) through both, "off" first in even pairs and "on" first in odd ones,
-so a drift in the machine's load lands on both sides. Each run is a closed loop of --requests
+same fresh prompts (seed k) through both, each stack first in turn, so a drift in the machine's
+load lands on both sides. --control adds a third stack without tracing ("off2"): off2/off is the
+ratio's noise floor in the same run (two identical stacks are not identical on a busy machine). Each run is a closed loop of --requests
 streamed completions at --concurrency (bench/serve.py's client: ignore_eos, exact prompt and
 output lengths); between runs nothing is sent. Per run: output tokens/s, ITL mean and p50, TTFT
 p50, and the CPU seconds the stack's three processes used per request (/proc, all threads).
@@ -92,25 +93,27 @@ def spread(values: list[float]) -> dict:
 
 
 def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str) -> str:
+    names = [n for n in ("off", "on", "off2") if n in pairs[0]]
     lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
              f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
              f"1 prefill + 1 decode worker + router (`pdserve up`, KV over {args.kv_transfer or 'the default'}), "
-             f"model {args.model_name}; {machine}.", "",
-             "| pair | order | off tok/s | on tok/s | off ITL mean ms | on ITL mean ms | off ITL p50 | on ITL p50 "
-             "| off TTFT p50 ms | on TTFT p50 ms | off CPU ms/req | on CPU ms/req |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"model {args.model_name}; {machine}. Stacks: {', '.join(names)} (on: tracing at sampling 1.0 to "
+             f"a real OTLP/HTTP receiver).", "",
+             "| pair | order | " + " | ".join(f"{n} {m}" for m in ("tok/s", "ITL mean ms", "TTFT p50 ms",
+                                                                   "CPU ms/req") for n in names) + " |",
+             "|---|---|" + "---|" * (4 * len(names))]
     for p in pairs:
-        off, on = p["off"], p["on"]
-        lines.append(f"| {p['pair']} | {p['order']} | {off['output_tok_s']:.1f} | {on['output_tok_s']:.1f} | "
-                     f"{off['itl_mean_ms']:.2f} | {on['itl_mean_ms']:.2f} | {off['itl_p50_ms']:.2f} | "
-                     f"{on['itl_p50_ms']:.2f} | {off['ttft_p50_ms']:.1f} | {on['ttft_p50_ms']:.1f} | "
-                     f"{off['cpu_ms_per_req']:.1f} | {on['cpu_ms_per_req']:.1f} |")
-    lines += ["", "| on / off, per pair | median | min | max | mean ± std |", "|---|---|---|---|---|"]
-    for key, label in (("output_tok_s", "throughput"), ("itl_mean_ms", "ITL mean"), ("itl_p50_ms", "ITL p50"),
-                       ("ttft_p50_ms", "TTFT p50"), ("cpu_ms_per_req", "stack CPU per request")):
-        s = spread([p["on"][key] / p["off"][key] for p in pairs])
-        lines.append(f"| {label} | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
-                     f"{s['mean']:.3f} ± {s['std']:.3f} |")
+        cells = [f"{p[n][key]:{fmt}}" for key, fmt in (("output_tok_s", ".1f"), ("itl_mean_ms", ".2f"),
+                                                       ("ttft_p50_ms", ".1f"), ("cpu_ms_per_req", ".1f"))
+                 for n in names]
+        lines.append(f"| {p['pair']} | {p['order']} | " + " | ".join(cells) + " |")
+    lines += ["", "| per pair | median | min | max | mean ± std |", "|---|---|---|---|---|"]
+    for other in [n for n in names if n != "off"]:
+        for key, label in (("output_tok_s", "throughput"), ("itl_mean_ms", "ITL mean"), ("ttft_p50_ms", "TTFT p50"),
+                           ("cpu_ms_per_req", "stack CPU per request")):
+            s = spread([p[other][key] / p["off"][key] for p in pairs])
+            lines.append(f"| {label} {other}/off | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
+                         f"{s['mean']:.3f} ± {s['std']:.3f} |")
     failed = sum(r["failed"] for r in runs)
     lines += ["", f"Failed requests: {failed}. Spans received: {spans['received']} for {spans['traced_requests']} "
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=8, help="requests through each stack before the first pair")
     p.add_argument("--kv-transfer", choices=("tcp", "nixl"), help="default: tcp on CPU, pdserve up's on a GPU")
     p.add_argument("--worker-args", default="", help="more flags for every worker (e.g. --load-format dummy)")
+    p.add_argument("--control", action="store_true",
+                   help="a third stack without tracing (off2): off2/off is the same-run noise floor of the ratios")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -162,7 +167,8 @@ def main(argv=None) -> int:
     with ReceiverProcess() as rx:
         flags = f"--otlp-traces-endpoint {rx.http_url}"
         try:
-            for name, tracing in (("off", ""), ("on", flags)):
+            variants = [("off", ""), ("on", flags)] + ([("off2", "")] if args.control else [])
+            for name, tracing in variants:
                 stacks[name] = UpStack(args.model, 1, 1, work / name, smoke, transport=args.kv_transfer,
                                        worker_args=f"{args.worker_args} {tracing}".strip(), router_args=tracing)
                 stacks[name].start()
@@ -176,7 +182,8 @@ def main(argv=None) -> int:
                     print(f"[tracing] budget spent: {k} pairs", flush=True)
                     break
                 specs = dataset.random_requests(tokenizer, args.requests, args.input_len, args.output_len, seed=k)
-                order = ("off", "on") if k % 2 == 0 else ("on", "off")
+                names = [n for n, _ in variants]
+                order = names[k % len(names):] + names[:k % len(names)]  # each first in turn
                 pair = {"pair": k, "order": " then ".join(order)}
                 for name in order:
                     r = one_run(stacks[name], pids[name], specs, args)
