@@ -1,8 +1,8 @@
 """Flow control under a noisy tenant (issue 49's "Measure"): the quiet tenant's TTFT with and
 without the router's flow control, and a more urgent band's TTFT against a less urgent one's.
 
-    python tools/flow_fairness.py --out DIR [--model PATH] [--workers 1] [--seconds 60] [--load 1.5]
-        [--max-inflight 4] [--reps 2]
+    python tools/flow_fairness.py --out DIR [--model PATH] [--workers 1] [--seconds 40] [--load 1.4]
+        [--max-inflight 8] [--reps 2]
 
 Two `pdserve up` stacks side by side on one checkpoint (without --model: bench/disagg.py's tiny
 random Llama), each --workers aggregated CPU workers behind a router: "fifo" without flow control
@@ -34,6 +34,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from pdserve.bench import dataset, serve, serve_metrics
 from pdserve.bench.disagg import UpStack, make_checkpoint, scratch_dir
@@ -164,9 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--seconds", type=float, default=60)
-    p.add_argument("--load", type=float, default=1.5, help="offered rate as a multiple of the measured capacity")
-    p.add_argument("--max-inflight", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=40)
+    p.add_argument("--load", type=float, default=1.4, help="offered rate as a multiple of the measured capacity")
+    p.add_argument("--max-inflight", type=int, default=8)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -210,10 +212,13 @@ def main(argv=None) -> int:
                         print(f"[fairness] rep {rep} {scenario} {name} {stream}: sent {row['sent']}, 429 "
                               f"{row['refused_429']}, other failures {row['failed_other']}, TTFT p50 "
                               f"{row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms", flush=True)
+        rejected = httpx.get(stacks["flow"].children["router"] + "/metrics", timeout=10).text
+        rejected = [line for line in rejected.splitlines() if line.startswith("pdserve_router_flow_rejected_total{")]
     finally:
         for s in stacks.values():
             s.stop()
-    text = report(args, cap, rows)
+    text = report(args, cap, rows) + "\nThe flow-control router's refusals over the whole run " \
+        "(pdserve_router_flow_rejected_total):\n\n" + "".join(f"    {line}\n" for line in rejected)
     (args.out / "results.md").write_text(text)
     (args.out / "runs.json").write_text(json.dumps({"capacity_req_s": cap, "rows": rows,
                                                     "args": {k: str(v) for k, v in vars(args).items()}}, indent=0))

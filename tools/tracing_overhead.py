@@ -11,11 +11,13 @@ SDK's default batching, exporting over OTLP/HTTP to a real receiver in its own p
 (tools/otlp_capture.py: every span is decoded there). The stacks take turns: pair k runs the
 same fresh prompts (seed k) through both, each stack first in turn, so a drift in the machine's
 load lands on both sides. --control adds a third stack without tracing ("off2"): off2/off is the
-ratio's noise floor in the same run (two identical stacks are not identical on a busy machine). Each run is a closed loop of --requests
-streamed completions at --concurrency (bench/serve.py's client: ignore_eos, exact prompt and
-output lengths); between runs nothing is sent. Per run: output tokens/s, ITL mean and p50, TTFT
-p50, and the CPU seconds the stack's three processes used per request (/proc, all threads).
-Per pair the ratios on/off; the report gives their median and spread.
+ratio's noise floor in the same run (two identical stacks are not identical on a busy machine).
+Each run is a closed loop of --requests streamed completions at --concurrency (bench/serve.py's
+client: ignore_eos, exact prompt and output lengths); between runs nothing is sent. Per run:
+output tokens/s, ITL mean, TTFT p50, and the CPU seconds the stack's three processes used per
+request (/proc, all threads). Per pair the ratios on/off; the report gives their median and
+spread. --profile: then one more run through the traced stack under py-spy, and tracing code's
+share of each process's samples (the cost without the wall-clock noise of a shared machine).
 
 Afterwards: the spans the receiver got against the traced requests (warm-up included: did every
 request's spans arrive?) and every process's `pdserve_tracing_dropped_spans_total`.
@@ -34,7 +36,10 @@ import asyncio
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,12 +92,47 @@ def one_run(stack: UpStack, pids: dict[str, int], specs, args) -> dict:
             "cpu_ms_per_req": cpu / max(s["completed"], 1) * 1e3}
 
 
+TRACING_FRAMES = ("opentelemetry", "protocol/tracing.py")
+
+
+def py_spy() -> str | None:
+    return shutil.which("py-spy") or next((str(p) for p in [Path(sys.executable).with_name("py-spy")] if p.exists()),
+                                          None)
+
+
+def profile_run(stack: UpStack, pids: dict[str, int], specs, args, folder: Path) -> dict:
+    """One more run through the traced stack with py-spy sampling its three processes (100 Hz,
+    without pausing them): per process, the share of the sampled stacks inside tracing code
+    (the OpenTelemetry SDK and exporter, protocol/tracing.py), its export thread included."""
+    spy = py_spy()
+    files = {name: folder / f"py-spy-{name}.txt" for name in pids}
+    procs = [subprocess.Popen([spy, "record", "--nonblocking", "-r", "100", "-f", "raw", "-o", str(files[name]),
+                               "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in pids.items()]
+    time.sleep(2)  # attached before the first request
+    run = one_run(stack, pids, specs, args)
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        proc.wait(60)
+    out = {"run": run}
+    for name, f in files.items():
+        total = traced = 0
+        for line in f.read_text().splitlines():
+            frames, _, n = line.rpartition(" ")
+            total += int(n)
+            traced += int(n) if any(t in frames for t in TRACING_FRAMES) else 0
+        out[name] = {"samples": total, "tracing_samples": traced}
+    return out
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "mean": statistics.fmean(values), "std": statistics.pstdev(values)}
 
 
-def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str) -> str:
+def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str,
+           profile: dict | None = None) -> str:
     names = [n for n in ("off", "on", "off2") if n in pairs[0]]
     lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
              f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
@@ -119,6 +159,18 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
               f"{spans['expected']}). Dropped spans (pdserve_tracing_dropped_spans_total): "
               f"{json.dumps(dropped) if dropped else 'none'}."]
+    if profile:
+        names = [n for n in profile if n != "run"]
+        total = sum(profile[n]["samples"] for n in names)
+        traced = sum(profile[n]["tracing_samples"] for n in names)
+        lines += ["", f"Profile (py-spy, 100 Hz, one more run of {args.requests} requests through the traced "
+                      "stack): share of each process's sampled Python stacks inside tracing code "
+                      "(opentelemetry.*, protocol/tracing.py; the SDK's export thread included).", "",
+                  "| process | samples | in tracing | share |", "|---|---|---|---|"]
+        for n in names + ["all three"]:
+            t, tr = ((total, traced) if n == "all three" else
+                     (profile[n]["samples"], profile[n]["tracing_samples"]))
+            lines.append(f"| {n} | {t} | {tr} | {tr / max(t, 1):.2%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +197,9 @@ def main(argv=None) -> int:
     p.add_argument("--worker-args", default="", help="more flags for every worker (e.g. --load-format dummy)")
     p.add_argument("--control", action="store_true",
                    help="a third stack without tracing (off2): off2/off is the same-run noise floor of the ratios")
+    p.add_argument("--profile", action="store_true",
+                   help="after the pairs, one run through the traced stack under py-spy: tracing's share of "
+                        "each process's sampled stacks")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -193,6 +248,15 @@ def main(argv=None) -> int:
                     print(f"[tracing] pair {k} {name}: {r['output_tok_s']:.1f} tok/s, ITL mean "
                           f"{r['itl_mean_ms']:.2f} ms, CPU {r['cpu_ms_per_req']:.1f} ms/req", flush=True)
                 pairs.append(pair)
+            profile = None
+            if args.profile:
+                if py_spy() is None:
+                    print("[tracing] --profile: py-spy not found, no profile", flush=True)
+                else:
+                    specs = dataset.random_requests(tokenizer, args.requests, args.input_len, args.output_len,
+                                                    seed=5000)
+                    profile = profile_run(stacks["on"], pids["on"], specs, args, args.out)
+                    runs.append({**profile["run"], "pair": "profile", "stack": "on"})
             # The SDK exports every 5 s by default: wait for the last batch before counting.
             traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on")
             per_request = spans_per_request(rx)
@@ -207,10 +271,11 @@ def main(argv=None) -> int:
                 s.stop()
     machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
                f"({os.uname().nodename})")
-    text = report(args, runs, pairs, spans, dropped, machine)
+    text = report(args, runs, pairs, spans, dropped, machine, profile)
     (args.out / "results.md").write_text(text)
     (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
-                                                    "runs": runs, "spans": spans, "dropped": dropped}, indent=1,
+                                                    "runs": runs, "spans": spans, "dropped": dropped,
+                                                    "profile": profile}, indent=1,
                                                    default=str))
     print(text)
     print(f"[tracing] total {time.monotonic() - t0:.0f}s", flush=True)
