@@ -2,14 +2,15 @@
 without the router's flow control, and a more urgent band's TTFT against a less urgent one's.
 
     python tools/flow_fairness.py --out DIR [--model PATH] [--workers 1] [--seconds 40] [--load 1.4]
-        [--max-inflight 8] [--reps 2]
+        [--batch 32] [--reps 2]
 
 Two `pdserve up` stacks side by side on one checkpoint (without --model: bench/disagg.py's tiny
-random Llama), each --workers aggregated CPU workers behind a router: "fifo" without flow control
-(every request goes to a worker at once and waits in the engine's FIFO queue), "flow" with
-`--flow-control-max-inflight` (the router holds at most that many open; the rest wait in its
-queue, by band, then fairly between tenants). First the pool's capacity: a closed loop at
---max-inflight on the fifo stack gives requests/s. Then, per scenario, the same seeded Poisson
+random Llama), each --workers aggregated CPU workers (`--max-num-seqs` --batch) behind a router:
+"fifo" without flow control (every request goes to a worker at once and waits in the engine's
+FIFO queue), "flow" with `--flow-control-max-inflight` --batch x --workers (the router keeps the
+workers' batches full and no more; the rest wait in its queue, by band, then fairly between
+tenants), so both pools run the same batches. First the pool's capacity: a closed loop of
+--batch x --workers on the fifo stack gives requests/s. Then, per scenario, the same seeded Poisson
 arrivals (streamed completions, exact prompt and output lengths, ignore_eos) for --seconds at
 --load x that capacity into each stack in turn, stack order alternating between repetitions:
 
@@ -107,7 +108,7 @@ def stats(results: list) -> dict:
 
 
 def capacity(stack: UpStack, tokenizer, args) -> float:
-    specs = dataset.random_requests(tokenizer, args.max_inflight * 6, args.input_len, args.output_len, seed=999)
+    specs = dataset.random_requests(tokenizer, args.max_inflight * 4, args.input_len, args.output_len, seed=999)
     cfg = serve.LoadConfig(base_url=stack.children["router"], model="llama", concurrency=args.max_inflight,
                            progress=False)
     results, duration = asyncio.run(serve.run_load(cfg, specs))
@@ -118,8 +119,9 @@ def report(args, cap: float, rows: list[dict]) -> str:
     lines = [f"Workload: streamed completions, {args.input_len} prompt / {args.output_len} output tokens "
              f"(ignore_eos), Poisson arrivals for {args.seconds:.0f} s at {args.load}x the pool's capacity "
              f"({cap:.2f} req/s: a closed loop of {args.max_inflight} on the same pool), {args.workers} aggregated "
-             f"worker(s) of {args.model_name} behind one router; flow control: `--flow-control-max-inflight "
-             f"{args.max_inflight}`, defaults otherwise (queue 256, timeout 30 s); {args.reps} repetition(s), "
+             f"worker(s) of {args.model_name} (`--max-num-seqs {args.batch}`) behind one router; flow control: "
+             f"`--flow-control-max-inflight {args.max_inflight}`, defaults otherwise (queue 256, timeout 30 s); "
+             f"{args.reps} repetition(s), "
              f"stack order alternating. {args.machine}.", "",
              "| scenario | router | stream | sent | answered | 429 | TTFT p50 ms | p90 | p99 | max |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--seconds", type=float, default=40)
     p.add_argument("--load", type=float, default=1.4, help="offered rate as a multiple of the measured capacity")
-    p.add_argument("--max-inflight", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="each worker's --max-num-seqs")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -187,9 +189,11 @@ def main(argv=None) -> int:
     else:
         args.model_name = Path(args.model).name
     tokenizer = dataset.load_tokenizer(args.model)
+    args.max_inflight = args.batch * args.workers
+    batch = f"--max-num-seqs {args.batch}"
     flow = f"--flow-control-max-inflight {args.max_inflight}"
-    stacks = {"fifo": UpStack(args.model, 0, args.workers, work / "fifo", True),
-              "flow": UpStack(args.model, 0, args.workers, work / "flow", True, router_args=flow)}
+    stacks = {"fifo": UpStack(args.model, 0, args.workers, work / "fifo", True, worker_args=batch),
+              "flow": UpStack(args.model, 0, args.workers, work / "flow", True, worker_args=batch, router_args=flow)}
     rows: list[dict] = []
     try:
         for s in stacks.values():

@@ -101,12 +101,12 @@ def py_spy() -> str | None:
 
 
 def profile_run(stack: UpStack, pids: dict[str, int], specs, args, folder: Path) -> dict:
-    """One more run through the traced stack with py-spy sampling its three processes (100 Hz,
-    without pausing them): per process, the share of the sampled stacks inside tracing code
-    (the OpenTelemetry SDK and exporter, protocol/tracing.py), its export thread included."""
+    """One more run through the traced stack with py-spy sampling its three processes (100 Hz):
+    per process, the share of the sampled stacks inside tracing code (the OpenTelemetry SDK and
+    exporter, protocol/tracing.py), its export thread included."""
     spy = py_spy()
     files = {name: folder / f"py-spy-{name}.txt" for name in pids}
-    procs = [subprocess.Popen([spy, "record", "--nonblocking", "-r", "100", "-f", "raw", "-o", str(files[name]),
+    procs = [subprocess.Popen([spy, "record", "-r", "100", "-f", "raw", "-o", str(files[name]),
                                "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for name, pid in pids.items()]
     time.sleep(2)  # attached before the first request
@@ -126,13 +126,77 @@ def profile_run(stack: UpStack, pids: dict[str, int], specs, args, folder: Path)
     return out
 
 
+def span_cost(endpoint: str, n: int) -> float:
+    """CPU microseconds one request's tracing takes, measured in this process: the calls the
+    router and both workers make for one disaggregated request (protocol/tracing.py, the same 11
+    spans, context extraction and injection, attributes), `n` times, with the SDK's batching and
+    its OTLP/HTTP export of every span (its thread's CPU included: process time, all threads)."""
+    import random
+
+    from pdserve.protocol.tracing import monotonic_to_ns, setup
+
+    t = setup(endpoint, "pdserve-cost")
+    attrs = {"gen_ai.request.id": "r", "gen_ai.request.max_tokens": 64, "gen_ai.request.temperature": 0.0,
+             "gen_ai.request.top_p": 1.0, "gen_ai.request.n": 1, "gen_ai.usage.prompt_tokens": 128}
+
+    def one() -> None:
+        now = time.monotonic()
+        # The client's context (random.getrandbits as the SDK's id generator: os.urandom is the
+        # harness's cost, not tracing's, and slow on some VMs)
+        headers = {"traceparent": f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01"}
+        root = t.start("router completions", t.extract(headers), kind="server",
+                       attributes={"gen_ai.request.id": "r", "http.route": "/v1/completions"})
+        t.event(root, "route", {"pdserve.route": "disaggregated"})
+        calls = {}
+        for phase in ("prefill", "decode"):
+            calls[phase] = t.start(f"{phase} call", root, kind="client", attributes={"server.address": "w"})
+        handoff = None
+        for role in ("prefill", "decode"):
+            prefill_link = t.link_context(handoff)
+            w = t.start(f"worker {role}", t.extract(t.carrier(calls[role])), kind="server",
+                        start_ns=monotonic_to_ns(now), links=[prefill_link], attributes=attrs)
+            t.record("queue", w, monotonic_to_ns(now), monotonic_to_ns(now), {"gen_ai.request.id": "r"})
+            w.set_attribute("gen_ai.latency.time_in_queue", 0.001)
+            if role == "prefill":
+                handoff = t.carrier(w)
+            else:
+                t.record("kv transfer", w, monotonic_to_ns(now), monotonic_to_ns(now),
+                         {"gen_ai.request.id": "r", "pdserve.kv.bytes": 1 << 20, "pdserve.kv.blocks": 8,
+                          "pdserve.kv.transport": "tcp", "pdserve.kv.wait_s": 0.001}, links=[prefill_link])
+            t.record("prefill" if role == "prefill" else "first token", w, monotonic_to_ns(now),
+                     monotonic_to_ns(now), {"gen_ai.request.id": "r", "gen_ai.usage.cached_tokens": 0})
+            w.set_attribute("gen_ai.latency.time_to_first_token", 0.01)
+            if role == "decode":
+                t.record("decode", w, monotonic_to_ns(now), monotonic_to_ns(now),
+                         {"gen_ai.request.id": "r", "gen_ai.usage.completion_tokens": 64,
+                          "gen_ai.response.finish_reasons": ["length"]})
+            t.end(w, {"gen_ai.response.finish_reasons": ["length"], "gen_ai.usage.completion_tokens": 64,
+                      "gen_ai.latency.e2e": 0.1})
+        for c in calls.values():
+            t.end(c, {"http.response.status_code": 200})
+        t.end(root, {"http.response.status_code": 200})
+
+    for _ in range(50):  # imports and first-call costs out of the measurement
+        one()
+    t._processor.force_flush(10_000)
+    c0 = time.process_time()
+    for i in range(n):
+        one()
+        if i % 100 == 99:  # never past the SDK's queue (2048 spans): every span exported, none dropped
+            t._processor.force_flush(30_000)
+    t._processor.force_flush(30_000)
+    cost = (time.process_time() - c0) / n * 1e6
+    t.shutdown()
+    return cost
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "mean": statistics.fmean(values), "std": statistics.pstdev(values)}
 
 
 def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str,
-           profile: dict | None = None) -> str:
+           profile: dict | None = None, cost_us: float | None = None) -> str:
     names = [n for n in ("off", "on", "off2") if n in pairs[0]]
     lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
              f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
@@ -159,6 +223,13 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
               f"{spans['expected']}). Dropped spans (pdserve_tracing_dropped_spans_total): "
               f"{json.dumps(dropped) if dropped else 'none'}."]
+    if cost_us is not None:
+        off_cpu = statistics.median(p["off"]["cpu_ms_per_req"] for p in pairs) * 1e3
+        lines += ["", f"Tracing's own CPU per request, timed in-process (the router's and both workers' tracing "
+                      f"calls for one disaggregated request, 11 spans, batched and exported over OTLP/HTTP to the "
+                      f"same receiver, {args.span_cost} requests): **{cost_us:.0f} µs**, against the untraced "
+                      f"stack's {off_cpu / 1e3:.1f} ms of CPU per request (median of the off runs): "
+                      f"**{cost_us / off_cpu:.2%}**."]
     if profile:
         names = [n for n in profile if n != "run"]
         total = sum(profile[n]["samples"] for n in names)
@@ -200,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="after the pairs, one run through the traced stack under py-spy: tracing's share of "
                         "each process's sampled stacks")
+    p.add_argument("--span-cost", type=int, default=2000, metavar="N",
+                   help="also time N requests' worth of tracing calls in-process (0: not)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
@@ -257,8 +330,10 @@ def main(argv=None) -> int:
                                                     seed=5000)
                     profile = profile_run(stacks["on"], pids["on"], specs, args, args.out)
                     runs.append({**profile["run"], "pair": "profile", "stack": "on"})
+            cost_us = span_cost(rx.http_url, args.span_cost) if args.span_cost else None
             # The SDK exports every 5 s by default: wait for the last batch before counting.
-            traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on")
+            traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on") + (
+                50 + args.span_cost if args.span_cost else 0)
             per_request = spans_per_request(rx)
             deadline = time.monotonic() + 30
             while rx.count() < traced * per_request and time.monotonic() < deadline:
@@ -271,11 +346,11 @@ def main(argv=None) -> int:
                 s.stop()
     machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
                f"({os.uname().nodename})")
-    text = report(args, runs, pairs, spans, dropped, machine, profile)
+    text = report(args, runs, pairs, spans, dropped, machine, profile, cost_us)
     (args.out / "results.md").write_text(text)
     (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
                                                     "runs": runs, "spans": spans, "dropped": dropped,
-                                                    "profile": profile}, indent=1,
+                                                    "profile": profile, "span_cost_us": cost_us}, indent=1,
                                                    default=str))
     print(text)
     print(f"[tracing] total {time.monotonic() - t0:.0f}s", flush=True)
