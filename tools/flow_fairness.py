@@ -30,9 +30,11 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +105,7 @@ def stats(results: list) -> dict:
     refused = sum(1 for r in results if r.error and r.error.startswith("http_429"))
     return {"sent": len(results), "answered": len(ok), "refused_429": refused,
             "failed_other": len(results) - len(ok) - refused,
+            "errors": dict(Counter(r.error for r in results if r.error)),
             "ttft_p50_ms": s["p50"] * 1e3, "ttft_p90_ms": s["p90"] * 1e3, "ttft_p99_ms": s["p99"] * 1e3,
             "ttft_max_ms": max(ok, default=float("nan")) * 1e3, "ttfts_ms": [t * 1e3 for t in ok]}
 
@@ -176,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = p.parse_args(argv)
+    # SIGTERM (a timeout's) unwinds like Ctrl-C: the stacks are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     import os
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
                         row = {"scenario": scenario, "stack": name, "rep": rep, "stream": stream, **stats(results)}
                         rows.append(row)
                         print(f"[fairness] rep {rep} {scenario} {name} {stream}: sent {row['sent']}, 429 "
-                              f"{row['refused_429']}, other failures {row['failed_other']}, TTFT p50 "
+                              f"{row['refused_429']}, other failures {row['errors']}, TTFT p50 "
                               f"{row['ttft_p50_ms']:.0f} p99 {row['ttft_p99_ms']:.0f} ms", flush=True)
         rejected = httpx.get(stacks["flow"].children["router"] + "/metrics", timeout=10).text
         rejected = [line for line in rejected.splitlines() if line.startswith("pdserve_router_flow_rejected_total{")]

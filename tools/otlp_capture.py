@@ -5,7 +5,7 @@ tools/trace_picture.py (run by path: this folder is their sys.path[0]).
 
     with ReceiverProcess() as rx:      # rx.http_url, rx.grpc_url
         ...                            # processes export to rx.http_url
-        rx.count()                     # spans received so far
+        rx.count()                     # spans received so far (rx.count_not(service): others')
         rx.spans()                     # every span received, as dicts (JSON-ready)
 """
 
@@ -39,6 +39,8 @@ def _serve(conn) -> None:
             cmd = conn.recv()
             if cmd == "count":
                 conn.send(len(receiver.spans))
+            elif isinstance(cmd, tuple) and cmd[0] == "count_not":  # spans not of that service
+                conn.send(sum(1 for s in list(receiver.spans) if s.service != cmd[1]))
             elif cmd == "spans":
                 conn.send([dataclasses.asdict(s) for s in list(receiver.spans)])
             else:
@@ -68,6 +70,10 @@ class ReceiverProcess:
 
     def count(self) -> int:
         return self._ask("count")
+
+    def count_not(self, service: str) -> int:
+        """Spans received from every service but `service`."""
+        return self._ask(("count_not", service))
 
     def spans(self) -> list[dict]:
         return self._ask("spans")

@@ -81,17 +81,20 @@ def dropped_spans(stack: UpStack) -> dict[str, float]:
 def one_run(stack: UpStack, pids: dict[str, int], specs, args) -> dict:
     cfg = serve.LoadConfig(base_url=stack.children["router"], model="llama", concurrency=args.concurrency,
                            progress=False, request_timeout_s=300)
-    cpu0 = stack_cpu(pids)
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     results, duration = asyncio.run(serve.run_load(cfg, specs))
-    cpu = stack_cpu(pids) - cpu0
+    each = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    cpu = sum(each.values())
     s = serve_metrics.summarize(results, duration, {})
     return {"completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
             "duration_s": duration, "output_tok_s": s["output_throughput"],
             "itl_mean_ms": s["itl_s"]["mean"] * 1e3, "itl_p50_ms": s["itl_s"]["p50"] * 1e3,
             "itl_p99_ms": s["itl_s"]["p99"] * 1e3, "ttft_p50_ms": s["ttft_s"]["p50"] * 1e3,
-            "cpu_ms_per_req": cpu / max(s["completed"], 1) * 1e3}
+            "cpu_ms_per_req": cpu / max(s["completed"], 1) * 1e3,
+            "cpu_ms_per_req_by_process": {n: c / max(s["completed"], 1) * 1e3 for n, c in each.items()}}
 
 
+COST_SERVICE = "pdserve-tracing-cost"  # span_cost's spans: not the stacks', so not counted as theirs
 TRACING_FRAMES = ("opentelemetry", "protocol/tracing.py")
 
 
@@ -135,7 +138,7 @@ def span_cost(endpoint: str, n: int) -> float:
 
     from pdserve.protocol.tracing import monotonic_to_ns, setup
 
-    t = setup(endpoint, "pdserve-cost")
+    t = setup(endpoint, COST_SERVICE)
     attrs = {"gen_ai.request.id": "r", "gen_ai.request.max_tokens": 64, "gen_ai.request.temperature": 0.0,
              "gen_ai.request.top_p": 1.0, "gen_ai.request.n": 1, "gen_ai.usage.prompt_tokens": 128}
 
@@ -218,6 +221,11 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
             s = spread([p[other][key] / p["off"][key] for p in pairs])
             lines.append(f"| {label} {other}/off | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
                          f"{s['mean']:.3f} ± {s['std']:.3f} |")
+    for name in pairs[0]["off"].get("cpu_ms_per_req_by_process", {}):
+        s = spread([p["on"]["cpu_ms_per_req_by_process"][name] / p["off"]["cpu_ms_per_req_by_process"][name]
+                    for p in pairs])
+        lines.append(f"| {name} CPU per request on/off | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
+                     f"{s['mean']:.3f} ± {s['std']:.3f} |")
     failed = sum(r["failed"] for r in runs)
     lines += ["", f"Failed requests: {failed}. Spans received: {spans['received']} for {spans['traced_requests']} "
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
@@ -275,6 +283,8 @@ def main(argv=None) -> int:
                    help="also time N requests' worth of tracing calls in-process (0: not)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
     args = p.parse_args(argv)
+    # SIGTERM (a timeout's) unwinds like Ctrl-C: the stacks are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     work = scratch_dir("pdserve-tracing-")
@@ -332,13 +342,13 @@ def main(argv=None) -> int:
                     runs.append({**profile["run"], "pair": "profile", "stack": "on"})
             cost_us = span_cost(rx.http_url, args.span_cost) if args.span_cost else None
             # The SDK exports every 5 s by default: wait for the last batch before counting.
-            traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on") + (
-                50 + args.span_cost if args.span_cost else 0)
+            traced = args.warmup + sum(r["completed"] for r in runs if r["stack"] == "on")
             per_request = spans_per_request(rx)
             deadline = time.monotonic() + 30
-            while rx.count() < traced * per_request and time.monotonic() < deadline:
+            while rx.count_not(COST_SERVICE) < traced * per_request and time.monotonic() < deadline:
                 time.sleep(0.5)
-            spans = {"received": rx.count(), "traced_requests": traced, "per_request": per_request,
+            spans = {
+                "received": rx.count_not(COST_SERVICE), "traced_requests": traced, "per_request": per_request,
                      "expected": traced * per_request}
             dropped = dropped_spans(stacks["on"])
         finally:
