@@ -10,7 +10,10 @@ tenant at its concurrency limit (`--flow-control-tenant-max-inflight`) is skippe
 its requests ends.
 
 Bounded: past `--flow-control-max-queue` waiting, a newcomer of a more urgent band displaces the
-newest request of the least urgent band; otherwise the newcomer is refused. A request waits at
+newest request of the least urgent band; else, within its own band, the newest request of the
+tenant with the most requests waiting, if that tenant has more waiting than the newcomer's (so a
+tenant flooding the router fills the bound with its own requests, and a quiet tenant's newcomer
+takes one of those places instead of being refused); otherwise the newcomer is refused. A request waits at
 most `--flow-control-queue-timeout`. Each refusal is a 429 with `Retry-After` and its reason. A
 client that leaves while queued (its task cancelled) leaves the queue.
 """
@@ -103,6 +106,13 @@ class _Band:
     def newest(self) -> _Waiter | None:
         return max((q[-1] for q in self.queues.values()), key=lambda w: w.seq, default=None)
 
+    def newest_of_longest(self, than: str) -> _Waiter | None:
+        """The newest request of the tenant with the most waiting, if it has more than `than`'s."""
+        longest = max(self.queues.values(), key=len, default=None)
+        if longest is None or len(longest) <= len(self.queues.get(than, ())):
+            return None
+        return longest[-1]
+
 
 class FlowController:
     def __init__(self, config: FlowControlConfig, metrics: FlowMetrics, saturated: Callable[[], bool] = lambda: False,
@@ -160,7 +170,9 @@ class FlowController:
 
     def _make_room(self, newcomer: _Waiter) -> None:
         """The queue is over its bound with `newcomer` in it: refuse the newest request of the
-        least urgent band, if that band is less urgent than the newcomer's; else the newcomer."""
+        least urgent band, if that band is less urgent than the newcomer's; else the newest of
+        the newcomer's band's longest tenant queue, if longer than the newcomer's tenant's; else
+        the newcomer."""
         victim = newcomer
         for band in reversed(self.config.bands):
             if band <= newcomer.ticket.band:
@@ -168,10 +180,15 @@ class FlowController:
             victim = self._bands[band].newest() or victim
             if victim is not newcomer:
                 break
+        same_band = victim is newcomer
+        if same_band:
+            victim = self._bands[newcomer.ticket.band].newest_of_longest(newcomer.ticket.tenant) or newcomer
         self._leave(victim)
         reason = "queue_full" if victim is newcomer else "displaced"
         self._metrics.rejected.labels(str(victim.ticket.band), self._metrics.tenant(victim.ticket.tenant), reason).inc()
         message = (f"the flow-control queue is full ({self.config.max_queue} waiting)" if victim is newcomer else
+                   "a request of a tenant with fewer requests waiting took this one's place in the full "
+                   "flow-control queue" if same_band else
                    "a more urgent request took this one's place in the full flow-control queue")
         victim.granted.set_exception(self._refusal(message, reason))
         victim.granted.exception()  # retrieved: a displaced waiter may be gone already

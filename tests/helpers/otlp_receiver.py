@@ -25,6 +25,8 @@ class ReceivedSpan:
     links: tuple[str, ...] = ()  # linked span ids
     error: bool = False
     events: tuple[str, ...] = field(default=())
+    start_ns: int = 0  # Unix epoch nanoseconds, as exported
+    end_ns: int = 0
 
 
 def _value(v):
@@ -43,7 +45,8 @@ def decode(req: ExportTraceServiceRequest) -> list[ReceivedSpan]:
                 out.append(ReceivedSpan(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                         {a.key: _value(a.value) for a in s.attributes},
                                         tuple(link.span_id.hex() for link in s.links), s.status.code == 2,
-                                        tuple(e.name for e in s.events)))
+                                        tuple(e.name for e in s.events), s.start_time_unix_nano,
+                                        s.end_time_unix_nano))
     return out
 
 

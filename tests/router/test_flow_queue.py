@@ -1,6 +1,6 @@
 """The flow-control queue in-process (router/flow_control/queue.py): what the HTTP tests of
 test_flow_control.py do not reach cheaply: a tenant's concurrency limit, worker saturation,
-the queue timeout and a waiter cancelled as its slot is granted."""
+the queue timeout, a waiter cancelled as its slot is granted, and who gives way in a full queue."""
 
 from __future__ import annotations
 
@@ -103,5 +103,30 @@ def test_bands_then_least_served_tenant():
         flow = controller(bands=(-1, 0, 1))
         tickets = [Ticket(1, "x", 1), Ticket(0, "x", 1), Ticket(0, "x", 1), Ticket(0, "y", 1), Ticket(-1, "z", 1)]
         assert await granted_order(flow, tickets) == [4, 1, 3, 2, 0]
+
+    asyncio.run(run())
+
+
+def test_a_full_queue_makes_room_from_the_tenant_with_the_most_waiting():
+    """One tenant fills the bound: another tenant's newcomer takes the flooder's newest place
+    (429 'displaced' for it) instead of being refused; the flooder's own newcomer is refused."""
+    async def run():
+        flow = controller(max_queue=3)
+        held = await flow.acquire(Ticket(0, "holder", 1))
+        noisy = [asyncio.ensure_future(flow.acquire(Ticket(0, "noisy", 1))) for _ in range(3)]
+        while flow.queued < 3:
+            await asyncio.sleep(0)
+        quiet = asyncio.ensure_future(flow.acquire(Ticket(0, "quiet", 1)))
+        with pytest.raises(APIError) as e:
+            await asyncio.wait_for(noisy[2], 5)
+        assert e.value.status == 429 and e.value.code == "displaced"
+        assert not quiet.done() and flow.queued == 3
+        with pytest.raises(APIError) as e:
+            await flow.acquire(Ticket(0, "noisy", 1))  # the flooder's newcomer: its own queue is the longest
+        assert e.value.code == "queue_full"
+        held.release()
+        for f in (noisy[0], quiet, noisy[1]):  # least served first: quiet right after noisy's first
+            (await asyncio.wait_for(f, 5)).release()
+        assert flow.inflight == 0 and flow.queued == 0
 
     asyncio.run(run())
