@@ -73,30 +73,30 @@ def decode_budget(body: dict) -> dict:
 
 def wants_remote_decode(params) -> bool:
     """Prefill side: the caller asks this worker to prefill only and hand its KV over."""
-    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams, PrefixPull)):
         return isinstance(params, RemoteDecodeRequest)
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
 def wants_stream_kv(params) -> bool:
     """Prefill side: announce the pin at admission and let the decode side read chunks as they land."""
-    if isinstance(params, RemoteDecodeRequest):
-        return params.stream_kv
+    if isinstance(params, (RemoteDecodeRequest, PrefixPull)):
+        return isinstance(params, RemoteDecodeRequest) and params.stream_kv
     return wants_remote_decode(params) and params.get(STREAM_KV) is True
 
 
 def is_streamed(params) -> bool:
     """Decode side: params announced before the prefill ended (no first token yet)."""
-    if isinstance(params, KVTransferParams):
-        return params.stream_kv
+    if isinstance(params, (KVTransferParams, PrefixPull)):
+        return isinstance(params, KVTransferParams) and params.stream_kv
     return is_remote_decode(params) and params.get(STREAM_KV) is True
 
 
 def is_remote_decode(params) -> bool:
     """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
-    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams, PrefixPull)):
         return isinstance(params, KVTransferParams)
-    return bool(params) and not params.get("do_remote_decode")
+    return bool(params) and not params.get("do_remote_decode") and PREFIX_FROM not in params
 
 
 def prefill_request(body: dict, stream_kv: bool = False) -> dict:
@@ -231,16 +231,51 @@ class RemoteDecodeRequest:
         return remote_decode_request(self.decode_budget, self.stream_kv)
 
 
-def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | None":
+PREFIX_FROM = "prefix_from"  # a whole request's params: a peer holds a prefix of its prompt (PrefixPull)
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """What the router hands a worker that serves a request itself (no P/D hand-off) when another
+    worker of the pool holds a prefix of its prompt that this one lacks: `source`, the params of a
+    pin of that prefix on the peer (the peer's answer to a one-token prefill of the prefix, so its
+    transfer token is bound to the prefix's digest). The worker pulls those blocks through its KV
+    transport if its estimate of the pull beats its estimate of recomputing them, else releases
+    the pin; either way it computes the rest of the prompt itself (docs/kv-cache.md)."""
+
+    source: KVTransferParams
+
+    def to_dict(self) -> dict:
+        return {PREFIX_FROM: self.source.to_dict()}
+
+
+def prefix_pull_params(source: dict) -> dict:
+    """The `kv_transfer_params` of a whole request whose prompt's prefix the pin `source` (a peer's
+    params, as its answer has them) holds."""
+    return {PREFIX_FROM: source}
+
+
+def is_prefix_pull(params) -> bool:
+    return isinstance(params, PrefixPull)
+
+
+def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | PrefixPull | None":
     """The one parse of a request body's `kv_transfer_params` on a worker: a prefill request's
     (`do_remote_decode`) becomes a RemoteDecodeRequest (lenient, as it always was: a budget that
     is not an object is no budget, `stream_kv` counts only when exactly true); a decode request's
     a validated KVTransferParams (KVTransferParamsError otherwise); none (or empty) is None.
     Objects already parsed pass through."""
-    if isinstance(params, (KVTransferParams, RemoteDecodeRequest)) or not params:
+    if isinstance(params, (KVTransferParams, RemoteDecodeRequest, PrefixPull)) or not params:
         return params or None
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"{PARAM} must be an object")
+    if PREFIX_FROM in params:
+        if set(params) != {PREFIX_FROM}:
+            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM} comes alone (a whole request, not a hand-off)")
+        try:
+            return PrefixPull(KVTransferParams.from_dict(params[PREFIX_FROM]))
+        except KVTransferParamsError as e:
+            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM}: {e}") from None
     if wants_remote_decode(params):
         budget = params.get(BUDGET)
         return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True)
@@ -262,7 +297,7 @@ _REQUIRED = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "r
              "transfer_token": str, "kv_layout": str}
 
 
-def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | None":
+def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | PrefixPull | None":
     try:
         return parse_kv_transfer_params(value)
     except KVTransferParamsError as e:
@@ -272,5 +307,5 @@ def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | None":
 
 # The request models' field (protocol/requests.py): validated with the body, by the one parse,
 # into the object the worker carries to its engine.
-KVTransferField = Annotated[KVTransferParams | RemoteDecodeRequest | None,
+KVTransferField = Annotated[KVTransferParams | RemoteDecodeRequest | PrefixPull | None,
                             PlainValidator(_validated, json_schema_input_type=dict | None)]
