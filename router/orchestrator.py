@@ -38,6 +38,7 @@ from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
 from pdserve.router.migration import Migration, StreamProgress, WorkerDrained, lost_cause
+from pdserve.router.peer_prefix import PeerPrefix
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
@@ -66,6 +67,7 @@ class Orchestrator:
         self.fallback = RoleFallback(selector, self.metrics)
         self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
         self.tracing = Tracing.off()  # the app's, set by router/app.py
+        self.peer_prefix = PeerPrefix(selector.kv_index, upstream, self.metrics, config.kv_peer_prefix_min_tokens)
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -244,10 +246,12 @@ class Orchestrator:
     async def direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response:
         """The whole request on one worker of `pool` (decode workers; prefill ones in fallback).
         When no worker of the pool takes it, the other role's workers may (`whole_elsewhere`)."""
+        # The worker chosen may lack a prefix another worker of the pool holds (peer_prefix.py).
+        body_for = (lambda w, ws: self.peer_prefix.payload(call, w, ws)) if self.peer_prefix.enabled else None
         if call.stream:
             up = self.upstream_call("decode", role, call, pool)
             try:
-                response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits)
+                response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits, body_for)
                 if response is None:
                     if (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                         up.close()
@@ -261,7 +265,7 @@ class Orchestrator:
             # The stream owns the call from here: closed however the stream ends.
             return self.stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
         async with self.upstream_call("decode", role, call, pool) as up:
-            response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call))
+            response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call), body_for)
             if response is None and (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                 up.close()
                 return await self.direct(call, elsewhere[1], elsewhere[0])

@@ -130,8 +130,13 @@ class LLMEngine:
         if config.kv_events_port is not None:
             from pdserve.protocol.kv_events import KVEventPublisher
 
+            # Where HTTP listens, so workers of one host on their own addresses (127.0.0.x) can
+            # share the port numbers; every interface for a wildcard or an IPv6 address (the
+            # socket speaks IPv4 only).
+            host = config.kv_bind_host
+            host = "*" if not host or host == "0.0.0.0" or ":" in host else host
             self._kv_event_publisher = KVEventPublisher(
-                self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
+                self.engine_id, f"tcp://{host}:{config.kv_events_port}", f"tcp://{host}:{config.kv_events_port + 1}")
         # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
         # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.

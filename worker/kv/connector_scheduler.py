@@ -147,7 +147,8 @@ class KVConnectorScheduler:
         try:
             ep.allowed_peer(src)
         except (PeerNotAllowed, ValueError) as e:
-            log.warning("prefix pin of %s names a peer this worker may not contact (%s): recomputing", req.request_id, e)
+            log.warning("prefix pin of %s names a peer this worker may not contact (%s): recomputing",
+                        req.request_id, e)
             return
         usable = (tokens > 0 and not ep.policy.empty and src.kv_layout == ep.layout and not self._hybrid
                   and src.lora_name == req.lora_name and req.params.prompt_logprobs is None)
