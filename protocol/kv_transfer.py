@@ -226,9 +226,14 @@ class RemoteDecodeRequest:
 
     decode_budget: dict | None = None
     stream_kv: bool = False
+    # A peer's pin of a prefix of the prompt that this worker lacks (as PrefixPull's `source`).
+    prefix_from: "KVTransferParams | None" = None
 
     def to_dict(self) -> dict:
-        return remote_decode_request(self.decode_budget, self.stream_kv)
+        d = remote_decode_request(self.decode_budget, self.stream_kv)
+        if self.prefix_from is not None:
+            d[PREFIX_FROM] = self.prefix_from.to_dict()
+        return d
 
 
 PREFIX_FROM = "prefix_from"  # a whole request's params: a peer holds a prefix of its prompt (PrefixPull)
@@ -255,8 +260,12 @@ def prefix_pull_params(source: dict) -> dict:
     return {PREFIX_FROM: source}
 
 
-def is_prefix_pull(params) -> bool:
-    return isinstance(params, PrefixPull)
+def prefix_source(params) -> "KVTransferParams | None":
+    """The peer's pin of a prefix these params hand over: a whole request's (PrefixPull) or a
+    prefill's (RemoteDecodeRequest.prefix_from); None for any other params."""
+    if isinstance(params, PrefixPull):
+        return params.source
+    return params.prefix_from if isinstance(params, RemoteDecodeRequest) else None
 
 
 def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | PrefixPull | None":
@@ -269,16 +278,20 @@ def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest 
         return params or None
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"{PARAM} must be an object")
+    prefix = None
     if PREFIX_FROM in params:
-        if set(params) != {PREFIX_FROM}:
-            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM} comes alone (a whole request, not a hand-off)")
         try:
-            return PrefixPull(KVTransferParams.from_dict(params[PREFIX_FROM]))
+            prefix = KVTransferParams.from_dict(params[PREFIX_FROM])
         except KVTransferParamsError as e:
             raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM}: {e}") from None
     if wants_remote_decode(params):
         budget = params.get(BUDGET)
-        return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True)
+        return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True, prefix)
+    if prefix is not None:
+        if set(params) != {PREFIX_FROM}:
+            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM} goes with a whole request or a prefill's "
+                                        "do_remote_decode, not with a hand-off")
+        return PrefixPull(prefix)
     return KVTransferParams.from_dict(params)
 
 

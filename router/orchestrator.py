@@ -167,14 +167,17 @@ class Orchestrator:
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
         # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(
-            call.request.model_dump(exclude_unset=True), stream_kv)).encode())
+        body = await asyncio.to_thread(lambda: prefill_request(call.request.model_dump(exclude_unset=True), stream_kv))
+        payload = await asyncio.to_thread(lambda: json.dumps(body).encode())
+        # The prefill worker chosen may lack a prefix another prefill worker holds (peer_prefix.py).
+        body_for = (lambda w, ws: self.peer_prefix.prefill_payload(call, w, ws, body)) \
+            if self.peer_prefix.enabled else None
         t0 = time.monotonic()
         up = self.upstream_call("prefill", ROLE_PREFILL, call, pool)
         streamed = None
         try:
             while (response := await up.open(PATHS[call.route], payload, call.headers(),
-                                             self.prefill_limits)) is not None:
+                                             self.prefill_limits, body_for)) is not None:
                 if response.status == 200 and response.content_type == NDJSON:
                     try:
                         streamed = await StreamedPrefill.first_line(up, response, t0, self.metrics)

@@ -25,7 +25,7 @@ from typing import Sequence
 import aiohttp
 
 from pdserve.protocol.contract import PATHS
-from pdserve.protocol.kv_transfer import PARAM, prefix_pull_params, remote_decode_request
+from pdserve.protocol.kv_transfer import PARAM, PREFIX_FROM, prefix_pull_params, remote_decode_request
 from pdserve.router.call import Call
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
@@ -46,8 +46,24 @@ class PeerPrefix:
         return self.index is not None and self.min_tokens > 0
 
     async def payload(self, call: Call, chosen: Worker, pool: Sequence[Worker]) -> bytes | None:
-        """The body to send `chosen`: the client's request with a peer's pin of the prefix it
-        lacks, or None (send the request as it is)."""
+        """The body to send `chosen` for the whole request: the client's request with a peer's
+        pin of the prefix it lacks, or None (send the request as it is)."""
+        pin = await self.pin_for(call, chosen, pool)
+        if pin is None:
+            return None
+        return call.raw[:-1] + f',"{PARAM}":'.encode() + json.dumps(prefix_pull_params(pin)).encode() + b"}"
+
+    async def prefill_payload(self, call: Call, chosen: Worker, pool: Sequence[Worker], body: dict) -> bytes | None:
+        """The body to send the prefill worker `chosen`: its prefill request (`body`, whose
+        kv_transfer_params ask for the hand-off) with a peer's pin of the prefix it lacks, or None."""
+        pin = await self.pin_for(call, chosen, pool)
+        if pin is None:
+            return None
+        return json.dumps({**body, PARAM: {**body[PARAM], PREFIX_FROM: pin}}).encode()
+
+    async def pin_for(self, call: Call, chosen: Worker, pool: Sequence[Worker]) -> dict | None:
+        """A pin, on the worker of `pool` that caches the longest prefix of the prompt, of what it
+        holds beyond what `chosen` holds; None where that is under the threshold or the pin failed."""
         if not self.enabled or not call.single_sequence:
             return None
         await call.routing.tokenize_off_loop()
@@ -67,9 +83,7 @@ class PeerPrefix:
             return None
         pin = await self._pin(call, best, tokens[:held])
         self.metrics.peer_prefix_pins.labels("pinned" if pin else "failed").inc()
-        if pin is None:
-            return None
-        return call.raw[:-1] + f',"{PARAM}":'.encode() + json.dumps(prefix_pull_params(pin)).encode() + b"}"
+        return pin
 
     async def _pin(self, call: Call, peer: Worker, prefix: list[int]) -> dict | None:
         body = {"model": call.model, "prompt": prefix, "max_tokens": 1, PARAM: remote_decode_request()}

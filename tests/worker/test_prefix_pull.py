@@ -96,6 +96,26 @@ def test_slow_link_recomputes_and_releases_the_peer_pin(pair):
     assert got["choices"][0]["text"] == complete(fast, ids)["choices"][0]["text"]
 
 
+def test_a_prefill_for_a_remote_decode_pulls_the_prefix_too(pair):
+    """A prefill worker (here an aggregated one asked to prefill only) handed a peer's prefix pin
+    pulls it, computes the rest, and pins the whole prompt for the decode worker, which reads it:
+    the P/D answer equals a plain one."""
+    _, _, fast, slow = pair
+    ids = prompt(6)
+    expected = complete(slow, ids)["choices"][0]["text"]
+    with leaves_no_kv([fast, slow]):
+        source = pin_prefix(slow, ids, 12)  # slow computed it all above: a pin of cached blocks
+        pulled = metric(fast, PULLED, outcome="landed")
+        r = httpx.post(f"{fast.url}/v1/completions", timeout=60, json={
+            "prompt": ids, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "prefix_from": source}})
+        assert r.status_code == 200, r.text
+        first = r.json()
+        assert metric(fast, PULLED, outcome="landed") == pulled + 12 * BLOCK
+        rest = complete(slow, ids, first["kv_transfer_params"])  # the decode leg reads fast's pin
+    assert first["choices"][0]["text"] + rest["choices"][0]["text"] == expected
+
+
 def test_a_pin_of_another_prompt_is_refused(pair):
     _, _, fast, slow = pair
     source = pin_prefix(slow, prompt(3), 4)

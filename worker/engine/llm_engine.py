@@ -31,7 +31,7 @@ import uuid
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
-                                          is_prefix_pull, is_remote_decode,
+                                          is_remote_decode, prefix_source,
                                           parse_kv_transfer_params)
 from pdserve.worker.attention.kv_cache import KVCache, kv_layout
 from pdserve.worker.config.engine import EngineConfig
@@ -140,7 +140,8 @@ class LLMEngine:
         # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
         # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
-        self._pulls_kv = self.kv_connector.active and config.role != "prefill"
+        # (A prefill worker pulls too when it may: a prefix a peer holds, kv/prefix_cost.py.)
+        self._pulls_kv = self.kv_connector.active and (config.role != "prefill" or bool(config.kv_peer_allow))
         tp = config.tensor_parallel_size > 1
         self.async_scheduling = wants_async_scheduling(config.async_scheduling, self.device.type, tp,
                                                        self.kv_connector.active)
@@ -208,8 +209,8 @@ class LLMEngine:
                 raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
-        elif is_prefix_pull(kv_transfer_params):
-            self.scheduler.connector.check_prefix(kv_transfer_params, prompt_token_ids)
+        elif (source := prefix_source(kv_transfer_params)) is not None:
+            self.scheduler.connector.check_prefix(source, prompt_token_ids)
         if lora_name is not None and (self.lora is None or not self.lora.serves(lora_name)):
             raise RequestError("model", f"LoRA adapter {lora_name!r} is not loaded on this worker",
                                "model_not_found")

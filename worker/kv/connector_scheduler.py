@@ -48,8 +48,8 @@ import time
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
-                                          KVTransferParamsError, PrefixPull, is_prefix_pull, is_remote_decode,
-                                          is_streamed, wants_remote_decode, wants_stream_kv)
+                                          KVTransferParamsError, is_remote_decode, is_streamed, prefix_source,
+                                          wants_remote_decode, wants_stream_kv)
 from pdserve.worker.kv import registry
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint
@@ -126,20 +126,19 @@ class KVConnectorScheduler:
         except (PeerNotAllowed, ValueError) as e:
             raise RequestError(PARAM, str(e)) from None
 
-    def check_prefix(self, pull: PrefixPull, prompt_token_ids: list[int]) -> None:
+    def check_prefix(self, src: KVTransferParams, prompt_token_ids: list[int]) -> None:
         """A whole request handed a peer's prefix pin: the pin must be of a prefix of this prompt
         (its transfer token is bound to that prefix's digest; the peer checks it again on every
         read). Anything else about it (this worker's layout, its allowlist, a block size of
         another deployment) only makes this worker recompute the prefix (new_request)."""
-        src = pull.source
         n = src.num_prompt_tokens
         if n > len(prompt_token_ids) or token_digest(src.transfer_token) != prompt_digest(prompt_token_ids[:n]):
             raise RequestError(PARAM, f"{PARAM}.prefix_from was issued for a prompt that is not a prefix of this one")
 
-    def _take_prefix(self, req: Request, pull: PrefixPull) -> None:
-        """A whole request handed a peer's prefix pin: keep it for admission, or release it now
-        where this worker cannot or must not read it (then the prefix is recomputed here)."""
-        src, ep, bs = pull.source, self._endpoint, self.block_size
+    def _take_prefix(self, req: Request, src: KVTransferParams) -> None:
+        """A request handed a peer's prefix pin: keep it for admission, or release it now where
+        this worker cannot or must not read it (then the prefix is recomputed here)."""
+        ep, bs = self._endpoint, self.block_size
         if ep is None:
             return  # no transport here: nothing to pull with, nor to release with (the pin expires)
         # Whole blocks, and never the prompt's last token: a request computes at least one token here.
@@ -161,9 +160,8 @@ class KVConnectorScheduler:
         p = req.kv_transfer_params
         if not p:
             return
-        if is_prefix_pull(p):
-            self._take_prefix(req, p)
-            return
+        if (source := prefix_source(p)) is not None:  # a whole request's, or a prefill's
+            self._take_prefix(req, source)
         if wants_remote_decode(p):
             # Prefill side: one token, then (if we can serve reads) the blocks wait for the decode worker.
             # min_tokens cut as the router's prefill_request cuts it: EOS stays barred from the
@@ -341,7 +339,10 @@ class KVConnectorScheduler:
             first, last = (tokens - num_external_tokens) // bs, tokens // bs
             self._meta.loads.append(KVLoad(req.request_id, src, list(range(first, last)), req.block_ids[first:last],
                                            prompt_digest(req.token_ids[:src.num_prompt_tokens])))
-            return
+            if req.request_id not in self._streaming:
+                return
+            # A streamed prefill's pin goes out now too; its readable blocks are the local hits
+            # (num_computed_tokens) until the pull lands and the steps after it advance the pin.
         if req.request_id in self._streaming:
             self._announce(req)
             return
