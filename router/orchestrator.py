@@ -67,7 +67,9 @@ class Orchestrator:
         self.fallback = RoleFallback(selector, self.metrics)
         self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
         self.tracing = Tracing.off()  # the app's, set by router/app.py
-        self.peer_prefix = PeerPrefix(selector.kv_index, upstream, self.metrics, config.kv_peer_prefix_min_tokens)
+        # (getattr: some tests drive the hand-off with no selector, hence no index)
+        self.peer_prefix = PeerPrefix(getattr(selector, "kv_index", None), upstream, self.metrics,
+                                      config.kv_peer_prefix_min_tokens)
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
