@@ -88,8 +88,9 @@ class PeerPrefix:
     async def _pin(self, call: Call, peer: Worker, prefix: list[int]) -> dict | None:
         body = {"model": call.model, "prompt": prefix, "max_tokens": 1, PARAM: remote_decode_request()}
         try:
-            async with self.up.session.post(peer.url + PATHS["completions"], json=body,
-                                            timeout=aiohttp.ClientTimeout(total=PIN_TIMEOUT_S)) as r:
+            async with self.up.session.post(
+                peer.url + PATHS["completions"], json=body, timeout=aiohttp.ClientTimeout(total=PIN_TIMEOUT_S)
+            ) as r:
                 if r.status != 200:
                     log.info("peer prefix pin on %r answered %d: the chosen worker recomputes", peer, r.status)
                     return None

@@ -21,11 +21,38 @@ BLOCK = 4
 
 def _aggregated(launch, ckpt, host: str, events: int):
     port, kv_port = free_port(host), free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", str(ckpt), "--served-model-name", "tiny",
-           "--host", host, "--port", str(port), "--kv-transfer", "tcp", "--kv-host", "127.0.0.1",
-           "--kv-port", str(kv_port), "--kv-peer-allow", "127.0.0.1", "--block-size", str(BLOCK),
-           "--max-model-len", "256", "--kv-events-port", str(events), "--kv-prefix-pull-bandwidth", "1000",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli.main",
+        "worker",
+        "--model",
+        str(ckpt),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-transfer",
+        "tcp",
+        "--kv-host",
+        "127.0.0.1",
+        "--kv-port",
+        str(kv_port),
+        "--kv-peer-allow",
+        "127.0.0.1",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        "256",
+        "--kv-events-port",
+        str(events),
+        "--kv-prefix-pull-bandwidth",
+        "1000",
+        "--log-level",
+        "warning",
+    ]
     return launch._spawn(f"http://{host}:{port}", cmd)
 
 
@@ -36,20 +63,35 @@ def test_a_follow_up_on_the_other_worker_pulls_the_conversation_from_its_peer(la
     workers = [_aggregated(launch, ckpt, host, events) for host in ("127.0.0.91", "127.0.0.92")]
     for w in workers:
         wait_http(w.url + "/health", w.popen, timeout_s=180, log=w.log)
-    router = launch.router(*(a for w in workers for a in ("--decode", w.url)), "--decode-policy", "round-robin",
-                           "--tokenizer", str(ckpt), "--kv-events-port", str(events),
-                           "--kv-events-replay-port", str(events + 1), "--kv-peer-prefix-min-tokens", "8")
+    router = launch.router(
+        *(a for w in workers for a in ("--decode", w.url)),
+        "--decode-policy",
+        "round-robin",
+        "--tokenizer",
+        str(ckpt),
+        "--kv-events-port",
+        str(events),
+        "--kv-events-replay-port",
+        str(events + 1),
+        "--kv-peer-prefix-min-tokens",
+        "8",
+    )
 
     def complete(url: str, prompt: list[int]) -> str:
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
     turn1 = [(i * 7) % 900 + 20 for i in range(10 * BLOCK)]
     complete(router.url, turn1)
-    eventually(lambda: any((metric(router, "pdserve_router_kv_index_blocks", worker=w.url) or 0) >= 9
-                           for w in workers), timeout_s=30)
+    eventually(
+        lambda: any((metric(router, "pdserve_router_kv_index_blocks", worker=w.url) or 0) >= 9 for w in workers),
+        timeout_s=30,
+    )
     holder = next(w for w in workers if metric(router, "pdserve_router_kv_index_blocks", worker=w.url) >= 9)
     other = next(w for w in workers if w is not holder)
     follow = turn1 + [33, 44, 55, 66, 77]

@@ -11,10 +11,13 @@ def _count(cost: PrefixPullCost, choice: str) -> float:
     return cost.decisions.labels(choice)._value.get()
 
 
-@pytest.mark.parametrize("tokens, nbytes, pull", [
-    (1000, 10**8, True),  # 0.1 s on the 1 GB/s prior vs 0.2 s at the 5000 tokens/s prior
-    (1000, 4 * 10**8, False),  # 0.4 s vs 0.2 s
-])
+@pytest.mark.parametrize(
+    "tokens, nbytes, pull",
+    [
+        (1000, 10**8, True),  # 0.1 s on the 1 GB/s prior vs 0.2 s at the 5000 tokens/s prior
+        (1000, 4 * 10**8, False),  # 0.4 s vs 0.2 s
+    ],
+)
 def test_priors_decide_before_anything_is_measured(tokens, nbytes, pull):
     cost = PrefixPullCost()
     assert (cost.link_bytes_per_s, cost.prefill_tokens_per_s) == (LINK_PRIOR_BYTES_PER_S, PREFILL_PRIOR_TOKENS_PER_S)

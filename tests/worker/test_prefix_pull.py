@@ -28,8 +28,18 @@ DECISIONS = "pdserve_kv_prefix_pull_decisions_total"
 
 
 def aggregated(ckpt, transport: str, gbps: float, *extra: str) -> WorkerProcess:
-    return WorkerProcess(ckpt, *PD_ARGS, "--kv-transfer", transport, "--kv-port", str(free_port()),
-                         "--kv-prefix-pull-bandwidth", str(gbps), *extra, env=ENV).start()
+    return WorkerProcess(
+        ckpt,
+        *PD_ARGS,
+        "--kv-transfer",
+        transport,
+        "--kv-port",
+        str(free_port()),
+        "--kv-prefix-pull-bandwidth",
+        str(gbps),
+        *extra,
+        env=ENV,
+    ).start()
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -55,15 +65,23 @@ def prompt(seed: int, n: int = 61) -> list[int]:
 def pin_prefix(peer: WorkerProcess, ids: list[int], blocks: int) -> dict:
     """What the router asks of the worker that holds a prefix: a one-token prefill of it that
     keeps its blocks pinned; the answer's params are the pin."""
-    r = httpx.post(f"{peer.url}/v1/completions", timeout=60, json={
-        "prompt": ids[:blocks * BLOCK], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(
+        f"{peer.url}/v1/completions",
+        timeout=60,
+        json={"prompt": ids[: blocks * BLOCK], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
 
 def complete(w: WorkerProcess, ids: list[int], kv: dict | None = None) -> dict:
-    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            **({"kv_transfer_params": kv} if kv else {})}
+    body = {
+        "prompt": ids,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        **({"kv_transfer_params": kv} if kv else {}),
+    }
     r = httpx.post(f"{w.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -106,9 +124,16 @@ def test_a_prefill_for_a_remote_decode_pulls_the_prefix_too(pair):
     with leaves_no_kv([fast, slow]):
         source = pin_prefix(slow, ids, 12)  # slow computed it all above: a pin of cached blocks
         pulled = metric(fast, PULLED, outcome="landed")
-        r = httpx.post(f"{fast.url}/v1/completions", timeout=60, json={
-            "prompt": ids, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True, "prefix_from": source}})
+        r = httpx.post(
+            f"{fast.url}/v1/completions",
+            timeout=60,
+            json={
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "prefix_from": source},
+            },
+        )
         assert r.status_code == 200, r.text
         first = r.json()
         assert metric(fast, PULLED, outcome="landed") == pulled + 12 * BLOCK
@@ -119,8 +144,11 @@ def test_a_prefill_for_a_remote_decode_pulls_the_prefix_too(pair):
 def test_a_pin_of_another_prompt_is_refused(pair):
     _, _, fast, slow = pair
     source = pin_prefix(slow, prompt(3), 4)
-    r = httpx.post(f"{fast.url}/v1/completions", timeout=60,
-                   json={"prompt": prompt(4), "max_tokens": 2, "kv_transfer_params": {"prefix_from": source}})
+    r = httpx.post(
+        f"{fast.url}/v1/completions",
+        timeout=60,
+        json={"prompt": prompt(4), "max_tokens": 2, "kv_transfer_params": {"prefix_from": source}},
+    )
     assert r.status_code == 400 and "not a prefix of this one" in r.json()["error"]["message"]
 
 

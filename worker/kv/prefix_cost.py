@@ -35,18 +35,31 @@ class PrefixPullCost:
         self.fixed = fixed_link_bytes_per_s > 0
         self.link_bytes_per_s = fixed_link_bytes_per_s if self.fixed else LINK_PRIOR_BYTES_PER_S
         self.prefill_tokens_per_s = PREFILL_PRIOR_TOKENS_PER_S
-        self.link_gauge = Gauge("pdserve_kv_prefix_pull_link_bytes_per_second",
-                                "The link speed a prefix pull from a peer is estimated at (measured over this "
-                                "worker's KV pulls, or --kv-prefix-pull-bandwidth).", registry=None)
-        self.prefill_gauge = Gauge("pdserve_kv_prefix_pull_prefill_tokens_per_second",
-                                   "The prefill speed recomputing a prefix is estimated at (measured over this "
-                                   "worker's prefill steps).", registry=None)
-        self.decisions = Counter("pdserve_kv_prefix_pull_decisions",
-                                 "Prefixes a peer held that this worker lacked, by what it chose: pull them "
-                                 "from the peer or recompute them.", ("choice",), registry=None)
-        self.pulled_tokens = Counter("pdserve_kv_prefix_pulled_tokens",
-                                     "Prompt tokens whose KV was pulled from a peer instead of recomputed, by "
-                                     "outcome (landed; failed: recomputed after all).", ("outcome",), registry=None)
+        self.link_gauge = Gauge(
+            "pdserve_kv_prefix_pull_link_bytes_per_second",
+            "The link speed a prefix pull from a peer is estimated at (measured over this "
+            "worker's KV pulls, or --kv-prefix-pull-bandwidth).",
+            registry=None,
+        )
+        self.prefill_gauge = Gauge(
+            "pdserve_kv_prefix_pull_prefill_tokens_per_second",
+            "The prefill speed recomputing a prefix is estimated at (measured over this worker's prefill steps).",
+            registry=None,
+        )
+        self.decisions = Counter(
+            "pdserve_kv_prefix_pull_decisions",
+            "Prefixes a peer held that this worker lacked, by what it chose: pull them "
+            "from the peer or recompute them.",
+            ("choice",),
+            registry=None,
+        )
+        self.pulled_tokens = Counter(
+            "pdserve_kv_prefix_pulled_tokens",
+            "Prompt tokens whose KV was pulled from a peer instead of recomputed, by "
+            "outcome (landed; failed: recomputed after all).",
+            ("outcome",),
+            registry=None,
+        )
         for choice in ("pull", "recompute"):
             self.decisions.labels(choice)
         for outcome in ("landed", "failed"):
