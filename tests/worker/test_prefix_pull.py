@@ -141,6 +141,33 @@ def test_a_prefill_for_a_remote_decode_pulls_the_prefix_too(pair):
     assert first["choices"][0]["text"] + rest["choices"][0]["text"] == expected
 
 
+def test_a_streamed_prefill_announces_its_pin_while_it_pulls_the_prefix(pair):
+    """The streamed hand-off: the prefill worker's pin goes out at admission, while it pulls the
+    prefix; the decode worker reads blocks as they become readable (the pulled ones once the
+    prefill's next step ran) and the answer equals a plain one."""
+    import json
+
+    _, _, fast, slow = pair
+    ids = prompt(7)
+    expected = complete(slow, ids)["choices"][0]["text"]
+    with leaves_no_kv([fast, slow]):
+        source = pin_prefix(slow, ids, 12)
+        pulled = metric(fast, PULLED, outcome="landed")
+        kv = {"do_remote_decode": True, "stream_kv": True, "prefix_from": source}
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": kv}
+        with httpx.stream("POST", f"{fast.url}/v1/completions", timeout=60, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            early = json.loads(next(lines))["kv_transfer_params"]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                decoded = pool.submit(complete, slow, ids, early)  # reads while the prefill pulls and runs
+                rest = list(lines)
+                got = decoded.result(timeout=60)
+        assert metric(fast, PULLED, outcome="landed") == pulled + 12 * BLOCK
+        first = json.loads(rest[-1])["choices"][0]["text"]
+    assert first + got["choices"][0]["text"] == expected
+
+
 def test_a_pin_of_another_prompt_is_refused(pair):
     _, _, fast, slow = pair
     source = pin_prefix(slow, prompt(3), 4)
