@@ -22,6 +22,10 @@ class RequestSpec:
     prompt: str
     prompt_len: int  # tokens, as the server counts them (special tokens included)
     output_len: int  # max_tokens, sent with ignore_eos so it is also the output length
+    # Multi-turn mode: which conversation this turn belongs to (None: a single-turn request) and
+    # its turn; turn t is sent only once turn t-1 of the same conversation has finished.
+    conversation: int | None = None
+    turn: int = 0
 
 
 def load_tokenizer(name_or_path: str):
@@ -90,3 +94,32 @@ def file_requests(path: str | Path, tokenizer, n: int | None, output_len: int, s
     random.Random(seed).shuffle(rows)
     n = n or len(rows)
     return [rows[i % len(rows)] for i in range(n)]
+
+
+def multi_turn_requests(tokenizer, conversations: int, turns: int, message_len: int, output_len: int,
+                        seed: int = 0) -> list[RequestSpec]:
+    """`conversations` x `turns` requests, turn-major (every conversation's turn 0, then turn 1, ...):
+    turn t's prompt is the whole history (turn 0's message, a reply, ..., turn t-1's reply) plus a
+    new message of `message_len` tokens. The replies are random text of `output_len` tokens standing
+    in for the model's (the same length and the same place in the prompt, so the cache sees the
+    same prefix reuse as a chat whose client resends the conversation; the model's own text is not
+    waited for, so a turn's prompt never depends on sampling)."""
+    if turns < 1 or conversations < 1:
+        raise ValueError(f"needs at least one conversation and one turn, got {conversations} x {turns}")
+    rng = random.Random(seed)
+    special = tokenizer.num_special_tokens_to_add()
+    all_special = set(tokenizer.all_special_ids)
+    usable = [i for i in range(len(tokenizer)) if i not in all_special]
+
+    def text(n: int) -> str:
+        return _fit(tokenizer, [rng.choice(usable) for _ in range(n)], n, rng, usable)[0]
+
+    histories = [""] * conversations
+    specs: list[RequestSpec] = []
+    for t in range(turns):
+        for c in range(conversations):
+            prompt = histories[c] + text(message_len)
+            n = len(tokenizer.encode(prompt, add_special_tokens=False)) + special
+            specs.append(RequestSpec(prompt, n, output_len, conversation=c, turn=t))
+            histories[c] = prompt + text(output_len)
+    return specs

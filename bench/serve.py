@@ -5,7 +5,7 @@
         [--endpoint completions|chat] [--input-len 1024 --output-len 128 --range-ratio 0 | --dataset FILE.jsonl]
         [--num-requests 200 | --duration S] [--concurrency C] [--request-rate R [--burstiness 1]]
         [--sweep-rates 1,2,4] [--goodput ttft:MS itl:MS e2e:MS] [--seed 0] [--out DIR --label NAME]
-        [--metrics-url URL ...] [--lora-adapters A,B,C [--lora-pick round-robin|random]]
+        [--metrics-url URL ...] [--lora-adapters A,B,C [--lora-pick round-robin|random]] [--multi-turn N M]
 
 Every request streams, with `ignore_eos` so outputs are exactly `--output-len` tokens. Arrivals
 are a gamma process (`--burstiness 1`: Poisson) at `--request-rate`, or all at once when the
@@ -114,8 +114,15 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     tasks: list[asyncio.Task] = []
 
-    async def one(session, spec, due: float, model: str) -> RequestResult:
+    # Multi-turn: each conversation's turn waits for its previous turn to finish.
+    turn_done: dict[int, asyncio.Event] = {}
+
+    async def one(session, spec, due: float, model: str, after: asyncio.Event | None, done: asyncio.Event | None) \
+            -> RequestResult:
         try:
+            if after is not None:
+                await after.wait()
+                due = time.perf_counter()  # its arrival is its previous turn's end, not the schedule
             if gate is not None and not closed_loop:
                 async with gate:
                     r = await stream_request(session, url, cfg.endpoint, model, spec, cfg.ignore_eos)
@@ -125,6 +132,8 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
             r.model = model
             return r
         finally:
+            if done is not None:
+                done.set()
             if closed_loop:
                 gate.release()
             bar.update(1)
@@ -154,7 +163,12 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
                 if cfg.duration_s is not None and time.perf_counter() - t0 >= cfg.duration_s:
                     gate.release()
                     break
-            tasks.append(asyncio.create_task(one(session, specs[i % len(specs)], due, next(models))))
+            spec = specs[i % len(specs)]
+            after = done = None
+            if spec.conversation is not None:
+                after = turn_done.get(spec.conversation) if spec.turn else None
+                done = turn_done[spec.conversation] = asyncio.Event()
+            tasks.append(asyncio.create_task(one(session, spec, due, next(models), after, done)))
             i += 1
         results = list(await asyncio.gather(*tasks))
     gc.unfreeze()
@@ -229,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random lengths uniform in [len*(1-R), len*(1+R)], 0 <= R < 1")
     p.add_argument("--dataset", default=None, metavar="FILE.jsonl", help='lines of {"prompt": str, "output_len"?: int}')
+    p.add_argument("--multi-turn", nargs=2, type=int, default=None, metavar=("N", "M"),
+                   help="N conversations x M turns: each turn sends the whole history plus a new message of "
+                        "--input-len tokens, once the conversation's previous turn finished (replies in the "
+                        "history are random text of --output-len tokens); N*M requests")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--num-requests", type=int, default=None, help="requests per run (default 200)")
     n.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="send for this long, then drain")
@@ -274,6 +292,13 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
         raise ValueError("--input-len: not used with --dataset (prompt lengths come from the file)")
     if args.dataset and not Path(args.dataset).is_file():
         raise ValueError(f"--dataset: no such file: {args.dataset}")
+    if args.multi_turn is not None:
+        if args.dataset:
+            raise ValueError("--multi-turn: not used with --dataset (turns are generated)")
+        if args.num_requests is not None or args.duration is not None:
+            raise ValueError("--multi-turn: sends N*M requests; not with --num-requests or --duration")
+        if min(args.multi_turn) < 1:
+            raise ValueError(f"--multi-turn: N and M must be >= 1, got {args.multi_turn}")
     if args.input_len is None:
         args.input_len = 1024
     for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len),
@@ -305,6 +330,8 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
 
 
 def make_specs(args, tokenizer, n: int, seed: int) -> list[dataset.RequestSpec]:
+    if args.multi_turn is not None:
+        return dataset.multi_turn_requests(tokenizer, *args.multi_turn, args.input_len, args.output_len, seed)
     if args.dataset:
         return dataset.file_requests(args.dataset, tokenizer, n, args.output_len, seed)
     return dataset.random_requests(tokenizer, n, args.input_len, args.output_len, args.range_ratio, seed)

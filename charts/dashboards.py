@@ -89,6 +89,19 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                           "landed, so the pull is inside it."),
         Panel("Free KV blocks", ((f"sum by (pod, role) (pdserve_kv_free_blocks{{{SEL}}})", "{{role}} {{pod}}"),
                                  (f"sum by (pod, role) (pdserve_kv_total_blocks{{{SEL}}})", "total {{pod}}"))),
+        Panel("Host KV tier: blocks/s", (per_second("pdserve_kv_offload_stored_blocks_total", legend="stored"),
+                                         per_second("pdserve_kv_offload_restored_blocks_total", legend="restored"),
+                                         per_second("pdserve_kv_offload_evicted_blocks_total", legend="evicted")),
+              "short", description="Workers with --kv-offloading-size: blocks the device cache evicted copied to "
+                                   "host memory, prefix hits there copied back, and blocks the tier's LRU dropped."),
+        Panel("Host KV tier: bytes/s", (per_second("pdserve_kv_offload_bytes_total", "direction"),), "Bps",
+              description="Bytes copied between the device cache and the host tier (store: device to host)."),
+        Panel("Host KV tier: hit rate and fill",
+              ((f"sum(rate(vllm:external_prefix_cache_hits_total{{{SEL}}}[{RATE}])) "
+                f"/ sum(rate(vllm:external_prefix_cache_queries_total{{{SEL}}}[{RATE}]))", "hit rate"),
+               (f"sum(pdserve_kv_offload_blocks{{{SEL}}}) / sum(pdserve_kv_offload_total_blocks{{{SEL}}})", "fill")),
+              "percentunit", description="Prompt tokens found in the host tier / those looked up there (the ones "
+                                         "the device cache missed); blocks held / the tier's capacity."),
     ]),
     "kv-transfer": ("pdserve / KV transfer", "KV blocks moved from prefill to decode workers (NIXL or TCP).", [
         Panel("KV bytes/s", (per_second("pdserve_kv_transfer_bytes_total", "direction, transport",
@@ -115,6 +128,18 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("KV landed to first decode step", quantiles("pdserve_kv_first_step_wait_seconds"), "s",
               description="A P/D request on its decode worker: from its KV pull landing to its first decode "
                           "step's token."),
+
+        Panel("Peer prefix: pull or recompute", (per_second("pdserve_kv_prefix_pull_decisions_total", "choice"),),
+              "short", description="A worker handed a peer's pin of a prefix it lacks (router "
+                                   "--kv-peer-prefix-min-tokens): pulled, or recomputed because the estimates "
+                                   "said the pull would take longer."),
+        Panel("Peer prefix: link estimate",
+              ((f"max by (pod) (pdserve_kv_prefix_pull_link_bytes_per_second{{{SEL}}})", "{{pod}}"),), "Bps",
+              description="The link speed each worker assumes for a pull (measured over its pulls)."),
+        Panel("Peer prefix: prefill estimate",
+              ((f"max by (pod) (pdserve_kv_prefix_pull_prefill_tokens_per_second{{{SEL}}})", "{{pod}}"),), "short",
+              description="The prefill speed (tokens/s) each worker assumes for a recompute (measured over its "
+                          "prefill steps)."),
     ]),
     "router": ("pdserve / router", "The router's view of its workers.", [
         Panel("In-flight requests per worker",

@@ -130,8 +130,12 @@ class RoleSpec:
     pod_template: Mapping[str, Any] = field(default_factory=dict)  # strategic merge over the built pod
     shm_size: str | None = None  # None: scaled with tensorParallelSize (workloads.shm_size)
     kv: KVTuning = KVTuning()
+    # <role>.kvCache.offloadGiB: None leaves spec.kvCache.offloadGiB (ModelServingSpec.offload_gib)
+    offload_gib: float | None = None
 
     def __post_init__(self) -> None:
+        if self.offload_gib is not None and not self.offload_gib >= 0:  # NaN too
+            raise SpecError(f"spec.{self.role}.kvCache.offloadGiB must be a number of GiB >= 0, got {self.offload_gib}")
         a = self.autoscaling
         if a is not None and a.min_replicas > a.max_replicas:
             raise SpecError(
@@ -249,8 +253,11 @@ class ModelServingSpec:
     slo: Slo | None = None  # the planner owns the autoscaled roles' replicas when set
     lora: LoRASpec | None = None  # LoRA adapters on every worker (operator/lora.py)
     tracing: TracingSpec | None = None
+    offload_gib: float = 0.0  # spec.kvCache.offloadGiB: both roles' host KV tier unless a role sets its own
 
     def __post_init__(self) -> None:
+        if not self.offload_gib >= 0:  # NaN too
+            raise SpecError(f"spec.kvCache.offloadGiB must be a number of GiB >= 0, got {self.offload_gib}")
         for rs in (self.prefill, self.decode):
             if rs.autoscaling is not None and rs.autoscaling.min_replicas == 0 and self.slo is None:
                 raise SpecError(f"spec.{rs.role}.autoscaling.minReplicas 0 needs spec.slo (the planner scales to "
@@ -302,6 +309,12 @@ class ModelServingSpec:
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def offload_gib_of(self, role: str) -> float:
+        """GiB of the role's host KV tier (worker --kv-offloading-size): its own kvCache.offloadGiB,
+        else spec.kvCache.offloadGiB."""
+        own = self.role(role).offload_gib
+        return self.offload_gib if own is None else own
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> "ModelServingSpec":
@@ -369,6 +382,7 @@ class ModelServingSpec:
             slo=_slo(spec.get("slo")),
             lora=_lora(spec.get("lora"), model),
             tracing=_tracing(spec.get("tracing")),
+            offload_gib=_gib((spec.get("kvCache") or {}).get("offloadGiB", 0), "spec.kvCache.offloadGiB"),
         )
 
 
@@ -427,7 +441,16 @@ def _role(role: str, d: Mapping[str, Any]) -> RoleSpec:
         pod_template=dict(d.get("podTemplate") or {}),
         shm_size=None if d.get("shmSize") is None else str(d["shmSize"]),
         kv=_kv(d.get("kvTransfer") or {}),
+        offload_gib=None if (g := (d.get("kvCache") or {}).get("offloadGiB")) is None
+        else _gib(g, f"spec.{role}.kvCache.offloadGiB"),
     )
+
+
+def _gib(value: Any, where: str) -> float:
+    """A GiB count as the CRD admits it (a number); anything else is the user's mistake, named."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where} must be a number of GiB, got {value!r}")
+    return float(value)
 
 
 def _lora(d: Mapping[str, Any] | None, model: Mapping[str, Any]) -> LoRASpec | None:

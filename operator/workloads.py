@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any, Mapping
 
 from pdserve.operator import lora, naming, pods
 from pdserve.operator.merge import strategic_merge
+from pdserve.operator.quantity import GIB, memory_quantity, parse_quantity
 from pdserve.operator.spec import GPU_RESOURCE, FlowControlSpec, ModelServing, RoleSpec, Rollout, SpecError
 from pdserve.protocol.contract import (ENV_API_KEYS, ENV_WORKER_API_KEY, HTTP_PORT, HTTP_PORT_NAME, KV_EVENTS_PORT,
                                        KV_EVENTS_REPLAY_PORT)
@@ -65,6 +67,8 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
         args += ["--kv-cache-dtype", s.kv_cache_dtype]
     if rs.max_num_seqs is not None:
         args += ["--max-num-seqs", str(rs.max_num_seqs)]
+    if offload := s.offload_gib_of(role):
+        args += ["--kv-offloading-size", f"{offload:g}"]
     if s.router.prefix_aware:
         # KV-cache-aware routing feeds on the workers' block events.
         args += ["--kv-events-port", str(KV_EVENTS_PORT)]
@@ -101,7 +105,25 @@ def worker_resources(ms: ModelServing, rs: RoleSpec) -> dict[str, Any]:
         limits.setdefault(kv.rdma_resource, kv.rdma_count)
     if s.model_source.kind == "hf" and s.cache_size and not s.cache_claim:
         requests.setdefault("ephemeral-storage", s.cache_size)
+    if offload := s.offload_gib_of(rs.role):
+        grow_memory(rs.role, offload, limits, requests)
     return quantities({"limits": limits, "requests": requests})
+
+
+def grow_memory(role: str, offload_gib: float, limits: dict[str, Any], requests: dict[str, Any]) -> None:
+    """The host KV tier is pinned host memory the worker holds from start: the pod's memory request
+    grows by it (so the scheduler places the pod where it fits), and so does a memory limit the
+    user set (else the tier would eat what the limit left the worker). No request set: the tier's
+    size is the request. No limit set: none is made."""
+    extra = Decimal(str(offload_gib)) * GIB
+    for kind, values in (("requests", requests), ("limits", limits)):
+        if (have := values.get("memory")) is not None:
+            try:
+                values["memory"] = memory_quantity(parse_quantity(have) + extra)
+            except ValueError as e:
+                raise SpecError(f"spec.{role}.resources.{kind}.memory: {e}") from None
+        elif kind == "requests":
+            values["memory"] = memory_quantity(extra)
 
 
 # /dev/shm cap per tensor-parallel rank, and the floor for any worker. Memory-backed and a cap,

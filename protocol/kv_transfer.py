@@ -73,30 +73,30 @@ def decode_budget(body: dict) -> dict:
 
 def wants_remote_decode(params) -> bool:
     """Prefill side: the caller asks this worker to prefill only and hand its KV over."""
-    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams, PrefixPull)):
         return isinstance(params, RemoteDecodeRequest)
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
 def wants_stream_kv(params) -> bool:
     """Prefill side: announce the pin at admission and let the decode side read chunks as they land."""
-    if isinstance(params, RemoteDecodeRequest):
-        return params.stream_kv
+    if isinstance(params, (RemoteDecodeRequest, PrefixPull)):
+        return isinstance(params, RemoteDecodeRequest) and params.stream_kv
     return wants_remote_decode(params) and params.get(STREAM_KV) is True
 
 
 def is_streamed(params) -> bool:
     """Decode side: params announced before the prefill ended (no first token yet)."""
-    if isinstance(params, KVTransferParams):
-        return params.stream_kv
+    if isinstance(params, (KVTransferParams, PrefixPull)):
+        return isinstance(params, KVTransferParams) and params.stream_kv
     return is_remote_decode(params) and params.get(STREAM_KV) is True
 
 
 def is_remote_decode(params) -> bool:
     """Decode side: these params came from a prefill worker (its KV is to be pulled)."""
-    if isinstance(params, (RemoteDecodeRequest, KVTransferParams)):
+    if isinstance(params, (RemoteDecodeRequest, KVTransferParams, PrefixPull)):
         return isinstance(params, KVTransferParams)
-    return bool(params) and not params.get("do_remote_decode")
+    return bool(params) and not params.get("do_remote_decode") and PREFIX_FROM not in params
 
 
 def prefill_request(body: dict, stream_kv: bool = False) -> dict:
@@ -235,24 +235,72 @@ class RemoteDecodeRequest:
 
     decode_budget: dict | None = None
     stream_kv: bool = False
+    # A peer's pin of a prefix of the prompt that this worker lacks (as PrefixPull's `source`).
+    prefix_from: "KVTransferParams | None" = None
 
     def to_dict(self) -> dict:
-        return remote_decode_request(self.decode_budget, self.stream_kv)
+        d = remote_decode_request(self.decode_budget, self.stream_kv)
+        if self.prefix_from is not None:
+            d[PREFIX_FROM] = self.prefix_from.to_dict()
+        return d
 
 
-def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | None":
+PREFIX_FROM = "prefix_from"  # a whole request's params: a peer holds a prefix of its prompt (PrefixPull)
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """What the router hands a worker that serves a request itself (no P/D hand-off) when another
+    worker of the pool holds a prefix of its prompt that this one lacks: `source`, the params of a
+    pin of that prefix on the peer (the peer's answer to a one-token prefill of the prefix, so its
+    transfer token is bound to the prefix's digest). The worker pulls those blocks through its KV
+    transport if its estimate of the pull beats its estimate of recomputing them, else releases
+    the pin; either way it computes the rest of the prompt itself (docs/kv-cache.md)."""
+
+    source: KVTransferParams
+
+    def to_dict(self) -> dict:
+        return {PREFIX_FROM: self.source.to_dict()}
+
+
+def prefix_pull_params(source: dict) -> dict:
+    """The `kv_transfer_params` of a whole request whose prompt's prefix the pin `source` (a peer's
+    params, as its answer has them) holds."""
+    return {PREFIX_FROM: source}
+
+
+def prefix_source(params) -> "KVTransferParams | None":
+    """The peer's pin of a prefix these params hand over: a whole request's (PrefixPull) or a
+    prefill's (RemoteDecodeRequest.prefix_from); None for any other params."""
+    if isinstance(params, PrefixPull):
+        return params.source
+    return params.prefix_from if isinstance(params, RemoteDecodeRequest) else None
+
+
+def parse_kv_transfer_params(params) -> "KVTransferParams | RemoteDecodeRequest | PrefixPull | None":
     """The one parse of a request body's `kv_transfer_params` on a worker: a prefill request's
     (`do_remote_decode`) becomes a RemoteDecodeRequest (lenient, as it always was: a budget that
     is not an object is no budget, `stream_kv` counts only when exactly true); a decode request's
     a validated KVTransferParams (KVTransferParamsError otherwise); none (or empty) is None.
     Objects already parsed pass through."""
-    if isinstance(params, (KVTransferParams, RemoteDecodeRequest)) or not params:
+    if isinstance(params, (KVTransferParams, RemoteDecodeRequest, PrefixPull)) or not params:
         return params or None
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"{PARAM} must be an object")
+    prefix = None
+    if PREFIX_FROM in params:
+        try:
+            prefix = KVTransferParams.from_dict(params[PREFIX_FROM])
+        except KVTransferParamsError as e:
+            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM}: {e}") from None
     if wants_remote_decode(params):
         budget = params.get(BUDGET)
-        return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True)
+        return RemoteDecodeRequest(budget if isinstance(budget, dict) else None, params.get(STREAM_KV) is True, prefix)
+    if prefix is not None:
+        if set(params) != {PREFIX_FROM}:
+            raise KVTransferParamsError(f"{PARAM}.{PREFIX_FROM} goes with a whole request or a prefill's "
+                                        "do_remote_decode, not with a hand-off")
+        return PrefixPull(prefix)
     return KVTransferParams.from_dict(params)
 
 
@@ -271,7 +319,7 @@ _REQUIRED = {"remote_engine_id": str, "remote_host": str, "remote_port": int, "r
              "transfer_token": str, "kv_layout": str}
 
 
-def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | None":
+def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | PrefixPull | None":
     try:
         return parse_kv_transfer_params(value)
     except KVTransferParamsError as e:
@@ -281,5 +329,5 @@ def _validated(value) -> "KVTransferParams | RemoteDecodeRequest | None":
 
 # The request models' field (protocol/requests.py): validated with the body, by the one parse,
 # into the object the worker carries to its engine.
-KVTransferField = Annotated[KVTransferParams | RemoteDecodeRequest | None,
+KVTransferField = Annotated[KVTransferParams | RemoteDecodeRequest | PrefixPull | None,
                             PlainValidator(_validated, json_schema_input_type=dict | None)]

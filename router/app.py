@@ -64,7 +64,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-router", metrics.registry)
     log_trace_ids(tracing)
     workers = WorkerSet(config.eject_after_failures, config.eject_backoff_s, config.eject_backoff_max_s)
-    wants_index = needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
+    wants_index = (needs_kv_index(config.prefill_policy) or needs_kv_index(config.decode_policy)
+                   or config.kv_peer_prefix_min_tokens > 0)  # the peer prefix reads who holds what
     kv_index = KVIndex() if wants_index else None
     tokenizer = None
     # Prefix-aware needs token ids; without it, a given tokenizer still makes the arrival

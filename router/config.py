@@ -76,6 +76,10 @@ class RouterConfig(RequestLimitFlags):
     pd_min_prompt_tokens: int = flag(0, "shorter prompts (estimated) skip the prefill worker")
     # llm-d's prefix-based decider: a follow-up turn whose conversation the decode worker already
     # caches would pay a whole remote prefill and KV hand-off to compute a few new tokens.
+    kv_peer_prefix_min_tokens: int = flag(0, "a request whose chosen worker lacks at least this many leading prompt "
+                                             "tokens that another worker of its pool caches (from their KV events) "
+                                             "has that worker pin them; the chosen worker pulls them through its KV "
+                                             "transport if that beats recomputing them (docs/kv-cache.md; 0: never)")
     pd_min_uncached_tokens: int = flag(0, "with --decode-policy prefix-aware: a request whose best decode worker "
                                           "caches all but fewer than this many of its prompt tokens is served there "
                                           "whole, skipping the prefill worker (0: never)")
@@ -164,6 +168,7 @@ class RouterConfig(RequestLimitFlags):
             raise ConfigError("--port", f"must be 1..65535, not {self.port}")
         for flag_, value, least in (("--pd-min-prompt-tokens", self.pd_min_prompt_tokens, 0),
                                     ("--pd-min-uncached-tokens", self.pd_min_uncached_tokens, 0),
+                                    ("--kv-peer-prefix-min-tokens", self.kv_peer_prefix_min_tokens, 0),
                                     ("--max-retries", self.max_retries, 0),
                                     ("--max-migrations", self.max_migrations, 0),
                                     ("--eject-after-failures", self.eject_after_failures, 1),

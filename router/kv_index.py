@@ -50,6 +50,11 @@ class KVIndex:
     def clear(self, worker: str) -> None:
         self._workers.pop(worker, None)
 
+    def block_size(self, worker: str) -> int:
+        """Tokens per block of `worker`'s cache, as its events said (0: none seen yet)."""
+        blocks = self._workers.get(worker)
+        return blocks.block_size if blocks else 0
+
     def num_blocks(self, worker: str) -> int:
         blocks = self._workers.get(worker)
         return len(blocks.by_hash) if blocks else 0

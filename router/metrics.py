@@ -67,6 +67,10 @@ class RouterMetrics:
                                              "Prompt tokens of the arrived requests (exact with --tokenizer, "
                                              "else estimated from the text).", ["model"], registry=r)
 
+        self.peer_prefix_pins = Counter("pdserve_router_peer_prefix_pins",
+                                        "Requests whose chosen worker lacked a prefix another worker cached, by "
+                                        "outcome: pinned on that peer and handed over (prefix_from), or not (the "
+                                        "peer failed; the chosen worker computes it all).", ("outcome",), registry=r)
         self.decode_prefix_hits = Counter("pdserve_router_decode_prefix_hits",
                                           "Requests the P/D decider served whole on a decode worker that already "
                                           "cached all but fewer than --pd-min-uncached-tokens of the prompt.",

@@ -38,6 +38,7 @@ from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
 from pdserve.router.migration import Migration, StreamProgress, WorkerDrained, lost_cause
+from pdserve.router.peer_prefix import PeerPrefix
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
@@ -66,6 +67,9 @@ class Orchestrator:
         self.fallback = RoleFallback(selector, self.metrics)
         self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
         self.tracing = Tracing.off()  # the app's, set by router/app.py
+        # (getattr: some tests drive the hand-off with no selector, hence no index)
+        self.peer_prefix = PeerPrefix(getattr(selector, "kv_index", None), upstream, self.metrics,
+                                      config.kv_peer_prefix_min_tokens)
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
@@ -174,14 +178,17 @@ class Orchestrator:
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
         # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(
-            call.request.model_dump(exclude_unset=True), stream_kv)).encode())
+        body = await asyncio.to_thread(lambda: prefill_request(call.request.model_dump(exclude_unset=True), stream_kv))
+        payload = await asyncio.to_thread(lambda: json.dumps(body).encode())
+        # The prefill worker chosen may lack a prefix another prefill worker holds (peer_prefix.py).
+        body_for = (lambda w, ws: self.peer_prefix.prefill_payload(call, w, ws, body)) \
+            if self.peer_prefix.enabled else None
         t0 = time.monotonic()
         up = self.upstream_call("prefill", ROLE_PREFILL, call, pool)
         streamed = None
         try:
             while (response := await up.open(PATHS[call.route], payload, call.headers(),
-                                             self.prefill_limits)) is not None:
+                                             self.prefill_limits, body_for)) is not None:
                 if response.status == 200 and response.content_type == NDJSON:
                     try:
                         streamed = await StreamedPrefill.first_line(up, response, t0, self.metrics)
@@ -253,10 +260,12 @@ class Orchestrator:
     async def direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response:
         """The whole request on one worker of `pool` (decode workers; prefill ones in fallback).
         When no worker of the pool takes it, the other role's workers may (`whole_elsewhere`)."""
+        # The worker chosen may lack a prefix another worker of the pool holds (peer_prefix.py).
+        body_for = (lambda w, ws: self.peer_prefix.payload(call, w, ws)) if self.peer_prefix.enabled else None
         if call.stream:
             up = self.upstream_call("decode", role, call, pool)
             try:
-                response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits)
+                response = await up.open(PATHS[call.route], call.raw, call.headers(), self.stream_limits, body_for)
                 if response is None:
                     if (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                         up.close()
@@ -270,7 +279,7 @@ class Orchestrator:
             # The stream owns the call from here: closed however the stream ends.
             return self.stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
         async with self.upstream_call("decode", role, call, pool) as up:
-            response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call))
+            response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call), body_for)
             if response is None and (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                 up.close()
                 return await self.direct(call, elsewhere[1], elsewhere[0])

@@ -19,6 +19,7 @@ DECIDER = "prompt-length"
 class Selector:
     def __init__(self, config: RouterConfig, ctx: PolicyContext, workers: WorkerSet):
         self.workers = workers
+        self.kv_index = ctx.kv_index  # who caches which prefix (KV events), when anything reads it
         self.pool_filters = [plugin("pool-filter", name, ctx) for name in POOL_FILTERS]
         self.decider = plugin("decider", DECIDER, ctx)
         self.decode_prefix = DecodePrefix(ctx)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import aiohttp
 
@@ -59,10 +59,12 @@ class UpstreamCall:
         self.close()
 
     async def open(
-        self, path: str, body: bytes, headers: dict[str, str], limits: Limits
+        self, path: str, body: bytes, headers: dict[str, str], limits: Limits,
+        body_for: Callable[[Worker, Sequence[Worker]], Awaitable[bytes | None]] | None = None,
     ) -> aiohttp.ClientResponse | None:
         """A response with a final status (not 5xx, not 429) from the next worker that gives
-        one, its body unread; None when no candidate or attempt is left."""
+        one, its body unread; None when no candidate or attempt is left. `body_for(worker, pool)`:
+        what to send the worker chosen instead of `body`, when it says so (None: `body`)."""
         self._drop()
         while self.attempts < self._max_attempts:
             candidates = [w for w in self._pool if id(w) not in self._tried and w.routable()]
@@ -81,7 +83,8 @@ class UpstreamCall:
             if span is not None:
                 headers = {**headers, **self._tracing.carrier(span)}
             self._span = span
-            attempt = await self.up.post(worker, path, body, headers, limits, self.phase)
+            own = await body_for(worker, self._pool) if body_for is not None else None
+            attempt = await self.up.post(worker, path, body if own is None else own, headers, limits, self.phase)
             if not attempt.retryable:
                 if span is not None:
                     span.set_attribute("http.response.status_code", attempt.response.status)

@@ -189,3 +189,18 @@ def test_plot_draws_two_labelled_setups(mock, default_model_dir, tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         plot.main([str(tmp_path / "junk.json"), "--out", str(tmp_path)])
     assert e.value.code == 2 and "not a `pdserve bench serve` run" in capsys.readouterr().err
+
+
+def test_multi_turn_sends_each_turn_after_the_previous_one(mock, default_model_dir):
+    import asyncio
+
+    from pdserve.bench import dataset, serve
+
+    tok = dataset.load_tokenizer(str(default_model_dir))
+    specs = dataset.multi_turn_requests(tok, 3, 3, 8, 5, seed=1)
+    results, _ = asyncio.run(serve.run_load(serve.LoadConfig(mock, "mock", progress=False), specs))
+    assert all(r.ok for r in results) and len(results) == 9
+    for c in range(3):
+        turns = [r for s, r in zip(specs, results) if s.conversation == c]
+        for before, after in zip(turns, turns[1:]):
+            assert after.start >= before.start + before.e2e  # sent once the previous turn ended

@@ -140,3 +140,26 @@ def test_requests_spread_over_lora_adapters():
     assert cfgs[0].lora_adapters == ("a", "b") and cfgs[0].lora_pick == "round-robin"
     with pytest.raises(ValueError, match="--lora-adapters"):
         serve.configs_from_args(serve.build_parser().parse_args(BASE + ["--lora-adapters", "a,,b"]))
+
+
+def test_multi_turn_prompts_resend_the_whole_history(tokenizer):
+    specs = dataset.multi_turn_requests(tokenizer, 3, 4, 20, 7, seed=5)
+    assert [(s.conversation, s.turn) for s in specs[:4]] == [(0, 0), (1, 0), (2, 0), (0, 1)]  # turn-major
+    for c in range(3):
+        turns = [s for s in specs if s.conversation == c]
+        assert [s.turn for s in turns] == [0, 1, 2, 3]
+        for before, after in zip(turns, turns[1:]):
+            assert after.prompt.startswith(before.prompt)  # the history, then a reply and a new message
+            assert after.prompt_len >= before.prompt_len + 20 + 7 - 2  # retokenized at the seams
+        assert all(len(tokenizer.encode(s.prompt)) == s.prompt_len for s in turns)
+    assert specs[0].prompt[:40] != specs[1].prompt[:40]  # conversations share nothing
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--multi-turn", "2", "0"], "--multi-turn"),
+    (["--multi-turn", "2", "3", "--num-requests", "5"], "--multi-turn"),
+])
+def test_bad_multi_turn_flags(flags, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--base-url", "http://127.0.0.1:1", "--model", "m", *flags])
+    assert e.value.code == 2 and named in capsys.readouterr().err

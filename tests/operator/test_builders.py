@@ -277,3 +277,37 @@ def test_tracing_reaches_every_pod():
                 {"endpoint": "http://j:4317", "samplingRatio": 2}, {"protocol": "grpc"}):
         with pytest.raises(SpecError):
             ms(tracing=bad)
+
+
+@pytest.mark.parametrize("spec, role, flag_value, memory", [
+    ({}, "decode", None, {}),  # off by default: no flag, resources untouched
+    ({"kvCache": {"offloadGiB": 32}}, "prefill", "32", {"requests": "32Gi"}),  # spec-wide: both roles
+    ({"kvCache": {"offloadGiB": 32}}, "decode", "32", {"requests": "32Gi"}),
+    # a role's own value wins over the spec-wide one, 0 included
+    ({"kvCache": {"offloadGiB": 32}, "decode": {"kvCache": {"offloadGiB": 0}}}, "decode", None, {}),
+    ({"decode": {"kvCache": {"offloadGiB": 1.5}}}, "prefill", None, {}),
+    # the request and a limit the user set grow by the tier; no limit is invented
+    ({"decode": {"kvCache": {"offloadGiB": 1.5},
+                 "resources": {"requests": {"memory": "16Gi"}, "limits": {"memory": "20G"}}}},
+     "decode", "1.5", {"requests": "17920Mi", "limits": f"{(20 * 10**9 + 3 * 2**29) // 1024}Ki"}),
+])
+def test_host_kv_tier_flag_and_memory(spec, role, flag_value, memory):
+    c = container(build_worker_deployment(ms(**spec), role))
+    assert flag(c["args"], "--kv-offloading-size") == flag_value
+    got = {kind: v["memory"] for kind, v in c.get("resources", {}).items() if "memory" in v}
+    assert got == memory
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kvCache": {"offloadGiB": -1}}, "spec.kvCache.offloadGiB"),
+    ({"prefill": {"kvCache": {"offloadGiB": "lots"}}}, "spec.prefill.kvCache.offloadGiB"),
+])
+def test_host_kv_tier_bad_sizes(spec, message):
+    with pytest.raises(SpecError, match=message):
+        ms(**spec)
+
+
+def test_host_kv_tier_bad_memory_quantity_names_the_field():
+    m = ms(decode={"kvCache": {"offloadGiB": 1}, "resources": {"requests": {"memory": "lots"}}})
+    with pytest.raises(SpecError, match=r"spec.decode.resources.requests.memory"):
+        build_worker_deployment(m, "decode")

@@ -140,3 +140,20 @@ def test_predicates(params, remote_decode, wants):
 )
 def test_prefill_request(body, expected):
     assert prefill_request(body) == expected
+
+
+def test_a_peer_prefix_pin_parses_for_a_whole_request_and_for_a_prefill():
+    from pdserve.protocol.kv_transfer import PrefixPull, prefix_source
+
+    whole = parse_kv_transfer_params({"prefix_from": GOOD})
+    assert isinstance(whole, PrefixPull) and whole.to_dict() == {"prefix_from": GOOD}
+    assert prefix_source(whole) == KVTransferParams.from_dict(GOOD)
+    assert not (is_remote_decode(whole) or wants_remote_decode(whole) or is_streamed(whole) or wants_stream_kv(whole))
+    prefill = parse_kv_transfer_params({"do_remote_decode": True, "stream_kv": True, "prefix_from": GOOD})
+    assert isinstance(prefill, RemoteDecodeRequest) and prefill.stream_kv
+    assert prefix_source(prefill) == KVTransferParams.from_dict(GOOD) and prefill.to_dict()["prefix_from"] == GOOD
+    assert prefix_source(KVTransferParams.from_dict(GOOD)) is None
+    with pytest.raises(KVTransferParamsError, match="prefix_from: kv_transfer_params.remote_port"):
+        parse_kv_transfer_params({"prefix_from": {**GOOD, "remote_port": "x"}})
+    with pytest.raises(KVTransferParamsError, match="not with a hand-off"):
+        parse_kv_transfer_params({**GOOD, "prefix_from": GOOD})

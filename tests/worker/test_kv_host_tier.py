@@ -97,6 +97,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_checkpoint, per_bl
     assert series["vllm:external_prefix_cache_hits_total", None] == 28
     assert series["pdserve_kv_offload_restored_blocks_total", None] == 7
     assert series["pdserve_kv_offload_bytes_total", "restore"] == 7 * per_block
+    from tests.charts.test_dashboards import HOST_TIER_ONLY  # what the host tier's dashboard panels read
+
+    assert HOST_TIER_ONLY <= {name for name, _ in series}
 
 
 def test_the_host_tier_drops_its_least_recently_used_blocks(tiny_checkpoint, per_block):

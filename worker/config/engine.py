@@ -88,6 +88,10 @@ class EngineConfig:
                              metavar="SECONDS")
     kv_pull_timeout: float = flag(30.0, "seconds a silent prefill peer costs before the decode worker prefills "
                                         "locally", metavar="SECONDS")
+    kv_prefix_pull_bandwidth: float = flag(
+        0.0, "GB/s the decision between pulling a prefix a peer holds and recomputing it assumes for the link "
+             "(docs/kv-cache.md); 0 = measured online from this worker's pulls, starting from 1 GB/s",
+        metavar="GB_PER_S")
     kv_peer_allow: tuple[str, ...] = flag((), "CIDRs/host names a decode worker may pull KV from, each optionally "
                                                "with its ports: 10.0.0.0/8:5600-5607, [fd00::/8]:5600",
                                           metavar="PEER[:PORTS]", unset="nobody (a decode worker refuses to start)")
@@ -186,6 +190,8 @@ class EngineConfig:
             raise ConfigError("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
         if self.kv_stream_chunk_tokens < 0:
             raise ConfigError("--kv-stream-chunk-tokens", f"must be 0 or positive, got {self.kv_stream_chunk_tokens}")
+        if not self.kv_prefix_pull_bandwidth >= 0:  # NaN too
+            raise ConfigError("--kv-prefix-pull-bandwidth", f"must be GB/s >= 0, got {self.kv_prefix_pull_bandwidth}")
         if self.kv_pull_timeout <= 0:
             raise ConfigError("--kv-pull-timeout", f"must be positive seconds, got {self.kv_pull_timeout}")
         if self.kv_pin_ttl <= 0:

@@ -31,7 +31,8 @@ import uuid
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, KVTransferParams, KVTransferParamsError, RemoteDecodeRequest,
-                                          is_remote_decode, parse_kv_transfer_params)
+                                          is_remote_decode, prefix_source,
+                                          parse_kv_transfer_params)
 from pdserve.worker.attention.kv_cache import KVCache, kv_layout
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.engine.block_manager import BlockManager
@@ -129,12 +130,18 @@ class LLMEngine:
         if config.kv_events_port is not None:
             from pdserve.protocol.kv_events import KVEventPublisher
 
+            # Where HTTP listens, so workers of one host on their own addresses (127.0.0.x) can
+            # share the port numbers; every interface for a wildcard or an IPv6 address (the
+            # socket speaks IPv4 only).
+            host = config.kv_bind_host
+            host = "*" if not host or host == "0.0.0.0" or ":" in host else host
             self._kv_event_publisher = KVEventPublisher(
-                self.engine_id, f"tcp://*:{config.kv_events_port}", f"tcp://*:{config.kv_events_port + 1}")
+                self.engine_id, f"tcp://{host}:{config.kv_events_port}", f"tcp://{host}:{config.kv_events_port + 1}")
         # Async scheduling: tensor-parallel ranks get each step's sampled ids from rank 0 on the
         # device (StepPlan.share_tokens); P/D workers keep the connector's order of orders
         # (_step_async). Both at once (a P/D worker under TP) is not tested yet: synchronous.
-        self._pulls_kv = self.kv_connector.active and config.role != "prefill"
+        # (A prefill worker pulls too when it may: a prefix a peer holds, kv/prefix_cost.py.)
+        self._pulls_kv = self.kv_connector.active and (config.role != "prefill" or bool(config.kv_peer_allow))
         tp = config.tensor_parallel_size > 1
         self.async_scheduling = wants_async_scheduling(config.async_scheduling, self.device.type, tp,
                                                        self.kv_connector.active)
@@ -202,6 +209,8 @@ class LLMEngine:
                 raise RequestError("echo", "prompt logprobs cannot be computed from transferred KV; "
                                            "send this request without kv_transfer_params")
             self.scheduler.connector.check_params(kv_transfer_params, prompt_token_ids)
+        elif (source := prefix_source(kv_transfer_params)) is not None:
+            self.scheduler.connector.check_prefix(source, prompt_token_ids)
         if lora_name is not None and (self.lora is None or not self.lora.serves(lora_name)):
             raise RequestError("model", f"LoRA adapter {lora_name!r} is not loaded on this worker",
                                "model_not_found")
@@ -260,8 +269,10 @@ class LLMEngine:
         # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
         # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
+        t0 = time.perf_counter()
         launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch))
         sampled, logprobs = self.runner.collect(launched)
+        self._observe_prefill(batch, time.perf_counter() - t0)
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
@@ -381,8 +392,18 @@ class LLMEngine:
                 return False
         return True
 
+    def _observe_prefill(self, batch, seconds: float) -> None:
+        """The prompt tokens a step computed over its time: the recompute side of the choice
+        between pulling a prefix a peer holds and computing it (kv/prefix_cost.py). A step of
+        decodes only (one token each) says nothing about it."""
+        tokens = sum(n for _, n in batch.items if n > 1)
+        if tokens:
+            self.scheduler.connector.observe_prefill(tokens, seconds)
+
     def _finish(self, step: LaunchedStep) -> list[RequestOutput]:
         sampled, logprobs = self.runner.collect(step)
+        # Launch to collection: the step's own time, plus the end of the step it was queued behind.
+        self._observe_prefill(step.batch, time.perf_counter() - step.launched_at)
         # A token of a request that finished since its step was launched (an earlier token
         # stopped it, or it was aborted) is dropped: no state change, no output.
         dropped = {r.request_id for r in step.samplers if r.status.finished}

@@ -319,8 +319,8 @@ class Scheduler:
                     reported.append(req)
                     if not self._take_first_token(req, token):
                         continue
-            if ok:
-                req.num_computed_tokens = req.num_prompt_tokens
+            if ok:  # the prompt, or a prefix a peer held (the rest is prefilled here)
+                req.num_computed_tokens = self.connector.pulled_tokens(req)
                 req.kv_landed_time = time.monotonic()
                 if self.bm.windowed:
                     # The pull brought the sliding group's window only: its blocks before it were

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -101,6 +102,7 @@ class LaunchedStep:
     # Passed when all of the step's device work is done, where `copied` does not say it (no
     # sampler) and the caller asked (launch's mark_done); None: nothing to wait for at collect.
     done: torch.cuda.Event | None = None
+    launched_at: float = field(default_factory=time.perf_counter)  # host clock when it was queued
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 # Left free on the GPU for what torch does not count (CUDA context growth, cuBLAS workspaces).

@@ -48,6 +48,7 @@ from pdserve.worker.kv.endpoint import KVEndpoint, allowed_peer
 from pdserve.worker.kv.layer_clock import ClockWatch
 from pdserve.worker.kv.messages import LeaseRequest, ProgressRequest, ReleaseRequest
 from pdserve.worker.kv.metrics import KVMetrics
+from pdserve.worker.kv.prefix_cost import PrefixPullCost
 from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
@@ -80,7 +81,7 @@ class KVConnector:
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
         self.pins = PinTable(config.kv_pin_ttl)
-        self.metrics = KVMetrics()
+        self.metrics = KVMetrics(PrefixPullCost(config.kv_prefix_pull_bandwidth * 1e9))
         self.policy = PeerPolicy(config.kv_peer_allow)
         if config.role != "prefill" and self.tp.rank == 0:  # this worker may act as decode (said once)
             if self.policy.empty:  # only `both` gets here: a decode worker without peers refuses to start
@@ -163,7 +164,8 @@ class KVConnector:
     def endpoint(self) -> KVEndpoint:
         """What the scheduler half may know of this side (it never calls this object)."""
         return KVEndpoint(self.engine_id, self.host, self.port, self.layout, self.transport, self.tp.size,
-                          self.num_blocks, self.pins.ttl, self.server is not None, self.policy, self.metrics)
+                          self.num_blocks, self.pins.ttl, self.server is not None, self.policy, self.metrics,
+                          self.block_bytes * self.tp.size)
 
     def pin(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, first_token_id: int,
             prompt_digest: str) -> KVTransferParams:
@@ -388,7 +390,10 @@ class KVConnector:
             if not self._tp_pull(params):
                 self.pool.submit(_peer(params), self._release_quietly, params)
             raise
-        self.metrics.observe_pull(transport.name, nbytes, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_pull(transport.name, nbytes, seconds)
+        if not params.stream_kv:  # a streamed pull's time is the prefill's too, not the link's alone
+            self.metrics.prefix_cost.observe_pull(nbytes, seconds)
         if params.kv_layout.hybrid:
             # The load lists the full group's blocks it lacks, then the sliding ones it lacks within
             # the window: each full block beyond the sliding ones is a sliding block left behind.

@@ -48,8 +48,8 @@ import time
 from dataclasses import replace
 
 from pdserve.protocol.kv_transfer import (PARAM, PREFILL_MAX_TOKENS, STREAM_UNSUPPORTED, KVTransferParams,
-                                          KVTransferParamsError, is_remote_decode, is_streamed, wants_remote_decode,
-                                          wants_stream_kv)
+                                          KVTransferParamsError, is_remote_decode, is_streamed, prefix_source,
+                                          wants_remote_decode, wants_stream_kv)
 from pdserve.worker.kv import registry
 from pdserve.worker.kv.connector_meta import KVConnectorMetadata, KVLoad, KVPin
 from pdserve.worker.kv.endpoint import KVEndpoint
@@ -84,6 +84,11 @@ class KVConnectorScheduler:
         self._awaiting_first: set[str] = set()  # decode side: streamed hand-offs whose first token is to come
         self._meta = KVConnectorMetadata()
         self._next_log = 0.0  # rate limit of the empty-allowlist error
+        # Whole requests handed a peer's pin of a prefix (PrefixPull): request -> (the pin's params,
+        # the prompt tokens its whole blocks cover here), until admission decides pull or recompute;
+        # then, for a pull, until it lands or fails.
+        self._prefixes: dict[str, tuple[KVTransferParams, int]] = {}
+        self._prefix_pulls: dict[str, tuple[KVTransferParams, int]] = {}
 
     # -- arrival --------------------------------------------------------------------------------
 
@@ -121,10 +126,42 @@ class KVConnectorScheduler:
         except (PeerNotAllowed, ValueError) as e:
             raise RequestError(PARAM, str(e)) from None
 
+    def check_prefix(self, src: KVTransferParams, prompt_token_ids: list[int]) -> None:
+        """A whole request handed a peer's prefix pin: the pin must be of a prefix of this prompt
+        (its transfer token is bound to that prefix's digest; the peer checks it again on every
+        read). Anything else about it (this worker's layout, its allowlist, a block size of
+        another deployment) only makes this worker recompute the prefix (new_request)."""
+        n = src.num_prompt_tokens
+        if n > len(prompt_token_ids) or token_digest(src.transfer_token) != prompt_digest(prompt_token_ids[:n]):
+            raise RequestError(PARAM, f"{PARAM}.prefix_from was issued for a prompt that is not a prefix of this one")
+
+    def _take_prefix(self, req: Request, src: KVTransferParams) -> None:
+        """A request handed a peer's prefix pin: keep it for admission, or release it now where
+        this worker cannot or must not read it (then the prefix is recomputed here)."""
+        ep, bs = self._endpoint, self.block_size
+        if ep is None:
+            return  # no transport here: nothing to pull with, nor to release with (the pin expires)
+        # Whole blocks, and never the prompt's last token: a request computes at least one token here.
+        tokens = min(src.num_prompt_tokens, req.num_prompt_tokens - 1) // bs * bs
+        try:
+            ep.allowed_peer(src)
+        except (PeerNotAllowed, ValueError) as e:
+            log.warning("prefix pin of %s names a peer this worker may not contact (%s): recomputing",
+                        req.request_id, e)
+            return
+        usable = (tokens > 0 and not ep.policy.empty and src.kv_layout == ep.layout and not self._hybrid
+                  and src.lora_name == req.lora_name and req.params.prompt_logprobs is None)
+        if usable:
+            self._prefixes[req.request_id] = (src, tokens)
+        else:
+            self._meta.releases.append(src)
+
     def new_request(self, req: Request) -> None:
         p = req.kv_transfer_params
         if not p:
             return
+        if (source := prefix_source(p)) is not None:  # a whole request's, or a prefill's
+            self._take_prefix(req, source)
         if wants_remote_decode(p):
             # Prefill side: one token, then (if we can serve reads) the blocks wait for the decode worker.
             # min_tokens cut as the router's prefill_request cuts it: EOS stays barred from the
@@ -170,10 +207,42 @@ class KVConnectorScheduler:
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """(prompt tokens to pull beyond the `num_computed_tokens` cached here, whether to wait for them)."""
+        if req.request_id in self._prefixes or req.request_id in self._prefix_pulls:
+            return self._prefix_matched(req, num_computed_tokens)
         if req.request_id not in self._unpulled:
             return 0, False
         n = max(0, req.num_prompt_tokens - num_computed_tokens)
         return n, n > 0 or req.request_id in self._awaiting_first  # the first token comes with the pull
+
+    def _prefix_matched(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """A peer's prefix pin at admission: pull the blocks it has beyond our own hits if the
+        pull is estimated cheaper than computing them (prefix_cost.py), else release it. Decided
+        once: a request that waits for blocks comes back here with its choice made."""
+        rid = req.request_id
+        decided = rid in self._prefix_pulls
+        src, tokens = self._prefix_pulls[rid] if decided else self._prefixes.pop(rid)
+        n = tokens - num_computed_tokens
+        pull = n > 0 and (decided or self._endpoint.metrics.prefix_cost.choose_pull(
+            n, n // self.block_size * self._endpoint.block_bytes))
+        if not pull:
+            self._prefix_pulls.pop(rid, None)
+            self._meta.releases.append(src)
+            return 0, False
+        self._prefix_pulls[rid] = (src, tokens)
+        return n, True
+
+    def pulled_tokens(self, req: Request) -> int:
+        """The prompt tokens a landed pull of `req` computed: a prefix pull's prefix, else the prompt."""
+        entry = self._prefix_pulls.pop(req.request_id, None)
+        if entry is None:
+            return req.num_prompt_tokens
+        self._endpoint.metrics.prefix_cost.pulled_tokens.labels("landed").inc(entry[1] - req.num_cached_tokens)
+        return entry[1]
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step computed `num_tokens` prompt tokens in `seconds`: the recompute side of the estimate."""
+        if self._endpoint is not None:
+            self._endpoint.metrics.prefix_cost.observe_prefill(num_tokens, seconds)
 
     def allocates_prompt(self, req: Request) -> bool:
         """Prefill side: a streamed hand-off's prompt gets every block at admission (pinned then)."""
@@ -264,6 +333,16 @@ class KVConnectorScheduler:
         return self._num_pinned == 0 or self._num_pinned + need <= self._endpoint.num_blocks * MAX_PINNED_FRACTION
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        if req.request_id in self._prefix_pulls:
+            src, tokens = self._prefix_pulls[req.request_id]
+            bs = self.block_size
+            first, last = (tokens - num_external_tokens) // bs, tokens // bs
+            self._meta.loads.append(KVLoad(req.request_id, src, list(range(first, last)), req.block_ids[first:last],
+                                           prompt_digest(req.token_ids[:src.num_prompt_tokens])))
+            if req.request_id not in self._streaming:
+                return
+            # A streamed prefill's pin goes out now too; its readable blocks are the local hits
+            # (num_computed_tokens) until the pull lands and the steps after it advance the pin.
         if req.request_id in self._streaming:
             self._announce(req)
             return
@@ -333,6 +412,8 @@ class KVConnectorScheduler:
     def load_failed(self, req: Request) -> None:
         # The prompt's KV never arrived: prefill it here (slower, same answer) rather than fail.
         log.warning("KV pull for %s failed; prefilling locally", req.request_id)
+        if (entry := self._prefix_pulls.pop(req.request_id, None)) is not None:
+            self._endpoint.metrics.prefix_cost.pulled_tokens.labels("failed").inc(entry[1] - req.num_cached_tokens)
         self._endpoint.metrics.local_prefill_fallbacks.inc()
 
     # -- finish -----------------------------------------------------------------------------------
@@ -340,6 +421,9 @@ class KVConnectorScheduler:
     def request_finished(self, req: Request) -> tuple[bool, KVTransferParams | None]:
         """(keep the blocks until the worker half reports this request finished sending, params)."""
         self._awaiting_first.discard(req.request_id)
+        if (entry := self._prefixes.pop(req.request_id, None)) is not None:
+            self._meta.releases.append(entry[0])  # ended before admission decided: nobody reads the pin
+        self._prefix_pulls.pop(req.request_id, None)  # a pull under way releases the pin when it ends
         if req.request_id in self._streaming:
             return self._streamed_finished(req)
         if req.request_id in self._unpulled:

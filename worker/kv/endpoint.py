@@ -30,6 +30,7 @@ class KVEndpoint:
     serves: bool  # the side channel runs: this worker can hold pins for remote readers
     policy: PeerPolicy  # --kv-peer-allow
     metrics: KVMetrics
+    block_bytes: int = 0  # one block of every layer and every rank's heads: what a pull of it moves
 
     def params(self, request_id: str, block_ids: list[int], num_prompt_tokens: int, token: str,
                first_token_id: int | None = None, stream_kv: bool = False,

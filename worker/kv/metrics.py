@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+from pdserve.worker.kv.prefix_cost import PrefixPullCost
+
 LABELS = ("direction", "transport")
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _WAIT_SECONDS = _SECONDS + (30, 60)
@@ -21,7 +23,9 @@ _BANDWIDTH = (1e6, 1e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 2.5e10, 5e10, 1e
 
 
 class KVMetrics:
-    def __init__(self):
+    def __init__(self, prefix_cost: PrefixPullCost | None = None):
+        # Pull a prefix a peer holds, or recompute it: the estimates and the choices (prefix_cost.py).
+        self.prefix_cost = prefix_cost or PrefixPullCost()
         self.bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers.", LABELS, registry=None)
         self.seconds = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV transfer.",
                                  LABELS, registry=None, buckets=_SECONDS)
@@ -76,4 +80,5 @@ class KVMetrics:
         for metric in (self.bytes, self.window_skipped, self.seconds, self.request_bytes, self.bandwidth, self.failures,
                        self.local_prefill_fallbacks, self.admission_wait, self.first_step_wait):
             yield from metric.collect()
+        yield from self.prefix_cost.collect()
 
