@@ -49,6 +49,12 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
                           "choices": [{"index": 0, "text": " t0", "logprobs": None, "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
                           "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1, "blocks": [1]}}).encode()
+    # A non-streamed request's answer (the whole completion in one JSON).
+    whole = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL,
+                        "choices": [{"index": 0, "text": "".join(f" t{i}" for i in range(tokens)), "logprobs": None,
+                                     "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 8, "completion_tokens": tokens,
+                                  "total_tokens": 8 + tokens}}).encode()
     models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
 
     def plain(body: bytes, ctype=b"application/json") -> bytes:
@@ -64,6 +70,9 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
                 if b"do_remote_decode" in body:
                     writer.write(plain(prefill))
                     continue
+                if b'"stream": false' in body or b'"stream":false' in body:
+                    writer.write(plain(whole))
+                    continue
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                 )
@@ -72,8 +81,8 @@ def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
                         await asyncio.sleep(delay_s)
                     writer.write(c)
                 writer.write(tail)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, RuntimeError):
+            pass  # a peer router's probe the mock does not parse, or a client gone mid-write
         finally:
             writer.close()
 
@@ -211,9 +220,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE", help="cProfile the router during saturation")
     p.add_argument("--prompt-words", type=int, default=16, help="words in each request's prompt (e.g. 3000: "
                                                                    "what the router's prompt handling costs)")
+    # The peers' comparison (bench/router_peers.py): vllm-router and sglang-router when installed.
+    p.add_argument("--peers", action="store_true", help="compare against a baseline tree and the Rust routers")
+    p.add_argument("--routers", default="pdserve,baseline,vllm-router,sglang-router",
+                   help="with --peers: which routers, comma-separated")
+    p.add_argument("--baseline-src", default=None, metavar="DIR",
+                   help="with --peers: a directory holding another checkout's `pdserve` package")
+    p.add_argument("--workers", type=int, default=1, help="with --peers: also pdserve with --workers N")
+    p.add_argument("--rounds", type=int, default=3, help="with --peers: alternating rounds")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peers:
+        from pdserve.bench import router_peers
+
+        return router_peers.run(args)
     PROMPT_WORDS[0] = args.prompt_words
     ctx = multiprocessing.get_context("spawn")
     ports = {name: free_port() for name in ("prefill", "decode", "fast_prefill", "fast_decode")}

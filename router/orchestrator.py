@@ -41,6 +41,7 @@ from pdserve.router.migration import Migration, StreamProgress, WorkerDrained, l
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
+from pdserve.router.offload import off_loop
 from pdserve.router.prompt import decodes_one_token
 from pdserve.router.selection import Selector
 from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
@@ -164,8 +165,8 @@ class Orchestrator:
         """The prefill answer, or None when every prefill worker failed (local prefill follows).
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
-        # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        payload = await asyncio.to_thread(lambda: json.dumps(prefill_request(
+        # On a thread when large: a prompt of a million token ids takes json.dumps ~0.1 s.
+        payload = await off_loop(len(call.raw), lambda: json.dumps(prefill_request(
             call.request.model_dump(exclude_unset=True), stream_kv)).encode())
         t0 = time.monotonic()
         up = self.upstream_call("prefill", ROLE_PREFILL, call, pool)
