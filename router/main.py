@@ -39,6 +39,17 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # a ConfigError reaches pdserve.cli.main: exit 2 naming the flag
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.workers > 1:
+        from pdserve.router.processes import run_processes
+
+        return run_processes(config)
+    serve(config)
+    return 0
+
+
+def serve(config: RouterConfig, sockets: list | None = None) -> None:
+    """One router process until SIGTERM/SIGINT; on `sockets` (already listening) when given."""
     import uvicorn
 
     from pdserve.router.app import build_app
@@ -53,5 +64,4 @@ def run(args: argparse.Namespace) -> int:
     # a graceful stop exits 0 like the workers do.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
-    return 0
+    server.run(sockets=sockets)
