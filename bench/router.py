@@ -12,7 +12,8 @@ keep-alive HTTP/1.1 client for the same reason. Reported:
      prefill then decode itself); "added" is router minus direct.
   2. saturation: P/D streaming requests/s at `--concurrency` with no token delay.
 With --profile, the router runs under cProfile during the saturation run and the top functions
-by own time are printed.
+by own time are printed. With --peers, the comparison against a baseline tree and the Rust
+routers (bench/router_peers.py) runs instead.
 """
 
 from __future__ import annotations
