@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pdserve.bench import router as rb
+from pdserve.bench import router_mock as rb
 from pdserve.cli.stack import free_port
 
 PEERS = ("vllm-router", "sglang-router")

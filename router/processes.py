@@ -76,7 +76,7 @@ def bind(config: RouterConfig) -> socket.socket:
 
 
 def _child(config: RouterConfig, sock: socket.socket) -> None:
-    from pdserve.router.main import serve
+    from pdserve.router.server import serve
 
     _stop_with_parent()
 
