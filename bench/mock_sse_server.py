@@ -9,7 +9,7 @@ correct client measures are exactly those asked for (plus scheduling noise). Pro
 failures for tests: one containing `MOCK_429` is answered 429 with an OpenAI error body, one
 containing `MOCK_CUT` stops mid-stream without `[DONE]`. `GET /stats` reports requests served
 and the most ever in flight at once; `GET /v1/models` lists --model, with --root as its card's
-`root`. Its raw-HTTP plumbing (read_request, chunked, serve_forever) also runs bench/router.py's
+`root`. Its raw-HTTP plumbing (read_request, chunked, serve_forever) also runs bench/router_mock.py's
 mock workers.
 """
 

@@ -12,165 +12,23 @@ keep-alive HTTP/1.1 client for the same reason. Reported:
      prefill then decode itself); "added" is router minus direct.
   2. saturation: P/D streaming requests/s at `--concurrency` with no token delay.
 With --profile, the router runs under cProfile during the saturation run and the top functions
-by own time are printed.
+by own time are printed. With --peers, the comparison against a baseline tree and the Rust
+routers (bench/router_peers.py) runs instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
-import time
 
-from pdserve.bench.mock_sse_server import chunked, read_request, serve_forever
+from pdserve.bench.router_mock import _mock_worker, _saturate, _sequential, _stop, _wait, PROMPT_WORDS
 from pdserve.cli.stack import free_port
 
-MODEL = "mock"
-
-
-# ---- mock worker -------------------------------------------------------------------------
-
-def _mock_worker(port: int, tokens: int, delay_s: float) -> None:
-    def chunk(i: int) -> bytes:
-        return chunked(
-            b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"mock","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
-            % i
-        )
-
-    chunks = [chunk(i) for i in range(tokens)]
-    done = b"data: [DONE]\n\n"
-    tail = chunked(done) + b"0\r\n\r\n"
-    prefill = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL,
-                          "choices": [{"index": 0, "text": " t0", "logprobs": None, "finish_reason": "length"}],
-                          "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-                          "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1, "blocks": [1]}}).encode()
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
-
-    def plain(body: bytes, ctype=b"application/json") -> bytes:
-        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (ctype, len(body), body)
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                method, path, body = await read_request(reader)
-                if method == b"GET":
-                    writer.write(plain(models if path == b"/v1/models" else b"ok" if path == b"/health" else b""))
-                    continue
-                if b"do_remote_decode" in body:
-                    writer.write(plain(prefill))
-                    continue
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                )
-                for c in chunks:
-                    if delay_s:
-                        await asyncio.sleep(delay_s)
-                    writer.write(c)
-                writer.write(tail)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    serve_forever(handle, "127.0.0.1", port)
-
-
-# ---- load generator ----------------------------------------------------------------------
-
-class Conn:
-    """One keep-alive HTTP/1.1 connection that POSTs and reads a chunked or sized answer."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.reader = self.writer = None
-
-    async def post(self, path: str, body: bytes) -> tuple[float, float]:
-        """(seconds to the first body byte, seconds to the end)."""
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        t0 = time.perf_counter()
-        self.writer.write(
-            b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-            % (path.encode(), len(body), body)
-        )
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.decode(errors="replace"))
-        first = None
-        if b"transfer-encoding: chunked" in head.lower():
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
-                first = first or time.perf_counter()
-                await self.reader.readexactly(size + 2)
-                if size == 0:
-                    break
-        else:
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await self.reader.readexactly(length)
-            first = time.perf_counter()
-        return first - t0, time.perf_counter() - t0
-
-
-PROMPT_WORDS = [8]  # --prompt-words: set once in main (the bodies are built in several places)
-
-
-def _body(stream: bool, **extra) -> bytes:
-    return json.dumps(
-        {"model": MODEL, "prompt": "hello world " * (PROMPT_WORDS[0] // 2), "max_tokens": 16, "stream": stream, **extra}
-    ).encode()
-
-
-async def _sequential(port: int, n: int, two_hop_direct: tuple[int, int] | None = None) -> list[tuple[float, float]]:
-    out = []
-    if two_hop_direct:
-        p, d = Conn(two_hop_direct[0]), Conn(two_hop_direct[1])
-        pre = _body(False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await p.post("/v1/completions", pre)
-            ttfb = time.perf_counter() - t0  # the client has its first token here
-            await d.post("/v1/completions", _body(True))
-            out.append((ttfb, time.perf_counter() - t0))
-        return out
-    c = Conn(port)
-    for _ in range(n):
-        out.append(await c.post("/v1/completions", _body(True)))
-    return out
-
-
-async def _saturate(port: int, n: int, concurrency: int) -> float:
-    remaining = [n]
-
-    async def worker() -> None:
-        c = Conn(port)
-        while remaining[0] > 0:
-            remaining[0] -= 1
-            await c.post("/v1/completions", _body(True))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return n / (time.perf_counter() - t0)
-
-
 # ---- orchestration -----------------------------------------------------------------------
-
-def _wait(port: int, path: str = "/health", timeout_s: float = 30) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError(f"port {port} did not come up")
-
 
 def _start_router(prefill: int | None, decode: int, profile: str | None) -> tuple[subprocess.Popen, int]:
     port = free_port()
@@ -189,14 +47,6 @@ def _start_router(prefill: int | None, decode: int, profile: str | None) -> tupl
     return proc, port
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)  # uvicorn shuts down cleanly, so cProfile writes its file
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
@@ -211,9 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE", help="cProfile the router during saturation")
     p.add_argument("--prompt-words", type=int, default=16, help="words in each request's prompt (e.g. 3000: "
                                                                    "what the router's prompt handling costs)")
+    # The peers' comparison (bench/router_peers.py): vllm-router and sglang-router when installed.
+    p.add_argument("--peers", action="store_true", help="compare against a baseline tree and the Rust routers")
+    p.add_argument("--routers", default="pdserve,baseline,vllm-router,sglang-router",
+                   help="with --peers: which routers, comma-separated")
+    p.add_argument("--baseline-src", default=None, metavar="DIR",
+                   help="with --peers: a directory holding another checkout's `pdserve` package")
+    p.add_argument("--workers", type=int, default=1, help="with --peers: also pdserve with --workers N")
+    p.add_argument("--rounds", type=int, default=3, help="with --peers: alternating rounds")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peers:
+        from pdserve.bench import router_peers
+
+        return router_peers.run(args)
     PROMPT_WORDS[0] = args.prompt_words
     ctx = multiprocessing.get_context("spawn")
     ports = {name: free_port() for name in ("prefill", "decode", "fast_prefill", "fast_decode")}

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -44,11 +43,13 @@ from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowC
                                          band_of, tenant_of)
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
+from pdserve.router.hot_routes import HotRoutesApp
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.call import Call
+from pdserve.router.offload import RequestIds, off_loop
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
@@ -77,6 +78,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     ctx = PolicyContext(kv_index=kv_index, pd_min_prompt_tokens=config.pd_min_prompt_tokens,
                         pd_min_uncached_tokens=config.pd_min_uncached_tokens)
     api_keys = tuple(k.encode() for k in config.api_keys)
+    ids = RequestIds()
     limits = RequestLimits.of(config)
     flow_config = FlowControlConfig.of(config)
     flow = (FlowController(flow_config, metrics.flow, saturation_check(flow_config, workers))
@@ -119,7 +121,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                     subs.close()
                 await asyncio.to_thread(tracing.shutdown)
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, **utility_routes.DOCS)
+    app = HotRoutesApp(title="pdserve router", lifespan=lifespan, **utility_routes.DOCS)
     app.state.config = config
     app.state.workers = workers
     app.state.metrics = metrics
@@ -145,9 +147,11 @@ def build_app(config: RouterConfig) -> FastAPI:
                            param="model", code="model_not_found")
 
     async def parse(request: Request, route: str, request_id: str) -> Call:
-        # Parsed, validated and re-serialised on a thread (router/intake.py): CPU in proportion
-        # to the body, which must not stall /health and every other request.
-        taken = await asyncio.to_thread(intake, await read_json(request), route, limits)
+        # Parsed, validated and re-serialised (router/intake.py): CPU in proportion to the body,
+        # on a thread when the body is large (router/offload.py), so /health and every other
+        # request go on meanwhile.
+        raw = await read_json(request)
+        taken = await off_loop(len(raw), intake, raw, route, limits)
         if taken.responses is not None:
             request.state.responses_body = taken.responses
         await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
@@ -165,8 +169,9 @@ def build_app(config: RouterConfig) -> FastAPI:
         band = band_of(call.request.priority, request.headers.get(PRIORITY_HEADER), flow_config.bands)
         if band != call.request.priority:
             call.request = call.request.model_copy(update={"priority": band})
-            # On a thread, as intake serialised it: CPU in proportion to the body.
-            call.raw = await asyncio.to_thread(lambda: json.dumps({**json.loads(call.raw), "priority": band}).encode())
+            # As intake serialised it: CPU in proportion to the body (router/offload.py).
+            call.raw = await off_loop(len(call.raw),
+                                      lambda: json.dumps({**json.loads(call.raw), "priority": band}).encode())
         tenant = tenant_of(request.headers.get(FAIRNESS_HEADER), request.headers.get("authorization"))
         budget = getattr(call.request, "requested_max_tokens", call.request.max_tokens)  # chat's, or completions'
         return Ticket(band, tenant, call.prompt_tokens + (budget or 0))
@@ -204,7 +209,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def serve(request: Request, route: str) -> Response:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
         request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or uuid.uuid4().hex)
+                      or ids.new())
         span = traced(request, route, request_id)
         try:
             response = await answered(request, route, request_id, span)
@@ -242,23 +247,24 @@ def build_app(config: RouterConfig) -> FastAPI:
             metrics.requests.labels(route, "500", "no").inc()
             return APIError(500, "internal router error", code="internal_error").response()
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await serve(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, "completions")
 
-    @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve(request, "responses")
+
+    app.hot_post("/v1/chat/completions", chat)
+    app.hot_post("/v1/completions", completions)
+    app.hot_post("/v1/responses", responses)
 
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
         request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or uuid.uuid4().hex)
+                      or ids.new())
         try:
             raw = await read_json(request)
         except ClientGone:

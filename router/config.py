@@ -143,6 +143,9 @@ class RouterConfig(RequestLimitFlags):
                                                    "decode worker has this many requests queued (0: not used)")
     flow_control_worker_max_kv_usage: float = flag(0.0, "flow control: saturated when every decode worker uses this "
                                                         "share of its KV cache (0..1; 0: not used)")
+    # router/processes.py: what each process keeps of its own, and how pod-wide bounds are split.
+    workers: int = flag(1, "router processes serving the port (each probes, follows KV events and enforces 1/N of "
+                           "each flow-control and connection bound)")
     log_level: str = flag("info", "log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
@@ -175,7 +178,8 @@ class RouterConfig(RequestLimitFlags):
                                     ("--max-body-bytes", self.max_body_bytes, 1024),
                                     ("--max-connections", self.max_connections, 1),
                                     ("--max-client-connections", self.max_client_connections, 1),
-                                    ("--hold-queue", self.hold_queue, 1)):
+                                    ("--hold-queue", self.hold_queue, 1),
+                                    ("--workers", self.workers, 1)):
             if value < least:
                 raise ConfigError(flag_, f"must be >= {least}, not {value}")
         if self.pd_min_uncached_tokens and not needs_kv_index(self.decode_policy):

@@ -10,8 +10,8 @@ bounded, and re-serialised once (issue 44).
 So a worker is sent what was validated, never a client's unknown fields (a field of 2.6 M empty
 lists is not carried on to every hop), with every field it understands as the client gave it
 (exclude_unset keeps explicit nulls, and leaves defaults to the worker). All of it is CPU in
-proportion to the body: `intake` runs on a thread (router/app.py), so the event loop, /health
-and every other request go on meanwhile.
+proportion to the body: a large one's `intake` runs on a thread (router/offload.py), so the
+event loop, /health and every other request go on meanwhile.
 """
 
 from __future__ import annotations

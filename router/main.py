@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 
 from pdserve.protocol.flags import ConfigError, add_flags, from_flags
-from pdserve.protocol.http_limits import ClientLimits
 from pdserve.router.config import RouterConfig, keys_from_env, worker_key_from_env
 
 
@@ -39,19 +37,12 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # a ConfigError reaches pdserve.cli.main: exit 2 naming the flag
-    import uvicorn
-
-    from pdserve.router.app import build_app
-
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
-                                           log_level=config.log_level, access_log=False, loop="auto",
-                                           **ClientLimits(config.header_timeout_s, config.keep_alive_s,
-                                                          config.max_client_connections).uvicorn_options()))
-    # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
-    # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
-    # a graceful stop exits 0 like the workers do.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
+    if config.workers > 1:
+        from pdserve.router.processes import run_processes
+
+        return run_processes(config)
+    from pdserve.router.server import serve
+
+    serve(config)
     return 0

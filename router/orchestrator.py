@@ -42,6 +42,7 @@ from pdserve.router.peer_prefix import PeerPrefix
 from pdserve.router.handoff import HANDOFF_GRACE_S, Closable
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
 from pdserve.router.handoff.streamed import StreamedHandoff, StreamedPrefill
+from pdserve.router.offload import off_loop
 from pdserve.router.prompt import decodes_one_token
 from pdserve.router.selection import Selector
 from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
@@ -177,9 +178,10 @@ class Orchestrator:
         """The prefill answer, or None when every prefill worker failed (local prefill follows).
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
-        # On a thread: a prompt of a million token ids takes json.dumps ~0.1 s.
-        body = await asyncio.to_thread(lambda: prefill_request(call.request.model_dump(exclude_unset=True), stream_kv))
-        payload = await asyncio.to_thread(lambda: json.dumps(body).encode())
+        # On a thread when large: a prompt of a million token ids takes json.dumps ~0.1 s.
+        body = await off_loop(len(call.raw), lambda: prefill_request(call.request.model_dump(exclude_unset=True),
+                                                                     stream_kv))
+        payload = await off_loop(len(call.raw), lambda: json.dumps(body).encode())
         # The prefill worker chosen may lack a prefix another prefill worker holds (peer_prefix.py).
         body_for = (lambda w, ws: self.peer_prefix.prefill_payload(call, w, ws, body)) \
             if self.peer_prefix.enabled else None

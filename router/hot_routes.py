@@ -1,0 +1,45 @@
+"""The generation routes' way in, past the framework's middleware stack.
+
+Every request through FastAPI crosses its middleware layers (server errors, body limit,
+exception handlers, CORS, the exit stack, the router's route matching) and every chunk of a
+stream crosses their `send` wrappers: on the router's hot path that was a sizeable share of its
+CPU per request. The generation routes' handlers already answer every error themselves in
+OpenAI's shape (router/app.py `serve`), so a POST to one of them goes straight to its handler.
+
+What the stack would still have done is done here: without an `Origin` header, CORS only adds
+`Vary: Origin` (so added here); a request with one (a browser's) takes the whole stack, CORS
+headers and all. Everything else (probes, /metrics, preflights, docs) is FastAPI's as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class HotRoutesApp(FastAPI):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hot: dict[str, Handler] = {}
+
+    def hot_post(self, path: str, handler: Handler) -> None:
+        """`handler` answers POST `path` (it must answer every error itself); also registered as
+        an ordinary route, for requests that take the whole stack and for the OpenAPI schema."""
+        self._hot[path] = handler
+        self.add_api_route(path, handler, methods=["POST"])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self._hot.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None or any(name == b"origin" for name, _ in scope["headers"]):
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        response = await handler(Request(scope, receive))
+        response.headers["vary"] = "Origin"  # as CORSMiddleware adds to an answer without Origin
+        await response(scope, receive, send)

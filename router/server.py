@@ -1,0 +1,29 @@
+"""One router process: the app under uvicorn until SIGTERM/SIGINT (router/main.py runs one, or
+router/processes.py runs N on one bound socket)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from pdserve.protocol.http_limits import ClientLimits
+from pdserve.router.config import RouterConfig
+
+
+def serve(config: RouterConfig, sockets: list | None = None) -> None:
+    """One router process until SIGTERM/SIGINT; on `sockets` (already listening) when given."""
+    import uvicorn
+
+    from pdserve.router.app import build_app
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
+                                           log_level=config.log_level, access_log=False, loop="auto",
+                                           **ClientLimits(config.header_timeout_s, config.keep_alive_s,
+                                                          config.max_client_connections).uvicorn_options()))
+    # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
+    # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
+    # a graceful stop exits 0 like the workers do.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=sockets)
