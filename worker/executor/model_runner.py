@@ -140,9 +140,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None,
                  tp_store=None, followers=None):
-        """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
+        """`attention_backend` ("torch" | "cpu" | "triton") and `static_decode` are internal overrides for
         tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
-        --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
+        --enforce-eager), CPU the CPU backend. `static_decode=True` on CPU runs the graphs'
         static-buffer path without capturing. Tensor parallelism: rank 0 gets the rendezvous
         store and the other ranks' handle (`tp_store`, `followers`: executor/tp_ranks.py's
         start_followers); ranks >= 1 their rank and the store's port."""
