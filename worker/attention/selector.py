@@ -1,4 +1,4 @@
-"""Which attention backend a worker runs: Triton's kernels on CUDA, the torch reference elsewhere.
+"""Which attention backend a worker runs: Triton's kernels on CUDA, the CPU backend elsewhere.
 
 A module of its own so that the interface (attention/backend.py) stays below the backends built on it:
 the Triton backend imports the interface, and only this choice imports the Triton backend.
@@ -10,21 +10,23 @@ import logging
 
 import torch
 
-from pdserve.worker.attention.backend import AttentionBackend, TorchAttentionBackend
+from pdserve.worker.attention.backend import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 
 def make_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """`name` ("torch" | "triton") forces a backend; None picks by device."""
+    """`name` ("torch" | "cpu" | "triton") forces a backend; None picks by device."""
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        return CpuAttentionBackend()
     if name == "triton":
         from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name is not None:
-        raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
+        raise ValueError(f"unknown attention backend {name!r} (torch, cpu, triton)")
     if device.type == "cuda":
         try:
             from pdserve.worker.attention.triton_backend import TritonAttentionBackend
@@ -35,4 +37,4 @@ def make_backend(device: torch.device, name: str | None = None) -> AttentionBack
                            "install pdserve[triton] for the GPU kernels", e)
             return TorchAttentionBackend()
         return TritonAttentionBackend()
-    return TorchAttentionBackend()
+    return CpuAttentionBackend()

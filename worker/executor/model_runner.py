@@ -35,6 +35,7 @@ from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
 from pdserve.worker.attention.selector import make_backend
 from pdserve.worker.config.engine import ConfigError, EngineConfig
+from pdserve.worker.executor.cpu_threads import CpuThreads
 from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.executor.host_staging import HostStaging
 from pdserve.worker.executor.scheduled_batch import ScheduledBatch
@@ -141,9 +142,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None,
                  static_decode: bool | None = None, tp_rank: int = 0, tp_store_port: int | None = None,
                  tp_store=None, followers=None):
-        """`attention_backend` ("torch" | "triton") and `static_decode` are internal overrides for
+        """`attention_backend` ("torch" | "cpu" | "triton") and `static_decode` are internal overrides for
         tests and benchmarks: by default CUDA gets Triton and decode CUDA graphs (unless
-        --enforce-eager), CPU the torch reference. `static_decode=True` on CPU runs the graphs'
+        --enforce-eager), CPU the CPU backend. `static_decode=True` on CPU runs the graphs'
         static-buffer path without capturing. Tensor parallelism: rank 0 gets the rendezvous
         store and the other ranks' handle (`tp_store`, `followers`: executor/tp_ranks.py's
         start_followers); ranks >= 1 their rank and the store's port."""
@@ -226,6 +227,8 @@ class ModelRunner:
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
+        # CPU: decode steps leave a core to the server's threads (executor/cpu_threads.py).
+        self.cpu_threads = CpuThreads() if self.device.type == "cpu" else None
         # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
         self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
         self.prompt_logprobs = PromptLogprobsCollector()  # rank 0: echo requests' prompt logprobs
@@ -500,6 +503,8 @@ class ModelRunner:
             self.lora.apply(plan.lora_swaps)
         if plan.tier_ops:
             self.host_kv.apply(plan.tier_ops)
+        if self.cpu_threads is not None:
+            self.cpu_threads.for_step(decode_only=plan.graph or not plan.inputs[6])  # inputs[6]: prefill lengths
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
