@@ -49,7 +49,7 @@ def test_decode_matches_reference(dtype, hq, hkv, window, sinks, fp8):
     torch.manual_seed(0)
     k_cache, v_cache, (ks, vs) = _cache(dtype, hkv, 16, fp8)
     lens = [1, 7, 13, 4, 9]
-    tables = block_tables_for(lens, BS, 40, extra=2)
+    tables = block_tables_for(lens, BS, 40, extra=2).cpu()  # CPU kernels: CPU tensors on a GPU machine too
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), hq, 16, dtype=dtype if not fp8 else torch.bfloat16)
     s = _sinks(hq, sinks)
@@ -65,7 +65,7 @@ def test_prefill_matches_reference(dtype, hq, hkv, window, sinks, fp8):
     torch.manual_seed(0)
     k_cache, v_cache, (ks, vs) = _cache(dtype, hkv, 16, fp8)
     chunks, lens = [9, 5, 1], [9, 11, 6]
-    tables = block_tables_for(lens, BS, 40)
+    tables = block_tables_for(lens, BS, 40).cpu()
     cu = torch.tensor([0, 9, 14, 15], dtype=torch.int32)
     q = torch.randn(sum(chunks), hq, 16, dtype=dtype if not fp8 else torch.bfloat16)
     s = _sinks(hq, sinks)

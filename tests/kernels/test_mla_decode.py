@@ -92,5 +92,5 @@ def test_cache_write_matches_reference_bit_for_bit(cache_dtype, src_dtype, kv_sc
 
 def test_cache_write_refuses_a_scale_for_an_unquantized_cache():
     with pytest.raises(ValueError, match="mla_cache_write: k_scale/v_scale are for an fp8 KV cache"):
-        mla_cache_write(torch.zeros(1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(1, dtype=torch.int64),
-                        torch.ones(1))
+        mla_cache_write(torch.zeros(1, 8, device=DEVICE), torch.zeros(2, 4, 1, 8, device=DEVICE),
+                        torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.ones(1, device=DEVICE))
