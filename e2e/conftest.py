@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import default_model_dir, tiny_checkpoint  # noqa: F401  (re-exported fixtures)
+from tests.conftest import default_model_dir, tiny_checkpoint, tokenizer_dir  # noqa: F401  (re-exported fixtures)
 
 
 @pytest.fixture(scope="session")
