@@ -30,17 +30,22 @@ BLOCK_M = 16
 
 
 @triton.jit
+def _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
+    # Program (g, i, .): rows [i * BLOCK_M, +BLOCK_M) of segment g, which of them it holds, its adapter slot.
+    g = tl.program_id(0)
+    start = tl.load(starts_ptr + g).to(tl.int64)
+    end = tl.load(starts_ptr + g + 1).to(tl.int64)
+    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return m, m < end, tl.load(seg_slots_ptr + g).to(tl.int64)
+
+
+@triton.jit
 def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, u_ptr, K, R, stride_xt, stride_as, stride_ak,
                         stride_ut, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                         DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     # Grid (G, cdiv(max_len, BLOCK_M), cdiv(R, BLOCK_R)).
-    g = tl.program_id(0)
-    start = tl.load(starts_ptr + g).to(tl.int64)
-    end = tl.load(starts_ptr + g + 1).to(tl.int64)
-    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows = m < end
     k_live = tl.where(slot >= 0, K, 0)  # a base segment reads nothing and stores zeros
     a_base = a_ptr + tl.maximum(slot, 0) * stride_as
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -62,13 +67,8 @@ def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, st
                         stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         PRECISION: tl.constexpr):
     # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)).
-    g = tl.program_id(0)
-    start = tl.load(starts_ptr + g).to(tl.int64)
-    end = tl.load(starts_ptr + g + 1).to(tl.int64)
-    slot = tl.load(seg_slots_ptr + g).to(tl.int64)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = m < end
     r_live = tl.where(slot >= 0, R, 0)
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
