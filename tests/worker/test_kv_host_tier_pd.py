@@ -8,6 +8,8 @@ answers must equal a worker's without the tier, on each KV transport.
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import random
 
 import httpx
@@ -97,19 +99,39 @@ def answer(out: dict, first: dict | None = None) -> tuple[str, list[float]]:
     return text, logprobs
 
 
-def disaggregated(p: WorkerProcess, d: WorkerProcess, ids: list[int]) -> tuple[str, list[float]]:
+def disaggregated(p: WorkerProcess, d: WorkerProcess, ids: list[int], streamed: bool) -> tuple[str, list[float]]:
     """The router's P/D path by hand: the prefill worker's one-token prefill pins the prompt,
-    the decode worker pulls it and answers the rest."""
-    first = complete(p, ids, 1, {"do_remote_decode": True})
-    return answer(complete(d, ids, 4, first["kv_transfer_params"]), first)
+    the decode worker pulls it and answers the rest. Streamed: the pin is announced at admission
+    (with the blocks it has, restored ones included) and the decode worker reads it while the
+    prefill computes."""
+    if not streamed:
+        first = complete(p, ids, 1, {"do_remote_decode": True})
+        return answer(complete(d, ids, 4, first["kv_transfer_params"]), first)
+    body = {
+        "prompt": ids,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "stream_kv": True},
+    }
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=60, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        early = json.loads(next(lines))["kv_transfer_params"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(complete, d, ids, 4, early)
+            rest = list(lines)
+            got = decoded.result(timeout=60)
+    return answer(got, json.loads(rest[-1]))
 
 
-def test_pd_with_the_host_tier_answers_as_one_worker_without_it(pair, plain):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_pd_with_the_host_tier_answers_as_one_worker_without_it(pair, plain, streamed):
     p, d = pair
-    a, b, c = prompt(1), prompt(2), prompt(3)
+    a, b, c = (prompt(seed + 10 * streamed) for seed in (1, 2, 3))
     stored, restored = {w: metric(w, STORED) for w in pair}, {w: metric(w, RESTORED) for w in pair}
     with leaves_no_kv([p, d]):
-        got = [disaggregated(p, d, ids) for ids in (a, b, c, a)]
+        got = [disaggregated(p, d, ids, streamed) for ids in (a, b, c, a)]
     want = [answer(complete(plain, ids, 4)) for ids in (a, b, c, a)]
     for (text, logprobs), (want_text, want_logprobs) in zip(got, want):
         assert text == want_text
