@@ -72,13 +72,13 @@ def worker_args(ms: ModelServing, role: str) -> list[str]:
     if s.router.prefix_aware:
         # KV-cache-aware routing feeds on the workers' block events.
         args += ["--kv-events-port", str(KV_EVENTS_PORT)]
-    if role == "decode":
-        # Decode workers pull KV from the addresses prefill workers advertise (their pod IPs), on
-        # the prefill ranks' KV ports only (rank r listens on kvTransfer.port + r): params naming an
-        # allowed address but another port are refused (docs/security.md). An entry that names
-        # its own ports keeps them.
-        last = s.kv_port + s.prefill.tensor_parallel_size - 1
-        args += ["--kv-peer-allow", *(with_ports(peer, s.kv_port, last) for peer in s.kv_peer_allow)]
+    # Decode workers pull KV from the addresses prefill workers advertise (their pod IPs); prefill
+    # workers pull a prefix another prefill worker of the pool holds (the router's
+    # --kv-peer-prefix-min-tokens, docs/kv-cache.md). Both only on the prefill ranks' KV ports
+    # (rank r listens on kvTransfer.port + r): params naming an allowed address but another port
+    # are refused (docs/security.md). An entry that names its own ports keeps them.
+    last = s.kv_port + s.prefill.tensor_parallel_size - 1
+    args += ["--kv-peer-allow", *(with_ports(peer, s.kv_port, last) for peer in s.kv_peer_allow)]
     if s.lora is not None:
         # Both roles alike: the prefill and the decode leg of a request both run its adapter.
         args += lora.worker_args(s.lora)

@@ -332,13 +332,19 @@ def test_decode_pulls_only_from_allowed_peers_and_authenticates():
     # listens on, is refused).
     assert allowed == ["10.0.0.0/8:5600", "172.16.0.0/12:5600", "192.168.0.0/16:5600", "100.64.0.0/10:5600",
                        "[fd00::/8]:5600"]
-    assert "--kv-peer-allow" not in container(build_worker_deployment(ms(), "prefill"))["args"]  # prefill never pulls
+    # A prefill worker pulls a prefix another prefill worker holds (the router's peer prefix):
+    # from the same peers, on the same ports.
+    p = container(build_worker_deployment(ms(), "prefill"))
+    assert p["args"][p["args"].index("--kv-peer-allow") + 1:][:len(allowed)] == allowed
     m = ms(kvTransfer={"peerAllow": ["10.8.0.0/14", "prefill.example:7000-7001"], "secretRef": {"name": "kv"},
                        "port": 6000}, prefill={"replicas": 1, "tensorParallelSize": 2})
     d = container(build_worker_deployment(m, "decode"))
     at = d["args"].index("--kv-peer-allow")
     # Every prefill rank's port (rank r on port + r); an entry naming its own ports keeps them.
     assert d["args"][at + 1:at + 3] == ["10.8.0.0/14:6000-6001", "prefill.example:7000-7001"]
+    p = container(build_worker_deployment(m, "prefill"))
+    at = p["args"].index("--kv-peer-allow")
+    assert p["args"][at + 1:at + 3] == ["10.8.0.0/14:6000-6001", "prefill.example:7000-7001"]
     for role in ("prefill", "decode"):
         assert env(container(build_worker_deployment(m, role)))["PDSERVE_KV_SECRET"] == \
             {"secretKeyRef": {"name": "kv", "key": "kv-secret"}}
@@ -346,12 +352,13 @@ def test_decode_pulls_only_from_allowed_peers_and_authenticates():
 
 
 def test_worker_accepts_the_args_as_built():
-    """The worker's own argument parser and config take the operator's args (no engine starts)."""
+    """The worker's own argument parser and config take the operator's args (no engine starts),
+    a host KV tier beside P/D transfer included."""
     import argparse
 
     for role in ("prefill", "decode"):
         c = container(build_worker_deployment(ms(router={"policy": "prefix-aware"}, device="cpu",
-                                                 kvTransfer={"backend": "tcp"}), role))
+                                                 kvTransfer={"backend": "tcp"}, kvCache={"offloadGiB": 2}), role))
         parser = argparse.ArgumentParser()
         from pdserve.worker.server.main import add_arguments, configs_from_args
         add_arguments(parser)
@@ -360,5 +367,5 @@ def test_worker_accepts_the_args_as_built():
         assert config.role == role
         assert server.host == "0.0.0.0" and config.kv_listen_host == "0.0.0.0"  # the pod IP, not loopback
         assert "PDSERVE_KV_SECRET" in env(c)
-        if role == "decode":
-            assert "10.0.0.0/8:5600" in config.kv_peer_allow
+        assert "10.0.0.0/8:5600" in config.kv_peer_allow  # decode: the hand-off; prefill: a peer's prefix
+        assert config.kv_offloading_size == 2

@@ -163,11 +163,6 @@ class EngineConfig:
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ConfigError("--kv-offloading-size", "the host KV tier holds prefix-cache blocks: it needs "
                                                       "--enable-prefix-caching")
-        if self.kv_offloading_size and (self.role != "both" or self.kv_transfer is not None):
-            # A pull writes blocks from the NIC at admission, before the step that orders the
-            # tier's copies: not ordered with them yet.
-            raise ConfigError("--kv-offloading-size", "the host KV tier does not work with P/D KV transfer yet "
-                                                      "(--role prefill|decode, --kv-transfer)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("--gpu-memory-utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:

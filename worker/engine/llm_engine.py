@@ -259,6 +259,7 @@ class LLMEngine:
         outputs = self._apply_inbox()
         outputs += self._kv_finished()
         batch = self.scheduler.schedule()
+        self._copy_tiers_first(batch)
         # Orders since the last step's (aborts, unpins) and admission's (pulls, streamed pins).
         self.kv_connector.apply(batch.kv_connector_metadata)
         outputs += self._announce()
@@ -345,6 +346,7 @@ class LLMEngine:
             self.num_late_joins += previous is not None
             outputs += self._kv_finished()
         batch = self.scheduler.schedule()
+        self._copy_tiers_first(batch)
         later_loads = None
         meta = batch.kv_connector_metadata
         if previous is not None and meta.loads:
@@ -372,6 +374,22 @@ class LLMEngine:
         if launched is None and previous is None:
             self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
+
+    def _copy_tiers_first(self, batch) -> None:
+        """The host tier beside P/D transfer. The tier's copies normally run with the step, just
+        before its forward; the connector's orders do not wait for that step: a pull starts
+        writing its blocks (from the NIC or another stream) as soon as it is applied, a streamed
+        pin makes blocks readable at admission, and a batch of pulls alone runs no step at all.
+        So when this schedule's orders include any of those, its copies are carried out first
+        and waited for: a block evicted to the tier (now a pull's destination) is copied out
+        before the pull overwrites it, and a block restored from the tier is written before a
+        reader or a pull's neighbour can see it."""
+        if not batch.kv_tier_ops or not self.kv_connector.active:
+            return
+        meta = batch.kv_connector_metadata
+        if meta.loads or meta.pins or not batch:
+            self.runner.copy_tiers_now(batch.kv_tier_ops)
+            batch.kv_tier_ops = []
 
     def _layer_clock(self, batch) -> LayerClock | None:
         """A step that computes streamed prefills (prefill side, one rank): the blocks it completes

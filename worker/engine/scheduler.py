@@ -199,9 +199,9 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] > 1)
         self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
-        # The host tier's copies: only allocations order them, and each allocation here is for a
-        # request this batch runs (the tier is refused with P/D pulls, whose blocks run no step),
-        # so they always reach a runner with the batch.
+        # The host tier's copies, before this batch's forward; where a pull or a pin made here
+        # must not wait for that forward (or there is none: pulls alone), the engine carries
+        # them out before it applies the connector's orders (LLMEngine._copy_tiers_first).
         return ScheduledBatch(scheduled, meta, self.bm.take_tier_ops())
 
     def _lora_fits(self, name: str) -> bool:

@@ -219,7 +219,8 @@ class ModelRunner:
             if self.kv_groups is not None:
                 raise ConfigError("--kv-offloading-size", f"{mc.architecture}'s sliding-window layers use the hybrid "
                                                           f"KV cache, which the host tier does not support yet; add "
-                                                          f"--disable-hybrid-kv-cache-manager or drop the flag")
+                                                          f"--disable-hybrid-kv-cache-manager (on both workers of a "
+                                                          f"P/D pair) or drop the flag")
             from pdserve.worker.executor.host_kv_store import HostKVStore, host_tier_slots
 
             self.host_tier_slots = host_tier_slots(config.kv_offloading_size, self.kv_cache.block_bytes, self.tp_size)
@@ -499,6 +500,9 @@ class ModelRunner:
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
         such a step is never a decode graph's)."""
+        if plan.inputs is None:  # the host tier's copies alone (copy_tiers_now)
+            self._copy_tiers_and_wait(plan.tier_ops)
+            return None
         if plan.lora_swaps:
             self.lora.apply(plan.lora_swaps)
         if plan.tier_ops:
@@ -536,6 +540,31 @@ class ModelRunner:
         else:
             rows = hidden[logits_idx]
         return self._project(rows)
+
+    @torch.inference_mode()
+    def copy_tiers_now(self, ops) -> None:
+        """Carry out host-tier copies (TierCopy) now, outside a step, on every rank, and return
+        once all of them are done. P/D: a pull writes its blocks from another stream or the NIC,
+        and a reader reads pinned blocks, unordered with this rank's streams; a block evicted to
+        the tier must be copied out before a pull overwrites it, and a restored one copied in
+        before a reader can see it."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+        plan = StepPlan(False, None, [], tier_ops=list(ops))
+        if self.followers is not None:
+            self.followers.send(plan)
+        self._copy_tiers_and_wait(plan.tier_ops)
+
+    def _copy_tiers_and_wait(self, ops) -> None:
+        self.host_kv.apply(ops)
+        if self.tp_size > 1:
+            # Every rank's copies are queued before this on its stream (or done, on CPU): once
+            # rank 0 has the sum, every rank's copies are done, so rank 0 may start the pulls
+            # that its connector drives on all ranks.
+            import torch.distributed as dist
+
+            dist.all_reduce(torch.zeros(1, device=self.device))
+        self.synchronize()
 
     def receive_sampled(self, n: int) -> torch.Tensor:
         """Ranks >= 1: rank 0's `n` sampled token ids of the step just run (StepPlan.share_tokens)."""

@@ -173,6 +173,9 @@ def follower_main(config: EngineConfig, build_runner, rank: int, store_port: int
             if steps == 0:
                 log.info("tensor-parallel rank %d: first step plan received (%s)", rank,
                          "graph" if plan.graph else "eager")
+            if plan.inputs is None:  # the host tier's copies alone, between steps: `previous` still holds
+                runner.execute(plan)
+                continue
             runner.execute(plan, previous)
             previous = runner.receive_sampled(plan.share_tokens) if plan.share_tokens else None
             if steps == 0:
