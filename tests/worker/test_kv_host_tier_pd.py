@@ -3,7 +3,7 @@ with --kv-offloading-size and a 16-block device cache, so that every prompt evic
 before it to the tier and a repeated prompt is restored from it on both sides. A pull then
 writes blocks whose previous contents the same schedule evicted to the tier: those copies must
 be done before the pull starts (and a batch of pulls alone runs no step to carry them). The
-answers must equal a worker's without the tier, on each KV transport.
+answers must equal a worker's without the tier.
 """
 
 from __future__ import annotations
@@ -64,10 +64,13 @@ def plain(tiny_checkpoint):
         w.stop()
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def pair(request, tiny_checkpoint, plain):
+# TCP only: the ordering under test (the tier's copies done before a pull or pin starts) is the
+# engine's, ahead of the connector; both transports' pulls land through the same block writes
+# (test_pd_equality.py covers NIXL's), and a NIXL pair costs CI ~50 s more of start and stop.
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint, plain):
     ckpt = tiny_checkpoint("llama")
-    args = (*worker_args(ckpt), "--kv-transfer", request.param)
+    args = (*worker_args(ckpt), "--kv-transfer", "tcp")
     p = WorkerProcess(ckpt, *args, "--role", "prefill", "--kv-port", str(free_port()), env=ENV).start()
     d = WorkerProcess(ckpt, *args, "--role", "decode", "--kv-port", str(free_port()), env=ENV).start()
     try:
