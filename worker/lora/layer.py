@@ -38,8 +38,8 @@ from pdserve.worker.lora.adapter import LoRAAdapter
 
 @dataclass(frozen=True)
 class LoRAOps:
-    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32
-    expand: Callable  # (y [T, N], u [T, R], b [S, R, N], slots [T]) -> y, in place
+    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32, or [P, T, R] partials by K slice
+    expand: Callable  # (y [T, N], u (shrink's), b [S, R, N], slots [T]) -> y, in place
     # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len)
     shrink_sgmv: Callable
     expand_sgmv: Callable
@@ -48,10 +48,11 @@ class LoRAOps:
 def lora_ops(backend_name: str) -> LoRAOps:
     """Triton's kernels with the Triton backend, the torch references otherwise (one numerics per engine)."""
     if backend_name == "triton":
-        from pdserve.kernels.lora import lora_expand, lora_shrink
+        from pdserve.kernels.lora import lora_expand, lora_shrink_partials
         from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv
 
-        return LoRAOps(lora_shrink, lora_expand, lora_shrink_sgmv, lora_expand_sgmv)
+        # The split-K shrink's partials go to the expand as they are: it sums them (no third launch).
+        return LoRAOps(lora_shrink_partials, lora_expand, lora_shrink_sgmv, lora_expand_sgmv)
     from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
 
     return LoRAOps(lora_shrink_ref, lora_expand_ref, lora_shrink_sgmv_ref, lora_expand_sgmv_ref)
