@@ -26,13 +26,9 @@ import triton.language as tl
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
 # K columns one shrink program reads: Llama-8B's 4096 makes 16 programs per token, 14336 makes 56
-# (a few microseconds each), and the expand's sum of P partials stays one small tile.
+# (a few microseconds each), and the expand's sum of P partials stays one small tile. The split
+# depends on K alone, never on T: batch invariance.
 K_PER_SPLIT = 256
-
-
-def shrink_splits(k: int) -> int:
-    """Partials the shrink writes for inner size k (a function of k only: batch invariance)."""
-    return max(1, triton.cdiv(k, K_PER_SPLIT))
 
 
 @triton.jit
@@ -93,21 +89,24 @@ def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor
         raise ValueError(f"{fn}: rows must be contiguous in their last dimension and the stack contiguous")
 
 
-def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ a[slots] by K slice -> partials [shrink_splits(K), T, R] fp32, which lora_expand
-    takes as they are (what the LoRA layers run: no separate reduction)."""
+def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                         k_per_split: int = K_PER_SPLIT) -> torch.Tensor:
+    """x [T, K] @ a[slots] by K slice -> partials [cdiv(K, k_per_split), T, R] fp32, which
+    lora_expand takes as they are (what the LoRA layers run: no separate reduction).
+    `k_per_split` >= K: one program per token walks all of K (bench/lora_kernels.py's baseline)."""
     check_tensor("lora_shrink", "x", x, (None, None), FLOAT_DTYPES)
     _check("lora_shrink", x, a, slots, a.shape[1])
     t, (_, k, r) = x.shape[0], a.shape
-    splits = shrink_splits(k)
+    block_r = triton.next_power_of_2(min(r, 64))
+    block_k = min(triton.next_power_of_2(k), 128, triton.next_power_of_2(k_per_split))
+    k_split = triton.cdiv(min(k_per_split, k), block_k) * block_k  # whole K tiles per program
+    splits = max(1, triton.cdiv(k, k_split))
     parts = torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
     if t == 0 or r == 0:
         return parts.zero_()
-    block_r = triton.next_power_of_2(min(r, 64))
-    block_k = min(triton.next_power_of_2(k), 128, K_PER_SPLIT)
     _lora_shrink_kernel[(t, splits, triton.cdiv(r, block_r))](
         x, a, slots, parts, k, r, x.stride(0), a.stride(0), a.stride(1), parts.stride(0), parts.stride(1),
-        K_SPLIT=K_PER_SPLIT, BLOCK_K=block_k, BLOCK_R=block_r)
+        K_SPLIT=k_split, BLOCK_K=block_k, BLOCK_R=block_r)
     return parts
 
 

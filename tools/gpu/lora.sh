@@ -26,7 +26,7 @@ step_into "$OUT/tests.txt" "LoRA kernel and model tests" 150 \
 tail -n 3 "$OUT/tests.txt"
 
 cd /tmp
-step_into "$OUT/lora_log.txt" "bench lora" 420 $PY -m pdserve.bench.lora --out "$OUT/lora.md"
+step_into "$OUT/lora_log.txt" "bench lora" 420 $PY -m pdserve.bench.lora --kernels --out "$OUT/lora.md"
 grep -v " INFO \|it/s\]" "$OUT/lora_log.txt" | grep -i "error\|Traceback" | head -n 5
 cat "$OUT/lora.md" 2>/dev/null
 echo "total: $(( $(date +%s) - T0 ))s"
