@@ -50,10 +50,10 @@ def lora_ops(backend_name: str) -> LoRAOps:
     """Triton's kernels with the Triton backend, the torch references otherwise (one numerics per engine)."""
     if backend_name == "triton":
         from pdserve.kernels.lora import lora_expand, lora_shrink_partials
-        from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv
+        from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv_partials
 
-        # The split-K shrink's partials go to the expand as they are: it sums them (no third launch).
-        return LoRAOps(lora_shrink_partials, lora_expand, lora_shrink_sgmv, lora_expand_sgmv)
+        # The split-K shrinks' partials go to the expands as they are: they sum them (no third launch).
+        return LoRAOps(lora_shrink_partials, lora_expand, lora_shrink_sgmv_partials, lora_expand_sgmv)
     from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
 
     return LoRAOps(lora_shrink_ref, lora_expand_ref, lora_shrink_sgmv_ref, lora_expand_sgmv_ref)
