@@ -1,7 +1,7 @@
 """LoRA adapters on one GPU (issue 48's table; not a test): the base model vs the same weights
 serving rank-16 adapters on every projection, same run, same card.
 
-    pdserve bench lora [--out lora.md] [--smoke]      (tools/gpu/lora.sh on the device)
+    pdserve bench lora [--out lora.md] [--smoke] [--kernels | --kernels-only]   (tools/gpu/lora.sh on the device)
 
 Llama-3.1-8B-shaped random bf16 weights (--load-format dummy: made on the card, nothing written)
 and N random PEFT adapters (rank 16, lora_alpha 32, q/k/v/o/gate/up/down of every layer) written
@@ -17,6 +17,8 @@ at batch 1, 8 and 64 (batch 1 runs one adapter whatever the spread); the prefill
 --prefill-tokens prompt (ms; median of 3; the adapter the spread's first); offline output tok/s
 of --num-prompts prompts of --offline-input / --offline-output tokens. Ratios are against the
 no-LoRA row of the same run. Issue 48's target: <= 1.25x the base's step at batch 8 with 4 adapters.
+`--kernels` adds the BGMV kernels' own table (bench/lora_kernels.py: a decode step's LoRA
+launches alone in a CUDA graph, split-K vs one program per token); `--kernels-only` runs just it.
 `--smoke` runs a tiny model on CPU (the torch references) to check the script; its times mean little.
 """
 
@@ -202,6 +204,17 @@ def table(rows: list[dict], args, meta: dict) -> list[str]:
     return lines
 
 
+def write_out(path: str | None, text: str, rows: dict | None) -> None:
+    """The table (markdown) at `path`, the rows as JSON beside it."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        f.write(text)
+    if rows is not None:
+        with open(os.path.splitext(path)[0] + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench lora", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the table (markdown) here; the rows as JSON beside it (.json)")
@@ -216,6 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--offline-input", type=int, default=1024)
     ap.add_argument("--offline-output", type=int, default=128)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also time the BGMV kernels alone at Llama-8B's projections (bench/lora_kernels.py; GPU)")
+    ap.add_argument("--kernels-only", action="store_true", help="only that kernel table, no engine")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -224,6 +240,16 @@ def main(argv=None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA GPU: run with --smoke for the CPU check", file=sys.stderr)
         return 2
+    kernel_lines = []
+    if (args.kernels or args.kernels_only) and not args.smoke:
+        from pdserve.bench.lora_kernels import run as kernel_table
+
+        kernel_lines = kernel_table()
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.kernels_only:
+            write_out(args.out, "\n".join(kernel_lines) + "\n", None)
+            return 0
     work = args.workdir or tempfile.mkdtemp(prefix="pdserve-lora-")
     try:
         base = write_base(os.path.join(work, "base"), args.smoke)
@@ -250,13 +276,9 @@ def main(argv=None) -> int:
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (--smoke)"
         meta = {"model": base["model"], "device": device, "argv": sys.argv[1:] if argv is None else argv,
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-        text = "\n".join(table(rows, args, meta)) + "\n"
+        text = "\n".join(table(rows, args, meta) + kernel_lines) + "\n"
         print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
-            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_out(args.out, text, {"meta": meta, "rows": rows})
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,8 +1,14 @@
 """LoRA's two halves for a batch in which every token may run another adapter (punica's BGMV:
 one gathered matrix-vector product per token, the adapter picked by the token's slot).
 
-  shrink: u[t] = x[t] @ A[slot[t]]        x [T, K], A [S, K, R] -> u [T, R] fp32
-  expand: y[t] += u[t] @ B[slot[t]]       u [T, R], B [S, R, N], y [T, N] in place
+  shrink: p[s, t] = x[t, Ks] @ A[slot[t]][Ks]   x [T, K], A [S, K, R] -> partials [P, T, R] fp32
+  expand: y[t] += (sum_s p[s, t]) @ B[slot[t]]  B [S, R, N], y [T, N] in place
+
+The shrink is split along K: at decode sizes (T = 1..64, R = 16..48) a program per token would
+walk all of K (4096, or 14336 for Llama-8B's down_proj) alone, latency-bound on one SM for tens
+of microseconds, so each program takes one K_PER_SPLIT slice and writes its partial product. The
+expand sums a token's P partials itself, in one fixed order (no atomics, no second launch): the
+split depends on K alone, so a token's result is the same bits whatever the batch around it.
 
 Slot -1 is the base model: shrink writes zeros, expand leaves the row alone. The slots are read
 on the device, the grids depend on shapes only: a decode step with adapters is captured by the
@@ -19,40 +25,51 @@ import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
+# K columns one shrink program reads: Llama-8B's 4096 makes 16 programs per token, 14336 makes 56
+# (a few microseconds each), and the expand's sum of P partials stays one small tile. The split
+# depends on K alone, never on T: batch invariance.
+K_PER_SPLIT = 256
+
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, u_ptr, K, R, stride_xt, stride_as, stride_ak, stride_ut,
-                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Grid (T, cdiv(R, BLOCK_R)).
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_as, stride_ak, stride_ps,
+                        stride_pt, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Grid (T, P, cdiv(R, BLOCK_R)): program (t, s, .) multiplies x[t, s*K_SPLIT : +K_SPLIT].
     t = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.program_id(1)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    # Slot -1 reads and adds nothing: its K is taken as 0 (a scalar bool in a mask is not portable).
-    k_live = tl.where(slot >= 0, K, 0)
+    # Slot -1 reads and adds nothing: its slice is taken as empty (a scalar bool in a mask is not portable).
+    k_lo = s * K_SPLIT
+    k_hi = tl.where(slot >= 0, tl.minimum(k_lo + K_SPLIT, K), k_lo)
     a_base = a_ptr + tl.maximum(slot, 0) * stride_as
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * stride_xt + k, mask=k < k_live, other=0.0).to(tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + t * stride_xt + k, mask=k < k_hi, other=0.0).to(tl.float32)
         av = tl.load(a_base + k[:, None] * stride_ak + r[None, :],
-                     mask=(k[:, None] < k_live) & (r[None, :] < R), other=0.0).to(tl.float32)
+                     mask=(k[:, None] < k_hi) & (r[None, :] < R), other=0.0).to(tl.float32)
         acc += tl.sum(xv[:, None] * av, axis=0)
-    tl.store(u_ptr + t * stride_ut + r, acc, mask=r < R)
+    tl.store(p_ptr + s * stride_ps + t * stride_pt + r, acc, mask=r < R)
 
 
 @triton.jit
-def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, stride_yt, stride_ut, stride_bs, stride_br,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Grid (T, cdiv(N, BLOCK_N)).
+def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, stride_yt, stride_us, stride_ut, stride_bs,
+                        stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product, summed here (tl.sum over
+    # a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program and every batch).
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_P)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     r_live = tl.where(slot >= 0, R, 0)  # slot -1: nothing summed, nothing stored
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        uv = tl.load(u_ptr + t * stride_ut + r, mask=r < r_live, other=0.0)
+        parts = tl.load(u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :],
+                        mask=(p[:, None] < P) & (r[None, :] < r_live), other=0.0)
+        uv = tl.sum(parts, axis=0)
         bv = tl.load(b_base + r[:, None] * stride_br + n[None, :],
                      mask=(r[:, None] < r_live) & (n[None, :] < N), other=0.0).to(tl.float32)
         acc += tl.sum(uv[:, None] * bv, axis=0)
@@ -72,33 +89,50 @@ def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor
         raise ValueError(f"{fn}: rows must be contiguous in their last dimension and the stack contiguous")
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Triton version of reference.lora_shrink_ref."""
+def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                         k_per_split: int = K_PER_SPLIT) -> torch.Tensor:
+    """x [T, K] @ a[slots] by K slice -> partials [cdiv(K, k_per_split), T, R] fp32, which
+    lora_expand takes as they are (what the LoRA layers run: no separate reduction).
+    `k_per_split` >= K: one program per token walks all of K (bench/lora_kernels.py's baseline)."""
     check_tensor("lora_shrink", "x", x, (None, None), FLOAT_DTYPES)
     _check("lora_shrink", x, a, slots, a.shape[1])
     t, (_, k, r) = x.shape[0], a.shape
-    u = torch.empty((t, r), dtype=torch.float32, device=x.device)
-    if t == 0 or r == 0:
-        return u
     block_r = triton.next_power_of_2(min(r, 64))
-    block_k = min(triton.next_power_of_2(k), 128)
-    _lora_shrink_kernel[(t, triton.cdiv(r, block_r))](x, a, slots, u, k, r, x.stride(0), a.stride(0), a.stride(1),
-                                                      u.stride(0), BLOCK_K=block_k, BLOCK_R=block_r)
-    return u
+    block_k = min(triton.next_power_of_2(k), 128, triton.next_power_of_2(k_per_split))
+    k_split = triton.cdiv(min(k_per_split, k), block_k) * block_k  # whole K tiles per program
+    splits = max(1, triton.cdiv(k, k_split))
+    parts = torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
+    if t == 0 or r == 0:
+        return parts.zero_()
+    _lora_shrink_kernel[(t, splits, triton.cdiv(r, block_r))](
+        x, a, slots, parts, k, r, x.stride(0), a.stride(0), a.stride(1), parts.stride(0), parts.stride(1),
+        K_SPLIT=k_split, BLOCK_K=block_k, BLOCK_R=block_r)
+    return parts
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Triton version of reference.lora_shrink_ref: [T, R] fp32 (the partials summed)."""
+    parts = lora_shrink_partials(x, a, slots)
+    return parts[0].clone() if parts.shape[0] == 1 else parts.sum(0)
 
 
 def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Triton version of reference.lora_expand_ref (in place on y; returns y)."""
+    """Triton version of reference.lora_expand_ref (in place on y; returns y). `u`: the product
+    [T, R] fp32, or lora_shrink_partials' [P, T, R] (summed here)."""
     check_tensor("lora_expand", "y", y, (None, None), FLOAT_DTYPES)
-    check_tensor("lora_expand", "u", u, (y.shape[0], b.shape[1]), (torch.float32,))
-    _check("lora_expand", u, b, slots, b.shape[1])
+    parts = u if u.dim() == 3 else u.unsqueeze(0)
+    check_tensor("lora_expand", "u", parts, (None, y.shape[0], b.shape[1]), (torch.float32,))
+    _check("lora_expand", parts[0], b, slots, b.shape[1])
     if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
         raise ValueError(f"lora_expand: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
-    t, (_, r, n) = y.shape[0], b.shape
+    t, (_, r, n), splits = y.shape[0], b.shape, parts.shape[0]
     if t == 0 or n == 0:
         return y
     block_n = min(triton.next_power_of_2(n), 128)
-    block_r = triton.next_power_of_2(min(r, 64))
-    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, u, b, slots, n, r, y.stride(0), u.stride(0), b.stride(0),
-                                                      b.stride(1), BLOCK_N=block_n, BLOCK_R=block_r)
+    block_p = triton.next_power_of_2(splits)
+    # The partials' tile [BLOCK_P, BLOCK_R] stays near 1024 values: 56 partials of rank 16 at Llama-8B's down_proj.
+    block_r = max(1, min(triton.next_power_of_2(min(r, 64)), max(1, 1024 // block_p)))
+    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, r, splits, y.stride(0), parts.stride(0),
+                                                      parts.stride(1), b.stride(0), b.stride(1), BLOCK_N=block_n,
+                                                      BLOCK_R=block_r, BLOCK_P=block_p)
     return y

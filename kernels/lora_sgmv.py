@@ -5,7 +5,8 @@ B once, as a small matrix product, instead of once per token as lora.py's BGMV k
 
   segments: starts [G + 1] (token offsets, starts[0] = 0, starts[G] = T), slots [G] (-1: base)
   shrink:   u[t] = x[t] @ A[slot[g]]       for starts[g] <= t < starts[g + 1]; x [T, K] -> u [T, R] fp32
-  expand:   y[t] += u[t] @ B[slot[g]]      u [T, R], B [S, R, N], y [T, N] in place
+            (by K slice: partials [P, T, R] whose sum is u)
+  expand:   y[t] += u[t] @ B[slot[g]]      u (or its partials), B [S, R, N], y [T, N] in place
 
 A base segment's rows get zeros from shrink and are left alone by expand, as in BGMV. The grid
 has a dimension of `max_len` (the longest segment) row tiles: the step's segments are built on
@@ -27,6 +28,10 @@ from pdserve.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, c
 # multiply in full fp32 (launch.dot_precision), bf16/fp16 ones on the tensor cores, the fp32
 # product of expand as TF32.
 BLOCK_M = 16
+# K columns one shrink program reads (the shrink is split along K, as BGMV's): a 16-row tile
+# walking all of Llama-8B's 14336 (down_proj) alone was the prefill's LoRA cost; at 1024, K = 4096
+# makes 4 partials and 14336 makes 14, which each expand program sums in a fixed order.
+K_PER_SPLIT = 1024
 
 
 @triton.jit
@@ -40,33 +45,38 @@ def _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, u_ptr, K, R, stride_xt, stride_as, stride_ak,
-                        stride_ut, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(R, BLOCK_R)).
+def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, p_ptr, K, R, R_BLOCKS, stride_xt, stride_as,
+                        stride_ak, stride_ps, stride_pt, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    # Grid (G, cdiv(max_len, BLOCK_M), P * R_BLOCKS): program (g, i, s * R_BLOCKS + j) multiplies
+    # its rows' K slice s (K_SPLIT columns) by rank block j and writes partial s.
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
-    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k_live = tl.where(slot >= 0, K, 0)  # a base segment reads nothing and stores zeros
+    s = tl.program_id(2) // R_BLOCKS
+    r = (tl.program_id(2) % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_lo = s * K_SPLIT
+    k_hi = tl.where(slot >= 0, tl.minimum(k_lo + K_SPLIT, K), k_lo)  # a base segment reads nothing, stores zeros
     a_base = a_ptr + tl.maximum(slot, 0) * stride_as
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + m[:, None] * stride_xt + k[None, :], mask=rows[:, None] & (k[None, :] < k_live),
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + m[:, None] * stride_xt + k[None, :], mask=rows[:, None] & (k[None, :] < k_hi),
                      other=0.0)
-        av = tl.load(a_base + k[:, None] * stride_ak + r[None, :], mask=(k[:, None] < k_live) & (r[None, :] < R),
+        av = tl.load(a_base + k[:, None] * stride_ak + r[None, :], mask=(k[:, None] < k_hi) & (r[None, :] < R),
                      other=0.0)
         if DOT_F32:
             acc = tl.dot(xv.to(tl.float32), av.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(xv, av.to(xv.dtype), acc, input_precision=PRECISION)
-    tl.store(u_ptr + m[:, None] * stride_ut + r[None, :], acc, mask=rows[:, None] & (r[None, :] < R))
+    tl.store(p_ptr + s * stride_ps + m[:, None] * stride_pt + r[None, :], acc, mask=rows[:, None] & (r[None, :] < R))
 
 
 @triton.jit
-def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, stride_yt, stride_ut, stride_bs,
-                        stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P, stride_yt, stride_us, stride_ut,
+                        stride_bs, stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         PRECISION: tl.constexpr):
-    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)).
+    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)). u: P partials of the rows' product,
+    # summed here in order 0..P-1 (the same in every program).
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_live = tl.where(slot >= 0, R, 0)
@@ -74,8 +84,10 @@ def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, st
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        uv = tl.load(u_ptr + m[:, None] * stride_ut + r[None, :], mask=rows[:, None] & (r[None, :] < r_live),
-                     other=0.0)
+        uv = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for p in range(0, P):
+            uv += tl.load(u_ptr + p * stride_us + m[:, None] * stride_ut + r[None, :],
+                          mask=rows[:, None] & (r[None, :] < r_live), other=0.0)
         bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
                      other=0.0).to(tl.float32)
         acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
@@ -97,30 +109,43 @@ def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, starts: torch.Tenso
         raise ValueError(f"{fn}: rows must be contiguous in their last dimension and the stack contiguous")
 
 
-def lora_shrink_sgmv(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
-                     max_len: int) -> torch.Tensor:
-    """Triton version of reference.lora_shrink_sgmv_ref; `max_len`: the longest segment."""
+def lora_shrink_sgmv_partials(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
+                              max_len: int) -> torch.Tensor:
+    """reference.lora_shrink_sgmv_ref by K slice: partials [cdiv(K, K_PER_SPLIT), T, R] fp32,
+    which lora_expand_sgmv takes as they are (what the LoRA layers run); `max_len`: the longest segment."""
     check_tensor("lora_shrink_sgmv", "x", x, (None, None), FLOAT_DTYPES)
     _check("lora_shrink_sgmv", x, a, starts, seg_slots, a.shape[1])
     t, (_, k, r), g = x.shape[0], a.shape, seg_slots.shape[0]
-    u = torch.empty((t, r), dtype=torch.float32, device=x.device)
-    if t == 0 or r == 0 or g == 0 or max_len <= 0:
-        return u.zero_()
     block_r = max(16, triton.next_power_of_2(min(r, 64)))
     block_k = max(16, min(triton.next_power_of_2(k), 64))
-    grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(r, block_r))
-    _sgmv_shrink_kernel[grid](x, a, starts, seg_slots, u, k, r, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
-                              BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, DOT_F32=dot_in_f32(x.dtype),
-                              PRECISION=dot_precision(x.dtype))
-    return u
+    k_split = triton.cdiv(min(K_PER_SPLIT, k), block_k) * block_k
+    splits = max(1, triton.cdiv(k, k_split))
+    parts = torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
+    if t == 0 or r == 0 or g == 0 or max_len <= 0:
+        return parts.zero_()
+    r_blocks = triton.cdiv(r, block_r)
+    grid = (g, triton.cdiv(max_len, BLOCK_M), splits * r_blocks)
+    _sgmv_shrink_kernel[grid](x, a, starts, seg_slots, parts, k, r, r_blocks, x.stride(0), a.stride(0), a.stride(1),
+                              parts.stride(0), parts.stride(1), K_SPLIT=k_split, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
+                              BLOCK_R=block_r, DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype))
+    return parts
+
+
+def lora_shrink_sgmv(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg_slots: torch.Tensor,
+                     max_len: int) -> torch.Tensor:
+    """Triton version of reference.lora_shrink_sgmv_ref: [T, R] fp32 (the partials summed)."""
+    parts = lora_shrink_sgmv_partials(x, a, starts, seg_slots, max_len)
+    return parts[0].clone() if parts.shape[0] == 1 else parts.sum(0)
 
 
 def lora_expand_sgmv(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
                      seg_slots: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Triton version of reference.lora_expand_sgmv_ref (in place on y; returns y)."""
+    """Triton version of reference.lora_expand_sgmv_ref (in place on y; returns y). `u`: the
+    product [T, R] fp32, or lora_shrink_sgmv_partials' [P, T, R] (summed here)."""
     check_tensor("lora_expand_sgmv", "y", y, (None, None), FLOAT_DTYPES)
-    check_tensor("lora_expand_sgmv", "u", u, (y.shape[0], b.shape[1]), (torch.float32,))
-    _check("lora_expand_sgmv", u, b, starts, seg_slots, b.shape[1])
+    parts = u if u.dim() == 3 else u.unsqueeze(0)
+    check_tensor("lora_expand_sgmv", "u", parts, (None, y.shape[0], b.shape[1]), (torch.float32,))
+    _check("lora_expand_sgmv", parts[0], b, starts, seg_slots, b.shape[1])
     if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
         raise ValueError(f"lora_expand_sgmv: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
     t, (_, r, n), g = y.shape[0], b.shape, seg_slots.shape[0]
@@ -129,6 +154,7 @@ def lora_expand_sgmv(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: 
     block_n = max(16, min(triton.next_power_of_2(n), 64))
     block_r = max(16, triton.next_power_of_2(min(r, 64)))
     grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(n, block_n))
-    _sgmv_expand_kernel[grid](y, u, b, starts, seg_slots, n, r, y.stride(0), u.stride(0), b.stride(0), b.stride(1),
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
+    _sgmv_expand_kernel[grid](y, parts, b, starts, seg_slots, n, r, parts.shape[0], y.stride(0), parts.stride(0),
+                              parts.stride(1), b.stride(0), b.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                              BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
     return y

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.lora import lora_expand, lora_shrink
+from pdserve.kernels.lora import K_PER_SPLIT, lora_expand, lora_shrink, lora_shrink_partials
 from pdserve.kernels.reference import lora_expand_ref, lora_shrink_ref
 from tests.kernels.kernel_inputs import DEVICE, ON_GPU
 
 
-@pytest.mark.parametrize("dtype,k,r,n", [(torch.float32, 48, 8, 40), (torch.bfloat16, 160, 24, 200)])
+# 600 columns: three K slices of the split shrink (K_PER_SPLIT), the last one partial.
+@pytest.mark.parametrize("dtype,k,r,n", [(torch.float32, 48, 8, 40), (torch.bfloat16, 160, 24, 200),
+                                         (torch.float32, 2 * K_PER_SPLIT + 88, 16, 24)])
 def test_shrink_and_expand_equal_the_references(dtype, k, r, n):
     g = torch.Generator().manual_seed(0)
     slots_n, t = 3, 11
@@ -37,6 +39,26 @@ def test_shrink_and_expand_equal_the_references(dtype, k, r, n):
         if slots[i] >= 0:
             own = x[i].float() @ a[slots[i]].float()
             torch.testing.assert_close(u[i], own, rtol=1e-4, atol=1e-3)
+
+
+def test_split_shrink_partials_feed_the_expand_and_ignore_the_batch():
+    """The expand sums the shrink's K partials itself (what the LoRA layers run), and a token's
+    result is the same bits alone as in a batch of other adapters (the split depends on K only)."""
+    g = torch.Generator().manual_seed(1)
+    k, r, n, t = 2 * K_PER_SPLIT + 40, 8, 24, 5
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    a = torch.randn(2, k, r, generator=g).to(DEVICE)
+    b = torch.randn(2, r, n, generator=g).to(DEVICE)
+    slots = torch.tensor([1, -1, 0, 1, 0], device=DEVICE)
+    parts = lora_shrink_partials(x, a, slots)
+    assert parts.shape == (3, t, r)
+    y0 = torch.randn(t, n, generator=g).to(DEVICE)
+    y = lora_expand(y0.clone(), parts, b, slots)
+    torch.testing.assert_close(y, lora_expand_ref(y0.clone(), lora_shrink_ref(x, a, slots), b, slots),
+                               rtol=1e-4, atol=1e-3)
+    assert torch.equal(y[1], y0[1])
+    alone = lora_expand(y0[3:4].clone(), lora_shrink_partials(x[3:4], a, slots[3:4]), b, slots[3:4])
+    assert torch.equal(alone[0], y[3])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes need a CUDA GPU (tier 4)")

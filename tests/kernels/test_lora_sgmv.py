@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv
+from pdserve.kernels.lora_sgmv import K_PER_SPLIT, lora_expand_sgmv, lora_shrink_sgmv, lora_shrink_sgmv_partials
 from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
 from tests.kernels.kernel_inputs import DEVICE, ON_GPU
 
@@ -45,6 +45,26 @@ def test_sgmv_equals_its_reference_and_bgmv(dtype, k, r, n):
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(y_ref, y_bgmv, **tol)
     assert torch.equal(y[per_token < 0], y0[per_token < 0])  # the base model's rows are untouched
+
+
+def test_split_shrink_partials_feed_the_expand():
+    """What the LoRA layers run: K_PER_SPLIT + 40 columns make two K slices, whose partials go
+    straight into the expand, which sums them."""
+    g = torch.Generator().manual_seed(2)
+    lengths, slots_of = [17, 4], [1, -1]
+    starts, seg_slots, per_token = segments(lengths, slots_of)
+    t, k, r, n = sum(lengths), K_PER_SPLIT + 40, 8, 16
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    a = torch.randn(2, k, r, generator=g).to(DEVICE)
+    b = torch.randn(2, r, n, generator=g).to(DEVICE)
+    parts = lora_shrink_sgmv_partials(x, a, starts, seg_slots, max(lengths))
+    assert parts.shape == (2, t, r)
+    u_ref = lora_shrink_sgmv_ref(x, a, starts, seg_slots)
+    torch.testing.assert_close(parts.sum(0), u_ref, rtol=1e-4, atol=1e-3)
+    y0 = torch.randn(t, n, generator=g).to(DEVICE)
+    y = lora_expand_sgmv(y0.clone(), parts, b, starts, seg_slots, max(lengths))
+    torch.testing.assert_close(y, lora_expand_sgmv_ref(y0.clone(), u_ref, b, starts, seg_slots), rtol=1e-4, atol=1e-3)
+    assert torch.equal(y[per_token < 0], y0[per_token < 0])
 
 
 def test_the_launchers_check_the_segments():

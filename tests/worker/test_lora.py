@@ -303,12 +303,15 @@ def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
     got = engine.generate(prompts, few, names)
     assert got == [expected(adapters, n, p)[:4] for n, p in zip(names, prompts)]
     assert engine.runner.graphs.num_replays > 0
+    # The base model alone replays the graphs captured without LoRA (its GEMV paths back on).
+    assert engine.generate([PROMPTS[1]], few, [None]) == [expected(adapters, None, PROMPTS[1])[:4]]
+    assert engine.runner.graphs.num_base_replays > 0
 
 
 def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
     """Runs of one adapter long enough for a row tile take SGMV, decodes of alternating adapters
     BGMV; both in one generation still equal PEFT merged (the CPU path: the torch references).
-    An eager step of base-model tokens only launches no LoRA kernel."""
+    A step of base-model tokens only, eager or a decode graph's, launches no LoRA kernel."""
     assert segments_of([0] * 10 + [-1] * 6 + [1] * 9) == ([0, 10, 16, 25], [0, -1, 1], 10)
     assert segments_of([0, 1, 0, 1]) is None and segments_of([]) is None
     ops = engine.lora.layers[0].ops
@@ -329,8 +332,11 @@ def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
         engine.add_request("base-only", list(range(800, 823)), GREEDY)
         engine.step()  # its prefill: no token runs an adapter, no LoRA kernel is launched
         assert not calls
+        base_replays = engine.runner.graphs.num_base_replays
         while engine.has_work():
             engine.step()
+        # Its decodes: the graphs' base-model set (LoRAContext.base_model), no LoRA kernel either.
+        assert not calls and engine.runner.graphs.num_base_replays > base_replays
     finally:
         for layer in engine.lora.layers:
             layer.ops = ops

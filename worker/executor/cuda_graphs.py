@@ -77,11 +77,17 @@ class DecodeGraphs:
                                      ((1 + config.sliding, n, config.max_blocks_per_seq), torch.int32)], device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # With LoRA, a second set captured as the base model (LoRAContext.base_model): a batch in
+        # which no sequence runs an adapter (known on the host) replays it and launches no LoRA kernel.
+        self._base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._base_outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_base_replays = 0  # of them, LoRA's base-model set's
         self.capture_seconds = 0.0
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The model over the first b rows of the static buffers -> hidden [b, H]."""
+    def _forward(self, b: int, base: bool = False) -> torch.Tensor:
+        """The model over the first b rows of the static buffers -> hidden [b, H]; `base`: as
+        the base model, no LoRA term (a batch without adapters)."""
         self._context_lens[:b].copy_(self._inputs[3, :b])
         empty = self._block_tables[:0]
         meta = AttentionMetadata(
@@ -95,6 +101,9 @@ class DecodeGraphs:
         )
         if self.config.sliding:
             meta.sliding = replace(meta, slot_mapping=self._inputs[4, :b], decode_block_tables=self._tables[1, :b])
+        if base:
+            with self.lora_ctx.base_model():
+                return self.model(self._inputs[0, :b], self._inputs[1, :b], meta)
         if self._lora_row is not None:
             self.lora_ctx.slots = self._inputs[self._lora_row, :b]
             try:
@@ -110,13 +119,17 @@ class DecodeGraphs:
             return 0.0
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        sets = [(False, self._graphs, self._outputs)]
+        if self._lora_row is not None:
+            sets.append((True, self._base_graphs, self._base_outputs))
         for b in reversed(self.buckets):
-            self._forward(b)  # warm-up outside the graph: Triton compiles, allocator settles
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[b] = self._forward(b)
-            self._graphs[b] = graph
+            for base, graphs, outputs in sets:
+                self._forward(b, base)  # warm-up outside the graph: Triton compiles, allocator settles
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs[b] = self._forward(b, base)
+                graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
@@ -159,7 +172,10 @@ class DecodeGraphs:
         if from_previous is not None:
             from_previous(self._inputs[0, :n])
         self.num_replays += 1
+        base = self._lora_row is not None and (lora_slots is None or all(s < 0 for s in lora_slots))
+        self.num_base_replays += base
         if not self.config.capture:
-            return self._forward(b)[:n]
-        self._graphs[b].replay()
-        return self._outputs[b][:n]
+            return self._forward(b, base)[:n]
+        graphs, outputs = (self._base_graphs, self._base_outputs) if base else (self._graphs, self._outputs)
+        graphs[b].replay()
+        return outputs[b][:n]

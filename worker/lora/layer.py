@@ -27,6 +27,7 @@ ones (BGMV), which stay for decodes and every captured step.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,8 +39,8 @@ from pdserve.worker.lora.adapter import LoRAAdapter
 
 @dataclass(frozen=True)
 class LoRAOps:
-    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32
-    expand: Callable  # (y [T, N], u [T, R], b [S, R, N], slots [T]) -> y, in place
+    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32, or [P, T, R] partials by K slice
+    expand: Callable  # (y [T, N], u (shrink's), b [S, R, N], slots [T]) -> y, in place
     # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len)
     shrink_sgmv: Callable
     expand_sgmv: Callable
@@ -48,10 +49,11 @@ class LoRAOps:
 def lora_ops(backend_name: str) -> LoRAOps:
     """Triton's kernels with the Triton backend, the torch references otherwise (one numerics per engine)."""
     if backend_name == "triton":
-        from pdserve.kernels.lora import lora_expand, lora_shrink
-        from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv
+        from pdserve.kernels.lora import lora_expand, lora_shrink_partials
+        from pdserve.kernels.lora_sgmv import lora_expand_sgmv, lora_shrink_sgmv_partials
 
-        return LoRAOps(lora_shrink, lora_expand, lora_shrink_sgmv, lora_expand_sgmv)
+        # The split-K shrinks' partials go to the expands as they are: they sum them (no third launch).
+        return LoRAOps(lora_shrink_partials, lora_expand, lora_shrink_sgmv_partials, lora_expand_sgmv)
     from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
 
     return LoRAOps(lora_shrink_ref, lora_expand_ref, lora_shrink_sgmv_ref, lora_expand_sgmv_ref)
@@ -86,9 +88,26 @@ class LoRAContext:
         self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.slots = self.idle
         self.segments: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        # False: no token of this eager step runs an adapter (known on the host): the layers add
-        # nothing and launch nothing. A captured step leaves it True (its slots are read on the device).
+        # False: no token of this step runs an adapter (known on the host): the layers add nothing
+        # and launch nothing. A graph captured with it True reads its slots on the device; the decode
+        # graphs also keep a set captured with it False (base_model) for batches without adapters.
         self.active = True
+        # (module, attribute, value) of the small-batch GEMV switches attach_lora turned off (the
+        # fused GEMVs never materialize the normed input a LoRA term needs); base_model turns them back on.
+        self.gemv_switches: list[tuple[object, str, bool]] = []
+
+    @contextlib.contextmanager
+    def base_model(self):
+        """The model as without --enable-lora while inside: no LoRA term, its GEMV paths back."""
+        self.active = False
+        for module, name, value in self.gemv_switches:
+            setattr(module, name, value)
+        try:
+            yield
+        finally:
+            self.active = True
+            for module, name, _ in self.gemv_switches:
+                setattr(module, name, False)
 
 
 @dataclass(frozen=True)
@@ -167,11 +186,13 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, ops: LoRAOps,
         attn = block.self_attn
         add(attn.qkv_proj, i, {"q_proj": ("q", hidden, q), "k_proj": ("k", hidden, kv), "v_proj": ("v", hidden, kv)})
         add(attn.o_proj, i, {"o_proj": (None, q, hidden)})
-        attn.gemv_o = False
-        block.gemv_qkv = False
+        off = [(attn, "gemv_o"), (block, "gemv_qkv")]
         if isinstance(block.mlp, MLP):
             inter = block.mlp.gate_up_proj.out_sizes[0]
             add(block.mlp.gate_up_proj, i, {"gate_proj": (0, hidden, inter), "up_proj": (1, hidden, inter)})
             add(block.mlp.down_proj, i, {"down_proj": (None, inter, hidden)})
-            block.gemv_mlp = False
+            off.append((block, "gemv_mlp"))
+        for module, name in off:
+            ctx.gemv_switches.append((module, name, bool(getattr(module, name, False))))
+            setattr(module, name, False)
     return made, shapes
