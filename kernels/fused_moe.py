@@ -645,10 +645,16 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                                SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
-                               PREFETCH: tl.constexpr = False):
-    # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+                               PREFETCH: tl.constexpr = False, X_NM: tl.constexpr = False,
+                               SPLIT: tl.constexpr = 1, part_ptr=None):
+    # Grid (T*k, cdiv(I, BLOCK_N)[, SPLIT]): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
     # buffering: two steps' loads in flight, where each step otherwise waits for its own).
+    # X_NM (MXFP4): x already in nibble-major order (_mxfp4_nibble_major, by the caller): nibble J's
+    # inputs of a group's 4 words are 4 neighbours (one 8-byte load) instead of 4 loads 16 bytes apart.
+    # SPLIT > 1 (MXFP4): program (.., .., s) sums only its share of the K steps and writes its fp32
+    # gate and up partial sums to part_ptr [SPLIT, T*k, 2, N]; _moe_decode_gate_up_finish sums
+    # them in split order and applies the epilogue (SPLIT x the programs, each 1/SPLIT of the steps).
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
@@ -657,6 +663,12 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
+    k_begin = 0
+    k_end = K
+    if SPLIT > 1:  # this program's steps: a BLOCK_K-aligned share, so groups never straddle splits
+        per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_begin = tl.program_id(2) * per
+        k_end = tl.minimum(K, k_begin + per)
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
@@ -667,19 +679,25 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         # group's sum is scaled once by its exponent.
         gs = tl.arange(0, BLOCK_K // 32)
         word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
-        q_ptrs = w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
-        s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
-        x_ptrs = x_row + 8 * word[None, :, :]
+        q_ptrs = (w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
+                  + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
+        s_ptrs = (s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
+                  + (k_begin // 32 + gs[None, :]) * stride_sk)
+        if X_NM:
+            x_ptrs = x_row + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+        else:
+            x_ptrs = x_row + 8 * word[None, :, :]
         up_q, up_s = N * (stride_wn * 4), N * stride_sn
         if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
-            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, gs < K // 32)
-        for k0 in range(0, K, BLOCK_K):
-            g_ok = gs < (K - k0) // 32
+            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
+                                                            gs < (k_end - k_begin) // 32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            g_ok = gs < (k_end - k0) // 32
             if PREFETCH:
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
                 n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
-                                                                  gs < (K - k0 - BLOCK_K) // 32)
+                                                                  gs < (k_end - k0 - BLOCK_K) // 32)
             else:
                 q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
                 q_ptrs += BLOCK_K // 8
@@ -687,12 +705,17 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
             p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             for j in tl.static_range(8):
-                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 1)
-                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 1)
+                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
+                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
             acc_gate += _mxfp4_group_sums(p_gate, s_gate)
             acc_up += _mxfp4_group_sums(p_up, s_up)
             if PREFETCH:
                 q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+        if SPLIT > 1:  # partial sums out; the finish kernel adds the bias and activates
+            part = part_ptr + ((tl.program_id(2) * tl.num_programs(0) + a).to(tl.int64) * 2) * N + cols
+            tl.store(part, acc_gate, mask=col_ok)
+            tl.store(part + N, acc_up, mask=col_ok)
+            return
     else:
         ks = tl.arange(0, BLOCK_K)
         gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -795,6 +818,97 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
     tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_ptr, N, num_experts, expert_offset,
+                               stride_im, stride_bias_e, alpha, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    # Grid (T*k, cdiv(I, BLOCK_N)): the gate|up kernel's SPLIT partial sums of assignment a, summed
+    # in split order (fixed: the same bits every run), then its epilogue (bias, activation, router
+    # weight) and the nibble-major store the down pass reads.
+    a = tl.program_id(0)
+    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
+    if (e < 0) | (e >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.num_programs(0)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        part = part_ptr + ((s * rows + a).to(tl.int64) * 2) * N + cols
+        gate += tl.load(part, mask=col_ok, other=0.0)
+        up += tl.load(part + N, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        bias_row = bias_ptr + e * stride_bias_e
+        gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    h = _activate(gate, up, SWIGLU, alpha, limit) * tl.load(weight_ptr + a).to(tl.float32)
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + _mxfp4_nibble_major(cols), h.to(inter_ptr.dtype.element_ty),
+             mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K,
+                                  num_experts, expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn,
+                                  stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # MXFP4 down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
+    # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
+    # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
+    # (plus weight * bias in share 0) goes to part_ptr [k * SPLIT, T, H]; _moe_decode_down_finish
+    # adds the k * SPLIT partials in that fixed order (no float atomics: the same bits every run).
+    # A slot whose expert is held elsewhere writes zeros (its intermediate row is never read).
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    j = pid_p // SPLIT
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = (pid_p % SPLIT) * per
+    k_end = tl.minimum(K, k_begin + per)
+    e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+    held = (e >= 0) & (e < num_experts)
+    e = tl.where(held, e, 0)
+    k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gs = tl.arange(0, BLOCK_K // 32)
+    word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
+    q_ptrs = (w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
+              + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
+    s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + (k_begin // 32 + gs[None, :]) * stride_sk
+    # The intermediate row in nibble-major order, as _moe_decode_down_kernel reads it.
+    a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        g_ok = gs < (k_end - k0) // 32
+        q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
+        sc = tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0)
+        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        for n in tl.static_range(8):
+            p = _mxfp4_fma(p, q, a_ptrs + k0, g_ok[None, :, None], n, 4)
+        out += _mxfp4_group_sums(p, sc)
+        q_ptrs += BLOCK_K // 8
+        s_ptrs += (BLOCK_K // 32) * stride_sk
+    if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
+        first = held & (pid_p % SPLIT == 0)
+        wj = tl.where(first, tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        b = tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out += wj * b
+    tl.store(part_ptr + (pid_p * tl.num_programs(0) + t) * N + cols, out, mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK_N)): token t's PARTS fp32 partials summed in slot-then-share order, cast once.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        acc += tl.load(part_ptr + (p * tl.num_programs(0) + t) * N + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
                 mxfp4: bool = False) -> tuple[int, int, int, int]:
     """(expert, row, K-group strides, up half's first scale row) of a quantized weight's scales;
@@ -805,40 +919,100 @@ def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
     return scale.stride(0), scale.stride(1), scale.stride(2) if block or mxfp4 else 0, scale.shape[1] // 2
 
 
-def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
-                      block=None, w13_bias=None, w2_bias=None,
-                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+# The finish kernels' column blocks (a sum of a few fp32 rows: any width streams).
+FINISH_BLOCK_N = 256
+
+
+def _decode_weights(w, scale, block):
+    """(quant constexprs, the weight as the kernels read it, its expert and row strides): MXFP4 as
+    int32 words with strides in 16-byte units (_mxfp4_words)."""
+    mxfp4 = w.dtype == MXFP4
+    quant = dict(FP8=scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
+                 GROUP_K=block[1] if block else 1)
+    if mxfp4:
+        w, *rows = _mxfp4_words(w)
+        return quant, w, rows
+    return quant, w, (w.stride(0), w.stride(1))
+
+
+def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
+                    activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+    """Decode pass 1: [T*k, I] intermediate rows (router weight applied; MXFP4: nibble-major order).
+    MXFP4 config knobs: GU_PREFETCH, GU_X_NM (x permuted to nibble-major first: one small copy),
+    GU_SPLIT_K (> 1: K split over that many programs per strip, fp32 partials, a finish launch)."""
     t, h = x.shape
     e, two_i = w13.shape[:2]
     inter, top_k = two_i // 2, topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)
     mxfp4 = w13.dtype == MXFP4
+    ids = topk_ids.reshape(-1)
+    quant, w13, w13_rows = _decode_weights(w13, w13_scale, block)
+    split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
+    x_nm = mxfp4 and cfg.get("GU_X_NM", False)
+    if x_nm:  # input 32g + 8w + J -> place 32g + 4J + w (_mxfp4_nibble_major)
+        x = x.view(t, h // 32, 4, 8).transpose(2, 3).reshape(t, h)
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
     inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    quant = dict(FP8=w13_scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
-                 GROUP_K=block[1] if block else 1)
+    part = torch.empty((split, t * top_k, 2, inter), dtype=torch.float32, device=x.device) if split > 1 else None
     bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
-    w13_rows, w2_rows = (w13.stride(0), w13.stride(1)), (w2.stride(0), w2.stride(1))
-    if mxfp4:  # int32 words, strides in 16-byte units (_mxfp4_words)
-        (w13, *w13_rows), (w2, *w2_rows) = _mxfp4_words(w13), _mxfp4_words(w2)
-    _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+    grid = (t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"])) + ((split,) if split > 1 else ())
+    swiglu = isinstance(activation, SwigluOAI)
+    _moe_decode_gate_up_kernel[grid](
         x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale,
         w13 if w13_bias is None else w13_bias, inter, h, e, expert_offset,
         x.stride(0), *w13_rows, inter_out.stride(0), *_scale_args(w13_scale, block, mxfp4),
         bias_stride, alpha, limit,
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
-        SWIGLU=isinstance(activation, SwigluOAI), **quant, num_warps=cfg["GU_WARPS"],
-        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False),
+        SWIGLU=swiglu, **quant, num_warps=cfg["GU_WARPS"],
+        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part,
     )
-    out = torch.empty_like(x)
+    if split > 1:
+        _moe_decode_gate_up_finish[(t * top_k, triton.cdiv(inter, FINISH_BLOCK_N))](
+            part, inter_out, ids, weights, w13 if w13_bias is None else w13_bias, inter, e, expert_offset,
+            inter_out.stride(0), bias_stride, alpha, limit, SPLIT=split, BLOCK_N=FINISH_BLOCK_N,
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, num_warps=4)
+    return inter_out
+
+
+def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=None, block=None, w2_bias=None,
+                 activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
+    """Decode pass 2: [T, H], the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 = one program per
+    (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
+    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
+    t, top_k = topk_ids.shape
+    e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
+    mxfp4 = w2.dtype == MXFP4
+    ids = topk_ids.reshape(-1)
+    quant, w2, w2_rows = _decode_weights(w2, w2_scale, block)
+    out = torch.empty((t, h), dtype=out_dtype or inter_out.dtype, device=inter_out.device)
+    split = cfg.get("DOWN_SPLIT_K", 0) if mxfp4 else 0
+    bias_stride = _epilogue_args(w2_bias, activation)[0]
+    if split:
+        part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
+        _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
+            inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
+            expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
+            TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
+            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
+        _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
+            part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+        return out
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
         inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
         h, inter, e, expert_offset, inter_out.stride(0), *w2_rows, out.stride(0),
-        *_scale_args(w2_scale, block, mxfp4)[:3], _epilogue_args(w2_bias, activation)[0],
+        *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
         BLOCK_K=cfg["DOWN_BLOCK_K"], HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"],
     )
     return out
+
+
+def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
+                      block=None, w13_bias=None, w2_bias=None,
+                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+    inter_out = _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale, block, w13_bias,
+                                activation)
+    return _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale, block, w2_bias, activation,
+                        out_dtype=x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -954,6 +1128,10 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 (its "
                              f"8 dots a step have K = BLOCK_K / 8, at least 16)")
+    for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):
+        v = (config or {}).get(key, least)
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{fn}: config {key} must be an int >= {least}, got {v!r}")
     if quantized:
         check_devices(fn, x=x, w13_scale=w13_scale, w2_scale=w2_scale)
     return e, inter

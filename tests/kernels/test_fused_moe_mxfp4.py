@@ -269,3 +269,35 @@ def test_decode_prefetch_variant_matches_reference(poison_empty):
     ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
                         w13_bias=b13.double(), w2_bias=b2.double())
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+# The decode path's memory-parallel variants (moe_decode_config's knobs): K split over programs
+# with fp32 partials summed in a fixed order by a finish launch (gate|up: GU_SPLIT_K, then bias,
+# activation, weight; down: DOWN_SPLIT_K, one program per expert slot and share of I), x in
+# nibble-major order (GU_X_NM). H = I = 96 with 64-wide steps: 2 steps, the last half-masked, so
+# a split of 2 ends on the masked step and a split of 3 leaves a program with no step at all.
+@pytest.mark.parametrize("knobs,t,offset,drop", [
+    (dict(DOWN_SPLIT_K=1), 1, 0, 0.0),
+    (dict(DOWN_SPLIT_K=2, GU_SPLIT_K=2, GU_X_NM=True), 5, 4, 0.3),
+    (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3, GU_PREFETCH=True, GU_X_NM=True), 3, 4, 0.3),
+], ids=["down1", "split2-xnm", "split3-prefetch-xnm"])
+def test_decode_split_variants_match_reference(poison_empty, knobs, t, offset, drop):
+    x, w, ids = routed_inputs(t, torch.float32, drop, offset)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(torch.float32)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **knobs), path="decode", expert_offset=offset,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=offset, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
+    assert (out[none_held] == 0).all()
+
+
+def test_decode_split_knobs_are_checked():
+    x, w, ids = routed_inputs(2, torch.float32, 0.0)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    for bad in (dict(GU_SPLIT_K=0), dict(DOWN_SPLIT_K=-1), dict(DOWN_SPLIT_K=True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **bad), path="decode", w13_scale=s13,
+                      w2_scale=s2)
