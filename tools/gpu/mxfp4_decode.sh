@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# gpt-oss's MXFP4 decode path (issue 46: the op vs bf16 at 1-64 tokens, bs=1 vs the roofline) in one
+# device call on one H200, <= 540 s. From the repo root:
+#
+#   run(kind="nvidia-h200", carry=[".whl"], command="bash tools/gpu/mxfp4_decode.sh", timeout_s=600)
+#
+# 1. tests compiled on the GPU: test_fused_moe_mxfp4.py (the split / nibble-major decode variants,
+#    gpt-oss-20b's real layer) and test_fused_moe.py                                        170 s
+# 2. gpt-oss-120b bs=1 engine row (--load-format dummy) with its kernel profile: tools/gpu/gpt_oss.sh
+#    step a only (ONLY=a, no offline prompts)                                                110 s
+# 3. tools/gpu/mxfp4_kernel.py: bf16 / old / new MXFP4 at 1 4 16 64 tokens (old = main's kernels,
+#    tools/gpu/baselines/fused_moe_8c8c064.py, or $OLD), then --decode-sweep: every decode config
+#    at 1 4 16 64 tokens, the op and each pass in CUDA graphs, best per token count      the rest
+# Files in $OUT: tests.txt, engine/ (gpt_oss.md, profile_120b.md, log.txt), mxfp4.md,
+# decode_sweep.md, log.txt; the summary at the end of the output.
+set -u
+source tools/gpu/lib.sh
+OLD=${OLD:-$PWD/tools/gpu/baselines/fused_moe_8c8c064.py}
+BUDGET=${BUDGET:-530}
+gpu_begin gpu_mxfp4_decode none triton || exit 1
+
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+
+main() {
+  step "tests on the GPU" 170 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_mxfp4.py \
+    tests/kernels/test_fused_moe.py > "$OUT/tests.txt" 2>&1
+  tail -n 8 "$OUT/tests.txt"
+  local engine_s=110
+  [ "$(left)" -lt 300 ] && engine_s=90
+  step "gpt-oss-120b bs=1 engine + profile" $((engine_s + 10)) env OUT="$OUT/engine" ONLY=a PROMPTS_120B=0 \
+    CALL_S=$engine_s bash tools/gpu/gpt_oss.sh
+  cd /tmp
+  step "mxfp4 op rows + decode sweep" $(( $(left) - 5 )) $PY "$REPO/tools/gpu/mxfp4_kernel.py" --old "$OLD" \
+    --out "$OUT" --models gpt-oss-120b --tokens 1 4 16 64 --decode-sweep --sweep-tokens 1 4 16 64
+  cd "$REPO"
+  echo "total: $(( $(date +%s) - T0 ))s"
+}
+main > "$OUT/log.txt" 2>&1
+grep "^===\|Error\|^total" "$OUT/log.txt" | tail -n 20
+echo "--- tests"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 5
+grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -n 10
+echo "--- engine"; grep -E "^\[gpt-oss|^===|Error" "$OUT/engine/log.txt" 2>/dev/null | tail -n 8
+grep -A3 "^| model | format" "$OUT/engine/gpt_oss.md" 2>/dev/null | head -n 3
+head -n 28 "$OUT/engine/profile_120b.md" 2>/dev/null
+echo "--- op"; cat "$OUT/mxfp4.md" 2>/dev/null
+echo "--- decode sweep"; cat "$OUT/decode_sweep.md" 2>/dev/null
