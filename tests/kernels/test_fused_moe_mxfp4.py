@@ -301,3 +301,43 @@ def test_decode_split_knobs_are_checked():
         with pytest.raises(ValueError, match="must be an int"):
             fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **bad), path="decode", w13_scale=s13,
                       w2_scale=s2)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/mxfp4_decode.sh)")
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_split_variants_on_gpt_oss_20b_layer(t):
+    # The split / nibble-major decode variants at gpt-oss-20b's real layer (90 exponent groups: the
+    # 512-wide gate|up steps split 3 ways end on a masked step): close to the reference, bit-stable,
+    # and a CUDA graph replays them to the same bits (the partial buffers are sized by shapes alone).
+    e, h, inter = 32, 2880, 2880
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+    q13 = torch.randint(0, 256, (e, 2 * inter, h // 2), dtype=torch.uint8, device=DEVICE, generator=g)
+    s13 = torch.randint(119, 124, (e, 2 * inter, h // 32), dtype=torch.uint8, device=DEVICE, generator=g)
+    q2 = torch.randint(0, 256, (e, h, inter // 2), dtype=torch.uint8, device=DEVICE, generator=g)
+    s2 = torch.randint(119, 124, (e, h, inter // 32), dtype=torch.uint8, device=DEVICE, generator=g)
+    b13 = torch.randn(e, 2 * inter, device=DEVICE, generator=g).bfloat16() * 0.1
+    b2 = torch.randn(e, h, device=DEVICE, generator=g).bfloat16() * 0.1
+    x = torch.randn(t, h, device=DEVICE, generator=g).bfloat16()
+    w, ids = torch.softmax(torch.randn(t, 4, device=DEVICE, generator=g), -1), torch.randperm(e, device=DEVICE)[:4]
+    ids = torch.stack([torch.roll(ids, i) for i in range(t)]).int()
+    ids[0, 1] = -1  # an expert held nowhere
+    act = SwigluOAI(1.702, 7.0)
+    cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
+               GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)
+    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg, path="decode")
+    out = fused_moe(x, q13, q2, w, ids, **kw)
+    ref = fused_moe_ref(x.float(), q13, q2, w, ids, w13_scale=s13, w2_scale=s2, w13_bias=b13.float(),
+                        w2_bias=b2.float(), activation=act)
+    assert rel_error(out, ref) < 1e-2
+    assert torch.equal(out, fused_moe(x, q13, q2, w, ids, **kw))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, q13, q2, w, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused_moe(x, q13, q2, w, ids, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
