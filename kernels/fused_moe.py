@@ -60,6 +60,15 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
   (register double buffering against the load latency the GEMVs are bound by; 125 registers
   instead of 96; ptxas issues those loads late in the step, so the overlap is partial).
 K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
+More memory-level parallelism at small T, as decode config knobs (default off: the lead picks from
+tools/gpu/mxfp4_decode.sh's sweep): `DOWN_SPLIT_K` s >= 1 runs the down pass as programs per
+(token, column strip, expert slot, s-th BLOCK_K-aligned share of I) -- k x s the programs of the
+one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially -- each writing an
+fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
+same bits every run; CUDA-graph safe, buffers sized by shapes). `GU_SPLIT_K` s > 1 does the same
+for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
+nibble-major order). `GU_X_NM` permutes x into nibble-major order first (one small copy) so the
+gate|up GEMV's x loads are 8-byte vectors, as the down pass's are.
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
 below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
@@ -627,7 +636,8 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     not the bandwidth.
     `mxfp4`: not swept on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 does): bf16's row strips;
     gate|up steps of 512 inputs (256 bytes a weight row, half of bf16's 256-wide step), down steps
-    of 256."""
+    of 256. MXFP4-only knobs (absent = off): GU_SPLIT_K, DOWN_SPLIT_K, GU_X_NM, GU_PREFETCH (the
+    module doc's MXFP4 section)."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
         return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
