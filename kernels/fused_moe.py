@@ -619,8 +619,14 @@ FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
+# MXFP4 decode knobs by batch size (the module doc's split / nibble-major knobs): (largest T, knobs)
+# in increasing T, the first entry that fits a batch joins moe_decode_config's tiles; empty = the
+# plain GEMVs at every size. To be filled from tools/gpu/mxfp4_decode.sh's sweep on the card.
+MXFP4_DECODE_KNOBS: tuple[tuple[int, dict], ...] = ()
+
+
 def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False,
-                      mxfp4: bool = False) -> dict:
+                      mxfp4: bool = False, tokens: int | None = None) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
     sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
     down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
@@ -637,11 +643,14 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     `mxfp4`: not swept on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 does): bf16's row strips;
     gate|up steps of 512 inputs (256 bytes a weight row, half of bf16's 256-wide step), down steps
     of 256. MXFP4-only knobs (absent = off): GU_SPLIT_K, DOWN_SPLIT_K, GU_X_NM, GU_PREFETCH (the
-    module doc's MXFP4 section)."""
+    module doc's MXFP4 section); with `tokens`, MXFP4_DECODE_KNOBS' entry for that batch size."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
-        return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
-                    DOWN_WARPS=8)
+        cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
+                   DOWN_WARPS=8)
+        if tokens is not None:
+            cfg.update(next((knobs for most, knobs in MXFP4_DECODE_KNOBS if tokens <= most), {}))
+        return cfg
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
     return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
@@ -959,7 +968,7 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
     split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
     x_nm = mxfp4 and cfg.get("GU_X_NM", False)
     if x_nm:  # input 32g + 8w + J -> place 32g + 4J + w (_mxfp4_nibble_major)
-        x = x.view(t, h // 32, 4, 8).transpose(2, 3).reshape(t, h)
+        x = x.reshape(t, h // 32, 4, 8).transpose(2, 3).reshape(t, h)
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
     inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     part = torch.empty((split, t * top_k, 2, inter), dtype=torch.float32, device=x.device) if split > 1 else None
@@ -1086,7 +1095,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     epilogue = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= decode_max_tokens(mxfp4)):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
-            top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4)
+            top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4, tokens=t)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block,
                                  **epilogue)
     m = t * top_k

@@ -341,3 +341,16 @@ def test_decode_split_variants_on_gpt_oss_20b_layer(t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+def test_decode_knobs_by_batch_size(monkeypatch):
+    # MXFP4_DECODE_KNOBS: the first entry whose largest T fits joins the default tiles; none = plain.
+    import pdserve.kernels.fused_moe as fm
+
+    plain = fm.moe_decode_config(4, 2880, mxfp4=True)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=1) == plain  # the table ships empty
+    monkeypatch.setattr(fm, "MXFP4_DECODE_KNOBS", ((1, dict(DOWN_SPLIT_K=3)), (8, dict(GU_X_NM=True))))
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=1) == dict(plain, DOWN_SPLIT_K=3)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=8) == dict(plain, GU_X_NM=True)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=9) == plain
+    assert fm.moe_decode_config(4, 2880, tokens=1) == fm.moe_decode_config(4, 2880)  # bf16: no knobs

@@ -5,7 +5,7 @@
 #   run(kind="nvidia-h200", carry=[".whl"], command="bash tools/gpu/mxfp4_decode.sh", timeout_s=600)
 #
 # 1. tests compiled on the GPU: test_fused_moe_mxfp4.py (the split / nibble-major decode variants,
-#    gpt-oss-20b's real layer) and test_fused_moe.py                                        170 s
+#    gpt-oss-20b's real layer) and test_fused_moe.py                                        150 s
 # 2. gpt-oss-120b bs=1 engine row (--load-format dummy) with its kernel profile: tools/gpu/gpt_oss.sh
 #    step a only (ONLY=a, no offline prompts)                                                110 s
 # 3. tools/gpu/mxfp4_kernel.py: bf16 / old / new MXFP4 at 1 4 16 64 tokens (old = main's kernels,
@@ -22,7 +22,7 @@ gpu_begin gpu_mxfp4_decode none triton || exit 1
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
 main() {
-  step "tests on the GPU" 170 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_mxfp4.py \
+  step "tests on the GPU" 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe_mxfp4.py \
     tests/kernels/test_fused_moe.py > "$OUT/tests.txt" 2>&1
   tail -n 8 "$OUT/tests.txt"
   local engine_s=110
