@@ -303,14 +303,15 @@ def _e2m1_word(words, J: tl.constexpr):
     # to bit 31 and the 3 magnitude bits (2 exponent, 1 mantissa) to bits 24-22, fp32's low
     # exponent bits and top mantissa bit. e2m1 and fp32 share IEEE's structure, so the subnormal
     # code 0.5 lands on fp32's subnormal 2^-127 and every code is exact: 3 integer operations a
-    # value (shift, shift, and-or), no select, no table, where _e2m1 takes ~8. The GPU keeps
+    # value, no select, no table, where _e2m1 takes ~8: the nibble shifted to the top (sign on
+    # bit 31), an arithmetic shift right by 6 (magnitude on bits 24-22, the sign copied down over
+    # bits 30-25: the words are int32, so >> is arithmetic) and one mask keeping bits 31 and 24-22
+    # (0x81C00000) -- shift, shift, and, where
+    # moving sign and magnitude separately took two shifts, two masks and an or. The GPU keeps
     # fp32 subnormals in multiplies (Triton flushes none outside libdevice).
-    sign = (words << (28 - 4 * J)) & -2147483648
-    if 4 * J <= 22:
-        mag = (words << (22 - 4 * J)) & 0x01C00000
-    else:
-        mag = (words >> (4 * J - 22)) & 0x01C00000
-    return (sign | mag).to(tl.float32, bitcast=True)
+    if J < 7:
+        words = words << (28 - 4 * J)
+    return ((words >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000 as int32
 
 
 @triton.jit
