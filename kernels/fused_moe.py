@@ -306,9 +306,9 @@ def _e2m1_word(words, J: tl.constexpr):
     # value, no select, no table, where _e2m1 takes ~8: the nibble shifted to the top (sign on
     # bit 31), an arithmetic shift right by 6 (magnitude on bits 24-22, the sign copied down over
     # bits 30-25: the words are int32, so >> is arithmetic) and one mask keeping bits 31 and 24-22
-    # (0x81C00000) -- shift, shift, and, where
-    # moving sign and magnitude separately took two shifts, two masks and an or. The GPU keeps
-    # fp32 subnormals in multiplies (Triton flushes none outside libdevice).
+    # (0x81C00000) -- shift, shift, and, where moving sign and magnitude separately took two
+    # shifts, two masks and an or. The GPU keeps fp32 subnormals in multiplies (Triton flushes
+    # none outside libdevice).
     if J < 7:
         words = words << (28 - 4 * J)
     return ((words >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000 as int32
