@@ -279,11 +279,6 @@ def main() -> int:
     args = ap.parse_args()
     old = load_old(args.old)
     bw = copy_gbs()
-    if args.decode_sweep:
-        decode_sweep(args, bw)
-        torch.cuda.empty_cache()
-    if args.no_rows:
-        return 0
     card = torch.cuda.get_device_name()
     lines = [f"{card}, torch {torch.__version__}, same-run copy bandwidth {bw:.0f} GB/s (1 GiB device-to-device, "
              f"read + write). gpt-oss expert layer (biases, clamped SwiGLU), bf16 activations, fused_moe on routed "
@@ -292,8 +287,11 @@ def main() -> int:
              "new GB/s (% copy) | in a CUDA graph: bf16 / old / new ms | err old / new | graph |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     sweep = ["| model | tokens | path | tiles | ms |", "|---|---:|---|---|---:|"]
-    for name in args.models:  # one model's weights at a time (freed when model_rows returns)
+    for name in [] if args.no_rows else args.models:  # one model's weights at a time (freed when model_rows returns)
         model_rows(name, args, old, bw, lines, sweep)
+        torch.cuda.empty_cache()
+    if args.decode_sweep:  # after the rows: a cut run still has them
+        decode_sweep(args, bw)
     return 0
 
 
