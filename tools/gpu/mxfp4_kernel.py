@@ -65,6 +65,8 @@ DECODE_VARIANTS = [
     ("k256", dict(GU_X_NM=True, DOWN_SPLIT_K=2)), ("k256", dict(GU_X_NM=True, GU_SPLIT_K=2, DOWN_SPLIT_K=3)),
     ("k256", dict(GU_X_NM=True, GU_SPLIT_K=4, DOWN_SPLIT_K=4)),
     ("k1024", dict(GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
+    ("default", dict(DOWN_BLOCK_N=32, DOWN_WARPS=4, DOWN_SPLIT_K=3)),
+    ("default", dict(GU_BLOCK_N=32, GU_WARPS=8, GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=3)),
 ]
 
 
