@@ -893,22 +893,21 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     col_ok = cols < N
     gs = tl.arange(0, BLOCK_K // 32)
     word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
-    q_ptrs = (w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
-              + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
-    s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + (k_begin // 32 + gs[None, :]) * stride_sk
+    q_row = w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
+    s_row = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
     # The intermediate row in nibble-major order, as _moe_decode_down_kernel reads it.
     a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         g_ok = gs < (k_end - k0) // 32
-        q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
-        sc = tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0)
+        # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
+        q = tl.load(q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), mask=col_ok[:, None, None] & g_ok[None, :, None],
+                    other=0)
+        sc = tl.load(s_row + (k0 // 32) * stride_sk, mask=col_ok[:, None] & g_ok[None, :], other=0)
         p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
         for n in tl.static_range(8):
-            p = _mxfp4_fma(p, q, a_ptrs + k0, g_ok[None, :, None], n, 4)
+            p = _mxfp4_fma(p, q, a_ptrs + (k0 // BLOCK_K) * BLOCK_K, g_ok[None, :, None], n, 4)
         out += _mxfp4_group_sums(p, sc)
-        q_ptrs += BLOCK_K // 8
-        s_ptrs += (BLOCK_K // 32) * stride_sk
     if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
         first = held & (pid_p % SPLIT == 0)
         wj = tl.where(first, tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
