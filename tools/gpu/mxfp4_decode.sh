@@ -36,11 +36,14 @@ main() {
   echo "total: $(( $(date +%s) - T0 ))s"
 }
 main > "$OUT/log.txt" 2>&1
-grep "^===\|Error\|^total" "$OUT/log.txt" | tail -n 20
-echo "--- tests"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 5
+# Most wanted last (a reader of the output's tail sees it first): the sweep's table, the op rows, the
+# profile, the engine row, the tests, the steps, and the best config per token count.
+echo "--- decode sweep (decode_sweep.md)"; grep "^|" "$OUT/decode_sweep.md" 2>/dev/null
+echo "--- op: bf16 / old (main) / new MXFP4 (mxfp4.md)"; grep "^|" "$OUT/mxfp4.md" 2>/dev/null | cut -c1-200
+echo "--- profile (engine/profile_120b.md)"; head -n 22 "$OUT/engine/profile_120b.md" 2>/dev/null
+echo "--- engine"; grep -E "^\[gpt-oss|^===|Error" "$OUT/engine/log.txt" 2>/dev/null | tail -n 6
+grep -A2 "^| model | format" "$OUT/engine/gpt_oss.md" 2>/dev/null | tail -n 1 | cut -c1-220
+echo "--- tests"; grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 3
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -n 10
-echo "--- engine"; grep -E "^\[gpt-oss|^===|Error" "$OUT/engine/log.txt" 2>/dev/null | tail -n 8
-grep -A3 "^| model | format" "$OUT/engine/gpt_oss.md" 2>/dev/null | head -n 3
-head -n 28 "$OUT/engine/profile_120b.md" 2>/dev/null
-echo "--- op"; cat "$OUT/mxfp4.md" 2>/dev/null
-echo "--- decode sweep"; cat "$OUT/decode_sweep.md" 2>/dev/null
+echo "--- steps"; grep "^===\|Error\|^total" "$OUT/log.txt" | grep -v "(limit" | tail -n 8
+echo "--- best per token count"; grep "^- " "$OUT/decode_sweep.md" 2>/dev/null

@@ -52,6 +52,9 @@ _TILES = dict(default=None,
               k256=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4),
               k1024=dict(GU_BLOCK_N=16, GU_BLOCK_K=1024, GU_WARPS=8, DOWN_BLOCK_N=16, DOWN_BLOCK_K=512,
                          DOWN_WARPS=8))
+# Labels in the sweep's table: gu3 = GU_SPLIT_K 3, dn2 = DOWN_SPLIT_K 2, xnm = GU_X_NM, ...
+_SHORT = dict(GU_SPLIT_K="gu", DOWN_SPLIT_K="dn", GU_X_NM="xnm", GU_PREFETCH="pf", GU_BLOCK_N="gn",
+              GU_WARPS="gw", DOWN_BLOCK_N="dn_n", DOWN_WARPS="dw")
 DECODE_VARIANTS = [
     ("default", {}), ("n8", {}), ("k256", {}),
     ("default", dict(DOWN_SPLIT_K=1)), ("default", dict(DOWN_SPLIT_K=2)), ("default", dict(DOWN_SPLIT_K=3)),
@@ -202,7 +205,8 @@ def decode_sweep(args, bw: float) -> list[str]:
     per_expert = 3 * h * inter // 2 + 3 * h * inter // 32 + (2 * inter + h) * 2
     lines = [f"{torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s. {name} MoE layer, MXFP4 decode path "
              f"configs; ms a call in CUDA graphs of 20 calls, each with its own routing (per pass: gate|up = "
-             f"gate|up kernel (+ finish), down = down kernel (+ finish)). default = {base}.", "",
+             f"gate|up kernel (+ finish), down = down kernel (+ finish)). default = {base}; labels: tiles (n8 / k256 / "
+             f"k1024: {_TILES}) then knobs ({_SHORT}).", "",
              "| tokens | config | op ms | gate\\|up ms | down ms | vs bf16 | vs default | GB/s (% copy) | err |",
              "|---:|---|---:|---:|---:|---:|---:|---|---|"]
     best_lines = []
@@ -231,7 +235,7 @@ def decode_sweep(args, bw: float) -> list[str]:
         results = []
         for tiles, knobs in DECODE_VARIANTS:
             cfg = dict(base if _TILES[tiles] is None else _TILES[tiles], **knobs)
-            label = tiles + ("" if not knobs else " " + " ".join(f"{a}={b}" for a, b in knobs.items()))
+            label = " ".join([tiles] + [_SHORT.get(a, a) + ("" if b is True else str(b)) for a, b in knobs.items()])
             try:
                 out = new.fused_moe(x0, q13, q2, w0, ids0, config=cfg, path="decode", **mx)
                 err = rel(out, ref)
