@@ -60,6 +60,15 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
   (register double buffering against the load latency the GEMVs are bound by; 125 registers
   instead of 96; ptxas issues those loads late in the step, so the overlap is partial).
 K steps cover whole exponent groups; the last one is masked (gpt-oss's H = I = 2880 is 90 groups).
+More memory-level parallelism at small T, as decode config knobs (default off: the lead picks from
+tools/gpu/mxfp4_decode.sh's sweep): `DOWN_SPLIT_K` s >= 1 runs the down pass as programs per
+(token, column strip, expert slot, s-th BLOCK_K-aligned share of I) -- k x s the programs of the
+one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially -- each writing an
+fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
+same bits every run; CUDA-graph safe, buffers sized by shapes). `GU_SPLIT_K` s > 1 does the same
+for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
+nibble-major order). `GU_X_NM` permutes x into nibble-major order first (one small copy) so the
+gate|up GEMV's x loads are 8-byte vectors, as the down pass's are.
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
 below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
@@ -294,14 +303,15 @@ def _e2m1_word(words, J: tl.constexpr):
     # to bit 31 and the 3 magnitude bits (2 exponent, 1 mantissa) to bits 24-22, fp32's low
     # exponent bits and top mantissa bit. e2m1 and fp32 share IEEE's structure, so the subnormal
     # code 0.5 lands on fp32's subnormal 2^-127 and every code is exact: 3 integer operations a
-    # value (shift, shift, and-or), no select, no table, where _e2m1 takes ~8. The GPU keeps
-    # fp32 subnormals in multiplies (Triton flushes none outside libdevice).
-    sign = (words << (28 - 4 * J)) & -2147483648
-    if 4 * J <= 22:
-        mag = (words << (22 - 4 * J)) & 0x01C00000
-    else:
-        mag = (words >> (4 * J - 22)) & 0x01C00000
-    return (sign | mag).to(tl.float32, bitcast=True)
+    # value, no select, no table, where _e2m1 takes ~8: the nibble shifted to the top (sign on
+    # bit 31), an arithmetic shift right by 6 (magnitude on bits 24-22, the sign copied down over
+    # bits 30-25: the words are int32, so >> is arithmetic) and one mask keeping bits 31 and 24-22
+    # (0x81C00000) -- shift, shift, and, where moving sign and magnitude separately took two
+    # shifts, two masks and an or. The GPU keeps fp32 subnormals in multiplies (Triton flushes
+    # none outside libdevice).
+    if J < 7:
+        words = words << (28 - 4 * J)
+    return ((words >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000 as int32
 
 
 @triton.jit
@@ -610,8 +620,14 @@ FUSE_ROUTE_ALIGN = True
 MOE_PATHS = ("auto", "sorted", "decode")
 
 
+# MXFP4 decode knobs by batch size (the module doc's split / nibble-major knobs): (largest T, knobs)
+# in increasing T, the first entry that fits a batch joins moe_decode_config's tiles; empty = the
+# plain GEMVs at every size. To be filled from tools/gpu/mxfp4_decode.sh's sweep on the card.
+MXFP4_DECODE_KNOBS: tuple[tuple[int, dict], ...] = ()
+
+
 def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False,
-                      mxfp4: bool = False) -> dict:
+                      mxfp4: bool = False, tokens: int | None = None) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
     sorted path's 64-wide tiles at T = 1 (Qwen3-30B-A3B: 8 x 48 = 384 programs for 132 SMs);
     down blocks of ~64 weight rows ([k, BLOCK_N]) by 256 of I (128 where I is no multiple of
@@ -627,11 +643,15 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     not the bandwidth.
     `mxfp4`: not swept on a GPU yet (tools/gpu/mxfp4_kernel.sh SWEEP=1 does): bf16's row strips;
     gate|up steps of 512 inputs (256 bytes a weight row, half of bf16's 256-wide step), down steps
-    of 256."""
+    of 256. MXFP4-only knobs (absent = off): GU_SPLIT_K, DOWN_SPLIT_K, GU_X_NM, GU_PREFETCH (the
+    module doc's MXFP4 section); with `tokens`, MXFP4_DECODE_KNOBS' entry for that batch size."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
-        return dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
-                    DOWN_WARPS=8)
+        cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
+                   DOWN_WARPS=8)
+        if tokens is not None:
+            cfg.update(next((knobs for most, knobs in MXFP4_DECODE_KNOBS if tokens <= most), {}))
+        return cfg
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
     return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
@@ -645,10 +665,16 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                                SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
-                               PREFETCH: tl.constexpr = False):
-    # Grid (T*k, cdiv(I, BLOCK_N)): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
+                               PREFETCH: tl.constexpr = False, X_NM: tl.constexpr = False,
+                               SPLIT: tl.constexpr = 1, part_ptr=None):
+    # Grid (T*k, cdiv(I, BLOCK_N)[, SPLIT]): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
     # buffering: two steps' loads in flight, where each step otherwise waits for its own).
+    # X_NM (MXFP4): x already in nibble-major order (_mxfp4_nibble_major, by the caller): nibble J's
+    # inputs of a group's 4 words are 4 neighbours (one 8-byte load) instead of 4 loads 16 bytes apart.
+    # SPLIT > 1 (MXFP4): program (.., .., s) sums only its share of the K steps and writes its fp32
+    # gate and up partial sums to part_ptr [SPLIT, T*k, 2, N]; _moe_decode_gate_up_finish sums
+    # them in split order and applies the epilogue (SPLIT x the programs, each 1/SPLIT of the steps).
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
@@ -657,6 +683,12 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     x_row = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm
+    k_begin = 0
+    k_end = K
+    if SPLIT > 1:  # this program's steps: a BLOCK_K-aligned share, so groups never straddle splits
+        per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_begin = tl.program_id(2) * per
+        k_end = tl.minimum(K, k_begin + per)
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
@@ -667,19 +699,25 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         # group's sum is scaled once by its exponent.
         gs = tl.arange(0, BLOCK_K // 32)
         word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
-        q_ptrs = w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
-        s_ptrs = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
-        x_ptrs = x_row + 8 * word[None, :, :]
+        q_ptrs = (w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
+                  + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
+        s_ptrs = (s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
+                  + (k_begin // 32 + gs[None, :]) * stride_sk)
+        if X_NM:
+            x_ptrs = x_row + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+        else:
+            x_ptrs = x_row + 8 * word[None, :, :]
         up_q, up_s = N * (stride_wn * 4), N * stride_sn
         if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
-            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, gs < K // 32)
-        for k0 in range(0, K, BLOCK_K):
-            g_ok = gs < (K - k0) // 32
+            q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
+                                                            gs < (k_end - k_begin) // 32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            g_ok = gs < (k_end - k0) // 32
             if PREFETCH:
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
                 n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
-                                                                  gs < (K - k0 - BLOCK_K) // 32)
+                                                                  gs < (k_end - k0 - BLOCK_K) // 32)
             else:
                 q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
                 q_ptrs += BLOCK_K // 8
@@ -687,12 +725,17 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
             p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
             for j in tl.static_range(8):
-                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 1)
-                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 1)
+                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
+                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
             acc_gate += _mxfp4_group_sums(p_gate, s_gate)
             acc_up += _mxfp4_group_sums(p_up, s_up)
             if PREFETCH:
                 q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+        if SPLIT > 1:  # partial sums out; the finish kernel adds the bias and activates
+            part = part_ptr + ((tl.program_id(2) * tl.num_programs(0) + a).to(tl.int64) * 2) * N + cols
+            tl.store(part, acc_gate, mask=col_ok)
+            tl.store(part + N, acc_up, mask=col_ok)
+            return
     else:
         ks = tl.arange(0, BLOCK_K)
         gate_ptrs = w13_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -795,6 +838,96 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
     tl.store(out_ptr + t * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_ptr, N, num_experts, expert_offset,
+                               stride_im, stride_bias_e, alpha, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    # Grid (T*k, cdiv(I, BLOCK_N)): the gate|up kernel's SPLIT partial sums of assignment a, summed
+    # in split order (fixed: the same bits every run), then its epilogue (bias, activation, router
+    # weight) and the nibble-major store the down pass reads.
+    a = tl.program_id(0)
+    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
+    if (e < 0) | (e >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.num_programs(0)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        part = part_ptr + ((s * rows + a).to(tl.int64) * 2) * N + cols
+        gate += tl.load(part, mask=col_ok, other=0.0)
+        up += tl.load(part + N, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        bias_row = bias_ptr + e * stride_bias_e
+        gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    h = _activate(gate, up, SWIGLU, alpha, limit) * tl.load(weight_ptr + a).to(tl.float32)
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + _mxfp4_nibble_major(cols), h.to(inter_ptr.dtype.element_ty),
+             mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K,
+                                  num_experts, expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn,
+                                  stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # MXFP4 down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
+    # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
+    # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
+    # (plus weight * bias in share 0) goes to part_ptr [k * SPLIT, T, H]; _moe_decode_down_finish
+    # adds the k * SPLIT partials in that fixed order (no float atomics: the same bits every run).
+    # A slot whose expert is held elsewhere writes zeros (its intermediate row is never read).
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    j = pid_p // SPLIT
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = (pid_p % SPLIT) * per
+    k_end = tl.minimum(K, k_begin + per)
+    e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+    held = (e >= 0) & (e < num_experts)
+    e = tl.where(held, e, 0)
+    k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gs = tl.arange(0, BLOCK_K // 32)
+    word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
+    q_row = w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
+    s_row = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
+    # The intermediate row in nibble-major order, as _moe_decode_down_kernel reads it.
+    a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        g_ok = gs < (k_end - k0) // 32
+        # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
+        q = tl.load(q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), mask=col_ok[:, None, None] & g_ok[None, :, None],
+                    other=0)
+        sc = tl.load(s_row + (k0 // 32) * stride_sk, mask=col_ok[:, None] & g_ok[None, :], other=0)
+        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        for n in tl.static_range(8):
+            p = _mxfp4_fma(p, q, a_ptrs + (k0 // BLOCK_K) * BLOCK_K, g_ok[None, :, None], n, 4)
+        out += _mxfp4_group_sums(p, sc)
+    if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
+        first = held & (pid_p % SPLIT == 0)
+        wj = tl.where(first, tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        b = tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out += wj * b
+    tl.store(part_ptr + (pid_p * tl.num_programs(0) + t) * N + cols, out, mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Grid (T, cdiv(H, BLOCK_N)): token t's PARTS fp32 partials summed in slot-then-share order, cast once.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        acc += tl.load(part_ptr + (p * tl.num_programs(0) + t) * N + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
                 mxfp4: bool = False) -> tuple[int, int, int, int]:
     """(expert, row, K-group strides, up half's first scale row) of a quantized weight's scales;
@@ -805,40 +938,100 @@ def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
     return scale.stride(0), scale.stride(1), scale.stride(2) if block or mxfp4 else 0, scale.shape[1] // 2
 
 
-def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
-                      block=None, w13_bias=None, w2_bias=None,
-                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+# The finish kernels' column blocks (a sum of a few fp32 rows: any width streams).
+FINISH_BLOCK_N = 256
+
+
+def _decode_weights(w, scale, block):
+    """(quant constexprs, the weight as the kernels read it, its expert and row strides): MXFP4 as
+    int32 words with strides in 16-byte units (_mxfp4_words)."""
+    mxfp4 = w.dtype == MXFP4
+    quant = dict(FP8=scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
+                 GROUP_K=block[1] if block else 1)
+    if mxfp4:
+        w, *rows = _mxfp4_words(w)
+        return quant, w, rows
+    return quant, w, (w.stride(0), w.stride(1))
+
+
+def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
+                    activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+    """Decode pass 1: [T*k, I] intermediate rows (router weight applied; MXFP4: nibble-major order).
+    MXFP4 config knobs: GU_PREFETCH, GU_X_NM (x permuted to nibble-major first: one small copy),
+    GU_SPLIT_K (> 1: K split over that many programs per strip, fp32 partials, a finish launch)."""
     t, h = x.shape
     e, two_i = w13.shape[:2]
     inter, top_k = two_i // 2, topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)
     mxfp4 = w13.dtype == MXFP4
+    ids = topk_ids.reshape(-1)
+    quant, w13, w13_rows = _decode_weights(w13, w13_scale, block)
+    split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
+    x_nm = mxfp4 and cfg.get("GU_X_NM", False)
+    if x_nm:  # input 32g + 8w + J -> place 32g + 4J + w (_mxfp4_nibble_major)
+        x = x.reshape(t, h // 32, 4, 8).transpose(2, 3).reshape(t, h)
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
     inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    quant = dict(FP8=w13_scale is not None and not mxfp4, MXFP4=mxfp4, SCALE_ROWS=block[0] if block else 1,
-                 GROUP_K=block[1] if block else 1)
+    part = torch.empty((split, t * top_k, 2, inter), dtype=torch.float32, device=x.device) if split > 1 else None
     bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
-    w13_rows, w2_rows = (w13.stride(0), w13.stride(1)), (w2.stride(0), w2.stride(1))
-    if mxfp4:  # int32 words, strides in 16-byte units (_mxfp4_words)
-        (w13, *w13_rows), (w2, *w2_rows) = _mxfp4_words(w13), _mxfp4_words(w2)
-    _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+    grid = (t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"])) + ((split,) if split > 1 else ())
+    swiglu = isinstance(activation, SwigluOAI)
+    _moe_decode_gate_up_kernel[grid](
         x, w13, inter_out, ids, weights, w13 if w13_scale is None else w13_scale,
         w13 if w13_bias is None else w13_bias, inter, h, e, expert_offset,
         x.stride(0), *w13_rows, inter_out.stride(0), *_scale_args(w13_scale, block, mxfp4),
         bias_stride, alpha, limit,
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
-        SWIGLU=isinstance(activation, SwigluOAI), **quant, num_warps=cfg["GU_WARPS"],
-        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False),
+        SWIGLU=swiglu, **quant, num_warps=cfg["GU_WARPS"],
+        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part,
     )
-    out = torch.empty_like(x)
+    if split > 1:
+        _moe_decode_gate_up_finish[(t * top_k, triton.cdiv(inter, FINISH_BLOCK_N))](
+            part, inter_out, ids, weights, w13 if w13_bias is None else w13_bias, inter, e, expert_offset,
+            inter_out.stride(0), bias_stride, alpha, limit, SPLIT=split, BLOCK_N=FINISH_BLOCK_N,
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, num_warps=4)
+    return inter_out
+
+
+def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=None, block=None, w2_bias=None,
+                 activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
+    """Decode pass 2: [T, H], the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 = one program per
+    (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
+    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
+    t, top_k = topk_ids.shape
+    e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
+    mxfp4 = w2.dtype == MXFP4
+    ids = topk_ids.reshape(-1)
+    quant, w2, w2_rows = _decode_weights(w2, w2_scale, block)
+    out = torch.empty((t, h), dtype=out_dtype or inter_out.dtype, device=inter_out.device)
+    split = cfg.get("DOWN_SPLIT_K", 0) if mxfp4 else 0
+    bias_stride = _epilogue_args(w2_bias, activation)[0]
+    if split:
+        part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
+        _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
+            inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
+            expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
+            TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
+            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
+        _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
+            part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+        return out
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
         inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
         h, inter, e, expert_offset, inter_out.stride(0), *w2_rows, out.stride(0),
-        *_scale_args(w2_scale, block, mxfp4)[:3], _epilogue_args(w2_bias, activation)[0],
+        *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
         BLOCK_K=cfg["DOWN_BLOCK_K"], HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"],
     )
     return out
+
+
+def _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale=None, w2_scale=None,
+                      block=None, w13_bias=None, w2_bias=None,
+                      activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
+    inter_out = _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale, block, w13_bias,
+                                activation)
+    return _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale, block, w2_bias, activation,
+                        out_dtype=x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -902,7 +1095,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     epilogue = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if path == "decode" or (path == "auto" and unit and not sorted_cfg and t <= decode_max_tokens(mxfp4)):
         cfg = config if config is not None and not sorted_cfg else moe_decode_config(
-            top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4)
+            top_k, inter, block[1] if fp8 and block else None, fp8=fp8, mxfp4=mxfp4, tokens=t)
         return _fused_moe_decode(x, w13, w2, weights, topk_ids, expert_offset, cfg, w13_scale, w2_scale, block,
                                  **epilogue)
     m = t * top_k
@@ -954,6 +1147,10 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 (its "
                              f"8 dots a step have K = BLOCK_K / 8, at least 16)")
+    for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):
+        v = (config or {}).get(key, least)
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{fn}: config {key} must be an int >= {least}, got {v!r}")
     if quantized:
         check_devices(fn, x=x, w13_scale=w13_scale, w2_scale=w2_scale)
     return e, inter

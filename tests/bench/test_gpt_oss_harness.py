@@ -44,8 +44,10 @@ def test_cpu_run_fills_the_tables(tmp_path):
     ckpt, rows = tmp_path / "tiny", tmp_path / "rows.jsonl"
     assert gpt_oss.main(["config", "--size", "20b", "--format", "bf16", "--tiny", "--out", str(ckpt)]) == 0
     common = ["--checkpoint", str(ckpt), "--name", "tiny", "--rows", str(rows), "--device", "cpu"]
+    profile = tmp_path / "profile.md"
     assert gpt_oss.main(["engine", *common, "--decode-steps", "3", "--num-prompts", "2", "--input-len", "24",
-                         "--output-len", "3"]) == 0
+                         "--output-len", "3", "--profile", str(profile)]) == 0
+    assert "| kernel | calls/step |" in profile.read_text()  # the step's kernel table (empty on CPU)
     assert gpt_oss.main(["capacity", *common, "--prompt-len", "300", "--kv-gib", "0.0008", "--requests", "8",
                          "--decode-tokens", "2"]) == 0
     assert gpt_oss.main(["engine", "--checkpoint", str(tmp_path / "none"), "--name", "broken", "--rows", str(rows),

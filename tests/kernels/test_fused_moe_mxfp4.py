@@ -269,3 +269,88 @@ def test_decode_prefetch_variant_matches_reference(poison_empty):
     ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=4, activation=SWIGLU,
                         w13_bias=b13.double(), w2_bias=b2.double())
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+# The decode path's memory-parallel variants (moe_decode_config's knobs): K split over programs
+# with fp32 partials summed in a fixed order by a finish launch (gate|up: GU_SPLIT_K, then bias,
+# activation, weight; down: DOWN_SPLIT_K, one program per expert slot and share of I), x in
+# nibble-major order (GU_X_NM). H = I = 96 with 64-wide steps: 2 steps, the last half-masked, so
+# a split of 2 ends on the masked step and a split of 3 leaves a program with no step at all.
+@pytest.mark.parametrize("knobs,t,offset,drop", [
+    (dict(DOWN_SPLIT_K=1), 1, 0, 0.0),
+    (dict(DOWN_SPLIT_K=2, GU_SPLIT_K=2, GU_X_NM=True), 5, 4, 0.3),
+    (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3, GU_PREFETCH=True, GU_X_NM=True), 3, 4, 0.3),
+], ids=["down1", "split2-xnm", "split3-prefetch-xnm"])
+def test_decode_split_variants_match_reference(poison_empty, knobs, t, offset, drop):
+    x, w, ids = routed_inputs(t, torch.float32, drop, offset)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(torch.float32)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **knobs), path="decode", expert_offset=offset,
+                    w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=offset, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
+    assert (out[none_held] == 0).all()
+
+
+def test_decode_split_knobs_are_checked():
+    x, w, ids = routed_inputs(2, torch.float32, 0.0)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    for bad in (dict(GU_SPLIT_K=0), dict(DOWN_SPLIT_K=-1), dict(DOWN_SPLIT_K=True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **bad), path="decode", w13_scale=s13,
+                      w2_scale=s2)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/mxfp4_decode.sh)")
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_split_variants_on_gpt_oss_20b_layer(t):
+    # The split / nibble-major decode variants at gpt-oss-20b's real layer (90 exponent groups: the
+    # 512-wide gate|up steps split 3 ways end on a masked step): close to the reference, bit-stable,
+    # and a CUDA graph replays them to the same bits (the partial buffers are sized by shapes alone).
+    e, h, inter = 32, 2880, 2880
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+    q13 = torch.randint(0, 256, (e, 2 * inter, h // 2), dtype=torch.uint8, device=DEVICE, generator=g)
+    s13 = torch.randint(119, 124, (e, 2 * inter, h // 32), dtype=torch.uint8, device=DEVICE, generator=g)
+    q2 = torch.randint(0, 256, (e, h, inter // 2), dtype=torch.uint8, device=DEVICE, generator=g)
+    s2 = torch.randint(119, 124, (e, h, inter // 32), dtype=torch.uint8, device=DEVICE, generator=g)
+    b13 = torch.randn(e, 2 * inter, device=DEVICE, generator=g).bfloat16() * 0.1
+    b2 = torch.randn(e, h, device=DEVICE, generator=g).bfloat16() * 0.1
+    x = torch.randn(t, h, device=DEVICE, generator=g).bfloat16()
+    w, ids = torch.softmax(torch.randn(t, 4, device=DEVICE, generator=g), -1), torch.randperm(e, device=DEVICE)[:4]
+    ids = torch.stack([torch.roll(ids, i) for i in range(t)]).int()
+    ids[0, 1] = -1  # an expert held nowhere
+    act = SwigluOAI(1.702, 7.0)
+    cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
+               GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)
+    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg, path="decode")
+    out = fused_moe(x, q13, q2, w, ids, **kw)
+    ref = fused_moe_ref(x.float(), q13, q2, w, ids, w13_scale=s13, w2_scale=s2, w13_bias=b13.float(),
+                        w2_bias=b2.float(), activation=act)
+    assert rel_error(out, ref) < 1e-2
+    assert torch.equal(out, fused_moe(x, q13, q2, w, ids, **kw))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, q13, q2, w, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused_moe(x, q13, q2, w, ids, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+
+
+def test_decode_knobs_by_batch_size(monkeypatch):
+    # MXFP4_DECODE_KNOBS: the first entry whose largest T fits joins the default tiles; none = plain.
+    import pdserve.kernels.fused_moe as fm
+
+    plain = fm.moe_decode_config(4, 2880, mxfp4=True)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=1) == plain  # the table ships empty
+    monkeypatch.setattr(fm, "MXFP4_DECODE_KNOBS", ((1, dict(DOWN_SPLIT_K=3)), (8, dict(GU_X_NM=True))))
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=1) == dict(plain, DOWN_SPLIT_K=3)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=8) == dict(plain, GU_X_NM=True)
+    assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=9) == plain
+    assert fm.moe_decode_config(4, 2880, tokens=1) == fm.moe_decode_config(4, 2880)  # bf16: no knobs

@@ -7,7 +7,8 @@ subcommands one process each (a failed or killed one costs only its row):
   engine    one engine on cuda:0: bs=1 decode ms/step (CUDA graphs where the model has them) against
             the active-parameter roofline (bytes of every layer's attention, router and top-k
             experts, and lm_head, in the checkpoint's formats / the same run's copy bandwidth);
-            offline 1024-in/128-out output tok/s. Appends a JSON row to --rows.
+            offline 1024-in/128-out output tok/s. Appends a JSON row to --rows. --profile FILE:
+            the bs=1 steps' kernels by GPU time under torch.profiler, a markdown table.
   capacity  KV capacity at --prompt-len prompts in --kv-gib of KV memory: --requests such requests
             sent at once, stepped until the first one ends: how many were resident at once
             (prompt prefilled), and the KV tokens each held; once per window mode (window-aware
@@ -186,6 +187,11 @@ def cmd_engine(args) -> int:
             row["roofline_ms"] = 1e3 * parts["total"] / bw
             row["roofline_pct"] = 100 * row["roofline_ms"] / row["decode_ms"]
             log(f"{args.name}: bs=1 {row['decode_ms']:.2f} ms/step, roofline {row['roofline_ms']:.2f} ms")
+            if args.profile:  # the same bs=1 steps' kernels by GPU time (bench/engine.py's table)
+                from pdserve.bench.engine import profile_decode
+
+                row["gpu_ms"] = profile_decode(eng, prompt, args.profile, title=f"{args.name} bs=1 decode")
+                log(f"{args.name}: profile in {args.profile}, GPU kernels {row['gpu_ms']:.2f} ms/step")
             if args.num_prompts:
                 prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(args.input_len)]
                            for _ in range(args.num_prompts)]
@@ -405,6 +411,7 @@ def main(argv=None) -> int:
     e.add_argument("--num-prompts", type=int, default=64)
     e.add_argument("--input-len", type=int, default=1024)
     e.add_argument("--output-len", type=int, default=128)
+    e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     k = sub.add_parser("capacity")
     _engine_args(k)
     k.add_argument("--prompt-len", type=int, default=32768)

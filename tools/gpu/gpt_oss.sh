@@ -19,6 +19,8 @@
 #      TTFT, steady ITL, first gap after the first token                                          220
 #   d. gpt-oss-20b KV capacity at 32k-token prompts in 8 GiB of KV memory, window-aware release on
 #      and off (where this tree has --disable-hybrid-kv-cache-manager; else one mode, said)        110
+# ONLY="a c": only the steps of those letters (the configs step always runs). Step a also writes
+# profile_120b.md: one bs=1 decode step's kernels by GPU time (torch.profiler, bench/engine.py's table).
 # Files in $OUT: gpt_oss.md (the tables, the card and date), gpt_oss.json (every row, every step's
 # rc and seconds), rows.jsonl, steps.jsonl, env.txt, log.txt, moe_mxfp4.md, pd/ (stack logs, runs).
 set -u
@@ -34,6 +36,10 @@ rm -f "$ROWS" "$STEPS"
 gstep() {  # gstep NAME SECONDS COMMAND...: lib.sh's step, cut to the call's time left, its rc and time recorded
   local name=$1 limit=$2 t0 rc left
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ "$name" =~ ^([a-z])\. ]] && [[ " $ONLY " != *" ${BASH_REMATCH[1]} "* ]]; then
+    echo "=== $name: not in ONLY=$ONLY"
+    return 0
+  fi
   left=$(( CALL_S - ($(date +%s) - T0) - 15 ))
   if [ "$left" -lt 20 ]; then
     echo "=== $name: skipped, ${left}s left of the call"
@@ -70,7 +76,7 @@ main() {
   gstep "configs (published shapes, no weights)" 60 bash -c \
     "$PY $H config --size 120b --out $c120 && $PY $H config --size 20b --out $c20"
   gstep "a. 120b mxfp4 engine" 150 $PY "$H" engine --checkpoint $c120 --name gpt-oss-120b --rows "$ROWS" \
-    --num-prompts "${PROMPTS_120B:-32}"
+    --num-prompts "${PROMPTS_120B:-32}" --profile "$OUT/profile_120b.md"
   gstep "c. 20b mxfp4 engine" 90 $PY "$H" engine --checkpoint $c20 --name gpt-oss-20b --rows "$ROWS" \
     --num-prompts "${PROMPTS_20B:-64}"
   gstep "b. MoE op, MXFP4 vs bf16" 60 bash -c moe_mxfp4
@@ -83,4 +89,4 @@ main() {
 }
 main > "$OUT/log.txt" 2>&1
 grep "^===\|^\[gpt-oss\|^skipped\|Error\|^total" "$OUT/log.txt" | tail -n 60
-cat "$OUT/gpt_oss.md" "$OUT/moe_mxfp4.md" 2>/dev/null
+cat "$OUT/gpt_oss.md" "$OUT/moe_mxfp4.md" "$OUT/profile_120b.md" 2>/dev/null
