@@ -45,8 +45,11 @@ SORTED_SWEEP = [(16, 64, 128, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 64, 
                 (16, 128, 128, 4, 3, False)]
 
 
-# The decode path's configs for --decode-sweep: moe_decode_config's keys; "default" is its own.
+# The decode path's configs for --decode-sweep: moe_decode_config's keys; "default" is its own (k256's
+# tiles with x nibble-major and the down pass split in 2, since the H200 sweep of 2026-12-02), "plain"
+# the GEMVs before it (512-input gate|up steps, one down program per column strip).
 _TILES = dict(default=None,
+              plain=dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8),
               n8=dict(GU_BLOCK_N=8, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=8, DOWN_BLOCK_K=256, DOWN_WARPS=4,
                       GU_PREFETCH=True),
               k256=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4),
@@ -56,7 +59,7 @@ _TILES = dict(default=None,
 _SHORT = dict(GU_SPLIT_K="gu", DOWN_SPLIT_K="dn", GU_X_NM="xnm", GU_PREFETCH="pf", GU_BLOCK_N="gn",
               GU_WARPS="gw", DOWN_BLOCK_N="dn_n", DOWN_WARPS="dw")
 DECODE_VARIANTS = [
-    ("default", {}), ("n8", {}), ("k256", {}),
+    ("default", {}), ("plain", {}), ("n8", {}), ("k256", {}),
     ("default", dict(DOWN_SPLIT_K=1)), ("default", dict(DOWN_SPLIT_K=2)), ("default", dict(DOWN_SPLIT_K=3)),
     ("default", dict(DOWN_SPLIT_K=6)),
     ("default", dict(GU_X_NM=True)), ("default", dict(GU_X_NM=True, DOWN_SPLIT_K=2)),
