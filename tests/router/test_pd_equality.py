@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from tests.checkpoints import GPT_OSS_WINDOW
 from tests.helpers.metrics import metric
+from tests.helpers.processes import stop_together
 from tests.helpers.properties import live_settings
 from tests.router.conftest import Launcher
 from tests.net import free_port
@@ -109,9 +110,7 @@ def pd_stack(ckpt, t: str, prefill_args=(), decode_args=()):
         router = launcher.router("--prefill", p.url, "--decode", d.url)
         yield router.url, d.url
     finally:
-        launcher.stop_all()
-        p.stop()
-        d.stop()
+        stop_together([*(proc.popen for proc in launcher.procs), p.proc, d.proc])
 
 
 # ---- one answer, normalised --------------------------------------------------------------------
