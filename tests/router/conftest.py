@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.processes import stop, wait_healthy
+from tests.helpers.processes import stop, stop_together, wait_healthy
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,8 +104,7 @@ class Launcher:
         return proc
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        stop_together([p.popen for p in reversed(self.procs)], timeout_s=10)
 
 
 @pytest.fixture

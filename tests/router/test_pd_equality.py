@@ -1,8 +1,9 @@
 """The router's P/D path gives exactly what one worker gives, for every request shape.
 
-Real processes on a tiny random-weight checkpoint, for each KV transport (tcp, nixl): a
-prefill worker, a decode worker and the router in front. The single-worker reference is the
-decode worker called directly (no kv_transfer_params: it prefills locally). Each request goes
+Real processes on a tiny random-weight checkpoint, each model's stack on both KV transports
+(tcp, nixl; the request-shape tests' Llama stack on TCP: see `stack`): a prefill worker, a
+decode worker and the router in front. The single-worker reference is the decode worker called
+directly (no kv_transfer_params: it prefills locally). Each request goes
 to both and the answers must be equal: text, finish and stop reasons, token logprobs, usage,
 streamed or not. Greedy and seeded sampling only (an unseeded sample has nothing to equal).
 
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 
 from tests.checkpoints import GPT_OSS_WINDOW
 from tests.helpers.metrics import metric
+from tests.helpers.processes import stop_together
 from tests.helpers.properties import live_settings
 from tests.router.conftest import Launcher
 from tests.net import free_port
@@ -41,9 +43,15 @@ TEXTS = ["The capital of France is Paris.", "Hello", "One two three four five si
          "Tell me a story about a fox and a dog who became friends in the forest."]
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def stack(request, tiny_checkpoint):
-    with pd_stack(tiny_checkpoint("llama"), request.param) as urls:
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint):
+    """The request-shape tests' stack: TCP only. What they vary (prompt lists, echo, n, stop
+    strings, min_tokens, seeds, structured outputs, ids and headers) is the router's and the
+    engines' handling, the same whichever transport moves the KV; Llama's KV moves through
+    NIXL in test_kv_transfer.py and the fp8 stack, and the stacks below (MoE/MLA, gpt-oss, fp8, fp8 MLA) draw
+    random requests of every one of these shapes (`requests`) through both transports. A NIXL
+    copy of this stack cost CI about two minutes."""
+    with pd_stack(tiny_checkpoint("llama"), "tcp") as urls:
         yield urls
 
 
@@ -102,9 +110,7 @@ def pd_stack(ckpt, t: str, prefill_args=(), decode_args=()):
         router = launcher.router("--prefill", p.url, "--decode", d.url)
         yield router.url, d.url
     finally:
-        launcher.stop_all()
-        p.stop()
-        d.stop()
+        stop_together([*(proc.popen for proc in launcher.procs), p.proc, d.proc])
 
 
 # ---- one answer, normalised --------------------------------------------------------------------

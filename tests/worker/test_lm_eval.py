@@ -14,7 +14,7 @@ from tests.worker.test_server_harness import WorkerProcess
 lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (the dev extra)")
 
 # Dispatched with the slow modules, before the quick ones (tests/conftest.py):
-# a worker server and lm-eval's hf backend, ~30 s a test on CI.
+# a worker server and lm-eval's hf backend, each running both tasks once (~40 s on CI).
 pytestmark = pytest.mark.slow
 
 NAME = "tiny-lm-eval"
@@ -50,35 +50,46 @@ metric_list:
     return tmp_path
 
 
-def _loglikelihoods(model, task_dir) -> list[tuple[float, bool]]:
+def _results(model, task_dir) -> tuple[list[tuple[float, bool]], list[str]]:
+    """Both tasks in one evaluation: (per-choice (loglikelihood, is_greedy), generations), by doc."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(model=model, tasks=["pdserve_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
-                          log_samples=True, bootstrap_iters=0)
-    samples = sorted(out["samples"]["pdserve_tiny_mc"], key=lambda s: s["doc_id"])
-    return [tuple(r) for s in samples for r in s["filtered_resps"]]
+    out = simple_evaluate(model=model, tasks=["pdserve_tiny_mc", GEN_NAME],
+                          task_manager=TaskManager(include_path=str(task_dir)), log_samples=True, bootstrap_iters=0)
+
+    def samples(task: str) -> list[dict]:
+        return sorted(out["samples"][task], key=lambda s: s["doc_id"])
+
+    return ([tuple(r) for s in samples("pdserve_tiny_mc") for r in s["filtered_resps"]],
+            [s["resps"][0][0] for s in samples(GEN_NAME)])
 
 
+@pytest.fixture(scope="module")
+def hf_and_worker(tiny_checkpoint, tmp_path_factory):
+    """lm-eval's hf backend, then local-completions against one real worker, each running both
+    tasks once: (hf's results, the worker's). One worker and one evaluation per backend for the
+    module's tests (two of each cost CI ~35 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-def _hf_and_worker(ckpt: str, task_dir, run) -> tuple[list, list]:
-    """`run(lm, task_dir)` with lm-eval's hf backend, then with local-completions against a real worker."""
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+        ckpt = str(tiny_checkpoint("llama"))
+        task_dir = tmp_path_factory.mktemp("lm-eval-tasks")
+        _task_dir(task_dir), _gen_task_dir(task_dir)
+        want = _results(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
+        with WorkerProcess(ckpt, "--served-model-name", NAME, "--max-model-len", "256",
+                           "--kv-cache-memory", str(32 << 20)) as w:
+            api = LocalCompletionsAPI(base_url=f"{w.url}/v1/completions", model=NAME, tokenizer=ckpt,
+                                      tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
+                                      num_concurrent=1, max_retries=1)
+            yield want, _results(api, task_dir)
 
-    want = run(HFLM(pretrained=ckpt, device="cpu", dtype="float32", batch_size=1), task_dir)
-    with WorkerProcess(ckpt, "--served-model-name", NAME, "--max-model-len", "256",
-                       "--kv-cache-memory", str(32 << 20)) as w:
-        api = LocalCompletionsAPI(base_url=f"{w.url}/v1/completions", model=NAME, tokenizer=ckpt,
-                                  tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
-                                  num_concurrent=1, max_retries=1)
-        return want, run(api, task_dir)
 
-def test_local_completions_equals_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ckpt = str(tiny_checkpoint("llama"))
-    want, got = _hf_and_worker(ckpt, _task_dir(tmp_path), _loglikelihoods)
+def test_local_completions_equals_hf_backend(hf_and_worker):
+    (want, _), (got, _) = hf_and_worker
     assert len(got) == len(want) == sum(len(d["choices"]) for d in DOCS)
     worst = max(abs(g[0] - h[0]) for g, h in zip(got, want))
     print(f"lm-eval local-completions vs hf: max |loglikelihood difference| = {worst:.2e}, "
@@ -114,22 +125,9 @@ metric_list:
     return tmp_path
 
 
-def _generations(model, task_dir) -> list[str]:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    out = simple_evaluate(model=model, tasks=[GEN_NAME], task_manager=TaskManager(include_path=str(task_dir)),
-                          log_samples=True, bootstrap_iters=0)
-    samples = sorted(out["samples"][GEN_NAME], key=lambda s: s["doc_id"])
-    return [s["resps"][0][0] for s in samples]
-
-
-def test_local_completions_generations_equal_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
+def test_local_completions_generations_equal_hf_backend(hf_and_worker):
     """generate_until (greedy, stop strings, max_gen_toks): the worker's text equals HF generate's."""
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ckpt = str(tiny_checkpoint("llama"))
-    want, got = _hf_and_worker(ckpt, _gen_task_dir(tmp_path), _generations)
+    (_, want), (_, got) = hf_and_worker
     print(f"lm-eval generate_until local-completions vs hf: {sum(g == h for g, h in zip(got, want))}/{len(want)} equal")
     assert len(got) == len(want) == len(DOCS)
     assert all(w for w in want)  # something was generated: an empty string would equal trivially
