@@ -64,5 +64,9 @@ def pack_model(net: nn.Module) -> None:
     if head is not None and head.weight.dtype == torch.bfloat16:
         net.packed_head = pack(head.weight)
         nbytes += head.weight.numel() * 2
-    log.info("packed %d linear weights and the lm_head for oneDNN (%.0f MiB) in %.2fs", n, nbytes / 2**20,
-             time.perf_counter() - t)
+    log.info(
+        "packed %d linear weights and the lm_head for oneDNN (%.0f MiB) in %.2fs",
+        n,
+        nbytes / 2**20,
+        time.perf_counter() - t,
+    )
