@@ -3,12 +3,13 @@
     python tools/cpu_serving_ab.py --base /work/main --change . --out /tmp/ab [--rounds 2]
 
 Each tree's own `.venv/bin/pdserve worker --device cpu --dtype bfloat16` serves the default model
-(SmolLM2-135M-Instruct); both start once (start-to-ready timed, alternating), then every
+(SmolLM2-135M-Instruct); both start once, one after the other (each ready on /health), then every
 workload runs `pdserve bench serve` (256-token prompts, 128 out, completions, `ignore_eos`)
 against base, change, base, change, ... For each run it records, besides the client's ITL /
 TTFT / output tok/s, the worker's CPU time (user + sys of the process and its children, psutil)
 per output token: the number least moved by other work on a shared machine. Prints a markdown
-table and writes every run's JSON under --out.
+table and writes every run's JSON under --out. `--starts N` only times N alternating starts, each
+worker alone.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def wait_ready(port: int, proc: subprocess.Popen, limit: float = 300.0) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"worker on :{port} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--starts", type=int, default=0, help="only time N alternating starts of each worker")
     ap.add_argument("--base-env", default="", help="KEY=VALUE,... set for the base worker only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -135,6 +137,16 @@ def main() -> int:
     for kv in filter(None, args.base_env.split(",")):
         key, _, value = kv.partition("=")
         envs["base"][key] = value
+    if args.starts:  # start-to-ready only: each tree's worker started alone, alternating, then stopped
+        times = {k: [] for k in trees}
+        for _ in range(args.starts):
+            for k in trees:
+                proc, secs = start(trees[k], ports[k], os.path.join(args.out, f"{k}-start.log"), envs[k])
+                times[k].append(round(secs, 2))
+                proc.terminate()
+                proc.wait(30)
+        print(f"start to ready (s): {times}")
+        return 0
     procs, starts = {}, {}
     try:
         for k in trees:
