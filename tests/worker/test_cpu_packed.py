@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.worker.models import cpu_packed
+from pdserve.worker.parallel.layers import ParallelLinear
 from pdserve.worker.request.sampling_params import SamplingParams
 from tests.helpers.engines import make_engine
 
@@ -26,12 +27,13 @@ def test_packed_linear_equals_f_linear(rows):
     assert torch.equal(cpu_packed.packed_linear(x, packed, bias), F.linear(x, w, bias))
 
 
-def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek-v3", "gpt-oss"])
+def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch, arch):
     """A bf16 engine packs its linears and its (tied or not) head; the greedy tokens are those of
     the plain weights, prefill and decode, and nothing is left unpacked that should be."""
     prompts = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    ckpt = tiny_checkpoint("llama")
+    ckpt = tiny_checkpoint(arch)
     monkeypatch.setenv(cpu_packed.ENV, "0")
     plain = make_engine(ckpt, dtype="bfloat16")
     assert plain.runner.model.packed_head is None
@@ -40,7 +42,6 @@ def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch):
     engine = make_engine(ckpt, dtype="bfloat16")
     model = engine.runner.model
     assert model.packed_head is not None
-    assert all(
-        layer.self_attn.qkv_proj.weight.is_mkldnn and layer.mlp.down_proj.weight.is_mkldnn for layer in model.layers
-    )
+    linears = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    assert linears and all(m.packed and m.weight.is_mkldnn for m in linears)
     assert engine.generate(prompts, greedy) == expected
