@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.worker.attention.kv_cache import KVCache
 
@@ -94,6 +94,6 @@ class CpuAttentionBackend(PagedBackend):
     """The CPU engine's: the reference's math in fewer, larger ops (kernels/cpu_attention.py)."""
 
     name = "cpu"
-    write = staticmethod(kv_cache_write_ref)
+    write = staticmethod(kv_cache_write_cpu)
     decode = staticmethod(paged_decode_attention_cpu)
     prefill = staticmethod(paged_prefill_attention_cpu)
