@@ -20,7 +20,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.reference import FP8_KV_DTYPE, paged_prefill_attention_ref, softmax_with_sinks
+from pdserve.kernels.reference import (
+    FP8_KV_DTYPE,
+    kv_cache_write_ref,
+    paged_prefill_attention_ref,
+    quantize_kv,
+    softmax_with_sinks,
+)
+
+
+def kv_cache_write_cpu(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int; -1 = skip
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """= kv_cache_write_ref. When no row is skipped (every decode step), the rows are written as
+    they are: the reference's boolean mask costs three `nonzero` passes per layer."""
+    slots = slot_mapping.long()
+    if slots.numel() == 0 or int(slots.min()) < 0:
+        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = quantize_kv(key, k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv(value, v_cache.dtype, v_scale)
 
 
 def _gathered(cache: torch.Tensor, blocks: torch.Tensor, B: int, scale: torch.Tensor | None) -> torch.Tensor:

@@ -1,15 +1,16 @@
 """The CPU engine's paged attention (kernels/cpu_attention.py) = the torch references, for every
 option the references take: GQA groups, ragged contexts, chunks after cached tokens, sliding
-windows, sinks, an fp8 cache's scales, fp32 and bf16."""
+windows, sinks, an fp8 cache's scales, fp32 and bf16; the KV write with and without skipped rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import (
     FP8_KV_DTYPE,
+    kv_cache_write_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     quantize_kv,
@@ -73,3 +74,17 @@ def test_prefill_matches_reference(dtype, hq, hkv, window, sinks, fp8):
     out = paged_prefill_attention_cpu(*args, sinks=s, window=window)
     ref = paged_prefill_attention_ref(*args, sinks=s, window=window)
     assert out.dtype == ref.dtype and rel_error(out, ref) < TOL[q.dtype]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("slots", [[5, 17, 0, 63], [5, -1, 22, -1], [-1], []])
+def test_kv_write_matches_reference(fp8, slots):
+    """Rows to every slot (a decode step), some skipped (-1: the reference's masked path), none."""
+    k_cache, v_cache, (ks, vs) = _cache(torch.bfloat16, 2, 8, fp8)  # strided views, as the engine's
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    key, value = torch.randn(2, len(slots), 2, 8).bfloat16().unbind(0)
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    kv_cache_write_cpu(key, value, k_cache, v_cache, mapping, ks, vs)
+    kv_cache_write_ref(key, value, k_ref, v_ref, mapping, ks, vs)
+    for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))

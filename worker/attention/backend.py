@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from pdserve.kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.worker.attention.kv_cache import KVCache
 
@@ -67,6 +67,9 @@ class PagedBackend:
         ks, vs = self.kv_cache.layer_scales(layer)
         type(self).write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         nd = meta.num_decode_tokens
+        if nd and nd == q.shape[0]:  # decode only (every CPU decode step): the kernel's output is the result
+            return type(self).decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                     ks, vs, sinks=sinks, window=window)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = type(self).decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
@@ -91,6 +94,6 @@ class CpuAttentionBackend(PagedBackend):
     """The CPU engine's: the reference's math in fewer, larger ops (kernels/cpu_attention.py)."""
 
     name = "cpu"
-    write = staticmethod(kv_cache_write_ref)
+    write = staticmethod(kv_cache_write_cpu)
     decode = staticmethod(paged_decode_attention_cpu)
     prefill = staticmethod(paged_prefill_attention_cpu)

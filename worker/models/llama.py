@@ -30,6 +30,7 @@ from pdserve.kernels.reference import (
 )
 from pdserve.worker.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.worker.config.model import ModelConfig
+from pdserve.worker.models.cpu_packed import packed_linear
 from pdserve.worker.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -360,6 +361,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    packed_head = None  # the output projection in oneDNN's packed layout (CPU bf16: models/cpu_packed.py)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):
         """`cfg`: the full model's config; `shard`: this rank's part (None: the whole model, TP = 1)."""
         super().__init__()
@@ -418,6 +421,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """Hidden rows -> fp32 logits of the full vocabulary (gathered to rank 0 under TP; None
         on the other ranks)."""
+        if self.packed_head is not None and self.shard.size == 1:
+            return packed_linear(h, self.packed_head, None).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return logits(h, w, self.shard)
 

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.kernels.mxfp4 import FP4_MAX, SCALE_BIAS
 from pdserve.worker.config.model import ModelConfig
+from pdserve.worker.models import cpu_packed
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, back
         torch.cuda.empty_cache()
     net.eval()
     nbytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    if cpu_packed.wanted(device, dtype):
+        cpu_packed.pack_model(net)
     what = "weights" if shard is None else f"weights, shard {shard.rank}/{shard.size}"
     if quant is not None:
         what += f", {quant.describe}"

@@ -59,6 +59,7 @@ class ParallelLinear(nn.Linear):
     quant = None
     part_ids: tuple = (None,)  # shard_id of each fused part, in order
     lora = None  # the adapters' term added to the output (worker/lora/layer.py LoRALinear), when served
+    packed = False  # the weight is oneDNN's packed layout (CPU bf16: worker/models/cpu_packed.py)
 
     def _init_quant(self, quant) -> None:
         self.quant = quant
@@ -83,7 +84,10 @@ class ParallelLinear(nn.Linear):
         return True
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        else:
+            out = F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
         if self.lora is not None:
             out = self.lora(x, out)
         return out
