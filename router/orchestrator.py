@@ -444,7 +444,8 @@ class Orchestrator:
                 pin.abandon(self.up)
             count()
 
-        return SSEResponse(counting(), on_close=closed)
+        # The relay ends right after its [DONE] (the worker's body ends): both in one write.
+        return SSEResponse(counting(), on_close=closed, hold_done=True)
 
 
 def _yes(flag: bool) -> str:
