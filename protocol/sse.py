@@ -30,31 +30,40 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None, hold_done: bool = False):
+                 headers: dict[str, str] | None = None, coalesce: bool = False):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`).
 
-        `hold_done`: a chunk that ends with `[DONE]` goes out with the body's end (one write for
-        both, not two: each is a syscall and, on loopback, the peer's receive too) once the
-        iterator is over, or on its own if the iterator yields anything more. For iterators that
-        end right after their `[DONE]` (a relay does, when the worker's body ends)."""
+        `coalesce`: fewer writes (each is a syscall and, on loopback, the peer's receive too).
+        The head is sent with the first chunk, not before it (with held_head.py's transport, one
+        write for both); a chunk that ends with `[DONE]` is sent with the body's end, once the
+        iterator is over (or on its own if the iterator yields anything more). For iterators
+        that yield soon and end right after their `[DONE]`: a relay of a worker's stream."""
         super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
         self.on_close = on_close
-        self.hold_done = hold_done
+        self.coalesce = coalesce
 
     async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        if not self.coalesce:
+            await send(start)
+            start = None
         held = b""
         async for chunk in self.body_iterator:
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
+            if self.coalesce and chunk.endswith(DONE) and not held:
+                held = chunk
+                continue
+            if start is not None:
+                await send(start)
+                start = None
             if held:
                 await send({"type": "http.response.body", "body": held, "more_body": True})
                 held = b""
-            if self.hold_done and chunk.endswith(DONE):
-                held = chunk
-                continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if start is not None:
+            await send(start)
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -444,8 +444,8 @@ class Orchestrator:
                 pin.abandon(self.up)
             count()
 
-        # The relay ends right after its [DONE] (the worker's body ends): both in one write.
-        return SSEResponse(counting(), on_close=closed, hold_done=True)
+        # A relay yields soon and ends right after its [DONE] (the worker's body ends).
+        return SSEResponse(counting(), on_close=closed, coalesce=True)
 
 
 def _yes(flag: bool) -> str:

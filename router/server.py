@@ -23,7 +23,7 @@ def serve(config: RouterConfig, sockets: list | None = None) -> None:
                                            # rewrite per request
                                            proxy_headers=False,
                                            **ClientLimits(config.header_timeout_s, config.keep_alive_s,
-                                                          config.max_client_connections).uvicorn_options()))
+                                                          config.max_client_connections).uvicorn_options(hold_head=True)))
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
     # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
     # a graceful stop exits 0 like the workers do.
