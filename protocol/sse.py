@@ -85,9 +85,9 @@ class SSEResponse(StreamingResponse):
                 await self.stream_response(send)
             except asyncio.CancelledError:
                 # Ours unless someone else also cancelled this task: then theirs goes on.
-                if not gone or task.uncancel() > 0:
+                ours, gone = gone, False  # delivered: nothing left to absorb below
+                if not ours or task.uncancel() > 0:
                     raise
-                gone = False  # delivered and absorbed
             except OSError:  # a write to a closed socket is a disconnect
                 pass
         finally:
