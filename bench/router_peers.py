@@ -73,11 +73,14 @@ def _argv(name: str, port: int, prefill: int | None, decode: int, args) -> tuple
         if name == "baseline":
             env["PYTHONPATH"] = os.path.abspath(args.baseline_src)
         return argv, env
-    # sglang-router's console script wants a subcommand; its module is the plain launcher.
+    # sglang-router's console script wants a subcommand; its module is the plain launcher, run by
+    # the interpreter of the environment it is installed in (its script's, when that is on PATH),
+    # isolated (-I): run from this repository's root, its `operator` package would shadow the stdlib's.
+    script = shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
     exe = (
-        [sys.executable, "-m", "sglang_router.launch_router"]
+        [os.path.join(os.path.dirname(script), "python"), "-I", "-m", "sglang_router.launch_router"]
         if name == "sglang-router"
-        else [shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)]
+        else [script]
     )
     argv = [
         *exe,

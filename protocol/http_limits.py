@@ -20,9 +20,12 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pdserve.protocol.held_head import HeldHead
+
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
+    hold_head: bool = False  # each response's head goes out with its body's first write (held_head.py)
 
     def _arm(self) -> None:
         self._disarm()
@@ -50,6 +53,8 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        if self.hold_head:  # the cycle just made (its task has not run yet)
+            self.cycle.transport = HeldHead(self.transport, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -67,6 +72,7 @@ class ClientLimits:
         if self.header_timeout_s <= 0 or self.keep_alive_s <= 0 or self.max_connections < 1:
             raise ValueError("header timeout and keep-alive must be > 0 and max connections >= 1")
 
-    def uvicorn_options(self) -> dict:
-        protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,), {"header_timeout_s": self.header_timeout_s})
+    def uvicorn_options(self, hold_head: bool = False) -> dict:
+        protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,),
+                        {"header_timeout_s": self.header_timeout_s, "hold_head": hold_head})
         return {"http": protocol, "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.max_connections}

@@ -30,29 +30,79 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, coalesce: bool = False):
         """`on_close` runs once the response is over, however it ended, even if the iterator
-        never started (a generator closed before its first step runs no `finally`)."""
+        never started (a generator closed before its first step runs no `finally`).
+
+        `coalesce`: fewer writes (each is a syscall and, on loopback, the peer's receive too).
+        The head is sent with the first chunk, not before it (with held_head.py's transport, one
+        write for both); a chunk that ends with `[DONE]` is sent with the body's end, once the
+        iterator is over (or on its own if the iterator yields anything more). For iterators
+        that yield soon and end right after their `[DONE]`: a relay of a worker's stream."""
         super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
         self.on_close = on_close
+        self.coalesce = coalesce
+
+    async def stream_response(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        if not self.coalesce:
+            await send(start)
+            start = None
+        held = b""
+        async for chunk in self.body_iterator:
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            if self.coalesce and chunk.endswith(DONE) and not held:
+                held = chunk
+                continue
+            if start is not None:
+                await send(start)
+                start = None
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+                held = b""
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if start is not None:
+            await send(start)
+        await send({"type": "http.response.body", "body": held, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = asyncio.ensure_future(self.stream_response(send))
+        # The body is written in this task; a listener cancels it when the client leaves (a
+        # writer task and an asyncio.wait per stream cost the event loop more).
+        task = asyncio.current_task()
+        gone = False
+
+        def on_disconnect(listener: asyncio.Task) -> None:
+            nonlocal gone
+            if not listener.cancelled() and listener.exception() is None:
+                gone = True
+                task.cancel()
+
         listener = asyncio.ensure_future(wait_for_disconnect(receive))
+        listener.add_done_callback(on_disconnect)
         try:
-            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (writer, listener):
-                t.cancel()
-            await asyncio.gather(writer, listener, return_exceptions=True)
             try:
+                await self.stream_response(send)
+            except asyncio.CancelledError:
+                # Ours unless someone else also cancelled this task: then theirs goes on.
+                ours, gone = gone, False  # delivered: nothing left to absorb below
+                if not ours or task.uncancel() > 0:
+                    raise
+            except OSError:  # a write to a closed socket is a disconnect
+                pass
+        finally:
+            listener.remove_done_callback(on_disconnect)
+            listener.cancel()
+            try:
+                if gone and task.uncancel() == 0:  # the client left as the body ended: absorb it
+                    try:
+                        await asyncio.sleep(0)
+                    except asyncio.CancelledError:
+                        pass
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 if self.on_close is not None:
                     self.on_close()
-        if writer.done() and not writer.cancelled() and writer.exception() is not None:
-            if not isinstance(writer.exception(), OSError):  # a write to a closed socket is a disconnect
-                raise writer.exception()
 
 
 def when_over(response: Response, fn: Callable[[], None]) -> None:

@@ -444,7 +444,8 @@ class Orchestrator:
                 pin.abandon(self.up)
             count()
 
-        return SSEResponse(counting(), on_close=closed)
+        # A relay yields soon and ends right after its [DONE] (the worker's body ends).
+        return SSEResponse(counting(), on_close=closed, coalesce=True)
 
 
 def _yes(flag: bool) -> str:

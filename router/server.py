@@ -19,8 +19,11 @@ def serve(config: RouterConfig, sockets: list | None = None) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
                                            log_level=config.log_level, access_log=False, loop="auto",
+                                           # the client's address is never read: no X-Forwarded-For
+                                           # rewrite per request
+                                           proxy_headers=False,
                                            **ClientLimits(config.header_timeout_s, config.keep_alive_s,
-                                                          config.max_client_connections).uvicorn_options()))
+                                                          config.max_client_connections).uvicorn_options(hold_head=True)))
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, so the process would die
     # "by the signal" (-15) after a clean drain; the handlers it restores ignore that replay, so
     # a graceful stop exits 0 like the workers do.
