@@ -4,6 +4,12 @@ one gathered matrix-vector product per token, the adapter picked by the token's 
   shrink: p[s, t] = x[t, Ks] @ A[slot[t]][Ks]   x [T, K], A [S, K, R] -> partials [P, T, R] fp32
   expand: y[t] += (sum_s p[s, t]) @ B[slot[t]]  B [S, R, N], y [T, N] in place
 
+A packed projection (q | k | v, gate | up: one input, its parts' outputs side by side) is one
+shrink and one expand for all its parts: A holds the parts' A matrices side by side ([S, K,
+parts * R]: one shrink gives every part's product), and the expand takes the column where each
+part ends (`ends`): part i's output columns take product columns [i * R, (i + 1) * R) through
+their own R rows of B, so B is [S, R, N] whatever the parts (no block-diagonal zeros to read).
+
 The shrink is split along K: at decode sizes (T = 1..64, R = 16..48) a program per token would
 walk all of K (4096, or 14336 for Llama-8B's down_proj) alone, latency-bound on one SM for tens
 of microseconds, so each program takes one K_PER_SPLIT slice and writes its partial product. The
@@ -54,10 +60,29 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_
 
 
 @triton.jit
-def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, stride_yt, stride_us, stride_ut, stride_bs,
-                        stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product, summed here (tl.sum over
-    # a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program and every batch).
+def _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, u_col, lo, hi, stride_us, stride_ut, stride_br,
+                  BLOCK_R: tl.constexpr):
+    # One slice's term: y columns [lo, hi) take the product's columns [u_col, u_col + R) through
+    # their own R rows of B (masked outside [lo, hi): other slices' columns read nothing here).
+    cols = (n >= lo) & (n < hi)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        parts = tl.load(u_ptr + p[:, None] * stride_us + t * stride_ut + u_col + r[None, :],
+                        mask=(p[:, None] < P) & (r[None, :] < r_live), other=0.0)
+        uv = tl.sum(parts, axis=0)
+        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & cols[None, :],
+                     other=0.0).to(tl.float32)
+        acc += tl.sum(uv[:, None] * bv, axis=0)
+    return acc
+
+
+@triton.jit
+def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, END0, END1, stride_yt, stride_us, stride_ut,
+                        stride_bs, stride_br, SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product [P, T, SLICES * R],
+    # summed here (tl.sum over a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program
+    # and every batch). Slices 0, 1, 2 own y's columns [0, END0), [END0, END1), [END1, N).
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.arange(0, BLOCK_P)
@@ -65,14 +90,14 @@ def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, stride_yt, stri
     r_live = tl.where(slot >= 0, R, 0)  # slot -1: nothing summed, nothing stored
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        parts = tl.load(u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :],
-                        mask=(p[:, None] < P) & (r[None, :] < r_live), other=0.0)
-        uv = tl.sum(parts, axis=0)
-        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :],
-                     mask=(r[:, None] < r_live) & (n[None, :] < N), other=0.0).to(tl.float32)
-        acc += tl.sum(uv[:, None] * bv, axis=0)
+    acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, 0, 0, END0, stride_us, stride_ut, stride_br,
+                        BLOCK_R)
+    if SLICES >= 2:
+        acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, R, END0, END1, stride_us, stride_ut,
+                            stride_br, BLOCK_R)
+    if SLICES >= 3:
+        acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, 2 * R, END1, N, stride_us, stride_ut,
+                            stride_br, BLOCK_R)
     out = y_ptr + t * stride_yt + n
     keep = n < tl.where(slot >= 0, N, 0)
     y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -116,23 +141,43 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     return parts[0].clone() if parts.shape[0] == 1 else parts.sum(0)
 
 
-def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+MAX_SLICES = 3  # q | k | v: the most parts one LoRA linear fuses
+
+
+def slice_bounds(fn: str, ends, n: int) -> tuple[int, int, int]:
+    """(slices, END0, END1) of the kernels' arguments for a packed output whose parts end at
+    `ends` (cumulative column ends, the last = n); None: one slice, the whole output."""
+    ends = [n] if ends is None else [int(e) for e in ends]
+    if not 1 <= len(ends) <= MAX_SLICES or ends[-1] != n or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ValueError(f"{fn}: slice ends {ends} must rise from above 0 to the output's {n} columns, "
+                         f"at most {MAX_SLICES} of them")
+    padded = ends + [n] * (MAX_SLICES - len(ends))
+    return len(ends), padded[0], padded[1]
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                ends=None) -> torch.Tensor:
     """Triton version of reference.lora_expand_ref (in place on y; returns y). `u`: the product
-    [T, R] fp32, or lora_shrink_partials' [P, T, R] (summed here)."""
+    [T, slices * R] fp32, or lora_shrink_partials' [P, T, slices * R] (summed here). `ends`: the
+    column where each slice of a packed output (q | k | v) ends; slice i adds its R product
+    columns through b's rows [0, R) of its own columns (b [S, R, N]). None: one slice."""
     check_tensor("lora_expand", "y", y, (None, None), FLOAT_DTYPES)
+    t, (_, r, n) = y.shape[0], b.shape
+    slices, end0, end1 = slice_bounds("lora_expand", ends, n)
     parts = u if u.dim() == 3 else u.unsqueeze(0)
-    check_tensor("lora_expand", "u", parts, (None, y.shape[0], b.shape[1]), (torch.float32,))
-    _check("lora_expand", parts[0], b, slots, b.shape[1])
-    if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
-        raise ValueError(f"lora_expand: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
-    t, (_, r, n), splits = y.shape[0], b.shape, parts.shape[0]
+    check_tensor("lora_expand", "u", parts, (None, t, slices * r), (torch.float32,))
+    _check("lora_expand", parts[0], b, slots, slices * r)
+    if y.shape[1] != n or y.stride(-1) != 1:
+        raise ValueError(f"lora_expand: y must be [T, {n}] and contiguous in its last dimension")
+    splits = parts.shape[0]
     if t == 0 or n == 0:
         return y
     block_n = min(triton.next_power_of_2(n), 128)
     block_p = triton.next_power_of_2(splits)
     # The partials' tile [BLOCK_P, BLOCK_R] stays near 1024 values: 56 partials of rank 16 at Llama-8B's down_proj.
     block_r = max(1, min(triton.next_power_of_2(min(r, 64)), max(1, 1024 // block_p)))
-    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, r, splits, y.stride(0), parts.stride(0),
-                                                      parts.stride(1), b.stride(0), b.stride(1), BLOCK_N=block_n,
-                                                      BLOCK_R=block_r, BLOCK_P=block_p)
+    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, r, splits, end0, end1, y.stride(0),
+                                                      parts.stride(0), parts.stride(1), b.stride(0), b.stride(1),
+                                                      SLICES=slices, BLOCK_N=block_n, BLOCK_R=block_r,
+                                                      BLOCK_P=block_p)
     return y

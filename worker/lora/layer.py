@@ -2,13 +2,14 @@
 
 A fused linear (qkv_proj = q | k | v, gate_up_proj = gate | up) holds one adapter matrix pair
 per part: the parts' A matrices side by side (x is shared: one shrink gives every part's
-rank-R product) and their B matrices block-diagonal (part i's R columns of the product only
-reach part i's output rows), so a fused linear still costs one shrink and one expand:
+rank-R product), and each output column's own R rows of B (part i's columns only ever take
+product columns [i * R, (i + 1) * R): the expand is told where each part's columns end), so a
+fused linear costs one shrink and one expand, 8 launches a decoder layer (qkv, o, gate_up, down):
 
-    a: [slots, in, parts * R]     b: [slots, parts * R, out]     (R = --max-lora-rank)
+    a: [slots, in, parts * R]     b: [slots, R, out]     (R = --max-lora-rank)
 
-An adapter of rank r < R fills the first r columns of its part, zeros elsewhere; a part the
-adapter does not adapt stays zero. The scale is folded into B (adapter.py).
+An adapter of rank r < R fills the first r columns of its part in A and the first r rows of B,
+zeros elsewhere; a part the adapter does not adapt stays zero. The scale is folded into B (adapter.py).
 
 Tensor parallelism: the matrices are sharded like the base layer's weight, with its own
 coordinates (parallel/layers.py rows_of / cols_of). A column-parallel layer (qkv, gate_up)
@@ -39,9 +40,12 @@ from pdserve.worker.lora.adapter import LoRAAdapter
 
 @dataclass(frozen=True)
 class LoRAOps:
-    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32, or [P, T, R] partials by K slice
-    expand: Callable  # (y [T, N], u (shrink's), b [S, R, N], slots [T]) -> y, in place
-    # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len)
+    shrink: Callable  # (x [T, K], a [S, K, W], slots [T]) -> [T, W] fp32, or [P, T, W] partials by K slice
+    # (y [T, N], u (shrink's), b [S, R, N], slots [T], ends) -> y, in place; ends: where each of
+    # the W // R parts' output columns end (None: one part)
+    expand: Callable
+    # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len,
+    # ends)
     shrink_sgmv: Callable
     expand_sgmv: Callable
 
@@ -125,9 +129,15 @@ class LoRALinear:
         self.layer, self.parts, self.max_rank = layer, parts, max_rank
         self.rows = [base.rows_of(p.shard_id) for p in parts]  # (first out row here, in the checkpoint, count)
         self.cols = base.cols_of()  # row-parallel: (first input column in the checkpoint, count)
-        width = len(parts) * max_rank
-        self.a = torch.zeros(max_loras, base.in_features, width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device)
+        # A packed output's parts, by the column each ends at (None: one part, the whole output):
+        # the base layer lays them out in order, side by side (part i is the expand's slice i).
+        ends = [dst + n for dst, _, n in self.rows]
+        if [dst for dst, _, _ in self.rows] != [0, *ends[:-1]] or ends[-1] != base.out_features:
+            raise ValueError(f"LoRA: layer {layer}'s parts {[p.module for p in parts]} are not side by side in "
+                             f"order in the base output (rows {self.rows})")
+        self.ends = tuple(ends) if len(parts) > 1 else None
+        self.a = torch.zeros(max_loras, base.in_features, len(parts) * max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, base.out_features, dtype=dtype, device=device)
         self.ops, self.ctx = ops, ctx
 
     def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -149,17 +159,17 @@ class LoRALinear:
                 la = la[:, first:first + count]
             r, c = la.shape[0], i * self.max_rank
             a[:, c:c + r].copy_(la.t(), non_blocking=True)
-            b[c:c + r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
+            b[:r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if not self.ctx.active:
             return out
         if self.ctx.segments is not None:
             u = self.ops.shrink_sgmv(x, self.a, *self.ctx.segments)
-            return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments)
+            return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments, self.ends)
         slots = self.ctx.slots[:x.shape[0]]
         u = self.ops.shrink(x, self.a, slots)
-        return self.ops.expand(out, u, self.b, slots)
+        return self.ops.expand(out, u, self.b, slots, self.ends)
 
 
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int, ops: LoRAOps,
