@@ -314,6 +314,10 @@ def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
     A step of base-model tokens only, eager or a decode graph's, launches no LoRA kernel."""
     assert segments_of([0] * 10 + [-1] * 6 + [1] * 9) == ([0, 10, 16, 25], [0, -1, 1], 10)
     assert segments_of([0, 1, 0, 1]) is None and segments_of([]) is None
+    # q | k | v and gate | up are packed: one shrink and one expand each, 8 launches a decoder layer.
+    assert [[p.module for p in lin.parts] for lin in engine.lora.layers[:4]] == [
+        ["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert engine.lora.layers[0].ends is not None and engine.lora.layers[1].ends is None
     ops = engine.lora.layers[0].ops
     calls = Counter()
 
