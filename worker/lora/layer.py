@@ -29,6 +29,7 @@ ones (BGMV), which stay for decodes and every captured step.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -83,11 +84,18 @@ def segments_of(slots: list[int]) -> tuple[list[int], list[int], int] | None:
     return starts, seg_slots, max(e - b for b, e in zip(starts, starts[1:]))
 
 
+# PDSERVE_LORA_FORK_SHRINK=1: each BGMV shrink runs on a second CUDA stream beside its base
+# GEMM (it needs only x), the expand joining after the GEMM; a captured decode graph then holds
+# the two as parallel branches, so the shrinks' launches can hide behind the GEMMs. Off until
+# `pdserve bench lora --kernels` (its third table) shows it pays on the card.
+FORK_SHRINK = os.environ.get("PDSERVE_LORA_FORK_SHRINK", "0") == "1"
+
+
 class LoRAContext:
     """The step's slot per token, shared by every LoRA layer of the model, and its segments when
     the step runs SGMV: (starts [G + 1], seg_slots [G] on the device, the longest run)."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device, fork_shrink: bool | None = None):
         # No adapter anywhere: what a forward without a plan of its own reads (the memory profile).
         self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.slots = self.idle
@@ -99,6 +107,9 @@ class LoRAContext:
         # (module, attribute, value) of the small-batch GEMV switches attach_lora turned off (the
         # fused GEMVs never materialize the normed input a LoRA term needs); base_model turns them back on.
         self.gemv_switches: list[tuple[object, str, bool]] = []
+        # The stream the shrinks fork onto (fork_shrink, CUDA only; None: every LoRA kernel in line).
+        fork_shrink = FORK_SHRINK if fork_shrink is None else fork_shrink
+        self.side = torch.cuda.Stream(device) if fork_shrink and device.type == "cuda" else None
 
     @contextlib.contextmanager
     def base_model(self):
@@ -161,14 +172,33 @@ class LoRALinear:
             a[:, c:c + r].copy_(la.t(), non_blocking=True)
             b[:r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def fork(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Called before the base GEMM: the BGMV shrink of x started on the context's side stream
+        (LoRAContext.side), or None (no side stream, no adapter this step, or SGMV's segments)."""
+        side = self.ctx.side
+        if side is None or not self.ctx.active or self.ctx.segments is not None:
+            return None
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            # The partials are allocated on the side stream and read on the main one: their block
+            # is only reused by a later shrink on the side stream, which forks after this
+            # expand was queued (wait_stream above), so no record_stream is needed.
+            return self.ops.shrink(x, self.a, self.ctx.slots[:x.shape[0]])
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, forked: torch.Tensor | None = None) -> torch.Tensor:
+        """out += x's LoRA term; `forked`: fork(x)'s shrink, joined here (after the base GEMM)."""
         if not self.ctx.active:
             return out
         if self.ctx.segments is not None:
             u = self.ops.shrink_sgmv(x, self.a, *self.ctx.segments)
             return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments, self.ends)
         slots = self.ctx.slots[:x.shape[0]]
-        u = self.ops.shrink(x, self.a, slots)
+        if forked is not None:
+            torch.cuda.current_stream(x.device).wait_stream(self.ctx.side)
+            u = forked
+        else:
+            u = self.ops.shrink(x, self.a, slots)
         return self.ops.expand(out, u, self.b, slots, self.ends)
 
 
