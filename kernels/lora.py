@@ -60,29 +60,15 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_
 
 
 @triton.jit
-def _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, u_col, lo, hi, stride_us, stride_ut, stride_br,
-                  BLOCK_R: tl.constexpr):
-    # One slice's term: y columns [lo, hi) take the product's columns [u_col, u_col + R) through
-    # their own R rows of B (masked outside [lo, hi): other slices' columns read nothing here).
-    cols = (n >= lo) & (n < hi)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        parts = tl.load(u_ptr + p[:, None] * stride_us + t * stride_ut + u_col + r[None, :],
-                        mask=(p[:, None] < P) & (r[None, :] < r_live), other=0.0)
-        uv = tl.sum(parts, axis=0)
-        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & cols[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(uv[:, None] * bv, axis=0)
-    return acc
-
-
-@triton.jit
-def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, END0, END1, stride_yt, stride_us, stride_ut,
-                        stride_bs, stride_br, SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_P: tl.constexpr):
+def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, P, END0, END1, stride_yt, stride_us, stride_ut,
+                        stride_bs, stride_br, R: tl.constexpr, SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product [P, T, SLICES * R],
     # summed here (tl.sum over a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program
-    # and every batch). Slices 0, 1, 2 own y's columns [0, END0), [END0, END1), [END1, N).
+    # and every batch). Slices 0, 1, 2 own y's columns [0, END0), [END0, END1), [END1, N): a
+    # column multiplies its own slice's product by its B rows. R is a constexpr so that the
+    # loops unroll and every load (B once, each slice's partials) is issued before the math:
+    # at decode sizes this kernel is a few memory round trips long, not a bandwidth bound.
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.arange(0, BLOCK_P)
@@ -90,14 +76,23 @@ def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, END0, END1, str
     r_live = tl.where(slot >= 0, R, 0)  # slot -1: nothing summed, nothing stored
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, 0, 0, END0, stride_us, stride_ut, stride_br,
-                        BLOCK_R)
-    if SLICES >= 2:
-        acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, R, END0, END1, stride_us, stride_ut,
-                            stride_br, BLOCK_R)
-    if SLICES >= 3:
-        acc = _expand_slice(acc, u_ptr, b_base, t, n, p, R, P, r_live, 2 * R, END1, N, stride_us, stride_ut,
-                            stride_br, BLOCK_R)
+    for r0 in tl.static_range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        rows = u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :]
+        live = (p[:, None] < P) & (r[None, :] < r_live)
+        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
+                     other=0.0).to(tl.float32)
+        u0 = tl.load(rows, mask=live, other=0.0)
+        if SLICES >= 2:
+            u1 = tl.load(rows + R, mask=live, other=0.0)
+        if SLICES >= 3:
+            u2 = tl.load(rows + 2 * R, mask=live, other=0.0)
+        own = tl.sum(u0, axis=0)[:, None]  # [BLOCK_R, 1], then per column its slice's
+        if SLICES >= 2:
+            own = tl.where(n[None, :] >= END0, tl.sum(u1, axis=0)[:, None], own)
+        if SLICES >= 3:
+            own = tl.where(n[None, :] >= END1, tl.sum(u2, axis=0)[:, None], own)
+        acc += tl.sum(own * bv, axis=0)
     out = y_ptr + t * stride_yt + n
     keep = n < tl.where(slot >= 0, N, 0)
     y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -176,8 +171,8 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.
     block_p = triton.next_power_of_2(splits)
     # The partials' tile [BLOCK_P, BLOCK_R] stays near 1024 values: 56 partials of rank 16 at Llama-8B's down_proj.
     block_r = max(1, min(triton.next_power_of_2(min(r, 64)), max(1, 1024 // block_p)))
-    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, r, splits, end0, end1, y.stride(0),
+    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, splits, end0, end1, y.stride(0),
                                                       parts.stride(0), parts.stride(1), b.stride(0), b.stride(1),
-                                                      SLICES=slices, BLOCK_N=block_n, BLOCK_R=block_r,
+                                                      R=r, SLICES=slices, BLOCK_N=block_n, BLOCK_R=block_r,
                                                       BLOCK_P=block_p)
     return y

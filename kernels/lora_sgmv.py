@@ -74,21 +74,14 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, p_ptr, K, R, R_
 
 
 @triton.jit
-def _sgmv_expand_slice(acc, u_ptr, b_base, m, rows, n, R, P, r_live, u_col, lo, hi, stride_us, stride_ut, stride_br,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    # One slice's term: y columns [lo, hi) take the product's columns [u_col, u_col + R) through
-    # their own R rows of B (masked outside [lo, hi): other slices' columns read nothing here).
-    cols = (n >= lo) & (n < hi)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        uv = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for p in range(0, P):
-            uv += tl.load(u_ptr + p * stride_us + m[:, None] * stride_ut + u_col + r[None, :],
-                          mask=rows[:, None] & (r[None, :] < r_live), other=0.0)
-        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & cols[None, :],
-                     other=0.0).to(tl.float32)
-        acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
-    return acc
+def _sgmv_rows_product(u_ptr, m, rows, r, P, u_col, r_live, stride_us, stride_ut, BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    # Rows m's product columns [u_col + r]: their P partials summed in order 0..P-1.
+    uv = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for p in range(0, P):
+        uv += tl.load(u_ptr + p * stride_us + m[:, None] * stride_ut + u_col + r[None, :],
+                      mask=rows[:, None] & (r[None, :] < r_live), other=0.0)
+    return uv
 
 
 @triton.jit
@@ -97,20 +90,29 @@ def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P,
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)). u: P partials of the rows' product
     # [P, T, SLICES * R], summed here in order 0..P-1 (the same in every program). Slices 0, 1, 2
-    # own y's columns [0, END0), [END0, END1), [END1, N), as in lora.py's expand.
+    # own y's columns [0, END0), [END0, END1), [END1, N), as in lora.py's expand: B's tile is
+    # read once, and each slice's product multiplies the tile's columns of that slice (the
+    # others zeroed in registers).
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_live = tl.where(slot >= 0, R, 0)
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _sgmv_expand_slice(acc, u_ptr, b_base, m, rows, n, R, P, r_live, 0, 0, END0, stride_us, stride_ut,
-                             stride_br, BLOCK_M, BLOCK_R, PRECISION)
-    if SLICES >= 2:
-        acc = _sgmv_expand_slice(acc, u_ptr, b_base, m, rows, n, R, P, r_live, R, END0, END1, stride_us, stride_ut,
-                                 stride_br, BLOCK_M, BLOCK_R, PRECISION)
-    if SLICES >= 3:
-        acc = _sgmv_expand_slice(acc, u_ptr, b_base, m, rows, n, R, P, r_live, 2 * R, END1, N, stride_us,
-                                 stride_ut, stride_br, BLOCK_M, BLOCK_R, PRECISION)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
+                     other=0.0).to(tl.float32)
+        uv = _sgmv_rows_product(u_ptr, m, rows, r, P, 0, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+        if SLICES == 1:
+            acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(uv, tl.where(n[None, :] < END0, bv, 0.0), acc, input_precision=PRECISION)
+            uv = _sgmv_rows_product(u_ptr, m, rows, r, P, R, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+            acc = tl.dot(uv, tl.where((n[None, :] >= END0) & (n[None, :] < END1), bv, 0.0), acc,
+                         input_precision=PRECISION)
+        if SLICES >= 3:
+            uv = _sgmv_rows_product(u_ptr, m, rows, r, P, 2 * R, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+            acc = tl.dot(uv, tl.where(n[None, :] >= END1, bv, 0.0), acc, input_precision=PRECISION)
     out = y_ptr + m[:, None] * stride_yt + n[None, :]
     keep = rows[:, None] & (n[None, :] < tl.where(slot >= 0, N, 0))  # a base segment: nothing stored
     y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
