@@ -25,6 +25,8 @@ References: reference.lora_shrink_ref / lora_expand_ref.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,8 +35,9 @@ from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
 # K columns one shrink program reads: Llama-8B's 4096 makes 16 programs per token, 14336 makes 56
 # (a few microseconds each), and the expand's sum of P partials stays one small tile. The split
-# depends on K alone, never on T: batch invariance.
-K_PER_SPLIT = 256
+# depends on K alone, never on T: batch invariance. PDSERVE_LORA_K_PER_SPLIT overrides it for a
+# whole engine (a measurement; `pdserve bench lora --kernels` sweeps it without one).
+K_PER_SPLIT = int(os.environ.get("PDSERVE_LORA_K_PER_SPLIT", "256"))
 
 
 @triton.jit
@@ -110,10 +113,13 @@ def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor
 
 
 def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                         k_per_split: int = K_PER_SPLIT) -> torch.Tensor:
+                         k_per_split: int | None = None) -> torch.Tensor:
     """x [T, K] @ a[slots] by K slice -> partials [cdiv(K, k_per_split), T, R] fp32, which
     lora_expand takes as they are (what the LoRA layers run: no separate reduction).
-    `k_per_split` >= K: one program per token walks all of K (bench/lora_kernels.py's baseline)."""
+    `k_per_split` (default K_PER_SPLIT) >= K: one program per token walks all of K."""
+    k_per_split = K_PER_SPLIT if k_per_split is None else k_per_split
+    if k_per_split < 1:
+        raise ValueError(f"lora_shrink: k_per_split (PDSERVE_LORA_K_PER_SPLIT) must be >= 1, got {k_per_split}")
     check_tensor("lora_shrink", "x", x, (None, None), FLOAT_DTYPES)
     _check("lora_shrink", x, a, slots, a.shape[1])
     t, (_, k, r) = x.shape[0], a.shape
