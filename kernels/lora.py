@@ -4,6 +4,12 @@ one gathered matrix-vector product per token, the adapter picked by the token's 
   shrink: p[s, t] = x[t, Ks] @ A[slot[t]][Ks]   x [T, K], A [S, K, R] -> partials [P, T, R] fp32
   expand: y[t] += (sum_s p[s, t]) @ B[slot[t]]  B [S, R, N], y [T, N] in place
 
+A packed projection (q | k | v, gate | up: one input, its parts' outputs side by side) is one
+shrink and one expand for all its parts: A holds the parts' A matrices side by side ([S, K,
+parts * R]: one shrink gives every part's product), and the expand takes the column where each
+part ends (`ends`): part i's output columns take product columns [i * R, (i + 1) * R) through
+their own R rows of B, so B is [S, R, N] whatever the parts (no block-diagonal zeros to read).
+
 The shrink is split along K: at decode sizes (T = 1..64, R = 16..48) a program per token would
 walk all of K (4096, or 14336 for Llama-8B's down_proj) alone, latency-bound on one SM for tens
 of microseconds, so each program takes one K_PER_SPLIT slice and writes its partial product. The
@@ -19,6 +25,8 @@ References: reference.lora_shrink_ref / lora_expand_ref.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,8 +35,9 @@ from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
 # K columns one shrink program reads: Llama-8B's 4096 makes 16 programs per token, 14336 makes 56
 # (a few microseconds each), and the expand's sum of P partials stays one small tile. The split
-# depends on K alone, never on T: batch invariance.
-K_PER_SPLIT = 256
+# depends on K alone, never on T: batch invariance. PDSERVE_LORA_K_PER_SPLIT overrides it for a
+# whole engine (a measurement; `pdserve bench lora --kernels` sweeps it without one).
+K_PER_SPLIT = int(os.environ.get("PDSERVE_LORA_K_PER_SPLIT", "256"))
 
 
 @triton.jit
@@ -54,10 +63,15 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_
 
 
 @triton.jit
-def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, stride_yt, stride_us, stride_ut, stride_bs,
-                        stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product, summed here (tl.sum over
-    # a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program and every batch).
+def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, P, END0, END1, stride_yt, stride_us, stride_ut,
+                        stride_bs, stride_br, R: tl.constexpr, SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product [P, T, SLICES * R],
+    # summed here (tl.sum over a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program
+    # and every batch). Slices 0, 1, 2 own y's columns [0, END0), [END0, END1), [END1, N): a
+    # column multiplies its own slice's product by its B rows. R is a constexpr so that the
+    # loops unroll and every load (B once, each slice's partials) is issued before the math:
+    # at decode sizes this kernel is a few memory round trips long, not a bandwidth bound.
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.arange(0, BLOCK_P)
@@ -65,14 +79,23 @@ def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, R, P, stride_yt, stri
     r_live = tl.where(slot >= 0, R, 0)  # slot -1: nothing summed, nothing stored
     b_base = b_ptr + tl.maximum(slot, 0) * stride_bs
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in tl.static_range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        parts = tl.load(u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :],
-                        mask=(p[:, None] < P) & (r[None, :] < r_live), other=0.0)
-        uv = tl.sum(parts, axis=0)
-        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :],
-                     mask=(r[:, None] < r_live) & (n[None, :] < N), other=0.0).to(tl.float32)
-        acc += tl.sum(uv[:, None] * bv, axis=0)
+        rows = u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :]
+        live = (p[:, None] < P) & (r[None, :] < r_live)
+        bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
+                     other=0.0).to(tl.float32)
+        u0 = tl.load(rows, mask=live, other=0.0)
+        if SLICES >= 2:
+            u1 = tl.load(rows + R, mask=live, other=0.0)
+        if SLICES >= 3:
+            u2 = tl.load(rows + 2 * R, mask=live, other=0.0)
+        own = tl.sum(u0, axis=0)[:, None]  # [BLOCK_R, 1], then per column its slice's
+        if SLICES >= 2:
+            own = tl.where(n[None, :] >= END0, tl.sum(u1, axis=0)[:, None], own)
+        if SLICES >= 3:
+            own = tl.where(n[None, :] >= END1, tl.sum(u2, axis=0)[:, None], own)
+        acc += tl.sum(own * bv, axis=0)
     out = y_ptr + t * stride_yt + n
     keep = n < tl.where(slot >= 0, N, 0)
     y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -90,10 +113,13 @@ def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor
 
 
 def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                         k_per_split: int = K_PER_SPLIT) -> torch.Tensor:
+                         k_per_split: int | None = None) -> torch.Tensor:
     """x [T, K] @ a[slots] by K slice -> partials [cdiv(K, k_per_split), T, R] fp32, which
     lora_expand takes as they are (what the LoRA layers run: no separate reduction).
-    `k_per_split` >= K: one program per token walks all of K (bench/lora_kernels.py's baseline)."""
+    `k_per_split` (default K_PER_SPLIT) >= K: one program per token walks all of K."""
+    k_per_split = K_PER_SPLIT if k_per_split is None else k_per_split
+    if k_per_split < 1:
+        raise ValueError(f"lora_shrink: k_per_split (PDSERVE_LORA_K_PER_SPLIT) must be >= 1, got {k_per_split}")
     check_tensor("lora_shrink", "x", x, (None, None), FLOAT_DTYPES)
     _check("lora_shrink", x, a, slots, a.shape[1])
     t, (_, k, r) = x.shape[0], a.shape
@@ -116,23 +142,43 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     return parts[0].clone() if parts.shape[0] == 1 else parts.sum(0)
 
 
-def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+MAX_SLICES = 3  # q | k | v: the most parts one LoRA linear fuses
+
+
+def slice_bounds(fn: str, ends, n: int) -> tuple[int, int, int]:
+    """(slices, END0, END1) of the kernels' arguments for a packed output whose parts end at
+    `ends` (cumulative column ends, the last = n); None: one slice, the whole output."""
+    ends = [n] if ends is None else [int(e) for e in ends]
+    if not 1 <= len(ends) <= MAX_SLICES or ends[-1] != n or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ValueError(f"{fn}: slice ends {ends} must rise from above 0 to the output's {n} columns, "
+                         f"at most {MAX_SLICES} of them")
+    padded = ends + [n] * (MAX_SLICES - len(ends))
+    return len(ends), padded[0], padded[1]
+
+
+def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                ends=None) -> torch.Tensor:
     """Triton version of reference.lora_expand_ref (in place on y; returns y). `u`: the product
-    [T, R] fp32, or lora_shrink_partials' [P, T, R] (summed here)."""
+    [T, slices * R] fp32, or lora_shrink_partials' [P, T, slices * R] (summed here). `ends`: the
+    column where each slice of a packed output (q | k | v) ends; slice i adds its R product
+    columns through b's rows [0, R) of its own columns (b [S, R, N]). None: one slice."""
     check_tensor("lora_expand", "y", y, (None, None), FLOAT_DTYPES)
+    t, (_, r, n) = y.shape[0], b.shape
+    slices, end0, end1 = slice_bounds("lora_expand", ends, n)
     parts = u if u.dim() == 3 else u.unsqueeze(0)
-    check_tensor("lora_expand", "u", parts, (None, y.shape[0], b.shape[1]), (torch.float32,))
-    _check("lora_expand", parts[0], b, slots, b.shape[1])
-    if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
-        raise ValueError(f"lora_expand: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
-    t, (_, r, n), splits = y.shape[0], b.shape, parts.shape[0]
+    check_tensor("lora_expand", "u", parts, (None, t, slices * r), (torch.float32,))
+    _check("lora_expand", parts[0], b, slots, slices * r)
+    if y.shape[1] != n or y.stride(-1) != 1:
+        raise ValueError(f"lora_expand: y must be [T, {n}] and contiguous in its last dimension")
+    splits = parts.shape[0]
     if t == 0 or n == 0:
         return y
     block_n = min(triton.next_power_of_2(n), 128)
     block_p = triton.next_power_of_2(splits)
     # The partials' tile [BLOCK_P, BLOCK_R] stays near 1024 values: 56 partials of rank 16 at Llama-8B's down_proj.
     block_r = max(1, min(triton.next_power_of_2(min(r, 64)), max(1, 1024 // block_p)))
-    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, r, splits, y.stride(0), parts.stride(0),
-                                                      parts.stride(1), b.stride(0), b.stride(1), BLOCK_N=block_n,
-                                                      BLOCK_R=block_r, BLOCK_P=block_p)
+    _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, splits, end0, end1, y.stride(0),
+                                                      parts.stride(0), parts.stride(1), b.stride(0), b.stride(1),
+                                                      R=r, SLICES=slices, BLOCK_N=block_n, BLOCK_R=block_r,
+                                                      BLOCK_P=block_p)
     return y

@@ -7,6 +7,7 @@ B once, as a small matrix product, instead of once per token as lora.py's BGMV k
   shrink:   u[t] = x[t] @ A[slot[g]]       for starts[g] <= t < starts[g + 1]; x [T, K] -> u [T, R] fp32
             (by K slice: partials [P, T, R] whose sum is u)
   expand:   y[t] += u[t] @ B[slot[g]]      u (or its partials), B [S, R, N], y [T, N] in place
+            (a packed output's parts by `ends`, as lora.py's expand: one launch for q | k | v)
 
 A base segment's rows get zeros from shrink and are left alone by expand, as in BGMV. The grid
 has a dimension of `max_len` (the longest segment) row tiles: the step's segments are built on
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from pdserve.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32,
                                     dot_precision)
+from pdserve.kernels.lora import slice_bounds
 
 # Rows of a segment one program multiplies: tl.dot wants >= 16 on every side. fp32 models
 # multiply in full fp32 (launch.dot_precision), bf16/fp16 ones on the tensor cores, the fp32
@@ -72,11 +74,25 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, p_ptr, K, R, R_
 
 
 @triton.jit
-def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P, stride_yt, stride_us, stride_ut,
-                        stride_bs, stride_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)). u: P partials of the rows' product,
-    # summed here in order 0..P-1 (the same in every program).
+def _sgmv_rows_product(u_ptr, m, rows, r, P, u_col, r_live, stride_us, stride_ut, BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    # Rows m's product columns [u_col + r]: their P partials summed in order 0..P-1.
+    uv = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for p in range(0, P):
+        uv += tl.load(u_ptr + p * stride_us + m[:, None] * stride_ut + u_col + r[None, :],
+                      mask=rows[:, None] & (r[None, :] < r_live), other=0.0)
+    return uv
+
+
+@triton.jit
+def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P, END0, END1, stride_yt, stride_us,
+                        stride_ut, stride_bs, stride_br, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)). u: P partials of the rows' product
+    # [P, T, SLICES * R], summed here in order 0..P-1 (the same in every program). Slices 0, 1, 2
+    # own y's columns [0, END0), [END0, END1), [END1, N), as in lora.py's expand: B's tile is
+    # read once, and each slice's product multiplies the tile's columns of that slice (the
+    # others zeroed in registers).
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_live = tl.where(slot >= 0, R, 0)
@@ -84,13 +100,19 @@ def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        uv = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for p in range(0, P):
-            uv += tl.load(u_ptr + p * stride_us + m[:, None] * stride_ut + r[None, :],
-                          mask=rows[:, None] & (r[None, :] < r_live), other=0.0)
         bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
                      other=0.0).to(tl.float32)
-        acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
+        uv = _sgmv_rows_product(u_ptr, m, rows, r, P, 0, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+        if SLICES == 1:
+            acc = tl.dot(uv, bv, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(uv, tl.where(n[None, :] < END0, bv, 0.0), acc, input_precision=PRECISION)
+            uv = _sgmv_rows_product(u_ptr, m, rows, r, P, R, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+            acc = tl.dot(uv, tl.where((n[None, :] >= END0) & (n[None, :] < END1), bv, 0.0), acc,
+                         input_precision=PRECISION)
+        if SLICES >= 3:
+            uv = _sgmv_rows_product(u_ptr, m, rows, r, P, 2 * R, r_live, stride_us, stride_ut, BLOCK_M, BLOCK_R)
+            acc = tl.dot(uv, tl.where(n[None, :] >= END1, bv, 0.0), acc, input_precision=PRECISION)
     out = y_ptr + m[:, None] * stride_yt + n[None, :]
     keep = rows[:, None] & (n[None, :] < tl.where(slot >= 0, N, 0))  # a base segment: nothing stored
     y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
@@ -139,22 +161,24 @@ def lora_shrink_sgmv(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor, seg
 
 
 def lora_expand_sgmv(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
-                     seg_slots: torch.Tensor, max_len: int) -> torch.Tensor:
+                     seg_slots: torch.Tensor, max_len: int, ends=None) -> torch.Tensor:
     """Triton version of reference.lora_expand_sgmv_ref (in place on y; returns y). `u`: the
-    product [T, R] fp32, or lora_shrink_sgmv_partials' [P, T, R] (summed here)."""
+    product [T, slices * R] fp32, or lora_shrink_sgmv_partials' [P, T, slices * R] (summed
+    here); `ends`: where each slice of a packed output ends, as lora.lora_expand's."""
     check_tensor("lora_expand_sgmv", "y", y, (None, None), FLOAT_DTYPES)
-    parts = u if u.dim() == 3 else u.unsqueeze(0)
-    check_tensor("lora_expand_sgmv", "u", parts, (None, y.shape[0], b.shape[1]), (torch.float32,))
-    _check("lora_expand_sgmv", parts[0], b, starts, seg_slots, b.shape[1])
-    if y.shape[1] != b.shape[2] or y.stride(-1) != 1:
-        raise ValueError(f"lora_expand_sgmv: y must be [T, {b.shape[2]}] and contiguous in its last dimension")
     t, (_, r, n), g = y.shape[0], b.shape, seg_slots.shape[0]
+    slices, end0, end1 = slice_bounds("lora_expand_sgmv", ends, n)
+    parts = u if u.dim() == 3 else u.unsqueeze(0)
+    check_tensor("lora_expand_sgmv", "u", parts, (None, t, slices * r), (torch.float32,))
+    _check("lora_expand_sgmv", parts[0], b, starts, seg_slots, slices * r)
+    if y.shape[1] != n or y.stride(-1) != 1:
+        raise ValueError(f"lora_expand_sgmv: y must be [T, {n}] and contiguous in its last dimension")
     if t == 0 or n == 0 or g == 0 or max_len <= 0:
         return y
     block_n = max(16, min(triton.next_power_of_2(n), 64))
     block_r = max(16, triton.next_power_of_2(min(r, 64)))
     grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(n, block_n))
-    _sgmv_expand_kernel[grid](y, parts, b, starts, seg_slots, n, r, parts.shape[0], y.stride(0), parts.stride(0),
-                              parts.stride(1), b.stride(0), b.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                              BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
+    _sgmv_expand_kernel[grid](y, parts, b, starts, seg_slots, n, r, parts.shape[0], end0, end1, y.stride(0),
+                              parts.stride(0), parts.stride(1), b.stride(0), b.stride(1), SLICES=slices,
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
     return y

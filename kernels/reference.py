@@ -641,14 +641,32 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> to
     return own * (slots >= 0).unsqueeze(1)
 
 
-def lora_expand_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y [T, N] += u [T, R] @ b[slots[t]] (b [S, R, N]) in place, summed in fp32 and rounded once
-    into y's dtype; rows of slot -1 are left as they are. Returns y."""
-    t, (s, r, n) = y.shape[0], b.shape
-    onehot = F.one_hot(slots.clamp(min=0).long(), s).float() * (slots >= 0).unsqueeze(1)  # [T, S]
-    spread = (onehot.unsqueeze(-1) * u.float().unsqueeze(1)).reshape(t, s * r)
-    y.copy_((y.float() + spread @ b.float().reshape(s * r, n)).to(y.dtype))
+def _by_slice(expand, y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, ends) -> torch.Tensor:
+    """A packed output's expand (kernels/lora.py): slice i's columns [ends[i-1], ends[i]) take
+    u's columns [i * R, (i + 1) * R) through b's rows [0, R) of those columns. `expand(y, u, b)`
+    adds one slice (y and b views of its columns)."""
+    if ends is None:
+        return expand(y, u, b)
+    r = b.shape[1]
+    for i, (lo, hi) in enumerate(zip([0, *ends], ends)):
+        expand(y[:, lo:hi], u[..., i * r:(i + 1) * r], b[:, :, lo:hi])
     return y
+
+
+def lora_expand_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                    ends=None) -> torch.Tensor:
+    """y [T, N] += u [T, R] @ b[slots[t]] (b [S, R, N]) in place, summed in fp32 and rounded once
+    into y's dtype; rows of slot -1 are left as they are. Returns y. `ends`: a packed output's
+    slices (u [T, slices * R]; see _by_slice)."""
+
+    def one(y, u, b):
+        t, (s, r, n) = y.shape[0], b.shape
+        onehot = F.one_hot(slots.clamp(min=0).long(), s).float() * (slots >= 0).unsqueeze(1)  # [T, S]
+        spread = (onehot.unsqueeze(-1) * u.float().unsqueeze(1)).reshape(t, s * r)
+        y.copy_((y.float() + spread @ b.float().reshape(s * r, n)).to(y.dtype))
+        return y
+
+    return _by_slice(one, y, u, b, ends)
 
 
 # The same two halves by segment (kernels/lora_sgmv.py): runs of tokens that share one adapter,
@@ -669,12 +687,16 @@ def lora_shrink_sgmv_ref(x: torch.Tensor, a: torch.Tensor, starts: torch.Tensor,
 
 
 def lora_expand_sgmv_ref(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: torch.Tensor,
-                         seg_slots: torch.Tensor, max_len: int = 0) -> torch.Tensor:
+                         seg_slots: torch.Tensor, max_len: int = 0, ends=None) -> torch.Tensor:
     """y [T, N] += u [T, R] @ b[slot of t's segment] in place, summed in fp32 and rounded once into
-    y's dtype; base segments' rows left as they are. Returns y."""
+    y's dtype; base segments' rows left as they are. Returns y. `ends`: as lora_expand_ref's."""
     bounds = starts.tolist()
-    for g, slot in enumerate(seg_slots.tolist()):
-        s, e = bounds[g], bounds[g + 1]
-        if slot >= 0 and e > s:
-            y[s:e] = (y[s:e].float() + u[s:e].float() @ b[slot].float()).to(y.dtype)
-    return y
+
+    def one(y, u, b):
+        for g, slot in enumerate(seg_slots.tolist()):
+            s, e = bounds[g], bounds[g + 1]
+            if slot >= 0 and e > s:
+                y[s:e] = (y[s:e].float() + u[s:e].float() @ b[slot].float()).to(y.dtype)
+        return y
+
+    return _by_slice(one, y, u, b, ends)

@@ -71,3 +71,34 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     o, r = out.double().cpu(), ref.double().cpu()
     return ((o - r).norm() / r.norm()).item()
 
+
+
+def lora_packed(widths: list[int], ranks: list[int], max_rank: int, k: int, dtype, g: torch.Generator):
+    """A packed LoRA linear's stacks as worker/lora/layer.py fills them: parts of `widths` output
+    columns (q | k | v: k and v narrower under GQA), slot s an adapter of rank ranks[s] <= max_rank
+    (zeros past it). Returns (a [S, K, parts * R], b [S, R, N], ends, per_part) where per_part[s][i]
+    is part i's own (A [K, r], B [r, width]) of slot s: the unfused math to compare against."""
+    ends = torch.tensor(widths).cumsum(0).tolist()
+    a = torch.zeros(len(ranks), k, len(widths) * max_rank)
+    b = torch.zeros(len(ranks), max_rank, ends[-1])
+    per_part = []
+    for s, r in enumerate(ranks):
+        mine = []
+        for i, (lo, hi) in enumerate(zip([0, *ends], ends)):
+            pa = torch.randn(k, r, generator=g).to(dtype).float()
+            pb = torch.randn(r, hi - lo, generator=g).to(dtype).float()
+            a[s, :, i * max_rank:i * max_rank + r] = pa
+            b[s, :r, lo:hi] = pb
+            mine.append((pa, pb))
+        per_part.append(mine)
+    return a.to(dtype).to(DEVICE), b.to(dtype).to(DEVICE), ends, per_part
+
+
+def lora_unfused(x: torch.Tensor, y0: torch.Tensor, slots: list[int], ends: list[int], per_part) -> torch.Tensor:
+    """y0 + each part's own x @ A @ B per token, in fp32 (slot -1: y0's row as it is)."""
+    y = y0.float().clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            for (lo, hi), (pa, pb) in zip(zip([0, *ends], ends), per_part[s]):
+                y[t, lo:hi] += (x[t].float().cpu() @ pa @ pb).to(y.device)
+    return y

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kernels.lora_sgmv import K_PER_SPLIT, lora_expand_sgmv, lora_shrink_sgmv, lora_shrink_sgmv_partials
 from pdserve.kernels.reference import lora_expand_ref, lora_expand_sgmv_ref, lora_shrink_ref, lora_shrink_sgmv_ref
-from tests.kernels.kernel_inputs import DEVICE, ON_GPU
+from tests.kernels.kernel_inputs import DEVICE, ON_GPU, lora_packed, lora_unfused
 
 
 def segments(lengths: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +67,30 @@ def test_split_shrink_partials_feed_the_expand():
     assert torch.equal(y[per_token < 0], y0[per_token < 0])
 
 
+def test_packed_parts_by_segment():
+    """SGMV's one expand for all parts of a packed linear (q | k | v of GQA widths, adapters of
+    ranks below the slots' width): each part's columns get its own x @ A @ B, as BGMV's (fp32:
+    the tolerance is tight; bf16 runs the same code at another dot precision)."""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(4)
+    widths, k, max_rank, ranks = [48, 16, 24], K_PER_SPLIT + 40, 16, [16, 4, 7]
+    a, b, ends, per_part = lora_packed(widths, ranks, max_rank, k, dtype, g)
+    lengths, slots_of = [18, 5, 0, 9], [2, -1, 1, 0]
+    starts, seg_slots, per_token = segments(lengths, slots_of)
+    t = sum(lengths)
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    y0 = torch.randn(t, ends[-1], generator=g).to(dtype).to(DEVICE)
+    parts = lora_shrink_sgmv_partials(x, a, starts, seg_slots, max(lengths))
+    y = lora_expand_sgmv(y0.clone(), parts, b, starts, seg_slots, max(lengths), ends)
+    u_ref = lora_shrink_sgmv_ref(x, a, starts, seg_slots)
+    y_ref = lora_expand_sgmv_ref(y0.clone(), u_ref, b, starts, seg_slots, ends=ends)
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=1.0)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(y_ref, lora_expand_ref(y0.clone(), u_ref, b, per_token, ends), **tol)
+    torch.testing.assert_close(y.float(), lora_unfused(x, y0, per_token.tolist(), ends, per_part), **tol)
+    assert torch.equal(y[per_token < 0], y0[per_token < 0])
+
+
 def test_the_launchers_check_the_segments():
     x, a = torch.zeros(4, 16, device=DEVICE), torch.zeros(2, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="starts has shape"):
@@ -83,9 +107,10 @@ def test_llama_8b_prefill_sizes_on_the_gpu():
     t = sum(lengths)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
     a = torch.randn(s, k, r, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    b = torch.randn(s, r, n, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    b = torch.randn(s, r // 3, n, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     u = lora_shrink_sgmv(x, a, starts, seg_slots, max(lengths))
     torch.testing.assert_close(u, lora_shrink_ref(x, a, per_token), rtol=1e-3, atol=1e-3)
     y0 = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    torch.testing.assert_close(lora_expand_sgmv(y0.clone(), u, b, starts, seg_slots, max(lengths)),
-                               lora_expand_ref(y0.clone(), u, b, per_token), rtol=1e-2, atol=1e-2)
+    ends = [4096, 5120, 6144]  # q | k | v (8 KV heads of 128)
+    torch.testing.assert_close(lora_expand_sgmv(y0.clone(), u, b, starts, seg_slots, max(lengths), ends),
+                               lora_expand_ref(y0.clone(), u, b, per_token, ends), rtol=1e-2, atol=1e-2)

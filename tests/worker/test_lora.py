@@ -290,11 +290,15 @@ def test_tensor_parallel_shards_adapters_like_their_layers(adapters):
 
 @pytest.mark.skipif(not ON_GPU, reason="tier 4: under the interpreter this takes ~30 s of CI's CPU; the kernels "
                                         "are held to their references in tests/kernels/test_lora.py")
-def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
+@pytest.mark.parametrize("fork_shrink", [False, True])
+def test_triton_kernels_in_the_model_and_decode_graphs(adapters, fork_shrink, monkeypatch):
     """The Triton backend, compiled, decode steps replayed from captured CUDA graphs, runs the
     shrink/expand kernels (the prefill's 23-token runs by segment, SGMV; the decodes by token,
-    BGMV): the base and an adapter in one batch still equal the merged models."""
+    BGMV): the base and an adapter in one batch still equal the merged models; also with the
+    shrinks forked onto a second stream (PDSERVE_LORA_FORK_SHRINK: branches of the graphs)."""
+    from pdserve.worker.lora import layer
 
+    monkeypatch.setattr(layer, "FORK_SHRINK", fork_shrink)
     base, paths = adapters
     engine = device_engine(base, attention_backend="triton", static_decode=True, enable_lora=True,
                            lora_modules=(f"a={paths['a']}",), max_num_seqs=4)
@@ -306,6 +310,7 @@ def test_triton_kernels_in_the_model_and_decode_graphs(adapters):
     # The base model alone replays the graphs captured without LoRA (its GEMV paths back on).
     assert engine.generate([PROMPTS[1]], few, [None]) == [expected(adapters, None, PROMPTS[1])[:4]]
     assert engine.runner.graphs.num_base_replays > 0
+    assert (engine.lora.ctx.side is not None) == fork_shrink
 
 
 def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
@@ -314,6 +319,10 @@ def test_prefills_run_by_segment_and_decodes_by_token(adapters, engine):
     A step of base-model tokens only, eager or a decode graph's, launches no LoRA kernel."""
     assert segments_of([0] * 10 + [-1] * 6 + [1] * 9) == ([0, 10, 16, 25], [0, -1, 1], 10)
     assert segments_of([0, 1, 0, 1]) is None and segments_of([]) is None
+    # q | k | v and gate | up are packed: one shrink and one expand each, 8 launches a decoder layer.
+    assert [[p.module for p in lin.parts] for lin in engine.lora.layers[:4]] == [
+        ["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert engine.lora.layers[0].ends is not None and engine.lora.layers[1].ends is None
     ops = engine.lora.layers[0].ops
     calls = Counter()
 

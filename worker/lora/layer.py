@@ -2,13 +2,14 @@
 
 A fused linear (qkv_proj = q | k | v, gate_up_proj = gate | up) holds one adapter matrix pair
 per part: the parts' A matrices side by side (x is shared: one shrink gives every part's
-rank-R product) and their B matrices block-diagonal (part i's R columns of the product only
-reach part i's output rows), so a fused linear still costs one shrink and one expand:
+rank-R product), and each output column's own R rows of B (part i's columns only ever take
+product columns [i * R, (i + 1) * R): the expand is told where each part's columns end), so a
+fused linear costs one shrink and one expand, 8 launches a decoder layer (qkv, o, gate_up, down):
 
-    a: [slots, in, parts * R]     b: [slots, parts * R, out]     (R = --max-lora-rank)
+    a: [slots, in, parts * R]     b: [slots, R, out]     (R = --max-lora-rank)
 
-An adapter of rank r < R fills the first r columns of its part, zeros elsewhere; a part the
-adapter does not adapt stays zero. The scale is folded into B (adapter.py).
+An adapter of rank r < R fills the first r columns of its part in A and the first r rows of B,
+zeros elsewhere; a part the adapter does not adapt stays zero. The scale is folded into B (adapter.py).
 
 Tensor parallelism: the matrices are sharded like the base layer's weight, with its own
 coordinates (parallel/layers.py rows_of / cols_of). A column-parallel layer (qkv, gate_up)
@@ -28,6 +29,7 @@ ones (BGMV), which stay for decodes and every captured step.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,9 +41,12 @@ from pdserve.worker.lora.adapter import LoRAAdapter
 
 @dataclass(frozen=True)
 class LoRAOps:
-    shrink: Callable  # (x [T, K], a [S, K, R], slots [T]) -> [T, R] fp32, or [P, T, R] partials by K slice
-    expand: Callable  # (y [T, N], u (shrink's), b [S, R, N], slots [T]) -> y, in place
-    # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len)
+    shrink: Callable  # (x [T, K], a [S, K, W], slots [T]) -> [T, W] fp32, or [P, T, W] partials by K slice
+    # (y [T, N], u (shrink's), b [S, R, N], slots [T], ends) -> y, in place; ends: where each of
+    # the W // R parts' output columns end (None: one part)
+    expand: Callable
+    # The same by segment: (x, a, starts [G + 1], seg_slots [G], max_len) and (y, u, b, starts, seg_slots, max_len,
+    # ends)
     shrink_sgmv: Callable
     expand_sgmv: Callable
 
@@ -79,11 +84,18 @@ def segments_of(slots: list[int]) -> tuple[list[int], list[int], int] | None:
     return starts, seg_slots, max(e - b for b, e in zip(starts, starts[1:]))
 
 
+# PDSERVE_LORA_FORK_SHRINK=1: each BGMV shrink runs on a second CUDA stream beside its base
+# GEMM (it needs only x), the expand joining after the GEMM; a captured decode graph then holds
+# the two as parallel branches, so the shrinks' launches can hide behind the GEMMs. Off until
+# `pdserve bench lora --kernels` (its third table) shows it pays on the card.
+FORK_SHRINK = os.environ.get("PDSERVE_LORA_FORK_SHRINK", "0") == "1"
+
+
 class LoRAContext:
     """The step's slot per token, shared by every LoRA layer of the model, and its segments when
     the step runs SGMV: (starts [G + 1], seg_slots [G] on the device, the longest run)."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, device: torch.device, fork_shrink: bool | None = None):
         # No adapter anywhere: what a forward without a plan of its own reads (the memory profile).
         self.idle = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.slots = self.idle
@@ -95,6 +107,9 @@ class LoRAContext:
         # (module, attribute, value) of the small-batch GEMV switches attach_lora turned off (the
         # fused GEMVs never materialize the normed input a LoRA term needs); base_model turns them back on.
         self.gemv_switches: list[tuple[object, str, bool]] = []
+        # The stream the shrinks fork onto (fork_shrink, CUDA only; None: every LoRA kernel in line).
+        fork_shrink = FORK_SHRINK if fork_shrink is None else fork_shrink
+        self.side = torch.cuda.Stream(device) if fork_shrink and device.type == "cuda" else None
 
     @contextlib.contextmanager
     def base_model(self):
@@ -125,9 +140,15 @@ class LoRALinear:
         self.layer, self.parts, self.max_rank = layer, parts, max_rank
         self.rows = [base.rows_of(p.shard_id) for p in parts]  # (first out row here, in the checkpoint, count)
         self.cols = base.cols_of()  # row-parallel: (first input column in the checkpoint, count)
-        width = len(parts) * max_rank
-        self.a = torch.zeros(max_loras, base.in_features, width, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device)
+        # A packed output's parts, by the column each ends at (None: one part, the whole output):
+        # the base layer lays them out in order, side by side (part i is the expand's slice i).
+        ends = [dst + n for dst, _, n in self.rows]
+        if [dst for dst, _, _ in self.rows] != [0, *ends[:-1]] or ends[-1] != base.out_features:
+            raise ValueError(f"LoRA: layer {layer}'s parts {[p.module for p in parts]} are not side by side in "
+                             f"order in the base output (rows {self.rows})")
+        self.ends = tuple(ends) if len(parts) > 1 else None
+        self.a = torch.zeros(max_loras, base.in_features, len(parts) * max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, base.out_features, dtype=dtype, device=device)
         self.ops, self.ctx = ops, ctx
 
     def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -149,17 +170,36 @@ class LoRALinear:
                 la = la[:, first:first + count]
             r, c = la.shape[0], i * self.max_rank
             a[:, c:c + r].copy_(la.t(), non_blocking=True)
-            b[c:c + r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
+            b[:r, dst:dst + n].copy_(lb[src:src + n].t(), non_blocking=True)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def fork(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Called before the base GEMM: the BGMV shrink of x started on the context's side stream
+        (LoRAContext.side), or None (no side stream, no adapter this step, or SGMV's segments)."""
+        side = self.ctx.side
+        if side is None or not self.ctx.active or self.ctx.segments is not None:
+            return None
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            # The partials are allocated on the side stream and read on the main one: their block
+            # is only reused by a later shrink on the side stream, which forks after this
+            # expand was queued (wait_stream above), so no record_stream is needed.
+            return self.ops.shrink(x, self.a, self.ctx.slots[:x.shape[0]])
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, forked: torch.Tensor | None = None) -> torch.Tensor:
+        """out += x's LoRA term; `forked`: fork(x)'s shrink, joined here (after the base GEMM)."""
         if not self.ctx.active:
             return out
         if self.ctx.segments is not None:
             u = self.ops.shrink_sgmv(x, self.a, *self.ctx.segments)
-            return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments)
+            return self.ops.expand_sgmv(out, u, self.b, *self.ctx.segments, self.ends)
         slots = self.ctx.slots[:x.shape[0]]
-        u = self.ops.shrink(x, self.a, slots)
-        return self.ops.expand(out, u, self.b, slots)
+        if forked is not None:
+            torch.cuda.current_stream(x.device).wait_stream(self.ctx.side)
+            u = forked
+        else:
+            u = self.ops.shrink(x, self.a, slots)
+        return self.ops.expand(out, u, self.b, slots, self.ends)
 
 
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int, ops: LoRAOps,

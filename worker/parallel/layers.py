@@ -84,12 +84,14 @@ class ParallelLinear(nn.Linear):
         return True
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lora = self.lora
+        forked = lora.fork(x) if lora is not None else None  # its shrink beside the GEMM, if so configured
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
         else:
             out = F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
-        if self.lora is not None:
-            out = self.lora(x, out)
+        if lora is not None:
+            out = lora(x, out, forked)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
