@@ -229,7 +229,7 @@ def cmd_serve(args) -> int:
             f"{row['device_hit_tokens']:.0f} tier {row['tier_hit_tokens']:.0f} tokens, failed {row['failed']}")
         if row["failed"]:
             status = 1
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: the load generator refused its arguments
         row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
         traceback.print_exc()
         status = 1
