@@ -4,6 +4,7 @@ prefix hits reuse only what is still held, the null block is never handed out.""
 from __future__ import annotations
 
 from pdserve.worker.attention.kv_groups import KVGroups
+from pdserve.worker.engine.host_tier_index import HostTierIndex, TierCopy
 from pdserve.worker.engine.hybrid_block_manager import HybridBlockManager
 from pdserve.worker.engine.scheduler import Scheduler
 from tests.worker.test_block_manager import compute, req
@@ -117,3 +118,58 @@ def test_scheduler_releases_while_decoding_and_frees_everything_at_the_end():
     # the next one grew both tables by a block (position 40) and released nothing more.
     assert free_after[:2] == [8, 6]
     assert bm.num_free_blocks == 20
+
+
+def test_a_host_tier_gives_back_the_window_the_device_lost():
+    # The full blocks still on the device, the sliding block the window needs in the tier: a hit
+    # of all 10 blocks, that block restored into a fresh one and published; nothing else copied.
+    events = []
+    bm = manager(on_event=lambda kind, hashes, *_, **kw: events.append((kind, kw.get("medium"))),
+                 host_tier=HostTierIndex(8))
+    a = req("a", range(40))
+    prefill(bm, a, 40)
+    tail = a.sliding_block_ids[8:]
+    bm.free_request(a)
+    bm._ref(tail[1])
+    bm._evict(tail[1])
+    stored = bm.take_tier_ops()
+    assert stored == [TierCopy(True, tail[1], 0)] and events == [("BlockStored", None)]  # silent
+    b = req("b", list(range(40)) + [99])
+    hit = bm.lookup_prefix(b)
+    assert len(hit) == 10 and hit.sliding == [bm.null_block] * 8 + [tail[0], None]
+    assert bm.lookup_host(b, hit) == [] and hit.host.sliding == {9: 0}
+    assert bm.can_allocate(b, 41, hit)
+    free = bm.num_free_blocks
+    bm.take_cached(b, hit)
+    bm.allocate(b, 41)
+    restored = b.sliding_block_ids[9]
+    assert bm.take_tier_ops() == [TierCopy(False, restored, 0)]
+    assert bm.hash_to_block[sliding_keys(b, (9,))[0]] == restored  # a device hit again for the next one
+    assert b.num_computed_tokens == 40 and b.num_released_sliding == 8
+    assert free - bm.num_free_blocks == 11 + 1 + 2  # the hits taken back, the restored block, position 40
+
+
+def test_a_host_tier_hit_takes_full_blocks_and_only_the_window():
+    # Everything of a evicted to the tier: b's hit is 10 full blocks and sliding blocks 8, 9.
+    bm = manager(num_blocks=41, host_tier=HostTierIndex(64))
+    a = req("a", range(40))
+    prefill(bm, a, 40)
+    bm.free_request(a)
+    for blk in list(bm.cached_free):
+        bm._ref(blk)
+        bm._evict(blk)
+    bm.take_tier_ops()
+    b = req("b", list(range(40)) + [99])
+    hit = bm.lookup_prefix(b)
+    host = bm.lookup_host(b, hit)
+    assert len(hit) == 0 and len(host) == 10 and sorted(host.sliding) == [8, 9]
+    assert hit.sliding == [bm.null_block] * 8 + [None, None]
+    bm.take_cached(b, hit)
+    bm.allocate(b, 41)
+    bm.restore(b, 0, host)
+    ops = bm.take_tier_ops()
+    assert [op.block for op in ops] == b.sliding_block_ids[8:10] + b.block_ids[:10]
+    assert not any(op.out for op in ops) and b.num_computed_tokens == 40
+    # Both groups published: a third request hits them on the device.
+    hit = bm.lookup_prefix(req("c", list(range(40)) + [7]))
+    assert list(hit) == b.block_ids[:10] and hit.sliding[8:] == b.sliding_block_ids[8:10] and hit.host is None

@@ -1,6 +1,7 @@
 """The host KV tier (--kv-offloading-size): a prefix the device cache evicted comes back from host
 memory, exactly, and is counted as cached; without the tier it is recomputed. In-process engines
-over a tiny checkpoint with a 16-block device cache, so three prompts evict each other."""
+over a tiny checkpoint with a 16-block device cache, so three prompts evict each other; a tiny
+gpt-oss (sliding-window layers: the hybrid KV cache) the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.engine.block_manager import hash_prefix_blocks
-from pdserve.worker.engine.host_tier_index import HostBlock, HostTierIndex
+from pdserve.worker.engine.host_tier_index import UNREPORTED, HostBlock, HostTierIndex
 from pdserve.worker.request.sampling_params import SamplingParams
 from pdserve.worker.server.metrics import _EngineCollector
 from tests.helpers.engines import engine_config, make_engine
@@ -17,6 +18,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # 30 tokens each: 8 blocks of 4 (7 full ones a later request can hit) + room for 4 new tokens.
 A, B, C, D, E = ([base + 3 * i for i in range(30)] for base in (100, 400, 700, 1000, 1300))
 DEVICE_BLOCKS = 16  # two of these requests' blocks: running B then C evicts every block of A
+HYBRID_DEVICE_BLOCKS = 17  # and the null block among them: a prompt prefills in 8 full + 8 sliding ones
 
 
 class Events:
@@ -125,6 +127,9 @@ def test_host_tier_index_lru_and_locks():
     tier.unlock_all()
     assert tier.store(4, info) == (0, 1)
     assert 4 in tier and 1 not in tier and len(tier) == 2
+    assert tier.store(5, UNREPORTED) == (1, 3)
+    assert tier.store(6, info) == (0, 4)
+    assert tier.store(7, info) == (1, None) and tier.evicted_blocks == 5  # 5 dropped unnamed: no event names it
 
 
 def test_bad_kv_offloading_size(tiny_checkpoint):
@@ -136,5 +141,25 @@ def test_bad_kv_offloading_size(tiny_checkpoint):
     engine_config(ckpt, kv_offloading_size=1.0, role="prefill", kv_transfer="tcp")  # beside P/D: accepted
     with pytest.raises(ConfigError, match="--kv-offloading-size.*more than this host can hold"):
         make_engine(ckpt, kv_offloading_size=1e6)
-    with pytest.raises(ConfigError, match="--kv-offloading-size.*hybrid KV cache"):
-        make_engine(tiny_checkpoint("gpt-oss"), kv_offloading_size=0.001)
+
+
+def test_a_sliding_window_model_gets_both_groups_back(tiny_checkpoint):
+    # gpt-oss (window 8: the hybrid KV cache): A's full blocks come back from the tier, and of its
+    # sliding blocks only the window that the first query computed reads; under async scheduling.
+    ckpt = tiny_checkpoint("gpt-oss")
+    ref = make_engine(ckpt)  # a cache that holds them all
+    per = ref.kv_cache.block_bytes  # one group's block: half the layers
+    engine = make_engine(ckpt, kv_cache_memory=HYBRID_DEVICE_BLOCKS * per, max_model_len=40,
+                         kv_offloading_size=64 * per / 2**30, async_scheduling=True)
+    engine._kv_event_publisher = events = Events()
+    tiered = [run(engine, p) for p in (A, B, C, A)]
+    assert [t for t, _ in tiered] == ref.generate([A, B, C, A], GREEDY)  # exact
+    assert [cached for _, cached in tiered] == [0, 0, 0, 28]
+    assert engine.stats().prefix_cache_hits == 0  # A's blocks all came back from the tier
+    tier = engine.stats().host_tier
+    # 7 full blocks (28 tokens) and the sliding blocks of positions 21..27 (blocks 5, 6): all a query at 28 reads.
+    assert tier.restored_blocks == 7 + 2 and tier.restored_bytes == 9 * per
+    assert tier.stored_blocks > 3 * 7  # sliding blocks too: each prompt's evicted ones of both groups
+    # Only the full group's blocks are named by events (the sliding group's keys mean nothing to a router).
+    full = {h for p, (out, _) in zip((A, B, C), tiered) for h in hash_prefix_blocks(p + out, 4)}
+    assert set(hash_prefix_blocks(A, 4)[:7]) <= events.of("BlockStored", "CPU") <= full

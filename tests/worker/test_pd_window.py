@@ -205,3 +205,41 @@ def test_a_streamed_hand_off_moves_the_window_only(tiny_checkpoint, transport, a
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_both_sides_restore_from_their_host_tiers(tiny_checkpoint):
+    """P/D beside the host tier (--kv-offloading-size): with 16 device blocks each prompt evicts
+    the one before on both sides, so the repeated first prompt is restored (full blocks and the
+    window's sliding ones) on the prefill side before its pin and on the decode side before its
+    pull of the rest; every answer equals one engine's without P/D or the tier."""
+    ckpt = tiny_checkpoint("gpt-oss")
+    ref = make_engine(ckpt)
+    prompts = [[base + 3 * i for i in range(30)] for base in (100, 400, 700, 100)]  # 7 full blocks a repeat takes
+    expected = ref.generate(prompts, GREEDY)
+    tier = dict(kv_cache_memory=17 * ref.kv_cache.block_bytes, kv_offloading_size=64 * ref.kv_cache.block_bytes / 2**30)
+    pd = {**PD, "max_model_len": 40, **tier}
+    p = make_engine(ckpt, role="prefill", kv_transfer="tcp", kv_port=free_port(), **pd)
+    d = make_engine(ckpt, role="decode", kv_transfer="tcp", kv_port=free_port(), **pd)
+    try:
+        for i, prompt in enumerate(prompts):
+            p.add_request(f"p{i}", prompt, GREEDY, {"do_remote_decode": True})
+            params = None
+            while params is None:
+                params = next((o.kv_transfer_params for o in p.step() if o.finished), None)
+            d.add_request(f"d{i}", prompt, GREEDY, params)
+            got, deadline = [params.first_token_id], time.monotonic() + 60
+            while len(got) < GREEDY.max_tokens:
+                assert time.monotonic() < deadline, "decode did not finish"
+                for o in d.step():
+                    got += o.new_token_ids
+                p.step()
+            assert got == expected[i], i
+            while p.stats().num_pinned_blocks and time.monotonic() < deadline:
+                p.step()
+                time.sleep(0.01)
+        # 7 full blocks and 2 sliding ones (the window of position 28) restored on both sides.
+        assert p.stats().host_tier.restored_blocks == d.stats().host_tier.restored_blocks == 9
+        assert d.kv_connector.metrics.local_prefill_fallbacks._value.get() == 0
+    finally:
+        p.shutdown()
+        d.shutdown()

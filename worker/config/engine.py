@@ -57,7 +57,7 @@ class EngineConfig:
     kv_offloading_size: float = flag(
         0.0, "GiB of host memory for a second KV tier: blocks evicted from the device cache are copied there "
              "and prefix hits on them copied back instead of recomputed (docs/kv-cache.md); under tensor "
-             "parallelism the sum over the ranks; 0 = off. Not with P/D KV transfer or a hybrid KV cache yet")
+             "parallelism the sum over the ranks; 0 = off")
     gpu_memory_utilization: float = flag(0.9, "share of the GPU's memory this worker may use")
     enable_prefix_caching: bool = flag(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, "disable CUDA graphs")

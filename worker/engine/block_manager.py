@@ -37,7 +37,7 @@ from collections import OrderedDict
 from itertools import islice
 
 from pdserve.worker.engine.free_runs import FreeRuns
-from pdserve.worker.engine.host_tier_index import HostBlock, HostTierIndex, TierCopy
+from pdserve.worker.engine.host_tier_index import UNREPORTED, HostBlock, HostTierIndex, TierCopy
 from pdserve.worker.request.request import Request
 
 NONE_HASH = 0
@@ -130,13 +130,13 @@ class BlockManager:
             hits.append(b)
         return hits
 
-    def lookup_host(self, req: Request, num_device_hits: int) -> list[int]:
-        """Host slots holding the blocks right after `req`'s device hits (the longest such run,
-        still leaving a token to compute); their copies back are ordered by `restore`."""
+    def lookup_host(self, req: Request, cached: list[int]) -> list[int]:
+        """Host slots holding the blocks right after `req`'s device hits `cached` (the longest
+        such run, still leaving a token to compute); their copies back are ordered by `restore`."""
         if self.host_tier is None or not req.block_hashes:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        return self.host_tier.lookup(req.block_hashes[num_device_hits:max_blocks])
+        return self.host_tier.lookup(req.block_hashes[len(cached):max_blocks])
 
     def record_host_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.host_queries += num_tokens
@@ -289,6 +289,10 @@ class BlockManager:
         info, self.block_info[b] = self.block_info[b], None
         if info is None:  # published other than by register_computed: nothing to name it by
             return
+        self._store(b, h, info)
+
+    def _store(self, b: int, h: int, info: HostBlock) -> None:
+        """Order block `b`'s copy into a host slot under `h`; events name it unless UNREPORTED."""
         slot, dropped = self.host_tier.store(h, info)
         if slot is None:
             return
@@ -296,8 +300,9 @@ class BlockManager:
         if self.on_event:
             if dropped is not None:
                 self.on_event("BlockRemoved", [dropped], None, None, medium="CPU")
-            lora = {"lora_name": info.lora_name} if info.lora_name else {}
-            self.on_event("BlockStored", [h], info.parent, list(info.token_ids), medium="CPU", **lora)
+            if info is not UNREPORTED:
+                lora = {"lora_name": info.lora_name} if info.lora_name else {}
+                self.on_event("BlockStored", [h], info.parent, list(info.token_ids), medium="CPU", **lora)
 
     def _release(self, block_ids: list[int]) -> None:
         # Freed blocks join the back of the LRU queue (evicted after older free blocks), tail

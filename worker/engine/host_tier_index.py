@@ -37,6 +37,11 @@ class HostBlock:
     lora_name: str | None
 
 
+# What a block no KV event names is stored under: a hybrid cache's sliding-group block (its key is
+# a salted hash routers never saw), stored and dropped silently.
+UNREPORTED = HostBlock(None, (), None)
+
+
 class HostTierIndex:
     def __init__(self, num_slots: int):
         if num_slots < 1:
@@ -59,7 +64,8 @@ class HostTierIndex:
 
     def store(self, h: int, block: HostBlock) -> tuple[int | None, int | None]:
         """Give hash `h` a slot. Returns (slot, hash evicted to make room): slot None when `h`
-        is already held (made most recent, nothing to copy) or every slot is locked."""
+        is already held (made most recent, nothing to copy) or every slot is locked. The evicted
+        hash is None where its block is UNREPORTED (no event may name it)."""
         if h in self.slot_of:
             self.slot_of.move_to_end(h)
             return None, None
@@ -71,7 +77,8 @@ class HostTierIndex:
             if evicted is None:
                 return None, None
             slot = self.slot_of.pop(evicted)
-            del self.block_of[evicted]
+            if self.block_of.pop(evicted) is UNREPORTED:
+                evicted = None
             self.evicted_blocks += 1
         self.slot_of[h] = slot
         self.block_of[h] = block
@@ -81,14 +88,18 @@ class HostTierIndex:
     def lookup(self, hashes: list[int]) -> list[int]:
         """The slots of the longest run of `hashes` held here, from the first; locked until
         `unlock_all` (a restore will read them) and made most recent."""
+        run = 0
+        while run < len(hashes) and hashes[run] in self.slot_of:
+            run += 1
+        return self.take(hashes[:run])
+
+    def take(self, hashes: list[int]) -> list[int]:
+        """The slots of `hashes`, every one held here; locked until `unlock_all` and made most recent."""
         slots = []
         for h in hashes:
-            slot = self.slot_of.get(h)
-            if slot is None:
-                break
             self.slot_of.move_to_end(h)
             self._locked.add(h)
-            slots.append(slot)
+            slots.append(self.slot_of[h])
         return slots
 
     def unlock_all(self) -> None:

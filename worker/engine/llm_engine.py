@@ -102,14 +102,15 @@ class LLMEngine:
                                             tp=r.kv_tp_rank, link=r.kv_tp_link)
             if config.role in ("prefill", "both"):
                 self.kv_connector.start_server()
+        # The host tier's slots are the runners'; which hash is in which slot, the block manager's.
+        host_tier = HostTierIndex(r.host_tier_slots) if r.host_kv is not None else None
         if r.kv_groups is None:
-            # The host tier's slots are the runners'; which hash is in which slot, the block manager's.
-            host_tier = HostTierIndex(r.host_tier_slots) if r.host_kv is not None else None
             self.block_manager = BlockManager(r.num_blocks, config.block_size, config.enable_prefix_caching,
                                               on_event=self._on_kv_event, host_tier=host_tier)
         else:  # sliding-window layers: their blocks behind the window are released (docs/kv-cache.md)
             self.block_manager = HybridBlockManager(r.num_blocks, config.block_size, r.kv_groups,
-                                                    config.enable_prefix_caching, on_event=self._on_kv_event)
+                                                    config.enable_prefix_caching, on_event=self._on_kv_event,
+                                                    host_tier=host_tier)
         kv_scheduler = KVConnectorScheduler(config.block_size, self.model_config.vocab_size, self.max_model_len,
                                             self.kv_connector.endpoint(), config.kv_stream_chunk_tokens,
                                             resolve_split(config.kv_stream_split, self.kv_connector.transport),

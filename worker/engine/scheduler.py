@@ -155,7 +155,7 @@ class Scheduler:
             cached = self.bm.lookup_prefix(req) if fresh and req.params.prompt_logprobs is None else []
             # The host tier's hits after the device's: new device blocks, copied back before this
             # step's forward, then counted as computed like the device hits.
-            restored = self.bm.lookup_host(req, len(cached)) if fresh and req.params.prompt_logprobs is None else []
+            restored = self.bm.lookup_host(req, cached) if fresh and req.params.prompt_logprobs is None else []
             start = (len(cached) + len(restored)) * self.bm.block_size if fresh else req.num_computed_tokens
             num_remote, load_async = 0, False
             if fresh:

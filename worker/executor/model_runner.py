@@ -216,11 +216,6 @@ class ModelRunner:
         # decides what goes in and out (engine/host_tier_index.py), the same decisions for every rank.
         self.host_kv, self.host_tier_slots = None, 0
         if config.kv_offloading_size:
-            if self.kv_groups is not None:
-                raise ConfigError("--kv-offloading-size", f"{mc.architecture}'s sliding-window layers use the hybrid "
-                                                          f"KV cache, which the host tier does not support yet; add "
-                                                          f"--disable-hybrid-kv-cache-manager (on both workers of a "
-                                                          f"P/D pair) or drop the flag")
             from pdserve.worker.executor.host_kv_store import HostKVStore, host_tier_slots
 
             self.host_tier_slots = host_tier_slots(config.kv_offloading_size, self.kv_cache.block_bytes, self.tp_size)
