@@ -34,6 +34,7 @@ from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse, when_over
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
+from pdserve.protocol.gc_heap import freeze_startup_heap
 from pdserve.protocol.tracing import log_trace_ids
 from pdserve.protocol.tracing import setup as setup_tracing
 from pdserve.router.admission_queue import AdmissionQueue
@@ -111,6 +112,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             if subs is not None:
                 tasks.append(asyncio.create_task(subs.run(), name="kv-events"))
             app.state.kv_subscriptions = subs
+            freeze_startup_heap()
             try:
                 yield
             finally:

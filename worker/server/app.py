@@ -26,6 +26,7 @@ from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.protocol.contract import ENV_RUNTIME_LORA, PATH_KV_RELEASE
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, install_handlers
+from pdserve.protocol.gc_heap import freeze_startup_heap
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
@@ -135,6 +136,7 @@ class WorkerState:
         for collector in engine.metrics_collectors():  # one registry per process: /metrics lists each family once
             self.metrics.registry.register(collector)
         self.engine = engine
+        freeze_startup_heap()
         log.info("engine ready in %.1fs: serving %s (max_model_len=%d)", time.perf_counter() - t0,
                  self.served_model_name, engine.max_model_len)
 
