@@ -200,6 +200,9 @@ def spread(values: list[float]) -> dict:
 
 def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str,
            profile: dict | None = None, cost_us: float | None = None) -> str:
+    if not pairs:
+        return (f"No pair completed: the budget (--budget-s {args.budget_s:g}) was spent before the first pair "
+                f"could finish (stack start and warm-up took it). Nothing to compare.\n")
     names = [n for n in ("off", "on", "off2") if n in pairs[0]]
     lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
              f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
@@ -227,6 +230,9 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
         lines.append(f"| {name} CPU per request on/off | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
                      f"{s['mean']:.3f} ± {s['std']:.3f} |")
     failed = sum(r["failed"] for r in runs)
+    if spans is None:  # written after each pair: what the receiver got is counted at the end
+        lines += ["", f"Failed requests: {failed}. Partial: {len(pairs)} pair(s) so far; spans not counted yet."]
+        return "\n".join(lines) + "\n"
     lines += ["", f"Failed requests: {failed}. Spans received: {spans['received']} for {spans['traced_requests']} "
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
               f"{spans['expected']}). Dropped spans (pdserve_tracing_dropped_spans_total): "
@@ -251,6 +257,17 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
                      (profile[n]["samples"], profile[n]["tracing_samples"]))
             lines.append(f"| {n} | {t} | {tr} | {tr / max(t, 1):.2%} |")
     return "\n".join(lines) + "\n"
+
+
+def write_results(args, runs, pairs, spans, dropped, machine, profile=None, cost_us=None) -> str:
+    """results.md and runs.json in --out (spans None: a partial report, after a pair)."""
+    text = report(args, runs, pairs, spans, dropped, machine, profile, cost_us)
+    (args.out / "results.md").write_text(text)
+    (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                                    "runs": runs, "spans": spans, "dropped": dropped,
+                                                    "profile": profile, "span_cost_us": cost_us}, indent=1,
+                                                   default=str))
+    return text
 
 
 def spans_per_request(rx: ReceiverProcess) -> int:
@@ -287,6 +304,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+    machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
+               f"({os.uname().nodename})")
     work = scratch_dir("pdserve-tracing-")
     if args.model is None:
         args.model = str(work / "tiny")
@@ -313,12 +332,17 @@ def main(argv=None) -> int:
                 print(f"[tracing] stack {name} ready: {stacks[name].children}", flush=True)
             pids = {name: stack_pids(s) for name, s in stacks.items()}
             warm = dataset.random_requests(tokenizer, args.warmup, args.input_len, args.output_len, seed=10_000)
+            # What one pair will take: the warm-up's pace (first requests included: an overestimate)
+            # at first, then the last pair's.
+            t_warm = time.monotonic()
             for name, s in stacks.items():
                 one_run(s, pids[name], warm, args)
+            pair_s = (time.monotonic() - t_warm) * args.requests / max(args.warmup, 1)
             for k in range(args.pairs):
-                if args.budget_s and time.monotonic() - t0 > args.budget_s:
-                    print(f"[tracing] budget spent: {k} pairs", flush=True)
+                if args.budget_s and time.monotonic() - t0 + pair_s > args.budget_s:
+                    print(f"[tracing] budget spent: {k} pairs (the next would take ~{pair_s:.0f}s)", flush=True)
                     break
+                t_pair = time.monotonic()
                 specs = dataset.random_requests(tokenizer, args.requests, args.input_len, args.output_len, seed=k)
                 names = [n for n, _ in variants]
                 order = names[k % len(names):] + names[:k % len(names)]  # each first in turn
@@ -331,6 +355,8 @@ def main(argv=None) -> int:
                     print(f"[tracing] pair {k} {name}: {r['output_tok_s']:.1f} tok/s, ITL mean "
                           f"{r['itl_mean_ms']:.2f} ms, CPU {r['cpu_ms_per_req']:.1f} ms/req", flush=True)
                 pairs.append(pair)
+                pair_s = time.monotonic() - t_pair
+                write_results(args, runs, pairs, None, {}, machine)  # a kill from here on still leaves these
             profile = None
             if args.profile:
                 if py_spy() is None:
@@ -354,14 +380,7 @@ def main(argv=None) -> int:
         finally:
             for s in stacks.values():
                 s.stop()
-    machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
-               f"({os.uname().nodename})")
-    text = report(args, runs, pairs, spans, dropped, machine, profile, cost_us)
-    (args.out / "results.md").write_text(text)
-    (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
-                                                    "runs": runs, "spans": spans, "dropped": dropped,
-                                                    "profile": profile, "span_cost_us": cost_us}, indent=1,
-                                                   default=str))
+    text = write_results(args, runs, pairs, spans, dropped, machine, profile, cost_us)
     print(text)
     print(f"[tracing] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0
