@@ -61,7 +61,9 @@ from pdserve.router.workers import WorkerSet
 log = logging.getLogger("pdserve.router")
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
+    """`freeze_heap`: once started, the process's heap so far leaves the garbage collector's reach
+    (protocol/gc_heap.py); only where the process is the router's alone (router/server.py)."""
     metrics = RouterMetrics()
     tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-router", metrics.registry)
     log_trace_ids(tracing)
@@ -112,7 +114,8 @@ def build_app(config: RouterConfig) -> FastAPI:
             if subs is not None:
                 tasks.append(asyncio.create_task(subs.run(), name="kv-events"))
             app.state.kv_subscriptions = subs
-            freeze_startup_heap()
+            if freeze_heap:
+                freeze_startup_heap()
             try:
                 yield
             finally:
