@@ -352,12 +352,11 @@ def main(argv=None) -> int:
                 print(f"[tracing] stack {name} ready: {stacks[name].children}", flush=True)
             pids = {name: stack_pids(s) for name, s in stacks.items()}
             warm = dataset.random_requests(tokenizer, args.warmup, args.input_len, args.output_len, seed=10_000)
-            # What one pair will take: the warm-up's pace (first requests included: an overestimate)
-            # at first, then the last pair's.
-            t_warm = time.monotonic()
             for name, s in stacks.items():
                 one_run(s, pids[name], warm, args)
-            pair_s = (time.monotonic() - t_warm) * args.requests / max(args.warmup, 1)
+            # What the next pair will take: the last one's time. The first starts while any budget
+            # is left (the warm-up, with its first-request compiles, says nothing about a pair's).
+            pair_s = 0.0
             for k in range(args.pairs):
                 if args.budget_s and time.monotonic() - t0 + pair_s > args.budget_s:
                     print(f"[tracing] budget spent: {k} pairs (the next would take ~{pair_s:.0f}s)", flush=True)
