@@ -33,6 +33,7 @@ DROPPED = "pdserve_tracing_dropped_spans"
 _EXPORT_TIMEOUT_S = 5.0
 # What a shutdown waits for the last batch: a dead collector must not hold a pod's exit.
 _FLUSH_AT_EXIT_MS = 2000
+_SCOPE = "pdserve"  # the instrumentation scope of every span
 
 log = logging.getLogger("pdserve.tracing")
 
@@ -114,9 +115,8 @@ class Tracing:
 
     def record(self, name: str, parent, start_ns: int, end_ns: int, attributes: dict | None = None,
                links=()) -> None:
-        """A finished span from timestamps the engine already keeps (no SDK call in its loop)."""
-        if self.enabled and parent is not None and end_ns >= start_ns:
-            self.start(name, parent, attributes=attributes, start_ns=start_ns, links=links).end(end_time=end_ns)
+        """A finished span from timestamps the engine already keeps (no SDK call in its loop),
+        under `parent`, a live span of this process: see _On.record."""
 
     def link_context(self, carrier: Mapping[str, str] | None):
         """A span-like handle of a remote context, for `links=`: the prefill's span on the decode side."""
@@ -204,11 +204,39 @@ def setup(endpoint: str | None, service_name: str, registry=None, environ=None) 
     provider = TracerProvider(resource=Resource.create(attrs), shutdown_on_exit=False)
     provider.add_span_processor(processor)
     log.info("tracing: OTLP %s to %s", proto, endpoint)
-    return _On(provider, provider.get_tracer("pdserve"), dropped, processor)
+    return _On(provider, provider.get_tracer(_SCOPE), dropped, processor)
 
 
 class _On(Tracing):
     enabled = True
+
+    def __init__(self, provider, tracer, dropped, processor):
+        super().__init__(provider, tracer, dropped, processor)
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self._scope = InstrumentationScope(_SCOPE)
+
+    def record(self, name: str, parent, start_ns: int, end_ns: int, attributes: dict | None = None,
+               links=()) -> None:
+        """Made as the finished span it is and handed to the batch processor, without the SDK's
+        start and end of a live span (its sampler, attribute validation and locks: half the cost
+        of such a span). It follows its parent's sampling, as every built-in sampler would decide
+        for a child; an attribute the exporter cannot encode is skipped there, with a log line."""
+        if parent is None or not parent.is_recording():
+            return
+        # Two monotonic stamps made wall-clock apart can cross by a few hundred ns (an empty
+        # queue): a zero-length span, not a lost one.
+        end_ns = max(end_ns, start_ns)
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import ReadableSpan
+
+        up = parent.get_span_context()
+        context = trace.SpanContext(up.trace_id, self._provider.id_generator.generate_span_id(), is_remote=False,
+                                    trace_flags=up.trace_flags, trace_state=up.trace_state)
+        self._processor.on_end(ReadableSpan(
+            name, context, parent=up, resource=self._provider.resource, attributes=_clean(attributes) or {},
+            links=tuple(trace.Link(s.get_span_context()) for s in links if s is not None),
+            instrumentation_scope=self._scope, start_time=start_ns, end_time=end_ns))
 
 
 class _CountingExporter:

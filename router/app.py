@@ -34,6 +34,7 @@ from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse, when_over
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
+from pdserve.protocol.gc_heap import freeze_startup_heap
 from pdserve.protocol.tracing import log_trace_ids
 from pdserve.protocol.tracing import setup as setup_tracing
 from pdserve.router.admission_queue import AdmissionQueue
@@ -60,7 +61,9 @@ from pdserve.router.workers import WorkerSet
 log = logging.getLogger("pdserve.router")
 
 
-def build_app(config: RouterConfig) -> FastAPI:
+def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
+    """`freeze_heap`: once started, the process's heap so far leaves the garbage collector's reach
+    (protocol/gc_heap.py); only where the process is the router's alone (router/server.py)."""
     metrics = RouterMetrics()
     tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-router", metrics.registry)
     log_trace_ids(tracing)
@@ -111,6 +114,8 @@ def build_app(config: RouterConfig) -> FastAPI:
             if subs is not None:
                 tasks.append(asyncio.create_task(subs.run(), name="kv-events"))
             app.state.kv_subscriptions = subs
+            if freeze_heap:
+                freeze_startup_heap()
             try:
                 yield
             finally:

@@ -17,7 +17,7 @@ def serve(config: RouterConfig, sockets: list | None = None) -> None:
     from pdserve.router.app import build_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
+    server = uvicorn.Server(uvicorn.Config(build_app(config, freeze_heap=True), host=config.host, port=config.port,
                                            log_level=config.log_level, access_log=False, loop="auto",
                                            # the client's address is never read: no X-Forwarded-For
                                            # rewrite per request

@@ -3,6 +3,7 @@ latency through the local P/D stack with tracing on against off, in one run on o
 
     python tools/tracing_overhead.py --out DIR [--model PATH] [--device cpu|cuda] [--pairs 6]
         [--requests 48] [--concurrency 8] [--input-len 128] [--output-len 64] [--worker-args='...']
+        [--control] [--together] [--profile] [--budget-s S]
 
 Two `pdserve up` stacks (1 prefill + 1 decode worker and the router each) run side by side on
 the same checkpoint: "off" without tracing, "on" with `--otlp-traces-endpoint` on the router and
@@ -12,6 +13,9 @@ SDK's default batching, exporting over OTLP/HTTP to a real receiver in its own p
 same fresh prompts (seed k) through both, each stack first in turn, so a drift in the machine's
 load lands on both sides. --control adds a third stack without tracing ("off2"): off2/off is the
 ratio's noise floor in the same run (two identical stacks are not identical on a busy machine).
+--together runs a pair's stacks at the same time instead (the same prompts into each at once,
+each stack's CPU counted to its own last answer): on a shared machine whose load moves within
+seconds, the stacks then meet the same load, which one-after-another cannot promise.
 Each run is a closed loop of --requests streamed completions at --concurrency (bench/serve.py's
 client: ignore_eos, exact prompt and output lengths); between runs nothing is sent. Per run:
 output tokens/s, ITL mean, TTFT p50, and the CPU seconds the stack's three processes used per
@@ -79,10 +83,22 @@ def dropped_spans(stack: UpStack) -> dict[str, float]:
 
 
 def one_run(stack: UpStack, pids: dict[str, int], specs, args) -> dict:
+    return asyncio.run(load_run(stack, pids, specs, args))
+
+
+def together(stacks: dict[str, UpStack], pids: dict[str, dict[str, int]], specs, args) -> dict[str, dict]:
+    """--together: the same requests through every stack at the same time, each stack's CPU
+    counted until its own last answer. A busy machine's load then lands on all of them alike."""
+    async def all_of_them():
+        return await asyncio.gather(*(load_run(stacks[n], pids[n], specs, args) for n in stacks))
+    return dict(zip(stacks, asyncio.run(all_of_them())))
+
+
+async def load_run(stack: UpStack, pids: dict[str, int], specs, args) -> dict:
     cfg = serve.LoadConfig(base_url=stack.children["router"], model="llama", concurrency=args.concurrency,
                            progress=False, request_timeout_s=300)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    results, duration = asyncio.run(serve.run_load(cfg, specs))
+    results, duration = await serve.run_load(cfg, specs)
     each = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
     cpu = sum(each.values())
     s = serve_metrics.summarize(results, duration, {})
@@ -200,9 +216,13 @@ def spread(values: list[float]) -> dict:
 
 def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict, machine: str,
            profile: dict | None = None, cost_us: float | None = None) -> str:
+    if not pairs:
+        return (f"No pair completed: the budget (--budget-s {args.budget_s:g}) was spent before the first pair "
+                f"could finish (stack start and warm-up took it). Nothing to compare.\n")
     names = [n for n in ("off", "on", "off2") if n in pairs[0]]
     lines = [f"Workload: {args.requests} streamed completions per run, closed loop at concurrency "
-             f"{args.concurrency}, {args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
+             f"{args.concurrency}{' per stack, the stacks loaded at the same time' if args.together else ''}, "
+             f"{args.input_len} prompt / {args.output_len} output tokens (ignore_eos), "
              f"1 prefill + 1 decode worker + router (`pdserve up`, KV over {args.kv_transfer or 'the default'}), "
              f"model {args.model_name}; {machine}. Stacks: {', '.join(names)} (on: tracing at sampling 1.0 to "
              f"a real OTLP/HTTP receiver).", "",
@@ -227,6 +247,9 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
         lines.append(f"| {name} CPU per request on/off | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
                      f"{s['mean']:.3f} ± {s['std']:.3f} |")
     failed = sum(r["failed"] for r in runs)
+    if spans is None:  # written after each pair: what the receiver got is counted at the end
+        lines += ["", f"Failed requests: {failed}. Partial: {len(pairs)} pair(s) so far; spans not counted yet."]
+        return "\n".join(lines) + "\n"
     lines += ["", f"Failed requests: {failed}. Spans received: {spans['received']} for {spans['traced_requests']} "
               f"traced requests ({spans['per_request']} spans per request in a full trace, expected "
               f"{spans['expected']}). Dropped spans (pdserve_tracing_dropped_spans_total): "
@@ -251,6 +274,17 @@ def report(args, runs: list[dict], pairs: list[dict], spans: dict, dropped: dict
                      (profile[n]["samples"], profile[n]["tracing_samples"]))
             lines.append(f"| {n} | {t} | {tr} | {tr / max(t, 1):.2%} |")
     return "\n".join(lines) + "\n"
+
+
+def write_results(args, runs, pairs, spans, dropped, machine, profile=None, cost_us=None) -> str:
+    """results.md and runs.json in --out (spans None: a partial report, after a pair)."""
+    text = report(args, runs, pairs, spans, dropped, machine, profile, cost_us)
+    (args.out / "results.md").write_text(text)
+    (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
+                                                    "runs": runs, "spans": spans, "dropped": dropped,
+                                                    "profile": profile, "span_cost_us": cost_us}, indent=1,
+                                                   default=str))
+    return text
 
 
 def spans_per_request(rx: ReceiverProcess) -> int:
@@ -281,12 +315,17 @@ def main(argv=None) -> int:
                         "each process's sampled stacks")
     p.add_argument("--span-cost", type=int, default=2000, metavar="N",
                    help="also time N requests' worth of tracing calls in-process (0: not)")
+    p.add_argument("--together", action="store_true",
+                   help="each pair's runs at the same time (not one after another): on a busy shared machine "
+                        "the load drifts between runs; at once, every stack meets the same")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting pairs after this long (0: no bound)")
     args = p.parse_args(argv)
     # SIGTERM (a timeout's) unwinds like Ctrl-C: the stacks are stopped, not left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+    machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
+               f"({os.uname().nodename})")
     work = scratch_dir("pdserve-tracing-")
     if args.model is None:
         args.model = str(work / "tiny")
@@ -315,22 +354,29 @@ def main(argv=None) -> int:
             warm = dataset.random_requests(tokenizer, args.warmup, args.input_len, args.output_len, seed=10_000)
             for name, s in stacks.items():
                 one_run(s, pids[name], warm, args)
+            # What the next pair will take: the last one's time. The first starts while any budget
+            # is left (the warm-up, with its first-request compiles, says nothing about a pair's).
+            pair_s = 0.0
             for k in range(args.pairs):
-                if args.budget_s and time.monotonic() - t0 > args.budget_s:
-                    print(f"[tracing] budget spent: {k} pairs", flush=True)
+                if args.budget_s and time.monotonic() - t0 + pair_s > args.budget_s:
+                    print(f"[tracing] budget spent: {k} pairs (the next would take ~{pair_s:.0f}s)", flush=True)
                     break
+                t_pair = time.monotonic()
                 specs = dataset.random_requests(tokenizer, args.requests, args.input_len, args.output_len, seed=k)
                 names = [n for n, _ in variants]
                 order = names[k % len(names):] + names[:k % len(names)]  # each first in turn
-                pair = {"pair": k, "order": " then ".join(order)}
+                pair = {"pair": k, "order": "together" if args.together else " then ".join(order)}
+                both = together(stacks, pids, specs, args) if args.together else {}
                 for name in order:
-                    r = one_run(stacks[name], pids[name], specs, args)
+                    r = both[name] if args.together else one_run(stacks[name], pids[name], specs, args)
                     r.update(pair=k, stack=name)
                     runs.append(r)
                     pair[name] = r
                     print(f"[tracing] pair {k} {name}: {r['output_tok_s']:.1f} tok/s, ITL mean "
                           f"{r['itl_mean_ms']:.2f} ms, CPU {r['cpu_ms_per_req']:.1f} ms/req", flush=True)
                 pairs.append(pair)
+                pair_s = time.monotonic() - t_pair
+                write_results(args, runs, pairs, None, {}, machine)  # a kill from here on still leaves these
             profile = None
             if args.profile:
                 if py_spy() is None:
@@ -354,14 +400,7 @@ def main(argv=None) -> int:
         finally:
             for s in stacks.values():
                 s.stop()
-    machine = (f"{os.cpu_count()}-core {'CPU machine' if args.device == 'cpu' else 'GPU machine'} "
-               f"({os.uname().nodename})")
-    text = report(args, runs, pairs, spans, dropped, machine, profile, cost_us)
-    (args.out / "results.md").write_text(text)
-    (args.out / "runs.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out"},
-                                                    "runs": runs, "spans": spans, "dropped": dropped,
-                                                    "profile": profile, "span_cost_us": cost_us}, indent=1,
-                                                   default=str))
+    text = write_results(args, runs, pairs, spans, dropped, machine, profile, cost_us)
     print(text)
     print(f"[tracing] total {time.monotonic() - t0:.0f}s", flush=True)
     return 0

@@ -45,3 +45,27 @@ def test_handoff_trace_context_is_lenient():
     assert parsed.trace_context == ctx and parsed.to_dict()["trace_context"] == ctx
     for malformed in ("00-x", {"tracestate": "a=b"}, {"traceparent": 7}, [TRACEPARENT]):
         assert KVTransferParams.from_dict({**PARAMS, "trace_context": malformed}).trace_context is None
+
+
+def test_a_span_made_from_stamps_joins_its_parent_and_follows_its_sampling():
+    from tests.helpers.otlp_receiver import OTLPReceiver
+
+    receiver = OTLPReceiver()
+    try:
+        tracing = setup(receiver.http_url, "test", CollectorRegistry(), environ={})
+        parent = tracing.start("worker decode", tracing.extract({"traceparent": TRACEPARENT}))
+        link = tracing.link_context({"traceparent": "00-" + "1" * 32 + "-" + "3" * 16 + "-01"})
+        tracing.record("kv transfer", parent, 2_000, 1_000, {"pdserve.kv.bytes": 4096, "none": None}, links=[link])
+        unsampled = tracing.start("worker decode", tracing.extract({"traceparent": TRACEPARENT[:-2] + "00"}))
+        tracing.record("queue", unsampled, 1_000, 2_000)
+        tracing.end(unsampled)
+        tracing.end(parent)
+        tracing.shutdown()
+    finally:
+        receiver.close()
+    by_name = {s.name: s for s in receiver.spans}
+    assert sorted(by_name) == ["kv transfer", "worker decode"]  # nothing of the unsampled request
+    kv, worker = by_name["kv transfer"], by_name["worker decode"]
+    assert kv.trace_id == "1" * 32 and kv.parent_id == worker.span_id and kv.links == ("3" * 16,)
+    assert kv.service == "test" and kv.attributes == {"pdserve.kv.bytes": 4096}
+    assert kv.start_ns == kv.end_ns == 2_000  # crossed stamps: a zero-length span, not a lost one

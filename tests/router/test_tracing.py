@@ -111,12 +111,45 @@ def test_malformed_traceparent_starts_a_new_trace(stack, receiver):
     assert one(spans, name="worker decode").parent_id == one(spans, name="decode call").span_id
 
 
-def test_a_failed_prefill_and_its_fallback_are_in_the_trace(stack, module_launch, receiver):
-    """The only prefill worker fails (500 with /health still 200): its attempt is an error span,
-    and the request, prefilled on the decode worker instead, is still one trace."""
+@pytest.fixture(scope="module")
+def failing(module_launch):
+    """A prefill worker whose requests fail (500 with /health still 200: the router notices only by
+    calling it)."""
+    worker = module_launch.fake_worker()
+    worker.control(mode="500")
+    return worker
+
+
+def test_a_retry_on_another_prefill_worker_is_in_the_trace(stack, failing, module_launch, receiver):
+    """The first prefill worker picked fails: its attempt is an error span, the retry on the pool's
+    other worker a sibling, both under the router's request span in the client's trace."""
+    prefill, decode, _ = stack
+    router = module_launch.router("--prefill", failing.url, "--prefill", prefill.url, "--decode", decode.url,
+                                  "--prefill-policy", "round-robin", "--otlp-traces-endpoint", receiver.http_url,
+                                  env={**os.environ, **FAST_EXPORT})
+    # Round-robin over the pool sorted by URL: the failing worker is the first pick of the first
+    # request or of the second, whichever order their ports sort in.
+    failed_before = len(failing.requests())
+    for _ in range(2):
+        trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+        complete(router, {"traceparent": f"00-{trace_id}-{client_span}-01"})
+        if len(failing.requests()) > failed_before:
+            break
+    spans = whole_trace(receiver, trace_id)
+    root = one(spans, name="router completions")
+    assert root.parent_id == client_span
+    calls = sorted((s for s in spans if s.name == "prefill call"), key=lambda s: s.attributes["pdserve.attempt"])
+    assert [(c.attributes["pdserve.worker"], c.error, c.attributes["http.response.status_code"]) for c in calls] == [
+        (failing.url, True, 500), (prefill.url, False, 200)]
+    assert all(c.parent_id == root.span_id for c in calls)
+    assert one(spans, name="worker prefill").parent_id == calls[1].span_id
+    assert one(spans, name="decode call").parent_id == root.span_id
+
+
+def test_a_failed_prefill_and_its_fallback_are_in_the_trace(stack, failing, module_launch, receiver):
+    """The only prefill worker fails: its attempt is an error span, and the request, prefilled on
+    the decode worker instead, is still one trace."""
     _, decode, _ = stack
-    failing = module_launch.fake_worker()
-    failing.control(mode="500")
     router = module_launch.router("--prefill", failing.url, "--decode", decode.url, "--otlp-traces-endpoint",
                                   receiver.http_url, env={**os.environ, **FAST_EXPORT})
     trace_id = secrets.token_hex(16)

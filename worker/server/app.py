@@ -26,6 +26,7 @@ from pdserve.protocol.chat_render import ChatTemplates
 from pdserve.protocol.contract import ENV_RUNTIME_LORA, PATH_KV_RELEASE
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, install_handlers
+from pdserve.protocol.gc_heap import freeze_startup_heap
 from pdserve.protocol.kv_transfer import PARAM, KVTransferParams, KVTransferParamsError
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
@@ -47,8 +48,10 @@ class WorkerState:
     """Everything the routes share; lives on `app.state.worker`."""
 
     def __init__(self, config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
-                 on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None,
+                 freeze_heap: bool = False):
         self.config = config
+        self._freeze_heap = freeze_heap  # the process is this server's alone (protocol/gc_heap.py)
         self.served_model_name = served_model_name
         self.model_source = model_source  # --model as given: a hub id or a directory; None: the default model
         self.created = int(time.time())
@@ -135,6 +138,8 @@ class WorkerState:
         for collector in engine.metrics_collectors():  # one registry per process: /metrics lists each family once
             self.metrics.registry.register(collector)
         self.engine = engine
+        if self._freeze_heap:
+            freeze_startup_heap()
         log.info("engine ready in %.1fs: serving %s (max_model_len=%d)", time.perf_counter() - t0,
                  self.served_model_name, engine.max_model_len)
 
@@ -181,8 +186,12 @@ class WorkerState:
 
 
 def build_app(config: ServerConfig, served_model_name: str, engine_factory: Callable[[], object],
-              on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None) -> FastAPI:
-    state = WorkerState(config, served_model_name, engine_factory, on_fatal, model_source)
+              on_fatal: Callable[[BaseException], None] | None = None, model_source: str | None = None,
+              freeze_heap: bool = False) -> FastAPI:
+    """`freeze_heap`: once the engine runs, the process's heap so far leaves the garbage
+    collector's reach (protocol/gc_heap.py); only where the process is the server's alone, never
+    in a process that builds apps and engines and drops them (tests)."""
+    state = WorkerState(config, served_model_name, engine_factory, on_fatal, model_source, freeze_heap)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

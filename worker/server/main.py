@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(server_config, served_model_name(engine_config),
-                    lambda: AsyncEngine.from_config(engine_config), on_fatal, engine_config.model)
+                    lambda: AsyncEngine.from_config(engine_config), on_fatal, engine_config.model, freeze_heap=True)
     state = app.state.worker
     # Keep-alive stays at uvicorn's 5 s: below the router's pool keep-alive would drop
     # connections the router still thinks are open, above it only holds idle sockets.
