@@ -66,6 +66,9 @@ class UpstreamResponse:
         "_waiter",
         "_timer",
         "_closed",
+        "idle_s",
+        "_wait_since",
+        "_idle_timer",
     )
 
     def __init__(self, conn: "Connection"):
@@ -79,6 +82,11 @@ class UpstreamResponse:
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None  # the call's total timeout
         self._closed = False
+        # With `idle_s`, a wait in readany() longer than it raises asyncio.TimeoutError: one
+        # timer per idle period, not one per read (an asyncio.timeout per chunk costs ~5 µs).
+        self.idle_s: float | None = None
+        self._wait_since = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def content_type(self) -> str:
@@ -96,10 +104,16 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             if self._complete:
+                self._finish()
                 return b""
             if self._closed:
                 raise UpstreamConnectionError("the response was closed")
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            if self.idle_s is not None:
+                self._wait_since = loop.time()
+                if self._idle_timer is None:
+                    self._idle_timer = loop.call_at(self._wait_since + self.idle_s, self._idle_check)
             try:
                 await self._waiter
             finally:
@@ -144,6 +158,20 @@ class UpstreamResponse:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # not waiting: the next wait arms the timer again
+        due = self._wait_since + self.idle_s
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:  # this wait began after the timer was armed
+            self._idle_timer = loop.call_at(due, self._idle_check)
+            return
+        self._waiter.set_exception(asyncio.TimeoutError(f"no data from the worker for {self.idle_s} s"))
 
     def _timed_out(self) -> None:
         self._timer = None

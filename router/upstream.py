@@ -196,17 +196,8 @@ async def read_and_close(response: UpstreamResponse) -> bytes:
 
 async def chunks(response: UpstreamResponse, idle_s: float | None = None) -> AsyncIterator[bytes]:
     """The body as it arrives; a gap longer than `idle_s` raises asyncio.TimeoutError."""
-    if idle_s is None:
-        while data := await response.readany():
-            yield data
-        return
-    while True:
-        if response.at_eof():  # no timer for a body already in
-            return
-        async with asyncio.timeout(idle_s):  # no task per chunk, unlike wait_for
-            data = await response.readany()
-        if not data:
-            return
+    response.idle_s = idle_s  # the response's own timer: no task or timeout object per chunk
+    while data := await response.readany():
         yield data
 
 

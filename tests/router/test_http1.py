@@ -294,3 +294,31 @@ def test_a_kept_alive_connection_closed_unanswered_is_retried_once_on_a_new_one(
 
     w = run(main())
     assert w.connections == 2 and len(w.requests) == 3
+
+
+def test_idle_bound_fails_a_wait_for_data_not_a_slow_reader():
+    gate = asyncio.Event()
+
+    async def stalls(reader, writer, worker):
+        await worker.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+        await gate.wait()
+        writer.write(b"1\r\nb\r\n")
+        await worker.request(reader)  # then nothing, until the client closes
+
+    async def main():
+        async with Worker(stalls) as w:
+            client = Client(limit=8)
+            r = await client.post(w.url, "/x", b"{}", {})
+            r.idle_s = 0.05
+            await asyncio.sleep(0.1)  # longer than idle_s, but no read waited: no timeout
+            assert await r.readany() == b"a"
+            gate.set()
+            assert await r.readany() == b"b"
+            with pytest.raises(asyncio.TimeoutError):
+                await r.readany()
+            r.close()
+            await w.eof.wait()
+            client.close()
+
+    run(main())
