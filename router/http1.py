@@ -220,6 +220,7 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._head: asyncio.Future | None = None  # resolved when the status line and headers are in
+        self._head_timer: asyncio.TimerHandle | None = None  # the first-byte bound
         self._got_bytes = False  # of the current answer
         self._body_to_eof = False  # no length, not chunked: the body ends with the connection
         self._lost = False
@@ -263,6 +264,9 @@ class Connection(asyncio.Protocol):
         dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if key in headers else text)
 
     def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         response = self._response
         response.status = self._parser.get_status_code()
         headers = response.headers
@@ -292,9 +296,11 @@ class Connection(asyncio.Protocol):
 
     # ---- the client side ----
 
-    def send(self, head: bytes, body: bytes, total_s: float | None) -> asyncio.Future:
+    def send(self, head: bytes, body: bytes, total_s: float | None, first_byte_s: float | None) -> asyncio.Future:
         """Write the request; the returned future gets the Response once its head is parsed."""
         loop = asyncio.get_running_loop()
+        if first_byte_s is not None:
+            self._head_timer = loop.call_later(first_byte_s, self._first_byte_late, first_byte_s)
         self._head = loop.create_future()
         self._response = UpstreamResponse(self)
         self._got_bytes = False
@@ -305,6 +311,10 @@ class Connection(asyncio.Protocol):
         if len(body) >= 65536:
             self.transport.write(body)  # large bodies are not copied into one buffer
         return self._head
+
+    def _first_byte_late(self, first_byte_s: float) -> None:
+        self._head_timer = None
+        self.close(asyncio.TimeoutError(f"the worker sent no answer within {first_byte_s} s"))
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -325,6 +335,9 @@ class Connection(asyncio.Protocol):
         self._error(error or UpstreamConnectionError("connection closed"))
 
     def _error(self, error: BaseException) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         head, self._head = self._head, None
         if head is not None and not head.done():
             head.set_exception(error)
@@ -349,7 +362,8 @@ class Pool:
         self.idle: list[Connection] = []
         self.busy: set[Connection] = set()
 
-    async def connection(self) -> Connection:
+    def reuse(self) -> Connection | None:
+        """An idle connection still fit to carry a request, now in use; None if there is none."""
         while self.idle:
             conn = self.idle.pop()
             if time.monotonic() - conn.idle_since < KEEPALIVE_S and not conn._lost:
@@ -357,6 +371,11 @@ class Pool:
                 self.busy.add(conn)
                 return conn
             conn.close(None)
+        return None
+
+    async def connection(self) -> Connection:
+        if (conn := self.reuse()) is not None:
+            return conn
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.ssl)
@@ -404,46 +423,50 @@ class Client:
         headers: dict[str, str],
         connect_s: float | None = None,
         total_s: float | None = None,
+        first_byte_s: float | None = None,
     ) -> UpstreamResponse:
-        """POST `body` to `path` of the worker at `url`; the answer once its head is in.
-        Raises UpstreamConnectionError or asyncio.TimeoutError."""
+        """POST `body` to `path` of the worker at `url`; the answer once its head is in (within
+        `first_byte_s` of the write, when given). Raises UpstreamConnectionError or
+        asyncio.TimeoutError."""
         pool = self._pools.get(url)
         if pool is None:
             pool = self._pools[url] = Pool(self, url)
         started = time.monotonic()
-        async with asyncio.timeout(connect_s):
-            await self._slot()
-            try:
-                conn = await pool.connection()
-            except BaseException:
-                self.released()
-                raise
+        conn = await self._acquire(pool, connect_s)
         if total_s is not None:
             total_s = max(total_s - (time.monotonic() - started), 0.0)
         head = self._head(pool, path, headers, len(body))
         reused = conn.reused
         try:
-            return await self._exchange(conn, head, body, total_s)
+            return await self._exchange(conn, head, body, total_s, first_byte_s)
         except UpstreamConnectionError:
             if not reused or conn._got_bytes:
                 raise
         # A kept-alive connection the worker closed (its idle timeout) just as it was reused: the
         # worker read nothing of this request, so it goes once more on a new connection.
+        conn = await self._acquire(pool, connect_s, fresh=True)
+        if total_s is not None:
+            total_s = max(total_s - (time.monotonic() - started), 0.0)
+        return await self._exchange(conn, head, body, total_s, first_byte_s)
+
+    async def _acquire(self, pool: Pool, connect_s: float | None, fresh: bool = False) -> Connection:
+        if not fresh and self._in_use < self.limit and (conn := pool.reuse()) is not None:
+            self._in_use += 1  # the common case: no wait, so no timeout object either
+            return conn
         async with asyncio.timeout(connect_s):
             await self._slot()
             try:
-                conn = await pool.connection() if not pool.idle else await self._fresh(pool)
+                return await (self._fresh(pool) if fresh else pool.connection())
             except BaseException:
                 self.released()
                 raise
-        if total_s is not None:
-            total_s = max(total_s - (time.monotonic() - started), 0.0)
-        return await self._exchange(conn, head, body, total_s)
 
     @staticmethod
-    async def _exchange(conn: Connection, head: bytes, body: bytes, total_s: float | None) -> UpstreamResponse:
+    async def _exchange(
+        conn: Connection, head: bytes, body: bytes, total_s: float | None, first_byte_s: float | None
+    ) -> UpstreamResponse:
         try:
-            return await conn.send(head, body, total_s)
+            return await conn.send(head, body, total_s, first_byte_s)
         except BaseException as e:
             # Cancelled (the caller left, a first-byte bound, an abandoned worker) or failed: the
             # request may be on the worker, so the connection is closed: the worker aborts it.

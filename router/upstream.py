@@ -157,8 +157,8 @@ class Upstream:
         task = asyncio.current_task()
         self._waiting.setdefault(worker, set()).add(task)
         try:
-            async with asyncio.timeout(limits.first_byte_s):  # None: no bound beyond the call's own
-                response = await self.client.post(worker.url, path, body, headers, limits.connect, limits.total)
+            response = await self.client.post(worker.url, path, body, headers, limits.connect, limits.total,
+                                              limits.first_byte_s)
         except asyncio.CancelledError:
             # Ours (abandon()) unless the client's cancellation is also pending: then it wins.
             if task not in self._abandoned or task.uncancel() > 0:

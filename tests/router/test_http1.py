@@ -322,3 +322,20 @@ def test_idle_bound_fails_a_wait_for_data_not_a_slow_reader():
             client.close()
 
     run(main())
+
+
+def test_first_byte_bound_fails_a_silent_worker_and_closes_the_connection():
+    async def silent(reader, writer, worker):
+        await worker.request(reader)
+        await worker.request(reader)  # EOF once the client gives up
+
+    async def main():
+        async with Worker(silent) as w:
+            client = Client(limit=8)
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post(w.url, "/x", b"{}", {}, first_byte_s=0.05)
+            await w.eof.wait()
+            assert client._in_use == 0
+            client.close()
+
+    run(main())
