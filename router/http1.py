@@ -289,6 +289,7 @@ class Connection(asyncio.Protocol):
             self._response._timer, response._timer = response._timer, None
             return
         response._end()
+        self.resume()  # paused for a large body that has now ended: the next answer must be read
         if self._parser.should_keep_alive() and not self._lost:
             self.pool.put(self)
         else:

@@ -339,3 +339,25 @@ def test_first_byte_bound_fails_a_silent_worker_and_closes_the_connection():
             client.close()
 
     run(main())
+
+
+def test_a_body_past_the_read_buffer_then_another_answer_on_the_connection():
+    """A body larger than what is buffered unread pauses the socket; once it is read, the
+    connection carries the next call."""
+    big = b"x" * (3 << 20)
+
+    async def large(reader, writer, worker):
+        while await worker.request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+
+    async def main():
+        async with Worker(large) as w:
+            client = Client(limit=8)
+            for _ in range(2):
+                r = await client.post(w.url, "/x", b"{}", {})
+                assert await r.read() == big
+                r.close()
+            client.close()
+            return w
+
+    assert run(main()).connections == 1
