@@ -8,8 +8,9 @@ carries the worker key (`--worker-api-key`, default the first client key): a key
 takes `kv_transfer_params` only from whoever holds it.
 
 Every check that can fail (auth, body size, content type, JSON, model) runs before a response
-starts; errors use OpenAI's shape. The lifespan owns the one pooled aiohttp session and the
-background tasks (probes, discovery, KV-event subscriptions).
+starts; errors use OpenAI's shape. The lifespan owns the pooled upstream clients (http1.py on the
+generation path, aiohttp for the rest) and the background tasks (probes, discovery, KV-event
+subscriptions).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowC
                                          band_of, tenant_of)
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
+from pdserve.router.http1 import Client
 from pdserve.router.hot_routes import HotRoutesApp
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
@@ -93,7 +95,10 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             if config.worker_api_key:
                 # Default headers of the one session: requests, probes and scrapes all carry it.
                 session.headers["Authorization"] = f"Bearer {config.worker_api_key}"
-            upstream = Upstream(session, workers, metrics)
+            # The generation path's client (http1.py): the worker key on every call, as the session's.
+            client = Client(config.max_connections,
+                            {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None)
+            upstream = Upstream(session, workers, metrics, client)
             selector = Selector(config, ctx, workers)
             app.state.orchestrator = Orchestrator(config, upstream, selector)
             app.state.orchestrator.tracing = tracing
@@ -124,6 +129,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if subs is not None:
                     subs.close()
+                client.close()
                 await asyncio.to_thread(tracing.shutdown)
 
     app = HotRoutesApp(title="pdserve router", lifespan=lifespan, **utility_routes.DOCS)

@@ -23,7 +23,6 @@ import logging
 import time
 from typing import AsyncIterator, Sequence
 
-import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -34,6 +33,7 @@ from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.protocol.tracing import Tracing
+from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
 from pdserve.router.fallback import RoleFallback
@@ -245,7 +245,7 @@ class Orchestrator:
             return APIError(429, "every decode worker is overloaded", code="overloaded")
         return APIError(502, f"decode failed on every worker tried (last: {up.last_reason})", code="upstream_failed")
 
-    async def read_answer(self, up: UpstreamCall, response: aiohttp.ClientResponse | None) -> bytes:
+    async def read_answer(self, up: UpstreamCall, response: UpstreamResponse | None) -> bytes:
         """A non-streaming decode call's whole answer, once its status is known; errors raised."""
         if response is None:
             raise self.no_decode(up)
@@ -308,7 +308,7 @@ class Orchestrator:
         self.observe_ttft(call)
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
-    async def decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
+    async def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
                             since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]:
         """A hand-off's decode stream after the first token (`first_token_id`, the prefill's), once
         its status is known: one error event (and [DONE]) when no worker took it, else its events

@@ -3,9 +3,11 @@
 `Upstream.open` returns a response whose status is known and whose body is still unread, so the
 caller can decide (pass through, retry elsewhere) before a byte goes to the client.
 
-The client is aiohttp's pooled keep-alive session: on this path httpx measured 5-10x slower
-(its connection pool scans every connection per request; see docs/router.md), which alone
-would have made the router the bottleneck of a P/D deployment.
+The generation path's client is the router's own HTTP/1.1 client (http1.py: keep-alive pools
+per worker, one write per request, bodies relayed as they arrive): aiohttp's took about a
+quarter of the router's CPU per request, and httpx measured 5-10x slower still (its pool scans
+every connection per request; see docs/router.md). The aiohttp session stays for the calls off
+that path (KV releases, peer prefix pins, probes, scrapes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import AsyncIterator
 import aiohttp
 
 from pdserve.protocol.contract import HEADER_REQUEST_FAILED, PATH_KV_RELEASE
+from pdserve.router.http1 import Client, UpstreamConnectionError, UpstreamResponse
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Worker, WorkerSet
 
@@ -29,7 +32,7 @@ class StreamBroken(Exception):
 
 
 # Connection-level failures: the worker is down, died or stalled; another worker may do better.
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken)
+UPSTREAM_ERRORS = (UpstreamConnectionError, aiohttp.ClientError, asyncio.TimeoutError, StreamBroken)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Attempt:
     """How one call ended: a response to use, or why another worker should be tried."""
 
     worker: Worker
-    response: aiohttp.ClientResponse | None = None
+    response: UpstreamResponse | None = None
     retryable: bool = False
     reason: str = ""
 
@@ -51,24 +54,18 @@ def make_session(max_connections: int) -> aiohttp.ClientSession:
 
 def timeout(total_s: float | None, connect_s: float, read_s: float | None = None,
             first_byte_s: float | None = None) -> "Limits":
-    """aiohttp's sock_read would also bound the wait for headers, which for a worker includes
-    its queueing and prefill. Streams instead bound that wait with `first_byte_s` and each
-    later chunk with `read_s`."""
-    return Limits(total=total_s, connect=connect_s, sock_read=None if first_byte_s else read_s,
-                  first_byte_s=first_byte_s, idle_s=read_s if first_byte_s else None)
+    """A bound on each socket read would also bound the wait for headers, which for a worker
+    includes its queueing and prefill. Streams instead bound that wait with `first_byte_s` and
+    each later chunk with `read_s`."""
+    return Limits(total=total_s, connect=connect_s, first_byte_s=first_byte_s, idle_s=read_s)
 
 
 @dataclass(frozen=True)
 class Limits:
-    total: float | None
-    connect: float
-    sock_read: float | None
+    total: float | None  # the whole call, status and body
+    connect: float  # a free connection slot and the connect
     first_byte_s: float | None = None  # headers must arrive within this (streams)
     idle_s: float | None = None  # then each chunk within this (streams)
-
-    @property
-    def client_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.total, connect=self.connect, sock_read=self.sock_read)
 
 
 class WorkerLost(Exception):
@@ -85,13 +82,15 @@ class Upstream:
     read ends as a broken connection (the caller's usual error path). Without this such calls
     would wait out `--first-byte-timeout` / `--request-timeout` (minutes)."""
 
-    def __init__(self, session: aiohttp.ClientSession, workers: WorkerSet, metrics: RouterMetrics):
+    def __init__(self, session: aiohttp.ClientSession, workers: WorkerSet, metrics: RouterMetrics,
+                 client: Client | None = None):
         self.session = session
+        self.client = client
         self.workers = workers
         self.metrics = metrics
         self._waiting: dict[Worker, set[asyncio.Task]] = {}
         self._abandoned: set[asyncio.Task] = set()
-        self._reading: dict[Worker, set[aiohttp.ClientResponse]] = {}
+        self._reading: dict[Worker, set[UpstreamResponse]] = {}
         self._background: set[asyncio.Task] = set()
         workers.on_lost.append(self.abandon)
 
@@ -122,17 +121,17 @@ class Upstream:
             self._abandoned.add(task)
             task.cancel()
         for response in responses:
-            response.close()  # the reader gets ClientConnectionError: an UPSTREAM_ERROR
+            response.close()  # the reader gets UpstreamConnectionError: an UPSTREAM_ERROR
         if tasks or responses:
             log.warning("%r stopped answering health probes: abandoning %d call(s) waiting on it",
                         worker, len(tasks) + len(responses))
         return len(tasks) + len(responses)
 
-    def reading(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+    def reading(self, worker: Worker, response: UpstreamResponse) -> None:
         """`response`'s body is being read from `worker` until `done_reading`."""
         self._reading.setdefault(worker, set()).add(response)
 
-    def done_reading(self, worker: Worker, response: aiohttp.ClientResponse) -> None:
+    def done_reading(self, worker: Worker, response: UpstreamResponse) -> None:
         held = self._reading.get(worker)
         if held is not None:
             held.discard(response)
@@ -158,9 +157,8 @@ class Upstream:
         task = asyncio.current_task()
         self._waiting.setdefault(worker, set()).add(task)
         try:
-            async with asyncio.timeout(limits.first_byte_s):  # None: no bound beyond aiohttp's
-                response = await self.session.post(worker.url + path, data=body, headers=headers,
-                                                   timeout=limits.client_timeout)
+            response = await self.client.post(worker.url, path, body, headers, limits.connect, limits.total,
+                                              limits.first_byte_s)
         except asyncio.CancelledError:
             # Ours (abandon()) unless the client's cancellation is also pending: then it wins.
             if task not in self._abandoned or task.uncancel() > 0:
@@ -187,7 +185,7 @@ class Upstream:
         return Attempt(worker, response=response)
 
 
-async def read_and_close(response: aiohttp.ClientResponse) -> bytes:
+async def read_and_close(response: UpstreamResponse) -> bytes:
     try:
         return await response.read()
     except UPSTREAM_ERRORS:
@@ -196,24 +194,16 @@ async def read_and_close(response: aiohttp.ClientResponse) -> bytes:
         response.release()
 
 
-async def chunks(response: aiohttp.ClientResponse, idle_s: float | None = None) -> AsyncIterator[bytes]:
+async def chunks(response: UpstreamResponse, idle_s: float | None = None) -> AsyncIterator[bytes]:
     """The body as it arrives; a gap longer than `idle_s` raises asyncio.TimeoutError."""
-    if idle_s is None:
-        async for data in response.content.iter_any():
-            yield data
-        return
-    content = response.content
-    while True:
-        async with asyncio.timeout(idle_s):  # no task per chunk, unlike wait_for
-            data = await content.readany()
-        if not data:
-            return
+    response.idle_s = idle_s  # the response's own timer: no task or timeout object per chunk
+    while data := await response.readany():
         yield data
 
 
-def close(response: aiohttp.ClientResponse | None) -> None:
-    """Drop the connection unless the body was fully read (then it goes back to the pool).
+def close(response: UpstreamResponse | None) -> None:
+    """Drop the connection unless the body was fully read (then it is back in the pool already).
     Synchronous on purpose: it must work inside a cancelled task (client disconnect), and
     closing the connection is what tells the worker to abort and free the request's KV."""
     if response is not None:
-        response.close() if not response.content.at_eof() else response.release()
+        response.close()

@@ -18,9 +18,9 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Sequence
 
-import aiohttp
 
 from pdserve.protocol.tracing import Tracing
+from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.upstream import Limits, Upstream, close
 from pdserve.router.workers import Worker
 
@@ -47,7 +47,7 @@ class UpstreamCall:
         self._tried: set[int] = set()
         self.attempts = 0
         self.worker: Worker | None = None  # held (acquired) while set
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: UpstreamResponse | None = None
         self.last_status: int | None = None  # of the last retryable answer, for the final error
         self.last_reason = ""
         self._lingering: asyncio.Task | None = None  # an open() left to finish: close() waits for it
@@ -61,7 +61,7 @@ class UpstreamCall:
     async def open(
         self, path: str, body: bytes, headers: dict[str, str], limits: Limits,
         body_for: Callable[[Worker, Sequence[Worker]], Awaitable[bytes | None]] | None = None,
-    ) -> aiohttp.ClientResponse | None:
+    ) -> UpstreamResponse | None:
         """A response with a final status (not 5xx, not 429) from the next worker that gives
         one, its body unread; None when no candidate or attempt is left. `body_for(worker, pool)`:
         what to send the worker chosen instead of `body`, when it says so (None: `body`)."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
-import aiohttp
 from starlette.responses import Response
 
 from pdserve.protocol.contract import ROLE_DECODE
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.sse import SSEResponse
+from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.selection import Selector
@@ -51,7 +51,7 @@ class Orchestration(Protocol):
 
     def no_decode(self, up: UpstreamCall) -> APIError: ...
 
-    async def read_answer(self, up: UpstreamCall, response: aiohttp.ClientResponse | None) -> bytes: ...
+    async def read_answer(self, up: UpstreamCall, response: UpstreamResponse | None) -> bytes: ...
 
     async def direct(self, call: Call, pool: list[Worker], role: str = ROLE_DECODE) -> Response: ...
 
@@ -63,7 +63,7 @@ class Orchestration(Protocol):
 
     def observe_ttft(self, call: Call) -> None: ...
 
-    def decode_events(self, call: Call, up: UpstreamCall, response: aiohttp.ClientResponse | None,
+    def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
                       since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]: ...
 
     def stream_response(self, call: Call, events: AsyncIterator[bytes], held: Closable | None = None,

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import aiohttp
 from starlette.responses import Response
 
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
 from pdserve.protocol.errors import APIError
+from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import HANDOFF_GRACE_S, Handoff
 from pdserve.router.migration import first_token_id
@@ -55,7 +55,7 @@ class AfterPrefill(Handoff[Prefilled]):
             pin.abandon(o.up)
 
     async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits) -> \
-            aiohttp.ClientResponse | None:
+            UpstreamResponse | None:
         """`up.open`, not cut off the moment the client leaves: a connection closed before the
         decode worker has read the request loses it there, and then nobody releases the
         prefill's pin before its TTL. The call goes on in the background for HANDOFF_GRACE_S (or

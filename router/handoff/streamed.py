@@ -30,7 +30,6 @@ import logging
 import time
 from typing import AsyncIterator
 
-import aiohttp
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -39,6 +38,7 @@ from pdserve.protocol.errors import TYPES, APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.protocol.responses import RESPONSES
+from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import Handoff, Orchestration
 from pdserve.router.handoff.after_prefill import AfterPrefill, Prefilled
@@ -94,14 +94,14 @@ class StreamedPrefill:
         self._metrics = metrics
 
     @classmethod
-    async def first_line(cls, up: UpstreamCall, response: aiohttp.ClientResponse, started: float,
+    async def first_line(cls, up: UpstreamCall, response: UpstreamResponse, started: float,
                          metrics: RouterMetrics) -> "StreamedPrefill":
         """Read line 1. Raises an UPSTREAM_ERRORS exception or ValueError (malformed)."""
         buf = b""
         while (cut := buf.find(b"\n")) < 0:
             if len(buf) > _MAX_FIRST_LINE:
                 raise ValueError("the prefill's first line is too long")
-            data = await response.content.readany()
+            data = await response.readany()
             if not data:
                 raise StreamBroken("the prefill's answer ended before its first line")
             buf += data
@@ -151,7 +151,7 @@ class DecodeLeg:
         self.opening = asyncio.ensure_future(self.up.open(path, payload, headers, limits))
         self.opening.add_done_callback(_retrieved)
 
-    async def response(self) -> aiohttp.ClientResponse | None:
+    async def response(self) -> UpstreamResponse | None:
         # Shielded: a client that leaves here must not cut the request off unread (close() decides).
         return await asyncio.shield(self.opening)
 
