@@ -162,6 +162,26 @@ def close(a, b, tol: float) -> bool:
     return a == b
 
 
+def first_diff(a, b, tol: float, path: str = "") -> str | None:
+    """Where two answers first differ, and how (None: `close`)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                return f"{path}.{k}: only in {'the stream' if k in a else 'the twin'}"
+            if (d := first_diff(a[k], b[k], tol, f"{path}.{k}")) is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for k, (x, y) in enumerate(zip(a, b)):
+            if (d := first_diff(x, y, tol, f"{path}[{k}]")) is not None:
+                return d
+        return None if len(a) == len(b) else f"{path}: {len(a)} items in the stream, {len(b)} in the twin"
+    if isinstance(a, str) and isinstance(b, str) and a != b:
+        k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"{path} at char {k}: {a[max(0, k - 40):k + 60]!r} != {b[max(0, k - 40):k + 60]!r}"
+    return None if close(a, b, tol) else f"{path}: {a!r} != {b!r}"
+
+
 @dataclass
 class Stream:
     i: int
@@ -398,8 +418,7 @@ async def twins(http, ref: Proc, streams: list[Stream], concurrency: int, tol: f
         if close(got, want, tol):
             equal += 1
         else:
-            diffs.append(f"{s.rid} ({s.shape}, killed {len(s.kills)}x): {json.dumps(got)[:400]} != "
-                         f"{json.dumps(want)[:400]}")
+            diffs.append(f"{s.rid} ({s.shape}, killed {len(s.kills)}x): {first_diff(got, want, tol)}")
 
     await asyncio.gather(*(one(s) for s in streams))
     return equal, diffs
