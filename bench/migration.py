@@ -91,11 +91,11 @@ def make_checkpoint(path: str, shape: str, config_only: bool) -> None:
 
 # ---- the requests ---------------------------------------------------------------------------------
 
-def body_of(i: int, prompt_tokens: int, max_tokens: int, vocab: int) -> tuple[str, str, dict]:
+def body_of(i: int, prompt_tokens: int, max_tokens: int, vocab: int, shapes=SHAPES) -> tuple[str, str, dict]:
     """Request i: its shape, route and body (its own prompt and seed)."""
     rng = random.Random(i)
     words = lambda n: " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(n))  # noqa: E731
-    shape = SHAPES[i % len(SHAPES)]
+    shape = shapes[i % len(shapes)]
     seed = 1000 + i
     common = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
     if shape == "greedy-logprobs":
@@ -165,7 +165,7 @@ def close(a, b, tol: float) -> bool:
 def first_diff(a, b, tol: float, path: str = "") -> str | None:
     """Where two answers first differ, and how (None: `close`)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b), key=str):
+        for k in sorted(set(a) | set(b), key=lambda k: (k != "text", str(k))):  # the text first
             if k not in a or k not in b:
                 return f"{path}.{k}: only in {'the stream' if k in a else 'the twin'}"
             if (d := first_diff(a[k], b[k], tol, f"{path}.{k}")) is not None:
@@ -321,7 +321,7 @@ class Run:
 
     def new_stream(self) -> Stream:
         i, self.next_i = self.next_i, self.next_i + 1
-        shape, route, body = body_of(i, self.args.prompt_tokens, self.args.max_tokens, self.vocab)
+        shape, route, body = body_of(i, self.args.prompt_tokens, self.args.max_tokens, self.vocab, self.args.shapes)
         choices = body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1)
         s = Stream(i, f"mig-{os.getpid()}-{i}", shape, route, body, choices * self.args.max_tokens)
         self.streams[s.rid] = s
@@ -615,6 +615,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: the decode workers prefill)")
     p.add_argument("--decode", type=int, default=3, help="decode workers (one is killed at a time)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="the request shapes sent in turn, comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
@@ -657,6 +658,9 @@ def main(argv=None) -> int:
     except (ValueError, AssertionError):
         p.error(f"--kill-at: two fractions LO,HI with 0 <= LO < HI <= 1, got {args.kill_at!r}")
     args.kill_at = (lo, hi)
+    args.shapes = tuple(x for x in args.shapes.split(",") if x)
+    if not args.shapes or set(args.shapes) - set(SHAPES):
+        p.error(f"--shapes: some of {', '.join(SHAPES)}, got {','.join(args.shapes)!r}")
     args.started = time.monotonic()
     if args.hits < 1 or args.concurrency < 1 or args.decode < 2:
         p.error("--hits and --concurrency must be >= 1, --decode >= 2 (a killed worker's streams need another)")
