@@ -337,9 +337,9 @@ class Run:
         lo, hi = a.kill_at
         until = min(self.t0 + a.budget_s, a.started + a.deadline_s - a.reserve_s)
         while len(self.hits) < a.hits and time.monotonic() < until:
-            live = [s for s in self.streams.values() if s.finished is None and not s.kills
-                    and lo <= s.progress <= hi]
-            if not live:
+            running = [s for s in self.streams.values() if s.finished is None]
+            live = [s for s in running if not s.kills and lo <= s.progress <= hi]
+            if not live or len(running) < a.concurrency // 2:  # the loop's streams not all started yet
                 await asyncio.sleep(0.01)
                 continue
             chosen = rng.choice(live)

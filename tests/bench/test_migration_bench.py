@@ -18,12 +18,12 @@ SHAPES = [s for s in migration.SHAPES if s != "greedy-logprobs"]
 
 def test_streams_of_killed_decode_workers_fail_nothing_and_equal_their_twins(tmp_path):
     rc = migration.main(["--out", str(tmp_path), "--hits", "3", "--concurrency", "6", "--prefill", "1", "--decode", "3",
-                         "--prompt-tokens", "16", "--max-tokens", "48", "--device", "cpu", "--kv-transfer", "tcp",
-                         "--no-restart", "--budget-s", "120", "--shapes", ",".join(SHAPES)])
+                         "--prompt-tokens", "16", "--max-tokens", "128", "--device", "cpu", "--kv-transfer", "tcp",
+                         "--no-restart", "--budget-s", "120", "--twins", "20", "--shapes", ",".join(SHAPES)])
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["failed"] == [] and s["diffs"] == []
-    assert s["equal"] == s["requests"] > 0
-    assert s["hits"] >= 3 and rc == 0
+    assert s["equal"] == s["checked"] >= s["hits"] + min(20, s["requests"] - s["hits"])
+    assert s["hits"] >= 2 and rc == 0  # two kills at most (--no-restart, 3 decode workers)
     # The router moved streams (a hit whose finish was out already ends without a move).
     assert 0 < sum(s["router"]["migrations"].values()) == s["moved_in_router_log"] <= s["hits"]
     assert all(h["gap_s"] is not None and h["reprefill_s"] > 0 for h in s["per_hit"])
