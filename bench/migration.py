@@ -431,7 +431,9 @@ async def reprefill_time(http, ref: Proc, lengths: list[int], vocab: int, seed: 
     t = time.monotonic()
     r = await http.post(ref.url + "/v1/completions", json={"model": "bench", "prompt": prompts, "max_tokens": 1,
                                                            "temperature": 0, "ignore_eos": True})
-    r.raise_for_status()
+    if r.status_code != 200:  # reported, not fatal: the rest of the run stands
+        log(f"re-prefill of {lengths} tokens: {r.status_code} {r.text[:300]}")
+        return float("nan")
     return time.monotonic() - t
 
 
@@ -520,6 +522,7 @@ async def run(args) -> dict:
                 rows.append({"rid": rid, "shape": s.shape, "gap_s": gap, "continued": cont, "choices": open_,
                              "lengths": ([per_prompt + (cont or 0) // open_] * open_)})
             for row in rows:
+                row["lengths"] = [max(1, min(n, args.max_model_len - 8)) for n in row["lengths"]]
                 row["reprefill_s"] = await reprefill_time(http, ref, row["lengths"], vocab, len(row["lengths"]))
             # Inter-event gaps away from any kill (more than 2 s from one), for scale.
             steady = [b - a_ for s in streams for a_, b in zip(s.times, s.times[1:])
@@ -529,7 +532,7 @@ async def run(args) -> dict:
                 p.stop()
     failed = [f"{s.rid} ({s.shape}): {s.failure()}" for s in streams if s.failure()]
     gaps = [x["gap_s"] for x in rows if x["gap_s"] is not None]
-    rep = [x["reprefill_s"] for x in rows]
+    rep = [x["reprefill_s"] for x in rows if x["reprefill_s"] == x["reprefill_s"]]
     summary.update({
         "load_s": round(load_s, 1), "requests": len(streams), "kills": r.kills, "hits": len(r.hits),
         "streams_hit": len({rid for rid, _ in r.hits}), "failed": failed, "equal": equal, "checked": len(checked),
@@ -591,7 +594,7 @@ def plot(s: dict, path: Path) -> bool:
     except ImportError:
         return False
     gaps = [x["gap_s"] * 1e3 for x in s["per_hit"] if x["gap_s"] is not None]
-    rep = [x["reprefill_s"] * 1e3 for x in s["per_hit"]]
+    rep = [x["reprefill_s"] * 1e3 for x in s["per_hit"] if x["reprefill_s"] == x["reprefill_s"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     top = max(gaps + rep + [1.0])
     bins = [top * k / 30 for k in range(31)]
