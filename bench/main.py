@@ -30,6 +30,7 @@ BENCHMARKS = {
     "step-overlap": "pdserve.bench.step_overlap",
     "pd-async": "pdserve.bench.pd_async",
     "lora": "pdserve.bench.lora",
+    "migration": "pdserve.bench.migration",
 }
 
 

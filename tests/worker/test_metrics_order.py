@@ -38,7 +38,7 @@ def sample(metrics: ServerMetrics, name: str, **labels) -> float:
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_request_is_recorded_before_its_final_output_is_handed_on(n):
     metrics = ServerMetrics("tiny", lambda: None)
-    gen = Generation(ScriptedEngine(), metrics, set(), "cmpl-1", [[1, 2, 3]], SamplingParams(max_tokens=2), n)
+    gen = Generation(ScriptedEngine(), metrics, {}, "cmpl-1", [[1, 2, 3]], SamplingParams(max_tokens=2), n)
     seen = []
 
     async def consume():

@@ -63,7 +63,7 @@ class WorkerState:
         self.limits = RequestLimits.of(config)
         self.draining = False
         self._drained: asyncio.Event | None = None  # set when drain() is done (None: no drain began)
-        self.inflight: set[str] = set()
+        self.inflight: dict[str, str] = {}  # engine request id -> the X-Request-Id it serves ('' without)
         self.metrics = ServerMetrics(served_model_name, lambda: self.engine.stats() if self.engine else None)
         self.tracing = setup_tracing(config.otlp_traces_endpoint, "pdserve-worker", self.metrics.registry)
         log_trace_ids(self.tracing)
@@ -359,9 +359,11 @@ def build_app(config: ServerConfig, served_model_name: str, engine_factory: Call
         if state.engine is None:
             raise APIError(503, "the model is still loading", code="not_ready")
         s = state.engine.stats()
+        # `requests`: the X-Request-Ids served here now (the router sends its request id to both legs),
+        # so an operator or a benchmark (bench/migration.py) finds the worker serving a stream.
         return {"num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
                 "num_pinned_blocks": s.num_pinned_blocks, "num_running": s.num_running,
-                "num_waiting": s.num_waiting}
+                "num_waiting": s.num_waiting, "requests": sorted({r for r in state.inflight.values() if r})}
 
     return app
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from pdserve.protocol.contract import HEADER_REQUEST_ID
 from pdserve.protocol.kv_transfer import KVTransferParams, RemoteDecodeRequest
 from pdserve.protocol.tracing import Tracing, monotonic_to_ns
 from pdserve.worker.request.outputs import RequestOutput
@@ -25,7 +26,7 @@ _END = object()
 
 
 class Generation:
-    def __init__(self, engine, metrics: ServerMetrics, inflight: set[str], request_id: str,
+    def __init__(self, engine, metrics: ServerMetrics, inflight: dict[str, str], request_id: str,
                  prompts: list[list[int]], params: SamplingParams, n: int,
                  kv_transfer_params: KVTransferParams | RemoteDecodeRequest | None = None,
                  continued: list[list[int]] | None = None, finished: frozenset[int] = frozenset(),
@@ -36,7 +37,8 @@ class Generation:
         a span under `trace_headers`' context (the router's call), its engine phases children."""
         self.engine = engine
         self.metrics = metrics
-        self.inflight = inflight  # engine request ids in flight, for the SIGTERM grace abort
+        self.inflight = inflight  # engine request ids in flight (for the SIGTERM grace abort) -> X-Request-Id
+        self.client_id = (trace_headers or {}).get(HEADER_REQUEST_ID) or ""
         self.request_id = request_id
         self.arrival = time.monotonic()
         self.num_choices = len(prompts) * n
@@ -86,7 +88,7 @@ class Generation:
 
     async def _one(self, rid: str, prompt: list[int], params: SamplingParams,
                    continued: list[int]) -> AsyncIterator[RequestOutput]:
-        self.inflight.add(rid)
+        self.inflight[rid] = self.client_id
         last: float | None = None
         finished = False
         phases = _Phases(self, rid) if self.span is not None else None
@@ -119,7 +121,7 @@ class Generation:
             self._record(out)
             yield out
         finally:
-            self.inflight.discard(rid)
+            self.inflight.pop(rid, None)
             if not finished:
                 self.engine.abort(rid)
                 self._record(RequestOutput(rid, [], finished=True, finish_reason="abort"))
