@@ -80,12 +80,15 @@ def peak_rss(pid: int) -> int:
     return total
 
 
+VLLM_MEMORY = "0.12"  # vLLM's CPU backend takes this share of host memory (weights + KV); --vllm-memory
+
+
 def command(tree: str, port: int) -> list[str]:
     if tree.startswith("vllm:"):
         venv = tree[len("vllm:"):]
         return [os.path.join(venv, "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(cache_dir()), "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", "bfloat16",
-                "--port", str(port)]
+                "--gpu-memory-utilization", VLLM_MEMORY, "--port", str(port)]
     return [os.path.join(tree, ".venv/bin/pdserve"), "worker", "--device", "cpu", "--dtype", "bfloat16",
             "--port", str(port)]
 
@@ -149,10 +152,14 @@ def main() -> int:
     ap.add_argument("--starts", type=int, default=0, help="only time N alternating starts of each worker")
     ap.add_argument("--base-env", default="", help="KEY=VALUE,... set for the base worker only")
     ap.add_argument("--vllm", default="", help="a virtual environment with vLLM: serve from it as a third side")
+    ap.add_argument("--vllm-memory", default=VLLM_MEMORY,
+                    help="vLLM's --gpu-memory-utilization: on CPU its share of host memory, all reserved at start")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     trees = {"base": os.path.abspath(args.base), "change": os.path.abspath(args.change)}
     ports = {"base": 18131, "change": 18132, "vllm": 18133}
+    global VLLM_MEMORY
+    VLLM_MEMORY = args.vllm_memory
     if args.vllm:
         trees["vllm"] = "vllm:" + os.path.abspath(args.vllm)
     envs = {k: dict(os.environ) for k in trees}
