@@ -143,6 +143,7 @@ def bench(client: str, port: int, conc: int, n: int, seed: int, out: str, label:
 
 
 def main() -> int:
+    global VLLM_MEMORY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True)
     ap.add_argument("--change", required=True)
@@ -158,7 +159,6 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     trees = {"base": os.path.abspath(args.base), "change": os.path.abspath(args.change)}
     ports = {"base": 18131, "change": 18132, "vllm": 18133}
-    global VLLM_MEMORY
     VLLM_MEMORY = args.vllm_memory
     if args.vllm:
         trees["vllm"] = "vllm:" + os.path.abspath(args.vllm)
