@@ -10,6 +10,10 @@ TTFT / output tok/s, the worker's CPU time (user + sys of the process and its ch
 per output token: the number least moved by other work on a shared machine. Prints a markdown
 table and writes every run's JSON under --out. `--starts N` only times N alternating starts, each
 worker alone.
+
+`--vllm VENV` adds a third side: vLLM's OpenAI server from that virtual environment (a benchmark
+peer installed apart from pdserve, e.g. PyPI's CPU build), serving the same checkpoint in bf16 under
+the same name; its runs alternate with the other two and its rows are read against the change's.
 """
 
 from __future__ import annotations
@@ -62,32 +66,50 @@ def wait_ready(port: int, proc: subprocess.Popen, limit: float = 300.0) -> None:
     raise TimeoutError(f"worker on :{port} not ready in {limit}s")
 
 
+def peak_rss(pid: int) -> int:
+    """VmHWM (peak resident bytes) summed over the process and its children (vLLM runs its engine
+    in a child process)."""
+    total = 0
+    p = psutil.Process(pid)
+    for q in [p, *p.children(recursive=True)]:
+        try:
+            with open(f"/proc/{q.pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+VLLM_MEMORY = "0.12"  # vLLM's CPU backend takes this share of host memory (weights + KV); --vllm-memory
+
+
+def command(tree: str, port: int) -> list[str]:
+    if tree.startswith("vllm:"):
+        venv = tree[len("vllm:"):]
+        return [os.path.join(venv, "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(cache_dir()), "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", "bfloat16",
+                "--gpu-memory-utilization", VLLM_MEMORY, "--port", str(port)]
+    return [os.path.join(tree, ".venv/bin/pdserve"), "worker", "--device", "cpu", "--dtype", "bfloat16",
+            "--port", str(port)]
+
+
 def start(tree: str, port: int, log: str, env: dict) -> tuple[subprocess.Popen, float]:
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [
-            os.path.join(tree, ".venv/bin/pdserve"),
-            "worker",
-            "--device",
-            "cpu",
-            "--dtype",
-            "bfloat16",
-            "--port",
-            str(port),
-        ],
-        cwd=tree,
+        command(tree, port),
+        cwd=tree if not tree.startswith("vllm:") else "/",
         env=env,
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
     )
-    wait_ready(port, proc)
+    wait_ready(port, proc, 900.0 if tree.startswith("vllm:") else 300.0)
     return proc, time.monotonic() - t0
 
 
-def bench(tree: str, port: int, conc: int, n: int, seed: int, out: str, label: str) -> dict:
+def bench(client: str, port: int, conc: int, n: int, seed: int, out: str, label: str) -> dict:
     subprocess.run(
         [
-            os.path.join(tree, ".venv/bin/pdserve"),
+            os.path.join(client, ".venv/bin/pdserve"),
             "bench",
             "serve",
             "--base-url",
@@ -121,6 +143,7 @@ def bench(tree: str, port: int, conc: int, n: int, seed: int, out: str, label: s
 
 
 def main() -> int:
+    global VLLM_MEMORY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True)
     ap.add_argument("--change", required=True)
@@ -129,10 +152,16 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--starts", type=int, default=0, help="only time N alternating starts of each worker")
     ap.add_argument("--base-env", default="", help="KEY=VALUE,... set for the base worker only")
+    ap.add_argument("--vllm", default="", help="a virtual environment with vLLM: serve from it as a third side")
+    ap.add_argument("--vllm-memory", default=VLLM_MEMORY,
+                    help="vLLM's --gpu-memory-utilization: on CPU its share of host memory, all reserved at start")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     trees = {"base": os.path.abspath(args.base), "change": os.path.abspath(args.change)}
-    ports = {"base": 18131, "change": 18132}
+    ports = {"base": 18131, "change": 18132, "vllm": 18133}
+    VLLM_MEMORY = args.vllm_memory
+    if args.vllm:
+        trees["vllm"] = "vllm:" + os.path.abspath(args.vllm)
     envs = {k: dict(os.environ) for k in trees}
     for kv in filter(None, args.base_env.split(",")):
         key, _, value = kv.partition("=")
@@ -157,7 +186,7 @@ def main() -> int:
             for r in range(args.rounds):
                 for k in trees:
                     load0, c0 = os.getloadavg()[0], cpu_seconds(procs[k].pid)
-                    s = bench(trees[k], ports[k], conc, n, 100 * r + conc, args.out, f"{k}-{conc}-{r}")
+                    s = bench(trees["change"], ports[k], conc, n, 100 * r + conc, args.out, f"{k}-{conc}-{r}")
                     cpu = cpu_seconds(procs[k].pid) - c0
                     row = dict(
                         workload=w,
@@ -172,22 +201,25 @@ def main() -> int:
                     )
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-        rss = {k: psutil.Process(p.pid).memory_info().rss for k, p in procs.items()}
+        rss = {k: peak_rss(p.pid) for k, p in procs.items()}
     finally:
         for p in procs.values():
             p.terminate()
             p.wait(30)
-    print(f"\nstart to ready: {starts}; RSS at the end: {rss}")
-    print("\n| workload | metric | base | change | change / base |\n| --- | --- | ---: | ---: | ---: |")
+    print(f"\nstart to ready: {starts}; peak RSS (VmHWM, process tree): {rss}")
+    peer = " vllm | change / vllm |" if args.vllm else ""
+    print(f"\n| workload | metric | base | change | change / base |{peer}\n| --- | --- | ---: | ---: | ---: |"
+          + (" ---: | ---: |" if args.vllm else ""))
     for w in args.workloads:
         for m in ("itl_p50_ms", "ttft_p50_ms", "tok_s", "cpu_ms_per_tok"):
             vals = {k: [r[m] for r in rows if r["workload"] == w and r["tree"] == k] for k in trees}
             med = {k: statistics.median(v) for k, v in vals.items()}
             each = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in vals.items()}
-            print(
-                f"| {w} | {m} | {med['base']:.1f} ({each['base']}) | {med['change']:.1f} ({each['change']}) | "
-                f"{med['change'] / med['base']:.2f}x |"
-            )
+            line = (f"| {w} | {m} | {med['base']:.1f} ({each['base']}) | {med['change']:.1f} ({each['change']}) | "
+                    f"{med['change'] / med['base']:.2f}x |")
+            if args.vllm:
+                line += f" {med['vllm']:.1f} ({each['vllm']}) | {med['change'] / med['vllm']:.2f}x |"
+            print(line)
     json.dump(dict(rows=rows, starts=starts, rss=rss), open(os.path.join(args.out, "ab.json"), "w"))
     return 0
 

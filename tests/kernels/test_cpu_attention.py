@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels import cpu_attention
 from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import (
     FP8_KV_DTYPE,
@@ -58,6 +59,20 @@ def test_decode_matches_reference(dtype, hq, hkv, window, sinks, fp8):
     out = paged_decode_attention_cpu(*args, sinks=s, window=window)
     ref = paged_decode_attention_ref(*args, sinks=s, window=window)
     assert out.dtype == ref.dtype and rel_error(out, ref) < TOL[q.dtype]
+
+
+def test_decode_in_chunks_matches_reference(monkeypatch):
+    """A batch larger than one chunk (here 2 sequences a chunk, the last one alone) = the reference."""
+    torch.manual_seed(0)
+    k_cache, v_cache, _ = _cache(torch.bfloat16, 3, 16, False)
+    lens = [1, 7, 13, 4, 9]
+    monkeypatch.setattr(cpu_attention, "DECODE_CHUNK_BYTES", 2 * 2 * 4 * 3 * 16 * max(lens))
+    tables = block_tables_for(lens, BS, 40, extra=2).cpu()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 9, 16, dtype=torch.bfloat16)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, ctx, 0.25)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25)
+    assert out.shape == ref.shape and rel_error(out, ref) < TOL[q.dtype]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,window,sinks,fp8", CASES)
