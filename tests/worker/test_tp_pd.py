@@ -29,6 +29,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.tp_transfer import Source, TPRank, kv_sources
 from tests.checkpoints import write_checkpoint
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.worker.kv_harness import kv_state, metric
 from tests.worker.test_server_harness import WorkerProcess
@@ -106,8 +107,7 @@ def workers(request, tmp_path_factory, default_model_dir):
             assert ("--async-scheduling ignored" in w.output()) == (tp == 2), (role, tp)
         yield transport, ws, kv
     finally:
-        for w in ws.values():
-            w.stop()
+        stop_together([w.proc for w in ws.values()])  # signalled together: their shutdowns overlap
 
 
 @pytest.fixture
