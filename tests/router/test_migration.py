@@ -21,6 +21,7 @@ import pytest
 
 from pdserve.protocol.continuation import HEADER_TOKEN_IDS, strip_token_ids
 from tests.helpers.metrics import metric
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.router.test_failures import eventually
 from tests.router.test_pd_equality import _close
@@ -190,9 +191,7 @@ def pools(tiny_checkpoint, module_launch):
         return made[transport]
 
     yield get, module_launch
-    for ws in made.values():
-        for w in ws.values():
-            w.stop()
+    stop_together([w.proc for ws in made.values() for w in ws.values()])
 
 
 def _idle(w: WorkerProcess) -> bool:

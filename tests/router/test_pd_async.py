@@ -16,6 +16,7 @@ import contextlib
 import pytest
 from hypothesis import given
 
+from tests.helpers.processes import stop_together
 from tests.helpers.properties import live_settings
 from tests.router.conftest import Launcher
 from tests.router.test_pd_equality import ARGS, ENV, TEXTS, assert_same, chat, disaggregated, requests
@@ -29,33 +30,40 @@ SINGLE = ARGS[:8]  # served name, context, block size, KV memory: what the P/D w
 LONG = " ".join(TEXTS)  # several streamed chunks
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """The synchronous single worker both transports' stacks are compared with: one for the
+    module (it holds no KV of theirs), started once instead of once per transport."""
+    with WorkerProcess(tiny_checkpoint("llama"), *SINGLE) as single:
+        assert "async scheduling on" not in single.output()
+        yield single.url
+
+
 @contextlib.contextmanager
 def async_pd_stack(ckpt, transport: str):
     def kv_worker(role):
         return WorkerProcess(ckpt, *ARGS, *ASYNC, "--role", role, "--kv-transfer", transport,
                              "--kv-port", str(free_port()), env=ENV)
 
-    p, d, single = kv_worker("prefill"), kv_worker("decode"), WorkerProcess(ckpt, *SINGLE)
+    p, d = kv_worker("prefill"), kv_worker("decode")
     launcher = Launcher()
     try:
-        for w in (p, d, single):
+        for w in (p, d):
             w.start()
-        for w in (p, d, single):
+        for w in (p, d):
             w.wait_ready()
         assert "async scheduling on" in p.output() and "async scheduling on" in d.output()
-        assert "async scheduling on" not in single.output()
         router = launcher.router("--prefill", p.url, "--decode", d.url)
-        yield router.url, single.url
+        yield router.url
     finally:
-        launcher.stop_all()
-        for w in (p, d, single):
-            w.stop()
+        # signalled together, so the three shutdowns overlap
+        stop_together([*(proc.popen for proc in launcher.procs), p.proc, d.proc])
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def stack(request, tiny_checkpoint):
-    with async_pd_stack(tiny_checkpoint("llama"), request.param) as urls:
-        yield urls
+def stack(request, tiny_checkpoint, reference):
+    with async_pd_stack(tiny_checkpoint("llama"), request.param) as router_url:
+        yield router_url, reference
 
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

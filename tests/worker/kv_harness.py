@@ -8,6 +8,7 @@ import time
 import httpx
 
 from tests.helpers.metrics import metric  # noqa: F401 (the P/D tests import it from here)
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.worker.test_server_harness import WorkerProcess
 
@@ -43,8 +44,7 @@ def pd_pair(ckpt, transport: str, args: tuple, env: dict, pin_ttl: float, pull_t
         d.wait_ready()
         yield p, d
     finally:
-        p.stop()
-        d.stop()
+        stop_together([p.proc, d.proc])  # signalled together: their shutdowns overlap
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers.engines import make_engine
 from tests.helpers.metrics import metric
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.worker.kv_harness import kv_state, leaves_no_kv
 from tests.worker.test_server_harness import WorkerProcess
@@ -79,8 +80,7 @@ def pair(tiny_checkpoint, plain):
         assert kv_state(d)["num_total_blocks"] == DEVICE_BLOCKS
         yield p, d
     finally:
-        p.stop()
-        d.stop()
+        stop_together([p.proc, d.proc])
 
 
 def complete(w: WorkerProcess, ids: list[int], max_tokens: int, kv: dict | None = None) -> dict:

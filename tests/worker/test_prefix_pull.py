@@ -25,6 +25,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.worker.kv_harness import PD_ARGS, leaves_no_kv, metric
 from tests.worker.test_server_harness import WorkerProcess
@@ -64,8 +65,7 @@ def fast_and_slow(ckpt, transport: str):
         slow.wait_ready()
         yield ckpt, transport, fast, slow
     finally:
-        fast.stop()
-        slow.stop()
+        stop_together([fast.proc, slow.proc])
 
 
 @pytest.fixture(scope="module")

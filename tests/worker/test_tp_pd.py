@@ -1,7 +1,8 @@
 """P/D between tensor-parallel workers (CPU, gloo, fp32): real `pdserve worker` processes on
 loopback, TCP and NIXL (UCX moving DRAM between processes).
 
-One group of four workers per (transport, model): prefill TP=1 and TP=2, decode TP=1 and TP=2.
+One group of workers per (transport, model): prefill TP=2, decode TP=2, and one TP=1 worker with
+--role both (the TP=1 prefill and the TP=1 decode).
 Each P/D pair's output (the prefill's first token + the decode's rest) must equal the TP=1
 decode worker's own greedy output for the same prompt, the decode worker must have pulled
 (bytes counted, no local-prefill fallback), and afterwards no worker holds a block it did not
@@ -29,12 +30,13 @@ from pdserve.worker.kv.auth import SideChannelAuth
 from pdserve.worker.kv.nixl_transport import nixl_available
 from pdserve.worker.kv.tp_transfer import Source, TPRank, kv_sources
 from tests.checkpoints import write_checkpoint
+from tests.helpers.processes import stop_together
 from tests.net import free_port
 from tests.worker.kv_harness import kv_state, metric
 from tests.worker.test_server_harness import WorkerProcess
 
 # Dispatched with the slow modules, before the quick ones (tests/conftest.py):
-# four groups of four worker processes, ~40 s each to start on CI.
+# four groups of three worker processes (five ranks), ~30 s each to start on CI.
 pytestmark = pytest.mark.slow
 
 SECRET = "tp-pd-tests-shared-secret"
@@ -91,13 +93,17 @@ def workers(request, tmp_path_factory, default_model_dir):
     ckpt = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}-kv{kv}"), arch, default_model_dir,
                             num_key_value_heads=kv)
     ws = {}
-    for role in ("prefill", "decode"):
-        for tp in (1, 2):
-            # --async-scheduling everywhere: the TP=1 workers overlap their steps, a P/D worker under
-            # TP ignores the flag (docs/async-scheduling.md), and hand-offs between the two work.
-            ws[role, tp] = WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport,
-                                         "--tensor-parallel-size", str(tp), "--kv-port", str(free_kv_ports()),
-                                         "--async-scheduling", env=ENV).start()
+    for role, tp in (("both", 1), ("prefill", 2), ("decode", 2)):
+        # --async-scheduling everywhere: the TP=1 worker overlaps its steps, a P/D worker under
+        # TP ignores the flag (docs/async-scheduling.md), and hand-offs between the two work.
+        ws[role, tp] = WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport,
+                                     "--tensor-parallel-size", str(tp), "--kv-port", str(free_kv_ports()),
+                                     "--async-scheduling", env=ENV).start()
+    # One TP=1 worker plays both roles (--role both: it pins for a decode worker and pulls from a
+    # prefill worker): the prefill of TP 1 -> 2, the decode of TP 2 -> 1 and the reference. A
+    # TP=1 worker per role would cost a group one more start and change nothing under test: the
+    # head mapping is the TP sizes', whichever role flag a worker has.
+    ws["prefill", 1] = ws["decode", 1] = ws.pop(("both", 1))
     try:
         for w in ws.values():
             w.wait_ready()
@@ -106,8 +112,8 @@ def workers(request, tmp_path_factory, default_model_dir):
             assert ("--async-scheduling ignored" in w.output()) == (tp == 2), (role, tp)
         yield transport, ws, kv
     finally:
-        for w in ws.values():
-            w.stop()
+        # each once (a second SIGTERM skips the graceful shutdown), together: their shutdowns overlap
+        stop_together({w.proc for w in ws.values()})
 
 
 @pytest.fixture
