@@ -11,7 +11,8 @@ materialized: only the adapters' A and B are made). Then the engines, one after 
 - no LoRA: the base alone (no --enable-lora): the baseline;
 - LoRA: --enable-lora --max-loras N --max-lora-rank 16 with every adapter loaded, its requests
   spread round-robin over 0 (the base model through the LoRA layers' slot -1), 1, 4 and N of them;
-- LoRA, shrinks forked (GPU; --forked-adapters, default 4): the same with each BGMV shrink on a
+- LoRA, shrinks in line (GPU; --inline-adapters, default 4): the same with every BGMV shrink on
+  the compute stream (PDSERVE_LORA_FORK_SHRINK=0), where the engine's default forks each onto a
   second stream beside its base GEMM (worker/lora/layer.py FORK_SHRINK).
 
 Each: decode ms/step (median of --decode-steps steps once every request decodes; CUDA graphs)
@@ -217,7 +218,7 @@ def table(rows: list[dict], args, meta: dict) -> list[str]:
                 text += f" ({v / base[c]:.2f}x)"
             cells.append(text)
         lines.append(f"| {r['engine']} | {r['adapters']} | " + " | ".join(cells) + " |")
-    for engine in ("LoRA", "LoRA, shrinks forked"):
+    for engine in ("LoRA", "LoRA, shrinks in line"):
         target = next((r for r in rows if r["engine"] == engine and r["adapters"] == 4), None)
         if target is not None and "bs8_ms" in target and base.get("bs8_ms"):
             ratio = target["bs8_ms"] / base["bs8_ms"]
@@ -252,9 +253,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--offline-input", type=int, default=1024)
     ap.add_argument("--offline-output", type=int, default=128)
-    ap.add_argument("--forked-adapters", type=int, nargs="*", default=[4],
-                    help="on a GPU, a third engine's rows at these spreads: LoRA with each shrink forked onto a "
-                         "second stream beside its base GEMM (PDSERVE_LORA_FORK_SHRINK=1); none: no third engine")
+    ap.add_argument("--inline-adapters", type=int, nargs="*", default=[4],
+                    help="on a GPU, a third engine's rows at these spreads: LoRA with every shrink on the compute "
+                         "stream (PDSERVE_LORA_FORK_SHRINK=0; the default forks each beside its base GEMM); "
+                         "none: no third engine")
     ap.add_argument("--cpu-time", action="store_true",
                     help="with --cpu: time the process's CPU time on one torch thread, not the wall clock")
     ap.add_argument("--repeat", type=int, default=1,
@@ -298,13 +300,13 @@ def main(argv=None) -> int:
         max_seqs = max(max(args.batches), args.num_prompts, 2)
         rows = []
         engines = [("no LoRA", [], args.adapters), ("LoRA", adapters, args.adapters)]
-        if args.device == "cuda" and args.forked_adapters:
-            engines.append(("LoRA, shrinks forked", adapters, args.forked_adapters))
+        if args.device == "cuda" and args.inline_adapters:
+            engines.append(("LoRA, shrinks in line", adapters, args.inline_adapters))
         for label, loaded, spreads in engines:
             rng = random.Random(7)  # the same prompts for every engine
             from pdserve.worker.lora import layer
 
-            layer.FORK_SHRINK = label == "LoRA, shrinks forked"  # read when the engine makes its LoRAContext
+            layer.FORK_SHRINK = label != "LoRA, shrinks in line"  # read when the engine makes its LoRAContext
             engine = start_engine(os.path.join(work, "base"), args.device, loaded, args.rank, max_seqs, max_len)
             try:
                 for n in ([0] if not loaded else spreads):

@@ -10,9 +10,9 @@ graph and replayed, at batch 1, 8 and 64 with the batch spread round-robin over 
 2. the shrink's K_PER_SPLIT (kernels/lora.py): the engine's layout at 128 .. 1024 columns a
    program and at all of K (one program per token), to pick the default;
 3. with the base GEMMs (random bf16 weights of the 8B's shapes, cuBLAS): the base alone, the
-   base + LoRA in one stream (the engine), and the base + LoRA with each shrink forked onto a
-   second stream beside its base GEMM (a shrink needs only x; the expand joins after the GEMM):
-   how much of the LoRA time the base GEMMs could hide.
+   base + LoRA in one stream, and the base + LoRA with each shrink forked onto a second stream
+   beside its base GEMM (the engine's default; a shrink needs only x, the expand joins after the
+   GEMM): how much of the LoRA time the base GEMMs hide.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def run(batches=BATCHES, spreads=SPREADS, splits=SPLITS, with_base: bool = True)
         emit("")
         emit("### With the base GEMMs (cuBLAS, the 8B's four projections a layer), packed with B by part")
         emit("")
-        emit("| batch | adapters | base alone | base + LoRA, one stream (the engine) | shrinks on a second stream "
+        emit("| batch | adapters | base alone | base + LoRA, one stream | shrinks on a second stream (the engine) "
              "| LoRA's share hidden |")
         emit("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for t in batches:

@@ -29,7 +29,7 @@ SERVER_DEPS=("${ENGINE_DEPS[@]}" typing_extensions:typing_extensions opentelemet
   httpx:httpx httpcore:httpcore certifi:certifi aiohttp:aiohttp aiosignal:aiosignal frozenlist:frozenlist
   multidict:multidict yarl:yarl propcache:propcache aiohappyeyeballs:aiohappyeyeballs attrs:attrs tqdm:tqdm)
 ls .whl/uvloop-*.whl >/dev/null 2>&1 && SERVER_DEPS+=(uvloop:uvloop)  # optional: uvicorn's and the client's loop
-# PEFT writes the LoRA adapters that the LoRA tests and bench/lora.py serve (on top of ENGINE_DEPS).
+# PEFT writes the LoRA adapters that the LoRA tests and bench/lora.py serve (on top of SERVER_DEPS).
 PEFT_DEPS=(peft:peft accelerate:accelerate psutil:psutil)
 
 # The image's own copy of a module is kept unless a carried wheel is newer (an older one can miss
@@ -98,7 +98,7 @@ gpu_imports() {  # gpu_imports MODULE...: imported before any model is made (a m
 }
 
 # gpu_begin NAME DEPS [MODULE...]: OUT (absolute; else ./NAME_out), T0; the deps (engine: ENGINE_DEPS,
-# server: SERVER_DEPS, lora: ENGINE_DEPS and PEFT_DEPS, none: pdserve only) and the import check of MODULE... into $OUT/env.txt,
+# server: SERVER_DEPS, lora: SERVER_DEPS and PEFT_DEPS (tests/worker/test_lora.py starts a server), none: pdserve only) and the import check of MODULE... into $OUT/env.txt,
 # printed; 1 when a module is missing.
 gpu_begin() {
   local name=$1 deps=$2
@@ -110,7 +110,7 @@ gpu_begin() {
   case $deps in
     engine) set=("${ENGINE_DEPS[@]}") ;;
     server) set=("${SERVER_DEPS[@]}") ;;
-    lora) set=("${ENGINE_DEPS[@]}" "${PEFT_DEPS[@]}") ;;
+    lora) set=("${SERVER_DEPS[@]}" "${PEFT_DEPS[@]}") ;;
   esac
   { gpu_deps "${set[@]}" && { gpu_env_report; [ $# -eq 0 ] || gpu_imports "$@"; }; } > "$OUT/env.txt" 2>&1
   local rc=$?
