@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from pdserve.protocol.continuation import continuation_payload, group_end, strip_token_ids
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
@@ -135,23 +136,24 @@ class Migration:
         prompts = len(r.prompts()) if isinstance(r, CompletionRequest) else 1
         return StreamProgress(prompts * r.n)
 
-    def pool(self, call: Call, lost: Worker | None) -> tuple[str, list[Worker]]:
-        """Decode workers but the lost one; none left: the prefill workers (aggregated fallback).
-        Those of the lost worker's revision first: another revision may load other weights, and
+    def pool(self, call: Call, lost: Sequence[Worker]) -> tuple[str, list[Worker]]:
+        """Decode workers but the lost ones; none left: the prefill workers (aggregated fallback).
+        Those of the lost workers' revision first: another revision may load other weights, and
         its tokens would not be the ones the lost worker would have drawn."""
         selector = self.fallback.selector
+        gone = {w.url for w in lost}
         for role in (ROLE_DECODE, ROLE_PREFILL):
-            for partners in ([lost], None) if lost is not None else (None,):
+            for partners in (list(lost), None) if lost else (None,):
                 workers = [w for w in selector.pool(role, call.model, partners=partners)
-                           if w is not lost and (lost is None or w.url != lost.url)]
+                           if w not in lost and w.url not in gone]
                 if workers:
                     return role, workers
         return ROLE_DECODE, []
 
-    async def move(self, call: Call, progress: StreamProgress, lost: Worker | None, cause: str,
+    async def move(self, call: Call, progress: StreamProgress, lost: Sequence[Worker], cause: str,
                    open_call, limits: Limits) -> UpstreamCall | None:
-        """A call of the continuation on another worker, its 200 read; None when none took it.
-        `open_call(role, pool)` makes the UpstreamCall (the orchestrator's, with its retries)."""
+        """A call of the continuation on a worker not in `lost`, its 200 read; None when none took
+        it. `open_call(role, pool)` makes the UpstreamCall (the orchestrator's, with its retries)."""
         role, pool = self.pool(call, lost)
         ids, ended = progress.continuation()
         # Nothing reached the client: the request is sent again as it came.

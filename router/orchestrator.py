@@ -311,10 +311,26 @@ class Orchestrator:
     async def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
                             since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]:
         """A hand-off's decode stream after the first token (`first_token_id`, the prefill's), once
-        its status is known: one error event (and [DONE]) when no worker took it, else its events
-        relayed."""
+        its status is known: its events relayed. When no decode worker took it (each tried one
+        failed or died before its first byte, or none is left), the client has the first token
+        already: the stream moves as a continuation of it, as a lost stream does (migration.py),
+        to a worker not tried, a prefill worker if no decode worker is left; the hand-off's pool,
+        fixed when it began, may have held only the worker that died. One error event (and
+        [DONE]) when it cannot move."""
         if response is None:
-            yield self.no_decode(up).sse_event()
+            progress = StreamProgress.after(first_token_id)
+            moved = None
+            if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
+                moved = await self.migration.move(
+                    call, progress, up.tried, "lost",
+                    lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
+            if moved is None:
+                yield self.no_decode(up).sse_event()
+                return
+            # A continuation opens with no role chunk.
+            async for chunk in self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
+                                           moves=1, moved_at=progress.last_sent):
+                yield chunk
             return
         if response.status != 200:
             content = await read_and_close(response)
@@ -327,12 +343,14 @@ class Orchestrator:
             yield chunk
 
     async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool,
-                     progress: StreamProgress | None = None) -> AsyncIterator[bytes]:
+                     progress: StreamProgress | None = None, moves: int = 0,
+                     moved_at: float | None = None) -> AsyncIterator[bytes]:
         """Pass the decode worker's SSE through in whole events. A break (or a stall) moves the
         stream to another worker while migrations are left (migration.py); else it becomes one
-        error event."""
+        error event. `moves`: those made before this relay (`up` is then the last one's call,
+        `moved_at` when the client got its last event before it)."""
         progress = progress or self.migration.progress(call)
-        first, moves, moved_at = True, 0, None
+        first = True
         try:
             while True:
                 framer = EventFramer()
@@ -379,7 +397,7 @@ class Orchestrator:
                         lost, failed_at = up.worker, progress.last_sent or time.monotonic()
                         up.close()
                         moved = await self.migration.move(
-                            call, progress, lost, cause,
+                            call, progress, [lost] if lost is not None else [], cause,
                             lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
                     if moved is None:
                         yield APIError(502, f"decode worker failed mid-stream: {e!r}",

@@ -45,6 +45,7 @@ class UpstreamCall:
         self._choose = choose
         self._max_attempts = 1 + max_retries
         self._tried: set[int] = set()
+        self.tried: list[Worker] = []  # every worker a call was sent to, in order
         self.attempts = 0
         self.worker: Worker | None = None  # held (acquired) while set
         self.response: UpstreamResponse | None = None
@@ -72,6 +73,7 @@ class UpstreamCall:
                 break
             worker = self._choose(candidates)
             self._tried.add(id(worker))
+            self.tried.append(worker)
             if self.attempts:
                 self.up.metrics.retries.labels(self.phase).inc()
             self.attempts += 1

@@ -290,6 +290,11 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                         pin.abandon(o.up)
                     return
                 o.up.release_kv(prefill.worker, prefill.params)
+                if response is None:  # no decode worker took it: decode_events moves the stream
+                    async for chunk in o.decode_events(call, leg.up, None, since,
+                                                       first_token_id(answer.kv_transfer_params)):
+                        yield chunk
+                    return
                 if isinstance(refusal, UpstreamError):  # as _decode_events words a refusal
                     refusal = APIError(refusal.status, f"decode worker answered {refusal.status}: "
                                                        f"{refusal.content[:300].decode(errors='replace')}")

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdserve.protocol.continuation import HEADER_TOKEN_IDS, strip_token_ids
+from tests.helpers.answer_trap import AnswerTrap
 from tests.helpers.metrics import metric
 from tests.helpers.processes import stop_together
 from tests.net import free_port
@@ -275,3 +276,61 @@ def test_every_stream_of_a_killed_worker_moves_under_load(pools):
     assert metric(router, "pdserve_router_migrations_total", cause="lost") == max(loads) > 0
     assert metric(router, "pdserve_router_requests_total", status="200") == len(bodies)
     router.stop()
+
+
+
+def _unary_answer(data: dict) -> dict:
+    """A non-streamed completion as comparable data (as `answer` makes of a stream)."""
+    choices = {}
+    for c in data["choices"]:
+        lp = c.get("logprobs")
+        choices[c["index"]] = {"text": c["text"], "finish": c["finish_reason"], "tools": [], "logprobs": [
+            list(t) for t in zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"])] if lp else []}
+    usage = {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"choices": choices, "usage": usage, "done": True}
+
+
+def _ask(url: str, route: str, body: dict) -> dict:
+    if body["stream"]:
+        return answer(events_of(url, route, body), route)
+    r = httpx.post(url + PATHS[route], json={"model": "tiny", **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return _unary_answer(r.json())
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_decode_worker_killed_between_the_handoff_and_its_first_byte(pools, stream):
+    """The P/D request's only decode worker takes the hand-off in, pulls the KV (the prefill
+    worker's pin is released) and is SIGKILLed before its first byte reaches the router
+    (tests/helpers/answer_trap.py): the client has the prefill's first token at most. The
+    request goes on on the prefill worker (a stream as a continuation of prompt + that token;
+    an unary request, of which nothing was sent, whole) and its answer is one uninterrupted
+    worker's. (Killing an alive one of the two decode workers: no restart when the module ends.)"""
+    get, launch = pools
+    ws = get("tcp")
+    decode = [w for w in (ws["d0"], ws["d1"]) if w.proc.poll() is None] or [revive([ws["d0"]]) or ws["d0"]]
+    victim, prefill = decode[0], ws["prefill"]
+    route, body = GREEDY
+    body = {**body, "max_tokens": 24, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    want = _ask(prefill.url, route, body)
+
+    def kill() -> None:
+        eventually(lambda: httpx.get(prefill.url + "/debug/kv", timeout=5).json()["num_pinned_blocks"] == 0)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+
+    trap = AnswerTrap(victim.port, kill)
+    try:
+        router = launch.router("--prefill", prefill.url, "--decode", trap.url, "--pd-min-prompt-tokens", "1")
+        got = _ask(router.url, route, body)
+        assert trap.sprung.is_set() and victim.proc.poll() is not None
+        assert _close(got, want), f"\n{got}\n{want}"
+        assert metric(router, "pdserve_router_requests_total", status="200") == 1
+        if stream:
+            assert metric(router, "pdserve_router_migrations_total", cause="lost") == 1
+        eventually(lambda: _idle(prefill))
+        router.stop()
+    finally:
+        trap.close()
