@@ -11,7 +11,12 @@ Two pdserve extensions, both between the router and a worker only (the router st
 
        {"continuation": {"token_ids": [[ids of choice 0], [ids of choice 1], ...], "finished": [1]}}
 
-   `finished`: the choices whose finish the client has: not generated again.
+   `finished`: the choices whose finish the client has: not generated again. `text_offset`
+   (completions with `logprobs` only): per choice, the length of the text the client has, where
+   the continuation's `text_offset`s start (null: the worker's own count, the length of the text
+   its detokenizer releases for the ids at once, which can differ from what the lost worker
+   released output by output: a token that decodes to nothing drops the space a word-level or
+   SentencePiece decoder puts before the next word).
 
 2. The header `x-pdserve-token-ids: 1` on a streamed request: after the events of each engine
    output (one write), the worker sends one comment event naming that output's new token ids
@@ -44,6 +49,7 @@ class Continuation(BaseModel):
 
     token_ids: list[list[int]] = Field(min_length=1)
     finished: list[int] = []  # choices that ended already: not generated again (their ids count in usage)
+    text_offset: list[int | None] | None = None  # per choice: the client's text length (completions' logprobs)
 
 
 def token_ids_event(index: int, ids: list[int]) -> bytes:
@@ -74,8 +80,11 @@ def strip_token_ids(block: bytes, into: dict[int, list[int]]) -> bytes:
     return b"".join(out)
 
 
-def continuation_payload(raw: bytes, token_ids: list[list[int]], finished: list[int] = ()) -> bytes:
+def continuation_payload(raw: bytes, token_ids: list[list[int]], finished: list[int] = (),
+                         text_offset: list[int | None] | None = None) -> bytes:
     """The request's JSON object `raw` with the continuation spliced in (not re-serialised)."""
     ids = ",".join("[" + ",".join(map(str, t)) + "]" for t in token_ids)
     ended = ",".join(map(str, finished))
-    return raw[:-1] + f',"{PARAM}":{{"token_ids":[{ids}],"finished":[{ended}]}}}}'.encode()
+    offsets = "" if text_offset is None else \
+        ',"text_offset":[' + ",".join("null" if o is None else str(o) for o in text_offset) + "]"
+    return raw[:-1] + f',"{PARAM}":{{"token_ids":[{ids}],"finished":[{ended}]{offsets}}}}}'.encode()

@@ -58,14 +58,19 @@ class StreamProgress:
     sent_any: bool = False  # an event reached the client (a chat stream's role chunk included)
     drained: bool = False  # the worker ended it aborted: what came before is relayed, the rest moves
     last_sent: float = 0.0  # when the last event went to the client
+    # Completions with logprobs: per choice, the length of the text the client has, where a
+    # continuation's `text_offset`s start (None: not counted; a choice missing: not known).
+    text_len: dict[int, int] | None = None
     _pending: bytes = b""  # events of an output group not yet closed
 
     @classmethod
-    def after(cls, first_token_id: int | None) -> "StreamProgress":
-        """A hand-off's stream (one choice): the prefill's first token is out already."""
+    def after(cls, first_token_id: int | None, counts_text: bool = False) -> "StreamProgress":
+        """A hand-off's stream (one choice): the prefill's first token is out already (its text's
+        length is learnt from the decode worker's first `text_offset`)."""
+        text_len = {} if counts_text else None
         if first_token_id is None:
-            return cls()
-        return cls(1, {0: [first_token_id]}, sent_any=True, last_sent=time.monotonic())
+            return cls(text_len={0: 0} if counts_text else None)
+        return cls(1, {0: [first_token_id]}, sent_any=True, last_sent=time.monotonic(), text_len=text_len)
 
     @property
     def finished(self) -> bool:
@@ -96,15 +101,20 @@ class StreamProgress:
             self.last_sent = time.monotonic()
             if _FINISHED in block:
                 self.ended.update(_finished_choices(block))
+            if self.text_len is not None:
+                _count_text(block, self.text_len)
         return block
 
     def moved(self) -> None:
         """A new worker's stream follows: nothing of the lost one's is pending."""
         self._pending, self.drained = b"", False
 
-    def continuation(self) -> tuple[list[list[int]], list[int]]:
-        """Each choice's token ids so far, and the choices that ended."""
-        return [self.token_ids.get(i, []) for i in range(self.num_choices)], sorted(self.ended)
+    def continuation(self) -> tuple[list[list[int]], list[int], list[int | None] | None]:
+        """Each choice's token ids so far, the choices that ended, and (when counted) each
+        choice's text length."""
+        ids = [self.token_ids.get(i, []) for i in range(self.num_choices)]
+        offsets = None if self.text_len is None else [self.text_len.get(i) for i in range(self.num_choices)]
+        return ids, sorted(self.ended), offsets
 
 
 def _finished_choices(block: bytes) -> list[int]:
@@ -119,6 +129,25 @@ def _finished_choices(block: bytes) -> list[int]:
     return out
 
 
+def _count_text(block: bytes, text_len: dict[int, int]) -> None:
+    """Completions chunks' text, per choice, into `text_len`. A chunk with `text_offset`s says
+    where its text starts (a hand-off's decode stream: after the prefill's first token)."""
+    for ev in block.split(b"\n\n"):
+        if not ev.startswith(b"data: {"):
+            continue
+        try:
+            choices = json.loads(ev[6:]).get("choices") or ()
+            for c in choices:
+                i, text = c["index"], c.get("text") or ""
+                offsets = (c.get("logprobs") or {}).get("text_offset")
+                if offsets:
+                    text_len[i] = offsets[0] + len(text)
+                elif i in text_len:
+                    text_len[i] += len(text)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+
+
 class Migration:
     def __init__(self, fallback: RoleFallback, metrics: RouterMetrics, max_migrations: int):
         self.fallback = fallback
@@ -131,10 +160,15 @@ class Migration:
         return self.max_migrations > 0 and call.stream and not getattr(call.request, "echo", False)
 
     @staticmethod
-    def progress(call: Call) -> StreamProgress:
+    def counts_text(call: Call) -> bool:
+        """A continuation of it needs the client's text lengths: completions' `text_offset`s."""
+        return isinstance(call.request, CompletionRequest) and call.request.logprobs is not None
+
+    def progress(self, call: Call) -> StreamProgress:
         r = call.request
         prompts = len(r.prompts()) if isinstance(r, CompletionRequest) else 1
-        return StreamProgress(prompts * r.n)
+        num = prompts * r.n
+        return StreamProgress(num, text_len={i: 0 for i in range(num)} if self.counts_text(call) else None)
 
     def pool(self, call: Call, lost: Sequence[Worker]) -> tuple[str, list[Worker]]:
         """Decode workers but the lost ones; none left: the prefill workers (aggregated fallback).
@@ -155,9 +189,9 @@ class Migration:
         """A call of the continuation on a worker not in `lost`, its 200 read; None when none took
         it. `open_call(role, pool)` makes the UpstreamCall (the orchestrator's, with its retries)."""
         role, pool = self.pool(call, lost)
-        ids, ended = progress.continuation()
+        ids, ended, offsets = progress.continuation()
         # Nothing reached the client: the request is sent again as it came.
-        payload = continuation_payload(call.raw, ids, ended) if progress.sent_any else call.raw
+        payload = continuation_payload(call.raw, ids, ended, offsets) if progress.sent_any else call.raw
         up: UpstreamCall = open_call(role, pool)
         response = await up.open(PATHS[call.route], payload, call.headers(), limits)
         if response is None or response.status != 200:

@@ -318,7 +318,7 @@ class Orchestrator:
         fixed when it began, may have held only the worker that died. One error event (and
         [DONE]) when it cannot move."""
         if response is None:
-            progress = StreamProgress.after(first_token_id)
+            progress = StreamProgress.after(first_token_id, self.migration.counts_text(call))
             moved = None
             if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
                 moved = await self.migration.move(
@@ -339,7 +339,7 @@ class Orchestrator:
             return
         self.metrics.handoff.observe(time.monotonic() - since)
         async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
-                                       progress=StreamProgress.after(first_token_id)):
+                                       progress=StreamProgress.after(first_token_id, self.migration.counts_text(call))):
             yield chunk
 
     async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool,

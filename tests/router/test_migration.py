@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdserve.protocol.continuation import HEADER_TOKEN_IDS, strip_token_ids
+from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.helpers.answer_trap import AnswerTrap
 from tests.helpers.metrics import metric
 from tests.helpers.processes import stop_together
@@ -42,6 +43,18 @@ PROMPT = "Tell me a story about a fox and a dog who became friends in the forest
 def worker(ckpt, role: str = "decode", transport: str = "tcp") -> WorkerProcess:
     return WorkerProcess(ckpt, *ARGS, "--role", role, "--kv-transfer", transport, "--kv-port", str(free_port()),
                          "--shutdown-grace", "0", env=ENV).start()
+
+
+@pytest.fixture(scope="module")
+def word_worker(tmp_path_factory):
+    """A worker over a word-level tokenizer (tests/checkpoints.py): its decoder joins words with
+    spaces, and a token that decodes to nothing (EOS, skipped) drops the space before the next
+    word in what an incremental detokenizer releases, so the text a client has is not what the
+    ids decode to at once."""
+    tok = write_word_tokenizer(tmp_path_factory.mktemp("word-tok"))
+    w = WorkerProcess(write_checkpoint(tmp_path_factory.mktemp("word-ckpt"), "llama", tok), *ARGS, env=ENV)
+    yield w.start().wait_ready()
+    w.stop()
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +115,17 @@ BODIES = [
 ]
 
 
-@pytest.mark.parametrize("route,body", BODIES, ids=["greedy-logprobs", "seeded-penalties", "chat-seeded-logprobs",
-                                                    "chat-json", "chat-forced-tool", "n2-prompts2-stops"])
-def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worker, route, body):
+# Greedy with logprobs on the word tokenizer, EOS made likely (ignored): the text out has words
+# joined where an EOS decoded to nothing, so `text_offset`s continue only from the client's text.
+WORD_EOS = ("completions", {"prompt": "t5 t6 t7 t8 t9 t10", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                            "logprobs": 1, "logit_bias": {"2": 4}})
+
+
+@pytest.mark.parametrize("route,body,on", [(*b, "one_worker") for b in BODIES] + [(*WORD_EOS, "word_worker")],
+                         ids=["greedy-logprobs", "seeded-penalties", "chat-seeded-logprobs", "chat-json",
+                              "chat-forced-tool", "n2-prompts2-stops", "greedy-logprobs-word-eos"])
+def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(request, route, body, on):
+    one_worker = request.getfixturevalue(on)
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     want = answer(events_of(one_worker.url, route, body), route)
     tagged = events_of(one_worker.url, route, body, {HEADER_TOKEN_IDS: "1"})
@@ -124,6 +145,8 @@ def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worke
         ended = answer(before, route)["choices"]
         cont = {**body, "continuation": {"token_ids": [seen.get(i, []) for i in range(num)],
                                          "finished": [i for i, c in ended.items() if c["finish"]]}}
+        if route == "completions" and body.get("logprobs") is not None:  # as the router counts it
+            cont["continuation"]["text_offset"] = [len(ended[i]["text"]) if i in ended else 0 for i in range(num)]
         moved_ended.append(len(cont["continuation"]["finished"]))
         rest = events_of(one_worker.url, route, cont)
         got = answer(before + rest, route)
@@ -134,7 +157,9 @@ def test_a_continuation_from_any_event_equals_the_uninterrupted_stream(one_worke
 def test_a_continuation_is_checked(one_worker):
     base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
     for cont, why in (({"token_ids": [[1], [2]]}, "one list"), ({"token_ids": [[10 ** 9]]}, "vocabulary"),
-                      ({"token_ids": [[1]], "finished": [0]}, "nothing left")):
+                      ({"token_ids": [[1]], "finished": [0]}, "nothing left"),
+                      ({"token_ids": [[1]], "text_offset": [3, 4]}, "one length"),
+                      ({"token_ids": [[1]], "text_offset": [-1]}, "a length")):
         r = httpx.post(one_worker.url + "/v1/completions", json={**base, "continuation": cont}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continuation", (why, r.text)
     r = httpx.post(one_worker.url + "/v1/completions", json={**base, "stream": False,

@@ -64,9 +64,10 @@ async def create_completion(state, request: Request, body: CompletionRequest):
             "model": lora or state.served_model_name}
     if body.stream:
         # Logprob text offsets continue after the first token's text a prefill worker returned.
-        if continued:  # each choice's text on the lost worker
-            offsets = [len(serving.handed_over_text(tok, prompts[i // body.n], params, None, ids))
-                       for i, ids in enumerate(continued[0])]
+        if continued:  # each choice's text on the lost worker: what the client has, as the router counted it
+            given = body.continuation.text_offset or [None] * len(continued[0])
+            offsets = [len(serving.handed_over_text(tok, prompts[i // body.n], params, None, ids)) if given[i] is None
+                       else given[i] for i, ids in enumerate(continued[0])]
         else:
             offsets = [len(serving.handed_over_text(tok, prompts[0], params, kv_params))] * len(gen)
         report = serving.reports_token_ids(request)

@@ -138,6 +138,10 @@ def continued(state, body, num_sequences: int) -> tuple[list[list[int]], frozens
             or len(set(cont.finished)) == num_sequences:
         raise bad_request(f"{CONTINUATION}.token_ids must hold one list per choice of this request "
                           f"({num_sequences}), and finished some of their indexes, not all", CONTINUATION)
+    if cont.text_offset is not None and (len(cont.text_offset) != num_sequences
+                                         or any(o is not None and o < 0 for o in cont.text_offset)):
+        raise bad_request(f"{CONTINUATION}.text_offset must hold one length (>= 0, or null) per choice of this "
+                          f"request ({num_sequences})", CONTINUATION)
     if body.kv_transfer_params or getattr(body, "echo", False) or not body.stream:
         raise bad_request(f"{CONTINUATION} continues a stream: it cannot be combined with "
                           f"{PARAM} or echo", CONTINUATION)
