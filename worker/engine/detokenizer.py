@@ -67,7 +67,13 @@ class IncrementalDetokenizer:
         self._stop_from = 0  # no stop string can start before this char of output_text
         self.stopped: str | None = None
         if emitted_token_ids:
-            self.update(emitted_token_ids)  # its released text was sent by the prefill worker
+            # Their released text was sent by another worker. The last one alone, as that worker's
+            # last output (one token) was: the next text is decoded behind the same window, so a
+            # word after a token that decodes to nothing (a skipped EOS on a word-level decoder)
+            # gets the space that worker would have given it, or not.
+            if len(emitted_token_ids) > 1:
+                self.update(emitted_token_ids[:-1])
+            self.update(emitted_token_ids[-1:])
 
     @property
     def num_emitted_chars(self) -> int:
