@@ -1,6 +1,7 @@
-"""bench/migration.py: a short run of the harness on real processes (router, a prefill and three
-decode workers, tiny model): the decode worker serving chosen streams is SIGKILLed until three
-streams were hit; no request fails and every answer equals its twin from a worker never killed."""
+"""bench/migration.py: a short run of the harness on real processes (router, a prefill and two
+decode workers, tiny model): the decode worker serving a chosen stream is SIGKILLed once; no
+request fails and every answer equals its twin from a worker never killed. It proves the harness
+end to end, every shape included; the measurement is docs/results/router/'s."""
 
 from __future__ import annotations
 
@@ -11,19 +12,17 @@ import pytest
 from pdserve.bench import migration
 
 pytestmark = pytest.mark.slow
-# Not greedy completions with logprobs: a continuation's `text_offset` can be one off there on the
-# word tokenizer (docs/results/router/2026-12-03-cpu-migration-kills.md), an open bug.
-SHAPES = [s for s in migration.SHAPES if s != "greedy-logprobs"]
 
 
-def test_streams_of_killed_decode_workers_fail_nothing_and_equal_their_twins(tmp_path):
-    rc = migration.main(["--out", str(tmp_path), "--hits", "3", "--concurrency", "6", "--prefill", "1", "--decode", "3",
-                         "--prompt-tokens", "16", "--max-tokens", "128", "--device", "cpu", "--kv-transfer", "tcp",
-                         "--no-restart", "--budget-s", "120", "--twins", "20", "--shapes", ",".join(SHAPES)])
+def test_streams_of_a_killed_decode_worker_fail_nothing_and_equal_their_twins(tmp_path):
+    # One kill (--no-restart, 2 decode workers: the survivor and the prefill worker take its streams).
+    rc = migration.main(["--out", str(tmp_path), "--hits", "1", "--concurrency", "4", "--prefill", "1", "--decode", "2",
+                         "--prompt-tokens", "16", "--max-tokens", "64", "--device", "cpu", "--kv-transfer", "tcp",
+                         "--no-restart", "--budget-s", "60", "--twins", "6"])
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["failed"] == [] and s["diffs"] == []
-    assert s["equal"] == s["checked"] >= s["hits"] + min(20, s["requests"] - s["hits"])
-    assert s["hits"] >= 2 and rc == 0  # two kills at most (--no-restart, 3 decode workers)
+    assert s["equal"] == s["checked"] >= s["hits"] + min(6, s["requests"] - s["hits"])
+    assert len(s["kills"]) == 1 and s["hits"] >= 1 and rc == 0
     # The router moved streams (a hit whose finish was out already ends without a move).
     assert 0 < sum(s["router"]["migrations"].values()) == s["moved_in_router_log"] <= s["hits"]
     assert all(h["gap_s"] is not None and h["reprefill_s"] > 0 for h in s["per_hit"])
