@@ -327,9 +327,10 @@ class Orchestrator:
             if moved is None:
                 yield self.no_decode(up).sse_event()
                 return
-            # A continuation opens with no role chunk.
+            # A continuation opens with no role chunk. The gap the client saw runs from about when
+            # its first token went out (`since`), the dead worker's wait included.
             async for chunk in self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
-                                           moves=1, moved_at=progress.last_sent):
+                                           moves=1, moved_at=since):
                 yield chunk
             return
         if response.status != 200:
