@@ -217,11 +217,13 @@ def test_closing_an_unread_answer_closes_the_connection():
     run(main())
 
 
-def test_total_timeout_and_cancellation_close_the_connection():
-    async def silent(reader, writer, worker):
-        await worker.request(reader)
-        await worker.request(reader)  # no answer; EOF once the client gives up
+async def silent(reader, writer, worker):
+    """Reads a request and never answers; reads the next one too, so the client's close shows as EOF."""
+    await worker.request(reader)
+    await worker.request(reader)
 
+
+def test_total_timeout_and_cancellation_close_the_connection():
     async def main():
         async with Worker(silent) as w:
             client = Client(limit=8)
@@ -325,10 +327,6 @@ def test_idle_bound_fails_a_wait_for_data_not_a_slow_reader():
 
 
 def test_first_byte_bound_fails_a_silent_worker_and_closes_the_connection():
-    async def silent(reader, writer, worker):
-        await worker.request(reader)
-        await worker.request(reader)  # EOF once the client gives up
-
     async def main():
         async with Worker(silent) as w:
             client = Client(limit=8)

@@ -76,16 +76,23 @@ def test_prefix_hit_after_release_takes_the_released_blocks_still_cached():
     assert bm.num_free_blocks == 40 - 11 - 3
 
 
-def test_a_hit_whose_window_was_evicted_is_shortened():
-    events = []
-    bm = manager(on_event=lambda kind, hashes, *_: events.append(kind))
+
+def cache_40_tokens_then_evict_the_last_sliding_block(bm):
+    """Request "a" prefills 40 tokens and finishes; the sliding block of its tokens 36..39 is then
+    evicted. Returns its sliding blocks still in the window (tail[1] is the evicted one)."""
     a = req("a", range(40))
     prefill(bm, a, 40)
     tail = a.sliding_block_ids[8:]
     bm.free_request(a)
-    # Evict the sliding block of tokens 36..39 (the last block): a hit of 10 blocks needs it.
     bm._ref(tail[1])
     bm._evict(tail[1])
+    return tail
+
+def test_a_hit_whose_window_was_evicted_is_shortened():
+    events = []
+    bm = manager(on_event=lambda kind, hashes, *_: events.append(kind))
+    # Evict the sliding block of tokens 36..39 (the last block): a hit of 10 blocks needs it.
+    tail = cache_40_tokens_then_evict_the_last_sliding_block(bm)
     assert events == ["BlockStored"]  # a sliding block's eviction is not a routable event
     b = req("b", list(range(40)) + [99])
     hit = bm.lookup_prefix(b)
@@ -126,12 +133,7 @@ def test_a_host_tier_gives_back_the_window_the_device_lost():
     events = []
     bm = manager(on_event=lambda kind, hashes, *_, **kw: events.append((kind, kw.get("medium"))),
                  host_tier=HostTierIndex(8))
-    a = req("a", range(40))
-    prefill(bm, a, 40)
-    tail = a.sliding_block_ids[8:]
-    bm.free_request(a)
-    bm._ref(tail[1])
-    bm._evict(tail[1])
+    tail = cache_40_tokens_then_evict_the_last_sliding_block(bm)
     stored = bm.take_tier_ops()
     assert stored == [TierCopy(True, tail[1], 0)] and events == [("BlockStored", None)]  # silent
     b = req("b", list(range(40)) + [99])
