@@ -82,6 +82,9 @@ intermediate rows already carry the router weight, adds weight * w2_bias in the 
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -391,6 +394,30 @@ def _mxfp4_operand(q, f, a):
 
 
 @triton.jit
+def _mx_dot_ptrs(w_ptr, s_ptr, e, cols, stride_we, stride_wn, stride_se, stride_sn, stride_sk, BLOCK_K: tl.constexpr):
+    # An MXFP4 weight's first K step for tl.dot_scaled: [BLOCK_N, BLOCK_K / 2] byte pointers (w_ptr:
+    # the int32 words of _mxfp4_words, strides in 16-byte units) and [BLOCK_N, BLOCK_K / 32] exponents.
+    w8 = w_ptr.to(tl.pointer_type(tl.uint8))
+    rows = cols[:, None].to(tl.int64)
+    q_ptrs = w8 + e * (stride_we * 16) + rows * (stride_wn * 16) + tl.arange(0, BLOCK_K // 2)[None, :]
+    s_ptrs = s_ptr + e * stride_se + rows * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk
+    return q_ptrs, s_ptrs
+
+
+@triton.jit
+def _mx_dot_step(acc, a, q_ptrs, s_ptrs, col_ok, k_left, stride_sk, A_FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    # acc + a [M, BLOCK_K] (bf16 / fp16) x the step's MXFP4 columns: Triton's scaled dot decodes the
+    # packed e2m1 bytes and applies each 32-input exponent on the way to the tensor cores (on sm_90 an
+    # upcast to A's format, then mma), where the GEMV paths decode with integer ops on the FP32 lanes.
+    # Masked bytes read 0 (e2m1 zero) under any exponent; k_left: inputs left from this step on.
+    kb = tl.arange(0, BLOCK_K // 2)
+    gk = tl.arange(0, BLOCK_K // 32)
+    q = tl.load(q_ptrs, mask=col_ok[:, None] & (kb < k_left // 2)[None, :], other=0)
+    s = tl.load(s_ptrs, mask=col_ok[:, None] & (gk < k_left // 32)[None, :], other=127)
+    return tl.dot_scaled(a, None, A_FMT, tl.trans(q), s, "e2m1", acc)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, s_ptr, bias_ptr,
     num_rows, N, K,
@@ -407,6 +434,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     MX_ONE_DOT: tl.constexpr = False,  # MXFP4: one dot a step on the joined operand (_mxfp4_operand)
+    MX_DOT_SCALED: tl.constexpr = None,  # MXFP4 with bf16/fp16 A: tl.dot_scaled on the packed bytes (A's format)
 ):
     # Grid (P / BLOCK_M, cdiv(N, BLOCK_N)): one expert's BLOCK_M sorted rows x BLOCK_N columns.
     pid_m = tl.program_id(0)
@@ -421,7 +449,23 @@ def _moe_gemm_kernel(
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 and MX_DOT_SCALED is not None:
+        # The packed [BLOCK_N, BLOCK_K / 2] bytes and their [BLOCK_N, BLOCK_K / 32] exponents handed
+        # to tl.dot_scaled as they are: Triton decodes e2m1 for the tensor cores (_mx_dot_step).
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+        q_ptrs, s_ptrs = _mx_dot_ptrs(b_ptr, s_ptr, expert, cols, stride_be, stride_bn, stride_se, stride_sn,
+                                      stride_sk, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+            acc = _mx_dot_step(acc, a, q_ptrs, s_ptrs, col_ok, K - k0, stride_sk, MX_DOT_SCALED, BLOCK_K)
+            if GATED:
+                acc_up = _mx_dot_step(acc_up, a, q_ptrs + N * (stride_bn * 16), s_ptrs + N * stride_sn, col_ok,
+                                      K - k0, stride_sk, MX_DOT_SCALED, BLOCK_K)
+            a_ptrs += BLOCK_K * stride_ak
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+    elif MXFP4:
         # b_ptr: the packed bytes as int32 words, stride_be / stride_bn in 16-byte units (x4 words
         # here, so the compiler sees 16-byte aligned rows: vector loads). A step is BLOCK_K / 8
         # words of each column's row, [words, BLOCK_N], word w holding inputs k0 + 8w .. 8w + 7.
@@ -525,9 +569,7 @@ def moe_block_config(num_rows: int, num_experts: int, mxfp4: bool = False) -> di
     larger batches take the larger row blocks sooner."""
     per_expert = num_rows / max(1, num_experts)
     if mxfp4:
-        if per_expert <= 16:
-            return dict(MXFP4_TILES[0])
-        return dict(MXFP4_TILES[1])
+        return dict(MXFP4_TILES[0 if per_expert <= 16 else 1], **MXFP4_ENV_SORTED_KNOBS)
     if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if per_expert <= 64:
@@ -569,7 +611,8 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
         SCALE_ROWS=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
         DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype), MX_ONE_DOT=cfg.get("MX_ONE_DOT", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MX_DOT_SCALED=_mx_dot_format(cfg, "MX_DOT_SCALED", mxfp4, a.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 
@@ -627,6 +670,24 @@ MOE_PATHS = ("auto", "sorted", "decode")
 MXFP4_DECODE_KNOBS: tuple[tuple[int, dict], ...] = ()
 
 
+def _env_knobs(name: str) -> dict:
+    """Config knobs from a JSON object in the environment, for A/B runs of a whole engine on one
+    card (tools/gpu/gpt_oss.sh): e.g. PDSERVE_MXFP4_DECODE_KNOBS='{"MX_DOT": true}'. Checked by
+    fused_moe like any config."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return {}
+    knobs = json.loads(raw)
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{name} must be a JSON object of config knobs, got {raw!r}")
+    return knobs
+
+
+# Every MXFP4 batch's decode / sorted config gains these (after MXFP4_DECODE_KNOBS).
+MXFP4_ENV_DECODE_KNOBS = _env_knobs("PDSERVE_MXFP4_DECODE_KNOBS")
+MXFP4_ENV_SORTED_KNOBS = _env_knobs("PDSERVE_MXFP4_SORTED_KNOBS")
+
+
 def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False,
                       mxfp4: bool = False, tokens: int | None = None) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
@@ -656,6 +717,7 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
                    DOWN_WARPS=4, GU_X_NM=True, DOWN_SPLIT_K=2)
         if tokens is not None:
             cfg.update(next((knobs for most, knobs in MXFP4_DECODE_KNOBS if tokens <= most), {}))
+        cfg.update(MXFP4_ENV_DECODE_KNOBS)
         return cfg
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
@@ -933,6 +995,83 @@ def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _moe_decode_gate_up_dot_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
+                                   expert_offset, stride_xm, stride_we, stride_wn, stride_im, stride_se, stride_sn,
+                                   stride_sk, stride_bias_e, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                   SWIGLU: tl.constexpr):
+    # MXFP4 gate|up on the tensor cores (MX_DOT): grid (T*k, cdiv(I, BLOCK_N)) as
+    # _moe_decode_gate_up_kernel, each step a tl.dot_scaled of x's row against the strip's packed
+    # gate and up bytes. A dot needs 16 rows: x's row is row 0, rows 1-15 are masked to zero (never
+    # loaded), so the column sums of the accumulators are row 0's. Output in input order.
+    a = tl.program_id(0)
+    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
+    if (e < 0) | (e >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    first = (tl.arange(0, 16) == 0)[:, None]
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm + ks[None, :]
+    q_ptrs, s_ptrs = _mx_dot_ptrs(w13_ptr, s_ptr, e, cols, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                  BLOCK_K)
+    up_q, up_s = N * (stride_wn * 16), N * stride_sn
+    acc_gate = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=first & (ks < K - k0)[None, :], other=0.0)
+        acc_gate = _mx_dot_step(acc_gate, x, q_ptrs, s_ptrs, col_ok, K - k0, stride_sk, X_FMT, BLOCK_K)
+        acc_up = _mx_dot_step(acc_up, x, q_ptrs + up_q, s_ptrs + up_s, col_ok, K - k0, stride_sk, X_FMT, BLOCK_K)
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += (BLOCK_K // 32) * stride_sk
+    gate = tl.sum(acc_gate, axis=0)
+    up = tl.sum(acc_up, axis=0)
+    if HAS_BIAS:
+        bias_row = bias_ptr + e * stride_bias_e
+        gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    h = _activate(gate, up, SWIGLU, alpha, limit) * tl.load(weight_ptr + a).to(tl.float32)
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_dot_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
+                                expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # MXFP4 down pass on the tensor cores (MX_DOT): _moe_decode_down_split_kernel's grid and partials
+    # (program (t, n, j * SPLIT + s): slot j's s-th share of I), each step a tl.dot_scaled of the
+    # intermediate row (input order, row 0 of 16) against the expert's packed bytes.
+    t = tl.program_id(0).to(tl.int64)
+    pid_p = tl.program_id(2)
+    j = pid_p // SPLIT
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = (pid_p % SPLIT) * per
+    k_end = tl.minimum(K, k_begin + per)
+    e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
+    held = (e >= 0) & (e < num_experts)
+    e = tl.where(held, e, 0)
+    k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    first = (tl.arange(0, 16) == 0)[:, None]
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + ks[None, :]
+    q_ptrs, s_ptrs = _mx_dot_ptrs(w2_ptr, s_ptr, e, cols, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                                  BLOCK_K)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = tl.load(a_ptrs + k0, mask=first & (ks < k_end - k0)[None, :], other=0.0)
+        acc = _mx_dot_step(acc, x, q_ptrs + k0 // 2, s_ptrs + (k0 // 32) * stride_sk, col_ok, k_end - k0, stride_sk,
+                           X_FMT, BLOCK_K)
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
+        wj = tl.where(held & (pid_p % SPLIT == 0), tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        out += wj * tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(part_ptr + (pid_p * tl.num_programs(0) + t) * N + cols, out, mask=col_ok)
+
+
 def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
                 mxfp4: bool = False) -> tuple[int, int, int, int]:
     """(expert, row, K-group strides, up half's first scale row) of a quantized weight's scales;
@@ -959,6 +1098,33 @@ def _decode_weights(w, scale, block):
     return quant, w, (w.stride(0), w.stride(1))
 
 
+# tl.dot_scaled's name for the activations' format; MXFP4 with other activations (fp32) keeps the
+# integer decoders whatever a config asks.
+_DOT_SCALED_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _mx_dot_format(cfg: dict, key: str, mxfp4: bool, dtype: torch.dtype) -> str | None:
+    """A's format for tl.dot_scaled where `cfg[key]` asks for the tensor-core MXFP4 path and it can
+    run, else None."""
+    return _DOT_SCALED_FORMATS.get(dtype) if mxfp4 and cfg.get(key, False) else None
+
+
+def _decode_gate_up_dot(x, w13, weights, ids, expert_offset, cfg, fmt, w13_scale, w13_bias, activation):
+    """Decode pass 1 on the tensor cores (MX_DOT): [T*k, I] rows in input order."""
+    t, h = x.shape
+    e, two_i = w13.shape[:2]
+    inter, top_k = two_i // 2, ids.numel() // t
+    words, *rows = _mxfp4_words(w13)
+    inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
+    _moe_decode_gate_up_dot_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+        x, words, inter_out, ids, weights, w13_scale, w13 if w13_bias is None else w13_bias, inter, h, e,
+        expert_offset, x.stride(0), *rows, inter_out.stride(0), *_scale_args(w13_scale, None, True)[:3], bias_stride,
+        alpha, limit, TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], X_FMT=fmt,
+        HAS_BIAS=w13_bias is not None, SWIGLU=isinstance(activation, SwigluOAI), num_warps=cfg["GU_WARPS"])
+    return inter_out
+
+
 def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
                     activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
     """Decode pass 1: [T*k, I] intermediate rows (router weight applied; MXFP4: nibble-major order).
@@ -969,6 +1135,9 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
     inter, top_k = two_i // 2, topk_ids.shape[1]
     mxfp4 = w13.dtype == MXFP4
     ids = topk_ids.reshape(-1)
+    fmt = _mx_dot_format(cfg, "MX_DOT", mxfp4, x.dtype)
+    if fmt:
+        return _decode_gate_up_dot(x, w13, weights, ids, expert_offset, cfg, fmt, w13_scale, w13_bias, activation)
     quant, w13, w13_rows = _decode_weights(w13, w13_scale, block)
     split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
     x_nm = mxfp4 and cfg.get("GU_X_NM", False)
@@ -1001,22 +1170,33 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
                  activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
     """Decode pass 2: [T, H], the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 = one program per
     (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
-    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
+    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch.
+    MX_DOT (bf16 / fp16 rows): the split form on the tensor cores (s of at least 1)."""
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
     mxfp4 = w2.dtype == MXFP4
     ids = topk_ids.reshape(-1)
+    fmt = _mx_dot_format(cfg, "MX_DOT", mxfp4, inter_out.dtype)
     quant, w2, w2_rows = _decode_weights(w2, w2_scale, block)
     out = torch.empty((t, h), dtype=out_dtype or inter_out.dtype, device=inter_out.device)
     split = cfg.get("DOWN_SPLIT_K", 0) if mxfp4 else 0
     bias_stride = _epilogue_args(w2_bias, activation)[0]
-    if split:
+    if fmt:
+        split = max(1, split)
+        part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
+        _moe_decode_down_dot_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
+            inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
+            expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
+            TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"], X_FMT=fmt,
+            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
+    elif split:
         part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
         _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
             inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
             expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
             HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
+    if split:
         _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
             part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
         return out
@@ -1148,10 +1328,14 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
         check_tensor(fn, "w13_scale", w13_scale, (e, two_i, h // MXFP4_GROUP), (torch.uint8,))
         check_tensor(fn, "w2_scale", w2_scale, (e, h, inter // MXFP4_GROUP), (torch.uint8,))
         steps = [v for key, v in (config or {}).items() if key.endswith("BLOCK_K")]
-        if any(v % MXFP4_GROUP for v in steps) or (config or {}).get("BLOCK_K", 128) % 128:
+        eight_dots = not (config or {}).get("MX_DOT_SCALED", False)
+        if any(v % MXFP4_GROUP for v in steps) or (eight_dots and (config or {}).get("BLOCK_K", 128) % 128):
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
-                             f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 (its "
-                             f"8 dots a step have K = BLOCK_K / 8, at least 16)")
+                             f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 unless "
+                             f"MX_DOT_SCALED (its 8 dots a step have K = BLOCK_K / 8, at least 16)")
+    for key in ("MX_DOT", "MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
+        if not isinstance((config or {}).get(key, False), bool):
+            raise ValueError(f"{fn}: config {key} must be True or False, got {config[key]!r}")
     for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):
         v = (config or {}).get(key, least)
         if not isinstance(v, int) or isinstance(v, bool) or v < least:

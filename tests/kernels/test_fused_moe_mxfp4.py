@@ -303,12 +303,43 @@ def test_decode_split_knobs_are_checked():
                       w2_scale=s2)
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/mxfp4_decode.sh)")
-@pytest.mark.parametrize("t", [1, 16])
-def test_decode_split_variants_on_gpt_oss_20b_layer(t):
-    # The split / nibble-major decode variants at gpt-oss-20b's real layer (90 exponent groups: the
-    # 512-wide gate|up steps split 3 ways end on a masked step): close to the reference, bit-stable,
-    # and a CUDA graph replays them to the same bits (the partial buffers are sized by shapes alone).
+# The tensor-core variants (tl.dot_scaled on the packed bytes): decode MX_DOT (x's row as row 0 of a
+# 16-row dot; the down pass split per slot and share of I) and sorted MX_DOT_SCALED (64-wide K steps,
+# below the 8-dot path's least 128). bf16 activations, the format they run for.
+@pytest.mark.parametrize("path,knobs,t,offset,drop", [
+    ("decode", dict(MX_DOT=True), 1, 0, 0.0),
+    ("decode", dict(MX_DOT=True, DOWN_SPLIT_K=3), 3, 4, 0.3),
+    ("sorted", dict(MX_DOT_SCALED=True, BLOCK_K=64), 33, 4, 0.3),
+], ids=["decode", "decode-split3", "sorted"])
+def test_tensor_core_variants_match_reference(poison_empty, path, knobs, t, offset, drop):
+    dtype = torch.bfloat16
+    x, w, ids = routed_inputs(t, dtype, drop, offset)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    b13, b2 = biases(dtype)
+    tiles = DECODE_TILES if path == "decode" else SORTED_TILES
+    out = fused_moe(x, q13, q2, w, ids, config=dict(tiles, **knobs), path=path, expert_offset=offset, w13_scale=s13,
+                    w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=offset, activation=SWIGLU,
+                        w13_bias=b13.double(), w2_bias=b2.double())
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+    none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
+    assert (out[none_held] == 0).all()
+
+
+def test_tensor_core_knobs_are_checked_and_fp32_keeps_the_integer_decoders(poison_empty):
+    x, w, ids = routed_inputs(2, torch.float32, 0.0)
+    q13, s13, q2, s2, d13, d2 = mxfp4_experts()
+    with pytest.raises(ValueError, match="MX_DOT must be True or False"):
+        fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, MX_DOT=1), path="decode", w13_scale=s13, w2_scale=s2)
+    # fp32 activations have no scaled-dot format: the knob leaves the exact integer decoders running.
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, MX_DOT=True), path="decode", w13_scale=s13,
+                    w2_scale=s2)
+    assert rel_error(out, fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids)) < TOLERANCE[torch.float32]
+
+
+def _gpt_oss_20b_layer(t: int):
+    """gpt-oss-20b's expert layer at its real sizes (90 exponent groups), random MXFP4 experts and
+    biases, t tokens routed to 4 experts each (one slot held nowhere)."""
     e, h, inter = 32, 2880, 2880
     g = torch.Generator(device=DEVICE).manual_seed(t)
     q13 = torch.randint(0, 256, (e, 2 * inter, h // 2), dtype=torch.uint8, device=DEVICE, generator=g)
@@ -321,10 +352,28 @@ def test_decode_split_variants_on_gpt_oss_20b_layer(t):
     w, ids = torch.softmax(torch.randn(t, 4, device=DEVICE, generator=g), -1), torch.randperm(e, device=DEVICE)[:4]
     ids = torch.stack([torch.roll(ids, i) for i in range(t)]).int()
     ids[0, 1] = -1  # an expert held nowhere
+    return x, q13, s13, q2, s2, b13, b2, w, ids
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="real sizes compiled on a GPU (tools/gpu/mxfp4_decode.sh)")
+@pytest.mark.parametrize("t,path,cfg", [
+    (1, "decode", dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
+                       GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
+    (16, "decode", dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
+                        GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
+    (1, "decode", dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4,
+                       MX_DOT=True, DOWN_SPLIT_K=2)),
+    (16, "decode", dict(GU_BLOCK_N=32, GU_BLOCK_K=128, GU_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+                        MX_DOT=True, DOWN_SPLIT_K=1)),
+    (64, "sorted", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_DOT_SCALED=True)),
+], ids=["split-1", "split-16", "dot-1", "dot-16", "sorted-dot-64"])
+def test_decode_split_variants_on_gpt_oss_20b_layer(t, path, cfg):
+    # The split / nibble-major decode variants and the tensor-core ones at gpt-oss-20b's real layer (the
+    # 512-wide gate|up steps split 3 ways end on a masked step): close to the reference, bit-stable,
+    # and a CUDA graph replays them to the same bits (the partial buffers are sized by shapes alone).
+    x, q13, s13, q2, s2, b13, b2, w, ids = _gpt_oss_20b_layer(t)
     act = SwigluOAI(1.702, 7.0)
-    cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
-               GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)
-    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg, path="decode")
+    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg, path=path)
     out = fused_moe(x, q13, q2, w, ids, **kw)
     ref = fused_moe_ref(x.float(), q13, q2, w, ids, w13_scale=s13, w2_scale=s2, w13_bias=b13.float(),
                         w2_bias=b2.float(), activation=act)

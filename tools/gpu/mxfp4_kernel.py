@@ -38,11 +38,16 @@ ACT = SwigluOAI(alpha=1.702, limit=7.0)
 DECODE_SWEEP = [(16, 512, 4, 16, 256, 8, False), (16, 512, 4, 16, 256, 8, True), (16, 256, 4, 16, 256, 4, True),
                 (16, 256, 4, 16, 256, 4, False), (32, 256, 4, 32, 256, 4, True), (8, 512, 4, 8, 256, 4, True),
                 (32, 512, 8, 32, 512, 8, False), (16, 1024, 4, 16, 512, 4, False), (8, 256, 4, 8, 128, 4, True)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, MX_ONE_DOT)
-SORTED_SWEEP = [(16, 64, 128, 4, 3, False), (16, 64, 128, 4, 3, True), (16, 64, 128, 8, 3, True),
-                (16, 128, 128, 8, 3, True), (16, 32, 128, 4, 3, True), (16, 64, 256, 8, 3, True),
-                (64, 64, 128, 4, 3, False), (64, 64, 128, 8, 3, True), (64, 128, 128, 8, 3, True),
-                (16, 128, 128, 4, 3, False)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, MX_ONE_DOT, MX_DOT_SCALED)
+SORTED_SWEEP = [(16, 64, 128, 4, 3, False, False), (16, 64, 128, 4, 3, True, False),
+                (16, 128, 128, 8, 3, True, False), (64, 64, 128, 4, 3, False, False),
+                (64, 128, 128, 8, 3, True, False),
+                (16, 64, 128, 4, 3, False, True), (16, 32, 256, 4, 3, False, True), (16, 64, 256, 4, 4, False, True),
+                (16, 128, 128, 8, 3, False, True), (64, 64, 128, 4, 3, False, True), (64, 128, 128, 8, 3, False, True),
+                (64, 128, 256, 8, 3, False, True), (128, 128, 128, 8, 3, False, True)]
+SORTED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "MX_ONE_DOT", "MX_DOT_SCALED")
+# The sorted path on tl.dot_scaled in --decode-sweep's CUDA graphs, beside the decode configs.
+SORTED_DOT_GRAPH = [(16, 64, 128, 4, 3), (16, 32, 256, 4, 3), (16, 64, 256, 4, 4), (16, 128, 128, 8, 3)]
 
 
 # The decode path's configs for --decode-sweep: moe_decode_config's keys; "default" is its own (k256's
@@ -54,7 +59,14 @@ _TILES = dict(default=None,
                       GU_PREFETCH=True),
               k256=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4),
               k1024=dict(GU_BLOCK_N=16, GU_BLOCK_K=1024, GU_WARPS=8, DOWN_BLOCK_N=16, DOWN_BLOCK_K=512,
-                         DOWN_WARPS=8))
+                         DOWN_WARPS=8),
+              # tl.dot_scaled on the packed bytes (MX_DOT): x's row as row 0 of a 16-row dot
+              dot=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4,
+                       MX_DOT=True),
+              dot32=dict(GU_BLOCK_N=32, GU_BLOCK_K=128, GU_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+                         MX_DOT=True),
+              dot512=dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=512,
+                          DOWN_WARPS=4, MX_DOT=True))
 # Labels in the sweep's table: gu3 = GU_SPLIT_K 3, dn2 = DOWN_SPLIT_K 2, xnm = GU_X_NM, ...
 _SHORT = dict(GU_SPLIT_K="gu", DOWN_SPLIT_K="dn", GU_X_NM="xnm", GU_PREFETCH="pf", GU_BLOCK_N="gn",
               GU_WARPS="gw", DOWN_BLOCK_N="dn_n", DOWN_WARPS="dw")
@@ -73,6 +85,10 @@ DECODE_VARIANTS = [
     ("k1024", dict(GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
     ("default", dict(DOWN_BLOCK_N=32, DOWN_WARPS=4, DOWN_SPLIT_K=3)),
     ("default", dict(GU_BLOCK_N=32, GU_WARPS=8, GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=3)),
+    ("dot", dict(DOWN_SPLIT_K=1)), ("dot", dict(DOWN_SPLIT_K=2)), ("dot", dict(DOWN_SPLIT_K=3)),
+    ("dot", dict(GU_WARPS=8, DOWN_WARPS=8, DOWN_SPLIT_K=2)), ("dot", dict(GU_BLOCK_N=64, DOWN_SPLIT_K=2)),
+    ("dot32", dict(DOWN_SPLIT_K=1)), ("dot32", dict(DOWN_SPLIT_K=2)), ("dot32", dict(GU_BLOCK_K=256, DOWN_SPLIT_K=2)),
+    ("dot512", dict(DOWN_SPLIT_K=1)), ("dot512", dict(DOWN_SPLIT_K=3)),
 ]
 
 
@@ -152,7 +168,7 @@ def model_rows(name: str, args, old, bw: float, lines: list[str], sweep: list[st
                 variants.append(("decode", cfg))
         if t in (8, 64, 512):
             for c in SORTED_SWEEP:
-                cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "MX_ONE_DOT"), c))
+                cfg = dict(zip(SORTED_KEYS, c))
                 variants.append(("sorted", cfg))
         for path, cfg in variants:
             try:
@@ -231,7 +247,17 @@ def decode_sweep(args, bw: float) -> list[str]:
         bf16 = graph_calls_ms([lambda r=r: new.fused_moe(r[0], d13, d2, r[1], r[2], **epi) for r in routes])
         srt = graph_calls_ms([lambda r=r: new.fused_moe(r[0], q13, q2, r[1], r[2], path="sorted", **mx)
                               for r in routes])
-        for label, ms_ in (("bf16", bf16), ("MXFP4 sorted (default tiles)", srt)):
+        baselines = [("bf16", bf16), ("MXFP4 sorted (default tiles)", srt)]
+        for c in SORTED_DOT_GRAPH:
+            cfg = dict(zip(SORTED_KEYS, c), MX_DOT_SCALED=True)
+            try:
+                baselines.append((f"MXFP4 sorted dot_scaled {c}", graph_calls_ms(
+                    [lambda r=r: new.fused_moe(r[0], q13, q2, r[1], r[2], config=cfg, path="sorted", **mx)
+                     for r in routes])))
+            except Exception as exc:  # a tile the compiler refuses: noted, the sweep goes on
+                baselines.append((f"MXFP4 sorted dot_scaled {c} failed: {type(exc).__name__}: {str(exc)[:80]}",
+                                  float("nan")))
+        for label, ms_ in baselines:
             row = f"| {t} | {label} | {ms_:.3f} | - | - | {bf16 / ms_:.2f}x | - | - | - |"
             lines.append(row)
             print(row, flush=True)
