@@ -49,7 +49,10 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
 - the GEMVs (decode path) accumulate nibble position J's products in place ([rows, groups, 4],
   x scaled by 2^64 as loaded so that the products stay normal), then scale each 32-input
   group's sum once by 2^62 and its exponent;
-- the grouped GEMM (sorted path) does 8 dots of K = BLOCK_K / 8 a step (a permutation of the sum
+- the grouped GEMM (sorted path) with bf16 / fp16 activations hands each step's packed bytes and
+  exponents to tl.dot_scaled (MX_DOT_SCALED, on in the default tiles: Triton decodes them for the
+  tensor cores; 1.2-1.4x the 8 dots below at 64-512 tokens on an H200). Otherwise (fp32, or the knob
+  off) it does 8 dots of K = BLOCK_K / 8 a step (a permutation of the sum
   over K), each on the decoded tile of one nibble position times 2^126 and its group's exponent,
   in the activations' dtype (exact in bf16). BLOCK_K is a multiple of 128 there. A sorted
   config's `MX_ONE_DOT: True` joins the 8 tiles into one operand in input order and does one dot
@@ -564,9 +567,9 @@ def moe_block_config(num_rows: int, num_experts: int, mxfp4: bool = False) -> di
     """Tile sizes by the mean rows per expert: small tiles where each expert sees a token or two
     (decode; the weights' bytes dominate), larger ones where GEMMs are real. A first guess from
     the shapes, to be tuned on the card (bench/moe.py sweeps the alternatives).
-    `mxfp4`: MXFP4 weights' own tiles: their steps are 8 dots of BLOCK_K / 8, so BLOCK_K is a
-    multiple of 128 (a dot's K of 16 at least); every weight is decoded once per BLOCK_M rows, so
-    larger batches take the larger row blocks sooner."""
+    `mxfp4`: MXFP4 weights' own tiles, on tl.dot_scaled (MX_DOT_SCALED; bf16 / fp16 activations,
+    else the 8-dot integer decoders, whose BLOCK_K is a multiple of 128); every weight is decoded
+    once per BLOCK_M rows, so larger batches take the larger row blocks sooner."""
     per_expert = num_rows / max(1, num_experts)
     if mxfp4:
         return dict(MXFP4_TILES[0 if per_expert <= 16 else 1], **MXFP4_ENV_SORTED_KNOBS)
@@ -577,9 +580,12 @@ def moe_block_config(num_rows: int, num_experts: int, mxfp4: bool = False) -> di
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-# moe_block_config's MXFP4 tiles: (decode batches, larger ones).
-MXFP4_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
-               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3))
+# moe_block_config's MXFP4 tiles: (decode batches, larger ones). tl.dot_scaled against the 8-dot
+# integer decoders on one H200, gpt-oss-120b's layer (docs/results/gpt-oss/2026-12-03-h200-mxfp4-dot.md):
+# 2.70 vs 3.87 ms at 512 tokens (bf16 2.20), 1.43 vs 1.71 at 64 (bf16 1.33); the decode GEMVs keep
+# T <= 16, where dot_scaled's 16-row dot lost (0.64 vs 0.47 ms at 16 tokens in CUDA graphs).
+MXFP4_TILES = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_DOT_SCALED=True),
+               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_DOT_SCALED=True))
 
 
 def _mxfp4_words(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -672,7 +678,7 @@ MXFP4_DECODE_KNOBS: tuple[tuple[int, dict], ...] = ()
 
 def _env_knobs(name: str) -> dict:
     """Config knobs from a JSON object in the environment, for A/B runs of a whole engine on one
-    card (tools/gpu/gpt_oss.sh): e.g. PDSERVE_MXFP4_DECODE_KNOBS='{"MX_DOT": true}'. Checked by
+    card (tools/gpu/gpt_oss.sh): e.g. PDSERVE_MXFP4_SORTED_KNOBS='{"MX_DOT_SCALED": false}'. Checked by
     fused_moe like any config."""
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -995,83 +1001,6 @@ def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr
     tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _moe_decode_gate_up_dot_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
-                                   expert_offset, stride_xm, stride_we, stride_wn, stride_im, stride_se, stride_sn,
-                                   stride_sk, stride_bias_e, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   SWIGLU: tl.constexpr):
-    # MXFP4 gate|up on the tensor cores (MX_DOT): grid (T*k, cdiv(I, BLOCK_N)) as
-    # _moe_decode_gate_up_kernel, each step a tl.dot_scaled of x's row against the strip's packed
-    # gate and up bytes. A dot needs 16 rows: x's row is row 0, rows 1-15 are masked to zero (never
-    # loaded), so the column sums of the accumulators are row 0's. Output in input order.
-    a = tl.program_id(0)
-    e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
-    if (e < 0) | (e >= num_experts):
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    first = (tl.arange(0, 16) == 0)[:, None]
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (a // TOP_K).to(tl.int64) * stride_xm + ks[None, :]
-    q_ptrs, s_ptrs = _mx_dot_ptrs(w13_ptr, s_ptr, e, cols, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                                  BLOCK_K)
-    up_q, up_s = N * (stride_wn * 16), N * stride_sn
-    acc_gate = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=first & (ks < K - k0)[None, :], other=0.0)
-        acc_gate = _mx_dot_step(acc_gate, x, q_ptrs, s_ptrs, col_ok, K - k0, stride_sk, X_FMT, BLOCK_K)
-        acc_up = _mx_dot_step(acc_up, x, q_ptrs + up_q, s_ptrs + up_s, col_ok, K - k0, stride_sk, X_FMT, BLOCK_K)
-        q_ptrs += BLOCK_K // 2
-        s_ptrs += (BLOCK_K // 32) * stride_sk
-    gate = tl.sum(acc_gate, axis=0)
-    up = tl.sum(acc_up, axis=0)
-    if HAS_BIAS:
-        bias_row = bias_ptr + e * stride_bias_e
-        gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-        up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    h = _activate(gate, up, SWIGLU, alpha, limit) * tl.load(weight_ptr + a).to(tl.float32)
-    tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _moe_decode_down_dot_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K, num_experts,
-                                expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                                stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # MXFP4 down pass on the tensor cores (MX_DOT): _moe_decode_down_split_kernel's grid and partials
-    # (program (t, n, j * SPLIT + s): slot j's s-th share of I), each step a tl.dot_scaled of the
-    # intermediate row (input order, row 0 of 16) against the expert's packed bytes.
-    t = tl.program_id(0).to(tl.int64)
-    pid_p = tl.program_id(2)
-    j = pid_p // SPLIT
-    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-    k_begin = (pid_p % SPLIT) * per
-    k_end = tl.minimum(K, k_begin + per)
-    e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
-    held = (e >= 0) & (e < num_experts)
-    e = tl.where(held, e, 0)
-    k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    first = (tl.arange(0, 16) == 0)[:, None]
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + ks[None, :]
-    q_ptrs, s_ptrs = _mx_dot_ptrs(w2_ptr, s_ptr, e, cols, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                                  BLOCK_K)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        x = tl.load(a_ptrs + k0, mask=first & (ks < k_end - k0)[None, :], other=0.0)
-        acc = _mx_dot_step(acc, x, q_ptrs + k0 // 2, s_ptrs + (k0 // 32) * stride_sk, col_ok, k_end - k0, stride_sk,
-                           X_FMT, BLOCK_K)
-    out = tl.sum(acc, axis=0)
-    if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
-        wj = tl.where(held & (pid_p % SPLIT == 0), tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
-        out += wj * tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(part_ptr + (pid_p * tl.num_programs(0) + t) * N + cols, out, mask=col_ok)
-
-
 def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
                 mxfp4: bool = False) -> tuple[int, int, int, int]:
     """(expert, row, K-group strides, up half's first scale row) of a quantized weight's scales;
@@ -1099,7 +1028,9 @@ def _decode_weights(w, scale, block):
 
 
 # tl.dot_scaled's name for the activations' format; MXFP4 with other activations (fp32) keeps the
-# integer decoders whatever a config asks.
+# integer decoders whatever a config asks. The decode GEMVs have no scaled-dot form: a 16-row dot
+# with one real row measured 2-5x slower than their integer decoders on an H200 at 1-64 tokens
+# (docs/results/gpt-oss/2026-12-03-h200-mxfp4-dot.md).
 _DOT_SCALED_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -1107,22 +1038,6 @@ def _mx_dot_format(cfg: dict, key: str, mxfp4: bool, dtype: torch.dtype) -> str 
     """A's format for tl.dot_scaled where `cfg[key]` asks for the tensor-core MXFP4 path and it can
     run, else None."""
     return _DOT_SCALED_FORMATS.get(dtype) if mxfp4 and cfg.get(key, False) else None
-
-
-def _decode_gate_up_dot(x, w13, weights, ids, expert_offset, cfg, fmt, w13_scale, w13_bias, activation):
-    """Decode pass 1 on the tensor cores (MX_DOT): [T*k, I] rows in input order."""
-    t, h = x.shape
-    e, two_i = w13.shape[:2]
-    inter, top_k = two_i // 2, ids.numel() // t
-    words, *rows = _mxfp4_words(w13)
-    inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
-    bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
-    _moe_decode_gate_up_dot_kernel[(t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
-        x, words, inter_out, ids, weights, w13_scale, w13 if w13_bias is None else w13_bias, inter, h, e,
-        expert_offset, x.stride(0), *rows, inter_out.stride(0), *_scale_args(w13_scale, None, True)[:3], bias_stride,
-        alpha, limit, TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], X_FMT=fmt,
-        HAS_BIAS=w13_bias is not None, SWIGLU=isinstance(activation, SwigluOAI), num_warps=cfg["GU_WARPS"])
-    return inter_out
 
 
 def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
@@ -1135,9 +1050,6 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
     inter, top_k = two_i // 2, topk_ids.shape[1]
     mxfp4 = w13.dtype == MXFP4
     ids = topk_ids.reshape(-1)
-    fmt = _mx_dot_format(cfg, "MX_DOT", mxfp4, x.dtype)
-    if fmt:
-        return _decode_gate_up_dot(x, w13, weights, ids, expert_offset, cfg, fmt, w13_scale, w13_bias, activation)
     quant, w13, w13_rows = _decode_weights(w13, w13_scale, block)
     split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
     x_nm = mxfp4 and cfg.get("GU_X_NM", False)
@@ -1170,33 +1082,22 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
                  activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
     """Decode pass 2: [T, H], the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 = one program per
     (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
-    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch.
-    MX_DOT (bf16 / fp16 rows): the split form on the tensor cores (s of at least 1)."""
+    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
     mxfp4 = w2.dtype == MXFP4
     ids = topk_ids.reshape(-1)
-    fmt = _mx_dot_format(cfg, "MX_DOT", mxfp4, inter_out.dtype)
     quant, w2, w2_rows = _decode_weights(w2, w2_scale, block)
     out = torch.empty((t, h), dtype=out_dtype or inter_out.dtype, device=inter_out.device)
     split = cfg.get("DOWN_SPLIT_K", 0) if mxfp4 else 0
     bias_stride = _epilogue_args(w2_bias, activation)[0]
-    if fmt:
-        split = max(1, split)
-        part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
-        _moe_decode_down_dot_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
-            inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
-            expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
-            TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"], X_FMT=fmt,
-            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
-    elif split:
+    if split:
         part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
         _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
             inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
             expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
             HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
-    if split:
         _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
             part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
         return out
@@ -1333,7 +1234,7 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 unless "
                              f"MX_DOT_SCALED (its 8 dots a step have K = BLOCK_K / 8, at least 16)")
-    for key in ("MX_DOT", "MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
+    for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
         if not isinstance((config or {}).get(key, False), bool):
             raise ValueError(f"{fn}: config {key} must be True or False, got {config[key]!r}")
     for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):

@@ -303,21 +303,17 @@ def test_decode_split_knobs_are_checked():
                       w2_scale=s2)
 
 
-# The tensor-core variants (tl.dot_scaled on the packed bytes): decode MX_DOT (x's row as row 0 of a
-# 16-row dot; the down pass split per slot and share of I) and sorted MX_DOT_SCALED (64-wide K steps,
-# below the 8-dot path's least 128). bf16 activations, the format they run for.
-@pytest.mark.parametrize("path,knobs,t,offset,drop", [
-    ("decode", dict(MX_DOT=True), 1, 0, 0.0),
-    ("decode", dict(MX_DOT=True, DOWN_SPLIT_K=3), 3, 4, 0.3),
-    ("sorted", dict(MX_DOT_SCALED=True, BLOCK_K=64), 33, 4, 0.3),
-], ids=["decode", "decode-split3", "sorted"])
-def test_tensor_core_variants_match_reference(poison_empty, path, knobs, t, offset, drop):
+# The sorted path on tl.dot_scaled (MX_DOT_SCALED, the default MXFP4 tiles with bf16 / fp16
+# activations): Triton decodes the packed bytes for the tensor cores; 64- and 128-wide K steps (the
+# 8-dot path's least is 128), H = 96 ends on a half-masked step.
+@pytest.mark.parametrize("block_k,t,offset,drop", [(64, 33, 4, 0.3), (128, 5, 0, 0.0)])
+def test_sorted_dot_scaled_matches_reference(poison_empty, block_k, t, offset, drop):
     dtype = torch.bfloat16
     x, w, ids = routed_inputs(t, dtype, drop, offset)
     q13, s13, q2, s2, d13, d2 = mxfp4_experts()
     b13, b2 = biases(dtype)
-    tiles = DECODE_TILES if path == "decode" else SORTED_TILES
-    out = fused_moe(x, q13, q2, w, ids, config=dict(tiles, **knobs), path=path, expert_offset=offset, w13_scale=s13,
+    cfg = dict(SORTED_TILES, BLOCK_K=block_k, MX_DOT_SCALED=True)
+    out = fused_moe(x, q13, q2, w, ids, config=cfg, path="sorted", expert_offset=offset, w13_scale=s13,
                     w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
     ref = fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids, expert_offset=offset, activation=SWIGLU,
                         w13_bias=b13.double(), w2_bias=b2.double())
@@ -326,14 +322,15 @@ def test_tensor_core_variants_match_reference(poison_empty, path, knobs, t, offs
     assert (out[none_held] == 0).all()
 
 
-def test_tensor_core_knobs_are_checked_and_fp32_keeps_the_integer_decoders(poison_empty):
+def test_dot_scaled_knob_is_checked_and_fp32_keeps_the_integer_decoders(poison_empty):
     x, w, ids = routed_inputs(2, torch.float32, 0.0)
     q13, s13, q2, s2, d13, d2 = mxfp4_experts()
-    with pytest.raises(ValueError, match="MX_DOT must be True or False"):
-        fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, MX_DOT=1), path="decode", w13_scale=s13, w2_scale=s2)
-    # fp32 activations have no scaled-dot format: the knob leaves the exact integer decoders running.
-    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, MX_DOT=True), path="decode", w13_scale=s13,
-                    w2_scale=s2)
+    with pytest.raises(ValueError, match="MX_DOT_SCALED must be True or False"):
+        fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, MX_DOT_SCALED=1), path="sorted", w13_scale=s13,
+                  w2_scale=s2)
+    # fp32 activations have no scaled-dot format: the default tiles (MX_DOT_SCALED) keep the exact
+    # integer decoders running, to fp32's tolerance.
+    out = fused_moe(x, q13, q2, w, ids, path="sorted", w13_scale=s13, w2_scale=s2)
     assert rel_error(out, fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids)) < TOLERANCE[torch.float32]
 
 
@@ -361,14 +358,11 @@ def _gpt_oss_20b_layer(t: int):
                        GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
     (16, "decode", dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=8,
                         GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
-    (1, "decode", dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4,
-                       MX_DOT=True, DOWN_SPLIT_K=2)),
-    (16, "decode", dict(GU_BLOCK_N=32, GU_BLOCK_K=128, GU_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
-                        MX_DOT=True, DOWN_SPLIT_K=1)),
     (64, "sorted", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_DOT_SCALED=True)),
-], ids=["split-1", "split-16", "dot-1", "dot-16", "sorted-dot-64"])
+    (64, "sorted", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_DOT_SCALED=True)),
+], ids=["split-1", "split-16", "dot-scaled-16rows", "dot-scaled-64rows"])
 def test_decode_split_variants_on_gpt_oss_20b_layer(t, path, cfg):
-    # The split / nibble-major decode variants and the tensor-core ones at gpt-oss-20b's real layer (the
+    # The split / nibble-major decode variants and the sorted tl.dot_scaled tiles at gpt-oss-20b's real layer (the
     # 512-wide gate|up steps split 3 ways end on a masked step): close to the reference, bit-stable,
     # and a CUDA graph replays them to the same bits (the partial buffers are sized by shapes alone).
     x, q13, s13, q2, s2, b13, b2, w, ids = _gpt_oss_20b_layer(t)

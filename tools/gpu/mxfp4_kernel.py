@@ -59,14 +59,7 @@ _TILES = dict(default=None,
                       GU_PREFETCH=True),
               k256=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4),
               k1024=dict(GU_BLOCK_N=16, GU_BLOCK_K=1024, GU_WARPS=8, DOWN_BLOCK_N=16, DOWN_BLOCK_K=512,
-                         DOWN_WARPS=8),
-              # tl.dot_scaled on the packed bytes (MX_DOT): x's row as row 0 of a 16-row dot
-              dot=dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=256, DOWN_WARPS=4,
-                       MX_DOT=True),
-              dot32=dict(GU_BLOCK_N=32, GU_BLOCK_K=128, GU_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
-                         MX_DOT=True),
-              dot512=dict(GU_BLOCK_N=16, GU_BLOCK_K=512, GU_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=512,
-                          DOWN_WARPS=4, MX_DOT=True))
+                         DOWN_WARPS=8))
 # Labels in the sweep's table: gu3 = GU_SPLIT_K 3, dn2 = DOWN_SPLIT_K 2, xnm = GU_X_NM, ...
 _SHORT = dict(GU_SPLIT_K="gu", DOWN_SPLIT_K="dn", GU_X_NM="xnm", GU_PREFETCH="pf", GU_BLOCK_N="gn",
               GU_WARPS="gw", DOWN_BLOCK_N="dn_n", DOWN_WARPS="dw")
@@ -85,10 +78,6 @@ DECODE_VARIANTS = [
     ("k1024", dict(GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=2)),
     ("default", dict(DOWN_BLOCK_N=32, DOWN_WARPS=4, DOWN_SPLIT_K=3)),
     ("default", dict(GU_BLOCK_N=32, GU_WARPS=8, GU_X_NM=True, GU_SPLIT_K=3, DOWN_SPLIT_K=3)),
-    ("dot", dict(DOWN_SPLIT_K=1)), ("dot", dict(DOWN_SPLIT_K=2)), ("dot", dict(DOWN_SPLIT_K=3)),
-    ("dot", dict(GU_WARPS=8, DOWN_WARPS=8, DOWN_SPLIT_K=2)), ("dot", dict(GU_BLOCK_N=64, DOWN_SPLIT_K=2)),
-    ("dot32", dict(DOWN_SPLIT_K=1)), ("dot32", dict(DOWN_SPLIT_K=2)), ("dot32", dict(GU_BLOCK_K=256, DOWN_SPLIT_K=2)),
-    ("dot512", dict(DOWN_SPLIT_K=1)), ("dot512", dict(DOWN_SPLIT_K=3)),
 ]
 
 
