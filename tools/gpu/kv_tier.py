@@ -629,7 +629,7 @@ def main(argv=None) -> int:
     c.add_argument("--request-timeout", type=float, default=300)
     c.add_argument("--ready-timeout", type=float, default=240)
     c.add_argument("--worker-args", default="")
-    c.add_argument("--conversation-rate", type=float, default=1.0,
+    c.add_argument("--conversation-rate", type=float, default=0.75,
                    help="conversations started per second (0: every conversation at once)")
     c.add_argument("--think-time", type=float, default=4.0, help="mean seconds between a turn's end and the next")
     c = sub.add_parser("peer")

@@ -12,11 +12,11 @@
 #            host->device copy of the same 1 GiB in the same process (target >= 60%); stores vs D2H;
 #            the restores beside a stand-in forward, waited for vs overlapped (the side stream)       60
 #   without  one worker, device KV cache = 22% of the working set, no tier: `pdserve bench serve
-#            --multi-turn 32 6 --conversation-rate 1 --think-time 4` (staggered chat: each turn the
+#            --multi-turn 32 6 --conversation-rate 0.75 --think-time 4` (staggered chat: each turn the
 #            whole history + 1024 new tokens, 128 out)                                               150
 #   with     the same with --kv-offloading-size (the working set x1.25)                             150
 #   peer     two workers on the card (TCP): a 2k/8k/32k-token prefix pulled from the peer vs
-#            recomputed, time to first token, the crossover                                          150
+#            recomputed, time to first token, the crossover                                          130
 #   report   kv_tier.md (TTFT p50/p90, throughput, ITL, hits per tier, bytes, TTFT per turn,
 #            copies and overlap, peer pull vs recompute) and
 #            kv_tier_turns.png where the image has matplotlib (else, here, from the fetched rows:

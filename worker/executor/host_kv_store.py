@@ -75,6 +75,7 @@ class HostKVStore:
         self._stream = torch.cuda.Stream(self.device) if pin else None
         # The copies no forward has waited for yet (CUDA): the next forward waits for this event.
         self._pending: torch.cuda.Event | None = None
+        self._last: torch.cuda.Event | None = None  # the last copy queued, waited for or not
         self.bytes_stored = 0
         self.bytes_restored = 0
         log.info("host KV tier: %d blocks, %.2f GiB%s", num_slots, nbytes / GIB, " pinned" if pin else "")
@@ -85,8 +86,9 @@ class HostKVStore:
 
     @property
     def pending(self) -> bool:
-        """Copies are queued that no forward has waited for (a P/D pull must not start first)."""
-        return self._pending is not None
+        """Copies may still be running on the device (a P/D pull must not start first): the host
+        asks the last one's event; a forward waiting for them on the device does not tell it."""
+        return self._pending is not None or (self._last is not None and not self._last.query())
 
     def apply(self, ops) -> None:
         """Before a step's forward: wait for the copies earlier steps left running, then carry out
@@ -95,10 +97,10 @@ class HostKVStore:
         self.settle()
         if not ops:
             return
-        # Waited-for copies are stores of blocks evicted now; moving them ahead of the others is
-        # safe: no other copy of this step writes the block they read (a restore's destination is
-        # a fresh block, copied into after its store when it is one) or the slot they write (a
-        # restore's source slot is locked against stores until the step's copies are taken).
+        # Waited-for copies are stores of blocks evicted now (and a hybrid cache's window restores,
+        # published at once); moving them ahead of the others, in their own order, is safe: a
+        # block is evicted (its store queued) before it is handed out fresh to be restored into,
+        # and a restore's source slot is locked against stores until the step's copies are taken.
         now = [op for op in ops if op.wait]
         later = [op for op in ops if not op.wait]
         if self._stream is None:
@@ -123,6 +125,7 @@ class HostKVStore:
     def _record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(self._stream)
+        self._last = event
         return event
 
     def _copy(self, ops, non_blocking: bool) -> None:
