@@ -70,7 +70,7 @@ main() {
   kstep "copy" 60 $PY "$H" copy --rows "$ROWS" "${copy[@]}"
   kstep "without the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" "${serve[@]}"
   kstep "with the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" --tier "${serve[@]}"
-  [ "${PEER:-1}" = 0 ] || kstep "peer pull vs recompute" 150 $PY "$H" peer --checkpoint $ckpt --rows "$ROWS" \
+  [ "${PEER:-1}" = 0 ] || kstep "peer pull vs recompute" 130 $PY "$H" peer --checkpoint $ckpt --rows "$ROWS" \
     --work "$OUT/runs" "${peer[@]}"
   local title="one H200, Llama-3.1-8B shapes"
   [ -n "${SMOKE:-}" ] && title="CPU dry run, tiny llama"
