@@ -187,11 +187,11 @@ class BlockManager:
         need = self.store_ahead_blocks - self.num_empty
         if need <= 0 or self.windowed or not self.cached_free:
             return
-        tier = self.host_tier
+        held, block_hash, block_info = self.host_tier.slot_of, self.block_hash, self.block_info
         for b in islice(self.cached_free, math.ceil((1 + self.eviction_slack) * need)):
-            h, info = self.block_hash[b], self.block_info[b]
-            if info is not None and h not in tier:
-                self._store(b, h, info, wait=False)
+            h = block_hash[b]
+            if h not in held and block_info[b] is not None:
+                self._store(b, h, block_info[b], wait=False)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
