@@ -590,6 +590,17 @@ def peer_lines(rows: list[dict]) -> list[str]:
         by_transport.setdefault(r["transport"], []).append((r["prefix_tokens"], r["recompute_ms"], r["pull_ms"]))
     for transport, points in by_transport.items():
         lines += ["", f"Crossover ({transport}): {crossover(sorted(points))}."]
+    ok = [r for r in rows if "error" not in r and r.get("prefill_tokens_per_s_estimate")]
+    if ok:
+        # The worker's rule (kv/prefix_cost.py): pull when bytes / link < tokens / prefill, i.e.
+        # when the link beats bytes-per-token x prefill tokens/s, whatever the length.
+        r = ok[-1]
+        need = r["kv_bytes"] / r["prefix_tokens"] * r["prefill_tokens_per_s_estimate"] / 1e9
+        best = max(x["pull_gbs"] for x in ok)
+        lines += ["", f"The worker's rule pulls when its link estimate beats {need:.2f} GB/s (KV bytes per token x "
+                      f"its prefill estimate, {r['prefill_tokens_per_s_estimate']:.0f} tokens/s); the pulls here "
+                      f"ran at up to {best:.2f} GB/s (the suffix's compute included): left to its own estimates it "
+                      f"would {'pull' if best > need else 'recompute'}."]
     return lines
 
 
