@@ -450,7 +450,10 @@ def main(argv=None) -> int:
         if args.endpoint == "completions":  # chat templates add tokens the prompt length does not count
             summary["prompt_len_mismatches"] = sum(1 for r in results if r.server_prompt_tokens is not None
                                                    and r.server_prompt_tokens != r.prompt_len)
-        print(format_summary(summary, f"{args.label} @ {rate_name(cfg.request_rate)} req/s"), flush=True)
+        pace = f"{rate_name(cfg.request_rate)} req/s"
+        if not math.isinf(cfg.conversation_rate) or cfg.think_time_s:
+            pace = f"{rate_name(cfg.conversation_rate)} conversations/s, {cfg.think_time_s:g} s think time"
+        print(format_summary(summary, f"{args.label} @ {pace}"), flush=True)
         record = run_record(args, cfg, summary, results, deltas)
         records.append(record)
         if args.out:
