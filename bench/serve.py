@@ -5,7 +5,8 @@
         [--endpoint completions|chat] [--input-len 1024 --output-len 128 --range-ratio 0 | --dataset FILE.jsonl]
         [--num-requests 200 | --duration S] [--concurrency C] [--request-rate R [--burstiness 1]]
         [--sweep-rates 1,2,4] [--goodput ttft:MS itl:MS e2e:MS] [--seed 0] [--out DIR --label NAME]
-        [--metrics-url URL ...] [--lora-adapters A,B,C [--lora-pick round-robin|random]] [--multi-turn N M]
+        [--metrics-url URL ...] [--lora-adapters A,B,C [--lora-pick round-robin|random]]
+        [--multi-turn N M [--conversation-rate R] [--think-time S]]
 
 Every request streams, with `ignore_eos` so outputs are exactly `--output-len` tokens. Arrivals
 are a gamma process (`--burstiness 1`: Poisson) at `--request-rate`, or all at once when the
@@ -50,6 +51,11 @@ class LoadConfig:
     # spread over them round-robin or at random (seeded); empty: every request names `model`.
     lora_adapters: tuple[str, ...] = ()
     lora_pick: str = "round-robin"
+    # Multi-turn mode: conversations start at this rate (gamma gaps of shape `burstiness`; inf: all
+    # at once), and each later turn is sent a think time (exponential, this mean) after its
+    # previous turn ended. Real chat traffic: a conversation's turns are apart, conversations overlap.
+    conversation_rate: float = math.inf
+    think_time_s: float = 0.0
 
     def __post_init__(self):
         from pdserve.bench.serve_client import ENDPOINTS
@@ -68,6 +74,10 @@ class LoadConfig:
             raise ValueError(f"--lora-adapters: empty adapter name in {','.join(self.lora_adapters)!r}")
         if self.lora_pick not in LORA_PICKS:
             raise ValueError(f"--lora-pick: must be one of {', '.join(LORA_PICKS)}, got {self.lora_pick!r}")
+        if not self.conversation_rate > 0:
+            raise ValueError(f"--conversation-rate: must be > 0 (inf for all at once), got {self.conversation_rate}")
+        if not self.think_time_s >= 0:
+            raise ValueError(f"--think-time: must be >= 0 seconds, got {self.think_time_s}")
 
 
 LORA_PICKS = ("round-robin", "random")
@@ -94,6 +104,23 @@ def arrival_gaps(rate: float, burstiness: float, rng) -> "iter[float]":
         yield 0.0 if math.isinf(rate) else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
 
 
+def multi_turn_schedule(specs: list[dataset.RequestSpec], conversation_rate: float, burstiness: float,
+                        think_time_s: float, rng) -> list[float]:
+    """Per spec of a multi-turn list (turn-major), seconds: for a conversation's first turn, its
+    start after the previous conversation's (gamma gaps of mean 1/`conversation_rate`; 0 when the
+    rate is inf); for a later turn, the think time between the previous turn's end and its send
+    (exponential of mean `think_time_s`; 0 when that is 0). Drawn in spec order from `rng`, so a
+    seed gives one schedule."""
+    gaps = arrival_gaps(conversation_rate, burstiness, rng)
+    out = []
+    for spec in specs:
+        if spec.turn == 0:
+            out.append(next(gaps))
+        else:
+            out.append(rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0)
+    return out
+
+
 async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[list[RequestResult], float]:
     """Send `specs` (cycled while --duration lasts); return results in send order and the run's
     duration (first send -> last completion)."""
@@ -114,15 +141,24 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     tasks: list[asyncio.Task] = []
 
-    # Multi-turn: each conversation's turn waits for its previous turn to finish.
+    # Multi-turn: each conversation's turn waits for its previous turn to finish (and its think
+    # time after that). Staggered (--conversation-rate / --think-time): conversations start on
+    # their own schedule, not the --request-rate gaps of the turn-major list.
     turn_done: dict[int, asyncio.Event] = {}
+    staggered = bool(specs) and specs[0].conversation is not None and (
+        not math.isinf(cfg.conversation_rate) or cfg.think_time_s > 0)
+    schedule = multi_turn_schedule(specs, cfg.conversation_rate, cfg.burstiness, cfg.think_time_s, rng) \
+        if staggered else None
 
-    async def one(session, spec, due: float, model: str, after: asyncio.Event | None, done: asyncio.Event | None) \
-            -> RequestResult:
+    async def one(session, spec, due: float, model: str, after: asyncio.Event | None, done: asyncio.Event | None,
+                  think: float = 0.0) -> RequestResult:
         try:
             if after is not None:
                 await after.wait()
-                due = time.perf_counter()  # its arrival is its previous turn's end, not the schedule
+                # Its arrival is its previous turn's end plus the think time, not the schedule.
+                due = time.perf_counter() + think
+                if think > 0:
+                    await asyncio.sleep(due - time.perf_counter())
             if gate is not None and not closed_loop:
                 async with gate:
                     r = await stream_request(session, url, cfg.endpoint, model, spec, cfg.ignore_eos)
@@ -151,7 +187,14 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
         while True:
             if cfg.duration_s is None and i >= len(specs):
                 break
-            due += next(gaps)
+            spec = specs[i % len(specs)]
+            think = 0.0
+            if schedule is None:
+                due += next(gaps)
+            elif spec.turn == 0:
+                due += schedule[i]
+            else:
+                think = schedule[i]
             if cfg.duration_s is not None and due - t0 >= cfg.duration_s:
                 break
             # Sleep to an absolute due time, so event-loop lag never accumulates into the rate.
@@ -163,12 +206,11 @@ async def run_load(cfg: LoadConfig, specs: list[dataset.RequestSpec]) -> tuple[l
                 if cfg.duration_s is not None and time.perf_counter() - t0 >= cfg.duration_s:
                     gate.release()
                     break
-            spec = specs[i % len(specs)]
             after = done = None
             if spec.conversation is not None:
                 after = turn_done.get(spec.conversation) if spec.turn else None
                 done = turn_done[spec.conversation] = asyncio.Event()
-            tasks.append(asyncio.create_task(one(session, spec, due, next(models), after, done)))
+            tasks.append(asyncio.create_task(one(session, spec, due, next(models), after, done, think)))
             i += 1
         results = list(await asyncio.gather(*tasks))
     gc.unfreeze()
@@ -198,6 +240,9 @@ def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult
         "endpoint": cfg.endpoint,
         "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
         "burstiness": cfg.burstiness,
+        "multi_turn": list(args.multi_turn) if args.multi_turn else None,
+        "conversation_rate": None if math.isinf(cfg.conversation_rate) else cfg.conversation_rate,
+        "think_time_s": cfg.think_time_s,
         "concurrency": cfg.concurrency,
         "duration_limit_s": cfg.duration_s,
         "input_len": None if args.dataset else args.input_len,
@@ -247,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N conversations x M turns: each turn sends the whole history plus a new message of "
                         "--input-len tokens, once the conversation's previous turn finished (replies in the "
                         "history are random text of --output-len tokens); N*M requests")
+    p.add_argument("--conversation-rate", type=float, default=math.inf, metavar="R",
+                   help="with --multi-turn: conversations start at R per second (gamma gaps, --burstiness; "
+                        "default inf: all at once) instead of every first turn at once")
+    p.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
+                   help="with --multi-turn: mean seconds (exponential) between a turn's end and the next turn's "
+                        "send (default 0: at once)")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--num-requests", type=int, default=None, help="requests per run (default 200)")
     n.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="send for this long, then drain")
@@ -299,6 +350,13 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
             raise ValueError("--multi-turn: sends N*M requests; not with --num-requests or --duration")
         if min(args.multi_turn) < 1:
             raise ValueError(f"--multi-turn: N and M must be >= 1, got {args.multi_turn}")
+        if not math.isinf(args.conversation_rate) and (args.sweep_rates or not math.isinf(args.request_rate)):
+            raise ValueError("--conversation-rate: paces conversations; not with --request-rate or --sweep-rates")
+    else:
+        for flag, value, unset in (("--conversation-rate", args.conversation_rate, math.inf),
+                                   ("--think-time", args.think_time, 0.0)):
+            if value != unset:
+                raise ValueError(f"{flag}: only with --multi-turn")
     if args.input_len is None:
         args.input_len = 1024
     for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len),
@@ -320,7 +378,7 @@ def configs_from_args(args) -> tuple[list[LoadConfig], dict[str, float]]:
     adapters = tuple(a.strip() for a in args.lora_adapters.split(",")) if args.lora_adapters.strip() else ()
     cfgs = [LoadConfig(args.base_url, args.model, args.endpoint, rate, args.burstiness, args.concurrency,
                        args.duration, args.request_timeout, True, args.seed + i, not args.no_progress,
-                       adapters, args.lora_pick)
+                       adapters, args.lora_pick, args.conversation_rate, args.think_time)
             for i, rate in enumerate(_rates(args))]
     if args.duration and math.isinf(cfgs[0].request_rate) and not args.concurrency:
         raise ValueError(
@@ -392,7 +450,10 @@ def main(argv=None) -> int:
         if args.endpoint == "completions":  # chat templates add tokens the prompt length does not count
             summary["prompt_len_mismatches"] = sum(1 for r in results if r.server_prompt_tokens is not None
                                                    and r.server_prompt_tokens != r.prompt_len)
-        print(format_summary(summary, f"{args.label} @ {rate_name(cfg.request_rate)} req/s"), flush=True)
+        pace = f"{rate_name(cfg.request_rate)} req/s"
+        if not math.isinf(cfg.conversation_rate) or cfg.think_time_s:
+            pace = f"{rate_name(cfg.conversation_rate)} conversations/s, {cfg.think_time_s:g} s think time"
+        print(format_summary(summary, f"{args.label} @ {pace}"), flush=True)
         record = run_record(args, cfg, summary, results, deltas)
         records.append(record)
         if args.out:

@@ -198,9 +198,12 @@ def test_multi_turn_sends_each_turn_after_the_previous_one(mock, default_model_d
 
     tok = dataset.load_tokenizer(str(default_model_dir))
     specs = dataset.multi_turn_requests(tok, 3, 3, 8, 5, seed=1)
-    results, _ = asyncio.run(serve.run_load(serve.LoadConfig(mock, "mock", progress=False), specs))
-    assert all(r.ok for r in results) and len(results) == 9
-    for c in range(3):
-        turns = [r for s, r in zip(specs, results) if s.conversation == c]
-        for before, after in zip(turns, turns[1:]):
-            assert after.start >= before.start + before.e2e  # sent once the previous turn ended
+    # All at once, then staggered (conversations at a rate, think time between turns).
+    for cfg in (serve.LoadConfig(mock, "mock", progress=False),
+                serve.LoadConfig(mock, "mock", progress=False, conversation_rate=200.0, think_time_s=0.005)):
+        results, _ = asyncio.run(serve.run_load(cfg, specs))
+        assert all(r.ok for r in results) and len(results) == 9
+        for c in range(3):
+            turns = [r for s, r in zip(specs, results) if s.conversation == c]
+            for before, after in zip(turns, turns[1:]):
+                assert after.start >= before.start + before.e2e  # sent once the previous turn ended

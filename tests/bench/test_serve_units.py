@@ -155,9 +155,32 @@ def test_multi_turn_prompts_resend_the_whole_history(tokenizer):
     assert specs[0].prompt[:40] != specs[1].prompt[:40]  # conversations share nothing
 
 
+def test_staggered_multi_turn_schedule(tokenizer):
+    specs = dataset.multi_turn_requests(tokenizer, 40, 3, 4, 2, seed=1)
+    sched = serve.multi_turn_schedule(specs, 4.0, 1.0, 2.5, random.Random(7))
+    assert len(sched) == len(specs) and all(x >= 0 for x in sched)
+    starts = [x for s, x in zip(specs, sched) if s.turn == 0]  # gaps between conversations' first turns
+    thinks = [x for s, x in zip(specs, sched) if s.turn > 0]  # pauses before later turns
+    assert len(starts) == 40 and len(thinks) == 80
+    assert 0.15 < sum(starts) / 40 < 0.4  # mean gap 1/4 s
+    assert 1.5 < sum(thinks) / 80 < 3.5  # mean think time 2.5 s
+    assert sched == serve.multi_turn_schedule(specs, 4.0, 1.0, 2.5, random.Random(7))  # the seed fixes it
+    # The defaults: every conversation at once, every later turn as soon as the previous one ended.
+    assert serve.multi_turn_schedule(specs, math.inf, 1.0, 0.0, random.Random(7)) == [0.0] * len(specs)
+    # The flags reach the load's config.
+    cfgs, _ = serve.configs_from_args(serve.build_parser().parse_args(
+        BASE + ["--multi-turn", "4", "2", "--conversation-rate", "0.5", "--think-time", "3"]))
+    assert cfgs[0].conversation_rate == 0.5 and cfgs[0].think_time_s == 3.0
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--multi-turn", "2", "0"], "--multi-turn"),
     (["--multi-turn", "2", "3", "--num-requests", "5"], "--multi-turn"),
+    (["--conversation-rate", "2"], "--conversation-rate"),
+    (["--think-time", "2"], "--think-time"),
+    (["--multi-turn", "2", "3", "--conversation-rate", "0"], "--conversation-rate"),
+    (["--multi-turn", "2", "3", "--conversation-rate", "1", "--request-rate", "3"], "--conversation-rate"),
+    (["--multi-turn", "2", "3", "--think-time", "-1"], "--think-time"),
 ])
 def test_bad_multi_turn_flags(flags, named, capsys):
     with pytest.raises(SystemExit) as e:

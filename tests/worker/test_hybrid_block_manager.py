@@ -172,6 +172,13 @@ def test_a_host_tier_hit_takes_full_blocks_and_only_the_window():
     ops = bm.take_tier_ops()
     assert [op.block for op in ops] == b.sliding_block_ids[8:10] + b.block_ids[:10]
     assert not any(op.out for op in ops) and b.num_computed_tokens == 40
-    # Both groups published: a third request hits them on the device.
+    # The full blocks' copies overlap the step (b is held out of it); the window's, published at
+    # once, are waited for.
+    assert [op.wait for op in ops] == [True] * 2 + [False] * 10
+    # Published once b runs (the scheduler's publish_restored), not before: nothing reads a block
+    # whose copy may still be running. Then a third request hits both groups on the device.
+    assert list(bm.lookup_prefix(req("c", list(range(40)) + [7]))) == []
+    bm.take_tier_ops()
+    bm.publish_restored(b)
     hit = bm.lookup_prefix(req("c", list(range(40)) + [7]))
     assert list(hit) == b.block_ids[:10] and hit.sliding[8:] == b.sliding_block_ids[8:10] and hit.host is None

@@ -7,11 +7,20 @@ shapes, random weights, no weight file written. tools/gpu/kv_tier.sh runs the su
           copy, scattered slots and blocks) against one pinned host->device copy of the same bytes,
           in the same process; and the stores against one device->host copy
   serve   one worker (`pdserve worker`), then `pdserve bench serve --multi-turn N M`: N conversations x
-          M turns, each turn the whole history plus a new message. The device KV cache is sized to a
-          quarter of the working set (every conversation's KV at its last turn) or less
-          (--device-share); with --tier the host tier holds all of it (x1.25). One row per run: TTFT
-          p50/p90, throughput, ITL p50/p90, TTFT per turn, the servers' counters (device and tier hits,
-          bytes stored and restored)
+          M turns, each turn the whole history plus a new message; staggered by default (conversations
+          start at --conversation-rate per second, --think-time seconds between a turn's end and the
+          next turn: chat traffic, where the requests running at once fit the device cache and the
+          conversations do not; --conversation-rate 0: every conversation at once). The device KV
+          cache is sized to a quarter of the working set (every conversation's KV at its last turn)
+          or less (--device-share); with --tier the host tier holds all of it (x1.25). One row per
+          run: TTFT p50/p90, throughput, ITL p50/p90 (with the tier: while its stores run), TTFT per
+          turn, the servers' counters (device and tier hits, bytes stored and restored)
+  peer    a prefix pulled from a peer vs recomputed (--prefixes, e.g. 2048,8192,32768 tokens): two
+          aggregated workers on one card with the KV transport, the puller told its link is fast
+          (--kv-prefix-pull-bandwidth: it always pulls). Per length: the time to the first token of a
+          prompt whose prefix the peer pinned (a one-token prefill of it, as the router asks), and of
+          the same length recomputed; the crossover (the length from which the pull wins) and the
+          worker's own estimates (its prefill tokens/s, the link bytes/s its pulls measured)
   report  the rows as a markdown table and the TTFT-per-turn figure (PNG, with and without the tier)
 
 Rows go to a JSON-lines file (--rows), one per run, so a step cut at its time limit loses only its own.
@@ -119,11 +128,52 @@ def cmd_copy(args) -> int:
     row = {"kind": "copy", "device": str(device), "blocks": n, "block_bytes": block_bytes, "bytes": total,
            **{f"{k}_gbs": v for k, v in gbs.items()},
            "restore_share": gbs["restore"] / gbs["h2d_one_copy"], "store_share": gbs["store"] / gbs["d2h_one_copy"]}
+    if pin:
+        row.update(overlap(store, restores, device, args.iters))
     _append(args.rows, row)
     log(f"{n} blocks of {block_bytes / 2**20:.2f} MiB: restore {gbs['restore']:.1f} GB/s vs one pinned H2D copy "
         f"{gbs['h2d_one_copy']:.1f} GB/s ({100 * row['restore_share']:.0f}%); store {gbs['store']:.1f} GB/s vs "
         f"D2H {gbs['d2h_one_copy']:.1f} GB/s ({100 * row['store_share']:.0f}%)")
     return 0
+
+
+def overlap(store, restores, device, iters: int) -> dict:
+    """The restores beside a stand-in forward (bf16 GEMMs on the compute stream, about as long as
+    the copies): wall time of both when the forward waits for the copies (wait=True: the step's
+    critical path) and when it does not (wait=False: the tier's side stream overlaps it)."""
+    import dataclasses
+
+    import torch
+
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+
+    def gemms(k: int):
+        for _ in range(k):
+            a @ a
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(iters + 1):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    one = timed(lambda: gemms(1))
+    copies = timed(lambda: store.apply(restores) or store.settle())
+    k = max(1, round(copies / one))  # a forward about as long as the copies
+    forward = timed(lambda: gemms(k))
+    waited = [dataclasses.replace(op, wait=True) for op in restores]
+    behind = [dataclasses.replace(op, wait=False) for op in restores]
+    serial = timed(lambda: (store.apply(waited), gemms(k)))
+    overlapped = timed(lambda: (store.apply(behind), gemms(k), store.settle()))
+    hidden = (forward + copies - overlapped) / min(forward, copies)
+    log(f"restores {1e3 * copies:.1f} ms beside a {1e3 * forward:.1f} ms stand-in forward: waited for "
+        f"{1e3 * serial:.1f} ms, overlapped {1e3 * overlapped:.1f} ms ({100 * hidden:.0f}% of the shorter hidden)")
+    return {"overlap_forward_ms": 1e3 * forward, "overlap_copies_ms": 1e3 * copies, "overlap_serial_ms": 1e3 * serial,
+            "overlap_overlapped_ms": 1e3 * overlapped, "overlap_hidden_share": hidden}
 
 
 # -- serve --------------------------------------------------------------------------------------
@@ -152,9 +202,18 @@ def workload(args, per_token: int) -> dict:
             "tier_gib": ws * 1.25 / GIB, "last_prompt": last_prompt}
 
 
+def stagger_flags(args) -> list[str]:
+    """`pdserve bench serve`'s staggered multi-turn flags (none: every conversation at once)."""
+    if not args.conversation_rate:
+        return []
+    return ["--conversation-rate", str(args.conversation_rate), "--think-time", str(args.think_time)]
+
+
 def cmd_serve(args) -> int:
     from pdserve.bench import serve
 
+    if args.conversation_rate < 0 or args.think_time < 0:
+        raise SystemExit("serve: --conversation-rate and --think-time must be >= 0")
     per_token = kv_bytes_per_token(args.checkpoint, 2 if args.device != "cpu" else 4)
     w = workload(args, per_token)
     label = "tier" if args.tier else "device-only"
@@ -173,6 +232,7 @@ def cmd_serve(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     row = {"kind": "serve", "label": label, "conversations": args.conversations, "turns": args.turns,
            "message_len": args.message_len, "output_len": args.output_len, "device_share": args.device_share,
+           "conversation_rate": args.conversation_rate or None, "think_time_s": args.think_time,
            "kv_bytes_per_token": per_token, **w}
     tier = f", tier {w['tier_gib']:.2f} GiB" if args.tier else ""
     log(f"{label}: working set {w['working_set_tokens']} tokens ({w['working_set_gib']:.2f} GiB), device KV "
@@ -201,7 +261,7 @@ def cmd_serve(args) -> int:
                            "--label", "warmup"])
         serve.main(base + ["--multi-turn", str(args.conversations), str(args.turns), "--input-len",
                            str(args.message_len), "--output-len", str(args.output_len), "--seed", "51",
-                           "--label", label, "--metrics-url", url, "--out", str(work)])
+                           "--label", label, "--metrics-url", url, "--out", str(work), *stagger_flags(args)])
         run = json.loads((work / f"{label}_rate-inf.json").read_text())
         reqs = run["requests"]
         ok = [q for q in reqs if q["error"] is None]
@@ -259,9 +319,13 @@ def cmd_report(args) -> int:
     lines = [f"# Host KV tier, {args.title}", ""]
     any_serve = next(iter(serves.values()), None)
     if any_serve:
+        rate = any_serve.get("conversation_rate")
+        how = (f"conversations starting at {rate:g}/s, {any_serve['think_time_s']:g} s mean think time between "
+               f"turns (`--conversation-rate {rate:g} --think-time {any_serve['think_time_s']:g}`)"
+               if rate else "every conversation at once")
         lines += [f"Multi-turn: {any_serve['conversations']} conversations x {any_serve['turns']} turns, each turn "
                   f"the whole history plus {any_serve['message_len']} new tokens, {any_serve['output_len']} out "
-                  f"(`pdserve bench serve --multi-turn`, every conversation at once). Working set "
+                  f"(`pdserve bench serve --multi-turn`, {how}). Working set "
                   f"{any_serve['working_set_tokens']} tokens = {any_serve['working_set_gib']:.2f} GiB of KV; device "
                   f"KV cache {any_serve['device_kv_bytes'] / GIB:.2f} GiB ({100 * any_serve['device_share']:.0f}%); "
                   f"the tier (`--kv-offloading-size`) {any_serve['tier_gib']:.2f} GiB.", "",
@@ -305,6 +369,12 @@ def cmd_report(args) -> int:
                   f"{100 * c['restore_share']:.0f}% (target >= 60%) |",
                   f"| store (device -> host) | {c['store_gbs']:.1f} | {c['d2h_one_copy_gbs']:.1f} | "
                   f"{100 * c['store_share']:.0f}% |"]
+        if "overlap_hidden_share" in c:
+            lines += ["", f"Overlap: the same restores ({c['overlap_copies_ms']:.1f} ms) beside a stand-in forward "
+                          f"(bf16 GEMMs, {c['overlap_forward_ms']:.1f} ms): {c['overlap_serial_ms']:.1f} ms when the "
+                          f"forward waits for them (TierCopy.wait), {c['overlap_overlapped_ms']:.1f} ms when it "
+                          f"does not ({100 * c['overlap_hidden_share']:.0f}% of the shorter one hidden)."]
+    lines += peer_lines([r for r in rows if r["kind"] == "peer"])
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.png and serves:
@@ -343,6 +413,207 @@ def plot_turns(serves: dict, path: str, title: str) -> None:
     log(f"wrote {path}")
 
 
+# -- peer ---------------------------------------------------------------------------------------
+
+PEER_SECRET = "kv-tier-peer-measurement-secret"
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _metric(m: dict[str, float], name: str, **labels) -> float:
+    """A series' value: the sample of `name` whose labels include `labels` (0 when absent)."""
+    for key, v in m.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            return v
+    return 0.0
+
+
+def _start_worker(args, port: int, kv_port: int, gbps: float | None, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.cli.main", "worker", "--model", args.checkpoint, "--served-model-name",
+           "llama", "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--load-format", "dummy",
+           "--max-model-len", str(max(args.prefixes) + args.suffix + 16), "--kv-cache-memory",
+           str(int(args.kv_gib * GIB)), "--kv-transfer", args.transport, "--kv-port", str(kv_port),
+           "--kv-peer-allow", "127.0.0.1", "--shutdown-grace", "0"]
+    if args.device == "cpu":
+        cmd += ["--dtype", "float32", "--block-size", "4"]
+    if gbps is not None:
+        cmd += ["--kv-prefix-pull-bandwidth", str(gbps)]
+    cmd += args.worker_args.split()
+    with open(log_path, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "PDSERVE_KV_SECRET": PEER_SECRET})
+
+
+def cmd_peer(args) -> int:
+    """Two workers on one card: `peer` computes and pins prefixes, `puller` (its link said fast:
+    it always pulls) pulls them, or recomputes the same lengths (no pin offered)."""
+    import random
+
+    if not args.prefixes or min(args.prefixes) < 1 or args.suffix < 1 or args.reps < 1:
+        raise SystemExit("peer: --prefixes, --suffix and --reps must be positive")
+    per_token = kv_bytes_per_token(args.checkpoint, 2 if args.device != "cpu" else 4)
+    vocab = json.loads((Path(args.checkpoint) / "config.json").read_text())["vocab_size"]
+    work = Path(args.work) / "peer"
+    work.mkdir(parents=True, exist_ok=True)
+
+    def cut(signum, frame):
+        raise TimeoutError("cut at the step's time limit")
+
+    signal.signal(signal.SIGTERM, cut)
+    ports = [_free_port() for _ in range(4)]
+    urls = [f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"]
+    procs = [_start_worker(args, ports[0], ports[2], None, work / "peer.log"),
+             _start_worker(args, ports[1], ports[3], 1000.0, work / "puller.log")]
+    peer, puller = urls
+    rng = random.Random(51)
+    status = 0
+    try:
+        deadline = time.monotonic() + args.ready_timeout
+        for url, name, proc in zip(urls, ("peer", "puller"), procs):
+            while not _ready(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not get ready:\n" + (work / f"{name}.log").read_text()[-3000:])
+                time.sleep(0.5)
+        log(f"peer and puller up ({args.transport}); prefixes {args.prefixes}, {args.suffix} more tokens each")
+
+        def fresh(n: int) -> list[int]:  # ids no earlier prompt shares: nothing cached anywhere
+            return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+        def first_token(url: str, ids: list[int], kv: dict | None = None) -> float:
+            body = {"model": "llama", "prompt": ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            if kv:
+                body["kv_transfer_params"] = kv
+            t0 = time.perf_counter()
+            _post(url + "/v1/completions", body, args.request_timeout)
+            return time.perf_counter() - t0
+
+        first_token(puller, fresh(64))  # warm-up: first-use costs out of the measured ones
+        first_token(peer, fresh(64))
+        for n in args.prefixes:
+            row = {"kind": "peer", "transport": args.transport, "prefix_tokens": n, "suffix_tokens": args.suffix,
+                   "kv_bytes": n * per_token, "recompute_s": [], "pull_s": [], "pin_s": []}
+            for _ in range(args.reps):
+                row["recompute_s"].append(first_token(puller, fresh(n + args.suffix)))
+                ids = fresh(n + args.suffix)
+                t0 = time.perf_counter()
+                pin = _post(peer + "/v1/completions", {"model": "llama", "prompt": ids[:n], "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}},
+                            args.request_timeout)["kv_transfer_params"]
+                row["pin_s"].append(time.perf_counter() - t0)
+                before = _metrics(puller)
+                row["pull_s"].append(first_token(puller, ids, {"prefix_from": pin}))
+                after = _metrics(puller)
+                pulled = (_metric(after, "pdserve_kv_prefix_pulled_tokens_total", outcome="landed")
+                          - _metric(before, "pdserve_kv_prefix_pulled_tokens_total", outcome="landed"))
+                row.setdefault("pulled_tokens", []).append(pulled)
+            m = _metrics(puller)
+            row["prefill_tokens_per_s_estimate"] = _metric(m, "pdserve_kv_prefix_pull_prefill_tokens_per_second")
+            row["recompute_ms"] = 1e3 * statistics.median(row["recompute_s"])
+            row["pull_ms"] = 1e3 * statistics.median(row["pull_s"])
+            row["pull_gbs"] = n * per_token / (row["pull_ms"] / 1e3) / 1e9  # the pull and the suffix's compute
+            _append(args.rows, row)
+            log(f"prefix {n}: recompute {row['recompute_ms']:.0f} ms, pull {row['pull_ms']:.0f} ms "
+                f"({row['pull_gbs']:.2f} GB/s incl. the suffix), pulled {row['pulled_tokens']} tokens, "
+                f"pin {1e3 * statistics.median(row['pin_s']):.0f} ms")
+    except (Exception, SystemExit) as e:
+        err = f"{type(e).__name__}: {str(e)[-600:]}"
+        _append(args.rows, {"kind": "peer", "transport": args.transport, "error": err})
+        traceback.print_exc()
+        status = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return status
+
+
+def crossover(points: list[tuple[int, float, float]]) -> str:
+    """From (prefix tokens, recompute ms, pull ms) sorted by length: where the pull starts to win,
+    interpolated linearly between the two measured lengths around the sign change."""
+    if not points:
+        return "no lengths measured"
+    wins = [pull < rec for _, rec, pull in points]
+    if all(wins):
+        return f"the pull wins at every measured length (from {points[0][0]} tokens)"
+    if not any(wins):
+        return f"recompute wins at every measured length (up to {points[-1][0]} tokens)"
+    for (n0, r0, p0), (n1, r1, p1) in zip(points, points[1:]):
+        d0, d1 = p0 - r0, p1 - r1
+        if (d0 < 0) != (d1 < 0):
+            x = n0 + (n1 - n0) * d0 / (d0 - d1)
+            who = "the pull" if d1 < 0 else "recompute"
+            return f"{who} wins from about {x:.0f} tokens (between {n0} and {n1}, linear between them)"
+    return "no single crossover (the winner changes more than once)"
+
+
+def peer_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "Prefix from a peer vs recomputed (two workers on one card; time to the first token of a prompt "
+             "of the prefix plus a few tokens, median; the pull's time includes the suffix's compute):", "",
+             "| transport | prefix tokens | KV MiB | recompute ms | pull ms | pull GB/s | tokens pulled | "
+             "prefill tok/s (estimate) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_transport: dict[str, list[tuple[int, float, float]]] = {}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['transport']} | error: {r['error'][:160]} |" + " |" * 6)
+            continue
+        lines.append(f"| {r['transport']} | {r['prefix_tokens']} | {r['kv_bytes'] / 2**20:.0f} | "
+                     f"{r['recompute_ms']:.0f} | {r['pull_ms']:.0f} | {r['pull_gbs']:.2f} | "
+                     f"{statistics.median(r['pulled_tokens']):.0f} | {r['prefill_tokens_per_s_estimate']:.0f} |")
+        by_transport.setdefault(r["transport"], []).append((r["prefix_tokens"], r["recompute_ms"], r["pull_ms"]))
+    for transport, points in by_transport.items():
+        lines += ["", f"Crossover ({transport}): {crossover(sorted(points))}."]
+    ok = [r for r in rows if "error" not in r and r.get("prefill_tokens_per_s_estimate")]
+    if ok:
+        # The worker's rule (kv/prefix_cost.py): pull when bytes / link < tokens / prefill, i.e.
+        # when the link beats bytes-per-token x prefill tokens/s, whatever the length.
+        r = ok[-1]
+        need = r["kv_bytes"] / r["prefix_tokens"] * r["prefill_tokens_per_s_estimate"] / 1e9
+        best = max(x["pull_gbs"] for x in ok)
+        lines += ["", f"The worker's rule pulls when its link estimate beats {need:.2f} GB/s (KV bytes per token x "
+                      f"its prefill estimate, {r['prefill_tokens_per_s_estimate']:.0f} tokens/s); the pulls here "
+                      f"ran at up to {best:.2f} GB/s (the suffix's compute included): left to its own estimates it "
+                      f"would {'pull' if best > need else 'recompute'}."]
+    return lines
+
+
+def _lengths(value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token counts separated by commas, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"positive token counts, got {value!r}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -369,13 +640,31 @@ def main(argv=None) -> int:
     c.add_argument("--request-timeout", type=float, default=300)
     c.add_argument("--ready-timeout", type=float, default=240)
     c.add_argument("--worker-args", default="")
+    c.add_argument("--conversation-rate", type=float, default=0.75,
+                   help="conversations started per second (0: every conversation at once)")
+    c.add_argument("--think-time", type=float, default=4.0, help="mean seconds between a turn's end and the next")
+    c = sub.add_parser("peer")
+    c.add_argument("--checkpoint", required=True)
+    c.add_argument("--rows", required=True)
+    c.add_argument("--work", required=True)
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--transport", default="tcp", choices=("tcp", "nixl"))
+    c.add_argument("--prefixes", type=_lengths, default=[2048, 8192, 32768],
+                   help="prefix lengths in tokens, comma-separated")
+    c.add_argument("--suffix", type=int, default=32, help="prompt tokens after the prefix")
+    c.add_argument("--reps", type=int, default=2)
+    c.add_argument("--kv-gib", type=float, default=12.0, help="each worker's device KV cache")
+    c.add_argument("--request-timeout", type=float, default=120)
+    c.add_argument("--ready-timeout", type=float, default=240)
+    c.add_argument("--worker-args", default="")
     c = sub.add_parser("report")
     c.add_argument("--rows", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--png", default=None)
     c.add_argument("--title", default="one H200, Llama-3.1-8B shapes")
     args = p.parse_args(argv)
-    return {"config": cmd_config, "copy": cmd_copy, "serve": cmd_serve, "report": cmd_report}[args.cmd](args)
+    return {"config": cmd_config, "copy": cmd_copy, "serve": cmd_serve, "peer": cmd_peer,
+            "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,21 @@
 # Steps (seconds: each one's limit, cut to what the call has left; tools/gpu/kv_tier.py has the harness):
 #   config   Llama-3.1-8B-shaped config + word tokenizer, no weights                                  45
 #   copy     restore bandwidth: the tier's block copies (2 MiB blocks, scattered) vs one pinned
-#            host->device copy of the same 1 GiB in the same process (target >= 60%); stores vs D2H   45
+#            host->device copy of the same 1 GiB in the same process (target >= 60%); stores vs D2H;
+#            the restores beside a stand-in forward, waited for vs overlapped (the side stream)       60
 #   without  one worker, device KV cache = 22% of the working set, no tier: `pdserve bench serve
-#            --multi-turn 32 6` (each turn the whole history + 1024 new tokens, 128 out)             220
-#   with     the same with --kv-offloading-size (the working set x1.25)                             170
-#   report   kv_tier.md (TTFT p50/p90, throughput, ITL, hits per tier, bytes, TTFT per turn) and
+#            --multi-turn 32 6 --conversation-rate 0.75 --think-time 4` (staggered chat: each turn the
+#            whole history + 1024 new tokens, 128 out)                                               150
+#   with     the same with --kv-offloading-size (the working set x1.25)                             150
+#   peer     two workers on the card (TCP): a 2k/8k/32k-token prefix pulled from the peer vs
+#            recomputed, time to first token, the crossover                                          130
+#   report   kv_tier.md (TTFT p50/p90, throughput, ITL, hits per tier, bytes, TTFT per turn,
+#            copies and overlap, peer pull vs recompute) and
 #            kv_tier_turns.png where the image has matplotlib (else, here, from the fetched rows:
 #            python tools/gpu/kv_tier.py report --rows DIR/rows.jsonl --out DIR/kv_tier.md --png DIR/kv_tier_turns.png)
-# KV_TIER_ARGS: extra `serve` flags for both runs (e.g. "--conversations 24 --turns 5");
+# KV_TIER_ARGS: extra `serve` flags for both runs (e.g. "--conversations 24 --turns 5", or
+# "--conversation-rate 0" for every conversation at once, as the first H200 run);
+# PEER_ARGS: extra `peer` flags (e.g. "--transport nixl", "--prefixes 2048,8192"); PEER=0 skips it;
 # SMOKE=1: the same end to end on the CPU with a tiny llama (a dry run, a few minutes).
 # Files in $OUT: kv_tier.md, kv_tier_turns.png, rows.jsonl, env.txt, log.txt, runs/ (worker logs, run JSON).
 set -u
@@ -47,18 +54,24 @@ kstep() {  # kstep NAME SECONDS COMMAND...: lib.sh's step, cut to the call's tim
 
 main() {
   cd /tmp  # not the repo root: its operator/ folder would shadow the standard library's
-  local ckpt=/tmp/kv-tier-llama8b-cfg dev=cuda tiny="" copy=() serve=()
+  local ckpt=/tmp/kv-tier-llama8b-cfg dev=cuda tiny="" copy=() serve=() peer=()
   if [ -n "${SMOKE:-}" ]; then
     ckpt=/tmp/kv-tier-tiny-cfg dev=cpu tiny=--tiny
     copy=(--device cpu --tiny --blocks 64 --iters 2)
-    serve=(--device cpu --conversations 8 --turns 3 --message-len 32 --output-len 8)
+    serve=(--device cpu --conversations 8 --turns 3 --message-len 32 --output-len 8 --conversation-rate 8
+           --think-time 0.2)
+    peer=(--device cpu --prefixes 32,64,128 --suffix 8 --reps 1 --kv-gib 0.05)
   fi
   # shellcheck disable=SC2206
   serve+=(${KV_TIER_ARGS:-})
+  # shellcheck disable=SC2206
+  peer+=(${PEER_ARGS:-})
   kstep "config" 45 $PY "$H" config --out $ckpt $tiny
-  kstep "copy" 45 $PY "$H" copy --rows "$ROWS" "${copy[@]}"
-  kstep "without the tier" 220 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" "${serve[@]}"
-  kstep "with the tier" 170 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" --tier "${serve[@]}"
+  kstep "copy" 60 $PY "$H" copy --rows "$ROWS" "${copy[@]}"
+  kstep "without the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" "${serve[@]}"
+  kstep "with the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" --tier "${serve[@]}"
+  [ "${PEER:-1}" = 0 ] || kstep "peer pull vs recompute" 130 $PY "$H" peer --checkpoint $ckpt --rows "$ROWS" \
+    --work "$OUT/runs" "${peer[@]}"
   local title="one H200, Llama-3.1-8B shapes"
   [ -n "${SMOKE:-}" ] && title="CPU dry run, tiny llama"
   $PY "$H" report --rows "$ROWS" --out "$OUT/kv_tier.md" --png "$OUT/kv_tier_turns.png" --title "$title" > /dev/null

@@ -25,7 +25,16 @@ eviction orders a copy into a host slot under the same hash (host_tier_index.py)
 lookup that runs out of device hits continues in the tier; the scheduler allocates device blocks
 for those host hits and `restore` orders their copies back. The copies an allocation orders are
 collected in `tier_ops`, in order (a block's copy out always before anything reuses it), and
-leave with the step (`take_tier_ops`), whose runner carries them out before its forward.
+leave with the step (`take_tier_ops`), whose runner carries them out beside its forward.
+
+Off the step's critical path (TierCopy.wait): a restore's blocks are published only when its
+request runs (`publish_restored`, a step later: the scheduler holds it out of the step that
+copies them), so nothing in that step reads them and its forward does not wait for the copy.
+A store must read its block before the step that reuses it writes there, so the store of an
+evicted block is waited for; to keep those few, `take_tier_ops` also stores ahead the hashed
+free blocks next in line for eviction (`store_ahead_blocks` of them, about one step's worth)
+that the tier does not hold yet: overlapped with this step, waited for by the next, and when
+such a block is evicted later its hash is already in the tier and nothing is copied.
 """
 
 from __future__ import annotations
@@ -95,6 +104,9 @@ class BlockManager:
         self.host_hits = 0  # of those, tokens found there
         # With a host tier: what an event names about each hashed device block, kept for its store.
         self.block_info: list[HostBlock | None] = [None] * num_blocks if self.host_tier is not None else []
+        # Hashed free blocks next in line for eviction stored in the tier ahead of it (0: only at
+        # eviction); the scheduler sets about one step's blocks.
+        self.store_ahead_blocks = 0
 
     @property
     def empty(self) -> bytearray:
@@ -144,21 +156,42 @@ class BlockManager:
 
     def restore(self, req: Request, first: int, slots: list[int]) -> None:
         """`req` owns blocks `first`..: copy host `slots` into them (ordered with this step's
-        copies) and publish them as its computed prefix, as device hits would be."""
+        copies, which do not wait for it) and count them as its computed prefix. They are
+        published as device hits are by `publish_restored`, once the request runs in a step
+        after this one (whose forward waits for the copy): none reads them before."""
         for i, slot in enumerate(slots):
-            self.tier_ops.append(TierCopy(False, req.block_ids[first + i], slot))
+            self.tier_ops.append(TierCopy(False, req.block_ids[first + i], slot, wait=False))
         self.host_tier.restored_blocks += len(slots)
         req.num_computed_tokens = (first + len(slots)) * self.block_size
+
+    def publish_restored(self, req: Request) -> None:
+        """`req`'s restored blocks are read from now on: publish them in the prefix cache."""
         self.register_computed(req)
 
     def take_tier_ops(self) -> list[TierCopy]:
-        """The copies ordered since the last call, in order; the host slots they read are free
-        for the LRU again (a later store's copy is ordered after them)."""
+        """The copies ordered since the last call, in order, then the stores ahead of eviction;
+        the host slots they read are free for the LRU again (a later store's copy is ordered
+        after them)."""
         if self.host_tier is None:
             return []
+        self._store_ahead()
         self.host_tier.unlock_all()
         ops, self.tier_ops = self.tier_ops, []
         return ops
+
+    def _store_ahead(self) -> None:
+        """Store the hashed free blocks that the next allocations would evict (the first of the
+        free queue, beyond the empty blocks taken before them) and that the tier lacks. They are
+        free and not taken by this schedule: nothing writes them until a later step reuses them,
+        and that step's forward waits for these copies. A hybrid cache stores at eviction only."""
+        need = self.store_ahead_blocks - self.num_empty
+        if need <= 0 or self.windowed or not self.cached_free:
+            return
+        held, block_hash, block_info = self.host_tier.slot_of, self.block_hash, self.block_info
+        for b in islice(self.cached_free, math.ceil((1 + self.eviction_slack) * need)):
+            h = block_hash[b]
+            if h not in held and block_info[b] is not None:
+                self._store(b, h, block_info[b], wait=False)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -291,12 +324,13 @@ class BlockManager:
             return
         self._store(b, h, info)
 
-    def _store(self, b: int, h: int, info: HostBlock) -> None:
-        """Order block `b`'s copy into a host slot under `h`; events name it unless UNREPORTED."""
+    def _store(self, b: int, h: int, info: HostBlock, wait: bool = True) -> None:
+        """Order block `b`'s copy into a host slot under `h`; events name it unless UNREPORTED.
+        A hash the tier holds already (stored ahead) is made most recent, nothing copied."""
         slot, dropped = self.host_tier.store(h, info)
         if slot is None:
             return
-        self.tier_ops.append(TierCopy(True, b, slot))
+        self.tier_ops.append(TierCopy(True, b, slot, wait))
         if self.on_event:
             if dropped is not None:
                 self.on_event("BlockRemoved", [dropped], None, None, medium="CPU")

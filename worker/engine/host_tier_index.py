@@ -21,11 +21,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TierCopy:
     """One block copy between the tiers: device block `block` to host slot `slot` (out=True,
-    a store) or back (a restore)."""
+    a store) or back (a restore). `wait`: the forward of the step that carries it waits for it
+    (a store of a block that step reuses); else it overlaps that forward and the next step's
+    forward waits for it (a restore for a request held out of this step, a store ahead of the
+    block's eviction)."""
 
     out: bool
     block: int
     slot: int
+    wait: bool = True
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,8 @@ class LLMEngine:
         outputs += self._announce()
         self._publish_kv_events()  # evictions made while scheduling
         if not batch:
-            self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
+            if not self.scheduler.held_for_restore:  # else they run at the next schedule
+                self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
             return outputs
         # A worker that pulls KV waits for every step, also one that samples nothing (a prefill
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
@@ -372,7 +373,7 @@ class LLMEngine:
             outputs += self._finish(previous)  # while `launched` runs on the device
         if later_loads:
             self.kv_connector.apply(KVConnectorMetadata(loads=later_loads))
-        if launched is None and previous is None:
+        if launched is None and previous is None and not self.scheduler.held_for_restore:
             self.kv_connector.wait_for_loads(timeout=0.005)  # nothing to compute until a pull lands
         return outputs
 
@@ -384,11 +385,17 @@ class LLMEngine:
         So when this schedule's orders include any of those, its copies are carried out first
         and waited for: a block evicted to the tier (now a pull's destination) is copied out
         before the pull overwrites it, and a block restored from the tier is written before a
-        reader or a pull's neighbour can see it."""
-        if not batch.kv_tier_ops or not self.kv_connector.active:
+        reader or a pull's neighbour can see it. Copies that earlier steps left running beside
+        their forwards (HostKVStore.pending) are waited for before a pull or a pin too."""
+        if batch and not self.kv_connector.active:
             return
         meta = batch.kv_connector_metadata
-        if meta.loads or meta.pins or not batch:
+        # Copies of earlier steps may still run beside the step in flight (stores ahead of
+        # eviction, restores: HostKVStore.pending): a pull or a reader waits for those too.
+        # A schedule that runs no step (its requests held out while their restores land, or
+        # pulls alone) has nothing to carry its copies: they run here.
+        pulls = bool(self.kv_connector.active and (meta.loads or meta.pins))
+        if batch.kv_tier_ops and (pulls or not batch) or pulls and self.runner.tier_copies_pending():
             self.runner.copy_tiers_now(batch.kv_tier_ops)
             batch.kv_tier_ops = []
 

@@ -29,6 +29,11 @@ States (each change goes through `Request.set_status`):
        └──remote KV──▶ WAITING_FOR_REMOTE_KVS ──pull landed or failed──▶ WAITING (front)
     any ──abort──▶ FINISHED_ABORTED (blocks mid-pull are freed when the pull reports)
 
+A request admitted with host-tier hits (--kv-offloading-size) gets its blocks and the copies back
+ordered, then waits out this step at the front of the queue, holding its blocks: the copies run
+beside this step's forward instead of before it, and the request runs from the next schedule on
+(whose step waits for them on the device). Its restored blocks are published then.
+
 Async scheduling (engine.py): step n+1 is scheduled before step n's tokens reach the host.
 `advance()` applies a launched step's computed counts at once and counts each sampled token as
 in flight (`Request.num_in_flight`), so the next `schedule()` plans a decode of that token;
@@ -73,6 +78,12 @@ class Scheduler:
         # each name once (vllm:lora_requests_info; read from the metrics thread, replaced whole).
         self.lora_adapters: tuple[list[str], list[str]] = ([], [])
         self.by_priority = policy == "priority"
+        # Host tier: requests admitted with restores, their blocks not yet published
+        # (publish_restored when they run), and those held out of the last schedule's step.
+        self.restoring: set[str] = set()
+        self.held_for_restore: list[Request] = []
+        if block_manager.host_tier is not None:  # about one step's blocks stored ahead of eviction
+            block_manager.store_ahead_blocks = block_manager.blocks_needed(max_num_batched_tokens)
 
     def _enqueue(self, req: Request, preempted: bool = False) -> None:
         """Into the waiting queue: FCFS at the back (a preempted request at the front); by
@@ -142,6 +153,7 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
+        held: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_in_flight:
@@ -186,16 +198,25 @@ class Scheduler:
             self.bm.allocate(req, need, skip)
             if restored:
                 self.bm.restore(req, len(cached), restored)
+                self.restoring.add(req.request_id)
             if fresh:
                 self.connector.update_state_after_alloc(req, num_remote)
             if load_async:
                 req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
                 self.waiting_for_remote_kvs[req.request_id] = req
                 continue
+            if restored:  # runs once its copies landed: from the next step on (module docstring)
+                held.append(req)
+                continue
+            if req.request_id in self.restoring:  # its restored blocks are read from this step on
+                self.restoring.discard(req.request_id)
+                self.bm.publish_restored(req)
             req.set_status(RequestStatus.RUNNING)
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))  # they hold their blocks: first next time
+        self.held_for_restore = held
         scheduled.sort(key=lambda item: item[1] > 1)
         self._note_lora_adapters()
         meta = self.connector.build_connector_meta()
@@ -359,6 +380,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.restoring.discard(req.request_id)  # its restored blocks go back unpublished
         req.set_status(status)
         if req.request_id not in self.waiting_for_remote_kvs:  # else freed when its pull reports
             self._free(req)

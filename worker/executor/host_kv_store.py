@@ -6,12 +6,15 @@ before the step's forward, in the order given. The cache is block-major (attenti
 so a block, all its layers, is one contiguous span: a copy moves the raw bytes of that span,
 whatever they hold (K and V, an MLA latent, FP8 values: the scales are per layer, not per block).
 
-On CUDA the slots are pinned and the copies run on a side stream: it first waits for the compute
-stream (a block evicted now may still be written by a step queued before; a restore's destination
-may still be read by one), and the compute stream waits for it before the next forward (a store
-must read the block before anything overwrites it; a restore must land before it is read). The
-copies themselves stay off the host's critical path (asynchronous, pinned memory). On CPU the
-slots are plain tensors and the copies synchronous: the same code, so CI runs it.
+On CUDA the slots are pinned and the copies run on a side stream, asynchronously: it first waits
+for the compute stream (a block evicted now may still be written by a step queued before; a
+restore's destination may still be read by one). The step's forward then waits only for the
+copies it needs (TierCopy.wait: stores of blocks it reuses, queued first), through an event; the
+others (restores for requests the scheduler held out of this step, stores ahead of eviction)
+overlap the forward, and the next step's forward waits for their event (`settle`): by then the
+requests restored may run and the blocks stored ahead may be reused. The side stream runs its
+copies in order, so one event covers every copy queued before it. On CPU the slots are plain
+tensors and the copies synchronous (waited ones first, as on CUDA): the same code, so CI runs it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class HostKVStore:
             raise ConfigError("--kv-offloading-size", f"{size_gib} GiB of {'pinned ' if pin else ''}host memory "
                                                       f"could not be allocated ({e}); lower it") from None
         self._stream = torch.cuda.Stream(self.device) if pin else None
+        # The copies no forward has waited for yet (CUDA): the next forward waits for this event.
+        self._pending: torch.cuda.Event | None = None
+        self._last: torch.cuda.Event | None = None  # the last copy queued, waited for or not
         self.bytes_stored = 0
         self.bytes_restored = 0
         log.info("host KV tier: %d blocks, %.2f GiB%s", num_slots, nbytes / GIB, " pinned" if pin else "")
@@ -78,18 +84,49 @@ class HostKVStore:
     def block_bytes(self) -> int:
         return self.slots[0].numel() * self.slots.element_size()
 
+    @property
+    def pending(self) -> bool:
+        """Copies may still be running on the device (a P/D pull must not start first): the host
+        asks the last one's event; a forward waiting for them on the device does not tell it."""
+        return self._pending is not None or (self._last is not None and not self._last.query())
+
     def apply(self, ops) -> None:
-        """Carry out `ops` (TierCopy: out = device block -> host slot, else back) in order."""
+        """Before a step's forward: wait for the copies earlier steps left running, then carry out
+        `ops` (TierCopy: out = device block -> host slot, else back), those the forward waits for
+        first, the rest in their order after them, overlapping the forward."""
+        self.settle()
         if not ops:
             return
+        # Waited-for copies are stores of blocks evicted now (and a hybrid cache's window restores,
+        # published at once); moving them ahead of the others, in their own order, is safe: a
+        # block is evicted (its store queued) before it is handed out fresh to be restored into,
+        # and a restore's source slot is locked against stores until the step's copies are taken.
+        now = [op for op in ops if op.wait]
+        later = [op for op in ops if not op.wait]
         if self._stream is None:
-            self._copy(ops, non_blocking=False)
+            self._copy(now + later, non_blocking=False)
             return
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            self._copy(ops, non_blocking=True)
-        compute.wait_stream(self._stream)
+            self._copy(now, non_blocking=True)
+            if now:
+                compute.wait_event(self._record())
+            if later:
+                self._copy(later, non_blocking=True)
+                self._pending = self._record()
+
+    def settle(self) -> None:
+        """The compute stream waits (on the device) for every copy queued so far."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+            self._pending = None
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._last = event
+        return event
 
     def _copy(self, ops, non_blocking: bool) -> None:
         for op in ops:

@@ -500,7 +500,7 @@ class ModelRunner:
             return None
         if plan.lora_swaps:
             self.lora.apply(plan.lora_swaps)
-        if plan.tier_ops:
+        if self.host_kv is not None:  # also when it has none: the forward waits for earlier copies
             self.host_kv.apply(plan.tier_ops)
         if self.cpu_threads is not None:
             self.cpu_threads.for_step(decode_only=plan.graph or not plan.inputs[6])  # inputs[6]: prefill lengths
@@ -550,8 +550,13 @@ class ModelRunner:
             self.followers.send(plan)
         self._copy_tiers_and_wait(plan.tier_ops)
 
+    def tier_copies_pending(self) -> bool:
+        """Host-tier copies still run that no forward has waited for (HostKVStore.pending)."""
+        return self.host_kv is not None and self.host_kv.pending
+
     def _copy_tiers_and_wait(self, ops) -> None:
         self.host_kv.apply(ops)
+        self.host_kv.settle()  # the copies that would have overlapped a forward: waited for too
         if self.tp_size > 1:
             # Every rank's copies are queued before this on its stream (or done, on CPU): once
             # rank 0 has the sum, every rank's copies are done, so rank 0 may start the pulls
