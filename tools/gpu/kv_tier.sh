@@ -14,7 +14,8 @@
 #   without  one worker, device KV cache = 22% of the working set, no tier: `pdserve bench serve
 #            --multi-turn 32 6 --conversation-rate 0.75 --think-time 4` (staggered chat: each turn the
 #            whole history + 1024 new tokens, 128 out)                                               150
-#   with     the same with --kv-offloading-size (the working set x1.25)                             150
+#   with     the same with --kv-offloading-size (the working set x1.25; pinning 34 GiB takes the
+#            worker 50-65 s to start)                                                               220
 #   peer     two workers on the card (TCP): a 2k/8k/32k-token prefix pulled from the peer vs
 #            recomputed, time to first token, the crossover                                          130
 #   report   kv_tier.md (TTFT p50/p90, throughput, ITL, hits per tier, bytes, TTFT per turn,
@@ -69,7 +70,7 @@ main() {
   kstep "config" 45 $PY "$H" config --out $ckpt $tiny
   kstep "copy" 60 $PY "$H" copy --rows "$ROWS" "${copy[@]}"
   kstep "without the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" "${serve[@]}"
-  kstep "with the tier" 150 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" --tier "${serve[@]}"
+  kstep "with the tier" 220 $PY "$H" serve --checkpoint $ckpt --rows "$ROWS" --work "$OUT/runs" --tier "${serve[@]}"
   [ "${PEER:-1}" = 0 ] || kstep "peer pull vs recompute" 130 $PY "$H" peer --checkpoint $ckpt --rows "$ROWS" \
     --work "$OUT/runs" "${peer[@]}"
   local title="one H200, Llama-3.1-8B shapes"
