@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import queue
 import random
 import shutil
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -224,26 +226,35 @@ def main(argv=None) -> int:
     lines = ["| mode | flag on | TTFT p50 ms (min-max) | first gap p50 ms | ITL p50 ms | same tokens as agg-sync |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     ref = None
+
+    def run_one(mode: str) -> tuple[subprocess.CompletedProcess, float]:
+        cmd = [sys.executable, "-m", "pdserve.bench.pd_async", *(argv if argv is not None else sys.argv[1:]),
+               "--one", mode, "--ckpt", ckpt]
+        # Side by side (the smoke run), each computes on one thread: torch's default of one per
+        # core would put several threads per core, each op's barrier waiting on a preempted one.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.smoke else None
+        t = time.monotonic()
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env), time.monotonic() - t
+
+    # A real run times one mode at a time (they would share the card). The smoke run times nothing
+    # and its processes are mostly start-up (imports, engine build): side by side they overlap.
     try:
-        for mode in modes:
-            cmd = [sys.executable, "-m", "pdserve.bench.pd_async", *(argv if argv is not None else sys.argv[1:]),
-                   "--one", mode, "--ckpt", ckpt]
-            t = time.monotonic()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            res = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")),
-                       None)
-            if res is None:
-                lines.append(f"| {mode} | failed (rc {proc.returncode}) | | | | |")
-                print(lines[-1], "\n", proc.stderr[-3000:], flush=True)
-                continue
-            ref = res["tokens"] if ref is None and mode == "agg-sync" else ref
-            same = "" if ref is None or mode == "agg-sync" else "yes" if res["tokens"] == ref else "**NO**"
-            ttft = res["ttft_ms"]
-            gap = f"{statistics.median(res['first_gap_ms']):.1f}" if "first_gap_ms" in res else ""
-            name = mode + (f" ({res['transport']})" if "transport" in res else "")
-            lines.append(f"| {name} | {'yes' if res['on'] else 'no'} | {statistics.median(ttft):.1f} "
-                         f"({min(ttft):.1f}-{max(ttft):.1f}) | {gap} | {res['itl_ms']:.2f} | {same} |")
-            print(lines[-1], f"  [{time.monotonic() - t:.0f}s]", flush=True)
+        with ThreadPoolExecutor(len(modes) if args.smoke else 1) as pool:
+            for mode, (proc, took) in zip(modes, pool.map(run_one, modes)):
+                res = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")),
+                           None)
+                if res is None:
+                    lines.append(f"| {mode} | failed (rc {proc.returncode}) | | | | |")
+                    print(lines[-1], "\n", proc.stderr[-3000:], flush=True)
+                    continue
+                ref = res["tokens"] if ref is None and mode == "agg-sync" else ref
+                same = "" if ref is None or mode == "agg-sync" else "yes" if res["tokens"] == ref else "**NO**"
+                ttft = res["ttft_ms"]
+                gap = f"{statistics.median(res['first_gap_ms']):.1f}" if "first_gap_ms" in res else ""
+                name = mode + (f" ({res['transport']})" if "transport" in res else "")
+                lines.append(f"| {name} | {'yes' if res['on'] else 'no'} | {statistics.median(ttft):.1f} "
+                             f"({min(ttft):.1f}-{max(ttft):.1f}) | {gap} | {res['itl_ms']:.2f} | {same} |")
+                print(lines[-1], f"  [{took:.0f}s]", flush=True)
     finally:
         if not args.checkpoint:
             shutil.rmtree(ckpt, ignore_errors=True)
