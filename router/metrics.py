@@ -82,7 +82,9 @@ class RouterMetrics:
         # Exact mid-stream migration (migration.py).
         self.migrations = Counter("pdserve_router_migrations",
                                   "Streams continued on another worker, by why their worker was left: lost "
-                                  "(reset, or ended without [DONE]) or stalled (--stream-idle-timeout).",
+                                  "(reset, ended without [DONE], or no decode worker took the hand-off), "
+                                  "stalled (--stream-idle-timeout), drained (ended aborted) or busy (every "
+                                  "decode worker of the hand-off answered 429).",
                                   ["cause"], registry=r)
         self.migration_reprefilled_tokens = Counter("pdserve_router_migration_reprefilled_tokens",
                                                     "Tokens the continuations prefilled again: prompt (as "

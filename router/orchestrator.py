@@ -322,7 +322,7 @@ class Orchestrator:
             moved = None
             if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
                 moved = await self.migration.move(
-                    call, progress, up.tried, "lost",
+                    call, progress, up.tried, "busy" if up.all_busy else "lost",
                     lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
             if moved is None:
                 yield self.no_decode(up).sse_event()
