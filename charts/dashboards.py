@@ -166,7 +166,8 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
                                    "worker that already cached all but a few of their prompt tokens, against those "
                                    "disaggregated."),
         Panel("Streams moved mid-answer/s by cause", (per_second("pdserve_router_migrations_total", "cause"),),
-              "short", description="Streams continued on another worker after theirs was lost, stalled or drained "
+              "short", description="Streams continued on another worker after theirs was lost, stalled or drained, "
+                                   "or after every decode worker of its hand-off was busy (429) "
                                    "(router/migration.py)."),
         Panel("Client-visible gap at a migration", quantiles("pdserve_router_migration_gap_seconds"), "s",
               description="From the last event relayed from the lost worker to the first from the new one."),

@@ -65,6 +65,7 @@ class RoleFallback:
         self.selector = selector
         self.metrics = metrics
         self._seen: set[tuple[str, str]] = set()  # (model, role) this router has had a worker of
+        self._missing: dict[str, str | None] = {}  # per model, the missing role the gauge shows
 
     def availability(self, model: str) -> Availability:
         pools = {role: self.selector.pool(role, model) for role in ROLES}
@@ -75,8 +76,10 @@ class RoleFallback:
         for role in ROLES:
             if not pools[role] and pools[other(role)] and (model, role) in self._seen:
                 missing = role
-        for role in ROLES:
-            self.metrics.degraded.labels(model, role).set(1 if missing == role else 0)
+        if self._missing.get(model, False) != missing:  # the gauge is set when it changes, not per request
+            self._missing[model] = missing
+            for role in ROLES:
+                self.metrics.degraded.labels(model, role).set(1 if missing == role else 0)
         return Availability(pools[ROLE_PREFILL], pools[ROLE_DECODE], missing)
 
     def refresh(self) -> dict[str, str | None]:

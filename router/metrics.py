@@ -16,6 +16,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple, object] = {}  # child()
         r = self.registry
         self.requests = Counter("pdserve_router_requests", "Requests answered, by route, status and P/D.",
                                 ["route", "status", "disaggregated"], registry=r)
@@ -82,7 +83,9 @@ class RouterMetrics:
         # Exact mid-stream migration (migration.py).
         self.migrations = Counter("pdserve_router_migrations",
                                   "Streams continued on another worker, by why their worker was left: lost "
-                                  "(reset, or ended without [DONE]) or stalled (--stream-idle-timeout).",
+                                  "(reset, ended without [DONE], or no decode worker took the hand-off), "
+                                  "stalled (--stream-idle-timeout), drained (ended aborted) or busy (every "
+                                  "decode worker of the hand-off answered 429).",
                                   ["cause"], registry=r)
         self.migration_reprefilled_tokens = Counter("pdserve_router_migration_reprefilled_tokens",
                                                     "Tokens the continuations prefilled again: prompt (as "
@@ -95,6 +98,16 @@ class RouterMetrics:
 
         # Declared with flow control off too: dashboards find the series, empty.
         self.flow = FlowMetrics(r)
+
+    def child(self, metric, *values: str):
+        """`metric.labels(*values)`, kept: `labels()` takes a lock and checks its arguments on
+        every call (~1.5 µs), and the request path asks for the same few children per request.
+        No child is ever removed from these metrics, so a kept one stays the registry's."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

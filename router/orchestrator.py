@@ -91,8 +91,8 @@ class Orchestrator:
             return
         call.accepted = True
         model = call.model
-        self.metrics.arrived_requests.labels(model).inc()
-        self.metrics.arrived_prompt_tokens.labels(model).inc(call.prompt_tokens)
+        self.metrics.child(self.metrics.arrived_requests, model).inc()
+        self.metrics.child(self.metrics.arrived_prompt_tokens, model).inc(call.prompt_tokens)
 
     # ---- entry ---------------------------------------------------------------------------
 
@@ -322,7 +322,7 @@ class Orchestrator:
             moved = None
             if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
                 moved = await self.migration.move(
-                    call, progress, up.tried, "lost",
+                    call, progress, up.tried, "busy" if up.all_busy else "lost",
                     lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
             if moved is None:
                 yield self.no_decode(up).sse_event()
@@ -418,7 +418,7 @@ class Orchestrator:
 
     def _done(self, call: Call, response: Response) -> Response:
         self.metrics.e2e.observe(time.monotonic() - call.started)
-        self.metrics.requests.labels(call.route, str(response.status_code), _yes(call.disaggregated)).inc()
+        self.metrics.child(self.metrics.requests, call.route, str(response.status_code), _yes(call.disaggregated)).inc()
         return response
 
     def stream_response(self, call: Call, events: AsyncIterator[bytes], held: Closable | None = None,
@@ -435,7 +435,7 @@ class Orchestrator:
             if not counted:
                 counted = True
                 self.metrics.e2e.observe(time.monotonic() - call.started)
-                self.metrics.requests.labels(call.route, "200", _yes(call.disaggregated)).inc()
+                self.metrics.child(self.metrics.requests, call.route, "200", _yes(call.disaggregated)).inc()
 
         async def counting() -> AsyncIterator[bytes]:
             tokens, first_sent = 0, 0.0
@@ -447,7 +447,8 @@ class Orchestrator:
                             first_sent = now
                         tokens += n
                         if tokens == 2:  # both in one chunk: sent together, a gap of 0
-                            self.metrics.first_token_gap.labels(_yes(call.disaggregated)).observe(now - first_sent)
+                            gap = self.metrics.child(self.metrics.first_token_gap, _yes(call.disaggregated))
+                            gap.observe(now - first_sent)
                     # [DONE] is always the last event of the chunk that carries it (whole events;
                     # JSON escapes newlines, so no data can end this way).
                     if chunk.endswith(DONE):

@@ -138,11 +138,11 @@ class Upstream:
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
-        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+        self.metrics.child(self.metrics.inflight, worker.url).set(worker.inflight)
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
-        self.metrics.inflight.labels(worker.url).set(worker.inflight)
+        self.metrics.child(self.metrics.inflight, worker.url).set(worker.inflight)
 
     def failed(self, worker: Worker, phase: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(worker.url, phase).inc()

@@ -50,6 +50,7 @@ class UpstreamCall:
         self.worker: Worker | None = None  # held (acquired) while set
         self.response: UpstreamResponse | None = None
         self.last_status: int | None = None  # of the last retryable answer, for the final error
+        self.busy_answers = 0  # attempts a worker refused with 429 (busy, not failing)
         self.last_reason = ""
         self._lingering: asyncio.Task | None = None  # an open() left to finish: close() waits for it
 
@@ -96,12 +97,18 @@ class UpstreamCall:
                     self._on_answer(self.response.status)
                 return self.response
             self.last_status = attempt.response.status if attempt.response is not None else None
+            self.busy_answers += self.last_status == 429
             self.last_reason = attempt.reason
             log.info("%s on %r failed (%s)", self.phase, worker, attempt.reason)
             self._tracing.end(span, {"http.response.status_code": self.last_status}, error=attempt.reason)
             self._span = None
             self._drop()
         return None
+
+    @property
+    def all_busy(self) -> bool:
+        """Every worker tried answered 429: the pool is busy, none of it lost."""
+        return self.attempts > 0 and self.busy_answers == self.attempts
 
     def retry_elsewhere(self, reason: str, phase: str | None = None) -> None:
         """The held worker's answer was unusable: count its failure; the next open() goes elsewhere."""

@@ -84,7 +84,9 @@ class AfterPrefill(Handoff[Prefilled]):
             try:
                 content = await o.read_answer(up, response)
             except APIError:
-                pin.sent = up.attempts > 0  # no decode worker was even tried: nobody has the params
+                # No decode worker tried, or each refused it busy (429, before touching the KV):
+                # nobody has the params.
+                pin.sent = up.attempts > 0 and not up.all_busy
                 raise
         o.metrics.handoff.observe(time.monotonic() - t0)
         return o.merged(call, prefill, content)
@@ -107,8 +109,9 @@ class AfterPrefill(Handoff[Prefilled]):
             pin.sent = True
             payload = call.decode_payload(prefill.kv_transfer_params)
             response = await self._open(up, call, payload, o.stream_limits)
-            if response is None:
-                pin.sent = up.attempts > 0
+            if response is None:  # the stream moves (decode_events): a pin nobody has is released now
+                pin.sent = up.attempts > 0 and not up.all_busy
+                pin.abandon(o.up)
             async for chunk in o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params)):
                 yield chunk
         finally:

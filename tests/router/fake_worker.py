@@ -12,7 +12,7 @@ Test hooks: POST /control {"mode": ok|500|request_failed|die_mid_stream|hang|exi
 "waiting": x} (500 fails requests while /health stays 200, so the router must notice by itself;
 request_failed is the 500 of a request the engine failed alone, which the router must not count);
 {"refuse": code}: every completion is refused with that status (a client error of any class,
-in OpenAI's shape); 0 serves them again;
+in OpenAI's shape; held, as any answer, while "answer" is held); 0 serves them again;
 {"slow_health": n, "health_delay": s}: the next n /health answers each wait s seconds first
 (a worker too busy to answer its probe in time); GET /debug/health counts the slow ones answered
 and the /v1/models requests.
@@ -156,6 +156,7 @@ def build(args) -> Starlette:
                                            "code": CODE_REQUEST_FAILED}},
                                 status_code=500, headers={HEADER_REQUEST_FAILED: "1"})
         if st.refuse:
+            await st.gates["answer"].wait()  # a refusal is an answer: held as one
             return JSONResponse({"error": {"message": f"refused with {st.refuse}", "type": "invalid_request_error",
                                            "param": "messages", "code": "injected"}}, status_code=st.refuse)
         if st.mode == "exit_now":

@@ -362,3 +362,46 @@ def test_a_decode_worker_killed_between_the_handoff_and_its_first_byte(pools, st
         router.stop()
     finally:
         trap.close()
+
+
+def test_a_busy_decode_pool_at_the_handoff_is_counted_busy_not_lost(pools):
+    """Every decode worker answers the hand-off 429 (busy: stand-in processes refusing each
+    completion, tests/router/fake_worker.py; a real worker's 429 needs a grammar backlog), once
+    the client has the prefill's first token (their answers are held until then; a streamed
+    hand-off refused before it is a 429 to the client, nothing moves): the stream goes on on the
+    prefill worker as a continuation of that token, equal to one uninterrupted worker's answer,
+    and the move is counted `busy`, never `lost`; the prefill worker's pin is released. Both
+    hand-offs, one router each, sharing the workers."""
+    get, launch = pools
+    prefill = get("tcp")["prefill"]
+    busy = [launch.fake_worker(), launch.fake_worker()]
+    route, body = GREEDY
+    body = {**body, "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+    want = _ask(prefill.url, route, body)
+    for handoff in ("streamed", "after-prefill"):
+        for w in busy:
+            w.control(refuse=429, hold="answer")
+        asked = [len(w.requests()) for w in busy]
+        router = launch.router("--prefill", prefill.url, "--decode", busy[0].url, "--decode", busy[1].url,
+                               "--pd-min-prompt-tokens", "1", "--pd-handoff", handoff)
+        events: list[bytes] = []
+        with httpx.stream("POST", router.url + PATHS[route], json={"model": "tiny", **body}, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            buf = b""
+            for data in r.iter_raw():
+                buf += data
+                *whole, buf = buf.split(b"\n\n")
+                if not events and whole:  # the first token is out: the decode workers may refuse now
+                    for w in busy:
+                        w.control(release=True)
+                events += [e + b"\n\n" for e in whole]
+        got = answer(events, route)
+        assert _close(got, want), f"{handoff}\n{got}\n{want}"
+        assert all(len(w.requests()) > n for w, n in zip(busy, asked)), handoff  # both asked, both refused
+        assert metric(router, "pdserve_router_migrations_total", cause="busy") == 1, handoff
+        assert metric(router, "pdserve_router_migrations_total", cause="lost") == 0, handoff
+        assert metric(router, "pdserve_router_requests_total", status="200", disaggregated="yes") == 1, handoff
+        eventually(lambda: _idle(prefill))
+        router.stop()
+    for w in busy:
+        w.stop()
