@@ -1229,11 +1229,12 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
         check_tensor(fn, "w13_scale", w13_scale, (e, two_i, h // MXFP4_GROUP), (torch.uint8,))
         check_tensor(fn, "w2_scale", w2_scale, (e, h, inter // MXFP4_GROUP), (torch.uint8,))
         steps = [v for key, v in (config or {}).items() if key.endswith("BLOCK_K")]
-        eight_dots = not (config or {}).get("MX_DOT_SCALED", False)
+        eight_dots = not (config or {}).get("MX_DOT_SCALED", False) or x.dtype not in _DOT_SCALED_FORMATS
         if any(v % MXFP4_GROUP for v in steps) or (eight_dots and (config or {}).get("BLOCK_K", 128) % 128):
             raise ValueError(f"{fn}: K tiles {steps} must be multiples of {MXFP4_GROUP} for MXFP4 weights "
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 unless "
-                             f"MX_DOT_SCALED (its 8 dots a step have K = BLOCK_K / 8, at least 16)")
+                             f"MX_DOT_SCALED runs (bf16 / fp16 x; the 8 dots a step have K = BLOCK_K / 8, "
+                             f"at least 16)")
     for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
         if not isinstance((config or {}).get(key, False), bool):
             raise ValueError(f"{fn}: config {key} must be True or False, got {config[key]!r}")

@@ -328,6 +328,9 @@ def test_dot_scaled_knob_is_checked_and_fp32_keeps_the_integer_decoders(poison_e
     with pytest.raises(ValueError, match="MX_DOT_SCALED must be True or False"):
         fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, MX_DOT_SCALED=1), path="sorted", w13_scale=s13,
                   w2_scale=s2)
+    with pytest.raises(ValueError, match="BLOCK_K of 128 unless MX_DOT_SCALED runs"):  # fp32 x: the 8 dots run
+        fused_moe(x, q13, q2, w, ids, config=dict(SORTED_TILES, BLOCK_K=64, MX_DOT_SCALED=True), path="sorted",
+                  w13_scale=s13, w2_scale=s2)
     # fp32 activations have no scaled-dot format: the default tiles (MX_DOT_SCALED) keep the exact
     # integer decoders running, to fp32's tolerance.
     out = fused_moe(x, q13, q2, w, ids, path="sorted", w13_scale=s13, w2_scale=s2)
