@@ -683,7 +683,10 @@ def _env_knobs(name: str) -> dict:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return {}
-    knobs = json.loads(raw)
+    try:
+        knobs = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object of config knobs, got {raw!r} ({e})") from None
     if not isinstance(knobs, dict):
         raise ValueError(f"{name} must be a JSON object of config knobs, got {raw!r}")
     return knobs
