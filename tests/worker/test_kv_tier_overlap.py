@@ -12,6 +12,7 @@ from pdserve.worker.engine.block_manager import BlockManager
 from pdserve.worker.engine.host_tier_index import HostTierIndex, TierCopy
 from pdserve.worker.engine.scheduler import Scheduler
 from pdserve.worker.executor.host_kv_store import HostKVStore
+from pdserve.worker.request.request import RequestStatus
 from tests.worker.test_block_manager import compute, req
 
 BS = 4
@@ -75,8 +76,6 @@ def test_a_request_aborted_while_held_frees_its_unpublished_blocks():
     a2 = req("a2", range(13), max_tokens=1)
     sched.add(a2)
     assert not sched.schedule() and sched.held_for_restore == [a2]
-    from pdserve.worker.request.request import RequestStatus
-
     sched.finish(a2, RequestStatus.FINISHED_ABORTED)
     assert not sched.has_work() and not sched.restoring and bm.num_free_blocks == 8
 

@@ -395,7 +395,7 @@ class LLMEngine:
         # A schedule that runs no step (its requests held out while their restores land, or
         # pulls alone) has nothing to carry its copies: they run here.
         pulls = bool(self.kv_connector.active and (meta.loads or meta.pins))
-        if batch.kv_tier_ops and (pulls or not batch) or pulls and self.runner.tier_copies_pending():
+        if (batch.kv_tier_ops and (pulls or not batch)) or (pulls and self.runner.tier_copies_pending()):
             self.runner.copy_tiers_now(batch.kv_tier_ops)
             batch.kv_tier_ops = []
 
