@@ -350,10 +350,15 @@ class Run:
             if victim is None:  # between its legs, or just finished: choose again
                 await asyncio.sleep(0.005)
                 continue
+            if chosen.finished is not None:  # it ended while the workers were asked: choose again
+                continue
             served = set(kvs[decode.index(victim)].json()["requests"])
+            # A stream is hit if it was still open when the signal went: the router may move it and
+            # finish it elsewhere before the dead process is reaped.
             t_kill = time.monotonic()
             death_s = await victim.kill()
-            hit = [rid for rid in served if rid in self.streams and self.streams[rid].finished is None]
+            hit = [rid for rid in served if rid in self.streams
+                   and (self.streams[rid].finished is None or self.streams[rid].finished > t_kill)]
             for rid in hit:
                 self.streams[rid].kills.append(t_kill)
                 self.hits.append((rid, t_kill))
