@@ -13,7 +13,8 @@ completions with logprobs; seeded completions with penalties, `min_tokens` and a
 seeded `n=2` with a stop list; two prompts; seeded chat with top logprobs; greedy chat with a stop.
 Every request has its own seed and `x-request-id`.
 
-The killer picks a stream in flight between `--kill-at` fractions of its tokens, finds the decode
+The killer picks a stream in flight between `--kill-at` fractions of its tokens, among those that
+cannot end early (no stop string, EOS ignored: the kill finds it with tokens left), finds the decode
 worker serving it (each worker's `/debug/kv` lists the request ids it serves), SIGKILLs that
 worker (every stream it served is hit), starts a replacement on the same ports and waits until
 the router routes to it again before the next kill, so the pool keeps its capacity. Once the hits
@@ -201,6 +202,10 @@ class Stream:
     def progress(self) -> float:
         return len(self.events) / self.expected
 
+    def runs_to_max(self) -> bool:
+        """Every choice runs to max_tokens: no stop string can end it, nor EOS."""
+        return bool(self.body.get("ignore_eos")) and not self.body.get("stop")
+
     def failure(self) -> str | None:
         if self.error:
             return self.error
@@ -338,7 +343,7 @@ class Run:
         until = min(self.t0 + a.budget_s, a.started + a.deadline_s - a.reserve_s)
         while len(self.hits) < a.hits and time.monotonic() < until:
             running = [s for s in self.streams.values() if s.finished is None]
-            live = [s for s in running if not s.kills and lo <= s.progress <= hi]
+            live = [s for s in running if not s.kills and lo <= s.progress <= hi and s.runs_to_max()]
             if not live or len(running) < a.concurrency // 2:  # the loop's streams not all started yet
                 await asyncio.sleep(0.01)
                 continue
