@@ -16,9 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_streams_of_a_killed_decode_worker_fail_nothing_and_equal_their_twins(tmp_path):
     # One kill (--no-restart, 2 decode workers: the survivor and the prefill worker take its streams).
-    # The chosen stream (one that runs to max_tokens) is killed with most of its answer still to come (128
-    # tokens, chosen before 50 %),
-    # so the router has something to move.
+    # The chosen stream (one that runs to max_tokens) is killed with most of its answer still to come
+    # (128 tokens, chosen before 50 %), so the router has something to move.
     rc = migration.main(["--out", str(tmp_path), "--hits", "1", "--concurrency", "4", "--prefill", "1", "--decode", "2",
                          "--prompt-tokens", "16", "--max-tokens", "128", "--kill-at", "0.2,0.5", "--device", "cpu",
                          "--kv-transfer", "tcp", "--no-restart", "--budget-s", "60", "--twins", "6"])
