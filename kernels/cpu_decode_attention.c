@@ -71,56 +71,81 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return lanes_sum(acc);
 }
 
+/* One sequence: q [Hq, D] bf16 (head stride q_sh), its block table and length; out [Hq, D] fp32.
+ * Inlined with D constant where the caller can (D = 64), so the per-head loops unroll. */
+static inline __attribute__((always_inline)) void decode_one(
+    const uint16_t *q, int64_t q_sh, const uint16_t *k, const uint16_t *v, int64_t c_sblk, int64_t c_stok,
+    int64_t c_sh, const int32_t *table, const int32_t *next_table, int64_t L, int64_t Hq, int64_t Hkv,
+    const int64_t D, int64_t bs, float scale, float *out, float *scratch) {
+    const int64_t G = Hq / Hkv;
+    float *s = scratch;        /* [Hq, L] scores, then probabilities */
+    float *qf = s + Hq * L;    /* [Hq, D] the queries in fp32 */
+    float *row = qf + Hq * D;  /* [Hkv, D] one token's K or V in fp32 */
+    for (int64_t i = 0; i < Hq; i++)
+        for (int64_t d = 0; d < D; d++) qf[i * D + d] = bf16_to_f32(q[i * q_sh + d]);
+    /* Token-major: each token's K (then V) row is read once for all heads; block by block. */
+    for (int64_t blk = 0, t0 = 0; t0 < L; blk++, t0 += bs) {
+        const int64_t n = L - t0 < bs ? L - t0 : bs;
+        const uint16_t *kb = k + (int64_t)table[blk] * c_sblk;
+        const uint16_t *kn = t0 + bs < L ? k + (int64_t)table[blk + 1] * c_sblk : 0;
+        for (int64_t j = 0; j < n; j++) {
+            if (kn) prefetch_row(kn + j * c_stok, c_sh, Hkv, D);
+            if (blk == 0) prefetch_row(v + (int64_t)table[0] * c_sblk + j * c_stok, c_sh, Hkv, D); /* V's first block */
+            widen_row(kb + j * c_stok, c_sh, Hkv, D, row);
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t g = 0; g < G; g++)
+                    s[(h * G + g) * L + t0 + j] = dot(qf + (h * G + g) * D, row + h * D, D) * scale;
+        }
+    }
+    for (int64_t i = 0; i < Hq; i++) {
+        float *si = s + i * L;
+        float m = si[0];
+        for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
+        for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
+        float acc[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= L; t += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
+        for (; t < L; t++) acc[t % LANES] += si[t];
+        const float total = lanes_sum(acc);
+        for (t = 0; t < L; t++) si[t] = si[t] / total;
+    }
+    memset(out, 0, sizeof(float) * Hq * D);
+    for (int64_t blk = 0, t0 = 0; t0 < L; blk++, t0 += bs) {
+        const int64_t n = L - t0 < bs ? L - t0 : bs;
+        const uint16_t *vb = v + (int64_t)table[blk] * c_sblk;
+        const uint16_t *vn = t0 + bs < L ? v + (int64_t)table[blk + 1] * c_sblk : 0;
+        for (int64_t j = 0; j < n; j++) {
+            if (vn) prefetch_row(vn + j * c_stok, c_sh, Hkv, D);
+            if (blk == 0 && next_table) /* the next sequence's first K block */
+                prefetch_row(k + (int64_t)next_table[0] * c_sblk + j * c_stok, c_sh, Hkv, D);
+            widen_row(vb + j * c_stok, c_sh, Hkv, D, row);
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t g = 0; g < G; g++) {
+                    const float p = s[(h * G + g) * L + t0 + j];
+                    const float *vr = row + h * D;
+                    float *oi = out + (h * G + g) * D;
+                    for (int64_t d = 0; d < D; d++) oi[d] += p * vr[d];
+                }
+        }
+    }
+}
+
 /* q [B, Hq, D] bf16 (strides q_sb, q_sh; D contiguous); k, v: caches [blocks, block_size, Hkv, D]
  * bf16 with strides (c_sblk, c_stok, c_sh, 1), the same for both; tables [B, *] int32 (row stride
  * t_sb); lens [B] int32, tokens in cache incl. the current one; out [B, Hq, D] fp32 contiguous;
- * scratch: at least Hq * (max(lens) + D) + Hkv * D floats. Query head i reads KV head i / (Hq / Hkv).
- * Token-major: each token's K (then V) row is read once for all heads. */
+ * scratch: at least Hq * (max(lens) + D) + Hkv * D floats. Query head i reads KV head i / (Hq / Hkv). */
 void paged_decode_bf16(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
                        int64_t c_sblk, int64_t c_stok, int64_t c_sh, const int32_t *tables, int64_t t_sb,
                        const int32_t *lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
                        float *out, float *scratch) {
-    const int64_t G = Hq / Hkv;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t L = lens[b];
-        const int32_t *table = tables + b * t_sb;
-        float *s = scratch;           /* [Hq, L] scores, then probabilities */
-        float *qf = s + Hq * L;       /* [Hq, D] the queries in fp32 */
-        float *row = qf + Hq * D;     /* [Hkv, D] one token's K or V in fp32 */
-        for (int64_t i = 0; i < Hq; i++)
-            for (int64_t d = 0; d < D; d++) qf[i * D + d] = bf16_to_f32(q[b * q_sb + i * q_sh + d]);
-        for (int64_t t = 0; t < L; t++) {
-            if (t + bs < L) prefetch_row(k + (int64_t)table[t / bs + 1] * c_sblk + (t % bs) * c_stok, c_sh, Hkv, D);
-            if (t < bs) prefetch_row(v + (int64_t)table[0] * c_sblk + t * c_stok, c_sh, Hkv, D); /* V's first block */
-            widen_row(k + (int64_t)table[t / bs] * c_sblk + (t % bs) * c_stok, c_sh, Hkv, D, row);
-            for (int64_t i = 0; i < Hq; i++) s[i * L + t] = dot(qf + i * D, row + (i / G) * D, D) * scale;
-        }
-        for (int64_t i = 0; i < Hq; i++) {
-            float *si = s + i * L;
-            float m = si[0];
-            for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
-            for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
-            float acc[LANES] = {0};
-            int64_t t = 0;
-            for (; t + LANES <= L; t += LANES)
-                for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
-            for (; t < L; t++) acc[t % LANES] += si[t];
-            const float total = lanes_sum(acc);
-            for (t = 0; t < L; t++) si[t] = si[t] / total;
-        }
-        float *o = out + b * Hq * D; /* [Hq, D] */
-        memset(o, 0, sizeof(float) * Hq * D);
-        for (int64_t t = 0; t < L; t++) {
-            if (t + bs < L) prefetch_row(v + (int64_t)table[t / bs + 1] * c_sblk + (t % bs) * c_stok, c_sh, Hkv, D);
-            if (t < bs && b + 1 < B) /* the next sequence's first K block */
-                prefetch_row(k + (int64_t)tables[(b + 1) * t_sb] * c_sblk + t * c_stok, c_sh, Hkv, D);
-            widen_row(v + (int64_t)table[t / bs] * c_sblk + (t % bs) * c_stok, c_sh, Hkv, D, row);
-            for (int64_t i = 0; i < Hq; i++) {
-                const float p = s[i * L + t];
-                const float *vr = row + (i / G) * D;
-                float *oi = o + i * D;
-                for (int64_t d = 0; d < D; d++) oi[d] += p * vr[d];
-            }
-        }
+        const int32_t *next = b + 1 < B ? tables + (b + 1) * t_sb : 0;
+        if (D == 64)
+            decode_one(q + b * q_sb, q_sh, k, v, c_sblk, c_stok, c_sh, tables + b * t_sb, next, lens[b], Hq, Hkv, 64,
+                       bs, scale, out + b * Hq * D, scratch);
+        else
+            decode_one(q + b * q_sb, q_sh, k, v, c_sblk, c_stok, c_sh, tables + b * t_sb, next, lens[b], Hq, Hkv, D,
+                       bs, scale, out + b * Hq * D, scratch);
     }
 }
