@@ -77,12 +77,13 @@ def library() -> ctypes.CDLL | None:
             _build(compiler, path)
             log.info("built the CPU decode attention kernel: %s", path)
         lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
+        fn = lib.paged_decode_bf16
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:  # AttributeError: a .so without the symbol
         detail = getattr(e, "stderr", "") or e
-        log.warning("CPU decode attention kernel not built (%s): torch ops run instead", str(detail).strip()[:500])
+        log.warning("CPU decode attention kernel not loaded (%s): torch ops run instead", str(detail).strip()[:500])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                      ctypes.c_float, ptr, ptr]
-    lib.paged_decode_bf16.restype = None
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ptr, ptr]
+    fn.restype = None
     return lib
