@@ -16,13 +16,22 @@ ops, which is what a CPU step's time goes to at batch 8-32:
   chunk that follows cached tokens. A model with attention sinks keeps the reference.
 
 Math in fp32 as the references do (scores and softmax), whatever the cache's element type.
+
+A bf16 decode (no sinks, no window) runs the native kernel instead (cpu_native.py,
+cpu_decode_attention.c) where this machine could build it: the same fp32 math reading K and V
+straight from the cache blocks, no gathered copy. Other element types (fp32: the equality tests'
+bit-for-bit path; fp8) keep the torch ops.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_native
 from pdserve.kernels.reference import (
     FP8_KV_DTYPE,
     kv_cache_write_ref,
@@ -82,6 +91,10 @@ def paged_decode_attention_cpu(
     window: int = 0,
 ) -> torch.Tensor:  # [B, Hq, D]
     """= paged_decode_attention_ref (its arguments and masks)."""
+    if sinks is None and window == 0 and _native_fits(q, k_cache, v_cache):
+        lib = cpu_native.library()
+        if lib is not None:
+            return _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale)
     B, _, D = q.shape
     per_seq = 2 * 4 * k_cache.shape[2] * D * int(context_lens.max())  # one sequence's fp32 K and V
     chunk = max(1, DECODE_CHUNK_BYTES // max(1, per_seq))
@@ -91,6 +104,53 @@ def paged_decode_attention_cpu(
                                   sinks, window) for p in parts])
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, sinks, window)
 
+
+
+def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0
+            and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+            and q.shape[1] % k_cache.shape[2] == 0)
+
+
+_scratch = threading.local()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _scratch_floats(n: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
+    return buf
+
+
+def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The native kernel over the batch, split over torch's intra-op threads (ctypes drops the GIL)."""
+    global _pool
+    B, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
+        else block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(B, Hq, D, dtype=torch.float32)
+    # Scratch per call: the scores of the longest context the tables can hold, the queries, a row.
+    need = Hq * (tables.shape[1] * bs + D) + Hkv * D
+    cs = k_cache.stride()
+
+    def run(lo: int, hi: int) -> None:
+        lib.paged_decode_bf16(q[lo].data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                              cs[0], cs[1], cs[2], tables[lo].data_ptr(), tables.stride(0), lens[lo].data_ptr(),
+                              hi - lo, Hq, Hkv, D, bs, scale, out[lo].data_ptr(), _scratch_floats(need).data_ptr())
+
+    parts = min(B, torch.get_num_threads())
+    if parts <= 1:
+        run(0, B)
+    else:
+        if _pool is None or _pool._max_workers < parts:
+            _pool = ThreadPoolExecutor(parts, thread_name_prefix="cpu-attention")
+        step = (B + parts - 1) // parts
+        for f in [_pool.submit(run, lo, min(B, lo + step)) for lo in range(0, B, step)]:
+            f.result()
+    return out.to(q.dtype)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, sinks, window):

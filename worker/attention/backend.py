@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.kernels import cpu_native
 from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
 from pdserve.worker.attention.kv_cache import KVCache
@@ -97,3 +98,8 @@ class CpuAttentionBackend(PagedBackend):
     write = staticmethod(kv_cache_write_cpu)
     decode = staticmethod(paged_decode_attention_cpu)
     prefill = staticmethod(paged_prefill_attention_cpu)
+
+    def bind(self, kv_cache: KVCache) -> None:
+        super().bind(kv_cache)
+        if kv_cache.dtype == torch.bfloat16:  # build (or load) the native decode kernel at start, not in a request
+            cpu_native.library()
