@@ -45,7 +45,8 @@ class Grace:
             ...undo what result holds...
             raise asyncio.CancelledError  # the hang-up, delivered now
 
-    Only hang-ups are deferred (`hang_up`); any other cancellation of the task acts at once.
+    Only hang-ups are deferred (`hang_up`); any other cancellation of the task acts at once. Work
+    that fails after a hang-up leaves the section as the hang-up (CancelledError), not its error.
     Sections do not nest: an inner one would end the outer's deferral."""
 
     __slots__ = ("seconds", "gone", "_task", "_timer")
@@ -61,11 +62,15 @@ class Grace:
         _graces[self._task] = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         _graces.pop(self._task, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.gone and exc_type is not None and issubclass(exc_type, Exception):
+            # The work failed after the client left: what ends the request is the hang-up (a
+            # client that left is counted as gone, not as this failure).
+            raise asyncio.CancelledError from exc
 
     def hung_up(self) -> None:
         if not self.gone:

@@ -78,3 +78,27 @@ def test_a_section_without_a_hang_up_is_transparent_and_other_cancellations_act_
         assert await task == "done"
 
     asyncio.run(main())
+
+
+def test_work_that_fails_after_the_hang_up_ends_as_the_hang_up():
+    async def failing(grace: Grace, fail: asyncio.Event, entered: asyncio.Event) -> None:
+        with grace:
+            entered.set()
+            await fail.wait()
+            raise ConnectionResetError("the worker went away")
+
+    async def main():
+        fail, entered, grace = asyncio.Event(), asyncio.Event(), Grace(3600)
+        task = asyncio.ensure_future(failing(grace, fail, entered))
+        await entered.wait()
+        hang_up(task)
+        fail.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Without a hang-up, the failure is the work's own.
+        fail, entered = asyncio.Event(), asyncio.Event()
+        fail.set()
+        with pytest.raises(ConnectionResetError):
+            await failing(Grace(3600), fail, entered)
+
+    asyncio.run(main())
