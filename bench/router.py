@@ -13,7 +13,9 @@ keep-alive HTTP/1.1 client for the same reason. Reported:
   2. saturation: P/D streaming requests/s at `--concurrency` with no token delay.
 With --profile, the router runs under cProfile during the saturation run and the top functions
 by own time are printed. With --peers, the comparison against a baseline tree and the Rust
-routers (bench/router_peers.py) runs instead.
+routers (bench/router_peers.py) runs instead; with --instructions N, pdserve's router (and a
+baseline tree's) counted in instructions per request under callgrind
+(bench/router_instructions.py).
 """
 
 from __future__ import annotations
@@ -68,10 +70,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-src", default=None, metavar="DIR",
                    help="with --peers: a directory holding another checkout's `pdserve` package")
     p.add_argument("--workers", type=int, default=1, help="with --peers: also pdserve with --workers N")
-    p.add_argument("--rounds", type=int, default=3, help="with --peers: alternating rounds")
+    p.add_argument("--rounds", type=int, default=3, help="with --peers or --instructions: alternating rounds")
+    # Instructions per request (bench/router_instructions.py): what CPU time on a busy machine cannot resolve.
+    p.add_argument("--instructions", type=int, default=0, metavar="N",
+                   help="count pdserve's (and --baseline-src's) instructions over N streamed requests, "
+                        "under callgrind")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.instructions:
+        from pdserve.bench import router_instructions
+
+        return router_instructions.run(args)
     if args.peers:
         from pdserve.bench import router_peers
 

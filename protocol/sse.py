@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.disconnect import wait_for_disconnect
+from pdserve.protocol.disconnect import hang_up, wait_for_disconnect
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -76,7 +76,7 @@ class SSEResponse(StreamingResponse):
             nonlocal gone
             if not listener.cancelled() and listener.exception() is None:
                 gone = True
-                task.cancel()
+                hang_up(task)
 
         listener = asyncio.ensure_future(wait_for_disconnect(receive))
         listener.add_done_callback(on_disconnect)

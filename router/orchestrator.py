@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from pdserve.protocol.continuation import HEADER_TOKEN_IDS
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
+from pdserve.protocol.disconnect import Grace
 from pdserve.protocol.errors import APIError, UpstreamError
 from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
@@ -150,28 +151,27 @@ class Orchestrator:
             Prefilled | StreamedPrefill | None:
         """`_prefill_call`. A client that leaves meanwhile does not cut the call off at once: a
         prefill that finishes just then pins its KV while its answer, the only record of that
-        pin, is lost with the connection. The call goes on for up to HANDOFF_GRACE_S; an answer
-        in that time has its pin released (no decode worker has the params); later, the prefill
-        worker sees the hang-up and aborts a request it has not finished. (A streamed answer's
-        first line in that time: its call is closed, and the prefill worker aborts and unpins.)"""
-        task = asyncio.ensure_future(self._prefill_call(call, pool, stream_kv))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            asyncio.get_running_loop().call_later(HANDOFF_GRACE_S, task.cancel)
-            task.add_done_callback(self._release_unused)
-            self.up.keep(task)
-            raise
+        pin, is lost with the connection. The call goes on for up to HANDOFF_GRACE_S (a `Grace`
+        section of the request's own task); an answer in that time has its pin released (no
+        decode worker has the params); later, the prefill worker sees the hang-up and aborts a
+        request it has not finished. (A streamed answer's first line in that time: its call is
+        closed, and the prefill worker aborts and unpins.)"""
+        grace = Grace(HANDOFF_GRACE_S)
+        with grace:
+            prefill = await self._prefill_call(call, pool, stream_kv)
+        if grace.gone:
+            self._release_unused(prefill)
+            raise asyncio.CancelledError
+        return prefill
 
-    def _release_unused(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is not None or task.result() is None:
+    def _release_unused(self, prefill: Prefilled | StreamedPrefill | None) -> None:
+        if prefill is None:
             return
-        if isinstance(task.result(), StreamedPrefill):
-            task.result().abort()
+        if isinstance(prefill, StreamedPrefill):
+            prefill.abort()
             return
-        prefilled = task.result()
-        if prefilled.answer.kv_transfer_params:
-            self.up.release_kv(prefilled.worker, prefilled.answer.kv_transfer_params)
+        if prefill.answer.kv_transfer_params:
+            self.up.release_kv(prefill.worker, prefill.answer.kv_transfer_params)
 
     async def _prefill_call(self, call: Call, pool: list[Worker], stream_kv: bool) -> \
             Prefilled | StreamedPrefill | None:

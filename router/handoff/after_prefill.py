@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from starlette.responses import Response
 
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
+from pdserve.protocol.disconnect import Grace
 from pdserve.protocol.errors import APIError
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
@@ -58,16 +59,17 @@ class AfterPrefill(Handoff[Prefilled]):
             UpstreamResponse | None:
         """`up.open`, not cut off the moment the client leaves: a connection closed before the
         decode worker has read the request loses it there, and then nobody releases the
-        prefill's pin before its TTL. The call goes on in the background for HANDOFF_GRACE_S (or
-        until it answers), so the decode worker has taken the request in when it is cut off: it
-        aborts it and releases the pin, as for any client that leaves. (A release from here
-        could race that worker's read of the blocks instead.)"""
-        task = asyncio.ensure_future(up.open(PATHS[call.route], payload, call.headers(), limits))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            up.close_when_done(task, HANDOFF_GRACE_S)
-            raise
+        prefill's pin before its TTL. The call goes on for HANDOFF_GRACE_S or until it answers (a
+        `Grace` section of the request's own task), so the decode worker has taken the request in
+        when it is cut off: it aborts it and releases the pin, as for any client that leaves. (A
+        release from here could race that worker's read of the blocks instead.)"""
+        grace = Grace(HANDOFF_GRACE_S)
+        with grace:
+            response = await up.open(PATHS[call.route], payload, call.headers(), limits)
+        if grace.gone:
+            up.close()  # answered in time: closing the call now, the worker aborts and unpins
+            raise asyncio.CancelledError
+        return response
 
     async def _unary(self, call: Call, pool: list[Worker], prefill: Answer, pin: PinnedKV) -> Response:
         o = self.o
