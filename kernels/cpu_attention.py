@@ -114,6 +114,7 @@ def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 _scratch = threading.local()
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def _scratch_floats(n: int) -> torch.Tensor:
@@ -125,7 +126,7 @@ def _scratch_floats(n: int) -> torch.Tensor:
 
 def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
     """The native kernel over the batch, split over torch's intra-op threads (ctypes drops the GIL)."""
-    global _pool
+    global _pool, _pool_size
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
@@ -145,8 +146,10 @@ def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
     if parts <= 1:
         run(0, B)
     else:
-        if _pool is None or _pool._max_workers < parts:
-            _pool = ThreadPoolExecutor(parts, thread_name_prefix="cpu-attention")
+        if _pool_size < parts:  # more threads than before: a bigger pool replaces the old one
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-attention"), parts
         step = (B + parts - 1) // parts
         for f in [_pool.submit(run, lo, min(B, lo + step)) for lo in range(0, B, step)]:
             f.result()
