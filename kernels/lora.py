@@ -38,6 +38,19 @@ from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 # depends on K alone, never on T: batch invariance. PDSERVE_LORA_K_PER_SPLIT overrides it for a
 # whole engine (a measurement; `pdserve bench lora --kernels` sweeps it without one).
 K_PER_SPLIT = int(os.environ.get("PDSERVE_LORA_K_PER_SPLIT", "256"))
+# A shrink slice of at most this many BLOCK_K tiles is unrolled (the default's 2): the tiles' loads
+# are independent, and a decode-sized shrink is a few memory round trips long, not bandwidth-bound.
+UNROLL_K_TILES = tl.constexpr(4)
+
+
+@triton.jit
+def _lora_shrink_tile(x_row, a_base, k, k_end, k_hi, r, R, stride_ak):
+    # One BLOCK_K tile: x's mask ignores the slot, so its load goes out beside the slot's rather
+    # than after it; A's (the slot's rows) is empty for slot -1, which makes the product zero.
+    xv = tl.load(x_row + k, mask=k < k_end, other=0.0).to(tl.float32)
+    av = tl.load(a_base + k[:, None] * stride_ak + r[None, :], mask=(k[:, None] < k_hi) & (r[None, :] < R),
+                 other=0.0).to(tl.float32)
+    return tl.sum(xv[:, None] * av, axis=0)
 
 
 @triton.jit
@@ -50,15 +63,17 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_
     slot = tl.load(slots_ptr + t).to(tl.int64)
     # Slot -1 reads and adds nothing: its slice is taken as empty (a scalar bool in a mask is not portable).
     k_lo = s * K_SPLIT
-    k_hi = tl.where(slot >= 0, tl.minimum(k_lo + K_SPLIT, K), k_lo)
+    k_end = tl.minimum(k_lo + K_SPLIT, K)
+    k_hi = tl.where(slot >= 0, k_end, k_lo)
     a_base = a_ptr + tl.maximum(slot, 0) * stride_as
+    x_row = x_ptr + t * stride_xt
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k = k_lo + k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * stride_xt + k, mask=k < k_hi, other=0.0).to(tl.float32)
-        av = tl.load(a_base + k[:, None] * stride_ak + r[None, :],
-                     mask=(k[:, None] < k_hi) & (r[None, :] < R), other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None] * av, axis=0)
+    if K_SPLIT // BLOCK_K <= UNROLL_K_TILES:  # a slice of a few tiles: every tile's loads in flight at once
+        for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
+            acc += _lora_shrink_tile(x_row, a_base, k_lo + k0 + tl.arange(0, BLOCK_K), k_end, k_hi, r, R, stride_ak)
+    else:
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            acc += _lora_shrink_tile(x_row, a_base, k_lo + k0 + tl.arange(0, BLOCK_K), k_end, k_hi, r, R, stride_ak)
     tl.store(p_ptr + s * stride_ps + t * stride_pt + r, acc, mask=r < R)
 
 
@@ -82,7 +97,7 @@ def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, P, END0, END1, stride
     for r0 in tl.static_range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         rows = u_ptr + p[:, None] * stride_us + t * stride_ut + r[None, :]
-        live = (p[:, None] < P) & (r[None, :] < r_live)
+        live = (p[:, None] < P) & (r[None, :] < R)  # slot -1's partials are the shrink's zeros
         bv = tl.load(b_base + r[:, None] * stride_br + n[None, :], mask=(r[:, None] < r_live) & (n[None, :] < N),
                      other=0.0).to(tl.float32)
         u0 = tl.load(rows, mask=live, other=0.0)
@@ -97,9 +112,8 @@ def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, P, END0, END1, stride
             own = tl.where(n[None, :] >= END1, tl.sum(u2, axis=0)[:, None], own)
         acc += tl.sum(own * bv, axis=0)
     out = y_ptr + t * stride_yt + n
-    keep = n < tl.where(slot >= 0, N, 0)
-    y = tl.load(out, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=keep)
+    y = tl.load(out, mask=n < N, other=0.0).to(tl.float32)  # not waiting on the slot: only the store does
+    tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=n < tl.where(slot >= 0, N, 0))
 
 
 def _check(fn: str, rows: torch.Tensor, stack: torch.Tensor, slots: torch.Tensor, inner: int) -> None:

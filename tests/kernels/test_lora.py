@@ -61,6 +61,21 @@ def test_split_shrink_partials_feed_the_expand_and_ignore_the_batch():
     assert torch.equal(alone[0], y[3])
 
 
+@pytest.mark.parametrize("k_per_split", [128, 1024])
+def test_the_unrolled_and_the_looped_shrink_agree(k_per_split):
+    """A slice of up to UNROLL_K_TILES tiles is unrolled, a longer one loops (128: one tile a
+    slice; 1024: eight): both equal the reference, slot -1 rows zero, and the partials sum to it."""
+    g = torch.Generator().manual_seed(2)
+    k, r, t = 1100, 16, 6  # 1100: the last slice partial in both splits
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    a = torch.randn(3, k, r, generator=g).to(DEVICE)
+    slots = torch.tensor([2, -1, 0, 1, -1, 2], device=DEVICE)
+    parts = lora_shrink_partials(x, a, slots, k_per_split=k_per_split)
+    assert parts.shape == (-(-k // k_per_split), t, r)
+    torch.testing.assert_close(parts.sum(0), lora_shrink_ref(x, a, slots), rtol=1e-4, atol=1e-3)
+    assert torch.all(parts[:, slots < 0] == 0)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="real sizes need a CUDA GPU (tier 4)")
 def test_llama_8b_sizes_on_the_gpu():
     """Llama-3.1-8B's qkv_proj: three parts of rank 16 (one shrink, one expand), four slots, bf16, a decode batch."""
