@@ -222,16 +222,20 @@ def kernel(args) -> int:
     from pdserve.kernels.reference import FP8_KV_DTYPE
 
     bw = _bandwidth()
+    old = _old_decode(args.old) if args.old else None
+    if args.sweep:
+        return _sweep(args, bw)
     lines = [f"kernels/mla_decode.py vs reference.mla_decode_ref, {HEADS} heads, latent {LATENT} + rope {ROPE}, "
              f"bf16 queries, block size {BLOCK}, {_card()}, copy bandwidth {bw / 1e9:.0f} GB/s "
-             f"(read + write of a 2 GiB copy). GB/s: latent bytes read / kernel time.", "",
-             "| cache | context | batch | kernel us | GB/s | % of copy | reference us | speed-up | max rel. error "
-             "| expanded K/V (SDPA) us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"(read + write of a 2 GiB copy). GB/s: latent bytes read / kernel time"
+             + (f"; old: {os.path.basename(args.old)}, timed in the same run" if old else "") + ".", "",
+             "| cache | context | batch | kernel us | GB/s | % of copy | old us | reference us | speed-up "
+             "| max rel. error | expanded K/V (SDPA) us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for dtype in (torch.bfloat16, FP8_KV_DTYPE):
         for ctx in args.contexts:
             for b in args.batches:
-                row = _kernel_row(dtype, ctx, b, bw)  # its cache freed before the expanded baseline's K/V
+                row = _kernel_row(dtype, ctx, b, bw, old)  # its cache freed before the expanded baseline's K/V
                 fits = dtype == torch.bfloat16 and b * ctx <= EXPANDED_MAX_TOKENS
                 lines.append(f"{row} {_expanded_us(b, ctx):.0f} |" if fits else f"{row} - |")
                 print(lines[-1], flush=True)
@@ -241,9 +245,18 @@ def kernel(args) -> int:
     return 0
 
 
-def _kernel_row(dtype: torch.dtype, ctx: int, b: int, bw: float) -> str:
-    from pdserve.kernels.mla_decode import mla_decode
-    from pdserve.kernels.reference import FP8_KV_DTYPE, mla_decode_ref
+def _old_decode(path: str):
+    """mla_decode from another copy of kernels/mla_decode.py (the same-run baseline)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mla_decode_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.mla_decode
+
+
+def _mla_inputs(dtype: torch.dtype, ctx: int, b: int):
+    from pdserve.kernels.reference import FP8_KV_DTYPE
 
     torch.manual_seed(0)
     nblk = b * -(-ctx // BLOCK)
@@ -252,23 +265,75 @@ def _kernel_row(dtype: torch.dtype, ctx: int, b: int, bw: float) -> str:
     lens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.randn(b, HEADS, LATENT, device=DEVICE, dtype=torch.bfloat16) * 0.05
     q_pe = torch.randn(b, HEADS, ROPE, device=DEVICE, dtype=torch.bfloat16) * 0.05
-    scale = 192**-0.5
     kv_scale = torch.ones(1, device=DEVICE) if dtype == FP8_KV_DTYPE else None
+    return (q, q_pe, cache, tables, lens, 192**-0.5), {"kv_scale": kv_scale}
 
-    def fast():
-        return mla_decode(q, q_pe, cache, tables, lens, scale, kv_scale=kv_scale)
 
-    def ref():
-        return mla_decode_ref(q, q_pe, cache, tables, lens, scale, kv_scale=kv_scale)
+def _latent_gbs(dtype: torch.dtype, ctx: int, b: int, us: float) -> float:
+    return b * ctx * (LATENT + ROPE) * torch.empty(0, dtype=dtype).element_size() / (us * 1e-6) / 1e9
 
-    want = ref().float()
-    err = ((fast().float() - want).abs().max() / want.abs().max()).item()
-    us = _bench_us(fast, 100)
-    ref_us = _bench_us(ref, 20)
-    gbs = b * ctx * (LATENT + ROPE) * cache.element_size() / (us * 1e-6) / 1e9
+
+def _kernel_row(dtype: torch.dtype, ctx: int, b: int, bw: float, old=None) -> str:
+    from pdserve.kernels.mla_decode import mla_decode
+    from pdserve.kernels.reference import mla_decode_ref
+
+    args, kw = _mla_inputs(dtype, ctx, b)
+    want = mla_decode_ref(*args, **kw).float()
+    err = ((mla_decode(*args, **kw).float() - want).abs().max() / want.abs().max()).item()
+    us = _bench_us(lambda: mla_decode(*args, **kw), 100)
+    old_us = f"{_bench_us(lambda: old(*args, **kw), 100):.1f}" if old else "-"
+    ref_us = _bench_us(lambda: mla_decode_ref(*args, **kw), 20)
+    gbs = _latent_gbs(dtype, ctx, b, us)
     name = "bf16" if dtype == torch.bfloat16 else "fp8"
-    return (f"| {name} | {ctx} | {b} | {us:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {ref_us:.0f} | "
+    return (f"| {name} | {ctx} | {b} | {us:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / bw:.0f}% | {old_us} | {ref_us:.0f} | "
             f"{ref_us / us:.1f}x | {err:.1e} |")
+
+
+# The sweep's shapes (cache, context, batch) and tiles: what picks mla_decode_config's default.
+SWEEP_SHAPES = [("bf16", 1024, 1), ("bf16", 32768, 1), ("bf16", 8192, 8), ("bf16", 8192, 64), ("fp8", 8192, 8),
+                ("fp8", 1024, 1)]
+SWEEP_TILES = [(h, n, w, st) for h in (32, 64) for n in (16, 32, 64) for w, st in ((4, 2), (8, 1), (8, 2), (8, 3))]
+
+
+def _sweep(args, bw: float) -> int:
+    """Every SWEEP_TILES tile at SWEEP_SHAPES: us (and % of copy bandwidth) per tile, the best per shape."""
+    from pdserve.kernels.mla_decode import MlaDecodeConfig, mla_decode
+    from pdserve.kernels.reference import FP8_KV_DTYPE, mla_decode_ref
+
+    dtypes = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE}
+    lines = [f"kernels/mla_decode.py tiles (heads, tokens, warps, stages), {HEADS} heads, block size {BLOCK}, "
+             f"{_card()}, copy bandwidth {bw / 1e9:.0f} GB/s: us (% of copy); '-': failed or wrong.", "",
+             "| tile | " + " | ".join(f"{c} {ctx} b{b}" for c, ctx, b in SWEEP_SHAPES) + " |",
+             "|---|" + "---:|" * len(SWEEP_SHAPES)]
+    best: dict[int, tuple[float, tuple]] = {}
+    inputs = {}
+    for tile in SWEEP_TILES:
+        cells = []
+        for i, (c, ctx, b) in enumerate(SWEEP_SHAPES):
+            if i not in inputs:
+                a, kw = _mla_inputs(dtypes[c], ctx, b)
+                inputs[i] = (a, kw, mla_decode_ref(*a, **kw).float())
+            a, kw, want = inputs[i]
+            cfg = MlaDecodeConfig(*tile)
+            try:
+                got = mla_decode(*a, **kw, config=cfg).float()
+                if ((got - want).abs().max() / want.abs().max()).item() > 2e-2:
+                    raise ValueError("wrong")
+                us = _bench_us(lambda: mla_decode(*a, **kw, config=cfg), 30)
+            except Exception as e:  # a tile past the shared memory, or a wrong answer: reported, not fatal
+                print(f"tile {tile} at {c} {ctx} b{b}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                cells.append("-")
+                continue
+            cells.append(f"{us:.1f} ({100 * _latent_gbs(dtypes[c], ctx, b, us) * 1e9 / bw:.0f}%)")
+            if i not in best or us < best[i][0]:
+                best[i] = (us, tile)
+        lines.append(f"| {tile} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    lines += [f"- best at {c} {ctx} b{b}: {best[i][1]} {best[i][0]:.1f} us" for i, (c, ctx, b) in
+              enumerate(SWEEP_SHAPES) if i in best]
+    _write(args.out, lines)
+    return 0
 
 
 def _expanded_us(b: int, ctx: int) -> float:
@@ -312,6 +377,8 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernel")
     k.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     k.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    k.add_argument("--old", metavar="PATH", help="another copy of kernels/mla_decode.py, timed beside (a baseline)")
+    k.add_argument("--sweep", action="store_true", help="time SWEEP_TILES at SWEEP_SHAPES instead of the table")
     k.add_argument("--out")
     args = ap.parse_args(argv)
     if args.cmd in ("engine", "kernel") and DEVICE == "cuda" and not torch.cuda.is_available():

@@ -15,10 +15,12 @@ and value, its one scale multiplies the scores and the output, not every element
 Split-K as paged_decode_attention: the grid is (sequence, head block, split); a split covers
 1/S of that sequence's tiles (boundaries from its context length, read on the device: no host
 sync, the grid depends on shapes only); the partial outputs and their log-sum-exps (log2 units)
-are merged by a few torch ops. The value up-projection is the caller's (a GEMM over [B, H, R]).
+are merged by a second small kernel. The value up-projection is the caller's (a GEMM over [B, H, R]).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,8 +37,27 @@ from pdserve.kernels.launch import (
     num_sms,
 )
 
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 _LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    """The decode kernel's tile: heads per program (the dots' M: every head block re-reads the
+    latent rows, so wider blocks read the cache fewer times), cached tokens per step (the dots'
+    N), and the launch's warps and pipeline stages."""
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def mla_decode_config(heads: int) -> MlaDecodeConfig:
+    """The default tile for `heads` query heads: DeepSeek-V3's 128 take two blocks of 64 (the cache
+    read twice, not eight times as with blocks of 16); fewer heads one block (>= 16: a dot's M)."""
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    return MlaDecodeConfig(block_h=block_h, num_warps=8 if block_h >= 64 else 4)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
@@ -46,8 +67,12 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_pt
                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                        R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    b, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                       FINAL: tl.constexpr):
+    # Grid (head blocks, sequences, splits): a sequence's head blocks are neighbours in launch
+    # order, so the second one's latent rows come from L2. FINAL (one split): the output is
+    # written in its own dtype, no log-sum-exp, no merge.
+    hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     r, p = tl.arange(0, R_PAD), tl.arange(0, P_PAD)
@@ -90,20 +115,38 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_pt
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if KV_FP8:
         out = out * tl.load(kv_scale_ptr)
-    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + r[None, :], out,
-             mask=hmask[:, None] & (r[None, :] < R))
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+    o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + r[None, :]
+    tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (r[None, :] < R))
+    if not FINAL:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + s, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_merge_kernel(parts_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
+                      stride_lh, stride_ob, stride_oh, R: tl.constexpr, S_PAD: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    # Grid (sequences, heads, cdiv(R, BLOCK_R)): the splits' partial outputs weighted by their
+    # share of the softmax (2^(lse - max); an empty split's lse is -inf: weight 0), in one pass.
+    b, h = tl.program_id(0), tl.program_id(1)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.arange(0, S_PAD)
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # a context holds >= 1 token: some split is not empty
+    parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + r[None, :],
+                    mask=(s[:, None] < num_splits) & (r[None, :] < R), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < R)
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-               block_h: int = 16, block_n: int = 16, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+               kv_scale: torch.Tensor | None = None, config: MlaDecodeConfig | None = None) -> torch.Tensor:
     """reference.mla_decode_ref's function: q_latent [B, H, R], q_pe [B, H, P], cache
     [num_blocks, block_size, 1, R + P] (a strided per-layer view) of q's dtype or fp8 (then
     `kv_scale`: [1] fp32, None = 1.0), block_tables [B, max_blocks], context_lens [B] (>= 1 each)
     -> [B, H, R] in q_latent's dtype. `num_splits`: splits of each context (default: enough
-    programs to fill the device, from shapes only)."""
+    programs to fill the device, from shapes only). `config`: the tile (mla_decode_config's)."""
     fn = "mla_decode"
     b, h, r = q_latent.shape
     p = q_pe.shape[-1]
@@ -117,19 +160,26 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
         raise ValueError(f"{fn}: q_latent, q_pe and cache need a contiguous last dimension")
     kv_scale, _, fp8 = kv_scales(fn, cache, kv_scale, None)
-    head_blocks = triton.cdiv(h, block_h)
+    config = config or mla_decode_config(h)
+    head_blocks = triton.cdiv(h, config.block_h)
     if num_splits is None:
         num_splits = max(1, min(MAX_SPLITS, triton.cdiv(num_sms(q_latent.device), b * head_blocks)))
-    parts = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_latent.device)
-    lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
-    _mla_decode_kernel[(b, head_blocks, num_splits)](
+    out = torch.empty(b, h, r, dtype=q_latent.dtype, device=q_latent.device)
+    final = num_splits == 1
+    parts = out.unsqueeze(2) if final else torch.empty(b, h, num_splits, r, dtype=torch.float32, device=out.device)
+    lse = parts if final else torch.empty(b, h, num_splits, dtype=torch.float32, device=out.device)
+    _mla_decode_kernel[(head_blocks, b, num_splits)](
         q_latent, q_pe, cache, block_tables, context_lens, parts, lse, kv_scale, h, scale, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0), parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         R=r, P=p, R_PAD=max(16, triton.next_power_of_2(r)), P_PAD=max(16, triton.next_power_of_2(p)),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=cache.shape[1], DOT_F32=dot_in_f32(q_latent.dtype),
-        PRECISION=dot_precision(q_latent.dtype), KV_FP8=fp8)
-    if num_splits == 1:
-        return parts[:, :, 0].to(q_latent.dtype)
-    weights = torch.exp2(lse - lse.amax(dim=-1, keepdim=True))  # an empty split: lse -inf, weight 0
-    return ((parts * weights[..., None]).sum(dim=2) / weights.sum(dim=-1)[..., None]).to(q_latent.dtype)
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_SIZE=cache.shape[1],
+        DOT_F32=dot_in_f32(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype), KV_FP8=fp8, FINAL=final,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if not final:
+        block_r = min(128, triton.next_power_of_2(r))
+        _mla_merge_kernel[(b, h, triton.cdiv(r, block_r))](
+            parts, lse, out, num_splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+            lse.stride(1), out.stride(0), out.stride(1), R=r, S_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_R=block_r)
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,12 +34,29 @@ def test_kernel_table(on_cpu, monkeypatch, tmp_path):
     monkeypatch.setattr(deepseek, "ROPE", 16)
     monkeypatch.setattr(deepseek, "BLOCK", 4)
     out = tmp_path / "kernel.md"
-    assert deepseek.kernel(argparse.Namespace(contexts=[9], batches=[1, 2], out=str(out))) == 0
+    old = str(Path(__file__).parents[2] / "tools" / "gpu" / "baselines" / "mla_decode_600a0db.py")
+    assert deepseek.kernel(argparse.Namespace(contexts=[9], batches=[1, 2], out=str(out), old=old,
+                                              sweep=False)) == 0
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| bf16") or
             line.startswith("| fp8")]
     assert len(rows) == 4
+    assert all(r[7].strip() == "1.0" for r in rows)  # the baseline copy ran beside (1 us: the stand-in)
     assert all(float(r[-3]) < 2e-2 for r in rows)  # the kernel's max relative error vs the reference
     assert [r[-2].strip() != "-" for r in rows] == [True, True, False, False]  # the expanded baseline: bf16
+
+
+def test_kernel_sweep(on_cpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(deepseek, "HEADS", 20)
+    monkeypatch.setattr(deepseek, "LATENT", 32)
+    monkeypatch.setattr(deepseek, "ROPE", 16)
+    monkeypatch.setattr(deepseek, "BLOCK", 4)
+    monkeypatch.setattr(deepseek, "SWEEP_SHAPES", [("bf16", 9, 2), ("fp8", 5, 1)])
+    monkeypatch.setattr(deepseek, "SWEEP_TILES", [(16, 16, 4, 2), (32, 16, 8, 1)])
+    out = tmp_path / "sweep.md"
+    assert deepseek.kernel(argparse.Namespace(contexts=[], batches=[], out=str(out), old=None, sweep=True)) == 0
+    text = out.read_text()
+    assert text.count("| (") == 2 and "- best at bf16 9 b2:" in text and "- best at fp8 5 b1:" in text
+    assert "| - |" not in text  # every tile ran and matched the reference
 
 
 def test_checkpoint_engine_and_report(on_cpu, monkeypatch, tmp_path):

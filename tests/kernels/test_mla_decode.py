@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.mla_cache_write import mla_cache_write
-from pdserve.kernels.mla_decode import mla_decode
+from pdserve.kernels.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_config
 from pdserve.kernels.reference import FP8_KV_DTYPE, mla_cache_write_ref, mla_decode_ref
 from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, rel_error
 
@@ -94,3 +94,28 @@ def test_cache_write_refuses_a_scale_for_an_unquantized_cache():
     with pytest.raises(ValueError, match="mla_cache_write: k_scale/v_scale are for an fp8 KV cache"):
         mla_cache_write(torch.zeros(1, 8, device=DEVICE), torch.zeros(2, 4, 1, 8, device=DEVICE),
                         torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.ones(1, device=DEVICE))
+
+
+# Every tile shape the sweep tries (bench/deepseek.py SWEEP_TILES' heads and tokens), one split
+# (written in the output's dtype, no merge) and many (the merge kernel; some splits empty), with
+# heads past the last head block.
+@pytest.mark.parametrize("block_h,block_n", [(16, 16), (32, 32), (64, 64)])
+@pytest.mark.parametrize("splits", [1, 6, None])
+def test_every_tile_matches_reference(block_h, block_n, splits):
+    torch.manual_seed(3)
+    h, r, p, bs, ctx = 40, 32, 16, 4, [70, 3]
+    num_blocks = sum(-(-c // bs) for c in ctx) + 1
+    cache = _latent_cache(num_blocks, bs, r + p, torch.float32)
+    block_tables = block_tables_for(ctx, bs, num_blocks)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(ctx), h, r, device=DEVICE) * 0.1
+    q_pe = torch.randn(len(ctx), h, p, device=DEVICE) * 0.1
+    out = mla_decode(q, q_pe, cache, block_tables, context_lens, 0.2, num_splits=splits,
+                     config=MlaDecodeConfig(block_h=block_h, block_n=block_n))
+    ref = mla_decode_ref(q, q_pe, cache, block_tables, context_lens, 0.2)
+    assert rel_error(out, ref) < TOL[torch.float32]
+
+
+def test_the_default_tile_takes_deepseek_heads_in_two_blocks():
+    assert mla_decode_config(128).block_h == 64 and mla_decode_config(16).block_h == 16
+    assert mla_decode_config(20).block_h == 32

@@ -17,16 +17,20 @@
 #     $CONTEXT-token prompt (default 1024) with decode CUDA graphs (+ its bs=1 kernels under the
 #     profiler: profile.md), then eager (--enforce-eager: the same-run baseline), vs the
 #     active-parameter roofline (engine.md is rewritten after each row)                       150 each
+#   sweep (not in the default PARTS): the MLA decode kernel's tiles (bench/deepseek.py SWEEP_TILES) at a
+#     few shapes, the best per shape (what picks kernels/mla_decode.py's default tile)            240
 #   kernel: the MLA decode kernel vs the torch reference at 1k/8k/32k context, batch 1/8/64, bf16
 #     and fp8 latent caches: us, latent GB/s vs the same run's copy bandwidth                       120
+#     and beside it $OLD_MLA (default: tools/gpu/baselines/mla_decode_600a0db.py), the same-run baseline
 #   fp8: the engine row with CUDA graphs and an fp8 latent cache                                    150
-# Files in $OUT: env.txt, tests.txt, kernel.md, engine.md (+ engine_rows.jsonl), profile.md, log.txt.
+# Files in $OUT: env.txt, tests.txt, sweep.md, kernel.md, engine.md (+ engine_rows.jsonl), profile.md, log.txt.
 set -u
 LAYERS=${LAYERS:-4}
 DENSE=${DENSE:-1}
 CONTEXT=${CONTEXT:-1024}
 BUDGET=${BUDGET:-570}
 PARTS=${PARTS:-tests graphs eager kernel fp8}
+OLD_MLA=${OLD_MLA:-$PWD/tools/gpu/baselines/mla_decode_600a0db.py}
 source tools/gpu/lib.sh
 gpu_begin gpu_deepseek engine triton transformers zmq pdserve.worker.engine.llm_engine pdserve.bench.deepseek || exit 1
 
@@ -54,21 +58,24 @@ main() {
   CKPT=/tmp/deepseek-v3-l$LAYERS
   $PY -m pdserve.bench.deepseek checkpoint --checkpoint $CKPT --layers $LAYERS --dense-layers $DENSE
   ROWS="$OUT/engine_rows.jsonl"
-  for part in graphs eager kernel fp8; do
+  for part in sweep graphs eager kernel fp8; do
     wanted $part || continue
     case $part in
       graphs) args="--profile $OUT/profile.md" ;;
       eager) args="--eager" ;;
       fp8) args="--kv-cache-dtype fp8" ;;
       kernel)
-        limited "kernel" 120 $PY -m pdserve.bench.deepseek kernel --out "$OUT/kernel.md"
+        limited "kernel" 120 $PY -m pdserve.bench.deepseek kernel --old "$OLD_MLA" --out "$OUT/kernel.md"
+        continue ;;
+      sweep)
+        limited "kernel tiles" 240 $PY -m pdserve.bench.deepseek kernel --sweep --out "$OUT/sweep.md"
         continue ;;
     esac
     limited "engine $part" 150 $PY -m pdserve.bench.deepseek engine --checkpoint $CKPT --context $CONTEXT \
       --rows "$ROWS" $args 2>&1 | grep -v " INFO "
     $PY -m pdserve.bench.deepseek report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
   done
-  cat "$OUT/kernel.md" "$OUT/engine.md" "$OUT/profile.md" 2>/dev/null
+  cat "$OUT/sweep.md" "$OUT/kernel.md" "$OUT/engine.md" "$OUT/profile.md" 2>/dev/null
   uptime
 }
 main > "$OUT/log.txt" 2>&1
