@@ -48,7 +48,7 @@ class MlaDecodeConfig:
     N), and the launch's warps and pipeline stages."""
 
     block_h: int = 64
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
 
