@@ -33,11 +33,13 @@ import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 
-# K columns one shrink program reads: Llama-8B's 4096 makes 16 programs per token, 14336 makes 56
-# (a few microseconds each), and the expand's sum of P partials stays one small tile. The split
-# depends on K alone, never on T: batch invariance. PDSERVE_LORA_K_PER_SPLIT overrides it for a
-# whole engine (a measurement; `pdserve bench lora --kernels` sweeps it without one).
-K_PER_SPLIT = int(os.environ.get("PDSERVE_LORA_K_PER_SPLIT", "256"))
+# K columns one shrink program reads: Llama-8B's 4096 makes 8 programs per token, 14336 makes 28
+# (each four unrolled 128-column tiles: a few microseconds), and the expand's sum of P partials
+# stays one small tile. The split depends on K alone, never on T: batch invariance.
+# PDSERVE_LORA_K_PER_SPLIT overrides it for a whole engine (a measurement; `pdserve bench lora
+# --kernels` sweeps it without one). 512 over 256: H200, Llama-8B shapes, batch 8 with 4 adapters
+# 1.25x the base step vs 1.25x-1.26x, batch 64 1.97x vs 2.00x, batch 1 1.16x vs 1.13x (docs/lora.md).
+K_PER_SPLIT = int(os.environ.get("PDSERVE_LORA_K_PER_SPLIT", "512"))
 # A shrink slice of at most this many BLOCK_K tiles is unrolled (the default's 2): the tiles' loads
 # are independent, and a decode-sized shrink is a few memory round trips long, not bandwidth-bound.
 UNROLL_K_TILES = tl.constexpr(4)
