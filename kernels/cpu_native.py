@@ -1,4 +1,5 @@
-"""The CPU engine's native decode attention (cpu_decode_attention.c): built on first use, called through ctypes.
+"""The CPU engine's native kernels, built on first use, called through ctypes: decode attention
+(cpu_decode_attention.c) and the element-wise stages (cpu_pointwise.c, used by cpu_pointwise.py).
 
 Decode attention over a bf16 cache is what a CPU step spends most on at batch 8-32 when it runs
 as torch ops: each layer gathers every sequence's K/V blocks, widens them to fp32 and runs two
@@ -9,7 +10,8 @@ It is plain C without torch headers, so a C compiler (`cc`, or $CC) builds it in
 the shared object is kept in the cache directory (~/.cache/pdserve/kernels, or $PDSERVE_CACHE),
 named by the source, the flags and this CPU's feature flags (-march=native), so a later start only
 loads it. Without a compiler, or when the build fails, `library()` is None (logged once) and the
-torch ops path runs. `PDSERVE_CPU_NATIVE_ATTENTION=0` turns it off (A/B runs).
+torch ops path runs. `PDSERVE_CPU_NATIVE_ATTENTION=0` turns the attention off,
+`PDSERVE_CPU_NATIVE_POINTWISE=0` the element-wise stages (A/B runs).
 
 ctypes releases the GIL during the call: a batch split over threads runs in parallel.
 """
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 ENV = "PDSERVE_CPU_NATIVE_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+POINTWISE_ENV = "PDSERVE_CPU_NATIVE_POINTWISE"
+POINTWISE_SOURCE = Path(__file__).with_name("cpu_pointwise.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -47,13 +51,13 @@ def _cache_root() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, source: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built beside its final name and renamed: concurrent starts never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -61,29 +65,54 @@ def _build(compiler: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built first if this machine has none cached; None where it cannot be."""
-    if os.environ.get(ENV, "1") == "0":
+def _load(source: Path, symbol: str, env: str, what: str) -> ctypes.CDLL | None:
+    """`source` built (once per machine: cached by source, flags and CPU) and loaded; None where
+    `env` is 0, there is no compiler, or the build or load fails (logged once per source)."""
+    if os.environ.get(env, "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler (cc): CPU decode attention runs as torch ops")
+        log.info("no C compiler (cc): the CPU %s runs as torch ops", what)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    path = _cache_root() / f"cpu_decode_attention-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    path = _cache_root() / f"{source.stem}-{key}.so"
     try:
         if not path.is_file():
-            _build(compiler, path)
-            log.info("built the CPU decode attention kernel: %s", path)
+            _build(compiler, source, path)
+            log.info("built the CPU %s kernel: %s", what, path)
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_decode_bf16
+        getattr(lib, symbol)
     except (OSError, AttributeError, subprocess.SubprocessError) as e:  # AttributeError: a .so without the symbol
         detail = getattr(e, "stderr", "") or e
-        log.warning("CPU decode attention kernel not loaded (%s): torch ops run instead", str(detail).strip()[:500])
+        log.warning("CPU %s kernel not loaded (%s): torch ops run instead", what, str(detail).strip()[:500])
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ptr, ptr]
-    fn.restype = None
+    return lib
+
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The decode attention kernel, built first if this machine has none cached; None where it cannot be."""
+    lib = _load(SOURCE, "paged_decode_bf16", ENV, "decode attention")
+    if lib is not None:
+        lib.paged_decode_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
+                                          _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
+        lib.paged_decode_bf16.restype = None
+    return lib
+
+
+@functools.cache
+def pointwise() -> ctypes.CDLL | None:
+    """The element-wise stages (cpu_pointwise.c: RMSNorm, rotary, SiLU-and-mul on bf16 rows);
+    None where they cannot be built (PDSERVE_CPU_NATIVE_POINTWISE=0: off)."""
+    lib = _load(POINTWISE_SOURCE, "rms_norm_bf16", POINTWISE_ENV, "element-wise")
+    if lib is not None:
+        lib.rms_norm_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i64, _ptr,
+                                      _i64, _ptr]
+        lib.rotary_bf16.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+        lib.silu_and_mul_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
+        for fn in (lib.rms_norm_bf16, lib.rotary_bf16, lib.silu_and_mul_bf16):
+            fn.restype = None
     return lib

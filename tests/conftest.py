@@ -37,8 +37,8 @@ _import_installed("kernels")
 
 import pytest  # noqa: E402
 
-from tests.checkpoints import write_checkpoint
-from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
+from tests.checkpoints import write_checkpoint  # noqa: E402
+from tests.xdist_scopes import (  # noqa: E402, F401  (xdist hooks, registered from this conftest)
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
 

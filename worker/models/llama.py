@@ -105,10 +105,22 @@ def gemv_rows_ok(x: torch.Tensor, prologue: str, weight: torch.Tensor, *others: 
             and all(t.dtype == x.dtype for t in (weight, *others)))
 
 
+@functools.cache
+def cpu_ops() -> PointwiseOps:
+    # The CPU backend's: bf16 rows through the native kernels (the references' values; any other
+    # dtype runs the references themselves), the FP8 stages as the references.
+    from pdserve.kernels.cpu_pointwise import rms_norm_cpu, rotary_cpu, silu_and_mul_cpu
+
+    return PointwiseOps(rms_norm_cpu, rotary_cpu, silu_and_mul_cpu, rms_norm_fp8_ref, silu_and_mul_fp8_ref)
+
+
 def pointwise_ops(backend: AttentionBackend) -> PointwiseOps:
     # They follow the attention backend: Triton on CUDA (and under the interpreter in the twin
-    # test), the references on CPU, so one engine never mixes the two numerics.
-    return triton_ops() if backend.name == "triton" else TORCH_OPS
+    # test), the native CPU stages with the CPU backend, the references with the torch backend,
+    # so one engine never mixes numerics.
+    if backend.name == "triton":
+        return triton_ops()
+    return cpu_ops() if backend.name == "cpu" else TORCH_OPS
 
 
 class RMSNorm(nn.Module):

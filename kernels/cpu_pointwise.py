@@ -1,0 +1,117 @@
+"""The CPU engine's element-wise stages: the references' functions (rms_norm_ref, rotary_ref,
+silu_and_mul_ref), on bf16 rows through the native kernels (cpu_pointwise.c), each one call
+instead of 5-15 torch operators; anything else (fp32, fp16, a weight of another dtype, rows not
+contiguous in their last dimension, no compiler) runs the reference itself.
+
+Each native call is single-threaded: at decode sizes (a few rows of 576-1536 values) a parallel
+region costs more than the work; a prompt's rows are split over torch's intra-op threads, as the
+native decode attention splits its batch (ctypes releases the GIL).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from pdserve.kernels import cpu_native
+from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
+
+# Rows a thread takes before a call is split over threads (a prompt, not a decode batch).
+ROWS_PER_THREAD = 64
+MAX_HEAD_DIM = 1024  # rotary_bf16's stack arrays
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+_scratch = threading.local()
+
+
+def _rows_split(rows: int, run) -> None:
+    """run(lo, hi) over [0, rows): one call, or a share per intra-op thread for many rows."""
+    global _pool, _pool_size
+    parts = min(torch.get_num_threads(), rows // ROWS_PER_THREAD)
+    if parts <= 1:
+        run(0, rows)
+        return
+    with _pool_lock:
+        if _pool_size < parts:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-pointwise"), parts
+        pool = _pool
+    step = -(-rows // parts)
+    for f in [pool.submit(run, lo, min(rows, lo + step)) for lo in range(0, rows, step)]:
+        f.result()
+
+
+def _bf16_rows(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in ts)
+
+
+def _h_scratch(n: int) -> torch.Tensor:
+    buf = getattr(_scratch, "h", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.h = torch.empty(n, dtype=torch.float32)
+    return buf
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """= rms_norm_ref: (normed, x + residual or None)."""
+    lib = cpu_native.pointwise()
+    if (lib is None or x.dim() != 2 or not _bf16_rows(x, weight) or not weight.is_contiguous()
+            or (residual is not None and (not _bf16_rows(residual) or residual.shape != x.shape))):
+        return rms_norm_ref(x, weight, eps, residual)
+    T, H = x.shape
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    res_out = torch.empty(T, H, dtype=torch.bfloat16) if residual is not None else None
+
+    def run(lo: int, hi: int) -> None:
+        res_args = (residual[lo].data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        res_out_ptr = res_out[lo].data_ptr() if res_out is not None else None
+        lib.rms_norm_bf16(x[lo].data_ptr(), x.stride(0), *res_args, weight.data_ptr(), hi - lo, H, eps,
+                          out[lo].data_ptr(), H, res_out_ptr, H, _h_scratch(H).data_ptr())
+
+    if T:
+        _rows_split(T, run)
+    return out, res_out
+
+
+def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """= rotary_ref: (rotated q, rotated k), new tensors."""
+    lib = cpu_native.pointwise()
+    D = q.shape[-1]
+    if (lib is None or q.dim() != 3 or k.dim() != 3 or not _bf16_rows(q, k) or D % 2 or D > MAX_HEAD_DIM
+            or k.shape[-1] != D or cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != D
+            or cos_sin_cache.stride(-1) != 1):
+        return rotary_ref(positions, q, k, cos_sin_cache)
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+        else positions.to(torch.int64).contiguous()
+    qo, ko = torch.empty(q.shape, dtype=torch.bfloat16), torch.empty(k.shape, dtype=torch.bfloat16)
+
+    def run(lo: int, hi: int) -> None:
+        for src, dst in ((q, qo), (k, ko)):
+            lib.rotary_bf16(src[lo].data_ptr(), src.stride(0), src.stride(1), hi - lo, src.shape[1], D,
+                            pos[lo].data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+                            dst[lo].data_ptr(), dst.stride(0), dst.stride(1))
+
+    if q.shape[0]:
+        _rows_split(q.shape[0], run)
+    return qo, ko
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """= silu_and_mul_ref: [T, 2I] -> [T, I]."""
+    lib = cpu_native.pointwise()
+    if lib is None or x.dim() != 2 or x.shape[1] % 2 or not _bf16_rows(x):
+        return silu_and_mul_ref(x)
+    T, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(T, inter, dtype=torch.bfloat16)
+
+    def run(lo: int, hi: int) -> None:
+        lib.silu_and_mul_bf16(x[lo].data_ptr(), x.stride(0), hi - lo, inter, out[lo].data_ptr(), inter)
+
+    if T:
+        _rows_split(T, run)
+    return out
