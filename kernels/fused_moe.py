@@ -46,9 +46,15 @@ is input 8w + J, turned into an fp32 with 3 integer operations (_e2m1_word: sign
 magnitude bits moved into fp32's fields, the value times 2^-126, exact, subnormal 0.5 included)
 and 2^(s - 127) by writing s into an fp32 exponent field (s = 0 reads as 0, not 2^-127). Nothing
 is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, and
-- the GEMVs (decode path) accumulate nibble position J's products in place ([rows, groups, 4],
-  x scaled by 2^64 as loaded so that the products stay normal), then scale each 32-input
-  group's sum once by 2^62 and its exponent;
+- the GEMVs (decode path) read activations already in fp32 times 2^64 (so that the products stay
+  normal; `mx_activations` writes x so once per layer, the gate|up pass its intermediate rows,
+  rounded to x's dtype first: no convert and no multiply a value in the K loops), sum nibble
+  position J's products in place ([rows, groups, 4]), scale each step's sums by their group's
+  exponent into [rows, groups, 4] accumulators kept over the whole K loop, and reduce those once
+  after it (times 2^62): per K step of gpt-oss-120b's default tiles the sm_90 SASS is 315-322
+  instructions for gate|up (about 5 a weight; 409-424 before) and 184 for the split down pass
+  (5.8; 262-268), Triton 3.6 and 3.9, counted by tools/sass_loop.py
+  (docs/results/gpt-oss/2026-12-03-cpu-mxfp4-sass.md);
 - the grouped GEMM (sorted path) with bf16 / fp16 activations hands each step's packed bytes and
   exponents to tl.dot_scaled (MX_DOT_SCALED, on in the default tiles: Triton decodes them for the
   tensor cores; 1.2-1.4x the 8 dots below at 64-512 tokens on an H200). Otherwise (fp32, or the knob
@@ -70,8 +76,8 @@ one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially 
 fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
 same bits every run; CUDA-graph safe, buffers sized by shapes). `GU_SPLIT_K` s > 1 does the same
 for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
-nibble-major order). `GU_X_NM` permutes x into nibble-major order first (one small copy) so the
-gate|up GEMV's x loads are 8-byte vectors, as the down pass's are.
+nibble-major order). `GU_X_NM` has mx_activations write x in nibble-major order (the same launch)
+so the gate|up GEMV's x loads are 16-byte vectors, as the down pass's are.
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
 below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
@@ -355,6 +361,15 @@ def _mxfp4_dots(q, x_ptrs, x_mask, X_J: tl.constexpr):
     for j in tl.static_range(1, 8):
         p += _e2m1_word(q, j) * tl.load(x_ptrs + j * X_J, mask=x_mask, other=0.0)
     return p
+
+
+@triton.jit
+def _mxfp4_exponent_groups(gs):
+    # A [rows, groups, 4] word tile's exponent columns as [1, groups, 1], written (4g) // 4: Triton's
+    # axis analysis then sees no contiguity along groups, as in the word tile (4 words apart), so
+    # the exponents' load takes the words' thread layout instead of one that a shared-memory
+    # conversion of the products undoes every step (Triton 3.6 for sm_90: 2 a gate|up step).
+    return (gs * 4 // 4)[None, :, None]
 
 
 @triton.jit
@@ -824,7 +839,7 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         q_ptrs = (w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
                   + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
         s_ptrs = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
-                  + (k_begin // 32 + gs[None, :, None]) * stride_sk)
+                  + (k_begin // 32 + _mxfp4_exponent_groups(gs)) * stride_sk)
         if X_NM:
             x_ptrs = x_row + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
         else:
@@ -924,7 +939,7 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                 q_ptrs = (w2_ptr + e_j * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
                           + (k0 // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
                 s_ptrs = (s_ptr + e_j * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
-                          + (k0 // 32 + gs[None, :, None]) * stride_sk)
+                          + (k0 // 32 + _mxfp4_exponent_groups(gs)) * stride_sk)
                 mask = col_ok[:, None, None] & g_ok[None, :, None]
                 q = tl.load(q_ptrs, mask=mask, other=0)
                 # The intermediate row in nibble-major order, fp32 times 2^64 (the gate|up pass
@@ -1020,7 +1035,7 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
     q_row = w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
     s_row = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
-             + gs[None, :, None] * stride_sk)
+             + _mxfp4_exponent_groups(gs) * stride_sk)
     # The intermediate row in nibble-major order, fp32 times 2^64, as _moe_decode_down_kernel reads it.
     a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
     mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)

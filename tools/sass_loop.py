@@ -40,9 +40,9 @@ CLASSES = {
     "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "MUFU", "F2F", "I2F", "F2I", "HADD2", "HFMA2",
              "HMUL2"),
     "int": ("IMAD", "IADD3", "IADD", "LEA", "SHF", "SHL", "SHR", "LOP3", "LOP", "ISETP", "SEL", "IMNMX", "PRMT",
-            "IABS", "FLO", "POPC", "BREV", "SGXT", "IMUL"),
+            "IABS", "FLO", "POPC", "BREV", "SGXT", "IMUL", "VIADD"),
     "load": ("LDG", "LDS", "LD", "LDC", "LDGSTS", "LDSM", "ULDC"),
-    "store": ("STG", "STS", "ST", "RED", "ATOM", "ATOMG"),
+    "store": ("STG", "STS", "ST", "STSM", "RED", "ATOM", "ATOMG"),
     "move": ("MOV", "MOV32I", "S2R", "S2UR", "CS2R", "R2UR", "PLOP3", "P2R", "R2P", "UMOV", "UIADD3", "UIMAD",
              "ULOP3", "USHF", "ULEA", "UISETP", "USEL", "UPRMT", "UFLO", "UPOPC"),
     "shuffle/sync": ("SHFL", "BAR", "MEMBAR", "DEPBAR", "WARPSYNC", "BSSY", "BSYNC", "VOTE", "NOP"),
@@ -184,8 +184,8 @@ def main() -> None:
             results.setdefault(name, {})[label] = (ops, weights_per_thread(name, constexprs, warps), constexprs,
                                                    warps)
     classes = list(CLASSES) + ["other"]
-    print("gpt-oss-120b decode GEMVs (H = I = 2880, E = 128, top-4, 1 token, default MXFP4 decode config), sm_90 "
-          "SASS, instructions per K-loop step (one thread)\n")
+    print(f"gpt-oss-120b decode GEMVs (H = I = 2880, E = 128, top-4, 1 token, default MXFP4 decode config), sm_90 "
+          f"SASS from Triton {triton.__version__}, instructions per K-loop step (one thread)\n")
     print("| kernel | version | tile | per step | per weight | " + " | ".join(classes) + " |")
     print("|---" * (5 + len(classes)) + "|")
     for name, by_version in results.items():
