@@ -368,7 +368,8 @@ def _mxfp4_exponent_groups(gs):
     # A [rows, groups, 4] word tile's exponent columns as [1, groups, 1], written (4g) // 4: Triton's
     # axis analysis then sees no contiguity along groups, as in the word tile (4 words apart), so
     # the exponents' load takes the words' thread layout instead of one that a shared-memory
-    # conversion of the products undoes every step (Triton 3.6 for sm_90: 2 a gate|up step).
+    # conversion of the products undoes every step (Triton 3.6 for sm_90: 2 a gate|up step, 17
+    # instructions of its 332).
     return (gs * 4 // 4)[None, :, None]
 
 
@@ -384,8 +385,8 @@ def _mxfp4_word_exponents(s_ptrs, mask):
 @triton.jit
 def _mxfp4_scaled(acc, p, f):
     # acc [rows, groups, 4] + a step's products (_mxfp4_dots) times their group's 2^(s - 127) (f
-    # [rows, groups, 1]: _mxfp4_word_exponents): the
-    # accumulator keeps its shape over the K loop, reduced once after it (_mxfp4_total).
+    # [rows, groups, 1]: _mxfp4_word_exponents), one FMA a word: the accumulator keeps its shape
+    # over the K loop and is reduced once after it (_mxfp4_total).
     return acc + p * f
 
 
@@ -1106,6 +1107,13 @@ def _mx_dot_format(cfg: dict, key: str, mxfp4: bool, dtype: torch.dtype) -> str 
     return _DOT_SCALED_FORMATS.get(dtype) if mxfp4 and cfg.get(key, False) else None
 
 
+# mx_activations' columns a program (a row of gpt-oss is 2880: 3 programs a token).
+MX_ACTIVATIONS_BLOCK = 1024
+# The activation dtype the MXFP4 GEMVs' intermediate rows are rounded to before their 2^64 (the
+# values a row of x's dtype holds, as the sorted path's and the reference's intermediate).
+_MX_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: None}
+
+
 def mx_activations(x: torch.Tensor, nibble_major: bool) -> torch.Tensor:
     """x [T, K] (float) -> [T, K] fp32 times 2^64, what the MXFP4 decode GEMVs read (_mx_activations),
     in nibble-major order (_mxfp4_nibble_major) or input order: one small launch per layer."""
@@ -1114,13 +1122,6 @@ def mx_activations(x: torch.Tensor, nibble_major: bool) -> torch.Tensor:
     _mx_activations_kernel[(t, triton.cdiv(k, MX_ACTIVATIONS_BLOCK))](
         x, out, k, x.stride(0), out.stride(0), NIBBLE_MAJOR=nibble_major, BLOCK=MX_ACTIVATIONS_BLOCK, num_warps=4)
     return out
-
-
-# mx_activations' columns a program (a row of gpt-oss is 2880: 3 programs a token).
-MX_ACTIVATIONS_BLOCK = 1024
-# The activation dtype the MXFP4 GEMVs' intermediate rows are rounded to before their 2^64 (the
-# values a row of x's dtype holds, as the sorted path's and the reference's intermediate).
-_MX_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: None}
 
 
 def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
@@ -1166,9 +1167,9 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
 
 def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=None, block=None, w2_bias=None,
                  activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
-    """Decode pass 2: [T, H] in out_dtype (default the intermediate's), the top-k sum inside. MXFP4
-    (the intermediate fp32 times 2^64: out_dtype names the activations') knob DOWN_SPLIT_K: 0 = one program per
-    (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
+    """Decode pass 2: [T, H] in out_dtype (default the intermediate's dtype: MXFP4's is fp32 times
+    2^64, so its callers name the activations'), the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 =
+    one program per (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
     expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
