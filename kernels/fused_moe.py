@@ -51,10 +51,10 @@ is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, an
   rounded to x's dtype first: no convert and no multiply a value in the K loops), sum nibble
   position J's products in place ([rows, groups, 4]), scale each step's sums by their group's
   exponent into [rows, groups, 4] accumulators kept over the whole K loop, and reduce those once
-  after it (times 2^62): per K step of gpt-oss-120b's default tiles the sm_90 SASS is 315-322
-  instructions for gate|up (about 5 a weight; 409-424 before) and 184 for the split down pass
-  (5.8; 262-268), Triton 3.6 and 3.9, counted by tools/sass_loop.py
-  (docs/results/gpt-oss/2026-12-03-cpu-mxfp4-sass.md);
+  after it (times 2^62); whole K steps load unmasked (_mxfp4_step), the partial last one masked.
+  Per K step of gpt-oss-120b's default tiles the sm_90 SASS is 295-300 instructions for gate|up
+  (4.6-4.7 a weight; 409-424 before) and 158 for the split down pass (4.9; 262-268), Triton 3.6
+  and 3.9, counted by tools/sass_loop.py (docs/results/gpt-oss/2026-12-03-cpu-mxfp4-sass.md);
 - the grouped GEMM (sorted path) with bf16 / fp16 activations hands each step's packed bytes and
   exponents to tl.dot_scaled (MX_DOT_SCALED, on in the default tiles: Triton decodes them for the
   tensor cores; 1.2-1.4x the 8 dots below at 64-512 tokens on an H200). Otherwise (fp32, or the knob
@@ -353,14 +353,24 @@ def _mx_activations_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, NIBBLE_MAJOR
 @triton.jit
 def _mxfp4_dots(q, x_ptrs, x_mask, X_J: tl.constexpr):
     # One K step of a [rows, groups, 4] word tile: nibble J of each word times the activations'
-    # inputs 8w + J (x_ptrs + J * X_J: [1, groups, 4] fp32, _mx_activations' 2^64 already in), the
+    # inputs 8w + J (x_ptrs + J * X_J: [1, groups, 4] fp32, _mx_activations' 2^64 already in; x_mask
+    # None: all of them, else [1, groups, 1]), the
     # 8 nibble positions summed in place (an FMA a value). X_J = 1: inputs in their order (a
     # stride of 8 between words); X_J = 4: nibble-major order (_mxfp4_nibble_major: a group's 4
     # words' nibble J side by side, one 16-byte load).
-    p = _e2m1_word(q, 0) * tl.load(x_ptrs, mask=x_mask, other=0.0)
+    p = _e2m1_word(q, 0) * _mx_load(x_ptrs, x_mask)
     for j in tl.static_range(1, 8):
-        p += _e2m1_word(q, j) * tl.load(x_ptrs + j * X_J, mask=x_mask, other=0.0)
+        p += _e2m1_word(q, j) * _mx_load(x_ptrs + j * X_J, x_mask)
     return p
+
+
+@triton.jit
+def _mx_load(ptrs, mask):
+    # Activations of a K step: unmasked for a whole step (mask None), else zero past the end.
+    if mask is None:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -391,6 +401,25 @@ def _mxfp4_scaled(acc, p, f):
 
 
 @triton.jit
+def _mxfp4_step(acc, q_ptrs, s_ptrs, x_ptrs, col_ok, g_ok, X_J: tl.constexpr):
+    # One K step of a [rows, groups, 4] word tile into its accumulator: words, exponents, the 8
+    # nibble positions' FMAs (_mxfp4_dots), scaled by the exponents (_mxfp4_scaled). g_ok None: a
+    # whole step, masked by rows only, the activations unmasked, and the words of rows past the
+    # end left undefined (any int32 decodes to a finite value, and those rows are never stored):
+    # no predicate and no register zeroing a load, 26 of 184 instructions of a down step (sm_90).
+    # g_ok [groups]: the partial last step, groups past K masked to zero.
+    if g_ok is None:
+        mask = col_ok[:, None, None]
+        q = tl.load(q_ptrs, mask=mask)
+        x_mask = None
+    else:
+        mask = col_ok[:, None, None] & g_ok[None, :, None]
+        q = tl.load(q_ptrs, mask=mask, other=0)
+        x_mask = g_ok[None, :, None]
+    return _mxfp4_scaled(acc, _mxfp4_dots(q, x_ptrs, x_mask, X_J), _mxfp4_word_exponents(s_ptrs, mask))
+
+
+@triton.jit
 def _mxfp4_total(acc):
     # [rows, groups, 4] accumulator -> [rows]: its words and groups summed (a fixed tree: a row's
     # result does not depend on the batch), then 2^62 (the decoder's 2^-126 against x's 2^64).
@@ -399,8 +428,9 @@ def _mxfp4_total(acc):
 
 @triton.jit
 def _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok):
-    # One K step of a gate|up strip: gate's and up's [rows, groups, 4] words and their words'
-    # exponents (_mxfp4_word_exponents; up's rows N further), masked to the step's groups.
+    # One K step's loads of a gate|up strip (PREFETCH: issued a step ahead): gate's and up's
+    # [rows, groups, 4] words and their exponents (_mxfp4_word_exponents; up's rows N further),
+    # masked to the step's groups.
     mask = col_ok[:, None, None] & g_ok[None, :, None]
     return (tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + up_q, mask=mask, other=0),
             _mxfp4_word_exponents(s_ptrs, mask), _mxfp4_word_exponents(s_ptrs + up_s, mask))
@@ -848,25 +878,30 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         up_q, up_s = N * (stride_wn * 4), N * stride_sn
         mx_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
         mx_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        x_j = 4 if X_NM else 1
         if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
             q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
                                                             gs < (k_end - k_begin) // 32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            g_ok = gs < (k_end - k0) // 32
-            if PREFETCH:
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                x_mask = (gs < (k_end - k0) // 32)[None, :, None]
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
                 n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
                                                                   gs < (k_end - k0 - BLOCK_K) // 32)
-            else:
-                q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
+                mx_gate = _mxfp4_scaled(mx_gate, _mxfp4_dots(q_gate, x_ptrs + k0, x_mask, x_j), s_gate)
+                mx_up = _mxfp4_scaled(mx_up, _mxfp4_dots(q_up, x_ptrs + k0, x_mask, x_j), s_up)
+                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+        else:  # whole steps without group masks, then the partial last one (_mxfp4_step)
+            whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+            for k0 in range(k_begin, whole_end, BLOCK_K):
+                mx_gate = _mxfp4_step(mx_gate, q_ptrs, s_ptrs, x_ptrs + k0, col_ok, None, x_j)
+                mx_up = _mxfp4_step(mx_up, q_ptrs + up_q, s_ptrs + up_s, x_ptrs + k0, col_ok, None, x_j)
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
-            x_mask = g_ok[None, :, None]
-            mx_gate = _mxfp4_scaled(mx_gate, _mxfp4_dots(q_gate, x_ptrs + k0, x_mask, 4 if X_NM else 1), s_gate)
-            mx_up = _mxfp4_scaled(mx_up, _mxfp4_dots(q_up, x_ptrs + k0, x_mask, 4 if X_NM else 1), s_up)
-            if PREFETCH:
-                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+            if whole_end < k_end:
+                g_ok = gs < (k_end - whole_end) // 32
+                mx_gate = _mxfp4_step(mx_gate, q_ptrs, s_ptrs, x_ptrs + whole_end, col_ok, g_ok, x_j)
+                mx_up = _mxfp4_step(mx_up, q_ptrs + up_q, s_ptrs + up_s, x_ptrs + whole_end, col_ok, g_ok, x_j)
         acc_gate = _mxfp4_total(mx_gate)
         acc_up = _mxfp4_total(mx_up)
         if SPLIT > 1:  # partial sums out; the finish kernel adds the bias and activates
@@ -1040,13 +1075,15 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     # The intermediate row in nibble-major order, fp32 times 2^64, as _moe_decode_down_kernel reads it.
     a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
     mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        g_ok = gs < (k_end - k0) // 32
-        mask = col_ok[:, None, None] & g_ok[None, :, None]
-        # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
-        q = tl.load(q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), mask=mask, other=0)
-        mx = _mxfp4_scaled(mx, _mxfp4_dots(q, a_ptrs + (k0 // BLOCK_K) * BLOCK_K, g_ok[None, :, None], 4),
-                           _mxfp4_word_exponents(s_row + (k0 // 32) * stride_sk, mask))
+    # Whole steps without group masks, then the partial last one (_mxfp4_step). A step's first word
+    # as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
+    whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+    for k0 in range(k_begin, whole_end, BLOCK_K):
+        mx = _mxfp4_step(mx, q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), s_row + (k0 // 32) * stride_sk,
+                         a_ptrs + (k0 // BLOCK_K) * BLOCK_K, col_ok, None, 4)
+    if whole_end < k_end:
+        mx = _mxfp4_step(mx, q_row + (whole_end // BLOCK_K) * (BLOCK_K // 8), s_row + (whole_end // 32) * stride_sk,
+                         a_ptrs + (whole_end // BLOCK_K) * BLOCK_K, col_ok, gs < (k_end - whole_end) // 32, 4)
     out = _mxfp4_total(mx)
     if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
         first = held & (pid_p % SPLIT == 0)

@@ -7,7 +7,7 @@ the default decode config), with every Triton launch intercepted: the kernel is 
 same arguments (so pointer alignment and integer specialization are what a GPU launch sees) and not run. Each
 kernel's cubin goes through nvdisasm (the copy in the triton wheel); its K loop is the longest backward
 branch's body, and its instructions per step are printed by opcode class, and per weight value (a thread's
-share of the step's weights: rows x BLOCK_K / threads).
+share of the step's weights: rows x BLOCK_K / threads), with the registers a thread (cuobjdump).
 
     cd /tmp && /work/wt-mx/.venv/bin/python /work/wt-mx/tools/sass_loop.py \
         --fused-moe /work/wt-mx/tools/gpu/baselines/fused_moe_600a0db.py --fused-moe /work/wt-mx/kernels/fused_moe.py
@@ -33,7 +33,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 TARGET = GPUTarget("cuda", 90, 32)
-NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 HIDDEN, INTER, EXPERTS, TOP_K = 2880, 2880, 128, 4
 # Opcode (before the first '.') -> class, in the table's column order.
 CLASSES = {
@@ -123,11 +123,16 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"(\.L_x_\d+)")
 
 
-def disassemble(cubin: bytes) -> str:
+def disassemble(cubin: bytes) -> tuple[str, int]:
+    """(the cubin's SASS, registers a thread)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([NVDISASM, "-c", f.name], check=True, capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(NVIDIA_BIN, "nvdisasm"), "-c", f.name], check=True,
+                              capture_output=True, text=True).stdout
+        usage = subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def k_loop(sass: str) -> list[str]:
@@ -173,7 +178,7 @@ def main() -> None:
         for name, constexprs, warps, cubin in compile_decode(load_module(path, i)).kernels:
             if "finish" in name:
                 continue
-            sass = disassemble(cubin)
+            sass, regs = disassemble(cubin)
             if args.sass:
                 os.makedirs(args.sass, exist_ok=True)
                 with open(os.path.join(args.sass, f"{label}.{name}.sass"), "w") as f:
@@ -182,20 +187,20 @@ def main() -> None:
             if not ops or "BLOCK_K" not in constexprs:
                 continue
             results.setdefault(name, {})[label] = (ops, weights_per_thread(name, constexprs, warps), constexprs,
-                                                   warps)
+                                                   warps, regs)
     classes = list(CLASSES) + ["other"]
     print(f"gpt-oss-120b decode GEMVs (H = I = 2880, E = 128, top-4, 1 token, default MXFP4 decode config), sm_90 "
           f"SASS from Triton {triton.__version__}, instructions per K-loop step (one thread)\n")
-    print("| kernel | version | tile | per step | per weight | " + " | ".join(classes) + " |")
-    print("|---" * (5 + len(classes)) + "|")
+    print("| kernel | version | tile | registers | per step | per weight | " + " | ".join(classes) + " |")
+    print("|---" * (6 + len(classes)) + "|")
     for name, by_version in results.items():
         for label in labels:
             if label not in by_version:
                 continue
-            ops, per_thread, cx, warps = by_version[label]
+            ops, per_thread, cx, warps, regs = by_version[label]
             counts = collections.Counter(CLASS_OF.get(op, "other") for op in ops)
             tile = f"{cx['BLOCK_N']}x{cx['BLOCK_K']} w{warps}"
-            print(f"| {name} | {label} | {tile} | {len(ops)} | {len(ops) / per_thread:.1f} | "
+            print(f"| {name} | {label} | {tile} | {regs} | {len(ops)} | {len(ops) / per_thread:.1f} | "
                   + " | ".join(str(counts.get(c, 0)) for c in classes) + " |")
     other = collections.Counter(op for by in results.values() for ops, *_ in by.values() for op in ops
                                 if op not in CLASS_OF)
