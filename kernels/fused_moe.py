@@ -855,7 +855,7 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     if SPLIT > 1:  # this program's steps: a BLOCK_K-aligned share, so groups never straddle splits
         per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
         k_begin = tl.program_id(2) * per
-        k_end = tl.minimum(K, k_begin + per)
+        k_end = tl.maximum(tl.minimum(K, k_begin + per), k_begin)  # a share past K: empty, not negative
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
@@ -1060,7 +1060,7 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     j = pid_p // SPLIT
     per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     k_begin = (pid_p % SPLIT) * per
-    k_end = tl.minimum(K, k_begin + per)
+    k_end = tl.maximum(tl.minimum(K, k_begin + per), k_begin)  # a share past K: empty, not negative
     e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
     held = (e >= 0) & (e < num_experts)
     e = tl.where(held, e, 0)

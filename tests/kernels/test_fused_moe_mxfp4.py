@@ -291,10 +291,11 @@ def test_decode_prefetch_variant_matches_reference(poison_empty):
     (dict(DOWN_SPLIT_K=1), 1, 0, 0.0),
     (dict(DOWN_SPLIT_K=2, GU_SPLIT_K=2, GU_X_NM=True), 5, 4, 0.3),
     (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3, GU_PREFETCH=True, GU_X_NM=True), 3, 4, 0.3),
+    (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3), 3, 4, 0.3),
     # strips wider than the rows left (I = 64 in 128-row gate|up strips, H = 96 in 64-row down strips):
     # the whole steps leave the words of rows past the end undefined, never stored
     (dict(GU_BLOCK_N=128, DOWN_BLOCK_N=64, DOWN_SPLIT_K=2, GU_X_NM=True), 2, 4, 0.3),
-], ids=["down1", "split2-xnm", "split3-prefetch-xnm", "rows-past-the-end"])
+], ids=["down1", "split2-xnm", "split3-prefetch-xnm", "split3", "rows-past-the-end"])
 def test_decode_split_variants_match_reference(poison_empty, knobs, t, offset, drop):
     x, w, ids = routed_inputs(t, torch.float32, drop, offset)
     q13, s13, q2, s2, d13, d2 = mxfp4_experts()
