@@ -46,9 +46,15 @@ is input 8w + J, turned into an fp32 with 3 integer operations (_e2m1_word: sign
 magnitude bits moved into fp32's fields, the value times 2^-126, exact, subnormal 0.5 included)
 and 2^(s - 127) by writing s into an fp32 exponent field (s = 0 reads as 0, not 2^-127). Nothing
 is interleaved: the activations' inputs 8w + J are loaded with a stride of 8, and
-- the GEMVs (decode path) accumulate nibble position J's products in place ([rows, groups, 4],
-  x scaled by 2^64 as loaded so that the products stay normal), then scale each 32-input
-  group's sum once by 2^62 and its exponent;
+- the GEMVs (decode path) read activations already in fp32 times 2^64 (so that the products stay
+  normal; `mx_activations` writes x so once per layer, the gate|up pass its intermediate rows,
+  rounded to x's dtype first: no convert and no multiply a value in the K loops), sum nibble
+  position J's products in place ([rows, groups, 4]), scale each step's sums by their group's
+  exponent into [rows, groups, 4] accumulators kept over the whole K loop, and reduce those once
+  after it (times 2^62); whole K steps load unmasked (_mxfp4_step), the partial last one masked.
+  Per K step of gpt-oss-120b's default tiles the sm_90 SASS is 295-300 instructions for gate|up
+  (4.6-4.7 a weight; 409-424 before) and 158 for the split down pass (4.9; 262-268), Triton 3.6
+  and 3.9, counted by tools/sass_loop.py (docs/results/gpt-oss/2026-12-03-cpu-mxfp4-sass.md);
 - the grouped GEMM (sorted path) with bf16 / fp16 activations hands each step's packed bytes and
   exponents to tl.dot_scaled (MX_DOT_SCALED, on in the default tiles: Triton decodes them for the
   tensor cores; 1.2-1.4x the 8 dots below at 64-512 tokens on an H200). Otherwise (fp32, or the knob
@@ -70,8 +76,8 @@ one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially 
 fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
 same bits every run; CUDA-graph safe, buffers sized by shapes). `GU_SPLIT_K` s > 1 does the same
 for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
-nibble-major order). `GU_X_NM` permutes x into nibble-major order first (one small copy) so the
-gate|up GEMV's x loads are 8-byte vectors, as the down pass's are.
+nibble-major order). `GU_X_NM` has mx_activations write x in nibble-major order (the same launch)
+so the gate|up GEMV's x loads are 16-byte vectors, as the down pass's are.
 MXFP4 runs the decode path up to MXFP4_DECODE_MAX_TOKENS (16) tokens and has its own sorted tiles
 (moe_block_config(mxfp4=True)); on an H200 this is 1.3-2.0x the previous MXFP4 kernels but still
 below bf16 (docs/results/gpt-oss/2026-12-02-h200-mxfp4-kernel.md; tools/gpu/mxfp4_kernel.sh
@@ -295,8 +301,8 @@ def _e8m0(s):
 
 
 # Powers of two that keep the word decoder's products in fp32's normal range (_e2m1_word): its
-# values are the e2m1 value times 2^-126, the activations are scaled by 2^64 as they are loaded
-# (exact), and each 32-input group's partial sum by 2^62, then by its exponent.
+# values are the e2m1 value times 2^-126, the activations the GEMVs read are fp32 times 2^64
+# (_mx_activations: exact), and the accumulated sums are scaled by 2^62 once (_mxfp4_total).
 MX_X_SCALE = tl.constexpr(18446744073709551616.0)  # 2^64
 MX_SUM_SCALE = tl.constexpr(4611686018427387904.0)  # 2^62
 MX_UNSCALE = tl.constexpr(85070591730234615865843651857942052864.0)  # 2^126
@@ -321,22 +327,113 @@ def _e2m1_word(words, J: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_fma(acc, q, x_ptrs, x_mask, J: tl.constexpr, X_J: tl.constexpr):
-    # acc [rows, groups, 4] + nibble J of each word of q times the activations' inputs 8w + J
-    # (x_ptrs + J * X_J: [1, groups, 4], scaled by 2^64 as loaded: _e2m1_word's scale). X_J = 1:
-    # inputs in their order (a stride of 8 between words); X_J = 4: in the decode path's nibble-major
-    # order (_mxfp4_nibble_major: a group's 4 words' nibble J side by side, one 8-byte load).
-    xj = tl.load(x_ptrs + J * X_J, mask=x_mask, other=0.0).to(tl.float32) * MX_X_SCALE
-    return acc + _e2m1_word(q, J) * xj
+def _mx_activations(v, ROUND: tl.constexpr):
+    # fp32 activations -> what the MXFP4 GEMVs read: rounded to ROUND first (the activation dtype:
+    # the values a tensor of that dtype holds, so the result is the bits a bf16 / fp16 row gives;
+    # None: fp32 as it is), times 2^64 (exact). Written once per row, so the K loops load fp32 with
+    # no conversion and no multiply a value.
+    if ROUND is not None:
+        v = v.to(ROUND).to(tl.float32)
+    return v * MX_X_SCALE
+
+
+@triton.jit
+def _mx_activations_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, NIBBLE_MAJOR: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # Grid (T, cdiv(K, BLOCK)): x [T, K] (any float dtype, exact in fp32) -> out [T, K] fp32 times
+    # 2^64, in nibble-major order (_mxfp4_nibble_major) or in input order.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < K
+    v = tl.load(x_ptr + t * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    dest = _mxfp4_nibble_major(cols) if NIBBLE_MAJOR else cols
+    tl.store(out_ptr + t * stride_om + dest, _mx_activations(v, None), mask=ok)
+
+
+@triton.jit
+def _mxfp4_dots(q, x_ptrs, x_mask, X_J: tl.constexpr):
+    # One K step of a [rows, groups, 4] word tile: nibble J of each word times the activations'
+    # inputs 8w + J (x_ptrs + J * X_J: [1, groups, 4] fp32, _mx_activations' 2^64 already in; x_mask
+    # None: all of them, else [1, groups, 1]), the
+    # 8 nibble positions summed in place (an FMA a value). X_J = 1: inputs in their order (a
+    # stride of 8 between words); X_J = 4: nibble-major order (_mxfp4_nibble_major: a group's 4
+    # words' nibble J side by side, one 16-byte load).
+    p = _e2m1_word(q, 0) * _mx_load(x_ptrs, x_mask)
+    for j in tl.static_range(1, 8):
+        p += _e2m1_word(q, j) * _mx_load(x_ptrs + j * X_J, x_mask)
+    return p
+
+
+@triton.jit
+def _mx_load(ptrs, mask):
+    # Activations of a K step: unmasked for a whole step (mask None), else zero past the end.
+    if mask is None:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _mxfp4_exponent_groups(gs):
+    # A [rows, groups, 4] word tile's exponent columns as [1, groups, 1], written (4g) // 4: Triton's
+    # axis analysis then sees no contiguity along groups, as in the word tile (4 words apart), so
+    # the exponents' load takes the words' thread layout instead of one that a shared-memory
+    # conversion of the products undoes every step (Triton 3.6 for sm_90: 2 a gate|up step, 17
+    # instructions of its 332).
+    return (gs * 4 // 4)[None, :, None]
+
+
+@triton.jit
+def _mxfp4_word_exponents(s_ptrs, mask):
+    # The E8M0 exponent bytes of a [rows, groups, 4] word tile as [rows, groups, 1] (one byte a
+    # thread's 4 words, broadcast over them where the products are scaled: in the words' own layout,
+    # no shuffle), as the fp32 2^(s - 127) (s = 0 reads as 0, not 2^-127).
+    s = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
+    return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_scaled(acc, p, f):
+    # acc [rows, groups, 4] + a step's products (_mxfp4_dots) times their group's 2^(s - 127) (f
+    # [rows, groups, 1]: _mxfp4_word_exponents), one FMA a word: the accumulator keeps its shape
+    # over the K loop and is reduced once after it (_mxfp4_total).
+    return acc + p * f
+
+
+@triton.jit
+def _mxfp4_step(acc, q_ptrs, s_ptrs, x_ptrs, col_ok, g_ok, X_J: tl.constexpr):
+    # One K step of a [rows, groups, 4] word tile into its accumulator: words, exponents, the 8
+    # nibble positions' FMAs (_mxfp4_dots), scaled by the exponents (_mxfp4_scaled). g_ok None: a
+    # whole step, masked by rows only, the activations unmasked, and the words of rows past the
+    # end left undefined (any int32 decodes to a finite value, and those rows are never stored):
+    # no predicate and no register zeroing a load, 26 of 184 instructions of a down step (sm_90).
+    # g_ok [groups]: the partial last step, groups past K masked to zero.
+    if g_ok is None:
+        mask = col_ok[:, None, None]
+        q = tl.load(q_ptrs, mask=mask)
+        x_mask = None
+    else:
+        mask = col_ok[:, None, None] & g_ok[None, :, None]
+        q = tl.load(q_ptrs, mask=mask, other=0)
+        x_mask = g_ok[None, :, None]
+    return _mxfp4_scaled(acc, _mxfp4_dots(q, x_ptrs, x_mask, X_J), _mxfp4_word_exponents(s_ptrs, mask))
+
+
+@triton.jit
+def _mxfp4_total(acc):
+    # [rows, groups, 4] accumulator -> [rows]: its words and groups summed (a fixed tree: a row's
+    # result does not depend on the batch), then 2^62 (the decoder's 2^-126 against x's 2^64).
+    return tl.sum(tl.sum(acc, axis=2), axis=1) * MX_SUM_SCALE
 
 
 @triton.jit
 def _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok):
-    # One K step of a gate|up strip: gate's and up's [rows, groups, 4] words and [rows, groups]
-    # exponents (up's rows N further), masked to the step's groups.
-    mask, s_mask = col_ok[:, None, None] & g_ok[None, :, None], col_ok[:, None] & g_ok[None, :]
+    # One K step's loads of a gate|up strip (PREFETCH: issued a step ahead): gate's and up's
+    # [rows, groups, 4] words and their exponents (_mxfp4_word_exponents; up's rows N further),
+    # masked to the step's groups.
+    mask = col_ok[:, None, None] & g_ok[None, :, None]
     return (tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + up_q, mask=mask, other=0),
-            tl.load(s_ptrs, mask=s_mask, other=0), tl.load(s_ptrs + up_s, mask=s_mask, other=0))
+            _mxfp4_word_exponents(s_ptrs, mask), _mxfp4_word_exponents(s_ptrs + up_s, mask))
 
 
 @triton.jit
@@ -346,14 +443,6 @@ def _mxfp4_nibble_major(cols):
     # read the inputs of nibble J of a group's 4 words as 4 neighbours (an 8-byte load shared by
     # the thread's row, where input order needs 4 scalar loads: one load a weight value).
     return (cols // 32) * 32 + (cols % 8) * 4 + (cols % 32) // 8
-
-
-@triton.jit
-def _mxfp4_group_sums(acc, s):
-    # [rows, groups, 4] products (_mxfp4_fma's) and [rows, groups] exponent bytes -> [rows]: each
-    # group's sum scaled once, by 2^62 (the decoder's 2^-126 against x's 2^64) and its exponent.
-    part = tl.sum(acc, axis=2) * MX_SUM_SCALE
-    return tl.sum(part * _e8m0(s.to(tl.int32)), axis=1)
 
 
 @triton.jit
@@ -742,12 +831,14 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                                SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
                                PREFETCH: tl.constexpr = False, X_NM: tl.constexpr = False,
-                               SPLIT: tl.constexpr = 1, part_ptr=None):
+                               SPLIT: tl.constexpr = 1, part_ptr=None, ROUND: tl.constexpr = None):
     # Grid (T*k, cdiv(I, BLOCK_N)[, SPLIT]): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
     # buffering: two steps' loads in flight, where each step otherwise waits for its own).
+    # MXFP4: x_ptr is fp32 times 2^64 (_mx_activations, by the caller) and the intermediate rows go
+    # out the same way (fp32 times 2^64, rounded to ROUND first: the down pass's activations).
     # X_NM (MXFP4): x already in nibble-major order (_mxfp4_nibble_major, by the caller): nibble J's
-    # inputs of a group's 4 words are 4 neighbours (one 8-byte load) instead of 4 loads 16 bytes apart.
+    # inputs of a group's 4 words are 4 neighbours (one 16-byte load) instead of 4 loads 32 bytes apart.
     # SPLIT > 1 (MXFP4): program (.., .., s) sums only its share of the K steps and writes its fp32
     # gate and up partial sums to part_ptr [SPLIT, T*k, 2, N]; _moe_decode_gate_up_finish sums
     # them in split order and applies the epilogue (SPLIT x the programs, each 1/SPLIT of the steps).
@@ -764,49 +855,55 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     if SPLIT > 1:  # this program's steps: a BLOCK_K-aligned share, so groups never straddle splits
         per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
         k_begin = tl.program_id(2) * per
-        k_end = tl.minimum(K, k_begin + per)
+        k_end = tl.maximum(tl.minimum(K, k_begin + per), k_begin)  # a share past K: empty, not negative
     acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     if MXFP4:
         # w13_ptr: the packed bytes as int32 words, stride_we / stride_wn in 16-byte units. A
         # step's words as a [BLOCK_N, groups, 4] tile: a row's 4 words of one exponent group are
         # 16 contiguous bytes (one vector load), word w holding inputs 8w .. 8w + 7. Each nibble
-        # position J is a pass of FMAs against x's inputs 8w + J (shared by gate and up); each
-        # group's sum is scaled once by its exponent.
+        # position J is a pass of FMAs against x's inputs 8w + J (_mxfp4_dots); each step's
+        # products are scaled by their group's exponent into [BLOCK_N, groups, 4] accumulators
+        # reduced once after the loop (_mxfp4_total).
         gs = tl.arange(0, BLOCK_K // 32)
         word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
         q_ptrs = (w13_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
                   + (k_begin // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
-        s_ptrs = (s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
-                  + (k_begin // 32 + gs[None, :]) * stride_sk)
+        s_ptrs = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
+                  + (k_begin // 32 + _mxfp4_exponent_groups(gs)) * stride_sk)
         if X_NM:
             x_ptrs = x_row + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
         else:
             x_ptrs = x_row + 8 * word[None, :, :]
         up_q, up_s = N * (stride_wn * 4), N * stride_sn
+        mx_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        mx_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        x_j = 4 if X_NM else 1
         if PREFETCH:  # step 0's words now; each step then loads the next one's before its FMAs
             q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
                                                             gs < (k_end - k_begin) // 32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            g_ok = gs < (k_end - k0) // 32
-            if PREFETCH:
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                x_mask = (gs < (k_end - k0) // 32)[None, :, None]
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
                 n_gate, n_up, ns_gate, ns_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok,
                                                                   gs < (k_end - k0 - BLOCK_K) // 32)
-            else:
-                q_gate, q_up, s_gate, s_up = _mxfp4_strip_loads(q_ptrs, s_ptrs, up_q, up_s, col_ok, g_ok)
+                mx_gate = _mxfp4_scaled(mx_gate, _mxfp4_dots(q_gate, x_ptrs + k0, x_mask, x_j), s_gate)
+                mx_up = _mxfp4_scaled(mx_up, _mxfp4_dots(q_up, x_ptrs + k0, x_mask, x_j), s_up)
+                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+        else:  # whole steps without group masks, then the partial last one (_mxfp4_step)
+            whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+            for k0 in range(k_begin, whole_end, BLOCK_K):
+                mx_gate = _mxfp4_step(mx_gate, q_ptrs, s_ptrs, x_ptrs + k0, col_ok, None, x_j)
+                mx_up = _mxfp4_step(mx_up, q_ptrs + up_q, s_ptrs + up_s, x_ptrs + k0, col_ok, None, x_j)
                 q_ptrs += BLOCK_K // 8
                 s_ptrs += (BLOCK_K // 32) * stride_sk
-            p_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-            p_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-            for j in tl.static_range(8):
-                p_gate = _mxfp4_fma(p_gate, q_gate, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
-                p_up = _mxfp4_fma(p_up, q_up, x_ptrs + k0, g_ok[None, :, None], j, 4 if X_NM else 1)
-            acc_gate += _mxfp4_group_sums(p_gate, s_gate)
-            acc_up += _mxfp4_group_sums(p_up, s_up)
-            if PREFETCH:
-                q_gate, q_up, s_gate, s_up = n_gate, n_up, ns_gate, ns_up
+            if whole_end < k_end:
+                g_ok = gs < (k_end - whole_end) // 32
+                mx_gate = _mxfp4_step(mx_gate, q_ptrs, s_ptrs, x_ptrs + whole_end, col_ok, g_ok, x_j)
+                mx_up = _mxfp4_step(mx_up, q_ptrs + up_q, s_ptrs + up_s, x_ptrs + whole_end, col_ok, g_ok, x_j)
+        acc_gate = _mxfp4_total(mx_gate)
+        acc_up = _mxfp4_total(mx_up)
         if SPLIT > 1:  # partial sums out; the finish kernel adds the bias and activates
             part = part_ptr + ((tl.program_id(2) * tl.num_programs(0) + a).to(tl.int64) * 2) * N + cols
             tl.store(part, acc_gate, mask=col_ok)
@@ -837,8 +934,11 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + a).to(tl.float32)
     h = _activate(acc_gate, acc_up, SWIGLU, alpha, limit) * w
-    dest = _mxfp4_nibble_major(cols) if MXFP4 else cols  # MXFP4: the order the down pass reads
-    tl.store(inter_ptr + a.to(tl.int64) * stride_im + dest, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
+    if MXFP4:  # the order and scale the down pass reads
+        tl.store(inter_ptr + a.to(tl.int64) * stride_im + _mxfp4_nibble_major(cols), _mx_activations(h, ROUND),
+                 mask=col_ok)
+    else:
+        tl.store(inter_ptr + a.to(tl.int64) * stride_im + cols, h.to(inter_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -860,10 +960,11 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
     if MXFP4:
         # The gate|up kernel's [BLOCK_N, groups, 4]-word tiles, one per expert of the token
         # (unrolled: the k experts' loads are independent, so k tiles are in flight a step),
-        # summed into one accumulator in slot order: the top-k sum inside the GEMV, as below.
+        # scaled into one [BLOCK_N, groups, 4] accumulator in slot order and reduced once after
+        # the loop: the top-k sum inside the GEMV, as below.
         gs = tl.arange(0, BLOCK_K // 32)
         word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
-        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             for j in tl.static_range(TOP_K):
                 e_j = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
@@ -873,18 +974,17 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                 # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words.
                 q_ptrs = (w2_ptr + e_j * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
                           + (k0 // BLOCK_K) * (BLOCK_K // 8) + word[None, :, :])
-                s_ptrs = (s_ptr + e_j * stride_se + cols[:, None].to(tl.int64) * stride_sn
-                          + (k0 // 32 + gs[None, :]) * stride_sk)
-                q = tl.load(q_ptrs, mask=col_ok[:, None, None] & g_ok[None, :, None], other=0)
-                sc = tl.load(s_ptrs, mask=col_ok[:, None] & g_ok[None, :], other=0)
-                # The intermediate row in nibble-major order (the gate|up pass wrote it so): nibble
-                # n of word w of group g meets element 32g + 4n + w.
+                s_ptrs = (s_ptr + e_j * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
+                          + (k0 // 32 + _mxfp4_exponent_groups(gs)) * stride_sk)
+                mask = col_ok[:, None, None] & g_ok[None, :, None]
+                q = tl.load(q_ptrs, mask=mask, other=0)
+                # The intermediate row in nibble-major order, fp32 times 2^64 (the gate|up pass
+                # wrote it so): nibble n of word w of group g meets element 32g + 4n + w.
                 a_ptrs = (inter_ptr + (t * TOP_K + j) * stride_im + (k0 // BLOCK_K) * BLOCK_K
                           + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :])
-                p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-                for n in tl.static_range(8):
-                    p = _mxfp4_fma(p, q, a_ptrs, g_ok[None, :, None], n, 4)
-                out += _mxfp4_group_sums(p, sc)
+                mx = _mxfp4_scaled(mx, _mxfp4_dots(q, a_ptrs, g_ok[None, :, None], 4),
+                                   _mxfp4_word_exponents(s_ptrs, mask))
+        out = _mxfp4_total(mx)
     else:
         ks = tl.arange(0, BLOCK_K)
         # The intermediate rows as a [k, 1, BLOCK_K] block: broadcast against the weights' block as loaded.
@@ -917,10 +1017,10 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
 @triton.jit
 def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_ptr, N, num_experts, expert_offset,
                                stride_im, stride_bias_e, alpha, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr):
     # Grid (T*k, cdiv(I, BLOCK_N)): the gate|up kernel's SPLIT partial sums of assignment a, summed
     # in split order (fixed: the same bits every run), then its epilogue (bias, activation, router
-    # weight) and the nibble-major store the down pass reads.
+    # weight) and the nibble-major, pre-scaled store the down pass reads (_mx_activations).
     a = tl.program_id(0)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
     if (e < 0) | (e >= num_experts):
@@ -939,7 +1039,7 @@ def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_pt
         gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)
         up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)
     h = _activate(gate, up, SWIGLU, alpha, limit) * tl.load(weight_ptr + a).to(tl.float32)
-    tl.store(inter_ptr + a.to(tl.int64) * stride_im + _mxfp4_nibble_major(cols), h.to(inter_ptr.dtype.element_ty),
+    tl.store(inter_ptr + a.to(tl.int64) * stride_im + _mxfp4_nibble_major(cols), _mx_activations(h, ROUND),
              mask=col_ok)
 
 
@@ -960,7 +1060,7 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     j = pid_p // SPLIT
     per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     k_begin = (pid_p % SPLIT) * per
-    k_end = tl.minimum(K, k_begin + per)
+    k_end = tl.maximum(tl.minimum(K, k_begin + per), k_begin)  # a share past K: empty, not negative
     e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64) - expert_offset
     held = (e >= 0) & (e < num_experts)
     e = tl.where(held, e, 0)
@@ -970,20 +1070,21 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     gs = tl.arange(0, BLOCK_K // 32)
     word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
     q_row = w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
-    s_row = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn + gs[None, :] * stride_sk
-    # The intermediate row in nibble-major order, as _moe_decode_down_kernel reads it.
+    s_row = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
+             + _mxfp4_exponent_groups(gs) * stride_sk)
+    # The intermediate row in nibble-major order, fp32 times 2^64, as _moe_decode_down_kernel reads it.
     a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        g_ok = gs < (k_end - k0) // 32
-        # The step's first word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
-        q = tl.load(q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), mask=col_ok[:, None, None] & g_ok[None, :, None],
-                    other=0)
-        sc = tl.load(s_row + (k0 // 32) * stride_sk, mask=col_ok[:, None] & g_ok[None, :], other=0)
-        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-        for n in tl.static_range(8):
-            p = _mxfp4_fma(p, q, a_ptrs + (k0 // BLOCK_K) * BLOCK_K, g_ok[None, :, None], n, 4)
-        out += _mxfp4_group_sums(p, sc)
+    mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+    # Whole steps without group masks, then the partial last one (_mxfp4_step). A step's first word
+    # as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
+    whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+    for k0 in range(k_begin, whole_end, BLOCK_K):
+        mx = _mxfp4_step(mx, q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), s_row + (k0 // 32) * stride_sk,
+                         a_ptrs + (k0 // BLOCK_K) * BLOCK_K, col_ok, None, 4)
+    if whole_end < k_end:
+        mx = _mxfp4_step(mx, q_row + (whole_end // BLOCK_K) * (BLOCK_K // 8), s_row + (whole_end // 32) * stride_sk,
+                         a_ptrs + (whole_end // BLOCK_K) * BLOCK_K, col_ok, gs < (k_end - whole_end) // 32, 4)
+    out = _mxfp4_total(mx)
     if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
         first = held & (pid_p % SPLIT == 0)
         wj = tl.where(first, tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
@@ -1043,11 +1144,30 @@ def _mx_dot_format(cfg: dict, key: str, mxfp4: bool, dtype: torch.dtype) -> str 
     return _DOT_SCALED_FORMATS.get(dtype) if mxfp4 and cfg.get(key, False) else None
 
 
+# mx_activations' columns a program (a row of gpt-oss is 2880: 3 programs a token).
+MX_ACTIVATIONS_BLOCK = 1024
+# The activation dtype the MXFP4 GEMVs' intermediate rows are rounded to before their 2^64 (the
+# values a row of x's dtype holds, as the sorted path's and the reference's intermediate).
+_MX_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: None}
+
+
+def mx_activations(x: torch.Tensor, nibble_major: bool) -> torch.Tensor:
+    """x [T, K] (float) -> [T, K] fp32 times 2^64, what the MXFP4 decode GEMVs read (_mx_activations),
+    in nibble-major order (_mxfp4_nibble_major) or input order: one small launch per layer."""
+    t, k = x.shape
+    out = torch.empty((t, k), dtype=torch.float32, device=x.device)
+    _mx_activations_kernel[(t, triton.cdiv(k, MX_ACTIVATIONS_BLOCK))](
+        x, out, k, x.stride(0), out.stride(0), NIBBLE_MAJOR=nibble_major, BLOCK=MX_ACTIVATIONS_BLOCK, num_warps=4)
+    return out
+
+
 def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=None, block=None, w13_bias=None,
                     activation: MoeActivation = SILU_AND_MUL) -> torch.Tensor:
-    """Decode pass 1: [T*k, I] intermediate rows (router weight applied; MXFP4: nibble-major order).
-    MXFP4 config knobs: GU_PREFETCH, GU_X_NM (x permuted to nibble-major first: one small copy),
-    GU_SPLIT_K (> 1: K split over that many programs per strip, fp32 partials, a finish launch)."""
+    """Decode pass 1: [T*k, I] intermediate rows (router weight applied). MXFP4: fp32 rows rounded
+    to x's dtype then times 2^64 (_mx_activations), in nibble-major order; x goes through
+    mx_activations first. MXFP4 config knobs: GU_PREFETCH, GU_X_NM (x in nibble-major order, from
+    the same launch), GU_SPLIT_K (> 1: K split over that many programs per strip, fp32 partials, a
+    finish launch)."""
     t, h = x.shape
     e, two_i = w13.shape[:2]
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -1056,10 +1176,11 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
     quant, w13, w13_rows = _decode_weights(w13, w13_scale, block)
     split = cfg.get("GU_SPLIT_K", 1) if mxfp4 else 1
     x_nm = mxfp4 and cfg.get("GU_X_NM", False)
-    if x_nm:  # input 32g + 8w + J -> place 32g + 4J + w (_mxfp4_nibble_major)
-        x = x.reshape(t, h // 32, 4, 8).transpose(2, 3).reshape(t, h)
+    round_to = _MX_ROUND[x.dtype] if mxfp4 else None
+    if mxfp4:
+        x = mx_activations(x, x_nm)
     # Rows of assignments held elsewhere are never written and never read (masked in the down pass).
-    inter_out = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    inter_out = torch.empty((t * top_k, inter), dtype=torch.float32 if mxfp4 else x.dtype, device=x.device)
     part = torch.empty((split, t * top_k, 2, inter), dtype=torch.float32, device=x.device) if split > 1 else None
     bias_stride, alpha, limit = _epilogue_args(w13_bias, activation)
     grid = (t * top_k, triton.cdiv(inter, cfg["GU_BLOCK_N"])) + ((split,) if split > 1 else ())
@@ -1071,20 +1192,21 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
         bias_stride, alpha, limit,
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
         SWIGLU=swiglu, **quant, num_warps=cfg["GU_WARPS"],
-        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part,
+        PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part, ROUND=round_to,
     )
     if split > 1:
         _moe_decode_gate_up_finish[(t * top_k, triton.cdiv(inter, FINISH_BLOCK_N))](
             part, inter_out, ids, weights, w13 if w13_bias is None else w13_bias, inter, e, expert_offset,
             inter_out.stride(0), bias_stride, alpha, limit, SPLIT=split, BLOCK_N=FINISH_BLOCK_N,
-            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, num_warps=4)
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, ROUND=round_to, num_warps=4)
     return inter_out
 
 
 def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=None, block=None, w2_bias=None,
                  activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
-    """Decode pass 2: [T, H], the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 = one program per
-    (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
+    """Decode pass 2: [T, H] in out_dtype (default the intermediate's dtype: MXFP4's is fp32 times
+    2^64, so its callers name the activations'), the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 =
+    one program per (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
     expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]

@@ -14,7 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.fused_moe import MX_UNSCALE, _e2m1_pair, _e2m1_word, _e8m0, fused_moe, fused_moe_routed
+from pdserve.kernels.fused_moe import (
+    MX_UNSCALE,
+    _decode_gate_up,
+    _e2m1_pair,
+    _e2m1_word,
+    _e8m0,
+    _mx_activations,
+    fused_moe,
+    fused_moe_routed,
+    mx_activations,
+    moe_decode_config,
+)
 from pdserve.kernels.moe_activation import SILU_AND_MUL, SwigluOAI
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_ref, fused_moe_routed_ref
@@ -280,7 +291,11 @@ def test_decode_prefetch_variant_matches_reference(poison_empty):
     (dict(DOWN_SPLIT_K=1), 1, 0, 0.0),
     (dict(DOWN_SPLIT_K=2, GU_SPLIT_K=2, GU_X_NM=True), 5, 4, 0.3),
     (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3, GU_PREFETCH=True, GU_X_NM=True), 3, 4, 0.3),
-], ids=["down1", "split2-xnm", "split3-prefetch-xnm"])
+    (dict(DOWN_SPLIT_K=3, GU_SPLIT_K=3), 3, 4, 0.3),
+    # strips wider than the rows left (I = 64 in 128-row gate|up strips, H = 96 in 64-row down strips):
+    # the whole steps leave the words of rows past the end undefined, never stored
+    (dict(GU_BLOCK_N=128, DOWN_BLOCK_N=64, DOWN_SPLIT_K=2, GU_X_NM=True), 2, 4, 0.3),
+], ids=["down1", "split2-xnm", "split3-prefetch-xnm", "split3", "rows-past-the-end"])
 def test_decode_split_variants_match_reference(poison_empty, knobs, t, offset, drop):
     x, w, ids = routed_inputs(t, torch.float32, drop, offset)
     q13, s13, q2, s2, d13, d2 = mxfp4_experts()
@@ -400,3 +415,67 @@ def test_decode_knobs_by_batch_size(monkeypatch):
     assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=8) == dict(plain, GU_X_NM=True)
     assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=9) == plain
     assert fm.moe_decode_config(4, 2880, tokens=1) == fm.moe_decode_config(4, 2880)  # bf16: no knobs
+
+
+@triton.jit
+def _round_kernel(v_ptr, out_ptr, cast_ptr, N: tl.constexpr, ROUND: tl.constexpr):
+    # The pre-scaled path (_mx_activations with ROUND) beside the plain one: the fp32 values stored
+    # into a tensor of the activation dtype (the intermediate rows as they were written before).
+    v = tl.load(v_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), _mx_activations(v, ROUND))
+    tl.store(cast_ptr + tl.arange(0, N), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pre_scaled_activations_round_as_the_activation_dtype(dtype):
+    # What the MXFP4 GEMVs read (_mx_activations): fp32 values rounded to the activation dtype (ROUND)
+    # then times 2^64 equal the values a row of that dtype holds (the same kernel's own cast, so the
+    # interpreter's truncation and the GPU's rounding both count) times 2^64; values near rounding
+    # boundaries, signed zeros and fp16's largest.
+    g = torch.Generator().manual_seed(3)
+    v = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-6, 4, (4096,), generator=g),
+                   torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 2.0 ** -9, 1.0 + 3 * 2.0 ** -9, 65504.0])])
+    v = torch.cat([v, torch.zeros(8192 - v.numel())]).to(DEVICE)
+    out, cast = torch.empty_like(v), torch.empty(v.shape, dtype=dtype, device=DEVICE)
+    rounding = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: None}[dtype]
+    _round_kernel[(1,)](v, out, cast, N=v.numel(), ROUND=rounding)
+    assert torch.equal(out, cast.float() * 2.0 ** 64)
+    assert dtype == torch.float32 or not torch.equal(cast.float(), v)  # the rounding happened
+
+
+@pytest.mark.parametrize("nibble_major", [True, False])
+def test_mx_activations_are_x_times_2_64_in_nibble_major_order(nibble_major):
+    # x [T, K] (bf16, rows with a stride) -> fp32 times 2^64; nibble-major: input 32g + 8w + J at place 32g + 4J + w.
+    x = torch.randn(3, 2 * 2880, dtype=torch.bfloat16, device=DEVICE)[:, :2880]
+    out = mx_activations(x, nibble_major)
+    ref = x.float() * 2.0 ** 64
+    if nibble_major:
+        ref = ref.reshape(3, 90, 4, 8).transpose(2, 3).reshape(3, 2880)
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+
+
+def test_decode_intermediate_rows_hold_bf16_values(poison_empty):
+    # The MXFP4 gate|up pass writes fp32 rows pre-scaled by 2^64, each value a bf16 one (ROUND): the
+    # down pass reads what a bf16 row would give it.
+    x, w, ids = routed_inputs(3, torch.bfloat16, 0.0)
+    q13, s13, _, _, _, _ = mxfp4_experts()
+    b13, _ = biases(torch.bfloat16)
+    cfg = dict(DECODE_TILES, GU_X_NM=True)
+    inter = _decode_gate_up(x, q13, w.reshape(-1).contiguous(), ids, 0, cfg, s13, None, b13, SWIGLU)
+    held = ((ids >= 0) & (ids < E_HELD)).reshape(-1)
+    values = inter[held] / 2.0 ** 64
+    assert inter.dtype == torch.float32 and values.abs().max() > 0
+    assert torch.equal(values, values.to(torch.bfloat16).float())
+
+
+def test_decode_rows_are_batch_invariant(poison_empty):
+    # A token's decode result is the same bits alone and in a batch (fixed summation order, no atomics),
+    # with the default MXFP4 decode config's knobs (x nibble-major, the down pass split).
+    x, w, ids = routed_inputs(5, torch.bfloat16, 0.3)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    b13, b2 = biases(torch.bfloat16)
+    cfg = dict(moe_decode_config(TOP_K, INTER, mxfp4=True), **DECODE_TILES)
+    kw = dict(config=cfg, path="decode", w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SWIGLU)
+    batch = fused_moe(x, q13, q2, w, ids, **kw)
+    for i in range(x.shape[0]):
+        assert torch.equal(fused_moe(x[i:i + 1], q13, q2, w[i:i + 1], ids[i:i + 1], **kw), batch[i:i + 1])

@@ -8,14 +8,17 @@
 #    gpt-oss-20b's real layer) and test_fused_moe.py                                        150 s
 # 2. gpt-oss-120b bs=1 engine row (--load-format dummy) with its kernel profile: tools/gpu/gpt_oss.sh
 #    step a only (ONLY=a, no offline prompts)                                                130 s
-# 3. tools/gpu/mxfp4_kernel.py: bf16 / old / new MXFP4 at 1 4 16 64 tokens (old = main's kernels,
-#    tools/gpu/baselines/fused_moe_8c8c064.py, or $OLD), then --decode-sweep: every decode config
-#    at 1 4 16 64 tokens, the op and each pass in CUDA graphs, best per token count      the rest
+# 3. tools/gpu/mxfp4_kernel.py: bf16 / old / new MXFP4 at 1 4 16 64 tokens (old = main's kernels
+#    before the pre-scaled activations and [rows, groups, 4] accumulators, tools/gpu/baselines/
+#    fused_moe_600a0db.py, or $OLD), then $SWEEP_ARGS (default --decode-sweep at 1 4 16 64 tokens:
+#    every decode config, the op and each pass in CUDA graphs, best per token count; SWEEP_ARGS=
+#    empty skips the sweep, or e.g. SWEEP_ARGS="--decode-sweep --sweep-tokens 1" for less)  the rest
 # Files in $OUT: tests.txt, engine/ (gpt_oss.md, profile_120b.md, log.txt), mxfp4.md,
 # decode_sweep.md, log.txt; the summary at the end of the output.
 set -u
 source tools/gpu/lib.sh
-OLD=${OLD:-$PWD/tools/gpu/baselines/fused_moe_8c8c064.py}
+OLD=${OLD:-$PWD/tools/gpu/baselines/fused_moe_600a0db.py}
+SWEEP_ARGS=${SWEEP_ARGS-"--decode-sweep --sweep-tokens 1 4 16 64"}  # set and empty: no sweep
 BUDGET=${BUDGET:-530}
 gpu_begin gpu_mxfp4_decode none triton || exit 1
 
@@ -30,8 +33,8 @@ main() {
   step "gpt-oss-120b bs=1 engine + profile" $((engine_s + 10)) env OUT="$OUT/engine" ONLY=a PROMPTS_120B=0 \
     CALL_S=$engine_s bash tools/gpu/gpt_oss.sh
   cd /tmp
-  step "mxfp4 op rows + decode sweep" $(( $(left) - 5 )) $PY "$REPO/tools/gpu/mxfp4_kernel.py" --old "$OLD" \
-    --out "$OUT" --models gpt-oss-120b --tokens 1 4 16 64 --decode-sweep --sweep-tokens 1 4 16 64
+  step "mxfp4 op rows${SWEEP_ARGS:+ + decode sweep}" $(( $(left) - 5 )) $PY "$REPO/tools/gpu/mxfp4_kernel.py" \
+    --old "$OLD" --out "$OUT" --models gpt-oss-120b --tokens 1 4 16 64 $SWEEP_ARGS
   cd "$REPO"
   echo "total: $(( $(date +%s) - T0 ))s"
 }

@@ -264,7 +264,7 @@ def decode_sweep(args, bw: float) -> list[str]:
                 gu = graph_calls_ms([lambda r=r: new._decode_gate_up(r[0], q13, r[1].reshape(-1).contiguous(), r[2],
                                                                       0, cfg, s13, None, b13, ACT) for r in routes])
                 dn = graph_calls_ms([lambda r=r, i=i: new._decode_down(i, q2, r[1].reshape(-1).contiguous(), r[2], 0,
-                                                                        cfg, s2, None, b2, ACT)
+                                                                        cfg, s2, None, b2, ACT, out_dtype=r[0].dtype)
                                      for r, i in zip(routes, inters)])
             except Exception as exc:  # a config the compiler refuses: noted, the sweep goes on
                 row = f"| {t} | {label} | failed: {type(exc).__name__}: {str(exc)[:100]} | | | | | | |"
