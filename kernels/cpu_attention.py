@@ -54,8 +54,19 @@ def kv_cache_write_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """= kv_cache_write_ref. When no row is skipped (every decode step), the rows are written as
-    they are: the reference's boolean mask costs three `nonzero` passes per layer."""
+    """= kv_cache_write_ref. A bf16 cache: one native call (row copies, slot -1 skipped). Else,
+    when no row is skipped (every decode step), the rows are written as they are: the reference's
+    boolean mask costs three `nonzero` passes per layer."""
+    if _native_write_fits(key, value, k_cache, v_cache, k_scale, v_scale):
+        lib = cpu_native.library()
+        if lib is not None:
+            slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+                else slot_mapping.to(torch.int64).contiguous()
+            cs = k_cache.stride()
+            lib.kv_write_bf16(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+                              value.stride(1), slots.data_ptr(), key.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+                              cs[0], cs[1], cs[2], key.shape[1], key.shape[2], k_cache.shape[1])
+            return
     slots = slot_mapping.long()
     if slots.numel() == 0 or int(slots.min()) < 0:
         kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -64,6 +75,13 @@ def kv_cache_write_cpu(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = quantize_kv(key, k_cache.dtype, k_scale)
     v_cache[blocks, offsets] = quantize_kv(value, v_cache.dtype, v_scale)
+
+
+def _native_write_fits(key, value, k_cache, v_cache, k_scale, v_scale) -> bool:
+    return (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_scale is None
+            and v_scale is None and key.dim() == 3 and key.shape == value.shape and key.stride(-1) == 1
+            and value.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+            and key.device.type == "cpu")
 
 
 def _gathered(cache: torch.Tensor, blocks: torch.Tensor, B: int, scale: torch.Tensor | None) -> torch.Tensor:

@@ -149,3 +149,20 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint
                        bs, scale, out + b * Hq * D, scratch);
     }
 }
+
+/* kv_cache_write_ref for a bf16 cache: token t's K and V rows ([Hkv, D], strides (k_sh, 1) and
+ * (v_sh, 1) from row strides k_st, v_st) copied to slot slots[t] of caches laid out as above;
+ * slot -1 is skipped. The K and V inputs are views of the projection's output. */
+void kv_write_bf16(const uint16_t *key, int64_t k_st, int64_t k_sh, const uint16_t *value, int64_t v_st,
+                   int64_t v_sh, const int64_t *slots, int64_t T, uint16_t *k_cache, uint16_t *v_cache,
+                   int64_t c_sblk, int64_t c_stok, int64_t c_sh, int64_t Hkv, int64_t D, int64_t bs) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t at = (slot / bs) * c_sblk + (slot % bs) * c_stok;
+        for (int64_t h = 0; h < Hkv; h++) {
+            memcpy(k_cache + at + h * c_sh, key + t * k_st + h * k_sh, (size_t)D * sizeof(uint16_t));
+            memcpy(v_cache + at + h * c_sh, value + t * v_st + h * v_sh, (size_t)D * sizeof(uint16_t));
+        }
+    }
+}

@@ -100,6 +100,9 @@ def library() -> ctypes.CDLL | None:
         lib.paged_decode_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
                                           _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
         lib.paged_decode_bf16.restype = None
+        lib.kv_write_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                      _i64, _i64, _i64]
+        lib.kv_write_bf16.restype = None
     return lib
 
 

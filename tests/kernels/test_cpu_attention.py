@@ -103,3 +103,16 @@ def test_kv_write_matches_reference(fp8, slots):
     kv_cache_write_ref(key, value, k_ref, v_ref, mapping, ks, vs)
     for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
         assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_kv_write_of_views_of_one_qkv_row():
+    """The engine's K and V: strided views of the projection's rows (the native bf16 copy reads them in place)."""
+    k_cache, v_cache, _ = _cache(torch.bfloat16, 2, 8, False)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(5, (4 + 2 + 2) * 8).bfloat16()
+    _, key, value = qkv.split([32, 16, 16], dim=-1)
+    key, value = key.view(5, 2, 8), value.view(5, 2, 8)
+    mapping = torch.tensor([3, 40, -1, 9, 62])
+    kv_cache_write_cpu(key, value, k_cache, v_cache, mapping)
+    kv_cache_write_ref(key, value, k_ref, v_ref, mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
