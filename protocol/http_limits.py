@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
 
 
@@ -52,13 +53,26 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is before:  # an upgrade: no request cycle made
+            return
+        # The request's hang-up, told by connection_lost (protocol/disconnect.py); the cycle's
+        # scope is the one its app gets.
+        self.cycle.scope[LOST_CONNECTION] = LostConnection()
         if self.hold_head:  # the cycle just made (its task has not run yet)
             self.cycle.transport = HeldHead(self.transport, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        # The cycle uvicorn tells of it (`disconnected`, an `http.disconnect` from `receive`): the
+        # latest one, if its response is not complete.
+        if cycle is not None and not cycle.response_complete:
+            lost = cycle.scope.get(LOST_CONNECTION)
+            if lost is not None:
+                lost.connection_lost()
 
 
 @dataclass(frozen=True)

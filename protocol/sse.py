@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.disconnect import hang_up, wait_for_disconnect
+from pdserve.protocol.disconnect import DisconnectWatch, hang_up
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -72,14 +72,12 @@ class SSEResponse(StreamingResponse):
         task = asyncio.current_task()
         gone = False
 
-        def on_disconnect(listener: asyncio.Task) -> None:
+        def on_disconnect() -> None:
             nonlocal gone
-            if not listener.cancelled() and listener.exception() is None:
-                gone = True
-                hang_up(task)
+            gone = True
+            hang_up(task)
 
-        listener = asyncio.ensure_future(wait_for_disconnect(receive))
-        listener.add_done_callback(on_disconnect)
+        watch = DisconnectWatch(scope, receive, on_disconnect)
         try:
             try:
                 await self.stream_response(send)
@@ -91,8 +89,7 @@ class SSEResponse(StreamingResponse):
             except OSError:  # a write to a closed socket is a disconnect
                 pass
         finally:
-            listener.remove_done_callback(on_disconnect)
-            listener.cancel()
+            watch.close()
             try:
                 if gone and task.uncancel() == 0:  # the client left as the body ended: absorb it
                     try:
