@@ -34,6 +34,7 @@ from starlette.requests import Request
 
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, from_validation_error
+from pdserve.protocol.http_limits import BODY_RECEIVED
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -51,6 +52,8 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = DEFA
     # per request costs the event loop's first-iteration hook and a finalizer on top of the reads.
     receive = request.receive
     body = bytearray()
+    if request.scope.get(BODY_RECEIVED):  # all there already (http_limits.py): no read below waits
+        timeout_s = None
     try:
         async with asyncio.timeout(timeout_s):
             while True:

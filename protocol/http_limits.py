@@ -23,6 +23,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
 
+# Set in a request's scope once its whole body has arrived before its app reads it: reading it
+# then never waits, so protocol/body.py arms no body deadline (a timer per request).
+BODY_RECEIVED = "pdserve.body_received"
+
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
@@ -62,6 +66,11 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self.cycle.scope[LOST_CONNECTION] = LostConnection()
         if self.hold_head:  # the cycle just made (its task has not run yet)
             self.cycle.transport = HeldHead(self.transport, self.loop)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.cycle is not None and not self.cycle.more_body:
+            self.cycle.scope[BODY_RECEIVED] = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
