@@ -161,7 +161,7 @@ class DisconnectWatch:
 async def unless_disconnected(request: Request, work: Awaitable):
     """Await `work`, cancelling it if the client disconnects first (raises ClientGone).
 
-    `work` runs in the caller's task, which the disconnect listener cancels: a second task for
+    `work` runs in the caller's task, which the disconnect watch cancels: a second task for
     `work` and an `asyncio.wait` per request cost the event loop more than the cancellation does."""
     task = asyncio.current_task()
     gone = False

@@ -9,6 +9,10 @@ connection whose request headers are not complete within `header_timeout_s` of i
 (or of the connection opening). The body has its own deadline where it is read
 (`protocol.body.read_body`, 408).
 
+The same protocol tells each request what only it knows first: its client's hang-up (a
+`LostConnection` in the scope, called from `connection_lost`: protocol/disconnect.py) and that its
+whole body has arrived (`BODY_RECEIVED`: protocol/body.py then arms no deadline).
+
 What this cannot do, and the ingress in front should: limit connections and request rate per
 client address, and terminate TLS (a TLS handshake is not covered by the header deadline).
 """

@@ -3,8 +3,10 @@
 Starlette's StreamingResponse notices a gone client only when a write fails (ASGI 2.4) and then
 leaves the body iterator suspended for the garbage collector to close. A stream that writes
 nothing for a while (a request queued in the engine, a router waiting for a decode worker's
-first byte) must still release what it holds now, not at some GC: so `SSEResponse` listens
-for `http.disconnect` beside the writer and closes the iterator deterministically in every case.
+first byte) must still release what it holds now, not at some GC: so `SSEResponse` watches for
+the client's hang-up beside the writer (protocol/disconnect.py `DisconnectWatch`: told by the
+server's protocol, or a listener reading `http.disconnect`) and closes the iterator
+deterministically in every case.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The body is written in this task; a listener cancels it when the client leaves (a
+        # The body is written in this task; the watch cancels it when the client leaves (a
         # writer task and an asyncio.wait per stream cost the event loop more).
         task = asyncio.current_task()
         gone = False
