@@ -36,19 +36,29 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
     hold_head: bool = False  # each response's head goes out with its body's first write (held_head.py)
 
+    # One timer per connection, not one armed and cancelled per request: `_headers_due` is when
+    # the headers being received must be complete (None: none are); the timer, when it fires,
+    # closes the connection if that time has passed, waits on if it has not come yet, and lapses
+    # if nothing is due (the next request's first byte arms it again).
+    _header_timer: asyncio.TimerHandle | None = None
+    _headers_due: float | None = None
+
     def _arm(self) -> None:
-        self._disarm()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        self._headers_due = self.loop.time() + self.header_timeout_s
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_at(self._headers_due, self._check_headers)
 
     def _disarm(self) -> None:
-        timer = getattr(self, "_header_timer", None)
-        if timer is not None:
-            timer.cancel()
-            self._header_timer = None
+        self._headers_due = None
 
-    def _headers_too_slow(self) -> None:
+    def _check_headers(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
+        due = self._headers_due
+        if due is None:
+            return
+        if self.loop.time() < due:  # a later request's deadline (or a timer fired a little early)
+            self._header_timer = self.loop.call_at(due, self._check_headers)
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -78,6 +88,9 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
         cycle = self.cycle
         super().connection_lost(exc)
         # The cycle uvicorn tells of it (`disconnected`, an `http.disconnect` from `receive`): the
