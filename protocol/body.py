@@ -30,10 +30,11 @@ from typing import Callable, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError, bad_request, from_validation_error
+from pdserve.protocol.http_limits import BODY_RECEIVED
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -47,19 +48,26 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = DEFA
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    # The ASGI messages read here, not through Starlette's `request.stream()`: an async generator
+    # per request costs the event loop's first-iteration hook and a finalizer on top of the reads.
+    receive = request.receive
     body = bytearray()
+    if request.scope.get(BODY_RECEIVED):  # all there already (http_limits.py): no read below waits
+        timeout_s = None
     try:
         async with asyncio.timeout(timeout_s):
-            async for part in request.stream():
-                body += part
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # http.disconnect
+                    raise ClientGone()
+                body += message.get("body", b"")
                 if len(body) > limit:
                     raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+                if not message.get("more_body", False):
+                    return bytes(body)
     except TimeoutError:
         raise APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
                        headers={"Connection": "close"}) from None
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return bytes(body)
 
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")

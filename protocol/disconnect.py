@@ -8,7 +8,7 @@ connections and aborts engine requests, so their KV blocks come back now.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 
@@ -83,27 +83,95 @@ class Grace:
         self._task.cancel()
 
 
+# The scope key under which pdserve's own HTTP protocol (http_limits.py) gives each request its
+# `LostConnection`: where present, a request learns of its client's hang-up from the protocol
+# itself; elsewhere (another server, an in-process test client) from a task reading `receive`.
+LOST_CONNECTION = "pdserve.lost_connection"
+
+
+class LostConnection:
+    """The hang-up of one request's connection, told by the protocol as it happens
+    (`connection_lost` while the response is incomplete): a listener task per watch (two per
+    P/D request) cost the event loop a task's creation, two steps and a cancellation each.
+
+    `watch(callback)` runs `callback` once the connection is lost (at once if it already is)
+    and returns what `unwatch` takes to restore the previous watcher."""
+
+    __slots__ = ("lost", "_callback")
+
+    def __init__(self) -> None:
+        self.lost = False
+        self._callback: Callable[[], None] | None = None
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        previous, self._callback = self._callback, callback
+        if self.lost:
+            asyncio.get_running_loop().call_soon(callback)  # as a listener would: on the loop's next turn
+        return previous
+
+    def unwatch(self, previous: Callable[[], None] | None) -> None:
+        self._callback = previous
+
+    def connection_lost(self) -> None:
+        if not self.lost:
+            self.lost = True
+            if self._callback is not None:
+                self._callback()
+
+
 async def wait_for_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
+class DisconnectWatch:
+    """Calls `on_gone` once the client of a request leaves: through the protocol's
+    `LostConnection` when the scope has one, else a listener task reading `receive`. `close()`
+    stops watching; `on_gone` never runs after it."""
+
+    __slots__ = ("_on_gone", "_lost", "_previous", "_listener")
+
+    def __init__(self, scope, receive, on_gone: Callable[[], None]):
+        self._on_gone = on_gone
+        self._lost: LostConnection | None = scope.get(LOST_CONNECTION)
+        self._listener: asyncio.Future | None = None
+        if self._lost is not None:
+            self._previous = self._lost.watch(self._fire)
+        else:
+            self._listener = asyncio.ensure_future(wait_for_disconnect(receive))
+            self._listener.add_done_callback(self._listened)
+
+    def _fire(self) -> None:
+        if self._on_gone is not None:
+            self._on_gone()
+
+    def _listened(self, listener: asyncio.Future) -> None:
+        if not listener.cancelled() and listener.exception() is None:
+            self._fire()
+
+    def close(self) -> None:
+        self._on_gone = None
+        if self._lost is not None:
+            self._lost.unwatch(self._previous)
+        else:
+            self._listener.remove_done_callback(self._listened)
+            self._listener.cancel()
+
+
 async def unless_disconnected(request: Request, work: Awaitable):
     """Await `work`, cancelling it if the client disconnects first (raises ClientGone).
 
-    `work` runs in the caller's task, which the disconnect listener cancels: a second task for
+    `work` runs in the caller's task, which the disconnect watch cancels: a second task for
     `work` and an `asyncio.wait` per request cost the event loop more than the cancellation does."""
     task = asyncio.current_task()
     gone = False
 
-    def on_disconnect(listener: asyncio.Task) -> None:
+    def on_disconnect() -> None:
         nonlocal gone
-        if not listener.cancelled() and listener.exception() is None:
-            gone = True
-            hang_up(task)
+        gone = True
+        hang_up(task)
 
-    listener = asyncio.ensure_future(wait_for_disconnect(request.receive))
-    listener.add_done_callback(on_disconnect)
+    watch = DisconnectWatch(request.scope, request.receive, on_disconnect)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -112,8 +180,7 @@ async def unless_disconnected(request: Request, work: Awaitable):
             raise ClientGone() from None
         raise
     finally:
-        listener.remove_done_callback(on_disconnect)
-        listener.cancel()
+        watch.close()
     if gone and task.uncancel() == 0:  # `work` absorbed our cancellation, or finished first
         try:
             await asyncio.sleep(0)  # a cancellation still pending is delivered here, and absorbed

@@ -9,6 +9,10 @@ connection whose request headers are not complete within `header_timeout_s` of i
 (or of the connection opening). The body has its own deadline where it is read
 (`protocol.body.read_body`, 408).
 
+The same protocol tells each request what only it knows first: its client's hang-up (a
+`LostConnection` in the scope, called from `connection_lost`: protocol/disconnect.py) and that its
+whole body has arrived (`BODY_RECEIVED`: protocol/body.py then arms no deadline).
+
 What this cannot do, and the ingress in front should: limit connections and request rate per
 client address, and terminate TLS (a TLS handshake is not covered by the header deadline).
 """
@@ -20,26 +24,41 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
+
+# Set in a request's scope once its whole body has arrived before its app reads it: reading it
+# then never waits, so protocol/body.py arms no body deadline (a timer per request).
+BODY_RECEIVED = "pdserve.body_received"
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
     hold_head: bool = False  # each response's head goes out with its body's first write (held_head.py)
 
+    # One timer per connection, not one armed and cancelled per request: `_headers_due` is when
+    # the headers being received must be complete (None: none are); the timer, when it fires,
+    # closes the connection if that time has passed, waits on if it has not come yet, and lapses
+    # if nothing is due (the next request's first byte arms it again).
+    _header_timer: asyncio.TimerHandle | None = None
+    _headers_due: float | None = None
+
     def _arm(self) -> None:
-        self._disarm()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        self._headers_due = self.loop.time() + self.header_timeout_s
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_at(self._headers_due, self._check_headers)
 
     def _disarm(self) -> None:
-        timer = getattr(self, "_header_timer", None)
-        if timer is not None:
-            timer.cancel()
-            self._header_timer = None
+        self._headers_due = None
 
-    def _headers_too_slow(self) -> None:
+    def _check_headers(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
+        due = self._headers_due
+        if due is None:
+            return
+        if self.loop.time() < due:  # a later request's deadline (or a timer fired a little early)
+            self._header_timer = self.loop.call_at(due, self._check_headers)
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -52,13 +71,34 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is before:  # an upgrade: no request cycle made
+            return
+        # The request's hang-up, told by connection_lost (protocol/disconnect.py); the cycle's
+        # scope is the one its app gets.
+        self.cycle.scope[LOST_CONNECTION] = LostConnection()
         if self.hold_head:  # the cycle just made (its task has not run yet)
             self.cycle.transport = HeldHead(self.transport, self.loop)
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.cycle is not None and not self.cycle.more_body:
+            self.cycle.scope[BODY_RECEIVED] = True
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        # The cycle uvicorn tells of it (`disconnected`, an `http.disconnect` from `receive`): the
+        # latest one, if its response is not complete.
+        if cycle is not None and not cycle.response_complete:
+            lost = cycle.scope.get(LOST_CONNECTION)
+            if lost is not None:
+                lost.connection_lost()
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 Starlette's StreamingResponse notices a gone client only when a write fails (ASGI 2.4) and then
 leaves the body iterator suspended for the garbage collector to close. A stream that writes
 nothing for a while (a request queued in the engine, a router waiting for a decode worker's
-first byte) must still release what it holds now, not at some GC: so `SSEResponse` listens
-for `http.disconnect` beside the writer and closes the iterator deterministically in every case.
+first byte) must still release what it holds now, not at some GC: so `SSEResponse` watches for
+the client's hang-up beside the writer (protocol/disconnect.py `DisconnectWatch`: told by the
+server's protocol, or a listener reading `http.disconnect`) and closes the iterator
+deterministically in every case.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.disconnect import hang_up, wait_for_disconnect
+from pdserve.protocol.disconnect import DisconnectWatch, hang_up
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -67,19 +69,17 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": held, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The body is written in this task; a listener cancels it when the client leaves (a
+        # The body is written in this task; the watch cancels it when the client leaves (a
         # writer task and an asyncio.wait per stream cost the event loop more).
         task = asyncio.current_task()
         gone = False
 
-        def on_disconnect(listener: asyncio.Task) -> None:
+        def on_disconnect() -> None:
             nonlocal gone
-            if not listener.cancelled() and listener.exception() is None:
-                gone = True
-                hang_up(task)
+            gone = True
+            hang_up(task)
 
-        listener = asyncio.ensure_future(wait_for_disconnect(receive))
-        listener.add_done_callback(on_disconnect)
+        watch = DisconnectWatch(scope, receive, on_disconnect)
         try:
             try:
                 await self.stream_response(send)
@@ -91,8 +91,7 @@ class SSEResponse(StreamingResponse):
             except OSError:  # a write to a closed socket is a disconnect
                 pass
         finally:
-            listener.remove_done_callback(on_disconnect)
-            listener.cancel()
+            watch.close()
             try:
                 if gone and task.uncancel() == 0:  # the client left as the body ended: absorb it
                     try:

@@ -1,0 +1,89 @@
+"""The header deadline (protocol/http_limits.py), one timer per connection: a kept-alive
+connection whose requests keep coming whole is never cut off however long it lives, and a
+request whose headers stop coming is, at its own deadline, on a fresh connection or after
+answered requests. Real uvicorn server, real sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.responses import Response
+
+from pdserve.cli.stack import free_port
+from pdserve.protocol.http_limits import ClientLimits
+
+HEADER_TIMEOUT_S = 0.3
+REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await Response(b"ok")(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def port():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           **ClientLimits(header_timeout_s=HEADER_TIMEOUT_S).uvicorn_options()))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(30)
+
+
+def _answered(s: socket.socket) -> None:
+    data = b""
+    while not data.endswith(b"ok"):
+        chunk = s.recv(4096)
+        assert chunk, "closed before the answer"
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200")
+
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    s.settimeout(seconds)
+    try:
+        return s.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_busy_connection_outlives_many_deadlines_then_a_stalled_request_is_cut_off(port):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        until = time.monotonic() + 5 * HEADER_TIMEOUT_S
+        while time.monotonic() < until:
+            s.sendall(REQUEST)
+            _answered(s)
+            time.sleep(HEADER_TIMEOUT_S / 6)  # idle between requests: keep-alive's, not the deadline's
+        s.sendall(b"GET / HTTP/1.1\r\nHo")  # headers that stop coming
+        assert _closed_within(s, 5 * HEADER_TIMEOUT_S)
+
+
+def test_a_request_started_just_before_a_lapsed_deadline_gets_its_own(port):
+    """The connection's timer, armed for the first request, fires during the second one's
+    headers: the second request is not cut off before its own deadline."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(REQUEST)
+        _answered(s)
+        time.sleep(HEADER_TIMEOUT_S * 0.8)
+        s.sendall(b"GET / HTTP/1.1\r\n")  # its deadline: 0.3 s from here, after the first timer fires
+        time.sleep(HEADER_TIMEOUT_S * 0.5)
+        s.sendall(b"Host: x\r\n\r\n")
+        _answered(s)
+
+
+def test_a_connection_that_sends_nothing_is_cut_off(port):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        assert _closed_within(s, 5 * HEADER_TIMEOUT_S)
