@@ -64,9 +64,9 @@ def _h_scratch(n: int) -> torch.Tensor:
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """= rms_norm_ref: (normed, x + residual or None)."""
-    lib = cpu_native.pointwise()
-    if (lib is None or x.dim() != 2 or not _bf16_rows(x, weight) or not weight.is_contiguous()
-            or (residual is not None and (not _bf16_rows(residual) or residual.shape != x.shape))):
+    if (x.dim() != 2 or not _bf16_rows(x, weight) or not weight.is_contiguous()
+            or (residual is not None and (not _bf16_rows(residual) or residual.shape != x.shape))
+            or (lib := cpu_native.pointwise()) is None):
         return rms_norm_ref(x, weight, eps, residual)
     T, H = x.shape
     out = torch.empty(T, H, dtype=torch.bfloat16)
@@ -85,11 +85,10 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     """= rotary_ref: (rotated q, rotated k), new tensors."""
-    lib = cpu_native.pointwise()
     D = q.shape[-1]
-    if (lib is None or q.dim() != 3 or k.dim() != 3 or not _bf16_rows(q, k) or D % 2 or D > MAX_HEAD_DIM
+    if (q.dim() != 3 or k.dim() != 3 or not _bf16_rows(q, k) or D % 2 or D > MAX_HEAD_DIM
             or k.shape[-1] != D or cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != D
-            or cos_sin_cache.stride(-1) != 1):
+            or cos_sin_cache.stride(-1) != 1 or (lib := cpu_native.pointwise()) is None):
         return rotary_ref(positions, q, k, cos_sin_cache)
     pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
         else positions.to(torch.int64).contiguous()
@@ -108,8 +107,7 @@ def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """= silu_and_mul_ref: [T, 2I] -> [T, I]."""
-    lib = cpu_native.pointwise()
-    if lib is None or x.dim() != 2 or x.shape[1] % 2 or not _bf16_rows(x):
+    if x.dim() != 2 or x.shape[1] % 2 or not _bf16_rows(x) or (lib := cpu_native.pointwise()) is None:
         return silu_and_mul_ref(x)
     T, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(T, inter, dtype=torch.bfloat16)

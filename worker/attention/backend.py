@@ -101,5 +101,6 @@ class CpuAttentionBackend(PagedBackend):
 
     def bind(self, kv_cache: KVCache) -> None:
         super().bind(kv_cache)
-        if kv_cache.dtype == torch.bfloat16:  # build (or load) the native decode kernel at start, not in a request
+        if kv_cache.dtype == torch.bfloat16:  # build (or load) the native kernels at start, not in a request
             cpu_native.library()
+            cpu_native.pointwise()
