@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -16,29 +14,10 @@ if not torch.cuda.is_available():
 # at times: niced, it yields to them (worker/kv/nixl_transport.py). Children inherit it.
 os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 
+import pytest
 
-def _import_installed(name: str) -> None:
-    """pytest puts the repo root on sys.path (tests/ is a package), where pdserve's top-level
-    folders shadow installed modules of the same name: `kernels` is also Hugging Face's kernel
-    hub, which transformers (>= 5.25) requires and imports lazily. Importing the installed one
-    first, without the root, leaves it in sys.modules for transformers; none installed: nothing."""
-    root = str(Path(__file__).resolve().parents[1])
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-    finally:
-        sys.path[:] = saved
-
-
-_import_installed("kernels")
-
-import pytest  # noqa: E402
-
-from tests.checkpoints import write_checkpoint  # noqa: E402
-from tests.xdist_scopes import (  # noqa: E402, F401  (xdist hooks, registered from this conftest)
+from tests.checkpoints import write_checkpoint
+from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
 
