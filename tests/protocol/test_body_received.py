@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import queue
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.cli.stack import free_port
 from pdserve.protocol.body import read_body
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.http_limits import BODY_RECEIVED, ClientLimits
+from tests.protocol.server_thread import serving
 
 seen: queue.Queue = queue.Queue()
 TIMEOUT_S = 0.5
@@ -37,18 +35,8 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           **ClientLimits().uvicorn_options(hold_head=True)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with serving(app, **ClientLimits().uvicorn_options(hold_head=True)) as port:
+        yield port
 
 
 def _answer(s: socket.socket) -> bytes:

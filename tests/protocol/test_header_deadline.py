@@ -6,15 +6,13 @@ answered requests. Real uvicorn server, real sockets."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 from starlette.responses import Response
 
-from pdserve.cli.stack import free_port
 from pdserve.protocol.http_limits import ClientLimits
+from tests.protocol.server_thread import serving
 
 HEADER_TIMEOUT_S = 0.3
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -27,18 +25,8 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           **ClientLimits(header_timeout_s=HEADER_TIMEOUT_S).uvicorn_options()))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with serving(app, **ClientLimits(header_timeout_s=HEADER_TIMEOUT_S).uvicorn_options()) as port:
+        yield port
 
 
 def _answered(s: socket.socket) -> None:

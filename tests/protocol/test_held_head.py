@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from starlette.responses import Response
 
-from pdserve.cli.stack import free_port
 from pdserve.protocol.http_limits import ClientLimits
 from pdserve.protocol.sse import DONE, SSEResponse
+from tests.protocol.server_thread import serving
 
 
 async def _events(late: bool, after_done: bool):
@@ -50,21 +47,8 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", **ClientLimits().uvicorn_options(hold_head=True)
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with serving(app, **ClientLimits().uvicorn_options(hold_head=True)) as port:
+        yield port
 
 
 def test_answers_arrive_whole_on_one_kept_alive_connection(port):
