@@ -25,8 +25,6 @@ bit-for-bit path; fp8) keep the torch ops.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -130,21 +128,8 @@ def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             and q.shape[1] % k_cache.shape[2] == 0)
 
 
-_scratch = threading.local()
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-
-
-def _scratch_floats(n: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
-    return buf
-
-
 def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
     """The native kernel over the batch, split over torch's intra-op threads (ctypes drops the GIL)."""
-    global _pool, _pool_size
     B, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 \
@@ -158,19 +143,10 @@ def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
     def run(lo: int, hi: int) -> None:
         lib.paged_decode_bf16(q[lo].data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                               cs[0], cs[1], cs[2], tables[lo].data_ptr(), tables.stride(0), lens[lo].data_ptr(),
-                              hi - lo, Hq, Hkv, D, bs, scale, out[lo].data_ptr(), _scratch_floats(need).data_ptr())
+                              hi - lo, Hq, Hkv, D, bs, scale, out[lo].data_ptr(),
+                              cpu_native.scratch_floats(need).data_ptr())
 
-    parts = min(B, torch.get_num_threads())
-    if parts <= 1:
-        run(0, B)
-    else:
-        if _pool_size < parts:  # more threads than before: a bigger pool replaces the old one
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-attention"), parts
-        step = (B + parts - 1) // parts
-        for f in [_pool.submit(run, lo, min(B, lo + step)) for lo in range(0, B, step)]:
-            f.result()
+    cpu_native.run_split(B, min(B, torch.get_num_threads()), run)
     return out.to(q.dtype)
 
 

@@ -26,7 +26,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -119,3 +123,35 @@ def pointwise() -> ctypes.CDLL | None:
         for fn in (lib.rms_norm_bf16, lib.rotary_bf16, lib.silu_and_mul_bf16):
             fn.restype = None
     return lib
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+_scratch = threading.local()
+
+
+def run_split(total: int, parts: int, run) -> None:
+    """run(lo, hi) over [0, total): in this thread for parts <= 1, else one share per part on a
+    pool that grows to the most parts asked for (the native calls release the GIL)."""
+    global _pool, _pool_size
+    if parts <= 1:
+        run(0, total)
+        return
+    with _pool_lock:
+        if _pool_size < parts:  # more threads than before: a bigger pool replaces the old one
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-native"), parts
+        pool = _pool
+    step = -(-total // parts)
+    for f in [pool.submit(run, lo, min(total, lo + step)) for lo in range(0, total, step)]:
+        f.result()
+
+
+def scratch_floats(n: int) -> torch.Tensor:
+    """At least n fp32 values of this thread's own scratch (kept and grown across calls)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
+    return buf

@@ -10,9 +10,6 @@ native decode attention splits its batch (ctypes releases the GIL).
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from pdserve.kernels import cpu_native
@@ -22,28 +19,10 @@ from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 ROWS_PER_THREAD = 64
 MAX_HEAD_DIM = 1024  # rotary_bf16's stack arrays
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-_scratch = threading.local()
-
 
 def _rows_split(rows: int, run) -> None:
     """run(lo, hi) over [0, rows): one call, or a share per intra-op thread for many rows."""
-    global _pool, _pool_size
-    parts = min(torch.get_num_threads(), rows // ROWS_PER_THREAD)
-    if parts <= 1:
-        run(0, rows)
-        return
-    with _pool_lock:
-        if _pool_size < parts:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-pointwise"), parts
-        pool = _pool
-    step = -(-rows // parts)
-    for f in [pool.submit(run, lo, min(rows, lo + step)) for lo in range(0, rows, step)]:
-        f.result()
+    cpu_native.run_split(rows, min(torch.get_num_threads(), rows // ROWS_PER_THREAD), run)
 
 
 def _bf16_rows(*ts: torch.Tensor) -> bool:
@@ -53,13 +32,6 @@ def _bf16_rows(*ts: torch.Tensor) -> bool:
 def _row(t: torch.Tensor, i: int) -> int:
     """Address of row i (no `t[i]` view: one tensor fewer per call)."""
     return t.data_ptr() + i * t.stride(0) * t.element_size()
-
-
-def _h_scratch(n: int) -> torch.Tensor:
-    buf = getattr(_scratch, "h", None)
-    if buf is None or buf.numel() < n:
-        buf = _scratch.h = torch.empty(n, dtype=torch.float32)
-    return buf
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -76,7 +48,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         res_args = (_row(residual, lo), residual.stride(0)) if residual is not None else (None, 0)
         res_out_ptr = _row(res_out, lo) if res_out is not None else None
         lib.rms_norm_bf16(_row(x, lo), x.stride(0), *res_args, weight.data_ptr(), hi - lo, H, eps,
-                          _row(out, lo), H, res_out_ptr, H, _h_scratch(H).data_ptr())
+                          _row(out, lo), H, res_out_ptr, H, cpu_native.scratch_floats(H).data_ptr())
 
     if T:
         _rows_split(T, run)
