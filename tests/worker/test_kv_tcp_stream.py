@@ -368,7 +368,9 @@ def test_a_stream_read_of_a_prefill_that_stops_computing_times_out(prefill, smal
     fails the read; both sides then hold nothing."""
     params = streamed_pin(prefill, "t", list(range(10, 30)), ready=3)
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
-    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache, stall_s=0.5)
+    # 2 s: the three computed blocks must land before the stall bound fires, also on a loaded
+    # machine (0.5 s once timed out before the first piece arrived, leaving them unread).
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache, stall_s=2.0)
     with pytest.raises(side_channel.PeerTimeout):
         read.result()
     read.stop()
