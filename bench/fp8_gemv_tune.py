@@ -1,9 +1,10 @@
 """Measure kernels/fp8_gemv.py's tiles per shape on this card: the table fp8_gemv_configs.py holds.
 
-    pdserve bench fp8-gemv-tune --out tune.md --json tune.json [--shapes llama-3.1-8b]
+    pdserve bench fp8-gemv-tune --out tune.md --json tune.json [--shapes llama-3.1-8b] [--formats block]
 
-For each linear shape (Llama-3.1-8B at TP=1 and TP=2 by default), both scale formats
-(per-channel, 128-column groups) and M = 1 and M = 8: every tile of a sweep (row block, K step,
+For each linear shape (Llama-3.1-8B at TP=1 and TP=2 by default; DeepSeek-V3's FP8 linears outside
+the routed experts with `--shapes deepseek-v3`), each scale format asked for (per-channel,
+128-column groups) and M = 1 and M = 8: every tile of a sweep (row block, K step,
 K split) is timed as the engine runs it, in a CUDA graph with the weight's copies rotated past L2
 (triton.testing.do_bench median of the replays); the fastest goes to the JSON, beside
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
@@ -26,13 +27,18 @@ SHAPES = {  # name -> {linear: (N, K)}
                      "down_proj": (4096, 14336)},
     "llama-3.1-8b-tp2": {"qkv_proj": (3072, 4096), "o_proj": (4096, 2048), "gate_up_proj": (14336, 4096),
                          "down_proj": (4096, 7168)},
+    # The FP8 GEMVs of a DeepSeek-V3 decode step at TP=1 (the routed experts go through the MoE
+    # op): MLA's projections, the shared expert and the first layers' dense MLP.
+    "deepseek-v3": {"q_a_proj": (1536, 7168), "q_b_proj": (24576, 1536), "kv_a_proj_with_mqa": (576, 7168),
+                    "o_proj": (7168, 16384), "shared_gate_up_proj": (4096, 7168), "shared_down_proj": (7168, 2048),
+                    "dense_gate_up_proj": (36864, 7168), "dense_down_proj": (7168, 18432)},
 }
 
 
 def sweep(blocked: bool) -> list[dict]:
     steps = (64, 128) if blocked else (128, 256, 512)
     return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3)
-            for bn, bk, s in itertools.product((16, 32, 64), steps, (1, 2, 4, 8))]
+            for bn, bk, s in itertools.product((16, 32, 64), steps, (1, 2, 4, 8, 16))]
 
 
 def graph_us(make, copies: int, reps: int = 4) -> float:
@@ -59,6 +65,8 @@ def graph_us(make, copies: int, reps: int = 4) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench fp8-gemv-tune", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--formats", nargs="+", default=["channel", "block"], choices=["channel", "block"],
+                    help="the scale formats to tune (DeepSeek's checkpoints are block FP8 only)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
     args = ap.parse_args(argv)
@@ -89,8 +97,9 @@ def main(argv=None) -> int:
             # Copies of the weight past L2 (60 MB on an H200): bf16's 2 bytes and FP8's 1 per element.
             copies = max(2, -(-256 * 2**20 // (n * k)))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            formats = {"channel": [(*quantize_fp8_rows_ref(w), None) for w in ws],
-                       "block": [(*quantize_fp8_blocks_ref(w), 128) for w in ws]}
+            quantizers = {"channel": lambda w: (*quantize_fp8_rows_ref(w), None),
+                          "block": lambda w: (*quantize_fp8_blocks_ref(w), 128)}
+            formats = {fmt: [quantizers[fmt](w) for w in ws] for fmt in args.formats}
             for (fmt, quantized), m in itertools.product(formats.items(), (1, 8)):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 rows = quantized[0][2]

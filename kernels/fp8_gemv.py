@@ -101,13 +101,21 @@ def _sum_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS: tl.constexpr, BLOCK: tl.
 
 
 def default_config(n: int, k: int, blocked: bool, m: int, sms: int = 132) -> dict:
-    """Tiles by rule when the table has no measurement: 32-row blocks (best of 16/32/64/128 rows
-    on an H200, Llama-3.1-8B shapes), 256 columns a step (128 for group scales), and K split
-    until about two programs per SM."""
-    bn, bk = 32, 128 if blocked else 256
+    """Tiles by rule when the table has no measurement, from what its measured tiles share.
+    Per-channel scales: 32-row blocks (best of 16/32/64/128 rows on an H200, Llama-3.1-8B shapes),
+    256 columns a step, K split until about two programs per SM. Group scales (H200, Llama-3.1-8B
+    and DeepSeek-V3 shapes): 32-row blocks, 64 from 7168 rows up, 128 columns a step (one group),
+    K split until about seven programs per SM (the bests hold 576-1152 programs on 132 SMs: enough
+    loads in flight to cover the memory latency) while each split keeps two steps."""
     split = 1
-    while triton.cdiv(n, bn) * split < 2 * sms and k // (split * 2) >= 4 * bk:
-        split *= 2
+    if blocked:
+        bn, bk = (64 if n >= 7168 else 32), 128
+        while triton.cdiv(n, bn) * split * 2 <= 8 * sms and k // (split * 2) >= 2 * bk:
+            split *= 2
+    else:
+        bn, bk = 32, 256
+        while triton.cdiv(n, bn) * split < 2 * sms and k // (split * 2) >= 4 * bk:
+            split *= 2
     return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
 
 

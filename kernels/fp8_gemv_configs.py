@@ -7,11 +7,26 @@ Measured tiles are a table, not a run-time autotuner, so a worker picks the same
 computes the same bits) on every start.
 
 NVIDIA H200: 2026-11-27, triton 3.6, Llama-3.1-8B linears at TP=1 and TP=2 shards, M = 1 and 8
-(docs/fp8-gpu-results.md).
+(docs/fp8-gpu-results.md); 2026-12-03, DeepSeek-V3's block-FP8 linears outside the routed experts
+(`--shapes deepseek-v3 --formats block`; docs/results/deepseek/2026-12-03-h200-fp8-gemv-tiles.md).
 """
 
 CONFIGS: dict[str, dict[str, dict]] = {
     "NVIDIA H200": {
+        "576,7168,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=16, num_stages=3, num_warps=4),
+        "576,7168,1,1": dict(BLOCK_K=128, BLOCK_N=16, SPLIT_K=16, num_stages=3, num_warps=4),
+        "1536,7168,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=8, num_stages=3, num_warps=4),
+        "1536,7168,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=16, num_stages=3, num_warps=4),
+        "7168,2048,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "7168,2048,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
+        "7168,16384,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=16, num_stages=3, num_warps=4),
+        "7168,16384,1,1": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=8, num_stages=3, num_warps=4),
+        "7168,18432,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=16, num_stages=3, num_warps=4),
+        "7168,18432,1,1": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=8, num_stages=3, num_warps=4),
+        "24576,1536,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=1, num_stages=3, num_warps=4),
+        "24576,1536,1,1": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=2, num_stages=3, num_warps=4),
+        "36864,7168,1,0": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
+        "36864,7168,1,1": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=2, num_stages=3, num_warps=4),
         "3072,4096,0,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),
         "3072,4096,0,1": dict(BLOCK_K=512, BLOCK_N=16, SPLIT_K=4, num_stages=3, num_warps=4),
         "3072,4096,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=4, num_stages=3, num_warps=4),

@@ -180,6 +180,11 @@ def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():
     assert g.default_config(4096, 14336, False, 1)["SPLIT_K"] > 1  # 128 row blocks: K split
     assert g.default_config(28672, 4096, False, 1)["SPLIT_K"] == 1  # 896 row blocks already
     assert g.default_config(4096, 4096, True, 4)["BLOCK_K"] == 128  # group scales: one group a step
+    # Group scales: about seven programs per SM (132 SMs), a split never under two steps.
+    assert g.default_config(7168, 16384, True, 1) == dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4,
+                                                          num_stages=3)  # 112 row blocks x 8
+    assert g.default_config(576, 7168, True, 1)["SPLIT_K"] == 16  # 18 row blocks
+    assert g.default_config(1024, 256, True, 1)["SPLIT_K"] == 1  # two steps of K in all
     x = torch.zeros(1, 256, device=DEVICE)
     card = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
     measured = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
