@@ -9,7 +9,7 @@ Four subcommands (tools/gpu/deepseek.sh runs them in one device call):
               fewer layers keep the call short: the table says how many), and a tokenizer; no weights:
               the engine makes random FP8 block weights on the GPU (--load-format dummy).
   engine      one engine process (eager, or with decode CUDA graphs; bf16 or fp8 latent cache):
-              bs=1 decode ms/step at a --context-token prompt against the active-parameter roofline:
+              bs=1 decode ms/step (and with --offline N, offline 1024/128 output tok/s of N prompts) at a --context-token prompt against the active-parameter roofline:
               the bytes one bs=1 step reads (every layer's MLA projections, the dense MLP or the router
               + 8 routed + 1 shared experts, the lm_head; FP8 weights 1 byte + their block scales, the
               router fp32 and lm_head bf16 as pdserve holds them; the latent cache of the context) over
@@ -149,7 +149,8 @@ def engine(args) -> int:
     bw = _bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device=DEVICE, dtype="bfloat16",
-                                 max_model_len=args.context + 256, max_num_seqs=8, enable_prefix_caching=False,
+                                 max_model_len=max(args.context, OFFLINE_IN) + 256,
+                                 max_num_seqs=max(8, args.offline), enable_prefix_caching=False,
                                  load_format=args.load_format, enforce_eager=args.eager,
                                  kv_cache_dtype=args.kv_cache_dtype))
     kv_bytes = eng.kv_cache.tensor.element_size()
@@ -174,12 +175,33 @@ def engine(args) -> int:
             from pdserve.bench.engine import profile_decode
 
             row["gpu_ms"] = profile_decode(eng, prompt, args.profile, title=f"bs=1 decode ({label})")
+        if args.offline:
+            row.update(offline(eng, args.offline, rng))
+            print(f"{label}: offline {row['offline']} {row['offline_tok_s']:.0f} output tok/s", flush=True)
     finally:
         eng.shutdown()
     with open(args.rows, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
     return 0
+
+
+OFFLINE_IN, OFFLINE_OUT = 1024, 128
+
+
+def offline(eng, num_prompts: int, rng: random.Random) -> dict:
+    """Offline 1024-in/128-out: num_prompts random prompts at once, greedy, every one to 128
+    tokens; output tokens / wall seconds, after an untimed short run of the same batch (the
+    prefill and decode shapes compile there, not in the timed run)."""
+    from pdserve.worker.request.sampling_params import SamplingParams
+
+    prompts = [[rng.randrange(3, 1024) for _ in range(OFFLINE_IN)] for _ in range(num_prompts)]
+    eng.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=OFFLINE_OUT, temperature=0.0, ignore_eos=True))
+    seconds = time.perf_counter() - t0
+    return {"offline": f"{num_prompts} x {OFFLINE_IN}/{OFFLINE_OUT}", "offline_s": seconds,
+            "offline_tok_s": sum(len(o) for o in outs) / seconds}
 
 
 def report(args) -> int:
@@ -197,16 +219,20 @@ def report(args) -> int:
              f"latent KV {gb['kv'] * 1e3:.1f} MB (bf16); 'pdserve' counts the absorbed bf16 up-projections its "
              f"decode reads instead of kv_b_proj.", "",
              "| decode | KV cache | KV bytes/token | bs=1 ms/step | roofline ms (published) | % | "
-             "roofline ms (pdserve) | % | start s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "roofline ms (pdserve) | % | offline output tok/s | start s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         pub, pd = r["roofline_published_ms"], r["roofline_pdserve_ms"]
         ms = r["decode_ms"]
         lines.append(f"| {'CUDA graphs' if r['graphs'] else 'eager'} | {r['kv_cache_dtype']} | "
                      f"{r['kv_bytes_per_token']} | {ms:.2f} | {pub:.2f} | {100 * pub / ms:.0f}% | "
-                     f"{pd:.2f} | {100 * pd / ms:.0f}% | {r['start_s']:.0f} |")
+                     f"{pd:.2f} | {100 * pd / ms:.0f}% | {_offline_cell(r)} | {r['start_s']:.0f} |")
     _write(args.out, lines)
     return 0
+
+
+def _offline_cell(row: dict) -> str:
+    return f"{row['offline_tok_s']:.0f} ({row['offline']})" if "offline_tok_s" in row else "-"
 
 
 HEADS, LATENT, ROPE, BLOCK = 128, 512, 64, 16  # V3's MLA, the engine's default block size
@@ -371,6 +397,8 @@ def main(argv=None) -> int:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--rows", required=True)
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
+    e.add_argument("--offline", type=int, default=0, metavar="N",
+                   help=f"also offline {OFFLINE_IN}/{OFFLINE_OUT}: N prompts at once (max_num_seqs N)")
     r = sub.add_parser("report")
     r.add_argument("--rows", required=True)
     r.add_argument("--out")

@@ -61,13 +61,17 @@ def test_kernel_sweep(on_cpu, monkeypatch, tmp_path):
 
 def test_checkpoint_engine_and_report(on_cpu, monkeypatch, tmp_path):
     monkeypatch.setattr(deepseek, "V3", {**deepseek.V3, **SMALL})
+    monkeypatch.setattr(deepseek, "OFFLINE_IN", 16)
+    monkeypatch.setattr(deepseek, "OFFLINE_OUT", 4)
     ckpt, rows = tmp_path / "ckpt", tmp_path / "rows.jsonl"
     assert deepseek.main(["checkpoint", "--checkpoint", str(ckpt), "--layers", "2", "--dense-layers", "1"]) == 0
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["quantization_config"]["weight_block_size"] == [128, 128] and cfg["first_k_dense_replace"] == 1
     # One engine (each costs seconds on CPU): the fp8 latent cache's row, FP8 block weights made at load.
     assert deepseek.main(["engine", "--checkpoint", str(ckpt), "--eager", "--kv-cache-dtype", "fp8", "--context", "12",
-                          "--decode-steps", "3", "--rows", str(rows)]) == 0
+                          "--decode-steps", "3", "--offline", "2", "--rows", str(rows)]) == 0
     out = tmp_path / "engine.md"
     assert deepseek.main(["report", "--rows", str(rows), "--out", str(out)]) == 0
-    assert "| eager | fp8 | 80 |" in out.read_text()  # 2 layers x (32 + 8) one-byte values per token
+    text = out.read_text()
+    assert "| eager | fp8 | 80 |" in text  # 2 layers x (32 + 8) one-byte values per token
+    assert " (2 x 16/4) |" in text  # the offline run: 2 prompts, each to its 4 tokens

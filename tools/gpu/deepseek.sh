@@ -15,7 +15,7 @@
 #     the rest MoE) and a tokenizer, no weights; one engine process per row, random FP8
 #     128x128-block weights made on the GPU (--load-format dummy): bs=1 decode ms/step after a
 #     $CONTEXT-token prompt (default 1024) with decode CUDA graphs (+ its bs=1 kernels under the
-#     profiler: profile.md), then eager (--enforce-eager: the same-run baseline), vs the
+#     profiler: profile.md, and offline 1024/128 of $OFFLINE prompts, default 32), then eager (--enforce-eager: the same-run baseline), vs the
 #     active-parameter roofline (engine.md is rewritten after each row)                       150 each
 #   sweep (not in the default PARTS): the MLA decode kernel's tiles (bench/deepseek.py SWEEP_TILES) at a
 #     few shapes, the best per shape (what picks kernels/mla_decode.py's default tile)            240
@@ -28,6 +28,7 @@ set -u
 LAYERS=${LAYERS:-4}
 DENSE=${DENSE:-1}
 CONTEXT=${CONTEXT:-1024}
+OFFLINE=${OFFLINE:-32}
 BUDGET=${BUDGET:-570}
 PARTS=${PARTS:-tests graphs eager kernel fp8}
 OLD_MLA=${OLD_MLA:-$PWD/tools/gpu/baselines/mla_decode_600a0db.py}
@@ -61,7 +62,7 @@ main() {
   for part in sweep graphs eager kernel fp8; do
     wanted $part || continue
     case $part in
-      graphs) args="--profile $OUT/profile.md" ;;
+      graphs) args="--profile $OUT/profile.md --offline $OFFLINE" ;;
       eager) args="--eager" ;;
       fp8) args="--kv-cache-dtype fp8" ;;
       kernel)
