@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 47's DeepSeek-V3 GPU numbers in one device call (at most ~10 minutes on one H200). From the repo
-# root, with .whl/ carried (git-ignored; tools/gpu/lib.sh's ENGINE_DEPS wheels):
+# root, with .whl/ carried (git-ignored; tools/gpu/lib.sh's SERVER_DEPS wheels: the hand-off part
+# runs the KV connector):
 #
 #   run(kind="nvidia-h200", carry=[".whl"], command="bash tools/gpu/deepseek.sh", timeout_s=600)
 #
@@ -23,7 +24,12 @@
 #     and fp8 latent caches: us, latent GB/s vs the same run's copy bandwidth                       120
 #     and beside it $OLD_MLA (default: tools/gpu/baselines/mla_decode_600a0db.py), the same-run baseline
 #   fp8: the engine row with CUDA graphs and an fp8 latent cache                                    150
-# Files in $OUT: env.txt, tests.txt, sweep.md, kernel.md, engine.md (+ engine_rows.jsonl), profile.md, log.txt.
+#   handoff (not in the default PARTS): a 3000-token prompt's KV pulled through the real connector
+#     (bench/kv_transfer.py, the real churned layout, NIXL prepped and TCP, on this one card), as
+#     DeepSeek-V3 holds it (61 layers x 576 bf16 values a token: 1098 KiB a 16-token block) and as
+#     Llama-3.1-8B does (32 layers x 8 KV heads x 128 x K and V: 2048 KiB), one after the other   2 x 90
+# Files in $OUT: env.txt, tests.txt, sweep.md, kernel.md, engine.md (+ engine_rows.jsonl), profile.md,
+# handoff_deepseek.md, handoff_llama.md, log.txt.
 set -u
 LAYERS=${LAYERS:-4}
 DENSE=${DENSE:-1}
@@ -33,7 +39,7 @@ BUDGET=${BUDGET:-570}
 PARTS=${PARTS:-tests graphs eager kernel fp8}
 OLD_MLA=${OLD_MLA:-$PWD/tools/gpu/baselines/mla_decode_600a0db.py}
 source tools/gpu/lib.sh
-gpu_begin gpu_deepseek engine triton transformers zmq pdserve.worker.engine.llm_engine pdserve.bench.deepseek || exit 1
+gpu_begin gpu_deepseek server triton transformers zmq pdserve.worker.engine.llm_engine pdserve.bench.deepseek || exit 1
 
 limited() {  # limited NAME SECONDS COMMAND...: step with the limit cut to the budget left; skipped under 30 s
   local name=$1 limit=$2 left
@@ -59,6 +65,15 @@ main() {
   CKPT=/tmp/deepseek-v3-l$LAYERS
   $PY -m pdserve.bench.deepseek checkpoint --checkpoint $CKPT --layers $LAYERS --dense-layers $DENSE
   ROWS="$OUT/engine_rows.jsonl"
+  if wanted handoff; then
+    # 188 blocks of 16 tokens: a 3000-token prompt (sizes in whole MiB: 202 MiB / 1098 KiB -> 188).
+    for model in "deepseek 1098 202" "llama 2048 376"; do
+      set -- $model
+      limited "hand-off $1" 90 $PY -m pdserve.bench.kv_transfer --device cuda --ucx-tls cuda_ipc,cuda_copy,tcp \
+        --block-kib $2 --sizes-mib $3 --layouts real --nixl-modes prepped --breakdown-iters 0 \
+        --lease-registration-blocks 0 --out "$OUT/handoff_$1.md" 2>&1 | grep -v "NIXL INFO" | tail -n 3
+    done
+  fi
   for part in sweep graphs eager kernel fp8; do
     wanted $part || continue
     case $part in
@@ -76,7 +91,8 @@ main() {
       --rows "$ROWS" $args 2>&1 | grep -v " INFO "
     $PY -m pdserve.bench.deepseek report --rows "$ROWS" --out "$OUT/engine.md" > /dev/null
   done
-  cat "$OUT/sweep.md" "$OUT/kernel.md" "$OUT/engine.md" "$OUT/profile.md" 2>/dev/null
+  cat "$OUT/handoff_deepseek.md" "$OUT/handoff_llama.md" "$OUT/sweep.md" "$OUT/kernel.md" "$OUT/engine.md" \
+    "$OUT/profile.md" 2>/dev/null
   uptime
 }
 main > "$OUT/log.txt" 2>&1
