@@ -9,7 +9,8 @@ Four subcommands (tools/gpu/deepseek.sh runs them in one device call):
               fewer layers keep the call short: the table says how many), and a tokenizer; no weights:
               the engine makes random FP8 block weights on the GPU (--load-format dummy).
   engine      one engine process (eager, or with decode CUDA graphs; bf16 or fp8 latent cache):
-              bs=1 decode ms/step (and with --offline N, offline 1024/128 output tok/s of N prompts) at a --context-token prompt against the active-parameter roofline:
+              bs=1 decode ms/step at a --context-token prompt against the active-parameter roofline
+              (and with --offline N, offline 1024/128 output tok/s of N prompts at once):
               the bytes one bs=1 step reads (every layer's MLA projections, the dense MLP or the router
               + 8 routed + 1 shared experts, the lm_head; FP8 weights 1 byte + their block scales, the
               router fp32 and lm_head bf16 as pdserve holds them; the latent cache of the context) over
