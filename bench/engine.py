@@ -36,14 +36,17 @@ OUT_TOKENS = 128
 HF_BATCH = 64  # HF generate pads a static batch: one batch of 64 prompts of each offline scenario
 
 
-def decode_step_seconds(engine, prompt: list[int], steps: int) -> list[float]:
-    """Wall seconds of each decode step of one greedy request (every step ends on the sampled ids)."""
+def decode_step_seconds(engine, prompt: list[int], steps: int, after_prefill=None) -> list[float]:
+    """Wall seconds of each decode step of one greedy request (every step ends on the sampled ids).
+    `after_prefill`: called once the prefill step is done (a profiler's start: decode steps only)."""
     from pdserve.worker.request.sampling_params import SamplingParams
 
     engine.add_request(f"b{random.random()}", prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0,
                                                                       ignore_eos=True))
     times = []
     while engine.has_work():
+        if len(times) == 1 and after_prefill is not None:
+            after_prefill()
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -57,8 +60,10 @@ def profile_decode(engine, prompt: list[int], path: str, steps: int = 16, title:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = decode_step_seconds(engine, prompt, steps)
+    # The window opens after the prompt's prefill: its kernels would swamp a decode step's.
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    wall = decode_step_seconds(engine, prompt, steps, after_prefill=prof.start)
+    prof.stop()
     kernels = sorted(
         (e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
         key=lambda e: -e.self_device_time_total,
