@@ -105,7 +105,7 @@ def default_config(n: int, k: int, blocked: bool, m: int, sms: int = 132) -> dic
     Per-channel scales: 32-row blocks (best of 16/32/64/128 rows on an H200, Llama-3.1-8B shapes),
     256 columns a step, K split until about two programs per SM. Group scales (H200, Llama-3.1-8B
     and DeepSeek-V3 shapes): 32-row blocks, 64 from 7168 rows up, 128 columns a step (one group),
-    K split until about seven programs per SM (the bests hold 576-1152 programs on 132 SMs: enough
+    K split until about seven programs per SM (most bests hold 500-1800 programs on 132 SMs: enough
     loads in flight to cover the memory latency) while each split keeps two steps."""
     split = 1
     if blocked:
