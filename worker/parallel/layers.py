@@ -198,7 +198,11 @@ class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, end) of the vocabulary (padded to ceil(V/N)); ids elsewhere give zeros."""
 
     def __init__(self, vocab_size: int, dim: int, shard: TPShard):
-        super().__init__(shard.vocab_per_rank, dim)
+        # Built on the meta device and filled by the loader (models/loader.py), so nn.Embedding's
+        # random init has nothing to set; skipped, as it would run normal_ through torch's
+        # reference ops on meta tensors, whose first use imports torch._dynamo: ~1.5 s of every
+        # worker's start, for nothing the engine uses.
+        super().__init__(shard.vocab_per_rank, dim, _weight=torch.empty(shard.vocab_per_rank, dim))
         self.shard = shard
         self.start, self.end = shard.vocab_range
 
