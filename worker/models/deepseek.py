@@ -12,7 +12,8 @@ Tensor parallelism: the query and kv_b up-projections are split by heads, o_proj
 columns; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank computes and caches the
 whole latent (it is shared by all heads).
 
-MoE (`DeepseekMoeBlock`): the router in fp32 (kernels/reference.py: moe_grouped_route_ref), the
+MoE (`DeepseekMoeBlock`): the router in fp32, its group-limited top-k in one kernel on the Triton
+backend (kernels/moe_grouped_route.py; else kernels/reference.py: moe_grouped_route_ref), the
 routed experts through the fused MoE op's top-k entry (models/moe.py: FusedExperts.apply_topk), the
 shared experts as one dense MLP whose partial sum joins the experts' before the all-reduce.
 
@@ -29,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.reference import moe_grouped_route_ref, rotary_interleaved_ref, rotary_ref
+from pdserve.kernels.reference import rotary_interleaved_ref, rotary_ref
 from pdserve.worker.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.worker.attention.mla import latent_attention
 from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.models.llama import MLP, LlamaForCausalLM, RMSNorm, pointwise_ops
-from pdserve.worker.models.moe import FusedExperts, moe_op, topk_experts_op
+from pdserve.worker.models.moe import FusedExperts, grouped_route_op, moe_op, topk_experts_op
 from pdserve.worker.models.moe_causal_lm import expert_checkpoint_target
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -130,6 +131,7 @@ class DeepseekMoeBlock(nn.Module):
             self.gate.param_dtypes["e_score_correction_bias"] = torch.float32
         self.experts = FusedExperts(cfg, shard, moe_op(backend), fp8_kernel=backend.name == "triton",
                                     topk_op=topk_experts_op(backend))
+        self.route = grouped_route_op(backend)
         self.shared_experts = None
         if r.n_shared_experts:
             self.shared_experts = MLP(cfg, shard, pointwise_ops(backend),
@@ -138,7 +140,7 @@ class DeepseekMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.routing
-        weights, ids = moe_grouped_route_ref(
+        weights, ids = self.route(
             F.linear(x.float(), self.gate.weight.float()), self.top_k, r.scoring, r.n_group, r.topk_group,
             r.group_score, getattr(self.gate, "e_score_correction_bias", None), self.renormalize,
             r.routed_scaling_factor)
@@ -154,9 +156,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):
         super().__init__(cfg, backend, max_positions, shard)
         # A decode step on the Triton backend reads slots, lengths and block tables on the device
-        # only (the latent write and decode kernels, attention/mla.py), routes with fixed-shape
-        # torch ops (reference.moe_grouped_route_ref: top-k, scatter, masked fill; nothing sized by
-        # values) and runs the experts through the fused op: a CUDA graph can capture it. The torch
+        # only (the latent write and decode kernels, attention/mla.py), routes in one kernel
+        # (kernels/moe_grouped_route.py: shapes only on the host) and runs the experts through the
+        # fused op: a CUDA graph can capture it. The torch
         # backend's references read the host (and never run under graphs).
         self.cuda_graphs = backend.name == "triton"
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.reference import (dequantize_fp8_ref, dequantize_moe_fp8_ref, fused_moe_ref,
-                                       fused_moe_routed_ref, quantize_fp8_rows_ref)
+                                       fused_moe_routed_ref, moe_grouped_route_ref, quantize_fp8_rows_ref)
 from pdserve.worker.attention.backend import AttentionBackend
 from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.parallel.communicator import all_reduce
@@ -48,6 +48,16 @@ def moe_op(backend: AttentionBackend) -> Callable:
 
         return fused_moe_routed
     return fused_moe_routed_ref
+
+
+def grouped_route_op(backend: AttentionBackend) -> Callable:
+    """DeepSeekMoE's group-limited top-k (reference.moe_grouped_route_ref's arguments): one kernel
+    where the Triton backend runs (kernels/moe_grouped_route.py), else the reference."""
+    if backend.name == "triton":
+        from pdserve.kernels.moe_grouped_route import moe_grouped_route
+
+        return moe_grouped_route
+    return moe_grouped_route_ref
 
 
 def topk_experts_op(backend: AttentionBackend) -> Callable:
