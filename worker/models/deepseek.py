@@ -66,12 +66,12 @@ class LatentAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(hidden, heads * m.qk_head_dim, False, shard, method("q_proj"))
         else:
             self.q_a_proj = ColumnParallelLinear(hidden, m.q_lora_rank, cfg.qkv_bias, whole, method("q_a_proj"))
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, pointwise_ops(backend))
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, heads * m.qk_head_dim, False, shard,
                                                  method("q_b_proj"))
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, m.latent_dim, cfg.qkv_bias, whole,
                                                        method("kv_a_proj_with_mqa"))
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, pointwise_ops(backend))
         self.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), False,
                                               shard, method("kv_b_proj"))
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, hidden, cfg.qkv_bias, shard, method("o_proj"))
