@@ -2,7 +2,8 @@
 
 Written by `python -m pdserve.bench.fp8_gemv_tune` on the card itself (each shape's fastest of a
 sweep, timed in CUDA graphs with the weights rotated past L2); a card or shape missing here takes
-fp8_gemv.default_config (within ~15% of the best at Llama-3.1-8B shapes on an H200).
+fp8_gemv.default_config (per-channel scales: within ~15% of the best at Llama-3.1-8B shapes on an
+H200; group scales: a rule fitted to this table's tiles, not yet timed on its own).
 Measured tiles are a table, not a run-time autotuner, so a worker picks the same tiles (and
 computes the same bits) on every start.
 
