@@ -16,6 +16,7 @@ CASES = [
     (2, 64, 6, "softmax", 8, 3, "max", False, False, 1.0),  # DeepSeek-V2-like (softmax, group max)
     (2, 160, 6, "softmax", 8, 3, "max", False, False, 16.0),  # V2's 160 experts: groups of 20
     (4, 64, 4, "sigmoid", 1, 1, "top2_sum", True, True, 1.0),  # no group limit
+    (2, 384, 8, "sigmoid", 1, 1, "top2_sum", True, True, 2.827),  # Kimi-K2's 384 experts: 4 warps
     (1, 48, 3, "sigmoid", 4, 2, "top2_sum", False, True, 1.0),  # E not a power of two
     (5, 32, 8, "sigmoid", 4, 1, "top2_sum", True, False, 1.0),  # k = a whole group
 ]
