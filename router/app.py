@@ -172,7 +172,8 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
-                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=request.state.span)
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=request.state.span,
+                    made_fields=(taken.request, taken.fields))
 
     async def ticket(request: Request, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a

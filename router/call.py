@@ -31,6 +31,9 @@ class Call:
     accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
     tracks_tokens: bool = False  # workers report its token ids in the stream: it may migrate (migration.py)
     span: object = None  # its trace span (protocol/tracing.py), None with tracing off
+    # `request.model_dump(exclude_unset=True)` (what `raw` serialises) with the request it was
+    # made from, as intake made it: see fields().
+    made_fields: tuple[GenerationRequest, dict] | None = None
 
     @property
     def model(self) -> str:
@@ -61,6 +64,14 @@ class Call:
         # A prompt list is one prompt only as token ids, or a list of one prompt. (Validated, a
         # list is of one form, so its first element tells which.)
         return isinstance(r.prompt, str) or len(r.prompt) == 1 or bool(r.prompt) and isinstance(r.prompt[0], int)
+
+    def fields(self) -> dict:
+        """The request's fields the client set, as a dict (read-only: shared), made once per
+        request (intake made them already) and again only if `request` is replaced."""
+        made = self.made_fields
+        if made is None or made[0] is not self.request:
+            made = self.made_fields = (self.request, self.request.model_dump(exclude_unset=True))
+        return made[1]
 
     def headers(self) -> dict[str, str]:
         if self.tracks_tokens:
