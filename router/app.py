@@ -62,6 +62,18 @@ from pdserve.router.workers import WorkerSet
 
 log = logging.getLogger("pdserve.router")
 
+_REQUEST_ID, _SESSION_ID = HEADER_REQUEST_ID.encode(), HEADER_SESSION_ID.encode()
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    """The first value of a request header (`name` lowercase, as the server gives them):
+    Starlette's `request.headers.get` raises and catches a KeyError for each header a request
+    lacks, and most lack the request and session ids."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
 
 def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     """`freeze_heap`: once started, the process's heap so far leaves the garbage collector's reach
@@ -144,7 +156,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     async def read_json(request: Request) -> bytes:
         authorize(request, api_keys)
-        ctype = request.headers.get("content-type", "")
+        ctype = _header(request, b"content-type") or ""
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
         return await read_body(request, config.max_body_bytes, config.body_timeout_s)
@@ -167,7 +179,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             request.state.responses_body = taken.responses
         await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
-        routing = RoutingRequest(taken.request, request.headers.get(HEADER_SESSION_ID), tokenizer)
+        routing = RoutingRequest(taken.request, _header(request, _SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
@@ -220,8 +232,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     async def serve(request: Request, route: str) -> Response:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
-        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or ids.new())
+        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
         span = traced(request, route, request_id)
         try:
             response = await answered(request, route, request_id, span)
@@ -275,8 +286,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
-        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or ids.new())
+        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
         try:
             raw = await read_json(request)
         except ClientGone:

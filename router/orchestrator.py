@@ -443,25 +443,21 @@ class Orchestrator:
                 self.metrics.e2e.observe(time.monotonic() - call.started)
                 self.metrics.child(self.metrics.requests, call.route, "200", _yes(call.disaggregated)).inc()
 
-        async def counting() -> AsyncIterator[bytes]:
-            tokens, first_sent = 0, 0.0
-            try:
-                async for chunk in events:
-                    if tokens < 2 and (n := token_events(chunk, 2 - tokens)):
-                        now = time.monotonic()
-                        if tokens == 0:
-                            first_sent = now
-                        tokens += n
-                        if tokens == 2:  # both in one chunk: sent together, a gap of 0
-                            gap = self.metrics.child(self.metrics.first_token_gap, _yes(call.disaggregated))
-                            gap.observe(now - first_sent)
-                    # [DONE] is always the last event of the chunk that carries it (whole events;
-                    # JSON escapes newlines, so no data can end this way).
-                    if chunk.endswith(DONE):
-                        count()
-                    yield chunk
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
+        tokens, first_sent = 0, 0.0
+
+        def sending(chunk: bytes) -> None:
+            nonlocal tokens, first_sent
+            if tokens < 2 and (n := token_events(chunk, 2 - tokens)):
+                now = time.monotonic()
+                if tokens == 0:
+                    first_sent = now
+                tokens += n
+                if tokens == 2:  # both in one chunk: sent together, a gap of 0
+                    self.metrics.child(self.metrics.first_token_gap, _yes(call.disaggregated)).observe(now - first_sent)
+            # [DONE] is always the last event of the chunk that carries it (whole events; JSON
+            # escapes newlines, so no data can end this way).
+            if chunk.endswith(DONE):
+                count()
 
         def closed() -> None:
             if held is not None:
@@ -471,7 +467,7 @@ class Orchestrator:
             count()
 
         # A relay yields soon and ends right after its [DONE] (the worker's body ends).
-        return SSEResponse(counting(), on_close=closed, coalesce=True)
+        return SSEResponse(events, on_close=closed, coalesce=True, on_chunk=sending)
 
 
 def _yes(flag: bool) -> str:
