@@ -46,7 +46,7 @@ from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowC
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
 from pdserve.router.http1 import Client
-from pdserve.router.hot_routes import HotRoutesApp
+from pdserve.router.hot_routes import HotRoutesApp, set_header
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
@@ -169,7 +169,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             raise APIError(404, f"model {model!r} is not served here (serving: {', '.join(sorted(served))})",
                            param="model", code="model_not_found")
 
-    async def parse(request: Request, route: str, request_id: str) -> Call:
+    async def parse(request: Request, route: str, request_id: str, span) -> Call:
         # Parsed, validated and re-serialised (router/intake.py): CPU in proportion to the body,
         # on a thread when the body is large (router/offload.py), so /health and every other
         # request go on meanwhile.
@@ -184,7 +184,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
-                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=request.state.span,
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=span,
                     made_fields=(taken.request, taken.fields))
 
     async def ticket(request: Request, call: Call) -> Ticket:
@@ -216,10 +216,11 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     def traced(request: Request, route: str, request_id: str):
         """The request's span: under the client's `traceparent`, else a new trace's root."""
+        if not tracing.enabled:
+            return None
         span = tracing.start(f"router {route}", tracing.extract(request.headers), kind="server",
                              attributes={"gen_ai.request.id": request_id, "http.route": route})
         tracing.make_current(span)
-        request.state.span = span
         return span
 
     def end_when_sent(span, response: Response) -> None:
@@ -245,14 +246,14 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def answered(request: Request, route: str, request_id: str, span) -> Response:
         started = time.monotonic()
         try:
-            call = await parse(request, route, request_id)
+            call = await parse(request, route, request_id, span)
             if span is not None:
                 span.set_attributes({"gen_ai.request.model": call.model,
                                      "gen_ai.usage.prompt_tokens": call.prompt_tokens})
             response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
                 response = from_chat(response, request.state.responses_body)
-            response.headers[HEADER_REQUEST_ID] = request_id
+            set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             if span is not None:
                 span.set_attribute("pdserve.disaggregated", call.disaggregated)
             return response
@@ -260,7 +261,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             metrics.requests.labels(route, str(e.status), "no").inc()
             metrics.e2e.observe(time.monotonic() - started)
             response = e.response()
-            response.headers[HEADER_REQUEST_ID] = request_id
+            set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             return response
         except ClientGone:
             metrics.requests.labels(route, "499", "no").inc()
