@@ -15,6 +15,9 @@ from pdserve.router.upstream import Upstream
 from pdserve.router.workers import Worker
 
 
+_PARAMS_KEY = f',"{KV_TRANSFER_PARAMS}":'.encode()
+
+
 @dataclass
 class Call:
     """One client request on its way through."""
@@ -81,7 +84,7 @@ class Call:
     def decode_payload(self, kv_transfer_params: dict) -> bytes:
         """The client's request (as validated: `raw`, which carries no kv_transfer_params) with
         the prefill's params added: spliced into its JSON, not the body serialised again."""
-        return self.raw[:-1] + f',"{KV_TRANSFER_PARAMS}":'.encode() + json.dumps(kv_transfer_params).encode() + b"}"
+        return self.raw[:-1] + _PARAMS_KEY + json.dumps(kv_transfer_params).encode() + b"}"
 
 
 @dataclass
