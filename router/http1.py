@@ -180,15 +180,6 @@ class UpstreamResponse:
         if self._conn is not None:  # the body is not over: the call is
             self._conn.close(asyncio.TimeoutError("the call to the worker took longer than its total timeout"))
 
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.pause()
-        w = self._waiter  # _wake(), inline: this runs for every piece of every body
-        if w is not None and not w.done():
-            w.set_result(None)
-
     def _end(self) -> None:
         self._complete = True
         self._conn = None
@@ -285,7 +276,16 @@ class Connection(asyncio.Protocol):
             self._head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        self._response._feed(body)
+        # The response's buffer fed here, its reader woken inline: this runs for every piece of
+        # every body, so without a call of its own.
+        response = self._response
+        response._chunks.append(body)
+        response._size += len(body)
+        if response._size > _HIGH_WATER:
+            self.pause()
+        w = response._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         response, self._response = self._response, None
