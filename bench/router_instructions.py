@@ -6,8 +6,9 @@ CPU time on a shared machine moves by 1.5x between runs of identical code, so a 
 percent never shows in `--peers`. Instructions do not move with the load: each router runs under
 callgrind (valgrind, which this needs) with instrumentation off, takes warm-up requests, then
 counts its user-space instructions over N streamed requests at concurrency 16 against the same
-mock workers (bench/router_mock.py, no token delay). System calls are not counted. The Rust
-peers are left out: their CPU is in threads and the kernel more than in user-space instructions.
+mock workers (bench/router_mock.py, no token delay), with no health probes meanwhile. System
+calls are not counted. The Rust peers are left out: their CPU is in threads and the kernel more
+than in user-space instructions.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def _count(name: str, pd: bool, ports: dict, n: int, args, out_dir: str) -> floa
     """Instructions per streamed request of one router process (`name`: pdserve or baseline)."""
     port = free_port()
     argv, env = rp._argv(name, port, ports["prefill"] if pd else None, ports["decode"], args)
+    # No health probes in the counted window: they are not per request, and under valgrind a
+    # probe can outlast its timeout and take a worker out of the pool mid-count.
+    argv += ["--probe-interval", "3600", "--connect-timeout", "30"]
     out = os.path.join(out_dir, f"{name}-{'pd' if pd else 'pass'}-{time.monotonic_ns()}.out")
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *argv],

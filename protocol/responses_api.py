@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool
@@ -289,7 +289,10 @@ def from_chat(response: Response, body: dict) -> Response:
     its `echoed` fields."""
     rid = f"resp_{uuid.uuid4().hex}"
     if isinstance(response, SSEResponse):
-        out = SSEResponse(_events(response.body_iterator, body, rid), on_close=response.on_close)
+        chat = response.body_iterator
+        if response.on_chunk is not None:  # it sees the chat chunks, as it would have
+            chat = _seen(chat, response.on_chunk)
+        out = SSEResponse(_events(chat, body, rid), on_close=response.on_close)
         response.on_close = None
         return _copy_headers(response, out)
     chat = json.loads(response.body)
@@ -402,6 +405,15 @@ class _Items:
                 else _reasoning(self.open["id"], whole, "incomplete") if kind == "reasoning"
                 else {**self.open, "arguments": whole, "status": "incomplete"})
         return self.done + [last]
+
+
+async def _seen(chunks: AsyncIterator[bytes], on_chunk: Callable[[bytes], None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            on_chunk(chunk)
+            yield chunk
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 async def _events(chat: AsyncIterator[bytes], body: dict, rid: str) -> AsyncIterator[bytes]:

@@ -32,9 +32,13 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None, coalesce: bool = False):
+                 headers: dict[str, str] | None = None, coalesce: bool = False,
+                 on_chunk: Callable[[bytes], None] | None = None):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`).
+
+        `on_chunk` sees each chunk as the iterator gives it, before it is sent (or held): what a
+        wrapping generator would do per chunk, without a generator's step per chunk.
 
         `coalesce`: fewer writes (each is a syscall and, on loopback, the peer's receive too).
         The head is sent with the first chunk, not before it (with held_head.py's transport, one
@@ -44,6 +48,7 @@ class SSEResponse(StreamingResponse):
         super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
         self.on_close = on_close
         self.coalesce = coalesce
+        self.on_chunk = on_chunk
 
     async def stream_response(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
@@ -51,9 +56,12 @@ class SSEResponse(StreamingResponse):
             await send(start)
             start = None
         held = b""
+        on_chunk = self.on_chunk
         async for chunk in self.body_iterator:
             if not isinstance(chunk, bytes | memoryview):
                 chunk = chunk.encode(self.charset)
+            if on_chunk is not None:
+                on_chunk(chunk)
             if self.coalesce and chunk.endswith(DONE) and not held:
                 held = chunk
                 continue

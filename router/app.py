@@ -46,7 +46,7 @@ from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowC
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
 from pdserve.router.http1 import Client
-from pdserve.router.hot_routes import HotRoutesApp
+from pdserve.router.hot_routes import HotRoutesApp, set_header
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
@@ -61,6 +61,18 @@ from pdserve.router.upstream import Upstream, make_session
 from pdserve.router.workers import WorkerSet
 
 log = logging.getLogger("pdserve.router")
+
+_REQUEST_ID, _SESSION_ID = HEADER_REQUEST_ID.encode(), HEADER_SESSION_ID.encode()
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    """The first value of a request header (`name` lowercase, as the server gives them):
+    Starlette's `request.headers.get` raises and catches a KeyError for each header a request
+    lacks, and most lack the request and session ids."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
@@ -144,7 +156,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     async def read_json(request: Request) -> bytes:
         authorize(request, api_keys)
-        ctype = request.headers.get("content-type", "")
+        ctype = _header(request, b"content-type") or ""
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
         return await read_body(request, config.max_body_bytes, config.body_timeout_s)
@@ -157,7 +169,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             raise APIError(404, f"model {model!r} is not served here (serving: {', '.join(sorted(served))})",
                            param="model", code="model_not_found")
 
-    async def parse(request: Request, route: str, request_id: str) -> Call:
+    async def parse(request: Request, route: str, request_id: str, span) -> Call:
         # Parsed, validated and re-serialised (router/intake.py): CPU in proportion to the body,
         # on a thread when the body is large (router/offload.py), so /health and every other
         # request go on meanwhile.
@@ -167,12 +179,13 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             request.state.responses_body = taken.responses
         await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
-        routing = RoutingRequest(taken.request, request.headers.get(HEADER_SESSION_ID), tokenizer)
+        routing = RoutingRequest(taken.request, _header(request, _SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
-                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=request.state.span)
+                    prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=span,
+                    made_fields=(taken.request, taken.fields))
 
     async def ticket(request: Request, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a
@@ -203,10 +216,11 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     def traced(request: Request, route: str, request_id: str):
         """The request's span: under the client's `traceparent`, else a new trace's root."""
+        if not tracing.enabled:
+            return None
         span = tracing.start(f"router {route}", tracing.extract(request.headers), kind="server",
                              attributes={"gen_ai.request.id": request_id, "http.route": route})
         tracing.make_current(span)
-        request.state.span = span
         return span
 
     def end_when_sent(span, response: Response) -> None:
@@ -219,8 +233,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     async def serve(request: Request, route: str) -> Response:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
-        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or ids.new())
+        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
         span = traced(request, route, request_id)
         try:
             response = await answered(request, route, request_id, span)
@@ -233,14 +246,14 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def answered(request: Request, route: str, request_id: str, span) -> Response:
         started = time.monotonic()
         try:
-            call = await parse(request, route, request_id)
+            call = await parse(request, route, request_id, span)
             if span is not None:
                 span.set_attributes({"gen_ai.request.model": call.model,
                                      "gen_ai.usage.prompt_tokens": call.prompt_tokens})
             response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
                 response = from_chat(response, request.state.responses_body)
-            response.headers[HEADER_REQUEST_ID] = request_id
+            set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             if span is not None:
                 span.set_attribute("pdserve.disaggregated", call.disaggregated)
             return response
@@ -248,7 +261,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             metrics.requests.labels(route, str(e.status), "no").inc()
             metrics.e2e.observe(time.monotonic() - started)
             response = e.response()
-            response.headers[HEADER_REQUEST_ID] = request_id
+            set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             return response
         except ClientGone:
             metrics.requests.labels(route, "499", "no").inc()
@@ -274,8 +287,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
-        request_id = (request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars)
-                      or ids.new())
+        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
         try:
             raw = await read_json(request)
         except ClientGone:

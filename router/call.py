@@ -15,6 +15,9 @@ from pdserve.router.upstream import Upstream
 from pdserve.router.workers import Worker
 
 
+_PARAMS_KEY = f',"{KV_TRANSFER_PARAMS}":'.encode()
+
+
 @dataclass
 class Call:
     """One client request on its way through."""
@@ -31,6 +34,9 @@ class Call:
     accepted: bool = False  # a worker took it (its first 2xx): counted as an arrival
     tracks_tokens: bool = False  # workers report its token ids in the stream: it may migrate (migration.py)
     span: object = None  # its trace span (protocol/tracing.py), None with tracing off
+    # `request.model_dump(exclude_unset=True)` (what `raw` serialises) with the request it was
+    # made from, as intake made it: see fields().
+    made_fields: tuple[GenerationRequest, dict] | None = None
 
     @property
     def model(self) -> str:
@@ -62,6 +68,14 @@ class Call:
         # list is of one form, so its first element tells which.)
         return isinstance(r.prompt, str) or len(r.prompt) == 1 or bool(r.prompt) and isinstance(r.prompt[0], int)
 
+    def fields(self) -> dict:
+        """The request's fields the client set, as a dict (read-only: shared), made once per
+        request (intake made them already) and again only if `request` is replaced."""
+        made = self.made_fields
+        if made is None or made[0] is not self.request:
+            made = self.made_fields = (self.request, self.request.model_dump(exclude_unset=True))
+        return made[1]
+
     def headers(self) -> dict[str, str]:
         if self.tracks_tokens:
             return {"content-type": "application/json", HEADER_REQUEST_ID: self.request_id, HEADER_TOKEN_IDS: "1"}
@@ -70,7 +84,7 @@ class Call:
     def decode_payload(self, kv_transfer_params: dict) -> bytes:
         """The client's request (as validated: `raw`, which carries no kv_transfer_params) with
         the prefill's params added: spliced into its JSON, not the body serialised again."""
-        return self.raw[:-1] + f',"{KV_TRANSFER_PARAMS}":'.encode() + json.dumps(kv_transfer_params).encode() + b"}"
+        return self.raw[:-1] + _PARAMS_KEY + json.dumps(kv_transfer_params).encode() + b"}"
 
 
 @dataclass

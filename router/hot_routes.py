@@ -46,5 +46,22 @@ class HotRoutesApp(FastAPI):
             return
         scope["app"] = self
         response = await handler(Request(scope, receive))
-        response.headers["vary"] = "Origin"  # as CORSMiddleware adds to an answer without Origin
+        set_header(response, b"vary", b"Origin")  # as CORSMiddleware adds to an answer without Origin
         await response(scope, receive, send)
+
+
+def set_header(response: Response, name: bytes, value: bytes) -> None:
+    """`response.headers[name] = value` (`name` lowercase) on the response's raw headers: the
+    first header of that name replaced, later ones dropped, else appended, as Starlette's
+    MutableHeaders does, without making one (through a failed `hasattr`) per response."""
+    raw = response.raw_headers
+    at = None
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i][0] == name:
+            if at is not None:
+                del raw[at]
+            at = i
+    if at is None:
+        raw.append((name, value))
+    else:
+        raw[at] = (name, value)

@@ -69,9 +69,11 @@ class UpstreamResponse:
         "idle_s",
         "_wait_since",
         "_idle_timer",
+        "_loop",
     )
 
     def __init__(self, conn: "Connection"):
+        self._loop = conn.loop  # asyncio.get_running_loop() checks the pid (a syscall) on every call
         self.status = 0
         self.headers = Headers()
         self._conn: Connection | None = conn
@@ -108,7 +110,7 @@ class UpstreamResponse:
                 return b""
             if self._closed:
                 raise UpstreamConnectionError("the response was closed")
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             self._waiter = loop.create_future()
             if self.idle_s is not None:
                 self._wait_since = loop.time()
@@ -167,7 +169,7 @@ class UpstreamResponse:
         if self._waiter is None or self._waiter.done():
             return  # not waiting: the next wait arms the timer again
         due = self._wait_since + self.idle_s
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if loop.time() < due:  # this wait began after the timer was armed
             self._idle_timer = loop.call_at(due, self._idle_check)
             return
@@ -177,13 +179,6 @@ class UpstreamResponse:
         self._timer = None
         if self._conn is not None:  # the body is not over: the call is
             self._conn.close(asyncio.TimeoutError("the call to the worker took longer than its total timeout"))
-
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._size += len(data)
-        if self._size > _HIGH_WATER and self._conn is not None:
-            self._conn.pause()
-        self._wake()
 
     def _end(self) -> None:
         self._complete = True
@@ -213,6 +208,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
+        self.loop = asyncio.get_running_loop()  # made by the loop's create_connection
         self.transport: asyncio.Transport | None = None
         self.paused = False
         self.idle_since = 0.0
@@ -280,7 +276,16 @@ class Connection(asyncio.Protocol):
             self._head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        self._response._feed(body)
+        # The response's buffer fed here, its reader woken inline: this runs for every piece of
+        # every body, so without a call of its own.
+        response = self._response
+        response._chunks.append(body)
+        response._size += len(body)
+        if response._size > _HIGH_WATER:
+            self.pause()
+        w = response._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         response, self._response = self._response, None
@@ -299,7 +304,7 @@ class Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, total_s: float | None, first_byte_s: float | None) -> asyncio.Future:
         """Write the request; the returned future gets the Response once its head is parsed."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if first_byte_s is not None:
             self._head_timer = loop.call_later(first_byte_s, self._first_byte_late, first_byte_s)
         self._head = loop.create_future()

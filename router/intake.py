@@ -34,6 +34,7 @@ class Intake:
     route: str  # "chat" or "completions" (a Responses request is a chat one from here on)
     request: GenerationRequest  # validated, its model set: every worker call is built from it
     raw: bytes  # its fields the client set, as JSON: sent as-is to a worker that serves the request whole
+    fields: dict  # those fields as a dict (`raw` before serialising: read-only, shared)
     responses: dict | None  # a Responses request's fields its answer repeats (responses_api.echoed)
     estimated_tokens: int  # its prompt tokens as router/prompt.py estimates them (no tokenizer)
 
@@ -58,5 +59,5 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     # worker is called (its semantic checks, such as context length, stay with it).
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
     limits.check(req)
-    raw = json.dumps(req.model_dump(exclude_unset=True)).encode()
-    return Intake(route, req, raw, responses, count_prompt_tokens(req, None))
+    fields = req.model_dump(exclude_unset=True)
+    return Intake(route, req, json.dumps(fields).encode(), fields, responses, count_prompt_tokens(req, None))

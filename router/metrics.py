@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.router.flow_control.metrics import FlowMetrics
+from pdserve.router.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 # The stall between a stream's first two tokens: decode steps are milliseconds, a KV hand-off that
 # waits for a whole transfer can be seconds.
@@ -18,26 +19,28 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self._children: dict[tuple, object] = {}  # child()
         r = self.registry
-        self.requests = Counter("pdserve_router_requests", "Requests answered, by route, status and P/D.",
+        # The series every request updates are the Loop* kinds (loop_metrics.py: no lock per
+        # update); they are only ever updated from the event loop's thread.
+        self.requests = LoopCounter("pdserve_router_requests", "Requests answered, by route, status and P/D.",
                                 ["route", "status", "disaggregated"], registry=r)
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+        self.ttft = LoopHistogram("pdserve_router_time_to_first_token_seconds",
                               "From request arrival to the first generated token sent to the client.",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "From request arrival to its last byte.",
+        self.e2e = LoopHistogram("pdserve_router_e2e_latency_seconds", "From request arrival to its last byte.",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram("pdserve_router_prefill_seconds", "Duration of the prefill call (P/D only).",
+        self.prefill = LoopHistogram("pdserve_router_prefill_seconds", "Duration of the prefill call (P/D only).",
                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.handoff = Histogram("pdserve_router_handoff_seconds",
+        self.handoff = LoopHistogram("pdserve_router_handoff_seconds",
                                  "From the prefill answer to the decode worker's first byte (KV transfer included).",
                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.first_token_gap = Histogram("pdserve_router_first_token_gap_seconds",
+        self.first_token_gap = LoopHistogram("pdserve_router_first_token_gap_seconds",
                                          "Streams: from sending the first token's event to sending the second's "
                                          "(P/D: the stall after the hand-off; direct: the first inter-token gap).",
                                          ["disaggregated"], buckets=_GAP_BUCKETS, registry=r)
-        self.upstream_errors = Counter("pdserve_router_upstream_errors", "Failed worker calls.",
+        self.upstream_errors = LoopCounter("pdserve_router_upstream_errors", "Failed worker calls.",
                                        ["worker", "phase"], registry=r)
-        self.inflight = Gauge("pdserve_router_inflight", "Requests open on each worker.", ["worker"], registry=r)
-        self.retries = Counter("pdserve_router_retries", "Worker calls retried on another worker.", ["phase"],
+        self.inflight = LoopGauge("pdserve_router_inflight", "Requests open on each worker.", ["worker"], registry=r)
+        self.retries = LoopCounter("pdserve_router_retries", "Worker calls retried on another worker.", ["phase"],
                                registry=r)
         # Aggregated fallback (fallback.py) and scale from zero (admission_queue.py): what a
         # planner and the operator's Degraded condition read.
@@ -61,10 +64,10 @@ class RouterMetrics:
         # never inflates it, and a client cannot mint label values; a held request counts when a
         # worker takes it. Prompt tokens are exact when the router tokenizes (--tokenizer), else
         # its estimate (prompt.py).
-        self.arrived_requests = Counter("pdserve_router_arrived_requests",
+        self.arrived_requests = LoopCounter("pdserve_router_arrived_requests",
                                         "Requests for a served model, counted once a worker accepted them.",
                                         ["model"], registry=r)
-        self.arrived_prompt_tokens = Counter("pdserve_router_arrived_prompt_tokens",
+        self.arrived_prompt_tokens = LoopCounter("pdserve_router_arrived_prompt_tokens",
                                              "Prompt tokens of the arrived requests (exact with --tokenizer, "
                                              "else estimated from the text).", ["model"], registry=r)
 

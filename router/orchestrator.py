@@ -48,7 +48,7 @@ from pdserve.router.prompt import decodes_one_token
 from pdserve.router.selection import Selector
 from pdserve.router.splice import Answer, closing_events, first_token_events, merge_unary
 from pdserve.router.sse import EventFramer, drop_role_chunk, split_first_event, token_events
-from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, Upstream, chunks, read_and_close, timeout
+from pdserve.router.upstream import UPSTREAM_ERRORS, Limits, StreamBroken, Upstream, read_and_close, timeout
 from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
 
@@ -179,9 +179,11 @@ class Orchestrator:
         With `stream_kv`, a worker that streams the hand-off gives a StreamedPrefill instead: its
         first line read, its call held open (the StreamedPrefill closes it)."""
         # On a thread when large: a prompt of a million token ids takes json.dumps ~0.1 s.
-        body = await off_loop(len(call.raw), lambda: prefill_request(call.request.model_dump(exclude_unset=True),
-                                                                     stream_kv))
-        payload = await off_loop(len(call.raw), lambda: json.dumps(body).encode())
+        def build() -> tuple[dict, bytes]:
+            body = prefill_request(call.fields(), stream_kv)
+            return body, json.dumps(body).encode()
+
+        body, payload = await off_loop(len(call.raw), build)
         # The prefill worker chosen may lack a prefix another prefill worker holds (peer_prefix.py).
         body_for = (lambda w, ws: self.peer_prefix.prefill_payload(call, w, ws, body)) \
             if self.peer_prefix.enabled else None
@@ -357,8 +359,12 @@ class Orchestrator:
                 framer = EventFramer()
                 # Only a worker that says it reports ids closes its output groups (an older one does not).
                 tracking = call.tracks_tokens and up.response.headers.get(HEADER_TOKEN_IDS) == "1"
+                response = up.response
+                # The response's own timer bounds each wait (http1.py): no task or timeout per chunk,
+                # and no async generator between it and this loop.
+                response.idle_s = self.stream_limits.idle_s
                 try:
-                    async for data in chunks(up.response, self.stream_limits.idle_s):
+                    while data := await response.readany():
                         out = framer.feed(data)
                         if tracking and out:
                             out = progress.relay(out)
@@ -437,25 +443,21 @@ class Orchestrator:
                 self.metrics.e2e.observe(time.monotonic() - call.started)
                 self.metrics.child(self.metrics.requests, call.route, "200", _yes(call.disaggregated)).inc()
 
-        async def counting() -> AsyncIterator[bytes]:
-            tokens, first_sent = 0, 0.0
-            try:
-                async for chunk in events:
-                    if tokens < 2 and (n := token_events(chunk, 2 - tokens)):
-                        now = time.monotonic()
-                        if tokens == 0:
-                            first_sent = now
-                        tokens += n
-                        if tokens == 2:  # both in one chunk: sent together, a gap of 0
-                            gap = self.metrics.child(self.metrics.first_token_gap, _yes(call.disaggregated))
-                            gap.observe(now - first_sent)
-                    # [DONE] is always the last event of the chunk that carries it (whole events;
-                    # JSON escapes newlines, so no data can end this way).
-                    if chunk.endswith(DONE):
-                        count()
-                    yield chunk
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
+        tokens, first_sent = 0, 0.0
+
+        def sending(chunk: bytes) -> None:
+            nonlocal tokens, first_sent
+            if tokens < 2 and (n := token_events(chunk, 2 - tokens)):
+                now = time.monotonic()
+                if tokens == 0:
+                    first_sent = now
+                tokens += n
+                if tokens == 2:  # both in one chunk: sent together, a gap of 0
+                    self.metrics.child(self.metrics.first_token_gap, _yes(call.disaggregated)).observe(now - first_sent)
+            # [DONE] is always the last event of the chunk that carries it (whole events; JSON
+            # escapes newlines, so no data can end this way).
+            if chunk.endswith(DONE):
+                count()
 
         def closed() -> None:
             if held is not None:
@@ -465,7 +467,7 @@ class Orchestrator:
             count()
 
         # A relay yields soon and ends right after its [DONE] (the worker's body ends).
-        return SSEResponse(counting(), on_close=closed, coalesce=True)
+        return SSEResponse(events, on_close=closed, coalesce=True, on_chunk=sending)
 
 
 def _yes(flag: bool) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pdserve.protocol.responses import (ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, CompletionChoice,
                                         CompletionChunk, CompletionResponse, Delta)
 from pdserve.protocol.sse import DONE
+from pdserve.router.sse import CountedEvents
 
 Answer = ChatCompletionResponse | CompletionResponse
 
@@ -26,7 +27,8 @@ def first_token_events(answer: Answer, finished: bool = False) -> bytes:
     """The events a single worker would have sent for the first token: its text as the prefill
     released it (possibly "" while a stop string or a character may still be completing), sent
     when there is text or logprobs to carry, as the worker's own stream does; with `finished`,
-    the first token also ended the request and its finish is part of the events."""
+    the first token also ended the request and its finish is part of the events. Counted: one
+    of them carries a token when the text or the logprobs say something (router/sse.py)."""
     choice = answer.choices[0]
     finish = dict(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason) if finished else {}
     if isinstance(answer, ChatCompletionResponse):
@@ -38,11 +40,12 @@ def first_token_events(answer: Answer, finished: bool = False) -> bytes:
                 ChatChunkChoice(delta=Delta(content=text), logprobs=choice.logprobs)]).sse()
         if finished:
             out += ChatCompletionChunk(**_ids(answer), choices=[ChatChunkChoice(delta=Delta(), **finish)]).sse()
-        return out
+        return CountedEvents(out, 1 if text or choice.logprobs else 0)
     if not (choice.text or choice.logprobs is not None or finished):
         return b""
-    return CompletionChunk(**_ids(answer), choices=[
-        CompletionChoice(text=choice.text, logprobs=choice.logprobs, **finish)]).sse()
+    return CountedEvents(CompletionChunk(**_ids(answer), choices=[
+        CompletionChoice(text=choice.text, logprobs=choice.logprobs, **finish)]).sse(),
+        1 if choice.text or choice.logprobs else 0)
 
 
 def closing_events(answer: Answer, include_usage: bool) -> bytes:

@@ -51,10 +51,25 @@ def drop_role_chunk(event: bytes) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+class CountedEvents(bytes):
+    """Events the router wrote itself (a prefill's first token: router/splice.py), with how many
+    of them carry a generated token as `token_events` counts them: not parsed back."""
+
+    tokens: int
+
+    def __new__(cls, events: bytes, tokens: int) -> "CountedEvents":
+        self = super().__new__(cls, events)
+        self.tokens = tokens
+        return self
+
+
 def token_events(block: bytes, most: int = 2) -> int:
     """How many of `block`'s events carry a generated token (text, a tool call, reasoning or
     logprobs; not a role chunk, a finish-only chunk, usage, an error or [DONE]), counting at most
-    `most`. Parses JSON, so the router calls it only for a stream's first few events."""
+    `most`. Parses JSON, so the router calls it only for a stream's first few events (and never
+    for its own `CountedEvents`)."""
+    if isinstance(block, CountedEvents):
+        return min(block.tokens, most)
     n = 0
     for event in block.split(b"\n\n"):
         if not event.startswith(b"data: {"):

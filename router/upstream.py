@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import aiohttp
 
@@ -192,13 +191,6 @@ async def read_and_close(response: UpstreamResponse) -> bytes:
         return b""
     finally:
         response.release()
-
-
-async def chunks(response: UpstreamResponse, idle_s: float | None = None) -> AsyncIterator[bytes]:
-    """The body as it arrives; a gap longer than `idle_s` raises asyncio.TimeoutError."""
-    response.idle_s = idle_s  # the response's own timer: no task or timeout object per chunk
-    while data := await response.readany():
-        yield data
 
 
 def close(response: UpstreamResponse | None) -> None:

@@ -80,10 +80,11 @@ class UpstreamCall:
             self.attempts += 1
             self.up.acquire(worker)
             self.worker = worker
-            span = self._tracing.start(f"{self.phase} call", self._parent_span, kind="client",
-                                       attributes={"pdserve.phase": self.phase, "pdserve.worker": worker.url,
-                                                   "pdserve.attempt": self.attempts})
-            if span is not None:
+            span = None
+            if self._tracing.enabled:  # (its name and attributes are not even built otherwise)
+                span = self._tracing.start(f"{self.phase} call", self._parent_span, kind="client",
+                                           attributes={"pdserve.phase": self.phase, "pdserve.worker": worker.url,
+                                                       "pdserve.attempt": self.attempts})
                 headers = {**headers, **self._tracing.carrier(span)}
             self._span = span
             own = await body_for(worker, self._pool) if body_for is not None else None

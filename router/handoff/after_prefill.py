@@ -46,14 +46,18 @@ class AfterPrefill(Handoff[Prefilled]):
         if first_token_ended(answer):
             return o.finished_by_prefill(call, answer)
         call.disaggregated = True
-        decode_pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker], handoff=True)
         pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
         if call.stream:
-            return o.stream_response(call, self.stream(call, decode_pool, answer, pin), pin=pin)
+            return o.stream_response(call, self.stream(call, answer, pin), pin=pin)
         try:
-            return await self._unary(call, decode_pool, answer, pin)
+            return await self._unary(call, self.decode_pool(call, pin), answer, pin)
         finally:
             pin.abandon(o.up)
+
+    def decode_pool(self, call: Call, pin: PinnedKV) -> list[Worker]:
+        """The decode workers that may take the pinned KV: paired by revision with its prefill
+        worker (and loading the request's adapter on demand, if they do)."""
+        return self.o.selector.pool(ROLE_DECODE, call.model, partners=[pin.worker], handoff=True)
 
     async def _open(self, up: UpstreamCall, call: Call, payload: bytes, limits: Limits) -> \
             UpstreamResponse | None:
@@ -93,9 +97,10 @@ class AfterPrefill(Handoff[Prefilled]):
         o.metrics.handoff.observe(time.monotonic() - t0)
         return o.merged(call, prefill, content)
 
-    async def stream(self, call: Call, pool: list[Worker], prefill: Answer, pin: PinnedKV,
-                     first_sent: bool = False) -> AsyncIterator[bytes]:
-        """The streamed answer: the first token's events (unless `first_sent`), then the decode's."""
+    async def stream(self, call: Call, prefill: Answer, pin: PinnedKV, first_sent: bool = False) -> \
+            AsyncIterator[bytes]:
+        """The streamed answer: the first token's events (unless `first_sent`), then the decode's.
+        The decode pool is chosen once the first token is out: nothing before it waits for that."""
         o = self.o
         # A client that hangs up from here until the decode call is opened leaves the pin to
         # the router (`pin`; stream_response releases it), and after that to the decode worker.
@@ -106,7 +111,7 @@ class AfterPrefill(Handoff[Prefilled]):
         t0 = time.monotonic()
         # Held from here: a client that hangs up while the decode worker pulls the KV closes
         # this iterator (SSEResponse), which closes the call and releases the worker.
-        up = o.upstream_call("decode", ROLE_DECODE, call, pool)
+        up = o.upstream_call("decode", ROLE_DECODE, call, self.decode_pool(call, pin))
         try:
             pin.sent = True
             payload = call.decode_payload(prefill.kv_transfer_params)

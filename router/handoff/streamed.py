@@ -282,9 +282,8 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                 if _stream_unsupported(refusal):  # the first token is out: the final params, the rest
                     leg.close()
                     pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
-                    pool = o.selector.pool(ROLE_DECODE, call.model, partners=[prefill.worker], handoff=True)
                     try:
-                        async for chunk in self.after_prefill.stream(call, pool, answer, pin, first_sent=True):
+                        async for chunk in self.after_prefill.stream(call, answer, pin, first_sent=True):
                             yield chunk
                     finally:
                         pin.abandon(o.up)

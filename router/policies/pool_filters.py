@@ -51,8 +51,9 @@ class RevisionFilter:
     def filter(self, workers: Sequence[Worker], query: PoolQuery) -> list[Worker]:
         if query.partners is None:
             return list(workers)
-        return [w for w in workers if any(_same_revision(w, p) for p in query.partners)]
-
-
-def _same_revision(a: Worker, b: Worker) -> bool:
-    return a.revision is None or b.revision is None or a.revision == b.revision
+        revisions = {p.revision for p in query.partners}
+        if not revisions:  # no partner at all: nothing to pair with
+            return []
+        if None in revisions:  # an unlabelled partner pairs with every worker
+            return list(workers)
+        return [w for w in workers if w.revision is None or w.revision in revisions]

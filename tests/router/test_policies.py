@@ -137,7 +137,10 @@ def worker(url="http://w:1", role="decode", revision=None, **state) -> Worker:
      PoolQuery("decode", "m", partners=[worker(role="prefill", revision="r2")]), [1, 2]),
     ("revision", [worker(revision="r1"), worker(revision="r2")],
      PoolQuery("prefill", "m", partners=[worker(revision=None)]), [0, 1]),  # unlabelled pairs with all
-    ("revision", [worker(revision="r1")], PoolQuery("prefill", "m", partners=[]), []),  # no decode worker at all
+    ("revision", [worker(revision="r1"), worker()], PoolQuery("prefill", "m", partners=[]), []),  # no decode worker
+    ("revision", [worker(revision="r1"), worker(revision="r2"), worker(revision="r3"), worker()],
+     PoolQuery("decode", "m", partners=[worker(role="prefill", revision="r3"), worker(role="prefill", revision="r1")]),
+     [0, 2, 3]),  # any partner's revision
 ])
 def test_pool_filters(name, workers, query, kept):
     f = plugin("pool-filter", name, PolicyContext())

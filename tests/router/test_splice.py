@@ -13,6 +13,7 @@ from pdserve.protocol.responses import ChatCompletionResponse, CompletionRespons
 from pdserve.router.call import Call
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.splice import closing_events, first_token_events, merge_unary
+from pdserve.router.sse import token_events
 
 
 @pytest.mark.parametrize("body, one", [
@@ -70,3 +71,21 @@ def test_merge_continues_text_offsets_after_the_first_token():
     rest = CompletionResponse(id="a", choices=[{"text": "\nok", "logprobs": lp(["\n", "ok"], [0, 1])}])
     merged = merge_unary(first, rest).choices[0]
     assert merged.text == "\nok" and merged.logprobs["text_offset"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text", ["", " P"])
+@pytest.mark.parametrize("logprobs", [None, {}, {"content": []}, {"tokens": [" P"], "token_logprobs": [-0.1]}])
+@pytest.mark.parametrize("finished", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_first_tokens_events_count_their_tokens_as_parsing_them_does(text, logprobs, finished, chat):
+    """The router's own first-token events are not parsed back to find the stream's first two
+    tokens (router/sse.py CountedEvents): their count is what parsing them would give."""
+    finish = "stop" if finished else "length"
+    if chat:
+        answer = ChatCompletionResponse(id="chatcmpl-x", choices=[{"message": {"content": text}, "logprobs": logprobs,
+                                                                   "finish_reason": finish}])
+    else:
+        answer = CompletionResponse(id="cmpl-x", choices=[{"text": text, "logprobs": logprobs,
+                                                           "finish_reason": finish}])
+    events = first_token_events(answer, finished=finished)
+    assert token_events(events) == token_events(bytes(events))
