@@ -25,10 +25,9 @@ class CpuThreads:
         self.decode = max(1, self.total - 1)
         self._current = None
 
-    def for_step(self, decode_only: bool, split: bool = False) -> int:
-        """Set the step thread's intra-op threads for a step; returns the count. `split`: a decode
-        step run as row shares, one per core, each on one thread (cpu_split_decode.py)."""
-        n = 1 if split else self.decode if decode_only else self.total
+    def for_step(self, decode_only: bool) -> int:
+        """Set the step thread's intra-op threads for a step; returns the count."""
+        n = self.decode if decode_only else self.total
         if n != self._current:
             torch.set_num_threads(n)
             self._current = n

@@ -35,7 +35,6 @@ from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
 from pdserve.worker.attention.selector import make_backend
 from pdserve.worker.config.engine import ConfigError, EngineConfig
-from pdserve.worker.executor.cpu_split_decode import SplitDecode
 from pdserve.worker.executor.cpu_threads import CpuThreads
 from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.executor.host_staging import HostStaging
@@ -226,11 +225,6 @@ class ModelRunner:
         self.sampler = Sampler()
         # CPU: decode steps leave a core to the server's threads (executor/cpu_threads.py).
         self.cpu_threads = CpuThreads() if self.device.type == "cpu" else None
-        # CPU, packed bf16 linears (whose sums do not depend on a call's rows): a decode step of
-        # many sequences runs as row shares side by side, one per core (executor/cpu_split_decode.py).
-        self.cpu_split = None
-        if self.cpu_threads is not None and getattr(self.model, "packed_head", None) is not None and self.tp_size == 1:
-            self.cpu_split = SplitDecode.for_cpu(self.cpu_threads.total)
         # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
         self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
         self.prompt_logprobs = PromptLogprobsCollector()  # rank 0: echo requests' prompt logprobs
@@ -274,8 +268,6 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (after the engine stopped the other ranks)."""
         self.followers = None
-        if self.cpu_split is not None:
-            self.cpu_split.shutdown()
         if self.tp_size > 1:
             from pdserve.worker.parallel.group import shutdown_tensor_parallel
 
@@ -510,13 +502,8 @@ class ModelRunner:
             self.lora.apply(plan.lora_swaps)
         if self.host_kv is not None:  # also when it has none: the forward waits for earlier copies
             self.host_kv.apply(plan.tier_ops)
-        split = self.cpu_split is not None and not plan.graph and self.cpu_split.takes(plan)
         if self.cpu_threads is not None:
-            # inputs[6]: prefill lengths
-            self.cpu_threads.for_step(decode_only=plan.graph or not plan.inputs[6], split=split)
-        if split:
-            self.prompt_scores = None
-            return self.cpu_split.run(plan, self._share_logits)
+            self.cpu_threads.for_step(decode_only=plan.graph or not plan.inputs[6])  # inputs[6]: prefill lengths
         fill = None
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
@@ -540,9 +527,7 @@ class ModelRunner:
         if plan.prompt_rows:
             self.prompt_scores = score_rows(hidden, plan.prompt_rows, plan.prompt_targets, plan.prompt_top_k,
                                             self._project, self.config.max_num_seqs)
-        return self._logits(hidden, plan.logits_idx)
-
-    def _logits(self, hidden: torch.Tensor, logits_idx: list[int]) -> torch.Tensor | None:
+        logits_idx = plan.logits_idx
         if not logits_idx:
             return None
         if logits_idx == list(range(logits_idx[0], logits_idx[0] + len(logits_idx))):
@@ -550,11 +535,6 @@ class ModelRunner:
         else:
             rows = hidden[logits_idx]
         return self._project(rows)
-
-    def _share_logits(self, inputs: tuple, logits_idx: list[int]) -> torch.Tensor | None:
-        """One row share of a split CPU decode step (cpu_split_decode.py): its forward and logits."""
-        input_ids, positions, meta = self._eager_inputs(inputs)
-        return self._logits(self.model(input_ids, positions, meta), logits_idx)
 
     @torch.inference_mode()
     def copy_tiers_now(self, ops) -> None:
