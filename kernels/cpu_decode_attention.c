@@ -8,9 +8,20 @@
  *
  * Plain C (no torch headers: it compiles in about a second, cpu_native.py); loops written so that
  * the compiler vectorizes them for the build machine (-O3 -march=native). Requires D % 16 == 0.
+ *
+ * With AVX-512 the scores are computed 16 tokens at a time (decode_one_avx512): a score is a dot
+ * product, 16 lanes of partial sums that must be added across the lanes, and adding each one's
+ * lanes alone is more instructions than the multiplications; folding 16 of them together
+ * (fold16) takes one add per score. The additions are the same ones in the same order as
+ * lanes_sum's, and the weighted sum of V is the same multiplies and adds in the same order, so
+ * both paths give the same bits. (ISO C, -std=c11, keeps a * b + c as two roundings, never a fused
+ * multiply-add: the intrinsics path spells out the same two.)
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -131,6 +142,120 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
+#if defined(__AVX512F__)
+/* 16 bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
+static inline __m512 widen16(const uint16_t *p) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+/* a[0..15], each 16 lanes of partial sums -> their 16 totals, each added up as lanes_sum adds one
+ * vector (lanes j + j+8, then j + j+4, then (0 + 2) + (1 + 3)), two vectors at a time through
+ * shuffles. Total i ends in lane (i % 4) * 4 + i / 4, a transpose that is its own inverse: a
+ * caller that puts token (s % 4) * 4 + s / 4 in a[s] gets token t's total in lane t. */
+static inline __m512 fold16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* lanes j + j+8: [x's 8 | y's 8] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* j + j+4 within each 8: four vectors' 4 each */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* (0 + 2), (1 + 3) within each 4 */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+/* Query heads per KV head (G) and D / 16 (C) this path takes; more fall back to decode_one. */
+#define MAX_G 16
+#define MAX_GC 32
+
+/* decode_one's math, block by block and KV head by KV head (a block's rows stay in L1 across its
+ * heads): the scores 16 tokens at a time, each token's K row widened once for the G query heads
+ * of its KV head (their queries held in registers), folded 16 at a time; the weighted sum of V in
+ * registers across a block. Scratch: s [Hq, L], qf [Hq, D]. Needs G <= MAX_G, G * D / 16 <= MAX_GC. */
+static inline __attribute__((always_inline)) void decode_one_avx512(
+    const uint16_t *q, int64_t q_sh, const uint16_t *k, const uint16_t *v, int64_t c_sblk, int64_t c_stok,
+    int64_t c_sh, const int32_t *table, const int32_t *next_table, int64_t L, int64_t Hkv, const int64_t G,
+    const int64_t D, int64_t bs, float scale, float *out, float *scratch) {
+    const int64_t Hq = G * Hkv, C = D / LANES;
+    float *s = scratch, *qf = s + Hq * L;
+    for (int64_t i = 0; i < Hq; i++)
+        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(qf + i * D + c * LANES, widen16(q + i * q_sh + c * LANES));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t blk = 0, t0 = 0; t0 < L; blk++, t0 += bs) {
+        const int64_t n = L - t0 < bs ? L - t0 : bs;
+        const uint16_t *kb = k + (int64_t)table[blk] * c_sblk;
+        const uint16_t *kn = t0 + bs < L ? k + (int64_t)table[blk + 1] * c_sblk : 0;
+        for (int64_t h = 0; h < Hkv; h++) {
+            __m512 qr[MAX_GC];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < C; c++) qr[g * C + c] = _mm512_loadu_ps(qf + (h * G + g) * D + c * LANES);
+            for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+                const int64_t m = n - j0 < LANES ? n - j0 : LANES;
+                __m512 a[MAX_G][LANES];
+                for (int sl = 0; sl < LANES; sl++) {
+                    const int64_t tok = (sl % 4) * 4 + sl / 4; /* fold16's lane order */
+                    if (tok >= m) {
+                        for (int64_t g = 0; g < G; g++) a[g][sl] = _mm512_setzero_ps();
+                        continue;
+                    }
+                    const uint16_t *row = kb + (j0 + tok) * c_stok + h * c_sh;
+                    if (kn && h == 0) prefetch_row(kn + (j0 + tok) * c_stok, c_sh, Hkv, D);
+                    if (blk == 0 && h == 0) prefetch_row(v + (int64_t)table[0] * c_sblk + (j0 + tok) * c_stok, c_sh, Hkv, D);
+                    __m512 kr[MAX_GC];
+                    for (int64_t c = 0; c < C; c++) kr[c] = widen16(row + c * LANES);
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < C; c++) acc = _mm512_add_ps(acc, _mm512_mul_ps(qr[g * C + c], kr[c]));
+                        a[g][sl] = acc;
+                    }
+                }
+                for (int64_t g = 0; g < G; g++)
+                    _mm512_mask_storeu_ps(s + (h * G + g) * L + t0 + j0, (__mmask16)((1u << m) - 1),
+                                          _mm512_mul_ps(fold16(a[g]), vscale));
+            }
+        }
+    }
+    for (int64_t i = 0; i < Hq; i++) {
+        float *si = s + i * L;
+        float m = si[0];
+        for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
+        for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
+        float acc[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= L; t += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
+        for (; t < L; t++) acc[t % LANES] += si[t];
+        const float total = lanes_sum(acc);
+        for (t = 0; t < L; t++) si[t] = si[t] / total;
+    }
+    for (int64_t h = 0; h < Hkv; h++) {
+        __m512 acc[MAX_GC];
+        for (int64_t i = 0; i < G * C; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t blk = 0, t0 = 0; t0 < L; blk++, t0 += bs) {
+            const int64_t n = L - t0 < bs ? L - t0 : bs;
+            const uint16_t *vb = v + (int64_t)table[blk] * c_sblk + h * c_sh;
+            const uint16_t *vn = t0 + bs < L ? v + (int64_t)table[blk + 1] * c_sblk + h * c_sh : 0;
+            for (int64_t j = 0; j < n; j++) {
+                if (vn) prefetch_row(vn + j * c_stok, 0, 1, D);
+                if (blk == 0 && h == Hkv - 1 && next_table) /* the next sequence's first K block */
+                    prefetch_row(k + (int64_t)next_table[0] * c_sblk + j * c_stok, c_sh, Hkv, D);
+                __m512 vr[MAX_GC];
+                for (int64_t c = 0; c < C; c++) vr[c] = widen16(vb + j * c_stok + c * LANES);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(s[(h * G + g) * L + t0 + j]);
+                    for (int64_t c = 0; c < C; c++) acc[g * C + c] = _mm512_add_ps(acc[g * C + c], _mm512_mul_ps(p, vr[c]));
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(out + (h * G + g) * D + c * LANES, acc[g * C + c]);
+    }
+}
+#endif
+
 /* q [B, Hq, D] bf16 (strides q_sb, q_sh; D contiguous); k, v: caches [blocks, block_size, Hkv, D]
  * bf16 with strides (c_sblk, c_stok, c_sh, 1), the same for both; tables [B, *] int32 (row stride
  * t_sb); lens [B] int32, tokens in cache incl. the current one; out [B, Hq, D] fp32 contiguous;
@@ -141,6 +266,19 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_sb, int64_t q_sh, const uint
                        float *out, float *scratch) {
     for (int64_t b = 0; b < B; b++) {
         const int32_t *next = b + 1 < B ? tables + (b + 1) * t_sb : 0;
+#if defined(__AVX512F__)
+        const int64_t G = Hq / Hkv;
+        if (G == 3 && D == 64) { /* SmolLM2's heads: constants, so the registers are allocated */
+            decode_one_avx512(q + b * q_sb, q_sh, k, v, c_sblk, c_stok, c_sh, tables + b * t_sb, next, lens[b], Hkv,
+                              3, 64, bs, scale, out + b * Hq * D, scratch);
+            continue;
+        }
+        if (G <= MAX_G && G * (D / LANES) <= MAX_GC) {
+            decode_one_avx512(q + b * q_sb, q_sh, k, v, c_sblk, c_stok, c_sh, tables + b * t_sb, next, lens[b], Hkv,
+                              G, D, bs, scale, out + b * Hq * D, scratch);
+            continue;
+        }
+#endif
         if (D == 64)
             decode_one(q + b * q_sb, q_sh, k, v, c_sblk, c_stok, c_sh, tables + b * t_sb, next, lens[b], Hq, Hkv, 64,
                        bs, scale, out + b * Hq * D, scratch);

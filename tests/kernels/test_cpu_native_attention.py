@@ -5,7 +5,9 @@ from one token to several blocks; one thread and a batch split over threads."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -56,3 +58,50 @@ def test_batch_does_not_change_a_sequence():
     batch = paged_decode_attention_cpu(q, k_cache, v_cache, tables, ctx, D**-0.5)
     alone = paged_decode_attention_cpu(q[3:4], k_cache, v_cache, tables[3:4], ctx[3:4], D**-0.5)
     assert torch.equal(batch[3:4], alone)
+
+
+def _built(where, name: str, extra: list[str]):
+    """The kernel's source built with the engine's flags plus `extra`, loaded with its signature."""
+    out = where / f"{name}.so"
+    subprocess.run(["cc", *cpu_native.FLAGS, *extra, "-o", str(out), str(cpu_native.SOURCE)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.paged_decode_bf16.argtypes = cpu_native.library().paged_decode_bf16.argtypes
+    return lib
+
+
+def _call(lib, q, k_cache, v_cache, tables, lens, bs):
+    B, Hq, D = q.shape
+    out = torch.empty(B, Hq, D)
+    scratch = torch.empty(Hq * (tables.shape[1] * bs + D) + k_cache.shape[2] * D)
+    cs = k_cache.stride()
+    lib.paged_decode_bf16(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), cs[0],
+                          cs[1], cs[2], tables.data_ptr(), tables.stride(0), lens.data_ptr(), B, Hq,
+                          k_cache.shape[2], D, bs, D**-0.5, out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+@pytest.fixture(scope="module")
+def both_builds(tmp_path_factory):
+    where = tmp_path_factory.mktemp("decode-builds")
+    return _built(where, "fast", []), _built(where, "plain", ["-mno-avx512f"])
+
+
+@pytest.mark.skipif("avx512f" not in cpu_native._cpu_flags().split(), reason="no AVX-512 here")
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (32, 8, 128, 16), (8, 1, 64, 4), (4, 4, 16, 32),
+                                          (32, 1, 64, 16)])
+def test_avx512_path_gives_the_plain_c_bits(both_builds, hq, hkv, d, bs):
+    """The AVX-512 path (16 scores folded at a time) and the plain C loops (built without AVX-512)
+    add the same numbers in the same order: equal bit for bit, over partial blocks and groups of
+    16 tokens, one token and many blocks; 32 query heads on one KV head take the plain loops."""
+    fast, plain = both_builds
+    g = torch.Generator().manual_seed(hq + d + bs)
+    lens = [1, 2, 15, 16, 17, 33, 100, 271]
+    nblk = [-(-n // bs) for n in lens]
+    cache = (torch.randn(sum(nblk) + 2, 2, 2, bs, hkv, d, generator=g) * 2).bfloat16()
+    order = torch.randperm(sum(nblk), generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
+    for i, n in enumerate(nblk):
+        tables[i, :n] = order[sum(nblk[:i]):sum(nblk[:i]) + n]
+    q = (torch.randn(len(lens), hq, d, generator=g) * 3).bfloat16()
+    args = (q, cache[:, 1, 0], cache[:, 1, 1], tables, torch.tensor(lens, dtype=torch.int32), bs)
+    assert torch.equal(_call(fast, *args), _call(plain, *args))
