@@ -158,8 +158,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         # A decode step on the Triton backend reads slots, lengths and block tables on the device
         # only (the latent write and decode kernels, attention/mla.py), routes in one kernel
         # (kernels/moe_grouped_route.py: shapes only on the host) and runs the experts through the
-        # fused op: a CUDA graph can capture it. The torch
-        # backend's references read the host (and never run under graphs).
+        # fused op: a CUDA graph can capture it. The torch backend's references read the host (and
+        # never run under graphs).
         self.cuda_graphs = backend.name == "triton"
 
     def make_attention(self, cfg, layer_idx, backend, shard):
