@@ -2,8 +2,9 @@
 
 The torch version is about fifteen launches per MoE layer (sigmoid, bias add, two top-k, a
 scatter, the mask's expand and fill, the gather, the sum and the division), each a few
-microseconds at decode batch sizes while the arithmetic is a few hundred values per token:
-~30 us of a DeepSeek-V3 layer's bs=1 step in the H200 profile. Here one program takes one token's
+microseconds at decode batch sizes while the arithmetic is a few hundred values per token. With
+this kernel (5.4 us a call) DeepSeek-V3's 8-layer bs=1 step went from 3.26 to 2.94 ms on an H200
+(7 MoE layers, ~45 us each; consecutive calls, docs/results/deepseek). Here one program takes one token's
 E router logits in registers: scores (sigmoid or softmax), the biased choice, each group's score
 (its best, or its two best summed), the `topk_group` best groups by arg-max rounds, then the k best
 experts of the kept groups by arg-max rounds, weighted by their unbiased scores, renormalised
