@@ -82,6 +82,24 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return lanes_sum(acc);
 }
 
+/* Each of the Hq rows of s [Hq, L] (scaled scores) becomes its softmax, in place; both decode
+   paths share it, so they keep the same bits. */
+static inline void softmax_rows(float *s, int64_t Hq, int64_t L) {
+    for (int64_t i = 0; i < Hq; i++) {
+        float *si = s + i * L;
+        float m = si[0];
+        for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
+        for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
+        float acc[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= L; t += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
+        for (; t < L; t++) acc[t % LANES] += si[t];
+        const float total = lanes_sum(acc);
+        for (t = 0; t < L; t++) si[t] = si[t] / total;
+    }
+}
+
 /* One sequence: q [Hq, D] bf16 (head stride q_sh), its block table and length; out [Hq, D] fp32.
  * Inlined with D constant where the caller can (D = 64), so the per-head loops unroll. */
 static inline __attribute__((always_inline)) void decode_one(
@@ -108,19 +126,7 @@ static inline __attribute__((always_inline)) void decode_one(
                     s[(h * G + g) * L + t0 + j] = dot(qf + (h * G + g) * D, row + h * D, D) * scale;
         }
     }
-    for (int64_t i = 0; i < Hq; i++) {
-        float *si = s + i * L;
-        float m = si[0];
-        for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
-        for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
-        float acc[LANES] = {0};
-        int64_t t = 0;
-        for (; t + LANES <= L; t += LANES)
-            for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
-        for (; t < L; t++) acc[t % LANES] += si[t];
-        const float total = lanes_sum(acc);
-        for (t = 0; t < L; t++) si[t] = si[t] / total;
-    }
+    softmax_rows(s, Hq, L);
     memset(out, 0, sizeof(float) * Hq * D);
     for (int64_t blk = 0, t0 = 0; t0 < L; blk++, t0 += bs) {
         const int64_t n = L - t0 < bs ? L - t0 : bs;
@@ -218,19 +224,7 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
             }
         }
     }
-    for (int64_t i = 0; i < Hq; i++) {
-        float *si = s + i * L;
-        float m = si[0];
-        for (int64_t t = 1; t < L; t++) m = si[t] > m ? si[t] : m;
-        for (int64_t t = 0; t < L; t++) si[t] = exp_nonpos(si[t] - m);
-        float acc[LANES] = {0};
-        int64_t t = 0;
-        for (; t + LANES <= L; t += LANES)
-            for (int j = 0; j < LANES; j++) acc[j] += si[t + j];
-        for (; t < L; t++) acc[t % LANES] += si[t];
-        const float total = lanes_sum(acc);
-        for (t = 0; t < L; t++) si[t] = si[t] / total;
-    }
+    softmax_rows(s, Hq, L);
     for (int64_t h = 0; h < Hkv; h++) {
         __m512 acc[MAX_GC];
         for (int64_t i = 0; i < G * C; i++) acc[i] = _mm512_setzero_ps();
