@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import check_devices, check_tensor
-from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS, check_route_args
 
 SCORINGS = ("sigmoid", "softmax")
 GROUP_SCORES = ("top2_sum", "max")
@@ -104,8 +104,7 @@ def moe_grouped_route(router_logits: torch.Tensor, top_k: int, scoring: str, n_g
     DeepSeek's router makes them, or fp16/bf16) -> (weights [T, k] fp32, expert ids [T, k] int64),
     the ids in descending order of their biased score. Shapes only on the host: graph capturable."""
     fn = "moe_grouped_route"
-    check_tensor(fn, "router_logits", router_logits, (None, None), (torch.float32, torch.float16, torch.bfloat16))
-    t, e = router_logits.shape
+    t, e = check_route_args(fn, router_logits, top_k)
     if scoring not in SCORINGS or group_score not in GROUP_SCORES:
         raise ValueError(f"{fn}: scoring must be one of {SCORINGS} and group_score one of {GROUP_SCORES}, got "
                          f"{scoring!r}, {group_score!r}")
@@ -117,10 +116,8 @@ def moe_grouped_route(router_logits: torch.Tensor, top_k: int, scoring: str, n_g
                          f"got {top_k}")
     if group_score == "top2_sum" and n_group > 1 and e // n_group < 2:
         raise ValueError(f"{fn}: group_score 'top2_sum' needs groups of two experts or more")
-    if router_logits.stride(-1) != 1:
-        raise ValueError(f"{fn}: router_logits must be contiguous in its last dimension")
     if correction_bias is not None:
-        check_tensor(fn, "correction_bias", correction_bias, (e,), (torch.float32, torch.float16, torch.bfloat16))
+        check_tensor(fn, "correction_bias", correction_bias, (e,), FLOAT_DTYPES)
         check_devices(fn, router_logits=router_logits, correction_bias=correction_bias)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
