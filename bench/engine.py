@@ -69,14 +69,15 @@ def profile_decode(engine, prompt: list[int], path: str, steps: int = 16, title:
         key=lambda e: -e.self_device_time_total,
     )
     gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    launches = sum(e.count for e in kernels) / steps
     lines = [
         f"{title}, {steps} steps under torch.profiler: wall {1e3 * statistics.median(wall):.3f} ms/step "
-        f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step",
+        f"(median), GPU kernels {gpu_us / 1e3:.3f} ms/step in {launches:.0f} kernels/step",
         "",
         "| kernel | calls/step | us/step | us/call | share |",
         "|---|---:|---:|---:|---:|",
     ]
-    for e in kernels[:30]:
+    for e in kernels[:40]:
         lines.append(
             f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / steps:.1f} | "
             f"{e.self_device_time_total / max(e.count, 1):.2f} | {100 * e.self_device_time_total / steps / gpu_us:.0f}% |"  # noqa: E501

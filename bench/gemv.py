@@ -1,7 +1,8 @@
 """Small-batch (M = 1..8) linear layers: cuBLAS after a separate norm / SiLU·mul vs the fused GEMV
-(kernels/fused_gemv.py), per Llama-3.1-8B and Qwen2.5-0.5B projection shape (CUDA; not a test).
+(kernels/fused_gemv.py), per Llama-3.1-8B, Qwen2.5-0.5B and gpt-oss projection shape (gpt-oss's
+with their biases; CUDA; not a test).
 
-    python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b] [--rows 1 2 4 8] [--out gemv.md]
+    python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b gpt-oss] [--rows 1 2 4 8] [--out gemv.md]
     python -m pdserve.bench.gemv --step [--models ...] [--out gemv_step.md]
 
 Per shape and M, each variant runs as the engine runs it: inside a CUDA graph (no launch gaps),
@@ -51,9 +52,17 @@ class Shape:
     prologue: str  # fused_gemv prologue: the element-wise stage before this projection
     n: int
     k: int
+    bias: bool = False  # the projection adds a bias (cuBLAS's epilogue; the fused kernel's own)
 
 
 def model_shapes(name: str) -> list[Shape]:
+    if name == "gpt-oss":  # 20b and 120b share these; the experts are the MoE op's (bench/moe.py)
+        hidden, q, kv, experts = 2880, 64 * 64, 8 * 64, 128
+        return [
+            Shape(name, "qkv_proj", "rms_norm", q + 2 * kv, hidden, bias=True),
+            Shape(name, "o_proj", "none", hidden, q, bias=True),
+            Shape(name, "router", "none", experts, hidden, bias=True),
+        ]
     hidden, heads, kv_heads, head_dim, inter = {
         "llama-3.1-8b": (4096, 32, 8, 128, 14336),
         "qwen2.5-0.5b": (896, 14, 2, 64, 4864),
@@ -120,6 +129,7 @@ class ShapeBench:
         self.res = torch.randn(m, s.k, device=DEVICE, dtype=DT)
         self.g = torch.ones(s.k, device=DEVICE, dtype=DT)
         self.h = torch.randn(m, s.k, device=DEVICE, dtype=DT)  # the ready activation for cuBLAS alone
+        self.b = torch.randn(s.n, device=DEVICE, dtype=DT) if s.bias else None
 
     def weight(self, i: int) -> torch.Tensor:
         return self.w[i % self.copies]
@@ -131,7 +141,7 @@ class ShapeBench:
             act += self.res.numel() * it * 2  # residual in, x + residual out
         if not with_prologue:
             act = self.h.numel() * it
-        return s.n * s.k * it + act + m * s.n * it
+        return s.n * s.k * it + act + m * s.n * it + (s.n * it if s.bias else 0)
 
     def unfused(self, i: int):
         from pdserve.kernels.rms_norm import rms_norm
@@ -139,14 +149,14 @@ class ShapeBench:
 
         w, p = self.weight(i), self.s.prologue
         if p == "rms_norm":
-            return lambda: F.linear(rms_norm(self.x, self.g, EPS, self.res)[0], w)
+            return lambda: F.linear(rms_norm(self.x, self.g, EPS, self.res)[0], w, self.b)
         if p == "silu_mul":
-            return lambda: F.linear(silu_and_mul(self.x), w)
-        return lambda: F.linear(self.x, w)
+            return lambda: F.linear(silu_and_mul(self.x), w, self.b)
+        return lambda: F.linear(self.x, w, self.b)
 
     def cublas(self, i: int):
         w = self.weight(i)
-        return lambda: F.linear(self.h, w)
+        return lambda: F.linear(self.h, w, self.b)
 
     def fused(self, cfg):
         from pdserve.kernels.fused_gemv import fused_gemv
@@ -156,7 +166,7 @@ class ShapeBench:
 
         def make(i: int):
             w = self.weight(i)
-            return lambda: fused_gemv(self.x, w, p, config=cfg, **kw)
+            return lambda: fused_gemv(self.x, w, p, config=cfg, bias=self.b, **kw)
         return make
 
 
@@ -166,7 +176,7 @@ def check_fused(b: ShapeBench) -> float:
 
     p = b.s.prologue
     kw = dict(norm_weight=b.g, eps=EPS, residual=b.res) if p == "rms_norm" else {}
-    got = fused_gemv(b.x, b.w[0], p, **kw)[0].double()
+    got = fused_gemv(b.x, b.w[0], p, bias=b.b, **kw)[0].double()
     want = b.unfused(0)().double()
     return ((got - want).norm() / want.norm()).item()
 

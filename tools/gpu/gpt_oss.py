@@ -171,6 +171,11 @@ def cmd_engine(args) -> int:
         bw = _copy_bandwidth(args.device)
         row["copy_gbs"] = bw / 1e9
         row["card"] = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+        if args.fused_gemv:  # read when the model is built
+            from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+            TritonAttentionBackend.fused_gemv = True
+        row["fused_gemv"] = bool(args.fused_gemv)
         t0 = time.perf_counter()
         eng = _engine(args)
         row["start_s"] = time.perf_counter() - t0
@@ -412,6 +417,8 @@ def main(argv=None) -> int:
     e.add_argument("--input-len", type=int, default=1024)
     e.add_argument("--output-len", type=int, default=128)
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
+    e.add_argument("--fused-gemv", action="store_true",
+                   help="the Triton backend's small-batch GEMV path on (kernels/fused_gemv.py)")
     k = sub.add_parser("capacity")
     _engine_args(k)
     k.add_argument("--prompt-len", type=int, default=32768)
