@@ -1,0 +1,111 @@
+"""gpt-oss-120b's MXFP4 decode GEMVs at one token: a few launch-shape variants timed in CUDA graphs,
+and a plain loop for Nsight Compute to attach to (tools/gpu/mxfp4_ncu.sh).
+
+    python tools/gpu/mxfp4_ncu.py time --out FILE     # the variants, ms per layer call, in CUDA graphs
+    python tools/gpu/mxfp4_ncu.py loop [--knobs JSON]  # 12 eager calls of one config (for ncu)
+
+Random packed experts of the published shapes (E = 128, H = I = 2880, top-4, biases, the clamped
+SwiGLU); each graph replays 20 calls with 20 different routings, so the experts read are not the
+ones L2 holds from the call before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from pdserve.kernels import fused_moe as fm
+from pdserve.kernels.moe_activation import SwigluOAI
+
+E, H, I, TOP_K = 128, 2880, 2880, 4
+ACT = SwigluOAI(alpha=1.702, limit=7.0)
+# Launch-shape knobs over moe_decode_config's MXFP4 default, one hypothesis each.
+VARIANTS = {
+    "default": {},
+    "gate|up prefetch": dict(GU_PREFETCH=True),
+    "gate|up 8 warps": dict(GU_WARPS=8),
+    "gate|up 8 rows": dict(GU_BLOCK_N=8),
+    "gate|up 8 rows, 2 warps": dict(GU_BLOCK_N=8, GU_WARPS=2),
+    "down 8 warps": dict(DOWN_WARPS=8),
+    "down 8 rows": dict(DOWN_BLOCK_N=8),
+    "down 32 rows split 4": dict(DOWN_BLOCK_N=32, DOWN_SPLIT_K=4),
+}
+
+
+def layer():
+    dev = "cuda"
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=dev)
+    s13 = torch.randint(119, 124, (E, 2 * I, H // 32), dtype=torch.uint8, device=dev)
+    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=dev)
+    s2 = torch.randint(119, 124, (E, H, I // 32), dtype=torch.uint8, device=dev)
+    b13 = torch.randn(E, 2 * I, device=dev, dtype=torch.bfloat16) * 0.1
+    b2 = torch.randn(E, H, device=dev, dtype=torch.bfloat16) * 0.1
+    return w13, s13, w2, s2, b13, b2
+
+
+def call(weights, x, ids, topw, knobs):
+    w13, s13, w2, s2, b13, b2 = weights
+    cfg = dict(fm.moe_decode_config(TOP_K, I, mxfp4=True, tokens=1), **knobs)
+    return fm.fused_moe(x, w13, w2, topw, ids, config=cfg, path="decode", w13_scale=s13, w2_scale=s2,
+                        w13_bias=b13, w2_bias=b2, activation=ACT)
+
+
+def routings(n: int):
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randperm(E, generator=g)[:TOP_K].view(1, TOP_K).to(torch.int32).cuda() for _ in range(n)]
+    topw = torch.full((1, TOP_K), 0.25, device="cuda")
+    return ids, topw
+
+
+def graph_ms(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            fn(r)
+    return do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("time", "loop"))
+    ap.add_argument("--knobs", default="{}", help="JSON knobs over the default (loop)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    weights = layer()
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    ids, topw = routings(20)
+    if args.mode == "loop":
+        knobs = json.loads(args.knobs)
+        for r in range(12):
+            call(weights, x, ids[r], topw, knobs)
+        torch.cuda.synchronize()
+        return
+    ref = call(weights, x, ids[0], topw, {}).float()
+    lines = [f"{torch.cuda.get_device_name()}, gpt-oss-120b layer, 1 token, ms a call (20 routings a CUDA graph)", "",
+             "| variant | knobs | ms | vs default | rel. err vs default |", "|---|---|---:|---:|---:|"]
+    base = None
+    for name, knobs in VARIANTS.items():
+        try:
+            t = graph_ms(lambda r, k=knobs: call(weights, x, ids[r], topw, k), 20)
+            out = call(weights, x, ids[0], topw, knobs).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            base = base or t
+            lines.append(f"| {name} | {json.dumps(knobs)} | {t:.4f} | {base / t:.2f}x | {err:.1e} |")
+        except Exception as e:  # a variant the kernel cannot run: said, the rest go on
+            lines.append(f"| {name} | {json.dumps(knobs)} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
