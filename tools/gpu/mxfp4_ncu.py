@@ -2,7 +2,8 @@
 and a plain loop for Nsight Compute to attach to (tools/gpu/mxfp4_ncu.sh).
 
     python tools/gpu/mxfp4_ncu.py time --out FILE     # the variants, ms per layer call, in CUDA graphs
-    python tools/gpu/mxfp4_ncu.py loop [--knobs JSON]  # 12 eager calls of one config (for ncu)
+        [--fused-moe PATH ...]                         # + other fused_moe.py files' defaults, same run
+    python tools/gpu/mxfp4_ncu.py loop [--knobs JSON] [--fused-moe PATH]  # 12 eager calls (for ncu)
 
 Random packed experts of the published shapes (E = 128, H = I = 2880, top-4, biases, the clamped
 SwiGLU); each graph replays 20 calls with 20 different routings, so the experts read are not the
@@ -12,7 +13,9 @@ ones L2 holds from the call before.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 
 import torch
 from triton.testing import do_bench
@@ -27,13 +30,20 @@ VARIANTS = {
     "default": {},
     "gate|up prefetch": dict(GU_PREFETCH=True),
     "gate|up 8 warps": dict(GU_WARPS=8),
-    "gate|up 8 rows": dict(GU_BLOCK_N=8),
     "gate|up 8 rows, 2 warps": dict(GU_BLOCK_N=8, GU_WARPS=2),
-    "down 8 warps": dict(DOWN_WARPS=8),
-    "down 8 rows": dict(DOWN_BLOCK_N=8),
     "down 32 rows split 4": dict(DOWN_BLOCK_N=32, DOWN_SPLIT_K=4),
+    # More rows a thread: each thread's activations reused over its rows (x's loads are 4x the
+    # weights' bytes through L1 at 16 rows), K split to keep the program count.
+    "gate|up 32 rows": dict(GU_BLOCK_N=32),
+    "gate|up 32 rows split 2": dict(GU_BLOCK_N=32, GU_SPLIT_K=2),
+    "gate|up 32 rows split 3": dict(GU_BLOCK_N=32, GU_SPLIT_K=3),
+    "gate|up 64 rows split 4": dict(GU_BLOCK_N=64, GU_SPLIT_K=4),
+    "gate|up 64 rows split 2, 8 warps": dict(GU_BLOCK_N=64, GU_SPLIT_K=2, GU_WARPS=8),
+    "down 32 rows split 2": dict(DOWN_BLOCK_N=32, DOWN_SPLIT_K=2),
+    "down 64 rows split 4": dict(DOWN_BLOCK_N=64, DOWN_SPLIT_K=4),
+    "down 64 rows split 8": dict(DOWN_BLOCK_N=64, DOWN_SPLIT_K=8),
+    "down 32 rows split 3": dict(DOWN_BLOCK_N=32, DOWN_SPLIT_K=3),
 }
-
 
 def layer():
     dev = "cuda"
@@ -46,7 +56,15 @@ def layer():
     return w13, s13, w2, s2, b13, b2
 
 
-def call(weights, x, ids, topw, knobs):
+def load(path: str):
+    name = "pdserve.kernels.fused_moe_" + os.path.basename(path).removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def call(weights, x, ids, topw, knobs, fm=fm):
     w13, s13, w2, s2, b13, b2 = weights
     cfg = dict(fm.moe_decode_config(TOP_K, I, mxfp4=True, tokens=1), **knobs)
     return fm.fused_moe(x, w13, w2, topw, ids, config=cfg, path="decode", w13_scale=s13, w2_scale=s2,
@@ -78,14 +96,15 @@ def main() -> None:
     ap.add_argument("mode", choices=("time", "loop"))
     ap.add_argument("--knobs", default="{}", help="JSON knobs over the default (loop)")
     ap.add_argument("--out")
+    ap.add_argument("--fused-moe", action="append", default=[], help="another kernels/fused_moe.py (time)")
     args = ap.parse_args()
     weights = layer()
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     ids, topw = routings(20)
     if args.mode == "loop":
-        knobs = json.loads(args.knobs)
+        knobs, mod = json.loads(args.knobs), load(args.fused_moe[0]) if args.fused_moe else fm
         for r in range(12):
-            call(weights, x, ids[r], topw, knobs)
+            call(weights, x, ids[r], topw, knobs, mod)
         torch.cuda.synchronize()
         return
     ref = call(weights, x, ids[0], topw, {}).float()
@@ -101,6 +120,16 @@ def main() -> None:
             lines.append(f"| {name} | {json.dumps(knobs)} | {t:.4f} | {base / t:.2f}x | {err:.1e} |")
         except Exception as e:  # a variant the kernel cannot run: said, the rest go on
             lines.append(f"| {name} | {json.dumps(knobs)} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+        print(lines[-1], flush=True)
+    for path in args.fused_moe:
+        name, mod = os.path.basename(path), load(path)
+        try:
+            t = graph_ms(lambda r, m=mod: call(weights, x, ids[r], topw, {}, m), 20)
+            out = call(weights, x, ids[0], topw, {}, mod).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            lines.append(f"| {name} | {{}} | {t:.4f} | {base / t:.2f}x | {err:.1e} |")
+        except Exception as e:
+            lines.append(f"| {name} | {{}} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
         print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
