@@ -25,13 +25,24 @@ ONE_WARP_MAX_EXPERTS = 256
 @triton.jit
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
                       TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, RENORMALIZE: tl.constexpr):
-    # Grid (T,): one token's E logits in registers; k rounds of arg-max, each masking its winner.
-    # One pass: the winners collect in a [K_TILE] vector and are divided by their sum at the end
-    # (an earlier version ran the k rounds twice, once for the sum). The sum adds the winners in
-    # the same order, so the weights are the same bits.
+    # Grid (T,): one token's E logits in registers, routed by _route_one.
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_TILE)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    best_w, best_id = _route_one(x, num_experts, TOP_K, K_TILE, E_TILE, RENORMALIZE)
+    slot = tl.arange(0, K_TILE)
+    tl.store(weights_ptr + t * TOP_K + slot, best_w, mask=slot < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
+
+
+@triton.jit
+def _route_one(x, num_experts, TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr,
+               RENORMALIZE: tl.constexpr):
+    # One token's [E_TILE] fp32 logits (-inf past E) -> ([K_TILE] weights, [K_TILE] int64 ids):
+    # k rounds of arg-max, each masking its winner. One pass: the winners collect in a [K_TILE]
+    # vector and are divided by their sum at the end (an earlier version ran the k rounds twice,
+    # once for the sum). The sum adds the winners in the same order, so the weights are the same bits.
+    e = tl.arange(0, E_TILE)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < num_experts, p, -1.0)
@@ -49,8 +60,7 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
         p = tl.where(e == idx, -1.0, p)
     if RENORMALIZE:  # a division, as transformers does
         best_w = best_w / total
-    tl.store(weights_ptr + t * TOP_K + slot, best_w, mask=slot < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
+    return best_w, best_id
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.kernels.moe_gate import moe_gate as moe_gate_kernel
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
 from pdserve.worker.config.engine import ConfigError
 from pdserve.worker.config.quantization import QuantizationError
@@ -82,15 +83,20 @@ def test_packed_experts_match_hf(pair, monkeypatch):
 def test_packed_experts_on_the_fused_triton_op_match_hf(pair, monkeypatch):
     """The packed experts through kernels/fused_moe.fused_moe_routed (Triton's interpreter on CPU;
     attention on the torch backend, to keep it cheap): the op gets the uint8 tensors, their
-    exponents, the biases and the clamped SwiGLU, and the tokens are transformers'."""
+    exponents, the biases and the clamped SwiGLU, decode steps are routed by kernels/moe_gate.py,
+    and the tokens are transformers'."""
+    from pdserve.kernels import moe_gate
     from pdserve.kernels.fused_moe import fused_moe_routed
 
     mxfp4, twin = pair
     monkeypatch.setattr(gpt_oss, "experts_op", lambda backend: fused_moe_routed)
+    gated = []  # decode steps route through kernels/moe_gate.py (the router's GEMV + top-k in one launch)
+    monkeypatch.setattr(moe_gate, "moe_gate", lambda x, *a: gated.append(x.shape[0]) or moe_gate_kernel(x, *a))
     engine = make_engine(mxfp4)
     assert engine.runner.model.layers[0].mlp.experts.packed
     # One prompt past the window: its prefill takes the sorted path, its decodes the decode path.
     assert engine.generate(PROMPTS[1:2], GREEDY) == hf_reference(str(twin))[1:2]
+    assert gated and max(gated) <= moe_gate.MAX_TOKENS
 
 
 @pytest.mark.parametrize("rank,size,ep", [(0, 1, False), (1, 2, False), (1, 2, True)], ids=["tp1", "tp2", "ep2"])

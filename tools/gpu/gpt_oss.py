@@ -176,6 +176,11 @@ def cmd_engine(args) -> int:
 
             TritonAttentionBackend.fused_gemv = True
         row["fused_gemv"] = bool(args.fused_gemv)
+        if args.router_linear:  # every step's router as F.linear + the routing kernel, as before moe_gate
+            from pdserve.worker.models import gpt_oss
+
+            gpt_oss.MAX_GATE_TOKENS = 0
+        row["router"] = "F.linear + moe_route" if args.router_linear else "moe_gate up to 16 tokens"
         t0 = time.perf_counter()
         eng = _engine(args)
         row["start_s"] = time.perf_counter() - t0
@@ -419,6 +424,8 @@ def main(argv=None) -> int:
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     e.add_argument("--fused-gemv", action="store_true",
                    help="the Triton backend's small-batch GEMV path on (kernels/fused_gemv.py)")
+    e.add_argument("--router-linear", action="store_true",
+                   help="the router as F.linear + moe_route at every size (moe_gate.py's baseline)")
     k = sub.add_parser("capacity")
     _engine_args(k)
     k.add_argument("--prompt-len", type=int, default=32768)

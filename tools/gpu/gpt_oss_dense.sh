@@ -7,26 +7,36 @@
 #
 # 1. bench/gemv.py at gpt-oss's shapes (qkv with its norm, o_proj, the router; biases) at
 #    $GEMV_ROWS tokens: cuBLAS vs the fused GEMV, each in CUDA graphs, weights rotated past L2  150 s
-# 2. gpt-oss-120b bs=1 (--load-format dummy, MXFP4 experts) with the GEMV path off, then on, each
-#    with its kernel profile (tools/gpu/gpt_oss.py engine)                                  2 x 100 s
-# Files in $OUT: gemv.md, rows.jsonl, profile_off.md, profile_on.md, log.txt.
+# 2. gpt-oss-120b bs=1 (--load-format dummy, MXFP4 experts), each with its kernel profile
+#    (tools/gpu/gpt_oss.py engine): the router as F.linear + moe_route (before kernels/moe_gate.py),
+#    as it runs now, and with the GEMV path on                                              3 x 100 s
+# GEMV_ROWS= (empty) skips step 1; STEPS="linear gate" picks engine rows (default all three).
+# Files in $OUT: gemv.md, rows.jsonl, profile_{linear,gate,gemv}.md, log.txt.
 set -u
 source tools/gpu/lib.sh
 gpu_begin gpu_gpt_oss_dense engine triton transformers || exit 1
-GEMV_ROWS=${GEMV_ROWS:-1 2 4 8}
+GEMV_ROWS=${GEMV_ROWS-1 2 4 8}
+STEPS=${STEPS:-linear gate gemv}
 main() {
   cd /tmp  # not the repo root: its operator/ folder would shadow the standard library's
   local h="$REPO/tools/gpu/gpt_oss.py" cfg=/tmp/gpt-oss-120b-cfg
-  step "gemv shapes" 150 $PY -m pdserve.bench.gemv --models gpt-oss --rows $GEMV_ROWS --out "$OUT/gemv.md"
+  [ -n "$GEMV_ROWS" ] && step "gemv shapes" 150 $PY -m pdserve.bench.gemv --models gpt-oss --rows $GEMV_ROWS \
+    --out "$OUT/gemv.md"
   step "config" 30 $PY "$h" config --size 120b --out $cfg
-  step "120b, GEMV path off" 100 $PY "$h" engine --checkpoint $cfg --name gpt-oss-120b --rows "$OUT/rows.jsonl" \
-    --num-prompts 0 --profile "$OUT/profile_off.md"
-  step "120b, GEMV path on" 100 $PY "$h" engine --checkpoint $cfg --name "gpt-oss-120b fused-gemv" --fused-gemv \
-    --rows "$OUT/rows.jsonl" --num-prompts 0 --profile "$OUT/profile_on.md"
+  local name flags
+  for name in $STEPS; do
+    case $name in
+      linear) flags=(--router-linear) ;;
+      gate) flags=() ;;
+      gemv) flags=(--fused-gemv) ;;
+    esac
+    step "120b, $name" 100 $PY "$h" engine --checkpoint $cfg --name "gpt-oss-120b $name" "${flags[@]}" \
+      --rows "$OUT/rows.jsonl" --num-prompts 0 --profile "$OUT/profile_$name.md"
+  done
   echo "total: $(( $(date +%s) - T0 ))s"
 }
 main > "$OUT/log.txt" 2>&1
 grep "^===\|Error\|^total" "$OUT/log.txt" | tail -n 12
 cat "$OUT/gemv.md" 2>/dev/null
 cat "$OUT/rows.jsonl" 2>/dev/null | cut -c1-400
-head -n 24 "$OUT/profile_off.md" "$OUT/profile_on.md" 2>/dev/null
+head -n 20 "$OUT"/profile_*.md 2>/dev/null

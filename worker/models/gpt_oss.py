@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.moe_activation import SwigluOAI
+from pdserve.kernels.moe_gate import MAX_TOKENS as MAX_GATE_TOKENS
 from pdserve.kernels.mxfp4 import BLOCK, dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_routed_ref
 from pdserve.worker.attention.backend import AttentionBackend
@@ -171,18 +172,34 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], the router's logits [T, E] -> this rank's partial output [T, H]."""
+        return self.op(x, self.w13, self.w2, router_logits, self.top_k, True, **self._op_args())
+
+    def forward_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] already routed (weights [T, k] fp32, global expert ids [T, k]) -> this rank's
+        partial output [T, H], on the fused op's experts half (kernels/fused_moe.fused_moe)."""
+        from pdserve.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.w13, self.w2, weights, ids, **self._op_args())
+
+    def _op_args(self) -> dict:
         mxfp4 = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale) if self.packed else {}
-        return self.op(x, self.w13, self.w2, router_logits, self.top_k, True,
-                       expert_offset=self.local.start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
-                       activation=SwigluOAI(self.alpha, self.limit), **mxfp4)
+        return dict(expert_offset=self.local.start, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                    activation=SwigluOAI(self.alpha, self.limit), **mxfp4)
 
 
 class GptOssMoeBlock(nn.Module):
-    """Router (replicated, with bias) + experts; checkpoint names `mlp.router.*`, `mlp.experts.*`."""
+    """Router (replicated, with bias) + experts; checkpoint names `mlp.router.*`, `mlp.experts.*`.
+
+    Where the experts run on the fused Triton op, steps of up to moe_gate.MAX_TOKENS tokens route
+    with kernels/moe_gate.py (the router's GEMV and top-k in one launch, instead of cuBLAS's split-K
+    GEMV, its reduce and the routing kernel); larger steps, and the reference op, take the router's
+    logits from F.linear."""
 
     def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, layer_idx: int):
         super().__init__()
         self.shard = shard
+        self.fused_gate = op is not fused_moe_routed_ref
+        self.gate_counters: torch.Tensor | None = None  # moe_gate's arrival counters (finish_loading)
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
         name = f"model.layers.{layer_idx}.mlp.experts"
         if cfg.mxfp4 is not None and not cfg.mxfp4.converts(name):
@@ -190,8 +207,21 @@ class GptOssMoeBlock(nn.Module):
                                     f"{name} unquantized: gpt-oss's experts must all be MXFP4 in an mxfp4 checkpoint")
         self.experts = GptOssExperts(cfg, shard, op, packed=op is not fused_moe_routed_ref, name=name)
 
+    def finish_loading(self, compute_dtype: torch.dtype) -> None:
+        """Once the weights are on their device: the gate's counters, zeros it leaves zero (made
+        here, outside any CUDA-graph capture)."""
+        if self.fused_gate:
+            self.gate_counters = torch.zeros(MAX_GATE_TOKENS, dtype=torch.int32, device=self.router.weight.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, F.linear(x, self.router.weight, self.router.bias))
+        if self.gate_counters is not None and x.shape[0] <= MAX_GATE_TOKENS:
+            from pdserve.kernels.moe_gate import moe_gate
+
+            weights, ids = moe_gate(x, self.router.weight, self.router.bias, self.experts.top_k, True,
+                                    self.gate_counters)
+            out = self.experts.forward_routed(x, weights, ids)
+        else:
+            out = self.experts(x, F.linear(x, self.router.weight, self.router.bias))
         return all_reduce(out) if self.shard.size > 1 else out
 
 

@@ -1,0 +1,117 @@
+"""An MoE router's linear layer and its top-k routing in one launch, for decode-sized steps.
+
+At decode batch sizes the router costs launches, not bytes: gpt-oss-120b's (128 x 2880, with bias)
+ran as a cuBLAS split-K GEMV, its reduce and the routing kernel (4.4 + 1.9 + 1.7 us a layer on an
+H200, for 0.74 MB of weights). Here programs (token t, a strip of BLOCK_E experts, a share of K)
+write fp32 partial logits; the last program of a token to arrive (an acq_rel counter, as the split
+decode attention's merge) sums the shares in a fixed order, adds the bias, rounds the logits to
+the activations' dtype (what F.linear returns) and routes them with moe_route's arithmetic
+(_route_one: softmax over E, k arg-max rounds, lowest id on ties, renormalised or not). The
+counters are int32 zeros lent by the caller (>= T) and left zero, so one buffer serves every
+layer of a stream and a CUDA graph replays the launch as it is.
+
+Reference: reference.moe_route_ref(F.linear(x, weight, bias).to(x.dtype), top_k, renormalize) —
+the same top-k for logits that are not within an fp32 rounding of a tie.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.moe_route import _route_one
+
+MAX_TOKENS = 16  # beyond this a step's router is a GEMM: F.linear, then moe_route
+BLOCK_E, BLOCK_K = 16, 128
+# Shares of K: 8 x (E / 16) programs a token, each a few 4 KB steps (gpt-oss: 64 programs of 3).
+SPLIT = 8
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counter_ptr, K, E, stride_xt, stride_we,
+                     TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, ROUND: tl.constexpr):
+    # Grid (T, cdiv(E, BLOCK_E), SPLIT). part_ptr: [T, SPLIT, E] fp32 partial logits.
+    t = tl.program_id(0).to(tl.int64)
+    pe = tl.program_id(1)
+    s = tl.program_id(2)
+    rows = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok = rows < E
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = s * per
+    k_end = tl.minimum(K, k_begin + per)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = k0 + ks < k_end
+        xk = tl.load(x_ptr + t * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_we + k0 + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * xk[None, :]
+    tl.store(part_ptr + (t * SPLIT + s) * E + rows, tl.sum(acc, axis=1), mask=row_ok)
+    # Every thread's stores precede the count (barrier, then the counting thread's release); the
+    # last arrival's acquire makes the token's SPLIT x E partials visible to its loads.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) * SPLIT - 1:
+        e = tl.arange(0, E_TILE)
+        e_ok = e < E
+        logits = tl.zeros([E_TILE], dtype=tl.float32)
+        for j in tl.static_range(SPLIT):  # shares in order: the same sum whatever order they finished in
+            logits += tl.load(part_ptr + (t * SPLIT + j) * E + e, mask=e_ok, other=0.0)
+        if HAS_BIAS:
+            logits += tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
+        logits = tl.where(e_ok, _rounded(logits, ROUND), float("-inf"))
+        best_w, best_id = _route_one(logits, E, TOP_K, K_TILE, E_TILE, RENORMALIZE)
+        slot = tl.arange(0, K_TILE)
+        tl.store(weights_ptr + t * TOP_K + slot, best_w, mask=slot < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
+        tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rounded(v, ROUND: tl.constexpr):
+    # fp32 -> the nearest value of ROUND's (ties to even), as fp32: what F.linear's output holds.
+    # bf16 by its bits, since the interpreter's casts to bf16 truncate where a GPU's round.
+    if ROUND == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif ROUND == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+             counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (T <= MAX_TOKENS), the router's weight [E, H] and bias [E] (or None) -> (weights
+    [T, k] fp32, ids [T, k] int64), as moe_route(F.linear(x, weight, bias), top_k, renormalize).
+    `counters`: int32 zeros, >= T elements, on x's device (left zero)."""
+    check_tensor("moe_gate", "x", x, (None, None), FLOAT_DTYPES)
+    t, h = x.shape
+    check_tensor("moe_gate", "weight", weight, (None, h), FLOAT_DTYPES)
+    e = weight.shape[0]
+    if bias is not None:
+        check_tensor("moe_gate", "bias", bias, (e,), FLOAT_DTYPES)
+    check_tensor("moe_gate", "counters", counters, (None,), (torch.int32,))
+    check_devices("moe_gate", x=x, weight=weight, counters=counters, **({} if bias is None else {"bias": bias}))
+    if not 1 <= top_k <= e:
+        raise ValueError(f"moe_gate: top_k must be in [1, {e}], got {top_k}")
+    if t > MAX_TOKENS or counters.numel() < t:
+        raise ValueError(f"moe_gate: {t} tokens need t <= {MAX_TOKENS} and >= t counters (got {counters.numel()})")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("moe_gate: x and weight need contiguous rows")
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
+    if t:
+        part = torch.empty((t, SPLIT, e), dtype=torch.float32, device=x.device)
+        _moe_gate_kernel[(t, triton.cdiv(e, BLOCK_E), SPLIT)](
+            x, weight, weight if bias is None else bias, part, weights, ids, counters, h, e, x.stride(0),
+            weight.stride(0), TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
+            BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT=SPLIT, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+            ROUND=_ROUND[x.dtype], num_warps=4)
+    return weights, ids
