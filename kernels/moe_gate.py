@@ -2,9 +2,10 @@
 
 At decode batch sizes the router costs launches, not bytes: gpt-oss-120b's (128 x 2880, with bias)
 ran as a cuBLAS split-K GEMV, its reduce and the routing kernel (4.4 + 1.9 + 1.7 us a layer on an
-H200, for 0.74 MB of weights). Here programs (token t, a strip of BLOCK_E experts, a share of K)
-write fp32 partial logits; the last program of a token to arrive (an acq_rel counter, as the split
-decode attention's merge) sums the shares in a fixed order, adds the bias, rounds the logits to
+H200, for 0.74 MB of weights). Here one-warp programs (token t, a strip of BLOCK_E experts, one
+BLOCK_K slice of K: a single load each, so no program waits on a chain of loads) write fp32 partial
+logits; the last program of a token to arrive (an acq_rel counter, as the split decode attention's
+merge) sums the slices in a fixed order, adds the bias, rounds the logits to
 the activations' dtype (what F.linear returns) and routes them with moe_route's arithmetic
 (_route_one: softmax over E, k arg-max rounds, lowest id on ties, renormalised or not). The
 counters are int32 zeros lent by the caller (>= T) and left zero, so one buffer serves every
@@ -24,9 +25,9 @@ from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 from pdserve.kernels.moe_route import _route_one
 
 MAX_TOKENS = 16  # beyond this a step's router is a GEMM: F.linear, then moe_route
+# A program's 4 KB of bf16 weights (gpt-oss: 8 x 23 programs a token). One warp: the routing's
+# reductions are then register shuffles (moe_route.ONE_WARP_MAX_EXPERTS).
 BLOCK_E, BLOCK_K = 16, 128
-# Shares of K: 8 x (E / 16) programs a token, each a few 4 KB steps (gpt-oss: 64 programs of 3).
-SPLIT = 8
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -35,23 +36,18 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, BLOCK_E: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      RENORMALIZE: tl.constexpr, ROUND: tl.constexpr):
-    # Grid (T, cdiv(E, BLOCK_E), SPLIT). part_ptr: [T, SPLIT, E] fp32 partial logits.
+    # Grid (T, cdiv(E, BLOCK_E), SPLIT = cdiv(K, BLOCK_K)). part_ptr: [T, SPLIT, E] fp32 partial logits.
     t = tl.program_id(0).to(tl.int64)
     pe = tl.program_id(1)
     s = tl.program_id(2)
     rows = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < E
-    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-    k_begin = s * per
-    k_end = tl.minimum(K, k_begin + per)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = k0 + ks < k_end
-        xk = tl.load(x_ptr + t * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_we + k0 + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * xk[None, :]
+    ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    xk = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_we + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    acc = w * xk[None, :]
     tl.store(part_ptr + (t * SPLIT + s) * E + rows, tl.sum(acc, axis=1), mask=row_ok)
     # Every thread's stores precede the count (barrier, then the counting thread's release); the
     # last arrival's acquire makes the token's SPLIT x E partials visible to its loads.
@@ -61,7 +57,7 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
         e = tl.arange(0, E_TILE)
         e_ok = e < E
         logits = tl.zeros([E_TILE], dtype=tl.float32)
-        for j in tl.static_range(SPLIT):  # shares in order: the same sum whatever order they finished in
+        for j in tl.static_range(SPLIT):  # slices in order: the same sum whatever order they finished in
             logits += tl.load(part_ptr + (t * SPLIT + j) * E + e, mask=e_ok, other=0.0)
         if HAS_BIAS:
             logits += tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
@@ -108,10 +104,11 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
     if t:
-        part = torch.empty((t, SPLIT, e), dtype=torch.float32, device=x.device)
-        _moe_gate_kernel[(t, triton.cdiv(e, BLOCK_E), SPLIT)](
+        split = triton.cdiv(h, BLOCK_K)
+        part = torch.empty((t, split, e), dtype=torch.float32, device=x.device)
+        _moe_gate_kernel[(t, triton.cdiv(e, BLOCK_E), split)](
             x, weight, weight if bias is None else bias, part, weights, ids, counters, h, e, x.stride(0),
             weight.stride(0), TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
-            BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT=SPLIT, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-            ROUND=_ROUND[x.dtype], num_warps=4)
+            BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+            ROUND=_ROUND[x.dtype], num_warps=1)
     return weights, ids
