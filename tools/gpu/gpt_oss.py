@@ -177,9 +177,9 @@ def cmd_engine(args) -> int:
             TritonAttentionBackend.fused_gemv = True
         row["fused_gemv"] = bool(args.fused_gemv)
         if args.router_linear:  # every step's router as F.linear + the routing kernel, as before moe_gate
-            from pdserve.worker.models import gpt_oss
+            from pdserve.worker.models import moe
 
-            gpt_oss.MAX_GATE_TOKENS = 0
+            moe.FUSED_GATE = False
         row["router"] = "F.linear + moe_route" if args.router_linear else "moe_gate up to 16 tokens"
         t0 = time.perf_counter()
         eng = _engine(args)

@@ -43,14 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.moe_activation import SwigluOAI
-from pdserve.kernels.moe_gate import MAX_TOKENS as MAX_GATE_TOKENS
 from pdserve.kernels.mxfp4 import BLOCK, dequantize_mxfp4
 from pdserve.kernels.reference import fused_moe_routed_ref
 from pdserve.worker.attention.backend import AttentionBackend
 from pdserve.worker.config.model import ModelConfig
 from pdserve.worker.config.quantization import QuantizationError
 from pdserve.worker.models.llama import LlamaForCausalLM
-from pdserve.worker.models.moe import moe_op
+from pdserve.worker.models.moe import DecodeGate, moe_op
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 
@@ -190,16 +189,15 @@ class GptOssExperts(nn.Module):
 class GptOssMoeBlock(nn.Module):
     """Router (replicated, with bias) + experts; checkpoint names `mlp.router.*`, `mlp.experts.*`.
 
-    Where the experts run on the fused Triton op, steps of up to moe_gate.MAX_TOKENS tokens route
-    with kernels/moe_gate.py (the router's GEMV and top-k in one launch, instead of cuBLAS's split-K
-    GEMV, its reduce and the routing kernel); larger steps, and the reference op, take the router's
-    logits from F.linear."""
+    Where the experts run on the fused Triton op, decode-sized steps route with models/moe.py's
+    DecodeGate (the router's GEMV and top-k in one launch, instead of cuBLAS's split-K GEMV, its
+    reduce and the routing kernel); larger steps, and the reference op, take the router's logits
+    from F.linear."""
 
     def __init__(self, cfg: ModelConfig, shard: TPShard, op: Callable, layer_idx: int):
         super().__init__()
         self.shard = shard
-        self.fused_gate = op is not fused_moe_routed_ref
-        self.gate_counters: torch.Tensor | None = None  # moe_gate's arrival counters (finish_loading)
+        self.decode_gate = DecodeGate() if op is not fused_moe_routed_ref else None
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
         name = f"model.layers.{layer_idx}.mlp.experts"
         if cfg.mxfp4 is not None and not cfg.mxfp4.converts(name):
@@ -208,17 +206,12 @@ class GptOssMoeBlock(nn.Module):
         self.experts = GptOssExperts(cfg, shard, op, packed=op is not fused_moe_routed_ref, name=name)
 
     def finish_loading(self, compute_dtype: torch.dtype) -> None:
-        """Once the weights are on their device: the gate's counters, zeros it leaves zero (made
-        here, outside any CUDA-graph capture)."""
-        if self.fused_gate:
-            self.gate_counters = torch.zeros(MAX_GATE_TOKENS, dtype=torch.int32, device=self.router.weight.device)
+        if self.decode_gate is not None:
+            self.decode_gate.allocate(self.router.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_counters is not None and x.shape[0] <= MAX_GATE_TOKENS:
-            from pdserve.kernels.moe_gate import moe_gate
-
-            weights, ids = moe_gate(x, self.router.weight, self.router.bias, self.experts.top_k, True,
-                                    self.gate_counters)
+        if self.decode_gate is not None and self.decode_gate.takes(x.shape[0], self.experts.packed):
+            weights, ids = self.decode_gate(x, self.router.weight, self.router.bias, self.experts.top_k, True)
             out = self.experts.forward_routed(x, weights, ids)
         else:
             out = self.experts(x, F.linear(x, self.router.weight, self.router.bias))

@@ -70,6 +70,41 @@ def topk_experts_op(backend: AttentionBackend) -> Callable:
     return fused_moe_ref
 
 
+# Decode-sized steps route through kernels/moe_gate.py where the experts run on the fused op
+# (False: the router's F.linear and the routing kernel at every size, tools/gpu/gpt_oss.py's
+# --router-linear baseline).
+FUSED_GATE = True
+
+
+class DecodeGate:
+    """The router's GEMV and top-k routing in one launch (kernels/moe_gate.py) for the steps the
+    fused op runs on its decode path (up to moe_gate.MAX_TOKENS and fused_moe.decode_max_tokens;
+    above them fused_moe_routed routes and sorts in one launch itself). Owns the kernel's arrival
+    counters, made once the weights are on their device (`allocate`, from a block's
+    finish_loading: outside any CUDA-graph capture)."""
+
+    def __init__(self):
+        self.counters: torch.Tensor | None = None
+
+    def allocate(self, device: torch.device) -> None:
+        from pdserve.kernels.moe_gate import MAX_TOKENS
+
+        self.counters = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+
+    def takes(self, tokens: int, mxfp4: bool) -> bool:
+        """Shapes only (no sync): a CUDA graph replays the branch it captured."""
+        from pdserve.kernels.fused_moe import decode_max_tokens
+        from pdserve.kernels.moe_gate import MAX_TOKENS
+
+        return FUSED_GATE and self.counters is not None and tokens <= min(MAX_TOKENS, decode_max_tokens(mxfp4))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from pdserve.kernels.moe_gate import moe_gate
+
+        return moe_gate(x, weight, bias, top_k, renormalize, self.counters)
+
+
 class FusedExperts(nn.Module):
     """The rank's experts stacked: w13 [E_local, 2 I_local, H] (gate rows, then up rows) and
     w2 [E_local, H, I_local], filled from the checkpoint's per-expert tensors at load.
@@ -312,7 +347,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize, self.shard = cfg.num_experts_per_tok, cfg.norm_topk_prob, shard
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # replicated: [E, H] is small
-        self.experts = FusedExperts(cfg, shard, moe_op(backend), fp8_kernel=backend.name == "triton")
+        self.experts = FusedExperts(cfg, shard, moe_op(backend), fp8_kernel=backend.name == "triton",
+                                    topk_op=topk_experts_op(backend))
+        self.decode_gate = DecodeGate() if self.experts.op is not fused_moe_routed_ref else None
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             # Its checkpoint name, for an FP8 checkpoint's ignore list (its linears follow the dense path).
@@ -320,8 +357,16 @@ class SparseMoeBlock(nn.Module):
                                      inter=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
+    def finish_loading(self, compute_dtype: torch.dtype) -> None:
+        if self.decode_gate is not None:
+            self.decode_gate.allocate(self.gate.weight.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if self.decode_gate is not None and self.decode_gate.takes(x.shape[0], mxfp4=False):
+            weights, ids = self.decode_gate(x, self.gate.weight, None, self.top_k, self.renormalize)
+            out = self.experts.apply_topk(x, weights, ids)
+        else:
+            out = self.experts(x, F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.shared_expert is not None:
             s = self.shared_expert
             # The down projection without its all-reduce: this rank's partial joins the experts'.
