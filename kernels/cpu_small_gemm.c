@@ -10,9 +10,12 @@
 
    Per 64-column block and up to four rows at a time, each K pair is one 256-byte load of the
    block (four zmm) and one dot product per row and zmm, summed in K order into an fp32
-   accumulator per row and 16 columns, rounded once to bf16 (round to nearest even): oneDNN's
-   brgemm sums the same products in the same order, so the outputs are its bits (tested per
-   shape at load; cpu_small_gemm.py falls back to oneDNN where they are not).
+   accumulator per row and 16 columns, rounded once to bf16 (round to nearest even). oneDNN's
+   brgemm sums the same products, mostly in the same order: where it splits K otherwise an output
+   differs in its last fp32 bit, and at times by one bf16 step (cpu_small_gemm.py checks each
+   weight's layout against oneDNN at load and leaves a weight it reads otherwise to oneDNN).
+   Eight rows as two 32-column halves (one pass over the weight, 8 broadcasts a K pair) measured
+   slower than two passes of four rows here: the second pass reads the block from L2.
 
    No torch headers: built by `cc -march=native` at start (kernels/cpu_native.py). Without
    AVX512-BF16 the entry point reports it cannot run and oneDNN serves every call. */

@@ -72,6 +72,10 @@ def attach(weight: torch.Tensor) -> bool:
     return True
 
 
+def attached(weight: torch.Tensor) -> bool:
+    return getattr(weight, _ATTR, None) is not None
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x @ W^T for an attached weight and x of at most MAX_ROWS contiguous bf16 rows; None: not
     for the kernel (oneDNN's call then)."""
