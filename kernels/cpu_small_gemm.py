@@ -5,8 +5,8 @@ At 1-32 rows a SmolLM2 linear is bound by reading its weight, and oneDNN's packe
 about half the rate a plain AVX512-BF16 loop does (this 2-core machine, weights from memory: 1-4
 rows 1.6-2.4x faster, 8 rows 1.2-1.9x, 32 rows 1.0-1.3x). The kernel needs no copy of the weight:
 it reads the packed tensor in place (blocks of 64 output columns, [K/2][64][2] each: the layout
-oneDNN picks on a CPU with AVX512-BF16 and no AMX). `attach` checks that layout per weight at load,
-once, by comparing the kernel with oneDNN on a probe; a weight that fails (another layout: AMX,
+oneDNN picks on a CPU with AVX512-BF16 and no AMX). `attach` checks that layout at load, once per
+shape, by comparing the kernel with oneDNN on a probe; a weight that fails (another layout: AMX,
 a shape not in 64-column blocks) keeps oneDNN.
 
 The sums are oneDNN's products in K order, accumulated in fp32 and rounded once to bf16, like
@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_small_gemm.c")
 MAX_ROWS = 32  # up to here the kernel was faster than oneDNN for every SmolLM2 shape
 BLOCK = 64  # output columns per packed block
 _ATTR = "_small_gemm_ptr"  # on an attached weight: the address of its packed bytes
+_layouts: dict[tuple[int, int], bool] = {}  # (N, K) -> the kernel reads oneDNN's packed layout
 
 
 @functools.cache
@@ -54,22 +55,30 @@ def _run(x: torch.Tensor, ptr: int, n: int, threads: int) -> torch.Tensor:
 
 
 def attach(weight: torch.Tensor) -> bool:
-    """Mark a packed bf16 weight [N, K] for the kernel if it reads it as oneDNN does (a probe of
-    three rows compared with oneDNN's output within fp32 summation order); False: oneDNN only."""
+    """Mark a packed bf16 weight [N, K] for the kernel if it reads it as oneDNN does; False: oneDNN
+    only. oneDNN picks the layout by shape and CPU, so the first weight of each shape is probed."""
     if os.environ.get(ENV, "1") == "0" or library() is None:
         return False
     n, k = weight.shape
     if n % BLOCK or k % 2:
         return False
     ptr = torch.ops.mkldnn.data_ptr(weight)
+    if (n, k) not in _layouts:
+        _layouts[(n, k)] = _reads_like_onednn(weight, ptr)
+    if _layouts[(n, k)]:
+        setattr(weight, _ATTR, ptr)
+    return _layouts[(n, k)]
+
+
+
+def _reads_like_onednn(weight: torch.Tensor, ptr: int) -> bool:
+    """A probe of three rows: the kernel's output equals oneDNN's within fp32 summation order."""
+    n, k = weight.shape
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).bfloat16()
     ref = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     if library().small_gemm_bf16(x.data_ptr(), k, 3, k, ptr, torch.empty(0).data_ptr(), n, 0, 0) != 0:
         return False  # built without AVX512-BF16
-    if not torch.allclose(_run(x, ptr, n, 1).float(), ref.float(), rtol=1e-2, atol=1e-2):
-        return False
-    setattr(weight, _ATTR, ptr)
-    return True
+    return torch.allclose(_run(x, ptr, n, 1).float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
 def attached(weight: torch.Tensor) -> bool:
