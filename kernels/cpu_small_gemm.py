@@ -44,13 +44,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _run(x: torch.Tensor, ptr: int, n: int, threads: int) -> torch.Tensor:
+def _run(x: torch.Tensor, ptr: int, n: int) -> torch.Tensor:
+    """One call on the calling thread: a decode step computes on one thread, and a prompt step's
+    few-row call (its last tokens' head, ~2-3 ms) is not handed in shares to a pool thread beside
+    torch's OpenMP threads."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    lib = library()
-    xp, yp = x.data_ptr(), y.data_ptr()
-    cpu_native.run_split(n // BLOCK, threads, lambda lo, hi: lib.small_gemm_bf16(xp, x.stride(0), m, k, ptr, yp, n,
-                                                                                 lo, hi))
+    library().small_gemm_bf16(x.data_ptr(), x.stride(0), m, k, ptr, y.data_ptr(), n, 0, n // BLOCK)
     return y
 
 
@@ -78,7 +78,7 @@ def _reads_like_onednn(weight: torch.Tensor, ptr: int) -> bool:
     ref = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     if library().small_gemm_bf16(x.data_ptr(), k, 3, k, ptr, torch.empty(0).data_ptr(), n, 0, 0) != 0:
         return False  # built without AVX512-BF16
-    return torch.allclose(_run(x, ptr, n, 1).float(), ref.float(), rtol=1e-2, atol=1e-2)
+    return torch.allclose(_run(x, ptr, n).float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
 def attached(weight: torch.Tensor) -> bool:
@@ -91,5 +91,4 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     ptr = getattr(weight, _ATTR, None)
     if ptr is None or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return None
-    n = weight.shape[0]
-    return _run(x, ptr, n, min(torch.get_num_threads(), n // BLOCK))
+    return _run(x, ptr, weight.shape[0])
