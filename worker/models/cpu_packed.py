@@ -18,7 +18,7 @@ the fp32 equality tests compare bit for bit with Hugging Face's. `PDSERVE_CPU_PA
 turns it off (A/B runs).
 
 A call on at most 32 rows (a decode batch) without a bias runs a native kernel that reads the
-same packed weight in place (kernels/cpu_small_gemm.py: `attach` checks each weight's layout at
+same packed weight in place (kernels/cpu_small_gemm.py: `attach` checks the layout once per shape at
 load); its sums may differ from oneDNN's in the last fp32 bit (`PDSERVE_CPU_SMALL_GEMM=0`: off)."""
 
 from __future__ import annotations
