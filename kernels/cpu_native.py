@@ -1,5 +1,6 @@
 """The CPU engine's native kernels, built on first use, called through ctypes: decode attention
-(cpu_decode_attention.c) and the element-wise stages (cpu_pointwise.c, used by cpu_pointwise.py).
+(cpu_decode_attention.c), the element-wise stages (cpu_pointwise.c, used by cpu_pointwise.py) and
+the linears of a decode batch (cpu_small_gemm.c, used by cpu_small_gemm.py).
 
 Decode attention over a bf16 cache is what a CPU step spends most on at batch 8-32 when it runs
 as torch ops: each layer gathers every sequence's K/V blocks, widens them to fp32 and runs two
@@ -11,7 +12,8 @@ the shared object is kept in the cache directory (~/.cache/pdserve/kernels, or $
 named by the source, the flags and this CPU's feature flags (-march=native), so a later start only
 loads it. Without a compiler, or when the build fails, `library()` is None (logged once) and the
 torch ops path runs. `PDSERVE_CPU_NATIVE_ATTENTION=0` turns the attention off,
-`PDSERVE_CPU_NATIVE_POINTWISE=0` the element-wise stages (A/B runs).
+`PDSERVE_CPU_NATIVE_POINTWISE=0` the element-wise stages, `PDSERVE_CPU_SMALL_GEMM=0` the small-batch
+GEMM (A/B runs).
 
 ctypes releases the GIL during the call: a batch split over threads runs in parallel.
 """
@@ -69,7 +71,7 @@ def _build(compiler: str, source: Path, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load(source: Path, symbol: str, env: str, what: str) -> ctypes.CDLL | None:
+def load(source: Path, symbol: str, env: str, what: str) -> ctypes.CDLL | None:
     """`source` built (once per machine: cached by source, flags and CPU) and loaded; None where
     `env` is 0, there is no compiler, or the build or load fails (logged once per source)."""
     if os.environ.get(env, "1") == "0":
@@ -99,7 +101,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The decode attention kernel, built first if this machine has none cached; None where it cannot be."""
-    lib = _load(SOURCE, "paged_decode_bf16", ENV, "decode attention")
+    lib = load(SOURCE, "paged_decode_bf16", ENV, "decode attention")
     if lib is not None:
         lib.paged_decode_bf16.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
                                           _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr]
@@ -114,7 +116,7 @@ def library() -> ctypes.CDLL | None:
 def pointwise() -> ctypes.CDLL | None:
     """The element-wise stages (cpu_pointwise.c: RMSNorm, rotary, SiLU-and-mul on bf16 rows);
     None where they cannot be built (PDSERVE_CPU_NATIVE_POINTWISE=0: off)."""
-    lib = _load(POINTWISE_SOURCE, "rms_norm_bf16", POINTWISE_ENV, "element-wise")
+    lib = load(POINTWISE_SOURCE, "rms_norm_bf16", POINTWISE_ENV, "element-wise")
     if lib is not None:
         lib.rms_norm_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i64, _ptr,
                                       _i64, _ptr]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_small_gemm
 from pdserve.worker.models import cpu_packed
 from pdserve.worker.parallel.layers import ParallelLinear
 from pdserve.worker.request.sampling_params import SamplingParams
@@ -44,4 +45,8 @@ def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch, arch):
     assert model.packed_head is not None
     linears = [m for m in model.modules() if isinstance(m, ParallelLinear)]
     assert linears and all(m.packed and m.weight.is_mkldnn for m in linears)
+    if cpu_small_gemm.attach(cpu_packed.pack(torch.randn(64, 64).bfloat16())):  # the kernel reads this CPU's layout
+        # then decode steps (and these short prompts) ran it: its greedy tokens are the plain ones too
+        assert all(cpu_small_gemm.attached(m.weight) for m in linears if m.weight.shape[0] % cpu_small_gemm.BLOCK == 0)
+        assert cpu_small_gemm.attached(model.packed_head)
     assert engine.generate(prompts, greedy) == expected

@@ -15,7 +15,11 @@ rows), so tied models hold the head twice (SmolLM2: +54 MiB).
 
 Only bf16 on a CPU whose oneDNN has bf16 kernels: fp32 stays on `F.linear` (MKL), whose sums
 the fp32 equality tests compare bit for bit with Hugging Face's. `PDSERVE_CPU_PACKED_WEIGHTS=0`
-turns it off (A/B runs)."""
+turns it off (A/B runs).
+
+A call on at most 32 rows (a decode batch) without a bias runs a native kernel that reads the
+same packed weight in place (kernels/cpu_small_gemm.py: `attach` checks the layout once per shape at
+load); its sums may differ from oneDNN's in the last fp32 bit (`PDSERVE_CPU_SMALL_GEMM=0`: off)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import time
 
 import torch
 from torch import nn
+
+from pdserve.kernels import cpu_small_gemm
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, W, bias) for W = pack(W): x is [..., K] bf16."""
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    out = cpu_small_gemm.small_linear(x, weight) if bias is None else None
+    return out if out is not None else torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def pack_model(net: nn.Module) -> None:
@@ -53,20 +60,23 @@ def pack_model(net: nn.Module) -> None:
     `net.packed_head` (read by compute_logits)."""
     from pdserve.worker.parallel.layers import ParallelLinear
 
-    t, n, nbytes = time.perf_counter(), 0, 0
+    t, n, nbytes, small = time.perf_counter(), 0, 0, 0
     for module in net.modules():
         if isinstance(module, ParallelLinear) and module.quant is None and module.weight.dtype == torch.bfloat16:
             module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
             module.packed = True
+            small += cpu_small_gemm.attach(module.weight)
             n, nbytes = n + 1, nbytes + module.weight.numel() * 2
     head = getattr(net, "lm_head", None)
     head = head if head is not None else getattr(net, "embed_tokens", None)
     if head is not None and head.weight.dtype == torch.bfloat16:
         net.packed_head = pack(head.weight)
         nbytes += head.weight.numel() * 2
+        small += cpu_small_gemm.attach(net.packed_head)
     log.info(
-        "packed %d linear weights and the lm_head for oneDNN (%.0f MiB) in %.2fs",
+        "packed %d linear weights and the lm_head for oneDNN (%.0f MiB; %d read by the small-batch GEMM) in %.2fs",
         n,
         nbytes / 2**20,
+        small,
         time.perf_counter() - t,
     )

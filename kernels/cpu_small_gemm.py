@@ -1,0 +1,94 @@
+"""A CPU decode step's linears on a few rows (a decode batch), read straight from oneDNN's packed
+bf16 weights by a native kernel (cpu_small_gemm.c); many rows (prompts) stay on oneDNN.
+
+At 1-32 rows a SmolLM2 linear is bound by reading its weight, and oneDNN's packed GEMM reads it at
+about half the rate a plain AVX512-BF16 loop does (this 2-core machine, weights from memory: 1-4
+rows 1.6-2.4x faster, 8 rows 1.2-1.9x, 32 rows 1.0-1.3x). The kernel needs no copy of the weight:
+it reads the packed tensor in place (blocks of 64 output columns, [K/2][64][2] each: the layout
+oneDNN picks on a CPU with AVX512-BF16 and no AMX). `attach` checks that layout at load, once per
+shape, by comparing the kernel with oneDNN on a probe; a weight that fails (another layout: AMX,
+a shape not in 64-column blocks) keeps oneDNN.
+
+The sums are oneDNN's products in K order, accumulated in fp32 and rounded once to bf16, like
+oneDNN's; where oneDNN splits K differently the last fp32 bit differs, and so at times one bf16
+step of an output (tests/kernels/test_cpu_small_gemm.py compares with the fp32 reference).
+`PDSERVE_CPU_SMALL_GEMM=0` turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels import cpu_native
+
+ENV = "PDSERVE_CPU_SMALL_GEMM"
+SOURCE = Path(__file__).with_name("cpu_small_gemm.c")
+MAX_ROWS = 32  # up to here the kernel was faster than oneDNN for every SmolLM2 shape
+BLOCK = 64  # output columns per packed block
+_ATTR = "_small_gemm_ptr"  # on an attached weight: the address of its packed bytes
+_layouts: dict[tuple[int, int], bool] = {}  # (N, K) -> the kernel reads oneDNN's packed layout
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = cpu_native.load(SOURCE, "small_gemm_bf16", ENV, "small-batch GEMM")
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.small_gemm_bf16.argtypes = [p, i, i, i, p, p, i, i, i]
+        lib.small_gemm_bf16.restype = ctypes.c_int
+    return lib
+
+
+def _run(x: torch.Tensor, ptr: int, n: int) -> torch.Tensor:
+    """One call on the calling thread: a decode step computes on one thread, and a prompt step's
+    few-row call (its last tokens' head, ~2-3 ms) is not handed in shares to a pool thread beside
+    torch's OpenMP threads."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    library().small_gemm_bf16(x.data_ptr(), x.stride(0), m, k, ptr, y.data_ptr(), n, 0, n // BLOCK)
+    return y
+
+
+def attach(weight: torch.Tensor) -> bool:
+    """Mark a packed bf16 weight [N, K] for the kernel if it reads it as oneDNN does; False: oneDNN
+    only. oneDNN picks the layout by shape and CPU, so the first weight of each shape is probed."""
+    if os.environ.get(ENV, "1") == "0" or library() is None:
+        return False
+    n, k = weight.shape
+    if n % BLOCK or k % 2:
+        return False
+    ptr = torch.ops.mkldnn.data_ptr(weight)
+    if (n, k) not in _layouts:
+        _layouts[(n, k)] = _reads_like_onednn(weight, ptr)
+    if _layouts[(n, k)]:
+        setattr(weight, _ATTR, ptr)
+    return _layouts[(n, k)]
+
+
+
+def _reads_like_onednn(weight: torch.Tensor, ptr: int) -> bool:
+    """A probe of three rows: the kernel's output equals oneDNN's within fp32 summation order."""
+    n, k = weight.shape
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    ref = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    if library().small_gemm_bf16(x.data_ptr(), k, 3, k, ptr, torch.empty(0).data_ptr(), n, 0, 0) != 0:
+        return False  # built without AVX512-BF16
+    return torch.allclose(_run(x, ptr, n).float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def attached(weight: torch.Tensor) -> bool:
+    return getattr(weight, _ATTR, None) is not None
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ W^T for an attached weight and x of at most MAX_ROWS contiguous bf16 rows; None: not
+    for the kernel (oneDNN's call then)."""
+    ptr = getattr(weight, _ATTR, None)
+    if ptr is None or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return None
+    return _run(x, ptr, weight.shape[0])
