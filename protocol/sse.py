@@ -19,9 +19,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol.disconnect import DisconnectWatch, hang_up
+from pdserve.protocol.yield_from import Delegation, YieldFrom
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_BYTES = bytes | memoryview
 
 
 def event(obj: dict) -> bytes:
@@ -36,6 +38,9 @@ class SSEResponse(StreamingResponse):
                  on_chunk: Callable[[bytes], None] | None = None):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`).
+
+        `content` may yield `YieldFrom(events)`: `events` are then iterated here, with no step of
+        the generator that yielded it per event, and closed before it (protocol/yield_from.py).
 
         `on_chunk` sees each chunk as the iterator gives it, before it is sent (or held): what a
         wrapping generator would do per chunk, without a generator's step per chunk.
@@ -57,9 +62,26 @@ class SSEResponse(StreamingResponse):
             start = None
         held = b""
         on_chunk = self.on_chunk
-        async for chunk in self.body_iterator:
-            if not isinstance(chunk, bytes | memoryview):
-                chunk = chunk.encode(self.charset)
+        chain = self._chain
+        step = chain.step  # the innermost iterator's, stepped inline: no generator between
+        while True:
+            try:
+                chunk = await step()
+            except BaseException as e:  # the iterator ended or failed: the one it came from goes on
+                try:
+                    chunk = await chain.settle(error=e)
+                except StopAsyncIteration:
+                    break
+                step = chain.step
+            if not isinstance(chunk, _BYTES):
+                if isinstance(chunk, YieldFrom):
+                    try:
+                        chunk = await chain.settle(chunk)
+                    except StopAsyncIteration:
+                        break
+                    step = chain.step
+                if not isinstance(chunk, _BYTES):
+                    chunk = chunk.encode(self.charset)
             if on_chunk is not None:
                 on_chunk(chunk)
             if self.coalesce and chunk.endswith(DONE) and not held:
@@ -87,6 +109,7 @@ class SSEResponse(StreamingResponse):
             gone = True
             hang_up(task)
 
+        self._chain = Delegation(self.body_iterator)
         watch = DisconnectWatch(scope, receive, on_disconnect)
         try:
             try:
@@ -106,7 +129,7 @@ class SSEResponse(StreamingResponse):
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
                         pass
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._chain.aclose()  # the innermost first (yield_from.py)
             finally:
                 if self.on_close is not None:
                     self.on_close()

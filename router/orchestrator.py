@@ -34,6 +34,7 @@ from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.protocol.tracing import Tracing
+from pdserve.protocol.yield_from import YieldFrom
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
@@ -331,9 +332,8 @@ class Orchestrator:
                 return
             # A continuation opens with no role chunk. The gap the client saw runs from about when
             # its first token went out (`since`), the dead worker's wait included.
-            async for chunk in self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
-                                           moves=1, moved_at=since):
-                yield chunk
+            yield YieldFrom(self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
+                                        moves=1, moved_at=since))
             return
         if response.status != 200:
             content = await read_and_close(response)
@@ -341,9 +341,8 @@ class Orchestrator:
                                             f"{content[:300].decode(errors='replace')}").sse_event()
             return
         self.metrics.handoff.observe(time.monotonic() - since)
-        async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
-                                       progress=StreamProgress.after(first_token_id, self.migration.counts_text(call))):
-            yield chunk
+        yield YieldFrom(self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
+                                    progress=StreamProgress.after(first_token_id, self.migration.counts_text(call))))
 
     async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool,
                      progress: StreamProgress | None = None, moves: int = 0,

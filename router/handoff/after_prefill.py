@@ -22,6 +22,7 @@ from starlette.responses import Response
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
 from pdserve.protocol.disconnect import Grace
 from pdserve.protocol.errors import APIError
+from pdserve.protocol.yield_from import YieldFrom
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import HANDOFF_GRACE_S, Handoff
@@ -119,7 +120,6 @@ class AfterPrefill(Handoff[Prefilled]):
             if response is None:  # the stream moves (decode_events): a pin nobody has is released now
                 pin.sent = up.attempts > 0 and not up.all_busy
                 pin.abandon(o.up)
-            async for chunk in o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params)):
-                yield chunk
+            yield YieldFrom(o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params)))
         finally:
             up.close()
