@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import AsyncGeneratorType
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol.disconnect import DisconnectWatch, hang_up
-from pdserve.protocol.yield_from import Delegation, YieldFrom
+from pdserve.protocol.yield_from import Delegation, Events
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_BYTES = bytes | memoryview
+_BYTES = (bytes, memoryview)
 
 
 def event(obj: dict) -> bytes:
@@ -33,14 +34,15 @@ def event(obj: dict) -> bytes:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+    def __init__(self, content: Events, on_close: Callable[[], None] | None = None,
                  headers: dict[str, str] | None = None, coalesce: bool = False,
                  on_chunk: Callable[[bytes], None] | None = None):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`).
 
-        `content` may yield `YieldFrom(events)`: `events` are then iterated here, with no step of
-        the generator that yielded it per event, and closed before it (protocol/yield_from.py).
+        `content` may yield an async generator: its events are then iterated here, with no step
+        of the generator that yielded it per event, and it is closed before that one
+        (protocol/yield_from.py).
 
         `on_chunk` sees each chunk as the iterator gives it, before it is sent (or held): what a
         wrapping generator would do per chunk, without a generator's step per chunk.
@@ -63,25 +65,28 @@ class SSEResponse(StreamingResponse):
         held = b""
         on_chunk = self.on_chunk
         chain = self._chain
-        step = chain.step  # the innermost iterator's, stepped inline: no generator between
+        it = chain[-1]  # the innermost iterator, stepped here: no generator between
         while True:
             try:
-                chunk = await step()
-            except BaseException as e:  # the iterator ended or failed: the one it came from goes on
+                chunk = await anext(it)
+            except StopAsyncIteration:  # the innermost ended: the one that handed over to it goes on
+                chain.pop()
+                if not chain:
+                    break
+                it = chain[-1]
+                continue
+            except BaseException as e:  # the innermost failed: thrown into the one that handed over
                 try:
-                    chunk = await chain.settle(error=e)
+                    chunk = await chain.thrown(e)
                 except StopAsyncIteration:
                     break
-                step = chain.step
+                it = chain[-1]
             if not isinstance(chunk, _BYTES):
-                if isinstance(chunk, YieldFrom):
-                    try:
-                        chunk = await chain.settle(chunk)
-                    except StopAsyncIteration:
-                        break
-                    step = chain.step
-                if not isinstance(chunk, _BYTES):
-                    chunk = chunk.encode(self.charset)
+                if isinstance(chunk, AsyncGeneratorType):  # a hand-over (yield_from.py)
+                    chain.append(chunk)
+                    it = chunk
+                    continue
+                chunk = chunk.encode(self.charset)
             if on_chunk is not None:
                 on_chunk(chunk)
             if self.coalesce and chunk.endswith(DONE) and not held:
@@ -109,7 +114,7 @@ class SSEResponse(StreamingResponse):
             gone = True
             hang_up(task)
 
-        self._chain = Delegation(self.body_iterator)
+        self._chain = Delegation((self.body_iterator,))
         watch = DisconnectWatch(scope, receive, on_disconnect)
         try:
             try:

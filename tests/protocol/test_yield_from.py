@@ -1,4 +1,4 @@
-"""`YieldFrom` (protocol/yield_from.py): a response's generator that yields from another sends
+"""A response generator that yields an async generator (protocol/yield_from.py) sends
 what `async for e in inner: yield e` would, its own code after the hand-over runs as it would
 (with the inner's end, or its exception at the `yield`), and every way a stream ends early (a
 hang-up, a failed write) closes the innermost generator first."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from pdserve.protocol.sse import SSEResponse
-from pdserve.protocol.yield_from import YieldFrom, flat
+from pdserve.protocol.yield_from import flat
 
 
 class Boom(Exception):
@@ -18,7 +18,7 @@ class Boom(Exception):
 
 
 def _generators(log: list[str], delegate: bool, fail: bool = False, wait: asyncio.Event | None = None):
-    """outer ─▶ middle ─▶ inner, each handing on the next's events with YieldFrom (or async for)."""
+    """outer ─▶ middle ─▶ inner, each handing on the next's events by yielding it (or by async for)."""
 
     async def inner():
         try:
@@ -40,8 +40,8 @@ def _generators(log: list[str], delegate: bool, fail: bool = False, wait: asynci
         try:
             yield b"m1\n\n"
             if delegate:
-                yield YieldFrom(empty())
-                yield YieldFrom(inner())
+                yield empty()
+                yield inner()
             else:
                 async for e in empty():
                     yield e
@@ -57,7 +57,7 @@ def _generators(log: list[str], delegate: bool, fail: bool = False, wait: asynci
             yield b"o1\n\n"
             try:
                 if delegate:
-                    yield YieldFrom(middle())
+                    yield middle()
                 else:
                     async for e in middle():
                         yield e
@@ -113,7 +113,7 @@ def test_an_error_nobody_catches_leaves_the_response_as_it_would():
         raise Boom()
 
     async def outer():
-        yield YieldFrom(inner())
+        yield inner()
 
     body, error, closed = asyncio.run(_serve(outer()))
     assert body == b"a\n\n" and isinstance(error, Boom) and closed == [True]
