@@ -40,6 +40,7 @@ from pdserve.protocol.errors import bad_request
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.sse import SSEResponse
 from pdserve.protocol.tools import parse_arguments
+from pdserve.protocol.yield_from import flat
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 # Responses fields with no chat counterpart that cost nothing to accept.
@@ -289,7 +290,7 @@ def from_chat(response: Response, body: dict) -> Response:
     its `echoed` fields."""
     rid = f"resp_{uuid.uuid4().hex}"
     if isinstance(response, SSEResponse):
-        chat = response.body_iterator
+        chat = flat(response.body_iterator)
         if response.on_chunk is not None:  # it sees the chat chunks, as it would have
             chat = _seen(chat, response.on_chunk)
         out = SSEResponse(_events(chat, body, rid), on_close=response.on_close)

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import AsyncGeneratorType
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol.disconnect import DisconnectWatch, hang_up
+from pdserve.protocol.yield_from import Delegation, Events
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_BYTES = (bytes, memoryview)
 
 
 def event(obj: dict) -> bytes:
@@ -31,11 +34,15 @@ def event(obj: dict) -> bytes:
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
+    def __init__(self, content: Events, on_close: Callable[[], None] | None = None,
                  headers: dict[str, str] | None = None, coalesce: bool = False,
                  on_chunk: Callable[[bytes], None] | None = None):
         """`on_close` runs once the response is over, however it ended, even if the iterator
         never started (a generator closed before its first step runs no `finally`).
+
+        `content` may yield an async generator: its events are then iterated here, with no step
+        of the generator that yielded it per event, and it is closed before that one
+        (protocol/yield_from.py).
 
         `on_chunk` sees each chunk as the iterator gives it, before it is sent (or held): what a
         wrapping generator would do per chunk, without a generator's step per chunk.
@@ -57,8 +64,28 @@ class SSEResponse(StreamingResponse):
             start = None
         held = b""
         on_chunk = self.on_chunk
-        async for chunk in self.body_iterator:
-            if not isinstance(chunk, bytes | memoryview):
+        chain = self._chain
+        it = chain[-1]  # the innermost iterator, stepped here: no generator between
+        while True:
+            try:
+                chunk = await anext(it)
+            except StopAsyncIteration:  # the innermost ended: the one that handed over to it goes on
+                chain.pop()
+                if not chain:
+                    break
+                it = chain[-1]
+                continue
+            except BaseException as e:  # the innermost failed: thrown into the one that handed over
+                try:
+                    chunk = await chain.thrown(e)
+                except StopAsyncIteration:
+                    break
+                it = chain[-1]
+            if not isinstance(chunk, _BYTES):
+                if isinstance(chunk, AsyncGeneratorType):  # a hand-over (yield_from.py)
+                    chain.append(chunk)
+                    it = chunk
+                    continue
                 chunk = chunk.encode(self.charset)
             if on_chunk is not None:
                 on_chunk(chunk)
@@ -87,6 +114,7 @@ class SSEResponse(StreamingResponse):
             gone = True
             hang_up(task)
 
+        self._chain = Delegation((self.body_iterator,))
         watch = DisconnectWatch(scope, receive, on_disconnect)
         try:
             try:
@@ -106,7 +134,7 @@ class SSEResponse(StreamingResponse):
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
                         pass
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._chain.aclose()  # the innermost first (yield_from.py)
             finally:
                 if self.on_close is not None:
                     self.on_close()

@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, AsyncIterator, Sequence
 
 from pydantic import ValidationError
 from starlette.responses import Response
@@ -34,6 +34,7 @@ from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.protocol.tracing import Tracing
+from pdserve.protocol.yield_from import Events
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.config import RouterConfig
@@ -310,40 +311,45 @@ class Orchestrator:
         self.observe_ttft(call)
         return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
 
-    async def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
-                            since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]:
+    def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
+                      since: float, first_token_id: int | None = None) -> AsyncGenerator:
         """A hand-off's decode stream after the first token (`first_token_id`, the prefill's), once
         its status is known: its events relayed. When no decode worker took it (each tried one
         failed or died before its first byte, or none is left), the client has the first token
         already: the stream moves as a continuation of it, as a lost stream does (migration.py),
         to a worker not tried, a prefill worker if no decode worker is left; the hand-off's pool,
         fixed when it began, may have held only the worker that died. One error event (and
-        [DONE]) when it cannot move."""
+        [DONE]) when it cannot move. An async generator the hand-off hands over to its response
+        (protocol/yield_from.py): when the decode worker took the call, the relay itself, so its
+        events pass no generator but the relay's."""
         if response is None:
-            progress = StreamProgress.after(first_token_id, self.migration.counts_text(call))
-            moved = None
-            if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
-                moved = await self.migration.move(
-                    call, progress, up.tried, "busy" if up.all_busy else "lost",
-                    lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
-            if moved is None:
-                yield self.no_decode(up).sse_event()
-                return
-            # A continuation opens with no role chunk. The gap the client saw runs from about when
-            # its first token went out (`since`), the dead worker's wait included.
-            async for chunk in self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
-                                           moves=1, moved_at=since):
-                yield chunk
-            return
+            return self._moved(call, up, since, first_token_id)
         if response.status != 200:
-            content = await read_and_close(response)
-            yield APIError(response.status, f"decode worker answered {response.status}: "
-                                            f"{content[:300].decode(errors='replace')}").sse_event()
-            return
+            return self._refused(response)
         self.metrics.handoff.observe(time.monotonic() - since)
-        async for chunk in self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
-                                       progress=StreamProgress.after(first_token_id, self.migration.counts_text(call))):
-            yield chunk
+        return self._relay(call, up, first_event_is_role=call.route == "chat", ttft=False,
+                           progress=StreamProgress.after(first_token_id, self.migration.counts_text(call)))
+
+    async def _moved(self, call: Call, up: UpstreamCall, since: float, first_token_id: int | None) -> Events:
+        progress = StreamProgress.after(first_token_id, self.migration.counts_text(call))
+        moved = None
+        if call.tracks_tokens and first_token_id is not None and self.migration.max_migrations > 0:
+            moved = await self.migration.move(
+                call, progress, up.tried, "busy" if up.all_busy else "lost",
+                lambda role, pool: self.upstream_call("decode", role, call, pool), self.stream_limits)
+        if moved is None:
+            yield self.no_decode(up).sse_event()
+            return
+        # A continuation opens with no role chunk. The gap the client saw runs from about when
+        # its first token went out (`since`), the dead worker's wait included.
+        yield self._relay(call, moved, first_event_is_role=False, ttft=False, progress=progress,
+                          moves=1, moved_at=since)
+
+    @staticmethod
+    async def _refused(response: UpstreamResponse) -> AsyncIterator[bytes]:
+        content = await read_and_close(response)
+        yield APIError(response.status, f"decode worker answered {response.status}: "
+                                        f"{content[:300].decode(errors='replace')}").sse_event()
 
     async def _relay(self, call: Call, up: UpstreamCall, first_event_is_role: bool, ttft: bool,
                      progress: StreamProgress | None = None, moves: int = 0,
@@ -427,7 +433,7 @@ class Orchestrator:
         self.metrics.child(self.metrics.requests, call.route, str(response.status_code), _yes(call.disaggregated)).inc()
         return response
 
-    def stream_response(self, call: Call, events: AsyncIterator[bytes], held: Closable | None = None,
+    def stream_response(self, call: Call, events: Events, held: Closable | None = None,
                         pin: PinnedKV | None = None) -> SSEResponse:
         """A stream is counted once: just before its `[DONE]` goes to the transport, so a scrape
         made by a client that has seen the end always includes it (on_close runs only after the

@@ -12,13 +12,14 @@ Both use the orchestrator only through `Orchestration`, its public interface: th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import AsyncIterator, Generic, Protocol, Sequence, TypeVar
+from typing import AsyncGenerator, Generic, Protocol, Sequence, TypeVar
 
 from starlette.responses import Response
 
 from pdserve.protocol.contract import ROLE_DECODE
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.sse import SSEResponse
+from pdserve.protocol.yield_from import Events
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.metrics import RouterMetrics
@@ -64,9 +65,9 @@ class Orchestration(Protocol):
     def observe_ttft(self, call: Call) -> None: ...
 
     def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
-                      since: float, first_token_id: int | None = None) -> AsyncIterator[bytes]: ...
+                      since: float, first_token_id: int | None = None) -> AsyncGenerator: ...
 
-    def stream_response(self, call: Call, events: AsyncIterator[bytes], held: Closable | None = None,
+    def stream_response(self, call: Call, events: Events, held: Closable | None = None,
                         pin: PinnedKV | None = None) -> SSEResponse: ...
 
 

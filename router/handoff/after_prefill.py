@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from starlette.responses import Response
 
 from pdserve.protocol.contract import PATHS, ROLE_DECODE
 from pdserve.protocol.disconnect import Grace
 from pdserve.protocol.errors import APIError
+from pdserve.protocol.yield_from import Events
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import HANDOFF_GRACE_S, Handoff
@@ -98,7 +98,7 @@ class AfterPrefill(Handoff[Prefilled]):
         return o.merged(call, prefill, content)
 
     async def stream(self, call: Call, prefill: Answer, pin: PinnedKV, first_sent: bool = False) -> \
-            AsyncIterator[bytes]:
+            Events:
         """The streamed answer: the first token's events (unless `first_sent`), then the decode's.
         The decode pool is chosen once the first token is out: nothing before it waits for that."""
         o = self.o
@@ -119,7 +119,7 @@ class AfterPrefill(Handoff[Prefilled]):
             if response is None:  # the stream moves (decode_events): a pin nobody has is released now
                 pin.sent = up.attempts > 0 and not up.all_busy
                 pin.abandon(o.up)
-            async for chunk in o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params)):
-                yield chunk
+            # Handed to the response, which iterates it directly (protocol/yield_from.py).
+            yield o.decode_events(call, up, response, t0, first_token_id(prefill.kv_transfer_params))
         finally:
             up.close()

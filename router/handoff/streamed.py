@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator
 
 from pydantic import ValidationError
 from starlette.responses import Response
@@ -38,6 +37,7 @@ from pdserve.protocol.errors import TYPES, APIError, UpstreamError
 from pdserve.protocol.kv_transfer import PARAM as KV_TRANSFER_PARAMS
 from pdserve.protocol.kv_transfer import STREAM_UNSUPPORTED
 from pdserve.protocol.responses import RESPONSES
+from pdserve.protocol.yield_from import Events
 from pdserve.router.http1 import UpstreamResponse
 from pdserve.router.call import Call, PinnedKV
 from pdserve.router.handoff import Handoff, Orchestration
@@ -269,7 +269,7 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
         return leg.refusal
 
     async def _stream(self, call: Call, prefill: StreamedPrefill, answer: Answer, leg: DecodeLeg,
-                      since: float) -> AsyncIterator[bytes]:
+                      since: float) -> Events:
         o = self.o
         try:
             # The first token goes out first, whatever the decode worker has sent meanwhile.
@@ -283,25 +283,21 @@ class StreamedHandoff(Handoff[StreamedPrefill]):
                     leg.close()
                     pin = PinnedKV(prefill.worker, answer.kv_transfer_params)
                     try:
-                        async for chunk in self.after_prefill.stream(call, answer, pin, first_sent=True):
-                            yield chunk
+                        yield self.after_prefill.stream(call, answer, pin, first_sent=True)  # (yield_from.py)
                     finally:
                         pin.abandon(o.up)
                     return
                 o.up.release_kv(prefill.worker, prefill.params)
                 if response is None:  # no decode worker took it: decode_events moves the stream
-                    async for chunk in o.decode_events(call, leg.up, None, since,
-                                                       first_token_id(answer.kv_transfer_params)):
-                        yield chunk
+                    yield o.decode_events(call, leg.up, None, since, first_token_id(answer.kv_transfer_params))
                     return
                 if isinstance(refusal, UpstreamError):  # as _decode_events words a refusal
                     refusal = APIError(refusal.status, f"decode worker answered {refusal.status}: "
                                                        f"{refusal.content[:300].decode(errors='replace')}")
                 yield refusal.sse_event()
                 return
-            async for chunk in o.decode_events(call, leg.up, response, since,
-                                               first_token_id(answer.kv_transfer_params)):
-                yield chunk
+            # Handed to the response, which iterates it directly (protocol/yield_from.py).
+            yield o.decode_events(call, leg.up, response, since, first_token_id(answer.kv_transfer_params))
         finally:
             leg.close()
 
