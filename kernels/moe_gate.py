@@ -8,8 +8,8 @@ logits; the last program of a token to arrive (an acq_rel counter, as the split 
 merge) sums the slices in a fixed order, adds the bias, rounds the logits to
 the activations' dtype (what F.linear returns) and routes them with moe_route's arithmetic
 (_route_one: softmax over E, k arg-max rounds, lowest id on ties, renormalised or not). The
-counters are int32 zeros lent by the caller (>= T) and left zero, so one buffer serves every
-layer of a stream and a CUDA graph replays the launch as it is.
+counters are int32 zeros lent by the caller (>= T) and left zero, so a CUDA graph replays the
+launch as it is (models/moe.py's DecodeGate: 16 of them a layer).
 
 Reference: reference.moe_route_ref(F.linear(x, weight, bias).to(x.dtype), top_k, renormalize) —
 the same top-k for logits that are not within an fp32 rounding of a tie.
