@@ -70,7 +70,6 @@ def attach(weight: torch.Tensor) -> bool:
     return _layouts[(n, k)]
 
 
-
 def _reads_like_onednn(weight: torch.Tensor, ptr: int) -> bool:
     """A probe of three rows: the kernel's output equals oneDNN's within fp32 summation order."""
     n, k = weight.shape
@@ -92,3 +91,10 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if ptr is None or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return None
     return _run(x, ptr, weight.shape[0])
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [M, K] bf16 and W oneDNN's packed bf16 weight: the kernel where
+    it takes the call (an attached weight, few rows, no bias), else oneDNN."""
+    out = small_linear(x, weight) if bias is None else None
+    return out if out is not None else torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -51,8 +51,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, W, bias) for W = pack(W): x is [..., K] bf16."""
     if x.dim() != 2:
         return packed_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    out = cpu_small_gemm.small_linear(x, weight) if bias is None else None
-    return out if out is not None else torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return cpu_small_gemm.packed_linear(x, weight, bias)
 
 
 def pack_model(net: nn.Module) -> None:

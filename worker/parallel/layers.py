@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.cpu_small_gemm import small_linear
+from pdserve.kernels.cpu_small_gemm import packed_linear
 from pdserve.worker.parallel.communicator import all_reduce
 from pdserve.worker.parallel.shard import TPShard
 
@@ -88,9 +88,7 @@ class ParallelLinear(nn.Linear):
         lora = self.lora
         forked = lora.fork(x) if lora is not None else None  # its shrink beside the GEMM, if so configured
         if self.packed:  # oneDNN's packed bf16 weight (worker/models/cpu_packed.py); few rows: a native kernel
-            out = small_linear(x, self.weight) if bias is None else None
-            if out is None:
-                out = torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+            out = packed_linear(x, self.weight, bias)
         else:
             out = F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
         if lora is not None:
