@@ -479,3 +479,53 @@ def test_decode_rows_are_batch_invariant(poison_empty):
     batch = fused_moe(x, q13, q2, w, ids, **kw)
     for i in range(x.shape[0]):
         assert torch.equal(fused_moe(x[i:i + 1], q13, q2, w[i:i + 1], ids[i:i + 1], **kw), batch[i:i + 1])
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the bulk L2 prefetch is Hopper PTX: compiled and run on a GPU only")
+@pytest.mark.parametrize("t,knobs", [
+    (1, dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True)),
+    (3, dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, GU_SPLIT_K=3, DOWN_SPLIT_K=3)),
+    (16, dict(GU_L2_PREFETCH=True)),
+], ids=["both-1", "both-split3-3", "gate-up-16"])
+def test_l2_prefetch_leaves_the_decode_bits_unchanged(t, knobs):
+    # The prefetch changes when bytes arrive, never what is summed: the same bits as without it,
+    # eagerly and replayed from a CUDA graph, at gpt-oss-20b's real layer (an expert held nowhere,
+    # shares of K ending on a masked step).
+    from pdserve.kernels import l2_prefetch
+    if not l2_prefetch.available(torch.device(DEVICE)):
+        pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
+    x, q13, s13, q2, s2, b13, b2, w, ids = _gpt_oss_20b_layer(t)
+    kw = dict(w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2, activation=SwigluOAI(1.702, 7.0), path="decode")
+    base = dict(moe_decode_config(4, q2.shape[2] * 2, mxfp4=True, tokens=t), **{k: v for k, v in knobs.items()
+                                                                                if "SPLIT" in k})
+    want = fused_moe(x, q13, q2, w, ids, config=base, **kw)
+    cfg = dict(base, **knobs)
+    assert torch.equal(fused_moe(x, q13, q2, w, ids, config=cfg, **kw), want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, q13, q2, w, ids, config=cfg, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused_moe(x, q13, q2, w, ids, config=cfg, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, want)
+
+
+def test_l2_prefetch_knobs_are_checked_and_a_no_op_off_hopper(poison_empty):
+    # Not a bool: a clear error. Where the prefetch cannot run (the interpreter, CPU, pre-Hopper
+    # GPUs) the knobs are accepted and change nothing.
+    from pdserve.kernels import l2_prefetch
+    x, w, ids = routed_inputs(1, torch.float32, 0.0)
+    q13, s13, q2, s2, _, _ = mxfp4_experts()
+    kw = dict(w13_scale=s13, w2_scale=s2, path="decode")
+    with pytest.raises(ValueError, match="GU_L2_PREFETCH must be True or False"):
+        fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, GU_L2_PREFETCH=1), **kw)
+    if l2_prefetch.available(x.device):
+        pytest.skip("a Hopper GPU runs the prefetch: test_l2_prefetch_leaves_the_decode_bits_unchanged")
+    plain = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, DOWN_SPLIT_K=2), **kw)
+    on = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, DOWN_SPLIT_K=2, GU_L2_PREFETCH=True,
+                                                   DOWN_L2_PREFETCH=True), **kw)
+    assert torch.equal(on, plain)
