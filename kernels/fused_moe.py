@@ -98,8 +98,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels import l2_prefetch
-from pdserve.kernels.l2_prefetch import prefetch_rows
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
 from pdserve.kernels.moe_activation import SILU_AND_MUL, MoeActivation, SwigluOAI, check_activation
 from pdserve.kernels.moe_route import _route_rows
@@ -445,27 +443,6 @@ def _mxfp4_nibble_major(cols):
     # read the inputs of nibble J of a group's 4 words as 4 neighbours (an 8-byte load shared by
     # the thread's row, where input order needs 4 scalar loads: one load a weight value).
     return (cols // 32) * 32 + (cols % 8) * 4 + (cols % 32) // 8
-
-
-@triton.jit
-def _mxfp4_prefetch_strip(q_expert, s_expert, row0, rows_left, k_begin, k_end, stride_wn, stride_sn, stride_sk,
-                          BLOCK_N: tl.constexpr):
-    # Bulk L2 prefetch of one expert's rows [row0, row0 + min(BLOCK_N, rows_left)) over inputs
-    # [k_begin, k_end): their packed words (q_expert: the expert's int32 words, stride_wn in
-    # 16-byte units) and, where a row's exponents are contiguous, its exponent bytes. Rows that
-    # lie end to end (the whole of K) go as one span, else one span a row. An empty range
-    # prefetches nothing.
-    rows = tl.where(k_end > k_begin, tl.minimum(rows_left, BLOCK_N), 0)
-    q_bytes = (k_end - k_begin) // 2
-    q_first = q_expert + row0.to(tl.int64) * (stride_wn * 4) + k_begin // 8
-    q_whole = stride_wn * 16 == q_bytes
-    prefetch_rows(q_first, tl.where(q_whole, 0, rows), stride_wn * 16, q_bytes)
-    prefetch_rows(q_first, tl.where(q_whole & (rows > 0), 1, 0), 0, rows * q_bytes)
-    s_bytes = (k_end - k_begin) // 32
-    s_first = s_expert + row0.to(tl.int64) * stride_sn + (k_begin // 32) * stride_sk
-    s_whole = stride_sn == s_bytes
-    prefetch_rows(s_first, tl.where((stride_sk == 1) & ~s_whole, rows, 0), stride_sn, s_bytes)
-    prefetch_rows(s_first, tl.where((stride_sk == 1) & s_whole & (rows > 0), 1, 0), 0, rows * s_bytes)
 
 
 @triton.jit
@@ -830,9 +807,8 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     H200 for gpt-oss-120b's layer in CUDA graphs: 0.048 / 0.134 / 0.468 ms against 0.075 / 0.187 /
     0.621 for the plain GEMVs of 512-input gate|up steps, bf16 0.065 / 0.192 / 0.573
     (docs/results/gpt-oss/2026-12-02-h200-mxfp4-decode.md). Other MXFP4-only knobs (absent = off):
-    GU_SPLIT_K, GU_PREFETCH (the module doc's MXFP4 section), GU_L2_PREFETCH / DOWN_L2_PREFETCH
-    (the gate|up / split down programs bulk-prefetch their rows into L2 first: kernels/l2_prefetch.py;
-    Hopper and later only, ignored elsewhere); with `tokens`, MXFP4_DECODE_KNOBS' entry for that batch size."""
+    GU_SPLIT_K, GU_PREFETCH (the module doc's MXFP4 section); with `tokens`, MXFP4_DECODE_KNOBS'
+    entry for that batch size."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
         cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
@@ -855,11 +831,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                                SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
                                PREFETCH: tl.constexpr = False, X_NM: tl.constexpr = False,
-                               SPLIT: tl.constexpr = 1, part_ptr=None, ROUND: tl.constexpr = None,
-                               L2_PREFETCH: tl.constexpr = False):
+                               SPLIT: tl.constexpr = 1, part_ptr=None, ROUND: tl.constexpr = None):
     # Grid (T*k, cdiv(I, BLOCK_N)[, SPLIT]): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
-    # L2_PREFETCH (MXFP4): the program's gate and up rows and their exponents, its whole share of
-    # K, bulk-prefetched into L2 before the loop (kernels/l2_prefetch.py).
     # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
     # buffering: two steps' loads in flight, where each step otherwise waits for its own).
     # MXFP4: x_ptr is fp32 times 2^64 (_mx_activations, by the caller) and the intermediate rows go
@@ -903,12 +876,6 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
         else:
             x_ptrs = x_row + 8 * word[None, :, :]
         up_q, up_s = N * (stride_wn * 4), N * stride_sn
-        if L2_PREFETCH:
-            _mxfp4_prefetch_strip(w13_ptr + e * (stride_we * 4), s_ptr + e * stride_se, pid_n * BLOCK_N,
-                                  N - pid_n * BLOCK_N, k_begin, k_end, stride_wn, stride_sn, stride_sk, BLOCK_N)
-            _mxfp4_prefetch_strip(w13_ptr + e * (stride_we * 4) + up_q, s_ptr + e * stride_se + up_s,
-                                  pid_n * BLOCK_N, N - pid_n * BLOCK_N, k_begin, k_end, stride_wn, stride_sn,
-                                  stride_sk, BLOCK_N)
         mx_gate = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
         mx_up = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
         x_j = 4 if X_NM else 1
@@ -1080,8 +1047,7 @@ def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_pt
 def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K,
                                   num_experts, expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn,
                                   stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  L2_PREFETCH: tl.constexpr = False):
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     # MXFP4 down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
     # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
     # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
@@ -1099,9 +1065,6 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     held = (e >= 0) & (e < num_experts)
     e = tl.where(held, e, 0)
     k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
-    if L2_PREFETCH:  # the program's rows and exponents over its share of I (kernels/l2_prefetch.py)
-        _mxfp4_prefetch_strip(w2_ptr + e * (stride_we * 4), s_ptr + e * stride_se, pid_n * BLOCK_N,
-                              N - pid_n * BLOCK_N, k_begin, k_end, stride_wn, stride_sn, stride_sk, BLOCK_N)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     gs = tl.arange(0, BLOCK_K // 32)
@@ -1230,7 +1193,6 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
         SWIGLU=swiglu, **quant, num_warps=cfg["GU_WARPS"],
         PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part, ROUND=round_to,
-        L2_PREFETCH=mxfp4 and cfg.get("GU_L2_PREFETCH", False) and l2_prefetch.available(x.device),
     )
     if split > 1:
         _moe_decode_gate_up_finish[(t * top_k, triton.cdiv(inter, FINISH_BLOCK_N))](
@@ -1260,8 +1222,7 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
             inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
             expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
-            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"],
-            L2_PREFETCH=cfg.get("DOWN_L2_PREFETCH", False) and l2_prefetch.available(out.device))
+            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
         _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
             part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
         return out
@@ -1399,7 +1360,7 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 unless "
                              f"MX_DOT_SCALED runs (bf16 / fp16 x; the 8 dots a step have K = BLOCK_K / 8, "
                              f"at least 16)")
-    for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH", "GU_L2_PREFETCH", "DOWN_L2_PREFETCH"):
+    for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
         if not isinstance((config or {}).get(key, False), bool):
             raise ValueError(f"{fn}: config {key} must be True or False, got {config[key]!r}")
     for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):

@@ -28,17 +28,6 @@ E, H, I, TOP_K = 128, 2880, 2880, 4
 # Launch-shape knobs over moe_decode_config's MXFP4 default, one hypothesis each.
 VARIANTS = {
     "default": {},
-    # Bulk L2 prefetch of each program's rows before its K loop (kernels/l2_prefetch.py), alone and
-    # with the launch shapes that hold fewer loads in flight and more rows a program.
-    "gate|up L2 prefetch": dict(GU_L2_PREFETCH=True),
-    "down L2 prefetch": dict(DOWN_L2_PREFETCH=True),
-    "both L2 prefetch": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True),
-    "both L2 prefetch, gate|up 32 rows": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, GU_BLOCK_N=32),
-    "both L2 prefetch, gate|up 8 warps": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, GU_WARPS=8),
-    "both L2 prefetch, down 32 rows split 2": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, DOWN_BLOCK_N=32),
-    "both L2 prefetch, down split 1": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, DOWN_SPLIT_K=1),
-    "down split 1": dict(DOWN_SPLIT_K=1),
-    "both L2 prefetch, gate|up split 2": dict(GU_L2_PREFETCH=True, DOWN_L2_PREFETCH=True, GU_SPLIT_K=2),
     "gate|up prefetch": dict(GU_PREFETCH=True),
     "gate|up 8 warps": dict(GU_WARPS=8),
     "gate|up 8 rows, 2 warps": dict(GU_BLOCK_N=8, GU_WARPS=2),
