@@ -32,7 +32,7 @@ import psutil
 from pdserve.worker.models.default_model import cache_dir
 
 WORKLOADS = {  # name: (concurrency, requests per run)
-    "1 stream": (1, 3),
+    "1 stream": (1, 8),
     "8 concurrent": (8, 16),
     "32 concurrent": (32, 64),
 }
