@@ -526,6 +526,10 @@ def engine(args) -> int:
 
         fm.DECODE_MAX_TOKENS = 0
         _old_routing(True)  # and routing + sort as two launches, the sorted path's memset + torch sum
+    if args.router_linear:  # the router as F.linear + the routing kernel, as before kernels/moe_gate.py
+        from pdserve.worker.models import moe
+
+        moe.FUSED_GATE = False
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
@@ -537,6 +541,7 @@ def engine(args) -> int:
         "tp": args.tp,
         "ep": args.ep,
         "moe_path": args.moe_path,
+        "router_linear": args.router_linear,
         "quantization": args.quantization,
         "layers": args.layers,
         "load_format": args.load_format,
@@ -593,6 +598,8 @@ def report(args) -> int:
         off = f"{r['offline_tok_s']:.0f} ({r['num_prompts']} prompts)" if "offline_tok_s" in r else "-"
         path = r.get("moe_path", "auto")
         path = "decode <= 4 tokens (new)" if path == "auto" else "sorted, 4-warp routing (before)"
+        if r.get("router_linear"):
+            path += ", router as F.linear + moe_route"
         if r.get("quantization"):  # the roofline counts bf16 weight bytes: not this row's
             path += f", --quantization {r['quantization']}"
             roof = "- | -"
@@ -656,6 +663,8 @@ def main(argv=None) -> int:
     e.add_argument("--rows", required=True)
     e.add_argument("--moe-path", choices=("auto", "sorted"), default="auto",
                    help="sorted: the MoE kernels as before the decode path (the same-run baseline)")
+    e.add_argument("--router-linear", action="store_true", help="the router as F.linear + the routing kernel "
+                   "(before kernels/moe_gate.py's one launch): the same-run baseline of the gate")
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     r = sub.add_parser("report")
     r.add_argument("--rows", required=True)
