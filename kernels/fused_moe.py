@@ -786,6 +786,15 @@ MXFP4_ENV_DECODE_KNOBS = _env_knobs("PDSERVE_MXFP4_DECODE_KNOBS")
 MXFP4_ENV_SORTED_KNOBS = _env_knobs("PDSERVE_MXFP4_SORTED_KNOBS")
 
 
+# bf16 experts at one token: the down pass as programs per (column strip of 32, expert slot) over all
+# of I (DOWN_SPLIT_K 1: k x the programs, fp32 partials summed in slot order by a finish launch)
+# rather than one program per strip of 8 walking every slot's I: Qwen3-30B-A3B's step on an H200,
+# same call, 3.35 -> 3.20 ms (the down pass 13.2 -> 8.5 + 1.2 us a layer); at 2 tokens the split
+# was 3% slower in the layer, so only one token takes it
+# (docs/results/moe/2026-12-04-h200-qwen3-moe-gate.md; tools/gpu/moe_down_split.sh).
+BF16_ONE_TOKEN_DOWN = dict(DOWN_SPLIT_K=1, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=8)
+
+
 def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: bool = False,
                       mxfp4: bool = False, tokens: int | None = None) -> dict:
     """Decode tiles: gate|up strips of 16 rows (x 2 halves) by 256 of K, 4x the programs of the
@@ -808,7 +817,7 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
     0.621 for the plain GEMVs of 512-input gate|up steps, bf16 0.065 / 0.192 / 0.573
     (docs/results/gpt-oss/2026-12-02-h200-mxfp4-decode.md). Other MXFP4-only knobs (absent = off):
     GU_SPLIT_K, GU_PREFETCH (the module doc's MXFP4 section); with `tokens`, MXFP4_DECODE_KNOBS'
-    entry for that batch size."""
+    entry for that batch size. bf16 experts at `tokens` = 1: the split down pass (BF16_ONE_TOKEN_DOWN)."""
     k_tile = triton.next_power_of_2(top_k)
     if mxfp4:
         cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=256, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile), DOWN_BLOCK_K=256,
@@ -819,6 +828,8 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
         return cfg
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
+    if tokens == 1 and not fp8:
+        return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, **BF16_ONE_TOKEN_DOWN)
     return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
                 DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
 
@@ -1047,8 +1058,10 @@ def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_pt
 def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K,
                                   num_experts, expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn,
                                   stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # MXFP4 down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  FP8: tl.constexpr = False, MXFP4: tl.constexpr = True, SCALE_ROWS: tl.constexpr = 1,
+                                  GROUP_K: tl.constexpr = 1):
+    # The down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
     # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
     # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
     # (plus weight * bias in share 0) goes to part_ptr [k * SPLIT, T, H]; _moe_decode_down_finish
@@ -1067,24 +1080,47 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
     k_end = tl.where(held, k_end, k_begin)  # not held: no step, no byte of it read
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    gs = tl.arange(0, BLOCK_K // 32)
-    word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
-    q_row = w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4) + word[None, :, :]
-    s_row = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
-             + _mxfp4_exponent_groups(gs) * stride_sk)
-    # The intermediate row in nibble-major order, fp32 times 2^64, as _moe_decode_down_kernel reads it.
-    a_ptrs = inter_ptr + (t * TOP_K + j) * stride_im + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
-    mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
-    # Whole steps without group masks, then the partial last one (_mxfp4_step). A step's first word
-    # as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
-    whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
-    for k0 in range(k_begin, whole_end, BLOCK_K):
-        mx = _mxfp4_step(mx, q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), s_row + (k0 // 32) * stride_sk,
-                         a_ptrs + (k0 // BLOCK_K) * BLOCK_K, col_ok, None, 4)
-    if whole_end < k_end:
-        mx = _mxfp4_step(mx, q_row + (whole_end // BLOCK_K) * (BLOCK_K // 8), s_row + (whole_end // 32) * stride_sk,
-                         a_ptrs + (whole_end // BLOCK_K) * BLOCK_K, col_ok, gs < (k_end - whole_end) // 32, 4)
-    out = _mxfp4_total(mx)
+    if MXFP4:
+        gs = tl.arange(0, BLOCK_K // 32)
+        word = gs[:, None] * 4 + tl.arange(0, 4)[None, :]
+        q_row = (w2_ptr + e * (stride_we * 4) + cols[:, None, None].to(tl.int64) * (stride_wn * 4)
+                 + word[None, :, :])
+        s_row = (s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn
+                 + _mxfp4_exponent_groups(gs) * stride_sk)
+        # The intermediate row in nibble-major order, fp32 times 2^64, as _moe_decode_down_kernel reads it.
+        a_ptrs = (inter_ptr + (t * TOP_K + j) * stride_im
+                  + (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :])
+        mx = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
+        # Whole steps without group masks, then the partial last one (_mxfp4_step). A step's first
+        # word as (k0 / BLOCK_K) * (BLOCK_K / 8): visibly a multiple of 4 words (16-byte loads).
+        whole_end = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+        for k0 in range(k_begin, whole_end, BLOCK_K):
+            mx = _mxfp4_step(mx, q_row + (k0 // BLOCK_K) * (BLOCK_K // 8), s_row + (k0 // 32) * stride_sk,
+                             a_ptrs + (k0 // BLOCK_K) * BLOCK_K, col_ok, None, 4)
+        if whole_end < k_end:
+            mx = _mxfp4_step(mx, q_row + (whole_end // BLOCK_K) * (BLOCK_K // 8),
+                             s_row + (whole_end // 32) * stride_sk, a_ptrs + (whole_end // BLOCK_K) * BLOCK_K, col_ok,
+                             gs < (k_end - whole_end) // 32, 4)
+        out = _mxfp4_total(mx)
+    else:
+        # bf16 / FP8 rows: [BLOCK_N, BLOCK_K] weight tiles against the slot's intermediate row (in
+        # input order, the activations' dtype), FP8's scale group applied to each step's sums as in
+        # _moe_decode_down_kernel (a step lies in one group: BLOCK_K divides GROUP_K).
+        ks = tl.arange(0, BLOCK_K)
+        w_ptrs = w2_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        a_row = inter_ptr + (t * TOP_K + j) * stride_im + ks
+        s_row = s_ptr + e * stride_se + (cols // SCALE_ROWS) * stride_sn  # FP8 only: DCE'd otherwise
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k_ok = ks < k_end - k0
+            a = tl.load(a_row + k0, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if FP8:
+                acc += tl.sum(w * a[None, :], axis=1) * tl.load(s_row + (k0 // GROUP_K) * stride_sk, mask=col_ok,
+                                                                other=0.0)
+            else:
+                acc += tl.sum(w * a[None, :], axis=1)
+        out = acc
     if HAS_BIAS:  # weight * bias, once per slot (share 0); the intermediate row already carries the weight
         first = held & (pid_p % SPLIT == 0)
         wj = tl.where(first, tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
@@ -1205,7 +1241,7 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
 def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=None, block=None, w2_bias=None,
                  activation: MoeActivation = SILU_AND_MUL, out_dtype=None) -> torch.Tensor:
     """Decode pass 2: [T, H] in out_dtype (default the intermediate's dtype: MXFP4's is fp32 times
-    2^64, so its callers name the activations'), the top-k sum inside. MXFP4 knob DOWN_SPLIT_K: 0 =
+    2^64, so its callers name the activations'), the top-k sum inside. Knob DOWN_SPLIT_K (any weight format): 0 =
     one program per (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
     expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
     t, top_k = topk_ids.shape
@@ -1214,15 +1250,16 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
     ids = topk_ids.reshape(-1)
     quant, w2, w2_rows = _decode_weights(w2, w2_scale, block)
     out = torch.empty((t, h), dtype=out_dtype or inter_out.dtype, device=inter_out.device)
-    split = cfg.get("DOWN_SPLIT_K", 0) if mxfp4 else 0
+    split = cfg.get("DOWN_SPLIT_K", 0)
     bias_stride = _epilogue_args(w2_bias, activation)[0]
     if split:
         part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
         _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
-            inter_out, w2, part, ids, weights, w2_scale, w2 if w2_bias is None else w2_bias, h, inter, e,
-            expert_offset, inter_out.stride(0), *w2_rows, *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
+            inter_out, w2, part, ids, weights, w2 if w2_scale is None else w2_scale,
+            w2 if w2_bias is None else w2_bias, h, inter, e, expert_offset, inter_out.stride(0), *w2_rows,
+            *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
-            HAS_BIAS=w2_bias is not None, num_warps=cfg["DOWN_WARPS"])
+            HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"])
         _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
             part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
         return out

@@ -146,6 +146,23 @@ def test_decode_path_matches_reference(poison_empty, dtype, t, e, k, drop):
         assert (out[(ids < 0).all(dim=1)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split,t,e,k,drop", [(1, 1, 8, 2, 0.0), (2, 3, 8, 3, 0.0), (3, 4, 8, 2, 0.4)])
+def test_decode_down_split_matches_reference(poison_empty, dtype, split, t, e, k, drop):
+    # DOWN_SPLIT_K on plain weights: programs per (token, strip, expert slot, share of I), fp32
+    # partials summed in a fixed order. inter 40 at 32-wide steps: split 2 ends each share on a
+    # partial step, split 3 leaves a share empty; the same bits on every run.
+    x, w13, w2, w, ids = moe_inputs(t, 80, 40, e, k, dtype=dtype, drop=drop)
+    cfg = dict(SMALL_DECODE_TILES, DOWN_SPLIT_K=split)
+    out = fused_moe(x, w13, w2, w, ids, config=cfg, path="decode")
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_error(out, ref) < (2.5e-2 if dtype == torch.bfloat16 and DEVICE == "cpu" else TOL[dtype] * 10)
+    assert torch.equal(out, fused_moe(x, w13, w2, w, ids, config=cfg, path="decode"))
+    if drop:  # a token whose k experts are all elsewhere gets exactly zero
+        assert (out[(ids < 0).all(dim=1)] == 0).all()
+
+
 @pytest.mark.parametrize("offset", [0, 4])
 def test_decode_path_expert_offset(poison_empty, offset):
     # Expert parallelism on the decode path: this op holds experts [offset, offset + 4) of 8.

@@ -73,6 +73,18 @@ def test_fp8_kernel_matches_dequantized_reference(poison_empty, fmt, path, t, dr
                        fused_moe_ref(xf, d13, d2, w, ids, expert_offset=offset))
 
 
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_fp8_decode_down_split_matches_dequantized_reference(poison_empty, fmt):
+    # The split down pass (DOWN_SPLIT_K) on FP8 weights: each step's sums scaled by its group (block)
+    # or row (channel) scale, as the one-program down pass does.
+    x, w13, w2, w, ids = moe_inputs(3, 64, 64, 4, 2, dtype=torch.bfloat16, drop=0.3)
+    q13, q2, s13, s2, block = quantize_experts(w13.float(), w2.float(), fmt)
+    out = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, DOWN_SPLIT_K=2), path="decode", w13_scale=s13,
+                    w2_scale=s2, block=block)
+    d13, d2 = dequantized(q13, q2, s13, s2, block)
+    assert rel_error(out, fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids)) < 2.5e-2
+
+
 def test_fp8_routed_op_and_default_tiles(poison_empty):
     # The model's op with the default tiles (decode at 2 tokens; 6: routing + sort in one launch),
     # real 128 x 128 blocks: K tiles of the defaults stay within a scale group.

@@ -414,7 +414,11 @@ def test_decode_knobs_by_batch_size(monkeypatch):
     assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=1) == dict(plain, DOWN_SPLIT_K=3)
     assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=8) == dict(plain, GU_X_NM=True)
     assert fm.moe_decode_config(4, 2880, mxfp4=True, tokens=9) == plain
-    assert fm.moe_decode_config(4, 2880, tokens=1) == fm.moe_decode_config(4, 2880)  # bf16: no knobs
+    # bf16: MXFP4's table does not apply; one token takes the split down pass, FP8 and 2+ tokens do not.
+    bf16 = fm.moe_decode_config(4, 2880)
+    assert fm.moe_decode_config(4, 2880, tokens=2) == bf16
+    assert fm.moe_decode_config(4, 2880, tokens=1) == dict(bf16, **fm.BF16_ONE_TOKEN_DOWN)
+    assert "DOWN_SPLIT_K" not in fm.moe_decode_config(4, 2880, fp8=True, tokens=1)
 
 
 @triton.jit
