@@ -74,7 +74,8 @@ tools/gpu/mxfp4_decode.sh's sweep): `DOWN_SPLIT_K` s >= 1 runs the down pass as 
 (token, column strip, expert slot, s-th BLOCK_K-aligned share of I) -- k x s the programs of the
 one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially -- each writing an
 fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
-same bits every run; CUDA-graph safe, buffers sized by shapes). `GU_SPLIT_K` s > 1 does the same
+same bits every run; CUDA-graph safe, buffers sized by shapes); it runs on bf16 and FP8 weights too,
+the default for bf16 at one token (BF16_ONE_TOKEN_DOWN). `GU_SPLIT_K` s > 1 does the same
 for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
 nibble-major order). `GU_X_NM` has mx_activations write x in nibble-major order (the same launch)
 so the gate|up GEMV's x loads are 16-byte vectors, as the down pass's are.
