@@ -42,6 +42,7 @@ M = TypeVar("M", bound=BaseModel)
 # the parser itself would raise RecursionError near 1,000).
 MAX_DEPTH = 64
 DEFAULT_BODY_TIMEOUT_S = 60.0
+_DECODER = json.JSONDecoder()  # json.loads' own, for a body it would decode as UTF-8
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> bytes:
@@ -182,7 +183,12 @@ def parse_object(raw: bytes, max_values: int | None = None) -> dict:
     off the event loop (`asyncio.to_thread`) for anything a client sent."""
     check_shape(raw, max_values)
     try:
-        obj = json.loads(raw)
+        if raw[:1] == b"{" and raw[1:2] != b"\x00":
+            # UTF-8, as `json.loads` would detect it from these bytes: decoded as it would
+            # decode them, without its encoding detection and keyword handling per body.
+            obj = _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
+        else:
+            obj = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
