@@ -37,11 +37,14 @@ class Selector:
         """The workers that may serve `role` for `model`, paired by revision with `partners`.
         `handoff`: the decode leg of a P/D hand-off, whose params carry a LoRA adapter's source:
         workers that load it on demand qualify too."""
-        if self._built_in and partners is None and not handoff:
-            # What the four filters keep, in their order: no partners, so every revision.
+        if self._built_in and not handoff:
+            # What the role, health and model filters keep, in one pass; then the revision filter.
             now = time.monotonic()
-            return [w for w in self.workers.all()
+            pool = [w for w in self.workers.all()
                     if w.role == role and w.routable(now) and (not w.models or model in w.models)]
+            if partners is None:  # (the revision filter keeps every worker)
+                return pool
+            return self.pool_filters[-1].filter(pool, PoolQuery(role, model, partners, None))
         candidates = self.workers.all()
         base = None
         if handoff:  # `model` an adapter: the base its servers list it under
