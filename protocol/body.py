@@ -42,32 +42,47 @@ M = TypeVar("M", bound=BaseModel)
 # the parser itself would raise RecursionError near 1,000).
 MAX_DEPTH = 64
 DEFAULT_BODY_TIMEOUT_S = 60.0
+_DECODER = json.JSONDecoder()  # json.loads' own, for a body it would decode as UTF-8
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S) -> bytes:
-    declared = request.headers.get("content-length")
+    declared = _content_length(request.scope["headers"])
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     # The ASGI messages read here, not through Starlette's `request.stream()`: an async generator
     # per request costs the event loop's first-iteration hook and a finalizer on top of the reads.
-    receive = request.receive
-    body = bytearray()
-    if request.scope.get(BODY_RECEIVED):  # all there already (http_limits.py): no read below waits
-        timeout_s = None
+    if timeout_s is None or request.scope.get(BODY_RECEIVED):
+        # All there already (http_limits.py), or no deadline: no timeout object (and its task
+        # lookup, a system call on Python 3.11) per request.
+        return await _receive(request.receive, limit)
     try:
         async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":  # http.disconnect
-                    raise ClientGone()
-                body += message.get("body", b"")
-                if len(body) > limit:
-                    raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-                if not message.get("more_body", False):
-                    return bytes(body)
+            return await _receive(request.receive, limit)
     except TimeoutError:
         raise APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
                        headers={"Connection": "close"}) from None
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The first Content-Length value, as Starlette's `request.headers.get` gives it, without
+    building its `Headers` (the server gives names lowercase)."""
+    for name, value in headers:
+        if name == b"content-length":
+            return value.decode("latin-1")
+    return None
+
+
+async def _receive(receive, limit: int) -> bytes:
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            raise ClientGone()
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -168,7 +183,12 @@ def parse_object(raw: bytes, max_values: int | None = None) -> dict:
     off the event loop (`asyncio.to_thread`) for anything a client sent."""
     check_shape(raw, max_values)
     try:
-        obj = json.loads(raw)
+        if raw[:1] == b"{" and raw[1:2] != b"\x00":
+            # UTF-8, as `json.loads` would detect it from these bytes: decoded as it would
+            # decode them, without its encoding detection and keyword handling per body.
+            obj = _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
+        else:
+            obj = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):

@@ -257,7 +257,8 @@ class Connection(asyncio.Protocol):
         headers = self._response.headers
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
-        dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if key in headers else text)
+        # (dict's own methods: `key` is lowercase already, so Headers' lowering is not needed)
+        dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if dict.__contains__(headers, key) else text)
 
     def on_headers_complete(self) -> None:
         if self._head_timer is not None:
@@ -267,7 +268,7 @@ class Connection(asyncio.Protocol):
         response.status = self._parser.get_status_code()
         headers = response.headers
         self._body_to_eof = (
-            "content-length" not in headers
+            not dict.__contains__(headers, "content-length")
             and "chunked" not in dict.get(headers, "transfer-encoding", "").lower()
             and response.status not in (204, 304)
             and response.status >= 200
@@ -487,7 +488,9 @@ class Client:
 
     @staticmethod
     def _head(pool: Pool, path: str, headers: dict[str, str], length: int) -> bytes:
-        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        lines = ""
+        for k, v in headers.items():  # a loop, not a join of a generator: no generator per call
+            lines += f"{k}: {v}\r\n"
         return (
             f"POST {pool.prefix}{path} HTTP/1.1\r\n{lines}Content-Length: {length}\r\n".encode()
             + pool.head_tail

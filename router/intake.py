@@ -1,11 +1,12 @@
 """One client request, from its bytes to what the router sends workers: parsed, mapped, validated,
-bounded, and re-serialised once (issue 44).
+bounded, and re-serialised at most once (issue 44).
 
     raw bytes ─▶ shape counted (protocol/body.py) ─▶ json.loads ─▶ Responses: items bounded,
              mapped onto chat ─▶ client kv_transfer_params dropped ─▶ the worker's own model
              validates it ─▶ request limits (protocol/request_limits.py) ─▶ the request, as that
              model, goes on through the router; raw = its fields the client set (`exclude_unset`)
-             as JSON, what workers are sent
+             as JSON, what workers are sent: the client's own bytes when they are exactly that
+             (no unknown field, nothing dropped or changed), else serialised once
 
 So a worker is sent what was validated, never a client's unknown fields (a field of 2.6 M empty
 lists is not carried on to every hop), with every field it understands as the client gave it
@@ -27,6 +28,8 @@ from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from pdserve.protocol.responses_api import as_chat
 from pdserve.router.prompt import count_prompt_tokens
+
+_ABSENT = object()
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,18 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required and must be a string", param="model")
-    obj.pop(KV_TRANSFER_PARAMS, None)  # only the router may steer KV transfer: a client's are dropped
-    obj.pop(CONTINUATION, None)  # nor continue a stream (router/migration.py)
+    # Only the router may steer KV transfer: a client's params are dropped; nor continue a stream
+    # (router/migration.py).
+    dropped = obj.pop(KV_TRANSFER_PARAMS, _ABSENT) is not _ABSENT
+    dropped = obj.pop(CONTINUATION, _ABSENT) is not _ABSENT or dropped
     # The worker's own models: what it would refuse as malformed is refused here, before any
     # worker is called (its semantic checks, such as context length, stay with it).
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
     limits.check(req)
     fields = req.model_dump(exclude_unset=True)
+    if responses is None and not dropped and fields == obj and raw[:1] == b"{" and raw[-1:] == b"}":
+        # What was validated is what the client sent, field for field: its bytes are that JSON
+        # already (UTF-8, an object from its first byte to its last, as the splices of
+        # router/call.py and migration need), so they are not serialised again.
+        return Intake(route, req, raw, fields, responses, count_prompt_tokens(req, None))
     return Intake(route, req, json.dumps(fields).encode(), fields, responses, count_prompt_tokens(req, None))

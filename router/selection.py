@@ -3,6 +3,7 @@ one profile per phase (see policies/__init__.py for the shape)."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from pdserve.protocol.contract import ROLE_DECODE, ROLE_PREFILL
@@ -10,9 +11,11 @@ from pdserve.protocol.requests import GenerationRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PolicyContext, PoolQuery, RoutingRequest, create, plugin
 from pdserve.router.policies.decider import DecodePrefix
+from pdserve.router.policies.pool_filters import HealthFilter, ModelFilter, RevisionFilter, RoleFilter
 from pdserve.router.workers import Worker, WorkerSet
 
 POOL_FILTERS = ("role", "health", "model", "revision")
+_BUILT_IN = (RoleFilter, HealthFilter, ModelFilter, RevisionFilter)
 DECIDER = "prompt-length"
 
 
@@ -21,6 +24,9 @@ class Selector:
         self.workers = workers
         self.kv_index = ctx.kv_index  # who caches which prefix (KV events), when anything reads it
         self.pool_filters = [plugin("pool-filter", name, ctx) for name in POOL_FILTERS]
+        # The built-in filters (none replaced by a third-party plugin): a request's pools, asked
+        # for a few times per request, are one pass over the workers (`pool`).
+        self._built_in = tuple(type(f) for f in self.pool_filters) == _BUILT_IN
         self.decider = plugin("decider", DECIDER, ctx)
         self.decode_prefix = DecodePrefix(ctx)
         self.profiles = {ROLE_PREFILL: create(config.prefill_policy, ctx),
@@ -31,6 +37,14 @@ class Selector:
         """The workers that may serve `role` for `model`, paired by revision with `partners`.
         `handoff`: the decode leg of a P/D hand-off, whose params carry a LoRA adapter's source:
         workers that load it on demand qualify too."""
+        if self._built_in and not handoff:
+            # What the role, health and model filters keep, in one pass; then the revision filter.
+            now = time.monotonic()
+            pool = [w for w in self.workers.all()
+                    if w.role == role and w.routable(now) and (not w.models or model in w.models)]
+            if partners is None:  # (the revision filter keeps every worker)
+                return pool
+            return self.pool_filters[-1].filter(pool, PoolQuery(role, model, partners, None))
         candidates = self.workers.all()
         base = None
         if handoff:  # `model` an adapter: the base its servers list it under

@@ -208,6 +208,32 @@ def test_selector_pairs_decode_with_the_prefill_revision():
     assert [w.url for w in sel.pool("decode", "m", partners=prefill)] == ["http://d1:1"]
 
 
+def test_selector_pools_in_one_pass_keep_what_the_filters_keep():
+    """The built-in filters' pools made in one pass (Selector.pool) are the filter pipeline's,
+    in its order, for every role, model and partner set."""
+    from itertools import product
+
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.workers import WorkerSet, WorkerSpec
+
+    ws = WorkerSet(3, 1.0, 30.0)
+    specs = [WorkerSpec(f"http://{role[0]}{i}:1", role, rev) for i, (role, rev, _) in
+             enumerate(product(("prefill", "decode"), (None, "r1", "r2"), range(3)))]
+    ws.update(specs)
+    for i, w in enumerate(ws.all()):
+        w.healthy = i % 7 != 1
+        w.ejected_until = float("inf") if i % 5 == 2 else 0.0
+        w.models = (frozenset(), frozenset({"m"}), frozenset({"other"}), frozenset({"m", "other"}))[i % 4]
+    sel = Selector(RouterConfig(decode_urls=("http://x:1",)), PolicyContext(), ws)
+    assert sel._built_in
+    piped = Selector(RouterConfig(decode_urls=("http://x:1",)), PolicyContext(), ws)
+    piped._built_in = False  # every filter in turn
+    workers = ws.all()
+    partner_sets = [None, [], workers[:1], workers[3:4], workers[6:7], workers[3:9], workers[12:15]]
+    for role, model, partners in product(("prefill", "decode"), ("m", "other", "none"), partner_sets):
+        assert sel.pool(role, model, partners) == piped.pool(role, model, partners), (role, model, partners)
+
+
 def test_prefix_aware_token_ids_are_computed_once_and_off_the_event_loop():
     """Issue 23: prefix-aware hashes token ids, and an 8 MB prompt tokenized on the router's event
     loop stalls every request and /health. The router computes them on a thread before selection;
