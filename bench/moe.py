@@ -39,6 +39,7 @@ Three subcommands (tools/gpu/moe.sh runs them in one device call):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -274,6 +275,17 @@ def capture_graph(fn, reps: int = 1):
     g.replay()
     torch.cuda.synchronize()
     return g, static
+
+
+def graph_call_ms(fn, reps: int = 20) -> float:
+    """ms a call of fn(r), r = 0 .. reps - 1 once each (say, a routing each, so the experts a call
+    reads are not the ones L2 holds from the call before), the calls captured in one CUDA graph:
+    triton's do_bench median of its replays, over reps."""
+    from triton.testing import do_bench
+
+    calls = itertools.count()
+    g, _ = capture_graph(lambda: fn(next(calls) % reps), reps)
+    return do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
 
 
 def _graph_equals_eager(fn, eager: torch.Tensor) -> str:

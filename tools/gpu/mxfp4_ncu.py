@@ -13,15 +13,13 @@ ones L2 holds from the call before.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 
 import torch
 from mxfp4_kernel import ACT, load_old  # this folder's: the script's own directory is on sys.path
-from triton.testing import do_bench
 
-from pdserve.bench.moe import capture_graph
+from pdserve.bench.moe import graph_call_ms
 from pdserve.kernels import fused_moe as fm
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -71,13 +69,6 @@ def routings(n: int):
     return ids, topw
 
 
-def graph_ms(fn, reps: int) -> float:
-    """ms a call of fn(r), r = each of `reps` routings once, captured in one CUDA graph."""
-    routes = itertools.count()
-    g, _ = capture_graph(lambda: fn(next(routes) % reps), reps)
-    return do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("time", "loop"))
@@ -102,7 +93,7 @@ def main() -> None:
     base = None
     for name, knobs, mod in runs:
         try:
-            t = graph_ms(lambda r, k=knobs, m=mod: call(weights, x, ids[r], topw, k, m), 20)
+            t = graph_call_ms(lambda r, k=knobs, m=mod: call(weights, x, ids[r], topw, k, m), 20)
             out = call(weights, x, ids[0], topw, knobs, mod).float()
             err = ((out - ref).norm() / ref.norm()).item()
             base = base or t
