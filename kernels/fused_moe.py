@@ -829,10 +829,11 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
         return cfg
     cap = group_k or 256
     gu_k = 512 if fp8 and group_k is None else min(256, cap)
+    cfg = dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
+               DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
     if tokens == 1 and not fp8:
-        return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, **BF16_ONE_TOKEN_DOWN)
-    return dict(GU_BLOCK_N=16, GU_BLOCK_K=gu_k, GU_WARPS=4, DOWN_BLOCK_N=max(8, 64 // k_tile),
-                DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
+        cfg.update(BF16_ONE_TOKEN_DOWN)
+    return cfg
 
 
 @triton.jit
