@@ -65,9 +65,9 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     req = validate(ChatCompletionRequest if route == "chat" else CompletionRequest, obj)
     limits.check(req)
     fields = req.model_dump(exclude_unset=True)
-    if responses is None and not dropped and fields == obj and raw[:1] == b"{" and raw[-1:] == b"}":
-        # What was validated is what the client sent, field for field: its bytes are that JSON
-        # already (UTF-8, an object from its first byte to its last, as the splices of
-        # router/call.py and migration need), so they are not serialised again.
-        return Intake(route, req, raw, fields, responses, count_prompt_tokens(req, None))
-    return Intake(route, req, json.dumps(fields).encode(), fields, responses, count_prompt_tokens(req, None))
+    # What was validated is what the client sent, field for field: its bytes are that JSON already
+    # (UTF-8, an object from its first byte to its last, as the splices of router/call.py and
+    # migration need), so they are not serialised again.
+    as_sent = responses is None and not dropped and fields == obj and raw[:1] == b"{" and raw[-1:] == b"}"
+    body = raw if as_sent else json.dumps(fields).encode()
+    return Intake(route, req, body, fields, responses, count_prompt_tokens(req, None))
