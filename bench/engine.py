@@ -112,6 +112,8 @@ class BenchPlan:
     # The engine's own bs=1 graph captured on v4's unfused decode path and on the fused one,
     # timed (step and forward) and profiled per kernel in the same run.
     decode_paths: bool = False
+    # EngineConfig.async_scheduling: None = the engine's default (on with a GPU), or forced.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if any(k not in OFFLINE for k in self.offline):
@@ -165,6 +167,7 @@ class Bench:
         prof.runcall(fn)
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        os.makedirs(self.profile_dir, exist_ok=True)
         with open(f"{self.profile_dir}/profile_{name}.txt", "w") as f:
             f.write(buf.getvalue())
 
@@ -262,7 +265,7 @@ class Bench:
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
                                         max_num_seqs=256, max_num_batched_tokens=self.token_budget,
-                                        enable_prefix_caching=False,
+                                        enable_prefix_caching=False, async_scheduling=self.plan.async_scheduling,
                                         kv_cache_memory=None if self.device == "cuda" else 1 << 28))
         graphs = engine.runner.graphs
         cap = graphs.capture_seconds if graphs else 0.0
@@ -467,10 +470,13 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-paths", action="store_true",
                     help="GPU: also capture the engine's bs=1 graph on the unfused (v4) and fused decode paths, "
                          "timed and profiled per kernel in the same run")
+    ap.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default",
+                    help="the engine's async scheduling: its default (on with a GPU) or forced on / off")
     args = ap.parse_args(argv)
     try:
         plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager,
-                         decode_paths=args.decode_paths)
+                         decode_paths=args.decode_paths,
+                         async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
     except ValueError as e:
         ap.error(str(e))
     device = "cpu" if args.smoke else "cuda"

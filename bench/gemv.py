@@ -84,6 +84,10 @@ def sweep_configs(quick: bool):
                 (64, 256, 4), (16, 512, 1)]
     else:
         grid = [(bn, bk, s) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for s in (1, 2, 4, 8)]
+    # Narrow strips with long K tiles (M = 1 only: tl.dot needs 16 columns): many small programs keep
+    # more loads in flight per SM than 16-64-row strips (tools/gpu/pdl_chain.py measured 2 x 1024
+    # beating cuBLAS along a whole bs=1 GEMV chain on an H200).
+    grid += [(2, 1024, 1), (4, 1024, 1), (2, 512, 1), (4, 512, 1), (8, 512, 1), (8, 1024, 1)]
     configs = [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid]
     # The norm's two-pass variant (read x once more for rstd first; only "rms_norm" shapes try it).
     return configs + [GemvConfig(32, 256, 1, one_pass_norm=False), GemvConfig(32, 256, 4, one_pass_norm=False)]
@@ -193,6 +197,8 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     best, best_cfg = default, default_cfg
     for cfg in configs:
         if cfg == default_cfg or (not cfg.one_pass_norm and s.prologue != "rms_norm"):
+            continue
+        if m > 1 and cfg.block_n < 16:  # the tensor-core path's minimum tile
             continue
         try:
             us = graph_time_us(b.fused(cfg), b.calls)
