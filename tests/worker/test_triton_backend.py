@@ -93,11 +93,13 @@ def test_decode_graphs_pad_to_buckets_and_match(checkpoint):
     assert engine.generate(PROMPTS[::-1], params[::-1]) == reference_tokens(ckpt, PROMPTS[::-1], params[::-1])
 
 
-def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint):
+@pytest.mark.parametrize("arch", ["qwen2-moe", "qwen3-moe"])
+def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint, arch):
     # The fused MoE kernel and its device-side sort inside the decode graphs' static buffers
     # (captured on a GPU): padded rows route like any token and are dropped after. Qwen2-MoE:
-    # every layer sparse, with the shared expert (interpreted kernels are slow: one architecture).
-    ckpt = checkpoint("qwen2-moe")
+    # every layer sparse, with the shared expert. Qwen3-MoE: its q/k norms inside the fused
+    # rotary epilogue of the decode graphs' attention (the bs=1 decode it was fused for).
+    ckpt = checkpoint(arch)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 4, 2)]
     engine = make_engine(ckpt, "triton", static_decode=True, max_num_seqs=4, max_num_batched_tokens=16)
     assert engine.generate(PROMPTS, params) == reference_tokens(ckpt, PROMPTS, params)
