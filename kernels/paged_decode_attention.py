@@ -93,12 +93,13 @@ def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, norm_w_ptr, eps, d, part
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, sem_ptr,
     pos_ptr, slot_ptr, k_new_ptr, v_new_ptr, bias_ptr, cs_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
-    q_norm_ptr, k_norm_ptr,
-    scale_log2, num_splits, window, norm_eps,
+    scale_log2, num_splits, window,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
+    # Last: the arguments before them keep their offsets, so QK_NORM=False compiles to the SASS it did without them.
+    q_norm_ptr, k_norm_ptr, norm_eps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
@@ -429,9 +430,9 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         semaphores if fused else context_lens, *rotary_args, k_scale, v_scale,
-        sinks if sinks is not None else q, q_weight, k_weight, scale * math.log2(math.e), num_splits, window,
-        float(norm_eps),
+        sinks if sinks is not None else q, scale * math.log2(math.e), num_splits, window,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1), *rotary_strides,
+        q_weight, k_weight, float(norm_eps),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
         ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None,

@@ -62,10 +62,12 @@ def _rotate_heads(src_ptr, stride_h, bias_ptr, norm_w_ptr, eps, cos, sin,
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rotary_kv_write_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, bias_ptr, cs_ptr, qo_ptr, k_cache_ptr, v_cache_ptr,
-    k_scale_ptr, v_scale_ptr, q_norm_ptr, k_norm_ptr,
-    block_size, norm_eps,
+    k_scale_ptr, v_scale_ptr,
+    block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_qot, stride_qoh,
     stride_cb, stride_ct, stride_ch,
+    # Last: the arguments before them keep their offsets, so QK_NORM=False compiles to the SASS it did without them.
+    q_norm_ptr, k_norm_ptr, norm_eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
     QK_NORM: tl.constexpr,
@@ -182,10 +184,10 @@ def rotary_kv_write(
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     _rotary_kv_write_kernel[(t,)](
         positions.contiguous(), slot_mapping.contiguous(), q, k, v, bias if bias is not None else q,
-        cos_sin_cache, q_out, k_cache, v_cache, k_scale, v_scale, q_weight, k_weight,
-        k_cache.shape[1], float(eps),
+        cos_sin_cache, q_out, k_cache, v_cache, k_scale, v_scale,
+        k_cache.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3],
+        q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3], q_weight, k_weight, float(eps),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
         HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None, KV_FP8=fp8,
         QK_NORM=qk_norm is not None,
