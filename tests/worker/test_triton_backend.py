@@ -58,12 +58,18 @@ def reference_tokens(ckpt, prompts, params):
     return engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen2 (bias, tied) runs in the graphs test
-def test_triton_backend_matches_torch_backend(checkpoint, arch):
+# qwen2 (bias, tied) runs in the graphs test. qwen3's q/k norms run inside the rotary epilogue,
+# or (fuse_qk_norm off: bench/moe.py's baseline) as rms_norm launches before it.
+@pytest.mark.parametrize("arch,fuse_qk_norm", [("llama", True), ("qwen3", True), ("qwen3", False)])
+def test_triton_backend_matches_torch_backend(checkpoint, monkeypatch, arch, fuse_qk_norm):
+    from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(TritonAttentionBackend, "fuse_qk_norm", fuse_qk_norm)
     ckpt = checkpoint(arch)
     engine = make_engine(ckpt, "triton", static_decode=False)
     assert engine.attention_backend == "triton"
     assert engine.runner.graphs is None
+    assert engine.runner.model.layers[0].self_attn.norm_in_epilogue == (arch == "qwen3" and fuse_qk_norm)
     assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 

@@ -33,6 +33,9 @@ class TritonAttentionBackend(PagedBackend):
     # kept for same-run before/after benchmarks (bench/profile_decode.py).
     fuse_decode_merge = True
     fuse_decode_rotary = True
+    # Qwen3's q/k RMSNorm inside the rotary epilogue (forward_rotary's `qk_norm`). Read when the
+    # model is built; False: two norm launches a layer before it (bench/moe.py's same-run baseline).
+    fuse_qk_norm = True
     # The small-batch GEMV path of models/llama.py (kernels/fused_gemv.py: steps of <= 8 tokens
     # run their RMSNorm inside the qkv and gate/up GEMVs and SiLU·mul inside down_proj's). Read
     # when the model is built. Off until tools/gpu/gemv.sh has measured it against cuBLAS on a

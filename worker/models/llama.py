@@ -229,7 +229,7 @@ class Attention(nn.Module):
         # moves into the kernel only where the norm does too (or there is none). The torch path
         # keeps Hugging Face's op order, so fp32 stays bit-identical.
         self.fused_epilogue = backend.name == "triton"
-        self.norm_in_epilogue = self.fused_epilogue and cfg.qk_norm
+        self.norm_in_epilogue = self.fused_epilogue and cfg.qk_norm and getattr(backend, "fuse_qk_norm", False)
         self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and (self.norm_in_epilogue or not cfg.qk_norm)
         # Steps of <= 8 tokens: o_proj as the small-M GEMV (the qkv one, with the norm before it,
         # is DecoderLayer's). Plain attributes, so a benchmark can flip them on a built model.
