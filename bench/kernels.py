@@ -112,6 +112,19 @@ def bench_decode(batch: int, ctx_len: int) -> list[Row]:
     rows.append(Row("decode attn", shape, "triton, + rotary + KV write, merge fused", _time(
         lambda: paged_decode_attention_rotary(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5,
                                               semaphores=sem)), nbytes))
+    # Qwen3's q/k RMSNorm: inside the same launch, against its two separate norm launches before it.
+    qk_norm = (torch.rand(D, device="cuda").to(DT) + 0.5, torch.rand(D, device="cuda").to(DT) + 0.5, 1e-6)
+    rows.append(Row("decode attn", shape, "triton, + q/k norm + rotary + KV write, merge fused", _time(
+        lambda: paged_decode_attention_rotary(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5,
+                                              semaphores=sem, qk_norm=qk_norm)), nbytes))
+
+    def separate_norms():
+        qn = rms_norm(q.view(-1, D), qk_norm[0], qk_norm[2])[0].view(q.shape)
+        kn = rms_norm(k_new.view(-1, D), qk_norm[1], qk_norm[2])[0].view(k_new.shape)
+        return paged_decode_attention_rotary(qn, kn, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5,
+                                             semaphores=sem)
+    rows.append(Row("decode attn", shape, "triton, 2 rms_norm launches, then + rotary + KV write, merge fused",
+                    _time(separate_norms), nbytes))
     rows.append(Row("decode attn", shape, "torch ref, + rotary + KV write", _time(
         lambda: paged_decode_attention_rotary_ref(q, k_new, v_new, *next(cyc), bt, lens, pos, slots, cs, D**-0.5)),
         nbytes))
@@ -206,6 +219,9 @@ def bench_elementwise(t: int) -> list[Row]:
     for impl, f in (("triton", rotary_kv_write), ("torch ref", rotary_kv_write_ref)):
         rows.append(Row("rotary + kv write", f"T={t} Hq={HQ} Hkv={HKV}", impl,
                         _time(lambda: f(pos, q, k, v, cs, *kvs[1], slots)), nb))
+    qk_norm = (torch.rand(D, device="cuda").to(DT) + 0.5, torch.rand(D, device="cuda").to(DT) + 0.5, 1e-6)
+    rows.append(Row("rotary + kv write", f"T={t} Hq={HQ} Hkv={HKV}", "triton, + q/k norm", _time(
+        lambda: rotary_kv_write(pos, q, k, v, cs, *kvs[1], slots, qk_norm=qk_norm)), nb))
 
     g = torch.randn(t, 2 * 14336, dtype=DT, device="cuda")
     nb = g.numel() * DT.itemsize * 3 // 2

@@ -34,6 +34,8 @@ Three subcommands (tools/gpu/moe.sh runs them in one device call):
               JSON line to --rows; `report` turns the lines into a table. --moe-path sorted runs
               the engine as before this change (sorted path at every size with its memset + torch
               sum, routing with 4 warps and sorting as a second launch): the same-run baseline.
+              --router-linear and --qk-norm-separate undo one fusion each (the router's gate; the
+              q/k norms inside the rotary epilogue): their same-run baselines.
 """
 
 from __future__ import annotations
@@ -542,6 +544,10 @@ def engine(args) -> int:
         from pdserve.worker.models import moe
 
         moe.FUSED_GATE = False
+    if args.qk_norm_separate:  # q and k RMSNorm as two launches before the rotary epilogue, as before
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.fuse_qk_norm = False
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
@@ -554,6 +560,7 @@ def engine(args) -> int:
         "ep": args.ep,
         "moe_path": args.moe_path,
         "router_linear": args.router_linear,
+        "qk_norm_separate": args.qk_norm_separate,
         "quantization": args.quantization,
         "layers": args.layers,
         "load_format": args.load_format,
@@ -612,6 +619,8 @@ def report(args) -> int:
         path = "decode <= 4 tokens (new)" if path == "auto" else "sorted, 4-warp routing (before)"
         if r.get("router_linear"):
             path += ", router as F.linear + moe_route"
+        if r.get("qk_norm_separate"):
+            path += ", q/k norms as 2 launches"
         if r.get("quantization"):  # the roofline counts bf16 weight bytes: not this row's
             path += f", --quantization {r['quantization']}"
             roof = "- | -"
@@ -677,6 +686,8 @@ def main(argv=None) -> int:
                    help="sorted: the MoE kernels as before the decode path (the same-run baseline)")
     e.add_argument("--router-linear", action="store_true", help="the router as F.linear + the routing kernel "
                    "(before kernels/moe_gate.py's one launch): the same-run baseline of the gate")
+    e.add_argument("--qk-norm-separate", action="store_true", help="q and k RMSNorm as two launches a layer "
+                   "before the rotary epilogue (not inside it): the same-run baseline of that fusion")
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     r = sub.add_parser("report")
     r.add_argument("--rows", required=True)

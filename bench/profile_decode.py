@@ -87,7 +87,8 @@ def set_path(model, backend, fused: bool) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         attn.fused_epilogue = fused
-        attn.bias_in_epilogue = fused and model.cfg.qkv_bias and not model.cfg.qk_norm
+        attn.norm_in_epilogue = fused and model.cfg.qk_norm
+        attn.bias_in_epilogue = fused and model.cfg.qkv_bias
     backend.fuse_decode_merge = backend.fuse_decode_rotary = fused
 
 

@@ -60,10 +60,10 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, d, partner, cos, sin_signed,
-             HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, ROTATE: tl.constexpr):
-    # [R, D_PAD] fp32: rows of one token (+ their bias), rotate-half applied on the full width:
-    # element d pairs with d +- D/2, so out = x * cos + x[partner] * (-sin | +sin).
+def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, norm_w_ptr, eps, d, partner, cos, sin_signed,
+             HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr):
+    # [R, D_PAD] fp32: rows of one token (+ their bias, RMSNorm-ed if HAS_NORM), rotate-half
+    # applied on the full width: element d pairs with d +- D/2, so out = x * cos + x[partner] * (-sin | +sin).
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     x = tl.load(ptr + rows[:, None] * row_stride + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -72,6 +72,18 @@ def _rotated(ptr, rows, row_stride, row_mask, bias_ptr, d, partner, cos, sin_sig
         xp = tl.load(ptr + rows[:, None] * row_stride + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             xp += tl.load(bias_ptr + rows[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # Qwen3's per-head RMSNorm before rotary, rounded where the separate kernel rounds
+            # (rotary_kv_write's _rotate_heads): the biased input, x * rstd, the weighted result.
+            # The partner lanes are the same row's, so one rstd serves both.
+            dt = ptr.dtype.element_ty
+            if HAS_BIAS:
+                x, xp = x.to(dt).to(tl.float32), xp.to(dt).to(tl.float32)
+            rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+            w = tl.load(norm_w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+            wp = tl.load(norm_w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
+            xp = ((xp * rstd).to(dt).to(tl.float32) * wp[None, :]).to(dt).to(tl.float32)
         x = x * cos[None, :] + xp * sin_signed[None, :]
     return x
 
@@ -86,9 +98,11 @@ def _decode_split_kernel(
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
+    # Last: the arguments before them keep their offsets, so QK_NORM=False compiles to the SASS it did without them.
+    q_norm_ptr, k_norm_ptr, norm_eps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
+    ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -111,9 +125,10 @@ def _decode_split_kernel(
     d = tl.arange(0, D_PAD)
     q_mask = (rows[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     if ROTARY:
-        # q/k/v come straight from the projection: add the bias, rotate q (rounded to q's dtype,
-        # as the separate rotary kernel's output is), and let the split that holds the new
-        # token write its rotated k and v into the cache before any of its tiles reads them.
+        # q/k/v come straight from the projection: add the bias, RMSNorm q and k (QK_NORM), rotate
+        # q (rounded to q's dtype, as the separate rotary kernel's output is), and let the split
+        # that holds the new token write its rotated k and v into the cache before any of its
+        # tiles reads them.
         half = HEAD_DIM // 2
         lo = d < half
         partner = tl.where(lo, d + half, d - half)
@@ -122,8 +137,8 @@ def _decode_split_kernel(
         cos = tl.load(cs_ptr + pos * stride_cs + freq, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         sin = tl.load(cs_ptr + pos * stride_cs + half + freq, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         sin = tl.where(lo, -sin, sin)
-        q = _rotated(q_ptr + b * stride_qb, heads, stride_qh, rows < GROUP, bias_ptr, d, partner, cos, sin,
-                     HEAD_DIM, HAS_BIAS, True).to(q_ptr.dtype.element_ty)
+        q = _rotated(q_ptr + b * stride_qb, heads, stride_qh, rows < GROUP, bias_ptr, q_norm_ptr, norm_eps, d,
+                     partner, cos, sin, HEAD_DIM, HAS_BIAS, QK_NORM, True).to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (ctx - 1 >= start) & (ctx - 1 < end) & (slot >= 0):
             hq_total = tl.num_programs(1) * GROUP
@@ -133,13 +148,14 @@ def _decode_split_kernel(
                    + rows[:, None] * 0 + d[None, :] * stride_cd)
             kv_mask = first[:, None] & (d[None, :] < HEAD_DIM)
             k_new = _rotated(k_new_ptr + b * stride_knb + kvh * stride_knh, rows, 0, first,
-                             bias_ptr + (hq_total + kvh) * HEAD_DIM, d, partner, cos, sin, HEAD_DIM, HAS_BIAS, True)
+                             bias_ptr + (hq_total + kvh) * HEAD_DIM, k_norm_ptr, norm_eps, d, partner, cos, sin,
+                             HEAD_DIM, HAS_BIAS, QK_NORM, True)
             if KV_FP8:  # quantized from k's dtype, as the reference's rotary output is
                 k_new = k_new.to(k_new_ptr.dtype.element_ty)
             tl.store(k_ptr + dst, kv_store_value(k_new, k_scale_ptr, k_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
             v_new = _rotated(v_new_ptr + b * stride_vnb + kvh * stride_vnh, rows, 0, first,
-                             bias_ptr + (hq_total + tl.num_programs(1) + kvh) * HEAD_DIM, d, partner, cos, sin,
-                             HEAD_DIM, HAS_BIAS, False)
+                             bias_ptr + (hq_total + tl.num_programs(1) + kvh) * HEAD_DIM, v_new_ptr, 0.0, d,
+                             partner, cos, sin, HEAD_DIM, HAS_BIAS, False, False)
             if KV_FP8:
                 v_new = v_new.to(v_new_ptr.dtype.element_ty)
             tl.store(v_ptr + dst, kv_store_value(v_new, v_scale_ptr, v_ptr.dtype.element_ty, KV_FP8), mask=kv_mask)
@@ -346,21 +362,23 @@ def paged_decode_attention_rotary(
     semaphores: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     window: int = 0,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Triton version of reference.paged_decode_attention_rotary_ref: a decode layer's whole
     attention in one launch. q [B, Hq, D], k/v [B, Hkv, D] straight from the qkv projection
-    (bias not added, not rotated); the bias is added, q and k rotated at `positions`, k and v
-    written at `slot_mapping` (< 0: not written), then attention as paged_decode_attention.
+    (bias not added, not rotated); the bias is added, q and k RMSNorm-ed per head if `qk_norm`
+    (q weight [D], k weight [D], eps; Qwen3), rotated at `positions`, k and v written at
+    `slot_mapping` (< 0: not written), then attention as paged_decode_attention.
     Same contract, plus: positions[i] < cos_sin_cache rows, and the new token is the last of
     its context (positions[i] == context_lens[i] - 1, as for every decode token)."""
     fn = "paged_decode_attention_rotary"
     tensors = check_rotary_inputs(fn, q, k, v, positions, slot_mapping, cos_sin_cache, bias, k_cache,
-                                  cache_dtypes(q.dtype))
+                                  cache_dtypes(q.dtype), qk_norm)
     check_devices(fn, **tensors)
     for name, t in tensors.items():
         if t.dim() > 1 and t.stride(-1) != 1 or name == "bias" and not t.is_contiguous():
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
-    rotary = (positions.contiguous(), slot_mapping.contiguous(), k, v, bias, cos_sin_cache)
+    rotary = (positions.contiguous(), slot_mapping.contiguous(), k, v, bias, cos_sin_cache, qk_norm)
     return _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, semaphores, rotary,
                    k_scale, v_scale, sinks, window)
 
@@ -403,19 +421,22 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
     fused = split and semaphores is not None
     group_pad = max(16, triton.next_power_of_2(group))
     if rotary is not None:
-        positions, slots, k_new, v_new, bias, cs = rotary
+        positions, slots, k_new, v_new, bias, cs, qk_norm = rotary
         rotary_args = (positions, slots, k_new, v_new, bias if bias is not None else q, cs)
         rotary_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cs.stride(0))
     else:  # unused pointers and strides: any valid values
-        rotary_args, rotary_strides = (context_lens, context_lens, q, q, q, q), (0, 0, 0, 0, 0)
+        rotary_args, rotary_strides, qk_norm = (context_lens, context_lens, q, q, q, q), (0, 0, 0, 0, 0), None
+    q_weight, k_weight, norm_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         semaphores if fused else context_lens, *rotary_args, k_scale, v_scale,
         sinks if sinks is not None else q, scale * math.log2(math.e), num_splits, window,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1), *rotary_strides,
+        q_weight, k_weight, float(norm_eps),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, FUSED_REDUCE=fused,
-        ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None, KV_FP8=fp8,
+        ROTARY=rotary is not None, HAS_BIAS=rotary is not None and rotary[4] is not None,
+        QK_NORM=qk_norm is not None, KV_FP8=fp8,
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         SLIDING=window > 0, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages,

@@ -219,12 +219,18 @@ def rotary_kv_write_ref(
     bias: torch.Tensor | None = None,  # [(Hq + 2 Hkv) * D], the qkv projection's bias (q | k | v)
     k_scale: torch.Tensor | None = None,  # [1] fp32, an fp8 cache's scales (None = 1)
     v_scale: torch.Tensor | None = None,
+    *,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q weight [D], k weight [D], eps)
 ) -> torch.Tensor:  # rotated q [T, Hq, D]; rotated k and v land in the cache
-    """The decode layer's q/k/v epilogue: bias, rotary, KV write (what the Triton kernel fuses)."""
+    """The decode layer's q/k/v epilogue: bias, Qwen3's per-head q/k RMSNorm (if `qk_norm`),
+    rotary, KV write (what the Triton kernels fuse)."""
     if bias is not None:
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
         bq, bk, bv = bias.split([hq * d, hkv * d, hkv * d])
         q, k, v = q + bq.view(hq, d), k + bk.view(hkv, d), v + bv.view(hkv, d)
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps)[0], rms_norm_ref(k, k_weight, eps)[0]
     q, k = rotary_ref(positions, q, k, cos_sin_cache)
     kv_cache_write_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
@@ -248,9 +254,11 @@ def paged_decode_attention_rotary_ref(
     *,
     sinks: torch.Tensor | None = None,  # [Hq], as paged_decode_attention_ref's
     window: int = 0,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # as rotary_kv_write_ref's
 ) -> torch.Tensor:  # [B, Hq, D]
     """A decode layer's attention from the projection's output: epilogue, then paged attention."""
-    q = rotary_kv_write_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, bias, k_scale, v_scale)
+    q = rotary_kv_write_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, bias, k_scale, v_scale,
+                            qk_norm=qk_norm)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
                                       sinks=sinks, window=window)
 

@@ -58,6 +58,28 @@ def fused_qkv(t: int, hq: int, hkv: int, d: int, dtype):
     return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
+def qk_norm_weights(d: int, dtype, g: torch.Generator | None = None, eps: float = 1e-6):
+    """A Qwen3-like qk_norm argument (q weight [D], k weight [D], eps): weights around 1, distinct
+    per element and between q and k, so a kernel that mixes them up or drops one fails."""
+    return tuple((1 + 0.5 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) for _ in range(2)) + (eps,)
+
+
+def as_double(qk_norm):
+    """qk_norm's weights in float64, for a reference computed in float64."""
+    return None if qk_norm is None else (qk_norm[0].double(), qk_norm[1].double(), qk_norm[2])
+
+
+def assert_matches_separate_norm(fused: torch.Tensor, separate: torch.Tensor) -> None:
+    """A kernel with the q/k norm fused against kernels/rms_norm.py followed by the same kernel
+    without it: the same roundings, the sum of squares perhaps in another order (an fp32 ulp of
+    rstd). In bf16 such an ulp almost never reaches a rounded value (skipping the norm's own
+    roundings makes about half of them differ); in fp32 it shows in the last bits only."""
+    if fused.dtype == torch.float32:
+        assert rel_error(fused, separate.double()) < 1e-6
+    else:
+        assert (fused != separate).float().mean() < 0.01
+
+
 def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """The cache slot of each sequence's token at `positions` (one per row of `block_tables`)."""
     return torch.stack([block_tables[i, p // block_size].long() * block_size + p % block_size

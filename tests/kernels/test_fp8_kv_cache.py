@@ -23,7 +23,8 @@ from pdserve.kernels.reference import (
     rotary_kv_write_ref,
 )
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from tests.kernels.kernel_inputs import DEVICE, TOL, block_tables_for, cos_sin_cache, rel_error, slots_of
+from tests.kernels.kernel_inputs import (DEVICE, TOL, block_tables_for, cos_sin_cache, qk_norm_weights, rel_error,
+                                        slots_of)
 
 # (k_scale, v_scale): unit (no calibration), a power of two, and ones that are not.
 SCALES = [(None, None), (0.5, 2.0), (0.37, 1.7)]
@@ -76,8 +77,8 @@ def test_write_quantizes_bit_for_bit_like_the_reference(src_dtype, scales):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scales", SCALES[1:])
-def test_rotary_write_quantizes_like_the_reference(dtype, scales):
+@pytest.mark.parametrize("scales,with_norm", [(SCALES[1], False), (SCALES[2], False), (SCALES[2], True)])
+def test_rotary_write_quantizes_like_the_reference(dtype, scales, with_norm):
     ks, vs = (_scale(s) for s in scales)
     hq, hkv, d, block_size, t = 6, 2, 32, 4, 9
     cs = cos_sin_cache(64, d)
@@ -88,18 +89,22 @@ def test_rotary_write_quantizes_like_the_reference(dtype, scales):
     slots = torch.randperm(8 * block_size, device=DEVICE)[:t]
     cache, k_cache, v_cache = fp8_cache(8, 2, block_size, hkv, d)
     expected = cache.clone()
-    q_ref = rotary_kv_write_ref(positions, q, k, v, cs, expected[:, 1, 0], expected[:, 1, 1], slots, bias, ks, vs)
+    qk_norm = qk_norm_weights(d, dtype) if with_norm else None
+    slots[4] = -1
+    q_ref = rotary_kv_write_ref(positions, q, k, v, cs, expected[:, 1, 0], expected[:, 1, 1], slots, bias, ks, vs,
+                                qk_norm=qk_norm)
 
-    q_out = rotary_kv_write(positions, q, k, v, cs, k_cache, v_cache, slots.int(), bias, ks, vs)
+    q_out = rotary_kv_write(positions, q, k, v, cs, k_cache, v_cache, slots.int(), bias, ks, vs, qk_norm=qk_norm)
 
     assert rel_error(q_out, q_ref) < TOL[dtype]
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not with_norm:
         assert torch.equal(_bits(cache), _bits(expected))
     else:
         # The kernel adds the bias and rotates in fp32 and rounds once to bf16 (truncates, under
         # the interpreter); the reference does each op in bf16. Their bf16 k/v differ by an ulp
         # or so, which can land on the other side of an fp8 rounding boundary: a few values one
         # or two e4m3 steps (2^-3 relative each) apart, the cache as a whole within bf16's error.
+        # The norm's rstd (1 / sqrt, the norm kernel's) and torch's rsqrt may differ by an fp32 ulp.
         _assert_fp8_close(cache[:, 1], expected[:, 1])
         assert torch.equal(_bits(cache[:, 0]), _bits(expected[:, 0]))  # the other layer untouched
 
@@ -123,8 +128,8 @@ def test_decode_attention_dequantizes_like_the_reference(poison_empty, dtype, sc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_rotary_variant_writes_fp8_and_attends(poison_empty, dtype, num_splits):
+@pytest.mark.parametrize("num_splits,with_norm", [(1, False), (3, False), (3, True)])
+def test_decode_rotary_variant_writes_fp8_and_attends(poison_empty, dtype, num_splits, with_norm):
     ks, vs = _scale(0.37), _scale(1.7)
     hq, hkv, d, block_size, ctx = 6, 2, 32, 4, [9, 1, 16]
     cache, k_cache, v_cache = fp8_cache(20, 2, block_size, hkv, d)
@@ -137,16 +142,18 @@ def test_decode_rotary_variant_writes_fp8_and_attends(poison_empty, dtype, num_s
     positions = context_lens.long() - 1
     slots = slots_of(block_tables, positions, block_size)
     cs = cos_sin_cache(64, d)
+    qk_norm = qk_norm_weights(d, dtype) if with_norm else None
     expected = cache.clone()
     ref = paged_decode_attention_rotary_ref(q, k, v, expected[:, 1, 0], expected[:, 1, 1], block_tables,
-                                            context_lens, positions, slots, cs, d**-0.5, bias, ks, vs)
+                                            context_lens, positions, slots, cs, d**-0.5, bias, ks, vs, qk_norm=qk_norm)
     sem = torch.zeros(b * hkv, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, block_tables, context_lens, positions,
-                                        slots.int(), cs, d**-0.5, bias, ks, vs, num_splits=num_splits, semaphores=sem)
+                                        slots.int(), cs, d**-0.5, bias, ks, vs, num_splits=num_splits, semaphores=sem,
+                                        qk_norm=qk_norm)
     assert rel_error(out, ref) < 2 * TOL[dtype]
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not with_norm:
         assert torch.equal(_bits(cache), _bits(expected))  # the new tokens' K/V, quantized alike
-    else:  # a bf16 ulp of the rotated k may cross an fp8 rounding boundary (see the rotary test)
+    else:  # a bf16 ulp of the rotated k (or an fp32 ulp of rstd) may cross an fp8 rounding boundary (see above)
         _assert_fp8_close(cache, expected)
 
 

@@ -2,7 +2,8 @@
 
 Relative error ||out - ref|| / ||ref||: bf16 lands between 1e-3 and 1e-2, fp32 far below;
 NaN never passes. Shapes are Llama-3.1-8B's (32 query heads, 8 KV heads, head_dim 128,
-hidden 4096, intermediate 14336) and Qwen2.5-0.5B's attention (14/2 heads, head_dim 64).
+hidden 4096, intermediate 14336), Qwen2.5-0.5B's attention (14/2 heads, head_dim 64) and
+Qwen3-30B-A3B's (32/4 heads, head_dim 128, q/k norm).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import rotary
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
 from pdserve.kernels.silu_and_mul import silu_and_mul
-from tests.kernels.kernel_inputs import ON_GPU, block_tables_for, paged_kv, rel_error
+from tests.kernels.kernel_inputs import ON_GPU, as_double, block_tables_for, paged_kv, qk_norm_weights, rel_error
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="real-size kernel checks need a CUDA GPU")
 GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -110,8 +111,12 @@ def test_elementwise(poison_empty, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape,bias", [((32, 8, 128), False), ((14, 2, 64), True)])  # Llama-3.1-8B, Qwen2.5
-def test_rotary_kv_write(dtype, shape, bias):
+@pytest.mark.parametrize("shape,bias,norm", [
+    ((32, 8, 128), False, False),  # Llama-3.1-8B
+    ((14, 2, 64), True, False),  # Qwen2.5-0.5B
+    ((32, 4, 128), False, True),  # Qwen3-30B-A3B
+])
+def test_rotary_kv_write(dtype, shape, bias, norm):
     hq, hkv, d = shape
     t, bs, num_blocks = 4096, 16, 512
     cache, k_cache, v_cache = paged_kv(num_blocks, 3, bs, hkv, d, dtype)
@@ -124,10 +129,11 @@ def test_rotary_kv_write(dtype, shape, bias):
     cs = torch.cat([ang.cos(), ang.sin()], -1).float()
     pos = torch.randint(0, 32768, (t,), device="cuda")
     slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
-    qo = rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache, slots, b)
+    qk_norm = qk_norm_weights(d, dtype) if norm else None
+    qo = rotary_kv_write(pos, q, k, v, cs, k_cache, v_cache, slots, b, qk_norm=qk_norm)
     ref = cache.double()
     qr = rotary_kv_write_ref(pos, q.double(), k.double(), v.double(), cs.double(), ref[:, 1, 0], ref[:, 1, 1],
-                             slots, b.double() if bias else None)
+                             slots, b.double() if bias else None, qk_norm=as_double(qk_norm))
     assert rel_error(qo, qr) < GPU_TOL[dtype]
     assert torch.equal(cache.isnan(), ref.isnan())
     written = ~ref.isnan()

@@ -7,8 +7,9 @@ import torch
 
 from pdserve.kernels.reference import paged_decode_attention_ref
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
-from tests.kernels.kernel_inputs import (DEVICE, TOL, bad_argument_inputs, block_tables_for, cos_sin_cache, fused_qkv,
-                                        paged_kv, rel_error, slots_of)
+from tests.kernels.kernel_inputs import (DEVICE, ON_GPU, TOL, as_double, assert_matches_separate_norm,
+                                        bad_argument_inputs, block_tables_for, cos_sin_cache, fused_qkv, paged_kv,
+                                        qk_norm_weights, rel_error, slots_of)
 
 CASES = [
     # (Hq, Hkv, D, block_size, context_lens): GQA groups 1/3/4, odd sizes, 1-token and
@@ -103,8 +104,13 @@ def test_rejects_bad_arguments():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("case,with_bias", [(0, False), (1, True), (2, True)])
-def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dtype, num_splits, case, with_bias):
+@pytest.mark.parametrize("case,with_bias,with_norm", [
+    (0, False, False), (1, True, False), (2, True, False),
+    (2, False, True),  # Qwen3: q/k norm, GQA 4
+    (1, True, True),  # the bias added before the norm; GQA 3, head_dim 40
+])
+def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dtype, num_splits, case, with_bias,
+                                                                with_norm):
     # One launch = rotary_kv_write + decode attention: the new token's k/v are written by the
     # split that holds its position, which then reads them back from the cache.
     from pdserve.kernels.paged_decode_attention import paged_decode_attention_rotary
@@ -117,16 +123,19 @@ def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dty
     b = len(ctx)
     q, k, v = fused_qkv(b, hq, hkv, d, dtype)
     bias = torch.randn((hq + 2 * hkv) * d, dtype=dtype, device=DEVICE) if with_bias else None
+    qk_norm = qk_norm_weights(d, dtype) if with_norm else None
     positions = context_lens.long() - 1
     slots = slots_of(block_tables, positions, block_size)
     cs = cos_sin_cache(128, d)
     ref_cache = cache.double()
     ref = paged_decode_attention_rotary_ref(q.double(), k.double(), v.double(), ref_cache[:, 1, 0],
                                             ref_cache[:, 1, 1], block_tables, context_lens, positions, slots,
-                                            cs.double(), d**-0.5, bias.double() if bias is not None else None)
+                                            cs.double(), d**-0.5, bias.double() if bias is not None else None,
+                                            qk_norm=as_double(qk_norm))
     sem = torch.zeros(b * hkv, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, block_tables, context_lens, positions,
-                                        slots.int(), cs, d**-0.5, bias, num_splits=num_splits, semaphores=sem)
+                                        slots.int(), cs, d**-0.5, bias, num_splits=num_splits, semaphores=sem,
+                                        qk_norm=qk_norm)
     # Twice the bound: the rotated q and the new K/V are rounded to the cache dtype before the
     # attention (truncated, under the interpreter) where the float64 reference keeps them exact.
     assert out.dtype == dtype
@@ -136,6 +145,47 @@ def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dty
         assert rel_error(cache[blk, 1, kv, off], ref_cache[blk, 1, kv, off]) < TOL[dtype]
     assert torch.equal(cache[:, 0], ref_cache[:, 0].to(dtype))  # the other layer untouched
     assert not sem.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_qk_norm_equals_the_separate_norm_kernel_then_the_rotary_variant(dtype, num_splits):
+    # What the fusion replaces: kernels/rms_norm.py over every q and k head, then this kernel
+    # without the norm. The same roundings (x * rstd and the weighted result in q's dtype), and
+    # the sum of squares over the whole head in one tl.sum as the norm kernel's: under the
+    # interpreter the two are equal bit for bit. Compiled, the sum's order follows each
+    # kernel's own layout, so an fp32 ulp of rstd may differ.
+    from pdserve.kernels.paged_decode_attention import paged_decode_attention_rotary
+    from pdserve.kernels.rms_norm import rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, block_size, ctx = CASES[1]
+    fused_cache, k_cache, v_cache = paged_kv(40, 2, block_size, hkv, d, dtype)
+    separate_cache = fused_cache.clone()
+    block_tables = block_tables_for(ctx, block_size, 40, extra=1)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    b = len(ctx)
+    qkv = (3 * torch.randn(b, (hq + 2 * hkv) * d, generator=g)).to(dtype).to(DEVICE)
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    qk_norm = qk_norm_weights(d, dtype, g)
+    positions = context_lens.long() - 1
+    slots = slots_of(block_tables, positions, block_size).int()
+    slots[2] = -1  # a padding row: nothing written, either way
+    cs = cos_sin_cache(128, d)
+    args = (block_tables, context_lens, positions, slots, cs, d**-0.5)
+
+    fused = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, *args, num_splits=num_splits, qk_norm=qk_norm)
+    wq, wk, eps = qk_norm
+    qn = rms_norm(q.reshape(-1, d), wq, eps)[0].view(b, hq, d)
+    kn = rms_norm(k.reshape(-1, d), wk, eps)[0].view(b, hkv, d)
+    separate = paged_decode_attention_rotary(qn, kn, v, separate_cache[:, 1, 0], separate_cache[:, 1, 1], *args,
+                                             num_splits=num_splits)
+    if ON_GPU:
+        assert_matches_separate_norm(fused, separate)
+        assert_matches_separate_norm(fused_cache, separate_cache)
+    else:
+        assert torch.equal(fused, separate)
+        assert torch.equal(fused_cache, separate_cache)
 
 
 def test_rotary_variant_padding_rows_write_nothing():
@@ -153,6 +203,12 @@ def test_rotary_variant_padding_rows_write_nothing():
     cs = torch.randn(8, 16, device=DEVICE)
     out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones * 0, -ones, cs, 0.25, num_splits=2)
     assert torch.equal(cache, before) and not out.isnan().any()
+    out = paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones * 0, -ones, cs, 0.25, num_splits=2,
+                                        qk_norm=qk_norm_weights(16, torch.float32))
+    assert torch.equal(cache, before) and not out.isnan().any()
+    with pytest.raises(ValueError, match=r"paged_decode_attention_rotary: q_norm_weight has shape \[8\]"):
+        paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones, ones, cs, 0.25,
+                                      qk_norm=(torch.ones(8), torch.ones(16), 1e-6))
     with pytest.raises(ValueError, match=r"paged_decode_attention_rotary: bias has shape \[3\], expected \[128\]"):
         paged_decode_attention_rotary(q, k, v, k_cache, v_cache, bt, ones, ones, ones, cs, 0.25, torch.zeros(3))
     with pytest.raises(ValueError, match=r"k_cache has shape \[8, 4, 2, 16\], expected \[\*, \*, 1, 16\]"):

@@ -142,7 +142,8 @@ def _warm_up(engine, rng: random.Random) -> None:
     _serve(engine, rng, [(2, 2)] * MAX_NUM_SEQS)
 
 
-@pytest.mark.parametrize("arch", ["qwen2"])  # qkv bias in the fused epilogue, tied embeddings
+# qwen2: the qkv bias in the fused epilogue, tied embeddings; qwen3: the q/k norms in it.
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_traffic_meets_no_specialization_the_warm_up_missed(tmp_path_factory, monkeypatch, arch):
     recorder = KeyRecorder(monkeypatch)
     engine = _engine(tmp_path_factory, arch)

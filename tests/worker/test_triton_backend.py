@@ -58,12 +58,18 @@ def reference_tokens(ckpt, prompts, params):
     return engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen2 (bias, tied) runs in the graphs test
-def test_triton_backend_matches_torch_backend(checkpoint, arch):
+# qwen2 (bias, tied) runs in the graphs test. qwen3's q/k norms run inside the rotary epilogue,
+# or (fuse_qk_norm off: bench/moe.py's baseline) as rms_norm launches before it.
+@pytest.mark.parametrize("arch,fuse_qk_norm", [("llama", True), ("qwen3", True), ("qwen3", False)])
+def test_triton_backend_matches_torch_backend(checkpoint, monkeypatch, arch, fuse_qk_norm):
+    from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(TritonAttentionBackend, "fuse_qk_norm", fuse_qk_norm)
     ckpt = checkpoint(arch)
     engine = make_engine(ckpt, "triton", static_decode=False)
     assert engine.attention_backend == "triton"
     assert engine.runner.graphs is None
+    assert engine.runner.model.layers[0].self_attn.norm_in_epilogue == (arch == "qwen3" and fuse_qk_norm)
     assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
@@ -93,11 +99,13 @@ def test_decode_graphs_pad_to_buckets_and_match(checkpoint):
     assert engine.generate(PROMPTS[::-1], params[::-1]) == reference_tokens(ckpt, PROMPTS[::-1], params[::-1])
 
 
-def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint):
+@pytest.mark.parametrize("arch", ["qwen2-moe", "qwen3-moe"])
+def test_moe_triton_backend_with_decode_graphs_matches_torch(checkpoint, arch):
     # The fused MoE kernel and its device-side sort inside the decode graphs' static buffers
     # (captured on a GPU): padded rows route like any token and are dropped after. Qwen2-MoE:
-    # every layer sparse, with the shared expert (interpreted kernels are slow: one architecture).
-    ckpt = checkpoint("qwen2-moe")
+    # every layer sparse, with the shared expert. Qwen3-MoE: its q/k norms inside the fused
+    # rotary epilogue of the decode graphs' attention (the bs=1 decode it was fused for).
+    ckpt = checkpoint(arch)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 4, 2)]
     engine = make_engine(ckpt, "triton", static_decode=True, max_num_seqs=4, max_num_batched_tokens=16)
     assert engine.generate(PROMPTS, params) == reference_tokens(ckpt, PROMPTS, params)

@@ -6,9 +6,10 @@ shapes on the host, never index values, so a decode step through this backend ca
 in a CUDA graph (worker/executor/cuda_graphs.py).
 
 `forward_rotary` takes q/k/v straight from the qkv projection. A decode token's whole attention
-is then one launch: the decode kernel adds the bias, rotates q and k, writes k and v into the
-cache and attends, its split merge fused in (the backend lends it the arrival counters).
-Prefill tokens get one epilogue kernel (bias + rotary + KV write) before prefill attention.
+is then one launch: the decode kernel adds the bias, normalises q and k per head (Qwen3's
+q/k RMSNorm, where the model passes `qk_norm`), rotates them, writes k and v into the cache and
+attends, its split merge fused in (the backend lends it the arrival counters). Prefill tokens
+get one epilogue kernel (bias + q/k norm + rotary + KV write) before prefill attention.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class TritonAttentionBackend(PagedBackend):
     # kept for same-run before/after benchmarks (bench/profile_decode.py).
     fuse_decode_merge = True
     fuse_decode_rotary = True
+    # Qwen3's q/k RMSNorm inside the rotary epilogue (forward_rotary's `qk_norm`). Read when the
+    # model is built; False: two norm launches a layer before it (bench/moe.py's same-run baseline).
+    fuse_qk_norm = True
     # The small-batch GEMV path of models/llama.py (kernels/fused_gemv.py: steps of <= 8 tokens
     # run their RMSNorm inside the qkv and gate/up GEMVs and SiLU·mul inside down_proj's). Read
     # when the model is built. Off until tools/gpu/gemv.sh has measured it against cuBLAS on a
@@ -69,26 +73,29 @@ class TritonAttentionBackend(PagedBackend):
     def forward_rotary(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, cos_sin: torch.Tensor, bias: torch.Tensor | None,
                        meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
-                       window: int = 0) -> torch.Tensor:
-        """`forward` for q/k/v straight out of the projection (bias not yet added, not rotated)."""
+                       window: int = 0, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                       ) -> torch.Tensor:
+        """`forward` for q/k/v straight out of the projection (bias not yet added, not normalised,
+        not rotated). `qk_norm`: (q weight, k weight, eps) of a per-head RMSNorm before rotary."""
         k_cache, v_cache = self.kv_cache.layer(layer)
         meta = meta.for_layer(self.kv_cache, layer)
         ks, vs = self.kv_cache.layer_scales(layer)
         nd, total = meta.num_decode_tokens, q.shape[0]
         extra = dict(sinks=sinks, window=window)
         if nd == 0 or not self.fuse_decode_rotary:
-            q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias, ks, vs)
+            q = rotary_kv_write(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping, bias, ks, vs,
+                                qk_norm=qk_norm)
             return self._attend(q, k_cache, v_cache, meta, scale, ks, vs, **extra)
         # Decode rows: epilogue and attention in one launch, in mixed steps too (so a mixed step
         # meets the same kernel variants as the graphs: nothing to compile mid-traffic).
         sem = self.semaphores(nd * k_cache.shape[2], q.device) if self.fuse_decode_merge else None
         dec = paged_decode_attention_rotary(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, positions[:nd], meta.slot_mapping[:nd],
-                                            cos_sin, scale, bias, ks, vs, semaphores=sem, **extra)
+                                            cos_sin, scale, bias, ks, vs, semaphores=sem, qk_norm=qk_norm, **extra)
         if nd == total:
             return dec
         qp = rotary_kv_write(positions[nd:], q[nd:], k[nd:], v[nd:], cos_sin, k_cache, v_cache,
-                             meta.slot_mapping[nd:], bias, ks, vs)
+                             meta.slot_mapping[nd:], bias, ks, vs, qk_norm=qk_norm)
         pre = paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                                       meta.prefill_context_lens, scale, ks, vs, **extra)
         return torch.cat([dec, pre])

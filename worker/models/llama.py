@@ -223,12 +223,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
-        # Triton: the projection's bias, rotary and the KV write run as one kernel after the
-        # GEMM (backend.forward_rotary). The bias moves into that kernel only where nothing sits
-        # between it and rotary (no q/k norm): at one token torch adds a bias with a launch of
-        # its own. The torch path keeps Hugging Face's op order, so fp32 stays bit-identical.
+        # Triton: the projection's bias, Qwen3's q/k norm, rotary and the KV write run as one
+        # kernel after the GEMM (backend.forward_rotary): at one token torch adds a bias with a
+        # launch of its own, and each norm is one more. The bias comes before the norm, so it
+        # moves into the kernel only where the norm does too (or there is none). The torch path
+        # keeps Hugging Face's op order, so fp32 stays bit-identical.
         self.fused_epilogue = backend.name == "triton"
-        self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and not cfg.qk_norm
+        self.norm_in_epilogue = self.fused_epilogue and cfg.qk_norm and getattr(backend, "fuse_qk_norm", False)
+        self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and (self.norm_in_epilogue or not cfg.qk_norm)
         # Steps of <= 8 tokens: o_proj as the small-M GEMV (the qkv one, with the norm before it,
         # is DecoderLayer's). Plain attributes, so a benchmark can flip them on a built model.
         self.gemv_o = gemv_wanted(backend) and gemv_fits(self.o_proj)
@@ -265,15 +267,19 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        extras = self.extras()
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before rotary
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
+            if self.norm_in_epilogue:  # one eps: both norms are built from cfg.rms_norm_eps
+                extras["qk_norm"] = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, _ = self.q_norm(q)
+                k, _ = self.k_norm(k)
         if self.fused_epilogue:
             o = self.backend.forward_rotary(self.layer_idx, positions, q, k, v, cos_sin, bias, meta, self.scale,
-                                            **self.extras())
+                                            **extras)
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
-            o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, **self.extras())
+            o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, **extras)
         o = o.reshape(T, self.q_size)
         if self.gemv_o and gemv_rows_ok(o, "none", self.o_proj.weight):
             out, _ = _fused_gemv()(o, self.o_proj.weight, bias=self.o_proj.bias)
