@@ -114,6 +114,8 @@ class BenchPlan:
     decode_paths: bool = False
     # EngineConfig.async_scheduling: None = the engine's default (on with a GPU), or forced.
     async_scheduling: bool | None = None
+    # TritonAttentionBackend.fused_gemv: None = the engine's default (the measured shapes), or forced.
+    fused_gemv: bool | None = None
 
     def __post_init__(self):
         if any(k not in OFFLINE for k in self.offline):
@@ -262,6 +264,9 @@ class Bench:
         from pdserve.worker.engine.llm_engine import LLMEngine
         from pdserve.worker.request.sampling_params import SamplingParams
 
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.fused_gemv = self.plan.fused_gemv  # read when the model is built
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=path, device=self.device, dtype="bfloat16", max_model_len=2048,
                                         max_num_seqs=256, max_num_batched_tokens=self.token_budget,
@@ -472,11 +477,15 @@ def main(argv=None) -> int:
                          "timed and profiled per kernel in the same run")
     ap.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default",
                     help="the engine's async scheduling: its default (on with a GPU) or forced on / off")
+    ap.add_argument("--fused-gemv", choices=["default", "on", "off"], default="default",
+                    help="the small-batch GEMV path: its default (the shapes measured to win on this card), "
+                         "every shape, or none")
     args = ap.parse_args(argv)
     try:
         plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager,
                          decode_paths=args.decode_paths,
-                         async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
+                         async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling],
+                         fused_gemv={"default": None, "on": True, "off": False}[args.fused_gemv])
     except ValueError as e:
         ap.error(str(e))
     device = "cpu" if args.smoke else "cuda"

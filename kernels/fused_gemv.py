@@ -63,28 +63,32 @@ class GemvConfig:
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
 # best config, or None where the unfused path (separate norm / SiLU·mul, then cuBLAS) was faster.
-# A card gets an entry once bench/gemv.py has run on it; the entry it prints is a drop-in here. A card or
-# shape missing: the heuristic. A table, not a run-time autotuner: every start picks the same.
-# NVIDIA H200, 2026-11-27 (tools/gpu/gemv.sh; docs/gpu-perf-results.md): the fused GEMV won only
-# o_proj, Llama's M = 1 down_proj and Qwen2.5-0.5B's M = 1 norm GEMVs; cuBLAS (97% of copy
-# bandwidth at gate_up, M = 1) won the rest. The engine's switch stays off: the bs=1 step was
-# 0.93x with it on (before this table existed).
+# A card gets an entry once bench/gemv.py has run on it; the entry it prints is a drop-in here. The
+# engine takes the GEMV only where its card and shape have a config here (gemv_preferred); a forced
+# path (tests, benches) takes choose_config's heuristic elsewhere. A table, not a run-time
+# autotuner: every start picks the same.
+# NVIDIA H200: M = 1 on 2026-12-04 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md: 2-row strips
+# of 1024-wide K tiles won o_proj, the 0.5B model's norm GEMVs and gpt-oss's o_proj; cuBLAS (97% of
+# copy bandwidth at Llama's gate_up) the rest), M = 2-8 on 2026-11-27 (docs/gpu-perf-results.md).
 MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {
     "NVIDIA H200": {
-        ('none', 4096, 4096, 1): GemvConfig(32, 256, 4),
+        ('none', 4096, 4096, 1): GemvConfig(2, 1024, 1),
         ('silu_mul', 4096, 14336, 1): GemvConfig(32, 256, 4),
-        ('rms_norm', 1152, 896, 1): GemvConfig(16, 512, 1),
-        ('none', 896, 896, 1): GemvConfig(16, 512, 1),
+        ('rms_norm', 1152, 896, 1): GemvConfig(2, 1024, 1),
+        ('none', 896, 896, 1): GemvConfig(2, 1024, 1),
         ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1),
+        ('rms_norm', 5120, 2880, 1): GemvConfig(32, 256, 4),
+        ('none', 2880, 4096, 1): GemvConfig(2, 1024, 1),
+        ('none', 128, 2880, 1): GemvConfig(2, 1024, 1),
+        ('rms_norm', 6144, 4096, 1): None,
+        ('rms_norm', 28672, 4096, 1): None,
+        ('silu_mul', 896, 4864, 1): None,
         ('none', 4096, 4096, 2): GemvConfig(32, 256, 2),
         ('none', 896, 896, 2): GemvConfig(16, 256, 1),
         ('none', 4096, 4096, 4): GemvConfig(32, 256, 2),
         ('none', 896, 896, 4): GemvConfig(16, 256, 1),
         ('none', 4096, 4096, 8): GemvConfig(32, 256, 2),
         ('none', 896, 896, 8): GemvConfig(16, 256, 1),
-        ('rms_norm', 6144, 4096, 1): None,
-        ('rms_norm', 28672, 4096, 1): None,
-        ('silu_mul', 896, 4864, 1): None,
         ('rms_norm', 6144, 4096, 2): None,
         ('rms_norm', 28672, 4096, 2): None,
         ('silu_mul', 4096, 14336, 2): None,
@@ -121,10 +125,16 @@ def _measured(prologue: str, m: int, n: int, k: int, device: torch.device):
     return MEASURED.get(card_name(device), {}).get((prologue, n, k, _m_bucket(m)), "absent")
 
 
-def gemv_preferred(prologue: str, m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether the model should launch this kernel for the shape (False: MEASURED says the
-    unfused path won there on this card). Host-side lookups: no sync, safe inside graph capture."""
-    return m <= MAX_ROWS and _measured(prologue, m, n, k, device) is not None
+def gemv_preferred(prologue: str, m: int, n: int, k: int, device: torch.device,
+                   measured_only: bool = False) -> bool:
+    """Whether the model should launch this kernel for the shape: not where MEASURED says the
+    unfused path won on this card, and with `measured_only` (the engine's default) only where it
+    names a winning config (an unmeasured card or shape keeps cuBLAS). Host-side lookups: no
+    sync, safe inside graph capture."""
+    hit = _measured(prologue, m, n, k, device)
+    if m > MAX_ROWS or hit is None:
+        return False
+    return not (measured_only and hit == "absent")
 
 
 def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -> GemvConfig:

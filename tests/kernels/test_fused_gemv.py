@@ -150,3 +150,7 @@ def test_measured_table_picks_config_or_cublas(monkeypatch):
     assert not mod.gemv_preferred("silu_mul", 5, 4096, 14336, dev)  # bucket 8: cuBLAS measured faster
     assert mod.gemv_preferred("silu_mul", 1, 4096, 14336, dev)
     assert not mod.gemv_preferred("none", 9, 64, 64, dev)  # past MAX_ROWS
+    # The engine's default takes only what the card's table names a config for.
+    assert mod.gemv_preferred("rms_norm", 2, 6144, 4096, dev, measured_only=True)
+    assert not mod.gemv_preferred("rms_norm", 4, 6144, 4096, dev, measured_only=True)  # absent here
+    assert not mod.gemv_preferred("silu_mul", 5, 4096, 14336, dev, measured_only=True)

@@ -2,10 +2,11 @@
 same engine without it: same greedy tokens, same logprobs up to fp32 rounding.
 
 On CPU (CI) the Triton backend and the GEMV run under TRITON_INTERPRET=1 (tests/conftest.py sets
-it) on CPU tensors; the path is forced on through the backend's `fused_gemv` switch (off by
-default until measured on a card). Steps of <= 8 tokens (every decode step here, and the short
-prompts' prefills) take it; the 37-token prompt's prefill shows the fallback in the same run. A
-spy on the launcher proves the path ran: without it, equal tokens would prove nothing.
+it) on CPU tensors; the path is forced on through the backend's `fused_gemv` switch (by default it
+runs only the shapes kernels/fused_gemv.MEASURED names for the card, and "cpu" has none). Steps of
+<= 8 tokens (every decode step here, and the short prompts' prefills) take it; the 37-token
+prompt's prefill shows the fallback in the same run. A spy on the launcher proves the path ran:
+without it, equal tokens would prove nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def gemv_calls(monkeypatch):
     return calls
 
 
-def make_engine(ckpt, monkeypatch, fused: bool, static_decode: bool) -> LLMEngine:
+def make_engine(ckpt, monkeypatch, fused: bool | None, static_decode: bool) -> LLMEngine:
     monkeypatch.setattr(TritonAttentionBackend, "fused_gemv", fused)  # read at model build
     return device_engine(ckpt, attention_backend="triton", static_decode=static_decode, max_num_seqs=4)
 
@@ -104,6 +105,25 @@ def test_measured_table_hands_a_shape_back_to_cublas(checkpoint, monkeypatch, ge
     got, _ = run(make_engine(ckpt, monkeypatch, True, False), params)
     assert got == want
     assert "silu_mul" not in gemv_calls and gemv_calls["rms_norm"] > 0 and gemv_calls["none"] > 0
+
+
+def test_default_switch_takes_only_the_measured_shapes(checkpoint, monkeypatch, gemv_calls):
+    # The engine's default (switch None): the GEMV where this card's table names a config for the
+    # shape, cuBLAS where it names None or nothing. Here only o_proj's shape (tiny llama: 64 x 64)
+    # has a config; the qkv norm GEMV's shape is absent and down_proj's is None.
+    ckpt = checkpoint("llama")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    monkeypatch.setitem(gemv_module.MEASURED, gemv_module.card_name(torch.device(DEVICE)), {})
+    want, _ = run(make_engine(ckpt, monkeypatch, None, False), params)
+    assert gemv_calls == {}  # no entry for the card: never launched
+    table = {("none", 64, 64, bucket): gemv_module.GemvConfig(16, 32, 1) for bucket in (1, 2, 4, 8)}
+    table |= {("silu_mul", 64, 128, bucket): None for bucket in (1, 2, 4, 8)}
+    monkeypatch.setitem(gemv_module.MEASURED, gemv_module.card_name(torch.device(DEVICE)), table)
+    engine = make_engine(ckpt, monkeypatch, None, False)
+    assert all(layer.gemv_qkv == "measured" for layer in engine.runner.model.layers)
+    got, _ = run(engine, params)
+    assert got == want
+    assert set(gemv_calls) == {"none"} and gemv_calls["none"] > 0
 
 
 def _tp_rank_main(rank: int, port, results) -> None:

@@ -38,9 +38,10 @@ class TritonAttentionBackend(PagedBackend):
     fuse_qk_norm = True
     # The small-batch GEMV path of models/llama.py (kernels/fused_gemv.py: steps of <= 8 tokens
     # run their RMSNorm inside the qkv and gate/up GEMVs and SiLU·mul inside down_proj's). Read
-    # when the model is built. Off until tools/gpu/gemv.sh has measured it against cuBLAS on a
-    # card (docs/gpu-perf-results.md); tests switch it on per engine.
-    fused_gemv = False
+    # when the model is built (llama.gemv_mode): None, the default, takes it for the shapes
+    # fused_gemv.MEASURED says it wins on this card (tools/gpu/gemv.sh measures a card; none
+    # measured: cuBLAS throughout); True for every shape (tests, benches); False never.
+    fused_gemv: bool | None = None
 
     def __init__(self):
         super().__init__()

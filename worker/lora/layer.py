@@ -107,7 +107,7 @@ class LoRAContext:
         self.active = True
         # (module, attribute, value) of the small-batch GEMV switches attach_lora turned off (the
         # fused GEMVs never materialize the normed input a LoRA term needs); base_model turns them back on.
-        self.gemv_switches: list[tuple[object, str, bool]] = []
+        self.gemv_switches: list[tuple[object, str, object]] = []
         # The stream the shrinks fork onto (fork_shrink, CUDA only; None: every LoRA kernel in line).
         fork_shrink = FORK_SHRINK if fork_shrink is None else fork_shrink
         self.side = torch.cuda.Stream(device) if fork_shrink and device.type == "cuda" else None
@@ -234,6 +234,6 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, ops: LoRAOps,
             add(block.mlp.down_proj, i, {"down_proj": (None, inter, hidden)})
             off.append((block, "gemv_mlp"))
         for module, name in off:
-            ctx.gemv_switches.append((module, name, bool(getattr(module, name, False))))
+            ctx.gemv_switches.append((module, name, getattr(module, name, None)))
             setattr(module, name, False)
     return made, shapes

@@ -72,10 +72,15 @@ def triton_ops() -> PointwiseOps:
     return PointwiseOps(rms_norm, rotary, silu_and_mul, rms_norm_fp8, silu_and_mul_fp8)
 
 
-def gemv_wanted(backend: AttentionBackend) -> bool:
-    """The engine's choice of the small-batch GEMV path (kernels/fused_gemv.py): the Triton
-    backend's `fused_gemv` switch (CUDA; under the interpreter in the CPU twin test)."""
-    return backend.name == "triton" and getattr(backend, "fused_gemv", False)
+def gemv_mode(backend: AttentionBackend) -> str | None:
+    """The engine's use of the small-batch GEMV path (kernels/fused_gemv.py), from the Triton
+    backend's `fused_gemv` switch: None (off: other backends, or the switch False), "measured"
+    (the default: the shapes fused_gemv.MEASURED says it wins on this card) or "any" (the switch
+    True: every shape that fits, the heuristic config where unmeasured; tests and benches)."""
+    if backend.name != "triton":
+        return None
+    switch = getattr(backend, "fused_gemv", None)
+    return None if switch is False else "any" if switch is True else "measured"
 
 
 def gemv_fits(linear: nn.Module) -> bool:
@@ -96,12 +101,14 @@ def _fused_gemv():
     return _gemv_kernel().fused_gemv
 
 
-def gemv_rows_ok(x: torch.Tensor, prologue: str, weight: torch.Tensor, *others: torch.Tensor) -> bool:
-    """A step the GEMV takes: at most MAX_ROWS tokens, a shape the kernel's measured table does
-    not hand back to cuBLAS (fused_gemv.gemv_preferred), all operands of one dtype (the kernel's
-    contract). Shapes and dtypes only: no sync, so a graph captures the branch it replays."""
+def gemv_rows_ok(x: torch.Tensor, mode: str | bool, prologue: str, weight: torch.Tensor, *others: torch.Tensor) -> bool:
+    """A step the GEMV takes under `mode` (gemv_mode's; True reads as "any"): at most MAX_ROWS
+    tokens, a shape the kernel's measured table does not hand back to cuBLAS
+    (fused_gemv.gemv_preferred), all operands of one dtype (the kernel's contract). Shapes and
+    dtypes only: no sync, so a graph captures the branch it replays."""
     n, k = weight.shape
-    return (x.shape[0] > 0 and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k, x.device)
+    return (x.shape[0] > 0
+            and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k, x.device, measured_only=mode == "measured")
             and all(t.dtype == x.dtype for t in (weight, *others)))
 
 
@@ -233,7 +240,7 @@ class Attention(nn.Module):
         self.bias_in_epilogue = self.fused_epilogue and cfg.qkv_bias and (self.norm_in_epilogue or not cfg.qk_norm)
         # Steps of <= 8 tokens: o_proj as the small-M GEMV (the qkv one, with the norm before it,
         # is DecoderLayer's). Plain attributes, so a benchmark can flip them on a built model.
-        self.gemv_o = gemv_wanted(backend) and gemv_fits(self.o_proj)
+        self.gemv_o = gemv_mode(backend) if gemv_fits(self.o_proj) else None
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """The parameters Attention holds itself (the sinks): this rank's query heads."""
@@ -281,7 +288,7 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k, cos_sin)
             o = self.backend.forward(self.layer_idx, q, k, v, meta, self.scale, **extras)
         o = o.reshape(T, self.q_size)
-        if self.gemv_o and gemv_rows_ok(o, "none", self.o_proj.weight):
+        if self.gemv_o and gemv_rows_ok(o, self.gemv_o, "none", self.o_proj.weight):
             out, _ = _fused_gemv()(o, self.o_proj.weight, bias=self.o_proj.bias)
             return self.o_proj.reduce(out)
         return self.o_proj(o)
@@ -310,18 +317,18 @@ class MLP(nn.Module):
         q, scale = self.silu_and_mul_fp8(gu, **fp8.kwargs())
         return self.down_proj(Fp8Activations(q, scale, gu.shape[0], fp8, gu.dtype))
 
-    def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor):
+    def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor, mode: str | bool = "any"):
         """norm(x + residual) -> gate_up -> SiLU·mul -> down with the norm fused into the gate/up
-        GEMV and SiLU·mul into the down one, each stage where gemv_rows_ok takes it (else that
-        stage runs unfused); returns (out, x + residual)."""
+        GEMV and SiLU·mul into the down one, each stage where gemv_rows_ok takes it under `mode`
+        (else that stage runs unfused); returns (out, x + residual)."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if gemv_rows_ok(x, "rms_norm", gate_up.weight, norm.weight):
+        if gemv_rows_ok(x, mode, "rms_norm", gate_up.weight, norm.weight):
             gu, residual = _fused_gemv()(x, gate_up.weight, "rms_norm", bias=gate_up.bias, norm_weight=norm.weight,
                                          eps=norm.eps, residual=residual)
         else:
             h, residual = norm(x, residual)
             gu = gate_up(h)
-        if gemv_rows_ok(gu, "silu_mul", down.weight):
+        if gemv_rows_ok(gu, mode, "silu_mul", down.weight):
             out, _ = _fused_gemv()(gu, down.weight, "silu_mul", bias=down.bias)
             return down.reduce(out), residual
         return down(self.silu_and_mul(gu)), residual
@@ -338,21 +345,23 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, shard, ops, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        # Steps of <= 8 tokens on the GEMV path (the engine's choice, gemv_wanted): each norm runs
+        # Steps of <= 8 tokens on the GEMV path (gemv_mode): each norm runs
         # inside the projection after it. Per projection, only where its weight is a plain matrix;
         # MoE blocks keep their own path (only the dense MLP has forward_gemv).
-        wanted = gemv_wanted(backend)
-        self.gemv_qkv = wanted and isinstance(self.self_attn, Attention) and gemv_fits(self.self_attn.qkv_proj)
-        self.gemv_mlp = wanted and isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
-            and gemv_fits(self.mlp.down_proj)
+        # The attributes hold gemv_mode's value (None: off).
+        mode = gemv_mode(backend)
+        self.gemv_qkv = mode if isinstance(self.self_attn, Attention) and gemv_fits(self.self_attn.qkv_proj) else None
+        self.gemv_mlp = mode if isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
+            and gemv_fits(self.mlp.down_proj) else None
 
     def forward(self, positions, h, residual, cos_sin, meta):
-        if self.gemv_qkv and gemv_rows_ok(h, "rms_norm", self.self_attn.qkv_proj.weight, self.input_layernorm.weight):
+        if self.gemv_qkv and gemv_rows_ok(h, self.gemv_qkv, "rms_norm", self.self_attn.qkv_proj.weight,
+                                          self.input_layernorm.weight):
             h, residual = self._attention_gemv(positions, h, residual, cos_sin, meta)
         else:
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
         if self.gemv_mlp:
-            return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual)
+            return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual, self.gemv_mlp)
         # An FP8 gate_up_proj on its W8A8 path gets its input quantized by the norm.
         fp8 = fp8_input_format(self.mlp.gate_up_proj, h.shape[0]) if isinstance(self.mlp, MLP) else None
         h, residual = self.post_attention_layernorm(h, residual, fp8=fp8)
