@@ -171,11 +171,11 @@ def cmd_engine(args) -> int:
         bw = _copy_bandwidth(args.device)
         row["copy_gbs"] = bw / 1e9
         row["card"] = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
-        if args.fused_gemv:  # read when the model is built
-            from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
-            TritonAttentionBackend.fused_gemv = True
-        row["fused_gemv"] = bool(args.fused_gemv)
+        # Read when the model is built: None, the engine's default, takes the measured shapes.
+        TritonAttentionBackend.fused_gemv = {"default": None, "on": True, "off": False}[args.fused_gemv]
+        row["fused_gemv"] = args.fused_gemv
         if args.router_linear:  # every step's router as F.linear + the routing kernel, as before moe_gate
             from pdserve.worker.models import moe
 
@@ -422,8 +422,9 @@ def main(argv=None) -> int:
     e.add_argument("--input-len", type=int, default=1024)
     e.add_argument("--output-len", type=int, default=128)
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
-    e.add_argument("--fused-gemv", action="store_true",
-                   help="the Triton backend's small-batch GEMV path on (kernels/fused_gemv.py)")
+    e.add_argument("--fused-gemv", choices=["default", "on", "off"], default="default",
+                   help="the Triton backend's small-batch GEMV path (kernels/fused_gemv.py): the engine's default "
+                        "(the shapes measured to win on this card), every shape, or none")
     e.add_argument("--router-linear", action="store_true",
                    help="the router as F.linear + moe_route at every size (moe_gate.py's baseline)")
     k = sub.add_parser("capacity")

@@ -9,8 +9,9 @@
 #    $GEMV_ROWS tokens: cuBLAS vs the fused GEMV, each in CUDA graphs, weights rotated past L2  150 s
 # 2. gpt-oss-120b bs=1 (--load-format dummy, MXFP4 experts), each with its kernel profile
 #    (tools/gpu/gpt_oss.py engine): the router as F.linear + moe_route (before kernels/moe_gate.py),
-#    as it runs now, and with the GEMV path on                                              3 x 100 s
-# GEMV_ROWS= (empty) skips step 1; STEPS="linear gate" picks engine rows (default all three).
+#    as it runs now (gate: the GEMV where measured), with the GEMV path on for every shape
+#    (gemv) or off (nogemv)                                                                 n x 100 s
+# GEMV_ROWS= (empty) skips step 1; STEPS="linear gate" picks engine rows (default: linear gate gemv).
 # Files in $OUT: gemv.md, rows.jsonl, profile_{linear,gate,gemv}.md, log.txt.
 set -u
 source tools/gpu/lib.sh
@@ -28,7 +29,8 @@ main() {
     case $name in
       linear) flags=(--router-linear) ;;
       gate) flags=() ;;
-      gemv) flags=(--fused-gemv) ;;
+      gemv) flags=(--fused-gemv on) ;;
+      nogemv) flags=(--fused-gemv off) ;;
     esac
     step "120b, $name" 100 $PY "$h" engine --checkpoint $cfg --name "gpt-oss-120b $name" "${flags[@]}" \
       --rows "$OUT/rows.jsonl" --num-prompts 0 --profile "$OUT/profile_$name.md"
