@@ -35,10 +35,16 @@ SHAPES = {  # name -> {linear: (N, K)}
 }
 
 
-def sweep(blocked: bool) -> list[dict]:
+def sweep(blocked: bool, m: int = 1) -> list[dict]:
     steps = (64, 128) if blocked else (128, 256, 512)
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3)
-            for bn, bk, s in itertools.product((16, 32, 64), steps, (1, 2, 4, 8, 16))]
+    tiles = list(itertools.product((16, 32, 64), steps, (1, 2, 4, 8, 16)))
+    if m == 1:
+        # Narrow strips with long K steps (one row only: the M > 1 path's dot needs 16 rows): many
+        # small programs keep more loads in flight; the bf16 GEMV's 2 x 1024 strips beat cuBLAS on an
+        # H200 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md). Group scales cap a step at 128.
+        narrow = (64, 128) if blocked else (512, 1024)
+        tiles += list(itertools.product((2, 4, 8), narrow, (1, 2)))
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3) for bn, bk, s in tiles]
 
 
 def graph_us(make, copies: int, reps: int = 4) -> float:
@@ -109,7 +115,7 @@ def main(argv=None) -> int:
                 t_bf16 = us(lambda i: lambda: F.linear(x, ws[i]))
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
-                for cfg in sweep(blocked):
+                for cfg in sweep(blocked, m):
                     try:
                         t = us(lambda i, c=cfg: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows, config=c))
                     except Exception as e:  # a tile this card cannot run: said, skipped
