@@ -14,8 +14,8 @@ Variants:
   for o_proj;
 - cuBLAS alone: F.linear on the ready activation (the matrix product's own share);
 - fused default: fused_gemv with choose_config's pick (what the engine would launch today);
-- fused best: the fastest of a small config sweep (BLOCK_N x BLOCK_K x SPLIT_K, and the norm's
-  two-pass variant).
+- fused best: the fastest of a small config sweep (BLOCK_N x BLOCK_K x SPLIT_K, the norm's
+  two-pass variant, and narrow strips with the prologue as its own launch first: "apart").
 "% bw" is the fewest bytes the variant's op must move (weight once, activations in, output out)
 over its time, as a share of the same run's device-to-device copy bandwidth. "chosen" is the
 faster of unfused and fused best; the closing dict is those choices in the form of
@@ -87,8 +87,11 @@ def sweep_configs(quick: bool):
     # Narrow strips with long K tiles (M = 1 only: tl.dot needs 16 columns): many small programs keep
     # more loads in flight per SM than 16-64-row strips (tools/gpu/pdl_chain.py measured 2 x 1024
     # beating cuBLAS along a whole bs=1 GEMV chain on an H200).
-    grid += [(2, 1024, 1), (4, 1024, 1), (2, 512, 1), (4, 512, 1), (8, 512, 1), (8, 1024, 1)]
-    configs = [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid]
+    narrow = [(2, 1024, 1), (4, 1024, 1), (2, 512, 1), (4, 512, 1), (8, 512, 1), (8, 1024, 1)]
+    configs = [GemvConfig(block_n=bn, block_k=bk, split_k=s) for bn, bk, s in grid + narrow]
+    # The same narrow strips after the prologue's own launch (norm or SiLU·mul shapes only): their
+    # programs then skip the per-column prologue work they would each redo for their few rows.
+    configs += [GemvConfig(block_n=bn, block_k=bk, split_k=s, separate_prologue=True) for bn, bk, s in narrow]
     # The norm's two-pass variant (read x once more for rstd first; only "rms_norm" shapes try it).
     return configs + [GemvConfig(32, 256, 1, one_pass_norm=False), GemvConfig(32, 256, 4, one_pass_norm=False)]
 
@@ -198,6 +201,8 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     for cfg in configs:
         if cfg == default_cfg or (not cfg.one_pass_norm and s.prologue != "rms_norm"):
             continue
+        if cfg.separate_prologue and s.prologue == "none":
+            continue
         if m > 1 and cfg.block_n < 16:  # the tensor-core path's minimum tile
             continue
         try:
@@ -209,8 +214,7 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
             best, best_cfg = us, cfg
     err = check_fused(b)
     cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + (
-        "" if best_cfg.one_pass_norm else " two-pass"
-    )
+        "" if best_cfg.one_pass_norm else " two-pass") + (" apart" if best_cfg.separate_prologue else "")
     chosen = f"fused {cfg_s}" if best < unfused else "unfused"
     row = (f"| {s.model} | {s.layer} | {s.n}×{s.k} | {m} | {unfused:.1f} ({pct(unfused, True)}) | "
            f"{cublas:.1f} ({pct(cublas, False)}) | {default:.1f} ({pct(default, True)}) | "
@@ -311,7 +315,8 @@ def main() -> None:
         text = "\n".join(lines)
         if measured:
             table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}"
-                               f"{'' if c.one_pass_norm else ', one_pass_norm=False'})"
+                               f"{'' if c.one_pass_norm else ', one_pass_norm=False'}"
+                               f"{', separate_prologue=True' if c.separate_prologue else ''})"
                                for (p, n, k, m), c in measured.items() if c is not None)
             lost = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): None" for (p, n, k, m), c in measured.items() if c is None)
             text += ("\n\nMEASURED for kernels/fused_gemv.py (a config where the fused GEMV won; None where the "

@@ -28,6 +28,9 @@ a fixed order: deterministic, no atomics, nothing to zero first. Both launches r
 on the host and allocate only the output and the workspace, so they can be captured in a CUDA
 graph.
 
+A config may also run the prologue apart (`separate_prologue`): the norm or SiLU·mul kernel, then
+the plain GEMV, the unfused path's values with the GEMV's tiles in place of cuBLAS.
+
 M = 1 multiplies and sums in registers; M = 2..8 pads the activation tile to 16 rows for a
 tensor-core dot (tl.dot's minimum; rows >= M are masked, never read or written). Accumulation is fp32; the
 output has W's dtype. Configs (BLOCK_N, BLOCK_K, SPLIT_K)
@@ -38,13 +41,15 @@ References: reference.rms_norm_gemv_ref, reference.silu_mul_gemv_ref.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_precision, interpreting, num_sms
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.silu_and_mul import silu_and_mul
 
 MAX_ROWS = 8  # the kernel's M limit: beyond it the batch is a GEMM, cuBLAS's ground
 PROLOGUES = ("none", "rms_norm", "silu_mul")
@@ -59,6 +64,10 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     one_pass_norm: bool = True  # "rms_norm": scale by rstd after the product (see the docstring)
+    # The prologue as its own launch (kernels/rms_norm.py, silu_and_mul.py: the unfused path's
+    # values), then the plain GEMV with these tiles: for narrow strips, whose programs would each
+    # redo the prologue's per-column work for their few rows.
+    separate_prologue: bool = False
 
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
@@ -150,6 +159,16 @@ def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -
     while strips * split < 2 * num_sms(device) and k // (2 * split) >= 4 * block_k:
         split *= 2
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def _apart(x, weight, prologue, bias, norm_weight, eps, residual, cfg: GemvConfig):
+    """fused_gemv with the prologue as its own launch first (GemvConfig.separate_prologue)."""
+    if prologue == "rms_norm":
+        h, new_res = rms_norm(x, norm_weight, eps, residual)
+    else:
+        h, new_res = silu_and_mul(x), None
+    out, _ = fused_gemv(h, weight, "none", bias=bias, config=replace(cfg, separate_prologue=False))
+    return out, new_res
 
 
 @triton.jit
@@ -319,6 +338,8 @@ def fused_gemv(
     if m == 0 or n == 0:
         return out, new_res
     cfg = config or choose_config(prologue, m, n, k, device)
+    if cfg.separate_prologue and prologue != "none":
+        return _apart(x, weight, prologue, bias, norm_weight, eps, residual, cfg)
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
     split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k

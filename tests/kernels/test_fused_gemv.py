@@ -82,6 +82,36 @@ def test_silu_mul_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
     assert rel_error(out, silu_mul_gemv_ref(x, w, bias)) < TOL[dtype]
 
 
+# Narrow strips with the prologue as its own launch (the norm / SiLU·mul kernel, then the plain GEMV).
+APART = GemvConfig(block_n=2, block_k=128, separate_prologue=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", ["rms_norm", "silu_mul"])
+def test_prologue_apart_is_the_prologue_kernel_then_the_plain_gemv(poison_empty, dtype, prologue):
+    from pdserve.kernels.rms_norm import rms_norm
+    from pdserve.kernels.silu_and_mul import silu_and_mul
+
+    n, k = 200, 300
+    x, w, g = _inputs(1, n, k, dtype, seed=5, x_cols=2 * k if prologue == "silu_mul" else k)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    plain = GemvConfig(block_n=2, block_k=128)
+    if prologue == "rms_norm":
+        res = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+        out, new_res = fused_gemv(x, w, "rms_norm", norm_weight=nw, eps=1e-6, residual=res, bias=bias, config=APART)
+        h, want_res = rms_norm(x, nw, 1e-6, res)
+        ref, _ = rms_norm_gemv_ref(x, nw, 1e-6, w, bias, residual=res)
+        assert torch.equal(new_res, want_res)
+    else:
+        out, new_res = fused_gemv(x, w, "silu_mul", bias=bias, config=APART)
+        h, ref = silu_and_mul(x), silu_mul_gemv_ref(x, w, bias)
+        assert new_res is None
+    # Bit for bit the two launches it stands for; within the kernels' tolerance of the reference.
+    assert torch.equal(out, fused_gemv(h, w, bias=bias, config=plain)[0])
+    assert rel_error(out, ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("m", [1, 6])
 def test_plain_gemv_and_row_strided_input(poison_empty, m):
     n, k = 200, 300
