@@ -1,8 +1,9 @@
 """Small-batch (M = 1..8) linear layers: cuBLAS after a separate norm / SiLU·mul vs the fused GEMV
-(kernels/fused_gemv.py), per Llama-3.1-8B, Qwen2.5-0.5B and gpt-oss projection shape (gpt-oss's
-with their biases; CUDA; not a test).
+(kernels/fused_gemv.py), per Llama-3.1-8B, Qwen2.5-0.5B, gpt-oss and Qwen3-30B-A3B (attention only)
+projection shape (gpt-oss's with their biases; CUDA; not a test).
 
-    python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b gpt-oss] [--rows 1 2 4 8] [--out gemv.md]
+    python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b gpt-oss qwen3-30b-a3b] [--rows 1 2 4 8] \
+        [--out gemv.md]
     python -m pdserve.bench.gemv --step [--models ...] [--out gemv_step.md]
 
 Per shape and M, each variant runs as the engine runs it: inside a CUDA graph (no launch gaps),
@@ -63,6 +64,9 @@ def model_shapes(name: str) -> list[Shape]:
             Shape(name, "o_proj", "none", hidden, q, bias=True),
             Shape(name, "router", "none", experts, hidden, bias=True),
         ]
+    if name == "qwen3-30b-a3b":  # its attention; the experts are the MoE op's, the router moe_gate's
+        hidden, q, kv = 2048, 32 * 128, 4 * 128
+        return [Shape(name, "qkv_proj", "rms_norm", q + 2 * kv, hidden), Shape(name, "o_proj", "none", hidden, q)]
     hidden, heads, kv_heads, head_dim, inter = {
         "llama-3.1-8b": (4096, 32, 8, 128, 14336),
         "qwen2.5-0.5b": (896, 14, 2, 64, 4864),
