@@ -21,6 +21,7 @@ client address, and terminate TLS (a TLS handshake is not covered by the header 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -81,7 +82,10 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         # scope is the one its app gets.
         scope = self.cycle.scope
         scope[LOST_CONNECTION] = LostConnection()
-        scope[CYCLE] = self.cycle  # a whole answer is written to it directly (protocol/whole_answer.py)
+        # A whole answer is written to it directly (protocol/whole_answer.py). Weakly held: the
+        # cycle holds the scope, and a cycle of references would keep every request's objects
+        # alive until the garbage collector's next pass (which then costs that much more).
+        scope[CYCLE] = weakref.ref(self.cycle)
         if self.hold_head:  # the cycle just made (its task has not run yet)
             self.cycle.transport = HeldHead(self.transport, self.loop)
 

@@ -11,7 +11,7 @@ values with a tab, which both allow), the same bytes on the wire, the same state
 uvicorn's request cycle (`response_started`, `response_complete`, the cycle's event set, the
 connection closed unless kept alive, the protocol told the response is over).
 
-The scope carries the cycle under `CYCLE` when the server's protocol is pdserve's
+The scope carries (a weak reference to) the cycle under `CYCLE` when the server's protocol is pdserve's
 (protocol/http_limits.py); elsewhere (a test client, another server) there is none, and the
 answer takes the ordinary `send`.
 """
@@ -22,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 
 from pdserve.protocol.held_head import HeldHead
 
-CYCLE = "pdserve.cycle"  # a request's scope key: uvicorn's RequestResponseCycle for it
+CYCLE = "pdserve.cycle"  # a request's scope key: a weak reference to uvicorn's RequestResponseCycle for it
 
 
 def writes_whole(cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]]) -> bool:

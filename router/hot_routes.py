@@ -49,7 +49,7 @@ class HotRoutesApp(FastAPI):
         scope["app"] = self
         response = await handler(Request(scope, receive))
         set_header(response, b"vary", b"Origin")  # as CORSMiddleware adds to an answer without Origin
-        cycle = scope.get(CYCLE)
+        cycle = scope[CYCLE]() if CYCLE in scope else None
         if cycle is not None and is_whole(response) and writes_whole(cycle, response.status_code, response.raw_headers):
             await send_whole(cycle, response.status_code, response.raw_headers, response.body)
             return

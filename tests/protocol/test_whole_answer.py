@@ -6,8 +6,10 @@ in the same state, and refuses what it would not write the same way (HEAD, no le
 
 from __future__ import annotations
 
+import gc
 import re
 import socket
+import time
 
 import pytest
 from starlette.responses import JSONResponse, Response
@@ -25,6 +27,7 @@ ANSWERS = {
     "/bad-name": lambda: Response(b"x", headers={"x request id": "a"}),
 }
 refused: list[str] = []
+cycles: list = []  # each request's weak reference to its cycle
 
 
 async def app(scope, receive, send):
@@ -32,8 +35,8 @@ async def app(scope, receive, send):
         return
     how, path = scope["path"].split("/", 2)[1:]
     response = ANSWERS["/" + path]()
-    cycle = scope.get(CYCLE)
-    assert cycle is not None  # pdserve's protocol serves this app
+    cycles.append(scope[CYCLE])
+    cycle = scope[CYCLE]()  # pdserve's protocol serves this app
     if how == "whole":
         if writes_whole(cycle, response.status_code, response.raw_headers):
             await send_whole(cycle, response.status_code, response.raw_headers, response.body)
@@ -103,3 +106,18 @@ def test_a_header_uvicorn_refuses_is_refused_alike(port, path):
     """uvicorn raises before writing anything and closes the connection: so does the whole path."""
     whole = _exchange(port, _request("whole", path))
     assert whole == _exchange(port, _request("asgi", path)) == b""
+
+
+def test_a_request_leaves_no_reference_cycle(port):
+    """The scope holds its cycle weakly (the cycle holds the scope): once its connection is closed
+    a request's cycle is freed at once, not at the garbage collector's next pass."""
+    gc.disable()
+    try:
+        cycles.clear()
+        _exchange(port, _request("whole", "/ok"))
+        deadline = time.monotonic() + 10
+        while cycles[-1]() is not None:
+            assert time.monotonic() < deadline, "the request's cycle outlived its connection"
+            time.sleep(0.01)
+    finally:
+        gc.enable()
