@@ -7,9 +7,8 @@ percent never shows in `--peers`. Instructions do not move with the load: each r
 callgrind (valgrind, which this needs) with instrumentation off, takes warm-up requests, then
 counts its user-space instructions over N streamed requests (non-streamed ones with --unary) at
 concurrency 16 against the same mock workers (bench/router_mock.py, no token delay), with no
-health probes meanwhile. System
-calls are not counted. The Rust peers are left out: their CPU is in threads and the kernel more
-than in user-space instructions.
+health probes meanwhile. System calls are not counted. The Rust peers are left out: their CPU is
+in threads and the kernel more than in user-space instructions.
 """
 
 from __future__ import annotations

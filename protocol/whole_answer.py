@@ -6,14 +6,14 @@ searches for a JSON answer of the router's), and writes the head and the body ap
 head, protocol/held_head.py, then holds the first on a loop callback until the second). For an
 answer whose body is in hand, `send_whole` does what those two calls do, in one write: the same
 checks (one search over the names, one over the values: the patterns are character classes,
-so a match in the joined bytes is a match in one of them, the names joined with nothing and the
-values with a tab, which both allow), the same bytes on the wire, the same state left on
+so a match in the joined bytes is a match in one of them; the names are joined with nothing, the
+values with a tab, which a value may hold), the same bytes on the wire, the same state left on
 uvicorn's request cycle (`response_started`, `response_complete`, the cycle's event set, the
 connection closed unless kept alive, the protocol told the response is over).
 
-The scope carries (a weak reference to) the cycle under `CYCLE` when the server's protocol is pdserve's
-(protocol/http_limits.py); elsewhere (a test client, another server) there is none, and the
-answer takes the ordinary `send`.
+The scope carries (a weak reference to) the cycle under `CYCLE` when the server's protocol is
+pdserve's (protocol/http_limits.py); elsewhere (a test client, another server) there is none,
+and the answer takes the ordinary `send`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ CYCLE = "pdserve.cycle"  # a request's scope key: a weak reference to uvicorn's 
 def writes_whole(cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
     """Whether `send_whole` writes this answer as uvicorn's `send` would: a plain answer (a body
     allowed, delimited by its `content-length`, which the headers carry), not a HEAD request's,
-    with no access log to write,
-    the connection's handling left to the server (no `connection` or `transfer-encoding` header
-    of the application's)."""
+    with no access log to write, the connection's handling left to the server (no `connection`
+    or `transfer-encoding` header of the application's)."""
     if (cycle.response_started or cycle.access_log or status in (204, 304) or status < 200
             or cycle.scope["method"] == "HEAD"):
         return False
@@ -48,7 +47,9 @@ async def send_whole(cycle: RequestResponseCycle, status: int, headers: list[tup
                      body: bytes) -> None:
     """`send({"type": "http.response.start", ...})` then `send({"type": "http.response.body",
     "body": body})` on uvicorn's `cycle`, for an answer `writes_whole` accepted; raises what
-    uvicorn's `send` raises for a bad header or a `content-length` that is not the body's."""
+    uvicorn's `send` raises for a bad header or a `content-length` that is not the body's (having
+    written nothing, where uvicorn has written the head of a body of the wrong length; the
+    server then closes the connection either way)."""
     if cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()
     if cycle.disconnected:
