@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instructions", type=int, default=0, metavar="N",
                    help="count pdserve's (and --baseline-src's) instructions over N streamed requests, "
                         "under callgrind")
+    p.add_argument("--unary", action="store_true", help="with --instructions: non-streamed requests instead")
 
 
 def run(args: argparse.Namespace) -> int:

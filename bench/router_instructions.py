@@ -1,14 +1,14 @@
 """pdserve's router against a baseline tree in instructions per request (not a test).
 
-    pdserve bench router --instructions 300 [--baseline-src DIR] [--rounds 2]
+    pdserve bench router --instructions 300 [--baseline-src DIR] [--rounds 2] [--unary]
 
 CPU time on a shared machine moves by 1.5x between runs of identical code, so a change of a few
 percent never shows in `--peers`. Instructions do not move with the load: each router runs under
 callgrind (valgrind, which this needs) with instrumentation off, takes warm-up requests, then
-counts its user-space instructions over N streamed requests at concurrency 16 against the same
-mock workers (bench/router_mock.py, no token delay), with no health probes meanwhile. System
-calls are not counted. The Rust peers are left out: their CPU is in threads and the kernel more
-than in user-space instructions.
+counts its user-space instructions over N streamed requests (non-streamed ones with --unary) at
+concurrency 16 against the same mock workers (bench/router_mock.py, no token delay), with no
+health probes meanwhile. System calls are not counted. The Rust peers are left out: their CPU is
+in threads and the kernel more than in user-space instructions.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CONCURRENCY = 16
 
 
 def _count(name: str, pd: bool, ports: dict, n: int, args, out_dir: str) -> float:
-    """Instructions per streamed request of one router process (`name`: pdserve or baseline)."""
+    """Instructions per request of one router process (`name`: pdserve or baseline)."""
     port = free_port()
     argv, env = rp._argv(name, port, ports["prefill"] if pd else None, ports["decode"], args)
     # No health probes in the counted window: they are not per request, and under valgrind a
@@ -54,9 +54,10 @@ def _count(name: str, pd: bool, ports: dict, n: int, args, out_dir: str) -> floa
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{name} did not come up under valgrind ({argv})")
                 time.sleep(0.5)
-        asyncio.run(rp._load(port, WARM_UP, CONCURRENCY, True))
+        stream = not args.unary
+        asyncio.run(rp._load(port, WARM_UP, CONCURRENCY, stream))
         subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
-        asyncio.run(rp._load(port, n, CONCURRENCY, True))
+        asyncio.run(rp._load(port, n, CONCURRENCY, stream))
         subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True, capture_output=True)
     finally:
         proc.send_signal(2)  # callgrind writes its counts as the process exits
@@ -93,7 +94,8 @@ def run(args) -> int:
         for m in mocks:
             m.terminate()
     print(
-        f"\n{args.instructions} streamed requests at concurrency {CONCURRENCY}, {args.tokens} events each; "
+        f"\n{args.instructions} {'non-streamed' if args.unary else 'streamed'} requests at concurrency {CONCURRENCY}, "
+        f"{args.tokens} events each; "
         f"user-space instructions (callgrind), medians of {args.rounds} rounds\n"
     )
     print("| flow | " + " | ".join(names) + (" | pdserve / baseline |" if len(names) == 2 else " |"))
