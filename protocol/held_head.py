@@ -36,12 +36,6 @@ class HeldHead:
             self._flush_at.cancel()
         self._transport.write(data)
 
-    def write_last(self, data: bytes) -> None:
-        """The cycle's last write (a whole answer, head and body, protocol/whole_answer.py): out
-        at once, after a head held, if one is."""
-        self._first = False
-        self.write(data)
-
     def _flush(self) -> None:
         held, self._held = self._held, b""
         if held and not self._transport.is_closing():

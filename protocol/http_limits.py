@@ -11,8 +11,7 @@ connection whose request headers are not complete within `header_timeout_s` of i
 
 The same protocol tells each request what only it knows first: its client's hang-up (a
 `LostConnection` in the scope, called from `connection_lost`: protocol/disconnect.py) and that its
-whole body has arrived (`BODY_RECEIVED`: protocol/body.py then arms no deadline); and it hands
-the request its cycle, to which a whole answer can be written in one go (protocol/whole_answer.py).
+whole body has arrived (`BODY_RECEIVED`: protocol/body.py then arms no deadline).
 
 What this cannot do, and the ingress in front should: limit connections and request rate per
 client address, and terminate TLS (a TLS handshake is not covered by the header deadline).
@@ -21,14 +20,12 @@ client address, and terminate TLS (a TLS handshake is not covered by the header 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
-from pdserve.protocol.whole_answer import CYCLE
 
 # Set in a request's scope once its whole body has arrived before its app reads it: reading it
 # then never waits, so protocol/body.py arms no body deadline (a timer per request).
@@ -80,12 +77,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             return
         # The request's hang-up, told by connection_lost (protocol/disconnect.py); the cycle's
         # scope is the one its app gets.
-        scope = self.cycle.scope
-        scope[LOST_CONNECTION] = LostConnection()
-        # A whole answer is written to it directly (protocol/whole_answer.py). Weakly held: the
-        # cycle holds the scope, and a cycle of references would keep every request's objects
-        # alive until the garbage collector's next pass (which then costs that much more).
-        scope[CYCLE] = weakref.ref(self.cycle)
+        self.cycle.scope[LOST_CONNECTION] = LostConnection()
         if self.hold_head:  # the cycle just made (its task has not run yet)
             self.cycle.transport = HeldHead(self.transport, self.loop)
 

@@ -20,8 +20,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.whole_answer import CYCLE, send_whole, writes_whole
-
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -49,18 +47,7 @@ class HotRoutesApp(FastAPI):
         scope["app"] = self
         response = await handler(Request(scope, receive))
         set_header(response, b"vary", b"Origin")  # as CORSMiddleware adds to an answer without Origin
-        cycle = scope[CYCLE]() if CYCLE in scope else None
-        if cycle is not None and is_whole(response) and writes_whole(cycle, response.status_code, response.raw_headers):
-            await send_whole(cycle, response.status_code, response.raw_headers, response.body)
-            return
         await response(scope, receive, send)
-
-
-def is_whole(response: Response) -> bool:
-    """A response whose ASGI call is Starlette's plain one (its start, its body, then its
-    background task, here none): what `send_whole` writes in one go. Streams and file answers
-    have their own."""
-    return type(response).__call__ is Response.__call__ and response.background is None
 
 
 def set_header(response: Response, name: bytes, value: bytes) -> None:

@@ -66,10 +66,10 @@ def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str, origin: boo
     return r.status, dict(r.getheaders()), r.read()
 
 
-def test_whole_answers_equal_the_full_stacks_on_one_kept_alive_connection(router):
-    """Without `Origin` a JSON answer is written whole (protocol/whole_answer.py); with one it
-    takes FastAPI's stack and ASGI `send`. Same status, body and headers but CORS's, errors
-    in OpenAI's shape, the connection kept alive through all of them."""
+def test_hot_answers_equal_the_full_stacks_on_one_kept_alive_connection(router):
+    """Without `Origin` a generation route's answer takes the hot path (router/hot_routes.py);
+    with one it takes FastAPI's stack and its CORS middleware. Same status, body and headers but
+    CORS's, errors in OpenAI's shape, the connection kept alive through all of them."""
     host, port = router.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     ok = json.dumps({**BODY, "seed": 1}).encode()
