@@ -273,7 +273,8 @@ class LLMEngine:
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
         # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
         t0 = time.perf_counter()
-        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch))
+        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch),
+                                      immediate=True)
         sampled, logprobs = self.runner.collect(launched)
         self._observe_prefill(batch, time.perf_counter() - t0)
         if self.scheduler.connector.streams(batch.items):
@@ -288,6 +289,8 @@ class LLMEngine:
     def _kv_finished(self) -> list[RequestOutput]:
         """Unpins first (so get_finished reports them), then what the connector's worker side
         finished: pins freed, pulls landed or failed."""
+        if not self.kv_connector.active and not self._unpins:  # no connector: nothing to report
+            return []
         with self._lock:
             unpins, self._unpins = self._unpins, []
         for rid, token in unpins:
@@ -422,6 +425,8 @@ class LLMEngine:
         """The prompt tokens a step computed over its time: the recompute side of the choice
         between pulling a prefix a peer holds and computing it (kv/prefix_cost.py). A step of
         decodes only (one token each) says nothing about it."""
+        if batch.items[-1][1] == 1:  # decode-like items come first (ScheduledBatch): none computes a prompt
+            return
         tokens = sum(n for _, n in batch.items if n > 1)
         if tokens:
             self.scheduler.connector.observe_prefill(tokens, seconds)

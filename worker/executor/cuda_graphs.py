@@ -166,7 +166,11 @@ class DecodeGraphs:
         for g, group in enumerate(groups):
             for i, t in enumerate(group):
                 tables[g, i, :len(t)] = t
-        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        # The whole rows buffer (max_batch columns, a few KiB), not its first b columns: a strided
+        # slice would be copied through temporaries (a host copy of it, a pageable transfer, a
+        # device copy kernel), one contiguous pinned copy is a single transfer. Columns past b
+        # carry whatever an earlier step left there; no graph of bucket b reads them.
+        self._inputs.copy_(host, non_blocking=True)
         self._tables[:, :n, :width].copy_(host_tables[:, :n, :width], non_blocking=True)
         self._staging.record(slot)
         if from_previous is not None:

@@ -96,7 +96,9 @@ class LaunchedStep:
     samplers: list[Request]
     rows: dict[str, int]  # request id -> its row in `tokens`
     tokens: torch.Tensor | None  # [S] int64 on the device; None when nothing sampled
-    host_tokens: torch.Tensor | None  # the pinned buffer the tokens are copied into
+    # The pinned buffer the tokens are copied into; None for a step launched `immediate`
+    # (collect reads `tokens` itself, which waits for the step: is_done does not apply).
+    host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None  # passed when host_tokens holds them (None: CPU, already there)
     logprobs: list[TokenLogprob | None] | None  # host values when any sampler asked (read back at launch)
     advanced: list[int] | None = None  # async scheduling: computed counts after it (Scheduler.advance)
@@ -602,19 +604,23 @@ class ModelRunner:
         return self.model.compute_logits(rows)
 
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """One step, start to finish: the synchronous engine's call."""
-        return self.collect(self.launch(batch))
+        """One step, start to finish."""
+        return self.collect(self.launch(batch, immediate=True))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
-               mark_done: bool = False, layer_clock: LayerClock | None = None) -> LaunchedStep:
+               mark_done: bool = False, layer_clock: LayerClock | None = None,
+               immediate: bool = False) -> LaunchedStep:
         """Queue one step's work (forward, sampling, the copy of its token ids to the host) and
         return without waiting for it, except where sampling needs the host (seeded rows, logprobs,
         grammar masks). `previous`: the step still in flight, whose tokens some of this step's
         inputs are (async scheduling; the scheduler planned this batch with them in flight).
         `mark_done`: `collect` also waits for a step that samples nothing (a prefill chunk), so
         that its KV is written when it returns (P/D: a streamed chunk is then made readable).
-        `layer_clock`: see `execute`."""
+        `layer_clock`: see `execute`. `immediate`: the caller collects this step before doing
+        anything else (the synchronous engine), so nothing is queued to read its token ids
+        back: `collect` reads them from the device in one blocking copy, as the host must wait
+        for them anyway (no pinned buffer, no event to record and wait for)."""
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             # The server steps on its own thread, and the current device is per thread: without
             # this, Triton launches would target cuda:0 whatever card this rank was given.
@@ -643,14 +649,17 @@ class ModelRunner:
                 done.record()
             return LaunchedStep(batch, samplers, rows, None, None, None, None, done=done)
         logprobs = None
-        if all(r.params.greedy and r.params.logprobs is None and r.next_output_index >= r.params.min_tokens
-               and not r.params.modifies_logits for r in samplers):
+        # min_tokens first: at 0 (nearly always) the request's output index is not needed.
+        if all((p := r.params).greedy and p.logprobs is None and not p.modifies_logits
+               and (not p.min_tokens or r.next_output_index >= p.min_tokens) for r in samplers):
             # Plain greedy: argmax, without the sampler's per-row work (stop-token suppression, logprobs).
             tokens = logits.argmax(dim=-1)
         else:
             tokens, logprobs = self.sampler.sample(logits, samplers)
         if plan.share_tokens:
             share_from_rank0(tokens)  # the other ranks' next step reads them (StepPlan.share_tokens)
+        if immediate:
+            return LaunchedStep(batch, samplers, rows, tokens, None, None, logprobs)
         slot, (host,), _ = self._readback.acquire()
         host = host[:len(samplers)]
         host.copy_(tokens, non_blocking=True)
@@ -669,9 +678,13 @@ class ModelRunner:
             if step.done is not None:
                 step.done.synchronize()
             return {}, {}
-        if step.copied is not None:
-            step.copied.synchronize()
-        sampled = dict(zip(step.rows, step.host_tokens.tolist()))
+        if step.host_tokens is None:  # launched `immediate`: a blocking read of the device's ids
+            ids = step.tokens.tolist()
+        else:
+            if step.copied is not None:
+                step.copied.synchronize()
+            ids = step.host_tokens.tolist()
+        sampled = dict(zip(step.rows, ids))
         lps = {} if step.logprobs is None else {
             r.request_id: lp for r, lp in zip(step.samplers, step.logprobs) if lp is not None}
         return sampled, lps
