@@ -34,7 +34,7 @@ import sys
 import tempfile
 
 CHILD = r"""
-import cProfile, json, pstats, statistics, sys, time, io
+import collections, cProfile, json, pstats, statistics, sys, time
 import torch
 torch.set_num_threads(1)
 ckpt, batches, steps, prof_dir, tag = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -53,41 +53,44 @@ if "async_scheduling" in EngineConfig.__dataclass_fields__:
     kw["async_scheduling"] = False
 engine = LLMEngine(EngineConfig(**kw), attention_backend="torch", static_decode=True)
 model = engine.runner.model
-hidden_size = model.cfg.hidden_size if hasattr(model, "cfg") else engine.model_config.hidden_size
-zeros = torch.zeros(max(batches) * 64 + 8192, hidden_size)
-proj = [0.0]
-real_logits = model.compute_logits
+runner, graphs, scheduler = engine.runner, engine.runner.graphs, engine.scheduler
+zeros = torch.zeros(max(batches) * 64 + 8192, engine.model_config.hidden_size)
 def stub_forward(input_ids, positions, meta, *a, **k):
     return zeros[: input_ids.shape[0]]
-def timed_logits(rows):
-    t0 = time.perf_counter()
-    out = real_logits(rows)
-    proj[0] += time.perf_counter() - t0
-    return out
 model.forward = stub_forward
-model.compute_logits = timed_logits
-# On a GPU the whole of DecodeGraphs._forward (metadata views and the forward) is the graph: timed apart.
-graphs = engine.runner.graphs
-fwd = [0.0]
-real_graph_forward = graphs._forward
+acc = collections.defaultdict(float)  # phase -> seconds so far
 marks = {}
-def timed_graph_forward(*a, **k):
-    t0 = marks["replay"] = time.perf_counter()
-    out = real_graph_forward(*a, **k)
-    fwd[0] += time.perf_counter() - t0
-    return out
-graphs._forward = timed_graph_forward
-# On a GPU the host waits for the step's tokens where the runner reads them back (the old tree:
-# inside run(); main: in collect()); what runs after that, and before the replay, is exposed:
-# the device idles through it. Between the replay and the wait the host overlaps the device.
-runner = engine.runner
-wait_fn = "collect" if hasattr(runner, "collect") else "run"
-real_wait = getattr(runner, wait_fn)
-def timed_wait(*a, **k):
-    out = real_wait(*a, **k)
-    marks["read"] = time.perf_counter()
-    return out
-setattr(runner, wait_fn, timed_wait)
+def timed(obj, name, key, mark_start=None, mark_end=None):
+    real = getattr(obj, name)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        if mark_start:
+            marks[mark_start] = t0
+        out = real(*a, **k)
+        t1 = time.perf_counter()
+        if mark_end:
+            marks[mark_end] = t1
+        acc[key] += t1 - t0
+        return out
+    setattr(obj, name, wrapper)
+# On a GPU the whole of DecodeGraphs._forward (metadata views and the forward) is the graph replay.
+timed(graphs, "_forward", "forward", mark_start="replay")
+timed(graphs, "run", "graph_run")
+timed(model, "compute_logits", "logits")
+timed(runner, "_plan_graph", "plan")
+timed(scheduler, "schedule", "schedule")
+timed(scheduler, "update", "update")
+timed(engine, "_output", "outputs")
+# Where the host waits for the step's token ids on a GPU: main's collect(), the old tree's run()
+# (its .tolist() at the end). What runs after it, and before the replay, is exposed: the device
+# idles through it. Between the replay and the wait the host overlaps the device.
+if hasattr(runner, "collect"):
+    timed(runner, "launch", "runner")
+    timed(runner, "collect", "runner", mark_end="read")
+else:
+    timed(runner, "run", "runner", mark_end="read")
+PHASES = ("schedule", "plan", "graph_inputs", "logits", "sample_readback", "update", "outputs", "engine_rest",
+          "host", "exposed", "forward")
 vocab = engine.model_config.vocab_size
 result = {}
 for B in batches:
@@ -95,40 +98,60 @@ for B in batches:
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(B):
             engine.add_request(f"{tag}-{B}-{warm}-{i}", [(7 * i + j) % (vocab - 3) + 3 for j in range(16)], params)
-        times, projs, fwds, exposed = [], [], [], []
+        per = {k: [] for k in PHASES}
         prof = cProfile.Profile() if (prof_dir and not warm) else None
         while engine.has_work():
-            running = len(engine.scheduler.running)
-            waiting = engine.scheduler.num_waiting + len(engine._inbox)
+            running = len(scheduler.running)
+            waiting = scheduler.num_waiting + len(engine._inbox)
             decode = running == B and waiting == 0 and all(r.num_computed_tokens > r.num_prompt_tokens
-                                                          for r in engine.scheduler.running)
-            p0, f0 = proj[0], fwd[0]
+                                                          for r in scheduler.running)
+            before = dict(acc)
             if decode and prof is not None:
                 prof.enable()
             t0 = time.perf_counter()
             engine.step()
             t1 = time.perf_counter()
-            dt = t1 - t0
             if decode and prof is not None:
                 prof.disable()
-            if decode:
-                fwds.append(fwd[0] - f0)
-                exposed.append((marks["replay"] - t0) + (t1 - marks["read"]))
-                times.append(dt - fwds[-1])
-                projs.append(proj[0] - p0)
-    result[B] = dict(ms=1e3 * statistics.median(times), proj_ms=1e3 * statistics.median(projs),
-                     fwd_ms=1e3 * statistics.median(fwds), exposed_ms=1e3 * statistics.median(exposed),
-                     steps=len(times))
+            if not decode:
+                continue
+            d = {k: acc[k] - before.get(k, 0.0) for k in list(acc)}
+            g = lambda k: d.get(k, 0.0)
+            phase = dict(schedule=g("schedule"), plan=g("plan"), graph_inputs=g("graph_run") - g("forward"),
+                         logits=g("logits"), update=g("update"), outputs=g("outputs"), forward=g("forward"))
+            phase["sample_readback"] = g("runner") - g("plan") - g("graph_run") - g("logits")
+            phase["host"] = (t1 - t0) - g("forward")
+            phase["engine_rest"] = (t1 - t0) - g("runner") - g("schedule") - g("update") - g("outputs")
+            phase["exposed"] = (marks["replay"] - t0) + (t1 - marks["read"])
+            for k in PHASES:
+                per[k].append(phase[k])
+    result[B] = {k: 1e6 * statistics.median(v) for k, v in per.items()} | {"steps": len(per["host"])}
     if prof is not None:
         st = pstats.Stats(prof)
         rows = []
+        n = result[B]["steps"]
         for (fn, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
             short = fn.split("/pdserve/")[-1] if "/pdserve/" in fn else fn.rsplit("/", 1)[-1]
-            rows.append((f"{short}:{name}", nc / len(times), 1e6 * tt / len(times), 1e6 * ct / len(times)))
+            rows.append((f"{short}:{name}", nc / n, 1e6 * tt / n, 1e6 * ct / n))
         with open(f"{prof_dir}/{tag}-bs{B}.json", "w") as f:
             json.dump(rows, f)
 print(json.dumps(result))
 """
+
+
+LABELS = {
+    "schedule": "Scheduler.schedule",
+    "plan": "ModelRunner._plan_graph",
+    "graph_inputs": "DecodeGraphs.run without the forward (the step's input copies)",
+    "logits": "compute_logits (CPU: the projection itself; GPU: its launch)",
+    "sample_readback": "the runner's rest: execute, argmax, reading the ids back",
+    "update": "Scheduler.update",
+    "outputs": "LLMEngine._output, all requests",
+    "engine_rest": "the engine's rest (step(), loops, connector, bookkeeping)",
+    "host": "**host total** (step minus forward)",
+    "exposed": "**exposed** (before the replay + after the read-back)",
+    "forward": "the forward (stub; subtracted)",
+}
 
 
 def link_farm(tree: str, root: str) -> str:
@@ -189,15 +212,23 @@ def main() -> int:
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
-    print("| batch | tree | host ms/step (each round) | exposed ms/step | logits projection ms | graph forward ms (subtracted) |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\nus/step, median over the steps of a run, then the median of the rounds; host = the step minus the forward "
+          "(each round's host in brackets)\n")
+    names = list(trees)
     for b in args.batches:
-        for n in trees:
-            rs = [x[str(b)] for x in runs[n]]
-            med = {k: statistics.median(r[k] for r in rs) for k in ("ms", "exposed_ms", "proj_ms", "fwd_ms")}
-            each = ", ".join(f"{r['ms']:.3f}" for r in rs)
-            print(f"| {b} | {n} | {med['ms']:.3f} ({each}) | {med['exposed_ms']:.3f} | {med['proj_ms']:.3f} | "
-                  f"{med['fwd_ms']:.3f} |")
+        print(f"batch {b}\n")
+        print("| phase | " + " | ".join(names) + " |")
+        print("| --- |" + " ---: |" * len(names))
+        for k in LABELS:
+            cells = []
+            for n in names:
+                vals = [x[str(b)][k] for x in runs[n]]
+                cell = f"{statistics.median(vals):.1f}"
+                if k == "host":
+                    cell += " (" + ", ".join(f"{v:.1f}" for v in vals) + ")"
+                cells.append(cell)
+            print(f"| {LABELS[k]} | " + " | ".join(cells) + " |")
+        print()
     return 0
 
 
