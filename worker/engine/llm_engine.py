@@ -281,8 +281,10 @@ class LLMEngine:
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
         # The results' orders (finished prefills' pins, streamed progress), before any output
-        # of this step leaves: a pin exists before its params can reach a reader.
-        self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
+        # of this step leaves: a pin exists before its params can reach a reader. Without a
+        # connector there is no reader (the next schedule() takes whatever orders there are).
+        if self.kv_connector.active:
+            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         return outputs + self._step_outputs(batch, sampled, logprobs, finished)
 
