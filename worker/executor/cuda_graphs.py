@@ -146,12 +146,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
             block_tables: list[list[int]], sliding: tuple[list[int], list[list[int]]] | None = None,
-            from_previous=None, lora_slots: list[int] | None = None) -> torch.Tensor:
+            from_previous=None, lora_slots: list[int] | None = None, waited: bool = False) -> torch.Tensor:
         """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H].
         `from_previous(ids)`: called on the token-id row once the host's values are queued, to put
         token ids that are still on the device in place (async scheduling, model_runner.py).
         `sliding`: the sliding group's (slots, block tables), where the config has one.
-        `lora_slots`: each sequence's adapter slot, where the config serves adapters."""
+        `lora_slots`: each sequence's adapter slot, where the config serves adapters.
+        `waited`: the caller waits for this step's device work before it runs another step (the
+        synchronous engine's step that samples): the copies out of the host buffers are done by
+        the time that buffer is next acquired, so no event is recorded for it."""
         n = len(input_ids)
         b = self.bucket(n)
         slot, (host, host_tables), (rows, tables) = self._staging.acquire()
@@ -178,7 +181,8 @@ class DecodeGraphs:
         # carry whatever an earlier step left there; no graph of bucket b reads them.
         self._inputs.copy_(host, non_blocking=True)
         self._tables[:, :n, :width].copy_(host_tables[:size].view(shape), non_blocking=True)
-        self._staging.record(slot)
+        if not waited:
+            self._staging.record(slot)
         if from_previous is not None:
             from_previous(self._inputs[0, :n])
         self.num_replays += 1

@@ -491,12 +491,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: torch.Tensor | None = None,
-                layer_clock: LayerClock | None = None) -> torch.Tensor | None:
+                layer_clock: LayerClock | None = None, waited: bool = False) -> torch.Tensor | None:
         """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
         row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples).
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
-        such a step is never a decode graph's)."""
+        such a step is never a decode graph's). `waited`: see DecodeGraphs.run."""
         if plan.inputs is None:  # the host tier's copies alone (copy_tiers_now)
             self._copy_tiers_and_wait(plan.tier_ops)
             return None
@@ -510,7 +510,7 @@ class ModelRunner:
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
         if plan.graph:
-            hidden = self.graphs.run(*plan.inputs, from_previous=fill, lora_slots=plan.lora_slots)
+            hidden = self.graphs.run(*plan.inputs, from_previous=fill, lora_slots=plan.lora_slots, waited=waited)
         else:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
             if fill is not None:
@@ -638,7 +638,10 @@ class ModelRunner:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")
             plan.share_tokens = len(samplers) if self.share_sampled else 0
             self.followers.send(plan)
-        logits = self.execute(plan, previous.tokens if previous is not None else None, layer_clock)
+        # An immediate step that samples (or is marked done) is waited for by collect() before the
+        # caller does anything else: its input buffers are free again by then.
+        waited = immediate and (bool(samplers) or mark_done)
+        logits = self.execute(plan, previous.tokens if previous is not None else None, layer_clock, waited)
         if self.prompt_scores is not None:
             self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
         rows = {r.request_id: i for i, r in enumerate(samplers)}
