@@ -7,7 +7,9 @@ over the real cache.
 
 Host round-trips per step: none before sampling (inputs go host->device, nothing is read back).
 A step is `launch` (inputs, forward, sampling, and an asynchronous copy of the sampled token ids
-into a pinned host buffer) then `collect` (wait for that copy); `run` is both at once. With
+into a pinned host buffer) then `collect` (wait for that copy). The synchronous engine (and
+`run`) launches `immediate`: it collects at once, so `collect` reads the ids from the device in
+one blocking copy, with no buffer or event to manage. With
 async scheduling the engine launches the next step between the two, and that step's decodes
 take the in-flight token ids from the device (`StepPlan.from_previous`). A step of only
 decodes replays a CUDA graph when they were captured (`graphs`); prefill and mixed steps run
