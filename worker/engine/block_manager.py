@@ -204,6 +204,8 @@ class BlockManager:
         `sliding_from`: a hybrid cache's first sliding block to allocate (hybrid_block_manager.py)."""
         have = len(req.block_ids) + len(cached)
         new = max(0, self.blocks_needed(num_tokens) - have)
+        if not new and not cached:  # a decode within its last block: every step of most requests
+            return True
         reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)  # hits sitting in the free queue
         return new + reclaimed <= self.num_free_blocks
 

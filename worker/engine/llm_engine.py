@@ -273,21 +273,26 @@ class LLMEngine:
         # chunk): the next step's scheduling may free this step's blocks (an abort, a preemption)
         # and hand them to a pull, which writes from another stream or the NIC, unordered with ours.
         t0 = time.perf_counter()
-        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch))
+        launched = self.runner.launch(batch, mark_done=self._pulls_kv, layer_clock=self._layer_clock(batch),
+                                      immediate=True)
         sampled, logprobs = self.runner.collect(launched)
         self._observe_prefill(batch, time.perf_counter() - t0)
         if self.scheduler.connector.streams(batch.items):
             self.runner.synchronize()  # a streamed chunk is made readable: its KV must be written
         finished = self.scheduler.update(batch, sampled)
         # The results' orders (finished prefills' pins, streamed progress), before any output
-        # of this step leaves: a pin exists before its params can reach a reader.
-        self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
+        # of this step leaves: a pin exists before its params can reach a reader. Without a
+        # connector there is no reader (the next schedule() takes whatever orders there are).
+        if self.kv_connector.active:
+            self.kv_connector.apply(self.scheduler.connector.build_connector_meta())
         self._publish_kv_events()
         return outputs + self._step_outputs(batch, sampled, logprobs, finished)
 
     def _kv_finished(self) -> list[RequestOutput]:
         """Unpins first (so get_finished reports them), then what the connector's worker side
         finished: pins freed, pulls landed or failed."""
+        if not self.kv_connector.active and not self._unpins:  # no connector: nothing to report
+            return []
         with self._lock:
             unpins, self._unpins = self._unpins, []
         for rid, token in unpins:
@@ -422,6 +427,8 @@ class LLMEngine:
         """The prompt tokens a step computed over its time: the recompute side of the choice
         between pulling a prefix a peer holds and computing it (kv/prefix_cost.py). A step of
         decodes only (one token each) says nothing about it."""
+        if batch.items[-1][1] == 1:  # decode-like items come first (ScheduledBatch): none computes a prompt
+            return
         tokens = sum(n for _, n in batch.items if n > 1)
         if tokens:
             self.scheduler.connector.observe_prefill(tokens, seconds)
@@ -528,36 +535,32 @@ class LLMEngine:
         return []
 
     def _output(self, req: Request, new: list[int], logprob, handed_over: list[int] | None = None) -> RequestOutput:
-        reports = not req.waits_reported and (new or req.status.finished)
-        queue_time = self._report_waits(req, new) if reports else None
-        kv_wait = kv_bytes = None
-        if reports and req.admitted_time is not None and req.kv_landed_time is not None:
-            kv_wait = (req.admitted_time, req.kv_landed_time)
-        if reports:
-            kv_bytes = getattr(self.kv_connector, "pulled_bytes", {}).pop(req.request_id, None)
-        prompt_lps = None
-        if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or req.status.finished):
-            prompt_lps = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
+        """`new`: a list of the request's new token ids that the output takes as it is (callers
+        pass a fresh one). The fields a step's output of a running request leaves at their
+        defaults are set only where they apply: this runs for every request of every step."""
+        status = req.status
+        finished = status.finished
+        out = RequestOutput(request_id=req.request_id, new_token_ids=new, finished=finished,
+                            stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=max(0, req.num_cached_tokens), num_output_tokens=req.num_output_tokens)
+        if finished:
+            out.finish_reason = status.value
+            out.kv_transfer_params = req.kv_transfer_params_out
+            if status is RequestStatus.FINISHED_ERROR:
+                out.error = req.failure
+        if logprob is not None:
+            out.logprobs = [logprob]
+        if handed_over is not None:
+            out.handed_over_token_ids = handed_over
+        if not req.waits_reported and (new or finished):
+            out.queue_time = self._report_waits(req, new)
+            if req.admitted_time is not None and req.kv_landed_time is not None:
+                out.kv_wait = (req.admitted_time, req.kv_landed_time)
+            out.kv_bytes = getattr(self.kv_connector, "pulled_bytes", {}).pop(req.request_id, None)
+        if req.params.prompt_logprobs is not None and req.num_emitted_tokens == 0 and (new or finished):
+            out.prompt_logprobs = self.runner.prompt_logprobs.pop(req.request_id, req.num_prompt_tokens)
         req.num_emitted_tokens += len(new)
-        finished = req.status.finished
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=list(new),
-            finished=finished,
-            finish_reason=req.status.value if finished else None,
-            stop_reason=req.stop_reason,
-            error=req.failure if req.status is RequestStatus.FINISHED_ERROR else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            num_output_tokens=req.num_output_tokens,
-            logprobs=[logprob] if logprob is not None else None,
-            prompt_logprobs=prompt_lps,
-            kv_transfer_params=req.kv_transfer_params_out if finished else None,
-            handed_over_token_ids=handed_over,
-            queue_time=queue_time,
-            kv_wait=kv_wait,
-            kv_bytes=kv_bytes,
-        )
+        return out
 
     def _report_waits(self, req: Request, new: list[int]) -> float | None:
         """A request's first output with tokens, or its final one (a streamed hand-off's output

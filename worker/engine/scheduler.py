@@ -271,29 +271,30 @@ class Scheduler:
         `advanced`: the step went through `advance()` at launch (these are its computed counts);
         a request that finished since then drops its token here."""
         finished, stopped_waiting = [], []
+        register, max_len, waiting = self.bm.register_computed, self.max_model_len, RequestStatus.WAITING  # per item
         for i, (req, n) in enumerate(batch.items):
             token = sampled.get(req.request_id)
             if advanced is None:
                 req.num_computed_tokens += n
-                self.bm.register_computed(req)
+                register(req)
             else:
                 if token is not None:
                     req.num_in_flight -= 1
                 if req.status.finished:  # stopped by an earlier step's token, or aborted: drop this one
                     continue
                 # Blocks known to hold this step's tokens; a later step in flight has not made its own known.
-                self.bm.register_computed(req, advanced[i])
+                register(req, advanced[i])
             if token is None:  # a prefill chunk that did not reach the end of the sequence
                 continue
             if req.failure is None:  # a request whose sampling failed ends without its token (check_stop)
                 req.token_ids.append(token)
-            if req.status is RequestStatus.WAITING:  # preempted while in flight: recomputed with it
-                if req.check_stop(self.max_model_len):  # unless it ends the request
+            if req.status is waiting:  # preempted while in flight: recomputed with it
+                if req.check_stop(max_len):  # unless it ends the request
                     self.waiting.remove(req)
                     self._free(req)
                     stopped_waiting.append(req)
                 continue
-            if req.check_stop(self.max_model_len):
+            if req.check_stop(max_len):
                 finished.append(req)
         # Streamed prefills: this step's blocks are readable (its own computed counts: under
         # async scheduling a later step in flight has advanced the requests already).

@@ -72,9 +72,11 @@ class DecodeGraphs:
         self._tables = torch.zeros(1 + config.sliding, n, config.max_blocks_per_seq, dtype=torch.int32,
                                    device=device)
         self._block_tables = self._tables[0]
-        # Host side of each step's two input copies, allocated once (host_staging.py).
+        # Host side of each step's two input copies, allocated once (host_staging.py). The block
+        # tables' side is flat: a step packs its [groups, n, width] tables at its start, so they
+        # leave in one contiguous pinned copy (a strided one goes through a pageable host copy).
         self._staging = HostStaging([((len(pad), n), torch.int64),
-                                     ((1 + config.sliding, n, config.max_blocks_per_seq), torch.int32)], device)
+                                     (((1 + config.sliding) * n * config.max_blocks_per_seq,), torch.int32)], device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         # With LoRA, a second set captured as the base model (LoRAContext.base_model): a batch in
@@ -144,12 +146,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
             block_tables: list[list[int]], sliding: tuple[list[int], list[list[int]]] | None = None,
-            from_previous=None, lora_slots: list[int] | None = None) -> torch.Tensor:
+            from_previous=None, lora_slots: list[int] | None = None, waited: bool = False) -> torch.Tensor:
         """One decode step for n <= max_batch sequences (block tables of any lengths) -> hidden [n, H].
         `from_previous(ids)`: called on the token-id row once the host's values are queued, to put
         token ids that are still on the device in place (async scheduling, model_runner.py).
         `sliding`: the sliding group's (slots, block tables), where the config has one.
-        `lora_slots`: each sequence's adapter slot, where the config serves adapters."""
+        `lora_slots`: each sequence's adapter slot, where the config serves adapters.
+        `waited`: the caller waits for this step's device work before it runs another step (the
+        synchronous engine's step that samples): the copies out of the host buffers are done by
+        the time that buffer is next acquired, so no event is recorded for it."""
         n = len(input_ids)
         b = self.bucket(n)
         slot, (host, host_tables), (rows, tables) = self._staging.acquire()
@@ -161,14 +166,23 @@ class DecodeGraphs:
         if self._lora_row is not None:
             rows[self._lora_row, :n] = lora_slots if lora_slots is not None else -1
         rows[:, n:b] = self._padding[:, :b - n]
-        # Columns past a row's length keep an older step's ids: never read, and every one is a valid block.
+        # Columns past a row's length keep whatever an older step packed there: never read, and every
+        # one is a valid block.
         width = max(len(t) for t in block_tables)
+        shape = (len(groups), n, width)
+        size = len(groups) * n * width
+        packed = tables[:size].reshape(shape)
         for g, group in enumerate(groups):
             for i, t in enumerate(group):
-                tables[g, i, :len(t)] = t
-        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        self._tables[:, :n, :width].copy_(host_tables[:, :n, :width], non_blocking=True)
-        self._staging.record(slot)
+                packed[g, i, :len(t)] = t
+        # The whole rows buffer (max_batch columns, a few KiB), not its first b columns: a strided
+        # slice would be copied through temporaries (a host copy of it, a pageable transfer, a
+        # device copy kernel), one contiguous pinned copy is a single transfer. Columns past b
+        # carry whatever an earlier step left there; no graph of bucket b reads them.
+        self._inputs.copy_(host, non_blocking=True)
+        self._tables[:, :n, :width].copy_(host_tables[:size].view(shape), non_blocking=True)
+        if not waited:
+            self._staging.record(slot)
         if from_previous is not None:
             from_previous(self._inputs[0, :n])
         self.num_replays += 1

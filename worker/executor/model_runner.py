@@ -7,7 +7,9 @@ over the real cache.
 
 Host round-trips per step: none before sampling (inputs go host->device, nothing is read back).
 A step is `launch` (inputs, forward, sampling, and an asynchronous copy of the sampled token ids
-into a pinned host buffer) then `collect` (wait for that copy); `run` is both at once. With
+into a pinned host buffer) then `collect` (wait for that copy). The synchronous engine (and
+`run`) launches `immediate`: it collects at once, so `collect` reads the ids from the device in
+one blocking copy, with no buffer or event to manage. With
 async scheduling the engine launches the next step between the two, and that step's decodes
 take the in-flight token ids from the device (`StepPlan.from_previous`). A step of only
 decodes replays a CUDA graph when they were captured (`graphs`); prefill and mixed steps run
@@ -96,7 +98,9 @@ class LaunchedStep:
     samplers: list[Request]
     rows: dict[str, int]  # request id -> its row in `tokens`
     tokens: torch.Tensor | None  # [S] int64 on the device; None when nothing sampled
-    host_tokens: torch.Tensor | None  # the pinned buffer the tokens are copied into
+    # The pinned buffer the tokens are copied into; None for a step launched `immediate`
+    # (collect reads `tokens` itself, which waits for the step: is_done does not apply).
+    host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None  # passed when host_tokens holds them (None: CPU, already there)
     logprobs: list[TokenLogprob | None] | None  # host values when any sampler asked (read back at launch)
     advanced: list[int] | None = None  # async scheduling: computed counts after it (Scheduler.advance)
@@ -489,12 +493,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: torch.Tensor | None = None,
-                layer_clock: LayerClock | None = None) -> torch.Tensor | None:
+                layer_clock: LayerClock | None = None, waited: bool = False) -> torch.Tensor | None:
         """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
         row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples).
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
-        such a step is never a decode graph's)."""
+        such a step is never a decode graph's). `waited`: see DecodeGraphs.run."""
         if plan.inputs is None:  # the host tier's copies alone (copy_tiers_now)
             self._copy_tiers_and_wait(plan.tier_ops)
             return None
@@ -508,7 +512,7 @@ class ModelRunner:
         if plan.from_previous:
             fill = lambda ids: self._fill_from_previous(ids, plan.from_previous, previous)  # noqa: E731
         if plan.graph:
-            hidden = self.graphs.run(*plan.inputs, from_previous=fill, lora_slots=plan.lora_slots)
+            hidden = self.graphs.run(*plan.inputs, from_previous=fill, lora_slots=plan.lora_slots, waited=waited)
         else:
             input_ids, positions, meta = self._eager_inputs(plan.inputs)
             if fill is not None:
@@ -602,19 +606,23 @@ class ModelRunner:
         return self.model.compute_logits(rows)
 
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """One step, start to finish: the synchronous engine's call."""
-        return self.collect(self.launch(batch))
+        """One step, start to finish."""
+        return self.collect(self.launch(batch, immediate=True))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
-               mark_done: bool = False, layer_clock: LayerClock | None = None) -> LaunchedStep:
+               mark_done: bool = False, layer_clock: LayerClock | None = None,
+               immediate: bool = False) -> LaunchedStep:
         """Queue one step's work (forward, sampling, the copy of its token ids to the host) and
         return without waiting for it, except where sampling needs the host (seeded rows, logprobs,
         grammar masks). `previous`: the step still in flight, whose tokens some of this step's
         inputs are (async scheduling; the scheduler planned this batch with them in flight).
         `mark_done`: `collect` also waits for a step that samples nothing (a prefill chunk), so
         that its KV is written when it returns (P/D: a streamed chunk is then made readable).
-        `layer_clock`: see `execute`."""
+        `layer_clock`: see `execute`. `immediate`: the caller collects this step before doing
+        anything else (the synchronous engine), so nothing is queued to read its token ids
+        back: `collect` reads them from the device in one blocking copy, as the host must wait
+        for them anyway (no pinned buffer, no event to record and wait for)."""
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             # The server steps on its own thread, and the current device is per thread: without
             # this, Triton launches would target cuda:0 whatever card this rank was given.
@@ -632,7 +640,10 @@ class ModelRunner:
                 raise RuntimeError("async scheduling under tensor parallelism needs share_sampled (the engine sets it)")
             plan.share_tokens = len(samplers) if self.share_sampled else 0
             self.followers.send(plan)
-        logits = self.execute(plan, previous.tokens if previous is not None else None, layer_clock)
+        # An immediate step that samples (or is marked done) is waited for by collect() before the
+        # caller does anything else: its input buffers are free again by then.
+        waited = immediate and (bool(samplers) or mark_done)
+        logits = self.execute(plan, previous.tokens if previous is not None else None, layer_clock, waited)
         if self.prompt_scores is not None:
             self.prompt_logprobs.record(self._prompt_book, self.prompt_scores)
         rows = {r.request_id: i for i, r in enumerate(samplers)}
@@ -643,14 +654,17 @@ class ModelRunner:
                 done.record()
             return LaunchedStep(batch, samplers, rows, None, None, None, None, done=done)
         logprobs = None
-        if all(r.params.greedy and r.params.logprobs is None and r.next_output_index >= r.params.min_tokens
-               and not r.params.modifies_logits for r in samplers):
+        # min_tokens first: at 0 (nearly always) the request's output index is not needed.
+        if all((p := r.params).greedy and p.logprobs is None and not p.modifies_logits
+               and (not p.min_tokens or r.next_output_index >= p.min_tokens) for r in samplers):
             # Plain greedy: argmax, without the sampler's per-row work (stop-token suppression, logprobs).
             tokens = logits.argmax(dim=-1)
         else:
             tokens, logprobs = self.sampler.sample(logits, samplers)
         if plan.share_tokens:
             share_from_rank0(tokens)  # the other ranks' next step reads them (StepPlan.share_tokens)
+        if immediate:
+            return LaunchedStep(batch, samplers, rows, tokens, None, None, logprobs)
         slot, (host,), _ = self._readback.acquire()
         host = host[:len(samplers)]
         host.copy_(tokens, non_blocking=True)
@@ -669,9 +683,13 @@ class ModelRunner:
             if step.done is not None:
                 step.done.synchronize()
             return {}, {}
-        if step.copied is not None:
-            step.copied.synchronize()
-        sampled = dict(zip(step.rows, step.host_tokens.tolist()))
+        if step.host_tokens is None:  # launched `immediate`: a blocking read of the device's ids
+            ids = step.tokens.tolist()
+        else:
+            if step.copied is not None:
+                step.copied.synchronize()
+            ids = step.host_tokens.tolist()
+        sampled = dict(zip(step.rows, ids))
         lps = {} if step.logprobs is None else {
             r.request_id: lp for r, lp in zip(step.samplers, step.logprobs) if lp is not None}
         return sampled, lps

@@ -276,6 +276,8 @@ class KVConnectorScheduler:
         """Prefill side, after a step's KV is on the device: its full blocks are readable.
         `computed`: each item's computed count after that step (async scheduling, where the
         request's own count already includes a later step, still in flight); None: the request's."""
+        if not self._streaming:
+            return
         for i, (req, _) in enumerate(items):
             if req.request_id in self._streaming and not req.status.finished:
                 n = req.num_computed_tokens if computed is None else computed[i]
