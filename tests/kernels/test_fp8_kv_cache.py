@@ -79,6 +79,7 @@ def test_write_quantizes_bit_for_bit_like_the_reference(src_dtype, scales):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scales,with_norm", [(SCALES[1], False), (SCALES[2], False), (SCALES[2], True)])
 def test_rotary_write_quantizes_like_the_reference(dtype, scales, with_norm):
+    torch.manual_seed(0)  # fixed inputs: the bf16 bound below is a measured one, not a margin over luck
     ks, vs = (_scale(s) for s in scales)
     hq, hkv, d, block_size, t = 6, 2, 32, 4, 9
     cs = cos_sin_cache(64, d)
@@ -96,7 +97,11 @@ def test_rotary_write_quantizes_like_the_reference(dtype, scales, with_norm):
 
     q_out = rotary_kv_write(positions, q, k, v, cs, k_cache, v_cache, slots.int(), bias, ks, vs, qk_norm=qk_norm)
 
-    assert rel_error(q_out, q_ref) < TOL[dtype]
+    # bf16 with the q/k norm: the reference rounds the bias add, x * rstd and the weighted norm to
+    # bf16 op by op and rotates in bf16, the kernel rotates in fp32 (and the interpreter truncates
+    # where a GPU rounds): up to 1.6% apart over 40 seeds on CPU, so 2.5e-2 as in test_fused_gemv.
+    tol = 2.5e-2 if with_norm and dtype == torch.bfloat16 else TOL[dtype]
+    assert rel_error(q_out, q_ref) < tol
     if dtype == torch.float32 and not with_norm:
         assert torch.equal(_bits(cache), _bits(expected))
     else:
@@ -130,6 +135,7 @@ def test_decode_attention_dequantizes_like_the_reference(poison_empty, dtype, sc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits,with_norm", [(1, False), (3, False), (3, True)])
 def test_decode_rotary_variant_writes_fp8_and_attends(poison_empty, dtype, num_splits, with_norm):
+    torch.manual_seed(0)  # fixed inputs: bf16 with the norm measured 0.3-1.4% from the reference over 30 seeds
     ks, vs = _scale(0.37), _scale(1.7)
     hq, hkv, d, block_size, ctx = 6, 2, 32, 4, [9, 1, 16]
     cache, k_cache, v_cache = fp8_cache(20, 2, block_size, hkv, d)

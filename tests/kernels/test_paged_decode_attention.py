@@ -116,6 +116,7 @@ def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dty
     from pdserve.kernels.paged_decode_attention import paged_decode_attention_rotary
     from pdserve.kernels.reference import paged_decode_attention_rotary_ref
 
+    torch.manual_seed(case)  # fixed inputs, whatever ran before in this process
     hq, hkv, d, block_size, ctx = CASES[case]
     cache, k_cache, v_cache = paged_kv(40, 2, block_size, hkv, d, dtype)
     block_tables = block_tables_for(ctx, block_size, 40, extra=1)
@@ -141,8 +142,11 @@ def test_rotary_variant_writes_the_new_token_and_attends_to_it(poison_empty, dty
     assert out.dtype == dtype
     assert rel_error(out, ref) < 2 * TOL[dtype]
     blk, off = slots // block_size, slots % block_size  # the new tokens' K/V, where the reference put them
+    # With the q/k norm, k is rounded to the cache dtype twice more (x * rstd, times the weight)
+    # before rotary: in bf16 that alone puts it ~1% from the float64 reference.
+    kv_tol = (2 if with_norm else 1) * TOL[dtype]
     for kv in (0, 1):
-        assert rel_error(cache[blk, 1, kv, off], ref_cache[blk, 1, kv, off]) < TOL[dtype]
+        assert rel_error(cache[blk, 1, kv, off], ref_cache[blk, 1, kv, off]) < kv_tol
     assert torch.equal(cache[:, 0], ref_cache[:, 0].to(dtype))  # the other layer untouched
     assert not sem.any()
 
