@@ -130,7 +130,7 @@ def chain(model: str, bw: float) -> list[str]:
                 i += 1
 
     total = sum(w.nbytes for layer in ws for w in layer)
-    roof = total / bw / 1e6
+    roof = 1e3 * total / bw  # ms at the copy bandwidth (bytes / s)
     rows, outs = [], {}
     for mode in ("cublas", "triton", "pdl-wait", "pdl-pre"):
         ms = graph_ms(lambda: run(mode))
