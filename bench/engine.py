@@ -33,6 +33,8 @@ import torch
 from pdserve.bench.model_shapes import MODELS, ModelSpec
 
 OUT_TOKENS = 128
+# A command line's engine switch (--async-scheduling, --fused-gemv): the engine's default or forced.
+SWITCH = {"default": None, "on": True, "off": False}
 HF_BATCH = 64  # HF generate pads a static batch: one batch of 64 prompts of each offline scenario
 
 
@@ -261,10 +263,9 @@ class Bench:
 
     def run_pdserve(self, spec: ModelSpec, path: str, hf_tput: dict[str, float]) -> None:
         from pdserve.worker.config.engine import EngineConfig
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
         from pdserve.worker.engine.llm_engine import LLMEngine
         from pdserve.worker.request.sampling_params import SamplingParams
-
-        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         TritonAttentionBackend.fused_gemv = self.plan.fused_gemv  # read when the model is built
         t0 = time.perf_counter()
@@ -475,17 +476,16 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-paths", action="store_true",
                     help="GPU: also capture the engine's bs=1 graph on the unfused (v4) and fused decode paths, "
                          "timed and profiled per kernel in the same run")
-    ap.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default",
+    ap.add_argument("--async-scheduling", choices=list(SWITCH), default="default",
                     help="the engine's async scheduling: its default (on with a GPU) or forced on / off")
-    ap.add_argument("--fused-gemv", choices=["default", "on", "off"], default="default",
+    ap.add_argument("--fused-gemv", choices=list(SWITCH), default="default",
                     help="the small-batch GEMV path: its default (the shapes measured to win on this card), "
                          "every shape, or none")
     args = ap.parse_args(argv)
     try:
         plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager,
                          decode_paths=args.decode_paths,
-                         async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling],
-                         fused_gemv={"default": None, "on": True, "off": False}[args.fused_gemv])
+                         async_scheduling=SWITCH[args.async_scheduling], fused_gemv=SWITCH[args.fused_gemv])
     except ValueError as e:
         ap.error(str(e))
     device = "cpu" if args.smoke else "cuda"

@@ -171,10 +171,11 @@ def cmd_engine(args) -> int:
         bw = _copy_bandwidth(args.device)
         row["copy_gbs"] = bw / 1e9
         row["card"] = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+        from pdserve.bench.engine import SWITCH
         from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         # Read when the model is built: None, the engine's default, takes the measured shapes.
-        TritonAttentionBackend.fused_gemv = {"default": None, "on": True, "off": False}[args.fused_gemv]
+        TritonAttentionBackend.fused_gemv = SWITCH[args.fused_gemv]
         row["fused_gemv"] = args.fused_gemv
         if args.router_linear:  # every step's router as F.linear + the routing kernel, as before moe_gate
             from pdserve.worker.models import moe
