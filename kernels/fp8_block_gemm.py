@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 FP8 = torch.float8_e4m3fn
 GROUP_K = 128
@@ -28,7 +30,8 @@ GROUP_K = 128
 def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                            stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                            SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,5 +95,6 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_block_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k, a.stride(0), a_scale.stride(0),
                                  b.stride(0), b_scale.stride(0), out.stride(0), SCALE_ROWS=scale_rows,
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP_K, num_warps=warps, num_stages=stages)
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP_K, num_warps=warps, num_stages=stages,
+                                 **pdl_args(a.device))
     return out

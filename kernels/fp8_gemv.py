@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 16  # past this the W8A8 GEMMs win (they reuse each weight tile across many rows)
@@ -39,7 +41,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, 
                      stride_om,
                      BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,8 +93,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, 
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # out = sum over the splits, in split order, of the fp32 partials [SPLITS, SIZE].
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -188,8 +192,9 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         x, w8, w_scale, dst, m, n, k, k_split, x.stride(0), w8.stride(0), w_scale.stride(0) if blocked else 0,
         dst.stride(0) if split > 1 else 0, dst.stride(-2),
         BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K, DOT_F32=dot_in_f32(x.dtype),
-        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+        **pdl_args(x.device))
     if split > 1:
         size = m * n
-        _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024, **pdl_args(dst.device))
     return out

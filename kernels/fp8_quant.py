@@ -16,13 +16,15 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, interpreting
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, stride_qm, stride_sm, stride_sg,
                          FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-                         BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+                         BLOCK: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * GROUP
@@ -62,7 +64,8 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, GROUP, stride_xm, s
 @triton.jit
 def _quantize_fp8_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
                                 FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
-                                GROUPS: tl.constexpr):
+                                GROUPS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # rows past M (padding) read as zeros
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # this program's groups
     c = tl.arange(0, GROUP)
@@ -140,7 +143,7 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
         _quantize_fp8_groups_kernel[(m, triton.cdiv(groups, per))](
             x, q, scales, m_real, k, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
             FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, GROUP=group, GROUPS=per,
-            num_warps=max(1, min(8, per * group // 512)))
+            num_warps=max(1, min(8, per * group // 512)), **pdl_args(x.device))
     elif m and k:
         # A decode step quantizes one row per linear: that row is one program's, so its whole
         # group is read in one wide tile (16 warps for 16k columns) rather than in a serial loop.
@@ -149,5 +152,5 @@ def quantize_fp8(x: torch.Tensor, group_size: int | None = None,
             x, q, scales, static_scale if static_scale is not None else scales, k, group,
             x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             STATIC=static_scale is not None, BLOCK=block, SINGLE=block >= group,
-            num_warps=max(1, min(16, block // 1024)))
+            num_warps=max(1, min(16, block // 1024)), **pdl_args(x.device))
     return fp8_result(q, emulate), scales

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_precision, interpreting, num_sms
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.silu_and_mul import silu_and_mul
 
@@ -76,22 +77,25 @@ class GemvConfig:
 # engine takes the GEMV only where its card and shape have a config here (gemv_preferred); a forced
 # path (tests, benches) takes choose_config's heuristic elsewhere. A table, not a run-time
 # autotuner: every start picks the same.
-# NVIDIA H200: M = 1 on 2026-12-04 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md: 2-row strips
-# of 1024-wide K tiles won o_proj, the 0.5B model's norm GEMVs and gpt-oss's o_proj; cuBLAS (97% of
-# copy bandwidth at Llama's gate_up) the rest), M = 2-8 on 2026-11-27 (docs/gpu-perf-results.md).
+# NVIDIA H200: M = 1 on 2026-12-04, twice (docs/results/gemv/2026-12-04-h200-narrow-gemv.md: 2-row
+# strips of 1024-wide K tiles won o_proj and the 0.5B model's norm GEMVs; then with the prologue
+# apart, docs/results/gemv/2026-12-04-h200-gemv-apart.md: Llama's qkv / gate_up tie cuBLAS at 1.01x,
+# its down 1.08x, the 0.5B down 1.16x), M = 2-8 on 2026-11-27 (docs/gpu-perf-results.md).
 MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {
     "NVIDIA H200": {
+        ('rms_norm', 6144, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
         ('none', 4096, 4096, 1): GemvConfig(2, 1024, 1),
-        ('silu_mul', 4096, 14336, 1): GemvConfig(32, 256, 4),
+        ('rms_norm', 28672, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
+        ('silu_mul', 4096, 14336, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
         ('rms_norm', 1152, 896, 1): GemvConfig(2, 1024, 1),
         ('none', 896, 896, 1): GemvConfig(2, 1024, 1),
-        ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1),
+        ('rms_norm', 9728, 896, 1): GemvConfig(8, 1024, 1),
+        ('silu_mul', 896, 4864, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
         ('rms_norm', 5120, 2880, 1): GemvConfig(32, 256, 4),
         ('none', 2880, 4096, 1): GemvConfig(2, 1024, 1),
         ('none', 128, 2880, 1): GemvConfig(2, 1024, 1),
-        ('rms_norm', 6144, 4096, 1): None,
-        ('rms_norm', 28672, 4096, 1): None,
-        ('silu_mul', 896, 4864, 1): None,
+        ('rms_norm', 5120, 2048, 1): GemvConfig(4, 512, 1),
+        ('none', 2048, 4096, 1): GemvConfig(2, 1024, 1),
         ('none', 4096, 4096, 2): GemvConfig(32, 256, 2),
         ('none', 896, 896, 2): GemvConfig(16, 256, 1),
         ('none', 4096, 4096, 4): GemvConfig(32, 256, 2),
@@ -179,9 +183,11 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Grid (cdiv(N, BLOCK_N), SPLIT): program (n, s) owns output columns [n*BLOCK_N, +BLOCK_N)
     # over K slice s.
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -266,9 +272,10 @@ def _gemv_kernel(
 @triton.jit
 def _split_k_reduce_kernel(part_ptr, ss_ptr, b_ptr, out_ptr, M, N, K, eps, stride_om,
                            SPLIT: tl.constexpr, NORM_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (M, cdiv(N, BLOCK)): the slices' partials summed in slice order, so runs agree bit for
     # bit; NORM_SCALE (one-pass rms_norm): times rstd from the slices' sums of squares.
+    pdl_enter(PDL)
     m = tl.program_id(0)
     ns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = ns < N
@@ -362,10 +369,11 @@ def fused_gemv(
         DOT_F32=interpreting() and dt != torch.float16, PRECISION=dot_precision(dt),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(x.device),
     )
     if split > 1:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, ss, bias if bias is not None else weight, out, m, n, k, eps, out.stride(0),
-            SPLIT=split, NORM_SCALE=norm_scale, HAS_BIAS=bias is not None, BLOCK=block)
+            SPLIT=split, NORM_SCALE=norm_scale, HAS_BIAS=bias is not None, BLOCK=block, **pdl_args(part.device))
     return out, new_res

@@ -103,6 +103,7 @@ from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, ch
 from pdserve.kernels.moe_activation import SILU_AND_MUL, MoeActivation, SwigluOAI, check_activation
 from pdserve.kernels.moe_route import _route_rows
 from pdserve.kernels.mxfp4 import BLOCK as MXFP4_GROUP
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 # One program holds an [M, E] one-hot tile, and its running count takes 4 bytes of shared memory
@@ -138,6 +139,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     _moe_align_kernel[(1,)](
         ids, sorted_ids, expert_ids, num_padded, m, num_experts, expert_offset, cap, cap // block_m,
         **_align_tiles(m, num_experts, block_m), num_warps=4 if tile <= 1 << 13 else 8,
+        **pdl_args(ids.device),
     )
     return sorted_ids, expert_ids, num_padded
 
@@ -177,7 +179,8 @@ def _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_
 def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
                       num_blocks,
                       BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
-                      FILL: tl.constexpr):
+                      FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     _align_rows(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, m, num_experts, expert_offset, cap,
                 num_blocks, BLOCK_M, M_TILE, E_TILE, B_TILE, FILL)
 
@@ -190,9 +193,10 @@ def _moe_route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, ex
                             TOP_K: tl.constexpr, K_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
                             T_TILE: tl.constexpr, R_TILE: tl.constexpr,
                             BLOCK_M: tl.constexpr, M_TILE: tl.constexpr, E_TILE: tl.constexpr, B_TILE: tl.constexpr,
-                            FILL: tl.constexpr):
+                            FILL: tl.constexpr, PDL: tl.constexpr = False):
     # One program: every token's routing (moe_route's arithmetic, rows at once), then the sort of
     # the ids it just wrote (read back after a block barrier: the same program's global writes).
+    pdl_enter(PDL)
     _route_rows(logits_ptr, weights_ptr, ids_ptr, num_tokens, router_experts, stride_t,
                 TOP_K, K_TILE, RENORMALIZE, T_TILE, R_TILE)
     tl.debug_barrier()
@@ -245,6 +249,7 @@ def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
         T_TILE=triton.next_power_of_2(t), R_TILE=triton.next_power_of_2(router_experts), **tiles,
         num_warps=4 if onehot <= 1 << 13 else 8,
+        **pdl_args(router_logits.device),
     )
     return weights, ids, sorted_ids, expert_ids, num_padded
 
@@ -340,9 +345,10 @@ def _mx_activations(v, ROUND: tl.constexpr):
 
 @triton.jit
 def _mx_activations_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, NIBBLE_MAJOR: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(K, BLOCK)): x [T, K] (any float dtype, exact in fp32) -> out [T, K] fp32 times
     # 2^64, in nibble-major order (_mxfp4_nibble_major) or in input order.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < K
@@ -528,8 +534,10 @@ def _moe_gemm_kernel(
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     MX_ONE_DOT: tl.constexpr = False,  # MXFP4: one dot a step on the joined operand (_mxfp4_operand)
     MX_DOT_SCALED: tl.constexpr = None,  # MXFP4 with bf16/fp16 A: tl.dot_scaled on the packed bytes (A's format)
+    PDL: tl.constexpr = False,
 ):
     # Grid (P / BLOCK_M, cdiv(N, BLOCK_N)): one expert's BLOCK_M sorted rows x BLOCK_N columns.
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -709,6 +717,7 @@ def _gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_rows, n, k, 
         DOT_F32=dot_in_f32(a.dtype), PRECISION=dot_precision(a.dtype), MX_ONE_DOT=cfg.get("MX_ONE_DOT", False),
         MX_DOT_SCALED=_mx_dot_format(cfg, "MX_DOT_SCALED", mxfp4, a.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_args(a.device),
     )
 
 
@@ -844,7 +853,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
                                FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                                SWIGLU: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
                                PREFETCH: tl.constexpr = False, X_NM: tl.constexpr = False,
-                               SPLIT: tl.constexpr = 1, part_ptr=None, ROUND: tl.constexpr = None):
+                               SPLIT: tl.constexpr = 1, part_ptr=None, ROUND: tl.constexpr = None,
+                               PDL: tl.constexpr = False):
     # Grid (T*k, cdiv(I, BLOCK_N)[, SPLIT]): assignment a = t*k + j, columns [n*BLOCK_N, +BLOCK_N) of I.
     # PREFETCH (MXFP4): the next K step's words loaded before this step's FMAs (register double
     # buffering: two steps' loads in flight, where each step otherwise waits for its own).
@@ -855,6 +865,7 @@ def _moe_decode_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, ids_ptr, weight_ptr, s
     # SPLIT > 1 (MXFP4): program (.., .., s) sums only its share of the K steps and writes its fp32
     # gate and up partial sums to part_ptr [SPLIT, T*k, 2, N]; _moe_decode_gate_up_finish sums
     # them in split order and applies the epilogue (SPLIT x the programs, each 1/SPLIT of the steps).
+    pdl_enter(PDL)
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
@@ -960,8 +971,9 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
                             stride_bias_e,
                             TOP_K: tl.constexpr, K_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             FP8: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr):
+                            SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(H, BLOCK_N)): token t's output columns [n*BLOCK_N, +BLOCK_N), all k experts.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     js = tl.arange(0, K_TILE)
@@ -1030,10 +1042,12 @@ def _moe_decode_down_kernel(inter_ptr, w2_ptr, out_ptr, ids_ptr, weight_ptr, s_p
 @triton.jit
 def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_ptr, N, num_experts, expert_offset,
                                stride_im, stride_bias_e, alpha, limit, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr,
+                               PDL: tl.constexpr = False):
     # Grid (T*k, cdiv(I, BLOCK_N)): the gate|up kernel's SPLIT partial sums of assignment a, summed
     # in split order (fixed: the same bits every run), then its epilogue (bias, activation, router
     # weight) and the nibble-major, pre-scaled store the down pass reads (_mx_activations).
+    pdl_enter(PDL)
     a = tl.program_id(0)
     e = tl.load(ids_ptr + a).to(tl.int64) - expert_offset
     if (e < 0) | (e >= num_experts):
@@ -1062,13 +1076,14 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
                                   stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   FP8: tl.constexpr = False, MXFP4: tl.constexpr = True, SCALE_ROWS: tl.constexpr = 1,
-                                  GROUP_K: tl.constexpr = 1):
+                                  GROUP_K: tl.constexpr = 1, PDL: tl.constexpr = False):
     # The down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
     # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
     # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
     # (plus weight * bias in share 0) goes to part_ptr [k * SPLIT, T, H]; _moe_decode_down_finish
     # adds the k * SPLIT partials in that fixed order (no float atomics: the same bits every run).
     # A slot whose expert is held elsewhere writes zeros (its intermediate row is never read).
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -1132,8 +1147,10 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
 
 
 @triton.jit
-def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PDL: tl.constexpr = False):
     # Grid (T, cdiv(H, BLOCK_N)): token t's PARTS fp32 partials summed in slot-then-share order, cast once.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -1195,7 +1212,8 @@ def mx_activations(x: torch.Tensor, nibble_major: bool) -> torch.Tensor:
     t, k = x.shape
     out = torch.empty((t, k), dtype=torch.float32, device=x.device)
     _mx_activations_kernel[(t, triton.cdiv(k, MX_ACTIVATIONS_BLOCK))](
-        x, out, k, x.stride(0), out.stride(0), NIBBLE_MAJOR=nibble_major, BLOCK=MX_ACTIVATIONS_BLOCK, num_warps=4)
+        x, out, k, x.stride(0), out.stride(0), NIBBLE_MAJOR=nibble_major, BLOCK=MX_ACTIVATIONS_BLOCK, num_warps=4,
+        **pdl_args(x.device))
     return out
 
 
@@ -1231,12 +1249,13 @@ def _decode_gate_up(x, w13, weights, topk_ids, expert_offset, cfg, w13_scale=Non
         TOP_K=top_k, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=cfg["GU_BLOCK_K"], HAS_BIAS=w13_bias is not None,
         SWIGLU=swiglu, **quant, num_warps=cfg["GU_WARPS"],
         PREFETCH=mxfp4 and cfg.get("GU_PREFETCH", False), X_NM=x_nm, SPLIT=split, part_ptr=part, ROUND=round_to,
+        **pdl_args(x.device),
     )
     if split > 1:
         _moe_decode_gate_up_finish[(t * top_k, triton.cdiv(inter, FINISH_BLOCK_N))](
             part, inter_out, ids, weights, w13 if w13_bias is None else w13_bias, inter, e, expert_offset,
             inter_out.stride(0), bias_stride, alpha, limit, SPLIT=split, BLOCK_N=FINISH_BLOCK_N,
-            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, ROUND=round_to, num_warps=4)
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu, ROUND=round_to, num_warps=4, **pdl_args(part.device))
     return inter_out
 
 
@@ -1261,9 +1280,10 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
             w2 if w2_bias is None else w2_bias, h, inter, e, expert_offset, inter_out.stride(0), *w2_rows,
             *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
-            HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"])
+            HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"], **pdl_args(inter_out.device))
         _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
-            part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4)
+            part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4,
+            **pdl_args(part.device))
         return out
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
         inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
@@ -1271,6 +1291,7 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
         *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
         TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), BLOCK_N=cfg["DOWN_BLOCK_N"],
         BLOCK_K=cfg["DOWN_BLOCK_K"], HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"],
+        **pdl_args(inter_out.device),
     )
     return out
 
@@ -1413,9 +1434,10 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
 
 @triton.jit
 def _moe_sum_kernel(rows_ptr, ids_ptr, out_ptr, N, num_experts, expert_offset, stride_rm, stride_om,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(H, BLOCK)): token t's k rows summed in fp32 in slot order (the same bits every
     # run), rounded once; rows of experts not held here are skipped, so nothing has to zero them.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -1436,7 +1458,7 @@ def _sum_over_k(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ex
     block = min(1024, triton.next_power_of_2(h))
     _moe_sum_kernel[(t, triton.cdiv(h, block))](rows, topk_ids.reshape(-1), out, h, num_experts, expert_offset,
                                                 rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-                                                num_warps=4)
+                                                num_warps=4, **pdl_args(rows.device))
     return out
 
 

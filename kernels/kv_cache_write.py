@@ -16,6 +16,8 @@ from pdserve.kernels.launch import (
     check_tensor,
     kv_scales,
 )
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)  # a plain annotated global compiles under the interpreter only
 
@@ -57,8 +59,10 @@ def _kv_cache_write_kernel(
     stride_cb, stride_ct, stride_ch, stride_cd,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per new token: all of its heads at once, [H_PAD, D_PAD].
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: block * block_stride overflows int32
     blk = slot // block_size
@@ -104,4 +108,5 @@ def kv_cache_write(
         *key.stride(), *value.stride(), *k_cache.stride(),
         NUM_HEADS=hkv, HEAD_DIM=d,
         H_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d), KV_FP8=fp8,
+        **pdl_args(key.device),
     )

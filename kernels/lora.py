@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 # K columns one shrink program reads: Llama-8B's 4096 makes 8 programs per token, 14336 makes 28
 # (each four unrolled 128-column tiles: a few microseconds), and the expand's sum of P partials
@@ -57,8 +59,10 @@ def _lora_shrink_tile(x_row, a_base, k, k_end, k_hi, r, R, stride_ak):
 
 @triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_as, stride_ak, stride_ps,
-                        stride_pt, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                        stride_pt, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PDL: tl.constexpr = False):
     # Grid (T, P, cdiv(R, BLOCK_R)): program (t, s, .) multiplies x[t, s*K_SPLIT : +K_SPLIT].
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -82,13 +86,14 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, p_ptr, K, R, stride_xt, stride_
 @triton.jit
 def _lora_expand_kernel(y_ptr, u_ptr, b_ptr, slots_ptr, N, P, END0, END1, stride_yt, stride_us, stride_ut,
                         stride_bs, stride_br, R: tl.constexpr, SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(N, BLOCK_N)). u: P partials of each token's product [P, T, SLICES * R],
     # summed here (tl.sum over a fixed [BLOCK_P, BLOCK_R] tile: the same order in every program
     # and every batch). Slices 0, 1, 2 own y's columns [0, END0), [END0, END1), [END1, N): a
     # column multiplies its own slice's product by its B rows. R is a constexpr so that the
     # loops unroll and every load (B once, each slice's partials) is issued before the math:
     # at decode sizes this kernel is a few memory round trips long, not a bandwidth bound.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.arange(0, BLOCK_P)
@@ -148,7 +153,7 @@ def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
         return parts.zero_()
     _lora_shrink_kernel[(t, splits, triton.cdiv(r, block_r))](
         x, a, slots, parts, k, r, x.stride(0), a.stride(0), a.stride(1), parts.stride(0), parts.stride(1),
-        K_SPLIT=k_split, BLOCK_K=block_k, BLOCK_R=block_r)
+        K_SPLIT=k_split, BLOCK_K=block_k, BLOCK_R=block_r, **pdl_args(x.device))
     return parts
 
 
@@ -196,5 +201,5 @@ def lora_expand(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slots: torch.
     _lora_expand_kernel[(t, triton.cdiv(n, block_n))](y, parts, b, slots, n, splits, end0, end1, y.stride(0),
                                                       parts.stride(0), parts.stride(1), b.stride(0), b.stride(1),
                                                       R=r, SLICES=slices, BLOCK_N=block_n, BLOCK_R=block_r,
-                                                      BLOCK_P=block_p)
+                                                      BLOCK_P=block_p, **pdl_args(y.device))
     return y

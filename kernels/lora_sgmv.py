@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32,
-                                    dot_precision)
+from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
 from pdserve.kernels.lora import slice_bounds
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 # Rows of a segment one program multiplies: tl.dot wants >= 16 on every side. fp32 models
 # multiply in full fp32 (launch.dot_precision), bf16/fp16 ones on the tensor cores, the fp32
@@ -50,9 +51,10 @@ def _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
 def _sgmv_shrink_kernel(x_ptr, a_ptr, starts_ptr, seg_slots_ptr, p_ptr, K, R, R_BLOCKS, stride_xt, stride_as,
                         stride_ak, stride_ps, stride_pt, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (G, cdiv(max_len, BLOCK_M), P * R_BLOCKS): program (g, i, s * R_BLOCKS + j) multiplies
     # its rows' K slice s (K_SPLIT columns) by rank block j and writes partial s.
+    pdl_enter(PDL)
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     s = tl.program_id(2) // R_BLOCKS
     r = (tl.program_id(2) % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -87,12 +89,14 @@ def _sgmv_rows_product(u_ptr, m, rows, r, P, u_col, r_live, stride_us, stride_ut
 @triton.jit
 def _sgmv_expand_kernel(y_ptr, u_ptr, b_ptr, starts_ptr, seg_slots_ptr, N, R, P, END0, END1, stride_yt, stride_us,
                         stride_ut, stride_bs, stride_br, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr = False):
     # Grid (G, cdiv(max_len, BLOCK_M), cdiv(N, BLOCK_N)). u: P partials of the rows' product
     # [P, T, SLICES * R], summed here in order 0..P-1 (the same in every program). Slices 0, 1, 2
     # own y's columns [0, END0), [END0, END1), [END1, N), as in lora.py's expand: B's tile is
     # read once, and each slice's product multiplies the tile's columns of that slice (the
     # others zeroed in registers).
+    pdl_enter(PDL)
     m, rows, slot = _segment_rows(starts_ptr, seg_slots_ptr, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_live = tl.where(slot >= 0, R, 0)
@@ -149,7 +153,8 @@ def lora_shrink_sgmv_partials(x: torch.Tensor, a: torch.Tensor, starts: torch.Te
     grid = (g, triton.cdiv(max_len, BLOCK_M), splits * r_blocks)
     _sgmv_shrink_kernel[grid](x, a, starts, seg_slots, parts, k, r, r_blocks, x.stride(0), a.stride(0), a.stride(1),
                               parts.stride(0), parts.stride(1), K_SPLIT=k_split, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
-                              BLOCK_R=block_r, DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype))
+                              BLOCK_R=block_r, DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype),
+                              **pdl_args(x.device))
     return parts
 
 
@@ -180,5 +185,6 @@ def lora_expand_sgmv(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor, starts: 
     grid = (g, triton.cdiv(max_len, BLOCK_M), triton.cdiv(n, block_n))
     _sgmv_expand_kernel[grid](y, parts, b, starts, seg_slots, n, r, parts.shape[0], end0, end1, y.stride(0),
                               parts.stride(0), parts.stride(1), b.stride(0), b.stride(1), SLICES=slices,
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(y.dtype))
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=dot_precision(y.dtype),
+                              **pdl_args(y.device))
     return y

@@ -16,11 +16,13 @@ import triton.language as tl
 
 from pdserve.kernels.kv_cache_write import kv_store_value
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, KV_DTYPES, check_devices, check_tensor, kv_scales
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a row of a static buffer, or not
 def _mla_cache_write_kernel(latent_ptr, cache_ptr, slot_ptr, scale_ptr, block_size, stride_lt, stride_cb, stride_ct,
-                            WIDTH: tl.constexpr, W_PAD: tl.constexpr, KV_FP8: tl.constexpr):
+                            WIDTH: tl.constexpr, W_PAD: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: block * block stride overflows int32
     d = tl.arange(0, W_PAD)
@@ -48,4 +50,4 @@ def mla_cache_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: tor
         return
     _mla_cache_write_kernel[(latent.shape[0],)](
         latent, cache, slot_mapping.contiguous(), kv_scale, cache.shape[1], latent.stride(0), cache.stride(0),
-        cache.stride(1), WIDTH=width, W_PAD=triton.next_power_of_2(width), KV_FP8=fp8)
+        cache.stride(1), WIDTH=width, W_PAD=triton.next_power_of_2(width), KV_FP8=fp8, **pdl_args(latent.device))

@@ -36,6 +36,8 @@ from pdserve.kernels.launch import (
     kv_scales,
     num_sms,
 )
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 MAX_SPLITS = 64
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -68,10 +70,11 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_pt
                        R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                       FINAL: tl.constexpr):
+                       FINAL: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (head blocks, sequences, splits): a sequence's head blocks are neighbours in launch
     # order, so the second one's latent rows come from L2. FINAL (one split): the output is
     # written in its own dtype, no log-sum-exp, no merge.
+    pdl_enter(PDL)
     hb, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
@@ -125,9 +128,10 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_pt
 @triton.jit
 def _mla_merge_kernel(parts_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
                       stride_lh, stride_ob, stride_oh, R: tl.constexpr, S_PAD: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+                      BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (sequences, heads, cdiv(R, BLOCK_R)): the splits' partial outputs weighted by their
     # share of the softmax (2^(lse - max); an empty split's lse is -inf: weight 0), in one pass.
+    pdl_enter(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     s = tl.arange(0, S_PAD)
@@ -175,11 +179,11 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         R=r, P=p, R_PAD=max(16, triton.next_power_of_2(r)), P_PAD=max(16, triton.next_power_of_2(p)),
         BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_SIZE=cache.shape[1],
         DOT_F32=dot_in_f32(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype), KV_FP8=fp8, FINAL=final,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(q_latent.device))
     if not final:
         block_r = min(128, triton.next_power_of_2(r))
         _mla_merge_kernel[(b, h, triton.cdiv(r, block_r))](
             parts, lse, out, num_splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
             lse.stride(1), out.stride(0), out.stride(1), R=r, S_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_R=block_r)
+            BLOCK_R=block_r, **pdl_args(parts.device))
     return out

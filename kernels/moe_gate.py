@@ -23,6 +23,8 @@ import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 from pdserve.kernels.moe_route import _route_one
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 MAX_TOKENS = 16  # beyond this a step's router is a GEMM: F.linear, then moe_route
 # A program's 4 KB of bf16 weights (gpt-oss: 8 x 23 programs a token). One warp: the routing's
@@ -35,8 +37,9 @@ _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32:
 def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counter_ptr, K, E, stride_xt, stride_we,
                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, BLOCK_E: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RENORMALIZE: tl.constexpr, ROUND: tl.constexpr):
+                     RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(E, BLOCK_E), SPLIT = cdiv(K, BLOCK_K)). part_ptr: [T, SPLIT, E] fp32 partial logits.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pe = tl.program_id(1)
     s = tl.program_id(2)
@@ -110,5 +113,5 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
             x, weight, weight if bias is None else bias, part, weights, ids, counters, h, e, x.stride(0),
             weight.stride(0), TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
             BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-            ROUND=_ROUND[x.dtype], num_warps=1)
+            ROUND=_ROUND[x.dtype], num_warps=1, **pdl_args(x.device))
     return weights, ids

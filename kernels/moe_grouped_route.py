@@ -26,6 +26,8 @@ import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 from pdserve.kernels.moe_route import ONE_WARP_MAX_EXPERTS, check_route_args
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 SCORINGS = ("sigmoid", "softmax")
 GROUP_SCORES = ("top2_sum", "max")
@@ -36,9 +38,10 @@ def _moe_grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_ex
                               scaling, TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr,
                               N_GROUP: tl.constexpr, G_TILE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                               SIGMOID: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              RENORMALIZE: tl.constexpr):
+                              RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T,). Values at or below -inf mark what can no longer be chosen; `valid` keeps lanes
     # past E out of every reduction.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_TILE)
     valid = e < num_experts
@@ -128,5 +131,5 @@ def moe_grouped_route(router_logits: torch.Tensor, top_k: int, scoring: str, n_g
             E_TILE=triton.next_power_of_2(e), N_GROUP=n_group, G_TILE=triton.next_power_of_2(n_group),
             TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid", TOP2_SUM=group_score == "top2_sum",
             HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-            num_warps=1 if e <= ONE_WARP_MAX_EXPERTS else 4)
+            num_warps=1 if e <= ONE_WARP_MAX_EXPERTS else 4, **pdl_args(router_logits.device))
     return weights, ids

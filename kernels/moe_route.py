@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 # One warp up to this many experts: the 2k reductions of a token's logits are then register
@@ -24,8 +25,10 @@ ONE_WARP_MAX_EXPERTS = 256
 
 @triton.jit
 def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, RENORMALIZE: tl.constexpr):
+                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      PDL: tl.constexpr = False):
     # Grid (T,): one token's E logits in registers, routed by _route_one.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_TILE)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
@@ -118,5 +121,6 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     if t:
         _moe_route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), TOP_K=top_k,
                                 K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
-                                RENORMALIZE=renormalize, num_warps=1 if e <= ONE_WARP_MAX_EXPERTS else 4)
+                                RENORMALIZE=renormalize, num_warps=1 if e <= ONE_WARP_MAX_EXPERTS else 4,
+                                **pdl_args(router_logits.device))
     return weights, ids

@@ -50,6 +50,7 @@ from pdserve.kernels.launch import (
     interpreting,
     num_sms,
 )
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.rotary_kv_write import check_rotary_inputs
 
 MAX_SPLITS = 64
@@ -104,7 +105,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     ROTARY: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -277,8 +280,10 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, ctx_ptr, sinks_ptr, num_splits, window, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Grid (B, Hkv): the same merge the fused path runs in its last-arriving program.
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -440,6 +445,7 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
         DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         SLIDING=window > 0, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages,
+        **pdl_args(q.device),
     )
     if split and not fused:
         _decode_reduce_kernel[(batch, hkv)](
@@ -447,5 +453,6 @@ def _launch(fn, q, k_cache, v_cache, block_tables, context_lens, scale, num_spli
             out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n,
             SLIDING=window > 0, HAS_SINKS=sinks is not None,
+            **pdl_args(part_out.device),
         )
     return out

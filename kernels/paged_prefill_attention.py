@@ -34,6 +34,8 @@ from pdserve.kernels.launch import (
     dot_precision,
     interpreting,
 )
+from pdserve.kernels.pdl import pdl_args, pdl_enter
+
 
 # Attention sinks are natural-log logits; the kernels work in log2 units. A constexpr: a jitted
 # function may read no other kind of global.
@@ -91,7 +93,9 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -209,5 +213,6 @@ def paged_prefill_attention(
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_in_f32(q.dtype), PRECISION=dot_precision(q.dtype),
         KV_FP8=fp8, SLIDING=window > 0, HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
+        **pdl_args(q.device),
     )
     return out

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -15,8 +16,10 @@ def _rms_norm_kernel(
     eps,
     stride_xt, stride_rt, stride_ot, stride_nt,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per row; the whole row lives in registers, so x is read once.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -81,5 +84,6 @@ def rms_norm(
         new_res.stride(0) if new_res is not None else 0,
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
         num_warps=min(max(block // 1024, 1), 16),
+        **pdl_args(x.device),
     )
     return out, new_res

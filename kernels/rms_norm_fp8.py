@@ -21,6 +21,7 @@ import triton.language as tl
 
 from pdserve.kernels.fp8_quant import fp8_outputs, fp8_result
 from pdserve.kernels.launch import check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 from pdserve.kernels.rms_norm import check_rms_norm_args
 
@@ -32,9 +33,11 @@ def _rms_norm_fp8_kernel(
     stride_xt, stride_rt, stride_ot, stride_nt, stride_qm, stride_sm, stride_sg,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     WRITE_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per row (rows past M: padding for the GEMM's scale layout, read as zeros and
     # written only as zero codes with the minimum scale, as quantize_fp8 pads).
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     limit = (t < M).to(tl.int32) * HIDDEN  # a padding row reads no column
     # The sum of squares over rms_norm.py's 1-D tile, and nothing else from that tile: its layout,
@@ -114,5 +117,6 @@ def rms_norm_fp8(
             HIDDEN=hidden, BLOCK=block, GROUP=block if group_size is None else group_size,
             HAS_RESIDUAL=residual is not None, WRITE_OUT=out is not None, FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
             num_warps=min(max(triton.next_power_of_2(hidden) // 1024, 1), 16),
+            **pdl_args(x.device),
         )
     return fp8_result(q, emulate), scales, new_res

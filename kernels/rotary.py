@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -31,8 +32,10 @@ def _rotary_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per token: cos/sin are loaded once and applied to all q and k heads (fp32 math).
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -73,5 +76,6 @@ def rotary(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
         HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
+        **pdl_args(q.device),
     )
     return q_out, k_out

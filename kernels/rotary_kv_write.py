@@ -30,6 +30,7 @@ from pdserve.kernels.launch import (
     check_tensor,
     kv_scales,
 )
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -71,8 +72,10 @@ def _rotary_kv_write_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr,
     QK_NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per token; cos/sin are read once for all of its q and k heads.
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -191,5 +194,6 @@ def rotary_kv_write(
         HQ=hq, HKV=hkv, HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
         HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None, KV_FP8=fp8,
         QK_NORM=qk_norm is not None,
+        **pdl_args(q.device),
     )
     return q_out

@@ -7,11 +7,13 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (T, cdiv(I, BLOCK)): gate is x[t, :I], up is x[t, I:].
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -45,5 +47,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+                          **pdl_args(x.device))
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fp8_quant import GROUP_TILE, fp8_outputs, fp8_result
+from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.reference import FP8_MAX, FP8_MIN_SCALE
 from pdserve.kernels.silu_and_mul import check_silu_and_mul_input
 
@@ -25,9 +26,10 @@ from pdserve.kernels.silu_and_mul import check_silu_and_mul_input
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, M, inter, G, stride_xt, stride_qm, stride_sm, stride_sg,
                              FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
-                             GROUPS: tl.constexpr):
+                             GROUPS: tl.constexpr, PDL: tl.constexpr = False):
     # Grid (M', cdiv(G, GROUPS)); gate is x[t, :I], up is x[t, I:]. Rows past M are padding
     # (zero codes, the minimum scale, as quantize_fp8 pads).
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -65,5 +67,5 @@ def silu_and_mul_fp8(x: torch.Tensor, group_size: int | None = None, mn_major_sc
             warps = max(1, min(8, per * group_size // 512))
         _silu_and_mul_fp8_kernel[(m, triton.cdiv(groups, per))](
             x, q, scales, t, inter, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-            FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, GROUP=group, GROUPS=per, num_warps=warps)
+            FP8_MAX_C=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, GROUP=group, GROUPS=per, num_warps=warps, **pdl_args(x.device))
     return fp8_result(q, emulate), scales
