@@ -8,10 +8,10 @@
 # PART=suite:   .ci/gpu_tests.sh (PDL on: the default) with $SUITE_LIMIT_S (default 400)   ~360 s
 #               bench/gemv.py --step (Llama-3.1-8B, Qwen2.5-0.5B bs=1 step in one CUDA graph,
 #               the GEMV path off / on), PDSERVE_PDL=0 then 1, twice, alternating         4 x ~35 s
-# PART=engines: bench/engine.py Qwen2.5-0.5B bs=1 at 128 and offline 1024/128, PDL off / on      2 x ~40 s
-#               gpt-oss-120b bs=1 (--load-format dummy, MXFP4 experts), PDL off / on, the on
+# PART=engines: gpt-oss-120b bs=1 (--load-format dummy, MXFP4 experts), PDL off / on, the on
 #               row profiled per kernel                                                  2 x ~100 s
 #               Qwen3-30B-A3B bs=1 (dummy, 48 layers), PDL off / on                        2 x ~60 s
+#               bench/engine.py Qwen2.5-0.5B bs=1 at 128 and offline 1024/128, PDL off / on      2 x ~40 s
 # Files in $OUT: suite/gpu-tests.txt, suite.log, step-pdl{0,1}-{a,b}.md, engine-pdl{0,1}.md,
 # rows.jsonl (gpt-oss), moe_rows.jsonl (Qwen3), profile_gpt_oss_pdl1.md, log.txt.
 set -u
@@ -32,12 +32,7 @@ suite() {
 }
 engines() {
   cd /tmp
-  local p
-  for p in 0 1; do
-    export PDSERVE_PDL=$p; step "0.5B engine, PDL $p" 90 $PY -m pdserve.bench.engine --models qwen2.5-0.5b \
-      --decode-inputs 128 --offline 1024 --no-hf --no-eager --out "$OUT/engine-pdl$p.md" 2>&1 | grep -v " INFO "
-  done
-  local h="$REPO/tools/gpu/gpt_oss.py" cfg=/tmp/gpt-oss-120b-cfg
+  local p h="$REPO/tools/gpu/gpt_oss.py" cfg=/tmp/gpt-oss-120b-cfg
   step "gpt-oss config" 30 $PY "$h" config --size 120b --out $cfg
   export PDSERVE_PDL=0; step "120b, PDL 0" 110 $PY "$h" engine --checkpoint $cfg --name "gpt-oss-120b pdl0" \
     --rows "$OUT/rows.jsonl" --num-prompts 0
@@ -48,6 +43,10 @@ engines() {
   for p in 0 1; do
     export PDSERVE_PDL=$p; step "Qwen3-30B-A3B, PDL $p" 90 $PY -m pdserve.bench.moe engine --checkpoint $ckpt --layers 48 \
       --load-format dummy --num-prompts 0 --rows "$OUT/moe_rows.jsonl" 2>&1 | grep -v " INFO "
+  done
+  for p in 0 1; do
+    export PDSERVE_PDL=$p; step "0.5B engine, PDL $p" 90 $PY -m pdserve.bench.engine --models qwen2.5-0.5b \
+      --decode-inputs 128 --offline 1024 --no-hf --no-eager --out "$OUT/engine-pdl$p.md" 2>&1 | grep -v " INFO "
   done
 }
 main() {
