@@ -16,7 +16,7 @@ until that kernel has finished and its writes are visible. Every kernel launched
 
 CUDA graphs capture the launches as programmatic edges. `set_programmatic_launch` is a
 process-wide switch (initially PDSERVE_PDL, default on); `pdl_args(device)` gives a launch on
-`device` its arguments: PDL on CUDA cards of compute capability 9.0 and up, never in the interpreter.
+`device` its arguments: PDL on NVIDIA cards of compute capability 9.0 and up, never in the interpreter.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ def programmatic_launch_enabled() -> bool:
 
 @functools.cache
 def _capable(device: torch.device) -> bool:
-    return (device.type == "cuda" and not interpreting()
+    # NVIDIA only (ROCm's devices are "cuda" too, without PDL), compute capability 9.0+, and a
+    # Triton that has griddepcontrol (3.3+; pyproject allows older).
+    return (device.type == "cuda" and not interpreting() and torch.version.hip is None
+            and hasattr(tl.extra.cuda, "gdc_wait")
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
