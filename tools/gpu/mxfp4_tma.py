@@ -1,6 +1,6 @@
-"""gpt-oss-120b's MXFP4 gate|up decode GEMV at one token with its weight strips brought by TMA
-descriptor loads into a pipelined shared-memory ring: variants timed against the default kernel in
-CUDA graphs, same run (tools/gpu/mxfp4_tma.sh).
+"""gpt-oss-120b's MXFP4 decode GEMVs at one token with their weight strips brought by TMA descriptor
+loads into a pipelined shared-memory ring: gate|up (and split down pass) variants timed against the
+default kernels in CUDA graphs, same run (tools/gpu/mxfp4_tma.sh).
 
     python tools/gpu/mxfp4_tma.py time --out FILE [--only N ...] [--budget S]   # on an H200
     python tools/gpu/mxfp4_tma.py --check      # CPU, TRITON_INTERPRET=1, tiny shapes: every variant's math
@@ -38,29 +38,35 @@ Knobs, one hypothesis each:
 - PERSIST p: p programs an SM, each walking tiles (assignment, strip) in one flattened pipelined
   loop, so the ring does not drain between strips (the accumulators reset at a tile's first step,
   the epilogue runs at its last); 0 = one program per tile, as the default kernel.
+- down (DOWN_VARIANTS): `_moe_decode_down_split_kernel`'s programs and partials with w2's words by
+  descriptor ([E * H, I / 8]), the intermediate and exponents by pointers, fused_moe's own finish
+  launch; split 2 (the default's) or unsplit with a deeper ring, 16 or 32 rows.
 
 Timing (`time`): random packed experts of the published shapes (tools/gpu/mxfp4_ncu.py's layer():
 E = 128, H = I = 2880, top-4, biases, the clamped SwiGLU alpha 1.702 limit 7), x through
 mx_activations once outside the timing; only the gate|up launch is timed, 20 calls with 20 different
 routings a CUDA graph (graph_call_ms), so the experts read are not those L2 holds from the call
 before. "engine path" is fused_moe's own pass (mx_activations + the default kernel) for scale.
-% of copy: the 4 experts' words and exponents (35.25 MB) over the time, against the same run's
-1 GiB device-to-device copy. Error: max |variant - default| / max |default| over the intermediate of
-two routings, and whether the bits are equal.
+The down rows time the split pass and its finish on each routing's own intermediate (made once).
+% of copy: the 4 experts' words and exponents (35.25 MB gate|up, 17.63 MB down) over the time,
+against the same run's 1 GiB device-to-device copy. Error: max |variant - default| / max |default|
+over the output (gate|up: the intermediate) of two routings, and whether the bits are equal.
 
 --check runs the kernels in Triton's interpreter (which does run host tensor descriptors: it copies
-the box with zero fill past the bounds) at E = 4, N = 96, K = 320 (a partial last K step and a
-partial last strip), 2 tokens, top-2, against the default kernel: the math and the descriptor
-plumbing of every variant, not the pipelining (the interpreter ignores num_stages, warps and
-warp_specialize, so those variants run the same code there).
+the box with zero fill past the bounds) at E = 4, I = 288, H = 320 (partial last K steps, a partial
+last strip, a down share of one partial step), 2 tokens, top-2, against the default kernels (the
+down variants on the default gate|up's output): the math and the descriptor plumbing of every
+variant, not the pipelining (the interpreter ignores num_stages, warps and warp_specialize, so those
+variants run the same code there).
 
 `sass` (no GPU: the installed Triton's ptxas, tools/sass_loop.py's counting) on Triton 3.9, a K step
 of 256 inputs: the default 295 instructions (56 registers); words by TMA 497-523 at 2-4 stages (8
 LDGSTS: the pipeliner still turns x's pointer loads into cp.async), warp-specialized 470 (x by plain
 LDG), exponents by TMA too 548, 32 rows 830 for twice the weights (122 registers), x by TMA 902 (12
-TMA copies, 28 barriers and 40 shuffles a step). So the TMA ring is bought with ~1.6-1.8x the issue
-of the default's step; it pays only if the default's lost time is latency that the ring hides, not
-issue: the table decides (the default issues ~9 us of its ~22).
+TMA copies, 28 barriers and 40 shuffles a step); the split down pass 158 by default, 297 with its
+words by TMA. So the TMA ring is bought with ~1.6-1.9x the issue of the default's step; it pays only
+if the default's lost time is latency that the ring hides, not issue: the table decides (the
+default gate|up issues ~9 us of its ~22).
 """
 
 from __future__ import annotations
@@ -80,8 +86,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from pdserve.kernels import fused_moe as fm  # noqa: E402
 from pdserve.kernels.fused_moe import (  # noqa: E402
-    _activate, _e2m1_word, _mx_activations, _mxfp4_exponent_groups, _mxfp4_nibble_major, _mxfp4_scaled,
-    _mxfp4_total, _mxfp4_word_exponents)
+    _activate, _e2m1_word, _mx_activations, _mxfp4_dots, _mxfp4_exponent_groups, _mxfp4_nibble_major,
+    _mxfp4_scaled, _mxfp4_total, _mxfp4_word_exponents)
 from pdserve.kernels.moe_activation import SwigluOAI  # noqa: E402
 from pdserve.kernels.pdl import pdl_args, pdl_enter  # noqa: E402
 
@@ -104,6 +110,13 @@ VARIANTS = [
     ("all by TMA (words, exponents, x)", dict(W, X_TMA=True, EXP_TMA=True)),
     ("words by TMA, warp-specialized", dict(W, WS=True)),
     ("words and exponents by TMA, warp-specialized", dict(W, EXP_TMA=True, WS=True)),
+]
+# The split down pass (_moe_decode_down_split_kernel: programs per token, strip of H, expert slot and
+# share of I, fp32 partials, the same finish launch) with its words by TMA; the default splits in 2.
+DOWN_VARIANTS = [
+    ("down: words by TMA, 16 rows, split 2, 3 stages", dict(BLOCK_N=16, BLOCK_K=256, warps=4, STAGES=3, SPLIT=2)),
+    ("down: words by TMA, 16 rows, unsplit, 4 stages", dict(BLOCK_N=16, BLOCK_K=256, warps=4, STAGES=4, SPLIT=1)),
+    ("down: words by TMA, 32 rows, split 2, 3 stages", dict(BLOCK_N=32, BLOCK_K=256, warps=4, STAGES=3, SPLIT=2)),
 ]
 
 
@@ -280,6 +293,81 @@ class GateUpTma:
         return out
 
 
+@triton.jit
+def _down_tma_kernel(w_desc, inter_ptr, s_ptr, part_ptr, ids_ptr, weight_ptr, bias_ptr, N, K, num_experts,
+                     expert_offset, stride_im, stride_se, stride_sn, stride_bias_e, TOP_K: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     WS: tl.constexpr, PDL: tl.constexpr = False):
+    # _moe_decode_down_split_kernel's grid and partials (N = H, K = I): program (t, strip, j * SPLIT
+    # + share) sums its share of slot j's K steps; the words [BLOCK_N, BLOCK_K / 8] by descriptor over
+    # [E * H, I / 8] (shares are BLOCK_K-aligned, so only the last share's last step runs past I:
+    # zeros), the intermediate row (nibble-major, x 2^64) and exponents by masked pointers.
+    pdl_enter(PDL)
+    G: tl.constexpr = BLOCK_K // 32
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    pid_p = tl.program_id(2)
+    j = pid_p // SPLIT
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = (pid_p % SPLIT) * per
+    k_end = tl.maximum(tl.minimum(K, k_begin + per), k_begin)
+    e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int32) - expert_offset
+    held = (e >= 0) & (e < num_experts)
+    e = tl.where(held, e, 0)
+    steps = tl.where(held, tl.cdiv(k_end - k_begin, BLOCK_K), 0)  # not held: no step, zeros written
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gs = tl.arange(0, G)
+    nm = (32 * gs[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+    a_row = inter_ptr + (t * TOP_K + j).to(tl.int64) * stride_im + nm
+    s_row = s_ptr + e * stride_se + cols[:, None, None].to(tl.int64) * stride_sn + _mxfp4_exponent_groups(gs)
+    mx = tl.zeros([BLOCK_N, G, 4], dtype=tl.float32)
+    for s in tl.range(0, steps, num_stages=STAGES, warp_specialize=WS):
+        k0 = k_begin + s * BLOCK_K
+        g_ok = gs < (k_end - k0) // 32
+        q = w_desc.load([e * N + n0, k0 // 8]).reshape(BLOCK_N, G, 4)
+        f = _mxfp4_word_exponents(s_row + k0 // 32, col_ok[:, None, None] & g_ok[None, :, None])
+        mx = _mxfp4_scaled(mx, _mxfp4_dots(q, a_row + k0, g_ok[None, :, None], 4), f)
+    out = _mxfp4_total(mx)
+    wj = tl.where(held & (pid_p % SPLIT == 0), tl.load(weight_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+    out += wj * tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(part_ptr + (pid_p * tl.num_programs(0) + t).to(tl.int64) * N + cols, out, mask=col_ok)
+
+
+class DownTma:
+    """One down-pass variant over w2 (uint8 [E, H, I / 2]), its exponents and bias: `(inter, ids,
+    weights) -> [T, H]` in `out_dtype`, what fused_moe's split down pass and its finish return."""
+
+    def __init__(self, w2, s2, b2, knobs: dict):
+        self.e, self.n, half_k = w2.shape
+        self.k, self.knobs = half_k * 2, dict(knobs)
+        words = w2.view(torch.int32).reshape(self.e * self.n, self.k // 8)
+        self.w_desc = TensorDescriptor.from_tensor(words, [self.knobs["BLOCK_N"], self.knobs["BLOCK_K"] // 8])
+        self.s2, self.b2 = s2, b2
+
+    def __call__(self, inter, ids, weights, out_dtype):
+        kn = self.knobs
+        t, top_k = ids.shape
+        split = kn["SPLIT"]
+        part = torch.empty((top_k * split, t, self.n), dtype=torch.float32, device=inter.device)
+        _down_tma_kernel[(t, triton.cdiv(self.n, kn["BLOCK_N"]), top_k * split)](
+            self.w_desc, inter, self.s2, part, ids.reshape(-1), weights, self.b2, self.n, self.k, self.e, 0,
+            inter.stride(0), self.s2.stride(0), self.s2.stride(1), self.b2.stride(0),
+            TOP_K=top_k, SPLIT=split, BLOCK_N=kn["BLOCK_N"], BLOCK_K=kn["BLOCK_K"], STAGES=kn["STAGES"],
+            WS=kn.get("WS", False), num_warps=kn["warps"], **pdl_args(inter.device))
+        out = torch.empty((t, self.n), dtype=out_dtype, device=inter.device)
+        fm._moe_decode_down_finish[(t, triton.cdiv(self.n, fm.FINISH_BLOCK_N))](
+            part, out, self.n, out.stride(0), PARTS=top_k * split, BLOCK_N=fm.FINISH_BLOCK_N, num_warps=4,
+            **pdl_args(part.device))
+        return out
+
+
+def default_down(inter, w2, s2, b2, ids, weights, out_dtype):
+    """fused_moe's down pass as the engine runs it (moe_decode_config's MXFP4 split pass + finish)."""
+    cfg = fm.moe_decode_config(ids.shape[1], inter.shape[1], mxfp4=True, tokens=ids.shape[0])
+    return fm._decode_down(inter, w2, weights, ids, 0, cfg, s2, None, b2, ACT, out_dtype=out_dtype)
+
+
 def default_gate_up(x_nm, w13, s13, b13, ids, weights, round_to, out=None):
     """The default kernel as fused_moe's decode pass launches it (_decode_gate_up with
     moe_decode_config's MXFP4 tiles), minus mx_activations: the same [T*k, N] intermediate."""
@@ -304,33 +392,39 @@ def max_rel(out, ref) -> float:
 def check() -> int:
     """The interpreter's comparison at tiny shapes; 0 when every variant equals the default."""
     torch.manual_seed(0)
-    e, n, k, top_k, t = 4, 96, 320, 2, 2
+    e, n, k, top_k, t = 4, 288, 320, 2, 2  # gate|up N x K = I x H; the down pass H x I
     w13 = torch.randint(0, 256, (e, 2 * n, k // 2), dtype=torch.uint8)
     s13 = torch.randint(119, 124, (e, 2 * n, k // 32), dtype=torch.uint8)
     b13 = torch.randn(e, 2 * n, dtype=torch.bfloat16) * 0.1
+    w2 = torch.randint(0, 256, (e, k, n // 2), dtype=torch.uint8)
+    s2 = torch.randint(119, 124, (e, k, n // 32), dtype=torch.uint8)
+    b2 = torch.randn(e, k, dtype=torch.bfloat16) * 0.1
     x = torch.randn(t, k, dtype=torch.bfloat16)
     ids = torch.tensor([[1, 3], [3, 0]], dtype=torch.int32)
     weights = torch.rand(t, top_k)
     x_nm = fm.mx_activations(x, True)
-    ref = default_gate_up(x_nm, w13, s13, b13, ids, weights, tl.bfloat16)
+    inter = default_gate_up(x_nm, w13, s13, b13, ids, weights, tl.bfloat16)
+    ref_down = default_down(inter, w2, s2, b2, ids, weights, torch.bfloat16)
+    runs = [(name, kn, lambda kn: GateUpTma(w13, s13, b13, kn, tl.bfloat16, num_sms=3)(x_nm, ids, weights), inter)
+            for name, kn in VARIANTS]
+    runs += [(name, kn, lambda kn: DownTma(w2, s2, b2, kn)(inter, ids, weights, torch.bfloat16), ref_down)
+             for name, kn in DOWN_VARIANTS]
     seen, failed = set(), 0
-    for name, knobs in VARIANTS:
+    for name, knobs, launch, ref in runs:
         # The interpreter ignores stages, warps and warp specialization: one run per distinct math.
-        key = tuple(sorted((kk, v) for kk, v in knobs.items() if kk not in ("STAGES", "warps", "WS")))
+        key = (name.startswith("down"),) + tuple(sorted((kk, v) for kk, v in knobs.items()
+                                                        if kk not in ("STAGES", "warps", "WS")))
         if key in seen:
             print(f"{name}: same code in the interpreter as a variant above")
             continue
         seen.add(key)
-        if knobs.get("BLOCK_N", 16) > n:
-            print(f"{name}: skipped (BLOCK_N past N = {n})")
-            continue
         try:
-            out = GateUpTma(w13, s13, b13, knobs, tl.bfloat16, num_sms=3)(x_nm, ids, weights)
+            out = launch(knobs)
         except Exception as exc:  # said, the rest go on
             print(f"{name}: FAILED to run: {type(exc).__name__}: {str(exc)[:200]}")
             failed += 1
             continue
-        err, equal = max_rel(out, ref), torch.equal(out, ref)
+        err, equal = max_rel(out.float(), ref.float()), torch.equal(out, ref)
         ok = equal or err < 1e-6
         failed += not ok
         print(f"{name}: max rel. err {err:.1e}, bit-equal {equal}: {'ok' if ok else 'MISMATCH'}")
@@ -359,15 +453,25 @@ def sass() -> None:
     runs = [("default kernel", lambda: default_gate_up(x_nm, w13, s13, b13, ids, weights, tl.bfloat16))]
     runs += [(name, lambda kn=kn: GateUpTma(w13, s13, b13, kn, tl.bfloat16, 132)(x_nm, ids, weights))
              for name, kn in VARIANTS]
+    w2, s2 = torch.empty((e, k, n // 2), dtype=torch.uint8), torch.empty((e, k, n // 32), dtype=torch.uint8)
+    b2, inter = torch.zeros((e, k), dtype=torch.bfloat16), torch.empty((top_k, n))
+    runs += [("default down (split)", lambda: default_down(inter, w2, s2, b2, ids, weights, torch.bfloat16))]
+    runs += [(name, lambda kn=kn: DownTma(w2, s2, b2, kn)(inter, ids, weights, torch.bfloat16))
+             for name, kn in DOWN_VARIANTS]
     JITFunction.run = lambda self, *a, grid, warmup, **kw: compiled.run(self, a, kw)
     try:
         for name, launch in runs:
+            first = len(compiled.kernels)
             try:
                 launch()
             except Exception as exc:  # said, the rest go on
                 print(f"| {name} | did not compile: {type(exc).__name__}: {' '.join(str(exc).split())[:160]} |")
                 continue
-            code, regs = sass_loop.disassemble(compiled.kernels[-1][3])
+            new = [c for c in compiled.kernels[first:] if "finish" not in c[0]]  # the pass, not the down's sum
+            if not new:
+                print(f"| {name} | the same kernel as a row above |")
+                continue
+            code, regs = sass_loop.disassemble(new[-1][3])
             ops = collections.Counter(op for op in sass_loop.k_loop(code))
             print(f"| {name} | {regs} | {sum(ops.values())} | " + " | ".join(str(ops[o]) for o in kinds) + " |",
                   flush=True)
@@ -383,16 +487,17 @@ def timed(args) -> None:
 
     t0 = time.monotonic()
     bw = copy_gbs()
-    w13, s13, _, _, b13, _ = layer()
+    w13, s13, w2, s2, b13, b2 = layer()
     ids, topw = routings(20)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     x_nm = fm.mx_activations(x, True)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nbytes = TOP_K * 2 * I * (H // 2 + H // 32)
+    gu_bytes, down_bytes = TOP_K * 2 * I * (H // 2 + H // 32), TOP_K * H * (I // 2 + I // 32)
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, same-run copy "
-             f"bandwidth {bw:.0f} GB/s. gpt-oss-120b gate|up at 1 token (E={E}, H=I={H}, top-{TOP_K}, MXFP4, biases, "
-             f"clamped SwiGLU): the kernel alone, us a call, 20 routings a CUDA graph; % of copy: {nbytes / 1e6:.2f} "
-             f"MB of words and exponents a call. Error: max |v - default| / max |default| over 2 routings.", "",
+             f"bandwidth {bw:.0f} GB/s. gpt-oss-120b's experts at 1 token (E={E}, H=I={H}, top-{TOP_K}, MXFP4, "
+             f"biases, clamped SwiGLU): the kernel alone (down: its split pass + finish), us a call, 20 routings a "
+             f"CUDA graph; % of copy: the words and exponents read ({gu_bytes / 1e6:.2f} MB gate|up, "
+             f"{down_bytes / 1e6:.2f} MB down). Error: max |v - default| / max |default| over 2 routings.", "",
              "| variant | knobs | us | % of copy | vs default | max rel. err | bit-equal |",
              "|---|---|---:|---:|---:|---:|---:|"]
 
@@ -403,33 +508,56 @@ def timed(args) -> None:
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
 
-    def row(name, knobs, fn):
+    def row(name, knobs, fn, nbytes):
         us = graph_call_ms(fn, 20) * 1e3
         return us, f"| {name} | {knobs} | {us:.1f} | {100 * nbytes / (us * 1e-6) / (bw * 1e9):.0f}% |"
 
-    ref = [default_gate_up(x_nm, w13, s13, b13, ids[r], topw, tl.bfloat16) for r in (0, 1)]
-    base, text = row("default kernel", "16x256, 4 warps", lambda r: default_gate_up(x_nm, w13, s13, b13, ids[r], topw,
-                                                                                     tl.bfloat16))
-    say(text + " 1.00x | 0 | yes |")
-    cfg = fm.moe_decode_config(TOP_K, I, mxfp4=True, tokens=1)
-    _, text = row("engine path (mx_activations + default)", "fused_moe._decode_gate_up",
-                  lambda r: fm._decode_gate_up(x, w13, topw, ids[r], 0, cfg, s13, None, b13, ACT))
-    say(text + " | | |")
-    for i, (name, knobs) in enumerate(VARIANTS):
+    def gate_up(r):
+        return default_gate_up(x_nm, w13, s13, b13, ids[r], topw, tl.bfloat16)
+
+    base = {}  # "gu" / "down": (the default's us, its outputs of routings 0 and 1), measured at first use
+
+    def baseline(kind):
+        if kind in base:
+            return base[kind]
+        if kind == "gu":
+            us, text = row("default gate\\|up kernel", "16x256, 4 warps", gate_up, gu_bytes)
+            say(text + " 1.00x | 0 | yes |")
+            cfg = fm.moe_decode_config(TOP_K, I, mxfp4=True, tokens=1)
+            _, text = row("gate\\|up engine path (mx_activations + default)", "fused_moe._decode_gate_up",
+                          lambda r: fm._decode_gate_up(x, w13, topw, ids[r], 0, cfg, s13, None, b13, ACT), gu_bytes)
+            say(text + " | | |")
+            base[kind] = us, [gate_up(r) for r in (0, 1)]
+        else:
+            inters = [gate_up(r) for r in range(20)]  # each routing's own intermediate, made once
+            base["inters"] = inters
+            fn = lambda r: default_down(inters[r], w2, s2, b2, ids[r], topw, torch.bfloat16)
+            us, text = row("default down (split 2 + finish)", "16 rows x 256, 4 warps", fn, down_bytes)
+            say(text + " 1.00x | 0 | yes |")
+            base[kind] = us, [fn(r).float() for r in (0, 1)]
+        return base[kind]
+
+    runs = [(name, kn, "gu") for name, kn in VARIANTS] + [(name, kn, "down") for name, kn in DOWN_VARIANTS]
+    for i in args.only or range(len(runs)):
+        name, knobs, kind = runs[i]
         short = " ".join(f"{kk}={v}" for kk, v in knobs.items())
-        if args.only and i not in args.only:
-            continue
         if time.monotonic() - t0 > args.budget:
             say(f"| {name} | {short} | not run (--budget {args.budget:.0f} s spent) | | | | |")
             continue
         try:
-            v = GateUpTma(w13, s13, b13, knobs, tl.bfloat16, num_sms)
-            outs = [v(x_nm, ids[r], topw) for r in (0, 1)]  # compiles here: a refusal lands in except
+            us0, ref = baseline(kind)
+            if kind == "gu":
+                v = GateUpTma(w13, s13, b13, knobs, tl.bfloat16, num_sms)
+                fn, nbytes = (lambda r, v=v: v(x_nm, ids[r], topw)), gu_bytes
+            else:
+                v, inters = DownTma(w2, s2, b2, knobs), base["inters"]
+                fn, nbytes = (lambda r, v=v: v(inters[r], ids[r], topw, torch.bfloat16)), down_bytes
+            outs = [fn(r).float() for r in (0, 1)]  # compiles here: a refusal lands in except
             torch.cuda.synchronize()
             err = max(max_rel(o, ref_r) for o, ref_r in zip(outs, ref))
             equal = all(torch.equal(o, ref_r) for o, ref_r in zip(outs, ref))
-            us, text = row(name, short, lambda r, v=v: v(x_nm, ids[r], topw))
-            say(text + f" {base / us:.2f}x | {err:.1e} | {'yes' if equal else 'no'} |")
+            us, text = row(name, short, fn, nbytes)
+            say(text + f" {us0 / us:.2f}x | {err:.1e} | {'yes' if equal else 'no'} |")
         except Exception as exc:  # a variant Triton refuses (or that faults): said, the rest go on
             why = " ".join(str(exc).split())[:160].replace("|", "/")
             say(f"| {name} | {short} | did not run: {type(exc).__name__}: {why} | | | | |")
@@ -444,7 +572,8 @@ def main() -> None:
                     help="time: the variants on the GPU; sass: each compiled for sm_90 here, its K loop counted")
     ap.add_argument("--check", action="store_true", help="the interpreter's comparison on CPU at tiny shapes")
     ap.add_argument("--out")
-    ap.add_argument("--only", type=int, nargs="*", default=[], help="indices into VARIANTS (time)")
+    ap.add_argument("--only", type=int, nargs="*", default=[],
+                    help="indices into VARIANTS + DOWN_VARIANTS, run in this order (time)")
     ap.add_argument("--budget", type=float, default=170.0, help="seconds after which no new variant starts (time)")
     args = ap.parse_args()
     if args.check:
