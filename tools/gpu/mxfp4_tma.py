@@ -64,9 +64,10 @@ of 256 inputs: the default 295 instructions (56 registers); words by TMA 497-523
 LDGSTS: the pipeliner still turns x's pointer loads into cp.async), warp-specialized 470 (x by plain
 LDG), exponents by TMA too 548, 32 rows 830 for twice the weights (122 registers), x by TMA 902 (12
 TMA copies, 28 barriers and 40 shuffles a step); the split down pass 158 by default, 297 with its
-words by TMA. So the TMA ring is bought with ~1.6-1.9x the issue of the default's step; it pays only
-if the default's lost time is latency that the ring hides, not issue: the table decides (the
-default gate|up issues ~9 us of its ~22).
+words by TMA; Triton 3.6.0 (the H200's) within ~5% of these, every variant compiling
+(docs/results/gpt-oss/2026-12-04-cpu-mxfp4-tma-sass.md). So the TMA ring is bought with 1.3-1.9x
+the default's instructions a weight; it pays only if the default's lost time is latency that the
+ring hides, not issue: the table decides (the default gate|up issues ~9 us of its ~22).
 """
 
 from __future__ import annotations
