@@ -7,7 +7,8 @@
 #   run(kind="nvidia-h200", carry=[".whl"], command="OLD_TREE=.gpu-old bash tools/gpu/offline_ab.sh")
 #
 # (.gpu-old is untracked, so it travels with the tree; never commit it.) Rounds a and b, each:
-# this tree with PDL off (PDSERVE_PDL=0), OLD_TREE with its defaults, this tree with its defaults.
+# this tree with PDL off (PDSERVE_PDL=0), OLD_TREE with its defaults, this tree with its defaults
+# (ROUNDS="a" for one round).
 # Files in $OUT: engine-{new-pdl0,old,new}-{a,b}.md, log.txt.
 set -u
 source tools/gpu/lib.sh
@@ -18,7 +19,7 @@ main() {
   local farm=/tmp/pdserve-old d round
   rm -rf $farm && mkdir -p $farm/pdserve
   for d in worker kernels bench protocol router cli; do ln -s "$REPO/$OLD_TREE/$d" "$farm/pdserve/$d"; done
-  for round in a b; do
+  for round in ${ROUNDS:-a b}; do
     PDSERVE_PDL=0 step "new, PDL off ($round)" 80 $PY -m pdserve.bench.engine "${args[@]}" \
       --out "$OUT/engine-new-pdl0-$round.md" 2>&1 | grep -v " INFO "
     PYTHONPATH=$farm:$PDSERVE_DEPS step "old ($round)" 80 $PY -m pdserve.bench.engine "${args[@]}" \
