@@ -13,7 +13,12 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 
 from pdserve.protocol.body import body_timeout, read_body
+from pdserve.protocol.disconnect import ClientGone
 from pdserve.protocol.errors import APIError
+
+# What the native path gives as the body of a request whose body it could not read whole: it
+# was still arriving at `--body-timeout`, or its client left first.
+LATE, GONE = b"<late>", b"<gone>"
 
 
 class Incoming:
@@ -47,10 +52,13 @@ class Incoming:
 
     async def body(self, limit: int, timeout_s: float | None) -> bytes:
         """The whole body: 413 past `limit`, 408 if it takes longer than `timeout_s` (body.py)."""
-        if self._body is None:
-            if self.receive is None:  # the native path's body did not all arrive in time
-                raise body_timeout(timeout_s)
+        body = self._body
+        if body is None:
             return await read_body(self, limit, timeout_s)
-        if len(self._body) > limit:  # the native path takes only bodies declared within the limit
+        if body is LATE:
+            raise body_timeout(timeout_s)
+        if body is GONE:
+            raise ClientGone()
+        if len(body) > limit:  # the native path takes only bodies declared within the limit
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        return self._body
+        return body

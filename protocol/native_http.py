@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
 from pdserve.protocol.http_limits import HeaderDeadlineProtocol
-from pdserve.protocol.incoming import Incoming
+from pdserve.protocol.incoming import GONE, LATE, Incoming
 
 log = logging.getLogger("pdserve.protocol")
 
@@ -86,8 +86,9 @@ class Exchange:
         self._chunked = False
         self._out = None  # where a stream's writes go (a HeldHead over the transport)
 
-    async def run(self, body: bytes | None) -> None:
-        """Answer with `body` (None: it did not all arrive in time), as uvicorn's cycle runs an app."""
+    async def run(self, body: bytes) -> None:
+        """Answer with `body` (incoming.py's LATE or GONE if it was not read whole), as uvicorn's
+        cycle runs an app."""
         try:
             response = await self.handler(Incoming(self.headers, self.scope, None, body, self.first))
             if isinstance(response, StreamingResponse):
@@ -266,9 +267,9 @@ class NativeProtocol(HeaderDeadlineProtocol):
         exchange.timer = None
         if exchange.more_body and not exchange.disconnected:
             exchange.more_body = False
-            self._start(exchange, None)
+            self._start(exchange, LATE)
 
-    def _start(self, exchange: Exchange, body: bytes | None) -> None:
+    def _start(self, exchange: Exchange, body: bytes) -> None:
         # (uvicorn's opt-in fresh context per request, where its version has the option)
         context = contextvars.Context() if getattr(self.config, "reset_contextvars", False) else None
         task = self.loop.create_task(exchange.run(body), context=context)
@@ -281,3 +282,8 @@ class NativeProtocol(HeaderDeadlineProtocol):
             cycle.timer.cancel()
             cycle.timer = None
         super().connection_lost(exc)
+        if cycle.__class__ is Exchange and cycle.more_body:
+            # Gone mid-body: its handler is told as the app's is through `receive` (the request
+            # is counted as the client's hang-up, 499; nothing is written).
+            cycle.more_body = False
+            self._start(cycle, GONE)

@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.metrics import metric
+
 NATIVE, ASGI = "/v1/completions", "/v1/%63ompletions"
 CHAT_NATIVE, CHAT_ASGI = "/v1/chat/completions", "/v1/chat/%63ompletions"
 
@@ -260,3 +262,19 @@ def test_a_client_leaving_mid_stream_cancels_the_upstream_request(launch):
         time.sleep(0.05)
     events = httpx.get(decode.url + "/debug/events", timeout=10).json()
     assert any(e[0] == "d_abort" if isinstance(e, list) else "d_abort" in json.dumps(e) for e in events)
+
+
+def test_a_client_leaving_mid_body_is_counted_as_on_the_stack(router):
+    """Gone before its body was whole: the hang-up (499) in the route's request count, on both paths."""
+    def gone() -> float:
+        return metric(router, "pdserve_router_requests_total", route="completions", status="499", disaggregated="no")
+
+    for path in (NATIVE, ASGI):
+        before = gone()
+        wire = Wire(router.url)
+        wire.send(request(path, b'{"model": "tiny", "prompt": "hi"}')[:-10])
+        wire.close()
+        deadline = time.monotonic() + 20
+        while gone() != before + 1:
+            assert time.monotonic() < deadline, path
+            time.sleep(0.05)
