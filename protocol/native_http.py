@@ -75,7 +75,7 @@ class Exchange:
         self.handler = handler
         self.headers = headers
         self.first = first
-        self.body = b""
+        self.body = bytearray()
         self.scope = {LOST_CONNECTION: LostConnection()}  # http_limits.py tells it of a hang-up
         self.keep_alive = keep_alive
         self.disconnected = False  # set by uvicorn's connection_lost
@@ -253,7 +253,7 @@ class NativeProtocol(HeaderDeadlineProtocol):
             if cycle.timer is not None:
                 cycle.timer.cancel()
                 cycle.timer = None
-            self._start(cycle, cycle.body)
+            self._start(cycle, bytes(cycle.body))
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
