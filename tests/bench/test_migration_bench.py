@@ -25,8 +25,10 @@ def test_streams_of_a_killed_decode_worker_fail_nothing_and_equal_their_twins(tm
     assert s["failed"] == [] and s["diffs"] == []
     assert s["equal"] == s["checked"] >= s["hits"] + min(6, s["requests"] - s["hits"])
     assert len(s["kills"]) == 1 and s["hits"] >= 1 and rc == 0
-    # The router moved streams (a hit whose finish was out already ends without a move).
-    assert 0 < sum(s["router"]["migrations"].values()) == s["moved_in_router_log"] <= s["hits"]
+    # The router moved streams. Not bounded by the bench's hits: those are the victim's streams in its
+    # /debug/kv snapshot just before the kill, and the router may hand the victim another stream in
+    # between (then it moves one more than the bench counted); every answer is checked above either way.
+    assert 0 < sum(s["router"]["migrations"].values()) == s["moved_in_router_log"] <= s["requests"]
     assert all(h["reprefill_s"] > 0 for h in s["per_hit"])
     # The chosen stream had events before its kill and after it: its client-visible gap is measured. The
     # worker's other streams may have had none yet when it died (their gap is undefined, not measured).
