@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                    "what the router's prompt handling costs)")
     # The peers' comparison (bench/router_peers.py): vllm-router and sglang-router when installed.
     p.add_argument("--peers", action="store_true", help="compare against a baseline tree and the Rust routers")
-    p.add_argument("--routers", default="pdserve,baseline,vllm-router,sglang-router",
+    p.add_argument("--routers", default="pdserve,baseline,bare-python,vllm-router,sglang-router",
                    help="with --peers: which routers, comma-separated")
     p.add_argument("--baseline-src", default=None, metavar="DIR",
                    help="with --peers: a directory holding another checkout's `pdserve` package")

@@ -2,7 +2,7 @@
 Rust routers users would put in front instead (vllm-router, sglang-router) when installed, each in
 front of the same mock workers (bench/router.py's), in alternating rounds.
 
-    pdserve bench router --peers [--routers pdserve,baseline,vllm-router,sglang-router]
+    pdserve bench router --peers [--routers pdserve,baseline,bare-python,vllm-router,sglang-router]
                                  [--baseline-src DIR] [--workers N] [--rounds 3]
 
 For each router and flow (pass-through: router -> decode; P/D: prefill then decode), measured:
@@ -13,6 +13,9 @@ For each router and flow (pass-through: router -> decode; P/D: prefill then deco
     the p50 first byte at 32 concurrent streams (mocks with --delay-ms between tokens).
 The machine's load moves between rounds, so the routers take turns and medians are reported;
 only ratios measured in one run mean anything.
+
+`bare-python` (bench/bare_proxy.py) is the floor: a proxy on pdserve's event loop and HTTP parser
+that does nothing but the hops, so what any router written in CPython spends at least.
 
 `baseline` is pdserve's router from another source tree (`--baseline-src`, a directory holding
 the `pdserve` package: e.g. `git archive main | tar -x -C DIR/pdserve`), run by this interpreter.
@@ -34,6 +37,8 @@ from pdserve.bench import router_mock as rb
 from pdserve.cli.stack import free_port
 
 PEERS = ("vllm-router", "sglang-router")
+# The least a Python router can spend (bench/bare_proxy.py): the floor under pdserve's router.
+BARE = "bare-python"
 
 
 @dataclass
@@ -73,6 +78,9 @@ def _argv(name: str, port: int, prefill: int | None, decode: int, args) -> tuple
         if name == "baseline":
             env["PYTHONPATH"] = os.path.abspath(args.baseline_src)
         return argv, env
+    if name == BARE:
+        argv = [sys.executable, "-m", "pdserve.bench.bare_proxy", "--port", str(port), "--decode", url % decode]
+        return argv + (["--prefill", url % prefill] if prefill else []), env
     # sglang-router's console script wants a subcommand; its module is the plain launcher, run by
     # the interpreter of the environment it is installed in (its script's, when that is on PATH),
     # isolated (-I): run from this repository's root, its `operator` package would shadow the stdlib's.
