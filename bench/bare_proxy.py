@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--decode", required=True, help="the decode (or only) worker's URL")
     p.add_argument("--prefill", help="a prefill worker's URL: P/D")
-    args = p.parse_args(argv)
+    # A router's other flags (the benches pass pdserve's --probe-interval and such) mean nothing here.
+    args, _ = p.parse_known_args(argv)
     import uvloop
 
     async def serve() -> None:

@@ -7,8 +7,9 @@ percent never shows in `--peers`. Instructions do not move with the load: each r
 callgrind (valgrind, which this needs) with instrumentation off, takes warm-up requests, then
 counts its user-space instructions over N streamed requests (non-streamed ones with --unary) at
 concurrency 16 against the same mock workers (bench/router_mock.py, no token delay), with no
-health probes meanwhile. System calls are not counted. The Rust peers are left out: their CPU is
-in threads and the kernel more than in user-space instructions.
+health probes meanwhile; the floor (bench/bare_proxy.py) is counted beside it. System calls are
+not counted. The Rust peers are left out: their CPU is in threads and the kernel more than in
+user-space instructions.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CONCURRENCY = 16
 
 
 def _count(name: str, pd: bool, ports: dict, n: int, args, out_dir: str) -> float:
-    """Instructions per request of one router process (`name`: pdserve or baseline)."""
+    """Instructions per request of one router process (`name`: pdserve, baseline or bare-python)."""
     port = free_port()
     argv, env = rp._argv(name, port, ports["prefill"] if pd else None, ports["decode"], args)
     # No health probes in the counted window: they are not per request, and under valgrind a
@@ -73,7 +74,7 @@ def run(args) -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("--instructions needs valgrind (callgrind): not installed")
         return 2
-    names = ["pdserve"] + (["baseline"] if args.baseline_src else [])
+    names = ["pdserve"] + (["baseline"] if args.baseline_src else []) + [rp.BARE]
     ctx = multiprocessing.get_context("spawn")
     ports = {n: free_port() for n in ("prefill", "decode")}
     mocks = [ctx.Process(target=rb._mock_worker, args=(ports[n], args.tokens, 0.0), daemon=True) for n in ports]
@@ -98,12 +99,13 @@ def run(args) -> int:
         f"{args.tokens} events each; "
         f"user-space instructions (callgrind), medians of {args.rounds} rounds\n"
     )
-    print("| flow | " + " | ".join(names) + (" | pdserve / baseline |" if len(names) == 2 else " |"))
-    print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
+    baseline = "baseline" in names
+    print("| flow | " + " | ".join(names) + (" | pdserve / baseline |" if baseline else " |"))
+    print("|---|" + "---:|" * (len(names) + baseline))
     med = statistics.median
     for flow in ("pass-through", "P/D"):
         cells = [f"{med(counts[flow, n]):,.0f}" for n in names]
-        if len(names) == 2:
+        if baseline:
             cells.append(f"{med(counts[flow, 'pdserve']) / med(counts[flow, 'baseline']):.3f}")
         print(f"| {flow} | " + " | ".join(cells) + " |")
     return 0
