@@ -59,8 +59,13 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = DEFA
         async with asyncio.timeout(timeout_s):
             return await _receive(request.receive, limit)
     except TimeoutError:
-        raise APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        raise body_timeout(timeout_s) from None
+
+
+def body_timeout(timeout_s: float) -> APIError:
+    """A body not all received within `timeout_s`: the connection is not worth keeping."""
+    return APIError(408, f"request body not received within {timeout_s:g} s", code="request_timeout",
+                    headers={"Connection": "close"})
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> str | None:

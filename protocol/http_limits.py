@@ -112,7 +112,9 @@ class ClientLimits:
         if self.header_timeout_s <= 0 or self.keep_alive_s <= 0 or self.max_connections < 1:
             raise ValueError("header timeout and keep-alive must be > 0 and max connections >= 1")
 
-    def uvicorn_options(self, hold_head: bool = False) -> dict:
-        protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,),
-                        {"header_timeout_s": self.header_timeout_s, "hold_head": hold_head})
+    def uvicorn_options(self, hold_head: bool = False, protocol: type = HeaderDeadlineProtocol, **settings) -> dict:
+        """`protocol`: HeaderDeadlineProtocol or a subclass, `settings` its class attributes
+        (protocol/native_http.py's `NativeProtocol` and its `native` routes)."""
+        protocol = type("HeaderDeadline", (protocol,),
+                        {"header_timeout_s": self.header_timeout_s, "hold_head": hold_head, **settings})
         return {"http": protocol, "timeout_keep_alive": self.keep_alive_s, "limit_concurrency": self.max_connections}

@@ -26,11 +26,12 @@ from starlette.responses import JSONResponse, Response
 
 from pdserve.protocol import cors, utility_routes
 from pdserve.protocol.auth import authorize
-from pdserve.protocol.body import parse_object, read_body
+from pdserve.protocol.body import parse_object
 from pdserve.protocol.contract import (HEADER_REQUEST_ID, HEADER_SESSION_ID, ROLE_DECODE, ROLE_PREFILL,
                                        request_id_from)
 from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
+from pdserve.protocol.incoming import Incoming
 from pdserve.protocol.request_limits import RequestLimits
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse, when_over
@@ -63,16 +64,6 @@ from pdserve.router.workers import WorkerSet
 log = logging.getLogger("pdserve.router")
 
 _REQUEST_ID, _SESSION_ID = HEADER_REQUEST_ID.encode(), HEADER_SESSION_ID.encode()
-
-
-def _header(request: Request, name: bytes) -> str | None:
-    """The first value of a request header (`name` lowercase, as the server gives them):
-    Starlette's `request.headers.get` raises and catches a KeyError for each header a request
-    lacks, and most lack the request and session ids."""
-    for key, value in request.scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
@@ -154,12 +145,12 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     install_handlers(app)
     cors.install(app, config)
 
-    async def read_json(request: Request) -> bytes:
+    async def read_json(request: Incoming) -> bytes:
         authorize(request, api_keys)
-        ctype = _header(request, b"content-type") or ""
+        ctype = request.header(b"content-type") or ""
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
-        return await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        return await request.body(config.max_body_bytes, config.body_timeout_s)
 
     def served_model(model: str) -> None:
         served = workers.models()
@@ -169,25 +160,23 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             raise APIError(404, f"model {model!r} is not served here (serving: {', '.join(sorted(served))})",
                            param="model", code="model_not_found")
 
-    async def parse(request: Request, route: str, request_id: str, span) -> Call:
+    async def parse(request: Incoming, route: str, request_id: str, span) -> Call:
         # Parsed, validated and re-serialised (router/intake.py): CPU in proportion to the body,
         # on a thread when the body is large (router/offload.py), so /health and every other
         # request go on meanwhile.
         raw = await read_json(request)
         taken = await off_loop(len(raw), intake, raw, route, limits)
-        if taken.responses is not None:
-            request.state.responses_body = taken.responses
         await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
-        routing = RoutingRequest(taken.request, _header(request, _SESSION_ID), tokenizer)
+        routing = RoutingRequest(taken.request, request.header(_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
                     prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=span,
-                    made_fields=(taken.request, taken.fields))
+                    made_fields=(taken.request, taken.fields), responses_body=taken.responses)
 
-    async def ticket(request: Request, call: Call) -> Ticket:
+    async def ticket(request: Incoming, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a
         priority given by header is what the workers are sent too (--scheduling-policy priority)."""
         band = band_of(call.request.priority, request.headers.get(PRIORITY_HEADER), flow_config.bands)
@@ -200,7 +189,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         budget = getattr(call.request, "requested_max_tokens", call.request.max_tokens)  # chat's, or completions'
         return Ticket(band, tenant, call.prompt_tokens + (budget or 0))
 
-    async def answer(request: Request, call: Call) -> Response:
+    async def answer(request: Incoming, call: Call) -> Response:
         """The orchestrator's answer; under flow control, once the request's turn has come, with
         its slot held until the answer is over (a stream's end or its client leaving)."""
         if flow is None:
@@ -214,7 +203,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         when_over(response, lease.release)
         return response
 
-    def traced(request: Request, route: str, request_id: str):
+    def traced(request: Incoming, route: str, request_id: str):
         """The request's span: under the client's `traceparent`, else a new trace's root."""
         if not tracing.enabled:
             return None
@@ -231,9 +220,9 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         failed = not isinstance(response, SSEResponse) and response.status_code >= 500
         when_over(response, lambda: tracing.end(span, attributes, error="upstream failed" if failed else None))
 
-    async def serve(request: Request, route: str) -> Response:
+    async def serve(request: Incoming, route: str) -> Response:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
-        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
+        request_id = request_id_from(request.header(_REQUEST_ID), limits.max_request_id_chars) or ids.new()
         span = traced(request, route, request_id)
         try:
             response = await answered(request, route, request_id, span)
@@ -243,7 +232,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         end_when_sent(span, response)
         return response
 
-    async def answered(request: Request, route: str, request_id: str, span) -> Response:
+    async def answered(request: Incoming, route: str, request_id: str, span) -> Response:
         started = time.monotonic()
         try:
             call = await parse(request, route, request_id, span)
@@ -252,7 +241,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
                                      "gen_ai.usage.prompt_tokens": call.prompt_tokens})
             response = await unless_disconnected(request, answer(request, call))
             if route == "responses":
-                response = from_chat(response, request.state.responses_body)
+                response = from_chat(response, call.responses_body)
             set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             if span is not None:
                 span.set_attribute("pdserve.disaggregated", call.disaggregated)
@@ -271,13 +260,13 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
             metrics.requests.labels(route, "500", "no").inc()
             return APIError(500, "internal router error", code="internal_error").response()
 
-    async def chat(request: Request) -> Response:
+    async def chat(request: Incoming) -> Response:
         return await serve(request, "chat")
 
-    async def completions(request: Request) -> Response:
+    async def completions(request: Incoming) -> Response:
         return await serve(request, "completions")
 
-    async def responses(request: Request) -> Response:
+    async def responses(request: Incoming) -> Response:
         return await serve(request, "responses")
 
     app.hot_post("/v1/chat/completions", chat)
@@ -287,9 +276,9 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
-        request_id = request_id_from(_header(request, _REQUEST_ID), limits.max_request_id_chars) or ids.new()
+        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars) or ids.new()
         try:
-            raw = await read_json(request)
+            raw = await read_json(Incoming.of_asgi(request.scope, request.receive))
         except ClientGone:
             return Response(status_code=499)
         req = await asyncio.to_thread(check, raw)

@@ -37,6 +37,7 @@ class Call:
     # `request.model_dump(exclude_unset=True)` (what `raw` serialises) with the request it was
     # made from, as intake made it: see fields().
     made_fields: tuple[GenerationRequest, dict] | None = None
+    responses_body: dict | None = None  # a Responses API request's fields its answer echoes (responses_api.py)
 
     @property
     def model(self) -> str:

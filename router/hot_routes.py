@@ -9,6 +9,10 @@ OpenAI's shape (router/app.py `serve`), so a POST to one of them goes straight t
 What the stack would still have done is done here: without an `Origin` header, CORS only adds
 `Vary: Origin` (so added here); a request with one (a browser's) takes the whole stack, CORS
 headers and all. Everything else (probes, /metrics, preflights, docs) is FastAPI's as before.
+
+The same handlers serve pdserve's own HTTP path (protocol/native_http.py, `native_routes`),
+which takes the plain requests off uvicorn's ASGI cycle altogether: a handler reads its request
+as an `Incoming` (protocol/incoming.py) whichever way it came.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-Handler = Callable[[Request], Awaitable[Response]]
+from pdserve.protocol.incoming import Incoming
+from pdserve.protocol.native_http import NativeRoutes
+
+Handler = Callable[[Incoming], Awaitable[Response]]
 
 
 class HotRoutesApp(FastAPI):
@@ -32,7 +39,24 @@ class HotRoutesApp(FastAPI):
         """`handler` answers POST `path` (it must answer every error itself); also registered as
         an ordinary route, for requests that take the whole stack and for the OpenAPI schema."""
         self._hot[path] = handler
-        self.add_api_route(path, handler, methods=["POST"])
+
+        async def endpoint(request: Request) -> Response:
+            return await handler(Incoming.of_asgi(request.scope, request.receive))
+
+        endpoint.__name__ = endpoint.__qualname__ = handler.__name__  # the schema's operation id
+        self.add_api_route(path, endpoint, methods=["POST"])
+
+    def native_routes(self, max_body_bytes: int, body_timeout_s: float) -> NativeRoutes:
+        """The hot routes for pdserve's own HTTP path: what this app answers a request without
+        `Origin`, `Vary: Origin` included."""
+        def without_origin(handler: Handler) -> Handler:
+            async def answer(request: Incoming) -> Response:
+                response = await handler(request)
+                set_header(response, b"vary", b"Origin")
+                return response
+            return answer
+
+        return NativeRoutes({path: without_origin(h) for path, h in self._hot.items()}, max_body_bytes, body_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._hot.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -45,7 +69,7 @@ class HotRoutesApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         scope["app"] = self
-        response = await handler(Request(scope, receive))
+        response = await handler(Incoming.of_asgi(scope, receive))
         set_header(response, b"vary", b"Origin")  # as CORSMiddleware adds to an answer without Origin
         await response(scope, receive, send)
 
