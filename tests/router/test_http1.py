@@ -339,6 +339,58 @@ def test_first_byte_bound_fails_a_silent_worker_and_closes_the_connection():
     run(main())
 
 
+def test_a_call_bound_ends_with_its_call_on_a_kept_alive_connection():
+    """The bounds are one timer per connection: a finished call's bound, passed while the
+    connection is idle, fails nothing; a later call with a shorter bound than the one the timer
+    was armed for is still cut off at its own."""
+    gate = asyncio.Event()
+
+    async def answers_then_stalls(reader, writer, worker):
+        body = await worker.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        body = await worker.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await gate.wait()
+        await worker.request(reader)  # read, never answered
+        await worker.request(reader)
+
+    async def main():
+        async with Worker(answers_then_stalls) as w:
+            client = Client(limit=8)
+            assert await (await client.post(w.url, "/x", b"1", {}, total_s=0.05)).read() == b"1"
+            await asyncio.sleep(0.1)  # past the first call's bound, with the connection idle
+            assert await (await client.post(w.url, "/x", b"2", {}, total_s=60.0)).read() == b"2"
+            gate.set()
+            # The timer is armed for the second call's 60 s; this call's 0.05 s bound comes first.
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post(w.url, "/x", b"3", {}, first_byte_s=0.05)
+            await w.eof.wait()
+            assert client._in_use == 0
+            client.close()
+            return w
+
+    assert run(main()).connections == 1
+
+
+def test_the_total_bound_covers_the_body():
+    async def head_then_nothing(reader, writer, worker):
+        await worker.request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+        await worker.request(reader)
+
+    async def main():
+        async with Worker(head_then_nothing) as w:
+            client = Client(limit=8)
+            r = await client.post(w.url, "/x", b"{}", {}, total_s=0.1)
+            with pytest.raises(asyncio.TimeoutError):
+                await r.read()
+            await w.eof.wait()
+            assert client._in_use == 0
+            client.close()
+
+    run(main())
+
+
 def test_a_body_past_the_read_buffer_then_another_answer_on_the_connection():
     """A body larger than what is buffered unread pauses the socket; once it is read, the
     connection carries the next call."""
