@@ -7,7 +7,8 @@ line every few seconds holds its connection (and a file descriptor) forever, and
 thousand such clients starve everybody else (slowloris). `HeaderDeadlineProtocol` closes a
 connection whose request headers are not complete within `header_timeout_s` of its first byte
 (or of the connection opening). The body has its own deadline where it is read
-(`protocol.body.read_body`, 408).
+(`protocol.body.read_body`, 408). The idle time between requests is bounded on the same
+per-connection timer (`timeout_keep_alive`, as uvicorn bounds it with a timer per request).
 
 The same protocol tells each request what only it knows first: its client's hang-up (a
 `LostConnection` in the scope, called from `connection_lost`: protocol/disconnect.py) and that its
@@ -37,29 +38,54 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     hold_head: bool = False  # each response's head goes out with its body's first write (held_head.py)
 
     # One timer per connection, not one armed and cancelled per request: `_headers_due` is when
-    # the headers being received must be complete (None: none are); the timer, when it fires,
-    # closes the connection if that time has passed, waits on if it has not come yet, and lapses
-    # if nothing is due (the next request's first byte arms it again).
-    _header_timer: asyncio.TimerHandle | None = None
+    # the headers being received must be complete, `_idle_due` when a kept-alive connection with
+    # no request since its last answer closes (uvicorn's `timeout_keep_alive`, which it bounds
+    # with a timer made and cancelled per request); None when not due. The timer, when it fires,
+    # closes the connection if a due time has passed, waits on for one still ahead, and lapses if
+    # nothing is due (the next request's first byte, or answer, winds it again).
+    _clock: asyncio.TimerHandle | None = None
+    _clock_at = 0.0
     _headers_due: float | None = None
+    _idle_due: float | None = None
 
     def _arm(self) -> None:
+        self._idle_due = None
         self._headers_due = self.loop.time() + self.header_timeout_s
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_at(self._headers_due, self._check_headers)
+        self._wind(self._headers_due)
 
     def _disarm(self) -> None:
         self._headers_due = None
 
-    def _check_headers(self) -> None:
-        self._header_timer = None
-        due = self._headers_due
-        if due is None:
+    def _wind(self, due: float) -> None:
+        """The connection's timer fires by `due`."""
+        if self._clock is not None:
+            if self._clock_at <= due:
+                return  # it fires first and then waits on for `due`
+            self._clock.cancel()
+        self._clock, self._clock_at = self.loop.call_at(due, self._tick), due
+
+    def _tick(self) -> None:
+        self._clock = None
+        headers, idle = self._headers_due, self._idle_due
+        now = self.loop.time()
+        if (headers is not None and now >= headers) or (idle is not None and now >= idle):
+            if not self.transport.is_closing():
+                self.transport.close()
+        elif headers is not None or idle is not None:
+            self._wind(min(d for d in (headers, idle) if d is not None))
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with its keep-alive bound on this connection's timer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
             return
-        if self.loop.time() < due:  # a later request's deadline (or a timer fired a little early)
-            self._header_timer = self.loop.call_at(due, self._check_headers)
-        elif not self.transport.is_closing():
-            self.transport.close()
+        self.flow.resume_reading()
+        if self.pipeline:  # a request received meanwhile: its turn now
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_due = self.loop.time() + self.timeout_keep_alive
+            self._wind(self._idle_due)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -87,10 +113,10 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             self.cycle.scope[BODY_RECEIVED] = True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._headers_due = self._idle_due = None
+        if self._clock is not None:
+            self._clock.cancel()
+            self._clock = None
         cycle = self.cycle
         super().connection_lost(exc)
         # The cycle uvicorn tells of it (`disconnected`, an `http.disconnect` from `receive`): the

@@ -77,3 +77,32 @@ def test_a_request_started_just_before_a_lapsed_deadline_gets_its_own(port):
 def test_a_connection_that_sends_nothing_is_cut_off(port):
     with socket.create_connection(("127.0.0.1", port)) as s:
         assert _closed_within(s, 5 * HEADER_TIMEOUT_S)
+
+
+# The keep-alive bound rides the same timer: shorter than the header deadline here, so an idle
+# connection's close must come from a timer wound earlier than the one its request armed.
+KEEP_ALIVE_S, LONG_HEADER_TIMEOUT_S = 2.0, 30.0
+
+
+@pytest.fixture(scope="module")
+def keep_alive_port():
+    limits = ClientLimits(header_timeout_s=LONG_HEADER_TIMEOUT_S, keep_alive_s=KEEP_ALIVE_S)
+    with serving(app, **limits.uvicorn_options()) as port:
+        yield port
+
+
+def test_an_idle_kept_alive_connection_closes_at_the_keep_alive_bound(keep_alive_port):
+    with socket.create_connection(("127.0.0.1", keep_alive_port)) as s:
+        s.sendall(REQUEST)
+        _answered(s)
+        assert _closed_within(s, LONG_HEADER_TIMEOUT_S / 2)  # long before the header deadline
+
+
+def test_each_answer_gives_its_connection_a_new_keep_alive_bound(keep_alive_port):
+    with socket.create_connection(("127.0.0.1", keep_alive_port)) as s:
+        for _ in range(25):  # 25 x 0.2 s: more than two keep-alive bounds of a busy connection
+            s.sendall(REQUEST)
+            _answered(s)
+            time.sleep(KEEP_ALIVE_S / 10)
+        s.sendall(REQUEST)
+        _answered(s)
