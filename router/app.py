@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+import types
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -92,6 +93,10 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     flow = (FlowController(flow_config, metrics.flow, saturation_check(flow_config, workers))
             if flow_config.enabled else None)
 
+    # What the lifespan makes and every request uses, read here rather than through `app.state`
+    # (Starlette's State answers each attribute with a Python-level __getattr__).
+    live = types.SimpleNamespace(orchestrator=None, admission=None)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with make_session(config.max_connections) as session:
@@ -103,11 +108,11 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
                             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else None)
             upstream = Upstream(session, workers, metrics, client)
             selector = Selector(config, ctx, workers)
-            app.state.orchestrator = Orchestrator(config, upstream, selector)
-            app.state.orchestrator.tracing = tracing
+            live.orchestrator = app.state.orchestrator = Orchestrator(config, upstream, selector)
+            live.orchestrator.tracing = tracing
             # A worker counts once probed serving the model: discovery may list a new pod a
             # moment before the prober has read its /v1/models.
-            app.state.admission = AdmissionQueue(
+            live.admission = app.state.admission = AdmissionQueue(
                 config.hold_timeout_s, config.hold_queue,
                 lambda m: any(m in w.models for role in (ROLE_DECODE, ROLE_PREFILL) for w in selector.pool(role, m)),
                 workers.models, metrics)
@@ -166,7 +171,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # request go on meanwhile.
         raw = await read_json(request)
         taken = await off_loop(len(raw), intake, raw, route, limits)
-        await app.state.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
+        await live.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
         routing = RoutingRequest(taken.request, request.header(_SESSION_ID), tokenizer)
         await routing.tokenize_off_loop()
@@ -193,10 +198,10 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         """The orchestrator's answer; under flow control, once the request's turn has come, with
         its slot held until the answer is over (a stream's end or its client leaving)."""
         if flow is None:
-            return await app.state.orchestrator.handle(call)
+            return await live.orchestrator.handle(call)
         lease = await flow.acquire(await ticket(request, call))
         try:
-            response = await app.state.orchestrator.handle(call)
+            response = await live.orchestrator.handle(call)
         except BaseException:
             lease.release()
             raise

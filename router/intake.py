@@ -18,7 +18,7 @@ event loop, /health and every other request go on meanwhile.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdserve.protocol.body import parse_object, validate
 from pdserve.protocol.errors import APIError
@@ -32,8 +32,7 @@ from pdserve.router.prompt import count_prompt_tokens
 _ABSENT = object()
 
 
-@dataclass(frozen=True)
-class Intake:
+class Intake(NamedTuple):  # (a tuple: made per request, ~0.5 µs cheaper than a frozen dataclass)
     route: str  # "chat" or "completions" (a Responses request is a chat one from here on)
     request: GenerationRequest  # validated, its model set: every worker call is built from it
     raw: bytes  # its fields the client set, as JSON: sent as-is to a worker that serves the request whole
