@@ -20,7 +20,6 @@ The router learns token ids only for them (it asks with `x-pdserve-token-ids`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from pdserve.protocol.requests import CompletionRequest
 from pdserve.router.call import Call
 from pdserve.router.fallback import RoleFallback
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.sse import event_json
 from pdserve.router.upstream import Limits
 from pdserve.router.upstream_call import UpstreamCall
 from pdserve.router.workers import Worker
@@ -123,7 +123,7 @@ def _finished_choices(block: bytes) -> list[int]:
     for ev in block.split(b"\n\n"):
         if _FINISHED in ev and ev.startswith(b"data: {"):
             try:
-                out += [c["index"] for c in json.loads(ev[6:]).get("choices") or () if c.get("finish_reason")]
+                out += [c["index"] for c in event_json(ev[6:]).get("choices") or () if c.get("finish_reason")]
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
     return out
@@ -136,7 +136,7 @@ def _count_text(block: bytes, text_len: dict[int, int]) -> None:
         if not ev.startswith(b"data: {"):
             continue
         try:
-            choices = json.loads(ev[6:]).get("choices") or ()
+            choices = event_json(ev[6:]).get("choices") or ()
             for c in choices:
                 i, text = c["index"], c.get("text") or ""
                 offsets = (c.get("logprobs") or {}).get("text_offset")

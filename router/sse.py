@@ -9,6 +9,20 @@ from __future__ import annotations
 
 import json
 
+# The C scanner `json.loads` ends in, called without the Python around it (the encoding sniffed
+# from the bytes, the decoder's wrapper): the relay parses the first events of every stream, and
+# with migration every event of a completions stream.
+_SCAN = json.JSONDecoder().scan_once
+
+
+def event_json(payload: bytes):
+    """The JSON value an event's payload (after `data: `) opens with: what `json.loads` gives for
+    one well-formed value; ValueError if it is not one (trailing bytes after it are not looked at)."""
+    try:
+        return _SCAN(payload.decode(), 0)[0]
+    except StopIteration:  # (the scanner's way of saying no value starts here)
+        raise ValueError("no JSON value") from None
+
 
 class EventFramer:
     """Feed raw bytes, get back the longest prefix made of complete events."""
@@ -39,7 +53,7 @@ def drop_role_chunk(event: bytes) -> bytes:
     if not event.startswith(b"data: {"):
         return event
     try:
-        chunk = json.loads(event[6:])
+        chunk = event_json(event[6:])
         delta = chunk["choices"][0]["delta"]
     except (ValueError, KeyError, IndexError, TypeError):
         return event
@@ -75,7 +89,7 @@ def token_events(block: bytes, most: int = 2) -> int:
         if not event.startswith(b"data: {"):
             continue
         try:
-            choices = json.loads(event[6:]).get("choices") or ()
+            choices = event_json(event[6:]).get("choices") or ()
         except (ValueError, AttributeError):
             continue
         if any(_carries_token(c) for c in choices if isinstance(c, dict)):

@@ -13,7 +13,7 @@ from pdserve.protocol.responses import ChatCompletionResponse, CompletionRespons
 from pdserve.router.call import Call
 from pdserve.router.policies import RoutingRequest
 from pdserve.router.splice import closing_events, first_token_events, merge_unary
-from pdserve.router.sse import token_events
+from pdserve.router.sse import event_json, token_events
 
 
 @pytest.mark.parametrize("body, one", [
@@ -89,3 +89,18 @@ def test_the_first_tokens_events_count_their_tokens_as_parsing_them_does(text, l
                                                            "finish_reason": finish}])
     events = first_token_events(answer, finished=finished)
     assert token_events(events) == token_events(bytes(events))
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"choices": [{"index": 0, "text": "h\\u00e9llo \\"x\\"", "logprobs": null}]}',
+    '{"choices":[{"delta":{"content":"caf\u00e9 \u2603"}}],"usage":{"a":1.5e3}}'.encode(),
+    b'[1, 2, {"a": true}]',
+])
+def test_an_events_json_is_what_json_loads_gives(payload):
+    assert event_json(payload) == json.loads(payload)
+
+
+@pytest.mark.parametrize("payload", [b"", b"nope", b'{"a": ', b"\xff{}"])
+def test_an_event_that_is_not_json_is_a_value_error(payload):
+    with pytest.raises(ValueError):
+        event_json(payload)
