@@ -64,6 +64,24 @@ class _NoEvent:
 _NO_EVENT = _NoEvent()
 
 
+def _plain(headers: list) -> bytes | None:
+    """`headers` as head lines, when uvicorn would write them as they are: every name lowercase
+    (Starlette's and uvicorn's are), none `connection`, and uvicorn's two checks passed, made once
+    over all names and once over all values (single-character classes: a match in the joined
+    bytes is a match in one header). Else None: uvicorn's per-header loop decides."""
+    names = values = block = b""
+    for name, value in headers:
+        names += name
+        values += value
+        block += b"%s: %s\r\n" % (name, value)
+    if not names.islower() and names or b"\nconnection:" in b"\n" + block:
+        return None
+    if HEADER_RE.search(names) or HEADER_VALUE_RE.search(values):
+        return None
+    return block
+
+
+
 class Exchange:
     """One natively served request: its body as it arrives, then its answer."""
 
@@ -108,19 +126,17 @@ class Exchange:
 
     def _head(self, status: int, headers: list) -> bytes | None:
         """The status line and headers as uvicorn's cycle writes them; None if it would refuse them."""
-        headers = self.protocol.server_state.default_headers + headers
-        names = b"".join([name for name, _ in headers])
-        by_name = dict(headers)
-        if b"connection" in by_name or not names.islower():  # (Starlette's and uvicorn's names are lowercase)
-            return self._head_per_header(status, headers)
-        # uvicorn's two checks, made once over all names and once over all values (single
-        # character classes: a match in the joined bytes is a match in one header).
-        if HEADER_RE.search(names) or HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
-            return None
-        block = b"".join([b"%s: %s\r\n" % pair for pair in headers])
+        protocol = self.protocol
+        defaults, cached = protocol.server_state.default_headers, protocol.default_lines
+        if cached[0] is not defaults:  # uvicorn makes a new list when its `date` changes
+            cached = protocol.default_lines = (defaults, _plain(defaults))
+        default_block, own_block = cached[1], _plain(headers)
+        if default_block is None or own_block is None:
+            return self._head_per_header(status, defaults + headers)
+        block = default_block + own_block
         if not self.keep_alive:
             block += b"connection: close\r\n"
-        if b"content-length" not in by_name and status not in (204, 304):
+        if b"\ncontent-length:" not in b"\n" + block and status not in (204, 304):
             self._chunked = True
             block += b"transfer-encoding: chunked\r\n"
         return STATUS_LINE[status] + block + b"\r\n"
@@ -202,6 +218,9 @@ class Exchange:
 
 class NativeProtocol(HeaderDeadlineProtocol):
     native: NativeRoutes | None = None  # set on a subclass per server, as the header timeout is
+    # The server's default headers (`server`, `date`) as head lines (`_plain`), made again only
+    # when uvicorn makes a new list of them (once a second, for the date).
+    default_lines: tuple = (None, None)
     _first: dict[bytes, bytes] | None = None  # the request's headers by name, first value each
 
     def on_headers_complete(self) -> None:
