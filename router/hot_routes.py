@@ -79,6 +79,12 @@ def set_header(response: Response, name: bytes, value: bytes) -> None:
     first header of that name replaced, later ones dropped, else appended, as Starlette's
     MutableHeaders does, without making one (through a failed `hasattr`) per response."""
     raw = response.raw_headers
+    for present, _ in raw:  # the common case, a name not there yet: a plain scan, then append
+        if present == name:
+            break
+    else:
+        raw.append((name, value))
+        return
     at = None
     for i in range(len(raw) - 1, -1, -1):
         if raw[i][0] == name:

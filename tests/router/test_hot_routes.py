@@ -9,6 +9,9 @@ import json
 
 import httpx
 import pytest
+from starlette.responses import Response
+
+from pdserve.router.hot_routes import set_header
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,17 @@ def test_hot_answers_equal_the_full_stacks_on_one_kept_alive_connection(router):
         assert whole[1]["x-request-id"] == "req 1" and whole[1]["vary"] == "Origin"
         assert int(whole[1]["content-length"]) == len(whole[2])
     conn.close()
+
+
+@pytest.mark.parametrize("raw", [
+    [(b"content-type", b"a/b")],
+    [(b"vary", b"Accept"), (b"content-type", b"a/b")],
+    [(b"vary", b"A"), (b"x", b"1"), (b"vary", b"B"), (b"vary", b"C")],
+    [],
+])
+def test_set_header_does_what_starlettes_headers_do(raw):
+    ours, theirs = Response(b""), Response(b"")
+    ours.raw_headers, theirs.raw_headers = list(raw), list(raw)
+    set_header(ours, b"vary", b"Origin")
+    theirs.headers["vary"] = "Origin"
+    assert ours.raw_headers == theirs.raw_headers
