@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pdserve.protocol.deadline_timer import DeadlineTimer
 from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
 
@@ -37,42 +38,33 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0  # set on a subclass per server (uvicorn instantiates the class)
     hold_head: bool = False  # each response's head goes out with its body's first write (held_head.py)
 
-    # One timer per connection, not one armed and cancelled per request: `_headers_due` is when
-    # the headers being received must be complete, `_idle_due` when a kept-alive connection with
-    # no request since its last answer closes (uvicorn's `timeout_keep_alive`, which it bounds
-    # with a timer made and cancelled per request); None when not due. The timer, when it fires,
-    # closes the connection if a due time has passed, waits on for one still ahead, and lapses if
-    # nothing is due (the next request's first byte, or answer, winds it again).
-    _clock: asyncio.TimerHandle | None = None
-    _clock_at = 0.0
+    # One timer per connection (deadline_timer.py), not one armed and cancelled per request:
+    # `_headers_due` is when the headers being received must be complete, `_idle_due` when a
+    # kept-alive connection with no request since its last answer closes (uvicorn's
+    # `timeout_keep_alive`, which it bounds with a timer made and cancelled per answer); None when
+    # not due. The timer, when it fires, closes the connection if a due time has passed, is wound
+    # again for one still ahead, and lapses if nothing is due (the next request's first byte, or
+    # answer, winds it again).
+    _timer: DeadlineTimer
     _headers_due: float | None = None
     _idle_due: float | None = None
 
     def _arm(self) -> None:
         self._idle_due = None
         self._headers_due = self.loop.time() + self.header_timeout_s
-        self._wind(self._headers_due)
+        self._timer.wind(self._headers_due)
 
     def _disarm(self) -> None:
         self._headers_due = None
 
-    def _wind(self, due: float) -> None:
-        """The connection's timer fires by `due`."""
-        if self._clock is not None:
-            if self._clock_at <= due:
-                return  # it fires first and then waits on for `due`
-            self._clock.cancel()
-        self._clock, self._clock_at = self.loop.call_at(due, self._tick), due
-
     def _tick(self) -> None:
-        self._clock = None
         headers, idle = self._headers_due, self._idle_due
         now = self.loop.time()
         if (headers is not None and now >= headers) or (idle is not None and now >= idle):
             if not self.transport.is_closing():
                 self.transport.close()
         elif headers is not None or idle is not None:
-            self._wind(min(d for d in (headers, idle) if d is not None))
+            self._timer.wind(min(d for d in (headers, idle) if d is not None))
 
     def on_response_complete(self) -> None:
         """uvicorn's, with its keep-alive bound on this connection's timer."""
@@ -85,9 +77,10 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             self._start_asgi_task(cycle, app)
         else:
             self._idle_due = self.loop.time() + self.timeout_keep_alive
-            self._wind(self._idle_due)
+            self._timer.wind(self._idle_due)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._timer = DeadlineTimer(self.loop, self._tick)
         super().connection_made(transport)
         self._arm()
 
@@ -114,9 +107,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_due = self._idle_due = None
-        if self._clock is not None:
-            self._clock.cancel()
-            self._clock = None
+        self._timer.stop()
         cycle = self.cycle
         super().connection_lost(exc)
         # The cycle uvicorn tells of it (`disconnected`, an `http.disconnect` from `receive`): the

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from pdserve.protocol.deadline_timer import DeadlineTimer
+
 # Buffered body bytes past which the socket stops being read until the reader catches up.
 _HIGH_WATER = 1 << 20
 # A connection idle longer than this is not reused (aiohttp's keepalive_timeout on this path).
@@ -206,17 +208,15 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._head: asyncio.Future | None = None  # resolved when the status line and headers are in
-        # The call's bounds, by one timer per connection rather than one armed and cancelled per
-        # call (~2 µs each on uvloop): when the status line must be in (`_head_due`, set with
-        # `first_byte_s`) and the whole answer (`_total_due`, with `total_s`); None when none is due.
-        # The timer, when it fires, fails the call whose bound has passed, waits on for a bound
-        # still ahead and lapses when none is due; calls on a kept-alive connection with the same
-        # bounds have ever later ones, so it is armed again once per bound's length, not per call.
+        # The call's bounds, by one timer per connection (protocol/deadline_timer.py) rather than
+        # one armed and cancelled per call: when the status line must be in (`_head_due`, set
+        # with `first_byte_s`) and the whole answer (`_total_due`, with `total_s`); None when none
+        # is due. The timer, when it fires, fails the call whose bound has passed, is wound again
+        # for a bound still ahead and lapses when none is due.
         self._head_due: float | None = None
         self._head_s = 0.0
         self._total_due: float | None = None
-        self._clock: asyncio.TimerHandle | None = None
-        self._clock_at = 0.0
+        self._timer = DeadlineTimer(self.loop, self._tick)
         self._got_bytes = False  # of the current answer
         self._body_to_eof = False  # no length, not chunked: the body ends with the connection
         self._lost = False
@@ -313,22 +313,13 @@ class Connection(asyncio.Protocol):
             self._head_s = first_byte_s
             self._head_due = None if first_byte_s is None else now + first_byte_s
             self._total_due = None if total_s is None else now + total_s
-            self._wind(min(d for d in (self._head_due, self._total_due) if d is not None))
+            self._timer.wind(min(d for d in (self._head_due, self._total_due) if d is not None))
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)  # large bodies are not copied into one buffer
         return self._head
 
-    def _wind(self, due: float) -> None:
-        """The connection's timer fires by `due`."""
-        if self._clock is not None:
-            if self._clock_at <= due:
-                return  # it fires first and then waits on for `due`
-            self._clock.cancel()
-        self._clock, self._clock_at = self.loop.call_at(due, self._tick), due
-
     def _tick(self) -> None:
-        self._clock = None
         head, total = self._head_due, self._total_due
         now = self.loop.time()
         if head is not None and now >= head:
@@ -336,7 +327,7 @@ class Connection(asyncio.Protocol):
         elif total is not None and now >= total:
             self.close(asyncio.TimeoutError("the call to the worker took longer than its total timeout"))
         elif head is not None or total is not None:
-            self._wind(min(d for d in (head, total) if d is not None))
+            self._timer.wind(min(d for d in (head, total) if d is not None))
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -358,9 +349,7 @@ class Connection(asyncio.Protocol):
 
     def _error(self, error: BaseException) -> None:
         self._head_due = self._total_due = None
-        if self._clock is not None:
-            self._clock.cancel()
-            self._clock = None
+        self._timer.stop()
         head, self._head = self._head, None
         if head is not None and not head.done():
             head.set_exception(error)
