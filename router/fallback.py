@@ -67,7 +67,8 @@ class RoleFallback:
         self._missing: dict[str, str | None] = {}  # per model, the missing role the gauge shows
 
     def availability(self, model: str) -> Availability:
-        pools = {role: self.selector.pool(role, model) for role in ROLES}
+        prefill, decode = self.selector.pools(model)
+        pools = {ROLE_PREFILL: prefill, ROLE_DECODE: decode}
         for role, pool in pools.items():
             if pool:
                 self._seen.add((model, role))

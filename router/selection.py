@@ -54,6 +54,21 @@ class Selector:
             candidates = f.filter(candidates, query)
         return candidates
 
+    def pools(self, model: str) -> tuple[list[Worker], list[Worker]]:
+        """`(pool(ROLE_PREFILL, model), pool(ROLE_DECODE, model))`, with the built-in filters in one
+        pass over the workers (a request asks for both, fallback.py)."""
+        if not self._built_in:
+            return self.pool(ROLE_PREFILL, model), self.pool(ROLE_DECODE, model)
+        now = time.monotonic()
+        prefill, decode = [], []
+        for w in self.workers.all():
+            if w.routable(now) and (not w.models or model in w.models):
+                if w.role == ROLE_DECODE:
+                    decode.append(w)
+                elif w.role == ROLE_PREFILL:
+                    prefill.append(w)
+        return prefill, decode
+
     def disaggregate(self, request: GenerationRequest) -> bool:
         return self.decider.disaggregate(request)
 

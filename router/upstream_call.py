@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Sequence
 
 
@@ -69,7 +70,8 @@ class UpstreamCall:
         what to send the worker chosen instead of `body`, when it says so (None: `body`)."""
         self._drop()
         while self.attempts < self._max_attempts:
-            candidates = [w for w in self._pool if id(w) not in self._tried and w.routable()]
+            now = time.monotonic()
+            candidates = [w for w in self._pool if id(w) not in self._tried and w.routable(now)]
             if not candidates:
                 break
             worker = self._choose(candidates)

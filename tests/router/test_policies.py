@@ -232,6 +232,8 @@ def test_selector_pools_in_one_pass_keep_what_the_filters_keep():
     partner_sets = [None, [], workers[:1], workers[3:4], workers[6:7], workers[3:9], workers[12:15]]
     for role, model, partners in product(("prefill", "decode"), ("m", "other", "none"), partner_sets):
         assert sel.pool(role, model, partners) == piped.pool(role, model, partners), (role, model, partners)
+    for model in ("m", "other", "none"):  # both roles' pools in one pass, as each alone
+        assert sel.pools(model) == piped.pools(model) == (piped.pool("prefill", model), piped.pool("decode", model))
 
 
 def test_prefix_aware_token_ids_are_computed_once_and_off_the_event_loop():
