@@ -244,7 +244,10 @@ class Connection(asyncio.Protocol):
         response = self._response
         if response is not None and self._body_to_eof and self._head is not None and self._head.done():
             self._response = None
-            response._end()  # a body delimited by the connection's end
+            self._head_due = self._total_due = None
+            self._timer.stop()
+            response._end()  # a body delimited by the connection's end: the call is over
+            self.pool.done_with(self)
             return
         reason = f"the worker closed the connection{' mid-answer' if self._got_bytes else ''}"
         if exc is not None:

@@ -166,8 +166,9 @@ def test_a_body_ended_by_the_connection_is_complete():
     async def main():
         async with Worker(cut_off(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"all of it")) as w:
             client = Client(limit=8)
-            r = await client.post(w.url, "/x", b"{}", {})
+            r = await client.post(w.url, "/x", b"{}", {}, total_s=60.0)
             assert await r.read() == b"all of it"
+            assert client._in_use == 0  # the connection's slot is free again
             client.close()
 
     run(main())
