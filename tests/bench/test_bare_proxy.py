@@ -84,13 +84,17 @@ def _proxy(decode_port: int, prefill_port: int | None):
         _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
         writer.close()
 
-    while True:  # up once it accepts a connection
-        try:
-            asyncio.run(connect())
-            return proc, port
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not come up"
-            time.sleep(0.1)
+    try:
+        while True:  # up once it accepts a connection
+            try:
+                asyncio.run(connect())
+                return proc, port
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not come up"
+                time.sleep(0.1)
+    except BaseException:
+        proc.kill()  # not left running when the test gives up on it
+        raise
 
 
 async def _post(port: int, body: dict) -> bytes:
