@@ -42,6 +42,13 @@ log = logging.getLogger("pdserve.protocol")
 
 Handler = Callable[[Incoming], Awaitable[Response]]
 
+# A body declared larger takes the ASGI path: uvicorn reads it in step with its handler (it stops
+# reading the socket past 64 KiB unread), where this path would take it all in at once; with a few
+# multi-megabyte bodies at a time that was twice the loop's longest stall (/health's worst answer
+# 0.14-0.23 s against 0.05-0.12 s, tests/router/test_input_bounds.py). Generation requests are
+# mostly far smaller.
+NATIVE_BODY_BYTES = 1 << 20
+
 # uvicorn's answer when an app fails before its answer starts (its cycle's send_500_response).
 _500_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
                 (b"connection", b"close")]
@@ -251,7 +258,7 @@ class NativeProtocol(HeaderDeadlineProtocol):
         if b"origin" in first or b"transfer-encoding" in first:
             return None, False
         length = first.get(b"content-length")
-        if length is None or not length.isdigit() or int(length) > native.max_body_bytes:
+        if length is None or not length.isdigit() or int(length) > min(native.max_body_bytes, NATIVE_BODY_BYTES):
             return None, False
         self._first = first
         return handler, parser.get_http_version() != "1.0" and parser.should_keep_alive()

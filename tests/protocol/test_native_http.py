@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.http_limits import ClientLimits
 from pdserve.protocol.incoming import Incoming
-from pdserve.protocol.native_http import NativeProtocol, NativeRoutes
+from pdserve.protocol.native_http import NATIVE_BODY_BYTES, NativeProtocol, NativeRoutes
 from pdserve.protocol.sse import SSEResponse
 from tests.protocol.server_thread import serving
 
@@ -113,3 +113,25 @@ def test_pipelined_requests_queue_behind_a_native_one(port):
     answers = _answers(port, post(body=b"a") + post(body=b"b") + post(body=b"c"), 3)
     assert [a.rpartition(b'"body":')[2][:3] for a in answers] == [b'"a"', b'"b"', b'"c"']
     assert b'"path":"native"' in answers[0]
+
+
+def test_a_body_past_a_mebibyte_takes_the_asgi_path_within_the_limit():
+    """uvicorn reads a large body in step with its handler; the native path would take it all in
+    at once (protocol/native_http.py NATIVE_BODY_BYTES)."""
+    limit = 4 * NATIVE_BODY_BYTES
+
+    async def sized(request: Incoming) -> Response:
+        body = await request.body(limit, 5)
+        return JSONResponse({"path": "asgi" if request.receive is not None else "native", "size": len(body)})
+
+    async def sized_app(scope, receive, send):
+        if scope["type"] == "http":
+            await (await sized(Incoming.of_asgi(scope, receive)))(scope, receive, send)
+
+    native = NativeRoutes({"/gen": sized}, max_body_bytes=limit, body_timeout_s=5)
+    with serving(sized_app, **ClientLimits().uvicorn_options(hold_head=True, protocol=NativeProtocol,
+                                                             native=native)) as p:
+        (at_bound,) = _answers(p, post(body=b"x" * NATIVE_BODY_BYTES))
+        (past,) = _answers(p, post(body=b"x" * (NATIVE_BODY_BYTES + 1)))
+    assert at_bound.endswith(b'{"path":"native","size":%d}' % NATIVE_BODY_BYTES)
+    assert past.endswith(b'{"path":"asgi","size":%d}' % (NATIVE_BODY_BYTES + 1))
