@@ -88,7 +88,6 @@ def _plain(headers: list) -> bytes | None:
     return block
 
 
-
 class Exchange:
     """One natively served request: its body as it arrives, then its answer."""
 
