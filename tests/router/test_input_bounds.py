@@ -55,11 +55,19 @@ def everywhere(stack, path: str, *bodies: bytes, copies: int = 1) -> dict[str, l
     return out
 
 
+# The stalls these bodies caused were 10-63 s; on a quiet machine the servers' slowest /health
+# answer under them is 0.03-0.33 s. This file runs early in CI, beside README's first command (a
+# whole stack under load) on the same 2 cores, where one poll in ~20 went just past 1 s in two runs
+# of 2026-12-04: the bound is scheduling's margin there, not the loop's.
+HEALTH_LIMIT_S = 2.0
+
+
 @contextlib.contextmanager
 def watching(stack) -> Iterator[Liveness]:
     """Every server's /health polled and RSS sampled, from its first answered poll on (so the
     polls cover the whole of a request that is refused in a fraction of a second)."""
-    with Liveness({n: p.url for n, p in stack.items()}, {n: p.popen.pid for n, p in stack.items()}) as live:
+    with Liveness({n: p.url for n, p in stack.items()}, {n: p.popen.pid for n, p in stack.items()},
+                  health_limit_s=HEALTH_LIMIT_S) as live:
         wait_for(lambda: all(w.polls for w in live.watched.values()), timeout=10, interval=0.02,
                  what="a first /health poll of every server")
         yield live
