@@ -2,10 +2,11 @@
 
 A timer made and cancelled per request costs ~2 µs on uvloop; a connection that serves many
 requests needs only one, wound to the earliest time something may be due. Its owner keeps the
-due times: `wind(due)` makes the timer fire by `due` (nothing to do when it already fires
-earlier), and when it fires the owner looks at what has passed, acts on it, and winds it again
-for what is still ahead. Requests on a kept-alive connection with the same bounds have ever later
-due times, so the timer is set about once per bound's length, not once per request.
+due times: `wind(*dues)` makes the timer fire by the earliest of them that is set (nothing to do
+when it already fires earlier, or none is), and when it fires the owner looks at what has passed,
+acts on it, and winds it again with what is still ahead. Requests on a kept-alive connection
+with the same bounds have ever later due times, so the timer is set about once per bound's
+length, not once per request.
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ class DeadlineTimer:
         self._handle: asyncio.TimerHandle | None = None
         self._at = 0.0
 
-    def wind(self, due: float) -> None:
-        """Fire by `due` (loop time)."""
+    def wind(self, *dues: float | None) -> None:
+        """Fire by the earliest of `dues` (loop times; None: not due)."""
+        due = None
+        for d in dues:
+            if d is not None and (due is None or d < due):
+                due = d
+        if due is None:
+            return
         if self._handle is not None:
             if self._at <= due:
                 return  # it fires first; its owner then winds it for `due`

@@ -63,8 +63,8 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         if (headers is not None and now >= headers) or (idle is not None and now >= idle):
             if not self.transport.is_closing():
                 self.transport.close()
-        elif headers is not None or idle is not None:
-            self._timer.wind(min(d for d in (headers, idle) if d is not None))
+        else:
+            self._timer.wind(headers, idle)
 
     def on_response_complete(self) -> None:
         """uvicorn's, with its keep-alive bound on this connection's timer."""

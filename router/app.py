@@ -281,9 +281,10 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request
         model, on a thread), answered by one worker."""
-        request_id = request_id_from(request.headers.get(HEADER_REQUEST_ID), limits.max_request_id_chars) or ids.new()
+        incoming = Incoming.of_asgi(request.scope, request.receive)
+        request_id = request_id_from(incoming.header(_REQUEST_ID), limits.max_request_id_chars) or ids.new()
         try:
-            raw = await read_json(Incoming.of_asgi(request.scope, request.receive))
+            raw = await read_json(incoming)
         except ClientGone:
             return Response(status_code=499)
         req = await asyncio.to_thread(check, raw)

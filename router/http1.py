@@ -316,7 +316,7 @@ class Connection(asyncio.Protocol):
             self._head_s = first_byte_s
             self._head_due = None if first_byte_s is None else now + first_byte_s
             self._total_due = None if total_s is None else now + total_s
-            self._timer.wind(min(d for d in (self._head_due, self._total_due) if d is not None))
+            self._timer.wind(self._head_due, self._total_due)
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)  # large bodies are not copied into one buffer
@@ -329,8 +329,8 @@ class Connection(asyncio.Protocol):
             self.close(asyncio.TimeoutError(f"the worker sent no answer within {self._head_s} s"))
         elif total is not None and now >= total:
             self.close(asyncio.TimeoutError("the call to the worker took longer than its total timeout"))
-        elif head is not None or total is not None:
-            self._timer.wind(min(d for d in (head, total) if d is not None))
+        else:
+            self._timer.wind(head, total)
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
