@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -71,19 +72,20 @@ class _NoEvent:
 _NO_EVENT = _NoEvent()
 
 
+# Head lines uvicorn writes as they are: a name of none of the characters HEADER_RE refuses and no
+# capital, a value of none HEADER_VALUE_RE refuses (no CR or LF: a value with CRLF in it would
+# match as two lines, so the lines are counted too).
+_PLAIN_LINES = re.compile(b"(?:[^" + HEADER_RE.pattern[1:-1] + b"A-Z]*: [^" + HEADER_VALUE_RE.pattern[1:-1]
+                          + b"]*\r\n)*")
+
+
 def _plain(headers: list) -> bytes | None:
     """`headers` as head lines, when uvicorn would write them as they are: every name lowercase
-    (Starlette's and uvicorn's are), none `connection`, and uvicorn's two checks passed, made once
-    over all names and once over all values (single-character classes: a match in the joined
-    bytes is a match in one header). Else None: uvicorn's per-header loop decides."""
-    names = values = block = b""
-    for name, value in headers:
-        names += name
-        values += value
-        block += b"%s: %s\r\n" % (name, value)
-    if not names.islower() and names or b"\nconnection:" in b"\n" + block:
-        return None
-    if HEADER_RE.search(names) or HEADER_VALUE_RE.search(values):
+    (Starlette's and uvicorn's are), none `connection`, and uvicorn's two checks passed (one match
+    over all the lines). Else None: uvicorn's per-header loop decides."""
+    block = b"".join([b"%s: %s\r\n" % header for header in headers])
+    if (_PLAIN_LINES.fullmatch(block) is None or block.count(b"\r\n") != len(headers)
+            or b"\nconnection:" in b"\n" + block):
         return None
     return block
 

@@ -68,19 +68,24 @@ class RoleFallback:
 
     def availability(self, model: str) -> Availability:
         prefill, decode = self.selector.pools(model)
-        pools = {ROLE_PREFILL: prefill, ROLE_DECODE: decode}
-        for role, pool in pools.items():
-            if pool:
-                self._seen.add((model, role))
-        missing = None
-        for role in ROLES:
-            if not pools[role] and pools[other(role)] and (model, role) in self._seen:
-                missing = role
+        seen, missing = self._seen, None
+        # A role is missing when it has no routable worker, the other role has, and this router
+        # has had one of it for the model (written out per role: this runs once per request).
+        if prefill:
+            if (model, ROLE_PREFILL) not in seen:
+                seen.add((model, ROLE_PREFILL))
+            if not decode and (model, ROLE_DECODE) in seen:
+                missing = ROLE_DECODE
+        if decode:
+            if (model, ROLE_DECODE) not in seen:
+                seen.add((model, ROLE_DECODE))
+            if not prefill and (model, ROLE_PREFILL) in seen:
+                missing = ROLE_PREFILL
         if self._missing.get(model, False) != missing:  # the gauge is set when it changes, not per request
             self._missing[model] = missing
             for role in ROLES:
                 self.metrics.degraded.labels(model, role).set(1 if missing == role else 0)
-        return Availability(pools[ROLE_PREFILL], pools[ROLE_DECODE], missing)
+        return Availability(prefill, decode, missing)
 
     def refresh(self) -> dict[str, str | None]:
         """Every known model's missing role (None: disaggregated or aggregated by design); sets

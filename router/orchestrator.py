@@ -30,6 +30,7 @@ from pdserve.protocol.continuation import HEADER_TOKEN_IDS
 from pdserve.protocol.contract import PATHS, ROLE_DECODE, ROLE_PREFILL
 from pdserve.protocol.disconnect import Grace
 from pdserve.protocol.errors import APIError, UpstreamError
+from pdserve.protocol.json_response import JSONBytes
 from pdserve.protocol.kv_transfer import NDJSON, prefill_request
 from pdserve.protocol.responses import RESPONSES
 from pdserve.protocol.sse import DONE, SSEResponse
@@ -125,7 +126,8 @@ class Orchestrator:
                 self.metrics.decode_prefix_hits.inc()
                 self.tracing.event(call.span, "route", {"pdserve.route": "whole on decode (prefix cached)"})
                 return await self.direct(call, decode_pool)
-            prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool)
+            # (a part of the prefill pool: with none there, none here)
+            prefill_pool = self.selector.pool(ROLE_PREFILL, model, partners=decode_pool) if pools.prefill else []
             if prefill_pool:
                 prefill = await self._prefill(call, prefill_pool, self._streams_kv(call))
             else:
@@ -229,7 +231,7 @@ class Orchestrator:
         answer.kv_transfer_params = None
         self.observe_ttft(call)
         if not call.stream:
-            return self._done(call, Response(answer.model_dump_json(), media_type="application/json"))
+            return self._done(call, JSONBytes(answer.model_dump_json().encode()))
 
         async def events() -> AsyncIterator[bytes]:
             yield first_token_events(answer, finished=True)
@@ -290,7 +292,7 @@ class Orchestrator:
                 return await self.direct(call, elsewhere[1], elsewhere[0])
             content = await self.read_answer(up, response)
         self.observe_ttft(call)
-        return self._done(call, Response(content, media_type="application/json"))
+        return self._done(call, JSONBytes(content))
 
     def whole_elsewhere(self, call: Call, role: str, up: UpstreamCall) -> tuple[str, list[Worker]] | None:
         """No worker of `role` took the call (router/fallback.py): the other role's pool, once
@@ -309,7 +311,7 @@ class Orchestrator:
         except (ValidationError, IndexError):
             raise APIError(502, "the decode worker's answer is malformed", code="upstream_failed") from None
         self.observe_ttft(call)
-        return self._done(call, Response(merge_unary(prefill, decode).model_dump_json(), media_type="application/json"))
+        return self._done(call, JSONBytes(merge_unary(prefill, decode).model_dump_json().encode()))
 
     def decode_events(self, call: Call, up: UpstreamCall, response: UpstreamResponse | None,
                       since: float, first_token_id: int | None = None) -> AsyncGenerator:
