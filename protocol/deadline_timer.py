@@ -2,7 +2,7 @@
 
 A timer made and cancelled per request costs ~2 µs on uvloop; a connection that serves many
 requests needs only one, wound to the earliest time something may be due. Its owner keeps the
-due times: `wind(*dues)` makes the timer fire by the earliest of them that is set (nothing to do
+due times: `wind(due, other)` makes the timer fire by the earlier of them that is set (nothing to do
 when it already fires earlier, or none is), and when it fires the owner looks at what has passed,
 acts on it, and winds it again with what is still ahead. Requests on a kept-alive connection
 with the same bounds have ever later due times, so the timer is set about once per bound's
@@ -24,12 +24,10 @@ class DeadlineTimer:
         self._handle: asyncio.TimerHandle | None = None
         self._at = 0.0
 
-    def wind(self, *dues: float | None) -> None:
-        """Fire by the earliest of `dues` (loop times; None: not due)."""
-        due = None
-        for d in dues:
-            if d is not None and (due is None or d < due):
-                due = d
+    def wind(self, due: float | None, other: float | None = None) -> None:
+        """Fire by the earlier of `due` and `other` (loop times; None: not due)."""
+        if other is not None and (due is None or other < due):
+            due = other
         if due is None:
             return
         if self._handle is not None:

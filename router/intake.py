@@ -78,6 +78,8 @@ def _validated_fields(model) -> frozenset[str]:
     return frozenset(f for d in model.__pydantic_decorators__.field_validators.values() for f in d.info.fields)
 
 
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+_SCALARS_OR_LIST = _SCALARS | {list}
 # Fields whose own validator may return another value than it was given.
 _REVALUED = {model: _validated_fields(model) for model in (ChatCompletionRequest, CompletionRequest)}
 
@@ -87,15 +89,11 @@ def _dumps_as_given(req: GenerationRequest, obj: dict) -> bool:
     key of `obj` a field that `req` kept, and every value a JSON scalar or a list of scalars
     (strict validation keeps those equal), none of a field with a validator of its own. A nested
     object (messages, tools, response_format) leaves it to the dump: a model there drops keys."""
-    if obj.keys() != req.model_fields_set:
+    if obj.keys() != req.model_fields_set or not _REVALUED[type(req)].isdisjoint(obj):
         return False
-    revalued = _REVALUED[type(req)]
-    for key, value in obj.items():
-        kind = type(value)
-        if kind is dict or key in revalued:
-            return False
-        if kind is list:
-            for item in value:
-                if type(item) is dict or type(item) is list:
-                    return False
-    return True
+    kinds = set(map(type, obj.values()))
+    if kinds <= _SCALARS:
+        return True
+    if not kinds <= _SCALARS_OR_LIST:
+        return False
+    return all(set(map(type, value)) <= _SCALARS for value in obj.values() if type(value) is list)

@@ -26,6 +26,9 @@ class RoundRobin:
         self._counter = itertools.count()
 
     def pick(self, workers: Sequence[Worker], scores: Sequence[tuple[float, ...]]) -> Worker:
+        if len(workers) == 1:  # (a turn is still taken: the rotation goes on as it would)
+            next(self._counter)
+            return workers[0]
         best = max(scores)
         # Sorting by URL keeps the rotation stable when discovery reorders the list.
         ordered = sorted((w for w, s in zip(workers, scores) if s == best), key=lambda w: w.url)

@@ -16,7 +16,8 @@ def test_it_fires_by_the_earliest_due_it_was_wound_for_and_once():
         timer.wind(start + 60)
         timer.wind(None)  # nothing due: nothing changes
         timer.wind(start + 90, None)  # later: the timer already fires first
-        timer.wind(None, start + 120, start + 0.05)  # the earliest set is earlier: set again
+        timer.wind(None, start + 100)  # so is this one
+        timer.wind(start + 120, start + 0.05)  # the earlier one is earlier than the timer: set again
         async with asyncio.timeout(10):
             while not fired:
                 await asyncio.sleep(0.01)
