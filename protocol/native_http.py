@@ -38,6 +38,7 @@ from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
 from pdserve.protocol.http_limits import HeaderDeadlineProtocol
 from pdserve.protocol.incoming import GONE, LATE, Incoming
+from pdserve.protocol.response_headers import set_header
 
 log = logging.getLogger("pdserve.protocol")
 
@@ -60,6 +61,7 @@ class NativeRoutes:
     handlers: Mapping[str, Handler]  # POST path -> its handler, which answers every error itself
     max_body_bytes: int  # a body declared larger takes the ASGI path (its 413 is the app's)
     body_timeout_s: float  # a body not all in by then is answered as the app answers it (408)
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # set on every answer (set_header: replacing any of the name)
 
 
 class _NoEvent:
@@ -117,6 +119,8 @@ class Exchange:
         cycle runs an app."""
         try:
             response = await self.handler(Incoming(self.headers, self.scope, None, body, self.first))
+            for name, value in self.protocol.native.headers:
+                set_header(response, name, value)
             if isinstance(response, StreamingResponse):
                 await response(self.scope, self._receive, self._send)
             else:

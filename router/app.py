@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from pdserve.protocol.disconnect import ClientGone, unless_disconnected
 from pdserve.protocol.errors import APIError, install_handlers
 from pdserve.protocol.incoming import Incoming
 from pdserve.protocol.request_limits import RequestLimits
+from pdserve.protocol.response_headers import set_header
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse, when_over
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
@@ -48,13 +50,13 @@ from pdserve.router.flow_control import (FAIRNESS_HEADER, PRIORITY_HEADER, FlowC
 from pdserve.router.flow_control.saturation import saturation_check
 from pdserve.router.forward import Forwarder
 from pdserve.router.http1 import Client
-from pdserve.router.hot_routes import HotRoutesApp, set_header
+from pdserve.router.hot_routes import HotRoutesApp
 from pdserve.router.intake import intake
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.kv_subscriptions import KVSubscriptions
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.call import Call
-from pdserve.router.offload import RequestIds, off_loop
+from pdserve.router.offload import INLINE_BYTES, RequestIds, off_loop
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policies import PolicyContext, RoutingRequest, needs_kv_index
 from pdserve.router.prober import Prober
@@ -170,11 +172,15 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # on a thread when the body is large (router/offload.py), so /health and every other
         # request go on meanwhile.
         raw = await read_json(request)
-        taken = await off_loop(len(raw), intake, raw, route, limits)
-        await live.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
+        # (the common cases without a coroutine each: a small body, no hold, no tokenizer)
+        taken = intake(raw, route, limits) if len(raw) <= INLINE_BYTES else \
+            await off_loop(len(raw), intake, raw, route, limits)
+        if live.admission.enabled:
+            await live.admission.admit(taken.model)  # scale from zero: wait (bounded) for a worker
         served_model(taken.model)
         routing = RoutingRequest(taken.request, request.header(_SESSION_ID), tokenizer)
-        await routing.tokenize_off_loop()
+        if tokenizer is not None:
+            await routing.tokenize_off_loop()
         # Counted as an arrival once a worker accepts it (Orchestrator._answered), not here.
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
@@ -194,11 +200,9 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         budget = getattr(call.request, "requested_max_tokens", call.request.max_tokens)  # chat's, or completions'
         return Ticket(band, tenant, call.prompt_tokens + (budget or 0))
 
-    async def answer(request: Incoming, call: Call) -> Response:
-        """The orchestrator's answer; under flow control, once the request's turn has come, with
+    async def in_turn(request: Incoming, call: Call) -> Response:
+        """Under flow control, the orchestrator's answer once the request's turn has come, with
         its slot held until the answer is over (a stream's end or its client leaving)."""
-        if flow is None:
-            return await live.orchestrator.handle(call)
         lease = await flow.acquire(await ticket(request, call))
         try:
             response = await live.orchestrator.handle(call)
@@ -229,54 +233,41 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # One id for the client, both upstream legs and the logs; echoed as a response header.
         request_id = request_id_from(request.header(_REQUEST_ID), limits.max_request_id_chars) or ids.new()
         span = traced(request, route, request_id)
-        try:
-            response = await answered(request, route, request_id, span)
-        except BaseException as e:  # cancelled: the client left
-            tracing.end(span, error=type(e).__name__)
-            raise
-        end_when_sent(span, response)
-        return response
-
-    async def answered(request: Incoming, route: str, request_id: str, span) -> Response:
         started = time.monotonic()
         try:
             call = await parse(request, route, request_id, span)
             if span is not None:
                 span.set_attributes({"gen_ai.request.model": call.model,
                                      "gen_ai.usage.prompt_tokens": call.prompt_tokens})
-            response = await unless_disconnected(request, answer(request, call))
+            work = live.orchestrator.handle(call) if flow is None else in_turn(request, call)
+            response = await unless_disconnected(request, work)
             if route == "responses":
                 response = from_chat(response, call.responses_body)
             set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
             if span is not None:
                 span.set_attribute("pdserve.disaggregated", call.disaggregated)
-            return response
         except APIError as e:
             metrics.requests.labels(route, str(e.status), "no").inc()
             metrics.e2e.observe(time.monotonic() - started)
             response = e.response()
             set_header(response, _REQUEST_ID, request_id.encode("latin-1"))
-            return response
         except ClientGone:
             metrics.requests.labels(route, "499", "no").inc()
-            return Response(status_code=499)
+            response = Response(status_code=499)
         except Exception:  # a bug of ours still answers in OpenAI's shape, and is logged
             log.exception("unexpected error on %s", route)
             metrics.requests.labels(route, "500", "no").inc()
-            return APIError(500, "internal router error", code="internal_error").response()
+            response = APIError(500, "internal router error", code="internal_error").response()
+        except BaseException as e:  # cancelled: the client left
+            tracing.end(span, error=type(e).__name__)
+            raise
+        end_when_sent(span, response)
+        return response
 
-    async def chat(request: Incoming) -> Response:
-        return await serve(request, "chat")
-
-    async def completions(request: Incoming) -> Response:
-        return await serve(request, "completions")
-
-    async def responses(request: Incoming) -> Response:
-        return await serve(request, "responses")
-
-    app.hot_post("/v1/chat/completions", chat)
-    app.hot_post("/v1/completions", completions)
-    app.hot_post("/v1/responses", responses)
+    # (partials, not wrapper coroutines: one coroutine less for each request to pass through)
+    app.hot_post("/v1/chat/completions", functools.partial(serve, route="chat"), "chat")
+    app.hot_post("/v1/completions", functools.partial(serve, route="completions"), "completions")
+    app.hot_post("/v1/responses", functools.partial(serve, route="responses"), "responses")
 
     async def forward(request: Request, path: str, check) -> Response:
         """/tokenize, /detokenize: validated here like any route (`check`: raw bytes to the request

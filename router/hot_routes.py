@@ -26,8 +26,12 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.protocol.incoming import Incoming
 from pdserve.protocol.native_http import NativeRoutes
+from pdserve.protocol.response_headers import set_header
 
 Handler = Callable[[Incoming], Awaitable[Response]]
+
+# What CORSMiddleware adds to an answer to a request without `Origin`.
+_NO_ORIGIN = ((b"vary", b"Origin"),)
 
 
 class HotRoutesApp(FastAPI):
@@ -35,28 +39,22 @@ class HotRoutesApp(FastAPI):
         super().__init__(*args, **kwargs)
         self._hot: dict[str, Handler] = {}
 
-    def hot_post(self, path: str, handler: Handler) -> None:
+    def hot_post(self, path: str, handler: Handler, name: str) -> None:
         """`handler` answers POST `path` (it must answer every error itself); also registered as
-        an ordinary route, for requests that take the whole stack and for the OpenAPI schema."""
+        an ordinary route named `name`, for requests that take the whole stack and for the
+        OpenAPI schema."""
         self._hot[path] = handler
 
         async def endpoint(request: Request) -> Response:
             return await handler(Incoming.of_asgi(request.scope, request.receive))
 
-        endpoint.__name__ = endpoint.__qualname__ = handler.__name__  # the schema's operation id
+        endpoint.__name__ = endpoint.__qualname__ = name  # the schema's operation id
         self.add_api_route(path, endpoint, methods=["POST"])
 
     def native_routes(self, max_body_bytes: int, body_timeout_s: float) -> NativeRoutes:
         """The hot routes for pdserve's own HTTP path: what this app answers a request without
         `Origin`, `Vary: Origin` included."""
-        def without_origin(handler: Handler) -> Handler:
-            async def answer(request: Incoming) -> Response:
-                response = await handler(request)
-                set_header(response, b"vary", b"Origin")
-                return response
-            return answer
-
-        return NativeRoutes({path: without_origin(h) for path, h in self._hot.items()}, max_body_bytes, body_timeout_s)
+        return NativeRoutes(dict(self._hot), max_body_bytes, body_timeout_s, headers=_NO_ORIGIN)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._hot.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -70,28 +68,6 @@ class HotRoutesApp(FastAPI):
             return
         scope["app"] = self
         response = await handler(Incoming.of_asgi(scope, receive))
-        set_header(response, b"vary", b"Origin")  # as CORSMiddleware adds to an answer without Origin
+        for name, value in _NO_ORIGIN:  # as CORSMiddleware adds to an answer without Origin
+            set_header(response, name, value)
         await response(scope, receive, send)
-
-
-def set_header(response: Response, name: bytes, value: bytes) -> None:
-    """`response.headers[name] = value` (`name` lowercase) on the response's raw headers: the
-    first header of that name replaced, later ones dropped, else appended, as Starlette's
-    MutableHeaders does, without making one (through a failed `hasattr`) per response."""
-    raw = response.raw_headers
-    for present, _ in raw:  # the common case, a name not there yet: a plain scan, then append
-        if present == name:
-            break
-    else:
-        raw.append((name, value))
-        return
-    at = None
-    for i in range(len(raw) - 1, -1, -1):
-        if raw[i][0] == name:
-            if at is not None:
-                del raw[at]
-            at = i
-    if at is None:
-        raw.append((name, value))
-    else:
-        raw[at] = (name, value)

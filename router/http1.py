@@ -448,21 +448,24 @@ class Client:
             pool = self._pools[url] = Pool(self, url)
         started = time.monotonic()
         conn = await self._acquire(pool, connect_s)
-        if total_s is not None:
-            total_s = max(total_s - (time.monotonic() - started), 0.0)
         head = self._head(pool, path, headers, len(body))
-        reused = conn.reused
-        try:
-            return await self._exchange(conn, head, body, total_s, first_byte_s)
-        except UpstreamConnectionError:
-            if not reused or conn._got_bytes:
+        while True:
+            left = None if total_s is None else max(total_s - (time.monotonic() - started), 0.0)
+            reused = conn.reused
+            try:
+                return await conn.send(head, body, left, first_byte_s)
+            except UpstreamConnectionError:
+                if not reused or conn._got_bytes:
+                    raise
+            except BaseException:
+                # Cancelled (the caller left, a first-byte bound, an abandoned worker) or failed:
+                # the request may be on the worker, so the connection is closed: the worker aborts it.
+                conn.close(UpstreamConnectionError("the call was given up"))
                 raise
-        # A kept-alive connection the worker closed (its idle timeout) just as it was reused: the
-        # worker read nothing of this request, so it goes once more on a new connection.
-        conn = await self._acquire(pool, connect_s, fresh=True)
-        if total_s is not None:
-            total_s = max(total_s - (time.monotonic() - started), 0.0)
-        return await self._exchange(conn, head, body, total_s, first_byte_s)
+            # A kept-alive connection the worker closed (its idle timeout) just as it was reused:
+            # the worker read nothing of this request, so it goes once more on a new connection
+            # (not reused: its failure is final).
+            conn = await self._acquire(pool, connect_s, fresh=True)
 
     async def _acquire(self, pool: Pool, connect_s: float | None, fresh: bool = False) -> Connection:
         if not fresh and self._in_use < self.limit and (conn := pool.reuse()) is not None:
@@ -475,19 +478,6 @@ class Client:
             except BaseException:
                 self.released()
                 raise
-
-    @staticmethod
-    async def _exchange(
-        conn: Connection, head: bytes, body: bytes, total_s: float | None, first_byte_s: float | None
-    ) -> UpstreamResponse:
-        try:
-            return await conn.send(head, body, total_s, first_byte_s)
-        except BaseException as e:
-            # Cancelled (the caller left, a first-byte bound, an abandoned worker) or failed: the
-            # request may be on the worker, so the connection is closed: the worker aborts it.
-            if not isinstance(e, UpstreamConnectionError):
-                conn.close(UpstreamConnectionError("the call was given up"))
-            raise
 
     async def _fresh(self, pool: Pool) -> Connection:
         for conn in pool.idle:

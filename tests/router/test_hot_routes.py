@@ -11,7 +11,7 @@ import httpx
 import pytest
 from starlette.responses import Response
 
-from pdserve.router.hot_routes import set_header
+from pdserve.protocol.response_headers import set_header
 
 
 @pytest.fixture(scope="module")
