@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -62,6 +63,16 @@ class NativeRoutes:
     max_body_bytes: int  # a body declared larger takes the ASGI path (its 413 is the app's)
     body_timeout_s: float  # a body not all in by then is answered as the app answers it (408)
     headers: tuple[tuple[bytes, bytes], ...] = ()  # set on every answer (set_header: replacing any of the name)
+
+    @functools.cached_property
+    def by_path(self) -> dict[bytes, Handler]:
+        """`handlers` by the path's bytes, as a request line carries it."""
+        return {path.encode("latin-1"): handler for path, handler in self.handlers.items()}
+
+    @functools.cached_property
+    def body_limit(self) -> int:
+        """The largest body this path takes (larger ones take the ASGI path)."""
+        return min(self.max_body_bytes, NATIVE_BODY_BYTES)
 
 
 class _NoEvent:
@@ -255,15 +266,17 @@ class NativeProtocol(HeaderDeadlineProtocol):
         limit = self.limit_concurrency
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             return None, False  # uvicorn answers 503
-        path = httptools.parse_url(self.url).path
-        handler = native.handlers.get(path.decode("latin-1")) if b"%" not in path else None
+        url = self.url
+        # An origin-form target with no query is its path (the common case: no URL object made).
+        path = url if url[:1] == b"/" and b"?" not in url and b"#" not in url else httptools.parse_url(url).path
+        handler = native.by_path.get(path) if b"%" not in path else None
         if handler is None:
             return None, False
         first = dict(reversed(self.headers))  # name -> its first value (Incoming's lookups)
         if b"origin" in first or b"transfer-encoding" in first:
             return None, False
         length = first.get(b"content-length")
-        if length is None or not length.isdigit() or int(length) > min(native.max_body_bytes, NATIVE_BODY_BYTES):
+        if length is None or not length.isdigit() or int(length) > native.body_limit:
             return None, False
         self._first = first
         return handler, parser.get_http_version() != "1.0" and parser.should_keep_alive()

@@ -133,6 +133,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The rest of the body; then the response is done."""
+        if self._complete and self._error is None:  # all of it is here (the common case): no wait
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            self._finish()
+            return data
         parts = []
         while data := await self.readany():
             parts.append(data)

@@ -136,7 +136,8 @@ class Orchestrator:
             self.tracing.event(call.span, "route", {"pdserve.route": "whole on prefill (adapter on no decode worker)"})
             return await self.direct(call, pools.prefill, ROLE_PREFILL)
         if prefill is None:
-            self.tracing.event(call.span, "route", {"pdserve.route": "local prefill" if wanted else "whole on decode"})
+            if call.span is not None:  # (no attributes made for nothing: the common way, per request)
+                self.tracing.event(call.span, "route", {"pdserve.route": "local prefill" if wanted else "whole on decode"})
             return await self.direct(call, decode_pool)
         self.tracing.event(call.span, "route", {"pdserve.route": "disaggregated"})
         if isinstance(prefill, StreamedPrefill):
@@ -285,12 +286,15 @@ class Orchestrator:
                 raise
             # The stream owns the call from here: closed however the stream ends.
             return self.stream_response(call, self._relay(call, up, first_event_is_role=False, ttft=True), up)
-        async with self.upstream_call("decode", role, call, pool) as up:
+        up = self.upstream_call("decode", role, call, pool)
+        try:  # (`async with up` costs two coroutines a request; its exit is `close()`)
             response = await up.open(PATHS[call.route], call.raw, call.headers(), self.unary_limits(call), body_for)
             if response is None and (elsewhere := self.whole_elsewhere(call, role, up)) is not None:
                 up.close()
                 return await self.direct(call, elsewhere[1], elsewhere[0])
             content = await self.read_answer(up, response)
+        finally:
+            up.close()
         self.observe_ttft(call)
         return self._done(call, JSONBytes(content))
 

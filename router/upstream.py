@@ -128,7 +128,10 @@ class Upstream:
 
     def reading(self, worker: Worker, response: UpstreamResponse) -> None:
         """`response`'s body is being read from `worker` until `done_reading`."""
-        self._reading.setdefault(worker, set()).add(response)
+        reading = self._reading.get(worker)
+        if reading is None:
+            reading = self._reading[worker] = set()
+        reading.add(response)
 
     def done_reading(self, worker: Worker, response: UpstreamResponse) -> None:
         held = self._reading.get(worker)
@@ -154,7 +157,10 @@ class Upstream:
         429 is retryable without blaming the worker; other statuses are final answers, and so is
         a 500 that failed the request alone (HEADER_REQUEST_FAILED)."""
         task = asyncio.current_task()
-        self._waiting.setdefault(worker, set()).add(task)
+        waiting = self._waiting.get(worker)
+        if waiting is None:
+            waiting = self._waiting[worker] = set()
+        waiting.add(task)
         try:
             response = await self.client.post(worker.url, path, body, headers, limits.connect, limits.total,
                                               limits.first_byte_s)
@@ -170,9 +176,7 @@ class Upstream:
             return Attempt(worker, retryable=True, reason=f"{type(e).__name__}: {e}")
         finally:
             self._abandoned.discard(task)
-            waiting = self._waiting.get(worker)
-            if waiting is not None:
-                waiting.discard(task)
+            waiting.discard(task)  # (abandon() took the set out if it ran: discarding from it is harmless)
         if response.status >= 500 and response.headers.get(HEADER_REQUEST_FAILED):
             return Attempt(worker, response=response)  # this request's failure, final: the worker is fine
         if response.status >= 500 or response.status == 429:
