@@ -52,9 +52,16 @@ class Incoming:
 
     async def body(self, limit: int, timeout_s: float | None) -> bytes:
         """The whole body: 413 past `limit`, 408 if it takes longer than `timeout_s` (body.py)."""
+        if self._body is None:
+            return await read_body(self, limit, timeout_s)
+        return self.received(limit, timeout_s)
+
+    def received(self, limit: int, timeout_s: float | None) -> bytes | None:
+        """`body()` without a wait, when the body came with the request (the native path); None
+        when it is still to be read."""
         body = self._body
         if body is None:
-            return await read_body(self, limit, timeout_s)
+            return None
         if body is LATE:
             raise body_timeout(timeout_s)
         if body is GONE:

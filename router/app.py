@@ -152,11 +152,15 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
     install_handlers(app)
     cors.install(app, config)
 
-    async def read_json(request: Incoming) -> bytes:
+    def json_request(request: Incoming) -> None:
+        """401 or 415, before the body is read."""
         authorize(request, api_keys)
         ctype = request.header(b"content-type") or ""
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"Content-Type must be application/json, not {ctype or 'missing'!r}")
+
+    async def read_json(request: Incoming) -> bytes:
+        json_request(request)
         return await request.body(config.max_body_bytes, config.body_timeout_s)
 
     def served_model(model: str) -> None:
@@ -171,7 +175,10 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         # Parsed, validated and re-serialised (router/intake.py): CPU in proportion to the body,
         # on a thread when the body is large (router/offload.py), so /health and every other
         # request go on meanwhile.
-        raw = await read_json(request)
+        json_request(request)
+        raw = request.received(config.max_body_bytes, config.body_timeout_s)
+        if raw is None:  # (the ASGI path: it is read now)
+            raw = await request.body(config.max_body_bytes, config.body_timeout_s)
         # (the common cases without a coroutine each: a small body, no hold, no tokenizer)
         taken = intake(raw, route, limits) if len(raw) <= INLINE_BYTES else \
             await off_loop(len(raw), intake, raw, route, limits)

@@ -18,6 +18,7 @@ answer is a hand-off's (handoff/), which uses this class through its public meth
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -71,6 +72,9 @@ class Orchestrator:
         self.fallback = RoleFallback(selector, self.metrics)
         self.migration = Migration(self.fallback, self.metrics, config.max_migrations)
         self.tracing = Tracing.off()  # the app's, set by router/app.py
+        # The series a request counts itself in, by model and by (route, status, disaggregated).
+        self._arrivals: dict[str, tuple] = {}
+        self._answers: dict[tuple, object] = {}
         # (getattr: some tests drive the hand-off with no selector, hence no index)
         self.peer_prefix = PeerPrefix(getattr(selector, "kv_index", None), upstream, self.metrics,
                                       config.kv_peer_prefix_min_tokens)
@@ -81,9 +85,8 @@ class Orchestrator:
         return timeout(max(left, self.config.connect_timeout_s), self.config.connect_timeout_s)
 
     def upstream_call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
-        return UpstreamCall(self.up, phase, pool, lambda ws: self.selector.choose(role, ws, call.routing),
-                            self.config.max_retries, lambda status: self._answered(call, status),
-                            self.tracing, call.span)
+        return UpstreamCall(self.up, phase, pool, functools.partial(self.selector.choose, role, request=call.routing),
+                            self.config.max_retries, functools.partial(self._answered, call), self.tracing, call.span)
 
     def _answered(self, call: Call, status: int) -> None:
         """A worker answered a call of this request. Its first 2xx (prefill or whole request,
@@ -94,8 +97,12 @@ class Orchestrator:
             return
         call.accepted = True
         model = call.model
-        self.metrics.child(self.metrics.arrived_requests, model).inc()
-        self.metrics.child(self.metrics.arrived_prompt_tokens, model).inc(call.prompt_tokens)
+        series = self._arrivals.get(model)
+        if series is None:
+            series = self._arrivals[model] = (self.metrics.child(self.metrics.arrived_requests, model),
+                                              self.metrics.child(self.metrics.arrived_prompt_tokens, model))
+        series[0].inc()
+        series[1].inc(call.prompt_tokens)
 
     # ---- entry ---------------------------------------------------------------------------
 
@@ -120,7 +127,10 @@ class Orchestrator:
         prefill = None
         # A hand-off carries one sequence: prompt lists and n > 1 are served whole by one decode
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
-        wanted = loading or (call.single_sequence and self.selector.disaggregate(call.request))
+        # With no prefill worker the decider's answer changes only what is counted (a decode
+        # prefix hit, a fallback) and traced: with none of those either, it is not asked.
+        asks = pools.prefill or pools.missing is not None or call.span is not None or self.selector.decode_prefix.min_uncached
+        wanted = loading or (asks and call.single_sequence and self.selector.disaggregate(call.request))
         if wanted:
             if not loading and self.selector.decode_covers(call.routing, decode_pool):
                 self.metrics.decode_prefix_hits.inc()
@@ -436,7 +446,12 @@ class Orchestrator:
 
     def _done(self, call: Call, response: Response) -> Response:
         self.metrics.e2e.observe(time.monotonic() - call.started)
-        self.metrics.child(self.metrics.requests, call.route, str(response.status_code), _yes(call.disaggregated)).inc()
+        key = (call.route, response.status_code, call.disaggregated)
+        series = self._answers.get(key)
+        if series is None:
+            series = self._answers[key] = self.metrics.child(self.metrics.requests, call.route,
+                                                             str(response.status_code), _yes(call.disaggregated))
+        series.inc()
         return response
 
     def stream_response(self, call: Call, events: Events, held: Closable | None = None,

@@ -88,6 +88,7 @@ class Upstream:
         self.workers = workers
         self.metrics = metrics
         self._waiting: dict[Worker, set[asyncio.Task]] = {}
+        self._inflight: dict[str, object] = {}  # each worker URL's in-flight gauge series
         self._abandoned: set[asyncio.Task] = set()
         self._reading: dict[Worker, set[UpstreamResponse]] = {}
         self._background: set[asyncio.Task] = set()
@@ -140,11 +141,17 @@ class Upstream:
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
-        self.metrics.child(self.metrics.inflight, worker.url).set(worker.inflight)
+        self._inflight_series(worker).set(worker.inflight)
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
-        self.metrics.child(self.metrics.inflight, worker.url).set(worker.inflight)
+        self._inflight_series(worker).set(worker.inflight)
+
+    def _inflight_series(self, worker: Worker):
+        series = self._inflight.get(worker.url)
+        if series is None:
+            series = self._inflight[worker.url] = self.metrics.child(self.metrics.inflight, worker.url)
+        return series
 
     def failed(self, worker: Worker, phase: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(worker.url, phase).inc()
