@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import httptools
 from starlette.responses import Response, StreamingResponse
-from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from pdserve.protocol.disconnect import LOST_CONNECTION, LostConnection
 from pdserve.protocol.held_head import HeldHead
@@ -246,9 +246,26 @@ class NativeProtocol(HeaderDeadlineProtocol):
     default_lines: tuple = (None, None)
     _first: dict[bytes, bytes] | None = None  # the request's headers by name, first value each
 
+    def on_message_begin(self) -> None:
+        # uvicorn's per-request state, but not yet its ASGI scope (a dict of ten entries and a
+        # copy of the app state): only a request that takes the ASGI path needs one (`_asgi_scope`).
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = None
+        self._arm()  # the header deadline (http_limits.py)
+
+    def _asgi_scope(self) -> None:
+        """uvicorn's `on_message_begin`, for the scope it makes, the request so far kept."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        HttpToolsProtocol.on_message_begin(self)
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
+
     def on_headers_complete(self) -> None:
         handler, keep_alive = self._native_handler()
         if handler is None:
+            self._asgi_scope()
             super().on_headers_complete()
             return
         self._disarm()  # the header deadline (http_limits.py)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from starlette.responses import Response
+
+_NAME = itemgetter(0)
 
 
 def set_header(response: Response, name: bytes, value: bytes) -> None:
@@ -10,10 +14,7 @@ def set_header(response: Response, name: bytes, value: bytes) -> None:
     first header of that name replaced, later ones dropped, else appended, as Starlette's
     MutableHeaders does, without making one (through a failed `hasattr`) per response."""
     raw = response.raw_headers
-    for present, _ in raw:  # the common case, a name not there yet: a plain scan, then append
-        if present == name:
-            break
-    else:
+    if name not in map(_NAME, raw):  # the common case, a name not there yet (scanned in C)
         raw.append((name, value))
         return
     at = None
