@@ -81,8 +81,8 @@ class Orchestrator:
 
     def unary_limits(self, call: Call) -> Limits:
         """A non-streaming decode gets what is left of the whole request's budget."""
-        left = self.config.request_timeout_s - (time.monotonic() - call.started)
-        return timeout(max(left, self.config.connect_timeout_s), self.config.connect_timeout_s)
+        connect = self.config.connect_timeout_s
+        return Limits(max(self.config.request_timeout_s - (time.monotonic() - call.started), connect), connect)
 
     def upstream_call(self, phase: str, role: str, call: Call, pool: Sequence[Worker]) -> UpstreamCall:
         return UpstreamCall(self.up, phase, pool, functools.partial(self.selector.choose, role, request=call.routing),

@@ -185,14 +185,14 @@ class Upstream:
             self._abandoned.discard(task)
             waiting.discard(task)  # (abandon() took the set out if it ran: discarding from it is harmless)
         if response.status >= 500 and response.headers.get(HEADER_REQUEST_FAILED):
-            return Attempt(worker, response=response)  # this request's failure, final: the worker is fine
+            return Attempt(worker, response)  # this request's failure, final: the worker is fine
         if response.status >= 500 or response.status == 429:
             content = await read_and_close(response)
             reason = f"{response.status}: {content[:200].decode(errors='replace')}"
             if response.status != 429:
                 self.failed(worker, phase, reason)
             return Attempt(worker, response=response, retryable=True, reason=reason)
-        return Attempt(worker, response=response)
+        return Attempt(worker, response)
 
 
 async def read_and_close(response: UpstreamResponse) -> bytes:
