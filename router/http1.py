@@ -59,7 +59,8 @@ class UpstreamResponse:
 
     __slots__ = (
         "status",
-        "headers",
+        "raw_headers",
+        "_headers",
         "_conn",
         "_chunks",
         "_size",
@@ -76,7 +77,8 @@ class UpstreamResponse:
     def __init__(self, conn: "Connection"):
         self._loop = conn.loop  # asyncio.get_running_loop() checks the pid (a syscall) on every call
         self.status = 0
-        self.headers = Headers()
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as the worker sent them
+        self._headers: Headers | None = None
         self._conn: Connection | None = conn
         self._chunks: collections.deque[bytes] = collections.deque()
         self._size = 0
@@ -89,6 +91,20 @@ class UpstreamResponse:
         self.idle_s: float | None = None
         self._wait_since = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def headers(self) -> Headers:
+        """The headers by lowercase name (repeated ones joined with ", "), made on first use:
+        most answers are relayed without a header of theirs being read."""
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = Headers()
+            for name, value in self.raw_headers:
+                key = name.decode("latin-1").lower()
+                text = value.decode("latin-1")
+                # (dict's own methods: `key` is lowercase already, so Headers' lowering is not needed)
+                dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if dict.__contains__(headers, key) else text)
+        return headers
 
     @property
     def content_type(self) -> str:
@@ -201,6 +217,14 @@ class UpstreamResponse:
                 w.set_result(None)
 
 
+def _ends_with_connection(response: UpstreamResponse) -> bool:
+    """An answer with no length that is not chunked: its body ends with the connection."""
+    headers = response.headers
+    return (not dict.__contains__(headers, "content-length")
+            and "chunked" not in dict.get(headers, "transfer-encoding", "").lower()
+            and response.status not in (204, 304) and response.status >= 200)
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection to one worker; it carries one request at a time."""
 
@@ -224,7 +248,6 @@ class Connection(asyncio.Protocol):
         self._total_due: float | None = None
         self._timer = DeadlineTimer(self.loop, self._tick)
         self._got_bytes = False  # of the current answer
-        self._body_to_eof = False  # no length, not chunked: the body ends with the connection
         self._lost = False
 
     # ---- asyncio.Protocol ----
@@ -248,7 +271,7 @@ class Connection(asyncio.Protocol):
         self._lost = True
         self.pool.forget(self)
         response = self._response
-        if response is not None and self._body_to_eof and self._head is not None and self._head.done():
+        if response is not None and self._head is not None and self._head.done() and _ends_with_connection(response):
             self._response = None
             self._head_due = self._total_due = None
             self._timer.stop()
@@ -263,23 +286,12 @@ class Connection(asyncio.Protocol):
     # ---- httptools callbacks ----
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self._response.headers
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        # (dict's own methods: `key` is lowercase already, so Headers' lowering is not needed)
-        dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if dict.__contains__(headers, key) else text)
+        self._response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._head_due = None
         response = self._response
         response.status = self._parser.get_status_code()
-        headers = response.headers
-        self._body_to_eof = (
-            not dict.__contains__(headers, "content-length")
-            and "chunked" not in dict.get(headers, "transfer-encoding", "").lower()
-            and response.status not in (204, 304)
-            and response.status >= 200
-        )
         if not self._head.done():
             self._head.set_result(response)
 
@@ -316,7 +328,6 @@ class Connection(asyncio.Protocol):
         self._head = loop.create_future()
         self._response = UpstreamResponse(self)
         self._got_bytes = False
-        self._body_to_eof = False
         if first_byte_s is not None or total_s is not None:
             now = loop.time()
             self._head_s = first_byte_s

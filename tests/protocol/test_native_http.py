@@ -8,12 +8,15 @@ from __future__ import annotations
 import socket
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.responses import JSONResponse, Response
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.http_limits import ClientLimits
 from pdserve.protocol.incoming import Incoming
-from pdserve.protocol.native_http import NATIVE_BODY_BYTES, NativeProtocol, NativeRoutes
+from pdserve.protocol.native_http import NATIVE_BODY_BYTES, NativeProtocol, NativeRoutes, _plain
 from pdserve.protocol.sse import SSEResponse
 from tests.protocol.server_thread import serving
 
@@ -135,3 +138,32 @@ def test_a_body_past_a_mebibyte_takes_the_asgi_path_within_the_limit():
         (past,) = _answers(p, post(body=b"x" * (NATIVE_BODY_BYTES + 1)))
     assert at_bound.endswith(b'{"path":"native","size":%d}' % NATIVE_BODY_BYTES)
     assert past.endswith(b'{"path":"asgi","size":%d}' % (NATIVE_BODY_BYTES + 1))
+
+
+def _per_header(headers: list) -> bytes | None:
+    """What uvicorn's loop writes for `headers` (none of them `connection`), or None if it refuses one."""
+    lines = b""
+    for name, value in headers:
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            return None
+        lines += name.lower() + b": " + value + b"\r\n"
+    return lines
+
+
+_BYTES = st.binary(max_size=6) | st.sampled_from([b"content-type", b"X-Id", b"a\r\nb: c", b"a b", b"\t v", b"x:"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(headers=st.lists(st.tuples(_BYTES, _BYTES), max_size=4))
+def test_head_lines_taken_as_they_are_only_when_uvicorn_writes_them_so(headers):
+    """`_plain` (one match over all the lines) passes only headers uvicorn's per-header loop writes
+    unchanged, and passes every such list of lowercase names."""
+    block = _plain(headers)
+    expected = _per_header(headers)
+    if any(name.lower() == b"connection" for name, _ in headers):
+        assert block is None
+        return
+    if block is not None:
+        assert block == expected
+    elif expected is not None:
+        assert any(name != name.lower() for name, _ in headers)

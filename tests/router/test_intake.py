@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.protocol.errors import APIError
 from pdserve.protocol.request_limits import RequestLimits
@@ -72,3 +74,36 @@ def test_a_body_of_more_values_than_the_prompt_bound_allows_is_refused_before_pa
     with pytest.raises(APIError) as e:
         intake(raw, "chat", small)
     assert e.value.code == "too_many_values"
+
+
+_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(0, 2), st.text(max_size=5))
+_FIELD = {  # a field of either endpoint (some take only some kinds: pydantic's 400s are skipped)
+    "n": st.integers(1, 2), "stream": st.booleans(), "temperature": _SCALAR, "top_k": _SCALAR, "seed": _SCALAR,
+    "stop": st.one_of(_SCALAR, st.lists(st.text(max_size=3), max_size=2)), "logit_bias": st.dictionaries(
+        st.sampled_from(["1", "2"]), st.floats(-1, 1), max_size=1), "stream_options": st.fixed_dictionaries(
+        {"include_usage": st.booleans()}), "user": _SCALAR, "priority": st.integers(-2, 2), "unknown": _SCALAR,
+    "max_tokens": st.one_of(st.none(), st.integers(1, 9)), "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["a"]), _SCALAR, max_size=1), "prompt": st.one_of(st.text(min_size=1, max_size=5), st.lists(
+            st.integers(0, 9), min_size=1, max_size=3), st.lists(st.lists(st.integers(0, 9), min_size=1), min_size=1,
+                                                                 max_size=2)),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(route=st.sampled_from(["chat", "completions"]), body=st.fixed_dictionaries({}, optional=_FIELD))
+def test_a_request_is_forwarded_as_sent_only_when_it_is_what_was_validated(route, body):
+    """The shortcut past the dump (`_dumps_as_given`) never forwards a body the dump would have
+    changed: whatever was sent, what goes on is the validated fields' JSON."""
+    body = {"model": "tiny", **body}
+    if route == "chat":
+        body.pop("prompt", None)
+        body["messages"] = CHAT
+    elif "prompt" not in body:
+        body["prompt"] = "hi"
+    try:
+        got = take(body, route)
+    except APIError:
+        return  # refused as the worker would refuse it
+    assert json.loads(got.raw) == got.request.model_dump(exclude_unset=True)
+    if got.fields is not None:
+        assert got.fields == got.request.model_dump(exclude_unset=True)
