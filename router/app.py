@@ -192,7 +192,8 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
         ids = routing.token_ids()
         return Call(taken.route, taken.request, taken.raw, request_id, routing, started=time.monotonic(),
                     prompt_tokens=taken.estimated_tokens if ids is None else len(ids), span=span,
-                    made_fields=None if taken.fields is None else (taken.request, taken.fields), responses_body=taken.responses)
+                    made_fields=None if taken.fields is None else (taken.request, taken.fields),
+                    responses_body=taken.responses)
 
     async def ticket(request: Incoming, call: Call) -> Ticket:
         """The request's band and tenant (400 on a malformed header or an unknown priority); a

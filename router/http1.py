@@ -103,7 +103,8 @@ class UpstreamResponse:
                 key = name.decode("latin-1").lower()
                 text = value.decode("latin-1")
                 # (dict's own methods: `key` is lowercase already, so Headers' lowering is not needed)
-                dict.__setitem__(headers, key, f"{dict.get(headers, key)}, {text}" if dict.__contains__(headers, key) else text)
+                joined = f"{dict.get(headers, key)}, {text}" if dict.__contains__(headers, key) else text
+                dict.__setitem__(headers, key, joined)
         return headers
 
     @property

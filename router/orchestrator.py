@@ -129,7 +129,8 @@ class Orchestrator:
         # worker (prefilling locally): one kv_transfer_params names one request's KV, as in vLLM.
         # With no prefill worker the decider's answer changes only what is counted (a decode
         # prefix hit, a fallback) and traced: with none of those either, it is not asked.
-        asks = pools.prefill or pools.missing is not None or call.span is not None or self.selector.decode_prefix.min_uncached
+        asks = (pools.prefill or pools.missing is not None or call.span is not None
+                or self.selector.decode_prefix.min_uncached)
         wanted = loading or (asks and call.single_sequence and self.selector.disaggregate(call.request))
         if wanted:
             if not loading and self.selector.decode_covers(call.routing, decode_pool):
@@ -147,7 +148,8 @@ class Orchestrator:
             return await self.direct(call, pools.prefill, ROLE_PREFILL)
         if prefill is None:
             if call.span is not None:  # (no attributes made for nothing: the common way, per request)
-                self.tracing.event(call.span, "route", {"pdserve.route": "local prefill" if wanted else "whole on decode"})
+                route = "local prefill" if wanted else "whole on decode"
+                self.tracing.event(call.span, "route", {"pdserve.route": route})
             return await self.direct(call, decode_pool)
         self.tracing.event(call.span, "route", {"pdserve.route": "disaggregated"})
         if isinstance(prefill, StreamedPrefill):
