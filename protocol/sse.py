@@ -52,7 +52,13 @@ class SSEResponse(StreamingResponse):
         write for both); a chunk that ends with `[DONE]` is sent with the body's end, once the
         iterator is over (or on its own if the iterator yields anything more). For iterators
         that yield soon and end right after their `[DONE]`: a relay of a worker's stream."""
-        super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
+        if headers or not isinstance(content, AsyncGeneratorType):
+            super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
+        else:  # what Starlette's init makes of this, its headers made once (every stream's case)
+            self.body_iterator = content
+            self.status_code = 200
+            self.background = None
+            self.raw_headers = list(_DEFAULT_RAW_HEADERS)
         self.on_close = on_close
         self.coalesce = coalesce
         self.on_chunk = on_chunk
@@ -138,6 +144,12 @@ class SSEResponse(StreamingResponse):
             finally:
                 if self.on_close is not None:
                     self.on_close()
+
+
+# An SSEResponse's headers as Starlette makes them from HEADERS and the media type (names
+# lowercased, the charset added), for the responses that take nothing else.
+_DEFAULT_RAW_HEADERS = tuple(
+    StreamingResponse(iter(()), headers=HEADERS, media_type=SSEResponse.media_type).raw_headers)
 
 
 def when_over(response: Response, fn: Callable[[], None]) -> None:

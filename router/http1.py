@@ -261,12 +261,23 @@ class Connection(asyncio.Protocol):
             self.close(UpstreamConnectionError("unexpected bytes from the worker"))
             return
         self._got_bytes = True
+        response = self._response
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.close(UpstreamConnectionError("the worker upgraded the connection"))
+            return
         except httptools.HttpParserError as e:
             self.close(UpstreamConnectionError(f"malformed answer from the worker: {e}"))
+            return
+        # The body's reader is woken (and the socket paused past the high-water mark) once per
+        # read, not once per piece parsed from it: it runs only after this returns anyway.
+        if response is self._response and response._chunks:
+            if response._size > _HIGH_WATER:
+                self.pause()
+            w = response._waiter
+            if w is not None and not w.done():
+                w.set_result(None)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
@@ -297,16 +308,11 @@ class Connection(asyncio.Protocol):
             self._head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        # The response's buffer fed here, its reader woken inline: this runs for every piece of
-        # every body, so without a call of its own.
+        # Runs for every piece of every body: the buffer fed inline, its reader woken by
+        # data_received once the read is parsed.
         response = self._response
         response._chunks.append(body)
         response._size += len(body)
-        if response._size > _HIGH_WATER:
-            self.pause()
-        w = response._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
 
     def on_message_complete(self) -> None:
         response, self._response = self._response, None
