@@ -52,7 +52,7 @@ class SSEResponse(StreamingResponse):
         write for both); a chunk that ends with `[DONE]` is sent with the body's end, once the
         iterator is over (or on its own if the iterator yields anything more). For iterators
         that yield soon and end right after their `[DONE]`: a relay of a worker's stream."""
-        if headers or not isinstance(content, AsyncGeneratorType):
+        if headers or not isinstance(content, AsyncGeneratorType) or type(self) is not SSEResponse:
             super().__init__(content, headers={**HEADERS, **headers} if headers else HEADERS)
         else:  # what Starlette's init makes of this, its headers made once (every stream's case)
             self.body_iterator = content

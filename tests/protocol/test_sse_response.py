@@ -32,3 +32,11 @@ def test_extra_headers_and_other_iterables_take_starlettes_init():
             return _events()
 
     assert SSEResponse(Iterable()).raw_headers == SSEResponse(_events()).raw_headers
+
+
+def test_a_subclass_with_its_own_media_type_keeps_it():
+    class NDJSON(SSEResponse):
+        media_type = "application/x-ndjson"
+
+    assert NDJSON(_events()).raw_headers == StreamingResponse(_events(), headers=HEADERS,
+                                                              media_type="application/x-ndjson").raw_headers
