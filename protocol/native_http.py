@@ -96,7 +96,7 @@ def _plain(headers: list) -> bytes | None:
     """`headers` as head lines, when uvicorn would write them as they are: every name lowercase
     (Starlette's and uvicorn's are), none `connection`, and uvicorn's two checks passed (one match
     over all the lines). Else None: uvicorn's per-header loop decides."""
-    block = b"".join([b"%s: %s\r\n" % header for header in headers])
+    block = b"".join([b"%s: %s\r\n" % (name, value) for name, value in headers])
     if (_PLAIN_LINES.fullmatch(block) is None or block.count(b"\r\n") != len(headers)
             or b"\nconnection:" in b"\n" + block):
         return None
