@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse, Response
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
@@ -150,11 +150,14 @@ def _per_header(headers: list) -> bytes | None:
     return lines
 
 
-_BYTES = st.binary(max_size=6) | st.sampled_from([b"content-type", b"X-Id", b"a\r\nb: c", b"a b", b"\t v", b"x:"])
+_BYTES = st.binary(max_size=6) | st.sampled_from([b"content-type", b"X-Id", b"a\r\nb: c", b"a b", b"\t v", b"x:", b": ",
+                                                  b""])
 
 
 @settings(max_examples=500, deadline=None)
 @given(headers=st.lists(st.tuples(_BYTES, _BYTES), max_size=4))
+@example(headers=[(b": ", b"")])  # a name that splits as an empty one and a value
+@example(headers=[(b"a", b"x\r\ny: z")])  # a value that splits as two lines
 def test_head_lines_taken_as_they_are_only_when_uvicorn_writes_them_so(headers):
     """`_plain` (one match over all the lines) passes only headers uvicorn's per-header loop writes
     unchanged, and passes every such list of lowercase names."""
