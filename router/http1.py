@@ -275,9 +275,7 @@ class Connection(asyncio.Protocol):
         if response is self._response and response._chunks:
             if response._size > _HIGH_WATER:
                 self.pause()
-            w = response._waiter
-            if w is not None and not w.done():
-                w.set_result(None)
+            response._wake()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True

@@ -70,7 +70,9 @@ def intake(raw: bytes, route: str, limits: RequestLimits) -> Intake:
     fields = None if _dumps_as_given(req, obj) else req.model_dump(exclude_unset=True)
     as_sent = (responses is None and not dropped and (fields is None or fields == obj)
                and raw[:1] == b"{" and raw[-1:] == b"}")
-    body = raw if as_sent else json.dumps(req.model_dump(exclude_unset=True) if fields is None else fields).encode()
+    if not as_sent and fields is None:  # serialised after all: the dump is kept for what reads it
+        fields = req.model_dump(exclude_unset=True)
+    body = raw if as_sent else json.dumps(fields).encode()
     return Intake(route, req, body, fields, responses, count_prompt_tokens(req, None))
 
 
