@@ -85,20 +85,29 @@ class _NoEvent:
 _NO_EVENT = _NoEvent()
 
 
-_CAPITAL = re.compile(b"[A-Z]")
+# Header names uvicorn's per-header loop writes as they are: none of the bytes its HEADER_RE
+# refuses (so no ':', ' ', CR or LF) and no capital (it would lower it). Then the block of head
+# lines splits one way only (a name ends at its line's first ": "), and a match of the block below
+# with one line a header is a match of every value against HEADER_VALUE_RE (which refuses CR and
+# LF: a value holding CRLF would add a line). The classes are uvicorn's single-byte ones.
+def _byte_class(passes, negate: bool = False) -> bytes:
+    return b"[" + b"".join(re.escape(bytes([c])) for c in range(256) if passes(bytes([c])) != negate) + b"]"
+
+
+_NAME_REFUSED = re.compile(_byte_class(lambda c: not HEADER_RE.search(c) and not c.isupper(), negate=True))
+_VALUE_LINES = re.compile(b"(?:[^:]*: %s*\r\n)*" % _byte_class(lambda c: not HEADER_VALUE_RE.search(c)))
 
 
 def _plain(headers: list) -> bytes | None:
     """`headers` as head lines, when uvicorn would write them as they are: no name with a capital
-    (Starlette's and uvicorn's have none), none `connection`, and uvicorn's two checks passed, made
-    once over all names and once over all values (single-character classes: a match in the joined
-    bytes is a match in one header). Else None: uvicorn's per-header loop decides."""
-    names = b"".join([name for name, _ in headers])
-    values = b"".join([value for _, value in headers])
-    if HEADER_RE.search(names) or HEADER_VALUE_RE.search(values) or _CAPITAL.search(names):
+    (Starlette's and uvicorn's have none), none `connection`, and uvicorn's two checks passed (one
+    search over all names, one match over all the lines). Else None: uvicorn's per-header loop
+    decides."""
+    if _NAME_REFUSED.search(b"".join([name for name, _ in headers])):
         return None
     block = b"".join([b"%s: %s\r\n" % (name, value) for name, value in headers])
-    if b"\nconnection:" in b"\n" + block:
+    if _VALUE_LINES.fullmatch(block) is None or block.count(b"\r\n") != len(headers) \
+            or b"\nconnection:" in b"\n" + block:
         return None
     return block
 
