@@ -39,7 +39,7 @@ from pdserve.protocol.response_headers import set_header
 from pdserve.protocol.responses_api import from_chat
 from pdserve.protocol.sse import SSEResponse, when_over
 from pdserve.protocol.tokenize import PATH_DETOKENIZE, PATH_TOKENIZE, detokenize_request, tokenize_request
-from pdserve.protocol.gc_heap import freeze_startup_heap
+from pdserve.protocol.gc_heap import YOUNG_THRESHOLD, freeze_startup_heap
 from pdserve.protocol.tracing import log_trace_ids
 from pdserve.protocol.tracing import setup as setup_tracing
 from pdserve.router.admission_queue import AdmissionQueue
@@ -130,7 +130,7 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
                 tasks.append(asyncio.create_task(subs.run(), name="kv-events"))
             app.state.kv_subscriptions = subs
             if freeze_heap:
-                freeze_startup_heap()
+                freeze_startup_heap(YOUNG_THRESHOLD)
             try:
                 yield
             finally:
