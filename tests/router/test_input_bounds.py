@@ -5,7 +5,7 @@ decode worker (tiny checkpoint, CPU, TCP KV transfer), one stack for the whole m
 Each large-input row of the issue is sent to the router and, at once, straight to both workers
 (each bounds what it reads: a worker may be called directly), while every server's /health is
 polled and its RSS sampled (tests/liveness.py). Each gets a clear 400 naming the field or the
-limit; no /health poll takes over a second; RSS grows by less than RSS_MIB (the old code: +1.1
+limit; no /health poll takes over HEALTH_LIMIT_S; RSS grows by less than RSS_MIB (the old code: +1.1
 GB per process on the 8 MB prompt of ids, +885 MiB on the unknown fields, +1.9 GiB on /tokenize);
 and afterwards both workers are still routable and a normal request is still served P/D.
 """
@@ -58,8 +58,9 @@ def everywhere(stack, path: str, *bodies: bytes, copies: int = 1) -> dict[str, l
 # The stalls these bodies caused were 10-63 s; on a quiet machine the servers' slowest /health
 # answer under them is 0.03-0.33 s. This file runs early in CI, beside README's first command (a
 # whole stack under load) on the same 2 cores, where one poll in ~20 went just past 1 s in two runs
-# of 2026-12-04: the bound is scheduling's margin there, not the loop's.
-HEALTH_LIMIT_S = 2.0
+# of 2026-12-04, and one poll of each worker at once (a machine-wide stall: another test beside it
+# on the 2 cores) reached 2 s on 2026-12-05: the bound is scheduling's margin there, not the loop's.
+HEALTH_LIMIT_S = 5.0
 
 
 @contextlib.contextmanager
