@@ -161,8 +161,8 @@ _BYTES = st.binary(max_size=6) | st.sampled_from([b"content-type", b"X-Id", b"a\
 @example(headers=[(b"a: b", b"c")])  # a name that splits as a name and a value
 @example(headers=[(b"a", b"x\ry")])  # a lone CR
 def test_head_lines_taken_as_they_are_only_when_uvicorn_writes_them_so(headers):
-    """`_plain` (one search over all names, one match over all the lines) passes only headers uvicorn's per-header loop writes
-    unchanged, and passes every such list of lowercase names."""
+    """`_plain` (one search over all names, one match over all the lines) passes only headers
+    uvicorn's per-header loop writes unchanged, and passes every such list of lowercase names."""
     block = _plain(headers)
     expected = _per_header(headers)
     if any(name.lower() == b"connection" for name, _ in headers):
