@@ -7,23 +7,32 @@
 #   run(kind="nvidia-h200", carry=[".whl"], command="OLD_TREE=.gpu-old bash tools/gpu/offline_ab.sh")
 #
 # (.gpu-old is untracked, so it travels with the tree; never commit it.) Rounds a and b, each:
-# this tree with PDL off (PDSERVE_PDL=0), OLD_TREE with its defaults, this tree with its defaults
-# (ROUNDS="a" for one round).
-# Files in $OUT: engine-{new-pdl0,old,new}-{a,b}.md, log.txt.
+# this tree with PDL off (PDSERVE_PDL=0; NEW_PDL0=0 skips it), OLD_TREE with its defaults, this
+# tree with its defaults (ROUNDS="a" for one round). OLD_TREE may name several trees
+# (OLD_TREE=".gpu-old .gpu-old2": a bisect in one call), each run in turn in every round.
+# Files in $OUT: engine-{new-pdl0,old[N],new}-{a,b}.md, log.txt.
 set -u
 source tools/gpu/lib.sh
 gpu_begin offline_ab engine || exit 1
 main() {
   cd /tmp
   local args=(--models qwen2.5-0.5b --decode-inputs 128 --offline 1024 --no-hf --no-eager)
-  local farm=/tmp/pdserve-old d round
-  rm -rf $farm && mkdir -p $farm/pdserve
-  for d in worker kernels bench protocol router cli; do ln -s "$REPO/$OLD_TREE/$d" "$farm/pdserve/$d"; done
+  local d round tree i
+  local trees=($OLD_TREE)
+  for i in "${!trees[@]}"; do  # one farm a tree: pdserve/ over its folders (those it has)
+    rm -rf /tmp/pdserve-old$i && mkdir -p /tmp/pdserve-old$i/pdserve
+    for d in worker kernels bench protocol router cli; do
+      [ -d "$REPO/${trees[$i]}/$d" ] && ln -s "$REPO/${trees[$i]}/$d" "/tmp/pdserve-old$i/pdserve/$d"
+    done
+  done
   for round in ${ROUNDS:-a b}; do
-    PDSERVE_PDL=0 step "new, PDL off ($round)" 80 $PY -m pdserve.bench.engine "${args[@]}" \
-      --out "$OUT/engine-new-pdl0-$round.md" 2>&1 | grep -v " INFO "
-    PYTHONPATH=$farm:$PDSERVE_DEPS step "old ($round)" 80 $PY -m pdserve.bench.engine "${args[@]}" \
-      --out "$OUT/engine-old-$round.md" 2>&1 | grep -v " INFO "
+    [ "${NEW_PDL0:-1}" = 0 ] || PDSERVE_PDL=0 step "new, PDL off ($round)" 80 $PY -m pdserve.bench.engine \
+      "${args[@]}" --out "$OUT/engine-new-pdl0-$round.md" 2>&1 | grep -v " INFO "
+    for i in "${!trees[@]}"; do
+      tree=old; [ "$i" = 0 ] || tree=old$i
+      PYTHONPATH=/tmp/pdserve-old$i:$PDSERVE_DEPS step "$tree: ${trees[$i]} ($round)" 80 $PY -m pdserve.bench.engine \
+        "${args[@]}" --out "$OUT/engine-$tree-$round.md" 2>&1 | grep -v " INFO "
+    done
     step "new ($round)" 80 $PY -m pdserve.bench.engine "${args[@]}" --out "$OUT/engine-new-$round.md" 2>&1 \
       | grep -v " INFO "
   done
