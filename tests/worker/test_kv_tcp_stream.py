@@ -38,13 +38,13 @@ class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
     def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1,
-                 data_listener: DataListenerConfig = DataListenerConfig()):
+                 data_listener: DataListenerConfig = DataListenerConfig(), senders: str = "thread"):
         self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
         self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
         self.tcp = TcpServer(self.cache, self.pins, self._on_sent, "127.0.0.1", auth, num_layers=num_layers,
-                             data_listener=data_listener)
+                             data_listener=data_listener, senders=senders)
         self.channel = side_channel.SideChannelServer(
             "127.0.0.1", self.port, {"read": self.tcp.handle_read, "describe": lambda b: ({"ok": True}, [])}, auth,
             identity=side_channel.destination(ENGINE, "127.0.0.1", self.port))

@@ -15,6 +15,7 @@ that no block is ever readable before the step that wrote it was collected.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -35,9 +36,11 @@ BLOCK, CHUNK = 4, 8  # two blocks per chunk
 PROMPT = list(range(100, 100 + 37))  # 10 blocks, the last one partial; 5 chunks
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
-PAIRS = [pytest.param(("tcp", False), id="tcp-sync"), pytest.param(("tcp", True), id="tcp-async"),
-         pytest.param(("nixl", False), id="nixl-sync", marks=TRANSPORTS[1].marks),
-         pytest.param(("nixl", True), id="nixl-async", marks=TRANSPORTS[1].marks)]
+# (transport, async scheduling, where the prefill's TCP senders run: tcp_sender_process.py)
+PAIRS = [pytest.param(("tcp", False, "thread"), id="tcp-sync"), pytest.param(("tcp", True, "thread"), id="tcp-async"),
+         pytest.param(("tcp", True, "process"), id="tcp-async-sender-process"),
+         pytest.param(("nixl", False, "thread"), id="nixl-sync", marks=TRANSPORTS[1].marks),
+         pytest.param(("nixl", True, "thread"), id="nixl-async", marks=TRANSPORTS[1].marks)]
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +60,12 @@ def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout
 
 @pytest.fixture(scope="module", params=PAIRS)
 def pair(request, ckpt):
-    transport, asyn = request.param
-    p = engine(ckpt, "prefill", transport, async_scheduling=asyn)
+    transport, asyn, senders = request.param
+    p = engine(ckpt, "prefill", transport, async_scheduling=asyn, kv_tcp_senders=senders)
     d = engine(ckpt, "decode", transport, async_scheduling=asyn)
     assert p.async_scheduling == d.async_scheduling == asyn
+    if senders == "process":  # the senders really are a child: the engine runs none of them
+        assert p.kv_connector.base.server.data.pid != os.getpid()
     yield p, d
     p.shutdown()
     d.shutdown()

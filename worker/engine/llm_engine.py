@@ -410,7 +410,7 @@ class LLMEngine:
         sends their layers as they are written (kv/layer_clock.py), not after the step."""
         if self.followers is not None or not self.scheduler.connector.streams(batch.items):
             return None
-        clock = LayerClock(self.model_config.num_layers, self.device)
+        clock = LayerClock(self.model_config.num_layers, self.device, self.kv_connector.clock_ring)
         self.kv_connector.computing(self.scheduler.connector.computing(batch.items), clock)
         return clock
 

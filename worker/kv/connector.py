@@ -50,6 +50,7 @@ from pdserve.worker.kv.messages import LeaseRequest, ProgressRequest, ReleaseReq
 from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.prefix_cost import PrefixPullCost
 from pdserve.worker.kv.peer_policy import PeerPolicy
+from pdserve.worker.kv.shared_clocks import ClockRing
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
@@ -78,6 +79,12 @@ class KVConnector:
         self.transport = config.kv_transfer or registry.default()  # its name (registry.py)
         registry.check(self.transport)
         self.num_blocks = cache.shape[0]
+        # TCP senders in a process of their own map the cache (tcp_sender_process.py): on the
+        # CPU its storage moves to shared memory here, before any transport registers its address.
+        self.tcp_senders = config.kv_tcp_senders if config.role != "decode" else "thread"
+        self.clock_ring = ClockRing(cache.shape[1], cache.device) if self.tcp_senders == "process" else None
+        if self.tcp_senders == "process" and cache.device.type == "cpu":
+            cache.share_memory_()
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
         self.pins = PinTable(config.kv_pin_ttl)

@@ -15,6 +15,8 @@ called, so the mark is the fact itself, and waiting senders are woken.
 
 One clock per launched step that computes a streamed prefill chunk; the pin table holds it
 next to the blocks that step completes (`PinTable.computing`), until the step is collected.
+With the TCP senders in their own process, a clock also takes a slot of a shared ring
+(shared_clocks.py) and writes its count there, so they can read it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ LAYER_GROUPS = 8
 
 
 class LayerClock:
-    def __init__(self, num_layers: int, device: torch.device):
+    def __init__(self, num_layers: int, device: torch.device, ring=None):
         self.num_layers = num_layers
         self._cuda = device.type == "cuda"
+        # shared_clocks.ClockRing, or None (also for a clock of other layers than the ring's
+        # cache: its blocks then count as written once the step is collected, in the senders' process).
+        self._ring = ring if ring is not None and ring.num_layers == num_layers else None
+        self._slot, self._gen = self._ring.claim() if self._ring is not None else (None, None)
         self._events: list = []  # CUDA: one per layer passed at launch, in order
         self._done = 0  # leading layers known written
         self._lock = threading.Lock()
@@ -46,7 +52,8 @@ class LayerClock:
     def after_layer(self, i: int) -> None:
         """The forward has queued (GPU) or run (CPU) decoder layer `i`, KV write included."""
         if self._cuda:
-            event = torch.cuda.Event(blocking=True)  # a waiting sender sleeps rather than spins a core
+            # Blocking: a waiting sender sleeps rather than spins a core.
+            event = torch.cuda.Event(blocking=True) if self._ring is None else self._ring.event(self._slot, i)
             event.record()
         with self._lock:
             if self._cuda:
@@ -54,12 +61,19 @@ class LayerClock:
                 passed = len(self._events)
             else:
                 self._done = passed = max(self._done, i + 1)
+            if self._ring is not None:
+                self._ring.mark(self._slot, passed)
             if not self._waiters:
                 return
             due = [w for w in self._waiters if w[0] <= passed]
             self._waiters = [w for w in self._waiters if w[0] > passed]
         for _, woken in due:
             woken.set()
+
+    @property
+    def shared(self) -> tuple[int, int, int] | None:
+        """(ring slot, generation, layers): how another process names this clock (None: no ring)."""
+        return None if self._ring is None else (self._slot, self._gen, self.num_layers)
 
     def done(self) -> int:
         """How many leading layers are written now (never blocks: CUDA event queries)."""

@@ -17,6 +17,7 @@ class NullKVConnector:
     # before a pin makes it readable, and before a pull may write into freed blocks).
     active = False
     transport = None
+    clock_ring = None  # no TCP senders' process reads this worker's layer clocks
 
     def endpoint(self) -> None:
         return None

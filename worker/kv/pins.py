@@ -73,6 +73,36 @@ class PinError(PermissionError):
     pass
 
 
+@dataclass(frozen=True)
+class PinSnapshot:
+    """A pin as another process sees it (the TCP senders' own: tcp_sender_process.py).
+    `computing`: (upto, clock slot, clock generation, layers) of each launched step whose clock
+    is in a shared ring (shared_clocks.py)."""
+
+    token: str
+    prompt_digest: str
+    state: str
+    ready: int
+    total: int
+    computing: tuple[tuple[int, int, int, int], ...]
+    released: bool
+    expires_at: float  # monotonic (the clock is the host's, the same in every process)
+
+    def check(self, token, prompt_digest, now: float) -> None:
+        """PinError unless a reader holding `token` and `prompt_digest` may still read it."""
+        if not (isinstance(token, str) and isinstance(prompt_digest, str)) or \
+                not secrets.compare_digest(self.token.encode(), token.encode()):
+            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+        if self.state == CANCELLED:
+            raise PinError("the prefill was cancelled: its KV will not be computed")
+        if self.released:
+            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+        if self.expires_at <= now:
+            raise PinError("the transfer token has expired")
+        if not secrets.compare_digest(self.prompt_digest.encode(), prompt_digest.encode()):
+            raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+
+
 class NotReady(Exception):
     """Nothing to answer yet: the side channel replies when the pin changes (or at its deadline).
     `clock`, `layer`: what would change the answer without changing the pin, a launched step's
@@ -94,6 +124,7 @@ class PinTable:
         self._lock = threading.Lock()
         self._changes = threading.Condition(self._lock)  # wait_ready's waiters
         self.on_change = None  # () -> None: a streamed pin changed (the side channel retries its waiters)
+        self.observer = None  # (request id) -> None: that pin changed (the TCP senders' process mirrors it)
 
     def add(self, request_id: str, block_ids: list[int], prompt_digest: str,
             token: str | None = None) -> tuple[str, float]:
@@ -121,7 +152,7 @@ class PinTable:
                 return
             pin.ready = min(ready, len(pin.block_ids))
             pin.computing = [(upto, clock) for upto, clock in pin.computing if upto > pin.ready]
-        self._changed()
+        self._changed(request_id)
 
     def computing(self, request_id: str, upto: int, clock) -> None:
         """Step thread, before a step is launched: it completes the pin's blocks up to `upto`,
@@ -131,7 +162,7 @@ class PinTable:
             if pin is None or pin.state != RUNNING or upto <= pin.ready:
                 return
             pin.computing.append((min(upto, len(pin.block_ids)), clock))
-        self._changed()
+        self._changed(request_id)
 
     def last_step(self, request_id: str) -> None:
         """Step thread: the prefill's step now running (or next) computes the rest of the prompt."""
@@ -140,7 +171,7 @@ class PinTable:
             if pin is None or pin.state != RUNNING or pin.last:
                 return
             pin.last = True
-        self._changed()
+        self._changed(request_id)
 
     def finish(self, request_id: str, first_token_id: int) -> tuple[str, float] | None:
         """The prefill ended on its first token: every block is readable, the TTL starts.
@@ -153,7 +184,7 @@ class PinTable:
             pin.computing = []
             pin.expires_at = time.monotonic() + self.ttl
             token = pin.token
-        self._changed()
+        self._changed(request_id)
         return token, time.time() + self.ttl
 
     def cancel(self, request_id: str) -> bool:
@@ -164,12 +195,14 @@ class PinTable:
             if pin is None:
                 return False
             pin.state, pin.released, pin.computing = CANCELLED, True, []
-        self._changed()
+        self._changed(request_id)
         return True
 
-    def _changed(self) -> None:
+    def _changed(self, request_id: str) -> None:
         with self._lock:
             self._changes.notify_all()
+        if self.observer is not None:
+            self.observer(request_id)
         if self.on_change is not None:
             self.on_change()
 
@@ -305,6 +338,18 @@ class PinTable:
                 return None
             return pin.progress()
 
+    def snapshot(self, request_id: str) -> PinSnapshot | None:
+        """The pin as another process mirrors it (None: gone). Launched steps whose clock has no
+        shared slot are left out: the mirror then waits for their collection (`advance`)."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None:
+                return None
+            computing = tuple((upto, *clock.shared) for upto, clock in pin.computing
+                              if getattr(clock, "shared", None) is not None)
+            return PinSnapshot(pin.token, pin.prompt_digest, pin.state, pin.ready, len(pin.block_ids), computing,
+                               pin.released, pin.expires_at)
+
     def release(self, request_id: str, token: str) -> bool:
         if not (isinstance(request_id, str) and isinstance(token, str)):
             return False
@@ -314,7 +359,7 @@ class PinTable:
                 return False
             pin.released = True
             pin.leased_until = 0.0
-        self._changed()  # a reader waiting on it learns at once
+        self._changed(request_id)  # a reader waiting on it learns at once
         return True
 
     def collect(self) -> list[tuple[str, list[int], bool]]:

@@ -29,6 +29,8 @@ from pdserve.worker.kv.block_runs import check_indices, merge_runs
 from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.messages import MalformedReply, ReadReply, ReadRequest
 from pdserve.worker.kv.pins import PinTable
+from pdserve.worker.kv.shared_clocks import ClockRing
+from pdserve.worker.kv.tcp_sender_process import SenderProcess, SenderProcessGone
 from pdserve.worker.kv.transport import KVTransport
 from typing import TYPE_CHECKING
 
@@ -57,7 +59,8 @@ class TcpTransport(KVTransport):
 
     def serve(self, conn) -> dict:
         self.server = TcpServer(conn.blocks, conn.pins, lambda n: conn.metrics.bytes.labels("send", self.name).inc(n),
-                                conn.bind_host, conn.auth, num_layers=conn.cache.shape[1])
+                                conn.bind_host, conn.auth, num_layers=conn.cache.shape[1], senders=conn.tcp_senders,
+                                ring=conn.clock_ring)
         return {"read": self.server.handle_read}
 
     def close(self) -> None:
@@ -87,14 +90,22 @@ class TcpServer:
 
     def __init__(self, blocks: torch.Tensor, pins: PinTable, on_sent, bind_host: str = "127.0.0.1",
                  auth: SideChannelAuth | None = None, num_layers: int = 1,
-                 data_listener: DataListenerConfig = DataListenerConfig()):
+                 data_listener: DataListenerConfig = DataListenerConfig(), senders: str = "thread", ring=None):
+        """`senders`: "thread", the data port and its senders in this process (started by the
+        first read); "process", in a child started now (tcp_sender_process.py), whose layered
+        reads follow the clocks made with `ring` (a shared_clocks.ClockRing; one is made if None)."""
         self.blocks = blocks  # [num_blocks, block_bytes] uint8 view of the KV cache
         self.num_layers = num_layers  # each block: num_layers equal slices (a layered stream read sends them)
         self.pins = pins
         self.on_sent = on_sent  # (num_bytes) -> None, for metrics
         self.bind_host, self.auth = bind_host, auth or SideChannelAuth(None)
         self.data_listener = data_listener  # bounds on the data port's connections before they authenticate
-        self.data: tcp_stream.DataServer | None = None  # started by the first read that asks for it
+        self.data: tcp_stream.DataServer | SenderProcess | None = None  # started by the first read that asks for it
+        self.ring = ring
+        if senders == "process":
+            self.ring = ring or ClockRing(num_layers, blocks.device)
+            self.data = SenderProcess(bind_host, blocks, pins, self.auth, on_sent, num_layers, data_listener,
+                                      self.ring)
 
     def handle_read(self, body: dict):
         req = ReadRequest.from_body(body)
@@ -111,11 +122,15 @@ class TcpServer:
             if streamed and any(a >= b for a, b in zip(positions, positions[1:])):
                 raise ValueError("a stream read's indices must be ascending")
             ids = [pinned[i] for i in positions]
+            args = (rid, token, digest, ids, keep, req.streams, positions if streamed else None,
+                    streamed and req.layers)
             if self.data is None:
-                self.data = tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
-                                                  self.num_layers, self.data_listener)
-            offer = self.data.offer(rid, token, digest, ids, keep, req.streams, positions if streamed else None,
-                                    layered=streamed and req.layers)
+                self.data = self._threads()
+            try:
+                offer = self.data.offer(*args)
+            except SenderProcessGone:  # logged there; this read and later ones are served here
+                self.data = self._threads()
+                offer = self.data.offer(*args)
         except side_channel.Busy:
             self.pins.close_read(rid, token)
             raise  # the reader retries: its pin stays
@@ -129,6 +144,10 @@ class TcpServer:
     def close(self) -> None:
         if self.data is not None:
             self.data.close()
+
+    def _threads(self) -> tcp_stream.DataServer:
+        return tcp_stream.DataServer(self.bind_host, self.blocks, self.pins, self.auth, self.on_sent,
+                                     self.num_layers, self.data_listener)
 
     def _read_inline(self, req: ReadRequest):
         rid, token = req.request_id, req.token

@@ -1,0 +1,140 @@
+"""The TCP senders in a process of their own (--kv-tcp-senders process): the same reads as the
+in-process senders (tests/worker/test_kv_tcp_stream.py), served by a real spawned child that
+maps the cache through shared memory and follows the engine's pins and layer clocks; the
+engine's process runs no sender thread; a child that dies ends its reads cleanly and later
+reads are served in-process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
+from pdserve.worker.kv.layer_clock import LayerClock
+from pdserve.worker.kv.tcp_sender_process import SenderProcess
+from tests.worker.test_kv_tcp_stream import (BLOCK_BYTES, LAYERS, Prefill, layer_slices, pull, start_stream_read,
+                                             streamed_pin, wait_until)
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """Chunks of 3 blocks, 3 streams; set before the child starts, which takes tcp_stream's settings then."""
+    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 3 * BLOCK_BYTES)
+    monkeypatch.setattr(tcp_transport, "STREAMS", 3)
+
+
+@pytest.fixture
+def prefill(chunks):
+    p = Prefill(num_layers=LAYERS, senders="process")
+    yield p
+    p.close()
+
+
+def sender_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in ("kv-tcp-send", "kv-tcp-accept")]
+
+
+def test_a_chunked_pull_is_served_by_the_child_with_the_same_bytes(prefill):
+    assert isinstance(prefill.tcp.data, SenderProcess) and prefill.tcp.data.pid != os.getpid()
+    src = [5, 6, 7, 30, 31, 2, 40, 41, 42, 43, 44, 60, 11, 12, 13, 14, 70, 71, 90, 3]  # runs and strays
+    params = prefill.pin("p", src)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    assert pull(prefill, params, list(range(20)), list(range(20)), cache) == 20 * BLOCK_BYTES
+    assert torch.equal(cache[:20], prefill.cache[src])
+    assert sender_threads() == [], "a sender thread ran in the engine's process"
+    assert wait_until(lambda: prefill.sent == 20 * BLOCK_BYTES)  # the child's count reaches the metric
+    assert prefill.tcp.data.wait_idle(10) and prefill.tcp.data.in_flight == 0
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["p"]  # a plain read is the release
+
+
+def test_a_stream_read_follows_the_engines_pin_across_processes(prefill):
+    """Each block leaves the child once the engine's pin says it is computed, never before."""
+    src = list(range(40, 60))
+    params = streamed_pin(prefill, "s", src, ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    for ready in (2, 7, 8, 16):
+        prefill.pins.advance("s", ready)
+        assert wait_until(lambda: torch.equal(cache[:ready], prefill.cache[40:40 + ready])), f"blocks 0..{ready}"
+        assert not cache[ready:].any(), f"a block past {ready} moved before it was computed"
+        read.raise_if_failed()
+    prefill.pins.finish("s", first_token_id=7)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], prefill.cache[40:60])
+    assert prefill.tcp.data.wait_idle(10)
+    assert wait_until(lambda: prefill.pins.snapshot("s") is not None and not prefill.tcp.data._interest)
+    assert prefill.pins.collect() == []  # kept: the reader releases it
+    assert prefill.pins.release("s", params["transfer_token"])
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["s"]  # the child closed its read
+
+
+def test_a_layered_stream_read_follows_the_engines_layer_clocks_across_processes(prefill):
+    """The clocks' counts reach the child through the shared ring, with no message: the first
+    step's blocks leave once its forward is through, the last step's layer by layer."""
+    p = prefill
+    params = streamed_pin(p, "l", list(range(40, 60)), ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(p, params, list(range(20)), list(range(20)), cache)
+    first = LayerClock(LAYERS, torch.device("cpu"), p.tcp.ring)
+    last = LayerClock(LAYERS, torch.device("cpu"), p.tcp.ring)
+    p.pins.computing("l", 12, first)
+    p.pins.computing("l", 20, last)
+    assert wait_until(lambda: torch.equal(cache[:2], p.cache[40:42]))
+    for layer in range(LAYERS - 1):
+        first.after_layer(layer)
+    first.after_layer(LAYERS - 1)
+    assert wait_until(lambda: torch.equal(cache[2:12], p.cache[42:52])), "the first step's blocks"
+    assert not cache[12:20].any(), "the last step's blocks moved before it wrote a layer"
+    for layer in range(LAYERS):
+        last.after_layer(layer)
+        assert wait_until(lambda: torch.equal(layer_slices(cache, range(12, 20), 0, layer + 1),
+                                              layer_slices(p.cache, range(52, 60), 0, layer + 1))), f"layer {layer}"
+        assert not layer_slices(cache, range(12, 20), layer + 1, LAYERS).any(), f"a layer past {layer} moved"
+    p.pins.advance("l", 12)
+    p.pins.finish("l", first_token_id=7)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], p.cache[40:60])
+    assert sender_threads() == []
+    assert p.pins.release("l", params["transfer_token"])
+
+
+def test_a_cancelled_prefill_ends_the_childs_read_and_frees_the_pin(prefill):
+    params = streamed_pin(prefill, "c", list(range(10, 30)), ready=4)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    assert wait_until(lambda: torch.equal(cache[:4], prefill.cache[10:14]))
+    prefill.pins.cancel("c")  # the snapshot saying so reaches the child, whose senders stop
+    with pytest.raises(side_channel.SideChannelError, match="without 16 of its 20 blocks|data transfer failed"):
+        read.result()
+    read.stop()
+    assert prefill.tcp.data.wait_idle(10)
+    assert wait_until(lambda: [rid for rid, _, _ in prefill.pins.collect()] == ["c"])  # no read holds it
+
+
+def test_a_child_that_dies_mid_read_ends_its_reads_and_later_reads_are_served_here(prefill):
+    """SIGKILL the child while a stream read waits on the prefill: the reader fails, the engine
+    closes the read the child held (the pin is freed once released), and the next read is
+    served by senders in the engine's process."""
+    params = streamed_pin(prefill, "k", list(range(10, 30)), ready=3)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    assert wait_until(lambda: torch.equal(cache[:3], prefill.cache[10:13]))
+    os.kill(prefill.tcp.data.pid, signal.SIGKILL)
+    with pytest.raises(side_channel.SideChannelError):
+        read.result()
+    read.stop()
+    assert wait_until(lambda: prefill.tcp.data.gone)
+    assert prefill.pins.release("k", params["transfer_token"])
+    assert [rid for rid, _, _ in prefill.pins.collect()] == ["k"], "the dead child's read still holds the pin"
+
+    params = prefill.pin("after", [50, 51, 52, 53])
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    assert pull(prefill, params, list(range(4)), list(range(4)), cache) == 4 * BLOCK_BYTES
+    assert torch.equal(cache[:4], prefill.cache[50:54])
+    assert isinstance(prefill.tcp.data, tcp_stream.DataServer)

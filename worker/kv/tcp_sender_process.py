@@ -1,0 +1,392 @@
+"""The TCP transport's senders in a process of their own (`--kv-tcp-senders process`).
+
+A prefill worker's TCP senders (tcp_stream.DataServer) are Python threads: each piece they
+send takes the GIL a few times, and each take lands inside whatever the engine's step thread
+is doing. Beside them an eager prefill's launches (~1000 GIL releases a step) ran 2.5-3.5x as
+long on an H200, which is P/D-over-TCP's TTFT cost against NIXL, whose bytes the reader moves
+(docs/tcp-kv-gpu-results.md). Here the data port, the sender threads and their buffers live in
+a child process, and the engine's interpreter does per transfer only what it must:
+
+- the cache: the child maps the engine's KV cache, not a copy of it: on the CPU its storage in
+  shared memory (the connector puts it there before any transport registers it), on CUDA an IPC
+  handle of the same device memory.
+- a read: the side channel (engine process) authenticates it and opens the pin's read as before
+  (tcp_transport.TcpServer.handle_read), then offers it to the child with a snapshot of the pin
+  (pins.PinSnapshot) and waits for the grant (ticket, port, plan): one message and its reply.
+- the pin, while read: every later change (a step's blocks computed, a step launched, the last
+  step, the first token, a cancel or release) goes to the child as a new snapshot, taken and
+  sent under one lock so snapshots arrive in the order taken. The child's `PinMirror` answers the
+  DataServer's questions (readiness, check, wait_ready) from them, unchanged code on both sides.
+- layers: a launched step's LayerClock writes its count into a shared ring (shared_clocks.py);
+  the child reads it (and on CUDA the layer's interprocess event) without a message.
+- the end: what the DataServer does to a pin at a transfer's end (close the read, release a
+  plain read's pin) and the bytes sent come back as messages, applied on a thread of the
+  engine's own, once per transfer. Per chunk the engine's interpreter does nothing.
+
+If the child dies, every read it held is closed (a plain read's pin released, as a failed
+transfer's is) and the engine serves later reads with in-process senders (logged). The child
+exits when the engine's end of its pipe closes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.multiprocessing  # noqa: F401  registers the tensor reductions: shared storage, CUDA IPC
+
+from pdserve.worker.kv import side_channel, tcp_stream
+from pdserve.worker.kv.data_listener import DataListenerConfig
+from pdserve.worker.kv.pins import HANG_UP_POLL_S, RUNNING, PinError, PinSnapshot
+from pdserve.worker.kv.shared_clocks import ClockMirrors
+
+log = logging.getLogger(__name__)
+
+# tcp_stream's settings the child takes from the engine's module at start (tests change them).
+TUNABLES = ("CHUNK_BYTES", "MAX_SEND_STREAMS", "SEND_TIMEOUT_S", "CLAIM_S", "READY_WAIT_S", "LAYER_GROUPS")
+START_S = 120.0  # the child imports torch (and on CUDA makes a context) before its port is open
+ANSWER_S = 10.0  # an offer's grant, a state question: the child answers from memory
+
+
+class SenderProcessGone(RuntimeError):
+    """The senders' process is not running (it died, or never started)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderSpec:
+    bind_host: str
+    num_layers: int
+    listener: DataListenerConfig
+    tunables: tuple[tuple[str, object], ...]
+    log_level: int
+
+
+# -- engine side -------------------------------------------------------------------------------------
+
+class SenderProcess:
+    """tcp_stream.DataServer's interface (offer, in_flight, wait_idle, close, port) over a child
+    process that runs the real one. Starts the child at once; `offer` waits for it to listen."""
+
+    def __init__(self, bind_host: str, blocks: torch.Tensor, pins, auth, on_sent, num_layers: int,
+                 listener: DataListenerConfig, ring):
+        self.pins, self.on_sent = pins, on_sent
+        if blocks.device.type == "cpu" and not blocks.is_shared():
+            blocks.share_memory_()  # a cache nothing has registered yet (the connector shares it earlier)
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._conn, child_conn = ctx.Pipe()
+        spec = SenderSpec(bind_host, num_layers, listener, tuple((n, getattr(tcp_stream, n)) for n in TUNABLES),
+                          logging.getLogger("pdserve").getEffectiveLevel())
+        self._proc = ctx.Process(target=child_main, args=(spec, blocks, auth, ring.share(), child_conn),
+                                 name="pdserve-kv-tcp-senders", daemon=True)
+        t0 = time.monotonic()
+        self._proc.start()
+        child_conn.close()
+        self._lock = threading.Lock()  # the pipe's sends, and `_interest` with them
+        # rid -> [token, keep, granted] of each read offered to the child and not closed there
+        self._interest: dict[str, list[list]] = collections.defaultdict(list)
+        self._answers: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._ready = threading.Event()
+        self._closing, self.gone = False, False
+        self.port: int | None = None
+        self._started_at = t0
+        self._reader = threading.Thread(target=self._events, name="kv-tcp-senders-events", daemon=True)
+        self._reader.start()
+        pins.observer = self._pin_changed
+
+    # -- DataServer's interface ----------------------------------------------------------------------
+
+    def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams,
+              positions: list[int] | None = None, layered: bool = False) -> dict:
+        if not self._ready.wait(START_S) or self.gone:
+            raise SenderProcessGone("the KV senders' process is not running")
+        answer = Future()
+        with self._lock:
+            if self.gone:
+                raise SenderProcessGone("the KV senders' process is not running")
+            n = next(self._ids)
+            read = [token, keep, False]
+            self._answers[n] = (answer, read)
+            self._interest[request_id].append(read)
+            self._conn.send(("offer", n, request_id, token, digest, list(ids), keep, streams, positions, layered,
+                             self.pins.snapshot(request_id)))
+        kind, value = self._answer(answer)
+        if kind == "granted":  # marked so by _events, which `_gone` then closes like any other
+            return value
+        self._forget(request_id, lambda r: r is read)  # the caller closes the read, as for any refusal
+        if kind == "busy":
+            raise side_channel.Busy(value)
+        if kind == "error":
+            raise RuntimeError(f"the KV senders' process refused the read: {value}")
+        raise SenderProcessGone("the KV senders' process is gone")
+
+    @property
+    def in_flight(self) -> int:
+        return self._ask("in_flight")
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return self._ask("idle", timeout_s, wait_s=timeout_s + ANSWER_S)
+
+    def close(self) -> None:
+        self._closing = True
+        with self._lock:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(5)
+        self._conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _ask(self, op: str, *args, wait_s: float = ANSWER_S):
+        if not self._ready.wait(START_S) or self.gone:
+            raise SenderProcessGone("the KV senders' process is not running")
+        answer = Future()
+        with self._lock:
+            n = next(self._ids)
+            self._answers[n] = (answer, None)
+            self._conn.send((op, n, *args))
+        kind, value = self._answer(answer, wait_s)
+        if kind == "gone":
+            raise SenderProcessGone(value)
+        return value
+
+    def _answer(self, answer: Future, wait_s: float = ANSWER_S):
+        try:
+            return answer.result(wait_s)
+        except TimeoutError:
+            log.error("the KV senders' process did not answer in %.0f s: stopping it", wait_s)
+            self._proc.kill()  # its pipe closes: _events ends every read it held
+            raise SenderProcessGone("the KV senders' process did not answer") from None
+
+    def _pin_changed(self, request_id: str) -> None:
+        """Any thread, after a pin changed: a pin the child reads gets a new snapshot."""
+        if request_id not in self._interest:  # the common case, without the lock
+            return
+        with self._lock:
+            if request_id in self._interest and not self.gone:
+                try:
+                    self._conn.send(("pin", request_id, self.pins.snapshot(request_id)))
+                except OSError:
+                    pass  # the child is gone: _events closes its reads
+
+    def _forget(self, request_id: str, which) -> None:
+        """One read of the pin fewer offered to the child: the first that `which` picks."""
+        with self._lock:
+            reads = self._interest.get(request_id)
+            for i, read in enumerate(reads or ()):
+                if which(read):
+                    del reads[i]
+                    if not reads:
+                        del self._interest[request_id]
+                    return
+
+    def _events(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "answer":
+                with self._lock:
+                    answer, read = self._answers.pop(msg[1], (None, None))
+                    if read is not None and msg[2] == "granted":
+                        read[2] = True  # before any close_read of its transfer, which comes after
+                if answer is not None:
+                    answer.set_result(msg[2:])
+            elif kind == "close_read":
+                _, rid, token = msg
+                self._forget(rid, lambda r: r[0] == token and r[2])  # a granted read of that token
+                self.pins.close_read(rid, token)
+            elif kind == "release":
+                self.pins.release(msg[1], msg[2])
+            elif kind == "sent":
+                self.on_sent(msg[1])
+            elif kind == "ready":
+                self.port = msg[1]
+                log.info("KV TCP senders in their own process (pid %d), data port %d, up in %.1f s", self._proc.pid,
+                         self.port, time.monotonic() - self._started_at)
+                self._ready.set()
+            elif kind == "failed":
+                log.error("the KV senders' process could not start: %s", msg[1])
+                break
+        self._gone()
+
+    def _gone(self) -> None:
+        """The child's pipe closed: every read it held ends here as a failed transfer ends."""
+        with self._lock:
+            self.gone = True
+            interest, self._interest = self._interest, collections.defaultdict(list)
+            answers, self._answers = self._answers, {}
+        self._ready.set()
+        for answer, _ in answers.values():
+            answer.set_result(("gone", "the KV senders' process is gone"))
+        if not self._closing:
+            log.error("the KV senders' process (pid %s) exited (code %s) with %d pins read: their reads are "
+                      "closed; later reads are served by senders in the engine's process", self._proc.pid,
+                      self._proc.exitcode, len(interest))
+        for rid, reads in interest.items():
+            for token, keep, granted in reads:
+                if granted:  # an offer still waiting is closed by its caller, as a refused one
+                    self.pins.close_read(rid, token)
+                    if not keep:
+                        self.pins.release(rid, token)
+
+
+# -- the child ---------------------------------------------------------------------------------------
+
+class PinMirror:
+    """The pin table's questions that tcp_stream.DataServer asks, answered from the engine's
+    snapshots of the pins this process reads; what it does to a pin goes back to the engine."""
+
+    def __init__(self, clocks: ClockMirrors, send):
+        self._clocks, self._send = clocks, send
+        self._cond = threading.Condition()
+        self._pins: dict[str, list] = {}  # rid -> [PinSnapshot | None, reads open here]
+
+    def open(self, rid: str, snap: PinSnapshot | None) -> None:
+        with self._cond:
+            entry = self._pins.setdefault(rid, [snap, 0])
+            entry[0] = snap  # sent after every earlier snapshot of it: the newest
+            entry[1] += 1
+
+    def unopen(self, rid: str) -> None:
+        """An offer that was not granted: its read was never opened here (the engine closes it)."""
+        with self._cond:
+            self._drop_read(rid)
+
+    def update(self, rid: str, snap: PinSnapshot | None) -> None:
+        with self._cond:
+            entry = self._pins.get(rid)
+            if entry is not None:
+                entry[0] = snap
+                self._cond.notify_all()
+
+    def _snap(self, rid, token, digest) -> PinSnapshot:
+        """Under the lock: the reader's pin (PinError as PinTable's)."""
+        entry = self._pins.get(rid) if isinstance(rid, str) else None
+        if entry is None or entry[0] is None:
+            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+        entry[0].check(token, digest, time.monotonic())
+        return entry[0]
+
+    def check(self, rid, token, digest) -> None:
+        with self._cond:
+            self._snap(rid, token, digest)
+
+    def readiness(self, rid, token, digest) -> tuple[int, list, int]:
+        with self._cond:
+            snap = self._snap(rid, token, digest)
+            if snap.state != RUNNING:
+                return snap.total, [], snap.total
+            return snap.ready, [(upto, self._clocks.get(slot, gen, layers)) for upto, slot, gen, layers
+                                in snap.computing], snap.total
+
+    def wait_ready(self, rid, token, digest, upto: int, timeout_s: float, hung_up=None,
+                   computing_ok: bool = False) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                snap = self._snap(rid, token, digest)
+                computing = computing_ok and any(u >= upto for u, *_ in snap.computing)
+                if snap.state != RUNNING or snap.ready >= upto or computing:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, HANG_UP_POLL_S))
+            if hung_up is not None and hung_up():
+                raise ConnectionError("the reader hung up")
+
+    def close_read(self, rid: str, token: str) -> None:
+        with self._cond:
+            self._drop_read(rid)
+        self._send("close_read", rid, token)
+
+    def release(self, rid: str, token: str) -> None:
+        with self._cond:
+            entry = self._pins.get(rid)
+            if entry is not None and entry[0] is not None:
+                entry[0] = dataclasses.replace(entry[0], released=True)
+        self._send("release", rid, token)
+
+    def _drop_read(self, rid: str) -> None:
+        entry = self._pins.get(rid)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._pins[rid]
+
+
+def child_main(spec: SenderSpec, blocks: torch.Tensor, auth, ring_shared: tuple, conn) -> None:
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s kv-tcp-senders %(name)s: %(message)s")
+    for name, value in spec.tunables:
+        setattr(tcp_stream, name, value)
+    torch.set_num_threads(1)  # the copies are memcpy-sized; the engine owns the cores
+    lock = threading.Lock()
+
+    def send(*msg) -> None:
+        with lock:
+            try:
+                conn.send(msg)
+            except OSError:
+                pass  # the engine is gone; the loop below ends on its EOF
+
+    try:
+        mirror = PinMirror(ClockMirrors(ring_shared), send)
+        server = tcp_stream.DataServer(spec.bind_host, blocks, mirror, auth, lambda n: send("sent", n),
+                                       spec.num_layers, spec.listener)
+    except Exception as e:  # noqa: BLE001  said to the engine, which serves reads itself
+        send("failed", f"{type(e).__name__}: {e}")
+        return
+    send("ready", server.port)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break  # the engine is gone
+            kind = msg[0]
+            if kind == "offer":
+                _, n, rid, token, digest, ids, keep, streams, positions, layered, snap = msg
+                mirror.open(rid, snap)
+                try:
+                    send("answer", n, "granted", server.offer(rid, token, digest, ids, keep, streams, positions,
+                                                              layered))
+                except side_channel.Busy as e:
+                    mirror.unopen(rid)
+                    send("answer", n, "busy", str(e))
+                except Exception as e:  # noqa: BLE001  a refused offer, said to the side channel's reader
+                    mirror.unopen(rid)
+                    send("answer", n, "error", f"{type(e).__name__}: {e}")
+            elif kind == "pin":
+                mirror.update(msg[1], msg[2])
+            elif kind == "in_flight":
+                send("answer", msg[1], "value", server.in_flight)
+            elif kind == "idle":
+                n, timeout_s = msg[1], msg[2]
+                threading.Thread(target=lambda: send("answer", n, "value", server.wait_idle(timeout_s)),
+                                 daemon=True).start()
+            elif kind == "stop":
+                break
+    finally:
+        server.close()
+        os._exit(0)  # sender threads are daemons mid-send at worst; the pipe's EOF told the engine
