@@ -31,16 +31,19 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra (pip install 'pdserve[nixl]')")
 
 
-def make_engine(ckpt, role, port, util, prefix_caching=True, async_scheduling=False) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(ckpt), device=DEVICE, role=role, kv_transfer="nixl", kv_port=port,
+def make_engine(ckpt, role, port, util, prefix_caching=True, async_scheduling=False, transport="nixl",
+                senders="thread") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(ckpt), device=DEVICE, role=role, kv_transfer=transport, kv_port=port,
+                                  kv_tcp_senders=senders,
                                   gpu_memory_utilization=util, kv_cache_memory=64 << 20, max_model_len=512,
                                   max_num_seqs=8, enable_prefix_caching=prefix_caching,
                                   async_scheduling=async_scheduling,
                                   kv_peer_allow=("127.0.0.1",), kv_secret="engine-test-shared-secret"))
 
 
-def prefill_process(ckpt, port, conn, async_scheduling) -> None:
-    engine = make_engine(ckpt, "prefill", port, 0.3, async_scheduling=async_scheduling)
+def prefill_process(ckpt, port, conn, async_scheduling, transport="nixl", senders="thread") -> None:
+    engine = make_engine(ckpt, "prefill", port, 0.3, async_scheduling=async_scheduling, transport=transport,
+                         senders=senders)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"p{i}", prompt, GREEDY, {"do_remote_decode": True})
     params = {}
@@ -56,13 +59,18 @@ def prefill_process(ckpt, port, conn, async_scheduling) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,transport,senders",
+                         [(False, "nixl", "thread"), (True, "nixl", "thread"), (True, "tcp", "process")],
+                         ids=["sync", "async", "async-tcp-sender-process"])
+def test_pd_between_engine_processes(tmp_path, async_scheduling, transport, senders):
+    """Over NIXL; and over TCP with the prefill's senders in their own process, which maps the
+    cache (on a GPU: CUDA IPC of the engine's VRAM, the path only the GPU suite runs)."""
     ckpt = write_checkpoint(tmp_path / "m", "llama", write_word_tokenizer(tmp_path / "tok"),
                             hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling), daemon=True)
+    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling, transport, senders),
+                       daemon=True)
     proc.start()
     decode = None
     try:
@@ -70,7 +78,8 @@ def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
         while not here.poll(0.5):
             assert proc.is_alive(), f"the prefill process exited with {proc.exitcode}"
         params = here.recv()
-        decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False, async_scheduling=async_scheduling)
+        decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False, async_scheduling=async_scheduling,
+                             transport=transport)
         assert decode.async_scheduling == async_scheduling
         expected = decode.generate(PROMPTS, GREEDY)
         out = {}
@@ -86,7 +95,7 @@ def test_pd_between_engine_processes_over_nixl(tmp_path, async_scheduling):
         metrics = decode.kv_connector.metrics
         block_bytes = decode.kv_cache.block_bytes
         prompt_blocks = sum(-(-len(p) // decode.block_manager.block_size) for p in PROMPTS)
-        assert metrics.bytes.labels("recv", "nixl")._value.get() == prompt_blocks * block_bytes
+        assert metrics.bytes.labels("recv", transport)._value.get() == prompt_blocks * block_bytes
         assert metrics.local_prefill_fallbacks._value.get() == 0
         stats = decode.stats()
         assert stats.num_free_blocks == stats.num_total_blocks

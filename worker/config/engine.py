@@ -111,7 +111,7 @@ class EngineConfig:
                                          "process (their Python shares the engine's GIL); process = in a process "
                                          "of their own that maps the KV cache (CUDA IPC; on CPU the cache in "
                                          "/dev/shm), so the engine's step thread never waits on them "
-                                         "(docs/kv-transfer.md)", choices=("thread", "process"))
+                                         "(docs/kv-handoff.md)", choices=("thread", "process"))
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import multiprocessing
 import os
 import secrets
 import time
@@ -82,6 +83,11 @@ class KVConnector:
         # TCP senders in a process of their own map the cache (tcp_sender_process.py): on the
         # CPU its storage moves to shared memory here, before any transport registers its address.
         self.tcp_senders = config.kv_tcp_senders if config.role != "decode" else "thread"
+        if self.tcp_senders == "process" and multiprocessing.current_process().daemon:
+            # A tensor-parallel follower rank is a daemonic process, which may not start children.
+            log.warning("--kv-tcp-senders process: rank %d's TCP senders run as threads (a tensor-parallel "
+                        "follower cannot start a process)", self.tp.rank)
+            self.tcp_senders = "thread"
         self.clock_ring = ClockRing(cache.shape[1], cache.device) if self.tcp_senders == "process" else None
         if self.tcp_senders == "process" and cache.device.type == "cpu":
             cache.share_memory_()
