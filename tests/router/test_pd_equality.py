@@ -65,15 +65,19 @@ def moe_stack(request, tiny_checkpoint):
         yield urls
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
+@pytest.fixture(scope="module", params=["tcp-sender-process", "nixl"])
 def gpt_oss_stack(request, tiny_checkpoint):
     """gpt-oss (tests/checkpoints.py): attention sinks, layers alternating sliding (window
     GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Both workers keep
     the hybrid KV cache (docs/kv-cache.md): the hand-off moves the full layers' blocks and the
     sliding layers' window only; the chat prompts and TEXTS[3] are longer than the window, so
     the decode worker's first steps already slide over pulled KV. The router streams the
-    hand-off (its default): full blocks chunk by chunk, the sliding tail with the last one."""
-    with pd_stack(tiny_checkpoint("gpt-oss"), request.param) as urls:
+    hand-off (its default): full blocks chunk by chunk, the sliding tail with the last one.
+    Over TCP the prefill worker's senders run in their own process (--kv-tcp-senders process:
+    the other stacks' TCP prefill workers keep the default, threads)."""
+    transport, _, senders = request.param.partition("-sender-")
+    prefill_args = ("--kv-tcp-senders", senders) if senders else ()
+    with pd_stack(tiny_checkpoint("gpt-oss"), transport, prefill_args=prefill_args) as urls:
         yield urls
 
 
