@@ -36,6 +36,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -337,6 +338,9 @@ class PinMirror:
 
 
 def child_main(spec: SenderSpec, blocks: torch.Tensor, auth, ring_shared: tuple, conn) -> None:
+    # Ctrl-C reaches the whole process group: the engine stops this child (its pipe closes), so
+    # the child does not die first and look like a crash to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s kv-tcp-senders %(name)s: %(message)s")
     for name, value in spec.tunables:
         setattr(tcp_stream, name, value)
