@@ -10,7 +10,7 @@ BENCHMARKS = {
     "kernels": "pdserve.bench.kernels",
     "kv-transfer": "pdserve.bench.kv_transfer",
     "tcp-kv": "pdserve.bench.tcp_kv",
-    "tcp-senders": "pdserve.bench.tcp_senders",
+    "tcp-io": "pdserve.bench.tcp_io",
     "router": "pdserve.bench.router",
     "engine": "pdserve.bench.engine",
     "tp": "pdserve.bench.tp",

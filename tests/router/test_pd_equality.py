@@ -65,7 +65,7 @@ def moe_stack(request, tiny_checkpoint):
         yield urls
 
 
-@pytest.fixture(scope="module", params=["tcp-sender-process", "nixl"])
+@pytest.fixture(scope="module", params=["tcp-io-process", "nixl"])
 def gpt_oss_stack(request, tiny_checkpoint):
     """gpt-oss (tests/checkpoints.py): attention sinks, layers alternating sliding (window
     GPT_OSS_WINDOW = 8 tokens) and full attention, YaRN rope, biased experts. Both workers keep
@@ -73,11 +73,11 @@ def gpt_oss_stack(request, tiny_checkpoint):
     sliding layers' window only; the chat prompts and TEXTS[3] are longer than the window, so
     the decode worker's first steps already slide over pulled KV. The router streams the
     hand-off (its default): full blocks chunk by chunk, the sliding tail with the last one.
-    Over TCP the prefill worker's senders run in their own process (--kv-tcp-senders process:
-    the other stacks' TCP prefill workers keep the default, threads)."""
-    transport, _, senders = request.param.partition("-sender-")
-    prefill_args = ("--kv-tcp-senders", senders) if senders else ()
-    with pd_stack(tiny_checkpoint("gpt-oss"), transport, prefill_args=prefill_args) as urls:
+    Over TCP both workers' data connections run in processes of their own (--kv-tcp-io
+    process: the other stacks' TCP workers keep the default, threads)."""
+    transport, _, where = request.param.partition("-io-")
+    io = ("--kv-tcp-io", where) if where else ()
+    with pd_stack(tiny_checkpoint("gpt-oss"), transport, prefill_args=io, decode_args=io) as urls:
         yield urls
 
 

@@ -1,4 +1,4 @@
-"""The TCP senders in a process of their own (--kv-tcp-senders process): the same reads as the
+"""The TCP senders in a process of their own (--kv-tcp-io process): the same reads as the
 in-process senders (tests/worker/test_kv_tcp_stream.py), served by a real spawned child that
 maps the cache through shared memory and follows the engine's pins and layer clocks; the
 engine's process runs no sender thread; a child that dies ends its reads cleanly and later

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl ext
 def make_engine(ckpt, role, port, util, prefix_caching=True, async_scheduling=False, transport="nixl",
                 senders="thread") -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(ckpt), device=DEVICE, role=role, kv_transfer=transport, kv_port=port,
-                                  kv_tcp_senders=senders,
+                                  kv_tcp_io=senders,
                                   gpu_memory_utilization=util, kv_cache_memory=64 << 20, max_model_len=512,
                                   max_num_seqs=8, enable_prefix_caching=prefix_caching,
                                   async_scheduling=async_scheduling,
@@ -61,10 +61,11 @@ def prefill_process(ckpt, port, conn, async_scheduling, transport="nixl", sender
 
 @pytest.mark.parametrize("async_scheduling,transport,senders",
                          [(False, "nixl", "thread"), (True, "nixl", "thread"), (True, "tcp", "process")],
-                         ids=["sync", "async", "async-tcp-sender-process"])
+                         ids=["sync", "async", "async-tcp-io-process"])
 def test_pd_between_engine_processes(tmp_path, async_scheduling, transport, senders):
-    """Over NIXL; and over TCP with the prefill's senders in their own process, which maps the
-    cache (on a GPU: CUDA IPC of the engine's VRAM, the path only the GPU suite runs)."""
+    """Over NIXL; and over TCP with the senders and the receivers in processes of their own,
+    which map the caches (on a GPU: CUDA IPC of the engines' VRAM, the path only the GPU suite
+    runs)."""
     ckpt = write_checkpoint(tmp_path / "m", "llama", write_word_tokenizer(tmp_path / "tok"),
                             hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     ctx = mp.get_context("spawn")
@@ -79,7 +80,7 @@ def test_pd_between_engine_processes(tmp_path, async_scheduling, transport, send
             assert proc.is_alive(), f"the prefill process exited with {proc.exitcode}"
         params = here.recv()
         decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False, async_scheduling=async_scheduling,
-                             transport=transport)
+                             transport=transport, senders=senders)
         assert decode.async_scheduling == async_scheduling
         expected = decode.generate(PROMPTS, GREEDY)
         out = {}

@@ -36,9 +36,9 @@ BLOCK, CHUNK = 4, 8  # two blocks per chunk
 PROMPT = list(range(100, 100 + 37))  # 10 blocks, the last one partial; 5 chunks
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
-# (transport, async scheduling, where the prefill's TCP senders run: tcp_sender_process.py)
+# (transport, async scheduling, where TCP's senders and receivers run: --kv-tcp-io)
 PAIRS = [pytest.param(("tcp", False, "thread"), id="tcp-sync"), pytest.param(("tcp", True, "thread"), id="tcp-async"),
-         pytest.param(("tcp", True, "process"), id="tcp-async-sender-process"),
+         pytest.param(("tcp", True, "process"), id="tcp-async-io-process"),
          pytest.param(("nixl", False, "thread"), id="nixl-sync", marks=TRANSPORTS[1].marks),
          pytest.param(("nixl", True, "thread"), id="nixl-async", marks=TRANSPORTS[1].marks)]
 
@@ -61,11 +61,12 @@ def engine(ckpt, role: str, transport: str, split: str = "even", kv_pull_timeout
 @pytest.fixture(scope="module", params=PAIRS)
 def pair(request, ckpt):
     transport, asyn, senders = request.param
-    p = engine(ckpt, "prefill", transport, async_scheduling=asyn, kv_tcp_senders=senders)
-    d = engine(ckpt, "decode", transport, async_scheduling=asyn)
+    p = engine(ckpt, "prefill", transport, async_scheduling=asyn, kv_tcp_io=senders)
+    d = engine(ckpt, "decode", transport, async_scheduling=asyn, kv_tcp_io=senders)
     assert p.async_scheduling == d.async_scheduling == asyn
-    if senders == "process":  # the senders really are a child: the engine runs none of them
+    if senders == "process":  # the senders and the receivers really are children
         assert p.kv_connector.base.server.data.pid != os.getpid()
+        assert d.kv_connector.tcp_receiver.pid != os.getpid()
     yield p, d
     p.shutdown()
     d.shutdown()

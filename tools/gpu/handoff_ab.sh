@@ -9,7 +9,7 @@
 #
 # Runs (in the order given): base-tail, base-taper, base-auto (the earlier tree), new-tail,
 # new-taper, new-taper256, new-auto, new-none, new-senders-process (this tree; none: no streamed
-# split, the step budget's chunks only; senders-process: --kv-tcp-senders process). B1: the first run's budget in seconds (it also writes the
+# split, the step budget's chunks only; senders-process: --kv-tcp-io process). B1: the first run's budget in seconds (it also writes the
 # checkpoint), B2: each later run's; AB_EXTRA: more bench/handoff.py flags (--tcp-high-rate);
 # HANDOFF_MIN_GPUS=1 runs both workers on one GPU; AB_PROFILE=<run name> samples that run with py-spy. Each run's report lands in /tmp/ab/<run>/, all
 # of them in $OUT/ab.tar.gz (rewritten after each run: a call cut short keeps what ran).
@@ -43,7 +43,7 @@ for spec in "$@"; do
     new-taper256) run new-taper256 . "--kv-stream-split taper" 256 ;;
     new-auto) run new-auto . "" ;;
     new-none) run new-none . "" 0 ;;
-    new-senders-process) run new-senders-process . "--kv-tcp-senders process" ;;  # the TCP senders in a child
+    new-senders-process) run new-senders-process . "--kv-tcp-io process" ;;  # the TCP senders in a child
     *) echo "unknown run: $what"; exit 2 ;;
   esac
   B=${B2:-135}

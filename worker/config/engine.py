@@ -107,11 +107,12 @@ class EngineConfig:
                                         "fast as the prefill makes KV (TCP); auto = taper when this worker's KV "
                                         "transport is tcp, tail with nixl",
                                 choices=("auto", "tail", "even", "taper"))
-    kv_tcp_senders: str = flag("thread", "where a prefill worker's TCP KV senders run: thread = in the engine's "
-                                         "process (their Python shares the engine's GIL); process = in a process "
-                                         "of their own that maps the KV cache (CUDA IPC; on CPU the cache in "
-                                         "/dev/shm), so the engine's step thread never waits on them "
-                                         "(docs/kv-handoff.md)", choices=("thread", "process"))
+    kv_tcp_io: str = flag("thread", "where the TCP KV transport's data connections run (a prefill worker's "
+                                    "senders, a decode worker's receivers): thread = threads of the engine's "
+                                    "process (their Python shares the engine's GIL); process = a process of their "
+                                    "own that maps the KV cache (CUDA IPC; on CPU the cache in /dev/shm), so the "
+                                    "engine's step thread never waits on them (docs/kv-handoff.md)",
+                          choices=("thread", "process"))
     kv_max_pulls_per_peer: int = flag(4, "concurrent pulls (and releases) per prefill peer; more wait their turn")
     kv_secret: str | None = flag(None, f"shared secret authenticating the KV side channel (prefer ${ENV_KV_SECRET}: "
                                        f"arguments are visible in the process list)", repr=False,

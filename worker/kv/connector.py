@@ -52,6 +52,7 @@ from pdserve.worker.kv.metrics import KVMetrics
 from pdserve.worker.kv.prefix_cost import PrefixPullCost
 from pdserve.worker.kv.peer_policy import PeerPolicy
 from pdserve.worker.kv.shared_clocks import ClockRing
+from pdserve.worker.kv.tcp_receiver_process import ReceiverProcess
 from pdserve.worker.kv.pins import LEASE_S, NotReady, PinTable
 from pdserve.worker.kv.prompt_binding import bind_token
 from pdserve.worker.kv.pull_pool import PullPool
@@ -80,16 +81,18 @@ class KVConnector:
         self.transport = config.kv_transfer or registry.default()  # its name (registry.py)
         registry.check(self.transport)
         self.num_blocks = cache.shape[0]
-        # TCP senders in a process of their own map the cache (tcp_sender_process.py): on the
-        # CPU its storage moves to shared memory here, before any transport registers its address.
-        self.tcp_senders = config.kv_tcp_senders if config.role != "decode" else "thread"
-        if self.tcp_senders == "process" and multiprocessing.current_process().daemon:
+        # TCP senders and receivers in processes of their own map the cache (tcp_sender_process.py,
+        # tcp_receiver_process.py): on the CPU its storage moves to shared memory here, before any
+        # transport registers its address.
+        tcp_io = config.kv_tcp_io
+        if tcp_io == "process" and multiprocessing.current_process().daemon:
             # A tensor-parallel follower rank is a daemonic process, which may not start children.
-            log.warning("--kv-tcp-senders process: rank %d's TCP senders run as threads (a tensor-parallel "
+            log.warning("--kv-tcp-io process: rank %d's TCP data connections run as threads (a tensor-parallel "
                         "follower cannot start a process)", self.tp.rank)
-            self.tcp_senders = "thread"
+            tcp_io = "thread"
+        self.tcp_senders = tcp_io if config.role != "decode" else "thread"
         self.clock_ring = ClockRing(cache.shape[1], cache.device) if self.tcp_senders == "process" else None
-        if self.tcp_senders == "process" and cache.device.type == "cpu":
+        if tcp_io == "process" and cache.device.type == "cpu":
             cache.share_memory_()
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
@@ -108,6 +111,8 @@ class KVConnector:
                             "make this worker connect to any of its ports; add the prefill KV ports "
                             "(e.g. %s:5600-5607)", " ".join(any_port), any_port[0])
         self.auth = SideChannelAuth(config.kv_secret)
+        self.tcp_receiver = ReceiverProcess(self.blocks, self.auth) \
+            if tcp_io == "process" and config.role != "prefill" else None
         self.port = config.kv_port + self.tp.rank  # a TP prefill worker serves rank r's shard on kv_port + r
         self.timeout = config.kv_pull_timeout
         # Listen where HTTP listens unless told otherwise; advertise an address peers can use.
@@ -555,6 +560,8 @@ class KVConnector:
         # e.g. NIXL deregisters and frees its staging buffers, TCP stops its data listener
         for transport in {id(t): t for t in (self.base, self.kv)}.values():
             transport.close()
+        if self.tcp_receiver is not None:
+            self.tcp_receiver.close()
 
 
 class PullStopped(RuntimeError):

@@ -1,4 +1,4 @@
-"""The TCP transport's senders in a process of their own (`--kv-tcp-senders process`).
+"""The TCP transport's senders in a process of their own (`--kv-tcp-io process`).
 
 A prefill worker's TCP senders (tcp_stream.DataServer) are Python threads: each piece they
 send takes the GIL a few times, and each take lands inside whatever the engine's step thread
@@ -32,19 +32,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
-from concurrent.futures import Future
 
 import torch
-import torch.multiprocessing  # noqa: F401  registers the tensor reductions: shared storage, CUDA IPC
 
 from pdserve.worker.kv import side_channel, tcp_stream
+from pdserve.worker.kv.child_link import ANSWER_S, ChildEnd, ChildGone, ChildLink
 from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.pins import HANG_UP_POLL_S, RUNNING, PinError, PinSnapshot
 from pdserve.worker.kv.shared_clocks import ClockMirrors
@@ -53,12 +48,6 @@ log = logging.getLogger(__name__)
 
 # tcp_stream's settings the child takes from the engine's module at start (tests change them).
 TUNABLES = ("CHUNK_BYTES", "MAX_SEND_STREAMS", "SEND_TIMEOUT_S", "CLAIM_S", "READY_WAIT_S", "LAYER_GROUPS")
-START_S = 120.0  # the child imports torch (and on CUDA makes a context) before its port is open
-ANSWER_S = 10.0  # an offer's grant, a state question: the child answers from memory
-
-
-class SenderProcessGone(RuntimeError):
-    """The senders' process is not running (it died, or never started)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +57,10 @@ class SenderSpec:
     listener: DataListenerConfig
     tunables: tuple[tuple[str, object], ...]
     log_level: int
+
+
+def tunables(names) -> tuple[tuple[str, object], ...]:
+    return tuple((n, getattr(tcp_stream, n)) for n in names)
 
 
 # -- engine side -------------------------------------------------------------------------------------
@@ -81,116 +74,74 @@ class SenderProcess:
         self.pins, self.on_sent = pins, on_sent
         if blocks.device.type == "cpu" and not blocks.is_shared():
             blocks.share_memory_()  # a cache nothing has registered yet (the connector shares it earlier)
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        self._conn, child_conn = ctx.Pipe()
-        spec = SenderSpec(bind_host, num_layers, listener, tuple((n, getattr(tcp_stream, n)) for n in TUNABLES),
+        spec = SenderSpec(bind_host, num_layers, listener, tunables(TUNABLES),
                           logging.getLogger("pdserve").getEffectiveLevel())
-        self._proc = ctx.Process(target=child_main, args=(spec, blocks, auth, ring.share(), child_conn),
-                                 name="pdserve-kv-tcp-senders", daemon=True)
-        t0 = time.monotonic()
-        self._proc.start()
-        child_conn.close()
-        self._lock = threading.Lock()  # the pipe's sends, and `_interest` with them
         # rid -> [token, keep, granted] of each read offered to the child and not closed there
+        # (under the link's lock, which serializes the pipe's sends).
         self._interest: dict[str, list[list]] = collections.defaultdict(list)
-        self._answers: dict[int, Future] = {}
-        self._ids = itertools.count()
-        self._ready = threading.Event()
-        self._closing, self.gone = False, False
-        self.port: int | None = None
-        self._started_at = t0
-        self._reader = threading.Thread(target=self._events, name="kv-tcp-senders-events", daemon=True)
-        self._reader.start()
+        self._link = ChildLink("pdserve-kv-tcp-senders", child_main, (spec, blocks, auth, ring.share()),
+                               on_message=self._message, on_answer=self._answered, on_gone=self._gone)
         pins.observer = self._pin_changed
+
+    @property
+    def port(self) -> int | None:
+        return self._link.ready_value
+
+    @property
+    def pid(self) -> int | None:
+        return self._link.pid
+
+    @property
+    def gone(self) -> bool:
+        return self._link.gone
 
     # -- DataServer's interface ----------------------------------------------------------------------
 
     def offer(self, request_id: str, token: str, digest: str, ids: list[int], keep: bool, streams,
               positions: list[int] | None = None, layered: bool = False) -> dict:
-        if not self._ready.wait(START_S) or self.gone:
-            raise SenderProcessGone("the KV senders' process is not running")
-        answer = Future()
-        with self._lock:
-            if self.gone:
-                raise SenderProcessGone("the KV senders' process is not running")
-            n = next(self._ids)
-            read = [token, keep, False]
-            self._answers[n] = (answer, read)
+        self._link.wait_ready()
+        read = [token, keep, False]
+        with self._link.lock:
+            n, answer = self._link.register(read)
             self._interest[request_id].append(read)
-            self._conn.send(("offer", n, request_id, token, digest, list(ids), keep, streams, positions, layered,
-                             self.pins.snapshot(request_id)))
-        kind, value = self._answer(answer)
-        if kind == "granted":  # marked so by _events, which `_gone` then closes like any other
+            self._link.send_locked(("offer", n, request_id, token, digest, list(ids), keep, streams, positions,
+                                    layered, self.pins.snapshot(request_id)))
+        kind, value = self._link.result(answer, ANSWER_S)
+        if kind == "granted":  # marked so in _answered, and `_gone` closes it like any other
             return value
         self._forget(request_id, lambda r: r is read)  # the caller closes the read, as for any refusal
         if kind == "busy":
             raise side_channel.Busy(value)
         if kind == "error":
             raise RuntimeError(f"the KV senders' process refused the read: {value}")
-        raise SenderProcessGone("the KV senders' process is gone")
+        raise ChildGone(value)
 
     @property
     def in_flight(self) -> int:
-        return self._ask("in_flight")
+        return self._link.call("in_flight")
 
     def wait_idle(self, timeout_s: float) -> bool:
-        return self._ask("idle", timeout_s, wait_s=timeout_s + ANSWER_S)
+        return self._link.call("idle", timeout_s, wait_s=timeout_s + ANSWER_S)
 
     def close(self) -> None:
-        self._closing = True
-        with self._lock:
-            try:
-                self._conn.send(("stop",))
-            except OSError:
-                pass
-        self._proc.join(5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._reader.join(5)
-        self._conn.close()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
+        self._link.close()
 
     # -- internals -----------------------------------------------------------------------------------
-
-    def _ask(self, op: str, *args, wait_s: float = ANSWER_S):
-        if not self._ready.wait(START_S) or self.gone:
-            raise SenderProcessGone("the KV senders' process is not running")
-        answer = Future()
-        with self._lock:
-            n = next(self._ids)
-            self._answers[n] = (answer, None)
-            self._conn.send((op, n, *args))
-        kind, value = self._answer(answer, wait_s)
-        if kind == "gone":
-            raise SenderProcessGone(value)
-        return value
-
-    def _answer(self, answer: Future, wait_s: float = ANSWER_S):
-        try:
-            return answer.result(wait_s)
-        except TimeoutError:
-            log.error("the KV senders' process did not answer in %.0f s: stopping it", wait_s)
-            self._proc.kill()  # its pipe closes: _events ends every read it held
-            raise SenderProcessGone("the KV senders' process did not answer") from None
 
     def _pin_changed(self, request_id: str) -> None:
         """Any thread, after a pin changed: a pin the child reads gets a new snapshot."""
         if request_id not in self._interest:  # the common case, without the lock
             return
-        with self._lock:
-            if request_id in self._interest and not self.gone:
+        with self._link.lock:
+            if request_id in self._interest and not self._link.gone:
                 try:
-                    self._conn.send(("pin", request_id, self.pins.snapshot(request_id)))
+                    self._link.send_locked(("pin", request_id, self.pins.snapshot(request_id)))
                 except OSError:
-                    pass  # the child is gone: _events closes its reads
+                    pass  # the child is gone: _gone closes its reads
 
     def _forget(self, request_id: str, which) -> None:
         """One read of the pin fewer offered to the child: the first that `which` picks."""
-        with self._lock:
+        with self._link.lock:
             reads = self._interest.get(request_id)
             for i, read in enumerate(reads or ()):
                 if which(read):
@@ -199,51 +150,27 @@ class SenderProcess:
                         del self._interest[request_id]
                     return
 
-    def _events(self) -> None:
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            kind = msg[0]
-            if kind == "answer":
-                with self._lock:
-                    answer, read = self._answers.pop(msg[1], (None, None))
-                    if read is not None and msg[2] == "granted":
-                        read[2] = True  # before any close_read of its transfer, which comes after
-                if answer is not None:
-                    answer.set_result(msg[2:])
-            elif kind == "close_read":
-                _, rid, token = msg
-                self._forget(rid, lambda r: r[0] == token and r[2])  # a granted read of that token
-                self.pins.close_read(rid, token)
-            elif kind == "release":
-                self.pins.release(msg[1], msg[2])
-            elif kind == "sent":
-                self.on_sent(msg[1])
-            elif kind == "ready":
-                self.port = msg[1]
-                log.info("KV TCP senders in their own process (pid %d), data port %d, up in %.1f s", self._proc.pid,
-                         self.port, time.monotonic() - self._started_at)
-                self._ready.set()
-            elif kind == "failed":
-                log.error("the KV senders' process could not start: %s", msg[1])
-                break
-        self._gone()
+    def _answered(self, read: list, kind: str) -> None:
+        if kind == "granted":
+            read[2] = True  # before any close_read of its transfer, which comes after
 
-    def _gone(self) -> None:
+    def _message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "close_read":
+            _, rid, token = msg
+            self._forget(rid, lambda r: r[0] == token and r[2])  # a granted read of that token
+            self.pins.close_read(rid, token)
+        elif kind == "release":
+            self.pins.release(msg[1], msg[2])
+        elif kind == "sent":
+            self.on_sent(msg[1])
+
+    def _gone(self, stopping: bool) -> None:
         """The child's pipe closed: every read it held ends here as a failed transfer ends."""
-        with self._lock:
-            self.gone = True
+        with self._link.lock:
             interest, self._interest = self._interest, collections.defaultdict(list)
-            answers, self._answers = self._answers, {}
-        self._ready.set()
-        for answer, _ in answers.values():
-            answer.set_result(("gone", "the KV senders' process is gone"))
-        if not self._closing:
-            log.error("the KV senders' process (pid %s) exited (code %s) with %d pins read: their reads are "
-                      "closed; later reads are served by senders in the engine's process", self._proc.pid,
-                      self._proc.exitcode, len(interest))
+        if interest and not stopping:
+            log.error("the KV senders' process held reads of %d pins: closed", len(interest))
         for rid, reads in interest.items():
             for token, keep, granted in reads:
                 if granted:  # an offer still waiting is closed by its caller, as a refused one
@@ -337,60 +264,40 @@ class PinMirror:
                 del self._pins[rid]
 
 
-def child_main(spec: SenderSpec, blocks: torch.Tensor, auth, ring_shared: tuple, conn) -> None:
-    # Ctrl-C reaches the whole process group: the engine stops this child (its pipe closes), so
-    # the child does not die first and look like a crash to it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s kv-tcp-senders %(name)s: %(message)s")
+def child_main(conn, spec: SenderSpec, blocks: torch.Tensor, auth, ring_shared: tuple) -> None:
+    end = ChildEnd(conn, spec.log_level, "kv-tcp-senders")
     for name, value in spec.tunables:
         setattr(tcp_stream, name, value)
-    torch.set_num_threads(1)  # the copies are memcpy-sized; the engine owns the cores
-    lock = threading.Lock()
-
-    def send(*msg) -> None:
-        with lock:
-            try:
-                conn.send(msg)
-            except OSError:
-                pass  # the engine is gone; the loop below ends on its EOF
-
     try:
-        mirror = PinMirror(ClockMirrors(ring_shared), send)
-        server = tcp_stream.DataServer(spec.bind_host, blocks, mirror, auth, lambda n: send("sent", n),
+        mirror = PinMirror(ClockMirrors(ring_shared), end.send)
+        server = tcp_stream.DataServer(spec.bind_host, blocks, mirror, auth, lambda n: end.send("sent", n),
                                        spec.num_layers, spec.listener)
     except Exception as e:  # noqa: BLE001  said to the engine, which serves reads itself
-        send("failed", f"{type(e).__name__}: {e}")
+        end.send("failed", f"{type(e).__name__}: {e}")
         return
-    send("ready", server.port)
-    try:
-        while True:
+    end.send("ready", server.port)
+
+    def handle(msg) -> None:
+        kind = msg[0]
+        if kind == "offer":
+            _, n, rid, token, digest, ids, keep, streams, positions, layered, snap = msg
+            mirror.open(rid, snap)
             try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break  # the engine is gone
-            kind = msg[0]
-            if kind == "offer":
-                _, n, rid, token, digest, ids, keep, streams, positions, layered, snap = msg
-                mirror.open(rid, snap)
-                try:
-                    send("answer", n, "granted", server.offer(rid, token, digest, ids, keep, streams, positions,
+                end.send("answer", n, "granted", server.offer(rid, token, digest, ids, keep, streams, positions,
                                                               layered))
-                except side_channel.Busy as e:
-                    mirror.unopen(rid)
-                    send("answer", n, "busy", str(e))
-                except Exception as e:  # noqa: BLE001  a refused offer, said to the side channel's reader
-                    mirror.unopen(rid)
-                    send("answer", n, "error", f"{type(e).__name__}: {e}")
-            elif kind == "pin":
-                mirror.update(msg[1], msg[2])
-            elif kind == "in_flight":
-                send("answer", msg[1], "value", server.in_flight)
-            elif kind == "idle":
-                n, timeout_s = msg[1], msg[2]
-                threading.Thread(target=lambda: send("answer", n, "value", server.wait_idle(timeout_s)),
-                                 daemon=True).start()
-            elif kind == "stop":
-                break
-    finally:
-        server.close()
-        os._exit(0)  # sender threads are daemons mid-send at worst; the pipe's EOF told the engine
+            except side_channel.Busy as e:
+                mirror.unopen(rid)
+                end.send("answer", n, "busy", str(e))
+            except Exception as e:  # noqa: BLE001  a refused offer, said to the side channel's reader
+                mirror.unopen(rid)
+                end.send("answer", n, "error", f"{type(e).__name__}: {e}")
+        elif kind == "pin":
+            mirror.update(msg[1], msg[2])
+        elif kind == "in_flight":
+            end.send("answer", msg[1], "value", server.in_flight)
+        elif kind == "idle":
+            n, timeout_s = msg[1], msg[2]
+            threading.Thread(target=lambda: end.send("answer", n, "value", server.wait_idle(timeout_s)),
+                             daemon=True).start()
+
+    end.serve(handle, server.close)

@@ -30,7 +30,9 @@ from pdserve.worker.kv.data_listener import DataListenerConfig
 from pdserve.worker.kv.messages import MalformedReply, ReadReply, ReadRequest
 from pdserve.worker.kv.pins import PinTable
 from pdserve.worker.kv.shared_clocks import ClockRing
-from pdserve.worker.kv.tcp_sender_process import SenderProcess, SenderProcessGone
+from pdserve.worker.kv.child_link import ChildGone
+from pdserve.worker.kv.tcp_receiver_process import ReceiverProcess
+from pdserve.worker.kv.tcp_sender_process import SenderProcess
 from pdserve.worker.kv.transport import KVTransport
 from typing import TYPE_CHECKING
 
@@ -69,14 +71,15 @@ class TcpTransport(KVTransport):
 
     def pull(self, conn, host, port, params, indices, dst_blocks, digest, release) -> int:
         return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
-                        keep=not release)
+                        keep=not release, receiver=conn.tcp_receiver)
 
     def open_stream(self, conn, host, port, params, indices, dst_blocks, digest) -> "StreamedRead":
-        return StreamedRead(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest)
+        return StreamedRead(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
+                            conn.tcp_receiver)
 
     def pull_shard(self, conn, host, port, remote_rank, params, indices, dst_blocks, digest) -> int:
         return tcp_pull(host, port, params, indices, dst_blocks, conn.blocks, conn.timeout, conn.auth, digest,
-                        keep=True)
+                        keep=True, receiver=conn.tcp_receiver)
 
     def pull_staged(self, conn, slot, host, params, indices, digest, staged, regions) -> int:
         # Frames land with index_copy_, so a fresh tensor (torch's caching allocator on CUDA)
@@ -128,7 +131,7 @@ class TcpServer:
                 self.data = self._threads()
             try:
                 offer = self.data.offer(*args)
-            except SenderProcessGone:  # logged there; this read and later ones are served here
+            except ChildGone:  # logged there; this read and later ones are served here
                 self.data = self._threads()
                 offer = self.data.offer(*args)
         except side_channel.Busy:
@@ -173,13 +176,16 @@ class TcpServer:
 
 def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
              blocks: torch.Tensor, timeout_s: float, auth: SideChannelAuth, digest: str, keep: bool = False,
-             data_path: bool = True, stream: bool = False, cancel: tcp_stream.Cancel | None = None) -> int:
+             data_path: bool = True, stream: bool = False, cancel: tcp_stream.Cancel | None = None,
+             receiver: ReceiverProcess | None = None) -> int:
     """Decode side: read the remote blocks at `indices` into local `dst_blocks`. Returns bytes.
     `keep`: leave the pin for an explicit release (tensor-parallel readers). `data_path`: over
     data connections (else inline in the side channel's reply, as earlier releases did).
     `stream`: the blocks of a streamed pin, granted at once and sent as the prefill computes
     them; `timeout_s` then bounds each chunk's wait (as the streamed pull's stall timeout), not
-    the whole read. `cancel`: ends the read from another thread (its streams are shut)."""
+    the whole read. `cancel`: ends the read from another thread (its streams are shut).
+    `receiver`: the data streams are received by that process (tcp_receiver_process.py), when
+    it runs and `blocks` is its cache."""
     # A prefill worker of an earlier release defers a `stream` read until all are computed (or,
     # for `layers`, sends whole blocks only); its reply then says which it did.
     body = ReadRequest(params.remote_request_id, params.transfer_token, digest, indices, keep, data_path, STREAMS,
@@ -205,9 +211,16 @@ def tcp_pull(host: str, port: int, params: KVTransferParams, indices: list[int],
     if grant is not None:  # a prefill worker of an earlier release answers inline (below)
         plan = tcp_stream.Plan(grant.nblocks, grant.block_bytes, grant.chunk_blocks, grant.streams)
         granted = time.monotonic()
-        n = tcp_stream.receive(host, grant.data_port, grant.ticket, plan, dst_blocks, blocks, deadline, auth,
-                               stall_s=timeout_s if stream else None, cancel=cancel, framed=grant.stream,
-                               layers=grant.layers)
+        args = (host, grant.data_port, grant.ticket, plan, dst_blocks)
+        kw = dict(stall_s=timeout_s if stream else None, cancel=cancel, framed=grant.stream, layers=grant.layers)
+        n = None
+        if receiver is not None and receiver.blocks is blocks and not receiver.gone:
+            try:
+                n = receiver.receive(*args, deadline, **kw)
+            except ChildGone:  # not running (logged when it went): received here
+                pass
+        if n is None:
+            n = tcp_stream.receive(*args, blocks, deadline, auth, **kw)
         if log.isEnabledFor(logging.DEBUG):  # the hand-off's latency chain, read by read (docs/tcp-kv-gpu-results.md)
             done = time.monotonic()
             log.debug("KV read of %s: %d blocks (%.1f MB) over %d streams: granted in %.2f ms, bytes in %.2f ms "
@@ -230,16 +243,19 @@ class StreamedRead:
     streamed pull follows the pin's progress (connector.py)."""
 
     def __init__(self, host: str, port: int, params: KVTransferParams, indices: list[int], dst_blocks: list[int],
-                 blocks: torch.Tensor, stall_s: float, auth: SideChannelAuth, digest: str):
+                 blocks: torch.Tensor, stall_s: float, auth: SideChannelAuth, digest: str,
+                 receiver: ReceiverProcess | None = None):
         self.cancel = tcp_stream.Cancel()
         self._done = Future()
+        self._receiver = receiver
         args = (host, port, params, indices, dst_blocks, blocks, stall_s, auth, digest)
         self._thread = threading.Thread(target=self._run, args=args, name="kv-tcp-stream-read", daemon=True)
         self._thread.start()
 
     def _run(self, *args) -> None:
         try:
-            self._done.set_result(tcp_pull(*args, keep=True, stream=True, cancel=self.cancel))
+            self._done.set_result(tcp_pull(*args, keep=True, stream=True, cancel=self.cancel,
+                                           receiver=self._receiver))
         except BaseException as e:
             self._done.set_exception(e)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TCP KV senders in the engine's process or their own (--kv-tcp-senders, issue 50 item 5), on
+# The TCP KV senders in the engine's process or their own (--kv-tcp-io, issue 50 item 5), on
 # one GPU machine in one call (~8 min with SENDERS_HANDOFF=1), from the repo root:
 #
 #   run(carry=[".whl"], command="bash tools/gpu/tcp_senders.sh")
