@@ -15,7 +15,7 @@ This process's main thread stands in for the step thread: a forward of small ops
 eight), timed step by step. `--side prefill`: this process is the prefill worker's KV half (a
 cache of 2 MiB blocks, Llama-3.1-8B's in bf16; its pin table, side channel and the real
 TcpServer) and another process pulls a kept pin of --mib MiB over the real data path (4
-streams, 32 MiB chunks) again and again, at most --gbps GB/s. `--side decode`: the other process
+streams, --chunk-mib chunks) again and again, at most --gbps GB/s. `--side decode`: the other process
 serves and this one pulls, on a thread as a pull pool does. Per round, in this order: no reader
 (`alone`), this side's connections as threads, in their own process. Columns: the step's p50 /
 p90 in ms, the p50 as a multiple of `alone`'s in the same round, steps over twice alone's p50,
@@ -55,12 +55,17 @@ def _pull_loop(port: int, params: dict, cache: torch.Tensor, gbps: float, stop, 
     p = KVTransferParams(remote_host="127.0.0.1", remote_port=port, num_prompt_tokens=1, first_token_id=0,
                          transport="tcp", kv_layout=KVLayout(1, 1, 1, "uint8", 1), **params)
     auth, ids = SideChannelAuth(SECRET), list(range(cache.shape[0]))
-    t0, total = time.monotonic(), 0
+    t0, total, paced = None, 0, 0
     while not stop.is_set():
-        total += tcp_pull("127.0.0.1", port, p, ids, ids, cache, 30, auth, DIGEST, keep=True, receiver=receiver)
+        n = tcp_pull("127.0.0.1", port, p, ids, ids, cache, 30, auth, DIGEST, keep=True, receiver=receiver)
+        total += n
         with got.get_lock():
             got.value = total
-        ahead = total / (gbps * 1e9) - (time.monotonic() - t0)
+        if t0 is None:  # paced from the first pull's end: a slow start is not made up for with a burst
+            t0 = time.monotonic()
+            continue
+        paced += n
+        ahead = paced / (gbps * 1e9) - (time.monotonic() - t0)
         if ahead > 0:
             stop.wait(ahead)
 
@@ -97,9 +102,12 @@ class _Serving:
         self.tcp.close()
 
 
-def _server(nblocks: int, device: str, conn, stop) -> None:
+def _server(nblocks: int, device: str, chunk_bytes: int, conn, stop) -> None:
     """--side decode: the prefill side, a process of its own (senders as its threads)."""
+    from pdserve.worker.kv import tcp_stream
+
     torch.set_num_threads(1)
+    tcp_stream.CHUNK_BYTES = chunk_bytes
     cache = torch.randint(0, 256, (nblocks, BLOCK_BYTES), dtype=torch.uint8).to(device)
     serving = _Serving(cache, nblocks, "thread")
     conn.send((serving.port, serving.params))
@@ -154,7 +162,8 @@ def _measure(mode: str | None, args, step: _Step, cache: torch.Tensor):
             other.start()
         else:  # serve in another process, pull here (on a thread, as a pull pool's)
             here, there = ctx.Pipe()
-            other = ctx.Process(target=_server, args=(nblocks, args.reader_device, there, stop), daemon=True)
+            other = ctx.Process(target=_server, args=(nblocks, args.reader_device, args.chunk_mib * MiB, there, stop),
+                                daemon=True)
             other.start()
             if not here.poll(60):
                 raise RuntimeError("the prefill process never served")
@@ -193,11 +202,16 @@ def main(argv=None) -> None:
     ap.add_argument("--reader-device", default="cpu", help="the reader's cache device")
     ap.add_argument("--mib", type=int, default=64, help="bytes per pull, MiB")
     ap.add_argument("--gbps", type=float, default=1.0, help="the reader's pace, GB/s (a link's rate)")
+    ap.add_argument("--chunk-mib", type=int, default=32, help="the data path's chunk (tcp_stream.CHUNK_BYTES): "
+                    "smaller chunks, more pieces a byte, more GIL takes")
     ap.add_argument("--seconds", type=float, default=4.0, help="each cell's window")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="this process's torch threads (the step's ops)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from pdserve.worker.kv import tcp_stream
+
+    tcp_stream.CHUNK_BYTES = args.chunk_mib * MiB  # this side's (a senders' child takes it at start)
     torch.set_num_threads(args.threads)
     cache = torch.randint(0, 256, (args.mib * MiB // BLOCK_BYTES + 1, BLOCK_BYTES), dtype=torch.uint8)
     cache = cache.to(args.device)
@@ -219,7 +233,8 @@ def main(argv=None) -> None:
     who = "senders" if args.side == "prefill" else "receivers"
     head = (f"# The step thread beside the TCP KV {who}\n\n{platform.node()}: {os.cpu_count()} CPUs, "
             f"{platform.processor() or platform.machine()}, torch {torch.__version__}, device {args.device}; "
-            f"pulls of {args.mib} MiB (2 MiB blocks) paced to {args.gbps} GB/s, {args.seconds:.0f} s a cell, "
+            f"pulls of {args.mib} MiB (2 MiB blocks, {args.chunk_mib} MiB chunks) paced to {args.gbps} GB/s, "
+            f"{args.seconds:.0f} s a cell, "
             f"step = 32 layers x 8 small ops, torch threads {args.threads}\n")
     table = markdown_table(["round", who, "step p50 ms", "p90 ms", "x alone", "> 2x alone", "steps",
                             "reader GB/s"], rows, right={2, 3, 4, 5, 6, 7})

@@ -49,7 +49,10 @@ def prefill_process(ckpt, port, conn, async_scheduling, transport="nixl", sender
     params = {}
     while len(params) < len(PROMPTS):
         params.update({o.request_id: o.kv_transfer_params for o in engine.step() if o.finished})
-    conn.send([params[f"p{i}"] for i in range(len(PROMPTS))])
+    # Where its TCP senders run: a SenderProcess only with --kv-tcp-io process in a process
+    # that may start children (this one is not daemonic for that reason).
+    senders_at = type(engine.kv_connector.base.server.data).__name__ if transport == "tcp" else None
+    conn.send(([params[f"p{i}"] for i in range(len(PROMPTS))], senders_at))
     while True:  # frees pins as the decode side releases them; answers "stats" until "stop"
         if conn.poll(0.05):
             order = conn.recv()
@@ -70,15 +73,18 @@ def test_pd_between_engine_processes(tmp_path, async_scheduling, transport, send
                             hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling, transport, senders),
-                       daemon=True)
+    # Not daemonic: a daemonic process may not start the senders' child (the finally below
+    # joins or kills it).
+    proc = ctx.Process(target=prefill_process, args=(ckpt, free_port(), there, async_scheduling, transport, senders))
     proc.start()
     decode = None
     try:
         # The prefill engine sizes its KV cache before this one takes the rest of the card.
         while not here.poll(0.5):
             assert proc.is_alive(), f"the prefill process exited with {proc.exitcode}"
-        params = here.recv()
+        params, senders_at = here.recv()
+        if senders == "process":
+            assert senders_at == "SenderProcess", senders_at
         decode = make_engine(ckpt, "decode", free_port(), 0.5, prefix_caching=False, async_scheduling=async_scheduling,
                              transport=transport, senders=senders)
         assert decode.async_scheduling == async_scheduling

@@ -8,8 +8,8 @@
 #   run(command="B1=220 B2=135 bash tools/gpu/handoff_ab.sh base-tail new-auto", carry=[".whl"], ...)
 #
 # Runs (in the order given): base-tail, base-taper, base-auto (the earlier tree), new-tail,
-# new-taper, new-taper256, new-auto, new-none, new-senders-process (this tree; none: no streamed
-# split, the step budget's chunks only; senders-process: --kv-tcp-io process). B1: the first run's budget in seconds (it also writes the
+# new-taper, new-taper256, new-auto, new-none, new-io-process (this tree; none: no streamed
+# split, the step budget's chunks only; io-process: --kv-tcp-io process). B1: the first run's budget in seconds (it also writes the
 # checkpoint), B2: each later run's; AB_EXTRA: more bench/handoff.py flags (--tcp-high-rate);
 # HANDOFF_MIN_GPUS=1 runs both workers on one GPU; AB_PROFILE=<run name> samples that run with py-spy. Each run's report lands in /tmp/ab/<run>/, all
 # of them in $OUT/ab.tar.gz (rewritten after each run: a call cut short keeps what ran).
@@ -43,7 +43,7 @@ for spec in "$@"; do
     new-taper256) run new-taper256 . "--kv-stream-split taper" 256 ;;
     new-auto) run new-auto . "" ;;
     new-none) run new-none . "" 0 ;;
-    new-senders-process) run new-senders-process . "--kv-tcp-io process" ;;  # the TCP senders in a child
+    new-io-process) run new-io-process . "--kv-tcp-io process" ;;  # TCP's data connections in children
     *) echo "unknown run: $what"; exit 2 ;;
   esac
   B=${B2:-135}
