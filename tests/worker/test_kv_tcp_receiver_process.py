@@ -13,18 +13,13 @@ import torch
 
 from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
 from pdserve.worker.kv.tcp_receiver_process import ReceiverProcess
-from tests.worker.test_kv_tcp_stream import (AUTH, BLOCK_BYTES, DIGEST, Prefill, as_params, streamed_pin,
+from tests.worker.test_kv_tcp_stream import (small_chunks,  # noqa: F401  a fixture
+                                             AUTH, BLOCK_BYTES, DIGEST, Prefill, as_params, streamed_pin,
                                              wait_until)
 
 
 @pytest.fixture
-def chunks(monkeypatch):
-    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 3 * BLOCK_BYTES)
-    monkeypatch.setattr(tcp_transport, "STREAMS", 3)
-
-
-@pytest.fixture
-def prefill(chunks):
+def prefill(small_chunks):  # 3-block chunks, 3 streams (set before the prefill side starts)
     p = Prefill()
     yield p
     p.close()

@@ -13,22 +13,16 @@ import threading
 import pytest
 import torch
 
-from pdserve.worker.kv import side_channel, tcp_stream, tcp_transport
+from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.tcp_sender_process import SenderProcess
-from tests.worker.test_kv_tcp_stream import (BLOCK_BYTES, LAYERS, Prefill, layer_slices, pull, start_stream_read,
+from tests.worker.test_kv_tcp_stream import (small_chunks,  # noqa: F401  a fixture
+                                             BLOCK_BYTES, LAYERS, Prefill, layer_slices, pull, start_stream_read,
                                              streamed_pin, wait_until)
 
 
 @pytest.fixture
-def chunks(monkeypatch):
-    """Chunks of 3 blocks, 3 streams; set before the child starts, which takes tcp_stream's settings then."""
-    monkeypatch.setattr(tcp_stream, "CHUNK_BYTES", 3 * BLOCK_BYTES)
-    monkeypatch.setattr(tcp_transport, "STREAMS", 3)
-
-
-@pytest.fixture
-def prefill(chunks):
+def prefill(small_chunks):  # the chunks set first: a senders' child takes tcp_stream's settings at start
     p = Prefill(num_layers=LAYERS, senders="process")
     yield p
     p.close()
