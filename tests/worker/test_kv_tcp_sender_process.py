@@ -132,3 +132,16 @@ def test_a_child_that_dies_mid_read_ends_its_reads_and_later_reads_are_served_he
     assert pull(prefill, params, list(range(4)), list(range(4)), cache) == 4 * BLOCK_BYTES
     assert torch.equal(cache[:4], prefill.cache[50:54])
     assert isinstance(prefill.tcp.data, tcp_stream.DataServer)
+
+
+def test_a_cpu_cache_larger_than_dev_shm_is_refused_naming_the_flag(tmp_path):
+    """A tmpfs past its size kills whoever touches the page (SIGBUS): the worker refuses at start."""
+    from pdserve.protocol.flags import ConfigError
+    from pdserve.worker.kv.connector import _check_shm
+
+    _check_shm(1 << 20, str(tmp_path))  # room: no error
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(ConfigError, match="--kv-tcp-io.*free.*--kv-tcp-io thread"):
+        _check_shm(free + (1 << 30), str(tmp_path))
+    with pytest.raises(ConfigError, match="--kv-tcp-io.*not usable"):
+        _check_shm(1, str(tmp_path / "missing"))

@@ -37,6 +37,7 @@ from dataclasses import replace
 
 import torch
 
+from pdserve.protocol.flags import ConfigError
 from pdserve.protocol.kv_layout import KVLayout
 from pdserve.protocol.kv_transfer import KVTransferParams
 from pdserve.worker.config.engine import EngineConfig
@@ -93,6 +94,7 @@ class KVConnector:
         self.tcp_senders = tcp_io if config.role != "decode" else "thread"
         self.clock_ring = ClockRing(cache.shape[1], cache.device) if self.tcp_senders == "process" else None
         if tcp_io == "process" and cache.device.type == "cpu":
+            _check_shm(cache.numel() * cache.element_size())
             cache.share_memory_()
         self.blocks = cache.view(torch.uint8).view(self.num_blocks, -1)  # [num_blocks, block_bytes]
         self.block_bytes = self.blocks.shape[1]
@@ -566,6 +568,21 @@ class KVConnector:
 
 class PullStopped(RuntimeError):
     """A streamed pull ended early: its request was aborted here, or the prefill was cancelled."""
+
+
+def _check_shm(nbytes: int, path: str = "/dev/shm") -> None:
+    """ConfigError unless `path` can hold a CPU cache of `nbytes` (a tmpfs past its size kills
+    the process that touches the page, SIGBUS, rather than failing the allocation)."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise ConfigError("--kv-tcp-io", f"process shares the CPU KV cache through {path}, which is not usable "
+                                         f"({e}); use --kv-tcp-io thread") from None
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise ConfigError("--kv-tcp-io", f"process shares the CPU KV cache ({nbytes / 2**30:.2f} GiB) through {path}, "
+                                         f"which has {free / 2**30:.2f} GiB free: enlarge it (a pod's shmSize, "
+                                         f"docker --shm-size), lower --kv-cache-memory, or use --kv-tcp-io thread")
 
 
 def _peer(params: KVTransferParams) -> tuple[str, int]:
