@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # The TCP KV data connections in the engine's process or their own (--kv-tcp-io, issue 50 item
-# 5), on one GPU machine in one call (~8 min with TCP_IO_HANDOFF=1), from the repo root:
+# 5), on one GPU machine, from the repo root. Two parts, each fits one device call:
 #
-#   run(carry=[".whl"], command="bash tools/gpu/tcp_io.sh")
+#   run(carry=[".whl"], command="TCP_IO_PARTS=bench bash tools/gpu/tcp_io.sh")    # ~4 min
+#   run(carry=[".whl"], command="TCP_IO_PARTS=handoff bash tools/gpu/tcp_io.sh")  # ~8 min
 #
-# 1. `pdserve bench tcp-io` on the card, each side: the step thread (small CUDA ops, synchronized
-#    per step) beside a reader pulling a kept pin over the real TCP data path, VRAM to VRAM, with
-#    no reader / this side's connections as threads / in their own process.   tcp_io_{prefill,decode}.md
-# 2. TCP_IO_HANDOFF=1 (the default): the hand-off on real workers, both on this card
-#    (tools/gpu/handoff_ab.sh: TCP with threads, TCP with --kv-tcp-io process, NIXL; Llama-3.1-8B
-#    shaped random weights, 3000/200): TTFT and the first gap each way.        ab.tar.gz
-# Issue 50's target: P/D over TCP within +10 ms of NIXL in TTFT. Run the GPU suite before this
-# in the same session (the children's CUDA IPC path: test_pd_engines.py[async-tcp-io-process]).
+# bench: `pdserve bench tcp-io` on the card, each side: the step thread (small CUDA ops,
+#   synchronized per step) beside a reader pulling a kept pin over the real TCP data path, VRAM
+#   to VRAM, with no reader / this side's connections as threads / in their own process.
+#   $OUT/tcp_io_{prefill,decode}.md
+# handoff: the hand-off on real workers, both on this card (tools/gpu/handoff_ab.sh: TCP with
+#   threads, TCP with --kv-tcp-io process, NIXL; Llama-3.1-8B shaped random weights, 3000/200):
+#   TTFT and the first gap each way. $OUT/ab.tar.gz
+# Issue 50's target: P/D over TCP within +10 ms of NIXL in TTFT. The GPU suite runs first in the
+# session (the children's CUDA IPC path: test_pd_engines.py[async-tcp-io-process]); the bench
+# part fits in the suite's call after it.
 set -u
 source tools/gpu/lib.sh
 gpu_begin tcp_io server || exit 1
-for side in prefill decode; do
-  step_into "$OUT/bench_$side.log" "bench $side" 150 $PY -m pdserve.bench.tcp_io --side $side --device cuda \
-    --reader-device cuda --mib 256 --gbps 5 --seconds 5 --rounds 3 --out "$OUT/tcp_io_$side.md"
-  cat "$OUT/tcp_io_$side.md" 2>/dev/null
-done
-if [ "${TCP_IO_HANDOFF:-1}" = 1 ]; then
+PARTS=${TCP_IO_PARTS:-bench handoff}
+if [[ " $PARTS " == *" bench "* ]]; then
+  for side in prefill decode; do
+    step_into "$OUT/bench_$side.log" "bench $side" 120 $PY -m pdserve.bench.tcp_io --side $side --device cuda \
+      --reader-device cuda --mib 256 --gbps 5 --seconds 4 --rounds 3 --out "$OUT/tcp_io_$side.md"
+    cat "$OUT/tcp_io_$side.md" 2>/dev/null
+  done
+fi
+if [[ " $PARTS " == *" handoff "* ]]; then
   OUT=$OUT HANDOFF_MIN_GPUS=1 B1=${B1:-200} B2=${B2:-130} bash tools/gpu/handoff_ab.sh new-auto new-io-process \
     new-auto:nixl-on 2>&1 | tee "$OUT/handoff_ab.log" | grep "^=="
 fi
