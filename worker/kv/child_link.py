@@ -138,7 +138,8 @@ class ChildLink:
                     answer.set_result((msg[2], msg[3]))
             elif kind == "ready":
                 self.ready_value = msg[1]
-                log.info("%s: pid %d, up in %.1f s", self.name, self._proc.pid, time.monotonic() - self._started_at)
+                log.info("%s: pid %d, up in %.1f s%s", self.name, self._proc.pid, time.monotonic() - self._started_at,
+                         "" if msg[1] is None else f", serving {msg[1]}")
                 self._ready.set()
             elif kind == "failed":
                 log.error("the %s process could not start: %s", self.name, msg[1])

@@ -275,7 +275,7 @@ def child_main(conn, spec: SenderSpec, blocks: torch.Tensor, auth, ring_shared: 
     except Exception as e:  # noqa: BLE001  said to the engine, which serves reads itself
         end.send("failed", f"{type(e).__name__}: {e}")
         return
-    end.send("ready", server.port)
+    end.send("ready", server.port)  # the data port, which the grants name
 
     def handle(msg) -> None:
         kind = msg[0]
