@@ -3,7 +3,8 @@
 # Every test that behaves differently on CUDA: the kernels compiled (and at model sizes), the
 # Triton attention backend and CUDA graphs in the engine (the LoRA kernels, BGMV and SGMV, in
 # tests/kernels and in the model: tests/worker/test_lora.py), the fused GEMV model path, P/D between
-# engine processes over NIXL (VRAM to VRAM), the TCP KV bench. From the repo root:
+# engine processes over NIXL (VRAM to VRAM) and over TCP with --kv-tcp-io process (CUDA IPC, interprocess
+# layer events), the TCP KV bench. From the repo root:
 #
 #   run(carry=[".whl"], command="bash .ci/gpu_tests.sh")
 #
@@ -29,4 +30,5 @@ timeout --kill-after=10 "$T" python3 -m pytest -p no:cacheprovider -q -n "${GPU_
   tests/kernels "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
 timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q -n 0 --timeout 300 \
   tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py tests/worker/test_lora.py \
+  tests/worker/test_kv_tcp_sender_process.py tests/worker/test_kv_tcp_receiver_process.py \
   tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"

@@ -145,3 +145,40 @@ def test_a_cpu_cache_larger_than_dev_shm_is_refused_naming_the_flag(tmp_path):
         _check_shm(free + (1 << 30), str(tmp_path))
     with pytest.raises(ConfigError, match="--kv-tcp-io.*not usable"):
         _check_shm(1, str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: IPC of the VRAM caches, interprocess layer events")
+def test_on_cuda_the_children_map_vram_and_wait_for_each_layers_event(small_chunks):
+    """Both children on one card: the senders' child maps the prefill cache and sends each layer
+    only once its interprocess event completed; the receivers' child lands it in the decode
+    cache. Each layer's write runs behind ~30 ms of GPU sleep, so a child that read on the
+    launch's count alone, not the event, would send the old bytes (each layer goes once)."""
+    from pdserve.worker.kv.tcp_receiver_process import ReceiverProcess
+    from pdserve.worker.kv.tcp_transport import StreamedRead
+    from tests.worker.test_kv_tcp_stream import AUTH, DIGEST, as_params
+
+    p = Prefill(num_layers=LAYERS, senders="process", device="cuda")
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8, device="cuda")
+    receiver = ReceiverProcess(cache, AUTH)
+    try:
+        src = list(range(40, 50))
+        params = streamed_pin(p, "g", src, ready=0)
+        read = StreamedRead("127.0.0.1", p.port, as_params(params), list(range(10)), list(range(10)), cache, 30,
+                            AUTH, DIGEST, receiver)
+        clock = LayerClock(LAYERS, torch.device("cuda"), p.tcp.ring)
+        p.pins.computing("g", 10, clock)
+        layers = p.cache.view(p.cache.shape[0], LAYERS, -1)
+        for layer in range(LAYERS):
+            torch.cuda._sleep(50_000_000)
+            layers[src, layer] = layer + 1  # the forward writes this layer of the blocks
+            clock.after_layer(layer)
+        p.pins.finish("g", first_token_id=1)
+        assert read.result() == 10 * BLOCK_BYTES
+        read.stop()
+        got = cache[:10].view(10, LAYERS, -1)
+        for layer in range(LAYERS):
+            assert bool((got[:, layer] == layer + 1).all()), f"layer {layer} left before its event"
+        assert p.pins.release("g", params["transfer_token"])
+    finally:
+        receiver.close()
+        p.close()

@@ -38,8 +38,9 @@ class Prefill:
     """A prefill worker's KV serving half: cache, pins, side channel, TcpServer."""
 
     def __init__(self, num_blocks: int = 96, auth: SideChannelAuth = AUTH, ttl: float = 300, num_layers: int = 1,
-                 data_listener: DataListenerConfig = DataListenerConfig(), senders: str = "thread"):
-        self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8)
+                 data_listener: DataListenerConfig = DataListenerConfig(), senders: str = "thread",
+                 device: str = "cpu"):
+        self.cache = torch.randint(0, 256, (num_blocks, BLOCK_BYTES), dtype=torch.uint8).to(device)
         self.pins = PinTable(ttl=ttl)
         self.sent = 0
         self.port = free_port()
