@@ -18,7 +18,7 @@ from pdserve.worker.kv.layer_clock import LayerClock
 from pdserve.worker.kv.tcp_sender_process import SenderProcess
 from tests.worker.test_kv_tcp_stream import (small_chunks,  # noqa: F401  a fixture
                                              BLOCK_BYTES, LAYERS, Prefill, layer_slices, pull, start_stream_read,
-                                             streamed_pin, wait_until)
+                                             stream_read_following_the_pin, streamed_pin, wait_until)
 
 
 @pytest.fixture
@@ -47,19 +47,7 @@ def test_a_chunked_pull_is_served_by_the_child_with_the_same_bytes(prefill):
 
 def test_a_stream_read_follows_the_engines_pin_across_processes(prefill):
     """Each block leaves the child once the engine's pin says it is computed, never before."""
-    src = list(range(40, 60))
-    params = streamed_pin(prefill, "s", src, ready=2)
-    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
-    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
-    for ready in (2, 7, 8, 16):
-        prefill.pins.advance("s", ready)
-        assert wait_until(lambda: torch.equal(cache[:ready], prefill.cache[40:40 + ready])), f"blocks 0..{ready}"
-        assert not cache[ready:].any(), f"a block past {ready} moved before it was computed"
-        read.raise_if_failed()
-    prefill.pins.finish("s", first_token_id=7)
-    assert read.result() == 20 * BLOCK_BYTES
-    read.stop()
-    assert torch.equal(cache[:20], prefill.cache[40:60])
+    params = stream_read_following_the_pin(prefill, "s")
     assert prefill.tcp.data.wait_idle(10)
     assert wait_until(lambda: prefill.pins.snapshot("s") is not None and not prefill.tcp.data._interest)
     assert prefill.pins.collect() == []  # kept: the reader releases it

@@ -208,23 +208,29 @@ def test_a_stream_read_lands_each_block_once_computed_and_never_before(prefill, 
     """One read for the whole streamed pin, granted with the first blocks computed: every block
     the prefill computes reaches the reader with no further request, and no block moves before
     it is computed (the cache holds other bytes there until then: they would show)."""
-    src = list(range(40, 60))
-    params = streamed_pin(prefill, "s", src, ready=2)
-    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
-    dst = list(range(20))
-    read = start_stream_read(prefill, params, list(range(20)), dst, cache)
-    for ready in (2, 7, 8, 16):  # pieces cut across the 3-block chunks
-        prefill.pins.advance("s", ready)
-        assert wait_until(lambda: torch.equal(cache[:ready], prefill.cache[40:40 + ready])), f"blocks 0..{ready}"
-        assert not cache[ready:].any(), f"a block past {ready} moved before it was computed"
-        read.raise_if_failed()
-    prefill.pins.finish("s", first_token_id=7)
-    assert read.result() == 20 * BLOCK_BYTES
-    read.stop()
-    assert torch.equal(cache[:20], prefill.cache[40:60])
+    params = stream_read_following_the_pin(prefill, "s")
     assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
     assert prefill.pins.collect() == []  # kept: the streamed pull releases it after its last read
     assert prefill.pins.release("s", params["transfer_token"])
+
+
+def stream_read_following_the_pin(prefill: Prefill, rid: str) -> dict:
+    """A stream read of a 20-block streamed pin whose prefill advances in four steps: each step's
+    blocks land, no later block moves before its step; the read ends with the prefill. Its params."""
+    src = list(range(40, 60))
+    params = streamed_pin(prefill, rid, src, ready=2)
+    cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
+    read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
+    for ready in (2, 7, 8, 16):  # pieces cut across the 3-block chunks
+        prefill.pins.advance(rid, ready)
+        assert wait_until(lambda: torch.equal(cache[:ready], prefill.cache[40:40 + ready])), f"blocks 0..{ready}"
+        assert not cache[ready:].any(), f"a block past {ready} moved before it was computed"
+        read.raise_if_failed()
+    prefill.pins.finish(rid, first_token_id=7)
+    assert read.result() == 20 * BLOCK_BYTES
+    read.stop()
+    assert torch.equal(cache[:20], prefill.cache[40:60])
+    return params
 
 
 def layer_slices(cache: torch.Tensor, blocks, lo: int, hi: int) -> torch.Tensor:
