@@ -80,8 +80,11 @@ class ChildLink:
         return n, answer
 
     def send_locked(self, msg: tuple) -> None:
-        """Under `lock`."""
-        self._conn.send(msg)
+        """Under `lock`. ChildGone when the pipe is closed (the child died a moment ago)."""
+        try:
+            self._conn.send(msg)
+        except OSError as e:
+            raise ChildGone(f"the {self.name} process is gone ({e})") from None
 
     def send(self, msg: tuple) -> None:
         """A message without an answer; dropped if the child is gone (its pipe's end says so)."""
@@ -97,7 +100,7 @@ class ChildLink:
         self.wait_ready()
         with self.lock:
             n, answer = self.register()
-            self._conn.send((op, n, *args))
+            self.send_locked((op, n, *args))
         kind, value = self.result(answer, wait_s)
         if kind == "gone":
             raise ChildGone(value)

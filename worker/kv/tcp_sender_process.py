@@ -136,8 +136,8 @@ class SenderProcess:
             if request_id in self._interest and not self._link.gone:
                 try:
                     self._link.send_locked(("pin", request_id, self.pins.snapshot(request_id)))
-                except OSError:
-                    pass  # the child is gone: _gone closes its reads
+                except ChildGone:
+                    pass  # _gone closes its reads
 
     def _forget(self, request_id: str, which) -> None:
         """One read of the pin fewer offered to the child: the first that `which` picks."""
