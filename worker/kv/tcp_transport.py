@@ -132,7 +132,8 @@ class TcpServer:
             try:
                 offer = self.data.offer(*args)
             except ChildGone:  # logged there; this read and later ones are served here
-                self.data = self._threads()
+                gone, self.data = self.data, self._threads()
+                gone.close()
                 offer = self.data.offer(*args)
         except side_channel.Busy:
             self.pins.close_read(rid, token)
