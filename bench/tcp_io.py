@@ -41,7 +41,7 @@ from pdserve.worker.kv.auth import SideChannelAuth
 
 MiB = 1 << 20
 BLOCK_BYTES = 2 * MiB
-SECRET = "bench-tcp-senders"
+SECRET = "bench-tcp-io"
 DIGEST = "0" * 32
 
 
@@ -49,7 +49,6 @@ def _pull_loop(port: int, params: dict, cache: torch.Tensor, gbps: float, stop, 
     """The decode side: pull the pin's blocks again and again (kept), paced to `gbps`."""
     from pdserve.protocol.kv_layout import KVLayout
     from pdserve.protocol.kv_transfer import KVTransferParams
-    from pdserve.worker.kv.auth import SideChannelAuth
     from pdserve.worker.kv.tcp_transport import tcp_pull
 
     p = KVTransferParams(remote_host="127.0.0.1", remote_port=port, num_prompt_tokens=1, first_token_id=0,
@@ -82,7 +81,6 @@ class _Serving:
 
     def __init__(self, cache: torch.Tensor, nblocks: int, senders: str):
         from pdserve.worker.kv import side_channel
-        from pdserve.worker.kv.auth import SideChannelAuth
         from pdserve.worker.kv.pins import PinTable
         from pdserve.worker.kv.tcp_transport import TcpServer
 
