@@ -91,8 +91,8 @@ class ChildLink:
         with self.lock:
             if not self.gone:
                 try:
-                    self._conn.send(msg)
-                except OSError:
+                    self.send_locked(msg)
+                except ChildGone:
                     pass
 
     def call(self, op: str, *args, wait_s: float = ANSWER_S):

@@ -90,17 +90,45 @@ class PinSnapshot:
 
     def check(self, token, prompt_digest, now: float) -> None:
         """PinError unless a reader holding `token` and `prompt_digest` may still read it."""
-        if not (isinstance(token, str) and isinstance(prompt_digest, str)) or \
-                not secrets.compare_digest(self.token.encode(), token.encode()):
+        if not (isinstance(token, str) and isinstance(prompt_digest, str)):
             raise PinError("unknown, released or expired transfer, or a wrong transfer token")
-        if self.state == CANCELLED:
-            raise PinError("the prefill was cancelled: its KV will not be computed")
-        if self.released:
-            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
-        if self.expires_at <= now:
-            raise PinError("the transfer token has expired")
-        if not secrets.compare_digest(self.prompt_digest.encode(), prompt_digest.encode()):
-            raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+        check_reader(self, token, prompt_digest, now)
+
+
+def check_reader(pin, token: str, prompt_digest: str, now: float, cancelled_ok: bool = False) -> None:
+    """PinError unless the holder of `token` and `prompt_digest` may read `pin` (a Pin or a
+    PinSnapshot) at `now`; `cancelled_ok`: a cancelled pin passes (its reader is told so)."""
+    if not secrets.compare_digest(pin.token.encode(), token.encode()):
+        raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+    if pin.state == CANCELLED:
+        if cancelled_ok and secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
+            return
+        raise PinError("the prefill was cancelled: its KV will not be computed")
+    if pin.released:
+        raise PinError("unknown, released or expired transfer, or a wrong transfer token")
+    if pin.expires_at <= now:
+        raise PinError("the transfer token has expired")
+    if not secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
+        raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+
+
+def wait_ready(changes: threading.Condition, readable: Callable[[], object], upto: int, timeout_s: float,
+               hung_up: Callable[[], bool] | None = None, computing_ok: bool = False) -> bool:
+    """`PinTable.wait_ready`'s loop over any pin source: `readable()` (under `changes`' lock)
+    returns the pin or raises PinError; `changes` is notified when it may have changed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with changes:
+            pin = readable()
+            computing = computing_ok and any(u >= upto for u, *_ in pin.computing)
+            if pin.state != RUNNING or pin.ready >= upto or computing:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            changes.wait(min(left, HANG_UP_POLL_S))
+        if hung_up is not None and hung_up():
+            raise ConnectionError("the reader hung up")
 
 
 class NotReady(Exception):
@@ -212,18 +240,9 @@ class PinTable:
         pin = self._pins.get(request_id)
         if pin is None and cancelled_ok:
             pin = self._cancelled.get(request_id)
-        if pin is None or not secrets.compare_digest(pin.token.encode(), token.encode()):
+        if pin is None:
             raise PinError("unknown, released or expired transfer, or a wrong transfer token")
-        if pin.state == CANCELLED:
-            if cancelled_ok and secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
-                return pin
-            raise PinError("the prefill was cancelled: its KV will not be computed")
-        if pin.released:
-            raise PinError("unknown, released or expired transfer, or a wrong transfer token")
-        if pin.expires_at <= now:
-            raise PinError("the transfer token has expired")
-        if not secrets.compare_digest(pin.prompt_digest.encode(), prompt_digest.encode()):
-            raise PinError("prompt mismatch: these KV blocks were computed from a different prompt")
+        check_reader(pin, token, prompt_digest, now, cancelled_ok)
         return pin
 
     def _readable(self, request_id, token, prompt_digest, now: float, indices) -> Pin:
@@ -279,19 +298,8 @@ class PinTable:
         step is computing them) (True), at most `timeout_s` (False). PinError once the pin is
         released or cancelled (the prefill was aborted: its blocks will never be computed);
         ConnectionError once `hung_up()` says the reader left."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                pin = self._authenticate(request_id, token, prompt_digest, time.monotonic())
-                computing = computing_ok and any(u >= upto for u, _ in pin.computing)
-                if pin.state != RUNNING or pin.ready >= upto or computing:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changes.wait(min(left, HANG_UP_POLL_S))
-            if hung_up is not None and hung_up():
-                raise ConnectionError("the reader hung up")
+        return wait_ready(self._changes, lambda: self._authenticate(request_id, token, prompt_digest, time.monotonic()),
+                          upto, timeout_s, hung_up, computing_ok)
 
     def progress(self, request_id: str, token: str, prompt_digest: str, have, lease_s: float = 0.0,
                  last_seen: bool = True, layers=None) -> dict:

@@ -61,14 +61,14 @@ class ClockRing:
         if self._cuda:
             with torch.cuda.device(self._device):
                 handles = [[e.ipc_handle() for e in row] for row in self.events]
-        return self.cells, handles, str(self._device), self.num_layers
+        return self.cells, handles, str(self._device)
 
 
 class ClockMirrors:
     """Senders' side: the ring of `ClockRing.share()`, and a mirror per (slot, generation) asked for."""
 
     def __init__(self, shared: tuple):
-        cells, handles, device, _ = shared
+        cells, handles, device = shared
         self._cells = cells.numpy()
         self._keep = cells  # the shared storage lives as long as its numpy view is used
         self._events = None

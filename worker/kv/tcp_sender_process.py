@@ -41,7 +41,7 @@ import torch
 from pdserve.worker.kv import side_channel, tcp_stream
 from pdserve.worker.kv.child_link import ANSWER_S, ChildEnd, ChildGone, ChildLink
 from pdserve.worker.kv.data_listener import DataListenerConfig
-from pdserve.worker.kv.pins import HANG_UP_POLL_S, RUNNING, PinError, PinSnapshot
+from pdserve.worker.kv.pins import RUNNING, PinError, PinSnapshot, wait_ready
 from pdserve.worker.kv.shared_clocks import ClockMirrors
 
 log = logging.getLogger(__name__)
@@ -230,19 +230,7 @@ class PinMirror:
 
     def wait_ready(self, rid, token, digest, upto: int, timeout_s: float, hung_up=None,
                    computing_ok: bool = False) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._cond:
-                snap = self._snap(rid, token, digest)
-                computing = computing_ok and any(u >= upto for u, *_ in snap.computing)
-                if snap.state != RUNNING or snap.ready >= upto or computing:
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, HANG_UP_POLL_S))
-            if hung_up is not None and hung_up():
-                raise ConnectionError("the reader hung up")
+        return wait_ready(self._cond, lambda: self._snap(rid, token, digest), upto, timeout_s, hung_up, computing_ok)
 
     def close_read(self, rid: str, token: str) -> None:
         with self._cond:
