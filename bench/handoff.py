@@ -46,7 +46,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
 from pdserve.bench.disagg import UpStack, finish, pack_runs, scratch_dir
@@ -247,8 +246,7 @@ class Runner:
         summary = serve_metrics.summarize(results, duration, serve_metrics.parse_goodput(list(SLO)))
         if not summary["completed"]:
             raise RuntimeError(f"no request completed: {summary['errors']}")
-        names = SimpleNamespace(label=label, input_len=in_len, output_len=out_len, range_ratio=0.0, dataset=None)
-        run = serve.run_record(names, cfg, summary, results, deltas)
+        run = serve.run_record(serve.Workload(label, in_len, out_len), cfg, summary, results, deltas)
         run.update(stack=spec.name, transport=spec.transport, overlap=spec.overlap, kind=p.kind,
                    roles={u: n for n, u in stack.children.items()})
         path = self.work / "runs" / f"{label}_rate-{serve.rate_name(cfg.request_rate)}.json"

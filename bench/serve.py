@@ -229,9 +229,27 @@ def prompts_needed(cfg: LoadConfig, num_requests: int | None) -> int:
     return 1024  # closed loop for --duration: cycled (a reused prompt may hit the prefix cache)
 
 
-def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult], deltas: dict) -> dict:
+@dataclass(frozen=True)
+class Workload:
+    """What a run's record says about the requests it sent: this command's flags (from_args), or
+    a harness's own (bench/handoff.py), named field by field so neither can miss one."""
+
+    label: str
+    input_len: int | None  # None: the lengths come from the dataset
+    output_len: int
+    range_ratio: float = 0.0
+    dataset: str | None = None
+    multi_turn: tuple[int, int] | None = None  # (conversations, turns)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Workload:
+        return cls(args.label, None if args.dataset else args.input_len, args.output_len, args.range_ratio,
+                   args.dataset, tuple(args.multi_turn) if args.multi_turn else None)
+
+
+def run_record(work: Workload, cfg: LoadConfig, summary: dict, results: list[RequestResult], deltas: dict) -> dict:
     return {
-        "label": args.label,
+        "label": work.label,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "base_url": cfg.base_url,
         "model": cfg.model,
@@ -240,15 +258,15 @@ def run_record(args, cfg: LoadConfig, summary: dict, results: list[RequestResult
         "endpoint": cfg.endpoint,
         "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
         "burstiness": cfg.burstiness,
-        "multi_turn": list(args.multi_turn) if args.multi_turn else None,
+        "multi_turn": list(work.multi_turn) if work.multi_turn else None,
         "conversation_rate": None if math.isinf(cfg.conversation_rate) else cfg.conversation_rate,
         "think_time_s": cfg.think_time_s,
         "concurrency": cfg.concurrency,
         "duration_limit_s": cfg.duration_s,
-        "input_len": None if args.dataset else args.input_len,
-        "output_len": args.output_len,
-        "range_ratio": args.range_ratio,
-        "dataset": args.dataset,
+        "input_len": work.input_len,
+        "output_len": work.output_len,
+        "range_ratio": work.range_ratio,
+        "dataset": work.dataset,
         "seed": cfg.seed,
         "summary": summary,
         "server_metrics": deltas,
@@ -454,7 +472,7 @@ def main(argv=None) -> int:
         if not math.isinf(cfg.conversation_rate) or cfg.think_time_s:
             pace = f"{rate_name(cfg.conversation_rate)} conversations/s, {cfg.think_time_s:g} s think time"
         print(format_summary(summary, f"{args.label} @ {pace}"), flush=True)
-        record = run_record(args, cfg, summary, results, deltas)
+        record = run_record(Workload.from_args(args), cfg, summary, results, deltas)
         records.append(record)
         if args.out:
             path = Path(args.out) / f"{args.label}_rate-{rate_name(cfg.request_rate)}.json"

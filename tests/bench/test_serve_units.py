@@ -186,3 +186,34 @@ def test_bad_multi_turn_flags(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         serve.main(["--base-url", "http://127.0.0.1:1", "--model", "m", *flags])
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], serve.Workload("run", 1024, 128)),
+    (["--label", "mt", "--multi-turn", "3", "4", "--input-len", "50"],
+     serve.Workload("mt", 50, 128, multi_turn=(3, 4))),
+    (["--dataset", "{data}", "--range-ratio", "0.5"], serve.Workload("run", None, 128, 0.5, "{data}")),
+])
+def test_a_records_workload_is_the_commands_flags(flags, expected, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hi", "output_len": 3}\n')
+    flags = [f.format(data=data) for f in flags]
+    if expected.dataset:
+        expected = serve.Workload(expected.label, None, 128, 0.5, str(data))
+    args = serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", "--model", "m", *flags])
+    serve.configs_from_args(args)  # the command's defaults and checks, as main applies them
+    work = serve.Workload.from_args(args)
+    assert work == expected
+    record = serve.run_record(work, serve.LoadConfig("http://127.0.0.1:1", "m"), {"completed": 0}, [], {})
+    assert (record["label"], record["input_len"], record["output_len"], record["range_ratio"], record["dataset"],
+            record["multi_turn"]) == (work.label, work.input_len, work.output_len, work.range_ratio, work.dataset,
+                                      list(work.multi_turn) if work.multi_turn else None)
+
+
+def test_a_harness_names_its_workload_without_the_commands_flags():
+    # bench/handoff.py records its runs through run_record with a Workload of its own (a namespace
+    # that lacked a newer flag once broke every one of its GPU runs).
+    record = serve.run_record(serve.Workload("nixl-on-len3000", 3000, 32), serve.LoadConfig("http://h:1", "llama"),
+                              {"completed": 0}, [], {})
+    assert (record["label"], record["input_len"], record["output_len"], record["multi_turn"]) == \
+        ("nixl-on-len3000", 3000, 32, None)
