@@ -47,12 +47,15 @@ def point(run: dict) -> dict:
         kv_n = _sum_prefix(m, dec, 'pdserve_kv_transfer_seconds_count{direction="recv"')
         kv_s = _sum_prefix(m, dec, 'pdserve_kv_transfer_seconds_sum{direction="recv"')
         firsts = [q["itls"][0] for q in run["requests"] if q["error"] is None and q["itls"]]
+        tail_n = _sum_prefix(m, dec, 'pdserve_kv_pull_tail_seconds_count{direction="recv"')  # streamed pulls only
+        tail_s = _sum_prefix(m, dec, 'pdserve_kv_pull_tail_seconds_sum{direction="recv"')
         row.update({
             "p_ttft_ms": (sm.mean(m, "vllm:time_to_first_token_seconds", [pre]) or 0) * 1e3,
             "router_prefill_ms": (sm.mean(m, "pdserve_router_prefill_seconds", [router]) or 0) * 1e3,
             "handoff_ms": (sm.mean(m, "pdserve_router_handoff_seconds", [router]) or 0) * 1e3,
             "kv_pulls": kv_n, "kv_mb_per_req": kv_bytes / kv_n / 1e6 if kv_n else 0.0,
             "kv_ms": kv_s / kv_n * 1e3 if kv_n else 0.0, "kv_gbps": kv_bytes / kv_s / 1e9 if kv_s else 0.0,
+            "kv_tail_ms": tail_s / tail_n * 1e3 if tail_n else None,
             "kv_failures": _sum_prefix(m, dec, "pdserve_kv_transfer_failures_total"),
             "first_gap_ms": sum(firsts) / len(firsts) * 1e3 if firsts else 0.0,
         })

@@ -52,7 +52,7 @@ def row(run: dict) -> dict:
     if run["transport"]:  # P/D: the split from /metrics
         d = disagg_report.point({**run, "setup": "pd", "workload": ""})
         r.update({k: d[k] for k in ("p_ttft_ms", "router_prefill_ms", "handoff_ms", "kv_pulls", "kv_mb_per_req",
-                                    "kv_ms", "kv_gbps", "kv_failures")})
+                                    "kv_ms", "kv_gbps", "kv_tail_ms", "kv_failures")})
     elif run.get("server_metrics"):  # aggregated: the workers' own TTFT, so the router's share shows
         workers = [u for u, n in run.get("roles", {}).items() if not n.startswith("router")]
         ttft = server_metrics.mean(run["server_metrics"], "vllm:time_to_first_token_seconds", workers)
@@ -272,7 +272,8 @@ def markdown(summary: dict) -> str:
          "First gap = the client's gap between token 1 and token 2 (in P/D the hand-off); steady ITL = every later "
          "gap, pooled; good = TTFT <= 2 s and every gap <= 25 ms. KV pull = the decode worker's "
          "`pdserve_kv_transfer_seconds` (mean per request): with overlap on a pull spans the prefill (it waits for "
-         "chunks), so its GB/s is not the link's.", ""]
+         "chunks), so its GB/s is not the link's; KV tail = `pdserve_kv_pull_tail_seconds` (mean): what a streamed "
+         "pull had left to move once the prefill worker said it was done.", ""]
     load = [r for r in rows if r["kind"] == "load"]
     if load:
         L += [
@@ -280,15 +281,15 @@ def markdown(summary: dict) -> str:
             "per point",
             "",
             "| rate | setup | first gap p50 / p99 ms | steady ITL p50 ms | ITL p99 ms | TTFT p50 / p99 ms | good / sent "  # noqa: E501
-            "| failed | KV pull ms (GB/s) | worker TTFT ms (P/D: the prefill worker) |",
-            "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |",
+            "| failed | KV pull ms (GB/s) | KV tail ms | worker TTFT ms (P/D: the prefill worker) |",
+            "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |",
         ]
         for r in sorted(load, key=lambda r: (r["rate"], r["transport"] or "", r["overlap"] or False)):
             kv = f"{_f(r.get('kv_ms'))} ({_g(r.get('kv_gbps'))})" if r["transport"] else "–"
             L.append(f"| {r['rate']:g} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_p99_ms'])} | "
                      f"{_f(r['steady_itl_p50_ms'])} | {_f(r['itl_p99_ms'])} | {_f(r['ttft_p50_ms'], 0)} / "
                      f"{_f(r['ttft_p99_ms'], 0)} | {r['good']}/{r['sent']} | {r['failed']} | {kv} | "
-                     f"{_f(r.get('p_ttft_ms'))} |")
+                     f"{_f(r.get('kv_tail_ms'))} | {_f(r.get('p_ttft_ms'))} |")
         L.append("")
     sweep = [r for r in rows if r["kind"] == "sweep"]
     if sweep:
@@ -299,13 +300,14 @@ def markdown(summary: dict) -> str:
             "![first gap](first_gap_vs_prompt.png)",
             "",
             "| prompt | setup | first gap p50 / max ms | steady ITL p50 ms | TTFT p50 ms | prefill-worker TTFT ms "
-            "| KV MB/req | KV pull ms | KV GB/s |",
-            "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| KV MB/req | KV pull ms | KV GB/s | KV tail ms |",
+            "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in sorted(sweep, key=lambda r: (r["prompt_len"], r["transport"], r["overlap"])):
             L.append(f"| {r['prompt_len']} | {_setup(r)} | {_f(r['first_gap_p50_ms'])} / {_f(r['first_gap_max_ms'])} | "
                      f"{_f(r['steady_itl_p50_ms'])} | {_f(r['ttft_p50_ms'])} | {_f(r.get('p_ttft_ms'))} | "
-                     f"{_f(r.get('kv_mb_per_req'))} | {_f(r.get('kv_ms'))} | {_g(r.get('kv_gbps'))} |")
+                     f"{_f(r.get('kv_mb_per_req'))} | {_f(r.get('kv_ms'))} | {_g(r.get('kv_gbps'))} | "
+                     f"{_f(r.get('kv_tail_ms'))} |")
         L.append("")
     if pred:
         g = " | ".join(f"{b} GB/s off / on" for b in LINKS_GBPS)

@@ -67,9 +67,11 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("Hand-off on decode workers", quantiles("pdserve_kv_decode_admission_wait_seconds", qs=(0.5, 0.99),
                                                       legend="admission wait ")
               + quantiles("pdserve_kv_transfer_seconds", 'direction="recv"', qs=(0.5, 0.99), legend="KV pull ")
+              + quantiles("pdserve_kv_pull_tail_seconds", 'direction="recv"', qs=(0.5, 0.99), legend="KV tail ")
               + quantiles("pdserve_kv_first_step_wait_seconds", qs=(0.5, 0.99), legend="landed to first step "), "s",
               description="A P/D request on its decode worker, in order: arrival to admission with blocks, the KV "
-                          "pull, the pull landed to the first decode step's token."),
+                          "pull (of which the tail: what a streamed pull had left once the prefill was done), the "
+                          "pull landed to the first decode step's token."),
     ]),
     "workers": ("pdserve / workers", "Engine state of every prefill and decode worker.", [
         Panel("Running requests", ((f"sum by (pod, role) (vllm:num_requests_running{{{SEL}}})", "{{role}} {{pod}}"),)),
@@ -125,6 +127,10 @@ DASHBOARDS: dict[str, tuple[str, str, list[Panel]]] = {
         Panel("Decode admission wait", quantiles("pdserve_kv_decode_admission_wait_seconds"), "s",
               description="A P/D request on its decode worker: from arrival to admission with its KV blocks "
                           "allocated."),
+        Panel("Streamed pull's tail (decode side)", quantiles("pdserve_kv_pull_tail_seconds", 'direction="recv"',
+                                                              by="transport"), "s",
+              description="A streamed hand-off: from the prefill worker's reply that the prefill is done to the "
+                          "pull's last block landing: the transfer's share of the first-token gap."),
         Panel("KV landed to first decode step", quantiles("pdserve_kv_first_step_wait_seconds"), "s",
               description="A P/D request on its decode worker: from its KV pull landing to its first decode "
                           "step's token."),

@@ -50,7 +50,7 @@ def test_overlap_model_cases(gbps, prefill, n, fixed, expected):
 
 
 def record(stack, kind, *, rate=None, prompt_len=3000, gaps=(0.030, 0.006, 0.006), ttft=0.09, n=10, good=None,
-           p_ttft_s=0.08, kv_s=0.015, kv_bytes=393e6):
+           p_ttft_s=0.08, kv_s=0.015, kv_bytes=393e6, tail_s=None):
     transport = None if stack == "agg" else stack.split("-")[0]
     metrics, roles = {}, {"http://r": "router", "http://d": "decode-0"}
     if transport:
@@ -66,6 +66,10 @@ def record(stack, kind, *, rate=None, prompt_len=3000, gaps=(0.030, 0.006, 0.006
                 f'pdserve_kv_transfer_seconds_count{{direction="recv",transport="{transport}"}}': n,
             },
         }
+        if tail_s is not None:  # a streamed pull's tail after the prefill's end
+            labels = f'{{direction="recv",transport="{transport}"}}'
+            metrics["http://d"] |= {f"pdserve_kv_pull_tail_seconds_sum{labels}": n * tail_s,
+                                    f"pdserve_kv_pull_tail_seconds_count{labels}": n}
     stats = {"mean": 0.0, "std": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     return {
         "stack": stack,
@@ -101,6 +105,8 @@ def test_row_splits_the_first_gap_from_the_steady_gaps():
     assert r["kv_ms"] == pytest.approx(15) and r["kv_gbps"] == pytest.approx(393e6 / 0.015 / 1e9)
     assert r["p_ttft_ms"] == pytest.approx(80) and r["good"] == 10
     assert "kv_ms" not in hr.row(record("agg", "load", rate=1))
+    assert r["kv_tail_ms"] is None  # no streamed pull, no tail
+    assert hr.row(record("nixl-on", "load", rate=1, tail_s=0.004))["kv_tail_ms"] == pytest.approx(4)
 
 
 def sweep_rows(stack, first_gap_ms, kv_ms):
@@ -219,7 +225,8 @@ def test_targets_not_measured_without_rows():
 def test_render_writes_the_report_and_the_figure(tmp_path):
     per_token = hr.kv_bytes_per_token(LLAMA_8B)
     kv = lambda L: L * per_token / 25e6
-    rows = [hr.row(record("agg", "load", rate=1)), hr.row(record("nixl-off", "load", rate=1))]
+    rows = [hr.row(record("agg", "load", rate=1)), hr.row(record("nixl-off", "load", rate=1)),
+            hr.row(record("nixl-on", "load", rate=1, tail_s=0.0375))]
     rows += sweep_rows("nixl-off", lambda L: kv(L) + 20, kv) + sweep_rows("nixl-on", lambda L: 8.0, kv)
     summary = {
         "environment": "test",
@@ -242,6 +249,7 @@ def test_render_writes_the_report_and_the_figure(tmp_path):
     }
     paths = hr.render(summary, tmp_path)
     text = (tmp_path / "results.md").read_text()
+    assert "| 15.0 (26.2) | 37.5 | 80.0 |" in text  # the streamed row's KV pull, its tail, the prefill's TTFT
     for part in ("| 1 | aggregated |", "| 16384 | P/D nixl, overlap on |", "Predicted stall", "| 2 GB/s off / on",
                  "Issue 24's targets", "| agg start | 20 |", "tcp-on (budget)"):
         assert part in text

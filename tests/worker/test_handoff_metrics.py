@@ -1,7 +1,8 @@
 """The hand-off made visible (issue 24, item 4) on real prefill and decode worker processes:
 a plain request shows one queue-time observation; a P/D request shows, on the decode worker,
 one observation in each hand-off wait histogram and one pull in the per-request bytes and
-bandwidth histograms under its transport, whether its KV came whole or streamed chunk by chunk.
+bandwidth histograms under its transport, whether its KV came whole or streamed chunk by chunk,
+and a streamed one its pull's tail after the prefill's end.
 
 A worker may count a request after its client has seen the answer, so every count is read by
 polling /metrics until it appears, within a bound; nothing here sleeps or asserts on timing.
@@ -26,6 +27,7 @@ BODY = {"prompt": "Metrics of a hand-off: the prefill worker ran this prompt, th
 QUEUE = "vllm:request_queue_time_seconds_count"
 ADMISSION = "pdserve_kv_decode_admission_wait_seconds_count"
 FIRST_STEP = "pdserve_kv_first_step_wait_seconds_count"
+TAIL = "pdserve_kv_pull_tail_seconds_count"
 PULL_SERIES = ("pdserve_kv_transfer_seconds_count", "pdserve_kv_transfer_request_bytes_count",
                "pdserve_kv_transfer_bandwidth_bytes_per_second_count")
 
@@ -101,6 +103,8 @@ def test_a_pd_request_shows_its_hand_off_on_the_decode_worker(pair, streamed):
                     key(ADMISSION): metric_value(d_before, ADMISSION) + 1,
                     key(FIRST_STEP): metric_value(d_before, FIRST_STEP) + 1}
         expected |= {key(n, **recv): metric_value(d_before, n, **recv) + 1 for n in PULL_SERIES}
+        # Only a streamed pull has a tail after the prefill's end (a whole one starts after it).
+        expected[key(TAIL, **recv)] = metric_value(d_before, TAIL, **recv) + int(streamed)
         snap = wait_counts(d, expected)
         pulled = (metric_value(snap, "pdserve_kv_transfer_bytes_total", **recv)
                   - metric_value(d_before, "pdserve_kv_transfer_bytes_total", **recv))

@@ -50,6 +50,15 @@ def test_decode_waits_observe_only_what_a_request_had():
     assert sample(m, "pdserve_kv_first_step_wait_seconds_sum") == 0.125
 
 
+def test_a_pull_tail_is_observed_under_its_transport():
+    m = KVMetrics()
+    m.observe_pull_tail("nixl", 0.04)
+    m.observe_pull_tail("tcp", 0.002)
+    assert sample(m, "pdserve_kv_pull_tail_seconds_count", direction="recv", transport="nixl") == 1
+    assert sample(m, "pdserve_kv_pull_tail_seconds_sum", direction="recv", transport="nixl") == 0.04
+    assert sample(m, "pdserve_kv_pull_tail_seconds_sum", direction="recv", transport="tcp") == 0.002
+
+
 def test_every_family_is_collected_once():
     m = KVMetrics()
     registry = CollectorRegistry()
@@ -61,5 +70,6 @@ def test_every_family_is_collected_once():
                        ("pdserve_kv_transfer_failures_total", "counter"),
                        ("pdserve_kv_local_prefill_fallbacks_total", "counter"),
                        ("pdserve_kv_decode_admission_wait_seconds", "histogram"),
-                       ("pdserve_kv_first_step_wait_seconds", "histogram")):
+                       ("pdserve_kv_first_step_wait_seconds", "histogram"),
+                       ("pdserve_kv_pull_tail_seconds", "histogram")):
         assert text.count(f"# TYPE {name} {kind}\n") == 1, name

@@ -459,6 +459,7 @@ class KVConnector:
         held = [0, 0]  # NIXL: [layers held, up to which block] of the blocks after `have`
         reader = None  # transport.open_stream's
         stalled_since = time.monotonic()
+        done_at = None  # when the reply that the prefill is done came (the pull's tail starts)
         try:
             while True:
                 if rid in self._stopping:
@@ -483,6 +484,7 @@ class KVConnector:
                     raise side_channel.PeerTimeout(f"KV peer {host}:{port} computed no chunk of {rid} for "
                                                    f"{self.timeout:.0f}s")
                 if p.state == "done":
+                    done_at = time.perf_counter()
                     token = p.first_token_id
                     if type(token) is not int:
                         raise side_channel.SideChannelError(f"KV peer {host}:{port} sent no first token")
@@ -511,6 +513,7 @@ class KVConnector:
                 have = max(have, ready)
                 if p.state == "done":
                     break
+            self.metrics.observe_pull_tail(transport.name, time.perf_counter() - done_at)
         finally:
             if reader is not None:
                 reader.stop()  # a read still running ends here: no byte lands after the pull ended

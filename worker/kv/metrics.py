@@ -1,5 +1,5 @@
 """KV-transfer metrics (pdserve_kv_transfer_*, pdserve_kv_window_skipped_bytes,
-pdserve_kv_local_prefill_fallbacks) and the decode
+pdserve_kv_local_prefill_fallbacks, pdserve_kv_pull_tail_seconds) and the decode
 side's hand-off waits (pdserve_kv_decode_admission_wait_seconds, pdserve_kv_first_step_wait_seconds).
 
 A collector, not a registry: the server registers it in the process's one registry once the
@@ -56,6 +56,17 @@ class KVMetrics:
         self.first_step_wait = Histogram("pdserve_kv_first_step_wait_seconds",
                                          "Decode side, a remote-prefilled request: from its KV pull landing to its "
                                          "first decode step producing a token.", registry=None, buckets=_WAIT_SECONDS)
+        # A streamed hand-off's share of the first gap that is the transfer's own: what is left to
+        # move once the prefill is done. Over TCP the senders follow the prefill, over NIXL the
+        # reader READs what each progress reply announces; either way this is what did not overlap.
+        self.pull_tail = Histogram("pdserve_kv_pull_tail_seconds",
+                                   "Decode side, a streamed KV pull: from the prefill worker's reply that the "
+                                   "prefill is done to the pull's last block landing here.", LABELS, registry=None,
+                                   buckets=_SECONDS)
+
+    def observe_pull_tail(self, transport: str, seconds: float) -> None:
+        """A streamed pull's tail: from the reply that the prefill is done to its last byte here."""
+        self.pull_tail.labels("recv", transport).observe(seconds)
 
     def observe_pull(self, transport: str, nbytes: int, seconds: float) -> None:
         """One request's pull landed: `nbytes` in `seconds`. Once per request: a streamed pull
@@ -78,7 +89,7 @@ class KVMetrics:
     def collect(self):
         """The prometheus_client collector protocol (`CollectorRegistry.register(self)`)."""
         for metric in (self.bytes, self.window_skipped, self.seconds, self.request_bytes, self.bandwidth, self.failures,
-                       self.local_prefill_fallbacks, self.admission_wait, self.first_step_wait):
+                       self.local_prefill_fallbacks, self.admission_wait, self.first_step_wait, self.pull_tail):
             yield from metric.collect()
         yield from self.prefix_cost.collect()
 
