@@ -9,9 +9,9 @@
 #   synchronized per step) beside a reader pulling a kept pin over the real TCP data path, VRAM
 #   to VRAM, with no reader / this side's connections as threads / in their own process.
 #   $OUT/tcp_io_{prefill,decode}.md
-# handoff: the hand-off on real workers, both on this card (tools/gpu/handoff_ab.sh: TCP with
-#   threads, TCP with --kv-tcp-io process, NIXL; Llama-3.1-8B shaped random weights, 3000/200):
-#   TTFT and the first gap each way. $OUT/ab.tar.gz
+# handoff: the hand-off on real workers, both on this card (tools/gpu/handoff_ab.sh: the
+#   aggregated baseline, TCP with threads, TCP with --kv-tcp-io process, NIXL; Llama-3.1-8B
+#   shaped random weights, 3000/200): TTFT, the first gap and the KV tail each way. $OUT/ab.tar.gz
 # Issue 50's target: P/D over TCP within +10 ms of NIXL in TTFT. The GPU suite runs first in the
 # session (the children's CUDA IPC path: test_pd_engines.py[async-tcp-io-process]); the bench
 # part fits in the suite's call after it.
@@ -27,7 +27,7 @@ if [[ " $PARTS " == *" bench "* ]]; then
   done
 fi
 if [[ " $PARTS " == *" handoff "* ]]; then
-  OUT=$OUT HANDOFF_MIN_GPUS=1 B1=${B1:-200} B2=${B2:-130} bash tools/gpu/handoff_ab.sh new-auto new-io-process \
-    new-auto:nixl-on 2>&1 | tee "$OUT/handoff_ab.log" | grep "^=="
+  OUT=$OUT HANDOFF_MIN_GPUS=1 B1=${B1:-200} B2=${B2:-130} AB_FIRST_STACKS=${AB_FIRST_STACKS:-agg,tcp-on} \
+    bash tools/gpu/handoff_ab.sh new-auto new-io-process new-auto:nixl-on 2>&1 | tee "$OUT/handoff_ab.log" | grep "^=="
 fi
 echo "total $(( $(date +%s) - T0 ))s"
