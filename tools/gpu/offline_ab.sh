@@ -6,7 +6,10 @@
 #   git archive REV worker kernels bench protocol router cli | (mkdir -p .gpu-old && tar -x -C .gpu-old)
 #   run(kind="nvidia-h200", carry=[".whl"], command="OLD_TREE=.gpu-old bash tools/gpu/offline_ab.sh")
 #
-# (.gpu-old is untracked, so it travels with the tree; never commit it.) Rounds a and b, each:
+# (.gpu-old is untracked, so it travels with the tree; never commit it.) A tree may also be a
+# gzipped archive, unpacked on the device: `git archive -o .gpu-old.tar.gz REV worker kernels
+# bench protocol` is ~0.6 MB where the folder is ~2.6 (the carry's limit is 64 MiB with .whl's
+# ~50). Rounds a and b, each:
 # this tree with PDL off (PDSERVE_PDL=0; NEW_PDL0=0 skips it), OLD_TREE with its defaults, this
 # tree with its defaults (ROUNDS="a" for one round). OLD_TREE may name several trees
 # (OLD_TREE=".gpu-old .gpu-old2": a bisect in one call), each run in turn in every round.
@@ -20,9 +23,16 @@ main() {
   local d round tree i
   local trees=($OLD_TREE)
   for i in "${!trees[@]}"; do  # one farm a tree: pdserve/ over its folders (those it has)
+    if [[ "${trees[$i]}" == *.tar.gz ]]; then  # an archive: unpacked here, then a folder like the others
+      rm -rf "/tmp/gpu-old-tree$i" && mkdir -p "/tmp/gpu-old-tree$i" \
+        && tar -xzf "$REPO/${trees[$i]}" -C "/tmp/gpu-old-tree$i" || { echo "cannot unpack ${trees[$i]}"; return 1; }
+      trees[$i]=/tmp/gpu-old-tree$i
+    fi
     rm -rf /tmp/pdserve-old$i && mkdir -p /tmp/pdserve-old$i/pdserve
     for d in worker kernels bench protocol router cli; do
-      [ -d "$REPO/${trees[$i]}/$d" ] && ln -s "$REPO/${trees[$i]}/$d" "/tmp/pdserve-old$i/pdserve/$d"
+      local dir=${trees[$i]}
+      [[ "$dir" == /* ]] || dir=$REPO/$dir
+      [ -d "$dir/$d" ] && ln -s "$dir/$d" "/tmp/pdserve-old$i/pdserve/$d"
     done
   done
   for round in ${ROUNDS:-a b}; do
