@@ -3,6 +3,7 @@ statistics and SLO parsing, gamma arrivals, and bad flags answered with the flag
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -199,7 +200,7 @@ def test_a_records_workload_is_the_commands_flags(flags, expected, tmp_path):
     data.write_text('{"prompt": "hi", "output_len": 3}\n')
     flags = [f.format(data=data) for f in flags]
     if expected.dataset:
-        expected = serve.Workload(expected.label, None, 128, 0.5, str(data))
+        expected = dataclasses.replace(expected, dataset=str(data))
     args = serve.build_parser().parse_args(["--base-url", "http://127.0.0.1:1", "--model", "m", *flags])
     serve.configs_from_args(args)  # the command's defaults and checks, as main applies them
     work = serve.Workload.from_args(args)
