@@ -113,7 +113,9 @@ def test_a_child_that_dies_mid_read_ends_its_reads_and_later_reads_are_served_he
     read.stop()
     assert wait_until(lambda: prefill.tcp.data.gone)
     assert prefill.pins.release("k", params["transfer_token"])
-    assert [rid for rid, _, _ in prefill.pins.collect()] == ["k"], "the dead child's read still holds the pin"
+    # `gone` is set before the link's on_gone closes the child's reads (child_link.py): wait for it.
+    assert wait_until(lambda: [rid for rid, _, _ in prefill.pins.collect()] == ["k"]), \
+        "the dead child's read still holds the pin"
 
     params = prefill.pin("after", [50, 51, 52, 53])
     cache = torch.zeros(96, BLOCK_BYTES, dtype=torch.uint8)
