@@ -146,7 +146,7 @@ def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
                               hi - lo, Hq, Hkv, D, bs, scale, out[lo].data_ptr(),
                               cpu_native.scratch_floats(need).data_ptr())
 
-    cpu_native.run_split(B, min(B, torch.get_num_threads()), run)
+    cpu_native.run_balanced(lens.long(), min(B, torch.get_num_threads()), run)
     return out.to(q.dtype)
 
 
@@ -185,6 +185,10 @@ def paged_prefill_attention_cpu(
     window: int = 0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """= paged_prefill_attention_ref (its arguments and masks)."""
+    if sinks is None and window == 0 and cpu_native.batch_invariant() and _native_fits(q, k_cache, v_cache):
+        lib = cpu_native.library()
+        if lib is not None:
+            return _prefill_native(lib, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if sinks is not None:  # no sink logit in the fused op
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                            k_scale, v_scale, sinks=sinks, window=window)
@@ -213,3 +217,18 @@ def paged_prefill_attention_cpu(
                                            enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _prefill_native(lib, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+    """A prompt chunk's attention as the decode kernel's, one query token at a time: query i of a
+    sequence with `ctx` tokens cached (its chunk's `n` included) reads the first ctx - n + i + 1
+    keys, the causal mask. Each query's sums are then the ones a decode step (or any other chunking
+    of the prompt) computes for that token: cpu_native.batch_invariant. The chunk's K and V are in
+    the cache already (PagedBackend.forward writes them first)."""
+    T = q.shape[0]
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=T)
+    first = (context_lens.long() - counts)[seq]  # keys cached before each query's chunk
+    lens = (first + torch.arange(T) - cu_seqlens_q[:-1].long()[seq] + 1).to(torch.int32)
+    tables = block_tables.index_select(0, seq).to(torch.int32).contiguous()
+    return _decode_native(lib, q, k_cache, v_cache, tables, lens, scale)

@@ -16,6 +16,15 @@ torch ops path runs. `PDSERVE_CPU_NATIVE_ATTENTION=0` turns the attention off,
 GEMM (A/B runs).
 
 ctypes releases the GIL during the call: a batch split over threads runs in parallel.
+
+Batch invariance (`batch_invariant()`, on unless PDSERVE_CPU_BATCH_INVARIANT=0): a token's numbers
+do not depend on the step it is computed in. Every bf16 linear on an attached weight runs the
+native GEMM whatever its row count (oneDNN's kernels differ by row count), and a prompt's
+attention runs the decode kernel once per query token over the cache (SDPA's blocking differs
+with the chunk's length and offset). So a prompt whose prefix was cached, a prompt split in other
+chunks, a token in a mixed or larger batch, and a decode worker that pulled its KV all give the
+bits a fresh prefill on one worker gives: the greedy and seeded answers are the same on every
+path (docs/engine.md). The cost is prompt throughput: oneDNN's GEMM is faster at many rows.
 """
 
 from __future__ import annotations
@@ -41,6 +50,19 @@ SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 POINTWISE_ENV = "PDSERVE_CPU_NATIVE_POINTWISE"
 POINTWISE_SOURCE = Path(__file__).with_name("cpu_pointwise.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
+BATCH_INVARIANT_ENV = "PDSERVE_CPU_BATCH_INVARIANT"
+_batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "1").strip() not in ("0", "false", "off")
+
+
+def batch_invariant() -> bool:
+    """Prompt steps take the same native kernels as decode steps (the module docstring)."""
+    return _batch_invariant
+
+
+def set_batch_invariant(on: bool) -> None:
+    """For this whole process (A/B runs and tests); PDSERVE_CPU_BATCH_INVARIANT sets the start value."""
+    global _batch_invariant
+    _batch_invariant = bool(on)
 
 
 def _cpu_flags() -> str:
@@ -149,6 +171,23 @@ def run_split(total: int, parts: int, run) -> None:
     step = -(-total // parts)
     for f in [pool.submit(run, lo, min(total, lo + step)) for lo in range(0, total, step)]:
         f.result()
+
+
+def run_balanced(work: torch.Tensor, parts: int, run) -> None:
+    """run(lo, hi) over [0, len(work)) in up to `parts` contiguous shares of about equal total
+    `work` (int64 per item: a prompt's later queries read more keys), on run_split's pool."""
+    total = len(work)
+    if parts <= 1 or total <= 1:
+        run(0, total)
+        return
+    cum = torch.cumsum(work, 0)
+    targets = cum[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
+    cuts = [0, *sorted(set(torch.searchsorted(cum, targets, right=True).tolist())), total]
+    ranges = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    if len(ranges) == 1:
+        run(0, total)
+        return
+    run_split(len(ranges), len(ranges), lambda a, b: [run(*ranges[i]) for i in range(a, b)])
 
 
 def scratch_floats(n: int) -> torch.Tensor:

@@ -25,22 +25,27 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+/* Up to ROWS_MAX rows against one 64-column block: per K pair, four zmm of the block and one dot
+   product per row and zmm. Each output's sum is its own accumulator's, over K in order, whatever
+   the number of rows sharing the pass: a row's result does not depend on its neighbours. */
+#define ROWS_MAX 6
+
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, int64_t x_stride, int rows, int64_t k_pairs,
                               const uint16_t *w, uint16_t *y, int64_t y_stride) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
+    __m512 acc[ROWS_MAX][4];
+    for (int r = 0; r < ROWS_MAX; r++)
         for (int j = 0; j < 4; j++)
             acc[r][j] = _mm512_setzero_ps();
-    const uint32_t *xr[4];
-    for (int r = 0; r < 4; r++)
+    const uint32_t *xr[ROWS_MAX];
+    for (int r = 0; r < ROWS_MAX; r++)
         xr[r] = (const uint32_t *)(x + (r < rows ? r : 0) * x_stride);
     for (int64_t p = 0; p < k_pairs; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 128);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 128 + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + p * 128 + 64);
         const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + p * 128 + 96);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS_MAX; r++) {
             if (r >= rows)
                 break;
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[r][p]);
@@ -55,17 +60,24 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, 
             _mm256_storeu_si256((__m256i *)(y + r * y_stride + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-/* Column blocks [block_lo, block_hi) of y = x @ W^T; returns 0, or -1 where this build cannot run. */
+/* Column blocks [block_lo, block_hi) of y = x @ W^T, `group` (1-6) rows a pass over each block:
+   four for a decode batch (two passes of four read the block from L2 faster than one of eight),
+   six for a prompt's rows (the most accumulators the registers hold beside the block's four).
+   Returns 0, or -1 where this build cannot run. */
 int small_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w,
-                    uint16_t *y, int64_t y_stride, int64_t block_lo, int64_t block_hi) {
+                    uint16_t *y, int64_t y_stride, int64_t block_lo, int64_t block_hi, int64_t group) {
     const int64_t k_pairs = k / 2;
+    if (group < 1 || group > ROWS_MAX)
+        group = 4;
     for (int64_t b = block_lo; b < block_hi; b++) {
         const uint16_t *wb = w + b * 64 * k;
-        for (int64_t r = 0; r < m; r += 4) {
-            const int rows = m - r < 4 ? (int)(m - r) : 4;
+        for (int64_t r = 0; r < m; r += group) {
+            const int rows = m - r < group ? (int)(m - r) : (int)group;
             const uint16_t *xb = x + r * x_stride;
             uint16_t *yb = y + r * y_stride + b * 64;
             switch (rows) {  /* each a copy with its row count fixed: the accumulators stay in registers */
+            case 6: block_rows(xb, x_stride, 6, k_pairs, wb, yb, y_stride); break;
+            case 5: block_rows(xb, x_stride, 5, k_pairs, wb, yb, y_stride); break;
             case 4: block_rows(xb, x_stride, 4, k_pairs, wb, yb, y_stride); break;
             case 3: block_rows(xb, x_stride, 3, k_pairs, wb, yb, y_stride); break;
             case 2: block_rows(xb, x_stride, 2, k_pairs, wb, yb, y_stride); break;
@@ -79,8 +91,8 @@ int small_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
 #else
 
 int small_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *w,
-                    uint16_t *y, int64_t y_stride, int64_t block_lo, int64_t block_hi) {
-    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)y; (void)y_stride; (void)block_lo; (void)block_hi;
+                    uint16_t *y, int64_t y_stride, int64_t block_lo, int64_t block_hi, int64_t group) {
+    (void)group; (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)y; (void)y_stride; (void)block_lo; (void)block_hi;
     return -1;
 }
 
