@@ -54,6 +54,21 @@ BATCH_INVARIANT_ENV = "PDSERVE_CPU_BATCH_INVARIANT"
 _batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "1").strip() not in ("0", "false", "off")
 
 
+_threads: int | None = None
+
+
+def threads() -> int:
+    """Threads a native call splits over: the step's (set_threads), else torch's intra-op count."""
+    return _threads or torch.get_num_threads()
+
+
+def set_threads(n: int | None) -> None:
+    """The native calls' thread count from now on (the engine's step thread sets it per step:
+    worker/executor/cpu_threads.py); None: torch's."""
+    global _threads
+    _threads = n
+
+
 def batch_invariant() -> bool:
     """Prompt steps take the same native kernels as decode steps (the module docstring)."""
     return _batch_invariant
@@ -169,7 +184,10 @@ def run_split(total: int, parts: int, run) -> None:
             _pool, _pool_size = ThreadPoolExecutor(parts, thread_name_prefix="cpu-native"), parts
         pool = _pool
     step = -(-total // parts)
-    for f in [pool.submit(run, lo, min(total, lo + step)) for lo in range(0, total, step)]:
+    # The calling thread takes the first share itself: one hand-off fewer, one thread fewer awake.
+    futures = [pool.submit(run, lo, min(total, lo + step)) for lo in range(step, total, step)]
+    run(0, min(total, step))
+    for f in futures:
         f.result()
 
 

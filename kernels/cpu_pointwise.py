@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 1024  # rotary_bf16's stack arrays
 
 def _rows_split(rows: int, run) -> None:
     """run(lo, hi) over [0, rows): one call, or a share per intra-op thread for many rows."""
-    cpu_native.run_split(rows, min(torch.get_num_threads(), rows // ROWS_PER_THREAD), run)
+    cpu_native.run_split(rows, min(cpu_native.threads(), rows // ROWS_PER_THREAD), run)
 
 
 def _bf16_rows(*ts: torch.Tensor) -> bool:

@@ -68,7 +68,7 @@ def _run(x: torch.Tensor, ptr: int, n: int) -> torch.Tensor:
     def run(lo: int, hi: int) -> None:
         lib.small_gemm_bf16(x[lo].data_ptr(), xs, hi - lo, k, ptr, y[lo].data_ptr(), n, 0, n // BLOCK, PROMPT_GROUP)
 
-    cpu_native.run_split(m, max(1, min(torch.get_num_threads(), m // ROWS_PER_THREAD)), run)
+    cpu_native.run_split(m, max(1, min(cpu_native.threads(), m // ROWS_PER_THREAD)), run)
     return y
 
 

@@ -1,7 +1,8 @@
 """The small-batch GEMM (kernels/cpu_small_gemm.c through cpu_small_gemm.py) on oneDNN's packed bf16
 weights: a decode batch's rows (1-32) against SmolLM2's five linear shapes give the exact product
 rounded to bf16, within fp32 summation order (at most one bf16 step from oneDNN's output, rarely);
-strided rows and the cases it leaves to oneDNN."""
+strided rows and the cases it leaves to oneDNN; with batch invariance on, any number of rows, each
+row's bits those of the row computed alone (cpu_native.batch_invariant)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from pdserve.kernels import cpu_small_gemm
+from pdserve.kernels import cpu_native, cpu_small_gemm
 from pdserve.worker.models import cpu_packed
 
 pytestmark = pytest.mark.skipif(
@@ -63,8 +64,9 @@ def test_strided_rows():
     assert torch.equal(got, cpu_small_gemm.small_linear(x.contiguous(), packed))
 
 
-def test_left_to_onednn():
+def test_left_to_onednn(monkeypatch):
     _, packed = _attached(576, 576)
+    monkeypatch.setattr(cpu_native, "_batch_invariant", False)
     assert cpu_small_gemm.small_linear(torch.randn(cpu_small_gemm.MAX_ROWS + 1, 576).bfloat16(), packed) is None
     assert cpu_small_gemm.small_linear(torch.randn(2, 576), packed) is None  # fp32 rows
     assert not cpu_small_gemm.attach(cpu_packed.pack(torch.randn(100, 576).bfloat16()))  # not 64-column blocks
@@ -75,3 +77,25 @@ def test_left_to_onednn():
 def test_switched_off(monkeypatch):
     monkeypatch.setenv(cpu_small_gemm.ENV, "0")
     assert not cpu_small_gemm.attach(cpu_packed.pack(torch.randn(576, 576).bfloat16()))
+
+
+@pytest.mark.parametrize("n,k", SMOLLM2_SHAPES[:4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_invariant_rows(monkeypatch, n, k, threads):
+    """Batch-invariant: a prompt's rows (many, split over threads, six a pass) and a decode
+    batch's (four a pass) give each row the bits it gets alone, with or without a bias."""
+    monkeypatch.setattr(cpu_native, "_batch_invariant", True)
+    monkeypatch.setattr(cpu_native, "_threads", threads)
+    w, packed = _attached(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(203, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    many = cpu_small_gemm.packed_linear(x, packed, None)
+    _within_fp32_order(many, x, w)
+    alone = torch.cat([cpu_small_gemm.packed_linear(x[i:i + 1], packed, None) for i in range(len(x))])
+    assert torch.equal(many, alone)
+    for lo, hi in [(0, 5), (17, 49), (100, 203)]:  # other batch sizes, other offsets
+        assert torch.equal(cpu_small_gemm.packed_linear(x[lo:hi], packed, None), many[lo:hi])
+    with_bias = cpu_small_gemm.packed_linear(x, packed, bias)
+    assert torch.equal(with_bias, many + bias)
+    assert torch.equal(cpu_small_gemm.packed_linear(x[3:4], packed, bias), with_bias[3:4])

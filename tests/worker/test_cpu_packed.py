@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_small_gemm
+from pdserve.kernels import cpu_native, cpu_small_gemm
 from pdserve.worker.models import cpu_packed
 from pdserve.worker.parallel.layers import ParallelLinear
 from pdserve.worker.request.sampling_params import SamplingParams
@@ -31,7 +31,10 @@ def test_packed_linear_equals_f_linear(rows):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek-v3", "gpt-oss"])
 def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch, arch):
     """A bf16 engine packs its linears and its (tied or not) head; the greedy tokens are those of
-    the plain weights, prefill and decode, and nothing is left unpacked that should be."""
+    the plain weights, prefill and decode, and nothing is left unpacked that should be. Batch
+    invariance off: its prompts' linears are oneDNN's, F.linear's bits (tests/worker/
+    test_batch_invariance.py covers it on)."""
+    monkeypatch.setattr(cpu_native, "_batch_invariant", False)
     prompts = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ckpt = tiny_checkpoint(arch)

@@ -72,6 +72,8 @@ def pack_model(net: nn.Module) -> None:
         net.packed_head = pack(head.weight)
         nbytes += head.weight.numel() * 2
         small += cpu_small_gemm.attach(net.packed_head)
+    # Every product on the native GEMM: prompt steps can leave torch's threads idle (cpu_threads.py).
+    net.cpu_gemm_every_linear = small == n + (head is not None)
     log.info(
         "packed %d linear weights and the lm_head for oneDNN (%.0f MiB; %d read by the small-batch GEMM) in %.2fs",
         n,
