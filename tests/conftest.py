@@ -16,7 +16,7 @@ os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 
 import pytest
 
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import write_checkpoint, write_word_tokenizer
 from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
@@ -45,6 +45,26 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
     def make(arch: str = "llama") -> Path:
         if arch not in made:
             made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, tokenizer_dir)
+        return made[arch]
+
+    return make
+
+
+# SmolLM2's widths (two layers) on a word-level vocabulary of 1536: bf16 checkpoints where the
+# kernels' sums differ with the batch unless the engine is batch-invariant (at the tiny widths
+# oneDNN's and the native GEMM's sums happen to agree). Prompts are token ids (the words are t0..).
+WIDE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def wide_checkpoint(tmp_path_factory):
+    """Factory: wide_checkpoint("llama" | "qwen2" | "qwen3") -> directory (WIDE's shapes)."""
+    tokenizer = write_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"))
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in made:
+            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"wide-{arch}"), arch, tokenizer, **WIDE)
         return made[arch]
 
     return make

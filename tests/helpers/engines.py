@@ -51,3 +51,17 @@ def device_engine(ckpt: Path | str, **kw) -> LLMEngine:
         torch.cuda.empty_cache()
     gpu = {"gpu_memory_utilization": 0.25, "kv_cache_memory": None} if ON_GPU else {}
     return make_engine(ckpt, **{"device": DEVICE, "dtype": "float32", **gpu, **kw})
+
+
+def native_gemm_here() -> bool:
+    """This CPU runs bf16 linears on the native GEMM (kernels/cpu_small_gemm.py): a C compiler,
+    oneDNN's bf16 kernels, and a packed layout the kernel reads (AVX512-BF16 without AMX). Where
+    it does, a bf16 engine is batch-invariant (kernels/cpu_native.py)."""
+    import shutil
+
+    from pdserve.kernels import cpu_small_gemm
+    from pdserve.worker.models import cpu_packed
+
+    if shutil.which("cc") is None or not cpu_packed.wanted(torch.device("cpu"), torch.bfloat16):
+        return False
+    return cpu_small_gemm.attach(cpu_packed.pack(torch.randn(64, 64).bfloat16()))

@@ -25,6 +25,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from tests.checkpoints import GPT_OSS_WINDOW
+from tests.helpers.engines import native_gemm_here
 from tests.helpers.metrics import metric
 from tests.helpers.processes import stop_together
 from tests.helpers.properties import live_settings
@@ -97,6 +98,23 @@ def fp8_mla_stack(request, tiny_checkpoint):
     """DeepSeek-V3's latent cache as fp8 on both workers: the hand-off moves e4m3 latent rows
     (layout "...:float8_e4m3fn@1:4:mla"), bytes as they are."""
     with pd_stack(tiny_checkpoint("deepseek-v3"), request.param, FP8, FP8) as urls:
+        yield urls
+
+
+# bf16 on both workers, the dtype the quick start serves on a CPU with AVX512-BF16. There a prompt's
+# numbers would depend on how its tokens are split into steps (the prefix cache, chunks, batch
+# neighbours) unless the engine is batch-invariant (kernels/cpu_native.py): the reference (the
+# decode worker called directly) and the P/D legs meet the prompt with other caches.
+BF16 = ("--dtype", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_stack(wide_checkpoint):
+    if not native_gemm_here():
+        pytest.skip("no native bf16 GEMM on this CPU: its bf16 engine is not batch-invariant")
+    # The decode worker prefills in chunks of 16 tokens, the prefill worker a prompt at once (P/D
+    # deployments give prefill pods the larger token budget): one more way the paths split a prompt.
+    with pd_stack(wide_checkpoint("llama"), "tcp", BF16, (*BF16, "--max-num-batched-tokens", "16")) as urls:
         yield urls
 
 
@@ -459,6 +477,27 @@ def test_gpt_oss_prompts_past_the_window_greedy_and_seeded(gpt_oss_stack, stream
             # the same prompt first, so only the blocks its prefix cache lacks move: the window's
             # saving is counted in tests/worker/test_pd_window.py, on a cold decode cache.)
             assert metric(worker, "pdserve_kv_local_prefill_fallbacks_total") == fallbacks
+
+
+def test_bf16_shared_prefixes_equal_single_worker_in_either_order(bf16_stack):
+    """Prompts sharing a prefix, each asked of the worker first and then through P/D or the other
+    way round, greedy and seeded, streamed or not: the prefix cache of whichever worker answers
+    second holds the prompt (or part of it), the first one's did not, and the answers are equal."""
+    router, worker = bf16_stack
+    shared = list(range(300, 353))  # token ids of the word vocabulary; 53: not whole blocks
+    prompts = [shared + [7, 8, 9], shared + list(range(1000, 1031)), shared, shared[:20] + [42] * 5]
+    before = disaggregated(router)
+    asked = 0
+    for i, prompt in enumerate(prompts):
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+            for stream in (False, True):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "ignore_eos": True, "logprobs": 1,
+                        "stream": stream, **sampling}
+                first, second = (router, worker) if (i + stream) % 2 else (worker, router)
+                a, b = ask(first, "completions", body), ask(second, "completions", body)
+                assert _close(a, b), f"\nrequest {body}\n{first} {a}\n{second} {b}"
+                asked += 1
+    assert disaggregated(router) == before + asked  # every router request went through P/D
 
 
 @live_settings(10)

@@ -6,44 +6,16 @@ holds them to the one answer as a property over prompts that share prefixes, gre
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from pdserve.kernels import cpu_native, cpu_small_gemm
-from pdserve.worker.models import cpu_packed
+from pdserve.kernels import cpu_native
 from pdserve.worker.request.sampling_params import SamplingParams
-from tests.checkpoints import write_checkpoint, write_word_tokenizer
-from tests.helpers.engines import make_engine
+from tests.helpers.engines import make_engine, native_gemm_here
 
 
-def _native_gemm_here() -> bool:
-    if shutil.which("cc") is None or not cpu_packed.wanted(torch.device("cpu"), torch.bfloat16):
-        return False
-    return cpu_small_gemm.attach(cpu_packed.pack(torch.randn(64, 64).bfloat16()))
-
-
-pytestmark = pytest.mark.skipif(not _native_gemm_here(),
+pytestmark = pytest.mark.skipif(not native_gemm_here(),
                                 reason="no C compiler, or no AVX512-BF16 kernel for this CPU's packed layout")
-
-# SmolLM2's widths (two layers, a word-level vocabulary): at the tiny checkpoints' widths oneDNN's
-# and the native kernels' sums happen to agree, and this would pass without the invariance.
-WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    tokenizer = write_word_tokenizer(tmp_path_factory.mktemp("words"))
-    made: dict[str, object] = {}
-
-    def make(arch: str):
-        if arch not in made:
-            made[arch] = write_checkpoint(tmp_path_factory.mktemp(f"wide-{arch}"), arch, tokenizer, **WIDTHS)
-        return made[arch]
-
-    return make
-
 
 SHARED = list(range(300, 353))  # 53 tokens: more than a block, not a whole number of them
 
@@ -64,9 +36,9 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, biased qkv, q/k norms
-def test_tokens_do_not_depend_on_the_batch_the_chunks_or_the_cache(checkpoint, monkeypatch, arch):
+def test_tokens_do_not_depend_on_the_batch_the_chunks_or_the_cache(wide_checkpoint, monkeypatch, arch):
     monkeypatch.setattr(cpu_native, "_batch_invariant", True)
-    ckpt = checkpoint(arch)
+    ckpt = wide_checkpoint(arch)
     prompts = _prompts()
     alone = make_engine(ckpt, dtype="bfloat16", enable_prefix_caching=False)
     assert alone.runner.cpu_threads.native_prompts  # the mode is on: every product native
