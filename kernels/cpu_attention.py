@@ -185,7 +185,7 @@ def paged_prefill_attention_cpu(
     window: int = 0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """= paged_prefill_attention_ref (its arguments and masks)."""
-    if sinks is None and window == 0 and cpu_native.batch_invariant() and _native_fits(q, k_cache, v_cache):
+    if sinks is None and window == 0 and cpu_native.step_invariant() and _native_fits(q, k_cache, v_cache):
         lib = cpu_native.library()
         if lib is not None:
             return _prefill_native(lib, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
@@ -223,7 +223,7 @@ def _prefill_native(lib, q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     """A prompt chunk's attention as the decode kernel's, one query token at a time: query i of a
     sequence with `ctx` tokens cached (its chunk's `n` included) reads the first ctx - n + i + 1
     keys, the causal mask. Each query's sums are then the ones a decode step (or any other chunking
-    of the prompt) computes for that token: cpu_native.batch_invariant. The chunk's K and V are in
+    of the prompt) computes for that token: cpu_native.step_invariant. The chunk's K and V are in
     the cache already (PagedBackend.forward writes them first)."""
     T = q.shape[0]
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

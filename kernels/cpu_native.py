@@ -17,14 +17,15 @@ GEMM (A/B runs).
 
 ctypes releases the GIL during the call: a batch split over threads runs in parallel.
 
-Batch invariance (`batch_invariant()`, on unless PDSERVE_CPU_BATCH_INVARIANT=0): a token's numbers
-do not depend on the step it is computed in. Every bf16 linear on an attached weight runs the
-native GEMM whatever its row count (oneDNN's kernels differ by row count), and a prompt's
-attention runs the decode kernel once per query token over the cache (SDPA's blocking differs
-with the chunk's length and offset). So a prompt whose prefix was cached, a prompt split in other
-chunks, a token in a mixed or larger batch, and a decode worker that pulled its KV all give the
-bits a fresh prefill on one worker gives: the greedy and seeded answers are the same on every
-path (docs/engine.md). The cost is prompt throughput: oneDNN's GEMM is faster at many rows.
+Batch invariance (on unless PDSERVE_CPU_BATCH_INVARIANT=0, `batch_invariant()`): a token's
+numbers do not depend on the step it is computed in. In a step the engine marks invariant
+(`set_step_invariant`, worker/executor/cpu_threads.py: a bf16 model whose every product the
+native kernels compute), every bf16 linear on an attached weight runs the native GEMM whatever its
+row count (oneDNN's kernels round by row count), and a prompt's attention runs the decode kernel
+once per query token over the cache (SDPA's blocking moves with the chunk's length and offset).
+A prompt whose prefix was cached, a prompt split in other chunks, a token in a mixed or larger
+batch, and a decode worker that pulled its KV then all give the bits of a fresh prefill on one
+worker: the greedy and seeded answers are the same on every path (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -69,8 +70,11 @@ def set_threads(n: int | None) -> None:
     _threads = n
 
 
+_step_invariant = False
+
+
 def batch_invariant() -> bool:
-    """Prompt steps take the same native kernels as decode steps (the module docstring)."""
+    """Engines built from now on run batch-invariant where their model allows (the module docstring)."""
     return _batch_invariant
 
 
@@ -78,6 +82,16 @@ def set_batch_invariant(on: bool) -> None:
     """For this whole process (A/B runs and tests); PDSERVE_CPU_BATCH_INVARIANT sets the start value."""
     global _batch_invariant
     _batch_invariant = bool(on)
+
+
+def step_invariant() -> bool:
+    """The step being computed runs every row on the native kernels (set by the engine per step)."""
+    return _step_invariant
+
+
+def set_step_invariant(on: bool) -> None:
+    global _step_invariant
+    _step_invariant = bool(on)
 
 
 def _cpu_flags() -> str:

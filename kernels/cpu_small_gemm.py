@@ -1,6 +1,6 @@
 """A CPU step's bf16 linears read straight from oneDNN's packed weights by a native kernel
 (cpu_small_gemm.c): a decode batch's few rows always, a prompt's many rows too while the engine is
-batch-invariant (cpu_native.batch_invariant: every row then gets the same sums whatever its step);
+batch-invariant (cpu_native.step_invariant: every row then gets the same sums whatever its step);
 with that off, many rows stay on oneDNN, faster there.
 
 At 1-32 rows a SmolLM2 linear is bound by reading its weight, and oneDNN's packed GEMM reads it at
@@ -104,11 +104,11 @@ def attached(weight: torch.Tensor) -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x @ W^T for an attached weight and x of contiguous bf16 rows (at most MAX_ROWS unless the
-    engine is batch-invariant); None: not for the kernel (oneDNN's call then)."""
+    step is batch-invariant); None: not for the kernel (oneDNN's call then)."""
     ptr = getattr(weight, _ATTR, None)
     if ptr is None or x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return None
-    if x.shape[0] > MAX_ROWS and not cpu_native.batch_invariant():
+    if x.shape[0] > MAX_ROWS and not cpu_native.step_invariant():
         return None
     return _run(x, ptr, weight.shape[0])
 
@@ -116,7 +116,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, W, bias) for x [M, K] bf16 and W oneDNN's packed bf16 weight: the kernel where
     it takes the call (an attached weight; few rows and no bias unless batch-invariant), else oneDNN."""
-    if bias is None or cpu_native.batch_invariant():
+    if bias is None or cpu_native.step_invariant():
         out = small_linear(x, weight)
         if out is not None:
             return out if bias is None else out.add_(bias)

@@ -2,7 +2,7 @@
 weights: a decode batch's rows (1-32) against SmolLM2's five linear shapes give the exact product
 rounded to bf16, within fp32 summation order (at most one bf16 step from oneDNN's output, rarely);
 strided rows and the cases it leaves to oneDNN; with batch invariance on, any number of rows, each
-row's bits those of the row computed alone (cpu_native.batch_invariant)."""
+row's bits those of the row computed alone (cpu_native.step_invariant)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_strided_rows():
 
 def test_left_to_onednn(monkeypatch):
     _, packed = _attached(576, 576)
-    monkeypatch.setattr(cpu_native, "_batch_invariant", False)
+    monkeypatch.setattr(cpu_native, "_step_invariant", False)
     assert cpu_small_gemm.small_linear(torch.randn(cpu_small_gemm.MAX_ROWS + 1, 576).bfloat16(), packed) is None
     assert cpu_small_gemm.small_linear(torch.randn(2, 576), packed) is None  # fp32 rows
     assert not cpu_small_gemm.attach(cpu_packed.pack(torch.randn(100, 576).bfloat16()))  # not 64-column blocks
@@ -84,7 +84,7 @@ def test_switched_off(monkeypatch):
 def test_batch_invariant_rows(monkeypatch, n, k, threads):
     """Batch-invariant: a prompt's rows (many, split over threads, six a pass) and a decode
     batch's (four a pass) give each row the bits it gets alone, with or without a bias."""
-    monkeypatch.setattr(cpu_native, "_batch_invariant", True)
+    monkeypatch.setattr(cpu_native, "_step_invariant", True)
     monkeypatch.setattr(cpu_native, "_threads", threads)
     w, packed = _attached(n, k, seed=n + k)
     g = torch.Generator().manual_seed(7)

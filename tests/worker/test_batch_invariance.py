@@ -41,7 +41,7 @@ def test_tokens_do_not_depend_on_the_batch_the_chunks_or_the_cache(wide_checkpoi
     ckpt = wide_checkpoint(arch)
     prompts = _prompts()
     alone = make_engine(ckpt, dtype="bfloat16", enable_prefix_caching=False)
-    assert alone.runner.cpu_threads.native_prompts  # the mode is on: every product native
+    assert alone.runner.cpu_threads.batch_invariant  # the mode is on: every product native
     expected = {i: [alone.generate([p], params)[0] for p in prompts] for i, params in enumerate(PARAMS)}
     del alone
     # Every prompt in one batch, chunks of at most 16 tokens (a prompt split over steps, beside

@@ -8,11 +8,11 @@ A decode step therefore leaves one core to them. A step with prompt tokens (a pr
 alone or mixed with decodes) is long matmuls that the other threads barely interrupt, and it
 takes every core.
 
-A batch-invariant bf16 engine (`native_prompts`: every linear and the attention of a prompt step
-run as native kernels, kernels/cpu_native.py) computes prompt steps on the native kernels' own
-threads: torch keeps one thread then, because its OpenMP threads spin between ops and a spinning
-thread takes the core a native share wanted (SmolLM2, 2 cores, a 512-token prompt: 300-400 ms
-with torch's two threads awake, 195 ms with one; docs/engine.md).
+A batch-invariant engine (`batch_invariant`: a bf16 model whose every product and attention the
+native kernels compute, kernels/cpu_native.py) marks each step so and computes prompt steps on
+the native kernels' own threads: torch keeps one thread then, because its OpenMP threads spin
+between ops and a spinning thread takes the core a native share wanted (SmolLM2, 2 cores, a
+512-token prompt: 300-400 ms with torch's two threads awake, 195 ms with one; docs/engine.md).
 
 torch.set_num_threads is a few microseconds and only called when the count changes; it applies
 to the thread that calls it, which is the engine's step thread. The native calls' count is
@@ -27,29 +27,30 @@ from pdserve.kernels import cpu_native
 
 
 class CpuThreads:
-    def __init__(self, total: int | None = None, native_prompts: bool = False):
+    def __init__(self, total: int | None = None, batch_invariant: bool = False):
         """`total`: the threads a prompt step gets (default: torch's, i.e. OMP_NUM_THREADS or one
-        per core); a decode step gets one fewer, at least one. `native_prompts`: prompt steps'
-        threads are the native kernels' and torch keeps one (the module docstring)."""
+        per core); a decode step gets one fewer, at least one. `batch_invariant`: the steps run
+        every row on the native kernels, whose threads a prompt step's are (the module docstring)."""
         self.total = total if total is not None else torch.get_num_threads()
         self.decode = max(1, self.total - 1)
-        self.native_prompts = native_prompts
-        self._current = None
+        self.batch_invariant = batch_invariant
 
     def for_step(self, decode_only: bool) -> int:
-        """Set the step's threads (torch's intra-op count and the native calls'); returns the
-        count the step computes on."""
+        """Set the step's threads (torch's intra-op count and the native calls') and its
+        invariance; returns the count the step computes on. Set every step: engines of one process
+        (tests) share the switches."""
         n = self.decode if decode_only else self.total
-        torch_n = 1 if self.native_prompts and not decode_only else n
-        if (torch_n, n) != self._current:
+        torch_n = 1 if self.batch_invariant and not decode_only else n
+        if torch.get_num_threads() != torch_n:
             torch.set_num_threads(torch_n)
-            cpu_native.set_threads(n)
-            self._current = (torch_n, n)
+        cpu_native.set_threads(n)
+        cpu_native.set_step_invariant(self.batch_invariant)
         return n
 
 
-def cpu_native_prompts(model, kv_dtype: torch.dtype) -> bool:
-    """A CPU model whose prompt steps run on native kernels alone: batch-invariant, every linear
-    read by the native GEMM (cpu_packed.pack_model says), a bf16 cache, the kernels built."""
+def cpu_batch_invariant(model, kv_dtype: torch.dtype) -> bool:
+    """A CPU engine that runs batch-invariant: asked for (cpu_native.batch_invariant), every
+    product of the model on the native GEMM (cpu_packed.pack_model says), a bf16 cache, the
+    kernels built."""
     return (cpu_native.batch_invariant() and getattr(model, "cpu_gemm_every_linear", False)
             and kv_dtype == torch.bfloat16 and cpu_native.library() is not None and cpu_native.pointwise() is not None)

@@ -37,7 +37,7 @@ from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
 from pdserve.worker.attention.selector import make_backend
 from pdserve.worker.config.engine import ConfigError, EngineConfig
-from pdserve.worker.executor.cpu_threads import CpuThreads, cpu_native_prompts
+from pdserve.worker.executor.cpu_threads import CpuThreads, cpu_batch_invariant
 from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from pdserve.worker.executor.host_staging import HostStaging
 from pdserve.worker.executor.scheduled_batch import ScheduledBatch
@@ -228,7 +228,7 @@ class ModelRunner:
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
         # CPU: decode steps leave a core to the server's threads (executor/cpu_threads.py).
-        self.cpu_threads = CpuThreads(native_prompts=cpu_native_prompts(self.model, self.kv_cache.dtype)) \
+        self.cpu_threads = CpuThreads(batch_invariant=cpu_batch_invariant(self.model, self.kv_cache.dtype)) \
             if self.device.type == "cpu" else None
         # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
         self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
