@@ -7,7 +7,6 @@ holds them to the one answer as a property over prompts that share prefixes, gre
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.kernels import cpu_native
 from pdserve.worker.request.sampling_params import SamplingParams
