@@ -48,9 +48,9 @@ class CpuThreads:
         return n
 
 
-def cpu_batch_invariant(model, kv_dtype: torch.dtype) -> bool:
+def cpu_batch_invariant(model, kv_dtype: torch.dtype, lora: bool = False) -> bool:
     """A CPU engine that runs batch-invariant: asked for (cpu_native.batch_invariant), every
-    product of the model on the native GEMM (cpu_packed.pack_model says), a bf16 cache, the
-    kernels built."""
-    return (cpu_native.batch_invariant() and getattr(model, "cpu_gemm_every_linear", False)
+    product of the model on the native GEMM (cpu_packed.pack_model says; no adapters, whose
+    deltas are torch's matmuls), a bf16 cache, the kernels built."""
+    return (cpu_native.batch_invariant() and not lora and getattr(model, "cpu_gemm_every_linear", False)
             and kv_dtype == torch.bfloat16 and cpu_native.library() is not None and cpu_native.pointwise() is not None)

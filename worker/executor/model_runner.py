@@ -228,7 +228,7 @@ class ModelRunner:
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
         # CPU: decode steps leave a core to the server's threads (executor/cpu_threads.py).
-        self.cpu_threads = CpuThreads(batch_invariant=cpu_batch_invariant(self.model, self.kv_cache.dtype)) \
+        self.cpu_threads = CpuThreads(batch_invariant=cpu_batch_invariant(self.model, self.kv_cache.dtype, self.lora is not None)) \
             if self.device.type == "cpu" else None
         # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
         self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
