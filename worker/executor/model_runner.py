@@ -227,9 +227,12 @@ class ModelRunner:
         backend.bind(self.kv_cache)
         self.graphs = self._capture_decode_graphs(static_decode, backend.name)
         self.sampler = Sampler()
-        # CPU: decode steps leave a core to the server's threads (executor/cpu_threads.py).
-        self.cpu_threads = CpuThreads(batch_invariant=cpu_batch_invariant(self.model, self.kv_cache.dtype, self.lora is not None)) \
-            if self.device.type == "cpu" else None
+        # CPU: decode steps leave a core to the server's threads; bf16 runs batch-invariant where
+        # the native kernels compute every product (executor/cpu_threads.py).
+        self.cpu_threads = None
+        if self.device.type == "cpu":
+            invariant = cpu_batch_invariant(self.model, self.kv_cache.dtype, lora=self.lora is not None)
+            self.cpu_threads = CpuThreads(batch_invariant=invariant)
         # Sampled token ids come back through persistent (pinned) buffers, one per step in flight.
         self._readback = HostStaging([((config.max_num_seqs,), torch.int64)], self.device)
         self.prompt_logprobs = PromptLogprobsCollector()  # rank 0: echo requests' prompt logprobs
