@@ -53,8 +53,9 @@ POINTWISE_SOURCE = Path(__file__).with_name("cpu_pointwise.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 BATCH_INVARIANT_ENV = "PDSERVE_CPU_BATCH_INVARIANT"
 _batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "1").strip() not in ("0", "false", "off")
-
-
+# Per step, set by the engine's step thread (worker/executor/cpu_threads.py): whether the step is
+# batch-invariant, and how many threads native calls split over (None: torch's intra-op count).
+_step_invariant = False
 _threads: int | None = None
 
 
@@ -68,9 +69,6 @@ def set_threads(n: int | None) -> None:
     worker/executor/cpu_threads.py); None: torch's."""
     global _threads
     _threads = n
-
-
-_step_invariant = False
 
 
 def batch_invariant() -> bool:

@@ -21,6 +21,16 @@ from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from th
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_native_step_defaults():
+    """Each test starts with the native kernels' per-step switches at their defaults: an engine's
+    steps set them (worker/executor/cpu_threads.py) and they outlive the engine in this process."""
+    from pdserve.kernels import cpu_native
+
+    cpu_native.set_step_invariant(False)
+    cpu_native.set_threads(None)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), converted once into the user cache."""

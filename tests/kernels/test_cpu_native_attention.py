@@ -105,3 +105,36 @@ def test_avx512_path_gives_the_plain_c_bits(both_builds, hq, hkv, d, bs):
     q = (torch.randn(len(lens), hq, d, generator=g) * 3).bfloat16()
     args = (q, cache[:, 1, 0], cache[:, 1, 1], tables, torch.tensor(lens, dtype=torch.int32), bs)
     assert torch.equal(_call(fast, *args), _call(plain, *args))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_invariant_prefill_is_the_decode_kernel_per_query(monkeypatch, threads):
+    """In a batch-invariant step a prompt's attention is the decode kernel's, query by query: each
+    token gets the bits a decode step gives it, however the prompt is chunked (a whole prompt, or
+    a chunk after cached tokens, beside another sequence), and stays the reference's math."""
+    from pdserve.kernels.cpu_attention import paged_prefill_attention_cpu
+    from pdserve.kernels.reference import paged_prefill_attention_ref
+
+    monkeypatch.setattr(cpu_native, "_step_invariant", True)
+    monkeypatch.setattr(cpu_native, "_threads", threads)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(40, 2, BS, HKV, D, generator=g).bfloat16()
+    k_cache, v_cache = cache[:, 0], cache[:, 1]
+    torch.manual_seed(3)
+    tables = block_tables_for([50, 20], BS, 40).cpu()
+    q = torch.randn(70, HQ, D, generator=g).bfloat16()  # sequence 0: 50 tokens, sequence 1: 20
+    cu = torch.tensor([0, 50, 70], dtype=torch.int32)
+    whole = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, cu, torch.tensor([50, 20], dtype=torch.int32),
+                                        D**-0.5)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, torch.tensor([50, 20], dtype=torch.int32),
+                                      D**-0.5)
+    assert ((whole.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-6).all()
+    # sequence 0's last 13 tokens as a chunk after 37 cached ones, sequence 1's first 7 beside it
+    chunk = paged_prefill_attention_cpu(torch.cat([q[37:50], q[50:57]]), k_cache, v_cache, tables,
+                                        torch.tensor([0, 13, 20], dtype=torch.int32),
+                                        torch.tensor([50, 7], dtype=torch.int32), D**-0.5)
+    assert torch.equal(chunk[:13], whole[37:50]) and torch.equal(chunk[13:], whole[50:57])
+    for t in (0, 17, 49):  # a decode step of sequence 0's token t
+        one = paged_decode_attention_cpu(q[t:t + 1], k_cache, v_cache, tables[:1],
+                                         torch.tensor([t + 1], dtype=torch.int32), D**-0.5)
+        assert torch.equal(one, whole[t:t + 1])
