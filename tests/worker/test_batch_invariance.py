@@ -1,6 +1,6 @@
 """A bf16 CPU engine is batch-invariant (kernels/cpu_native.py): a request's tokens are the ones it
-gets alone on a fresh engine, whatever else shares its steps, however its prompt is chunked, and
-whether its prefix was cached. The prefix cache and mixed batches are what made a bf16 answer
+gets alone on a fresh engine, whatever else shares its steps, however its prompt is chunked,
+whether its prefix was cached, and whether it was preempted and recomputed. The prefix cache and mixed batches are what made a bf16 answer
 depend on the path (the same prompt through P/D and on one worker, or twice on one worker); this
 holds them to the one answer as a property over prompts that share prefixes, greedy and seeded."""
 
@@ -55,6 +55,14 @@ def test_tokens_do_not_depend_on_the_batch_the_chunks_or_the_cache(wide_checkpoi
         assert tokens[::-1] == expected[i], f"from the prefix cache (temperature {params.temperature})"
         # every prompt longer than a block (4 tokens) had its prefix from the cache this time
         assert all(c > 0 for c, p in zip(cached, prompts[::-1]) if len(p) > 4), cached
+    # A cache too small for the batch: requests are preempted and recomputed (their generated
+    # tokens' KV then comes from a prompt step, not the decode steps that made it first).
+    per_block = shared.kv_cache.block_bytes
+    small = make_engine(ckpt, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=40 * per_block,
+                        max_num_seqs=6)
+    for i, params in enumerate(PARAMS):
+        assert small.generate(prompts, params) == expected[i], f"preempted (temperature {params.temperature})"
+    assert small.stats().num_preemptions > 0
 
 
 def _generate(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[int]]:
