@@ -1,8 +1,9 @@
 """A bf16 CPU engine is batch-invariant (kernels/cpu_native.py): a request's tokens are the ones it
 gets alone on a fresh engine, whatever else shares its steps, however its prompt is chunked,
-whether its prefix was cached, and whether it was preempted and recomputed. The prefix cache and mixed batches are what made a bf16 answer
-depend on the path (the same prompt through P/D and on one worker, or twice on one worker); this
-holds them to the one answer as a property over prompts that share prefixes, greedy and seeded."""
+whether its prefix was cached, and whether it was preempted and recomputed. The prefix cache and
+mixed batches are what made a bf16 answer depend on the path (the same prompt through P/D and on
+one worker, or twice on one worker); this holds them to the one answer as a property over prompts
+that share prefixes, greedy and seeded."""
 
 from __future__ import annotations
 
