@@ -1,4 +1,5 @@
-/* A decode step's linears on few rows, straight from oneDNN's packed bf16 weight (cpu_small_gemm.py).
+/* A CPU step's bf16 linears straight from oneDNN's packed weight (cpu_small_gemm.py): a decode
+   batch's few rows, and a prompt's many rows in a batch-invariant step (cpu_native.py).
 
    y[m][n] = bf16(sum_k x[m][k] * W[n][k]) for rows m < M, x and y bf16, fp32 accumulation.
 
@@ -8,7 +9,7 @@
    against such a block is memory-bound: oneDNN's call on 1-8 rows reads it at about half the
    rate a plain loop can, and the few rows' loads, broadcasts and dot products fit in registers.
 
-   Per 64-column block and up to four rows at a time, each K pair is one 256-byte load of the
+   Per 64-column block and up to four (or six) rows at a time, each K pair is one 256-byte load of the
    block (four zmm) and one dot product per row and zmm, summed in K order into an fp32
    accumulator per row and 16 columns, rounded once to bf16 (round to nearest even). oneDNN's
    brgemm sums the same products, mostly in the same order: where it splits K otherwise an output

@@ -16,9 +16,10 @@ oneDNN's; where oneDNN splits K differently the last fp32 bit differs, and so at
 step of an output (tests/kernels/test_cpu_small_gemm.py compares with the fp32 reference).
 `PDSERVE_CPU_SMALL_GEMM=0` turns it off (A/B runs; batch invariance then does not hold).
 
-Many rows are split over torch's intra-op threads by rows (a row's sums do not depend on which
-thread or pass computes it), six rows a pass over each weight block (the kernel's widest). On this
-2-core machine, SmolLM2's shapes at 64-1024 rows take 1.1-1.6x oneDNN's time (docs/engine.md).
+Many rows are split by rows over the step's threads (cpu_native.threads; a row's sums do not
+depend on which thread or pass computes it), six rows a pass over each weight block (the kernel's
+widest). On this 2-core machine, SmolLM2's shapes take 1.0-1.25x oneDNN's time at 256-1024 rows and
+1.2-2x at 64 (docs/results/cpu/2026-12-05-cpu-batch-invariance.md).
 A bias is added to the rounded product (one more bf16 rounding than oneDNN's epilogue), the same
 way for every row count.
 """
@@ -57,7 +58,7 @@ def library() -> ctypes.CDLL | None:
 def _run(x: torch.Tensor, ptr: int, n: int) -> torch.Tensor:
     """Up to MAX_ROWS rows: one call on the calling thread (a decode step computes on one thread,
     and a prompt step's few-row call, its last tokens' head, is not handed in shares to a pool
-    thread beside torch's OpenMP threads). More: shares of rows on torch's intra-op threads."""
+    thread beside torch's OpenMP threads). More: shares of rows on the step's threads."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.bfloat16)
     lib, xs = library(), x.stride(0)
