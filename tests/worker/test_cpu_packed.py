@@ -32,8 +32,8 @@ def test_packed_linear_equals_f_linear(rows):
 def test_engine_greedy_unchanged_by_packing(tiny_checkpoint, monkeypatch, arch):
     """A bf16 engine packs its linears and its (tied or not) head; the greedy tokens are those of
     the plain weights, prefill and decode, and nothing is left unpacked that should be. Batch
-    invariance off: its prompts' linears are oneDNN's, F.linear's bits (tests/worker/
-    test_batch_invariance.py covers it on)."""
+    invariance off: its prompts' linears are oneDNN's, F.linear's bits (test_batch_invariance.py
+    covers it on)."""
     monkeypatch.setattr(cpu_native, "_batch_invariant", False)
     prompts = [[5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)), [3, 4]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
