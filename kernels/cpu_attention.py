@@ -146,7 +146,7 @@ def _decode_native(lib, q, k_cache, v_cache, block_tables, context_lens, scale):
                               hi - lo, Hq, Hkv, D, bs, scale, out[lo].data_ptr(),
                               cpu_native.scratch_floats(need).data_ptr())
 
-    cpu_native.run_balanced(lens.long(), min(B, cpu_native.threads()), run)
+    cpu_native.run_balanced(lens, min(B, cpu_native.threads()), run)
     return out.to(q.dtype)
 
 

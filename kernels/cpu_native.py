@@ -205,18 +205,15 @@ def run_split(total: int, parts: int, run) -> None:
 
 def run_balanced(work: torch.Tensor, parts: int, run) -> None:
     """run(lo, hi) over [0, len(work)) in up to `parts` contiguous shares of about equal total
-    `work` (int64 per item: a prompt's later queries read more keys), on run_split's pool."""
+    `work` (an integer per item: a prompt's later queries read more keys), on run_split's pool."""
     total = len(work)
     if parts <= 1 or total <= 1:
         run(0, total)
         return
-    cum = torch.cumsum(work, 0)
+    cum = torch.cumsum(work, 0, dtype=torch.int64)
     targets = cum[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
     cuts = [0, *sorted(set(torch.searchsorted(cum, targets, right=True).tolist())), total]
     ranges = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
-    if len(ranges) == 1:
-        run(0, total)
-        return
     run_split(len(ranges), len(ranges), lambda a, b: [run(*ranges[i]) for i in range(a, b)])
 
 

@@ -74,8 +74,8 @@ def pack_model(net: nn.Module) -> None:
         small += cpu_small_gemm.attach(net.packed_head)
     # Every product on the native GEMM (no weight matrix left to torch: experts, latent attention's
     # absorbed matrices): the engine can run batch-invariant (worker/executor/cpu_threads.py).
-    skip = {id(getattr(head, "weight", None)), id(getattr(net, "embed_tokens", None) and net.embed_tokens.weight)}
-    others = [name for name, p in net.named_parameters() if p.dim() >= 2 and not p.is_mkldnn and id(p) not in skip]
+    lookups = {id(getattr(m, "weight", None)) for m in (head, getattr(net, "embed_tokens", None))}
+    others = [name for name, p in net.named_parameters() if p.dim() >= 2 and not p.is_mkldnn and id(p) not in lookups]
     net.cpu_gemm_every_linear = small == n + (head is not None) and not others
     log.info(
         "packed %d linear weights and the lm_head for oneDNN (%.0f MiB; %d read by the small-batch GEMM) in %.2fs",
