@@ -138,3 +138,32 @@ def test_invariant_prefill_is_the_decode_kernel_per_query(monkeypatch, threads):
         one = paged_decode_attention_cpu(q[t:t + 1], k_cache, v_cache, tables[:1],
                                          torch.tensor([t + 1], dtype=torch.int32), D**-0.5)
         assert torch.equal(one, whole[t:t + 1])
+
+
+def test_invariant_prefill_plans_each_call_from_its_metadata(monkeypatch):
+    """Layers of one step reuse the per-query plan; metadata of the same shapes but other values
+    (new tensors, or the same ones written in place) gets its own plan, not the last one's."""
+    from pdserve.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_native, "_step_invariant", True)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(40, 2, BS, HKV, D, generator=g).bfloat16()
+    k_cache, v_cache = cache[:, 0], cache[:, 1]
+    torch.manual_seed(5)
+    tables = block_tables_for([50, 20], BS, 40).cpu()
+    q = torch.randn(20, HQ, D, generator=g).bfloat16()
+    cu = torch.tensor([0, 13, 20], dtype=torch.int32)
+    lens = torch.tensor([50, 7], dtype=torch.int32)
+
+    def attend():
+        return cpu_attention.paged_prefill_attention_cpu(q, k_cache, v_cache, tables, cu, lens, D**-0.5)
+
+    first = attend()
+    lens[0] = 40  # the same tensor, written in place: sequence 0's chunk now follows 27 cached tokens
+    moved = attend()
+    monkeypatch.setattr(cpu_attention, "_plan_memo", [None])
+    assert torch.equal(moved, attend()) and not torch.equal(moved, first)
+    tables = tables.flip(1).contiguous()  # a new tensor of the same shape
+    flipped = attend()
+    monkeypatch.setattr(cpu_attention, "_plan_memo", [None])
+    assert torch.equal(flipped, attend()) and not torch.equal(flipped, moved)

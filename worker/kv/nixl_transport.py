@@ -408,10 +408,12 @@ class NixlTransport(KVTransport):
             peer = self.known_peer(engine_id) or self.add_peer(engine_id, reply.metadata)
             src = params.remote_block_ids
             posted, landed = [], 0
+            t0 = time.perf_counter()
             try:
                 for pos, lo, hi in reads:
                     posted.append(self.post_read_layers(peer, [src[i] for i in pos], [want[i] for i in pos],
                                                         lo, hi, num_layers))
+                t1 = time.perf_counter()
                 for xfer in posted:
                     landed += 1  # finish_read releases its handle however it ends
                     nbytes += self.finish_read(xfer, conn.timeout)
@@ -419,6 +421,10 @@ class NixlTransport(KVTransport):
                 for xfer in posted[landed:]:
                     self.abort_read(xfer, conn.timeout)
                 raise
+            if log.isEnabledFor(logging.DEBUG):  # a streamed pull's timeline, READ by READ
+                log.debug("KV layered READ from %s: %s; %.1f MiB, post %.2f ms, wait %.2f ms", engine_id,
+                          ", ".join(f"{len(pos)} blocks layers {lo}-{hi}" for pos, lo, hi in reads), nbytes / 2**20,
+                          (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         held[:] = [layers, upto] if layers else [0, 0]
         return nbytes
 
