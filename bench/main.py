@@ -32,6 +32,7 @@ BENCHMARKS = {
     "pd-async": "pdserve.bench.pd_async",
     "lora": "pdserve.bench.lora",
     "migration": "pdserve.bench.migration",
+    "pull-timeline": "pdserve.bench.pull_timeline",
 }
 
 

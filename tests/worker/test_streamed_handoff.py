@@ -15,6 +15,7 @@ that no block is ever readable before the step that wrote it was collected.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -642,3 +643,34 @@ def test_async_decode_starts_a_pull_only_after_the_step_in_flight(ckpt, transpor
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_streamed_pulls_debug_lines_account_for_its_bytes(ckpt, pair, caplog, tmp_path, capsys):
+    """With debug logs, the lines `pdserve bench pull-timeline` reads account for a streamed pull:
+    its tail line names both requests, and over NIXL its layered READs before and after the
+    prefill's end add up to the bytes the pull moved."""
+    from pdserve.bench import pull_timeline
+
+    p, d = pair
+    fresh = [t + 1000 for t in PROMPT]
+    expected = engine_answer(ckpt, fresh)
+    caplog.set_level(logging.DEBUG, logger="pdserve.worker.kv")
+    d.add_request("d20", fresh, GREEDY, announce(p, "p20", fresh))
+    outs: list = []
+    ended = lambda: any(o.request_id == "d20" and o.finished for o in outs)  # noqa: E731
+    until(lambda: outs.extend(p.step() + d.step()) or ended(), "the hand-off and the decode to end")
+    first = next(o for o in outs if o.request_id == "p20" and o.finished).new_token_ids[0]
+    assert [first] + [t for o in outs if o.request_id == "d20" for t in o.new_token_ids] == expected
+    until(lambda: free_and_unpinned(p, d), "every block freed and unpinned", [p, d])
+    pulls = [x for x in pull_timeline.parse(r.getMessage() for r in caplog.records) if x.request_id == "d20"]
+    assert len(pulls) == 1 and pulls[0].prefill_id == "p20" and pulls[0].replies >= 1, pulls
+    pull = pulls[0]
+    assert pull.mib > 0 and pull.tail_ms >= 0
+    if p.config.kv_transfer == "nixl":
+        reads = pull.reads.count + pull.tail.count
+        assert reads >= 1 and abs(pull.reads.mib + pull.tail.mib - pull.mib) <= 0.0005 * (reads + 1), pull
+    (tmp_path / "decode-0.log").write_text("".join(f"2026-12-06 01:00:00,000 DEBUG {r.name}: {r.getMessage()}\n"
+                                                   for r in caplog.records))
+    assert pull_timeline.main([str(tmp_path)]) == 0  # a folder of logs, as `pdserve up --log-dir` writes
+    table = capsys.readouterr().out
+    assert table.count("\n") == 3 and f"| d20 | {pull.mib:.1f} |" in table

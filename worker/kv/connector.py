@@ -515,8 +515,8 @@ class KVConnector:
                     break
             tail = time.perf_counter() - done_at
             self.metrics.observe_pull_tail(transport.name, tail)
-            log.debug("KV pull of %s: %.1f MiB, its tail %.2f ms after the prefill was done", rid, nbytes / 2**20,
-                      tail * 1e3)
+            log.debug("KV pull of %s (%s): %.3f MiB, its tail %.2f ms after the prefill was done", rid,
+                      params.remote_request_id, nbytes / 2**20, tail * 1e3)
         finally:
             if reader is not None:
                 reader.stop()  # a read still running ends here: no byte lands after the pull ended

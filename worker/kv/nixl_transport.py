@@ -422,7 +422,7 @@ class NixlTransport(KVTransport):
                     self.abort_read(xfer, conn.timeout)
                 raise
             if log.isEnabledFor(logging.DEBUG):  # a streamed pull's timeline, READ by READ
-                log.debug("KV layered READ for %s from %s: %s; %.1f MiB, post %.2f ms, wait %.2f ms",
+                log.debug("KV layered READ for %s from %s: %s; %.3f MiB, post %.2f ms, wait %.2f ms",
                           params.remote_request_id, engine_id,
                           ", ".join(f"{len(pos)} blocks layers {lo}-{hi}" for pos, lo, hi in reads), nbytes / 2**20,
                           (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
