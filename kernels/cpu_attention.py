@@ -238,7 +238,7 @@ def _query_plan(T: int, block_tables, cu_seqlens_q, context_lens):
     cost less than the plan, and no tensor's identity or version is trusted)."""
     key = (block_tables, cu_seqlens_q, context_lens)
     memo = _plan_memo[0]
-    if memo is not None and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(memo[0], key)):
+    if memo is not None and all(torch.equal(a, b) for a, b in zip(memo[0], key)):  # (False on other shapes)
         return memo[1]
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=T)

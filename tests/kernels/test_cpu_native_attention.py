@@ -107,6 +107,15 @@ def test_avx512_path_gives_the_plain_c_bits(both_builds, hq, hkv, d, bs):
     assert torch.equal(_call(fast, *args), _call(plain, *args))
 
 
+def _two_sequences(seed: int, queries: int):
+    """(q [queries], k_cache, v_cache, block tables of a 50- and a 20-token sequence), random bf16."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(40, 2, BS, HKV, D, generator=g).bfloat16()
+    torch.manual_seed(seed)
+    tables = block_tables_for([50, 20], BS, 40).cpu()
+    return torch.randn(queries, HQ, D, generator=g).bfloat16(), cache[:, 0], cache[:, 1], tables
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_invariant_prefill_is_the_decode_kernel_per_query(monkeypatch, threads):
     """In a batch-invariant step a prompt's attention is the decode kernel's, query by query: each
@@ -117,12 +126,7 @@ def test_invariant_prefill_is_the_decode_kernel_per_query(monkeypatch, threads):
 
     monkeypatch.setattr(cpu_native, "_step_invariant", True)
     monkeypatch.setattr(cpu_native, "_threads", threads)
-    g = torch.Generator().manual_seed(3)
-    cache = torch.randn(40, 2, BS, HKV, D, generator=g).bfloat16()
-    k_cache, v_cache = cache[:, 0], cache[:, 1]
-    torch.manual_seed(3)
-    tables = block_tables_for([50, 20], BS, 40).cpu()
-    q = torch.randn(70, HQ, D, generator=g).bfloat16()  # sequence 0: 50 tokens, sequence 1: 20
+    q, k_cache, v_cache, tables = _two_sequences(3, 70)  # sequence 0: 50 tokens, sequence 1: 20
     cu = torch.tensor([0, 50, 70], dtype=torch.int32)
     whole = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, cu, torch.tensor([50, 20], dtype=torch.int32),
                                         D**-0.5)
@@ -146,12 +150,7 @@ def test_invariant_prefill_plans_each_call_from_its_metadata(monkeypatch):
     from pdserve.kernels import cpu_attention
 
     monkeypatch.setattr(cpu_native, "_step_invariant", True)
-    g = torch.Generator().manual_seed(5)
-    cache = torch.randn(40, 2, BS, HKV, D, generator=g).bfloat16()
-    k_cache, v_cache = cache[:, 0], cache[:, 1]
-    torch.manual_seed(5)
-    tables = block_tables_for([50, 20], BS, 40).cpu()
-    q = torch.randn(20, HQ, D, generator=g).bfloat16()
+    q, k_cache, v_cache, tables = _two_sequences(5, 20)
     cu = torch.tensor([0, 13, 20], dtype=torch.int32)
     lens = torch.tensor([50, 7], dtype=torch.int32)
 
