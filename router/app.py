@@ -380,11 +380,13 @@ def build_app(config: RouterConfig, freeze_heap: bool = False) -> FastAPI:
 
     @app.get("/debug/workers", include_in_schema=False)
     async def debug_workers(request: Request) -> Response:
-        """Per worker: health, ejection, the router's own in-flight count (tests prove every
-        acquire was released by reading it back to 0) and its scraped LoRA slots."""
+        """Per worker: its revision (only workers of one revision pair) and models, health,
+        ejection, the router's own in-flight count (tests prove every acquire was released by
+        reading it back to 0) and its scraped LoRA slots."""
         authorize(request, api_keys)
         now = time.monotonic()
-        return JSONResponse([{"url": w.url, "role": w.role, "healthy": w.healthy, "routable": w.routable(now),
+        return JSONResponse([{"url": w.url, "role": w.role, "revision": w.revision, "models": sorted(w.models),
+                              "healthy": w.healthy, "routable": w.routable(now),
                               "inflight": w.inflight, "consecutive_failures": w.consecutive_failures,
                               "max_lora": w.max_lora, "lora_running": sorted(w.lora_running),
                               "lora_waiting": sorted(w.lora_waiting)}

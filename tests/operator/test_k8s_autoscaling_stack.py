@@ -75,14 +75,21 @@ def disaggregated(base: str) -> float:
     return metric(base, "pdserve_router_requests_total", disaggregated="yes", status="200")
 
 
-def routing_state(base: str) -> str:
-    """The router's counters that say why a request was not disaggregated, and its workers."""
+def routing_state(base: str, kubelet: Kubelet, ms: str) -> str:
+    """The router's counters that say why a request was not disaggregated, its workers (with
+    their revisions: the router pairs only workers of one), and the warnings in the logs of
+    `ms`'s pods (a failed prefill or decode leg is logged there)."""
     wanted = ("pdserve_router_retries_total", "pdserve_router_upstream_errors_total",
               "pdserve_router_fallback_requests_total", "pdserve_router_decode_prefix_hits_total")
     lines = [ln for ln in httpx.get(f"{base}/metrics", timeout=5).text.splitlines() if ln.startswith(wanted)]
-    workers = [{k: w[k] for k in ("role", "healthy", "routable", "consecutive_failures")}
+    workers = [{k: w[k] for k in ("role", "revision", "models", "healthy", "routable", "consecutive_failures")}
                for w in httpx.get(f"{base}/debug/workers", timeout=5).json()]
-    return f"metrics {lines}; workers {workers}"
+    logged = {}
+    for pod in list(kubelet.pods.values()):
+        if pod.name.startswith(f"{ms}-") and pod.log_path.exists():
+            text = pod.log_path.read_text(errors="replace").splitlines()
+            logged[pod.name] = [ln[:300] for ln in text if "WARNING" in ln or "ERROR" in ln][-8:]
+    return f"metrics {lines}; workers {workers}; pod warnings {logged}"
 
 
 def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster, operator_kubeconfig, namespace,
@@ -119,7 +126,7 @@ def test_fallback_degraded_and_scale_from_zero_on_the_control_plane(k8s_cluster,
                 # way the router went (a prefill retry, a fallback, a decode prefix hit) and how it
                 # saw its workers, so the next occurrence names its cause.
                 warnings.warn(f"fb's request right after /ready was not disaggregated: {seen[-1]}; "
-                              f"{routing_state(base)}", stacklevel=1)
+                              f"{routing_state(base, kubelet, 'fb')}", stacklevel=1)
                 return False
 
             try:
