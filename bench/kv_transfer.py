@@ -4,7 +4,9 @@ fixed cost of a pull goes; what a per-lease NIXL registration would cost.
 A "prefill" process owns a KV cache and pins block lists; this process plays the decode worker
 and pulls them through the real KVConnector (side channel, lease, READ, release notification).
 The baseline is a plain torch copy of the same number of bytes on the same device(s), measured
-in the same run. Block layouts (the same ids on both sides except "real"):
+in the same run; and, to tell NIXL and UCX's cost from the copy engine's, the same descriptors
+copied without them: one cudaMemcpyAsync per merged run (what UCX's cuda_ipc transport issues
+per descriptor), issued from Python and replayed from a CUDA graph (`descriptor_copies`). Block layouts (the same ids on both sides except "real"):
 
   contiguous  ids 0..n-1: one descriptor
   scattered   every other id: one descriptor per block (the worst case)
@@ -116,6 +118,53 @@ def _torch_copy_gbps(nbytes, src_dev, dst_dev, iters) -> float:
         _sync(dst.device)
         times.append(time.perf_counter() - t)
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def descriptor_copies(cases, num_blocks: int, block_bytes: int, src_dev, dst_dev, iters: int) -> dict:
+    """The same descriptors without NIXL or UCX: one `cudaMemcpyAsync` per merged run of blocks
+    (what UCX's cuda_ipc transport issues for each descriptor of a READ), host-issued in a loop
+    (`issued`), and the same copies replayed from a CUDA graph (`graph`: memcpy nodes, no host
+    cost per descriptor: what the copy engine itself takes). On a CPU: memcpy per run, no graph.
+    Returns {(layout, size index, column): (bytes, median seconds)}."""
+    from pdserve.worker.kv.block_runs import merge_runs
+
+    src = torch.ones(num_blocks * block_bytes, dtype=torch.uint8, device=src_dev)
+    dst = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=dst_dev)
+    cuda = dst.is_cuda
+    bb = block_bytes
+    out = {}
+    for kind, i, s_ids, d_ids in cases:
+        runs = merge_runs(s_ids, d_ids)
+        pairs = [(dst[d * bb:(d + c) * bb], src[s * bb:(s + c) * bb]) for s, d, c in runs]
+
+        def copy_all():
+            for d_view, s_view in pairs:
+                d_view.copy_(s_view, non_blocking=True)
+
+        nbytes = len(s_ids) * bb
+        columns = {"memcpy per descriptor, issued": copy_all}
+        if cuda:
+            copy_all()  # warm (first-touch, lazy peer mapping) before the capture
+            torch.cuda.synchronize(dst.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                copy_all()
+            columns["memcpy per descriptor, CUDA graph"] = graph.replay
+        for col, fn in columns.items():
+            times = []
+            for _ in range(iters + 1):
+                _sync(dst.device)
+                t = time.perf_counter()
+                fn()
+                _sync(dst.device)
+                times.append(time.perf_counter() - t)
+            out[(kind, i, col)] = (nbytes, statistics.median(times[1:]))
+        # A baseline that moved other bytes would measure nothing: the blocks landed, and only they.
+        landed = dst.view(num_blocks, bb)[:, 0].nonzero().flatten().tolist()
+        if landed != sorted(d_ids):
+            raise RuntimeError(f"{kind}: the descriptor copies wrote blocks {landed[:8]}..., not {sorted(d_ids)[:8]}...")
+        dst.zero_()
+    return out
 
 
 def _sync(device) -> None:
@@ -280,6 +329,9 @@ def main(argv=None) -> int:
                     help="BlockManager eviction_slack of the real layout's churn (0: strict LRU, the default)")
     ap.add_argument("--ucx-tls", default=None,
                     help="set UCX_TLS for both sides (e.g. cuda_ipc,cuda_copy,tcp for VRAM->VRAM on one host)")
+    ap.add_argument("--no-descriptor-copies", action="store_true",
+                    help="skip the baseline that copies the same descriptors without NIXL (one cudaMemcpyAsync "
+                         "each, issued and from a CUDA graph)")
     ap.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     args = ap.parse_args(argv)
     if min(args.sizes_mib) < 1 or args.iters < 1 or args.block_kib < 1 or args.breakdown_iters < 0 \
@@ -324,6 +376,9 @@ def main(argv=None) -> int:
         for (kind, i, mode), v in rows.items():
             results[(kind, i, transport if mode == "-" else f"{transport} {mode}")] = v
         parts.update(br)
+    if not args.no_descriptor_copies:
+        print("  measuring the same descriptors as plain copies ...", file=sys.stderr, flush=True)
+        results.update(descriptor_copies(cases, num_blocks, block_bytes, server_dev, client_dev, args.iters))
     columns = list(dict.fromkeys(col for _, _, col in results))
     lines += ["| size | layout | descriptors | MiB per descriptor | torch copy GB/s | "
               + " | ".join(f"{col} GB/s (% of copy)" for col in columns) + " |",

@@ -35,9 +35,16 @@ def test_tiny_run_writes_every_table(tmp_path, capsys):
     assert rc == 0
     report = out.read_text()
     for needle in ("| 1 MiB | contiguous | 1 | 1.00 |", "| 1 MiB | real |", "nixl prepped GB/s", "nixl dlist GB/s",
-                   "tcp GB/s", "| lease (side-channel round trip) |", "| fixed cost per pull (ms) | real |",
+                   "tcp GB/s", "memcpy per descriptor, issued GB/s", "| lease (side-channel round trip) |", "| fixed cost per pull (ms) | real |",
                    "Per-lease NIXL registration of 4 blocks"):
         assert needle in report, needle
+
+
+def test_descriptor_copies_move_every_block_of_each_layout():
+    cases = [(kind, 0, *kv_transfer.layout(kind, 8, 64, 0)) for kind in ("contiguous", "scattered", "real")]
+    rows = kv_transfer.descriptor_copies(cases, 64, 4096, "cpu", "cpu", iters=2)
+    assert set(rows) == {(kind, 0, "memcpy per descriptor, issued") for kind, *_ in cases}
+    assert all(nbytes == 8 * 4096 and seconds > 0 for nbytes, seconds in rows.values())
 
 
 def test_bad_flags_are_named():
