@@ -6,7 +6,8 @@ and pulls them through the real KVConnector (side channel, lease, READ, release 
 The baseline is a plain torch copy of the same number of bytes on the same device(s), measured
 in the same run; and, to tell NIXL and UCX's cost from the copy engine's, the same descriptors
 copied without them: one cudaMemcpyAsync per merged run (what UCX's cuda_ipc transport issues
-per descriptor), issued from Python and replayed from a CUDA graph (`descriptor_copies`). Block layouts (the same ids on both sides except "real"):
+per descriptor), issued from Python and replayed from a CUDA graph (`descriptor_copies`).
+Block layouts (the same ids on both sides except "real"):
 
   contiguous  ids 0..n-1: one descriptor
   scattered   every other id: one descriptor per block (the worst case)
@@ -162,7 +163,8 @@ def descriptor_copies(cases, num_blocks: int, block_bytes: int, src_dev, dst_dev
         # A baseline that moved other bytes would measure nothing: the blocks landed, and only they.
         landed = dst.view(num_blocks, bb)[:, 0].nonzero().flatten().tolist()
         if landed != sorted(d_ids):
-            raise RuntimeError(f"{kind}: the descriptor copies wrote blocks {landed[:8]}..., not {sorted(d_ids)[:8]}...")
+            raise RuntimeError(f"{kind}: the descriptor copies wrote blocks {landed[:8]}..., "
+                               f"not {sorted(d_ids)[:8]}...")
         dst.zero_()
     return out
 

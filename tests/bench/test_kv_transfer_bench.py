@@ -35,7 +35,8 @@ def test_tiny_run_writes_every_table(tmp_path, capsys):
     assert rc == 0
     report = out.read_text()
     for needle in ("| 1 MiB | contiguous | 1 | 1.00 |", "| 1 MiB | real |", "nixl prepped GB/s", "nixl dlist GB/s",
-                   "tcp GB/s", "memcpy per descriptor, issued GB/s", "| lease (side-channel round trip) |", "| fixed cost per pull (ms) | real |",
+                   "tcp GB/s", "memcpy per descriptor, issued GB/s", "| lease (side-channel round trip) |",
+                   "| fixed cost per pull (ms) | real |",
                    "Per-lease NIXL registration of 4 blocks"):
         assert needle in report, needle
 
