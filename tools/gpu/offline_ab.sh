@@ -4,9 +4,9 @@
 # code or from the call? From the repo root:
 #
 #   git archive REV worker kernels bench protocol router cli | (mkdir -p .gpu-old && tar -x -C .gpu-old)
-#   run(kind="nvidia-h200", carry=[".whl"], command="OLD_TREE=.gpu-old bash tools/gpu/offline_ab.sh")
+#   run(kind="nvidia-h200", carry=[".whl", ".gpu-old"], command="OLD_TREE=.gpu-old bash tools/gpu/offline_ab.sh")
 #
-# (.gpu-old is untracked, so it travels with the tree; never commit it.) A tree may also be a
+# (.gitignore keeps /.gpu-* out of commits, so a tree travels only where carry names it.) A tree may also be a
 # gzipped archive, unpacked on the device: `git archive -o .gpu-old.tar.gz REV worker kernels
 # bench protocol` is ~0.6 MB where the folder is ~2.6 (the carry's limit is 64 MiB with .whl's
 # ~50). Rounds a and b, each:
