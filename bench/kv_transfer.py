@@ -6,7 +6,8 @@ and pulls them through the real KVConnector (side channel, lease, READ, release 
 The baseline is a plain torch copy of the same number of bytes on the same device(s), measured
 in the same run; and, to tell NIXL and UCX's cost from the copy engine's, the same descriptors
 copied without them: one cudaMemcpyAsync per merged run (what UCX's cuda_ipc transport issues
-per descriptor), issued from Python and replayed from a CUDA graph (`descriptor_copies`).
+per descriptor), issued from Python and replayed from a CUDA graph, from a local source and from
+one mapped from another process (`descriptor_copies`).
 Block layouts (the same ids on both sides except "real"):
 
   contiguous  ids 0..n-1: one descriptor
@@ -123,49 +124,85 @@ def _torch_copy_gbps(nbytes, src_dev, dst_dev, iters) -> float:
 
 def descriptor_copies(cases, num_blocks: int, block_bytes: int, src_dev, dst_dev, iters: int) -> dict:
     """The same descriptors without NIXL or UCX: one `cudaMemcpyAsync` per merged run of blocks
-    (what UCX's cuda_ipc transport issues for each descriptor of a READ), host-issued in a loop
-    (`issued`), and the same copies replayed from a CUDA graph (`graph`: memcpy nodes, no host
-    cost per descriptor: what the copy engine itself takes). On a CPU: memcpy per run, no graph.
-    Returns {(layout, size index, column): (bytes, median seconds)}."""
+    (what UCX's cuda_ipc transport issues for each descriptor of a READ), host-issued in a loop,
+    and on CUDA the same copies replayed from a CUDA graph (memcpy nodes: no host cost per
+    descriptor). Each from a source in this process and from one another process owns (CUDA IPC,
+    as UCX maps the prefill's cache; CPU: shared memory): a copy out of IPC-mapped memory may take
+    the copy engine where a local one runs as a kernel, so the IPC columns bound what any transport
+    over cuda_ipc reaches with these descriptors. Returns {(layout, size index, column): (bytes,
+    median seconds)}."""
+    import torch.multiprocessing as tmp
+
+    nbytes_all = num_blocks * block_bytes
+    ctx = tmp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_ipc_source, args=(child, nbytes_all, str(src_dev)), daemon=True)
+    owner.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the process owning the IPC source did not send it within 120 s")
+        sources = {"": torch.ones(nbytes_all, dtype=torch.uint8, device=src_dev), ", IPC source": parent.recv()}
+        dst = torch.zeros(nbytes_all, dtype=torch.uint8, device=dst_dev)
+        out = {}
+        for kind, i, s_ids, d_ids in cases:
+            for label, src in sources.items():
+                for col, (nbytes, seconds) in _copy_runs(src, dst, s_ids, d_ids, block_bytes, iters).items():
+                    out[(kind, i, f"memcpy per descriptor{label}{col}")] = (nbytes, seconds)
+        del sources, src
+        _sync(dst_dev)
+        return out
+    finally:
+        parent.send("stop")
+        owner.join(30)
+        if owner.is_alive():
+            owner.kill()
+
+
+def _ipc_source(conn, nbytes: int, device: str) -> None:
+    """Own a source filled with ones and send it (torch's reductions: a CUDA IPC handle, or shared
+    memory on a CPU); keep it alive until told to stop."""
+    import torch.multiprocessing  # noqa: F401  registers the tensor reductions on this side too
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    _sync(device)
+    conn.send(src)
+    conn.recv()
+
+
+def _copy_runs(src: torch.Tensor, dst: torch.Tensor, s_ids: list[int], d_ids: list[int], bb: int,
+               iters: int) -> dict:
+    """One layout's copies, one `copy_` per merged run: {column suffix: (bytes, median s)}, and a
+    check that exactly the destination blocks landed (a baseline moving other bytes measures nothing)."""
     from pdserve.worker.kv.block_runs import merge_runs
 
-    src = torch.ones(num_blocks * block_bytes, dtype=torch.uint8, device=src_dev)
-    dst = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=dst_dev)
-    cuda = dst.is_cuda
-    bb = block_bytes
+    pairs = [(dst[d * bb:(d + c) * bb], src[s * bb:(s + c) * bb]) for s, d, c in merge_runs(s_ids, d_ids)]
+
+    def copy_all():
+        for d_view, s_view in pairs:
+            d_view.copy_(s_view, non_blocking=True)
+
+    columns = {", issued": copy_all}
+    if dst.is_cuda:
+        copy_all()  # warm (first touch, lazy peer mapping) before the capture
+        torch.cuda.synchronize(dst.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            copy_all()
+        columns[", CUDA graph"] = graph.replay
     out = {}
-    for kind, i, s_ids, d_ids in cases:
-        runs = merge_runs(s_ids, d_ids)
-        pairs = [(dst[d * bb:(d + c) * bb], src[s * bb:(s + c) * bb]) for s, d, c in runs]
-
-        def copy_all():
-            for d_view, s_view in pairs:
-                d_view.copy_(s_view, non_blocking=True)
-
-        nbytes = len(s_ids) * bb
-        columns = {"memcpy per descriptor, issued": copy_all}
-        if cuda:
-            copy_all()  # warm (first-touch, lazy peer mapping) before the capture
-            torch.cuda.synchronize(dst.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                copy_all()
-            columns["memcpy per descriptor, CUDA graph"] = graph.replay
-        for col, fn in columns.items():
-            times = []
-            for _ in range(iters + 1):
-                _sync(dst.device)
-                t = time.perf_counter()
-                fn()
-                _sync(dst.device)
-                times.append(time.perf_counter() - t)
-            out[(kind, i, col)] = (nbytes, statistics.median(times[1:]))
-        # A baseline that moved other bytes would measure nothing: the blocks landed, and only they.
-        landed = dst.view(num_blocks, bb)[:, 0].nonzero().flatten().tolist()
-        if landed != sorted(d_ids):
-            raise RuntimeError(f"{kind}: the descriptor copies wrote blocks {landed[:8]}..., "
-                               f"not {sorted(d_ids)[:8]}...")
-        dst.zero_()
+    for col, fn in columns.items():
+        times = []
+        for _ in range(iters + 1):
+            _sync(dst.device)
+            t = time.perf_counter()
+            fn()
+            _sync(dst.device)
+            times.append(time.perf_counter() - t)
+        out[col] = (len(s_ids) * bb, statistics.median(times[1:]))
+    landed = dst.view(-1, bb)[:, 0].nonzero().flatten().tolist()
+    if landed != sorted(d_ids):
+        raise RuntimeError(f"the descriptor copies wrote blocks {landed[:8]}..., not {sorted(d_ids)[:8]}...")
+    dst.zero_()
     return out
 
 

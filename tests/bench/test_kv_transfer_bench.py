@@ -43,8 +43,9 @@ def test_tiny_run_writes_every_table(tmp_path, capsys):
 
 def test_descriptor_copies_move_every_block_of_each_layout():
     cases = [(kind, 0, *kv_transfer.layout(kind, 8, 64, 0)) for kind in ("contiguous", "scattered", "real")]
-    rows = kv_transfer.descriptor_copies(cases, 64, 4096, "cpu", "cpu", iters=2)
-    assert set(rows) == {(kind, 0, "memcpy per descriptor, issued") for kind, *_ in cases}
+    rows = kv_transfer.descriptor_copies(cases, 64, 4096, "cpu", "cpu", iters=2)  # raises unless they landed
+    assert set(rows) == {(kind, 0, f"memcpy per descriptor{src}, issued") for kind, *_ in cases
+                         for src in ("", ", IPC source")}
     assert all(nbytes == 8 * 4096 and seconds > 0 for nbytes, seconds in rows.values())
 
 

@@ -7,7 +7,9 @@
 #
 # 1. block runs after churn by eviction slack, CPU only (bench/block_churn.py)      block_churn.md
 # 2. one card: NIXL pulls, contiguous vs real layout after churn, prepared vs per-pull
-#    descriptors, against the same-run copy; real layout churned with strict LRU (slack 0)
+#    descriptors, against the same-run copy and the same descriptors copied without NIXL (one
+#    cudaMemcpyAsync each, issued and from a CUDA graph, from a local and from a CUDA-IPC-mapped
+#    source: is UCX the bound, or the copy engine?); real layout churned with strict LRU (slack 0)
 #    and with eviction_slack 1                                  kv_runs_1gpu_slack0.md, ..._slack1.md
 # 3. if a second GPU is visible: the same cuda:0 -> cuda:1      kv_runs_2gpu_slack0.md, ..._slack1.md
 set -u
