@@ -29,7 +29,7 @@ main() {
   fi
   for slack in $SLACKS; do
     echo "=== one card, eviction slack $slack"
-    timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --eviction-slack $slack \
+    timeout --kill-after=10 120 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --eviction-slack $slack \
       --out "$OUT/kv_runs_1gpu_slack$slack.md" 2>&1 | grep -v "NIXL INFO"
   done
   if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
