@@ -582,3 +582,114 @@ def test_a_layer_clock_wakes_each_waiter_at_its_own_layer_only():
     for t in threads:
         t.join()
     assert not clock.wait(9, 0.01) and clock._waiters == []
+
+
+class _FakeDevice:
+    """The CUDA side of a LayerClock without a GPU (the real one runs in the GPU suite's P/D
+    tests): `torch.cuda.Event` replaced by events that complete in record order, one per
+    `complete()` of the test, as a stream runs its kernels after the launch has returned."""
+
+    def __init__(self):
+        import threading
+
+        self.recorded: list = []
+        self.completed = 0
+        self._cond = threading.Condition()
+        device = self
+
+        class Event:
+            def __init__(self, blocking: bool = False):
+                self.index = None
+
+            def record(self):
+                with device._cond:
+                    self.index = len(device.recorded)
+                    device.recorded.append(self)
+
+            def query(self) -> bool:
+                with device._cond:
+                    return self.index is not None and self.index < device.completed
+
+            def synchronize(self):
+                with device._cond:
+                    device._cond.wait_for(lambda: self.index < device.completed)
+
+        self.Event = Event
+
+    def complete(self, n: int = 1) -> None:
+        with self._cond:
+            self.completed = min(len(self.recorded), self.completed + n)
+            self._cond.notify_all()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import torch
+
+    device = _FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", device.Event)
+    return device
+
+
+def test_a_gpu_layer_clock_counts_the_layers_the_device_finished_not_those_launched(fake_cuda):
+    """On a GPU the forward's mark is a launch: done() and wait() follow the recorded events'
+    completion, in order, and a wait for a launched layer blocks until the device gets there."""
+    import threading
+
+    import torch
+
+    from pdserve.worker.kv.layer_clock import LayerClock
+
+    clock = LayerClock(4, torch.device("cuda"))
+    for i in range(4):
+        clock.after_layer(i)  # the whole forward launched
+    assert clock.done() == 0 and len(fake_cuda.recorded) == 4
+    fake_cuda.complete(2)
+    assert clock.done() == 2 and clock.wait(2, 0)
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: clock.wait(3, 0) and got.set())
+    waiter.start()
+    assert not got.wait(0.1)  # launched, not yet run: the wait holds (no timeout applies to the device)
+    fake_cuda.complete()
+    assert got.wait(30)
+    waiter.join()
+    assert clock.done() == 3
+    assert not LayerClock(4, torch.device("cuda")).wait(1, 0.01)  # nothing launched: it gives up
+
+
+def test_a_clock_watch_on_a_gpu_clock_wakes_when_the_device_passes_the_layer(fake_cuda, monkeypatch):
+    """A deferred layered reader is woken by the layer's completion on the device: with the
+    watch's own poll made an hour, a wake can only come from the event, and it comes once the
+    device passed the layer, not when it was launched; the progress then names that layer."""
+    import threading
+
+    import torch
+
+    from pdserve.worker.kv.layer_clock import ClockWatch, LayerClock
+
+    monkeypatch.setattr(ClockWatch, "POLL_S", 3600.0)
+    pins = PinTable(ttl=30)
+    token = pins.add_streamed("r", list(range(4)), DIGEST, ready=0)
+    clock = LayerClock(8, torch.device("cuda"))
+    pins.computing("r", 4, clock)
+    for i in range(8):
+        clock.after_layer(i)
+    with pytest.raises(NotReady) as e:
+        pins.progress("r", token, DIGEST, 0, layers=0)
+    assert e.value.clock is clock and e.value.layer == 1
+    woken = threading.Event()
+    watch = ClockWatch(woken.set, give_up_s=600)
+    try:
+        watch.watch(clock, e.value.layer)
+        assert not woken.wait(0.1)  # every layer launched, none run
+        fake_cuda.complete(3)
+        assert woken.wait(30)
+        assert pins.progress("r", token, DIGEST, 0, layers=0)["partial"] == [4, 3, 8]
+        woken.clear()
+        watch.watch(clock, 8)
+        fake_cuda.complete(5)
+        assert woken.wait(30)
+        state = pins.progress("r", token, DIGEST, 0, layers=3)  # the step is through: its blocks are ready
+        assert state["ready"] == 4 and "partial" not in state
+    finally:
+        watch.stop()
