@@ -90,7 +90,7 @@ class UpStack:
 
     def __init__(self, ckpt: str, prefill: int, decode: int, log_dir: Path, smoke: bool, *,
                  transport: str | None = None, max_model_len: int | None = None, worker_args: str = "",
-                 router_args: str = ""):
+                 router_args: str = "", gpu_sharing: str | None = None):
         """transport: nixl | tcp (default: tcp for --smoke, else what `pdserve up` picks); the
         extra worker/router flags go to every worker / the router (bench/handoff.py's overlap)."""
         self.port = free_port()
@@ -104,6 +104,8 @@ class UpStack:
                     f"--worker-args={base} {worker_args}".rstrip(), "--ready-timeout", "400"]
         if router_args:
             self.cmd.append(f"--router-args={router_args}")
+        if gpu_sharing:  # workers sharing a card: MPS or time slices (cli/gpu_sharing.py)
+            self.cmd += ["--gpu-sharing", gpu_sharing]
         transport = transport or ("tcp" if smoke else None)
         if transport:
             self.cmd += ["--kv-transfer", transport]

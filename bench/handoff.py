@@ -182,7 +182,7 @@ class Runner:
         extra = f"--max-num-batched-tokens {self.sizes.max_num_batched_tokens} {worker} {self.args.worker_args}".strip()
         stack = UpStack(self.ckpt, spec.prefill, spec.decode, self.work / "logs" / spec.name, self.args.smoke,
                         transport=spec.transport, max_model_len=self.sizes.max_model_len, worker_args=extra,
-                        router_args=router)
+                        router_args=router, gpu_sharing=self.args.gpu_sharing)
         t = time.monotonic()
         self.say(f"{spec.name}: starting (worker flags '{extra}', router flags '{router}')")
         try:
@@ -313,6 +313,8 @@ def main(argv=None) -> int:
                    "(default 512, smoke 32)")
     p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
                                                      "included (e.g. --async-scheduling)")
+    p.add_argument("--gpu-sharing", default=None, choices=("auto", "mps", "timeslice"),
+                   help="`pdserve up --gpu-sharing` for every stack (default: up's, auto: MPS where a card is shared)")
     p.add_argument("--warmup", type=int, default=4, help="requests sent (all at once) before a stack's first point")
     p.add_argument("--tcp-high-rate", action="store_true", help="TCP stacks run the high load point too")
     p.add_argument("--stacks", default=None, help="comma-separated subset of agg,nixl-off,nixl-on,tcp-off,tcp-on")

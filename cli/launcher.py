@@ -25,8 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli.stack import Child, StackConfig, describe_devices, plan
-from pdserve.protocol.flags import add_flags, from_flags
+from pdserve.cli.gpu_sharing import MpsDaemon, MpsUnavailable, start_mps, stop_mps
+from pdserve.cli.stack import Child, StackConfig, describe_devices, plan, stack_gpus, workers_per_gpu
+from pdserve.protocol.flags import ConfigError, add_flags, from_flags
 
 TAIL_LINES = 30
 _POLL_S = 0.2
@@ -83,9 +84,12 @@ class Launcher:
         if port_in_use(self.config.host, self.config.port):
             print(f"pdserve up: --port: {self.config.host}:{self.config.port} is already in use", file=sys.stderr)
             return 2
+        mps = None
         try:
             model_dir, served = self._model()
-            children = plan(self.config, model_dir, served, default_model=self.config.model is None)
+            gpus = stack_gpus(self.config)
+            mps = self._gpu_sharing(gpus, log_dir)
+            children = plan(self.config, model_dir, served, gpus, default_model=self.config.model is None, mps=mps)
             self._start(children, log_dir)
             code = self._wait_ready(served)
             if code is None:
@@ -93,7 +97,25 @@ class Launcher:
                 code = self._watch()
         finally:
             self._stop_all()
+            if mps is not None and (problem := stop_mps(mps)) is not None:
+                self.say(f"  the MPS daemon did not quit cleanly: {problem}")
         return code
+
+    def _gpu_sharing(self, gpus: list[str], log_dir: Path) -> MpsDaemon | None:
+        """An MPS daemon for the workers that share a GPU (cli/gpu_sharing.py), or None."""
+        shared = [g for g, n in workers_per_gpu(self.config, gpus).items() if n > 1]
+        if not shared or self.config.gpu_sharing == "timeslice":
+            return None
+        try:
+            mps = start_mps(log_dir)
+        except MpsUnavailable as e:
+            if self.config.gpu_sharing == "mps":
+                raise ConfigError("--gpu-sharing", f"mps was asked for but the daemon did not start: {e}") from None
+            self.say(f"  GPU {', '.join(shared)} shared by several workers, time-sliced (no MPS: {e}); "
+                     "their kernels take turns")
+            return None
+        self.say(f"  GPU {', '.join(shared)} shared by several workers: MPS daemon started (pipes in {mps.pipe_dir})")
+        return mps
 
     def _model(self) -> tuple[str, str]:
         if self.config.model is not None:

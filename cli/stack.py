@@ -11,12 +11,14 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.protocol.contract import HTTP_PORT
+from pdserve.cli.gpu_sharing import GPU_SHARING, MPS_CONTROL, MpsDaemon
 from pdserve.protocol.flags import ConfigError, flag
 from pdserve.worker.kv import registry as kv_transports
 from pdserve.protocol.contract import ENV_KV_SECRET, ENV_NIXL_PROGRESS_NICE
@@ -53,6 +55,9 @@ class StackConfig:
     router_args: tuple[str, ...] = flag((), "extra flags for the router, e.g. "
                                             "--router-args='--decode-policy round-robin'", metavar="'ARGS'",
                                         parse=split_flags)
+    gpu_sharing: str = flag("auto", "workers sharing a GPU: auto (NVIDIA MPS where its control binary is on "
+                                    "PATH), mps (required), timeslice (the driver's default: they take turns)",
+                            choices=GPU_SHARING)
     log_dir: str | None = flag(None, "where each child's log goes", unset="a new temporary directory")
     ready_timeout_s: float = flag(600.0, "seconds every child has to become ready")
     shutdown_timeout_s: float = flag(40.0, "seconds workers have to drain on stop, then SIGKILL")
@@ -71,6 +76,10 @@ class StackConfig:
         kv_transports.check(self.kv_transfer)
         if self.device == "cuda" and not visible_gpus():
             raise ConfigError("--device", "cuda was asked for but no GPU is visible")
+        if self.gpu_sharing not in GPU_SHARING:
+            raise ConfigError("--gpu-sharing", f"must be one of {', '.join(GPU_SHARING)}, got {self.gpu_sharing!r}")
+        if self.gpu_sharing == "mps" and self.device != "cpu" and visible_gpus() and shutil.which(MPS_CONTROL) is None:
+            raise ConfigError("--gpu-sharing", f"mps was asked for but {MPS_CONTROL} is not on PATH")
         if self.model is not None and not self.model:
             raise ConfigError("--model", "must not be empty")
         if self.ready_timeout_s <= 0:
@@ -144,15 +153,26 @@ DEFAULT_MODEL_CPU_DTYPE_ARGS = ("--dtype", "bfloat16")
 DEFAULT_MODEL_TOOL_ARGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 
 
+def stack_gpus(config: StackConfig) -> list[str]:
+    return visible_gpus() if config.device != "cpu" else []
+
+
+def workers_per_gpu(config: StackConfig, gpus: list[str]) -> dict[str, int]:
+    """How many workers each GPU gets (they go round-robin: prefill workers first)."""
+    n = config.prefill + config.decode
+    return {g: sum(1 for i in range(n) if gpus[i % len(gpus)] == g) for g in gpus}
+
+
 def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] | None = None,
-         default_model: bool = False) -> list[Child]:
+         default_model: bool = False, mps: MpsDaemon | None = None) -> list[Child]:
     """Every child's command line: workers on loopback with OS-chosen HTTP and KV ports, then
-    the router on --host:--port pointing at them. Several workers on one GPU split its memory.
+    the router on --host:--port pointing at them. Several workers on one GPU split its memory,
+    and with `mps` (cli/gpu_sharing.py) they are that daemon's clients.
     `default_model`: model_dir is the launcher's SmolLM2, whose tool-call format is known."""
-    gpus = (visible_gpus() if config.device != "cpu" else []) if gpus is None else gpus
+    gpus = stack_gpus(config) if gpus is None else gpus
     cli = (sys.executable, "-m", "pdserve.cli.main")
     roles = ["prefill"] * config.prefill + ["decode"] * config.decode
-    sharing = {g: sum(1 for i in range(len(roles)) if gpus[i % len(gpus)] == g) for g in gpus}
+    sharing = workers_per_gpu(config, gpus)
     # The stack's workers authenticate each other's KV side channel with one random secret (in
     # the environment, not argv, so `ps` does not show it); decode workers pull only from the
     # prefill workers' KV ports on loopback (a TP prefill worker's rank r listens on its port + r).
@@ -180,6 +200,8 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
             device = ["--device", "cuda"]
             if sharing[gpu] > 1 and "--gpu-memory-utilization" not in " ".join(config.worker_args):
                 device += ["--gpu-memory-utilization", f"{0.9 / sharing[gpu]:.2f}"]
+            if sharing[gpu] > 1 and mps is not None:
+                env.update(mps.env())
         index = i if role == "prefill" else i - config.prefill
         if config.prefill:
             kv = ("--role", role, "--kv-transfer", config.transport, "--kv-host", "127.0.0.1",
@@ -210,7 +232,8 @@ def tensor_parallel_size(worker_args: tuple[str, ...]) -> int:
 def describe_devices(workers: list[Child]) -> str:
     gpus = sorted({c.env["CUDA_VISIBLE_DEVICES"] for c in workers if "CUDA_VISIBLE_DEVICES" in c.env})
     if gpus:
-        return f"cuda (GPUs {', '.join(gpus)}, round-robin)"
+        mps = sum(1 for c in workers if "CUDA_MPS_PIPE_DIRECTORY" in c.env)
+        return f"cuda (GPUs {', '.join(gpus)}, round-robin{f'; {mps} worker(s) on MPS' if mps else ''})"
     argv = workers[0].argv if workers else ()
     dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv[:-1] else None
     return f"cpu ({dtype})" if dtype else "cpu"

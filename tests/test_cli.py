@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,3 +110,80 @@ def test_up_serves_the_default_model_in_bf16_where_the_cpu_computes_it(monkeypat
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
     assert detect(str(info))
     assert not detect(str(tmp_path / "missing"))
+
+
+def test_workers_sharing_a_gpu_are_the_stacks_mps_clients(tmp_path):
+    """Only workers on a GPU another worker also has get the daemon's pipes; with no daemon (CPU,
+    --gpu-sharing timeslice, no MPS) none do, and the launcher's log line says how many are."""
+    from pdserve.cli.gpu_sharing import MpsDaemon
+    from pdserve.cli.stack import StackConfig, describe_devices, plan, workers_per_gpu
+
+    mps = MpsDaemon("/bin/true", tmp_path / "mps-pipe", tmp_path / "mps-log")
+    config = StackConfig(prefill=2, decode=1)
+    assert workers_per_gpu(config, ["0", "1"]) == {"0": 2, "1": 1}
+    workers = [c for c in plan(config, "/m", "m", gpus=["0", "1"], mps=mps) if c.role != "router"]
+    clients = {c.name: c.env.get("CUDA_MPS_PIPE_DIRECTORY") for c in workers}
+    assert clients == {"prefill-0": str(mps.pipe_dir), "prefill-1": None, "decode-0": str(mps.pipe_dir)}
+    assert all(c.env.get("CUDA_MPS_LOG_DIRECTORY") == str(mps.log_dir) for c in workers if clients[c.name])
+    assert describe_devices(workers) == "cuda (GPUs 0, 1, round-robin; 2 worker(s) on MPS)"
+    alone = [c for c in plan(config, "/m", "m", gpus=["0", "1", "2"], mps=mps) if c.role != "router"]
+    assert not any("CUDA_MPS_PIPE_DIRECTORY" in c.env for c in alone)  # one worker a GPU: nothing to share
+    assert not any("CUDA_MPS_PIPE_DIRECTORY" in c.env for c in plan(config, "/m", "m", gpus=["0"]))
+
+
+def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, monkeypatch):
+    """start_mps runs `nvidia-cuda-mps-control -d` with its pipe and log folders under the stack's
+    log folder (never a host-wide daemon's), stop_mps sends it `quit`. MPS needs an NVIDIA GPU:
+    here a stand-in control binary on PATH records how it was called."""
+    import os
+    import stat
+
+    from pdserve.cli.gpu_sharing import MpsUnavailable, start_mps, stop_mps
+
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text('#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY '
+                       'stdin=$(cat)" >> ' + str(calls) + '\n'
+                       '[ -z "$MPS_FAIL" ] || { echo "cannot start" >&2; exit 1; }\n')
+    control.chmod(control.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run_dir = tmp_path / "logs"
+    daemon = start_mps(run_dir)
+    assert daemon.pipe_dir == run_dir / "mps-pipe" and daemon.pipe_dir.is_dir() and daemon.log_dir.is_dir()
+    assert stop_mps(daemon) is None
+    started, quit_ = calls.read_text().splitlines()[:2]
+    assert started.startswith(f"args=-d pipe={run_dir / 'mps-pipe'} log={run_dir / 'mps-log'}")
+    assert quit_ == f"args= pipe={run_dir / 'mps-pipe'} log={run_dir / 'mps-log'} stdin=quit"
+    # The launcher: a daemon only where a GPU is shared and sharing is not `timeslice`; `auto`
+    # goes on time-sliced when MPS will not start, `mps` stops with the flag named.
+    from pdserve.cli.launcher import Launcher
+    from pdserve.cli.stack import StackConfig
+    from pdserve.protocol.flags import ConfigError
+
+    def sharing(mode, gpus, out=None):
+        return Launcher(StackConfig(gpu_sharing=mode), out=out or open(os.devnull, "w"))._gpu_sharing(gpus, run_dir)
+
+    assert sharing("auto", ["0"]) is not None
+    assert sharing("auto", ["0", "1"]) is None and sharing("timeslice", ["0"]) is None
+    monkeypatch.setenv("MPS_FAIL", "1")
+    with pytest.raises(MpsUnavailable, match="cannot start"):
+        start_mps(run_dir)
+    with pytest.raises(MpsUnavailable, match="not on PATH"):
+        start_mps(run_dir, which=lambda name: None)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        assert sharing("auto", ["0"], out) is None
+    assert "time-sliced (no MPS" in log.read_text()
+    with pytest.raises(ConfigError, match="--gpu-sharing"):
+        sharing("mps", ["0"])
+
+
+def test_gpu_sharing_flag_is_checked():
+    from pdserve.cli.stack import StackConfig
+    from pdserve.protocol.flags import ConfigError
+
+    with pytest.raises(ConfigError, match="--gpu-sharing"):
+        StackConfig(gpu_sharing="always")
+    assert StackConfig(gpu_sharing="mps", device="cpu").gpu_sharing == "mps"  # no GPU: nothing to share
