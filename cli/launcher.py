@@ -107,7 +107,7 @@ class Launcher:
         if not shared or self.config.gpu_sharing == "timeslice":
             return None
         try:
-            mps = start_mps(log_dir)
+            mps = start_mps(log_dir, shared[0])
         except MpsUnavailable as e:
             if self.config.gpu_sharing == "mps":
                 raise ConfigError("--gpu-sharing", f"mps was asked for but the daemon did not start: {e}") from None

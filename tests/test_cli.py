@@ -138,6 +138,7 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     import os
     import stat
 
+    from pdserve.cli import gpu_sharing
     from pdserve.cli.gpu_sharing import MpsUnavailable, start_mps, stop_mps
 
     calls = tmp_path / "calls"
@@ -150,7 +151,9 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     control.chmod(control.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run_dir = tmp_path / "logs"
-    daemon = start_mps(run_dir)
+    real_probe = gpu_sharing.probe_client
+    monkeypatch.setattr(gpu_sharing, "probe_client", lambda daemon, gpu: None)  # a client needs the GPU too
+    daemon = start_mps(run_dir, "0")
     assert daemon.pipe_dir == run_dir / "mps-pipe" and daemon.pipe_dir.is_dir() and daemon.log_dir.is_dir()
     assert stop_mps(daemon) is None
     started, quit_ = calls.read_text().splitlines()[:2]
@@ -167,11 +170,18 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
 
     assert sharing("auto", ["0"]) is not None
     assert sharing("auto", ["0", "1"]) is None and sharing("timeslice", ["0"]) is None
+    # A daemon whose client cannot start is stopped again (the real probe: no GPU here).
+    before = len(calls.read_text().splitlines())
+    with pytest.raises(MpsUnavailable, match="a client of the MPS daemon could not start: cuInit returned 100"):
+        start_mps(run_dir, "0", probe=lambda daemon, gpu: "cuInit returned 100")
+    assert [ln.split()[0] for ln in calls.read_text().splitlines()[before:]] == ["args=-d", "args="]
+    if not Path("/dev/nvidia0").exists():  # the real probe, where there is no driver: it says so
+        assert "libcuda" in real_probe(daemon, "0")
     monkeypatch.setenv("MPS_FAIL", "1")
     with pytest.raises(MpsUnavailable, match="cannot start"):
-        start_mps(run_dir)
+        start_mps(run_dir, "0")
     with pytest.raises(MpsUnavailable, match="not on PATH"):
-        start_mps(run_dir, which=lambda name: None)
+        start_mps(run_dir, "0", which=lambda name: None)
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
         assert sharing("auto", ["0"], out) is None
