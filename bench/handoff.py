@@ -291,6 +291,7 @@ def summarize(runner: Runner | None, args, sizes: Sizes, ckpt: str, support: dic
     return {"environment": disagg_report.environment(args.smoke), "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "config": {"model": model, "chunk_tokens": args.chunk_tokens, "seconds": args.seconds,
+                       "gpu_sharing": args.gpu_sharing or "auto",
                        "input_len": sizes.input_len, "output_len": sizes.output_len, "rates": list(sizes.rates),
                        "lengths": sorted(sizes.lengths), "sweep_requests": sizes.sweep_requests,
                        "sweep_output_len": sizes.sweep_output_len, "max_model_len": sizes.max_model_len,

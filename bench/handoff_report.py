@@ -268,7 +268,9 @@ def markdown(summary: dict) -> str:
     L = [f"# The hand-off stall (issue 24): {summary['environment']}", "",
          f"Commit {summary.get('commit', '?')}. Model: {cfg['model']}; overlap on = router `--pd-handoff streamed` + "
          f"workers `--kv-stream-chunk-tokens {cfg['chunk_tokens']}`, off = `--pd-handoff after-prefill` + "
-         f"`--kv-stream-chunk-tokens 0`. {summary['flags_note']}", "",
+         f"`--kv-stream-chunk-tokens 0`. Workers sharing a GPU: `pdserve up --gpu-sharing "
+         f"{cfg.get('gpu_sharing', 'timeslice')}` (auto: MPS where it starts; up's log says). {summary['flags_note']}",
+         "",
          "First gap = the client's gap between token 1 and token 2 (in P/D the hand-off); steady ITL = every later "
          "gap, pooled; good = TTFT <= 2 s and every gap <= 25 ms. KV pull = the decode worker's "
          "`pdserve_kv_transfer_seconds` (mean per request): with overlap on a pull spans the prefill (it waits for "
