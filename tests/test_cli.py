@@ -135,6 +135,7 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     """start_mps runs `nvidia-cuda-mps-control -d` with its pipe and log folders under the stack's
     log folder (never a host-wide daemon's), stop_mps sends it `quit`. MPS needs an NVIDIA GPU:
     here a stand-in control binary on PATH records how it was called."""
+    import io
     import os
     import stat
 
@@ -166,7 +167,7 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     from pdserve.protocol.flags import ConfigError
 
     def sharing(mode, gpus, out=None):
-        return Launcher(StackConfig(gpu_sharing=mode), out=out or open(os.devnull, "w"))._gpu_sharing(gpus, run_dir)
+        return Launcher(StackConfig(gpu_sharing=mode), out=out or io.StringIO())._gpu_sharing(gpus, run_dir)
 
     assert sharing("auto", ["0"]) is not None
     assert sharing("auto", ["0", "1"]) is None and sharing("timeslice", ["0"]) is None
@@ -182,10 +183,9 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
         start_mps(run_dir, "0")
     with pytest.raises(MpsUnavailable, match="not on PATH"):
         start_mps(run_dir, "0", which=lambda name: None)
-    log = tmp_path / "launcher.log"
-    with open(log, "w") as out:
-        assert sharing("auto", ["0"], out) is None
-    assert "time-sliced (no MPS" in log.read_text()
+    said = io.StringIO()
+    assert sharing("auto", ["0"], said) is None
+    assert "time-sliced (no MPS" in said.getvalue()
     with pytest.raises(ConfigError, match="--gpu-sharing"):
         sharing("mps", ["0"])
 
