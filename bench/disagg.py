@@ -104,7 +104,7 @@ class UpStack:
                     f"--worker-args={base} {worker_args}".rstrip(), "--ready-timeout", "400"]
         if router_args:
             self.cmd.append(f"--router-args={router_args}")
-        if gpu_sharing:  # workers sharing a card: MPS or time slices (cli/gpu_sharing.py)
+        if gpu_sharing:  # workers sharing a card: MPS or time slices (cli/mps.py)
             self.cmd += ["--gpu-sharing", gpu_sharing]
         transport = transport or ("tcp" if smoke else None)
         if transport:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cli.gpu_sharing import MpsDaemon, MpsUnavailable, start_mps, stop_mps
+from pdserve.cli.mps import MpsDaemon, MpsUnavailable, start_mps, stop_mps
 from pdserve.cli.stack import Child, StackConfig, describe_devices, plan, stack_gpus, workers_per_gpu
 from pdserve.protocol.flags import ConfigError, add_flags, from_flags
 
@@ -102,7 +102,7 @@ class Launcher:
         return code
 
     def _gpu_sharing(self, gpus: list[str], log_dir: Path) -> MpsDaemon | None:
-        """An MPS daemon for the workers that share a GPU (cli/gpu_sharing.py), or None."""
+        """An MPS daemon for the workers that share a GPU (cli/mps.py), or None."""
         shared = [g for g, n in workers_per_gpu(self.config, gpus).items() if n > 1]
         if not shared or self.config.gpu_sharing == "timeslice":
             return None

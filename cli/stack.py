@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.protocol.contract import HTTP_PORT
-from pdserve.cli.gpu_sharing import GPU_SHARING, MPS_CONTROL, MpsDaemon
+from pdserve.cli.mps import GPU_SHARING, MPS_CONTROL, MpsDaemon
 from pdserve.protocol.flags import ConfigError, flag
 from pdserve.worker.kv import registry as kv_transports
 from pdserve.protocol.contract import ENV_KV_SECRET, ENV_NIXL_PROGRESS_NICE
@@ -167,7 +167,7 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
          default_model: bool = False, mps: MpsDaemon | None = None) -> list[Child]:
     """Every child's command line: workers on loopback with OS-chosen HTTP and KV ports, then
     the router on --host:--port pointing at them. Several workers on one GPU split its memory,
-    and with `mps` (cli/gpu_sharing.py) they are that daemon's clients.
+    and with `mps` (cli/mps.py) they are that daemon's clients.
     `default_model`: model_dir is the launcher's SmolLM2, whose tool-call format is known."""
     gpus = stack_gpus(config) if gpus is None else gpus
     cli = (sys.executable, "-m", "pdserve.cli.main")

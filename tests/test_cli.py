@@ -115,7 +115,7 @@ def test_up_serves_the_default_model_in_bf16_where_the_cpu_computes_it(monkeypat
 def test_workers_sharing_a_gpu_are_the_stacks_mps_clients(tmp_path):
     """Only workers on a GPU another worker also has get the daemon's pipes; with no daemon (CPU,
     --gpu-sharing timeslice, no MPS) none do, and the launcher's log line says how many are."""
-    from pdserve.cli.gpu_sharing import MpsDaemon
+    from pdserve.cli.mps import MpsDaemon
     from pdserve.cli.stack import StackConfig, describe_devices, plan, workers_per_gpu
 
     mps = MpsDaemon("/bin/true", tmp_path / "mps-pipe", tmp_path / "mps-log")
@@ -139,8 +139,8 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     import os
     import stat
 
-    from pdserve.cli import gpu_sharing
-    from pdserve.cli.gpu_sharing import MpsUnavailable, start_mps, stop_mps
+    from pdserve.cli import mps
+    from pdserve.cli.mps import MpsUnavailable, start_mps, stop_mps
 
     calls = tmp_path / "calls"
     bin_dir = tmp_path / "bin"
@@ -152,8 +152,8 @@ def test_the_stacks_mps_daemon_starts_and_quits_in_its_own_folders(tmp_path, mon
     control.chmod(control.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run_dir = tmp_path / "logs"
-    real_probe = gpu_sharing.probe_client
-    monkeypatch.setattr(gpu_sharing, "probe_client", lambda daemon, gpu: None)  # a client needs the GPU too
+    real_probe = mps.probe_client
+    monkeypatch.setattr(mps, "probe_client", lambda daemon, gpu: None)  # a client needs the GPU too
     daemon = start_mps(run_dir, "0")
     assert daemon.pipe_dir == run_dir / "mps-pipe" and daemon.pipe_dir.is_dir() and daemon.log_dir.is_dir()
     assert stop_mps(daemon) is None
