@@ -112,14 +112,19 @@ def _torch_copy_gbps(nbytes, src_dev, dst_dev, iters) -> float:
     # Filled first so the timed copies measure bandwidth, not first-touch page faults.
     src = torch.ones(nbytes, dtype=torch.uint8, device=src_dev)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=dst_dev)
+    return nbytes / _median_s(lambda: dst.copy_(src), dst.device, iters) / 1e9
+
+
+def _median_s(fn, device, iters: int) -> float:
+    """Median seconds of fn() with the device synchronized around it; one untimed call first."""
     times = []
     for _ in range(iters + 1):
-        _sync(dst.device)
+        _sync(device)
         t = time.perf_counter()
-        dst.copy_(src)
-        _sync(dst.device)
+        fn()
+        _sync(device)
         times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    return statistics.median(times[1:])
 
 
 def descriptor_copies(cases, num_blocks: int, block_bytes: int, src_dev, dst_dev, iters: int) -> dict:
@@ -189,16 +194,7 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, s_ids: list[int], d_ids: li
         with torch.cuda.graph(graph):
             copy_all()
         columns[", CUDA graph"] = graph.replay
-    out = {}
-    for col, fn in columns.items():
-        times = []
-        for _ in range(iters + 1):
-            _sync(dst.device)
-            t = time.perf_counter()
-            fn()
-            _sync(dst.device)
-            times.append(time.perf_counter() - t)
-        out[col] = (len(s_ids) * bb, statistics.median(times[1:]))
+    out = {col: (len(s_ids) * bb, _median_s(fn, dst.device, iters)) for col, fn in columns.items()}
     landed = dst.view(-1, bb)[:, 0].nonzero().flatten().tolist()
     if landed != sorted(d_ids):
         raise RuntimeError(f"the descriptor copies wrote blocks {landed[:8]}..., not {sorted(d_ids)[:8]}...")
