@@ -49,6 +49,7 @@ from pathlib import Path
 
 from pdserve.bench import dataset, disagg_report, handoff_report, serve, serve_metrics, server_metrics
 from pdserve.bench.disagg import UpStack, finish, pack_runs, scratch_dir
+from pdserve.cli.mps import GPU_SHARING
 
 SLO = ("ttft:2000", "itl:25")
 
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
                    "(default 512, smoke 32)")
     p.add_argument("--worker-args", default="", help="more flags for every worker of every stack, aggregated "
                                                      "included (e.g. --async-scheduling)")
-    p.add_argument("--gpu-sharing", default=None, choices=("auto", "mps", "timeslice"),
+    p.add_argument("--gpu-sharing", default=None, choices=GPU_SHARING,
                    help="`pdserve up --gpu-sharing` for every stack (default: up's, auto: MPS where a card is shared)")
     p.add_argument("--warmup", type=int, default=4, help="requests sent (all at once) before a stack's first point")
     p.add_argument("--tcp-high-rate", action="store_true", help="TCP stacks run the high load point too")

@@ -35,7 +35,7 @@ main() {
   if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     for slack in $SLACKS; do
       echo "=== cuda:0 -> cuda:1, eviction slack $slack"
-      timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --cross-gpu --eviction-slack $slack \
+      timeout --kill-after=10 120 $PY -m pdserve.bench.kv_transfer "${KV[@]}" --cross-gpu --eviction-slack $slack \
         --out "$OUT/kv_runs_2gpu_slack$slack.md" 2>&1 | grep -v "NIXL INFO"
     done
   fi
