@@ -16,7 +16,8 @@ Variants:
 - cuBLAS alone: F.linear on the ready activation (the matrix product's own share);
 - fused default: fused_gemv with choose_config's pick (what the engine would launch today);
 - fused best: the fastest of a small config sweep (BLOCK_N x BLOCK_K x SPLIT_K, the norm's
-  two-pass variant, and narrow strips with the prologue as its own launch first: "apart").
+  two-pass variant, narrow strips with the prologue as its own launch first: "apart", and narrow
+  strips over K slices the strip's last program sums: "one-launch").
 "% bw" is the fewest bytes the variant's op must move (weight once, activations in, output out)
 over its time, as a share of the same run's device-to-device copy bandwidth. "chosen" is the
 faster of unfused and fused best; the closing dict is those choices in the form of
@@ -96,6 +97,12 @@ def sweep_configs(quick: bool):
     # The same narrow strips after the prologue's own launch (norm or SiLU·mul shapes only): their
     # programs then skip the per-column prologue work they would each redo for their few rows.
     configs += [GemvConfig(block_n=bn, block_k=bk, split_k=s, separate_prologue=True) for bn, bk, s in narrow]
+    # Narrow strips over K slices summed by each strip's last program (one launch, no reduce
+    # kernel): a layer with few output rows and a long K (a small model's down_proj) gets more
+    # programs, each with fewer K tiles to wait for in turn; fused and with the prologue apart.
+    split_narrow = [(bn, bk, s) for bn in (2, 4, 8) for bk in (512, 1024) for s in (2, 4)]
+    configs += [GemvConfig(block_n=bn, block_k=bk, split_k=s, reduce_in_kernel=True, separate_prologue=apart)
+                for apart in (False, True) for bn, bk, s in split_narrow]
     # The norm's two-pass variant (read x once more for rstd first; only "rms_norm" shapes try it).
     return configs + [GemvConfig(32, 256, 1, one_pass_norm=False), GemvConfig(32, 256, 4, one_pass_norm=False)]
 
@@ -218,7 +225,8 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
             best, best_cfg = us, cfg
     err = check_fused(b)
     cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + (
-        "" if best_cfg.one_pass_norm else " two-pass") + (" apart" if best_cfg.separate_prologue else "")
+        "" if best_cfg.one_pass_norm else " two-pass") + (" apart" if best_cfg.separate_prologue else "") + (
+        " one-launch" if best_cfg.reduce_in_kernel and best_cfg.split_k > 1 else "")
     chosen = f"fused {cfg_s}" if best < unfused else "unfused"
     row = (f"| {s.model} | {s.layer} | {s.n}×{s.k} | {m} | {unfused:.1f} ({pct(unfused, True)}) | "
            f"{cublas:.1f} ({pct(cublas, False)}) | {default:.1f} ({pct(default, True)}) | "
@@ -279,7 +287,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen2.5-0.5b"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
-    ap.add_argument("--full-sweep", action="store_true", help="50 configs per shape instead of 10 (slow: compiles)")
+    ap.add_argument("--full-sweep", action="store_true",
+                    help="the whole BLOCK_N x BLOCK_K x SPLIT_K grid instead of its quick subset (slow: compiles)")
     ap.add_argument("--step", action="store_true", help="time the whole bs=1 decode step, GEMV path off / on")
     ap.add_argument("--out", help="also write the markdown here (rewritten after every shape)")
     args = ap.parse_args()
@@ -320,7 +329,8 @@ def main() -> None:
         if measured:
             table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}"
                                f"{'' if c.one_pass_norm else ', one_pass_norm=False'}"
-                               f"{', separate_prologue=True' if c.separate_prologue else ''})"
+                               f"{', separate_prologue=True' if c.separate_prologue else ''}"
+                               f"{', reduce_in_kernel=True' if c.reduce_in_kernel else ''})"
                                for (p, n, k, m), c in measured.items() if c is not None)
             lost = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): None" for (p, n, k, m), c in measured.items() if c is None)
             text += ("\n\nMEASURED for kernels/fused_gemv.py (a config where the fused GEMV won; None where the "

@@ -26,7 +26,11 @@ BLOCK_N strips to keep every SM streaming, so the K range is cut into SPLIT_K sl
 partial sums go to a [SPLIT_K, M, N] workspace and a second launch adds them (plus the bias) in
 a fixed order: deterministic, no atomics, nothing to zero first. Both launches read only shapes
 on the host and allocate only the output and the workspace, so they can be captured in a CUDA
-graph.
+graph. With `GemvConfig.reduce_in_kernel` the second launch goes: each program stores its partial
+and counts itself in on its strip's counter (an acq_rel atomic, as kernels/paged_decode_attention.py's
+split merge), and the strip's last arrival adds the slices in slice order (the same bits as the
+reduce launch) and resets the counter. At bs=1 a launch costs what a small slice's reads do, so a
+narrow layer can split K without paying a second kernel for it.
 
 A config may also run the prologue apart (`separate_prologue`): the norm or SiLU·mul kernel, then
 the plain GEMV, the unfused path's values with the GEMV's tiles in place of cuBLAS.
@@ -69,6 +73,28 @@ class GemvConfig:
     # values), then the plain GEMV with these tiles: for narrow strips, whose programs would each
     # redo the prologue's per-column work for their few rows.
     separate_prologue: bool = False
+    # split_k > 1: the strip's last program sums the slices (per-strip counters, one launch)
+    # instead of a second reduce launch.
+    reduce_in_kernel: bool = False
+
+
+# int32 zeros the in-kernel split-K reduce counts arrivals in, one per output strip, left zero
+# after every launch. One buffer per device: a device's GEMVs run in stream order (the engine's
+# one compute stream; two streams launching split GEMVs at once would mix their counts).
+MAX_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def strip_counters(device: torch.device) -> torch.Tensor:
+    """The device's counters, made on first use; never during CUDA-graph capture (its address is
+    baked into the graph): DecodeGraphs runs each bucket once before capturing it."""
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_gemv: split-K counters would be allocated during CUDA-graph capture; "
+                               "run the launch once before capturing")
+        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
@@ -120,6 +146,18 @@ MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {
         ('rms_norm', 1152, 896, 8): None,
         ('rms_norm', 9728, 896, 8): None,
         ('silu_mul', 896, 4864, 8): None,
+    },
+    # M = 1 on 2026-12-06 (docs/results/gemv/2026-12-06-h100-one-launch-split.md): the 0.5B
+    # model's o_proj and down_proj take K slices summed in one launch.
+    "NVIDIA H100 80GB HBM3": {
+        ('rms_norm', 1152, 896, 1): GemvConfig(2, 1024, 1),
+        ('none', 896, 896, 1): GemvConfig(2, 1024, 2, reduce_in_kernel=True),
+        ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1),
+        ('silu_mul', 896, 4864, 1): GemvConfig(4, 512, 4, reduce_in_kernel=True),
+        ('rms_norm', 6144, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
+        ('none', 4096, 4096, 1): GemvConfig(2, 1024, 1),
+        ('rms_norm', 28672, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
+        ('silu_mul', 4096, 14336, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
     },
 }
 
@@ -177,11 +215,12 @@ def _apart(x, weight, prologue, bias, norm_weight, eps, residual, cfg: GemvConfi
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, part_ptr, ss_ptr,
+    x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, part_ptr, ss_ptr, counter_ptr,
     M, N, K, eps, K_PER_SPLIT,
     stride_xm, stride_rm, stride_wn, stride_om, stride_nm,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, REDUCE_HERE: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -256,17 +295,45 @@ def _gemv_kernel(
             acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
     out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
-        if PROLOGUE == 1 and not TWO_PASS:
-            acc *= (1.0 / tl.sqrt(ss / K + eps))[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _gemv_epilogue(acc, ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
+                       PROLOGUE == 1 and not TWO_PASS, HAS_BIAS)
     else:
         part = part_ptr + (pid_k * M + rows[:, None]).to(tl.int64) * N + ns[None, :]
         tl.store(part, acc, mask=out_mask)
-        if PROLOGUE == 1 and not TWO_PASS:
-            if pid_n == 0:  # this slice's sums of squares, for the reduce's rstd
+        if REDUCE_HERE:
+            if PROLOGUE == 1 and not TWO_PASS:  # this slice's sums of squares, per strip
+                tl.store(ss_ptr + (pid_n * SPLIT + pid_k) * M + rows, ss, mask=row_ok)
+            # Every thread's stores precede the count (barrier, then the counting thread's
+            # release); the last arrival's acquire makes the strip's SPLIT partials visible.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # slice order: the reduce launch's sum, bit for bit
+                    total += tl.load(part_ptr + (s * M + rows[:, None]).to(tl.int64) * N + ns[None, :],
+                                     mask=out_mask, other=0.0, cache_modifier=".cg")
+                    if PROLOGUE == 1 and not TWO_PASS:
+                        total_ss += tl.load(ss_ptr + (pid_n * SPLIT + s) * M + rows, mask=row_ok, other=0.0,
+                                            cache_modifier=".cg")
+                _gemv_epilogue(total, total_ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
+                               PROLOGUE == 1 and not TWO_PASS, HAS_BIAS)
+                tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        elif PROLOGUE == 1 and not TWO_PASS:
+            if pid_n == 0:  # this slice's sums of squares, for the reduce launch's rstd
                 tl.store(ss_ptr + pid_k * M + rows, ss, mask=row_ok)
+
+
+@triton.jit
+def _gemv_epilogue(acc, ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
+                   NORM_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # The finished fp32 product: times the one-pass norm's rstd, plus the bias, stored in out's dtype.
+    if NORM_SCALE:
+        acc *= (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -355,23 +422,26 @@ def fused_gemv(
     # fp16: x * norm weight could overflow before the scale, so fp16 always normalises first.
     two_pass = prologue == "rms_norm" and (not cfg.one_pass_norm or dt == torch.float16)
     norm_scale = prologue == "rms_norm" and not two_pass and split > 1
-    ss = torch.empty((split, m), dtype=torch.float32, device=device) if norm_scale else part
-    grid = (triton.cdiv(n, cfg.block_n), split)
-    _gemv_kernel[grid](
+    strips = triton.cdiv(n, cfg.block_n)
+    reduce_here = split > 1 and cfg.reduce_in_kernel and strips <= MAX_COUNTERS
+    ss_rows = strips * split if reduce_here else split  # in-kernel: each strip's last program sums its own
+    ss = torch.empty((ss_rows, m), dtype=torch.float32, device=device) if norm_scale else part
+    counters = strip_counters(device) if reduce_here else part
+    _gemv_kernel[(strips, split)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, out, new_res if new_res is not None else out, part, ss,
+        bias if bias is not None else weight, out, new_res if new_res is not None else out, part, ss, counters,
         m, n, k, eps, k_per_split,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         new_res.stride(0) if new_res is not None else 0,
         PROLOGUE=_PROLOGUE_ID[prologue], HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, SPLIT=split, TWO_PASS=two_pass,
+        HAS_BIAS=bias is not None, SPLIT=split, REDUCE_HERE=reduce_here, TWO_PASS=two_pass,
         # The interpreter multiplies bf16 dot operands wrongly (launch.dot_in_f32): fp32 there.
         DOT_F32=interpreting() and dt != torch.float16, PRECISION=dot_precision(dt),
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device),
     )
-    if split > 1:
+    if split > 1 and not reduce_here:
         block = min(triton.next_power_of_2(n), 1024)
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, ss, bias if bias is not None else weight, out, m, n, k, eps, out.stride(0),

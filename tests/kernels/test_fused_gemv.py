@@ -24,6 +24,7 @@ TOL = {**TOL, torch.bfloat16: TOL[torch.bfloat16] if ON_GPU else 2.5e-2}
 SHAPES = [(40, 72), (200, 300)]
 SPLIT2 = GemvConfig(block_n=32, block_k=64, split_k=2)  # two K slices + the reduce launch
 SPLIT3 = GemvConfig(block_n=16, block_k=32, split_k=3)  # 300 = 128 + 128 + 44: a short last slice
+HERE3 = GemvConfig(block_n=16, block_k=32, split_k=3, reduce_in_kernel=True)  # the strip's last program sums
 # The norm's two-pass variant (rstd first, the reference's roundings), unsplit and split.
 TWO_PASS = GemvConfig(block_n=32, block_k=64, one_pass_norm=False)
 TWO_PASS_SPLIT3 = GemvConfig(block_n=16, block_k=32, split_k=3, one_pass_norm=False)
@@ -43,7 +44,8 @@ def _f64(*ts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("config", [None, SPLIT2, TWO_PASS_SPLIT3], ids=["heuristic", "split2", "two-pass-split3"])
+@pytest.mark.parametrize("config", [None, SPLIT2, TWO_PASS_SPLIT3, HERE3],
+                         ids=["heuristic", "split2", "two-pass-split3", "split3-in-kernel"])
 def test_rms_norm_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
     x, w, g = _inputs(m, n, k, dtype)
     res = (torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -58,7 +60,8 @@ def test_rms_norm_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("m", [2, 5])
-@pytest.mark.parametrize("config", [None, SPLIT3, TWO_PASS], ids=["heuristic", "split3", "two-pass"])
+@pytest.mark.parametrize("config", [None, SPLIT3, TWO_PASS, HERE3],
+                         ids=["heuristic", "split3", "two-pass", "in-kernel"])
 def test_rms_norm_gemv_without_residual_with_bias(poison_empty, m, config):
     n, k = 200, 300
     x, w, g = _inputs(m, n, k, torch.float32, seed=1)
@@ -73,7 +76,7 @@ def test_rms_norm_gemv_without_residual_with_bias(poison_empty, m, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 4, 7])  # 4: with bias
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("config", [None, SPLIT3], ids=["heuristic", "split3"])
+@pytest.mark.parametrize("config", [None, SPLIT3, HERE3], ids=["heuristic", "split3", "split3-in-kernel"])
 def test_silu_mul_gemv_matches_reference(poison_empty, dtype, m, n, k, config):
     x, w, g = _inputs(m, n, k, dtype, seed=2, x_cols=2 * k)
     bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if m == 4 else None
@@ -129,6 +132,25 @@ def test_split_k_is_deterministic_and_matches_unsplit():
     c, _ = fused_gemv(x, w, "rms_norm", norm_weight=nw, config=GemvConfig(split_k=1))
     assert torch.equal(a, b)
     assert rel_error(a, c.double()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_in_kernel_reduce_is_the_reduce_launch_bit_for_bit(poison_empty, prologue, m):
+    from pdserve.kernels.fused_gemv import strip_counters
+
+    n, k = 200, 300
+    x, w, g = _inputs(m, n, k, torch.bfloat16, seed=6, x_cols=2 * k if prologue == "silu_mul" else k)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)
+    kw = {"bias": bias}
+    if prologue == "rms_norm":
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(DEVICE)
+    launch, _ = fused_gemv(x, w, prologue, config=SPLIT3, **kw)
+    here = [fused_gemv(x, w, prologue, config=HERE3, **kw)[0] for _ in range(3)]
+    # The slices summed in one order by whichever program came last: the second launch's bits,
+    # on every run; and the strips' counters are zero again for the next launch (or graph replay).
+    assert all(torch.equal(h, launch) for h in here)
+    assert not strip_counters(torch.device(DEVICE)).any()
 
 
 def test_heuristic_splits_narrow_layers_only():

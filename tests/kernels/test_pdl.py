@@ -85,7 +85,8 @@ def _chain(x, residual, w_qkv, w_o, w_gu, w_down, norm_w):
         o, _ = fused_gemv(qkv[:, :w_o.shape[1]].contiguous(), w_o, config=GemvConfig(32, 256, 4))
         h, residual = rms_norm(o, norm_w, 1e-6, residual)
         gu = torch.nn.functional.linear(h, w_gu)
-        x, _ = fused_gemv(silu_and_mul(gu), w_down, config=narrow)
+        # K slices summed by each strip's last program: counters that must read zero on every replay.
+        x, _ = fused_gemv(silu_and_mul(gu), w_down, config=GemvConfig(2, 1024, 2, reduce_in_kernel=True))
         outs += [qkv, o, h, x, residual]
     return torch.cat([t.float().flatten() for t in outs])
 
