@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,7 +33,8 @@ def bucket(rows: int) -> str:
     return ">16384"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
+    """Prints the tables; returns each timed run's steps as (rows launched, seconds)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--prompts", type=int, default=256)
@@ -44,8 +46,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=15, metavar="N",
                     help="then one more run under torch.profiler: the N kernels of most GPU time (0: none)")
-    args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from pdserve.bench.engine import save_tokenizer
     from pdserve.bench.model_shapes import MODELS
@@ -60,8 +62,8 @@ def main() -> None:
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.device(args.device):
-        m = AutoModelForCausalLM.from_config(Qwen2Config(**spec.hf, bos_token_id=1, eos_token_id=2),
-                                             dtype=torch.bfloat16)
+        hf = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
+        m = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
     m.save_pretrained(d)
     save_tokenizer(d)
     del m
@@ -109,8 +111,9 @@ def main() -> None:
     label = args.label or f"fused_gemv={args.fused_gemv}"
     card = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"## {label}: {card}, {args.prompts} prompts {args.prompt_len}/{args.max_tokens}\n")
+    runs = []
     for run in range(args.runs):
-        steps.clear()
+        steps = []
         gc0, cpu0 = sum(s["collections"] for s in gc.get_stats()), time.process_time()
         t0 = time.perf_counter()
         engine.generate(prompts, params)
@@ -135,8 +138,11 @@ def main() -> None:
         slow = sorted(steps, key=lambda x: -x[1])[:5]
         print("\nslowest steps (rows, ms): " + ", ".join(f"({r}, {1e3 * s:.1f})" for r, s in slow) + "\n")
         sys.stdout.flush()
+        runs.append(steps)
     if args.kernels and cuda:
         kernel_table(engine, prompts, params, args.kernels)
+    shutil.rmtree(d, ignore_errors=True)
+    return runs
 
 
 def kernel_table(engine, prompts, params, top: int) -> None:

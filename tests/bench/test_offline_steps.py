@@ -1,0 +1,19 @@
+"""tools/gpu/offline_steps.py on CPU: every timed step is counted with the rows it really ran, so
+the device run's buckets add up (a tiny Llama, a few prompts; timings are not checked)."""
+
+from __future__ import annotations
+
+from tools.gpu import offline_steps
+
+
+def test_steps_carry_every_row_the_engine_ran(capsys):
+    prompts, prompt_len, max_tokens = 3, 16, 3
+    runs = offline_steps.main(["--device", "cpu", "--model", "tiny-llama", "--prompts", str(prompts),
+                               "--prompt-len", str(prompt_len), "--max-tokens", str(max_tokens), "--runs", "2"])
+    assert len(runs) == 2
+    for steps in runs:
+        # Each prompt's tokens once (prefill), then one row per request for each later token.
+        assert sum(rows for rows, _ in steps) == prompts * prompt_len + prompts * (max_tokens - 1)
+        assert all(sec > 0 for _, sec in steps)
+    out = capsys.readouterr().out
+    assert out.count("| rows launched |") == 2 and "process CPU" in out
