@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.bench.host_probe import host_probe_us
 from pdserve.bench.model_shapes import MODELS, ModelSpec
 
 OUT_TOKENS = 128
@@ -333,10 +334,13 @@ class Bench:
             # compilation inside the timed run (see docs/performance.md, v3).
             engine.generate(prompts, params)
             self.sync()
+            probe = host_probe_us()
             t0 = time.perf_counter()
             outs = engine.generate(prompts, params)
             sec = time.perf_counter() - t0
             assert all(len(o) == OUT_TOKENS for o in outs)
+            self.notes.append(f"{spec.name} {name}: host probe {probe:.0f} / {host_probe_us():.0f} µs before / after "
+                              "the timed run (bench/host_probe.py: a slower host makes a small model's run slower)")
             tput = len(prompts) * OUT_TOKENS / sec
             floor = self.offline_floor_s(engine, lengths, weight_bytes, kv_per_token)
             self.add(Row(spec.name, name, "floor: prefill FLOPs / matmul rate + decode bytes / copy BW",

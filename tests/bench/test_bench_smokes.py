@@ -29,6 +29,8 @@ def test_smoke_run_writes_its_table(tmp_path, bench, row):
     out = tmp_path / f"{bench}.md"
     smoke(tmp_path, bench, out, timeout=300)
     assert row in out.read_text()
+    if bench == "engine":  # each offline row's note: the host probe around its timed run
+        assert "host probe" in out.read_text()
 
 
 def test_handoff_smoke_runs_every_stage_and_records_every_point(tmp_path):

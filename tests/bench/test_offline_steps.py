@@ -16,4 +16,12 @@ def test_steps_carry_every_row_the_engine_ran(capsys):
         assert sum(rows for rows, _ in steps) == prompts * prompt_len + prompts * (max_tokens - 1)
         assert all(sec > 0 for _, sec in steps)
     out = capsys.readouterr().out
-    assert out.count("| rows launched |") == 2 and "process CPU" in out
+    assert out.count("| rows launched |") == 2 and "process CPU" in out and "host probe" in out
+
+
+def test_host_probe_times_its_fixed_work():
+    from pdserve.bench.host_probe import _work, host_probe_us
+
+    # The same work every call: a row's block list holds 1 entry for steps 0-14, 2 for 15-30, 3 at 31.
+    assert _work(n=4, steps=32) == 4 * (15 * 1 + 16 * 2 + 1 * 3)
+    assert host_probe_us(repeats=3) > 0

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from pdserve.bench.engine import save_tokenizer
+    from pdserve.bench.host_probe import host_probe_us
     from pdserve.bench.model_shapes import MODELS
     from pdserve.worker.attention.triton_backend import TritonAttentionBackend
     from pdserve.worker.config.engine import EngineConfig
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
     runs = []
     for run in range(args.runs):
         steps = []
+        probe = host_probe_us()
         gc0, cpu0 = sum(s["collections"] for s in gc.get_stats()), time.process_time()
         t0 = time.perf_counter()
         engine.generate(prompts, params)
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
         for r, s in steps:
             per[bucket(r)].append(s)
         print(f"run {run + 1}: {wall:.3f} s, {args.prompts * args.max_tokens / wall:.0f} tok/s, {len(steps)} steps, "
-              f"process CPU {cpu / wall:.2f} s/s, "
-              f"{gcs} GC passes\n")
+              f"process CPU {cpu / wall:.2f} s/s, {gcs} GC passes, host probe {probe:.0f} / {host_probe_us():.0f} µs "
+              "before / after\n")
         print("| rows launched | steps | total ms | median ms | max ms |\n| --- | ---: | ---: | ---: | ---: |")
         for lo, hi in BUCKETS:
             k = f"{lo}" if lo == hi else f"{lo}-{hi}"
