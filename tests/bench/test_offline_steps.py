@@ -17,6 +17,7 @@ def test_steps_carry_every_row_the_engine_ran(capsys):
         assert all(sec > 0 for _, sec in steps)
     out = capsys.readouterr().out
     assert out.count("| rows launched |") == 2 and "process CPU" in out and "host probe" in out
+    assert "under cProfile" in out and "| step (" in out  # the host profile names the engine's step
 
 
 def test_host_probe_times_its_fixed_work():

@@ -6,8 +6,12 @@ the card's GEMV table although its decode batches are wider than the GEMV's 8 ro
 bench/engine.py's offline 1024/128 scenario (random bf16 weights in the real configuration, the same
 engine settings and prompts), warmed up once, then timed `--runs` times. Every `engine.step()` is
 timed on the host, with the rows of the forward(s) it launched (0: a step that launched none, e.g.
-the async engine's last collect); the table sums the steps per bucket of rows. Run from a link farm
-(tools/gpu/lib.sh's) for each tree to compare: the same buckets side by side say which steps moved.
+the async engine's last collect); the table sums the steps per bucket of rows. Then one more run
+under torch.profiler (GPU time per kernel: is the GPU's work the same?) and one under cProfile (host
+time per Python function, per step). Each run line also gives the process's CPU seconds per wall
+second, its GC passes and bench/host_probe.py's reading before and after (which host speed it got).
+Run from a link farm (tools/gpu/lib.sh's) for each tree to compare: the same buckets side by side
+say which steps moved.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=15, metavar="N",
                     help="then one more run under torch.profiler: the N kernels of most GPU time (0: none)")
+    ap.add_argument("--host-functions", type=int, default=20, metavar="N",
+                    help="then one more run under cProfile: the N functions of most host time per step (0: none)")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -141,8 +147,11 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
         print("\nslowest steps (rows, ms): " + ", ".join(f"({r}, {1e3 * s:.1f})" for r, s in slow) + "\n")
         sys.stdout.flush()
         runs.append(steps)
+    steps = []  # the profiled runs below step into a list of their own, not the last timed run's
     if args.kernels and cuda:
         kernel_table(engine, prompts, params, args.kernels)
+    if args.host_functions:
+        host_table(engine, prompts, params, args.host_functions, sync)
     shutil.rmtree(d, ignore_errors=True)
     return runs
 
@@ -163,6 +172,37 @@ def kernel_table(engine, prompts, params, top: int) -> None:
     for e in ks[:top]:
         print(f"| {e.key[:80]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | "
               f"{e.self_device_time_total / max(e.count, 1):.1f} |")
+    print()
+
+
+def host_table(engine, prompts, params, top: int, sync) -> None:
+    """One more run under cProfile: the host's time per Python function (own time, µs per step),
+    the `top` largest. cProfile slows Python ~2x: read the shares, not the totals."""
+    import cProfile
+    import pstats
+
+    steps = [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, params)
+    sync()
+    prof.disable()
+    engine.step = step
+    stats = pstats.Stats(prof).stats
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(((v[2], v[1], k) for k, v in stats.items()), reverse=True)[:top]
+    print(f"under cProfile: {1e6 * total / steps[0]:.0f} µs of host time per step ({steps[0]} steps)\n")
+    print("| function | calls/step | own µs/step | share |\n| --- | ---: | ---: | ---: |")
+    for own, calls, (path, line, name) in rows:
+        where = f"{'/'.join(path.split('/')[-2:])}:{line}" if line else path
+        print(f"| {name} ({where}) | {calls / steps[0]:.1f} | {1e6 * own / steps[0]:.1f} | {100 * own / total:.0f}% |")
     print()
 
 
