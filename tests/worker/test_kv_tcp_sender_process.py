@@ -92,7 +92,11 @@ def test_a_cancelled_prefill_ends_the_childs_read_and_frees_the_pin(prefill):
     read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
     assert wait_until(lambda: torch.equal(cache[:4], prefill.cache[10:14]))
     prefill.pins.cancel("c")  # the snapshot saying so reaches the child, whose senders stop
-    with pytest.raises(side_channel.SideChannelError, match="without 16 of its 20 blocks|data transfer failed"):
+    # The read fails whichever way the cancel meets it: the streams end short, a stream's transfer
+    # breaks off, or (several streams) one whose hello arrives after the cancel is refused, its
+    # ticket gone with the pin: on a loaded machine that stream may still be connecting here.
+    with pytest.raises(side_channel.SideChannelError,
+                       match="without 16 of its 20 blocks|data transfer failed|refused the data connection"):
         read.result()
     read.stop()
     assert prefill.tcp.data.wait_idle(10)

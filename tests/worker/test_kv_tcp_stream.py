@@ -347,7 +347,10 @@ def test_a_stream_read_of_a_cancelled_prefill_fails_and_frees_both_sides(prefill
     read = start_stream_read(prefill, params, list(range(20)), list(range(20)), cache)
     assert wait_until(lambda: torch.equal(cache[:4], prefill.cache[10:14]))
     prefill.pins.cancel("c")  # the prefill was aborted: its other blocks will never be computed
-    with pytest.raises(side_channel.SideChannelError, match="without 16 of its 20 blocks|data transfer failed"):
+    # Any of the ways the cancel meets the read: short streams, a broken transfer, or a stream whose
+    # hello lands after the cancel refused (its ticket went with the pin; a loaded machine's race).
+    with pytest.raises(side_channel.SideChannelError,
+                       match="without 16 of its 20 blocks|data transfer failed|refused the data connection"):
         read.result()
     read.stop()
     assert prefill.tcp.data.wait_idle(10) and tcp_stream.receive_pool(False).in_use == 0
