@@ -46,6 +46,22 @@ if whl:
 EOF
 }
 
+# tree_farm TREE FARM: FARM/pdserve/ linked over a tree's top-level folders (those it has), so that
+# PYTHONPATH=FARM imports that tree as pdserve. TREE: a folder (relative ones from the repo root) or a
+# gzipped `git archive` of one (an older tree carried for an A/B), unpacked into FARM/tree first.
+tree_farm() {
+  local tree=$1 farm=$2 d
+  [[ "$tree" == /* ]] || tree=$REPO/$tree
+  rm -rf "$farm" && mkdir -p "$farm/pdserve" || return 1
+  if [[ "$tree" == *.tar.gz ]]; then
+    mkdir -p "$farm/tree" && tar -xzf "$tree" -C "$farm/tree" || { echo "cannot unpack $tree" >&2; return 1; }
+    tree=$farm/tree
+  fi
+  for d in worker kernels bench protocol router cli; do
+    if [ -d "$tree/$d" ]; then ln -s "$tree/$d" "$farm/pdserve/$d"; fi
+  done
+}
+
 gpu_deps() {  # gpu_deps MODULE:WHEEL...: the modules importable, pdserve's link farm on PYTHONPATH
   PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps}
   rm -rf "$PDSERVE_DEPS" && mkdir -p "$PDSERVE_DEPS"
@@ -69,9 +85,7 @@ gpu_deps() {  # gpu_deps MODULE:WHEEL...: the modules importable, pdserve's link
   fi
   echo "gpu_deps: installed from carried wheels: ${wheels[*]:-none}" >&2
   local pd=${PDSERVE_PATH:-/tmp/pdserve-path}  # one per script when several run at once
-  rm -rf "$pd" && mkdir -p "$pd/pdserve"
-  local d
-  for d in worker kernels bench protocol router cli; do ln -s "$PWD/$d" "$pd/pdserve/$d"; done
+  tree_farm "$PWD" "$pd" || return 1
   export PYTHONPATH="$pd:$PDSERVE_DEPS${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1
   # The tiny test checkpoints take the default model's tokenizer from here (its package is too large to carry).

@@ -20,21 +20,9 @@ gpu_begin offline_ab engine || exit 1
 main() {
   cd /tmp
   local args=(--models qwen2.5-0.5b --decode-inputs 128 --offline 1024 --no-hf --no-eager)
-  local d round tree i
+  local round tree i
   local trees=($OLD_TREE)
-  for i in "${!trees[@]}"; do  # one farm a tree: pdserve/ over its folders (those it has)
-    if [[ "${trees[$i]}" == *.tar.gz ]]; then  # an archive: unpacked here, then a folder like the others
-      rm -rf "/tmp/gpu-old-tree$i" && mkdir -p "/tmp/gpu-old-tree$i" \
-        && tar -xzf "$REPO/${trees[$i]}" -C "/tmp/gpu-old-tree$i" || { echo "cannot unpack ${trees[$i]}"; return 1; }
-      trees[$i]=/tmp/gpu-old-tree$i
-    fi
-    rm -rf /tmp/pdserve-old$i && mkdir -p /tmp/pdserve-old$i/pdserve
-    for d in worker kernels bench protocol router cli; do
-      local dir=${trees[$i]}
-      [[ "$dir" == /* ]] || dir=$REPO/$dir
-      [ -d "$dir/$d" ] && ln -s "$dir/$d" "/tmp/pdserve-old$i/pdserve/$d"
-    done
-  done
+  for i in "${!trees[@]}"; do tree_farm "${trees[$i]}" /tmp/pdserve-old$i || return 1; done
   for round in ${ROUNDS:-a b}; do
     [ "${NEW_PDL0:-1}" = 0 ] || PDSERVE_PDL=0 step "new, PDL off ($round)" 80 $PY -m pdserve.bench.engine \
       "${args[@]}" --out "$OUT/engine-new-pdl0-$round.md" 2>&1 | grep -v " INFO "

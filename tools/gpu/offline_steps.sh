@@ -13,12 +13,7 @@ set -u
 source tools/gpu/lib.sh
 gpu_begin offline_steps engine || exit 1
 main() {
-  rm -rf /tmp/offline-steps-old && mkdir -p /tmp/offline-steps-old/tree /tmp/offline-steps-old/farm/pdserve
-  tar -xzf "$REPO/$OLD_TREE" -C /tmp/offline-steps-old/tree || { echo "cannot unpack $OLD_TREE"; return 1; }
-  local d
-  for d in worker kernels bench protocol router cli; do
-    [ -d /tmp/offline-steps-old/tree/$d ] && ln -s /tmp/offline-steps-old/tree/$d /tmp/offline-steps-old/farm/pdserve/$d
-  done
+  tree_farm "$OLD_TREE" /tmp/offline-steps-old || return 1
   cd /tmp
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader -lms 200 > "$OUT/clocks.csv" 2>&1 &
@@ -29,7 +24,7 @@ main() {
     > "$OUT/new-gemv-off.md"
   phase "new"
   step "new" 100 $PY "$REPO/tools/gpu/offline_steps.py" --label "this tree" > "$OUT/new.md"
-  PYTHONPATH=/tmp/offline-steps-old/farm:$PDSERVE_DEPS step "old" 100 $PY "$REPO/tools/gpu/offline_steps.py" \
+  PYTHONPATH=/tmp/offline-steps-old:$PDSERVE_DEPS step "old" 100 $PY "$REPO/tools/gpu/offline_steps.py" \
     --label "$OLD_TREE" > "$OUT/old.md"
   phase "end"
   kill $smi

@@ -30,13 +30,12 @@ main() {
     step "0.5B, async scheduling $mode" 100 $PY -m pdserve.bench.engine "${args[@]}" --async-scheduling $mode \
       --profile-dir "$OUT/prof-$mode" --out "$OUT/engine-$mode.md" 2>&1 | grep -v " INFO "
   done
-  local name tree extra farm d
+  local name tree extra farm
   for name in old base-off; do
     if [ $name = old ]; then tree=${OLD_TREE:-} extra=(); else tree=${BASE_TREE:-} extra=(--async-scheduling off); fi
     [ -n "$tree" ] || continue
     farm=/tmp/pdserve-$name
-    rm -rf $farm && mkdir -p $farm/pdserve "$OUT/prof-$name"
-    for d in worker kernels bench protocol router cli; do ln -s "$REPO/$tree/$d" "$farm/pdserve/$d"; done
+    tree_farm "$tree" $farm && mkdir -p "$OUT/prof-$name" || continue
     PYTHONPATH=$farm:$PDSERVE_DEPS step "0.5B, $tree ${extra[*]}" 100 $PY -m pdserve.bench.engine "${args[@]}" \
       "${extra[@]}" --profile-dir "$OUT/prof-$name" --out "$OUT/engine-$name.md" 2>&1 | grep -v " INFO "
   done
