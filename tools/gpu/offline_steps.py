@@ -22,7 +22,6 @@ import gc
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -53,29 +52,17 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
     ap.add_argument("--host-functions", type=int, default=20, metavar="N",
                     help="then one more run under cProfile: the N functions of most host time per step (0: none)")
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    from pdserve.bench.engine import save_tokenizer
     from pdserve.bench.host_probe import host_probe_us
     from pdserve.bench.model_shapes import MODELS
+    from pdserve.bench.tp import write_checkpoint
     from pdserve.worker.attention.triton_backend import TritonAttentionBackend
     from pdserve.worker.config.engine import EngineConfig
     from pdserve.worker.engine.llm_engine import LLMEngine
     from pdserve.worker.request.sampling_params import SamplingParams
 
-    spec = MODELS[args.model]
-    d = tempfile.mkdtemp(prefix="offline-steps-")
-    torch.manual_seed(0)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with torch.device(args.device):
-        hf = (LlamaConfig if spec.arch == "llama" else Qwen2Config)(**spec.hf, bos_token_id=1, eos_token_id=2)
-        m = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
-    m.save_pretrained(d)
-    save_tokenizer(d)
-    del m
-    if cuda:
-        torch.cuda.empty_cache()
+    d = write_checkpoint(MODELS[args.model], args.device)  # random weights in the model's real configuration
     TritonAttentionBackend.fused_gemv = {"default": None, "on": True, "off": False}[args.fused_gemv]
     engine = LLMEngine(EngineConfig(model=d, device=args.device, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
                                     max_num_batched_tokens=16384, enable_prefix_caching=False,
