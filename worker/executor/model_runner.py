@@ -354,8 +354,8 @@ class ModelRunner:
         # The sampler's buffers; under TP the full-vocabulary logits all-gathered from every rank
         # (every rank profiles, so the collectives match).
         logits = self._project(rows)
-        if logits is not None:
-            logits.log_softmax(-1).argmax(-1).tolist()
+        if logits is not None:  # as the sampler holds them: an fp32 copy, then its log-softmax
+            logits.float().log_softmax(-1).argmax(-1).tolist()
         torch.cuda.synchronize(self.device)
         del logits
         peak = (
@@ -509,7 +509,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous: torch.Tensor | None = None,
                 layer_clock: LayerClock | None = None, waited: bool = False) -> torch.Tensor | None:
-        """Run one step's forward -> logits [S, V] fp32 of plan.logits_idx's rows (None when no
+        """Run one step's forward -> logits [S, V] of plan.logits_idx's rows (None when no
         row samples; on ranks >= 1 of a tensor-parallel worker, always None: rank 0 samples).
         `previous`: the last step's sampled token ids on the device, for plan.from_previous.
         `layer_clock`: told as each decoder layer's KV is written (a streamed prefill's chunk;
@@ -617,7 +617,8 @@ class ModelRunner:
         ids.index_copy_(0, dst, previous.index_select(0, src))
 
     def _project(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """Hidden rows -> full-vocabulary fp32 logits (gathered to rank 0 under TP; None elsewhere)."""
+        """Hidden rows -> full-vocabulary logits (the model's dtype at TP = 1, fp32 gathered to rank 0
+        under TP; None elsewhere)."""
         return self.model.compute_logits(rows)
 
     def run(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict[str, TokenLogprob]]:

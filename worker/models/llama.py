@@ -446,8 +446,8 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
-        """Hidden rows -> fp32 logits of the full vocabulary (gathered to rank 0 under TP; None
-        on the other ranks)."""
+        """Hidden rows -> logits of the full vocabulary (parallel/layers.logits: the weight's dtype
+        at TP = 1, fp32 gathered to rank 0 under TP; None on the other ranks)."""
         if self.packed_head is not None and self.shard.size == 1:
             return packed_linear(h, self.packed_head, None).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -229,12 +229,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def logits(h: torch.Tensor, weight: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
-    """Hidden rows [S, D] -> fp32 logits [S, V] of the full vocabulary on rank 0 (None on the
-    other ranks). `weight` is the rank's [V/N, D] rows (the lm_head's or the tied embedding's)."""
-    local = (h @ weight.t()).float()
+    """Hidden rows [S, D] -> logits [S, V] of the full vocabulary on rank 0 (None on the other
+    ranks): in the projection's dtype at TP = 1 (the sampler upcasts what it modifies; a plain
+    greedy step's argmax reads them as they are, as of their fp32 copy: the same values), fp32
+    under TP (gathered). `weight` is the rank's [V/N, D] rows (the lm_head's or the tied embedding's)."""
+    local = h @ weight.t()
     if shard.size == 1:
         return local
-    return gather_logits(local, shard)
+    return gather_logits(local.float(), shard)
 
 
 def gather_logits(local: torch.Tensor, shard: TPShard) -> torch.Tensor | None:

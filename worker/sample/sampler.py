@@ -36,7 +36,7 @@ def position_generator(seed: int, index: int) -> torch.Generator:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [S, V] fp32, one row per request that samples this step."""
+        """logits: [S, V] (any float dtype: upcast to fp32 first), one row per request that samples this step."""
         tokens, logprobs = self.sample(logits, reqs)
         return tokens.tolist(), logprobs if logprobs is not None else [None] * len(reqs)
 
