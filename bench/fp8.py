@@ -454,23 +454,30 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
     ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
                     "default: kernels/fp8_gemv_configs.py")
-    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused"),
+    ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused", "tiles"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
                          "per-channel and the Triton block GEMM; with speed it also adds an engine row for "
                          "block-128 on the Triton GEMM alone (tools/gpu/fp8.sh blockwise runs both). "
                          "fused: the engines only, each FP8 format with the activation quantization fused "
-                         "into the norm / SiLU·mul off, then on (tools/gpu/fp8.sh fused)")
+                         "into the norm / SiLU·mul off, then on (tools/gpu/fp8.sh fused). "
+                         "tiles: the engines only, each FP8 format with fp8_gemv's rule tiles, then the "
+                         "--gemv-configs table with each split's sum as a second launch, then as given "
+                         "(tools/gpu/fp8.sh tiles)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
-    if args.gemv_configs:
-        from pdserve.kernels.fp8_gemv import use_configs
+    from pdserve.kernels.fp8_gemv import use_configs
 
+    measured = None
+    if args.gemv_configs:
         with open(args.gemv_configs) as f:
-            use_configs(json.load(f))
+            measured = json.load(f)
+        use_configs(measured)
+    elif "tiles" in args.only:
+        ap.error("--only tiles compares fp8_gemv tables: it needs --gemv-configs")
     hf = TINY if args.smoke else LLAMA_8B
     args.decode_input, args.decode_steps = (16, 8) if args.smoke else (128, 128)
     args.offline_input, args.offline_output = (64, 8) if args.smoke else (1024, 128)
@@ -566,7 +573,7 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 notes.append(f"blockwise GEMM table: FAILED: {type(e).__name__}: {e}")
             print(report(), flush=True)
-        if "speed" in args.only or "fused" in args.only:
+        if {"speed", "fused", "tiles"} & set(args.only):
             t0 = time.perf_counter()
             bf16 = write_bf16(hf, hf["num_hidden_layers"], args.device, os.path.join(work, "bf16"))
             t1 = time.perf_counter()
@@ -581,7 +588,18 @@ def main(argv=None) -> int:
             if "fused" in args.only:  # each FP8 format with the fused activation quantization off, then on
                 variants = [variants[0]] + [(f"{name}, fused quant {'on' if on else 'off'}", p, q, sm, on)
                                             for name, p, q, sm, _ in variants[1:] for on in (False, True)]
+            tables = {}  # variant -> the fp8_gemv table its engine runs with
+            if "tiles" in args.only:  # each FP8 format with the rule's tiles, the table in two launches, as given
+                two_launch = {card: {key: {o: v for o, v in cfg.items() if o != "REDUCE_IN_KERNEL"}
+                                     for key, cfg in table.items()} for card, table in measured.items()}
+                labelled = (("rule tiles", {}), ("measured tiles, split-K sum in a second launch", two_launch),
+                            ("measured tiles", measured))
+                tables = {f"{name}, {label}": t for name, *_ in variants[1:] for label, t in labelled}
+                variants = [variants[0]] + [(f"{name}, {label}", p, q, sm, fq) for name, p, q, sm, fq in variants[1:]
+                                            for label, _ in labelled]
             for variant, path, quant, block_sm, fused_quant in variants:
+                if variant in tables:
+                    use_configs(tables[variant])
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant)
                     speed_rows.append(r)

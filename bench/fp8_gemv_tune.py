@@ -44,7 +44,12 @@ def sweep(blocked: bool, m: int = 1) -> list[dict]:
         # H200 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md). Group scales cap a step at 128.
         narrow = (64, 128) if blocked else (512, 1024)
         tiles += list(itertools.product((2, 4, 8), narrow, (1, 2)))
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3) for bn, bk, s in tiles]
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3) for bn, bk, s in tiles]
+    if m == 1:
+        # At bs=1 the second launch that sums a split's slices costs about what a slice's reads do:
+        # each split tile also with the slices summed by the strip's last program (one launch).
+        configs += [dict(c, REDUCE_IN_KERNEL=True) for c in configs if c["SPLIT_K"] > 1]
+    return configs
 
 
 def graph_us(make, copies: int, reps: int = 4) -> float:
@@ -73,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["channel", "block"], choices=["channel", "block"],
                     help="the scale formats to tune (DeepSeek's checkpoints are block FP8 only)")
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 8], choices=[1, 8],
+                    help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
     args = ap.parse_args(argv)
@@ -94,8 +101,9 @@ def main(argv=None) -> int:
         f"fp8_gemv tiles, {card}, triton {triton.__version__}, {datetime.date.today()}, copy bandwidth "
         f"{bw / 1e9:.0f} GB/s. us: GPU time per call in a CUDA graph, weights rotated past L2 (do_bench medians); GB/s: the FP8 weight's bytes / time.",  # noqa: E501
         "",
-        "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
+        "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) "
+        "| best with a second launch for the split-K sum |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     table: dict[str, dict] = {}
     for shape in args.shapes:
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
             quantizers = {"channel": lambda w: (*quantize_fp8_rows_ref(w), None),
                           "block": lambda w: (*quantize_fp8_blocks_ref(w), 128)}
             formats = {fmt: [quantizers[fmt](w) for w in ws] for fmt in args.formats}
-            for (fmt, quantized), m in itertools.product(formats.items(), (1, 8)):
+            for (fmt, quantized), m in itertools.product(formats.items(), args.m):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 rows = quantized[0][2]
                 blocked = rows is not None
@@ -115,6 +123,7 @@ def main(argv=None) -> int:
                 t_bf16 = us(lambda i: lambda: F.linear(x, ws[i]))
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
+                two_launch = best[0]  # the best whose split (if any) is summed by _sum_splits_kernel
                 for cfg in sweep(blocked, m):
                     try:
                         t = us(lambda i, c=cfg: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows, config=c))
@@ -122,13 +131,15 @@ def main(argv=None) -> int:
                         print(f"{name} {fmt} M={m} {cfg}: {type(e).__name__}: {e}"[:200], flush=True)
                         continue
                     best = min(best, (t, cfg), key=lambda b: b[0])
+                    if not cfg.get("REDUCE_IN_KERNEL"):
+                        two_launch = min(two_launch, t)
                 table[g.config_key(n, k, blocked, m)] = best[1]
                 gbs = n * k / (best[0] * 1e-6) / 1e9
                 tiles = " ".join(
                     f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items()
                 )
                 lines.append(f"| {shape} | {name} {n}x{k} | {fmt} | {m} | {t_bf16:.1f} | {t_default:.1f} | {tiles} | "
-                             f"{best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) |")
+                             f"{best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {two_launch:.1f} |")
                 print(lines[-1], flush=True)
             del ws, formats
             torch.cuda.empty_cache()

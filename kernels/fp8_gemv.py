@@ -11,8 +11,10 @@ and the same values the CPU's dequantizing path computes).
 
 Grid (cdiv(N, BLOCK_N), SPLIT_K): a program streams BLOCK_N rows of W over one K range. With
 few rows (N = 4096 at 32 rows is 128 programs on a 132-SM card) one pass per row block leaves
-the memory system idle between loads, so K is split and the fp32 partial sums are added by a
-second small kernel in a fixed order (no atomics: the same bits on every run). M = 1 multiplies
+the memory system idle between loads, so K is split and the fp32 partial sums are added in a
+fixed order (the same bits on every run): by a second small kernel, or, with REDUCE_IN_KERNEL, by
+each strip's last slice program (a per-strip arrival counter, as kernels/fused_gemv.py; at bs=1
+the second launch costs about what a slice's reads do). M = 1 multiplies
 and sums in registers; M > 1 pads M to 16 for a tensor-core dot (compute is free here; the
 loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
 128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128).
@@ -27,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
+from pdserve.kernels.launch import (FLOAT_DTYPES, MAX_COUNTERS, check_devices, check_tensor, dot_in_f32, dot_precision,
+                                   num_sms, strip_counters)
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -37,9 +40,9 @@ GROUP_K = 128
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_os,
-                     stride_om,
-                     BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, K_SPLIT, SPLITS, stride_xm,
+                     stride_wn, stride_sn, stride_os, stride_om, stride_fm,
+                     REDUCE_HERE: tl.constexpr, BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -90,6 +93,27 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, 
     else:
         tl.store(out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(offs_m < M)[:, None] & mask_n[None, :])
+    if REDUCE_HERE:
+        # The strip's last slice to arrive sums the partials in slice order (_sum_splits_kernel's
+        # bits) into final_ptr and zeroes the counter: as fused_gemv's reduce_in_kernel. The
+        # barrier orders every thread's partial store before the counting thread's release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            if ONE_ROW:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s_i in range(SPLITS):
+                    total += tl.load(out_ptr + s_i * stride_os + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + offs_n, total.to(final_ptr.dtype.element_ty), mask=mask_n)
+            else:
+                parts = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+                ok = (offs_m < M)[:, None] & mask_n[None, :]
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s_i in range(SPLITS):
+                    total += tl.load(parts + s_i * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + offs_m[:, None] * stride_fm + offs_n[None, :],
+                         total.to(final_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -157,7 +181,8 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     """x [M <= 16, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
     w_scale: per output channel ([N] or [1, N]) when scale_rows is None; else 128-column group
     scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1).
-    `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages (default: choose_config)."""
+    `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages and optionally REDUCE_IN_KERNEL (with
+    SPLIT_K > 1: the strip's last slice adds the partials, no second launch) (default: choose_config)."""
     fn = "fp8_gemv"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     m, k = x.shape
@@ -182,19 +207,24 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         return out
     cfg = dict(config or choose_config(x, n, k, blocked))
     bn, bk, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K", 1)
+    reduce_in_kernel = cfg.pop("REDUCE_IN_KERNEL", False)
     if blocked and GROUP_K % bk:
         raise ValueError(f"{fn}: BLOCK_K must divide {GROUP_K} for group scales, got {bk}")
     # Each split covers a whole number of BLOCK_K steps, so a step never straddles a scale group.
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
+    strips = triton.cdiv(n, bn)
+    reduce_here = split > 1 and reduce_in_kernel and strips <= MAX_COUNTERS
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
-        x, w8, w_scale, dst, m, n, k, k_split, x.stride(0), w8.stride(0), w_scale.stride(0) if blocked else 0,
-        dst.stride(0) if split > 1 else 0, dst.stride(-2),
-        BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K, DOT_F32=dot_in_f32(x.dtype),
-        PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, **cfg,
+    counters = strip_counters(x.device) if reduce_here else dst
+    _fp8_gemv_kernel[(strips, split)](
+        x, w8, w_scale, dst, out, counters, m, n, k, k_split, split, x.stride(0), w8.stride(0),
+        w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
+        REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
+        DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn,
+        BLOCK_K=bk, **cfg,
         **pdl_args(x.device))
-    if split > 1:
+    if split > 1 and not reduce_here:
         size = m * n
         _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024, **pdl_args(dst.device))
     return out

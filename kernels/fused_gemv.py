@@ -51,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_precision, interpreting, num_sms
+from pdserve.kernels.launch import (FLOAT_DTYPES, MAX_COUNTERS, check_devices, check_tensor, dot_precision,
+                                   interpreting, num_sms, strip_counters)
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.silu_and_mul import silu_and_mul
@@ -76,25 +77,6 @@ class GemvConfig:
     # split_k > 1: the strip's last program sums the slices (per-strip counters, one launch)
     # instead of a second reduce launch.
     reduce_in_kernel: bool = False
-
-
-# int32 zeros the in-kernel split-K reduce counts arrivals in, one per output strip, left zero
-# after every launch. One buffer per device: a device's GEMVs run in stream order (the engine's
-# one compute stream; two streams launching split GEMVs at once would mix their counts).
-MAX_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def strip_counters(device: torch.device) -> torch.Tensor:
-    """The device's counters, made on first use; never during CUDA-graph capture (its address is
-    baked into the graph): DecodeGraphs runs each bucket once before capturing it."""
-    buf = _counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_gemv: split-K counters would be allocated during CUDA-graph capture; "
-                               "run the launch once before capturing")
-        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return buf
 
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the

@@ -174,6 +174,29 @@ def test_fp8_gemv_matches_reference(poison_empty, dtype, m, n, k, scale_rows):
         assert rel_error(fp8_gemv(x, w8, scale, scale_rows, config=cfg), ref) < tol
 
 
+@pytest.mark.parametrize("m,n,k,scale_rows", [(1, 40, 300, None), (5, 64, 256, None), (1, 100, 384, 128),
+                                              (7, 100, 256, 1)])
+def test_fp8_gemv_in_kernel_reduce_is_the_second_launch_bit_for_bit(poison_empty, m, n, k, scale_rows):
+    from pdserve.kernels.fp8_gemv import fp8_gemv
+    from pdserve.kernels.launch import strip_counters
+
+    torch.manual_seed(1)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    w8 = (torch.randn(n, k, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+    if scale_rows is None:
+        scale = torch.rand(n, device=DEVICE) * 0.01 + 1e-3
+    else:
+        scale = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) * 0.01 + 1e-3
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2)
+    launch = fp8_gemv(x, w8, scale, scale_rows, config=cfg)
+    here = [fp8_gemv(x, w8, scale, scale_rows, config=dict(cfg, REDUCE_IN_KERNEL=True)) for _ in range(3)]
+    # Whichever slice program comes last adds the slices in slice order: the second launch's
+    # bits on every run, and every strip's counter is back at zero for the next launch.
+    assert all(torch.equal(h, launch) for h in here)
+    assert not strip_counters(x.device).any()
+    assert rel_error(launch, fp8_gemv_ref(x.double(), w8, scale, scale_rows)) < 1e-2
+
+
 def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():
     from pdserve.kernels import fp8_gemv as g
 
