@@ -462,7 +462,7 @@ def main(argv=None) -> int:
                          "fused: the engines only, each FP8 format with the activation quantization fused "
                          "into the norm / SiLU·mul off, then on (tools/gpu/fp8.sh fused). "
                          "tiles: the engines only, each FP8 format with fp8_gemv's rule tiles, then the "
-                         "--gemv-configs table with each split's sum as a second launch, then as given "
+                         "--gemv-configs table without its one-launch sums and early weight loads, then as given "
                          "(tools/gpu/fp8.sh tiles)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
@@ -590,9 +590,9 @@ def main(argv=None) -> int:
                                             for name, p, q, sm, _ in variants[1:] for on in (False, True)]
             tables = {}  # variant -> the fp8_gemv table its engine runs with
             if "tiles" in args.only:  # each FP8 format with the rule's tiles, the table in two launches, as given
-                two_launch = {card: {key: {o: v for o, v in cfg.items() if o != "REDUCE_IN_KERNEL"}
-                                     for key, cfg in table.items()} for card, table in measured.items()}
-                labelled = (("rule tiles", {}), ("measured tiles, split-K sum in a second launch", two_launch),
+                plain = {card: {key: {o: v for o, v in cfg.items() if o not in ("REDUCE_IN_KERNEL", "EARLY_W")}
+                                for key, cfg in table.items()} for card, table in measured.items()}
+                labelled = (("rule tiles", {}), ("measured tiles, no one-launch sum, no early weight load", plain),
                             ("measured tiles", measured))
                 tables = {f"{name}, {label}": t for name, *_ in variants[1:] for label, t in labelled}
                 variants = [variants[0]] + [(f"{name}, {label}", p, q, sm, fq) for name, p, q, sm, fq in variants[1:]

@@ -46,9 +46,18 @@ def sweep(blocked: bool, m: int = 1) -> list[dict]:
         tiles += list(itertools.product((2, 4, 8), narrow, (1, 2)))
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3) for bn, bk, s in tiles]
     if m == 1:
+        # Narrow strips are few elements per thread at 4 warps: other warp counts and deeper
+        # pipelines for them (the H100's first table had every best at 4 warps / 3 stages, the only
+        # ones tried).
+        configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=st)
+                    for bn, bk, s in itertools.product((2, 4, 8), narrow, (1, 2))
+                    for w, st in ((2, 3), (8, 3), (4, 4), (4, 6))]
+    if m == 1:
         # At bs=1 the second launch that sums a split's slices costs about what a slice's reads do:
         # each split tile also with the slices summed by the strip's last program (one launch).
         configs += [dict(c, REDUCE_IN_KERNEL=True) for c in configs if c["SPLIT_K"] > 1]
+        # And each with its first weight tile loaded before the PDL wait (overlapping the kernel before).
+        configs += [dict(c, EARLY_W=True) for c in configs]
     return configs
 
 
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
         f"{bw / 1e9:.0f} GB/s. us: GPU time per call in a CUDA graph, weights rotated past L2 (do_bench medians); GB/s: the FP8 weight's bytes / time.",  # noqa: E501
         "",
         "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) "
-        "| best with a second launch for the split-K sum |",
+        "| best without the one-launch sum or the early weight load |",
         "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     table: dict[str, dict] = {}
@@ -123,7 +132,7 @@ def main(argv=None) -> int:
                 t_bf16 = us(lambda i: lambda: F.linear(x, ws[i]))
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
-                two_launch = best[0]  # the best whose split (if any) is summed by _sum_splits_kernel
+                two_launch = best[0]  # the best without the one-launch sum and the early weight load
                 for cfg in sweep(blocked, m):
                     try:
                         t = us(lambda i, c=cfg: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows, config=c))
@@ -131,7 +140,7 @@ def main(argv=None) -> int:
                         print(f"{name} {fmt} M={m} {cfg}: {type(e).__name__}: {e}"[:200], flush=True)
                         continue
                     best = min(best, (t, cfg), key=lambda b: b[0])
-                    if not cfg.get("REDUCE_IN_KERNEL"):
+                    if not cfg.get("REDUCE_IN_KERNEL") and not cfg.get("EARLY_W"):
                         two_launch = min(two_launch, t)
                 table[g.config_key(n, k, blocked, m)] = best[1]
                 gbs = n * k / (best[0] * 1e-6) / 1e9

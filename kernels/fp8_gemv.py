@@ -44,8 +44,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
                      stride_wn, stride_sn, stride_os, stride_om, stride_fm,
                      REDUCE_HERE: tl.constexpr, BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EARLY_W: tl.constexpr = False, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,18 +54,32 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
     k_begin = pid_s * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: k is contiguous
-    if ONE_ROW:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if EARLY_W:
+        # One row: the program's first weight tile is loaded before the PDL wait (pdl_enter's rule
+        # is "nothing read before it"; a weight is never written by a kernel of the step, so its
+        # read cannot be stale), so the load overlaps the previous kernel's tail; its product is
+        # taken after the wait, and the loop goes on from the second tile.
+        k = k_begin + offs_k
+        w_first = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < k_end)[None, :], other=0.0)
+        pdl_enter(PDL)
+        acc = _one_row_step(tl.zeros((BLOCK_N,), dtype=tl.float32), w_first, x_ptr, s_ptr, offs_n, mask_n, k_begin,
+                            k_end, offs_k, stride_sn, BLOCKED, SCALE_ROWS, GROUP)
+        k_first = k_begin + BLOCK_K
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+        pdl_enter(PDL)
+        k_first = k_begin
+        if ONE_ROW:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_end
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if ONE_ROW:
-            x = tl.load(x_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
-            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc = _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED,
+                                SCALE_ROWS, GROUP)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & mask_k[None, :],
                         other=0.0)
@@ -73,14 +87,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
             if DOT_F32:  # the interpreter's bf16 dot is wrong (launch.dot_in_f32)
                 x, wt = x.to(tl.float32), wt.to(tl.float32)
             part = tl.dot(x, wt, input_precision=PRECISION, out_dtype=tl.float32)
-        if BLOCKED:
-            s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
-            if ONE_ROW:
-                acc += part * s
-            else:
+            if BLOCKED:
+                s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
                 acc += part * s[None, :]
-        else:
-            acc += part
+            else:
+                acc += part
     if not BLOCKED:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
         if ONE_ROW:
@@ -114,6 +125,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
                 tl.store(final_ptr + offs_m[:, None] * stride_fm + offs_n[None, :],
                          total.to(final_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED: tl.constexpr,
+                  SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr):
+    # acc [BLOCK_N] + the weight tile w [BLOCK_N, BLOCK_K] at columns k0.. times x's, in registers.
+    k = k0 + offs_k
+    x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if BLOCKED:
+        return acc + part * tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
+    return acc + part
 
 
 @triton.jit
@@ -181,8 +204,9 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     """x [M <= 16, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
     w_scale: per output channel ([N] or [1, N]) when scale_rows is None; else 128-column group
     scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1).
-    `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages and optionally REDUCE_IN_KERNEL (with
-    SPLIT_K > 1: the strip's last slice adds the partials, no second launch) (default: choose_config)."""
+    `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and optionally REDUCE_IN_KERNEL (with
+    SPLIT_K > 1: the strip's last slice adds the partials, no second launch) and EARLY_W (one row: the
+    first weight tile loaded before the PDL wait) (default: choose_config)."""
     fn = "fp8_gemv"
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
     m, k = x.shape
@@ -208,6 +232,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     cfg = dict(config or choose_config(x, n, k, blocked))
     bn, bk, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K", 1)
     reduce_in_kernel = cfg.pop("REDUCE_IN_KERNEL", False)
+    early_w = cfg.pop("EARLY_W", False) and m == 1
     if blocked and GROUP_K % bk:
         raise ValueError(f"{fn}: BLOCK_K must divide {GROUP_K} for group scales, got {bk}")
     # Each split covers a whole number of BLOCK_K steps, so a step never straddles a scale group.
@@ -222,7 +247,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
         DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn,
-        BLOCK_K=bk, **cfg,
+        BLOCK_K=bk, EARLY_W=early_w, **cfg,
         **pdl_args(x.device))
     if split > 1 and not reduce_here:
         size = m * n

@@ -195,6 +195,12 @@ def test_fp8_gemv_in_kernel_reduce_is_the_second_launch_bit_for_bit(poison_empty
     assert all(torch.equal(h, launch) for h in here)
     assert not strip_counters(x.device).any()
     assert rel_error(launch, fp8_gemv_ref(x.double(), w8, scale, scale_rows)) < 1e-2
+    # One row: the first weight tile loaded before the PDL wait (the loop's first step peeled off)
+    # is the same product, split or not, summed in one launch or two.
+    if m == 1:
+        for extra in ({}, {"REDUCE_IN_KERNEL": True}, {"SPLIT_K": 1}):
+            early = fp8_gemv(x, w8, scale, scale_rows, config=dict(cfg, EARLY_W=True, **extra))
+            assert torch.equal(early, fp8_gemv(x, w8, scale, scale_rows, config=dict(cfg, **extra)))
 
 
 def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():

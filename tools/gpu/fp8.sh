@@ -38,19 +38,18 @@
 #    on, block-128 fused off, on: bs=1 decode ms/step and offline 64 x 1024/128 tok/s          300 s
 # Files in $OUT: env.txt, fp8_fused.md (the tables), fp8_fused_log.txt, tests_fused.txt.
 #
-#   run(carry=[".whl"], command="bash tools/gpu/fp8.sh tiles")   (~8 minutes; one card, H100 or H200)
-#   run(carry=[".whl", "gemv_tune.json"], command="TILES_JSON=gemv_tune.json bash tools/gpu/fp8.sh tiles")
+#   run(carry=[".whl"], command="bash tools/gpu/fp8.sh tiles")   (~5 minutes; one card, H100 or H200)
 #
-# fp8_gemv's tiles on this card and what they buy a bs=1 step, in two calls (together past one call's
-# 10 minutes); the second takes the first's table (TILES_JSON, a path in the repo):
+# fp8_gemv's tiles on this card and what they buy a bs=1 step (TILES_JSON=path: skip 1-2, take that table):
 # 1. tests/kernels/test_fp8.py's GEMV tests compiled (the split-K sum in one launch bit for bit
-#    against the second launch)                                                              40 s
+#    against the second launch)                                                              30 s
 # 2. bench/fp8_gemv_tune.py at M = 1, Llama-3.1-8B's linears at TP=1, both scale formats, each
-#    split tile also with the sum in one launch (171 tiles a shape)                         ~400 s
-# 3. (second call) bench/fp8.py --only tiles: engines one after another: bf16, then each FP8 format
-#    with the rule's tiles, the measured table with each split's sum as a second launch, the
-#    measured table as it is: bs=1 decode ms/step and offline 64 x 1024/128 tok/s              ~260 s
-# Files in $OUT: env.txt, tests_tiles.txt, gemv_tune.md/.json/_log.txt; then fp8_tiles.md, fp8_tiles_log.txt.
+#    split tile also with the sum in one launch, each tile also with its first weight tile loaded
+#    before the PDL wait (EARLY_W)                                                          ~150 s
+# 3. bench/fp8.py --only tiles: engines one after another: bf16, then each FP8 format with the
+#    rule's tiles, the measured table without one-launch sums and early weight loads, the table
+#    as it is: bs=1 decode ms/step and offline 64 x 1024/128 tok/s                              ~150 s
+# Files in $OUT: env.txt, tests_tiles.txt, gemv_tune.md/.json/_log.txt, fp8_tiles.md, fp8_tiles_log.txt.
 set -u
 MODE=${1:-all}
 source tools/gpu/lib.sh
@@ -71,21 +70,21 @@ if [ "$MODE" = fused ]; then
   exit 0
 fi
 
-if [ "$MODE" = tiles ] && [ -z "${TILES_JSON:-}" ]; then
-  step_into "$OUT/tests_tiles.txt" "fp8_gemv tests" 90 \
-    $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
-  tail -n 3 "$OUT/tests_tiles.txt"
-  cd /tmp
-  step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 1" 440 \
-    $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 1 --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json"
-  cat "$OUT/gemv_tune.md" 2>/dev/null
-  exit 0
-fi
-
 if [ "$MODE" = tiles ]; then
+  if [ -z "${TILES_JSON:-}" ]; then
+    step_into "$OUT/tests_tiles.txt" "fp8_gemv tests" 90 \
+      $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
+    tail -n 3 "$OUT/tests_tiles.txt"
+    (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 1" 240 \
+      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 1 --out "$OUT/gemv_tune.md" \
+      --json "$OUT/gemv_tune.json")
+    cat "$OUT/gemv_tune.md" 2>/dev/null
+    TILES_JSON=$OUT/gemv_tune.json
+    [ -s "$TILES_JSON" ] || { echo "no tile table: no engines"; exit 1; }
+  fi
   JSON=$(realpath "$TILES_JSON")
   cd /tmp
-  step_into "$OUT/fp8_tiles_log.txt" "bench fp8 tiles" 540 \
+  step_into "$OUT/fp8_tiles_log.txt" "bench fp8 tiles" 300 \
     $PY -m pdserve.bench.fp8 --only tiles --gemv-configs "$JSON" --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_tiles.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_tiles_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
