@@ -82,6 +82,8 @@ def model_shapes(name: str) -> list[Shape]:
 
 
 def sweep_configs(quick: bool):
+    from dataclasses import replace
+
     from pdserve.kernels.fused_gemv import GemvConfig
 
     if quick:
@@ -103,6 +105,9 @@ def sweep_configs(quick: bool):
     split_narrow = [(bn, bk, s) for bn in (2, 4, 8) for bk in (512, 1024) for s in (2, 4)]
     configs += [GemvConfig(block_n=bn, block_k=bk, split_k=s, reduce_in_kernel=True, separate_prologue=apart)
                 for apart in (False, True) for bn, bk, s in split_narrow]
+    # Each also with its first weight tile loaded before the PDL wait (overlapping the kernel before;
+    # fp8_gemv's EARLY_W took every best tile on an H100).
+    configs += [replace(c, early_weights=True) for c in configs]
     # The norm's two-pass variant (read x once more for rstd first; only "rms_norm" shapes try it).
     return configs + [GemvConfig(32, 256, 1, one_pass_norm=False), GemvConfig(32, 256, 4, one_pass_norm=False)]
 
@@ -226,7 +231,8 @@ def bench_shape(s: Shape, m: int, configs, bw: float) -> tuple[str, tuple | None
     err = check_fused(b)
     cfg_s = f"{best_cfg.block_n}/{best_cfg.block_k}/{best_cfg.split_k}" + (
         "" if best_cfg.one_pass_norm else " two-pass") + (" apart" if best_cfg.separate_prologue else "") + (
-        " one-launch" if best_cfg.reduce_in_kernel and best_cfg.split_k > 1 else "")
+        " one-launch" if best_cfg.reduce_in_kernel and best_cfg.split_k > 1 else "") + (
+        " early-w" if best_cfg.early_weights else "")
     chosen = f"fused {cfg_s}" if best < unfused else "unfused"
     row = (f"| {s.model} | {s.layer} | {s.n}×{s.k} | {m} | {unfused:.1f} ({pct(unfused, True)}) | "
            f"{cublas:.1f} ({pct(cublas, False)}) | {default:.1f} ({pct(default, True)}) | "
@@ -330,7 +336,8 @@ def main() -> None:
             table = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): GemvConfig({c.block_n}, {c.block_k}, {c.split_k}"
                                f"{'' if c.one_pass_norm else ', one_pass_norm=False'}"
                                f"{', separate_prologue=True' if c.separate_prologue else ''}"
-                               f"{', reduce_in_kernel=True' if c.reduce_in_kernel else ''})"
+                               f"{', reduce_in_kernel=True' if c.reduce_in_kernel else ''}"
+                               f"{', early_weights=True' if c.early_weights else ''})"
                                for (p, n, k, m), c in measured.items() if c is not None)
             lost = ",\n".join(f"    ({p!r}, {n}, {k}, {m}): None" for (p, n, k, m), c in measured.items() if c is None)
             text += ("\n\nMEASURED for kernels/fused_gemv.py (a config where the fused GEMV won; None where the "

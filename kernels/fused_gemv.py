@@ -77,6 +77,9 @@ class GemvConfig:
     # split_k > 1: the strip's last program sums the slices (per-strip counters, one launch)
     # instead of a second reduce launch.
     reduce_in_kernel: bool = False
+    # The program's first weight tile loaded before the PDL wait, overlapping the kernel before
+    # (weights are never written during a step); the same bits either way.
+    early_weights: bool = False
 
 
 # Measured per card and shape: {card name: {(prologue, N, K, M bucket 1|2|4|8): config}}, the
@@ -204,11 +207,10 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, REDUCE_HERE: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    EARLY_W: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # Grid (cdiv(N, BLOCK_N), SPLIT): program (n, s) owns output columns [n*BLOCK_N, +BLOCK_N)
     # over K slice s.
-    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -216,6 +218,15 @@ def _gemv_kernel(
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_wn
+    k_begin = pid_k * K_PER_SPLIT
+    if EARLY_W:
+        # The first weight tile is loaded before the PDL wait (pdl_enter's rule is "nothing read
+        # before it"; no kernel of a step writes a weight, so the read cannot be stale): it
+        # overlaps the previous kernel's tail. Its product is taken after the wait, below.
+        ks0 = k_begin + tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < K)[None, :], other=0.0)
+    pdl_enter(PDL)
     if PROLOGUE == 1 and TWO_PASS:
         # Pass 1 (two-pass rms_norm): the rows' sum of squares over all of K; with a residual,
         # the sum x + residual rounded to x's dtype (as the reference adds), written once by (0, 0).
@@ -236,45 +247,20 @@ def _gemv_kernel(
         rstd = 1.0 / tl.sqrt(ss / K + eps)
     else:
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # one pass: summed in the K loop below
+        rstd = ss  # unused
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_begin = pid_k * K_PER_SPLIT
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+    k_loop = k_begin
+    if EARLY_W:
+        acc, ss = _k_step(acc, ss, w_first, k_begin, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                          stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, DOT_F32, PRECISION, BLOCK_M,
+                          BLOCK_K)
+        k_loop = k_begin + BLOCK_K
+    for k0 in range(k_loop, k_begin + K_PER_SPLIT, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        mask = row_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 2:
-            # silu_mul: x is [gate | up], K columns each.
-            gate = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-            up = tl.load(x_rows + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            gf = gate.to(tl.float32)
-            a = (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype)
-        else:
-            a = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-            if PROLOGUE == 1:
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
-                    a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
-                    if not TWO_PASS:  # each K slice's first-strip program writes its part
-                        writer_rows = tl.where(pid_n == 0, M, 0)
-                        tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], a,
-                                 mask=(rows[:, None] < writer_rows) & k_ok[None, :])
-                g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                if TWO_PASS:
-                    normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)  # the reference's h.to(x.dtype)
-                    a = (normed.to(tl.float32) * g).to(a.dtype)
-                else:
-                    h = a.to(tl.float32)
-                    ss += tl.sum(h * h, axis=1)
-                    a = (h * g).to(a.dtype)
-        w = tl.load(w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if BLOCK_M == 1:
-            # One row: multiply and sum in registers (no 16-row padding; as kernels/fp8_gemv.py).
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
-        elif DOT_F32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
-        else:
-            acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+        acc, ss = _k_step(acc, ss, w, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                          stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, DOT_F32, PRECISION, BLOCK_M,
+                          BLOCK_K)
     out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
         _gemv_epilogue(acc, ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
@@ -304,6 +290,49 @@ def _gemv_kernel(
         elif PROLOGUE == 1 and not TWO_PASS:
             if pid_n == 0:  # this slice's sums of squares, for the reduce launch's rstd
                 tl.store(ss_ptr + pid_k * M + rows, ss, mask=row_ok)
+
+
+@triton.jit
+def _k_step(acc, ss, w, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm, stride_nm, rstd,
+            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr,
+            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One BLOCK_K step of the product: the activation tile at columns k0.. built by the prologue,
+    # times the weight tile w [BLOCK_N, BLOCK_K], into acc; the one-pass norm's sums of squares into ss.
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    mask = row_ok[:, None] & k_ok[None, :]
+    if PROLOGUE == 2:
+        # silu_mul: x is [gate | up], K columns each.
+        gate = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        up = tl.load(x_rows + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        gf = gate.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype)
+    else:
+        a = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
+                a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+                if not TWO_PASS:  # each K slice's first-strip program writes its part
+                    writer_rows = tl.where(pid_n == 0, M, 0)
+                    tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], a,
+                             mask=(rows[:, None] < writer_rows) & k_ok[None, :])
+            g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if TWO_PASS:
+                normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)  # the reference's h.to(x.dtype)
+                a = (normed.to(tl.float32) * g).to(a.dtype)
+            else:
+                h = a.to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+                a = (h * g).to(a.dtype)
+    if BLOCK_M == 1:
+        # One row: multiply and sum in registers (no 16-row padding; as kernels/fp8_gemv.py).
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+    elif DOT_F32:
+        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
+    else:
+        acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
+    return acc, ss
 
 
 @triton.jit
@@ -419,7 +448,7 @@ def fused_gemv(
         HAS_BIAS=bias is not None, SPLIT=split, REDUCE_HERE=reduce_here, TWO_PASS=two_pass,
         # The interpreter multiplies bf16 dot operands wrongly (launch.dot_in_f32): fp32 there.
         DOT_F32=interpreting() and dt != torch.float16, PRECISION=dot_precision(dt),
-        BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EARLY_W=cfg.early_weights,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device),
     )

@@ -8,6 +8,8 @@ from both). The matrix products of the oracle are float64 for fp32 inputs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -151,6 +153,25 @@ def test_in_kernel_reduce_is_the_reduce_launch_bit_for_bit(poison_empty, prologu
     # on every run; and the strips' counters are zero again for the next launch (or graph replay).
     assert all(torch.equal(h, launch) for h in here)
     assert not strip_counters(torch.device(DEVICE)).any()
+
+
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [GemvConfig(block_n=16, block_k=32), SPLIT3, HERE3, TWO_PASS_SPLIT3,
+                                    GemvConfig(block_n=16, block_k=32, separate_prologue=True)])
+def test_early_weights_are_the_same_bits(poison_empty, prologue, m, config):
+    # The first weight tile loaded before the PDL wait, its step peeled off the K loop: the same
+    # product, every prologue, split or not, residual written alike.
+    n, k = 200, 300
+    x, w, g = _inputs(m, n, k, torch.bfloat16, seed=7, x_cols=2 * k if prologue == "silu_mul" else k)
+    kw = {"bias": torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)}
+    if prologue == "rms_norm":
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(DEVICE)
+        kw["residual"] = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    out, res = fused_gemv(x, w, prologue, config=config, **kw)
+    early, early_res = fused_gemv(x, w, prologue, config=replace(config, early_weights=True), **kw)
+    assert torch.equal(early, out)
+    assert (res is None and early_res is None) or torch.equal(early_res, res)
 
 
 def test_heuristic_splits_narrow_layers_only():
