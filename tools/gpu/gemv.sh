@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25 item 3 (the small-batch GEMV) in one device call on one GPU (<= 8 minutes). From the
+# Issue 25 item 3 (the small-batch GEMV) in one device call on one GPU (<= 10 minutes). From the
 # repo root:
 #
 #   run(kind="nvidia-h100-x4", carry=[".whl"], command="bash tools/gpu/gemv.sh")
@@ -9,8 +9,9 @@
 # the next, and the bench rewrites its file after every row, so a cut-off step keeps its rows):
 #   shapes: per Llama-3.1-8B / Qwen2.5-0.5B projection at M = 1, 2, 4, 8: unfused (norm or
 #           SiLU·mul, then cuBLAS) vs the fused GEMV, µs and % of same-run copy bandwidth, the
-#           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py; 46
-#           configs a shape, the one-launch split-K among them: ~45 s for M = 1 on an H100)   300
+#           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py; 90
+#           configs a shape, the one-launch split-K and the early weight load among them: ~45 s
+#           for M = 1 on an H100 before the early-load twins doubled the sweep)                420
 #   step:   the bs=1 decode step of both models, GEMV path off vs on, against its roofline     60
 #   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
 #   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
@@ -25,7 +26,7 @@ gpu_begin gpu_gemv engine || echo "gpu_deps: some modules missing; going on"
 main() {
   local repo=$PWD
   cd /tmp
-  step "gemv shapes" 300 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
+  step "gemv shapes" 420 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
   step "gemv step" 60 $PY -m pdserve.bench.gemv --step --out "$OUT/gemv_step.md"
   cd "$repo"
   local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
