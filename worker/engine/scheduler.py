@@ -126,8 +126,10 @@ class Scheduler:
         if self.bm.windowed:  # sliding layers' blocks behind every window: free before anyone allocates
             for req in self.running:
                 self.bm.release_outside_window(req)
-        # Decodes first, so long prompts arriving never stall streams already producing tokens.
-        order = sorted(self.running, key=lambda r: r.num_scheduled_tokens - r.num_computed_tokens > 1)
+        # Decodes first, so long prompts arriving never stall streams already producing tokens
+        # (the key is num_scheduled_tokens - num_computed_tokens > 1 without the property calls).
+        order = sorted(self.running, key=lambda r: len(r.token_ids) + r.num_in_flight - r.num_computed_tokens > 1)
+        bs, windowed, chunk_cap = self.bm.block_size, self.bm.windowed, self.connector.chunk_cap  # per request
         for req in order:
             if budget == 0:
                 break
@@ -135,11 +137,18 @@ class Scheduler:
                 continue
             if req.num_in_flight and self._ends_by_length(req):
                 continue  # its token in flight is its last: nothing more to compute
-            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
-            n = self.connector.chunk_cap(req, n, req.num_computed_tokens)
-            if self.bm.windowed:  # a shorter chunk before any preemption
-                n = self.bm.fit_chunk(req, req.num_computed_tokens, n) or n
-            while not self.bm.can_allocate(req, req.num_computed_tokens + n):
+            computed = req.num_computed_tokens
+            n = chunk_cap(req, min(req.num_scheduled_tokens - computed, budget), computed)
+            if windowed:  # a shorter chunk before any preemption
+                n = self.bm.fit_chunk(req, computed, n) or n
+            elif len(req.block_ids) * bs >= computed + n:
+                # Within the blocks it owns (most decode steps): what can_allocate / allocate
+                # would find, without the calls.
+                if n:
+                    scheduled.append((req, n))
+                    budget -= n
+                continue
+            while not self.bm.can_allocate(req, computed + n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is req:
                     n = 0
@@ -149,7 +158,7 @@ class Scheduler:
                 self._preempt(victim)
             if n == 0:
                 continue
-            self.bm.allocate(req, req.num_computed_tokens + n)
+            self.bm.allocate(req, computed + n)
             scheduled.append((req, n))
             budget -= n
 

@@ -32,10 +32,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # its own processing failed (Request.failure says why); the engine lives on
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                        RequestStatus.FINISHED_ERROR)
+    def __init__(self, value: str):
+        # An attribute of each member, not a property: read for every request of every step.
+        self.finished = value in ("stop", "length", "abort", "error")
 
 
 class Request:
