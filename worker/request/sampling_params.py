@@ -10,6 +10,7 @@ once the model is known.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -148,16 +149,18 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"{name} holds token id {bad}, out of range for this model's "
                                                 f"vocabulary (0..{vocab_size - 1})")
 
-    @property
+    # Cached (the value is frozen; read for every request of every step): in the instance's
+    # __dict__ after the first read, outside the fields, so equality and replace() ignore it.
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property
     def modifies_logits(self) -> bool:
         """Penalties, bias or a grammar change this request's logits before sampling (even greedy)."""
         return (self.has_penalties or bool(self.logit_bias) or self.structured is not None
                 or self.allowed_token_ids is not None)
 
-    @property
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
