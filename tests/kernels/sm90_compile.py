@@ -1,0 +1,70 @@
+"""Compile kernels for an sm90 card (H100/H200) on a machine without one: Triton's whole pipeline,
+source to cubin (its bundled ptxas), no launch. The interpreter runs a kernel's Python; this
+catches what only the compiler rejects (a constexpr branch's variable, a helper's return, an
+op the backend lacks) before a GPU session finds it. Run by tests/kernels/test_sm90_compile.py in
+a process without TRITON_INTERPRET (under it `triton.jit` makes interpreted functions, which the
+compiler cannot take).
+
+    python tests/kernels/sm90_compile.py    -> one line per kernel, exit 1 on the first failure
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+
+def variants():
+    """(name, jit function, argument types, [constexpr values]) per kernel checked."""
+    from pdserve.kernels import fp8_gemv, fused_gemv
+
+    gemv_types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "g_ptr", "w_ptr", "b_ptr", "out_ptr", "new_res_ptr")}
+    gemv_types.update(part_ptr="*fp32", ss_ptr="*fp32", counter_ptr="*i32", eps="fp32")
+    gemv_types.update({n: "i32" for n in ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_rm", "stride_wn",
+                                          "stride_om", "stride_nm")})
+    gemv = []
+    for prologue, two_pass, early, rows, (split, here) in itertools.product(
+            (0, 1, 2), (False, True), (False, True), (1, 16), ((1, False), (3, False), (3, True))):
+        if two_pass and prologue != 1:
+            continue
+        gemv.append(dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1, HAS_BIAS=True, SPLIT=split,
+                         REDUCE_HERE=here, TWO_PASS=two_pass, DOT_F32=False, PRECISION="tf32", BLOCK_M=rows,
+                         BLOCK_N=2 if rows == 1 else 16, BLOCK_K=1024 if rows == 1 else 128, EARLY_W=early,
+                         PDL=True))
+    fp8_types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32", final_ptr="*bf16",
+                     counter_ptr="*i32")
+    fp8_types.update({n: "i32" for n in ("M", "N", "K", "K_SPLIT", "SPLITS", "stride_xm", "stride_wn", "stride_sn",
+                                         "stride_os", "stride_om", "stride_fm")})
+    fp8 = [dict(REDUCE_HERE=here, BLOCKED=blocked, SCALE_ROWS=128 if blocked else 1, GROUP=128, DOT_F32=False,
+                PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=8 if one_row else 32,
+                BLOCK_K=128 if blocked else 1024, EARLY_W=early, PDL=True)
+           for blocked, one_row, early, here in itertools.product((False, True), repeat=4) if one_row or not early]
+    return [("fused_gemv._gemv_kernel", fused_gemv._gemv_kernel, gemv_types, gemv),
+            ("fp8_gemv._fp8_gemv_kernel", fp8_gemv._fp8_gemv_kernel, fp8_types, fp8)]
+
+
+def compile_sm90(fn, types: dict, constexprs: dict) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+
+
+def main() -> int:
+    for name, fn, types, constexpr_sets in variants():
+        for c in constexpr_sets:
+            try:
+                compile_sm90(fn, types, c)
+            except Exception as e:
+                print(f"FAILED {name} {c}: {type(e).__name__}: {e}", flush=True)
+                return 1
+        print(f"compiled {name}: {len(constexpr_sets)} variants", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
