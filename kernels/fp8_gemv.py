@@ -61,12 +61,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
         # taken after the wait, and the loop goes on from the second tile.
         k = k_begin + offs_k
         w_first = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < k_end)[None, :], other=0.0)
-        pdl_enter(PDL)
+    pdl_enter(PDL)
+    if EARLY_W:
         acc = _one_row_step(tl.zeros((BLOCK_N,), dtype=tl.float32), w_first, x_ptr, s_ptr, offs_n, mask_n, k_begin,
                             k_end, offs_k, stride_sn, BLOCKED, SCALE_ROWS, GROUP)
         k_first = k_begin + BLOCK_K
     else:
-        pdl_enter(PDL)
         k_first = k_begin
         if ONE_ROW:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)

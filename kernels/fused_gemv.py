@@ -251,16 +251,16 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_begin
     if EARLY_W:
-        acc, ss = _k_step(acc, ss, w_first, k_begin, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
-                          stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, DOT_F32, PRECISION, BLOCK_M,
-                          BLOCK_K)
+        a, ss = _activation_tile(ss, k_begin, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                                 stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
+        acc = _accumulate(acc, a, w_first, DOT_F32, PRECISION, BLOCK_M)
         k_loop = k_begin + BLOCK_K
     for k0 in range(k_loop, k_begin + K_PER_SPLIT, BLOCK_K):
+        a, ss = _activation_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                                 stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
-        acc, ss = _k_step(acc, ss, w, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
-                          stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, DOT_F32, PRECISION, BLOCK_M,
-                          BLOCK_K)
+        acc = _accumulate(acc, a, w, DOT_F32, PRECISION, BLOCK_M)
     out_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
         _gemv_epilogue(acc, ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
@@ -293,11 +293,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _k_step(acc, ss, w, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm, stride_nm, rstd,
-            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_PASS: tl.constexpr, DOT_F32: tl.constexpr,
-            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One BLOCK_K step of the product: the activation tile at columns k0.. built by the prologue,
-    # times the weight tile w [BLOCK_N, BLOCK_K], into acc; the one-pass norm's sums of squares into ss.
+def _activation_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm, stride_nm,
+                     rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_PASS: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # The activation tile at columns k0.. as the prologue makes it (the one-pass norm's sums of
+    # squares added to ss; with a residual, the first strip's programs write x + residual out).
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     mask = row_ok[:, None] & k_ok[None, :]
@@ -325,14 +325,19 @@ def _k_step(acc, ss, w, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, p
                 h = a.to(tl.float32)
                 ss += tl.sum(h * h, axis=1)
                 a = (h * g).to(a.dtype)
+    return a, ss
+
+
+@triton.jit
+def _accumulate(acc, a, w, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T, in fp32.
     if BLOCK_M == 1:
         # One row: multiply and sum in registers (no 16-row padding; as kernels/fp8_gemv.py).
-        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+        return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
     elif DOT_F32:
-        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
+        return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PRECISION)
     else:
-        acc += tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
-    return acc, ss
+        return acc + tl.dot(a.to(w.dtype), tl.trans(w), input_precision=PRECISION)
 
 
 @triton.jit

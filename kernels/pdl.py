@@ -4,11 +4,13 @@ A bs=1 decode step is a chain of a few hundred small kernels, each of which norm
 after the one before it has drained; the gap is ~0.5-1 us a kernel. Launched with PDL, a kernel's
 programs may become resident while the previous kernel still runs, and wait inside (`gdc_wait`)
 until that kernel has finished and its writes are visible. Every kernel launched so calls
-`pdl_enter(PDL)` first, before any load or store, which keeps the stream's order intact:
+`pdl_enter(PDL)` before any load or store, which keeps the stream's order intact:
 
 - nothing is read or written before the previous kernel has completed, so no stale read and no
   write under a reader (the wait covers the kernel before, which itself waited for its own
-  predecessor: completion is transitive along the chain);
+  predecessor: completion is transitive along the chain). One exception: a weight, which no
+  kernel of a step writes, may be read before the wait (the GEMVs' `EARLY_W` first tile, to
+  overlap the previous kernel's tail); tests/kernels/test_pdl.py checks that nothing else is;
 - `gdc_launch_dependents` right away lets the next kernel be scheduled as soon as every program of
   this one is resident (programs never wait for a later kernel, so nothing can deadlock);
 - a kernel launched plainly (cuBLAS, torch) waits for full completion as always, and one launched
