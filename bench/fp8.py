@@ -589,7 +589,7 @@ def main(argv=None) -> int:
                 variants = [variants[0]] + [(f"{name}, fused quant {'on' if on else 'off'}", p, q, sm, on)
                                             for name, p, q, sm, _ in variants[1:] for on in (False, True)]
             tables = {}  # variant -> the fp8_gemv table its engine runs with
-            if "tiles" in args.only:  # each FP8 format with the rule's tiles, the table in two launches, as given
+            if "tiles" in args.only:  # each FP8 format: the rule's tiles, the table without its options, as given
                 plain = {card: {key: {o: v for o, v in cfg.items() if o not in ("REDUCE_IN_KERNEL", "EARLY_W")}
                                 for key, cfg in table.items()} for card, table in measured.items()}
                 labelled = (("rule tiles", {}), ("measured tiles, no one-launch sum, no early weight load", plain),

@@ -55,10 +55,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: k is contiguous
     if EARLY_W:
-        # One row: the program's first weight tile is loaded before the PDL wait (pdl_enter's rule
-        # is "nothing read before it"; a weight is never written by a kernel of the step, so its
-        # read cannot be stale), so the load overlaps the previous kernel's tail; its product is
-        # taken after the wait, and the loop goes on from the second tile.
+        # One row: the program's first weight tile is loaded before the PDL wait (kernels/pdl.py's
+        # one exception: no kernel of a step writes a weight, so the read cannot be stale), so the
+        # load overlaps the previous kernel's tail; its product is taken after the wait, and the
+        # loop goes on from the second tile.
         k = k_begin + offs_k
         w_first = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < k_end)[None, :], other=0.0)
     pdl_enter(PDL)

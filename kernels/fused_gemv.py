@@ -221,9 +221,9 @@ def _gemv_kernel(
     w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_wn
     k_begin = pid_k * K_PER_SPLIT
     if EARLY_W:
-        # The first weight tile is loaded before the PDL wait (pdl_enter's rule is "nothing read
-        # before it"; no kernel of a step writes a weight, so the read cannot be stale): it
-        # overlaps the previous kernel's tail. Its product is taken after the wait, below.
+        # The first weight tile is loaded before the PDL wait (kernels/pdl.py's one exception: no
+        # kernel of a step writes a weight, so the read cannot be stale): it overlaps the previous
+        # kernel's tail. Its product is taken after the wait, below.
         ks0 = k_begin + tl.arange(0, BLOCK_K)
         w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < K)[None, :], other=0.0)
     pdl_enter(PDL)
