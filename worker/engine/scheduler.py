@@ -126,9 +126,8 @@ class Scheduler:
         if self.bm.windowed:  # sliding layers' blocks behind every window: free before anyone allocates
             for req in self.running:
                 self.bm.release_outside_window(req)
-        # Decodes first, so long prompts arriving never stall streams already producing tokens
-        # (the key is num_scheduled_tokens - num_computed_tokens > 1 without the property calls).
-        order = sorted(self.running, key=lambda r: len(r.token_ids) + r.num_in_flight - r.num_computed_tokens > 1)
+        # Decodes first, so long prompts arriving never stall streams already producing tokens.
+        order = sorted(self.running, key=lambda r: r.num_scheduled_tokens - r.num_computed_tokens > 1)
         bs, windowed, chunk_cap = self.bm.block_size, self.bm.windowed, self.connector.chunk_cap  # per request
         for req in order:
             if budget == 0:
