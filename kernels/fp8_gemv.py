@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import (FLOAT_DTYPES, MAX_COUNTERS, check_devices, check_tensor, dot_in_f32, dot_precision,
-                                   num_sms, strip_counters)
+from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -106,11 +106,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
                  mask=(offs_m < M)[:, None] & mask_n[None, :])
     if REDUCE_HERE:
         # The strip's last slice to arrive sums the partials in slice order (_sum_splits_kernel's
-        # bits) into final_ptr and zeroes the counter: as fused_gemv's reduce_in_kernel. The
-        # barrier orders every thread's partial store before the counting thread's release.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        # bits) into final_ptr and zeroes the counter (kernels/arrivals.py).
+        if last_arrival(counter_ptr, pid_n, SPLITS):
             if ONE_ROW:
                 total = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 for s_i in range(SPLITS):
@@ -124,7 +121,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
                     total += tl.load(parts + s_i * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
                 tl.store(final_ptr + offs_m[:, None] * stride_fm + offs_n[None, :],
                          total.to(final_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            reset_arrivals(counter_ptr, pid_n)
 
 
 @triton.jit

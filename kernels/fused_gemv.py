@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import (FLOAT_DTYPES, MAX_COUNTERS, check_devices, check_tensor, dot_precision,
-                                   interpreting, num_sms, strip_counters)
+from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_precision, interpreting, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.silu_and_mul import silu_and_mul
@@ -271,11 +271,7 @@ def _gemv_kernel(
         if REDUCE_HERE:
             if PROLOGUE == 1 and not TWO_PASS:  # this slice's sums of squares, per strip
                 tl.store(ss_ptr + (pid_n * SPLIT + pid_k) * M + rows, ss, mask=row_ok)
-            # Every thread's stores precede the count (barrier, then the counting thread's
-            # release); the last arrival's acquire makes the strip's SPLIT partials visible.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
+            if last_arrival(counter_ptr, pid_n, SPLIT):  # the strip's SPLIT partials are visible
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 total_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):  # slice order: the reduce launch's sum, bit for bit
@@ -286,7 +282,7 @@ def _gemv_kernel(
                                             cache_modifier=".cg")
                 _gemv_epilogue(total, total_ss, rows, row_ok, ns, n_ok, b_ptr, out_ptr, K, eps, stride_om,
                                PROLOGUE == 1 and not TWO_PASS, HAS_BIAS)
-                tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+                reset_arrivals(counter_ptr, pid_n)
         elif PROLOGUE == 1 and not TWO_PASS:
             if pid_n == 0:  # this slice's sums of squares, for the reduce launch's rstd
                 tl.store(ss_ptr + pid_k * M + rows, ss, mask=row_ok)

@@ -156,23 +156,3 @@ def check_sinks_window(fn: str, sinks: torch.Tensor | None, window: int, heads: 
             raise ValueError(f"{fn}: sinks must be contiguous")
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"{fn}: window must be an int >= 0 (0: no sliding window), got {window!r}")
-
-
-# int32 zeros the in-kernel split-K reduce counts arrivals in, one per output strip, left zero
-# after every launch (fused_gemv's and fp8_gemv's reduce_in_kernel). One buffer per device: a
-# device's GEMVs run in stream order (the engine's one compute stream; two streams launching
-# split GEMVs at once would mix their counts), and every launch leaves its strips at zero.
-MAX_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def strip_counters(device: torch.device) -> torch.Tensor:
-    """The device's counters, made on first use; never during CUDA-graph capture (its address is
-    baked into the graph): DecodeGraphs runs each bucket once before capturing it."""
-    buf = _counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K counters would be allocated during CUDA-graph capture; "
-                               "run the launch once before capturing")
-        buf = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return buf

@@ -178,7 +178,7 @@ def test_fp8_gemv_matches_reference(poison_empty, dtype, m, n, k, scale_rows):
                                               (7, 100, 256, 1)])
 def test_fp8_gemv_in_kernel_reduce_is_the_second_launch_bit_for_bit(poison_empty, m, n, k, scale_rows):
     from pdserve.kernels.fp8_gemv import fp8_gemv
-    from pdserve.kernels.launch import strip_counters
+    from pdserve.kernels.arrivals import strip_counters
 
     torch.manual_seed(1)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)

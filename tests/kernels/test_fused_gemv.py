@@ -139,7 +139,7 @@ def test_split_k_is_deterministic_and_matches_unsplit():
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_in_kernel_reduce_is_the_reduce_launch_bit_for_bit(poison_empty, prologue, m):
-    from pdserve.kernels.fused_gemv import strip_counters
+    from pdserve.kernels.arrivals import strip_counters
 
     n, k = 200, 300
     x, w, g = _inputs(m, n, k, torch.bfloat16, seed=6, x_cols=2 * k if prologue == "silu_mul" else k)
