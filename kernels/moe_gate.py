@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.arrivals import last_arrival, reset_arrivals
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
 from pdserve.kernels.moe_route import _route_one
 from pdserve.kernels.pdl import pdl_args, pdl_enter
@@ -52,11 +53,8 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
                 other=0.0).to(tl.float32)
     acc = w * xk[None, :]
     tl.store(part_ptr + (t * SPLIT + s) * E + rows, tl.sum(acc, axis=1), mask=row_ok)
-    # Every thread's stores precede the count (barrier, then the counting thread's release); the
-    # last arrival's acquire makes the token's SPLIT x E partials visible to its loads.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) * SPLIT - 1:
+    # The token's last arrival sees its SPLIT x E partials (kernels/arrivals.py).
+    if last_arrival(counter_ptr, t, tl.num_programs(1) * SPLIT):
         e = tl.arange(0, E_TILE)
         e_ok = e < E
         logits = tl.zeros([E_TILE], dtype=tl.float32)
@@ -69,7 +67,7 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
         slot = tl.arange(0, K_TILE)
         tl.store(weights_ptr + t * TOP_K + slot, best_w, mask=slot < TOP_K)
         tl.store(ids_ptr + t * TOP_K + slot, best_id, mask=slot < TOP_K)
-        tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(counter_ptr, t)
 
 
 @triton.jit

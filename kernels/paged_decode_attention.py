@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.arrivals import last_arrival, reset_arrivals
 from pdserve.kernels.kv_cache_write import kv_store_value
 from pdserve.kernels.launch import (
     cache_dtypes,
@@ -213,12 +214,9 @@ def _decode_split_kernel(
         lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
         if FUSED_REDUCE:
-            # Every thread's partial stores precede the count (barrier, then a release add by
-            # the counting thread); the last arrival's acquire makes all S partials visible.
-            tl.debug_barrier()
-            counter = sem_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
+            # The (sequence, KV head)'s last arrival sees all S partials (kernels/arrivals.py).
+            group = b * tl.num_programs(1) + kvh
+            if last_arrival(sem_ptr, group, num_splits):
                 _merge_splits(
                     part_out_ptr,
                     part_lse_ptr,
@@ -235,7 +233,7 @@ def _decode_split_kernel(
                     D_PAD,
                     HAS_SINKS,
                 )
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                reset_arrivals(sem_ptr, group)
     else:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
