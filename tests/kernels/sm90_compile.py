@@ -15,8 +15,11 @@ import sys
 
 
 def variants():
-    """(name, jit function, argument types, [constexpr values]) per kernel checked."""
-    from pdserve.kernels import fp8_gemv, fused_gemv
+    """(name, jit function, argument types (or a function of the constexprs giving them), [constexpr
+    values]) per kernel checked."""
+    import triton.language as tl
+
+    from pdserve.kernels import fp8_gemv, fused_gemv, moe_gate, paged_decode_attention
 
     gemv_types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "g_ptr", "w_ptr", "b_ptr", "out_ptr", "new_res_ptr")}
     gemv_types.update(part_ptr="*fp32", ss_ptr="*fp32", counter_ptr="*i32", eps="fp32")
@@ -39,16 +42,39 @@ def variants():
                 PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=8 if one_row else 32,
                 BLOCK_K=128 if blocked else 1024, EARLY_W=early, PDL=True)
            for blocked, one_row, early, here in itertools.product((False, True), repeat=4) if one_row or not early]
+    gate_types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", part_ptr="*fp32", weights_ptr="*fp32",
+                      ids_ptr="*i64", counter_ptr="*i32", K="i32", E="i32", stride_xt="i32", stride_we="i32")
+    gate = [dict(TOP_K=4, K_TILE=4, E_TILE=128, BLOCK_E=16, BLOCK_K=512, SPLIT=split, HAS_BIAS=bias,
+                 RENORMALIZE=renorm, ROUND=tl.bfloat16, PDL=True)
+            for split, bias, renorm in itertools.product((1, 6), (False, True), (False, True))]
+    attn_types = dict(q_ptr="*bf16", bt_ptr="*i32", ctx_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
+                      part_lse_ptr="*fp32", sem_ptr="*i32", pos_ptr="*i64", slot_ptr="*i64", k_new_ptr="*bf16",
+                      v_new_ptr="*bf16", bias_ptr="*bf16", cs_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                      sinks_ptr="*fp32", scale_log2="fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", norm_eps="fp32")
+    attn_types.update({n: "i32" for n in paged_decode_attention._decode_split_kernel.arg_names
+                       if n.startswith("stride_") or n in ("num_splits", "window")})
+    attn = []
+    for (split, fused), rotary, kv_fp8, sliding in itertools.product(
+            ((False, False), (True, False), (True, True)), (False, True), (False, True), (False, True)):
+        attn.append(dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=split,
+                         FUSED_REDUCE=fused, ROTARY=rotary, HAS_BIAS=rotary, QK_NORM=rotary and not kv_fp8,
+                         KV_FP8=kv_fp8, DOT_F32=False, PRECISION="tf32", SLIDING=sliding, HAS_SINKS=sliding, PDL=True))
+    # The cache's dtype is a pointer type per variant (fp8 or bf16).
+    attn_kv = {False: dict(k_ptr="*bf16", v_ptr="*bf16"), True: dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")}
     return [("fused_gemv._gemv_kernel", fused_gemv._gemv_kernel, gemv_types, gemv),
-            ("fp8_gemv._fp8_gemv_kernel", fp8_gemv._fp8_gemv_kernel, fp8_types, fp8)]
+            ("fp8_gemv._fp8_gemv_kernel", fp8_gemv._fp8_gemv_kernel, fp8_types, fp8),
+            ("moe_gate._moe_gate_kernel", moe_gate._moe_gate_kernel, gate_types, gate),
+            ("paged_decode_attention._decode_split_kernel", paged_decode_attention._decode_split_kernel,
+             lambda c: attn_types | attn_kv[c["KV_FP8"]], attn)]
 
 
-def compile_sm90(fn, types: dict, constexprs: dict) -> None:
+def compile_sm90(fn, types, constexprs: dict) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    types = types(constexprs) if callable(types) else types
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})

@@ -1,4 +1,4 @@
-"""The GEMV kernels compile for an sm90 card (tests/kernels/sm90_compile.py), on CPU: what the
+"""The GEMV, MoE gate and split decode attention kernels compile for an sm90 card (tests/kernels/sm90_compile.py), on CPU: what the
 interpreter cannot say (it runs their Python, not Triton's compiler), said before a GPU runs them."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _has_cuda_backend() -> bool:
 
 
 @pytest.mark.skipif(not _has_cuda_backend(), reason="this Triton build has no CUDA backend to compile with")
-def test_gemv_kernels_compile_for_sm90(tmp_path):
+def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not taken from an earlier run's cache
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -30,3 +30,5 @@ def test_gemv_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled fused_gemv._gemv_kernel: 48 variants" in proc.stdout
     assert "compiled fp8_gemv._fp8_gemv_kernel: 12 variants" in proc.stdout
+    assert "compiled moe_gate._moe_gate_kernel: 8 variants" in proc.stdout
+    assert "compiled paged_decode_attention._decode_split_kernel: 24 variants" in proc.stdout
