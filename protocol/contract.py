@@ -20,6 +20,9 @@ ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH = "prefill", "decode", "both"
 # prefill request carries it to the prefill worker as the client's decode budget.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+# The most alternatives a logprobs field asks for (OpenAI's top_logprobs cap; vLLM's default too).
+MAX_LOGPROBS = 20
+
 # The OpenAI HTTP port of workers and routers, and its name in a pod's container ports.
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Ta
 
 from pdserve.protocol import chat_templates
 from pdserve.protocol.continuation import Continuation
-from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS
+from pdserve.protocol.contract import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from pdserve.protocol.errors import bad_request
 from pdserve.protocol.kv_transfer import KVTransferField
 from pdserve.protocol.structured import StructuredOutputFields
@@ -73,6 +73,9 @@ class CommonRequest(StructuredOutputFields):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: each prompt token's logprob, rank and the top-N there (the first token's: null), in
+    # the answer's `prompt_logprobs` (a completions choice's; a chat response's own). Not streamed.
+    prompt_logprobs: int | None = None
     # vLLM's: lower is served sooner. Workers started with --scheduling-policy priority order
     # their queue by it; the router's flow control (router/flow_control/) maps it onto a band.
     priority: int = 0
@@ -90,6 +93,12 @@ class CommonRequest(StructuredOutputFields):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         self.structured_output()  # the shape of response_format / guided_* (400 naming the field)
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                                  "prompt_logprobs")
+            if self.stream:
+                raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
 
 class CompletionRequest(CommonRequest):

@@ -61,6 +61,8 @@ class CompletionChoice(_Wire):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
+    # vLLM's, when asked for (left out otherwise: this shape is every stream chunk's too).
+    prompt_logprobs: list[dict[str, Any] | None] | None = omitted()
 
 
 class CompletionResponse(_Envelope):
@@ -94,6 +96,7 @@ class ChatCompletionResponse(_Envelope):
     object: str = "chat.completion"
     choices: list[ChatChoice]
     kv_transfer_params: dict[str, Any] | None = omitted()
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's (null unless asked for, as vLLM sends it)
 
 
 class Delta(_Wire):

@@ -56,10 +56,10 @@ class Call:
     def single_sequence(self) -> bool:
         """Whether the request generates exactly one sequence, the only shape a hand-off
         describes: one prompt's KV and one first token. A list of prompts or n > 1 (best_of) is
-        served whole by one worker instead; so is `echo` (both legs would echo the prompt, and
-        its prompt logprobs come from the prefill pass, which is the whole of the work)."""
+        served whole by one worker instead; so are `echo` (both legs would echo the prompt) and
+        `prompt_logprobs` (they come from the prefill pass, which is the whole of the work)."""
         r = self.request
-        if r.n != 1:
+        if r.n != 1 or r.prompt_logprobs is not None:
             return False
         if not isinstance(r, CompletionRequest):
             return True

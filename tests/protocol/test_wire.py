@@ -55,7 +55,7 @@ def test_chunks_leave_out_unset_optional_keys():
 def test_responses_keep_a_workers_extra_fields_and_drop_absent_kv_params():
     raw = {"id": "x", "object": "text_completion", "created": 1, "model": "m", "system_fingerprint": "fp",
            "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                        "prompt_logprobs": None}],
+                        "prompt_logprobs": [None, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "a"}}]}],
            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
     assert json.loads(CompletionResponse.model_validate(raw).model_dump_json()) == raw
     chat = ChatCompletionResponse.model_validate({"id": "x", "choices": [{"message": {"content": "a"}}],

@@ -156,9 +156,10 @@ def ask(url: str, route: str, body: dict) -> dict:
         assert out["id"].startswith(PREFIX[route]) and "kv_transfer_params" not in out
         choices = {c["index"]: {"text": c["text"] if route == "completions" else c["message"]["content"],
                                 "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
-                                "logprobs": c["logprobs"]} for c in out["choices"]}
+                                "logprobs": c["logprobs"], "prompt_logprobs": c.get("prompt_logprobs")}
+                   for c in out["choices"]}
         usage = {k: out["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        return {"choices": choices, "usage": usage}
+        return {"choices": choices, "usage": usage, "prompt_logprobs": out.get("prompt_logprobs")}
     choices: dict[int, dict] = {}
     usage, ids, done = None, set(), False
     for line in r.text.split("\n\n"):
@@ -230,6 +231,16 @@ def test_echo(stack, stream):
     out = assert_same(stack, "completions", {"prompt": TEXTS[0], "echo": True, "logprobs": 1, "max_tokens": 3,
                                              "temperature": 0, "stream": stream})
     assert out["choices"][0]["text"].startswith(TEXTS[0])
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_prompt_logprobs(stack, route):
+    """vLLM's prompt_logprobs: the router serves them whole on one worker, as the worker does."""
+    key = {"prompt": TEXTS[3]} if route == "completions" else {"messages": chat(TEXTS[3])}
+    out = assert_same(stack, route, {**key, "prompt_logprobs": 2, "max_tokens": 3, "temperature": 0})
+    entries = out["choices"][0]["prompt_logprobs"] if route == "completions" else out["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == out["usage"]["prompt_tokens"]
+    assert all(2 <= len(e) <= 3 for e in entries[1:])
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

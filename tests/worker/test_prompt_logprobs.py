@@ -1,11 +1,12 @@
-"""Prompt logprobs (echo + logprobs): equal to Hugging Face's log_softmax over the same tiny
-checkpoint in fp32, in the engine (whole and chunked prefills, prefix cache on, batched with
-others) and through the HTTP server with the real `openai` client."""
+"""Prompt logprobs (echo + logprobs, and vLLM's prompt_logprobs): equal to Hugging Face's
+log_softmax over the same tiny checkpoint in fp32, in the engine (whole and chunked prefills,
+prefix cache on, batched with others) and through the HTTP server with the real `openai` client."""
 
 from __future__ import annotations
 
 import functools
 
+import httpx
 import openai
 import pytest
 import torch
@@ -46,11 +47,18 @@ def check_against_hf(ckpt, prompt: list[int], entries, top: int) -> float:
         e, row = entries[p], ref[p - 1]
         assert e.token_id == prompt[p]
         worst = max(worst, abs(e.logprob - float(row[prompt[p]])))
+        assert e.rank in ranks_within_tol(row, prompt[p])
         vals, ids = row.topk(top)
         assert [t for t, _ in e.top] == ids.tolist()
         worst = max(worst, max(abs(v - float(r)) for (_, v), r in zip(e.top, vals)))
     assert worst < TOL, worst
     return worst
+
+
+def ranks_within_tol(row: torch.Tensor, token: int) -> range:
+    """The ranks (1 = best) `token` may take in `row` when values within TOL of its own may tie."""
+    v = float(row[token])
+    return range(1 + int((row > v + TOL).sum()), 1 + int((row > v - TOL).sum()))  # the latter counts token too
 
 
 def run_engine(engine: LLMEngine, prompts, params_list) -> dict[int, tuple[list[int], list]]:
@@ -212,3 +220,72 @@ def test_tensor_parallel_prompt_logprobs_equal_hf(tiny_checkpoint):
             check_against_hf(ckpt, p, out[i][1], TOP)
     finally:
         engine.shutdown()
+
+
+# -- vLLM's prompt_logprobs ----------------------------------------------------------------------
+
+def _check_vllm(ckpt, tokenizer, prompt: list[int], entries: list, top: int) -> None:
+    """vLLM's shape: per token {id: {logprob, rank, decoded_token}} with the token and the top-N."""
+    ref = hf_logprobs(str(ckpt), tuple(prompt))
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        e, row = entries[p], ref[p - 1]
+        own = e[str(prompt[p])]
+        assert abs(own["logprob"] - float(row[prompt[p]])) < TOL
+        assert own["rank"] in ranks_within_tol(row, prompt[p])
+        assert own["decoded_token"] == tokenizer.decode([prompt[p]])
+        vals, ids = row.topk(top)
+        assert {str(t) for t in ids.tolist()} <= set(e) and len(e) <= top + 1
+        for i, (t, v) in enumerate(zip(ids.tolist(), vals)):
+            if t != prompt[p]:
+                assert e[str(t)]["rank"] == i + 1 and abs(e[str(t)]["logprob"] - float(v)) < TOL
+
+
+def test_http_prompt_logprobs_completions(client, tokenizer, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    prompts = [PROMPTS[3], PROMPTS[0]]
+    r = client.completions.create(model=NAME, prompt=prompts, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": TOP})
+    for choice, prompt in zip(r.choices, prompts):
+        _check_vllm(ckpt, tokenizer, prompt, choice.model_extra["prompt_logprobs"], TOP)
+        assert choice.logprobs is None and not choice.text.startswith(tokenizer.decode(prompt))
+    # With echo asking fewer: echo's top lists keep its own N, prompt_logprobs its own.
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": TOP})
+    _check_vllm(ckpt, tokenizer, PROMPTS[1], r.choices[0].model_extra["prompt_logprobs"], TOP)
+    _check_http(ckpt, tokenizer, PROMPTS[1], r.choices[0].logprobs, 1)
+    assert all(len(t) <= 2 for t in r.choices[0].logprobs.top_logprobs[1:len(PROMPTS[1])])
+    # Not asked: not in a completions choice (whose shape every stream chunk shares); null on chat, as vLLM.
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+def test_http_prompt_logprobs_chat(client, tokenizer, tiny_checkpoint):
+    ckpt = tiny_checkpoint("llama")
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "one two three"}],
+                                       max_tokens=2, temperature=0, n=2, extra_body={"prompt_logprobs": 0})
+    entries = r.model_extra["prompt_logprobs"]
+    assert len(entries) == r.usage.prompt_tokens
+    prompt = [int(next(iter(e))) for e in entries[1:]]  # N = 0: each entry is the prompt token alone
+    assert all(len(e) == 1 for e in entries[1:])
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    ids = httpx.post(f"{root}/tokenize", json={"model": NAME, "messages": [
+        {"role": "user", "content": "one two three"}]}).json()["tokens"]
+    assert prompt == ids[1:]
+    _check_vllm(ckpt, tokenizer, ids, entries, 0)
+    plain = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert plain.model_extra["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+])
+def test_http_prompt_logprobs_refused(client, extra, param):
+    for call in (lambda: client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body=extra),
+                 lambda: client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=1, extra_body=extra)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param, e.value.body

@@ -14,6 +14,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # the token's place in the vocabulary by logprob, 1 = best (prompt tokens only)
 
 
 @dataclass

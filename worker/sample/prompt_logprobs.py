@@ -1,5 +1,6 @@
-"""Prompt logprobs (completions' `echo=True` with `logprobs=N`): the log-probability the model
-gives each prompt token after the tokens before it, plus the top-N alternatives there.
+"""Prompt logprobs (completions' `echo=True` with `logprobs=N`, and vLLM's `prompt_logprobs=N` on
+either endpoint): the log-probability the model gives each prompt token after the tokens before
+it, its rank there, plus the top-N alternatives.
 
 They come from the prefill's own hidden states: position p's logits score prompt token p+1.
 Only requests that ask for them project their prompt rows to logits, and those rows go
@@ -52,7 +53,7 @@ def plan_rows(req: Request, start: int, end: int, first_row: int, rows: list[int
 def score_rows(hidden: torch.Tensor, rows: list[int], targets: list[int], top_k: int, project,
                slice_rows: int) -> tuple | None:
     """log_softmax of `project(hidden[rows])` in slices -> (target logprob [R], top values [R, k],
-    top ids [R, k]) on rank 0; None where `project` returns None (the other TP ranks)."""
+    top ids [R, k], target rank [R]) on rank 0; None where `project` returns None (the other TP ranks)."""
     out = []
     for s in range(0, len(rows), slice_rows):
         idx = torch.tensor(rows[s:s + slice_rows], device=hidden.device)
@@ -62,7 +63,9 @@ def score_rows(hidden: torch.Tensor, rows: list[int], targets: list[int], top_k:
         lp = logits.float().log_softmax(-1)
         tgt = torch.tensor(targets[s:s + slice_rows], device=lp.device).unsqueeze(1)
         vals, ids = lp.topk(top_k, dim=-1) if top_k > 0 else (lp[:, :0], tgt[:, :0])
-        out.append((lp.gather(1, tgt).squeeze(1), vals, ids))
+        target = lp.gather(1, tgt)
+        # vLLM's rank: 1 + the tokens the model scored strictly higher than the prompt's.
+        out.append((target.squeeze(1), vals, ids, (lp > target).sum(-1) + 1))
     if not out:
         return None
     return tuple(torch.cat(parts) for parts in zip(*out))
@@ -76,13 +79,13 @@ class PromptLogprobsCollector:
         self._by_request: dict[str, list[TokenLogprob | None]] = {}
 
     def record(self, book: PromptRows, scores: tuple) -> None:
-        target_lp, vals, ids = (t.tolist() for t in scores)  # one device read-back per step
+        target_lp, vals, ids, ranks = (t.tolist() for t in scores)  # one device read-back per step
         for j, (req, pos) in enumerate(zip(book.requests, book.positions)):
             acc = self._by_request.get(req.request_id)
             if acc is None:
                 acc = self._by_request[req.request_id] = [None] * req.num_prompt_tokens
             k = req.params.prompt_logprobs
-            acc[pos] = TokenLogprob(req.token_ids[pos], target_lp[j], list(zip(ids[j][:k], vals[j][:k])))
+            acc[pos] = TokenLogprob(req.token_ids[pos], target_lp[j], list(zip(ids[j][:k], vals[j][:k])), ranks[j])
 
     def pop(self, request_id: str, num_prompt_tokens: int) -> list[TokenLogprob | None] | None:
         """The whole prompt's entries (None for the first token); a one-token prompt has only that."""

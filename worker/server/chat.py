@@ -16,6 +16,7 @@ from pdserve.protocol.responses import (AssistantMessage, ChatChoice, ChatChunkC
 from pdserve.protocol.sse import DONE, SSEResponse, event
 from pdserve.worker.request.outputs import TokenLogprob
 from pdserve.worker.server import serving
+from pdserve.worker.server.prompt_logprobs import engine_top_n, first_entries, prompt_logprobs_field
 from pdserve.worker.server.sampling import sampling_params
 from pdserve.worker.server.tool_parsers import get_parser
 from pdserve.worker.server.tool_parsers.harmony import HarmonyParser
@@ -65,7 +66,7 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
     max_tokens = serving.resolve_max_tokens(body.requested_max_tokens, [prompt], state.max_model_len,
                                             "messages", body.max_tokens_param)
     serving.check_decode_budget(body.kv_transfer_params, [prompt], state.max_model_len, "messages")
-    params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs")
+    params = sampling_params(body, max_tokens, body.num_logprobs, "top_logprobs", engine_top_n(body))
     if tools.grammar is not None:  # a forced tool call (response_format with it is refused already)
         params = dataclasses.replace(params, structured=tools.grammar)
     if harmony:  # the channel markers are special tokens: kept in the text for the parser
@@ -107,7 +108,9 @@ async def create_chat_completion(state, request: Request, body: ChatCompletionRe
                        stop_reason=c.final.stop_reason if c.final else None)
             for i, (c, (content, calls, reasoning)) in enumerate(zip(choices, messages))
         ], usage=serving.usage([prompt], body.n, choices, thought),
-            kv_transfer_params=serving.handed_params(choices))
+            kv_transfer_params=serving.handed_params(choices),
+            prompt_logprobs=None if body.prompt_logprobs is None else prompt_logprobs_field(
+                state.tokenizer, prompt, first_entries(choices), body.prompt_logprobs))
 
     if serving.announced(first):  # a streamed prefill: its params now, the answer when it ends
         return serving.handoff_response(request, first, events, body.n, answer)

@@ -12,6 +12,7 @@ from pdserve.protocol.responses import CompletionChoice, CompletionChunk, Comple
 from pdserve.protocol.sse import DONE, SSEResponse
 from pdserve.worker.request.outputs import TokenLogprob
 from pdserve.worker.server import echo, serving
+from pdserve.worker.server.prompt_logprobs import engine_top_n, prompt_logprobs_field
 from pdserve.worker.server.sampling import sampling_params
 
 
@@ -50,7 +51,7 @@ async def create_completion(state, request: Request, body: CompletionRequest):
     max_tokens = serving.resolve_max_tokens(1 if only_prompt else body.max_tokens, prompts, state.max_model_len,
                                             "prompt", "max_tokens")
     serving.check_decode_budget(body.kv_transfer_params, prompts, state.max_model_len, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, "logprobs", echo.prompt_logprobs_param(body))
+    params = sampling_params(body, max_tokens, body.logprobs, "logprobs", engine_top_n(body))
     echoer = echo.Echo(tok, body, prompts, body.n, only_prompt) if body.echo else None
     kv_params = serving.kv_transfer_params(body.kv_transfer_params, len(prompts) * body.n)
     continued = serving.continued(state, body, len(prompts) * body.n)
@@ -79,7 +80,9 @@ async def create_completion(state, request: Request, body: CompletionRequest):
             CompletionChoice(index=i, text="".join(c.text),
                              logprobs=format_logprobs(tok, c.logprobs, 0) if body.logprobs is not None else None,
                              finish_reason=c.final.finish_reason if c.final else "abort",
-                             stop_reason=c.final.stop_reason if c.final else None)
+                             stop_reason=c.final.stop_reason if c.final else None,
+                             prompt_logprobs=None if body.prompt_logprobs is None else prompt_logprobs_field(
+                                 tok, prompts[i // body.n], c.prompt_logprobs, body.prompt_logprobs))
             for i, c in enumerate(choices)
         ], usage=serving.usage(prompts, body.n, choices),
             kv_transfer_params=serving.handed_params(choices))

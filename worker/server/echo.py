@@ -21,20 +21,15 @@ def echo_only(body: CompletionRequest) -> bool:
     return body.echo and body.max_tokens == 0
 
 
-def prompt_logprobs_param(body: CompletionRequest) -> int | None:
-    """Top-N of prompt logprobs the engine computes (None: echo without logprobs, or no echo)."""
-    return body.logprobs if body.echo else None
-
-
 def prompt_texts(tokenizer, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     """What is echoed: a text prompt as sent, a token-id prompt decoded."""
     given = body.prompts()
     return [g if isinstance(g, str) else tokenizer.decode(ids) for g, ids in zip(given, prompts)]
 
 
-def format_prompt_logprobs(tokenizer, prompt: list[int], entries: list[TokenLogprob | None] | None) -> dict:
+def format_prompt_logprobs(tokenizer, prompt: list[int], entries: list[TokenLogprob | None] | None, n: int) -> dict:
     """The legacy-completions logprobs of the prompt; top_logprobs holds the top-N plus the prompt
-    token itself (OpenAI: up to N+1 entries)."""
+    token itself (OpenAI: up to N+1 entries). The engine may have scored more (prompt_logprobs)."""
     entries = entries or [None] * len(prompt)
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for token_id, e in zip(prompt, entries):
@@ -47,7 +42,7 @@ def format_prompt_logprobs(tokenizer, prompt: list[int], entries: list[TokenLogp
             tops.append(None)
             continue
         token_lps.append(e.logprob)
-        top = {tokenizer.decode([t]): v for t, v in e.top}
+        top = {tokenizer.decode([t]): v for t, v in e.top[:n]}
         top.setdefault(s, e.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -67,6 +62,7 @@ class Echo:
         self.tokenizer, self.prompts, self.n, self.only_prompt = tokenizer, prompts, n, only_prompt
         self.texts = prompt_texts(tokenizer, body, prompts)
         self.with_logprobs = body.logprobs is not None
+        self.top_n = body.logprobs or 0
         self.prompt_lps: dict[int, list] = {}  # choice -> its prompt's entries, as the engine sent them
         self.echoed: set[int] = set()
 
@@ -89,8 +85,8 @@ class Echo:
         choice.text = head + text
         if self.with_logprobs:
             prompt = self.prompts[i // self.n]
-            choice.logprobs = join_logprobs(format_prompt_logprobs(self.tokenizer, prompt, self.prompt_lps.get(i)),
-                                            gen_lps)
+            head_lps = format_prompt_logprobs(self.tokenizer, prompt, self.prompt_lps.get(i), self.top_n)
+            choice.logprobs = join_logprobs(head_lps, gen_lps)
 
     def usage(self, usage):
         if self.only_prompt and usage is not None:
