@@ -75,7 +75,9 @@ tools/gpu/mxfp4_decode.sh's sweep): `DOWN_SPLIT_K` s >= 1 runs the down pass as 
 one-program-per-strip GEMV, whose ~180 programs at T = 1 walk all of I serially -- each writing an
 fp32 partial, summed in slot-then-share order by a small finish launch (no float atomics: the
 same bits every run; CUDA-graph safe, buffers sized by shapes); it runs on bf16 and FP8 weights too,
-the default for bf16 at one token (BF16_ONE_TOKEN_DOWN). `GU_SPLIT_K` s > 1 does the same
+the default for bf16 at one token (BF16_ONE_TOKEN_DOWN); `DOWN_REDUCE_HERE: True` sums the partials
+in the same order inside that launch instead, by its last program of a (token, strip) to arrive
+(kernels/arrivals.py; off until measured on a GPU). `GU_SPLIT_K` s > 1 does the same
 for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
 nibble-major order). `GU_X_NM` has mx_activations write x in nibble-major order (the same launch)
 so the gate|up GEMV's x loads are 16-byte vectors, as the down pass's are.
@@ -99,6 +101,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
 from pdserve.kernels.launch import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision
 from pdserve.kernels.moe_activation import SILU_AND_MUL, MoeActivation, SwigluOAI, check_activation
 from pdserve.kernels.moe_route import _route_rows
@@ -1073,15 +1076,18 @@ def _moe_decode_gate_up_finish(part_ptr, inter_ptr, ids_ptr, weight_ptr, bias_pt
 @triton.jit
 def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_ptr, s_ptr, bias_ptr, N, K,
                                   num_experts, expert_offset, stride_im, stride_we, stride_wn, stride_se, stride_sn,
-                                  stride_sk, stride_bias_e, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  FP8: tl.constexpr = False, MXFP4: tl.constexpr = True, SCALE_ROWS: tl.constexpr = 1,
-                                  GROUP_K: tl.constexpr = 1, PDL: tl.constexpr = False):
+                                  stride_sk, stride_bias_e, out_ptr, counter_ptr, stride_om, TOP_K: tl.constexpr,
+                                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  HAS_BIAS: tl.constexpr, FP8: tl.constexpr = False, MXFP4: tl.constexpr = True,
+                                  SCALE_ROWS: tl.constexpr = 1, GROUP_K: tl.constexpr = 1,
+                                  REDUCE_HERE: tl.constexpr = False, PDL: tl.constexpr = False):
     # The down pass with k x SPLIT times the programs of _moe_decode_down_kernel: grid
     # (T, cdiv(H, BLOCK_N), k * SPLIT), program (t, n, j * SPLIT + s) = token t's expert slot j,
     # columns [n*BLOCK_N, +BLOCK_N), the s-th BLOCK_K-aligned share of I's steps. Its fp32 sum
     # (plus weight * bias in share 0) goes to part_ptr [k * SPLIT, T, H]; _moe_decode_down_finish
-    # adds the k * SPLIT partials in that fixed order (no float atomics: the same bits every run).
+    # adds the k * SPLIT partials in that fixed order (no float atomics: the same bits every run),
+    # or with REDUCE_HERE the (token, strip)'s last program to arrive does, in the same order
+    # (kernels/arrivals.py; counter_ptr: int32 zeros, one per token and strip, left zero).
     # A slot whose expert is held elsewhere writes zeros (its intermediate row is never read).
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -1144,6 +1150,21 @@ def _moe_decode_down_split_kernel(inter_ptr, w2_ptr, part_ptr, ids_ptr, weight_p
         b = tl.load(bias_ptr + e * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)
         out += wj * b
     tl.store(part_ptr + (pid_p * tl.num_programs(0) + t) * N + cols, out, mask=col_ok)
+    if REDUCE_HERE:
+        group = t * tl.num_programs(1) + pid_n
+        if last_arrival(counter_ptr, group, TOP_K * SPLIT):
+            _sum_parts(part_ptr, out_ptr, t, tl.num_programs(0), N, stride_om, cols, col_ok, TOP_K * SPLIT, ".cg")
+            reset_arrivals(counter_ptr, group)
+
+
+@triton.jit
+def _sum_parts(part_ptr, out_ptr, t, num_tokens, N, stride_om, cols, col_ok, PARTS: tl.constexpr,
+               CACHE: tl.constexpr):
+    # Token t's PARTS fp32 partials of `cols` summed in slot-then-share order, cast once, stored.
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for p in tl.static_range(PARTS):
+        acc += tl.load(part_ptr + (p * num_tokens + t) * N + cols, mask=col_ok, other=0.0, cache_modifier=CACHE)
+    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -1153,11 +1174,7 @@ def _moe_decode_down_finish(part_ptr, out_ptr, N, stride_om, PARTS: tl.constexpr
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for p in tl.static_range(PARTS):
-        acc += tl.load(part_ptr + (p * tl.num_programs(0) + t) * N + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + t * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    _sum_parts(part_ptr, out_ptr, t, tl.num_programs(0), N, stride_om, cols, cols < N, PARTS, "")
 
 
 def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
@@ -1264,7 +1281,8 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
     """Decode pass 2: [T, H] in out_dtype (default the intermediate's dtype: MXFP4's is fp32 times
     2^64, so its callers name the activations'), the top-k sum inside. Knob DOWN_SPLIT_K (any weight format): 0 =
     one program per (token, column strip) over all k experts and all of I; s >= 1 = programs per (token, strip,
-    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch."""
+    expert slot, s-th share of I) writing fp32 partials, summed in a fixed order by a finish launch, or
+    with DOWN_REDUCE_HERE by the last of them to arrive (the same sum, one launch fewer)."""
     t, top_k = topk_ids.shape
     e, h, inter = w2.shape[0], w2.shape[1], inter_out.shape[1]
     mxfp4 = w2.dtype == MXFP4
@@ -1275,15 +1293,21 @@ def _decode_down(inter_out, w2, weights, topk_ids, expert_offset, cfg, w2_scale=
     bias_stride = _epilogue_args(w2_bias, activation)[0]
     if split:
         part = torch.empty((top_k * split, t, h), dtype=torch.float32, device=out.device)
-        _moe_decode_down_split_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]), top_k * split)](
+        strips = triton.cdiv(h, cfg["DOWN_BLOCK_N"])
+        # The finish in the same launch where the counters cover every (token, strip).
+        here = cfg.get("DOWN_REDUCE_HERE", False) and t * strips <= MAX_COUNTERS
+        _moe_decode_down_split_kernel[(t, strips, top_k * split)](
             inter_out, w2, part, ids, weights, w2 if w2_scale is None else w2_scale,
             w2 if w2_bias is None else w2_bias, h, inter, e, expert_offset, inter_out.stride(0), *w2_rows,
-            *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride,
+            *_scale_args(w2_scale, block, mxfp4)[:3], bias_stride, out,
+            strip_counters(out.device) if here else part, out.stride(0),
             TOP_K=top_k, SPLIT=split, BLOCK_N=cfg["DOWN_BLOCK_N"], BLOCK_K=cfg["DOWN_BLOCK_K"],
-            HAS_BIAS=w2_bias is not None, **quant, num_warps=cfg["DOWN_WARPS"], **pdl_args(inter_out.device))
-        _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
-            part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4,
-            **pdl_args(part.device))
+            HAS_BIAS=w2_bias is not None, **quant, REDUCE_HERE=here, num_warps=cfg["DOWN_WARPS"],
+            **pdl_args(inter_out.device))
+        if not here:
+            _moe_decode_down_finish[(t, triton.cdiv(h, FINISH_BLOCK_N))](
+                part, out, h, out.stride(0), PARTS=top_k * split, BLOCK_N=FINISH_BLOCK_N, num_warps=4,
+                **pdl_args(part.device))
         return out
     _moe_decode_down_kernel[(t, triton.cdiv(h, cfg["DOWN_BLOCK_N"]))](
         inter_out, w2, out, ids, weights, w2 if w2_scale is None else w2_scale, w2 if w2_bias is None else w2_bias,
@@ -1420,7 +1444,7 @@ def _check_weights(fn, x, w13, w2, w13_scale, w2_scale, block, config) -> tuple[
                              f"(a step covers whole exponent groups), the sorted path's BLOCK_K of 128 unless "
                              f"MX_DOT_SCALED runs (bf16 / fp16 x; the 8 dots a step have K = BLOCK_K / 8, "
                              f"at least 16)")
-    for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH"):
+    for key in ("MX_DOT_SCALED", "MX_ONE_DOT", "GU_X_NM", "GU_PREFETCH", "DOWN_REDUCE_HERE"):
         if not isinstance((config or {}).get(key, False), bool):
             raise ValueError(f"{fn}: config {key} must be True or False, got {config[key]!r}")
     for key, least in (("GU_SPLIT_K", 1), ("DOWN_SPLIT_K", 0)):

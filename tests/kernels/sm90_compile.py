@@ -19,7 +19,7 @@ def variants():
     values]) per kernel checked."""
     import triton.language as tl
 
-    from pdserve.kernels import fp8_gemv, fused_gemv, moe_gate, paged_decode_attention
+    from pdserve.kernels import fp8_gemv, fused_gemv, fused_moe, moe_gate, paged_decode_attention
 
     gemv_types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "g_ptr", "w_ptr", "b_ptr", "out_ptr", "new_res_ptr")}
     gemv_types.update(part_ptr="*fp32", ss_ptr="*fp32", counter_ptr="*i32", eps="fp32")
@@ -61,11 +61,25 @@ def variants():
                          KV_FP8=kv_fp8, DOT_F32=False, PRECISION="tf32", SLIDING=sliding, HAS_SINKS=sliding, PDL=True))
     # The cache's dtype is a pointer type per variant (fp8 or bf16).
     attn_kv = {False: dict(k_ptr="*bf16", v_ptr="*bf16"), True: dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")}
+    down_types = dict(part_ptr="*fp32", ids_ptr="*i64", weight_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+                      counter_ptr="*i32")
+    down_types.update({n: "i32" for n in fused_moe._moe_decode_down_split_kernel.arg_names
+                       if n.startswith("stride_") or n in ("N", "K", "num_experts", "expert_offset")})
+    # Per weight format: the intermediate row's, the weight's and the scales' element types.
+    down_formats = {"bf16": dict(inter_ptr="*bf16", w2_ptr="*bf16", s_ptr="*bf16"),
+                    "fp8": dict(inter_ptr="*bf16", w2_ptr="*fp8e4nv", s_ptr="*fp32"),
+                    "mxfp4": dict(inter_ptr="*fp32", w2_ptr="*i32", s_ptr="*u8")}
+    down = [dict(TOP_K=8, SPLIT=split, BLOCK_N=32, BLOCK_K=128 if fmt == "fp8" else 256, HAS_BIAS=fmt == "mxfp4",
+                 FP8=fmt == "fp8", MXFP4=fmt == "mxfp4", SCALE_ROWS=128 if fmt == "fp8" else 1,
+                 GROUP_K=128 if fmt == "fp8" else 1, REDUCE_HERE=here, PDL=True, FORMAT=fmt)
+            for fmt, split, here in itertools.product(down_formats, (1, 2), (False, True))]
     return [("fused_gemv._gemv_kernel", fused_gemv._gemv_kernel, gemv_types, gemv),
             ("fp8_gemv._fp8_gemv_kernel", fp8_gemv._fp8_gemv_kernel, fp8_types, fp8),
             ("moe_gate._moe_gate_kernel", moe_gate._moe_gate_kernel, gate_types, gate),
             ("paged_decode_attention._decode_split_kernel", paged_decode_attention._decode_split_kernel,
-             lambda c: attn_types | attn_kv[c["KV_FP8"]], attn)]
+             lambda c: attn_types | attn_kv[c["KV_FP8"]], attn),
+            ("fused_moe._moe_decode_down_split_kernel", fused_moe._moe_decode_down_split_kernel,
+             lambda c: down_types | down_formats[c["FORMAT"]], down)]
 
 
 def compile_sm90(fn, types, constexprs: dict) -> None:
@@ -75,6 +89,7 @@ def compile_sm90(fn, types, constexprs: dict) -> None:
 
     names = fn.arg_names
     types = types(constexprs) if callable(types) else types
+    constexprs = {k: v for k, v in constexprs.items() if k in names}  # the rest name a variant's types
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})

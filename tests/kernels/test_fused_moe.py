@@ -163,6 +163,23 @@ def test_decode_down_split_matches_reference(poison_empty, dtype, split, t, e, k
         assert (out[(ids < 0).all(dim=1)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split,t,k,drop", [(1, 1, 2, 0.0), (2, 3, 3, 0.0), (3, 4, 2, 0.4)])
+def test_decode_down_reduce_here_equals_the_finish_launch(poison_empty, dtype, split, t, k, drop):
+    # DOWN_REDUCE_HERE: the last program of a (token, strip) to arrive sums the partials in the
+    # finish launch's order: the same bits; the arrival counters are left zero for the next launch.
+    from pdserve.kernels.arrivals import strip_counters
+
+    x, w13, w2, w, ids = moe_inputs(t, 80, 40, 8, k, dtype=dtype, drop=drop)
+    cfg = dict(SMALL_DECODE_TILES, DOWN_SPLIT_K=split)
+    two = fused_moe(x, w13, w2, w, ids, config=cfg, path="decode")
+    one = fused_moe(x, w13, w2, w, ids, config=dict(cfg, DOWN_REDUCE_HERE=True), path="decode")
+    assert torch.equal(one, two)
+    assert not strip_counters(x.device).any()
+    with pytest.raises(ValueError, match="DOWN_REDUCE_HERE must be True or False"):
+        fused_moe(x, w13, w2, w, ids, config=dict(cfg, DOWN_REDUCE_HERE=1), path="decode")
+
+
 @pytest.mark.parametrize("offset", [0, 4])
 def test_decode_path_expert_offset(poison_empty, offset):
     # Expert parallelism on the decode path: this op holds experts [offset, offset + 4) of 8.

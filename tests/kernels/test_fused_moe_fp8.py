@@ -83,6 +83,9 @@ def test_fp8_decode_down_split_matches_dequantized_reference(poison_empty, fmt):
                     w2_scale=s2, block=block)
     d13, d2 = dequantized(q13, q2, s13, s2, block)
     assert rel_error(out, fused_moe_ref(x.double(), d13.double(), d2.double(), w, ids)) < 2.5e-2
+    here = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, DOWN_SPLIT_K=2, DOWN_REDUCE_HERE=True),
+                     path="decode", w13_scale=s13, w2_scale=s2, block=block)
+    assert torch.equal(here, out)  # the partials summed in the launch, in the finish launch's order
 
 
 def test_fp8_routed_op_and_default_tiles(poison_empty):

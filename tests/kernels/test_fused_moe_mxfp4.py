@@ -307,6 +307,11 @@ def test_decode_split_variants_match_reference(poison_empty, knobs, t, offset, d
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
     none_held = ((ids < offset) | (ids >= offset + E_HELD)).all(dim=1)
     assert (out[none_held] == 0).all()
+    if "DOWN_SPLIT_K" in knobs:  # the in-launch sum: the finish launch's bits
+        here = fused_moe(x, q13, q2, w, ids, config=dict(DECODE_TILES, **knobs, DOWN_REDUCE_HERE=True), path="decode",
+                         expert_offset=offset, w13_scale=s13, w2_scale=s2, w13_bias=b13, w2_bias=b2,
+                         activation=SWIGLU)
+        assert torch.equal(here, out)
 
 
 def test_decode_split_knobs_are_checked():

@@ -1,4 +1,4 @@
-"""The GEMV, MoE gate and split decode attention kernels compile for an sm90 card
+"""The GEMV, MoE gate, MoE split down pass and split decode attention kernels compile for an sm90 card
 (tests/kernels/sm90_compile.py), on CPU: what the interpreter cannot say (it runs their Python, not
 Triton's compiler), said before a GPU runs them."""
 
@@ -33,3 +33,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert "compiled fp8_gemv._fp8_gemv_kernel: 12 variants" in proc.stdout
     assert "compiled moe_gate._moe_gate_kernel: 8 variants" in proc.stdout
     assert "compiled paged_decode_attention._decode_split_kernel: 24 variants" in proc.stdout
+    assert "compiled fused_moe._moe_decode_down_split_kernel: 12 variants" in proc.stdout

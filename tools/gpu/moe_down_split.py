@@ -33,6 +33,10 @@ VARIANTS = {
     "split 2, 32 rows": dict(DOWN_SPLIT_K=2, DOWN_BLOCK_N=32),
     "split 2, 64 rows": dict(DOWN_SPLIT_K=2, DOWN_BLOCK_N=64),
     "split 2, 16 rows, 4 warps": dict(DOWN_SPLIT_K=2, DOWN_BLOCK_N=16, DOWN_WARPS=4),
+    # The partials summed by the last program to arrive, in the launch (no finish launch).
+    "the one-token default, sum in the launch": dict(fm.BF16_ONE_TOKEN_DOWN, DOWN_REDUCE_HERE=True),
+    "split 1, 16 rows, K 128, sum in the launch": dict(fm.BF16_ONE_TOKEN_DOWN, DOWN_BLOCK_N=16, DOWN_REDUCE_HERE=True),
+    "split 2, 32 rows, sum in the launch": dict(DOWN_SPLIT_K=2, DOWN_BLOCK_N=32, DOWN_REDUCE_HERE=True),
 }
 
 
