@@ -241,6 +241,10 @@ def test_prompt_logprobs(stack, route):
     entries = out["choices"][0]["prompt_logprobs"] if route == "completions" else out["prompt_logprobs"]
     assert entries[0] is None and len(entries) == out["usage"]["prompt_tokens"]
     assert all(2 <= len(e) <= 3 for e in entries[1:])
+    # Refused as the worker refuses it (not streamed), whichever path the router would take.
+    r = httpx.post(stack[0] + PATHS[route], json={"model": "tiny", **key, "prompt_logprobs": 2, "stream": True},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
