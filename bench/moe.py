@@ -544,6 +544,14 @@ def engine(args) -> int:
         from pdserve.worker.models import moe
 
         moe.FUSED_GATE = False
+    if args.gate_norm:  # the norm before the router inside the router's launch (models/moe.py)
+        from pdserve.worker.models import moe
+
+        moe.GATE_NORM = True
+    if args.down_knobs:  # decode-config knobs on the bf16 / FP8 experts, e.g. {"DOWN_REDUCE_HERE": true}
+        from pdserve.kernels import fused_moe as fm
+
+        fm.MOE_ENV_DECODE_KNOBS.update(json.loads(args.down_knobs))
     if args.qk_norm_separate:  # q and k RMSNorm as two launches before the rotary epilogue, as before
         from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
@@ -561,6 +569,8 @@ def engine(args) -> int:
         "moe_path": args.moe_path,
         "router_linear": args.router_linear,
         "qk_norm_separate": args.qk_norm_separate,
+        "gate_norm": args.gate_norm,
+        "down_knobs": args.down_knobs,
         "quantization": args.quantization,
         "layers": args.layers,
         "load_format": args.load_format,
@@ -621,6 +631,10 @@ def report(args) -> int:
             path += ", router as F.linear + moe_route"
         if r.get("qk_norm_separate"):
             path += ", q/k norms as 2 launches"
+        if r.get("gate_norm"):
+            path += ", the router's norm in its launch"
+        if r.get("down_knobs"):
+            path += f", knobs {r['down_knobs']}"
         if r.get("quantization"):  # the roofline counts bf16 weight bytes: not this row's
             path += f", --quantization {r['quantization']}"
             roof = "- | -"
@@ -688,6 +702,10 @@ def main(argv=None) -> int:
                    "(before kernels/moe_gate.py's one launch): the same-run baseline of the gate")
     e.add_argument("--qk-norm-separate", action="store_true", help="q and k RMSNorm as two launches a layer "
                    "before the rotary epilogue (not inside it): the same-run baseline of that fusion")
+    e.add_argument("--gate-norm", action="store_true", help="the add + RMSNorm before the router inside the "
+                   "router's launch (models/moe.py GATE_NORM, off by default until measured)")
+    e.add_argument("--down-knobs", metavar="JSON", help='decode-config knobs for bf16 / FP8 experts, e.g. '
+                   '\'{"DOWN_REDUCE_HERE": true}\' (kernels/fused_moe.py)')
     e.add_argument("--profile", metavar="FILE", help="also profile bs=1 decode steps; the kernel table goes here")
     r = sub.add_parser("report")
     r.add_argument("--rows", required=True)

@@ -797,6 +797,8 @@ def _env_knobs(name: str) -> dict:
 # Every MXFP4 batch's decode / sorted config gains these (after MXFP4_DECODE_KNOBS).
 MXFP4_ENV_DECODE_KNOBS = _env_knobs("PDSERVE_MXFP4_DECODE_KNOBS")
 MXFP4_ENV_SORTED_KNOBS = _env_knobs("PDSERVE_MXFP4_SORTED_KNOBS")
+# And every bf16 / FP8 batch's decode config (after its own): PDSERVE_MOE_DECODE_KNOBS.
+MOE_ENV_DECODE_KNOBS = _env_knobs("PDSERVE_MOE_DECODE_KNOBS")
 
 
 # bf16 experts at one token: the down pass as programs per (column strip of 32, expert slot) over all
@@ -845,6 +847,7 @@ def moe_decode_config(top_k: int, inter: int, group_k: int | None = None, fp8: b
                DOWN_BLOCK_K=min(256 if inter % 256 == 0 else 128, cap), DOWN_WARPS=8)
     if tokens == 1 and not fp8:
         cfg.update(BF16_ONE_TOKEN_DOWN)
+    cfg.update(MOE_ENV_DECODE_KNOBS)
     return cfg
 
 

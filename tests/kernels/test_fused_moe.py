@@ -180,6 +180,17 @@ def test_decode_down_reduce_here_equals_the_finish_launch(poison_empty, dtype, s
         fused_moe(x, w13, w2, w, ids, config=dict(cfg, DOWN_REDUCE_HERE=1), path="decode")
 
 
+
+def test_decode_config_takes_the_environment_knobs(monkeypatch):
+    # PDSERVE_MOE_DECODE_KNOBS (bench/moe.py engine --down-knobs): on every bf16 / FP8 decode config.
+    import pdserve.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "MOE_ENV_DECODE_KNOBS", {"DOWN_REDUCE_HERE": True})
+    assert fm.moe_decode_config(8, 768, tokens=1)["DOWN_REDUCE_HERE"] is True
+    assert fm.moe_decode_config(8, 768, fp8=True, tokens=2)["DOWN_REDUCE_HERE"] is True
+    assert "DOWN_REDUCE_HERE" not in fm.moe_decode_config(8, 768, mxfp4=True)  # its own: PDSERVE_MXFP4_DECODE_KNOBS
+
+
 @pytest.mark.parametrize("offset", [0, 4])
 def test_decode_path_expert_offset(poison_empty, offset):
     # Expert parallelism on the decode path: this op holds experts [offset, offset + 4) of 8.

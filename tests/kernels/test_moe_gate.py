@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.moe_gate import MAX_TOKENS, moe_gate
-from pdserve.kernels.reference import moe_route_ref
+from pdserve.kernels.moe_gate import MAX_TOKENS, GateNorm, moe_gate
+from pdserve.kernels.reference import moe_route_ref, rms_norm_ref
 from tests.kernels.kernel_inputs import DEVICE
 
 
@@ -75,3 +75,39 @@ def test_rejects_bad_arguments():
         moe_gate(torch.randn(5, 64, device=DEVICE), w, None, 2, True, counters)
     with pytest.raises(ValueError, match="weight has shape"):
         moe_gate(x, torch.randn(8, 32, device=DEVICE), None, 2, True, counters)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("t,e,k,h,dtype", [(1, 128, 8, 2048, torch.bfloat16), (3, 60, 4, 200, torch.float32)])
+def test_norm_in_the_launch(t, e, k, h, dtype, residual):
+    # The add + RMSNorm before the router, in the launch: its normed row and residual are
+    # rms_norm_ref's (to a rounding of rstd), and the routing is exactly moe_gate's on that row.
+    g = torch.Generator().manual_seed(h + t)
+    x = torch.randn(t, h, generator=g).to(dtype=dtype, device=DEVICE)
+    res = torch.randn(t, h, generator=g).to(dtype=dtype, device=DEVICE) if residual else None
+    nw = (1 + torch.randn(h, generator=g) / 4).to(dtype=dtype, device=DEVICE)
+    w = (torch.randn(e, h, generator=g) / h**0.5).to(dtype=dtype, device=DEVICE)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    weights, ids, normed, new_res = moe_gate(x, w, None, k, True, counters, GateNorm(nw, 1e-6, res))
+    want, want_res = rms_norm_ref(x, nw, 1e-6, res)
+    tol = dict(rtol=1.6e-2, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(normed.cpu(), want.cpu(), **tol)
+    if residual:
+        # The sum rounded to nearest-even, as a GPU's cast does (the interpreter's cast truncates).
+        assert torch.equal(new_res.cpu(), (x.double() + res.double()).to(dtype).cpu())
+    else:
+        assert new_res is None
+    plain_w, plain_ids = moe_gate(normed, w, None, k, True, counters)
+    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_w)
+    assert not counters.any()
+
+
+def test_norm_rejects_bad_arguments():
+    x, w = torch.randn(2, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE)
+    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="residual has shape"):
+        moe_gate(x, w, None, 2, True, counters, GateNorm(torch.ones(64, device=DEVICE), 1e-6,
+                                                         torch.randn(2, 32, device=DEVICE)))
+    with pytest.raises(ValueError, match="norm's weight must be of x's dtype"):
+        moe_gate(x, w, None, 2, True, counters, GateNorm(torch.ones(64, device=DEVICE, dtype=torch.bfloat16), 1e-6,
+                                                         None))

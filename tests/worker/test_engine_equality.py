@@ -93,23 +93,36 @@ def test_moe_greedy_matches_hf(tiny_checkpoint, arch, kw):
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen2-moe", "mixtral"])
-def test_moe_decode_gate_matches_hf(tiny_checkpoint, arch, monkeypatch):
+@pytest.mark.parametrize("gate_norm", [False, True])
+@pytest.mark.parametrize("arch", ["qwen2-moe", "mixtral", "gpt-oss"])
+def test_moe_decode_gate_matches_hf(tiny_checkpoint, arch, gate_norm, monkeypatch):
     """Decode steps routed by kernels/moe_gate.py (the router's GEMV and top-k in one launch, in
     Triton's interpreter; Qwen2-MoE's top-2 not renormalised beside its shared expert, Mixtral's
-    renormalised), the experts computed by the reference from that choice: transformers' tokens.
+    renormalised, gpt-oss's with its router bias), the experts computed by the reference from that
+    choice: transformers' tokens.
     The gate runs where the experts' op is not the reference, so the op here is the reference
-    under another name."""
+    under another name. `gate_norm`: the post-attention add + RMSNorm inside that launch too."""
     from pdserve.kernels import moe_gate
     from pdserve.kernels.reference import fused_moe_routed_ref
     from pdserve.worker.models import moe
 
-    monkeypatch.setattr(moe, "moe_op", lambda backend: lambda *a, **k: fused_moe_routed_ref(*a, **k))
-    gated, gate = [], moe_gate.moe_gate
-    monkeypatch.setattr(moe_gate, "moe_gate", lambda x, *a: gated.append(x.shape[0]) or gate(x, *a))
+    from pdserve.worker.models import gpt_oss
+
+    for module in (moe, gpt_oss):
+        monkeypatch.setattr(module, "moe_op", lambda backend: lambda *a, **k: fused_moe_routed_ref(*a, **k))
+    monkeypatch.setattr(moe, "GATE_NORM", gate_norm)
+    gated, normed, gate = [], [], moe_gate.moe_gate
+
+    def spy(x, *a):
+        gated.append(x.shape[0])
+        normed.append(len(a) > 5 and a[5] is not None)
+        return gate(x, *a)
+
+    monkeypatch.setattr(moe_gate, "moe_gate", spy)
     ckpt = tiny_checkpoint(arch)
     assert make_engine(ckpt).generate(PROMPTS, GREEDY) == hf_reference(str(ckpt))
     assert gated and max(gated) <= moe_gate.MAX_TOKENS
+    assert all(normed) if gate_norm else not any(normed)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])

@@ -217,6 +217,16 @@ class GptOssMoeBlock(nn.Module):
             out = self.experts(x, F.linear(x, self.router.weight, self.router.bias))
         return all_reduce(out) if self.shard.size > 1 else out
 
+    def takes_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        return self.decode_gate is not None and self.decode_gate.takes_norm(x, norm, self.experts.packed)
+
+    def forward_norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+        """norm(x (+ residual)) and this block in the router's launch (takes_norm): (out, x + residual)."""
+        weights, ids, h, residual = self.decode_gate(x, self.router.weight, self.router.bias, self.experts.top_k,
+                                                     True, norm, residual)
+        out = self.experts.forward_routed(h, weights, ids)
+        return (all_reduce(out) if self.shard.size > 1 else out), residual
+
 
 class GptOssForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, shard: TPShard | None = None):

@@ -362,6 +362,9 @@ class DecoderLayer(nn.Module):
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
         if self.gemv_mlp:
             return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual, self.gemv_mlp)
+        if getattr(self.mlp, "takes_norm", None) and self.mlp.takes_norm(h, self.post_attention_layernorm):
+            # An MoE block whose router launch does this norm too (models/moe.py's GATE_NORM).
+            return self.mlp.forward_norm(h, self.post_attention_layernorm, residual)
         # An FP8 gate_up_proj on its W8A8 path gets its input quantized by the norm.
         fp8 = fp8_input_format(self.mlp.gate_up_proj, h.shape[0]) if isinstance(self.mlp, MLP) else None
         h, residual = self.post_attention_layernorm(h, residual, fp8=fp8)

@@ -74,6 +74,9 @@ def topk_experts_op(backend: AttentionBackend) -> Callable:
 # (False: the router's F.linear and the routing kernel at every size, tools/gpu/gpt_oss.py's
 # --router-linear baseline).
 FUSED_GATE = True
+# And the layer's add + RMSNorm before the router inside that launch (moe_gate's `norm`): one launch
+# a layer fewer. Off until measured on a GPU (bench/moe.py engine --gate-norm).
+GATE_NORM = False
 
 
 class DecodeGate:
@@ -98,11 +101,18 @@ class DecodeGate:
 
         return FUSED_GATE and self.counters is not None and tokens <= min(MAX_TOKENS, decode_max_tokens(mxfp4))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        from pdserve.kernels.moe_gate import moe_gate
+    def takes_norm(self, x: torch.Tensor, norm: nn.Module, mxfp4: bool) -> bool:
+        """Whether this step's router also does the RMSNorm before it (GATE_NORM; shapes and dtypes only)."""
+        return GATE_NORM and norm.weight.dtype == x.dtype and self.takes(x.shape[0], mxfp4)
 
-        return moe_gate(x, weight, bias, top_k, renormalize, self.counters)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                 renormalize: bool, norm: nn.Module | None = None,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(weights, ids); with `norm` (an RMSNorm, x its input): (weights, ids, normed x, x + residual)."""
+        from pdserve.kernels.moe_gate import GateNorm, moe_gate
+
+        fused = None if norm is None else GateNorm(norm.weight, norm.eps, residual)
+        return moe_gate(x, weight, bias, top_k, renormalize, self.counters, fused)
 
 
 class FusedExperts(nn.Module):
@@ -367,6 +377,18 @@ class SparseMoeBlock(nn.Module):
             out = self.experts.apply_topk(x, weights, ids)
         else:
             out = self.experts(x, F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        return self._with_shared(x, out)
+
+    def takes_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        return self.decode_gate is not None and self.decode_gate.takes_norm(x, norm, mxfp4=False)
+
+    def forward_norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None):
+        """norm(x (+ residual)) and this block in the router's launch (takes_norm): (out, x + residual)."""
+        weights, ids, h, residual = self.decode_gate(x, self.gate.weight, None, self.top_k, self.renormalize, norm,
+                                                     residual)
+        return self._with_shared(h, self.experts.apply_topk(h, weights, ids)), residual
+
+    def _with_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None:
             s = self.shared_expert
             # The down projection without its all-reduce: this rank's partial joins the experts'.
