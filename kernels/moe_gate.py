@@ -48,6 +48,7 @@ MAX_TOKENS = 16  # beyond this a step's router is a GEMM: F.linear, then moe_rou
 # A program's 4 KB of bf16 weights (gpt-oss: 8 x 23 programs a token). One warp: the routing's
 # reductions are then register shuffles (moe_route.ONE_WARP_MAX_EXPERTS).
 BLOCK_E, BLOCK_K = 16, 128
+NORM_MAX_HIDDEN = 4096  # `norm`: the row in one load, <= 128 fp32 values a thread (gpt-oss: 2880)
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -57,7 +58,7 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
                      TOP_K: tl.constexpr, K_TILE: tl.constexpr, E_TILE: tl.constexpr, BLOCK_E: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr = False,
-                     HAS_RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
+                     HAS_RESIDUAL: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
     # Grid (T, cdiv(E, BLOCK_E), SPLIT = cdiv(K, BLOCK_K)). part_ptr: [T, SPLIT, E] fp32 partial logits.
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -72,12 +73,10 @@ def _moe_gate_kernel(x_ptr, w_ptr, b_ptr, part_ptr, weights_ptr, ids_ptr, counte
         # rounded to x's dtype, the normed value rounded before the weight): each program sums the
         # whole row's squares itself (K values, from L2), then normalises its own slice; the first
         # expert strip's programs store the slice of the normed row and of the new residual.
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            v = _norm_input(x_ptr, res_ptr, t, stride_xt, stride_rt, k0 + tl.arange(0, BLOCK_K), K, HAS_RESIDUAL,
-                            ROUND)
-            squares += v * v
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        # The whole row in one load (BLOCK_H = K rounded up to a power of two): a loop of BLOCK_K
+        # loads is a chain of L2 latencies for this one warp (+4 us a call on an H100).
+        row = _norm_input(x_ptr, res_ptr, t, stride_xt, stride_rt, tl.arange(0, BLOCK_H), K, HAS_RESIDUAL, ROUND)
+        rstd = 1.0 / tl.sqrt(tl.sum(row * row, axis=0) / K + eps)
         v = _norm_input(x_ptr, res_ptr, t, stride_xt, stride_rt, ks, K, HAS_RESIDUAL, ROUND)
         g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         xk = _rounded(_rounded(v * rstd, ROUND) * g, ROUND)
@@ -156,6 +155,9 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     normed = new_res = None
     if norm is not None:
         check_rms_norm_args("moe_gate", x, norm.weight, norm.eps, norm.residual)
+        if h > NORM_MAX_HIDDEN:
+            raise ValueError(f"moe_gate: the norm holds a row in one warp's registers: hidden <= {NORM_MAX_HIDDEN}, "
+                             f"got {h}")
         if norm.weight.dtype != x.dtype:
             raise ValueError(f"moe_gate: the norm's weight must be of x's dtype {x.dtype}, got {norm.weight.dtype}")
         normed = torch.empty_like(x)
@@ -173,7 +175,8 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
             0 if normed is None else normed.stride(0), 0 if new_res is None else new_res.stride(0),
             TOP_K=top_k, K_TILE=triton.next_power_of_2(top_k), E_TILE=triton.next_power_of_2(e),
             BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-            ROUND=_ROUND[x.dtype], NORM=norm is not None, HAS_RESIDUAL=new_res is not None, num_warps=1,
+            ROUND=_ROUND[x.dtype], NORM=norm is not None, HAS_RESIDUAL=new_res is not None,
+            BLOCK_H=triton.next_power_of_2(h) if norm is not None else 1, num_warps=1,
             **pdl_args(x.device))
     if norm is None:
         return weights, ids

@@ -47,7 +47,8 @@ def variants():
                       res_ptr="*bf16", g_ptr="*bf16", h_ptr="*bf16", new_res_ptr="*bf16", eps="fp32",
                       stride_rt="i32", stride_ht="i32", stride_nt="i32")
     gate = [dict(TOP_K=4, K_TILE=4, E_TILE=128, BLOCK_E=16, BLOCK_K=512, SPLIT=split, HAS_BIAS=bias,
-                 RENORMALIZE=renorm, ROUND=tl.bfloat16, NORM=norm is not None, HAS_RESIDUAL=bool(norm), PDL=True)
+                 RENORMALIZE=renorm, ROUND=tl.bfloat16, NORM=norm is not None, HAS_RESIDUAL=bool(norm),
+                 BLOCK_H=2048, PDL=True)
             for split, bias, renorm, norm in itertools.product((1, 6), (False, True), (False, True),
                                                                (None, False, True))]
     attn_types = dict(q_ptr="*bf16", bt_ptr="*i32", ctx_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",

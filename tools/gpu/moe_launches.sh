@@ -23,7 +23,7 @@ main() {
   cd /tmp
   step "checkpoint" 20 $PY -m pdserve.bench.moe checkpoint --checkpoint $ckpt --layers $LAYERS --config-only
   rm -f "$rows"
-  for round in 1 2; do
+  for round in $(seq 1 ${ROUNDS:-2}); do
     local prof=() prof_both=()
     [ $round = 1 ] && prof=(--profile "$OUT/profile_default.md") && prof_both=(--profile "$OUT/profile_both.md")
     step "default, round $round" 90 $PY -m pdserve.bench.moe engine "${common[@]}" "${prof[@]}"

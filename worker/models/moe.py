@@ -103,7 +103,10 @@ class DecodeGate:
 
     def takes_norm(self, x: torch.Tensor, norm: nn.Module, mxfp4: bool) -> bool:
         """Whether this step's router also does the RMSNorm before it (GATE_NORM; shapes and dtypes only)."""
-        return GATE_NORM and norm.weight.dtype == x.dtype and self.takes(x.shape[0], mxfp4)
+        from pdserve.kernels.moe_gate import NORM_MAX_HIDDEN
+
+        return (GATE_NORM and norm.weight.dtype == x.dtype and x.shape[1] <= NORM_MAX_HIDDEN
+                and self.takes(x.shape[0], mxfp4))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                  renormalize: bool, norm: nn.Module | None = None,
