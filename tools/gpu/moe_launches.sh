@@ -11,7 +11,9 @@
 #
 #   run(carry=[".whl"], command="bash tools/gpu/moe_launches.sh")
 #
-# Files in $OUT: engine.md, engine_rows.jsonl, tests.txt, log.txt; profile_{default,both}.md.
+# ROUNDS (2) and LAYERS (48; 24 fits an 80 GB card) size it; GEMV_SWEEP=1 adds bench/gemv.py for
+# Qwen3's attention shapes at M = 1.
+# Files in $OUT: engine.md, engine_rows.jsonl, tests.txt, log.txt; profile_{default,both}.md; gemv_qwen3.md.
 set -u
 source tools/gpu/lib.sh
 gpu_begin gpu_moe_launches engine || exit 1
@@ -33,6 +35,10 @@ main() {
       "${prof_both[@]}"
   done
   $PY -m pdserve.bench.moe report --rows "$rows" --out "$OUT/engine.md" > /dev/null
+  # GEMV_SWEEP=1: also the fused GEMV against cuBLAS for Qwen3's attention shapes at M = 1 (the
+  # MEASURED entry for this card, where kernels/fused_gemv.py has none).
+  [ "${GEMV_SWEEP:-0}" = 1 ] && step "gemv sweep" 150 $PY -m pdserve.bench.gemv --models qwen3-30b-a3b --rows 1 \
+    --out "$OUT/gemv_qwen3.md"
   cd "$repo"
   step "kernel tests" 60 $PY -m pytest tests/kernels/test_moe_gate.py tests/kernels/test_fused_moe.py -q -x \
     -k "norm or reduce_here or split" -p no:cacheprovider > "$OUT/tests.txt" 2>&1
@@ -41,5 +47,5 @@ main() {
 }
 main > "$OUT/log.txt" 2>&1
 grep -v " INFO " "$OUT/log.txt" | grep -E "^===|Error|total|passed|failed" | tail -n 16
-cat "$OUT/engine.md" 2>/dev/null
+cat "$OUT/engine.md" "$OUT/gemv_qwen3.md" 2>/dev/null
 grep -E "_moe_|rms_norm|kernels/step" "$OUT"/profile_*.md 2>/dev/null | head -30
