@@ -353,6 +353,8 @@ class DecoderLayer(nn.Module):
         self.gemv_qkv = mode if isinstance(self.self_attn, Attention) and gemv_fits(self.self_attn.qkv_proj) else None
         self.gemv_mlp = mode if isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
             and gemv_fits(self.mlp.down_proj) else None
+        # An MoE block that can do the norm before it in its router's launch (models/moe.py GATE_NORM).
+        self.mlp_takes_norm = getattr(self.mlp, "takes_norm", None)
 
     def forward(self, positions, h, residual, cos_sin, meta):
         if self.gemv_qkv and gemv_rows_ok(h, self.gemv_qkv, "rms_norm", self.self_attn.qkv_proj.weight,
@@ -362,7 +364,7 @@ class DecoderLayer(nn.Module):
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
         if self.gemv_mlp:
             return self.mlp.forward_gemv(h, self.post_attention_layernorm, residual, self.gemv_mlp)
-        if getattr(self.mlp, "takes_norm", None) and self.mlp.takes_norm(h, self.post_attention_layernorm):
+        if self.mlp_takes_norm is not None and self.mlp_takes_norm(h, self.post_attention_layernorm):
             # An MoE block whose router launch does this norm too (models/moe.py's GATE_NORM).
             return self.mlp.forward_norm(h, self.post_attention_layernorm, residual)
         # An FP8 gate_up_proj on its W8A8 path gets its input quantized by the norm.
