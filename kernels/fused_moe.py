@@ -77,7 +77,8 @@ fp32 partial, summed in slot-then-share order by a small finish launch (no float
 same bits every run; CUDA-graph safe, buffers sized by shapes); it runs on bf16 and FP8 weights too,
 the default for bf16 at one token (BF16_ONE_TOKEN_DOWN); `DOWN_REDUCE_HERE: True` sums the partials
 in the same order inside that launch instead, by its last program of a (token, strip) to arrive
-(kernels/arrivals.py; off until measured on a GPU). `GU_SPLIT_K` s > 1 does the same
+(kernels/arrivals.py; off: Qwen3-30B-A3B's bs=1 step measured 1-2% slower with it on an H100 and an
+H200, docs/results/moe/2026-12-06-h200-moe-launches.md). `GU_SPLIT_K` s > 1 does the same
 for gate|up (partials of gate and up; the finish adds the bias, activates, weights and stores in
 nibble-major order). `GU_X_NM` has mx_activations write x in nibble-major order (the same launch)
 so the gate|up GEMV's x loads are 16-byte vectors, as the down pass's are.

@@ -14,7 +14,8 @@ launch as it is (models/moe.py's DecodeGate: 16 of them a layer).
 With `norm` the layer's add + RMSNorm before the router runs here too: every program sums the
 row's squares itself (H values, from L2) and normalises its own slice, and the first expert
 strip's programs store the normed row and the new residual for the experts: one launch a layer
-fewer at bs=1 (off in the models until measured on a GPU: models/moe.py's GATE_NORM).
+fewer at bs=1; off in the models (models/moe.py's GATE_NORM): a tie on an H200, where the launches it
+saves overlap the kernel before them under PDL (docs/results/moe/2026-12-06-h200-moe-launches.md).
 
 Reference: reference.moe_route_ref(F.linear(x, weight, bias).to(x.dtype), top_k, renormalize) —
 the same top-k for logits that are not within an fp32 rounding of a tie; with `norm`,
