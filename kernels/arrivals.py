@@ -1,7 +1,8 @@
 """Arrival counters: the last of a group of programs finishes the group's work in the same launch.
 
 A split-K GEMV (fused_gemv, fp8_gemv) writes each K slice's partial sums, then the strip's last
-program to arrive adds them in slice order and stores the result: no second launch. The
+program to arrive adds them in slice order and stores the result: no second launch (moe_gate's
+routing, the split decode attention's merge and fused_moe's DOWN_REDUCE_HERE finish the same way). The
 protocol, in `last_arrival` and `reset_arrivals`: every thread's stores, a barrier, one acq_rel
 increment of the group's counter (the release publishes this program's stores, the last
 arrival's acquire sees everyone's), and the last arrival sets the counter back to zero, so the
@@ -14,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-# int32 zeros the in-kernel split-K reduce counts arrivals in, one per output strip, left zero
-# after every launch (fused_gemv's and fp8_gemv's reduce_in_kernel). One buffer per device: a
-# device's GEMVs run in stream order (the engine's one compute stream; two streams launching
-# split GEMVs at once would mix their counts), and every launch leaves its strips at zero.
+# int32 zeros the kernels count arrivals in, one per group (an output strip; moe_gate: a token),
+# left zero after every launch (fused_gemv's and fp8_gemv's reduce_in_kernel, moe_gate,
+# fused_moe's DOWN_REDUCE_HERE). One buffer per device: a device's kernels run in stream order (the
+# engine's one compute stream; two streams launching them at once would mix their counts), and
+# every launch leaves its groups at zero. (The split decode attention's counters are still the
+# Triton attention backend's own, sized by batch x KV heads.)
 MAX_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 

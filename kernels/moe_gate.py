@@ -9,7 +9,7 @@ merge) sums the slices in a fixed order, adds the bias, rounds the logits to
 the activations' dtype (what F.linear returns) and routes them with moe_route's arithmetic
 (_route_one: softmax over E, k arg-max rounds, lowest id on ties, renormalised or not). The
 counters are int32 zeros lent by the caller (>= T) and left zero, so a CUDA graph replays the
-launch as it is (models/moe.py's DecodeGate: 16 of them a layer).
+launch as it is (models/moe.py's DecodeGate lends the device's kernels/arrivals.py counters).
 
 With `norm` the layer's add + RMSNorm before the router runs here too: every program sums the
 row's squares itself (H values, from L2) and normalises its own slice, and the first expert

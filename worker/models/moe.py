@@ -83,17 +83,17 @@ GATE_NORM = False
 class DecodeGate:
     """The router's GEMV and top-k routing in one launch (kernels/moe_gate.py) for the steps the
     fused op runs on its decode path (up to moe_gate.MAX_TOKENS and fused_moe.decode_max_tokens;
-    above them fused_moe_routed routes and sorts in one launch itself). Owns the kernel's arrival
-    counters, made once the weights are on their device (`allocate`, from a block's
-    finish_loading: outside any CUDA-graph capture)."""
+    above them fused_moe_routed routes and sorts in one launch itself). The kernel counts its
+    arrivals in the device's split-K counters (kernels/arrivals.py), taken once the weights are on
+    their device (`allocate`, from a block's finish_loading: outside any CUDA-graph capture)."""
 
     def __init__(self):
         self.counters: torch.Tensor | None = None
 
     def allocate(self, device: torch.device) -> None:
-        from pdserve.kernels.moe_gate import MAX_TOKENS
+        from pdserve.kernels.arrivals import strip_counters
 
-        self.counters = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+        self.counters = strip_counters(device)
 
     def takes(self, tokens: int, mxfp4: bool) -> bool:
         """Shapes only (no sync): a CUDA graph replays the branch it captured."""
@@ -104,10 +104,11 @@ class DecodeGate:
 
     def takes_norm(self, x: torch.Tensor, norm: nn.Module, mxfp4: bool) -> bool:
         """Whether this step's router also does the RMSNorm before it (GATE_NORM; shapes and dtypes only)."""
+        if not GATE_NORM:  # every MoE layer asks, every step: the common answer first
+            return False
         from pdserve.kernels.moe_gate import NORM_MAX_HIDDEN
 
-        return (GATE_NORM and norm.weight.dtype == x.dtype and x.shape[1] <= NORM_MAX_HIDDEN
-                and self.takes(x.shape[0], mxfp4))
+        return norm.weight.dtype == x.dtype and x.shape[1] <= NORM_MAX_HIDDEN and self.takes(x.shape[0], mxfp4)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                  renormalize: bool, norm: nn.Module | None = None,
