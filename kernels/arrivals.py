@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-# int32 zeros the kernels count arrivals in, one per group (an output strip; moe_gate: a token),
-# left zero after every launch (fused_gemv's and fp8_gemv's reduce_in_kernel, moe_gate,
-# fused_moe's DOWN_REDUCE_HERE). One buffer per device: a device's kernels run in stream order (the
+# int32 zeros the kernels count arrivals in, one per group (an output strip; moe_gate: a token;
+# the split decode attention: a (sequence, KV head)), left zero after every launch (fused_gemv's
+# and fp8_gemv's reduce_in_kernel, moe_gate, fused_moe's DOWN_REDUCE_HERE, the Triton attention
+# backend's fused split merge). One buffer per device: a device's kernels run in stream order (the
 # engine's one compute stream; two streams launching them at once would mix their counts), and
-# every launch leaves its groups at zero. (The split decode attention's counters are still the
-# Triton attention backend's own, sized by batch x KV heads.)
+# every launch leaves its groups at zero.
 MAX_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 

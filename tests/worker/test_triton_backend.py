@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.arrivals import strip_counters
 from pdserve.worker.config.engine import EngineConfig
 from pdserve.worker.engine.llm_engine import LLMEngine
 from pdserve.worker.executor.cuda_graphs import DecodeGraphConfig, batch_buckets
@@ -72,6 +73,9 @@ def test_triton_backend_matches_torch_backend(checkpoint, monkeypatch, arch, fus
     assert engine.runner.model.layers[0].self_attn.norm_in_epilogue == (arch == "qwen3" and fuse_qk_norm)
     assert engine.generate(PROMPTS, GREEDY) == reference_tokens(ckpt, PROMPTS, GREEDY)
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    # The split merge counts in the device's shared arrival counters and leaves them zero.
+    assert TritonAttentionBackend.semaphores(8, engine.runner.device) is strip_counters(engine.runner.device)
+    assert not strip_counters(engine.runner.device).any()
 
 
 def test_triton_backend_mixed_steps_match(checkpoint):

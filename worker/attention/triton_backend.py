@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.arrivals import MAX_COUNTERS, strip_counters
 from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
@@ -43,22 +44,12 @@ class TritonAttentionBackend(PagedBackend):
     # measured: cuBLAS throughout); True for every shape (tests, benches); False never.
     fused_gemv: bool | None = None
 
-    def __init__(self):
-        super().__init__()
-        # int32 zeros the decode kernel counts split arrivals in (it leaves them zero). One buffer
-        # serves every layer: the layers' launches are ordered on one stream.
-        self._semaphores: torch.Tensor | None = None
-
-    def semaphores(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Counters for `rows` = batch * KV heads; grown outside graph capture only."""
-        if self._semaphores is None or self._semaphores.numel() < rows or self._semaphores.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                # The buffer's address is baked into captured graphs; DecodeGraphs warms up its
-                # largest bucket before capturing, which sizes it for every later batch.
-                raise RuntimeError(f"TritonAttentionBackend: decode counters for {rows} rows would be allocated "
-                                   f"during CUDA-graph capture; run the largest batch once before capturing")
-            self._semaphores = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
-        return self._semaphores
+    @staticmethod
+    def semaphores(rows: int, device: torch.device) -> torch.Tensor | None:
+        """The decode kernel's split-arrival counters for `rows` = batch * KV heads: the device's
+        shared ones (kernels/arrivals.py; every launch leaves them zero, and the layers' launches
+        are ordered on one stream). None past their size: a second launch merges the splits."""
+        return strip_counters(device) if rows <= MAX_COUNTERS else None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
