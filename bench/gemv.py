@@ -4,7 +4,7 @@ projection shape (gpt-oss's with their biases; CUDA; not a test).
 
     python -m pdserve.bench.gemv [--models llama-3.1-8b qwen2.5-0.5b gpt-oss qwen3-30b-a3b] [--rows 1 2 4 8] \
         [--out gemv.md]
-    python -m pdserve.bench.gemv --step [--models ...] [--out gemv_step.md]
+    python -m pdserve.bench.gemv --step [--models ...] [--table gemv.md] [--out gemv_step.md]
 
 Per shape and M, each variant runs as the engine runs it: inside a CUDA graph (no launch gaps),
 `calls` launches per replay on rotating copies of the weight (together >= 128 MB, so L2 never
@@ -28,7 +28,9 @@ first: a timed-out run keeps the rows it has.
 --step: the whole bs=1 decode step instead (bench/profile_decode.py's model: random bf16 weights
 in the real configuration, context 128, forward + lm_head + argmax captured as one CUDA graph),
 with the GEMV path off and on, against the step's roofline (weights + KV bytes over the same-run
-copy bandwidth).
+copy bandwidth). `--table gemv.md` (a sweep's output) adds a third column: the path on with that
+sweep's MEASURED entries over the shipped ones, so a new table is judged in the step beside the
+old one in the same process, before anyone pastes it.
 """
 
 from __future__ import annotations
@@ -247,11 +249,32 @@ def set_gemv(model, on: bool) -> None:
         layer.gemv_qkv = layer.gemv_mlp = layer.self_attn.gemv_o = on
 
 
-def bench_step(models: list[str], bw: float, tiny: bool = False) -> list[str]:
-    """bs=1 decode step ms, GEMV path off / on, per model (one row each, printed as measured).
-    `tiny`: the models' structure at test sizes (the CPU smoke test)."""
+def swept_table(path: str) -> dict:
+    """The MEASURED entries a sweep's markdown (this bench's --out) closes with."""
+    from pdserve.kernels.fused_gemv import GemvConfig
+
+    text = open(path).read()
+    start = text.find("```python\n", text.find("MEASURED for kernels/fused_gemv.py"))
+    if start < 0:
+        raise SystemExit(f"bench/gemv.py: no MEASURED block in {path}")
+    code = text[start + len("```python\n"):text.index("```", start + 3)]
+    scope: dict = {"MEASURED": {}, "GemvConfig": GemvConfig}
+    exec(code, scope)  # our own bench's output: literal tuples and GemvConfig calls
+    (entries,) = scope["MEASURED"].values()
+    return entries
+
+
+def bench_step(models: list[str], bw: float, tiny: bool = False, table: dict | None = None) -> list[str]:
+    """bs=1 decode step ms, GEMV path off / on (/ on with `table` over the shipped entries), per
+    model (one row each, printed as measured). `tiny`: the models' structure at test sizes (the
+    CPU smoke test)."""
     from pdserve.bench.model_shapes import MODELS
     from pdserve.bench.profile_decode import BLOCK, build, decode_inputs, model_config, step_fn
+    from pdserve.kernels.fused_gemv import MEASURED, card_name
+
+    card = card_name(torch.device(DEVICE))
+    had_card, shipped = card in MEASURED, dict(MEASURED.get(card, {}))
+    runs = [("off", False, shipped), ("on", True, shipped)] + ([("swept", True, {**shipped, **table})] if table else [])
 
     rows = []
     for name in models:
@@ -265,19 +288,25 @@ def bench_step(models: list[str], bw: float, tiny: bool = False) -> list[str]:
                 weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
             roof_ms = 1e3 * (weights + kv.block_bytes // BLOCK * 128) / bw
             ms, logits = {}, {}
-            with torch.inference_mode():
-                for on in (False, True):
-                    set_gemv(model, on)
-                    logits[on] = model.compute_logits(model(ids, positions, meta)).double()
-                    ms[on] = graph_ms(step_fn(model, ids, positions, meta))
-            diff = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
-            row = (f"| {spec.name} | {ms[False]:.3f} ({100 * roof_ms / ms[False]:.0f}%) | "
-                   f"{ms[True]:.3f} ({100 * roof_ms / ms[True]:.0f}%) | {ms[False] / ms[True]:.2f}× | {roof_ms:.3f} | "
-                   f"{diff:.1e} |")
+            try:
+                with torch.inference_mode():
+                    for label, on, entries in runs:
+                        MEASURED[card] = entries
+                        set_gemv(model, on)
+                        logits[label] = model.compute_logits(model(ids, positions, meta)).double()
+                        ms[label] = graph_ms(step_fn(model, ids, positions, meta))
+            finally:
+                MEASURED[card] = shipped
+                if not had_card:
+                    del MEASURED[card]
+            diff = max(((logits[label] - logits["off"]).norm() / logits["off"].norm()).item() for label in ms)
+            cells = [f"{ms[label]:.3f} ({100 * roof_ms / ms[label]:.0f}%)" for label in ms]
+            row = (f"| {spec.name} | " + " | ".join(cells)
+                   + f" | {ms['off'] / min(ms.values()):.2f}× | {roof_ms:.3f} | {diff:.1e} |")
             del model, backend, kv
             torch.cuda.empty_cache()
         except Exception as e:  # one model failing must not lose the other
-            row = f"| {name} | failed: {type(e).__name__}: {str(e)[:150]} | | | | |"
+            row = f"| {name} | failed: {type(e).__name__}: {str(e)[:150]} |" + " |" * (len(runs) + 2)
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -296,6 +325,7 @@ def main() -> None:
     ap.add_argument("--full-sweep", action="store_true",
                     help="the whole BLOCK_N x BLOCK_K x SPLIT_K grid instead of its quick subset (slow: compiles)")
     ap.add_argument("--step", action="store_true", help="time the whole bs=1 decode step, GEMV path off / on")
+    ap.add_argument("--table", help="with --step: a sweep's markdown; its MEASURED entries run as a third column")
     ap.add_argument("--out", help="also write the markdown here (rewritten after every shape)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -304,15 +334,17 @@ def main() -> None:
 
     bw = copy_bandwidth()
     if args.step:
+        table = swept_table(args.table) if args.table else None
         head = [f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton {triton.__version__} · "
                 f"{datetime.date.today().isoformat()} · bf16 random weights · bs=1 decode at context 128, one CUDA "
                 f"graph per step · same-run copy bandwidth {bw / 1e9:.0f} GB/s", "",
-                "| model | GEMV path off: ms (% of roofline) | on: ms (% of roofline) | speed-up | roofline ms | "
-                "logits rel. diff on vs off |",
-                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                "| model | GEMV path off: ms (% of roofline) | on: ms (% of roofline) | "
+                + ("on, swept table: ms (% of roofline) | " if table else "")
+                + "best vs off | roofline ms | logits rel. diff vs off (largest) |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if table else "")]
         from pdserve.bench.report import publish
 
-        publish("\n".join(head + bench_step(args.models, bw)), args.out)
+        publish("\n".join(head + bench_step(args.models, bw, table=table)), args.out)
         return
     configs = sweep_configs(not args.full_sweep)
     lines = [

@@ -40,6 +40,19 @@ def test_step_rows(cpu_bench):
     assert float(rows[0].strip("|").split("|")[-1]) < 1e-5  # logits, GEMV path on vs off
 
 
+def test_step_with_a_swept_table(cpu_bench):
+    # A sweep's entries run as a third column, and the shipped table is back afterwards.
+    from pdserve.kernels.fused_gemv import MEASURED, GemvConfig
+
+    before = {card: dict(t) for card, t in MEASURED.items()}
+    table = {("none", 16, 16, 1): GemvConfig(16, 32, 2, reduce_in_kernel=True)}
+    rows = gemv.bench_step(["qwen2.5-0.5b"], bw=1e12, tiny=True, table=table)
+    cells = rows[0].strip("|").split("|")
+    assert len(cells) == 7 and "failed" not in rows[0], rows
+    assert float(cells[-1]) < 1e-5  # logits of every column against the path off
+    assert {card: dict(t) for card, t in MEASURED.items()} == before
+
+
 def test_measured_dict_is_valid_python(cpu_bench, tmp_path, monkeypatch):
     # The closing dict is meant to be pasted into kernels/fused_gemv.py: it must parse, and
     # carry both kinds of entry.
@@ -63,10 +76,8 @@ def test_measured_dict_is_valid_python(cpu_bench, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     gemv.main()
     text = out.read_text()
-    code = text.split("```python\n")[1].split("```")[0]
-    ns = {"GemvConfig": GemvConfig, "MEASURED": {}}
-    exec(code, ns)
-    table = ns["MEASURED"]["cpu"]  # keyed by the card's name
+    table = gemv.swept_table(str(out))  # what --step --table reads back: the card's entries
+    assert "MEASURED['cpu'] = {" in text  # keyed by the card's name
     assert set(table) == {("rms_norm", 48, 80, 2), ("silu_mul", 32, 48, 2)}
     assert table[("silu_mul", 32, 48, 2)] is None
     assert isinstance(table[("rms_norm", 48, 80, 2)], GemvConfig)

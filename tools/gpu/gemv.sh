@@ -12,7 +12,10 @@
 #           best config and the MEASURED table for kernels/fused_gemv.py (bench/gemv.py; 90
 #           configs a shape, the one-launch split-K and the early weight load among them: ~45 s
 #           for M = 1 on an H100 before the early-load twins doubled the sweep)                420
-#   step:   the bs=1 decode step of both models, GEMV path off vs on, against its roofline     60
+#   step:   the bs=1 decode step of both models, GEMV path off vs on vs on with the sweep's
+#           table (same process: the new table judged beside the shipped one), against its roofline 90
+# MODELS (default: Llama-3.1-8B and Qwen2.5-0.5B), ROWS (default 1 2 4 8) and STEP_MODELS narrow it,
+# e.g. ROWS=1 MODELS="llama-3.1-8b qwen2.5-0.5b gpt-oss qwen3-30b-a3b" for every M = 1 shape.
 #   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
 #   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
 # Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt.
@@ -22,12 +25,16 @@ export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSER
 # The model test starts an engine: protocol/ (pydantic), the KV side channel (zmq), structured
 # outputs (llguidance), metrics; the same set as tools/gpu/perf.sh.
 source tools/gpu/lib.sh
+MODELS=${MODELS:-llama-3.1-8b qwen2.5-0.5b} ROWS=${ROWS:-1 2 4 8} STEP_MODELS=${STEP_MODELS:-llama-3.1-8b qwen2.5-0.5b}
 gpu_begin gpu_gemv engine || echo "gpu_deps: some modules missing; going on"
 main() {
   local repo=$PWD
   cd /tmp
-  step "gemv shapes" 420 $PY -m pdserve.bench.gemv --out "$OUT/gemv.md"
-  step "gemv step" 60 $PY -m pdserve.bench.gemv --step --out "$OUT/gemv_step.md"
+  # shellcheck disable=SC2086  # word lists
+  step "gemv shapes" 420 $PY -m pdserve.bench.gemv --models $MODELS --rows $ROWS --out "$OUT/gemv.md"
+  local table=(); grep -q "MEASURED for kernels" "$OUT/gemv.md" 2>/dev/null && table=(--table "$OUT/gemv.md")
+  # shellcheck disable=SC2086
+  step "gemv step" 90 $PY -m pdserve.bench.gemv --step --models $STEP_MODELS "${table[@]}" --out "$OUT/gemv_step.md"
   cd "$repo"
   local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
   step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
