@@ -556,6 +556,10 @@ def engine(args) -> int:
         from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         TritonAttentionBackend.fuse_qk_norm = False
+    if args.no_fused_gemv:  # attention's qkv / o as cuBLAS (+ the norm's own launch), as on an unmeasured card
+        from pdserve.worker.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.fused_gemv = False
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
@@ -696,6 +700,8 @@ def main(argv=None) -> int:
     e.add_argument("--decode-steps", type=int, default=64)
     e.add_argument("--num-prompts", type=int, default=64, help="offline batch (0: none)")
     e.add_argument("--rows", required=True)
+    e.add_argument("--no-fused-gemv", action="store_true",
+                   help="the attention projections on cuBLAS, not the measured GEMV table (the same-run baseline)")
     e.add_argument("--moe-path", choices=("auto", "sorted"), default="auto",
                    help="sorted: the MoE kernels as before the decode path (the same-run baseline)")
     e.add_argument("--router-linear", action="store_true", help="the router as F.linear + the routing kernel "

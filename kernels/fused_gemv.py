@@ -134,17 +134,23 @@ MEASURED: dict[str, dict[tuple[str, int, int, int], GemvConfig | None]] = {
         ('rms_norm', 9728, 896, 8): None,
         ('silu_mul', 896, 4864, 8): None,
     },
-    # M = 1 on 2026-12-06 (docs/results/gemv/2026-12-06-h100-one-launch-split.md): the 0.5B
-    # model's o_proj and down_proj take K slices summed in one launch.
+    # M = 1, swept again on 2026-12-06 with the early weight load and the Qwen3 / gpt-oss
+    # attention shapes (docs/results/gemv/2026-12-06-h100-early-weights.md): the 0.5B model's bs=1
+    # step 0.747 -> 0.680 ms against the earlier table in the same process.
     "NVIDIA H100 80GB HBM3": {
-        ('rms_norm', 1152, 896, 1): GemvConfig(2, 1024, 1),
-        ('none', 896, 896, 1): GemvConfig(2, 1024, 2, reduce_in_kernel=True),
-        ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1),
-        ('silu_mul', 896, 4864, 1): GemvConfig(4, 512, 4, reduce_in_kernel=True),
-        ('rms_norm', 6144, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
+        ('rms_norm', 1152, 896, 1): GemvConfig(4, 1024, 4, reduce_in_kernel=True, early_weights=True),
+        ('none', 896, 896, 1): GemvConfig(2, 1024, 4, reduce_in_kernel=True, early_weights=True),
+        ('rms_norm', 9728, 896, 1): GemvConfig(16, 512, 1, early_weights=True),
+        ('silu_mul', 896, 4864, 1): GemvConfig(8, 1024, 4, reduce_in_kernel=True, early_weights=True),
+        ('rms_norm', 6144, 4096, 1): GemvConfig(8, 1024, 1, separate_prologue=True, early_weights=True),
         ('none', 4096, 4096, 1): GemvConfig(2, 1024, 1),
         ('rms_norm', 28672, 4096, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
-        ('silu_mul', 4096, 14336, 1): GemvConfig(2, 1024, 1, separate_prologue=True),
+        ('silu_mul', 4096, 14336, 1): GemvConfig(2, 1024, 1, separate_prologue=True, early_weights=True),
+        ('rms_norm', 5120, 2048, 1): GemvConfig(8, 1024, 1, early_weights=True),
+        ('none', 2048, 4096, 1): GemvConfig(2, 1024, 1, early_weights=True),
+        ('rms_norm', 5120, 2880, 1): GemvConfig(4, 1024, 1, early_weights=True),
+        ('none', 2880, 4096, 1): GemvConfig(2, 1024, 1, early_weights=True),
+        ('none', 128, 2880, 1): GemvConfig(8, 1024, 4, reduce_in_kernel=True, early_weights=True),
     },
 }
 
