@@ -485,6 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-gemv", choices=list(SWITCH), default="default",
                     help="the small-batch GEMV path: its default (the shapes measured to win on this card), "
                          "every shape, or none")
+    ap.add_argument("--gemv-table", metavar="GEMV_MD",
+                    help="a bench/gemv.py sweep's output: its MEASURED entries over the shipped ones (this run only)")
     args = ap.parse_args(argv)
     try:
         plan = BenchPlan(tuple(args.decode_inputs), tuple(args.offline), hf=not args.no_hf, eager=not args.no_eager,
@@ -496,6 +498,11 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench engine: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
+    if args.gemv_table:
+        from pdserve.bench.gemv import use_swept_table
+
+        print(f"GEMV table: {use_swept_table(args.gemv_table, torch.device(device))} swept entries from "
+              f"{args.gemv_table} over the shipped ones", flush=True)
     models = ["tiny-llama"] if args.smoke else args.models
     bench = Bench(device, args.smoke, args.profile_dir, args.max_num_batched_tokens, plan)
     import triton

@@ -264,6 +264,17 @@ def swept_table(path: str) -> dict:
     return entries
 
 
+def use_swept_table(path: str, device: torch.device) -> int:
+    """Lay a sweep's entries over this card's shipped MEASURED table, for this process (bench/engine.py
+    and bench/moe.py's --gemv-table: a new table judged in the engine before anyone pastes it).
+    Returns how many entries it laid."""
+    from pdserve.kernels.fused_gemv import MEASURED, card_name
+
+    entries = swept_table(path)
+    MEASURED[card_name(device)] = {**MEASURED.get(card_name(device), {}), **entries}
+    return len(entries)
+
+
 def bench_step(models: list[str], bw: float, tiny: bool = False, table: dict | None = None) -> list[str]:
     """bs=1 decode step ms, GEMV path off / on (/ on with `table` over the shipped entries), per
     model (one row each, printed as measured). `tiny`: the models' structure at test sizes (the

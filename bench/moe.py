@@ -560,6 +560,10 @@ def engine(args) -> int:
         from pdserve.worker.attention.triton_backend import TritonAttentionBackend
 
         TritonAttentionBackend.fused_gemv = False
+    if args.gemv_table:  # a bench/gemv.py sweep's entries over the shipped table, this run only
+        from pdserve.bench.gemv import use_swept_table
+
+        print(f"GEMV table: {use_swept_table(args.gemv_table, torch.device('cuda'))} swept entries", flush=True)
     bw = copy_bandwidth()
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", max_model_len=2048,
@@ -575,6 +579,8 @@ def engine(args) -> int:
         "qk_norm_separate": args.qk_norm_separate,
         "gate_norm": args.gate_norm,
         "down_knobs": args.down_knobs,
+        "no_fused_gemv": args.no_fused_gemv,
+        "gemv_table": args.gemv_table,
         "quantization": args.quantization,
         "layers": args.layers,
         "load_format": args.load_format,
@@ -639,6 +645,10 @@ def report(args) -> int:
             path += ", the router's norm in its launch"
         if r.get("down_knobs"):
             path += f", knobs {r['down_knobs']}"
+        if r.get("no_fused_gemv"):
+            path += ", attention on cuBLAS (no GEMV table)"
+        if r.get("gemv_table"):
+            path += ", the swept GEMV table"
         if r.get("quantization"):  # the roofline counts bf16 weight bytes: not this row's
             path += f", --quantization {r['quantization']}"
             roof = "- | -"
@@ -702,6 +712,8 @@ def main(argv=None) -> int:
     e.add_argument("--rows", required=True)
     e.add_argument("--no-fused-gemv", action="store_true",
                    help="the attention projections on cuBLAS, not the measured GEMV table (the same-run baseline)")
+    e.add_argument("--gemv-table", metavar="GEMV_MD",
+                   help="a bench/gemv.py sweep's output: its MEASURED entries over the shipped ones (this run only)")
     e.add_argument("--moe-path", choices=("auto", "sorted"), default="auto",
                    help="sorted: the MoE kernels as before the decode path (the same-run baseline)")
     e.add_argument("--router-linear", action="store_true", help="the router as F.linear + the routing kernel "

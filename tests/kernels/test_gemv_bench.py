@@ -81,3 +81,23 @@ def test_measured_dict_is_valid_python(cpu_bench, tmp_path, monkeypatch):
     assert set(table) == {("rms_norm", 48, 80, 2), ("silu_mul", 32, 48, 2)}
     assert table[("silu_mul", 32, 48, 2)] is None
     assert isinstance(table[("rms_norm", 48, 80, 2)], GemvConfig)
+
+
+def test_a_swept_table_lays_over_the_shipped_one(tmp_path, monkeypatch):
+    # bench/engine.py and bench/moe.py's --gemv-table: the sweep's entries win, the rest stay.
+    import pdserve.kernels.fused_gemv as fg
+    from pdserve.kernels.fused_gemv import GemvConfig
+
+    monkeypatch.setattr(fg, "MEASURED", {"cpu": {("none", 8, 8, 1): GemvConfig(2, 1024, 1),
+                                                 ("none", 9, 9, 1): None}})
+    md = tmp_path / "gemv.md"
+    md.write_text("| rows |\n\nMEASURED for kernels/fused_gemv.py (a config where ...):\n\n```python\n"
+                  "MEASURED['cpu'] = {\n    ('none', 8, 8, 1): GemvConfig(4, 512, 2, reduce_in_kernel=True),\n"
+                  "    ('rms_norm', 16, 8, 1): None\n}\n```\n")
+    assert gemv.use_swept_table(str(md), torch.device("cpu")) == 2
+    assert fg.MEASURED["cpu"] == {("none", 8, 8, 1): GemvConfig(4, 512, 2, reduce_in_kernel=True),
+                                  ("none", 9, 9, 1): None, ("rms_norm", 16, 8, 1): None}
+    cut_short = tmp_path / "cut.md"  # a sweep killed before its first row
+    cut_short.write_text("| rows |\n")
+    with pytest.raises(SystemExit, match="no MEASURED block"):
+        gemv.swept_table(str(cut_short))

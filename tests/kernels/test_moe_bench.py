@@ -104,11 +104,16 @@ def test_engine_report_names_the_moe_path(tmp_path):
         + "\n"
         + json.dumps(dict(common, moe_path="auto", gate_norm=True, down_knobs='{"DOWN_REDUCE_HERE": true}'))
         + "\n"
+        + json.dumps(dict(common, moe_path="auto", no_fused_gemv=True))
+        + "\n"
+        + json.dumps(dict(common, moe_path="auto", gemv_table="/out/gemv.md"))
+        + "\n"
     )
     out = tmp_path / "engine.md"
     assert moe.report(argparse.Namespace(rows=str(rows), out=str(out))) == 0
     text = out.read_text()
-    assert text.count("(new)") == 4 and text.count("(before)") == 1 and "50%" in text
+    assert text.count("(new)") == 6 and text.count("(before)") == 1 and "50%" in text
+    assert "attention on cuBLAS (no GEMV table)" in text and "the swept GEMV table" in text
     assert "the router's norm in its launch, knobs {\"DOWN_REDUCE_HERE\": true}" in text
     fp8_row = next(line for line in text.splitlines() if "--quantization fp8" in line)
     assert "0.25 | - | -" in fp8_row and "200%" not in text  # no bf16 roofline for FP8 weights

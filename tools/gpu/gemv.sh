@@ -17,8 +17,18 @@
 # MODELS (default: Llama-3.1-8B and Qwen2.5-0.5B), ROWS (default 1 2 4 8) and STEP_MODELS narrow it,
 # e.g. ROWS=1 MODELS="llama-3.1-8b qwen2.5-0.5b gpt-oss qwen3-30b-a3b" for every M = 1 shape.
 #   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
-#   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 25
-# Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt.
+#   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 60
+# ENGINE=1 adds the engines, each table judged where it counts (the swept one laid over the shipped
+# one for that run only: --gemv-table), one process after another:
+#   bench/engine.py, STEP_MODELS at bs=1 (input 128, CUDA graphs): shipped table, swept table,
+#   GEMV path off                                                                          3 x 110
+#   MOE_LAYERS > 0 (e.g. 48 on an H200, 24 to fit an H100): bench/moe.py engine on Qwen3-30B-A3B's
+#   configuration cut to that many layers (dummy weights), bs=1: shipped, swept, attention on
+#   cuBLAS; MOE_ROUNDS (default 1) times over (a repeat says the noise)                   3 x 80
+#   e.g. ROWS=1 MODELS="qwen2.5-0.5b llama-3.1-8b qwen3-30b-a3b gpt-oss" ENGINE=1 MOE_LAYERS=48 (~9 min
+#   on an H200)
+# Files in $OUT: env.txt, gemv.md, gemv_step.md, tests.txt, log.txt; with ENGINE=1 engine-*.md and
+# moe_rows.jsonl / moe.md.
 set -u
 # Own link farm and deps folder, so this can run beside another GPU script (tools/gpu/lib.sh).
 export PDSERVE_PATH=${PDSERVE_PATH:-/tmp/pdserve-path-gemv} PDSERVE_DEPS=${PDSERVE_DEPS:-/tmp/pdserve-deps-gemv}
@@ -40,8 +50,35 @@ main() {
   step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
   step "model test" 60 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
   tail -n 5 "$OUT/tests.txt"
+  [ "${ENGINE:-0}" = 1 ] && engines "${table[@]}"
   ls -la "$OUT"
+}
+engines() {  # engines [--table FILE]: the engine rows with the shipped table, the swept one (if any), none
+  local swept=(); [ $# = 2 ] && swept=(--gemv-table "$2")
+  cd /tmp
+  local args=(--decode-inputs 128 --offline --no-hf --no-eager)
+  # shellcheck disable=SC2086
+  step "engine, shipped table" 110 $PY -m pdserve.bench.engine --models $STEP_MODELS "${args[@]}" --out "$OUT/engine-shipped.md"
+  # shellcheck disable=SC2086
+  [ ${#swept[@]} = 2 ] && step "engine, swept table" 110 $PY -m pdserve.bench.engine --models $STEP_MODELS "${args[@]}" \
+    "${swept[@]}" --out "$OUT/engine-swept.md"
+  # shellcheck disable=SC2086
+  step "engine, GEMV path off" 110 $PY -m pdserve.bench.engine --models $STEP_MODELS "${args[@]}" --fused-gemv off \
+    --out "$OUT/engine-off.md"
+  local layers=${MOE_LAYERS:-0} ckpt=/tmp/qwen3-30b-a3b-l${MOE_LAYERS:-0}
+  [ "$layers" -gt 0 ] || return 0
+  step "moe checkpoint" 20 $PY -m pdserve.bench.moe checkpoint --checkpoint $ckpt --layers $layers --config-only
+  local common=(--checkpoint $ckpt --layers $layers --load-format dummy --num-prompts 0 --rows "$OUT/moe_rows.jsonl")
+  for round in $(seq 1 "${MOE_ROUNDS:-1}"); do
+    step "moe, shipped table, round $round" 80 $PY -m pdserve.bench.moe engine "${common[@]}"
+    [ ${#swept[@]} = 2 ] && step "moe, swept table, round $round" 80 $PY -m pdserve.bench.moe engine "${common[@]}" "${swept[@]}"
+    step "moe, attention on cuBLAS, round $round" 80 $PY -m pdserve.bench.moe engine "${common[@]}" --no-fused-gemv
+  done
+  $PY -m pdserve.bench.moe report --rows "$OUT/moe_rows.jsonl" --out "$OUT/moe.md"
 }
 main > "$OUT/log.txt" 2>&1
 grep -v "^|" "$OUT/log.txt" | tail -n 30
 cat "$OUT/gemv.md" "$OUT/gemv_step.md" 2>/dev/null
+for f in "$OUT"/engine-*.md; do [ -f "$f" ] && echo "== $f" && grep -E "bs=1" "$f"; done
+[ -f "$OUT/moe.md" ] && grep "^|" "$OUT/moe.md"
+true
