@@ -454,6 +454,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64, help="offline prompts (0: no offline run)")
     ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
                     "default: kernels/fp8_gemv_configs.py")
+    ap.add_argument("--against-committed", action="store_true",
+                    help="with --only tiles: --gemv-configs laid over kernels/fp8_gemv_configs.py's table, each FP8 "
+                         "format's engine with the committed table, then with that (a sweep of one format judged "
+                         "against the tiles it would replace)")
     ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused", "tiles"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
@@ -470,11 +474,15 @@ def main(argv=None) -> int:
         print("pdserve bench fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
     from pdserve.kernels.fp8_gemv import use_configs
+    from pdserve.kernels.fp8_gemv_configs import CONFIGS
 
     measured = None
+    committed = {card: dict(table) for card, table in CONFIGS.items()}
     if args.gemv_configs:
         with open(args.gemv_configs) as f:
             measured = json.load(f)
+        if args.against_committed:  # a sweep of some shapes or formats: its tiles over the committed ones
+            measured = {card: {**committed.get(card, {}), **table} for card, table in measured.items()}
         use_configs(measured)
     elif "tiles" in args.only:
         ap.error("--only tiles compares fp8_gemv tables: it needs --gemv-configs")
@@ -589,11 +597,14 @@ def main(argv=None) -> int:
                 variants = [variants[0]] + [(f"{name}, fused quant {'on' if on else 'off'}", p, q, sm, on)
                                             for name, p, q, sm, _ in variants[1:] for on in (False, True)]
             tables = {}  # variant -> the fp8_gemv table its engine runs with
-            if "tiles" in args.only:  # each FP8 format: the rule's tiles, the table without its options, as given
-                plain = {card: {key: {o: v for o, v in cfg.items() if o not in ("REDUCE_IN_KERNEL", "EARLY_W")}
-                                for key, cfg in table.items()} for card, table in measured.items()}
-                labelled = (("rule tiles", {}), ("measured tiles, no one-launch sum, no early weight load", plain),
-                            ("measured tiles", measured))
+            if "tiles" in args.only:
+                if args.against_committed:  # the committed table, then the new one laid over it
+                    labelled = (("committed tiles", committed), ("measured tiles", measured))
+                else:  # each FP8 format: the rule's tiles, the table without its options, as given
+                    plain = {card: {key: {o: v for o, v in cfg.items() if o not in ("REDUCE_IN_KERNEL", "EARLY_W")}
+                                    for key, cfg in table.items()} for card, table in measured.items()}
+                    labelled = (("rule tiles", {}), ("measured tiles, no one-launch sum, no early weight load", plain),
+                                ("measured tiles", measured))
                 tables = {f"{name}, {label}": t for name, *_ in variants[1:] for label, t in labelled}
                 variants = [variants[0]] + [(f"{name}, {label}", p, q, sm, fq) for name, p, q, sm, fq in variants[1:]
                                             for label, _ in labelled]

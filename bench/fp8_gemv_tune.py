@@ -36,13 +36,14 @@ SHAPES = {  # name -> {linear: (N, K)}
 
 
 def sweep(blocked: bool, m: int = 1) -> list[dict]:
-    steps = (64, 128) if blocked else (128, 256, 512)
+    # Group scales take steps of more than one 128-column group at one row only (fp8_gemv.wide_fits).
+    steps = ((64, 128, 512) if m == 1 else (64, 128)) if blocked else (128, 256, 512)
     tiles = list(itertools.product((16, 32, 64), steps, (1, 2, 4, 8, 16)))
     if m == 1:
         # Narrow strips with long K steps (one row only: the M > 1 path's dot needs 16 rows): many
         # small programs keep more loads in flight; the bf16 GEMV's 2 x 1024 strips beat cuBLAS on an
-        # H200 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md). Group scales cap a step at 128.
-        narrow = (64, 128) if blocked else (512, 1024)
+        # H200 (docs/results/gemv/2026-12-04-h200-narrow-gemv.md), as they do per-channel FP8.
+        narrow = (128, 512, 1024) if blocked else (512, 1024)
         tiles += list(itertools.product((2, 4, 8), narrow, (1, 2)))
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=3) for bn, bk, s in tiles]
     if m == 1:

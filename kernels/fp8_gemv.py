@@ -17,7 +17,10 @@ each strip's last slice program (a per-strip arrival counter, as kernels/fused_g
 the second launch costs about what a slice's reads do). M = 1 multiplies
 and sums in registers; M > 1 pads M to 16 for a tensor-core dot (compute is free here; the
 loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
-128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128).
+128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128; or, at
+one row with each strip inside one row of scales, K steps of several whole groups, each column of x
+scaled by its group's scale: the per-channel path's long K steps, which group scales otherwise
+forbid).
 Tiles per shape: a measured table (fp8_gemv_configs.py, written by bench/fp8_gemv_tune.py) where it
 has the card and shape, else the rule in `default_config`. CUDA-graph capturable: no host sync,
 only outputs allocated. Reference: reference.fp8_gemv_ref.
@@ -45,7 +48,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
                      REDUCE_HERE: tl.constexpr, BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EARLY_W: tl.constexpr = False, PDL: tl.constexpr = False):
+                     EARLY_W: tl.constexpr = False, WIDE: tl.constexpr = False, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,6 +57,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
     k_begin = pid_s * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: k is contiguous
+    if WIDE:  # the strip lies in one row of group scales: that row's scales, one per 128 columns
+        s_ptr += (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
     if EARLY_W:
         # One row: the program's first weight tile is loaded before the PDL wait (kernels/pdl.py's
         # one exception: no kernel of a step writes a weight, so the read cannot be stale), so the
@@ -64,7 +69,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
     pdl_enter(PDL)
     if EARLY_W:
         acc = _one_row_step(tl.zeros((BLOCK_N,), dtype=tl.float32), w_first, x_ptr, s_ptr, offs_n, mask_n, k_begin,
-                            k_end, offs_k, stride_sn, BLOCKED, SCALE_ROWS, GROUP)
+                            k_end, offs_k, stride_sn, BLOCKED, SCALE_ROWS, GROUP, WIDE)
         k_first = k_begin + BLOCK_K
     else:
         k_first = k_begin
@@ -79,7 +84,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if ONE_ROW:
             acc = _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED,
-                                SCALE_ROWS, GROUP)
+                                SCALE_ROWS, GROUP, WIDE)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & mask_k[None, :],
                         other=0.0)
@@ -126,10 +131,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
 
 @triton.jit
 def _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED: tl.constexpr,
-                  SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr):
+                  SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
     # acc [BLOCK_N] + the weight tile w [BLOCK_N, BLOCK_K] at columns k0.. times x's, in registers.
     k = k0 + offs_k
     x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+    if WIDE:
+        # A step spanning several scale groups: every row of the strip shares its group scales
+        # (s_ptr is the strip's row of them), so each column of x takes its group's scale before
+        # the product, one multiply a column rather than one a weight.
+        x *= tl.load(s_ptr + k // GROUP, mask=k < k_end, other=0.0)
+        return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if BLOCKED:
         return acc + part * tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
@@ -183,6 +194,12 @@ def _load_committed() -> None:
     use_configs(CONFIGS)
 
 
+def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:
+    """Whether group scales can take K steps of more than one group (several scale columns a step):
+    one row only, whole groups a step, and each strip inside one row of scales."""
+    return m == 1 and block_k % GROUP_K == 0 and scale_rows % block_n == 0
+
+
 def config_key(n: int, k: int, blocked: bool, m: int) -> str:
     return f"{n},{k},{int(blocked)},{int(m == 1)}"
 
@@ -227,12 +244,20 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     if m == 0 or n == 0:
         return out
     cfg = dict(config or choose_config(x, n, k, blocked))
+    if blocked and cfg["BLOCK_K"] > GROUP_K and not wide_fits(cfg["BLOCK_K"], cfg["BLOCK_N"], m, scale_rows):
+        if config is not None:
+            raise ValueError(f"{fn}: a BLOCK_K of {cfg['BLOCK_K']} spans several scale groups: it needs one row "
+                             f"(got {m}), a multiple of {GROUP_K} and a row block dividing the scale's "
+                             f"{scale_rows} rows (got {cfg['BLOCK_N']})")
+        cfg = default_config(n, k, blocked, m, num_sms(x.device))  # the table's tile was measured at other scale rows
     bn, bk, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K", 1)
     reduce_in_kernel = cfg.pop("REDUCE_IN_KERNEL", False)
     early_w = cfg.pop("EARLY_W", False) and m == 1
-    if blocked and GROUP_K % bk:
+    wide = blocked and bk > GROUP_K
+    if blocked and not wide and GROUP_K % bk:
         raise ValueError(f"{fn}: BLOCK_K must divide {GROUP_K} for group scales, got {bk}")
-    # Each split covers a whole number of BLOCK_K steps, so a step never straddles a scale group.
+    # Each split covers a whole number of BLOCK_K steps, so a step never straddles a scale group (or,
+    # wide, covers whole groups).
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
     strips = triton.cdiv(n, bn)
@@ -244,7 +269,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
         DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn,
-        BLOCK_K=bk, EARLY_W=early_w, **cfg,
+        BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
         **pdl_args(x.device))
     if split > 1 and not reduce_here:
         size = m * n

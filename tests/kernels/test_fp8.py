@@ -203,6 +203,49 @@ def test_fp8_gemv_in_kernel_reduce_is_the_second_launch_bit_for_bit(poison_empty
             assert torch.equal(early, fp8_gemv(x, w8, scale, scale_rows, config=dict(cfg, **extra)))
 
 
+@pytest.mark.parametrize("n,k,scale_rows", [(256, 1024, 128), (100, 700, 128), (48, 384, 16)])
+def test_fp8_gemv_wide_steps_over_group_scales_match_reference(poison_empty, n, k, scale_rows):
+    from pdserve.kernels.fp8_gemv import fp8_gemv
+    from pdserve.kernels.reference import fp8_gemv_ref
+
+    # One row, K steps of 2-8 whole 128-column groups (each column of x scaled by its group's
+    # scale): split or not, summed in one launch or two, the first tile loaded early; K not a
+    # multiple of the step (700: a partial last group) nor of the group.
+    torch.manual_seed(2)
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    w8 = (torch.randn(n, k, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) * 0.01 + 1e-3
+    ref = fp8_gemv_ref(x.double(), w8, scale, scale_rows)
+    for bn, bk, split, extra in ((16, 256, 1, {}), (8, 512, 2, {}), (4, 1024, 1, {"EARLY_W": True}),
+                                 (16, 256, 3, {"REDUCE_IN_KERNEL": True, "EARLY_W": True})):
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=2, **extra)
+        out = fp8_gemv(x, w8, scale, scale_rows, config=cfg)
+        assert out.shape == (1, n) and rel_error(out, ref) < 1e-2, cfg
+
+
+def test_fp8_gemv_wide_steps_refused_or_replaced_where_groups_differ_per_row(poison_empty):
+    from pdserve.kernels import fp8_gemv as g
+    from pdserve.kernels.reference import fp8_gemv_ref
+
+    torch.manual_seed(3)
+    w8 = (torch.randn(64, 512, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.rand(64, 4, device=DEVICE) * 0.01 + 1e-3  # one scale row per weight row
+    x = torch.randn(1, 512, device=DEVICE)
+    wide = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)
+    # Asked for: refused, naming why (a strip of 8 rows spans 8 rows of scales; two rows of x).
+    with pytest.raises(ValueError, match="spans several scale groups"):
+        g.fp8_gemv(x, w8, scale, 1, config=wide)
+    with pytest.raises(ValueError, match="spans several scale groups"):
+        g.fp8_gemv(torch.randn(2, 512, device=DEVICE), w8, torch.rand(1, 4, device=DEVICE), 128, config=wide)
+    # From the table (measured at 128 scale rows, keyed without them): the rule's tiles instead.
+    card = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    try:
+        g.use_configs({card: {g.config_key(64, 512, True, 1): wide}})
+        assert rel_error(g.fp8_gemv(x, w8, scale, 1), fp8_gemv_ref(x.double(), w8, scale, 1)) < 1e-5
+    finally:
+        g.use_configs({})
+
+
 def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():
     from pdserve.kernels import fp8_gemv as g
 

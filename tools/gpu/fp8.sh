@@ -49,6 +49,9 @@
 # 3. bench/fp8.py --only tiles: engines one after another: bf16, then each FP8 format with the
 #    rule's tiles, the measured table without one-launch sums and early weight loads, the table
 #    as it is: bs=1 decode ms/step and offline 64 x 1024/128 tok/s                              ~150 s
+# FORMATS=block sweeps one scale format; COMMITTED=1 lays the sweep over kernels/fp8_gemv_configs.py
+# and runs each FP8 format with the committed table, then with that (5 engines instead of 7):
+#   run(carry=[".whl"], command="FORMATS=block COMMITTED=1 bash tools/gpu/fp8.sh tiles")
 # Files in $OUT: env.txt, tests_tiles.txt, gemv_tune.md/.json/_log.txt, fp8_tiles.md, fp8_tiles_log.txt.
 set -u
 MODE=${1:-all}
@@ -76,8 +79,8 @@ if [ "$MODE" = tiles ]; then
       $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
     tail -n 3 "$OUT/tests_tiles.txt"
     (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 1" 240 \
-      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 1 --out "$OUT/gemv_tune.md" \
-      --json "$OUT/gemv_tune.json")
+      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 1 --formats ${FORMATS:-channel block} \
+      --out "$OUT/gemv_tune.md" --json "$OUT/gemv_tune.json")
     cat "$OUT/gemv_tune.md" 2>/dev/null
     TILES_JSON=$OUT/gemv_tune.json
     [ -s "$TILES_JSON" ] || { echo "no tile table: no engines"; exit 1; }
@@ -85,7 +88,8 @@ if [ "$MODE" = tiles ]; then
   JSON=$(realpath "$TILES_JSON")
   cd /tmp
   step_into "$OUT/fp8_tiles_log.txt" "bench fp8 tiles" 300 \
-    $PY -m pdserve.bench.fp8 --only tiles --gemv-configs "$JSON" --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_tiles.md"
+    $PY -m pdserve.bench.fp8 --only tiles --gemv-configs "$JSON" ${COMMITTED:+--against-committed} \
+    --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_tiles.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_tiles_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_tiles.md" 2>/dev/null
