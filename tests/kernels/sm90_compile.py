@@ -38,10 +38,12 @@ def variants():
                      counter_ptr="*i32")
     fp8_types.update({n: "i32" for n in ("M", "N", "K", "K_SPLIT", "SPLITS", "stride_xm", "stride_wn", "stride_sn",
                                          "stride_os", "stride_om", "stride_fm")})
+    # Group scales at one row also with K steps of several groups (WIDE).
     fp8 = [dict(REDUCE_HERE=here, BLOCKED=blocked, SCALE_ROWS=128 if blocked else 1, GROUP=128, DOT_F32=False,
                 PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=8 if one_row else 32,
-                BLOCK_K=128 if blocked else 1024, EARLY_W=early, PDL=True)
-           for blocked, one_row, early, here in itertools.product((False, True), repeat=4) if one_row or not early]
+                BLOCK_K=128 if blocked and not wide else 1024, EARLY_W=early, WIDE=wide, PDL=True)
+           for blocked, one_row, early, here, wide in itertools.product((False, True), repeat=5)
+           if (one_row or not early) and (not wide or blocked and one_row)]
     gate_types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", part_ptr="*fp32", weights_ptr="*fp32",
                       ids_ptr="*i64", counter_ptr="*i32", K="i32", E="i32", stride_xt="i32", stride_we="i32",
                       res_ptr="*bf16", g_ptr="*bf16", h_ptr="*bf16", new_res_ptr="*bf16", eps="fp32",
