@@ -458,6 +458,9 @@ def main(argv=None) -> int:
                     help="with --only tiles: --gemv-configs laid over kernels/fp8_gemv_configs.py's table, each FP8 "
                          "format's engine with the committed table, then with that (a sweep of one format judged "
                          "against the tiles it would replace)")
+    ap.add_argument("--gemv-max-m", type=int, nargs="+", metavar="M",
+                    help="with speed or tiles: each FP8 engine once per value of fp8_linear.FP8_GEMV_MAX_M (the most "
+                         "rows the W8A16 GEMV takes before the W8A8 GEMMs; the engine's default is 16)")
     ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused", "tiles"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
@@ -608,9 +611,18 @@ def main(argv=None) -> int:
                 tables = {f"{name}, {label}": t for name, *_ in variants[1:] for label, t in labelled}
                 variants = [variants[0]] + [(f"{name}, {label}", p, q, sm, fq) for name, p, q, sm, fq in variants[1:]
                                             for label, _ in labelled]
+            max_m = {}  # variant -> the GEMV's row limit its engine runs with
+            if args.gemv_max_m:
+                max_m = {f"{name}, GEMV to {mm} rows": mm for name, *_ in variants[1:] for mm in args.gemv_max_m}
+                tables = {f"{name}, GEMV to {mm} rows": t for name, t in tables.items() for mm in args.gemv_max_m}
+                variants = [variants[0]] + [(f"{name}, GEMV to {mm} rows", *rest) for name, *rest in variants[1:]
+                                            for mm in args.gemv_max_m]
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
+                from pdserve.worker.quantization import fp8_linear
+
+                fp8_linear.FP8_GEMV_MAX_M = max_m.get(variant, 16)  # read per call: held for the engine's life
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant)
                     speed_rows.append(r)

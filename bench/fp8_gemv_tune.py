@@ -4,7 +4,8 @@
 
 For each linear shape (Llama-3.1-8B at TP=1 and TP=2 by default; DeepSeek-V3's FP8 linears outside
 the routed experts with `--shapes deepseek-v3`), each scale format asked for (per-channel,
-128-column groups) and M = 1 and M = 8: every tile of a sweep (row block, K step,
+128-column groups) and M = 1 and M = 8 (and 64 with `--m 64`, beside the W8A8 GEMM the engine runs
+past 16 rows): every tile of a sweep (row block, K step,
 K split) is timed as the engine runs it, in a CUDA graph with the weight's copies rotated past L2
 (triton.testing.do_bench median of the replays); the fastest goes to the JSON, beside
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
@@ -36,8 +37,9 @@ SHAPES = {  # name -> {linear: (N, K)}
 
 
 def sweep(blocked: bool, m: int = 1) -> list[dict]:
-    # Group scales take steps of more than one 128-column group at one row only (fp8_gemv.wide_fits).
-    steps = ((64, 128, 512) if m == 1 else (64, 128)) if blocked else (128, 256, 512)
+    # Group scales take steps of more than one 128-column group at one row only (fp8_gemv.wide_fits);
+    # past 16 rows the x tile is 32-64 rows, and 512-column steps would not fit shared memory.
+    steps = ((64, 128, 512) if m == 1 else (64, 128)) if blocked else (128, 256, 512) if m <= 16 else (64, 128, 256)
     tiles = list(itertools.product((16, 32, 64), steps, (1, 2, 4, 8, 16)))
     if m == 1:
         # Narrow strips with long K steps (one row only: the M > 1 path's dot needs 16 rows): many
@@ -87,8 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["channel", "block"], choices=["channel", "block"],
                     help="the scale formats to tune (DeepSeek's checkpoints are block FP8 only)")
-    ap.add_argument("--m", nargs="+", type=int, default=[1, 8], choices=[1, 8],
-                    help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16)")
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 8], choices=[1, 8, 64],
+                    help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16, 64 for 17-64)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
     args = ap.parse_args(argv)
@@ -104,15 +106,25 @@ def main(argv=None) -> int:
     def us(make) -> float:
         return graph_us(make, copies)
 
+    def w8a8(x, w8, scale, rows):
+        from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+        from pdserve.kernels.fp8_quant import quantize_fp8
+
+        if rows is None:
+            xq, xs = quantize_fp8(x)
+            return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
+        xq, xs = quantize_fp8(x, 128)
+        return fp8_block_gemm(xq, xs, w8, scale, rows, torch.bfloat16)
+
     card, bw = torch.cuda.get_device_name(), copy_bandwidth()
     g.use_configs({})  # the rule's default, not an earlier table, is the baseline here
     lines = [
         f"fp8_gemv tiles, {card}, triton {triton.__version__}, {datetime.date.today()}, copy bandwidth "
         f"{bw / 1e9:.0f} GB/s. us: GPU time per call in a CUDA graph, weights rotated past L2 (do_bench medians); GB/s: the FP8 weight's bytes / time.",  # noqa: E501
         "",
-        "| shape | linear (N x K) | scales | M | bf16 cuBLAS | default tiles | best tiles | best | GB/s (% copy) "
-        "| best without the one-launch sum or the early weight load |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: |",
+        "| shape | linear (N x K) | scales | M | bf16 cuBLAS | W8A8 | default tiles | best tiles | best "
+        "| GB/s (% copy) | best without the one-launch sum or the early weight load |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     table: dict[str, dict] = {}
     for shape in args.shapes:
@@ -130,6 +142,10 @@ def main(argv=None) -> int:
                 w8s = [q[0] for q in quantized]
                 ss = [q[1] if blocked else q[1].reshape(1, -1).contiguous() for q in quantized]
                 t_bf16 = us(lambda i: lambda: F.linear(x, ws[i]))
+                # Past 16 rows, what the engine ran instead: the activations quantized, then the
+                # W8A8 GEMM (per-channel: _scaled_mm row-wise; group scales: the Triton block GEMM,
+                # which the engine keeps below fp8_linear.SCALED_MM_BLOCK_MIN_M rows).
+                t_w8a8 = us(lambda i: lambda: w8a8(x, w8s[i], ss[i], rows)) if m > 16 else float("nan")
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
                 plain = best[0]  # the best without the one-launch sum and the early weight load
@@ -147,8 +163,9 @@ def main(argv=None) -> int:
                 tiles = " ".join(
                     f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items()
                 )
-                lines.append(f"| {shape} | {name} {n}x{k} | {fmt} | {m} | {t_bf16:.1f} | {t_default:.1f} | {tiles} | "
-                             f"{best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | {plain:.1f} |")
+                lines.append(f"| {shape} | {name} {n}x{k} | {fmt} | {m} | {t_bf16:.1f} | {t_w8a8:.1f} | "
+                             f"{t_default:.1f} | {tiles} | {best[0]:.1f} | {gbs:.0f} ({100 * gbs * 1e9 / bw:.0f}%) | "
+                             f"{plain:.1f} |")
                 print(lines[-1], flush=True)
             del ws, formats
             torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""FP8 weights times unquantized activations for decode-sized M (<= 16 rows): out = x @ (W8 * S)^T.
+"""FP8 weights times unquantized activations for decode-sized M (<= 64 rows): out = x @ (W8 * S)^T.
 
 Why a second FP8 GEMM: at M = 1..16 a linear layer is a pass over its weight, and the FP8
 weight is half the bytes of bf16. But the W8A8 paths (dynamic activation quantization, then
@@ -15,8 +15,8 @@ the memory system idle between loads, so K is split and the fp32 partial sums ar
 fixed order (the same bits on every run): by a second small kernel, or, with REDUCE_IN_KERNEL, by
 each strip's last slice program (a per-strip arrival counter, as kernels/fused_gemv.py; at bs=1
 the second launch costs about what a slice's reads do). M = 1 multiplies
-and sums in registers; M > 1 pads M to 16 for a tensor-core dot (compute is free here; the
-loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
+and sums in registers; M > 1 pads M to 16, 32 or 64 rows for a tensor-core dot (compute is free
+here; the loads are what count). Scales: per output channel ([N] or [1, N]: applied once at the end), or
 128-column groups ([ceil(N / scale_rows), ceil(K / 128)]: per K step, BLOCK_K dividing 128; or, at
 one row with each strip inside one row of scales, K steps of several whole groups, each column of x
 scaled by its group's scale: the per-channel path's long K steps, which group scales otherwise
@@ -38,7 +38,10 @@ from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
 FP8 = torch.float8_e4m3fn
-MAX_M = 16  # past this the W8A8 GEMMs win (they reuse each weight tile across many rows)
+# The kernel's row limit: a batch of up to 64 rows is still a pass over the weight (Llama-3.1-8B's
+# layers at M = 64: 2 x 64 FLOP a weight byte, below the card's ~300 FLOP/B); where the engine
+# switches to the W8A8 GEMMs is worker/quantization/fp8_linear.FP8_GEMV_MAX_M.
+MAX_M = 64
 GROUP_K = 128
 
 
@@ -172,7 +175,9 @@ def default_config(n: int, k: int, blocked: bool, m: int, sms: int = 132) -> dic
         while triton.cdiv(n, bn) * split * 2 <= 8 * sms and k // (split * 2) >= 2 * bk:
             split *= 2
     else:
-        bn, bk = 32, 256
+        # Past 16 rows the activation tile grows to 32-64 rows: 128-column steps keep the
+        # pipeline's shared memory (3 stages of x and W tiles) inside ~100 KB.
+        bn, bk = 32, (256 if m <= 16 else 128)
         while triton.cdiv(n, bn) * split < 2 * sms and k // (split * 2) >= 4 * bk:
             split *= 2
     return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
@@ -182,7 +187,7 @@ _TABLE: dict = {}
 
 
 def use_configs(table: dict) -> None:
-    """Measured tiles, {card name: {"N,K,blocked,one_row": config}} (bench/fp8_gemv_tune.py writes
+    """Measured tiles, {card name: {config_key: config}} (bench/fp8_gemv_tune.py writes
     it; fp8_gemv_configs.py holds the ones committed). Replaces what was loaded before."""
     _TABLE.clear()
     _TABLE.update(table)
@@ -194,6 +199,10 @@ def _load_committed() -> None:
     use_configs(CONFIGS)
 
 
+def _pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
 def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:
     """Whether group scales can take K steps of more than one group (several scale columns a step):
     one row only, whole groups a step, and each strip inside one row of scales."""
@@ -201,7 +210,8 @@ def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:
 
 
 def config_key(n: int, k: int, blocked: bool, m: int) -> str:
-    return f"{n},{k},{int(blocked)},{int(m == 1)}"
+    # The last field: 1 for one row, 0 for 2-16 rows (the tables' first buckets), 64 for 17-64.
+    return f"{n},{k},{int(blocked)},{1 if m == 1 else 0 if m <= 16 else 64}"
 
 
 def choose_config(x: torch.Tensor, n: int, k: int, blocked: bool) -> dict:
@@ -215,7 +225,7 @@ def choose_config(x: torch.Tensor, n: int, k: int, blocked: bool) -> dict:
 
 def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_rows: int | None = None,
              config: dict | None = None) -> torch.Tensor:
-    """x [M <= 16, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
+    """x [M <= 64, K] (fp16/bf16/fp32) times e4m3 w8 [N, K] -> [M, N] in x's dtype.
     w_scale: per output channel ([N] or [1, N]) when scale_rows is None; else 128-column group
     scales [ceil(N / scale_rows), ceil(K / 128)] (the block format, scale_rows 128 or 1).
     `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and optionally REDUCE_IN_KERNEL (with
@@ -268,7 +278,8 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         x, w8, w_scale, dst, out, counters, m, n, k, k_split, split, x.stride(0), w8.stride(0),
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
-        DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=bn,
+        DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=max(16, _pow2(m)),
+        BLOCK_N=bn,
         BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
         **pdl_args(x.device))
     if split > 1 and not reduce_here:

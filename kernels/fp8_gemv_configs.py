@@ -1,4 +1,5 @@
-"""Measured tiles for kernels/fp8_gemv.py: {card name: {"N,K,blocked,one_row": config}}.
+"""Measured tiles for kernels/fp8_gemv.py: {card name: {"N,K,blocked,rows": config}}
+(fp8_gemv.config_key; rows: 1, 0 for 2-16, 64 for 17-64).
 
 Written by `python -m pdserve.bench.fp8_gemv_tune` on the card itself (each shape's fastest of a
 sweep, timed in CUDA graphs with the weights rotated past L2); a card or shape missing here takes

@@ -38,9 +38,9 @@ def variants():
                      counter_ptr="*i32")
     fp8_types.update({n: "i32" for n in ("M", "N", "K", "K_SPLIT", "SPLITS", "stride_xm", "stride_wn", "stride_sn",
                                          "stride_os", "stride_om", "stride_fm")})
-    # Group scales at one row also with K steps of several groups (WIDE).
+    # Group scales at one row also with K steps of several groups (WIDE); 64-row dots with group scales.
     fp8 = [dict(REDUCE_HERE=here, BLOCKED=blocked, SCALE_ROWS=128 if blocked else 1, GROUP=128, DOT_F32=False,
-                PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=8 if one_row else 32,
+                PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=64 if blocked else 16, BLOCK_N=8 if one_row else 32,
                 BLOCK_K=128 if blocked and not wide else 1024, EARLY_W=early, WIDE=wide, PDL=True)
            for blocked, one_row, early, here, wide in itertools.product((False, True), repeat=5)
            if (one_row or not early) and (not wide or blocked and one_row)]

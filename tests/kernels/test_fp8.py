@@ -151,7 +151,8 @@ def test_fp8_linear_kernel_path_matches_reference(weight, activation):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,scale_rows", [(1, 40, 200, None), (5, 64, 256, None), (16, 33, 300, None),
-                                              (1, 256, 384, 128), (7, 100, 200, 1), (16, 130, 128, 128)])
+                                              (1, 256, 384, 128), (7, 100, 200, 1), (16, 130, 128, 128),
+                                              (40, 72, 256, None), (64, 50, 384, 128)])
 def test_fp8_gemv_matches_reference(poison_empty, dtype, m, n, k, scale_rows):
     from pdserve.kernels.fp8_gemv import fp8_gemv
     from pdserve.kernels.reference import fp8_gemv_ref
@@ -252,6 +253,10 @@ def test_fp8_gemv_default_tiles_split_k_for_few_rows_and_take_measured_ones():
     assert g.default_config(4096, 14336, False, 1)["SPLIT_K"] > 1  # 128 row blocks: K split
     assert g.default_config(28672, 4096, False, 1)["SPLIT_K"] == 1  # 896 row blocks already
     assert g.default_config(4096, 4096, True, 4)["BLOCK_K"] == 128  # group scales: one group a step
+    assert g.default_config(4096, 4096, False, 64)["BLOCK_K"] == 128  # 64-row x tiles: shorter steps
+    # Tables keep one row, 2-16 rows and 17-64 rows apart.
+    assert [g.config_key(8, 16, False, m) for m in (1, 2, 16, 17, 64)] == ["8,16,0,1", "8,16,0,0", "8,16,0,0",
+                                                                           "8,16,0,64", "8,16,0,64"]
     # Group scales: about seven programs per SM (132 SMs), a split never under two steps.
     assert g.default_config(7168, 16384, True, 1) == dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4,
                                                           num_stages=3)  # 112 row blocks x 8
@@ -272,7 +277,7 @@ def test_fp8_gemv_refuses_what_it_cannot_run():
     from pdserve.kernels.fp8_gemv import fp8_gemv
 
     w8 = torch.zeros(32, 64, device=DEVICE).to(FP8)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        fp8_gemv(torch.zeros(17, 64, device=DEVICE), w8, torch.ones(32, device=DEVICE))
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        fp8_gemv(torch.zeros(65, 64, device=DEVICE), w8, torch.ones(32, device=DEVICE))
     with pytest.raises(ValueError, match="per-channel scales"):
         fp8_gemv(torch.zeros(2, 64, device=DEVICE), w8, torch.ones(31, device=DEVICE))

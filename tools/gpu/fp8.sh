@@ -53,6 +53,17 @@
 # and runs each FP8 format with the committed table, then with that (5 engines instead of 7):
 #   run(carry=[".whl"], command="FORMATS=block COMMITTED=1 bash tools/gpu/fp8.sh tiles")
 # Files in $OUT: env.txt, tests_tiles.txt, gemv_tune.md/.json/_log.txt, fp8_tiles.md, fp8_tiles_log.txt.
+#
+#   run(carry=[".whl"], command="bash tools/gpu/fp8.sh batch")   (~5-6 minutes)
+#
+# The W8A16 GEMV at decode batches of 17-64 rows against the W8A8 GEMMs the engine runs there:
+# 1. the fp8_gemv tests compiled                                                              30 s
+# 2. bench/fp8_gemv_tune.py --m 64: Llama-3.1-8B's linears, both scale formats, bf16 / W8A8 / the
+#    GEMV's tiles at 64 rows, in CUDA graphs                                                 ~120 s
+# 3. bench/fp8.py --only speed --gemv-max-m 16 64: bf16, then each FP8 format with the GEMV up to
+#    16 rows (the engine's default) and up to 64 (the sweep's tiles over the committed table):
+#    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~150 s
+# Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
 source tools/gpu/lib.sh
@@ -93,6 +104,25 @@ if [ "$MODE" = tiles ]; then
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_tiles_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_tiles.md" 2>/dev/null
+  exit 0
+fi
+
+if [ "$MODE" = batch ]; then
+  step_into "$OUT/tests_batch.txt" "fp8_gemv tests" 90 \
+    $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
+  tail -n 3 "$OUT/tests_batch.txt"
+  (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 64" 200 \
+    $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/gemv_tune.md" \
+    --json "$OUT/gemv_tune.json")
+  cat "$OUT/gemv_tune.md" 2>/dev/null
+  TUNED=(); [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$(realpath "$OUT/gemv_tune.json")" --against-committed)
+  cd /tmp
+  step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 300 \
+    $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-max-m 16 64 --workdir /tmp/pdserve-fp8 \
+    --out "$OUT/fp8_batch.md"
+  rm -rf /tmp/pdserve-fp8
+  grep -v " INFO \|it/s\]" "$OUT/fp8_batch_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
+  cat "$OUT/fp8_batch.md" 2>/dev/null
   exit 0
 fi
 
