@@ -158,22 +158,25 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True) -> dict:
+          fused_quant: bool = True, gemv_max_m: int | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
-    their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them."""
+    their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
+    `gemv_max_m`: the most rows FP8 linears take the W8A16 GEMV for (default: the engine's)."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
-    fused_before = fp8_linear.FUSED_ACT_QUANT
-    fp8_linear.FUSED_ACT_QUANT = fused_quant  # read on every call: held for this engine's life
+    fused_before, max_m_before = fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M
+    # Both read on every call (graphs: at capture): held for this engine's life.
+    fp8_linear.FUSED_ACT_QUANT = fused_quant
+    fp8_linear.FP8_GEMV_MAX_M = gemv_max_m or max_m_before
     try:
         engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
     except BaseException:
-        fp8_linear.FUSED_ACT_QUANT = fused_before
+        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M = fused_before, max_m_before
         raise
     finally:
         fp8_linear.SCALED_MM_BLOCK = True
@@ -199,7 +202,7 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
             res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
             print(f"{variant}: offline {res['offline_tok_s']:.0f} tok/s", flush=True)
     finally:
-        fp8_linear.FUSED_ACT_QUANT = fused_before
+        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M = fused_before, max_m_before
         engine.shutdown()
         del engine
         free(args.device)
@@ -620,11 +623,8 @@ def main(argv=None) -> int:
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
-                from pdserve.worker.quantization import fp8_linear
-
-                fp8_linear.FP8_GEMV_MAX_M = max_m.get(variant, 16)  # read per call: held for the engine's life
                 try:
-                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant)
+                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant, max_m.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")
