@@ -279,8 +279,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
         DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=max(16, _pow2(m)),
-        BLOCK_N=bn,
-        BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
+        BLOCK_N=bn, BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
         **pdl_args(x.device))
     if split > 1 and not reduce_here:
         size = m * n
