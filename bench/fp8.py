@@ -458,9 +458,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-configs", help="fp8_gemv tiles measured by bench/fp8_gemv_tune.py (JSON); "
                     "default: kernels/fp8_gemv_configs.py")
     ap.add_argument("--against-committed", action="store_true",
-                    help="with --only tiles: --gemv-configs laid over kernels/fp8_gemv_configs.py's table, each FP8 "
-                         "format's engine with the committed table, then with that (a sweep of one format judged "
-                         "against the tiles it would replace)")
+                    help="--gemv-configs laid over kernels/fp8_gemv_configs.py's table (a sweep of some shapes or "
+                         "formats); with --only tiles each FP8 format's engine runs with the committed table, then "
+                         "with that (judged against the tiles it would replace)")
     ap.add_argument("--gemv-max-m", type=int, nargs="+", metavar="M",
                     help="with speed or tiles: each FP8 engine once per value of fp8_linear.FP8_GEMV_MAX_M (the most "
                          "rows the W8A16 GEMV takes before the W8A8 GEMMs; the engine's default is 16)")
