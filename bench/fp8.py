@@ -301,12 +301,12 @@ def gemm_rows(
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from pdserve.bench.fp8_gemv_tune import graph_us
+    from pdserve.bench.fp8_gemv_tune import graph_us, w8a8_linear
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
-    from pdserve.kernels.fp8_gemv import MAX_M as FP8_GEMV_MAX_M
     from pdserve.kernels.fp8_gemv import fp8_gemv
     from pdserve.kernels.fp8_quant import quantize_fp8
     from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+    from pdserve.worker.quantization.fp8_linear import FP8_GEMV_MAX_M  # where the engine leaves the GEMV
 
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
@@ -320,16 +320,10 @@ def gemm_rows(
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
 
             def channel():
-                if m <= FP8_GEMV_MAX_M:
-                    return fp8_gemv(x, w_ch, s_ch)
-                xq, xs = quantize_fp8(x)
-                return torch._scaled_mm(xq, w_ch.t(), scale_a=xs, scale_b=s_ch, out_dtype=torch.bfloat16)
+                return fp8_gemv(x, w_ch, s_ch) if m <= FP8_GEMV_MAX_M else w8a8_linear(x, w_ch, s_ch, None)
 
             def block():
-                if m <= FP8_GEMV_MAX_M:
-                    return fp8_gemv(x, w_bl, s_bl, 128)
-                xq, xs = quantize_fp8(x, 128)
-                return fp8_block_gemm(xq, xs, w_bl, s_bl, 128, torch.bfloat16)
+                return fp8_gemv(x, w_bl, s_bl, 128) if m <= FP8_GEMV_MAX_M else w8a8_linear(x, w_bl, s_bl, 128)
 
             if m <= FP8_GEMV_MAX_M:  # decode sizes: GPU time in a CUDA graph, weights past L2 (eager is host-bound)
                 t = [graph_us(make, len(copies)) for make in (

@@ -63,6 +63,20 @@ def sweep(blocked: bool, m: int = 1) -> list[dict]:
     return configs
 
 
+def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_rows: int | None) -> torch.Tensor:
+    """What an FP8 linear runs past the GEMV's rows, below cuBLASLt's block scaling: the activations
+    quantized (per token; per token and 128 columns for group scales), then _scaled_mm row-wise
+    (per-channel scale [1, N]) or the Triton block GEMM (group scales). bf16 out."""
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_quant import quantize_fp8
+
+    if scale_rows is None:
+        xq, xs = quantize_fp8(x)
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
+    xq, xs = quantize_fp8(x, 128)
+    return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16)
+
+
 def graph_us(make, copies: int, reps: int = 4) -> float:
     """GPU microseconds of one call, as the engine runs it: captured in a CUDA graph (no host
     launch time), each call on its own copy of the weight (`make(i)` -> a call on copy i), enough
@@ -106,16 +120,6 @@ def main(argv=None) -> int:
     def us(make) -> float:
         return graph_us(make, copies)
 
-    def w8a8(x, w8, scale, rows):
-        from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
-        from pdserve.kernels.fp8_quant import quantize_fp8
-
-        if rows is None:
-            xq, xs = quantize_fp8(x)
-            return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
-        xq, xs = quantize_fp8(x, 128)
-        return fp8_block_gemm(xq, xs, w8, scale, rows, torch.bfloat16)
-
     card, bw = torch.cuda.get_device_name(), copy_bandwidth()
     g.use_configs({})  # the rule's default, not an earlier table, is the baseline here
     lines = [
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
                 # Past 16 rows, what the engine ran instead: the activations quantized, then the
                 # W8A8 GEMM (per-channel: _scaled_mm row-wise; group scales: the Triton block GEMM,
                 # which the engine keeps below fp8_linear.SCALED_MM_BLOCK_MIN_M rows).
-                t_w8a8 = us(lambda i: lambda: w8a8(x, w8s[i], ss[i], rows)) if m > 16 else float("nan")
+                t_w8a8 = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows)) if m > 16 else float("nan")
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
                 plain = best[0]  # the best without the one-launch sum and the early weight load

@@ -143,9 +143,8 @@ def _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, strid
         # (s_ptr is the strip's row of them), so each column of x takes its group's scale before
         # the product, one multiply a column rather than one a weight.
         x *= tl.load(s_ptr + k // GROUP, mask=k < k_end, other=0.0)
-        return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if BLOCKED:
+    if BLOCKED and not WIDE:
         return acc + part * tl.load(s_ptr + (offs_n // SCALE_ROWS) * stride_sn + k0 // GROUP, mask=mask_n, other=0.0)
     return acc + part
 
@@ -197,10 +196,6 @@ def _load_committed() -> None:
     from pdserve.kernels.fp8_gemv_configs import CONFIGS
 
     use_configs(CONFIGS)
-
-
-def _pow2(m: int) -> int:
-    return 1 << (m - 1).bit_length()
 
 
 def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:
@@ -278,8 +273,8 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
         x, w8, w_scale, dst, out, counters, m, n, k, k_split, split, x.stride(0), w8.stride(0),
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
-        DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1, BLOCK_M=max(16, _pow2(m)),
-        BLOCK_N=bn, BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
+        DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
         **pdl_args(x.device))
     if split > 1 and not reduce_here:
         size = m * n
