@@ -158,25 +158,33 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True, gemv_max_m: int | None = None) -> dict:
+          fused_quant: bool = True, gemv_rows: str | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
-    `gemv_max_m`: the most rows FP8 linears take the W8A16 GEMV for (default: the engine's)."""
+    `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
+    past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
+    tile: the engine's rule); default: the engine's."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
-    fused_before, max_m_before = fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M
-    # Both read on every call (graphs: at capture): held for this engine's life.
+    before = fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS
+
+    def restore():
+        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS = before
+
+    # All three read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
-    fp8_linear.FP8_GEMV_MAX_M = gemv_max_m or max_m_before
+    if gemv_rows is not None:
+        fp8_linear.FP8_GEMV_MAX_M = 64 if gemv_rows == "64" else 16
+        fp8_linear.FP8_GEMV_MEASURED_ROWS = gemv_rows == "measured"
     try:
         engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
     except BaseException:
-        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M = fused_before, max_m_before
+        restore()
         raise
     finally:
         fp8_linear.SCALED_MM_BLOCK = True
@@ -202,7 +210,7 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
             res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
             print(f"{variant}: offline {res['offline_tok_s']:.0f} tok/s", flush=True)
     finally:
-        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M = fused_before, max_m_before
+        restore()
         engine.shutdown()
         del engine
         free(args.device)
@@ -455,9 +463,10 @@ def main(argv=None) -> int:
                     help="--gemv-configs laid over kernels/fp8_gemv_configs.py's table (a sweep of some shapes or "
                          "formats); with --only tiles each FP8 format's engine runs with the committed table, then "
                          "with that (judged against the tiles it would replace)")
-    ap.add_argument("--gemv-max-m", type=int, nargs="+", metavar="M",
-                    help="with speed or tiles: each FP8 engine once per value of fp8_linear.FP8_GEMV_MAX_M (the most "
-                         "rows the W8A16 GEMV takes before the W8A8 GEMMs; the engine's default is 16)")
+    ap.add_argument("--gemv-rows", nargs="+", choices=("16", "measured", "64"),
+                    help="with speed or tiles: each FP8 engine once per value: the W8A16 GEMV to 16 rows then the "
+                         "W8A8 GEMMs (every layer), to 64 rows (every layer), or to 16 and to 64 where the card's "
+                         "table holds a 64-row tile (measured: the engine's rule)")
     ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused", "tiles"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
@@ -608,17 +617,19 @@ def main(argv=None) -> int:
                 tables = {f"{name}, {label}": t for name, *_ in variants[1:] for label, t in labelled}
                 variants = [variants[0]] + [(f"{name}, {label}", p, q, sm, fq) for name, p, q, sm, fq in variants[1:]
                                             for label, _ in labelled]
-            max_m = {}  # variant -> the GEMV's row limit its engine runs with
-            if args.gemv_max_m:
-                max_m = {f"{name}, GEMV to {mm} rows": mm for name, *_ in variants[1:] for mm in args.gemv_max_m}
-                tables = {f"{name}, GEMV to {mm} rows": t for name, t in tables.items() for mm in args.gemv_max_m}
-                variants = [variants[0]] + [(f"{name}, GEMV to {mm} rows", *rest) for name, *rest in variants[1:]
-                                            for mm in args.gemv_max_m]
+            gemv_rows = {}  # variant -> the GEMV's rows its engine runs with
+            if args.gemv_rows:
+                label = {"16": "GEMV to 16 rows", "64": "GEMV to 64 rows",
+                         "measured": "GEMV to 64 rows where the table has a tile"}
+                gemv_rows = {f"{name}, {label[r]}": r for name, *_ in variants[1:] for r in args.gemv_rows}
+                tables = {f"{name}, {label[r]}": t for name, t in tables.items() for r in args.gemv_rows}
+                variants = [variants[0]] + [(f"{name}, {label[r]}", *rest) for name, *rest in variants[1:]
+                                            for r in args.gemv_rows]
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
                 try:
-                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant, max_m.get(variant))
+                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -7,7 +7,8 @@ the routed experts with `--shapes deepseek-v3`), each scale format asked for (pe
 128-column groups) and M = 1 and M = 8 (and 64 with `--m 64`, beside the W8A8 GEMM the engine runs
 past 16 rows): every tile of a sweep (row block, K step,
 K split) is timed as the engine runs it, in a CUDA graph with the weight's copies rotated past L2
-(triton.testing.do_bench median of the replays); the fastest goes to the JSON, beside
+(triton.testing.do_bench median of the replays); the fastest goes to the JSON (at 64 rows only
+where it beat W8A8: the engine takes the GEMV past 16 rows for the shapes the table holds), beside
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
 microsecond against this run's copy bandwidth. Paste the JSON's card entry into
 kernels/fp8_gemv_configs.py (or pass it to bench/fp8.py --gemv-configs).
@@ -162,7 +163,13 @@ def main(argv=None) -> int:
                     best = min(best, (t, cfg), key=lambda b: b[0])
                     if not cfg.get("REDUCE_IN_KERNEL") and not cfg.get("EARLY_W"):
                         plain = min(plain, t)
-                table[g.config_key(n, k, blocked, m)] = best[1]
+                # Past 16 rows a tile is kept only where the GEMV beat W8A8: the engine takes the GEMV
+                # there for exactly the shapes the table holds (fp8_gemv.measured_batch_rows).
+                if m <= 16 or best[0] < t_w8a8:
+                    table[g.config_key(n, k, blocked, m)] = best[1]
+                else:
+                    print(f"{name} {fmt} M={m}: W8A8 {t_w8a8:.1f} us beats the GEMV's {best[0]:.1f}: no tile kept",
+                          flush=True)
                 gbs = n * k / (best[0] * 1e-6) / 1e9
                 tiles = " ".join(
                     f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items()

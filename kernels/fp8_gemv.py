@@ -40,7 +40,7 @@ from pdserve.kernels.pdl import pdl_args, pdl_enter
 FP8 = torch.float8_e4m3fn
 # The kernel's row limit: a batch of up to 64 rows is still a pass over the weight (Llama-3.1-8B's
 # layers at M = 64: 2 x 64 FLOP a weight byte, below the card's ~300 FLOP/B); where the engine
-# switches to the W8A8 GEMMs is worker/quantization/fp8_linear.FP8_GEMV_MAX_M.
+# switches to the W8A8 GEMMs is worker/quantization/fp8_linear.fp8_gemm_path.
 MAX_M = 64
 GROUP_K = 128
 
@@ -196,6 +196,17 @@ def _load_committed() -> None:
     from pdserve.kernels.fp8_gemv_configs import CONFIGS
 
     use_configs(CONFIGS)
+
+
+def measured_batch_rows(device: torch.device, n: int, k: int, blocked: bool) -> int:
+    """MAX_M if the card's table holds a tile for batches of 17-64 rows at this shape, else 0.
+    bench/fp8_gemv_tune.py writes one only where the GEMV measured faster than the W8A8 GEMM the
+    engine runs there, so the engine takes the GEMV to 64 rows just for those layers
+    (worker/quantization/fp8_linear.fp8_gemm_path)."""
+    if not _TABLE:
+        _load_committed()
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return MAX_M if config_key(n, k, blocked, MAX_M) in _TABLE.get(card, {}) else 0
 
 
 def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:

@@ -148,6 +148,35 @@ def test_fp8_gemm_path(m, block, ok, path):
     assert fp8_gemm_path(m, block, ok) == path
 
 
+@pytest.mark.parametrize("block", [False, True])
+def test_a_measured_64_row_tile_takes_the_gemv_to_64_rows(block, monkeypatch):
+    from pdserve.kernels import fp8_gemv
+    from pdserve.worker.quantization import fp8_linear
+
+    w8a8 = "triton_block" if block else "rowwise"
+    assert fp8_gemm_path(40, block, False, measured_rows=64) == "gemv"
+    assert fp8_gemm_path(64, block, False, measured_rows=64) == "gemv"
+    assert fp8_gemm_path(65, block, False, measured_rows=64) == w8a8
+    assert fp8_gemm_path(17, block, False, measured_rows=0) == w8a8
+    monkeypatch.setattr(fp8_linear, "FP8_GEMV_MEASURED_ROWS", False)  # the bench's baseline: 16 rows for every layer
+    assert fp8_gemm_path(40, block, False, measured_rows=64) == w8a8
+    # The table decides per card and shape: a 64-row key present, or not.
+    monkeypatch.setattr(fp8_gemv, "_TABLE", {"cpu": {fp8_gemv.config_key(256, 512, block, 64): {}}})
+    assert fp8_gemv.measured_batch_rows(torch.device("cpu"), 256, 512, block) == fp8_gemv.MAX_M == 64
+    assert fp8_gemv.measured_batch_rows(torch.device("cpu"), 256, 512, not block) == 0
+    assert fp8_gemv.measured_batch_rows(torch.device("cpu"), 512, 512, block) == 0
+
+
+def test_the_committed_64_row_tiles_are_for_shapes_of_the_table():
+    # A 17-64-row entry names a shape the card's one-row table has too (a typo would be a silent miss).
+    from pdserve.kernels.fp8_gemv_configs import CONFIGS
+
+    for card, table in CONFIGS.items():
+        for key in table:
+            if key.endswith(",64"):
+                assert key[:-3] + ",1" in table, (card, key)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the CPU side of the probe")
 def test_probe_refuses_the_cpu_and_the_linear_keeps_triton():
     from tests.kernels.test_fp8 import _qkv_layer

@@ -60,9 +60,11 @@
 # 1. the fp8_gemv tests compiled                                                              30 s
 # 2. bench/fp8_gemv_tune.py --m 64: Llama-3.1-8B's linears, both scale formats, bf16 / W8A8 / the
 #    GEMV's tiles at 64 rows, in CUDA graphs                                                 ~120 s
-# 3. bench/fp8.py --only speed --gemv-max-m 16 64: bf16, then each FP8 format with the GEMV up to
-#    16 rows (the engine's default) and up to 64 (the sweep's tiles over the committed table):
-#    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~150 s
+#    (a 64-row tile is kept only where the GEMV beat W8A8; SWEEP=0: skipped, the committed table)
+# 3. bench/fp8.py --only speed --gemv-rows $GEMV_ROWS (default "16 measured"): bf16, then each FP8
+#    format with the GEMV to 16 rows on every layer, then to 64 rows on the layers whose shape has a
+#    64-row tile (the engine's rule; the sweep's tiles over the committed table; "64": every layer):
+#    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~120 s
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
@@ -111,15 +113,18 @@ if [ "$MODE" = batch ]; then
   step_into "$OUT/tests_batch.txt" "fp8_gemv tests" 90 \
     $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
   tail -n 3 "$OUT/tests_batch.txt"
-  (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 64" 200 \
-    $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/gemv_tune.md" \
-    --json "$OUT/gemv_tune.json")
-  cat "$OUT/gemv_tune.md" 2>/dev/null
-  TUNED=(); [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$(realpath "$OUT/gemv_tune.json")" --against-committed)
+  TUNED=()
+  if [ "${SWEEP:-1}" = 1 ]; then
+    (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 64" 200 \
+      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/gemv_tune.md" \
+      --json "$OUT/gemv_tune.json")
+    cat "$OUT/gemv_tune.md" 2>/dev/null
+  fi
+  [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$(realpath "$OUT/gemv_tune.json")" --against-committed)
   cd /tmp
   step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 300 \
-    $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-max-m 16 64 --workdir /tmp/pdserve-fp8 \
-    --out "$OUT/fp8_batch.md"
+    $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-rows ${GEMV_ROWS:-16 measured} \
+    --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_batch.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_batch_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_batch.md" 2>/dev/null

@@ -42,8 +42,14 @@ from pdserve.kernels.reference import dequantize_fp8_ref, quantize_fp8_rows_ref
 from pdserve.worker.config.quantization import Fp8Config
 from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activations
 
-# Batches up to this many rows take kernels/fp8_gemv.py (its MAX_M) on the GPU; larger ones W8A8.
+# Batches up to FP8_GEMV_MAX_M rows take kernels/fp8_gemv.py (W8A16) on the GPU. Up to its MAX_M (64)
+# a layer takes it too where the card's table holds a 64-row tile for its shape
+# (fp8_gemv.measured_batch_rows): bench/fp8_gemv_tune.py keeps one only where the GEMV measured faster
+# than the W8A8 GEMM at 64 rows (on an H100 qkv, o and down at block-128, not gate_up). The rest W8A8.
+# FP8_GEMV_MEASURED_ROWS False: FP8_GEMV_MAX_M alone (the bench's same-run baseline). Both are read
+# on every call (captured graphs keep the choice of their capture).
 FP8_GEMV_MAX_M = 16
+FP8_GEMV_MEASURED_ROWS = True
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
 # Triton GEMM at M = 16-64 and ahead from M = 1024. bench/fp8.py --only blockwise prints the
@@ -58,12 +64,13 @@ SCALED_MM_BLOCK = True
 FUSED_ACT_QUANT = os.environ.get("PDSERVE_FP8_FUSED_QUANT", "1") != "0"
 
 
-def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool) -> str:
+def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool, measured_rows: int = 0) -> str:
     """Which GEMM an FP8 layer runs for M rows on the GPU: "gemv" (decode sizes, activations
     unquantized), "rowwise" (per-tensor/per-channel: _scaled_mm), "scaled_mm_block" (block
     scales on cuBLASLt; `scaled_mm_block`: the layer is eligible and the probe passed) or
-    "triton_block"."""
-    if m <= FP8_GEMV_MAX_M:
+    "triton_block". `measured_rows`: the most rows the card's table says the GEMV wins at for
+    the layer's shape (0: none past FP8_GEMV_MAX_M)."""
+    if m <= max(FP8_GEMV_MAX_M, measured_rows if FP8_GEMV_MEASURED_ROWS else 0):
         return "gemv"
     if not block:
         return "rowwise"
@@ -201,6 +208,10 @@ class Fp8LinearMethod:
             layer.scaled_mm_block = self._scaled_mm_block_ok(layer, compute_dtype)
         else:
             layer.w_scale = scale.reshape(1, -1).contiguous()  # [1, out]: _scaled_mm's row-wise scale_b
+        if w8.device.type == "cuda":
+            from pdserve.kernels.fp8_gemv import measured_batch_rows
+
+            layer.gemv_measured_rows = measured_batch_rows(w8.device, *w8.shape, cfg.block is not None)
 
     def _scaled_mm_block_ok(self, layer: nn.Module, compute_dtype: torch.dtype) -> bool:
         """Whether this block-scaled layer may take cuBLASLt's block scaling: 128x128 blocks, a
@@ -227,7 +238,8 @@ class Fp8LinearMethod:
 
     # -- running (CUDA) ------------------------------------------------------------------------
     def _path(self, layer: nn.Module, m: int) -> str:
-        return fp8_gemm_path(m, self.cfg.block is not None, getattr(layer, "scaled_mm_block", False))
+        return fp8_gemm_path(m, self.cfg.block is not None, getattr(layer, "scaled_mm_block", False),
+                             getattr(layer, "gemv_measured_rows", 0))
 
     def input_format(self, layer: nn.Module, m: int) -> Fp8ActFormat | None:
         """fp8_input_format for this layer (after loading, on the kernel path). A static
