@@ -8,7 +8,7 @@ the routed experts with `--shapes deepseek-v3`), each scale format asked for (pe
 past 16 rows): every tile of a sweep (row block, K step,
 K split) is timed as the engine runs it, in a CUDA graph with the weight's copies rotated past L2
 (triton.testing.do_bench median of the replays); the fastest goes to the JSON (at 64 rows only
-where it beat W8A8: the engine takes the GEMV past 16 rows for the shapes the table holds), beside
+where it beat W8A8 by 10%: the engine takes the GEMV past 16 rows for the shapes the table holds), beside
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
 microsecond against this run's copy bandwidth. Paste the JSON's card entry into
 kernels/fp8_gemv_configs.py (or pass it to bench/fp8.py --gemv-configs).
@@ -23,6 +23,11 @@ import json
 import sys
 
 import torch
+
+# A 64-row tile is kept where the GEMV takes at most this share of W8A8's time: the W8A8 column
+# quantizes its own input, which the engine may fuse into the norm / SiLU·mul before the linear
+# (a few us at 64 rows), so a narrower win may be none in the engine.
+W8A8_MARGIN = 0.9
 
 SHAPES = {  # name -> {linear: (N, K)}
     "llama-3.1-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
@@ -163,13 +168,13 @@ def main(argv=None) -> int:
                     best = min(best, (t, cfg), key=lambda b: b[0])
                     if not cfg.get("REDUCE_IN_KERNEL") and not cfg.get("EARLY_W"):
                         plain = min(plain, t)
-                # Past 16 rows a tile is kept only where the GEMV beat W8A8: the engine takes the GEMV
-                # there for exactly the shapes the table holds (fp8_gemv.measured_batch_rows).
-                if m <= 16 or best[0] < t_w8a8:
+                # Past 16 rows a tile is kept only where the GEMV beat W8A8 by W8A8_MARGIN: the engine
+                # takes the GEMV there for exactly the shapes the table holds (fp8_gemv.measured_batch_rows).
+                if m <= 16 or best[0] < W8A8_MARGIN * t_w8a8:
                     table[g.config_key(n, k, blocked, m)] = best[1]
                 else:
-                    print(f"{name} {fmt} M={m}: W8A8 {t_w8a8:.1f} us beats the GEMV's {best[0]:.1f}: no tile kept",
-                          flush=True)
+                    print(f"{name} {fmt} M={m}: the GEMV's {best[0]:.1f} us against W8A8's {t_w8a8:.1f}: "
+                          "no tile kept", flush=True)
                 gbs = n * k / (best[0] * 1e-6) / 1e9
                 tiles = " ".join(
                     f"{key.replace('BLOCK_', '').replace('num_', '').lower()}={v}" for key, v in best[1].items()
