@@ -200,8 +200,8 @@ def _load_committed() -> None:
 
 def measured_batch_rows(device: torch.device, n: int, k: int, blocked: bool) -> int:
     """MAX_M if the card's table holds a tile for batches of 17-64 rows at this shape, else 0.
-    bench/fp8_gemv_tune.py writes one only where the GEMV measured faster than the W8A8 GEMM the
-    engine runs there, so the engine takes the GEMV to 64 rows just for those layers
+    bench/fp8_gemv_tune.py writes one only where the GEMV took at most 0.9x the time of the W8A8
+    GEMM the engine runs there (its W8A8_MARGIN), so the engine takes the GEMV to 64 rows just for those layers
     (worker/quantization/fp8_linear.fp8_gemm_path)."""
     if not _TABLE:
         _load_committed()

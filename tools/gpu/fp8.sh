@@ -60,7 +60,8 @@
 # 1. the fp8_gemv tests compiled                                                              30 s
 # 2. bench/fp8_gemv_tune.py --m 64: Llama-3.1-8B's linears, both scale formats, bf16 / W8A8 / the
 #    GEMV's tiles at 64 rows, in CUDA graphs                                                 ~120 s
-#    (a 64-row tile is kept only where the GEMV beat W8A8; SWEEP=0: skipped, the committed table)
+#    (a 64-row tile is kept only where the GEMV took <= 0.9x W8A8's time; SWEEP=0: skipped, the
+#    committed table alone)
 # 3. bench/fp8.py --only speed --gemv-rows $GEMV_ROWS (default "16 measured"): bf16, then each FP8
 #    format with the GEMV to 16 rows on every layer, then to 64 rows on the layers whose shape has a
 #    64-row tile (the engine's rule; the sweep's tiles over the committed table; "64": every layer):
