@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     from pdserve.bench.kernels import copy_bandwidth
     from pdserve.kernels import fp8_gemv as g
     from pdserve.kernels.reference import quantize_fp8_blocks_ref, quantize_fp8_rows_ref
+    from pdserve.worker.quantization.fp8_linear import FP8_GEMV_MAX_M  # every layer's GEMV rows
 
     def us(make) -> float:
         return graph_us(make, copies)
@@ -155,7 +156,9 @@ def main(argv=None) -> int:
                 # Past 16 rows, what the engine ran instead: the activations quantized, then the
                 # W8A8 GEMM (per-channel: _scaled_mm row-wise; group scales: the Triton block GEMM,
                 # which the engine keeps below fp8_linear.SCALED_MM_BLOCK_MIN_M rows).
-                t_w8a8 = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows)) if m > 16 else float("nan")
+                t_w8a8 = float("nan")
+                if m > FP8_GEMV_MAX_M:
+                    t_w8a8 = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows))
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
                 plain = best[0]  # the best without the one-launch sum and the early weight load
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
                         plain = min(plain, t)
                 # Past 16 rows a tile is kept only where the GEMV beat W8A8 by W8A8_MARGIN: the engine
                 # takes the GEMV there for exactly the shapes the table holds (fp8_gemv.measured_batch_rows).
-                if m <= 16 or best[0] < W8A8_MARGIN * t_w8a8:
+                if m <= FP8_GEMV_MAX_M or best[0] < W8A8_MARGIN * t_w8a8:
                     table[g.config_key(n, k, blocked, m)] = best[1]
                 else:
                     print(f"{name} {fmt} M={m}: the GEMV's {best[0]:.1f} us against W8A8's {t_w8a8:.1f}: "

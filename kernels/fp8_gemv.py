@@ -198,15 +198,19 @@ def _load_committed() -> None:
     use_configs(CONFIGS)
 
 
+def _card_table(device: torch.device) -> dict:
+    """The measured tiles of `device`'s card ({} for a card the table does not name)."""
+    if not _TABLE:
+        _load_committed()
+    return _TABLE.get(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", {})
+
+
 def measured_batch_rows(device: torch.device, n: int, k: int, blocked: bool) -> int:
     """MAX_M if the card's table holds a tile for batches of 17-64 rows at this shape, else 0.
     bench/fp8_gemv_tune.py writes one only where the GEMV took at most 0.9x the time of the W8A8
-    GEMM the engine runs there (its W8A8_MARGIN), so the engine takes the GEMV to 64 rows just for those layers
-    (worker/quantization/fp8_linear.fp8_gemm_path)."""
-    if not _TABLE:
-        _load_committed()
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return MAX_M if config_key(n, k, blocked, MAX_M) in _TABLE.get(card, {}) else 0
+    GEMM the engine runs there (its W8A8_MARGIN), so the engine takes the GEMV to 64 rows just for
+    those layers (worker/quantization/fp8_linear.fp8_gemm_path)."""
+    return MAX_M if config_key(n, k, blocked, MAX_M) in _card_table(device) else 0
 
 
 def wide_fits(block_k: int, block_n: int, m: int, scale_rows: int) -> bool:
@@ -221,11 +225,8 @@ def config_key(n: int, k: int, blocked: bool, m: int) -> str:
 
 
 def choose_config(x: torch.Tensor, n: int, k: int, blocked: bool) -> dict:
-    if not _TABLE:
-        _load_committed()
     m = x.shape[0]
-    card = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else "cpu"
-    found = _TABLE.get(card, {}).get(config_key(n, k, blocked, m))
+    found = _card_table(x.device).get(config_key(n, k, blocked, m))
     return dict(found) if found else default_config(n, k, blocked, m, num_sms(x.device))
 
 
