@@ -158,26 +158,32 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True, gemv_rows: str | None = None) -> dict:
+          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool = True) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
     `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
-    tile: the engine's rule); default: the engine's."""
+    tile: the engine's rule); default: the engine's. `block_split` False: the Triton block GEMM never
+    splits K (fp8_block_gemm.SPLIT_MAX_M 0). `args.profile`: one more offline run under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
+    from pdserve.kernels import fp8_block_gemm
     from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
-    before = fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS
+    before = (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
+              fp8_block_gemm.SPLIT_MAX_M)
 
     def restore():
-        fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS = before
+        (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
+         fp8_block_gemm.SPLIT_MAX_M) = before
 
-    # All three read on every call (graphs: at capture): held for this engine's life.
+    # All four read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
+    if not block_split:
+        fp8_block_gemm.SPLIT_MAX_M = 0
     if gemv_rows is not None:
         fp8_linear.FP8_GEMV_MAX_M = 64 if gemv_rows == "64" else 16
         fp8_linear.FP8_GEMV_MEASURED_ROWS = gemv_rows == "measured"
@@ -209,6 +215,10 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
             outs = engine.generate(prompts, params)
             res["offline_tok_s"] = sum(len(o) for o in outs) / (time.perf_counter() - t0)
             print(f"{variant}: offline {res['offline_tok_s']:.0f} tok/s", flush=True)
+            if getattr(args, "profile", False) and args.device == "cuda":
+                from pdserve.bench.kernel_profile import profile_kernels
+
+                res["kernels"] = profile_kernels(lambda: engine.generate(prompts, params))
     finally:
         restore()
         engine.shutdown()
@@ -467,6 +477,12 @@ def main(argv=None) -> int:
                     help="with speed or tiles: each FP8 engine once per value: the W8A16 GEMV to 16 rows then the "
                          "W8A8 GEMMs (every layer), to 64 rows (every layer), or to 16 and to 64 where the card's "
                          "table holds a 64-row tile (measured: the engine's rule)")
+    ap.add_argument("--block-split", nargs="+", choices=("off", "on"),
+                    help="with speed: each FP8 block-128 engine once per value: the Triton block GEMM with K never "
+                         "split, then split where its rule says (fp8_block_gemm._split_k; the default)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with speed: one more offline run per engine under torch.profiler: its GPU time per kernel "
+                         "and per kernel group")
     ap.add_argument("--only", nargs="*", choices=("gemm", "speed", "accuracy", "blockwise", "fused", "tiles"),
                     default=["gemm", "speed", "accuracy"],
                     help="blockwise: the prefill-size GEMM table of torch scaled_mm block scaling against bf16, "
@@ -540,6 +556,11 @@ def main(argv=None) -> int:
                     ratio = (f"{on['offline_tok_s'] / off['offline_tok_s']:.3f}x"
                              if on.get("offline_tok_s") and off.get("offline_tok_s") else "")
                     lines.append(f"| {name} | {off['decode_ms'] / on['decode_ms']:.3f}x | {ratio} |")
+        for r in speed_rows:
+            if r.get("kernels"):
+                from pdserve.bench.kernel_profile import kernel_lines
+
+                lines += ["", f"{r['variant']}, offline under torch.profiler:", ""] + kernel_lines(r["kernels"], 8)
         if acc_rows:
             lines += ["", f"First generated token, top-{TOPK} logprobs, {CHECK_PROMPTS} prompts, reduced model "
                           f"(2 layers, same widths): max |logprob - fp32|", "",
@@ -625,11 +646,28 @@ def main(argv=None) -> int:
                 tables = {f"{name}, {label[r]}": t for name, t in tables.items() for r in args.gemv_rows}
                 variants = [variants[0]] + [(f"{name}, {label[r]}", *rest) for name, *rest in variants[1:]
                                             for r in args.gemv_rows]
+            block_split = {}  # variant -> whether the Triton block GEMM splits K
+            if args.block_split:
+                split_label = {"off": "K unsplit", "on": "K split"}
+                expanded = [variants[0]]
+                for name, path, *rest in variants[1:]:
+                    if path != block:
+                        expanded.append((name, path, *rest))
+                        continue
+                    for v in args.block_split:
+                        label = f"{name}, {split_label[v]}"
+                        block_split[label] = v == "on"
+                        for d in (tables, gemv_rows):
+                            if name in d:
+                                d[label] = d[name]
+                        expanded.append((label, path, *rest))
+                variants = expanded
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
                 try:
-                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant))
+                    r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
+                              block_split.get(variant, True))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -12,6 +12,8 @@ where it beat W8A8 by 10%: the engine takes the GEMV past 16 rows for the shapes
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
 microsecond against this run's copy bandwidth. Paste the JSON's card entry into
 kernels/fp8_gemv_configs.py (or pass it to bench/fp8.py --gemv-configs).
+`--block-tiles`: past 16 rows, group scales, also the Triton block GEMM's tiles and K splits
+(kernels/fp8_block_gemm.py: what the W8A8 column runs with its rule's choice) in a second table.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ SHAPES = {  # name -> {linear: (N, K)}
                     "o_proj": (7168, 16384), "shared_gate_up_proj": (4096, 7168), "shared_down_proj": (7168, 2048),
                     "dense_gate_up_proj": (36864, 7168), "dense_down_proj": (7168, 18432)},
 }
+
+
+# The Triton block GEMM's tiles at decode batches (--block-tiles): row x column block, K slices.
+BLOCK_GEMM_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=st, SPLIT_K=sk)
+                    for (bm, bn), st, sk in itertools.product(((64, 64), (32, 64), (64, 32), (64, 128)), (3, 4),
+                                                              (1, 2, 3, 4, 6, 8))]
 
 
 def sweep(blocked: bool, m: int = 1) -> list[dict]:
@@ -83,6 +91,25 @@ def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_ro
     return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16)
 
 
+def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule: float, us) -> list[str]:
+    """Each of BLOCK_GEMM_SWEEP's tiles for the Triton block GEMM at m rows, quantization included."""
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    from pdserve.kernels.fp8_quant import quantize_fp8
+
+    out = []
+    for cfg in BLOCK_GEMM_SWEEP:
+        label = (f"m={cfg['BLOCK_M']} n={cfg['BLOCK_N']} stages={cfg['num_stages']} "
+                 f"split_k={cfg['SPLIT_K']}")
+        try:
+            t = us(lambda i, c=cfg: lambda: fp8_block_gemm(*quantize_fp8(x, 128), w8s[i], ss[i], rows,
+                                                           torch.bfloat16, tiles=c))
+        except Exception as e:  # a tile this card cannot run: said, skipped
+            out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | {label} FAILED {type(e).__name__} | | |")
+            continue
+        out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | {label} | {t:.1f} | {t_rule / t:.2f}x |")
+    return out
+
+
 def graph_us(make, copies: int, reps: int = 4) -> float:
     """GPU microseconds of one call, as the engine runs it: captured in a CUDA graph (no host
     launch time), each call on its own copy of the weight (`make(i)` -> a call on copy i), enough
@@ -113,6 +140,8 @@ def main(argv=None) -> int:
                     help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16, 64 for 17-64)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
+    ap.add_argument("--block-tiles", action="store_true",
+                    help="past 16 rows, group scales: also sweep the Triton block GEMM's tiles and K splits")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_gemv_tune needs a CUDA GPU", file=sys.stderr)
@@ -138,6 +167,9 @@ def main(argv=None) -> int:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     table: dict[str, dict] = {}
+    block_lines = ["", "The Triton block GEMM (W8A8, group scales) past 16 rows, activation quantization included "
+                   "(us, as above; the rule: kernels/fp8_block_gemm._tiles and _split_k):", "",
+                   "| linear (N x K) | M | rule | tiles | us | vs rule |", "| --- | ---: | ---: | --- | ---: | ---: |"]
     for shape in args.shapes:
         for name, (n, k) in SHAPES[shape].items():
             # Copies of the weight past L2 (60 MB on an H200): bf16's 2 bytes and FP8's 1 per element.
@@ -159,6 +191,9 @@ def main(argv=None) -> int:
                 t_w8a8 = float("nan")
                 if m > FP8_GEMV_MAX_M:
                     t_w8a8 = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows))
+                if args.block_tiles and blocked and m > FP8_GEMV_MAX_M:
+                    block_lines.extend(block_tile_rows(name, n, k, m, x, w8s, ss, rows, t_w8a8, us))
+                    print("\n".join(block_lines[-len(BLOCK_GEMM_SWEEP):]), flush=True)
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
                 plain = best[0]  # the best without the one-launch sum and the early weight load
@@ -188,6 +223,8 @@ def main(argv=None) -> int:
                 print(lines[-1], flush=True)
             del ws, formats
             torch.cuda.empty_cache()
+    if len(block_lines) > 5:
+        lines += block_lines
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -8,6 +8,10 @@ ceil(K/128)]: scale_rows = 128 for the published block grid, 1 when the scales a
 Each program owns a BLOCK_M x BLOCK_N tile and walks K one 128-column scale group at a time: an
 FP8 tensor-core dot of the group, then the partial sum times A's row scales and B's column
 scales, accumulated in fp32. Partial blocks (K, N, M not multiples of the tile) are masked.
+Decode batches past the GEMV's rows (17-127) leave few tiles (Llama-3.1-8B's down_proj at 64 rows:
+64 tiles of 64 x 64 on a 132-SM card, each streaming 14336 columns), so K is split there: each
+slice writes fp32 partial sums and the tile's last slice to arrive adds them in slice order (the
+same bits on every run; kernels/arrivals.py), in the same launch.
 Tile sizes are fixed per M bucket (no autotuning: it would benchmark during CUDA-graph capture).
 Reference: reference.fp8_block_gemm_ref.
 """
@@ -18,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor
+from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
+from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -27,13 +32,14 @@ GROUP_K = 128
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
-                           stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                           SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, counter_ptr, M, N, K, GROUPS_PER_SPLIT,
+                           stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_ps,
+                           SPLITS: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -43,7 +49,9 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
     as_rows = as_ptr + offs_m * stride_asm
     bs_rows = bs_ptr + (offs_n // SCALE_ROWS) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    kb_begin = pid_s * GROUPS_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + GROUPS_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    for kb in range(kb_begin, kb_end):
         k = kb * BLOCK_K + offs_k
         mask_k = k < K
         a = tl.load(a_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -51,8 +59,22 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
         a_s = tl.load(as_rows + kb, mask=mask_m, other=0.0)
         b_s = tl.load(bs_rows + kb, mask=mask_n, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLITS == 1:
+        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=tile_mask)
+    else:
+        # This slice's partial sums; the tile's last slice to arrive adds all of them in slice order.
+        parts = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(parts + pid_s * stride_ps, acc, mask=tile_mask)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if last_arrival(counter_ptr, tile, SPLITS):
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s_i in range(SPLITS):
+                total += tl.load(parts + s_i * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            tl.store(c, total.to(c_ptr.dtype.element_ty), mask=tile_mask)
+            reset_arrivals(counter_ptr, tile)
 
 
 def _tiles(m: int) -> tuple[int, int, int, int]:
@@ -69,10 +91,25 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     return 64, 256, 8, 3
 
 
+# K is split only below this many rows (decode batches; prefill-sized M has tiles enough) and only
+# into slices of at least MIN_SPLIT_GROUPS scale groups (a slice's partial store and the sum must
+# stay small beside its reads).
+SPLIT_MAX_M = 128
+MIN_SPLIT_GROUPS = 4
+
+
+def _split_k(m: int, tiles: int, groups: int, sms: int) -> int:
+    """K slices per tile: enough programs to cover the card's SMs once."""
+    if m >= SPLIT_MAX_M or tiles >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, tiles), groups // MIN_SPLIT_GROUPS))
+
+
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    scale_rows: int, out_dtype: torch.dtype, tiles: dict | None = None) -> torch.Tensor:
     """[M, K] e4m3 x [N, K] e4m3 -> [M, N] out_dtype, with 128-column group scales (module doc).
-    `tiles`: BLOCK_M, BLOCK_N, num_warps, num_stages (default: _tiles by M; benchmarks sweep it)."""
+    `tiles`: BLOCK_M, BLOCK_N, num_warps, num_stages and optionally SPLIT_K (default: _tiles by M,
+    K split by _split_k; benchmarks sweep them)."""
     fn = "fp8_block_gemm"
     check_tensor(fn, "a", a, (None, None), (FP8,))
     m, k = a.shape
@@ -92,9 +129,18 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
         return out
     bm, bn, warps, stages = (_tiles(m) if tiles is None else
                              (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["num_warps"], tiles["num_stages"]))
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_block_gemm_kernel[grid](a, a_scale, b, b_scale, out, m, n, k, a.stride(0), a_scale.stride(0),
-                                 b.stride(0), b_scale.stride(0), out.stride(0), SCALE_ROWS=scale_rows,
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP_K, num_warps=warps, num_stages=stages,
-                                 **pdl_args(a.device))
+    grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    split = (_split_k(m, grid_m * grid_n, groups, num_sms(a.device)) if tiles is None or "SPLIT_K" not in tiles
+             else max(1, min(tiles["SPLIT_K"], groups)))
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)  # no empty slice
+    if split > 1 and grid_m * grid_n > MAX_COUNTERS:
+        split, per_split = 1, groups
+    parts = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else out
+    counters = strip_counters(a.device) if split > 1 else out
+    _fp8_block_gemm_kernel[(grid_m, grid_n, split)](
+        a, a_scale, b, b_scale, out, parts, counters, m, n, k, per_split, a.stride(0), a_scale.stride(0),
+        b.stride(0), b_scale.stride(0), out.stride(0), parts.stride(0) if split > 1 else 0, SPLITS=split,
+        SCALE_ROWS=scale_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP_K, num_warps=warps, num_stages=stages,
+        **pdl_args(a.device))
     return out

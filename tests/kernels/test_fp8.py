@@ -66,6 +66,7 @@ def test_quantize_static_scale_writes_it_per_row(poison_empty):
     (1, 192, 256, 128),  # decode-sized M, two scale groups
     (20, 130, 300, 128),  # partial N, K and M tiles
     (70, 96, 200, 1),  # per-row scales (fused parts off the 128-row grid)
+    (40, 96, 1200, 128),  # a decode batch with few tiles: K split (fp8_block_gemm._split_k)
 ])
 def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
     a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
@@ -77,6 +78,24 @@ def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
     # report: about 14 bits) before the fp32 accumulation: a looser bound on the GPU.
     assert out.shape == (m, n) and rel_error(out, ref) < (1e-3 if ON_GPU else 1e-5)
     assert rel_error(fp8_block_gemm(a, a_s, b, b_s, scale_rows, torch.bfloat16), ref) < 1e-2
+
+
+@pytest.mark.parametrize("split", [2, 3, 10])
+def test_block_gemm_split_k_sums_in_a_fixed_order(poison_empty, split):
+    """Each K slice's partials are added by the tile's last slice in slice order: the reference's
+    product, the same bits on every call, and the arrival counters left at zero for the next."""
+    from pdserve.kernels.arrivals import strip_counters
+
+    m, n, k = 24, 160, 1280  # 10 scale groups; a partial N tile
+    a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
+    b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
+    b_s = torch.rand(-(-n // 128), k // 128, device=DEVICE) + 0.01
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2, SPLIT_K=split)
+    out = fp8_block_gemm(a, a_s, b, b_s, 128, torch.float32, tiles=tiles)
+    ref = fp8_block_gemm_ref(a, a_s, b, b_s, 128, torch.float64)
+    assert rel_error(out, ref) < (1e-3 if ON_GPU else 1e-5)
+    assert torch.equal(fp8_block_gemm(a, a_s, b, b_s, 128, torch.float32, tiles=tiles), out)
+    assert not strip_counters(out.device).any()
 
 
 def test_block_gemm_rejects_bad_arguments():

@@ -66,6 +66,10 @@
 #    format with the GEMV to 16 rows on every layer, then to 64 rows on the layers whose shape has a
 #    64-row tile (the engine's rule; the sweep's tiles over the committed table; "64": every layer):
 #    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~120 s
+# BLOCK_TILES=1: step 1 also runs the block GEMM's tests and step 2 sweeps the Triton block GEMM's tiles and
+# K splits at 64 rows; BLOCK_SPLIT="off on": each block-128 engine with K never split, then split by the
+# rule; PROFILE=1: one more offline run per engine under torch.profiler (GPU time per kernel group);
+# FORMATS=block: the sweep's one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
@@ -112,19 +116,20 @@ fi
 
 if [ "$MODE" = batch ]; then
   step_into "$OUT/tests_batch.txt" "fp8_gemv tests" 90 \
-    $PY -m pytest tests/kernels/test_fp8.py -q -k gemv -p no:cacheprovider
+    $PY -m pytest tests/kernels/test_fp8.py -q -k "gemv${BLOCK_TILES:+ or block_gemm}" -p no:cacheprovider
   tail -n 3 "$OUT/tests_batch.txt"
   TUNED=()
   if [ "${SWEEP:-1}" = 1 ]; then
     (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "fp8_gemv tile sweep, M = 64" 200 \
       $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/gemv_tune.md" \
-      --json "$OUT/gemv_tune.json")
+      --json "$OUT/gemv_tune.json" --formats ${FORMATS:-channel block} ${BLOCK_TILES:+--block-tiles})
     cat "$OUT/gemv_tune.md" 2>/dev/null
   fi
   [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$(realpath "$OUT/gemv_tune.json")" --against-committed)
   cd /tmp
-  step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 300 \
+  step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 380 \
     $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-rows ${GEMV_ROWS:-16 measured} \
+    ${BLOCK_SPLIT:+--block-split $BLOCK_SPLIT} ${PROFILE:+--profile} \
     --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_batch.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_batch_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5

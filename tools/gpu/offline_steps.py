@@ -145,21 +145,9 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
 
 def kernel_table(engine, prompts, params, top: int) -> None:
     """One more run under torch.profiler: GPU time per kernel name, the `top` largest, and the total."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from pdserve.bench.kernel_profile import kernel_lines, profile_kernels
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-    ks = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
-                key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in ks)
-    print(f"under the profiler: GPU kernels {total / 1e3:.1f} ms in {sum(e.count for e in ks)} launches\n")
-    print("| kernel | calls | ms | µs/call |\n| --- | ---: | ---: | ---: |")
-    for e in ks[:top]:
-        print(f"| {e.key[:80]} | {e.count} | {e.self_device_time_total / 1e3:.1f} | "
-              f"{e.self_device_time_total / max(e.count, 1):.1f} |")
-    print()
+    print("\n".join(kernel_lines(profile_kernels(lambda: engine.generate(prompts, params)), top)) + "\n")
 
 
 def host_table(engine, prompts, params, top: int, sync) -> None:
