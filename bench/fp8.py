@@ -158,14 +158,17 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool = True) -> dict:
+          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool = True,
+          triton_rowwise: bool = False) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
     `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
     tile: the engine's rule); default: the engine's. `block_split` False: the Triton block GEMM never
-    splits K (fp8_block_gemm.SPLIT_MAX_M 0). `args.profile`: one more offline run under torch.profiler."""
+    splits K (fp8_block_gemm.SPLIT_MAX_M 0). `triton_rowwise`: per-channel layers take the Triton GEMM
+    below 128 rows (fp8_linear.TRITON_ROWWISE_MAX_M), not torch._scaled_mm. `args.profile`: one more
+    offline run under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.kernels import fp8_block_gemm
     from pdserve.worker.quantization import fp8_linear
@@ -174,14 +177,15 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
     before = (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-              fp8_block_gemm.SPLIT_MAX_M)
+              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M)
 
     def restore():
         (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-         fp8_block_gemm.SPLIT_MAX_M) = before
+         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M) = before
 
-    # All four read on every call (graphs: at capture): held for this engine's life.
+    # All read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
+    fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
     if not block_split:
         fp8_block_gemm.SPLIT_MAX_M = 0
     if gemv_rows is not None:
@@ -225,6 +229,29 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
         del engine
         free(args.device)
     return res
+
+
+def expand_ab(variants: list, values: list[str] | None, applies, labels: dict, keyed: tuple) -> dict:
+    """Each variant `applies(path, quantization)` picks, once per value ("off" / "on"), in place, its
+    name suffixed by the value's label (the `keyed` dicts' entries follow the names); -> {new name:
+    value == "on"}."""
+    chosen: dict[str, bool] = {}
+    if not values:
+        return chosen
+    expanded = [variants[0]]
+    for name, path, quant, *rest in variants[1:]:
+        if not applies(path, quant):
+            expanded.append((name, path, quant, *rest))
+            continue
+        for v in values:
+            label = f"{name}, {labels[v]}"
+            chosen[label] = v == "on"
+            for d in keyed:
+                if name in d:
+                    d[label] = d[name]
+            expanded.append((label, path, quant, *rest))
+    variants[:] = expanded
+    return chosen
 
 
 def first_token_top(path: str, quantization: str | None, prompts, device: str) -> list[dict[int, float]]:
@@ -480,6 +507,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-split", nargs="+", choices=("off", "on"),
                     help="with speed: each FP8 block-128 engine once per value: the Triton block GEMM with K never "
                          "split, then split where its rule says (fp8_block_gemm._split_k; the default)")
+    ap.add_argument("--rowwise-triton", nargs="+", choices=("off", "on"),
+                    help="with speed: each FP8 per-channel engine once per value: W8A8 below 128 rows on "
+                         "torch._scaled_mm, then on the Triton GEMM (fp8_linear.TRITON_ROWWISE_MAX_M)")
     ap.add_argument("--profile", action="store_true",
                     help="with speed: one more offline run per engine under torch.profiler: its GPU time per kernel "
                          "and per kernel group")
@@ -646,28 +676,18 @@ def main(argv=None) -> int:
                 tables = {f"{name}, {label[r]}": t for name, t in tables.items() for r in args.gemv_rows}
                 variants = [variants[0]] + [(f"{name}, {label[r]}", *rest) for name, *rest in variants[1:]
                                             for r in args.gemv_rows]
-            block_split = {}  # variant -> whether the Triton block GEMM splits K
-            if args.block_split:
-                split_label = {"off": "K unsplit", "on": "K split"}
-                expanded = [variants[0]]
-                for name, path, *rest in variants[1:]:
-                    if path != block:
-                        expanded.append((name, path, *rest))
-                        continue
-                    for v in args.block_split:
-                        label = f"{name}, {split_label[v]}"
-                        block_split[label] = v == "on"
-                        for d in (tables, gemv_rows):
-                            if name in d:
-                                d[label] = d[name]
-                        expanded.append((label, path, *rest))
-                variants = expanded
+            # Per format, an A/B of one switch: variant -> its value.
+            block_split = expand_ab(variants, args.block_split, lambda path, q: path == block,
+                                    {"off": "K unsplit", "on": "K split"}, (tables, gemv_rows))
+            triton_rowwise = expand_ab(variants, args.rowwise_triton, lambda path, q: q == "fp8",
+                                       {"off": "W8A8 on _scaled_mm", "on": "W8A8 on the Triton GEMM"},
+                                       (tables, gemv_rows, block_split))
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant, True))
+                              block_split.get(variant, True), triton_rowwise.get(variant, False))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -12,8 +12,9 @@ where it beat W8A8 by 10%: the engine takes the GEMV past 16 rows for the shapes
 bf16 F.linear (cuBLAS) and the rule's default in the markdown table, with the weight bytes per
 microsecond against this run's copy bandwidth. Paste the JSON's card entry into
 kernels/fp8_gemv_configs.py (or pass it to bench/fp8.py --gemv-configs).
-`--block-tiles`: past 16 rows, group scales, also the Triton block GEMM's tiles and K splits
-(kernels/fp8_block_gemm.py: what the W8A8 column runs with its rule's choice) in a second table.
+`--block-tiles`: past 16 rows, also the Triton GEMM's tiles and K splits in a second table
+(kernels/fp8_block_gemm.py: group scales, what the W8A8 column runs with its rule's choice;
+per-channel, fp8_rowwise_gemm, against the W8A8 column's torch._scaled_mm).
 """
 
 from __future__ import annotations
@@ -92,17 +93,23 @@ def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_ro
 
 
 def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule: float, us) -> list[str]:
-    """Each of BLOCK_GEMM_SWEEP's tiles for the Triton block GEMM at m rows, quantization included."""
-    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    """Each of BLOCK_GEMM_SWEEP's tiles for the Triton GEMM at m rows, quantization included: group
+    scales (rows: 128 or 1) on fp8_block_gemm, per-channel (rows None) on fp8_rowwise_gemm."""
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm, fp8_rowwise_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
 
+    def call(i: int, c: dict):
+        if rows is None:
+            return lambda: fp8_rowwise_gemm(*quantize_fp8(x), w8s[i], ss[i], torch.bfloat16, tiles=c)
+        return lambda: fp8_block_gemm(*quantize_fp8(x, 128), w8s[i], ss[i], rows, torch.bfloat16, tiles=c)
+
+    fmt = "channel" if rows is None else "block"
     out = []
     for cfg in BLOCK_GEMM_SWEEP:
-        label = (f"m={cfg['BLOCK_M']} n={cfg['BLOCK_N']} stages={cfg['num_stages']} "
+        label = (f"{fmt} m={cfg['BLOCK_M']} n={cfg['BLOCK_N']} stages={cfg['num_stages']} "
                  f"split_k={cfg['SPLIT_K']}")
         try:
-            t = us(lambda i, c=cfg: lambda: fp8_block_gemm(*quantize_fp8(x, 128), w8s[i], ss[i], rows,
-                                                           torch.bfloat16, tiles=c))
+            t = us(lambda i, c=cfg: call(i, c))
         except Exception as e:  # a tile this card cannot run: said, skipped
             out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | {label} FAILED {type(e).__name__} | | |")
             continue
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
     ap.add_argument("--block-tiles", action="store_true",
-                    help="past 16 rows, group scales: also sweep the Triton block GEMM's tiles and K splits")
+                    help="past 16 rows: also sweep the Triton W8A8 GEMM's tiles and K splits (both scale formats)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_gemv_tune needs a CUDA GPU", file=sys.stderr)
@@ -167,9 +174,11 @@ def main(argv=None) -> int:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |",
     ]
     table: dict[str, dict] = {}
-    block_lines = ["", "The Triton block GEMM (W8A8, group scales) past 16 rows, activation quantization included "
-                   "(us, as above; the rule: kernels/fp8_block_gemm._tiles and _split_k):", "",
-                   "| linear (N x K) | M | rule | tiles | us | vs rule |", "| --- | ---: | ---: | --- | ---: | ---: |"]
+    block_lines = ["", "The Triton W8A8 GEMM past 16 rows, activation quantization included (us, as above; "
+                   "W8A8: the engine's path, group scales on this GEMM by its rule, kernels/fp8_block_gemm._tiles "
+                   "and _split_k; per-channel: torch._scaled_mm):", "",
+                   "| linear (N x K) | M | W8A8 | tiles | us | vs W8A8 |",
+                   "| --- | ---: | ---: | --- | ---: | ---: |"]
     for shape in args.shapes:
         for name, (n, k) in SHAPES[shape].items():
             # Copies of the weight past L2 (60 MB on an H200): bf16's 2 bytes and FP8's 1 per element.
@@ -191,7 +200,7 @@ def main(argv=None) -> int:
                 t_w8a8 = float("nan")
                 if m > FP8_GEMV_MAX_M:
                     t_w8a8 = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows))
-                if args.block_tiles and blocked and m > FP8_GEMV_MAX_M:
+                if args.block_tiles and m > FP8_GEMV_MAX_M:
                     block_lines.extend(block_tile_rows(name, n, k, m, x, w8s, ss, rows, t_w8a8, us))
                     print("\n".join(block_lines[-len(BLOCK_GEMM_SWEEP):]), flush=True)
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))

@@ -98,6 +98,24 @@ def test_block_gemm_split_k_sums_in_a_fixed_order(poison_empty, split):
     assert not strip_counters(out.device).any()
 
 
+@pytest.mark.parametrize("m,n,k,split", [(20, 130, 300, None), (64, 96, 1200, None), (24, 160, 1280, 3)])
+def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split):
+    """Per-token x per-row scales on the block GEMM's tiles (K split by the rule or as asked):
+    torch._scaled_mm's row-wise product."""
+    from pdserve.kernels.fp8_block_gemm import fp8_rowwise_gemm
+
+    a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE))
+    b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
+    b_s = torch.rand(1, n, device=DEVICE) + 0.01
+    tiles = None if split is None else dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2, SPLIT_K=split)
+    out = fp8_rowwise_gemm(a, a_s, b, b_s, torch.float32, tiles=tiles)
+    ref = fp8_scaled_mm_ref(a, a_s, b, b_s, torch.float64)
+    assert out.shape == (m, n) and rel_error(out, ref) < (1e-3 if ON_GPU else 1e-5)
+    assert torch.equal(fp8_rowwise_gemm(a, a_s, b, b_s.reshape(-1), torch.float32, tiles=tiles), out)
+    with pytest.raises(ValueError, match="b_scale must hold"):
+        fp8_rowwise_gemm(a, a_s, b, b_s[:, :-1], torch.float32)
+
+
 def test_block_gemm_rejects_bad_arguments():
     a, a_s = quantize_fp8_ref(torch.randn(2, 256, device=DEVICE), 128)
     b = torch.zeros(64, 256, device=DEVICE).to(FP8)
@@ -124,8 +142,14 @@ def _qkv_layer(weight: str, activation: str):
     return layer.to_empty(device=DEVICE), fp8
 
 
-@pytest.mark.parametrize("weight,activation", [("channel", "token"), ("channel", "static"), ("block", "group")])
-def test_fp8_linear_kernel_path_matches_reference(weight, activation):
+@pytest.mark.parametrize("weight,activation,triton_rowwise", [
+    ("channel", "token", False), ("channel", "static", False), ("block", "group", False),
+    ("channel", "token", True), ("channel", "static", True),  # 40 rows on fp8_rowwise_gemm, not _scaled_mm
+])
+def test_fp8_linear_kernel_path_matches_reference(weight, activation, triton_rowwise, monkeypatch):
+    from pdserve.worker.quantization import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "TRITON_ROWWISE_MAX_M", 128 if triton_rowwise else 0)
     layer, fp8 = _qkv_layer(weight, activation)
     torch.manual_seed(0)
     dense = {}

@@ -148,6 +148,16 @@ def test_fp8_gemm_path(m, block, ok, path):
     assert fp8_gemm_path(m, block, ok) == path
 
 
+def test_per_channel_layers_take_the_triton_gemm_below_its_rows(monkeypatch):
+    from pdserve.worker.quantization import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "TRITON_ROWWISE_MAX_M", 128)
+    assert [fp8_gemm_path(m, False, False) for m in (16, 17, 127, 128)] == ["gemv", "triton_rowwise",
+                                                                            "triton_rowwise", "rowwise"]
+    assert fp8_gemm_path(40, True, False) == "triton_block"  # block layers keep their own
+    assert fp8_linear.activation_format("triton_rowwise", None) == fp8_linear.activation_format("rowwise", None)
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_a_measured_64_row_tile_takes_the_gemv_to_64_rows(block, monkeypatch):
     from pdserve.kernels import fp8_gemv

@@ -67,8 +67,9 @@
 #    64-row tile (the engine's rule; the sweep's tiles over the committed table; "64": every layer):
 #    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~120 s
 # BLOCK_TILES=1: step 1 also runs the block GEMM's tests and step 2 sweeps the Triton block GEMM's tiles and
-# K splits at 64 rows; BLOCK_SPLIT="off on": each block-128 engine with K never split, then split by the
-# rule; PROFILE=1: one more offline run per engine under torch.profiler (GPU time per kernel group);
+# K splits at 64 rows (and fp8_rowwise_gemm's for per-channel); BLOCK_SPLIT="off on": each block-128 engine
+# with K never split, then split by the rule; ROWWISE="off on": each per-channel engine with W8A8 below 128
+# rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one more offline run per engine under torch.profiler (GPU time per kernel group);
 # FORMATS=block: the sweep's one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
@@ -129,7 +130,7 @@ if [ "$MODE" = batch ]; then
   cd /tmp
   step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 380 \
     $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-rows ${GEMV_ROWS:-16 measured} \
-    ${BLOCK_SPLIT:+--block-split $BLOCK_SPLIT} ${PROFILE:+--profile} \
+    ${BLOCK_SPLIT:+--block-split $BLOCK_SPLIT} ${ROWWISE:+--rowwise-triton $ROWWISE} ${PROFILE:+--profile} \
     --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_batch.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_batch_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5

@@ -50,6 +50,10 @@ from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activat
 # on every call (captured graphs keep the choice of their capture).
 FP8_GEMV_MAX_M = 16
 FP8_GEMV_MEASURED_ROWS = True
+# Per-channel layers take the Triton GEMM (kernels/fp8_block_gemm.fp8_rowwise_gemm: K split where
+# the tiles do not cover the SMs) instead of torch._scaled_mm below this many rows (0: never); the
+# bench compares both in one run (bench/fp8.py --rowwise-triton).
+TRITON_ROWWISE_MAX_M = 0
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
 # Triton GEMM at M = 16-64 and ahead from M = 1024. bench/fp8.py --only blockwise prints the
@@ -66,14 +70,15 @@ FUSED_ACT_QUANT = os.environ.get("PDSERVE_FP8_FUSED_QUANT", "1") != "0"
 
 def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool, measured_rows: int = 0) -> str:
     """Which GEMM an FP8 layer runs for M rows on the GPU: "gemv" (decode sizes, activations
-    unquantized), "rowwise" (per-tensor/per-channel: _scaled_mm), "scaled_mm_block" (block
+    unquantized), "rowwise" (per-tensor/per-channel: _scaled_mm), "triton_rowwise" (the same
+    scales on the Triton GEMM, below TRITON_ROWWISE_MAX_M rows), "scaled_mm_block" (block
     scales on cuBLASLt; `scaled_mm_block`: the layer is eligible and the probe passed) or
     "triton_block". `measured_rows`: the most rows the card's table says the GEMV wins at for
     the layer's shape (0: none past FP8_GEMV_MAX_M)."""
     if m <= max(FP8_GEMV_MAX_M, measured_rows if FP8_GEMV_MEASURED_ROWS else 0):
         return "gemv"
     if not block:
-        return "rowwise"
+        return "triton_rowwise" if m < TRITON_ROWWISE_MAX_M else "rowwise"
     if scaled_mm_block and m >= SCALED_MM_BLOCK_MIN_M:
         return "scaled_mm_block"
     return "triton_block"
@@ -85,7 +90,7 @@ def activation_format(path: str, block_k: int | None) -> Fp8ActFormat | None:
     token-major with rows padded to PAD_M for cuBLASLt (kernels/fp8_scaled_mm.py)."""
     if path == "gemv":
         return None
-    if path == "rowwise":
+    if path in ("rowwise", "triton_rowwise"):
         return Fp8ActFormat(None, False, 1)
     if path == "triton_block":
         return Fp8ActFormat(block_k, False, 1)
@@ -274,7 +279,7 @@ class Fp8LinearMethod:
             if pre is not None:  # quantized by the op before (kernels/rms_norm_fp8.py, silu_and_mul_fp8.py)
                 xq, xs = pre.q, pre.scale
             else:
-                static = layer.input_scale_static if path == "rowwise" else None
+                static = layer.input_scale_static if path in ("rowwise", "triton_rowwise") else None
                 xq, xs = quantize_fp8(x2, static_scale=static, **fmt.kwargs())
             if path == "scaled_mm_block":
                 from pdserve.kernels.fp8_scaled_mm import block_linear_quantized
@@ -284,6 +289,10 @@ class Fp8LinearMethod:
                 from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
 
                 out = fp8_block_gemm(xq, xs, layer.weight, layer.w_scale, layer.scale_rows, dtype)
+            elif path == "triton_rowwise":
+                from pdserve.kernels.fp8_block_gemm import fp8_rowwise_gemm
+
+                out = fp8_rowwise_gemm(xq, xs, layer.weight, layer.w_scale, dtype)
             else:
                 # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
                 out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale,
