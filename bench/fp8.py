@@ -528,7 +528,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pdserve bench fp8: needs a CUDA GPU (none visible); --smoke runs a CPU check", file=sys.stderr)
         return 2
-    from pdserve.kernels.fp8_gemv import use_configs
+    from pdserve.kernels.fp8_gemv import measured_batch_rows, use_configs
     from pdserve.kernels.fp8_gemv_configs import CONFIGS
 
     measured = None
@@ -685,6 +685,12 @@ def main(argv=None) -> int:
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
+                if gemv_rows.get(variant) == "measured" and "16" in args.gemv_rows and not any(
+                        measured_batch_rows(torch.device(args.device), n, k, path == block)
+                        for n, k in GEMM_SHAPES.values()):
+                    notes.append(f"{variant}: not run, the engine of 16 rows: no 64-row tile for this format on "
+                                 "this card")
+                    continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
                               block_split.get(variant, True), triton_rowwise.get(variant, False))
