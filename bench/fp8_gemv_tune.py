@@ -146,6 +146,8 @@ def main(argv=None) -> int:
                     help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16, 64 for 17-64)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
+    ap.add_argument("--no-gemv", action="store_true",
+                    help="with --block-tiles: only the W8A8 tables (no GEMV sweep, no tiles written)")
     ap.add_argument("--block-tiles", action="store_true",
                     help="past 16 rows: also sweep the Triton W8A8 GEMM's tiles and K splits (both scale formats)")
     args = ap.parse_args(argv)
@@ -202,6 +204,8 @@ def main(argv=None) -> int:
                 if args.block_tiles and m > FP8_GEMV_MAX_M:
                     block_lines.extend(block_tile_rows(name, n, k, m, x, w8s, ss, rows, t_w8a8, us))
                     print("\n".join(block_lines[-len(BLOCK_GEMM_SWEEP):]), flush=True)
+                if args.no_gemv:
+                    continue
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))
                 plain = best[0]  # the best without the one-launch sum and the early weight load

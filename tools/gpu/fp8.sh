@@ -126,6 +126,12 @@ if [ "$MODE" = batch ]; then
       --json "$OUT/gemv_tune.json" --formats ${FORMATS:-channel block} ${BLOCK_TILES:+--block-tiles})
     cat "$OUT/gemv_tune.md" 2>/dev/null
   fi
+  if [ "${SWEEP:-1}" = 0 ] && [ -n "${BLOCK_TILES:-}" ]; then  # the W8A8 tiles alone, the committed GEMV table
+    (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "W8A8 tile sweep, M = 64" 150 \
+      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/w8a8_tiles.md" \
+      --formats ${FORMATS:-channel block} --block-tiles --no-gemv)
+    cat "$OUT/w8a8_tiles.md" 2>/dev/null
+  fi
   [ -s "$OUT/gemv_tune.json" ] && TUNED=(--gemv-configs "$(realpath "$OUT/gemv_tune.json")" --against-committed)
   cd /tmp
   step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 380 \
