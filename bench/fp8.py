@@ -158,15 +158,16 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool = True,
+          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool | None = None,
           triton_rowwise: bool = False) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
     `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
-    tile: the engine's rule); default: the engine's. `block_split` False: the Triton block GEMM never
-    splits K (fp8_block_gemm.SPLIT_MAX_M 0). `triton_rowwise`: per-channel layers take the Triton GEMM
+    tile: the engine's rule); default: the engine's. `block_split`: the Triton block GEMM splits K
+    below 128 rows where its rule says (True) or never (False; fp8_block_gemm.SPLIT_MAX_M); default:
+    the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM
     below 128 rows (fp8_linear.TRITON_ROWWISE_MAX_M), not torch._scaled_mm. `args.profile`: one more
     offline run under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
@@ -186,8 +187,8 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     # All read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
     fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
-    if not block_split:
-        fp8_block_gemm.SPLIT_MAX_M = 0
+    if block_split is not None:
+        fp8_block_gemm.SPLIT_MAX_M = fp8_block_gemm.SPLIT_ROWS if block_split else 0
     if gemv_rows is not None:
         fp8_linear.FP8_GEMV_MAX_M = 64 if gemv_rows == "64" else 16
         fp8_linear.FP8_GEMV_MEASURED_ROWS = gemv_rows == "measured"
@@ -693,7 +694,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant, True), triton_rowwise.get(variant, False))
+                              block_split.get(variant), triton_rowwise.get(variant, False))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -103,8 +103,10 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 
 # K is split only below this many rows (decode batches; prefill-sized M has tiles enough) and only
 # into slices of at least MIN_SPLIT_GROUPS scale groups (a slice's partial store and the sum must
-# stay small beside its reads).
-SPLIT_MAX_M = 128
+# stay small beside its reads). 0 (the default until a card measures the split faster in the
+# engine: tools/gpu/fp8.sh batch with BLOCK_SPLIT="off on"): never split unless `tiles` asks.
+SPLIT_ROWS = 128
+SPLIT_MAX_M = 0
 MIN_SPLIT_GROUPS = 4
 
 

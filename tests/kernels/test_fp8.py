@@ -68,7 +68,10 @@ def test_quantize_static_scale_writes_it_per_row(poison_empty):
     (70, 96, 200, 1),  # per-row scales (fused parts off the 128-row grid)
     (40, 96, 1200, 128),  # a decode batch with few tiles: K split (fp8_block_gemm._split_k)
 ])
-def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
+def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows, monkeypatch):
+    from pdserve.kernels import fp8_block_gemm as gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_MAX_M", gemm.SPLIT_ROWS)  # the split's rule on (off by default)
     a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
     b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
     b_s = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) + 0.01
@@ -99,10 +102,13 @@ def test_block_gemm_split_k_sums_in_a_fixed_order(poison_empty, split):
 
 
 @pytest.mark.parametrize("m,n,k,split", [(20, 130, 300, None), (64, 96, 1200, None), (24, 160, 1280, 3)])
-def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split):
+def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split, monkeypatch):
     """Per-token x per-row scales on the block GEMM's tiles (K split by the rule or as asked):
     torch._scaled_mm's row-wise product."""
+    from pdserve.kernels import fp8_block_gemm as gemm
     from pdserve.kernels.fp8_block_gemm import fp8_rowwise_gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_MAX_M", gemm.SPLIT_ROWS)
 
     a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE))
     b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
