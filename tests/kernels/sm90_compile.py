@@ -19,7 +19,7 @@ def variants():
     values]) per kernel checked."""
     import triton.language as tl
 
-    from pdserve.kernels import fp8_gemv, fused_gemv, fused_moe, moe_gate, paged_decode_attention
+    from pdserve.kernels import fp8_block_gemm, fp8_gemv, fused_gemv, fused_moe, moe_gate, paged_decode_attention
 
     gemv_types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "g_ptr", "w_ptr", "b_ptr", "out_ptr", "new_res_ptr")}
     gemv_types.update(part_ptr="*fp32", ss_ptr="*fp32", counter_ptr="*i32", eps="fp32")
@@ -79,7 +79,16 @@ def variants():
                  FP8=fmt == "fp8", MXFP4=fmt == "mxfp4", SCALE_ROWS=128 if fmt == "fp8" else 1,
                  GROUP_K=128 if fmt == "fp8" else 1, REDUCE_HERE=here, PDL=True, FORMAT=fmt)
             for fmt, split, here in itertools.product(down_formats, (1, 2), (False, True))]
+    block_types = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr="*bf16",
+                       part_ptr="*fp32", counter_ptr="*i32")
+    block_types.update({n: "i32" for n in ("M", "N", "K", "GROUPS_PER_SPLIT", "stride_am", "stride_asm", "stride_bn",
+                                           "stride_bsn", "stride_cm", "stride_ps")})
+    # K split (the tile's last slice sums) or not; group scales or per-token x per-row (fp8_rowwise_gemm).
+    block = [dict(SPLITS=splits, SCALE_ROWS=1 if rowwise else 128, ROWWISE=rowwise, BLOCK_M=64, BLOCK_N=64,
+                  BLOCK_K=128, PDL=True)
+             for splits, rowwise in itertools.product((1, 3), (False, True))]
     return [("fused_gemv._gemv_kernel", fused_gemv._gemv_kernel, gemv_types, gemv),
+            ("fp8_block_gemm._fp8_block_gemm_kernel", fp8_block_gemm._fp8_block_gemm_kernel, block_types, block),
             ("fp8_gemv._fp8_gemv_kernel", fp8_gemv._fp8_gemv_kernel, fp8_types, fp8),
             ("moe_gate._moe_gate_kernel", moe_gate._moe_gate_kernel, gate_types, gate),
             ("paged_decode_attention._decode_split_kernel", paged_decode_attention._decode_split_kernel,

@@ -1,5 +1,5 @@
-"""The GEMV, MoE gate, MoE split down pass and split decode attention kernels compile for an sm90 card
-(tests/kernels/sm90_compile.py), on CPU: what the interpreter cannot say (it runs their Python, not
+"""The GEMV, FP8 block GEMM, MoE gate, MoE split down pass and split decode attention kernels
+compile for an sm90 card (tests/kernels/sm90_compile.py), on CPU: what the interpreter cannot say (it runs their Python, not
 Triton's compiler), said before a GPU runs them."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled fused_gemv._gemv_kernel: 48 variants" in proc.stdout
     assert "compiled fp8_gemv._fp8_gemv_kernel: 16 variants" in proc.stdout
+    assert "compiled fp8_block_gemm._fp8_block_gemm_kernel: 4 variants" in proc.stdout
     assert "compiled moe_gate._moe_gate_kernel: 24 variants" in proc.stdout
     assert "compiled paged_decode_attention._decode_split_kernel: 24 variants" in proc.stdout
     assert "compiled fused_moe._moe_decode_down_split_kernel: 12 variants" in proc.stdout
