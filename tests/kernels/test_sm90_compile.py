@@ -1,6 +1,6 @@
 """The GEMV, FP8 block GEMM, MoE gate, MoE split down pass and split decode attention kernels
-compile for an sm90 card (tests/kernels/sm90_compile.py), on CPU: what the interpreter cannot say (it runs their Python, not
-Triton's compiler), said before a GPU runs them."""
+compile for an sm90 card (tests/kernels/sm90_compile.py), on CPU: what the interpreter cannot say
+(it runs their Python, not Triton's compiler), said before a GPU runs them."""
 
 from __future__ import annotations
 
