@@ -9,9 +9,9 @@ Each program owns a BLOCK_M x BLOCK_N tile and walks K one 128-column scale grou
 FP8 tensor-core dot of the group, then the partial sum times A's row scales and B's column
 scales, accumulated in fp32. Partial blocks (K, N, M not multiples of the tile) are masked.
 Decode batches past the GEMV's rows (17-127) leave few tiles (Llama-3.1-8B's down_proj at 64 rows:
-64 tiles of 64 x 64 on a 132-SM card, each streaming 14336 columns), so K is split there: each
-slice writes fp32 partial sums and the tile's last slice to arrive adds them in slice order (the
-same bits on every run; kernels/arrivals.py), in the same launch.
+64 tiles of 64 x 64 on a 132-SM card, each streaming 14336 columns), so K can be split there
+(SPLIT_MAX_M): each slice writes fp32 partial sums and the tile's last slice to arrive adds them in
+slice order (the same bits on every run; kernels/arrivals.py), in the same launch.
 Tile sizes are fixed per M bucket (no autotuning: it would benchmark during CUDA-graph capture).
 Reference: reference.fp8_block_gemm_ref.
 
@@ -62,7 +62,10 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, counte
         a = tl.load(a_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_cols + k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if ROWWISE:
-            acc += tl.dot(a, b)
+            # Promoted to the fp32 accumulator every group, as the scaled groups below are: sm90's
+            # FP8 tensor cores add in reduced precision, and Triton's default there never promotes
+            # (torch._scaled_mm's default, use_fast_accum=False, promotes too).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             a_s = tl.load(as_rows + kb, mask=mask_m, other=0.0)
             b_s = tl.load(bs_rows + kb, mask=mask_n, other=0.0)
