@@ -165,9 +165,9 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
     `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
-    tile: the engine's rule); default: the engine's. `block_split`: the Triton block GEMM splits K
-    below 128 rows where its rule says (True) or never (False; fp8_block_gemm.SPLIT_MAX_M); default:
-    the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM
+    tile: the engine's rule); default: the engine's. `block_split`: the Triton W8A8 GEMM splits K
+    up to fp8_block_gemm.SPLIT_ROWS rows where its rule says (True) or never (False; SPLIT_MAX_M);
+    default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM
     below 128 rows (fp8_linear.TRITON_ROWWISE_MAX_M), not torch._scaled_mm. `args.profile`: one more
     offline run under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds

@@ -95,29 +95,34 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     enough programs stream the weight; prefill-sized M takes square tiles for reuse."""
     # M > 64: the fastest of a sweep on an H200 at Llama-3.1-8B shapes (M = 1024 and 8192;
     # 128x128 w8 s3 was 5-70% slower; docs/fp8-gpu-results.md). M <= 16 runs fp8_gemv in the engine.
+    # 17-64: 3 stages, with _split_k's slices, the fastest of an H100 sweep at 64 rows (gate_up_proj
+    # unsplit 48 us against 62 at 4 stages; docs/results/fp8/2026-12-07-h100-w8a8-k-split.md).
     if m <= 16:
         return 16, 32, 4, 4
     if m <= 64:
-        return 64, 64, 4, 4
+        return 64, 64, 4, 3
     if m <= 2048:
         return 64, 128, 4, 3
     return 64, 256, 8, 3
 
 
-# K is split only below this many rows (decode batches; prefill-sized M has tiles enough) and only
-# into slices of at least MIN_SPLIT_GROUPS scale groups (a slice's partial store and the sum must
-# stay small beside its reads). 0 (the default until a card measures the split faster in the
-# engine: tools/gpu/fp8.sh batch with BLOCK_SPLIT="off on"): never split unless `tiles` asks.
-SPLIT_ROWS = 128
-SPLIT_MAX_M = 0
+# K is split up to this many rows (the decode batches measured: 64 rows on an H100; 65-127 keep one
+# slice, unmeasured; prefill-sized M has tiles enough; 0: never, unless `tiles` asks), into slices
+# of at least MIN_SPLIT_GROUPS scale groups (a slice's partial store and the sum must stay small
+# beside its reads), SPLIT_WAVES x the SMs' programs in all: Llama-3.1-8B's qkv, o and down at 64
+# rows were fastest at 2.9x (split 4, 6, 6: 18.4 / 15.4 / 34.8 us against 32.5 / 29.6 / 99.0
+# unsplit; the H100 sweep in docs/results/fp8/2026-12-07-h100-w8a8-k-split.md).
+SPLIT_ROWS = 64
+SPLIT_MAX_M = SPLIT_ROWS
+SPLIT_WAVES = 3
 MIN_SPLIT_GROUPS = 4
 
 
 def _split_k(m: int, tiles: int, groups: int, sms: int) -> int:
-    """K slices per tile: enough programs to cover the card's SMs once."""
-    if m >= SPLIT_MAX_M or tiles >= sms:
+    """K slices per tile: about SPLIT_WAVES programs per SM where the tiles alone leave SMs idle."""
+    if m > SPLIT_MAX_M or tiles >= sms:
         return 1
-    return max(1, min(triton.cdiv(sms, tiles), groups // MIN_SPLIT_GROUPS))
+    return max(1, min(round(SPLIT_WAVES * sms / tiles), groups // MIN_SPLIT_GROUPS))
 
 
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

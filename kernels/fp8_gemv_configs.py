@@ -17,7 +17,10 @@ docs/results/fp8/2026-12-06-h100-tiles-early-w.md): bs=1 per-channel 1.38x -> 1.
 the block-128 entries swept again with K steps of several scale groups (`FORMATS=block COMMITTED=1 bash
 tools/gpu/fp8.sh tiles`; docs/results/fp8/2026-12-06-h100-wide-group-steps.md): block-128 bs=1 1.51x ->
 1.62x bf16 against the entries before, same call. The 64-row entries (M = 64, `bash tools/gpu/fp8.sh batch`,
-docs/results/fp8/2026-12-06-h100-gemv-64-rows.md): kept where the GEMV took <= 0.9x the W8A8 GEMM's time.
+docs/results/fp8/2026-12-06-h100-gemv-64-rows.md): kept where the GEMV took <= 0.9x the W8A8 GEMM's time,
+then dropped on 2026-12-07: with K split, the Triton block GEMM took 18.4 / 15.4 / 34.8 us at 64 rows for
+qkv / o / down against those tiles' 22.0 / 16.8 / 45.4 (docs/results/fp8/2026-12-07-h100-w8a8-k-split.md);
+no 17-64-row entry is held now, so every layer takes the W8A8 GEMM from 17 rows.
 """
 
 CONFIGS: dict[str, dict[str, dict]] = {
@@ -33,11 +36,6 @@ CONFIGS: dict[str, dict[str, dict]] = {
                               EARLY_W=True, REDUCE_IN_KERNEL=True),
         "28672,4096,0,1": dict(BLOCK_K=1024, BLOCK_N=4, SPLIT_K=1, num_stages=3, num_warps=2, EARLY_W=True),
         "28672,4096,1,1": dict(BLOCK_K=1024, BLOCK_N=8, SPLIT_K=1, num_stages=6, num_warps=4, EARLY_W=True),
-        # 17-64 rows: only where the GEMV took <= 0.9x W8A8's time at 64 rows (block-128's qkv, o, down
-        # against the Triton block GEMM); gate_up and every per-channel linear stay W8A8.
-        "4096,4096,1,64": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
-        "4096,14336,1,64": dict(BLOCK_K=128, BLOCK_N=64, SPLIT_K=4, num_stages=3, num_warps=4),
-        "6144,4096,1,64": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=2, num_stages=3, num_warps=4),
     },
     "NVIDIA H200": {
         "576,7168,1,0": dict(BLOCK_K=128, BLOCK_N=32, SPLIT_K=16, num_stages=3, num_warps=4),

@@ -68,10 +68,7 @@ def test_quantize_static_scale_writes_it_per_row(poison_empty):
     (70, 96, 200, 1),  # per-row scales (fused parts off the 128-row grid)
     (40, 96, 1200, 128),  # a decode batch with few tiles: K split (fp8_block_gemm._split_k)
 ])
-def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows, monkeypatch):
-    from pdserve.kernels import fp8_block_gemm as gemm
-
-    monkeypatch.setattr(gemm, "SPLIT_MAX_M", gemm.SPLIT_ROWS)  # the split's rule on (off by default)
+def test_block_gemm_matches_reference(poison_empty, m, n, k, scale_rows):
     a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE), 128)
     b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
     b_s = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) + 0.01
@@ -102,13 +99,10 @@ def test_block_gemm_split_k_sums_in_a_fixed_order(poison_empty, split):
 
 
 @pytest.mark.parametrize("m,n,k,split", [(20, 130, 300, None), (64, 96, 1200, None), (24, 160, 1280, 3)])
-def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split, monkeypatch):
+def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split):
     """Per-token x per-row scales on the block GEMM's tiles (K split by the rule or as asked):
     torch._scaled_mm's row-wise product."""
-    from pdserve.kernels import fp8_block_gemm as gemm
     from pdserve.kernels.fp8_block_gemm import fp8_rowwise_gemm
-
-    monkeypatch.setattr(gemm, "SPLIT_MAX_M", gemm.SPLIT_ROWS)
 
     a, a_s = quantize_fp8_ref(torch.randn(m, k, device=DEVICE))
     b = (torch.randn(n, k, device=DEVICE) * 3).to(FP8)
@@ -120,6 +114,15 @@ def test_rowwise_gemm_is_scaled_mms_product(poison_empty, m, n, k, split, monkey
     assert torch.equal(fp8_rowwise_gemm(a, a_s, b, b_s.reshape(-1), torch.float32, tiles=tiles), out)
     with pytest.raises(ValueError, match="b_scale must hold"):
         fp8_rowwise_gemm(a, a_s, b, b_s[:, :-1], torch.float32)
+
+
+def test_k_is_split_for_decode_batches_whose_tiles_leave_sms_idle():
+    from pdserve.kernels.fp8_block_gemm import SPLIT_MAX_M, _split_k
+
+    # Llama-3.1-8B at 64 rows on a 132-SM card: qkv (96 tiles), o and down (64), gate_up (448).
+    assert [_split_k(64, t, g, 132) for t, g in ((96, 32), (64, 32), (64, 112), (448, 32))] == [4, 6, 6, 1]
+    assert _split_k(SPLIT_MAX_M + 1, 64, 112, 132) == 1  # past the measured rows: one slice
+    assert _split_k(17, 2, 7, 132) == 1  # slices of at least MIN_SPLIT_GROUPS groups
 
 
 def test_block_gemm_rejects_bad_arguments():

@@ -68,7 +68,7 @@
 #    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~120 s
 # BLOCK_TILES=1: step 1 also runs the block GEMM's tests and step 2 sweeps the Triton block GEMM's tiles and
 # K splits at 64 rows (and fp8_rowwise_gemm's for per-channel); BLOCK_SPLIT="off on": each block-128 engine
-# with K never split, then split by the rule; ROWWISE="off on": each per-channel engine with W8A8 below 128
+# with K never split, then split by the rule (the default); ROWWISE="off on": each per-channel engine with W8A8 below 128
 # rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one more offline run per engine under
 # torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1: step 2 times the W8A8 tiles alone (no
 # GEMV sweep: the committed table); FORMATS=block: the sweep's one format.

@@ -45,7 +45,7 @@ from pdserve.worker.quantization.fp8_activations import Fp8ActFormat, Fp8Activat
 # Batches up to FP8_GEMV_MAX_M rows take kernels/fp8_gemv.py (W8A16) on the GPU. Up to its MAX_M (64)
 # a layer takes it too where the card's table holds a 64-row tile for its shape
 # (fp8_gemv.measured_batch_rows): bench/fp8_gemv_tune.py keeps one only where the GEMV took at most
-# 0.9x the W8A8 GEMM's time at 64 rows (on an H100 qkv, o and down at block-128). The rest W8A8.
+# 0.9x the W8A8 GEMM's time at 64 rows (none now: the W8A8 GEMMs' K split won them back). The rest W8A8.
 # FP8_GEMV_MEASURED_ROWS False: FP8_GEMV_MAX_M alone (the bench's same-run baseline). Both are read
 # on every call (captured graphs keep the choice of their capture).
 FP8_GEMV_MAX_M = 16
