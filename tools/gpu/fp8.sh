@@ -66,12 +66,12 @@
 #    format with the GEMV to 16 rows on every layer, then to 64 rows on the layers whose shape has a
 #    64-row tile (the engine's rule; the sweep's tiles over the committed table; "64": every layer):
 #    bs=1 and offline 64 x 1024/128 (whose decode steps are 64 rows)                        ~120 s
-# BLOCK_TILES=1: step 1 also runs the block GEMM's tests and step 2 sweeps the Triton block GEMM's tiles and
-# K splits at 64 rows (and fp8_rowwise_gemm's for per-channel); BLOCK_SPLIT="off on": each block-128 engine
-# with K never split, then split by the rule (the default); ROWWISE="off on": each per-channel engine with W8A8 below 128
-# rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one more offline run per engine under
-# torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1: step 2 times the W8A8 tiles alone (no
-# GEMV sweep: the committed table); FORMATS=block: the sweep's one format.
+# BLOCK_TILES=1: step 1 also runs the Triton W8A8 GEMM's tests and step 2 sweeps its tiles and K splits at
+# 64 rows (fp8_block_gemm for block-128, fp8_rowwise_gemm for per-channel); BLOCK_SPLIT="off on": each
+# block-128 engine with K never split, then split by the rule (the default); ROWWISE="off on": each
+# per-channel engine with W8A8 below 128 rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one
+# more offline run per engine under torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1:
+# step 2 times the W8A8 tiles alone (no GEMV sweep: the committed table); FORMATS=block: one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
@@ -118,7 +118,8 @@ fi
 
 if [ "$MODE" = batch ]; then
   step_into "$OUT/tests_batch.txt" "fp8_gemv tests" 90 \
-    $PY -m pytest tests/kernels/test_fp8.py -q -k "gemv${BLOCK_TILES:+ or block_gemm or rowwise or kernel_path}" -p no:cacheprovider
+    $PY -m pytest tests/kernels/test_fp8.py -q -p no:cacheprovider \
+    -k "gemv${BLOCK_TILES:+ or block_gemm or rowwise or kernel_path or split}"
   tail -n 3 "$OUT/tests_batch.txt"
   TUNED=()
   if [ "${SWEEP:-1}" = 1 ]; then
