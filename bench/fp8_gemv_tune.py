@@ -142,8 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=["channel", "block"], choices=["channel", "block"],
                     help="the scale formats to tune (DeepSeek's checkpoints are block FP8 only)")
-    ap.add_argument("--m", nargs="+", type=int, default=[1, 8], choices=[1, 8, 64],
-                    help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16, 64 for 17-64)")
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 8], choices=[1, 8, 64, 96],
+                    help="the batch rows to tune (1: bs=1 decode; 8 stands for 2-16, 64 for 17-64; 96, past the "
+                         "GEMV's rows: the --block-tiles table only)")
     ap.add_argument("--out", help="the markdown table")
     ap.add_argument("--json", help="the measured tiles, {card: {key: config}}")
     ap.add_argument("--no-gemv", action="store_true",
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
                 if args.block_tiles and m > FP8_GEMV_MAX_M:
                     block_lines.extend(block_tile_rows(name, n, k, m, x, w8s, ss, rows, t_w8a8, us))
                     print("\n".join(block_lines[-len(BLOCK_GEMM_SWEEP):]), flush=True)
-                if args.no_gemv:
+                if args.no_gemv or m > g.MAX_M:
                     continue
                 t_default = us(lambda i: lambda: g.fp8_gemv(x, w8s[i], ss[i], rows))
                 best = (t_default, g.default_config(n, k, blocked, m, g.num_sms(x.device)))

@@ -71,7 +71,8 @@
 # block-128 engine with K never split, then split by the rule (the default); ROWWISE="off on": each
 # per-channel engine with W8A8 below 128 rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one
 # more offline run per engine under torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1:
-# step 2 times the W8A8 tiles alone (no GEMV sweep: the committed table); FORMATS=block: one format.
+# step 2 times the W8A8 tiles alone at 64 and 96 rows (no GEMV sweep: the committed table); FORMATS=block:
+# one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
@@ -129,8 +130,8 @@ if [ "$MODE" = batch ]; then
     cat "$OUT/gemv_tune.md" 2>/dev/null
   fi
   if [ "${SWEEP:-1}" = 0 ] && [ -n "${BLOCK_TILES:-}" ]; then  # the W8A8 tiles alone, the committed GEMV table
-    (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "W8A8 tile sweep, M = 64" 150 \
-      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 --out "$OUT/w8a8_tiles.md" \
+    (cd /tmp && step_into "$OUT/gemv_tune_log.txt" "W8A8 tile sweep, M = 64 and 96" 150 \
+      $PY -m pdserve.bench.fp8_gemv_tune --shapes llama-3.1-8b --m 64 96 --out "$OUT/w8a8_tiles.md" \
       --formats ${FORMATS:-channel block} --block-tiles --no-gemv)
     cat "$OUT/w8a8_tiles.md" 2>/dev/null
   fi
