@@ -159,7 +159,7 @@ def step_bytes(engine) -> int:
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
           fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool | None = None,
-          triton_rowwise: bool = False) -> dict:
+          triton_rowwise: bool | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
@@ -167,9 +167,9 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
     tile: the engine's rule); default: the engine's. `block_split`: the Triton W8A8 GEMM splits K
     up to fp8_block_gemm.SPLIT_ROWS rows where its rule says (True) or never (False; SPLIT_MAX_M);
-    default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM
-    below 128 rows (fp8_linear.TRITON_ROWWISE_MAX_M), not torch._scaled_mm. `args.profile`: one more
-    offline run under torch.profiler."""
+    default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM below 128 rows
+    (True) or torch._scaled_mm (False; fp8_linear.TRITON_ROWWISE_MAX_M); default: the engine's.
+    `args.profile`: one more offline run under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.kernels import fp8_block_gemm
     from pdserve.worker.quantization import fp8_linear
@@ -186,7 +186,8 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
 
     # All read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
-    fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
+    if triton_rowwise is not None:
+        fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
     if block_split is not None:
         fp8_block_gemm.SPLIT_MAX_M = fp8_block_gemm.SPLIT_ROWS if block_split else 0
     if gemv_rows is not None:
@@ -694,7 +695,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant), triton_rowwise.get(variant, False))
+                              block_split.get(variant), triton_rowwise.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -77,38 +77,34 @@ def sweep(blocked: bool, m: int = 1) -> list[dict]:
     return configs
 
 
-def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_rows: int | None) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_rows: int | None,
+                tiles: dict | None = None) -> torch.Tensor:
     """What an FP8 linear runs past the GEMV's rows, below cuBLASLt's block scaling: the activations
     quantized (per token; per token and 128 columns for group scales), then _scaled_mm row-wise
-    (per-channel scale [1, N]) or the Triton block GEMM (group scales). bf16 out."""
-    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm
+    (per-channel scale [1, N]) or the Triton block GEMM (group scales). bf16 out. `tiles`: the
+    Triton GEMM on these tiles, per-channel too (fp8_rowwise_gemm)."""
+    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm, fp8_rowwise_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
 
     if scale_rows is None:
         xq, xs = quantize_fp8(x)
+        if tiles is not None:
+            return fp8_rowwise_gemm(xq, xs, w8, scale, torch.bfloat16, tiles=tiles)
         return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
     xq, xs = quantize_fp8(x, 128)
-    return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16)
+    return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16, tiles=tiles)
 
 
 def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule: float, us) -> list[str]:
     """Each of BLOCK_GEMM_SWEEP's tiles for the Triton GEMM at m rows, quantization included: group
     scales (rows: 128 or 1) on fp8_block_gemm, per-channel (rows None) on fp8_rowwise_gemm."""
-    from pdserve.kernels.fp8_block_gemm import fp8_block_gemm, fp8_rowwise_gemm
-    from pdserve.kernels.fp8_quant import quantize_fp8
-
-    def call(i: int, c: dict):
-        if rows is None:
-            return lambda: fp8_rowwise_gemm(*quantize_fp8(x), w8s[i], ss[i], torch.bfloat16, tiles=c)
-        return lambda: fp8_block_gemm(*quantize_fp8(x, 128), w8s[i], ss[i], rows, torch.bfloat16, tiles=c)
-
     fmt = "channel" if rows is None else "block"
     out = []
     for cfg in BLOCK_GEMM_SWEEP:
         label = (f"{fmt} m={cfg['BLOCK_M']} n={cfg['BLOCK_N']} stages={cfg['num_stages']} "
                  f"split_k={cfg['SPLIT_K']}")
         try:
-            t = us(lambda i, c=cfg: call(i, c))
+            t = us(lambda i, c=cfg: lambda: w8a8_linear(x, w8s[i], ss[i], rows, tiles=c))
         except Exception as e:  # a tile this card cannot run: said, skipped
             out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | {label} FAILED {type(e).__name__} | | |")
             continue
@@ -152,6 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-tiles", action="store_true",
                     help="past 16 rows: also sweep the Triton W8A8 GEMM's tiles and K splits (both scale formats)")
     args = ap.parse_args(argv)
+    if 96 in args.m and not args.block_tiles:
+        ap.error("--m 96 is past the GEMV's 64 rows: it times the Triton W8A8 tiles only, with --block-tiles")
+    if args.no_gemv and not args.block_tiles:
+        ap.error("--no-gemv leaves only the --block-tiles table: give --block-tiles")
     if not torch.cuda.is_available():
         print("fp8_gemv_tune needs a CUDA GPU", file=sys.stderr)
         return 2
