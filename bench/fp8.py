@@ -159,7 +159,7 @@ def step_bytes(engine) -> int:
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
           fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool | None = None,
-          triton_rowwise: bool | None = None) -> dict:
+          triton_rowwise: bool | None = None, fp8_prologue: bool | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
@@ -169,7 +169,9 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     up to fp8_block_gemm.SPLIT_ROWS rows where its rule says (True) or never (False; SPLIT_MAX_M);
     default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM below 128 rows
     (True) or torch._scaled_mm (False; fp8_linear.TRITON_ROWWISE_MAX_M); default: the engine's.
-    `args.profile`: one more offline run under torch.profiler."""
+    `fp8_prologue`: one-row steps run the norm / SiLU·mul inside the FP8 GEMV (True) or apart (False;
+    fp8_linear.FP8_GEMV_PROLOGUE_MAX_M); default: the engine's. `args.profile`: one more offline run
+    under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.kernels import fp8_block_gemm
     from pdserve.worker.quantization import fp8_linear
@@ -178,16 +180,18 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
     before = (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M)
+              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M)
 
     def restore():
         (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M) = before
+         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M) = before
 
     # All read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
     if triton_rowwise is not None:
         fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
+    if fp8_prologue is not None:
+        fp8_linear.FP8_GEMV_PROLOGUE_MAX_M = 1 if fp8_prologue else 0
     if block_split is not None:
         fp8_block_gemm.SPLIT_MAX_M = fp8_block_gemm.SPLIT_ROWS if block_split else 0
     if gemv_rows is not None:
@@ -512,6 +516,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rowwise-triton", nargs="+", choices=("off", "on"),
                     help="with speed: each FP8 per-channel engine once per value: W8A8 below 128 rows on "
                          "torch._scaled_mm, then on the Triton GEMM (fp8_linear.TRITON_ROWWISE_MAX_M)")
+    ap.add_argument("--fp8-prologue", nargs="+", choices=("off", "on"),
+                    help="with speed: each FP8 engine once per value: one-row steps with the RMSNorm / SiLU·mul "
+                         "apart, then inside the FP8 GEMV (fp8_linear.FP8_GEMV_PROLOGUE_MAX_M)")
     ap.add_argument("--profile", action="store_true",
                     help="with speed: one more offline run per engine under torch.profiler: its GPU time per kernel "
                          "and per kernel group")
@@ -684,6 +691,9 @@ def main(argv=None) -> int:
             triton_rowwise = expand_ab(variants, args.rowwise_triton, lambda path, q: q == "fp8",
                                        {"off": "W8A8 on _scaled_mm", "on": "W8A8 on the Triton GEMM"},
                                        (tables, gemv_rows, block_split))
+            fp8_prologue = expand_ab(variants, args.fp8_prologue, lambda path, q: path == block or q == "fp8",
+                                     {"off": "norm apart", "on": "norm in the GEMV"},
+                                     (tables, gemv_rows, block_split, triton_rowwise))
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
@@ -695,7 +705,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant), triton_rowwise.get(variant))
+                              block_split.get(variant), triton_rowwise.get(variant), fp8_prologue.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

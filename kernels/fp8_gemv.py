@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
+from pdserve.kernels.fused_gemv import PROLOGUES, prologue_tile, norm_rstd
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -46,12 +47,14 @@ GROUP_K = 128
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, K_SPLIT, SPLITS, stride_xm,
-                     stride_wn, stride_sn, stride_os, stride_om, stride_fm,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, res_ptr, g_ptr, new_res_ptr,
+                     M, N, K, K_SPLIT, SPLITS, eps, stride_xm,
+                     stride_wn, stride_sn, stride_os, stride_om, stride_fm, stride_rm, stride_nm,
                      REDUCE_HERE: tl.constexpr, BLOCKED: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ONE_ROW: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EARLY_W: tl.constexpr = False, WIDE: tl.constexpr = False, PDL: tl.constexpr = False):
+                     EARLY_W: tl.constexpr = False, WIDE: tl.constexpr = False, PDL: tl.constexpr = False,
+                     PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,6 +62,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
     mask_n = offs_n < N
     k_begin = pid_s * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
+    # The activation rows (one, or BLOCK_M padded), for the prologue helpers of kernels/fused_gemv.py.
+    rows = tl.arange(0, 1 if ONE_ROW else BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: k is contiguous
     if WIDE:  # the strip lies in one row of group scales: that row's scales, one per 128 columns
         s_ptr += (pid_n * BLOCK_N // SCALE_ROWS) * stride_sn
@@ -70,8 +77,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
         k = k_begin + offs_k
         w_first = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & (k < k_end)[None, :], other=0.0)
     pdl_enter(PDL)
+    rstd = tl.zeros((1 if ONE_ROW else BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:  # rms_norm, two-pass: 1 / rms over the whole row first (x + residual written by (0, 0))
+        rstd = norm_rstd(x_rows, res_ptr, new_res_ptr, rows, row_ok, (pid_n == 0) & (pid_s == 0), M, K, eps,
+                          stride_rm, stride_nm, HAS_RESIDUAL, 1 if ONE_ROW else BLOCK_M, BLOCK_K)
     if EARLY_W:
-        acc = _one_row_step(tl.zeros((BLOCK_N,), dtype=tl.float32), w_first, x_ptr, s_ptr, offs_n, mask_n, k_begin,
+        x = _row_x(x_ptr, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, k_begin, k_end, offs_k,
+                   stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_K)
+        acc = _one_row_step(tl.zeros((BLOCK_N,), dtype=tl.float32), w_first, x, s_ptr, offs_n, mask_n, k_begin,
                             k_end, offs_k, stride_sn, BLOCKED, SCALE_ROWS, GROUP, WIDE)
         k_first = k_begin + BLOCK_K
     else:
@@ -86,11 +99,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
         mask_k = k < k_end
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if ONE_ROW:
-            acc = _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED,
+            x = _row_x(x_ptr, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, k0, k_end, offs_k,
+                       stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_K)
+            acc = _one_row_step(acc, w, x, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED,
                                 SCALE_ROWS, GROUP, WIDE)
         else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & mask_k[None, :],
-                        other=0.0)
+            if PROLOGUE == 0:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                            mask=(offs_m < M)[:, None] & mask_k[None, :], other=0.0)
+            else:
+                x, _ = prologue_tile(rstd, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                                     stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, True, BLOCK_K)
             wt = tl.trans(w.to(x.dtype))
             if DOT_F32:  # the interpreter's bf16 dot is wrong (launch.dot_in_f32)
                 x, wt = x.to(tl.float32), wt.to(tl.float32)
@@ -133,11 +152,25 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, M, N,
 
 
 @triton.jit
-def _one_row_step(acc, w, x_ptr, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED: tl.constexpr,
+def _row_x(x_ptr, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, k0, k_end, offs_k, stride_rm,
+           stride_nm, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One row's activations at columns k0.. in fp32 [BLOCK_K]: x itself, or the prologue's output
+    # (kernels/fused_gemv.py's tile, rounded to x's dtype as the unfused kernels round).
+    if PROLOGUE == 0:
+        k = k0 + offs_k
+        x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+    else:
+        a, _ = prologue_tile(rstd, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm,
+                             stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, True, BLOCK_K)
+        x = tl.reshape(a.to(tl.float32), (BLOCK_K,))
+    return x
+
+
+@triton.jit
+def _one_row_step(acc, w, x, s_ptr, offs_n, mask_n, k0, k_end, offs_k, stride_sn, BLOCKED: tl.constexpr,
                   SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
-    # acc [BLOCK_N] + the weight tile w [BLOCK_N, BLOCK_K] at columns k0.. times x's, in registers.
+    # acc [BLOCK_N] + the weight tile w [BLOCK_N, BLOCK_K] at columns k0.. times x [BLOCK_K] (fp32), in registers.
     k = k0 + offs_k
-    x = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
     if WIDE:
         # A step spanning several scale groups: every row of the strip shares its group scales
         # (s_ptr is the strip's row of them), so each column of x takes its group's scale before
@@ -238,13 +271,30 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     `config`: BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and optionally REDUCE_IN_KERNEL (with
     SPLIT_K > 1: the strip's last slice adds the partials, no second launch) and EARLY_W (one row: the
     first weight tile loaded before the PDL wait) (default: choose_config)."""
+    return fp8_prologue_gemv(x, w8, w_scale, scale_rows, config=config)[0]
+
+
+def fp8_prologue_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_rows: int | None = None,
+                      prologue: str = "none", *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                      residual: torch.Tensor | None = None, config: dict | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp8_gemv of prologue(x) -> (out [M, N], new residual or None), the element-wise op before the
+    linear done in its K loop (kernels/fused_gemv.py's prologues: no launch of its own, no round trip
+    of its output through memory). "rms_norm": x [M, K], norm_weight [K], eps, an optional residual
+    [M, K] (then x + residual is normalised and returned second); two-pass: every program reads the
+    row's x first for its 1 / rms, then normalises each K tile as kernels/rms_norm.py rounds.
+    "silu_mul": x [M, 2K] = [gate | up], SiLU(gate) * up rounded to x's dtype as
+    kernels/silu_and_mul.py does. Weight, scales and config as fp8_gemv's."""
     fn = "fp8_gemv"
+    if prologue not in PROLOGUES:
+        raise ValueError(f"{fn}: prologue must be one of {', '.join(PROLOGUES)}, got {prologue!r}")
     check_tensor(fn, "x", x, (None, None), FLOAT_DTYPES)
-    m, k = x.shape
+    m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"{fn}: at most {MAX_M} rows (decode batches), got {m}")
-    check_tensor(fn, "w8", w8, (None, k), (FP8,))
-    n = w8.shape[0]
+    check_tensor(fn, "w8", w8, (None, None), (FP8,))
+    n, k = w8.shape
+    check_tensor(fn, "x", x, (None, 2 * k if prologue == "silu_mul" else k), FLOAT_DTYPES)
     blocked = scale_rows is not None
     if blocked:
         check_tensor(fn, "w_scale", w_scale, (triton.cdiv(n, scale_rows), triton.cdiv(k, GROUP_K)), (torch.float32,))
@@ -253,13 +303,29 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
             raise ValueError(f"{fn}: w_scale must hold {n} float32 per-channel scales, got {tuple(w_scale.shape)} "
                              f"{w_scale.dtype}")
         w_scale = w_scale.reshape(-1)
-    check_devices(fn, x=x, w8=w8, w_scale=w_scale)
-    for name, t in (("x", x), ("w8", w8), ("w_scale", w_scale)):
+    tensors = {"x": x, "w8": w8, "w_scale": w_scale}
+    if prologue == "rms_norm":
+        if norm_weight is None:
+            raise ValueError(f"{fn}: prologue 'rms_norm' needs norm_weight")
+        check_tensor(fn, "norm_weight", norm_weight, (k,), (x.dtype,))
+        tensors["norm_weight"] = norm_weight
+        if not eps > 0:
+            raise ValueError(f"{fn}: eps must be > 0, got {eps}")
+        if residual is not None:
+            check_tensor(fn, "residual", residual, (m, k), (x.dtype,))
+            tensors["residual"] = residual
+    elif norm_weight is not None or residual is not None:
+        raise ValueError(f"{fn}: norm_weight and residual are for prologue 'rms_norm', not {prologue!r}")
+    check_devices(fn, **tensors)
+    for name, t in tensors.items():
         if t.stride(-1) != 1:
             raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides {t.stride()}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
-        return out
+        if new_res is not None and m:  # no program runs to write the sum
+            new_res.copy_((x.float() + residual.float()).to(x.dtype))
+        return out, new_res
     cfg = dict(config or choose_config(x, n, k, blocked))
     if blocked and cfg["BLOCK_K"] > GROUP_K and not wide_fits(cfg["BLOCK_K"], cfg["BLOCK_N"], m, scale_rows):
         if config is not None:
@@ -281,14 +347,17 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, scale_row
     reduce_here = split > 1 and reduce_in_kernel and strips <= MAX_COUNTERS
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counters = strip_counters(x.device) if reduce_here else dst
+    res = residual if residual is not None else x
     _fp8_gemv_kernel[(strips, split)](
-        x, w8, w_scale, dst, out, counters, m, n, k, k_split, split, x.stride(0), w8.stride(0),
+        x, w8, w_scale, dst, out, counters, res, norm_weight if norm_weight is not None else x,
+        new_res if new_res is not None else x, m, n, k, k_split, split, eps, x.stride(0), w8.stride(0),
         w_scale.stride(0) if blocked else 0, dst.stride(0) if split > 1 else 0, dst.stride(-2), out.stride(0),
+        res.stride(0), new_res.stride(0) if new_res is not None else 0,
         REDUCE_HERE=reduce_here, BLOCKED=blocked, SCALE_ROWS=scale_rows or 1, GROUP=GROUP_K,
         DOT_F32=dot_in_f32(x.dtype), PRECISION=dot_precision(x.dtype), ONE_ROW=m == 1,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EARLY_W=early_w, WIDE=wide, **cfg,
-        **pdl_args(x.device))
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, EARLY_W=early_w, WIDE=wide,
+        PROLOGUE=PROLOGUES.index(prologue), HAS_RESIDUAL=residual is not None, **cfg, **pdl_args(x.device))
     if split > 1 and not reduce_here:
         size = m * n
         _sum_splits_kernel[(triton.cdiv(size, 1024),)](dst, out, size, SPLITS=split, BLOCK=1024, **pdl_args(dst.device))
-    return out
+    return out, new_res

@@ -236,36 +236,22 @@ def _gemv_kernel(
         w_first = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0 < K)[None, :], other=0.0)
     pdl_enter(PDL)
     if PROLOGUE == 1 and TWO_PASS:
-        # Pass 1 (two-pass rms_norm): the rows' sum of squares over all of K; with a residual,
-        # the sum x + residual rounded to x's dtype (as the reference adds), written once by (0, 0).
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (ks < K)[None, :]
-            x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                # A row limit of 0 off program (0, 0), not a branch: no control flow in the loop.
-                writer_rows = tl.where((pid_n == 0) & (pid_k == 0), M, 0)
-                tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], x,
-                         mask=(rows[:, None] < writer_rows) & (ks < K)[None, :])
-            h = x.to(tl.float32)
-            ss += tl.sum(h * h, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        rstd = norm_rstd(x_rows, res_ptr, new_res_ptr, rows, row_ok, (pid_n == 0) & (pid_k == 0), M, K, eps,
+                          stride_rm, stride_nm, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+        ss = rstd  # unused
     else:
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # one pass: summed in the K loop below
         rstd = ss  # unused
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_begin
     if EARLY_W:
-        a, ss = _activation_tile(ss, k_begin, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
-                                 stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
+        a, ss = prologue_tile(ss, k_begin, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                              stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
         acc = _accumulate(acc, a, w_first, DOT_F32, PRECISION, BLOCK_M)
         k_loop = k_begin + BLOCK_K
     for k0 in range(k_loop, k_begin + K_PER_SPLIT, BLOCK_K):
-        a, ss = _activation_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
-                                 stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
+        a, ss = prologue_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K,
+                              stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, TWO_PASS, BLOCK_K)
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
         acc = _accumulate(acc, a, w, DOT_F32, PRECISION, BLOCK_M)
@@ -297,9 +283,31 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _activation_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm, stride_nm,
-                     rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_PASS: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def norm_rstd(x_rows, res_ptr, new_res_ptr, rows, row_ok, writer, M, K, eps, stride_rm, stride_nm,
+              HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Pass 1 of the two-pass rms_norm: the rows' 1 / rms over all of K; with a residual, the sum
+    # x + residual rounded to x's dtype (as the reference adds), written out by the `writer` program.
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # A row limit of 0 off the writer, not a branch: no control flow in the loop.
+    writer_rows = tl.where(writer, M, 0)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_rm + ks[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(new_res_ptr + rows[:, None].to(tl.int64) * stride_nm + ks[None, :], x,
+                     mask=(rows[:, None] < writer_rows) & (ks < K)[None, :])
+        h = x.to(tl.float32)
+        ss += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def prologue_tile(ss, k0, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, stride_rm, stride_nm,
+                  rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_PASS: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     # The activation tile at columns k0.. as the prologue makes it (the one-pass norm's sums of
     # squares added to ss; with a residual, the first strip's programs write x + residual out).
     ks = k0 + tl.arange(0, BLOCK_K)

@@ -35,15 +35,23 @@ def variants():
                          BLOCK_N=2 if rows == 1 else 16, BLOCK_K=1024 if rows == 1 else 128, EARLY_W=early,
                          PDL=True))
     fp8_types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32", final_ptr="*bf16",
-                     counter_ptr="*i32")
+                     counter_ptr="*i32", res_ptr="*bf16", g_ptr="*bf16", new_res_ptr="*bf16", eps="fp32")
     fp8_types.update({n: "i32" for n in ("M", "N", "K", "K_SPLIT", "SPLITS", "stride_xm", "stride_wn", "stride_sn",
-                                         "stride_os", "stride_om", "stride_fm")})
+                                         "stride_os", "stride_om", "stride_fm", "stride_rm", "stride_nm")})
     # Group scales at one row also with K steps of several groups (WIDE); 64-row dots with group scales.
     fp8 = [dict(REDUCE_HERE=here, BLOCKED=blocked, SCALE_ROWS=128 if blocked else 1, GROUP=128, DOT_F32=False,
                 PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=64 if blocked else 16, BLOCK_N=8 if one_row else 32,
-                BLOCK_K=128 if blocked and not wide else 1024, EARLY_W=early, WIDE=wide, PDL=True)
+                BLOCK_K=128 if blocked and not wide else 1024, EARLY_W=early, WIDE=wide, PDL=True, PROLOGUE=0,
+                HAS_RESIDUAL=False)
            for blocked, one_row, early, here, wide in itertools.product((False, True), repeat=5)
            if (one_row or not early) and (not wide or blocked and one_row)]
+    # The prologues (the norm with a residual, SiLU·mul): one row (early weights, wide group steps,
+    # the in-kernel sum) and 16-row dots.
+    fp8 += [dict(REDUCE_HERE=one_row, BLOCKED=blocked, SCALE_ROWS=128 if blocked else 1, GROUP=128, DOT_F32=False,
+                 PRECISION="tf32", ONE_ROW=one_row, BLOCK_M=16, BLOCK_N=8 if one_row else 32,
+                 BLOCK_K=512 if one_row else 128, EARLY_W=one_row, WIDE=blocked and one_row, PDL=True,
+                 PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1)
+            for prologue, one_row in itertools.product((1, 2), (True, False)) for blocked in (prologue == 1,)]
     gate_types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", part_ptr="*fp32", weights_ptr="*fp32",
                       ids_ptr="*i64", counter_ptr="*i32", K="i32", E="i32", stride_xt="i32", stride_we="i32",
                       res_ptr="*bf16", g_ptr="*bf16", h_ptr="*bf16", new_res_ptr="*bf16", eps="fp32",

@@ -256,6 +256,58 @@ def test_fp8_gemv_in_kernel_reduce_is_the_second_launch_bit_for_bit(poison_empty
             assert torch.equal(early, fp8_gemv(x, w8, scale, scale_rows, config=dict(cfg, **extra)))
 
 
+@pytest.mark.parametrize("m,scale_rows,cfg", [
+    (1, None, None), (1, 128, None), (5, None, None),
+    (1, None, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2, REDUCE_IN_KERNEL=True, EARLY_W=True)),
+    (1, 128, dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=2, EARLY_W=True)),  # wide steps
+    (5, 128, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2))])
+def test_fp8_gemv_prologues_are_the_ops_before_it(poison_empty, m, scale_rows, cfg):
+    from pdserve.kernels.fp8_gemv import fp8_gemv, fp8_prologue_gemv
+    from pdserve.kernels.reference import rms_norm_ref
+    from pdserve.kernels.rms_norm import rms_norm
+    from pdserve.kernels.silu_and_mul import silu_and_mul
+
+    # The RMSNorm (with and without a residual) and the SiLU·mul fused into the FP8 GEMV's K loop:
+    # the unfused kernels' values, split or not, early weights, wide group steps, 1 or 5 rows.
+    torch.manual_seed(4)
+    n, k = 100, 384
+    w8 = (torch.randn(n, k, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.rand(1, n, device=DEVICE) * 0.01 + 1e-3 if scale_rows is None else \
+        torch.rand(1, 3, device=DEVICE) * 0.01 + 1e-3
+    x, r = (torch.randn(m, k, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    g = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(torch.bfloat16)
+    for res in (None, r):
+        out, new_res = fp8_prologue_gemv(x, w8, scale, scale_rows, "rms_norm", norm_weight=g, eps=1e-5, residual=res,
+                                         config=cfg)
+        h, sum_res = rms_norm(x, g, 1e-5, res)
+        apart = fp8_gemv(h, w8, scale, scale_rows, config=cfg)
+        assert (new_res is None) == (res is None) and (res is None or torch.equal(new_res, sum_res))
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        assert rel_error(out, fp8_gemv_ref(rms_norm_ref(x, g, 1e-5, res)[0].double(), w8, scale, scale_rows)) < 2e-2
+        if ON_GPU:  # the norm kernel sums the row's squares in one reduction, this one K tile by K tile
+            assert rel_error(out, apart) < 1e-2
+        else:  # the interpreter's sums agree: the same bits
+            assert torch.equal(out, apart)
+    gu = torch.randn(m, 2 * k, device=DEVICE).to(torch.bfloat16)
+    out, none = fp8_prologue_gemv(gu, w8, scale, scale_rows, "silu_mul", config=cfg)
+    assert none is None and torch.equal(out, fp8_gemv(silu_and_mul(gu), w8, scale, scale_rows, config=cfg))
+
+
+def test_fp8_gemv_prologue_arguments_are_checked():
+    from pdserve.kernels.fp8_gemv import fp8_prologue_gemv
+
+    w8, s = torch.zeros(32, 64, device=DEVICE).to(FP8), torch.ones(32, device=DEVICE)
+    x = torch.zeros(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        fp8_prologue_gemv(x, w8, s, None, "gelu")
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        fp8_prologue_gemv(x, w8, s, None, "rms_norm")
+    with pytest.raises(ValueError, match="for prologue 'rms_norm'"):
+        fp8_prologue_gemv(torch.zeros(1, 128, device=DEVICE), w8, s, None, "silu_mul", residual=x)
+    with pytest.raises(ValueError, match="x"):  # silu_mul reads [gate | up]: 2K columns
+        fp8_prologue_gemv(x, w8, s, None, "silu_mul")
+
+
 @pytest.mark.parametrize("n,k,scale_rows", [(256, 1024, 128), (100, 700, 128), (48, 384, 16)])
 def test_fp8_gemv_wide_steps_over_group_scales_match_reference(poison_empty, n, k, scale_rows):
     from pdserve.kernels.fp8_gemv import fp8_gemv

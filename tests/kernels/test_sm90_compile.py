@@ -30,7 +30,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compiled fused_gemv._gemv_kernel: 48 variants" in proc.stdout
-    assert "compiled fp8_gemv._fp8_gemv_kernel: 16 variants" in proc.stdout
+    assert "compiled fp8_gemv._fp8_gemv_kernel: 20 variants" in proc.stdout
     assert "compiled fp8_block_gemm._fp8_block_gemm_kernel: 4 variants" in proc.stdout
     assert "compiled moe_gate._moe_gate_kernel: 24 variants" in proc.stdout
     assert "compiled paged_decode_attention._decode_split_kernel: 24 variants" in proc.stdout

@@ -170,3 +170,52 @@ def test_gemv_mlp_over_tp2_shards_equals_the_full_mlp():
     for rank in (0, 1):
         assert isinstance(got[rank], dict), got[rank]
         assert got[rank]["mlp"] < 1e-5 and got[rank]["residual"]  # fp32 relative: the sums differ in order only
+
+
+def test_fp8_mlp_runs_its_norm_and_silu_mul_inside_the_fp8_gemv_at_one_row(monkeypatch):
+    # An FP8 MLP on the kernel path (kernels/fp8_gemv.py under the interpreter): one-row steps take
+    # the norm into gate_up's GEMV and SiLU·mul into down's (fp8_prologue_gemv), the same bits as
+    # the norm and SiLU·mul kernels apart; other row counts, or the switch at 0, run them apart.
+    from pdserve.kernels import fp8_gemv as fp8_module
+    from pdserve.worker.config.model import ModelConfig
+    from pdserve.worker.config.quantization import Fp8Config
+    from pdserve.worker.models.llama import MLP, RMSNorm, triton_ops
+    from pdserve.worker.parallel.shard import TPShard
+    from pdserve.worker.quantization import fp8_linear
+
+    cfg = ModelConfig("LlamaForCausalLM", 101, 64, 96, 1, 4, 2, 16, 1e-5, 128, False, False, False, False, 1e4,
+                      (), (), quantization=Fp8Config("online", "channel", "token"))
+    torch.manual_seed(0)
+    ops = triton_ops()
+    mlp = MLP(cfg, TPShard(0, 1, cfg), ops, "model.layers.0.mlp")
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(96, 64) * 0.1, 0)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, torch.randn(96, 64) * 0.1, 1)
+    mlp.down_proj.weight_loader(mlp.down_proj.weight, torch.randn(64, 96) * 0.1)
+    mlp = mlp.to(DEVICE, torch.bfloat16)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.quant.process_weights_after_loading(linear, torch.bfloat16, kernels=True)
+    norm = RMSNorm(64, 1e-5, ops).to(DEVICE, torch.bfloat16)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(64))
+    calls: list[str] = []
+    real = fp8_module.fp8_prologue_gemv
+
+    def spy(x, *args, **kw):
+        calls.append(args[3] if len(args) > 3 else kw.get("prologue", "none"))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(fp8_module, "fp8_prologue_gemv", spy)
+    for rows in (1, 3):
+        x, res = (torch.randn(rows, 64, device=DEVICE).bfloat16() for _ in range(2))
+        with torch.no_grad():
+            monkeypatch.setattr(fp8_linear, "FP8_GEMV_PROLOGUE_MAX_M", 0)
+            apart, apart_res = mlp.forward_gemv(x, norm, res)
+            assert "rms_norm" not in calls and "silu_mul" not in calls
+            monkeypatch.setattr(fp8_linear, "FP8_GEMV_PROLOGUE_MAX_M", 1)
+            fused, fused_res = mlp.forward_gemv(x, norm, res)
+        assert torch.equal(fused_res, apart_res)
+        if ON_GPU:  # the norm kernel sums the row's squares in one reduction, the GEMV K tile by K tile
+            assert ((fused - apart).float().norm() / apart.float().norm()).item() < 1e-2
+        else:
+            assert torch.equal(fused, apart)
+        assert (calls.count("rms_norm"), calls.count("silu_mul")) == ((1, 1) if rows == 1 else (0, 0))
+        calls.clear()

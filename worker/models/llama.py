@@ -89,6 +89,13 @@ def gemv_fits(linear: nn.Module) -> bool:
     return getattr(linear, "quant", None) is None
 
 
+def prologue_fits(linear: nn.Module) -> bool:
+    """A linear whose GEMV can take the norm or SiLU·mul before it: an unquantized one (fused_gemv)
+    or an FP8 one (its method's prologue_gemv: kernels/fp8_gemv.py)."""
+    quant = getattr(linear, "quant", None)
+    return quant is None or hasattr(quant, "prologue_gemv")
+
+
 @functools.cache
 def _gemv_kernel():
     # Imported on use: Triton exists only where the Triton backend was chosen.
@@ -110,6 +117,22 @@ def gemv_rows_ok(x: torch.Tensor, mode: str | bool, prologue: str, weight: torch
     return (x.shape[0] > 0
             and _gemv_kernel().gemv_preferred(prologue, x.shape[0], n, k, x.device, measured_only=mode == "measured")
             and all(t.dtype == x.dtype for t in (weight, *others)))
+
+
+def step_gemv(linear: nn.Module, x: torch.Tensor, mode: str | bool | None, prologue: str, *others: torch.Tensor):
+    """The GEMV that takes `linear` with `prologue` fused in for this step, called as fused_gemv is
+    (x, prologue, bias=, norm_weight=, eps=, residual=) -> (out, new residual or None); None: the
+    step runs the op and the linear apart. Unquantized: fused_gemv where gemv_rows_ok says so
+    (`others`: the other operands whose dtype must match); FP8: the method's prologue_gemv."""
+    if not mode:
+        return None
+    quant = getattr(linear, "quant", None)
+    if quant is not None:
+        return quant.prologue_gemv(linear, x.shape[0]) if x.shape[0] > 0 else None
+    if not gemv_rows_ok(x, mode, prologue, linear.weight, *others):
+        return None
+    weight = linear.weight
+    return lambda h, pro, **kw: _fused_gemv()(h, weight, pro, **kw)
 
 
 @functools.cache
@@ -309,7 +332,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         """x: the activations, or Fp8Activations quantized for gate_up_proj (its norm's)."""
-        gu = self.gate_up_proj(x)
+        return self._down(self.gate_up_proj(x))
+
+    def _down(self, gu: torch.Tensor) -> torch.Tensor:
         fp8 = fp8_input_format(self.down_proj, gu.shape[0])
         if fp8 is None:
             return self.down_proj(self.silu_and_mul(gu))
@@ -319,19 +344,21 @@ class MLP(nn.Module):
 
     def forward_gemv(self, x: torch.Tensor, norm: "RMSNorm", residual: torch.Tensor, mode: str | bool = "any"):
         """norm(x + residual) -> gate_up -> SiLU·mul -> down with the norm fused into the gate/up
-        GEMV and SiLU·mul into the down one, each stage where gemv_rows_ok takes it under `mode`
-        (else that stage runs unfused); returns (out, x + residual)."""
+        GEMV and SiLU·mul into the down one, each stage where step_gemv takes it under `mode`
+        (else that stage runs as forward does); returns (out, x + residual)."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if gemv_rows_ok(x, mode, "rms_norm", gate_up.weight, norm.weight):
-            gu, residual = _fused_gemv()(x, gate_up.weight, "rms_norm", bias=gate_up.bias, norm_weight=norm.weight,
-                                         eps=norm.eps, residual=residual)
+        gemv = step_gemv(gate_up, x, mode, "rms_norm", norm.weight)
+        if gemv is not None:
+            gu, residual = gemv(x, "rms_norm", bias=gate_up.bias, norm_weight=norm.weight, eps=norm.eps,
+                                residual=residual)
         else:
-            h, residual = norm(x, residual)
+            h, residual = norm(x, residual, fp8=fp8_input_format(gate_up, x.shape[0]))
             gu = gate_up(h)
-        if gemv_rows_ok(gu, mode, "silu_mul", down.weight):
-            out, _ = _fused_gemv()(gu, down.weight, "silu_mul", bias=down.bias)
+        gemv = step_gemv(down, gu, mode, "silu_mul")
+        if gemv is not None:
+            out, _ = gemv(gu, "silu_mul", bias=down.bias)
             return down.reduce(out), residual
-        return down(self.silu_and_mul(gu)), residual
+        return self._down(gu), residual
 
 
 class DecoderLayer(nn.Module):
@@ -350,16 +377,18 @@ class DecoderLayer(nn.Module):
         # MoE blocks keep their own path (only the dense MLP has forward_gemv).
         # The attributes hold gemv_mode's value (None: off).
         mode = gemv_mode(backend)
-        self.gemv_qkv = mode if isinstance(self.self_attn, Attention) and gemv_fits(self.self_attn.qkv_proj) else None
-        self.gemv_mlp = mode if isinstance(self.mlp, MLP) and gemv_fits(self.mlp.gate_up_proj) \
-            and gemv_fits(self.mlp.down_proj) else None
+        self.gemv_qkv = mode if isinstance(self.self_attn, Attention) and prologue_fits(self.self_attn.qkv_proj) \
+            else None
+        self.gemv_mlp = mode if isinstance(self.mlp, MLP) and prologue_fits(self.mlp.gate_up_proj) \
+            and prologue_fits(self.mlp.down_proj) else None
         # An MoE block that can do the norm before it in its router's launch (models/moe.py GATE_NORM).
         self.mlp_takes_norm = getattr(self.mlp, "takes_norm", None)
 
     def forward(self, positions, h, residual, cos_sin, meta):
-        if self.gemv_qkv and gemv_rows_ok(h, self.gemv_qkv, "rms_norm", self.self_attn.qkv_proj.weight,
-                                          self.input_layernorm.weight):
-            h, residual = self._attention_gemv(positions, h, residual, cos_sin, meta)
+        gemv = self.gemv_qkv and step_gemv(self.self_attn.qkv_proj, h, self.gemv_qkv, "rms_norm",
+                                           self.input_layernorm.weight)
+        if gemv:
+            h, residual = self._attention_gemv(gemv, positions, h, residual, cos_sin, meta)
         else:
             h, residual = self._attention(positions, h, residual, cos_sin, meta)
         if self.gemv_mlp:
@@ -372,12 +401,11 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual, fp8=fp8)
         return self.mlp(h), residual
 
-    def _attention_gemv(self, positions, h, residual, cos_sin, meta):
-        """input_layernorm(h (+ residual)) fused into the qkv projection; then attention."""
+    def _attention_gemv(self, gemv, positions, h, residual, cos_sin, meta):
+        """input_layernorm(h (+ residual)) fused into the qkv projection (`gemv`: step_gemv's); then attention."""
         attn, norm = self.self_attn, self.input_layernorm
         proj_bias, epilogue_bias = attn.qkv_bias_split()
-        qkv, new_res = _fused_gemv()(h, attn.qkv_proj.weight, "rms_norm", bias=proj_bias, norm_weight=norm.weight,
-                                     eps=norm.eps, residual=residual)
+        qkv, new_res = gemv(h, "rms_norm", bias=proj_bias, norm_weight=norm.weight, eps=norm.eps, residual=residual)
         return attn.attend(positions, qkv, epilogue_bias, cos_sin, meta), h if residual is None else new_res
 
     def _attention(self, positions, h, residual, cos_sin, meta):

@@ -54,6 +54,11 @@ FP8_GEMV_MEASURED_ROWS = True
 # the tiles do not cover the SMs) instead of torch._scaled_mm below this many rows (0: never); the
 # bench compares both in one run (bench/fp8.py --rowwise-triton).
 TRITON_ROWWISE_MAX_M = 0
+# Steps of up to this many rows on the GEMV path run the RMSNorm before qkv / gate_up and the SiLU·mul
+# before down inside the FP8 GEMV (kernels/fp8_gemv.fp8_prologue_gemv: no launch of their own, as the
+# bf16 GEMV does); 0: apart. One row only: the fused norm reads the row's whole x in every program,
+# M times more at M rows. bench/fp8.py --fp8-prologue compares both in one run.
+FP8_GEMV_PROLOGUE_MAX_M = 1
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
 # Triton GEMM at M = 16-64 and ahead from M = 1024. bench/fp8.py --only blockwise prints the
@@ -252,6 +257,23 @@ class Fp8LinearMethod:
         if not FUSED_ACT_QUANT or getattr(layer, "input_scale_static", None) is not None:
             return None
         return activation_format(self._path(layer, m), self.cfg.block[1] if self.cfg.block else None)
+
+    def prologue_gemv(self, layer: nn.Module, m: int):
+        """The FP8 GEMV with the op before it fused in, for this layer at m rows, called as
+        kernels/fused_gemv.fused_gemv is (x, prologue, bias=, norm_weight=, eps=, residual=) ->
+        (out, new residual or None); None where such a step takes another path."""
+        if m > FP8_GEMV_PROLOGUE_MAX_M or self._path(layer, m) != "gemv":
+            return None
+        from pdserve.kernels.fp8_gemv import fp8_prologue_gemv
+
+        scale_rows = layer.scale_rows if self.cfg.block else None
+
+        def run(x, prologue, bias=None, norm_weight=None, eps=1e-6, residual=None):
+            out, new_res = fp8_prologue_gemv(x, layer.weight, layer.w_scale, scale_rows, prologue,
+                                             norm_weight=norm_weight, eps=eps, residual=residual)
+            return (out if bias is None else out + bias), new_res
+
+        return run
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None) -> torch.Tensor:
         """x: the activations [..., K], or Fp8Activations [M, K] quantized by the op before this
