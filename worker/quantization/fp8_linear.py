@@ -57,8 +57,8 @@ TRITON_ROWWISE_MAX_M = 0
 # Steps of up to this many rows on the GEMV path run the RMSNorm before qkv / gate_up and the SiLU·mul
 # before down inside the FP8 GEMV (kernels/fp8_gemv.fp8_prologue_gemv: no launch of their own, as the
 # bf16 GEMV does); 0: apart. One row only: the fused norm reads the row's whole x in every program,
-# M times more at M rows. bench/fp8.py --fp8-prologue compares both in one run.
-FP8_GEMV_PROLOGUE_MAX_M = 1
+# M times more at M rows. bench/fp8.py --fp8-prologue compares both in one run; off until a GPU has.
+FP8_GEMV_PROLOGUE_MAX_M = 0
 # Block-scaled layers take cuBLASLt's block scaling (torch scaled_mm) from this many rows, the
 # Triton block GEMM below: vLLM's H20 table (vllm#49932) has torch's block path 2x slower than a
 # Triton GEMM at M = 16-64 and ahead from M = 1024. bench/fp8.py --only blockwise prints the
