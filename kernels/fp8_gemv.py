@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
-from pdserve.kernels.fused_gemv import PROLOGUES, prologue_tile, norm_rstd
+from pdserve.kernels.fused_gemv import PROLOGUES, norm_rstd, prologue_tile
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -80,7 +80,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, final_ptr, counter_ptr, res_p
     rstd = tl.zeros((1 if ONE_ROW else BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 1:  # rms_norm, two-pass: 1 / rms over the whole row first (x + residual written by (0, 0))
         rstd = norm_rstd(x_rows, res_ptr, new_res_ptr, rows, row_ok, (pid_n == 0) & (pid_s == 0), M, K, eps,
-                          stride_rm, stride_nm, HAS_RESIDUAL, 1 if ONE_ROW else BLOCK_M, BLOCK_K)
+                         stride_rm, stride_nm, HAS_RESIDUAL, 1 if ONE_ROW else BLOCK_M, BLOCK_K)
     if EARLY_W:
         x = _row_x(x_ptr, x_rows, res_ptr, g_ptr, new_res_ptr, rows, row_ok, pid_n, M, K, k_begin, k_end, offs_k,
                    stride_rm, stride_nm, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_K)
