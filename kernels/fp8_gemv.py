@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.arrivals import MAX_COUNTERS, last_arrival, reset_arrivals, strip_counters
-from pdserve.kernels.fused_gemv import PROLOGUES, norm_rstd, prologue_tile
+from pdserve.kernels.fused_gemv import PROLOGUES, norm_rstd, prologue_operands, prologue_tile
 from pdserve.kernels.launch import FLOAT_DTYPES, check_devices, check_tensor, dot_in_f32, dot_precision, num_sms
 from pdserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -304,18 +304,7 @@ def fp8_prologue_gemv(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, 
                              f"{w_scale.dtype}")
         w_scale = w_scale.reshape(-1)
     tensors = {"x": x, "w8": w8, "w_scale": w_scale}
-    if prologue == "rms_norm":
-        if norm_weight is None:
-            raise ValueError(f"{fn}: prologue 'rms_norm' needs norm_weight")
-        check_tensor(fn, "norm_weight", norm_weight, (k,), (x.dtype,))
-        tensors["norm_weight"] = norm_weight
-        if not eps > 0:
-            raise ValueError(f"{fn}: eps must be > 0, got {eps}")
-        if residual is not None:
-            check_tensor(fn, "residual", residual, (m, k), (x.dtype,))
-            tensors["residual"] = residual
-    elif norm_weight is not None or residual is not None:
-        raise ValueError(f"{fn}: norm_weight and residual are for prologue 'rms_norm', not {prologue!r}")
+    tensors |= prologue_operands(fn, prologue, m, k, x.dtype, norm_weight, eps, residual)
     check_devices(fn, **tensors)
     for name, t in tensors.items():
         if t.stride(-1) != 1:

@@ -196,6 +196,26 @@ def choose_config(prologue: str, m: int, n: int, k: int, device: torch.device) -
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
+def prologue_operands(fn: str, prologue: str, m: int, k: int, dtype: torch.dtype, norm_weight: torch.Tensor | None,
+                      eps: float, residual: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Checks the prologue's own arguments for launcher `fn` (named in the errors): "rms_norm" needs
+    norm_weight [k] and eps > 0 and takes a residual [m, k], all of `dtype`; no other prologue takes
+    them. Returns those tensors by name, for the launcher's device and stride checks."""
+    if prologue != "rms_norm":
+        if norm_weight is not None or residual is not None:
+            raise ValueError(f"{fn}: norm_weight and residual are for prologue 'rms_norm', not {prologue!r}")
+        return {}
+    if norm_weight is None:
+        raise ValueError(f"{fn}: prologue 'rms_norm' needs norm_weight")
+    check_tensor(fn, "norm_weight", norm_weight, (k,), (dtype,))
+    if not eps > 0:
+        raise ValueError(f"{fn}: eps must be > 0, got {eps}")
+    if residual is None:
+        return {"norm_weight": norm_weight}
+    check_tensor(fn, "residual", residual, (m, k), (dtype,))
+    return {"norm_weight": norm_weight, "residual": residual}
+
+
 def _apart(x, weight, prologue, bias, norm_weight, eps, residual, cfg: GemvConfig):
     """fused_gemv with the prologue as its own launch first (GemvConfig.separate_prologue)."""
     if prologue == "rms_norm":
@@ -419,18 +439,7 @@ def fused_gemv(
     if bias is not None:
         check_tensor(fn, "bias", bias, (n,), (dt,))
         tensors["bias"] = bias
-    if prologue == "rms_norm":
-        if norm_weight is None:
-            raise ValueError(f"{fn}: prologue 'rms_norm' needs norm_weight")
-        check_tensor(fn, "norm_weight", norm_weight, (k,), (dt,))
-        tensors["norm_weight"] = norm_weight
-        if not eps > 0:
-            raise ValueError(f"{fn}: eps must be > 0, got {eps}")
-        if residual is not None:
-            check_tensor(fn, "residual", residual, (m, k), (dt,))
-            tensors["residual"] = residual
-    elif norm_weight is not None or residual is not None:
-        raise ValueError(f"{fn}: norm_weight and residual are for prologue 'rms_norm', not {prologue!r}")
+    tensors |= prologue_operands(fn, prologue, m, k, dt, norm_weight, eps, residual)
     device = check_devices(fn, **tensors)
     for name, v in tensors.items():
         if v.stride(-1) != 1:
