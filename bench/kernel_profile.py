@@ -3,6 +3,12 @@
 Kernels are grouped by name (`kernel_groups`) so two engines' profiles read side by side: the
 GEMMs by path (cuBLAS, the FP8 GEMV, the Triton block GEMM), attention, the activation
 quantization, the rest.
+
+Under programmatic dependent launch (kernels/pdl.py, on by default on sm90) a kernel launched
+right after a Triton kernel becomes resident while that one still runs and waits inside: the
+profiler times it from residency, so its time includes its predecessor's tail (on an H100 the FP8
+o_proj's quantization, after the decode attention, read as long as the attention). The table says
+so; PDSERVE_PDL=0 times each kernel alone (graphs captured after it is set).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ GROUPS = (
     ("fp8 block GEMM (Triton)", ("_fp8_block_gemm",)),
     ("bf16 GEMV (Triton)", ("fused_gemv", "_gemv")),
     ("cuBLAS / CUTLASS GEMM", ("gemm", "cutlass", "nvjet", "xmma", "sm90_")),
-    ("attention", ("attention", "attn", "flash")),
+    ("attention", ("attention", "attn", "flash", "_decode_split", "_decode_reduce", "_prefill_kernel", "_mla_")),
     ("activation quantization (alone or in a norm / SiLU·mul)", ("quant",)),
     ("norm / rotary / KV write / SiLU", ("rms", "norm", "rotary", "kv_write", "silu", "act_and_mul")),
 )
@@ -44,6 +50,15 @@ def profile_kernels(run: Callable[[], object]) -> list[tuple[str, int, float]]:
     return sorted(ks, key=lambda k: -k[2])
 
 
+def pdl_in_effect() -> bool:
+    """Whether Triton kernels launched now on this process's GPU take programmatic dependent launch."""
+    if not torch.cuda.is_available():
+        return False
+    from pdserve.kernels.pdl import pdl_args
+
+    return bool(pdl_args(torch.device("cuda")))
+
+
 def kernel_groups(kernels: list[tuple[str, int, float]]) -> dict[str, tuple[int, float]]:
     """Calls and GPU µs per group, most time first."""
     out: dict[str, list] = {}
@@ -54,10 +69,16 @@ def kernel_groups(kernels: list[tuple[str, int, float]]) -> dict[str, tuple[int,
     return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
-def kernel_lines(kernels: list[tuple[str, int, float]], top: int) -> list[str]:
-    """The total, the `top` kernels of most GPU time and the groups, as markdown."""
+PDL_NOTE = ("programmatic dependent launch on: a kernel after a Triton kernel is timed from residency, "
+            "its wait included (times overlap; PDSERVE_PDL=0 for each kernel's own)")
+
+
+def kernel_lines(kernels: list[tuple[str, int, float]], top: int, pdl: bool = False) -> list[str]:
+    """The total, the `top` kernels of most GPU time and the groups, as markdown; `pdl`: the run
+    launched with programmatic dependent launch (the module doc), said under the total."""
     total = sum(k[2] for k in kernels)
     lines = [f"under the profiler: GPU kernels {total / 1e3:.1f} ms in {sum(k[1] for k in kernels)} launches", "",
+             *([PDL_NOTE, ""] if pdl else []),
              "| kernel | calls | ms | µs/call |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name[:80]} | {calls} | {us / 1e3:.1f} | {us / max(calls, 1):.1f} |"
               for name, calls, us in kernels[:top]]

@@ -23,3 +23,11 @@ def test_groups_sum_calls_and_time_and_the_table_names_the_total():
     text = "\n".join(kernel_lines(kernels, top=2))
     assert "GPU kernels 1.0 ms in 17 launches" in text
     assert "| fp8 GEMV | 12 | 0.6 | 60% |" in text and "memcpy" not in text.split("| group |")[0]
+
+
+def test_attention_kernels_by_their_names_and_the_pdl_caveat():
+    for name in ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_mla_decode_kernel"):
+        assert group_of(name) == "attention", name
+    kernels = [("_decode_split_kernel", 4, 400.0), ("_quantize_fp8_kernel", 4, 390.0)]
+    assert "timed from residency" in "\n".join(kernel_lines(kernels, top=2, pdl=True))
+    assert "residency" not in "\n".join(kernel_lines(kernels, top=2))

@@ -71,7 +71,8 @@
 # block-128 engine with K never split, then split by the rule (the default); ROWWISE="off on": each
 # per-channel engine with W8A8 below 128 rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one
 # more offline run per engine under torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1:
-# step 2 times the W8A8 tiles alone at 64 and 96 rows (no GEMV sweep: the committed table); PROLOGUE="off on":
+# step 2 times the W8A8 tiles alone at 64 and 96 rows, and per-channel `_scaled_mm` with its operands swapped
+# (bench/fp8_gemv_tune.rowwise_swapped: the weight as cuBLASLt's M; no GEMV sweep: the committed table); PROLOGUE="off on":
 # each FP8 engine with one-row steps' RMSNorm / SiLU·mul apart, then inside the FP8 GEMV; FORMATS=block:
 # one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
