@@ -202,11 +202,13 @@ def bench_elementwise(t: int) -> list[Row]:
     for impl, f in (("triton", kv_cache_write), ("torch ref", kv_cache_write_ref)):
         rows.append(Row("kv write", f"T={t} Hkv={HKV} D={D}", impl, _time(lambda: f(key, value, *kvs[1], slots)), nb))
 
-    x, res = torch.randn(2, t, 4096, dtype=DT, device="cuda")
-    w = torch.randn(4096, dtype=DT, device="cuda")
-    nb = 4 * x.numel() * DT.itemsize + w.numel() * DT.itemsize
-    for impl, f in (("triton", rms_norm), ("torch ref", rms_norm_ref)):
-        rows.append(Row("rmsnorm+residual", f"T={t} H=4096", impl, _time(lambda: f(x, w, 1e-5, res)), nb))
+    for hidden, rows_t in ((4096, t), (896, 4 * t)):  # Llama-3.1-8B; Qwen2.5-0.5B at its prefill chunk
+        x, res = torch.randn(2, rows_t, hidden, dtype=DT, device="cuda")
+        w = torch.randn(hidden, dtype=DT, device="cuda")
+        nb = 4 * x.numel() * DT.itemsize + w.numel() * DT.itemsize
+        for impl, f in (("triton", rms_norm), ("torch ref", rms_norm_ref)):
+            rows.append(Row("rmsnorm+residual", f"T={rows_t} H={hidden}", impl,
+                            _time(lambda: f(x, w, 1e-5, res)), nb))
 
     pos = torch.randint(0, 8192, (t,), device="cuda")
     cs = torch.randn(8192, D, device="cuda")
@@ -223,10 +225,11 @@ def bench_elementwise(t: int) -> list[Row]:
     rows.append(Row("rotary + kv write", f"T={t} Hq={HQ} Hkv={HKV}", "triton, + q/k norm", _time(
         lambda: rotary_kv_write(pos, q, k, v, cs, *kvs[1], slots, qk_norm=qk_norm)), nb))
 
-    g = torch.randn(t, 2 * 14336, dtype=DT, device="cuda")
-    nb = g.numel() * DT.itemsize * 3 // 2
-    for impl, f in (("triton", silu_and_mul), ("torch ref", silu_and_mul_ref)):
-        rows.append(Row("silu_and_mul", f"T={t} I=14336", impl, _time(lambda: f(g)), nb))
+    for inter, rows_t in ((14336, t), (4864, 4 * t)):
+        g = torch.randn(rows_t, 2 * inter, dtype=DT, device="cuda")
+        nb = g.numel() * DT.itemsize * 3 // 2
+        for impl, f in (("triton", silu_and_mul), ("torch ref", silu_and_mul_ref)):
+            rows.append(Row("silu_and_mul", f"T={rows_t} I={inter}", impl, _time(lambda: f(g)), nb))
     return rows
 
 
