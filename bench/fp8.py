@@ -159,7 +159,8 @@ def step_bytes(engine) -> int:
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
           fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool | None = None,
-          triton_rowwise: bool | None = None, fp8_prologue: bool | None = None) -> dict:
+          triton_rowwise: bool | None = None, fp8_prologue: bool | None = None,
+          rowwise_swap: bool | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
@@ -170,7 +171,9 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM below 128 rows
     (True) or torch._scaled_mm (False; fp8_linear.TRITON_ROWWISE_MAX_M); default: the engine's.
     `fp8_prologue`: one-row steps run the norm / SiLU·mul inside the FP8 GEMV (True) or apart (False;
-    fp8_linear.FP8_GEMV_PROLOGUE_MAX_M); default: the engine's. `args.profile`: one more offline run
+    fp8_linear.FP8_GEMV_PROLOGUE_MAX_M); default: the engine's. `rowwise_swap`: per-channel layers run
+    _scaled_mm with its operands swapped up to 128 rows (True) or as is (False;
+    fp8_linear.SCALED_MM_SWAP_MAX_M); default: the engine's. `args.profile`: one more offline run
     under torch.profiler."""
     from pdserve.bench.engine import decode_step_seconds
     from pdserve.kernels import fp8_block_gemm
@@ -180,11 +183,13 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
     before = (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M)
+              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M,
+              fp8_linear.SCALED_MM_SWAP_MAX_M)
 
     def restore():
         (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M) = before
+         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M,
+         fp8_linear.SCALED_MM_SWAP_MAX_M) = before
 
     # All read on every call (graphs: at capture): held for this engine's life.
     fp8_linear.FUSED_ACT_QUANT = fused_quant
@@ -192,6 +197,8 @@ def speed(variant: str, path: str, quantization: str | None, args, bw: float, bl
         fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
     if fp8_prologue is not None:
         fp8_linear.FP8_GEMV_PROLOGUE_MAX_M = 1 if fp8_prologue else 0
+    if rowwise_swap is not None:
+        fp8_linear.SCALED_MM_SWAP_MAX_M = 128 if rowwise_swap else 0
     if block_split is not None:
         fp8_block_gemm.SPLIT_MAX_M = fp8_block_gemm.SPLIT_ROWS if block_split else 0
     if gemv_rows is not None:
@@ -519,6 +526,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-prologue", nargs="+", choices=("off", "on"),
                     help="with speed: each FP8 engine once per value: one-row steps with the RMSNorm / SiLU·mul "
                          "apart, then inside the FP8 GEMV (fp8_linear.FP8_GEMV_PROLOGUE_MAX_M)")
+    ap.add_argument("--rowwise-swap", nargs="+", choices=("off", "on"),
+                    help="with speed: each FP8 per-channel engine once per value: _scaled_mm as is, then with its "
+                         "operands swapped at 16-128 rows, multiples of 16 (fp8_linear.SCALED_MM_SWAP_MAX_M)")
     ap.add_argument("--profile", action="store_true",
                     help="with speed: one more offline run per engine under torch.profiler: its GPU time per kernel "
                          "and per kernel group")
@@ -695,6 +705,9 @@ def main(argv=None) -> int:
             fp8_prologue = expand_ab(variants, args.fp8_prologue, lambda path, q: path == block or q == "fp8",
                                      {"off": "norm apart", "on": "norm in the GEMV"},
                                      (tables, gemv_rows, block_split, triton_rowwise))
+            rowwise_swap = expand_ab(variants, args.rowwise_swap, lambda path, q: q == "fp8",
+                                     {"off": "_scaled_mm as is", "on": "_scaled_mm swapped"},
+                                     (tables, gemv_rows, block_split, triton_rowwise, fp8_prologue))
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
@@ -706,7 +719,8 @@ def main(argv=None) -> int:
                     continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant), triton_rowwise.get(variant), fp8_prologue.get(variant))
+                              block_split.get(variant), triton_rowwise.get(variant), fp8_prologue.get(variant),
+                              rowwise_swap.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -85,27 +85,15 @@ def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_ro
     Triton GEMM on these tiles, per-channel too (fp8_rowwise_gemm)."""
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm, fp8_rowwise_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
+    from pdserve.worker.quantization.fp8_linear import rowwise_scaled_mm
 
     if scale_rows is None:
         xq, xs = quantize_fp8(x)
         if tiles is not None:
             return fp8_rowwise_gemm(xq, xs, w8, scale, torch.bfloat16, tiles=tiles)
-        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
+        return rowwise_scaled_mm(xq, xs, w8, scale)
     xq, xs = quantize_fp8(x, 128)
     return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16, tiles=tiles)
-
-
-def rowwise_swapped(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The per-channel W8A8 product as (w8 @ xq^T)^T: the weight's N rows become cuBLASLt's M and a
-    decode batch's few rows its N, so its heuristics tile the weight rather than the batch (the bf16
-    GEMMs at 64 rows read at ~89% of copy bandwidth on an H100, `_scaled_mm` row-wise at ~63%). The
-    same products and scales; output made contiguous (what the engine's next kernel needs). M a
-    multiple of 16: torch's FP8 operand rule, x^T being the second operand."""
-    if xq.shape[0] % 16:
-        raise ValueError(f"rowwise_swapped: M must be a multiple of 16, got {xq.shape[0]}")
-    out_t = torch._scaled_mm(w8, xq.t(), scale_a=scale.reshape(-1, 1), scale_b=xs.reshape(1, -1),
-                             out_dtype=torch.bfloat16)
-    return out_t.t().contiguous()
 
 
 def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule: float, us) -> list[str]:
@@ -115,8 +103,9 @@ def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule:
     out = []
     if rows is None and m % 16 == 0:  # per-channel: _scaled_mm with the operands swapped, beside the tiles
         from pdserve.kernels.fp8_quant import quantize_fp8
+        from pdserve.worker.quantization.fp8_linear import rowwise_scaled_mm
 
-        t = us(lambda i: lambda: rowwise_swapped(*quantize_fp8(x), w8s[i], ss[i]))
+        t = us(lambda i: lambda: rowwise_scaled_mm(*quantize_fp8(x), w8s[i], ss[i], swap=True))
         out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | channel _scaled_mm swapped (W x^T) | {t:.1f} | "
                    f"{t_rule / t:.2f}x |")
     for cfg in BLOCK_GEMM_SWEEP:
