@@ -56,9 +56,9 @@ FP8_GEMV_MEASURED_ROWS = True
 TRITON_ROWWISE_MAX_M = 0
 # Per-channel layers on _scaled_mm swap its operands, (W x^T)^T, at row counts that are multiples of 16
 # (torch's rule for the second operand) up to this many (0: never): the weight's rows become
-# cuBLASLt's M, so its heuristics tile the weight, not a decode batch of 64 rows (bf16's cuBLAS GEMMs
-# read at ~89% of copy bandwidth there on an H100, _scaled_mm row-wise at ~63%). Unmeasured in the
-# engine: bench/fp8.py --rowwise-swap compares both in one run.
+# cuBLASLt's M, so its heuristics tile the weight, not a decode batch (Llama-3.1-8B's linears at 64
+# rows on an H100: bf16's cuBLAS GEMMs read at ~89% of copy bandwidth, _scaled_mm row-wise at ~63%).
+# Unmeasured: bench/fp8.py --rowwise-swap compares both in one run.
 SCALED_MM_SWAP_MAX_M = 0
 # Steps of up to this many rows on the GEMV path run the RMSNorm before qkv / gate_up and the SiLU·mul
 # before down inside the FP8 GEMV (kernels/fp8_gemv.fp8_prologue_gemv: no launch of their own, as the
