@@ -50,6 +50,18 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 VARIANTS = ("bf16", "FP8 per-channel", "FP8 block-128")
 BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 TOPK, CHECK_PROMPTS = 5, 16
+# The engine's FP8 switches an A/B can flip, one engine per value ("off", "on"): the flag's name ->
+# which variants it applies to (path, quantization, the block-128 checkpoint's path), the two
+# labels, and the module attribute it sets with its value off / on (a str: the module's attribute of
+# that name). Each is read on every call (CUDA graphs: at capture): an engine holds its value for life.
+AB_SWITCHES = {
+    "block_split": (lambda path, q, block: path == block, ("K unsplit", "K split"),
+                    ("pdserve.kernels.fp8_block_gemm", "SPLIT_MAX_M"), (0, "SPLIT_ROWS")),
+    "rowwise_triton": (lambda path, q, block: q == "fp8", ("W8A8 on _scaled_mm", "W8A8 on the Triton GEMM"),
+                       ("pdserve.worker.quantization.fp8_linear", "TRITON_ROWWISE_MAX_M"), (0, 128)),
+    "fp8_prologue": (lambda path, q, block: path == block or q == "fp8", ("norm apart", "norm in the GEMV"),
+                     ("pdserve.worker.quantization.fp8_linear", "FP8_GEMV_PROLOGUE_MAX_M"), (0, 1)),
+}
 
 
 def sync(device: str) -> None:
@@ -158,52 +170,42 @@ def step_bytes(engine) -> int:
 
 
 def speed(variant: str, path: str, quantization: str | None, args, bw: float, block_scaled_mm: bool = True,
-          fused_quant: bool = True, gemv_rows: str | None = None, block_split: bool | None = None,
-          triton_rowwise: bool | None = None, fp8_prologue: bool | None = None,
-          rowwise_swap: bool | None = None) -> dict:
+          fused_quant: bool = True, gemv_rows: str | None = None, switches: dict[str, bool] | None = None) -> dict:
     """`block_scaled_mm` False: block-scaled layers keep the Triton block GEMM at every M (the
     same-run baseline of cuBLASLt's block scaling). `fused_quant` False: FP8 linears quantize
     their own input (PDSERVE_FP8_FUSED_QUANT=0), not the norm / SiLU·mul before them.
     `gemv_rows`: how many rows FP8 linears take the W8A16 GEMV for: "16" (every layer to 16, none
     past), "64" (every layer to 64), "measured" (to 16, to 64 where the card's table holds a 64-row
-    tile: the engine's rule); default: the engine's. `block_split`: the Triton W8A8 GEMM splits K
-    up to fp8_block_gemm.SPLIT_ROWS rows where its rule says (True) or never (False; SPLIT_MAX_M);
-    default: the engine's. `triton_rowwise`: per-channel layers take the Triton GEMM below 128 rows
-    (True) or torch._scaled_mm (False; fp8_linear.TRITON_ROWWISE_MAX_M); default: the engine's.
-    `fp8_prologue`: one-row steps run the norm / SiLU·mul inside the FP8 GEMV (True) or apart (False;
-    fp8_linear.FP8_GEMV_PROLOGUE_MAX_M); default: the engine's. `rowwise_swap`: per-channel layers run
-    _scaled_mm with its operands swapped up to 128 rows (True) or as is (False;
-    fp8_linear.SCALED_MM_SWAP_MAX_M); default: the engine's. `args.profile`: one more offline run
-    under torch.profiler."""
+    tile: the engine's rule); default: the engine's. `switches`: AB_SWITCHES' names -> on / off for
+    this engine (block_split: the Triton W8A8 GEMM splits K up to fp8_block_gemm.SPLIT_ROWS rows where
+    its rule says, or never; rowwise_triton: per-channel layers below 128 rows on the Triton GEMM, or
+    torch._scaled_mm; fp8_prologue: one-row steps' norm / SiLU·mul inside the FP8 GEMV, or apart);
+    one not named: the engine's default. `args.profile`: one more offline run under torch.profiler."""
+    import importlib
+
     from pdserve.bench.engine import decode_step_seconds
-    from pdserve.kernels import fp8_block_gemm
     from pdserve.worker.quantization import fp8_linear
     from pdserve.worker.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     fp8_linear.SCALED_MM_BLOCK = block_scaled_mm  # read at load, per layer
-    before = (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-              fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M,
-              fp8_linear.SCALED_MM_SWAP_MAX_M)
+    overrides = [(fp8_linear, "FUSED_ACT_QUANT", fused_quant)]
+    if gemv_rows is not None:
+        overrides += [(fp8_linear, "FP8_GEMV_MAX_M", 64 if gemv_rows == "64" else 16),
+                      (fp8_linear, "FP8_GEMV_MEASURED_ROWS", gemv_rows == "measured")]
+    for name, on in (switches or {}).items():
+        _, _, (module, attr), values = AB_SWITCHES[name]
+        mod = importlib.import_module(module)
+        value = values[on]
+        overrides.append((mod, attr, getattr(mod, value) if isinstance(value, str) else value))
+    before = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in overrides]
 
     def restore():
-        (fp8_linear.FUSED_ACT_QUANT, fp8_linear.FP8_GEMV_MAX_M, fp8_linear.FP8_GEMV_MEASURED_ROWS,
-         fp8_block_gemm.SPLIT_MAX_M, fp8_linear.TRITON_ROWWISE_MAX_M, fp8_linear.FP8_GEMV_PROLOGUE_MAX_M,
-         fp8_linear.SCALED_MM_SWAP_MAX_M) = before
+        for mod, attr, value in before:
+            setattr(mod, attr, value)
 
-    # All read on every call (graphs: at capture): held for this engine's life.
-    fp8_linear.FUSED_ACT_QUANT = fused_quant
-    if triton_rowwise is not None:
-        fp8_linear.TRITON_ROWWISE_MAX_M = 128 if triton_rowwise else 0
-    if fp8_prologue is not None:
-        fp8_linear.FP8_GEMV_PROLOGUE_MAX_M = 1 if fp8_prologue else 0
-    if rowwise_swap is not None:
-        fp8_linear.SCALED_MM_SWAP_MAX_M = 128 if rowwise_swap else 0
-    if block_split is not None:
-        fp8_block_gemm.SPLIT_MAX_M = fp8_block_gemm.SPLIT_ROWS if block_split else 0
-    if gemv_rows is not None:
-        fp8_linear.FP8_GEMV_MAX_M = 64 if gemv_rows == "64" else 16
-        fp8_linear.FP8_GEMV_MEASURED_ROWS = gemv_rows == "measured"
+    for mod, attr, value in overrides:  # held for this engine's life
+        setattr(mod, attr, value)
     try:
         engine = start_engine(path, quantization, args.device, max(8, args.num_prompts))
     except BaseException:
@@ -526,9 +528,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-prologue", nargs="+", choices=("off", "on"),
                     help="with speed: each FP8 engine once per value: one-row steps with the RMSNorm / SiLU·mul "
                          "apart, then inside the FP8 GEMV (fp8_linear.FP8_GEMV_PROLOGUE_MAX_M)")
-    ap.add_argument("--rowwise-swap", nargs="+", choices=("off", "on"),
-                    help="with speed: each FP8 per-channel engine once per value: _scaled_mm as is, then with its "
-                         "operands swapped at 16-128 rows, multiples of 16 (fp8_linear.SCALED_MM_SWAP_MAX_M)")
     ap.add_argument("--profile", action="store_true",
                     help="with speed: one more offline run per engine under torch.profiler: its GPU time per kernel "
                          "and per kernel group")
@@ -696,18 +695,13 @@ def main(argv=None) -> int:
                 tables = {f"{name}, {label[r]}": t for name, t in tables.items() for r in args.gemv_rows}
                 variants = [variants[0]] + [(f"{name}, {label[r]}", *rest) for name, *rest in variants[1:]
                                             for r in args.gemv_rows]
-            # Per format, an A/B of one switch: variant -> its value.
-            block_split = expand_ab(variants, args.block_split, lambda path, q: path == block,
-                                    {"off": "K unsplit", "on": "K split"}, (tables, gemv_rows))
-            triton_rowwise = expand_ab(variants, args.rowwise_triton, lambda path, q: q == "fp8",
-                                       {"off": "W8A8 on _scaled_mm", "on": "W8A8 on the Triton GEMM"},
-                                       (tables, gemv_rows, block_split))
-            fp8_prologue = expand_ab(variants, args.fp8_prologue, lambda path, q: path == block or q == "fp8",
-                                     {"off": "norm apart", "on": "norm in the GEMV"},
-                                     (tables, gemv_rows, block_split, triton_rowwise))
-            rowwise_swap = expand_ab(variants, args.rowwise_swap, lambda path, q: q == "fp8",
-                                     {"off": "_scaled_mm as is", "on": "_scaled_mm swapped"},
-                                     (tables, gemv_rows, block_split, triton_rowwise, fp8_prologue))
+            # Per format, an A/B of each switch asked for: variant -> {switch: on}.
+            switches: dict[str, dict[str, bool]] = {}
+            for name, (applies, labels, _, _) in AB_SWITCHES.items():
+                chosen = expand_ab(variants, getattr(args, name), lambda path, q: applies(path, q, block),
+                                   {"off": labels[0], "on": labels[1]}, (tables, gemv_rows, switches))
+                for variant, on in chosen.items():
+                    switches[variant] = {**switches.get(variant, {}), name: on}
             for variant, path, quant, block_sm, fused_quant in variants:
                 if variant in tables:
                     use_configs(tables[variant])
@@ -719,8 +713,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     r = speed(variant, path, quant, args, bw, block_sm, fused_quant, gemv_rows.get(variant),
-                              block_split.get(variant), triton_rowwise.get(variant), fp8_prologue.get(variant),
-                              rowwise_swap.get(variant))
+                              switches.get(variant))
                     speed_rows.append(r)
                     notes.append(f"{variant}: engine start {r['start_s']:.0f}s (CUDA graphs: {r['graphs']}; "
                                  f"layers on cuBLASLt block scaling: {r['scaled_mm_layers']})")

@@ -78,21 +78,19 @@ def sweep(blocked: bool, m: int = 1) -> list[dict]:
 
 
 def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, scale_rows: int | None,
-                tiles: dict | None = None, swap: bool = False) -> torch.Tensor:
+                tiles: dict | None = None) -> torch.Tensor:
     """What an FP8 linear runs past the GEMV's rows, below cuBLASLt's block scaling: the activations
     quantized (per token; per token and 128 columns for group scales), then _scaled_mm row-wise
     (per-channel scale [1, N]) or the Triton block GEMM (group scales). bf16 out. `tiles`: the
-    Triton GEMM on these tiles, per-channel too (fp8_rowwise_gemm). `swap`: per-channel _scaled_mm with
-    its operands swapped (fp8_linear.rowwise_scaled_mm)."""
+    Triton GEMM on these tiles, per-channel too (fp8_rowwise_gemm)."""
     from pdserve.kernels.fp8_block_gemm import fp8_block_gemm, fp8_rowwise_gemm
     from pdserve.kernels.fp8_quant import quantize_fp8
-    from pdserve.worker.quantization.fp8_linear import rowwise_scaled_mm
 
     if scale_rows is None:
         xq, xs = quantize_fp8(x)
         if tiles is not None:
             return fp8_rowwise_gemm(xq, xs, w8, scale, torch.bfloat16, tiles=tiles)
-        return rowwise_scaled_mm(xq, xs, w8, scale, swap)
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale, out_dtype=torch.bfloat16)
     xq, xs = quantize_fp8(x, 128)
     return fp8_block_gemm(xq, xs, w8, scale, scale_rows, torch.bfloat16, tiles=tiles)
 
@@ -102,10 +100,6 @@ def block_tile_rows(name: str, n: int, k: int, m: int, x, w8s, ss, rows, t_rule:
     scales (rows: 128 or 1) on fp8_block_gemm, per-channel (rows None) on fp8_rowwise_gemm."""
     fmt = "channel" if rows is None else "block"
     out = []
-    if rows is None and m % 16 == 0:  # per-channel: _scaled_mm with the operands swapped, beside the tiles
-        t = us(lambda i: lambda: w8a8_linear(x, w8s[i], ss[i], rows, swap=True))
-        out.append(f"| {name} {n}x{k} | {m} | {t_rule:.1f} | channel _scaled_mm swapped (W x^T) | {t:.1f} | "
-                   f"{t_rule / t:.2f}x |")
     for cfg in BLOCK_GEMM_SWEEP:
         label = (f"{fmt} m={cfg['BLOCK_M']} n={cfg['BLOCK_N']} stages={cfg['num_stages']} "
                  f"split_k={cfg['SPLIT_K']}")

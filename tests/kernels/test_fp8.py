@@ -18,7 +18,6 @@ from pdserve.kernels.reference import (
     fp8_gemv_ref,
     fp8_scaled_mm_ref,
     quantize_fp8_ref,
-    quantize_fp8_rows_ref,
 )
 from tests.kernels.kernel_inputs import DEVICE, ON_GPU, rel_error
 
@@ -152,37 +151,14 @@ def _qkv_layer(weight: str, activation: str):
     return layer.to_empty(device=DEVICE), fp8
 
 
-def test_rowwise_scaled_mm_swapped_is_the_same_product():
-    # torch's CPU _scaled_mm runs row-wise FP8: the swapped operands give the same bits there; on a GPU
-    # cuBLASLt picks another kernel for the swapped shape (another summation order).
-    from pdserve.worker.quantization.fp8_linear import rowwise_scaled_mm
-
-    g = torch.Generator().manual_seed(3)
-    w8, w_scale = quantize_fp8_rows_ref(torch.randn(96, 256, generator=g).to(DEVICE) * 0.02)
-    xq, xs = quantize_fp8_ref(torch.randn(64, 256, generator=g).to(DEVICE))
-    w_scale = w_scale.reshape(1, -1).contiguous()  # the layer's [1, N]
-    out, swapped = rowwise_scaled_mm(xq, xs, w8, w_scale), rowwise_scaled_mm(xq, xs, w8, w_scale, swap=True)
-    assert swapped.shape == (64, 96) and swapped.is_contiguous() and swapped.dtype == torch.bfloat16
-    if ON_GPU:
-        torch.testing.assert_close(swapped, out, rtol=1e-2, atol=1e-3)
-    else:
-        assert torch.equal(swapped, out)
-    torch.testing.assert_close(swapped.float(), fp8_scaled_mm_ref(xq, xs, w8, w_scale, torch.float32),
-                               rtol=1e-2, atol=1e-3)
-    with pytest.raises(ValueError, match="need M a multiple of 16, got 24"):
-        rowwise_scaled_mm(xq[:24], xs[:24], w8, w_scale, swap=True)
-
-
 @pytest.mark.parametrize("weight,activation,w8a8", [
     ("channel", "token", "scaled_mm"), ("channel", "static", "scaled_mm"), ("block", "group", "scaled_mm"),
     ("channel", "token", "triton"), ("channel", "static", "triton"),  # 48 rows on fp8_rowwise_gemm
-    ("channel", "token", "swapped"), ("channel", "static", "swapped"),  # 48 rows on _scaled_mm, (W x^T)^T
 ])
 def test_fp8_linear_kernel_path_matches_reference(weight, activation, w8a8, monkeypatch):
     from pdserve.worker.quantization import fp8_linear
 
     monkeypatch.setattr(fp8_linear, "TRITON_ROWWISE_MAX_M", 128 if w8a8 == "triton" else 0)
-    monkeypatch.setattr(fp8_linear, "SCALED_MM_SWAP_MAX_M", 128 if w8a8 == "swapped" else 0)
     layer, fp8 = _qkv_layer(weight, activation)
     torch.manual_seed(0)
     dense = {}

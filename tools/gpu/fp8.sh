@@ -71,11 +71,9 @@
 # block-128 engine with K never split, then split by the rule (the default); ROWWISE="off on": each
 # per-channel engine with W8A8 below 128 rows on torch._scaled_mm, then on the Triton GEMM; PROFILE=1: one
 # more offline run per engine under torch.profiler (GPU time per kernel group); SWEEP=0 BLOCK_TILES=1:
-# step 2 times the W8A8 tiles alone at 64 and 96 rows, and per-channel `_scaled_mm` with its operands swapped
-# (fp8_linear.rowwise_scaled_mm(swap=True): the weight as cuBLASLt's M; no GEMV sweep: the committed table); PROLOGUE="off on":
+# step 2 times the W8A8 tiles alone at 64 and 96 rows (no GEMV sweep: the committed table); PROLOGUE="off on":
 # each FP8 engine with one-row steps' RMSNorm / SiLU·mul apart, then inside the FP8 GEMV; FORMATS=block:
-# one format; ROWSWAP="off on": each per-channel engine with `_scaled_mm` as is, then with its operands swapped
-# (fp8_linear.SCALED_MM_SWAP_MAX_M).
+# one format.
 # Files in $OUT: env.txt, tests_batch.txt, gemv_tune.md/.json/_log.txt, fp8_batch.md, fp8_batch_log.txt.
 set -u
 MODE=${1:-all}
@@ -143,7 +141,7 @@ if [ "$MODE" = batch ]; then
   step_into "$OUT/fp8_batch_log.txt" "bench fp8, GEMV to 16 / 64 rows" 380 \
     $PY -m pdserve.bench.fp8 --only speed "${TUNED[@]}" --gemv-rows ${GEMV_ROWS:-16 measured} \
     ${BLOCK_SPLIT:+--block-split $BLOCK_SPLIT} ${ROWWISE:+--rowwise-triton $ROWWISE} ${PROFILE:+--profile} \
-    ${PROLOGUE:+--fp8-prologue $PROLOGUE} ${ROWSWAP:+--rowwise-swap $ROWSWAP} --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_batch.md"
+    ${PROLOGUE:+--fp8-prologue $PROLOGUE} --workdir /tmp/pdserve-fp8 --out "$OUT/fp8_batch.md"
   rm -rf /tmp/pdserve-fp8
   grep -v " INFO \|it/s\]" "$OUT/fp8_batch_log.txt" | grep -i "error\|Traceback\|FAILED" | head -n 5
   cat "$OUT/fp8_batch.md" 2>/dev/null

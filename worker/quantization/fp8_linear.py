@@ -54,12 +54,6 @@ FP8_GEMV_MEASURED_ROWS = True
 # the tiles do not cover the SMs) instead of torch._scaled_mm below this many rows (0: never); the
 # bench compares both in one run (bench/fp8.py --rowwise-triton).
 TRITON_ROWWISE_MAX_M = 0
-# Per-channel layers on _scaled_mm swap its operands, (W x^T)^T, at row counts that are multiples of 16
-# (torch's rule for the second operand) up to this many (0: never): the weight's rows become
-# cuBLASLt's M, so its heuristics tile the weight, not a decode batch (Llama-3.1-8B's linears at 64
-# rows on an H100: bf16's cuBLAS GEMMs read at ~89% of copy bandwidth, _scaled_mm row-wise at ~63%).
-# Unmeasured: bench/fp8.py --rowwise-swap compares both in one run.
-SCALED_MM_SWAP_MAX_M = 0
 # Steps of up to this many rows on the GEMV path run the RMSNorm before qkv / gate_up and the SiLU·mul
 # before down inside the FP8 GEMV (kernels/fp8_gemv.fp8_prologue_gemv: no launch of their own, as the
 # bf16 GEMV does); 0: apart. One row only: the fused norm reads the row's whole x in every program,
@@ -93,20 +87,6 @@ def fp8_gemm_path(m: int, block: bool, scaled_mm_block: bool, measured_rows: int
     if scaled_mm_block and m >= SCALED_MM_BLOCK_MIN_M:
         return "scaled_mm_block"
     return "triton_block"
-
-
-def rowwise_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                      swap: bool = False) -> torch.Tensor:
-    """xq [M, K] e4m3 (per-token scales xs [M, 1]) @ weight [N, K] e4m3 (per-channel w_scale [1, N])^T
-    -> bf16 [M, N] on torch._scaled_mm (row-wise scaling writes bf16 only). `swap`: computed as
-    (weight @ xq^T)^T, made contiguous; M a multiple of 16."""
-    if not swap:
-        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=w_scale, out_dtype=torch.bfloat16)
-    if xq.shape[0] % 16:
-        raise ValueError(f"rowwise_scaled_mm: swapped operands need M a multiple of 16, got {xq.shape[0]}")
-    out_t = torch._scaled_mm(weight, xq.t(), scale_a=w_scale.reshape(-1, 1), scale_b=xs.reshape(1, -1),
-                             out_dtype=torch.bfloat16)
-    return out_t.t().contiguous()
 
 
 def activation_format(path: str, block_k: int | None) -> Fp8ActFormat | None:
@@ -336,8 +316,9 @@ class Fp8LinearMethod:
 
                 out = fp8_rowwise_gemm(xq, xs, layer.weight, layer.w_scale, dtype)
             else:
-                swap = m % 16 == 0 and m <= SCALED_MM_SWAP_MAX_M
-                out = rowwise_scaled_mm(xq, xs, layer.weight, layer.w_scale, swap)
+                # Row-wise scaling (scale_a [M, 1], scale_b [1, N]) writes bfloat16 only.
+                out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.w_scale,
+                                       out_dtype=torch.bfloat16)
                 if out.dtype != dtype:
                     out = out.to(dtype)
         if bias is not None:
