@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from pdserve.worker.attention.backend import AttentionMetadata
+from pdserve.worker.attention.flash_prefill import flash_inputs
 from pdserve.worker.attention.kv_cache import KVCache, resolve_kv_dtype
 from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
@@ -178,6 +179,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
         backend = make_backend(self.device, attention_backend)
         self.attention_backend = backend.name
+        self._backend = backend  # whether it reads prefill as FlashAttention (flash_prefill) is known once bound
         max_len = config.max_model_len
         loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len,
                             tp=(tp_rank, self.tp_size), expert_parallel=config.enable_expert_parallel,
@@ -348,6 +350,8 @@ class ModelRunner:
             prefill_block_tables=dev(table, torch.int32), prefill_cu_seqlens_q=dev(cu, torch.int32),
             prefill_context_lens=dev(lens, torch.int32),
         )
+        if getattr(backend, "flash_prefill", False):  # its gathered K/V count in the peak too
+            meta.flash = flash_inputs(table, lens, cu, bs, dev)
         positions = dev([p for L in lens for p in range(L)], torch.int64)
         hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
         rows = hidden[-min(n, self.config.max_num_seqs):]
@@ -464,6 +468,8 @@ class ModelRunner:
             meta.sliding = replace(meta, slot_mapping=self._tensor(s_slots, torch.int64),
                                    decode_block_tables=self._tensor(s_dec or [[0]], i32)[: len(dec_lens)],
                                    prefill_block_tables=self._tensor(s_pre or [[0]], i32)[: len(pre_lens)])
+        if pre_lens and getattr(self._backend, "flash_prefill", False):  # after `sliding`: never its copy
+            meta.flash = flash_inputs(pre_tables, pre_lens, cu, self.block_size, self._tensor)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     def prepare(
