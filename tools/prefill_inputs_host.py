@@ -49,7 +49,8 @@ def request(i, n):
     r.block_ids = list(range(i * 1100, i * 1100 + -(-ctx // BS)))
     return r
 
-runner = types.SimpleNamespace(block_size=BS, kv_groups=None, lora=None, _step_lora={}, device=torch.device("cpu"))
+runner = types.SimpleNamespace(block_size=BS, kv_groups=None, lora=None, _step_lora={}, device=torch.device("cpu"),
+                               _backend=None)
 runner._tensor = lambda data, dtype: ModelRunner._tensor(runner, data, dtype)
 out = {}
 for name, rows in steps.items():
