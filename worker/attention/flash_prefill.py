@@ -13,7 +13,7 @@ from the host at plan time (`flash_inputs`), so nothing here syncs.
 Taken by the Triton backend where `PDSERVE_FLASH_PREFILL=1` and the step allows it: bf16 / fp16,
 an unquantized cache, no attention sinks, no sliding window (those layers keep the Triton kernel),
 and a torch whose FlashAttention runs on the card (probed once at start). Off by default until
-it is measured on a GPU (`tools/gpu/varlen_probe.py`). FlashAttention runs on CUDA only: on CPU the
+it is measured on a GPU (`bash tools/gpu/flash_prefill.sh`). FlashAttention runs on CUDA only: on CPU the
 tests swap in `varlen_attention_ref`, the same contract in torch.
 """
 
@@ -41,7 +41,7 @@ class FlashPrefill:
     # position in it of every key (a layer's cache view strides over the other layers' blocks).
     kv_blocks: torch.Tensor
     kv_offsets: torch.Tensor
-    cu_seqlens_k: torch.Tensor  # [rows + 1] int32: offsets of the rows' contexts in kv_slots
+    cu_seqlens_k: torch.Tensor  # [rows + 1] int32: offsets of the rows' contexts in kv_blocks
     max_q: int  # the longest chunk of queries
     max_k: int  # the longest context
 
