@@ -152,7 +152,7 @@ def test_an_engine_with_flash_prefill_answers_as_the_torch_engine(tmp_path_facto
               gpu_memory_utilization=0.5)
     engine = device_engine(ckpt, attention_backend="triton", **kw)
     got = [engine.generate([p], greedy)[0] for p in prompts]  # one at a time: the third hits the first's prefix
-    assert stand_in.calls > 0
+    assert stand_in.calls > 0 and engine.runner.prefill_on_flash
     del engine
     ref_engine = device_engine(ckpt, attention_backend="torch", **kw)
     assert got == [ref_engine.generate([p], greedy)[0] for p in prompts]

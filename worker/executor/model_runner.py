@@ -389,6 +389,11 @@ class ModelRunner:
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
         return graphs
 
+    @property
+    def prefill_on_flash(self) -> bool:
+        """Whether prefill attention runs on torch's FlashAttention (PDSERVE_FLASH_PREFILL, flash_prefill.py)."""
+        return bool(getattr(self._backend, "flash_prefill", False))
+
     # -- every step -----------------------------------------------------------------------------
 
     def _tensor(self, data, dtype) -> torch.Tensor:
