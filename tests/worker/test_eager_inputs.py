@@ -26,7 +26,7 @@ def _request(i: int, start: int, n: int, rng: random.Random):
 
 def _runner(flash_prefill: bool = False):
     runner = types.SimpleNamespace(block_size=BS, kv_groups=None, lora=None, _step_lora={}, device=torch.device("cpu"),
-                                   _backend=types.SimpleNamespace(flash_prefill=flash_prefill))
+                                   _backend=types.SimpleNamespace(flash_prefill=flash_prefill), _flash_max_keys=1 << 62)
     runner._tensor = lambda data, dtype: ModelRunner._tensor(runner, data, dtype)
     return runner
 
@@ -79,3 +79,16 @@ def test_every_token_gets_its_id_position_and_slot(rows, flash):
     assert meta.flash.cu_seqlens_k.tolist() == cu_k
     assert (meta.flash.max_q, meta.flash.max_k) == (max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
                                                     max(end for _, end in prefills))
+
+
+def test_a_step_past_the_flash_key_cap_keeps_the_paged_tables_alone():
+    # Its gathered K/V would outgrow the memory the sizing left for them (ModelRunner._flash_max_keys).
+    rng = random.Random(3)
+    rows = [(0, 1024), (1024, 700)]
+    reqs = [_request(i, start, n, rng) for i, (start, n) in enumerate(rows)]
+    runner = _runner(True)
+    runner._flash_max_keys = 1024 + 1724 - 1
+    plan, _ = ModelRunner._plan_eager(runner, types.SimpleNamespace(items=[(r, n) for r, (_, n) in zip(reqs, rows)]))
+    assert ModelRunner._eager_inputs(runner, plan.inputs)[2].flash is None
+    runner._flash_max_keys += 1
+    assert ModelRunner._eager_inputs(runner, plan.inputs)[2].flash is not None

@@ -12,6 +12,7 @@ from the host at plan time (`flash_inputs`), so nothing here syncs.
 
 Taken by the Triton backend where `PDSERVE_FLASH_PREFILL=1` and the step allows it: bf16 / fp16,
 an unquantized cache, no attention sinks, no sliding window (those layers keep the Triton kernel),
+a step whose gathered K/V fit half the profiled activation peak (ModelRunner._flash_max_keys),
 and a torch whose FlashAttention runs on the card (probed once at start). Off by default until
 it is measured on a GPU (`bash tools/gpu/flash_prefill.sh`). FlashAttention runs on CUDA only: on CPU the
 tests swap in `varlen_attention_ref`, the same contract in torch.
