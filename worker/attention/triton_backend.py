@@ -53,9 +53,12 @@ class TritonAttentionBackend(PagedBackend):
     # gather (AttentionMetadata.flash). Off by default: not yet measured on a GPU.
     flash_prefill: bool = False
 
+    _flash_probed = False
+
     def bind(self, kv_cache) -> None:
         super().bind(kv_cache)
-        if flash_prefill.ENABLED and not self.flash_prefill:
+        if flash_prefill.ENABLED and not self._flash_probed:  # once: the sizing's scratch cache, then the real one
+            self._flash_probed = True
             t = kv_cache.tensor
             self.flash_prefill = flash_prefill.flash_available(t.device, kv_cache.dtype, t.shape[-1], t.shape[-2])
             if self.flash_prefill:
