@@ -22,7 +22,7 @@ main() {
   step "prefill attention, one layer" 120 $PY "$REPO/tools/gpu/flash_prefill.py" --out "$OUT/flash_prefill.md"
   for round in a b; do
     for f in 0 1; do
-      PDSERVE_FLASH_PREFILL=$f step "engines, flash $f ($round)" 110 $PY -m pdserve.bench.engine \
+      export PDSERVE_FLASH_PREFILL=$f; step "engines, flash $f ($round)" 110 $PY -m pdserve.bench.engine \
         --models qwen2.5-0.5b llama-3.1-8b --decode-inputs 128 --offline 1024 --no-hf --no-eager \
         --out "$OUT/engine-flash$f-$round.md" 2>&1 | grep -v " INFO " | grep "offline\|FAILED\|Error"
     done
