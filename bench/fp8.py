@@ -606,10 +606,10 @@ def main(argv=None) -> int:
                     lines.append(f"| {name} | {off['decode_ms'] / on['decode_ms']:.3f}x | {ratio} |")
         for r in speed_rows:
             if r.get("kernels"):
-                from pdserve.bench.kernel_profile import kernel_lines, pdl_in_effect
+                from pdserve.bench.kernel_profile import kernel_lines
 
                 lines += ["", f"{r['variant']}, offline under torch.profiler:", ""]
-                lines += kernel_lines(r["kernels"], 8, pdl_in_effect())
+                lines += kernel_lines(r["kernels"], 8)
         if acc_rows:
             lines += ["", f"First generated token, top-{TOPK} logprobs, {CHECK_PROMPTS} prompts, reduced model "
                           f"(2 layers, same widths): max |logprob - fp32|", "",

@@ -73,9 +73,12 @@ PDL_NOTE = ("programmatic dependent launch on: a kernel after a Triton kernel is
             "its wait included (times overlap; PDSERVE_PDL=0 for each kernel's own)")
 
 
-def kernel_lines(kernels: list[tuple[str, int, float]], top: int, pdl: bool = False) -> list[str]:
+def kernel_lines(kernels: list[tuple[str, int, float]], top: int, pdl: bool | None = None) -> list[str]:
     """The total, the `top` kernels of most GPU time and the groups, as markdown; `pdl`: the run
-    launched with programmatic dependent launch (the module doc), said under the total."""
+    launched with programmatic dependent launch (the module doc), said under the total (None: as
+    this process launches now, `pdl_in_effect()`)."""
+    if pdl is None:
+        pdl = pdl_in_effect()
     total = sum(k[2] for k in kernels)
     lines = [f"under the profiler: GPU kernels {total / 1e3:.1f} ms in {sum(k[1] for k in kernels)} launches", "",
              *([PDL_NOTE, ""] if pdl else []),

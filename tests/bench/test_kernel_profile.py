@@ -30,4 +30,4 @@ def test_attention_kernels_by_their_names_and_the_pdl_caveat():
         assert group_of(name) == "attention", name
     kernels = [("_decode_split_kernel", 4, 400.0), ("_quantize_fp8_kernel", 4, 390.0)]
     assert "timed from residency" in "\n".join(kernel_lines(kernels, top=2, pdl=True))
-    assert "residency" not in "\n".join(kernel_lines(kernels, top=2))
+    assert "residency" not in "\n".join(kernel_lines(kernels, top=2, pdl=False))

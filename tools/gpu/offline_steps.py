@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> list[list[tuple[int, float]]]:
 
 def kernel_table(engine, prompts, params, top: int) -> None:
     """One more run under torch.profiler: GPU time per kernel name, the `top` largest, and the total."""
-    from pdserve.bench.kernel_profile import kernel_lines, pdl_in_effect, profile_kernels
+    from pdserve.bench.kernel_profile import kernel_lines, profile_kernels
 
     kernels = profile_kernels(lambda: engine.generate(prompts, params))
-    print("\n".join(kernel_lines(kernels, top, pdl_in_effect())) + "\n")
+    print("\n".join(kernel_lines(kernels, top)) + "\n")
 
 
 def host_table(engine, prompts, params, top: int, sync) -> None:
