@@ -60,24 +60,6 @@ def _rows(lens_and_chunks, num_blocks, gen):
     return tables, [ctx for ctx, _ in lens_and_chunks], cu
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("rows", [
-    [(7, 7), (37, 37), (2, 2)],  # fresh prompts
-    [(40, 8), (33, 33), (17, 1), (64, 16)],  # chunks after cached prefixes, a fresh prompt, a one-token row
-])
-def test_gathered_contexts_give_the_paged_kernels_answer(hq, hkv, rows):
-    gen = torch.Generator().manual_seed(len(rows) * hq)
-    k_cache, v_cache = _layer_caches(24, hkv, 32)
-    tables, ctx, cu = _rows(rows, 24, gen)
-    q = torch.randn(cu[-1], hq, 32, generator=gen)
-    flash = flash_inputs(tables, ctx, cu, BS, _host)
-    cu_q = torch.tensor(cu, dtype=torch.int32)
-    out = flash_prefill_attention(q, k_cache, v_cache, cu_q, flash, 32 ** -0.5, attend=varlen_attention_ref)
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), cu_q,
-                                      torch.tensor(ctx, dtype=torch.int32), 32 ** -0.5)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
 class _StandIn:
     """torch's varlen call replaced by its torch contract (CPU has no FlashAttention), counting calls."""
 
@@ -95,6 +77,25 @@ def stand_in(monkeypatch):
     fn = _StandIn()
     monkeypatch.setattr(flash_prefill, "_varlen_attn", lambda: fn)
     return fn
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("rows", [
+    [(7, 7), (37, 37), (2, 2)],  # fresh prompts
+    [(40, 8), (33, 33), (17, 1), (64, 16)],  # chunks after cached prefixes, a fresh prompt, a one-token row
+])
+def test_gathered_contexts_give_the_paged_kernels_answer(hq, hkv, rows, stand_in):
+    gen = torch.Generator().manual_seed(len(rows) * hq)
+    k_cache, v_cache = _layer_caches(24, hkv, 32)
+    tables, ctx, cu = _rows(rows, 24, gen)
+    q = torch.randn(cu[-1], hq, 32, generator=gen)
+    flash = flash_inputs(tables, ctx, cu, BS, _host)
+    cu_q = torch.tensor(cu, dtype=torch.int32)
+    out = flash_prefill_attention(q, k_cache, v_cache, cu_q, flash, 32 ** -0.5)
+    assert stand_in.calls == 1
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), cu_q,
+                                      torch.tensor(ctx, dtype=torch.int32), 32 ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_the_triton_backend_takes_flash_only_where_it_may(stand_in):

@@ -111,15 +111,12 @@ def _varlen_attn():
 
 
 def flash_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, flash: FlashPrefill, scale: float,
-                            attend=None) -> torch.Tensor:
+                            cu_seqlens_q: torch.Tensor, flash: FlashPrefill, scale: float) -> torch.Tensor:
     """q [T, Hq, D] (the step's prefill rows) over the contexts `flash` names in the caches
-    [blocks, block_size, Hkv, D] -> [T, Hq, D]. `attend`: the varlen call (default torch's)."""
+    [blocks, block_size, Hkv, D] -> [T, Hq, D]."""
     k = k_cache[flash.kv_blocks, flash.kv_offsets]  # [sum(context_lens), Hkv, D], contiguous
     v = v_cache[flash.kv_blocks, flash.kv_offsets]
-    if attend is None:
-        return _varlen_attn()(q, k, v, cu_seqlens_q, flash.cu_seqlens_k, flash.max_q, flash.max_k, scale)
-    return attend(q, k, v, cu_seqlens_q, flash.cu_seqlens_k, scale)
+    return _varlen_attn()(q, k, v, cu_seqlens_q, flash.cu_seqlens_k, flash.max_q, flash.max_k, scale)
 
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int, kv_heads: int) -> bool:
