@@ -297,8 +297,7 @@ class ModelRunner:
             if getattr(backend, "flash_prefill", False):
                 # A step's K/V gathered for FlashAttention lives for one layer's attention: at most half
                 # the profiled peak, beside the step's other activations (longer contexts: the paged kernel).
-                spec = kv_spec(self.shard_config)
-                key_bytes = 2 * spec.num_kv_heads * spec.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K and V
+                key_bytes = kv_spec(self.shard_config).token_values() * torch.finfo(self.kv_dtype).bits // 8  # K, V
                 self._flash_max_keys = max(peak // 2 // key_bytes, self.max_num_batched_tokens)
             free, total = torch.cuda.mem_get_info(self.device)
             # --gpu-memory-utilization is this engine's share of the card, as in vLLM: what this
