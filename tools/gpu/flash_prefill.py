@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 
 import torch
 from triton.testing import do_bench
@@ -70,7 +71,10 @@ def main(argv=None) -> int:
              f"bf16, {HQ} q / {HKV} KV heads, d {D}, block {BS} · µs per call (do_bench medians)", "",
              "| rows | causal TFLOP | Triton paged µs | TFLOP/s | flash, gather included, µs | TFLOP/s | "
              "vs Triton | max abs diff |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    if _varlen_attn() is None:
+    try:  # which of its arguments this torch has (the paged `block_table` among them, or not)
+        from torch.nn.attention.varlen import varlen_attn
+        lines[1:1] = ["", f"`varlen_attn{inspect.signature(varlen_attn)}`"]
+    except ImportError:
         lines.append("torch has no torch.nn.attention.varlen.varlen_attn here")
     for label, rows in CASES:
         lines.append(time_case(label, rows, device, scale))
