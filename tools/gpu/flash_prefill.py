@@ -15,7 +15,7 @@ import torch
 from triton.testing import do_bench
 
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
-from pdserve.worker.attention.flash_prefill import _varlen_attn, flash_inputs, flash_prefill_attention
+from pdserve.worker.attention.flash_prefill import flash_inputs, flash_prefill_attention
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 # (label, [(context after the step, chunk)] per row)
