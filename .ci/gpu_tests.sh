@@ -24,11 +24,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu-tests.txt"
 # Kernels in parallel; then the engines one at a time (each sizes its KV cache from the card's
 # free memory, so two at once starve each other: -n 0 overrides pyproject's two xdist workers).
+# GPU_TESTS_PARTS="engines" runs the engines' part alone (a switch's A/B: the kernels do not see it).
 T=${GPU_TESTS_LIMIT_S:-540}
+PARTS=" ${GPU_TESTS_PARTS:-kernels engines} "
 t0=$(date +%s)
-timeout --kill-after=10 "$T" python3 -m pytest -p no:cacheprovider -q -n "${GPU_TESTS_WORKERS:-6}" --timeout 300 \
-  tests/kernels "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
-timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q -n 0 --timeout 300 \
-  tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py tests/worker/test_lora.py \
-  tests/worker/test_kv_tcp_sender_process.py tests/worker/test_kv_tcp_receiver_process.py tests/worker/test_flash_prefill.py \
-  tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt"
+rc=0
+if [[ $PARTS == *" kernels "* ]]; then
+  timeout --kill-after=10 "$T" python3 -m pytest -p no:cacheprovider -q -n "${GPU_TESTS_WORKERS:-6}" --timeout 300 \
+    tests/kernels "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt" || rc=1
+fi
+if [[ $PARTS == *" engines "* ]]; then
+  timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q -n 0 --timeout 300 \
+    tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py tests/worker/test_lora.py \
+    tests/worker/test_kv_tcp_sender_process.py tests/worker/test_kv_tcp_receiver_process.py tests/worker/test_flash_prefill.py \
+    tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt" || rc=1
+fi
+exit $rc
