@@ -111,7 +111,7 @@ def test_the_triton_backend_takes_flash_only_where_it_may(stand_in):
     backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
     backend.bind(cache)
     torch_backend.bind(cache)
-    assert backend.flash_prefill is False  # PDSERVE_FLASH_PREFILL unset: off
+    assert backend.flash_prefill is False  # an fp32 cache (or a CPU, or the switch off): the paged kernel
     backend.flash_prefill = True
     gen = torch.Generator().manual_seed(0)
     tables, ctx, cu = _rows([(20, 4), (9, 9)], 16, gen)
@@ -145,6 +145,7 @@ def test_an_engine_with_flash_prefill_answers_as_the_torch_engine(tmp_path_facto
     from tests.checkpoints import checkpoint_factory, write_word_tokenizer
     from tests.helpers.engines import device_engine
 
+    monkeypatch.setattr(flash_prefill, "ENABLED", False)  # no probe at bind: it would turn the fp32 cache away
     monkeypatch.setattr(TritonAttentionBackend, "flash_prefill", True)
     ckpt = checkpoint_factory(tmp_path_factory, write_word_tokenizer(tmp_path_factory.mktemp("tok")))("llama")
     prompts = [list(range(100, 137)), [5, 17, 300, 42, 9, 1000, 77], list(range(100, 137)) + [9, 8]]
