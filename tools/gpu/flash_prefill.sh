@@ -11,7 +11,7 @@
 #    PDSERVE_FLASH_PREFILL=0, 1, 0, 1 (alternating: the host's mode moves between runs)       4 x 70 s
 # Files in $OUT: env.txt, tests.txt, flash_prefill.md, engine-flash{0,1}-{a,b}.md, log.txt.
 # STEPS="tests layer engines" (the default) picks steps: after .ci/gpu_tests.sh, which runs the tests,
-# STEPS="layer" fits the same call.
+# STEPS="layer" fits the same call; ROUNDS="a" runs the engines' A/B once.
 set -u
 STEPS=" ${STEPS:-tests layer engines} "
 source tools/gpu/lib.sh
@@ -24,7 +24,7 @@ main() {
   cd /tmp
   [[ $STEPS == *" layer "* ]] && step "prefill attention, one layer" 120 $PY "$REPO/tools/gpu/flash_prefill.py" --out "$OUT/flash_prefill.md"
   [[ $STEPS == *" engines "* ]] || return 0
-  for round in a b; do
+  for round in ${ROUNDS:-a b}; do
     for f in 0 1; do
       export PDSERVE_FLASH_PREFILL=$f; step "engines, flash $f ($round)" 110 $PY -m pdserve.bench.engine \
         --models qwen2.5-0.5b llama-3.1-8b --decode-inputs 128 --offline 1024 --no-hf --no-eager \
