@@ -36,7 +36,7 @@ fi
 if [[ $PARTS == *" engines "* ]]; then
   timeout --kill-after=10 $(( T - ($(date +%s) - t0) )) python3 -m pytest -p no:cacheprovider -q -n 0 --timeout 300 \
     tests/worker/test_triton_backend.py tests/worker/test_fused_gemv_model.py tests/worker/test_pd_engines.py tests/worker/test_lora.py \
-    tests/worker/test_kv_tcp_sender_process.py tests/worker/test_kv_tcp_receiver_process.py tests/worker/test_flash_prefill.py \
+    tests/worker/test_kv_tcp_sender_process.py tests/worker/test_kv_tcp_receiver_process.py \
     tests/bench/test_tcp_kv_bench.py "$@" 2>&1 | tee -a "$OUT/gpu-tests.txt" || rc=1
 fi
 exit $rc

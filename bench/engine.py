@@ -280,8 +280,7 @@ class Bench:
         self.notes.append(
             f"{spec.name}: engine start {time.perf_counter() - t0:.1f}s, of which CUDA-graph capture "
             f"{cap:.2f}s ({len(graphs.buckets) if graphs else 0} batch sizes); KV cache {kv_gib:.1f} GiB "
-            f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}"
-            f"{' (prefill on FlashAttention)' if engine.runner.prefill_on_flash else ''}, "
+            f"({engine.block_manager.num_blocks} blocks x 16 tokens), attention={engine.attention_backend}, "
             f"max_num_seqs 256, max_num_batched_tokens {self.token_budget}"
         )
         m = engine.runner.model  # the runner owns the model (worker/executor/model_runner.py)

@@ -24,9 +24,8 @@ def _request(i: int, start: int, n: int, rng: random.Random):
     return r
 
 
-def _runner(flash_prefill: bool = False):
-    runner = types.SimpleNamespace(block_size=BS, kv_groups=None, lora=None, _step_lora={}, device=torch.device("cpu"),
-                                   _backend=types.SimpleNamespace(flash_prefill=flash_prefill), _flash_max_keys=1 << 62)
+def _runner():
+    runner = types.SimpleNamespace(block_size=BS, kv_groups=None, lora=None, _step_lora={}, device=torch.device("cpu"))
     runner._tensor = lambda data, dtype: ModelRunner._tensor(runner, data, dtype)
     return runner
 
@@ -36,11 +35,10 @@ def _runner(flash_prefill: bool = False):
     [(0, 1024), (1024, 700)],  # a whole prompt and a later chunk of another
     [(5, _VECTOR_ROWS - 1), (0, _VECTOR_ROWS)],  # either side of the threshold
 ])
-@pytest.mark.parametrize("flash", [False, True])
-def test_every_token_gets_its_id_position_and_slot(rows, flash):
+def test_every_token_gets_its_id_position_and_slot(rows):
     rng = random.Random(len(rows))
     reqs = [_request(i, start, n, rng) for i, (start, n) in enumerate(rows)]
-    runner = _runner(flash)
+    runner = _runner()
     plan, samplers = ModelRunner._plan_eager(runner, types.SimpleNamespace(items=[(r, n) for r, (_, n) in
                                                                                    zip(reqs, rows)]))
     ids, positions, meta = ModelRunner._eager_inputs(runner, plan.inputs)
@@ -67,28 +65,3 @@ def test_every_token_gets_its_id_position_and_slot(rows, flash):
     for row, (r, _) in zip(meta.prefill_block_tables.tolist(), prefills):
         assert row[:len(r.block_ids)] == r.block_ids and not any(row[len(r.block_ids):])
     assert samplers == reqs  # every row reached the end of its scheduled tokens: each samples
-    # With a backend reading prefill as FlashAttention: each prefill row's whole context, cached part too.
-    if not flash:
-        assert meta.flash is None
-        return
-    keys = [(r.block_ids[p // BS], p % BS) for r, end in prefills for p in range(end)]
-    assert list(zip(meta.flash.kv_blocks.tolist(), meta.flash.kv_offsets.tolist())) == keys
-    cu_k = [0]
-    for _, end in prefills:
-        cu_k.append(cu_k[-1] + end)
-    assert meta.flash.cu_seqlens_k.tolist() == cu_k
-    assert (meta.flash.max_q, meta.flash.max_k) == (max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
-                                                    max(end for _, end in prefills))
-
-
-def test_a_step_past_the_flash_key_cap_keeps_the_paged_tables_alone():
-    # Its gathered K/V would outgrow the memory the sizing left for them (ModelRunner._flash_max_keys).
-    rng = random.Random(3)
-    rows = [(0, 1024), (1024, 700)]
-    reqs = [_request(i, start, n, rng) for i, (start, n) in enumerate(rows)]
-    runner = _runner(True)
-    runner._flash_max_keys = 1024 + 1724 - 1
-    plan, _ = ModelRunner._plan_eager(runner, types.SimpleNamespace(items=[(r, n) for r, (_, n) in zip(reqs, rows)]))
-    assert ModelRunner._eager_inputs(runner, plan.inputs)[2].flash is None
-    runner._flash_max_keys += 1
-    assert ModelRunner._eager_inputs(runner, plan.inputs)[2].flash is not None

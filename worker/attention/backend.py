@@ -16,7 +16,6 @@ import torch
 from pdserve.kernels import cpu_native
 from pdserve.kernels.cpu_attention import kv_cache_write_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from pdserve.kernels.reference import kv_cache_write_ref, paged_decode_attention_ref, paged_prefill_attention_ref
-from pdserve.worker.attention.flash_prefill import FlashPrefill
 from pdserve.worker.attention.kv_cache import KVCache
 
 
@@ -32,9 +31,6 @@ class AttentionMetadata:
     # A model whose KV cache has a sliding group (kv_groups.py): that group's slots and block
     # tables (the same tokens and lengths), read by its layers; None: every layer reads these.
     sliding: AttentionMetadata | None = None
-    # The prefill rows' contexts as FlashAttention reads them (flash_prefill.py); None: the paged
-    # kernels' tables alone (the default; the sliding group's metadata never has it).
-    flash: FlashPrefill | None = None
 
     def for_layer(self, kv_cache: KVCache, layer: int) -> AttentionMetadata:
         return self.sliding if self.sliding is not None and kv_cache.sliding[layer] else self

@@ -14,8 +14,6 @@ get one epilogue kernel (bias + q/k norm + rotary + KV write) before prefill att
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pdserve.kernels.arrivals import MAX_COUNTERS, strip_counters
@@ -23,10 +21,7 @@ from pdserve.kernels.kv_cache_write import kv_cache_write
 from pdserve.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_rotary
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 from pdserve.kernels.rotary_kv_write import rotary_kv_write
-from pdserve.worker.attention import flash_prefill
 from pdserve.worker.attention.backend import AttentionMetadata, PagedBackend
-
-log = logging.getLogger(__name__)
 
 
 class TritonAttentionBackend(PagedBackend):
@@ -48,21 +43,6 @@ class TritonAttentionBackend(PagedBackend):
     # fused_gemv.MEASURED says it wins on this card (tools/gpu/gemv.sh measures a card; none
     # measured: cuBLAS throughout); True for every shape (tests, benches); False never.
     fused_gemv: bool | None = None
-    # Prefill rows on torch's FlashAttention over their gathered contexts (flash_prefill.py) where
-    # PDSERVE_FLASH_PREFILL=1 and the card runs it (probed at bind); the runner then plans the
-    # gather (AttentionMetadata.flash). Off by default: not yet measured on a GPU.
-    flash_prefill: bool = False
-
-    _flash_probed = False
-
-    def bind(self, kv_cache) -> None:
-        super().bind(kv_cache)
-        if flash_prefill.ENABLED and not self._flash_probed:  # once: the sizing's scratch cache, then the real one
-            self._flash_probed = True
-            t = kv_cache.tensor
-            self.flash_prefill = flash_prefill.flash_available(t.device, kv_cache.dtype, t.shape[-1], t.shape[-2])
-            if self.flash_prefill:
-                log.info("prefill attention: torch's FlashAttention over gathered contexts (PDSERVE_FLASH_PREFILL)")
 
     @staticmethod
     def semaphores(rows: int, device: torch.device) -> torch.Tensor | None:
@@ -108,7 +88,8 @@ class TritonAttentionBackend(PagedBackend):
             return dec
         qp = rotary_kv_write(positions[nd:], q[nd:], k[nd:], v[nd:], cos_sin, k_cache, v_cache,
                              meta.slot_mapping[nd:], bias, ks, vs, qk_norm=qk_norm)
-        pre = self._prefill(qp, k_cache, v_cache, meta, scale, ks, vs, **extra)
+        pre = paged_prefill_attention(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                      meta.prefill_context_lens, scale, ks, vs, **extra)
         return torch.cat([dec, pre])
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None,
@@ -120,19 +101,13 @@ class TritonAttentionBackend(PagedBackend):
         if nd == total:
             return self._decode(q, k_cache, v_cache, meta, scale, ks, vs, **extra)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, meta, scale, ks, vs, **extra)
+            return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs, **extra)
         out = torch.empty_like(q)
         out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, ks, vs, **extra)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta, scale, ks, vs, **extra)
+        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                           meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale, ks, vs, **extra)
         return out
-
-    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None,
-                 sinks=None, window: int = 0) -> torch.Tensor:
-        if meta.flash is not None and ks is None and sinks is None and window == 0:
-            return flash_prefill.flash_prefill_attention(q, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.flash,
-                                                         scale)
-        return paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                       meta.prefill_context_lens, scale, ks, vs, sinks=sinks, window=window)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ks=None, vs=None,
                 **extra) -> torch.Tensor:

@@ -33,11 +33,9 @@ import numpy as np
 import torch
 
 from pdserve.worker.attention.backend import AttentionMetadata
-from pdserve.worker.attention.flash_prefill import flash_inputs
 from pdserve.worker.attention.kv_cache import KVCache, resolve_kv_dtype
 from pdserve.worker.attention.kv_groups import KVGroups
 from pdserve.worker.attention.kv_scales import load_kv_scales
-from pdserve.worker.attention.kv_spec import kv_spec
 from pdserve.worker.attention.selector import make_backend
 from pdserve.worker.config.engine import ConfigError, EngineConfig
 from pdserve.worker.executor.cpu_threads import CpuThreads, cpu_batch_invariant
@@ -180,8 +178,6 @@ class ModelRunner:
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per worker start (--seed)
         backend = make_backend(self.device, attention_backend)
         self.attention_backend = backend.name
-        self._backend = backend  # whether it reads prefill as FlashAttention (flash_prefill) is known once bound
-        self._flash_max_keys = 1 << 62  # a step's gathered keys for FlashAttention, at most (set by the sizing)
         max_len = config.max_model_len
         loaded = load_model(config.model, self.device, self.dtype, backend, max_positions=max_len,
                             tp=(tp_rank, self.tp_size), expert_parallel=config.enable_expert_parallel,
@@ -294,11 +290,6 @@ class ModelRunner:
         per_block = KVCache.bytes_per_block(self.shard_config, self.config.block_size, self.kv_dtype, self.kv_groups)
         if self.device.type == "cuda":
             peak = self._profile_activation_bytes(backend)
-            if getattr(backend, "flash_prefill", False):
-                # A step's K/V gathered for FlashAttention lives for one layer's attention: at most half
-                # the profiled peak, beside the step's other activations (longer contexts: the paged kernel).
-                key_bytes = kv_spec(self.shard_config).token_values() * torch.finfo(self.kv_dtype).bits // 8  # K, V
-                self._flash_max_keys = max(peak // 2 // key_bytes, self.max_num_batched_tokens)
             free, total = torch.cuda.mem_get_info(self.device)
             # --gpu-memory-utilization is this engine's share of the card, as in vLLM: what this
             # process holds (weights, anything else it allocated) plus the largest step's
@@ -357,8 +348,6 @@ class ModelRunner:
             prefill_block_tables=dev(table, torch.int32), prefill_cu_seqlens_q=dev(cu, torch.int32),
             prefill_context_lens=dev(lens, torch.int32),
         )
-        if getattr(backend, "flash_prefill", False):  # its gathered K/V count in the peak too
-            meta.flash = flash_inputs(table, lens, cu, bs, dev)
         positions = dev([p for L in lens for p in range(L)], torch.int64)
         hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions, meta)
         rows = hidden[-min(n, self.config.max_num_seqs):]
@@ -395,11 +384,6 @@ class ModelRunner:
         graphs.capture()
         log.info("decode CUDA graphs: %d batch sizes captured in %.2fs", len(graphs.buckets), graphs.capture_seconds)
         return graphs
-
-    @property
-    def prefill_on_flash(self) -> bool:
-        """Whether prefill attention runs on torch's FlashAttention (PDSERVE_FLASH_PREFILL, flash_prefill.py)."""
-        return bool(getattr(self._backend, "flash_prefill", False))
 
     # -- every step -----------------------------------------------------------------------------
 
@@ -480,9 +464,6 @@ class ModelRunner:
             meta.sliding = replace(meta, slot_mapping=self._tensor(s_slots, torch.int64),
                                    decode_block_tables=self._tensor(s_dec or [[0]], i32)[: len(dec_lens)],
                                    prefill_block_tables=self._tensor(s_pre or [[0]], i32)[: len(pre_lens)])
-        if pre_lens and getattr(self._backend, "flash_prefill", False) and sum(pre_lens) <= self._flash_max_keys:
-            # After `sliding`: never its copy.
-            meta.flash = flash_inputs(pre_tables, pre_lens, cu, self.block_size, self._tensor)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
 
     def prepare(
