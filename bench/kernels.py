@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 from triton.testing import do_bench
 
@@ -190,6 +191,25 @@ def bench_prefill(batch: int, n: int) -> list[Row]:
     vd = v[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
     sdpa = lambda: F.scaled_dot_product_attention(q4, kd, vd, is_causal=True, scale=D**-0.5, enable_gqa=True)  # noqa: E731
     rows.append(Row("prefill attn", shape, "torch SDPA (contiguous KV)", _time(sdpa), nbytes, flops))
+    # Each SDPA backend by name (the row above takes whichever torch picks), K/V expanded to the
+    # query heads since not every backend takes enable_gqa: which one a dense prefill path could use.
+    ke, ve = (x.repeat_interleave(HQ // HKV, dim=1) for x in (kd, vd))
+    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, ke, ve, is_causal=True, scale=D**-0.5)
+
+        try:
+            ms = _time(run)
+        except RuntimeError as e:  # not built for this card or these shapes: say so, go on
+            print(f"prefill attn {shape}: SDPA {name} unavailable ({str(e).splitlines()[0][:120]})")
+            continue
+        label = f"torch SDPA {name.split('_')[0].lower()}, K/V per query head (contiguous)"
+        rows.append(Row("prefill attn", shape, label, ms, nbytes, flops))
     return rows
 
 
