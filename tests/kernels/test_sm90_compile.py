@@ -29,9 +29,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compiled fused_gemv._gemv_kernel: 48 variants" in proc.stdout
+    assert "compiled fused_gemv._gemv_kernel: 12 variants" in proc.stdout
     assert "compiled fp8_gemv._fp8_gemv_kernel: 20 variants" in proc.stdout
     assert "compiled fp8_block_gemm._fp8_block_gemm_kernel: 4 variants" in proc.stdout
-    assert "compiled moe_gate._moe_gate_kernel: 24 variants" in proc.stdout
-    assert "compiled paged_decode_attention._decode_split_kernel: 24 variants" in proc.stdout
-    assert "compiled fused_moe._moe_decode_down_split_kernel: 12 variants" in proc.stdout
+    assert "compiled moe_gate._moe_gate_kernel: 6 variants" in proc.stdout
+    assert "compiled paged_decode_attention._decode_split_kernel: 12 variants" in proc.stdout
+    assert "compiled fused_moe._moe_decode_down_split_kernel: 6 variants" in proc.stdout

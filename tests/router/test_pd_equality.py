@@ -35,8 +35,11 @@ from tests.worker.test_server_harness import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
+# The pin TTL is the default's: on a loaded 2-core CI machine the decode worker can take seconds to
+# reach a pull, and a pin expired first turns the hand-off into a local prefill (still equal, but
+# the tests that count pulls would fail on the machine's speed).
 ARGS = ("--served-model-name", "tiny", "--max-model-len", "256", "--block-size", "4",
-        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1", "--kv-pin-ttl", "5")
+        "--kv-cache-memory", str(1 << 23), "--kv-peer-allow", "127.0.0.1", "--kv-pin-ttl", "30")
 ENV = {"PDSERVE_KV_SECRET": "pd-equality-test-shared-secret"}
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}

@@ -18,6 +18,7 @@
 # e.g. ROWS=1 MODELS="llama-3.1-8b qwen2.5-0.5b gpt-oss qwen3-30b-a3b" for every M = 1 shape.
 #   kernel tests compiled on the GPU (tests/kernels/test_fused_gemv.py)                        30
 #   the model with the path on vs off, real CUDA graphs (tests/worker/test_fused_gemv_model.py) 60
+# TESTS=0 leaves both test steps out (the whole GPU suite runs them too).
 # ENGINE=1 adds the engines, each table judged where it counts (the swept one laid over the shipped
 # one for that run only: --gemv-table), one process after another:
 #   bench/engine.py, STEP_MODELS at bs=1 (input 128, CUDA graphs): shipped table, swept table,
@@ -46,10 +47,12 @@ main() {
   # shellcheck disable=SC2086
   step "gemv step" 90 $PY -m pdserve.bench.gemv --step --models $STEP_MODELS "${table[@]}" --out "$OUT/gemv_step.md"
   cd "$repo"
-  local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
-  step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
-  step "model test" 60 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
-  tail -n 5 "$OUT/tests.txt"
+  if [ "${TESTS:-1}" = 1 ]; then
+    local xdist; xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 4")  # parallel compiles where it exists
+    step "kernel tests" 30 $PY -m pytest tests/kernels/test_fused_gemv.py -q -x $xdist -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+    step "model test" 60 $PY -m pytest tests/worker/test_fused_gemv_model.py -q -x -p no:cacheprovider >> "$OUT/tests.txt" 2>&1
+    tail -n 5 "$OUT/tests.txt"
+  fi
   [ "${ENGINE:-0}" = 1 ] && engines "${table[@]}"
   ls -la "$OUT"
 }
