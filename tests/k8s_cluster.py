@@ -135,6 +135,15 @@ def start_cluster() -> Cluster:
 _CLUSTER_KEY = pytest.StashKey[Cluster]()
 
 
+def stop_cluster(config: pytest.Config) -> None:
+    """Stops the control plane this process started, if it did (tests/conftest.py calls it once
+    the process's last k8s test is through; the session's own cleanup then finds it gone)."""
+    cluster = config.stash.get(_CLUSTER_KEY, None)
+    if cluster is not None:
+        del config.stash[_CLUSTER_KEY]
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def k8s_cluster(request: pytest.FixtureRequest) -> Cluster:
     stash = request.config.stash
