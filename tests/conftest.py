@@ -9,6 +9,10 @@ import torch
 # import a kernel, so CPU-only machines (CI) run the kernels in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.helpers.triton_interpreter import skip_repatching
+
+    skip_repatching()
 
 # NIXL's progress thread busy-polls a core per worker; CI has 2 cores and runs a dozen workers
 # at times: niced, it yields to them (worker/kv/nixl_transport.py). Children inherit it.
