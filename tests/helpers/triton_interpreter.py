@@ -24,37 +24,28 @@ def skip_repatching() -> None:
     if patch is None or executor is None or getattr(patch, "pdserve_skips_repatching", False):
         return
     launch = executor.__call__
-    active: list[set[int]] = []  # the language modules each launch in progress patched
-    opening: list[bool] = []
+    # Per launch in progress, the language modules its own patch covered (None until it patched:
+    # the launch's first call here is its own). A launch restores its patch before it returns.
+    active: list[set[int] | None] = []
 
     def langs(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
 
     def patch_lang(fn):
-        if opening and opening[-1]:  # the launch's own patch
-            opening[-1] = False
-            scope, mine = patch(fn), langs(fn)
-            restore = scope.restore
-
-            def restore_and_close():
-                restore()
-                if active and active[-1] is mine:
-                    active.pop()
-
-            scope.restore = restore_and_close
-            active.append(mine)
-            return scope
+        if active and active[-1] is None:
+            active[-1] = langs(fn)
+            return patch(fn)
         if active and langs(fn) <= active[-1]:
             return interpreter._LangPatchScope()
         return patch(fn)
 
-    def launch_once_patched(self, *args, **kwargs):
-        opening.append(True)
+    def launch_patching_once(self, *args, **kwargs):
+        active.append(None)
         try:
             return launch(self, *args, **kwargs)
         finally:
-            opening.pop()
+            active.pop()
 
     patch_lang.pdserve_skips_repatching = True
     interpreter._patch_lang = patch_lang
-    executor.__call__ = launch_once_patched
+    executor.__call__ = launch_patching_once

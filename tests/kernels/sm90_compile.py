@@ -58,11 +58,10 @@ def variants():
                       ids_ptr="*i64", counter_ptr="*i32", K="i32", E="i32", stride_xt="i32", stride_we="i32",
                       res_ptr="*bf16", g_ptr="*bf16", h_ptr="*bf16", new_res_ptr="*bf16", eps="fp32",
                       stride_rt="i32", stride_ht="i32", stride_nt="i32")
-    gate = [dict(TOP_K=4, K_TILE=4, E_TILE=128, BLOCK_E=16, BLOCK_K=512, SPLIT=split, HAS_BIAS=bias,
-                 RENORMALIZE=renorm, ROUND=tl.bfloat16, NORM=norm is not None, HAS_RESIDUAL=bool(norm),
+    gate = [dict(TOP_K=4, K_TILE=4, E_TILE=128, BLOCK_E=16, BLOCK_K=512, SPLIT=split, HAS_BIAS=i % 2 == 0,
+                 RENORMALIZE=i % 3 == 0, ROUND=tl.bfloat16, NORM=norm is not None, HAS_RESIDUAL=bool(norm),
                  BLOCK_H=2048, PDL=True)
-            for i, (split, norm) in enumerate(itertools.product((1, 6), (None, False, True)))
-            for bias, renorm in (((i % 2 == 0), (i % 3 == 0)),)]
+            for i, (split, norm) in enumerate(itertools.product((1, 6), (None, False, True)))]
     attn_types = dict(q_ptr="*bf16", bt_ptr="*i32", ctx_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
                       part_lse_ptr="*fp32", sem_ptr="*i32", pos_ptr="*i64", slot_ptr="*i64", k_new_ptr="*bf16",
                       v_new_ptr="*bf16", bias_ptr="*bf16", cs_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
