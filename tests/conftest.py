@@ -21,6 +21,8 @@ os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 import pytest
 
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
+from tests.helpers.cpu_time import (  # noqa: F401  (hooks, registered from this conftest)
+    pytest_runtest_makereport, pytest_runtest_setup, pytest_terminal_summary)
 from tests.k8s_cluster import stop_cluster
 from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)

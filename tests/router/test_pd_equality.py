@@ -1,11 +1,11 @@
 """The router's P/D path gives exactly what one worker gives, for every request shape.
 
-Real processes on a tiny random-weight checkpoint, each model's stack on both KV transports
-(tcp, nixl; the request-shape tests' Llama stack on TCP: see `stack`): a prefill worker, a
-decode worker and the router in front. The single-worker reference is the decode worker called
-directly (no kv_transfer_params: it prefills locally). Each request goes
-to both and the answers must be equal: text, finish and stop reasons, token logprobs, usage,
-streamed or not. Greedy and seeded sampling only (an unseeded sample has nothing to equal).
+Real processes on a tiny random-weight checkpoint, each model's stack on one KV transport or
+both (see `stack` and the fixtures below): a prefill worker, a decode worker and the router in
+front. The single-worker reference is the decode worker called directly (no kv_transfer_params:
+it prefills locally). Each request goes to both and the answers must be equal: text, finish and
+stop reasons, token logprobs, usage, streamed or not. Greedy and seeded sampling only (an
+unseeded sample has nothing to equal).
 
 The regression tests pin the issue-14 bugs; the hypothesis test draws random requests
 (derandomized: the same examples every run, so a failure reproduces).
@@ -52,20 +52,21 @@ def stack(tiny_checkpoint):
     """The request-shape tests' stack: TCP only. What they vary (prompt lists, echo, n, stop
     strings, min_tokens, seeds, structured outputs, ids and headers) is the router's and the
     engines' handling, the same whichever transport moves the KV; Llama's KV moves through
-    NIXL in test_kv_transfer.py and the fp8 stack, and the stacks below (MoE/MLA, gpt-oss, fp8, fp8 MLA) draw
-    random requests of every one of these shapes (`requests`) through both transports. A NIXL
-    copy of this stack cost CI about two minutes."""
+    NIXL in test_kv_transfer.py, and the stacks below (MoE/MLA and gpt-oss over NIXL; gpt-oss and
+    fp8 over TCP) draw random requests of every one of these shapes (`requests`). A NIXL copy of
+    this stack cost CI about two minutes."""
     with pd_stack(tiny_checkpoint("llama"), "tcp") as urls:
         yield urls
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def moe_stack(request, tiny_checkpoint):
+@pytest.fixture(scope="module")
+def moe_stack(tiny_checkpoint):
     """The same stack serving a mixture-of-experts model with multi-head latent attention
     (DeepSeek-V3, tests/checkpoints.py): P/D moves only attention KV, here one latent per token
-    and layer (layout "...:mla"). One model for both, so the MoE and MLA cases cost one stack per
-    transport; GQA MoE models hand off exactly the Llama stack's KV."""
-    with pd_stack(tiny_checkpoint("deepseek-v3"), request.param) as urls:
+    and layer (layout "...:mla"). One model for both, so the MoE and MLA cases cost one stack;
+    GQA MoE models hand off exactly the Llama stack's KV. Over NIXL: the fp8 latent stack below
+    moves MLA rows over TCP (and test_tp_pd.py does, between tensor-parallel workers)."""
+    with pd_stack(tiny_checkpoint("deepseek-v3"), "nixl") as urls:
         yield urls
 
 
@@ -85,22 +86,23 @@ def gpt_oss_stack(request, tiny_checkpoint):
         yield urls
 
 
-# The KV cache dtype is one more dimension: an fp8 cache (--kv-cache-dtype fp8) on both workers,
-# both transports. The single-worker reference is again the decode worker, fp8 too.
+# The KV cache dtype is one more dimension: an fp8 cache (--kv-cache-dtype fp8) on both workers.
+# The single-worker reference is again the decode worker, fp8 too. Over TCP: a transport moves the
+# blocks as bytes whatever their dtype, and fp8 blocks cross NIXL in test_tp_pd.py's staged pulls.
 FP8 = ("--kv-cache-dtype", "fp8")
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def fp8_stack(request, tiny_checkpoint):
-    with pd_stack(tiny_checkpoint("llama"), request.param, FP8, FP8) as urls:
+@pytest.fixture(scope="module")
+def fp8_stack(tiny_checkpoint):
+    with pd_stack(tiny_checkpoint("llama"), "tcp", FP8, FP8) as urls:
         yield urls
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def fp8_mla_stack(request, tiny_checkpoint):
+@pytest.fixture(scope="module")
+def fp8_mla_stack(tiny_checkpoint):
     """DeepSeek-V3's latent cache as fp8 on both workers: the hand-off moves e4m3 latent rows
     (layout "...:float8_e4m3fn@1:4:mla"), bytes as they are."""
-    with pd_stack(tiny_checkpoint("deepseek-v3"), request.param, FP8, FP8) as urls:
+    with pd_stack(tiny_checkpoint("deepseek-v3"), "tcp", FP8, FP8) as urls:
         yield urls
 
 
