@@ -10,9 +10,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.helpers.triton_interpreter import skip_repatching
+    from tests.helpers.triton_interpreter import patch_interpreter
 
-    skip_repatching()
+    patch_interpreter()
 
 # NIXL's progress thread busy-polls a core per worker; CI has 2 cores and runs a dozen workers
 # at times: niced, it yields to them (worker/kv/nixl_transport.py). Children inherit it.

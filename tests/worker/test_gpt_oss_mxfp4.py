@@ -18,7 +18,7 @@ from pdserve.kernels.moe_gate import moe_gate as moe_gate_kernel
 from pdserve.kernels.mxfp4 import dequantize_mxfp4
 from pdserve.worker.config.engine import ConfigError
 from pdserve.worker.config.quantization import QuantizationError
-from pdserve.worker.models import gpt_oss
+from pdserve.worker.models import gpt_oss, moe
 from pdserve.worker.models.gpt_oss import GptOssExperts
 from pdserve.worker.models.loader import read_model_config
 from pdserve.worker.parallel.shard import TPShard
@@ -69,6 +69,10 @@ def test_packed_experts_match_hf(pair, monkeypatch):
     mxfp4, twin = pair
     monkeypatch.setattr(gpt_oss, "experts_op", lambda backend: packed_reference)
     monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", None)  # the model itself never decodes them
+    # Every step through the op (decode steps would route in kernels/moe_gate.py and run the fused
+    # op's decode kernels, Triton's interpreter here: the next test's).
+    monkeypatch.setattr(moe.DecodeGate, "takes", lambda self, tokens, mxfp4: False)
+    monkeypatch.setattr(moe.DecodeGate, "takes_norm", lambda self, x, norm, mxfp4: False)
     engine = make_engine(mxfp4)
     model = engine.runner.model
     experts = model.layers[1].mlp.experts
