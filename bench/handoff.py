@@ -73,7 +73,7 @@ class Sizes:
 # The sweep runs 3000 last: the first budget cut takes the length the 1 req/s load point also shows.
 GPU = Sizes(3000, 200, (1, 6), (1024, 16384, 8192, 3000), 32, 5, 16640, 8704, 30.0,
             {"nixl": (0.25, 5e-5), "tcp": (0.25, 1.1e-4)})
-SMOKE = Sizes(60, 8, (1, 3), (64, 512, 256, 128), 8, 3, 2048, 2048, 25.0, {"nixl": (0.3, 1e-3), "tcp": (0.3, 1e-3)})
+SMOKE = Sizes(60, 8, (1, 3), (64, 256), 8, 2, 2048, 2048, 25.0, {"nixl": (0.3, 1e-3), "tcp": (0.3, 1e-3)})
 
 
 @dataclass(frozen=True)

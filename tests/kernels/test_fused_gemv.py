@@ -97,7 +97,7 @@ def test_prologue_apart_is_the_prologue_kernel_then_the_plain_gemv(poison_empty,
     from pdserve.kernels.rms_norm import rms_norm
     from pdserve.kernels.silu_and_mul import silu_and_mul
 
-    n, k = 200, 300
+    n, k = 40, 300
     x, w, g = _inputs(1, n, k, dtype, seed=5, x_cols=2 * k if prologue == "silu_mul" else k)
     bias = torch.randn(n, generator=g).to(dtype).to(DEVICE)
     plain = GemvConfig(block_n=2, block_k=128)
@@ -141,7 +141,7 @@ def test_split_k_is_deterministic_and_matches_unsplit():
 def test_in_kernel_reduce_is_the_reduce_launch_bit_for_bit(poison_empty, prologue, m):
     from pdserve.kernels.arrivals import strip_counters
 
-    n, k = 200, 300
+    n, k = 40, 300  # three strips of block_n 16 (the last one partial), each of three K slices
     x, w, g = _inputs(m, n, k, torch.bfloat16, seed=6, x_cols=2 * k if prologue == "silu_mul" else k)
     bias = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)
     kw = {"bias": bias}
@@ -161,8 +161,9 @@ def test_in_kernel_reduce_is_the_reduce_launch_bit_for_bit(poison_empty, prologu
                                     GemvConfig(block_n=16, block_k=32, separate_prologue=True)])
 def test_early_weights_are_the_same_bits(poison_empty, prologue, m, config):
     # The first weight tile loaded before the PDL wait, its step peeled off the K loop: the same
-    # product, every prologue, split or not, residual written alike.
-    n, k = 200, 300
+    # product, every prologue, split or not, residual written alike. Three strips (the last one
+    # partial) show it; the K loop is what changes.
+    n, k = 40, 300
     x, w, g = _inputs(m, n, k, torch.bfloat16, seed=7, x_cols=2 * k if prologue == "silu_mul" else k)
     kw = {"bias": torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)}
     if prologue == "rms_norm":
