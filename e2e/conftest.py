@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import default_model_dir, tiny_checkpoint, tokenizer_dir  # noqa: F401  (re-exported fixtures)
+from tests.helpers import run_hooks
+
+
+def pytest_configure(config):
+    run_hooks.register(config)  # when e2e/ runs without tests/ (whose conftest registers them too)
 
 
 @pytest.fixture(scope="session")

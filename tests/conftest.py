@@ -21,9 +21,7 @@ os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 import pytest
 
 from tests.checkpoints import write_checkpoint, write_word_tokenizer
-from tests.helpers.cpu_time import (  # noqa: F401  (hooks, registered from this conftest)
-    pytest_runtest_makereport, pytest_runtest_setup, pytest_terminal_summary)
-from tests.k8s_cluster import stop_cluster
+from tests.helpers import run_hooks
 from tests.xdist_scopes import (  # noqa: F401  (xdist hooks, registered from this conftest)
     IMAGE_MODULES, module_of, pytest_configure_node, pytest_xdist_make_scheduler, record_units)
 
@@ -93,9 +91,6 @@ def _k8s_modules(items) -> set[str]:
             if i.get_closest_marker("k8s") or "k8s_cluster" in getattr(i, "fixturenames", ())}
 
 
-_K8S_UNIT = pytest.StashKey[set]()
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Modules with tests on the real control plane run together. In one process they run last:
@@ -109,11 +104,11 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if module_of(i.nodeid) not in k8s] + [
             i for i in items if module_of(i.nodeid) in k8s
         ]
-        config.stash[_K8S_UNIT] = k8s
+        config.stash[run_hooks.K8S_UNIT] = k8s
         return
     if k8s:
         k8s |= set(IMAGE_MODULES)
-    config.stash[_K8S_UNIT] = k8s
+    config.stash[run_hooks.K8S_UNIT] = k8s
     slow = {module_of(i.nodeid) for i in items if i.get_closest_marker("slow")}
     rank = {
         module: (0 if module in k8s else 1 if module in slow else 2)
@@ -123,14 +118,5 @@ def pytest_collection_modifyitems(config, items):
     record_units(config, items, k8s)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """The control plane stops once this process's k8s modules are through (they run one after
-    another, see above), not at the session's end: idle, it still takes a tenth of a core or more,
-    which the rest of the run on CI's 2 cores needs."""
-    try:
-        return (yield)
-    finally:
-        unit = item.config.stash.get(_K8S_UNIT, set())
-        if module_of(item.nodeid) in unit and (nextitem is None or module_of(nextitem.nodeid) not in unit):
-            stop_cluster(item.config)
+def pytest_configure(config):
+    run_hooks.register(config)

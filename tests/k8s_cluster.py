@@ -136,7 +136,7 @@ _CLUSTER_KEY = pytest.StashKey[Cluster]()
 
 
 def stop_cluster(config: pytest.Config) -> None:
-    """Stops the control plane this process started, if it did (tests/conftest.py calls it once
+    """Stops the control plane this process started, if it did (tests/helpers/run_hooks.py calls it once
     the process's last k8s test is through; the session's own cleanup then finds it gone)."""
     cluster = config.stash.get(_CLUSTER_KEY, None)
     if cluster is not None:

@@ -1,0 +1,86 @@
+"""Hooks for every test of a run, tests/ and e2e/ alike.
+
+A conftest's own item hooks reach only the tests below its directory; these are registered as a
+plugin (`register`, from tests/conftest.py and e2e/conftest.py) so that they see all of them:
+
+- The control plane stops once this process's k8s modules are through (tests/conftest.py orders
+  them together and stashes their set under K8S_UNIT), not at the session's end: idle, etcd,
+  the apiserver and the controllers still take a fifth of a core or more, which the rest of the
+  run on CI's 2 cores needs. The last of those modules may be an e2e one.
+- CPU seconds per test module, the measure of CI's cost on a 2-core machine. A test's wall time
+  says little there: two xdist workers and every server they start share the cores, so a test
+  waits on its neighbours' work as much as on its own. What a module costs is the CPU its process
+  and the processes it started and reaped used (a module-scoped server's is counted at the
+  module's last test, when its fixture stops it). Each test records its seconds as the junit
+  property `cpu_s`; the terminal summary sums them per module, largest first.
+"""
+
+from __future__ import annotations
+
+import collections
+import resource
+import sys
+
+import pytest
+
+from tests.k8s_cluster import stop_cluster
+from tests.xdist_scopes import module_of
+
+K8S_UNIT = pytest.StashKey[set]()
+_START = pytest.StashKey[float]()
+TOP = 25
+
+
+def register(config: pytest.Config) -> None:
+    plugin = sys.modules[__name__]
+    if not config.pluginmanager.is_registered(plugin):
+        config.pluginmanager.register(plugin, "pdserve-run-hooks")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        unit = item.config.stash.get(K8S_UNIT, set())
+        if module_of(item.nodeid) in unit and (nextitem is None or module_of(nextitem.nodeid) not in unit):
+            stop_cluster(item.config)
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_START] = cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # The teardown's report is made once it is done (module fixtures stopped with the module's
+    # last test) and carries the item's properties: to the junit file, and under xdist to the
+    # controller, whose summary below reads them.
+    if call.when == "teardown" and _START in item.stash:
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[_START], 2)))
+    return (yield)
+
+
+def pytest_terminal_summary(terminalreporter):
+    per_module: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) != "teardown":
+                continue
+            cpu = dict(getattr(r, "user_properties", ())).get("cpu_s")
+            if cpu is not None:
+                row = per_module[module_of(r.nodeid)]
+                row[0] += 1
+                row[1] += cpu
+    if not per_module:
+        return
+    total = sum(v[1] for v in per_module.values())
+    terminalreporter.write_sep("=", f"CPU seconds per module (the tests' processes and their children): {total:.0f}")
+    for module, (n, cpu) in sorted(per_module.items(), key=lambda kv: -kv[1][1])[:TOP]:
+        terminalreporter.write_line(f"{cpu:8.1f}  {n:4d}  {module}")
