@@ -132,11 +132,16 @@ class Launcher:
         workers = [c for c in children if c.role != "router"]
         self.say(f"stage 2/3 processes: {self.config.prefill} prefill + {self.config.decode} decode worker(s), "
                  f"kv-transfer {self.config.transport}, device {describe_devices(workers)}; logs in {log_dir}")
+        # Each child leads a process group of its own (stopped with its children by killpg; a
+        # terminal's Ctrl-C reaches the launcher only), in the launcher's session: a session of
+        # its own would also be a scheduler autogroup of its own (Linux's default), where the NIXL
+        # progress thread's nice counts only against its own worker, and an idle worker's spin
+        # takes as much of the host as all the other processes together.
         for c in children:
             path = log_dir / f"{c.name}.log"
             with open(path, "ab") as log:
                 proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, **c.env}, start_new_session=True,
+                                        env={**os.environ, **c.env}, process_group=0,
                                         preexec_fn=_die_with_parent)
             self.running.append(Running(c, proc, path))
             kv = f" kv-port {c.kv_port}" if c.kv_port else ""

@@ -50,6 +50,8 @@ from typing import Any
 import httpx
 import yaml
 
+from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
+
 log = logging.getLogger("kubelet")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +306,8 @@ class Kubelet:
             env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
                    "HOME": os.environ.get("HOME", "/root"), "HOSTNAME": pod.metadata.name,
                    "PYTHONPATH": str(PODNET), "PDSERVE_KUBELET_POD_IP": ip, "PYTHONUNBUFFERED": "1"}
-            for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG"):  # the test user's caches (no downloads)
+            # The test user's caches (no downloads), and the nice of NIXL's progress threads (tests/conftest.py).
+            for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG", ENV_NIXL_PROGRESS_NICE):
                 if k in os.environ:
                     env[k] = os.environ[k]
             if self._automount(pod):
@@ -384,7 +387,7 @@ class Kubelet:
                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=pod_dir)
         with open(p.log_path, "ab") as out:
             return subprocess.Popen(p.argv, env=p.env, cwd=self.work_dir, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, process_group=0)  # not a session: cli/launcher.py
 
     def _pod_dir(self, pod) -> Path:
         return self.work_dir / f"{pod.metadata.namespace}_{pod.metadata.name}"
