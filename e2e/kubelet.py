@@ -306,12 +306,13 @@ class Kubelet:
             env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
                    "HOME": os.environ.get("HOME", "/root"), "HOSTNAME": pod.metadata.name,
                    "PYTHONPATH": str(PODNET), "PDSERVE_KUBELET_POD_IP": ip, "PYTHONUNBUFFERED": "1"}
-            # The test user's caches (no downloads), and the nice of NIXL's progress threads (tests/conftest.py).
-            for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG", ENV_NIXL_PROGRESS_NICE):
+            for k in ("HF_HOME", "XDG_CACHE_HOME", "TMPDIR", "LANG"):  # the test user's caches (no downloads)
                 if k in os.environ:
                     env[k] = os.environ[k]
             if self._automount(pod):
                 env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, pod_dir))
+        if ENV_NIXL_PROGRESS_NICE in os.environ:  # the test run's nice for NIXL's progress threads (tests/conftest.py)
+            env[ENV_NIXL_PROGRESS_NICE] = os.environ[ENV_NIXL_PROGRESS_NICE]
         fields = {"status.podIP": ip, "status.hostIP": "127.0.0.1", "metadata.name": pod.metadata.name,
                   "metadata.namespace": pod.metadata.namespace, "metadata.uid": pod.metadata.uid,
                   "spec.nodeName": NODE, "spec.serviceAccountName": pod.spec.service_account_name or "default"}
