@@ -117,7 +117,7 @@ class UpStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out, "wb") as f:
             self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         process_group=0)  # not a session: cli/launcher.py says why
         deadline = time.monotonic() + timeout_s
         while "pdserve up: ready in" not in (text := self.out.read_text(errors="replace")):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -243,7 +243,7 @@ class Proc:
         out.write(f"\n==== start {self.starts} at {time.strftime('%H:%M:%S')}\n".encode())
         out.flush()
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     process_group=0)  # not a session: cli/launcher.py says why
         return self
 
     async def kill(self) -> float:
