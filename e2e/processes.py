@@ -60,7 +60,7 @@ class UpProcess:
     def start(self) -> "UpProcess":
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, process_group=0)
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def output(self) -> str:
@@ -130,7 +130,7 @@ class Stack:
         with open(self.log_dir / f"{name}.log", "ab") as log:
             self.procs[name] = subprocess.Popen(c.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
-                                                process_group=0)
+                                                start_new_session=True)
 
     def wait_healthy(self, name: str, timeout_s: float = 300.0) -> None:
         wait_healthy(self.url(name), self.procs[name], timeout_s, lambda: self.log(name)[-3000:])
