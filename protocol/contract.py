@@ -43,6 +43,10 @@ ENV_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # A nice value (e.g. "19") for the threads NIXL starts in a worker (its progress thread, which
 # spins a core even when idle); `pdserve up` sets 19 unless the environment says otherwise.
 ENV_NIXL_PROGRESS_NICE = "PDSERVE_NIXL_PROGRESS_NICE"
+# Microseconds NIXL's UCX progress thread may sleep between polls of its workers' event fds
+# (it wakes at once on an event; the timeout covers events UCX misses). 0: it never sleeps
+# (NIXL's Python default, a busy core per worker even when idle). Default 1000.
+ENV_NIXL_PROGRESS_DELAY_US = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 
 # Request headers: one id for a request across router, prefill and decode; a session key for
 # the session-affinity policy.

@@ -8,14 +8,16 @@ agents; the multi-process path (side channel, leases) is tests/worker/test_kv_tr
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import os
+import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from pdserve.protocol.kv_layout import KVLayout
-from pdserve.worker.kv.nixl_transport import NixlTransport, nixl_available
+from pdserve.worker.kv.nixl_transport import NixlTransport, import_nixl, nixl_available, progress_delay
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
 
@@ -255,3 +257,41 @@ def test_a_pull_posts_one_descriptor_per_run_and_moves_exactly_those_bytes(prepp
     assert torch.equal(reader.cache[dst], owner.cache[src])
     untouched = [b for b in range(blocks) if b not in dst]
     assert not reader.cache[untouched].any()  # nothing outside the destination blocks was written
+
+
+def _thread_cpu_s(tids: set[int]) -> float:
+    ticks = 0
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("delay_us", [1000, 2500])
+def test_progress_delay_reaches_the_agent_config(delay_us):
+    """Whatever nixl_agent's constructor writes into pthrDelay, the agent gets the delay asked for;
+    the bindings' class is back once the agent is made."""
+    bindings = sys.modules[import_nixl()[0].__module__].nixlBind
+    base = bindings.nixlAgentConfig
+    with progress_delay(delay_us):
+        config = bindings.nixlAgentConfig()
+        config.pthrDelay = 0  # what the constructor does
+        config.useProgThread = True
+        assert (config.pthrDelay, config.useProgThread) == (delay_us, True)
+    assert bindings.nixlAgentConfig is base and base().pthrDelay != delay_us
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU times are read from /proc")
+def test_an_idle_agents_progress_thread_sleeps():
+    """NIXL's Python constructor makes a progress thread that busy-polls (a core per idle worker);
+    ours waits on UCX's event fds. Its threads' CPU over 2 s idle stays far under the ~2 s a spinning
+    thread takes on a free core (a loaded machine can only lower the figure, never raise it)."""
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    owner = transport(fill=True)
+    nixl_threads = {int(t) for t in os.listdir("/proc/self/task")} - before
+    assert nixl_threads, "NIXL started no thread: nothing to measure"
+    start = _thread_cpu_s(nixl_threads)
+    time.sleep(2.0)
+    assert _thread_cpu_s(nixl_threads) - start < 0.5
+    owner.close()

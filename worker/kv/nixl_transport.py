@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.protocol.contract import ENV_NIXL_PROGRESS_NICE
+from pdserve.protocol.contract import ENV_NIXL_PROGRESS_DELAY_US, ENV_NIXL_PROGRESS_NICE
 from pdserve.protocol.flags import ConfigError
 from pdserve.worker.kv import side_channel
 from pdserve.worker.kv.messages import MalformedReply, NixlPeer, ReleaseNotice
@@ -59,6 +60,8 @@ from pdserve.worker.kv.transport import KVTransport
 log = logging.getLogger(__name__)
 
 PROGRESS_NICE_ENV = ENV_NIXL_PROGRESS_NICE  # a nice value for the threads NIXL starts
+# The progress thread's poll timeout (docs/kv-handoff.md: measured against NIXL's busy poll).
+PROGRESS_DELAY_ENV, PROGRESS_DELAY_US = ENV_NIXL_PROGRESS_DELAY_US, 1000
 # Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
 SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
 
@@ -90,6 +93,55 @@ def _renice(tids: set[int], nice: int) -> None:
             log.warning("could not renice NIXL thread %d: %s", tid, e)
 
 
+def progress_delay_us() -> int:
+    """$PDSERVE_NIXL_PROGRESS_DELAY_US, else PROGRESS_DELAY_US; a bad value stops the start (ConfigError)."""
+    raw = os.environ.get(PROGRESS_DELAY_ENV, "").strip()
+    if not raw:
+        return PROGRESS_DELAY_US
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"${PROGRESS_DELAY_ENV}", f"must be a whole number of microseconds >= 0, got {raw!r}")
+    return value
+
+
+_config_lock = threading.Lock()  # one swap of the bindings' class at a time (agents made on several threads)
+
+
+@contextlib.contextmanager
+def progress_delay(delay_us: int):
+    """While open, the NIXL agents made get a progress thread that sleeps in poll() up to
+    `delay_us` (whole milliseconds, rounded up) between rounds instead of spinning.
+
+    NIXL's UCX progress thread polls its workers' event fds with the agent's `pthrDelay` as the
+    timeout, so it wakes at once when UCX has work; nixl_agent's Python constructor fixes that
+    delay at 0, which makes the poll return at once: a core per worker, busy even when idle.
+    The constructor reads the config class from its bindings module when called; a subclass
+    there that keeps `delay_us` whatever the constructor writes is the one way in without
+    rebuilding nixl_agent. Wheels without that layout (older or other builds) keep their default."""
+    bindings = getattr(sys.modules.get(import_nixl()[0].__module__), "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if base is None and delay_us:
+        log.warning("this NIXL wheel's agent config is out of reach: its progress thread spins (%s ignored)",
+                    PROGRESS_DELAY_ENV)
+    if base is None or not delay_us:
+        yield
+        return
+
+    class DelayedConfig(base):
+        def __setattr__(self, key, value):
+            super().__setattr__(key, delay_us if key == "pthrDelay" else value)
+
+    with _config_lock:
+        bindings.nixlAgentConfig = DelayedConfig
+        try:
+            yield
+        finally:
+            bindings.nixlAgentConfig = base
+
+
 def nixl_available() -> bool:
     try:
         import_nixl()
@@ -106,9 +158,11 @@ class NixlTransport(KVTransport):
     leases = True
     stream_split = "tail"  # fast enough that one extra step of a streamed prefill suffices
 
-    def __init__(self, name: str, cache: torch.Tensor, block_bytes: int, capture_telemetry: bool = False):
+    def __init__(self, name: str, cache: torch.Tensor, block_bytes: int, capture_telemetry: bool = False,
+                 progress_us: int | None = None):
         """capture_telemetry: NIXL keeps per-transfer telemetry (descriptors posted, bytes, times),
-        read with self.agent.get_xfer_telemetry(handle) until the handle is released (tests)."""
+        read with self.agent.get_xfer_telemetry(handle) until the handle is released (tests).
+        progress_us: the progress thread's poll timeout (`progress_delay`); None: the environment's."""
         if cache.device.type == "cuda":
             # UCX turns cuda_ipc READs (get_zcopy) off unless it sees NVLink; the fallback is a
             # software emulation over TCP at ~0.5 GB/s. Measured on one H100 (P and D on the same
@@ -118,10 +172,11 @@ class NixlTransport(KVTransport):
         # No NIXL listener thread: metadata leaves this process only through our authenticated side channel.
         telemetry = {"capture_telemetry": True} if capture_telemetry else {}  # older wheels lack the flag
         threads = _thread_ids()
-        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"], **telemetry))
+        with progress_delay(progress_delay_us() if progress_us is None else progress_us):
+            self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=["UCX"],
+                                                            **telemetry))
         if os.environ.get(PROGRESS_NICE_ENV):
-            # NIXL's progress thread busy-polls UCX: a whole core per worker even when idle. A
-            # peer reading over UCX's TCP or shared-memory transports needs it (the target's
+            # A peer reading over UCX's TCP transport needs the progress thread (the target's
             # progress), so it stays; on a small shared machine (CI: 2 cores, a dozen workers)
             # it is niced so it yields to the work it would otherwise slow down.
             _renice(_thread_ids() - threads, int(os.environ[PROGRESS_NICE_ENV]))
@@ -154,8 +209,9 @@ class NixlTransport(KVTransport):
             import_nixl()
         except ImportError:
             raise ConfigError("--kv-transfer", "nixl needs the nixl extra: pip install 'pdserve[nixl]'") from None
+        progress_us = progress_delay_us()
         try:
-            return cls(agent_name, cache, block_bytes)
+            return cls(agent_name, cache, block_bytes, progress_us=progress_us)
         except Exception as e:  # e.g. UCX_TLS names transports this host cannot connect with
             raise ConfigError("--kv-transfer", f"nixl could not start its UCX backend ({e}); check UCX_TLS "
                                                f"or use --kv-transfer tcp") from e
