@@ -17,9 +17,9 @@ gpu_begin kv_transfer server || exit 1
 for round in 1 2; do
   for delay in 0 1000; do
     echo "=== round $round, delay $delay us"
-    PDSERVE_NIXL_PROGRESS_DELAY_US=$delay timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer --device cuda \
+    (cd /tmp && PDSERVE_NIXL_PROGRESS_DELAY_US=$delay timeout --kill-after=10 60 $PY -m pdserve.bench.kv_transfer --device cuda \
       --ucx-tls cuda_ipc,cuda_copy,tcp --transports nixl --sizes-mib 1 16 256 --layouts contiguous real \
       --nixl-modes prepped serial --lease-registration-blocks 0 --no-descriptor-copies \
-      --out "$OUT/kv-delay-$delay-r$round.md" 2>&1 | grep -v "NIXL INFO" | grep "|" | head -20
+      --out "$OUT/kv-delay-$delay-r$round.md" 2>&1 | grep -v "NIXL INFO" | grep "|" | head -20)
   done
 done
