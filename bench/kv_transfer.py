@@ -47,6 +47,13 @@ MiB = 1 << 20
 BENCH_DIGEST = "0" * 32  # pins are bound to a prompt digest; the bench's pins have no prompt
 
 
+def _progress_delay() -> str:
+    from pdserve.worker.kv.nixl_transport import progress_delay_us
+
+    us = progress_delay_us()
+    return f"{us} us" if us else "0 (busy poll)"
+
+
 def _config(transport: str, port: int, role: str, pull_timeout: float = 120):
     """A bench connector's config (also bench/tcp_kv.py's): `pull_timeout` is the decode side's."""
     from pdserve.worker.config.engine import EngineConfig
@@ -399,6 +406,7 @@ def main(argv=None) -> int:
         f"median of {args.iters}, torch {torch.__version__}, nixl {_nixl_version()}, "
         f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}, "
         f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY={os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', '(pdserve: y on CUDA)')}, "
+        f"NIXL progress thread poll timeout {_progress_delay()}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}",
         "",
     ]
