@@ -40,8 +40,8 @@ ENV_WORKER_API_KEY = "PDSERVE_WORKER_API_KEY"
 ENV_KV_SECRET = "PDSERVE_KV_SECRET"
 # vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter (off unless "true" or "1").
 ENV_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-# A nice value (e.g. "19") for the threads NIXL starts in a worker (its progress thread, which
-# spins a core even when idle); `pdserve up` sets 19 unless the environment says otherwise.
+# A nice value (e.g. "19") for the threads NIXL starts in a worker (its progress thread and
+# UCX's async thread); `pdserve up` sets 19 unless the environment says otherwise.
 ENV_NIXL_PROGRESS_NICE = "PDSERVE_NIXL_PROGRESS_NICE"
 # Microseconds NIXL's UCX progress thread may sleep between polls of its workers' event fds
 # (it wakes at once on an event; the timeout covers events UCX misses). 0: it never sleeps

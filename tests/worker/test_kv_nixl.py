@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdserve.protocol.kv_layout import KVLayout
-from pdserve.worker.kv.nixl_transport import NixlTransport, import_nixl, nixl_available, progress_delay
+from pdserve.worker.kv.nixl_transport import NixlTransport, _delayed_config, import_nixl, nixl_available, progress_delay
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
 
@@ -282,6 +282,24 @@ def test_progress_delay_reaches_the_agent_config(delay_us):
     assert bindings.nixlAgentConfig is base and base().pthrDelay != delay_us
 
 
+def test_a_config_class_out_of_reach_leaves_nixls_default():
+    """A wheel without the class, or with one that cannot be subclassed or ignores the value, gets
+    None (the caller warns and makes NIXL's default busy thread) instead of a failed start."""
+    class Plain:
+        pthrDelay = 0
+
+    class Frozen:
+        def __setattr__(self, key, value):
+            pass
+
+    config = _delayed_config(Plain, 1000)()
+    config.pthrDelay = 0
+    assert isinstance(config, Plain) and config.pthrDelay == 1000
+    assert _delayed_config(None, 1000) is None
+    assert _delayed_config(bool, 1000) is None  # not subclassable
+    assert _delayed_config(Frozen, 1000) is None  # the value does not stick
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU times are read from /proc")
 def test_an_idle_agents_progress_thread_sleeps():
     """NIXL's Python constructor makes a progress thread that busy-polls (a core per idle worker);
@@ -291,7 +309,9 @@ def test_an_idle_agents_progress_thread_sleeps():
     owner = transport(fill=True)
     nixl_threads = {int(t) for t in os.listdir("/proc/self/task")} - before
     assert nixl_threads, "NIXL started no thread: nothing to measure"
-    start = _thread_cpu_s(nixl_threads)
-    time.sleep(2.0)
-    assert _thread_cpu_s(nixl_threads) - start < 0.5
-    owner.close()
+    try:
+        start = _thread_cpu_s(nixl_threads)
+        time.sleep(2.0)
+        assert _thread_cpu_s(nixl_threads) - start < 0.5
+    finally:
+        owner.close()

@@ -60,7 +60,7 @@ from pdserve.worker.kv.transport import KVTransport
 log = logging.getLogger(__name__)
 
 PROGRESS_NICE_ENV = ENV_NIXL_PROGRESS_NICE  # a nice value for the threads NIXL starts
-# The progress thread's poll timeout (docs/kv-handoff.md: measured against NIXL's busy poll).
+# The progress thread's poll timeout, µs (docs/performance.md: measured against NIXL's busy poll).
 PROGRESS_DELAY_ENV, PROGRESS_DELAY_US = ENV_NIXL_PROGRESS_DELAY_US, 1000
 # Completion polling: busy-check for SPIN_S, then sleep POLL_MIN_S doubling to POLL_MAX_S.
 SPIN_S, POLL_MIN_S, POLL_MAX_S = 100e-6, 20e-6, 200e-6
@@ -122,24 +122,39 @@ def progress_delay(delay_us: int):
     there that keeps `delay_us` whatever the constructor writes is the one way in without
     rebuilding nixl_agent. Wheels without that layout (older or other builds) keep their default."""
     bindings = getattr(sys.modules.get(import_nixl()[0].__module__), "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
-    if base is None and delay_us:
-        log.warning("this NIXL wheel's agent config is out of reach: its progress thread spins (%s ignored)",
-                    PROGRESS_DELAY_ENV)
-    if base is None or not delay_us:
+    if not delay_us:
         yield
         return
-
-    class DelayedConfig(base):
-        def __setattr__(self, key, value):
-            super().__setattr__(key, delay_us if key == "pthrDelay" else value)
-
     with _config_lock:
-        bindings.nixlAgentConfig = DelayedConfig
+        base = getattr(bindings, "nixlAgentConfig", None)
+        delayed = _delayed_config(base, delay_us)
+        if delayed is None:
+            log.warning("this NIXL wheel's agent config is out of reach: its progress thread spins (%s ignored)",
+                        PROGRESS_DELAY_ENV)
+            yield
+            return
+        bindings.nixlAgentConfig = delayed
         try:
             yield
         finally:
             bindings.nixlAgentConfig = base
+
+
+def _delayed_config(base, delay_us: int):
+    """A subclass of the bindings' config class whose pthrDelay stays `delay_us`; None where the
+    class is missing or cannot be subclassed (a wheel built otherwise)."""
+    if base is None:
+        return None
+    try:
+        class DelayedConfig(base):
+            def __setattr__(self, key, value):
+                super().__setattr__(key, delay_us if key == "pthrDelay" else value)
+
+        probe = DelayedConfig()
+        probe.pthrDelay = 0
+        return DelayedConfig if probe.pthrDelay == delay_us else None
+    except Exception:  # noqa: BLE001 - any failure here only means the default (busy) thread
+        return None
 
 
 def nixl_available() -> bool:
