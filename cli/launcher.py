@@ -135,8 +135,8 @@ class Launcher:
         # Each child leads a process group of its own (stopped with its children by killpg; a
         # terminal's Ctrl-C reaches the launcher only), in the launcher's session: a session of
         # its own would also be a scheduler autogroup of its own (Linux's default), where the NIXL
-        # progress thread's nice counts only against its own worker, and an idle worker's spin
-        # takes as much of the host as all the other processes together.
+        # progress thread's nice counts only against its own worker, and a worker whose thread
+        # spins (PDSERVE_NIXL_PROGRESS_DELAY_US=0) takes as much of the host as all the rest.
         for c in children:
             path = log_dir / f"{c.name}.log"
             with open(path, "ab") as log:

@@ -190,9 +190,10 @@ def plan(config: StackConfig, model_dir: str, served_name: str, gpus: list[str] 
         port, kv_port = ports[2 * i], ports[2 * i + 1]
         env, device = {ENV_KV_SECRET: kv_secret}, ["--device", "cpu", *cpu_dtype]
         if ENV_NIXL_PROGRESS_NICE not in os.environ:
-            # The stack's workers share this host's cores, and NIXL's progress thread can spin one
-            # per worker even when idle (on the 2-core CI machine its poll never sleeps): niced, it
-            # yields to the engines. The default stack there: ITL 285 -> 95 ms, TTFT 1.3 -> 0.2 s.
+            # The stack's workers share this host's cores with NIXL's threads (its progress thread,
+            # a busy core per worker with PDSERVE_NIXL_PROGRESS_DELAY_US=0): niced, they yield to
+            # the engines. Measured when the thread always spun, the default stack on the 2-core CI
+            # machine: ITL 285 -> 95 ms, TTFT 1.3 -> 0.2 s.
             env[ENV_NIXL_PROGRESS_NICE] = "19"
         if gpus:
             gpu = gpus[i % len(gpus)]

@@ -14,8 +14,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     patch_interpreter()
 
-# NIXL's progress thread busy-polls a core per worker; CI has 2 cores and runs a dozen workers
-# at times: niced, it yields to them (worker/kv/nixl_transport.py). Children inherit it.
+# NIXL's threads share CI's 2 cores with a dozen workers at times (its progress thread waits on
+# UCX's events, but spins with PDSERVE_NIXL_PROGRESS_DELAY_US=0): niced, they yield to the
+# workers (worker/kv/nixl_transport.py). Children inherit it.
 os.environ.setdefault("PDSERVE_NIXL_PROGRESS_NICE", "19")
 
 import pytest
