@@ -312,6 +312,6 @@ def test_an_idle_agents_progress_thread_sleeps():
     try:
         start = _thread_cpu_s(nixl_threads)
         time.sleep(2.0)
-        assert _thread_cpu_s(nixl_threads) - start < 0.5
+        assert _thread_cpu_s(nixl_threads) - start < 1.0  # waiting: ~0.05 s; spinning on a free core: ~2 s
     finally:
         owner.close()
