@@ -121,23 +121,23 @@ def progress_delay(delay_us: int):
     The constructor reads the config class from its bindings module when called; a subclass
     there that keeps `delay_us` whatever the constructor writes is the one way in without
     rebuilding nixl_agent. Wheels without that layout (older or other builds) keep their default."""
-    bindings = getattr(sys.modules.get(import_nixl()[0].__module__), "nixlBind", None)
     if not delay_us:
         yield
         return
+    bindings = getattr(sys.modules.get(import_nixl()[0].__module__), "nixlBind", None)
     with _config_lock:
         base = getattr(bindings, "nixlAgentConfig", None)
         delayed = _delayed_config(base, delay_us)
         if delayed is None:
             log.warning("this NIXL wheel's agent config is out of reach: its progress thread spins (%s ignored)",
                         PROGRESS_DELAY_ENV)
-            yield
-            return
-        bindings.nixlAgentConfig = delayed
+        else:
+            bindings.nixlAgentConfig = delayed
         try:
             yield
         finally:
-            bindings.nixlAgentConfig = base
+            if delayed is not None:
+                bindings.nixlAgentConfig = base
 
 
 def _delayed_config(base, delay_us: int):
