@@ -22,6 +22,8 @@ latent cache's row is key and value at once: it uses the layer's K scale.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 
 import torch
 
@@ -63,6 +65,22 @@ def scales_tag(scales: torch.Tensor | None) -> str:
     return hashlib.sha256(s.numpy().tobytes()).hexdigest()[:12]
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but in host memory from a private anonymous mapping: the kernel hands out
+    zero pages as they are first written, where torch.zeros writes every byte up front. A CPU
+    worker's default cache is 1 GiB: zeroing it cost each start about a CPU-second and its
+    whole size in resident memory before the first request. Private, so a forked child
+    copies on write as it would with malloc's memory (a cache meant to be shared moves to
+    shared memory explicitly: kv/connector.py)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  scales: torch.Tensor | None = None, groups: KVGroups | None = None):
@@ -84,9 +102,8 @@ class KVCache:
         self.scales = scales.to(device=device, dtype=torch.float32).contiguous()
         # What a peer must share for our blocks' bytes to mean the same there (checked before a pull).
         self.layout = kv_layout(cfg, dtype, block_size, self.scales if self.quantized else None, groups)
-        self.tensor = torch.zeros(
-            num_blocks, layers_per_block(cfg, groups), spec.entries, block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=dtype, device=device)
+        self.tensor = zeroed((num_blocks, layers_per_block(cfg, groups), spec.entries, block_size,
+                              spec.num_kv_heads, spec.head_dim), dtype, device)
         # Pre-built views: indexing per layer on every forward would allocate view objects.
         slot = groups.slot if groups is not None else int
         # (K, V) per layer; a latent cache's one entry as both (MLA reads K's view: attention/mla.py).
