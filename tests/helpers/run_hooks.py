@@ -12,7 +12,8 @@ plugin (`register`, from tests/conftest.py and e2e/conftest.py) so that they see
   waits on its neighbours' work as much as on its own. What a module costs is the CPU its process
   and the processes it started and reaped used (a module-scoped server's is counted at the
   module's last test, when its fixture stops it). Each test records its seconds as the junit
-  property `cpu_s`; the terminal summary sums them per module, largest first.
+  property `cpu_s` (and pytest's own part, the tests run in this process, as `cpu_in_process_s`);
+  the terminal summary sums them per module, largest first.
 - The project's byte code is compiled once before any test starts a process (`compile_project`).
 """
 
@@ -30,7 +31,7 @@ from tests.k8s_cluster import stop_cluster
 from tests.xdist_scopes import module_of
 
 K8S_UNIT = pytest.StashKey[set]()
-_START = pytest.StashKey[float]()
+_START = pytest.StashKey[tuple[float, float]]()
 TOP = 25
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "worker", "router", "kernels", "cli", "bench", "operator")
@@ -66,9 +67,11 @@ def pytest_runtest_teardown(item, nextitem):
             stop_cluster(item.config)
 
 
-def cpu_seconds() -> float:
+def cpu_seconds() -> tuple[float, float]:
+    """(this process and its reaped children, this process alone)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    alone = own.ru_utime + own.ru_stime
+    return alone + children.ru_utime + children.ru_stime, alone
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -82,24 +85,28 @@ def pytest_runtest_makereport(item, call):
     # last test) and carries the item's properties: to the junit file, and under xdist to the
     # controller, whose summary below reads them.
     if call.when == "teardown" and _START in item.stash:
-        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[_START], 2)))
+        (total, alone), (total0, alone0) = cpu_seconds(), item.stash[_START]
+        item.user_properties += [("cpu_s", round(total - total0, 2)), ("cpu_in_process_s", round(alone - alone0, 2))]
     return (yield)
 
 
 def pytest_terminal_summary(terminalreporter):
-    per_module: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    per_module: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for reports in terminalreporter.stats.values():
         for r in reports:
             if getattr(r, "when", None) != "teardown":
                 continue
-            cpu = dict(getattr(r, "user_properties", ())).get("cpu_s")
-            if cpu is not None:
+            props = dict(getattr(r, "user_properties", ()))
+            if "cpu_s" in props:
                 row = per_module[module_of(r.nodeid)]
                 row[0] += 1
-                row[1] += cpu
+                row[1] += props["cpu_s"]
+                row[2] += props.get("cpu_in_process_s", 0.0)
     if not per_module:
         return
-    total = sum(v[1] for v in per_module.values())
-    terminalreporter.write_sep("=", f"CPU seconds per module (the tests' processes and their children): {total:.0f}")
-    for module, (n, cpu) in sorted(per_module.items(), key=lambda kv: -kv[1][1])[:TOP]:
-        terminalreporter.write_line(f"{cpu:8.1f}  {n:4d}  {module}")
+    total, alone = (sum(v[i] for v in per_module.values()) for i in (1, 2))
+    terminalreporter.write_sep("=", f"CPU seconds per module: {total:.0f} with the processes the tests started, "
+                                    f"{alone:.0f} in pytest's own")
+    terminalreporter.write_line(f"{'all':>8}  {'own':>6}  tests  module")
+    for module, (n, cpu, own) in sorted(per_module.items(), key=lambda kv: -kv[1][1])[:TOP]:
+        terminalreporter.write_line(f"{cpu:8.1f}  {own:6.1f}  {n:5d}  {module}")
