@@ -10,8 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.helpers.run_hooks import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("worker", "router", "protocol", "operator", "kernels", "bench", "cli")
 
 
 def module_files(root: Path, packages: tuple[str, ...], prefix: str) -> dict[str, Path]:

@@ -23,6 +23,7 @@ import collections
 import compileall
 import resource
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ K8S_UNIT = pytest.StashKey[set]()
 _START = pytest.StashKey[tuple[float, float]]()
 TOP = 25
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "worker", "router", "kernels", "cli", "bench", "operator")
+# The folders of the installed packages (pdserve.worker -> worker/, ...), as pyproject.toml maps them.
+PACKAGES = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
 
 
 def register(config: pytest.Config) -> None:
